@@ -1,0 +1,27 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   creates .venv on first use, installs jaxkv, runs the main job
+#   make test   creates .venv on first use, installs jaxkv with its test extras, runs the tests
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test,dev,bench]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo_cascade.py
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info
