@@ -1,0 +1,278 @@
+"""KV blocks, the free queue with LRU eviction, and the prefix-cache map (host side, no JAX).
+
+Blocks are created once and addressed by id. Block 0 is the null block: never handed out,
+the fill value of unused block-table entries. Every other block is either free (ref_cnt 0,
+in the free queue) or held (ref_cnt = number of holders). A free block keeps its hash
+until it is handed out again (lazy eviction), so a later request can still hit it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from jaxkv.hashing import BlockHash
+
+NULL_BLOCK_ID = 0
+
+
+class IntegrityError(AssertionError):
+    """A conservation law of the block pool or the manager does not hold."""
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Blocks that became full and entered the prefix cache, in prefix order."""
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None  # hash of the block before the first one; None at start
+    token_ids: tuple[int, ...]  # tokens of all stored blocks, concatenated
+    block_size: int
+    adapter_id: str | None
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Blocks whose cached contents were evicted (their ids were handed out again)."""
+
+    block_hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """The whole prefix cache was reset."""
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVCacheBlock:
+    """One KV block: id, holder count, hash while cached, and free-queue links."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        cached = "cached" if self.block_hash is not None else "uncached"
+        return f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}, {cached})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks with head and tail sentinels.
+
+    Eviction order: blocks are taken from the head and returned to the tail, so the least
+    recently freed block is evicted first. A caller that frees a request appends its
+    blocks tail first, so within one request the tail blocks (the least shareable) are
+    evicted before its head blocks. `remove` takes a cache hit out of the middle in O(1).
+    """
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        self.append_n(blocks)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise ValueError("no free block to pop")
+        self.remove(block)
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Pops the first `n` free blocks, head first. Raises ValueError if fewer are free."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"{n=} exceeds num_free_blocks={self.num_free_blocks}")
+        return [self.popleft() for _ in range(n)]
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"{block} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        if block.prev_free is not None or block.next_free is not None:
+            raise ValueError(f"{block} is already in the free queue")
+        last = self._tail.prev_free
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        for block in blocks:
+            self.append(block)
+
+    def __iter__(self):
+        """Free blocks in eviction order (head first)."""
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def block_ids(self) -> list[int]:
+        """Free block ids in eviction order (head first)."""
+        return [b.block_id for b in self]
+
+
+class BlockPool:
+    """Owns every KV block: ref counts, free queue and the hash -> block cache map.
+
+    One cached block per hash: if a second block becomes full with a hash already cached,
+    it stays uncached (its KV is a duplicate) and is reused as a plain free block.
+    Calls that change state validate their arguments first and change nothing on error.
+    """
+
+    def __init__(
+        self, num_blocks: int, *, enable_caching: bool = True, enable_events: bool = False
+    ) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 2:
+            raise ValueError(f"{num_blocks=} must be an int >= 2 (block 0 is the null block)")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.enable_events = enable_events
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[NULL_BLOCK_ID]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self._events: list[KVCacheEvent] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of handable blocks (all but the null block) that are held."""
+        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Adds one holder to each block; a free block leaves the free queue (a cache hit)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Takes `n` blocks from the head of the free queue, evicting their cached hashes."""
+        blocks = self.free_block_queue.popleft_n(n)
+        removed = []
+        for block in blocks:
+            if block.block_hash is not None:
+                removed.append(block.block_hash)
+                del self.cached_block_hash_to_block[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+        if removed and self.enable_events:
+            self._events.append(BlockRemoved(tuple(removed)))
+        return blocks
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        *,
+        parent_block_hash: BlockHash | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        adapter_id: str | None,
+    ) -> None:
+        """Marks `blocks` (consecutive full blocks of one request) with `block_hashes`."""
+        if not self.enable_caching:
+            return
+        stored = []
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            if block.block_hash is not None or block_hash in self.cached_block_hash_to_block:
+                continue
+            block.block_hash = block_hash
+            self.cached_block_hash_to_block[block_hash] = block
+            stored.append(block_hash)
+        if stored and self.enable_events:
+            event = BlockStored(
+                tuple(block_hashes), parent_block_hash, tuple(token_ids), block_size, adapter_id
+            )
+            self._events.append(event)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drops one holder from each block; blocks reaching 0 join the queue in this order."""
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached hash. Refused (returns False) while any block is held."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        if self.enable_events:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def check_integrity(self, holder_counts: Mapping[int, int] | None = None) -> None:
+        """Raises IntegrityError unless the pool's conservation laws hold.
+
+        Every non-null block is free (ref_cnt 0, in the queue) or held (ref_cnt > 0, not in
+        the queue); the queue links are consistent; every cached hash maps to a block that
+        carries it and every hashed block is in the map. With `holder_counts` (block id ->
+        number of holders), each block's ref_cnt must equal its count (0 if absent).
+        """
+        _check(self.null_block.ref_cnt == 0, f"null block ref_cnt={self.null_block.ref_cnt}")
+        _check(self.null_block.block_hash is None, "null block carries a hash")
+        queued = []
+        prev = self.free_block_queue._head
+        for block in self.free_block_queue:
+            _check(block.prev_free is prev, f"broken free-queue link before {block}")
+            queued.append(block.block_id)
+            prev = block
+        _check(self.free_block_queue._tail.prev_free is prev, "broken free-queue tail link")
+        in_queue = set(queued)
+        _check(len(in_queue) == len(queued), "a block appears twice in the free queue")
+        _check(NULL_BLOCK_ID not in in_queue, "null block is in the free queue")
+        _check(
+            len(queued) == self.free_block_queue.num_free_blocks,
+            f"free queue holds {len(queued)} blocks, counter says "
+            f"{self.free_block_queue.num_free_blocks}",
+        )
+        for block in self.blocks[1:]:
+            free = block.block_id in in_queue
+            _check(block.ref_cnt >= 0, f"{block} has a negative ref_cnt")
+            _check(free == (block.ref_cnt == 0), f"{block} free={free} disagrees with ref_cnt")
+            if holder_counts is not None:
+                expected = holder_counts.get(block.block_id, 0)
+                _check(block.ref_cnt == expected, f"{block} has {expected} holders")
+            if block.block_hash is not None:
+                owner = self.cached_block_hash_to_block.get(block.block_hash)
+                _check(owner is block, f"{block} carries a hash the cache map does not give it")
+        for block_hash, block in self.cached_block_hash_to_block.items():
+            _check(block.block_hash == block_hash, f"cache map entry for {block} has a stale hash")
+        if holder_counts is not None:
+            unknown = set(holder_counts) - set(range(1, self.num_blocks))
+            _check(not unknown, f"holders reference invalid block ids {sorted(unknown)[:8]}")
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise IntegrityError(message)

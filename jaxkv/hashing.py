@@ -1,0 +1,89 @@
+"""Chained hashes of full KV blocks, the keys of the prefix cache.
+
+A block's hash names its whole prefix: H(parent hash, the block's token ids, extra keys).
+Extra keys carry the adapter id on every block (KV computed under one adapter is not
+valid under another) and the cache salt on the first block only (the salt is inherited
+by every later block through the chain).
+
+Collision safety: the digest is BLAKE2b with a 16-byte (128-bit) output over a canonical
+length-prefixed byte encoding, so distinct inputs never encode alike and an accidental
+collision needs about 2**64 blocks. A cache hit is trusted on the digest alone; stored
+tokens are not re-compared. Hashes depend only on the seed and the inputs, never on
+Python's per-process hash randomisation, so they are stable across processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+BlockHash = bytes  # 16-byte digest naming a full block and all blocks before it
+
+HASH_NUM_BYTES = 16
+_DOMAIN = b"jaxkv.block.v1"
+
+
+def root_hash(seed: int = 0) -> BlockHash:
+    """The parent hash of every request's first block, derived from `seed` only."""
+    if not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
+        raise ValueError(f"{seed=} must be an int that fits in 64 bits")
+    return hashlib.blake2b(_DOMAIN + struct.pack("<q", seed), digest_size=HASH_NUM_BYTES).digest()
+
+
+def block_extra_keys(
+    block_index: int, *, adapter_id: str | None, cache_salt: str | None
+) -> tuple[str, ...]:
+    """Extra keys of block `block_index`: adapter id on every block, salt on block 0 only."""
+    keys: list[str] = []
+    if adapter_id is not None:
+        keys.append("adapter:" + adapter_id)
+    if cache_salt is not None and block_index == 0:
+        keys.append("salt:" + cache_salt)
+    return tuple(keys)
+
+
+def hash_block_tokens(
+    parent_hash: BlockHash, token_ids: Sequence[int], extra_keys: tuple[str, ...] = ()
+) -> BlockHash:
+    """H(parent_hash, token_ids, extra_keys) as a 16-byte BLAKE2b digest.
+
+    The encoding is canonical: parent digest, token count, tokens as little-endian int64,
+    then each extra key as length-prefixed UTF-8, so no two distinct inputs share bytes.
+    """
+    if len(parent_hash) != HASH_NUM_BYTES:
+        raise ValueError(f"{len(parent_hash)=} must be {HASH_NUM_BYTES}")
+    h = hashlib.blake2b(digest_size=HASH_NUM_BYTES)
+    h.update(parent_hash)
+    n = len(token_ids)
+    h.update(struct.pack(f"<q{n}q", n, *token_ids))
+    h.update(struct.pack("<q", len(extra_keys)))
+    for key in extra_keys:
+        raw = key.encode("utf-8")
+        h.update(struct.pack("<q", len(raw)))
+        h.update(raw)
+    return h.digest()
+
+
+def extend_block_hashes(
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    seed: int = 0,
+    adapter_id: str | None = None,
+    cache_salt: str | None = None,
+) -> list[BlockHash]:
+    """Appends to `block_hashes` the hashes of the full blocks of `token_ids` it lacks.
+
+    `block_hashes` must hold the hashes of the first len(block_hashes) blocks of
+    `token_ids` (computed with the same block size, seed and keys). Returns the list.
+    """
+    num_full = len(token_ids) // block_size
+    parent = block_hashes[-1] if block_hashes else root_hash(seed)
+    for i in range(len(block_hashes), num_full):
+        tokens = token_ids[i * block_size : (i + 1) * block_size]
+        extra = block_extra_keys(i, adapter_id=adapter_id, cache_salt=cache_salt)
+        parent = hash_block_tokens(parent, tokens, extra)
+        block_hashes.append(parent)
+    return block_hashes

@@ -1,0 +1,418 @@
+"""Per-request KV blocks, prefix-cache lookup, the host block table and shared-prefix detection.
+
+Plain Python and numpy, no JAX. The manager does not care why a request holds blocks
+(running, preempted-but-kept, finished and still copying KV out, receiving KV): a request
+holds its blocks from its first allocate_slots until free(request).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxkv.block_pool import (
+    NULL_BLOCK_ID,
+    BlockPool,
+    IntegrityError,
+    KVCacheBlock,
+    KVCacheEvent,
+)
+from jaxkv.prefix_index import NO_PREFIX, ROOT_PREFIX, PrefixInterner, longest_common_prefix
+from jaxkv.request import Request
+
+_INITIAL_ROWS = 16
+
+
+class UnknownRequestError(ValueError, KeyError):
+    """A request id the manager holds no blocks for (never allocated, or already freed)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prefix-cache counters since the last reset, in tokens (requests counts lookups)."""
+
+    requests: int = 0  # number of get_computed_blocks calls
+    queries: int = 0  # tokens looked up (each request's num_tokens)
+    hits: int = 0  # tokens found cached
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Owns the block pool and every request's blocks; keeps the host block table.
+
+    Public arrays (read-only for callers; valid until the next state-changing call):
+
+    - `block_table`: i32[max_num_rows, max_blocks_per_seq]; row `rows_of([id])[0]` holds a
+      request's block ids in order, 0 (the null block) after them. Rows are reused after
+      free; the number of rows doubles when needed (so re-read the attribute).
+    - `prefix_ids`: i64[max_num_rows, max_blocks_per_seq]; prefix_ids[r, j] ==
+      prefix_ids[s, j] iff rows r and s hold identical block ids in columns 0..j; -1
+      where the row holds no block at column j.
+
+    State-changing calls validate their arguments first and change nothing on error.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+        hash_seed: int = 0,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"{block_size=} must be an int >= 1")
+        if not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"{max_model_len=} must be an int >= 1")
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_seed = hash_seed
+        self.pool = BlockPool(
+            num_blocks, enable_caching=enable_prefix_caching, enable_events=enable_kv_cache_events
+        )
+        self._blocks: dict[str, list[KVCacheBlock]] = {}  # req_id -> held blocks, in order
+        self._num_cached: dict[str, int] = {}  # req_id -> leading blocks already cached
+        self._prefix: dict[str, list[int]] = {}  # req_id -> prefix id per held block
+        self._row_of: dict[str, int] = {}  # req_id -> row of block_table
+        self._free_rows: list[int] = list(range(_INITIAL_ROWS))  # min-heap
+        self._row_epoch = 0  # bumped whenever a row is released; guards _rows_memo
+        self._rows_memo: tuple[tuple[str, ...], int, np.ndarray] | None = None
+        self._interner = PrefixInterner()
+        self.block_table = np.zeros((_INITIAL_ROWS, self.max_blocks_per_seq), np.int32)
+        self.prefix_ids = np.full((_INITIAL_ROWS, self.max_blocks_per_seq), NO_PREFIX, np.int64)
+        self._num_blocks_of_row = np.zeros(_INITIAL_ROWS, np.int32)
+        self._stats = PrefixCacheStats()
+
+    # ---------------------------------------------------------------- queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks (all but the null block) held by some request."""
+        return self.pool.usage
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """A snapshot of the counters since the last reset_prefix_cache_stats()."""
+        return self._stats
+
+    def reset_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Returns the counters and starts new ones from zero."""
+        stats, self._stats = self._stats, PrefixCacheStats()
+        return stats
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Ids of every request that holds a row (blocks or not), in allocation order."""
+        return list(self._blocks)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The block ids `request_id` holds, in order. Raises UnknownRequestError."""
+        return [b.block_id for b in self._blocks_of(request_id)]
+
+    def rows_of(self, request_ids: Sequence[str]) -> np.ndarray:
+        """i32[len(request_ids)] rows of block_table, in order. Raises UnknownRequestError.
+
+        The result of the previous call is reused (read-only array) when the ids are equal
+        and no request has been freed since; otherwise one C-level dict lookup per id.
+        """
+        key = tuple(request_ids)
+        memo = self._rows_memo
+        if memo is not None and memo[1] == self._row_epoch and memo[0] == key:
+            return memo[2]
+        try:
+            rows = np.fromiter(map(self._row_of.__getitem__, key), np.int32, len(key))
+        except KeyError as e:
+            raise UnknownRequestError(
+                f"request_ids: {e.args[0]!r} holds no blocks (never allocated or already freed)"
+            ) from None
+        rows.flags.writeable = False
+        self._rows_memo = (key, self._row_epoch, rows)
+        return rows
+
+    def num_blocks_of(self, request_ids: Sequence[str]) -> np.ndarray:
+        """i32[len(request_ids)] number of blocks each request holds."""
+        return self._num_blocks_of_row[self.rows_of(request_ids)]
+
+    def num_common_prefix_blocks(self, request_ids: Sequence[str]) -> int:
+        """How many leading blocks every request in `request_ids` holds at the same positions.
+
+        Exact whatever else holds blocks: requests outside `request_ids` neither add to nor
+        subtract from the answer. Zero ids give 0; one id gives its number of blocks.
+        Raises UnknownRequestError (a ValueError) naming an id that holds no blocks.
+        """
+        rows = self.rows_of(request_ids)
+        return longest_common_prefix(self.prefix_ids, self._num_blocks_of_row[rows], rows)
+
+    # ---------------------------------------------------------- prefix cache
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest run of leading full blocks of `request` already cached.
+
+        Returns (block_ids, num_computed_tokens). Never covers the whole prompt's last
+        token (it must be computed to produce logits). Changes no block state; the result
+        is safe to pass to allocate_slots until the next allocate_slots or free call.
+        Counts the lookup in prefix_cache_stats.
+        """
+        self._check_prompt_fits(request)
+        if not self.enable_prefix_caching:
+            return [], 0
+        block_hashes = request.update_block_hashes(self.block_size, self.hash_seed)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        block_ids = []
+        lookup = self.pool.cached_block_hash_to_block.get
+        for block_hash in block_hashes[:max_blocks]:
+            block = lookup(block_hash)
+            if block is None:
+                break
+            block_ids.append(block.block_id)
+        num_computed_tokens = len(block_ids) * self.block_size
+        s = self._stats
+        self._stats = PrefixCacheStats(
+            s.requests + 1, s.queries + request.num_tokens, s.hits + num_computed_tokens
+        )
+        return block_ids, num_computed_tokens
+
+    # ------------------------------------------------------------ allocation
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        *,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[int] = (),
+        num_lookahead_tokens: int = 0,
+    ) -> list[int] | None:
+        """Gives `request` blocks for `num_new_tokens` more tokens after the cache hit.
+
+        `new_computed_blocks` (from get_computed_blocks) are appended after the blocks the
+        request already holds, covering `num_new_computed_tokens` tokens beyond
+        request.num_computed_tokens. Then enough fresh blocks are taken for
+        num_computed + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
+        tokens. Returns the fresh block ids (possibly []), or None with no state changed
+        if the pool cannot fit them. Every block that the computed plus new tokens fill
+        is entered into the prefix cache.
+        """
+        req_id = request.request_id
+        for name, value in (
+            ("num_new_tokens", num_new_tokens),
+            ("num_new_computed_tokens", num_new_computed_tokens),
+            ("num_lookahead_tokens", num_lookahead_tokens),
+        ):
+            if not isinstance(value, int | np.integer) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an int >= 0 (request {req_id!r})")
+        self._check_prompt_fits(request)
+        held = self._blocks.get(req_id, [])
+        computed = self._validated_computed_blocks(request, held, new_computed_blocks)
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_total = num_computed + num_new_tokens + num_lookahead_tokens
+        if num_total > self.max_model_len:
+            raise ValueError(
+                f"request {req_id!r} would hold {num_total} tokens > {self.max_model_len=}"
+            )
+        num_required = -(-num_total // self.block_size)
+        num_new_blocks = max(0, num_required - len(held) - len(computed))
+        num_free_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_new_blocks + num_free_hits > self.pool.num_free_blocks:
+            return None
+
+        if req_id not in self._blocks:
+            self._add_row(req_id)
+        self.pool.touch(computed)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        added = computed + new_blocks
+        if added:
+            self._append_blocks(req_id, added)
+        if req_id not in self._num_cached:
+            self._num_cached[req_id] = 0
+        if computed and self._num_cached[req_id] == len(held):
+            self._num_cached[req_id] = len(held) + len(computed)
+        self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return [b.block_id for b in new_blocks]
+
+    def free(self, request: Request | str) -> None:
+        """Releases every block of the request, tail first (so its tail is evicted first).
+
+        Raises UnknownRequestError if the request holds no blocks (unknown or freed twice).
+        """
+        req_id = request if isinstance(request, str) else request.request_id
+        blocks = self._blocks_of(req_id)
+        self.pool.free_blocks(reversed(blocks))
+        self._interner.release(self._prefix.pop(req_id))
+        del self._blocks[req_id]
+        del self._num_cached[req_id]
+        row = self._row_of.pop(req_id)
+        n = len(blocks)
+        self.block_table[row, :n] = NULL_BLOCK_ID
+        self.prefix_ids[row, :n] = NO_PREFIX
+        self._num_blocks_of_row[row] = 0
+        heapq.heappush(self._free_rows, row)
+        self._row_epoch += 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block. Refused (False, nothing changed) while any is held."""
+        return self.pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Cache events since the last call (empty unless enable_kv_cache_events)."""
+        return self.pool.take_events()
+
+    # -------------------------------------------------------------- integrity
+
+    def check_integrity(self) -> None:
+        """Raises IntegrityError unless pool, block table and prefix ids agree.
+
+        Ref counts equal the number of requests holding each block; each request's row
+        holds exactly its block ids then zeros; prefix ids are the interned chain of those
+        block ids; rows are owned by exactly one request or free.
+        """
+        counts: dict[int, int] = {}
+        for blocks in self._blocks.values():
+            for b in blocks:
+                counts[b.block_id] = counts.get(b.block_id, 0) + 1
+        self.pool.check_integrity(counts)
+        live_rows = set(self._row_of.values())
+        _check(len(live_rows) == len(self._row_of), "two requests share a row")
+        _check(not live_rows & set(self._free_rows), "a live row is also free")
+        num_rows = len(self.block_table)
+        _check(len(live_rows) + len(self._free_rows) == num_rows, "rows leak")
+        free = sorted(self._free_rows)
+        _check(not self.block_table[free].any(), "a free row holds block ids")
+        _check((self.prefix_ids[free] == NO_PREFIX).all(), "a free row holds prefix ids")
+        _check(not self._num_blocks_of_row[free].any(), "a free row has num_blocks > 0")
+        expected_refs: dict[int, int] = {}
+        for req_id, blocks in self._blocks.items():
+            row = self._row_of[req_id]
+            ids = [b.block_id for b in blocks]
+            n = len(ids)
+            _check(self._num_blocks_of_row[row] == n, f"{req_id!r}: num_blocks disagrees")
+            _check(self.block_table[row, :n].tolist() == ids, f"{req_id!r}: row != blocks")
+            _check(not self.block_table[row, n:].any(), f"{req_id!r}: row tail not null")
+            pids = self._prefix[req_id]
+            _check(self.prefix_ids[row, :n].tolist() == pids, f"{req_id!r}: prefix ids stale")
+            _check((self.prefix_ids[row, n:] == NO_PREFIX).all(), f"{req_id!r}: prefix tail")
+            parent = ROOT_PREFIX
+            for pid, block_id in zip(pids, ids, strict=True):
+                _check(self._interner.key_of(pid) == (parent, block_id), f"{req_id!r}: chain")
+                expected_refs[pid] = expected_refs.get(pid, 0) + 1
+                parent = pid
+            n_cached = self._num_cached[req_id]
+            _check(0 <= n_cached <= n, f"{req_id!r}: num_cached={n_cached} of {n}")
+        _check(self._interner.ref_counts() == expected_refs, "prefix id ref counts disagree")
+
+    # --------------------------------------------------------------- helpers
+
+    def _blocks_of(self, req_id: str) -> list[KVCacheBlock]:
+        blocks = self._blocks.get(req_id)
+        if blocks is None:
+            raise UnknownRequestError(
+                f"request {req_id!r} holds no blocks (never allocated or already freed)"
+            )
+        return blocks
+
+    def _check_prompt_fits(self, request: Request) -> None:
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: {request.num_prompt_tokens=} exceeds "
+                f"{self.max_model_len=}"
+            )
+
+    def _validated_computed_blocks(
+        self, request: Request, held: list[KVCacheBlock], block_ids: Sequence[int]
+    ) -> list[KVCacheBlock]:
+        """The blocks of a cache hit, checked to still carry the request's hashes."""
+        if not block_ids:
+            return []
+        if not self.enable_prefix_caching:
+            raise ValueError("new_computed_blocks given while prefix caching is disabled")
+        hashes = request.update_block_hashes(self.block_size, self.hash_seed)
+        start = len(held)
+        if start + len(block_ids) > len(hashes):
+            raise ValueError(
+                f"new_computed_blocks={list(block_ids)} run past the request's full blocks"
+            )
+        blocks = []
+        for i, block_id in enumerate(block_ids):
+            if not 0 < block_id < self.pool.num_blocks:
+                raise ValueError(f"new_computed_blocks: invalid block id {block_id}")
+            block = self.pool.blocks[block_id]
+            if block.block_hash != hashes[start + i]:
+                raise ValueError(
+                    f"new_computed_blocks: block {block_id} no longer caches position "
+                    f"{start + i} of request {request.request_id!r} (stale cache hit)"
+                )
+            blocks.append(block)
+        return blocks
+
+    def _add_row(self, req_id: str) -> None:
+        if not self._free_rows:
+            self._grow_rows()
+        self._row_of[req_id] = heapq.heappop(self._free_rows)
+        self._blocks[req_id] = []
+        self._prefix[req_id] = []
+
+    def _grow_rows(self) -> None:
+        old = len(self.block_table)
+        self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+        self.prefix_ids = np.concatenate([self.prefix_ids, np.full_like(self.prefix_ids, -1)])
+        self._num_blocks_of_row = np.concatenate(
+            [self._num_blocks_of_row, np.zeros_like(self._num_blocks_of_row)]
+        )
+        self._free_rows.extend(range(old, 2 * old))  # sorted extension keeps the heap valid
+
+    def _append_blocks(self, req_id: str, added: list[KVCacheBlock]) -> None:
+        blocks, pids = self._blocks[req_id], self._prefix[req_id]
+        row, start = self._row_of[req_id], len(blocks)
+        ids = [b.block_id for b in added]
+        new_pids = self._interner.acquire(pids[-1] if pids else ROOT_PREFIX, ids)
+        blocks.extend(added)
+        pids.extend(new_pids)
+        end = start + len(ids)
+        self.block_table[row, start:end] = ids
+        self.prefix_ids[row, start:end] = new_pids
+        self._num_blocks_of_row[row] = end
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Enters into the prefix cache every block that `num_tokens` tokens fill."""
+        if not self.enable_prefix_caching:
+            return
+        req_id = request.request_id
+        blocks = self._blocks[req_id]
+        num_full = min(num_tokens // self.block_size, len(blocks))
+        num_cached = self._num_cached[req_id]
+        if num_full <= num_cached:
+            return
+        hashes = request.update_block_hashes(self.block_size, self.hash_seed)
+        num_full = min(num_full, len(hashes))
+        bs = self.block_size
+        self.pool.cache_full_blocks(
+            blocks[num_cached:num_full],
+            hashes[num_cached:num_full],
+            parent_block_hash=hashes[num_cached - 1] if num_cached else None,
+            token_ids=request.all_token_ids[num_cached * bs : num_full * bs],
+            block_size=bs,
+            adapter_id=request.adapter_id,
+        )
+        self._num_cached[req_id] = num_full
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise IntegrityError(message)

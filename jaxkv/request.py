@@ -1,0 +1,165 @@
+"""Requests, their lifecycle states and sampling parameters (host side, no JAX)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from jaxkv.hashing import BlockHash, extend_block_hashes
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Every state from FINISHED_STOPPED on is a finished state.
+
+    A FINISHED_TRANSFERRING request has produced its last token but its KV blocks are
+    still being copied out asynchronously; it keeps its blocks until freed.
+    """
+
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # a stop token was sampled
+    FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = enum.auto()  # cancelled by the caller
+    FINISHED_TRANSFERRING = enum.auto()  # finished; blocks held until an async KV copy lands
+
+    def is_finished(self) -> bool:
+        """True for every FINISHED_* state. Also callable as RequestStatus.is_finished(s)."""
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Validated on construction.
+
+    temperature 0 means greedy; top_k 0 means no top-k cut; top_p 1.0 means no nucleus cut.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature={self.temperature!r} must be >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 = off)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r} must be None or an int")
+        stop = tuple(self.stop_token_ids)
+        if any(not isinstance(t, int) or t < 0 for t in stop):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be ints >= 0")
+        object.__setattr__(self, "stop_token_ids", stop)
+
+
+class Request:
+    """One generation request: its tokens, progress and prefix-cache block hashes.
+
+    `num_computed_tokens` is advanced by the caller (the scheduler) after each step.
+    `block_hashes` holds the hashes of the request's full blocks computed so far; the
+    KVCacheManager extends it (update_block_hashes) as tokens are appended.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not isinstance(request_id, str):
+            raise ValueError(f"{request_id=} must be a str")
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError(f"prompt_token_ids of {request_id!r} must not be empty")
+        if min(prompt) < 0:
+            raise ValueError(f"prompt_token_ids of {request_id!r} must be >= 0")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        self.request_id = request_id
+        self.prompt_token_ids: tuple[int, ...] = tuple(prompt)
+        self.sampling_params = sampling_params
+        self.cache_salt = cache_salt
+        self.adapter_id = adapter_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.block_hashes: list[BlockHash] = []
+        self._all_token_ids: list[int] = prompt
+        self._hash_config: tuple[int, int] | None = None  # (block_size, seed) of block_hashes
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self._all_token_ids)
+
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        """Prompt then output tokens (a live read-only view; do not mutate)."""
+        return self._all_token_ids
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        """Appends sampled tokens. Block hashes are extended lazily by the manager."""
+        new = [int(token_ids)] if isinstance(token_ids, int) else [int(t) for t in token_ids]
+        self.output_token_ids.extend(new)
+        self._all_token_ids.extend(new)
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished()
+
+    def update_block_hashes(self, block_size: int, seed: int = 0) -> list[BlockHash]:
+        """Extends `block_hashes` to cover every full block of `all_token_ids`.
+
+        Raises ValueError if earlier hashes were computed with another block size or seed.
+        """
+        config = (block_size, seed)
+        if self._hash_config is None:
+            self._hash_config = config
+        elif self._hash_config != config:
+            raise ValueError(
+                f"block hashes of {self.request_id!r} were computed with (block_size, seed)="
+                f"{self._hash_config}, not {config}"
+            )
+        if len(self._all_token_ids) // block_size > len(self.block_hashes):
+            extend_block_hashes(
+                self.block_hashes,
+                self._all_token_ids,
+                block_size,
+                seed=seed,
+                adapter_id=self.adapter_id,
+                cache_salt=self.cache_salt,
+            )
+        return self.block_hashes
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens})"
+        )
