@@ -20,6 +20,7 @@ from jaxkv.block_pool import (
     KVCacheBlock,
     KVCacheEvent,
 )
+from jaxkv.hashing import root_hash
 from jaxkv.prefix_index import NO_PREFIX, ROOT_PREFIX, PrefixInterner, longest_common_prefix
 from jaxkv.request import Request
 
@@ -75,6 +76,7 @@ class KVCacheManager:
             raise ValueError(f"{block_size=} must be an int >= 1")
         if not isinstance(max_model_len, int) or max_model_len < 1:
             raise ValueError(f"{max_model_len=} must be an int >= 1")
+        root_hash(hash_seed)  # validates the seed
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)

@@ -1,0 +1,132 @@
+"""Bad input raises a clear error naming the problem and leaves every piece of state as it was."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv import KVCacheManager, UnknownRequestError
+from tests.host._util import make_request, prefill, snapshot
+
+
+@pytest.fixture
+def busy() -> KVCacheManager:
+    """A manager with two live requests sharing a block and one freed request."""
+    m = KVCacheManager(12, 4, max_model_len=16)
+    prefill(m, make_request("a", range(9)))
+    prefill(m, make_request("b", [*range(4), 50, 51]))
+    prefill(m, make_request("gone", range(100, 105)))
+    m.free("gone")
+    m.check_integrity()
+    return m
+
+
+def _assert_unchanged(m: KVCacheManager, before: dict) -> None:
+    m.check_integrity()
+    assert snapshot(m) == before
+
+
+def test_prompt_longer_than_max_model_len(busy):
+    before = snapshot(busy)
+    long = make_request("long", range(17))
+    with pytest.raises(ValueError, match="num_prompt_tokens=17 exceeds self.max_model_len=16"):
+        busy.get_computed_blocks(long)
+    with pytest.raises(ValueError, match="num_prompt_tokens=17"):
+        busy.allocate_slots(long, 17)
+    _assert_unchanged(busy, before)
+    assert busy.prefix_cache_stats.requests == 3  # the refused lookup was not counted
+
+
+def test_growing_past_max_model_len(busy):
+    a = make_request("a2", range(16))
+    prefill(busy, a)
+    before = snapshot(busy)
+    a.append_output_token_ids([1])
+    with pytest.raises(ValueError, match="17 tokens > self.max_model_len=16"):
+        busy.allocate_slots(a, 1)
+    _assert_unchanged(busy, before)
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"num_new_tokens": -1}, "num_new_tokens"),
+        ({"num_new_tokens": 1, "num_lookahead_tokens": -2}, "num_lookahead_tokens"),
+        ({"num_new_tokens": 1, "num_new_computed_tokens": -4}, "num_new_computed_tokens"),
+        ({"num_new_tokens": 1.5}, "num_new_tokens"),
+    ],
+)
+def test_negative_or_non_integer_token_counts(busy, kwargs, name):
+    before = snapshot(busy)
+    for req in (make_request("new", range(3)), make_request("a", range(9))):
+        with pytest.raises(ValueError, match=name):
+            busy.allocate_slots(req, **kwargs)
+    _assert_unchanged(busy, before)
+
+
+@pytest.mark.parametrize("request_id", ["gone", "never"])
+def test_free_unknown_or_already_freed(busy, request_id):
+    before = snapshot(busy)
+    with pytest.raises(UnknownRequestError, match=repr(request_id)):
+        busy.free(make_request(request_id, [1]))
+    with pytest.raises(ValueError, match="holds no blocks"):
+        busy.free(request_id)
+    _assert_unchanged(busy, before)
+
+
+def test_double_free(busy):
+    busy.free("b")
+    before = snapshot(busy)
+    with pytest.raises(UnknownRequestError, match="'b'"):
+        busy.free("b")
+    _assert_unchanged(busy, before)
+
+
+def test_unknown_id_in_shared_prefix_queries(busy):
+    before = snapshot(busy)
+    for call in (busy.num_common_prefix_blocks, busy.rows_of, busy.num_blocks_of):
+        with pytest.raises(UnknownRequestError, match="'gone'"):
+            call(["a", "gone", "b"])
+    with pytest.raises(KeyError):  # also a KeyError for dict-minded callers
+        busy.num_common_prefix_blocks(["zzz"])
+    with pytest.raises(ValueError, match="'never'"):
+        busy.block_ids("never")
+    assert busy.num_common_prefix_blocks(["a", "b"]) == 1  # a failed call left no residue
+    _assert_unchanged(busy, before)
+
+
+def test_stale_cache_hit_is_refused(busy):
+    req = make_request("c", [*range(8), 7])
+    hit_ids, num_hit = busy.get_computed_blocks(req)
+    assert len(hit_ids) == 2
+    busy.free("a")  # a's blocks become evictable; fill the pool so they get reused
+    for i, n in enumerate((16, 16, 4)):
+        assert prefill(busy, make_request(f"f{i}", range(100 * i + 200, 100 * i + 200 + n)))
+    assert busy.num_free_blocks == 0
+    before = snapshot(busy)
+    with pytest.raises(ValueError, match="stale cache hit"):
+        busy.allocate_slots(req, 1, num_new_computed_tokens=num_hit, new_computed_blocks=hit_ids)
+    _assert_unchanged(busy, before)
+
+
+@pytest.mark.parametrize("block_ids,match", [([0], "invalid block id"), ([99], "invalid")])
+def test_invalid_computed_block_ids(busy, block_ids, match):
+    before = snapshot(busy)
+    with pytest.raises(ValueError, match=match):
+        busy.allocate_slots(
+            make_request("c", range(9)), 1, num_new_computed_tokens=4, new_computed_blocks=block_ids
+        )
+    _assert_unchanged(busy, before)
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        ((1, 4), {"max_model_len": 8}, "num_blocks"),
+        ((8, 0), {"max_model_len": 8}, "block_size"),
+        ((8, 4), {"max_model_len": 0}, "max_model_len"),
+        ((8, 4), {"max_model_len": 8, "hash_seed": 2**70}, "seed"),
+    ],
+)
+def test_bad_constructor_arguments(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KVCacheManager(*args, **kwargs)

@@ -1,0 +1,117 @@
+"""Chained block hashes: determinism, chaining, extra keys, cross-process stability."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxkv import hashing
+from jaxkv.hashing import (
+    HASH_NUM_BYTES,
+    block_extra_keys,
+    extend_block_hashes,
+    hash_block_tokens,
+    root_hash,
+)
+from jaxkv.request import Request
+
+
+def test_digest_is_128_bits_and_deterministic():
+    h = hash_block_tokens(root_hash(0), [1, 2, 3, 4])
+    assert len(h) == HASH_NUM_BYTES == 16
+    assert h == hash_block_tokens(root_hash(0), (1, 2, 3, 4))
+
+
+def test_every_input_changes_the_hash():
+    base = hash_block_tokens(root_hash(0), [1, 2, 3, 4])
+    assert hash_block_tokens(root_hash(1), [1, 2, 3, 4]) != base  # seed
+    assert hash_block_tokens(root_hash(0), [1, 2, 3, 5]) != base  # a token
+    assert hash_block_tokens(root_hash(0), [1, 2, 3, 4], ("adapter:a",)) != base
+    parent = hash_block_tokens(root_hash(0), [9, 9, 9, 9])
+    assert hash_block_tokens(parent, [1, 2, 3, 4]) != base  # parent
+
+
+def test_encoding_is_unambiguous_between_tokens_and_keys():
+    # Length prefixes keep ("ab",) apart from ("a", "b") and token 0 apart from no token.
+    p = root_hash(0)
+    assert hash_block_tokens(p, [1], ("ab",)) != hash_block_tokens(p, [1], ("a", "b"))
+    assert hash_block_tokens(p, [0]) != hash_block_tokens(p, [])
+
+
+def test_chain_names_the_whole_prefix():
+    tokens = list(range(12))
+    hashes = extend_block_hashes([], tokens, 4)
+    assert len(hashes) == 3
+    h0 = hash_block_tokens(root_hash(0), tokens[0:4])
+    h1 = hash_block_tokens(h0, tokens[4:8])
+    assert hashes[:2] == [h0, h1]
+    other = extend_block_hashes([], [99] + tokens[1:], 4)
+    assert all(a != b for a, b in zip(hashes, other, strict=True))  # first block differs
+
+
+def test_extend_is_incremental_and_ignores_partial_blocks():
+    tokens = list(range(10))
+    hashes = extend_block_hashes([], tokens[:6], 4)
+    assert len(hashes) == 1
+    extend_block_hashes(hashes, tokens, 4)
+    assert hashes == extend_block_hashes([], tokens, 4)
+
+
+def test_salt_on_first_block_only_adapter_on_every_block():
+    assert block_extra_keys(0, adapter_id=None, cache_salt="s") == ("salt:s",)
+    assert block_extra_keys(1, adapter_id=None, cache_salt="s") == ()
+    assert block_extra_keys(0, adapter_id="lora", cache_salt="s") == ("adapter:lora", "salt:s")
+    assert block_extra_keys(5, adapter_id="lora", cache_salt="s") == ("adapter:lora",)
+
+
+def test_request_hashes_depend_on_salt_and_adapter():
+    tokens = list(range(8))
+    plain = Request("a", tokens).update_block_hashes(4)
+    salted = Request("b", tokens, cache_salt="s").update_block_hashes(4)
+    adapted = Request("c", tokens, adapter_id="x").update_block_hashes(4)
+    assert len({plain[0], salted[0], adapted[0]}) == 3
+    assert len({plain[1], salted[1], adapted[1]}) == 3  # salt reaches block 1 via the chain
+
+
+def test_request_refuses_a_second_block_size():
+    req = Request("a", range(8))
+    req.update_block_hashes(4)
+    with pytest.raises(ValueError, match="block_size, seed"):
+        req.update_block_hashes(2)
+
+
+def test_root_hash_rejects_bad_seed():
+    with pytest.raises(ValueError, match="seed"):
+        root_hash(2**64)
+
+
+# Loads hashing.py by path (it imports only the standard library) so the child process
+# does not pay for importing the rest of the package.
+_SNIPPET = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("h", sys.argv[1])
+h = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(h)
+hashes = h.extend_block_hashes([], list(range(9)), 4, seed=7, adapter_id="a", cache_salt="s")
+print(b"".join(hashes).hex())
+"""
+
+
+def test_hashes_are_stable_across_processes():
+    here = b"".join(
+        extend_block_hashes([], list(range(9)), 4, seed=7, adapter_id="a", cache_salt="s")
+    ).hex()
+    outs = set()
+    for hash_seed in ("1", "2"):  # different PYTHONHASHSEED must not matter
+        env = {"PYTHONHASHSEED": hash_seed}
+        res = subprocess.run(
+            [sys.executable, "-c", _SNIPPET, hashing.__file__],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env,
+        )
+        outs.add(res.stdout.strip())
+    assert outs == {here}

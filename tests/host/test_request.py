@@ -1,0 +1,85 @@
+"""Request, RequestStatus and SamplingParams."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxkv import Request, RequestStatus, SamplingParams
+
+
+def test_request_tracks_tokens():
+    req = Request("r", [5, 6, 7], SamplingParams(max_tokens=4))
+    assert (req.num_tokens, req.num_prompt_tokens, req.max_tokens) == (3, 3, 4)
+    assert req.status is RequestStatus.WAITING and req.num_computed_tokens == 0
+    req.append_output_token_ids([8, 9])
+    req.append_output_token_ids(10)
+    assert list(req.all_token_ids) == [5, 6, 7, 8, 9, 10]
+    assert req.output_token_ids == [8, 9, 10] and req.prompt_token_ids == (5, 6, 7)
+    assert req.num_tokens == 6 and req.num_output_tokens == 3
+
+
+def test_block_hashes_extend_lazily_as_tokens_arrive():
+    req = Request("r", range(6))
+    assert req.block_hashes == []  # nothing computed until asked
+    assert len(req.update_block_hashes(4)) == 1
+    first = req.block_hashes[0]
+    req.append_output_token_ids([6, 7])
+    assert len(req.update_block_hashes(4)) == 2 and req.block_hashes[0] == first
+
+
+def test_status_is_finished():
+    finished = {s for s in RequestStatus if s.is_finished()}
+    assert finished == {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_TRANSFERRING,
+    }
+    assert RequestStatus.is_finished(RequestStatus.FINISHED_TRANSFERRING)
+    req = Request("r", [1])
+    req.status = RequestStatus.PREEMPTED
+    assert not req.is_finished()
+
+
+def test_sampling_params_defaults_and_frozen():
+    p = SamplingParams()
+    assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.stop_token_ids) == (
+        16,
+        0.0,
+        0,
+        1.0,
+        None,
+        (),
+    )
+    assert SamplingParams(stop_token_ids=[2, 3]).stop_token_ids == (2, 3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.top_k = 3
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_tokens", 0),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_k", -1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("seed", 1.5),
+        ("stop_token_ids", (-1,)),
+    ],
+)
+def test_sampling_params_reject_bad_fields(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [((1, [1]), "request_id"), (("r", []), "empty"), (("r", [1, -2]), ">= 0")],
+)
+def test_request_rejects_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        Request(*args)

@@ -1,0 +1,161 @@
+"""Exact shared-prefix detection: the two correctness traps of DESIGN.md and friends.
+
+The answer must come from the scheduled requests only. Holders outside the scheduled set
+(finished requests still copying KV out, requests receiving KV, running requests not
+scheduled this step, preempted ones that kept their blocks) raise reference counts but
+must neither add to nor subtract from num_common_prefix_blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxkv import KVCacheManager, RequestStatus, longest_common_prefix
+from jaxkv.prefix_index import PrefixInterner
+from tests.host._util import make_request, prefill, ref_counts
+
+X = list(range(4))  # one full block of shared prefix (block_size 4)
+
+
+def _manager() -> KVCacheManager:
+    return KVCacheManager(32, 4, max_model_len=64)
+
+
+def test_trap_false_positive_finished_holder_shares_only_with_a():
+    # A and C share prefix block X; B does not. C finished and still offloads its KV.
+    m = _manager()
+    a = make_request("A", [*X, 10, 11])
+    c = make_request("C", [*X, 30, 31])
+    b = make_request("B", [90, 91, 92, 93, 20, 21])
+    for r in (a, c, b):
+        prefill(m, r)
+    c.status = RequestStatus.FINISHED_TRANSFERRING
+    x = m.block_ids("A")[0]
+    assert m.block_ids("C")[0] == x and m.block_ids("B")[0] != x
+    # The wrong rule (ref_cnt == number of running requests) would call X common here.
+    assert ref_counts(m)[x] == 2 == len(["A", "B"])
+    assert m.num_common_prefix_blocks(["A", "B"]) == 0
+    assert m.num_common_prefix_blocks(["A", "C"]) == 1
+
+
+def test_trap_false_negative_finished_holder_shares_with_both():
+    # A, B and C share X; C finished and still offloads its KV.
+    m = _manager()
+    a = make_request("A", [*X, 10, 11])
+    b = make_request("B", [*X, 20, 21])
+    c = make_request("C", [*X, 30, 31])
+    for r in (a, b, c):
+        prefill(m, r)
+    c.status = RequestStatus.FINISHED_TRANSFERRING
+    x = m.block_ids("A")[0]
+    # The wrong rule would see ref_cnt 3 != 2 running and turn cascade off.
+    assert ref_counts(m)[x] == 3
+    assert m.num_common_prefix_blocks(["A", "B"]) == 1
+    m.free(c)  # the copy landed
+    assert m.num_common_prefix_blocks(["A", "B"]) == 1
+
+
+def test_running_but_unscheduled_holders_do_not_count():
+    m = _manager()
+    long_prefix = list(range(12))  # three full blocks
+    reqs = {
+        "A": [*long_prefix, 1, 2],
+        "B": [*long_prefix, 3, 4],
+        "D": [*long_prefix[:8], 77, 78, 79, 80, 5],  # shares two blocks only
+        "E": [*long_prefix, 6, 7],
+        "F": [60, 61, 62, 63, 64],  # shares nothing
+    }
+    for rid, tokens in reqs.items():
+        prefill(m, make_request(rid, tokens))
+    assert m.num_common_prefix_blocks(["A", "B"]) == 3  # D, E, F running, not scheduled
+    assert m.num_common_prefix_blocks(["A", "B", "E"]) == 3
+    assert m.num_common_prefix_blocks(["A", "B", "D"]) == 2
+    assert m.num_common_prefix_blocks(["B", "D", "A"]) == 2  # order does not matter
+    assert m.num_common_prefix_blocks(["A", "F"]) == 0
+    assert m.num_common_prefix_blocks(["A"]) == 4  # a lone request shares all its blocks
+    assert m.num_common_prefix_blocks([]) == 0
+
+
+def test_remote_kv_and_preempted_holders_do_not_count():
+    m = _manager()
+    prefix = list(range(8))
+    a, b = make_request("A", [*prefix, 1]), make_request("B", [*prefix, 2])
+    remote = make_request("R", [*prefix, 3])  # receiving KV: holds blocks, not scheduled
+    kept = make_request("P", prefix[:4] + [9, 9, 9, 9, 9])  # preempted, kept its blocks
+    for r in (a, b, remote, kept):
+        prefill(m, r)
+    remote.status = RequestStatus.WAITING_FOR_REMOTE_KV
+    kept.status = RequestStatus.PREEMPTED
+    assert m.num_common_prefix_blocks(["A", "B"]) == 2
+    m.free(remote)
+    m.free(kept)
+    assert m.num_common_prefix_blocks(["A", "B"]) == 2
+
+
+def test_answer_follows_decode_growth_and_shared_tail_blocks():
+    m = _manager()
+    a, b = make_request("A", range(8)), make_request("B", range(8))
+    m.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    hit, n = m.get_computed_blocks(b)
+    m.allocate_slots(b, 8 - n, num_new_computed_tokens=n, new_computed_blocks=hit)
+    assert m.block_ids("A")[0] == m.block_ids("B")[0]
+    assert m.block_ids("A")[1] != m.block_ids("B")[1]  # last prompt token recomputed
+    assert m.num_common_prefix_blocks(["A", "B"]) == 1
+
+
+def test_interner_distinguishes_same_block_after_different_prefixes():
+    interner = PrefixInterner()
+    r0 = interner.acquire(-1, [7, 2])
+    r1 = interner.acquire(-1, [5, 2])
+    r2 = interner.acquire(-1, [7, 2, 9])
+    assert r0[1] != r1[1]  # block 2 at column 1 after different block 0
+    assert r0 == r2[:2]
+    interner.release(r0)
+    interner.release(r2)
+    interner.release(r1)
+    assert len(interner) == 0
+    assert interner.acquire(-1, [7])[0] not in r0 + r1 + r2  # ids are never reused
+
+
+def _lcp_oracle(block_rows: list[list[int]]) -> int:
+    k = 0
+    while all(k < len(r) for r in block_rows) and len({r[k] for r in block_rows}) == 1:
+        k += 1
+    return k
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_longest_common_prefix_matches_oracle_on_random_tables(seed):
+    rng = np.random.default_rng(seed)
+    num_rows, num_cols = int(rng.integers(1, 12)), 10
+    shared = rng.integers(1, 5, size=num_cols).tolist()
+    rows = []
+    for _ in range(num_rows):
+        keep = int(rng.integers(0, num_cols + 1))
+        tail = rng.integers(1, 5, size=num_cols - keep).tolist()
+        rows.append((shared[:keep] + tail)[: int(rng.integers(0, num_cols + 1))])
+    interner = PrefixInterner()
+    table = np.full((num_rows + 3, num_cols), -1, np.int64)
+    for i, blocks in enumerate(rows):
+        table[i + 3, : len(blocks)] = interner.acquire(-1, blocks)
+    num_blocks = np.array([len(r) for r in rows], np.int32)
+    sel = np.arange(3, num_rows + 3, dtype=np.int32)
+    perm = rng.permutation(num_rows)
+    expected = _lcp_oracle(rows)
+    assert longest_common_prefix(table, num_blocks, sel) == expected
+    assert longest_common_prefix(table[sel], num_blocks) == expected
+    assert longest_common_prefix(table, num_blocks[perm], sel[perm]) == expected
+
+
+def test_longest_common_prefix_edge_cases():
+    table = np.array([[0, 1, 2, -1], [0, 1, 3, -1], [0, 1, 2, 4]], np.int64)
+    assert longest_common_prefix(table, np.array([], np.int32)) == 0
+    assert longest_common_prefix(table[:1], np.array([3], np.int32)) == 3
+    assert longest_common_prefix(table, np.array([3, 3, 4], np.int32)) == 2
+    rows = np.array([0, 2], np.int32)
+    assert longest_common_prefix(table, np.array([3, 4], np.int32), rows) == 3
+    # First and last rows agree everywhere, a middle row does not: the bound is checked.
+    table = np.array([[0, 1, 2], [0, 5, 6], [0, 1, 2]], np.int64)
+    assert longest_common_prefix(table, np.array([3, 3, 3], np.int32)) == 1
