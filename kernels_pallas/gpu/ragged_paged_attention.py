@@ -1,0 +1,412 @@
+"""Ragged paged attention with LSE for NVIDIA GPUs: a Pallas Triton kernel.
+
+Backend: Triton (`pl.pallas_call` with `compiler_params=plgpu.CompilerParams`, where
+`plgpu` is `jax.experimental.pallas.triton`). Mosaic GPU was probed first on jax 0.10.2:
+its interpreter (`InterpretGPUParams`) runs on the CPU, and a paged gather (a page id
+read from a table in global memory, then a TMA copy of `pages.at[page_id]` into shared
+memory) both interprets and lowers for CUDA on a CPU-only jaxlib (custom call
+`mosaic_gpu_v2`). It was not chosen because the rest of a Mosaic GPU attention kernel
+(warpgroup MMA with 64-row tiles, which a decode step of 1 token x 4 query heads must pad
+16-fold; shared-memory swizzle transforms; barrier pipelining; requantizing int8 pages
+through shared memory) is checked only by the CUDA compiler on Hopper, no GPU was at
+hand to check it, and Mosaic GPU targets Hopper and newer while Triton also runs on
+Ampere. The Triton path lowers here and its kernel body uses only loads, stores, dots
+and loops that jax 0.10 and 0.11 both lower; porting the same tiling to Mosaic GPU is
+the follow-up once a Hopper machine is available to test on.
+
+Layout of the work: grid (query block, KV head, KV split). A query block holds up to
+`block_m` rows, each row one (token, query head) pair of one sequence and one KV head's
+group of query heads (GQA packs the group into the rows, so every K/V page is read once
+per group, not once per query head). Blocks never straddle two sequences: sequence i
+owns blocks cu_q_lens[i] // tokens_per_block + i onward, and each program finds its
+sequence by binary search over cu_q_lens. The keys of a block are walked
+`pages_per_block` pages at a time with an online softmax in float32 (base 2). With more
+than one KV split each split covers a contiguous slice of those key blocks, writes its
+normalized output and LSE in float32, and the wrapper merges the splits through their
+LSEs, so a small decode batch still fills the GPU.
+
+Guarantees: the contract of `kernels_pallas.reference.ragged_paged_attention` (causal
+and non-causal, sliding window, soft cap, int8 / float8_e4m3fn KV with scales, GQA);
+rows of valid sequences that see no key, and every row past cu_q_lens[num_seqs], give
+out 0 and lse -inf; nothing past a sequence's kv_len, no page-table slot past its last
+page and no sequence past num_seqs is used in a valid row.
+
+Limits (ValueError at trace time): head_dim and page_size must be powers of two >= 16
+(Triton block shapes are powers of two).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas.validation import validate_ragged_paged_attention_inputs
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+# Running max before any key is seen: finite, so that exp2(m_old - m_new) is never
+# exp2(-inf + inf) = NaN when a whole key block is masked out.
+_M_INIT = -1e30
+# Programs the split heuristic aims for: a few waves of a 132-SM H100/H200.
+_TARGET_PROGRAMS = 512
+_MAX_KV_SPLITS = 32
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _find_seq(cu_q_lens_ref, num_seqs, pid, tokens_per_block: int, max_num_seqs: int):
+    """Largest valid i with cu_q_lens[i] // tokens_per_block + i <= pid (0 if none)."""
+
+    def first_block(i):
+        return cu_q_lens_ref[i] // tokens_per_block + i
+
+    def body(_, carry):
+        lo, hi = carry  # invariant: first_block(lo) <= pid, answer < hi
+        mid = (lo + hi) // 2
+        ok = first_block(mid) <= pid
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    num_steps = max(1, math.ceil(math.log2(max_num_seqs + 1)) + 1)
+    hi = jnp.maximum(num_seqs, 1)
+    lo, _ = jax.lax.fori_loop(0, num_steps, body, (jnp.int32(0), hi))
+    return lo
+
+
+def _kernel(
+    # Scalars and tables (whole arrays in global memory)
+    cu_q_lens_ref,  # i32[max_num_seqs + 1]
+    kv_lens_ref,  # i32[max_num_seqs]
+    page_indices_ref,  # i32[max_num_seqs, pages_per_seq]
+    num_seqs_ref,  # i32[1]
+    # Input
+    q_ref,  # [max_num_tokens * num_q_heads, head_dim]
+    k_ref,  # [num_pages, page_size, head_dim] this program's KV head, keys
+    v_ref,  # [num_pages, page_size, head_dim] this program's KV head, values
+    # Output
+    o_ref,  # [max_num_tokens * num_q_heads + block_m, head_dim] this program's KV split
+    lse_ref,  # f32[max_num_tokens * num_q_heads + block_m] this program's KV split
+    *,
+    sm_scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    k_scale: float | None,
+    v_scale: float | None,
+    block_m: int,
+    block_k: int,
+    num_kv_splits: int,
+    group: int,
+    num_q_heads: int,
+    max_num_seqs: int,
+    num_tokens: int,
+    compute_dtype,
+    precision,
+):
+    pid_q, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
+    tokens_per_block = block_m // group
+
+    num_seqs = num_seqs_ref[0]
+    seq = _find_seq(cu_q_lens_ref, num_seqs, pid_q, tokens_per_block, max_num_seqs)
+    q_start = cu_q_lens_ref[seq]
+    q_end = cu_q_lens_ref[seq + 1]
+    kv_len = kv_lens_ref[seq]
+    tok0 = q_start + (pid_q - (q_start // tokens_per_block + seq)) * tokens_per_block
+    has_rows = (seq < num_seqs) & (tok0 < q_end)
+
+    r = jnp.arange(block_m, dtype=jnp.int32)
+    tok = tok0 + r // group
+    row_valid = (r < tokens_per_block * group) & (tok < q_end) & has_rows
+    row = tok * num_q_heads + kv_head * group + r % group
+    q_row = jnp.where(row_valid, row, 0)
+    # Masked-off rows still need distinct in-bounds indices (a masked store in interpret
+    # mode rewrites their old values): the block_m spare rows past the real ones.
+    row = jnp.where(row_valid, row, num_q_heads * num_tokens + r)
+    pos = kv_len - (q_end - q_start) + (tok - q_start)  # i32[block_m]
+
+    # Keys any row of this block may see, as a range of key blocks, then this split's part.
+    first_pos = kv_len - (q_end - q_start) + (tok0 - q_start)
+    last_tok = jnp.minimum(tok0 + tokens_per_block, q_end) - 1
+    hi = kv_len
+    if causal:
+        hi = jnp.minimum(hi, kv_len - (q_end - q_start) + (last_tok - q_start) + 1)
+    lo = jnp.int32(0)
+    if sliding_window is not None:
+        lo = jnp.maximum(lo, first_pos - sliding_window + 1)
+    hi = jnp.where(has_rows, hi, 0)
+    kb_lo = jnp.minimum(lo, hi) // block_k
+    kb_hi = jnp.maximum((hi + block_k - 1) // block_k, kb_lo)
+    chunk = (kb_hi - kb_lo + num_kv_splits - 1) // num_kv_splits
+    split_lo = jnp.minimum(kb_lo + split * chunk, kb_hi)
+    split_hi = jnp.minimum(split_lo + chunk, kb_hi)
+
+    col = jnp.arange(head_dim, dtype=jnp.int32)
+    q = plgpu.load(q_ref.at[q_row[:, None], col[None, :]], mask=row_valid[:, None], other=0)
+    q = q.astype(compute_dtype)
+    logit_scale = sm_scale * (1.0 if k_scale is None else k_scale)
+
+    def body(kb, carry):
+        acc, m_prev, l_prev = carry
+        key = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        key_valid = key < kv_len
+        # Page of every key; slots past kv_len read the null page 0 and are masked below.
+        slot = jnp.where(key_valid, key // page_size, 0)
+        page = jnp.where(key_valid, page_indices_ref[seq, slot], 0)
+        idx = (page[:, None], (key % page_size)[:, None], col[None, :])
+        k = k_ref[idx].astype(compute_dtype)
+        v = v_ref[idx].astype(compute_dtype)
+        # Slots past kv_len may hold anything (NaN included): 0 * NaN would leak into acc.
+        v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
+
+        s = jax.lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )
+        if soft_cap is None:
+            s = s * (logit_scale * _LOG2E)
+        else:
+            s = (soft_cap * _LOG2E) * jnp.tanh(s * (logit_scale / soft_cap))
+        visible = key_valid[None, :]
+        if causal:
+            visible = visible & (key[None, :] <= pos[:, None])
+        if sliding_window is not None:
+            visible = visible & (key[None, :] > pos[:, None] - sliding_window)
+        s = jnp.where(visible, s, -jnp.inf)
+
+        m_next = jnp.maximum(m_prev, s.max(axis=-1))
+        alpha = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(s - m_next[:, None])
+        l_next = l_prev * alpha + p.sum(axis=-1)
+        pv = jax.lax.dot_general(
+            p.astype(compute_dtype),
+            v,
+            (((1,), (0,)), ((), ())),
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
+        return acc * alpha[:, None] + pv, m_next, l_next
+
+    acc = jnp.zeros((block_m, head_dim), jnp.float32)
+    m = jnp.full((block_m,), _M_INIT, jnp.float32)
+    denom = jnp.zeros((block_m,), jnp.float32)
+    acc, m, denom = jax.lax.fori_loop(split_lo, split_hi, body, (acc, m, denom))
+
+    seen = denom > 0
+    l_safe = jnp.where(seen, denom, 1.0)
+    out = acc * ((1.0 if v_scale is None else v_scale) / l_safe)[:, None]
+    lse = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+    o_idx = (row[:, None], col[None, :])
+    plgpu.store(o_ref.at[o_idx], out.astype(o_ref.dtype), mask=row_valid[:, None])
+    plgpu.store(lse_ref.at[row], lse, mask=row_valid)
+
+
+def _merge_splits(
+    out: jax.Array,  # f32[num_splits, num_rows, head_dim]
+    lse: jax.Array,  # f32[num_splits, num_rows]
+) -> tuple[jax.Array, jax.Array]:
+    """LSE merge of partial results over disjoint key sets; empty splits weigh 0."""
+    m = lse.max(axis=0)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - m_safe[None]))
+    denom = w.sum(axis=0)
+    seen = denom > 0
+    denom_safe = jnp.where(seen, denom, 1.0)
+    merged = (w[..., None] * out).sum(axis=0) / denom_safe[:, None]
+    return merged, jnp.where(seen, m_safe + jnp.log(denom_safe), -jnp.inf)
+
+
+def _default_config(
+    *,
+    max_num_tokens: int,
+    max_num_seqs: int,
+    max_q_len: int | None,
+    num_kv_heads: int,
+    group: int,
+    page_size: int,
+    pages_per_seq: int,
+) -> tuple[int, int, int]:
+    """(block_m, block_k, num_kv_splits) from static shapes only."""
+    decode = (max_q_len is not None and max_q_len <= 1) or max_num_tokens <= max_num_seqs
+    block_m = max(16 if decode else 64, _next_pow2(group))
+    block_k = 128 if decode else 64
+    tokens_per_block = block_m // group
+    if decode:
+        busy_programs = max_num_seqs * num_kv_heads
+    else:
+        busy_programs = -(-max_num_tokens // tokens_per_block) * num_kv_heads
+    key_blocks = -(-pages_per_seq * page_size // block_k)
+    splits = -(-_TARGET_PROGRAMS // max(1, busy_programs))
+    return block_m, block_k, max(1, min(splits, key_blocks, _MAX_KV_SPLITS))
+
+
+def _validate_gpu(q: jax.Array, block_m: int, group: int, block_k: int) -> None:
+    head_dim = q.shape[2]
+    if not (_is_pow2(head_dim) and head_dim >= 16):
+        raise ValueError(f"{q.shape=}: head_dim must be a power of two >= 16 on the GPU kernel")
+    if not (_is_pow2(block_m) and block_m >= 16 and block_m >= group):
+        raise ValueError(f"{block_m=} must be a power of two >= max(16, {group=})")
+    if not (_is_pow2(block_k) and block_k >= 16):
+        raise ValueError(f"{block_k=} must be a power of two >= 16")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "causal",
+        "sliding_window",
+        "soft_cap",
+        "k_scale",
+        "v_scale",
+        "max_q_len",
+        "interpret",
+        "block_m",
+        "block_k",
+        "num_kv_splits",
+        "num_warps",
+        "num_stages",
+    ),
+)
+def ragged_paged_attention(
+    q: jax.Array,  # [max_num_tokens, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # i32[max_num_seqs]
+    page_indices: jax.Array,  # i32[max_num_seqs, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    max_q_len: int | None = None,
+    interpret: bool = False,
+    block_m: int | None = None,
+    block_k: int | None = None,
+    num_kv_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(out [max_num_tokens, num_q_heads, head_dim] in q.dtype, lse f32[max_num_tokens,
+    num_q_heads]) with the contract of `kernels_pallas.reference.ragged_paged_attention`.
+
+    Only the first num_seqs sequences are valid. `max_q_len` (static) is a sizing hint
+    only (1 picks decode tiles); any query length gives correct results. Tuning knobs are
+    static: `block_m` rows (tokens x query heads of one KV head) per program,
+    `block_k` keys per inner step, `num_kv_splits` partitions of each sequence's
+    keys merged through their LSEs, and Triton's `num_warps` / `num_stages`. None picks
+    a default from the static shapes. `interpret=True` runs the kernel on the CPU.
+    """
+    validate_ragged_paged_attention_inputs(
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, causal=causal, sliding_window=sliding_window,
+        soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    max_num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_combined_kv_heads, _ = kv_pages.shape
+    num_kv_heads = num_combined_kv_heads // 2
+    group = num_q_heads // num_kv_heads
+    max_num_seqs, pages_per_seq = page_indices.shape
+    d_block_m, d_block_k, d_splits = _default_config(
+        max_num_tokens=max_num_tokens,
+        max_num_seqs=max_num_seqs,
+        max_q_len=max_q_len,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+    )
+    block_m = d_block_m if block_m is None else block_m
+    block_k = d_block_k if block_k is None else block_k
+    num_kv_splits = d_splits if num_kv_splits is None else num_kv_splits
+    if num_kv_splits < 1:
+        raise ValueError(f"{num_kv_splits=} must be >= 1")
+    _validate_gpu(q, block_m, group, block_k)
+
+    num_rows = max_num_tokens * num_q_heads + block_m
+    tokens_per_block = block_m // group
+    grid = (max_num_tokens // tokens_per_block + max_num_seqs, num_kv_heads, num_kv_splits)
+
+    compute_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
+    precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+    out_dtype = q.dtype if num_kv_splits == 1 else jnp.float32
+    kernel = functools.partial(
+        _kernel,
+        sm_scale=float(sm_scale),
+        causal=causal,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        block_m=block_m,
+        block_k=block_k,
+        num_kv_splits=num_kv_splits,
+        group=group,
+        num_q_heads=num_q_heads,
+        max_num_seqs=max_num_seqs,
+        num_tokens=max_num_tokens,
+        compute_dtype=compute_dtype,
+        precision=precision,
+    )
+    whole = pl.BlockSpec()
+    kv_block = (num_pages, page_size, None, head_dim)
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[
+            whole,  # cu_q_lens
+            whole,  # kv_lens
+            whole,  # page_indices
+            whole,  # num_seqs
+            whole,  # q
+            pl.BlockSpec(kv_block, lambda i, h, s: (0, 0, 2 * h, 0)),  # K of head h
+            pl.BlockSpec(kv_block, lambda i, h, s: (0, 0, 2 * h + 1, 0)),  # V of head h
+        ],
+        out_specs=[
+            pl.BlockSpec((None, num_rows, head_dim), lambda i, h, s: (s, 0, 0)),
+            pl.BlockSpec((None, num_rows), lambda i, h, s: (s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_kv_splits, num_rows, head_dim), out_dtype),
+            jax.ShapeDtypeStruct((num_kv_splits, num_rows), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(
+            num_warps=num_warps if num_warps is not None else (4 if block_m <= 64 else 8),
+            num_stages=num_stages if num_stages is not None else 2,
+        ),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+    )(
+        cu_q_lens,
+        kv_lens,
+        page_indices,
+        num_seqs,
+        q.reshape(-1, head_dim),
+        kv_pages,
+        kv_pages,
+    )
+    if num_kv_splits == 1:
+        out, lse = out[0], lse[0]
+    else:
+        out, lse = _merge_splits(out, lse)
+    out, lse = out[: num_rows - block_m], lse[: num_rows - block_m]
+
+    # Rows no program wrote (past cu_q_lens[num_seqs]) hold whatever the buffer held.
+    tok_valid = jnp.arange(max_num_tokens) < cu_q_lens[num_seqs[0]]
+    out = out.reshape(max_num_tokens, num_q_heads, head_dim)
+    lse = lse.reshape(max_num_tokens, num_q_heads)
+    out = jnp.where(tok_valid[:, None, None], out, 0).astype(q.dtype)
+    lse = jnp.where(tok_valid[:, None], lse, -jnp.inf)
+    return out, lse

@@ -1,0 +1,151 @@
+"""The Pallas GPU (Triton) ragged paged attention kernel against the dense oracle.
+
+Every case runs the kernel in interpret mode on the CPU. Each distinct static shape costs
+one compile of a few seconds, so cases are tiny and the broken-input checks reuse the
+compiled program of the case they break.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import reference
+from kernels_pallas.gpu import ragged_paged_attention
+from tests.kernels import harness
+
+SM_SCALE = 0.125
+
+
+def _run(case: harness.Case, **kw):
+    return ragged_paged_attention(*case.args(), sm_scale=SM_SCALE, interpret=True, **kw)
+
+
+def _check(case: harness.Case, *, oracle_kw=None, **kernel_kw):
+    """Runs the kernel, compares with the oracle and checks padding rows; returns outputs."""
+    oracle_kw = oracle_kw or {}
+    out, lse = _run(case, **oracle_kw, **kernel_kw)
+    expected = harness.dense_oracle(case, sm_scale=SM_SCALE, **oracle_kw)
+    harness.assert_close_to_oracle(case, out, lse, expected)
+    harness.assert_padding_is_empty(case, out, lse)
+    return expected
+
+
+def _case(seq_lens, *, dtype=jnp.float32, head_dim=64, page_size=16, **kw):
+    return harness.make_case(
+        0,
+        seq_lens,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=dtype,
+        **kw,
+    )
+
+
+def test_decode_with_kv_splits_and_broken_inputs_fail():
+    # 4 splits over at most 3 key blocks of 32: some splits are empty and must weigh 0.
+    case = _case([(1, 37), (1, 16), (1, 70), (1, 1)])
+    expected = _check(case, num_kv_splits=4, block_k=32)
+    for broken in (harness.drop_one_key(case), harness.swap_kv(case)):
+        out, lse = _run(broken, num_kv_splits=4, block_k=32)
+        with pytest.raises(AssertionError, match="differ from the oracle"):
+            harness.assert_close_to_oracle(case, out, lse, expected)
+
+
+def test_decode_bf16_head_dim_128_single_split():
+    _check(_case([(1, 40), (1, 17), (1, 64)], dtype=jnp.bfloat16, head_dim=128), num_kv_splits=1)
+
+
+def test_prefill_several_query_blocks_per_sequence():
+    # block_m 16 with 4 query heads per KV head: 4 tokens per block, so 20 tokens need 5.
+    _check(_case([(20, 20), (9, 9), (3, 30)]), block_m=16, block_k=16)
+
+
+def test_mixed_bf16_page_size_32_with_empty_sequence():
+    case = _case([(1, 37), (5, 20), (0, 12), (12, 40)], dtype=jnp.bfloat16, page_size=32)
+    _check(case)
+
+
+def test_prefix_pass_non_causal():
+    # The cascade prefix pass: one sequence holds every query token, all keys visible.
+    _check(_case([(7, 48)]), oracle_kw={"causal": False}, num_kv_splits=2, block_k=16)
+
+
+def test_cascade_composition_matches_plain_attention():
+    # Three sequences share their first 2 pages (32 tokens); queries start past the prefix.
+    case = _case([(1, 45), (4, 40), (1, 33)], pages_per_seq=4)
+    table = np.asarray(case.page_indices).copy()
+    table[1:3, :2] = table[0, :2]  # the same physical prefix pages for all three
+    case = case.replace(page_indices=jnp.asarray(table))
+    kernel = functools.partial(ragged_paged_attention, interpret=True)
+    out, lse = reference.cascade_attention(*case.args(), 2, sm_scale=SM_SCALE, attention_fn=kernel)
+    expected = harness.dense_oracle(case, sm_scale=SM_SCALE)
+    harness.assert_close_to_oracle(case, out, lse, expected)
+
+
+def test_soft_cap():
+    _check(_case([(1, 37), (6, 20)]), oracle_kw={"soft_cap": 2.0})
+
+
+def test_sliding_window():
+    # Window 8 < block_k 16: blocks wholly outside the window are skipped, edges masked.
+    _check(_case([(1, 50), (9, 30)]), oracle_kw={"sliding_window": 8}, block_k=16)
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
+def test_quantized_kv_with_scales(kv_dtype):
+    case = _case([(1, 37), (4, 20)], dtype=jnp.bfloat16, kv_dtype=kv_dtype)
+    # int8 values span +-127, float8 ones about +-3: scales keep the logits O(1).
+    int8 = jnp.dtype(kv_dtype) == jnp.dtype(jnp.int8)
+    scales = {"k_scale": 0.02, "v_scale": 0.03} if int8 else {"k_scale": 0.5, "v_scale": 0.25}
+    _check(case, oracle_kw=scales)
+
+
+def test_no_valid_sequence_gives_empty_rows():
+    case = _case([(2, 5)])
+    case = case.replace(num_seqs=jnp.zeros((1,), jnp.int32))
+    out, lse = _run(case)
+    assert np.all(np.asarray(out.astype(jnp.float32)) == 0.0)
+    assert np.all(np.isneginf(np.asarray(lse)))
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"head_dim": 48}, "head_dim"),
+        ({"block_m": 24}, "block_m"),
+        ({"block_k": 8}, "block_k"),
+        ({"num_kv_splits": 0}, "num_kv_splits"),
+    ],
+)
+def test_rejects_unsupported_static_shapes(kw, match):
+    head_dim = kw.pop("head_dim", 64)
+    case = _case([(1, 5)], head_dim=head_dim)
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(
+            functools.partial(ragged_paged_attention, sm_scale=SM_SCALE, interpret=True, **kw),
+            *case.args(),
+        )
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype", "kw"),
+    [
+        (jnp.bfloat16, None, {"num_kv_splits": 4}),
+        (jnp.bfloat16, jnp.int8, {"k_scale": 0.1, "v_scale": 0.1, "soft_cap": 30.0}),
+        (jnp.float32, None, {"causal": False, "block_m": 64}),
+    ],
+    ids=["bf16-splits", "int8-softcap", "f32-noncausal"],
+)
+def test_lowers_for_cuda_to_a_triton_call(dtype, kv_dtype, kw):
+    case = _case([(1, 37), (5, 20)], dtype=dtype, kv_dtype=kv_dtype, head_dim=128)
+    f = functools.partial(ragged_paged_attention, sm_scale=SM_SCALE, **kw)
+    text = jax.jit(f).trace(*case.args()).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+    assert "ragged_paged_attention_gpu" in text
