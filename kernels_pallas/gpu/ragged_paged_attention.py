@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -225,20 +226,44 @@ def _merge_splits(
     return merged, jnp.where(seen, m_safe + jnp.log(denom_safe), -jnp.inf)
 
 
-def _default_config(
+class KernelConfig(NamedTuple):
+    """Static tiling of one call; see `ragged_paged_attention` for the meaning of each."""
+
+    block_m: int
+    block_k: int
+    num_kv_splits: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(
     *,
     max_num_tokens: int,
     max_num_seqs: int,
     max_q_len: int | None,
     num_kv_heads: int,
     group: int,
+    head_dim: int,
+    kv_itemsize: int,
     page_size: int,
     pages_per_seq: int,
-) -> tuple[int, int, int]:
-    """(block_m, block_k, num_kv_splits) from static shapes only."""
+) -> KernelConfig:
+    """Tiling from static shapes only, so that one bucket compiles one program.
+
+    Decode-like calls (max_q_len 1, or no more tokens than sequences) take 16-row blocks
+    and long key steps, and split the keys until about `_TARGET_PROGRAMS` programs run.
+    Prefill-like calls (including the cascade prefix pass: one sequence holding a whole
+    batch) take up to 128 rows so a shared page is read by few blocks. Key tiles are
+    capped in bytes so two pipeline stages of K and V fit in an A100's shared memory.
+    """
     decode = (max_q_len is not None and max_q_len <= 1) or max_num_tokens <= max_num_seqs
-    block_m = max(16 if decode else 64, _next_pow2(group))
-    block_k = 128 if decode else 64
+    if decode:
+        block_m = max(16, _next_pow2(group))
+    else:
+        q_len = max_num_tokens if max_q_len is None else min(max_q_len, max_num_tokens)
+        block_m = max(16, _next_pow2(group), min(128, _next_pow2(q_len * group)))
+    tile_bytes = (32 if decode else 16) * 1024
+    block_k = max(16, min(128, _next_pow2(tile_bytes // (head_dim * kv_itemsize) + 1) // 2))
     tokens_per_block = block_m // group
     if decode:
         busy_programs = max_num_seqs * num_kv_heads
@@ -246,7 +271,13 @@ def _default_config(
         busy_programs = -(-max_num_tokens // tokens_per_block) * num_kv_heads
     key_blocks = -(-pages_per_seq * page_size // block_k)
     splits = -(-_TARGET_PROGRAMS // max(1, busy_programs))
-    return block_m, block_k, max(1, min(splits, key_blocks, _MAX_KV_SPLITS))
+    return KernelConfig(
+        block_m=block_m,
+        block_k=block_k,
+        num_kv_splits=max(1, min(splits, key_blocks, _MAX_KV_SPLITS)),
+        num_warps=8 if block_m >= 128 else 4,
+        num_stages=2,
+    )
 
 
 def _validate_gpu(q: jax.Array, block_m: int, group: int, block_k: int) -> None:
@@ -319,18 +350,22 @@ def ragged_paged_attention(
     num_kv_heads = num_combined_kv_heads // 2
     group = num_q_heads // num_kv_heads
     max_num_seqs, pages_per_seq = page_indices.shape
-    d_block_m, d_block_k, d_splits = _default_config(
+    default = default_config(
         max_num_tokens=max_num_tokens,
         max_num_seqs=max_num_seqs,
         max_q_len=max_q_len,
         num_kv_heads=num_kv_heads,
         group=group,
+        head_dim=head_dim,
+        kv_itemsize=jnp.dtype(kv_pages.dtype).itemsize,
         page_size=page_size,
         pages_per_seq=pages_per_seq,
     )
-    block_m = d_block_m if block_m is None else block_m
-    block_k = d_block_k if block_k is None else block_k
-    num_kv_splits = d_splits if num_kv_splits is None else num_kv_splits
+    block_m = default.block_m if block_m is None else block_m
+    block_k = default.block_k if block_k is None else block_k
+    num_kv_splits = default.num_kv_splits if num_kv_splits is None else num_kv_splits
+    num_warps = default.num_warps if num_warps is None else num_warps
+    num_stages = default.num_stages if num_stages is None else num_stages
     if num_kv_splits < 1:
         raise ValueError(f"{num_kv_splits=} must be >= 1")
     _validate_gpu(q, block_m, group, block_k)
@@ -382,10 +417,7 @@ def ragged_paged_attention(
             jax.ShapeDtypeStruct((num_kv_splits, num_rows, head_dim), out_dtype),
             jax.ShapeDtypeStruct((num_kv_splits, num_rows), jnp.float32),
         ],
-        compiler_params=plgpu.CompilerParams(
-            num_warps=num_warps if num_warps is not None else (4 if block_m <= 64 else 8),
-            num_stages=num_stages if num_stages is not None else 2,
-        ),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
     )(
