@@ -1,0 +1,208 @@
+"""Plain-jnp ragged paged attention and cascade attention: the contract every kernel follows.
+
+`ragged_paged_attention` is jittable with static shapes (num_seqs is a traced array; no
+Python loop over sequences) and returns `(out, lse)`:
+
+- only the first num_seqs sequences are valid; sequence i owns query tokens
+  cu_q_lens[i]:cu_q_lens[i+1] and keys 0:kv_lens[i], its queries being the last q_len of
+  those kv_len tokens, so query r of the sequence sits at position kv_len - q_len + r;
+- causal=True: key j is visible to position p iff j <= p (and j > p - sliding_window);
+  causal=False: every key j < kv_len is visible (the prefix pass of cascade attention);
+- logits are (q . k) * sm_scale, then soft_cap * tanh(logits / soft_cap) if soft_cap;
+- quantized KV (int8, float8_e4m3fn) is read as k.astype(f32) * k_scale, v likewise;
+- softmax and the value sum run in float32; out is cast to q.dtype;
+- lse is float32, natural log, [max_num_tokens, num_q_heads]; a row that sees no key and
+  every row past cu_q_lens[num_seqs] gives out 0 and lse -inf, never NaN, whatever the
+  padding of q, kv_pages or the page table holds.
+
+It is also the XLA backend of jaxkv on the CPU. It reads each sequence's pages once (a
+gather to contiguous K/V per sequence) and lays queries out per sequence with at most
+`max_q_len` rows, so a non-causal prefix pass holding a whole batch as one sequence reads
+the shared pages once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.merge import merge_attn_states
+from kernels_pallas.validation import validate_ragged_paged_attention_inputs
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _dequantize(x: jax.Array, scale: float | None) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return x * scale if scale is not None else x
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [max_num_tokens, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # i32[max_num_seqs]
+    page_indices: jax.Array,  # i32[max_num_seqs, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    max_q_len: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Attention of each sequence's query tokens over its paged keys; see the module doc.
+
+    `max_q_len` (static) bounds the query length of every valid sequence; it defaults to
+    max_num_tokens, which is always safe. A smaller bound saves work and memory (decode:
+    1), and a sequence with more query tokens than it gets wrong results for the excess.
+    """
+    validate_ragged_paged_attention_inputs(
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, causal=causal, sliding_window=sliding_window,
+        soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    max_num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_combined_kv_heads, _ = kv_pages.shape
+    num_kv_heads = num_combined_kv_heads // 2
+    group = num_q_heads // num_kv_heads
+    max_num_seqs, pages_per_seq = page_indices.shape
+    max_kv_len = pages_per_seq * page_size
+    q_rows = max_num_tokens if max_q_len is None else min(int(max_q_len), max_num_tokens)
+
+    seq_valid = jnp.arange(max_num_seqs) < num_seqs[0]
+    q_start = cu_q_lens[:-1]
+    q_len = jnp.where(seq_valid, cu_q_lens[1:] - q_start, 0)
+    kv_len = jnp.where(seq_valid, kv_lens, 0)
+
+    # Queries laid out per sequence: [S, q_rows, num_kv_heads, group, head_dim].
+    row = jnp.arange(q_rows)
+    row_valid = row[None, :] < q_len[:, None]
+    token = jnp.clip(q_start[:, None] + row[None, :], 0, max_num_tokens - 1)
+    qs = q[token].astype(jnp.float32)
+    qs = jnp.where(row_valid[..., None, None], qs, 0.0)
+    qs = qs.reshape(max_num_seqs, q_rows, num_kv_heads, group, head_dim)
+
+    # Contiguous keys and values per sequence: [S, max_kv_len, num_kv_heads, head_dim].
+    kv = kv_pages[page_indices].reshape(max_num_seqs, max_kv_len, num_combined_kv_heads, head_dim)
+    key_pos = jnp.arange(max_kv_len)
+    key_valid = key_pos[None, :] < kv_len[:, None]
+    k = jnp.where(key_valid[..., None, None], _dequantize(kv[:, :, 0::2], k_scale), 0.0)
+    v = jnp.where(key_valid[..., None, None], _dequantize(kv[:, :, 1::2], v_scale), 0.0)
+
+    logits = jnp.einsum("sqhgd,skhd->shgqk", qs, k, precision=_HIGHEST) * sm_scale
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+
+    q_pos = (kv_len - q_len)[:, None] + row[None, :]  # [S, q_rows]
+    visible = row_valid[:, :, None] & key_valid[:, None, :]
+    if causal:
+        visible &= key_pos[None, None, :] <= q_pos[:, :, None]
+    if sliding_window is not None:
+        visible &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    visible = visible[:, None, None]  # [S, 1, 1, q_rows, max_kv_len]
+
+    logits = jnp.where(visible, logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    probs = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
+    denom = jnp.sum(probs, axis=-1)  # [S, Hkv, G, q_rows]
+    seen = denom > 0
+    out_s = jnp.einsum("shgqk,skhd->sqhgd", probs, v, precision=_HIGHEST)
+    out_s = out_s / jnp.where(seen, denom, 1.0).transpose(0, 3, 1, 2)[..., None]
+    lse_s = jnp.where(seen, row_max[..., 0] + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
+    out_s = out_s.reshape(max_num_seqs, q_rows, num_q_heads, head_dim)
+    lse_s = lse_s.transpose(0, 3, 1, 2).reshape(max_num_seqs, q_rows, num_q_heads)
+
+    # Back to the flat token layout.
+    tok = jnp.arange(max_num_tokens)
+    tok_seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right"), 0, max_num_seqs - 1)
+    tok_row = tok - q_start[tok_seq]
+    tok_valid = (tok < cu_q_lens[num_seqs[0]]) & (tok_row < q_rows)
+    tok_row = jnp.clip(tok_row, 0, q_rows - 1)
+    out = jnp.where(tok_valid[:, None, None], out_s[tok_seq, tok_row], 0.0)
+    lse = jnp.where(tok_valid[:, None], lse_s[tok_seq, tok_row], -jnp.inf)
+    return out.astype(q.dtype), lse
+
+
+AttentionFn = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def prefix_pass_inputs(
+    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
+    num_seqs: jax.Array,  # i32[1]
+    prefix_pages: jax.Array,  # i32[pages_per_seq]
+    prefix_len: jax.Array | int,  # i32[] tokens in the shared prefix
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(kv_lens, page_indices, cu_q_lens, num_seqs) of one sequence holding every query token."""
+    num_tokens = cu_q_lens[num_seqs[0]]
+    kv_lens = jnp.asarray(prefix_len, jnp.int32).reshape(1)
+    cu = jnp.stack([jnp.int32(0), num_tokens.astype(jnp.int32)])
+    return kv_lens, prefix_pages[None, :].astype(jnp.int32), cu, jnp.ones((1,), jnp.int32)
+
+
+def suffix_page_indices(
+    page_indices: jax.Array,  # i32[max_num_seqs, pages_per_seq]
+    num_prefix_pages: jax.Array | int,  # i32[]
+) -> jax.Array:
+    """Each row shifted left by num_prefix_pages columns, the freed tail pointing at page 0."""
+    pages_per_seq = page_indices.shape[1]
+    col = jnp.arange(pages_per_seq) + num_prefix_pages
+    shifted = jnp.take(page_indices, jnp.clip(col, 0, pages_per_seq - 1), axis=1)
+    return jnp.where(col[None, :] < pages_per_seq, shifted, 0).astype(jnp.int32)
+
+
+def cascade_attention(
+    q: jax.Array,  # [max_num_tokens, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # i32[max_num_seqs] whole context length per sequence
+    page_indices: jax.Array,  # i32[max_num_seqs, pages_per_seq] whole block table per sequence
+    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
+    num_seqs: jax.Array,  # i32[1]
+    num_prefix_pages: jax.Array | int,  # i32[] pages shared by every valid sequence
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    attention_fn: AttentionFn | None = None,
+    max_q_len: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Cascade attention for one group whose sequences all start with the same pages.
+
+    Precondition (the planner's cap): every sequence's first query position is at or past
+    the shared prefix, i.e. kv_lens - q_lens >= num_prefix_pages * page_size, so the
+    non-causal prefix pass never shows a query a key after itself. Then the result equals
+    plain causal attention over each whole context. `attention_fn` is any kernel with the
+    contract of `ragged_paged_attention` (default: this module's, with `max_q_len`).
+    """
+    if attention_fn is None:
+        prefix_fn = ragged_paged_attention
+        suffix_fn = lambda *a, **kw: ragged_paged_attention(*a, **kw, max_q_len=max_q_len)
+    else:
+        prefix_fn = suffix_fn = attention_fn
+    page_size = kv_pages.shape[1]
+    prefix_len = jnp.asarray(num_prefix_pages, jnp.int32) * page_size
+    common = dict(sm_scale=sm_scale, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
+    out_p, lse_p = prefix_fn(
+        q,
+        kv_pages,
+        *prefix_pass_inputs(cu_q_lens, num_seqs, page_indices[0], prefix_len),
+        causal=False,
+        **common,
+    )
+    out_s, lse_s = suffix_fn(
+        q,
+        kv_pages,
+        jnp.maximum(kv_lens - prefix_len, 0),
+        suffix_page_indices(page_indices, num_prefix_pages),
+        cu_q_lens,
+        num_seqs,
+        causal=True,
+        **common,
+    )
+    return merge_attn_states(out_p, lse_p, out_s, lse_s)

@@ -1,0 +1,80 @@
+"""Trace-time validation of ragged paged attention arguments, shared by every backend.
+
+All checks look at shapes, dtypes and static options only, so they run while tracing
+and never force a device value. Each error names the argument and what was expected.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+QUANTIZED_KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def validate_ragged_paged_attention_inputs(
+    q: jax.Array,  # [max_num_tokens, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # i32[max_num_seqs]
+    page_indices: jax.Array,  # i32[max_num_seqs, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    k_scale: float | None,
+    v_scale: float | None,
+) -> None:
+    """Raises ValueError if the arguments break the layout conventions of DESIGN.md."""
+    if q.ndim != 3:
+        raise ValueError(f"{q.shape=} must be [max_num_tokens, num_q_heads, head_dim]")
+    if kv_pages.ndim != 4:
+        raise ValueError(
+            f"{kv_pages.shape=} must be [num_pages, page_size, 2 * num_kv_heads, head_dim]"
+        )
+    _, num_q_heads, head_dim = q.shape
+    _, _, num_combined_kv_heads, kv_head_dim = kv_pages.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"{kv_pages.shape=} head_dim must equal {q.shape[2]=}")
+    if num_combined_kv_heads % 2:
+        raise ValueError(f"{kv_pages.shape=}: combined KV heads (axis 2) must be even (K, V)")
+    num_kv_heads = num_combined_kv_heads // 2
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{q.shape[1]=} (query heads) must be a multiple of {num_kv_heads=}")
+    if jnp.dtype(q.dtype) not in FLOAT_DTYPES:
+        raise ValueError(f"{q.dtype=} must be one of float32, bfloat16, float16")
+    kv_dtype = jnp.dtype(kv_pages.dtype)
+    if kv_dtype in QUANTIZED_KV_DTYPES:
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"{kv_pages.dtype=} is quantized: k_scale and v_scale are required")
+    elif kv_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{kv_pages.dtype=} must be a float type, int8 or float8_e4m3fn")
+    if kv_lens.ndim != 1:
+        raise ValueError(f"{kv_lens.shape=} must be [max_num_seqs]")
+    max_num_seqs = kv_lens.shape[0]
+    if page_indices.ndim != 2 or page_indices.shape[0] != max_num_seqs:
+        raise ValueError(f"{page_indices.shape=} must be [{max_num_seqs=}, pages_per_seq]")
+    if cu_q_lens.shape != (max_num_seqs + 1,):
+        raise ValueError(f"{cu_q_lens.shape=} must be ({max_num_seqs + 1},) = (max_num_seqs + 1,)")
+    if num_seqs.shape != (1,):
+        raise ValueError(f"{num_seqs.shape=} must be (1,)")
+    for name, arr in (
+        ("kv_lens", kv_lens),
+        ("page_indices", page_indices),
+        ("cu_q_lens", cu_q_lens),
+        ("num_seqs", num_seqs),
+    ):
+        if jnp.dtype(arr.dtype) != jnp.dtype(jnp.int32):
+            raise ValueError(f"{name}.dtype={arr.dtype} must be int32")
+    if not sm_scale > 0:
+        raise ValueError(f"{sm_scale=} must be > 0")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"{soft_cap=} must be > 0 or None")
+    if sliding_window is not None:
+        if not causal:
+            raise ValueError(f"{sliding_window=} needs causal=True (a prefix pass sees all keys)")
+        if int(sliding_window) < 1:
+            raise ValueError(f"{sliding_window=} must be >= 1 or None")

@@ -1,0 +1,86 @@
+"""merge_attn_states: the LSE merge of two partial attention results."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.merge import merge_attn_states
+
+INF = float("inf")
+
+
+def _states(rng, lse_values, dtype=jnp.float32):
+    lse = jnp.asarray(np.asarray(lse_values, np.float32).reshape(-1, 1))
+    out = jnp.asarray(rng.standard_normal((lse.shape[0], 1, 4)), dtype)
+    return out, lse
+
+
+def test_merge_equals_attention_over_the_union():
+    # Two disjoint key sets with logits a = (0, 1) and b = (2,), values (1, 2) and (5,).
+    # Over the union: weights e^0, e^1, e^2; out = (1 + 2e + 5e^2) / (1 + e + e^2).
+    e = math.e
+    lse_a, out_a = math.log(1 + e), (1 + 2 * e) / (1 + e)
+    lse_b, out_b = 2.0, 5.0
+    out, lse = merge_attn_states(
+        jnp.full((1, 1, 1), out_a), jnp.full((1, 1), lse_a),
+        jnp.full((1, 1, 1), out_b), jnp.full((1, 1), lse_b),
+    )  # fmt: skip
+    np.testing.assert_allclose(float(out[0, 0, 0]), (1 + 2 * e + 5 * e * e) / (1 + e + e * e), 1e-6)
+    np.testing.assert_allclose(float(lse[0, 0]), math.log(1 + e + e * e), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_side_empty_passes_the_other_through_exactly(dtype):
+    rng = np.random.default_rng(0)
+    out_a, lse_a = _states(rng, [0.3, -7.0, 80.0], dtype)
+    nan_out = jnp.full(out_a.shape, jnp.nan, dtype)  # an empty side's output is never read
+    empty = jnp.full(lse_a.shape, -INF)
+    out, lse = merge_attn_states(out_a, lse_a, nan_out, empty)
+    assert np.array_equal(np.asarray(out), np.asarray(out_a))
+    assert np.array_equal(np.asarray(lse), np.asarray(lse_a))
+    out, lse = merge_attn_states(nan_out, empty, out_a, lse_a)
+    assert np.array_equal(np.asarray(out), np.asarray(out_a))
+    assert np.array_equal(np.asarray(lse), np.asarray(lse_a))
+
+
+def test_both_empty_gives_zero_and_minus_inf():
+    nan_out = jnp.full((2, 1, 4), jnp.nan)
+    empty = jnp.full((2, 1), -INF)
+    out, lse = merge_attn_states(nan_out, empty, nan_out, empty)
+    assert np.all(np.asarray(out) == 0.0)
+    assert np.all(np.isneginf(np.asarray(lse)))
+
+
+def test_very_different_magnitudes_and_infinities_give_no_nan():
+    rng = np.random.default_rng(1)
+    values = [-1e30, -80.0, 0.0, 80.0, 1e30, INF, -INF]
+    grid_a, grid_b = np.meshgrid(values, values)
+    out_a, lse_a = _states(rng, grid_a.ravel())
+    out_b, lse_b = _states(rng, grid_b.ravel())
+    out, lse = merge_attn_states(out_a, lse_a, out_b, lse_b)
+    assert not np.any(np.isnan(np.asarray(out)))
+    assert not np.any(np.isnan(np.asarray(lse)))
+    # A side 1e30 below the other contributes nothing: out equals the larger side.
+    big = (grid_a.ravel() == 1e30) & (grid_b.ravel() == -1e30)
+    np.testing.assert_array_equal(np.asarray(out)[big], np.asarray(out_a)[big])
+
+
+def test_merge_is_symmetric_and_float32():
+    rng = np.random.default_rng(2)
+    out_a, lse_a = _states(rng, rng.normal(size=16) * 10)
+    out_b, lse_b = _states(rng, rng.normal(size=16) * 10)
+    ab = merge_attn_states(out_a, lse_a, out_b, lse_b)
+    ba = merge_attn_states(out_b, lse_b, out_a, lse_a)
+    np.testing.assert_allclose(np.asarray(ab[0]), np.asarray(ba[0]), rtol=1e-6, atol=1e-7)
+    assert ab[1].dtype == jnp.float32
+
+
+def test_shape_mismatch_raises():
+    with pytest.raises(ValueError, match="out_a.shape"):
+        merge_attn_states(
+            jnp.zeros((2, 1, 4)), jnp.zeros((2, 1)), jnp.zeros((3, 1, 4)), jnp.zeros((3, 1))
+        )

@@ -1,0 +1,234 @@
+"""The plain-jnp reference against the float64 dense oracle, and the cascade composition."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.reference import cascade_attention, ragged_paged_attention
+from tests.kernels import harness
+
+_STATIC = ("sm_scale", "causal", "sliding_window", "soft_cap", "k_scale", "v_scale", "max_q_len")
+rpa = jax.jit(ragged_paged_attention, static_argnames=_STATIC)
+
+MIXED = [(1, 17), (7, 7), (3, 40), (1, 1), (12, 29)]
+
+
+def _check(case: harness.Case, *, max_q_len=None, **kw):
+    sm_scale = kw.pop("sm_scale", 1.0 / math.sqrt(case.q.shape[-1]))
+    out, lse = rpa(*case.args(), sm_scale=sm_scale, max_q_len=max_q_len, **kw)
+    harness.assert_close_to_oracle(
+        case, out, lse, harness.dense_oracle(case, sm_scale=sm_scale, **kw)
+    )
+    harness.assert_padding_is_empty(case, out, lse)
+    return out, lse
+
+
+def test_golden_two_keys():
+    # One sequence, one head, head_dim 1, sm_scale 1: q = 1, keys k0 = 0 and k1 = ln 2,
+    # values v0 = 3 and v1 = 6. Logits are 0 and ln 2, so exp gives 1 and 2:
+    # softmax = (1/3, 2/3), out = 3/3 + 2*6/3 = 5, lse = ln(1 + 2) = ln 3.
+    # The second query token of a 2-token prefill sits at position 1 and sees both keys;
+    # the first sits at position 0 and sees only k0: out = 3, lse = 0.
+    q = jnp.array([[[1.0]], [[1.0]]])
+    kv = np.full((2, 2, 2, 1), np.nan, np.float32)  # page 0 is the (poisoned) null page
+    kv[1, 0] = [[0.0], [3.0]]
+    kv[1, 1] = [[math.log(2.0)], [6.0]]
+    out, lse = ragged_paged_attention(
+        q,
+        jnp.asarray(kv),
+        jnp.array([2], jnp.int32),
+        jnp.array([[1]], jnp.int32),
+        jnp.array([0, 2], jnp.int32),
+        jnp.array([1], jnp.int32),
+        sm_scale=1.0,
+    )
+    np.testing.assert_allclose(np.asarray(out)[:, 0, 0], [3.0, 5.0], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse)[:, 0], [0.0, math.log(3.0)], atol=1e-6)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("page_size", [8, 16, 32])
+def test_mixed_batches(group, head_dim, page_size):
+    seed = group * 1000 + head_dim + page_size
+    case = harness.make_case(
+        seed, MIXED, num_q_heads=2 * group, num_kv_heads=2, head_dim=head_dim, page_size=page_size
+    )
+    _check(case)
+
+
+@pytest.mark.parametrize(
+    "seq_lens",
+    [
+        pytest.param([(1, 33), (1, 5), (1, 64), (1, 1)], id="decode_only"),
+        pytest.param([(20, 20), (9, 9), (1, 1)], id="prefill_only"),
+        pytest.param([(6, 30), (2, 9), (11, 11)], id="chunked_prefill"),
+        pytest.param([(0, 16), (3, 9)], id="empty_query"),
+    ],
+)
+def test_named_batches(seq_lens):
+    case = harness.make_case(7, seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
+    _check(case)
+
+
+def test_bfloat16_within_stated_bound():
+    case = harness.make_case(
+        3, MIXED, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=jnp.bfloat16
+    )
+    _check(case)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param(dict(sliding_window=5), id="sliding_window"),
+        pytest.param(dict(sliding_window=1), id="sliding_window_1"),
+        pytest.param(dict(soft_cap=3.0, sm_scale=1.0), id="soft_cap"),
+        pytest.param(dict(causal=False), id="non_causal"),
+        pytest.param(dict(soft_cap=2.0, sliding_window=9, sm_scale=0.5), id="cap_and_window"),
+    ],
+)
+def test_options(options):
+    case = harness.make_case(11, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
+    _check(case, **options)
+
+
+@pytest.mark.parametrize(
+    "kv_dtype, scale",
+    [(jnp.int8, 0.01), (jnp.float8_e4m3fn, 0.5)],
+    ids=["int8", "fp8"],
+)
+def test_quantized_kv(kv_dtype, scale):
+    case = harness.make_case(
+        5, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, kv_dtype=kv_dtype
+    )
+    _check(case, k_scale=scale, v_scale=scale * 2)
+
+
+def test_max_q_len_bound_for_decode():
+    case = harness.make_case(
+        9, [(1, 30), (1, 3), (1, 17)], num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=8
+    )
+    _check(case, max_q_len=1)
+
+
+@pytest.mark.parametrize("broken", [harness.drop_one_key, harness.swap_kv])
+def test_broken_input_is_rejected(broken):
+    case = harness.make_case(13, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
+    expected = harness.dense_oracle(case, sm_scale=0.125)
+    out, lse = rpa(*broken(case).args(), sm_scale=0.125)
+    with pytest.raises(AssertionError, match="rows differ"):
+        harness.assert_close_to_oracle(case, out, lse, expected)
+
+
+def _shared_prefix_case(seed, num_prefix_pages, suffixes, *, page_size=8, dtype=jnp.float32):
+    """A batch whose sequences all start with the same num_prefix_pages pages.
+
+    Shapes are fixed (6 sequences, 32 tokens, 8 pages per sequence) so that every random
+    structure runs through one compiled program.
+    """
+    prefix = num_prefix_pages * page_size
+    seq_lens = [(q, prefix + extra) for q, extra in suffixes]
+    case = harness.make_case(
+        seed, seq_lens, num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=page_size,
+        dtype=dtype, max_num_seqs=6, max_num_tokens=32, pages_per_seq=8, num_pages=64,
+    )  # fmt: skip
+    table = np.asarray(case.page_indices).copy()
+    kv = np.asarray(case.kv_pages.astype(jnp.float32)).copy()
+    shared = table[0, :num_prefix_pages].copy()
+    for i in range(1, len(seq_lens)):
+        kv[table[i, :num_prefix_pages]] = np.nan  # the pages each row no longer uses
+        table[i, :num_prefix_pages] = shared
+    return case.replace(page_indices=jnp.asarray(table), kv_pages=jnp.asarray(kv, dtype))
+
+
+_jit_cascade = jax.jit(functools.partial(cascade_attention, sm_scale=0.125))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cascade_equals_oracle_on_random_shared_prefix(seed):
+    rng = np.random.default_rng(seed)
+    num_prefix_pages = int(rng.integers(1, 5))
+    suffixes = []
+    for _ in range(int(rng.integers(1, 6))):
+        q_len = int(rng.choice([1, 1, 2, 5]))
+        suffixes.append((q_len, q_len + int(rng.integers(0, 20))))
+    case = _shared_prefix_case(seed, num_prefix_pages, suffixes)
+    expected = harness.dense_oracle(case, sm_scale=0.125)
+    out, lse = _jit_cascade(*case.args(), num_prefix_pages)
+    harness.assert_close_to_oracle(case, out, lse, expected)
+    harness.assert_padding_is_empty(case, out, lse)
+    # The composition with an explicit kernel (here the reference itself) agrees too.
+    out2, lse2 = cascade_attention(
+        *case.args(), num_prefix_pages, sm_scale=0.125, attention_fn=ragged_paged_attention
+    )
+    harness.assert_close_to_oracle(case, out2, lse2, expected)
+
+
+def test_cascade_with_soft_cap_and_bfloat16():
+    case = _shared_prefix_case(21, 3, [(1, 4), (1, 9), (3, 3)], dtype=jnp.bfloat16)
+    expected = harness.dense_oracle(case, sm_scale=0.3, soft_cap=4.0)
+    out, lse = cascade_attention(*case.args(), 3, sm_scale=0.3, soft_cap=4.0)
+    harness.assert_close_to_oracle(case, out, lse, expected)
+
+
+def test_cascade_prefix_covering_a_query_is_wrong():
+    # The planner's cap exists because of this: a prefix pass over pages that hold a
+    # query's own position lets that query see keys after itself.
+    case = _shared_prefix_case(22, 2, [(1, 3), (4, 4)])
+    expected = harness.dense_oracle(case, sm_scale=0.125)
+    out, lse = cascade_attention(*case.args(), 3, sm_scale=0.125)
+    with pytest.raises(AssertionError):
+        harness.assert_close_to_oracle(case, out, lse, expected)
+
+
+def test_agrees_with_jax_reference():
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as jax_rpa
+
+    for seed, (soft_cap, window) in enumerate([(None, None), (5.0, 6)]):
+        case = harness.make_case(
+            seed, MIXED[:3], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, poison=False
+        )
+        ours, _ = ragged_paged_attention(
+            *case.args(), sm_scale=0.1, soft_cap=soft_cap, sliding_window=window
+        )
+        theirs = jax_rpa.ref_ragged_paged_attention(
+            *case.args(), sm_scale=0.1, soft_cap=soft_cap, sliding_window=window
+        )
+        n = case.num_valid_tokens
+        np.testing.assert_allclose(np.asarray(ours[:n]), np.asarray(theirs[:n]), atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda a: {**a, "q": a["q"][0]}, "q.shape"),
+        (lambda a: {**a, "kv_pages": a["kv_pages"][..., :3, :]}, "combined KV heads"),
+        (lambda a: {**a, "kv_pages": a["kv_pages"][..., :32]}, "head_dim"),
+        (lambda a: {**a, "kv_lens": a["kv_lens"].astype(jnp.float32)}, "kv_lens.dtype"),
+        (lambda a: {**a, "cu_q_lens": a["cu_q_lens"][:-1]}, "cu_q_lens.shape"),
+        (lambda a: {**a, "num_seqs": a["num_seqs"][:0]}, "num_seqs.shape"),
+        (lambda a: {**a, "page_indices": a["page_indices"][:1]}, "page_indices.shape"),
+        (lambda a: {**a, "q": a["q"][:, :3]}, "multiple of num_kv_heads"),
+        (lambda a: {**a, "kv_pages": a["kv_pages"].astype(jnp.int8)}, "k_scale and v_scale"),
+    ],
+)
+def test_bad_input_raises_at_trace_time(mutate, match):
+    case = harness.make_case(0, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
+    names = ("q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
+    args = mutate(dict(zip(names, case.args(), strict=True)))
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in args.items()}
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(functools.partial(ragged_paged_attention, sm_scale=1.0), **abstract)
+
+
+def test_sliding_window_needs_causal():
+    case = harness.make_case(0, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
+    with pytest.raises(ValueError, match="sliding_window"):
+        ragged_paged_attention(*case.args(), sm_scale=1.0, causal=False, sliding_window=4)
