@@ -1,0 +1,154 @@
+"""Attention dispatch: flat or cascade paged attention on the chosen backend, and the KV write.
+
+`paged_attention` runs the main causal pass of AttentionMetadata and every cascade
+level (non-causal passes over shared pages), merging them through their LSEs in
+float32. The backend comes from the metadata (or an explicit override):
+
+- "xla": kernels_pallas.reference, plain jnp; the default on the CPU;
+- "pallas_tpu": the Pallas TPU (Mosaic) kernel; the default on TPU;
+- "pallas_gpu": the Pallas GPU kernel; the default on GPUs.
+
+`interpret=True` runs a Pallas backend in interpret mode on the CPU. The result equals
+plain causal attention over each request's whole context, whatever the plan.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.batch import AttentionMetadata
+from kernels_pallas import reference
+from kernels_pallas.merge import merge_attn_states
+
+BACKENDS = ("xla", "pallas_tpu", "pallas_gpu")
+AttentionFn = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def default_backend(platform: str | None = None) -> str:
+    """The backend for a JAX platform name ("cpu", "tpu", "gpu"/"cuda"); default: jax's."""
+    platform = platform or jax.default_backend()
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
+
+
+def kernel_for(
+    backend: str, *, interpret: bool = False, max_q_len: int | None = None
+) -> AttentionFn:
+    """A function with the contract of kernels_pallas.reference.ragged_paged_attention."""
+    if backend == "xla":
+        return functools.partial(reference.ragged_paged_attention, max_q_len=max_q_len)
+    if backend == "pallas_tpu":
+        from kernels_pallas.tpu import ragged_paged_attention as tpu_kernel
+
+        return functools.partial(tpu_kernel, interpret=interpret)
+    if backend == "pallas_gpu":
+        from kernels_pallas.gpu import ragged_paged_attention as gpu_kernel
+
+        return functools.partial(gpu_kernel, interpret=interpret)
+    raise ValueError(f"{backend=} must be one of {BACKENDS}")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale", "soft_cap", "sliding_window", "k_scale", "v_scale", "backend",
+        "interpret", "return_lse",
+    ),
+)  # fmt: skip
+def paged_attention(
+    q: jax.Array,  # [max_num_tokens, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [num_blocks, block_size, 2 * num_kv_heads, head_dim]
+    metadata: AttentionMetadata,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Attention of every scheduled token over its request's cached context.
+
+    Returns out [max_num_tokens, num_q_heads, head_dim] in q.dtype (and lse f32
+    [max_num_tokens, num_q_heads] with return_lse). Padded token rows give 0.
+    Raises ValueError when cascade levels are combined with a sliding window (the
+    planner never plans that: a non-causal prefix pass cannot honour a window).
+    """
+    if q.shape[0] != metadata.max_num_tokens:
+        raise ValueError(f"{q.shape=} must have {metadata.max_num_tokens} (padded) tokens")
+    if metadata.levels and sliding_window is not None:
+        raise ValueError(f"{sliding_window=} cannot be combined with cascade levels")
+    backend = metadata.backend if backend is None else backend
+    interpret = metadata.interpret if interpret is None else interpret
+    options = dict(sm_scale=sm_scale, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
+    main = kernel_for(backend, interpret=interpret, max_q_len=metadata.max_q_len)
+    out, lse = main(
+        q,
+        kv_pages,
+        metadata.kv_lens,
+        metadata.page_indices,
+        metadata.cu_q_lens,
+        metadata.num_seqs,
+        causal=True,
+        sliding_window=sliding_window,
+        **options,
+    )
+    for level in metadata.levels:
+        prefix = kernel_for(backend, interpret=interpret, max_q_len=level.max_q_len)
+        out_l, lse_l = prefix(
+            q,
+            kv_pages,
+            level.kv_lens,
+            level.page_indices,
+            level.cu_q_lens,
+            level.num_seqs,
+            causal=False,
+            **options,
+        )
+        out, lse = merge_attn_states(out_l, lse_l, out, lse)
+    return (out, lse) if return_lse else out
+
+
+def _quantize(x: jax.Array, dtype, scale: float | None) -> jax.Array:
+    if scale is None:
+        return x.astype(dtype)
+    x = x.astype(jnp.float32) / scale
+    if jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        x = jnp.clip(jnp.round(x), info.min, info.max)
+    return x.astype(dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("k_scale", "v_scale"))
+def write_kv(
+    kv_pages: jax.Array,  # [num_blocks, block_size, 2 * num_kv_heads, head_dim]
+    k: jax.Array,  # [max_num_tokens, num_kv_heads, head_dim]
+    v: jax.Array,  # [max_num_tokens, num_kv_heads, head_dim]
+    slot_mapping: jax.Array,  # i32[max_num_tokens] block_id * block_size + offset
+    *,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+) -> jax.Array:
+    """Writes each token's K and V into its slot (K at even, V at odd combined heads).
+
+    The cache is donated and updated in place. Padded tokens carry slots inside the null
+    block 0, which no valid row ever reads. Quantized caches store round(x / scale).
+    """
+    num_blocks, block_size, num_combined, head_dim = kv_pages.shape
+    if k.shape != v.shape or k.shape[1:] != (num_combined // 2, head_dim):
+        raise ValueError(
+            f"{k.shape=} and {v.shape=} must be [max_num_tokens, {num_combined // 2}, {head_dim}]"
+        )
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"{slot_mapping.shape=} must be ({k.shape[0]},)")
+    kv = jnp.stack(
+        [_quantize(k, kv_pages.dtype, k_scale), _quantize(v, kv_pages.dtype, v_scale)], axis=2
+    ).reshape(k.shape[0], num_combined, head_dim)
+    flat = kv_pages.reshape(num_blocks * block_size, num_combined, head_dim)
+    flat = flat.at[slot_mapping].set(kv, mode="drop", unique_indices=False)
+    return flat.reshape(kv_pages.shape)

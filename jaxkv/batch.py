@@ -1,0 +1,223 @@
+"""AttentionMetadata: the padded, static-shape arrays one step's attention needs.
+
+Built on the host from numpy slices of the KV cache manager's block table (no Python
+loop over blocks) and a CascadePlan, then handed to jit as a pytree whose data fields
+are arrays and whose static fields (bucket-derived bounds, backend, flags) are hashable.
+Every array is padded to a bucket size (jaxkv.buckets), so a serving run compiles at
+most one program per combination of buckets.
+
+Conventions (DESIGN.md): padded page-table entries hold the null block 0; padded tokens
+write their K/V into the null block (slot 0) and read nothing into a valid row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxkv.buckets import BucketConfig, padded_size
+from jaxkv.cascade import CascadeLevel, CascadePlan
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelMetadata:
+    """One non-causal cascade pass: each sequence is a group of the batch (or a gap)."""
+
+    cu_q_lens: np.ndarray  # i32[level_seqs + 1] token ranges of the groups
+    kv_lens: np.ndarray  # i32[level_seqs] shared prefix length of each group (0 in gaps)
+    page_indices: np.ndarray  # i32[level_seqs, level_pages] shared blocks of each group
+    num_seqs: np.ndarray  # i32[1]
+    max_q_len: int  # static: bound on the tokens of one group
+
+
+jax.tree_util.register_dataclass(
+    LevelMetadata,
+    data_fields=["cu_q_lens", "kv_lens", "page_indices", "num_seqs"],
+    meta_fields=["max_q_len"],
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything attention needs for one step, padded to buckets.
+
+    The main pass is causal over each request's pages from suffix_start_block on (all
+    of them when no cascade level is planned); each level in `levels` is a non-causal
+    pass over shared pages, merged with the main pass through the LSEs. Rows of the
+    main pass past num_seqs and tokens past cu_q_lens[num_seqs] are padding.
+    """
+
+    slot_mapping: np.ndarray  # i32[max_num_tokens] block_id * block_size + offset; pad -> 0
+    positions: np.ndarray  # i32[max_num_tokens] position of each token in its sequence
+    logits_indices: np.ndarray  # i32[max_num_seqs] last scheduled token of each sequence
+    cu_q_lens: np.ndarray  # i32[max_num_seqs + 1]
+    kv_lens: np.ndarray  # i32[max_num_seqs] keys the main (suffix) pass reads per sequence
+    page_indices: np.ndarray  # i32[max_num_seqs, pages_per_seq] main-pass pages
+    num_seqs: np.ndarray  # i32[1]
+    levels: tuple[LevelMetadata, ...]  # cascade levels, outermost first
+    block_size: int  # static
+    max_q_len: int  # static: bound on the query tokens of one sequence
+    backend: str  # static: "xla" | "pallas_tpu" | "pallas_gpu"
+    interpret: bool  # static: run Pallas kernels in interpret mode
+
+    @property
+    def num_levels(self) -> int:
+        return len(self.levels)
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.kv_lens.shape[0]
+
+
+jax.tree_util.register_dataclass(
+    AttentionMetadata,
+    data_fields=[
+        "slot_mapping",
+        "positions",
+        "logits_indices",
+        "cu_q_lens",
+        "kv_lens",
+        "page_indices",
+        "num_seqs",
+        "levels",
+    ],
+    meta_fields=["block_size", "max_q_len", "backend", "interpret"],
+)
+
+
+def _table_slice(
+    block_table: np.ndarray,  # i32[num_rows, max_blocks_per_seq]
+    rows: np.ndarray,  # i32[n]
+    col_starts: np.ndarray,  # i[n]
+    width: int,
+    col_ends: np.ndarray | None = None,  # i[n] exclusive; default: the table's width
+) -> np.ndarray:
+    """i32[n, width]: block_table[rows[i], col_starts[i] + j], 0 past col_ends or the table."""
+    cols = col_starts[:, None] + np.arange(width)[None, :]
+    limit = block_table.shape[1] if col_ends is None else col_ends[:, None]
+    valid = cols < limit
+    out = block_table[rows[:, None], np.minimum(cols, block_table.shape[1] - 1)]
+    return np.where(valid, out, 0).astype(np.int32)
+
+
+def _level_metadata(
+    level: CascadeLevel,
+    block_table: np.ndarray,
+    token_starts: np.ndarray,  # i64[R + 1] cumulative query tokens in batch order
+    block_size: int,
+    buckets: BucketConfig,
+) -> LevelMetadata:
+    """Groups become sequences; the token ranges between groups become empty sequences."""
+    bounds, kv_lens, is_group = [0], [], []
+    for s, e, bs_, be in zip(
+        level.group_starts, level.group_ends, level.block_starts, level.block_ends, strict=True
+    ):
+        if s > 0 and token_starts[s] > bounds[-1]:
+            bounds.append(int(token_starts[s]))
+            kv_lens.append(0)
+            is_group.append(-1)
+        bounds.append(int(token_starts[e]))
+        kv_lens.append(int(be - bs_) * block_size)
+        is_group.append(len(is_group))
+    num_level_seqs = len(kv_lens)
+    seqs = padded_size(buckets.level_seq_buckets, num_level_seqs)
+    width = padded_size(buckets.page_buckets, int((level.block_ends - level.block_starts).max()))
+    cu = np.full(seqs + 1, bounds[-1], np.int32)
+    cu[: len(bounds)] = bounds
+    kv = np.zeros(seqs, np.int32)
+    kv[:num_level_seqs] = kv_lens
+    pages = np.zeros((seqs, width), np.int32)
+    group_pos = [i for i, g in enumerate(is_group) if g >= 0]
+    pages[group_pos] = _table_slice(
+        block_table, level.leader_rows, level.block_starts.astype(np.int64), width,
+        level.block_ends.astype(np.int64),
+    )  # fmt: skip
+    longest = int(np.diff(bounds).max()) if len(bounds) > 1 else 1
+    return LevelMetadata(
+        cu_q_lens=cu,
+        kv_lens=kv,
+        page_indices=pages,
+        num_seqs=np.array([num_level_seqs], np.int32),
+        max_q_len=padded_size(buckets.q_len_buckets, max(longest, 1)),
+    )
+
+
+def build_attention_metadata(
+    *,
+    block_table: np.ndarray,  # i32[num_rows, max_blocks_per_seq] the manager's host table
+    plan: CascadePlan,
+    query_lens: np.ndarray,  # i[R] tokens scheduled per request, in plan (batch) order
+    num_computed_tokens: np.ndarray,  # i[R] tokens already cached per request, batch order
+    block_size: int,
+    buckets: BucketConfig,
+    backend: str = "xla",
+    interpret: bool = False,
+) -> AttentionMetadata:
+    """Pads one planned batch to buckets. Raises ValueError if it exceeds the buckets.
+
+    The caller lays out the step's tokens in plan order: request plan.order[i]'s query
+    tokens occupy positions cu_q_lens[i]:cu_q_lens[i+1] of the flat token arrays.
+    """
+    query_lens = np.asarray(query_lens, np.int64)
+    num_computed = np.asarray(num_computed_tokens, np.int64)
+    num_requests = len(plan.rows)
+    if query_lens.shape != (num_requests,) or num_computed.shape != (num_requests,):
+        raise ValueError(
+            f"{query_lens.shape=} and {num_computed_tokens.shape=} must be ({num_requests},)"
+        )
+    if num_requests and query_lens.min() < 1:
+        raise ValueError(f"every query_lens entry must be >= 1, got {query_lens.min()}")
+    total = int(query_lens.sum())
+    max_tokens = padded_size(buckets.token_buckets, max(total, 1))
+    max_seqs = padded_size(buckets.seq_buckets, max(num_requests, 1))
+    kv_total = num_computed + query_lens
+    suffix_start = plan.suffix_start_blocks.astype(np.int64)
+    main_kv = kv_total - suffix_start * block_size
+    main_pages = -(-main_kv // block_size)
+    width = padded_size(buckets.page_buckets, max(int(main_pages.max(initial=1)), 1))
+
+    token_starts = np.zeros(num_requests + 1, np.int64)
+    np.cumsum(query_lens, out=token_starts[1:])
+    cu = np.full(max_seqs + 1, total, np.int32)
+    cu[: num_requests + 1] = token_starts
+    kv_lens = np.zeros(max_seqs, np.int32)
+    kv_lens[:num_requests] = main_kv
+    page_indices = np.zeros((max_seqs, width), np.int32)
+    page_indices[:num_requests] = _table_slice(block_table, plan.rows, suffix_start, width)
+
+    # Per-token position and KV slot, vectorised over tokens.
+    token_req = np.repeat(np.arange(num_requests), query_lens)
+    positions = np.zeros(max_tokens, np.int32)
+    pos = num_computed[token_req] + (np.arange(total) - token_starts[token_req])
+    positions[:total] = pos
+    slot_mapping = np.zeros(max_tokens, np.int32)
+    blocks = block_table[plan.rows[token_req], pos // block_size]
+    slot_mapping[:total] = blocks * block_size + pos % block_size
+    logits_indices = np.zeros(max_seqs, np.int32)
+    logits_indices[:num_requests] = token_starts[1:] - 1
+
+    levels = tuple(
+        _level_metadata(level, block_table, token_starts, block_size, buckets)
+        for level in plan.levels
+    )
+    longest_query = int(query_lens.max(initial=1))
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        positions=positions,
+        logits_indices=logits_indices,
+        cu_q_lens=cu,
+        kv_lens=kv_lens,
+        page_indices=page_indices,
+        num_seqs=np.array([num_requests], np.int32),
+        levels=levels,
+        block_size=block_size,
+        max_q_len=min(padded_size(buckets.q_len_buckets, longest_query), max_tokens),
+        backend=backend,
+        interpret=interpret,
+    )

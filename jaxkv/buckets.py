@@ -1,0 +1,83 @@
+"""Bucketed padded sizes: a long serving run compiles a bounded number of programs.
+
+Every array that enters jit is padded to a size drawn from a small fixed set of buckets
+(powers of two from a minimum, capped at the maximum), so the number of distinct shapes,
+and so of compiled programs, is bounded by the product of the bucket counts.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Sequence
+
+
+def pow2_buckets(minimum: int, maximum: int) -> tuple[int, ...]:
+    """minimum, 2*minimum, 4*minimum, ... below maximum, then maximum itself."""
+    if minimum < 1 or maximum < minimum:
+        raise ValueError(f"need 1 <= {minimum=} <= {maximum=}")
+    sizes = []
+    size = minimum
+    while size < maximum:
+        sizes.append(size)
+        size *= 2
+    sizes.append(maximum)
+    return tuple(sizes)
+
+
+def padded_size(buckets: Sequence[int], n: int) -> int:
+    """The smallest bucket >= n. Raises ValueError when n exceeds the largest bucket."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n=} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketConfig:
+    """Sizes every padded attention array is drawn from.
+
+    max_num_tokens: tokens scheduled in one step (the token budget).
+    max_num_seqs: requests scheduled in one step.
+    max_pages_per_seq: blocks a request may hold (ceil(max_model_len / block_size)).
+    max_cascade_groups: prefix groups one cascade level may hold.
+    The minima set the smallest bucket of each axis.
+    """
+
+    max_num_tokens: int
+    max_num_seqs: int
+    max_pages_per_seq: int
+    max_cascade_groups: int = 8
+    min_num_tokens: int = 8
+    min_num_seqs: int = 4
+    min_pages_per_seq: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_tokens", "max_num_seqs", "max_pages_per_seq", "max_cascade_groups"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_num_seqs > self.max_num_tokens:
+            raise ValueError(f"{self.max_num_seqs=} must be <= {self.max_num_tokens=}")
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        return pow2_buckets(min(self.min_num_tokens, self.max_num_tokens), self.max_num_tokens)
+
+    @property
+    def seq_buckets(self) -> tuple[int, ...]:
+        return pow2_buckets(min(self.min_num_seqs, self.max_num_seqs), self.max_num_seqs)
+
+    @property
+    def page_buckets(self) -> tuple[int, ...]:
+        lo = min(self.min_pages_per_seq, self.max_pages_per_seq)
+        return pow2_buckets(lo, self.max_pages_per_seq)
+
+    @property
+    def q_len_buckets(self) -> tuple[int, ...]:
+        """Bounds on the longest query of one sequence (1 for a pure decode batch)."""
+        return pow2_buckets(1, self.max_num_tokens)
+
+    @property
+    def level_seq_buckets(self) -> tuple[int, ...]:
+        """Sequences of one cascade level: its groups plus the gaps between them."""
+        return pow2_buckets(1, 2 * self.max_cascade_groups + 1)

@@ -1,0 +1,283 @@
+"""Cascade planning: which shared prefixes of a scheduled batch to read once, and whether it pays.
+
+The planner works on the host from the exact prefix identities kept by the KV cache
+manager (`prefix_ids`: equal at column j iff two requests hold identical block ids in
+columns 0..j), so the answer depends only on the scheduled set: finished requests still
+holding blocks during a KV transfer, unscheduled or preempted holders neither add nor
+remove sharing. Its cost is O(R log C) numpy work plus a loop over a bounded number of
+candidate groups; never a Python loop over requests x blocks.
+
+A plan has up to two levels:
+
+- level "global": the common prefix of the whole batch, one non-causal call;
+- level "groups": when requests split into groups that share a prefix of their own (two
+  system prompts; n samples of several prompts), one non-causal call whose sequences are
+  the groups, each over the blocks after the global prefix.
+
+Every prefix is capped at the smallest num_computed_tokens of the requests that read it
+(so the non-causal pass never covers a query token), and rounded down to whole blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxkv.kv_cache_manager import KVCacheManager
+from jaxkv.prefix_index import longest_common_prefix
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadeCostModel:
+    """Decides per level whether reading a prefix once pays for the extra call and merge.
+
+    Cascade saves reading (R - 1) copies of the prefix's KV; it costs one more kernel
+    call (`launch_overhead_bytes`, the fixed cost of a call expressed as bytes of KV that
+    could be read in the same time) and a merge that reads two float32 partial outputs
+    and writes one per query token and head (times `merge_cost_factor`). Cascade is
+    planned where saved bytes exceed that cost. Defaults per backend come from
+    benchmarks/attention.py (see DEFAULT_COST_MODELS); pass your own to override.
+    """
+
+    launch_overhead_bytes: float = 1 << 20
+    merge_cost_factor: float = 1.0
+    min_requests: int = 2
+
+    def saved_bytes(self, num_requests: int, prefix_tokens: int, kv_bytes_per_token: int) -> int:
+        return max(num_requests - 1, 0) * prefix_tokens * kv_bytes_per_token
+
+    def cost_bytes(self, num_query_tokens: int, num_q_heads: int, head_dim: int) -> float:
+        merge_bytes = num_query_tokens * num_q_heads * (head_dim + 1) * 4 * 3
+        return self.launch_overhead_bytes + self.merge_cost_factor * merge_bytes
+
+    def pays(
+        self,
+        *,
+        num_requests: int,
+        prefix_tokens: int,
+        num_query_tokens: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        kv_itemsize: int,
+    ) -> bool:
+        if num_requests < self.min_requests or prefix_tokens <= 0:
+            return False
+        kv_bytes_per_token = 2 * num_kv_heads * head_dim * kv_itemsize
+        saved = self.saved_bytes(num_requests, prefix_tokens, kv_bytes_per_token)
+        return saved > self.cost_bytes(num_query_tokens, num_q_heads, head_dim)
+
+
+# Key: backend name as in jaxkv.attention ("xla", "pallas_tpu", "pallas_gpu").
+# Values measured with benchmarks/attention.py (xla, on the CPU); the accelerator rows
+# are estimates from a kernel launch of a few microseconds at HBM bandwidth.
+DEFAULT_COST_MODELS: dict[str, CascadeCostModel] = {
+    "xla": CascadeCostModel(launch_overhead_bytes=2 << 20, merge_cost_factor=2.0),
+    "pallas_tpu": CascadeCostModel(launch_overhead_bytes=8 << 20, merge_cost_factor=1.0),
+    "pallas_gpu": CascadeCostModel(launch_overhead_bytes=16 << 20, merge_cost_factor=1.0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """Head shapes the cost model needs; independent of any batch."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_itemsize: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadeLevel:
+    """One non-causal pass: group g (batch positions group_starts[g]:group_ends[g]) attends
+    to block columns block_starts[g]:block_ends[g] of the row leader_rows[g]."""
+
+    name: str  # "global" or "groups"
+    group_starts: np.ndarray  # i32[G] first batch position of each group
+    group_ends: np.ndarray  # i32[G] one past the last batch position
+    block_starts: np.ndarray  # i32[G] first shared block column
+    block_ends: np.ndarray  # i32[G] one past the last shared block column
+    leader_rows: np.ndarray  # i32[G] a block-table row holding the group's shared blocks
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_starts)
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadePlan:
+    """How one scheduled batch runs attention. Safe to use until the manager next changes.
+
+    order[i] is the index (into the scheduled list given to plan()) of the request at
+    batch position i; the batch must be laid out in this order. suffix_start_blocks[i] is
+    the first block column the causal suffix pass of position i reads (0 everywhere for a
+    flat plan). Levels run non-causally over the shared blocks and merge by LSE.
+    """
+
+    order: np.ndarray  # i32[R] batch position -> scheduled index
+    rows: np.ndarray  # i32[R] block-table row of each batch position
+    suffix_start_blocks: np.ndarray  # i32[R] per batch position
+    levels: tuple[CascadeLevel, ...]
+    num_common_prefix_blocks: int  # exact common prefix of the whole batch, before capping
+
+    @property
+    def uses_cascade(self) -> bool:
+        return bool(self.levels)
+
+    @property
+    def num_levels(self) -> int:
+        return len(self.levels)
+
+
+class CascadePlanner:
+    """Plans flat or cascade attention for each scheduled batch."""
+
+    def __init__(
+        self,
+        shape: AttentionShape,
+        *,
+        backend: str = "xla",
+        cost_model: CascadeCostModel | None = None,
+        enable_cascade: bool = True,
+        enable_groups: bool = True,
+        max_groups: int = 8,
+        sliding_window: int | None = None,
+    ) -> None:
+        if max_groups < 1:
+            raise ValueError(f"{max_groups=} must be >= 1")
+        if cost_model is None:
+            if backend not in DEFAULT_COST_MODELS:
+                raise ValueError(f"{backend=} must be one of {sorted(DEFAULT_COST_MODELS)}")
+            cost_model = DEFAULT_COST_MODELS[backend]
+        self.shape = shape
+        self.cost_model = cost_model
+        self.enable_cascade = enable_cascade and sliding_window is None
+        self.enable_groups = enable_groups
+        self.max_groups = max_groups
+
+    def _pays(self, num_requests: int, prefix_tokens: int, num_query_tokens: int) -> bool:
+        s = self.shape
+        return self.cost_model.pays(
+            num_requests=num_requests,
+            prefix_tokens=prefix_tokens,
+            num_query_tokens=num_query_tokens,
+            num_q_heads=s.num_q_heads,
+            num_kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim,
+            kv_itemsize=s.kv_itemsize,
+        )
+
+    def plan(
+        self,
+        request_ids: Sequence[str],
+        num_computed_tokens: np.ndarray,  # i32[R] tokens already in the cache, per request
+        query_lens: np.ndarray,  # i32[R] tokens scheduled this step, per request
+        manager: KVCacheManager,
+    ) -> CascadePlan:
+        """A plan for the scheduled requests, in the order given. Changes nothing."""
+        num_requests = len(request_ids)
+        num_computed_tokens = np.asarray(num_computed_tokens, np.int64)
+        query_lens = np.asarray(query_lens, np.int64)
+        if num_computed_tokens.shape != (num_requests,) or query_lens.shape != (num_requests,):
+            raise ValueError(
+                f"{num_computed_tokens.shape=} and {query_lens.shape=} must be ({num_requests},)"
+            )
+        rows = manager.rows_of(request_ids)
+        num_blocks = manager.num_blocks_of(request_ids)
+        identity = np.arange(num_requests, dtype=np.int32)
+        flat = CascadePlan(identity, rows, np.zeros(num_requests, np.int32), (), 0)
+        if num_requests == 0:
+            return flat
+        common = longest_common_prefix(manager.prefix_ids, num_blocks, rows)
+        flat = dataclasses.replace(flat, num_common_prefix_blocks=common)
+        if not self.enable_cascade or num_requests < 2:
+            return flat
+
+        bs = manager.block_size
+        cap_blocks = num_computed_tokens // bs
+        total_q = int(query_lens.sum())
+        k0 = min(common, int(cap_blocks.min()))
+        use_global = k0 > 0 and self._pays(num_requests, k0 * bs, total_q)
+        base = k0 if use_global else 0
+
+        groups = self._groups(manager, rows, num_blocks, cap_blocks, query_lens, base)
+        if not use_global and not groups:
+            return flat
+
+        grouped = np.concatenate([g[0] for g in groups]) if groups else np.zeros(0, np.int64)
+        rest = np.setdiff1d(identity, grouped, assume_unique=True)
+        order = np.concatenate([grouped, rest]).astype(np.int32)
+        suffix_start = np.full(num_requests, base, np.int32)
+        levels = []
+        if use_global:
+            levels.append(_level("global", [0], [num_requests], [0], [k0], [rows[order[0]]]))
+        if groups:
+            starts, pos = [], 0
+            for members, _ in groups:
+                starts.append(pos)
+                pos += len(members)
+            ends = [s + len(m) for s, (m, _) in zip(starts, groups, strict=True)]
+            block_ends = [k for _, k in groups]
+            for s, e, k in zip(starts, ends, block_ends, strict=True):
+                suffix_start[s:e] = k
+            leaders = [rows[m[0]] for m, _ in groups]
+            levels.append(_level("groups", starts, ends, [base] * len(groups), block_ends, leaders))
+        return CascadePlan(order, rows[order], suffix_start, tuple(levels), common)
+
+    def _groups(
+        self,
+        manager: KVCacheManager,
+        rows: np.ndarray,
+        num_blocks: np.ndarray,
+        cap_blocks: np.ndarray,
+        query_lens: np.ndarray,
+        base: int,
+    ) -> list[tuple[np.ndarray, int]]:
+        """Groups (member indices, shared block end) sharing blocks past column `base`."""
+        if not self.enable_groups:
+            return []
+        num_requests = len(rows)
+        eligible = (num_blocks > base) & (cap_blocks > base)
+        if eligible.sum() < 2 or base >= manager.max_blocks_per_seq:
+            return []
+        keys = manager.prefix_ids[rows, base]
+        # Ineligible requests get distinct negative keys so they never group together.
+        keys = np.where(eligible, keys, -1 - np.arange(num_requests))
+        order = np.argsort(keys, kind="stable")
+        sorted_keys = keys[order]
+        boundaries = np.flatnonzero(np.diff(sorted_keys)) + 1
+        starts = np.concatenate([[0], boundaries])
+        sizes = np.diff(np.concatenate([starts, [num_requests]]))
+        candidates = np.flatnonzero((sizes >= 2) & (sorted_keys[starts] >= 0))
+        # Bounded work: only the largest candidates are examined.
+        candidates = candidates[np.argsort(-sizes[candidates], kind="stable")][
+            : 2 * self.max_groups
+        ]
+        bs = manager.block_size
+        chosen = []
+        for c in candidates:
+            members = np.sort(order[starts[c] : starts[c] + sizes[c]])
+            end = longest_common_prefix(manager.prefix_ids, num_blocks[members], rows[members])
+            end = min(end, int(cap_blocks[members].min()))
+            if end > base and self._pays(
+                len(members), (end - base) * bs, int(query_lens[members].sum())
+            ):
+                chosen.append(((len(members) - 1) * (end - base), members, end))
+        chosen.sort(key=lambda t: (-t[0], int(t[1][0])))
+        chosen = sorted(chosen[: self.max_groups], key=lambda t: int(t[1][0]))
+        return [(members, end) for _, members, end in chosen]
+
+
+def _level(name, starts, ends, block_starts, block_ends, leaders) -> CascadeLevel:
+    as_i32 = lambda x: np.asarray(x, np.int32)
+    return CascadeLevel(
+        name,
+        as_i32(starts),
+        as_i32(ends),
+        as_i32(block_starts),
+        as_i32(block_ends),
+        as_i32(leaders),
+    )
