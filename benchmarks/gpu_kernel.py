@@ -1,0 +1,460 @@
+"""Decode benchmark of the Pallas GPU ragged paged attention kernel on an NVIDIA GPU.
+
+One run (under 5 minutes on an H100/H200):
+
+1. checks the kernel against `kernels_pallas.reference` on the device (decode, mixed
+   prefill/decode, non-causal prefix pass, int8 and float8 KV);
+2. measures the device's copy bandwidth (a large jnp elementwise copy, read + write);
+3. for B in {8, 64, 128} decode requests that share a P-token prefix (P in {1024, 8192})
+   and own S more tokens each (S in {128, 1024}), Llama-3-8B heads (32 query heads, 8 KV
+   heads, head_dim 128), bfloat16, page size 16, times
+   - flat_unique: the kernel over page tables that share no page (every request has its
+     own copy of the prefix): the kernel's DRAM roofline,
+   - flat_shared: the kernel over page tables whose first P/16 pages are the same physical
+     pages (prefix caching), so the prefix may be served from L2,
+   - cascade: prefix pass + suffix pass + LSE merge
+     (`kernels_pallas.reference.cascade_attention(attention_fn=kernel)`) on the shared
+     tables,
+   - jax_paged: `jax.experimental.pallas.ops.gpu.paged_attention` with its default tiling
+     on the flat_unique inputs;
+4. writes `gpu_kernel.json` to --out and prints a table with achieved bandwidth.
+
+Bandwidth is KV bytes that the method must read divided by time: B*(P+S) tokens for the
+flat kernels and JAX's, P + B*S tokens for cascade; fractions are of the measured copy
+bandwidth. Each timed call runs `--reps` kernel calls in one jitted program on distinct
+queries, and, when the KV of one call would fit in L2, on distinct copies of the cache,
+so repeated calls do not read a warm L2.
+
+    python benchmarks/gpu_kernel.py --out results/            # on the GPU
+    python benchmarks/gpu_kernel.py --out /tmp/smoke --smoke  # CPU: interpret mode, tiny
+
+--smoke runs every method in interpret mode on a tiny case and checks it, then lowers
+one full-size configuration of every method for CUDA (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from kernels_pallas import reference  # noqa: E402
+from kernels_pallas.gpu import ragged_paged_attention  # noqa: E402
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
+L2_BYTES = 64 * 2**20  # a little above the 50 MiB L2 of an H100/H200
+GRID = [(b, p, s) for b in (8, 64, 128) for p in (1024, 8192) for s in (128, 1024)]
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _kv_pool(key, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype):
+    shape = (num_pages, page_size, 2 * num_kv_heads, head_dim)
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def decode_tables(b: int, p: int, s: int, page_size: int, *, shared: bool, copies: int):
+    """(tables i32[copies, b, pages_per_seq], pages_per_copy): page 0 stays the null page.
+
+    Request i's context is P prefix tokens then S own tokens. With `shared` the prefix
+    pages are one physical run used by every request, as with prefix caching.
+    """
+    prefix_pages, own_pages = p // page_size, math.ceil(s / page_size)
+    pages_per_seq = prefix_pages + own_pages
+    table = np.zeros((b, pages_per_seq), np.int32)
+    nxt = 1
+    if shared:
+        table[:, :prefix_pages] = np.arange(nxt, nxt + prefix_pages)
+        nxt += prefix_pages
+    for i in range(b):
+        start = 0 if not shared else prefix_pages
+        n = pages_per_seq - start
+        table[i, start:] = np.arange(nxt, nxt + n)
+        nxt += n
+    pages_per_copy = nxt
+    tables = np.stack([table + c * pages_per_copy for c in range(copies)])
+    return tables, pages_per_copy
+
+
+def _copies_for(kv_bytes: int, reps: int) -> int:
+    return max(1, min(reps, math.ceil(4 * L2_BYTES / max(kv_bytes, 1))))
+
+
+# ----------------------------------------------------------------------------- methods
+
+
+def flat_fn(q, kv, kv_lens, table, cu, num_seqs, *, sm_scale, interpret):
+    return ragged_paged_attention(
+        q, kv, kv_lens, table, cu, num_seqs, sm_scale=sm_scale, max_q_len=1, interpret=interpret
+    )
+
+
+def cascade_fn(q, kv, kv_lens, table, cu, num_seqs, *, num_prefix_pages, sm_scale, interpret):
+    kernel = functools.partial(ragged_paged_attention, interpret=interpret)
+    return reference.cascade_attention(
+        q, kv, kv_lens, table, cu, num_seqs, num_prefix_pages, sm_scale=sm_scale,
+        attention_fn=kernel,
+    )  # fmt: skip
+
+
+def jax_paged_fn(q, k_pages, v_pages, table, lengths, *, sm_scale, interpret, k_splits):
+    # JAX's kernel applies no softmax scale: fold it into q. Its pages_per_sequence must
+    # be a multiple of k_splits * pages_per_compute_block; padded columns read page 0,
+    # masked by `lengths`.
+    block = k_splits * 8
+    table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % block)))
+    q = (q.astype(jnp.float32) * sm_scale).astype(q.dtype)
+    return jax_paged.paged_attention(
+        q, k_pages, v_pages, table, lengths, k_splits=k_splits, interpret=interpret
+    )
+
+
+def split_kv(kv):
+    """[N, ps, 2H, D] combined pages -> JAX's ([H, N, ps, D] keys, [H, N, ps, D] values)."""
+    return kv[:, :, 0::2].transpose(2, 0, 1, 3), kv[:, :, 1::2].transpose(2, 0, 1, 3)
+
+
+def time_call(fn, args, repeats: int) -> tuple[float, object]:
+    out = jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _random_ragged(key, seq_lens, *, page_size, num_q_heads, num_kv_heads, head_dim, dtype):
+    """Inputs with shuffled page tables for (q_len, kv_len) pairs, and kv_dtype casts."""
+    rng = np.random.default_rng(0)
+    needed = [math.ceil(kv / page_size) for _, kv in seq_lens]
+    pages_per_seq = max(needed)
+    num_pages = sum(needed) + 1
+    perm = rng.permutation(np.arange(1, num_pages))
+    table = np.zeros((len(seq_lens), pages_per_seq), np.int32)
+    start = 0
+    for i, n in enumerate(needed):
+        table[i, :n] = perm[start : start + n]
+        start += n
+    num_tokens = sum(q for q, _ in seq_lens)
+    kq, kk = jax.random.split(key)
+    q = jax.random.normal(kq, (num_tokens, num_q_heads, head_dim), jnp.float32).astype(dtype)
+    kv = jax.random.normal(kk, (num_pages, page_size, 2 * num_kv_heads, head_dim), jnp.float32)
+    cu = np.concatenate([[0], np.cumsum([q for q, _ in seq_lens])]).astype(np.int32)
+    kv_lens = np.array([kv for _, kv in seq_lens], np.int32)
+    return q, kv, jnp.asarray(kv_lens), jnp.asarray(table), jnp.asarray(cu)
+
+
+def _max_errors(got, want) -> dict:
+    out_g, lse_g = (np.asarray(x.astype(jnp.float32), np.float64) for x in got)
+    out_w, lse_w = (np.asarray(x.astype(jnp.float32), np.float64) for x in want)
+    finite = np.isfinite(lse_w)
+    out_excess = np.abs(out_g - out_w) - (2e-2 + 2e-2 * np.abs(out_w))
+    lse_excess = np.abs(lse_g - lse_w) - 5e-3 * (1 + np.abs(np.where(finite, lse_w, 0)))
+    lse_excess = np.where(finite, lse_excess, np.where(np.isneginf(lse_g), -1.0, np.inf))
+    return {
+        "max_abs_out_err": float(np.nanmax(np.abs(out_g - out_w))),
+        "max_abs_lse_err": float(np.max(np.abs(np.where(finite, lse_g - lse_w, 0)))),
+        "ok": bool(np.all(out_excess <= 0) and np.all(lse_excess <= 0)),
+    }
+
+
+def device_checks(*, interpret: bool, small: bool) -> list[dict]:
+    """Kernel vs the jnp reference on the device; bf16 queries, bounds 2e-2 on out."""
+    heads = (4, 2, 64) if small else (NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM)
+    hq, hkv, d = heads
+    if small:
+        seq_lens = [(1, 40), (9, 30), (1, 17)]
+    else:
+        seq_lens = [(1, 1100), (64, 300), (200, 200), (1, 17), (1, 4096)]
+    page_size = 16
+    q, kv, kv_lens, table, cu = _random_ragged(
+        jax.random.key(1), seq_lens, page_size=page_size, num_q_heads=hq, num_kv_heads=hkv,
+        head_dim=d, dtype=jnp.bfloat16,
+    )  # fmt: skip
+    num_seqs = jnp.array([len(seq_lens)], jnp.int32)
+    sm_scale = d**-0.5
+    int8_kv = jnp.clip(jnp.round(kv * 40), -127, 127).astype(jnp.int8)
+    bf16_kv = kv.astype(jnp.bfloat16)
+    # The cascade prefix pass: one sequence holding every query token, no causal mask.
+    one_seq = (kv_lens[:1], table[:1], jnp.array([0, q.shape[0]], jnp.int32), num_seqs * 0 + 1)
+    all_seqs = (kv_lens, table, cu, num_seqs)
+    cases = [
+        ("mixed_bf16_causal", bf16_kv, all_seqs, {}),
+        ("mixed_bf16_softcap_window", bf16_kv, all_seqs, {"soft_cap": 30.0, "sliding_window": 128}),
+        ("int8_kv", int8_kv, all_seqs, {"k_scale": 1 / 40, "v_scale": 1 / 40}),
+        (
+            "float8_e4m3_kv",
+            kv.astype(jnp.float8_e4m3fn),
+            all_seqs,
+            {"k_scale": 0.5, "v_scale": 0.5},
+        ),
+        ("prefix_pass_noncausal", bf16_kv, one_seq, {"causal": False}),
+    ]
+    return [
+        _check_one(name, (q, kv_c, *meta), dict(sm_scale=sm_scale, **kw), interpret)
+        for name, kv_c, meta, kw in cases
+    ]
+
+
+def _check_one(name: str, args, kw: dict, interpret: bool) -> dict:
+    try:
+        kernel = functools.partial(ragged_paged_attention, interpret=interpret, **kw)
+        got = jax.jit(kernel)(*args)
+        want = jax.jit(functools.partial(reference.ragged_paged_attention, **kw))(*args)
+        res = {"check": name, **_max_errors(got, want)}
+    except Exception as e:  # e.g. a KV dtype the device cannot convert: reported, not fatal
+        res = {"check": name, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    print(f"check {name:28s} {'PASS' if res['ok'] else 'FAIL'} {res}", flush=True)
+    return res
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def copy_bandwidth(nbytes: int, repeats: int = 10) -> float:
+    """Bytes per second of x + 1 over a bf16 array of nbytes (read + write)."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda x: x + 1)
+    t, _ = time_call(f, (x,), repeats)
+    return 2 * nbytes / t
+
+
+def bench_config(b, p, s, *, page_size, reps, repeats, interpret, heads, dtype, jax_k_splits):
+    hq, hkv, d = heads
+    sm_scale = d**-0.5
+    token_bytes = 2 * hkv * d * jnp.dtype(dtype).itemsize
+    flat_bytes = b * (p + s) * token_bytes
+    cascade_bytes = (p + b * s) * token_bytes
+    keys = jax.random.split(jax.random.key(b * 7 + p + s), 4)
+    qs = jax.random.normal(keys[0], (reps, b, hq, d), jnp.float32).astype(dtype)
+    kv_lens = jnp.full((b,), p + s, jnp.int32)
+    cu = jnp.arange(b + 1, dtype=jnp.int32)
+    num_seqs = jnp.array([b], jnp.int32)
+    row = {"B": b, "P": p, "S": s, "flat_kv_bytes": flat_bytes, "cascade_kv_bytes": cascade_bytes}
+
+    def timed(name, fn, args, nbytes):
+        t, out = time_call(jax.jit(fn), args, repeats)
+        row[f"{name}_us"] = t / reps * 1e6
+        row[f"{name}_bytes_per_s"] = nbytes / (t / reps)
+        print(f"  {name:12s} {t / reps * 1e6:10.1f} us", flush=True)
+        return out
+
+    outs = {}
+    for layout in ("unique", "shared"):
+        shared = layout == "shared"
+        pool_bytes_one = (b * s + (p if shared else b * p)) * token_bytes
+        copies = _copies_for(pool_bytes_one, reps)
+        tables, pages_per_copy = decode_tables(b, p, s, page_size, shared=shared, copies=copies)
+        kv = _kv_pool(keys[1 if shared else 2], copies * pages_per_copy, page_size, hkv, d, dtype)
+        tbl = [jnp.asarray(tables[r % copies]) for r in range(reps)]
+
+        def run_flat(qs, kv, tbl):
+            return [
+                flat_fn(qs[r], kv, kv_lens, tbl[r], cu, num_seqs, sm_scale=sm_scale,
+                        interpret=interpret)
+                for r in range(reps)
+            ]  # fmt: skip
+
+        outs[f"flat_{layout}"] = timed(f"flat_{layout}", run_flat, (qs, kv, tbl), flat_bytes)
+        if shared:
+
+            def run_cascade(qs, kv, tbl):
+                return [
+                    cascade_fn(qs[r], kv, kv_lens, tbl[r], cu, num_seqs,
+                               num_prefix_pages=p // page_size, sm_scale=sm_scale,
+                               interpret=interpret)
+                    for r in range(reps)
+                ]  # fmt: skip
+
+            outs["cascade"] = timed("cascade", run_cascade, (qs, kv, tbl), cascade_bytes)
+        else:
+            k_pages, v_pages = split_kv(kv)
+
+            def run_jax(qs, k_pages, v_pages, tbl):
+                return [
+                    jax_paged_fn(qs[r], k_pages, v_pages, tbl[r], kv_lens, sm_scale=sm_scale,
+                                 interpret=interpret, k_splits=jax_k_splits)
+                    for r in range(reps)
+                ]  # fmt: skip
+
+            outs["jax_paged"] = timed("jax_paged", run_jax, (qs, k_pages, v_pages, tbl), flat_bytes)
+            del k_pages, v_pages
+        del kv
+
+    # Agreement on the same inputs (first rep): cascade vs flat_shared, JAX vs flat_unique.
+    f32 = lambda x: np.asarray(x.astype(jnp.float32))
+    row["cascade_vs_flat_max_abs"] = float(
+        np.max(np.abs(f32(outs["cascade"][0][0]) - f32(outs["flat_shared"][0][0])))
+    )
+    row["jax_vs_flat_max_abs"] = float(
+        np.max(np.abs(f32(outs["jax_paged"][0]) - f32(outs["flat_unique"][0][0])))
+    )
+    return row
+
+
+def print_table(rows: list[dict], copy_bps: float) -> None:
+    head = (
+        f"{'B':>4} {'P':>5} {'S':>5} | {'flat_uniq us':>12} {'GB/s':>6} {'%copy':>5} | "
+        f"{'flat_shr us':>11} | {'cascade us':>10} {'GB/s':>6} {'x flat':>6} | "
+        f"{'jax us':>9} {'flat x':>6} | {'err c/j':>15}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        fu = r["flat_unique_bytes_per_s"]
+        print(
+            f"{r['B']:>4} {r['P']:>5} {r['S']:>5} | {r['flat_unique_us']:>12.1f} "
+            f"{fu / 1e9:>6.0f} {100 * fu / copy_bps:>5.0f} | {r['flat_shared_us']:>11.1f} | "
+            f"{r['cascade_us']:>10.1f} {r['cascade_bytes_per_s'] / 1e9:>6.0f} "
+            f"{r['flat_shared_us'] / r['cascade_us']:>6.1f} | {r['jax_paged_us']:>9.1f} "
+            f"{r['jax_paged_us'] / r['flat_unique_us']:>6.2f} | "
+            f"{r['cascade_vs_flat_max_abs']:.1e}/{r['jax_vs_flat_max_abs']:.1e}"
+        )
+
+
+def goals(rows: list[dict], copy_bps: float) -> dict:
+    """The three targets of the GPU kernel, read off the table (None if not measured)."""
+    pick = {(r["B"], r["P"], r["S"]): r for r in rows}
+    g = {}
+    r = pick.get((64, 8192, 128))
+    if r:
+        g["flat_decode_fraction_of_copy_B64_P8192_S128"] = r["flat_unique_bytes_per_s"] / copy_bps
+    r = pick.get((128, 8192, 128))
+    if r:
+        g["cascade_speedup_vs_flat_shared_B128_P8192_S128"] = r["flat_shared_us"] / r["cascade_us"]
+        g["cascade_speedup_vs_flat_unique_B128_P8192_S128"] = r["flat_unique_us"] / r["cascade_us"]
+    if rows:
+        g["min_flat_speedup_vs_jax_paged"] = min(
+            r["jax_paged_us"] / r["flat_unique_us"] for r in rows
+        )
+    return g
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def lower_full_size(b=64, p=8192, s=128, page_size=16) -> dict:
+    """Lowers every method at one full-size configuration for CUDA from abstract shapes."""
+    dt = jnp.bfloat16
+    pps = p // page_size + math.ceil(s / page_size)
+    num_pages = b * pps + 1
+    sds = jax.ShapeDtypeStruct
+    q = sds((b, NUM_Q_HEADS, HEAD_DIM), dt)
+    kv = sds((num_pages, page_size, 2 * NUM_KV_HEADS, HEAD_DIM), dt)
+    i32 = lambda *shape: sds(shape, jnp.int32)
+    kvh = sds((NUM_KV_HEADS, num_pages, page_size, HEAD_DIM), dt)
+    sm = HEAD_DIM**-0.5
+    fns = {
+        "flat": (
+            functools.partial(flat_fn, sm_scale=sm, interpret=False),
+            (q, kv, i32(b), i32(b, pps), i32(b + 1), i32(1)),
+        ),
+        "cascade": (
+            functools.partial(
+                cascade_fn, num_prefix_pages=p // page_size, sm_scale=sm, interpret=False
+            ),
+            (q, kv, i32(b), i32(b, pps), i32(b + 1), i32(1)),
+        ),
+        "jax_paged": (
+            functools.partial(jax_paged_fn, sm_scale=sm, interpret=False, k_splits=16),
+            (q, kvh, kvh, i32(b, pps), i32(b)),
+        ),
+    }
+    out = {}
+    for name, (fn, args) in fns.items():
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        out[name] = text.count("__gpu$xla.gpu.triton")
+        print(f"lowered {name} for cuda at B={b} P={p} S={s}: {out[name]} Triton call(s)")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, type=pathlib.Path, help="folder for gpu_kernel.json")
+    ap.add_argument("--smoke", action="store_true", help="tiny interpret-mode run on the CPU")
+    ap.add_argument("--reps", type=int, default=5, help="kernel calls per timed program")
+    ap.add_argument("--repeats", type=int, default=5, help="timed programs per method")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--jax-k-splits", type=int, default=16, help="JAX paged_attention k_splits")
+    ap.add_argument("--max-seconds", type=float, default=270.0, help="skip configs past this")
+    ap.add_argument("--only", default=None, help="e.g. '64,8192,128;8,1024,128'")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    dev = jax.devices()[0]
+    result = {
+        "device": f"{dev.platform} {getattr(dev, 'device_kind', '')}",
+        "jax": jax.__version__,
+        "smoke": args.smoke,
+        "page_size": args.page_size,
+        "heads": [NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM],
+        "dtype": "bfloat16",
+    }
+    print(f"device: {result['device']}  jax {jax.__version__}", flush=True)
+    if not args.smoke and dev.platform != "gpu":
+        print("no GPU found: run with --smoke on the CPU", file=sys.stderr)
+        return 2
+
+    result["checks"] = device_checks(interpret=args.smoke, small=args.smoke)
+    copy_bytes = 2**20 if args.smoke else 2 * 2**30
+    copy_bps = copy_bandwidth(copy_bytes, repeats=3 if args.smoke else 10)
+    result["copy_bytes_per_s"] = copy_bps
+    print(f"copy bandwidth: {copy_bps / 1e9:.0f} GB/s (read + write of {copy_bytes} B)")
+
+    if args.smoke:
+        grid, heads, reps, repeats = [(2, 32, 16)], (4, 2, 64), 2, 1
+    else:
+        grid, heads, reps, repeats = (
+            GRID,
+            (NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM),
+            args.reps,
+            args.repeats,
+        )
+    if args.only:
+        grid = [tuple(int(x) for x in c.split(",")) for c in args.only.split(";")]
+    rows = []
+    for b, p, s in grid:
+        if time.perf_counter() - t_start > args.max_seconds:
+            print(f"skipping B={b} P={p} S={s}: past --max-seconds", flush=True)
+            continue
+        print(f"B={b} P={p} S={s}", flush=True)
+        rows.append(
+            bench_config(
+                b, p, s, page_size=args.page_size, reps=reps, repeats=repeats,
+                interpret=args.smoke, heads=heads, dtype=jnp.bfloat16,
+                jax_k_splits=2 if args.smoke else args.jax_k_splits,
+            )
+        )  # fmt: skip
+        result["rows"] = rows
+        (args.out / "gpu_kernel.json").write_text(json.dumps(result, indent=1))
+    print_table(rows, copy_bps)
+    result["goals"] = goals(rows, copy_bps)
+    if args.smoke:
+        result["lowered_full_size"] = lower_full_size()
+    result["seconds"] = time.perf_counter() - t_start
+    (args.out / "gpu_kernel.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["goals"], indent=1))
+    print(f"wrote {args.out / 'gpu_kernel.json'} in {result['seconds']:.0f} s")
+    checks_ok = all(c["ok"] for c in result["checks"] if "error" not in c)
+    return 0 if checks_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
