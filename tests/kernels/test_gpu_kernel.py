@@ -16,6 +16,7 @@ import pytest
 
 from kernels_pallas import reference
 from kernels_pallas.gpu import ragged_paged_attention
+from kernels_pallas.gpu.ragged_paged_attention import default_config
 from tests.kernels import harness
 
 SM_SCALE = 0.125
@@ -35,12 +36,12 @@ def _check(case: harness.Case, *, oracle_kw=None, **kernel_kw):
     return expected
 
 
-def _case(seq_lens, *, dtype=jnp.float32, head_dim=64, page_size=16, **kw):
+def _case(seq_lens, *, dtype=jnp.float32, head_dim=64, page_size=16, heads=(8, 2), **kw):
     return harness.make_case(
         0,
         seq_lens,
-        num_q_heads=8,
-        num_kv_heads=2,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
         head_dim=head_dim,
         page_size=page_size,
         dtype=dtype,
@@ -62,13 +63,15 @@ def test_decode_with_kv_splits_and_broken_inputs_fail():
     assert np.all(np.asarray(out) == 0.0) and np.all(np.isneginf(np.asarray(lse)))
 
 
-def test_decode_bf16_head_dim_128_single_split():
-    _check(_case([(1, 40), (1, 17), (1, 64)], dtype=jnp.bfloat16, head_dim=128), num_kv_splits=1)
+def test_decode_bf16_head_dim_128_single_split_mqa():
+    case = _case([(1, 40), (1, 17), (1, 64)], dtype=jnp.bfloat16, head_dim=128, heads=(8, 1))
+    _check(case, num_kv_splits=1)
 
 
-def test_prefill_several_query_blocks_per_sequence():
-    # block_m 16 with 4 query heads per KV head: 4 tokens per block, so 20 tokens need 5.
-    _check(_case([(20, 20), (9, 9), (3, 30)]), block_m=16, block_k=16)
+def test_prefill_several_query_blocks_per_sequence_odd_group():
+    # 3 query heads per KV head in 16-row blocks: 5 tokens (15 rows) per block, so the
+    # 20-token sequence needs 4 blocks and one row of every block stays unused.
+    _check(_case([(20, 20), (9, 9), (3, 30)], heads=(6, 2)), block_m=16, block_k=16)
 
 
 def test_mixed_bf16_page_size_32_with_empty_sequence():
@@ -109,6 +112,29 @@ def test_quantized_kv_with_scales(kv_dtype):
     int8 = jnp.dtype(kv_dtype) == jnp.dtype(jnp.int8)
     scales = {"k_scale": 0.02, "v_scale": 0.03} if int8 else {"k_scale": 0.5, "v_scale": 0.25}
     _check(case, oracle_kw=scales)
+
+
+def test_default_config_fills_the_gpu_and_reads_shared_pages_rarely():
+    llama = dict(num_kv_heads=8, group=4, head_dim=128, page_size=16, pages_per_seq=520)
+    # Small decode batch: 8 sequences x 8 KV heads = 64 programs, so split the keys.
+    small = default_config(max_num_tokens=8, max_num_seqs=8, max_q_len=1, kv_itemsize=2, **llama)
+    assert (small.block_m, small.num_kv_splits) == (16, 8)
+    # Large decode batch: enough programs already.
+    big = default_config(
+        max_num_tokens=128, max_num_seqs=128, max_q_len=None, kv_itemsize=2, **llama
+    )
+    assert big.num_kv_splits == 1
+    # Prefix pass: one sequence of 128 tokens x 4 heads = 512 rows, in 128-row blocks.
+    prefix = default_config(
+        max_num_tokens=128, max_num_seqs=1, max_q_len=None, kv_itemsize=2, **llama
+    )
+    assert prefix.block_m == 128 and prefix.num_kv_splits > 1
+    # Key tiles stay within 32 KiB (decode) whatever the KV dtype.
+    for itemsize in (1, 2, 4):
+        cfg = default_config(
+            max_num_tokens=8, max_num_seqs=8, max_q_len=1, kv_itemsize=itemsize, **llama
+        )
+        assert cfg.block_k * 128 * itemsize <= 32 * 1024
 
 
 @pytest.mark.parametrize(
