@@ -1,0 +1,135 @@
+"""Frozen, validated configuration of the serving engine: cache, scheduler, engine.
+
+Every config checks its fields on construction, so a config that exists describes an
+engine that can be built. Sizes that several parts must agree on (token budget vs. the
+largest token bucket, max_model_len vs. blocks per sequence) are derived here once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxkv.buckets import BucketConfig
+
+_KV_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _positive_int(owner: object, *names: str) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: how many blocks of how many tokens, and prefix caching."""
+
+    num_blocks: int = 256  # includes the null block 0
+    block_size: int = 16  # tokens per block
+    enable_prefix_caching: bool = True
+    hash_seed: int = 0  # seed of the chained block hashes
+    kv_dtype: str | None = None  # None: the model's dtype
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "num_blocks", "block_size")
+        if self.num_blocks < 2:
+            raise ValueError(f"{self.num_blocks=} must be >= 2 (block 0 is the null block)")
+        if self.kv_dtype is not None and self.kv_dtype not in _KV_DTYPES:
+            raise ValueError(f"{self.kv_dtype=} must be None or one of {_KV_DTYPES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    max_num_batched_tokens: tokens scheduled in one step (prefill chunks plus decodes).
+    max_num_seqs: requests running at once (and so scheduled in one step).
+    max_model_len: prompt plus output tokens of one request.
+    enable_chunked_prefill: split a prompt over several steps when the budget is short;
+    when False a prompt is admitted only once its whole remainder fits the budget.
+    """
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int = 512
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(
+                f"{self.max_num_seqs=} must be <= {self.max_num_batched_tokens=} "
+                "(every scheduled request takes at least one token)"
+            )
+        if not self.enable_chunked_prefill and self.max_model_len > self.max_num_batched_tokens:
+            raise ValueError(
+                f"without chunked prefill {self.max_model_len=} must be <= "
+                f"{self.max_num_batched_tokens=} (a whole prompt must fit one step)"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything Engine needs beyond the model.
+
+    backend: attention backend ("xla", "pallas_tpu", "pallas_gpu"); None picks the
+    platform default. enable_cascade: plan shared-prefix (cascade) attention when the
+    cost model says it pays; `cascade_cost_model` overrides the backend's default.
+    The bucket minima bound how many programs compile: with min == max an axis has
+    one size. `q_len_buckets` (None: powers of two) coarsens the static bound on one
+    sequence's query length (e.g. (1, max_num_batched_tokens) gives decode and
+    "anything else"), trading padding for fewer programs.
+    seed: default sampling seed of requests that give none (mixed with their index).
+    """
+
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    backend: str | None = None
+    interpret: bool = False
+    enable_cascade: bool = True
+    cascade_cost_model: object | None = None  # jaxkv.cascade.CascadeCostModel
+    max_cascade_groups: int = 8
+    min_num_tokens_bucket: int = 8
+    min_num_seqs_bucket: int = 4
+    min_pages_bucket: int = 4
+    q_len_buckets: tuple[int, ...] | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.backend not in (None, "xla", "pallas_tpu", "pallas_gpu"):
+            raise ValueError(f"{self.backend=} must be None, 'xla', 'pallas_tpu' or 'pallas_gpu'")
+        _positive_int(
+            self,
+            "max_cascade_groups",
+            "min_num_tokens_bucket",
+            "min_num_seqs_bucket",
+            "min_pages_bucket",
+        )
+        if self.q_len_buckets is not None:
+            qb = tuple(self.q_len_buckets)
+            if not qb or list(qb) != sorted(set(qb)) or qb[0] < 1:
+                raise ValueError(f"{self.q_len_buckets=} must be strictly increasing ints >= 1")
+            if qb[-1] < self.scheduler.max_num_batched_tokens:
+                raise ValueError(
+                    f"{self.q_len_buckets=} must reach {self.scheduler.max_num_batched_tokens=}"
+                )
+            object.__setattr__(self, "q_len_buckets", qb)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.scheduler.max_model_len // self.cache.block_size)
+
+    @property
+    def buckets(self) -> BucketConfig:
+        """Padded sizes of every array that enters the jitted step."""
+        s = self.scheduler
+        return BucketConfig(
+            max_num_tokens=s.max_num_batched_tokens,
+            max_num_seqs=s.max_num_seqs,
+            max_pages_per_seq=self.max_blocks_per_seq,
+            max_cascade_groups=self.max_cascade_groups,
+            min_num_tokens=self.min_num_tokens_bucket,
+            min_num_seqs=self.min_num_seqs_bucket,
+            min_pages_per_seq=self.min_pages_bucket,
+        )

@@ -1,0 +1,292 @@
+"""KV transfer connectors: keep a finished request's KV beyond the device cache, bring it back.
+
+A connector sees three moments of a request's life, all called by the Scheduler on the
+host, never inside jit:
+
+- on_finish(request, block_ids): the request produced its last token. Returning True
+  keeps its blocks held (status FINISHED_TRANSFERRING) until poll() reports the save;
+  the scheduler frees them then, whether the save succeeded or failed.
+- poll(): once per step; reports saves and loads that landed or failed since the last
+  call. The step loop never waits on a copy.
+- on_admission(request, num_computed_tokens) -> tokens: a waiting request missed the
+  device prefix cache after `num_computed_tokens`; the connector says how many further
+  prompt tokens (whole blocks) it can supply. The scheduler then allocates blocks for
+  them and calls start_load(request, block_ids); the request waits in
+  WAITING_FOR_REMOTE_KV, holding those blocks, until poll() reports the load.
+
+Device access goes through a KVCopier (implemented next to the engine, which owns the
+caches); this module imports no JAX, so connectors are testable with a fake copier.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Protocol
+
+import numpy as np
+
+from jaxkv.hashing import BlockHash
+from jaxkv.request import Request
+
+
+class KVCopier(Protocol):
+    """Asynchronous block copies between the device KV caches and host memory.
+
+    Both calls return at once; the Future completes when the copy has landed (its
+    result() raises if it failed). A save reads the blocks' current contents in device
+    order, so the blocks must stay held (unwritten by others) until it lands.
+    """
+
+    bytes_per_block: int
+
+    def start_save(self, block_ids: Sequence[int]) -> Future:
+        """Copies blocks to host; result(): array [len(block_ids), ...] (one entry per block)."""
+
+    def start_load(self, block_ids: Sequence[int], blocks: np.ndarray) -> Future:
+        """Writes host `blocks` ([len(block_ids), ...]) into the device blocks `block_ids`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferEvents:
+    """Transfers that completed since the previous poll(), by request id."""
+
+    saved: tuple[str, ...] = ()  # saves that landed: free the request's blocks
+    failed_saves: tuple[str, ...] = ()  # saves that failed: free the blocks all the same
+    loaded: tuple[str, ...] = ()  # loads that landed: the tokens are computed
+    failed_loads: tuple[str, ...] = ()  # loads that failed: free the blocks, recompute
+
+    def __bool__(self) -> bool:
+        return bool(self.saved or self.failed_saves or self.loaded or self.failed_loads)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferStats:
+    """Counters of a connector since it was built (bytes of KV, all layers)."""
+
+    bytes_offloaded: int = 0  # landed device -> host copies
+    bytes_reloaded: int = 0  # landed host -> device copies
+    num_saves: int = 0
+    num_loads: int = 0
+    num_failed_saves: int = 0
+    num_failed_loads: int = 0
+    num_stored_blocks: int = 0  # blocks in the host store now
+    stored_bytes: int = 0
+    num_loaded_tokens: int = 0  # prompt tokens served from the host store
+
+
+class KVConnector:
+    """The no-op connector: never keeps blocks, never supplies KV. Base of real ones."""
+
+    def bind(self, copier: KVCopier, *, block_size: int, hash_seed: int) -> None:
+        """Called once by the engine before the first step."""
+
+    def on_finish(self, request: Request, block_ids: Sequence[int]) -> bool:
+        return False
+
+    def on_admission(self, request: Request, num_computed_tokens: int) -> int:
+        return 0
+
+    def start_load(self, request: Request, block_ids: Sequence[int]) -> None:
+        raise RuntimeError("start_load without a positive on_admission claim")
+
+    def poll(self) -> TransferEvents:
+        return TransferEvents()
+
+    def has_pending(self) -> bool:
+        return False
+
+    @property
+    def stats(self) -> TransferStats:
+        return TransferStats()
+
+
+@dataclasses.dataclass
+class _Transfer:
+    request_id: str
+    future: Future
+    hashes: list[BlockHash]
+    start_step: int
+    num_tokens: int = 0  # loads: prompt tokens the loaded blocks cover
+
+
+class HostOffloadConnector(KVConnector):
+    """Offloads finished requests' full blocks to an LRU host store; reloads prefix hits.
+
+    The store maps block hash -> host copy of that block (every layer), holding at most
+    `host_bytes` bytes; the least recently saved or loaded block is evicted first. Only
+    blocks whose every token was computed are saved, and a hash already stored or being
+    saved is not copied twice. A failed save frees the blocks and stores nothing; a failed
+    load drops its store entries (so a retry recomputes) and the scheduler frees the
+    blocks and recomputes the tokens: nothing leaks, nothing is half-loaded.
+
+    copy_delay_steps > 0 reports a transfer no earlier than that many poll() calls after
+    it started (to hold blocks on purpose in tests and benchmarks).
+    """
+
+    def __init__(self, host_bytes: int, *, copy_delay_steps: int = 0) -> None:
+        if not isinstance(host_bytes, int) or host_bytes < 0:
+            raise ValueError(f"{host_bytes=} must be an int >= 0")
+        if not isinstance(copy_delay_steps, int) or copy_delay_steps < 0:
+            raise ValueError(f"{copy_delay_steps=} must be an int >= 0")
+        self.host_bytes = host_bytes
+        self.copy_delay_steps = copy_delay_steps
+        self._copier: KVCopier | None = None
+        self._block_size = 0
+        self._hash_seed = 0
+        self._store: collections.OrderedDict[BlockHash, np.ndarray] = collections.OrderedDict()
+        self._saves: dict[str, _Transfer] = {}
+        self._loads: dict[str, _Transfer] = {}
+        self._saving: set[BlockHash] = set()  # hashes with a save in flight
+        self._claims: dict[str, list[BlockHash]] = {}  # req_id -> hashes on_admission found
+        self._step = 0
+        self._stats = TransferStats()
+
+    def bind(self, copier: KVCopier, *, block_size: int, hash_seed: int) -> None:
+        self._copier = copier
+        self._block_size = block_size
+        self._hash_seed = hash_seed
+
+    # ------------------------------------------------------------------ hooks
+
+    def on_finish(self, request: Request, block_ids: Sequence[int]) -> bool:
+        copier = self._require_copier()
+        if self.host_bytes < copier.bytes_per_block:
+            return False
+        hashes = request.update_block_hashes(self._block_size, self._hash_seed)
+        num_full = min(request.num_computed_tokens // self._block_size, len(block_ids))
+        picked = [
+            (block_ids[i], hashes[i])
+            for i in range(num_full)
+            if hashes[i] not in self._store and hashes[i] not in self._saving
+        ]
+        if not picked:
+            for h in hashes[:num_full]:  # already stored: refresh their LRU position
+                if h in self._store:
+                    self._store.move_to_end(h)
+            return False
+        ids = [b for b, _ in picked]
+        new_hashes = [h for _, h in picked]
+        future = copier.start_save(ids)
+        self._saves[request.request_id] = _Transfer(
+            request.request_id, future, new_hashes, self._step
+        )
+        self._saving.update(new_hashes)
+        return True
+
+    def on_admission(self, request: Request, num_computed_tokens: int) -> int:
+        """Whole blocks after `num_computed_tokens` found in the store, in tokens.
+
+        Never covers the request's last token (its logits must be computed). Changes no
+        state except remembering the claim for start_load.
+        """
+        self._claims.pop(request.request_id, None)
+        if not self._store or num_computed_tokens % self._block_size:
+            return 0
+        hashes = request.update_block_hashes(self._block_size, self._hash_seed)
+        first = num_computed_tokens // self._block_size
+        last = (request.num_tokens - 1) // self._block_size
+        found = []
+        for h in hashes[first:last]:
+            if h not in self._store:
+                break
+            found.append(h)
+        if found:
+            self._claims[request.request_id] = found
+        return len(found) * self._block_size
+
+    def start_load(self, request: Request, block_ids: Sequence[int]) -> None:
+        req_id = request.request_id
+        hashes = self._claims.pop(req_id, None)
+        if hashes is None or len(hashes) != len(block_ids):
+            raise ValueError(
+                f"start_load({req_id!r}): {len(block_ids)} blocks given, claim covers "
+                f"{0 if hashes is None else len(hashes)}"
+            )
+        data = np.stack([self._store[h] for h in hashes])
+        for h in hashes:
+            self._store.move_to_end(h)
+        future = self._require_copier().start_load(list(block_ids), data)
+        self._loads[req_id] = _Transfer(
+            req_id, future, hashes, self._step, len(hashes) * self._block_size
+        )
+
+    def poll(self) -> TransferEvents:
+        self._step += 1
+        saved, failed_saves = self._collect(self._saves, self._finish_save)
+        loaded, failed_loads = self._collect(self._loads, self._finish_load)
+        return TransferEvents(tuple(saved), tuple(failed_saves), tuple(loaded), tuple(failed_loads))
+
+    def has_pending(self) -> bool:
+        return bool(self._saves or self._loads)
+
+    @property
+    def stats(self) -> TransferStats:
+        return dataclasses.replace(
+            self._stats,
+            num_stored_blocks=len(self._store),
+            stored_bytes=len(self._store) * self._bytes_per_block(),
+        )
+
+    def stored_hashes(self) -> list[BlockHash]:
+        """Hashes in the host store, least recently used first."""
+        return list(self._store)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _collect(self, transfers: dict[str, _Transfer], finish) -> tuple[list[str], list[str]]:
+        ok, failed = [], []
+        for req_id, t in list(transfers.items()):
+            if self._step - t.start_step < self.copy_delay_steps or not t.future.done():
+                continue
+            del transfers[req_id]
+            (ok if finish(t) else failed).append(req_id)
+        return ok, failed
+
+    def _finish_save(self, t: _Transfer) -> bool:
+        self._saving.difference_update(t.hashes)
+        try:
+            data = t.future.result()
+        except Exception:  # noqa: BLE001 - any copy failure frees the blocks the same way
+            self._count(num_failed_saves=1)
+            return False
+        for h, block in zip(t.hashes, data, strict=True):
+            self._store[h] = block
+            self._store.move_to_end(h)
+        self._evict()
+        self._count(num_saves=1, bytes_offloaded=len(t.hashes) * self._bytes_per_block())
+        return True
+
+    def _finish_load(self, t: _Transfer) -> bool:
+        try:
+            t.future.result()
+        except Exception:  # noqa: BLE001
+            for h in t.hashes:
+                self._store.pop(h, None)
+            self._count(num_failed_loads=1)
+            return False
+        self._count(
+            num_loads=1,
+            bytes_reloaded=len(t.hashes) * self._bytes_per_block(),
+            num_loaded_tokens=t.num_tokens,
+        )
+        return True
+
+    def _evict(self) -> None:
+        limit = self.host_bytes // max(self._bytes_per_block(), 1)
+        while len(self._store) > limit:
+            self._store.popitem(last=False)
+
+    def _bytes_per_block(self) -> int:
+        return self._copier.bytes_per_block if self._copier is not None else 0
+
+    def _count(self, **deltas: int) -> None:
+        s = self._stats
+        self._stats = dataclasses.replace(s, **{k: getattr(s, k) + v for k, v in deltas.items()})
+
+    def _require_copier(self) -> KVCopier:
+        if self._copier is None:
+            raise RuntimeError("HostOffloadConnector used before bind(copier, ...)")
+        return self._copier

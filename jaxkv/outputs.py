@@ -1,0 +1,30 @@
+"""What the engine hands back to its caller: per-step deltas and whole completions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """A request's progress in one step.
+
+    finish_reason is "stop" (a stop token was sampled; it is included in
+    new_token_ids), "length" (max_tokens or max_model_len reached) or "abort", and None
+    while the request runs.
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]  # tokens sampled this step (one per step today)
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionOutput:
+    """A finished request, as Engine.generate returns it."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    finish_reason: str

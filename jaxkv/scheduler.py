@@ -1,0 +1,385 @@
+"""Continuous batching: which requests run this step, with how many tokens each.
+
+Plain Python, no JAX. Each schedule() call first applies finished KV transfers, then
+schedules running requests (oldest first) and then waiting ones, under a token budget
+and a cap on running requests. Prompts are split into chunks when the budget is short
+(chunked prefill). When blocks run out, the most recently admitted running request is
+preempted by recompute: it gives all its blocks back and resumes later from scratch
+(its prefix-cache hits make that cheap). update_from_output() applies the sampled
+tokens, stops requests, and either frees a finished request's blocks or hands them to
+the KV connector, which may keep them held until an asynchronous save lands.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxkv.config import SchedulerConfig
+from jaxkv.kv_cache_manager import KVCacheManager, UnknownRequestError
+from jaxkv.kv_transfer import KVConnector
+from jaxkv.outputs import RequestOutput
+from jaxkv.request import Request, RequestStatus
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's batch, in schedule order (the planner may reorder it for attention).
+
+    Hides the queues: everything the planner, the metadata builder and the engine need
+    is here as parallel arrays. Safe to use until the next schedule() call.
+    """
+
+    requests: list[Request]  # scheduled requests, in schedule order
+    request_ids: list[str]  # their ids, same order
+    num_scheduled_tokens: np.ndarray  # i32[R] tokens computed this step per request
+    num_computed_tokens: np.ndarray  # i32[R] tokens already in the cache before this step
+    preempted_request_ids: tuple[str, ...]  # preempted by this schedule() call
+    finished_request_ids: tuple[str, ...]  # left the scheduler since the previous call
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return int(self.num_scheduled_tokens.sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    """Counters since the scheduler was built."""
+
+    num_preemptions: int = 0
+    num_prompt_tokens_computed: int = 0  # prefill tokens run through the model
+    num_decode_tokens_computed: int = 0
+    num_generated_tokens: int = 0
+
+
+class Scheduler:
+    """Owns the request queues; decides each step's batch; applies its results.
+
+    Queues: `waiting` (FIFO; WAITING, PREEMPTED, WAITING_FOR_REMOTE_KV), `running`
+    (admission order), and requests that finished but still hold blocks for a KV
+    transfer. A request holds blocks from admission until it is preempted, freed after
+    finishing, or its transfer lands.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        manager: KVCacheManager,
+        connector: KVConnector | None = None,
+    ) -> None:
+        if manager.max_model_len < config.max_model_len:
+            raise ValueError(f"{manager.max_model_len=} must be >= {config.max_model_len=}")
+        self.config = config
+        self.manager = manager
+        self.connector = connector if connector is not None else KVConnector()
+        self.requests: dict[str, Request] = {}  # every request not yet released
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.transferring: dict[str, Request] = {}  # finished or aborted, blocks held
+        self._loading: dict[str, int] = {}  # req_id -> computed tokens once its load lands
+        self._finished_ids: list[str] = []
+        self._stats = SchedulerStats()
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> None:
+        """Queues a new request (status WAITING). Raises ValueError on a duplicate id."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"{request!r} must be new (WAITING, nothing computed)")
+        if request.num_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: {request.num_tokens} prompt tokens leave no "
+                f"room for output within {self.config.max_model_len=}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Finishes a request as FINISHED_ABORTED from any unfinished state.
+
+        Returns False (nothing changed) for an unknown or already finished request. A
+        request whose KV is loading keeps its blocks until the load lands, then they
+        are freed; every other one frees its blocks now.
+        """
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished():
+            return False
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
+        request.status = RequestStatus.FINISHED_ABORTED
+        if loading:
+            self.transferring[request_id] = request
+        else:
+            self._release(request)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        """True while some request has not finished (running, waiting, loading KV)."""
+        return bool(self.running or self.waiting)
+
+    def has_pending_transfers(self) -> bool:
+        """True while a finished request still holds blocks for a KV transfer."""
+        return bool(self.transferring)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self._stats
+
+    # ---------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Chooses this step's batch and allocates its blocks. See the module doc."""
+        self._apply_transfer_events()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Request] = []
+        num_tokens: list[int] = []
+        num_computed: list[int] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.manager.allocate_slots(request, n) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(request)
+                num_tokens.append(n)
+                num_computed.append(request.num_computed_tokens)
+                budget -= n
+                i += 1
+                continue
+            break  # the request itself was preempted: nothing after it can run
+
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled, num_tokens, num_computed)
+
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(
+            requests=scheduled,
+            request_ids=[r.request_id for r in scheduled],
+            num_scheduled_tokens=np.asarray(num_tokens, np.int32),
+            num_computed_tokens=np.asarray(num_computed, np.int32),
+            preempted_request_ids=tuple(preempted),
+            finished_request_ids=finished,
+        )
+
+    def _admit_waiting(
+        self,
+        budget: int,
+        scheduled: list[Request],
+        num_tokens: list[int],
+        num_computed: list[int],
+    ) -> int:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                skipped.append(self.waiting.popleft())
+                continue
+            n = self._allocate_for_admission(request, budget)
+            if n is None:
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                skipped.append(request)
+                continue
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(request)
+            num_tokens.append(n)
+            num_computed.append(request.num_computed_tokens)
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _allocate_for_admission(self, request: Request, budget: int) -> int | None:
+        """Allocates a waiting request's blocks; returns its tokens this step, or None.
+
+        A request that already holds blocks (its KV load landed) continues from its
+        computed tokens; a fresh one looks up the device prefix cache and then the
+        connector, and if the connector claims more it starts the load instead (status
+        WAITING_FOR_REMOTE_KV, 0 tokens this step).
+        """
+        m = self.manager
+        if request.num_computed_tokens:  # a load landed: blocks held, continue after them
+            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if n is None or m.allocate_slots(request, n) is None:
+                return None
+            return n
+        hit_ids, num_hit = m.get_computed_blocks(request)
+        num_external = self.connector.on_admission(request, num_hit)
+        if num_external:
+            # The loaded blocks are allocated as lookahead so they enter the prefix cache
+            # only once the load has landed and the request is scheduled.
+            new_ids = m.allocate_slots(
+                request,
+                0,
+                num_new_computed_tokens=num_hit,
+                new_computed_blocks=hit_ids,
+                num_lookahead_tokens=num_external,
+            )
+            if new_ids is None:
+                return None
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            self.connector.start_load(request, new_ids)
+            self._loading[request.request_id] = num_hit + num_external
+            return 0
+        n = self._chunk(request.num_tokens - num_hit, budget)
+        if n is None:
+            return None
+        if (
+            m.allocate_slots(
+                request, n, num_new_computed_tokens=num_hit, new_computed_blocks=hit_ids
+            )
+            is None
+        ):
+            return None
+        request.num_computed_tokens = num_hit
+        return n
+
+    def _chunk(self, remaining: int, budget: int) -> int | None:
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else None
+
+    def _preempt(self, request: Request) -> None:
+        self.manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._count(num_preemptions=1)
+
+    # ------------------------------------------------------------------ update
+
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: Sequence[int] | np.ndarray,  # i32[R] one token per request
+    ) -> list[RequestOutput]:
+        """Advances every scheduled request by its tokens and appends sampled tokens.
+
+        A request whose prompt is still partly uncomputed (a prefill chunk) discards its
+        sampled token. Returns one RequestOutput per request that got a token, in
+        schedule order. Finished requests leave `running`; their blocks are freed or,
+        if the connector keeps them, held in `transferring`.
+        """
+        if len(sampled_token_ids) != output.num_requests:
+            raise ValueError(
+                f"{len(sampled_token_ids)=} must equal the {output.num_requests} scheduled"
+            )
+        tokens = np.asarray(sampled_token_ids).tolist()
+        outputs: list[RequestOutput] = []
+        finished: list[Request] = []
+        max_len = self.config.max_model_len
+        num_prompt = num_decode = num_generated = 0
+        for request, n, token in zip(
+            output.requests, output.num_scheduled_tokens.tolist(), tokens, strict=True
+        ):
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted between schedule and update
+            computed = request.num_computed_tokens + n
+            request.num_computed_tokens = computed
+            if request.num_output_tokens:
+                num_decode += n
+            else:
+                num_prompt += n
+            if computed < request.num_tokens:
+                continue  # a prefill chunk: the sampled token is not the next one
+            request.append_output_token_ids(token)
+            num_generated += 1
+            params = request.sampling_params
+            if token in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+            elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_len:
+                request.status = RequestStatus.FINISHED_LENGTH
+            if request.is_finished():
+                finished.append(request)
+                reason = _FINISH_REASONS[request.status]
+                outputs.append(RequestOutput(request.request_id, (token,), True, reason))
+            else:
+                outputs.append(RequestOutput(request.request_id, (token,), False, None))
+        if finished:
+            done = set(map(id, finished))
+            self.running = [r for r in self.running if id(r) not in done]
+            for request in finished:
+                self._finish(request)
+        self._count(
+            num_prompt_tokens_computed=num_prompt,
+            num_decode_tokens_computed=num_decode,
+            num_generated_tokens=num_generated,
+        )
+        return outputs
+
+    def _finish(self, request: Request) -> None:
+        block_ids = self.manager.block_ids(request.request_id)
+        if self.connector.on_finish(request, block_ids):
+            request.status = RequestStatus.FINISHED_TRANSFERRING
+            self.transferring[request.request_id] = request
+        else:
+            self._release(request)
+
+    # --------------------------------------------------------------- transfers
+
+    def _apply_transfer_events(self) -> None:
+        events = self.connector.poll()
+        if not events:
+            return
+        for req_id in events.saved + events.failed_saves:
+            self._release(self.transferring.pop(req_id))
+        for req_id in events.loaded:
+            num_computed = self._loading.pop(req_id)
+            request = self.transferring.pop(req_id, None)
+            if request is not None:  # aborted while loading
+                self._release(request)
+                continue
+            request = self.requests[req_id]
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.WAITING
+        for req_id in events.failed_loads:
+            del self._loading[req_id]
+            request = self.transferring.pop(req_id, None)
+            if request is not None:
+                self._release(request)
+                continue
+            request = self.requests[req_id]
+            self.manager.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+
+    def _release(self, request: Request) -> None:
+        """Frees the request's blocks (if any) and forgets it."""
+        try:
+            self.manager.free(request)
+        except UnknownRequestError:
+            pass  # never admitted, or preempted: holds no blocks
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def _count(self, **deltas: int) -> None:
+        s = self._stats
+        self._stats = dataclasses.replace(s, **{k: getattr(s, k) + v for k, v in deltas.items()})

@@ -1,0 +1,150 @@
+"""Helpers for scheduler and KV-transfer host tests: a fake device copier and a step driver."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import numpy as np
+
+from jaxkv import KVCacheManager, Request, SamplingParams
+from jaxkv.config import SchedulerConfig
+from jaxkv.kv_transfer import KVConnector
+from jaxkv.scheduler import Scheduler, SchedulerOutput
+
+
+class FakeCopier:
+    """Device KV as a numpy array f32[num_blocks, block_size]; copies complete on demand.
+
+    With auto_complete the Futures are done at once; otherwise complete() lands them.
+    fail_saves / fail_loads make the next copies fail.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, auto_complete: bool = True) -> None:
+        self.device = np.zeros((num_blocks, block_size), np.float32)
+        self.bytes_per_block = block_size * 4
+        self.auto_complete = auto_complete
+        self.fail_saves = False
+        self.fail_loads = False
+        self.pending: list[tuple[Future, object]] = []
+        self.saved_block_ids: list[list[int]] = []
+        self.loaded_block_ids: list[list[int]] = []
+
+    def _finish(self, future: Future, work) -> None:
+        if self.auto_complete:
+            self._run(future, work)
+        else:
+            self.pending.append((future, work))
+
+    @staticmethod
+    def _run(future: Future, work) -> None:
+        try:
+            future.set_result(work())
+        except Exception as e:  # noqa: BLE001
+            future.set_exception(e)
+
+    def complete(self) -> None:
+        for future, work in self.pending:
+            self._run(future, work)
+        self.pending.clear()
+
+    def start_save(self, block_ids):
+        ids = list(block_ids)
+        self.saved_block_ids.append(ids)
+        snapshot = self.device[ids].copy()
+        fail = self.fail_saves
+
+        def work():
+            if fail:
+                raise OSError("injected save failure")
+            return snapshot
+
+        future: Future = Future()
+        self._finish(future, work)
+        return future
+
+    def start_load(self, block_ids, blocks):
+        ids = list(block_ids)
+        self.loaded_block_ids.append(ids)
+        fail = self.fail_loads
+
+        def work():
+            if fail:
+                raise OSError("injected load failure")
+            self.device[ids] = blocks
+
+        future: Future = Future()
+        self._finish(future, work)
+        return future
+
+
+def make_scheduler(
+    *,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 8,
+    max_model_len: int = 64,
+    enable_chunked_prefill: bool = True,
+    enable_prefix_caching: bool = True,
+    connector: KVConnector | None = None,
+) -> Scheduler:
+    manager = KVCacheManager(
+        num_blocks,
+        block_size,
+        max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    config = SchedulerConfig(
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=enable_chunked_prefill,
+    )
+    return Scheduler(config, manager, connector)
+
+
+def add(sched: Scheduler, request_id: str, tokens, **params) -> Request:
+    request = Request(request_id, list(tokens), SamplingParams(**params))
+    sched.add_request(request)
+    return request
+
+
+def token_of(request: Request) -> int:
+    """A deterministic fake sample: depends only on the request's tokens so far."""
+    return (sum(request.all_token_ids) * 31 + request.num_tokens) % 97 + 100
+
+
+def step(sched: Scheduler, copier: FakeCopier | None = None):
+    """One schedule + update with fake tokens; writes KV of computed tokens into the copier.
+
+    Each computed token's fake KV value is 1000 * position + token id, so a load can be
+    checked against what the request's own computation would have written.
+    """
+    out: SchedulerOutput = sched.schedule()
+    assert out.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
+    assert out.num_requests <= sched.config.max_num_seqs
+    if copier is not None:
+        bs = sched.manager.block_size
+        for req, n, start in zip(
+            out.requests, out.num_scheduled_tokens, out.num_computed_tokens, strict=True
+        ):
+            ids = sched.manager.block_ids(req.request_id)
+            for pos in range(start, start + n):
+                copier.device[ids[pos // bs], pos % bs] = 1000 * pos + req.all_token_ids[pos]
+    results = sched.update_from_output(out, [token_of(r) for r in out.requests])
+    sched.manager.check_integrity()
+    return out, results
+
+
+def run_until_idle(sched: Scheduler, copier: FakeCopier | None = None, max_steps: int = 500):
+    finished = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests() and not sched.has_pending_transfers():
+            return finished
+        _, results = step(sched, copier)
+        for r in results:
+            if r.finished:
+                finished[r.request_id] = r.finish_reason
+        if copier is not None and not copier.auto_complete:
+            copier.complete()
+    raise AssertionError("scheduler did not go idle")

@@ -1,0 +1,184 @@
+"""HostOffloadConnector with a fake device: held blocks, LRU store, reloads, failures, aborts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxkv import RequestStatus
+from jaxkv.kv_transfer import HostOffloadConnector
+from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
+
+BS = 4
+
+
+def setup(host_blocks=64, *, delay=0, auto=True, num_blocks=64, **kw):
+    copier = FakeCopier(num_blocks, BS, auto_complete=auto)
+    connector = HostOffloadConnector(host_blocks * copier.bytes_per_block, copy_delay_steps=delay)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    sched = make_scheduler(num_blocks=num_blocks, block_size=BS, connector=connector, **kw)
+    return sched, connector, copier
+
+
+def expected_kv(tokens, num_blocks):
+    pos = np.arange(num_blocks * BS)
+    return (1000 * pos + np.asarray(tokens[: num_blocks * BS])).reshape(num_blocks, BS)
+
+
+def test_save_holds_blocks_for_delay_steps_then_frees_and_stores():
+    sched, conn, copier = setup(delay=3)
+    prompt = list(range(1, 12))  # 11 tokens + 1 output: 2 full computed blocks
+    add(sched, "a", prompt, max_tokens=2)
+    step(sched, copier)
+    step(sched, copier)  # a finishes: 12 computed tokens -> 3 full blocks
+    a = sched.transferring["a"]
+    assert a.status == RequestStatus.FINISHED_TRANSFERRING
+    held = sched.manager.block_ids("a")
+    assert copier.saved_block_ids == [held[:3]]
+    for _ in range(2):
+        step(sched, copier)
+        assert sched.manager.block_ids("a") == held
+    step(sched, copier)
+    assert not sched.has_pending_transfers() and sched.manager.num_free_blocks == 63
+    assert conn.stats.num_saves == 1 and conn.stats.bytes_offloaded == 3 * copier.bytes_per_block
+    assert conn.stored_hashes() == a.block_hashes[:3]
+
+
+def test_already_stored_blocks_are_not_copied_twice():
+    sched, conn, copier = setup()
+    prompt = list(range(1, 10))
+    add(sched, "a", prompt, max_tokens=1)
+    run_until_idle(sched, copier)
+    add(sched, "b", prompt + [77, 78, 79, 80], max_tokens=1)
+    run_until_idle(sched, copier)
+    first, second = copier.saved_block_ids
+    assert len(first) == 2 and len(second) == 1  # only b's third block is new
+    assert conn.stats.num_stored_blocks == 3
+
+
+def test_lru_store_stays_within_its_byte_budget():
+    sched, conn, copier = setup(host_blocks=3)
+    reqs = [add(sched, f"r{i}", range(10 * i + 1, 10 * i + 9), max_tokens=1) for i in range(3)]
+    run_until_idle(sched, copier)
+    assert conn.stats.num_stored_blocks == 3
+    assert conn.stats.stored_bytes <= conn.host_bytes
+    # r0's two blocks went first, then r1's first; r1's second and r2's two remain.
+    assert conn.stored_hashes() == reqs[1].block_hashes[1:2] + reqs[2].block_hashes[:2]
+
+
+def test_device_cache_miss_reloads_from_host_with_the_computed_kv():
+    sched, conn, copier = setup(delay=2)
+    prompt = list(range(1, 15))  # 3 full blocks + 2
+    a = add(sched, "a", prompt, max_tokens=3)
+    run_until_idle(sched, copier)
+    assert sched.manager.reset_prefix_cache()  # the device cache forgets everything
+    copier.device[:] = -1
+    b = add(sched, "b", prompt, max_tokens=3)
+    out, _ = step(sched, copier)
+    assert out.num_requests == 0 and b.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    ids = sched.manager.block_ids("b")
+    assert len(ids) == 3 and copier.loaded_block_ids == [ids]
+    step(sched, copier)
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV  # delay: still loading
+    out, _ = step(sched, copier)
+    assert out.request_ids == ["b"] and out.num_computed_tokens.tolist() == [12]
+    np.testing.assert_array_equal(copier.device[ids], expected_kv(prompt, 3))
+    run_until_idle(sched, copier)
+    assert b.output_token_ids == a.output_token_ids
+    assert conn.stats.bytes_reloaded == 3 * copier.bytes_per_block
+    assert conn.stats.num_loaded_tokens == 12
+    assert sched.manager.num_free_blocks == 63
+
+
+def test_claim_never_covers_the_last_prompt_token():
+    sched, conn, copier = setup()
+    prompt = list(range(1, 13))  # exactly 3 blocks
+    add(sched, "a", prompt, max_tokens=2)
+    run_until_idle(sched, copier)
+    assert sched.manager.reset_prefix_cache()
+    b = add(sched, "b", prompt, max_tokens=1)
+    step(sched, copier)
+    assert len(copier.loaded_block_ids[-1]) == 2  # blocks 0-1; block 2 holds the last token
+    run_until_idle(sched, copier)
+    assert b.num_output_tokens == 1
+
+
+def test_failed_save_frees_blocks_and_stores_nothing():
+    sched, conn, copier = setup(auto=False)
+    copier.fail_saves = True
+    add(sched, "a", range(1, 10), max_tokens=1)
+    step(sched, copier)
+    assert "a" in sched.transferring
+    copier.complete()
+    step(sched, copier)
+    assert not sched.has_pending_transfers() and sched.manager.num_free_blocks == 63
+    assert conn.stats.num_failed_saves == 1 and conn.stats.num_stored_blocks == 0
+
+
+def test_failed_load_drops_entries_frees_blocks_and_recomputes():
+    sched, conn, copier = setup()
+    prompt = list(range(1, 15))
+    a = add(sched, "a", prompt, max_tokens=3)
+    run_until_idle(sched, copier)
+    assert sched.manager.reset_prefix_cache()
+    copier.fail_loads = True
+    b = add(sched, "b", prompt, max_tokens=3)
+    step(sched, copier)
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    copier.fail_loads = False
+    out, _ = step(sched, copier)  # failure seen: blocks freed, prompt recomputed from 0
+    assert out.request_ids == ["b"] and out.num_computed_tokens.tolist() == [0]
+    assert conn.stats.num_failed_loads == 1
+    assert not set(a.block_hashes[:3]) & set(conn.stored_hashes())
+    run_until_idle(sched, copier)
+    assert b.output_token_ids == a.output_token_ids
+    assert sched.manager.num_free_blocks == 63
+
+
+def test_abort_while_loading_holds_blocks_until_the_load_lands():
+    sched, conn, copier = setup(auto=False)
+    prompt = list(range(1, 15))
+    add(sched, "a", prompt, max_tokens=1)
+    step(sched, copier)
+    copier.complete()
+    run_until_idle(sched, copier)
+    assert sched.manager.reset_prefix_cache()
+    b = add(sched, "b", prompt, max_tokens=3)
+    step(sched, copier)
+    held = sched.manager.block_ids("b")
+    assert sched.abort("b") and b.status == RequestStatus.FINISHED_ABORTED
+    assert not sched.has_unfinished_requests() and sched.has_pending_transfers()
+    step(sched, copier)
+    assert sched.manager.block_ids("b") == held  # the load may still write them
+    copier.complete()
+    out, _ = step(sched, copier)
+    assert "b" in out.finished_request_ids and sched.manager.num_free_blocks == 63
+
+
+def test_abort_of_a_transferring_request_is_a_no_op():
+    sched, conn, copier = setup(delay=5)
+    add(sched, "a", range(1, 10), max_tokens=1)
+    step(sched, copier)
+    assert sched.requests["a"].status == RequestStatus.FINISHED_TRANSFERRING
+    assert not sched.abort("a")
+    assert sched.requests["a"].status == RequestStatus.FINISHED_TRANSFERRING
+    run_until_idle(sched, copier)
+    assert sched.manager.num_free_blocks == 63
+
+
+def test_zero_budget_store_never_keeps_blocks():
+    sched, conn, copier = setup(host_blocks=0)
+    add(sched, "a", range(1, 10), max_tokens=1)
+    step(sched, copier)
+    assert not sched.has_pending_transfers() and copier.saved_block_ids == []
+
+
+def test_constructor_validates_and_unbound_use_raises():
+    with pytest.raises(ValueError, match="host_bytes"):
+        HostOffloadConnector(-1)
+    with pytest.raises(ValueError, match="copy_delay_steps"):
+        HostOffloadConnector(10, copy_delay_steps=-2)
+    sched = make_scheduler(connector=HostOffloadConnector(1024))
+    add(sched, "a", range(1, 10), max_tokens=1)
+    with pytest.raises(RuntimeError, match="bind"):
+        step(sched)
