@@ -1,38 +1,47 @@
 """Ragged paged attention with LSE for NVIDIA GPUs: a Pallas Triton kernel.
 
-Backend: Triton (`pl.pallas_call` with `compiler_params=plgpu.CompilerParams`, where
-`plgpu` is `jax.experimental.pallas.triton`). Mosaic GPU was probed first on jax 0.10.2:
-its interpreter (`InterpretGPUParams`) runs on the CPU, and a paged gather (a page id
-read from a table in global memory, then a TMA copy of `pages.at[page_id]` into shared
-memory) both interprets and lowers for CUDA on a CPU-only jaxlib (custom call
-`mosaic_gpu_v2`). It was not chosen because the rest of a Mosaic GPU attention kernel
-(warpgroup MMA with 64-row tiles, which a decode step of 1 token x 4 query heads must pad
-16-fold; shared-memory swizzle transforms; barrier pipelining; requantizing int8 pages
-through shared memory) is checked only by the CUDA compiler on Hopper, no GPU was at
-hand to check it, and Mosaic GPU targets Hopper and newer while Triton also runs on
-Ampere. The Triton path lowers here and its kernel body uses only loads, stores, dots
-and loops that jax 0.10 and 0.11 both lower; porting the same tiling to Mosaic GPU is
-the follow-up once a Hopper machine is available to test on.
+Backend: Triton (`pl.pallas_call` with `compiler_params=plgpu.CompilerParams`, `plgpu`
+being `jax.experimental.pallas.triton`). Mosaic GPU was probed first, on jax 0.10.2 with
+a CPU-only jaxlib: its interpreter (`InterpretGPUParams`) runs on the CPU, a paged gather
+(a page id read from a table in global memory, then a TMA copy of `pages.at[page_id]`
+into shared memory) and a 64x64x64 warpgroup MMA both interpret correctly and lower for
+CUDA (custom call `mosaic_gpu_v2`). So a Mosaic GPU kernel is possible; it was not
+chosen, for four reasons:
+- float32 queries: warpgroup MMA has no full-float32 mode (tf32 at best, ~1e-3
+  relative), so it cannot meet the float32 contract of this kernel; Triton's dot has an
+  exact "ieee" mode;
+- decode tiles: warpgroup MMA takes 64-row tiles, 16 times the 4 rows (1 token x 4 query
+  heads) of a Llama-3 decode step per KV head; int8 / float8 pages must be requantized
+  through shared memory to feed it;
+- hardware: Mosaic GPU targets Hopper and newer; Triton also runs on Ampere;
+- verification: much of a Mosaic GPU kernel (layouts, swizzles, barrier pipelining) is
+  checked only on the device, and no GPU was at hand; the Triton module this file emits
+  passes the Triton dialect verifier on the CPU (see the lowering tests).
+Porting the same tiling to Mosaic GPU for bf16 on Hopper is the follow-up once a Hopper
+machine can test it. The kernel body uses only loads, stores, dots, reductions and
+loops, which the Triton backend lowers on jax 0.10 (and, deprecated but present, 0.11).
 
 Layout of the work: grid (query block, KV head, KV split). A query block holds up to
-`block_m` rows, each row one (token, query head) pair of one sequence and one KV head's
-group of query heads (GQA packs the group into the rows, so every K/V page is read once
-per group, not once per query head). Blocks never straddle two sequences: sequence i
-owns blocks cu_q_lens[i] // tokens_per_block + i onward, and each program finds its
-sequence by binary search over cu_q_lens. The keys of a block are walked
-`pages_per_block` pages at a time with an online softmax in float32 (base 2). With more
-than one KV split each split covers a contiguous slice of those key blocks, writes its
-normalized output and LSE in float32, and the wrapper merges the splits through their
-LSEs, so a small decode batch still fills the GPU.
+`block_m` rows, each row one (token, query head) pair of one sequence and of one KV
+head's group of query heads (GQA packs the group into the rows, so every K/V page is
+read once per group, not once per query head). Blocks never straddle two sequences:
+sequence i owns blocks cu_q_lens[i] // tokens_per_block + i onward, and each program
+finds its sequence by binary search over cu_q_lens. Keys are walked `block_k` at a time
+(each key's page looked up in the page table, so any page size works) with an online
+softmax in float32 (base 2). With more than one KV split each split covers a contiguous
+slice of the key blocks, writes its normalized output and LSE in float32, and the
+wrapper merges the splits through their LSEs, so a small decode batch still fills the
+GPU.
 
 Guarantees: the contract of `kernels_pallas.reference.ragged_paged_attention` (causal
 and non-causal, sliding window, soft cap, int8 / float8_e4m3fn KV with scales, GQA);
 rows of valid sequences that see no key, and every row past cu_q_lens[num_seqs], give
 out 0 and lse -inf; nothing past a sequence's kv_len, no page-table slot past its last
-page and no sequence past num_seqs is used in a valid row.
+page and no sequence past num_seqs is used in a valid row. float8 pages need a GPU that
+converts float8_e4m3fn (compute capability 8.9 or newer).
 
-Limits (ValueError at trace time): head_dim and page_size must be powers of two >= 16
-(Triton block shapes are powers of two).
+Limits (ValueError at trace time): head_dim must be a power of two >= 16; the knobs
+block_m and block_k powers of two >= 16 (Triton block shapes are powers of two).
 """
 
 from __future__ import annotations

@@ -100,9 +100,11 @@ def test_soft_cap():
     _check(_case([(1, 37), (6, 20)]), oracle_kw={"soft_cap": 2.0})
 
 
-def test_sliding_window():
+def test_sliding_window_page_size_24():
     # Window 8 < block_k 16: blocks wholly outside the window are skipped, edges masked.
-    _check(_case([(1, 50), (9, 30)]), oracle_kw={"sliding_window": 8}, block_k=16)
+    # Pages of 24 tokens: key blocks and pages do not align.
+    case = _case([(1, 50), (9, 30)], page_size=24)
+    _check(case, oracle_kw={"sliding_window": 8}, block_k=16)
 
 
 @pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
@@ -156,18 +158,37 @@ def test_rejects_unsupported_static_shapes(kw, match):
         )
 
 
+def _verified_triton_modules(monkeypatch) -> list[bool]:
+    """Runs the Triton dialect verifier on every module the Triton backend lowers."""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+    verified = []
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        verified.append(result.module.operation.verify())
+        return result
+
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    return verified
+
+
 @pytest.mark.parametrize(
     ("dtype", "kv_dtype", "kw"),
     [
         (jnp.bfloat16, None, {"num_kv_splits": 4}),
         (jnp.bfloat16, jnp.int8, {"k_scale": 0.1, "v_scale": 0.1, "soft_cap": 30.0}),
+        (jnp.bfloat16, jnp.float8_e4m3fn, {"k_scale": 0.1, "v_scale": 0.1, "sliding_window": 9}),
         (jnp.float32, None, {"causal": False, "block_m": 64}),
     ],
-    ids=["bf16-splits", "int8-softcap", "f32-noncausal"],
+    ids=["bf16-splits", "int8-softcap", "fp8-window", "f32-noncausal"],
 )
-def test_lowers_for_cuda_to_a_triton_call(dtype, kv_dtype, kw):
+def test_lowers_for_cuda_to_a_verified_triton_call(monkeypatch, dtype, kv_dtype, kw):
+    verified = _verified_triton_modules(monkeypatch)
     case = _case([(1, 37), (5, 20)], dtype=dtype, kv_dtype=kv_dtype, head_dim=128)
     f = functools.partial(ragged_paged_attention, sm_scale=SM_SCALE, **kw)
     text = jax.jit(f).trace(*case.args()).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
     assert "ragged_paged_attention_gpu" in text
+    assert verified == [True]
