@@ -96,10 +96,11 @@ def _copies_for(kv_bytes: int, reps: int) -> int:
 # ----------------------------------------------------------------------------- methods
 
 
-def flat_fn(q, kv, kv_lens, table, cu, num_seqs, *, sm_scale, interpret):
+def flat_fn(q, kv, kv_lens, table, cu, num_seqs, *, sm_scale, interpret, **knobs):
     return ragged_paged_attention(
-        q, kv, kv_lens, table, cu, num_seqs, sm_scale=sm_scale, max_q_len=1, interpret=interpret
-    )
+        q, kv, kv_lens, table, cu, num_seqs, sm_scale=sm_scale, max_q_len=1,
+        interpret=interpret, **knobs,
+    )  # fmt: skip
 
 
 def cascade_fn(q, kv, kv_lens, table, cu, num_seqs, *, num_prefix_pages, sm_scale, interpret):
@@ -309,6 +310,49 @@ def bench_config(b, p, s, *, page_size, reps, repeats, interpret, heads, dtype, 
     return row
 
 
+SWEEP = [
+    dict(block_k=bk, num_warps=w, num_stages=st, num_kv_splits=sp)
+    for bk in (64, 128)
+    for w in (4, 8)
+    for st in (2, 3)
+    for sp in (1, 2)
+]
+
+
+def sweep(b, p, s, *, page_size, reps, repeats, copy_bps, deadline, heads, interpret, tilings):
+    """flat_unique at one configuration over a few tilings (the defaults are untuned)."""
+    hq, hkv, d = heads
+    flat_bytes = b * (p + s) * 2 * hkv * d * 2
+    tables, pages_per_copy = decode_tables(b, p, s, page_size, shared=False, copies=1)
+    kv = _kv_pool(jax.random.key(3), pages_per_copy, page_size, hkv, d, jnp.bfloat16)
+    qs = jax.random.normal(jax.random.key(4), (reps, b, hq, d), jnp.float32).astype(jnp.bfloat16)
+    table = jnp.asarray(tables[0])
+    kv_lens = jnp.full((b,), p + s, jnp.int32)
+    cu = jnp.arange(b + 1, dtype=jnp.int32)
+    num_seqs = jnp.array([b], jnp.int32)
+    rows = []
+    for knobs in tilings:
+        if time.perf_counter() > deadline:
+            break
+
+        def run(qs, kv, knobs=knobs):
+            return [
+                flat_fn(qs[r], kv, kv_lens, table, cu, num_seqs, sm_scale=d**-0.5,
+                        interpret=interpret, **knobs)
+                for r in range(reps)
+            ]  # fmt: skip
+
+        try:
+            t, _ = time_call(jax.jit(run), (qs, kv), repeats)
+            row = {**knobs, "us": t / reps * 1e6,
+                   "fraction_of_copy": flat_bytes / (t / reps) / copy_bps}  # fmt: skip
+        except Exception as e:  # e.g. out of shared memory for this tiling
+            row = {**knobs, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+        print(f"sweep B={b} P={p} S={s} {row}", flush=True)
+        rows.append(row)
+    return rows
+
+
 def print_table(rows: list[dict], copy_bps: float) -> None:
     head = (
         f"{'B':>4} {'P':>5} {'S':>5} | {'flat_uniq us':>12} {'GB/s':>6} {'%copy':>5} | "
@@ -393,8 +437,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="timed programs per method")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--jax-k-splits", type=int, default=16, help="JAX paged_attention k_splits")
-    ap.add_argument("--max-seconds", type=float, default=270.0, help="skip configs past this")
+    ap.add_argument(
+        "--max-seconds", type=float, default=230.0, help="start no config (sweep: +40 s) past this"
+    )
     ap.add_argument("--only", default=None, help="e.g. '64,8192,128;8,1024,128'")
+    ap.add_argument(
+        "--no-sweep", dest="sweep", action="store_false", help="skip the flat tiling sweep"
+    )
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -446,6 +495,14 @@ def main(argv=None) -> int:
         (args.out / "gpu_kernel.json").write_text(json.dumps(result, indent=1))
     print_table(rows, copy_bps)
     result["goals"] = goals(rows, copy_bps)
+    if args.sweep:
+        b, p, s = (2, 32, 16) if args.smoke else (64, 8192, 128)
+        tilings = [dict(block_k=16, num_kv_splits=2)] if args.smoke else SWEEP
+        result["sweep"] = sweep(
+            b, p, s, page_size=args.page_size, reps=reps, repeats=repeats, copy_bps=copy_bps,
+            deadline=t_start + args.max_seconds + 40, heads=heads, interpret=args.smoke,
+            tilings=tilings,
+        )  # fmt: skip
     if args.smoke:
         result["lowered_full_size"] = lower_full_size()
     result["seconds"] = time.perf_counter() - t_start
