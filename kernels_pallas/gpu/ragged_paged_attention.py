@@ -289,8 +289,24 @@ def default_config(
     )
 
 
-def _validate_gpu(q: jax.Array, block_m: int, group: int, block_k: int) -> None:
+def _gpu_compute_capability() -> float | None:
+    """The first local GPU's compute capability (8.0 for an A100), None without a GPU."""
+    try:
+        return float(jax.local_devices(backend="gpu")[0].compute_capability)
+    except (RuntimeError, AttributeError, ValueError, IndexError):
+        return None
+
+
+def _validate_gpu(
+    q: jax.Array, kv_pages: jax.Array, block_m: int, group: int, block_k: int, interpret: bool
+) -> None:
     head_dim = q.shape[2]
+    if jnp.dtype(kv_pages.dtype) == jnp.dtype(jnp.float8_e4m3fn) and not interpret:
+        cc = _gpu_compute_capability()
+        if cc is not None and cc < 8.9:
+            raise ValueError(
+                f"{kv_pages.dtype=} needs a GPU of compute capability >= 8.9 (this one: {cc})"
+            )
     if not (_is_pow2(head_dim) and head_dim >= 16):
         raise ValueError(f"{q.shape=}: head_dim must be a power of two >= 16 on the GPU kernel")
     if not (_is_pow2(block_m) and block_m >= 16 and block_m >= group):
@@ -377,7 +393,7 @@ def ragged_paged_attention(
     num_stages = default.num_stages if num_stages is None else num_stages
     if num_kv_splits < 1:
         raise ValueError(f"{num_kv_splits=} must be >= 1")
-    _validate_gpu(q, block_m, group, block_k)
+    _validate_gpu(q, kv_pages, block_m, group, block_k, interpret)
 
     num_rows = max_num_tokens * num_q_heads + block_m
     tokens_per_block = block_m // group
