@@ -174,10 +174,12 @@ def _kernel(
         slot = jnp.where(key_valid, key // page_size, 0)
         page = jnp.where(key_valid, page_indices_ref[seq, slot], 0)
         idx = (page[:, None], (key % page_size)[:, None], col[None, :])
-        k = k_ref[idx].astype(compute_dtype)
-        v = v_ref[idx].astype(compute_dtype)
-        # Slots past kv_len may hold anything (NaN included): 0 * NaN would leak into acc.
-        v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
+        # Slots past kv_len may hold anything (NaN included), and 0 * NaN in the value sum
+        # would leak into acc: they load as 0 (a predicated load, no select).
+        kv_mask = key_valid[:, None]
+        zero = jnp.zeros((), k_ref.dtype)
+        k = plgpu.load(k_ref.at[idx], mask=kv_mask, other=zero).astype(compute_dtype)
+        v = plgpu.load(v_ref.at[idx], mask=kv_mask, other=zero).astype(compute_dtype)
 
         s = jax.lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
