@@ -1,0 +1,59 @@
+"""Default tuning knobs of the TPU ragged paged attention kernel, by TPU generation.
+
+Nothing here asks a device anything: the kernel takes `tpu_generation` as a static
+argument (default "default"), so lowering on a machine without a TPU uses the same table
+as running on one. `detect_tpu_generation()` is for scripts that run on a TPU VM and want
+to pass the right key explicitly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Static tiling of one kernel call."""
+
+    num_queries_per_block: int  # query tokens per q tile (rows of the matmul: this x group)
+    kv_tokens_per_block: int  # target keys per KV block; pages per block = this // page_size
+    vmem_limit_bytes: int | None  # scoped VMEM limit handed to Mosaic; None: compiler default
+
+
+# Key schema: TPU generation as in `jax.devices()[0].device_kind` lower-cased without the
+# "tpu " prefix and any " lite" suffix folded to "e" ("v4", "v5e", "v5p", "v6e"), plus
+# "default" for a caller that does not say. Value: BlockSizes. The numbers are chosen so
+# that double-buffered K/V blocks (2 x kv_tokens x 2 * kv_heads_per_block x head_dim) stay
+# well inside the 16 MiB (v4, v5e) or 32 MiB (v5p, v6e) default scoped VMEM, and so that a
+# KV block is large enough (>= 256 keys) to amortise per-block DMA and softmax overhead.
+# They are NOT measured on hardware yet: benchmarks/tpu_kernel.py is the tool to tune them.
+TUNED_BLOCK_SIZES: dict[str, BlockSizes] = {
+    "default": BlockSizes(num_queries_per_block=32, kv_tokens_per_block=256, vmem_limit_bytes=None),
+    "v4": BlockSizes(num_queries_per_block=32, kv_tokens_per_block=256, vmem_limit_bytes=None),
+    "v5e": BlockSizes(num_queries_per_block=32, kv_tokens_per_block=256, vmem_limit_bytes=None),
+    "v5p": BlockSizes(
+        num_queries_per_block=32, kv_tokens_per_block=512, vmem_limit_bytes=64 * 2**20
+    ),
+    "v6e": BlockSizes(
+        num_queries_per_block=32, kv_tokens_per_block=512, vmem_limit_bytes=64 * 2**20
+    ),
+}
+
+
+def block_sizes(tpu_generation: str) -> BlockSizes:
+    """The table entry for `tpu_generation`; ValueError naming the known keys otherwise."""
+    try:
+        return TUNED_BLOCK_SIZES[tpu_generation]
+    except KeyError:
+        raise ValueError(f"{tpu_generation=} must be one of {sorted(TUNED_BLOCK_SIZES)}") from None
+
+
+def detect_tpu_generation() -> str:
+    """Generation key of the first device if it is a TPU, else "default" (asks the runtime)."""
+    import jax
+
+    kind = jax.devices()[0].device_kind.lower()  # e.g. "tpu v5 lite", "tpu v6e", "tpu v4"
+    if not kind.startswith("tpu"):
+        return "default"
+    gen = kind.removeprefix("tpu").strip().replace(" lite", "e").replace(" ", "")
+    return gen if gen in TUNED_BLOCK_SIZES else "default"

@@ -1,0 +1,205 @@
+"""The Pallas TPU kernel in the TPU interpreter on the CPU, against the float64 oracle.
+
+Every case with the same static configuration shares one set of padded shapes, so the
+interpreter compiles once per configuration and each further case costs only its run.
+Lowering for TPU (Mosaic's tiling rules, which the interpreter does not apply) is checked
+in test_tpu_lowering.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.reference import cascade_attention, prefix_pass_inputs
+from kernels_pallas.tpu import ragged_paged_attention
+from tests.kernels import harness
+
+# Shared padded shapes: 40 query tokens, 5 sequences, 6 pages of 16 keys per sequence.
+SHAPES = dict(max_num_tokens=40, max_num_seqs=5, pages_per_seq=6, num_pages=40)
+# Small tiles so that tiny cases still cross q-tile, KV-block and page boundaries.
+KNOBS = dict(num_queries_per_block=8, num_kv_pages_per_block=2)
+
+# The interpreter turns the kernel into a large XLA program whose CPU compile dominates
+# these tests; XLA's cheapest CPU pipeline compiles it about a third faster.
+_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+_STATIC = (
+    "sm_scale", "causal", "sliding_window", "soft_cap", "k_scale", "v_scale", "interpret",
+    "num_queries_per_block", "num_kv_pages_per_block", "num_kv_heads_per_block",
+)  # fmt: skip
+_rpa = jax.jit(ragged_paged_attention, static_argnames=_STATIC, compiler_options=_FAST_COMPILE)
+_interpreted = functools.partial(_rpa, interpret=True, **KNOBS)
+
+DECODE = [(1, 17), (1, 1), (1, 64), (1, 33)]
+PREFILL = [(16, 16), (5, 5), (13, 13)]
+MIXED = [(1, 17), (7, 7), (3, 40), (12, 29), (1, 96)]
+
+
+def _case(seq_lens, *, seed=0, num_q_heads=4, num_kv_heads=1, head_dim=128, page_size=16, **kw):
+    shapes = dict(SHAPES)
+    if page_size != 16:
+        shapes["pages_per_seq"] = -(-96 // page_size)
+    shapes.update(kw.pop("shapes", {}))
+    return harness.make_case(
+        seed,
+        seq_lens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        **shapes,
+        **kw,
+    )
+
+
+def _kernel(case: harness.Case, **kw):
+    """The kernel with every option passed the way cascade_attention passes it, so calls
+    from the tests and from the cascade composition share one compiled program."""
+    options = dict(causal=True, soft_cap=None, k_scale=None, v_scale=None)
+    options.update(kw)
+    knobs = options.pop("knobs", {})
+    sm_scale = options.pop("sm_scale", 1.0 / math.sqrt(case.q.shape[-1]))
+    return _interpreted(*case.args(), sm_scale=sm_scale, **knobs, **options)
+
+
+def _run(case: harness.Case, **kw):
+    out, lse = _kernel(case, **kw)
+    kw.pop("knobs", None)
+    kw.setdefault("sm_scale", 1.0 / math.sqrt(case.q.shape[-1]))
+    return out, lse, harness.dense_oracle(case, **kw)
+
+
+def _check(case: harness.Case, **kw):
+    out, lse, expected = _run(case, **kw)
+    harness.assert_close_to_oracle(case, out, lse, expected)
+    harness.assert_padding_is_empty(case, out, lse)
+
+
+@pytest.mark.parametrize(
+    "seq_lens",
+    [DECODE, PREFILL, MIXED, [(0, 5), (3, 3), (0, 0), (8, 70)]],
+    ids=["decode", "prefill", "mixed", "empty_seqs"],
+)
+def test_f32(seq_lens):
+    _check(_case(seq_lens, seed=len(seq_lens)))
+
+
+def test_golden_two_keys():
+    # One sequence, sm_scale 1/sqrt(128), only coordinate 0 of q and K nonzero, in the
+    # shared shapes (4 query heads of one KV head, all given the same q). q = sqrt(128)
+    # and keys k0 = 0, k1 = ln 2 give logits 0 and ln 2, so exp gives 1 and 2. Values are
+    # 3 and 6 in every coordinate: softmax (1/3, 2/3) gives out 3/3 + 12/3 = 5 and
+    # lse ln 3. The first of the two query tokens sits at position 0 and sees only k0:
+    # out 3, lse 0. Every other row is padding: out 0, lse -inf.
+    base = _case([(2, 2)], seed=0)
+    q = np.full(base.q.shape, np.nan, np.float32)
+    q[:2] = 0.0
+    q[:2, :, 0] = math.sqrt(128)
+    kv = np.full(base.kv_pages.shape, np.nan, np.float32)  # page 0: the poisoned null page
+    kv[1, :2] = 0.0
+    kv[1, 1, 0, 0] = math.log(2.0)
+    kv[1, 0, 1, :] = 3.0
+    kv[1, 1, 1, :] = 6.0
+    table = np.zeros(base.page_indices.shape, np.int32)
+    table[0, 0] = 1
+    case = base.replace(q=jnp.asarray(q), kv_pages=jnp.asarray(kv), page_indices=jnp.asarray(table))
+    out, lse = map(np.asarray, _kernel(case))
+    np.testing.assert_allclose(out[0], 3.0, rtol=1e-6)
+    np.testing.assert_allclose(out[1], 5.0, rtol=1e-6)
+    np.testing.assert_allclose(lse[0], 0.0, atol=1e-6)
+    np.testing.assert_allclose(lse[1], math.log(3.0), rtol=1e-6)
+    assert np.all(out[2:] == 0.0) and np.all(np.isneginf(lse[2:]))
+
+
+@pytest.mark.parametrize("broken", [harness.drop_one_key, harness.swap_kv])
+def test_broken_input_fails_the_check(broken):
+    case = _case(MIXED, seed=7)
+    out, lse = _kernel(broken(case))
+    expected = harness.dense_oracle(case, sm_scale=1.0 / math.sqrt(case.q.shape[-1]))
+    with pytest.raises(AssertionError):
+        harness.assert_close_to_oracle(case, out, lse, expected)
+
+
+def test_sliding_window_with_soft_cap_and_kv_head_blocks():
+    # Gemma-2 style: both options at once, head_dim 64, a window shorter than a KV block
+    # and than a page over long contexts, logits scaled up so that the cap bites. 8 float32
+    # KV heads (no GQA) in blocks of 4: two grid steps along the head axis.
+    case = _case(
+        [(1, 90), (9, 40), (20, 20), (3, 7)], seed=3, num_q_heads=8, num_kv_heads=8, head_dim=64
+    )
+    _check(
+        case, sliding_window=13, soft_cap=2.0, sm_scale=1.0, knobs=dict(num_kv_heads_per_block=4)
+    )
+
+
+def test_bf16_gqa_two_kv_heads():
+    case = _case(MIXED, seed=5, num_q_heads=8, num_kv_heads=2, dtype=jnp.bfloat16)
+    _check(case)
+
+
+@pytest.mark.parametrize(
+    "q_dtype,kv_dtype,k_scale,v_scale",
+    [
+        (jnp.bfloat16, jnp.int8, 0.02, 0.01),
+        (jnp.float32, jnp.float8_e4m3fn, 0.5, 2.0),
+    ],
+    ids=["int8_bf16", "fp8_f32"],
+)
+def test_quantized_kv(q_dtype, kv_dtype, k_scale, v_scale):
+    case = _case(MIXED, seed=8, dtype=q_dtype, kv_dtype=kv_dtype, page_size=32)
+    _check(case, k_scale=k_scale, v_scale=v_scale)
+
+
+def _prefix_pass_case(case: harness.Case, prefix_len: int) -> harness.Case:
+    """The cascade prefix pass of `case`: one sequence holding all its query tokens, over
+    the first `prefix_len` keys of its first sequence (built by the reference's helper)."""
+    kv_lens, page_indices, cu_q_lens, num_seqs = prefix_pass_inputs(
+        case.cu_q_lens, case.num_seqs, case.page_indices[0], prefix_len
+    )
+    return case.replace(
+        kv_lens=kv_lens,
+        page_indices=page_indices,
+        cu_q_lens=cu_q_lens,
+        num_seqs=num_seqs,
+        seq_lens=((case.num_valid_tokens, prefix_len),),
+    )
+
+
+@pytest.mark.parametrize("prefix_len", [17, 9])
+def test_prefix_pass_non_causal(prefix_len):
+    # Every query token of the batch (23 of them: more than 9 keys, fewer than 17) sees
+    # every prefix key, whatever its position.
+    case = _prefix_pass_case(_case(MIXED[:4], seed=9), prefix_len)
+    _check(case, causal=False)
+
+
+def test_cascade_composition_equals_plain_attention():
+    # Prefix pass (non-causal) and suffix pass (causal) both by this kernel, merged: equal
+    # to plain causal attention over each whole context.
+    num_prefix_pages = 2
+    prefix = 16 * num_prefix_pages
+    seq_lens = [(1, prefix + 9), (3, prefix + 20), (1, prefix + 1), (6, prefix + 30)]
+    case = _case(seq_lens, seed=11)
+    # Every sequence starts with the first sequence's prefix pages.
+    table = np.asarray(case.page_indices).copy()
+    kv = np.asarray(case.kv_pages).copy()
+    for i in range(1, len(seq_lens)):
+        kv[table[i, :num_prefix_pages]] = kv[table[0, :num_prefix_pages]]
+        table[i, :num_prefix_pages] = table[0, :num_prefix_pages]
+    case = case.replace(page_indices=jnp.asarray(table), kv_pages=jnp.asarray(kv))
+    sm_scale = 1.0 / math.sqrt(case.q.shape[-1])
+    out, lse = cascade_attention(
+        *case.args(), num_prefix_pages, sm_scale=sm_scale, attention_fn=_interpreted
+    )
+    harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=sm_scale))
+
+
+def test_empty_batch_gives_zero_and_neg_inf():
+    case = _case(MIXED, seed=12)
+    out, lse = _kernel(case.replace(num_seqs=jnp.array([0], jnp.int32)))
+    assert np.all(np.asarray(out) == 0.0) and np.all(np.isneginf(np.asarray(lse)))

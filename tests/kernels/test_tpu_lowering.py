@@ -1,0 +1,131 @@
+"""The TPU kernel lowers for TPU on a machine without one, and rejects what it can't take.
+
+Lowering runs Pallas' Mosaic lowering (block shapes against the (8, 128) tiling, the
+lowering rules of every op in the kernel body), which the interpreter does not. It does
+not run Mosaic's own compiler passes: those need libtpu and a TPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernels_pallas.tpu import TUNED_BLOCK_SIZES, ragged_paged_attention
+
+F32, BF16, I8, FP8 = jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn
+
+
+def _specs(q_dtype, kv_dtype, head_dim, page_size, num_q_heads, num_kv_heads, *, tokens=64):
+    max_num_seqs, pages_per_seq = 8, 8
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    return (
+        jax.ShapeDtypeStruct((tokens, num_q_heads, head_dim), q_dtype),
+        jax.ShapeDtypeStruct((64, page_size, 2 * num_kv_heads, head_dim), kv_dtype),
+        i32(max_num_seqs),
+        i32(max_num_seqs, pages_per_seq),
+        i32(max_num_seqs + 1),
+        i32(1),
+    )
+
+
+def _lower(args, **kw) -> str:
+    if jnp.dtype(args[1].dtype).itemsize == 1:
+        kw = dict(k_scale=0.5, v_scale=0.25, **kw)
+    f = functools.partial(ragged_paged_attention, sm_scale=0.125, **kw)
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+
+
+# A covering grid rather than the full product: every q/kv dtype pair, head_dim, page
+# size (16..256) and GQA ratio (1, 3, 4, 7, 8) appears, each row with different partners.
+GRID = [
+    # q, kv, head_dim, page_size, num_q_heads, num_kv_heads
+    (F32, F32, 128, 16, 8, 8),
+    (F32, F32, 64, 256, 32, 8),
+    (BF16, BF16, 128, 128, 32, 8),  # Llama-3-8B
+    (BF16, BF16, 256, 16, 16, 2),
+    (BF16, BF16, 64, 32, 4, 4),
+    (BF16, BF16, 128, 16, 28, 4),
+    (BF16, I8, 128, 64, 32, 8),
+    (BF16, I8, 256, 256, 4, 1),
+    (BF16, FP8, 128, 32, 16, 16),
+    (F32, I8, 64, 128, 12, 4),
+    (F32, FP8, 256, 16, 8, 1),
+]
+
+
+@pytest.mark.parametrize(
+    "q_dtype,kv_dtype,head_dim,page_size,num_q_heads,num_kv_heads",
+    GRID,
+    ids=[
+        f"{jnp.dtype(q).name}-{jnp.dtype(kv).name}-d{d}-p{p}-g{hq // hkv}"
+        for q, kv, d, p, hq, hkv in GRID
+    ],
+)
+def test_lowers_to_mosaic(q_dtype, kv_dtype, head_dim, page_size, num_q_heads, num_kv_heads):
+    args = _specs(q_dtype, kv_dtype, head_dim, page_size, num_q_heads, num_kv_heads)
+    assert "tpu_custom_call" in _lower(args)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(causal=False),
+        dict(sliding_window=100, soft_cap=30.0),
+        dict(num_queries_per_block=16, num_kv_pages_per_block=4, vmem_limit_bytes=48 * 2**20),
+        dict(num_kv_heads_per_block=8),
+        *[dict(tpu_generation=g) for g in sorted(TUNED_BLOCK_SIZES) if g != "default"],
+    ],
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_lowers_with_options_without_asking_the_device(options):
+    # The device here is a CPU: a kernel that asked it for its TPU kind would fail.
+    assert jax.devices()[0].platform == "cpu"
+    args = _specs(BF16, BF16, 128, 32, 32, 8, tokens=128)
+    assert "tpu_custom_call" in _lower(args, **options)
+
+
+def _trace(args, **kw):
+    f = functools.partial(ragged_paged_attention, sm_scale=0.125, **kw)
+    return jax.eval_shape(f, *args)
+
+
+def test_output_shapes():
+    out, lse = _trace(_specs(BF16, BF16, 128, 16, 32, 8, tokens=20))
+    assert (out.shape, out.dtype) == ((20, 32, 128), jnp.dtype(BF16))
+    assert (lse.shape, lse.dtype) == ((20, 32), jnp.dtype(F32))
+
+
+@pytest.mark.parametrize(
+    "spec,kw,match",
+    [
+        ((F32, F32, 96, 16, 4, 1), {}, "head_dim"),
+        ((F32, F32, 128, 8, 4, 1), {}, "page_size"),
+        ((BF16, BF16, 128, 24, 4, 1), {}, "page_size"),
+        ((BF16, BF16, 128, 512, 4, 1), {}, "page_size"),
+        ((F32, F32, 128, 16, 6, 4), {}, "query heads"),
+        ((jnp.float16, jnp.float16, 128, 16, 4, 1), {}, "q.dtype"),
+        ((F32, jnp.float16, 128, 16, 4, 1), {}, "kv_pages.dtype"),
+        ((BF16, I8, 128, 16, 4, 1), {"k_scale": None}, "k_scale"),
+        ((F32, F32, 128, 16, 4, 1), {"num_queries_per_block": 3}, "num_queries_per_block"),
+        ((F32, F32, 128, 16, 4, 1), {"num_kv_pages_per_block": 0}, "num_kv_pages_per_block"),
+        ((F32, F32, 128, 16, 16, 8), {"num_kv_heads_per_block": 2}, "num_kv_heads_per_block"),
+        ((F32, F32, 128, 16, 4, 1), {"tpu_generation": "v9x"}, "tpu_generation"),
+        ((F32, F32, 128, 16, 4, 1), {"causal": False, "sliding_window": 8}, "sliding_window"),
+    ],
+)
+def test_rejects_at_trace_time(spec, kw, match):
+    args = _specs(*spec)
+    if jnp.dtype(args[1].dtype).itemsize == 1:
+        kw = {"k_scale": 0.5, "v_scale": 0.5, **kw}
+    with pytest.raises(ValueError, match=match):
+        _trace(args, **kw)
+
+
+def test_rejects_non_int32_index_arrays():
+    args = list(_specs(F32, F32, 128, 16, 4, 1))
+    args[4] = jax.ShapeDtypeStruct(args[4].shape, jnp.float32)
+    with pytest.raises(ValueError, match="cu_q_lens"):
+        _trace(args)
