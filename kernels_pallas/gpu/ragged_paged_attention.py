@@ -124,7 +124,8 @@ def _kernel(
     precision,
 ):
     pid_q, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
+    num_pages, page_size, head_dim = k_ref.shape
+    pages_per_seq = page_indices_ref.shape[1]
     tokens_per_block = block_m // group
 
     num_seqs = num_seqs_ref[0]
@@ -170,9 +171,11 @@ def _kernel(
         acc, m_prev, l_prev = carry
         key = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)
         key_valid = key < kv_len
-        # Page of every key; slots past kv_len read the null page 0 and are masked below.
-        slot = jnp.where(key_valid, key // page_size, 0)
+        # Page of every key; keys past kv_len use the null page 0 and are masked below. The
+        # clamps keep every address inside the arrays even for out-of-contract tables.
+        slot = jnp.where(key_valid, jnp.minimum(key // page_size, pages_per_seq - 1), 0)
         page = jnp.where(key_valid, page_indices_ref[seq, slot], 0)
+        page = jnp.minimum(jnp.maximum(page, 0), num_pages - 1)
         idx = (page[:, None], (key % page_size)[:, None], col[None, :])
         # Slots past kv_len may hold anything (NaN included), and 0 * NaN in the value sum
         # would leak into acc: they load as 0 (a predicated load, no select).
