@@ -1,0 +1,213 @@
+"""LlamaConfig: the shape of a Llama-style decoder, validated, with named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 frequency-dependent RoPE scaling (Hugging Face `rope_type: "llama3"`).
+
+    Wavelengths longer than `original_max_position_embeddings / low_freq_factor` are divided by
+    `factor`, shorter than `original_max_position_embeddings / high_freq_factor` are kept, and
+    the band between is interpolated smoothly.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.factor < 1.0:
+            raise ValueError(f"{self.factor=} must be >= 1")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(f"need 0 < {self.low_freq_factor=} < {self.high_freq_factor=}")
+        if self.original_max_position_embeddings <= 0:
+            raise ValueError(f"{self.original_max_position_embeddings=} must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Hyperparameters of a decoder-only Llama-style transformer.
+
+    Field names follow the Hugging Face `LlamaConfig` where one exists, so `from_hf_dict` is a
+    rename. `head_dim` defaults to `hidden_size // num_heads`. Every instance is validated on
+    construction: a config that exists describes a model that can be built.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0  # 0: derive hidden_size // num_heads
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    dtype: str = "float32"  # parameter and activation dtype; norms and softmax run in f32
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):  # from to_dict() / JSON
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.num_heads <= 0 or self.num_kv_heads <= 0:
+            raise ValueError(f"{self.num_heads=} and {self.num_kv_heads=} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{self.num_heads=} must be a multiple of {self.num_kv_heads=} (grouped-query)"
+            )
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"{self.hidden_size=} must be a multiple of {self.num_heads=} "
+                    "when head_dim is not given"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"{self.head_dim=} must be positive and even (RoPE rotates pairs)")
+        if self.rope_theta <= 0:
+            raise ValueError(f"{self.rope_theta=} must be positive")
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"{self.rms_norm_eps=} must be positive")
+        if self.max_position_embeddings <= 0:
+            raise ValueError(f"{self.max_position_embeddings=} must be positive")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"{self.dtype=} must be one of {_DTYPES}")
+
+    # Derived sizes.
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        """Exact parameter count of `Llama(config)`, by arithmetic (no arrays are built)."""
+        h = self.hidden_size
+        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * per_layer + h + head
+
+    def kv_cache_bytes_per_token(self, itemsize: int = 2) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        return 2 * self.num_layers * self.kv_size * itemsize
+
+    # Serialisation.
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown LlamaConfig fields {sorted(unknown)}")
+        return cls(**d)
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], *, dtype: str | None = None) -> LlamaConfig:
+        """Build from a Hugging Face Llama `config.json` dict (architectures LlamaForCausalLM)."""
+        scaling = hf.get("rope_scaling")
+        rope_scaling = None
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind != "llama3":
+                raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
+            rope_scaling = RopeScaling(
+                factor=float(scaling["factor"]),
+                low_freq_factor=float(scaling["low_freq_factor"]),
+                high_freq_factor=float(scaling["high_freq_factor"]),
+                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            )
+        torch_dtype = hf.get("torch_dtype", "float32")
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+            head_dim=hf.get("head_dim") or 0,
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            dtype=dtype or (torch_dtype if torch_dtype in _DTYPES else "float32"),
+        )
+
+    # Presets.
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
+        """A named preset (`tiny`, `llama3_2_1b`, `llama3_8b`), optionally with overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    # Byte-level toy that trains on two CPU cores in minutes (vocab: 256 bytes + 3 specials).
+    "tiny": LlamaConfig(
+        vocab_size=259,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=1024,
+    ),
+    # Shapes of meta-llama/Llama-3.2-1B.
+    "llama3_2_1b": LlamaConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192),
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        dtype="bfloat16",
+    ),
+    # Shapes of meta-llama/Meta-Llama-3-8B.
+    "llama3_8b": LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=8192,
+        dtype="bfloat16",
+    ),
+}

@@ -1,0 +1,31 @@
+"""ByteTokenizer: UTF-8 bytes as token ids 0..255, plus PAD, BOS and EOS."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class ByteTokenizer:
+    """Lossless byte-level tokenizer with no vocabulary file.
+
+    Token id b < 256 is the byte b; ids 256, 257, 258 are PAD, BOS, EOS. `decode` drops the
+    special ids and replaces invalid UTF-8 (a sample cut mid-character) with U+FFFD.
+    """
+
+    pad_id = 256
+    bos_id = 257
+    eos_id = 258
+    vocab_size = 259
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode_array(self, text: str | bytes) -> np.ndarray:  # i32[num_bytes]
+        """The bytes of `text` as an int32 array (no specials); fast for whole corpora."""
+        data = text.encode("utf-8") if isinstance(text, str) else text
+        return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids: list[int] | np.ndarray) -> str:
+        data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
+        return data.decode("utf-8", errors="replace")

@@ -1,0 +1,128 @@
+"""Training and sampling helpers for `Llama` on the dense (no-cache) path.
+
+The functional form (graphdef + parameter state, optax on the state) keeps one jitted
+program per step with the parameters and optimizer state donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxkv.models.llama import Llama
+
+
+def next_token_loss(
+    model: Llama,
+    tokens: jax.Array,  # i32[B, L + 1]
+) -> jax.Array:  # f32[]
+    """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1], in nats."""
+    logits = model.dense_forward(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def make_optimizer(
+    *,
+    peak_lr: float,
+    warmup_steps: int,
+    total_steps: int,
+    weight_decay: float = 0.1,
+    clip_norm: float = 1.0,
+    end_lr_ratio: float = 0.1,
+) -> optax.GradientTransformation:
+    """AdamW with linear warmup then cosine decay, after global-norm gradient clipping.
+
+    Weight decay applies to matrices only (not to norm weights).
+    """
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=peak_lr,
+        warmup_steps=warmup_steps,
+        decay_steps=max(total_steps, warmup_steps + 1),
+        end_value=peak_lr * end_lr_ratio,
+    )
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    return optax.chain(
+        optax.clip_by_global_norm(clip_norm),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask),
+    )
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Holds the parameters and optimizer state; `step` runs one jitted update in place."""
+
+    graphdef: Any
+    params: Any  # nnx.State of nnx.Param
+    rest: Any  # nnx.State of everything else (empty for Llama)
+    opt_state: Any
+    _step: Callable
+    _eval: Callable
+
+    @classmethod
+    def create(cls, model: Llama, tx: optax.GradientTransformation) -> Trainer:
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss_of(params, rest, tokens):
+            return next_token_loss(nnx.merge(graphdef, params, rest), tokens)
+
+        @functools.partial(jax.jit, donate_argnums=(0, 2))
+        def step(params, rest, opt_state, tokens):
+            loss, grads = jax.value_and_grad(loss_of)(params, rest, tokens)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        return cls(graphdef, params, rest, tx.init(params), step, jax.jit(loss_of))
+
+    def step(self, tokens: np.ndarray) -> jax.Array:  # tokens: i32[B, L + 1]
+        """One optimizer update on `tokens`; returns the loss before the update (async)."""
+        self.params, self.opt_state, loss = self._step(
+            self.params, self.rest, self.opt_state, tokens
+        )
+        return loss
+
+    def eval_loss(self, tokens: np.ndarray) -> float:  # tokens: i32[B, L + 1]
+        return float(self._eval(self.params, self.rest, tokens))
+
+    def model(self) -> Llama:
+        """A model holding (a copy of references to) the current parameters."""
+        return nnx.merge(self.graphdef, self.params, self.rest)
+
+
+def greedy_generate(
+    model: Llama,
+    prompt: list[int],
+    num_new_tokens: int,
+    *,
+    window: int = 256,
+    pad_id: int = 0,
+) -> list[int]:
+    """Greedy continuation of `prompt` with the dense forward (no cache; for small models).
+
+    Runs on a fixed [1, window] buffer so it compiles once; the context is the last
+    `window` tokens. Causal attention means the padding after the context never matters.
+    """
+    if not prompt:
+        raise ValueError("prompt must hold at least one token")
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def next_token(state, buf, last):
+        logits = nnx.merge(graphdef, state).dense_forward(buf)
+        return jnp.argmax(logits[0, last])
+
+    tokens = list(prompt)
+    for _ in range(num_new_tokens):
+        context = tokens[-window:]
+        buf = np.full((1, window), pad_id, dtype=np.int32)
+        buf[0, : len(context)] = context
+        tokens.append(int(next_token(state, buf, len(context) - 1)))
+    return tokens[len(prompt) :]

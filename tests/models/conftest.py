@@ -1,0 +1,34 @@
+"""Shared fixtures: very small Llama configs so every test compiles in seconds."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv.models import LlamaConfig
+
+
+def small_config(**overrides) -> LlamaConfig:
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    return LlamaConfig(**{**base, **overrides})
+
+
+@pytest.fixture
+def config() -> LlamaConfig:
+    return small_config()
+
+
+def random_model(cfg: LlamaConfig, seed: int = 0, std: float = 0.2):
+    """A Llama with numpy-random weights: no initialiser programs to compile (fast on CPU)."""
+    from jaxkv.models import from_hf_tensors
+    from tests.models.reference import random_hf_weights
+
+    return from_hf_tensors(cfg, random_hf_weights(cfg, seed, std))

@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxkv.models import Llama, LlamaConfig, RopeScaling
+from jaxkv.models.llama import rope_inv_freq
+from tests.models.conftest import small_config
+
+
+def test_head_dim_is_derived_and_presets_have_published_sizes():
+    assert LlamaConfig.preset("tiny").head_dim == 128 // 4
+    # Published parameter counts of the two Llama checkpoints whose shapes the presets copy.
+    assert LlamaConfig.preset("llama3_8b").num_params == 8_030_261_248
+    assert LlamaConfig.preset("llama3_2_1b").num_params == 1_235_814_400
+
+
+@pytest.mark.parametrize("name", ["llama3_2_1b", "llama3_8b"])
+def test_big_presets_build_abstractly_with_the_config_shapes(name):
+    # Two layers: every layer has the same shapes, and tracing all of them only costs time.
+    cfg = LlamaConfig.preset(name, num_layers=2)
+    abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+    assert sum(int(np.prod(x.shape)) for x in leaves) == cfg.num_params
+    layer = abstract.layers[cfg.num_layers - 1].self_attn
+    assert layer.q_proj.kernel.shape == (cfg.hidden_size, cfg.num_heads * cfg.head_dim)
+    assert layer.k_proj.kernel.shape == (cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim)
+    assert all(x.dtype == np.dtype("bfloat16") for x in leaves)
+    assert (abstract.lm_head is None) == cfg.tie_word_embeddings
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(num_heads=4, num_kv_heads=3), "multiple of"),
+        (dict(hidden_size=30, num_heads=4), "hidden_size"),
+        (dict(head_dim=7), "even"),
+        (dict(vocab_size=0), "vocab_size"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(rms_norm_eps=0.0), "rms_norm_eps"),
+    ],
+)
+def test_invalid_configs_raise(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        small_config(**overrides)
+
+
+def test_config_round_trips_through_dict_and_hf_dict():
+    cfg = LlamaConfig.preset("llama3_2_1b")
+    assert LlamaConfig.from_dict(cfg.to_dict()) == cfg
+    hf = {
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 131072,
+        "torch_dtype": "bfloat16",
+    }
+    assert LlamaConfig.from_hf_dict(hf) == cfg
+    with pytest.raises(ValueError, match="unknown"):
+        LlamaConfig.from_dict({**cfg.to_dict(), "n_layer": 3})
+
+
+def test_llama3_rope_scaling_keeps_high_and_divides_low_frequencies():
+    base = small_config(head_dim=64, hidden_size=256, rope_theta=500000.0)
+    scaled = dataclasses.replace(base, rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192))
+    f0, f1 = rope_inv_freq(base), rope_inv_freq(scaled)
+    wavelen = 2 * np.pi / f0
+    high = wavelen < 8192 / 4
+    low = wavelen > 8192 / 1
+    assert high.any() and low.any()
+    np.testing.assert_allclose(f1[high], f0[high])
+    np.testing.assert_allclose(f1[low], f0[low] / 32.0, rtol=1e-6)
+    mid = ~high & ~low
+    assert np.all((f1[mid] < f0[mid]) & (f1[mid] > f0[mid] / 32.0))
