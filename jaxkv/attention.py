@@ -47,7 +47,7 @@ def kernel_for(
     if backend == "pallas_gpu":
         from kernels_pallas.gpu import ragged_paged_attention as gpu_kernel
 
-        return functools.partial(gpu_kernel, interpret=interpret)
+        return functools.partial(gpu_kernel, interpret=interpret, max_q_len=max_q_len)
     raise ValueError(f"{backend=} must be one of {BACKENDS}")
 
 

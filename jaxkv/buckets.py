@@ -74,8 +74,8 @@ class BucketConfig:
 
     @property
     def q_len_buckets(self) -> tuple[int, ...]:
-        """Bounds on the longest query of one sequence (1 for a pure decode batch)."""
-        return pow2_buckets(1, self.max_num_tokens)
+        """Bounds on the longest query of one sequence: 1 (pure decode), then token buckets."""
+        return tuple(sorted({1, *self.token_buckets}))
 
     @property
     def level_seq_buckets(self) -> tuple[int, ...]:

@@ -67,66 +67,142 @@ def ragged_paged_attention(
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     max_num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_combined_kv_heads, _ = kv_pages.shape
-    num_kv_heads = num_combined_kv_heads // 2
-    group = num_q_heads // num_kv_heads
-    max_num_seqs, pages_per_seq = page_indices.shape
-    max_kv_len = pages_per_seq * page_size
+    max_num_seqs = page_indices.shape[0]
     q_rows = max_num_tokens if max_q_len is None else min(int(max_q_len), max_num_tokens)
 
     seq_valid = jnp.arange(max_num_seqs) < num_seqs[0]
     q_start = cu_q_lens[:-1]
     q_len = jnp.where(seq_valid, cu_q_lens[1:] - q_start, 0)
     kv_len = jnp.where(seq_valid, kv_lens, 0)
+    masking = dict(causal=causal, sliding_window=sliding_window, soft_cap=soft_cap)
+    scales = dict(sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
 
-    # Queries laid out per sequence: [S, q_rows, num_kv_heads, group, head_dim].
-    row = jnp.arange(q_rows)
-    row_valid = row[None, :] < q_len[:, None]
-    token = jnp.clip(q_start[:, None] + row[None, :], 0, max_num_tokens - 1)
-    qs = q[token].astype(jnp.float32)
-    qs = jnp.where(row_valid[..., None, None], qs, 0.0)
-    qs = qs.reshape(max_num_seqs, q_rows, num_kv_heads, group, head_dim)
+    # Two layouts with the same result. Per sequence: each sequence's pages are gathered
+    # once and its queries padded to q_rows, best when few sequences hold many tokens (a
+    # prefix pass) or every sequence holds one (decode). Per token: each token gathers
+    # its own sequence's keys, best for mixed batches where padding every sequence to
+    # the longest query would waste more than re-reading keys per token.
+    if max_num_seqs * q_rows <= 2 * max_num_tokens:
+        out, lse = _per_sequence(
+            q, kv_pages, page_indices, q_start, q_len, kv_len, q_rows, **masking, **scales
+        )
+    else:
+        out, lse = _per_token(
+            q, kv_pages, page_indices, q_start, q_len, kv_len, **masking, **scales
+        )
+    tok = jnp.arange(max_num_tokens)
+    valid = tok < cu_q_lens[num_seqs[0]]
+    out = jnp.where(valid[:, None, None], out, 0.0)
+    lse = jnp.where(valid[:, None], lse, -jnp.inf)
+    return out.astype(q.dtype), lse
 
-    # Contiguous keys and values per sequence: [S, max_kv_len, num_kv_heads, head_dim].
-    kv = kv_pages[page_indices].reshape(max_num_seqs, max_kv_len, num_combined_kv_heads, head_dim)
-    key_pos = jnp.arange(max_kv_len)
-    key_valid = key_pos[None, :] < kv_len[:, None]
-    k = jnp.where(key_valid[..., None, None], _dequantize(kv[:, :, 0::2], k_scale), 0.0)
-    v = jnp.where(key_valid[..., None, None], _dequantize(kv[:, :, 1::2], v_scale), 0.0)
 
-    logits = jnp.einsum("sqhgd,skhd->shgqk", qs, k, precision=_HIGHEST) * sm_scale
-    if soft_cap is not None:
-        logits = soft_cap * jnp.tanh(logits / soft_cap)
-
-    q_pos = (kv_len - q_len)[:, None] + row[None, :]  # [S, q_rows]
-    visible = row_valid[:, :, None] & key_valid[:, None, :]
-    if causal:
-        visible &= key_pos[None, None, :] <= q_pos[:, :, None]
-    if sliding_window is not None:
-        visible &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    visible = visible[:, None, None]  # [S, 1, 1, q_rows, max_kv_len]
-
+def _softmax_pv(logits, visible, v, spec_pv: str):
+    """Masked softmax of logits [..., keys] and its product with v: (out, lse), f32."""
     logits = jnp.where(visible, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     probs = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
-    denom = jnp.sum(probs, axis=-1)  # [S, Hkv, G, q_rows]
+    denom = jnp.sum(probs, axis=-1)
     seen = denom > 0
-    out_s = jnp.einsum("shgqk,skhd->sqhgd", probs, v, precision=_HIGHEST)
-    out_s = out_s / jnp.where(seen, denom, 1.0).transpose(0, 3, 1, 2)[..., None]
-    lse_s = jnp.where(seen, row_max[..., 0] + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
+    safe = jnp.where(seen, denom, 1.0)
+    lse = jnp.where(seen, row_max[..., 0] + jnp.log(safe), -jnp.inf)
+    return jnp.einsum(spec_pv, probs / safe[..., None], v, precision=_HIGHEST), lse
+
+
+def _cap(logits, soft_cap):
+    return logits if soft_cap is None else soft_cap * jnp.tanh(logits / soft_cap)
+
+
+def _visibility(key_pos, q_pos, kv_len, causal, sliding_window):
+    visible = key_pos < kv_len
+    if causal:
+        visible &= key_pos <= q_pos
+    if sliding_window is not None:
+        visible &= key_pos > q_pos - sliding_window
+    return visible
+
+
+def _keys_values(kv, key_valid, k_scale, v_scale):
+    """Dequantized K and V with keys past kv_len zeroed (padding may hold NaN)."""
+    mask = key_valid[..., None, None]
+    k = jnp.where(mask, _dequantize(kv[..., 0::2, :], k_scale), 0.0)
+    v = jnp.where(mask, _dequantize(kv[..., 1::2, :], v_scale), 0.0)
+    return k, v
+
+
+def _per_sequence(
+    q, kv_pages, page_indices, q_start, q_len, kv_len, q_rows, *,
+    causal, sliding_window, soft_cap, sm_scale, k_scale, v_scale,
+):  # fmt: skip
+    max_num_tokens, num_q_heads, head_dim = q.shape
+    num_combined = kv_pages.shape[2]
+    num_kv_heads = num_combined // 2
+    group = num_q_heads // num_kv_heads
+    max_num_seqs, pages_per_seq = page_indices.shape
+    max_kv_len = pages_per_seq * kv_pages.shape[1]
+
+    row = jnp.arange(q_rows)
+    row_valid = row[None, :] < q_len[:, None]
+    token = jnp.clip(q_start[:, None] + row[None, :], 0, max_num_tokens - 1)
+    qs = jnp.where(row_valid[..., None, None], q[token].astype(jnp.float32), 0.0)
+    qs = qs.reshape(max_num_seqs, q_rows, num_kv_heads, group, head_dim)
+
+    kv = kv_pages[page_indices].reshape(max_num_seqs, max_kv_len, num_combined, head_dim)
+    key_pos = jnp.arange(max_kv_len)
+    k, v = _keys_values(kv, key_pos[None, :] < kv_len[:, None], k_scale, v_scale)
+
+    logits = jnp.einsum("sqhgd,skhd->shgqk", qs, k, precision=_HIGHEST) * sm_scale
+    logits = _cap(logits, soft_cap)
+    q_pos = (kv_len - q_len)[:, None] + row[None, :]  # [S, q_rows]
+    visible = _visibility(
+        key_pos[None, None, :], q_pos[:, :, None], kv_len[:, None, None], causal, sliding_window
+    )
+    visible &= row_valid[:, :, None]
+    out_s, lse_s = _softmax_pv(logits, visible[:, None, None], v, "shgqk,skhd->sqhgd")
     out_s = out_s.reshape(max_num_seqs, q_rows, num_q_heads, head_dim)
     lse_s = lse_s.transpose(0, 3, 1, 2).reshape(max_num_seqs, q_rows, num_q_heads)
 
-    # Back to the flat token layout.
     tok = jnp.arange(max_num_tokens)
-    tok_seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right"), 0, max_num_seqs - 1)
+    tok_seq = jnp.clip(jnp.searchsorted(q_start[1:], tok, side="right"), 0, max_num_seqs - 1)
     tok_row = tok - q_start[tok_seq]
-    tok_valid = (tok < cu_q_lens[num_seqs[0]]) & (tok_row < q_rows)
+    in_rows = (tok_row >= 0) & (tok_row < q_rows)
     tok_row = jnp.clip(tok_row, 0, q_rows - 1)
-    out = jnp.where(tok_valid[:, None, None], out_s[tok_seq, tok_row], 0.0)
-    lse = jnp.where(tok_valid[:, None], lse_s[tok_seq, tok_row], -jnp.inf)
-    return out.astype(q.dtype), lse
+    out = jnp.where(in_rows[:, None, None], out_s[tok_seq, tok_row], 0.0)
+    lse = jnp.where(in_rows[:, None], lse_s[tok_seq, tok_row], -jnp.inf)
+    return out, lse
+
+
+def _per_token(
+    q, kv_pages, page_indices, q_start, q_len, kv_len, *,
+    causal, sliding_window, soft_cap, sm_scale, k_scale, v_scale,
+):  # fmt: skip
+    max_num_tokens, num_q_heads, head_dim = q.shape
+    num_combined = kv_pages.shape[2]
+    num_kv_heads = num_combined // 2
+    group = num_q_heads // num_kv_heads
+    max_num_seqs, pages_per_seq = page_indices.shape
+    max_kv_len = pages_per_seq * kv_pages.shape[1]
+
+    tok = jnp.arange(max_num_tokens)
+    tok_seq = jnp.clip(jnp.searchsorted(q_start[1:], tok, side="right"), 0, max_num_seqs - 1)
+    seq_kv_len = kv_len[tok_seq]
+    row = tok - q_start[tok_seq]
+    tok_valid = (row >= 0) & (row < q_len[tok_seq])
+    q_pos = seq_kv_len - q_len[tok_seq] + row
+    kv = kv_pages[page_indices[tok_seq]].reshape(max_num_tokens, max_kv_len, num_combined, head_dim)
+    key_pos = jnp.arange(max_kv_len)
+    k, v = _keys_values(kv, key_pos[None, :] < seq_kv_len[:, None], k_scale, v_scale)
+    qs = q.astype(jnp.float32).reshape(max_num_tokens, num_kv_heads, group, head_dim)
+    qs = jnp.where(tok_valid[:, None, None, None], qs, 0.0)  # padding rows may hold NaN
+    logits = jnp.einsum("thgd,tkhd->thgk", qs, k, precision=_HIGHEST) * sm_scale
+    logits = _cap(logits, soft_cap)
+    visible = _visibility(
+        key_pos[None, :], q_pos[:, None], seq_kv_len[:, None], causal, sliding_window
+    )
+    visible &= tok_valid[:, None]
+    out, lse = _softmax_pv(logits, visible[:, None, None], v, "thgk,tkhd->thgd")
+    return out.reshape(max_num_tokens, num_q_heads, head_dim), lse.reshape(max_num_tokens, -1)
 
 
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array]]

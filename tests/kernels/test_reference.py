@@ -94,9 +94,15 @@ def test_bfloat16_within_stated_bound():
         pytest.param(dict(soft_cap=2.0, sliding_window=9, sm_scale=0.5), id="cap_and_window"),
     ],
 )
-def test_options(options):
-    case = harness.make_case(11, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
-    _check(case, **options)
+@pytest.mark.parametrize(
+    "seq_lens, max_q_len",
+    # The first batch takes the per-token layout, the second the per-sequence one.
+    [(MIXED, None), ([(12, 29), (7, 7)], 12)],
+    ids=["per_token", "per_sequence"],
+)
+def test_options(options, seq_lens, max_q_len):
+    case = harness.make_case(11, seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
+    _check(case, max_q_len=max_q_len, **options)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,242 @@
+"""Flat vs cascade decode attention vs JAX's own reference, on the current backend.
+
+For decode batches of B requests sharing a P-token prefix, each with an S-token suffix of
+its own, times (in the same run, on the same inputs):
+
+- flat: jaxkv.attention.paged_attention with a flat plan (each request reads P + S keys);
+- cascade: the same dispatch with a one-level cascade plan (prefix read once);
+- jax_ref: jax.experimental.pallas.ops.tpu.ragged_paged_attention.ref_ragged_paged_attention
+  (a Python loop over sequences, run eagerly: it cannot be jitted).
+
+Reports KV bytes read per step (flat: B*(P+S) tokens; cascade: P + B*S tokens; times
+2 * num_kv_heads * head_dim * itemsize), achieved bandwidth, its fraction of the
+machine's measured copy bandwidth, the cascade/flat speedup next to the bytes ratio,
+and whether the planner's default cost model picks cascade there. Prints a table,
+writes JSON, and draws the speedup as a heatmap (prefix length x batch size).
+
+    python benchmarks/attention.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.attention import default_backend, paged_attention
+from jaxkv.batch import build_attention_metadata
+from jaxkv.buckets import BucketConfig
+from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner, _level
+
+
+def copy_bandwidth(nbytes: int = 1 << 28) -> float:
+    """Bytes per second of a device-side copy (read + write counted)."""
+    x = jnp.ones(nbytes // 4, jnp.float32)
+    copy = jax.jit(lambda a: a + 0.0)
+    return 2 * nbytes / _time(copy, x, reps=5)
+
+
+def _time(fn, *args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def make_inputs(rng, batch, prefix, suffix, *, block_size, shape: AttentionShape, dtype):
+    """A block table where every row starts with the same prefix blocks, then its own."""
+    prefix_blocks = prefix // block_size
+    suffix_blocks = -(-suffix // block_size)
+    num_blocks = 1 + prefix_blocks + batch * suffix_blocks
+    ids = rng.permutation(np.arange(1, num_blocks)).astype(np.int32)
+    table = np.zeros((batch, prefix_blocks + suffix_blocks), np.int32)
+    table[:, :prefix_blocks] = ids[:prefix_blocks]
+    table[:, prefix_blocks:] = ids[prefix_blocks:].reshape(batch, suffix_blocks)
+    kv_shape = (num_blocks, block_size, 2 * shape.num_kv_heads, shape.head_dim)
+    kv_pages = jnp.asarray(rng.standard_normal(kv_shape, np.float32), dtype)
+    return table, kv_pages
+
+
+def metadata(table, batch, prefix, suffix, *, block_size, cascade: bool):
+    prefix_blocks = prefix // block_size if cascade else 0
+    rows = np.arange(batch, dtype=np.int32)
+    levels = ()
+    if cascade:
+        levels = (_level("global", [0], [batch], [0], [prefix_blocks], [0]),)
+    plan = CascadePlan(
+        rows, rows, np.full(batch, prefix_blocks, np.int32), levels, prefix // block_size
+    )
+    pages = table.shape[1]
+    buckets = BucketConfig(
+        max_num_tokens=max(batch, 8), max_num_seqs=batch, max_pages_per_seq=pages,
+        min_num_tokens=max(batch, 8), min_num_seqs=batch, min_pages_per_seq=1,
+    )  # fmt: skip
+    return build_attention_metadata(
+        block_table=table,
+        plan=plan,
+        query_lens=np.ones(batch, np.int64),
+        num_computed_tokens=np.full(batch, prefix + suffix - 1),
+        block_size=block_size,
+        buckets=buckets,
+        backend=default_backend(),
+    )
+
+
+def jax_reference(q, kv_pages, md, table, prefix, suffix, sm_scale):
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel
+
+    batch = table.shape[0]
+    return kernel.ref_ragged_paged_attention(
+        q[:batch],
+        kv_pages,
+        jnp.full((batch,), prefix + suffix, jnp.int32),
+        jnp.asarray(table),
+        jnp.arange(batch + 1, dtype=jnp.int32),
+        jnp.array([batch], jnp.int32),
+        sm_scale=sm_scale,
+    )
+
+
+def run(args) -> list[dict]:
+    shape = AttentionShape(
+        args.q_heads, args.kv_heads, args.head_dim, jnp.dtype(args.dtype).itemsize
+    )
+    planner = CascadePlanner(shape, backend=default_backend())
+    kv_bytes_per_token = 2 * shape.num_kv_heads * shape.head_dim * shape.kv_itemsize
+    bandwidth = copy_bandwidth()
+    print(f"backend {jax.default_backend()} ({default_backend()}), copy bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s")  # fmt: skip
+    rng = np.random.default_rng(0)
+    sm_scale = shape.head_dim**-0.5
+    results = []
+    header = (
+        f"{'B':>4} {'P':>5} {'S':>5} | {'flat ms':>8} {'casc ms':>8} {'jaxref ms':>9} | "
+        f"{'speedup':>7} {'bytes x':>7} | {'flat GB/s':>9} {'casc GB/s':>9} | model"
+    )
+    print(header)
+    print("-" * len(header))
+    for batch in args.batch:
+        for prefix in args.prefix:
+            for suffix in args.suffix:
+                table, kv_pages = make_inputs(
+                    rng, batch, prefix, suffix, block_size=args.block_size, shape=shape,
+                    dtype=args.dtype,
+                )  # fmt: skip
+                md_flat = metadata(
+                    table, batch, prefix, suffix, block_size=args.block_size, cascade=False
+                )
+                md_casc = metadata(
+                    table, batch, prefix, suffix, block_size=args.block_size, cascade=True
+                )
+                q = jnp.asarray(
+                    rng.standard_normal(
+                        (md_flat.max_num_tokens, shape.num_q_heads, shape.head_dim)
+                    ),
+                    args.dtype,
+                )
+                attn = jax.jit(lambda q, kv, md: paged_attention(q, kv, md, sm_scale=sm_scale))
+                t_flat = _time(attn, q, kv_pages, md_flat, reps=args.reps)
+                t_casc = _time(attn, q, kv_pages, md_casc, reps=args.reps)
+                out_f = attn(q, kv_pages, md_flat)
+                out_c = attn(q, kv_pages, md_casc)
+                max_diff = float(
+                    jnp.max(jnp.abs(out_f[:batch].astype(jnp.float32) - out_c[:batch]))
+                )
+                t_ref = None
+                if args.jax_ref and batch * (prefix + suffix) <= args.jax_ref_max_tokens:
+                    ref_args = (q, kv_pages, md_flat, table, prefix, suffix, sm_scale)
+                    t_ref = _time(jax_reference, *ref_args, reps=max(1, args.reps // 2))
+                flat_bytes = batch * (prefix + suffix) * kv_bytes_per_token
+                casc_bytes = (prefix + batch * suffix) * kv_bytes_per_token
+                chooses = planner._pays(batch, prefix, batch)
+                row = dict(
+                    batch=batch, prefix=prefix, suffix=suffix,
+                    flat_s=t_flat, cascade_s=t_casc, jax_ref_s=t_ref,
+                    flat_bytes=flat_bytes, cascade_bytes=casc_bytes,
+                    speedup=t_flat / t_casc, bytes_ratio=flat_bytes / casc_bytes,
+                    flat_bandwidth=flat_bytes / t_flat, cascade_bandwidth=casc_bytes / t_casc,
+                    flat_fraction_of_copy=flat_bytes / t_flat / bandwidth,
+                    cost_model_chooses_cascade=chooses, max_abs_diff=max_diff,
+                )  # fmt: skip
+                results.append(row)
+                ref = f"{t_ref * 1e3:9.2f}" if t_ref is not None else f"{'-':>9}"
+                print(
+                    f"{batch:>4} {prefix:>5} {suffix:>5} | {t_flat * 1e3:8.2f} "
+                    f"{t_casc * 1e3:8.2f} {ref} | {row['speedup']:7.2f} "
+                    f"{row['bytes_ratio']:7.1f} | {row['flat_bandwidth'] / 1e9:9.2f} "
+                    f"{row['cascade_bandwidth'] / 1e9:9.2f} | {'cascade' if chooses else 'flat'}"
+                )
+    return [dict(r, copy_bandwidth=bandwidth) for r in results]
+
+
+def heatmap(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    suffixes = sorted({r["suffix"] for r in results})
+    batches = sorted({r["batch"] for r in results})
+    prefixes = sorted({r["prefix"] for r in results})
+    fig, axes = plt.subplots(1, len(suffixes), figsize=(4.2 * len(suffixes), 3.6), squeeze=False)
+    for ax, suffix in zip(axes[0], suffixes, strict=True):
+        grid = np.full((len(prefixes), len(batches)), np.nan)
+        for r in results:
+            if r["suffix"] == suffix:
+                grid[prefixes.index(r["prefix"]), batches.index(r["batch"])] = r["speedup"]
+        im = ax.imshow(grid, cmap="viridis", origin="lower")
+        for (i, j), value in np.ndenumerate(grid):
+            ax.text(j, i, f"{value:.1f}x", ha="center", va="center", color="w", fontsize=9)
+        ax.set_xticks(range(len(batches)), batches)
+        ax.set_yticks(range(len(prefixes)), prefixes)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("shared prefix length")
+        ax.set_title(f"cascade / flat speedup, suffix {suffix}")
+        fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[8, 32, 128])
+    parser.add_argument("--prefix", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--suffix", type=int, nargs="+", default=[16, 128, 1024])
+    parser.add_argument("--q-heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-jax-ref", dest="jax_ref", action="store_false")
+    parser.add_argument(
+        "--jax-ref-max-tokens", type=int, default=1 << 17,
+        help="skip JAX's eager reference above this many KV tokens per step (it is slow)",
+    )  # fmt: skip
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    args.dtype = jnp.dtype(args.dtype)
+    results = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = dict(
+        machine=platform.machine(), processor=platform.processor(), jax=jax.__version__,
+        backend=jax.default_backend(), devices=[str(d) for d in jax.devices()],
+        q_heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+        block_size=args.block_size, dtype=str(args.dtype),
+    )  # fmt: skip
+    (args.out / "attention.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    heatmap(results, args.out / "attention_speedup.png")
+    print(f"wrote {args.out / 'attention.json'} and {args.out / 'attention_speedup.png'}")
+
+
+if __name__ == "__main__":
+    main()

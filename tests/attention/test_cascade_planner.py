@@ -1,0 +1,209 @@
+"""CascadePlanner on hand-built manager states: exact prefixes, caps, groups, cost model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxkv import KVCacheManager, Request
+from jaxkv.batch import build_attention_metadata
+from jaxkv.buckets import BucketConfig, padded_size, pow2_buckets
+from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlanner
+
+SHAPE = AttentionShape(num_q_heads=8, num_kv_heads=2, head_dim=64, kv_itemsize=2)
+ALWAYS = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0)
+
+
+def _prefilled(manager: KVCacheManager, rid: str, tokens) -> Request:
+    request = Request(rid, list(tokens))
+    blocks, num_hit = manager.get_computed_blocks(request)
+    got = manager.allocate_slots(
+        request, request.num_tokens - num_hit, num_new_computed_tokens=num_hit,
+        new_computed_blocks=blocks,
+    )  # fmt: skip
+    assert got is not None
+    request.num_computed_tokens = request.num_tokens
+    return request
+
+
+def _decoding(manager: KVCacheManager, rid: str, tokens) -> Request:
+    """A fully computed request that schedules one decode token."""
+    request = _prefilled(manager, rid, tokens)
+    request.append_output_token_ids([7])
+    assert manager.allocate_slots(request, 1) is not None
+    return request
+
+
+def _plan(planner, manager, requests, query_lens=None):
+    query_lens = np.ones(len(requests), int) if query_lens is None else np.asarray(query_lens)
+    computed = np.array([r.num_tokens for r in requests]) - query_lens
+    return planner.plan([r.request_id for r in requests], computed, query_lens, manager)
+
+
+SYSTEM_A = list(range(100, 132))  # 8 blocks of 4
+SYSTEM_B = list(range(200, 224))  # 6 blocks of 4
+
+
+def test_one_shared_prefix_is_one_global_level():
+    m = KVCacheManager(128, 4, max_model_len=128)
+    reqs = [_decoding(m, f"r{i}", SYSTEM_A + [i, i + 1]) for i in range(4)]
+    plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS), m, reqs)
+    assert plan.num_common_prefix_blocks == 8
+    assert [lv.name for lv in plan.levels] == ["global"]
+    assert plan.levels[0].block_ends.tolist() == [8]
+    assert plan.suffix_start_blocks.tolist() == [8, 8, 8, 8]
+
+
+def test_trap_false_positive_finished_holder_does_not_add_sharing():
+    # A and B are scheduled; C finished but still holds its blocks (KV being copied out).
+    # A and C share the prefix block X, B does not: ref_cnt(X) == 2 == number scheduled,
+    # yet nothing is shared by the scheduled set.
+    m = KVCacheManager(64, 4, max_model_len=64)
+    a = _decoding(m, "A", SYSTEM_A[:8] + [1])
+    c = _prefilled(m, "C", SYSTEM_A[:8] + [2])
+    b = _decoding(m, "B", SYSTEM_B[:8] + [3])
+    assert m.block_ids("A")[:2] == m.block_ids("C")[:2]
+    plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS), m, [a, b])
+    assert plan.num_common_prefix_blocks == 0
+    assert not plan.uses_cascade
+    del c
+
+
+def test_trap_false_negative_finished_holder_does_not_remove_sharing():
+    # A, B and the finished-but-transferring C all hold X; ref_cnt(X) == 3 != 2
+    # scheduled, yet every scheduled request shares X: cascade must stay on.
+    m = KVCacheManager(64, 4, max_model_len=64)
+    a = _decoding(m, "A", SYSTEM_A + [1])
+    b = _decoding(m, "B", SYSTEM_A + [2])
+    _prefilled(m, "C", SYSTEM_A + [3])
+    _decoding(m, "D_running_not_scheduled", SYSTEM_A + [4])
+    plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS), m, [a, b])
+    assert plan.num_common_prefix_blocks == 8
+    assert plan.levels[0].block_ends.tolist() == [8]
+
+
+@pytest.mark.parametrize("block_size, expected_blocks", [(1, 3), (2, 1)])
+def test_prefix_capped_at_smallest_computed_then_rounded_to_blocks(block_size, expected_blocks):
+    # Request 1 has 3 computed tokens and queries [D, E, X]; request 2 has 4 computed and
+    # queries [E, Y]; both hold [A, B, C, D, E] in shared blocks. The non-causal prefix
+    # pass may cover at most 3 tokens (request 1's D is a query), then whole blocks:
+    # block_size 1 -> 3 blocks; block_size 2 -> floor(3 / 2) = 1 block.
+    a, b, c, d, e, x, y = 1, 2, 3, 4, 5, 6, 7
+    m = KVCacheManager(64, block_size, max_model_len=64)
+    r2 = _prefilled(m, "r2", [a, b, c, d, e, y, 9, 9])
+    r1 = _prefilled(m, "r1", [a, b, c, d, e, x, 8, 8])
+    shared = 5 // block_size
+    assert m.block_ids("r1")[:shared] == m.block_ids("r2")[:shared]
+    planner = CascadePlanner(SHAPE, cost_model=ALWAYS)
+    plan = planner.plan(["r1", "r2"], np.array([3, 4]), np.array([3, 2]), m)
+    assert plan.levels[0].block_ends.tolist() == [expected_blocks]
+    assert plan.suffix_start_blocks.tolist() == [expected_blocks] * 2
+    del r1, r2
+
+
+def test_two_system_prompts_make_two_groups():
+    m = KVCacheManager(256, 4, max_model_len=128)
+    reqs = []
+    for i in range(6):
+        system = SYSTEM_A if i % 2 == 0 else SYSTEM_B
+        reqs.append(_decoding(m, f"r{i}", system + [i, 50 + i, 60 + i]))
+    plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS), m, reqs)
+    assert plan.num_common_prefix_blocks == 0
+    (level,) = plan.levels
+    assert level.name == "groups" and level.num_groups == 2
+    # Groups are contiguous in the new batch order, each over its own system prompt.
+    assert plan.order.tolist() == [0, 2, 4, 1, 3, 5]
+    assert level.group_starts.tolist() == [0, 3] and level.group_ends.tolist() == [3, 6]
+    assert level.block_ends.tolist() == [8, 6]
+    assert plan.suffix_start_blocks.tolist() == [8, 8, 8, 6, 6, 6]
+
+
+def test_global_prefix_plus_groups_make_two_levels():
+    m = KVCacheManager(256, 4, max_model_len=160)
+    shots = {0: list(range(300, 316)), 1: list(range(400, 412))}
+    reqs = [_decoding(m, f"r{i}", SYSTEM_A + shots[i % 2] + [i, 70 + i, 80 + i]) for i in range(6)]
+    plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS), m, reqs)
+    assert [lv.name for lv in plan.levels] == ["global", "groups"]
+    assert plan.levels[0].block_ends.tolist() == [8]
+    assert plan.levels[1].block_starts.tolist() == [8, 8]
+    assert plan.levels[1].block_ends.tolist() == [12, 11]
+
+
+def test_nothing_shared_plans_flat():
+    m = KVCacheManager(64, 4, max_model_len=64)
+    reqs = [_decoding(m, f"r{i}", [i * 100 + t for t in range(9)]) for i in range(4)]
+    plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS), m, reqs)
+    assert not plan.uses_cascade and plan.num_common_prefix_blocks == 0
+    assert plan.order.tolist() == [0, 1, 2, 3]
+
+
+def test_sliding_window_never_plans_cascade():
+    m = KVCacheManager(128, 4, max_model_len=128)
+    reqs = [_decoding(m, f"r{i}", SYSTEM_A + [i]) for i in range(4)]
+    planner = CascadePlanner(SHAPE, cost_model=ALWAYS, sliding_window=16)
+    assert not _plan(planner, m, reqs).uses_cascade
+
+
+def test_default_cost_model_declines_short_prefix_and_takes_long_one():
+    m = KVCacheManager(4096, 16, max_model_len=4096)
+    short = [_decoding(m, f"s{i}", list(range(16)) + [1000 + i]) for i in range(4)]
+    assert not _plan(CascadePlanner(SHAPE), m, short).uses_cascade
+    long_prompt = list(range(5000, 5000 + 2048))
+    long = [_decoding(m, f"l{i}", long_prompt + [2000 + i]) for i in range(32)]
+    assert _plan(CascadePlanner(SHAPE), m, long).uses_cascade
+
+
+def test_cost_model_arithmetic():
+    model = CascadeCostModel(launch_overhead_bytes=1000, merge_cost_factor=0)
+    # (4 - 1) requests' copies of 10 tokens at 2 * 1 * 8 * 2 = 32 bytes each = 960 bytes.
+    kw = dict(num_query_tokens=4, num_q_heads=1, num_kv_heads=1, head_dim=8, kv_itemsize=2)
+    assert not model.pays(num_requests=4, prefix_tokens=10, **kw)
+    assert model.pays(num_requests=5, prefix_tokens=10, **kw)  # 1280 bytes
+
+
+def test_planning_changes_nothing_and_unknown_id_raises():
+    m = KVCacheManager(64, 4, max_model_len=64)
+    reqs = [_decoding(m, f"r{i}", SYSTEM_A[:12] + [i]) for i in range(3)]
+    before = m.block_table.copy()
+    _plan(CascadePlanner(SHAPE, cost_model=ALWAYS), m, reqs)
+    np.testing.assert_array_equal(before, m.block_table)
+    with pytest.raises(ValueError, match="nope"):
+        CascadePlanner(SHAPE).plan(["r0", "nope"], np.array([1, 1]), np.array([1, 1]), m)
+    with pytest.raises(ValueError, match="must be"):
+        CascadePlanner(SHAPE).plan(["r0"], np.array([1, 1]), np.array([1]), m)
+    m.check_integrity()
+
+
+def test_metadata_pads_with_null_block_and_null_slots():
+    m = KVCacheManager(64, 4, max_model_len=64)
+    reqs = [_decoding(m, f"r{i}", SYSTEM_A[:12] + [i]) for i in range(3)]
+    plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS), m, reqs)
+    buckets = BucketConfig(max_num_tokens=32, max_num_seqs=8, max_pages_per_seq=16)
+    md = build_attention_metadata(
+        block_table=m.block_table, plan=plan, query_lens=np.ones(3, int),
+        num_computed_tokens=np.full(3, 13), block_size=4, buckets=buckets,
+    )  # fmt: skip
+    assert md.max_num_tokens == 8 and md.max_num_seqs == 4 and md.max_q_len == 1
+    assert md.num_seqs.tolist() == [3]
+    assert np.all(md.page_indices[3:] == 0) and np.all(md.slot_mapping[3:] == 0)
+    # Suffix pass starts after the 3 shared blocks: 14 - 12 = 2 keys in the 4th block.
+    assert md.kv_lens[:3].tolist() == [2, 2, 2]
+    assert md.page_indices[:3, 0].tolist() == [m.block_ids(r.request_id)[3] for r in reqs]
+    assert md.positions[:3].tolist() == [13, 13, 13]
+    (level,) = md.levels
+    assert level.cu_q_lens.tolist()[:2] == [0, 3] and level.kv_lens[0] == 12
+    assert level.page_indices[0, :3].tolist() == m.block_ids("r0")[:3]
+
+
+def test_bucket_functions():
+    assert pow2_buckets(8, 100) == (8, 16, 32, 64, 100)
+    assert pow2_buckets(4, 4) == (4,)
+    assert padded_size((8, 16, 32), 1) == 8
+    assert padded_size((8, 16, 32), 16) == 16
+    assert padded_size((8, 16, 32), 17) == 32
+    with pytest.raises(ValueError, match="exceeds"):
+        padded_size((8, 16, 32), 33)
+    with pytest.raises(ValueError):
+        pow2_buckets(0, 4)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        BucketConfig(max_num_tokens=4, max_num_seqs=8, max_pages_per_seq=4)

@@ -1,0 +1,75 @@
+"""A long random run compiles at most one attention program per bucket combination."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.attention import paged_attention
+from jaxkv.batch import build_attention_metadata
+from jaxkv.buckets import BucketConfig
+from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlanner
+from tests.attention import workload
+
+BLOCK_SIZE = 4
+MAX_GROUPS = 2
+BUCKETS = BucketConfig(
+    max_num_tokens=256, max_num_seqs=64, max_pages_per_seq=32, max_cascade_groups=MAX_GROUPS,
+    min_num_tokens=128, min_num_seqs=64, min_pages_per_seq=32,
+)  # fmt: skip
+SHAPE = AttentionShape(num_q_heads=2, num_kv_heads=1, head_dim=8, kv_itemsize=4)
+
+
+def allowed_programs(buckets: BucketConfig) -> int:
+    """Bucket combinations: main pass shapes times (no level, one level, two levels)."""
+    main = (
+        len(buckets.token_buckets)
+        * len(buckets.seq_buckets)
+        * len(buckets.page_buckets)
+        * len(buckets.q_len_buckets)
+    )
+    level = len(buckets.level_seq_buckets) * len(buckets.page_buckets) * len(buckets.q_len_buckets)
+    return main * (1 + level + level * level)
+
+
+def signature(md) -> tuple:
+    shapes = lambda tree: tuple(np.shape(x) for x in tree)
+    levels = tuple((shapes((lv.cu_q_lens, lv.page_indices)), lv.max_q_len) for lv in md.levels)
+    return (md.max_num_tokens, md.max_num_seqs, md.page_indices.shape, md.max_q_len, levels)
+
+
+def test_300_random_steps_stay_within_bucket_combinations():
+    rng = np.random.default_rng(0)
+    planners = [
+        CascadePlanner(SHAPE, cost_model=CascadeCostModel(0, 0), max_groups=MAX_GROUPS),
+        CascadePlanner(SHAPE, cost_model=CascadeCostModel(0, 0), enable_groups=False),
+        CascadePlanner(SHAPE, enable_cascade=False),
+    ]
+    kv = jnp.asarray(rng.standard_normal((1024, BLOCK_SIZE, 2, 8)), jnp.float32)
+    before = paged_attention._cache_size()
+    signatures, levels_seen = set(), set()
+    for seed, planner in zip(range(300), itertools.cycle(planners)):
+        step = workload.random_step(
+            seed, block_size=BLOCK_SIZE, max_requests=64, max_prompt_blocks=16,
+            num_blocks=1024, max_model_len=128,
+        )  # fmt: skip
+        m = step.manager
+        plan = planner.plan(step.request_ids, step.num_computed_tokens, step.query_lens, m)
+        md = build_attention_metadata(
+            block_table=m.block_table, plan=plan, query_lens=step.query_lens[plan.order],
+            num_computed_tokens=step.num_computed_tokens[plan.order], block_size=BLOCK_SIZE,
+            buckets=BUCKETS,
+        )  # fmt: skip
+        signatures.add(signature(md))
+        levels_seen.add(tuple(lv.name for lv in plan.levels))
+        q = jnp.zeros((md.max_num_tokens, 2, 8), jnp.float32)
+        out = paged_attention(q, kv, md, sm_scale=0.3)
+        assert not np.isnan(np.asarray(out)).any()
+    compiled = paged_attention._cache_size() - before
+    # Shapes and static fields alone decide the program: one compile per signature.
+    assert compiled == len(signatures)
+    assert compiled <= allowed_programs(BUCKETS)
+    # The run exercised flat, one-level and two-level plans.
+    assert {(), ("global",), ("groups",)} <= levels_seen

@@ -1,0 +1,133 @@
+"""Planner + metadata + dispatch end to end: flat == cascade == dense oracle, per row."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.attention import paged_attention, write_kv
+from jaxkv.batch import build_attention_metadata
+from jaxkv.buckets import BucketConfig
+from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlanner
+from tests.attention import workload
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
+SM_SCALE = HEAD_DIM**-0.5
+ALWAYS = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0)
+SHAPE = AttentionShape(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, kv_itemsize=4)
+
+
+def buckets_for(block_size: int) -> BucketConfig:
+    return BucketConfig(
+        max_num_tokens=512, max_num_seqs=16, max_pages_per_seq=256 // block_size,
+        min_num_tokens=32, min_num_seqs=16, min_pages_per_seq=256 // block_size,
+    )  # fmt: skip
+
+
+def run_step(step: workload.Step, planner: CascadePlanner, q_seed: int = 0):
+    """(plan, out f32[num_valid_tokens, Hq, D], q, kv_pages) for one planned step."""
+    manager = step.manager
+    plan = planner.plan(step.request_ids, step.num_computed_tokens, step.query_lens, manager)
+    md = build_attention_metadata(
+        block_table=manager.block_table,
+        plan=plan,
+        query_lens=step.query_lens[plan.order],
+        num_computed_tokens=step.num_computed_tokens[plan.order],
+        block_size=manager.block_size,
+        buckets=buckets_for(manager.block_size),
+    )
+    rng = np.random.default_rng(q_seed)
+    num_blocks = manager.pool.num_blocks if hasattr(manager.pool, "num_blocks") else 512
+    kv = rng.standard_normal((num_blocks, manager.block_size, 2 * NUM_KV_HEADS, HEAD_DIM))
+    kv[0] = np.nan  # the null block: a valid row that reads it turns NaN
+    q = rng.standard_normal((md.max_num_tokens, NUM_Q_HEADS, HEAD_DIM))
+    total = int(step.query_lens.sum())
+    q[total:] = np.nan
+    out = paged_attention(
+        jnp.asarray(q, jnp.float32), jnp.asarray(kv, jnp.float32), md, sm_scale=SM_SCALE
+    )
+    return plan, np.asarray(out)[:total], q.astype(np.float32), kv.astype(np.float32)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_flat_equals_cascade_equals_oracle(seed):
+    block_size = (4, 8)[seed % 2]
+    step = workload.random_step(seed, block_size=block_size)
+    cascade = CascadePlanner(SHAPE, cost_model=ALWAYS)
+    flat = CascadePlanner(SHAPE, enable_cascade=False)
+    plan_c, out_c, q, kv = run_step(step, cascade, q_seed=seed)
+    # The flat run uses the cascade plan's batch order, so rows line up.
+    plan_f = flat.plan(step.request_ids, step.num_computed_tokens, step.query_lens, step.manager)
+    assert not plan_f.uses_cascade
+    reordered = dataclasses.replace(step)
+    perm = plan_c.order
+    reordered = workload.Step(
+        step.manager,
+        [step.request_ids[i] for i in perm],
+        step.num_computed_tokens[perm],
+        step.query_lens[perm],
+    )
+    _, out_f, _, _ = run_step(reordered, flat, q_seed=seed)
+    want = workload.dense_oracle(step, plan_c.order, q, kv, SM_SCALE)
+    np.testing.assert_allclose(out_c, want, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(out_f, want, atol=2e-5, rtol=2e-5)
+
+
+def test_random_batches_use_cascade_often():
+    plans = []
+    for seed in range(12):
+        step = workload.random_step(seed, block_size=(4, 8)[seed % 2])
+        planner = CascadePlanner(SHAPE, cost_model=ALWAYS)
+        plans.append(
+            planner.plan(step.request_ids, step.num_computed_tokens, step.query_lens, step.manager)
+        )
+    assert sum(p.uses_cascade for p in plans) >= 4
+    assert any(p.num_levels == 2 or (p.levels and p.levels[-1].num_groups > 1) for p in plans)
+
+
+def test_write_kv_writes_slots_and_padding_only_touches_null_block():
+    block_size, num_blocks = 4, 6
+    kv = jnp.zeros((num_blocks, block_size, 2 * NUM_KV_HEADS, HEAD_DIM))
+    k = jnp.arange(3 * NUM_KV_HEADS * HEAD_DIM, dtype=jnp.float32).reshape(
+        3, NUM_KV_HEADS, HEAD_DIM
+    )
+    v = -k - 1
+    slots = jnp.array([2 * block_size + 1, 5 * block_size + 3, 0], jnp.int32)  # last: padding
+    out = np.asarray(write_kv(kv, k, v, slots))
+    np.testing.assert_array_equal(out[2, 1, 0::2], np.asarray(k[0]))
+    np.testing.assert_array_equal(out[2, 1, 1::2], np.asarray(v[0]))
+    np.testing.assert_array_equal(out[5, 3, 0::2], np.asarray(k[1]))
+    touched = np.argwhere(np.any(out != 0, axis=(2, 3)))
+    assert sorted(map(tuple, touched.tolist())) == [(0, 0), (2, 1), (5, 3)]
+
+
+def test_write_kv_quantized_round_trip():
+    kv = jnp.zeros((3, 4, 2, 8), jnp.int8)
+    k = jnp.full((1, 1, 8), 0.5)
+    v = jnp.full((1, 1, 8), -0.25)
+    out = write_kv(kv, k, v, jnp.array([5], jnp.int32), k_scale=0.01, v_scale=0.01)
+    assert int(out[1, 1, 0, 0]) == 50 and int(out[1, 1, 1, 0]) == -25
+
+
+def test_sliding_window_with_levels_is_rejected():
+    step = workload.random_step(3, block_size=4)
+    planner = CascadePlanner(SHAPE, cost_model=ALWAYS)
+    plan = planner.plan(step.request_ids, step.num_computed_tokens, step.query_lens, step.manager)
+    if not plan.uses_cascade:
+        pytest.skip("seed gave no cascade")
+    md = build_attention_metadata(
+        block_table=step.manager.block_table, plan=plan,
+        query_lens=step.query_lens[plan.order],
+        num_computed_tokens=step.num_computed_tokens[plan.order],
+        block_size=4, buckets=buckets_for(4),
+    )  # fmt: skip
+    q = jnp.zeros((md.max_num_tokens, NUM_Q_HEADS, HEAD_DIM))
+    kv = jnp.zeros((512, 4, 2 * NUM_KV_HEADS, HEAD_DIM))
+    with pytest.raises(ValueError, match="sliding_window"):
+        jax.eval_shape(
+            lambda q, kv: paged_attention(q, kv, md, sm_scale=1.0, sliding_window=8), q, kv
+        )
