@@ -77,6 +77,8 @@ def _kernel(
     acc_ref,  # f32[kv_heads_per_blk, rows_per_blk, head_dim] running numerator
     *,
     group: int,
+    window_rows: int,
+    row_align: int,
     pages_per_seq: int,
     max_num_seqs: int,
     sm_scale: float,
@@ -182,25 +184,24 @@ def _kernel(
         kv_base = (first_page + blk * pages_per_blk) * page_size
         # Keys at or past this limit sit in pages that were not copied (or past kv_len).
         kv_limit = jnp.minimum(kv_len, end_page * page_size)
-
-        shape = (rows, kv_per_blk)
-        token = tile_start + _div(lax.broadcasted_iota(jnp.int32, shape, 0), group)
-        key = kv_base + lax.broadcasted_iota(jnp.int32, shape, 1)
-        visible = (token >= q_start) & (token < q_end) & (key < kv_limit)
-        if causal:
-            pos = token + (kv_len - q_end)
-            visible &= key <= pos
-            if sliding_window is not None:
-                visible &= key > pos - sliding_window
         key_ok = (kv_base + lax.broadcasted_iota(jnp.int32, (kv_per_blk, head_dim), 0)) < kv_limit
 
-        for h in range(kv_heads_per_blk):
-            k = load_kv(slot, 2 * h)
-            v = load_kv(slot, 2 * h + 1)
-            # Pages hold NaN or stale data past kv_limit: 0 * NaN would poison p @ v.
-            v = jnp.where(key_ok, v, jnp.zeros_like(v))
+        def update_rows(h, k, v, row_start, num_rows):
+            """Online-softmax update of rows [row_start, row_start + num_rows) of head h."""
+            rows_here = pl.ds(row_start, num_rows)
+            shape = (num_rows, kv_per_blk)
+            row = row_start + lax.broadcasted_iota(jnp.int32, shape, 0)
+            token = tile_start + _div(row, group)
+            key = kv_base + lax.broadcasted_iota(jnp.int32, shape, 1)
+            visible = (token >= q_start) & (token < q_end) & (key < kv_limit)
+            if causal:
+                pos = token + (kv_len - q_end)
+                visible &= key <= pos
+                if sliding_window is not None:
+                    visible &= key > pos - sliding_window
+
             s = lax.dot_general(
-                q_ref[h],
+                q_ref[h, rows_here, :],
                 k,
                 (((1,), (1,)), ((), ())),
                 preferred_element_type=jnp.float32,
@@ -211,8 +212,10 @@ def _kernel(
                 s = soft_cap * jnp.tanh(s / soft_cap)
             s = jnp.where(visible, s, MASK_VALUE)
 
-            m_prev = m_ref[h][:, :1]
-            l_prev = l_ref[h][:, :1]
+            # Rows of other sequences see no key here: their m, l and acc stay unchanged
+            # (alpha = 1, p = 0), so whole row windows are updated without masked stores.
+            m_prev = m_ref[h, rows_here, :][:, :1]
+            l_prev = l_ref[h, rows_here, :][:, :1]
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             p = jnp.where(visible, jnp.exp(s - m_next), 0.0)
             alpha = jnp.exp(m_prev - m_next)
@@ -224,9 +227,30 @@ def _kernel(
                 preferred_element_type=jnp.float32,
                 precision=precision,
             )
-            acc_ref[h] = alpha * acc_ref[h] + pv
-            m_ref[h] = jnp.broadcast_to(m_next, (rows, LANES))
-            l_ref[h] = jnp.broadcast_to(l_next, (rows, LANES))
+            acc_ref[h, rows_here, :] = alpha * acc_ref[h, rows_here, :] + pv
+            m_ref[h, rows_here, :] = jnp.broadcast_to(m_next, (num_rows, LANES))
+            l_ref[h, rows_here, :] = jnp.broadcast_to(l_next, (num_rows, LANES))
+
+        # The sequence's rows in this tile. When they fit in an aligned window of
+        # window_rows (a decode token is `group` rows), only that window is computed:
+        # the full tile would spend rows / window_rows times the VPU work on rows that
+        # belong to other sequences.
+        row_lo = (jnp.maximum(q_start, tile_start) - tile_start) * group
+        row_hi = (jnp.minimum(q_end, tile_end) - tile_start) * group
+        if window_rows < rows:
+            win_start = jnp.minimum(_div(row_lo, row_align) * row_align, rows - window_rows)
+            win_start = pl.multiple_of(win_start, row_align)
+            fits = row_hi - win_start <= window_rows
+        for h in range(kv_heads_per_blk):
+            k = load_kv(slot, 2 * h)
+            v = load_kv(slot, 2 * h + 1)
+            # Pages hold NaN or stale data past kv_limit: 0 * NaN would poison p @ v.
+            v = jnp.where(key_ok, v, jnp.zeros_like(v))
+            if window_rows < rows:
+                pl.when(fits)(functools.partial(update_rows, h, k, v, win_start, window_rows))
+                pl.when(~fits)(functools.partial(update_rows, h, k, v, 0, rows))
+            else:
+                update_rows(h, k, v, 0, rows)
 
     seq0 = first_seq_of_tile()
     first0, end0, nblk0 = kv_page_range(seq0)
@@ -433,6 +457,8 @@ def ragged_paged_attention(
 
     padded_tokens = _round_up(num_tokens, bq)
     rows = bq * group
+    # Smallest aligned row window that always holds one decode token's `group` rows.
+    window_rows = min(rows, _round_up(group + q_tiling - 1, q_tiling))
     # [T, Hq, D] -> [Hkv, T * G, D]: the G query heads of a KV head become matmul rows.
     q_rows = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
     q_rows = q_rows.reshape(padded_tokens, num_kv_heads, group, head_dim)
@@ -455,6 +481,8 @@ def ragged_paged_attention(
     kernel = functools.partial(
         _kernel,
         group=group,
+        window_rows=window_rows,
+        row_align=q_tiling,
         pages_per_seq=pages_per_seq,
         max_num_seqs=max_num_seqs,
         sm_scale=float(sm_scale),

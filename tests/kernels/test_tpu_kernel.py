@@ -20,8 +20,8 @@ from kernels_pallas.reference import cascade_attention, prefix_pass_inputs
 from kernels_pallas.tpu import ragged_paged_attention
 from tests.kernels import harness
 
-# Shared padded shapes: 40 query tokens, 5 sequences, 6 pages of 16 keys per sequence.
-SHAPES = dict(max_num_tokens=40, max_num_seqs=5, pages_per_seq=6, num_pages=40)
+# Shared padded shapes: 40 query tokens, 9 sequences, 6 pages of 16 keys per sequence.
+SHAPES = dict(max_num_tokens=40, max_num_seqs=9, pages_per_seq=6, num_pages=48)
 # Small tiles so that tiny cases still cross q-tile, KV-block and page boundaries.
 KNOBS = dict(num_queries_per_block=8, num_kv_pages_per_block=2)
 
@@ -35,7 +35,8 @@ _STATIC = (
 _rpa = jax.jit(ragged_paged_attention, static_argnames=_STATIC, compiler_options=_FAST_COMPILE)
 _interpreted = functools.partial(_rpa, interpret=True, **KNOBS)
 
-DECODE = [(1, 17), (1, 1), (1, 64), (1, 33)]
+# Eight decode tokens fill a q tile of 8: their rows need the row window at every offset.
+DECODE = [(1, 17), (1, 1), (1, 64), (1, 33), (1, 96), (1, 16), (1, 40), (1, 2), (1, 9)]
 PREFILL = [(16, 16), (5, 5), (13, 13)]
 MIXED = [(1, 17), (7, 7), (3, 40), (12, 29), (1, 96)]
 
