@@ -79,7 +79,8 @@ class EngineConfig:
     The bucket minima bound how many programs compile: with min == max an axis has
     one size. `q_len_buckets` (None: powers of two) coarsens the static bound on one
     sequence's query length (e.g. (1, max_num_batched_tokens) gives decode and
-    "anything else"), trading padding for fewer programs.
+    "anything else"), trading padding for fewer programs; `pad_cascade_levels` pads every
+    cascade level to its largest number of sequences (one program per level structure).
     seed: default sampling seed of requests that give none (mixed with their index).
     """
 
@@ -94,6 +95,7 @@ class EngineConfig:
     min_num_seqs_bucket: int = 4
     min_pages_bucket: int = 4
     q_len_buckets: tuple[int, ...] | None = None
+    pad_cascade_levels: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

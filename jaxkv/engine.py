@@ -1,0 +1,373 @@
+"""Engine: the serving loop. add_request / step / abort / generate over a paged Llama.
+
+One step (DESIGN.md, "Data flow of one engine step"):
+
+1. Scheduler.schedule(): applies landed KV transfers, picks the batch, allocates blocks;
+2. CascadePlanner.plan(): exact shared prefixes of the scheduled set, cost model;
+3. build_attention_metadata(): padded static-shape arrays, batch in plan order;
+4. one jitted program: the model forward (KV write + attention in every layer) and the
+   sampler; the KV caches are donated and replaced;
+5. Scheduler.update_from_output(): append tokens, stop, free blocks or hand them to the
+   KV connector (which may keep them held while it copies them out).
+
+The engine compiles one program per combination of buckets (EngineConfig); programs are
+shared by every engine over the same model graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxkv.attention import default_backend
+from jaxkv.batch import AttentionMetadata, LevelMetadata, build_attention_metadata
+from jaxkv.buckets import padded_size
+from jaxkv.cascade import AttentionShape, CascadePlanner
+from jaxkv.config import EngineConfig
+from jaxkv.kv_cache_manager import KVCacheManager
+from jaxkv.kv_copy import DeviceKVCopier
+from jaxkv.kv_transfer import KVConnector
+from jaxkv.metrics import EngineMetrics
+from jaxkv.outputs import CompletionOutput, RequestOutput
+from jaxkv.request import Request, SamplingParams
+from jaxkv.sampler import sample, sampling_arrays, sampling_row
+from jaxkv.scheduler import Scheduler
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
+def _step_program(graphdef, state, input_ids, positions, kv_caches, metadata, sampling):
+    logits, kv_caches = nnx.merge(graphdef, state)(input_ids, positions, kv_caches, metadata)
+    return sample(logits, *sampling), kv_caches
+
+
+def _pad_level(level: LevelMetadata, num_seqs: int) -> LevelMetadata:
+    """The same cascade level with `num_seqs` sequence slots (extra ones empty)."""
+    extra = num_seqs - level.kv_lens.shape[0]
+    if extra <= 0:
+        return level
+    return dataclasses.replace(
+        level,
+        cu_q_lens=np.pad(level.cu_q_lens, (0, extra), mode="edge"),
+        kv_lens=np.pad(level.kv_lens, (0, extra)),
+        page_indices=np.pad(level.page_indices, ((0, extra), (0, 0))),
+    )
+
+
+def _program_key(metadata: AttentionMetadata) -> tuple:
+    leaves, treedef = jax.tree.flatten(metadata)
+    return treedef, tuple(leaf.shape for leaf in leaves)
+
+
+class Engine:
+    """Serves generation requests on a flax NNX Llama (jaxkv.models.Llama) with paged KV.
+
+    `params` (an nnx.State of the model's parameters) replaces the weights the model holds;
+    None uses them as they are. `connector` (e.g. HostOffloadConnector) sees finished
+    requests and prefix-cache misses. Not thread-safe: one thread drives the engine.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        params: nnx.State | None = None,
+        config: EngineConfig | None = None,
+        *,
+        connector: KVConnector | None = None,
+    ) -> None:
+        config = EngineConfig() if config is None else config
+        mc = model.config
+        sc, cc = config.scheduler, config.cache
+        if sc.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"{sc.max_model_len=} exceeds {mc.max_position_embeddings=}")
+        self.config = config
+        self.model_config = mc
+        self.vocab_size = mc.vocab_size
+        self._graphdef, state = nnx.split(model)
+        self._state = state if params is None else params
+        self.backend = config.backend or default_backend()
+        self.manager = KVCacheManager(
+            cc.num_blocks,
+            cc.block_size,
+            max_model_len=sc.max_model_len,
+            enable_prefix_caching=cc.enable_prefix_caching,
+            hash_seed=cc.hash_seed,
+        )
+        self.connector = connector if connector is not None else KVConnector()
+        self.scheduler = Scheduler(sc, self.manager, self.connector)
+        self.kv_caches = model.init_kv_caches(cc.num_blocks, cc.block_size, cc.kv_dtype)
+        kv_itemsize = self.kv_caches[0].dtype.itemsize
+        self.planner = CascadePlanner(
+            AttentionShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, kv_itemsize),
+            backend=self.backend,
+            cost_model=config.cascade_cost_model,
+            enable_cascade=config.enable_cascade,
+            max_groups=config.max_cascade_groups,
+        )
+        self.buckets = config.buckets
+        self.copier = DeviceKVCopier(
+            lambda: self.kv_caches, self._set_caches, max_blocks=self.manager.max_blocks_per_seq
+        )
+        self.connector.bind(self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed)
+        self._sampling: dict[str, tuple[float, int, float, int]] = {}  # req_id -> sampler row
+        self._serial = itertools.count()
+        self._programs: set[tuple] = set()
+        self._m = dict(
+            num_steps=0, host_time_s=0.0, device_time_s=0.0, update_time_s=0.0,
+            cascade_steps=0, cascade_tokens=0,
+        )  # fmt: skip
+        self._levels: dict[str, int] = {}  # level names joined by '+' -> steps
+
+    def _set_caches(self, caches: list[jax.Array]) -> None:
+        self.kv_caches = caches
+
+    # --------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int] | np.ndarray,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> str:
+        """Queues a request; returns its id. Raises ValueError (nothing queued) when the
+        prompt is empty, not 1-D integers, holds ids outside [0, vocab_size), leaves no
+        room for output within max_model_len, or the params or id are invalid."""
+        ids = np.asarray(prompt_token_ids)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"prompt_token_ids must be a non-empty 1-D sequence, got {ids.shape=}")
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"prompt_token_ids must be integers, got dtype {ids.dtype}")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.vocab_size:
+            raise ValueError(
+                f"prompt_token_ids must lie in [0, {self.vocab_size}), got min {lo}, max {hi}"
+            )
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        elif not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"{type(sampling_params)=} must be SamplingParams")
+        bad_stop = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids {bad_stop} must be < {self.vocab_size=}")
+        serial = next(self._serial)
+        request_id = str(serial) if request_id is None else request_id
+        request = Request(request_id, ids.tolist(), sampling_params)
+        self.scheduler.add_request(request)  # raises on duplicate id or too long a prompt
+        seed = (self.config.seed * 0x9E3779B1 + serial) & 0xFFFFFFFF
+        self._sampling[request_id] = sampling_row(sampling_params, seed)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Cancels a request in any unfinished state; False if unknown or finished."""
+        aborted = self.scheduler.abort(request_id)
+        if aborted:
+            self._sampling.pop(request_id, None)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def has_pending_transfers(self) -> bool:
+        """True while finished requests hold blocks for KV copies that have not landed."""
+        return self.scheduler.has_pending_transfers()
+
+    # ------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled batch; returns the requests that got a token, in schedule
+        order. Returns [] without running the model when nothing can be scheduled."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        n = out.num_requests
+        if n == 0:
+            return []
+        plan = self.planner.plan(
+            out.request_ids, out.num_computed_tokens, out.num_scheduled_tokens, self.manager
+        )
+        order = plan.order
+        query_lens = out.num_scheduled_tokens[order]
+        num_computed = out.num_computed_tokens[order]
+        md = build_attention_metadata(
+            block_table=self.manager.block_table,
+            plan=plan,
+            query_lens=query_lens,
+            num_computed_tokens=num_computed,
+            block_size=self.manager.block_size,
+            buckets=self.buckets,
+            backend=self.backend,
+            interpret=self.config.interpret,
+        )
+        md = self._coarsen(md)
+        input_ids = self._input_ids(out.requests, order, query_lens, num_computed, md)
+        rows = [self._sampling[out.request_ids[i]] for i in order.tolist()]
+        sampling = sampling_arrays(rows, num_computed + query_lens, md.max_num_seqs)
+        key = _program_key(md)
+        if key not in self._programs:
+            self._programs.add(key)
+        t1 = time.perf_counter()
+
+        tokens, self.kv_caches = _step_program(
+            self._graphdef, self._state, input_ids, md.positions, self.kv_caches, md, sampling
+        )
+        sampled = np.empty(n, np.int32)
+        sampled[order] = np.asarray(tokens)[:n]
+        t2 = time.perf_counter()
+
+        outputs = self.scheduler.update_from_output(out, sampled)
+        for o in outputs:
+            if o.finished:
+                del self._sampling[o.request_id]
+        t3 = time.perf_counter()
+        m = self._m
+        m["num_steps"] += 1
+        m["host_time_s"] += t1 - t0
+        m["device_time_s"] += t2 - t1
+        m["update_time_s"] += t3 - t2
+        if plan.uses_cascade:
+            m["cascade_steps"] += 1
+            m["cascade_tokens"] += int(query_lens.sum())
+            levels = "+".join(level.name for level in plan.levels)
+            self._levels[levels] = self._levels.get(levels, 0) + 1
+        return outputs
+
+    def _coarsen(self, md: AttentionMetadata) -> AttentionMetadata:
+        """Re-pads static bounds to the config's coarser buckets (fewer programs)."""
+        qb = self.config.q_len_buckets
+        pad_levels = self.config.pad_cascade_levels
+        if qb is None and not pad_levels:
+            return md
+        q_bucket = (lambda n: n) if qb is None else functools.partial(padded_size, qb)
+        num_level_seqs = self.buckets.level_seq_buckets[-1]
+        levels = tuple(
+            dataclasses.replace(
+                _pad_level(lv, num_level_seqs) if pad_levels else lv,
+                max_q_len=q_bucket(lv.max_q_len),
+            )
+            for lv in md.levels
+        )
+        return dataclasses.replace(md, max_q_len=q_bucket(md.max_q_len), levels=levels)
+
+    @staticmethod
+    def _input_ids(requests, order, query_lens, num_computed, md) -> np.ndarray:
+        ids = np.zeros(md.max_num_tokens, np.int32)
+        total = int(query_lens.sum())
+        if total == len(order):  # decode only: one token per request
+            ids[:total] = [
+                requests[i].all_token_ids[c]
+                for i, c in zip(order.tolist(), num_computed.tolist(), strict=True)
+            ]
+        else:
+            ids[:total] = list(
+                itertools.chain.from_iterable(
+                    requests[i].all_token_ids[c : c + q]
+                    for i, c, q in zip(
+                        order.tolist(), num_computed.tolist(), query_lens.tolist(), strict=True
+                    )
+                )
+            )
+        return ids
+
+    # ----------------------------------------------------------------- driving
+
+    def drain_transfers(self, timeout_s: float = 60.0) -> None:
+        """Steps until every finished request's KV copy has landed (blocks all freed).
+
+        Runs other requests' steps meanwhile if any are queued (their outputs are
+        dropped; call it when the engine is otherwise idle). Raises TimeoutError.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler.has_pending_transfers():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"KV transfers still pending after {timeout_s=}")
+            if not self.step():
+                time.sleep(0.0005)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = True,
+    ) -> list[CompletionOutput]:
+        """Runs `prompts` to completion; one CompletionOutput per prompt, in order.
+
+        Every prompt is validated before any is queued (ValueError, nothing queued).
+        Requests already in the engine progress too; their outputs are not returned.
+        """
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(params_list)=} sampling params for {len(prompts)=}")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        index = {rid: i for i, rid in enumerate(ids)}
+        tokens: list[list[int]] = [[] for _ in ids]
+        reasons: list[str | None] = [None] * len(ids)
+        bar = _progress_bar(len(ids)) if progress else None
+        remaining = len(ids)
+        while remaining:
+            outputs = self.step()
+            if not outputs and not self.has_unfinished_requests():
+                break
+            if not outputs:
+                time.sleep(0.0005)  # waiting on a KV load
+            for o in outputs:
+                i = index.get(o.request_id)
+                if i is None:
+                    continue
+                tokens[i].extend(o.new_token_ids)
+                if o.finished:
+                    reasons[i] = o.finish_reason
+                    remaining -= 1
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [
+            CompletionOutput(rid, tuple(int(t) for t in p), tuple(tokens[i]), reasons[i])
+            for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
+        ]
+
+    # ----------------------------------------------------------------- metrics
+
+    @property
+    def num_compiles(self) -> int:
+        return len(self._programs)
+
+    @property
+    def metrics(self) -> EngineMetrics:
+        s = self.scheduler.stats
+        t = self.connector.stats
+        pc = self.manager.prefix_cache_stats
+        return EngineMetrics(
+            **self._m,
+            num_prompt_tokens=s.num_prompt_tokens_computed,
+            num_generated_tokens=s.num_generated_tokens,
+            num_preemptions=s.num_preemptions,
+            cascade_steps_by_levels=tuple(sorted(self._levels.items())),
+            num_compiles=self.num_compiles,
+            prefix_cache_queries=pc.queries,
+            prefix_cache_hits=pc.hits,
+            kv_usage=self.manager.usage,
+            bytes_offloaded=t.bytes_offloaded,
+            bytes_reloaded=t.bytes_reloaded,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_transferring=len(self.scheduler.transferring),
+        )
+
+
+def _progress_bar(total: int):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # progress is a nicety; tqdm is an optional dependency
+        return None
+    return tqdm(total=total, desc="generate", unit="req")

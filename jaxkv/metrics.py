@@ -1,0 +1,78 @@
+"""EngineMetrics: what a serving loop can read about its engine, as one frozen snapshot."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineMetrics:
+    """Counters since the engine was built (times in seconds, KV in bytes of all layers).
+
+    Step time splits into host (schedule + cascade plan + metadata + input arrays),
+    device (dispatch of the jitted forward and sampler until the tokens are on the
+    host) and update (appending tokens, stopping, freeing or handing blocks over).
+    """
+
+    num_steps: int = 0  # steps that ran the model
+    num_prompt_tokens: int = 0  # prefill tokens computed (prefix-cache hits excluded)
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    host_time_s: float = 0.0
+    device_time_s: float = 0.0
+    update_time_s: float = 0.0
+    cascade_steps: int = 0  # steps whose plan had at least one cascade level
+    cascade_tokens: int = 0  # query tokens of those steps
+    # (levels, steps), sorted: levels "global", "groups" or "global+groups" (two levels)
+    cascade_steps_by_levels: tuple[tuple[str, int], ...] = ()
+    num_compiles: int = 0  # distinct step programs this engine needed
+    prefix_cache_queries: int = 0  # tokens looked up in the device prefix cache
+    prefix_cache_hits: int = 0  # tokens found there
+    kv_usage: float = 0.0  # fraction of KV blocks held now
+    bytes_offloaded: int = 0  # KV copied device -> host (landed)
+    bytes_reloaded: int = 0  # KV copied host -> device (landed)
+    num_running: int = 0
+    num_waiting: int = 0
+    num_transferring: int = 0  # finished requests still holding blocks for a copy
+
+    @property
+    def step_time_s(self) -> float:
+        return self.host_time_s + self.device_time_s + self.update_time_s
+
+    @property
+    def generation_tokens_per_s(self) -> float:
+        return self.num_generated_tokens / self.step_time_s if self.step_time_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Prompt plus generated tokens computed per second of step time."""
+        total = self.num_prompt_tokens + self.num_generated_tokens
+        return total / self.step_time_s if self.step_time_s else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else 0.0
+
+    @property
+    def host_time_per_step_ms(self) -> float:
+        return 1e3 * self.host_time_s / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def device_time_per_step_ms(self) -> float:
+        return 1e3 * self.device_time_s / self.num_steps if self.num_steps else 0.0
+
+    def as_dict(self) -> dict:
+        """Every field and derived rate, for logging or JSON."""
+        d = dataclasses.asdict(self)
+        d["cascade_steps_by_levels"] = dict(self.cascade_steps_by_levels)
+        for name in (
+            "step_time_s",
+            "generation_tokens_per_s",
+            "tokens_per_s",
+            "prefix_cache_hit_rate",
+            "host_time_per_step_ms",
+            "device_time_per_step_ms",
+        ):
+            d[name] = getattr(self, name)
+        return d

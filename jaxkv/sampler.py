@@ -1,0 +1,78 @@
+"""Token sampling from one step's logits: greedy, temperature, top-k, top-p, seeded.
+
+A pure function of arrays with static shapes (jittable, no Python branching on values),
+one row per scheduled sequence. Each row's randomness comes from its own seed folded
+with the position of the token being sampled, so a request samples the same tokens
+whatever batch it runs in, and again after a preemption recomputes it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.request import SamplingParams
+
+_SEED_MASK = 0xFFFFFFFF
+
+
+def sampling_row(params: SamplingParams, default_seed: int) -> tuple[float, int, float, int]:
+    """(temperature, top_k, top_p, seed) of one request, seed folded into 32 bits."""
+    seed = default_seed if params.seed is None else params.seed
+    return (float(params.temperature), int(params.top_k), float(params.top_p), seed & _SEED_MASK)
+
+
+def sampling_arrays(
+    rows: list[tuple[float, int, float, int]], positions: np.ndarray, num_rows: int
+) -> tuple[np.ndarray, ...]:
+    """Per-row arrays padded to `num_rows` (padding rows are greedy and ignored)."""
+    n = len(rows)
+    temperature = np.zeros(num_rows, np.float32)
+    top_k = np.zeros(num_rows, np.int32)
+    top_p = np.ones(num_rows, np.float32)
+    seeds = np.zeros(num_rows, np.uint32)
+    pos = np.zeros(num_rows, np.int32)
+    if n:
+        table = np.array(rows, np.float64)
+        temperature[:n] = table[:, 0]
+        top_k[:n] = table[:, 1]
+        top_p[:n] = table[:, 2]
+        seeds[:n] = table[:, 3].astype(np.uint32)
+        pos[:n] = positions
+    return temperature, top_k, top_p, seeds, pos
+
+
+def sample(
+    logits: jax.Array,  # f32[S, vocab]
+    temperature: jax.Array,  # f32[S] 0 = greedy
+    top_k: jax.Array,  # i32[S] 0 = no cut
+    top_p: jax.Array,  # f32[S] 1 = no cut
+    seeds: jax.Array,  # u32[S]
+    positions: jax.Array,  # i32[S] position of the token being sampled
+) -> jax.Array:  # i32[S]
+    """One token per row. Greedy rows take the argmax (lowest id on ties).
+
+    Sampled rows draw from softmax(logits / temperature) restricted to the top_k most
+    likely tokens and then to the smallest prefix (by probability) whose mass reaches
+    top_p; tokens tied with the last kept one are kept too.
+    """
+    vocab = logits.shape[-1]
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    in_top_k = jnp.arange(vocab)[None, :] < k[:, None]
+    probs = jax.nn.softmax(jnp.where(in_top_k, desc, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = in_top_k & (mass_before < top_p[:, None])
+    threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1)
+    masked = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+
+    def draw(seed, position, row):
+        key = jax.random.fold_in(jax.random.key(seed), position)
+        return jax.random.categorical(key, row)
+
+    sampled = jax.vmap(draw)(seeds, positions, masked).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)

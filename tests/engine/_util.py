@@ -1,0 +1,143 @@
+"""Shared pieces of the end-to-end engine tests: one tiny model, fixed buckets, the oracle.
+
+Every engine built here uses the same bucket sizes, so all tests share a handful of
+compiled step programs (one per cascade level structure).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.cascade import CascadeCostModel
+from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig
+from jaxkv.engine import Engine
+from jaxkv.models import Llama, LlamaConfig
+
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 64
+MAX_TOKENS_PER_STEP = 64
+MAX_SEQS = 8
+VOCAB = 256
+ORACLE_BATCH = 8
+MIN_MARGIN = 2e-5  # smallest top-2 logit gap the oracle accepts; logits have std ~0.16, and
+# the attention paths differ by ~1e-6, so a smaller gap could let float noise pick the token
+
+# Cascade whenever two or more requests share a block: the tests must exercise it.
+ALWAYS_CASCADE = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0.0)
+
+
+@functools.cache
+def tiny_model() -> Llama:
+    """2 layers, hidden 64, vocab 256, random weights (untied head: varied greedy text)."""
+    config = LlamaConfig.preset(
+        "tiny",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        tie_word_embeddings=False,
+        max_position_embeddings=MAX_MODEL_LEN,
+    )
+    return Llama(config, rngs=nnx.Rngs(0))
+
+
+def make_engine(
+    *,
+    cascade: bool = True,
+    prefix_caching: bool = True,
+    num_blocks: int = 96,
+    connector=None,
+    max_num_seqs: int = MAX_SEQS,
+) -> Engine:
+    config = EngineConfig(
+        cache=CacheConfig(
+            num_blocks=num_blocks, block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=MAX_TOKENS_PER_STEP,
+            max_num_seqs=max_num_seqs,
+            max_model_len=MAX_MODEL_LEN,
+        ),
+        backend="xla",
+        enable_cascade=cascade,
+        cascade_cost_model=ALWAYS_CASCADE,
+        max_cascade_groups=2,
+        min_num_tokens_bucket=MAX_TOKENS_PER_STEP,
+        min_num_seqs_bucket=MAX_SEQS,
+        min_pages_bucket=MAX_MODEL_LEN // BLOCK_SIZE,
+        q_len_buckets=(MAX_TOKENS_PER_STEP,),
+        pad_cascade_levels=True,
+    )
+    return Engine(tiny_model(), None, config, connector=connector)
+
+
+@functools.cache
+def _dense_logits():
+    graphdef, state = nnx.split(tiny_model())
+
+    @jax.jit
+    def last_logits(tokens, lengths):  # i32[B, L], i32[B] -> f32[B, vocab]
+        logits = nnx.merge(graphdef, state).dense_forward(tokens)
+        return logits[jnp.arange(tokens.shape[0]), lengths - 1]
+
+    return last_logits
+
+
+def dense_greedy(prompts, max_tokens) -> list[list[int]]:
+    """Greedy continuations by the dense model, recomputing whole sequences every token.
+
+    Asserts the top-2 logit gap stays above MIN_MARGIN, so a mismatch with the engine is
+    a wrong result, not float noise deciding a tie.
+    """
+    if isinstance(max_tokens, int):
+        max_tokens = [max_tokens] * len(prompts)
+    out = []
+    for start in range(0, len(prompts), ORACLE_BATCH):
+        chunk = [list(p) for p in prompts[start : start + ORACLE_BATCH]]
+        limits = max_tokens[start : start + ORACLE_BATCH]
+        seqs = chunk + [[0]] * (ORACLE_BATCH - len(chunk))
+        gen: list[list[int]] = [[] for _ in seqs]
+        for _ in range(max(limits)):
+            tokens = np.zeros((ORACLE_BATCH, MAX_MODEL_LEN), np.int32)
+            lengths = np.array([len(s) for s in seqs], np.int32)
+            for i, s in enumerate(seqs):
+                tokens[i, : len(s)] = s
+            logits = np.asarray(_dense_logits()(tokens, lengths))
+            top2 = np.sort(logits, axis=-1)[:, -2:]
+            for i in range(len(chunk)):
+                if len(gen[i]) < limits[i]:
+                    assert top2[i, 1] - top2[i, 0] > MIN_MARGIN, "oracle near-tie: pick a new seed"
+                    t = int(np.argmax(logits[i]))
+                    gen[i].append(t)
+                    seqs[i] = seqs[i] + [t]
+        out.extend(gen[: len(chunk)])
+    return out
+
+
+def prompts_for(workload: str, seed: int = 1) -> list[list[int]]:
+    """Prompts of one shape: "shared" prefix, "two_groups", or "none" shared."""
+    rng = np.random.default_rng(seed)
+    rand = lambda n: rng.integers(0, VOCAB, n).tolist()
+    if workload == "shared":
+        prefix = rand(20)
+        return [prefix + rand(int(n)) for n in rng.integers(1, 6, 6)]
+    if workload == "two_groups":
+        pa, pb = rand(16), rand(13)
+        return [p + rand(int(n)) for p in (pa, pb) for n in rng.integers(1, 6, 3)]
+    if workload == "none":
+        return [rand(int(n)) for n in rng.integers(3, 24, 6)]
+    raise ValueError(workload)
+
+
+def assert_all_blocks_free(engine: Engine) -> None:
+    m = engine.manager
+    m.check_integrity()
+    assert m.num_free_blocks == m.pool.num_blocks - 1, f"{m.num_free_blocks=} blocks leaked"
+    assert m.request_ids == []
