@@ -1,0 +1,81 @@
+"""Block pool: the free queue's order and O(1) removal, and that check_integrity catches damage."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv import IntegrityError
+from jaxkv.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from jaxkv.hashing import root_hash
+
+
+def test_free_queue_order_and_middle_removal():
+    blocks = [KVCacheBlock(i) for i in range(6)]
+    queue = FreeKVCacheBlockQueue(blocks[1:])
+    assert queue.block_ids() == [1, 2, 3, 4, 5]
+    queue.remove(blocks[3])
+    assert queue.block_ids() == [1, 2, 4, 5] and queue.num_free_blocks == 4
+    assert [b.block_id for b in queue.popleft_n(2)] == [1, 2]
+    queue.append(blocks[2])
+    queue.append(blocks[3])
+    assert queue.block_ids() == [4, 5, 2, 3]
+    with pytest.raises(ValueError, match="already in the free queue"):
+        queue.append(blocks[5])
+    with pytest.raises(ValueError, match="not in the free queue"):
+        queue.remove(blocks[1])
+    with pytest.raises(ValueError, match="exceeds num_free_blocks=4"):
+        queue.popleft_n(5)
+    assert queue.block_ids() == [4, 5, 2, 3]
+
+
+def test_pool_never_hands_out_the_null_block():
+    pool = BlockPool(4)
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [1, 2, 3]
+    assert pool.num_free_blocks == 0 and pool.usage == 1.0
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(1)
+    pool.check_integrity({1: 1, 2: 1, 3: 1})
+
+
+def _pool_with_cached_block() -> BlockPool:
+    pool = BlockPool(5)
+    blocks = pool.get_new_blocks(2)
+    h = root_hash(0)
+    pool.cache_full_blocks(
+        blocks[:1], [h], parent_block_hash=None, token_ids=[1, 2], block_size=2, adapter_id=None
+    )
+    pool.check_integrity({1: 1, 2: 1})
+    return pool
+
+
+def test_integrity_catches_wrong_ref_count():
+    pool = _pool_with_cached_block()
+    pool.blocks[2].ref_cnt = 2
+    with pytest.raises(IntegrityError, match="KVCacheBlock\\(2, ref_cnt=2.*has 1 holders"):
+        pool.check_integrity({1: 1, 2: 1})
+
+
+def test_integrity_catches_held_block_in_queue():
+    pool = _pool_with_cached_block()
+    pool.blocks[4].ref_cnt = 1  # in the queue yet counted as held
+    with pytest.raises(IntegrityError, match="disagrees with ref_cnt"):
+        pool.check_integrity()
+
+
+def test_integrity_catches_stale_cache_map():
+    pool = _pool_with_cached_block()
+    pool.blocks[1].block_hash = None
+    with pytest.raises(IntegrityError, match="stale hash"):
+        pool.check_integrity()
+
+
+def test_integrity_catches_leaked_block():
+    pool = _pool_with_cached_block()
+    pool.free_blocks([pool.blocks[2]])
+    pool.free_block_queue.remove(pool.blocks[2])  # neither free nor held
+    with pytest.raises(IntegrityError, match="free=False disagrees"):
+        pool.check_integrity()
+
+
+def test_integrity_error_is_an_assertion_error():
+    assert issubclass(IntegrityError, AssertionError)
