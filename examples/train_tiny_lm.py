@@ -41,7 +41,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-tokens", type=int, default=120)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus", type=Path, default=CORPUS)
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="FIELD=INT",
+        help="change a field of the tiny preset, e.g. --override num_layers=2",
+    )
     return p.parse_args(argv)
+
+
+def tiny_config(overrides: list[str]) -> LlamaConfig:
+    fields = {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        fields[key] = int(value)
+    return LlamaConfig.preset("tiny", **fields)
 
 
 def random_windows(
@@ -74,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     split = int(len(data) * 0.9)
     train_data, eval_data = data[:split], data[split:]
 
-    config = LlamaConfig.preset("tiny")
+    config = tiny_config(args.override)
     model = Llama(config, rngs=nnx.Rngs(args.seed))
     tx = make_optimizer(
         peak_lr=args.peak_lr, warmup_steps=args.warmup_steps, total_steps=args.steps
@@ -87,9 +102,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"tiny Llama: {config.num_params:,} parameters; corpus {len(train_data):,} train / "
         f"{len(eval_data):,} held-out bytes"
     )
+    initial_eval = eval_loss()
+    print(f"step 0: eval loss {initial_eval:.3f}")
 
     tokens_per_step = args.batch_size * args.seq_len
     start = time.perf_counter()
+    cpu_start = time.process_time()
     bar = tqdm(range(1, args.steps + 1), desc="train", unit="step")
     train_loss = float("nan")
     for step in bar:
@@ -105,7 +123,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train_seconds = time.perf_counter() - start
     final_eval = eval_loss()
     print(
-        f"done: {args.steps} steps in {train_seconds:.0f}s; train loss {train_loss:.3f}, "
+        f"done: {args.steps} steps in {train_seconds:.0f}s wall, "
+        f"{time.process_time() - cpu_start:.0f}s CPU; train loss {train_loss:.3f}, "
         f"eval loss {final_eval:.3f} nats/byte"
     )
 
@@ -115,7 +134,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for prompt in SAMPLE_PROMPTS:
         out = greedy_generate(trained, tok.encode(prompt), args.sample_tokens, pad_id=tok.pad_id)
         print(f"greedy | {prompt}{tok.decode(out)!r}")
-    return {"train_loss": train_loss, "eval_loss": final_eval, "train_seconds": train_seconds}
+    return {
+        "initial_eval_loss": initial_eval,
+        "train_loss": train_loss,
+        "eval_loss": final_eval,
+        "train_seconds": train_seconds,
+        "cpu_seconds": time.process_time() - cpu_start,
+    }
 
 
 if __name__ == "__main__":

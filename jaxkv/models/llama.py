@@ -18,17 +18,16 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv import attention
+from jaxkv.batch import AttentionMetadata
 from jaxkv.models.config import LlamaConfig
-
-if TYPE_CHECKING:
-    from jaxkv.batch import AttentionMetadata
 
 _INIT_STD = 0.02  # Hugging Face `initializer_range`
 
@@ -126,6 +125,8 @@ class Attention(nnx.Module):
         self.k_proj = _linear(h, config.kv_size, dt, rngs)
         self.v_proj = _linear(h, config.kv_size, dt, rngs)
         self.o_proj = _linear(config.q_size, h, dt, rngs)
+        # jaxkv.sharding.TensorParallel, set by jaxkv.sharding.shard_model; None: one device.
+        self.tensor_parallel = None
 
     def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         lead = x.shape[:-1]
@@ -151,11 +152,11 @@ class Attention(nnx.Module):
         kv_pages: jax.Array,  # [num_blocks, block_size, 2 * num_kv_heads, head_dim]
         metadata: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:  # [max_num_tokens, hidden], new kv_pages
-        from jaxkv import attention
-
         q, k, v = self._qkv(x, positions)
-        kv_pages = attention.write_kv(kv_pages, k, v, metadata.slot_mapping)
-        out = attention.paged_attention(q, kv_pages, metadata, sm_scale=self.sm_scale)
+        # Under tensor parallelism both calls run per shard, on the local heads only.
+        attn = attention if self.tensor_parallel is None else self.tensor_parallel
+        kv_pages = attn.write_kv(kv_pages, k, v, metadata.slot_mapping)
+        out = attn.paged_attention(q, kv_pages, metadata, sm_scale=self.sm_scale)
         return self.o_proj(out.reshape(x.shape[0], -1)), kv_pages
 
 
