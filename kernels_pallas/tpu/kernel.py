@@ -445,7 +445,10 @@ def ragged_paged_attention(
     q_step = q_tiling // math.gcd(group, q_tiling)  # smallest bq with bq * group tiled
     bq = num_queries_per_block
     if bq is None:
-        bq = min(_round_up(defaults.num_queries_per_block, q_step), _round_up(num_tokens, q_step))
+        bq = defaults.num_queries_per_block
+        if not causal:
+            bq = defaults.num_queries_per_block_non_causal
+        bq = min(_round_up(bq, q_step), _round_up(num_tokens, q_step))
     pages_per_blk = num_kv_pages_per_block
     if pages_per_blk is None:
         pages_per_blk = min(max(1, defaults.kv_tokens_per_block // page_size), pages_per_seq)

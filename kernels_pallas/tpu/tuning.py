@@ -16,6 +16,10 @@ class BlockSizes:
     """Static tiling of one kernel call."""
 
     num_queries_per_block: int  # query tokens per q tile (rows of the matmul: this x group)
+    # Query tokens per q tile of a non-causal call (the cascade prefix pass, where one
+    # sequence holds the whole batch): each q tile reads every prefix page once, so
+    # larger tiles read the prefix fewer times.
+    num_queries_per_block_non_causal: int
     kv_tokens_per_block: int  # target keys per KV block; pages per block = this // page_size
     vmem_limit_bytes: int | None  # scoped VMEM limit handed to Mosaic; None: compiler default
 
@@ -28,15 +32,11 @@ class BlockSizes:
 # KV block is large enough (>= 256 keys) to amortise per-block DMA and softmax overhead.
 # They are NOT measured on hardware yet: benchmarks/tpu_kernel.py is the tool to tune them.
 TUNED_BLOCK_SIZES: dict[str, BlockSizes] = {
-    "default": BlockSizes(num_queries_per_block=32, kv_tokens_per_block=256, vmem_limit_bytes=None),
-    "v4": BlockSizes(num_queries_per_block=32, kv_tokens_per_block=256, vmem_limit_bytes=None),
-    "v5e": BlockSizes(num_queries_per_block=32, kv_tokens_per_block=256, vmem_limit_bytes=None),
-    "v5p": BlockSizes(
-        num_queries_per_block=32, kv_tokens_per_block=512, vmem_limit_bytes=64 * 2**20
-    ),
-    "v6e": BlockSizes(
-        num_queries_per_block=32, kv_tokens_per_block=512, vmem_limit_bytes=64 * 2**20
-    ),
+    "default": BlockSizes(32, 64, kv_tokens_per_block=256, vmem_limit_bytes=None),
+    "v4": BlockSizes(32, 64, kv_tokens_per_block=256, vmem_limit_bytes=None),
+    "v5e": BlockSizes(32, 64, kv_tokens_per_block=256, vmem_limit_bytes=None),
+    "v5p": BlockSizes(32, 128, kv_tokens_per_block=512, vmem_limit_bytes=64 * 2**20),
+    "v6e": BlockSizes(32, 128, kv_tokens_per_block=512, vmem_limit_bytes=64 * 2**20),
 }
 
 
@@ -48,12 +48,21 @@ def block_sizes(tpu_generation: str) -> BlockSizes:
         raise ValueError(f"{tpu_generation=} must be one of {sorted(TUNED_BLOCK_SIZES)}") from None
 
 
-def detect_tpu_generation() -> str:
-    """Generation key of the first device if it is a TPU, else "default" (asks the runtime)."""
+def generation_from_device_kind(device_kind: str) -> str | None:
+    """TPU generation key of a `device_kind` string, None if it is not a TPU.
+
+    "TPU v4" -> "v4", "TPU v5 lite" -> "v5e", "TPU v5" / "TPU v5p" -> "v5p",
+    "TPU v6 lite" / "TPU v6e" -> "v6e", "TPU7x" -> "7x".
+    """
+    kind = device_kind.lower()
+    if not kind.startswith("tpu"):
+        return None
+    gen = kind.removeprefix("tpu").strip().replace(" lite", "e").replace(" ", "")
+    return {"v5": "v5p", "v6": "v6e"}.get(gen, gen)
+
+
+def detect_tpu_generation() -> str | None:
+    """Generation key of the first JAX device, None off TPU. Asks the runtime: scripts only."""
     import jax
 
-    kind = jax.devices()[0].device_kind.lower()  # e.g. "tpu v5 lite", "tpu v6e", "tpu v4"
-    if not kind.startswith("tpu"):
-        return "default"
-    gen = kind.removeprefix("tpu").strip().replace(" lite", "e").replace(" ", "")
-    return gen if gen in TUNED_BLOCK_SIZES else "default"
+    return generation_from_device_kind(jax.devices()[0].device_kind)

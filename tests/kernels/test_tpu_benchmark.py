@@ -1,0 +1,41 @@
+"""benchmarks/tpu_kernel.py: its page tables share what they say; generation keys match
+the tuning and peak-bandwidth tables."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+
+from kernels_pallas.tpu import TUNED_BLOCK_SIZES, generation_from_device_kind
+
+_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "tpu_kernel.py"
+_spec = importlib.util.spec_from_file_location("tpu_kernel_benchmark", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_decode_table_shares_the_prefix_pages_only():
+    table, prefix_pages, num_pages = bench.decode_table(
+        np.random.default_rng(0), 3, 64, 20, page_size=16
+    )
+    assert prefix_pages == 4 and table.shape == (3, 4 + 2) and num_pages == 1 + 4 + 3 * 2
+    assert np.all(table[:, :4] == table[0, :4])  # 64 prefix tokens = 4 shared pages
+    own = table[:, 4:]
+    assert len(np.unique(own)) == own.size  # 20 own tokens = 2 pages, never shared
+    assert not np.intersect1d(own, table[0, :4]).size
+    assert table.min() >= 1 and table.max() < num_pages  # never the null page 0
+
+
+@pytest.mark.parametrize(
+    "kind,gen",
+    [("TPU v4", "v4"), ("TPU v5 lite", "v5e"), ("TPU v5", "v5p"), ("TPU v5p", "v5p"),
+     ("TPU v6 lite", "v6e"), ("TPU7x", "7x"), ("cpu", None), ("NVIDIA H100", None)],
+)  # fmt: skip
+def test_generation_keys(kind, gen):
+    assert generation_from_device_kind(kind) == gen
+    if gen is not None:
+        assert gen in bench.PEAK_HBM_BANDWIDTH
+        assert gen in TUNED_BLOCK_SIZES or gen == "7x"
