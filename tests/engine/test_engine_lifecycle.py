@@ -1,0 +1,147 @@
+"""Preemption, abort in every state, bad input, seeded sampling: the engine keeps serving."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxkv import RequestStatus, SamplingParams
+from jaxkv.kv_transfer import HostOffloadConnector
+from tests.engine._util import (
+    MAX_MODEL_LEN,
+    VOCAB,
+    assert_all_blocks_free,
+    dense_greedy,
+    make_engine,
+    prompts_for,
+)
+
+
+def _collect(engine, tokens, outputs):
+    for o in outputs:
+        tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+
+def test_preemption_under_a_tiny_block_budget_gives_identical_outputs():
+    prompts = prompts_for("shared", seed=2) + prompts_for("none", seed=2)[:2]
+    engine = make_engine(num_blocks=20)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=10), progress=False)
+    assert engine.metrics.num_preemptions > 0
+    assert engine.metrics.cascade_steps > 0
+    assert [list(o.output_token_ids) for o in outs] == dense_greedy(prompts, 10)
+    assert_all_blocks_free(engine)
+
+
+def test_abort_in_every_state_frees_everything_and_others_stay_exact():
+    rng = np.random.default_rng(3)
+    rand = lambda n: rng.integers(0, VOCAB, n).tolist()
+    prefix = rand(16)
+    connector = HostOffloadConnector(1 << 24, copy_delay_steps=3)
+    engine = make_engine(num_blocks=24, connector=connector)
+    sched = engine.scheduler
+    tokens: dict[str, list[int]] = {}
+
+    # A prefix in the host store only, then a request that must load it.
+    engine.generate([prefix + rand(2)], SamplingParams(max_tokens=1), progress=False)
+    engine.drain_transfers()
+    assert engine.manager.reset_prefix_cache()
+    loading = engine.add_request(prefix + rand(3), SamplingParams(max_tokens=4))
+    keep_prompts = [rand(9), rand(14)]
+    keepers = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in keep_prompts]
+    _collect(engine, tokens, engine.step())
+    assert sched.requests[loading].status == RequestStatus.WAITING_FOR_REMOTE_KV
+    held = engine.manager.block_ids(loading)
+    assert engine.abort(loading)
+    assert engine.manager.block_ids(loading) == held  # its load may still write them
+
+    waiting = engine.add_request(rand(5), SamplingParams(max_tokens=3))
+    assert sched.requests[waiting].status == RequestStatus.WAITING
+    assert engine.abort(waiting)
+
+    running = engine.add_request(rand(7), SamplingParams(max_tokens=30))
+    _collect(engine, tokens, engine.step())
+    assert sched.requests[running].status == RequestStatus.RUNNING
+    assert engine.abort(running)
+
+    finisher = engine.add_request(rand(9), SamplingParams(max_tokens=1))
+    _collect(engine, tokens, engine.step())
+    assert sched.requests[finisher].status == RequestStatus.FINISHED_TRANSFERRING
+    assert not engine.abort(finisher)
+
+    # Two long requests overflow the 23 blocks: the later one is preempted.
+    hogs = [engine.add_request(rand(20), SamplingParams(max_tokens=40)) for _ in range(2)]
+    preempted = None
+    for _ in range(60):
+        _collect(engine, tokens, engine.step())
+        preempted = next(
+            (r for r in hogs if sched.requests[r].status == RequestStatus.PREEMPTED), None
+        )
+        if preempted:
+            break
+    assert preempted is not None
+    assert engine.abort(preempted)
+    for rid in hogs:
+        engine.abort(rid)
+    assert not engine.abort("no-such-request")
+
+    while engine.has_unfinished_requests():
+        _collect(engine, tokens, engine.step())
+    engine.drain_transfers()
+    assert [tokens[k] for k in keepers] == dense_greedy(keep_prompts, 12)
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "match"),
+    [
+        ([], None, "non-empty"),
+        (list(range(MAX_MODEL_LEN)), None, "no room"),
+        ([1, 2, VOCAB], None, r"\[0, 256\)"),
+        ([1, -2, 3], None, r"\[0, 256\)"),
+        ([1.5, 2.0], None, "integers"),
+        ([[1, 2]], None, "1-D"),
+        ([1, 2], {"max_tokens": 3}, "SamplingParams"),
+        ([1, 2], SamplingParams(stop_token_ids=(VOCAB + 1,)), "stop_token_ids"),
+    ],
+)
+def test_bad_input_raises_and_the_engine_keeps_serving(prompt, params, match):
+    engine = make_engine()
+    good = engine.add_request([5, 6, 7], SamplingParams(max_tokens=3))
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompt, params)
+    assert list(engine.scheduler.requests) == [good]
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        _collect(engine, tokens, engine.step())
+    assert tokens[good] == dense_greedy([[5, 6, 7]], 3)[0]
+
+
+def test_invalid_sampling_params_and_duplicate_ids_raise_value_error():
+    for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"max_tokens": 0}, {"top_k": -1}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    engine = make_engine()
+    engine.add_request([1, 2], request_id="x")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([3, 4], request_id="x")
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch():
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    hot = SamplingParams(max_tokens=12, temperature=1.5, seed=1234)
+    alone = make_engine().generate([prompt], hot, progress=False)[0].output_token_ids
+    others = prompts_for("none")
+    batch = make_engine().generate(
+        others[:3] + [prompt] + others[3:],
+        [SamplingParams(max_tokens=5)] * 3 + [hot] + [SamplingParams(max_tokens=5)] * 3,
+        progress=False,
+    )
+    assert batch[3].output_token_ids == alone
+    other_seed = SamplingParams(max_tokens=12, temperature=1.5, seed=99)
+    assert make_engine().generate([prompt], other_seed, progress=False)[0].output_token_ids != alone
+    greedy = dense_greedy([prompt], 12)[0]
+    assert list(alone) != greedy
+    top1 = SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=5)
+    assert (
+        list(make_engine().generate([prompt], top1, progress=False)[0].output_token_ids) == greedy
+    )

@@ -1,0 +1,153 @@
+"""HostOffloadConnector end to end: finished requests hold blocks while others decode.
+
+The DESIGN.md correctness trap, run through the whole engine: a finished request still
+copying its KV out shares prefix blocks with some running requests and not others.
+Outputs must equal the dense model's, cascade must still be used where every scheduled
+request shares the prefix, and every block must come back once the copies land.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import numpy as np
+
+from jaxkv import Request, RequestStatus, SamplingParams
+from jaxkv.kv_transfer import HostOffloadConnector
+from tests.engine._util import VOCAB, assert_all_blocks_free, dense_greedy, make_engine
+
+HOST_BYTES = 1 << 24
+
+
+def _rand(rng, n):
+    return rng.integers(0, VOCAB, n).tolist()
+
+
+def _run(engine, arrivals, max_steps=200):
+    """Steps the engine, adding arrivals[step] = [(id, prompt, max_tokens)] before a step.
+
+    Returns outputs by id and, per step, (ids scheduled-and-running, ids transferring,
+    cascade levels used by that step or "").
+    """
+    tokens: dict[str, list[int]] = {}
+    trace = []
+    for step in range(max_steps):
+        for rid, prompt, max_tokens in arrivals.get(step, []):
+            engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), request_id=rid)
+            tokens[rid] = []
+        if not engine.has_unfinished_requests() and step > max(arrivals):
+            break
+        before = dict(engine.metrics.cascade_steps_by_levels)
+        transferring = set(engine.scheduler.transferring)
+        outputs = engine.step()
+        after = dict(engine.metrics.cascade_steps_by_levels)
+        levels = "".join(k for k in after if after[k] != before.get(k, 0))
+        trace.append(({o.request_id for o in outputs}, transferring, levels))
+        for o in outputs:
+            tokens[o.request_id].extend(o.new_token_ids)
+    engine.drain_transfers()
+    return tokens, trace
+
+
+def test_offloading_requests_hold_blocks_while_others_decode_with_exact_outputs():
+    rng = np.random.default_rng(7)
+    p, q = _rand(rng, 20), _rand(rng, 16)
+    arrivals = {
+        0: [("c", p + _rand(rng, 1), 1), ("d", q + _rand(rng, 2), 2)],
+        # a shares p with the saving c, b shares nothing (false-positive scenario).
+        1: [("a", p + _rand(rng, 2), 9), ("b", _rand(rng, 10), 3)],
+        # e shares p too; once b finishes, a and e share p with the saving c and b
+        # (false-negative scenario: cascade must be used).
+        2: [("e", p + _rand(rng, 3), 7)],
+        6: [("f", q + _rand(rng, 4), 4), ("g", _rand(rng, 6), 3)],
+    }
+    connector = HostOffloadConnector(HOST_BYTES, copy_delay_steps=6)
+    engine = make_engine(connector=connector)
+    tokens, trace = _run(engine, arrivals)
+
+    specs = [spec for step in sorted(arrivals) for spec in arrivals[step]]
+    expected = dense_greedy([s[1] for s in specs], [s[2] for s in specs])
+    assert [tokens[s[0]] for s in specs] == expected
+
+    # Finished requests held blocks while others ran, with and without cascade.
+    held_steps = [t for t in trace if t[1] and t[0]]
+    assert any("c" in held and {"a", "b"} <= ran for ran, held, _ in held_steps)
+    assert any(levels for _, _, levels in held_steps), "cascade never ran next to a held save"
+    assert any(levels == "global" and ran == {"a", "e"} and held for ran, held, levels in trace), (
+        trace
+    )
+    m = engine.metrics
+    assert m.bytes_offloaded > 0 and connector.stats.num_saves >= 3
+    assert m.num_transferring == 0
+    assert_all_blocks_free(engine)
+
+
+def _evict_device_cache(engine, rng, block_hashes):
+    """Runs unrelated requests until no block of `block_hashes` is in the device cache."""
+    cached = engine.manager.pool.cached_block_hash_to_block
+    for _ in range(10):
+        if not any(h in cached for h in block_hashes):
+            return
+        engine.generate([_rand(rng, 40) for _ in range(2)], SamplingParams(max_tokens=2),
+                        progress=False)  # fmt: skip
+        engine.drain_transfers()
+    raise AssertionError("prefix never left the device cache")
+
+
+def test_prefix_evicted_from_device_comes_back_from_host_store():
+    rng = np.random.default_rng(11)
+    prefix = _rand(rng, 24)
+    first, second = prefix + _rand(rng, 3), prefix + _rand(rng, 2)
+    connector = HostOffloadConnector(HOST_BYTES, copy_delay_steps=1)
+    engine = make_engine(num_blocks=40, connector=connector)
+    out1 = engine.generate([first], SamplingParams(max_tokens=6), progress=False)
+    engine.drain_transfers()
+    probe = Request("probe", second)
+    _evict_device_cache(engine, rng, probe.update_block_hashes(engine.manager.block_size)[:6])
+    assert engine.manager.get_computed_blocks(probe)[1] == 0  # a device-cache miss now
+
+    rid = engine.add_request(second, SamplingParams(max_tokens=6))
+    assert engine.step() == []
+    assert engine.scheduler.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KV
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
+    engine.drain_transfers()
+    assert [list(out1[0].output_token_ids), tokens] == dense_greedy([first, second], 6)
+    assert engine.metrics.bytes_reloaded == 6 * engine.copier.bytes_per_block
+    assert connector.stats.num_loaded_tokens == 24
+    assert_all_blocks_free(engine)
+
+
+def _failed_future() -> Future:
+    f: Future = Future()
+    f.set_exception(OSError("injected copy failure"))
+    return f
+
+
+def test_failed_save_and_failed_load_free_blocks_and_keep_outputs_exact():
+    rng = np.random.default_rng(5)
+    prefix = _rand(rng, 16)
+    first, second = prefix + _rand(rng, 2), prefix + _rand(rng, 3)
+    connector = HostOffloadConnector(HOST_BYTES)
+    engine = make_engine(connector=connector)
+    real_save, real_load = engine.copier.start_save, engine.copier.start_load
+
+    engine.copier.start_save = lambda ids: _failed_future()
+    engine.generate([first], SamplingParams(max_tokens=3), progress=False)
+    engine.drain_transfers()
+    assert connector.stats.num_failed_saves == 1 and connector.stats.num_stored_blocks == 0
+    assert_all_blocks_free(engine)
+
+    engine.copier.start_save = real_save
+    out1 = engine.generate([first], SamplingParams(max_tokens=3), progress=False)
+    engine.drain_transfers()
+    assert connector.stats.num_stored_blocks > 0
+    assert engine.manager.reset_prefix_cache()  # the device cache forgets the prefix
+    engine.copier.start_load = lambda ids, blocks: (real_load(ids, blocks), _failed_future())[1]
+    out2 = engine.generate([second], SamplingParams(max_tokens=3), progress=False)
+    engine.drain_transfers()
+    assert connector.stats.num_failed_loads == 1 and connector.stats.num_loads == 0
+    expected = dense_greedy([first, second], 3)
+    assert [list(out1[0].output_token_ids), list(out2[0].output_token_ids)] == expected
+    assert_all_blocks_free(engine)
