@@ -23,3 +23,18 @@ from jaxkv.prefix_index import longest_common_prefix as longest_common_prefix
 from jaxkv.request import Request as Request
 from jaxkv.request import RequestStatus as RequestStatus
 from jaxkv.request import SamplingParams as SamplingParams
+
+# isort: split
+# Serving: configs, scheduler and KV transfer (host side), the Engine, outputs and metrics.
+from jaxkv.config import CacheConfig as CacheConfig
+from jaxkv.config import EngineConfig as EngineConfig
+from jaxkv.config import SchedulerConfig as SchedulerConfig
+from jaxkv.engine import Engine as Engine
+from jaxkv.kv_transfer import HostOffloadConnector as HostOffloadConnector
+from jaxkv.kv_transfer import KVConnector as KVConnector
+from jaxkv.kv_transfer import TransferStats as TransferStats
+from jaxkv.metrics import EngineMetrics as EngineMetrics
+from jaxkv.outputs import CompletionOutput as CompletionOutput
+from jaxkv.outputs import RequestOutput as RequestOutput
+from jaxkv.scheduler import Scheduler as Scheduler
+from jaxkv.scheduler import SchedulerOutput as SchedulerOutput

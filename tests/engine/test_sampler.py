@@ -1,0 +1,68 @@
+"""The sampler on hand-made logits: greedy, top-k, top-p, temperature, per-row seeds."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from jaxkv.sampler import sample
+
+_sample = jax.jit(sample)
+PROBS = np.array([0.5, 0.3, 0.15, 0.05])
+
+
+@functools.cache
+def _draws(top_k: int, top_p: float, temperature: float = 1.0, n: int = 4000) -> np.ndarray:
+    logits = np.tile(np.log(PROBS).astype(np.float32), (n, 1))
+    return np.asarray(
+        _sample(
+            logits,
+            np.full(n, temperature, np.float32),
+            np.full(n, top_k, np.int32),
+            np.full(n, top_p, np.float32),
+            np.arange(n, dtype=np.uint32),
+            np.full(n, 7, np.int32),
+        )
+    )
+
+
+def test_greedy_rows_take_the_argmax_and_sampled_rows_follow_probabilities():
+    freq = np.bincount(_draws(0, 1.0), minlength=4) / 4000
+    np.testing.assert_allclose(freq, PROBS, atol=0.03)
+    logits = np.array([[0.1, 2.0, -1.0, 2.0]], np.float32)
+    one = lambda a, dt: np.array([a], dt)
+    out = _sample(logits, one(0, np.float32), one(0, np.int32), one(1, np.float32),
+                  one(0, np.uint32), one(0, np.int32))  # fmt: skip
+    assert int(out[0]) == 1  # ties: the lowest id
+
+
+def test_top_k_and_top_p_cut_the_tail():
+    assert set(_draws(2, 1.0).tolist()) == {0, 1}
+    assert set(_draws(1, 1.0).tolist()) == {0}
+    # Mass before token 1 is 0.5 < 0.6, before token 2 it is 0.8: tokens 0 and 1 remain.
+    freq = np.bincount(_draws(0, 0.6), minlength=4) / 4000
+    assert freq[2:].sum() == 0
+    np.testing.assert_allclose(freq[:2], [0.5 / 0.8, 0.3 / 0.8], atol=0.03)
+
+
+def test_low_temperature_sharpens():
+    freq = np.bincount(_draws(0, 1.0, temperature=0.25), minlength=4) / 4000
+    sharp = PROBS**4 / (PROBS**4).sum()
+    np.testing.assert_allclose(freq, sharp, atol=0.03)
+
+
+def test_a_row_depends_on_its_seed_and_position_only():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(8, 32)).astype(np.float32)
+    args = lambda seeds, pos: (
+        logits, np.ones(8, np.float32), np.zeros(8, np.int32), np.ones(8, np.float32),
+        np.asarray(seeds, np.uint32), np.asarray(pos, np.int32),
+    )  # fmt: skip
+    a = np.asarray(_sample(*args([5] * 8, [3] * 8)))
+    b = np.asarray(_sample(*args([5] * 8, [3] * 8)))
+    np.testing.assert_array_equal(a, b)
+    shifted = np.asarray(_sample(*args([5] * 8, [4] * 8)))
+    other = np.asarray(_sample(*args([6] * 8, [3] * 8)))
+    assert (shifted != a).any() and (other != a).any()
