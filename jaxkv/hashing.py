@@ -18,6 +18,8 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
+import numpy as np
+
 BlockHash = bytes  # 16-byte digest naming a full block and all blocks before it
 
 HASH_NUM_BYTES = 16
@@ -53,16 +55,8 @@ def hash_block_tokens(
     """
     if len(parent_hash) != HASH_NUM_BYTES:
         raise ValueError(f"{len(parent_hash)=} must be {HASH_NUM_BYTES}")
-    h = hashlib.blake2b(digest_size=HASH_NUM_BYTES)
-    h.update(parent_hash)
     n = len(token_ids)
-    h.update(struct.pack(f"<q{n}q", n, *token_ids))
-    h.update(struct.pack("<q", len(extra_keys)))
-    for key in extra_keys:
-        raw = key.encode("utf-8")
-        h.update(struct.pack("<q", len(raw)))
-        h.update(raw)
-    return h.digest()
+    return _digest(parent_hash, n, struct.pack(f"<{n}q", *token_ids), extra_keys)
 
 
 def extend_block_hashes(
@@ -78,12 +72,33 @@ def extend_block_hashes(
 
     `block_hashes` must hold the hashes of the first len(block_hashes) blocks of
     `token_ids` (computed with the same block size, seed and keys). Returns the list.
+    Equal to chaining hash_block_tokens block by block, with the tokens encoded at once.
     """
-    num_full = len(token_ids) // block_size
+    start, num_full = len(block_hashes), len(token_ids) // block_size
+    if num_full <= start:
+        return block_hashes
     parent = block_hashes[-1] if block_hashes else root_hash(seed)
-    for i in range(len(block_hashes), num_full):
-        tokens = token_ids[i * block_size : (i + 1) * block_size]
+    tokens = token_ids[start * block_size : num_full * block_size]
+    raw = np.asarray(tokens, dtype="<i8").tobytes()
+    width = 8 * block_size
+    for i in range(start, num_full):
         extra = block_extra_keys(i, adapter_id=adapter_id, cache_salt=cache_salt)
-        parent = hash_block_tokens(parent, tokens, extra)
+        offset = (i - start) * width
+        parent = _digest(parent, block_size, raw[offset : offset + width], extra)
         block_hashes.append(parent)
     return block_hashes
+
+
+def _digest(parent: BlockHash, n: int, token_bytes: bytes, extra_keys: tuple[str, ...]) -> bytes:
+    h = hashlib.blake2b(parent, digest_size=HASH_NUM_BYTES)
+    h.update(_INT64.pack(n))
+    h.update(token_bytes)
+    h.update(_INT64.pack(len(extra_keys)))
+    for key in extra_keys:
+        raw = key.encode("utf-8")
+        h.update(_INT64.pack(len(raw)))
+        h.update(raw)
+    return h.digest()
+
+
+_INT64 = struct.Struct("<q")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 import numpy as np
 
@@ -21,7 +22,12 @@ from jaxkv.block_pool import (
     KVCacheEvent,
 )
 from jaxkv.hashing import root_hash
-from jaxkv.prefix_index import NO_PREFIX, ROOT_PREFIX, PrefixInterner, longest_common_prefix
+from jaxkv.prefix_index import (
+    NO_PREFIX,
+    ROOT_PREFIX,
+    PrefixInterner,
+    shared_prefix_of_rows,
+)
 from jaxkv.request import Request
 
 _INITIAL_ROWS = 16
@@ -55,9 +61,9 @@ class KVCacheManager:
     - `block_table`: i32[max_num_rows, max_blocks_per_seq]; row `rows_of([id])[0]` holds a
       request's block ids in order, 0 (the null block) after them. Rows are reused after
       free; the number of rows doubles when needed (so re-read the attribute).
-    - `prefix_ids`: i64[max_num_rows, max_blocks_per_seq]; prefix_ids[r, j] ==
-      prefix_ids[s, j] iff rows r and s hold identical block ids in columns 0..j; -1
-      where the row holds no block at column j.
+    - `prefix_ids`: i64[max_num_rows, max_blocks_per_seq], column-major; prefix_ids[r, j]
+      == prefix_ids[s, j] iff rows r and s hold identical block ids in columns 0..j; -1
+      where the row holds no block at column j. Feed it to longest_common_prefix.
 
     State-changing calls validate their arguments first and change nothing on error.
     """
@@ -89,12 +95,16 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}  # req_id -> leading blocks already cached
         self._prefix: dict[str, list[int]] = {}  # req_id -> prefix id per held block
         self._row_of: dict[str, int] = {}  # req_id -> row of block_table
+        self._row_bytes: dict[str, bytes] = {}  # req_id -> row as 4 little-endian bytes
         self._free_rows: list[int] = list(range(_INITIAL_ROWS))  # min-heap
         self._row_epoch = 0  # bumped whenever a row is released; guards _rows_memo
-        self._rows_memo: tuple[tuple[str, ...], int, np.ndarray] | None = None
+        self._rows_memo: tuple[list[str], int, np.ndarray] | None = None  # (ids, epoch, rows)
         self._interner = PrefixInterner()
         self.block_table = np.zeros((_INITIAL_ROWS, self.max_blocks_per_seq), np.int32)
-        self.prefix_ids = np.full((_INITIAL_ROWS, self.max_blocks_per_seq), NO_PREFIX, np.int64)
+        # Column-major: a shared-prefix probe reads one column of many rows contiguously.
+        self.prefix_ids = np.full(
+            (_INITIAL_ROWS, self.max_blocks_per_seq), NO_PREFIX, np.int64, order="F"
+        )
         self._num_blocks_of_row = np.zeros(_INITIAL_ROWS, np.int32)
         self._stats = PrefixCacheStats()
 
@@ -131,20 +141,25 @@ class KVCacheManager:
     def rows_of(self, request_ids: Sequence[str]) -> np.ndarray:
         """i32[len(request_ids)] rows of block_table, in order. Raises UnknownRequestError.
 
-        The result of the previous call is reused (read-only array) when the ids are equal
-        and no request has been freed since; otherwise one C-level dict lookup per id.
+        The result of the previous call is reused (a read-only array) when the ids are
+        equal and no request has been freed since, as in consecutive decode steps of one
+        batch; otherwise it costs one C-level dict lookup per id.
         """
-        key = tuple(request_ids)
+        ids = request_ids if type(request_ids) is list else list(request_ids)
         memo = self._rows_memo
-        if memo is not None and memo[1] == self._row_epoch and memo[0] == key:
+        if memo is not None and memo[1] == self._row_epoch and memo[0] == ids:
             return memo[2]
+        key = list(ids)  # a copy: the caller may mutate its list later
         try:
-            rows = np.fromiter(map(self._row_of.__getitem__, key), np.int32, len(key))
+            if len(key) > 1:  # bytes join + frombuffer: no per-id int conversion
+                raw = b"".join(itemgetter(*key)(self._row_bytes))
+            else:
+                raw = self._row_bytes[key[0]] if key else b""
         except KeyError as e:
             raise UnknownRequestError(
                 f"request_ids: {e.args[0]!r} holds no blocks (never allocated or already freed)"
             ) from None
-        rows.flags.writeable = False
+        rows = np.frombuffer(raw, np.int32)  # read-only
         self._rows_memo = (key, self._row_epoch, rows)
         return rows
 
@@ -160,7 +175,7 @@ class KVCacheManager:
         Raises UnknownRequestError (a ValueError) naming an id that holds no blocks.
         """
         rows = self.rows_of(request_ids)
-        return longest_common_prefix(self.prefix_ids, self._num_blocks_of_row[rows], rows)
+        return shared_prefix_of_rows(self.prefix_ids, rows, self._num_blocks_of_row)
 
     # ---------------------------------------------------------- prefix cache
 
@@ -261,6 +276,7 @@ class KVCacheManager:
         del self._blocks[req_id]
         del self._num_cached[req_id]
         row = self._row_of.pop(req_id)
+        del self._row_bytes[req_id]
         n = len(blocks)
         self.block_table[row, :n] = NULL_BLOCK_ID
         self.prefix_ids[row, :n] = NO_PREFIX
@@ -366,14 +382,18 @@ class KVCacheManager:
     def _add_row(self, req_id: str) -> None:
         if not self._free_rows:
             self._grow_rows()
-        self._row_of[req_id] = heapq.heappop(self._free_rows)
+        row = heapq.heappop(self._free_rows)
+        self._row_of[req_id] = row
+        self._row_bytes[req_id] = np.int32(row).tobytes()
         self._blocks[req_id] = []
         self._prefix[req_id] = []
 
     def _grow_rows(self) -> None:
         old = len(self.block_table)
         self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
-        self.prefix_ids = np.concatenate([self.prefix_ids, np.full_like(self.prefix_ids, -1)])
+        prefix_ids = np.full((2 * old, self.max_blocks_per_seq), NO_PREFIX, np.int64, order="F")
+        prefix_ids[:old] = self.prefix_ids
+        self.prefix_ids = prefix_ids
         self._num_blocks_of_row = np.concatenate(
             [self._num_blocks_of_row, np.zeros_like(self._num_blocks_of_row)]
         )

@@ -71,40 +71,92 @@ class PrefixInterner:
 
 def longest_common_prefix(
     prefix_ids: np.ndarray,  # i64[R, C] (rows=None) or i64[num_rows, C] (rows given)
-    num_blocks: np.ndarray,  # i32[R] blocks held by each selected row
+    num_blocks: np.ndarray,  # i32[R] blocks each selected row may share (<= blocks held)
     rows: np.ndarray | None = None,  # i32[R] row indices into prefix_ids; None = all rows
 ) -> int:
     """Number of leading columns in which all selected rows hold identical block ids.
 
-    Columns at or beyond a row's num_blocks do not count as shared. Zero rows give 0; one
-    row gives its num_blocks. Cost: O(R log C) numpy work, no Python loop over rows or
-    blocks. Pass `rows` to avoid copying R full rows out of a large table.
+    Requires prefix ids as KVCacheManager.prefix_ids keeps them: -1 at and beyond the
+    blocks a row holds. `num_blocks` may cap rows below what they hold (e.g. full blocks
+    only); the answer never exceeds its minimum. Zero rows give 0; one row gives its
+    num_blocks. Pass `rows` to avoid copying R full rows out of a large table.
+    Cost: no Python loop over rows or blocks; see `shared_prefix_of_rows`.
     """
     num_rows = len(num_blocks)
-    if num_rows == 0:
-        return 0
-    k_hi = int(num_blocks.min())
-    if num_rows == 1 or k_hi == 0:
-        return k_hi
-    sel = slice(None) if rows is None else rows
-    r0, r1 = (0, num_rows - 1) if rows is None else (int(rows[0]), int(rows[-1]))
-    # Cheap upper bound from two rows (one vectorised compare along the row; equality of
-    # prefix ids is a prefix property, so the count of equal columns is their LCP), then
-    # one probe over all rows confirms it in the common case where every row shares it.
-    k_hi = int(np.count_nonzero(prefix_ids[r0, :k_hi] == prefix_ids[r1, :k_hi]))
-    if k_hi == 0 or _all_equal(prefix_ids, sel, k_hi):
-        return k_hi
-    lo, hi = 0, k_hi - 1  # answer in [lo, hi]; lo always holds
+    if num_rows <= 1:
+        return int(num_blocks[0]) if num_rows else 0
+    if rows is None:
+        rows = np.arange(num_rows)
+    found = _shared_prefix(prefix_ids, rows, num_blocks[:: _sample_step(num_rows)])
+    return min(found, int(num_blocks.min()))
+
+
+def shared_prefix_of_rows(
+    prefix_ids: np.ndarray,  # i64[num_rows, C], -1 at and beyond each row's blocks
+    rows: np.ndarray,  # i32[R] selected rows
+    num_blocks_of_row: np.ndarray,  # i32[num_rows] blocks each row of prefix_ids holds
+) -> int:
+    """Leading columns all `rows` share, bounded only by the blocks they hold.
+
+    A sample of at most 8 rows (all rows when R <= 32) is searched first (probe its
+    shortest row's length, then gallop downward, then bisect), which bounds the answer
+    from above. One vectorised probe over all R rows at that bound confirms it in the
+    usual case (every scheduled request shares the prefix); otherwise only the D rows
+    that disagree there are searched. Cost: O(R + (D + 8) log C) numpy work, no Python
+    loop over rows or blocks. Exact: prefix ids are exact identities, and the -1 fill
+    makes a row that lacks column k fail every probe at k. A column-major `prefix_ids`
+    makes each probe read contiguous memory.
+    """
+    if len(rows) <= 1:
+        return int(num_blocks_of_row[rows[0]]) if len(rows) else 0
+    sample_num_blocks = num_blocks_of_row[rows[:: _sample_step(len(rows))]]
+    return _shared_prefix(prefix_ids, rows, sample_num_blocks)
+
+
+def _shared_prefix(
+    prefix_ids: np.ndarray,  # i64[num_rows, C]
+    rows: np.ndarray,  # i32[R], R >= 2
+    sample_num_blocks: np.ndarray,  # i32[S] blocks held by rows[::_sample_step(R)]
+) -> int:
+    step = _sample_step(len(rows))
+    bound = _search(prefix_ids, rows[::step], int(sample_num_blocks.min()), gallop=True)
+    if step == 1 or bound == 0:
+        return bound
+    # One probe of all rows at the bound. A row that agrees there with rows[0] (a sample
+    # row) shares all `bound` columns with it, so only the rows that disagree can lower
+    # the answer: it is the shared prefix of rows[0] and those rows.
+    col = prefix_ids[:, bound - 1].take(rows)
+    differs = col != col[0]
+    if not differs.any():
+        return bound
+    odd = np.concatenate([rows[:1], rows[differs]])
+    return _search(prefix_ids, odd, bound - 1, gallop=False)
+
+
+def _sample_step(num_rows: int) -> int:
+    """Stride of the sample: all rows up to 32 (a probe of them is as cheap), else <= 8."""
+    return 1 if num_rows <= 32 else -(-num_rows // 8)
+
+
+def _search(prefix_ids: np.ndarray, rows: np.ndarray, hi: int, *, gallop: bool) -> int:
+    """Largest k <= hi with _shares(k), given that _shares is monotone (true up to the answer)."""
+    lo, gap = 0, 1  # the answer lies in [lo, hi]
+    while gallop and hi > lo:
+        k = max(hi - gap + 1, lo + 1)
+        if _shares(prefix_ids, rows, k):
+            lo = k
+            break
+        hi, gap = k - 1, 2 * gap
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _all_equal(prefix_ids, sel, mid):
+        if _shares(prefix_ids, rows, mid):
             lo = mid
         else:
             hi = mid - 1
     return lo
 
 
-def _all_equal(table: np.ndarray, sel, k: int) -> bool:
-    """Whether all selected rows share their first k blocks (k >= 1)."""
-    col = table[sel, k - 1]
+def _shares(prefix_ids: np.ndarray, rows: np.ndarray, k: int) -> bool:
+    """Whether all `rows` hold identical block ids in columns 0..k-1 (k >= 1)."""
+    col = prefix_ids[:, k - 1].take(rows)
     return bool((col == col[0]).all())

@@ -82,7 +82,7 @@ class Request:
     ) -> None:
         if not isinstance(request_id, str):
             raise ValueError(f"{request_id=} must be a str")
-        prompt = [int(t) for t in prompt_token_ids]
+        prompt = list(map(int, prompt_token_ids))
         if not prompt:
             raise ValueError(f"prompt_token_ids of {request_id!r} must not be empty")
         if min(prompt) < 0:

@@ -217,7 +217,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
 
 ManagerMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("JAXKV_STATEFUL_EXAMPLES", "80")),
+    max_examples=int(os.environ.get("JAXKV_STATEFUL_EXAMPLES", "60")),
     stateful_step_count=60,
     deadline=None,
     derandomize="JAXKV_STATEFUL_EXAMPLES" not in os.environ,

@@ -159,3 +159,44 @@ def test_longest_common_prefix_edge_cases():
     # First and last rows agree everywhere, a middle row does not: the bound is checked.
     table = np.array([[0, 1, 2], [0, 5, 6], [0, 1, 2]], np.int64)
     assert longest_common_prefix(table, np.array([3, 3, 3], np.int32)) == 1
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_longest_common_prefix_many_rows_with_few_divergent(seed):
+    # R > 32 exercises the sampled bound, the one full probe and the search over the rows
+    # that disagree, with divergent rows placed anywhere (mostly outside the sample).
+    rng = np.random.default_rng(100 + seed)
+    num_rows, num_cols = int(rng.integers(33, 300)), 24
+    shared = rng.integers(1, 50, num_cols).tolist()
+    rows = [shared[: int(rng.integers(num_cols - 4, num_cols + 1))] for _ in range(num_rows)]
+    for i in rng.choice(num_rows, int(rng.integers(0, 4)), replace=False):
+        cut = int(rng.integers(0, num_cols))
+        rows[i] = shared[:cut] + [99] * int(rng.integers(0, num_cols - cut + 1))
+    interner = PrefixInterner()
+    table = np.full((num_rows + 5, num_cols), -1, np.int64, order="F")
+    perm = rng.permutation(num_rows)
+    for i, blocks in enumerate(rows):
+        table[perm[i] + 5, : len(blocks)] = interner.acquire(-1, blocks)
+    sel = (perm + 5).astype(np.int32)
+    num_blocks = np.array([len(r) for r in rows], np.int32)
+    assert longest_common_prefix(table, num_blocks, sel) == _lcp_oracle(rows)
+    capped = np.minimum(num_blocks, rng.integers(0, num_cols + 1, num_rows)).astype(np.int32)
+    expected = _lcp_oracle([r[:c] for r, c in zip(rows, capped, strict=True)])
+    assert longest_common_prefix(table, capped, sel) == expected
+
+
+def test_manager_many_scheduled_one_diverging_anywhere():
+    m = KVCacheManager(400, 4, max_model_len=64)
+    prefix = list(range(32))  # 8 shared blocks
+    ids = []
+    for i in range(100):
+        own = [1000 + i, 2000 + i]
+        tokens = prefix[: 12 if i == 77 else 32] + own  # request 77 shares 3 blocks only
+        prefill(m, make_request(f"q{i}", tokens))
+        ids.append(f"q{i}")
+    assert m.num_common_prefix_blocks(ids) == 3
+    assert m.num_common_prefix_blocks(ids[:77] + ids[78:]) == 8
+    m.free("q0")
+    assert m.num_common_prefix_blocks(ids[1:77] + ids[78:]) == 8
+    with pytest.raises(ValueError, match="'q0'"):
+        m.num_common_prefix_blocks(ids)
