@@ -157,7 +157,7 @@ def run(args) -> list[dict]:
                     t_ref = _time(jax_reference, *ref_args, reps=max(1, args.reps // 2))
                 flat_bytes = batch * (prefix + suffix) * kv_bytes_per_token
                 casc_bytes = (prefix + batch * suffix) * kv_bytes_per_token
-                chooses = planner._pays(batch, prefix, batch)
+                chooses = planner.pays(batch, prefix, batch, batch * (prefix + suffix))
                 row = dict(
                     batch=batch, prefix=prefix, suffix=suffix,
                     flat_s=t_flat, cascade_s=t_casc, jax_ref_s=t_ref,

@@ -37,13 +37,16 @@ class CascadeCostModel:
     call (`launch_overhead_bytes`, the fixed cost of a call expressed as bytes of KV that
     could be read in the same time) and a merge that reads two float32 partial outputs
     and writes one per query token and head (times `merge_cost_factor`). Cascade is
-    planned where saved bytes exceed that cost. Defaults per backend come from
+    planned where saved bytes exceed that cost and are at least `min_saved_fraction`
+    of what flat attention would read for those requests (their whole contexts, so
+    long own suffixes make a shared prefix matter less). Defaults per backend come from
     benchmarks/attention.py (see DEFAULT_COST_MODELS); pass your own to override.
     """
 
     launch_overhead_bytes: float = 1 << 20
     merge_cost_factor: float = 1.0
     min_requests: int = 2
+    min_saved_fraction: float = 0.0
 
     def saved_bytes(self, num_requests: int, prefix_tokens: int, kv_bytes_per_token: int) -> int:
         return max(num_requests - 1, 0) * prefix_tokens * kv_bytes_per_token
@@ -62,21 +65,39 @@ class CascadeCostModel:
         num_kv_heads: int,
         head_dim: int,
         kv_itemsize: int,
+        context_tokens: int | None = None,
     ) -> bool:
+        """Whether reading `prefix_tokens` once for `num_requests` requests pays.
+
+        context_tokens: the requests' whole contexts summed (what flat attention reads);
+        None skips the min_saved_fraction test.
+        """
         if num_requests < self.min_requests or prefix_tokens <= 0:
             return False
         kv_bytes_per_token = 2 * num_kv_heads * head_dim * kv_itemsize
         saved = self.saved_bytes(num_requests, prefix_tokens, kv_bytes_per_token)
+        if context_tokens is not None and saved < self.min_saved_fraction * (
+            context_tokens * kv_bytes_per_token
+        ):
+            return False
         return saved > self.cost_bytes(num_query_tokens, num_q_heads, head_dim)
 
 
 # Key: backend name as in jaxkv.attention ("xla", "pallas_tpu", "pallas_gpu").
-# Values measured with benchmarks/attention.py (xla, on the CPU); the accelerator rows
-# are estimates from a kernel launch of a few microseconds at HBM bandwidth.
+# xla: from benchmarks/attention.py on the CPU (README table): cascade won wherever it
+# saved over ~1.5 MiB and at least a third of flat's bytes, and lost (0.84x) at
+# B=32, P=256, S=1024 where it saved a sixth. The accelerator rows are estimates (a
+# kernel launch of a few microseconds at HBM bandwidth) until measured on hardware.
 DEFAULT_COST_MODELS: dict[str, CascadeCostModel] = {
-    "xla": CascadeCostModel(launch_overhead_bytes=2 << 20, merge_cost_factor=2.0),
-    "pallas_tpu": CascadeCostModel(launch_overhead_bytes=8 << 20, merge_cost_factor=1.0),
-    "pallas_gpu": CascadeCostModel(launch_overhead_bytes=16 << 20, merge_cost_factor=1.0),
+    "xla": CascadeCostModel(
+        launch_overhead_bytes=256 << 10, merge_cost_factor=2.0, min_saved_fraction=0.3
+    ),
+    "pallas_tpu": CascadeCostModel(
+        launch_overhead_bytes=8 << 20, merge_cost_factor=1.0, min_saved_fraction=0.2
+    ),
+    "pallas_gpu": CascadeCostModel(
+        launch_overhead_bytes=16 << 20, merge_cost_factor=1.0, min_saved_fraction=0.2
+    ),
 }
 
 
@@ -158,12 +179,20 @@ class CascadePlanner:
         self.enable_groups = enable_groups
         self.max_groups = max_groups
 
-    def _pays(self, num_requests: int, prefix_tokens: int, num_query_tokens: int) -> bool:
+    def pays(
+        self,
+        num_requests: int,
+        prefix_tokens: int,
+        num_query_tokens: int,
+        context_tokens: int | None = None,
+    ) -> bool:
+        """The cost model's verdict for one level with this planner's head shapes."""
         s = self.shape
         return self.cost_model.pays(
             num_requests=num_requests,
             prefix_tokens=prefix_tokens,
             num_query_tokens=num_query_tokens,
+            context_tokens=context_tokens,
             num_q_heads=s.num_q_heads,
             num_kv_heads=s.num_kv_heads,
             head_dim=s.head_dim,
@@ -200,10 +229,11 @@ class CascadePlanner:
         cap_blocks = num_computed_tokens // bs
         total_q = int(query_lens.sum())
         k0 = min(common, int(cap_blocks.min()))
-        use_global = k0 > 0 and self._pays(num_requests, k0 * bs, total_q)
+        context = num_computed_tokens + query_lens
+        use_global = k0 > 0 and self.pays(num_requests, k0 * bs, total_q, int(context.sum()))
         base = k0 if use_global else 0
 
-        groups = self._groups(manager, rows, num_blocks, cap_blocks, query_lens, base)
+        groups = self._groups(manager, rows, num_blocks, cap_blocks, query_lens, context, base)
         if not use_global and not groups:
             return flat
 
@@ -234,6 +264,7 @@ class CascadePlanner:
         num_blocks: np.ndarray,
         cap_blocks: np.ndarray,
         query_lens: np.ndarray,
+        context: np.ndarray,
         base: int,
     ) -> list[tuple[np.ndarray, int]]:
         """Groups (member indices, shared block end) sharing blocks past column `base`."""
@@ -262,8 +293,11 @@ class CascadePlanner:
             members = np.sort(order[starts[c] : starts[c] + sizes[c]])
             end = longest_common_prefix(manager.prefix_ids, num_blocks[members], rows[members])
             end = min(end, int(cap_blocks[members].min()))
-            if end > base and self._pays(
-                len(members), (end - base) * bs, int(query_lens[members].sum())
+            if end > base and self.pays(
+                len(members),
+                (end - base) * bs,
+                int(query_lens[members].sum()),
+                int(context[members].sum()),
             ):
                 chosen.append(((len(members) - 1) * (end - base), members, end))
         chosen.sort(key=lambda t: (-t[0], int(t[1][0])))
