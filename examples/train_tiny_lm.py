@@ -31,7 +31,7 @@ SAMPLE_PROMPTS = ("I was ", "The teacher said ", '"What ')
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("checkpoint", type=Path, help="directory to write the trained checkpoint to")
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--peak-lr", type=float, default=3e-3)

@@ -3,9 +3,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.models import ByteTokenizer, load_checkpoint
+from jaxkv.models import ByteTokenizer, load_checkpoint, make_dense_forward
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,3 +42,15 @@ def test_training_example_lowers_held_out_loss_and_saves_a_loadable_checkpoint(t
     assert (loaded.config.num_layers, loaded.config.hidden_size) == (1, 32)
     out = capsys.readouterr().out
     assert "step 0: eval loss" in out and "greedy | I was " in out
+
+
+def test_shipped_tiny_checkpoint_loads_and_predicts_held_out_text():
+    model = load_checkpoint(ROOT / "examples" / "checkpoints" / "tiny")
+    data = ByteTokenizer().encode_array((ROOT / "jaxkv" / "data" / "botchan.txt").read_bytes())
+    held_out = data[int(len(data) * 0.9) :]
+    windows = held_out[np.arange(0, 8 * 1000, 1000)[:, None] + np.arange(65)]
+    logits = np.asarray(make_dense_forward(model)(jnp.asarray(windows[:, :-1])))
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    loss = -np.take_along_axis(logp, windows[:, 1:, None], -1).mean()
+    # Uniform over bytes is ~5.56 nats; the shipped model reaches ~1.8 on held-out text.
+    assert loss < 2.1
