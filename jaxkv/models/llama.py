@@ -273,8 +273,16 @@ class Llama(nnx.Module):
     def init_kv_caches(
         self, num_blocks: int, block_size: int, dtype: Any = None
     ) -> list[jax.Array]:  # num_layers x [num_blocks, block_size, 2*num_kv_heads, head_dim]
-        """Zeroed per-layer paged KV caches in the DESIGN.md layout (K even, V odd heads)."""
+        """Zeroed per-layer paged KV caches in the DESIGN.md layout (K even, V odd heads).
+
+        On a model from jaxkv.sharding.shard_model they are sharded along combined heads.
+        """
         c = self.config
+        tp = self.layers[0].self_attn.tensor_parallel
+        if tp is not None:
+            from jaxkv.sharding import init_kv_caches
+
+            return init_kv_caches(c, tp, num_blocks, block_size, dtype)
         shape = (num_blocks, block_size, 2 * c.num_kv_heads, c.head_dim)
         dt = jnp.dtype(dtype or c.dtype)
         return [jnp.zeros(shape, dt) for _ in range(c.num_layers)]

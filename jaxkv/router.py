@@ -1,0 +1,251 @@
+"""Data parallelism: several engine replicas behind a prefix-aware, load-balancing router.
+
+Each replica (an Engine on its own group of devices, see `engine_replicas`) keeps its own
+prefix cache, so a shared prompt prefix is computed once per replica that sees it. The
+router therefore sends requests that share a prefix to the same replica: it remembers which
+replica each prefix went to, keyed by the chained hashes of the prompt's first full blocks
+(jaxkv.hashing, the same keys the prefix cache uses), and routes a new request to the
+replica of its longest remembered prefix. A request with no remembered prefix goes to the
+replica with the fewest outstanding (queued or running) requests.
+
+The router is plain Python: it needs only the `Replica` interface, so it works with
+engines in one process (on CPU devices too) and is testable without engines.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from jaxkv.hashing import BlockHash, extend_block_hashes
+from jaxkv.outputs import CompletionOutput, RequestOutput
+
+
+class Replica(Protocol):
+    """What the router needs of a replica; jaxkv.engine.Engine has it."""
+
+    def add_request(
+        self, prompt_token_ids: Sequence[int], sampling_params: Any = None, *, request_id: str
+    ) -> str: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+
+class Route(NamedTuple):
+    """Where a prompt goes and why."""
+
+    replica: int  # index into the router's replicas
+    matched_blocks: int  # leading full blocks whose prefix was routed to `replica` before
+
+
+class PrefixAwareRouter:
+    """Routes requests over `replicas`: shared prefixes together, the rest to the least loaded.
+
+    block_size: tokens per hashed block (use the replicas' KV block size).
+    max_prefix_blocks: how many leading full blocks are hashed (longer prefixes share the
+    route of their first max_prefix_blocks blocks).
+    max_imbalance: None keeps prefix affinity strictly; an int lets a request leave its
+    prefix's replica (and move the prefix) when that replica has more than max_imbalance
+    outstanding requests beyond the least-loaded one.
+    max_tracked_prefixes: bound on remembered prefix hashes (least recently used dropped).
+
+    Outstanding requests are counted by the router: +1 on add_request, -1 when a replica's
+    output says the request finished or it is aborted. Not thread-safe.
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        *,
+        block_size: int,
+        max_prefix_blocks: int = 8,
+        max_imbalance: int | None = None,
+        max_tracked_prefixes: int = 1 << 16,
+        hash_seed: int = 0,
+    ) -> None:
+        if len(replicas) == 0:
+            raise ValueError("replicas must not be empty")
+        for name, value in (
+            ("block_size", block_size),
+            ("max_prefix_blocks", max_prefix_blocks),
+            ("max_tracked_prefixes", max_tracked_prefixes),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if max_imbalance is not None and (not isinstance(max_imbalance, int) or max_imbalance < 0):
+            raise ValueError(f"{max_imbalance=} must be None or an int >= 0")
+        self.replicas = list(replicas)
+        self.block_size = block_size
+        self.max_prefix_blocks = max_prefix_blocks
+        self.max_imbalance = max_imbalance
+        self.max_tracked_prefixes = max_tracked_prefixes
+        self.hash_seed = hash_seed
+        self._prefix_replica: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
+        self._outstanding = [0] * len(self.replicas)  # replica -> unfinished requests
+        self._replica_of: dict[str, int] = {}  # request_id -> replica, while unfinished
+        self._serial = itertools.count()
+
+    # ---------------------------------------------------------------- routing
+
+    @property
+    def num_outstanding(self) -> tuple[int, ...]:
+        """Unfinished requests per replica."""
+        return tuple(self._outstanding)
+
+    def replica_of(self, request_id: str) -> int:
+        """The replica an unfinished request runs on; KeyError if unknown or finished."""
+        return self._replica_of[request_id]
+
+    def _prefix_hashes(self, prompt_token_ids: Sequence[int]) -> list[BlockHash]:
+        head = list(prompt_token_ids[: self.max_prefix_blocks * self.block_size])
+        return extend_block_hashes([], head, self.block_size, seed=self.hash_seed)
+
+    def _least_loaded(self) -> int:
+        return min(range(len(self.replicas)), key=self._outstanding.__getitem__)
+
+    def route(self, prompt_token_ids: Sequence[int]) -> Route:
+        """The replica a prompt would go to now. Changes nothing."""
+        return self._route(self._prefix_hashes(prompt_token_ids))
+
+    def _route(self, hashes: list[BlockHash]) -> Route:
+        for i in range(len(hashes) - 1, -1, -1):
+            replica = self._prefix_replica.get(hashes[i])
+            if replica is None:
+                continue
+            least = self._least_loaded()
+            over = self._outstanding[replica] - self._outstanding[least]
+            if self.max_imbalance is not None and over > self.max_imbalance:
+                return Route(least, 0)
+            return Route(replica, i + 1)
+        return Route(self._least_loaded(), 0)
+
+    def _remember(self, hashes: list[BlockHash], replica: int) -> None:
+        table = self._prefix_replica
+        for h in hashes:
+            table[h] = replica
+            table.move_to_end(h)
+        while len(table) > self.max_tracked_prefixes:
+            table.popitem(last=False)
+
+    # --------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int] | np.ndarray,
+        sampling_params: Any = None,
+        *,
+        request_id: str | None = None,
+    ) -> str:
+        """Routes and queues a request on one replica; returns its id (unique across all
+        replicas). Raises ValueError on a duplicate id; the replica's own ValueError (bad
+        prompt or params) leaves the router unchanged."""
+        ids = np.asarray(prompt_token_ids)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise ValueError(f"prompt_token_ids must be a 1-D sequence of ints, got {ids.shape=}")
+        prompt = ids.tolist()
+        request_id = f"dp-{next(self._serial)}" if request_id is None else request_id
+        if request_id in self._replica_of:
+            raise ValueError(f"{request_id=} is already running")
+        hashes = self._prefix_hashes(prompt)
+        replica = self._route(hashes).replica
+        self.replicas[replica].add_request(prompt, sampling_params, request_id=request_id)
+        self._remember(hashes, replica)
+        self._outstanding[replica] += 1
+        self._replica_of[request_id] = replica
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts an unfinished request on its replica; False if unknown or finished."""
+        replica = self._replica_of.get(request_id)
+        if replica is None or not self.replicas[replica].abort(request_id):
+            return False
+        self._finish(request_id)
+        return True
+
+    def _finish(self, request_id: str) -> None:
+        replica = self._replica_of.pop(request_id, None)
+        if replica is not None:
+            self._outstanding[replica] -= 1
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.has_unfinished_requests() for r in self.replicas)
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every replica that has unfinished requests, in replica order."""
+        outputs: list[RequestOutput] = []
+        for replica in self.replicas:
+            if replica.has_unfinished_requests():
+                outputs.extend(replica.step())
+        for o in outputs:
+            if o.finished:
+                self._finish(o.request_id)
+        return outputs
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling_params: Any = None
+    ) -> list[CompletionOutput]:
+        """Runs `prompts` to completion over all replicas; one CompletionOutput per prompt,
+        in order. `sampling_params` is one for all or a sequence of one per prompt."""
+        if sampling_params is None or not isinstance(sampling_params, Sequence):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(params_list)=} sampling params for {len(prompts)=}")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        index = {rid: i for i, rid in enumerate(ids)}
+        tokens: list[list[int]] = [[] for _ in ids]
+        reasons: list[str | None] = [None] * len(ids)
+        remaining = len(ids)
+        while remaining and self.has_unfinished_requests():
+            outputs = self.step()
+            if not outputs:
+                time.sleep(0.0005)  # a replica waits on a KV load
+            for o in outputs:
+                i = index.get(o.request_id)
+                if i is None:
+                    continue
+                tokens[i].extend(o.new_token_ids)
+                if o.finished:
+                    reasons[i] = o.finish_reason
+                    remaining -= 1
+        return [
+            CompletionOutput(rid, tuple(int(t) for t in p), tuple(tokens[i]), reasons[i])
+            for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
+        ]
+
+
+def engine_replicas(
+    model: Any,
+    config: Any = None,
+    *,
+    tensor_parallel_size: int = 1,
+    num_replicas: int | None = None,
+    devices: Sequence[Any] | None = None,
+    params: Any = None,
+) -> list[Any]:
+    """Engines over consecutive groups of `tensor_parallel_size` devices (default: all of
+    jax.devices()), one per group, at most `num_replicas`. Each engine holds its own copy
+    of the weights and its own KV cache on its group. Raises ValueError naming both
+    numbers when the TP size does not divide the device count, or too few groups exist."""
+    from jaxkv.engine import Engine
+    from jaxkv.sharding import replica_meshes
+
+    meshes = replica_meshes(tensor_parallel_size, devices)
+    if num_replicas is not None:
+        if not 1 <= num_replicas <= len(meshes):
+            raise ValueError(
+                f"{num_replicas=} needs {num_replicas} groups of {tensor_parallel_size} "
+                f"devices; there are {len(meshes)}"
+            )
+        meshes = meshes[:num_replicas]
+    return [Engine(model, params, config, mesh=mesh) for mesh in meshes]

@@ -1,0 +1,365 @@
+"""Tensor parallelism over a device mesh: KV heads, attention per shard, Megatron weights.
+
+One model runs on a 1-D mesh whose axis (`"model"` by default) has TP devices:
+
+- KV cache `[num_blocks, block_size, 2 * num_kv_heads, head_dim]` is sharded along its
+  combined-head axis 2 into TP contiguous chunks. K sits at combined head 2h and V at 2h+1,
+  so a chunk of an even number of combined heads holds whole (K, V) pairs: device i holds
+  KV heads [i*H/TP, (i+1)*H/TP) and its local cache is again in the interleaved layout.
+  Axis 0 (blocks) is never sharded, so block ids mean the same on every device and host
+  block management stays single.
+- Queries and attention outputs are sharded along heads the same way. Query head j uses
+  KV head j // group, so contiguous chunks put every query head beside its KV head.
+- `sharded_paged_attention` / `sharded_write_kv` run jaxkv.attention's dispatch per shard
+  under `jax.shard_map` with the metadata replicated: each kernel call (any backend, flat
+  or cascade) sees only its local heads and the cache is never gathered.
+- Weights are sharded Megatron-style (`shard_params`): q/k/v/gate/up column-parallel,
+  o/down row-parallel, everything else replicated. XLA's sharding propagation then emits
+  one all-reduce after each attention block and one after each MLP block.
+
+When TP exceeds the number of KV heads H (TP a multiple of H), every KV head is replicated
+on TP / H devices, as vLLM does: K/V are computed for all H heads on every device, each
+head repeated TP / H times, and the cache holds 2 * TP combined heads (one pair per device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxkv import attention
+from jaxkv.batch import AttentionMetadata
+
+DEFAULT_AXIS = "model"
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # kernel [in, out/TP]
+ROW_PARALLEL = ("o_proj", "down_proj")  # kernel [in/TP, out]; partial sums are all-reduced
+
+
+# ------------------------------------------------------------------------------ meshes
+
+
+def _check_divides(tp: int, name: str, n: int) -> None:
+    if tp < 1 or n % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide {name}={n}")
+
+
+def replica_meshes(
+    tensor_parallel_size: int,
+    devices: Sequence[jax.Device] | None = None,
+    axis_name: str = DEFAULT_AXIS,
+) -> list[Mesh]:
+    """Splits `devices` (default: jax.devices()) into consecutive groups of TP devices.
+
+    One 1-D mesh per group, in device order; each group can serve one engine replica.
+    Raises ValueError naming both numbers when TP does not divide the device count.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool):
+        raise ValueError(f"{tensor_parallel_size=} must be an int")
+    _check_divides(tensor_parallel_size, "the device count", len(devices))
+    tp = tensor_parallel_size
+    return [Mesh(np.array(devices[i : i + tp]), (axis_name,)) for i in range(0, len(devices), tp)]
+
+
+def make_mesh(
+    tensor_parallel_size: int,
+    devices: Sequence[jax.Device] | None = None,
+    axis_name: str = DEFAULT_AXIS,
+) -> Mesh:
+    """A 1-D mesh over the first TP of `devices` (default: jax.devices()).
+
+    TP must divide the device count (the other groups serve other replicas, see
+    `replica_meshes`); otherwise ValueError naming both numbers.
+    """
+    return replica_meshes(tensor_parallel_size, devices, axis_name)[0]
+
+
+def mesh_for(mesh: Mesh | None = None, tensor_parallel_size: int | None = None) -> Mesh | None:
+    """The mesh an engine runs on: `mesh`, or make_mesh(tensor_parallel_size), or None.
+
+    None (both None) means the default device without sharding. Raises ValueError when
+    both are given and disagree, or the mesh has no DEFAULT_AXIS axis.
+    """
+    if mesh is None:
+        return None if tensor_parallel_size is None else make_mesh(tensor_parallel_size)
+    if DEFAULT_AXIS not in mesh.shape:
+        raise ValueError(f"{mesh.axis_names=} must contain {DEFAULT_AXIS!r}")
+    if tensor_parallel_size is not None and mesh.shape[DEFAULT_AXIS] != tensor_parallel_size:
+        raise ValueError(f"{tensor_parallel_size=} disagrees with {mesh.shape=}")
+    return mesh
+
+
+def kv_cache_sharding(mesh: Mesh, axis_name: str = DEFAULT_AXIS) -> NamedSharding:
+    """[num_blocks, block_size, 2 * num_kv_heads, head_dim] split along combined heads."""
+    return NamedSharding(mesh, P(None, None, axis_name, None))
+
+
+# ---------------------------------------------------------------- attention per shard
+
+
+def _tp_size(mesh: Mesh, axis_name: str) -> int:
+    if axis_name not in mesh.shape:
+        raise ValueError(f"{axis_name=} is not an axis of {mesh.shape=}")
+    return mesh.shape[axis_name]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "mesh", "axis_name", "sm_scale", "soft_cap", "sliding_window", "k_scale", "v_scale",
+        "backend", "interpret", "return_lse",
+    ),
+)  # fmt: skip
+def sharded_paged_attention(
+    q: jax.Array,  # [max_num_tokens, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [num_blocks, block_size, 2 * num_kv_heads, head_dim]
+    metadata: AttentionMetadata,
+    *,
+    mesh: Mesh,
+    axis_name: str = DEFAULT_AXIS,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """jaxkv.attention.paged_attention with heads split over `axis_name` of `mesh`.
+
+    Each device runs the dispatch (flat or cascade, any backend) on its contiguous chunk of
+    query heads and KV heads; metadata is replicated. Returns what paged_attention returns,
+    sharded along heads. Raises ValueError naming both numbers when TP does not divide the
+    query heads or the KV heads.
+    """
+    tp = _tp_size(mesh, axis_name)
+    _check_divides(tp, "num_q_heads", q.shape[1])
+    _check_divides(tp, "num_kv_heads", kv_pages.shape[2] // 2)
+    heads = P(None, axis_name, None)
+    cache = P(None, None, axis_name, None)
+    out_specs = (heads, P(None, axis_name)) if return_lse else heads
+
+    def local(q, kv_pages, metadata):
+        return attention.paged_attention(
+            q,
+            kv_pages,
+            metadata,
+            sm_scale=sm_scale,
+            soft_cap=soft_cap,
+            sliding_window=sliding_window,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            backend=backend,
+            interpret=interpret,
+            return_lse=return_lse,
+        )
+
+    # check_vma=False: Pallas kernels carry no varying-axis annotations.
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(heads, cache, P()), out_specs=out_specs, check_vma=False
+    )(q, kv_pages, metadata)
+
+
+@functools.partial(
+    jax.jit, donate_argnums=0, static_argnames=("mesh", "axis_name", "k_scale", "v_scale")
+)
+def sharded_write_kv(
+    kv_pages: jax.Array,  # [num_blocks, block_size, 2 * num_kv_heads, head_dim]
+    k: jax.Array,  # [max_num_tokens, num_kv_heads, head_dim]
+    v: jax.Array,  # [max_num_tokens, num_kv_heads, head_dim]
+    slot_mapping: jax.Array,  # i32[max_num_tokens] block_id * block_size + offset
+    *,
+    mesh: Mesh,
+    axis_name: str = DEFAULT_AXIS,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+) -> jax.Array:
+    """jaxkv.attention.write_kv per shard: each device writes its own KV heads' K and V.
+
+    The cache is donated; the result keeps kv_cache_sharding. Raises ValueError naming both
+    numbers when TP does not divide the KV heads.
+    """
+    tp = _tp_size(mesh, axis_name)
+    _check_divides(tp, "num_kv_heads", kv_pages.shape[2] // 2)
+    heads = P(None, axis_name, None)
+    cache = P(None, None, axis_name, None)
+
+    def local(kv_pages, k, v, slot_mapping):
+        return attention.write_kv(kv_pages, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(cache, heads, heads, P()), out_specs=cache, check_vma=False
+    )(kv_pages, k, v, slot_mapping)
+
+
+# ------------------------------------------------------------------ a model on a mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """How a model's paged attention runs on `mesh` (hashable: part of the model graph).
+
+    kv_replicas: devices that hold each KV head (> 1 only when TP exceeds the KV heads).
+    `write_kv` and `paged_attention` have the signatures of jaxkv.attention's.
+    """
+
+    mesh: Mesh
+    axis_name: str = DEFAULT_AXIS
+    kv_replicas: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shape[self.axis_name]
+
+    def write_kv(
+        self,
+        kv_pages: jax.Array,  # [num_blocks, block_size, 2 * num_kv_heads * kv_replicas, D]
+        k: jax.Array,  # [max_num_tokens, num_kv_heads, head_dim]
+        v: jax.Array,  # [max_num_tokens, num_kv_heads, head_dim]
+        slot_mapping: jax.Array,  # i32[max_num_tokens]
+        **kwargs: Any,
+    ) -> jax.Array:
+        if self.kv_replicas > 1:
+            k = jnp.repeat(k, self.kv_replicas, axis=1)
+            v = jnp.repeat(v, self.kv_replicas, axis=1)
+        return sharded_write_kv(
+            kv_pages, k, v, slot_mapping, mesh=self.mesh, axis_name=self.axis_name, **kwargs
+        )
+
+    def paged_attention(
+        self,
+        q: jax.Array,  # [max_num_tokens, num_q_heads, head_dim]
+        kv_pages: jax.Array,  # [num_blocks, block_size, 2 * num_kv_heads * kv_replicas, D]
+        metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        return sharded_paged_attention(
+            q, kv_pages, metadata, mesh=self.mesh, axis_name=self.axis_name, **kwargs
+        )
+
+
+def plan_tensor_parallel(
+    num_heads: int, num_kv_heads: int, mesh: Mesh, axis_name: str = DEFAULT_AXIS
+) -> TensorParallel:
+    """Validates TP against the head counts; replicates KV heads when TP > num_kv_heads.
+
+    Raises ValueError naming both numbers when TP does not divide num_heads, does not
+    divide num_kv_heads (TP <= num_kv_heads), or is not a multiple of num_kv_heads
+    (TP > num_kv_heads).
+    """
+    tp = _tp_size(mesh, axis_name)
+    _check_divides(tp, "num_heads", num_heads)
+    if tp <= num_kv_heads:
+        _check_divides(tp, "num_kv_heads", num_kv_heads)
+        return TensorParallel(mesh, axis_name, 1)
+    if tp % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={tp} exceeds num_kv_heads={num_kv_heads} and must then be "
+            "a multiple of it (each KV head is replicated on tensor_parallel_size / "
+            "num_kv_heads devices)"
+        )
+    return TensorParallel(mesh, axis_name, tp // num_kv_heads)
+
+
+def _param_spec(path: tuple[str, ...], tp: TensorParallel) -> P:
+    if not path or path[-1] != "kernel" or len(path) < 2:
+        return P()
+    layer = path[-2]
+    kv_replicated = layer in ("k_proj", "v_proj") and tp.kv_replicas > 1
+    if layer in COLUMN_PARALLEL and not kv_replicated:
+        return P(None, tp.axis_name)
+    if layer in ROW_PARALLEL:
+        return P(tp.axis_name, None)
+    return P()
+
+
+def _path_names(path) -> tuple[str, ...]:
+    """("layers", "0", "self_attn", "q_proj", "kernel") from a pytree key path."""
+    names = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                names.append(str(getattr(key, attr)))
+                break
+    if names and names[-1] == "value":  # nnx.Variable leaves end in .value
+        names.pop()
+    return tuple(names)
+
+
+def shard_params(state: Any, tp: TensorParallel) -> Any:
+    """Places every parameter of an nnx.State on tp.mesh, Megatron-style.
+
+    Column-parallel kernels (COLUMN_PARALLEL, [in, out]) split their output dimension,
+    row-parallel ones (ROW_PARALLEL) their input dimension; embeddings, norms and the LM head
+    are replicated. K/V projections stay replicated when KV heads are replicated. Raises
+    ValueError naming the parameter and both numbers when TP does not divide a split dim.
+    """
+
+    def place(path, x):
+        names = _path_names(path)
+        spec = _param_spec(names, tp)
+        for dim, axis in enumerate(spec):
+            if axis is not None and x.shape[dim] % tp.size:
+                raise ValueError(
+                    f"tensor_parallel_size={tp.size} must divide dimension {dim} "
+                    f"(size {x.shape[dim]}) of parameter {'.'.join(names)}"
+                )
+        return jax.device_put(x, NamedSharding(tp.mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(place, state)
+
+
+def shard_model(model: Any, mesh: Mesh, *, params: Any = None, axis_name: str = DEFAULT_AXIS):
+    """A copy of a jaxkv.models.Llama whose weights live on `mesh` and whose paged attention
+    runs per shard. `model` itself is left as it was; `params` (an nnx.State) replaces its
+    weights. Raises ValueError (see plan_tensor_parallel, shard_params) on bad TP sizes.
+    """
+    from flax import nnx
+
+    c = model.config
+    tp = plan_tensor_parallel(c.num_heads, c.num_kv_heads, mesh, axis_name)
+    _check_divides(tp.size, "intermediate_size", c.intermediate_size)
+    graphdef, state = nnx.split(model)
+    sharded = nnx.merge(graphdef, shard_params(state if params is None else params, tp))
+    for _, module in nnx.iter_modules(sharded):
+        if hasattr(module, "tensor_parallel"):
+            module.tensor_parallel = tp
+    return sharded
+
+
+def tensor_parallel_of(model: Any) -> TensorParallel | None:
+    """The TensorParallel a model's attention layers run with (None: unsharded)."""
+    from flax import nnx
+
+    for _, module in nnx.iter_modules(model):
+        tp = getattr(module, "tensor_parallel", None)
+        if tp is not None:
+            return tp
+    return None
+
+
+def init_kv_caches(
+    config: Any,  # jaxkv.models.LlamaConfig
+    tp: TensorParallel,
+    num_blocks: int,
+    block_size: int,
+    dtype: Any = None,
+) -> list[jax.Array]:  # num_layers x [num_blocks, block_size, 2*num_kv_heads*kv_replicas, D]
+    """Zeroed per-layer caches created directly in kv_cache_sharding (never whole on one
+    device); with replicated KV heads the combined-head axis has 2 * TP entries."""
+    heads = 2 * config.num_kv_heads * tp.kv_replicas
+    shape = (num_blocks, block_size, heads, config.head_dim)
+    dt = jnp.dtype(dtype or config.dtype)
+    zeros = jax.jit(
+        lambda: jnp.zeros(shape, dt), out_shardings=kv_cache_sharding(tp.mesh, tp.axis_name)
+    )
+    return [zeros() for _ in range(config.num_layers)]

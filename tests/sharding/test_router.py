@@ -1,0 +1,191 @@
+"""PrefixAwareRouter over fake replicas: prefix affinity, load balance, bookkeeping.
+
+A fake replica emits one token per step for every request it holds and finishes a request
+after `max_tokens` tokens, so the router is tested without engines or jax.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxkv import SamplingParams
+from jaxkv.outputs import RequestOutput
+from jaxkv.router import PrefixAwareRouter, Route
+
+BLOCK = 4
+
+
+class FakeReplica:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.running: dict[str, list] = {}  # request_id -> [prompt, tokens left]
+        self.prompts: dict[str, list[int]] = {}  # every request ever added
+
+    def add_request(self, prompt_token_ids, sampling_params=None, *, request_id):
+        if len(prompt_token_ids) == 0:
+            raise ValueError("empty prompt")
+        params = sampling_params or SamplingParams(max_tokens=2)
+        self.running[request_id] = [list(prompt_token_ids), params.max_tokens]
+        self.prompts[request_id] = list(prompt_token_ids)
+        return request_id
+
+    def step(self) -> list[RequestOutput]:
+        outputs = []
+        for rid, entry in list(self.running.items()):
+            entry[1] -= 1
+            done = entry[1] == 0
+            token = 1000 * self.index + len(entry[0])
+            outputs.append(RequestOutput(rid, (token,), done, "length" if done else None))
+            if done:
+                del self.running[rid]
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running)
+
+    def abort(self, request_id: str) -> bool:
+        return self.running.pop(request_id, None) is not None
+
+
+def make_router(n: int = 4, **kwargs) -> tuple[PrefixAwareRouter, list[FakeReplica]]:
+    replicas = [FakeReplica(i) for i in range(n)]
+    return PrefixAwareRouter(replicas, block_size=BLOCK, **kwargs), replicas
+
+
+def rand_tokens(rng, n: int) -> list[int]:
+    return rng.integers(0, 500, n).tolist()
+
+
+def test_shared_prefix_requests_stay_together_and_loners_go_to_the_least_loaded():
+    rng = np.random.default_rng(0)
+    prefixes = [rand_tokens(rng, 2 * BLOCK + 1) for _ in range(3)]
+    router, _ = make_router(4)
+    groups: dict[int, set[int]] = {0: set(), 1: set(), 2: set()}
+    for i in range(24):
+        before = router.num_outstanding
+        if i % 2 == 0:  # every other request belongs to one of three prefix groups
+            g = (i // 2) % 3
+            prompt = prefixes[g] + rand_tokens(rng, int(rng.integers(0, 6)))
+            replica = router.replica_of(router.add_request(prompt))
+            if not groups[g]:  # a new prefix goes to the least loaded replica
+                assert before[replica] == min(before), (before, replica)
+            groups[g].add(replica)
+        else:
+            prompt = rand_tokens(rng, int(rng.integers(1, 3 * BLOCK)))
+            replica = router.replica_of(router.add_request(prompt))
+            assert before[replica] == min(before), (before, replica)
+    assert all(len(g) == 1 for g in groups.values()), groups
+    assert sum(router.num_outstanding) == 24
+    assert min(router.num_outstanding) >= 4, router.num_outstanding
+
+
+def test_longest_remembered_prefix_wins_and_partial_blocks_do_not_count():
+    rng = np.random.default_rng(1)
+    router, _ = make_router(3)
+    a, b = rand_tokens(rng, BLOCK), rand_tokens(rng, BLOCK)
+    r0 = router.replica_of(router.add_request(a + b))
+    assert router.route(a + b + [7]) == Route(r0, 2)
+    assert router.route(a + rand_tokens(rng, BLOCK)) == Route(r0, 1)  # shares the first block
+    # Sharing BLOCK - 1 tokens is no shared block: the least loaded replica, not r0.
+    other = router.route(a[:-1] + [501] + b)
+    assert other.matched_blocks == 0 and other.replica != r0
+    assert router.route(a[:2]) == Route(other.replica, 0)  # shorter than a block
+
+
+def test_route_changes_nothing_and_add_request_remembers():
+    router, _ = make_router(2)
+    prompt = list(range(2 * BLOCK))
+    assert router.route(prompt) == Route(0, 0)
+    assert router.route(prompt) == Route(0, 0)
+    assert router.num_outstanding == (0, 0)
+    router.add_request(list(range(100, 100 + BLOCK)))  # replica 0 now busier
+    assert router.route(prompt) == Route(1, 0)
+    router.add_request(prompt)
+    router.add_request(list(range(200, 200 + BLOCK)))  # (1, 1): tie -> replica 0
+    router.add_request(list(range(300, 300 + BLOCK)))  # replica 1: now (2, 2)
+    assert router.route(prompt + [1]) == Route(1, 2)
+
+
+def test_steps_finish_requests_and_release_load():
+    router, replicas = make_router(2)
+    ids = [router.add_request([i] * BLOCK, SamplingParams(max_tokens=1 + i % 3)) for i in range(6)]
+    assert router.num_outstanding == (3, 3)
+    seen: dict[str, list[int]] = {rid: [] for rid in ids}
+    finished = []
+    while router.has_unfinished_requests():
+        for o in router.step():
+            seen[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                finished.append(o.request_id)
+    assert sorted(finished) == sorted(ids)
+    assert [len(seen[rid]) for rid in ids] == [1 + i % 3 for i in range(6)]
+    assert router.num_outstanding == (0, 0)
+    with pytest.raises(KeyError):
+        router.replica_of(ids[0])
+    assert sum(len(r.prompts) for r in replicas) == 6
+
+
+def test_generate_returns_outputs_in_prompt_order():
+    router, _ = make_router(3)
+    prompts = [[i] * (i + 1) for i in range(7)]
+    outs = router.generate(prompts, SamplingParams(max_tokens=3))
+    assert [o.prompt_token_ids for o in outs] == [tuple(p) for p in prompts]
+    assert all(len(o.output_token_ids) == 3 and o.finish_reason == "length" for o in outs)
+    # The fake token encodes replica and prompt length: each output came from its prompt.
+    assert [o.output_token_ids[0] % 1000 for o in outs] == [len(p) for p in prompts]
+    with pytest.raises(ValueError, match="sampling params"):
+        router.generate(prompts, [SamplingParams()])
+
+
+def test_max_imbalance_lets_a_hot_prefix_spill_over():
+    prompt = list(range(2 * BLOCK))
+    strict, _ = make_router(2)
+    spill, _ = make_router(2, max_imbalance=1)
+    for router in (strict, spill):
+        for i in range(6):
+            router.add_request(prompt + [i])
+    assert strict.num_outstanding == (6, 0)
+    # The third request exceeds the imbalance and moves the prefix to replica 1.
+    assert spill.num_outstanding == (2, 4)
+
+
+def test_prefix_table_is_bounded_least_recently_used_first():
+    router, _ = make_router(2, max_tracked_prefixes=2, max_prefix_blocks=1)
+    a, b, c = ([k] * BLOCK for k in (1, 2, 3))
+    router.add_request(a)  # replica 0
+    router.add_request(b)  # replica 1
+    router.add_request(a + [9])  # replica 0; a is now the most recent
+    router.add_request(c)  # replica 1 (2 vs 1 outstanding); evicts b
+    assert router.route(a).matched_blocks == 1
+    assert router.route(c).matched_blocks == 1
+    assert router.route(b).matched_blocks == 0
+
+
+def test_abort_releases_load():
+    router, replicas = make_router(2)
+    rid = router.add_request([1, 2, 3])
+    assert router.num_outstanding == (1, 0)
+    assert router.abort(rid) is True
+    assert router.num_outstanding == (0, 0) and not replicas[0].running
+    assert router.abort(rid) is False
+    assert router.abort("unknown") is False
+
+
+def test_bad_input_leaves_the_router_unchanged():
+    router, replicas = make_router(2)
+    rid = router.add_request(list(range(BLOCK)), request_id="x")
+    assert rid == "x"
+    with pytest.raises(ValueError, match="already running"):
+        router.add_request(list(range(BLOCK)), request_id="x")
+    with pytest.raises(ValueError, match="1-D"):
+        router.add_request([[1, 2], [3, 4]])
+    with pytest.raises(ValueError, match="empty prompt"):  # raised by the replica
+        router.add_request([])
+    assert router.num_outstanding == (1, 0)
+    assert sum(len(r.prompts) for r in replicas) == 1
+    for kwargs in ({"block_size": 0}, {"block_size": 4, "max_imbalance": -1}):
+        with pytest.raises(ValueError):
+            PrefixAwareRouter(replicas, **kwargs)
+    with pytest.raises(ValueError, match="empty"):
+        PrefixAwareRouter([], block_size=4)
