@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -34,17 +34,29 @@ from jaxkv.config import EngineConfig
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_copy import DeviceKVCopier
 from jaxkv.kv_transfer import KVConnector
-from jaxkv.metrics import EngineMetrics
+from jaxkv.metrics import EngineMetrics, StepStats
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.request import Request, SamplingParams
 from jaxkv.sampler import sample, sampling_arrays, sampling_row
 from jaxkv.scheduler import Scheduler
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
-def _step_program(graphdef, state, input_ids, positions, kv_caches, metadata, sampling):
-    logits, kv_caches = nnx.merge(graphdef, state)(input_ids, positions, kv_caches, metadata)
-    return sample(logits, *sampling), kv_caches
+@functools.lru_cache(maxsize=8)
+def _step_program(graphdef: nnx.GraphDef, state_treedef) -> Callable:
+    """The jitted forward + sampler of one model graph, shared by every engine over it.
+
+    Takes the parameters as a flat list of arrays: flattening an nnx.State on every call
+    costs Python time per leaf, a flat list goes through jit's C++ fast path.
+    """
+
+    @functools.partial(jax.jit, donate_argnums=3)
+    def program(state_leaves, input_ids, positions, kv_caches, metadata, sampling):
+        state = jax.tree.unflatten(state_treedef, state_leaves)
+        model = nnx.merge(graphdef, state)
+        logits, kv_caches = model(input_ids, positions, kv_caches, metadata)
+        return sample(logits, *sampling), kv_caches
+
+    return program
 
 
 def _pad_level(level: LevelMetadata, num_seqs: int) -> LevelMetadata:
@@ -89,8 +101,10 @@ class Engine:
         self.config = config
         self.model_config = mc
         self.vocab_size = mc.vocab_size
-        self._graphdef, state = nnx.split(model)
-        self._state = state if params is None else params
+        graphdef, state = nnx.split(model)
+        state = state if params is None else params
+        self._state_leaves, state_treedef = jax.tree.flatten(state)
+        self._program = _step_program(graphdef, state_treedef)
         self.backend = config.backend or default_backend()
         self.manager = KVCacheManager(
             cc.num_blocks,
@@ -123,6 +137,7 @@ class Engine:
             cascade_steps=0, cascade_tokens=0,
         )  # fmt: skip
         self._levels: dict[str, int] = {}  # level names joined by '+' -> steps
+        self.last_step: StepStats | None = None  # the last step that ran the model
 
     def _set_caches(self, caches: list[jax.Array]) -> None:
         self.kv_caches = caches
@@ -183,7 +198,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled batch; returns the requests that got a token, in schedule
         order. Returns [] without running the model when nothing can be scheduled."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = self.scheduler.schedule()
         n = out.num_requests
         if n == 0:
@@ -209,12 +224,13 @@ class Engine:
         rows = [self._sampling[out.request_ids[i]] for i in order.tolist()]
         sampling = sampling_arrays(rows, num_computed + query_lens, md.max_num_seqs)
         key = _program_key(md)
-        if key not in self._programs:
+        new_program = key not in self._programs
+        if new_program:
             self._programs.add(key)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
 
-        tokens, self.kv_caches = _step_program(
-            self._graphdef, self._state, input_ids, md.positions, self.kv_caches, md, sampling
+        tokens, self.kv_caches = self._program(
+            self._state_leaves, input_ids, md.positions, self.kv_caches, md, sampling
         )
         sampled = np.empty(n, np.int32)
         sampled[order] = np.asarray(tokens)[:n]
@@ -225,15 +241,19 @@ class Engine:
             if o.finished:
                 del self._sampling[o.request_id]
         t3 = time.perf_counter()
+        levels = "+".join(level.name for level in plan.levels)
+        num_tokens = int(query_lens.sum())
+        self.last_step = StepStats(
+            t1 - t0, c1 - c0, t2 - t1, t3 - t2, n, num_tokens, levels, new_program
+        )
         m = self._m
         m["num_steps"] += 1
         m["host_time_s"] += t1 - t0
         m["device_time_s"] += t2 - t1
         m["update_time_s"] += t3 - t2
-        if plan.uses_cascade:
+        if levels:
             m["cascade_steps"] += 1
-            m["cascade_tokens"] += int(query_lens.sum())
-            levels = "+".join(level.name for level in plan.levels)
+            m["cascade_tokens"] += num_tokens
             self._levels[levels] = self._levels.get(levels, 0) + 1
         return outputs
 

@@ -6,6 +6,20 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
+class StepStats:
+    """One step that ran the model (Engine.last_step)."""
+
+    host_s: float  # schedule + plan + metadata + input arrays
+    host_cpu_s: float  # the same, CPU time of the engine's thread (robust to contention)
+    device_s: float  # jitted forward and sampler, until the tokens are on the host
+    update_s: float  # appending tokens, stops, freeing or handing blocks over
+    num_requests: int  # requests scheduled
+    num_tokens: int  # tokens computed
+    cascade_levels: str  # "" (flat), "global", "groups" or "global+groups"
+    new_program: bool  # the step needed a program this engine had not used before
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineMetrics:
     """Counters since the engine was built (times in seconds, KV in bytes of all layers).
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 
-@dataclasses.dataclass(frozen=True)
-class RequestOutput:
+class RequestOutput(NamedTuple):
     """A request's progress in one step.
 
     finish_reason is "stop" (a stop token was sampled; it is included in
     new_token_ids), "length" (max_tokens or max_model_len reached) or "abort", and None
-    while the request runs.
+    while the request runs. A NamedTuple: one is made per request per step.
     """
 
     request_id: str

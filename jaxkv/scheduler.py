@@ -154,24 +154,24 @@ class Scheduler:
         num_computed: list[int] = []
         preempted: list[str] = []
 
+        bs = self.manager.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.manager.allocate_slots(request, n) is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    break
-            else:
-                scheduled.append(request)
-                num_tokens.append(n)
-                num_computed.append(request.num_computed_tokens)
-                budget -= n
-                i += 1
-                continue
-            break  # the request itself was preempted: nothing after it can run
+            computed = request.num_computed_tokens
+            n = min(request.num_tokens - computed, budget)
+            # A running request holds exactly ceil(computed / bs) blocks (every allocation
+            # is exact), so tokens that stay inside its partly filled last block without
+            # filling it need neither a new block nor a prefix-cache entry: skip the call.
+            offset = computed % bs
+            needs_blocks = offset == 0 or offset + n >= bs
+            if needs_blocks and not self._allocate_or_preempt(request, n, preempted):
+                break  # the request itself was preempted: nothing after it can run
+            scheduled.append(request)
+            num_tokens.append(n)
+            num_computed.append(computed)
+            budget -= n
+            i += 1
 
         if not preempted:
             budget = self._admit_waiting(budget, scheduled, num_tokens, num_computed)
@@ -185,6 +185,19 @@ class Scheduler:
             preempted_request_ids=tuple(preempted),
             finished_request_ids=finished,
         )
+
+    def _allocate_or_preempt(self, request: Request, n: int, preempted: list[str]) -> bool:
+        """Allocates for `request`, preempting the latest running requests until it fits.
+
+        Returns False if `request` itself had to be preempted.
+        """
+        while self.manager.allocate_slots(request, n) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
 
     def _admit_waiting(
         self,
@@ -296,15 +309,16 @@ class Scheduler:
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
         max_len = self.config.max_model_len
+        running = RequestStatus.RUNNING
         num_prompt = num_decode = num_generated = 0
         for request, n, token in zip(
             output.requests, output.num_scheduled_tokens.tolist(), tokens, strict=True
         ):
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # aborted between schedule and update
             computed = request.num_computed_tokens + n
             request.num_computed_tokens = computed
-            if request.num_output_tokens:
+            if request.output_token_ids:
                 num_decode += n
             else:
                 num_prompt += n
@@ -315,14 +329,14 @@ class Scheduler:
             params = request.sampling_params
             if token in params.stop_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
-            elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_len:
+            elif len(request.output_token_ids) >= params.max_tokens or computed + 1 >= max_len:
                 request.status = RequestStatus.FINISHED_LENGTH
-            if request.is_finished():
-                finished.append(request)
-                reason = _FINISH_REASONS[request.status]
-                outputs.append(RequestOutput(request.request_id, (token,), True, reason))
             else:
                 outputs.append(RequestOutput(request.request_id, (token,), False, None))
+                continue
+            finished.append(request)
+            reason = _FINISH_REASONS[request.status]
+            outputs.append(RequestOutput(request.request_id, (token,), True, reason))
         if finished:
             done = set(map(id, finished))
             self.running = [r for r in self.running if id(r) not in done]

@@ -133,6 +133,9 @@ def step(sched: Scheduler, copier: FakeCopier | None = None):
                 copier.device[ids[pos // bs], pos % bs] = 1000 * pos + req.all_token_ids[pos]
     results = sched.update_from_output(out, [token_of(r) for r in out.requests])
     sched.manager.check_integrity()
+    bs = sched.manager.block_size
+    for r in sched.running:  # the invariant the scheduler's decode fast path relies on
+        assert len(sched.manager.block_ids(r.request_id)) == -(-r.num_computed_tokens // bs)
     return out, results
 
 

@@ -1,0 +1,203 @@
+"""End-to-end serving benchmark: a shared-prefix workload through jaxkv.Engine.
+
+Workload: N requests that all start with one long system prompt, each followed by a
+short question of its own, all queued at once; greedy decoding of --max-tokens tokens.
+Runs four engines on the same model and workload: cascade attention on/off x prefix
+caching on/off, and reports per engine:
+
+- generated tokens/s and total (prompt + generated) tokens/s over all step time;
+- time per step split into host (schedule + cascade plan + metadata + input arrays),
+  device (jitted forward + sampler until tokens reach the host) and update;
+- host ms per step in decode steps with at least --decode-batch requests scheduled
+  (the 1 ms goal at 256 running requests);
+- compile count (step programs the engine needed) and the time of steps that needed
+  one (excluded from the per-step figures);
+- cascade steps by level, prefix-cache hit rate, KV usage peak.
+
+Model: the `tiny` Llama preset with random weights (timings do not depend on the
+weights). Timings are measured, never asserted. Prints a table, writes JSON:
+
+    python benchmarks/serve.py --out benchmarks/results/serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig
+from jaxkv.models import Llama, LlamaConfig
+
+CONFIGS = [  # (name, enable_cascade, enable_prefix_caching)
+    ("cascade+prefix_cache", True, True),
+    ("flat+prefix_cache", False, True),
+    ("cascade+no_prefix_cache", True, False),
+    ("flat+no_prefix_cache", False, False),
+]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--system-len", type=int, default=128, help="shared system prompt tokens")
+    p.add_argument("--question-len", type=int, default=8, help="tokens of each question")
+    p.add_argument("--max-tokens", type=int, default=16, help="generated tokens per request")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--decode-batch", type=int, default=256, help="batch of the host-time goal")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
+    p.add_argument("--out", type=Path, default=None, help="JSON file to write")
+    return p.parse_args(argv)
+
+
+def workload(args) -> list[list[int]]:
+    rng = np.random.default_rng(args.seed)
+    vocab = LlamaConfig.preset(args.preset).vocab_size
+    system = rng.integers(0, vocab, args.system_len).tolist()
+    return [
+        system + rng.integers(0, vocab, args.question_len).tolist()
+        for _ in range(args.num_requests)
+    ]
+
+
+def engine_config(args, cascade: bool, prefix_caching: bool) -> EngineConfig:
+    max_len = args.system_len + args.question_len + args.max_tokens + 1
+    max_len = -(-max_len // args.block_size) * args.block_size
+    blocks_per_req = max_len // args.block_size
+    return EngineConfig(
+        cache=CacheConfig(
+            num_blocks=args.num_requests * blocks_per_req + 1,
+            block_size=args.block_size,
+            enable_prefix_caching=prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.num_requests,
+            max_model_len=max_len,
+        ),
+        enable_cascade=cascade,
+        # Few, coarse buckets: a long run compiles a handful of programs.
+        min_num_seqs_bucket=max(args.num_requests // 4, 1),
+        min_num_tokens_bucket=args.max_num_batched_tokens,
+    )
+
+
+def run_one(model, prompts, args, name, cascade, prefix_caching) -> dict:
+    engine = Engine(model, None, engine_config(args, cascade, prefix_caching))
+    params = SamplingParams(max_tokens=args.max_tokens)
+    for p in prompts:
+        engine.add_request(p, params)
+    steps = []
+    peak_usage = 0.0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps.append(engine.last_step)
+        peak_usage = max(peak_usage, engine.manager.usage)
+    wall = time.perf_counter() - t0
+    m = engine.metrics
+    warm = [s for s in steps if not s.new_program]
+    decode = [s for s in warm if s.num_tokens == s.num_requests >= args.decode_batch]
+    p50 = lambda xs: 1e3 * float(np.median(xs)) if xs else float("nan")
+    warm_s = sum(s.host_s + s.device_s + s.update_s for s in warm)
+    per_s = lambda n: n / warm_s if warm_s else float("nan")
+    return {
+        "config": name,
+        "enable_cascade": cascade,
+        "enable_prefix_caching": prefix_caching,
+        "wall_s": wall,
+        "num_steps": m.num_steps,
+        "num_warm_steps": len(warm),
+        "num_compiles": m.num_compiles,
+        "compile_step_s": sum(s.host_s + s.device_s + s.update_s for s in steps if s.new_program),
+        "generated_tokens_per_s": m.generation_tokens_per_s,
+        "tokens_per_s": m.tokens_per_s,
+        # Warm steps: tokens computed, and one generated token per decode-only request.
+        "warm_tokens_per_s": per_s(sum(s.num_tokens for s in warm)),
+        "warm_generated_tokens_per_s": per_s(
+            sum(s.num_requests for s in warm if s.num_tokens == s.num_requests)
+        ),
+        "host_ms_per_step_p50": p50([s.host_s for s in warm]),
+        "host_cpu_ms_per_step_p50": p50([s.host_cpu_s for s in warm]),
+        "device_ms_per_step_p50": p50([s.device_s for s in warm]),
+        "update_ms_per_step_p50": p50([s.update_s for s in warm]),
+        "decode_steps_at_batch": len(decode),
+        "decode_host_ms_at_batch_p50": p50([s.host_s for s in decode]),
+        "decode_host_cpu_ms_at_batch_p50": p50([s.host_cpu_s for s in decode]),
+        "decode_device_ms_at_batch_p50": p50([s.device_s for s in decode]),
+        "decode_update_ms_at_batch_p50": p50([s.update_s for s in decode]),
+        "cascade_steps": m.cascade_steps,
+        "cascade_steps_by_levels": dict(m.cascade_steps_by_levels),
+        "prefix_cache_hit_rate": m.prefix_cache_hit_rate,
+        "peak_kv_usage": peak_usage,
+        "metrics": m.as_dict(),
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    model = Llama(LlamaConfig.preset(args.preset), rngs=nnx.Rngs(args.seed))
+    prompts = workload(args)
+    chosen = set(args.configs.split(","))
+    results = [
+        run_one(model, prompts, args, name, cascade, cache)
+        for name, cascade, cache in CONFIGS
+        if name in chosen
+    ]
+    cols = [  # (header, key, format); per-step figures exclude steps that compiled
+        ("config", "config", "{}"),
+        ("tok/s", "warm_tokens_per_s", "{:>8.0f}"),
+        ("gen tok/s", "warm_generated_tokens_per_s", "{:>9.0f}"),
+        ("steps", "num_steps", "{:>5d}"),
+        ("host ms", "host_ms_per_step_p50", "{:>7.3f}"),
+        ("host cpu", "host_cpu_ms_per_step_p50", "{:>8.3f}"),
+        ("dev ms", "device_ms_per_step_p50", "{:>8.2f}"),
+        ("upd ms", "update_ms_per_step_p50", "{:>6.3f}"),
+        (f"host@{args.decode_batch}", "decode_host_ms_at_batch_p50", "{:>8.3f}"),
+        (f"cpu@{args.decode_batch}", "decode_host_cpu_ms_at_batch_p50", "{:>7.3f}"),
+        ("compiles", "num_compiles", "{:>8d}"),
+        ("compile s", "compile_step_s", "{:>9.1f}"),
+        ("cascade", "cascade_steps", "{:>7d}"),
+        ("hit rate", "prefix_cache_hit_rate", "{:>8.2f}"),
+    ]
+    print(
+        f"{args.num_requests} requests, system prompt {args.system_len} + question "
+        f"{args.question_len} tokens, {args.max_tokens} generated; backend "
+        f"{jax.default_backend()}; medians over steps that compiled nothing"
+    )
+    widths = [
+        max([len(h)] + [len(fmt.format(r[key]).strip()) for r in results]) for h, key, fmt in cols
+    ]
+    print(" ".join(h.rjust(w) for (h, _, _), w in zip(cols, widths, strict=True)))
+    for r in results:
+        cells = (fmt.format(r[key]).strip() for _, key, fmt in cols)
+        print(" ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+    print("host: schedule + plan + metadata (wall); cpu: the same in thread CPU time")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        report = {
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "backend": jax.default_backend(),
+            "device": str(jax.devices()[0]),
+            "platform": platform.platform(),
+            "python": sys.version.split()[0],
+            "jax": jax.__version__,
+            "results": results,
+        }
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
