@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 NO_PREFIX = -1  # prefix id of a column a row holds no block at
+_DIRECT_COMPARE_MAX = 1 << 16  # most prefix ids compared in one pass instead of bisecting
 ROOT_PREFIX = -1  # parent of column 0
 
 
@@ -102,10 +103,10 @@ def shared_prefix_of_rows(
     shortest row's length, then gallop downward, then bisect), which bounds the answer
     from above. One vectorised probe over all R rows at that bound confirms it in the
     usual case (every scheduled request shares the prefix); otherwise only the D rows
-    that disagree there are searched. Cost: O(R + (D + 8) log C) numpy work, no Python
-    loop over rows or blocks. Exact: prefix ids are exact identities, and the -1 fill
-    makes a row that lacks column k fail every probe at k. A column-major `prefix_ids`
-    makes each probe read contiguous memory.
+    that disagree there are compared. Cost: O(R + 8 log C + D C) numpy work (D log C
+    when D C is large), no Python loop over rows or blocks. Exact: prefix ids are exact
+    identities, and the -1 fill makes a row that lacks column k fail every probe at k.
+    A column-major `prefix_ids` makes each probe read contiguous memory.
     """
     if len(rows) <= 1:
         return int(num_blocks_of_row[rows[0]]) if len(rows) else 0
@@ -130,6 +131,12 @@ def _shared_prefix(
     if not differs.any():
         return bound
     odd = np.concatenate([rows[:1], rows[differs]])
+    if len(odd) * bound <= _DIRECT_COMPARE_MAX:
+        # Few odd rows: compare them with rows[0] along the columns in one pass; equality
+        # of prefix ids is a prefix property, so each row's count of equal columns is
+        # its shared prefix with rows[0].
+        block = prefix_ids[odd, : bound - 1]
+        return int(np.count_nonzero(block == block[0], axis=1).min())
     return _search(prefix_ids, odd, bound - 1, gallop=False)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxkv import KVCacheManager, RequestStatus, longest_common_prefix
+from jaxkv import KVCacheManager, RequestStatus, longest_common_prefix, prefix_index
 from jaxkv.prefix_index import PrefixInterner
 from tests.host._util import make_request, prefill, ref_counts
 
@@ -161,8 +161,10 @@ def test_longest_common_prefix_edge_cases():
     assert longest_common_prefix(table, np.array([3, 3, 3], np.int32)) == 1
 
 
+@pytest.mark.parametrize("direct_compare_max", [1 << 16, 0])
 @pytest.mark.parametrize("seed", range(12))
-def test_longest_common_prefix_many_rows_with_few_divergent(seed):
+def test_longest_common_prefix_many_rows_with_few_divergent(seed, direct_compare_max, monkeypatch):
+    monkeypatch.setattr(prefix_index, "_DIRECT_COMPARE_MAX", direct_compare_max)
     # R > 32 exercises the sampled bound, the one full probe and the search over the rows
     # that disagree, with divergent rows placed anywhere (mostly outside the sample).
     rng = np.random.default_rng(100 + seed)
