@@ -1,0 +1,439 @@
+"""Serve a shared-prefix workload with jaxkv's Engine, with cascade attention on and off.
+
+The workload is what a chat service sees: every request starts with the same long
+preamble, then one of two system prompts with its few-shot block, then a short question
+of its own. jaxkv's prefix cache stores each shared block once, and its cascade planner
+finds, every step, the exact prefix the scheduled requests share: the common preamble
+(level "global") and each system prompt's block (level "groups"), which attention then
+reads once per group instead of once per request.
+
+The workload runs twice on the same model, cascade on then off; the generated tokens
+must be identical (cascade is exact), and a table compares the two runs.
+
+    python examples/serve_shared_prefix.py                     # tiny trained model, CPU
+    python examples/serve_shared_prefix.py --num-requests 8 --max-tokens 8
+    python examples/serve_shared_prefix.py --preset llama3_2_1b --backend pallas_tpu
+
+With no arguments it serves the `tiny` byte-level Llama trained on the novel Botchan
+(examples/train_tiny_lm.py) from the checkpoint shipped in the repository. The model is
+a toy: it continues the text in the style of the novel rather than answering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
+from jaxkv.cascade import CascadeCostModel  # noqa: E402
+from jaxkv.models import ByteTokenizer, Llama, LlamaConfig, load_checkpoint  # noqa: E402
+
+SHIPPED_CHECKPOINT = REPO / "examples" / "checkpoints" / "tiny"
+CACHED_CHECKPOINT = REPO / ".cache" / "tiny_lm"  # git-ignored; written when none is shipped
+
+# Shared by every request: level "global" of the cascade plan.
+PREAMBLE = (
+    "You are a reading companion for the novel Botchan by Natsume Soseki, in the 1919 "
+    "translation. Answer each question about its people, places and events in one or two "
+    "plain sentences, and never invent a scene that is not in the book.\n"
+)
+# One per group: level "groups" (a system prompt followed by its few-shot block).
+SYSTEM_PROMPTS = (
+    "System: speak as the narrator himself, a quick-tempered and honest young man from "
+    "Tokyo who has just become a mathematics teacher in a country middle school.\n",
+    "System: speak as Kiyo, the old servant who raised the narrator, gentle and proud of "
+    "him, who waits in Tokyo for his letters and believes he will be a great man.\n",
+)
+FEW_SHOT = (
+    ("Who gave the narrator three yen?", "Kiyo did, and he never paid her back."),
+    ("Where does the narrator teach?", "At a middle school in a small town in Shikoku."),
+    ("What does the narrator call the head teacher?", "He calls him Red Shirt."),
+    ("Who is Porcupine?", "The chief mathematics teacher, a brave and honest man."),
+    ("What did the students write on the blackboard?", "Four bowls of tempura, to tease."),
+    ("Where does the narrator bathe?", "At the hot springs, nearly every evening."),
+    ("Who is Hubbard Squash?", "A pale, gentle English teacher who is sent away."),
+    ("How does the narrator leave the town?", "By steamer, and he never goes back."),
+)
+NAMES = ("the narrator", "Kiyo", "Red Shirt", "Porcupine", "Hubbard Squash", "the landlady")
+TOPICS = (
+    "the school",
+    "the hot springs",
+    "the tempura",
+    "the night duty",
+    "Tokyo",
+    "the students",
+    "the fishing trip",
+    "Madonna",
+)
+QUESTIONS = (
+    "What does {name} think of {topic}?",
+    "What did {name} say about {topic}?",
+    "Why does {name} talk about {topic}?",
+    "When does {name} first see {topic}?",
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Prints a progress bar per run, a few generated samples and a summary table.",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("xla", "pallas_tpu", "pallas_gpu"),
+        default=None,
+        help="attention backend (default: the platform's: pallas_tpu on TPU, pallas_gpu on "
+        "GPU, xla on CPU)",
+    )
+    p.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
+    p.add_argument(
+        "--prefix-len",
+        type=int,
+        default=384,
+        help="tokens every request shares before its question: the common preamble "
+        "(a third) plus its group's system prompt and few-shot block",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=32,
+        help="most tokens generated per request (greedy; a newline also stops)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="jaxkv checkpoint directory for --preset tiny, or 'random' for random weights "
+        f"(default: {SHIPPED_CHECKPOINT.relative_to(REPO)}, else train one into "
+        f"{CACHED_CHECKPOINT.relative_to(REPO)})",
+    )
+    p.add_argument(
+        "--preset",
+        choices=("tiny", "llama3_2_1b", "llama3_8b"),
+        default="tiny",
+        help="model shape; the Llama-3 presets use random weights (for timing on TPU/GPU)",
+    )
+    p.add_argument(
+        "--no-cascade",
+        action="store_true",
+        help="run only with cascade attention off (no comparison run)",
+    )
+    p.add_argument(
+        "--always-cascade",
+        action="store_true",
+        help="plan cascade whenever two scheduled requests share a block, instead of when "
+        "the backend's cost model says it pays (small workloads)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--interpret",
+        action="store_true",
+        help="run the Pallas kernels in interpret mode (a Pallas backend on the CPU)",
+    )
+    p.add_argument("--samples", type=int, default=3, help="generated samples to print")
+    p.add_argument("--seed", type=int, default=0, help="seed of the question order")
+    args = p.parse_args(argv)
+    for name in ("num_requests", "prefix_len", "max_tokens", "block_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.prefix_len < 6:
+        p.error("--prefix-len must be >= 6 (preamble and system prompt need some tokens)")
+    return args
+
+
+# ----------------------------------------------------------------------------- workload
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    group: int  # which system prompt
+    question: str
+    token_ids: list[int]
+
+
+def _fit(text: str, n: int) -> str:
+    """`text` repeated or cut to exactly n characters (all ASCII: n byte tokens)."""
+    return (text * (n // len(text) + 1))[:n]
+
+
+def shared_prefixes(prefix_len: int) -> list[str]:
+    """The two prefixes: one common preamble (a third), then a group's prompt and examples."""
+    preamble = _fit(PREAMBLE, prefix_len // 3)
+    examples = "".join(f"Q: {q}\nA: {a}\n" for q, a in FEW_SHOT)
+    return [preamble + _fit(s + examples, prefix_len - len(preamble)) for s in SYSTEM_PROMPTS]
+
+
+def workload(num_requests: int, prefix_len: int, seed: int) -> list[Prompt]:
+    """Requests alternating between the two system prompts, each with its own question."""
+    tok = ByteTokenizer()
+    prefixes = shared_prefixes(prefix_len)
+    questions = [
+        t.format(name=n, topic=c) for t, n, c in itertools.product(QUESTIONS, NAMES, TOPICS)
+    ]
+    rng = np.random.default_rng(seed)
+    picked = rng.permutation(len(questions))
+    prompts = []
+    for i in range(num_requests):
+        question = questions[picked[i % len(questions)]]
+        if i >= len(questions):  # more requests than distinct questions: keep them distinct
+            question = f"{question} ({i // len(questions) + 1})"
+        group = i % 2
+        text = prefixes[group] + f"Q: {question}\nA:"
+        prompts.append(Prompt(group, question, tok.encode(text)))
+    return prompts
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def load_model(args: argparse.Namespace, console: Console) -> tuple[Llama, str]:
+    """The model to serve and a line saying where its weights came from."""
+    if args.preset != "tiny" or args.checkpoint == "random":
+        config = LlamaConfig.preset(args.preset)
+        return Llama(config, rngs=nnx.Rngs(args.seed)), f"{args.preset}, random weights"
+    path = Path(args.checkpoint) if args.checkpoint else _default_checkpoint(console)
+    return load_checkpoint(path), f"tiny, trained checkpoint {path}"
+
+
+def _default_checkpoint(console: Console) -> Path:
+    for path in (SHIPPED_CHECKPOINT, CACHED_CHECKPOINT):
+        if (path / "params.msgpack").exists():
+            return path
+    console.print(f"No tiny checkpoint found: training one into {CACHED_CHECKPOINT} first.")
+    import train_tiny_lm  # examples/ is on sys.path when this file runs as a script
+
+    train_tiny_lm.main([str(CACHED_CHECKPOINT)])
+    return CACHED_CHECKPOINT
+
+
+# ----------------------------------------------------------------------------- serving
+
+
+@dataclasses.dataclass
+class RunResult:
+    name: str
+    outputs: list[tuple[int, ...]]  # generated token ids, per prompt in workload order
+    wall_s: float
+    steps: int
+    compile_steps: int  # steps that needed a program the engine had not run before
+    warm_tokens: int  # tokens generated by the other steps
+    warm_s: float  # and their step time
+    peak_blocks: int  # KV blocks held at once, at most
+    metrics: object  # jaxkv.EngineMetrics
+
+
+def engine_config(args: argparse.Namespace, prompts: list[Prompt], cascade: bool) -> EngineConfig:
+    bs = args.block_size
+    longest = max(len(p.token_ids) for p in prompts) + args.max_tokens
+    max_model_len = math.ceil(longest / bs) * bs
+    # Room for the whole workload without any sharing: never a preemption.
+    num_blocks = sum(math.ceil((len(p.token_ids) + args.max_tokens) / bs) for p in prompts) + 1
+    max_num_seqs = len(prompts)
+    # Token budget per step: a power of two, at least 4 tokens per request and 64.
+    max_tokens_per_step = max(64, 2 ** math.ceil(math.log2(4 * max_num_seqs)))
+    # Static bounds on one sequence's query tokens: decode (1); a cascade group of decodes
+    # (at most one token per request); anything else. Few programs, and no decode step pays
+    # for prefill-sized padding.
+    decode_group = 2 ** math.ceil(math.log2(max_num_seqs))
+    q_len_buckets = tuple(sorted({1, min(decode_group, max_tokens_per_step), max_tokens_per_step}))
+    if jax.default_backend() == "cpu":
+        # Compiling dominates a CPU run and padding tokens costs little: one token bucket.
+        min_tokens = max_tokens_per_step
+    else:
+        min_tokens = min(64, max_tokens_per_step)  # power-of-two token buckets
+    always = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0.0)
+    return EngineConfig(
+        cache=CacheConfig(num_blocks=num_blocks, block_size=bs),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max_tokens_per_step,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+        ),
+        backend=args.backend,
+        interpret=args.interpret,
+        enable_cascade=cascade,
+        cascade_cost_model=always if args.always_cascade else None,
+        max_cascade_groups=2,
+        min_num_tokens_bucket=min_tokens,
+        min_num_seqs_bucket=max_num_seqs,
+        min_pages_bucket=max_model_len // bs,
+        q_len_buckets=q_len_buckets,
+        pad_cascade_levels=True,
+    )
+
+
+def serve(
+    model: Llama, prompts: list[Prompt], args: argparse.Namespace, cascade: bool, console
+) -> RunResult:
+    """Runs every prompt to completion on a fresh engine; all are queued at once."""
+    engine = Engine(model, None, engine_config(args, prompts, cascade))
+    tok = ByteTokenizer()
+    params = SamplingParams(max_tokens=args.max_tokens, stop_token_ids=(ord("\n"), tok.eos_id))
+    ids = [engine.add_request(p.token_ids, params) for p in prompts]
+    index = {rid: i for i, rid in enumerate(ids)}
+    outputs: list[list[int]] = [[] for _ in prompts]
+    held = lambda: engine.manager.pool.num_blocks - 1 - engine.manager.num_free_blocks
+    result = RunResult("cascade on" if cascade else "cascade off", [], 0.0, 0, 0, 0, 0.0, 0, None)
+    progress = Progress(
+        TextColumn(f"{result.name:<12}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("requests  {task.fields[tokens]} tokens"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    start = time.perf_counter()
+    with progress:
+        task = progress.add_task("serve", total=len(prompts), tokens=0)
+        while engine.has_unfinished_requests():
+            step_outputs = engine.step()
+            if not step_outputs:
+                continue
+            result.peak_blocks = max(result.peak_blocks, held())
+            stats = engine.last_step
+            result.steps += 1
+            if stats.new_program:
+                result.compile_steps += 1
+            else:
+                result.warm_tokens += len(step_outputs)
+                result.warm_s += stats.host_s + stats.device_s + stats.update_s
+            for o in step_outputs:
+                outputs[index[o.request_id]].extend(o.new_token_ids)
+            finished = sum(o.finished for o in step_outputs)
+            total_tokens = progress.tasks[0].fields["tokens"] + len(step_outputs)
+            progress.update(task, advance=finished, tokens=total_tokens)
+    result.wall_s = time.perf_counter() - start
+    result.outputs = [tuple(o) for o in outputs]
+    result.metrics = engine.metrics
+    return result
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def blocks_without_sharing(prompts: list[Prompt], runs: list[RunResult], block_size: int) -> int:
+    """KV blocks the workload holds when no request shares a block with another."""
+    lengths = [len(p.token_ids) + len(o) for p, o in zip(prompts, runs[0].outputs, strict=True)]
+    return sum(math.ceil(n / block_size) for n in lengths)
+
+
+def summary_rows(
+    prompts: list[Prompt], runs: list[RunResult], block_size: int
+) -> list[tuple[str, ...]]:
+    unshared = blocks_without_sharing(prompts, runs, block_size)
+    rows = []
+
+    def row(label: str, fn) -> None:
+        rows.append((label, *(fn(r, r.metrics) for r in runs)))
+
+    row("requests", lambda r, m: f"{len(prompts)}")
+    row("tokens generated", lambda r, m: f"{m.num_generated_tokens}")
+    row("prompt tokens computed", lambda r, m: f"{m.num_prompt_tokens}")
+    row("wall time", lambda r, m: f"{r.wall_s:.1f} s")
+    row("tokens/s (wall, with compiles)", lambda r, m: f"{m.num_generated_tokens / r.wall_s:.1f}")
+    row(
+        "tokens/s (steps without compile)",
+        lambda r, m: f"{r.warm_tokens / r.warm_s:.1f}" if r.warm_s else "-",
+    )
+    row("prefix-cache hit rate", lambda r, m: f"{m.prefix_cache_hit_rate:.1%}")
+    row("steps", lambda r, m: f"{m.num_steps}")
+    row("steps using cascade", lambda r, m: f"{m.cascade_steps / max(m.num_steps, 1):.0%}")
+    row("  by levels", lambda r, m: _levels(m))
+    row(
+        "KV blocks held at peak / unshared",
+        lambda r, m: f"{r.peak_blocks} / {unshared} ({r.peak_blocks / unshared:.0%})",
+    )
+    row("step programs compiled", lambda r, m: f"{m.num_compiles}")
+    return rows
+
+
+def _levels(m) -> str:
+    by = dict(m.cascade_steps_by_levels)
+    if not by:
+        return "-"
+    names = {"global": "1 (global)", "groups": "1 (groups)", "global+groups": "2"}
+    return ", ".join(f"{names.get(k, k)}: {v}" for k, v in sorted(by.items()))
+
+
+def print_samples(console: Console, prompts: list[Prompt], run: RunResult, n: int) -> None:
+    tok = ByteTokenizer()
+    by_group = [[i for i, p in enumerate(prompts) if p.group == g] for g in (0, 1)]
+    shown = sorted(by_group[0][: (n + 1) // 2] + by_group[1][: n // 2])
+    for i in shown:
+        p = prompts[i]
+        console.print(f"[{'AB'[p.group]}] Q: {p.question}")
+        console.print(f"    A:{tok.decode(list(run.outputs[i]))}", markup=False, highlight=False)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Runs the example; returns the summary figures (also printed) for scripts and tests."""
+    args = parse_args(argv)
+    console = Console(highlight=False)
+    model, source = load_model(args, console)
+    prompts = workload(args.num_requests, args.prefix_len, args.seed)
+    lengths = [len(p.token_ids) for p in prompts]
+    cfg = engine_config(args, prompts, True)
+    console.print(
+        f"model: {source}\n"
+        f"workload: {len(prompts)} requests, 2 system prompts; prompts {min(lengths)}-"
+        f"{max(lengths)} tokens of which {args.prefix_len} shared ({args.prefix_len // 3} by "
+        f"all, the rest by each system prompt's group); up to {args.max_tokens} new tokens\n"
+        f"engine: backend {cfg.backend or 'default'}, {cfg.cache.num_blocks - 1} KV blocks of "
+        f"{args.block_size} tokens, up to {cfg.scheduler.max_num_seqs} requests and "
+        f"{cfg.scheduler.max_num_batched_tokens} tokens per step"
+    )
+    modes = [False] if args.no_cascade else [True, False]
+    runs = [serve(model, prompts, args, cascade, console) for cascade in modes]
+
+    console.print("\nsamples (greedy):")
+    print_samples(console, prompts, runs[0], args.samples)
+
+    table = Table(title="\nshared-prefix serving")
+    table.add_column("")
+    for r in runs:
+        table.add_column(r.name, justify="right")
+    for row in summary_rows(prompts, runs, args.block_size):
+        table.add_row(*row)
+    console.print(table)
+    console.print(
+        "unshared: blocks the same requests hold without prefix sharing, the sum of "
+        "ceil(context / block size).\nstep programs are compiled once per model and shape; "
+        "a later run reuses those an earlier run compiled."
+    )
+    identical = len(runs) == 2 and runs[0].outputs == runs[1].outputs
+    if len(runs) == 2:
+        differ = sum(a != b for a, b in zip(runs[0].outputs, runs[1].outputs, strict=True))
+        console.print(
+            "generated tokens identical with cascade on and off: "
+            + ("yes" if identical else f"NO ({differ} of {len(prompts)} requests differ)")
+        )
+    first = runs[0].metrics
+    return {
+        "num_requests": len(prompts),
+        "runs": {r.name: r.metrics.as_dict() | {"peak_blocks": r.peak_blocks} for r in runs},
+        "prefix_cache_hit_rate": first.prefix_cache_hit_rate,
+        "cascade_steps": first.cascade_steps,
+        "cascade_steps_by_levels": dict(first.cascade_steps_by_levels),
+        "num_steps": first.num_steps,
+        "blocks_without_sharing": blocks_without_sharing(prompts, runs, args.block_size),
+        "outputs_identical": identical,
+        "outputs": runs[0].outputs,
+    }
+
+
+if __name__ == "__main__":
+    main()

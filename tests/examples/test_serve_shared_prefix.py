@@ -1,0 +1,82 @@
+"""The main job (examples/serve_shared_prefix.py) end to end with small flags."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    return module
+
+
+@pytest.fixture(scope="module")
+def serve():
+    return _load("serve_shared_prefix")
+
+
+SMALL = ["--num-requests", "6", "--prefix-len", "64", "--max-tokens", "4", "--always-cascade"]
+
+
+def test_small_run_shares_prefixes_uses_cascade_and_matches_flat_attention(serve, capsys):
+    summary = serve.main([*SMALL, "--checkpoint", "random"])
+    out = capsys.readouterr().out
+
+    assert summary["num_requests"] == 6
+    # Every request after the first of its group finds its group's prefix cached.
+    assert summary["prefix_cache_hit_rate"] > 0
+    assert 0 < summary["cascade_steps"] <= summary["num_steps"]
+    # Two system prompts under one preamble: both levels appear in some step.
+    assert "global+groups" in summary["cascade_steps_by_levels"]
+    assert summary["outputs_identical"]
+    runs = summary["runs"]
+    assert runs["cascade off"]["cascade_steps"] == 0
+    assert runs["cascade on"]["num_generated_tokens"] == sum(map(len, summary["outputs"])) > 0
+    # Shared blocks are held once: fewer than the workload needs without sharing.
+    assert runs["cascade on"]["peak_blocks"] < summary["blocks_without_sharing"]
+
+    assert "generated tokens identical with cascade on and off: yes" in out
+    for label in ("prefix-cache hit rate", "steps using cascade", "KV blocks held", "tokens/s"):
+        assert label in out
+
+
+def test_workload_has_two_system_prompts_under_one_preamble(serve):
+    prompts = serve.workload(num_requests=10, prefix_len=96, seed=0)
+    a = [p.token_ids for p in prompts if p.group == 0]
+    b = [p.token_ids for p in prompts if p.group == 1]
+    assert len(a) == len(b) == 5
+    assert all(p[:96] == a[0][:96] for p in a) and all(p[:96] == b[0][:96] for p in b)
+    assert a[0][:32] == b[0][:32] and a[0][32:96] != b[0][32:96]
+    assert len({p.question for p in prompts}) == 10  # distinct questions
+    assert all(p.token_ids[96:99] == list(b"Q: ") for p in prompts)
+
+
+def test_help_lists_every_flag(serve, capsys):
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for flag in (
+        "--backend",
+        "--num-requests",
+        "--prefix-len",
+        "--max-tokens",
+        "--checkpoint",
+        "--no-cascade",
+        "--seed",
+        "--preset",
+        "--interpret",
+    ):
+        assert flag in text
