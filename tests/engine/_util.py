@@ -24,6 +24,10 @@ MAX_TOKENS_PER_STEP = 64
 MAX_SEQS = 8
 VOCAB = 256
 ORACLE_BATCH = 8
+# Two cache sizes only (the cache shape is part of every compiled program): roomy, and
+# tight enough to force preemption and device-cache eviction.
+ROOMY_BLOCKS = 96
+TIGHT_BLOCKS = 24
 MIN_MARGIN = 2e-5  # smallest top-2 logit gap the oracle accepts; logits have std ~0.16, and
 # the attention paths differ by ~1e-6, so a smaller gap could let float noise pick the token
 
@@ -52,10 +56,11 @@ def make_engine(
     *,
     cascade: bool = True,
     prefix_caching: bool = True,
-    num_blocks: int = 96,
+    num_blocks: int = ROOMY_BLOCKS,
     connector=None,
     max_num_seqs: int = MAX_SEQS,
 ) -> Engine:
+    assert num_blocks in (ROOMY_BLOCKS, TIGHT_BLOCKS), "keep the number of programs small"
     config = EngineConfig(
         cache=CacheConfig(
             num_blocks=num_blocks, block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching

@@ -9,6 +9,7 @@ from jaxkv import RequestStatus, SamplingParams
 from jaxkv.kv_transfer import HostOffloadConnector
 from tests.engine._util import (
     MAX_MODEL_LEN,
+    TIGHT_BLOCKS,
     VOCAB,
     assert_all_blocks_free,
     dense_greedy,
@@ -24,7 +25,7 @@ def _collect(engine, tokens, outputs):
 
 def test_preemption_under_a_tiny_block_budget_gives_identical_outputs():
     prompts = prompts_for("shared", seed=2) + prompts_for("none", seed=2)[:2]
-    engine = make_engine(num_blocks=20)
+    engine = make_engine(num_blocks=TIGHT_BLOCKS)
     outs = engine.generate(prompts, SamplingParams(max_tokens=10), progress=False)
     assert engine.metrics.num_preemptions > 0
     assert engine.metrics.cascade_steps > 0
@@ -37,7 +38,7 @@ def test_abort_in_every_state_frees_everything_and_others_stay_exact():
     rand = lambda n: rng.integers(0, VOCAB, n).tolist()
     prefix = rand(16)
     connector = HostOffloadConnector(1 << 24, copy_delay_steps=3)
-    engine = make_engine(num_blocks=24, connector=connector)
+    engine = make_engine(num_blocks=TIGHT_BLOCKS, connector=connector)
     sched = engine.scheduler
     tokens: dict[str, list[int]] = {}
 
@@ -68,7 +69,7 @@ def test_abort_in_every_state_frees_everything_and_others_stay_exact():
     assert sched.requests[finisher].status == RequestStatus.FINISHED_TRANSFERRING
     assert not engine.abort(finisher)
 
-    # Two long requests overflow the 23 blocks: the later one is preempted.
+    # Two long requests overflow the 23 usable blocks: the later one is preempted.
     hogs = [engine.add_request(rand(20), SamplingParams(max_tokens=40)) for _ in range(2)]
     preempted = None
     for _ in range(60):

@@ -14,7 +14,13 @@ import numpy as np
 
 from jaxkv import Request, RequestStatus, SamplingParams
 from jaxkv.kv_transfer import HostOffloadConnector
-from tests.engine._util import VOCAB, assert_all_blocks_free, dense_greedy, make_engine
+from tests.engine._util import (
+    TIGHT_BLOCKS,
+    VOCAB,
+    assert_all_blocks_free,
+    dense_greedy,
+    make_engine,
+)
 
 HOST_BYTES = 1 << 24
 
@@ -99,7 +105,7 @@ def test_prefix_evicted_from_device_comes_back_from_host_store():
     prefix = _rand(rng, 24)
     first, second = prefix + _rand(rng, 3), prefix + _rand(rng, 2)
     connector = HostOffloadConnector(HOST_BYTES, copy_delay_steps=1)
-    engine = make_engine(num_blocks=40, connector=connector)
+    engine = make_engine(num_blocks=TIGHT_BLOCKS, connector=connector)
     out1 = engine.generate([first], SamplingParams(max_tokens=6), progress=False)
     engine.drain_transfers()
     probe = Request("probe", second)
