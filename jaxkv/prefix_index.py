@@ -136,7 +136,7 @@ def _shared_prefix(
         # of prefix ids is a prefix property, so each row's count of equal columns is
         # its shared prefix with rows[0].
         block = prefix_ids[odd, : bound - 1]
-        return int(np.count_nonzero(block == block[0], axis=1).min())
+        return int((block[1:] == block[0]).sum(axis=1).min())
     return _search(prefix_ids, odd, bound - 1, gallop=False)
 
 
