@@ -16,7 +16,6 @@ shared by every engine over the same model graph.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import time
@@ -27,8 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.attention import default_backend
-from jaxkv.batch import AttentionMetadata, LevelMetadata, build_attention_metadata
-from jaxkv.buckets import padded_size
+from jaxkv.batch import build_attention_metadata
 from jaxkv.cascade import AttentionShape, CascadePlanner
 from jaxkv.config import EngineConfig
 from jaxkv.kv_cache_manager import KVCacheManager
@@ -39,6 +37,7 @@ from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.request import Request, SamplingParams
 from jaxkv.sampler import sample, sampling_arrays, sampling_row
 from jaxkv.scheduler import Scheduler
+from jaxkv.step_inputs import coarsen_metadata, gather_input_ids, program_key
 
 
 @functools.lru_cache(maxsize=8)
@@ -57,24 +56,6 @@ def _step_program(graphdef: nnx.GraphDef, state_treedef) -> Callable:
         return sample(logits, *sampling), kv_caches
 
     return program
-
-
-def _pad_level(level: LevelMetadata, num_seqs: int) -> LevelMetadata:
-    """The same cascade level with `num_seqs` sequence slots (extra ones empty)."""
-    extra = num_seqs - level.kv_lens.shape[0]
-    if extra <= 0:
-        return level
-    return dataclasses.replace(
-        level,
-        cu_q_lens=np.pad(level.cu_q_lens, (0, extra), mode="edge"),
-        kv_lens=np.pad(level.kv_lens, (0, extra)),
-        page_indices=np.pad(level.page_indices, ((0, extra), (0, 0))),
-    )
-
-
-def _program_key(metadata: AttentionMetadata) -> tuple:
-    leaves, treedef = jax.tree.flatten(metadata)
-    return treedef, tuple(leaf.shape for leaf in leaves)
 
 
 class Engine:
@@ -219,11 +200,15 @@ class Engine:
             backend=self.backend,
             interpret=self.config.interpret,
         )
-        md = self._coarsen(md)
-        input_ids = self._input_ids(out.requests, order, query_lens, num_computed, md)
+        md = coarsen_metadata(
+            md,
+            self.config.q_len_buckets,
+            self.buckets.level_seq_buckets[-1] if self.config.pad_cascade_levels else None,
+        )
+        input_ids = gather_input_ids(out.requests, order, query_lens, num_computed, md)
         rows = [self._sampling[out.request_ids[i]] for i in order.tolist()]
         sampling = sampling_arrays(rows, num_computed + query_lens, md.max_num_seqs)
-        key = _program_key(md)
+        key = program_key(md)
         new_program = key not in self._programs
         if new_program:
             self._programs.add(key)
@@ -256,43 +241,6 @@ class Engine:
             m["cascade_tokens"] += num_tokens
             self._levels[levels] = self._levels.get(levels, 0) + 1
         return outputs
-
-    def _coarsen(self, md: AttentionMetadata) -> AttentionMetadata:
-        """Re-pads static bounds to the config's coarser buckets (fewer programs)."""
-        qb = self.config.q_len_buckets
-        pad_levels = self.config.pad_cascade_levels
-        if qb is None and not pad_levels:
-            return md
-        q_bucket = (lambda n: n) if qb is None else functools.partial(padded_size, qb)
-        num_level_seqs = self.buckets.level_seq_buckets[-1]
-        levels = tuple(
-            dataclasses.replace(
-                _pad_level(lv, num_level_seqs) if pad_levels else lv,
-                max_q_len=q_bucket(lv.max_q_len),
-            )
-            for lv in md.levels
-        )
-        return dataclasses.replace(md, max_q_len=q_bucket(md.max_q_len), levels=levels)
-
-    @staticmethod
-    def _input_ids(requests, order, query_lens, num_computed, md) -> np.ndarray:
-        ids = np.zeros(md.max_num_tokens, np.int32)
-        total = int(query_lens.sum())
-        if total == len(order):  # decode only: one token per request
-            ids[:total] = [
-                requests[i].all_token_ids[c]
-                for i, c in zip(order.tolist(), num_computed.tolist(), strict=True)
-            ]
-        else:
-            ids[:total] = list(
-                itertools.chain.from_iterable(
-                    requests[i].all_token_ids[c : c + q]
-                    for i, c, q in zip(
-                        order.tolist(), num_computed.tolist(), query_lens.tolist(), strict=True
-                    )
-                )
-            )
-        return ids
 
     # ----------------------------------------------------------------- driving
 

@@ -1,0 +1,86 @@
+"""Host-side pieces of one engine step's jit inputs: token ids, coarser buckets, program keys."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jaxkv.batch import AttentionMetadata, LevelMetadata
+from jaxkv.buckets import padded_size
+from jaxkv.request import Request
+
+
+def pad_level(level: LevelMetadata, num_seqs: int) -> LevelMetadata:
+    """The same cascade level with `num_seqs` sequence slots (extra ones empty)."""
+    extra = num_seqs - level.kv_lens.shape[0]
+    if extra <= 0:
+        return level
+    return dataclasses.replace(
+        level,
+        cu_q_lens=np.pad(level.cu_q_lens, (0, extra), mode="edge"),
+        kv_lens=np.pad(level.kv_lens, (0, extra)),
+        page_indices=np.pad(level.page_indices, ((0, extra), (0, 0))),
+    )
+
+
+def program_key(metadata: AttentionMetadata) -> tuple:
+    """Identifies the compiled program a metadata pytree needs (structure + shapes)."""
+    leaves, treedef = jax.tree.flatten(metadata)
+    return treedef, tuple(leaf.shape for leaf in leaves)
+
+
+def coarsen_metadata(
+    md: AttentionMetadata,
+    q_len_buckets: tuple[int, ...] | None,
+    level_seqs: int | None,
+) -> AttentionMetadata:
+    """Re-pads static bounds to coarser buckets, so fewer programs compile.
+
+    `q_len_buckets` bounds every pass's max_q_len; `level_seqs` pads each cascade level
+    to that many sequence slots. None leaves that part as built.
+    """
+    if q_len_buckets is None and level_seqs is None:
+        return md
+    q_bucket = (
+        (lambda n: n) if q_len_buckets is None else functools.partial(padded_size, q_len_buckets)
+    )
+    levels = tuple(
+        dataclasses.replace(
+            lv if level_seqs is None else pad_level(lv, level_seqs),
+            max_q_len=q_bucket(lv.max_q_len),
+        )
+        for lv in md.levels
+    )
+    return dataclasses.replace(md, max_q_len=q_bucket(md.max_q_len), levels=levels)
+
+
+def gather_input_ids(
+    requests: Sequence[Request],
+    order: np.ndarray,  # i32[R] batch position -> index into requests
+    query_lens: np.ndarray,  # i32[R] in batch order
+    num_computed: np.ndarray,  # i32[R] in batch order
+    md: AttentionMetadata,
+) -> np.ndarray:  # i32[max_num_tokens]
+    """The step's token ids in batch order, padded with 0 to md.max_num_tokens."""
+    ids = np.zeros(md.max_num_tokens, np.int32)
+    total = int(query_lens.sum())
+    if total == len(order):  # decode only: one token per request
+        ids[:total] = [
+            requests[i].all_token_ids[c]
+            for i, c in zip(order.tolist(), num_computed.tolist(), strict=True)
+        ]
+    else:
+        ids[:total] = list(
+            itertools.chain.from_iterable(
+                requests[i].all_token_ids[c : c + q]
+                for i, c, q in zip(
+                    order.tolist(), num_computed.tolist(), query_lens.tolist(), strict=True
+                )
+            )
+        )
+    return ids
