@@ -157,15 +157,14 @@ class HostOffloadConnector(KVConnector):
             return False
         hashes = request.update_block_hashes(self._block_size, self._hash_seed)
         num_full = min(request.num_computed_tokens // self._block_size, len(block_ids))
-        picked = [
-            (block_ids[i], hashes[i])
-            for i in range(num_full)
-            if hashes[i] not in self._store and hashes[i] not in self._saving
-        ]
+        picked = []
+        for i in range(num_full):
+            h = hashes[i]
+            if h in self._store:
+                self._store.move_to_end(h)  # used again: refresh its LRU position
+            elif h not in self._saving:
+                picked.append((block_ids[i], h))
         if not picked:
-            for h in hashes[:num_full]:  # already stored: refresh their LRU position
-                if h in self._store:
-                    self._store.move_to_end(h)
             return False
         ids = [b for b, _ in picked]
         new_hashes = [h for _, h in picked]

@@ -182,3 +182,16 @@ def test_constructor_validates_and_unbound_use_raises():
     add(sched, "a", range(1, 10), max_tokens=1)
     with pytest.raises(RuntimeError, match="bind"):
         step(sched)
+
+
+def test_finishing_again_refreshes_stored_blocks_in_the_lru():
+    sched, conn, copier = setup(host_blocks=4)
+    r0 = add(sched, "r0", range(1, 10), max_tokens=1)
+    r1 = add(sched, "r1", range(20, 29), max_tokens=1)
+    run_until_idle(sched, copier)
+    add(sched, "r2", list(range(1, 9)) + [99], max_tokens=1)  # r0's two blocks again
+    run_until_idle(sched, copier)
+    r3 = add(sched, "r3", range(40, 49), max_tokens=1)
+    run_until_idle(sched, copier)
+    assert conn.stored_hashes() == r0.block_hashes[:2] + r3.block_hashes[:2]
+    assert not set(r1.block_hashes) & set(conn.stored_hashes())
