@@ -1,0 +1,432 @@
+"""Device-mesh checks on 8 CPU host devices, run in their own process.
+
+XLA_FLAGS must hold --xla_force_host_platform_device_count=8 before jax is imported, and
+the rest of the test suite imports jax in the pytest process, so tests/sharding/test_mesh.py
+runs `python -m tests.sharding.mesh_checks --json PATH` and asserts each check's result.
+Run it by hand the same way; `--only NAME` runs one check. Every check prints what it
+compared; a failure prints its traceback and the process exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+
+FLAGS = (
+    "--xla_force_host_platform_device_count=8",
+    # Compile time dominates these checks; LLVM's optimisations do not change their results.
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
+)
+for _flag in FLAGS:
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxkv import SamplingParams, sharding  # noqa: E402
+from jaxkv.attention import paged_attention, write_kv  # noqa: E402
+from jaxkv.batch import build_attention_metadata  # noqa: E402
+from jaxkv.buckets import BucketConfig  # noqa: E402
+from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlanner  # noqa: E402
+from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from jaxkv.models import Llama, LlamaConfig, make_paged_forward  # noqa: E402
+from jaxkv.models.llama import _paged_step  # noqa: E402
+from tests.attention import workload  # noqa: E402
+
+TP_SIZES = (1, 2, 4, 8)
+ALWAYS = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0.0)
+BLOCK_SIZE = 4
+NUM_BLOCKS = 37  # prime: a collective over a cache-shaped array is easy to spot in HLO
+CHECKS: dict[str, object] = {}
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def model_config(num_kv_heads: int = 8, **overrides) -> LlamaConfig:
+    """1 layer, 8 query heads of dim 8, `num_kv_heads` KV heads: tiny, TP 8 divides all."""
+    base = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=8,
+        num_kv_heads=num_kv_heads, head_dim=8, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    return LlamaConfig(**{**base, **overrides})
+
+
+@functools.cache
+def model(num_kv_heads: int = 8) -> Llama:
+    """Random weights with std 0.2: decisive logits, so greedy ties cannot flip a token."""
+    from jaxkv.models import from_hf_tensors
+    from tests.models.reference import random_hf_weights
+
+    cfg = model_config(num_kv_heads)
+    return from_hf_tensors(cfg, random_hf_weights(cfg, seed=0, std=0.2))
+
+
+BUCKETS = BucketConfig(
+    max_num_tokens=64, max_num_seqs=8, max_pages_per_seq=16,
+    min_num_tokens=64, min_num_seqs=8, min_pages_per_seq=16, max_cascade_groups=2,
+)  # fmt: skip
+
+
+def planned_step(seed: int, *, cascade: bool, num_kv_heads: int = 8, block_size: int = BLOCK_SIZE):
+    """(step, metadata) of a random scheduled batch; cascade planned whenever possible."""
+    for s in range(seed, seed + 50):
+        step = workload.random_step(
+            s, block_size=block_size, max_requests=6, max_prompt_blocks=3,
+            num_blocks=NUM_BLOCKS, max_model_len=64 * block_size // BLOCK_SIZE,
+        )  # fmt: skip
+        if int(step.query_lens.sum()) > BUCKETS.max_num_tokens:
+            continue
+        planner = CascadePlanner(
+            AttentionShape(8, num_kv_heads, 8, 4), cost_model=ALWAYS, enable_cascade=cascade,
+            max_groups=2,
+        )  # fmt: skip
+        plan = planner.plan(
+            step.request_ids, step.num_computed_tokens, step.query_lens, step.manager
+        )
+        if cascade and not plan.uses_cascade:
+            continue
+        md = build_attention_metadata(
+            block_table=step.manager.block_table, plan=plan,
+            query_lens=step.query_lens[plan.order],
+            num_computed_tokens=step.num_computed_tokens[plan.order],
+            block_size=block_size, buckets=BUCKETS,
+        )  # fmt: skip
+        return step, md
+    raise AssertionError("no suitable random step")
+
+
+def max_diff(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def shard_shapes(x: jax.Array) -> list[tuple[int, ...]]:
+    return [tuple(s.data.shape) for s in x.addressable_shards]
+
+
+# ------------------------------------------------------------------------- checks
+
+
+@check
+def attention_flat_and_cascade():
+    """sharded_paged_attention (out and lse) and sharded_write_kv equal the unsharded ones."""
+    rng = np.random.default_rng(0)
+    for cascade in (False, True):
+        step, md = planned_step(1, cascade=cascade)
+        q = jnp.asarray(rng.standard_normal((md.max_num_tokens, 16, 8)), jnp.float32)
+        kv = rng.standard_normal((NUM_BLOCKS, BLOCK_SIZE, 16, 8)).astype(np.float32)
+        k = jnp.asarray(rng.standard_normal((md.max_num_tokens, 8, 8)), jnp.float32)
+        v = jnp.asarray(rng.standard_normal((md.max_num_tokens, 8, 8)), jnp.float32)
+        want_kv = write_kv(jnp.asarray(kv), k, v, md.slot_mapping)
+        want, want_lse = paged_attention(q, want_kv, md, sm_scale=0.3, return_lse=True)
+        valid = int(step.query_lens.sum())
+        for tp in (1, 8):  # engine_greedy_tp runs TP 2 and 4
+            mesh = sharding.make_mesh(tp)
+            cache = jax.device_put(kv, sharding.kv_cache_sharding(mesh))
+            cache = sharding.sharded_write_kv(cache, k, v, md.slot_mapping, mesh=mesh)
+            out, lse = sharding.sharded_paged_attention(
+                q, cache, md, mesh=mesh, sm_scale=0.3, return_lse=True
+            )
+            d = (max_diff(cache, want_kv), max_diff(out[:valid], want[:valid]))
+            d_lse = max_diff(lse[:valid], want_lse[:valid])
+            print(
+                f"  cascade={cascade} levels={md.num_levels} TP={tp}: diff kv/out/lse {d} {d_lse}"
+            )
+            assert d[0] == 0.0 and d[1] < 1e-5 and d_lse < 1e-5, (cascade, tp, d, d_lse)
+            heads = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model"))
+            assert out.sharding.is_equivalent_to(heads, out.ndim), out.sharding
+            assert shard_shapes(out) == [(md.max_num_tokens, 16 // tp, 8)] * tp
+            assert shard_shapes(cache) == [(NUM_BLOCKS, BLOCK_SIZE, 16 // tp, 8)] * tp
+        # The check can fail: swapping one shard's K and V changes the result.
+        bad = np.asarray(want_kv).copy()
+        bad[:, :, [0, 1]] = bad[:, :, [1, 0]]
+        mesh = sharding.make_mesh(8)
+        out = sharding.sharded_paged_attention(
+            q, jax.device_put(bad, sharding.kv_cache_sharding(mesh)), md, mesh=mesh, sm_scale=0.3
+        )
+        assert max_diff(out[:valid], want[:valid]) > 1e-3, "swapped K/V went unnoticed"
+
+
+@check
+def pallas_backends_per_shard():
+    """The Pallas GPU and TPU kernels (interpret mode) run per shard under shard_map at TP 2
+    on a cascade batch (causal main pass and non-causal prefix pass) and equal the xla
+    backend unsharded. 4 query heads over 2 KV heads (one per device); head dim 64 and, for
+    the TPU kernel, 16-token pages: the kernels' minima."""
+    rng = np.random.default_rng(2)
+    mesh = sharding.make_mesh(2)
+    for backend, block_size in (("pallas_gpu", BLOCK_SIZE), ("pallas_tpu", 16)):
+        step, md = planned_step(1, cascade=True, block_size=block_size)
+        q = jnp.asarray(rng.standard_normal((md.max_num_tokens, 4, 64)), jnp.float32)
+        kv = rng.standard_normal((NUM_BLOCKS, block_size, 4, 64)).astype(np.float32)
+        want = paged_attention(q, jnp.asarray(kv), md, sm_scale=0.1)
+        cache = jax.device_put(kv, sharding.kv_cache_sharding(mesh))
+        out = sharding.sharded_paged_attention(
+            q, cache, md, mesh=mesh, sm_scale=0.1, backend=backend, interpret=True
+        )
+        valid = int(step.query_lens.sum())
+        d = max_diff(out[:valid], want[:valid])
+        print(f"  {backend} levels={md.num_levels} TP=2: diff out {d}")
+        assert d < 1e-4, (backend, d)
+
+
+def _model_step(num_kv_heads: int, seed: int = 3):
+    """Logits and caches of one forward of the unsharded model on a random cascade batch."""
+    step, md = planned_step(seed, cascade=True, num_kv_heads=num_kv_heads)
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 128, md.max_num_tokens).astype(np.int32)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, 2 * num_kv_heads, 8)
+    num_layers = model_config().num_layers
+    base = [rng.standard_normal(shape).astype(np.float32) for _ in range(num_layers)]
+    want_logits, want_caches = make_paged_forward(model(num_kv_heads))(
+        ids, md.positions, [jnp.asarray(c) for c in base], md
+    )
+    return md, ids, base, np.asarray(want_logits), [np.asarray(c) for c in want_caches]
+
+
+@check
+def model_logits_and_shard_shapes():
+    """The Megatron-sharded model's logits and caches equal the unsharded model's at TP 8
+    (engine_greedy_tp runs TP 2 and 4); split weights and cache shards hold 1/TP each."""
+    md, ids, base, want_logits, want_caches = _model_step(8)
+    for tp in (8,):
+        mesh = sharding.make_mesh(tp)
+        sharded = sharding.shard_model(model(8), mesh)
+        caches = [jax.device_put(c, sharding.kv_cache_sharding(mesh)) for c in base]
+        logits, caches = make_paged_forward(sharded)(ids, md.positions, caches, md)
+        d = (max_diff(logits, want_logits), max(map(max_diff, caches, want_caches)))
+        print(f"  TP={tp}: diff logits/caches {d}; cache shards {shard_shapes(caches[0])[0]}")
+        assert d[0] < 1e-4 and d[1] < 1e-5, (tp, d)
+        for c in caches:
+            assert shard_shapes(c) == [(NUM_BLOCKS, BLOCK_SIZE, 16 // tp, 8)] * tp
+            assert {s.device for s in c.addressable_shards} == set(mesh.devices.flat)
+        attn = sharded.layers[0].self_attn
+        assert shard_shapes(attn.q_proj.kernel[...]) == [(64, 64 // tp)] * tp
+        assert shard_shapes(attn.o_proj.kernel[...]) == [(64 // tp, 64)] * tp
+        assert shard_shapes(sharded.layers[0].mlp.down_proj.kernel[...]) == [(64 // tp, 64)] * tp
+        assert shard_shapes(sharded.embed_tokens.embedding[...]) == [(128, 64)] * tp
+        fresh = sharded.init_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+        assert shard_shapes(fresh[-1]) == [(NUM_BLOCKS, BLOCK_SIZE, 16 // tp, 8)] * tp
+    assert model(8).layers[0].self_attn.tensor_parallel is None, "shard_model changed its input"
+
+
+@check
+def kv_heads_replicated_when_tp_exceeds_them():
+    """2 KV heads, TP 8: each KV head lives on 4 devices; logits equal the unsharded model's."""
+    md, ids, base, want_logits, _ = _model_step(2)
+    for tp in (8,):
+        mesh = sharding.make_mesh(tp)
+        sharded = sharding.shard_model(model(2), mesh)
+        assert sharding.tensor_parallel_of(sharded).kv_replicas == tp // 2
+        caches = sharded.init_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+        assert caches[0].shape == (NUM_BLOCKS, BLOCK_SIZE, 2 * tp, 8)
+        assert shard_shapes(caches[0]) == [(NUM_BLOCKS, BLOCK_SIZE, 2, 8)] * tp
+        # Replicate the reference cache contents the same way: KV head h -> heads h*r..h*r+r-1.
+        r = tp // 2
+        rep = [
+            np.repeat(c.reshape(*c.shape[:2], 2, 2, 8), r, axis=2).reshape(*c.shape[:2], 2 * tp, 8)
+            for c in base
+        ]
+        caches = [jax.device_put(c, sharding.kv_cache_sharding(mesh)) for c in rep]
+        logits, caches = make_paged_forward(sharded)(ids, md.positions, caches, md)
+        d = max_diff(logits, want_logits)
+        print(f"  TP={tp} over 2 KV heads (x{r}): diff logits {d}")
+        assert d < 1e-4, (tp, d)
+
+
+_COLLECTIVE = re.compile(
+    r"=\s*(\S+)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    r"(?:-start)?\("
+)
+
+
+@check
+def tp8_collectives():
+    """The compiled TP=8 forward has one all-reduce per attention and per MLP block (of the
+    [tokens, hidden] activations) and no collective over a cache-shaped array."""
+    md, ids, _, _, _ = _model_step(8)
+    sharded = sharding.shard_model(model(8), sharding.make_mesh(8))
+    graphdef, state = nnx.split(sharded)
+    caches = sharded.init_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+    hlo = _paged_step.lower(graphdef, state, ids, md.positions, caches, md).compile().as_text()
+    found = _COLLECTIVE.findall(hlo)
+    print("  collectives:", found)
+    all_reduces = [shape for shape, op in found if op == "all-reduce"]
+    layers = model_config().num_layers
+    assert len(all_reduces) == 2 * layers, found
+    assert all(s.startswith(f"f32[{md.max_num_tokens},64]") for s in all_reduces), found
+    assert not [s for s, _ in found if s.startswith(f"f32[{NUM_BLOCKS},")], "cache collective"
+    assert not [op for _, op in found if op == "all-gather"], found
+
+
+@check
+def bad_tp_sizes():
+    """TP sizes that divide neither the devices nor the KV heads raise ValueError naming both."""
+
+    def raises(fn, *numbers):
+        try:
+            fn()
+        except ValueError as e:
+            print(f"  ValueError: {e}")
+            for n in numbers:
+                assert re.search(rf"\b{n}\b", str(e)), (n, str(e))
+            return
+        raise AssertionError(f"no ValueError; expected one naming {numbers}")
+
+    raises(lambda: sharding.make_mesh(3), 3, 8)
+    raises(lambda: sharding.replica_meshes(5), 5, 8)
+    mesh4 = sharding.make_mesh(4)
+    raises(lambda: sharding.plan_tensor_parallel(24, 6, mesh4), 4, 6)  # 4 does not divide 6
+    raises(lambda: sharding.plan_tensor_parallel(24, 6, sharding.make_mesh(8)), 8, 6)
+    raises(lambda: sharding.plan_tensor_parallel(12, 12, sharding.make_mesh(8)), 8, 12)
+    cfg = model_config(num_kv_heads=6, num_heads=12)
+    abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))  # no weights computed
+    raises(lambda: sharding.shard_model(abstract, mesh4), 4, 6)
+    q = jnp.zeros((BUCKETS.max_num_tokens, 12, 8))
+    kv = jnp.zeros((NUM_BLOCKS, BLOCK_SIZE, 12, 8))
+    _, md = planned_step(1, cascade=False)
+    raises(lambda: sharding.sharded_paged_attention(q, kv, md, mesh=mesh4, sm_scale=1.0), 4, 6)
+    engine_config = EngineConfig(scheduler=SchedulerConfig(max_model_len=64))
+    from jaxkv.engine import Engine
+
+    raises(lambda: Engine(model(8), None, engine_config, tensor_parallel_size=3), 3, 8)
+
+
+# ------------------------------------------------------------------ engine, router
+
+MAX_TOKENS = 6
+
+
+def engine_config(cascade: bool = True) -> EngineConfig:
+    return EngineConfig(
+        cache=CacheConfig(num_blocks=64, block_size=BLOCK_SIZE),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64),
+        backend="xla", enable_cascade=cascade, cascade_cost_model=ALWAYS,
+        max_cascade_groups=2, min_num_tokens_bucket=64, min_num_seqs_bucket=8,
+        min_pages_bucket=16, q_len_buckets=(64,), pad_cascade_levels=True,
+    )  # fmt: skip
+
+
+def prompts(seed: int = 1) -> list[list[int]]:
+    """Two groups of three requests under a shared 10- or 13-token prefix, and three loners."""
+    rng = np.random.default_rng(seed)
+    rand = lambda n: rng.integers(0, 128, n).tolist()
+    pa, pb = rand(10), rand(13)
+    grouped = [p + rand(int(n)) for p in (pa, pb) for n in rng.integers(1, 6, 3)]
+    return grouped + [rand(int(n)) for n in rng.integers(3, 14, 3)]
+
+
+def greedy(engine, ps) -> list[list[int]]:
+    outs = engine.generate(ps, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
+    return [list(o.output_token_ids) for o in outs]
+
+
+@functools.cache
+def unsharded_greedy() -> tuple[list[list[int]], int]:
+    """Greedy outputs of prompts() on an engine without a mesh, and its cascade steps."""
+    from jaxkv.engine import Engine
+
+    engine = Engine(model(8), None, engine_config())
+    return greedy(engine, prompts()), engine.metrics.cascade_steps
+
+
+@check
+def engine_greedy_tp():
+    """Greedy outputs with TP 2, 4, 8 equal TP 1's (the engine without a mesh; the TP=1 mesh
+    path runs in attention_flat_and_cascade), token for token, over runs with both flat and
+    cascade steps; the caches hold 1/TP per device."""
+    from jaxkv.engine import Engine
+
+    want, want_cascade_steps = unsharded_greedy()
+    print(f"  unsharded: {want}")
+    assert want_cascade_steps > 0
+    for tp in TP_SIZES[1:]:
+        engine = Engine(model(8), None, engine_config(), tensor_parallel_size=tp)
+        got = greedy(engine, prompts())
+        m = engine.metrics
+        print(
+            f"  TP={tp}: {m.num_steps} steps, {m.cascade_steps} cascade, {m.num_compiles} programs"
+        )
+        assert got == want, (tp, got)
+        assert 0 < m.cascade_steps < m.num_steps, "need flat and cascade steps"
+        c = engine.kv_caches[0]
+        assert shard_shapes(c) == [(64, BLOCK_SIZE, 16 // tp, 8)] * tp
+
+
+@check
+def router_over_engine_replicas():
+    """Two TP=4 engine replicas on disjoint device groups behind the router: outputs equal
+    one unsharded engine's; each prefix group stays on one replica; loners spread."""
+    from jaxkv.router import PrefixAwareRouter, engine_replicas
+
+    ps = prompts()
+    want, _ = unsharded_greedy()
+    replicas = engine_replicas(model(8), engine_config(), tensor_parallel_size=4)
+    assert len(replicas) == 2
+    device_sets = [frozenset(r.mesh.devices.flat) for r in replicas]
+    assert len(set().union(*device_sets)) == 8, "replicas share devices"
+    router = PrefixAwareRouter(replicas, block_size=BLOCK_SIZE)
+    ids = [router.add_request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in ps]
+    where = [router.replica_of(i) for i in ids]
+    print(f"  replica of each request: {where}")
+    assert len(set(where[0:3])) == 1 and len(set(where[3:6])) == 1, where
+    assert where[0] != where[3], where
+    assert len(set(where[6:])) == 2, f"loners did not spread over both replicas: {where}"
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    while router.has_unfinished_requests():
+        for o in router.step():
+            tokens[o.request_id].extend(o.new_token_ids)
+    assert [tokens[i] for i in ids] == want
+    assert router.num_outstanding == (0, 0)
+    hits = [r.metrics.prefix_cache_hits for r in replicas]
+    print(f"  prefix-cache hits per replica: {hits}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", action="append", choices=sorted(CHECKS))
+    parser.add_argument("--json", help="write {check: {ok, seconds, error}} here")
+    args = parser.parse_args(argv)
+    assert len(jax.devices()) == 8, f"{jax.devices()=}: XLA_FLAGS was set too late"
+    results = {}
+    for name, fn in CHECKS.items():
+        if args.only and name not in args.only:
+            continue
+        print(f"== {name}", flush=True)
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            fn()
+            error = None
+        except Exception:
+            error = traceback.format_exc()
+            print(error, flush=True)
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        status = "FAIL" if error else "ok"
+        print(f"== {name}: {status} in {seconds:.1f}s ({cpu:.1f}s CPU)", flush=True)
+        results[name] = {"ok": error is None, "seconds": seconds, "cpu_s": cpu, "error": error}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if all(r["ok"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
