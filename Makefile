@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/demo_cascade.py
+	$(PY) examples/serve_shared_prefix.py
 
 test: $(STAMP)
 	$(PY) -m pytest tests

@@ -140,6 +140,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens computed per step, prefill chunks plus decodes (default: a power of "
+        "two, at least 64 and 4 per request)",
+    )
+    p.add_argument(
         "--interpret",
         action="store_true",
         help="run the Pallas kernels in interpret mode (a Pallas backend on the CPU)",
@@ -243,8 +250,11 @@ def engine_config(args: argparse.Namespace, prompts: list[Prompt], cascade: bool
     # Room for the whole workload without any sharing: never a preemption.
     num_blocks = sum(math.ceil((len(p.token_ids) + args.max_tokens) / bs) for p in prompts) + 1
     max_num_seqs = len(prompts)
-    # Token budget per step: a power of two, at least 4 tokens per request and 64.
-    max_tokens_per_step = max(64, 2 ** math.ceil(math.log2(4 * max_num_seqs)))
+    if args.max_batched_tokens is not None and args.max_batched_tokens < max_num_seqs:
+        raise ValueError(f"{args.max_batched_tokens=} must be >= {len(prompts)=}")
+    max_tokens_per_step = args.max_batched_tokens or max(
+        64, 2 ** math.ceil(math.log2(4 * max_num_seqs))
+    )
     # Static bounds on one sequence's query tokens: decode (1); a cascade group of decodes
     # (at most one token per request); anything else. Few programs, and no decode step pays
     # for prefill-sized padding.
@@ -272,7 +282,6 @@ def engine_config(args: argparse.Namespace, prompts: list[Prompt], cascade: bool
         min_num_seqs_bucket=max_num_seqs,
         min_pages_bucket=max_model_len // bs,
         q_len_buckets=q_len_buckets,
-        pad_cascade_levels=True,
     )
 
 
