@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.tpu.tuning import block_sizes
+from kernels_pallas.tpu.tuning import TUNED_BLOCK_SIZES, block_sizes, detect_tpu_generation
 from kernels_pallas.validation import validate_ragged_paged_attention_inputs
 
 # Finite stand-in for -inf in masked logits: keeps exp/max free of inf - inf.
@@ -148,7 +148,12 @@ def _kernel(
     def copy_block(seq, first_page, end_page, blk, slot, *, wait: bool):
         """Starts (or waits for) the copies of one KV block's pages into kv_bufs[slot]."""
         page0 = first_page + blk * pages_per_blk
-        heads = pl.ds(heads_blk * combined_heads_per_blk, combined_heads_per_blk)
+        if kv_pages_hbm_ref.shape[2] == combined_heads_per_blk:
+            heads = slice(None)  # every head: a static slice, nothing for Mosaic to prove
+        else:
+            # A whole number of sublane tiles: Mosaic must see that the offset is aligned.
+            first_head = pl.multiple_of(heads_blk * combined_heads_per_blk, combined_heads_per_blk)
+            heads = pl.ds(first_head, combined_heads_per_blk)
 
         def page_copy(i):
             page = page_indices_ref[seq * pages_per_seq + page0 + i]
@@ -411,8 +416,9 @@ def ragged_paged_attention(
     first num_seqs sequences (and their page-table rows, lengths) are read; a row that sees
     no key and every row past cu_q_lens[num_seqs] gives out 0 and lse -inf.
 
-    Tuning knobs (static; None takes the `tpu_generation` row of `tuning.TUNED_BLOCK_SIZES`,
-    no device is queried): `num_queries_per_block` query tokens per q tile,
+    Tuning knobs (static; None takes the `tpu_generation` row of `tuning.TUNED_BLOCK_SIZES`
+    and no device is queried, except with `tpu_generation="auto"`, which asks the first
+    JAX device for its kind): `num_queries_per_block` query tokens per q tile,
     `num_kv_pages_per_block` pages per KV block, `num_kv_heads_per_block` KV heads per grid
     step, `vmem_limit_bytes` Mosaic's scoped VMEM limit. `interpret=True` (or an
     `InterpretParams`) runs the kernel in the TPU interpreter, on any backend.
@@ -434,6 +440,9 @@ def ragged_paged_attention(
         num_kv_heads_per_block=num_kv_heads_per_block,
         vmem_limit_bytes=vmem_limit_bytes,
     )
+    if tpu_generation == "auto":
+        tpu_generation = detect_tpu_generation() or "default"
+        tpu_generation = tpu_generation if tpu_generation in TUNED_BLOCK_SIZES else "default"
     defaults = block_sizes(tpu_generation)
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_combined_kv_heads, _ = kv_pages.shape

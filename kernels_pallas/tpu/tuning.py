@@ -24,17 +24,18 @@ class BlockSizes:
     vmem_limit_bytes: int | None  # scoped VMEM limit handed to Mosaic; None: compiler default
 
 
-# Key schema: TPU generation as in `jax.devices()[0].device_kind` lower-cased without the
-# "tpu " prefix and any " lite" suffix folded to "e" ("v4", "v5e", "v5p", "v6e"), plus
-# "default" for a caller that does not say. Value: BlockSizes. The numbers are chosen so
-# that double-buffered K/V blocks (2 x kv_tokens x 2 * kv_heads_per_block x head_dim) stay
-# well inside the 16 MiB (v4, v5e) or 32 MiB (v5p, v6e) default scoped VMEM, and so that a
-# KV block is large enough (>= 256 keys) to amortise per-block DMA and softmax overhead.
-# They are NOT measured on hardware yet: benchmarks/tpu_kernel.py is the tool to tune them.
+# Key schema: TPU generation as returned by `generation_from_device_kind` ("v4", "v5e",
+# "v5p", "v6e"), plus "default" for a caller that does not say (the smallest VMEM
+# footprint: fits the 16 MiB default scoped VMEM of every generation). Value: BlockSizes.
+# Each row compiles with Mosaic for its generation (ahead-of-time compile on a CPU host
+# with libtpu, see tests/kernels/test_tpu_aot_compile.py) for Llama-3-8B decode, prefill
+# and a 128-token prefix pass; v5e/v5p/v6e raise the scoped VMEM limit (they have 95 to
+# 128 MiB of VMEM) so a prefix pass reads the shared pages once per 128 query tokens. The
+# timings behind them are NOT measured yet: benchmarks/tpu_kernel.py is the tool to tune.
 TUNED_BLOCK_SIZES: dict[str, BlockSizes] = {
-    "default": BlockSizes(32, 64, kv_tokens_per_block=256, vmem_limit_bytes=None),
+    "default": BlockSizes(32, 32, kv_tokens_per_block=256, vmem_limit_bytes=None),
     "v4": BlockSizes(32, 64, kv_tokens_per_block=256, vmem_limit_bytes=None),
-    "v5e": BlockSizes(32, 64, kv_tokens_per_block=256, vmem_limit_bytes=None),
+    "v5e": BlockSizes(32, 128, kv_tokens_per_block=256, vmem_limit_bytes=64 * 2**20),
     "v5p": BlockSizes(32, 128, kv_tokens_per_block=512, vmem_limit_bytes=64 * 2**20),
     "v6e": BlockSizes(32, 128, kv_tokens_per_block=512, vmem_limit_bytes=64 * 2**20),
 }
