@@ -111,6 +111,7 @@ class Engine:
         )
         self.connector.bind(self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed)
         self._sampling: dict[str, tuple[float, int, float, int]] = {}  # req_id -> sampler row
+        self._sampling_memo: tuple | None = None  # (request ids, order, arrays) of last step
         self._serial = itertools.count()
         self._programs: set[tuple] = set()
         self._m = dict(
@@ -206,8 +207,9 @@ class Engine:
             self.buckets.level_seq_buckets[-1] if self.config.pad_cascade_levels else None,
         )
         input_ids = gather_input_ids(out.requests, order, query_lens, num_computed, md)
-        rows = [self._sampling[out.request_ids[i]] for i in order.tolist()]
-        sampling = sampling_arrays(rows, num_computed + query_lens, md.max_num_seqs)
+        positions = np.zeros(md.max_num_seqs, np.int32)  # of the tokens being sampled
+        positions[:n] = num_computed + query_lens
+        sampling = (*self._sampling_rows(out.request_ids, order, md.max_num_seqs), positions)
         key = program_key(md)
         new_program = key not in self._programs
         if new_program:
@@ -241,6 +243,21 @@ class Engine:
             m["cascade_tokens"] += num_tokens
             self._levels[levels] = self._levels.get(levels, 0) + 1
         return outputs
+
+    def _sampling_rows(self, request_ids: list[str], order: np.ndarray, num_rows: int):
+        """Per-row sampling arrays in batch order; reused while the batch is unchanged."""
+        memo = self._sampling_memo
+        if (
+            memo is not None
+            and memo[0] == request_ids
+            and memo[2][0].shape[0] == num_rows
+            and np.array_equal(memo[1], order)
+        ):
+            return memo[2]
+        rows = [self._sampling[request_ids[i]] for i in order.tolist()]
+        arrays = sampling_arrays(rows, num_rows)
+        self._sampling_memo = (request_ids, order, arrays)
+        return arrays
 
     # ----------------------------------------------------------------- driving
 

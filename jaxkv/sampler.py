@@ -24,23 +24,21 @@ def sampling_row(params: SamplingParams, default_seed: int) -> tuple[float, int,
 
 
 def sampling_arrays(
-    rows: list[tuple[float, int, float, int]], positions: np.ndarray, num_rows: int
-) -> tuple[np.ndarray, ...]:
-    """Per-row arrays padded to `num_rows` (padding rows are greedy and ignored)."""
+    rows: list[tuple[float, int, float, int]], num_rows: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(temperature, top_k, top_p, seeds) padded to `num_rows`; padding rows are greedy."""
     n = len(rows)
     temperature = np.zeros(num_rows, np.float32)
     top_k = np.zeros(num_rows, np.int32)
     top_p = np.ones(num_rows, np.float32)
     seeds = np.zeros(num_rows, np.uint32)
-    pos = np.zeros(num_rows, np.int32)
     if n:
-        table = np.array(rows, np.float64)
+        table = np.array(rows, np.float64)  # exact: seeds < 2**32, top_k small
         temperature[:n] = table[:, 0]
         top_k[:n] = table[:, 1]
         top_p[:n] = table[:, 2]
         seeds[:n] = table[:, 3].astype(np.uint32)
-        pos[:n] = positions
-    return temperature, top_k, top_p, seeds, pos
+    return temperature, top_k, top_p, seeds
 
 
 def sample(

@@ -146,3 +146,14 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch():
     assert (
         list(make_engine().generate([prompt], top1, progress=False)[0].output_token_ids) == greedy
     )
+
+
+def test_generate_with_progress_bar_returns_outputs_in_prompt_order(capsys):
+    prompts = prompts_for("none", seed=4)[:3]
+    lengths = [5, 2, 4]
+    params = [SamplingParams(max_tokens=n) for n in lengths]
+    outs = make_engine().generate(prompts, params, progress=True)
+    assert [o.prompt_token_ids for o in outs] == [tuple(p) for p in prompts]
+    assert [list(o.output_token_ids) for o in outs] == dense_greedy(prompts, lengths)
+    assert [o.finish_reason for o in outs] == ["length"] * 3
+    assert "generate" in capsys.readouterr().err  # the tqdm bar
