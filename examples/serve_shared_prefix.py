@@ -361,7 +361,7 @@ def summary_rows(
     row("prefix-cache hit rate", lambda r, m: f"{m.prefix_cache_hit_rate:.1%}")
     row("steps", lambda r, m: f"{m.num_steps}")
     row("steps using cascade", lambda r, m: f"{m.cascade_steps / max(m.num_steps, 1):.0%}")
-    row("  by levels", lambda r, m: _levels(m))
+    row("  levels (names): steps", lambda r, m: _levels(m))
     row(
         "KV blocks held at peak / unshared",
         lambda r, m: f"{r.peak_blocks} / {unshared} ({r.peak_blocks / unshared:.0%})",
@@ -371,11 +371,11 @@ def summary_rows(
 
 
 def _levels(m) -> str:
+    """Steps per cascade structure, e.g. "2 (global+groups): 35"."""
     by = dict(m.cascade_steps_by_levels)
     if not by:
         return "-"
-    names = {"global": "1 (global)", "groups": "1 (groups)", "global+groups": "2"}
-    return ", ".join(f"{names.get(k, k)}: {v}" for k, v in sorted(by.items()))
+    return ", ".join(f"{k.count('+') + 1} ({k}): {v}" for k, v in sorted(by.items()))
 
 
 def print_samples(console: Console, prompts: list[Prompt], run: RunResult, n: int) -> None:
@@ -419,9 +419,10 @@ def main(argv: list[str] | None = None) -> dict:
         table.add_row(*row)
     console.print(table)
     console.print(
-        "unshared: blocks the same requests hold without prefix sharing, the sum of "
-        "ceil(context / block size).\nstep programs are compiled once per model and shape; "
-        "a later run reuses those an earlier run compiled."
+        "unshared: the blocks these requests hold without prefix sharing,\n"
+        "  sum of ceil(context / block size).\n"
+        "step programs compile once per model and shapes; the second run reuses\n"
+        "  those the first compiled."
     )
     identical = len(runs) == 2 and runs[0].outputs == runs[1].outputs
     if len(runs) == 2:
