@@ -43,7 +43,12 @@ def kernel_for(
     if backend == "pallas_tpu":
         from kernels_pallas.tpu import ragged_paged_attention as tpu_kernel
 
-        return functools.partial(tpu_kernel, interpret=interpret)
+        # On a TPU the chip's own tuning row (larger query tiles read a shared prefix
+        # fewer times); elsewhere (interpreting, or lowering for TPU on a CPU host) the
+        # defaults, which never ask a device for its kind.
+        on_tpu = not interpret and jax.default_backend() == "tpu"
+        generation = "auto" if on_tpu else "default"
+        return functools.partial(tpu_kernel, interpret=interpret, tpu_generation=generation)
     if backend == "pallas_gpu":
         from kernels_pallas.gpu import ragged_paged_attention as gpu_kernel
 
