@@ -83,3 +83,8 @@ def test_help_lists_every_flag(serve, capsys):
         "--interpret",
     ):
         assert flag in text
+
+
+def test_pallas_tpu_backend_with_a_head_dim_the_kernel_lacks_says_why(serve):
+    with pytest.raises(SystemExit, match="head_dim"):
+        serve.main(["--backend", "pallas_tpu", "--num-requests", "2", "--max-tokens", "1"])
