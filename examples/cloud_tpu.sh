@@ -3,9 +3,10 @@
 # shapes on the Pallas TPU kernel, and run the TPU kernel benchmark.
 #
 # STATUS: NOT RUN ON A TPU. Nothing in jaxkv has run on TPU hardware yet. The Pallas TPU
-# kernel passes its tests in the TPU interpreter on the CPU and lowers for TPU (Mosaic)
-# on a CPU-only machine; Mosaic's own compile, the serving run below and every timing
-# are unverified until this script runs on a TPU VM. Expect to fix things on first run.
+# kernel passes its tests in the TPU interpreter on the CPU, lowers for TPU on a CPU-only
+# machine, and compiles with Mosaic ahead of time there (opt-in test with libtpu). This
+# script itself, the serving run with Llama-3.2-1B shapes and every timing below are
+# unverified until it runs on a TPU VM. Expect to fix things on the first run.
 #
 # Run it on the TPU VM, from a copy of this repository (for example copied there with
 # `gcloud compute tpus tpu-vm scp --recurse jaxkv VM_NAME: --zone ZONE`):
