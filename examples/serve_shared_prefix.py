@@ -444,10 +444,13 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(table)
     console.print(
         "unshared: the blocks these requests hold without prefix sharing,\n"
-        "  sum of ceil(context / block size).\n"
-        "step programs compile once per model and shapes; the second run reuses\n"
-        "  those the first compiled."
+        "  sum of ceil(context / block size)."
     )
+    if len(runs) == 2:
+        console.print(
+            "step programs compile once per model and shapes; the second run reuses\n"
+            "  those the first compiled."
+        )
     identical = len(runs) == 2 and runs[0].outputs == runs[1].outputs
     if len(runs) == 2:
         differ = sum(a != b for a, b in zip(runs[0].outputs, runs[1].outputs, strict=True))
