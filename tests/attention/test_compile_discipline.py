@@ -52,8 +52,8 @@ def test_300_random_steps_stay_within_bucket_combinations():
     signatures, levels_seen = set(), set()
     for seed, planner in zip(range(300), itertools.cycle(planners)):
         step = workload.random_step(
-            seed, block_size=BLOCK_SIZE, max_requests=64, max_prompt_blocks=16,
-            num_blocks=1024, max_model_len=128,
+            seed, block_size=BLOCK_SIZE, max_requests=64, max_prompt_blocks=12,
+            num_blocks=1024, max_model_len=128, common_root_blocks=4 * (seed % 2),
         )  # fmt: skip
         m = step.manager
         plan = planner.plan(step.request_ids, step.num_computed_tokens, step.query_lens, m)
@@ -72,4 +72,4 @@ def test_300_random_steps_stay_within_bucket_combinations():
     assert compiled == len(signatures)
     assert compiled <= allowed_programs(BUCKETS)
     # The run exercised flat, one-level and two-level plans.
-    assert {(), ("global",), ("groups",)} <= levels_seen
+    assert {(), ("global",), ("groups",), ("global", "groups")} <= levels_seen

@@ -56,7 +56,8 @@ def run_step(step: workload.Step, planner: CascadePlanner, q_seed: int = 0):
 @pytest.mark.parametrize("seed", range(12))
 def test_flat_equals_cascade_equals_oracle(seed):
     block_size = (4, 8)[seed % 2]
-    step = workload.random_step(seed, block_size=block_size)
+    # Every third batch has a root shared by all (global level) under its system prompts.
+    step = workload.random_step(seed, block_size=block_size, common_root_blocks=2 * (seed % 3 == 0))
     cascade = CascadePlanner(SHAPE, cost_model=ALWAYS)
     flat = CascadePlanner(SHAPE, enable_cascade=False)
     plan_c, out_c, q, kv = run_step(step, cascade, q_seed=seed)
@@ -80,13 +81,15 @@ def test_flat_equals_cascade_equals_oracle(seed):
 def test_random_batches_use_cascade_often():
     plans = []
     for seed in range(12):
-        step = workload.random_step(seed, block_size=(4, 8)[seed % 2])
+        root = 2 * (seed % 3 == 0)
+        step = workload.random_step(seed, block_size=(4, 8)[seed % 2], common_root_blocks=root)
         planner = CascadePlanner(SHAPE, cost_model=ALWAYS)
         plans.append(
             planner.plan(step.request_ids, step.num_computed_tokens, step.query_lens, step.manager)
         )
     assert sum(p.uses_cascade for p in plans) >= 4
-    assert any(p.num_levels == 2 or (p.levels and p.levels[-1].num_groups > 1) for p in plans)
+    assert any(p.num_levels == 2 for p in plans)
+    assert any(p.levels and p.levels[-1].num_groups > 1 for p in plans)
 
 
 def test_write_kv_writes_slots_and_padding_only_touches_null_block():

@@ -46,20 +46,31 @@ def random_step(
     max_prompt_blocks: int = 6,
     num_blocks: int = 512,
     max_model_len: int = 256,
+    common_root_blocks: int = 0,
 ) -> Step:
-    """A random batch; every request's context fits max_model_len."""
+    """A random batch; every request's context fits max_model_len.
+
+    With common_root_blocks > 0 every system prompt starts with the same root blocks
+    and every request has a system prompt, and an unscheduled holder has computed each
+    prompt before, so the batch shares a global prefix and per-prompt group prefixes.
+    """
     rng = np.random.default_rng(seed)
     manager = KVCacheManager(num_blocks, block_size, max_model_len=max_model_len)
     num_prompts = int(rng.integers(1, 4))
+    root = list(rng.integers(3000, 4000, common_root_blocks * block_size))
     prompts = [
-        list(rng.integers(0, 1000, int(rng.integers(1, max_prompt_blocks + 1)) * block_size))
+        root + list(rng.integers(0, 1000, int(rng.integers(1, max_prompt_blocks + 1)) * block_size))
         for _ in range(num_prompts)
     ]
+    if common_root_blocks:
+        for j, prompt in enumerate(prompts):
+            _admit(manager, Request(f"warm{j}", [int(t) for t in prompt] + [1]))
     scheduled, computed, query = [], [], []
     num_requests = int(rng.integers(1, max_requests + 1))
     num_holders = int(rng.integers(0, 4))
     for i in range(num_requests + num_holders):
-        prefix = prompts[int(rng.integers(num_prompts))] if rng.random() < 0.85 else []
+        with_prompt = common_root_blocks > 0 or rng.random() < 0.85
+        prefix = prompts[int(rng.integers(num_prompts))] if with_prompt else []
         own = list(rng.integers(1000, 2000, int(rng.integers(1, 3 * block_size))))
         request = Request(f"r{i}", [int(t) for t in prefix + own])
         is_holder = i >= num_requests
