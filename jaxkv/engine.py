@@ -37,6 +37,7 @@ from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.request import Request, SamplingParams
 from jaxkv.sampler import sample, sampling_arrays, sampling_row
 from jaxkv.scheduler import Scheduler
+from jaxkv.sharding import mesh_for, shard_model
 from jaxkv.step_inputs import coarsen_metadata, gather_input_ids, program_key
 
 
@@ -63,7 +64,10 @@ class Engine:
 
     `params` (an nnx.State of the model's parameters) replaces the weights the model holds;
     None uses them as they are. `connector` (e.g. HostOffloadConnector) sees finished
-    requests and prefix-cache misses. Not thread-safe: one thread drives the engine.
+    requests and prefix-cache misses. `mesh` (a jax Mesh with a "model" axis) or
+    `tensor_parallel_size` (a mesh over the first that many devices) runs the model
+    tensor-parallel (jaxkv.sharding); None of both: the default device, unsharded.
+    Not thread-safe: one thread drives the engine.
     """
 
     def __init__(
@@ -73,6 +77,8 @@ class Engine:
         config: EngineConfig | None = None,
         *,
         connector: KVConnector | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        tensor_parallel_size: int | None = None,
     ) -> None:
         config = EngineConfig() if config is None else config
         mc = model.config
@@ -82,6 +88,11 @@ class Engine:
         self.config = config
         self.model_config = mc
         self.vocab_size = mc.vocab_size
+        # Weights Megatron-sharded over the mesh, KV cache and attention split by KV heads;
+        # host block management is unchanged (block ids mean the same on every shard).
+        self.mesh = mesh_for(mesh, tensor_parallel_size)
+        if self.mesh is not None:
+            model, params = shard_model(model, self.mesh, params=params), None
         graphdef, state = nnx.split(model)
         state = state if params is None else params
         self._state_leaves, state_treedef = jax.tree.flatten(state)

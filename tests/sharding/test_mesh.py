@@ -1,0 +1,66 @@
+"""Tensor parallelism and data-parallel replicas on 8 CPU host devices.
+
+The checks live in tests/sharding/mesh_checks.py and run in one subprocess, because the
+host device count must be set before jax is imported and this pytest process has imported
+jax already. Each test below asserts one check's result; a failure shows that check's
+traceback and the subprocess's output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKS = (
+    "attention_flat_and_cascade",
+    "pallas_backends_per_shard",
+    "model_logits_and_shard_shapes",
+    "kv_heads_replicated_when_tp_exceeds_them",
+    "tp8_collectives",
+    "bad_tp_sizes",
+    "engine_greedy_tp",
+    "router_over_engine_replicas",
+)
+TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def mesh_results(tmp_path_factory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("mesh") / "results.json"
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.sharding.mesh_checks", "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    log = f"--- stdout\n{proc.stdout}\n--- stderr (tail)\n{proc.stderr[-4000:]}"
+    if not out.exists():
+        pytest.fail(f"mesh_checks exited {proc.returncode} without results\n{log}")
+    return json.loads(out.read_text()), log
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_mesh_check(mesh_results, name):
+    results, log = mesh_results
+    assert name in results, f"check {name} did not run\n{log}"
+    result = results[name]
+    assert result["ok"], f"{name} failed:\n{result['error']}\n{log}"
+
+
+def test_every_check_is_listed(mesh_results):
+    results, _ = mesh_results
+    assert sorted(results) == sorted(CHECKS)
