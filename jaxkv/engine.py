@@ -28,6 +28,7 @@ from flax import nnx
 from jaxkv.attention import default_backend
 from jaxkv.batch import build_attention_metadata
 from jaxkv.cascade import AttentionShape, CascadePlanner
+from jaxkv.completion import run_to_completion
 from jaxkv.config import EngineConfig
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_copy import DeviceKVCopier
@@ -294,43 +295,12 @@ class Engine:
     ) -> list[CompletionOutput]:
         """Runs `prompts` to completion; one CompletionOutput per prompt, in order.
 
-        Every prompt is validated before any is queued (ValueError, nothing queued).
-        Requests already in the engine progress too; their outputs are not returned.
+        Prompts are queued in order; one that fails validation raises ValueError and the
+        ones before it stay queued. Requests already in the engine progress too; their
+        outputs are not returned.
         """
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"{len(params_list)=} sampling params for {len(prompts)=}")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
-        index = {rid: i for i, rid in enumerate(ids)}
-        tokens: list[list[int]] = [[] for _ in ids]
-        reasons: list[str | None] = [None] * len(ids)
-        bar = _progress_bar(len(ids)) if progress else None
-        remaining = len(ids)
-        while remaining:
-            outputs = self.step()
-            if not outputs and not self.has_unfinished_requests():
-                break
-            if not outputs:
-                time.sleep(0.0005)  # waiting on a KV load
-            for o in outputs:
-                i = index.get(o.request_id)
-                if i is None:
-                    continue
-                tokens[i].extend(o.new_token_ids)
-                if o.finished:
-                    reasons[i] = o.finish_reason
-                    remaining -= 1
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-        return [
-            CompletionOutput(rid, tuple(int(t) for t in p), tuple(tokens[i]), reasons[i])
-            for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
-        ]
+        bar = _progress_bar(len(prompts)) if progress else None
+        return run_to_completion(self, prompts, sampling_params, progress_bar=bar)
 
     # ----------------------------------------------------------------- metrics
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import collections
 import itertools
-import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from jaxkv.completion import run_to_completion
 from jaxkv.hashing import BlockHash, extend_block_hashes
 from jaxkv.outputs import CompletionOutput, RequestOutput
 
@@ -195,33 +195,7 @@ class PrefixAwareRouter:
     ) -> list[CompletionOutput]:
         """Runs `prompts` to completion over all replicas; one CompletionOutput per prompt,
         in order. `sampling_params` is one for all or a sequence of one per prompt."""
-        if sampling_params is None or not isinstance(sampling_params, Sequence):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"{len(params_list)=} sampling params for {len(prompts)=}")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
-        index = {rid: i for i, rid in enumerate(ids)}
-        tokens: list[list[int]] = [[] for _ in ids]
-        reasons: list[str | None] = [None] * len(ids)
-        remaining = len(ids)
-        while remaining and self.has_unfinished_requests():
-            outputs = self.step()
-            if not outputs:
-                time.sleep(0.0005)  # a replica waits on a KV load
-            for o in outputs:
-                i = index.get(o.request_id)
-                if i is None:
-                    continue
-                tokens[i].extend(o.new_token_ids)
-                if o.finished:
-                    reasons[i] = o.finish_reason
-                    remaining -= 1
-        return [
-            CompletionOutput(rid, tuple(int(t) for t in p), tuple(tokens[i]), reasons[i])
-            for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
-        ]
+        return run_to_completion(self, prompts, sampling_params)
 
 
 def engine_replicas(

@@ -1,0 +1,70 @@
+"""Running a list of prompts to completion on anything that serves requests step by step.
+
+Shared by Engine.generate and PrefixAwareRouter.generate: both queue the prompts, step
+until each has finished, and gather every request's tokens in prompt order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from jaxkv.outputs import CompletionOutput, RequestOutput
+
+
+class StepDriver(Protocol):
+    def add_request(self, prompt_token_ids: Sequence[int], sampling_params: Any) -> str: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+
+def run_to_completion(
+    driver: StepDriver,
+    prompts: Sequence[Sequence[int]],
+    sampling_params: Any = None,
+    *,
+    progress_bar: Any = None,
+) -> list[CompletionOutput]:
+    """One CompletionOutput per prompt, in order.
+
+    `sampling_params` is one for all prompts or a sequence of one per prompt. Prompts are
+    queued in order; one that fails validation raises ValueError and the ones before it
+    stay queued. Other requests the driver holds progress too; their outputs are dropped.
+    `progress_bar` (tqdm-like, optional) is advanced once per finished prompt and closed.
+    """
+    if sampling_params is None or not isinstance(sampling_params, Sequence):
+        params_list = [sampling_params] * len(prompts)
+    else:
+        params_list = list(sampling_params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)=} sampling params for {len(prompts)=}")
+    ids = [driver.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+    index = {rid: i for i, rid in enumerate(ids)}
+    tokens: list[list[int]] = [[] for _ in ids]
+    reasons: list[str | None] = [None] * len(ids)
+    remaining = len(ids)
+    while remaining:
+        outputs = driver.step()
+        if not outputs:
+            if not driver.has_unfinished_requests():
+                break
+            time.sleep(0.0005)  # waiting on a KV load
+        for o in outputs:
+            i = index.get(o.request_id)
+            if i is None:
+                continue
+            tokens[i].extend(o.new_token_ids)
+            if o.finished:
+                reasons[i] = o.finish_reason
+                remaining -= 1
+                if progress_bar is not None:
+                    progress_bar.update(1)
+    if progress_bar is not None:
+        progress_bar.close()
+    return [
+        CompletionOutput(rid, tuple(int(t) for t in p), tuple(tokens[i]), reasons[i])
+        for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
+    ]
