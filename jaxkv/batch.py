@@ -106,39 +106,67 @@ def _table_slice(
     return np.where(valid, out, 0).astype(np.int32)
 
 
+def _fill_pages(
+    out: np.ndarray,  # i32[>= n, width] zeros; rows :n are written
+    block_table: np.ndarray,  # i32[num_rows, max_blocks_per_seq]
+    rows: np.ndarray,  # i32[n]
+    col_starts: np.ndarray,  # i[n]
+    col_ends: np.ndarray | None = None,  # i[n] exclusive; None: up to the table's width
+) -> None:
+    """out[i, j] = block_table[rows[i], col_starts[i] + j], 0 past col_ends or the table.
+
+    One strided copy when every row starts at the same column and runs to the table's
+    end (the null-block fill of the table pads it); the general gather otherwise.
+    """
+    n, width = len(rows), out.shape[1]
+    if n == 0:
+        return
+    start = int(col_starts[0])
+    if col_ends is None and not (col_starts != start).any():
+        end = min(start + width, block_table.shape[1])
+        out[:n, : end - start] = block_table[rows, start:end]
+        return
+    out[:n] = _table_slice(block_table, rows, col_starts, width, col_ends)
+
+
 def _level_metadata(
     level: CascadeLevel,
     block_table: np.ndarray,
-    token_starts: np.ndarray,  # i64[R + 1] cumulative query tokens in batch order
+    token_starts: list[int],  # [R + 1] cumulative query tokens in batch order
     block_size: int,
     buckets: BucketConfig,
 ) -> LevelMetadata:
     """Groups become sequences; the token ranges between groups become empty sequences."""
-    bounds, kv_lens, is_group = [0], [], []
-    for s, e, bs_, be in zip(
-        level.group_starts, level.group_ends, level.block_starts, level.block_ends, strict=True
-    ):
+    bounds, kv_lens, group_pos = [0], [], []
+    block_starts, block_ends = level.block_starts.tolist(), level.block_ends.tolist()
+    for s, e, first, last in zip(
+        level.group_starts.tolist(), level.group_ends.tolist(), block_starts, block_ends,
+        strict=True,
+    ):  # fmt: skip
         if s > 0 and token_starts[s] > bounds[-1]:
-            bounds.append(int(token_starts[s]))
+            bounds.append(token_starts[s])
             kv_lens.append(0)
-            is_group.append(-1)
-        bounds.append(int(token_starts[e]))
-        kv_lens.append(int(be - bs_) * block_size)
-        is_group.append(len(is_group))
+        group_pos.append(len(kv_lens))
+        bounds.append(token_starts[e])
+        kv_lens.append((last - first) * block_size)
     num_level_seqs = len(kv_lens)
     seqs = padded_size(buckets.level_seq_buckets, num_level_seqs)
-    width = padded_size(buckets.page_buckets, int((level.block_ends - level.block_starts).max()))
+    num_pages = max(b - a for a, b in zip(block_starts, block_ends, strict=True))
+    width = padded_size(buckets.page_buckets, num_pages)
     cu = np.full(seqs + 1, bounds[-1], np.int32)
     cu[: len(bounds)] = bounds
     kv = np.zeros(seqs, np.int32)
     kv[:num_level_seqs] = kv_lens
     pages = np.zeros((seqs, width), np.int32)
-    group_pos = [i for i, g in enumerate(is_group) if g >= 0]
-    pages[group_pos] = _table_slice(
-        block_table, level.leader_rows, level.block_starts.astype(np.int64), width,
-        level.block_ends.astype(np.int64),
-    )  # fmt: skip
-    longest = int(np.diff(bounds).max()) if len(bounds) > 1 else 1
+    if len(group_pos) == 1 and block_ends[0] - block_starts[0] <= width:
+        first, last = block_starts[0], block_ends[0]
+        pages[group_pos[0], : last - first] = block_table[int(level.leader_rows[0]), first:last]
+    else:
+        pages[group_pos] = _table_slice(
+            block_table, level.leader_rows, level.block_starts.astype(np.int64), width,
+            level.block_ends.astype(np.int64),
+        )  # fmt: skip
+    longest = max((b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)), default=1)
     return LevelMetadata(
         cu_q_lens=cu,
         kv_lens=kv,
@@ -163,6 +191,8 @@ def build_attention_metadata(
 
     The caller lays out the step's tokens in plan order: request plan.order[i]'s query
     tokens occupy positions cu_q_lens[i]:cu_q_lens[i+1] of the flat token arrays.
+    Cost: a fixed number of numpy calls (a Python loop only over cascade groups); a
+    decode-only batch (one token per request) takes a shorter path.
     """
     query_lens = np.asarray(query_lens, np.int64)
     num_computed = np.asarray(num_computed_tokens, np.int64)
@@ -174,39 +204,50 @@ def build_attention_metadata(
     if num_requests and query_lens.min() < 1:
         raise ValueError(f"every query_lens entry must be >= 1, got {query_lens.min()}")
     total = int(query_lens.sum())
+    decode_only = total == num_requests
     max_tokens = padded_size(buckets.token_buckets, max(total, 1))
     max_seqs = padded_size(buckets.seq_buckets, max(num_requests, 1))
-    kv_total = num_computed + query_lens
+    rows = plan.rows
     suffix_start = plan.suffix_start_blocks.astype(np.int64)
+    kv_total = num_computed + query_lens
     main_kv = kv_total - suffix_start * block_size
-    main_pages = -(-main_kv // block_size)
-    width = padded_size(buckets.page_buckets, max(int(main_pages.max(initial=1)), 1))
+    longest_main = int(main_kv.max(initial=1))
+    width = padded_size(buckets.page_buckets, max(-(-longest_main // block_size), 1))
 
-    token_starts = np.zeros(num_requests + 1, np.int64)
-    np.cumsum(query_lens, out=token_starts[1:])
     cu = np.full(max_seqs + 1, total, np.int32)
+    if decode_only:
+        token_starts = np.arange(num_requests + 1)
+    else:
+        token_starts = np.zeros(num_requests + 1, np.int64)
+        np.cumsum(query_lens, out=token_starts[1:])
     cu[: num_requests + 1] = token_starts
     kv_lens = np.zeros(max_seqs, np.int32)
     kv_lens[:num_requests] = main_kv
     page_indices = np.zeros((max_seqs, width), np.int32)
-    page_indices[:num_requests] = _table_slice(block_table, plan.rows, suffix_start, width)
+    _fill_pages(page_indices, block_table, rows, suffix_start)
 
     # Per-token position and KV slot, vectorised over tokens.
-    token_req = np.repeat(np.arange(num_requests), query_lens)
     positions = np.zeros(max_tokens, np.int32)
-    pos = num_computed[token_req] + (np.arange(total) - token_starts[token_req])
+    if decode_only:
+        pos, token_rows = num_computed, rows
+    else:
+        token_req = np.repeat(np.arange(num_requests), query_lens)
+        pos = num_computed[token_req] + (np.arange(total) - token_starts[token_req])
+        token_rows = rows[token_req]
     positions[:total] = pos
     slot_mapping = np.zeros(max_tokens, np.int32)
-    blocks = block_table[plan.rows[token_req], pos // block_size]
-    slot_mapping[:total] = blocks * block_size + pos % block_size
+    slot_mapping[:total] = block_table[token_rows, pos // block_size] * block_size + (
+        pos % block_size
+    )
     logits_indices = np.zeros(max_seqs, np.int32)
     logits_indices[:num_requests] = token_starts[1:] - 1
 
+    starts_list = token_starts.tolist() if plan.levels else []
     levels = tuple(
-        _level_metadata(level, block_table, token_starts, block_size, buckets)
+        _level_metadata(level, block_table, starts_list, block_size, buckets)
         for level in plan.levels
     )
-    longest_query = int(query_lens.max(initial=1))
+    longest_query = 1 if decode_only else int(query_lens.max(initial=1))
     return AttentionMetadata(
         slot_mapping=slot_mapping,
         positions=positions,

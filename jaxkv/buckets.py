@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 
@@ -59,25 +60,25 @@ class BucketConfig:
         if self.max_num_seqs > self.max_num_tokens:
             raise ValueError(f"{self.max_num_seqs=} must be <= {self.max_num_tokens=}")
 
-    @property
+    @functools.cached_property
     def token_buckets(self) -> tuple[int, ...]:
         return pow2_buckets(min(self.min_num_tokens, self.max_num_tokens), self.max_num_tokens)
 
-    @property
+    @functools.cached_property
     def seq_buckets(self) -> tuple[int, ...]:
         return pow2_buckets(min(self.min_num_seqs, self.max_num_seqs), self.max_num_seqs)
 
-    @property
+    @functools.cached_property
     def page_buckets(self) -> tuple[int, ...]:
         lo = min(self.min_pages_per_seq, self.max_pages_per_seq)
         return pow2_buckets(lo, self.max_pages_per_seq)
 
-    @property
+    @functools.cached_property
     def q_len_buckets(self) -> tuple[int, ...]:
         """Bounds on the longest query of one sequence: 1 (pure decode), then token buckets."""
         return tuple(sorted({1, *self.token_buckets}))
 
-    @property
+    @functools.cached_property
     def level_seq_buckets(self) -> tuple[int, ...]:
         """Sequences of one cascade level: its groups plus the gaps between them."""
         return pow2_buckets(1, 2 * self.max_cascade_groups + 1)

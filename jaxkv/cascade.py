@@ -215,13 +215,11 @@ class CascadePlanner:
                 f"{num_computed_tokens.shape=} and {query_lens.shape=} must be ({num_requests},)"
             )
         rows = manager.rows_of(request_ids)
-        num_blocks = manager.num_blocks_of(request_ids)
         identity = np.arange(num_requests, dtype=np.int32)
-        flat = CascadePlan(identity, rows, np.zeros(num_requests, np.int32), (), 0)
         if num_requests == 0:
-            return flat
-        common = longest_common_prefix(manager.prefix_ids, num_blocks, rows)
-        flat = dataclasses.replace(flat, num_common_prefix_blocks=common)
+            return CascadePlan(identity, rows, identity, (), 0)
+        common = manager.num_common_prefix_blocks(request_ids)
+        flat = CascadePlan(identity, rows, np.zeros(num_requests, np.int32), (), common)
         if not self.enable_cascade or num_requests < 2:
             return flat
 
@@ -233,15 +231,20 @@ class CascadePlanner:
         use_global = k0 > 0 and self.pays(num_requests, k0 * bs, total_q, int(context.sum()))
         base = k0 if use_global else 0
 
+        num_blocks = manager.num_blocks_of(request_ids)
         groups = self._groups(manager, rows, num_blocks, cap_blocks, query_lens, context, base)
         if not use_global and not groups:
             return flat
 
-        grouped = np.concatenate([g[0] for g in groups]) if groups else np.zeros(0, np.int64)
-        rest = np.setdiff1d(identity, grouped, assume_unique=True)
-        order = np.concatenate([grouped, rest]).astype(np.int32)
         suffix_start = np.full(num_requests, base, np.int32)
         levels = []
+        if not groups:
+            levels.append(_level("global", [0], [num_requests], [0], [k0], [rows[0]]))
+            return CascadePlan(identity, rows, suffix_start, tuple(levels), common)
+        grouped = np.concatenate([g[0] for g in groups])
+        ungrouped = np.ones(num_requests, bool)
+        ungrouped[grouped] = False
+        order = np.concatenate([grouped, np.flatnonzero(ungrouped)]).astype(np.int32)
         if use_global:
             levels.append(_level("global", [0], [num_requests], [0], [k0], [rows[order[0]]]))
         if groups:
@@ -270,23 +273,24 @@ class CascadePlanner:
         """Groups (member indices, shared block end) sharing blocks past column `base`."""
         if not self.enable_groups:
             return []
-        num_requests = len(rows)
-        eligible = (num_blocks > base) & (cap_blocks > base)
-        if eligible.sum() < 2 or base >= manager.max_blocks_per_seq:
+        eligible = np.flatnonzero((num_blocks > base) & (cap_blocks > base))
+        if len(eligible) < 2 or base >= manager.max_blocks_per_seq:
             return []
-        keys = manager.prefix_ids[rows, base]
-        # Ineligible requests get distinct negative keys so they never group together.
-        keys = np.where(eligible, keys, -1 - np.arange(num_requests))
-        order = np.argsort(keys, kind="stable")
-        sorted_keys = keys[order]
-        boundaries = np.flatnonzero(np.diff(sorted_keys)) + 1
-        starts = np.concatenate([[0], boundaries])
-        sizes = np.diff(np.concatenate([starts, [num_requests]]))
-        candidates = np.flatnonzero((sizes >= 2) & (sorted_keys[starts] >= 0))
+        # Requests that hold the same prefix id at column `base` share blocks 0..base.
+        keys = manager.prefix_ids[rows[eligible], base]
+        by_key = np.argsort(keys, kind="stable")
+        sorted_keys = keys[by_key]
+        new_run = sorted_keys[1:] != sorted_keys[:-1]
+        if new_run.all():
+            return []  # every key distinct: no two requests share past the base
+        starts = np.concatenate([[0], np.flatnonzero(new_run) + 1])
+        sizes = np.diff(np.append(starts, len(keys)))
+        candidates = np.flatnonzero(sizes >= 2)
         # Bounded work: only the largest candidates are examined.
         candidates = candidates[np.argsort(-sizes[candidates], kind="stable")][
             : 2 * self.max_groups
         ]
+        order = eligible[by_key]
         bs = manager.block_size
         chosen = []
         for c in candidates:

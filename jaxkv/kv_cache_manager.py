@@ -99,6 +99,11 @@ class KVCacheManager:
         self._free_rows: list[int] = list(range(_INITIAL_ROWS))  # min-heap
         self._row_epoch = 0  # bumped whenever a row is released; guards _rows_memo
         self._rows_memo: tuple[list[str], int, np.ndarray] | None = None  # (ids, epoch, rows)
+        # Bumped whenever a row gains blocks another row may also hold (a cache hit);
+        # with _row_epoch it guards _common_memo. Fresh blocks cannot change a common
+        # prefix of two or more rows (see num_common_prefix_blocks), so they don't bump it.
+        self._shared_epoch = 0
+        self._common_memo: tuple[np.ndarray, int, int] | None = None  # (rows, epoch, answer)
         self._interner = PrefixInterner()
         self.block_table = np.zeros((_INITIAL_ROWS, self.max_blocks_per_seq), np.int32)
         # Column-major: a shared-prefix probe reads one column of many rows contiguously.
@@ -173,9 +178,21 @@ class KVCacheManager:
         Exact whatever else holds blocks: requests outside `request_ids` neither add to nor
         subtract from the answer. Zero ids give 0; one id gives its number of blocks.
         Raises UnknownRequestError (a ValueError) naming an id that holds no blocks.
+
+        For two or more ids the answer of the previous call is reused while the id list
+        is equal, no request has been freed and no cache hit has been appended: blocks
+        freshly taken from the pool are held by one row only, so appending them to a row
+        lies past every prefix it shares and cannot change the answer.
         """
         rows = self.rows_of(request_ids)
-        return shared_prefix_of_rows(self.prefix_ids, rows, self._num_blocks_of_row)
+        if len(rows) < 2:
+            return int(self._num_blocks_of_row[rows[0]]) if len(rows) else 0
+        memo = self._common_memo
+        if memo is not None and memo[0] is rows and memo[1] == self._shared_epoch:
+            return memo[2]
+        answer = shared_prefix_of_rows(self.prefix_ids, rows, self._num_blocks_of_row)
+        self._common_memo = (rows, self._shared_epoch, answer)
+        return answer
 
     # ---------------------------------------------------------- prefix cache
 
@@ -255,6 +272,8 @@ class KVCacheManager:
         self.pool.touch(computed)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         added = computed + new_blocks
+        if computed:
+            self._shared_epoch += 1
         if added:
             self._append_blocks(req_id, added)
         if req_id not in self._num_cached:

@@ -155,23 +155,29 @@ class Scheduler:
         preempted: list[str] = []
 
         bs = self.manager.block_size
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        add_request, add_tokens, add_computed = (
+            scheduled.append, num_tokens.append, num_computed.append
+        )
+        # Iterating the live list is safe: preemption only pops from its end.
+        for request in self.running:
+            if budget <= 0:
+                break
             computed = request.num_computed_tokens
-            n = min(request.num_tokens - computed, budget)
+            n = request.num_tokens - computed
+            if n > budget:
+                n = budget
             # A running request holds exactly ceil(computed / bs) blocks (every allocation
             # is exact), so tokens that stay inside its partly filled last block without
             # filling it need neither a new block nor a prefix-cache entry: skip the call.
             offset = computed % bs
-            needs_blocks = offset == 0 or offset + n >= bs
-            if needs_blocks and not self._allocate_or_preempt(request, n, preempted):
+            if (offset == 0 or offset + n >= bs) and not self._allocate_or_preempt(
+                request, n, preempted
+            ):
                 break  # the request itself was preempted: nothing after it can run
-            scheduled.append(request)
-            num_tokens.append(n)
-            num_computed.append(computed)
+            add_request(request)
+            add_tokens(n)
+            add_computed(computed)
             budget -= n
-            i += 1
 
         if not preempted:
             budget = self._admit_waiting(budget, scheduled, num_tokens, num_computed)

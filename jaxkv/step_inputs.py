@@ -7,7 +7,6 @@ import functools
 import itertools
 from collections.abc import Sequence
 
-import jax
 import numpy as np
 
 from jaxkv.batch import AttentionMetadata, LevelMetadata
@@ -29,9 +28,21 @@ def pad_level(level: LevelMetadata, num_seqs: int) -> LevelMetadata:
 
 
 def program_key(metadata: AttentionMetadata) -> tuple:
-    """Identifies the compiled program a metadata pytree needs (structure + shapes)."""
-    leaves, treedef = jax.tree.flatten(metadata)
-    return treedef, tuple(leaf.shape for leaf in leaves)
+    """Identifies the compiled program a metadata pytree needs: its static fields and the
+    padded sizes that fix every leaf's shape (all leaves are int32 by construction).
+
+    Equal keys mean equal pytree structure and leaf shapes; read off the fields
+    directly because flattening the pytree each step costs more than the rest."""
+    md = metadata
+    return (
+        md.slot_mapping.shape,
+        md.page_indices.shape,
+        md.block_size,
+        md.max_q_len,
+        md.backend,
+        md.interpret,
+        tuple((lv.page_indices.shape, lv.max_q_len) for lv in md.levels),
+    )
 
 
 def coarsen_metadata(
