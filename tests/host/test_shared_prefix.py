@@ -13,7 +13,7 @@ import pytest
 
 from jaxkv import KVCacheManager, RequestStatus, longest_common_prefix, prefix_index
 from jaxkv.prefix_index import PrefixInterner
-from tests.host._util import make_request, prefill, ref_counts
+from tests.host._util import decode, make_request, prefill, ref_counts
 
 X = list(range(4))  # one full block of shared prefix (block_size 4)
 
@@ -103,6 +103,44 @@ def test_answer_follows_decode_growth_and_shared_tail_blocks():
     assert m.block_ids("A")[0] == m.block_ids("B")[0]
     assert m.block_ids("A")[1] != m.block_ids("B")[1]  # last prompt token recomputed
     assert m.num_common_prefix_blocks(["A", "B"]) == 1
+
+
+def _brute_force_common(m: KVCacheManager, ids: list[str]) -> int:
+    rows = [m.block_ids(i) for i in ids]
+    k = 0
+    while all(len(r) > k for r in rows) and len({r[k] for r in rows}) == 1:
+        k += 1
+    return k
+
+
+def test_reused_answer_follows_cache_hit_appends_frees_and_reused_ids():
+    # Repeating an id list reuses the previous answer; every change that can alter it
+    # (a cache hit appended to a member, a free, an id reused for another request) must
+    # be seen, and fresh decode blocks must leave it unchanged.
+    m = _manager()
+    y = [5, 6, 7, 8]
+    a = make_request("A", [*X, *y, 10])
+    prefill(m, a)
+    b = make_request("B", [*X, *y, 20])
+    hit, n = m.get_computed_blocks(b)
+    assert n == 8
+    m.allocate_slots(b, 0, num_new_computed_tokens=4, new_computed_blocks=hit[:1])
+    b.num_computed_tokens = 4
+    ids = ["A", "B"]
+    assert m.num_common_prefix_blocks(ids) == 1 == _brute_force_common(m, ids)
+    m.allocate_slots(b, 1, num_new_computed_tokens=4, new_computed_blocks=hit[1:])
+    b.num_computed_tokens = 9
+    assert m.num_common_prefix_blocks(list(ids)) == 2 == _brute_force_common(m, ids)
+    for token in range(12):  # fresh blocks on both rows
+        decode(m, a, 100 + token)
+        decode(m, b, 200 + token)
+        assert m.num_common_prefix_blocks(list(ids)) == 2 == _brute_force_common(m, ids)
+        assert m.num_common_prefix_blocks(["A"]) == len(m.block_ids("A"))
+    m.free(b)
+    other = make_request("B", [50, 51, 52, 53, 54])  # the same id, nothing shared
+    prefill(m, other)
+    assert m.num_common_prefix_blocks(list(ids)) == 0 == _brute_force_common(m, ids)
+    m.check_integrity()
 
 
 def test_interner_distinguishes_same_block_after_different_prefixes():
