@@ -190,7 +190,9 @@ class KVCacheManager:
         memo = self._common_memo
         if memo is not None and memo[0] is rows and memo[1] == self._shared_epoch:
             return memo[2]
-        answer = shared_prefix_of_rows(self.prefix_ids, rows, self._num_blocks_of_row)
+        answer = shared_prefix_of_rows(
+            self.prefix_ids, rows, self._num_blocks_of_row, self.block_table
+        )
         self._common_memo = (rows, self._shared_epoch, answer)
         return answer
 

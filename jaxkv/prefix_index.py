@@ -96,48 +96,63 @@ def shared_prefix_of_rows(
     prefix_ids: np.ndarray,  # i64[num_rows, C], -1 at and beyond each row's blocks
     rows: np.ndarray,  # i32[R] selected rows
     num_blocks_of_row: np.ndarray,  # i32[num_rows] blocks each row of prefix_ids holds
+    block_table: np.ndarray | None = None,  # i32[num_rows, C] row-major, 0 past the blocks
 ) -> int:
     """Leading columns all `rows` share, bounded only by the blocks they hold.
 
-    A sample of at most 8 rows (all rows when R <= 32) is searched first (probe its
-    shortest row's length, then gallop downward, then bisect), which bounds the answer
-    from above. One vectorised probe over all R rows at that bound confirms it in the
-    usual case (every scheduled request shares the prefix); otherwise only the D rows
-    that disagree there are compared. Cost: O(R + 8 log C + D C) numpy work (D log C
-    when D C is large), no Python loop over rows or blocks. Exact: prefix ids are exact
-    identities, and the -1 fill makes a row that lacks column k fail every probe at k.
-    A column-major `prefix_ids` makes each probe read contiguous memory.
+    With R <= 32 rows, a search over columns (probe the shortest row's length, gallop
+    downward, bisect) with one vectorised compare of all rows per probe. With more, a
+    sample of 8 rows (rows[0] among them) bounds the answer by its shortest row, and one
+    probe of all R rows there settles the usual case (every scheduled request shares
+    the prefix). Otherwise the sample is searched for a tighter bound and only the D
+    rows that disagree with rows[0] there are compared with it, along contiguous rows
+    of `block_table` when given (block ids agree in columns 0..k-1 iff prefix ids agree
+    at k-1, and the table's 0 past a row's blocks never equals a held block).
+    Cost: O(R + 8 log C + D C) numpy work (D log C when D C is large), no Python loop
+    over rows or blocks. Exact: prefix ids are exact identities, and the -1 fill makes
+    a row that lacks column k fail every probe at k. A column-major `prefix_ids` makes
+    each probe read contiguous memory.
     """
     if len(rows) <= 1:
         return int(num_blocks_of_row[rows[0]]) if len(rows) else 0
     sample_num_blocks = num_blocks_of_row[rows[:: _sample_step(len(rows))]]
-    return _shared_prefix(prefix_ids, rows, sample_num_blocks)
+    return _shared_prefix(prefix_ids, rows, sample_num_blocks, block_table)
 
 
 def _shared_prefix(
     prefix_ids: np.ndarray,  # i64[num_rows, C]
     rows: np.ndarray,  # i32[R], R >= 2
     sample_num_blocks: np.ndarray,  # i32[S] blocks held by rows[::_sample_step(R)]
+    block_table: np.ndarray | None = None,  # i32[num_rows, C] row-major
 ) -> int:
     step = _sample_step(len(rows))
-    bound = _search(prefix_ids, rows[::step], int(sample_num_blocks.min()), gallop=True)
-    if step == 1 or bound == 0:
-        return bound
-    # One probe of all rows at the bound. A row that agrees there with rows[0] (a sample
-    # row) shares all `bound` columns with it, so only the rows that disagree can lower
-    # the answer: it is the shared prefix of rows[0] and those rows.
-    col = prefix_ids[:, bound - 1].take(rows)
-    differs = col != col[0]
+    hi = int(sample_num_blocks.min())
+    if step == 1 or hi == 0:
+        return _search(prefix_ids, rows, hi, gallop=True)
+    # Usually every row shares all the sample's blocks: one probe of all rows at the
+    # sample's shortest length settles it.
+    differs = _differs_at(prefix_ids, rows, hi)
     if not differs.any():
-        return bound
-    odd = np.concatenate([rows[:1], rows[differs]])
+        return hi
+    bound = _search(prefix_ids, rows[::step], hi, gallop=True)
+    if bound == 0:
+        return 0
+    if bound < hi:
+        # A row that agrees at the bound with rows[0] (a sample row) shares all `bound`
+        # columns with it, so only the rows that disagree can lower the answer: it is
+        # the shared prefix of rows[0] and those rows.
+        differs = _differs_at(prefix_ids, rows, bound)
+        if not differs.any():
+            return bound
+    odd = rows[differs]
     if len(odd) * bound <= _DIRECT_COMPARE_MAX:
-        # Few odd rows: compare them with rows[0] along the columns in one pass; equality
-        # of prefix ids is a prefix property, so each row's count of equal columns is
-        # its shared prefix with rows[0].
-        block = prefix_ids[odd, : bound - 1]
-        return int((block[1:] == block[0]).sum(axis=1).min())
-    return _search(prefix_ids, odd, bound - 1, gallop=False)
+        # Few odd rows: compare them with rows[0] along the columns in one pass; for
+        # each, the first column that differs is its shared prefix with rows[0].
+        table = prefix_ids if block_table is None else block_table
+        mismatch = table[odd, : bound - 1] != table[rows[0], : bound - 1]
+        first = np.where(mismatch.any(axis=1), mismatch.argmax(axis=1), bound - 1)
+        return int(first.min())
+    return _search(prefix_ids, np.concatenate([rows[:1], odd]), bound - 1, gallop=False)
 
 
 def _sample_step(num_rows: int) -> int:
@@ -161,6 +176,12 @@ def _search(prefix_ids: np.ndarray, rows: np.ndarray, hi: int, *, gallop: bool) 
         else:
             hi = mid - 1
     return lo
+
+
+def _differs_at(prefix_ids: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
+    """bool[R]: which rows hold another prefix at column k-1 than rows[0] (k >= 1)."""
+    col = prefix_ids[:, k - 1].take(rows)
+    return col != col[0]
 
 
 def _shares(prefix_ids: np.ndarray, rows: np.ndarray, k: int) -> bool:
