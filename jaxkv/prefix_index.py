@@ -144,6 +144,8 @@ def _shared_prefix(
         differs = _differs_at(prefix_ids, rows, bound)
         if not differs.any():
             return bound
+    if bound == 1:
+        return 0  # some row disagrees with rows[0] at column 0
     odd = rows[differs]
     if len(odd) * bound <= _DIRECT_COMPARE_MAX:
         # Few odd rows: compare them with rows[0] along the columns in one pass; for

@@ -240,3 +240,16 @@ def test_manager_many_scheduled_one_diverging_anywhere():
     assert m.num_common_prefix_blocks(ids[1:77] + ids[78:]) == 8
     with pytest.raises(ValueError, match="'q0'"):
         m.num_common_prefix_blocks(ids)
+
+
+def test_manager_many_scheduled_sample_shares_one_block_one_diverges_at_zero():
+    # The first request holds exactly the one shared block; a request outside the sample
+    # shares nothing. The sampled bound is then 1 and the answer 0.
+    m = KVCacheManager(200, 4, max_model_len=64)
+    ids = []
+    for i in range(40):
+        tokens = X if i == 0 else ([90, 91, 92, 93] if i == 7 else X) + [100 + i]
+        prefill(m, make_request(f"q{i}", tokens))
+        ids.append(f"q{i}")
+    assert m.num_common_prefix_blocks(ids) == 0
+    assert m.num_common_prefix_blocks(ids[:7] + ids[8:]) == 1
