@@ -206,10 +206,16 @@ class CascadePlanner:
         query_lens: np.ndarray,  # i32[R] tokens scheduled this step, per request
         manager: KVCacheManager,
     ) -> CascadePlan:
-        """A plan for the scheduled requests, in the order given. Changes nothing."""
+        """A plan for the scheduled requests, in the order given. Changes nothing.
+
+        Every request must hold blocks for its num_computed_tokens (as the scheduler
+        guarantees). Cost: a fixed number of numpy calls plus a loop over at most
+        2 x max_groups candidate groups; repeated id lists reuse the manager's common
+        prefix (KVCacheManager.num_common_prefix_blocks).
+        """
         num_requests = len(request_ids)
-        num_computed_tokens = np.asarray(num_computed_tokens, np.int64)
-        query_lens = np.asarray(query_lens, np.int64)
+        num_computed_tokens = np.asarray(num_computed_tokens)
+        query_lens = np.asarray(query_lens)
         if num_computed_tokens.shape != (num_requests,) or query_lens.shape != (num_requests,):
             raise ValueError(
                 f"{num_computed_tokens.shape=} and {query_lens.shape=} must be ({num_requests},)"
@@ -224,57 +230,54 @@ class CascadePlanner:
             return flat
 
         bs = manager.block_size
-        cap_blocks = num_computed_tokens // bs
         total_q = int(query_lens.sum())
-        k0 = min(common, int(cap_blocks.min()))
-        context = num_computed_tokens + query_lens
-        use_global = k0 > 0 and self.pays(num_requests, k0 * bs, total_q, int(context.sum()))
+        k0 = min(common, int(num_computed_tokens.min()) // bs)
+        context = int(num_computed_tokens.sum()) + total_q
+        use_global = k0 > 0 and self.pays(num_requests, k0 * bs, total_q, context)
         base = k0 if use_global else 0
 
-        num_blocks = manager.num_blocks_of(request_ids)
-        groups = self._groups(manager, rows, num_blocks, cap_blocks, query_lens, context, base)
-        if not use_global and not groups:
-            return flat
-
+        groups = self._groups(manager, rows, num_computed_tokens, query_lens, base)
         suffix_start = np.full(num_requests, base, np.int32)
-        levels = []
         if not groups:
-            levels.append(_level("global", [0], [num_requests], [0], [k0], [rows[0]]))
-            return CascadePlan(identity, rows, suffix_start, tuple(levels), common)
-        grouped = np.concatenate([g[0] for g in groups])
+            if not use_global:
+                return flat
+            level = _level("global", [0], [num_requests], [0], [k0], [rows[0]])
+            return CascadePlan(identity, rows, suffix_start, (level,), common)
+
+        grouped = np.concatenate([members for members, _ in groups])
         ungrouped = np.ones(num_requests, bool)
         ungrouped[grouped] = False
         order = np.concatenate([grouped, np.flatnonzero(ungrouped)]).astype(np.int32)
+        levels = []
         if use_global:
             levels.append(_level("global", [0], [num_requests], [0], [k0], [rows[order[0]]]))
-        if groups:
-            starts, pos = [], 0
-            for members, _ in groups:
-                starts.append(pos)
-                pos += len(members)
-            ends = [s + len(m) for s, (m, _) in zip(starts, groups, strict=True)]
-            block_ends = [k for _, k in groups]
-            for s, e, k in zip(starts, ends, block_ends, strict=True):
-                suffix_start[s:e] = k
-            leaders = [rows[m[0]] for m, _ in groups]
-            levels.append(_level("groups", starts, ends, [base] * len(groups), block_ends, leaders))
+        starts, ends, block_ends, leaders = [], [], [], []
+        for members, end in groups:
+            first = ends[-1] if ends else 0
+            starts.append(first)
+            ends.append(first + len(members))
+            block_ends.append(end)
+            leaders.append(rows[members[0]])
+            suffix_start[first : ends[-1]] = end
+        levels.append(_level("groups", starts, ends, [base] * len(groups), block_ends, leaders))
         return CascadePlan(order, rows[order], suffix_start, tuple(levels), common)
 
     def _groups(
         self,
         manager: KVCacheManager,
-        rows: np.ndarray,
-        num_blocks: np.ndarray,
-        cap_blocks: np.ndarray,
-        query_lens: np.ndarray,
-        context: np.ndarray,
+        rows: np.ndarray,  # i32[R]
+        num_computed_tokens: np.ndarray,  # i[R]
+        query_lens: np.ndarray,  # i[R]
         base: int,
     ) -> list[tuple[np.ndarray, int]]:
         """Groups (member indices, shared block end) sharing blocks past column `base`."""
-        if not self.enable_groups:
+        if not self.enable_groups or base >= manager.max_blocks_per_seq:
             return []
-        eligible = np.flatnonzero((num_blocks > base) & (cap_blocks > base))
-        if len(eligible) < 2 or base >= manager.max_blocks_per_seq:
+        bs = manager.block_size
+        # A request can share column `base` in a cascade level only once it has computed
+        # that whole block (then it also holds it).
+        eligible = np.flatnonzero(num_computed_tokens >= (base + 1) * bs)
+        if len(eligible) < 2:
             return []
         # Requests that hold the same prefix id at column `base` share blocks 0..base.
         keys = manager.prefix_ids[rows[eligible], base]
@@ -285,37 +288,29 @@ class CascadePlanner:
             return []  # every key distinct: no two requests share past the base
         starts = np.concatenate([[0], np.flatnonzero(new_run) + 1])
         sizes = np.diff(np.append(starts, len(keys)))
-        candidates = np.flatnonzero(sizes >= 2)
+        candidates = np.flatnonzero((sizes >= 2) & (sorted_keys[starts] >= 0))
         # Bounded work: only the largest candidates are examined.
         candidates = candidates[np.argsort(-sizes[candidates], kind="stable")][
             : 2 * self.max_groups
         ]
         order = eligible[by_key]
-        bs = manager.block_size
+        num_blocks = manager.num_blocks_of_rows(rows)
         chosen = []
         for c in candidates:
             members = np.sort(order[starts[c] : starts[c] + sizes[c]])
             end = longest_common_prefix(manager.prefix_ids, num_blocks[members], rows[members])
-            end = min(end, int(cap_blocks[members].min()))
-            if end > base and self.pays(
-                len(members),
-                (end - base) * bs,
-                int(query_lens[members].sum()),
-                int(context[members].sum()),
-            ):
-                chosen.append(((len(members) - 1) * (end - base), members, end))
+            computed = num_computed_tokens[members]
+            end = min(end, int(computed.min()) // bs)
+            if end > base:
+                queries = int(query_lens[members].sum())
+                context = int(computed.sum()) + queries
+                if self.pays(len(members), (end - base) * bs, queries, context):
+                    chosen.append(((len(members) - 1) * (end - base), members, end))
         chosen.sort(key=lambda t: (-t[0], int(t[1][0])))
         chosen = sorted(chosen[: self.max_groups], key=lambda t: int(t[1][0]))
         return [(members, end) for _, members, end in chosen]
 
 
 def _level(name, starts, ends, block_starts, block_ends, leaders) -> CascadeLevel:
-    as_i32 = lambda x: np.asarray(x, np.int32)
-    return CascadeLevel(
-        name,
-        as_i32(starts),
-        as_i32(ends),
-        as_i32(block_starts),
-        as_i32(block_ends),
-        as_i32(leaders),
-    )
+    fields = np.array([starts, ends, block_starts, block_ends, leaders], np.int32)
+    return CascadeLevel(name, *fields)

@@ -172,6 +172,10 @@ class KVCacheManager:
         """i32[len(request_ids)] number of blocks each request holds."""
         return self._num_blocks_of_row[self.rows_of(request_ids)]
 
+    def num_blocks_of_rows(self, rows: np.ndarray) -> np.ndarray:
+        """i32[len(rows)] number of blocks held in each of `rows` (from rows_of)."""
+        return self._num_blocks_of_row[rows]
+
     def num_common_prefix_blocks(self, request_ids: Sequence[str]) -> int:
         """How many leading blocks every request in `request_ids` holds at the same positions.
 
