@@ -194,8 +194,8 @@ def build_attention_metadata(
     Cost: a fixed number of numpy calls (a Python loop only over cascade groups); a
     decode-only batch (one token per request) takes a shorter path.
     """
-    query_lens = np.asarray(query_lens, np.int64)
-    num_computed = np.asarray(num_computed_tokens, np.int64)
+    query_lens = np.asarray(query_lens)
+    num_computed = np.asarray(num_computed_tokens)
     num_requests = len(plan.rows)
     if query_lens.shape != (num_requests,) or num_computed.shape != (num_requests,):
         raise ValueError(
@@ -208,26 +208,30 @@ def build_attention_metadata(
     max_tokens = padded_size(buckets.token_buckets, max(total, 1))
     max_seqs = padded_size(buckets.seq_buckets, max(num_requests, 1))
     rows = plan.rows
-    suffix_start = plan.suffix_start_blocks.astype(np.int64)
-    kv_total = num_computed + query_lens
-    main_kv = kv_total - suffix_start * block_size
+    suffix_start = plan.suffix_start_blocks
+    main_kv = num_computed + query_lens - suffix_start * block_size
     longest_main = int(main_kv.max(initial=1))
     width = padded_size(buckets.page_buckets, max(-(-longest_main // block_size), 1))
 
-    cu = np.full(max_seqs + 1, total, np.int32)
+    # The int32 vectors share one zeroed buffer (one allocation instead of five).
+    buffer = np.zeros(2 * max_tokens + 3 * max_seqs + 1, np.int32)
+    positions, slot_mapping = buffer[:max_tokens], buffer[max_tokens : 2 * max_tokens]
+    seq_fields = buffer[2 * max_tokens :]
+    logits_indices, kv_lens = seq_fields[:max_seqs], seq_fields[max_seqs : 2 * max_seqs]
+    cu = seq_fields[2 * max_seqs :]
     if decode_only:
         token_starts = np.arange(num_requests + 1)
     else:
         token_starts = np.zeros(num_requests + 1, np.int64)
         np.cumsum(query_lens, out=token_starts[1:])
     cu[: num_requests + 1] = token_starts
-    kv_lens = np.zeros(max_seqs, np.int32)
+    cu[num_requests + 1 :] = total
     kv_lens[:num_requests] = main_kv
+    logits_indices[:num_requests] = token_starts[1:] - 1
     page_indices = np.zeros((max_seqs, width), np.int32)
     _fill_pages(page_indices, block_table, rows, suffix_start)
 
     # Per-token position and KV slot, vectorised over tokens.
-    positions = np.zeros(max_tokens, np.int32)
     if decode_only:
         pos, token_rows = num_computed, rows
     else:
@@ -235,12 +239,8 @@ def build_attention_metadata(
         pos = num_computed[token_req] + (np.arange(total) - token_starts[token_req])
         token_rows = rows[token_req]
     positions[:total] = pos
-    slot_mapping = np.zeros(max_tokens, np.int32)
-    slot_mapping[:total] = block_table[token_rows, pos // block_size] * block_size + (
-        pos % block_size
-    )
-    logits_indices = np.zeros(max_seqs, np.int32)
-    logits_indices[:num_requests] = token_starts[1:] - 1
+    block_col, offset = np.divmod(pos, block_size)
+    slot_mapping[:total] = block_table[token_rows, block_col] * block_size + offset
 
     starts_list = token_starts.tolist() if plan.levels else []
     levels = tuple(
