@@ -218,7 +218,7 @@ class Engine:
             self.config.q_len_buckets,
             self.buckets.level_seq_buckets[-1] if self.config.pad_cascade_levels else None,
         )
-        input_ids = gather_input_ids(out.requests, order, query_lens, num_computed, md)
+        input_ids = gather_input_ids(out.token_ids, out.num_scheduled_tokens, order, md)
         positions = np.zeros(md.max_num_seqs, np.int32)  # of the tokens being sampled
         positions[:n] = num_computed + query_lens
         sampling = (*self._sampling_rows(out.request_ids, order, md.max_num_seqs), positions)

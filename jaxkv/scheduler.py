@@ -43,6 +43,7 @@ class SchedulerOutput:
     request_ids: list[str]  # their ids, same order
     num_scheduled_tokens: np.ndarray  # i32[R] tokens computed this step per request
     num_computed_tokens: np.ndarray  # i32[R] tokens already in the cache before this step
+    token_ids: list[int]  # the tokens computed this step, request by request, in order
     preempted_request_ids: tuple[str, ...]  # preempted by this schedule() call
     finished_request_ids: tuple[str, ...]  # left the scheduler since the previous call
 
@@ -152,12 +153,13 @@ class Scheduler:
         scheduled: list[Request] = []
         num_tokens: list[int] = []
         num_computed: list[int] = []
+        token_ids: list[int] = []
         preempted: list[str] = []
 
         bs = self.manager.block_size
-        add_request, add_tokens, add_computed = (
-            scheduled.append, num_tokens.append, num_computed.append
-        )
+        add_request, add_tokens = scheduled.append, num_tokens.append
+        add_computed = num_computed.append
+        add_token_id, add_token_ids = token_ids.append, token_ids.extend
         # Iterating the live list is safe: preemption only pops from its end.
         for request in self.running:
             if budget <= 0:
@@ -177,10 +179,14 @@ class Scheduler:
             add_request(request)
             add_tokens(n)
             add_computed(computed)
+            if n == 1:
+                add_token_id(request.all_token_ids[computed])
+            else:
+                add_token_ids(request.all_token_ids[computed : computed + n])
             budget -= n
 
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled, num_tokens, num_computed)
+            budget = self._admit_waiting(budget, scheduled, num_tokens, num_computed, token_ids)
 
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(
@@ -188,6 +194,7 @@ class Scheduler:
             request_ids=[r.request_id for r in scheduled],
             num_scheduled_tokens=np.asarray(num_tokens, np.int32),
             num_computed_tokens=np.asarray(num_computed, np.int32),
+            token_ids=token_ids,
             preempted_request_ids=tuple(preempted),
             finished_request_ids=finished,
         )
@@ -211,6 +218,7 @@ class Scheduler:
         scheduled: list[Request],
         num_tokens: list[int],
         num_computed: list[int],
+        token_ids: list[int],
     ) -> int:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -229,7 +237,9 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(request)
             num_tokens.append(n)
-            num_computed.append(request.num_computed_tokens)
+            computed = request.num_computed_tokens
+            num_computed.append(computed)
+            token_ids.extend(request.all_token_ids[computed : computed + n])
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return budget

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
 
 from jaxkv.batch import AttentionMetadata, LevelMetadata
 from jaxkv.buckets import padded_size
-from jaxkv.request import Request
 
 
 def pad_level(level: LevelMetadata, num_seqs: int) -> LevelMetadata:
@@ -71,27 +69,24 @@ def coarsen_metadata(
 
 
 def gather_input_ids(
-    requests: Sequence[Request],
-    order: np.ndarray,  # i32[R] batch position -> index into requests
-    query_lens: np.ndarray,  # i32[R] in batch order
-    num_computed: np.ndarray,  # i32[R] in batch order
+    token_ids: Sequence[int],  # the step's tokens, request by request, in schedule order
+    num_scheduled_tokens: np.ndarray,  # i32[R] tokens per request, schedule order
+    order: np.ndarray,  # i32[R] batch position -> index in schedule order
     md: AttentionMetadata,
 ) -> np.ndarray:  # i32[max_num_tokens]
-    """The step's token ids in batch order, padded with 0 to md.max_num_tokens."""
+    """The step's token ids in batch (plan) order, padded with 0 to md.max_num_tokens."""
     ids = np.zeros(md.max_num_tokens, np.int32)
-    total = int(query_lens.sum())
-    if total == len(order):  # decode only: one token per request
-        ids[:total] = [
-            requests[i].all_token_ids[c]
-            for i, c in zip(order.tolist(), num_computed.tolist(), strict=True)
-        ]
+    total = len(token_ids)
+    num_requests = len(order)
+    if not (order != np.arange(num_requests)).any():
+        ids[:total] = token_ids  # the plan kept the schedule order
+    elif total == num_requests:  # decode only: one token per request
+        ids[:total] = np.asarray(token_ids, np.int32)[order]
     else:
-        ids[:total] = list(
-            itertools.chain.from_iterable(
-                requests[i].all_token_ids[c : c + q]
-                for i, c, q in zip(
-                    order.tolist(), num_computed.tolist(), query_lens.tolist(), strict=True
-                )
-            )
-        )
+        starts = np.zeros(num_requests, np.int64)
+        np.cumsum(num_scheduled_tokens[:-1], out=starts[1:])
+        batch_starts = md.cu_q_lens[:num_requests].astype(np.int64)
+        lens = num_scheduled_tokens[order]
+        source = np.repeat(starts[order] - batch_starts, lens) + np.arange(total)
+        ids[:total] = np.asarray(token_ids, np.int32)[source]
     return ids
