@@ -123,6 +123,13 @@ def step(sched: Scheduler, copier: FakeCopier | None = None):
     out: SchedulerOutput = sched.schedule()
     assert out.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
     assert out.num_requests <= sched.config.max_num_seqs
+    assert out.token_ids == [
+        t
+        for req, n, start in zip(
+            out.requests, out.num_scheduled_tokens, out.num_computed_tokens, strict=True
+        )
+        for t in req.all_token_ids[start : start + n]
+    ]
     if copier is not None:
         bs = sched.manager.block_size
         for req, n, start in zip(
