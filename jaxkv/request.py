@@ -127,6 +127,10 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Appends sampled tokens. Block hashes are extended lazily by the manager."""
+        if type(token_ids) is int:  # one token per request per step: skip the list
+            self.output_token_ids.append(token_ids)
+            self._all_token_ids.append(token_ids)
+            return
         new = [int(token_ids)] if isinstance(token_ids, int) else [int(t) for t in token_ids]
         self.output_token_ids.extend(new)
         self._all_token_ids.extend(new)
