@@ -153,10 +153,8 @@ def _level_metadata(
     seqs = padded_size(buckets.level_seq_buckets, num_level_seqs)
     num_pages = max(b - a for a, b in zip(block_starts, block_ends, strict=True))
     width = padded_size(buckets.page_buckets, num_pages)
-    cu = np.full(seqs + 1, bounds[-1], np.int32)
-    cu[: len(bounds)] = bounds
-    kv = np.zeros(seqs, np.int32)
-    kv[:num_level_seqs] = kv_lens
+    cu = np.array(bounds + bounds[-1:] * (seqs + 1 - len(bounds)), np.int32)
+    kv = np.array(kv_lens + [0] * (seqs - num_level_seqs), np.int32)
     pages = np.zeros((seqs, width), np.int32)
     if len(group_pos) == 1 and block_ends[0] - block_starts[0] <= width:
         first, last = block_starts[0], block_ends[0]
@@ -227,7 +225,7 @@ def build_attention_metadata(
     cu[: num_requests + 1] = token_starts
     cu[num_requests + 1 :] = total
     kv_lens[:num_requests] = main_kv
-    logits_indices[:num_requests] = token_starts[1:] - 1
+    logits_indices[:num_requests] = token_starts[:-1] if decode_only else token_starts[1:] - 1
     page_indices = np.zeros((max_seqs, width), np.int32)
     _fill_pages(page_indices, block_table, rows, suffix_start)
 
