@@ -260,7 +260,11 @@ class KVCacheManager:
                 raise ValueError(f"{name}={value!r} must be an int >= 0 (request {req_id!r})")
         self._check_prompt_fits(request)
         held = self._blocks.get(req_id, [])
-        computed = self._validated_computed_blocks(request, held, new_computed_blocks)
+        computed = (
+            self._validated_computed_blocks(request, held, new_computed_blocks)
+            if new_computed_blocks
+            else []
+        )
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_total = num_computed + num_new_tokens + num_lookahead_tokens
         if num_total > self.max_model_len:
@@ -269,19 +273,18 @@ class KVCacheManager:
             )
         num_required = -(-num_total // self.block_size)
         num_new_blocks = max(0, num_required - len(held) - len(computed))
-        num_free_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        num_free_hits = sum(1 for b in computed if b.ref_cnt == 0) if computed else 0
         if num_new_blocks + num_free_hits > self.pool.num_free_blocks:
             return None
 
         if req_id not in self._blocks:
             self._add_row(req_id)
-        self.pool.touch(computed)
-        new_blocks = self.pool.get_new_blocks(num_new_blocks)
-        added = computed + new_blocks
-        if computed:
+        if computed:  # cache hits leave the free queue before fresh blocks are taken
+            self.pool.touch(computed)
             self._shared_epoch += 1
-        if added:
-            self._append_blocks(req_id, added)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        if computed or new_blocks:
+            self._append_blocks(req_id, computed + new_blocks)
         if req_id not in self._num_cached:
             self._num_cached[req_id] = 0
         if computed and self._num_cached[req_id] == len(held):
@@ -432,8 +435,12 @@ class KVCacheManager:
         blocks.extend(added)
         pids.extend(new_pids)
         end = start + len(ids)
-        self.block_table[row, start:end] = ids
-        self.prefix_ids[row, start:end] = new_pids
+        if end == start + 1:  # a decode step's block: scalar writes are cheaper
+            self.block_table[row, start] = ids[0]
+            self.prefix_ids[row, start] = new_pids[0]
+        else:
+            self.block_table[row, start:end] = ids
+            self.prefix_ids[row, start:end] = new_pids
         self._num_blocks_of_row[row] = end
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
