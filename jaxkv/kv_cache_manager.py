@@ -31,6 +31,7 @@ from jaxkv.prefix_index import (
 from jaxkv.request import Request
 
 _INITIAL_ROWS = 16
+_INTEGER_TYPES = (int, np.integer)
 
 
 class UnknownRequestError(ValueError, KeyError):
@@ -256,7 +257,7 @@ class KVCacheManager:
             ("num_new_computed_tokens", num_new_computed_tokens),
             ("num_lookahead_tokens", num_lookahead_tokens),
         ):
-            if not isinstance(value, int | np.integer) or value < 0:
+            if not isinstance(value, _INTEGER_TYPES) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an int >= 0 (request {req_id!r})")
         self._check_prompt_fits(request)
         held = self._blocks.get(req_id, [])
