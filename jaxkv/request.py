@@ -70,6 +70,23 @@ class Request:
     KVCacheManager extends it (update_block_hashes) as tokens are appended.
     """
 
+    # Slots: a misspelt field assignment fails instead of adding a silent attribute.
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "cache_salt",
+        "adapter_id",
+        "arrival_time",
+        "status",
+        "output_token_ids",
+        "num_computed_tokens",
+        "num_preemptions",
+        "block_hashes",
+        "_all_token_ids",
+        "_hash_config",
+    )
+
     def __init__(
         self,
         request_id: str,
