@@ -7,10 +7,12 @@ R in {16, 256, 1024}, C in {128, 2048}, T in {0, 64}. Three cases per point:
 
 - cold: the id -> row lookup runs on every call (ids alternate between two orders, so
   the manager's one-entry memo of the previous id list never hits);
-- memo: the same id list as the previous call with no request freed in between (the
-  steady decode case);
-- diverge: cold, and one scheduled request shares only C/2 blocks, so the binary search
-  over columns runs in full.
+- memo: the same id list as the previous call with no request freed and no cache hit
+  appended in between (the steady decode case): the previous answer is reused;
+- diverge: cold, and one scheduled request shares only C/2 blocks, so the rows that
+  disagree with the first are compared along their blocks;
+- rows: the detection alone, on block-table rows the caller keeps
+  (num_common_prefix_blocks_of_rows: no id lookup, no reuse).
 
 Part 2, per-operation cost on a trace of 10,000 requests drawn from a shared-prefix
 workload (Zipf-popular system prompts, random user suffixes, random output lengths,
@@ -127,6 +129,9 @@ def _time_point(setup: _Setup, sched: list[str], num_others: int) -> list[dict]:
     diverge = sched[:-1] + [half]
     assert f(diverge) == c // 2
     cases["diverge"] = _time_calls(f, [diverge, diverge[1:] + diverge[:1]])
+    m = setup.m
+    rows, rows_rotated = np.array(m.rows_of(sched)), np.array(m.rows_of(rotated))
+    cases["rows"] = _time_calls(m.num_common_prefix_blocks_of_rows, [rows, rows_rotated])
     setup.m.free(half)
     return [
         dict(R=len(sched), C=c, T=num_others, case=case, cpu_us=cpu_us, wall_us=wall_us)
@@ -222,7 +227,7 @@ def main() -> None:
     print(f"{'C':>5} {'T':>3} {'case':>8} | " + " ".join(f"R={r:<6}" for r in (16, 256, 1024)))
     for c in (128, 2048):
         for t in (0, 64):
-            for case in ("cold", "memo", "diverge"):
+            for case in ("cold", "memo", "diverge", "rows"):
                 us = {
                     r["R"]: r["cpu_us"]
                     for r in prefix_rows

@@ -195,11 +195,22 @@ class KVCacheManager:
         memo = self._common_memo
         if memo is not None and memo[0] is rows and memo[1] == self._shared_epoch:
             return memo[2]
-        answer = shared_prefix_of_rows(
-            self.prefix_ids, rows, self._num_blocks_of_row, self.block_table
-        )
+        answer = self.num_common_prefix_blocks_of_rows(rows)
         self._common_memo = (rows, self._shared_epoch, answer)
         return answer
+
+    def num_common_prefix_blocks_of_rows(self, rows: np.ndarray) -> int:
+        """num_common_prefix_blocks for block-table rows (as rows_of returns them).
+
+        For callers that keep their batch's rows: no id lookup and no reuse of earlier
+        answers. Rows must be live (held by a request); the answer is then exact.
+        """
+        rows = np.asarray(rows)
+        if len(rows) < 2:
+            return int(self._num_blocks_of_row[rows[0]]) if len(rows) else 0
+        return shared_prefix_of_rows(
+            self.prefix_ids, rows, self._num_blocks_of_row, self.block_table
+        )
 
     # ---------------------------------------------------------- prefix cache
 

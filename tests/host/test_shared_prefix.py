@@ -253,3 +253,18 @@ def test_manager_many_scheduled_sample_shares_one_block_one_diverges_at_zero():
         ids.append(f"q{i}")
     assert m.num_common_prefix_blocks(ids) == 0
     assert m.num_common_prefix_blocks(ids[:7] + ids[8:]) == 1
+
+
+def test_rows_entry_point_agrees_with_ids():
+    m = KVCacheManager(400, 4, max_model_len=64)
+    prefix = list(range(16))
+    ids = []
+    for i in range(50):
+        tokens = (prefix[:8] if i == 31 else prefix) + [500 + i]
+        prefill(m, make_request(f"q{i}", tokens))
+        ids.append(f"q{i}")
+    rows = m.rows_of(ids)
+    assert m.num_common_prefix_blocks_of_rows(rows) == m.num_common_prefix_blocks(ids) == 2
+    assert m.num_common_prefix_blocks_of_rows(rows[:31]) == 4
+    assert m.num_common_prefix_blocks_of_rows(rows[:1]) == len(m.block_ids("q0"))
+    assert m.num_common_prefix_blocks_of_rows(rows[:0]) == 0
