@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--system-len", type=int, default=128, help="shared system prompt tokens")
     p.add_argument("--question-len", type=int, default=8, help="tokens of each question")
-    p.add_argument("--max-tokens", type=int, default=16, help="generated tokens per request")
+    p.add_argument("--max-tokens", type=int, default=32, help="generated tokens per request")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--decode-batch", type=int, default=256, help="batch of the host-time goal")
@@ -134,6 +134,9 @@ def run_one(model, prompts, args, name, cascade, prefix_caching) -> dict:
         "decode_steps_at_batch": len(decode),
         "decode_host_ms_at_batch_p50": p50([s.host_s for s in decode]),
         "decode_host_cpu_ms_at_batch_p50": p50([s.host_cpu_s for s in decode]),
+        "decode_schedule_cpu_ms_at_batch_p50": p50([s.schedule_cpu_s for s in decode]),
+        "decode_plan_cpu_ms_at_batch_p50": p50([s.plan_cpu_s for s in decode]),
+        "decode_prepare_cpu_ms_at_batch_p50": p50([s.prepare_cpu_s for s in decode]),
         "decode_device_ms_at_batch_p50": p50([s.device_s for s in decode]),
         "decode_update_ms_at_batch_p50": p50([s.update_s for s in decode]),
         "cascade_steps": m.cascade_steps,
@@ -165,6 +168,9 @@ def main(argv=None) -> int:
         ("upd ms", "update_ms_per_step_p50", "{:>6.3f}"),
         (f"host@{args.decode_batch}", "decode_host_ms_at_batch_p50", "{:>8.3f}"),
         (f"cpu@{args.decode_batch}", "decode_host_cpu_ms_at_batch_p50", "{:>7.3f}"),
+        ("sched", "decode_schedule_cpu_ms_at_batch_p50", "{:>5.3f}"),
+        ("plan", "decode_plan_cpu_ms_at_batch_p50", "{:>5.3f}"),
+        ("prep", "decode_prepare_cpu_ms_at_batch_p50", "{:>5.3f}"),
         ("compiles", "num_compiles", "{:>8d}"),
         ("compile s", "compile_step_s", "{:>9.1f}"),
         ("cascade", "cascade_steps", "{:>7d}"),
@@ -183,6 +189,10 @@ def main(argv=None) -> int:
         cells = (fmt.format(r[key]).strip() for _, key, fmt in cols)
         print(" ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
     print("host: schedule + plan + metadata (wall); cpu: the same in thread CPU time")
+    print(
+        f"sched / plan / prep: cpu@{args.decode_batch} split into scheduler, cascade "
+        "planner, and metadata + input arrays"
+    )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         report = {

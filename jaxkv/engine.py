@@ -197,9 +197,11 @@ class Engine:
         n = out.num_requests
         if n == 0:
             return []
+        c_schedule = time.thread_time()
         plan = self.planner.plan(
             out.request_ids, out.num_computed_tokens, out.num_scheduled_tokens, self.manager
         )
+        c_plan = time.thread_time()
         order = plan.order
         query_lens = out.num_scheduled_tokens[order]
         num_computed = out.num_computed_tokens[order]
@@ -243,8 +245,10 @@ class Engine:
         levels = "+".join(level.name for level in plan.levels)
         num_tokens = int(query_lens.sum())
         self.last_step = StepStats(
-            t1 - t0, c1 - c0, t2 - t1, t3 - t2, n, num_tokens, levels, new_program
-        )
+            t1 - t0, c1 - c0, t2 - t1, t3 - t2, n, num_tokens, levels, new_program,
+            schedule_cpu_s=c_schedule - c0, plan_cpu_s=c_plan - c_schedule,
+            prepare_cpu_s=c1 - c_plan,
+        )  # fmt: skip
         m = self._m
         m["num_steps"] += 1
         m["host_time_s"] += t1 - t0

@@ -17,6 +17,10 @@ class StepStats:
     num_tokens: int  # tokens computed
     cascade_levels: str  # "" (flat), "global", "groups" or "global+groups"
     new_program: bool  # the step needed a program this engine had not used before
+    # host_cpu_s split: scheduler, cascade planner, metadata + input arrays + program key
+    schedule_cpu_s: float = 0.0
+    plan_cpu_s: float = 0.0
+    prepare_cpu_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ import numpy as np
 
 NO_PREFIX = -1  # prefix id of a column a row holds no block at
 _DIRECT_COMPARE_MAX = 1 << 16  # most prefix ids compared in one pass instead of bisecting
+_SAMPLE_COMPARE_MAX = 1 << 12  # most sample block ids compared in one pass (else gallop)
 ROOT_PREFIX = -1  # parent of column 0
 
 
@@ -100,18 +101,17 @@ def shared_prefix_of_rows(
 ) -> int:
     """Leading columns all `rows` share, bounded only by the blocks they hold.
 
-    With R <= 32 rows, a search over columns (probe the shortest row's length, gallop
-    downward, bisect) with one vectorised compare of all rows per probe. With more, a
-    sample of 8 rows (rows[0] among them) bounds the answer by its shortest row, and one
-    probe of all R rows there settles the usual case (every scheduled request shares
-    the prefix). Otherwise the sample is searched for a tighter bound and only the D
-    rows that disagree with rows[0] there are compared with it, along contiguous rows
-    of `block_table` when given (block ids agree in columns 0..k-1 iff prefix ids agree
-    at k-1, and the table's 0 past a row's blocks never equals a held block).
-    Cost: O(R + 8 log C + D C) numpy work (D log C when D C is large), no Python loop
-    over rows or blocks. Exact: prefix ids are exact identities, and the -1 fill makes
-    a row that lacks column k fail every probe at k. A column-major `prefix_ids` makes
-    each probe read contiguous memory.
+    A sample of at most 8 rows (all rows when R <= 32; rows[0] always) is searched
+    first (probe its shortest row's length, then gallop downward, then bisect), which
+    bounds the answer from above. One vectorised probe over all R rows at that bound
+    confirms it in the usual case (every scheduled request shares the prefix);
+    otherwise only the D rows that disagree with rows[0] there are compared with it,
+    along contiguous rows of `block_table` when given (block ids agree in columns
+    0..k-1 iff prefix ids agree at k-1, and the table's 0 past a row's blocks never
+    equals a held block). Cost: O(R + 8 log C + D C) numpy work (D log C when D C is
+    large), no Python loop over rows or blocks. Exact: prefix ids are exact
+    identities, and the -1 fill makes a row that lacks column k fail every probe at k.
+    A column-major `prefix_ids` makes each probe read contiguous memory.
     """
     if len(rows) <= 1:
         return int(num_blocks_of_row[rows[0]]) if len(rows) else 0
@@ -126,35 +126,37 @@ def _shared_prefix(
     block_table: np.ndarray | None = None,  # i32[num_rows, C] row-major
 ) -> int:
     step = _sample_step(len(rows))
-    hi = int(sample_num_blocks.min())
-    if step == 1 or hi == 0:
-        return _search(prefix_ids, rows, hi, gallop=True)
-    # Usually every row shares all the sample's blocks: one probe of all rows at the
-    # sample's shortest length settles it.
-    differs = _differs_at(prefix_ids, rows, hi)
+    sample, hi = rows[::step], int(sample_num_blocks.min())
+    if block_table is not None and len(sample) * hi <= _SAMPLE_COMPARE_MAX:
+        bound = _shared_with_first(block_table, rows[0], sample[1:], hi)
+    else:
+        bound = _search(prefix_ids, sample, hi, gallop=True)
+    if step == 1 or bound == 0:
+        return bound
+    # One probe of all rows at the bound. A row that agrees there with rows[0] (a sample
+    # row) shares all `bound` columns with it, so only the rows that disagree can lower
+    # the answer: it is the shared prefix of rows[0] and those rows.
+    differs = _differs_at(prefix_ids, rows, bound)
     if not differs.any():
-        return hi
-    bound = _search(prefix_ids, rows[::step], hi, gallop=True)
-    if bound == 0:
-        return 0
-    if bound < hi:
-        # A row that agrees at the bound with rows[0] (a sample row) shares all `bound`
-        # columns with it, so only the rows that disagree can lower the answer: it is
-        # the shared prefix of rows[0] and those rows.
-        differs = _differs_at(prefix_ids, rows, bound)
-        if not differs.any():
-            return bound
-    if bound == 1:
-        return 0  # some row disagrees with rows[0] at column 0
+        return bound
     odd = rows[differs]
     if len(odd) * bound <= _DIRECT_COMPARE_MAX:
-        # Few odd rows: compare them with rows[0] along the columns in one pass; for
-        # each, the first column that differs is its shared prefix with rows[0].
+        # Few odd rows: compare them with rows[0] along the columns in one pass.
         table = prefix_ids if block_table is None else block_table
-        mismatch = table[odd, : bound - 1] != table[rows[0], : bound - 1]
-        first = np.where(mismatch.any(axis=1), mismatch.argmax(axis=1), bound - 1)
-        return int(first.min())
+        return _shared_with_first(table, rows[0], odd, bound - 1)
     return _search(prefix_ids, np.concatenate([rows[:1], odd]), bound - 1, gallop=False)
+
+
+def _shared_with_first(table: np.ndarray, first: int, others: np.ndarray, width: int) -> int:
+    """Columns 0..k-1 in which every row of `others` equals row `first`, k <= width.
+
+    `table` is block_table (row-major, contiguous rows) or prefix_ids; either way the
+    first column that differs is a row's shared prefix with `first`.
+    """
+    if len(others) == 0 or width == 0:
+        return width
+    mismatch = table[others, :width] != table[first, :width]
+    return int(np.where(mismatch.any(axis=1), mismatch.argmax(axis=1), width).min())
 
 
 def _sample_step(num_rows: int) -> int:
