@@ -1,44 +1,27 @@
-"""Per-request KV blocks, prefix-cache lookup, the host block table and shared-prefix detection.
+"""Per-request KV blocks and prefix-cache lookup over the block pool.
 
-Plain Python and numpy, no JAX. The manager does not care why a request holds blocks
-(running, preempted-but-kept, finished and still copying KV out, receiving KV): a request
-holds its blocks from its first allocate_slots until free(request).
+Plain Python and numpy, no JAX. Each request's blocks are mirrored into the host block
+table (jaxkv.block_table), which also answers shared-prefix queries. The manager does not
+care why a request holds blocks (running, preempted-but-kept, finished and still copying
+KV out, receiving KV): a request holds its blocks from its first allocate_slots until
+free(request).
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import itemgetter
 
 import numpy as np
 
-from jaxkv.block_pool import (
-    NULL_BLOCK_ID,
-    BlockPool,
-    IntegrityError,
-    KVCacheBlock,
-    KVCacheEvent,
-)
+from jaxkv.block_pool import BlockPool, IntegrityError, KVCacheBlock, KVCacheEvent
+from jaxkv.block_table import HostBlockTable, UnknownRequestError
 from jaxkv.hashing import root_hash
-from jaxkv.prefix_index import (
-    NO_PREFIX,
-    ROOT_PREFIX,
-    PrefixInterner,
-    shared_prefix_of_rows,
-)
 from jaxkv.request import Request
 
-_INITIAL_ROWS = 16
+__all__ = ["KVCacheManager", "PrefixCacheStats", "UnknownRequestError"]
+
 _INTEGER_TYPES = (int, np.integer)
-
-
-class UnknownRequestError(ValueError, KeyError):
-    """A request id the manager holds no blocks for (never allocated, or already freed)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
 
 
 @dataclass(frozen=True)
@@ -94,24 +77,7 @@ class KVCacheManager:
         )
         self._blocks: dict[str, list[KVCacheBlock]] = {}  # req_id -> held blocks, in order
         self._num_cached: dict[str, int] = {}  # req_id -> leading blocks already cached
-        self._prefix: dict[str, list[int]] = {}  # req_id -> prefix id per held block
-        self._row_of: dict[str, int] = {}  # req_id -> row of block_table
-        self._row_bytes: dict[str, bytes] = {}  # req_id -> row as 4 little-endian bytes
-        self._free_rows: list[int] = list(range(_INITIAL_ROWS))  # min-heap
-        self._row_epoch = 0  # bumped whenever a row is released; guards _rows_memo
-        self._rows_memo: tuple[list[str], int, np.ndarray] | None = None  # (ids, epoch, rows)
-        # Bumped whenever a row gains blocks another row may also hold (a cache hit);
-        # with _row_epoch it guards _common_memo. Fresh blocks cannot change a common
-        # prefix of two or more rows (see num_common_prefix_blocks), so they don't bump it.
-        self._shared_epoch = 0
-        self._common_memo: tuple[np.ndarray, int, int] | None = None  # (rows, epoch, answer)
-        self._interner = PrefixInterner()
-        self.block_table = np.zeros((_INITIAL_ROWS, self.max_blocks_per_seq), np.int32)
-        # Column-major: a shared-prefix probe reads one column of many rows contiguously.
-        self.prefix_ids = np.full(
-            (_INITIAL_ROWS, self.max_blocks_per_seq), NO_PREFIX, np.int64, order="F"
-        )
-        self._num_blocks_of_row = np.zeros(_INITIAL_ROWS, np.int32)
+        self._table = HostBlockTable(self.max_blocks_per_seq)
         self._stats = PrefixCacheStats()
 
     # ---------------------------------------------------------------- queries
@@ -144,6 +110,16 @@ class KVCacheManager:
         """The block ids `request_id` holds, in order. Raises UnknownRequestError."""
         return [b.block_id for b in self._blocks_of(request_id)]
 
+    @property
+    def block_table(self) -> np.ndarray:
+        """i32[num_rows, max_blocks_per_seq] host block table (see the class doc)."""
+        return self._table.block_table
+
+    @property
+    def prefix_ids(self) -> np.ndarray:
+        """i64[num_rows, max_blocks_per_seq] exact prefix ids (see the class doc)."""
+        return self._table.prefix_ids
+
     def rows_of(self, request_ids: Sequence[str]) -> np.ndarray:
         """i32[len(request_ids)] rows of block_table, in order. Raises UnknownRequestError.
 
@@ -151,31 +127,15 @@ class KVCacheManager:
         equal and no request has been freed since, as in consecutive decode steps of one
         batch; otherwise it costs one C-level dict lookup per id.
         """
-        ids = request_ids if type(request_ids) is list else list(request_ids)
-        memo = self._rows_memo
-        if memo is not None and memo[1] == self._row_epoch and memo[0] == ids:
-            return memo[2]
-        key = list(ids)  # a copy: the caller may mutate its list later
-        try:
-            if len(key) > 1:  # bytes join + frombuffer: no per-id int conversion
-                raw = b"".join(itemgetter(*key)(self._row_bytes))
-            else:
-                raw = self._row_bytes[key[0]] if key else b""
-        except KeyError as e:
-            raise UnknownRequestError(
-                f"request_ids: {e.args[0]!r} holds no blocks (never allocated or already freed)"
-            ) from None
-        rows = np.frombuffer(raw, np.int32)  # read-only
-        self._rows_memo = (key, self._row_epoch, rows)
-        return rows
+        return self._table.rows_of(request_ids)
 
     def num_blocks_of(self, request_ids: Sequence[str]) -> np.ndarray:
         """i32[len(request_ids)] number of blocks each request holds."""
-        return self._num_blocks_of_row[self.rows_of(request_ids)]
+        return self._table.num_blocks_of_row[self._table.rows_of(request_ids)]
 
     def num_blocks_of_rows(self, rows: np.ndarray) -> np.ndarray:
         """i32[len(rows)] number of blocks held in each of `rows` (from rows_of)."""
-        return self._num_blocks_of_row[rows]
+        return self._table.num_blocks_of_row[rows]
 
     def num_common_prefix_blocks(self, request_ids: Sequence[str]) -> int:
         """How many leading blocks every request in `request_ids` holds at the same positions.
@@ -189,15 +149,7 @@ class KVCacheManager:
         freshly taken from the pool are held by one row only, so appending them to a row
         lies past every prefix it shares and cannot change the answer.
         """
-        rows = self.rows_of(request_ids)
-        if len(rows) < 2:
-            return int(self._num_blocks_of_row[rows[0]]) if len(rows) else 0
-        memo = self._common_memo
-        if memo is not None and memo[0] is rows and memo[1] == self._shared_epoch:
-            return memo[2]
-        answer = self.num_common_prefix_blocks_of_rows(rows)
-        self._common_memo = (rows, self._shared_epoch, answer)
-        return answer
+        return self._table.num_common_prefix_blocks(request_ids)
 
     def num_common_prefix_blocks_of_rows(self, rows: np.ndarray) -> int:
         """num_common_prefix_blocks for block-table rows (as rows_of returns them).
@@ -205,12 +157,7 @@ class KVCacheManager:
         For callers that keep their batch's rows: no id lookup and no reuse of earlier
         answers. Rows must be live (held by a request); the answer is then exact.
         """
-        rows = np.asarray(rows)
-        if len(rows) < 2:
-            return int(self._num_blocks_of_row[rows[0]]) if len(rows) else 0
-        return shared_prefix_of_rows(
-            self.prefix_ids, rows, self._num_blocks_of_row, self.block_table
-        )
+        return self._table.num_common_prefix_blocks_of_rows(rows)
 
     # ---------------------------------------------------------- prefix cache
 
@@ -290,13 +237,15 @@ class KVCacheManager:
             return None
 
         if req_id not in self._blocks:
-            self._add_row(req_id)
+            self._blocks[req_id] = []
+            self._table.add_row(req_id)
         if computed:  # cache hits leave the free queue before fresh blocks are taken
             self.pool.touch(computed)
-            self._shared_epoch += 1
         new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         if computed or new_blocks:
-            self._append_blocks(req_id, computed + new_blocks)
+            added = computed + new_blocks
+            self._blocks[req_id].extend(added)
+            self._table.append(req_id, [b.block_id for b in added], shared=bool(computed))
         if req_id not in self._num_cached:
             self._num_cached[req_id] = 0
         if computed and self._num_cached[req_id] == len(held):
@@ -312,17 +261,9 @@ class KVCacheManager:
         req_id = request if isinstance(request, str) else request.request_id
         blocks = self._blocks_of(req_id)
         self.pool.free_blocks(reversed(blocks))
-        self._interner.release(self._prefix.pop(req_id))
         del self._blocks[req_id]
         del self._num_cached[req_id]
-        row = self._row_of.pop(req_id)
-        del self._row_bytes[req_id]
-        n = len(blocks)
-        self.block_table[row, :n] = NULL_BLOCK_ID
-        self.prefix_ids[row, :n] = NO_PREFIX
-        self._num_blocks_of_row[row] = 0
-        heapq.heappush(self._free_rows, row)
-        self._row_epoch += 1
+        self._table.release(req_id)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block. Refused (False, nothing changed) while any is held."""
@@ -346,34 +287,13 @@ class KVCacheManager:
             for b in blocks:
                 counts[b.block_id] = counts.get(b.block_id, 0) + 1
         self.pool.check_integrity(counts)
-        live_rows = set(self._row_of.values())
-        _check(len(live_rows) == len(self._row_of), "two requests share a row")
-        _check(not live_rows & set(self._free_rows), "a live row is also free")
-        num_rows = len(self.block_table)
-        _check(len(live_rows) + len(self._free_rows) == num_rows, "rows leak")
-        free = sorted(self._free_rows)
-        _check(not self.block_table[free].any(), "a free row holds block ids")
-        _check((self.prefix_ids[free] == NO_PREFIX).all(), "a free row holds prefix ids")
-        _check(not self._num_blocks_of_row[free].any(), "a free row has num_blocks > 0")
-        expected_refs: dict[int, int] = {}
+        problems = self._table.check_integrity(
+            {req_id: [b.block_id for b in blocks] for req_id, blocks in self._blocks.items()}
+        )
+        _check(not problems, "; ".join(problems))
         for req_id, blocks in self._blocks.items():
-            row = self._row_of[req_id]
-            ids = [b.block_id for b in blocks]
-            n = len(ids)
-            _check(self._num_blocks_of_row[row] == n, f"{req_id!r}: num_blocks disagrees")
-            _check(self.block_table[row, :n].tolist() == ids, f"{req_id!r}: row != blocks")
-            _check(not self.block_table[row, n:].any(), f"{req_id!r}: row tail not null")
-            pids = self._prefix[req_id]
-            _check(self.prefix_ids[row, :n].tolist() == pids, f"{req_id!r}: prefix ids stale")
-            _check((self.prefix_ids[row, n:] == NO_PREFIX).all(), f"{req_id!r}: prefix tail")
-            parent = ROOT_PREFIX
-            for pid, block_id in zip(pids, ids, strict=True):
-                _check(self._interner.key_of(pid) == (parent, block_id), f"{req_id!r}: chain")
-                expected_refs[pid] = expected_refs.get(pid, 0) + 1
-                parent = pid
             n_cached = self._num_cached[req_id]
-            _check(0 <= n_cached <= n, f"{req_id!r}: num_cached={n_cached} of {n}")
-        _check(self._interner.ref_counts() == expected_refs, "prefix id ref counts disagree")
+            _check(0 <= n_cached <= len(blocks), f"{req_id!r}: num_cached={n_cached}")
 
     # --------------------------------------------------------------- helpers
 
@@ -418,42 +338,6 @@ class KVCacheManager:
                 )
             blocks.append(block)
         return blocks
-
-    def _add_row(self, req_id: str) -> None:
-        if not self._free_rows:
-            self._grow_rows()
-        row = heapq.heappop(self._free_rows)
-        self._row_of[req_id] = row
-        self._row_bytes[req_id] = np.int32(row).tobytes()
-        self._blocks[req_id] = []
-        self._prefix[req_id] = []
-
-    def _grow_rows(self) -> None:
-        old = len(self.block_table)
-        self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
-        prefix_ids = np.full((2 * old, self.max_blocks_per_seq), NO_PREFIX, np.int64, order="F")
-        prefix_ids[:old] = self.prefix_ids
-        self.prefix_ids = prefix_ids
-        self._num_blocks_of_row = np.concatenate(
-            [self._num_blocks_of_row, np.zeros_like(self._num_blocks_of_row)]
-        )
-        self._free_rows.extend(range(old, 2 * old))  # sorted extension keeps the heap valid
-
-    def _append_blocks(self, req_id: str, added: list[KVCacheBlock]) -> None:
-        blocks, pids = self._blocks[req_id], self._prefix[req_id]
-        row, start = self._row_of[req_id], len(blocks)
-        ids = [b.block_id for b in added]
-        new_pids = self._interner.acquire(pids[-1] if pids else ROOT_PREFIX, ids)
-        blocks.extend(added)
-        pids.extend(new_pids)
-        end = start + len(ids)
-        if end == start + 1:  # a decode step's block: scalar writes are cheaper
-            self.block_table[row, start] = ids[0]
-            self.prefix_ids[row, start] = new_pids[0]
-        else:
-            self.block_table[row, start:end] = ids
-            self.prefix_ids[row, start:end] = new_pids
-        self._num_blocks_of_row[row] = end
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Enters into the prefix cache every block that `num_tokens` tokens fill."""

@@ -1,0 +1,215 @@
+"""The host block table: one numpy row of block ids per request, with exact prefix ids.
+
+Plain numpy, no JAX. KVCacheManager owns one and keeps it in step with the blocks each
+request holds; attention metadata is sliced from `block_table` without Python loops over
+blocks, and shared prefixes are read from `prefix_ids` (jaxkv.prefix_index).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from operator import itemgetter
+
+import numpy as np
+
+from jaxkv.block_pool import NULL_BLOCK_ID
+from jaxkv.prefix_index import NO_PREFIX, ROOT_PREFIX, PrefixInterner, shared_prefix_of_rows
+
+_INITIAL_ROWS = 16
+
+
+class UnknownRequestError(ValueError, KeyError):
+    """A request id the manager holds no blocks for (never allocated, or already freed)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class HostBlockTable:
+    """Rows of block ids and prefix ids, one per request that holds blocks.
+
+    Public arrays (read-only for callers; valid until the next change):
+
+    - `block_table`: i32[num_rows, max_blocks_per_seq]; a request's row holds its block
+      ids in order, 0 (the null block) after them. Rows are reused after release; the
+      number of rows doubles when needed (so re-read the attribute).
+    - `prefix_ids`: i64[num_rows, max_blocks_per_seq], column-major; prefix_ids[r, j]
+      == prefix_ids[s, j] iff rows r and s hold identical block ids in columns 0..j; -1
+      where the row holds no block at column j.
+    - `num_blocks_of_row`: i32[num_rows] blocks each row holds.
+    """
+
+    def __init__(self, max_blocks_per_seq: int) -> None:
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_table = np.zeros((_INITIAL_ROWS, max_blocks_per_seq), np.int32)
+        # Column-major: a shared-prefix probe reads one column of many rows contiguously.
+        self.prefix_ids = np.full(
+            (_INITIAL_ROWS, max_blocks_per_seq), NO_PREFIX, np.int64, order="F"
+        )
+        self.num_blocks_of_row = np.zeros(_INITIAL_ROWS, np.int32)
+        self._row_of: dict[str, int] = {}  # req_id -> row
+        self._row_bytes: dict[str, bytes] = {}  # req_id -> row as 4 little-endian bytes
+        self._prefix: dict[str, list[int]] = {}  # req_id -> prefix id per held block
+        self._free_rows: list[int] = list(range(_INITIAL_ROWS))  # min-heap
+        self._interner = PrefixInterner()
+        self._row_epoch = 0  # bumped whenever a row is released; guards _rows_memo
+        self._rows_memo: tuple[list[str], int, np.ndarray] | None = None  # (ids, epoch, rows)
+        # Bumped whenever a row gains blocks another row may also hold (a cache hit);
+        # with _row_epoch it guards _common_memo. Fresh blocks cannot change a common
+        # prefix of two or more rows (see num_common_prefix_blocks), so they don't bump it.
+        self._shared_epoch = 0
+        self._common_memo: tuple[np.ndarray, int, int] | None = None  # (rows, epoch, answer)
+
+    # ---------------------------------------------------------------- queries
+
+    def rows_of(self, request_ids: Sequence[str]) -> np.ndarray:
+        """i32[len(request_ids)] rows of block_table, in order. Raises UnknownRequestError.
+
+        The result of the previous call is reused (a read-only array) when the ids are
+        equal and no row has been released since, as in consecutive decode steps of one
+        batch; otherwise it costs one C-level dict lookup per id.
+        """
+        ids = request_ids if type(request_ids) is list else list(request_ids)
+        memo = self._rows_memo
+        if memo is not None and memo[1] == self._row_epoch and memo[0] == ids:
+            return memo[2]
+        key = list(ids)  # a copy: the caller may mutate its list later
+        try:
+            if len(key) > 1:  # bytes join + frombuffer: no per-id int conversion
+                raw = b"".join(itemgetter(*key)(self._row_bytes))
+            else:
+                raw = self._row_bytes[key[0]] if key else b""
+        except KeyError as e:
+            raise UnknownRequestError(
+                f"request_ids: {e.args[0]!r} holds no blocks (never allocated or already freed)"
+            ) from None
+        rows = np.frombuffer(raw, np.int32)  # read-only
+        self._rows_memo = (key, self._row_epoch, rows)
+        return rows
+
+    def num_common_prefix_blocks(self, request_ids: Sequence[str]) -> int:
+        """Leading blocks every request in `request_ids` holds at the same positions.
+
+        For two or more ids the answer of the previous call is reused while the id list
+        is equal, no row has been released and no shared block appended: blocks freshly
+        taken from the pool are held by one row only, so appending them to a row lies
+        past every prefix it shares and cannot change the answer.
+        """
+        rows = self.rows_of(request_ids)
+        if len(rows) < 2:
+            return self.num_common_prefix_blocks_of_rows(rows)
+        memo = self._common_memo
+        if memo is not None and memo[0] is rows and memo[1] == self._shared_epoch:
+            return memo[2]
+        answer = self.num_common_prefix_blocks_of_rows(rows)
+        self._common_memo = (rows, self._shared_epoch, answer)
+        return answer
+
+    def num_common_prefix_blocks_of_rows(self, rows: np.ndarray) -> int:
+        """The same for live rows (as rows_of returns them), without lookup or reuse."""
+        rows = np.asarray(rows)
+        if len(rows) < 2:
+            return int(self.num_blocks_of_row[rows[0]]) if len(rows) else 0
+        return shared_prefix_of_rows(
+            self.prefix_ids, rows, self.num_blocks_of_row, self.block_table
+        )
+
+    # ---------------------------------------------------------------- changes
+
+    def add_row(self, request_id: str) -> None:
+        """Gives `request_id` an empty row (the lowest free one)."""
+        if not self._free_rows:
+            self._grow()
+        row = heapq.heappop(self._free_rows)
+        self._row_of[request_id] = row
+        self._row_bytes[request_id] = np.int32(row).tobytes()
+        self._prefix[request_id] = []
+
+    def append(self, request_id: str, block_ids: list[int], *, shared: bool) -> None:
+        """Appends `block_ids` to the request's row. `shared`: some of them may also be
+        held by other rows (a cache hit); False only for blocks fresh from the pool."""
+        pids = self._prefix[request_id]
+        row, start = self._row_of[request_id], len(pids)
+        new_pids = self._interner.acquire(pids[-1] if pids else ROOT_PREFIX, block_ids)
+        pids.extend(new_pids)
+        end = start + len(block_ids)
+        if end == start + 1:  # a decode step's block: scalar writes are cheaper
+            self.block_table[row, start] = block_ids[0]
+            self.prefix_ids[row, start] = new_pids[0]
+        else:
+            self.block_table[row, start:end] = block_ids
+            self.prefix_ids[row, start:end] = new_pids
+        self.num_blocks_of_row[row] = end
+        if shared:
+            self._shared_epoch += 1
+
+    def release(self, request_id: str) -> None:
+        """Clears the request's row and returns it to the free rows."""
+        self._interner.release(self._prefix.pop(request_id))
+        row = self._row_of.pop(request_id)
+        del self._row_bytes[request_id]
+        n = int(self.num_blocks_of_row[row])
+        self.block_table[row, :n] = NULL_BLOCK_ID
+        self.prefix_ids[row, :n] = NO_PREFIX
+        self.num_blocks_of_row[row] = 0
+        heapq.heappush(self._free_rows, row)
+        self._row_epoch += 1
+
+    def _grow(self) -> None:
+        old = len(self.block_table)
+        self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+        prefix_ids = np.full((2 * old, self.max_blocks_per_seq), NO_PREFIX, np.int64, order="F")
+        prefix_ids[:old] = self.prefix_ids
+        self.prefix_ids = prefix_ids
+        self.num_blocks_of_row = np.concatenate(
+            [self.num_blocks_of_row, np.zeros_like(self.num_blocks_of_row)]
+        )
+        self._free_rows.extend(range(old, 2 * old))  # sorted extension keeps the heap valid
+
+    # -------------------------------------------------------------- integrity
+
+    def check_integrity(self, block_ids_of: dict[str, list[int]]) -> list[str]:
+        """Problems (empty if none) between the rows and each request's held block ids.
+
+        Each request's row holds exactly its block ids then zeros; prefix ids are the
+        interned chain of those block ids; rows are owned by exactly one request or free.
+        """
+        problems = []
+
+        def check(condition: bool, message: str) -> None:
+            if not condition:
+                problems.append(message)
+
+        check(set(block_ids_of) == set(self._row_of), "requests with blocks != rows")
+        live_rows = set(self._row_of.values())
+        check(len(live_rows) == len(self._row_of), "two requests share a row")
+        check(not live_rows & set(self._free_rows), "a live row is also free")
+        check(len(live_rows) + len(self._free_rows) == len(self.block_table), "rows leak")
+        free = sorted(self._free_rows)
+        check(not self.block_table[free].any(), "a free row holds block ids")
+        check((self.prefix_ids[free] == NO_PREFIX).all(), "a free row holds prefix ids")
+        check(not self.num_blocks_of_row[free].any(), "a free row has num_blocks > 0")
+        expected_refs: dict[int, int] = {}
+        for req_id, ids in block_ids_of.items():
+            row = self._row_of.get(req_id)
+            if row is None:
+                continue
+            n = len(ids)
+            check(self.num_blocks_of_row[row] == n, f"{req_id!r}: num_blocks disagrees")
+            check(self.block_table[row, :n].tolist() == ids, f"{req_id!r}: row != blocks")
+            check(not self.block_table[row, n:].any(), f"{req_id!r}: row tail not null")
+            pids = self._prefix[req_id]
+            if len(pids) != n:
+                check(False, f"{req_id!r}: {len(pids)} prefix ids for {n} blocks")
+                continue
+            check(self.prefix_ids[row, :n].tolist() == pids, f"{req_id!r}: prefix ids stale")
+            check((self.prefix_ids[row, n:] == NO_PREFIX).all(), f"{req_id!r}: prefix tail")
+            check(int.from_bytes(self._row_bytes[req_id], "little") == row, f"{req_id!r}: row")
+            parent = ROOT_PREFIX
+            for pid, block_id in zip(pids, ids, strict=True):
+                check(self._interner.key_of(pid) == (parent, block_id), f"{req_id!r}: chain")
+                expected_refs[pid] = expected_refs.get(pid, 0) + 1
+                parent = pid
+        check(self._interner.ref_counts() == expected_refs, "prefix id ref counts disagree")
+        return problems
