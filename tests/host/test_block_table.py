@@ -1,0 +1,72 @@
+"""The host block table: rows mirror held blocks; check_integrity sees every corruption."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxkv import IntegrityError, KVCacheManager
+from jaxkv.block_table import HostBlockTable
+from tests.host._util import make_request, prefill
+
+
+def _manager_with_two_requests() -> KVCacheManager:
+    m = KVCacheManager(32, 4, max_model_len=64)
+    prefill(m, make_request("A", range(10)))
+    prefill(m, make_request("B", [*range(8), 50, 51]))
+    m.check_integrity()
+    return m
+
+
+def test_rows_mirror_blocks_and_rows_are_reused_lowest_first():
+    t = HostBlockTable(max_blocks_per_seq=4)
+    for rid in ("a", "b", "c"):
+        t.add_row(rid)
+    t.append("a", [5, 6], shared=False)
+    t.append("b", [5, 7], shared=True)
+    assert t.rows_of(["a", "b", "c"]).tolist() == [0, 1, 2]
+    assert t.block_table[:3].tolist() == [[5, 6, 0, 0], [5, 7, 0, 0], [0, 0, 0, 0]]
+    assert t.num_common_prefix_blocks(["a", "b"]) == 1
+    t.release("a")
+    t.add_row("d")
+    assert t.rows_of(["d"]).tolist() == [0]
+    assert not t.block_table[0].any() and (t.prefix_ids[0] == -1).all()
+    assert t.check_integrity({"b": [5, 7], "c": [], "d": []}) == []
+
+
+def test_rows_grow_past_the_initial_table():
+    t = HostBlockTable(max_blocks_per_seq=2)
+    ids = [f"r{i}" for i in range(40)]
+    for i, rid in enumerate(ids):
+        t.add_row(rid)
+        t.append(rid, [i + 1], shared=False)
+    assert t.block_table.shape[0] >= 40
+    assert t.block_table[t.rows_of(ids), 0].tolist() == list(range(1, 41))
+    assert t.check_integrity({rid: [i + 1] for i, rid in enumerate(ids)}) == []
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda m, r: m.block_table.__setitem__((r, 0), 31), "row != blocks"),
+        (lambda m, r: m.block_table.__setitem__((r, 5), 9), "row tail not null"),
+        (lambda m, r: m.prefix_ids.__setitem__((r, 1), 999), "prefix ids stale"),
+        (lambda m, r: m.prefix_ids.__setitem__((r, 6), 3), "prefix tail"),
+        (lambda m, r: m.block_table.__setitem__((15, 0), 4), "a free row holds block ids"),
+    ],
+)
+def test_check_integrity_names_each_corruption(corrupt, message):
+    m = _manager_with_two_requests()
+    row = int(m.rows_of(["B"])[0])
+    corrupt(m, row)
+    with pytest.raises(IntegrityError, match=message):
+        m.check_integrity()
+
+
+def test_unknown_id_is_rejected_and_changes_nothing():
+    m = _manager_with_two_requests()
+    before = m.block_table.copy(), m.prefix_ids.copy()
+    with pytest.raises(ValueError, match="'C' holds no blocks"):
+        m.rows_of(["A", "C"])
+    assert np.array_equal(m.block_table, before[0]) and np.array_equal(m.prefix_ids, before[1])
+    m.check_integrity()
