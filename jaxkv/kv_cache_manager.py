@@ -210,13 +210,23 @@ class KVCacheManager:
         is entered into the prefix cache.
         """
         req_id = request.request_id
-        for name, value in (
-            ("num_new_tokens", num_new_tokens),
-            ("num_new_computed_tokens", num_new_computed_tokens),
-            ("num_lookahead_tokens", num_lookahead_tokens),
-        ):
-            if not isinstance(value, _INTEGER_TYPES) or value < 0:
-                raise ValueError(f"{name}={value!r} must be an int >= 0 (request {req_id!r})")
+        if not (
+            type(num_new_tokens) is int
+            and type(num_new_computed_tokens) is int
+            and type(num_lookahead_tokens) is int
+            and num_new_tokens >= 0
+            and num_new_computed_tokens >= 0
+            and num_lookahead_tokens >= 0
+        ):  # the slow path: numpy integers are fine too, anything else raises
+            for name, value in (
+                ("num_new_tokens", num_new_tokens),
+                ("num_new_computed_tokens", num_new_computed_tokens),
+                ("num_lookahead_tokens", num_lookahead_tokens),
+            ):
+                if not isinstance(value, _INTEGER_TYPES) or value < 0:
+                    raise ValueError(
+                        f"{name}={value!r} must be an int >= 0 (request {req_id!r})"
+                    )
         self._check_prompt_fits(request)
         held = self._blocks.get(req_id, [])
         computed = (

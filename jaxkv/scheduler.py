@@ -157,6 +157,8 @@ class Scheduler:
         preempted: list[str] = []
 
         bs = self.manager.block_size
+        # Tokens that exactly fill the last block need the manager only to cache it.
+        fill_limit = bs if self.manager.enable_prefix_caching else bs + 1
         add_request, add_tokens = scheduled.append, num_tokens.append
         add_computed = num_computed.append
         add_token_id, add_token_ids = token_ids.append, token_ids.extend
@@ -172,7 +174,7 @@ class Scheduler:
             # is exact), so tokens that stay inside its partly filled last block without
             # filling it need neither a new block nor a prefix-cache entry: skip the call.
             offset = computed % bs
-            if (offset == 0 or offset + n >= bs) and not self._allocate_or_preempt(
+            if (offset == 0 or offset + n >= fill_limit) and not self._allocate_or_preempt(
                 request, n, preempted
             ):
                 break  # the request itself was preempted: nothing after it can run
