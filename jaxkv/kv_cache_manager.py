@@ -224,9 +224,7 @@ class KVCacheManager:
                 ("num_lookahead_tokens", num_lookahead_tokens),
             ):
                 if not isinstance(value, _INTEGER_TYPES) or value < 0:
-                    raise ValueError(
-                        f"{name}={value!r} must be an int >= 0 (request {req_id!r})"
-                    )
+                    raise ValueError(f"{name}={value!r} must be an int >= 0 (request {req_id!r})")
         self._check_prompt_fits(request)
         held = self._blocks.get(req_id, [])
         computed = (
