@@ -63,6 +63,15 @@ class HostBlockTable:
 
     # ---------------------------------------------------------------- queries
 
+    @property
+    def sharing_version(self) -> tuple[int, int]:
+        """Changes whenever a row is released or gains blocks other rows may hold.
+
+        While it is unchanged, every live row's prefix ids at the columns it already
+        holds are unchanged, and appended columns hold prefix ids no other row has.
+        """
+        return self._row_epoch, self._shared_epoch
+
     def rows_of(self, request_ids: Sequence[str]) -> np.ndarray:
         """i32[len(request_ids)] rows of block_table, in order. Raises UnknownRequestError.
 

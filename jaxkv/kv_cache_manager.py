@@ -120,6 +120,15 @@ class KVCacheManager:
         """i64[num_rows, max_blocks_per_seq] exact prefix ids (see the class doc)."""
         return self._table.prefix_ids
 
+    @property
+    def sharing_version(self) -> tuple[int, int]:
+        """Changes whenever a request is freed or a cache hit is appended to a request.
+
+        While it is unchanged, prefix_ids at the columns each request already holds stay
+        as they are, and new columns hold prefix ids no other request has (fresh blocks).
+        """
+        return self._table.sharing_version
+
     def rows_of(self, request_ids: Sequence[str]) -> np.ndarray:
         """i32[len(request_ids)] rows of block_table, in order. Raises UnknownRequestError.
 

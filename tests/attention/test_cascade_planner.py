@@ -207,3 +207,68 @@ def test_bucket_functions():
         pow2_buckets(0, 4)
     with pytest.raises(ValueError, match="max_num_seqs"):
         BucketConfig(max_num_tokens=4, max_num_seqs=8, max_pages_per_seq=4)
+
+
+def _plan_fields(plan) -> tuple:
+    levels = tuple(
+        (lv.name, *(a.tolist() for a in (lv.group_starts, lv.group_ends, lv.block_starts,
+                                         lv.block_ends, lv.leader_rows)))
+        for lv in plan.levels
+    )  # fmt: skip
+    return (plan.order.tolist(), plan.rows.tolist(), plan.suffix_start_blocks.tolist(),
+            levels, plan.num_common_prefix_blocks)  # fmt: skip
+
+
+def test_a_planner_reused_over_decode_steps_plans_what_a_fresh_one_plans():
+    # The planner skips the group search and reuses its last plan for a repeated batch
+    # whose sharing cannot have changed; every step must still equal a fresh planner's.
+    m = KVCacheManager(512, 4, max_model_len=256)
+    reused = CascadePlanner(SHAPE, cost_model=ALWAYS)
+    batch = [_decoding(m, f"a{i}", SYSTEM_A + [i, i + 1]) for i in range(3)]
+    seen_levels, reused_plans, previous = set(), 0, None
+    for step in range(30):
+        if step == 8:  # a second system prompt joins: groups appear
+            batch += [_decoding(m, f"b{i}", SYSTEM_A[:12] + SYSTEM_B + [i]) for i in range(3)]
+        if step == 16:  # it leaves again
+            for r in batch[3:]:
+                m.free(r)
+            batch = batch[:3]
+        if step == 22:  # the id list stays, but a request is freed and re-admitted
+            gone = batch[-1]
+            m.free(gone)
+            batch[-1] = _decoding(m, gone.request_id, SYSTEM_A[:8] + [5, 5])
+        got = _plan(reused, m, batch)
+        want = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS), m, batch)
+        assert _plan_fields(got) == _plan_fields(want), step
+        reused_plans += got is previous
+        previous = got
+        seen_levels.add(tuple(lv.name for lv in got.levels))
+        for r in batch:  # the next decode token; fresh blocks every 4 tokens
+            r.num_computed_tokens = r.num_tokens
+            r.append_output_token_ids([7])
+            assert m.allocate_slots(r, 1) is not None
+    assert {("global",), ("global", "groups")} <= seen_levels
+    assert reused_plans >= 10
+
+
+def test_a_repeated_batch_with_fewer_computed_tokens_is_replanned():
+    m = KVCacheManager(512, 4, max_model_len=256)
+    batch = [_decoding(m, f"a{i}", SYSTEM_A + [i] * 6) for i in range(3)]
+    planner = CascadePlanner(SHAPE, cost_model=ALWAYS)
+    ids = [r.request_id for r in batch]
+    computed = np.array([r.num_tokens - 1 for r in batch])
+    ones = np.ones(len(batch), int)
+
+    def check(expected_levels):
+        got = planner.plan(list(ids), computed, ones, m)
+        fresh = CascadePlanner(SHAPE, cost_model=ALWAYS).plan(ids, computed, ones, m)
+        assert _plan_fields(got) == _plan_fields(fresh)
+        assert [(lv.name, lv.block_ends.tolist()) for lv in got.levels] == expected_levels
+        return got
+
+    first = check([("global", [8])])
+    assert check([("global", [8])]) is first  # a repeated batch reuses its plan
+    computed[:2] = 5  # same batch and sharing, but the prefix is capped at one block
+    check([("global", [1])])
+    computed[1] = batch[1].num_tokens - 1  # a1 and a2 now share 7 blocks past the cap
+    check([("global", [1]), ("groups", [8])])
