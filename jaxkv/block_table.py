@@ -153,6 +153,22 @@ class HostBlockTable:
         if shared:
             self._shared_epoch += 1
 
+    def append_one_each(self, request_ids: list[str], block_ids: list[int]) -> None:
+        """Appends block_ids[i] (fresh from the pool) to request i's row, for distinct
+        requests; the same as append(..., shared=False) one by one, in one numpy pass."""
+        rows = [self._row_of[r] for r in request_ids]
+        cols = self.num_blocks_of_row[rows]
+        acquire, prefix = self._interner.acquire, self._prefix
+        pids = []
+        for request_id, block_id in zip(request_ids, block_ids, strict=True):
+            row_pids = prefix[request_id]
+            new_pid = acquire(row_pids[-1] if row_pids else ROOT_PREFIX, [block_id])
+            row_pids.extend(new_pid)
+            pids.extend(new_pid)
+        self.block_table[rows, cols] = block_ids
+        self.prefix_ids[rows, cols] = pids
+        self.num_blocks_of_row[rows] = cols + 1
+
     def release(self, request_id: str) -> None:
         """Clears the request's row and returns it to the free rows."""
         self._interner.release(self._prefix.pop(request_id))

@@ -270,6 +270,57 @@ class KVCacheManager:
         self._cache_full_blocks(request, num_computed + num_new_tokens)
         return [b.block_id for b in new_blocks]
 
+    def allocate_slots_batch(
+        self, requests: Sequence[Request], num_new_tokens: Sequence[int]
+    ) -> bool:
+        """allocate_slots(r, n) for every (r, n) pair, all or nothing.
+
+        For distinct requests that already hold blocks, without cache hits or lookahead
+        (a step's running requests). Returns False with no state changed when the pool
+        cannot fit them all. Fresh blocks go to the requests in order, as the calls one
+        by one would hand them out; blocks the new tokens fill enter the prefix cache.
+        Raises ValueError (nothing changed) on a negative count, an unknown request or a
+        request that would pass max_model_len.
+        """
+        bs, free = self.block_size, self.pool.num_free_blocks
+        plan, total = [], 0
+        for request, n in zip(requests, num_new_tokens, strict=True):
+            req_id = request.request_id
+            if not isinstance(n, _INTEGER_TYPES) or n < 0:
+                raise ValueError(f"num_new_tokens={n!r} must be an int >= 0 (request {req_id!r})")
+            blocks = self._blocks_of(req_id)
+            num_total = request.num_computed_tokens + n
+            if num_total > self.max_model_len:
+                raise ValueError(
+                    f"request {req_id!r} would hold {num_total} tokens > {self.max_model_len=}"
+                )
+            k = -(-num_total // bs) - len(blocks)
+            total += max(k, 0)
+            plan.append((request, blocks, k, num_total))
+        if len({id(r) for r in requests}) != len(plan):
+            raise ValueError("requests must be distinct")
+        if total > free:
+            return False
+        fresh = self.pool.get_new_blocks(total) if total else []
+        one_each_ids, one_each_blocks, taken = [], [], 0
+        for request, blocks, k, _ in plan:
+            if k == 1:
+                block = fresh[taken]
+                blocks.append(block)
+                one_each_ids.append(request.request_id)
+                one_each_blocks.append(block.block_id)
+            elif k > 1:
+                added = fresh[taken : taken + k]
+                blocks.extend(added)
+                self._table.append(request.request_id, [b.block_id for b in added], shared=False)
+            taken += max(k, 0)
+        if one_each_ids:
+            self._table.append_one_each(one_each_ids, one_each_blocks)
+        if self.enable_prefix_caching:
+            for request, _, _, num_total in plan:
+                self._cache_full_blocks(request, num_total)
+        return True
+
     def free(self, request: Request | str) -> None:
         """Releases every block of the request, tail first (so its tail is evicted first).
 

@@ -162,22 +162,22 @@ class Scheduler:
         add_request, add_tokens = scheduled.append, num_tokens.append
         add_computed = num_computed.append
         add_token_id, add_token_ids = token_ids.append, token_ids.extend
-        # Iterating the live list is safe: preemption only pops from its end.
+        needing, needing_tokens = [], []
+        budget_left = budget
         for request in self.running:
-            if budget <= 0:
+            if budget_left <= 0:
                 break
             computed = request.num_computed_tokens
             n = request.num_tokens - computed
-            if n > budget:
-                n = budget
+            if n > budget_left:
+                n = budget_left
             # A running request holds exactly ceil(computed / bs) blocks (every allocation
             # is exact), so tokens that stay inside its partly filled last block without
-            # filling it need neither a new block nor a prefix-cache entry: skip the call.
+            # filling it need neither a new block nor a prefix-cache entry.
             offset = computed % bs
-            if (offset == 0 or offset + n >= fill_limit) and not self._allocate_or_preempt(
-                request, n, preempted
-            ):
-                break  # the request itself was preempted: nothing after it can run
+            if offset == 0 or offset + n >= fill_limit:
+                needing.append(request)
+                needing_tokens.append(n)
             add_request(request)
             add_tokens(n)
             add_computed(computed)
@@ -185,7 +185,14 @@ class Scheduler:
                 add_token_id(request.all_token_ids[computed])
             else:
                 add_token_ids(request.all_token_ids[computed : computed + n])
-            budget -= n
+            budget_left -= n
+        if not needing or self.manager.allocate_slots_batch(needing, needing_tokens):
+            budget = budget_left
+        else:  # blocks run out: allocate one by one, preempting as needed
+            del scheduled[:], num_tokens[:], num_computed[:], token_ids[:]
+            budget = self._schedule_running_one_by_one(
+                budget, scheduled, num_tokens, num_computed, token_ids, preempted
+            )
 
         if not preempted:
             budget = self._admit_waiting(budget, scheduled, num_tokens, num_computed, token_ids)
@@ -200,6 +207,37 @@ class Scheduler:
             preempted_request_ids=tuple(preempted),
             finished_request_ids=finished,
         )
+
+    def _schedule_running_one_by_one(
+        self,
+        budget: int,
+        scheduled: list[Request],
+        num_tokens: list[int],
+        num_computed: list[int],
+        token_ids: list[int],
+        preempted: list[str],
+    ) -> int:
+        """Schedules running requests oldest first, preempting the latest when blocks run
+        out; returns the budget left. The path when not every request's blocks fit."""
+        bs = self.manager.block_size
+        fill_limit = bs if self.manager.enable_prefix_caching else bs + 1
+        # Iterating the live list is safe: preemption only pops from its end.
+        for request in self.running:
+            if budget <= 0:
+                break
+            computed = request.num_computed_tokens
+            n = min(request.num_tokens - computed, budget)
+            offset = computed % bs
+            if (offset == 0 or offset + n >= fill_limit) and not self._allocate_or_preempt(
+                request, n, preempted
+            ):
+                break  # the request itself was preempted: nothing after it can run
+            scheduled.append(request)
+            num_tokens.append(n)
+            num_computed.append(computed)
+            token_ids.extend(request.all_token_ids[computed : computed + n])
+            budget -= n
+        return budget
 
     def _allocate_or_preempt(self, request: Request, n: int, preempted: list[str]) -> bool:
         """Allocates for `request`, preempting the latest running requests until it fits.

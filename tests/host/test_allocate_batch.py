@@ -1,0 +1,78 @@
+"""allocate_slots_batch: the same state as allocate_slots one by one, or nothing at all."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxkv import KVCacheManager
+from tests.host._util import make_request, prefill, snapshot
+
+
+def _running(seed: int, enable_prefix_caching: bool = True):
+    """A manager and prefilled requests of random lengths (some sharing a prefix)."""
+    rng = np.random.default_rng(seed)
+    m = KVCacheManager(400, 4, max_model_len=128, enable_prefix_caching=enable_prefix_caching)
+    shared = list(range(500, 512))
+    requests = []
+    for i in range(int(rng.integers(2, 12))):
+        own = rng.integers(0, 400, int(rng.integers(1, 14))).tolist()
+        r = make_request(f"r{i}", (shared if rng.random() < 0.6 else []) + own)
+        assert prefill(m, r) is not None
+        requests.append(r)
+    return m, requests, rng
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+@pytest.mark.parametrize("seed", range(8))
+def test_batch_equals_one_by_one(seed, enable_prefix_caching):
+    batched, reqs_a, rng = _running(seed, enable_prefix_caching)
+    single, reqs_b, _ = _running(seed, enable_prefix_caching)
+    for _ in range(12):  # decode steps and the odd multi-token chunk
+        counts = [int(rng.choice([1, 1, 1, 3, 6])) for _ in reqs_a]
+        for r_a, r_b, n in zip(reqs_a, reqs_b, counts, strict=True):
+            tokens = rng.integers(0, 400, n).tolist()
+            r_a.append_output_token_ids(tokens)
+            r_b.append_output_token_ids(tokens)
+        assert batched.allocate_slots_batch(reqs_a, counts)
+        for r, n in zip(reqs_b, counts, strict=True):
+            assert single.allocate_slots(r, n) is not None
+        for r_a, r_b, n in zip(reqs_a, reqs_b, counts, strict=True):
+            r_a.num_computed_tokens += n
+            r_b.num_computed_tokens += n
+        batched.check_integrity()
+        state_a, state_b = snapshot(batched), snapshot(single)
+        del state_a["prefix_ids"], state_b["prefix_ids"]  # opaque ids, numbered in call order
+        assert state_a == state_b
+        ids = [r.request_id for r in reqs_a]
+        assert batched.num_common_prefix_blocks(ids) == single.num_common_prefix_blocks(ids)
+
+
+def test_not_enough_blocks_changes_nothing():
+    m = KVCacheManager(12, 4, max_model_len=64)
+    a, b = make_request("a", range(8)), make_request("b", range(20, 28))
+    prefill(m, a)
+    prefill(m, b)
+    before = snapshot(m)
+    assert not m.allocate_slots_batch([a, b], [40, 40])
+    assert snapshot(m) == before
+    m.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "counts, match",
+    [([1, -1], "num_new_tokens=-1"), ([1, 1.5], "num_new_tokens=1.5"), ([1, 200], "max_model_len")],
+)
+def test_bad_input_raises_and_changes_nothing(counts, match):
+    m = KVCacheManager(64, 4, max_model_len=64)
+    a, b = make_request("a", range(8)), make_request("b", range(20, 28))
+    prefill(m, a)
+    prefill(m, b)
+    before = snapshot(m)
+    with pytest.raises(ValueError, match=match):
+        m.allocate_slots_batch([a, b], counts)
+    with pytest.raises(ValueError, match="distinct"):
+        m.allocate_slots_batch([a, a], [1, 1])
+    with pytest.raises(ValueError, match="holds no blocks"):
+        m.allocate_slots_batch([a, make_request("c", [1, 2])], [1, 1])
+    assert snapshot(m) == before
