@@ -140,13 +140,16 @@ class HostBlockTable:
         held by other rows (a cache hit); False only for blocks fresh from the pool."""
         pids = self._prefix[request_id]
         row, start = self._row_of[request_id], len(pids)
-        new_pids = self._interner.acquire(pids[-1] if pids else ROOT_PREFIX, block_ids)
-        pids.extend(new_pids)
+        parent = pids[-1] if pids else ROOT_PREFIX
         end = start + len(block_ids)
         if end == start + 1:  # a decode step's block: scalar writes are cheaper
+            pid = self._interner.acquire_one(parent, block_ids[0])
+            pids.append(pid)
             self.block_table[row, start] = block_ids[0]
-            self.prefix_ids[row, start] = new_pids[0]
+            self.prefix_ids[row, start] = pid
         else:
+            new_pids = self._interner.acquire(parent, block_ids)
+            pids.extend(new_pids)
             self.block_table[row, start:end] = block_ids
             self.prefix_ids[row, start:end] = new_pids
         self.num_blocks_of_row[row] = end
@@ -158,13 +161,13 @@ class HostBlockTable:
         requests; the same as append(..., shared=False) one by one, in one numpy pass."""
         rows = [self._row_of[r] for r in request_ids]
         cols = self.num_blocks_of_row[rows]
-        acquire, prefix = self._interner.acquire, self._prefix
+        acquire, prefix = self._interner.acquire_one, self._prefix
         pids = []
         for request_id, block_id in zip(request_ids, block_ids, strict=True):
             row_pids = prefix[request_id]
-            new_pid = acquire(row_pids[-1] if row_pids else ROOT_PREFIX, [block_id])
-            row_pids.extend(new_pid)
-            pids.extend(new_pid)
+            pid = acquire(row_pids[-1] if row_pids else ROOT_PREFIX, block_id)
+            row_pids.append(pid)
+            pids.append(pid)
         self.block_table[rows, cols] = block_ids
         self.prefix_ids[rows, cols] = pids
         self.num_blocks_of_row[rows] = cols + 1

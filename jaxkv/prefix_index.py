@@ -53,6 +53,20 @@ class PrefixInterner:
             parent = pid
         return out
 
+    def acquire_one(self, parent: int, block_id: int) -> int:
+        """acquire(parent, [block_id])[0] without the lists (a decode step's block)."""
+        key = (parent, block_id)
+        pid = self._id_of.get(key)
+        if pid is None:
+            pid = self._next_id
+            self._next_id = pid + 1
+            self._id_of[key] = pid
+            self._key_of[pid] = key
+            self._ref_cnt[pid] = 1
+        else:
+            self._ref_cnt[pid] += 1
+        return pid
+
     def release(self, prefix_ids: list[int]) -> None:
         """Drops one reference from each id; ids nobody holds are forgotten."""
         ref_cnt = self._ref_cnt

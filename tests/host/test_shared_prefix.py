@@ -268,3 +268,12 @@ def test_rows_entry_point_agrees_with_ids():
     assert m.num_common_prefix_blocks_of_rows(rows[:31]) == 4
     assert m.num_common_prefix_blocks_of_rows(rows[:1]) == len(m.block_ids("q0"))
     assert m.num_common_prefix_blocks_of_rows(rows[:0]) == 0
+
+
+def test_interner_acquire_one_matches_acquire():
+    a, b = PrefixInterner(), PrefixInterner()
+    for parent_block in [(-1, 5), (-1, 5), (0, 7), (-1, 6)]:
+        assert a.acquire(*parent_block[:1], [parent_block[1]]) == [b.acquire_one(*parent_block)]
+    assert a.ref_counts() == b.ref_counts() == {0: 2, 1: 1, 2: 1}
+    b.release([0, 0])
+    assert 0 not in b.ref_counts() and b.acquire_one(-1, 5) == 3  # ids are never reused
