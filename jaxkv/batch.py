@@ -184,8 +184,13 @@ def build_attention_metadata(
     buckets: BucketConfig,
     backend: str = "xla",
     interpret: bool = False,
+    levels: tuple[LevelMetadata, ...] | None = None,
 ) -> AttentionMetadata:
     """Pads one planned batch to buckets. Raises ValueError if it exceeds the buckets.
+
+    `levels`: the level metadata this function built for the same plan object and the
+    same query_lens at an earlier step, to reuse (it depends on nothing else while the
+    plan is valid); None builds it.
 
     The caller lays out the step's tokens in plan order: request plan.order[i]'s query
     tokens occupy positions cu_q_lens[i]:cu_q_lens[i+1] of the flat token arrays.
@@ -240,11 +245,14 @@ def build_attention_metadata(
     block_col, offset = np.divmod(pos, block_size)
     slot_mapping[:total] = block_table[token_rows, block_col] * block_size + offset
 
-    starts_list = token_starts.tolist() if plan.levels else []
-    levels = tuple(
-        _level_metadata(level, block_table, starts_list, block_size, buckets)
-        for level in plan.levels
-    )
+    if levels is None:
+        starts_list = token_starts.tolist() if plan.levels else []
+        levels = tuple(
+            _level_metadata(level, block_table, starts_list, block_size, buckets)
+            for level in plan.levels
+        )
+    elif len(levels) != len(plan.levels):
+        raise ValueError(f"{len(levels)=} must equal the plan's {len(plan.levels)} levels")
     longest_query = 1 if decode_only else int(query_lens.max(initial=1))
     return AttentionMetadata(
         slot_mapping=slot_mapping,

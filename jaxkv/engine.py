@@ -124,6 +124,7 @@ class Engine:
         self.connector.bind(self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed)
         self._sampling: dict[str, tuple[float, int, float, int]] = {}  # req_id -> sampler row
         self._sampling_memo: tuple | None = None  # (request ids, order, arrays) of last step
+        self._levels_memo: tuple | None = None  # (plan, num tokens, level metadata)
         self._serial = itertools.count()
         self._programs: set[tuple] = set()
         self._m = dict(
@@ -205,6 +206,10 @@ class Engine:
         order = plan.order
         query_lens = out.num_scheduled_tokens[order]
         num_computed = out.num_computed_tokens[order]
+        num_tokens = len(out.token_ids)
+        # A reused plan with the same decode-only layout has the same level metadata.
+        memo = self._levels_memo
+        reuse = memo is not None and memo[0] is plan and memo[1] == num_tokens == n
         md = build_attention_metadata(
             block_table=self.manager.block_table,
             plan=plan,
@@ -214,7 +219,10 @@ class Engine:
             buckets=self.buckets,
             backend=self.backend,
             interpret=self.config.interpret,
+            levels=memo[2] if reuse else None,
         )
+        if plan.levels:
+            self._levels_memo = (plan, num_tokens, md.levels)
         md = coarsen_metadata(
             md,
             self.config.q_len_buckets,
@@ -243,7 +251,6 @@ class Engine:
                 del self._sampling[o.request_id]
         t3 = time.perf_counter()
         levels = "+".join(level.name for level in plan.levels)
-        num_tokens = int(query_lens.sum())
         self.last_step = StepStats(
             t1 - t0, c1 - c0, t2 - t1, t3 - t2, n, num_tokens, levels, new_program,
             schedule_cpu_s=c_schedule - c0, plan_cpu_s=c_plan - c_schedule,

@@ -193,6 +193,17 @@ def test_metadata_pads_with_null_block_and_null_slots():
     (level,) = md.levels
     assert level.cu_q_lens.tolist()[:2] == [0, 3] and level.kv_lens[0] == 12
     assert level.page_indices[0, :3].tolist() == m.block_ids("r0")[:3]
+    # The level metadata of the same plan and query lengths can be handed back in.
+    again = build_attention_metadata(
+        block_table=m.block_table, plan=plan, query_lens=np.ones(3, int),
+        num_computed_tokens=np.full(3, 14), block_size=4, buckets=buckets, levels=md.levels,
+    )  # fmt: skip
+    assert again.levels is md.levels and again.positions[:3].tolist() == [14, 14, 14]
+    with pytest.raises(ValueError, match="levels"):
+        build_attention_metadata(
+            block_table=m.block_table, plan=plan, query_lens=np.ones(3, int),
+            num_computed_tokens=np.full(3, 13), block_size=4, buckets=buckets, levels=(),
+        )  # fmt: skip
 
 
 def test_bucket_functions():
