@@ -66,6 +66,24 @@ class SchedulerStats:
     num_generated_tokens: int = 0
 
 
+@dataclasses.dataclass
+class _StepBatch:
+    """The scheduled requests of one step as they are chosen (SchedulerOutput's lists)."""
+
+    requests: list[Request] = dataclasses.field(default_factory=list)
+    num_tokens: list[int] = dataclasses.field(default_factory=list)
+    num_computed: list[int] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+
+    def add(self, request: Request, n: int) -> None:
+        """Schedules `n` tokens of `request` after its computed ones."""
+        computed = request.num_computed_tokens
+        self.requests.append(request)
+        self.num_tokens.append(n)
+        self.num_computed.append(computed)
+        self.token_ids.extend(request.all_token_ids[computed : computed + n])
+
+
 class Scheduler:
     """Owns the request queues; decides each step's batch; applies its results.
 
@@ -150,18 +168,51 @@ class Scheduler:
         """Chooses this step's batch and allocates its blocks. See the module doc."""
         self._apply_transfer_events()
         budget = self.config.max_num_batched_tokens
-        scheduled: list[Request] = []
-        num_tokens: list[int] = []
-        num_computed: list[int] = []
-        token_ids: list[int] = []
+        batch = _StepBatch()
         preempted: list[str] = []
+        budget = self._schedule_running(budget, batch, preempted)
+        if not preempted:
+            self._admit_waiting(budget, batch)
 
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(
+            requests=batch.requests,
+            request_ids=[r.request_id for r in batch.requests],
+            num_scheduled_tokens=np.asarray(batch.num_tokens, np.int32),
+            num_computed_tokens=np.asarray(batch.num_computed, np.int32),
+            token_ids=batch.token_ids,
+            preempted_request_ids=tuple(preempted),
+            finished_request_ids=finished,
+        )
+
+    def _needs_manager(self, computed: int, n: int) -> bool:
+        """Whether `n` more tokens after `computed` need a block or a prefix-cache entry.
+
+        A running request holds exactly ceil(computed / block_size) blocks (every
+        allocation is exact), so tokens that stay inside its partly filled last block
+        need nothing; tokens that exactly fill it need the manager only to cache it.
+        """
         bs = self.manager.block_size
-        # Tokens that exactly fill the last block need the manager only to cache it.
+        offset = computed % bs
+        return (
+            offset == 0
+            or offset + n > bs
+            or (offset + n == bs and self.manager.enable_prefix_caching)
+        )
+
+    def _schedule_running(self, budget: int, batch: _StepBatch, preempted: list[str]) -> int:
+        """Schedules running requests oldest first; returns the budget left.
+
+        Their blocks come from one allocate_slots_batch call; only when the pool cannot
+        fit them all are they allocated one by one, preempting the latest requests.
+        """
+        # The loop is the per-request cost of every step: _needs_manager and
+        # _StepBatch.add are inlined.
+        bs = self.manager.block_size
         fill_limit = bs if self.manager.enable_prefix_caching else bs + 1
-        add_request, add_tokens = scheduled.append, num_tokens.append
-        add_computed = num_computed.append
-        add_token_id, add_token_ids = token_ids.append, token_ids.extend
+        add_request, add_tokens = batch.requests.append, batch.num_tokens.append
+        add_computed = batch.num_computed.append
+        add_token_id, add_token_ids = batch.token_ids.append, batch.token_ids.extend
         needing, needing_tokens = [], []
         budget_left = budget
         for request in self.running:
@@ -171,9 +222,6 @@ class Scheduler:
             n = request.num_tokens - computed
             if n > budget_left:
                 n = budget_left
-            # A running request holds exactly ceil(computed / bs) blocks (every allocation
-            # is exact), so tokens that stay inside its partly filled last block without
-            # filling it need neither a new block nor a prefix-cache entry.
             offset = computed % bs
             if offset == 0 or offset + n >= fill_limit:
                 needing.append(request)
@@ -187,55 +235,20 @@ class Scheduler:
                 add_token_ids(request.all_token_ids[computed : computed + n])
             budget_left -= n
         if not needing or self.manager.allocate_slots_batch(needing, needing_tokens):
-            budget = budget_left
-        else:  # blocks run out: allocate one by one, preempting as needed
-            del scheduled[:], num_tokens[:], num_computed[:], token_ids[:]
-            budget = self._schedule_running_one_by_one(
-                budget, scheduled, num_tokens, num_computed, token_ids, preempted
-            )
-
-        if not preempted:
-            budget = self._admit_waiting(budget, scheduled, num_tokens, num_computed, token_ids)
-
-        finished, self._finished_ids = tuple(self._finished_ids), []
-        return SchedulerOutput(
-            requests=scheduled,
-            request_ids=[r.request_id for r in scheduled],
-            num_scheduled_tokens=np.asarray(num_tokens, np.int32),
-            num_computed_tokens=np.asarray(num_computed, np.int32),
-            token_ids=token_ids,
-            preempted_request_ids=tuple(preempted),
-            finished_request_ids=finished,
-        )
-
-    def _schedule_running_one_by_one(
-        self,
-        budget: int,
-        scheduled: list[Request],
-        num_tokens: list[int],
-        num_computed: list[int],
-        token_ids: list[int],
-        preempted: list[str],
-    ) -> int:
-        """Schedules running requests oldest first, preempting the latest when blocks run
-        out; returns the budget left. The path when not every request's blocks fit."""
-        bs = self.manager.block_size
-        fill_limit = bs if self.manager.enable_prefix_caching else bs + 1
+            return budget_left
+        # Blocks run out: start over one by one (the batch call changed nothing).
+        for field in (batch.requests, batch.num_tokens, batch.num_computed, batch.token_ids):
+            field.clear()
         # Iterating the live list is safe: preemption only pops from its end.
         for request in self.running:
             if budget <= 0:
                 break
-            computed = request.num_computed_tokens
-            n = min(request.num_tokens - computed, budget)
-            offset = computed % bs
-            if (offset == 0 or offset + n >= fill_limit) and not self._allocate_or_preempt(
-                request, n, preempted
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._needs_manager(request.num_computed_tokens, n) and not (
+                self._allocate_or_preempt(request, n, preempted)
             ):
                 break  # the request itself was preempted: nothing after it can run
-            scheduled.append(request)
-            num_tokens.append(n)
-            num_computed.append(computed)
-            token_ids.extend(request.all_token_ids[computed : computed + n])
+            batch.add(request, n)
             budget -= n
         return budget
 
@@ -252,14 +265,7 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(
-        self,
-        budget: int,
-        scheduled: list[Request],
-        num_tokens: list[int],
-        num_computed: list[int],
-        token_ids: list[int],
-    ) -> int:
+    def _admit_waiting(self, budget: int, batch: _StepBatch) -> int:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -275,11 +281,7 @@ class Scheduler:
                 continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(request)
-            num_tokens.append(n)
-            computed = request.num_computed_tokens
-            num_computed.append(computed)
-            token_ids.extend(request.all_token_ids[computed : computed + n])
+            batch.add(request, n)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return budget
