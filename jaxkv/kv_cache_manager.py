@@ -227,13 +227,9 @@ class KVCacheManager:
             and num_new_computed_tokens >= 0
             and num_lookahead_tokens >= 0
         ):  # the slow path: numpy integers are fine too, anything else raises
-            for name, value in (
-                ("num_new_tokens", num_new_tokens),
-                ("num_new_computed_tokens", num_new_computed_tokens),
-                ("num_lookahead_tokens", num_lookahead_tokens),
-            ):
-                if not isinstance(value, _INTEGER_TYPES) or value < 0:
-                    raise ValueError(f"{name}={value!r} must be an int >= 0 (request {req_id!r})")
+            _check_count("num_new_tokens", num_new_tokens, req_id)
+            _check_count("num_new_computed_tokens", num_new_computed_tokens, req_id)
+            _check_count("num_lookahead_tokens", num_lookahead_tokens, req_id)
         self._check_prompt_fits(request)
         held = self._blocks.get(req_id, [])
         computed = (
@@ -243,10 +239,7 @@ class KVCacheManager:
         )
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_total = num_computed + num_new_tokens + num_lookahead_tokens
-        if num_total > self.max_model_len:
-            raise ValueError(
-                f"request {req_id!r} would hold {num_total} tokens > {self.max_model_len=}"
-            )
+        self._check_total_fits(req_id, num_total)
         num_required = -(-num_total // self.block_size)
         num_new_blocks = max(0, num_required - len(held) - len(computed))
         num_free_hits = sum(1 for b in computed if b.ref_cnt == 0) if computed else 0
@@ -286,14 +279,10 @@ class KVCacheManager:
         plan, total = [], 0
         for request, n in zip(requests, num_new_tokens, strict=True):
             req_id = request.request_id
-            if not isinstance(n, _INTEGER_TYPES) or n < 0:
-                raise ValueError(f"num_new_tokens={n!r} must be an int >= 0 (request {req_id!r})")
+            _check_count("num_new_tokens", n, req_id)
             blocks = self._blocks_of(req_id)
             num_total = request.num_computed_tokens + n
-            if num_total > self.max_model_len:
-                raise ValueError(
-                    f"request {req_id!r} would hold {num_total} tokens > {self.max_model_len=}"
-                )
+            self._check_total_fits(req_id, num_total)
             k = -(-num_total // bs) - len(blocks)
             total += max(k, 0)
             plan.append((request, blocks, k, num_total))
@@ -380,6 +369,12 @@ class KVCacheManager:
                 f"{self.max_model_len=}"
             )
 
+    def _check_total_fits(self, req_id: str, num_total: int) -> None:
+        if num_total > self.max_model_len:
+            raise ValueError(
+                f"request {req_id!r} would hold {num_total} tokens > {self.max_model_len=}"
+            )
+
     def _validated_computed_blocks(
         self, request: Request, held: list[KVCacheBlock], block_ids: Sequence[int]
     ) -> list[KVCacheBlock]:
@@ -429,6 +424,11 @@ class KVCacheManager:
             adapter_id=request.adapter_id,
         )
         self._num_cached[req_id] = num_full
+
+
+def _check_count(name: str, value, req_id: str) -> None:
+    if not isinstance(value, _INTEGER_TYPES) or value < 0:
+        raise ValueError(f"{name}={value!r} must be an int >= 0 (request {req_id!r})")
 
 
 def _check(condition: bool, message: str) -> None:
