@@ -23,65 +23,15 @@ from jaxkv.kv_cache_manager import KVCacheManager, UnknownRequestError
 from jaxkv.kv_transfer import KVConnector
 from jaxkv.outputs import RequestOutput
 from jaxkv.request import Request, RequestStatus
+from jaxkv.scheduler_output import SchedulerOutput, SchedulerStats, StepBatch
+
+__all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats"]
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerOutput:
-    """One step's batch, in schedule order (the planner may reorder it for attention).
-
-    Hides the queues: everything the planner, the metadata builder and the engine need
-    is here as parallel arrays. Safe to use until the next schedule() call.
-    """
-
-    requests: list[Request]  # scheduled requests, in schedule order
-    request_ids: list[str]  # their ids, same order
-    num_scheduled_tokens: np.ndarray  # i32[R] tokens computed this step per request
-    num_computed_tokens: np.ndarray  # i32[R] tokens already in the cache before this step
-    token_ids: list[int]  # the tokens computed this step, request by request, in order
-    preempted_request_ids: tuple[str, ...]  # preempted by this schedule() call
-    finished_request_ids: tuple[str, ...]  # left the scheduler since the previous call
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.requests)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return int(self.num_scheduled_tokens.sum())
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerStats:
-    """Counters since the scheduler was built."""
-
-    num_preemptions: int = 0
-    num_prompt_tokens_computed: int = 0  # prefill tokens run through the model
-    num_decode_tokens_computed: int = 0
-    num_generated_tokens: int = 0
-
-
-@dataclasses.dataclass
-class _StepBatch:
-    """The scheduled requests of one step as they are chosen (SchedulerOutput's lists)."""
-
-    requests: list[Request] = dataclasses.field(default_factory=list)
-    num_tokens: list[int] = dataclasses.field(default_factory=list)
-    num_computed: list[int] = dataclasses.field(default_factory=list)
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-
-    def add(self, request: Request, n: int) -> None:
-        """Schedules `n` tokens of `request` after its computed ones."""
-        computed = request.num_computed_tokens
-        self.requests.append(request)
-        self.num_tokens.append(n)
-        self.num_computed.append(computed)
-        self.token_ids.extend(request.all_token_ids[computed : computed + n])
 
 
 class Scheduler:
@@ -168,22 +118,14 @@ class Scheduler:
         """Chooses this step's batch and allocates its blocks. See the module doc."""
         self._apply_transfer_events()
         budget = self.config.max_num_batched_tokens
-        batch = _StepBatch()
+        batch = StepBatch()
         preempted: list[str] = []
         budget = self._schedule_running(budget, batch, preempted)
         if not preempted:
             self._admit_waiting(budget, batch)
 
         finished, self._finished_ids = tuple(self._finished_ids), []
-        return SchedulerOutput(
-            requests=batch.requests,
-            request_ids=[r.request_id for r in batch.requests],
-            num_scheduled_tokens=np.asarray(batch.num_tokens, np.int32),
-            num_computed_tokens=np.asarray(batch.num_computed, np.int32),
-            token_ids=batch.token_ids,
-            preempted_request_ids=tuple(preempted),
-            finished_request_ids=finished,
-        )
+        return batch.output(tuple(preempted), finished)
 
     def _needs_manager(self, computed: int, n: int) -> bool:
         """Whether `n` more tokens after `computed` need a block or a prefix-cache entry.
@@ -200,14 +142,14 @@ class Scheduler:
             or (offset + n == bs and self.manager.enable_prefix_caching)
         )
 
-    def _schedule_running(self, budget: int, batch: _StepBatch, preempted: list[str]) -> int:
+    def _schedule_running(self, budget: int, batch: StepBatch, preempted: list[str]) -> int:
         """Schedules running requests oldest first; returns the budget left.
 
         Their blocks come from one allocate_slots_batch call; only when the pool cannot
         fit them all are they allocated one by one, preempting the latest requests.
         """
         # The loop is the per-request cost of every step: _needs_manager and
-        # _StepBatch.add are inlined.
+        # StepBatch.add are inlined.
         bs = self.manager.block_size
         fill_limit = bs if self.manager.enable_prefix_caching else bs + 1
         add_request, add_tokens = batch.requests.append, batch.num_tokens.append
@@ -265,7 +207,7 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, budget: int, batch: _StepBatch) -> int:
+    def _admit_waiting(self, budget: int, batch: StepBatch) -> int:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
