@@ -23,7 +23,7 @@ from jaxkv.kv_cache_manager import KVCacheManager, UnknownRequestError
 from jaxkv.kv_transfer import KVConnector
 from jaxkv.outputs import RequestOutput
 from jaxkv.request import Request, RequestStatus
-from jaxkv.scheduler_output import SchedulerOutput, SchedulerStats, StepBatch
+from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput, SchedulerStats, StepBatch
 
 __all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats"]
 
@@ -61,6 +61,10 @@ class Scheduler:
         self._loading: dict[str, int] = {}  # req_id -> computed tokens once its load lands
         self._finished_ids: list[str] = []
         self._stats = SchedulerStats()
+        # Left by update_from_output when every running request is decoding (one token
+        # left) and every one was scheduled: what the next step needs of them, without
+        # another pass over the requests. Cleared by anything that changes `running`.
+        self._decode_carry: DecodeCarry | None = None
 
     # ---------------------------------------------------------------- requests
 
@@ -90,6 +94,7 @@ class Scheduler:
             return False
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            self._decode_carry = None
         else:
             self.waiting.remove(request)
         loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
@@ -145,9 +150,13 @@ class Scheduler:
     def _schedule_running(self, budget: int, batch: StepBatch, preempted: list[str]) -> int:
         """Schedules running requests oldest first; returns the budget left.
 
-        Their blocks come from one allocate_slots_batch call; only when the pool cannot
-        fit them all are they allocated one by one, preempting the latest requests.
+        After an all-decode step the update's carry stands in for the pass over the
+        requests. Their blocks come from one allocate_slots_batch call; only when the
+        pool cannot fit them all are they allocated one by one, preempting the latest.
         """
+        carry, self._decode_carry = self._decode_carry, None
+        if carry is not None and len(self.running) <= budget:
+            return self._schedule_decode(carry, budget, batch, preempted)
         # The loop is the per-request cost of every step: _needs_manager and
         # StepBatch.add are inlined.
         bs = self.manager.block_size
@@ -179,8 +188,23 @@ class Scheduler:
         if not needing or self.manager.allocate_slots_batch(needing, needing_tokens):
             return budget_left
         # Blocks run out: start over one by one (the batch call changed nothing).
-        for field in (batch.requests, batch.num_tokens, batch.num_computed, batch.token_ids):
-            field.clear()
+        batch.clear()
+        return self._schedule_one_by_one(budget, batch, preempted)
+
+    def _schedule_decode(
+        self, carry: DecodeCarry, budget: int, batch: StepBatch, preempted: list[str]
+    ) -> int:
+        """_schedule_running when every running request has one token left (the carry)."""
+        needing = carry.needing
+        if needing and not self.manager.allocate_slots_batch(needing, [1] * len(needing)):
+            return self._schedule_one_by_one(budget, batch, preempted)
+        n = len(self.running)
+        computed = np.array(carry.num_computed, np.int32)
+        batch.set_running(list(self.running), np.ones(n, np.int32), computed, carry.token_ids)
+        return budget - n
+
+    def _schedule_one_by_one(self, budget: int, batch: StepBatch, preempted: list[str]) -> int:
+        """Schedules running requests one by one, preempting the latest when blocks run out."""
         # Iterating the live list is safe: preemption only pops from its end.
         for request in self.running:
             if budget <= 0:
@@ -311,6 +335,12 @@ class Scheduler:
         max_len = self.config.max_model_len
         running = RequestStatus.RUNNING
         num_prompt = num_decode = num_generated = 0
+        # The next step's decode carry: computed tokens, next token, and the requests whose
+        # next token needs the manager (a new block, or a block to cache), as in
+        # _needs_manager for one token. Valid only if this output covers all of `running`.
+        carry = DecodeCarry([], [], []) if output.requests == self.running else None
+        bs = self.manager.block_size
+        cache_offset = bs - 1 if self.manager.enable_prefix_caching else 0
         for request, n, token in zip(
             output.requests, output.num_scheduled_tokens.tolist(), tokens, strict=True
         ):
@@ -323,6 +353,7 @@ class Scheduler:
             else:
                 num_prompt += n
             if computed < request.num_tokens:
+                carry = None
                 continue  # a prefill chunk: the sampled token is not the next one
             request.append_output_token_ids(token)
             num_generated += 1
@@ -333,6 +364,12 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_LENGTH
             else:
                 outputs.append(RequestOutput(request.request_id, (token,), False, None))
+                if carry is not None:
+                    carry.num_computed.append(computed)
+                    carry.token_ids.append(token)
+                    offset = computed % bs
+                    if offset == 0 or offset == cache_offset:
+                        carry.needing.append(request)
                 continue
             finished.append(request)
             reason = _FINISH_REASONS[request.status]
@@ -342,6 +379,7 @@ class Scheduler:
             self.running = [r for r in self.running if id(r) not in done]
             for request in finished:
                 self._finish(request)
+        self._decode_carry = carry
         self._count(
             num_prompt_tokens_computed=num_prompt,
             num_decode_tokens_computed=num_decode,

@@ -1,4 +1,4 @@
-"""What one schedule() call hands on (SchedulerOutput) and the scheduler's counters."""
+"""What one schedule() call hands on (SchedulerOutput), how it is built, and counters."""
 
 from __future__ import annotations
 
@@ -45,13 +45,48 @@ class SchedulerStats:
 
 
 @dataclasses.dataclass
-class StepBatch:
-    """The scheduled requests of one step as they are chosen (SchedulerOutput's lists)."""
+class DecodeCarry:
+    """What the next step needs of the running requests when each has one token left.
 
-    requests: list[Request] = dataclasses.field(default_factory=list)
-    num_tokens: list[int] = dataclasses.field(default_factory=list)
-    num_computed: list[int] = dataclasses.field(default_factory=list)
-    token_ids: list[int] = dataclasses.field(default_factory=list)
+    Left by Scheduler.update_from_output when its output covered every running request
+    and none is mid-prompt; the next schedule() then skips its pass over the requests.
+    """
+
+    num_computed: list[int]  # per running request, in order
+    token_ids: list[int]  # the token each computes next
+    needing: list[Request]  # those whose next token needs a new block or fills one to cache
+
+
+class StepBatch:
+    """The scheduled requests of one step as they are chosen (SchedulerOutput's fields).
+
+    Either built request by request (add), or started from the running requests' arrays
+    at once (set_running) and then added to.
+    """
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Empties the batch."""
+        self.requests: list[Request] = []
+        self.token_ids: list[int] = []
+        self._head_tokens = self._head_computed = _NO_INTS  # set_running's arrays
+        self.num_tokens: list[int] = []  # of the requests added one by one
+        self.num_computed: list[int] = []
+
+    def set_running(
+        self,
+        requests: list[Request],
+        num_tokens: np.ndarray,  # i32[R] tokens scheduled per request
+        num_computed: np.ndarray,  # i32[R] tokens computed before this step
+        token_ids: list[int],  # the scheduled tokens, request by request (taken over)
+    ) -> None:
+        """Starts an empty batch with `requests` and their arrays."""
+        if self.requests:
+            raise ValueError("set_running needs an empty batch")
+        self.requests, self.token_ids = requests, token_ids
+        self._head_tokens, self._head_computed = num_tokens, num_computed
 
     def add(self, request: Request, n: int) -> None:
         """Schedules `n` tokens of `request` after its computed ones."""
@@ -64,12 +99,20 @@ class StepBatch:
     def output(
         self, preempted_request_ids: tuple[str, ...], finished_request_ids: tuple[str, ...]
     ) -> SchedulerOutput:
+        num_tokens, num_computed = self._head_tokens, self._head_computed
+        if self.num_tokens:
+            num_tokens = np.concatenate([num_tokens, np.asarray(self.num_tokens, np.int32)])
+            num_computed = np.concatenate([num_computed, np.asarray(self.num_computed, np.int32)])
         return SchedulerOutput(
             requests=self.requests,
             request_ids=[r.request_id for r in self.requests],
-            num_scheduled_tokens=np.asarray(self.num_tokens, np.int32),
-            num_computed_tokens=np.asarray(self.num_computed, np.int32),
+            num_scheduled_tokens=num_tokens,
+            num_computed_tokens=num_computed,
             token_ids=self.token_ids,
             preempted_request_ids=preempted_request_ids,
             finished_request_ids=finished_request_ids,
         )
+
+
+_NO_INTS = np.zeros(0, np.int32)
+_NO_INTS.flags.writeable = False

@@ -121,6 +121,7 @@ def step(sched: Scheduler, copier: FakeCopier | None = None):
     checked against what the request's own computation would have written.
     """
     out: SchedulerOutput = sched.schedule()
+    assert out.num_computed_tokens.tolist() == [r.num_computed_tokens for r in out.requests]
     assert out.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
     assert out.num_requests <= sched.config.max_num_seqs
     assert out.token_ids == [
