@@ -14,11 +14,10 @@ Python's per-process hash randomisation, so they are stable across processes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
-
-import numpy as np
 
 BlockHash = bytes  # 16-byte digest naming a full block and all blocks before it
 
@@ -72,33 +71,47 @@ def extend_block_hashes(
 
     `block_hashes` must hold the hashes of the first len(block_hashes) blocks of
     `token_ids` (computed with the same block size, seed and keys). Returns the list.
-    Equal to chaining hash_block_tokens block by block, with the tokens encoded at once.
+    Equal to chaining hash_block_tokens block by block (one digest call per block).
     """
     start, num_full = len(block_hashes), len(token_ids) // block_size
     if num_full <= start:
         return block_hashes
     parent = block_hashes[-1] if block_hashes else root_hash(seed)
-    tokens = token_ids[start * block_size : num_full * block_size]
-    raw = np.asarray(tokens, dtype="<i8").tobytes()
-    width = 8 * block_size
+    pack_tokens, count = _block_struct(block_size).pack, _INT64.pack(block_size)
+    later = _encoded_extra_keys(False, adapter_id, cache_salt)
+    blake2b = hashlib.blake2b
     for i in range(start, num_full):
-        extra = block_extra_keys(i, adapter_id=adapter_id, cache_salt=cache_salt)
-        offset = (i - start) * width
-        parent = _digest(parent, block_size, raw[offset : offset + width], extra)
+        extra = later if i else _encoded_extra_keys(True, adapter_id, cache_salt)
+        tokens = pack_tokens(*token_ids[i * block_size : (i + 1) * block_size])
+        parent = blake2b(parent + count + tokens + extra, digest_size=HASH_NUM_BYTES).digest()
         block_hashes.append(parent)
     return block_hashes
 
 
 def _digest(parent: BlockHash, n: int, token_bytes: bytes, extra_keys: tuple[str, ...]) -> bytes:
-    h = hashlib.blake2b(parent, digest_size=HASH_NUM_BYTES)
-    h.update(_INT64.pack(n))
-    h.update(token_bytes)
-    h.update(_INT64.pack(len(extra_keys)))
+    data = parent + _INT64.pack(n) + token_bytes + _encode_keys(extra_keys)
+    return hashlib.blake2b(data, digest_size=HASH_NUM_BYTES).digest()
+
+
+def _encode_keys(extra_keys: tuple[str, ...]) -> bytes:
+    """The key count, then each key as length-prefixed UTF-8."""
+    parts = [_INT64.pack(len(extra_keys))]
     for key in extra_keys:
         raw = key.encode("utf-8")
-        h.update(_INT64.pack(len(raw)))
-        h.update(raw)
-    return h.digest()
+        parts += (_INT64.pack(len(raw)), raw)
+    return b"".join(parts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _encoded_extra_keys(first: bool, adapter_id: str | None, cache_salt: str | None) -> bytes:
+    """_encode_keys of block_extra_keys of the first block or of any later one."""
+    keys = block_extra_keys(0 if first else 1, adapter_id=adapter_id, cache_salt=cache_salt)
+    return _encode_keys(keys)
+
+
+@functools.lru_cache(maxsize=16)
+def _block_struct(block_size: int) -> struct.Struct:
+    return struct.Struct(f"<{block_size}q")
 
 
 _INT64 = struct.Struct("<q")

@@ -115,3 +115,15 @@ def test_hashes_are_stable_across_processes():
         )
         outs.add(res.stdout.strip())
     assert outs == {here}
+
+
+def test_digests_are_pinned():
+    """The encoding is fixed: a change would orphan every block stored under the old one."""
+    hashes = extend_block_hashes(
+        [], list(range(40)), 4, seed=7, adapter_id="lora-a", cache_salt="s1"
+    )
+    assert hashes[0].hex() == "c61c6588bcfd52ed27cb304eea2175f5"
+    assert hashes[-1].hex() == "d56cc4dc7d75b408d1fb0ea9aae9760e"
+    plain = extend_block_hashes([], list(range(100, 140)), 16)
+    assert plain[-1].hex() == "16ca569b08e9acb46c2b94a046b6c5e5"
+    assert plain[0] == hash_block_tokens(root_hash(0), list(range(100, 116)))
