@@ -26,6 +26,11 @@ class UnknownRequestError(ValueError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+# Up to this many single-block appends are written as scalars: in a serving step the
+# numpy fancy-indexing path runs with cold caches and costs more than a few scalar writes.
+_SCALAR_WRITES_MAX = 64
+
+
 class HostBlockTable:
     """Rows of block ids and prefix ids, one per request that holds blocks.
 
@@ -158,10 +163,21 @@ class HostBlockTable:
 
     def append_one_each(self, request_ids: list[str], block_ids: list[int]) -> None:
         """Appends block_ids[i] (fresh from the pool) to request i's row, for distinct
-        requests; the same as append(..., shared=False) one by one, in one numpy pass."""
-        rows = [self._row_of[r] for r in request_ids]
+        requests; the same as append(..., shared=False) one by one."""
+        acquire, prefix, row_of = self._interner.acquire_one, self._prefix, self._row_of
+        if len(request_ids) <= _SCALAR_WRITES_MAX:
+            table, prefix_ids, num_blocks = self.block_table, self.prefix_ids, self.num_blocks_of_row
+            for request_id, block_id in zip(request_ids, block_ids, strict=True):
+                row_pids, row = prefix[request_id], row_of[request_id]
+                col = len(row_pids)
+                pid = acquire(row_pids[-1] if row_pids else ROOT_PREFIX, block_id)
+                row_pids.append(pid)
+                table[row, col] = block_id
+                prefix_ids[row, col] = pid
+                num_blocks[row] = col + 1
+            return
+        rows = [row_of[r] for r in request_ids]
         cols = self.num_blocks_of_row[rows]
-        acquire, prefix = self._interner.acquire_one, self._prefix
         pids = []
         for request_id, block_id in zip(request_ids, block_ids, strict=True):
             row_pids = prefix[request_id]
