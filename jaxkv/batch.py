@@ -91,6 +91,18 @@ jax.tree_util.register_dataclass(
 )
 
 
+def _iota(n: int) -> np.ndarray:
+    """Read-only i32[n] 0, 1, ..., n - 1 (a view of one shared, growing array)."""
+    global _IOTA
+    if len(_IOTA) < n:
+        _IOTA = np.arange(max(n, 2 * len(_IOTA)), dtype=np.int32)
+        _IOTA.flags.writeable = False
+    return _IOTA[:n]
+
+
+_IOTA = np.zeros(0, np.int32)
+
+
 def _table_slice(
     block_table: np.ndarray,  # i32[num_rows, max_blocks_per_seq]
     rows: np.ndarray,  # i32[n]
@@ -204,33 +216,38 @@ def build_attention_metadata(
         raise ValueError(
             f"{query_lens.shape=} and {num_computed_tokens.shape=} must be ({num_requests},)"
         )
-    if num_requests and query_lens.min() < 1:
-        raise ValueError(f"every query_lens entry must be >= 1, got {query_lens.min()}")
-    total = int(query_lens.sum())
-    decode_only = total == num_requests
+    decode_only = num_requests > 0 and not (query_lens != 1).any()
+    if decode_only:
+        total = num_requests
+    else:
+        if num_requests and query_lens.min() < 1:
+            raise ValueError(f"every query_lens entry must be >= 1, got {query_lens.min()}")
+        total = int(query_lens.sum())
     max_tokens = padded_size(buckets.token_buckets, max(total, 1))
     max_seqs = padded_size(buckets.seq_buckets, max(num_requests, 1))
     rows = plan.rows
     suffix_start = plan.suffix_start_blocks
-    main_kv = num_computed + query_lens - suffix_start * block_size
+    main_kv = (num_computed + 1) if decode_only else (num_computed + query_lens)
+    main_kv -= suffix_start * block_size
     longest_main = int(main_kv.max(initial=1))
     width = padded_size(buckets.page_buckets, max(-(-longest_main // block_size), 1))
 
     # The int32 vectors share one zeroed buffer (one allocation instead of five).
     buffer = np.zeros(2 * max_tokens + 3 * max_seqs + 1, np.int32)
     positions, slot_mapping = buffer[:max_tokens], buffer[max_tokens : 2 * max_tokens]
-    seq_fields = buffer[2 * max_tokens :]
-    logits_indices, kv_lens = seq_fields[:max_seqs], seq_fields[max_seqs : 2 * max_seqs]
-    cu = seq_fields[2 * max_seqs :]
+    logits_indices = buffer[2 * max_tokens : 2 * max_tokens + max_seqs]
+    kv_lens = buffer[2 * max_tokens + max_seqs : 2 * max_tokens + 2 * max_seqs]
+    cu = buffer[2 * max_tokens + 2 * max_seqs :]
     if decode_only:
-        token_starts = np.arange(num_requests + 1)
+        token_starts = _iota(num_requests + 1)
+        logits_indices[:num_requests] = token_starts[:-1]
     else:
         token_starts = np.zeros(num_requests + 1, np.int64)
         np.cumsum(query_lens, out=token_starts[1:])
+        logits_indices[:num_requests] = token_starts[1:] - 1
     cu[: num_requests + 1] = token_starts
     cu[num_requests + 1 :] = total
     kv_lens[:num_requests] = main_kv
-    logits_indices[:num_requests] = token_starts[:-1] if decode_only else token_starts[1:] - 1
     page_indices = np.zeros((max_seqs, width), np.int32)
     _fill_pages(page_indices, block_table, rows, suffix_start)
 

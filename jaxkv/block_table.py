@@ -166,7 +166,8 @@ class HostBlockTable:
         requests; the same as append(..., shared=False) one by one."""
         acquire, prefix, row_of = self._interner.acquire_one, self._prefix, self._row_of
         if len(request_ids) <= _SCALAR_WRITES_MAX:
-            table, prefix_ids, num_blocks = self.block_table, self.prefix_ids, self.num_blocks_of_row
+            table, prefix_ids = self.block_table, self.prefix_ids
+            num_blocks = self.num_blocks_of_row
             for request_id, block_id in zip(request_ids, block_ids, strict=True):
                 row_pids, row = prefix[request_id], row_of[request_id]
                 col = len(row_pids)

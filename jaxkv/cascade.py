@@ -143,6 +143,7 @@ class CascadePlan:
     suffix_start_blocks: np.ndarray  # i32[R] per batch position
     levels: tuple[CascadeLevel, ...]
     num_common_prefix_blocks: int  # exact common prefix of the whole batch, before capping
+    keeps_order: bool = False  # True only if order is the identity (schedule order)
 
     @property
     def uses_cascade(self) -> bool:
@@ -228,9 +229,11 @@ class CascadePlanner:
         rows = manager.rows_of(request_ids)
         identity = np.arange(num_requests, dtype=np.int32)
         if num_requests == 0:
-            return CascadePlan(identity, rows, identity, (), 0)
+            return CascadePlan(identity, rows, identity, (), 0, keeps_order=True)
         common = manager.num_common_prefix_blocks(request_ids)
-        flat = CascadePlan(identity, rows, np.zeros(num_requests, np.int32), (), common)
+        flat = CascadePlan(
+            identity, rows, np.zeros(num_requests, np.int32), (), common, keeps_order=True
+        )
         if not self.enable_cascade or num_requests < 2:
             return flat
 
@@ -262,7 +265,7 @@ class CascadePlanner:
                     return last[1]  # a repeated batch: the same plan
             suffix_start = np.full(num_requests, base, np.int32)
             level = _level("global", [0], [num_requests], [0], [k0], [rows[0]])
-            plan = CascadePlan(identity, rows, suffix_start, (level,), common)
+            plan = CascadePlan(identity, rows, suffix_start, (level,), common, keeps_order=True)
             self._last_plan = (key, plan)
             return plan
         suffix_start = np.full(num_requests, base, np.int32)

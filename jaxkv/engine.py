@@ -203,9 +203,13 @@ class Engine:
             out.request_ids, out.num_computed_tokens, out.num_scheduled_tokens, self.manager
         )
         c_plan = time.thread_time()
-        order = plan.order
-        query_lens = out.num_scheduled_tokens[order]
-        num_computed = out.num_computed_tokens[order]
+        if plan.keeps_order:
+            order = None
+            query_lens, num_computed = out.num_scheduled_tokens, out.num_computed_tokens
+        else:
+            order = plan.order
+            query_lens = out.num_scheduled_tokens[order]
+            num_computed = out.num_computed_tokens[order]
         num_tokens = len(out.token_ids)
         # A reused plan with the same decode-only layout has the same level metadata.
         memo = self._levels_memo
@@ -241,8 +245,11 @@ class Engine:
         tokens, self.kv_caches = self._program(
             self._state_leaves, input_ids, md.positions, self.kv_caches, md, sampling
         )
-        sampled = np.empty(n, np.int32)
-        sampled[order] = np.asarray(tokens)[:n]
+        if order is None:
+            sampled = np.asarray(tokens)[:n]
+        else:
+            sampled = np.empty(n, np.int32)
+            sampled[order] = np.asarray(tokens)[:n]
         t2 = time.perf_counter()
 
         outputs = self.scheduler.update_from_output(out, sampled)
@@ -267,17 +274,19 @@ class Engine:
             self._levels[levels] = self._levels.get(levels, 0) + 1
         return outputs
 
-    def _sampling_rows(self, request_ids: list[str], order: np.ndarray, num_rows: int):
-        """Per-row sampling arrays in batch order; reused while the batch is unchanged."""
+    def _sampling_rows(self, request_ids: list[str], order: np.ndarray | None, num_rows: int):
+        """Per-row sampling arrays in batch order (`order` None: schedule order); reused
+        while the batch is unchanged."""
         memo = self._sampling_memo
         if (
             memo is not None
             and memo[0] == request_ids
             and memo[2][0].shape[0] == num_rows
-            and np.array_equal(memo[1], order)
+            and (memo[1] is order or (memo[1] is not None and np.array_equal(memo[1], order)))
         ):
             return memo[2]
-        rows = [self._sampling[request_ids[i]] for i in order.tolist()]
+        ordered = request_ids if order is None else [request_ids[i] for i in order.tolist()]
+        rows = [self._sampling[req_id] for req_id in ordered]
         arrays = sampling_arrays(rows, num_rows)
         self._sampling_memo = (request_ids, order, arrays)
         return arrays

@@ -71,12 +71,17 @@ def coarsen_metadata(
 def gather_input_ids(
     token_ids: Sequence[int],  # the step's tokens, request by request, in schedule order
     num_scheduled_tokens: np.ndarray,  # i32[R] tokens per request, schedule order
-    order: np.ndarray,  # i32[R] batch position -> index in schedule order
+    order: np.ndarray | None,  # i32[R] batch position -> index in schedule order
     md: AttentionMetadata,
 ) -> np.ndarray:  # i32[max_num_tokens]
-    """The step's token ids in batch (plan) order, padded with 0 to md.max_num_tokens."""
+    """The step's token ids in batch (plan) order, padded with 0 to md.max_num_tokens.
+
+    `order` None: the batch keeps the schedule order (CascadePlan.keeps_order)."""
     ids = np.zeros(md.max_num_tokens, np.int32)
     total = len(token_ids)
+    if order is None:
+        ids[:total] = token_ids
+        return ids
     num_requests = len(order)
     if not (order != np.arange(num_requests)).any():
         ids[:total] = token_ids  # the plan kept the schedule order

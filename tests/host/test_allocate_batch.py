@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxkv import KVCacheManager
+from jaxkv import KVCacheManager, block_table
 from tests.host._util import make_request, prefill, snapshot
 
 
@@ -23,9 +23,12 @@ def _running(seed: int, enable_prefix_caching: bool = True):
     return m, requests, rng
 
 
+@pytest.mark.parametrize("scalar_writes", [True, False])
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
 @pytest.mark.parametrize("seed", range(8))
-def test_batch_equals_one_by_one(seed, enable_prefix_caching):
+def test_batch_equals_one_by_one(seed, enable_prefix_caching, scalar_writes, monkeypatch):
+    if not scalar_writes:  # the block table's numpy path for many single-block appends
+        monkeypatch.setattr(block_table, "_SCALAR_WRITES_MAX", 0)
     batched, reqs_a, rng = _running(seed, enable_prefix_caching)
     single, reqs_b, _ = _running(seed, enable_prefix_caching)
     for _ in range(12):  # decode steps and the odd multi-token chunk

@@ -1,0 +1,105 @@
+"""build_attention_metadata against a plain-loop reference that reads the manager's block ids.
+
+The reference walks each scheduled request token by token and block by block, reading
+block ids from KVCacheManager.block_ids (never the host block table the builder slices),
+so it shares no paging logic with the builder. Mixed prefill/decode and decode-only
+batches, flat and cascade plans; a shuffled block table must be caught by the same check.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxkv.batch import AttentionMetadata, build_attention_metadata
+from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlan, CascadePlanner
+from tests.attention import workload
+from tests.attention.test_paged_attention import buckets_for
+
+SHAPE = AttentionShape(4, 2, 16, kv_itemsize=4)
+ALWAYS = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0)
+
+
+def _reference(step: workload.Step, plan: CascadePlan, md: AttentionMetadata) -> dict:
+    """The main pass's arrays, padded to md's shapes, built one token and block at a time."""
+    bs = step.manager.block_size
+    num_tokens, num_seqs = md.max_num_tokens, md.max_num_seqs
+    width = md.page_indices.shape[1]
+    ref = dict(
+        positions=np.zeros(num_tokens, np.int64),
+        slot_mapping=np.zeros(num_tokens, np.int64),
+        logits_indices=np.zeros(num_seqs, np.int64),
+        cu_q_lens=np.zeros(num_seqs + 1, np.int64),
+        kv_lens=np.zeros(num_seqs, np.int64),
+        page_indices=np.zeros((num_seqs, width), np.int64),
+    )
+    t = 0
+    for i, s in enumerate(plan.order.tolist()):
+        blocks = step.manager.block_ids(step.request_ids[s])
+        computed, n = int(step.num_computed_tokens[s]), int(step.query_lens[s])
+        first = int(plan.suffix_start_blocks[i])
+        for pos in range(computed, computed + n):
+            ref["positions"][t] = pos
+            ref["slot_mapping"][t] = blocks[pos // bs] * bs + pos % bs
+            t += 1
+        ref["logits_indices"][i] = t - 1
+        ref["cu_q_lens"][i + 1] = t
+        ref["kv_lens"][i] = computed + n - first * bs
+        for j, block in enumerate(blocks[first : first + width]):
+            ref["page_indices"][i, j] = block
+    ref["cu_q_lens"][len(plan.order) + 1 :] = t
+    return ref
+
+
+def _build(step: workload.Step, plan: CascadePlan, block_table: np.ndarray) -> AttentionMetadata:
+    return build_attention_metadata(
+        block_table=block_table,
+        plan=plan,
+        query_lens=step.query_lens[plan.order],
+        num_computed_tokens=step.num_computed_tokens[plan.order],
+        block_size=step.manager.block_size,
+        buckets=buckets_for(step.manager.block_size),
+    )
+
+
+def _mismatches(step: workload.Step, plan: CascadePlan, md: AttentionMetadata) -> list[str]:
+    ref = _reference(step, plan, md)
+    bad = [k for k, v in ref.items() if not np.array_equal(getattr(md, k), v)]
+    if int(md.num_seqs[0]) != len(plan.order):
+        bad.append("num_seqs")
+    return bad
+
+
+def _decode_only(step: workload.Step) -> workload.Step:
+    """The same requests each computing only their last scheduled token."""
+    last = step.num_computed_tokens + step.query_lens - 1
+    return workload.Step(step.manager, step.request_ids, last, np.ones_like(step.query_lens))
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("decode_only", [False, True])
+@pytest.mark.parametrize("cascade", [False, True])
+def test_metadata_equals_the_reference(seed, decode_only, cascade):
+    step = workload.random_step(
+        seed, block_size=(4, 8)[seed % 2], common_root_blocks=2 * (seed % 3 == 0)
+    )
+    if decode_only:
+        step = _decode_only(step)
+    planner = CascadePlanner(SHAPE, cost_model=ALWAYS, enable_cascade=cascade)
+    m = step.manager
+    plan = planner.plan(step.request_ids, step.num_computed_tokens, step.query_lens, m)
+    md = _build(step, plan, m.block_table)
+    assert _mismatches(step, plan, md) == []
+
+
+def test_a_shuffled_block_table_is_caught():
+    step = _decode_only(workload.random_step(3, block_size=4))
+    m = step.manager
+    planner = CascadePlanner(SHAPE, enable_cascade=False)
+    plan = planner.plan(step.request_ids, step.num_computed_tokens, step.query_lens, m)
+    table = m.block_table.copy()
+    rows = m.rows_of(step.request_ids)
+    table[[rows[0], rows[1]]] = table[[rows[1], rows[0]]]  # two requests' pages swapped
+    assert {"slot_mapping", "page_indices"} <= set(
+        _mismatches(step, plan, _build(step, plan, table))
+    )
