@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 
@@ -18,6 +19,11 @@ class RequestOutput(NamedTuple):
     new_token_ids: tuple[int, ...]  # tokens sampled this step (one per step today)
     finished: bool
     finish_reason: str | None
+
+
+# RequestOutput from the tuple of its four fields: what RequestOutput._make does, without
+# the NamedTuple's Python-level __new__ (half the cost of one; one per request per step).
+request_output_of = functools.partial(tuple.__new__, RequestOutput)
 
 
 @dataclasses.dataclass(frozen=True)

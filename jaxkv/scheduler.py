@@ -21,7 +21,7 @@ import numpy as np
 from jaxkv.config import SchedulerConfig
 from jaxkv.kv_cache_manager import KVCacheManager, UnknownRequestError
 from jaxkv.kv_transfer import KVConnector
-from jaxkv.outputs import RequestOutput
+from jaxkv.outputs import RequestOutput, request_output_of
 from jaxkv.request import Request, RequestStatus
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput, SchedulerStats, StepBatch
 
@@ -348,7 +348,8 @@ class Scheduler:
                 continue  # aborted between schedule and update
             computed = request.num_computed_tokens + n
             request.num_computed_tokens = computed
-            if request.output_token_ids:
+            output_ids = request.output_token_ids
+            if output_ids:
                 num_decode += n
             else:
                 num_prompt += n
@@ -360,10 +361,10 @@ class Scheduler:
             params = request.sampling_params
             if token in params.stop_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
-            elif len(request.output_token_ids) >= params.max_tokens or computed + 1 >= max_len:
+            elif len(output_ids) >= params.max_tokens or computed + 1 >= max_len:
                 request.status = RequestStatus.FINISHED_LENGTH
             else:
-                outputs.append(RequestOutput(request.request_id, (token,), False, None))
+                outputs.append(request_output_of((request.request_id, (token,), False, None)))
                 if carry is not None:
                     carry.num_computed.append(computed)
                     carry.token_ids.append(token)
@@ -373,7 +374,7 @@ class Scheduler:
                 continue
             finished.append(request)
             reason = _FINISH_REASONS[request.status]
-            outputs.append(RequestOutput(request.request_id, (token,), True, reason))
+            outputs.append(request_output_of((request.request_id, (token,), True, reason)))
         if finished:
             done = set(map(id, finished))
             self.running = [r for r in self.running if id(r) not in done]
