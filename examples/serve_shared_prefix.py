@@ -294,7 +294,9 @@ def engine_config(args: argparse.Namespace, prompts: list[Prompt], cascade: bool
         max_cascade_groups=2,
         min_num_tokens_bucket=min_tokens,
         min_num_seqs_bucket=max_num_seqs,
-        min_pages_bucket=max_model_len // bs,
+        # Power-of-two page buckets: cascade's suffix pass reads fewer (padded) pages
+        # than flat attention only if it can fall into a narrower bucket.
+        min_pages_bucket=4,
         q_len_buckets=q_len_buckets,
     )
 
