@@ -20,6 +20,7 @@ Every prefix is capped at the smallest num_computed_tokens of the requests that 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Sequence
 
@@ -47,6 +48,11 @@ class CascadeCostModel:
     merge_cost_factor: float = 1.0
     min_requests: int = 2
     min_saved_fraction: float = 0.0
+    # The backend's work follows each pass's padded page width, not the keys it holds
+    # (the xla reference path gathers and scores every padded page). Then cascade pays
+    # only if its suffix pass pads to fewer pages than flat attention would; the planner
+    # checks that when it knows the page buckets (CascadePlanner(page_buckets=...)).
+    reads_padded_pages: bool = False
 
     def saved_bytes(self, num_requests: int, prefix_tokens: int, kv_bytes_per_token: int) -> int:
         return max(num_requests - 1, 0) * prefix_tokens * kv_bytes_per_token
@@ -90,7 +96,10 @@ class CascadeCostModel:
 # kernel launch of a few microseconds at HBM bandwidth) until measured on hardware.
 DEFAULT_COST_MODELS: dict[str, CascadeCostModel] = {
     "xla": CascadeCostModel(
-        launch_overhead_bytes=256 << 10, merge_cost_factor=2.0, min_saved_fraction=0.3
+        launch_overhead_bytes=256 << 10,
+        merge_cost_factor=2.0,
+        min_saved_fraction=0.3,
+        reads_padded_pages=True,
     ),
     "pallas_tpu": CascadeCostModel(
         launch_overhead_bytes=8 << 20, merge_cost_factor=1.0, min_saved_fraction=0.2
@@ -167,7 +176,10 @@ class CascadePlanner:
         enable_groups: bool = True,
         max_groups: int = 8,
         sliding_window: int | None = None,
+        page_buckets: Sequence[int] | None = None,
     ) -> None:
+        """`page_buckets`: the page widths metadata is padded to (BucketConfig.page_buckets),
+        for a cost model with reads_padded_pages; None skips that check."""
         if max_groups < 1:
             raise ValueError(f"{max_groups=} must be >= 1")
         if cost_model is None:
@@ -179,6 +191,9 @@ class CascadePlanner:
         self.enable_cascade = enable_cascade and sliding_window is None
         self.enable_groups = enable_groups
         self.max_groups = max_groups
+        self.page_buckets = (
+            tuple(page_buckets) if page_buckets and cost_model.reads_padded_pages else None
+        )
         # (manager, rows, sharing version, base) for which every request was eligible for
         # a group and no two shared a prefix id at column `base`: while all four hold,
         # that stays so (held columns keep their prefix ids), so the search is skipped.
@@ -256,7 +271,7 @@ class CascadePlanner:
         else:
             groups = self._groups(manager, rows, num_computed_tokens, query_lens, base)
         if not groups:
-            if not use_global:
+            if not use_global or not self._narrows(num_computed_tokens, query_lens, k0, bs):
                 return flat
             key = (manager, rows, version, k0, common)
             last = self._last_plan
@@ -269,6 +284,10 @@ class CascadePlanner:
             self._last_plan = (key, plan)
             return plan
         suffix_start = np.full(num_requests, base, np.int32)
+        for members, end in groups:
+            suffix_start[members] = end
+        if not self._narrows(num_computed_tokens, query_lens, suffix_start, bs):
+            return flat
 
         grouped = np.concatenate([members for members, _ in groups])
         ungrouped = np.ones(num_requests, bool)
@@ -284,9 +303,32 @@ class CascadePlanner:
             ends.append(first + len(members))
             block_ends.append(end)
             leaders.append(rows[members[0]])
-            suffix_start[first : ends[-1]] = end
         levels.append(_level("groups", starts, ends, [base] * len(groups), block_ends, leaders))
-        return CascadePlan(order, rows[order], suffix_start, tuple(levels), common)
+        return CascadePlan(order, rows[order], suffix_start[order], tuple(levels), common)
+
+    def _narrows(
+        self,
+        num_computed_tokens: np.ndarray,  # i[R]
+        query_lens: np.ndarray,  # i[R]
+        suffix_start: int | np.ndarray,  # first block of each request's suffix pass
+        block_size: int,
+    ) -> bool:
+        """Whether the suffix pass pads to fewer pages than flat attention would (always
+        True unless the cost model reads padded pages and the page buckets are known)."""
+        buckets = self.page_buckets
+        if buckets is None:
+            return True
+        context = num_computed_tokens + query_lens
+        flat_pages = -(-int(context.max()) // block_size)
+        suffix_pages = -(
+            -int((context - np.asarray(suffix_start) * block_size).max()) // block_size
+        )
+
+        def padded(n: int) -> int:
+            i = bisect.bisect_left(buckets, n)
+            return buckets[min(i, len(buckets) - 1)]
+
+        return padded(suffix_pages) < padded(flat_pages)
 
     def _groups(
         self,

@@ -110,14 +110,15 @@ class Engine:
         self.scheduler = Scheduler(sc, self.manager, self.connector)
         self.kv_caches = model.init_kv_caches(cc.num_blocks, cc.block_size, cc.kv_dtype)
         kv_itemsize = self.kv_caches[0].dtype.itemsize
+        self.buckets = config.buckets
         self.planner = CascadePlanner(
             AttentionShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, kv_itemsize),
             backend=self.backend,
             cost_model=config.cascade_cost_model,
             enable_cascade=config.enable_cascade,
             max_groups=config.max_cascade_groups,
+            page_buckets=self.buckets.page_buckets,
         )
-        self.buckets = config.buckets
         self.copier = DeviceKVCopier(
             lambda: self.kv_caches, self._set_caches, max_blocks=self.manager.max_blocks_per_seq
         )

@@ -283,3 +283,43 @@ def test_a_repeated_batch_with_fewer_computed_tokens_is_replanned():
     check([("global", [1])])
     computed[1] = batch[1].num_tokens - 1  # a1 and a2 now share 7 blocks past the cap
     check([("global", [1]), ("groups", [8])])
+
+
+PADDED = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0, reads_padded_pages=True)
+
+
+@pytest.mark.parametrize(
+    ("page_buckets", "narrower"),
+    [
+        ((4, 8, 16), True),  # flat pads 10 pages to 16, the suffix pass 2 pages to 4
+        ((16,), False),  # one bucket: the suffix pass pads to as many pages as flat
+        (None, True),  # buckets unknown: the byte model alone decides
+    ],
+)
+def test_padded_page_backends_cascade_only_when_the_suffix_pass_pads_narrower(
+    page_buckets, narrower
+):
+    m = KVCacheManager(128, 4, max_model_len=128)
+    reqs = [_decoding(m, f"r{i}", SYSTEM_A + [i, i + 1]) for i in range(4)]
+    planner = CascadePlanner(SHAPE, cost_model=PADDED, page_buckets=page_buckets)
+    plan = _plan(planner, m, reqs)
+    assert plan.uses_cascade == narrower
+    assert plan.num_common_prefix_blocks == 8  # detection is the same either way
+
+
+def test_padded_page_rule_applies_to_group_levels():
+    m = KVCacheManager(256, 4, max_model_len=128)
+    reqs = [_decoding(m, f"a{i}", SYSTEM_A + [i]) for i in range(3)]
+    reqs += [_decoding(m, f"b{i}", SYSTEM_B + [i]) for i in range(3)]
+    grouped = _plan(CascadePlanner(SHAPE, cost_model=PADDED, page_buckets=(2, 4, 8, 16)), m, reqs)
+    assert [lv.name for lv in grouped.levels] == ["groups"]
+    assert grouped.suffix_start_blocks.tolist() == [8, 8, 8, 6, 6, 6]
+    pinned = _plan(CascadePlanner(SHAPE, cost_model=PADDED, page_buckets=(16,)), m, reqs)
+    assert not pinned.uses_cascade
+
+
+def test_cost_models_that_do_not_read_padded_pages_ignore_page_buckets():
+    m = KVCacheManager(128, 4, max_model_len=128)
+    reqs = [_decoding(m, f"r{i}", SYSTEM_A + [i, i + 1]) for i in range(4)]
+    planner = CascadePlanner(SHAPE, cost_model=ALWAYS, page_buckets=(16,))
+    assert _plan(planner, m, reqs).uses_cascade
