@@ -320,9 +320,11 @@ class CascadePlanner:
             return True
         context = num_computed_tokens + query_lens
         flat_pages = -(-int(context.max()) // block_size)
-        suffix_pages = -(
-            -int((context - np.asarray(suffix_start) * block_size).max()) // block_size
-        )
+        if isinstance(suffix_start, int):  # every suffix pass starts at the same block
+            suffix_pages = flat_pages - suffix_start
+        else:
+            suffix = context - suffix_start * block_size
+            suffix_pages = -(-int(suffix.max()) // block_size)
 
         def padded(n: int) -> int:
             i = bisect.bisect_left(buckets, n)
