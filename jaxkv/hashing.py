@@ -77,13 +77,12 @@ def extend_block_hashes(
     if num_full <= start:
         return block_hashes
     parent = block_hashes[-1] if block_hashes else root_hash(seed)
-    pack_tokens, count = _block_struct(block_size).pack, _INT64.pack(block_size)
-    later = _encoded_extra_keys(False, adapter_id, cache_salt)
-    blake2b = hashlib.blake2b
+    pack_tokens, count, first, later = _block_encoding(block_size, adapter_id, cache_salt)
+    blake2b, join = hashlib.blake2b, b"".join
     for i in range(start, num_full):
-        extra = later if i else _encoded_extra_keys(True, adapter_id, cache_salt)
         tokens = pack_tokens(*token_ids[i * block_size : (i + 1) * block_size])
-        parent = blake2b(parent + count + tokens + extra, digest_size=HASH_NUM_BYTES).digest()
+        data = join((parent, count, tokens, later if i else first))
+        parent = blake2b(data, digest_size=HASH_NUM_BYTES).digest()
         block_hashes.append(parent)
     return block_hashes
 
@@ -103,15 +102,13 @@ def _encode_keys(extra_keys: tuple[str, ...]) -> bytes:
 
 
 @functools.lru_cache(maxsize=1024)
-def _encoded_extra_keys(first: bool, adapter_id: str | None, cache_salt: str | None) -> bytes:
-    """_encode_keys of block_extra_keys of the first block or of any later one."""
-    keys = block_extra_keys(0 if first else 1, adapter_id=adapter_id, cache_salt=cache_salt)
-    return _encode_keys(keys)
-
-
-@functools.lru_cache(maxsize=16)
-def _block_struct(block_size: int) -> struct.Struct:
-    return struct.Struct(f"<{block_size}q")
+def _block_encoding(block_size: int, adapter_id: str | None, cache_salt: str | None):
+    """(token packer, encoded token count, encoded extra keys of block 0, of later blocks)."""
+    first, later = (
+        _encode_keys(block_extra_keys(i, adapter_id=adapter_id, cache_salt=cache_salt))
+        for i in (0, 1)
+    )
+    return struct.Struct(f"<{block_size}q").pack, _INT64.pack(block_size), first, later
 
 
 _INT64 = struct.Struct("<q")
