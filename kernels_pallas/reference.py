@@ -255,6 +255,8 @@ def cascade_attention(
     non-causal prefix pass never shows a query a key after itself. Then the result equals
     plain causal attention over each whole context. `attention_fn` is any kernel with the
     contract of `ragged_paged_attention` (default: this module's, with `max_q_len`).
+    A Python int `num_prefix_pages` splits the page table statically: each pass gets only
+    its own columns, so a kernel whose work follows the padded width does less of it.
     """
     if attention_fn is None:
         prefix_fn = ragged_paged_attention
@@ -264,10 +266,18 @@ def cascade_attention(
     page_size = kv_pages.shape[1]
     prefix_len = jnp.asarray(num_prefix_pages, jnp.int32) * page_size
     common = dict(sm_scale=sm_scale, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
+    pages_per_seq = page_indices.shape[1]
+    if isinstance(num_prefix_pages, int) and 0 < num_prefix_pages < pages_per_seq:
+        # A static split: each pass gets only its own columns (narrower padded pages).
+        prefix_pages = page_indices[0, :num_prefix_pages]
+        suffix_pages = page_indices[:, num_prefix_pages:]
+    else:
+        prefix_pages = page_indices[0]
+        suffix_pages = suffix_page_indices(page_indices, num_prefix_pages)
     out_p, lse_p = prefix_fn(
         q,
         kv_pages,
-        *prefix_pass_inputs(cu_q_lens, num_seqs, page_indices[0], prefix_len),
+        *prefix_pass_inputs(cu_q_lens, num_seqs, prefix_pages, prefix_len),
         causal=False,
         **common,
     )
@@ -275,7 +285,7 @@ def cascade_attention(
         q,
         kv_pages,
         jnp.maximum(kv_lens - prefix_len, 0),
-        suffix_page_indices(page_indices, num_prefix_pages),
+        suffix_pages,
         cu_q_lens,
         num_seqs,
         causal=True,
