@@ -63,7 +63,8 @@ class Scheduler:
         self._stats = SchedulerStats()
         # Left by update_from_output when every running request is decoding (one token
         # left) and every one was scheduled: what the next step needs of them, without
-        # another pass over the requests. Cleared by anything that changes `running`.
+        # another pass over the requests. Consumed by the next schedule() (which alone
+        # admits and preempts); abort of a running request drops it.
         self._decode_carry: DecodeCarry | None = None
 
     # ---------------------------------------------------------------- requests
