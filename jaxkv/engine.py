@@ -124,7 +124,7 @@ class Engine:
         )
         self.connector.bind(self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed)
         self._sampling: dict[str, tuple[float, int, float, int]] = {}  # req_id -> sampler row
-        self._sampling_memo: tuple | None = None  # (request ids, order, arrays) of last step
+        self._sampling_memo: tuple | None = None  # (ids, order bytes or None, arrays)
         self._levels_memo: tuple | None = None  # (plan, num tokens, level metadata)
         self._serial = itertools.count()
         self._programs: set[tuple] = set()
@@ -278,18 +278,19 @@ class Engine:
     def _sampling_rows(self, request_ids: list[str], order: np.ndarray | None, num_rows: int):
         """Per-row sampling arrays in batch order (`order` None: schedule order); reused
         while the batch is unchanged."""
+        order_key = None if order is None else order.tobytes()
         memo = self._sampling_memo
         if (
             memo is not None
             and memo[0] == request_ids
+            and memo[1] == order_key
             and memo[2][0].shape[0] == num_rows
-            and (memo[1] is order or (memo[1] is not None and np.array_equal(memo[1], order)))
         ):
             return memo[2]
         ordered = request_ids if order is None else [request_ids[i] for i in order.tolist()]
         rows = [self._sampling[req_id] for req_id in ordered]
         arrays = sampling_arrays(rows, num_rows)
-        self._sampling_memo = (request_ids, order, arrays)
+        self._sampling_memo = (request_ids, order_key, arrays)
         return arrays
 
     # ----------------------------------------------------------------- driving
