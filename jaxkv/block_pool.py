@@ -8,6 +8,7 @@ until it is handed out again (lazy eviction), so a later request can still hit i
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -162,8 +163,14 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
 
-    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Adds one holder to each block; a free block leaves the free queue (a cache hit)."""
+    def touch(self, blocks: Sequence[KVCacheBlock], *, validate: bool = True) -> None:
+        """Adds one holder to each block; a free block leaves the free queue (a cache hit).
+
+        Raises ValueError (nothing changed) if a block is the null block or not this pool's.
+        validate=False skips that check, for an owner that passes only blocks of this pool.
+        """
+        if validate:
+            self._check_own("blocks", blocks)
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
@@ -192,25 +199,67 @@ class BlockPool:
         token_ids: Sequence[int],
         block_size: int,
         adapter_id: str | None,
+        validate: bool = True,
     ) -> None:
-        """Marks `blocks` (consecutive full blocks of one request) with `block_hashes`."""
+        """Marks `blocks` (consecutive full blocks of one request) with `block_hashes`.
+
+        A block that already carries a hash, or whose hash another block carries, is
+        left as it is. With events on, each run of consecutive blocks that were stored
+        is reported as one BlockStored (its parent hash, its tokens). Raises ValueError
+        (nothing changed) unless there is one hash and `block_size` tokens per block and
+        every block is this pool's and not the null block (validate=False skips this,
+        for an owner that passes only its own blocks with their hashes and tokens).
+        """
+        if validate:
+            if len(block_hashes) != len(blocks) or len(token_ids) != len(blocks) * block_size:
+                raise ValueError(
+                    f"cache_full_blocks: {len(blocks)} blocks need as many block_hashes "
+                    f"(got {len(block_hashes)}) and {len(blocks)} * {block_size=} token_ids "
+                    f"(got {len(token_ids)})"
+                )
+            self._check_own("blocks", blocks)
         if not self.enable_caching:
             return
-        stored = []
-        for block, block_hash in zip(blocks, block_hashes, strict=True):
-            if block.block_hash is not None or block_hash in self.cached_block_hash_to_block:
+        cached = self.cached_block_hash_to_block
+        runs: list[list[int]] = []  # [start, end) of consecutive stored blocks
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
+            if block.block_hash is not None or block_hash in cached:
                 continue
             block.block_hash = block_hash
-            self.cached_block_hash_to_block[block_hash] = block
-            stored.append(block_hash)
-        if stored and self.enable_events:
-            event = BlockStored(
-                tuple(block_hashes), parent_block_hash, tuple(token_ids), block_size, adapter_id
-            )
-            self._events.append(event)
+            cached[block_hash] = block
+            if runs and runs[-1][1] == i:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1])
+        if self.enable_events:
+            for start, end in runs:
+                self._events.append(
+                    BlockStored(
+                        tuple(block_hashes[start:end]),
+                        block_hashes[start - 1] if start else parent_block_hash,
+                        tuple(token_ids[start * block_size : end * block_size]),
+                        block_size,
+                        adapter_id,
+                    )
+                )
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drops one holder from each block; blocks reaching 0 join the queue in this order."""
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], *, validate: bool = True) -> None:
+        """Drops one holder from each block; blocks reaching 0 join the queue in this order.
+
+        Raises ValueError (nothing changed) if a block is the null block, not this pool's,
+        or would be freed more times than it has holders. validate=False skips the
+        checks, for an owner that frees only blocks it holds.
+        """
+        if validate:
+            ordered_blocks = list(ordered_blocks)
+            self._check_own("ordered_blocks", ordered_blocks)
+            times = Counter(map(id, ordered_blocks))
+            for block in ordered_blocks:
+                if times[id(block)] > block.ref_cnt:
+                    raise ValueError(
+                        f"ordered_blocks: {block} freed {times[id(block)]} times, more than "
+                        f"its {block.ref_cnt} holders"
+                    )
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
@@ -226,6 +275,18 @@ class BlockPool:
         if self.enable_events:
             self._events.append(AllBlocksCleared())
         return True
+
+    def _check_own(self, name: str, blocks: Iterable[KVCacheBlock]) -> None:
+        """ValueError naming `name` unless every block is this pool's and not the null block."""
+        pool = self.blocks
+        for block in blocks:
+            block_id = getattr(block, "block_id", None)
+            if (
+                type(block_id) is not int
+                or not 0 < block_id < len(pool)
+                or pool[block_id] is not block
+            ):
+                raise ValueError(f"{name}: {block!r} is the null block or not of this pool")
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []

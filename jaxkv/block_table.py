@@ -105,10 +105,11 @@ class HostBlockTable:
     def num_common_prefix_blocks(self, request_ids: Sequence[str]) -> int:
         """Leading blocks every request in `request_ids` holds at the same positions.
 
-        For two or more ids the answer of the previous call is reused while the id list
-        is equal, no row has been released and no shared block appended: blocks freshly
-        taken from the pool are held by one row only, so appending them to a row lies
-        past every prefix it shares and cannot change the answer.
+        For ids of two or more distinct rows the answer of the previous call is reused
+        while the id list is equal, no row has been released and no shared block
+        appended: blocks freshly taken from the pool are held by one row only, so
+        appending them to a row lies past every prefix it shares with another row and
+        cannot change the answer. (One id repeated is one row: its answer grows with it.)
         """
         rows = self.rows_of(request_ids)
         if len(rows) < 2:
@@ -117,7 +118,9 @@ class HostBlockTable:
         if memo is not None and memo[0] is rows and memo[1] == self._shared_epoch:
             return memo[2]
         answer = self.num_common_prefix_blocks_of_rows(rows)
-        self._common_memo = (rows, self._shared_epoch, answer)
+        # Not for one row repeated: its answer is its length, which fresh blocks change.
+        if answer < self.num_blocks_of_row[rows[0]] or (rows != rows[0]).any():
+            self._common_memo = (rows, self._shared_epoch, answer)
         return answer
 
     def num_common_prefix_blocks_of_rows(self, rows: np.ndarray) -> int:

@@ -227,10 +227,12 @@ class KVCacheManager:
             and num_new_tokens >= 0
             and num_new_computed_tokens >= 0
             and num_lookahead_tokens >= 0
-        ):  # the slow path: numpy integers are fine too, anything else raises
-            _check_count("num_new_tokens", num_new_tokens, req_id)
-            _check_count("num_new_computed_tokens", num_new_computed_tokens, req_id)
-            _check_count("num_lookahead_tokens", num_lookahead_tokens, req_id)
+        ):  # the slow path: numpy integers become ints, anything else raises
+            num_new_tokens = _count("num_new_tokens", num_new_tokens, req_id)
+            num_new_computed_tokens = _count(
+                "num_new_computed_tokens", num_new_computed_tokens, req_id
+            )
+            num_lookahead_tokens = _count("num_lookahead_tokens", num_lookahead_tokens, req_id)
         self._check_prompt_fits(request)
         held = self._blocks.get(req_id, [])
         computed = (
@@ -251,7 +253,7 @@ class KVCacheManager:
             self._blocks[req_id] = []
             self._table.add_row(req_id)
         if computed:  # cache hits leave the free queue before fresh blocks are taken
-            self.pool.touch(computed)
+            self.pool.touch(computed, validate=False)  # validated above
         new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         if computed or new_blocks:
             added = computed + new_blocks
@@ -273,8 +275,12 @@ class KVCacheManager:
         (a step's running requests). Returns False with no state changed when the pool
         cannot fit them all. Fresh blocks go to the requests in order, as the calls one
         by one would hand them out; blocks the new tokens fill enter the prefix cache.
-        Raises ValueError (nothing changed) on a negative count, an unknown request or a
-        request that would pass max_model_len.
+        One difference from the calls one by one: all fresh blocks are taken (evicting
+        their cached hashes) before any block is cached, so a filled block whose hash
+        only an evicted block carried is cached here, where one by one it would have
+        stayed uncached as a duplicate. Raises ValueError (nothing changed) on a negative
+        count, a repeated request id, an unknown request or a request that would pass
+        max_model_len.
         """
         ids = [r.request_id for r in requests]
         counts = list(num_new_tokens)
@@ -283,13 +289,12 @@ class KVCacheManager:
         if not ids:
             return True
         if not (set(map(type, counts)) <= _PLAIN_INT and min(counts) >= 0):
-            for req_id, n in zip(ids, counts, strict=True):
-                _check_count("num_new_tokens", n, req_id)
+            counts = [_count("num_new_tokens", n, r) for r, n in zip(ids, counts, strict=True)]
         held = list(map(self._blocks.get, ids))
         if None in held:
             self._blocks_of(ids[held.index(None)])  # raises UnknownRequestError
-        if len(set(map(id, requests))) != len(ids):
-            raise ValueError("requests must be distinct")
+        if len(set(ids)) != len(ids):
+            raise ValueError("requests: request ids must be distinct")
         totals = [r.num_computed_tokens + n for r, n in zip(requests, counts, strict=True)]
         if max(totals) > self.max_model_len:
             for req_id, num_total in zip(ids, totals, strict=True):
@@ -340,7 +345,7 @@ class KVCacheManager:
         """
         req_id = request if isinstance(request, str) else request.request_id
         blocks = self._blocks_of(req_id)
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks(reversed(blocks), validate=False)  # the request's own
         del self._blocks[req_id]
         del self._num_cached[req_id]
         self._table.release(req_id)
@@ -445,13 +450,16 @@ class KVCacheManager:
             token_ids=request.all_token_ids[num_cached * bs : num_full * bs],
             block_size=bs,
             adapter_id=request.adapter_id,
+            validate=False,  # the request's own blocks, hashes and tokens
         )
         self._num_cached[req_id] = num_full
 
 
-def _check_count(name: str, value, req_id: str) -> None:
+def _count(name: str, value, req_id: str) -> int:
+    """`value` as a Python int (numpy integers included); ValueError unless an int >= 0."""
     if not isinstance(value, _INTEGER_TYPES) or value < 0:
         raise ValueError(f"{name}={value!r} must be an int >= 0 (request {req_id!r})")
+    return int(value)
 
 
 def _check(condition: bool, message: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import operator
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -99,11 +100,9 @@ class Request:
     ) -> None:
         if not isinstance(request_id, str):
             raise ValueError(f"{request_id=} must be a str")
-        prompt = list(map(int, prompt_token_ids))
+        prompt = _token_ids("prompt_token_ids", prompt_token_ids, request_id)
         if not prompt:
             raise ValueError(f"prompt_token_ids of {request_id!r} must not be empty")
-        if min(prompt) < 0:
-            raise ValueError(f"prompt_token_ids of {request_id!r} must be >= 0")
         if sampling_params is None:
             sampling_params = SamplingParams()
         self.request_id = request_id
@@ -143,12 +142,18 @@ class Request:
         return self.sampling_params.max_tokens
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
-        """Appends sampled tokens. Block hashes are extended lazily by the manager."""
-        if type(token_ids) is int:  # one token per request per step: skip the list
+        """Appends sampled tokens. Block hashes are extended lazily by the manager.
+
+        Takes one token (an int or numpy integer) or an iterable of them, each >= 0;
+        raises ValueError otherwise, appending nothing.
+        """
+        if type(token_ids) is int and token_ids >= 0:  # one token per step: skip the list
             self.output_token_ids.append(token_ids)
             self._all_token_ids.append(token_ids)
             return
-        new = [int(token_ids)] if isinstance(token_ids, int) else [int(t) for t in token_ids]
+        if not hasattr(token_ids, "__iter__"):  # one token (an int or numpy integer)
+            token_ids = (token_ids,)
+        new = _token_ids("token_ids", token_ids, self.request_id)
         self.output_token_ids.extend(new)
         self._all_token_ids.extend(new)
 
@@ -184,3 +189,14 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.name}, "
             f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens})"
         )
+
+
+def _token_ids(name: str, token_ids: Iterable[int], request_id: str) -> list[int]:
+    """`token_ids` as a list of Python ints (numpy integers included), each >= 0."""
+    try:
+        ids = list(map(operator.index, token_ids))
+    except TypeError:
+        raise ValueError(f"{name} of {request_id!r} must be ints >= 0, got {token_ids!r}") from None
+    if ids and min(ids) < 0:
+        raise ValueError(f"{name} of {request_id!r} must be >= 0, got {min(ids)}")
+    return ids

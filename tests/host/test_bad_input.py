@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jaxkv import KVCacheManager, UnknownRequestError
@@ -130,3 +131,22 @@ def test_invalid_computed_block_ids(busy, block_ids, match):
 def test_bad_constructor_arguments(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         KVCacheManager(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [np.uint32, np.uint64, np.int8, np.int64])
+def test_numpy_integer_counts_count_as_their_value(dtype):
+    # Unsigned counts must not wrap when negated, small ones must not overflow in sums.
+    def run(count):
+        m = KVCacheManager(40, 4, max_model_len=512)
+        a, b = make_request("a", range(8)), make_request("b", range(20, 28))
+        first = m.allocate_slots(a, count(8))
+        prefill(m, b)
+        b.num_computed_tokens = 100
+        fits = m.allocate_slots_batch([b], [count(100)])  # 200 tokens: 50 blocks, too many
+        b.num_computed_tokens = 8
+        grew = m.allocate_slots_batch([b], [count(120)])  # 128 tokens: 32 blocks
+        m.check_integrity()
+        return first, fits, grew, snapshot(m)
+
+    assert run(dtype) == run(int)
+    assert run(int)[:3] == ([1, 2], False, True)

@@ -79,3 +79,49 @@ def test_integrity_catches_leaked_block():
 
 def test_integrity_error_is_an_assertion_error():
     assert issubclass(IntegrityError, AssertionError)
+
+
+def _pool_state(pool: BlockPool) -> tuple:
+    return (
+        pool.free_block_queue.block_ids(),
+        [b.ref_cnt for b in pool.blocks],
+        {h: b.block_id for h, b in pool.cached_block_hash_to_block.items()},
+    )
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda p: p.touch([p.blocks[3], p.null_block]), "blocks: .*null block"),
+        (lambda p: p.touch([p.blocks[3], KVCacheBlock(3)]), "blocks: .*not of this pool"),
+        (lambda p: p.free_blocks([p.blocks[2], p.blocks[3]]), "ordered_blocks: .*3.*0 holders"),
+        (lambda p: p.free_blocks([p.blocks[2], p.blocks[2]]), "freed 2 times.*1 holders"),
+        (lambda p: p.free_blocks([p.blocks[0]]), "ordered_blocks: .*null block"),
+        (
+            lambda p: p.cache_full_blocks(
+                p.blocks[1:3],
+                [root_hash(7)],
+                parent_block_hash=None,
+                token_ids=[1, 2, 3, 4],
+                block_size=2,
+                adapter_id=None,
+            ),
+            "2 blocks need as many block_hashes \\(got 1\\)",
+        ),
+    ],
+)
+def test_bad_input_raises_and_changes_nothing(call, match):
+    pool = _pool_with_cached_block()  # blocks 1 (cached) and 2 held, 3 and 4 free
+    before = _pool_state(pool)
+    with pytest.raises(ValueError, match=match):
+        call(pool)
+    assert _pool_state(pool) == before
+    pool.check_integrity({1: 1, 2: 1})
+
+
+def test_freeing_a_block_once_per_holder_is_fine():
+    pool = _pool_with_cached_block()
+    pool.touch([pool.blocks[2]])
+    pool.free_blocks([pool.blocks[2], pool.blocks[2]])
+    assert pool.free_block_queue.block_ids() == [3, 4, 2]
+    pool.check_integrity({1: 1})

@@ -225,6 +225,25 @@ def test_events_report_stored_blocks():
     assert m.take_events() == []
 
 
+def test_events_report_only_blocks_stored():
+    # b fills four blocks without a cache lookup; its first duplicates a block that a
+    # already caches, so only the other three are stored, with b's first hash as parent.
+    m = KVCacheManager(16, 2, max_model_len=32, enable_kv_cache_events=True)
+    a = make_request("a", [1, 2, 3])
+    prefill(m, a)
+    m.take_events()
+    b = make_request("b", [1, 2, 9, 9, 5, 6, 8, 8, 0])
+    m.allocate_slots(b, b.num_tokens)
+    hashes = b.update_block_hashes(2)
+    (event,) = m.take_events()
+    assert event == BlockStored(tuple(hashes[1:4]), hashes[0], (9, 9, 5, 6, 8, 8), 2, None)
+    assert m.pool.cached_block_hash_to_block[hashes[0]].block_id == m.block_ids("a")[0]
+    b2 = make_request("b2", b.all_token_ids)
+    m.allocate_slots(b2, b2.num_tokens)
+    assert m.take_events() == []  # every block duplicates one of b's or a's
+    m.check_integrity()
+
+
 def test_events_off_by_default():
     m = _manager()
     prefill(m, make_request("a", range(9)))

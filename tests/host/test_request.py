@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from jaxkv import Request, RequestStatus, SamplingParams
@@ -83,3 +84,17 @@ def test_sampling_params_reject_bad_fields(field, value):
 def test_request_rejects_bad_input(args, match):
     with pytest.raises(ValueError, match=match):
         Request(*args)
+
+
+def test_tokens_may_be_numpy_integers_and_bad_tokens_append_nothing():
+    req = Request("r", np.array([5, 6], np.int64))
+    req.append_output_token_ids(np.int64(7))
+    req.append_output_token_ids(np.array([8, 9], np.uint16))
+    assert list(req.all_token_ids) == [5, 6, 7, 8, 9]
+    assert all(type(t) is int for t in req.all_token_ids)
+    for bad, match in ((-1, ">= 0, got -1"), ([10, -2], ">= 0, got -2"), (1.5, "ints >= 0")):
+        with pytest.raises(ValueError, match=f"token_ids of 'r' must be {match}"):
+            req.append_output_token_ids(bad)
+    assert list(req.all_token_ids) == [5, 6, 7, 8, 9] and req.output_token_ids == [7, 8, 9]
+    with pytest.raises(ValueError, match="prompt_token_ids of 'f' must be ints"):
+        Request("f", [1, 2.5])

@@ -143,6 +143,19 @@ def test_reused_answer_follows_cache_hit_appends_frees_and_reused_ids():
     m.check_integrity()
 
 
+def test_one_id_repeated_follows_its_growth():
+    # One row repeated shares all its blocks with itself, so fresh blocks change the
+    # answer: the reused answer of distinct rows must not apply to it.
+    m = _manager()
+    a = make_request("A", [*X, 5, 6])
+    prefill(m, a)
+    for ids in (["A", "A"], ["A", "A", "A"]):
+        for token in range(6):  # the same list each step, as a reused answer needs
+            assert m.num_common_prefix_blocks(list(ids)) == len(m.block_ids("A"))
+            decode(m, a, 100 + token)
+    m.check_integrity()
+
+
 def test_interner_distinguishes_same_block_after_different_prefixes():
     interner = PrefixInterner()
     r0 = interner.acquire(-1, [7, 2])
