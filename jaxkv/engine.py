@@ -124,7 +124,7 @@ class Engine:
         )
         self.connector.bind(self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed)
         self._sampling: dict[str, tuple[float, int, float, int]] = {}  # req_id -> sampler row
-        self._sampling_memo: tuple | None = None  # (ids, order bytes or None, arrays)
+        self._sampling_memo: tuple | None = None  # (requests, order bytes or None, arrays)
         self._levels_memo: tuple | None = None  # (plan, num tokens, level metadata)
         self._serial = itertools.count()
         self._programs: set[tuple] = set()
@@ -168,7 +168,10 @@ class Engine:
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop} must be < {self.vocab_size=}")
         serial = next(self._serial)
-        request_id = str(serial) if request_id is None else request_id
+        if request_id is None:
+            while str(serial) in self.scheduler.requests:  # a caller took that id
+                serial = next(self._serial)
+            request_id = str(serial)
         request = Request(request_id, ids.tolist(), sampling_params)
         self.scheduler.add_request(request)  # raises on duplicate id or too long a prompt
         seed = (self.config.seed * 0x9E3779B1 + serial) & 0xFFFFFFFF
@@ -236,7 +239,7 @@ class Engine:
         input_ids = gather_input_ids(out.token_ids, out.num_scheduled_tokens, order, md)
         positions = np.zeros(md.max_num_seqs, np.int32)  # of the tokens being sampled
         positions[:n] = num_computed + query_lens
-        sampling = (*self._sampling_rows(out.request_ids, order, md.max_num_seqs), positions)
+        sampling = (*self._sampling_rows(out.requests, order, md.max_num_seqs), positions)
         key = program_key(md)
         new_program = key not in self._programs
         if new_program:
@@ -275,22 +278,23 @@ class Engine:
             self._levels[levels] = self._levels.get(levels, 0) + 1
         return outputs
 
-    def _sampling_rows(self, request_ids: list[str], order: np.ndarray | None, num_rows: int):
+    def _sampling_rows(self, requests: list[Request], order: np.ndarray | None, num_rows: int):
         """Per-row sampling arrays in batch order (`order` None: schedule order); reused
-        while the batch is unchanged."""
+        while the batch holds the same Request objects (a reused id is a new object, so
+        it never inherits another request's parameters)."""
         order_key = None if order is None else order.tobytes()
         memo = self._sampling_memo
         if (
             memo is not None
-            and memo[0] == request_ids
+            and memo[0] == requests  # Request compares by identity
             and memo[1] == order_key
             and memo[2][0].shape[0] == num_rows
         ):
             return memo[2]
-        ordered = request_ids if order is None else [request_ids[i] for i in order.tolist()]
-        rows = [self._sampling[req_id] for req_id in ordered]
+        ordered = requests if order is None else [requests[i] for i in order.tolist()]
+        rows = [self._sampling[r.request_id] for r in ordered]
         arrays = sampling_arrays(rows, num_rows)
-        self._sampling_memo = (request_ids, order_key, arrays)
+        self._sampling_memo = (list(requests), order_key, arrays)
         return arrays
 
     # ----------------------------------------------------------------- driving

@@ -148,6 +148,32 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch():
     )
 
 
+def test_a_reused_id_samples_with_its_own_params():
+    # The second "a" arrives after the first finished, in a batch of the same ids: it
+    # must sample with its own parameters, not the arrays built for the first "a".
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    hot = SamplingParams(max_tokens=12, temperature=1.5, seed=1234)
+    alone = make_engine().generate([prompt], hot, progress=False)[0].output_token_ids
+    engine = make_engine()
+    tokens: dict[str, list[int]] = {}
+    engine.add_request(prompt, SamplingParams(max_tokens=2), request_id="a")
+    while engine.has_unfinished_requests():
+        _collect(engine, tokens, engine.step())
+    assert tokens.pop("a") == dense_greedy([prompt], 2)[0]
+    engine.add_request(prompt, hot, request_id="a")
+    while engine.has_unfinished_requests():
+        _collect(engine, tokens, engine.step())
+    assert tuple(tokens["a"]) == tuple(alone)
+
+
+def test_generated_ids_skip_ids_callers_chose():
+    engine = make_engine()
+    ids = [engine.add_request([1, 2], request_id="1"), engine.add_request([3, 4])]
+    ids.append(engine.add_request([5, 6]))
+    assert ids[0] == "1" and len(set(ids)) == 3
+    assert sorted(engine.scheduler.requests) == sorted(ids)
+
+
 def test_generate_with_progress_bar_returns_outputs_in_prompt_order(capsys):
     prompts = prompts_for("none", seed=4)[:3]
     lengths = [5, 2, 4]
