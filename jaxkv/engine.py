@@ -149,7 +149,8 @@ class Engine:
     ) -> str:
         """Queues a request; returns its id. Raises ValueError (nothing queued) when the
         prompt is empty, not 1-D integers, holds ids outside [0, vocab_size), leaves no
-        room for output within max_model_len, or the params or id are invalid."""
+        room for output within max_model_len, could not fit the whole KV cache, or the
+        params or id are invalid."""
         ids = np.asarray(prompt_token_ids)
         if ids.ndim != 1 or ids.size == 0:
             raise ValueError(f"prompt_token_ids must be a non-empty 1-D sequence, got {ids.shape=}")

@@ -10,9 +10,11 @@ host, never inside jit:
   call. The step loop never waits on a copy.
 - on_admission(request, num_computed_tokens) -> tokens: a waiting request missed the
   device prefix cache after `num_computed_tokens`; the connector says how many further
-  prompt tokens (whole blocks) it can supply. The scheduler then allocates blocks for
-  them and calls start_load(request, block_ids); the request waits in
-  WAITING_FOR_REMOTE_KV, holding those blocks, until poll() reports the load.
+  prompt tokens (whole blocks) it can supply. The scheduler then sets the request's
+  num_computed_tokens to that point, allocates blocks for the rest of its prompt, and
+  calls start_load(request, block_ids) with the blocks for the supplied tokens; the
+  request waits in WAITING_FOR_REMOTE_KV, holding its blocks, until poll() reports the
+  load. A claim is a promise for this call only: no state is kept between the two.
 
 Device access goes through a KVCopier (implemented next to the engine, which owns the
 caches); this module imports no JAX, so connectors are testable with a fake copier.
@@ -140,7 +142,6 @@ class HostOffloadConnector(KVConnector):
         self._saves: dict[str, _Transfer] = {}
         self._loads: dict[str, _Transfer] = {}
         self._saving: set[BlockHash] = set()  # hashes with a save in flight
-        self._claims: dict[str, list[BlockHash]] = {}  # req_id -> hashes on_admission found
         self._step = 0
         self._stats = TransferStats()
 
@@ -179,31 +180,35 @@ class HostOffloadConnector(KVConnector):
         """Whole blocks after `num_computed_tokens` found in the store, in tokens.
 
         Never covers the request's last token (its logits must be computed). Changes no
-        state except remembering the claim for start_load.
+        state.
         """
-        self._claims.pop(request.request_id, None)
         if not self._store or num_computed_tokens % self._block_size:
             return 0
         hashes = request.update_block_hashes(self._block_size, self._hash_seed)
         first = num_computed_tokens // self._block_size
         last = (request.num_tokens - 1) // self._block_size
-        found = []
+        num_found = 0
         for h in hashes[first:last]:
             if h not in self._store:
                 break
-            found.append(h)
-        if found:
-            self._claims[request.request_id] = found
-        return len(found) * self._block_size
+            num_found += 1
+        return num_found * self._block_size
 
     def start_load(self, request: Request, block_ids: Sequence[int]) -> None:
+        """Loads the stored blocks that follow request.num_computed_tokens into
+        `block_ids`. Raises ValueError (nothing started) unless the store holds them all,
+        as on_admission promised just before."""
         req_id = request.request_id
-        hashes = self._claims.pop(req_id, None)
-        if hashes is None or len(hashes) != len(block_ids):
+        first, rem = divmod(request.num_computed_tokens, self._block_size)
+        hashes = request.update_block_hashes(self._block_size, self._hash_seed)
+        hashes = hashes[first : first + len(block_ids)]
+        if rem or not block_ids or len(hashes) != len(block_ids):
             raise ValueError(
-                f"start_load({req_id!r}): {len(block_ids)} blocks given, claim covers "
-                f"{0 if hashes is None else len(hashes)}"
+                f"start_load({req_id!r}): {len(block_ids)} block_ids do not cover whole "
+                f"prompt blocks after {request.num_computed_tokens} computed tokens"
             )
+        if not all(h in self._store for h in hashes):
+            raise ValueError(f"start_load({req_id!r}): the store no longer holds those blocks")
         data = np.stack([self._store[h] for h in hashes])
         for h in hashes:
             self._store.move_to_end(h)

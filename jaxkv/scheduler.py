@@ -5,9 +5,17 @@ schedules running requests (oldest first) and then waiting ones, under a token b
 and a cap on running requests. Prompts are split into chunks when the budget is short
 (chunked prefill). When blocks run out, the most recently admitted running request is
 preempted by recompute: it gives all its blocks back and resumes later from scratch
-(its prefix-cache hits make that cheap). update_from_output() applies the sampled
-tokens, stops requests, and either frees a finished request's blocks or hands them to
-the KV connector, which may keep them held until an asynchronous save lands.
+(its prefix-cache hits make that cheap). A waiting request whose KV the connector can
+supply gets blocks for all its tokens and waits for the load; once it lands it needs no
+further block, so it is admitted even behind a request that cannot get its blocks.
+update_from_output() applies the sampled tokens, stops requests, and either frees a
+finished request's blocks or hands them to the KV connector, which may keep them held
+until an asynchronous save lands.
+
+Liveness: add_request refuses a request the whole pool could not hold, and blocks are
+held only by running requests (which finish or are preempted), by copies in flight
+(which land) and by landed loads (admitted without a new block), so every accepted
+request finishes (tests/host/test_scheduler_liveness.py).
 """
 
 from __future__ import annotations
@@ -66,11 +74,16 @@ class Scheduler:
         # another pass over the requests. Consumed by the next schedule() (which alone
         # admits and preempts); abort of a running request drops it.
         self._decode_carry: DecodeCarry | None = None
+        self._unapplied: SchedulerOutput | None = None  # the latest schedule()'s, until applied
 
     # ---------------------------------------------------------------- requests
 
     def add_request(self, request: Request) -> None:
-        """Queues a new request (status WAITING). Raises ValueError on a duplicate id."""
+        """Queues a new request (status WAITING).
+
+        Raises ValueError (nothing queued) on an id in use, a request not new, a prompt
+        that leaves no room for output, or one that the whole pool could not hold.
+        """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
@@ -79,6 +92,15 @@ class Scheduler:
             raise ValueError(
                 f"request {request.request_id!r}: {request.num_tokens} prompt tokens leave no "
                 f"room for output within {self.config.max_model_len=}"
+            )
+        # A request the whole pool cannot hold would preempt itself and wait forever.
+        max_len = min(request.num_tokens + request.max_tokens, self.config.max_model_len)
+        num_blocks = -(-max_len // self.manager.block_size)
+        if num_blocks >= self.manager.pool.num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r}: up to {max_len} tokens (prompt plus "
+                f"max_tokens, at most max_model_len) need {num_blocks} blocks of "
+                f"{self.manager.block_size}; the pool has {self.manager.pool.num_blocks - 1}"
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -131,13 +153,15 @@ class Scheduler:
             self._admit_waiting(budget, batch)
 
         finished, self._finished_ids = tuple(self._finished_ids), []
-        return batch.output(tuple(preempted), finished)
+        self._unapplied = batch.output(tuple(preempted), finished)
+        return self._unapplied
 
     def _needs_manager(self, computed: int, n: int) -> bool:
         """Whether `n` more tokens after `computed` need a block or a prefix-cache entry.
 
-        A running request holds exactly ceil(computed / block_size) blocks (every
-        allocation is exact), so tokens that stay inside its partly filled last block
+        A running request holds ceil(computed / block_size) blocks (every allocation is
+        exact; only a request whose KV load landed holds blocks for all its tokens until
+        they are computed), so tokens that stay inside its partly filled last block
         need nothing; tokens that exactly fill it need the manager only to cache it.
         """
         bs = self.manager.block_size
@@ -233,15 +257,23 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, batch: StepBatch) -> int:
+        """Admits waiting requests in order until one cannot get its blocks; behind that
+        one only requests whose loads landed (holding blocks for all their tokens) are
+        admitted: they need no block, and only running frees what they hold."""
         skipped: list[Request] = []
+        blocked = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV or (
+                blocked and not request.num_computed_tokens
+            ):
                 skipped.append(self.waiting.popleft())
                 continue
             n = self._allocate_for_admission(request, budget)
             if n is None:
-                break
+                blocked = True
+                skipped.append(self.waiting.popleft())
+                continue
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 skipped.append(request)
@@ -270,20 +302,22 @@ class Scheduler:
         hit_ids, num_hit = m.get_computed_blocks(request)
         num_external = self.connector.on_admission(request, num_hit)
         if num_external:
-            # The loaded blocks are allocated as lookahead so they enter the prefix cache
-            # only once the load has landed and the request is scheduled.
+            # Blocks for all its tokens, as lookahead: the loaded ones enter the prefix
+            # cache only once the load has landed and the request is scheduled, and once
+            # landed the request needs no further block to be admitted (so requests
+            # holding landed loads can always run and release their blocks).
             new_ids = m.allocate_slots(
                 request,
                 0,
                 num_new_computed_tokens=num_hit,
                 new_computed_blocks=hit_ids,
-                num_lookahead_tokens=num_external,
+                num_lookahead_tokens=request.num_tokens - num_hit,
             )
             if new_ids is None:
                 return None
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-            self.connector.start_load(request, new_ids)
+            self.connector.start_load(request, new_ids[: num_external // m.block_size])
             self._loading[request.request_id] = num_hit + num_external
             return 0
         n = self._chunk(request.num_tokens - num_hit, budget)
@@ -324,13 +358,26 @@ class Scheduler:
         A request whose prompt is still partly uncomputed (a prefill chunk) discards its
         sampled token. Returns one RequestOutput per request that got a token, in
         schedule order. Finished requests leave `running`; their blocks are freed or,
-        if the connector keeps them, held in `transferring`.
+        if the connector keeps them, held in `transferring`. Raises ValueError (nothing
+        changed) unless `output` is the latest schedule()'s and not yet applied, and
+        `sampled_token_ids` holds one integer >= 0 per scheduled request.
         """
-        if len(sampled_token_ids) != output.num_requests:
+        if output is not self._unapplied:
             raise ValueError(
-                f"{len(sampled_token_ids)=} must equal the {output.num_requests} scheduled"
+                "output: not the latest schedule() call's SchedulerOutput, or already applied"
             )
-        tokens = np.asarray(sampled_token_ids).tolist()
+        tokens = np.asarray(sampled_token_ids)
+        if tokens.shape != (output.num_requests,) or (
+            tokens.size and tokens.dtype.kind not in "iu"
+        ):
+            raise ValueError(
+                f"sampled_token_ids: {tokens.shape} {tokens.dtype} must be integers of shape "
+                f"({output.num_requests},), one per scheduled request"
+            )
+        tokens = tokens.tolist()
+        if tokens and min(tokens) < 0:
+            raise ValueError(f"sampled_token_ids: {min(tokens)} must be >= 0")
+        self._unapplied = None
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
         max_len = self.config.max_model_len

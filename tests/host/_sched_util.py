@@ -137,13 +137,22 @@ def step(sched: Scheduler, copier: FakeCopier | None = None):
             out.requests, out.num_scheduled_tokens, out.num_computed_tokens, strict=True
         ):
             ids = sched.manager.block_ids(req.request_id)
+            pos = np.arange(start)  # computed (or loaded, or cache-hit) KV must be its own
+            kv = copier.device[np.asarray(ids, np.int64)[pos // bs], pos % bs]
+            expected = 1000 * pos + np.asarray(req.all_token_ids[:start])
+            assert np.array_equal(kv, expected), f"{req.request_id}: wrong KV before this step"
             for pos in range(start, start + n):
                 copier.device[ids[pos // bs], pos % bs] = 1000 * pos + req.all_token_ids[pos]
     results = sched.update_from_output(out, [token_of(r) for r in out.requests])
     sched.manager.check_integrity()
     bs = sched.manager.block_size
-    for r in sched.running:  # the invariant the scheduler's decode fast path relies on
-        assert len(sched.manager.block_ids(r.request_id)) == -(-r.num_computed_tokens // bs)
+    sampled = {o.request_id for o in results}
+    for r in sched.running:  # the invariant the scheduler's decode carry relies on
+        held, needed = len(sched.manager.block_ids(r.request_id)), -(-r.num_computed_tokens // bs)
+        if r.request_id in sampled:  # all its tokens are computed
+            assert held == needed, r
+        else:  # a landed load holds blocks for all its tokens until they are computed
+            assert needed <= held <= max(needed, -(-r.num_tokens // bs)), r
     return out, results
 
 

@@ -76,8 +76,9 @@ def test_device_cache_miss_reloads_from_host_with_the_computed_kv():
     b = add(sched, "b", prompt, max_tokens=3)
     out, _ = step(sched, copier)
     assert out.num_requests == 0 and b.status == RequestStatus.WAITING_FOR_REMOTE_KV
-    ids = sched.manager.block_ids("b")
-    assert len(ids) == 3 and copier.loaded_block_ids == [ids]
+    ids = sched.manager.block_ids("b")  # the whole prompt's blocks; the first 3 load
+    assert len(ids) == 4 and copier.loaded_block_ids == [ids[:3]]
+    ids = ids[:3]
     step(sched, copier)
     assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV  # delay: still loading
     out, _ = step(sched, copier)
@@ -88,6 +89,41 @@ def test_device_cache_miss_reloads_from_host_with_the_computed_kv():
     assert conn.stats.bytes_reloaded == 3 * copier.bytes_per_block
     assert conn.stats.num_loaded_tokens == 12
     assert sched.manager.num_free_blocks == 63
+
+
+def test_landed_loads_cannot_deadlock_a_small_pool():
+    # 8 usable blocks; a and b each need 6 and both find 3 blocks in the host store. If
+    # both loads started holding only the loaded blocks, neither could get the rest of
+    # its prompt once they landed, and with nothing running nothing would free a block.
+    sched, conn, copier = setup(num_blocks=9, max_model_len=32, enable_prefix_caching=False)
+    shared = list(range(1, 13))
+    add(sched, "r0", [*shared, 99], max_tokens=1)
+    run_until_idle(sched, copier)
+    assert conn.stats.num_stored_blocks == 3
+    a = add(sched, "a", [*shared, *range(20, 29)], max_tokens=4)
+    b = add(sched, "b", [*shared, *range(40, 49)], max_tokens=4)
+    assert run_until_idle(sched, copier, max_steps=60) == {"a": "length", "b": "length"}
+    assert conn.stats.num_loads >= 1 and sched.manager.num_free_blocks == 8
+    plain = make_scheduler(num_blocks=64, block_size=BS, max_model_len=32)
+    a2 = add(plain, "a", a.prompt_token_ids, max_tokens=4)
+    b2 = add(plain, "b", b.prompt_token_ids, max_tokens=4)
+    run_until_idle(plain)
+    assert (a.output_token_ids, b.output_token_ids) == (a2.output_token_ids, b2.output_token_ids)
+
+
+def test_start_load_refuses_blocks_the_store_does_not_hold():
+    sched, conn, copier = setup()
+    prompt = list(range(1, 15))
+    add(sched, "a", prompt, max_tokens=1)
+    run_until_idle(sched, copier)
+    b = add(sched, "b", prompt, max_tokens=1)
+    assert conn.on_admission(b, 0) == 12
+    with pytest.raises(ValueError, match="4 block_ids do not cover whole prompt blocks"):
+        conn.start_load(b, [5, 6, 7, 8])  # the 4th block holds the last prompt tokens
+    c = add(sched, "c", [50, *prompt[1:]], max_tokens=1)
+    with pytest.raises(ValueError, match="no longer holds"):
+        conn.start_load(c, [5])
+    assert copier.loaded_block_ids == [] and not conn.has_pending()
 
 
 def test_claim_never_covers_the_last_prompt_token():

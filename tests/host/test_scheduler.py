@@ -166,8 +166,53 @@ def test_add_request_rejects_duplicates_and_prompts_without_room():
     assert out.request_ids == ["a"]
 
 
+def test_a_request_the_pool_cannot_hold_is_refused_and_one_it_can_finishes():
+    # 4 usable blocks of 4 tokens: 16 tokens of KV. Without the check, a 17-token request
+    # would preempt itself when it outgrew the pool and then wait forever.
+    sched = make_scheduler(num_blocks=5, max_num_batched_tokens=32, max_model_len=32)
+    with pytest.raises(ValueError, match="'big': up to 17 tokens .* 5 blocks of 4; the pool has 4"):
+        add(sched, "big", range(1, 9), max_tokens=9)
+    assert not sched.requests and not sched.waiting
+    fits = [add(sched, f"r{i}", range(10 * i + 1, 10 * i + 9), max_tokens=8) for i in range(2)]
+    assert run_until_idle(sched) == {"r0": "length", "r1": "length"}
+    assert [r.num_output_tokens for r in fits] == [8, 8] and sched.stats.num_preemptions > 0
+    assert sched.manager.num_free_blocks == 4
+
+
+def test_update_refuses_a_stale_output_or_bad_tokens_and_changes_nothing():
+    sched = make_scheduler()
+    a, b = add(sched, "a", range(1, 6), max_tokens=5), add(sched, "b", range(1, 7), max_tokens=5)
+    first = sched.schedule()
+
+    def state():
+        return [(r.num_computed_tokens, list(r.output_token_ids)) for r in (a, b)], {
+            r: sched.manager.block_ids(r) for r in ("a", "b")
+        }
+
+    before = state()
+    for bad, match in [
+        (np.array([7.0, 8.0]), "float64 must be integers of shape \\(2,\\)"),
+        ([[7, 8]], "\\(1, 2\\) int64"),
+        ([7], "shape \\(2,\\)"),
+        ([7, -8], "-8 must be >= 0"),
+    ]:
+        with pytest.raises(ValueError, match=f"sampled_token_ids: .*{match}"):
+            sched.update_from_output(first, bad)
+        assert state() == before
+    sched.update_from_output(first, [7, 8])
+    after = state()
+    with pytest.raises(ValueError, match="output: .*already applied"):
+        sched.update_from_output(first, [9, 10])
+    assert state() == after
+    older, newer = sched.schedule(), sched.schedule()
+    with pytest.raises(ValueError, match="not the latest schedule"):
+        sched.update_from_output(older, [9, 10])
+    sched.update_from_output(newer, [9, 10])
+    assert [r.output_token_ids for r in (a, b)] == [[7, 9], [8, 10]]
+
+
 def test_abort_from_waiting_running_and_preempted_frees_blocks():
-    sched = make_scheduler(num_blocks=6, max_num_batched_tokens=32, max_model_len=32)
+    sched = make_scheduler(num_blocks=8, max_num_batched_tokens=32, max_model_len=32)
     add(sched, "run", range(1, 9), max_tokens=20)
     add(sched, "late", range(20, 28), max_tokens=20)
     step(sched)
@@ -184,7 +229,7 @@ def test_abort_from_waiting_running_and_preempted_frees_blocks():
     assert not sched.abort("run") and not sched.abort("nope")
     assert not sched.has_unfinished_requests()
     sched.manager.check_integrity()
-    assert sched.manager.num_free_blocks == 5
+    assert sched.manager.num_free_blocks == 7
 
 
 def test_finished_requests_hold_blocks_while_saving_and_planning_ignores_them():
