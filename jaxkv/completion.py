@@ -20,6 +20,8 @@ class StepDriver(Protocol):
 
     def has_unfinished_requests(self) -> bool: ...
 
+    def abort(self, request_id: str) -> bool: ...
+
 
 def run_to_completion(
     driver: StepDriver,
@@ -31,8 +33,9 @@ def run_to_completion(
     """One CompletionOutput per prompt, in order.
 
     `sampling_params` is one for all prompts or a sequence of one per prompt. Prompts are
-    queued in order; one that fails validation raises ValueError and the ones before it
-    stay queued. Other requests the driver holds progress too; their outputs are dropped.
+    queued in order; one that fails validation raises ValueError after the ones before
+    it are aborted again (none has run). Other requests the driver holds progress too;
+    their outputs are dropped.
     `progress_bar` (tqdm-like, optional) is advanced once per finished prompt and closed.
     """
     if sampling_params is None or not isinstance(sampling_params, Sequence):
@@ -41,7 +44,16 @@ def run_to_completion(
         params_list = list(sampling_params)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)=} sampling params for {len(prompts)=}")
-    ids = [driver.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+    ids: list[str] = []
+    try:
+        for p, sp in zip(prompts, params_list, strict=True):
+            ids.append(driver.add_request(p, sp))
+    except ValueError:
+        for rid in ids:
+            driver.abort(rid)
+        if progress_bar is not None:
+            progress_bar.close()
+        raise
     index = {rid: i for i, rid in enumerate(ids)}
     tokens: list[list[int]] = [[] for _ in ids]
     reasons: list[str | None] = [None] * len(ids)

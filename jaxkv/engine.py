@@ -322,9 +322,9 @@ class Engine:
     ) -> list[CompletionOutput]:
         """Runs `prompts` to completion; one CompletionOutput per prompt, in order.
 
-        Prompts are queued in order; one that fails validation raises ValueError and the
-        ones before it stay queued. Requests already in the engine progress too; their
-        outputs are not returned.
+        Prompts are queued in order; one that fails validation raises ValueError after
+        the ones before it are aborted again (none has run). Requests already in the
+        engine progress too; their outputs are not returned.
         """
         bar = _progress_bar(len(prompts)) if progress else None
         return run_to_completion(self, prompts, sampling_params, progress_bar=bar)

@@ -166,6 +166,16 @@ def test_a_reused_id_samples_with_its_own_params():
     assert tuple(tokens["a"]) == tuple(alone)
 
 
+def test_generate_with_a_bad_prompt_queues_nothing():
+    engine = make_engine()
+    with pytest.raises(ValueError, match=r"\[0, 256\)"):
+        engine.generate([[1, 2, 3], [4, 5], [1, VOCAB]], SamplingParams(max_tokens=2))
+    assert not engine.scheduler.requests and not engine.has_unfinished_requests()
+    assert not engine._sampling
+    outs = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), progress=False)
+    assert [list(o.output_token_ids) for o in outs] == dense_greedy([[1, 2, 3]], 2)
+
+
 def test_generated_ids_skip_ids_callers_chose():
     engine = make_engine()
     ids = [engine.add_request([1, 2], request_id="1"), engine.add_request([3, 4])]
