@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import numbers
 import operator
 import time
 from collections.abc import Iterable, Sequence
@@ -47,19 +48,26 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        """Checks every field; integers (numpy ones too) are stored as Python ints."""
+        max_tokens, top_k = _int_or_none(self.max_tokens), _int_or_none(self.top_k)
+        if max_tokens is None or max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1")
-        if not self.temperature >= 0.0:
+        if not _is_real(self.temperature) or not self.temperature >= 0.0:
             raise ValueError(f"temperature={self.temperature!r} must be >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if top_k is None or top_k < 0:
             raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 = off)")
-        if not 0.0 < self.top_p <= 1.0:
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
+        seed = None if self.seed is None else _int_or_none(self.seed)
+        if self.seed is not None and seed is None:
             raise ValueError(f"seed={self.seed!r} must be None or an int")
-        stop = tuple(self.stop_token_ids)
-        if any(not isinstance(t, int) or t < 0 for t in stop):
+        stop = tuple(map(_int_or_none, self.stop_token_ids))
+        if any(t is None or t < 0 for t in stop):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be ints >= 0")
+        for name, value in (("max_tokens", max_tokens), ("top_k", top_k), ("seed", seed)):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "stop_token_ids", stop)
 
 
@@ -200,3 +208,18 @@ def _token_ids(name: str, token_ids: Iterable[int], request_id: str) -> list[int
     if ids and min(ids) < 0:
         raise ValueError(f"{name} of {request_id!r} must be >= 0, got {min(ids)}")
     return ids
+
+
+def _int_or_none(value) -> int | None:
+    """`value` as a Python int if it is an integer (numpy ones too; bool is not), else None."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:  # e.g. a numpy array of more than one element
+        return None
+
+
+def _is_real(value) -> bool:
+    """A real number (int, float, numpy scalar), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

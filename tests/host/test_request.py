@@ -70,11 +70,30 @@ def test_sampling_params_defaults_and_frozen():
         ("top_p", 1.5),
         ("seed", 1.5),
         ("stop_token_ids", (-1,)),
+        ("max_tokens", True),
+        ("temperature", "hot"),
+        ("top_p", None),
+        ("stop_token_ids", (1.0,)),
     ],
 )
 def test_sampling_params_reject_bad_fields(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_sampling_params_take_numpy_numbers_as_python_ones():
+    p = SamplingParams(
+        max_tokens=np.int64(5),
+        temperature=np.float32(0.5),
+        top_k=np.uint8(3),
+        top_p=np.float64(0.9),
+        seed=np.int32(7),
+        stop_token_ids=np.array([1, 2]),
+    )
+    assert p == SamplingParams(
+        max_tokens=5, temperature=0.5, top_k=3, top_p=0.9, seed=7, stop_token_ids=(1, 2)
+    )
+    assert all(type(v) is int for v in (p.max_tokens, p.top_k, p.seed, *p.stop_token_ids))
 
 
 @pytest.mark.parametrize(
