@@ -67,6 +67,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.transferring: dict[str, Request] = {}  # finished or aborted, blocks held
         self._loading: dict[str, int] = {}  # req_id -> computed tokens once its load lands
+        self._landed: dict[str, None] = {}  # waiting requests whose load landed, in order
         self._finished_ids: list[str] = []
         self._stats = SchedulerStats()
         # Left by update_from_output when every running request is decoding (one token
@@ -120,6 +121,7 @@ class Scheduler:
             self._decode_carry = None
         else:
             self.waiting.remove(request)
+            self._landed.pop(request_id, None)
         loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
         request.status = RequestStatus.FINISHED_ABORTED
         if loading:
@@ -257,33 +259,51 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, batch: StepBatch) -> int:
-        """Admits waiting requests in order until one cannot get its blocks; behind that
-        one only requests whose loads landed (holding blocks for all their tokens) are
-        admitted: they need no block, and only running frees what they hold."""
+        """Admits waiting requests in order until one cannot get its blocks; then only
+        requests whose loads landed (holding blocks for all their tokens) are admitted:
+        they need no block, and only running frees what they hold."""
         skipped: list[Request] = []
         blocked = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV or (
-                blocked and not request.num_computed_tokens
-            ):
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 skipped.append(self.waiting.popleft())
                 continue
             n = self._allocate_for_admission(request, budget)
             if n is None:
                 blocked = True
-                skipped.append(self.waiting.popleft())
-                continue
+                break
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 skipped.append(request)
                 continue
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            batch.add(request, n)
+            self._start_running(request, n, batch)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
+        if blocked and self._landed:
+            budget = self._admit_landed(budget, batch)
         return budget
+
+    def _admit_landed(self, budget: int, batch: StepBatch) -> int:
+        """Admits waiting requests whose loads landed, in landing order (out of queue order)."""
+        for req_id in list(self._landed):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.requests[req_id]
+            n = self._allocate_for_admission(request, budget)
+            if n is None:
+                continue
+            self.waiting.remove(request)
+            self._start_running(request, n, batch)
+            budget -= n
+        return budget
+
+    def _start_running(self, request: Request, n: int, batch: StepBatch) -> None:
+        """Moves an admitted waiting request to running with `n` tokens this step."""
+        self._landed.pop(request.request_id, None)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        batch.add(request, n)
 
     def _allocate_for_admission(self, request: Request, budget: int) -> int | None:
         """Allocates a waiting request's blocks; returns its tokens this step, or None.
@@ -461,6 +481,7 @@ class Scheduler:
             request = self.requests[req_id]
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.WAITING
+            self._landed[req_id] = None
         for req_id in events.failed_loads:
             del self._loading[req_id]
             request = self.transferring.pop(req_id, None)

@@ -111,6 +111,26 @@ def test_landed_loads_cannot_deadlock_a_small_pool():
     assert (a.output_token_ids, b.output_token_ids) == (a2.output_token_ids, b2.output_token_ids)
 
 
+def test_a_landed_load_runs_while_the_head_of_the_queue_cannot_get_blocks():
+    # R fills the pool with x's load; when R outgrows it, R preempts itself and heads
+    # the queue needing 5 blocks while x's landed load holds 4 of the 8. x needs no new
+    # block, so it runs and frees them; stopping at R would leave nothing running.
+    sched, conn, copier = setup(num_blocks=9, max_model_len=32, enable_prefix_caching=False)
+    shared = list(range(1, 13))
+    add(sched, "r0", [*shared, 99], max_tokens=1)
+    run_until_idle(sched, copier)
+    r = add(sched, "R", range(40, 56), max_tokens=12)
+    x = add(sched, "x", [*shared, 7, 7, 7, 7], max_tokens=2)
+    step(sched, copier)
+    out, _ = step(sched, copier)
+    assert out.preempted_request_ids == ("R",) and x.status == RequestStatus.WAITING
+    out, _ = step(sched, copier)
+    assert out.request_ids == ["x"] and out.num_computed_tokens.tolist() == [12]
+    assert [q.request_id for q in sched.waiting] == ["R"]
+    assert run_until_idle(sched, copier) == {"x": "length", "R": "length"}
+    assert r.num_output_tokens == 12 and sched.manager.num_free_blocks == 8
+
+
 def test_start_load_refuses_blocks_the_store_does_not_hold():
     sched, conn, copier = setup()
     prompt = list(range(1, 15))
