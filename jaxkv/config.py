@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxkv.buckets import BucketConfig
+from jaxkv.hashing import root_hash
 
 _KV_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -37,6 +38,7 @@ class CacheConfig:
             raise ValueError(f"{self.num_blocks=} must be >= 2 (block 0 is the null block)")
         if self.kv_dtype is not None and self.kv_dtype not in _KV_DTYPES:
             raise ValueError(f"{self.kv_dtype=} must be None or one of {_KV_DTYPES}")
+        root_hash(self.hash_seed)  # raises ValueError unless an int that fits in 64 bits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +101,12 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cache, CacheConfig):
+            raise ValueError(f"cache={self.cache!r} must be a CacheConfig")
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise ValueError(f"scheduler={self.scheduler!r} must be a SchedulerConfig")
+        if type(self.seed) is not int:
+            raise ValueError(f"seed={self.seed!r} must be an int")
         if self.backend not in (None, "xla", "pallas_tpu", "pallas_gpu"):
             raise ValueError(f"{self.backend=} must be None, 'xla', 'pallas_tpu' or 'pallas_gpu'")
         _positive_int(

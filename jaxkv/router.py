@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from jaxkv.completion import run_to_completion
-from jaxkv.hashing import BlockHash, extend_block_hashes
+from jaxkv.hashing import BlockHash, extend_block_hashes, root_hash
 from jaxkv.outputs import CompletionOutput, RequestOutput
 
 
@@ -83,6 +83,7 @@ class PrefixAwareRouter:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         if max_imbalance is not None and (not isinstance(max_imbalance, int) or max_imbalance < 0):
             raise ValueError(f"{max_imbalance=} must be None or an int >= 0")
+        root_hash(hash_seed)  # raises ValueError unless an int that fits in 64 bits
         self.replicas = list(replicas)
         self.block_size = block_size
         self.max_prefix_blocks = max_prefix_blocks
@@ -152,7 +153,10 @@ class PrefixAwareRouter:
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
             raise ValueError(f"prompt_token_ids must be a 1-D sequence of ints, got {ids.shape=}")
         prompt = ids.tolist()
-        request_id = f"dp-{next(self._serial)}" if request_id is None else request_id
+        if request_id is None:
+            request_id = f"dp-{next(self._serial)}"
+            while request_id in self._replica_of:  # a caller took that id
+                request_id = f"dp-{next(self._serial)}"
         if request_id in self._replica_of:
             raise ValueError(f"{request_id=} is already running")
         hashes = self._prefix_hashes(prompt)

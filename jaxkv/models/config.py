@@ -58,6 +58,10 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from to_dict() / JSON
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if type(value) is not int:
+                raise ValueError(f"{name}={value!r} must be an int")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
@@ -162,11 +166,28 @@ class LlamaConfig:
     # Presets.
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
-        """A named preset (`tiny`, `llama3_2_1b`, `llama3_8b`), optionally with overrides."""
+        """A named preset (`tiny`, `llama3_2_1b`, `llama3_8b`), optionally with overrides.
+
+        Overriding hidden_size or num_heads without head_dim derives head_dim again
+        (hidden_size // num_heads), as building the config from those fields would.
+        """
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+        if ("hidden_size" in overrides or "num_heads" in overrides) and "head_dim" not in overrides:
+            overrides = {**overrides, "head_dim": 0}
         return dataclasses.replace(PRESETS[name], **overrides)
 
+
+_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
 
 PRESETS: dict[str, LlamaConfig] = {
     # Byte-level toy that trains on two CPU cores in minutes (vocab: 256 bytes + 3 specials).

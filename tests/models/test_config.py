@@ -42,11 +42,22 @@ def test_big_presets_build_abstractly_with_the_config_shapes(name):
         (dict(vocab_size=0), "vocab_size"),
         (dict(dtype="int8"), "dtype"),
         (dict(rms_norm_eps=0.0), "rms_norm_eps"),
+        (dict(num_layers=2.0), "num_layers=2.0 must be an int"),
+        (dict(hidden_size=True), "hidden_size=True must be an int"),
     ],
 )
 def test_invalid_configs_raise(overrides, match):
     with pytest.raises(ValueError, match=match):
         small_config(**overrides)
+
+
+def test_preset_overrides_derive_head_dim_again():
+    wide = LlamaConfig.preset("tiny", hidden_size=256)
+    assert wide.head_dim == 64 == LlamaConfig(**{**wide.to_dict(), "head_dim": 0}).head_dim
+    assert LlamaConfig.preset("tiny", num_heads=8, num_kv_heads=2).head_dim == 16
+    assert LlamaConfig.preset("tiny", hidden_size=256, head_dim=32).head_dim == 32
+    with pytest.raises(ValueError, match="hidden_size=130 must be a multiple"):
+        LlamaConfig.preset("tiny", hidden_size=130)
 
 
 def test_config_round_trips_through_dict_and_hf_dict():

@@ -184,8 +184,19 @@ def test_bad_input_leaves_the_router_unchanged():
         router.add_request([])
     assert router.num_outstanding == (1, 0)
     assert sum(len(r.prompts) for r in replicas) == 1
-    for kwargs in ({"block_size": 0}, {"block_size": 4, "max_imbalance": -1}):
+    for kwargs in (
+        {"block_size": 0},
+        {"block_size": 4, "max_imbalance": -1},
+        {"block_size": 4, "hash_seed": 2**64},
+    ):
         with pytest.raises(ValueError):
             PrefixAwareRouter(replicas, **kwargs)
     with pytest.raises(ValueError, match="empty"):
         PrefixAwareRouter([], block_size=4)
+
+
+def test_generated_ids_skip_ids_callers_chose():
+    router, _ = make_router(2)
+    ids = [router.add_request([1, 2], request_id="dp-1"), router.add_request([3, 4])]
+    ids.append(router.add_request([5, 6]))
+    assert ids[0] == "dp-1" and len(set(ids)) == 3 and sum(router.num_outstanding) == 3

@@ -1,0 +1,46 @@
+"""Engine configs refuse bad fields on construction, naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: CacheConfig(num_blocks=1), "num_blocks"),
+        (lambda: CacheConfig(block_size=0), "block_size=0"),
+        (lambda: CacheConfig(block_size=True), "block_size=True"),
+        (lambda: CacheConfig(kv_dtype="int8"), "kv_dtype"),
+        (lambda: CacheConfig(hash_seed=2**64), "fits in 64 bits"),
+        (lambda: CacheConfig(hash_seed="0"), "seed='0'"),
+        (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs=0"),
+        (lambda: SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=16), "max_num_seqs"),
+        (
+            lambda: SchedulerConfig(max_num_batched_tokens=64, enable_chunked_prefill=False),
+            "without chunked prefill",
+        ),
+        (lambda: EngineConfig(backend="cuda"), "backend"),
+        (lambda: EngineConfig(min_pages_bucket=0), "min_pages_bucket=0"),
+        (lambda: EngineConfig(q_len_buckets=(4, 2)), "strictly increasing"),
+        (lambda: EngineConfig(q_len_buckets=(1, 8)), "must reach"),
+        (lambda: EngineConfig(cache={"num_blocks": 8}), "must be a CacheConfig"),
+        (lambda: EngineConfig(scheduler=None), "must be a SchedulerConfig"),
+        (lambda: EngineConfig(seed=1.5), "seed=1.5"),
+    ],
+)
+def test_bad_fields_raise_value_error_naming_them(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_defaults_build_and_derive_consistent_sizes():
+    config = EngineConfig(
+        cache=CacheConfig(num_blocks=64, block_size=16),
+        scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8, max_model_len=100),
+        q_len_buckets=(1, 128),
+    )
+    assert config.max_blocks_per_seq == 7 and config.q_len_buckets == (1, 128)
+    assert config.buckets.max_pages_per_seq == 7
