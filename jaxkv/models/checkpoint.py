@@ -116,15 +116,27 @@ def save_checkpoint(model: Llama, path: str | os.PathLike) -> Path:
 
 
 def load_config(path: str | os.PathLike) -> LlamaConfig:
-    return LlamaConfig.from_dict(json.loads((Path(path) / CONFIG_FILE).read_text()))
+    """The LlamaConfig in directory `path`; CheckpointError if it is not a valid one."""
+    file = Path(path) / CONFIG_FILE
+    text = file.read_text()
+    try:
+        return LlamaConfig.from_dict(json.loads(text))
+    except (ValueError, TypeError, AttributeError) as e:  # bad JSON, fields or values
+        raise CheckpointError(f"{file}: not a valid LlamaConfig: {e}") from e
 
 
 def load_checkpoint(path: str | os.PathLike) -> Llama:
-    """Load a model saved by `save_checkpoint`."""
+    """Load a model saved by `save_checkpoint`. Raises FileNotFoundError for a missing
+    file and CheckpointError (naming the file) for a corrupt or mismatched one."""
     directory = Path(path)
     config = load_config(directory)
-    params = serialization.msgpack_restore((directory / PARAMS_FILE).read_bytes())
-    return build_with_params(config, params, source=str(directory / PARAMS_FILE))
+    file = directory / PARAMS_FILE
+    data = file.read_bytes()
+    try:
+        params = serialization.msgpack_restore(data)
+    except Exception as e:  # noqa: BLE001 - msgpack raises several types for corrupt bytes
+        raise CheckpointError(f"{file}: not a msgpack checkpoint ({type(e).__name__}: {e})") from e
+    return build_with_params(config, params, source=str(file))
 
 
 # --- safetensors -------------------------------------------------------------------------
@@ -145,19 +157,40 @@ _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of one safetensors file, as read-only arrays memory-mapped from disk."""
+    """All tensors of one safetensors file, as read-only arrays memory-mapped from disk.
+
+    Raises CheckpointError naming the file (and tensor) if the header is unreadable or a
+    tensor's byte range does not hold its shape and dtype within the file.
+    """
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
+        try:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if 8 + header_len > size:
+                raise ValueError(f"header of {header_len} bytes past the end of the file")
+            header = json.loads(f.read(header_len))
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
+        except (struct.error, ValueError) as e:
+            raise CheckpointError(f"{path}: not a safetensors file ({e})") from e
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _ST_DTYPES:
-            raise CheckpointError(f"tensor {name!r} in {path}: dtype {info['dtype']} unsupported")
-        begin, end = info["data_offsets"]
-        out[name] = data[begin:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError) as e:
+            raise CheckpointError(f"tensor {name!r} in {path}: bad header entry {info!r}") from e
+        if dtype not in _ST_DTYPES:
+            raise CheckpointError(f"tensor {name!r} in {path}: dtype {dtype} unsupported")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_ST_DTYPES[dtype]).itemsize
+        if not 0 <= begin <= end <= len(data) or end - begin != nbytes:
+            raise CheckpointError(
+                f"tensor {name!r} in {path}: bytes [{begin}, {end}) of {len(data)} cannot "
+                f"hold {dtype} {shape} ({nbytes} bytes)"
+            )
+        out[name] = data[begin:end].view(_ST_DTYPES[dtype]).reshape(shape)
     return out
 
 

@@ -53,6 +53,38 @@ def test_checkpoint_of_a_different_shape_raises_naming_the_parameter(tmp_path):
         load_checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "file, corrupt, match",
+    [
+        ("params.msgpack", lambda b: b[: len(b) // 2], "params.msgpack: not a msgpack"),
+        ("params.msgpack", lambda b: b"not msgpack at all", "params.msgpack: not a msgpack"),
+        ("config.json", lambda b: b"{not json", "config.json: not a valid LlamaConfig"),
+        ("config.json", lambda b: b'{"vocab_size": 8}', "config.json: not a valid LlamaConfig"),
+    ],
+)
+def test_corrupt_checkpoint_files_raise_checkpoint_error_naming_the_file(
+    tmp_path, file, corrupt, match
+):
+    save_checkpoint(random_model(small_config()), tmp_path)
+    (tmp_path / file).write_bytes(corrupt((tmp_path / file).read_bytes()))
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(tmp_path)
+
+
+def test_corrupt_safetensors_raise_checkpoint_error_naming_file_and_tensor(tmp_path):
+    path = tmp_path / "w.safetensors"
+    write_safetensors(path, {"a": np.arange(6, dtype=np.float32).reshape(2, 3)})
+    whole = path.read_bytes()
+    for data, match in [
+        (whole[:4], "w.safetensors: not a safetensors file"),
+        ((1 << 40).to_bytes(8, "little") + whole[8:], "header of .* past the end"),
+        (whole[:-4], "tensor 'a' in .*w.safetensors: bytes \\[0, 24\\) of 20"),
+    ]:
+        path.write_bytes(data)
+        with pytest.raises(CheckpointError, match=match):
+            read_safetensors(path)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_hf_safetensors_match_an_independent_numpy_forward(tmp_path, tied):
     cfg = small_config(tie_word_embeddings=tied, num_heads=4, num_kv_heads=2)
