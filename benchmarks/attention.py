@@ -224,6 +224,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
+    if any(p % args.block_size for p in args.prefix):
+        parser.error(f"--prefix {args.prefix}: each must be a multiple of --block-size")
     args.dtype = jnp.dtype(args.dtype)
     results = run(args)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -57,7 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
     p.add_argument("--out", type=Path, default=None, help="JSON file to write")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unknown = set(args.configs.split(",")) - {c[0] for c in CONFIGS}
+    if unknown:
+        p.error(f"--configs: unknown {sorted(unknown)}; choose from {[c[0] for c in CONFIGS]}")
+    return args
 
 
 def workload(args) -> list[list[int]]:

@@ -168,6 +168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_batched_tokens is not None and args.max_batched_tokens < args.num_requests:
         p.error("--max-batched-tokens must be >= --num-requests (one token per request)")
+    if args.samples < 0:
+        p.error("--samples must be >= 0")
     if args.prefix_len < 6:
         p.error("--prefix-len must be >= 6 (preamble and system prompt need some tokens)")
     return args
@@ -422,6 +424,13 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = workload(args.num_requests, args.prefix_len, args.seed)
     lengths = [len(p.token_ids) for p in prompts]
     cfg = engine_config(args, prompts, True)
+    if cfg.scheduler.max_model_len > model.config.max_position_embeddings:
+        raise SystemExit(
+            f"--prefix-len {args.prefix_len} + questions (up to {max(lengths) - args.prefix_len} "
+            f"tokens) + --max-tokens {args.max_tokens}, in blocks of {args.block_size}, need "
+            f"{cfg.scheduler.max_model_len} positions; the model has "
+            f"{model.config.max_position_embeddings}"
+        )
     console.print(
         f"model: {source}\n"
         f"workload: {len(prompts)} requests, 2 system prompts; prompts {min(lengths)}-"

@@ -11,6 +11,7 @@ The checkpoint directory loads with `jaxkv.models.load_checkpoint(path)`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -48,14 +49,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="FIELD=INT",
         help="change a field of the tiny preset, e.g. --override num_layers=2",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        args.config = tiny_config(args.override)
+    except ValueError as e:
+        p.error(f"--override: {e}")
+    return args
 
 
 def tiny_config(overrides: list[str]) -> LlamaConfig:
+    """The tiny preset with FIELD=INT overrides; ValueError naming a bad one."""
     fields = {}
+    int_fields = {f.name for f in dataclasses.fields(LlamaConfig) if f.type == "int"}
     for item in overrides:
-        key, _, value = item.partition("=")
-        fields[key] = int(value)
+        key, sep, value = item.partition("=")
+        if not sep or key not in int_fields:
+            raise ValueError(f"{item!r} must be FIELD=INT with FIELD one of {sorted(int_fields)}")
+        try:
+            fields[key] = int(value)
+        except ValueError:
+            raise ValueError(f"{item!r}: {value!r} is not an int") from None
     return LlamaConfig.preset("tiny", **fields)
 
 
@@ -89,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     split = int(len(data) * 0.9)
     train_data, eval_data = data[:split], data[split:]
 
-    config = tiny_config(args.override)
+    config = args.config
     model = Llama(config, rngs=nnx.Rngs(args.seed))
     tx = make_optimizer(
         peak_lr=args.peak_lr, warmup_steps=args.warmup_steps, total_steps=args.steps
@@ -119,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 loss=f"{train_loss:.3f}", tok_s=f"{step * tokens_per_step / elapsed:,.0f}"
             )
         if step % args.eval_every == 0 and step != args.steps:
+            train_loss = float(loss)
             tqdm.write(f"step {step}: train loss {train_loss:.3f}, eval loss {eval_loss():.3f}")
     train_seconds = time.perf_counter() - start
     final_eval = eval_loss()

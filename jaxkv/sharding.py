@@ -59,9 +59,12 @@ def replica_meshes(
     """Splits `devices` (default: jax.devices()) into consecutive groups of TP devices.
 
     One 1-D mesh per group, in device order; each group can serve one engine replica.
-    Raises ValueError naming both numbers when TP does not divide the device count.
+    Raises ValueError naming both numbers when TP does not divide the device count, or
+    when `devices` is empty.
     """
     devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("devices must not be empty")
     if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool):
         raise ValueError(f"{tensor_parallel_size=} must be an int")
     _check_divides(tensor_parallel_size, "the device count", len(devices))

@@ -290,6 +290,7 @@ def bad_tp_sizes():
 
     raises(lambda: sharding.make_mesh(3), 3, 8)
     raises(lambda: sharding.replica_meshes(5), 5, 8)
+    raises(lambda: sharding.make_mesh(2, devices=[]))
     mesh4 = sharding.make_mesh(4)
     raises(lambda: sharding.plan_tensor_parallel(24, 6, mesh4), 4, 6)  # 4 does not divide 6
     raises(lambda: sharding.plan_tensor_parallel(24, 6, sharding.make_mesh(8)), 8, 6)
