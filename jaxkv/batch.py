@@ -6,7 +6,7 @@ are arrays and whose static fields (bucket-derived bounds, backend, flags) are h
 Every array is padded to a bucket size (jaxkv.buckets), so a serving run compiles at
 most one program per combination of buckets.
 
-Conventions (DESIGN.md): padded page-table entries hold the null block 0; padded tokens
+Conventions (README, "Architecture"): padded page-table entries hold the null block 0; padded tokens
 write their K/V into the null block (slot 0) and read nothing into a valid row.
 """
 

@@ -1,6 +1,6 @@
 """Engine: the serving loop. add_request / step / abort / generate over a paged Llama.
 
-One step (DESIGN.md, "Data flow of one engine step"):
+One step (README, "Architecture"):
 
 1. Scheduler.schedule(): applies landed KV transfers, picks the batch, allocates blocks;
 2. CascadePlanner.plan(): exact shared prefixes of the scheduled set, cost model;

@@ -28,7 +28,8 @@ def validate_ragged_paged_attention_inputs(
     k_scale: float | None,
     v_scale: float | None,
 ) -> None:
-    """Raises ValueError if the arguments break the layout conventions of DESIGN.md."""
+    """Raises ValueError if the arguments break the layout conventions of the kernels
+    (shapes as in kernels_pallas.reference.ragged_paged_attention)."""
     if q.ndim != 3:
         raise ValueError(f"{q.shape=} must be [max_num_tokens, num_q_heads, head_dim]")
     if kv_pages.ndim != 4:

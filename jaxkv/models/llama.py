@@ -273,7 +273,7 @@ class Llama(nnx.Module):
     def init_kv_caches(
         self, num_blocks: int, block_size: int, dtype: Any = None
     ) -> list[jax.Array]:  # num_layers x [num_blocks, block_size, 2*num_kv_heads, head_dim]
-        """Zeroed per-layer paged KV caches in the DESIGN.md layout (K even, V odd heads).
+        """Zeroed per-layer paged KV caches in the layout of jaxkv.attention (K even, V odd heads).
 
         On a model from jaxkv.sharding.shard_model they are sharded along combined heads.
         """

@@ -1,7 +1,7 @@
 """HostOffloadConnector end to end: finished requests hold blocks while others decode.
 
-The DESIGN.md correctness trap, run through the whole engine: a finished request still
-copying its KV out shares prefix blocks with some running requests and not others.
+The shared-prefix trap run through the whole engine: a finished request still copying
+its KV out shares prefix blocks with some running requests and not others.
 Outputs must equal the dense model's, cascade must still be used where every scheduled
 request shares the prefix, and every block must come back once the copies land.
 """

@@ -233,7 +233,7 @@ def test_abort_from_waiting_running_and_preempted_frees_blocks():
 
 
 def test_finished_requests_hold_blocks_while_saving_and_planning_ignores_them():
-    """DESIGN.md's trap through the scheduler: A shares X with a saving C, B does not."""
+    """The correctness trap through the scheduler: A shares X with a saving C, B does not."""
     copier = FakeCopier(64, 4, auto_complete=False)
     connector = HostOffloadConnector(1 << 20, copy_delay_steps=0)
     sched = make_scheduler(connector=connector)

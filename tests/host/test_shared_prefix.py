@@ -1,4 +1,4 @@
-"""Exact shared-prefix detection: the two correctness traps of DESIGN.md and friends.
+"""Exact shared-prefix detection: the two reference-count traps and friends.
 
 The answer must come from the scheduled requests only. Holders outside the scheduled set
 (finished requests still copying KV out, requests receiving KV, running requests not
