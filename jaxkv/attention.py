@@ -115,17 +115,25 @@ def paged_attention(
             causal=False,
             **options,
         )
-        out, lse = merge_attn_states(out_l, lse_l, out, lse)
+        # The running result stays float32 between merges (merge keeps its first
+        # argument's dtype): one rounding to q.dtype at the end, not one per level.
+        out, lse = merge_attn_states(out.astype(jnp.float32), lse, out_l, lse_l)
+    out = out.astype(q.dtype)
     return (out, lse) if return_lse else out
 
 
 def _quantize(x: jax.Array, dtype, scale: float | None) -> jax.Array:
-    if scale is None:
-        return x.astype(dtype)
-    x = x.astype(jnp.float32) / scale
+    """x / scale in `dtype`, saturating at the dtype's range (a float8 cast of an
+    out-of-range value would give NaN, which attention would spread to every query)."""
+    x = x.astype(jnp.float32)
+    if scale is not None:
+        x = x / scale
     if jnp.issubdtype(dtype, jnp.integer):
         info = jnp.iinfo(dtype)
         x = jnp.clip(jnp.round(x), info.min, info.max)
+    elif jnp.finfo(dtype).bits <= 8:
+        limit = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -limit, limit)
     return x.astype(dtype)
 
 

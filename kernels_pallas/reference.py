@@ -70,7 +70,11 @@ def ragged_paged_attention(
     max_num_seqs = page_indices.shape[0]
     q_rows = max_num_tokens if max_q_len is None else min(int(max_q_len), max_num_tokens)
 
-    seq_valid = jnp.arange(max_num_seqs) < num_seqs[0]
+    # Entries past num_seqs are padding with any value (as the kernels read them): make
+    # them the last valid offset so the per-token search below sees a sorted array.
+    n = num_seqs[0]
+    cu_q_lens = jnp.where(jnp.arange(max_num_seqs + 1) <= n, cu_q_lens, cu_q_lens[n])
+    seq_valid = jnp.arange(max_num_seqs) < n
     q_start = cu_q_lens[:-1]
     q_len = jnp.where(seq_valid, cu_q_lens[1:] - q_start, 0)
     kv_len = jnp.where(seq_valid, kv_lens, 0)

@@ -116,6 +116,20 @@ def test_write_kv_quantized_round_trip():
     assert int(out[1, 1, 0, 0]) == 50 and int(out[1, 1, 1, 0]) == -25
 
 
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("scale", [None, 0.01])
+def test_write_kv_saturates_out_of_range_values(dtype, scale):
+    # 1000 (or 10 / 0.01) lies beyond int8 and float8_e4m3fn: stored as the largest value
+    # of the right sign, never as NaN (which attention would spread to every query).
+    kv = jnp.zeros((3, 4, 2, 8), dtype)
+    big = 1000.0 if scale is None else 10.0
+    k, v = jnp.full((1, 1, 8), big), jnp.full((1, 1, 8), -big)
+    out = np.asarray(write_kv(kv, k, v, jnp.array([5], jnp.int32), k_scale=scale, v_scale=scale))
+    limit = float(jnp.iinfo(dtype).max if dtype == jnp.int8 else jnp.finfo(dtype).max)
+    assert out[1, 1, 0, 0].astype(np.float32) == limit
+    assert out[1, 1, 1, 0].astype(np.float32) == -limit - (dtype == jnp.int8)
+
+
 def test_sliding_window_with_levels_is_rejected():
     step = workload.random_step(3, block_size=4)
     planner = CascadePlanner(SHAPE, cost_model=ALWAYS)

@@ -19,7 +19,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One ragged paged-attention input with the layouts of DESIGN.md."""
+    """One ragged paged-attention input with the layouts of kernels_pallas.reference."""
 
     q: jnp.ndarray  # [max_num_tokens, num_q_heads, head_dim]
     kv_pages: jnp.ndarray  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
@@ -118,6 +118,10 @@ def make_case(
         kv[~used_slots] = _poison_value(kv_dtype)
         # Padded sequence rows carry garbage lengths: only num_seqs rows may be read.
         kv_lens[len(seq_lens) :] = pages_per_seq * page_size
+        # And garbage offsets, not even sorted: only cu_q_lens[: num_seqs + 1] may be read.
+        cu_q_lens[len(seq_lens) + 1 :] = np.resize(
+            [max_num_tokens, 0], max_num_seqs - len(seq_lens)
+        )
     return Case(
         q=jnp.asarray(q, dtype),
         kv_pages=jnp.asarray(kv).astype(kv_dtype),
