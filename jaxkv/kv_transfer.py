@@ -118,7 +118,9 @@ class HostOffloadConnector(KVConnector):
     """Offloads finished requests' full blocks to an LRU host store; reloads prefix hits.
 
     The store maps block hash -> host copy of that block (every layer), holding at most
-    `host_bytes` bytes; the least recently saved or loaded block is evicted first. Only
+    `host_bytes` bytes (each entry its own array); the least recently saved or loaded
+    block is evicted first, and within one request's blocks the last first, since a
+    prefix is only usable from its first block. Only
     blocks whose every token was computed are saved, and a hash already stored or being
     saved is not copied twice. A failed save frees the blocks and stores nothing; a failed
     load drops its store entries (so a retry recomputes) and the scheduler frees the
@@ -159,12 +161,13 @@ class HostOffloadConnector(KVConnector):
         hashes = request.update_block_hashes(self._block_size, self._hash_seed)
         num_full = min(request.num_computed_tokens // self._block_size, len(block_ids))
         picked = []
-        for i in range(num_full):
+        for i in reversed(range(num_full)):  # a chain's head ends up most recently used
             h = hashes[i]
             if h in self._store:
                 self._store.move_to_end(h)  # used again: refresh its LRU position
             elif h not in self._saving:
                 picked.append((block_ids[i], h))
+        picked.reverse()
         if not picked:
             return False
         ids = [b for b, _ in picked]
@@ -210,7 +213,7 @@ class HostOffloadConnector(KVConnector):
         if not all(h in self._store for h in hashes):
             raise ValueError(f"start_load({req_id!r}): the store no longer holds those blocks")
         data = np.stack([self._store[h] for h in hashes])
-        for h in hashes:
+        for h in reversed(hashes):
             self._store.move_to_end(h)
         future = self._require_copier().start_load(list(block_ids), data)
         self._loads[req_id] = _Transfer(
@@ -256,8 +259,11 @@ class HostOffloadConnector(KVConnector):
         except Exception:  # noqa: BLE001 - any copy failure frees the blocks the same way
             self._count(num_failed_saves=1)
             return False
-        for h, block in zip(t.hashes, data, strict=True):
-            self._store[h] = block
+        # Each entry owns its memory (a view would keep the whole padded copy alive),
+        # and a chain is entered tail first: its head, without which on_admission can
+        # use none of it, is evicted last.
+        for h, block in reversed(list(zip(t.hashes, data, strict=True))):
+            self._store[h] = np.array(block)
             self._store.move_to_end(h)
         self._evict()
         self._count(num_saves=1, bytes_offloaded=len(t.hashes) * self._bytes_per_block())

@@ -41,7 +41,7 @@ def test_save_holds_blocks_for_delay_steps_then_frees_and_stores():
     step(sched, copier)
     assert not sched.has_pending_transfers() and sched.manager.num_free_blocks == 63
     assert conn.stats.num_saves == 1 and conn.stats.bytes_offloaded == 3 * copier.bytes_per_block
-    assert conn.stored_hashes() == a.block_hashes[:3]
+    assert conn.stored_hashes() == a.block_hashes[2::-1]  # head most recent
 
 
 def test_already_stored_blocks_are_not_copied_twice():
@@ -62,8 +62,24 @@ def test_lru_store_stays_within_its_byte_budget():
     run_until_idle(sched, copier)
     assert conn.stats.num_stored_blocks == 3
     assert conn.stats.stored_bytes <= conn.host_bytes
-    # r0's two blocks went first, then r1's first; r1's second and r2's two remain.
-    assert conn.stored_hashes() == reqs[1].block_hashes[1:2] + reqs[2].block_hashes[:2]
+    # r0's two blocks went first, then r1's second: a prefix's first block outlives its
+    # tail, which is useless without it. Least recently used first:
+    r1, r2 = reqs[1].block_hashes, reqs[2].block_hashes
+    assert conn.stored_hashes() == [r1[0], r2[1], r2[0]]
+
+
+def test_store_entries_own_their_memory_and_prefix_heads_outlive_tails():
+    # A 6-block prompt into a 4-block store: the first 4 blocks stay, so a reload still
+    # supplies them (keeping the tail instead would supply nothing).
+    sched, conn, copier = setup(host_blocks=4)
+    prompt = list(range(1, 26))  # 6 full blocks + 1
+    add(sched, "a", prompt, max_tokens=1)
+    run_until_idle(sched, copier)
+    assert sched.manager.reset_prefix_cache()
+    b = add(sched, "b", prompt, max_tokens=1)
+    assert conn.on_admission(b, 0) == 4 * BS
+    assert all(block.base is None for block in conn._store.values())  # no views
+    assert conn.stats.stored_bytes == 4 * copier.bytes_per_block <= conn.host_bytes
 
 
 def test_device_cache_miss_reloads_from_host_with_the_computed_kv():
@@ -249,5 +265,6 @@ def test_finishing_again_refreshes_stored_blocks_in_the_lru():
     run_until_idle(sched, copier)
     r3 = add(sched, "r3", range(40, 49), max_tokens=1)
     run_until_idle(sched, copier)
-    assert conn.stored_hashes() == r0.block_hashes[:2] + r3.block_hashes[:2]
+    a, c = r0.block_hashes, r3.block_hashes
+    assert conn.stored_hashes() == [a[1], a[0], c[1], c[0]]
     assert not set(r1.block_hashes) & set(conn.stored_hashes())
