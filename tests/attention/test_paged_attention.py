@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import KVCacheManager, Request
 from jaxkv.attention import paged_attention, write_kv
 from jaxkv.batch import build_attention_metadata
 from jaxkv.buckets import BucketConfig
@@ -76,6 +77,50 @@ def test_flat_equals_cascade_equals_oracle(seed):
     want = workload.dense_oracle(step, plan_c.order, q, kv, SM_SCALE)
     np.testing.assert_allclose(out_c, want, atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(out_f, want, atol=2e-5, rtol=2e-5)
+
+
+def _group_only_step() -> workload.Step:
+    """r1 and r2 hold the same five blocks (block_size 1) but have computed only 3 and 4
+    tokens of them; r3 shares nothing, so the only level is a group level."""
+    manager = KVCacheManager(64, 1, max_model_len=64)
+    for rid, tokens in (("r2", [1, 2, 3, 4, 5, 7, 9, 9]), ("r1", [1, 2, 3, 4, 5, 6, 8, 8])):
+        request = Request(rid, tokens)
+        hit, n = manager.get_computed_blocks(request)
+        manager.allocate_slots(
+            request, len(tokens) - n, num_new_computed_tokens=n, new_computed_blocks=hit
+        )
+    manager.allocate_slots(Request("r3", [50, 51, 52, 53, 54, 55]), 6)
+    return workload.Step(manager, ["r1", "r2", "r3"], np.array([3, 4, 5]), np.array([3, 2, 1]))
+
+
+def test_group_level_stops_before_its_members_queries_and_a_longer_one_is_caught():
+    # The non-causal group pass may only cover keys every member has computed before its
+    # first query: 3 blocks here, although r1 and r2 hold 5 identical ones.
+    step = _group_only_step()
+    plan, out, q, kv = run_step(step, CascadePlanner(SHAPE, cost_model=ALWAYS))
+    (level,) = plan.levels
+    assert level.name == "groups" and level.block_ends.tolist() == [3]
+    want = workload.dense_oracle(step, plan.order, q, kv, SM_SCALE)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    # The same check rejects the plan an uncapped planner would make (queries of r1 and
+    # r2 would see their own and later keys without the causal mask).
+    group = np.zeros(len(plan.order), bool)
+    group[level.group_starts[0] : level.group_ends[0]] = True
+    uncapped = dataclasses.replace(
+        plan,
+        levels=(dataclasses.replace(level, block_ends=np.array([5], np.int32)),),
+        suffix_start_blocks=np.where(group, 5, plan.suffix_start_blocks).astype(np.int32),
+    )
+    md = build_attention_metadata(
+        block_table=step.manager.block_table,
+        plan=uncapped,
+        query_lens=step.query_lens[plan.order],
+        num_computed_tokens=step.num_computed_tokens[plan.order],
+        block_size=1,
+        buckets=buckets_for(1),
+    )
+    bad = np.asarray(paged_attention(jnp.asarray(q), jnp.asarray(kv), md, sm_scale=SM_SCALE))
+    assert not np.allclose(bad[: len(want)], want, atol=2e-5, rtol=2e-5)
 
 
 def test_random_batches_use_cascade_often():

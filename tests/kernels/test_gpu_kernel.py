@@ -102,8 +102,10 @@ def test_soft_cap():
 
 def test_sliding_window_page_size_24():
     # Window 8 < block_k 16: blocks wholly outside the window are skipped, edges masked.
-    # Pages of 24 tokens: key blocks and pages do not align.
-    case = _case([(1, 50), (9, 30)], page_size=24)
+    # Pages of 24 tokens: key blocks and pages do not align. Decodes at kv_len 23 and 24
+    # put the window's first key (position - 7) on the last key of a key block and on
+    # the first of the next: an off-by-one in the block range shows.
+    case = _case([(1, 50), (9, 30), (1, 23), (1, 24)], page_size=24)
     _check(case, oracle_kw={"sliding_window": 8}, block_k=16)
 
 

@@ -130,9 +130,15 @@ def test_broken_input_fails_the_check(broken):
 def test_sliding_window_with_soft_cap_and_kv_head_blocks():
     # Gemma-2 style: both options at once, head_dim 64, a window shorter than a KV block
     # and than a page over long contexts, logits scaled up so that the cap bites. 8 float32
-    # KV heads (no GQA) in blocks of 4: two grid steps along the head axis.
+    # KV heads (no GQA) in blocks of 4: two grid steps along the head axis. Decodes at
+    # kv_len 28 and 29 put the window's first key (position - 12) on the last slot of a
+    # page and on the first slot of the next: an off-by-one in the page range shows.
     case = _case(
-        [(1, 90), (9, 40), (20, 20), (3, 7)], seed=3, num_q_heads=8, num_kv_heads=8, head_dim=64
+        [(1, 90), (9, 40), (20, 20), (3, 7), (1, 28), (1, 29)],
+        seed=3,
+        num_q_heads=8,
+        num_kv_heads=8,
+        head_dim=64,
     )
     _check(
         case, sliding_window=13, soft_cap=2.0, sm_scale=1.0, knobs=dict(num_kv_heads_per_block=4)
