@@ -6,16 +6,16 @@ and a cap on running requests. Prompts are split into chunks when the budget is 
 (chunked prefill). When blocks run out, the most recently admitted running request is
 preempted by recompute: it gives all its blocks back and resumes later from scratch
 (its prefix-cache hits make that cheap). A waiting request whose KV the connector can
-supply gets blocks for all its tokens and waits for the load; once it lands it needs no
-further block, so it is admitted even behind a request that cannot get its blocks.
-update_from_output() applies the sampled tokens, stops requests, and either frees a
-finished request's blocks or hands them to the KV connector, which may keep them held
-until an asynchronous save lands.
+supply starts a load instead; once it lands the request needs no further block, so it
+is admitted even behind a request that cannot get its blocks. update_from_output()
+applies the sampled tokens, stops requests, and either frees a finished request's
+blocks or lets the KV connector keep them held until an asynchronous save lands. Loads
+and saves are tracked by scheduler_transfers.TransferTracker.
 
 Liveness: add_request refuses a request the whole pool could not hold, and blocks are
 held only by running requests (which finish or are preempted), by copies in flight
-(which land) and by landed loads (admitted without a new block), so every accepted
-request finishes (tests/host/test_scheduler_liveness.py).
+(which land or fail, see scheduler_transfers) and by landed loads (admitted without a
+new block), so every accepted request finishes (tests/host/test_scheduler_liveness.py).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from jaxkv.kv_transfer import KVConnector
 from jaxkv.outputs import RequestOutput, request_output_of
 from jaxkv.request import Request, RequestStatus
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput, SchedulerStats, StepBatch
+from jaxkv.scheduler_transfers import TransferTracker
 
 __all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats"]
 
@@ -65,9 +66,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every request not yet released
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.transferring: dict[str, Request] = {}  # finished or aborted, blocks held
-        self._loading: dict[str, int] = {}  # req_id -> computed tokens once its load lands
-        self._landed: dict[str, None] = {}  # waiting requests whose load landed, in order
+        self._transfers = TransferTracker(self.connector, manager, self._release)
         self._finished_ids: list[str] = []
         self._stats = SchedulerStats()
         # Left by update_from_output when every running request is decoding (one token
@@ -121,13 +120,7 @@ class Scheduler:
             self._decode_carry = None
         else:
             self.waiting.remove(request)
-            self._landed.pop(request_id, None)
-        loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
-        request.status = RequestStatus.FINISHED_ABORTED
-        if loading:
-            self.transferring[request_id] = request
-        else:
-            self._release(request)
+        self._transfers.abort(request)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -136,7 +129,12 @@ class Scheduler:
 
     def has_pending_transfers(self) -> bool:
         """True while a finished request still holds blocks for a KV transfer."""
-        return bool(self.transferring)
+        return bool(self._transfers.transferring)
+
+    @property
+    def transferring(self) -> dict[str, Request]:
+        """Finished or aborted requests whose blocks a KV copy still holds, by id."""
+        return self._transfers.transferring
 
     @property
     def stats(self) -> SchedulerStats:
@@ -146,7 +144,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Chooses this step's batch and allocates its blocks. See the module doc."""
-        self._apply_transfer_events()
+        self._transfers.apply_events()
         budget = self.config.max_num_batched_tokens
         batch = StepBatch()
         preempted: list[str] = []
@@ -280,16 +278,15 @@ class Scheduler:
             self._start_running(request, n, batch)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
-        if blocked and self._landed:
+        if blocked:
             budget = self._admit_landed(budget, batch)
         return budget
 
     def _admit_landed(self, budget: int, batch: StepBatch) -> int:
         """Admits waiting requests whose loads landed, in landing order (out of queue order)."""
-        for req_id in list(self._landed):
+        for request in self._transfers.landed():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            request = self.requests[req_id]
             n = self._allocate_for_admission(request, budget)
             if n is None:
                 continue
@@ -300,7 +297,7 @@ class Scheduler:
 
     def _start_running(self, request: Request, n: int, batch: StepBatch) -> None:
         """Moves an admitted waiting request to running with `n` tokens this step."""
-        self._landed.pop(request.request_id, None)
+        self._transfers.forget_landed(request.request_id)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         batch.add(request, n)
@@ -321,25 +318,9 @@ class Scheduler:
             return n
         hit_ids, num_hit = m.get_computed_blocks(request)
         num_external = self.connector.on_admission(request, num_hit)
-        if num_external:
-            # Blocks for all its tokens, as lookahead: the loaded ones enter the prefix
-            # cache only once the load has landed and the request is scheduled, and once
-            # landed the request needs no further block to be admitted (so requests
-            # holding landed loads can always run and release their blocks).
-            new_ids = m.allocate_slots(
-                request,
-                0,
-                num_new_computed_tokens=num_hit,
-                new_computed_blocks=hit_ids,
-                num_lookahead_tokens=request.num_tokens - num_hit,
-            )
-            if new_ids is None:
-                return None
-            request.num_computed_tokens = num_hit
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-            self.connector.start_load(request, new_ids[: num_external // m.block_size])
-            self._loading[request.request_id] = num_hit + num_external
-            return 0
+        if num_external:  # the request waits for the load: 0 tokens this step
+            started = self._transfers.start_load(request, hit_ids, num_hit, num_external)
+            return 0 if started else None
         n = self._chunk(request.num_tokens - num_hit, budget)
         if n is None:
             return None
@@ -447,7 +428,7 @@ class Scheduler:
             done = set(map(id, finished))
             self.running = [r for r in self.running if id(r) not in done]
             for request in finished:
-                self._finish(request)
+                self._transfers.finish(request)
         self._decode_carry = carry
         self._count(
             num_prompt_tokens_computed=num_prompt,
@@ -456,42 +437,7 @@ class Scheduler:
         )
         return outputs
 
-    def _finish(self, request: Request) -> None:
-        block_ids = self.manager.block_ids(request.request_id)
-        if self.connector.on_finish(request, block_ids):
-            request.status = RequestStatus.FINISHED_TRANSFERRING
-            self.transferring[request.request_id] = request
-        else:
-            self._release(request)
-
-    # --------------------------------------------------------------- transfers
-
-    def _apply_transfer_events(self) -> None:
-        events = self.connector.poll()
-        if not events:
-            return
-        for req_id in events.saved + events.failed_saves:
-            self._release(self.transferring.pop(req_id))
-        for req_id in events.loaded:
-            num_computed = self._loading.pop(req_id)
-            request = self.transferring.pop(req_id, None)
-            if request is not None:  # aborted while loading
-                self._release(request)
-                continue
-            request = self.requests[req_id]
-            request.num_computed_tokens = num_computed
-            request.status = RequestStatus.WAITING
-            self._landed[req_id] = None
-        for req_id in events.failed_loads:
-            del self._loading[req_id]
-            request = self.transferring.pop(req_id, None)
-            if request is not None:
-                self._release(request)
-                continue
-            request = self.requests[req_id]
-            self.manager.free(request)
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.WAITING
+    # ---------------------------------------------------------------- release
 
     def _release(self, request: Request) -> None:
         """Frees the request's blocks (if any) and forgets it."""

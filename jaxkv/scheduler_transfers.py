@@ -1,0 +1,144 @@
+"""The scheduler's side of KV transfers: requests whose blocks a connector's copy holds.
+
+Plain Python, no JAX. Two kinds of copy hold blocks outside the running queue:
+
+- loads: a waiting request whose KV the connector can supply gets blocks for all its
+  tokens and waits (WAITING_FOR_REMOTE_KV) until poll() reports the load. A landed
+  load makes it WAITING again with those tokens computed, still holding blocks for all
+  its tokens, so it needs no further block to be admitted; a failed load frees its
+  blocks and the request recomputes from scratch.
+- saves: a finished request whose blocks the connector is copying out stays
+  FINISHED_TRANSFERRING until poll() reports the save, landed or failed; then its
+  blocks are freed. A request aborted while its load is in flight is held the same way
+  until that load lands or fails.
+
+Every copy lands or fails, so every block held here is released or handed back to the
+scheduler's queues; the Scheduler's liveness argument rests on that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from jaxkv.kv_cache_manager import KVCacheManager
+from jaxkv.kv_transfer import KVConnector
+from jaxkv.request import Request, RequestStatus
+
+
+class TransferTracker:
+    """Tracks loads in flight, landed loads, and finished requests held for a copy.
+
+    Guarantees: a request enters `transferring` only finished (FINISHED_TRANSFERRING, or
+    FINISHED_ABORTED with a load in flight) and leaves it exactly once, through
+    `release`, when apply_events() sees its copy land or fail. landed() lists only
+    waiting requests whose load landed and that were neither admitted nor aborted since;
+    each holds blocks for all its tokens. Changes the manager's blocks only through
+    start_load, apply_events (a failed load) and `release`.
+    """
+
+    def __init__(
+        self,
+        connector: KVConnector,
+        manager: KVCacheManager,
+        release: Callable[[Request], None],
+    ) -> None:
+        self._connector = connector
+        self._manager = manager
+        self._release = release  # frees a request's blocks (if any) and forgets it
+        self.transferring: dict[str, Request] = {}  # finished or aborted, blocks held
+        # req_id -> (request, its computed tokens once the load lands)
+        self._loading: dict[str, tuple[Request, int]] = {}
+        self._landed: dict[str, Request] = {}  # waiting requests whose load landed, in order
+
+    # ------------------------------------------------------------------ loads
+
+    def start_load(
+        self,
+        request: Request,
+        hit_ids: Sequence[int],
+        num_hit: int,
+        num_external: int,
+    ) -> bool:
+        """Allocates blocks for all of a fresh waiting request's tokens and starts its load.
+
+        `hit_ids` and `num_hit` are its device prefix-cache hit; the connector claimed
+        `num_external` further tokens. The loaded blocks enter the prefix cache only once
+        the load has landed and the request is scheduled. Returns False (nothing
+        changed) when the pool cannot hold the blocks; else the request is
+        WAITING_FOR_REMOTE_KV with `num_hit` tokens computed until the load lands.
+        """
+        m = self._manager
+        new_ids = m.allocate_slots(
+            request,
+            0,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=hit_ids,
+            num_lookahead_tokens=request.num_tokens - num_hit,
+        )
+        if new_ids is None:
+            return False
+        request.num_computed_tokens = num_hit
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self._connector.start_load(request, new_ids[: num_external // m.block_size])
+        self._loading[request.request_id] = (request, num_hit + num_external)
+        return True
+
+    def landed(self) -> list[Request]:
+        """Waiting requests whose load landed, in landing order (a copy: safe to admit)."""
+        return list(self._landed.values())
+
+    def forget_landed(self, request_id: str) -> None:
+        """The request left the waiting queue (admitted); no-op unless its load landed."""
+        self._landed.pop(request_id, None)
+
+    # ---------------------------------------------------------------- finishing
+
+    def finish(self, request: Request) -> None:
+        """A request just finished: held (FINISHED_TRANSFERRING) while the connector saves
+        its blocks, else released now."""
+        block_ids = self._manager.block_ids(request.request_id)
+        if self._connector.on_finish(request, block_ids):
+            request.status = RequestStatus.FINISHED_TRANSFERRING
+            self.transferring[request.request_id] = request
+        else:
+            self._release(request)
+
+    def abort(self, request: Request) -> None:
+        """Makes an unfinished request, already out of its queue, FINISHED_ABORTED.
+
+        A request whose load is in flight stays in `transferring` (its blocks held)
+        until the load lands or fails; every other one is released now.
+        """
+        self._landed.pop(request.request_id, None)
+        loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
+        request.status = RequestStatus.FINISHED_ABORTED
+        if loading:
+            self.transferring[request.request_id] = request
+        else:
+            self._release(request)
+
+    # ----------------------------------------------------------------- events
+
+    def apply_events(self) -> None:
+        """Applies the connector's events since the last call (see the module doc)."""
+        events = self._connector.poll()
+        if not events:
+            return
+        for req_id in events.saved + events.failed_saves:
+            self._release(self.transferring.pop(req_id))
+        for req_id in events.loaded:
+            request, num_computed = self._loading.pop(req_id)
+            if self.transferring.pop(req_id, None) is not None:  # aborted while loading
+                self._release(request)
+                continue
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.WAITING
+            self._landed[req_id] = request
+        for req_id in events.failed_loads:
+            request, _ = self._loading.pop(req_id)
+            if self.transferring.pop(req_id, None) is not None:
+                self._release(request)
+                continue
+            self._manager.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
