@@ -13,7 +13,7 @@ from jaxkv import KVCacheManager, Request
 from jaxkv.attention import paged_attention, write_kv
 from jaxkv.batch import build_attention_metadata
 from jaxkv.buckets import BucketConfig
-from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlanner
+from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlan, CascadePlanner
 from tests.attention import workload
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
@@ -29,29 +29,42 @@ def buckets_for(block_size: int) -> BucketConfig:
     )  # fmt: skip
 
 
-def run_step(step: workload.Step, planner: CascadePlanner, q_seed: int = 0):
-    """(plan, out f32[num_valid_tokens, Hq, D], q, kv_pages) for one planned step."""
+def planned_inputs(
+    step: workload.Step,
+    plan: CascadePlan,
+    buckets: BucketConfig,
+    q_seed: int = 0,
+    *,
+    heads: tuple[int, int, int] = (NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM),
+):
+    """(metadata, q f32[max_num_tokens, Hq, D], kv f32[num_blocks, bs, 2 * Hkv, D]) of a
+    planned step; heads = (Hq, Hkv, D). Padding rows of q and the null block hold NaN."""
+    num_q_heads, num_kv_heads, head_dim = heads
     manager = step.manager
-    plan = planner.plan(step.request_ids, step.num_computed_tokens, step.query_lens, manager)
     md = build_attention_metadata(
         block_table=manager.block_table,
         plan=plan,
         query_lens=step.query_lens[plan.order],
         num_computed_tokens=step.num_computed_tokens[plan.order],
         block_size=manager.block_size,
-        buckets=buckets_for(manager.block_size),
+        buckets=buckets,
     )
     rng = np.random.default_rng(q_seed)
     num_blocks = manager.pool.num_blocks if hasattr(manager.pool, "num_blocks") else 512
-    kv = rng.standard_normal((num_blocks, manager.block_size, 2 * NUM_KV_HEADS, HEAD_DIM))
+    kv = rng.standard_normal((num_blocks, manager.block_size, 2 * num_kv_heads, head_dim))
     kv[0] = np.nan  # the null block: a valid row that reads it turns NaN
-    q = rng.standard_normal((md.max_num_tokens, NUM_Q_HEADS, HEAD_DIM))
-    total = int(step.query_lens.sum())
-    q[total:] = np.nan
-    out = paged_attention(
-        jnp.asarray(q, jnp.float32), jnp.asarray(kv, jnp.float32), md, sm_scale=SM_SCALE
-    )
-    return plan, np.asarray(out)[:total], q.astype(np.float32), kv.astype(np.float32)
+    q = rng.standard_normal((md.max_num_tokens, num_q_heads, head_dim))
+    q[int(step.query_lens.sum()) :] = np.nan
+    return md, q.astype(np.float32), kv.astype(np.float32)
+
+
+def run_step(step: workload.Step, planner: CascadePlanner, q_seed: int = 0):
+    """(plan, out f32[num_valid_tokens, Hq, D], q, kv_pages) for one planned step."""
+    manager = step.manager
+    plan = planner.plan(step.request_ids, step.num_computed_tokens, step.query_lens, manager)
+    md, q, kv = planned_inputs(step, plan, buckets_for(manager.block_size), q_seed)
+    out = paged_attention(jnp.asarray(q), jnp.asarray(kv), md, sm_scale=SM_SCALE)
+    return plan, np.asarray(out)[: int(step.query_lens.sum())], q, kv
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -104,8 +104,21 @@ def dense_oracle(
     sm_scale: float,
 ) -> np.ndarray:
     """f64[num_valid_tokens, Hq, D]: causal softmax attention over each whole context."""
+    return dense_attention(step, order, q, kv_pages, sm_scale)[0]
+
+
+def dense_attention(
+    step: Step,
+    order: np.ndarray,  # i[R] batch position -> scheduled index
+    q: np.ndarray,  # f[T, Hq, D] query tokens in batch order
+    kv_pages: np.ndarray,  # f[num_blocks, block_size, 2 * Hkv, D]
+    sm_scale: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(out f64[num_valid_tokens, Hq, D], lse f64[num_valid_tokens, Hq]): causal softmax
+    attention over each whole context, rebuilt key by key from the manager's block ids;
+    lse is the natural log of the softmax denominator of the scaled logits."""
     block_size = step.manager.block_size
-    outs = []
+    outs, lses = [], []
     token = 0
     for index in order:
         rid = step.request_ids[index]
@@ -122,7 +135,9 @@ def dense_oracle(
         logits = np.einsum("qhd,khd->hqk", qs, k) * sm_scale
         visible = np.arange(kv_len)[None, :] <= (num_computed + np.arange(q_len))[:, None]
         logits = np.where(visible[None], logits, -np.inf)
-        p = np.exp(logits - logits.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
-        outs.append(np.einsum("hqk,khd->qhd", p, v))
-    return np.concatenate(outs)
+        row_max = logits.max(-1, keepdims=True)  # finite: every query sees its own key
+        p = np.exp(logits - row_max)
+        denom = p.sum(-1, keepdims=True)
+        outs.append(np.einsum("hqk,khd->qhd", p / denom, v))
+        lses.append((row_max + np.log(denom))[..., 0].T)
+    return np.concatenate(outs), np.concatenate(lses)
