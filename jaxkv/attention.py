@@ -91,6 +91,9 @@ def paged_attention(
     backend = metadata.backend if backend is None else backend
     interpret = metadata.interpret if interpret is None else interpret
     options = dict(sm_scale=sm_scale, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
+    # With cascade levels every pass returns float32 and the merges run on unrounded
+    # partial results: the output is rounded to q.dtype once, as flat attention's is.
+    options["out_dtype"] = jnp.float32 if metadata.levels else None
     main = kernel_for(backend, interpret=interpret, max_q_len=metadata.max_q_len)
     out, lse = main(
         q,
@@ -115,9 +118,7 @@ def paged_attention(
             causal=False,
             **options,
         )
-        # The running result stays float32 between merges (merge keeps its first
-        # argument's dtype): one rounding to q.dtype at the end, not one per level.
-        out, lse = merge_attn_states(out.astype(jnp.float32), lse, out_l, lse_l)
+        out, lse = merge_attn_states(out, lse, out_l, lse_l)
     out = out.astype(q.dtype)
     return (out, lse) if return_lse else out
 

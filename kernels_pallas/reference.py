@@ -10,7 +10,8 @@ Python loop over sequences) and returns `(out, lse)`:
   causal=False: every key j < kv_len is visible (the prefix pass of cascade attention);
 - logits are (q . k) * sm_scale, then soft_cap * tanh(logits / soft_cap) if soft_cap;
 - quantized KV (int8, float8_e4m3fn) is read as k.astype(f32) * k_scale, v likewise;
-- softmax and the value sum run in float32; out is cast to q.dtype;
+- softmax and the value sum run in float32; out is cast to `out_dtype` (default q.dtype;
+  float32 keeps a partial result unrounded for a later LSE merge);
 - lse is float32, natural log, [max_num_tokens, num_q_heads]; a row that sees no key and
   every row past cu_q_lens[num_seqs] gives out 0 and lse -inf, never NaN, whatever the
   padding of q, kv_pages or the page table holds.
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.merge import merge_attn_states
-from kernels_pallas.validation import validate_ragged_paged_attention_inputs
+from kernels_pallas.validation import output_dtype, validate_ragged_paged_attention_inputs
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -54,6 +55,7 @@ def ragged_paged_attention(
     k_scale: float | None = None,
     v_scale: float | None = None,
     max_q_len: int | None = None,
+    out_dtype=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of each sequence's query tokens over its paged keys; see the module doc.
 
@@ -64,7 +66,7 @@ def ragged_paged_attention(
     validate_ragged_paged_attention_inputs(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
         sm_scale=sm_scale, causal=causal, sliding_window=sliding_window,
-        soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+        soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, out_dtype=out_dtype,
     )  # fmt: skip
     max_num_tokens, num_q_heads, head_dim = q.shape
     max_num_seqs = page_indices.shape[0]
@@ -98,7 +100,7 @@ def ragged_paged_attention(
     valid = tok < cu_q_lens[num_seqs[0]]
     out = jnp.where(valid[:, None, None], out, 0.0)
     lse = jnp.where(valid[:, None], lse, -jnp.inf)
-    return out.astype(q.dtype), lse
+    return out.astype(output_dtype(q, out_dtype)), lse
 
 
 def _softmax_pv(logits, visible, v, spec_pv: str):
@@ -258,7 +260,8 @@ def cascade_attention(
     the shared prefix, i.e. kv_lens - q_lens >= num_prefix_pages * page_size, so the
     non-causal prefix pass never shows a query a key after itself. Then the result equals
     plain causal attention over each whole context. `attention_fn` is any kernel with the
-    contract of `ragged_paged_attention` (default: this module's, with `max_q_len`).
+    contract of `ragged_paged_attention` (default: this module's, with `max_q_len`); both
+    passes return float32 and the merged result is rounded to q.dtype once.
     A Python int `num_prefix_pages` splits the page table statically: each pass gets only
     its own columns, so a kernel whose work follows the padded width does less of it.
     """
@@ -269,7 +272,11 @@ def cascade_attention(
         prefix_fn = suffix_fn = attention_fn
     page_size = kv_pages.shape[1]
     prefix_len = jnp.asarray(num_prefix_pages, jnp.int32) * page_size
-    common = dict(sm_scale=sm_scale, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
+    # Both partial results stay float32 until after the merge: one rounding to q.dtype.
+    common = dict(
+        sm_scale=sm_scale, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+        out_dtype=jnp.float32,
+    )  # fmt: skip
     pages_per_seq = page_indices.shape[1]
     if isinstance(num_prefix_pages, int) and 0 < num_prefix_pages < pages_per_seq:
         # A static split: each pass gets only its own columns (narrower padded pages).
@@ -295,4 +302,5 @@ def cascade_attention(
         causal=True,
         **common,
     )
-    return merge_attn_states(out_p, lse_p, out_s, lse_s)
+    out, lse = merge_attn_states(out_p, lse_p, out_s, lse_s)
+    return out.astype(q.dtype), lse

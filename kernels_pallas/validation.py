@@ -27,6 +27,7 @@ def validate_ragged_paged_attention_inputs(
     soft_cap: float | None,
     k_scale: float | None,
     v_scale: float | None,
+    out_dtype=None,
 ) -> None:
     """Raises ValueError if the arguments break the layout conventions of the kernels
     (shapes as in kernels_pallas.reference.ragged_paged_attention)."""
@@ -47,6 +48,8 @@ def validate_ragged_paged_attention_inputs(
         raise ValueError(f"{q.shape[1]=} (query heads) must be a multiple of {num_kv_heads=}")
     if jnp.dtype(q.dtype) not in FLOAT_DTYPES:
         raise ValueError(f"{q.dtype=} must be one of float32, bfloat16, float16")
+    if out_dtype is not None and _dtype_or_none(out_dtype) not in FLOAT_DTYPES:
+        raise ValueError(f"{out_dtype=} must be None (q's dtype) or float32, bfloat16, float16")
     kv_dtype = jnp.dtype(kv_pages.dtype)
     if kv_dtype in QUANTIZED_KV_DTYPES:
         if k_scale is None or v_scale is None:
@@ -79,3 +82,15 @@ def validate_ragged_paged_attention_inputs(
             raise ValueError(f"{sliding_window=} needs causal=True (a prefix pass sees all keys)")
         if int(sliding_window) < 1:
             raise ValueError(f"{sliding_window=} must be >= 1 or None")
+
+
+def _dtype_or_none(x) -> jnp.dtype | None:
+    try:
+        return jnp.dtype(x)
+    except TypeError:
+        return None
+
+
+def output_dtype(q: jax.Array, out_dtype) -> jnp.dtype:
+    """The dtype of a kernel's `out`: `out_dtype`, or q's dtype when it is None."""
+    return jnp.dtype(q.dtype if out_dtype is None else out_dtype)

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.validation import validate_ragged_paged_attention_inputs
+from kernels_pallas.validation import output_dtype, validate_ragged_paged_attention_inputs
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -336,6 +336,7 @@ def _validate_gpu(
         "num_kv_splits",
         "num_warps",
         "num_stages",
+        "out_dtype",
     ),
 )
 def ragged_paged_attention(
@@ -359,9 +360,11 @@ def ragged_paged_attention(
     num_kv_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    out_dtype=None,
 ) -> tuple[jax.Array, jax.Array]:
-    """(out [max_num_tokens, num_q_heads, head_dim] in q.dtype, lse f32[max_num_tokens,
-    num_q_heads]) with the contract of `kernels_pallas.reference.ragged_paged_attention`.
+    """(out [max_num_tokens, num_q_heads, head_dim] in out_dtype (None: q.dtype), lse
+    f32[max_num_tokens, num_q_heads]) with the contract of
+    `kernels_pallas.reference.ragged_paged_attention`.
 
     Only the first num_seqs sequences are valid. `max_q_len` (static) is a sizing hint
     only (1 picks decode tiles); any query length gives correct results. Tuning knobs are
@@ -373,7 +376,7 @@ def ragged_paged_attention(
     validate_ragged_paged_attention_inputs(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
         sm_scale=sm_scale, causal=causal, sliding_window=sliding_window,
-        soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+        soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, out_dtype=out_dtype,
     )  # fmt: skip
     max_num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_combined_kv_heads, _ = kv_pages.shape
@@ -406,7 +409,9 @@ def ragged_paged_attention(
 
     compute_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
     precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-    out_dtype = q.dtype if num_kv_splits == 1 else jnp.float32
+    out_dtype = output_dtype(q, out_dtype)
+    # Splits are merged in float32, so their partial outputs are not rounded first.
+    split_dtype = out_dtype if num_kv_splits == 1 else jnp.float32
     kernel = functools.partial(
         _kernel,
         sm_scale=float(sm_scale),
@@ -444,7 +449,7 @@ def ragged_paged_attention(
             pl.BlockSpec((None, num_rows), lambda i, h, s: (s, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((num_kv_splits, num_rows, head_dim), out_dtype),
+            jax.ShapeDtypeStruct((num_kv_splits, num_rows, head_dim), split_dtype),
             jax.ShapeDtypeStruct((num_kv_splits, num_rows), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -469,6 +474,6 @@ def ragged_paged_attention(
     tok_valid = jnp.arange(max_num_tokens) < cu_q_lens[num_seqs[0]]
     out = out.reshape(max_num_tokens, num_q_heads, head_dim)
     lse = lse.reshape(max_num_tokens, num_q_heads)
-    out = jnp.where(tok_valid[:, None, None], out, 0).astype(q.dtype)
+    out = jnp.where(tok_valid[:, None, None], out, 0).astype(out_dtype)
     lse = jnp.where(tok_valid[:, None], lse, -jnp.inf)
     return out, lse

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.tpu.tuning import TUNED_BLOCK_SIZES, block_sizes, detect_tpu_generation
-from kernels_pallas.validation import validate_ragged_paged_attention_inputs
+from kernels_pallas.validation import output_dtype, validate_ragged_paged_attention_inputs
 
 # Finite stand-in for -inf in masked logits: keeps exp/max free of inf - inf.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -387,6 +387,7 @@ def _round_up(x: int, m: int) -> int:
         "num_kv_heads_per_block",
         "vmem_limit_bytes",
         "tpu_generation",
+        "out_dtype",
     ),
 )
 def ragged_paged_attention(
@@ -409,8 +410,10 @@ def ragged_paged_attention(
     num_kv_heads_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
     tpu_generation: str = "default",
+    out_dtype=None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Paged attention of a ragged batch on TPU; (out in q.dtype, lse f32[T, Hq]).
+    """Paged attention of a ragged batch on TPU; (out in out_dtype (None: q.dtype), lse
+    f32[T, Hq]).
 
     Semantics are those of `kernels_pallas.reference.ragged_paged_attention`: only the
     first num_seqs sequences (and their page-table rows, lengths) are read; a row that sees
@@ -430,7 +433,7 @@ def ragged_paged_attention(
     validate_ragged_paged_attention_inputs(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
         sm_scale=sm_scale, causal=causal, sliding_window=sliding_window,
-        soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+        soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, out_dtype=out_dtype,
     )  # fmt: skip
     _validate_tpu(
         q,
@@ -516,7 +519,7 @@ def ragged_paged_attention(
             scratch_shapes=scratch_shapes,
         ),
         out_shape=[
-            jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+            jax.ShapeDtypeStruct(q_rows.shape, output_dtype(q, out_dtype)),
             jax.ShapeDtypeStruct((num_kv_heads, padded_tokens * group, LANES), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(

@@ -79,6 +79,22 @@ def test_mixed_bf16_page_size_32_with_empty_sequence():
     _check(case)
 
 
+@pytest.mark.parametrize("num_kv_splits", [1, 2])
+def test_bf16_with_float32_out_is_the_unrounded_output(num_kv_splits):
+    # What a cascade pass asks for: the same result before its rounding to bfloat16.
+    case = _case([(1, 37), (5, 20), (1, 60)], dtype=jnp.bfloat16)
+    out, lse = _run(case, num_kv_splits=num_kv_splits)
+    out32, lse32 = _run(case, num_kv_splits=num_kv_splits, out_dtype=jnp.float32)
+    assert out.dtype == jnp.bfloat16 and out32.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out32.astype(jnp.bfloat16)), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(lse32), np.asarray(lse))
+    n = case.num_valid_tokens
+    assert np.any(np.asarray(out32[:n]) != np.asarray(out[:n].astype(jnp.float32)))
+    harness.assert_close_to_oracle(
+        case, out32, lse32, harness.dense_oracle(case, sm_scale=SM_SCALE)
+    )
+
+
 def test_prefix_pass_non_causal():
     # The cascade prefix pass: one sequence holds every query token, all keys visible.
     _check(_case([(7, 48)]), oracle_kw={"causal": False}, num_kv_splits=2, block_k=16)
@@ -183,8 +199,9 @@ def _verified_triton_modules(monkeypatch) -> list[bool]:
         (jnp.bfloat16, jnp.int8, {"k_scale": 0.1, "v_scale": 0.1, "soft_cap": 30.0}),
         (jnp.bfloat16, jnp.float8_e4m3fn, {"k_scale": 0.1, "v_scale": 0.1, "sliding_window": 9}),
         (jnp.float32, None, {"causal": False, "block_m": 64}),
+        (jnp.bfloat16, None, {"causal": False, "out_dtype": jnp.float32}),
     ],
-    ids=["bf16-splits", "int8-softcap", "fp8-window", "f32-noncausal"],
+    ids=["bf16-splits", "int8-softcap", "fp8-window", "f32-noncausal", "bf16-f32-out"],
 )
 def test_lowers_for_cuda_to_a_verified_triton_call(monkeypatch, dtype, kv_dtype, kw):
     verified = _verified_triton_modules(monkeypatch)

@@ -13,7 +13,10 @@ import pytest
 from kernels_pallas.reference import cascade_attention, ragged_paged_attention
 from tests.kernels import harness
 
-_STATIC = ("sm_scale", "causal", "sliding_window", "soft_cap", "k_scale", "v_scale", "max_q_len")
+_STATIC = (
+    "sm_scale", "causal", "sliding_window", "soft_cap", "k_scale", "v_scale", "max_q_len",
+    "out_dtype",
+)  # fmt: skip
 rpa = jax.jit(ragged_paged_attention, static_argnames=_STATIC)
 
 MIXED = [(1, 17), (7, 7), (3, 40), (1, 1), (12, 29)]
@@ -182,6 +185,37 @@ def test_cascade_with_soft_cap_and_bfloat16():
     expected = harness.dense_oracle(case, sm_scale=0.3, soft_cap=4.0)
     out, lse = cascade_attention(*case.args(), 3, sm_scale=0.3, soft_cap=4.0)
     harness.assert_close_to_oracle(case, out, lse, expected)
+
+
+def test_out_dtype_float32_is_the_unrounded_output():
+    case = harness.make_case(
+        3, MIXED, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=jnp.bfloat16
+    )
+    out, lse = rpa(*case.args(), sm_scale=0.125)
+    out32, lse32 = rpa(*case.args(), sm_scale=0.125, out_dtype=jnp.float32)
+    assert out.dtype == jnp.bfloat16 and out32.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out32.astype(jnp.bfloat16)), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(lse32), np.asarray(lse))
+    n = case.num_valid_tokens
+    assert np.any(np.asarray(out32[:n]) != np.asarray(out[:n].astype(jnp.float32)))
+
+
+def _max_error(case, out, expected) -> float:
+    n = case.num_valid_tokens
+    return float(np.abs(np.asarray(out[:n], np.float64) - expected[0]).max())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cascade_in_bfloat16_is_as_accurate_as_flat_attention(seed):
+    # Both passes return float32 partials: rounding each to bfloat16 before the merge
+    # would roughly double the error of flat attention on these cases.
+    suffixes = [(1, 3), (1, 9), (2, 12), (1, 20), (5, 20), (1, 1)]
+    case = _shared_prefix_case(seed, 4, suffixes, dtype=jnp.bfloat16)
+    expected = harness.dense_oracle(case, sm_scale=0.125)
+    flat, _ = rpa(*case.args(), sm_scale=0.125)
+    out, _ = _jit_cascade(*case.args(), 4)
+    assert out.dtype == jnp.bfloat16
+    assert _max_error(case, out, expected) <= 1.1 * _max_error(case, flat, expected)
 
 
 def test_cascade_prefix_covering_a_query_is_wrong():

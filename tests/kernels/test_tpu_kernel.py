@@ -31,7 +31,7 @@ KNOBS = dict(num_queries_per_block=8, num_kv_pages_per_block=2)
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 _STATIC = (
     "sm_scale", "causal", "sliding_window", "soft_cap", "k_scale", "v_scale", "interpret",
-    "num_queries_per_block", "num_kv_pages_per_block", "num_kv_heads_per_block",
+    "num_queries_per_block", "num_kv_pages_per_block", "num_kv_heads_per_block", "out_dtype",
 )  # fmt: skip
 _rpa = jax.jit(ragged_paged_attention, static_argnames=_STATIC, compiler_options=_FAST_COMPILE)
 _interpreted = functools.partial(_rpa, interpret=True, **KNOBS)
@@ -63,6 +63,8 @@ def _kernel(case: harness.Case, **kw):
     """The kernel with every option passed the way cascade_attention passes it, so calls
     from the tests and from the cascade composition share one compiled program."""
     options = dict(causal=True, soft_cap=None, k_scale=None, v_scale=None)
+    if case.q.dtype == jnp.float32:  # cascade_attention asks for float32 partials
+        options["out_dtype"] = jnp.float32
     options.update(kw)
     knobs = options.pop("knobs", {})
     sm_scale = options.pop("sm_scale", 1.0 / math.sqrt(case.q.shape[-1]))
@@ -148,6 +150,18 @@ def test_sliding_window_with_soft_cap_and_kv_head_blocks():
 def test_bf16_gqa_two_kv_heads():
     case = _case(MIXED, seed=5, num_q_heads=8, num_kv_heads=2, dtype=jnp.bfloat16)
     _check(case)
+
+
+def test_bf16_with_float32_out_is_the_unrounded_output():
+    # What a cascade pass asks for: the same result before its rounding to bfloat16.
+    case = _case(MIXED, seed=5, num_q_heads=8, num_kv_heads=2, dtype=jnp.bfloat16)
+    out, lse = _kernel(case)
+    out32, lse32 = _kernel(case, out_dtype=jnp.float32)
+    assert out.dtype == jnp.bfloat16 and out32.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out32.astype(jnp.bfloat16)), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(lse32), np.asarray(lse))
+    n = case.num_valid_tokens
+    assert np.any(np.asarray(out32[:n]) != np.asarray(out[:n].astype(jnp.float32)))
 
 
 @pytest.mark.parametrize(

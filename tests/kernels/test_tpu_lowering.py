@@ -76,6 +76,7 @@ def test_lowers_to_mosaic(q_dtype, kv_dtype, head_dim, page_size, num_q_heads, n
         dict(sliding_window=100, soft_cap=30.0),
         dict(num_queries_per_block=16, num_kv_pages_per_block=4, vmem_limit_bytes=48 * 2**20),
         dict(num_kv_heads_per_block=8),
+        dict(causal=False, out_dtype=F32),  # a cascade pass's float32 partial result
         *[dict(tpu_generation=g) for g in sorted(TUNED_BLOCK_SIZES) if g != "default"],
     ],
     ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
@@ -96,6 +97,8 @@ def test_output_shapes():
     out, lse = _trace(_specs(BF16, BF16, 128, 16, 32, 8, tokens=20))
     assert (out.shape, out.dtype) == ((20, 32, 128), jnp.dtype(BF16))
     assert (lse.shape, lse.dtype) == ((20, 32), jnp.dtype(F32))
+    out, _ = _trace(_specs(BF16, BF16, 128, 16, 32, 8, tokens=20), out_dtype=F32)
+    assert (out.shape, out.dtype) == ((20, 32, 128), jnp.dtype(F32))
 
 
 @pytest.mark.parametrize(
