@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxkv import batch_allocation
 from jaxkv.block_pool import BlockPool, IntegrityError, KVCacheBlock, KVCacheEvent
 from jaxkv.block_table import HostBlockTable, UnknownRequestError
 from jaxkv.hashing import root_hash
@@ -22,7 +23,6 @@ from jaxkv.request import Request
 __all__ = ["KVCacheManager", "PrefixCacheStats", "UnknownRequestError"]
 
 _INTEGER_TYPES = (int, np.integer)
-_PLAIN_INT = {int}
 
 
 @dataclass(frozen=True)
@@ -282,61 +282,7 @@ class KVCacheManager:
         count, a repeated request id, an unknown request or a request that would pass
         max_model_len.
         """
-        ids = [r.request_id for r in requests]
-        counts = list(num_new_tokens)
-        if len(counts) != len(ids):
-            raise ValueError(f"{len(requests)=} must equal {len(counts)=}")
-        if not ids:
-            return True
-        if not (set(map(type, counts)) <= _PLAIN_INT and min(counts) >= 0):
-            counts = [_count("num_new_tokens", n, r) for r, n in zip(ids, counts, strict=True)]
-        held = list(map(self._blocks.get, ids))
-        if None in held:
-            self._blocks_of(ids[held.index(None)])  # raises UnknownRequestError
-        if len(set(ids)) != len(ids):
-            raise ValueError("requests: request ids must be distinct")
-        totals = [r.num_computed_tokens + n for r, n in zip(requests, counts, strict=True)]
-        if max(totals) > self.max_model_len:
-            for req_id, num_total in zip(ids, totals, strict=True):
-                self._check_total_fits(req_id, num_total)
-        bs = self.block_size
-        needs = [-(-t // bs) - len(blocks) for t, blocks in zip(totals, held, strict=True)]
-        total = sum(k for k in needs if k > 0)
-        if total > self.pool.num_free_blocks:
-            return False
-        if total:
-            self._take_fresh_blocks(ids, held, needs, self.pool.get_new_blocks(total))
-        if self.enable_prefix_caching:
-            num_cached_of = self._num_cached
-            for request, req_id, num_total in zip(requests, ids, totals, strict=True):
-                if num_total // bs > num_cached_of[req_id]:  # filled a block: cache it
-                    self._cache_full_blocks(request, num_total)
-        return True
-
-    def _take_fresh_blocks(
-        self,
-        ids: list[str],
-        held: list[list[KVCacheBlock]],
-        needs: list[int],
-        fresh: list[KVCacheBlock],
-    ) -> None:
-        """Hands out `fresh` in order: needs[i] blocks (if > 0) to request ids[i]."""
-        one_each_ids, one_each_blocks, taken = [], [], 0
-        for req_id, blocks, k in zip(ids, held, needs, strict=True):
-            if k == 1:
-                block = fresh[taken]
-                blocks.append(block)
-                one_each_ids.append(req_id)
-                one_each_blocks.append(block.block_id)
-            elif k > 1:
-                added = fresh[taken : taken + k]
-                blocks.extend(added)
-                self._table.append(req_id, [b.block_id for b in added], shared=False)
-            else:
-                continue
-            taken += k
-        if one_each_ids:
-            self._table.append_one_each(one_each_ids, one_each_blocks)
+        return batch_allocation.allocate_slots_batch(self, requests, num_new_tokens)
 
     def free(self, request: Request | str) -> None:
         """Releases every block of the request, tail first (so its tail is evicted first).

@@ -1,0 +1,94 @@
+"""One step's slot allocation for many running requests at once, all or nothing.
+
+Plain Python, no JAX. The body of KVCacheManager.allocate_slots_batch (whose docstring
+states the guarantees): it reads and changes the manager's private state, so the manager
+is its only caller. Every check runs before the first change; the fresh blocks of the
+whole batch are taken from the pool in one call and the single-block appends, the common
+decode case, are written to the block table in one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from jaxkv.block_pool import KVCacheBlock
+from jaxkv.block_table import HostBlockTable
+from jaxkv.request import Request
+
+if TYPE_CHECKING:
+    from jaxkv.kv_cache_manager import KVCacheManager
+
+__all__ = ["allocate_slots_batch"]
+
+_PLAIN_INT = {int}
+
+
+def allocate_slots_batch(
+    manager: KVCacheManager, requests: Sequence[Request], num_new_tokens: Sequence[int]
+) -> bool:
+    """manager.allocate_slots_batch(requests, num_new_tokens); see there."""
+    ids = [r.request_id for r in requests]
+    counts = list(num_new_tokens)
+    if len(counts) != len(ids):
+        raise ValueError(f"{len(requests)=} must equal {len(counts)=}")
+    if not ids:
+        return True
+    if not (set(map(type, counts)) <= _PLAIN_INT and min(counts) >= 0):
+        # Deferred: jaxkv.kv_cache_manager imports this module.
+        from jaxkv.kv_cache_manager import _count
+
+        counts = [_count("num_new_tokens", n, r) for r, n in zip(ids, counts, strict=True)]
+    held = list(map(manager._blocks.get, ids))
+    if None in held:
+        manager._blocks_of(ids[held.index(None)])  # raises UnknownRequestError
+    if len(set(ids)) != len(ids):
+        raise ValueError("requests: request ids must be distinct")
+    totals = [r.num_computed_tokens + n for r, n in zip(requests, counts, strict=True)]
+    if max(totals) > manager.max_model_len:
+        for req_id, num_total in zip(ids, totals, strict=True):
+            manager._check_total_fits(req_id, num_total)
+    bs = manager.block_size
+    needs = [-(-t // bs) - len(blocks) for t, blocks in zip(totals, held, strict=True)]
+    total = sum(k for k in needs if k > 0)
+    if total > manager.pool.num_free_blocks:
+        return False
+    if total:
+        fresh = manager.pool.get_new_blocks(total)
+        _take_fresh_blocks(manager._table, ids, held, needs, fresh)
+    if manager.enable_prefix_caching:
+        num_cached_of = manager._num_cached
+        for request, req_id, num_total in zip(requests, ids, totals, strict=True):
+            if num_total // bs > num_cached_of[req_id]:  # filled a block: cache it
+                manager._cache_full_blocks(request, num_total)
+    return True
+
+
+def _take_fresh_blocks(
+    table: HostBlockTable,
+    ids: list[str],
+    held: list[list[KVCacheBlock]],
+    needs: list[int],
+    fresh: list[KVCacheBlock],
+) -> None:
+    """Hands out `fresh` in order: needs[i] blocks (if > 0) to request ids[i].
+
+    Appends to the held lists in place (they are the manager's own) and mirrors the
+    appends into `table`.
+    """
+    one_each_ids, one_each_blocks, taken = [], [], 0
+    for req_id, blocks, k in zip(ids, held, needs, strict=True):
+        if k == 1:
+            block = fresh[taken]
+            blocks.append(block)
+            one_each_ids.append(req_id)
+            one_each_blocks.append(block.block_id)
+        elif k > 1:
+            added = fresh[taken : taken + k]
+            blocks.extend(added)
+            table.append(req_id, [b.block_id for b in added], shared=False)
+        else:
+            continue
+        taken += k
+    if one_each_ids:
+        table.append_one_each(one_each_ids, one_each_blocks)
