@@ -10,7 +10,9 @@ host, never inside jit:
   call. The step loop never waits on a copy.
 - on_admission(request, num_computed_tokens) -> tokens: a waiting request missed the
   device prefix cache after `num_computed_tokens`; the connector says how many further
-  prompt tokens (whole blocks) it can supply. The scheduler then sets the request's
+  prompt tokens (whole blocks, ending before the prompt's last token, whose logits must
+  be computed) it can supply; the scheduler refuses any other claim with ValueError,
+  changing nothing. The scheduler then sets the request's
   num_computed_tokens to that point, allocates blocks for the rest of its prompt, and
   calls start_load(request, block_ids) with the blocks for the supplied tokens; the
   request waits in WAITING_FOR_REMOTE_KV, holding its blocks, until poll() reports the

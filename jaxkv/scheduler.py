@@ -267,7 +267,11 @@ class Scheduler:
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 skipped.append(self.waiting.popleft())
                 continue
-            n = self._allocate_for_admission(request, budget)
+            try:
+                n = self._allocate_for_admission(request, budget)
+            except BaseException:  # a connector's error: the waiting queue stays whole
+                self.waiting.extendleft(reversed(skipped))
+                raise
             if n is None:
                 blocked = True
                 break

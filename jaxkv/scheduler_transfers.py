@@ -18,6 +18,7 @@ scheduler's queues; the Scheduler's liveness argument rests on that.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 
 from jaxkv.kv_cache_manager import KVCacheManager
@@ -66,8 +67,13 @@ class TransferTracker:
         the load has landed and the request is scheduled. Returns False (nothing
         changed) when the pool cannot hold the blocks; else the request is
         WAITING_FOR_REMOTE_KV with `num_hit` tokens computed until the load lands.
+
+        Raises ValueError, with nothing changed, for a claim that is not whole blocks
+        ending before the prompt's last token; an exception from the connector's
+        start_load frees the blocks again and propagates.
         """
         m = self._manager
+        num_external = self._check_claim(request, num_hit, num_external)
         new_ids = m.allocate_slots(
             request,
             0,
@@ -78,10 +84,32 @@ class TransferTracker:
         if new_ids is None:
             return False
         request.num_computed_tokens = num_hit
+        try:
+            self._connector.start_load(request, new_ids[: num_external // m.block_size])
+        except BaseException:
+            m.free(request)
+            request.num_computed_tokens = 0
+            raise
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self._connector.start_load(request, new_ids[: num_external // m.block_size])
         self._loading[request.request_id] = (request, num_hit + num_external)
         return True
+
+    def _check_claim(self, request: Request, num_hit: int, num_external: object) -> int:
+        """The claim as an int; ValueError unless whole blocks before the last token."""
+        block_size = self._manager.block_size
+        most = (request.num_tokens - 1) // block_size * block_size - num_hit
+        try:
+            claim = operator.index(num_external)
+        except TypeError:
+            claim = None
+        if claim is None or not (0 < claim <= most and claim % block_size == 0):
+            raise ValueError(
+                f"{type(self._connector).__name__}.on_admission({request.request_id!r}, "
+                f"{num_hit}) returned {num_external!r}: a claim must be a whole number of "
+                f"{block_size}-token blocks ending before the prompt's last token "
+                f"(at most {max(most, 0)} tokens here)"
+            )
+        return claim
 
     def landed(self) -> list[Request]:
         """Waiting requests whose load landed, in landing order (a copy: safe to admit)."""

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from jaxkv import RequestStatus
-from jaxkv.kv_transfer import HostOffloadConnector
+from jaxkv.kv_transfer import HostOffloadConnector, KVConnector
 from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
 
 BS = 4
@@ -35,3 +38,69 @@ def test_abort_while_loading_then_the_load_fails_releases_the_blocks_once():
     assert not sched.has_pending_transfers() and not sched.has_unfinished_requests()
     assert sched.manager.num_free_blocks == 63
     assert connector.stats.num_failed_loads == 1
+
+
+class _ClaimingConnector(KVConnector):
+    """Claims `claim` tokens for every admission; start_load raises for ids in `failing`."""
+
+    def __init__(self, claim, *, failing=()) -> None:
+        self.claim, self.failing, self.loads = claim, set(failing), []
+
+    def on_admission(self, request, num_computed_tokens):
+        return self.claim
+
+    def start_load(self, request, block_ids):
+        if request.request_id in self.failing:
+            raise OSError("injected start_load failure")
+        self.loads.append((request.request_id, list(block_ids)))
+
+
+def _queued(sched) -> list[str]:
+    return [r.request_id for r in sched.waiting]
+
+
+@pytest.mark.parametrize(
+    "claim",
+    [12, 16, 2, -4, 4.0, "4"],
+    ids=["whole_prompt", "past_last_token", "part_block", "negative", "float", "str"],
+)
+def test_a_bad_claim_is_refused_with_the_queue_and_blocks_unchanged(claim):
+    sched = make_scheduler(num_blocks=16, block_size=BS, connector=_ClaimingConnector(claim))
+    for rid in ("a", "b", "c"):
+        add(sched, rid, range(1, 13), max_tokens=2)  # 12 tokens: at most 8 loadable
+    with pytest.raises(ValueError, match=r"on_admission\('a', 0\) returned .*whole number"):
+        sched.schedule()
+    assert _queued(sched) == ["a", "b", "c"]
+    assert sched.manager.num_free_blocks == 15 and not sched.running
+    assert all(r.status == RequestStatus.WAITING and not r.num_computed_tokens
+               for r in sched.waiting)  # fmt: skip
+    sched.manager.check_integrity()
+
+
+def test_a_numpy_claim_of_whole_blocks_is_taken():
+    connector = _ClaimingConnector(np.int64(8))
+    sched = make_scheduler(num_blocks=16, block_size=BS, connector=connector)
+    a = add(sched, "a", range(1, 15), max_tokens=2)
+    sched.schedule()
+    assert a.status == RequestStatus.WAITING_FOR_REMOTE_KV and a.num_computed_tokens == 0
+    assert connector.loads == [("a", sched.manager.block_ids("a")[:2])]
+
+
+def test_a_failing_start_load_frees_its_blocks_and_keeps_the_queue():
+    connector = _ClaimingConnector(0, failing={"b"})
+    sched = make_scheduler(num_blocks=16, block_size=BS, connector=connector)
+    running = add(sched, "r", range(1, 3), max_tokens=5)
+    step(sched)  # "r" runs, holding one block
+    connector.claim = 8
+    a, b, c = (add(sched, rid, range(1, 15), max_tokens=2) for rid in "abc")
+    with pytest.raises(OSError, match="injected"):
+        sched.schedule()  # "a" starts its load (4 blocks), then "b" fails
+    assert _queued(sched) == ["a", "b", "c"] and sched.running == [running]
+    assert a.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert sched.manager.num_free_blocks == 15 - 1 - 4
+    sched.manager.check_integrity()
+    connector.failing.clear()  # the connector recovers: the next step starts the load
+    out = sched.schedule()
+    assert [r.request_id for r in out.requests] == ["r"]
+    assert [rid for rid, _ in connector.loads] == ["a", "b", "c"]
