@@ -150,3 +150,16 @@ def test_numpy_integer_counts_count_as_their_value(dtype):
 
     assert run(dtype) == run(int)
     assert run(int)[:3] == ([1, 2], False, True)
+
+
+@pytest.mark.parametrize("count", [True, np.bool_(True)])
+def test_a_bool_token_count_is_refused(busy, count):
+    before = snapshot(busy)
+    req = make_request("c", range(9))
+    with pytest.raises(ValueError, match="num_new_tokens=.*must be an int"):
+        busy.allocate_slots(req, count)
+    with pytest.raises(ValueError, match="num_lookahead_tokens=.*must be an int"):
+        busy.allocate_slots(req, 9, num_lookahead_tokens=count)
+    with pytest.raises(ValueError, match="num_new_tokens=.*must be an int"):
+        busy.allocate_slots_batch([req], [count])
+    _assert_unchanged(busy, before)
