@@ -367,21 +367,7 @@ class Scheduler:
         changed) unless `output` is the latest schedule()'s and not yet applied, and
         `sampled_token_ids` holds one integer >= 0 per scheduled request.
         """
-        if output is not self._unapplied:
-            raise ValueError(
-                "output: not the latest schedule() call's SchedulerOutput, or already applied"
-            )
-        tokens = np.asarray(sampled_token_ids)
-        if tokens.shape != (output.num_requests,) or (
-            tokens.size and tokens.dtype.kind not in "iu"
-        ):
-            raise ValueError(
-                f"sampled_token_ids: {tokens.shape} {tokens.dtype} must be integers of shape "
-                f"({output.num_requests},), one per scheduled request"
-            )
-        tokens = tokens.tolist()
-        if tokens and min(tokens) < 0:
-            raise ValueError(f"sampled_token_ids: {min(tokens)} must be >= 0")
+        tokens = self._checked_tokens(output, sampled_token_ids)
         self._unapplied = None
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
@@ -429,10 +415,7 @@ class Scheduler:
             reason = _FINISH_REASONS[request.status]
             outputs.append(request_output_of((request.request_id, (token,), True, reason)))
         if finished:
-            done = set(map(id, finished))
-            self.running = [r for r in self.running if id(r) not in done]
-            for request in finished:
-                self._transfers.finish(request)
+            self._finish(finished)
         self._decode_carry = carry
         self._count(
             num_prompt_tokens_computed=num_prompt,
@@ -440,6 +423,32 @@ class Scheduler:
             num_generated_tokens=num_generated,
         )
         return outputs
+
+    def _checked_tokens(self, output: SchedulerOutput, sampled_token_ids) -> list[int]:
+        """The sampled tokens as ints; ValueError unless update_from_output may apply them."""
+        if output is not self._unapplied:
+            raise ValueError(
+                "output: not the latest schedule() call's SchedulerOutput, or already applied"
+            )
+        tokens = np.asarray(sampled_token_ids)
+        if tokens.shape != (output.num_requests,) or (
+            tokens.size and tokens.dtype.kind not in "iu"
+        ):
+            raise ValueError(
+                f"sampled_token_ids: {tokens.shape} {tokens.dtype} must be integers of shape "
+                f"({output.num_requests},), one per scheduled request"
+            )
+        tokens = tokens.tolist()
+        if tokens and min(tokens) < 0:
+            raise ValueError(f"sampled_token_ids: {min(tokens)} must be >= 0")
+        return tokens
+
+    def _finish(self, finished: list[Request]) -> None:
+        """Takes requests that just finished out of `running`; frees or holds their blocks."""
+        done = set(map(id, finished))
+        self.running = [r for r in self.running if id(r) not in done]
+        for request in finished:
+            self._transfers.finish(request)
 
     # ---------------------------------------------------------------- release
 
