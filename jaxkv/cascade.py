@@ -231,7 +231,7 @@ class CascadePlanner:
 
         Every request must hold blocks for its num_computed_tokens (as the scheduler
         guarantees). Cost: a fixed number of numpy calls plus a loop over at most
-        2 x max_groups candidate groups; repeated id lists reuse the manager's common
+        4 x max_groups candidate groups; repeated id lists reuse the manager's common
         prefix (KVCacheManager.num_common_prefix_blocks).
         """
         num_requests = len(request_ids)
@@ -340,47 +340,71 @@ class CascadePlanner:
         query_lens: np.ndarray,  # i[R]
         base: int,
     ) -> list[tuple[np.ndarray, int]]:
-        """Groups (member indices, shared block end) sharing blocks past column `base`."""
+        """Groups (member indices, shared block end) sharing blocks past column `base`.
+
+        Candidates are requests with the same prefix id at column `base`. A candidate
+        whose shared blocks do not pay is split again at the first column its members
+        do not all share (requests under two system prompts after a one-block header
+        form two groups, not one that does not pay). At most 4 x max_groups candidates
+        are examined; the chosen groups are disjoint.
+        """
         if not self.enable_groups or base >= manager.max_blocks_per_seq:
             return []
+        everyone = np.arange(len(rows))
+        candidates = self._split(manager, rows, num_computed_tokens, everyone, base)
+        if candidates is None:  # every key distinct: no two requests share past the base
+            self._no_groups = (manager, rows, manager.sharing_version, base)
+            return []
         bs = manager.block_size
-        # A request can share column `base` in a cascade level only once it has computed
-        # that whole block (then it also holds it).
-        eligible = np.flatnonzero(num_computed_tokens >= (base + 1) * bs)
-        if len(eligible) < 2:
-            return []
-        # Requests that hold the same prefix id at column `base` share blocks 0..base.
-        keys = manager.prefix_ids[rows[eligible], base]
-        by_key = np.argsort(keys, kind="stable")
-        sorted_keys = keys[by_key]
-        new_run = sorted_keys[1:] != sorted_keys[:-1]
-        if new_run.all():  # every key distinct: no two requests share past the base
-            if len(eligible) == len(rows):
-                self._no_groups = (manager, rows, manager.sharing_version, base)
-            return []
-        starts = np.concatenate([[0], np.flatnonzero(new_run) + 1])
-        sizes = np.diff(np.append(starts, len(keys)))
-        candidates = np.flatnonzero((sizes >= 2) & (sorted_keys[starts] >= 0))
-        # Bounded work: only the largest candidates are examined.
-        candidates = candidates[np.argsort(-sizes[candidates], kind="stable")][
-            : 2 * self.max_groups
-        ]
-        order = eligible[by_key]
         num_blocks = manager.num_blocks_of_rows(rows)
         chosen = []
-        for c in candidates:
-            members = np.sort(order[starts[c] : starts[c] + sizes[c]])
+        budget = 4 * self.max_groups
+        while candidates and budget:
+            budget -= 1
+            members = candidates.pop(0)
             end = longest_common_prefix(manager.prefix_ids, num_blocks[members], rows[members])
             computed = num_computed_tokens[members]
             end = min(end, int(computed.min()) // bs)
-            if end > base:
-                queries = int(query_lens[members].sum())
-                context = int(computed.sum()) + queries
-                if self.pays(len(members), (end - base) * bs, queries, context):
-                    chosen.append(((len(members) - 1) * (end - base), members, end))
+            queries = int(query_lens[members].sum())
+            context = int(computed.sum()) + queries
+            if self.pays(len(members), (end - base) * bs, queries, context):
+                chosen.append(((len(members) - 1) * (end - base), members, end))
+            elif end < manager.max_blocks_per_seq:
+                candidates += self._split(manager, rows, num_computed_tokens, members, end) or []
+                candidates.sort(key=len, reverse=True)
         chosen.sort(key=lambda t: (-t[0], int(t[1][0])))
         chosen = sorted(chosen[: self.max_groups], key=lambda t: int(t[1][0]))
         return [(members, end) for _, members, end in chosen]
+
+    def _split(
+        self,
+        manager: KVCacheManager,
+        rows: np.ndarray,  # i32[R]
+        num_computed_tokens: np.ndarray,  # i[R]
+        members: np.ndarray,  # indices into rows, sorted
+        column: int,
+    ) -> list[np.ndarray] | None:
+        """Runs of >= 2 `members` holding the same block prefix through `column`, largest
+        first, each sorted; None if every member was eligible and all keys differ."""
+        bs = manager.block_size
+        # A request can share column `column` in a cascade level only once it has
+        # computed that whole block (then it also holds it).
+        eligible = members[num_computed_tokens[members] >= (column + 1) * bs]
+        if len(eligible) < 2:
+            return []
+        # Requests that hold the same prefix id at `column` share blocks 0..column.
+        keys = manager.prefix_ids[rows[eligible], column]
+        by_key = np.argsort(keys, kind="stable")
+        sorted_keys = keys[by_key]
+        new_run = sorted_keys[1:] != sorted_keys[:-1]
+        if new_run.all():
+            return None if len(eligible) == len(rows) else []
+        starts = np.concatenate([[0], np.flatnonzero(new_run) + 1])
+        sizes = np.diff(np.append(starts, len(keys)))
+        runs = np.flatnonzero((sizes >= 2) & (sorted_keys[starts] >= 0))
+        runs = runs[np.argsort(-sizes[runs], kind="stable")][: 2 * self.max_groups]
+        order = eligible[by_key]
+        return [np.sort(order[starts[c] : starts[c] + sizes[c]]) for c in runs]
 
 
 def _level(name, starts, ends, block_starts, block_ends, leaders) -> CascadeLevel:

@@ -118,6 +118,29 @@ def test_two_system_prompts_make_two_groups():
     assert plan.suffix_start_blocks.tolist() == [8, 8, 8, 6, 6, 6]
 
 
+def test_groups_under_a_shared_header_that_does_not_pay():
+    # All six share one header block, which alone does not pay for a level; under it,
+    # two system prompts do. The batch splits past the header into two groups.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    header = [1, 2, 3, 4]
+    reqs = []
+    for i in range(6):
+        system = SYSTEM_A if i % 2 == 0 else SYSTEM_B
+        reqs.append(_decoding(m, f"r{i}", header + system + [i, 50 + i, 60 + i]))
+    # Saving (n - 1) copies of the prefix at 512 bytes per token: the header saves
+    # 5 * 4 * 512 = 10240 bytes, each group at least 2 * 28 * 512 = 28672.
+    model = CascadeCostModel(launch_overhead_bytes=20000, merge_cost_factor=0)
+    planner = CascadePlanner(SHAPE, cost_model=model)
+    assert not planner.pays(6, 4, 6) and planner.pays(3, 28, 3)
+    plan = _plan(planner, m, reqs)
+    assert plan.num_common_prefix_blocks == 1
+    (level,) = plan.levels
+    assert level.name == "groups" and level.num_groups == 2
+    assert plan.order.tolist() == [0, 2, 4, 1, 3, 5]
+    assert level.block_starts.tolist() == [0, 0] and level.block_ends.tolist() == [9, 7]
+    assert plan.suffix_start_blocks.tolist() == [9, 9, 9, 7, 7, 7]
+
+
 def test_global_prefix_plus_groups_make_two_levels():
     m = KVCacheManager(256, 4, max_model_len=160)
     shots = {0: list(range(300, 316)), 1: list(range(400, 412))}
