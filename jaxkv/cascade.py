@@ -132,6 +132,28 @@ class CascadeLevel:
     block_ends: np.ndarray  # i32[G] one past the last shared block column
     leader_rows: np.ndarray  # i32[G] a block-table row holding the group's shared blocks
 
+    def __post_init__(self) -> None:
+        """Raises ValueError unless the groups are non-empty, in batch order and disjoint,
+        each over a non-empty range of block columns (the metadata builder relies on it)."""
+        fields = (
+            self.group_starts, self.group_ends, self.block_starts, self.block_ends,
+            self.leader_rows,
+        )  # fmt: skip
+        if len({np.shape(f) for f in fields}) != 1 or np.ndim(self.group_starts) != 1:
+            raise ValueError(f"level {self.name!r}: its five arrays must be 1-D of one length")
+        starts, ends = self.group_starts.tolist(), self.group_ends.tolist()
+        previous_end = 0
+        for g, (start, end, b0, b1) in enumerate(
+            zip(starts, ends, self.block_starts.tolist(), self.block_ends.tolist(), strict=True)
+        ):
+            if not previous_end <= start < end or not 0 <= b0 < b1:
+                raise ValueError(
+                    f"level {self.name!r} group {g}: batch positions {start}:{end} and "
+                    f"blocks {b0}:{b1} must be non-empty, with groups in batch order from "
+                    f"position {previous_end} on"
+                )
+            previous_end = end
+
     @property
     def num_groups(self) -> int:
         return len(self.group_starts)
@@ -153,6 +175,22 @@ class CascadePlan:
     levels: tuple[CascadeLevel, ...]
     num_common_prefix_blocks: int  # exact common prefix of the whole batch, before capping
     keeps_order: bool = False  # True only if order is the identity (schedule order)
+
+    def __post_init__(self) -> None:
+        """Raises ValueError unless order, rows and suffix starts are one per request and
+        every level's groups lie within the batch."""
+        num_requests = len(self.order)
+        if len(self.rows) != num_requests or len(self.suffix_start_blocks) != num_requests:
+            raise ValueError(
+                f"{len(self.order)=}, {len(self.rows)=} and {len(self.suffix_start_blocks)=} "
+                "must be equal (one per scheduled request)"
+            )
+        for level in self.levels:
+            if level.num_groups and int(level.group_ends[-1]) > num_requests:
+                raise ValueError(
+                    f"level {level.name!r}: group_ends {level.group_ends.tolist()} must "
+                    f"stay within the {num_requests} requests of the batch"
+                )
 
     @property
     def uses_cascade(self) -> bool:

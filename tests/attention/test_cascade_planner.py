@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -346,3 +348,44 @@ def test_cost_models_that_do_not_read_padded_pages_ignore_page_buckets():
     reqs = [_decoding(m, f"r{i}", SYSTEM_A + [i, i + 1]) for i in range(4)]
     planner = CascadePlanner(SHAPE, cost_model=ALWAYS, page_buckets=(16,))
     assert _plan(planner, m, reqs).uses_cascade
+
+
+def _two_group_plan():
+    m = KVCacheManager(256, 4, max_model_len=128)
+    reqs = []
+    for i in range(6):
+        system = SYSTEM_A if i % 2 == 0 else SYSTEM_B
+        reqs.append(_decoding(m, f"r{i}", system + [i, 50 + i, 60 + i]))
+    return _plan(CascadePlanner(SHAPE, cost_model=ALWAYS), m, reqs)
+
+
+def _reversed_groups(level):
+    names = ("group_starts", "group_ends", "block_starts", "block_ends", "leader_rows")
+    return {f: getattr(level, f)[::-1].copy() for f in names}
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (_reversed_groups, "in batch order"),
+        (lambda lv: {"group_ends": np.array([4, 6], np.int32)}, "in batch order"),  # overlap
+        (lambda lv: {"group_ends": np.array([0, 6], np.int32)}, "non-empty"),
+        (lambda lv: {"block_ends": np.array([0, 6], np.int32)}, "non-empty"),
+        (lambda lv: {"leader_rows": np.array([0], np.int32)}, "one length"),
+    ],
+    ids=["out_of_order", "overlapping", "empty_group", "empty_blocks", "ragged"],
+)
+def test_a_malformed_level_is_refused(change, match):
+    (level,) = _two_group_plan().levels
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(level, **change(level))
+
+
+def test_a_level_past_the_batch_or_ragged_plan_arrays_are_refused():
+    plan = _two_group_plan()
+    (level,) = plan.levels
+    longer = dataclasses.replace(level, group_ends=np.array([3, 7], np.int32))
+    with pytest.raises(ValueError, match="within the 6 requests"):
+        dataclasses.replace(plan, levels=(longer,))
+    with pytest.raises(ValueError, match="must be equal"):
+        dataclasses.replace(plan, rows=plan.rows[:-1])
