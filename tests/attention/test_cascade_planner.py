@@ -103,13 +103,18 @@ def test_prefix_capped_at_smallest_computed_then_rounded_to_blocks(block_size, e
     del r1, r2
 
 
-def test_two_system_prompts_make_two_groups():
+def _two_group_plan():
+    """Six decoding requests, alternately under SYSTEM_A and SYSTEM_B; every level pays."""
     m = KVCacheManager(256, 4, max_model_len=128)
     reqs = []
     for i in range(6):
         system = SYSTEM_A if i % 2 == 0 else SYSTEM_B
         reqs.append(_decoding(m, f"r{i}", system + [i, 50 + i, 60 + i]))
-    plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS), m, reqs)
+    return _plan(CascadePlanner(SHAPE, cost_model=ALWAYS), m, reqs)
+
+
+def test_two_system_prompts_make_two_groups():
+    plan = _two_group_plan()
     assert plan.num_common_prefix_blocks == 0
     (level,) = plan.levels
     assert level.name == "groups" and level.num_groups == 2
@@ -348,15 +353,6 @@ def test_cost_models_that_do_not_read_padded_pages_ignore_page_buckets():
     reqs = [_decoding(m, f"r{i}", SYSTEM_A + [i, i + 1]) for i in range(4)]
     planner = CascadePlanner(SHAPE, cost_model=ALWAYS, page_buckets=(16,))
     assert _plan(planner, m, reqs).uses_cascade
-
-
-def _two_group_plan():
-    m = KVCacheManager(256, 4, max_model_len=128)
-    reqs = []
-    for i in range(6):
-        system = SYSTEM_A if i % 2 == 0 else SYSTEM_B
-        reqs.append(_decoding(m, f"r{i}", system + [i, 50 + i, 60 + i]))
-    return _plan(CascadePlanner(SHAPE, cost_model=ALWAYS), m, reqs)
 
 
 def _reversed_groups(level):
