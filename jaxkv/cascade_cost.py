@@ -1,0 +1,99 @@
+"""The cascade cost model: whether reading a shared prefix once pays, per backend.
+
+Plain Python arithmetic on bytes of KV, no JAX; CascadePlanner (jaxkv.cascade) asks it
+once per candidate level. Tables of defaults are keyed by attention backend name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadeCostModel:
+    """Decides per level whether reading a prefix once pays for the extra call and merge.
+
+    Cascade saves reading (R - 1) copies of the prefix's KV; it costs one more kernel
+    call (`launch_overhead_bytes`, the fixed cost of a call expressed as bytes of KV that
+    could be read in the same time) and a merge that reads two float32 partial outputs
+    and writes one per query token and head (times `merge_cost_factor`). Cascade is
+    planned where saved bytes exceed that cost and are at least `min_saved_fraction`
+    of what flat attention would read for those requests (their whole contexts, so
+    long own suffixes make a shared prefix matter less). Defaults per backend come from
+    benchmarks/attention.py (see DEFAULT_COST_MODELS); pass your own to override.
+    """
+
+    launch_overhead_bytes: float = 1 << 20
+    merge_cost_factor: float = 1.0
+    min_requests: int = 2
+    min_saved_fraction: float = 0.0
+    # The backend's work follows each pass's padded page width, not the keys it holds
+    # (the xla reference path gathers and scores every padded page). Then cascade pays
+    # only if its suffix pass pads to fewer pages than flat attention would; the planner
+    # checks that when it knows the page buckets (CascadePlanner(page_buckets=...)).
+    reads_padded_pages: bool = False
+
+    def saved_bytes(self, num_requests: int, prefix_tokens: int, kv_bytes_per_token: int) -> int:
+        return max(num_requests - 1, 0) * prefix_tokens * kv_bytes_per_token
+
+    def cost_bytes(self, num_query_tokens: int, num_q_heads: int, head_dim: int) -> float:
+        merge_bytes = num_query_tokens * num_q_heads * (head_dim + 1) * 4 * 3
+        return self.launch_overhead_bytes + self.merge_cost_factor * merge_bytes
+
+    def pays(
+        self,
+        *,
+        num_requests: int,
+        prefix_tokens: int,
+        num_query_tokens: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        kv_itemsize: int,
+        context_tokens: int | None = None,
+    ) -> bool:
+        """Whether reading `prefix_tokens` once for `num_requests` requests pays.
+
+        context_tokens: the requests' whole contexts summed (what flat attention reads);
+        None skips the min_saved_fraction test.
+        """
+        if num_requests < self.min_requests or prefix_tokens <= 0:
+            return False
+        kv_bytes_per_token = 2 * num_kv_heads * head_dim * kv_itemsize
+        saved = self.saved_bytes(num_requests, prefix_tokens, kv_bytes_per_token)
+        if context_tokens is not None and saved < self.min_saved_fraction * (
+            context_tokens * kv_bytes_per_token
+        ):
+            return False
+        return saved > self.cost_bytes(num_query_tokens, num_q_heads, head_dim)
+
+
+# Key: backend name as in jaxkv.attention ("xla", "pallas_tpu", "pallas_gpu").
+# xla: from benchmarks/attention.py on the CPU (README table): cascade won wherever it
+# saved over ~1.5 MiB and at least a third of flat's bytes, and lost (0.84x) at
+# B=32, P=256, S=1024 where it saved a sixth. The accelerator rows are estimates (a
+# kernel launch of a few microseconds at HBM bandwidth) until measured on hardware.
+DEFAULT_COST_MODELS: dict[str, CascadeCostModel] = {
+    "xla": CascadeCostModel(
+        launch_overhead_bytes=256 << 10,
+        merge_cost_factor=2.0,
+        min_saved_fraction=0.3,
+        reads_padded_pages=True,
+    ),
+    "pallas_tpu": CascadeCostModel(
+        launch_overhead_bytes=8 << 20, merge_cost_factor=1.0, min_saved_fraction=0.2
+    ),
+    "pallas_gpu": CascadeCostModel(
+        launch_overhead_bytes=16 << 20, merge_cost_factor=1.0, min_saved_fraction=0.2
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """Head shapes the cost model needs; independent of any batch."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_itemsize: int = 2
