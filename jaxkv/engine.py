@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxkv.attention import default_backend
 from jaxkv.batch import build_attention_metadata
-from jaxkv.cascade import AttentionShape, CascadePlanner
+from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner
 from jaxkv.completion import run_to_completion
 from jaxkv.config import EngineConfig
 from jaxkv.kv_cache_manager import KVCacheManager
@@ -37,7 +37,7 @@ from jaxkv.metrics import EngineMetrics, StepStats
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.request import Request, SamplingParams
 from jaxkv.sampler import sample, sampling_arrays, sampling_row
-from jaxkv.scheduler import Scheduler
+from jaxkv.scheduler import Scheduler, SchedulerOutput
 from jaxkv.sharding import mesh_for, shard_model
 from jaxkv.step_inputs import coarsen_metadata, gather_input_ids, program_key
 
@@ -208,6 +208,43 @@ class Engine:
             out.request_ids, out.num_computed_tokens, out.num_scheduled_tokens, self.manager
         )
         c_plan = time.thread_time()
+        order, md, input_ids, sampling = self._step_inputs(out, plan)
+        key = program_key(md)
+        new_program = key not in self._programs
+        if new_program:
+            self._programs.add(key)
+        t1, c1 = time.perf_counter(), time.thread_time()
+
+        tokens, self.kv_caches = self._program(
+            self._state_leaves, input_ids, md.positions, self.kv_caches, md, sampling
+        )
+        if order is None:
+            sampled = np.asarray(tokens)[:n]
+        else:
+            sampled = np.empty(n, np.int32)
+            sampled[order] = np.asarray(tokens)[:n]
+        t2 = time.perf_counter()
+
+        outputs = self.scheduler.update_from_output(out, sampled)
+        for o in outputs:
+            if o.finished:
+                del self._sampling[o.request_id]
+        t3 = time.perf_counter()
+        levels = "+".join(level.name for level in plan.levels)
+        self.last_step = StepStats(
+            t1 - t0, c1 - c0, t2 - t1, t3 - t2, n, len(out.token_ids), levels, new_program,
+            schedule_cpu_s=c_schedule - c0, plan_cpu_s=c_plan - c_schedule,
+            prepare_cpu_s=c1 - c_plan,
+        )  # fmt: skip
+        self._record(self.last_step)
+        return outputs
+
+    def _step_inputs(self, out: SchedulerOutput, plan: CascadePlan):
+        """(order, metadata, input ids, sampling arrays) of a scheduled batch in plan order.
+
+        `order` is None when the plan keeps schedule order, else the plan's permutation.
+        """
+        n = out.num_requests
         if plan.keeps_order:
             order = None
             query_lens, num_computed = out.num_scheduled_tokens, out.num_computed_tokens
@@ -241,43 +278,20 @@ class Engine:
         positions = np.zeros(md.max_num_seqs, np.int32)  # of the tokens being sampled
         positions[:n] = num_computed + query_lens
         sampling = (*self._sampling_rows(out.requests, order, md.max_num_seqs), positions)
-        key = program_key(md)
-        new_program = key not in self._programs
-        if new_program:
-            self._programs.add(key)
-        t1, c1 = time.perf_counter(), time.thread_time()
+        return order, md, input_ids, sampling
 
-        tokens, self.kv_caches = self._program(
-            self._state_leaves, input_ids, md.positions, self.kv_caches, md, sampling
-        )
-        if order is None:
-            sampled = np.asarray(tokens)[:n]
-        else:
-            sampled = np.empty(n, np.int32)
-            sampled[order] = np.asarray(tokens)[:n]
-        t2 = time.perf_counter()
-
-        outputs = self.scheduler.update_from_output(out, sampled)
-        for o in outputs:
-            if o.finished:
-                del self._sampling[o.request_id]
-        t3 = time.perf_counter()
-        levels = "+".join(level.name for level in plan.levels)
-        self.last_step = StepStats(
-            t1 - t0, c1 - c0, t2 - t1, t3 - t2, n, num_tokens, levels, new_program,
-            schedule_cpu_s=c_schedule - c0, plan_cpu_s=c_plan - c_schedule,
-            prepare_cpu_s=c1 - c_plan,
-        )  # fmt: skip
+    def _record(self, step: StepStats) -> None:
+        """Adds a step that ran the model to the engine's running metrics."""
         m = self._m
         m["num_steps"] += 1
-        m["host_time_s"] += t1 - t0
-        m["device_time_s"] += t2 - t1
-        m["update_time_s"] += t3 - t2
-        if levels:
+        m["host_time_s"] += step.host_s
+        m["device_time_s"] += step.device_s
+        m["update_time_s"] += step.update_s
+        if step.cascade_levels:
             m["cascade_steps"] += 1
-            m["cascade_tokens"] += num_tokens
+            m["cascade_tokens"] += step.num_tokens
+            levels = step.cascade_levels
             self._levels[levels] = self._levels.get(levels, 0) + 1
-        return outputs
 
     def _sampling_rows(self, requests: list[Request], order: np.ndarray | None, num_rows: int):
         """Per-row sampling arrays in batch order (`order` None: schedule order); reused
