@@ -147,6 +147,31 @@ def test_a_landed_load_runs_while_the_head_of_the_queue_cannot_get_blocks():
     assert r.num_output_tokens == 12 and sched.manager.num_free_blocks == 8
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="Scheduler.schedule skips all admission in a step that preempts, and the "
+    "preempted request heads the queue again, so a landed load behind it is never admitted",
+)
+def test_a_landed_load_runs_when_the_request_ahead_of_it_keeps_preempting_itself():
+    # 9 usable blocks. x's landed load holds 5 (all 17 of its tokens); h needs 5 too but
+    # gets only the 2 blocks of an 8-token chunk at admission, so it is never blocked
+    # there: it takes the whole budget, grows to 4 blocks, cannot get a 5th and preempts
+    # itself, and heads the queue again. Nothing frees x's blocks unless x runs.
+    sched, conn, copier = setup(
+        num_blocks=10, max_model_len=32, max_num_batched_tokens=8, enable_prefix_caching=False
+    )
+    shared = list(range(1, 13))
+    add(sched, "r0", [*shared, 99], max_tokens=1)
+    run_until_idle(sched, copier)
+    x = add(sched, "x", [*shared, *range(20, 25)], max_tokens=2)
+    h = add(sched, "h", range(40, 57), max_tokens=4)
+    out, _ = step(sched, copier)
+    assert out.request_ids == ["h"] and x.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert run_until_idle(sched, copier, max_steps=40) == {"x": "length", "h": "length"}
+    assert conn.stats.num_loads == 1 and h.num_output_tokens == 4
+    assert sched.manager.num_free_blocks == 9
+
+
 def test_start_load_refuses_blocks_the_store_does_not_hold():
     sched, conn, copier = setup()
     prompt = list(range(1, 15))
