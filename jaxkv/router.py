@@ -15,6 +15,7 @@ engines in one process (on CPU devices too) and is testable without engines.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
@@ -59,7 +60,9 @@ class PrefixAwareRouter:
     max_tracked_prefixes: bound on remembered prefix hashes (least recently used dropped).
 
     Outstanding requests are counted by the router: +1 on add_request, -1 when a replica's
-    output says the request finished or it is aborted. Not thread-safe.
+    output says the request finished or it is aborted. Not thread-safe. Replicas should
+    sample with different default seeds (engine_replicas sees to it): otherwise unseeded
+    sampled requests on two replicas can draw the same tokens.
     """
 
     def __init__(
@@ -213,17 +216,27 @@ def engine_replicas(
 ) -> list[Any]:
     """Engines over consecutive groups of `tensor_parallel_size` devices (default: all of
     jax.devices()), one per group, at most `num_replicas`. Each engine holds its own copy
-    of the weights and its own KV cache on its group. Raises ValueError naming both
-    numbers when the TP size does not divide the device count, or too few groups exist."""
+    of the weights and its own KV cache on its group. Replica i gets `config` with seed
+    config.seed + i, so requests without a seed of their own draw different random
+    streams on different replicas (with one seed, the n-th request of every replica would
+    sample the same tokens). Raises ValueError naming both numbers when the TP size does
+    not divide the device count, or too few groups exist."""
+    from jaxkv.config import EngineConfig
     from jaxkv.engine import Engine
     from jaxkv.sharding import replica_meshes
 
     meshes = replica_meshes(tensor_parallel_size, devices)
     if num_replicas is not None:
+        if not isinstance(num_replicas, int) or isinstance(num_replicas, bool):
+            raise ValueError(f"{num_replicas=} must be None or an int")
         if not 1 <= num_replicas <= len(meshes):
             raise ValueError(
                 f"{num_replicas=} needs {num_replicas} groups of {tensor_parallel_size} "
                 f"devices; there are {len(meshes)}"
             )
         meshes = meshes[:num_replicas]
-    return [Engine(model, params, config, mesh=mesh) for mesh in meshes]
+    config = EngineConfig() if config is None else config
+    return [
+        Engine(model, params, dataclasses.replace(config, seed=config.seed + i), mesh=mesh)
+        for i, mesh in enumerate(meshes)
+    ]

@@ -60,11 +60,13 @@ def replica_meshes(
 
     One 1-D mesh per group, in device order; each group can serve one engine replica.
     Raises ValueError naming both numbers when TP does not divide the device count, or
-    when `devices` is empty.
+    when `devices` is empty or lists a device twice.
     """
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("devices must not be empty")
+    if len(set(devices)) != len(devices):  # jax.sharding.Mesh accepts them, jit then fails
+        raise ValueError(f"devices must be distinct, got ids {[d.id for d in devices]}")
     if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool):
         raise ValueError(f"{tensor_parallel_size=} must be an int")
     _check_divides(tensor_parallel_size, "the device count", len(devices))
@@ -108,6 +110,27 @@ def kv_cache_sharding(mesh: Mesh, axis_name: str = DEFAULT_AXIS) -> NamedShardin
 # ---------------------------------------------------------------- attention per shard
 
 
+def _check_heads(
+    kv_pages: jax.Array,  # [num_blocks, block_size, 2 * num_kv_heads, head_dim]
+    num_q_heads: int | None = None,
+    kv: dict[str, jax.Array] | None = None,  # name -> [max_num_tokens, num_kv_heads, head_dim]
+) -> None:
+    """Head counts checked on the whole arrays, so that errors name the caller's numbers
+    rather than one shard's."""
+    if kv_pages.ndim != 4 or kv_pages.shape[2] % 2 or kv_pages.shape[2] == 0:
+        raise ValueError(
+            f"{kv_pages.shape=} must be [num_blocks, block_size, 2 * num_kv_heads, head_dim]"
+        )
+    num_kv_heads = kv_pages.shape[2] // 2
+    if num_q_heads is not None and num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads=} must be a multiple of {num_kv_heads=}")
+    for name, x in (kv or {}).items():
+        if x.ndim != 3 or x.shape[1] != num_kv_heads:
+            raise ValueError(
+                f"{name}.shape={x.shape} must be [max_num_tokens, {num_kv_heads}, head_dim]"
+            )
+
+
 def _tp_size(mesh: Mesh, axis_name: str) -> int:
     if axis_name not in mesh.shape:
         raise ValueError(f"{axis_name=} is not an axis of {mesh.shape=}")
@@ -142,9 +165,10 @@ def sharded_paged_attention(
     Each device runs the dispatch (flat or cascade, any backend) on its contiguous chunk of
     query heads and KV heads; metadata is replicated. Returns what paged_attention returns,
     sharded along heads. Raises ValueError naming both numbers when TP does not divide the
-    query heads or the KV heads.
+    query heads or the KV heads, or the query heads are not a multiple of the KV heads.
     """
     tp = _tp_size(mesh, axis_name)
+    _check_heads(kv_pages, q.shape[1])
     _check_divides(tp, "num_q_heads", q.shape[1])
     _check_divides(tp, "num_kv_heads", kv_pages.shape[2] // 2)
     heads = P(None, axis_name, None)
@@ -189,9 +213,10 @@ def sharded_write_kv(
     """jaxkv.attention.write_kv per shard: each device writes its own KV heads' K and V.
 
     The cache is donated; the result keeps kv_cache_sharding. Raises ValueError naming both
-    numbers when TP does not divide the KV heads.
+    numbers when TP does not divide the KV heads, or k / v do not have the cache's KV heads.
     """
     tp = _tp_size(mesh, axis_name)
+    _check_heads(kv_pages, kv={"k": k, "v": v})
     _check_divides(tp, "num_kv_heads", kv_pages.shape[2] // 2)
     heads = P(None, axis_name, None)
     cache = P(None, None, axis_name, None)

@@ -302,10 +302,33 @@ def bad_tp_sizes():
     kv = jnp.zeros((NUM_BLOCKS, BLOCK_SIZE, 12, 8))
     _, md = planned_step(1, cascade=False)
     raises(lambda: sharding.sharded_paged_attention(q, kv, md, mesh=mesh4, sm_scale=1.0), 4, 6)
+    # Head counts that do not match each other are named as the caller gave them (12 query
+    # heads, 8 KV heads), not as one shard sees them (3 and 2).
+    kv8 = jnp.zeros((NUM_BLOCKS, BLOCK_SIZE, 16, 8))
+    raises(lambda: sharding.sharded_paged_attention(q, kv8, md, mesh=mesh4, sm_scale=1.0), 12, 8)
+    odd = jnp.zeros((NUM_BLOCKS, BLOCK_SIZE, 6, 8))[:, :, :5]
+    q8 = jnp.zeros((BUCKETS.max_num_tokens, 8, 8))
+    mesh2 = sharding.make_mesh(2)
+    raises(
+        lambda: sharding.sharded_paged_attention(q8, odd, md, mesh=mesh2, sm_scale=1.0),
+        "kv_pages.shape",
+    )
+    k2 = jnp.zeros((BUCKETS.max_num_tokens, 2, 8))
+    raises(
+        lambda: sharding.sharded_write_kv(kv8, k2, k2, md.slot_mapping, mesh=mesh4),
+        "max_num_tokens, 8",
+    )
+    # A device listed twice makes a Mesh that jit later rejects with an unrelated error.
+    d = jax.devices()
+    raises(lambda: sharding.make_mesh(2, devices=[d[0], d[0]]), "distinct")
+    raises(lambda: sharding.replica_meshes(2, devices=[d[0], d[1], d[0], d[1]]), "distinct")
     engine_config = EngineConfig(scheduler=SchedulerConfig(max_model_len=64))
     from jaxkv.engine import Engine
 
     raises(lambda: Engine(model(8), None, engine_config, tensor_parallel_size=3), 3, 8)
+    from jaxkv.router import engine_replicas
+
+    raises(lambda: engine_replicas(model(8), engine_config, num_replicas=1.5), "num_replicas")
 
 
 # ------------------------------------------------------------------ engine, router
@@ -369,15 +392,23 @@ def engine_greedy_tp():
         assert shard_shapes(c) == [(64, BLOCK_SIZE, 16 // tp, 8)] * tp
 
 
+@functools.cache
+def tp4_replicas() -> tuple:
+    """Two TP=4 engines from engine_replicas (shared by the router checks: one compile)."""
+    from jaxkv.router import engine_replicas
+
+    return tuple(engine_replicas(model(8), engine_config(), tensor_parallel_size=4))
+
+
 @check
 def router_over_engine_replicas():
     """Two TP=4 engine replicas on disjoint device groups behind the router: outputs equal
     one unsharded engine's; each prefix group stays on one replica; loners spread."""
-    from jaxkv.router import PrefixAwareRouter, engine_replicas
+    from jaxkv.router import PrefixAwareRouter
 
     ps = prompts()
     want, _ = unsharded_greedy()
-    replicas = engine_replicas(model(8), engine_config(), tensor_parallel_size=4)
+    replicas = tp4_replicas()
     assert len(replicas) == 2
     device_sets = [frozenset(r.mesh.devices.flat) for r in replicas]
     assert len(set().union(*device_sets)) == 8, "replicas share devices"
@@ -396,6 +427,29 @@ def router_over_engine_replicas():
     assert router.num_outstanding == (0, 0)
     hits = [r.metrics.prefix_cache_hits for r in replicas]
     print(f"  prefix-cache hits per replica: {hits}")
+
+
+@check
+def router_replicas_sample_independently():
+    """Four sampled requests (no seed of their own) for one prompt shorter than a block
+    spread over both replicas, two each, and draw four different outputs, as on one engine:
+    the replicas do not share a sampling seed."""
+    from jaxkv.router import PrefixAwareRouter
+
+    replicas = tp4_replicas()
+    router = PrefixAwareRouter(replicas, block_size=BLOCK_SIZE)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0)
+    ids = [router.add_request([5, 6, 7], params) for _ in range(4)]
+    where = [router.replica_of(i) for i in ids]
+    assert sorted(where) == [0, 0, 1, 1], where
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    while router.has_unfinished_requests():
+        for o in router.step():
+            tokens[o.request_id].extend(o.new_token_ids)
+    outs = [tuple(tokens[i]) for i in ids]
+    print(f"  replicas {where}: {outs}")
+    assert all(len(o) == MAX_TOKENS for o in outs), outs
+    assert len(set(outs)) == 4, f"replicas drew the same samples: {outs}"
 
 
 # --------------------------------------------------------------------------- main

@@ -26,6 +26,7 @@ CHECKS = (
     "bad_tp_sizes",
     "engine_greedy_tp",
     "router_over_engine_replicas",
+    "router_replicas_sample_independently",
 )
 TIMEOUT_S = 600
 
