@@ -80,3 +80,12 @@ def run_to_completion(
         CompletionOutput(rid, tuple(int(t) for t in p), tuple(tokens[i]), reasons[i])
         for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
     ]
+
+
+def progress_bar(total: int, *, desc: str):
+    """A tqdm progress bar of `total` steps, or None when tqdm is not installed."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # progress is a nicety; tqdm is an optional dependency
+        return None
+    return tqdm(total=total, desc=desc, unit="req")

@@ -28,7 +28,7 @@ from flax import nnx
 from jaxkv.attention import default_backend
 from jaxkv.batch import build_attention_metadata
 from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner
-from jaxkv.completion import run_to_completion
+from jaxkv.completion import progress_bar, run_to_completion
 from jaxkv.config import EngineConfig
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_copy import DeviceKVCopier
@@ -340,7 +340,7 @@ class Engine:
         the ones before it are aborted again (none has run). Requests already in the
         engine progress too; their outputs are not returned.
         """
-        bar = _progress_bar(len(prompts)) if progress else None
+        bar = progress_bar(len(prompts), desc="generate") if progress else None
         return run_to_completion(self, prompts, sampling_params, progress_bar=bar)
 
     # ----------------------------------------------------------------- metrics
@@ -370,11 +370,3 @@ class Engine:
             num_waiting=len(self.scheduler.waiting),
             num_transferring=len(self.scheduler.transferring),
         )
-
-
-def _progress_bar(total: int):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # progress is a nicety; tqdm is an optional dependency
-        return None
-    return tqdm(total=total, desc="generate", unit="req")

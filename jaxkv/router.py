@@ -17,12 +17,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from jaxkv.completion import run_to_completion
+from jaxkv.completion import progress_bar, run_to_completion
 from jaxkv.hashing import BlockHash, extend_block_hashes, root_hash
 from jaxkv.outputs import CompletionOutput, RequestOutput
 
@@ -133,8 +134,10 @@ class PrefixAwareRouter:
         return Route(self._least_loaded(), 0)
 
     def _remember(self, hashes: list[BlockHash], replica: int) -> None:
+        # Longest first: a prompt's shorter prefixes, which more prompts share, become the
+        # most recently used and are dropped last.
         table = self._prefix_replica
-        for h in hashes:
+        for h in reversed(hashes):
             table[h] = replica
             table.move_to_end(h)
         while len(table) > self.max_tracked_prefixes:
@@ -187,22 +190,62 @@ class PrefixAwareRouter:
         return any(r.has_unfinished_requests() for r in self.replicas)
 
     def step(self) -> list[RequestOutput]:
-        """One step of every replica that has unfinished requests, in replica order."""
+        """One step of every replica that has unfinished requests, in replica order.
+
+        Finished requests are released from the router replica by replica, so an error
+        raised by one replica's step leaves the counts of the replicas before it right.
+        """
         outputs: list[RequestOutput] = []
         for replica in self.replicas:
             if replica.has_unfinished_requests():
-                outputs.extend(replica.step())
+                outputs.extend(self._finished_from(replica.step()))
+        return outputs
+
+    def _finished_from(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for o in outputs:
             if o.finished:
                 self._finish(o.request_id)
         return outputs
 
+    def has_pending_transfers(self) -> bool:
+        """True while a replica's finished requests hold blocks for KV copies in flight
+        (replicas without a `has_pending_transfers` method have none)."""
+        return any(_pending_transfers(r) for r in self.replicas)
+
+    def drain_transfers(self, timeout_s: float = 60.0) -> None:
+        """Steps replicas until every KV copy in flight has landed; see Engine.drain_transfers.
+
+        Outputs of requests stepped meanwhile are dropped (their finishes are still
+        counted); call it when the router is otherwise idle. Raises TimeoutError.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.has_pending_transfers():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"KV transfers still pending after {timeout_s=}")
+            stepped = False
+            for replica in self.replicas:
+                if _pending_transfers(replica):
+                    stepped |= bool(self._finished_from(replica.step()))
+            if not stepped:
+                time.sleep(0.0005)
+
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling_params: Any = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: Any = None,
+        *,
+        progress: bool = False,
     ) -> list[CompletionOutput]:
         """Runs `prompts` to completion over all replicas; one CompletionOutput per prompt,
-        in order. `sampling_params` is one for all or a sequence of one per prompt."""
-        return run_to_completion(self, prompts, sampling_params)
+        in order. `sampling_params` is one for all or a sequence of one per prompt.
+        `progress` shows a progress bar (tqdm, when installed)."""
+        bar = progress_bar(len(prompts), desc="generate") if progress else None
+        return run_to_completion(self, prompts, sampling_params, progress_bar=bar)
+
+
+def _pending_transfers(replica: Replica) -> bool:
+    pending = getattr(replica, "has_pending_transfers", None)
+    return pending is not None and pending()
 
 
 def engine_replicas(

@@ -200,3 +200,69 @@ def test_generated_ids_skip_ids_callers_chose():
     ids = [router.add_request([1, 2], request_id="dp-1"), router.add_request([3, 4])]
     ids.append(router.add_request([5, 6]))
     assert ids[0] == "dp-1" and len(set(ids)) == 3 and sum(router.num_outstanding) == 3
+
+
+def test_a_shared_short_prefix_outlives_the_longer_ones_it_starts():
+    router, _ = make_router(2, max_tracked_prefixes=3, max_prefix_blocks=2)
+    a = [1] * BLOCK
+    router.add_request(a + [2] * BLOCK)
+    router.add_request(a + [3] * BLOCK)
+    router.add_request([4] * (2 * BLOCK))  # two more prefixes: the two longest a-ones go
+    assert router.route(a + [5] * BLOCK).matched_blocks == 1
+    assert router.route(a + [2] * BLOCK).matched_blocks == 1
+    assert router.route([4] * (2 * BLOCK)).matched_blocks == 2
+
+
+class FailingReplica(FakeReplica):
+    def step(self):
+        raise RuntimeError("device lost")
+
+
+def test_a_replica_whose_step_raises_leaves_the_others_counts_right():
+    replicas = [FakeReplica(0), FailingReplica(1)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    done = router.add_request([1] * BLOCK, SamplingParams(max_tokens=1))
+    stuck = router.add_request([2] * BLOCK, SamplingParams(max_tokens=1))
+    assert (router.replica_of(done), router.replica_of(stuck)) == (0, 1)
+    with pytest.raises(RuntimeError, match="device lost"):
+        router.step()
+    assert router.num_outstanding == (0, 1)
+    with pytest.raises(KeyError):
+        router.replica_of(done)
+
+
+class OffloadingReplica(FakeReplica):
+    """Keeps each finished request's blocks for `copy_steps` more steps (a KV copy)."""
+
+    def __init__(self, index: int, copy_steps: int) -> None:
+        super().__init__(index)
+        self.copy_steps = copy_steps
+        self.copies: list[int] = []  # steps left per copy in flight
+
+    def step(self):
+        self.copies = [n - 1 for n in self.copies if n > 1]
+        outputs = super().step()
+        self.copies += [self.copy_steps for o in outputs if o.finished]
+        return outputs
+
+    def has_pending_transfers(self) -> bool:
+        return bool(self.copies)
+
+
+def test_drain_transfers_steps_until_every_replica_copy_landed():
+    replicas = [OffloadingReplica(0, copy_steps=3), FakeReplica(1)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    outs = router.generate([[1] * BLOCK, [2] * BLOCK], SamplingParams(max_tokens=2))
+    assert all(o.finish_reason == "length" for o in outs)
+    assert router.has_pending_transfers() and not router.has_unfinished_requests()
+    router.drain_transfers(timeout_s=5)
+    assert not router.has_pending_transfers() and router.num_outstanding == (0, 0)
+    replicas[0].copies = [10**9]  # a copy that never lands
+    with pytest.raises(TimeoutError, match="pending"):
+        router.drain_transfers(timeout_s=0.01)
+
+
+def test_generate_with_a_progress_bar():
+    router, _ = make_router(2)
+    outs = router.generate([[1, 2], [3]], SamplingParams(max_tokens=2), progress=True)
+    assert [len(o.output_token_ids) for o in outs] == [2, 2]
