@@ -234,11 +234,11 @@ class PrefixAwareRouter:
         prompts: Sequence[Sequence[int]],
         sampling_params: Any = None,
         *,
-        progress: bool = False,
+        progress: bool = True,
     ) -> list[CompletionOutput]:
         """Runs `prompts` to completion over all replicas; one CompletionOutput per prompt,
         in order. `sampling_params` is one for all or a sequence of one per prompt.
-        `progress` shows a progress bar (tqdm, when installed)."""
+        `progress` shows a progress bar (tqdm, when installed), as Engine.generate does."""
         bar = progress_bar(len(prompts), desc="generate") if progress else None
         return run_to_completion(self, prompts, sampling_params, progress_bar=bar)
 
