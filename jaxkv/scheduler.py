@@ -7,7 +7,8 @@ and a cap on running requests. Prompts are split into chunks when the budget is 
 preempted by recompute: it gives all its blocks back and resumes later from scratch
 (its prefix-cache hits make that cheap). A waiting request whose KV the connector can
 supply starts a load instead; once it lands the request needs no further block, so it
-is admitted even behind a request that cannot get its blocks. update_from_output()
+is admitted ahead of the queue (whose head may be unable to get its blocks, or may keep
+preempting itself while the loaded blocks sit idle). update_from_output()
 applies the sampled tokens, stops requests, and either frees a finished request's
 blocks or lets the KV connector keep them held until an asynchronous save lands. Loads
 and saves are tracked by scheduler_transfers.TransferTracker.
@@ -257,11 +258,11 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, batch: StepBatch) -> int:
-        """Admits waiting requests in order until one cannot get its blocks; then only
-        requests whose loads landed (holding blocks for all their tokens) are admitted:
-        they need no block, and only running frees what they hold."""
+        """Admits requests whose loads landed first (they hold blocks for all their
+        tokens, need no new block, and only running frees what they hold), then waiting
+        requests in order until one cannot get its blocks."""
+        budget = self._admit_landed(budget, batch)
         skipped: list[Request] = []
-        blocked = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
@@ -273,7 +274,6 @@ class Scheduler:
                 self.waiting.extendleft(reversed(skipped))
                 raise
             if n is None:
-                blocked = True
                 break
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
@@ -282,12 +282,14 @@ class Scheduler:
             self._start_running(request, n, batch)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
-        if blocked:
-            budget = self._admit_landed(budget, batch)
         return budget
 
     def _admit_landed(self, budget: int, batch: StepBatch) -> int:
-        """Admits waiting requests whose loads landed, in landing order (out of queue order)."""
+        """Admits waiting requests whose loads landed, in landing order (out of queue order).
+
+        Before the queue: a request ahead of them that preempts itself every time it grows
+        (never refused at admission, only later) would otherwise keep them waiting, and
+        their blocks idle, forever."""
         for request in self._transfers.landed():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break

@@ -147,13 +147,6 @@ def test_a_landed_load_runs_while_the_head_of_the_queue_cannot_get_blocks():
     assert r.num_output_tokens == 12 and sched.manager.num_free_blocks == 8
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="livelock: Scheduler admits a landed load only once the queue head is refused "
-    "blocks; h is never refused (its chunk takes the whole budget), a step that preempts "
-    "admits nothing, and h heads the queue again. Fix: Scheduler._admit_waiting admits "
-    "landed loads (self._admit_landed) before walking the queue",
-)
 def test_a_landed_load_runs_when_the_request_ahead_of_it_keeps_preempting_itself():
     # 9 usable blocks. x's landed load holds 5 (all 17 of its tokens); h needs 5 too but
     # gets only the 2 blocks of an 8-token chunk at admission, so it is never blocked

@@ -40,9 +40,10 @@ def _alone(prompt: list[int], max_tokens: int) -> list[int]:
     host_blocks=st.sampled_from([0, 6, 64]),
     delay=st.integers(0, 3),
     auto_complete=st.booleans(),
+    budget=st.sampled_from([8, 16]),
 )
 def test_every_accepted_request_finishes_with_its_own_tokens(
-    seed, num_blocks, prefix_caching, host_blocks, delay, auto_complete
+    seed, num_blocks, prefix_caching, host_blocks, delay, auto_complete, budget
 ):
     rng = np.random.default_rng(seed)
     copier = FakeCopier(num_blocks, BS, auto_complete=auto_complete)
@@ -51,7 +52,7 @@ def test_every_accepted_request_finishes_with_its_own_tokens(
     sched = make_scheduler(
         num_blocks=num_blocks,
         block_size=BS,
-        max_num_batched_tokens=16,
+        max_num_batched_tokens=budget,
         max_num_seqs=4,
         max_model_len=MAX_MODEL_LEN,
         enable_prefix_caching=prefix_caching,
