@@ -223,14 +223,16 @@ def build_attention_metadata(
         if num_requests and query_lens.min() < 1:
             raise ValueError(f"every query_lens entry must be >= 1, got {query_lens.min()}")
         total = int(query_lens.sum())
-    max_tokens = padded_size(buckets.token_buckets, max(total, 1))
-    max_seqs = padded_size(buckets.seq_buckets, max(num_requests, 1))
+    max_tokens = padded_size(buckets.token_buckets, max(total, 1), name="query_lens.sum()")
+    max_seqs = padded_size(buckets.seq_buckets, max(num_requests, 1), name="len(query_lens)")
     rows = plan.rows
     suffix_start = plan.suffix_start_blocks
     main_kv = (num_computed + 1) if decode_only else (num_computed + query_lens)
     main_kv -= suffix_start * block_size
     longest_main = int(main_kv.max(initial=1))
-    width = padded_size(buckets.page_buckets, max(-(-longest_main // block_size), 1))
+    width = padded_size(
+        buckets.page_buckets, max(-(-longest_main // block_size), 1), name="main-pass pages"
+    )
 
     # The int32 vectors share one zeroed buffer (one allocation instead of five).
     buffer = np.zeros(2 * max_tokens + 3 * max_seqs + 1, np.int32)

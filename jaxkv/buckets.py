@@ -2,7 +2,8 @@
 
 Every array that enters jit is padded to a size drawn from a small fixed set of buckets
 (powers of two from a minimum, capped at the maximum), so the number of distinct shapes,
-and so of compiled programs, is bounded by the product of the bucket counts.
+and so of compiled programs, is bounded by the product of the bucket counts
+(BucketConfig.max_programs states the bound).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import numbers
 from collections.abc import Sequence
 
 
@@ -26,11 +28,12 @@ def pow2_buckets(minimum: int, maximum: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def padded_size(buckets: Sequence[int], n: int) -> int:
-    """The smallest bucket >= n. Raises ValueError when n exceeds the largest bucket."""
+def padded_size(buckets: Sequence[int], n: int, *, name: str = "n") -> int:
+    """The smallest bucket >= n. Raises ValueError, calling n `name`, when n exceeds the
+    largest bucket."""
     i = bisect.bisect_left(buckets, n)
     if i == len(buckets):
-        raise ValueError(f"{n=} exceeds the largest bucket {buckets[-1]}")
+        raise ValueError(f"{name}={n} exceeds the largest bucket {buckets[-1]}")
     return buckets[i]
 
 
@@ -42,7 +45,8 @@ class BucketConfig:
     max_num_seqs: requests scheduled in one step.
     max_pages_per_seq: blocks a request may hold (ceil(max_model_len / block_size)).
     max_cascade_groups: prefix groups one cascade level may hold.
-    The minima set the smallest bucket of each axis.
+    The minima set the smallest bucket of each axis (a minimum above its maximum gives
+    that axis the one size maximum). `max_programs()` bounds the programs they compile.
     """
 
     max_num_tokens: int
@@ -54,9 +58,11 @@ class BucketConfig:
     min_pages_per_seq: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("max_num_tokens", "max_num_seqs", "max_pages_per_seq", "max_cascade_groups"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field.name}={value!r} must be an int >= 1")
+            object.__setattr__(self, field.name, int(value))  # numpy ints become plain ints
         if self.max_num_seqs > self.max_num_tokens:
             raise ValueError(f"{self.max_num_seqs=} must be <= {self.max_num_tokens=}")
 
@@ -82,3 +88,32 @@ class BucketConfig:
     def level_seq_buckets(self) -> tuple[int, ...]:
         """Sequences of one cascade level: its groups plus the gaps between them."""
         return pow2_buckets(1, 2 * self.max_cascade_groups + 1)
+
+    def max_programs(
+        self,
+        q_len_buckets: Sequence[int] | None = None,
+        *,
+        pad_levels: bool = False,
+        cascade: bool = True,
+    ) -> int:
+        """An upper bound on the distinct step programs these buckets can compile.
+
+        A program is fixed by its metadata's padded shapes and static bounds
+        (jaxkv.step_inputs.program_key). The main pass draws its tokens, sequences, pages
+        and query bound from token_buckets, seq_buckets, page_buckets and q_len_buckets:
+        M = T * S * P * Q programs. A cascade plan adds up to two levels (outermost
+        "global", then "groups"), each drawing its sequences, pages and query bound from
+        level_seq_buckets, page_buckets and q_len_buckets: L = LS * P * Q shapes, so at
+        most M * (1 + L)**2 programs with cascade and M without. `q_len_buckets` replaces
+        Q with the coarser query bounds EngineConfig.q_len_buckets applies; `pad_levels`
+        (EngineConfig.pad_cascade_levels) pads every level to one sequence count (LS = 1).
+        Padding to powers of two keeps each count logarithmic in its maximum, but the
+        product grows fast: with min == max on an axis it contributes a factor of 1.
+        """
+        q = len(self.q_len_buckets if q_len_buckets is None else q_len_buckets)
+        pages = len(self.page_buckets)
+        main = len(self.token_buckets) * len(self.seq_buckets) * pages * q
+        if not cascade:
+            return main
+        level = (1 if pad_levels else len(self.level_seq_buckets)) * pages * q
+        return main * (1 + level) ** 2

@@ -8,6 +8,7 @@ largest token bucket, max_model_len vs. blocks per sequence) are derived here on
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from jaxkv.buckets import BucketConfig
 from jaxkv.hashing import root_hash
@@ -83,6 +84,7 @@ class EngineConfig:
     sequence's query length (e.g. (1, max_num_batched_tokens) gives decode and
     "anything else"), trading padding for fewer programs; `pad_cascade_levels` pads every
     cascade level to its largest number of sequences (one program per level structure).
+    `max_step_programs` is the resulting bound on Engine.num_compiles.
     seed: default sampling seed of requests that give none (mixed with their index).
     """
 
@@ -118,6 +120,10 @@ class EngineConfig:
         )
         if self.q_len_buckets is not None:
             qb = tuple(self.q_len_buckets)
+            # A float bound would reach the kernels as a static query length.
+            if not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in qb):
+                raise ValueError(f"{self.q_len_buckets=} must be strictly increasing ints >= 1")
+            qb = tuple(int(b) for b in qb)
             if not qb or list(qb) != sorted(set(qb)) or qb[0] < 1:
                 raise ValueError(f"{self.q_len_buckets=} must be strictly increasing ints >= 1")
             if qb[-1] < self.scheduler.max_num_batched_tokens:
@@ -142,4 +148,13 @@ class EngineConfig:
             min_num_tokens=self.min_num_tokens_bucket,
             min_num_seqs=self.min_num_seqs_bucket,
             min_pages_per_seq=self.min_pages_bucket,
+        )
+
+    @property
+    def max_step_programs(self) -> int:
+        """An upper bound on the step programs an Engine with this config compiles
+        (Engine.num_compiles), whatever the workload: BucketConfig.max_programs with this
+        config's q_len_buckets, pad_cascade_levels and enable_cascade."""
+        return self.buckets.max_programs(
+            self.q_len_buckets, pad_levels=self.pad_cascade_levels, cascade=self.enable_cascade
         )

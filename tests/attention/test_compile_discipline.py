@@ -11,6 +11,7 @@ from jaxkv.attention import paged_attention
 from jaxkv.batch import build_attention_metadata
 from jaxkv.buckets import BucketConfig
 from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlanner
+from jaxkv.step_inputs import program_key
 from tests.attention import workload
 
 BLOCK_SIZE = 4
@@ -20,18 +21,6 @@ BUCKETS = BucketConfig(
     min_num_tokens=128, min_num_seqs=64, min_pages_per_seq=32,
 )  # fmt: skip
 SHAPE = AttentionShape(num_q_heads=2, num_kv_heads=1, head_dim=8, kv_itemsize=4)
-
-
-def allowed_programs(buckets: BucketConfig) -> int:
-    """Bucket combinations: main pass shapes times (no level, one level, two levels)."""
-    main = (
-        len(buckets.token_buckets)
-        * len(buckets.seq_buckets)
-        * len(buckets.page_buckets)
-        * len(buckets.q_len_buckets)
-    )
-    level = len(buckets.level_seq_buckets) * len(buckets.page_buckets) * len(buckets.q_len_buckets)
-    return main * (1 + level + level * level)
 
 
 def signature(md) -> tuple:
@@ -49,7 +38,7 @@ def test_300_random_steps_stay_within_bucket_combinations():
     ]
     kv = jnp.asarray(rng.standard_normal((1024, BLOCK_SIZE, 2, 8)), jnp.float32)
     before = paged_attention._cache_size()
-    signatures, levels_seen = set(), set()
+    signatures, keys, levels_seen = set(), set(), set()
     for seed, planner in zip(range(300), itertools.cycle(planners)):
         step = workload.random_step(
             seed, block_size=BLOCK_SIZE, max_requests=64, max_prompt_blocks=12,
@@ -63,13 +52,17 @@ def test_300_random_steps_stay_within_bucket_combinations():
             buckets=BUCKETS,
         )  # fmt: skip
         signatures.add(signature(md))
+        keys.add(program_key(md))
         levels_seen.add(tuple(lv.name for lv in plan.levels))
         q = jnp.zeros((md.max_num_tokens, 2, 8), jnp.float32)
         out = paged_attention(q, kv, md, sm_scale=0.3)
         assert not np.isnan(np.asarray(out)).any()
     compiled = paged_attention._cache_size() - before
-    # Shapes and static fields alone decide the program: one compile per signature.
-    assert compiled == len(signatures)
-    assert compiled <= allowed_programs(BUCKETS)
+    # Shapes and static fields alone decide the program: one compile per signature, and
+    # program_key (what Engine.num_compiles counts) tells exactly those apart.
+    assert compiled == len(signatures) == len(keys)
+    assert compiled <= BUCKETS.max_programs()
+    # main (2 token x 1 seq x 1 page x 3 query bounds) x (1 + 4 level seqs x 1 x 3) ** 2
+    assert BUCKETS.max_programs() == 6 * (1 + 12) ** 2
     # The run exercised flat, one-level and two-level plans.
     assert {(), ("global",), ("groups",), ("global", "groups")} <= levels_seen
