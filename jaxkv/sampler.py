@@ -15,12 +15,15 @@ import numpy as np
 from jaxkv.request import SamplingParams
 
 _SEED_MASK = 0xFFFFFFFF
+_MAX_TOP_K = 2**31 - 1  # any top_k >= vocab is no cut; larger ones would overflow int32
 
 
 def sampling_row(params: SamplingParams, default_seed: int) -> tuple[float, int, float, int]:
-    """(temperature, top_k, top_p, seed) of one request, seed folded into 32 bits."""
+    """(temperature, top_k, top_p, seed) of one request, seed folded into 32 bits and
+    top_k capped at 2**31 - 1."""
     seed = default_seed if params.seed is None else params.seed
-    return (float(params.temperature), int(params.top_k), float(params.top_p), seed & _SEED_MASK)
+    top_k = min(int(params.top_k), _MAX_TOP_K)
+    return (float(params.temperature), top_k, float(params.top_p), seed & _SEED_MASK)
 
 
 def sampling_arrays(
@@ -58,7 +61,11 @@ def sample(
     vocab = logits.shape[-1]
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    # Shift the row maximum to 0 before dividing: logits / a tiny temperature would overflow
+    # to inf and tie every large logit; shifted, the maximum stays 0 and the rest -> -inf.
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    shifted = jnp.where(logits == row_max, 0.0, logits - row_max)  # also for a +inf maximum
+    scaled = shifted / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     desc = -jnp.sort(-scaled, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     in_top_k = jnp.arange(vocab)[None, :] < k[:, None]

@@ -1,0 +1,180 @@
+"""The sampler against a numpy statement of its documented distribution, and its edge cases.
+
+The reference: softmax(logits / T), cut to the top_k most likely tokens, renormalised, cut to
+the smallest prefix (most likely first) whose mass reaches top_p, renormalised. Counts of
+20,000 draws are compared with a chi-square test at p = 1e-6 (the seeds are fixed, so a pass
+is deterministic); a control shows the same test rejects a near-miss distribution.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxkv.request import SamplingParams
+from jaxkv.sampler import sample, sampling_arrays, sampling_row
+
+_sample = jax.jit(sample)
+LOGITS = np.array([2.0, 1.5, 1.1, 0.7, 0.2, -0.3, -1.0, -2.0], np.float32)
+N = 20_000
+ROWS = 4000  # every other test pads its batch to this many rows
+
+
+def _run(logits, temperature, top_k=0, top_p=1.0, seeds=0, positions=0) -> np.ndarray:
+    """Tokens of `logits` rows; batches smaller than ROWS are padded (one compiled shape)."""
+    logits = np.asarray(logits, np.float32)
+    n = len(logits)
+    size = n if n == N else ROWS
+    full = lambda v, dt, pad: np.concatenate([np.broadcast_to(np.asarray(v, dt), (n,)),
+                                              np.full(size - n, pad, dt)])  # fmt: skip
+    rows = np.concatenate([logits, np.zeros((size - n, logits.shape[1]), np.float32)])
+    out = _sample(
+        rows,
+        full(temperature, np.float32, 0),
+        full(top_k, np.int32, 0),
+        full(top_p, np.float32, 1),
+        full(seeds, np.uint32, 0),
+        full(positions, np.int32, 0),
+    )
+    return np.asarray(out)[:n]
+
+
+def reference_probs(logits, temperature, top_k, top_p) -> np.ndarray:  # f64[vocab]
+    z = np.asarray(logits, np.float64) / temperature
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    k = len(probs) if top_k == 0 else min(top_k, len(probs))
+    kept = order[:k]
+    mass = probs[kept] / probs[kept].sum()
+    before = np.cumsum(mass) - mass
+    kept = kept[before < top_p]
+    out = np.zeros_like(probs)
+    out[kept] = probs[kept] / probs[kept].sum()
+    return out
+
+
+def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    support = probs > 0
+    assert counts[~support].sum() == 0, f"drew tokens outside the support: {counts}"
+    expected = probs[support] * counts.sum()
+    statistic = (((counts[support] - expected) ** 2) / expected).sum()
+    return float(stats.chi2.sf(statistic, max(int(support.sum()) - 1, 1)))
+
+
+CASES = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (2.0, 6, 0.9), (0.5, 3, 0.97)]
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", CASES)
+def test_draws_follow_the_documented_distribution_across_seeds_and_along_one_stream(
+    temperature, top_k, top_p
+):
+    want = reference_probs(LOGITS, temperature, top_k, top_p)
+    rows = np.tile(LOGITS, (N, 1))
+    across_seeds = _run(rows, temperature, top_k, top_p, seeds=np.arange(N), positions=11)
+    one_stream = _run(rows, temperature, top_k, top_p, seeds=123, positions=np.arange(N))
+    for draws in (across_seeds, one_stream):
+        counts = np.bincount(draws, minlength=len(LOGITS))
+        assert _chi2_pvalue(counts, want) > 1e-6, (counts / N, want)
+    # Control: the test has the power to see a 25% change of temperature.
+    near = reference_probs(LOGITS, temperature * 1.25, top_k, top_p)
+    assert _chi2_pvalue(np.bincount(across_seeds, minlength=len(LOGITS)), near) < 1e-6
+
+
+def test_top_k_one_tiny_top_p_and_zero_temperature_equal_greedy():
+    logits = np.random.default_rng(0).normal(0, 3, (ROWS, 8))
+    greedy = np.argmax(logits, -1)
+    seeds = np.arange(ROWS)
+    np.testing.assert_array_equal(_run(logits, 1.0, top_k=1, seeds=seeds), greedy)
+    np.testing.assert_array_equal(_run(logits, 1.0, top_p=1e-6, seeds=seeds), greedy)
+    np.testing.assert_array_equal(_run(logits, 0.0, top_k=5, top_p=0.5, seeds=seeds), greedy)
+    # The same rows at temperature 1 with no cut are not all greedy: the checks above bite.
+    assert (_run(logits, 1.0, seeds=seeds) != greedy).mean() > 0.1
+
+
+def test_vanishing_temperature_is_greedy_even_where_logits_over_temperature_overflow():
+    # 40 / 1e-37 and 50 / 1e-37 both overflow float32 to inf: without care they tie.
+    logits = np.tile(np.array([40.0, 50.0, -1.0, 0.5, 0, 0, 0, 0], np.float32), (64, 1))
+    for temperature in (1e-37, 1e-30, 1e-3):
+        draws = _run(logits, temperature, seeds=np.arange(64))
+        np.testing.assert_array_equal(draws, 1, err_msg=f"{temperature=}")
+        np.testing.assert_array_equal(_run(logits, temperature, top_k=1, seeds=np.arange(64)), 1)
+
+
+def test_top_k_at_or_beyond_vocab_is_no_cut():
+    rows = np.tile(LOGITS, (ROWS, 1))
+    seeds = np.arange(ROWS)
+    free = _run(rows, 1.0, seeds=seeds)
+    for top_k in (len(LOGITS), len(LOGITS) + 1, 2**31 - 1):
+        np.testing.assert_array_equal(_run(rows, 1.0, top_k=top_k, seeds=seeds), free)
+
+
+def test_ties_greedy_takes_lowest_id_and_sampling_keeps_every_tied_token():
+    logits = np.tile(np.array([0.0, 3.0, 1.0, 3.0, 0, 0, 0, 0], np.float32), (ROWS, 1))
+    assert set(_run(logits, 0.0, seeds=np.arange(ROWS)).tolist()) == {1}
+    # top_k = 1 and tiny top_p keep the tokens tied with the last kept one (documented).
+    for cut in (dict(top_k=1), dict(top_p=1e-6)):
+        counts = np.bincount(_run(logits, 1.0, seeds=np.arange(ROWS), **cut), minlength=8)
+        assert counts[1] + counts[3] == ROWS and abs(counts[1] - ROWS / 2) < 200, counts
+
+
+def test_a_row_depends_only_on_its_seed_and_position_and_seeds_are_independent():
+    uniform = np.zeros((ROWS, 8), np.float32)
+    seeds = np.arange(ROWS)
+    a = _run(uniform, 1.0, seeds=seeds, positions=7)
+    # The same (seed, position) in other rows, beside other rows' logits and params:
+    # the same token.
+    perm = np.random.default_rng(1).permutation(ROWS)[:100]
+    mixed = np.random.default_rng(2).normal(0, 2, (ROWS, 8)).astype(np.float32)
+    mixed[:100] = 0
+    temperature = np.r_[np.ones(100), np.full(ROWS - 100, 0.3)]
+    top_k = np.r_[np.zeros(100), np.full(ROWS - 100, 3)]
+    got = _run(mixed, temperature, top_k, seeds=np.r_[perm, seeds[100:]], positions=7)
+    np.testing.assert_array_equal(got[:100], a[perm])
+    # Streams of neighbouring seeds, far seeds and neighbouring positions agree as often as
+    # independent uniform draws do (1/8, sd 0.005), not more.
+    for other in (
+        _run(uniform, 1.0, seeds=seeds + 1, positions=7),
+        _run(uniform, 1.0, seeds=seeds + 2**31, positions=7),
+        _run(uniform, 1.0, seeds=seeds, positions=8),
+    ):
+        agree = float((other == a).mean())
+        assert 0.1 < agree < 0.15, agree
+    # Seeds are folded into 32 bits, as sampling_row documents.
+    row = lambda seed: sampling_row(SamplingParams(temperature=1.0, seed=seed), 0)
+    assert row(2**32 + 5)[3] == row(5)[3] == 5 and row(-1)[3] == 2**32 - 1
+    assert sampling_row(SamplingParams(temperature=1.0), 99)[3] == 99
+
+
+def test_sampling_arrays_hold_a_huge_top_k_without_overflow():
+    rows = [sampling_row(SamplingParams(temperature=1.0, top_k=2**40), 0)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy warns on an out-of-range float->int cast
+        _, top_k, _, _ = sampling_arrays(rows, 2)
+    assert top_k[0] >= 2**31 - 1 and top_k[1] == 0
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.5),
+        ("temperature", float("nan")),
+        ("temperature", "1.0"),
+        ("top_k", -1),
+        ("top_k", 2.0),
+        ("top_k", True),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", float("nan")),
+        ("seed", 1.5),
+        ("max_tokens", 0),
+        ("stop_token_ids", (-1,)),
+    ],
+)
+def test_bad_sampling_params_are_rejected_by_name(field, value):
+    with pytest.raises(ValueError, match=f"^{field}="):
+        SamplingParams(**{field: value})
