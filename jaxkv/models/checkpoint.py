@@ -16,6 +16,7 @@ building anything.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -80,6 +81,8 @@ def build_with_params(
     """
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     expected = {k: v.shape for k, v in flat_params(abstract).items()}
+    if not isinstance(params, Mapping):
+        raise CheckpointError(f"{source} holds a {type(params).__name__}, not a parameter dict")
     missing = sorted(set(expected) - set(params))
     unexpected = sorted(set(params) - set(expected))
     if missing or unexpected:
@@ -277,7 +280,7 @@ def load_hf_safetensors(
     return from_hf_tensors(
         config,
         _iter_hf_tensors(_safetensors_files(path)),
-        source=f"{path} (Hugging Face names, [in, out])",
+        source=str(path),
     )
 
 
@@ -285,23 +288,58 @@ def from_hf_tensors(
     config: LlamaConfig,
     tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]],
     *,
-    source: str = "Hugging Face tensors ([in, out])",
+    source: str = "Hugging Face tensors",
 ) -> Llama:
     """A `Llama(config)` holding `tensors` given under Hugging Face names and orientation.
 
-    The inverse of `to_hf_tensors`. Raises CheckpointError on any name or shape mismatch.
+    The inverse of `to_hf_tensors`. Raises CheckpointError naming the Hugging Face tensor
+    (and its shape as given, `[out, in]`) if one is missing, unexpected, given twice or
+    mis-shaped.
     """
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
-    params: dict[str, np.ndarray] = {}
+    tied = config.tie_word_embeddings
+    expected = {
+        jaxkv_to_hf_name(name): shape[::-1] if name.endswith(".kernel") else shape
+        for name, shape in _param_shapes(config)
+    }
+    given: dict[str, np.ndarray] = {}
     for hf_name, tensor in items:
-        mapped = hf_to_jaxkv_name(hf_name)
-        if mapped is None or (config.tie_word_embeddings and hf_name == "lm_head.weight"):
-            continue
-        name, transpose = mapped
-        if transpose and tensor.ndim != 2:
-            raise CheckpointError(f"tensor {hf_name!r}: {tensor.shape=} must be 2-D [out, in]")
+        if hf_name in given:
+            raise CheckpointError(f"tensor {hf_name!r} appears twice in {source}")
+        if hf_to_jaxkv_name(hf_name) is not None and not (tied and hf_name == "lm_head.weight"):
+            given[hf_name] = tensor
+    missing = sorted(set(expected) - set(given))
+    unexpected = sorted(set(given) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source} does not match the model: missing {missing}, unexpected {unexpected}"
+        )
+    for hf_name, want in expected.items():
+        if tuple(np.shape(given[hf_name])) != want:
+            raise CheckpointError(
+                f"tensor {hf_name!r} in {source}: shape {tuple(np.shape(given[hf_name]))} "
+                f"does not match the model's {want}"
+            )
+    params = {}
+    for hf_name, tensor in given.items():
+        name, transpose = hf_to_jaxkv_name(hf_name)
         params[name] = tensor.T if transpose else tensor
     return build_with_params(config, params, source=source)
+
+
+@functools.lru_cache(maxsize=8)
+def _param_shapes(config: LlamaConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    return tuple((k, tuple(v.shape)) for k, v in flat_params(abstract).items())
+
+
+def jaxkv_to_hf_name(name: str) -> str:
+    """The Hugging Face name of a jaxkv parameter (kernels are stored transposed there)."""
+    if name == "embed_tokens.embedding":
+        return "model.embed_tokens.weight"
+    if name == "lm_head.kernel":
+        return "lm_head.weight"
+    return "model." + name.removesuffix(".kernel").removesuffix(".weight") + ".weight"
 
 
 def to_hf_tensors(model: Llama) -> dict[str, np.ndarray]:
@@ -309,14 +347,5 @@ def to_hf_tensors(model: Llama) -> dict[str, np.ndarray]:
     out = {}
     for name, value in flat_params(model).items():
         a = np.asarray(value)
-        if name == "embed_tokens.embedding":
-            out["model.embed_tokens.weight"] = a
-        elif name == "norm.weight":
-            out["model.norm.weight"] = a
-        elif name == "lm_head.kernel":
-            out["lm_head.weight"] = a.T
-        elif name.endswith(".kernel"):
-            out["model." + name.removesuffix(".kernel") + ".weight"] = a.T
-        else:
-            out["model." + name] = a
+        out[jaxkv_to_hf_name(name)] = a.T if name.endswith(".kernel") else a
     return out

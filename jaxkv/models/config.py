@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from typing import Any
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -57,11 +59,24 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from to_dict() / JSON
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+            try:
+                object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+            except TypeError as e:
+                raise ValueError(f"rope_scaling={self.rope_scaling!r}: {e}") from e
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"rope_scaling={self.rope_scaling!r} must be a RopeScaling or None")
         for name in _INT_FIELDS:
             value = getattr(self, name)
             if type(value) is not int:
                 raise ValueError(f"{name}={value!r} must be an int")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name}={value!r} must be a real number")
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name}={value!r} must be positive and finite")
+        if type(self.tie_word_embeddings) is not bool:
+            raise ValueError(f"tie_word_embeddings={self.tie_word_embeddings!r} must be a bool")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
@@ -80,10 +95,6 @@ class LlamaConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.head_dim <= 0 or self.head_dim % 2:
             raise ValueError(f"{self.head_dim=} must be positive and even (RoPE rotates pairs)")
-        if self.rope_theta <= 0:
-            raise ValueError(f"{self.rope_theta=} must be positive")
-        if self.rms_norm_eps <= 0:
-            raise ValueError(f"{self.rms_norm_eps=} must be positive")
         if self.max_position_embeddings <= 0:
             raise ValueError(f"{self.max_position_embeddings=} must be positive")
         if self.dtype not in _DTYPES:
@@ -146,7 +157,11 @@ class LlamaConfig:
                 high_freq_factor=float(scaling["high_freq_factor"]),
                 original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
             )
-        torch_dtype = hf.get("torch_dtype", "float32")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported (Llama's MLP is SwiGLU: 'silu')")
+        # transformers >= 4.56 writes "dtype"; older versions "torch_dtype".
+        torch_dtype = hf.get("dtype", hf.get("torch_dtype")) or "float32"
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],

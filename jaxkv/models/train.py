@@ -58,7 +58,11 @@ def make_optimizer(
 
 @dataclasses.dataclass
 class Trainer:
-    """Holds the parameters and optimizer state; `step` runs one jitted update in place."""
+    """Holds the parameters and optimizer state; `step` runs one jitted update in place.
+
+    The trainer owns copies: the model given to `create` and the models `model()` returns
+    stay valid after later steps (the update program donates the trainer's own buffers).
+    """
 
     graphdef: Any
     params: Any  # nnx.State of nnx.Param
@@ -70,6 +74,7 @@ class Trainer:
     @classmethod
     def create(cls, model: Llama, tx: optax.GradientTransformation) -> Trainer:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        params = jax.tree.map(jnp.copy, params)  # `step` donates them
 
         def loss_of(params, rest, tokens):
             return next_token_loss(nnx.merge(graphdef, params, rest), tokens)
@@ -93,8 +98,8 @@ class Trainer:
         return float(self._eval(self.params, self.rest, tokens))
 
     def model(self) -> Llama:
-        """A model holding (a copy of references to) the current parameters."""
-        return nnx.merge(self.graphdef, self.params, self.rest)
+        """A model holding a copy of the current parameters (unchanged by later steps)."""
+        return nnx.merge(self.graphdef, jax.tree.map(jnp.copy, self.params), self.rest)
 
 
 def greedy_generate(

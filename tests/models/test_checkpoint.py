@@ -159,7 +159,7 @@ def test_hf_shape_mismatch_names_parameter_and_both_shapes(tmp_path):
     weights = random_hf_weights(cfg)
     weights["model.layers.1.self_attn.v_proj.weight"] = np.zeros((8, 32), np.float32)
     with pytest.raises(
-        ValueError, match=r"layers\.1\.self_attn\.v_proj\.kernel.*\(32, 8\).*\(32, 16\)"
+        ValueError, match=r"'model\.layers\.1\.self_attn\.v_proj\.weight'.*\(8, 32\).*\(16, 32\)"
     ):
         load_hf_safetensors(_saved_hf(tmp_path, weights), cfg)
 
@@ -168,7 +168,8 @@ def test_hf_missing_and_unknown_tensors_raise(tmp_path):
     cfg = small_config()
     weights = random_hf_weights(cfg)
     del weights["model.layers.0.mlp.up_proj.weight"]
-    with pytest.raises(CheckpointError, match=r"missing \['layers\.0\.mlp\.up_proj\.kernel'\]"):
+    missing = r"missing \['model\.layers\.0\.mlp\.up_proj\.weight'\]"
+    with pytest.raises(CheckpointError, match=missing):
         load_hf_safetensors(_saved_hf(tmp_path, weights), cfg)
     weights = random_hf_weights(cfg)
     weights["model.layers.0.self_attn.q_norm.weight"] = np.ones(8, np.float32)

@@ -1,0 +1,157 @@
+"""Checkpoints and configs that must be refused clearly, and round trips that must be exact."""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import serialization
+
+from jaxkv.models import (
+    CheckpointError,
+    LlamaConfig,
+    from_hf_tensors,
+    load_checkpoint,
+    load_hf_safetensors,
+    save_checkpoint,
+)
+from jaxkv.models.checkpoint import flat_params, write_safetensors
+from jaxkv.models.train import Trainer, make_optimizer
+from tests.models.conftest import random_model, small_config
+from tests.models.reference import random_hf_weights
+
+
+@pytest.mark.parametrize("dtype, tied", [("bfloat16", False), ("float32", True)])
+def test_round_trip_is_bit_exact_for_every_parameter(tmp_path, dtype, tied):
+    model = random_model(small_config(dtype=dtype, tie_word_embeddings=tied), seed=3)
+    loaded = load_checkpoint(save_checkpoint(model, tmp_path))
+    assert loaded.config == model.config
+    want, got = flat_params(model), flat_params(loaded)
+    assert want.keys() == got.keys() and len(want) == 2 + 9 * 2 + (not tied)
+    for name in want:
+        a, b = np.asarray(want[name]), np.asarray(got[name])
+        assert a.dtype == b.dtype == np.dtype(dtype) and a.shape == b.shape, name
+        assert a.tobytes() == b.tobytes(), name
+
+
+@pytest.mark.parametrize("payload", [1, None, [1, 2], "params"])
+def test_msgpack_that_is_not_a_parameter_dict_is_refused_naming_the_file(tmp_path, payload):
+    save_checkpoint(random_model(small_config()), tmp_path)
+    (tmp_path / "params.msgpack").write_bytes(serialization.msgpack_serialize(payload))
+    with pytest.raises(CheckpointError, match=r"params\.msgpack"):
+        load_checkpoint(tmp_path)
+
+
+def test_checkpoint_of_another_model_is_refused_naming_the_parameter(tmp_path):
+    save_checkpoint(random_model(small_config(tie_word_embeddings=True)), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+    with pytest.raises(CheckpointError, match=r"missing \['lm_head\.kernel'\]"):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("rope_scaling", [8.0, 1.0, 4.0, 8192]),
+        ("rope_scaling", {"factor": 8.0, "rope_type": "llama3"}),
+        ("tie_word_embeddings", "false"),
+        ("rope_theta", "10000"),
+        ("rope_theta", float("nan")),
+        ("rms_norm_eps", float("inf")),
+    ],
+)
+def test_ill_typed_config_fields_are_refused_by_name(tmp_path, field, value):
+    with pytest.raises(ValueError, match=f"{field}="):
+        small_config(**{field: value})
+    save_checkpoint(random_model(small_config()), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(CheckpointError, match=f"config.json: not a valid LlamaConfig.*{field}="):
+        load_checkpoint(tmp_path)
+
+
+def test_hf_errors_name_the_file_tensor_in_file_orientation(tmp_path):
+    cfg = small_config()
+    weights = random_hf_weights(cfg)
+    weights["model.layers.1.self_attn.v_proj.weight"] = np.zeros((8, 32), np.float32)
+    with pytest.raises(
+        CheckpointError,
+        match=r"'model\.layers\.1\.self_attn\.v_proj\.weight'.*\(8, 32\).*\(16, 32\)",
+    ):
+        from_hf_tensors(cfg, weights)
+    weights = random_hf_weights(cfg)
+    del weights["model.norm.weight"]
+    weights["model.layers.2.mlp.up_proj.weight"] = np.zeros((48, 32), np.float32)
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing \['model\.norm\.weight'\].*unexpected \['model\.layers\.2\.mlp",
+    ):
+        from_hf_tensors(cfg, weights)
+
+
+def test_a_tensor_in_two_shards_is_refused(tmp_path):
+    cfg = small_config()
+    weights = random_hf_weights(cfg)
+    write_safetensors(tmp_path / "model-00001-of-00002.safetensors", weights)
+    write_safetensors(
+        tmp_path / "model-00002-of-00002.safetensors",
+        {"model.norm.weight": np.zeros(cfg.hidden_size, np.float32)},
+    )
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight'.*twice"):
+        load_hf_safetensors(tmp_path, cfg)
+
+
+def _hf_config(**extra) -> dict:
+    cfg = small_config()
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        **extra,
+    }
+
+
+def test_hf_config_dtype_key_and_activation():
+    # Newer transformers write "dtype" where older ones wrote "torch_dtype".
+    assert LlamaConfig.from_hf_dict(_hf_config(dtype="bfloat16")).dtype == "bfloat16"
+    assert LlamaConfig.from_hf_dict(_hf_config(torch_dtype="float16")).dtype == "float16"
+    assert LlamaConfig.from_hf_dict(_hf_config(hidden_act="silu")).dtype == "float32"
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        LlamaConfig.from_hf_dict(_hf_config(hidden_act="gelu"))
+
+
+def test_bf16_hf_weights_load_exactly():
+    cfg = small_config(dtype="bfloat16")
+    weights = {k: v.astype(ml_dtypes.bfloat16) for k, v in random_hf_weights(cfg, seed=6).items()}
+    model = from_hf_tensors(cfg, weights)
+    got = np.asarray(model.layers[0].self_attn.q_proj.kernel[...])
+    assert got.dtype == ml_dtypes.bfloat16
+    assert (
+        got.tobytes()
+        == np.ascontiguousarray(weights["model.layers.0.self_attn.q_proj.weight"].T).tobytes()
+    )
+
+
+def test_trainer_leaves_its_input_model_and_snapshots_usable():
+    model = random_model(small_config(num_layers=1))
+    values = lambda m: {k: np.asarray(v) for k, v in flat_params(m).items()}
+    before = values(model)
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 9)).astype(np.int32)
+    trainer = Trainer.create(model, make_optimizer(peak_lr=1e-2, warmup_steps=1, total_steps=4))
+    trainer.step(tokens)  # learning rate 0 (warmup starts at 0)
+    trainer.step(tokens)
+    snapshot = trainer.model()
+    after_two = values(snapshot)
+    trainer.step(tokens)
+    # Both were donated to the update program before: reading them raised.
+    for name, value in values(model).items():
+        np.testing.assert_array_equal(value, before[name])
+    for name, value in values(snapshot).items():
+        np.testing.assert_array_equal(value, after_two[name])
+    assert not np.array_equal(after_two["norm.weight"], before["norm.weight"])
