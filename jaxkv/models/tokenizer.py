@@ -8,8 +8,10 @@ import numpy as np
 class ByteTokenizer:
     """Lossless byte-level tokenizer with no vocabulary file.
 
-    Token id b < 256 is the byte b; ids 256, 257, 258 are PAD, BOS, EOS. `decode` drops the
-    special ids and replaces invalid UTF-8 (a sample cut mid-character) with U+FFFD.
+    Token id b < 256 is the byte b; ids 256, 257, 258 are PAD, BOS, EOS. `decode` keeps only
+    byte ids (it drops the specials and any id outside 0..255, silently) and replaces invalid
+    UTF-8 (a sample cut mid-character) with U+FFFD, one per maximal invalid subsequence.
+    `encode` refuses (UnicodeEncodeError, a ValueError) a str holding lone surrogates.
     """
 
     pad_id = 256

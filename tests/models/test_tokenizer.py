@@ -1,0 +1,46 @@
+"""ByteTokenizer round trips: any text exactly, any bytes as ids, invalid UTF-8 as U+FFFD."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxkv.models import ByteTokenizer
+
+TOK = ByteTokenizer()
+SPECIALS = (TOK.pad_id, TOK.bos_id, TOK.eos_id)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.text(), st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(SPECIALS))))
+def test_any_text_round_trips_and_specials_anywhere_are_dropped(text, inserts):
+    ids = TOK.encode(text, bos=True, eos=True)
+    assert ids[1:-1] == list(text.encode("utf-8")) and all(0 <= i < 256 for i in ids[1:-1])
+    assert TOK.encode_array(text).tolist() == ids[1:-1]
+    for where, special in inserts:  # specials may split a multi-byte character
+        ids.insert(where % (len(ids) + 1), special)
+    assert TOK.decode(ids) == text
+    assert TOK.decode(np.asarray(ids, np.int64)) == text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary())
+def test_any_bytes_are_ids_exactly_and_decode_like_utf8_with_replacement(data):
+    ids = TOK.encode_array(data)
+    assert ids.dtype == np.int32 and bytes(ids.astype(np.uint8)) == data
+    assert TOK.decode(ids) == data.decode("utf-8", errors="replace")
+
+
+def test_invalid_utf8_cases_by_hand():
+    # A character cut mid-way, a lone continuation byte, an overlong "/", a UTF-16 surrogate
+    # encoded in UTF-8: each maximal invalid subpart becomes one U+FFFD.
+    assert TOK.decode(list("é".encode())[:1] + [ord("a")]) == "\ufffda"
+    assert TOK.decode([0x80]) == "\ufffd"
+    assert TOK.decode([0xC0, 0xAF]) == "\ufffd\ufffd"
+    assert TOK.decode([0xED, 0xA0, 0x80]) == "\ufffd" * 3
+    assert TOK.decode([]) == ""
+    # A str holding a lone surrogate is not Unicode text: refused, not mangled.
+    with pytest.raises(ValueError):
+        TOK.encode("\ud800")
