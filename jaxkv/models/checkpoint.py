@@ -176,7 +176,11 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
                 raise ValueError("header is not a JSON object")
         except (struct.error, ValueError) as e:
             raise CheckpointError(f"{path}: not a safetensors file ({e})") from e
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    data_len = size - 8 - header_len
+    if data_len > 0:
+        data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    else:  # mmap refuses an empty range; only zero-size tensors can be read from it
+        data = np.zeros(0, np.uint8)
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -185,6 +189,13 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
         except (TypeError, KeyError, ValueError) as e:
             raise CheckpointError(f"tensor {name!r} in {path}: bad header entry {info!r}") from e
+        if not (
+            isinstance(shape, list)
+            and all(type(d) is int and d >= 0 for d in shape)
+            and type(begin) is int
+            and type(end) is int
+        ):
+            raise CheckpointError(f"tensor {name!r} in {path}: bad header entry {info!r}")
         if dtype not in _ST_DTYPES:
             raise CheckpointError(f"tensor {name!r} in {path}: dtype {dtype} unsupported")
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_ST_DTYPES[dtype]).itemsize

@@ -144,13 +144,31 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], *, dtype: str | None = None) -> LlamaConfig:
-        """Build from a Hugging Face Llama `config.json` dict (architectures LlamaForCausalLM)."""
+        """Build from a Hugging Face Llama `config.json` dict (architectures LlamaForCausalLM).
+
+        Raises ValueError naming a required key the dict lacks (or a bad value)."""
+        required = (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads",
+        )  # fmt: skip
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise ValueError(f"Hugging Face config lacks {missing}")
         scaling = hf.get("rope_scaling")
         rope_scaling = None
         if scaling is not None:
+            if not isinstance(scaling, dict):
+                raise ValueError(f"rope_scaling={scaling!r} must be a dict or null")
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind != "llama3":
                 raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
+            keys = (
+                "factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings",
+            )  # fmt: skip
+            missing = [k for k in keys if k not in scaling]
+            if missing:
+                raise ValueError(f"rope_scaling (llama3) lacks {missing}")
             rope_scaling = RopeScaling(
                 factor=float(scaling["factor"]),
                 low_freq_factor=float(scaling["low_freq_factor"]),

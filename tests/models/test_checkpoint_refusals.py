@@ -18,7 +18,7 @@ from jaxkv.models import (
     load_hf_safetensors,
     save_checkpoint,
 )
-from jaxkv.models.checkpoint import flat_params, write_safetensors
+from jaxkv.models.checkpoint import flat_params, read_safetensors, write_safetensors
 from jaxkv.models.train import Trainer
 from tests.models.conftest import random_model, small_config
 from tests.models.reference import random_hf_weights
@@ -157,3 +157,34 @@ def test_trainer_leaves_its_input_model_and_snapshots_usable():
     for name, value in values(snapshot).items():
         np.testing.assert_array_equal(value, after_one[name])
     assert not np.array_equal(after_one["norm.weight"], before["norm.weight"])
+
+
+def test_hf_config_missing_keys_are_named():
+    hf = _hf_config()
+    del hf["hidden_size"]
+    with pytest.raises(ValueError, match=r"lacks \['hidden_size'\]"):
+        LlamaConfig.from_hf_dict(hf)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}
+    with pytest.raises(ValueError, match="lacks.*high_freq_factor.*original_max_position"):
+        LlamaConfig.from_hf_dict(_hf_config(rope_scaling=scaling))
+    with pytest.raises(ValueError, match="rope_scaling=.*must be a dict"):
+        LlamaConfig.from_hf_dict(_hf_config(rope_scaling=[8.0]))
+
+
+def _raw_safetensors(path, header: dict, data: bytes = b"") -> None:
+    blob = json.dumps(header).encode()
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + data)
+
+
+def test_safetensors_with_no_data_or_a_bad_shape_is_refused_by_tensor(tmp_path):
+    path = tmp_path / "empty.safetensors"
+    _raw_safetensors(path, {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})
+    with pytest.raises(CheckpointError, match=r"'w'.*bytes \[0, 8\) of 0"):
+        read_safetensors(path)
+    _raw_safetensors(path, {"w": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}})
+    assert read_safetensors(path)["w"].shape == (0,)
+    for shape in (["2"], [2.0], [-2], 2):
+        header = {"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 8]}}
+        _raw_safetensors(path, header, bytes(8))
+        with pytest.raises(CheckpointError, match="'w'.*bad header entry"):
+            read_safetensors(path)
