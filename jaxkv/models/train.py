@@ -102,6 +102,18 @@ class Trainer:
         return nnx.merge(self.graphdef, jax.tree.map(jnp.copy, self.params), self.rest)
 
 
+@functools.lru_cache(maxsize=8)
+def _greedy_next_token(graphdef: nnx.GraphDef):
+    """The jitted argmax of the dense forward at one position, shared by calls on one graph."""
+
+    @jax.jit
+    def next_token(state, buf, last):
+        logits = nnx.merge(graphdef, state).dense_forward(buf)
+        return jnp.argmax(logits[0, last])
+
+    return next_token
+
+
 def greedy_generate(
     model: Llama,
     prompt: list[int],
@@ -112,18 +124,14 @@ def greedy_generate(
 ) -> list[int]:
     """Greedy continuation of `prompt` with the dense forward (no cache; for small models).
 
-    Runs on a fixed [1, window] buffer so it compiles once; the context is the last
-    `window` tokens. Causal attention means the padding after the context never matters.
+    Runs on a fixed [1, window] buffer, so it compiles once per model graph and window
+    (calls with other prompts reuse the program); the context is the last `window` tokens.
+    Causal attention means the padding after the context never matters.
     """
     if not prompt:
         raise ValueError("prompt must hold at least one token")
     graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def next_token(state, buf, last):
-        logits = nnx.merge(graphdef, state).dense_forward(buf)
-        return jnp.argmax(logits[0, last])
-
+    next_token = _greedy_next_token(graphdef)
     tokens = list(prompt)
     for _ in range(num_new_tokens):
         context = tokens[-window:]

@@ -5,8 +5,10 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxkv.models import ByteTokenizer, load_checkpoint, make_dense_forward
+from jaxkv.models.train import _greedy_next_token, greedy_generate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,3 +56,12 @@ def test_shipped_tiny_checkpoint_loads_and_predicts_held_out_text():
     loss = -np.take_along_axis(logp, windows[:, 1:, None], -1).mean()
     # Uniform over bytes is ~5.56 nats; the shipped model reaches ~1.8 on held-out text.
     assert loss < 2.1
+
+
+def test_greedy_generate_compiles_once_per_model_graph():
+    model = load_checkpoint(ROOT / "examples" / "checkpoints" / "tiny")
+    first = greedy_generate(model, [73, 32], 3, window=64)
+    again = greedy_generate(model, [73, 32], 3, window=64)
+    other = greedy_generate(model, list(b"The school"), 3, window=64)
+    assert first == again and len(other) == 3
+    assert _greedy_next_token(nnx.split(model)[0])._cache_size() == 1
