@@ -30,7 +30,11 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.merge import merge_attn_states
-from kernels_pallas.validation import output_dtype, validate_ragged_paged_attention_inputs
+from kernels_pallas.validation import (
+    checks_index_values,
+    output_dtype,
+    validate_ragged_paged_attention_inputs,
+)
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -40,6 +44,7 @@ def _dequantize(x: jax.Array, scale: float | None) -> jax.Array:
     return x * scale if scale is not None else x
 
 
+@checks_index_values
 def ragged_paged_attention(
     q: jax.Array,  # [max_num_tokens, num_q_heads, head_dim]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
@@ -62,6 +67,9 @@ def ragged_paged_attention(
     `max_q_len` (static) bounds the query length of every valid sequence; it defaults to
     max_num_tokens, which is always safe. A smaller bound saves work and memory (decode:
     1), and a sequence with more query tokens than it gets wrong results for the excess.
+
+    Raises ValueError for bad shapes or options (at trace time) and, called on concrete
+    arrays, for index values out of range (kernels_pallas.validation).
     """
     validate_ragged_paged_attention_inputs(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,

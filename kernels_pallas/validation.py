@@ -1,13 +1,22 @@
-"""Trace-time validation of ragged paged attention arguments, shared by every backend.
+"""Validation of ragged paged attention arguments, shared by every backend.
 
-All checks look at shapes, dtypes and static options only, so they run while tracing
-and never force a device value. Each error names the argument and what was expected.
+Two kinds of checks, each error naming the argument and what was expected:
+
+- `validate_ragged_paged_attention_inputs`: shapes, dtypes and static options only, so
+  it runs while tracing and never forces a device value;
+- `validate_index_values` (applied by the `checks_index_values` decorator of every
+  public entry point): the values of the index arrays, on concrete arrays only, before
+  anything is traced or run. Under jit the values are unknown and it does nothing.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 QUANTIZED_KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -94,3 +103,80 @@ def _dtype_or_none(x) -> jnp.dtype | None:
 def output_dtype(q: jax.Array, out_dtype) -> jnp.dtype:
     """The dtype of a kernel's `out`: `out_dtype`, or q's dtype when it is None."""
     return jnp.dtype(q.dtype if out_dtype is None else out_dtype)
+
+
+def validate_index_values(
+    q: jax.Array,  # [max_num_tokens, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # i32[max_num_seqs]
+    page_indices: jax.Array,  # i32[max_num_seqs, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
+    num_seqs: jax.Array,  # i32[1]
+) -> None:
+    """Raises ValueError, naming the first bad entry, unless num_seqs[0] lies in
+    [0, max_num_seqs], cu_q_lens[:num_seqs + 1] is non-decreasing within
+    [0, max_num_tokens], every valid kv_lens entry lies in [0, pages_per_seq * page_size]
+    and every page a valid sequence reads (its first ceil(kv_len / page_size) entries)
+    lies in [0, num_pages). Entries no valid sequence reads may hold anything.
+
+    Does nothing while tracing (a traced index array), and leaves malformed shapes to
+    `validate_ragged_paged_attention_inputs`.
+    """
+    index_arrays = (kv_lens, page_indices, cu_q_lens, num_seqs)
+    if any(isinstance(a, jax.core.Tracer) for a in index_arrays):
+        return
+    if (
+        np.ndim(q) != 3
+        or np.ndim(kv_pages) != 4
+        or np.ndim(kv_lens) != 1
+        or np.shape(page_indices)[:1] != np.shape(kv_lens)
+        or np.ndim(page_indices) != 2
+        or np.shape(cu_q_lens) != (np.shape(kv_lens)[0] + 1,)
+        or np.shape(num_seqs) != (1,)
+    ):
+        return
+    kv_lens, page_indices, cu_q_lens, num_seqs = (np.asarray(a) for a in index_arrays)
+    max_num_tokens = np.shape(q)[0]
+    num_pages, page_size = np.shape(kv_pages)[:2]
+    max_num_seqs, pages_per_seq = page_indices.shape
+    n = int(num_seqs[0])
+    if not 0 <= n <= max_num_seqs:
+        raise ValueError(f"num_seqs[0]={n} must be in [0, {max_num_seqs=}]")
+    cu = cu_q_lens[: n + 1].astype(np.int64)
+    bad = np.flatnonzero((cu < np.concatenate([[0], cu[:-1]])) | (cu > max_num_tokens))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"cu_q_lens[{i}]={cu[i]} must be in [{cu[i - 1] if i else 0}, {max_num_tokens=}]"
+            " (cu_q_lens[:num_seqs + 1] non-decreasing from >= 0)"
+        )
+    lens = kv_lens[:n].astype(np.int64)
+    capacity = pages_per_seq * page_size
+    bad = np.flatnonzero((lens < 0) | (lens > capacity))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"kv_lens[{i}]={lens[i]} must be in [0, {capacity}] "
+            f"(pages_per_seq * page_size = {pages_per_seq} * {page_size})"
+        )
+    pages = page_indices[:n]
+    read = np.arange(pages_per_seq)[None, :] < -(-lens[:, None] // page_size)
+    bad = np.argwhere(read & ((pages < 0) | (pages >= num_pages)))
+    if bad.size:
+        i, j = (int(x) for x in bad[0])
+        raise ValueError(
+            f"page_indices[{i}, {j}]={pages[i, j]} must be in [0, {num_pages=}) "
+            f"(sequence {i} reads {-(-lens[i] // page_size)} pages for kv_lens[{i}]={lens[i]})"
+        )
+
+
+def checks_index_values(fn: Callable) -> Callable:
+    """Wraps a kernel entry point `fn(q, kv_pages, kv_lens, page_indices, cu_q_lens,
+    num_seqs, **options)` so that `validate_index_values` runs before it."""
+
+    @functools.wraps(fn)
+    def checked(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+        validate_index_values(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+        return fn(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
+
+    return checked

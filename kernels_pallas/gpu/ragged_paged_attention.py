@@ -55,7 +55,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.validation import output_dtype, validate_ragged_paged_attention_inputs
+from kernels_pallas.validation import (
+    checks_index_values,
+    output_dtype,
+    validate_ragged_paged_attention_inputs,
+)
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -320,6 +324,7 @@ def _validate_gpu(
         raise ValueError(f"{block_k=} must be a power of two >= 16")
 
 
+@checks_index_values
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -372,6 +377,8 @@ def ragged_paged_attention(
     `block_k` keys per inner step, `num_kv_splits` partitions of each sequence's
     keys merged through their LSEs, and Triton's `num_warps` / `num_stages`. None picks
     a default from the static shapes. `interpret=True` runs the kernel on the CPU.
+    Called on concrete arrays, raises ValueError for index values out of range (a page id
+    past kv_pages, a kv_len past its pages; kernels_pallas.validation) before anything runs.
     """
     validate_ragged_paged_attention_inputs(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,

@@ -33,7 +33,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.tpu.tuning import TUNED_BLOCK_SIZES, block_sizes, detect_tpu_generation
-from kernels_pallas.validation import output_dtype, validate_ragged_paged_attention_inputs
+from kernels_pallas.validation import (
+    checks_index_values,
+    output_dtype,
+    validate_ragged_paged_attention_inputs,
+)
 
 # Finite stand-in for -inf in masked logits: keeps exp/max free of inf - inf.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -372,6 +376,7 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+@checks_index_values
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -428,7 +433,9 @@ def ragged_paged_attention(
 
     Raises ValueError at trace time for arguments the kernel cannot take (head_dim not in
     64/128/256, page size outside 16..256 or not a multiple of the sublane tiling,
-    mismatched heads, unsupported dtypes, bad knobs), naming the argument.
+    mismatched heads, unsupported dtypes, bad knobs), naming the argument; called on
+    concrete arrays, also for index values out of range (a page id past kv_pages, a
+    kv_len past its pages; kernels_pallas.validation), before anything runs.
     """
     validate_ragged_paged_attention_inputs(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,

@@ -1,0 +1,94 @@
+"""Index values no kernel can honour are refused eagerly, by name, on every backend.
+
+An out-of-range page id sends the TPU kernel's DMA outside kv_pages, and the reference and
+the GPU kernel clamp it to some other page: a silently wrong answer at best. A kv_len
+longer than its page-table row, a num_seqs past max_num_seqs or a cu_q_lens that falls
+back or runs past the token rows are the same class of mistake. Called on concrete
+arrays, every public entry point raises ValueError naming the argument before it traces
+or runs anything; under jit (traced values) only the static checks apply. Entries no
+valid sequence reads (padding) may hold anything.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import reference
+from kernels_pallas.gpu import ragged_paged_attention as gpu_kernel
+from kernels_pallas.tpu import ragged_paged_attention as tpu_kernel
+from tests.kernels import harness
+
+SEQ_LENS = [(3, 20), (1, 9)]
+# 2 valid sequences in a bucket of 3, 8 token rows, 2 pages of 16 per row, 6 pages.
+SHAPES = dict(max_num_seqs=3, max_num_tokens=8, pages_per_seq=2, num_pages=6)
+
+BACKENDS = {
+    "reference": reference.ragged_paged_attention,
+    "tpu": functools.partial(tpu_kernel, interpret=True),
+    "gpu": functools.partial(gpu_kernel, interpret=True),
+}
+
+
+def _case() -> harness.Case:
+    return harness.make_case(
+        0, SEQ_LENS, num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=16, **SHAPES
+    )
+
+
+def _set(array: jax.Array, index, value) -> jax.Array:
+    out = np.asarray(array).copy()
+    out[index] = value
+    return jnp.asarray(out)
+
+
+# (name, field, index, value, message fragment): each breaks one value of the case.
+BREAKAGES = [
+    ("page_past_num_pages", "page_indices", (0, 1), 6, r"page_indices\[0, 1\]=6"),
+    ("negative_page", "page_indices", (1, 0), -1, r"page_indices\[1, 0\]=-1"),
+    ("kv_len_past_its_pages", "kv_lens", 0, 33, r"kv_lens\[0\]=33"),
+    ("negative_kv_len", "kv_lens", 1, -1, r"kv_lens\[1\]=-1"),
+    ("num_seqs_past_max", "num_seqs", 0, 4, r"num_seqs\[0\]=4"),
+    ("cu_q_lens_falls_back", "cu_q_lens", 1, 5, r"cu_q_lens\[2\]=4"),
+    ("cu_q_lens_past_tokens", "cu_q_lens", 2, 9, r"cu_q_lens\[2\]=9"),
+]
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize(
+    "field, index, value, match", [b[1:] for b in BREAKAGES], ids=[b[0] for b in BREAKAGES]
+)
+def test_bad_index_values_raise_by_name(backend, field, index, value, match):
+    case = _case()
+    case = case.replace(**{field: _set(getattr(case, field), index, value)})
+    with pytest.raises(ValueError, match=match):
+        BACKENDS[backend](*case.args(), sm_scale=0.125)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_unread_entries_may_hold_anything(backend):
+    # Past each valid row's pages, in the padded row and past num_seqs + 1 in cu_q_lens:
+    # values out of every range, which no valid sequence reads.
+    case = _case()
+    table = np.asarray(case.page_indices).copy()
+    table[1, 1] = 10**6  # sequence 1 (9 keys) reads only its first page
+    table[2] = -7  # the padded sequence row
+    kv_lens = _set(case.kv_lens, 2, 10**6)
+    cu_q_lens = _set(case.cu_q_lens, 3, -5)
+    case = case.replace(page_indices=jnp.asarray(table), kv_lens=kv_lens, cu_q_lens=cu_q_lens)
+    out, lse = BACKENDS[backend](*case.args(), sm_scale=0.125, out_dtype=jnp.float32)
+    harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))
+
+
+def test_traced_values_are_not_checked():
+    # Inside jit the values are unknown: only the static checks run (no concretization
+    # error), and the kernel's in-range clamps keep the page read inside kv_pages.
+    case = _case()
+    case = case.replace(kv_lens=_set(case.kv_lens, 0, 33))
+    jitted = jax.jit(functools.partial(reference.ragged_paged_attention, sm_scale=0.125))
+    out, _ = jitted(*case.args())
+    assert out.shape == case.q.shape
