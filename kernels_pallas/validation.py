@@ -112,12 +112,16 @@ def validate_index_values(
     page_indices: jax.Array,  # i32[max_num_seqs, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
     num_seqs: jax.Array,  # i32[1]
+    *,
+    causal: bool = True,
 ) -> None:
     """Raises ValueError, naming the first bad entry, unless num_seqs[0] lies in
     [0, max_num_seqs], cu_q_lens[:num_seqs + 1] is non-decreasing within
     [0, max_num_tokens], every valid kv_lens entry lies in [0, pages_per_seq * page_size]
-    and every page a valid sequence reads (its first ceil(kv_len / page_size) entries)
-    lies in [0, num_pages). Entries no valid sequence reads may hold anything.
+    (and, when `causal`, is at least its sequence's query length: the queries are the
+    last q_len of its keys) and every page a valid sequence reads (its first
+    ceil(kv_len / page_size) entries) lies in [0, num_pages). Entries no valid sequence
+    reads may hold anything.
 
     Does nothing while tracing (a traced index array), and leaves malformed shapes to
     `validate_ragged_paged_attention_inputs`.
@@ -159,6 +163,14 @@ def validate_index_values(
             f"kv_lens[{i}]={lens[i]} must be in [0, {capacity}] "
             f"(pages_per_seq * page_size = {pages_per_seq} * {page_size})"
         )
+    if causal:
+        bad = np.flatnonzero(lens < np.diff(cu))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"kv_lens[{i}]={lens[i]} must be >= the sequence's query length "
+                f"{cu[i + 1] - cu[i]} (causal: its queries are the last q_len of its keys)"
+            )
     pages = page_indices[:n]
     read = np.arange(pages_per_seq)[None, :] < -(-lens[:, None] // page_size)
     bad = np.argwhere(read & ((pages < 0) | (pages >= num_pages)))
@@ -176,7 +188,10 @@ def checks_index_values(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def checked(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
-        validate_index_values(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+        causal = options.get("causal", True)
+        validate_index_values(
+            q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, causal=bool(causal)
+        )
         return fn(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
 
     return checked

@@ -55,6 +55,7 @@ BREAKAGES = [
     ("num_seqs_past_max", "num_seqs", 0, 4, r"num_seqs\[0\]=4"),
     ("cu_q_lens_falls_back", "cu_q_lens", 1, 5, r"cu_q_lens\[2\]=4"),
     ("cu_q_lens_past_tokens", "cu_q_lens", 2, 9, r"cu_q_lens\[2\]=9"),
+    ("causal_kv_len_below_q_len", "kv_lens", 0, 2, r"kv_lens\[0\]=2 .* query length 3"),
 ]
 
 
