@@ -61,7 +61,9 @@ class PrefixAwareRouter:
     max_tracked_prefixes: bound on remembered prefix hashes (least recently used dropped).
 
     Outstanding requests are counted by the router: +1 on add_request, -1 when a replica's
-    output says the request finished or it is aborted. Not thread-safe. Replicas should
+    output says the request finished or it is aborted; so add, step and abort through the
+    router only (a request added to a replica directly is neither counted nor stepped
+    by it with certainty). Not thread-safe. Replicas should
     sample with different default seeds (engine_replicas sees to it): otherwise unseeded
     sampled requests on two replicas can draw the same tokens.
     """
