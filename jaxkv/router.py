@@ -62,8 +62,8 @@ class PrefixAwareRouter:
 
     Outstanding requests are counted by the router: +1 on add_request, -1 when a replica's
     output says the request finished or it is aborted; so add, step and abort through the
-    router only (a request added to a replica directly is neither counted nor stepped
-    by it with certainty). Not thread-safe. Replicas should
+    router only (a request added to a replica directly is not counted, and one aborted
+    there stays counted). Not thread-safe. Replicas should
     sample with different default seeds (engine_replicas sees to it): otherwise unseeded
     sampled requests on two replicas can draw the same tokens.
     """
