@@ -1,11 +1,12 @@
 """Serve a shared-prefix workload with jaxkv's Engine, with cascade attention on and off.
 
-The workload is what a chat service sees: every request starts with the same long
-preamble, then one of two system prompts with its few-shot block, then a short question
-of its own. jaxkv's prefix cache stores each shared block once, and its cascade planner
-finds, every step, the exact prefix the scheduled requests share: the common preamble
-(level "global") and each system prompt's block (level "groups"), which attention then
-reads once per group instead of once per request.
+The workload (examples/shared_prefix_workload.py) is what a chat service sees: every
+request starts with the same long preamble, then one of two system prompts with its
+few-shot block, then a short question of its own. jaxkv's prefix cache stores each
+shared block once, and its cascade planner finds, every step, the exact prefix the
+scheduled requests share: the common preamble (level "global") and each system prompt's
+block (level "groups"), which attention then reads once per group instead of once per
+request.
 
 The workload runs twice on the same model, cascade on then off; the generated tokens
 must be identical (cascade is exact), and a table compares the two runs.
