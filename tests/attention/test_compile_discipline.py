@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.attention import paged_attention
-from jaxkv.batch import build_attention_metadata
 from jaxkv.buckets import BucketConfig
 from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlanner
 from jaxkv.step_inputs import program_key
@@ -46,11 +45,7 @@ def test_300_random_steps_stay_within_bucket_combinations():
         )  # fmt: skip
         m = step.manager
         plan = planner.plan(step.request_ids, step.num_computed_tokens, step.query_lens, m)
-        md = build_attention_metadata(
-            block_table=m.block_table, plan=plan, query_lens=step.query_lens[plan.order],
-            num_computed_tokens=step.num_computed_tokens[plan.order], block_size=BLOCK_SIZE,
-            buckets=BUCKETS,
-        )  # fmt: skip
+        md = step.metadata(plan, BUCKETS)
         signatures.add(signature(md))
         keys.add(program_key(md))
         levels_seen.add(tuple(lv.name for lv in plan.levels))

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from jaxkv.attention import paged_attention
-from jaxkv.batch import build_attention_metadata
 from jaxkv.buckets import BucketConfig
 from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlanner
 from jaxkv.step_inputs import coarsen_metadata
@@ -82,11 +81,7 @@ def _planned(seed: int, planner: CascadePlanner):
     )  # fmt: skip
     m = step.manager
     plan = planner.plan(step.request_ids, step.num_computed_tokens, step.query_lens, m)
-    md = build_attention_metadata(
-        block_table=m.block_table, plan=plan, query_lens=step.query_lens[plan.order],
-        num_computed_tokens=step.num_computed_tokens[plan.order], block_size=BLOCK_SIZE,
-        buckets=BUCKETS,
-    )  # fmt: skip
+    md = step.metadata(plan, BUCKETS)
     # One program per level structure: every static bound at its largest.
     md = coarsen_metadata(md, (MAX_TOKENS,), BUCKETS.level_seq_buckets[-1])
     return step, plan, md

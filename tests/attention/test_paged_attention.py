@@ -41,14 +41,7 @@ def planned_inputs(
     planned step; heads = (Hq, Hkv, D). Padding rows of q and the null block hold NaN."""
     num_q_heads, num_kv_heads, head_dim = heads
     manager = step.manager
-    md = build_attention_metadata(
-        block_table=manager.block_table,
-        plan=plan,
-        query_lens=step.query_lens[plan.order],
-        num_computed_tokens=step.num_computed_tokens[plan.order],
-        block_size=manager.block_size,
-        buckets=buckets,
-    )
+    md = step.metadata(plan, buckets)
     rng = np.random.default_rng(q_seed)
     num_blocks = manager.pool.num_blocks if hasattr(manager.pool, "num_blocks") else 512
     kv = rng.standard_normal((num_blocks, manager.block_size, 2 * num_kv_heads, head_dim))
@@ -194,12 +187,7 @@ def test_sliding_window_with_levels_is_rejected():
     plan = planner.plan(step.request_ids, step.num_computed_tokens, step.query_lens, step.manager)
     if not plan.uses_cascade:
         pytest.skip("seed gave no cascade")
-    md = build_attention_metadata(
-        block_table=step.manager.block_table, plan=plan,
-        query_lens=step.query_lens[plan.order],
-        num_computed_tokens=step.num_computed_tokens[plan.order],
-        block_size=4, buckets=buckets_for(4),
-    )  # fmt: skip
+    md = step.metadata(plan, buckets_for(4))
     q = jnp.zeros((md.max_num_tokens, NUM_Q_HEADS, HEAD_DIM))
     kv = jnp.zeros((512, 4, 2 * NUM_KV_HEADS, HEAD_DIM))
     with pytest.raises(ValueError, match="sliding_window"):

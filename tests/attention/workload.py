@@ -14,6 +14,9 @@ import dataclasses
 import numpy as np
 
 from jaxkv import KVCacheManager, Request
+from jaxkv.batch import AttentionMetadata, build_attention_metadata
+from jaxkv.buckets import BucketConfig
+from jaxkv.cascade import CascadePlan
 
 
 @dataclasses.dataclass
@@ -24,6 +27,18 @@ class Step:
     request_ids: list[str]
     num_computed_tokens: np.ndarray  # i[R]
     query_lens: np.ndarray  # i[R]
+
+    def metadata(self, plan: CascadePlan, buckets: BucketConfig) -> AttentionMetadata:
+        """The step's attention metadata for `plan` (batch in plan order), built from the
+        manager's block table as the engine builds it."""
+        return build_attention_metadata(
+            block_table=self.manager.block_table,
+            plan=plan,
+            query_lens=self.query_lens[plan.order],
+            num_computed_tokens=self.num_computed_tokens[plan.order],
+            block_size=self.manager.block_size,
+            buckets=buckets,
+        )
 
 
 def _admit(manager: KVCacheManager, request: Request, chunk: int | None = None) -> int:
