@@ -71,6 +71,29 @@ def _unflatten(flat: Mapping[str, object]) -> dict:
     return tree
 
 
+def _check_names_and_shapes(
+    expected: Mapping[str, tuple[int, ...]],
+    given: Mapping[str, object],
+    source: str,
+    *,
+    kind: str,
+) -> None:
+    """CheckpointError unless `given` holds exactly the names of `expected`, each with its
+    shape; names the missing, unexpected or mis-shaped ones ("parameter" or "tensor")."""
+    missing = sorted(set(expected) - set(given))
+    unexpected = sorted(set(given) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source} does not match the model: missing {missing}, unexpected {unexpected}"
+        )
+    for name, want in expected.items():
+        got = tuple(np.shape(given[name]))
+        if got != tuple(want):
+            raise CheckpointError(
+                f"{kind} {name!r} in {source}: shape {got} does not match the model's {tuple(want)}"
+            )
+
+
 def build_with_params(
     config: LlamaConfig, params: Mapping[str, np.ndarray], *, source: str = "checkpoint"
 ) -> Llama:
@@ -83,19 +106,7 @@ def build_with_params(
     expected = {k: v.shape for k, v in flat_params(abstract).items()}
     if not isinstance(params, Mapping):
         raise CheckpointError(f"{source} holds a {type(params).__name__}, not a parameter dict")
-    missing = sorted(set(expected) - set(params))
-    unexpected = sorted(set(params) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{source} does not match the model: missing {missing}, unexpected {unexpected}"
-        )
-    for name, want in expected.items():
-        got = tuple(np.shape(params[name]))
-        if got != tuple(want):
-            raise CheckpointError(
-                f"parameter {name!r} in {source}: shape {got} does not match model shape "
-                f"{tuple(want)}"
-            )
+    _check_names_and_shapes(expected, params, source, kind="parameter")
     dtype = jnp.dtype(config.dtype)
     graphdef, state = nnx.split(abstract)
     values = {k: jnp.asarray(v, dtype=dtype) for k, v in params.items()}
@@ -319,18 +330,7 @@ def from_hf_tensors(
             raise CheckpointError(f"tensor {hf_name!r} appears twice in {source}")
         if hf_to_jaxkv_name(hf_name) is not None and not (tied and hf_name == "lm_head.weight"):
             given[hf_name] = tensor
-    missing = sorted(set(expected) - set(given))
-    unexpected = sorted(set(given) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{source} does not match the model: missing {missing}, unexpected {unexpected}"
-        )
-    for hf_name, want in expected.items():
-        if tuple(np.shape(given[hf_name])) != want:
-            raise CheckpointError(
-                f"tensor {hf_name!r} in {source}: shape {tuple(np.shape(given[hf_name]))} "
-                f"does not match the model's {want}"
-            )
+    _check_names_and_shapes(expected, given, source, kind="tensor")
     params = {}
     for hf_name, tensor in given.items():
         name, transpose = hf_to_jaxkv_name(hf_name)
