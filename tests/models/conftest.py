@@ -21,6 +21,19 @@ def small_config(**overrides) -> LlamaConfig:
     return LlamaConfig(**{**base, **overrides})
 
 
+def hf_config_dict(cfg: LlamaConfig, **extra) -> dict:
+    """The Hugging Face `config.json` dict of `cfg`'s sizes, plus `extra` keys."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        **extra,
+    }
+
+
 @pytest.fixture
 def config() -> LlamaConfig:
     return small_config()

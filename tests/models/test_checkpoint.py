@@ -17,7 +17,7 @@ from jaxkv.models import (
     save_checkpoint,
 )
 from jaxkv.models.checkpoint import read_safetensors, to_hf_tensors, write_safetensors
-from tests.models.conftest import random_model, small_config
+from tests.models.conftest import hf_config_dict, random_model, small_config
 from tests.models.reference import hf_llama_forward, random_hf_weights
 
 TOKENS = np.array([3, 17, 0, 63, 42, 42, 8, 1, 29], dtype=np.int32)
@@ -114,18 +114,13 @@ def test_hf_directory_with_config_json_and_sharded_bf16_files(tmp_path):
     for i, part in enumerate([names[:half], names[half:]]):
         shard = {n: weights[n].astype(ml_dtypes.bfloat16) for n in part}
         write_safetensors(tmp_path / f"model-0000{i + 1}-of-00002.safetensors", shard)
-    hf_config = {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "rope_theta": cfg.rope_theta,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
+    hf_config = hf_config_dict(
+        cfg,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
     (tmp_path / "config.json").write_text(json.dumps(hf_config))
     model = load_hf_safetensors(tmp_path, dtype="float32")
     bf16_weights = {n: w.astype(ml_dtypes.bfloat16).astype(np.float32) for n, w in weights.items()}

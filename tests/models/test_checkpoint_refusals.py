@@ -20,7 +20,7 @@ from jaxkv.models import (
 )
 from jaxkv.models.checkpoint import flat_params, read_safetensors, write_safetensors
 from jaxkv.models.train import Trainer
-from tests.models.conftest import random_model, small_config
+from tests.models.conftest import hf_config_dict, random_model, small_config
 from tests.models.reference import random_hf_weights
 
 
@@ -106,16 +106,7 @@ def test_a_tensor_in_two_shards_is_refused(tmp_path):
 
 
 def _hf_config(**extra) -> dict:
-    cfg = small_config()
-    return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        **extra,
-    }
+    return hf_config_dict(small_config(), **extra)
 
 
 def test_hf_config_dtype_key_and_activation():
