@@ -7,11 +7,10 @@ and a cap on running requests. Prompts are split into chunks when the budget is 
 preempted by recompute: it gives all its blocks back and resumes later from scratch
 (its prefix-cache hits make that cheap). A waiting request whose KV the connector can
 supply starts a load instead; once it lands the request needs no further block, so it
-is admitted ahead of the queue (whose head may be unable to get its blocks, or may keep
-preempting itself while the loaded blocks sit idle). update_from_output()
-applies the sampled tokens, stops requests, and either frees a finished request's
-blocks or lets the KV connector keep them held until an asynchronous save lands. Loads
-and saves are tracked by scheduler_transfers.TransferTracker.
+is admitted ahead of the queue (jaxkv.scheduler_admission holds the admission order and
+why). update_from_output() applies the sampled tokens, stops requests, and either frees
+a finished request's blocks or lets the KV connector keep them held until an
+asynchronous save lands. Loads and saves are tracked by scheduler_transfers.TransferTracker.
 
 Liveness: add_request refuses a request the whole pool could not hold, and blocks are
 held only by running requests (which finish or are preempted), by copies in flight
@@ -32,6 +31,7 @@ from jaxkv.kv_cache_manager import KVCacheManager, UnknownRequestError
 from jaxkv.kv_transfer import KVConnector
 from jaxkv.outputs import RequestOutput, request_output_of
 from jaxkv.request import Request, RequestStatus
+from jaxkv.scheduler_admission import admit_waiting
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput, SchedulerStats, StepBatch
 from jaxkv.scheduler_transfers import TransferTracker
 
@@ -151,7 +151,7 @@ class Scheduler:
         preempted: list[str] = []
         budget = self._schedule_running(budget, batch, preempted)
         if not preempted:
-            self._admit_waiting(budget, batch)
+            admit_waiting(self, budget, batch)
 
         finished, self._finished_ids = tuple(self._finished_ids), []
         self._unapplied = batch.output(tuple(preempted), finished)
@@ -256,94 +256,6 @@ class Scheduler:
             if victim is request:
                 return False
         return True
-
-    def _admit_waiting(self, budget: int, batch: StepBatch) -> int:
-        """Admits requests whose loads landed first (they hold blocks for all their
-        tokens, need no new block, and only running frees what they hold), then waiting
-        requests in order until one cannot get its blocks."""
-        budget = self._admit_landed(budget, batch)
-        skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-                skipped.append(self.waiting.popleft())
-                continue
-            try:
-                n = self._allocate_for_admission(request, budget)
-            except BaseException:  # a connector's error: the waiting queue stays whole
-                self.waiting.extendleft(reversed(skipped))
-                raise
-            if n is None:
-                break
-            self.waiting.popleft()
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-                skipped.append(request)
-                continue
-            self._start_running(request, n, batch)
-            budget -= n
-        self.waiting.extendleft(reversed(skipped))
-        return budget
-
-    def _admit_landed(self, budget: int, batch: StepBatch) -> int:
-        """Admits waiting requests whose loads landed, in landing order (out of queue order).
-
-        Before the queue: a request ahead of them that preempts itself every time it grows
-        (never refused at admission, only later) would otherwise keep them waiting, and
-        their blocks idle, forever."""
-        for request in self._transfers.landed():
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                break
-            n = self._allocate_for_admission(request, budget)
-            if n is None:
-                continue
-            self.waiting.remove(request)
-            self._start_running(request, n, batch)
-            budget -= n
-        return budget
-
-    def _start_running(self, request: Request, n: int, batch: StepBatch) -> None:
-        """Moves an admitted waiting request to running with `n` tokens this step."""
-        self._transfers.forget_landed(request.request_id)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-        batch.add(request, n)
-
-    def _allocate_for_admission(self, request: Request, budget: int) -> int | None:
-        """Allocates a waiting request's blocks; returns its tokens this step, or None.
-
-        A request that already holds blocks (its KV load landed) continues from its
-        computed tokens; a fresh one looks up the device prefix cache and then the
-        connector, and if the connector claims more it starts the load instead (status
-        WAITING_FOR_REMOTE_KV, 0 tokens this step).
-        """
-        m = self.manager
-        if request.num_computed_tokens:  # a load landed: blocks held, continue after them
-            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
-            if n is None or m.allocate_slots(request, n) is None:
-                return None
-            return n
-        hit_ids, num_hit = m.get_computed_blocks(request)
-        num_external = self.connector.on_admission(request, num_hit)
-        if num_external:  # the request waits for the load: 0 tokens this step
-            started = self._transfers.start_load(request, hit_ids, num_hit, num_external)
-            return 0 if started else None
-        n = self._chunk(request.num_tokens - num_hit, budget)
-        if n is None:
-            return None
-        if (
-            m.allocate_slots(
-                request, n, num_new_computed_tokens=num_hit, new_computed_blocks=hit_ids
-            )
-            is None
-        ):
-            return None
-        request.num_computed_tokens = num_hit
-        return n
-
-    def _chunk(self, remaining: int, budget: int) -> int | None:
-        if remaining <= budget:
-            return remaining
-        return budget if self.config.enable_chunked_prefill else None
 
     def _preempt(self, request: Request) -> None:
         self.manager.free(request)

@@ -1,0 +1,119 @@
+"""Admission: which waiting requests join the running batch in a step, with how many tokens.
+
+Plain Python, no JAX. The body of Scheduler.schedule's admission phase: it reads and
+changes the scheduler's queues and transfer tracker, so the scheduler is its only caller.
+
+Order: requests whose KV loads landed come first, in landing order. They hold blocks
+for all their tokens, need no new block, and only running requests free what they hold,
+so a queue head that cannot get its blocks (or that keeps preempting itself once
+running) must not keep them waiting with their blocks idle. Then waiting requests are
+admitted in queue order until one cannot get its blocks, the token budget is spent or
+max_num_seqs requests run. A request the connector can supply KV for starts a load
+instead (status WAITING_FOR_REMOTE_KV, 0 tokens this step) and keeps its queue place.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jaxkv.request import Request, RequestStatus
+from jaxkv.scheduler_output import StepBatch
+
+if TYPE_CHECKING:
+    from jaxkv.scheduler import Scheduler
+
+__all__ = ["admit_waiting"]
+
+
+def admit_waiting(scheduler: Scheduler, budget: int, batch: StepBatch) -> int:
+    """Admits landed loads, then waiting requests in order; returns the budget left.
+
+    If the connector raises while a request is admitted, the waiting queue is left whole
+    (in its order) before the error propagates.
+    """
+    budget = _admit_landed(scheduler, budget, batch)
+    waiting, running = scheduler.waiting, scheduler.running
+    max_num_seqs = scheduler.config.max_num_seqs
+    skipped: list[Request] = []
+    while waiting and budget > 0 and len(running) < max_num_seqs:
+        request = waiting[0]
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            skipped.append(waiting.popleft())
+            continue
+        try:
+            n = _allocate_for_admission(scheduler, request, budget)
+        except BaseException:  # a connector's error: the waiting queue stays whole
+            waiting.extendleft(reversed(skipped))
+            raise
+        if n is None:
+            break
+        waiting.popleft()
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            skipped.append(request)
+            continue
+        _start_running(scheduler, request, n, batch)
+        budget -= n
+    waiting.extendleft(reversed(skipped))
+    return budget
+
+
+def _admit_landed(scheduler: Scheduler, budget: int, batch: StepBatch) -> int:
+    """Admits waiting requests whose loads landed, in landing order (out of queue order)."""
+    for request in scheduler._transfers.landed():
+        if budget <= 0 or len(scheduler.running) >= scheduler.config.max_num_seqs:
+            break
+        n = _allocate_for_admission(scheduler, request, budget)
+        if n is None:
+            continue
+        scheduler.waiting.remove(request)
+        _start_running(scheduler, request, n, batch)
+        budget -= n
+    return budget
+
+
+def _start_running(scheduler: Scheduler, request: Request, n: int, batch: StepBatch) -> None:
+    """Moves an admitted waiting request to running with `n` tokens this step."""
+    scheduler._transfers.forget_landed(request.request_id)
+    request.status = RequestStatus.RUNNING
+    scheduler.running.append(request)
+    batch.add(request, n)
+
+
+def _allocate_for_admission(scheduler: Scheduler, request: Request, budget: int) -> int | None:
+    """Allocates a waiting request's blocks; returns its tokens this step, or None.
+
+    A request that already holds blocks (its KV load landed) continues from its
+    computed tokens; a fresh one looks up the device prefix cache and then the
+    connector, and if the connector claims more it starts the load instead (status
+    WAITING_FOR_REMOTE_KV, 0 tokens this step).
+    """
+    m = scheduler.manager
+    chunked = scheduler.config.enable_chunked_prefill
+    if request.num_computed_tokens:  # a load landed: blocks held, continue after them
+        n = _chunk(request.num_tokens - request.num_computed_tokens, budget, chunked)
+        if n is None or m.allocate_slots(request, n) is None:
+            return None
+        return n
+    hit_ids, num_hit = m.get_computed_blocks(request)
+    num_external = scheduler.connector.on_admission(request, num_hit)
+    if num_external:  # the request waits for the load: 0 tokens this step
+        started = scheduler._transfers.start_load(request, hit_ids, num_hit, num_external)
+        return 0 if started else None
+    n = _chunk(request.num_tokens - num_hit, budget, chunked)
+    if n is None:
+        return None
+    if (
+        m.allocate_slots(request, n, num_new_computed_tokens=num_hit, new_computed_blocks=hit_ids)
+        is None
+    ):
+        return None
+    request.num_computed_tokens = num_hit
+    return n
+
+
+def _chunk(remaining: int, budget: int, chunked_prefill: bool) -> int | None:
+    """Tokens of `remaining` to run now: all if they fit, else the budget (chunked
+    prefill) or None (the request waits for a step with room for its whole prompt)."""
+    if remaining <= budget:
+        return remaining
+    return budget if chunked_prefill else None
