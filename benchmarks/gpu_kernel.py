@@ -29,13 +29,13 @@ so repeated calls do not read a warm L2.
     python benchmarks/gpu_kernel.py --out /tmp/smoke --smoke  # CPU: interpret mode, tiny
 
 --smoke runs every method in interpret mode on a tiny case and checks it, then lowers
-one full-size configuration of every method for CUDA (no GPU needed).
+one full-size configuration of every method for CUDA (no GPU needed). The methods and
+their lowering are in gpu_kernel_methods.py, the correctness checks in gpu_kernel_checks.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import pathlib
@@ -46,14 +46,21 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from kernels_pallas import reference  # noqa: E402
-from kernels_pallas.gpu import ragged_paged_attention  # noqa: E402
+from benchmarks.gpu_kernel_checks import device_checks  # noqa: E402
+from benchmarks.gpu_kernel_methods import (  # noqa: E402
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    NUM_Q_HEADS,
+    cascade_fn,
+    flat_fn,
+    jax_paged_fn,
+    lower_full_size,
+    split_kv,
+)
 
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 L2_BYTES = 64 * 2**20  # a little above the 50 MiB L2 of an H100/H200
 GRID = [(b, p, s) for b in (8, 64, 128) for p in (1024, 8192) for s in (128, 1024)]
 
@@ -93,41 +100,6 @@ def _copies_for(kv_bytes: int, reps: int) -> int:
     return max(1, min(reps, math.ceil(4 * L2_BYTES / max(kv_bytes, 1))))
 
 
-# ----------------------------------------------------------------------------- methods
-
-
-def flat_fn(q, kv, kv_lens, table, cu, num_seqs, *, sm_scale, interpret, **knobs):
-    return ragged_paged_attention(
-        q, kv, kv_lens, table, cu, num_seqs, sm_scale=sm_scale, max_q_len=1,
-        interpret=interpret, **knobs,
-    )  # fmt: skip
-
-
-def cascade_fn(q, kv, kv_lens, table, cu, num_seqs, *, num_prefix_pages, sm_scale, interpret):
-    kernel = functools.partial(ragged_paged_attention, interpret=interpret)
-    return reference.cascade_attention(
-        q, kv, kv_lens, table, cu, num_seqs, num_prefix_pages, sm_scale=sm_scale,
-        attention_fn=kernel,
-    )  # fmt: skip
-
-
-def jax_paged_fn(q, k_pages, v_pages, table, lengths, *, sm_scale, interpret, k_splits):
-    # JAX's kernel applies no softmax scale: fold it into q. Its pages_per_sequence must
-    # be a multiple of k_splits * pages_per_compute_block; padded columns read page 0,
-    # masked by `lengths`.
-    block = k_splits * 8
-    table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % block)))
-    q = (q.astype(jnp.float32) * sm_scale).astype(q.dtype)
-    return jax_paged.paged_attention(
-        q, k_pages, v_pages, table, lengths, k_splits=k_splits, interpret=interpret
-    )
-
-
-def split_kv(kv):
-    """[N, ps, 2H, D] combined pages -> JAX's ([H, N, ps, D] keys, [H, N, ps, D] values)."""
-    return kv[:, :, 0::2].transpose(2, 0, 1, 3), kv[:, :, 1::2].transpose(2, 0, 1, 3)
-
-
 def time_call(fn, args, repeats: int) -> tuple[float, object]:
     out = jax.block_until_ready(fn(*args))  # compile and warm up
     times = []
@@ -136,94 +108,6 @@ def time_call(fn, args, repeats: int) -> tuple[float, object]:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times), out
-
-
-# ----------------------------------------------------------------------------- checks
-
-
-def _random_ragged(key, seq_lens, *, page_size, num_q_heads, num_kv_heads, head_dim, dtype):
-    """Inputs with shuffled page tables for (q_len, kv_len) pairs, and kv_dtype casts."""
-    rng = np.random.default_rng(0)
-    needed = [math.ceil(kv / page_size) for _, kv in seq_lens]
-    pages_per_seq = max(needed)
-    num_pages = sum(needed) + 1
-    perm = rng.permutation(np.arange(1, num_pages))
-    table = np.zeros((len(seq_lens), pages_per_seq), np.int32)
-    start = 0
-    for i, n in enumerate(needed):
-        table[i, :n] = perm[start : start + n]
-        start += n
-    num_tokens = sum(q for q, _ in seq_lens)
-    kq, kk = jax.random.split(key)
-    q = jax.random.normal(kq, (num_tokens, num_q_heads, head_dim), jnp.float32).astype(dtype)
-    kv = jax.random.normal(kk, (num_pages, page_size, 2 * num_kv_heads, head_dim), jnp.float32)
-    cu = np.concatenate([[0], np.cumsum([q for q, _ in seq_lens])]).astype(np.int32)
-    kv_lens = np.array([kv for _, kv in seq_lens], np.int32)
-    return q, kv, jnp.asarray(kv_lens), jnp.asarray(table), jnp.asarray(cu)
-
-
-def _max_errors(got, want) -> dict:
-    out_g, lse_g = (np.asarray(x.astype(jnp.float32), np.float64) for x in got)
-    out_w, lse_w = (np.asarray(x.astype(jnp.float32), np.float64) for x in want)
-    finite = np.isfinite(lse_w)
-    out_excess = np.abs(out_g - out_w) - (2e-2 + 2e-2 * np.abs(out_w))
-    lse_excess = np.abs(lse_g - lse_w) - 5e-3 * (1 + np.abs(np.where(finite, lse_w, 0)))
-    lse_excess = np.where(finite, lse_excess, np.where(np.isneginf(lse_g), -1.0, np.inf))
-    return {
-        "max_abs_out_err": float(np.nanmax(np.abs(out_g - out_w))),
-        "max_abs_lse_err": float(np.max(np.abs(np.where(finite, lse_g - lse_w, 0)))),
-        "ok": bool(np.all(out_excess <= 0) and np.all(lse_excess <= 0)),
-    }
-
-
-def device_checks(*, interpret: bool, small: bool) -> list[dict]:
-    """Kernel vs the jnp reference on the device; bf16 queries, bounds 2e-2 on out."""
-    heads = (4, 2, 64) if small else (NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM)
-    hq, hkv, d = heads
-    if small:
-        seq_lens = [(1, 40), (9, 30), (1, 17)]
-    else:
-        seq_lens = [(1, 1100), (64, 300), (200, 200), (1, 17), (1, 4096)]
-    page_size = 16
-    q, kv, kv_lens, table, cu = _random_ragged(
-        jax.random.key(1), seq_lens, page_size=page_size, num_q_heads=hq, num_kv_heads=hkv,
-        head_dim=d, dtype=jnp.bfloat16,
-    )  # fmt: skip
-    num_seqs = jnp.array([len(seq_lens)], jnp.int32)
-    sm_scale = d**-0.5
-    int8_kv = jnp.clip(jnp.round(kv * 40), -127, 127).astype(jnp.int8)
-    bf16_kv = kv.astype(jnp.bfloat16)
-    # The cascade prefix pass: one sequence holding every query token, no causal mask.
-    one_seq = (kv_lens[:1], table[:1], jnp.array([0, q.shape[0]], jnp.int32), num_seqs * 0 + 1)
-    all_seqs = (kv_lens, table, cu, num_seqs)
-    cases = [
-        ("mixed_bf16_causal", bf16_kv, all_seqs, {}),
-        ("mixed_bf16_softcap_window", bf16_kv, all_seqs, {"soft_cap": 30.0, "sliding_window": 128}),
-        ("int8_kv", int8_kv, all_seqs, {"k_scale": 1 / 40, "v_scale": 1 / 40}),
-        (
-            "float8_e4m3_kv",
-            kv.astype(jnp.float8_e4m3fn),
-            all_seqs,
-            {"k_scale": 0.5, "v_scale": 0.5},
-        ),
-        ("prefix_pass_noncausal", bf16_kv, one_seq, {"causal": False}),
-    ]
-    return [
-        _check_one(name, (q, kv_c, *meta), dict(sm_scale=sm_scale, **kw), interpret)
-        for name, kv_c, meta, kw in cases
-    ]
-
-
-def _check_one(name: str, args, kw: dict, interpret: bool) -> dict:
-    try:
-        kernel = functools.partial(ragged_paged_attention, interpret=interpret, **kw)
-        got = jax.jit(kernel)(*args)
-        want = jax.jit(functools.partial(reference.ragged_paged_attention, **kw))(*args)
-        res = {"check": name, **_max_errors(got, want)}
-    except Exception as e:  # e.g. a KV dtype the device cannot convert: reported, not fatal
-        res = {"check": name, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-    print(f"check {name:28s} {'PASS' if res['ok'] else 'FAIL'} {res}", flush=True)
-    return res
 
 
 # ----------------------------------------------------------------------------- timing
@@ -392,41 +276,6 @@ def goals(rows: list[dict], copy_bps: float) -> dict:
 
 
 # ----------------------------------------------------------------------------- main
-
-
-def lower_full_size(b=64, p=8192, s=128, page_size=16) -> dict:
-    """Lowers every method at one full-size configuration for CUDA from abstract shapes."""
-    dt = jnp.bfloat16
-    pps = p // page_size + math.ceil(s / page_size)
-    num_pages = b * pps + 1
-    sds = jax.ShapeDtypeStruct
-    q = sds((b, NUM_Q_HEADS, HEAD_DIM), dt)
-    kv = sds((num_pages, page_size, 2 * NUM_KV_HEADS, HEAD_DIM), dt)
-    i32 = lambda *shape: sds(shape, jnp.int32)
-    kvh = sds((NUM_KV_HEADS, num_pages, page_size, HEAD_DIM), dt)
-    sm = HEAD_DIM**-0.5
-    fns = {
-        "flat": (
-            functools.partial(flat_fn, sm_scale=sm, interpret=False),
-            (q, kv, i32(b), i32(b, pps), i32(b + 1), i32(1)),
-        ),
-        "cascade": (
-            functools.partial(
-                cascade_fn, num_prefix_pages=p // page_size, sm_scale=sm, interpret=False
-            ),
-            (q, kv, i32(b), i32(b, pps), i32(b + 1), i32(1)),
-        ),
-        "jax_paged": (
-            functools.partial(jax_paged_fn, sm_scale=sm, interpret=False, k_splits=16),
-            (q, kvh, kvh, i32(b, pps), i32(b)),
-        ),
-    }
-    out = {}
-    for name, (fn, args) in fns.items():
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        out[name] = text.count("__gpu$xla.gpu.triton")
-        print(f"lowered {name} for cuda at B={b} P={p} S={s}: {out[name]} Triton call(s)")
-    return out
 
 
 def main(argv=None) -> int:

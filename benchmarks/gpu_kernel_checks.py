@@ -1,0 +1,105 @@
+"""Correctness checks of the Pallas GPU kernel against `kernels_pallas.reference`.
+
+Run on the device by benchmarks/gpu_kernel.py before it times anything (interpreted in
+its --smoke run): decode, mixed prefill/decode with shuffled page tables, soft cap and
+sliding window, int8 and float8 KV, and the non-causal prefix pass of cascade attention.
+A check that raises (e.g. a KV dtype the device cannot convert) is reported as failed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.gpu_kernel_methods import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS
+from kernels_pallas import reference
+from kernels_pallas.gpu import ragged_paged_attention
+
+
+def _random_ragged(key, seq_lens, *, page_size, num_q_heads, num_kv_heads, head_dim, dtype):
+    """Inputs with shuffled page tables for (q_len, kv_len) pairs, and kv_dtype casts."""
+    rng = np.random.default_rng(0)
+    needed = [math.ceil(kv / page_size) for _, kv in seq_lens]
+    pages_per_seq = max(needed)
+    num_pages = sum(needed) + 1
+    perm = rng.permutation(np.arange(1, num_pages))
+    table = np.zeros((len(seq_lens), pages_per_seq), np.int32)
+    start = 0
+    for i, n in enumerate(needed):
+        table[i, :n] = perm[start : start + n]
+        start += n
+    num_tokens = sum(q for q, _ in seq_lens)
+    kq, kk = jax.random.split(key)
+    q = jax.random.normal(kq, (num_tokens, num_q_heads, head_dim), jnp.float32).astype(dtype)
+    kv = jax.random.normal(kk, (num_pages, page_size, 2 * num_kv_heads, head_dim), jnp.float32)
+    cu = np.concatenate([[0], np.cumsum([q for q, _ in seq_lens])]).astype(np.int32)
+    kv_lens = np.array([kv for _, kv in seq_lens], np.int32)
+    return q, kv, jnp.asarray(kv_lens), jnp.asarray(table), jnp.asarray(cu)
+
+
+def _max_errors(got, want) -> dict:
+    out_g, lse_g = (np.asarray(x.astype(jnp.float32), np.float64) for x in got)
+    out_w, lse_w = (np.asarray(x.astype(jnp.float32), np.float64) for x in want)
+    finite = np.isfinite(lse_w)
+    out_excess = np.abs(out_g - out_w) - (2e-2 + 2e-2 * np.abs(out_w))
+    lse_excess = np.abs(lse_g - lse_w) - 5e-3 * (1 + np.abs(np.where(finite, lse_w, 0)))
+    lse_excess = np.where(finite, lse_excess, np.where(np.isneginf(lse_g), -1.0, np.inf))
+    return {
+        "max_abs_out_err": float(np.nanmax(np.abs(out_g - out_w))),
+        "max_abs_lse_err": float(np.max(np.abs(np.where(finite, lse_g - lse_w, 0)))),
+        "ok": bool(np.all(out_excess <= 0) and np.all(lse_excess <= 0)),
+    }
+
+
+def device_checks(*, interpret: bool, small: bool) -> list[dict]:
+    """Kernel vs the jnp reference on the device; bf16 queries, bounds 2e-2 on out."""
+    heads = (4, 2, 64) if small else (NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM)
+    hq, hkv, d = heads
+    if small:
+        seq_lens = [(1, 40), (9, 30), (1, 17)]
+    else:
+        seq_lens = [(1, 1100), (64, 300), (200, 200), (1, 17), (1, 4096)]
+    page_size = 16
+    q, kv, kv_lens, table, cu = _random_ragged(
+        jax.random.key(1), seq_lens, page_size=page_size, num_q_heads=hq, num_kv_heads=hkv,
+        head_dim=d, dtype=jnp.bfloat16,
+    )  # fmt: skip
+    num_seqs = jnp.array([len(seq_lens)], jnp.int32)
+    sm_scale = d**-0.5
+    int8_kv = jnp.clip(jnp.round(kv * 40), -127, 127).astype(jnp.int8)
+    bf16_kv = kv.astype(jnp.bfloat16)
+    # The cascade prefix pass: one sequence holding every query token, no causal mask.
+    one_seq = (kv_lens[:1], table[:1], jnp.array([0, q.shape[0]], jnp.int32), num_seqs * 0 + 1)
+    all_seqs = (kv_lens, table, cu, num_seqs)
+    cases = [
+        ("mixed_bf16_causal", bf16_kv, all_seqs, {}),
+        ("mixed_bf16_softcap_window", bf16_kv, all_seqs, {"soft_cap": 30.0, "sliding_window": 128}),
+        ("int8_kv", int8_kv, all_seqs, {"k_scale": 1 / 40, "v_scale": 1 / 40}),
+        (
+            "float8_e4m3_kv",
+            kv.astype(jnp.float8_e4m3fn),
+            all_seqs,
+            {"k_scale": 0.5, "v_scale": 0.5},
+        ),
+        ("prefix_pass_noncausal", bf16_kv, one_seq, {"causal": False}),
+    ]
+    return [
+        _check_one(name, (q, kv_c, *meta), dict(sm_scale=sm_scale, **kw), interpret)
+        for name, kv_c, meta, kw in cases
+    ]
+
+
+def _check_one(name: str, args, kw: dict, interpret: bool) -> dict:
+    try:
+        kernel = functools.partial(ragged_paged_attention, interpret=interpret, **kw)
+        got = jax.jit(kernel)(*args)
+        want = jax.jit(functools.partial(reference.ragged_paged_attention, **kw))(*args)
+        res = {"check": name, **_max_errors(got, want)}
+    except Exception as e:  # e.g. a KV dtype the device cannot convert: reported, not fatal
+        res = {"check": name, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    print(f"check {name:28s} {'PASS' if res['ok'] else 'FAIL'} {res}", flush=True)
+    return res

@@ -1,0 +1,91 @@
+"""The methods benchmarks/gpu_kernel.py compares, and their lowering for CUDA.
+
+- flat: the Pallas GPU ragged paged attention kernel, one pass over each request's pages;
+- cascade: prefix pass + suffix pass + LSE merge
+  (`kernels_pallas.reference.cascade_attention(attention_fn=kernel)`);
+- jax_paged: `jax.experimental.pallas.ops.gpu.paged_attention`, JAX's own kernel.
+
+`lower_full_size` lowers each at a full-size configuration from abstract shapes, so the
+CPU-only smoke run proves every method compiles to Triton without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+from kernels_pallas import reference
+from kernels_pallas.gpu import ragged_paged_attention
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
+
+
+def flat_fn(q, kv, kv_lens, table, cu, num_seqs, *, sm_scale, interpret, **knobs):
+    return ragged_paged_attention(
+        q, kv, kv_lens, table, cu, num_seqs, sm_scale=sm_scale, max_q_len=1,
+        interpret=interpret, **knobs,
+    )  # fmt: skip
+
+
+def cascade_fn(q, kv, kv_lens, table, cu, num_seqs, *, num_prefix_pages, sm_scale, interpret):
+    kernel = functools.partial(ragged_paged_attention, interpret=interpret)
+    return reference.cascade_attention(
+        q, kv, kv_lens, table, cu, num_seqs, num_prefix_pages, sm_scale=sm_scale,
+        attention_fn=kernel,
+    )  # fmt: skip
+
+
+def jax_paged_fn(q, k_pages, v_pages, table, lengths, *, sm_scale, interpret, k_splits):
+    # JAX's kernel applies no softmax scale: fold it into q. Its pages_per_sequence must
+    # be a multiple of k_splits * pages_per_compute_block; padded columns read page 0,
+    # masked by `lengths`.
+    block = k_splits * 8
+    table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % block)))
+    q = (q.astype(jnp.float32) * sm_scale).astype(q.dtype)
+    return jax_paged.paged_attention(
+        q, k_pages, v_pages, table, lengths, k_splits=k_splits, interpret=interpret
+    )
+
+
+def split_kv(kv):
+    """[N, ps, 2H, D] combined pages -> JAX's ([H, N, ps, D] keys, [H, N, ps, D] values)."""
+    return kv[:, :, 0::2].transpose(2, 0, 1, 3), kv[:, :, 1::2].transpose(2, 0, 1, 3)
+
+
+def lower_full_size(b=64, p=8192, s=128, page_size=16) -> dict:
+    """Lowers every method at one full-size configuration for CUDA from abstract shapes."""
+    dt = jnp.bfloat16
+    pps = p // page_size + math.ceil(s / page_size)
+    num_pages = b * pps + 1
+    sds = jax.ShapeDtypeStruct
+    q = sds((b, NUM_Q_HEADS, HEAD_DIM), dt)
+    kv = sds((num_pages, page_size, 2 * NUM_KV_HEADS, HEAD_DIM), dt)
+    i32 = lambda *shape: sds(shape, jnp.int32)
+    kvh = sds((NUM_KV_HEADS, num_pages, page_size, HEAD_DIM), dt)
+    sm = HEAD_DIM**-0.5
+    fns = {
+        "flat": (
+            functools.partial(flat_fn, sm_scale=sm, interpret=False),
+            (q, kv, i32(b), i32(b, pps), i32(b + 1), i32(1)),
+        ),
+        "cascade": (
+            functools.partial(
+                cascade_fn, num_prefix_pages=p // page_size, sm_scale=sm, interpret=False
+            ),
+            (q, kv, i32(b), i32(b, pps), i32(b + 1), i32(1)),
+        ),
+        "jax_paged": (
+            functools.partial(jax_paged_fn, sm_scale=sm, interpret=False, k_splits=16),
+            (q, kvh, kvh, i32(b, pps), i32(b)),
+        ),
+    }
+    out = {}
+    for name, (fn, args) in fns.items():
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        out[name] = text.count("__gpu$xla.gpu.triton")
+        print(f"lowered {name} for cuda at B={b} P={p} S={s}: {out[name]} Triton call(s)")
+    return out
