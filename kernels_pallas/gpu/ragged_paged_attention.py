@@ -48,13 +48,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.gpu.tuning import default_config
 from kernels_pallas.validation import (
     checks_index_values,
     output_dtype,
@@ -66,17 +66,10 @@ _LN2 = math.log(2.0)
 # Running max before any key is seen: finite, so that exp2(m_old - m_new) is never
 # exp2(-inf + inf) = NaN when a whole key block is masked out.
 _M_INIT = -1e30
-# Programs the split heuristic aims for: a few waves of a 132-SM H100/H200.
-_TARGET_PROGRAMS = 512
-_MAX_KV_SPLITS = 32
 
 
 def _is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _find_seq(cu_q_lens_ref, num_seqs, pid, tokens_per_block: int, max_num_seqs: int):
@@ -242,60 +235,6 @@ def _merge_splits(
     denom_safe = jnp.where(seen, denom, 1.0)
     merged = (w[..., None] * out).sum(axis=0) / denom_safe[:, None]
     return merged, jnp.where(seen, m_safe + jnp.log(denom_safe), -jnp.inf)
-
-
-class KernelConfig(NamedTuple):
-    """Static tiling of one call; see `ragged_paged_attention` for the meaning of each."""
-
-    block_m: int
-    block_k: int
-    num_kv_splits: int
-    num_warps: int
-    num_stages: int
-
-
-def default_config(
-    *,
-    max_num_tokens: int,
-    max_num_seqs: int,
-    max_q_len: int | None,
-    num_kv_heads: int,
-    group: int,
-    head_dim: int,
-    kv_itemsize: int,
-    page_size: int,
-    pages_per_seq: int,
-) -> KernelConfig:
-    """Tiling from static shapes only, so that one bucket compiles one program.
-
-    Decode-like calls (max_q_len 1, or no more tokens than sequences) take 16-row blocks
-    and long key steps, and split the keys until about `_TARGET_PROGRAMS` programs run.
-    Prefill-like calls (including the cascade prefix pass: one sequence holding a whole
-    batch) take up to 128 rows so a shared page is read by few blocks. Key tiles are
-    capped in bytes so two pipeline stages of K and V fit in an A100's shared memory.
-    """
-    decode = (max_q_len is not None and max_q_len <= 1) or max_num_tokens <= max_num_seqs
-    if decode:
-        block_m = max(16, _next_pow2(group))
-    else:
-        q_len = max_num_tokens if max_q_len is None else min(max_q_len, max_num_tokens)
-        block_m = max(16, _next_pow2(group), min(128, _next_pow2(q_len * group)))
-    tile_bytes = (32 if decode else 16) * 1024
-    block_k = max(16, min(128, _next_pow2(tile_bytes // (head_dim * kv_itemsize) + 1) // 2))
-    tokens_per_block = block_m // group
-    if decode:
-        busy_programs = max_num_seqs * num_kv_heads
-    else:
-        busy_programs = -(-max_num_tokens // tokens_per_block) * num_kv_heads
-    key_blocks = -(-pages_per_seq * page_size // block_k)
-    splits = -(-_TARGET_PROGRAMS // max(1, busy_programs))
-    return KernelConfig(
-        block_m=block_m,
-        block_k=block_k,
-        num_kv_splits=max(1, min(splits, key_blocks, _MAX_KV_SPLITS)),
-        num_warps=8 if block_m >= 128 else 4,
-        num_stages=2,
-    )
 
 
 def _gpu_compute_capability() -> float | None:

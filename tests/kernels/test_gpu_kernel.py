@@ -16,7 +16,7 @@ import pytest
 
 from kernels_pallas import reference
 from kernels_pallas.gpu import ragged_paged_attention
-from kernels_pallas.gpu.ragged_paged_attention import default_config
+from kernels_pallas.gpu.tuning import default_config
 from tests.kernels import harness
 
 SM_SCALE = 0.125
