@@ -34,8 +34,9 @@ def run_to_completion(
 
     `sampling_params` is one for all prompts or a sequence of one per prompt. Prompts are
     queued in order; one that fails validation raises ValueError after the ones before
-    it are aborted again (none has run). Other requests the driver holds progress too;
-    their outputs are dropped.
+    it are aborted again (none has run). An exception while stepping (KeyboardInterrupt
+    too) aborts the prompts' unfinished requests before it propagates. Other requests
+    the driver holds progress too; their outputs are dropped.
     `progress_bar` (tqdm-like, optional) is advanced once per finished prompt and closed.
     """
     if sampling_params is None or not isinstance(sampling_params, Sequence):
@@ -58,24 +59,33 @@ def run_to_completion(
     tokens: list[list[int]] = [[] for _ in ids]
     reasons: list[str | None] = [None] * len(ids)
     remaining = len(ids)
-    while remaining:
-        outputs = driver.step()
-        if not outputs:
-            if not driver.has_unfinished_requests():
-                break
-            time.sleep(0.0005)  # waiting on a KV load
-        for o in outputs:
-            i = index.get(o.request_id)
-            if i is None:
-                continue
-            tokens[i].extend(o.new_token_ids)
-            if o.finished:
-                reasons[i] = o.finish_reason
-                remaining -= 1
-                if progress_bar is not None:
-                    progress_bar.update(1)
-    if progress_bar is not None:
-        progress_bar.close()
+    try:
+        while remaining:
+            outputs = driver.step()
+            if not outputs:
+                if not driver.has_unfinished_requests():
+                    break
+                time.sleep(0.0005)  # waiting on a KV load
+            for o in outputs:
+                i = index.get(o.request_id)
+                if i is None:
+                    continue
+                tokens[i].extend(o.new_token_ids)
+                if o.finished:
+                    reasons[i] = o.finish_reason
+                    remaining -= 1
+                    if progress_bar is not None:
+                        progress_bar.update(1)
+    except BaseException:
+        # Nobody else knows these ids: left queued, they would run on in later calls
+        # (KeyboardInterrupt included) with their outputs dropped.
+        for rid, reason in zip(ids, reasons, strict=True):
+            if reason is None:
+                driver.abort(rid)
+        raise
+    finally:
+        if progress_bar is not None:
+            progress_bar.close()
     return [
         CompletionOutput(rid, tuple(int(t) for t in p), tuple(tokens[i]), reasons[i])
         for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))

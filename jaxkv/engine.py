@@ -17,7 +17,6 @@ shared by every engine over the same model graph.
 from __future__ import annotations
 
 import functools
-import itertools
 import time
 from collections.abc import Callable, Sequence
 
@@ -126,7 +125,7 @@ class Engine:
         self._sampling: dict[str, tuple[float, int, float, int]] = {}  # req_id -> sampler row
         self._sampling_memo: tuple | None = None  # (requests, order bytes or None, arrays)
         self._levels_memo: tuple | None = None  # (plan, num tokens, level metadata)
-        self._serial = itertools.count()
+        self._next_serial = 0  # of the next queued request: default id and seed
         self._programs: set[tuple] = set()
         self._m = dict(
             num_steps=0, host_time_s=0.0, device_time_s=0.0, update_time_s=0.0,
@@ -168,13 +167,16 @@ class Engine:
         bad_stop = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop} must be < {self.vocab_size=}")
-        serial = next(self._serial)
+        # The serial (default id and seed) is taken only once the request is queued, so
+        # a refused request leaves the ids and seeds of later ones as they would have been.
+        serial = self._next_serial
         if request_id is None:
             while str(serial) in self.scheduler.requests:  # a caller took that id
-                serial = next(self._serial)
+                serial += 1
             request_id = str(serial)
         request = Request(request_id, ids.tolist(), sampling_params)
         self.scheduler.add_request(request)  # raises on duplicate id or too long a prompt
+        self._next_serial = serial + 1
         seed = (self.config.seed * 0x9E3779B1 + serial) & 0xFFFFFFFF
         self._sampling[request_id] = sampling_row(sampling_params, seed)
         return request_id
@@ -337,8 +339,9 @@ class Engine:
         """Runs `prompts` to completion; one CompletionOutput per prompt, in order.
 
         Prompts are queued in order; one that fails validation raises ValueError after
-        the ones before it are aborted again (none has run). Requests already in the
-        engine progress too; their outputs are not returned.
+        the ones before it are aborted again (none has run). An exception while stepping
+        (KeyboardInterrupt too) aborts the prompts' unfinished requests, then propagates.
+        Requests already in the engine progress too; their outputs are not returned.
         """
         bar = progress_bar(len(prompts), desc="generate") if progress else None
         return run_to_completion(self, prompts, sampling_params, progress_bar=bar)

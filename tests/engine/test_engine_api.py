@@ -1,0 +1,106 @@
+"""The engine as a serving loop drives it: refused input, interrupted calls, stop edges."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxkv import SamplingParams
+from tests.engine._util import (
+    MAX_MODEL_LEN,
+    VOCAB,
+    assert_all_blocks_free,
+    dense_greedy,
+    make_engine,
+)
+
+HOT = SamplingParams(max_tokens=6, temperature=1.5)  # no seed: the engine's default one
+
+
+def _run(engine) -> dict[str, list[tuple[tuple[int, ...], bool, str | None]]]:
+    """Steps until idle; every RequestOutput by request id, in step order."""
+    seen: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            seen.setdefault(o.request_id, []).append((o.new_token_ids, o.finished, o.finish_reason))
+    return seen
+
+
+def test_a_refused_request_leaves_later_ids_and_seeds_as_they_were():
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    clean = make_engine()
+    expected = clean.generate([prompt, prompt], HOT, progress=False)
+    engine = make_engine()
+    for bad in (
+        lambda: engine.add_request(list(range(MAX_MODEL_LEN)), HOT),  # no room for output
+        lambda: engine.add_request(prompt, HOT, request_id=7),  # not a str
+        lambda: engine.add_request([VOCAB], HOT),
+    ):
+        with pytest.raises(ValueError):
+            bad()
+    got = engine.generate([prompt, prompt], HOT, progress=False)
+    assert [o.request_id for o in got] == [o.request_id for o in expected] == ["0", "1"]
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in expected]
+    assert got[0].output_token_ids != got[1].output_token_ids  # the seeds do differ
+
+
+def test_an_interrupted_generate_aborts_its_requests_and_the_engine_serves_on():
+    prompts = [[7, 3, 9, 11, 200], [5, 6, 7]]
+    engine = make_engine()
+    other = engine.add_request([9, 9, 9], SamplingParams(max_tokens=4))
+    step, calls = engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step()
+
+    engine.step = interrupted_step
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, SamplingParams(max_tokens=5), progress=False)
+    del engine.step
+    # Only the request the caller added itself is left; generate's own are aborted.
+    assert list(engine.scheduler.requests) == [other]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=5), progress=False)
+    assert [list(o.output_token_ids) for o in outs] == dense_greedy(prompts, 5)
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)
+
+
+def test_stop_and_length_edges_end_to_end_with_complete_incremental_outputs():
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, VOCAB, 9).tolist()
+    greedy = dense_greedy([prompt], 4)[0]
+    near_full = rng.integers(0, VOCAB, MAX_MODEL_LEN - 3).tolist()
+    last_slot = rng.integers(0, VOCAB, MAX_MODEL_LEN - 1).tolist()
+    engine = make_engine()
+    cases = {
+        engine.add_request(prompt, SamplingParams(max_tokens=5, stop_token_ids=(greedy[0],))): (
+            greedy[:1],
+            "stop",
+        ),
+        engine.add_request(prompt, SamplingParams(max_tokens=5, stop_token_ids=(greedy[2],))): (
+            greedy[: greedy.index(greedy[2]) + 1],  # its first occurrence
+            "stop",
+        ),
+        engine.add_request(prompt, SamplingParams(max_tokens=1)): (greedy[:1], "length"),
+        engine.add_request(near_full, SamplingParams(max_tokens=10)): (
+            dense_greedy([near_full], 3)[0],
+            "length",  # max_model_len: 3 tokens, not 10
+        ),
+        engine.add_request(last_slot, SamplingParams(max_tokens=10)): (
+            dense_greedy([last_slot], 1)[0],
+            "length",
+        ),
+    }
+    seen = _run(engine)
+    for rid, (tokens, reason) in cases.items():
+        outs = seen[rid]
+        # One token per output, exactly one final output, and it is the last one.
+        assert all(len(t) == 1 for t, _, _ in outs)
+        assert [f for _, f, _ in outs] == [False] * (len(outs) - 1) + [True]
+        assert [r for _, _, r in outs] == [None] * (len(outs) - 1) + [reason]
+        assert [t[0] for t, _, _ in outs] == tokens
+    assert engine.metrics.num_generated_tokens == sum(len(o) for o in seen.values())
+    assert_all_blocks_free(engine)
