@@ -23,6 +23,14 @@ def _positive_int(owner: object, *names: str) -> None:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
 
 
+def _bool(owner: object, *names: str) -> None:
+    # A flag read from text ("false") or left None would otherwise switch by truthiness.
+    for name in names:
+        value = getattr(owner, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be a bool")
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: how many blocks of how many tokens, and prefix caching."""
@@ -35,6 +43,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _positive_int(self, "num_blocks", "block_size")
+        _bool(self, "enable_prefix_caching")
         if self.num_blocks < 2:
             raise ValueError(f"{self.num_blocks=} must be >= 2 (block 0 is the null block)")
         if self.kv_dtype is not None and self.kv_dtype not in _KV_DTYPES:
@@ -60,6 +69,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _positive_int(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len")
+        _bool(self, "enable_chunked_prefill")
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(
                 f"{self.max_num_seqs=} must be <= {self.max_num_batched_tokens=} "
@@ -109,6 +119,7 @@ class EngineConfig:
             raise ValueError(f"scheduler={self.scheduler!r} must be a SchedulerConfig")
         if type(self.seed) is not int:
             raise ValueError(f"seed={self.seed!r} must be an int")
+        _bool(self, "interpret", "enable_cascade", "pad_cascade_levels")
         if self.backend not in (None, "xla", "pallas_tpu", "pallas_gpu"):
             raise ValueError(f"{self.backend=} must be None, 'xla', 'pallas_tpu' or 'pallas_gpu'")
         _positive_int(

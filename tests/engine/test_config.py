@@ -29,6 +29,11 @@ from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig
         (lambda: EngineConfig(cache={"num_blocks": 8}), "must be a CacheConfig"),
         (lambda: EngineConfig(scheduler=None), "must be a SchedulerConfig"),
         (lambda: EngineConfig(seed=1.5), "seed=1.5"),
+        (lambda: CacheConfig(enable_prefix_caching="false"), "enable_prefix_caching='false'"),
+        (lambda: SchedulerConfig(enable_chunked_prefill=None), "enable_chunked_prefill=None"),
+        (lambda: EngineConfig(enable_cascade="no"), "enable_cascade='no'"),
+        (lambda: EngineConfig(interpret=1), "interpret=1"),
+        (lambda: EngineConfig(pad_cascade_levels="yes"), "pad_cascade_levels='yes'"),
     ],
 )
 def test_bad_fields_raise_value_error_naming_them(make, match):
