@@ -182,7 +182,10 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> bool:
-        """Cancels a request in any unfinished state; False if unknown or finished."""
+        """Cancels a request in any unfinished state; False if unknown or finished.
+
+        No RequestOutput follows for it: step() reports only requests that got a token.
+        """
         aborted = self.scheduler.abort(request_id)
         if aborted:
             self._sampling.pop(request_id, None)

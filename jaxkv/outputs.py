@@ -11,8 +11,9 @@ class RequestOutput(NamedTuple):
     """A request's progress in one step.
 
     finish_reason is "stop" (a stop token was sampled; it is included in
-    new_token_ids), "length" (max_tokens or max_model_len reached) or "abort", and None
-    while the request runs. A NamedTuple: one is made per request per step.
+    new_token_ids) or "length" (max_tokens or max_model_len reached), and None while the
+    request runs. An aborted request gets no further RequestOutput (its caller knows).
+    A NamedTuple: one is made per request per step.
     """
 
     request_id: str
