@@ -84,7 +84,12 @@ class HostBlockTable:
         equal and no row has been released since, as in consecutive decode steps of one
         batch; otherwise it costs one C-level dict lookup per id.
         """
-        ids = request_ids if type(request_ids) is list else list(request_ids)
+        if type(request_ids) is list:
+            ids = request_ids
+        elif isinstance(request_ids, str):  # list("ab") would be the ids "a" and "b"
+            raise ValueError(f"{request_ids=} must be a sequence of request ids, not one str")
+        else:
+            ids = list(request_ids)
         memo = self._rows_memo
         if memo is not None and memo[1] == self._row_epoch and memo[0] == ids:
             return memo[2]

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from jaxkv.hashing import BlockHash, extend_block_hashes
 
+MAX_TOKEN_ID = 2**63 - 1  # block hashes encode each token as a signed 64-bit integer
+
 
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request. Every state from FINISHED_STOPPED on is a finished state.
@@ -108,6 +110,9 @@ class Request:
     ) -> None:
         if not isinstance(request_id, str):
             raise ValueError(f"{request_id=} must be a str")
+        for name, key in (("cache_salt", cache_salt), ("adapter_id", adapter_id)):
+            if key is not None and not isinstance(key, str):  # hashed as UTF-8 text
+                raise ValueError(f"{name}={key!r} of {request_id!r} must be None or a str")
         prompt = _token_ids("prompt_token_ids", prompt_token_ids, request_id)
         if not prompt:
             raise ValueError(f"prompt_token_ids of {request_id!r} must not be empty")
@@ -152,10 +157,11 @@ class Request:
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Appends sampled tokens. Block hashes are extended lazily by the manager.
 
-        Takes one token (an int or numpy integer) or an iterable of them, each >= 0;
-        raises ValueError otherwise, appending nothing.
+        Takes one token (an int or numpy integer) or an iterable of them, each in
+        [0, 2**63); raises ValueError otherwise, appending nothing.
         """
-        if type(token_ids) is int and token_ids >= 0:  # one token per step: skip the list
+        # One token per step: skip the list.
+        if type(token_ids) is int and 0 <= token_ids <= MAX_TOKEN_ID:
             self.output_token_ids.append(token_ids)
             self._all_token_ids.append(token_ids)
             return
@@ -168,19 +174,26 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished()
 
+    def check_hash_config(self, block_size: int, seed: int = 0) -> None:
+        """Raises ValueError if `block_hashes` were computed with another block size or seed.
+
+        Changes nothing: a caller checks this before changing its own state, so that a
+        later update_block_hashes with the same arguments cannot fail.
+        """
+        config = (block_size, seed)
+        if self._hash_config is not None and self._hash_config != config:
+            raise ValueError(
+                f"block hashes of {self.request_id!r} were computed with (block_size, seed)="
+                f"{self._hash_config}, not {config}"
+            )
+
     def update_block_hashes(self, block_size: int, seed: int = 0) -> list[BlockHash]:
         """Extends `block_hashes` to cover every full block of `all_token_ids`.
 
         Raises ValueError if earlier hashes were computed with another block size or seed.
         """
-        config = (block_size, seed)
-        if self._hash_config is None:
-            self._hash_config = config
-        elif self._hash_config != config:
-            raise ValueError(
-                f"block hashes of {self.request_id!r} were computed with (block_size, seed)="
-                f"{self._hash_config}, not {config}"
-            )
+        self.check_hash_config(block_size, seed)
+        self._hash_config = (block_size, seed)
         if len(self._all_token_ids) // block_size > len(self.block_hashes):
             extend_block_hashes(
                 self.block_hashes,
@@ -200,13 +213,16 @@ class Request:
 
 
 def _token_ids(name: str, token_ids: Iterable[int], request_id: str) -> list[int]:
-    """`token_ids` as a list of Python ints (numpy integers included), each >= 0."""
+    """`token_ids` as a list of Python ints (numpy integers included), each in
+    [0, MAX_TOKEN_ID]."""
     try:
         ids = list(map(operator.index, token_ids))
     except TypeError:
         raise ValueError(f"{name} of {request_id!r} must be ints >= 0, got {token_ids!r}") from None
     if ids and min(ids) < 0:
         raise ValueError(f"{name} of {request_id!r} must be >= 0, got {min(ids)}")
+    if ids and max(ids) > MAX_TOKEN_ID:
+        raise ValueError(f"{name} of {request_id!r} must be <= {MAX_TOKEN_ID}, got {max(ids)}")
     return ids
 
 
