@@ -1,0 +1,207 @@
+"""Random serving runs: scheduler -> planner -> the engine's metadata path -> attention.
+
+Host part (no JAX): every step of random runs through the real scheduler (chunked
+prefill, n samples of one prompt, prompts of exactly one block, cache hits covering all
+but the last token, preemption under a small pool, finished requests still holding
+blocks for a KV save, KV loads that land or fail, running requests the budget leaves
+out) is planned by four planners (two-group cap, eight-group cap, the xla backend's own
+cost model and page-bucket rule, no groups). Each plan must give the exact common
+prefix of the scheduled set, identical blocks across every group and no prefix over a
+member's query token; a planner reused across steps must plan what a fresh one plans;
+and through the metadata every valid query must attend to exactly the KV of its own
+context (serving_sim.reads_of against fingerprints of its tokens).
+
+Device part: steps of such a run with each level structure go through
+jaxkv.attention.paged_attention on the 'xla' backend and the Pallas GPU kernel in
+interpret mode, against float64 softmax over each request's own keys, looked up by the
+fingerprint of its tokens (no block table, no paging).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.attention import paged_attention
+from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlan, CascadePlanner
+from tests.attention import serving_sim as sim
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
+SM_SCALE = HEAD_DIM**-0.5
+SHAPE = AttentionShape(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, kv_itemsize=4)
+ALWAYS = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0)
+NUM_STEPS = 40
+
+
+def _planners(serving: sim.Serving) -> list[CascadePlanner]:
+    pages = serving.config.buckets.page_buckets
+    return [
+        CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=2, page_buckets=pages),
+        CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=8),
+        CascadePlanner(SHAPE, backend="xla", page_buckets=pages),
+        CascadePlanner(SHAPE, cost_model=ALWAYS, enable_groups=False),
+    ]
+
+
+def _plan_fields(plan: CascadePlan) -> tuple:
+    levels = tuple(
+        (lv.name, *(a.tolist() for a in (lv.group_starts, lv.group_ends, lv.block_starts,
+                                         lv.block_ends, lv.leader_rows)))
+        for lv in plan.levels
+    )  # fmt: skip
+    return plan.order.tolist(), plan.suffix_start_blocks.tolist(), levels
+
+
+def serve(seed: int, visit=None) -> dict[str, int]:
+    """One random run of NUM_STEPS steps with every check above; returns counts of what
+    it exercised. `visit(serving, out, plan, md, tokens)` sees each step of the first
+    planner after its KV is written."""
+    rng = np.random.default_rng(seed)
+    block_size = int(rng.choice([1, 2, 4]))
+    # From barely a full-length request's blocks (preemption) to roomy.
+    num_blocks = int(rng.choice([1.1, 1.6, 6.0]) * sim.MAX_MODEL_LEN / block_size) + 2
+    serving = sim.make_serving(
+        seed, block_size=block_size, num_blocks=num_blocks,
+        max_tokens=int(rng.choice([8, 16, 32])), max_groups=8,
+    )  # fmt: skip
+    planners = _planners(serving)
+    scheduler, manager = serving.scheduler, serving.manager
+    serial = sim.add_requests(serving, 0, 4)
+    seen: dict[str, int] = {}
+
+    def count(name: str, happened=True) -> None:
+        seen[name] = seen.get(name, 0) + bool(happened)
+
+    for _ in range(NUM_STEPS):
+        if rng.random() < 0.3:
+            serial = sim.add_requests(serving, serial, int(rng.integers(1, 4)))
+        if rng.random() < 0.05 and scheduler.running:
+            victim = scheduler.running[int(rng.integers(len(scheduler.running)))]
+            scheduler.abort(victim.request_id)
+        out = scheduler.schedule()
+        if out.num_requests == 0:
+            continue
+        count("holders", len(manager.request_ids) > out.num_requests)
+        count("partial", (out.num_computed_tokens % block_size).any())
+        for k, planner in enumerate(planners):
+            plan = planner.plan(
+                out.request_ids, out.num_computed_tokens, out.num_scheduled_tokens, manager
+            )
+            sim.check_plan(manager, out, plan)
+            fresh = sim.fresh_plan(planner, out, manager)
+            assert _plan_fields(plan) == _plan_fields(fresh), (seed, k)
+            order, md, input_ids = serving.step_inputs(out, plan)
+            tokens = sim.batch_tokens(out, order)
+            want_ids = [request.all_token_ids[pos] for request, pos in tokens]
+            assert input_ids[: len(tokens)].tolist() == want_ids
+            if k == 0:  # the KV of this step's tokens lands before any pass reads it
+                sim.write_kv(serving, tokens, md)
+                count("+".join(lv.name for lv in plan.levels) or "flat")
+                if visit is not None:
+                    visit(serving, out, plan, md, tokens)
+            assert sim.check_reads(serving.store, tokens, md) == [], (seed, k)
+        scheduler.update_from_output(out, rng.integers(0, 500, out.num_requests))
+    count("preemptions", scheduler.stats.num_preemptions)
+    count("loads", scheduler.connector.num_landed)
+    return seen
+
+
+def test_random_serving_runs_read_exactly_their_own_context():
+    totals: dict[str, int] = {}
+    for seed in range(32):
+        for name, n in serve(seed).items():
+            totals[name] = totals.get(name, 0) + n
+    # The runs exercised what they are for.
+    for name in ("global", "groups", "global+groups", "holders", "partial", "preemptions", "loads"):
+        assert totals.get(name, 0) >= 3, totals
+
+
+def test_the_context_check_catches_a_short_level_and_a_foreign_block():
+    found = []
+
+    def visit(serving, out, plan, md, tokens):
+        if not found and md.levels:
+            found.append((serving.store.copy(), md, tokens))
+
+    serve(0, visit)
+    store, md, tokens = found[0]
+    assert sim.check_reads(store, tokens, md) == []
+    level = md.levels[-1]
+    g = int(np.flatnonzero(level.kv_lens)[0])
+    group_tokens = list(range(int(level.cu_q_lens[g]), int(level.cu_q_lens[g + 1])))
+    # One key fewer in the level: exactly the group's tokens miss it.
+    kv_lens = level.kv_lens.copy()
+    kv_lens[g] -= 1
+    short = dataclasses.replace(level, kv_lens=kv_lens)
+    short_md = dataclasses.replace(md, levels=(*md.levels[:-1], short))
+    assert sim.check_reads(store, tokens, short_md) == group_tokens
+    # The level's first page replaced by a block no scheduled request reads there.
+    pages = level.page_indices.copy()
+    pages[g, 0] = next(b for b in range(1, len(store)) if b not in md.page_indices)
+    foreign = dataclasses.replace(level, page_indices=pages)
+    foreign_md = dataclasses.replace(md, levels=(*md.levels[:-1], foreign))
+    assert sim.check_reads(store, tokens, foreign_md) == group_tokens
+
+
+@functools.cache
+def _key_vector(content: int) -> np.ndarray:
+    """f64[2 * Hkv, D]: the K/V a KV slot of this content holds (NaN for never-written
+    slots and padding), a function of the content only."""
+    if content < 0:
+        return np.full((2 * NUM_KV_HEADS, HEAD_DIM), np.nan)
+    return np.random.default_rng(content).standard_normal((2 * NUM_KV_HEADS, HEAD_DIM))
+
+
+def _dense(tokens, q: np.ndarray) -> np.ndarray:
+    """f64[len(tokens), Hq, D]: causal softmax of each token over its own context's K/V,
+    looked up by the fingerprints of its tokens."""
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+    out = []
+    for t, (request, pos) in enumerate(tokens):
+        ids = request.all_token_ids
+        kv = np.stack([_key_vector(sim.fingerprint(ids[: j + 1])) for j in range(pos + 1)])
+        k = np.repeat(kv[:, 0::2], group, axis=1)
+        v = np.repeat(kv[:, 1::2], group, axis=1)
+        logits = np.einsum("hd,khd->hk", q[t].astype(np.float64), k) * SM_SCALE
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        out.append(np.einsum("hk,khd->hd", p / p.sum(-1, keepdims=True), v))
+    return np.stack(out)
+
+
+def _recorded_steps() -> dict[str, tuple]:
+    """The first step of each level structure in run 2: (metadata, tokens, KV store)."""
+    steps = {}
+
+    def visit(serving, out, plan, md, tokens):
+        name = "+".join(lv.name for lv in plan.levels) or "flat"
+        steps.setdefault(name, (md, tokens, serving.store.copy()))
+
+    serve(2, visit)
+    assert {"flat", "groups", "global+groups"} <= set(steps), set(steps)
+    return steps
+
+
+@pytest.mark.parametrize(
+    "backend, structures",
+    [("xla", ("flat", "groups", "global+groups")), ("pallas_gpu", ("global+groups",))],
+)
+def test_attention_over_random_serving_steps_equals_the_dense_oracle(backend, structures):
+    steps = _recorded_steps()
+    rng = np.random.default_rng(0)
+    for name in structures:
+        md, tokens, store = steps[name]
+        kv = np.stack([np.stack([_key_vector(int(c)) for c in row]) for row in store])
+        q = rng.standard_normal((md.max_num_tokens, NUM_Q_HEADS, HEAD_DIM))
+        q[len(tokens) :] = np.nan
+        out = paged_attention(
+            jnp.asarray(q, jnp.float32), jnp.asarray(kv, jnp.float32), md, sm_scale=SM_SCALE,
+            backend=backend, interpret=backend != "xla",
+        )  # fmt: skip
+        out = np.asarray(out, np.float64)
+        want = _dense(tokens, q)
+        np.testing.assert_allclose(out[: len(tokens)], want, atol=2e-5, rtol=2e-5, err_msg=name)
+        assert not out[len(tokens) :].any(), name
