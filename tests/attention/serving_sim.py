@@ -107,16 +107,29 @@ class Serving:
     scheduler: Scheduler
     config: EngineConfig
     store: np.ndarray  # i64[num_blocks, block_size] content of every KV slot
-    inputs: types.SimpleNamespace  # what Engine._step_inputs reads of an Engine
     rng: np.random.Generator
+    # What Engine._step_inputs reads of an Engine, one per planner (each keeps the level
+    # metadata of its own last plan, as an engine does).
+    inputs: dict[int, types.SimpleNamespace] = dataclasses.field(default_factory=dict)
 
     @property
     def manager(self) -> KVCacheManager:
         return self.scheduler.manager
 
-    def step_inputs(self, out: SchedulerOutput, plan: CascadePlan):
-        """(order, metadata, input_ids): the engine's own path from a plan to jit inputs."""
-        order, md, input_ids, _ = Engine._step_inputs(self.inputs, out, plan)
+    def step_inputs(self, out: SchedulerOutput, plan: CascadePlan, planner: int = 0):
+        """(order, metadata, input_ids): the engine's own path from a plan to jit inputs,
+        for the plans of planner number `planner`."""
+        engine = self.inputs.get(planner)
+        if engine is None:
+            engine = self.inputs[planner] = types.SimpleNamespace(
+                manager=self.manager,
+                buckets=self.config.buckets,
+                backend=self.config.backend,
+                config=self.config,
+                _levels_memo=None,
+                _sampling_rows=lambda requests, order, num_rows: (),
+            )
+        order, md, input_ids, _ = Engine._step_inputs(engine, out, plan)
         return order, md, input_ids
 
 
@@ -147,15 +160,7 @@ def make_serving(
     manager = KVCacheManager(num_blocks, block_size, max_model_len=max_model_len)
     store = np.full((num_blocks, block_size), UNWRITTEN, np.int64)
     scheduler = Scheduler(config.scheduler, manager, HoldingConnector(rng, store, block_size))
-    inputs = types.SimpleNamespace(
-        manager=manager,
-        buckets=config.buckets,
-        backend=config.backend,
-        config=config,
-        _levels_memo=None,
-        _sampling_rows=lambda requests, order, num_rows: (),
-    )
-    return Serving(scheduler, config, store, inputs, rng)
+    return Serving(scheduler, config, store, rng)
 
 
 def add_requests(serving: Serving, serial: int, count: int) -> int:

@@ -94,7 +94,7 @@ def serve(seed: int, visit=None) -> dict[str, int]:
             sim.check_plan(manager, out, plan)
             fresh = sim.fresh_plan(planner, out, manager)
             assert _plan_fields(plan) == _plan_fields(fresh), (seed, k)
-            order, md, input_ids = serving.step_inputs(out, plan)
+            order, md, input_ids = serving.step_inputs(out, plan, k)
             tokens = sim.batch_tokens(out, order)
             want_ids = [request.all_token_ids[pos] for request, pos in tokens]
             assert input_ids[: len(tokens)].tolist() == want_ids
