@@ -63,9 +63,14 @@ class SamplingParams:
         seed = None if self.seed is None else _int_or_none(self.seed)
         if self.seed is not None and seed is None:
             raise ValueError(f"seed={self.seed!r} must be None or an int")
-        stop = tuple(map(_int_or_none, self.stop_token_ids))
+        try:
+            stop = tuple(map(_int_or_none, self.stop_token_ids))
+        except TypeError:  # not iterable: a lone id, None
+            stop = (None,)
         if any(t is None or t < 0 for t in stop):
-            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be ints >= 0")
+            raise ValueError(
+                f"stop_token_ids={self.stop_token_ids!r} must be a sequence of ints >= 0"
+            )
         for name, value in (("max_tokens", max_tokens), ("top_k", top_k), ("seed", seed)):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "temperature", float(self.temperature))

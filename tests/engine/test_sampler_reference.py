@@ -173,6 +173,8 @@ def test_sampling_arrays_hold_a_huge_top_k_without_overflow():
         ("seed", 1.5),
         ("max_tokens", 0),
         ("stop_token_ids", (-1,)),
+        ("stop_token_ids", 5),  # a lone id, not a sequence: was a TypeError
+        ("stop_token_ids", None),
     ],
 )
 def test_bad_sampling_params_are_rejected_by_name(field, value):
