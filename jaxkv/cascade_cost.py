@@ -1,7 +1,10 @@
 """The cascade cost model: whether reading a shared prefix once pays, per backend.
 
 Plain Python arithmetic on bytes of KV, no JAX; CascadePlanner (jaxkv.cascade) asks it
-once per candidate level. Tables of defaults are keyed by attention backend name.
+once for the global level and once per candidate group of the groups level, charging
+each group a whole call although one call serves every group of that level (so groups
+that pay only together are not planned). Tables of defaults are keyed by attention
+backend name.
 """
 
 from __future__ import annotations
@@ -91,9 +94,25 @@ DEFAULT_COST_MODELS: dict[str, CascadeCostModel] = {
 
 @dataclasses.dataclass(frozen=True)
 class AttentionShape:
-    """Head shapes the cost model needs; independent of any batch."""
+    """Head shapes the cost model needs; independent of any batch.
+
+    The cost model weighs the KV bytes one kernel call reads against that call's fixed
+    cost, so under tensor parallelism give it one device's heads (`per_device`).
+    """
 
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
     kv_itemsize: int = 2
+
+    def per_device(self, tensor_parallel_size: int) -> AttentionShape:
+        """The heads one device of a `tensor_parallel_size`-way mesh attends with, as
+        jaxkv.sharding splits them: query heads evenly, KV heads evenly, or one KV head
+        per device when there are fewer KV heads than devices (each then replicated).
+        Raises ValueError unless the size is >= 1 and divides the query heads."""
+        tp = tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1 or self.num_q_heads % tp:
+            raise ValueError(f"{tensor_parallel_size=} must be >= 1 and divide {self.num_q_heads=}")
+        return dataclasses.replace(
+            self, num_q_heads=self.num_q_heads // tp, num_kv_heads=max(self.num_kv_heads // tp, 1)
+        )

@@ -37,7 +37,7 @@ from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.request import Request, SamplingParams
 from jaxkv.sampler import sample, sampling_arrays, sampling_row
 from jaxkv.scheduler import Scheduler, SchedulerOutput
-from jaxkv.sharding import mesh_for, shard_model
+from jaxkv.sharding import DEFAULT_AXIS, mesh_for, shard_model
 from jaxkv.step_inputs import coarsen_metadata, gather_input_ids, program_key
 
 
@@ -110,8 +110,11 @@ class Engine:
         self.kv_caches = model.init_kv_caches(cc.num_blocks, cc.block_size, cc.kv_dtype)
         kv_itemsize = self.kv_caches[0].dtype.itemsize
         self.buckets = config.buckets
+        # Each device reads only its own heads' KV in every kernel call: the cost model
+        # must weigh one device's bytes against one device's call.
+        tp = 1 if self.mesh is None else self.mesh.shape[DEFAULT_AXIS]
         self.planner = CascadePlanner(
-            AttentionShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, kv_itemsize),
+            AttentionShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, kv_itemsize).per_device(tp),
             backend=self.backend,
             cost_model=config.cascade_cost_model,
             enable_cascade=config.enable_cascade,

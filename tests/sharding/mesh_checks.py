@@ -389,6 +389,8 @@ def engine_greedy_tp():
         assert got == want, (tp, got)
         assert 0 < m.cascade_steps < m.num_steps, "need flat and cascade steps"
         c = engine.kv_caches[0]
+        # The cost model weighs one device's KV reads: each device attends with 8 // tp heads.
+        assert engine.planner.shape == AttentionShape(8 // tp, 8 // tp, 8, c.dtype.itemsize)
         assert shard_shapes(c) == [(64, BLOCK_SIZE, 16 // tp, 8)] * tp
 
 
