@@ -71,8 +71,11 @@ def sample(
     in_top_k = jnp.arange(vocab)[None, :] < k[:, None]
     probs = jax.nn.softmax(jnp.where(in_top_k, desc, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    # top_p >= 1 keeps everything even where the float32 cumsum reaches 1 early.
-    keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    # top_p >= 1 keeps everything even where the float32 cumsum reaches 1 early; the most
+    # likely token is always kept, also for a top_p that is 0 in float32 (or flushed to 0).
+    keep = in_top_k & (
+        (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0) | (jnp.arange(vocab) == 0)
+    )
     threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1)
     masked = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
 

@@ -96,6 +96,17 @@ def test_top_k_one_tiny_top_p_and_zero_temperature_equal_greedy():
     assert (_run(logits, 1.0, seeds=seeds) != greedy).mean() > 0.1
 
 
+def test_a_top_p_that_underflows_float32_still_keeps_the_most_likely_token():
+    # SamplingParams takes any top_p > 0; 1e-50 is 0 in float32 and 1e-40 a subnormal
+    # that the CPU flushes to 0: the cut must still keep the top token, not drop them all.
+    logits = np.random.default_rng(1).normal(0, 3, (ROWS, 8))
+    greedy = np.argmax(logits, -1)
+    seeds = np.arange(ROWS)
+    assert (greedy != 0).any()  # an all-masked row draws token 0: that must be visible
+    for top_p in (1e-40, 1e-50):
+        np.testing.assert_array_equal(_run(logits, 1.0, top_p=top_p, seeds=seeds), greedy)
+
+
 def test_vanishing_temperature_is_greedy_even_where_logits_over_temperature_overflow():
     # 40 / 1e-37 and 50 / 1e-37 both overflow float32 to inf: without care they tie.
     logits = np.tile(np.array([40.0, 50.0, -1.0, 0.5, 0, 0, 0, 0], np.float32), (64, 1))
