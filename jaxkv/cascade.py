@@ -152,6 +152,13 @@ class CascadePlanner:
         self.page_buckets = (
             tuple(page_buckets) if page_buckets and cost_model.reads_padded_pages else None
         )
+        # Judges a group by what it adds to a groups level that runs anyway: no call of
+        # its own (None for a cost model that is not a CascadeCostModel dataclass).
+        self._merge_only_model = (
+            dataclasses.replace(cost_model, launch_overhead_bytes=0)
+            if isinstance(cost_model, CascadeCostModel) and cost_model.launch_overhead_bytes
+            else None
+        )
         # (manager, rows, sharing version, base) for which every request was eligible for
         # a group and no two shared a prefix id at column `base`: while all four hold,
         # that stays so (held columns keep their prefix ids), so the search is skipped.
@@ -189,8 +196,9 @@ class CascadePlanner:
 
         Every request must hold blocks for its num_computed_tokens (as the scheduler
         guarantees). Cost: a fixed number of numpy calls plus a loop over at most
-        4 x max_groups candidate groups; repeated id lists reuse the manager's common
-        prefix (KVCacheManager.num_common_prefix_blocks).
+        4 x max_groups candidate groups (twice when no group pays a call alone);
+        repeated id lists reuse the manager's common prefix
+        (KVCacheManager.num_common_prefix_blocks).
         """
         num_requests = len(request_ids)
         num_computed_tokens = np.asarray(num_computed_tokens)
@@ -305,6 +313,11 @@ class CascadePlanner:
         do not all share (requests under two system prompts after a one-block header
         form two groups, not one that does not pay). At most 4 x max_groups candidates
         are examined; the chosen groups are disjoint.
+
+        A candidate is first judged as if it were a call of its own. One call runs every
+        group of the level, though: when no candidate pays a call alone, the search runs
+        again judging each by its own merge only, and its groups are planned if together
+        they pay the level's one call (four system prompts under four requests each).
         """
         if not self.enable_groups or base >= manager.max_blocks_per_seq:
             return []
@@ -313,8 +326,35 @@ class CascadePlanner:
         if candidates is None:  # every key distinct: no two requests share past the base
             self._no_groups = (manager, rows, manager.sharing_version, base)
             return []
+        args = (manager, rows, num_computed_tokens, query_lens, base)
+        chosen = self._search(*args, list(candidates), self.cost_model)
+        if chosen or self._merge_only_model is None:
+            return chosen
+        chosen = self._search(*args, candidates, self._merge_only_model)
+        s, bs = self.shape, manager.block_size
+        kv_bytes_per_token = 2 * s.num_kv_heads * s.head_dim * s.kv_itemsize
+        saved = sum(
+            self.cost_model.saved_bytes(len(members), (end - base) * bs, kv_bytes_per_token)
+            for members, end in chosen
+        )
+        queries = sum(int(query_lens[members].sum()) for members, _ in chosen)
+        level_cost = self.cost_model.cost_bytes(queries, s.num_q_heads, s.head_dim)
+        return chosen if chosen and saved > level_cost else []
+
+    def _search(
+        self,
+        manager: KVCacheManager,
+        rows: np.ndarray,  # i32[R]
+        num_computed_tokens: np.ndarray,  # i[R]
+        query_lens: np.ndarray,  # i[R]
+        base: int,
+        candidates: list[np.ndarray],  # from _split; consumed
+        cost_model: CascadeCostModel,
+    ) -> list[tuple[np.ndarray, int]]:
+        """The candidate search of _groups, judging each candidate with `cost_model`."""
         bs = manager.block_size
         num_blocks = manager.num_blocks_of_rows(rows)
+        s = self.shape
         chosen = []
         budget = 4 * self.max_groups
         while candidates and budget:
@@ -325,7 +365,11 @@ class CascadePlanner:
             end = min(end, int(computed.min()) // bs)
             queries = int(query_lens[members].sum())
             context = int(computed.sum()) + queries
-            if self.pays(len(members), (end - base) * bs, queries, context):
+            if cost_model.pays(
+                num_requests=len(members), prefix_tokens=(end - base) * bs,
+                num_query_tokens=queries, context_tokens=context, num_q_heads=s.num_q_heads,
+                num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, kv_itemsize=s.kv_itemsize,
+            ):  # fmt: skip
                 chosen.append(((len(members) - 1) * (end - base), members, end))
             elif end < manager.max_blocks_per_seq:
                 candidates += self._split(manager, rows, num_computed_tokens, members, end) or []

@@ -1,10 +1,9 @@
 """The cascade cost model: whether reading a shared prefix once pays, per backend.
 
 Plain Python arithmetic on bytes of KV, no JAX; CascadePlanner (jaxkv.cascade) asks it
-once for the global level and once per candidate group of the groups level, charging
-each group a whole call although one call serves every group of that level (so groups
-that pay only together are not planned). Tables of defaults are keyed by attention
-backend name.
+about the global level and about each candidate group of the groups level (first as a
+call of its own, then, if none pays so, by its own merge, the groups together paying
+the level's one call). Tables of defaults are keyed by attention backend name.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""The cascade cost model's units under tensor parallelism: one device's heads, one call."""
+"""The cascade cost model's units: one device's heads under tensor parallelism, and one
+call for a whole groups level however many groups it holds."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from jaxkv import KVCacheManager, Request
 from jaxkv.cascade import DEFAULT_COST_MODELS, AttentionShape, CascadePlanner
 
 LLAMA_8B = AttentionShape(num_q_heads=32, num_kv_heads=8, head_dim=128, kv_itemsize=2)
@@ -37,3 +40,43 @@ def test_a_prefix_that_pays_on_one_device_need_not_pay_per_device_of_eight():
     args = dict(num_requests=4, prefix_tokens=1024, num_query_tokens=4, context_tokens=4100)
     assert whole.pays(**args)
     assert not per_device.pays(**args)
+
+
+def _system_prompt_batch(num_groups: int, per_group: int, prompt_tokens: int):
+    """Decoding requests, `per_group` under each of `num_groups` system prompts."""
+    manager = KVCacheManager(4096, 16, max_model_len=2048)
+    ids, computed = [], []
+    for g in range(num_groups):
+        system = list(range(10_000 * (g + 1), 10_000 * (g + 1) + prompt_tokens))
+        for i in range(per_group):
+            request = Request(f"r{g}_{i}", system + [5000 + 100 * g + i] * 3)
+            blocks, num_hit = manager.get_computed_blocks(request)
+            assert manager.allocate_slots(
+                request, request.num_tokens - num_hit + 1, num_new_computed_tokens=num_hit,
+                new_computed_blocks=blocks,
+            ) is not None  # fmt: skip
+            ids.append(request.request_id)
+            computed.append(request.num_tokens)
+    return manager, ids, np.array(computed), np.ones(len(ids), int)
+
+
+def test_groups_that_pay_only_together_share_the_levels_one_call():
+    # Four system prompts of 512 tokens, four decoding requests under each: one group
+    # saves 3 * 512 * 4 KiB = 6 MiB, less than the 8 MiB of a TPU call, but the groups
+    # level is one call for all four groups, which together save 24 MiB.
+    manager, ids, computed, query_lens = _system_prompt_batch(4, 4, 512)
+    planner = CascadePlanner(LLAMA_8B, backend="pallas_tpu")
+    assert not planner.pays(4, 512, 4, 4 * 516)
+    plan = planner.plan(ids, computed, query_lens, manager)
+    assert [lv.name for lv in plan.levels] == ["groups"]
+    (level,) = plan.levels
+    assert level.group_starts.tolist() == [0, 4, 8, 12]
+    assert level.block_ends.tolist() == [32] * 4
+    assert plan.suffix_start_blocks.tolist() == [32] * 16
+
+
+def test_groups_that_do_not_pay_even_together_stay_flat():
+    # Two prompts under two requests each: 2 x 2 MiB saved, less than one 8 MiB call.
+    manager, ids, computed, query_lens = _system_prompt_batch(2, 2, 512)
+    plan = CascadePlanner(LLAMA_8B, backend="pallas_tpu").plan(ids, computed, query_lens, manager)
+    assert not plan.uses_cascade
