@@ -196,9 +196,8 @@ class CascadePlanner:
 
         Every request must hold blocks for its num_computed_tokens (as the scheduler
         guarantees). Cost: a fixed number of numpy calls plus a loop over at most
-        4 x max_groups candidate groups (twice when no group pays a call alone);
-        repeated id lists reuse the manager's common prefix
-        (KVCacheManager.num_common_prefix_blocks).
+        4 x max_groups candidate groups; repeated id lists reuse the manager's common
+        prefix (KVCacheManager.num_common_prefix_blocks).
         """
         num_requests = len(request_ids)
         num_computed_tokens = np.asarray(num_computed_tokens)
@@ -314,10 +313,10 @@ class CascadePlanner:
         form two groups, not one that does not pay). At most 4 x max_groups candidates
         are examined; the chosen groups are disjoint.
 
-        A candidate is first judged as if it were a call of its own. One call runs every
-        group of the level, though: when no candidate pays a call alone, the search runs
-        again judging each by its own merge only, and its groups are planned if together
-        they pay the level's one call (four system prompts under four requests each).
+        A candidate is judged as if it were a call of its own, but one call runs every
+        group of the level: when no candidate pays a call alone, the disjoint candidates
+        that pay their own merge (largest savings first) are planned if together they
+        pay the level's one call (four system prompts under four requests each).
         """
         if not self.enable_groups or base >= manager.max_blocks_per_seq:
             return []
@@ -326,36 +325,9 @@ class CascadePlanner:
         if candidates is None:  # every key distinct: no two requests share past the base
             self._no_groups = (manager, rows, manager.sharing_version, base)
             return []
-        args = (manager, rows, num_computed_tokens, query_lens, base)
-        chosen = self._search(*args, list(candidates), self.cost_model)
-        if chosen or self._merge_only_model is None:
-            return chosen
-        chosen = self._search(*args, candidates, self._merge_only_model)
-        s, bs = self.shape, manager.block_size
-        kv_bytes_per_token = 2 * s.num_kv_heads * s.head_dim * s.kv_itemsize
-        saved = sum(
-            self.cost_model.saved_bytes(len(members), (end - base) * bs, kv_bytes_per_token)
-            for members, end in chosen
-        )
-        queries = sum(int(query_lens[members].sum()) for members, _ in chosen)
-        level_cost = self.cost_model.cost_bytes(queries, s.num_q_heads, s.head_dim)
-        return chosen if chosen and saved > level_cost else []
-
-    def _search(
-        self,
-        manager: KVCacheManager,
-        rows: np.ndarray,  # i32[R]
-        num_computed_tokens: np.ndarray,  # i[R]
-        query_lens: np.ndarray,  # i[R]
-        base: int,
-        candidates: list[np.ndarray],  # from _split; consumed
-        cost_model: CascadeCostModel,
-    ) -> list[tuple[np.ndarray, int]]:
-        """The candidate search of _groups, judging each candidate with `cost_model`."""
         bs = manager.block_size
         num_blocks = manager.num_blocks_of_rows(rows)
-        s = self.shape
-        chosen = []
+        chosen, together = [], []  # (blocks saved, members, end); together: merge pays
         budget = 4 * self.max_groups
         while candidates and budget:
             budget -= 1
@@ -365,18 +337,61 @@ class CascadePlanner:
             end = min(end, int(computed.min()) // bs)
             queries = int(query_lens[members].sum())
             context = int(computed.sum()) + queries
-            if cost_model.pays(
-                num_requests=len(members), prefix_tokens=(end - base) * bs,
-                num_query_tokens=queries, context_tokens=context, num_q_heads=s.num_q_heads,
-                num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, kv_itemsize=s.kv_itemsize,
-            ):  # fmt: skip
-                chosen.append(((len(members) - 1) * (end - base), members, end))
-            elif end < manager.max_blocks_per_seq:
+            saved = (len(members) - 1) * (end - base)
+            if self.pays(len(members), (end - base) * bs, queries, context):
+                chosen.append((saved, members, end))
+                continue
+            if not chosen and self._pays_own_merge(
+                len(members), (end - base) * bs, queries, context
+            ):
+                together.append((saved, members, end))
+            if end < manager.max_blocks_per_seq:
                 candidates += self._split(manager, rows, num_computed_tokens, members, end) or []
                 candidates.sort(key=len, reverse=True)
+        if not chosen:
+            chosen = self._paying_together(together, query_lens, base, bs)
         chosen.sort(key=lambda t: (-t[0], int(t[1][0])))
         chosen = sorted(chosen[: self.max_groups], key=lambda t: int(t[1][0]))
         return [(members, end) for _, members, end in chosen]
+
+    def _pays_own_merge(
+        self, num_requests: int, prefix_tokens: int, num_query_tokens: int, context_tokens: int
+    ) -> bool:
+        """pays() for a group of a level that runs anyway: its merge, not a call of its own."""
+        model = self._merge_only_model
+        if model is None:
+            return False
+        s = self.shape
+        return model.pays(
+            num_requests=num_requests, prefix_tokens=prefix_tokens,
+            num_query_tokens=num_query_tokens, context_tokens=context_tokens,
+            num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+            kv_itemsize=s.kv_itemsize,
+        )  # fmt: skip
+
+    def _paying_together(
+        self,
+        candidates: list[tuple[int, np.ndarray, int]],  # (blocks saved, members, end)
+        query_lens: np.ndarray,  # i[R]
+        base: int,
+        block_size: int,
+    ) -> list[tuple[int, np.ndarray, int]]:
+        """Disjoint `candidates` (largest savings first, at most max_groups) if their
+        savings together pay one call of the level, else []."""
+        taken, picked = np.zeros(len(query_lens), bool), []
+        for candidate in sorted(candidates, key=lambda t: (-t[0], int(t[1][0]))):
+            members = candidate[1]
+            if len(picked) < self.max_groups and not taken[members].any():
+                taken[members] = True
+                picked.append(candidate)
+        s, model = self.shape, self.cost_model
+        kv_bytes_per_token = 2 * s.num_kv_heads * s.head_dim * s.kv_itemsize
+        saved = sum(
+            model.saved_bytes(len(members), (end - base) * block_size, kv_bytes_per_token)
+            for _, members, end in picked
+        )
+        cost = model.cost_bytes(int(query_lens[taken].sum()), s.num_q_heads, s.head_dim)
+        return picked if picked and saved > cost else []
 
     def _split(
         self,

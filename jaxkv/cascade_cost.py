@@ -1,9 +1,9 @@
 """The cascade cost model: whether reading a shared prefix once pays, per backend.
 
 Plain Python arithmetic on bytes of KV, no JAX; CascadePlanner (jaxkv.cascade) asks it
-about the global level and about each candidate group of the groups level (first as a
-call of its own, then, if none pays so, by its own merge, the groups together paying
-the level's one call). Tables of defaults are keyed by attention backend name.
+about the global level and about each candidate group of the groups level: as a call
+of its own, or, when no group pays so, by its own merge, the groups together paying the
+level's one call. Tables of defaults are keyed by attention backend name.
 """
 
 from __future__ import annotations

@@ -4,12 +4,13 @@ Host part (no JAX): every step of random runs through the real scheduler (chunke
 prefill, n samples of one prompt, prompts of exactly one block, cache hits covering all
 but the last token, preemption under a small pool, finished requests still holding
 blocks for a KV save, KV loads that land or fail, running requests the budget leaves
-out) is planned by four planners (two-group cap, eight-group cap, the xla backend's own
-cost model and page-bucket rule, no groups). Each plan must give the exact common
-prefix of the scheduled set, identical blocks across every group and no prefix over a
-member's query token; a planner reused across steps must plan what a fresh one plans;
-and through the metadata every valid query must attend to exactly the KV of its own
-context (serving_sim.reads_of against fingerprints of its tokens).
+out) is planned by five planners (two-group cap, eight-group cap, the xla backend's own
+cost model and page-bucket rule, no groups, a call that groups may pay only together).
+Each plan must give the exact common prefix of the scheduled set, identical blocks
+across every group and no prefix over a member's query token; a planner reused across
+steps must plan what a fresh one plans; and through the metadata every valid query must
+attend to exactly the KV of its own context (serving_sim.reads_of against fingerprints
+of its tokens).
 
 Device part: steps of such a run with each level structure go through
 jaxkv.attention.paged_attention on the 'xla' backend and the Pallas GPU kernel in
@@ -34,6 +35,7 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
 SM_SCALE = HEAD_DIM**-0.5
 SHAPE = AttentionShape(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, kv_itemsize=4)
 ALWAYS = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0)
+TOGETHER = CascadeCostModel(launch_overhead_bytes=3000, merge_cost_factor=0)
 NUM_STEPS = 40
 
 
@@ -44,6 +46,8 @@ def _planners(serving: sim.Serving) -> list[CascadePlanner]:
         CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=8),
         CascadePlanner(SHAPE, backend="xla", page_buckets=pages),
         CascadePlanner(SHAPE, cost_model=ALWAYS, enable_groups=False),
+        # A call costs about what a group of the runs saves: some groups pay only together.
+        CascadePlanner(SHAPE, cost_model=TOGETHER),
     ]
 
 
@@ -54,6 +58,19 @@ def _plan_fields(plan: CascadePlan) -> tuple:
         for lv in plan.levels
     )  # fmt: skip
     return plan.order.tolist(), plan.suffix_start_blocks.tolist(), levels
+
+
+def _pays_alone(planner: CascadePlanner, out, plan: CascadePlan, *, bs: int) -> list[bool]:
+    """Per group of the plan's groups level: whether it pays a call of its own."""
+    level = plan.levels[-1]
+    verdicts = []
+    for g in range(level.num_groups):
+        members = plan.order[level.group_starts[g] : level.group_ends[g]]
+        queries = int(out.num_scheduled_tokens[members].sum())
+        context = int(out.num_computed_tokens[members].sum()) + queries
+        prefix = int(level.block_ends[g] - level.block_starts[g]) * bs
+        verdicts.append(planner.pays(len(members), prefix, queries, context))
+    return verdicts
 
 
 def serve(seed: int, visit=None) -> dict[str, int]:
@@ -92,6 +109,8 @@ def serve(seed: int, visit=None) -> dict[str, int]:
                 out.request_ids, out.num_computed_tokens, out.num_scheduled_tokens, manager
             )
             sim.check_plan(manager, out, plan)
+            if k == 4 and plan.levels and plan.levels[-1].name == "groups":
+                count("together", not all(_pays_alone(planner, out, plan, bs=block_size)))
             fresh = sim.fresh_plan(planner, out, manager)
             assert _plan_fields(plan) == _plan_fields(fresh), (seed, k)
             order, md, input_ids = serving.step_inputs(out, plan, k)
@@ -116,7 +135,8 @@ def test_random_serving_runs_read_exactly_their_own_context():
         for name, n in serve(seed).items():
             totals[name] = totals.get(name, 0) + n
     # The runs exercised what they are for.
-    for name in ("global", "groups", "global+groups", "holders", "partial", "preemptions", "loads"):
+    names = ("global", "groups", "global+groups", "holders", "partial", "preemptions", "loads")
+    for name in (*names, "together"):
         assert totals.get(name, 0) >= 3, totals
 
 
