@@ -14,8 +14,9 @@ of its tokens).
 
 Device part: steps of such a run with each level structure go through
 jaxkv.attention.paged_attention on the 'xla' backend and the Pallas GPU kernel in
-interpret mode, against float64 softmax over each request's own keys, looked up by the
-fingerprint of its tokens (no block table, no paging).
+interpret mode, as built and with every padding entry poisoned, against float64 softmax
+over each request's own keys, looked up by the fingerprint of its tokens (no block
+table, no paging).
 """
 
 from __future__ import annotations
@@ -205,11 +206,34 @@ def _recorded_steps() -> dict[str, tuple]:
     return steps
 
 
+def _poisoned(md, num_blocks: int, rng: np.random.Generator):
+    """md with every entry a pass must not read made adversarial (same shapes, so the
+    same program): page-table entries past each sequence's keys and all of rows past
+    num_seqs hold real block ids, and those rows get the longest length and unsorted
+    token offsets."""
+
+    def poison(p):
+        n, bs = int(p.num_seqs[0]), md.block_size
+        cu, kv_lens, pages = (np.array(a, np.int32) for a in (p.cu_q_lens, p.kv_lens,
+                                                              p.page_indices))  # fmt: skip
+        used = -(-kv_lens // bs)
+        used[n:] = 0
+        spare = np.arange(pages.shape[1])[None, :] >= used[:, None]
+        pages[spare] = rng.integers(1, num_blocks, int(spare.sum()))
+        kv_lens[n:] = pages.shape[1] * bs
+        cu[n + 1 :] = np.resize([md.max_num_tokens, 0], len(cu) - n - 1)
+        return dataclasses.replace(p, cu_q_lens=cu, kv_lens=kv_lens, page_indices=pages)
+
+    return dataclasses.replace(poison(md), levels=tuple(poison(lv) for lv in md.levels))
+
+
 @pytest.mark.parametrize(
     "backend, structures",
     [("xla", ("flat", "groups", "global+groups")), ("pallas_gpu", ("global+groups",))],
 )
 def test_attention_over_random_serving_steps_equals_the_dense_oracle(backend, structures):
+    # Slots no step wrote, the null block and padded query rows hold NaN; the metadata
+    # runs as built and with its padding poisoned.
     steps = _recorded_steps()
     rng = np.random.default_rng(0)
     for name in structures:
@@ -217,11 +241,12 @@ def test_attention_over_random_serving_steps_equals_the_dense_oracle(backend, st
         kv = np.stack([np.stack([_key_vector(int(c)) for c in row]) for row in store])
         q = rng.standard_normal((md.max_num_tokens, NUM_Q_HEADS, HEAD_DIM))
         q[len(tokens) :] = np.nan
-        out = paged_attention(
-            jnp.asarray(q, jnp.float32), jnp.asarray(kv, jnp.float32), md, sm_scale=SM_SCALE,
-            backend=backend, interpret=backend != "xla",
-        )  # fmt: skip
-        out = np.asarray(out, np.float64)
         want = _dense(tokens, q)
-        np.testing.assert_allclose(out[: len(tokens)], want, atol=2e-5, rtol=2e-5, err_msg=name)
-        assert not out[len(tokens) :].any(), name
+        for metadata in (md, _poisoned(md, len(store), rng)):
+            out = paged_attention(
+                jnp.asarray(q, jnp.float32), jnp.asarray(kv, jnp.float32), metadata,
+                sm_scale=SM_SCALE, backend=backend, interpret=backend != "xla",
+            )  # fmt: skip
+            out = np.asarray(out, np.float64)
+            np.testing.assert_allclose(out[: len(tokens)], want, atol=2e-5, rtol=2e-5, err_msg=name)
+            assert not out[len(tokens) :].any(), name
