@@ -243,6 +243,20 @@ class BlockPool:
                     )
                 )
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Takes `blocks` out of the prefix cache (their KV was never written); a block
+        that carries no hash, or whose hash maps to another block, is left as it is."""
+        cached = self.cached_block_hash_to_block
+        removed = []
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is not None and cached.get(block_hash) is block:
+                del cached[block_hash]
+                block.block_hash = None
+                removed.append(block_hash)
+        if removed and self.enable_events:
+            self._events.append(BlockRemoved(tuple(removed)))
+
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], *, validate: bool = True) -> None:
         """Drops one holder from each block; blocks reaching 0 join the queue in this order.
 

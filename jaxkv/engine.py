@@ -205,33 +205,46 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled batch; returns the requests that got a token, in schedule
-        order. Returns [] without running the model when nothing can be scheduled."""
+        order. Returns [] without running the model when nothing can be scheduled.
+
+        An exception before the sampled tokens reach the host (the planner or the model
+        raising, an interrupt during a compile) hands the batch back to the scheduler
+        (Scheduler.discard) before it propagates: no block its tokens were to fill stays
+        in the prefix cache, running requests schedule the same tokens next step, and
+        requests it admitted wait again; the engine keeps serving.
+        """
         t0, c0 = time.perf_counter(), time.thread_time()
         out = self.scheduler.schedule()
         n = out.num_requests
         if n == 0:
             return []
-        c_schedule = time.thread_time()
-        plan = self.planner.plan(
-            out.request_ids, out.num_computed_tokens, out.num_scheduled_tokens, self.manager
-        )
-        c_plan = time.thread_time()
-        order, md, input_ids, sampling = self._step_inputs(out, plan)
-        key = program_key(md)
-        new_program = key not in self._programs
+        try:
+            c_schedule = time.thread_time()
+            plan = self.planner.plan(
+                out.request_ids, out.num_computed_tokens, out.num_scheduled_tokens, self.manager
+            )
+            c_plan = time.thread_time()
+            order, md, input_ids, sampling = self._step_inputs(out, plan)
+            key = program_key(md)
+            new_program = key not in self._programs
+            t1, c1 = time.perf_counter(), time.thread_time()
+
+            tokens, self.kv_caches = self._program(
+                self._state_leaves, input_ids, md.positions, self.kv_caches, md, sampling
+            )
+            if order is None:
+                sampled = np.asarray(tokens)[:n]
+            else:
+                sampled = np.empty(n, np.int32)
+                sampled[order] = np.asarray(tokens)[:n]
+            t2 = time.perf_counter()
+        except BaseException:
+            # The batch's allocation entered the blocks its tokens were to fill into the
+            # prefix cache, but their KV was never written: a later hit would read garbage.
+            self.scheduler.discard(out)
+            raise
         if new_program:
             self._programs.add(key)
-        t1, c1 = time.perf_counter(), time.thread_time()
-
-        tokens, self.kv_caches = self._program(
-            self._state_leaves, input_ids, md.positions, self.kv_caches, md, sampling
-        )
-        if order is None:
-            sampled = np.asarray(tokens)[:n]
-        else:
-            sampled = np.empty(n, np.int32)
-            sampled[order] = np.asarray(tokens)[:n]
-        t2 = time.perf_counter()
 
         outputs = self.scheduler.update_from_output(out, sampled)
         for o in outputs:

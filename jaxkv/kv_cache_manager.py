@@ -296,6 +296,23 @@ class KVCacheManager:
         del self._num_cached[req_id]
         self._table.release(req_id)
 
+    def uncache_unwritten(self, request: Request | str, num_written_tokens: int) -> None:
+        """Takes the blocks past the request's first `num_written_tokens` tokens that it
+        entered into the prefix cache out of it again: their KV was never written (the
+        step that was to write it failed). A later allocation that fills them caches
+        them anew.
+
+        Raises UnknownRequestError if the request holds no blocks, ValueError (nothing
+        changed) unless num_written_tokens is an int >= 0.
+        """
+        req_id = request if isinstance(request, str) else request.request_id
+        num_written = _count("num_written_tokens", num_written_tokens, req_id)
+        blocks = self._blocks_of(req_id)
+        first = num_written // self.block_size
+        if self._num_cached[req_id] > first:
+            self.pool.uncache_blocks(blocks[first : self._num_cached[req_id]])
+            self._num_cached[req_id] = first
+
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block. Refused (False, nothing changed) while any is held."""
         return self.pool.reset_prefix_cache()

@@ -76,6 +76,7 @@ class Scheduler:
         # admits and preempts); abort of a running request drops it.
         self._decode_carry: DecodeCarry | None = None
         self._unapplied: SchedulerOutput | None = None  # the latest schedule()'s, until applied
+        self._num_running_scheduled = 0  # its leading requests that were running before it
 
     # ---------------------------------------------------------------- requests
 
@@ -149,12 +150,23 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         batch = StepBatch()
         preempted: list[str] = []
-        budget = self._schedule_running(budget, batch, preempted)
-        if not preempted:
-            admit_waiting(self, budget, batch)
+        num_running = None
+        try:
+            budget = self._schedule_running(budget, batch, preempted)
+            num_running = len(batch.requests)
+            if not preempted:
+                admit_waiting(self, budget, batch)
+        except BaseException:  # e.g. a connector's: what was scheduled is handed back
+            self._unapplied = batch.output(tuple(preempted), ())
+            self._num_running_scheduled = (
+                len(batch.requests) if num_running is None else num_running
+            )
+            self.discard(self._unapplied)
+            raise
 
         finished, self._finished_ids = tuple(self._finished_ids), []
         self._unapplied = batch.output(tuple(preempted), finished)
+        self._num_running_scheduled = num_running
         return self._unapplied
 
     def _needs_manager(self, computed: int, n: int) -> bool:
@@ -264,6 +276,43 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
         self._count(num_preemptions=1)
+
+    def discard(self, output: SchedulerOutput) -> None:
+        """Hands back the latest schedule()'s batch when its step failed before any of
+        its KV was written (the model raised, an interrupt during a compile).
+
+        schedule() entered the blocks the batch's tokens were to fill into the prefix
+        cache; they leave it again, so that no request hits KV that was never written.
+        Requests that were running stay running and schedule the same tokens next;
+        requests that schedule() admitted free their blocks and go back to the head of
+        the waiting queue, in order. Raises ValueError (nothing changed) unless `output`
+        is the latest schedule()'s and not yet applied.
+        """
+        if output is not self._unapplied:
+            raise ValueError(
+                "output: not the latest schedule() call's SchedulerOutput, or already applied"
+            )
+        self._unapplied = None
+        self._decode_carry = None
+        computed = output.num_computed_tokens.tolist()
+        for request, num_written in zip(output.requests, computed, strict=True):
+            if request.status is RequestStatus.RUNNING:
+                self.manager.uncache_unwritten(request, num_written)
+        admitted = [
+            r
+            for r in output.requests[self._num_running_scheduled :]
+            if r.status is RequestStatus.RUNNING
+        ]
+        if admitted:
+            gone = set(map(id, admitted))
+            self.running = [r for r in self.running if id(r) not in gone]
+            for request in reversed(admitted):  # appendleft: keeps their order
+                self.manager.free(request)
+                request.num_computed_tokens = 0
+                request.status = (
+                    RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+                )
+                self.waiting.appendleft(request)
 
     # ------------------------------------------------------------------ update
 

@@ -104,3 +104,61 @@ def test_stop_and_length_edges_end_to_end_with_complete_incremental_outputs():
         assert [t[0] for t, _, _ in outs] == tokens
     assert engine.metrics.num_generated_tokens == sum(len(o) for o in seen.values())
     assert_all_blocks_free(engine)
+
+
+def test_aborted_requests_get_no_further_output():
+    engine = make_engine()
+    gone = engine.add_request([4, 4, 4, 4, 4], SamplingParams(max_tokens=8))
+    kept = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4))
+    first = engine.step()
+    assert [o.request_id for o in first] == [gone, kept]
+    assert engine.abort(gone) and not engine.abort(gone)
+    seen = _run(engine)
+    assert list(seen) == [kept] and seen[kept][-1][1:] == (True, "length")
+    assert_all_blocks_free(engine)
+
+
+def _fail_next_step(engine) -> None:
+    """Makes the engine's next model call raise, as an interrupt during a compile would."""
+    program = engine._program
+
+    def interrupted(*args):
+        engine._program = program
+        raise KeyboardInterrupt
+
+    engine._program = interrupted
+
+
+def test_a_step_that_raises_before_the_model_ran_hands_its_batch_back_and_caches_nothing():
+    rng = np.random.default_rng(11)
+    prefix = rng.integers(0, VOCAB, 24).tolist()
+    kept_prompt, gone_prompt = prefix + [1, 2, 3, 4, 5], prefix + [6, 7, 8, 9, 10, 11]
+    engine = make_engine()
+    kept = engine.add_request(kept_prompt, SamplingParams(max_tokens=8))
+    gone = engine.add_request(gone_prompt, SamplingParams(max_tokens=8))
+    _fail_next_step(engine)  # the first step: both prompts' blocks are allocated and cached
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert engine.abort(gone)
+    tokens = {rid: [t for o in outs for t in o[0]] for rid, outs in _run(engine).items()}
+    assert tokens[kept] == dense_greedy([kept_prompt], 8)[0]
+    # No block of the failed step may be a cache hit: it holds KV that was never written.
+    again = engine.generate([gone_prompt], SamplingParams(max_tokens=8), progress=False)
+    assert list(again[0].output_token_ids) == dense_greedy([gone_prompt], 8)[0]
+
+    # The same mid-decode (the decode carry path), with a request admitted next to it.
+    late = rng.integers(0, VOCAB, 7).tolist()
+    first = engine.add_request(kept_prompt, SamplingParams(max_tokens=8))
+    seen: dict[str, list[int]] = {}
+    for o in engine.step() + engine.step():
+        seen.setdefault(o.request_id, []).extend(o.new_token_ids)
+    second = engine.add_request(late, SamplingParams(max_tokens=4))
+    _fail_next_step(engine)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert engine.scheduler.running == [engine.scheduler.requests[first]]  # kept its place
+    for rid, outs in _run(engine).items():
+        seen.setdefault(rid, []).extend(t for o in outs for t in o[0])
+    assert seen[first] == dense_greedy([kept_prompt], 8)[0]
+    assert seen[second] == dense_greedy([late], 4)[0]
+    assert_all_blocks_free(engine)
