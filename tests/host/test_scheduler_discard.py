@@ -30,7 +30,7 @@ def _a_decoding_and_b_sharing_its_blocks(sched, copier):
     return a, b
 
 
-def test_discard_preempts_the_batch_and_uncaches_only_what_it_would_have_written():
+def test_discard_uncaches_only_what_the_step_would_have_written_and_unadmits_admissions():
     sched, copier = make_scheduler(block_size=4), FakeCopier(64, 4)
     a, b = _a_decoding_and_b_sharing_its_blocks(sched, copier)
     probe_tokens = list(b.all_token_ids)
