@@ -26,6 +26,8 @@ from jaxkv.request import SamplingParams as SamplingParams
 
 # isort: split
 # Serving: configs, scheduler and KV transfer (host side), the Engine, outputs and metrics.
+from jaxkv.cascade_cost import AttentionShape as AttentionShape
+from jaxkv.cascade_cost import CascadeCostModel as CascadeCostModel
 from jaxkv.config import CacheConfig as CacheConfig
 from jaxkv.config import EngineConfig as EngineConfig
 from jaxkv.config import SchedulerConfig as SchedulerConfig
@@ -34,6 +36,7 @@ from jaxkv.kv_transfer import HostOffloadConnector as HostOffloadConnector
 from jaxkv.kv_transfer import KVConnector as KVConnector
 from jaxkv.kv_transfer import TransferStats as TransferStats
 from jaxkv.metrics import EngineMetrics as EngineMetrics
+from jaxkv.metrics import StepStats as StepStats
 from jaxkv.outputs import CompletionOutput as CompletionOutput
 from jaxkv.outputs import RequestOutput as RequestOutput
 from jaxkv.scheduler import Scheduler as Scheduler

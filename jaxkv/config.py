@@ -11,6 +11,7 @@ import dataclasses
 import numbers
 
 from jaxkv.buckets import BucketConfig
+from jaxkv.cascade_cost import CascadeCostModel
 from jaxkv.hashing import root_hash
 
 _KV_DTYPES = ("float32", "bfloat16", "float16")
@@ -103,7 +104,7 @@ class EngineConfig:
     backend: str | None = None
     interpret: bool = False
     enable_cascade: bool = True
-    cascade_cost_model: object | None = None  # jaxkv.cascade.CascadeCostModel
+    cascade_cost_model: CascadeCostModel | None = None
     max_cascade_groups: int = 8
     min_num_tokens_bucket: int = 8
     min_num_seqs_bucket: int = 4
@@ -120,6 +121,12 @@ class EngineConfig:
         if type(self.seed) is not int:
             raise ValueError(f"seed={self.seed!r} must be an int")
         _bool(self, "interpret", "enable_cascade", "pad_cascade_levels")
+        if self.cascade_cost_model is not None and not isinstance(
+            self.cascade_cost_model, CascadeCostModel
+        ):
+            raise ValueError(
+                f"cascade_cost_model={self.cascade_cost_model!r} must be a CascadeCostModel or None"
+            )
         if self.backend not in (None, "xla", "pallas_tpu", "pallas_gpu"):
             raise ValueError(f"{self.backend=} must be None, 'xla', 'pallas_tpu' or 'pallas_gpu'")
         _positive_int(

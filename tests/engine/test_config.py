@@ -34,6 +34,7 @@ from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig
         (lambda: EngineConfig(enable_cascade="no"), "enable_cascade='no'"),
         (lambda: EngineConfig(interpret=1), "interpret=1"),
         (lambda: EngineConfig(pad_cascade_levels="yes"), "pad_cascade_levels='yes'"),
+        (lambda: EngineConfig(cascade_cost_model={"min_requests": 2}), "cascade_cost_model"),
     ],
 )
 def test_bad_fields_raise_value_error_naming_them(make, match):
