@@ -33,7 +33,9 @@ class EngineMetrics:
     """
 
     num_steps: int = 0  # steps that ran the model
-    num_prompt_tokens: int = 0  # prefill tokens computed (prefix-cache hits excluded)
+    # Prefill tokens computed (prefix-cache hits excluded), a preempted request's
+    # recomputed context included.
+    num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     host_time_s: float = 0.0

@@ -351,8 +351,8 @@ class Scheduler:
             computed = request.num_computed_tokens + n
             request.num_computed_tokens = computed
             output_ids = request.output_token_ids
-            if output_ids:
-                num_decode += n
+            if n == 1 and output_ids:  # else prefill, also a preempted request's recompute
+                num_decode += 1
             else:
                 num_prompt += n
             if computed < request.num_tokens:

@@ -39,8 +39,10 @@ class SchedulerStats:
     """Counters since the scheduler was built."""
 
     num_preemptions: int = 0
-    num_prompt_tokens_computed: int = 0  # prefill tokens run through the model
-    num_decode_tokens_computed: int = 0
+    # Prefill tokens run through the model: prompt chunks, and again the whole context of
+    # a request recomputed after preemption (prefix-cache hits are not computed).
+    num_prompt_tokens_computed: int = 0
+    num_decode_tokens_computed: int = 0  # one per decode step of a request with output
     num_generated_tokens: int = 0
 
 

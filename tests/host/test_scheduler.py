@@ -117,13 +117,24 @@ def test_preemption_takes_the_most_recent_request_and_it_resumes():
     reqs = [add(sched, f"r{i}", range(10 * i + 1, 10 * i + 9), max_tokens=8) for i in range(3)]
     preempted = []
     finished = {}
+    num_tokens = num_decode_steps = 0
     for _ in range(100):
         if not sched.has_unfinished_requests():
             break
+        had_output = {r.request_id for r in reqs if r.output_token_ids}
         out, results = step(sched)
+        num_tokens += out.total_num_scheduled_tokens
+        num_decode_steps += sum(
+            r.request_id in had_output and n == 1
+            for r, n in zip(out.requests, out.num_scheduled_tokens.tolist(), strict=True)
+        )
         preempted.extend(out.preempted_request_ids)
         finished.update({r.request_id: r.finish_reason for r in results if r.finished})
     assert preempted and preempted[0] == "r2"
+    # A preempted request's recompute is prefill work, though it already has output.
+    stats = sched.stats
+    assert stats.num_decode_tokens_computed == num_decode_steps
+    assert stats.num_prompt_tokens_computed + stats.num_decode_tokens_computed == num_tokens
     assert finished == {"r0": "length", "r1": "length", "r2": "length"}
     assert all(r.num_output_tokens == 8 for r in reqs)
     assert reqs[2].num_preemptions >= 1 and sched.stats.num_preemptions == len(preempted)
