@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import numbers
 import operator
 import time
@@ -54,8 +55,8 @@ class SamplingParams:
         max_tokens, top_k = _int_or_none(self.max_tokens), _int_or_none(self.top_k)
         if max_tokens is None or max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1")
-        if not _is_real(self.temperature) or not self.temperature >= 0.0:
-            raise ValueError(f"temperature={self.temperature!r} must be >= 0")
+        if not _is_real(self.temperature) or not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature={self.temperature!r} must be finite and >= 0")
         if top_k is None or top_k < 0:
             raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 = off)")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:

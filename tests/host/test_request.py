@@ -65,6 +65,7 @@ def test_sampling_params_defaults_and_frozen():
         ("max_tokens", 0),
         ("temperature", -0.1),
         ("temperature", float("nan")),
+        ("temperature", float("inf")),
         ("top_k", -1),
         ("top_p", 0.0),
         ("top_p", 1.5),
