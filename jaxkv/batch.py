@@ -162,9 +162,13 @@ def _level_metadata(
         bounds.append(token_starts[e])
         kv_lens.append((last - first) * block_size)
     num_level_seqs = len(kv_lens)
-    seqs = padded_size(buckets.level_seq_buckets, num_level_seqs)
+    seqs = padded_size(
+        buckets.level_seq_buckets, num_level_seqs, name=f"sequences of cascade level {level.name!r}"
+    )
     num_pages = max(b - a for a, b in zip(block_starts, block_ends, strict=True))
-    width = padded_size(buckets.page_buckets, num_pages)
+    width = padded_size(
+        buckets.page_buckets, num_pages, name=f"pages of cascade level {level.name!r}"
+    )
     cu = np.array(bounds + bounds[-1:] * (seqs + 1 - len(bounds)), np.int32)
     kv = np.array(kv_lens + [0] * (seqs - num_level_seqs), np.int32)
     pages = np.zeros((seqs, width), np.int32)
@@ -182,7 +186,7 @@ def _level_metadata(
         kv_lens=kv,
         page_indices=pages,
         num_seqs=np.array([num_level_seqs], np.int32),
-        max_q_len=padded_size(buckets.q_len_buckets, max(longest, 1)),
+        max_q_len=padded_size(buckets.q_len_buckets, max(longest, 1), name="level query length"),
     )
 
 
@@ -283,7 +287,9 @@ def build_attention_metadata(
         num_seqs=np.array([num_requests], np.int32),
         levels=levels,
         block_size=block_size,
-        max_q_len=min(padded_size(buckets.q_len_buckets, longest_query), max_tokens),
+        max_q_len=min(
+            padded_size(buckets.q_len_buckets, longest_query, name="max(query_lens)"), max_tokens
+        ),
         backend=backend,
         interpret=interpret,
     )

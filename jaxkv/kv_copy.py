@@ -61,7 +61,7 @@ class DeviceKVCopier:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxkv-kv-copy")
 
     def _padded_ids(self, block_ids: Sequence[int]) -> np.ndarray:
-        ids = np.zeros(padded_size(self._buckets, len(block_ids)), np.int32)
+        ids = np.zeros(padded_size(self._buckets, len(block_ids), name="len(block_ids)"), np.int32)
         ids[: len(block_ids)] = block_ids
         return ids
 
