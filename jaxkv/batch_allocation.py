@@ -44,7 +44,18 @@ def allocate_slots_batch(
         manager._blocks_of(ids[held.index(None)])  # raises UnknownRequestError
     if len(set(ids)) != len(ids):
         raise ValueError("requests: request ids must be distinct")
-    totals = [r.num_computed_tokens + n for r, n in zip(requests, counts, strict=True)]
+    try:
+        totals = [r.num_computed_tokens + n for r, n in zip(requests, counts, strict=True)]
+        plain = type(sum(totals)) is int  # False if any num_computed_tokens is not an int
+    except TypeError:
+        plain = False
+    if not plain:
+        from jaxkv.kv_cache_manager import _count
+
+        totals = [
+            _count("request.num_computed_tokens", r.num_computed_tokens, r.request_id) + n
+            for r, n in zip(requests, counts, strict=True)
+        ]
     if max(totals) > manager.max_model_len:
         for req_id, num_total in zip(ids, totals, strict=True):
             manager._check_total_fits(req_id, num_total)
@@ -53,14 +64,18 @@ def allocate_slots_batch(
     total = sum(k for k in needs if k > 0)
     if total > manager.pool.num_free_blocks:
         return False
-    if total:
-        fresh = manager.pool.get_new_blocks(total)
-        _take_fresh_blocks(manager._table, ids, held, needs, fresh)
+    filling = []  # (request, tokens) of the requests that fill a block: cache it
     if manager.enable_prefix_caching:
         num_cached_of = manager._num_cached
         for request, req_id, num_total in zip(requests, ids, totals, strict=True):
-            if num_total // bs > num_cached_of[req_id]:  # filled a block: cache it
-                manager._cache_full_blocks(request, num_total)
+            if num_total // bs > num_cached_of[req_id]:
+                request.check_hash_config(bs, manager.hash_seed)  # before any change
+                filling.append((request, num_total))
+    if total:
+        fresh = manager.pool.get_new_blocks(total)
+        _take_fresh_blocks(manager._table, ids, held, needs, fresh)
+    for request, num_total in filling:
+        manager._cache_full_blocks(request, num_total)
     return True
 
 

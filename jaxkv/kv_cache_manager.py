@@ -63,11 +63,16 @@ class KVCacheManager:
         hash_seed: int = 0,
         enable_kv_cache_events: bool = False,
     ) -> None:
-        if not isinstance(block_size, int) or block_size < 1:
+        num_blocks = _plain_int(num_blocks)  # BlockPool checks it
+        block_size, max_model_len = _plain_int(block_size), _plain_int(max_model_len)
+        if type(block_size) is not int or block_size < 1:
             raise ValueError(f"{block_size=} must be an int >= 1")
-        if not isinstance(max_model_len, int) or max_model_len < 1:
+        if type(max_model_len) is not int or max_model_len < 1:
             raise ValueError(f"{max_model_len=} must be an int >= 1")
-        root_hash(hash_seed)  # validates the seed
+        hash_seed = _plain_int(hash_seed)
+        if type(hash_seed) is not int:
+            raise ValueError(f"{hash_seed=} must be an int")
+        root_hash(hash_seed)  # validates the seed's range
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -218,29 +223,50 @@ class KVCacheManager:
         tokens. Returns the fresh block ids (possibly []), or None with no state changed
         if the pool cannot fit them. Every block that the computed plus new tokens fill
         is entered into the prefix cache.
+
+        Raises ValueError, with nothing changed, on a count that is not an int >= 0
+        (request.num_computed_tokens included), a request.num_computed_tokens beyond the
+        blocks the request holds, a cache hit that does not start where its computed
+        tokens end, is not covered by num_new_computed_tokens or no longer caches the
+        request's tokens, or block hashes the request computed with another block size.
         """
         req_id = request.request_id
+        num_done = request.num_computed_tokens
         if not (
             type(num_new_tokens) is int
             and type(num_new_computed_tokens) is int
             and type(num_lookahead_tokens) is int
+            and type(num_done) is int
             and num_new_tokens >= 0
             and num_new_computed_tokens >= 0
             and num_lookahead_tokens >= 0
+            and num_done >= 0
         ):  # the slow path: numpy integers become ints, anything else raises
             num_new_tokens = _count("num_new_tokens", num_new_tokens, req_id)
             num_new_computed_tokens = _count(
                 "num_new_computed_tokens", num_new_computed_tokens, req_id
             )
             num_lookahead_tokens = _count("num_lookahead_tokens", num_lookahead_tokens, req_id)
+            num_done = _count("request.num_computed_tokens", num_done, req_id)
         self._check_prompt_fits(request)
         held = self._blocks.get(req_id, [])
+        if num_done > len(held) * self.block_size:
+            # Its blocks would be cached as holding tokens nobody computed into them.
+            raise ValueError(
+                f"request {req_id!r}: num_computed_tokens={num_done} exceeds the "
+                f"{len(held) * self.block_size} tokens of the blocks it holds ({len(held)} "
+                "blocks; a request whose blocks were freed starts again from 0)"
+            )
         computed = (
-            self._validated_computed_blocks(request, held, new_computed_blocks)
-            if new_computed_blocks
+            self._validated_computed_blocks(
+                request, held, num_done, num_new_computed_tokens, new_computed_blocks
+            )
+            if len(new_computed_blocks)
             else []
         )
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        if self.enable_prefix_caching:  # caching the filled blocks below must not fail
+            request.check_hash_config(self.block_size, self.hash_seed)
+        num_computed = num_done + num_new_computed_tokens
         num_total = num_computed + num_new_tokens + num_lookahead_tokens
         self._check_total_fits(req_id, num_total)
         num_required = -(-num_total // self.block_size)
@@ -367,13 +393,29 @@ class KVCacheManager:
             )
 
     def _validated_computed_blocks(
-        self, request: Request, held: list[KVCacheBlock], block_ids: Sequence[int]
+        self,
+        request: Request,
+        held: list[KVCacheBlock],
+        num_done: int,
+        num_new_computed_tokens: int,
+        block_ids: Sequence[int],
     ) -> list[KVCacheBlock]:
-        """The blocks of a cache hit, checked to still carry the request's hashes."""
-        if not block_ids:
-            return []
+        """The blocks of a cache hit, checked to follow the request's computed tokens,
+        to be covered by num_new_computed_tokens and to still carry the request's hashes."""
         if not self.enable_prefix_caching:
             raise ValueError("new_computed_blocks given while prefix caching is disabled")
+        bs = self.block_size
+        if num_done != len(held) * bs:
+            raise ValueError(
+                f"new_computed_blocks must start where the computed tokens end: request "
+                f"{request.request_id!r} has num_computed_tokens={num_done} and holds "
+                f"{len(held)} blocks of {bs} tokens"
+            )
+        if num_new_computed_tokens < len(block_ids) * bs:
+            raise ValueError(
+                f"{num_new_computed_tokens=} must be at least {len(block_ids) * bs}, the "
+                f"tokens of the {len(block_ids)} new_computed_blocks"
+            )
         hashes = request.update_block_hashes(self.block_size, self.hash_seed)
         start = len(held)
         if start + len(block_ids) > len(hashes):
@@ -382,6 +424,12 @@ class KVCacheManager:
             )
         blocks = []
         for i, block_id in enumerate(block_ids):
+            if type(block_id) is not int:
+                block_id = _plain_int(block_id)
+                if type(block_id) is not int:
+                    raise ValueError(
+                        f"new_computed_blocks: {block_id!r} must be a block id (an int)"
+                    )
             if not 0 < block_id < self.pool.num_blocks:
                 raise ValueError(f"new_computed_blocks: invalid block id {block_id}")
             block = self.pool.blocks[block_id]
@@ -424,6 +472,13 @@ def _count(name: str, value, req_id: str) -> int:
     if not isinstance(value, _INTEGER_TYPES) or isinstance(value, (bool, np.bool_)) or value < 0:
         raise ValueError(f"{name}={value!r} must be an int >= 0 (request {req_id!r})")
     return int(value)
+
+
+def _plain_int(value):
+    """`value` as a Python int if it is an integer (numpy ones too; bool is not), else as is."""
+    if isinstance(value, _INTEGER_TYPES) and not isinstance(value, (bool, np.bool_)):
+        return int(value)
+    return value
 
 
 def _check(condition: bool, message: str) -> None:

@@ -72,6 +72,142 @@ def test_salt_and_adapter_must_be_str(key):
             Request("r", [1], **{key: bad})
 
 
+# -------------------------------------------------------------- allocation
+
+
+def test_hashes_of_another_block_size_refused_before_allocating():
+    m = _busy()
+    req = make_request("c", range(9))
+    req.update_block_hashes(8)  # hashed for a manager with block size 8
+    _refused(m, lambda: m.allocate_slots(req, 9), "computed with \\(block_size, seed\\)=\\(8, 0\\)")
+    assert len(req.block_hashes) == 1
+    # The batch path: a running request that has filled no block yet is hashed elsewhere.
+    late = make_request("d", range(3))
+    m.allocate_slots(late, 3)
+    late.num_computed_tokens = 3
+    late.update_block_hashes(8, seed=1)
+    late.append_output_token_ids([3, 4])  # fill block 0 and start block 1
+    _refused(m, lambda: m.allocate_slots_batch([late], [2]), "computed with")
+    _refused(m, lambda: m.allocate_slots(late, 2), "computed with")
+
+
+@pytest.mark.parametrize("computed", [4.0, "4", np.float64(4), True, -1])
+def test_num_computed_tokens_must_be_a_count(computed):
+    # A float used to add the request's row, then fail taking blocks (check_integrity
+    # then raised KeyError); True was 1.
+    m = _busy()
+    new = make_request("c", range(9))
+    new.num_computed_tokens = computed
+    _refused(m, lambda: m.allocate_slots(new, 4), "num_computed_tokens=.* must be an int >= 0")
+    if type(computed) in (bool, int):
+        return  # the batch path checks types only: a running request's count is an int
+    # Batch: a float used to fail after the requests before it had cached their blocks.
+    a, b = make_request("a", range(9)), make_request("b", [*range(4), 50, 51])
+    a.num_computed_tokens, b.num_computed_tokens = 9, computed
+    for r in (a, b):
+        r.append_output_token_ids([60, 61, 62])  # a fills its third block
+    _refused(m, lambda: m.allocate_slots_batch([a, b], [3, 4]), "num_computed_tokens=")
+
+
+def test_numpy_num_computed_tokens_count_as_their_value():
+    m, ref = _busy(), _busy()
+    for manager, computed in ((m, np.int64(9)), (ref, 9)):
+        a = make_request("a", range(13))
+        a.num_computed_tokens = computed
+        assert len(manager.allocate_slots(a, 4)) == 1
+        manager.check_integrity()
+    assert snapshot(m) == snapshot(ref)
+
+
+def test_computed_tokens_beyond_held_blocks_are_refused():
+    # A request that kept num_computed_tokens after its blocks were freed (preempted and
+    # not reset) used to get fresh blocks cached as holding its first 8 tokens: a later
+    # request with the same prompt would then hit blocks nobody computed.
+    m = _busy()
+    req = make_request("c", [*range(20, 28), 5])
+    req.num_computed_tokens = 8
+    _refused(m, lambda: m.allocate_slots(req, 1), "num_computed_tokens=8 exceeds the 0 tokens")
+    req.num_computed_tokens = 0
+    assert m.allocate_slots(req, 2) is not None
+    req.num_computed_tokens = 5
+    _refused(m, lambda: m.allocate_slots(req, 1), "num_computed_tokens=5 exceeds the 4 tokens")
+
+
+def test_cache_hit_must_start_where_computed_tokens_end():
+    m = _busy()
+    req = make_request("c", range(9))
+    hit, num_hit = m.get_computed_blocks(req)
+    assert num_hit == 8
+    # Fewer computed tokens than the hit covers: the request would write into shared blocks.
+    _refused(
+        m,
+        lambda: m.allocate_slots(req, 5, num_new_computed_tokens=4, new_computed_blocks=hit),
+        "num_new_computed_tokens=4 must be at least 8",
+    )
+    # A hit after a partly computed block: the hit's positions and the tokens disagree.
+    assert m.allocate_slots(req, 2) is not None
+    req.num_computed_tokens = 2
+    _refused(
+        m,
+        lambda: m.allocate_slots(req, 1, num_new_computed_tokens=4, new_computed_blocks=hit[1:]),
+        "new_computed_blocks must start where .* num_computed_tokens=2",
+    )
+
+
+@pytest.mark.parametrize("as_type", [np.array, lambda h: [np.int32(b) for b in h], tuple])
+def test_cache_hit_ids_may_be_numpy(as_type):
+    m, ref = _busy(), _busy()
+    for manager, convert in ((m, as_type), (ref, list)):
+        req = make_request("c", range(9))
+        hit, n = manager.get_computed_blocks(req)
+        assert n == 8
+        new = manager.allocate_slots(
+            req, 1, num_new_computed_tokens=n, new_computed_blocks=convert(hit)
+        )
+        assert manager.block_ids("c") == [*hit, *new] and len(new) == 1
+        manager.check_integrity()
+    assert snapshot(m) == snapshot(ref)
+
+
+@pytest.mark.parametrize("bad", [[1.0, 2.0], [True, 2], ["1", "2"], [np.float64(1), 2]])
+def test_cache_hit_ids_must_be_ints(bad):
+    m = _busy()
+    req = make_request("c", range(9))
+    m.get_computed_blocks(req)
+    _refused(
+        m,
+        lambda: m.allocate_slots(req, 1, num_new_computed_tokens=8, new_computed_blocks=bad),
+        "new_computed_blocks: .* must be a block id",
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"block_size": True}, "block_size"),
+        ({"max_model_len": True}, "max_model_len"),
+        ({"num_blocks": 12.0}, "num_blocks"),
+        ({"hash_seed": True}, "hash_seed"),
+        ({"block_size": 4.0}, "block_size"),
+    ],
+)
+def test_constructor_refuses_bools_and_floats(kwargs, match):
+    args = {"num_blocks": 12, "block_size": 4, "max_model_len": 32, **kwargs}
+    num_blocks, block_size = args.pop("num_blocks"), args.pop("block_size")
+    with pytest.raises(ValueError, match=match):
+        KVCacheManager(num_blocks, block_size, **args)
+
+
+def test_constructor_takes_numpy_integers_as_ints():
+    m = KVCacheManager(np.int64(12), np.int32(4), max_model_len=np.int64(32), hash_seed=np.uint8(3))
+    ref = KVCacheManager(12, 4, max_model_len=32, hash_seed=3)
+    for manager in (m, ref):
+        assert type(manager.block_size) is int and type(manager.hash_seed) is int
+        prefill(manager, make_request("a", range(9)))
+        prefill(manager, make_request("b", range(9)))
+    assert snapshot(m) == snapshot(ref)
+
+
 def test_one_str_is_not_a_list_of_ids():
     m = KVCacheManager(12, 4, max_model_len=32)
     for rid in "ab":
