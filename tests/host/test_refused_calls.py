@@ -144,7 +144,14 @@ def test_cache_hit_must_start_where_computed_tokens_end():
         lambda: m.allocate_slots(req, 5, num_new_computed_tokens=4, new_computed_blocks=hit),
         "num_new_computed_tokens=4 must be at least 8",
     )
-    # A hit after a partly computed block: the hit's positions and the tokens disagree.
+
+
+def test_cache_hit_after_a_partly_computed_block_is_refused():
+    # The hit's positions and the computed tokens disagree: block 0 would be cached as
+    # full while its tokens 2 and 3 were never computed.
+    m = _busy()
+    req = make_request("c", range(9))
+    hit, _ = m.get_computed_blocks(req)
     assert m.allocate_slots(req, 2) is not None
     req.num_computed_tokens = 2
     _refused(
