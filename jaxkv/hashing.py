@@ -27,7 +27,7 @@ _DOMAIN = b"jaxkv.block.v1"
 
 def root_hash(seed: int = 0) -> BlockHash:
     """The parent hash of every request's first block, derived from `seed` only."""
-    if not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
+    if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63:
         raise ValueError(f"{seed=} must be an int that fits in 64 bits")
     return hashlib.blake2b(_DOMAIN + struct.pack("<q", seed), digest_size=HASH_NUM_BYTES).digest()
 
@@ -55,7 +55,11 @@ def hash_block_tokens(
     if len(parent_hash) != HASH_NUM_BYTES:
         raise ValueError(f"{len(parent_hash)=} must be {HASH_NUM_BYTES}")
     n = len(token_ids)
-    return _digest(parent_hash, n, struct.pack(f"<{n}q", *token_ids), extra_keys)
+    try:
+        packed = struct.pack(f"<{n}q", *token_ids)
+    except struct.error:
+        raise ValueError(f"token_ids={list(token_ids)} must be ints that fit in int64") from None
+    return _digest(parent_hash, n, packed, extra_keys)
 
 
 def extend_block_hashes(

@@ -82,9 +82,16 @@ def test_request_refuses_a_second_block_size():
         req.update_block_hashes(2)
 
 
-def test_root_hash_rejects_bad_seed():
+@pytest.mark.parametrize("seed", [2**64, True, 1.0, "0"])
+def test_root_hash_rejects_bad_seed(seed):
     with pytest.raises(ValueError, match="seed"):
-        root_hash(2**64)
+        root_hash(seed)
+
+
+@pytest.mark.parametrize("tokens", [[1, 2**63], [1, 2.5], [-(2**63) - 1]])
+def test_hash_block_tokens_rejects_tokens_outside_int64(tokens):
+    with pytest.raises(ValueError, match="token_ids"):
+        hash_block_tokens(root_hash(0), tokens)
 
 
 # Loads hashing.py by path (it imports only the standard library) so the child process
