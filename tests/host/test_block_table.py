@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxkv import IntegrityError, KVCacheManager
+from jaxkv import IntegrityError, KVCacheManager, UnknownRequestError
 from jaxkv.block_table import HostBlockTable
 from tests.host._util import make_request, prefill
 
@@ -70,3 +70,58 @@ def test_unknown_id_is_rejected_and_changes_nothing():
         m.rows_of(["A", "C"])
     assert np.array_equal(m.block_table, before[0]) and np.array_equal(m.prefix_ids, before[1])
     m.check_integrity()
+
+
+def test_repeated_rows_of_sees_a_release_and_a_row_swap():
+    # The rows_of memo must not outlive a release: ids freed then re-added in the other
+    # order swap rows, and a stale answer would point a request at another's blocks.
+    t = HostBlockTable(max_blocks_per_seq=2)
+    for rid, block in (("a", 5), ("b", 6)):
+        t.add_row(rid)
+        t.append(rid, [block], shared=False)
+    assert t.rows_of(["a", "b"]).tolist() == [0, 1]
+    t.release("a")
+    with pytest.raises(UnknownRequestError, match="'a' holds no blocks"):
+        t.rows_of(["a", "b"])
+    t.release("b")
+    for rid in ("b", "a"):
+        t.add_row(rid)
+    assert t.rows_of(["a", "b"]).tolist() == [1, 0]
+    t.rows_of(["b", "b"])  # prime the memo with the same ids as the next call
+    t.release("b")
+    t.add_row("c")  # takes row 0, which "b" held
+    t.add_row("b")
+    assert t.rows_of(["b", "b"]).tolist() == [2, 2]
+
+
+def test_one_column_rows_that_differ_share_no_block():
+    # Width-1 comparisons: rows that differ in column 0 share nothing, both when the
+    # sample itself differs and when one row outside the sample of many rows does.
+    t = HostBlockTable(max_blocks_per_seq=2)
+    t.add_row("a")
+    t.append("a", [5], shared=False)
+    t.add_row("b")
+    t.append("b", [6], shared=False)
+    assert t.num_common_prefix_blocks(["a", "b"]) == 0
+    ids = [f"r{i}" for i in range(40)]  # > 32 rows: a sample of every 5th row
+    for rid in ids:
+        t.add_row(rid)
+        t.append(rid, [7, 8] if rid != "r1" else [9, 8], shared=True)
+    assert t.num_common_prefix_blocks(ids) == 0
+    assert t.num_common_prefix_blocks([i for i in ids if i != "r1"]) == 2
+
+
+def test_append_one_each_past_the_scalar_path_keeps_lengths_and_prefix_chains():
+    # More rows than the scalar-write path takes: the vectorised writes must set each
+    # row's length and chain each new prefix id to the row's previous one.
+    t = HostBlockTable(max_blocks_per_seq=3)
+    ids = [f"r{i}" for i in range(70)]
+    for rid in ids:
+        t.add_row(rid)
+        t.append(rid, [1], shared=True)
+    t.append_one_each(ids, [i + 2 for i in range(70)])
+    assert t.num_blocks_of_row[t.rows_of(ids)].tolist() == [2] * 70
+    assert t.check_integrity({rid: [1, i + 2] for i, rid in enumerate(ids)}) == []
+    assert t.num_common_prefix_blocks(ids) == 1
+    t.append_one_each(ids, [80] * 70)  # one block id after different prefixes
+    assert t.check_integrity({rid: [1, i + 2, 80] for i, rid in enumerate(ids)}) == []
