@@ -103,6 +103,27 @@ def test_prefix_capped_at_smallest_computed_then_rounded_to_blocks(block_size, e
     del r1, r2
 
 
+@pytest.mark.parametrize("block_size, expected_blocks", [(1, 3), (2, 1)])
+def test_group_prefix_capped_at_its_smallest_computed_then_rounded_to_blocks(
+    block_size, expected_blocks
+):
+    # The same cap inside a groups level: r1 and r2 share [A..E] but r1's D is a query, so
+    # their group may cover 3 tokens; r3 and r4 form a second group (nothing is global).
+    a, b, c, d, e, x, y = 1, 2, 3, 4, 5, 6, 7
+    m = KVCacheManager(64, block_size, max_model_len=64)
+    r2 = _prefilled(m, "r2", [a, b, c, d, e, y, 9, 9])
+    r1 = _prefilled(m, "r1", [a, b, c, d, e, x, 8, 8])
+    r3 = _prefilled(m, "r3", [20, 21, 22, 23, 24, 25, 26, 27])
+    r4 = _prefilled(m, "r4", [20, 21, 22, 23, 24, 25, 28, 29])
+    planner = CascadePlanner(SHAPE, cost_model=ALWAYS)
+    plan = planner.plan(["r1", "r2", "r3", "r4"], np.array([3, 4, 7, 7]), np.array([3, 2, 1, 1]), m)
+    (level,) = plan.levels
+    assert level.name == "groups" and plan.order.tolist() == [0, 1, 2, 3]
+    assert level.block_ends.tolist() == [expected_blocks, 6 // block_size]
+    assert plan.suffix_start_blocks.tolist() == [expected_blocks] * 2 + [6 // block_size] * 2
+    del r1, r2, r3, r4
+
+
 def _two_group_plan():
     """Six decoding requests, alternately under SYSTEM_A and SYSTEM_B; every level pays."""
     m = KVCacheManager(256, 4, max_model_len=128)
