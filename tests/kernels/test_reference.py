@@ -55,6 +55,31 @@ def test_golden_two_keys():
     np.testing.assert_allclose(np.asarray(lse)[:, 0], [0.0, math.log(3.0)], atol=1e-6)
 
 
+@pytest.mark.parametrize("max_num_seqs", [2, 3])  # per-sequence and per-token layouts
+def test_a_valid_sequence_without_keys_gives_zero_and_minus_inf(max_num_seqs):
+    # A cascade level's gap: a valid sequence with query tokens and kv_len 0. Its rows
+    # must give lse -inf (any finite lse would weigh its 0 output into the LSE merge);
+    # the next sequence's row (keys 0 and ln 2, values 3 and 6, non-causal) gives 5, ln 3.
+    q = jnp.ones((2, 1, 1), jnp.float32)
+    kv = np.full((2, 2, 2, 1), np.nan, np.float32)  # page 0 is the (poisoned) null page
+    kv[1, 0] = [[0.0], [3.0]]
+    kv[1, 1] = [[math.log(2.0)], [6.0]]
+    pad = max_num_seqs - 2
+    out, lse = rpa(
+        q,
+        jnp.asarray(kv),
+        jnp.array([0, 2] + [0] * pad, jnp.int32),
+        jnp.array([[0], [1]] + [[0]] * pad, jnp.int32),
+        jnp.array([0, 1, 2] + [2] * pad, jnp.int32),
+        jnp.array([2], jnp.int32),
+        sm_scale=1.0,
+        causal=False,
+    )
+    out, lse = np.asarray(out)[:, 0, 0], np.asarray(lse)[:, 0]
+    assert out[0] == 0.0 and lse[0] == -np.inf
+    np.testing.assert_allclose([out[1], lse[1]], [5.0, math.log(3.0)], rtol=1e-6)
+
+
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("page_size", [8, 16, 32])
