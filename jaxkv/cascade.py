@@ -171,10 +171,13 @@ class CascadePlanner:
         prefix_tokens: int,
         num_query_tokens: int,
         context_tokens: int | None = None,
+        *,
+        model: CascadeCostModel | None = None,
     ) -> bool:
-        """The cost model's verdict for one level with this planner's head shapes."""
+        """The verdict of `model` (default: the planner's cost model) for one level with
+        this planner's head shapes."""
         s = self.shape
-        return self.cost_model.pays(
+        return (model or self.cost_model).pays(
             num_requests=num_requests,
             prefix_tokens=prefix_tokens,
             num_query_tokens=num_query_tokens,
@@ -359,15 +362,9 @@ class CascadePlanner:
     ) -> bool:
         """pays() for a group of a level that runs anyway: its merge, not a call of its own."""
         model = self._merge_only_model
-        if model is None:
-            return False
-        s = self.shape
-        return model.pays(
-            num_requests=num_requests, prefix_tokens=prefix_tokens,
-            num_query_tokens=num_query_tokens, context_tokens=context_tokens,
-            num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-            kv_itemsize=s.kv_itemsize,
-        )  # fmt: skip
+        return model is not None and self.pays(
+            num_requests, prefix_tokens, num_query_tokens, context_tokens, model=model
+        )
 
     def _paying_together(
         self,
