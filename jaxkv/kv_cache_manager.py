@@ -469,9 +469,10 @@ class KVCacheManager:
 def _count(name: str, value, req_id: str) -> int:
     """`value` as a Python int (numpy integers included); ValueError unless an int >= 0
     (a bool is refused: True as a token count is a caller's mistake, not 1)."""
-    if not isinstance(value, _INTEGER_TYPES) or isinstance(value, (bool, np.bool_)) or value < 0:
+    count = _plain_int(value)
+    if type(count) is not int or count < 0:
         raise ValueError(f"{name}={value!r} must be an int >= 0 (request {req_id!r})")
-    return int(value)
+    return count
 
 
 def _plain_int(value):
