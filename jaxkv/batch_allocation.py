@@ -10,8 +10,10 @@ decode case, are written to the block table in one call.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import add, gt
 from typing import TYPE_CHECKING
 
+from jaxkv.allocation_args import check_computed_within_held, check_total_fits, count
 from jaxkv.block_pool import KVCacheBlock
 from jaxkv.block_table import HostBlockTable
 from jaxkv.request import Request
@@ -35,32 +37,27 @@ def allocate_slots_batch(
     if not ids:
         return True
     if not (set(map(type, counts)) <= _PLAIN_INT and min(counts) >= 0):
-        # Deferred: jaxkv.kv_cache_manager imports this module.
-        from jaxkv.kv_cache_manager import _count
-
-        counts = [_count("num_new_tokens", n, r) for r, n in zip(ids, counts, strict=True)]
+        counts = [count("num_new_tokens", n, r) for r, n in zip(ids, counts, strict=True)]
     held = list(map(manager._blocks.get, ids))
     if None in held:
         manager._blocks_of(ids[held.index(None)])  # raises UnknownRequestError
     if len(set(ids)) != len(ids):
         raise ValueError("requests: request ids must be distinct")
-    try:
-        totals = [r.num_computed_tokens + n for r, n in zip(requests, counts, strict=True)]
-        plain = type(sum(totals)) is int  # False if any num_computed_tokens is not an int
-    except TypeError:
-        plain = False
-    if not plain:
-        from jaxkv.kv_cache_manager import _count
-
-        totals = [
-            _count("request.num_computed_tokens", r.num_computed_tokens, r.request_id) + n
-            for r, n in zip(requests, counts, strict=True)
+    computed = [r.num_computed_tokens for r in requests]
+    if not (set(map(type, computed)) <= _PLAIN_INT and min(computed) >= 0):
+        computed = [
+            count("request.num_computed_tokens", n, r) for r, n in zip(ids, computed, strict=True)
         ]
+    bs = manager.block_size
+    num_held = list(map(len, held))
+    if any(map(gt, computed, [n * bs for n in num_held])):
+        for req_id, num_done, n in zip(ids, computed, num_held, strict=True):
+            check_computed_within_held(req_id, num_done, n, bs)
+    totals = list(map(add, computed, counts))
     if max(totals) > manager.max_model_len:
         for req_id, num_total in zip(ids, totals, strict=True):
-            manager._check_total_fits(req_id, num_total)
-    bs = manager.block_size
-    needs = [-(-t // bs) - len(blocks) for t, blocks in zip(totals, held, strict=True)]
+            check_total_fits(req_id, num_total, manager.max_model_len)
+    needs = [-(-t // bs) - n for t, n in zip(totals, num_held, strict=True)]
     total = sum(k for k in needs if k > 0)
     if total > manager.pool.num_free_blocks:
         return False

@@ -15,14 +15,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxkv import batch_allocation
+from jaxkv.allocation_args import (
+    allocation_counts,
+    check_computed_within_held,
+    check_prompt_fits,
+    check_total_fits,
+    count,
+    plain_int,
+    validated_computed_blocks,
+)
 from jaxkv.block_pool import BlockPool, IntegrityError, KVCacheBlock, KVCacheEvent
 from jaxkv.block_table import HostBlockTable, UnknownRequestError
 from jaxkv.hashing import root_hash
 from jaxkv.request import Request
 
 __all__ = ["KVCacheManager", "PrefixCacheStats", "UnknownRequestError"]
-
-_INTEGER_TYPES = (int, np.integer)
 
 
 @dataclass(frozen=True)
@@ -63,13 +70,13 @@ class KVCacheManager:
         hash_seed: int = 0,
         enable_kv_cache_events: bool = False,
     ) -> None:
-        num_blocks = _plain_int(num_blocks)  # BlockPool checks it
-        block_size, max_model_len = _plain_int(block_size), _plain_int(max_model_len)
+        num_blocks = plain_int(num_blocks)  # BlockPool checks it
+        block_size, max_model_len = plain_int(block_size), plain_int(max_model_len)
         if type(block_size) is not int or block_size < 1:
             raise ValueError(f"{block_size=} must be an int >= 1")
         if type(max_model_len) is not int or max_model_len < 1:
             raise ValueError(f"{max_model_len=} must be an int >= 1")
-        hash_seed = _plain_int(hash_seed)
+        hash_seed = plain_int(hash_seed)
         if type(hash_seed) is not int:
             raise ValueError(f"{hash_seed=} must be an int")
         root_hash(hash_seed)  # validates the seed's range
@@ -184,7 +191,7 @@ class KVCacheManager:
         is safe to pass to allocate_slots until the next allocate_slots or free call.
         Counts the lookup in prefix_cache_stats.
         """
-        self._check_prompt_fits(request)
+        check_prompt_fits(request, self.max_model_len)
         if not self.enable_prefix_caching:
             return [], 0
         block_hashes = request.update_block_hashes(self.block_size, self.hash_seed)
@@ -231,35 +238,26 @@ class KVCacheManager:
         request's tokens, or block hashes the request computed with another block size.
         """
         req_id = request.request_id
-        num_done = request.num_computed_tokens
-        if not (
-            type(num_new_tokens) is int
-            and type(num_new_computed_tokens) is int
-            and type(num_lookahead_tokens) is int
-            and type(num_done) is int
-            and num_new_tokens >= 0
-            and num_new_computed_tokens >= 0
-            and num_lookahead_tokens >= 0
-            and num_done >= 0
-        ):  # the slow path: numpy integers become ints, anything else raises
-            num_new_tokens = _count("num_new_tokens", num_new_tokens, req_id)
-            num_new_computed_tokens = _count(
-                "num_new_computed_tokens", num_new_computed_tokens, req_id
-            )
-            num_lookahead_tokens = _count("num_lookahead_tokens", num_lookahead_tokens, req_id)
-            num_done = _count("request.num_computed_tokens", num_done, req_id)
-        self._check_prompt_fits(request)
+        num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_done = allocation_counts(
+            req_id,
+            num_new_tokens,
+            num_new_computed_tokens,
+            num_lookahead_tokens,
+            request.num_computed_tokens,
+        )
+        check_prompt_fits(request, self.max_model_len)
         held = self._blocks.get(req_id, [])
-        if num_done > len(held) * self.block_size:
-            # Its blocks would be cached as holding tokens nobody computed into them.
-            raise ValueError(
-                f"request {req_id!r}: num_computed_tokens={num_done} exceeds the "
-                f"{len(held) * self.block_size} tokens of the blocks it holds ({len(held)} "
-                "blocks; a request whose blocks were freed starts again from 0)"
-            )
+        check_computed_within_held(req_id, num_done, len(held), self.block_size)
         computed = (
-            self._validated_computed_blocks(
-                request, held, num_done, num_new_computed_tokens, new_computed_blocks
+            validated_computed_blocks(
+                self.pool,
+                request,
+                len(held),
+                num_done,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                block_size=self.block_size,
+                hash_seed=self.hash_seed,
             )
             if len(new_computed_blocks)
             else []
@@ -268,7 +266,7 @@ class KVCacheManager:
             request.check_hash_config(self.block_size, self.hash_seed)
         num_computed = num_done + num_new_computed_tokens
         num_total = num_computed + num_new_tokens + num_lookahead_tokens
-        self._check_total_fits(req_id, num_total)
+        check_total_fits(req_id, num_total, self.max_model_len)
         num_required = -(-num_total // self.block_size)
         num_new_blocks = max(0, num_required - len(held) - len(computed))
         num_free_hits = sum(1 for b in computed if b.ref_cnt == 0) if computed else 0
@@ -304,9 +302,10 @@ class KVCacheManager:
         One difference from the calls one by one: all fresh blocks are taken (evicting
         their cached hashes) before any block is cached, so a filled block whose hash
         only an evicted block carried is cached here, where one by one it would have
-        stayed uncached as a duplicate. Raises ValueError (nothing changed) on a negative
-        count, a repeated request id, an unknown request or a request that would pass
-        max_model_len.
+        stayed uncached as a duplicate. Raises ValueError (nothing changed) on a count that
+        is not an int >= 0 (request.num_computed_tokens included), a
+        request.num_computed_tokens beyond the blocks the request holds, a repeated
+        request id, an unknown request or a request that would pass max_model_len.
         """
         return batch_allocation.allocate_slots_batch(self, requests, num_new_tokens)
 
@@ -332,7 +331,7 @@ class KVCacheManager:
         changed) unless num_written_tokens is an int >= 0.
         """
         req_id = request if isinstance(request, str) else request.request_id
-        num_written = _count("num_written_tokens", num_written_tokens, req_id)
+        num_written = count("num_written_tokens", num_written_tokens, req_id)
         blocks = self._blocks_of(req_id)
         first = num_written // self.block_size
         if self._num_cached[req_id] > first:
@@ -379,68 +378,6 @@ class KVCacheManager:
             )
         return blocks
 
-    def _check_prompt_fits(self, request: Request) -> None:
-        if request.num_prompt_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r}: {request.num_prompt_tokens=} exceeds "
-                f"{self.max_model_len=}"
-            )
-
-    def _check_total_fits(self, req_id: str, num_total: int) -> None:
-        if num_total > self.max_model_len:
-            raise ValueError(
-                f"request {req_id!r} would hold {num_total} tokens > {self.max_model_len=}"
-            )
-
-    def _validated_computed_blocks(
-        self,
-        request: Request,
-        held: list[KVCacheBlock],
-        num_done: int,
-        num_new_computed_tokens: int,
-        block_ids: Sequence[int],
-    ) -> list[KVCacheBlock]:
-        """The blocks of a cache hit, checked to follow the request's computed tokens,
-        to be covered by num_new_computed_tokens and to still carry the request's hashes."""
-        if not self.enable_prefix_caching:
-            raise ValueError("new_computed_blocks given while prefix caching is disabled")
-        bs = self.block_size
-        if num_done != len(held) * bs:
-            raise ValueError(
-                f"new_computed_blocks must start where the computed tokens end: request "
-                f"{request.request_id!r} has num_computed_tokens={num_done} and holds "
-                f"{len(held)} blocks of {bs} tokens"
-            )
-        if num_new_computed_tokens < len(block_ids) * bs:
-            raise ValueError(
-                f"{num_new_computed_tokens=} must be at least {len(block_ids) * bs}, the "
-                f"tokens of the {len(block_ids)} new_computed_blocks"
-            )
-        hashes = request.update_block_hashes(self.block_size, self.hash_seed)
-        start = len(held)
-        if start + len(block_ids) > len(hashes):
-            raise ValueError(
-                f"new_computed_blocks={list(block_ids)} run past the request's full blocks"
-            )
-        blocks = []
-        for i, block_id in enumerate(block_ids):
-            if type(block_id) is not int:
-                block_id = _plain_int(block_id)
-                if type(block_id) is not int:
-                    raise ValueError(
-                        f"new_computed_blocks: {block_id!r} must be a block id (an int)"
-                    )
-            if not 0 < block_id < self.pool.num_blocks:
-                raise ValueError(f"new_computed_blocks: invalid block id {block_id}")
-            block = self.pool.blocks[block_id]
-            if block.block_hash != hashes[start + i]:
-                raise ValueError(
-                    f"new_computed_blocks: block {block_id} no longer caches position "
-                    f"{start + i} of request {request.request_id!r} (stale cache hit)"
-                )
-            blocks.append(block)
-        return blocks
-
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Enters into the prefix cache every block that `num_tokens` tokens fill."""
         if not self.enable_prefix_caching:
@@ -464,22 +401,6 @@ class KVCacheManager:
             validate=False,  # the request's own blocks, hashes and tokens
         )
         self._num_cached[req_id] = num_full
-
-
-def _count(name: str, value, req_id: str) -> int:
-    """`value` as a Python int (numpy integers included); ValueError unless an int >= 0
-    (a bool is refused: True as a token count is a caller's mistake, not 1)."""
-    count = _plain_int(value)
-    if type(count) is not int or count < 0:
-        raise ValueError(f"{name}={value!r} must be an int >= 0 (request {req_id!r})")
-    return count
-
-
-def _plain_int(value):
-    """`value` as a Python int if it is an integer (numpy ones too; bool is not), else as is."""
-    if isinstance(value, _INTEGER_TYPES) and not isinstance(value, (bool, np.bool_)):
-        return int(value)
-    return value
 
 
 def _check(condition: bool, message: str) -> None:

@@ -29,7 +29,7 @@ def _assert_unchanged(m: KVCacheManager, before: dict) -> None:
 def test_prompt_longer_than_max_model_len(busy):
     before = snapshot(busy)
     long = make_request("long", range(17))
-    with pytest.raises(ValueError, match="num_prompt_tokens=17 exceeds self.max_model_len=16"):
+    with pytest.raises(ValueError, match="num_prompt_tokens=17 exceeds max_model_len=16"):
         busy.get_computed_blocks(long)
     with pytest.raises(ValueError, match="num_prompt_tokens=17"):
         busy.allocate_slots(long, 17)
@@ -42,7 +42,7 @@ def test_growing_past_max_model_len(busy):
     prefill(busy, a)
     before = snapshot(busy)
     a.append_output_token_ids([1])
-    with pytest.raises(ValueError, match="17 tokens > self.max_model_len=16"):
+    with pytest.raises(ValueError, match="17 tokens > max_model_len=16"):
         busy.allocate_slots(a, 1)
     _assert_unchanged(busy, before)
 
@@ -141,9 +141,9 @@ def test_numpy_integer_counts_count_as_their_value(dtype):
         a, b = make_request("a", range(8)), make_request("b", range(20, 28))
         first = m.allocate_slots(a, count(8))
         prefill(m, b)
-        b.num_computed_tokens = 100
-        fits = m.allocate_slots_batch([b], [count(100)])  # 200 tokens: 50 blocks, too many
-        b.num_computed_tokens = 8
+        a.num_computed_tokens = b.num_computed_tokens = 8
+        # 108 tokens each: 25 more blocks each, 50 > 35 free
+        fits = m.allocate_slots_batch([a, b], [count(100), count(100)])
         grew = m.allocate_slots_batch([b], [count(120)])  # 128 tokens: 32 blocks
         m.check_integrity()
         return first, fits, grew, snapshot(m)

@@ -99,9 +99,8 @@ def test_num_computed_tokens_must_be_a_count(computed):
     new = make_request("c", range(9))
     new.num_computed_tokens = computed
     _refused(m, lambda: m.allocate_slots(new, 4), "num_computed_tokens=.* must be an int >= 0")
-    if type(computed) in (bool, int):
-        return  # the batch path checks types only: a running request's count is an int
-    # Batch: a float used to fail after the requests before it had cached their blocks.
+    # Batch: a float used to fail after the requests before it had cached their blocks;
+    # -1 and True were taken as counts.
     a, b = make_request("a", range(9)), make_request("b", [*range(4), 50, 51])
     a.num_computed_tokens, b.num_computed_tokens = 9, computed
     for r in (a, b):
@@ -131,6 +130,16 @@ def test_computed_tokens_beyond_held_blocks_are_refused():
     assert m.allocate_slots(req, 2) is not None
     req.num_computed_tokens = 5
     _refused(m, lambda: m.allocate_slots(req, 1), "num_computed_tokens=5 exceeds the 4 tokens")
+    # The batch path: 7 computed tokens in one 4-token block used to get a fresh block
+    # that was then cached as holding tokens 4..7.
+    a = make_request("a", range(9))
+    a.num_computed_tokens = 9
+    req.num_computed_tokens = 7
+    _refused(
+        m,
+        lambda: m.allocate_slots_batch([a, req], [1, 1]),
+        "request 'c': num_computed_tokens=7 exceeds the 4 tokens",
+    )
 
 
 def test_cache_hit_must_start_where_computed_tokens_end():

@@ -1,0 +1,147 @@
+"""Argument checks of KV block allocation: token counts, lengths and cache hits.
+
+Plain Python, no JAX. KVCacheManager and its batch allocation run these before they
+change any state, so a refused call leaves the pool, the block table and the request as
+they were. Each check raises ValueError naming the argument and what was expected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxkv.block_pool import BlockPool, KVCacheBlock
+from jaxkv.request import Request
+
+__all__ = [
+    "allocation_counts",
+    "check_computed_within_held",
+    "check_prompt_fits",
+    "check_total_fits",
+    "count",
+    "plain_int",
+    "validated_computed_blocks",
+]
+
+_INTEGER_TYPES = (int, np.integer)
+
+
+def plain_int(value):
+    """`value` as a Python int if it is an integer (numpy ones too; bool is not), else as is."""
+    if isinstance(value, _INTEGER_TYPES) and not isinstance(value, (bool, np.bool_)):
+        return int(value)
+    return value
+
+
+def count(name: str, value, req_id: str) -> int:
+    """`value` as a Python int (numpy integers included); ValueError unless an int >= 0
+    (a bool is refused: True as a token count is a caller's mistake, not 1)."""
+    result = plain_int(value)
+    if type(result) is not int or result < 0:
+        raise ValueError(f"{name}={value!r} must be an int >= 0 (request {req_id!r})")
+    return result
+
+
+def allocation_counts(
+    req_id: str,
+    num_new_tokens,
+    num_new_computed_tokens,
+    num_lookahead_tokens,
+    num_computed_tokens,
+) -> tuple[int, int, int, int]:
+    """The four counts of one allocate_slots call as Python ints, each checked >= 0."""
+    if (
+        type(num_new_tokens) is int
+        and type(num_new_computed_tokens) is int
+        and type(num_lookahead_tokens) is int
+        and type(num_computed_tokens) is int
+        and num_new_tokens >= 0
+        and num_new_computed_tokens >= 0
+        and num_lookahead_tokens >= 0
+        and num_computed_tokens >= 0
+    ):  # the common case, without a call per count
+        return num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_computed_tokens
+    return (
+        count("num_new_tokens", num_new_tokens, req_id),
+        count("num_new_computed_tokens", num_new_computed_tokens, req_id),
+        count("num_lookahead_tokens", num_lookahead_tokens, req_id),
+        count("request.num_computed_tokens", num_computed_tokens, req_id),
+    )
+
+
+def check_prompt_fits(request: Request, max_model_len: int) -> None:
+    if request.num_prompt_tokens > max_model_len:
+        raise ValueError(
+            f"request {request.request_id!r}: {request.num_prompt_tokens=} exceeds {max_model_len=}"
+        )
+
+
+def check_total_fits(req_id: str, num_total: int, max_model_len: int) -> None:
+    if num_total > max_model_len:
+        raise ValueError(f"request {req_id!r} would hold {num_total} tokens > {max_model_len=}")
+
+
+def check_computed_within_held(
+    req_id: str, num_computed_tokens: int, num_held_blocks: int, block_size: int
+) -> None:
+    """Refuses computed tokens past the blocks held: those blocks would be cached as
+    holding tokens nobody computed into them."""
+    num_held_tokens = num_held_blocks * block_size
+    if num_computed_tokens > num_held_tokens:
+        raise ValueError(
+            f"request {req_id!r}: num_computed_tokens={num_computed_tokens} exceeds the "
+            f"{num_held_tokens} tokens of the blocks it holds ({num_held_blocks} blocks; a "
+            "request whose blocks were freed starts again from 0)"
+        )
+
+
+def validated_computed_blocks(
+    pool: BlockPool,
+    request: Request,
+    num_held_blocks: int,
+    num_computed_tokens: int,
+    num_new_computed_tokens: int,
+    block_ids: Sequence[int],
+    *,
+    block_size: int,
+    hash_seed: int,
+) -> list[KVCacheBlock]:
+    """The pool's blocks of a cache hit (`block_ids`), checked to start where the
+    request's computed tokens end, to be covered by num_new_computed_tokens and to still
+    carry the request's block hashes at their positions. Requires prefix caching on."""
+    if not pool.enable_caching:
+        raise ValueError("new_computed_blocks given while prefix caching is disabled")
+    if num_computed_tokens != num_held_blocks * block_size:
+        raise ValueError(
+            f"new_computed_blocks must start where the computed tokens end: request "
+            f"{request.request_id!r} has num_computed_tokens={num_computed_tokens} and holds "
+            f"{num_held_blocks} blocks of {block_size} tokens"
+        )
+    if num_new_computed_tokens < len(block_ids) * block_size:
+        raise ValueError(
+            f"{num_new_computed_tokens=} must be at least {len(block_ids) * block_size}, the "
+            f"tokens of the {len(block_ids)} new_computed_blocks"
+        )
+    hashes = request.update_block_hashes(block_size, hash_seed)
+    start = num_held_blocks
+    if start + len(block_ids) > len(hashes):
+        raise ValueError(
+            f"new_computed_blocks={list(block_ids)} run past the request's full blocks"
+        )
+    blocks = []
+    for i, block_id in enumerate(block_ids):
+        if type(block_id) is not int:
+            block_id = plain_int(block_id)
+            if type(block_id) is not int:
+                raise ValueError(f"new_computed_blocks: {block_id!r} must be a block id (an int)")
+        if not 0 < block_id < pool.num_blocks:
+            raise ValueError(f"new_computed_blocks: invalid block id {block_id}")
+        block = pool.blocks[block_id]
+        if block.block_hash != hashes[start + i]:
+            raise ValueError(
+                f"new_computed_blocks: block {block_id} no longer caches position "
+                f"{start + i} of request {request.request_id!r} (stale cache hit)"
+            )
+        blocks.append(block)
+    return blocks
