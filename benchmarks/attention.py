@@ -32,7 +32,8 @@ import numpy as np
 from jaxkv.attention import default_backend, paged_attention
 from jaxkv.batch import build_attention_metadata
 from jaxkv.buckets import BucketConfig
-from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner, _level
+from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner
+from jaxkv.cascade_plan import make_level
 
 
 def copy_bandwidth(nbytes: int = 1 << 28) -> float:
@@ -71,7 +72,7 @@ def metadata(table, batch, prefix, suffix, *, block_size, cascade: bool):
     rows = np.arange(batch, dtype=np.int32)
     levels = ()
     if cascade:
-        levels = (_level("global", [0], [batch], [0], [prefix_blocks], [0]),)
+        levels = (make_level("global", [0], [batch], [0], [prefix_blocks], [0]),)
     plan = CascadePlan(
         rows, rows, np.full(batch, prefix_blocks, np.int32), levels, prefix // block_size
     )

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel
+from jaxkv.cascade_plan import CascadeLevel, CascadePlan, make_level
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.prefix_index import longest_common_prefix
 
@@ -38,87 +39,6 @@ __all__ = [
     "CascadePlan",
     "CascadePlanner",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class CascadeLevel:
-    """One non-causal pass: group g (batch positions group_starts[g]:group_ends[g]) attends
-    to block columns block_starts[g]:block_ends[g] of the row leader_rows[g]."""
-
-    name: str  # "global" or "groups"
-    group_starts: np.ndarray  # i32[G] first batch position of each group
-    group_ends: np.ndarray  # i32[G] one past the last batch position
-    block_starts: np.ndarray  # i32[G] first shared block column
-    block_ends: np.ndarray  # i32[G] one past the last shared block column
-    leader_rows: np.ndarray  # i32[G] a block-table row holding the group's shared blocks
-
-    def __post_init__(self) -> None:
-        """Raises ValueError unless the groups are non-empty, in batch order and disjoint,
-        each over a non-empty range of block columns (the metadata builder relies on it)."""
-        fields = (
-            self.group_starts, self.group_ends, self.block_starts, self.block_ends,
-            self.leader_rows,
-        )  # fmt: skip
-        if len({np.shape(f) for f in fields}) != 1 or np.ndim(self.group_starts) != 1:
-            raise ValueError(f"level {self.name!r}: its five arrays must be 1-D of one length")
-        starts, ends = self.group_starts.tolist(), self.group_ends.tolist()
-        previous_end = 0
-        for g, (start, end, b0, b1) in enumerate(
-            zip(starts, ends, self.block_starts.tolist(), self.block_ends.tolist(), strict=True)
-        ):
-            if not previous_end <= start < end or not 0 <= b0 < b1:
-                raise ValueError(
-                    f"level {self.name!r} group {g}: batch positions {start}:{end} and "
-                    f"blocks {b0}:{b1} must be non-empty, with groups in batch order from "
-                    f"position {previous_end} on"
-                )
-            previous_end = end
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.group_starts)
-
-
-@dataclasses.dataclass(frozen=True)
-class CascadePlan:
-    """How one scheduled batch runs attention. Safe to use until the manager next changes.
-
-    order[i] is the index (into the scheduled list given to plan()) of the request at
-    batch position i; the batch must be laid out in this order. suffix_start_blocks[i] is
-    the first block column the causal suffix pass of position i reads (0 everywhere for a
-    flat plan). Levels run non-causally over the shared blocks and merge by LSE.
-    """
-
-    order: np.ndarray  # i32[R] batch position -> scheduled index
-    rows: np.ndarray  # i32[R] block-table row of each batch position
-    suffix_start_blocks: np.ndarray  # i32[R] per batch position
-    levels: tuple[CascadeLevel, ...]
-    num_common_prefix_blocks: int  # exact common prefix of the whole batch, before capping
-    keeps_order: bool = False  # True only if order is the identity (schedule order)
-
-    def __post_init__(self) -> None:
-        """Raises ValueError unless order, rows and suffix starts are one per request and
-        every level's groups lie within the batch."""
-        num_requests = len(self.order)
-        if len(self.rows) != num_requests or len(self.suffix_start_blocks) != num_requests:
-            raise ValueError(
-                f"{len(self.order)=}, {len(self.rows)=} and {len(self.suffix_start_blocks)=} "
-                "must be equal (one per scheduled request)"
-            )
-        for level in self.levels:
-            if level.num_groups and int(level.group_ends[-1]) > num_requests:
-                raise ValueError(
-                    f"level {level.name!r}: group_ends {level.group_ends.tolist()} must "
-                    f"stay within the {num_requests} requests of the batch"
-                )
-
-    @property
-    def uses_cascade(self) -> bool:
-        return bool(self.levels)
-
-    @property
-    def num_levels(self) -> int:
-        return len(self.levels)
 
 
 class CascadePlanner:
@@ -247,7 +167,7 @@ class CascadePlanner:
                 if last[0][2:] == key[2:]:
                     return last[1]  # a repeated batch: the same plan
             suffix_start = np.full(num_requests, base, np.int32)
-            level = _level("global", [0], [num_requests], [0], [k0], [rows[0]])
+            level = make_level("global", [0], [num_requests], [0], [k0], [rows[0]])
             plan = CascadePlan(identity, rows, suffix_start, (level,), common, keeps_order=True)
             self._last_plan = (key, plan)
             return plan
@@ -263,7 +183,7 @@ class CascadePlanner:
         order = np.concatenate([grouped, np.flatnonzero(ungrouped)]).astype(np.int32)
         levels = []
         if use_global:
-            levels.append(_level("global", [0], [num_requests], [0], [k0], [rows[order[0]]]))
+            levels.append(make_level("global", [0], [num_requests], [0], [k0], [rows[order[0]]]))
         starts, ends, block_ends, leaders = [], [], [], []
         for members, end in groups:
             first = ends[-1] if ends else 0
@@ -271,7 +191,7 @@ class CascadePlanner:
             ends.append(first + len(members))
             block_ends.append(end)
             leaders.append(rows[members[0]])
-        levels.append(_level("groups", starts, ends, [base] * len(groups), block_ends, leaders))
+        levels.append(make_level("groups", starts, ends, [base] * len(groups), block_ends, leaders))
         return CascadePlan(order, rows[order], suffix_start[order], tuple(levels), common)
 
     def _narrows(
@@ -419,8 +339,3 @@ class CascadePlanner:
         runs = runs[np.argsort(-sizes[runs], kind="stable")][: 2 * self.max_groups]
         order = eligible[by_key]
         return [np.sort(order[starts[c] : starts[c] + sizes[c]]) for c in runs]
-
-
-def _level(name, starts, ends, block_starts, block_ends, leaders) -> CascadeLevel:
-    fields = np.array([starts, ends, block_starts, block_ends, leaders], np.int32)
-    return CascadeLevel(name, *fields)

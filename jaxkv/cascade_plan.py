@@ -1,0 +1,102 @@
+"""A cascade plan: how one scheduled batch runs attention (flat, or levels of shared blocks).
+
+Plain numpy, no JAX. CascadePlanner (jaxkv.cascade) makes plans; the metadata builder
+(jaxkv.batch) turns them into padded device arrays. Both classes check their own
+consistency on construction, so a hand-made plan that the builder would misread is
+refused with a ValueError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ["CascadeLevel", "CascadePlan", "make_level"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadeLevel:
+    """One non-causal pass: group g (batch positions group_starts[g]:group_ends[g]) attends
+    to block columns block_starts[g]:block_ends[g] of the row leader_rows[g]."""
+
+    name: str  # "global" or "groups"
+    group_starts: np.ndarray  # i32[G] first batch position of each group
+    group_ends: np.ndarray  # i32[G] one past the last batch position
+    block_starts: np.ndarray  # i32[G] first shared block column
+    block_ends: np.ndarray  # i32[G] one past the last shared block column
+    leader_rows: np.ndarray  # i32[G] a block-table row holding the group's shared blocks
+
+    def __post_init__(self) -> None:
+        """Raises ValueError unless the groups are non-empty, in batch order and disjoint,
+        each over a non-empty range of block columns (the metadata builder relies on it)."""
+        fields = (
+            self.group_starts, self.group_ends, self.block_starts, self.block_ends,
+            self.leader_rows,
+        )  # fmt: skip
+        if len({np.shape(f) for f in fields}) != 1 or np.ndim(self.group_starts) != 1:
+            raise ValueError(f"level {self.name!r}: its five arrays must be 1-D of one length")
+        starts, ends = self.group_starts.tolist(), self.group_ends.tolist()
+        previous_end = 0
+        for g, (start, end, b0, b1) in enumerate(
+            zip(starts, ends, self.block_starts.tolist(), self.block_ends.tolist(), strict=True)
+        ):
+            if not previous_end <= start < end or not 0 <= b0 < b1:
+                raise ValueError(
+                    f"level {self.name!r} group {g}: batch positions {start}:{end} and "
+                    f"blocks {b0}:{b1} must be non-empty, with groups in batch order from "
+                    f"position {previous_end} on"
+                )
+            previous_end = end
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_starts)
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadePlan:
+    """How one scheduled batch runs attention. Safe to use until the manager next changes.
+
+    order[i] is the index (into the scheduled list given to plan()) of the request at
+    batch position i; the batch must be laid out in this order. suffix_start_blocks[i] is
+    the first block column the causal suffix pass of position i reads (0 everywhere for a
+    flat plan). Levels run non-causally over the shared blocks and merge by LSE.
+    """
+
+    order: np.ndarray  # i32[R] batch position -> scheduled index
+    rows: np.ndarray  # i32[R] block-table row of each batch position
+    suffix_start_blocks: np.ndarray  # i32[R] per batch position
+    levels: tuple[CascadeLevel, ...]
+    num_common_prefix_blocks: int  # exact common prefix of the whole batch, before capping
+    keeps_order: bool = False  # True only if order is the identity (schedule order)
+
+    def __post_init__(self) -> None:
+        """Raises ValueError unless order, rows and suffix starts are one per request and
+        every level's groups lie within the batch."""
+        num_requests = len(self.order)
+        if len(self.rows) != num_requests or len(self.suffix_start_blocks) != num_requests:
+            raise ValueError(
+                f"{len(self.order)=}, {len(self.rows)=} and {len(self.suffix_start_blocks)=} "
+                "must be equal (one per scheduled request)"
+            )
+        for level in self.levels:
+            if level.num_groups and int(level.group_ends[-1]) > num_requests:
+                raise ValueError(
+                    f"level {level.name!r}: group_ends {level.group_ends.tolist()} must "
+                    f"stay within the {num_requests} requests of the batch"
+                )
+
+    @property
+    def uses_cascade(self) -> bool:
+        return bool(self.levels)
+
+    @property
+    def num_levels(self) -> int:
+        return len(self.levels)
+
+
+def make_level(name, starts, ends, block_starts, block_ends, leaders) -> CascadeLevel:
+    """A CascadeLevel from per-group sequences of ints (checked as CascadeLevel checks)."""
+    fields = np.array([starts, ends, block_starts, block_ends, leaders], np.int32)
+    return CascadeLevel(name, *fields)
