@@ -285,8 +285,11 @@ class Scheduler:
         cache; they leave it again, so that no request hits KV that was never written.
         Requests that were running stay running and schedule the same tokens next;
         requests that schedule() admitted free their blocks and go back to the head of
-        the waiting queue, in order. Raises ValueError (nothing changed) unless `output`
-        is the latest schedule()'s and not yet applied.
+        the waiting queue, in order. KV loads that schedule() started are cancelled (their
+        cache hits may be among those blocks): each request keeps its blocks and its queue
+        place until its copy lands or fails, then frees them and recomputes. Raises
+        ValueError (nothing changed) unless `output` is the latest schedule()'s and not
+        yet applied.
         """
         if output is not self._unapplied:
             raise ValueError(
@@ -294,6 +297,7 @@ class Scheduler:
             )
         self._unapplied = None
         self._decode_carry = None
+        self._transfers.cancel_new_loads()
         computed = output.num_computed_tokens.tolist()
         for request, num_written in zip(output.requests, computed, strict=True):
             if request.status is RequestStatus.RUNNING:

@@ -7,6 +7,11 @@ Plain Python, no JAX. Two kinds of copy hold blocks outside the running queue:
   load makes it WAITING again with those tokens computed, still holding blocks for all
   its tokens, so it needs no further block to be admitted; a failed load frees its
   blocks and the request recomputes from scratch.
+- a load started by a schedule() whose batch is discarded (Scheduler.discard) is
+  cancelled: its device prefix-cache hit may be a block that the failed step was to
+  write, so the request may not count it as computed. The copy may still write its
+  blocks, so they stay held until it lands or fails; then they are freed and the
+  request recomputes from scratch (WAITING, keeping its queue place), like a failed load.
 - saves: a finished request whose blocks the connector is copying out stays
   FINISHED_TRANSFERRING until poll() reports the save, landed or failed; then its
   blocks are freed. A request aborted while its load is in flight is held the same way
@@ -34,7 +39,7 @@ class TransferTracker:
     `release`, when apply_events() sees its copy land or fail. landed() lists only
     waiting requests whose load landed and that were neither admitted nor aborted since;
     each holds blocks for all its tokens. Changes the manager's blocks only through
-    start_load, apply_events (a failed load) and `release`.
+    start_load, apply_events (a failed or cancelled load) and `release`.
     """
 
     def __init__(
@@ -47,9 +52,10 @@ class TransferTracker:
         self._manager = manager
         self._release = release  # frees a request's blocks (if any) and forgets it
         self.transferring: dict[str, Request] = {}  # finished or aborted, blocks held
-        # req_id -> (request, its computed tokens once the load lands)
-        self._loading: dict[str, tuple[Request, int]] = {}
+        # req_id -> (request, its computed tokens once the load lands; None: cancelled)
+        self._loading: dict[str, tuple[Request, int | None]] = {}
         self._landed: dict[str, Request] = {}  # waiting requests whose load landed, in order
+        self._new_loads: list[Request] = []  # loads started since apply_events (this schedule)
 
     # ------------------------------------------------------------------ loads
 
@@ -92,6 +98,7 @@ class TransferTracker:
             raise
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self._loading[request.request_id] = (request, num_hit + num_external)
+        self._new_loads.append(request)
         return True
 
     def _check_claim(self, request: Request, num_hit: int, num_external: object) -> int:
@@ -110,6 +117,15 @@ class TransferTracker:
                 f"(at most {max(most, 0)} tokens here)"
             )
         return claim
+
+    def cancel_new_loads(self) -> None:
+        """Cancels the loads started since apply_events() (by a schedule() whose batch is
+        discarded): when each lands or fails, its blocks are freed and its request, if
+        not aborted, recomputes from scratch (see the module doc)."""
+        for request in self._new_loads:
+            if request.request_id in self._loading:
+                self._loading[request.request_id] = (request, None)
+        self._new_loads.clear()
 
     def landed(self) -> list[Request]:
         """Waiting requests whose load landed, in landing order (a copy: safe to admit)."""
@@ -148,25 +164,31 @@ class TransferTracker:
     # ----------------------------------------------------------------- events
 
     def apply_events(self) -> None:
-        """Applies the connector's events since the last call (see the module doc)."""
+        """Applies the connector's events since the last call (see the module doc).
+
+        Called first by each schedule(): the loads started before it can no longer be
+        cancelled by a discard.
+        """
+        self._new_loads.clear()
         events = self._connector.poll()
         if not events:
             return
         for req_id in events.saved + events.failed_saves:
             self._release(self.transferring.pop(req_id))
         for req_id in events.loaded:
-            request, num_computed = self._loading.pop(req_id)
-            if self.transferring.pop(req_id, None) is not None:  # aborted while loading
-                self._release(request)
-                continue
+            self._load_ended(req_id, landed=True)
+        for req_id in events.failed_loads:
+            self._load_ended(req_id, landed=False)
+
+    def _load_ended(self, req_id: str, *, landed: bool) -> None:
+        request, num_computed = self._loading.pop(req_id)
+        if self.transferring.pop(req_id, None) is not None:  # aborted while loading
+            self._release(request)
+        elif landed and num_computed is not None:
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.WAITING
             self._landed[req_id] = request
-        for req_id in events.failed_loads:
-            request, _ = self._loading.pop(req_id)
-            if self.transferring.pop(req_id, None) is not None:
-                self._release(request)
-                continue
+        else:  # failed or cancelled: recompute from scratch
             self._manager.free(request)
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING

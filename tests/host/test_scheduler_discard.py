@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from jaxkv import Request, RequestStatus, SamplingParams
-from jaxkv.kv_transfer import KVConnector
-from tests.host._sched_util import FakeCopier, add, make_scheduler, step
+from jaxkv.kv_transfer import KVConnector, TransferEvents
+from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
 
 
 def _num_hit_tokens(sched, tokens) -> int:
@@ -83,3 +83,90 @@ def test_an_exception_inside_schedule_hands_back_what_it_had_scheduled():
     while sched.has_unfinished_requests():
         step(sched, copier)
     assert a.num_output_tokens == b.num_output_tokens == 5
+
+
+class _OracleLoadConnector(KVConnector):
+    """Claims `claim` tokens for request `loads_for`; its load writes the KV that the
+    request's own computation would have (FakeCopier's 1000 * position + token) and
+    lands at the next poll."""
+
+    def __init__(self, copier: FakeCopier, loads_for: str, claim: int) -> None:
+        self.copier, self.loads_for, self.claim = copier, loads_for, claim
+        self._pending: list[str] = []
+        self.started: list[str] = []
+        self.hold = False  # True: loads do not land yet
+
+    def on_admission(self, request: Request, num_computed_tokens: int) -> int:
+        return self.claim if request.request_id == self.loads_for else 0
+
+    def start_load(self, request: Request, block_ids) -> None:
+        bs = self.copier.device.shape[1]
+        for i, block in enumerate(block_ids):
+            for j in range(bs):
+                pos = request.num_computed_tokens + i * bs + j
+                self.copier.device[block, j] = 1000 * pos + request.all_token_ids[pos]
+        self._pending.append(request.request_id)
+        self.started.append(request.request_id)
+
+    def poll(self) -> TransferEvents:
+        if self.hold:
+            return TransferEvents()
+        loaded, self._pending = tuple(self._pending), []
+        return TransferEvents(loaded=loaded)
+
+
+def test_a_load_started_by_a_discarded_schedule_does_not_keep_its_unwritten_cache_hit():
+    """p is admitted and fills two blocks; r, behind it, hits them in the same schedule()
+    and starts a load of its third block. The step fails: p's blocks were never written,
+    so r may not count them as computed (its KV would be zeros)."""
+    copier = FakeCopier(64, 4)
+    connector = _OracleLoadConnector(copier, "r", 4)
+    sched = make_scheduler(block_size=4, connector=connector)
+    p = add(sched, "p", range(1, 10), max_tokens=3)  # 9 tokens: 2 full blocks
+    r = add(sched, "r", [*range(1, 9), 20, 21, 22, 23, 24], max_tokens=3)  # 13 tokens
+    out = sched.schedule()
+    assert out.request_ids == ["p"] and r.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert r.num_computed_tokens == 8  # p's two blocks, allocated but not yet written
+
+    held = sched.manager.block_ids("r")
+    sched.discard(out)
+    sched.manager.check_integrity()
+    assert _num_hit_tokens(sched, r.all_token_ids) == 0
+    # The copy may still write r's blocks: held until it lands, then r starts over.
+    assert sched.manager.block_ids("r") == held and list(sched.waiting) == [p, r]
+    connector.hold = True
+    out = sched.schedule()
+    assert out.request_ids == ["p"] and sched.manager.block_ids("r") == held
+    sched.discard(out)
+    connector.hold = False
+    # Every step checks that each request's computed KV is its own (step()).
+    while sched.has_unfinished_requests():
+        step(sched, copier)
+    assert p.num_output_tokens == r.num_output_tokens == 3
+    assert connector.started == ["r", "r"]  # started over after the cancelled load
+    assert sched.manager.num_free_blocks == sched.manager.pool.num_blocks - 1
+
+
+def test_a_discard_leaves_loads_of_earlier_steps_and_an_aborted_cancelled_load_is_released():
+    copier = FakeCopier(64, 4)
+    connector = _OracleLoadConnector(copier, "r", 8)
+    sched = make_scheduler(block_size=4, connector=connector)
+    r = add(sched, "r", range(1, 14), max_tokens=2)
+    connector.hold = True
+    step(sched, copier)  # r's load starts and stays in flight
+    q = add(sched, "q", range(50, 55), max_tokens=2)
+    sched.discard(sched.schedule())  # q was admitted; r's load is from an earlier step
+    connector.hold = False
+    out, _ = step(sched, copier)  # r's load lands and counts
+    assert out.request_ids == ["r", "q"] and out.num_computed_tokens.tolist() == [8, 0]
+
+    connector.loads_for, connector.claim = "t", 4
+    t = add(sched, "t", [*range(60, 72), 7], max_tokens=2)
+    connector.hold = True
+    sched.discard(sched.schedule())  # t's load, started by this schedule, is cancelled
+    assert sched.abort("t") and sched.transferring == {"t": t}
+    connector.hold = False
+    run_until_idle(sched, copier)
+    assert t.status == RequestStatus.FINISHED_ABORTED and "t" not in sched.requests
+    assert r.num_output_tokens == q.num_output_tokens == 2
+    assert sched.manager.num_free_blocks == sched.manager.pool.num_blocks - 1
