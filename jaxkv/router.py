@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
@@ -99,7 +98,7 @@ class PrefixAwareRouter:
         self._prefix_replica: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
         self._outstanding = [0] * len(self.replicas)  # replica -> unfinished requests
         self._replica_of: dict[str, int] = {}  # request_id -> replica, while unfinished
-        self._serial = itertools.count()
+        self._next_serial = 0  # of the next generated id, taken once a replica queues it
 
     # ---------------------------------------------------------------- routing
 
@@ -155,21 +154,26 @@ class PrefixAwareRouter:
         request_id: str | None = None,
     ) -> str:
         """Routes and queues a request on one replica; returns its id (unique across all
-        replicas). Raises ValueError on a duplicate id; the replica's own ValueError (bad
-        prompt or params) leaves the router unchanged."""
+        replicas; generated ones are "dp-0", "dp-1", ... skipping ids callers hold).
+        Raises ValueError on a duplicate id; the replica's own ValueError (bad prompt or
+        params) leaves the router unchanged, the next generated id included."""
         ids = np.asarray(prompt_token_ids)
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
             raise ValueError(f"prompt_token_ids must be a 1-D sequence of ints, got {ids.shape=}")
         prompt = ids.tolist()
+        serial = None
         if request_id is None:
-            request_id = f"dp-{next(self._serial)}"
-            while request_id in self._replica_of:  # a caller took that id
-                request_id = f"dp-{next(self._serial)}"
+            serial = self._next_serial
+            while f"dp-{serial}" in self._replica_of:  # a caller took that id
+                serial += 1
+            request_id = f"dp-{serial}"
         if request_id in self._replica_of:
             raise ValueError(f"{request_id=} is already running")
         hashes = self._prefix_hashes(prompt)
         replica = self._route(hashes).replica
         self.replicas[replica].add_request(prompt, sampling_params, request_id=request_id)
+        if serial is not None:  # a refused request leaves later generated ids as they were
+            self._next_serial = serial + 1
         self._remember(hashes, replica)
         self._outstanding[replica] += 1
         self._replica_of[request_id] = replica
