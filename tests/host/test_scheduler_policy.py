@@ -1,0 +1,71 @@
+"""Scheduler policy details that the larger scenario tests left unpinned: the pool-size
+refusal's max_model_len cap, queue order after preemption, the finish reason when the
+last allowed token is a stop token, prefill/decode counters, and a request aborted
+between schedule() and update_from_output()."""
+
+from __future__ import annotations
+
+from jaxkv import RequestStatus
+from tests.host._sched_util import add, make_scheduler, run_until_idle, step
+
+
+def test_the_pool_check_caps_a_request_at_max_model_len():
+    # 4 usable blocks of 4 tokens hold max_model_len=16 tokens: max_tokens=100 cannot
+    # be reached, so the request fits and stops by length at 16 tokens.
+    sched = make_scheduler(num_blocks=5, max_model_len=16)
+    a = add(sched, "a", [1, 2, 3, 4], max_tokens=100)
+    assert run_until_idle(sched) == {"a": "length"}
+    assert a.num_tokens == 16 and a.num_output_tokens == 12
+
+
+def test_a_preempted_request_waits_ahead_of_requests_queued_after_it():
+    # 4 usable blocks; a and b (4-token prompts) each need a third block after 8
+    # tokens, so b is preempted; c, queued later (max_num_seqs=2 held it), must wait
+    # behind b.
+    sched = make_scheduler(num_blocks=5, max_num_seqs=2, max_model_len=32)
+    add(sched, "a", [1, 2, 3, 4], max_tokens=8)
+    b = add(sched, "b", [5, 6, 7, 8], max_tokens=8)
+    add(sched, "c", [9, 10, 11, 12], max_tokens=1)
+    for _ in range(10):
+        out, _ = step(sched)
+        if out.preempted_request_ids:
+            break
+    assert out.preempted_request_ids == ("b",) and b.status == RequestStatus.PREEMPTED
+    assert [r.request_id for r in sched.waiting] == ["b", "c"]
+    assert run_until_idle(sched) == {"a": "length", "b": "length", "c": "length"}
+
+
+def test_a_stop_token_that_is_also_the_last_allowed_token_finishes_as_stop():
+    sched = make_scheduler()
+    a = add(sched, "a", [1, 2, 3], max_tokens=1, stop_token_ids=(7,))
+    out = sched.schedule()
+    [result] = sched.update_from_output(out, [7])
+    assert (result.finished, result.finish_reason) == (True, "stop")
+    assert a.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_a_one_token_prompt_counts_as_prefill_and_its_decodes_as_decode():
+    sched = make_scheduler()
+    add(sched, "a", [5], max_tokens=3)
+    step(sched)
+    stats = sched.stats
+    assert (stats.num_prompt_tokens_computed, stats.num_decode_tokens_computed) == (1, 0)
+    run_until_idle(sched)
+    stats = sched.stats
+    assert (stats.num_prompt_tokens_computed, stats.num_decode_tokens_computed) == (1, 2)
+
+
+def test_a_request_aborted_between_schedule_and_update_gets_no_token():
+    sched = make_scheduler()
+    a = add(sched, "a", range(1, 6), max_tokens=3)
+    b = add(sched, "b", range(10, 16), max_tokens=3)
+    out = sched.schedule()
+    assert sched.abort("a")
+    results = sched.update_from_output(out, [7, 8])
+    assert [r.request_id for r in results] == ["b"]
+    assert a.status == RequestStatus.FINISHED_ABORTED and a.output_token_ids == []
+    assert a.num_computed_tokens == 0 and "a" not in sched.requests
+    assert b.output_token_ids == [8] and sched.running == [b]
+    sched.manager.check_integrity()
+    assert run_until_idle(sched) == {"b": "length"}
+    assert sched.manager.num_free_blocks == sched.manager.pool.num_blocks - 1
