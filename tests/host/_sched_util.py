@@ -8,7 +8,7 @@ import numpy as np
 
 from jaxkv import KVCacheManager, Request, SamplingParams
 from jaxkv.config import SchedulerConfig
-from jaxkv.kv_transfer import KVConnector
+from jaxkv.kv_transfer import KVConnector, TransferEvents
 from jaxkv.scheduler import Scheduler, SchedulerOutput
 
 
@@ -75,6 +75,36 @@ class FakeCopier:
         future: Future = Future()
         self._finish(future, work)
         return future
+
+
+class OracleLoadConnector(KVConnector):
+    """Claims `claims[request_id]` tokens at a request's admission; its load writes the KV
+    that the request's own computation would have (FakeCopier's 1000 * position + token,
+    as step() checks) and lands at the next poll() that is not on `hold`, in start order."""
+
+    def __init__(self, copier: FakeCopier, claims: dict[str, int]) -> None:
+        self.copier, self.claims = copier, claims
+        self.hold = False  # True: loads do not land yet
+        self.started: list[str] = []  # request ids, one per load started
+        self._pending: list[str] = []
+
+    def on_admission(self, request: Request, num_computed_tokens: int) -> int:
+        return self.claims.get(request.request_id, 0)
+
+    def start_load(self, request: Request, block_ids) -> None:
+        bs = self.copier.device.shape[1]
+        for i, block in enumerate(block_ids):
+            for j in range(bs):
+                pos = request.num_computed_tokens + i * bs + j
+                self.copier.device[block, j] = 1000 * pos + request.all_token_ids[pos]
+        self._pending.append(request.request_id)
+        self.started.append(request.request_id)
+
+    def poll(self) -> TransferEvents:
+        if self.hold:
+            return TransferEvents()
+        loaded, self._pending = tuple(self._pending), []
+        return TransferEvents(loaded=loaded)
 
 
 def make_scheduler(

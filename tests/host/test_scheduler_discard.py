@@ -11,8 +11,15 @@ from __future__ import annotations
 import pytest
 
 from jaxkv import Request, RequestStatus, SamplingParams
-from jaxkv.kv_transfer import KVConnector, TransferEvents
-from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
+from jaxkv.kv_transfer import KVConnector
+from tests.host._sched_util import (
+    FakeCopier,
+    OracleLoadConnector,
+    add,
+    make_scheduler,
+    run_until_idle,
+    step,
+)
 
 
 def _num_hit_tokens(sched, tokens) -> int:
@@ -85,42 +92,12 @@ def test_an_exception_inside_schedule_hands_back_what_it_had_scheduled():
     assert a.num_output_tokens == b.num_output_tokens == 5
 
 
-class _OracleLoadConnector(KVConnector):
-    """Claims `claim` tokens for request `loads_for`; its load writes the KV that the
-    request's own computation would have (FakeCopier's 1000 * position + token) and
-    lands at the next poll."""
-
-    def __init__(self, copier: FakeCopier, loads_for: str, claim: int) -> None:
-        self.copier, self.loads_for, self.claim = copier, loads_for, claim
-        self._pending: list[str] = []
-        self.started: list[str] = []
-        self.hold = False  # True: loads do not land yet
-
-    def on_admission(self, request: Request, num_computed_tokens: int) -> int:
-        return self.claim if request.request_id == self.loads_for else 0
-
-    def start_load(self, request: Request, block_ids) -> None:
-        bs = self.copier.device.shape[1]
-        for i, block in enumerate(block_ids):
-            for j in range(bs):
-                pos = request.num_computed_tokens + i * bs + j
-                self.copier.device[block, j] = 1000 * pos + request.all_token_ids[pos]
-        self._pending.append(request.request_id)
-        self.started.append(request.request_id)
-
-    def poll(self) -> TransferEvents:
-        if self.hold:
-            return TransferEvents()
-        loaded, self._pending = tuple(self._pending), []
-        return TransferEvents(loaded=loaded)
-
-
 def test_a_load_started_by_a_discarded_schedule_does_not_keep_its_unwritten_cache_hit():
     """p is admitted and fills two blocks; r, behind it, hits them in the same schedule()
     and starts a load of its third block. The step fails: p's blocks were never written,
     so r may not count them as computed (its KV would be zeros)."""
     copier = FakeCopier(64, 4)
-    connector = _OracleLoadConnector(copier, "r", 4)
+    connector = OracleLoadConnector(copier, {"r": 4})
     sched = make_scheduler(block_size=4, connector=connector)
     p = add(sched, "p", range(1, 10), max_tokens=3)  # 9 tokens: 2 full blocks
     r = add(sched, "r", [*range(1, 9), 20, 21, 22, 23, 24], max_tokens=3)  # 13 tokens
@@ -149,7 +126,7 @@ def test_a_load_started_by_a_discarded_schedule_does_not_keep_its_unwritten_cach
 
 def test_a_discard_leaves_loads_of_earlier_steps_and_an_aborted_cancelled_load_is_released():
     copier = FakeCopier(64, 4)
-    connector = _OracleLoadConnector(copier, "r", 8)
+    connector = OracleLoadConnector(copier, {"r": 8})
     sched = make_scheduler(block_size=4, connector=connector)
     r = add(sched, "r", range(1, 14), max_tokens=2)
     connector.hold = True
@@ -160,7 +137,7 @@ def test_a_discard_leaves_loads_of_earlier_steps_and_an_aborted_cancelled_load_i
     out, _ = step(sched, copier)  # r's load lands and counts
     assert out.request_ids == ["r", "q"] and out.num_computed_tokens.tolist() == [8, 0]
 
-    connector.loads_for, connector.claim = "t", 4
+    connector.claims = {"t": 4}
     t = add(sched, "t", [*range(60, 72), 7], max_tokens=2)
     connector.hold = True
     sched.discard(sched.schedule())  # t's load, started by this schedule, is cancelled
@@ -170,3 +147,22 @@ def test_a_discard_leaves_loads_of_earlier_steps_and_an_aborted_cancelled_load_i
     assert t.status == RequestStatus.FINISHED_ABORTED and "t" not in sched.requests
     assert r.num_output_tokens == q.num_output_tokens == 2
     assert sched.manager.num_free_blocks == sched.manager.pool.num_blocks - 1
+
+
+def test_discard_requeues_admitted_requests_in_order_with_their_status():
+    # 4 usable blocks: b is preempted by a, then b (PREEMPTED) and c (WAITING) are
+    # admitted together once a finishes; that schedule is discarded.
+    sched = make_scheduler(num_blocks=5, max_num_seqs=2, max_model_len=32)
+    a = add(sched, "a", [1, 2, 3, 4], max_tokens=8)
+    b = add(sched, "b", [5, 6, 7, 8], max_tokens=8)
+    c = add(sched, "c", [9, 10, 11, 12], max_tokens=1)
+    while not a.is_finished():
+        step(sched)
+    assert b.num_preemptions == 1 and b.status == RequestStatus.PREEMPTED
+    out = sched.schedule()
+    assert out.request_ids == ["b", "c"]
+    sched.discard(out)
+    assert list(sched.waiting) == [b, c] and not sched.running
+    assert (b.status, c.status) == (RequestStatus.PREEMPTED, RequestStatus.WAITING)
+    sched.manager.check_integrity()
+    assert run_until_idle(sched) == {"b": "length", "c": "length"}
