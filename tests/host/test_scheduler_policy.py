@@ -69,3 +69,12 @@ def test_a_request_aborted_between_schedule_and_update_gets_no_token():
     sched.manager.check_integrity()
     assert run_until_idle(sched) == {"b": "length"}
     assert sched.manager.num_free_blocks == sched.manager.pool.num_blocks - 1
+
+
+def test_without_chunked_prefill_a_prompt_exactly_filling_the_budget_left_runs():
+    sched = make_scheduler(max_num_batched_tokens=8, max_model_len=8, enable_chunked_prefill=False)
+    add(sched, "a", [1, 2, 3], max_tokens=4)
+    step(sched)
+    add(sched, "b", range(10, 17), max_tokens=1)  # 7 tokens: the budget after a's decode
+    out, _ = step(sched)
+    assert out.request_ids == ["a", "b"] and out.num_scheduled_tokens.tolist() == [1, 7]

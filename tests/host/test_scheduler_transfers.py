@@ -5,9 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxkv import RequestStatus
+from jaxkv import Request, RequestStatus, SamplingParams
 from jaxkv.kv_transfer import HostOffloadConnector, KVConnector
-from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
+from tests.host._sched_util import (
+    FakeCopier,
+    OracleLoadConnector,
+    add,
+    make_scheduler,
+    run_until_idle,
+    step,
+)
 
 BS = 4
 
@@ -104,3 +111,66 @@ def test_a_failing_start_load_frees_its_blocks_and_keeps_the_queue():
     out = sched.schedule()
     assert [r.request_id for r in out.requests] == ["r"]
     assert [rid for rid, _ in connector.loads] == ["a", "b", "c"]
+
+
+def _decoding(sched, n: int) -> list:
+    """n requests with 1-token prompts, running (decoding) after one step."""
+    reqs = [add(sched, f"d{i}", [100 + i], max_tokens=5) for i in range(n)]
+    step(sched)
+    return reqs
+
+
+def test_a_started_load_keeps_its_queue_place_ahead_of_a_request_that_did_not_fit():
+    sched = make_scheduler(
+        max_num_batched_tokens=8, max_model_len=8, enable_chunked_prefill=False,
+        connector=OracleLoadConnector(FakeCopier(64, BS), {"a": 4}),
+    )  # fmt: skip
+    _decoding(sched, 2)
+    add(sched, "a", range(1, 7))  # loads 4 tokens
+    add(sched, "b", range(10, 17))  # 7 tokens: the 6 left after 2 decodes do not fit
+    out = sched.schedule()
+    assert out.request_ids == ["d0", "d1"] and _queued(sched) == ["a", "b"]
+
+
+def test_a_landed_load_that_does_not_fit_whole_lets_a_later_landed_one_run():
+    copier = FakeCopier(64, BS)
+    connector = OracleLoadConnector(copier, {"l1": 4, "l2": 4})
+    sched = make_scheduler(
+        max_num_batched_tokens=8, max_model_len=8, enable_chunked_prefill=False,
+        connector=connector,
+    )  # fmt: skip
+    for i in range(6):
+        add(sched, f"d{i}", [100 + i], max_tokens=5)
+    add(sched, "l1", range(1, 8), max_tokens=1)  # 7 tokens: 3 left after its load
+    add(sched, "l2", range(20, 25), max_tokens=1)  # 5 tokens: 1 left after its load
+    step(sched, copier)  # 6 decoders admitted, both loads start
+    out, _ = step(sched, copier)  # both land; 2 tokens left after the decodes
+    assert out.request_ids == [*(f"d{i}" for i in range(6)), "l2"]
+    assert out.num_computed_tokens.tolist()[-1] == 4
+    assert set(run_until_idle(sched, copier)) == {*(f"d{i}" for i in range(6)), "l1"}
+
+
+def test_a_landed_load_enters_its_loaded_and_computed_blocks_into_the_prefix_cache():
+    copier = FakeCopier(64, BS)
+    sched = make_scheduler(connector=OracleLoadConnector(copier, {"r": 8}))
+    r = add(sched, "r", range(1, 14), max_tokens=3)  # 13 tokens: 3 full blocks
+    step(sched, copier)  # the load starts
+    out, _ = step(sched, copier)  # it lands; r computes tokens 8..12
+    assert out.request_ids == ["r"] and out.num_computed_tokens.tolist() == [8]
+    probe = Request("probe", list(r.all_token_ids[:13]), SamplingParams())
+    assert sched.manager.get_computed_blocks(probe)[1] == 12
+
+
+def test_a_load_after_a_device_cache_hit_lands_with_both_computed():
+    copier = FakeCopier(64, BS)
+    connector = OracleLoadConnector(copier, {})
+    sched = make_scheduler(connector=connector)
+    add(sched, "p", range(1, 6), max_tokens=1)  # caches the block of tokens 1..4
+    run_until_idle(sched, copier)
+    connector.claims["r"] = 4
+    r = add(sched, "r", range(1, 11), max_tokens=2)  # hits 4 tokens, loads the next 4
+    step(sched, copier)
+    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KV and r.num_computed_tokens == 4
+    out, _ = step(sched, copier)
+    assert out.request_ids == ["r"] and out.num_computed_tokens.tolist() == [8]
+    assert out.num_scheduled_tokens.tolist() == [2]
