@@ -7,7 +7,8 @@ import types
 import numpy as np
 import pytest
 
-from jaxkv.step_inputs import gather_input_ids
+from jaxkv.batch import AttentionMetadata, LevelMetadata
+from jaxkv.step_inputs import coarsen_metadata, gather_input_ids, pad_level
 
 
 def _metadata(query_lens_in_batch_order: np.ndarray, max_num_tokens: int):
@@ -49,3 +50,60 @@ def test_a_wrong_order_is_seen():
     ids = gather_input_ids(token_ids, lens, order, _metadata(lens[order], 8))
     assert ids[:6].tolist() == [30, 31, 32, 10, 11, 20]
     assert ids[:6].tolist() != token_ids
+
+
+def _level(cu: list[int], kv: list[int], pages: list[list[int]], max_q_len: int) -> LevelMetadata:
+    return LevelMetadata(
+        cu_q_lens=np.array(cu, np.int32),
+        kv_lens=np.array(kv, np.int32),
+        page_indices=np.array(pages, np.int32),
+        num_seqs=np.array([len(kv)], np.int32),
+        max_q_len=max_q_len,
+    )
+
+
+def _main(max_q_len: int, levels: tuple[LevelMetadata, ...]) -> AttentionMetadata:
+    """Two requests of 3 and 2 query tokens in 8 token slots (only the static bounds and the
+    levels matter to coarsen_metadata)."""
+    return AttentionMetadata(
+        slot_mapping=np.zeros(8, np.int32),
+        positions=np.zeros(8, np.int32),
+        logits_indices=np.array([2, 4, 0, 0], np.int32),
+        cu_q_lens=np.array([0, 3, 5, 5, 5], np.int32),
+        kv_lens=np.array([7, 6, 0, 0], np.int32),
+        page_indices=np.array([[3, 4], [3, 5], [0, 0], [0, 0]], np.int32),
+        num_seqs=np.array([2], np.int32),
+        levels=levels,
+        block_size=4,
+        max_q_len=max_q_len,
+        backend="xla",
+        interpret=False,
+    )
+
+
+def test_pad_level_appends_empty_sequences_and_keeps_the_valid_ones():
+    # A gap of 2 tokens, then one group of 3 tokens over shared blocks 3 and 4.
+    level = _level([0, 2, 5], [0, 8], [[0, 0], [3, 4]], max_q_len=3)
+    padded = pad_level(level, 4)
+    # Empty slots: no query tokens (the last offset repeated), no keys, the null block.
+    assert padded.cu_q_lens.tolist() == [0, 2, 5, 5, 5]
+    assert padded.kv_lens.tolist() == [0, 8, 0, 0]
+    assert padded.page_indices.tolist() == [[0, 0], [3, 4], [0, 0], [0, 0]]
+    assert int(padded.num_seqs[0]) == 2 and padded.max_q_len == 3
+    assert pad_level(level, 2) is level and pad_level(level, 1) is level
+
+
+def test_coarsen_rounds_each_query_bound_up_to_its_bucket_and_pads_levels_on_its_own():
+    levels = (_level([0, 5], [8], [[3, 0]], max_q_len=5), _level([0, 1, 3], [0, 4], [[0], [4]], 2))
+    md = _main(3, levels)
+    assert coarsen_metadata(md, None, None) is md
+    only_q = coarsen_metadata(md, (1, 4, 8), None)
+    assert only_q.max_q_len == 4 and [lv.max_q_len for lv in only_q.levels] == [8, 4]
+    assert [lv.kv_lens.shape[0] for lv in only_q.levels] == [1, 2]  # sequence slots as built
+    only_seqs = coarsen_metadata(md, None, 4)
+    assert only_seqs.max_q_len == 3 and [lv.max_q_len for lv in only_seqs.levels] == [5, 2]
+    assert [lv.cu_q_lens.tolist() for lv in only_seqs.levels] == [[0, 5, 5, 5, 5], [0, 1, 3, 3, 3]]
+    assert [lv.kv_lens.tolist() for lv in only_seqs.levels] == [[8, 0, 0, 0], [0, 4, 0, 0]]
+    # A bound already at a bucket stays; decode (1) keeps its own bucket.
+    assert coarsen_metadata(_main(4, ()), (1, 4, 8), None).max_q_len == 4
+    assert coarsen_metadata(_main(1, ()), (1, 4, 8), None).max_q_len == 1
