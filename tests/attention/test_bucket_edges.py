@@ -14,7 +14,7 @@ import pytest
 
 from jaxkv import KVCacheManager, Request
 from jaxkv.batch import build_attention_metadata
-from jaxkv.buckets import BucketConfig
+from jaxkv.buckets import BucketConfig, pow2_buckets
 from jaxkv.cascade import AttentionShape, CascadePlanner
 from jaxkv.config import EngineConfig
 
@@ -27,7 +27,8 @@ FLAT = CascadePlanner(AttentionShape(4, 2, 16, kv_itemsize=4), enable_cascade=Fa
 
 
 def _metadata(contexts: list[int], query_lens: list[int]):
-    """Metadata of requests holding `contexts` tokens whose last `query_lens` are scheduled."""
+    """Metadata of requests holding `contexts` tokens whose last `query_lens` are scheduled,
+    and the block ids each request holds, in batch order."""
     manager = KVCacheManager(160, BLOCK_SIZE, max_model_len=MAX_MODEL_LEN)
     ids = []
     for i, n in enumerate(contexts):
@@ -37,10 +38,11 @@ def _metadata(contexts: list[int], query_lens: list[int]):
     computed = np.subtract(contexts, query_lens)
     query = np.asarray(query_lens)
     plan = FLAT.plan(ids, computed, query, manager)
-    return build_attention_metadata(
+    md = build_attention_metadata(
         block_table=manager.block_table, plan=plan, query_lens=query[plan.order],
         num_computed_tokens=computed[plan.order], block_size=BLOCK_SIZE, buckets=BUCKETS,
     )  # fmt: skip
+    return md, [manager.block_ids(ids[i]) for i in plan.order.tolist()]
 
 
 @pytest.mark.parametrize(
@@ -56,7 +58,7 @@ def _metadata(contexts: list[int], query_lens: list[int]):
     ],
 )
 def test_sizes_at_and_just_past_each_bucket(contexts, query_lens, want):
-    md = _metadata(contexts, query_lens)
+    md, blocks = _metadata(contexts, query_lens)
     got = (md.max_num_tokens, md.max_num_seqs, md.page_indices.shape[1], md.max_q_len)
     assert got == want
     total, n = sum(query_lens), len(contexts)
@@ -64,6 +66,11 @@ def test_sizes_at_and_just_past_each_bucket(contexts, query_lens, want):
         md.max_num_seqs - n + 1
     )
     assert sorted(md.kv_lens[:n].tolist()) == sorted(contexts) and not md.kv_lens[n:].any()
+    # Every page a request holds, also where they fill the padded width exactly; then the
+    # null block.
+    width = md.page_indices.shape[1]
+    want = [b + [0] * (width - len(b)) for b in blocks] + [[0] * width] * (md.max_num_seqs - n)
+    assert md.page_indices.tolist() == want
 
 
 @pytest.mark.parametrize(
@@ -110,3 +117,35 @@ def test_max_programs_is_the_product_of_the_bucket_counts():
     )  # fmt: skip
     assert one_size.max_step_programs == 4
     assert dataclasses.replace(one_size, enable_cascade=False).max_step_programs == 1
+
+
+def test_pow2_buckets_double_from_the_minimum_and_end_at_the_maximum():
+    assert pow2_buckets(3, 13) == (3, 6, 12, 13)
+    assert pow2_buckets(4, 16) == (4, 8, 16)
+    assert pow2_buckets(5, 5) == (5,)
+    for minimum, maximum in ((0, 8), (-1, 8), (9, 8)):
+        with pytest.raises(ValueError, match="minimum"):
+            pow2_buckets(minimum, maximum)
+
+
+def test_each_axis_draws_its_buckets_from_its_own_minimum():
+    b = BucketConfig(
+        max_num_tokens=100, max_num_seqs=20, max_pages_per_seq=40,
+        min_num_tokens=16, min_num_seqs=2, min_pages_per_seq=8,
+    )  # fmt: skip
+    assert b.token_buckets == (16, 32, 64, 100)
+    assert b.seq_buckets == (2, 4, 8, 16, 20)
+    assert b.page_buckets == (8, 16, 32, 40)
+    assert b.q_len_buckets == (1, 16, 32, 64, 100)
+    # A minimum above its maximum gives that axis the one size maximum.
+    high = BucketConfig(
+        max_num_tokens=16, max_num_seqs=4, max_pages_per_seq=8,
+        min_num_tokens=64, min_num_seqs=8, min_pages_per_seq=32,
+    )  # fmt: skip
+    assert (high.token_buckets, high.seq_buckets, high.page_buckets) == ((16,), (4,), (8,))
+
+
+def test_more_sequences_than_tokens_is_refused_by_name():
+    with pytest.raises(ValueError, match="max_num_seqs=9"):
+        BucketConfig(max_num_tokens=8, max_num_seqs=9, max_pages_per_seq=4)
+    assert BucketConfig(max_num_tokens=8, max_num_seqs=8, max_pages_per_seq=4).seq_buckets == (4, 8)
