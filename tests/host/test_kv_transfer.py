@@ -288,3 +288,25 @@ def test_finishing_again_refreshes_stored_blocks_in_the_lru():
     a, c = r0.block_hashes, r3.block_hashes
     assert conn.stored_hashes() == [a[1], a[0], c[1], c[0]]
     assert not set(r1.block_hashes) & set(conn.stored_hashes())
+
+
+def test_a_store_of_exactly_one_block_keeps_one_block():
+    sched, conn, copier = setup(host_blocks=1)
+    a = add(sched, "a", range(1, 6), max_tokens=1)  # 5 tokens: one full block
+    step(sched, copier)
+    assert sched.transferring == {"a": a} and copier.saved_block_ids == [[1]]
+    run_until_idle(sched, copier)
+    assert conn.stored_hashes() == a.block_hashes[:1]
+
+
+def test_blocks_whose_save_is_in_flight_are_not_copied_again():
+    sched, conn, copier = setup(delay=3)
+    prompt = list(range(1, 10))  # two full blocks
+    add(sched, "a", prompt, max_tokens=2)
+    step(sched, copier)
+    add(sched, "b", prompt, max_tokens=1)
+    step(sched, copier)  # a finishes, its save starts; b hits a's blocks
+    step(sched, copier)  # b finishes while a's save is in flight
+    assert len(copier.saved_block_ids) == 1 and list(sched.transferring) == ["a"]
+    run_until_idle(sched, copier)
+    assert conn.stats.num_saves == 1 and conn.stats.num_stored_blocks == 2

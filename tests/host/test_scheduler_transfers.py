@@ -174,3 +174,22 @@ def test_a_load_after_a_device_cache_hit_lands_with_both_computed():
     out, _ = step(sched, copier)
     assert out.request_ids == ["r"] and out.num_computed_tokens.tolist() == [8]
     assert out.num_scheduled_tokens.tolist() == [2]
+
+
+def test_an_aborted_landed_load_is_never_admitted():
+    copier = FakeCopier(64, BS)
+    connector = OracleLoadConnector(copier, {"r": 8})
+    sched = make_scheduler(max_num_seqs=1, connector=connector)
+    r = add(sched, "r", range(1, 14), max_tokens=2)
+    connector.hold = True
+    step(sched, copier)  # r's load starts
+    add(sched, "d", [100], max_tokens=6)
+    step(sched, copier)  # d runs and fills the one running slot
+    connector.hold = False
+    step(sched, copier)  # r's load lands; r waits for d's slot, holding its blocks
+    assert r.status == RequestStatus.WAITING and r.num_computed_tokens == 8
+    assert sched.abort("r") and "r" not in sched.manager.request_ids
+    add(sched, "e", [7, 8], max_tokens=2)  # queued behind d's slot, as r was
+    assert run_until_idle(sched, copier) == {"d": "length", "e": "length"}
+    assert r.status == RequestStatus.FINISHED_ABORTED and r.num_output_tokens == 0
+    assert sched.manager.num_free_blocks == sched.manager.pool.num_blocks - 1
