@@ -1,0 +1,38 @@
+"""DeviceKVCopier on small caches: a save returns exactly the blocks asked for, a load
+writes exactly those blocks of every layer and nothing else but the null block."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.kv_copy import DeviceKVCopier
+
+NUM_LAYERS, NUM_BLOCKS = 2, 8
+BLOCK_SHAPE = (2, 2, 4)  # block_size, 2 * num_kv_heads, head_dim
+
+
+def test_save_and_load_move_exactly_the_listed_blocks_of_every_layer():
+    rng = np.random.default_rng(0)
+    host = rng.standard_normal((NUM_LAYERS, NUM_BLOCKS, *BLOCK_SHAPE)).astype(np.float32)
+    state = {"caches": [jnp.asarray(c) for c in host]}
+    copier = DeviceKVCopier(
+        lambda: state["caches"], lambda c: state.update(caches=c), max_blocks=NUM_BLOCKS
+    )
+    try:
+        # Three blocks (padded to a bucket of four), out of order: block i of layer l.
+        saved = copier.start_save([5, 1, 3]).result()
+        np.testing.assert_array_equal(saved, np.moveaxis(host[:, [5, 1, 3]], 0, 1))
+
+        new = rng.standard_normal((3, NUM_LAYERS, *BLOCK_SHAPE)).astype(np.float32)
+        with pytest.raises(ValueError, match=r"blocks.shape"):
+            copier.start_load([2, 6], new)  # three blocks for two ids: refused, nothing written
+        copier.start_load([2, 6, 7], new).result()
+        expected = host.copy()
+        expected[:, [2, 6, 7]] = np.moveaxis(new, 1, 0)
+        # Block 0 is the null block the padding writes into; every other block is exact.
+        for got, exp in zip(state["caches"], expected, strict=True):
+            np.testing.assert_array_equal(np.asarray(got)[1:], exp[1:])
+    finally:
+        copier.close()
