@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from jaxkv.batch import AttentionMetadata, LevelMetadata
-from jaxkv.buckets import BucketConfig
+from jaxkv.buckets import BucketConfig, padded_size
 from jaxkv.cascade import CascadeLevel, CascadePlan, CascadePlanner
 from tests.attention import workload
 from tests.attention.test_metadata_reference import ALWAYS, SHAPE, _build, _decode_only, _mismatches
@@ -260,3 +260,27 @@ def test_a_broken_level_is_caught(kind):
     assert plan.num_levels == 2 and plan.levels[-1].num_groups == 3
     level, field, md = _broken(kind, step, plan)
     assert all_level_mismatches(step, plan, md) == [(level, field)]
+
+
+def test_levels_take_the_smallest_buckets_that_fit():
+    # buckets_for has one page bucket; here every axis doubles from 1, so a level's page
+    # width and query bound are each the smallest bucket holding its longest group.
+    fine = BucketConfig(
+        max_num_tokens=512, max_num_seqs=16, max_pages_per_seq=64,
+        min_num_tokens=1, min_num_seqs=1, min_pages_per_seq=1,
+    )  # fmt: skip
+    widths = set()
+    for seed in range(12):
+        step = _step(seed, seed % 2 == 1, False)
+        plan = _plan(step)
+        md = step.metadata(plan, fine)
+        for level, lmd in zip(plan.levels, md.levels, strict=True):
+            assert level_mismatches(step, plan, level, lmd, fine) == []
+            ref = level_reference(step, plan, level)
+            longest_pages = max(map(len, ref["pages"]))
+            assert lmd.page_indices.shape[1] == padded_size(fine.page_buckets, longest_pages)
+            assert lmd.max_q_len == padded_size(fine.q_len_buckets, max(ref["q_lens"]))
+            pages = sorted({padded_size(fine.page_buckets, len(p)) for p in ref["pages"] if p})
+            widths.add(tuple(pages))
+    # Some level holds groups of more than one page bucket: the width must follow the longest.
+    assert any(len(w) > 1 for w in widths), widths
