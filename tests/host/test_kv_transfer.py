@@ -310,3 +310,23 @@ def test_blocks_whose_save_is_in_flight_are_not_copied_again():
     assert len(copier.saved_block_ids) == 1 and list(sched.transferring) == ["a"]
     run_until_idle(sched, copier)
     assert conn.stats.num_saves == 1 and conn.stats.num_stored_blocks == 2
+
+
+def test_a_load_refreshes_its_blocks_in_the_lru_and_is_pending_until_it_lands():
+    sched, conn, copier = setup(host_blocks=4, auto=False)
+    r0 = add(sched, "r0", range(1, 10), max_tokens=1)  # two full blocks each
+    r1 = add(sched, "r1", range(20, 29), max_tokens=1)
+    step(sched, copier)
+    assert conn.has_pending()  # the saves
+    copier.complete()
+    run_until_idle(sched, copier)
+    a, b = r0.block_hashes[:2], r1.block_hashes[:2]
+    assert conn.stored_hashes() == [a[1], a[0], b[1], b[0]] and not conn.has_pending()
+    assert sched.manager.reset_prefix_cache()
+    r2 = add(sched, "r2", range(1, 10), max_tokens=1)
+    step(sched, copier)  # r2 starts loading r0's blocks: now the most recently used
+    assert r2.status == RequestStatus.WAITING_FOR_REMOTE_KV and conn.has_pending()
+    assert conn.stored_hashes() == [b[1], b[0], a[1], a[0]]
+    copier.complete()
+    step(sched, copier)
+    assert r2.status != RequestStatus.WAITING_FOR_REMOTE_KV and not conn.has_pending()
