@@ -169,6 +169,19 @@ def test_sampling_arrays_hold_a_huge_top_k_without_overflow():
     assert top_k[0] >= 2**31 - 1 and top_k[1] == 0
 
 
+def test_sampling_arrays_put_each_row_in_its_column_and_pad_with_greedy_rows():
+    rows = [(0.7, 5, 0.9, 11), (1.3, 0, 0.25, 2**32 - 1)]
+    temperature, top_k, top_p, seeds = sampling_arrays(rows, 4)
+    assert temperature.dtype == np.float32 and top_p.dtype == np.float32
+    assert top_k.dtype == np.int32 and seeds.dtype == np.uint32
+    np.testing.assert_array_equal(temperature, np.float32([0.7, 1.3, 0, 0]))
+    np.testing.assert_array_equal(top_k, [5, 0, 0, 0])
+    np.testing.assert_array_equal(top_p, np.float32([0.9, 0.25, 1, 1]))
+    np.testing.assert_array_equal(seeds, [11, 2**32 - 1, 0, 0])
+    empty = sampling_arrays([], 2)
+    assert [a.tolist() for a in empty] == [[0, 0], [0, 0], [1, 1], [0, 0]]
+
+
 @pytest.mark.parametrize(
     "field, value",
     [
