@@ -107,6 +107,16 @@ def test_a_top_p_that_underflows_float32_still_keeps_the_most_likely_token():
         np.testing.assert_array_equal(_run(logits, 1.0, top_p=top_p, seeds=seeds), greedy)
 
 
+def test_a_prefix_whose_mass_equals_top_p_exactly_ends_the_cut():
+    # Powers of two: probabilities and running sums are exact in float32. The prefix {0}
+    # has mass exactly 0.5, {0, 1} exactly 0.75: each reaches that top_p, so nothing more
+    # is kept (a draw from outside the support fails the set comparison).
+    logits = np.tile(np.log(np.float32([0.5, 0.25, 0.125, 0.0625, 0.0625])), (ROWS, 1))
+    for top_p, support in ((0.5, {0}), (0.75, {0, 1}), (0.875, {0, 1, 2})):
+        draws = _run(logits, 1.0, top_p=top_p, seeds=np.arange(ROWS))
+        assert set(draws.tolist()) == support, top_p
+
+
 def test_vanishing_temperature_is_greedy_even_where_logits_over_temperature_overflow():
     # 40 / 1e-37 and 50 / 1e-37 both overflow float32 to inf: without care they tie.
     logits = np.tile(np.array([40.0, 50.0, -1.0, 0.5, 0, 0, 0, 0], np.float32), (64, 1))
@@ -114,6 +124,18 @@ def test_vanishing_temperature_is_greedy_even_where_logits_over_temperature_over
         draws = _run(logits, temperature, seeds=np.arange(64))
         np.testing.assert_array_equal(draws, 1, err_msg=f"{temperature=}")
         np.testing.assert_array_equal(_run(logits, temperature, top_k=1, seeds=np.arange(64)), 1)
+
+
+def test_a_positive_infinite_logit_is_always_drawn():
+    # A token forced with +inf (a logit bias) takes all the mass; two such tokens share it.
+    one = np.tile(np.float32([0.5, 2.0, -1.0, np.inf, 0, 0, 0, 0]), (ROWS, 1))
+    two = one.copy()
+    two[:, 6] = np.inf
+    seeds = np.arange(ROWS)
+    for temperature, cut in ((1.0, {}), (0.5, dict(top_k=3)), (2.0, dict(top_p=0.5))):
+        np.testing.assert_array_equal(_run(one, temperature, seeds=seeds, **cut), 3)
+        counts = np.bincount(_run(two, temperature, seeds=seeds, **cut), minlength=8)
+        assert counts[3] + counts[6] == ROWS and abs(counts[3] - ROWS / 2) < 200, counts
 
 
 def test_top_k_at_or_beyond_vocab_is_no_cut():
