@@ -162,6 +162,44 @@ def test_prefix_table_is_bounded_least_recently_used_first():
     assert router.route(b).matched_blocks == 0
 
 
+def test_a_request_counts_until_its_finishing_output_only():
+    router, _ = make_router(2)
+    long = router.add_request([1] * BLOCK, SamplingParams(max_tokens=3))
+    short = router.add_request([2] * BLOCK, SamplingParams(max_tokens=1))
+    assert router.num_outstanding == (1, 1)
+    router.step()  # long got its first token, short its last
+    assert router.num_outstanding == (1, 0) and router.replica_of(long) == 0
+    assert router.route([3] * BLOCK).replica == 1  # the load balance sees it
+    router.step()
+    assert router.num_outstanding == (1, 0)
+    router.step()
+    assert router.num_outstanding == (0, 0)
+    with pytest.raises(KeyError):
+        router.replica_of(short)
+
+
+def test_a_refused_request_leaves_no_prefix_route():
+    class Picky(FakeReplica):
+        def add_request(self, prompt_token_ids, sampling_params=None, *, request_id):
+            if 999 in prompt_token_ids:
+                raise ValueError("token 999 is out of vocabulary")
+            return super().add_request(prompt_token_ids, sampling_params, request_id=request_id)
+
+    router = PrefixAwareRouter([Picky(0), Picky(1)], block_size=BLOCK)
+    prompt = [5] * BLOCK + [999]
+    with pytest.raises(ValueError, match="vocabulary"):
+        router.add_request(prompt)
+    router.add_request([6] * BLOCK)  # replica 0 is busier now
+    assert router.route(prompt) == Route(1, 0)  # no route remembered for the refused prompt
+
+
+def test_abort_reports_what_the_replica_says():
+    router, replicas = make_router(2)
+    rid = router.add_request([1, 2, 3])
+    assert replicas[0].abort(rid)  # aborted behind the router's back
+    assert router.abort(rid) is False
+
+
 def test_abort_releases_load():
     router, replicas = make_router(2)
     rid = router.add_request([1, 2, 3])
