@@ -103,3 +103,28 @@ def test_a_shuffled_block_table_is_caught():
     assert {"slot_mapping", "page_indices"} <= set(
         _mismatches(step, plan, _build(step, plan, table))
     )
+
+
+def test_an_empty_query_or_reused_levels_of_another_plan_are_refused():
+    step = workload.random_step(1, block_size=4, common_root_blocks=2)
+    m = step.manager
+    plan = CascadePlanner(SHAPE, cost_model=ALWAYS).plan(
+        step.request_ids, step.num_computed_tokens, step.query_lens, m
+    )
+    assert plan.levels
+    md = _build(step, plan, m.block_table)
+    args = dict(
+        block_table=m.block_table,
+        plan=plan,
+        num_computed_tokens=step.num_computed_tokens[plan.order],
+        block_size=m.block_size,
+        buckets=buckets_for(m.block_size),
+    )
+    query_lens = step.query_lens[plan.order].copy()
+    query_lens[-1] = 0  # a request with nothing scheduled would sample its neighbour's logits
+    with pytest.raises(ValueError, match="query_lens"):
+        build_attention_metadata(query_lens=query_lens, **args)
+    with pytest.raises(ValueError, match="levels"):
+        build_attention_metadata(
+            query_lens=step.query_lens[plan.order], levels=md.levels[:-1], **args
+        )
