@@ -1,0 +1,42 @@
+"""Mesh arguments checked in this process, on whatever devices it has (one CPU is enough)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from jaxkv import sharding
+
+
+@pytest.mark.parametrize("tp", [0, -1, -2])
+def test_a_tensor_parallel_size_below_one_is_refused_by_name(tp):
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={tp}"):
+        sharding.replica_meshes(tp)
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={tp}"):
+        sharding.make_mesh(tp)
+
+
+def test_mesh_for_takes_the_mesh_or_the_size_and_refuses_them_disagreeing():
+    mesh = sharding.make_mesh(1)
+    assert mesh.shape == {sharding.DEFAULT_AXIS: 1}
+    assert sharding.mesh_for(None, None) is None
+    assert sharding.mesh_for(mesh) is mesh and sharding.mesh_for(mesh, 1) is mesh
+    assert sharding.mesh_for(None, 1).shape == mesh.shape
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        sharding.mesh_for(mesh, 2)
+    other_axis = Mesh(np.array(jax.devices()[:1]), ("data",))
+    with pytest.raises(ValueError, match="'model'"):
+        sharding.mesh_for(other_axis)
+
+
+@pytest.mark.parametrize("extra", [1, 2])
+def test_more_replicas_than_device_groups_is_refused_before_any_engine_is_built(extra):
+    from jaxkv.router import engine_replicas
+
+    n = len(jax.devices()) + extra
+    with pytest.raises(ValueError, match=f"num_replicas={n} needs {n} groups"):
+        engine_replicas(None, num_replicas=n)  # the model is never touched
+    with pytest.raises(ValueError, match="num_replicas=0"):
+        engine_replicas(None, num_replicas=0)
