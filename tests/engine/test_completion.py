@@ -1,0 +1,38 @@
+"""run_to_completion's progress bar: one update per finished prompt, closed at the end."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv import SamplingParams
+from jaxkv.completion import run_to_completion
+from tests.sharding.test_router import make_router
+
+
+class Bar:
+    def __init__(self) -> None:
+        self.n, self.closed = 0, False
+
+    def update(self, k: int) -> None:
+        assert not self.closed
+        self.n += k
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_the_bar_counts_finished_prompts_and_is_closed():
+    router, _ = make_router(2)
+    bar = Bar()
+    params = [SamplingParams(max_tokens=k) for k in (1, 3, 2)]
+    outs = run_to_completion(router, [[1, 2], [3], [4, 5, 6]], params, progress_bar=bar)
+    assert [len(o.output_token_ids) for o in outs] == [1, 3, 2]
+    assert bar.n == 3 and bar.closed
+
+
+def test_the_bar_is_closed_when_a_prompt_is_refused():
+    router, _ = make_router(2)
+    bar = Bar()
+    with pytest.raises(ValueError, match="empty prompt"):
+        run_to_completion(router, [[1, 2], []], progress_bar=bar)
+    assert bar.n == 0 and bar.closed and router.num_outstanding == (0, 0)
