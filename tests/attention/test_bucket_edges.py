@@ -104,13 +104,14 @@ def test_q_len_buckets_must_be_ints(q_len_buckets):
 
 def test_max_programs_is_the_product_of_the_bucket_counts():
     # tokens 3 x seqs 2 x pages 3 x query bounds 4 = 72 main-pass shapes; a level has
-    # 6 sequence counts (1, 2, 4, 8, 16, 17) x 3 pages x 4 query bounds = 72 shapes.
+    # 5 sequence counts (1, 2, 4, 8, 16: 8 groups and a gap before each) x 3 pages x 4
+    # query bounds = 60 shapes.
     assert BUCKETS.max_programs(cascade=False) == 72
-    assert BUCKETS.max_programs() == 72 * (1 + 72) ** 2
+    assert BUCKETS.max_programs() == 72 * (1 + 60) ** 2
     assert BUCKETS.max_programs((1, 32), pad_levels=True) == 36 * (1 + 6) ** 2
-    # The defaults bound a run by 1120 * 193**2 (about 4e7) programs; the bucket options
+    # The defaults bound a run by 1120 * 161**2 (about 3e7) programs; the bucket options
     # bring it down to one program per level structure.
-    assert EngineConfig().max_step_programs == 1120 * 193**2
+    assert EngineConfig().max_step_programs == 1120 * 161**2
     one_size = EngineConfig(
         min_num_tokens_bucket=512, min_num_seqs_bucket=64, min_pages_bucket=32,
         q_len_buckets=(512,), pad_cascade_levels=True,

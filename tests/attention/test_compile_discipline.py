@@ -57,7 +57,7 @@ def test_300_random_steps_stay_within_bucket_combinations():
     # program_key (what Engine.num_compiles counts) tells exactly those apart.
     assert compiled == len(signatures) == len(keys)
     assert compiled <= BUCKETS.max_programs()
-    # main (2 token x 1 seq x 1 page x 3 query bounds) x (1 + 4 level seqs x 1 x 3) ** 2
-    assert BUCKETS.max_programs() == 6 * (1 + 12) ** 2
+    # main (2 token x 1 seq x 1 page x 3 query bounds) x (1 + 3 level seqs x 1 x 3) ** 2
+    assert BUCKETS.max_programs() == 6 * (1 + 9) ** 2
     # The run exercised flat, one-level and two-level plans.
     assert {(), ("global",), ("groups",), ("global", "groups")} <= levels_seen

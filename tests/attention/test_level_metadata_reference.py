@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxkv.batch import AttentionMetadata, LevelMetadata
+from jaxkv.batch import AttentionMetadata, LevelMetadata, build_attention_metadata
 from jaxkv.buckets import BucketConfig, padded_size
 from jaxkv.cascade import CascadeLevel, CascadePlan, CascadePlanner
 from tests.attention import workload
@@ -210,6 +210,34 @@ def test_gaps_before_and_between_groups_become_empty_sequences():
         assert ref["kv_lens"][0] == 0 and ref["kv_lens"][2] == 0
         assert ref["q_lens"][0] == step.query_lens[plan.order[0]]
         assert ref["q_lens"][2] == step.query_lens[plan.order[level.group_ends[0] :][:2]].sum()
+
+
+def test_a_level_with_a_gap_before_every_group_fills_the_largest_sequence_bucket():
+    # G groups each after a gap are 2G sequences (a trailing gap is none), so buckets for
+    # max_cascade_groups=G end at 2G and such a level fills the last one exactly.
+    found = 0
+    for step, plan in gap_plans(4):
+        level = plan.levels[-1]
+        ref = level_reference(step, plan, level)
+        num_groups = level.num_groups
+        if len(ref["kv_lens"]) != 2 * num_groups:
+            continue  # some group has no gap before it
+        buckets = dataclasses.replace(
+            buckets_for(step.manager.block_size), max_cascade_groups=num_groups
+        )
+        md = build_attention_metadata(
+            block_table=step.manager.block_table,
+            plan=plan,
+            query_lens=step.query_lens[plan.order],
+            num_computed_tokens=step.num_computed_tokens[plan.order],
+            block_size=step.manager.block_size,
+            buckets=buckets,
+        )
+        assert md.levels[-1].page_indices.shape[0] == buckets.level_seq_buckets[-1]
+        assert buckets.level_seq_buckets[-1] == 2 * num_groups
+        assert level_mismatches(step, plan, level, md.levels[-1], buckets) == []
+        found += 1
+    assert found >= 3
 
 
 def _broken(
