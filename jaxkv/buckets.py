@@ -86,7 +86,7 @@ class BucketConfig:
 
     @functools.cached_property
     def level_seq_buckets(self) -> tuple[int, ...]:
-        """Sequences of one cascade level: its groups plus the gaps between them."""
+        """Sequences of one cascade level: its groups and at most one gap before each."""
         return pow2_buckets(1, 2 * self.max_cascade_groups)
 
     def max_programs(
