@@ -40,6 +40,11 @@ _interpreted = functools.partial(_rpa, interpret=True, **KNOBS)
 DECODE = [(1, 17), (1, 1), (1, 64), (1, 33), (1, 96), (1, 16), (1, 40), (1, 2), (1, 9)]
 PREFILL = [(16, 16), (5, 5), (13, 13)]
 MIXED = [(1, 17), (7, 7), (3, 40), (12, 29), (1, 96)]
+# In the first q tile: a decode at kv_len 17 copies a page holding 1 key and 15 NaN into
+# KV buffer slot 0's second page, a decode fills slot 1, then a prefill chunk of 36 keys
+# whose first rows (positions 10..15) need only page 0 of its block gets slot 0 again:
+# the stale NaN sit where its keys 17..31 would be, which those rows must not see.
+CHUNKED_PREFILL = [(1, 17), (1, 5), (26, 36)]
 
 
 def _case(seq_lens, *, seed=0, num_q_heads=4, num_kv_heads=1, head_dim=128, page_size=16, **kw):
@@ -86,8 +91,8 @@ def _check(case: harness.Case, **kw):
 
 @pytest.mark.parametrize(
     "seq_lens",
-    [DECODE, PREFILL, MIXED, [(0, 5), (3, 3), (0, 0), (8, 70)]],
-    ids=["decode", "prefill", "mixed", "empty_seqs"],
+    [DECODE, PREFILL, MIXED, [(0, 5), (3, 3), (0, 0), (8, 70)], CHUNKED_PREFILL],
+    ids=["decode", "prefill", "mixed", "empty_seqs", "chunked_prefill"],
 )
 def test_f32(seq_lens):
     _check(_case(seq_lens, seed=len(seq_lens)))
@@ -131,7 +136,8 @@ def test_broken_input_fails_the_check(broken):
 
 def test_sliding_window_with_soft_cap_and_kv_head_blocks():
     # Gemma-2 style: both options at once, head_dim 64, a window shorter than a KV block
-    # and than a page over long contexts, logits scaled up so that the cap bites. 8 float32
+    # and than a page over long contexts, logits scaled up so that the cap bites (sm_scale
+    # 0.5, not 1, so that the cap applied before or after the scale differs). 8 float32
     # KV heads (no GQA) in blocks of 4: two grid steps along the head axis. Decodes at
     # kv_len 28 and 29 put the window's first key (position - 12) on the last slot of a
     # page and on the first slot of the next: an off-by-one in the page range shows.
@@ -143,7 +149,7 @@ def test_sliding_window_with_soft_cap_and_kv_head_blocks():
         head_dim=64,
     )
     _check(
-        case, sliding_window=13, soft_cap=2.0, sm_scale=1.0, knobs=dict(num_kv_heads_per_block=4)
+        case, sliding_window=13, soft_cap=2.0, sm_scale=0.5, knobs=dict(num_kv_heads_per_block=4)
     )
 
 
