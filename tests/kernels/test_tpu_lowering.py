@@ -88,6 +88,33 @@ def test_lowers_with_options_without_asking_the_device(options):
     assert "tpu_custom_call" in _lower(args, **options)
 
 
+def _mosaic_modules(monkeypatch) -> list[str]:
+    """Collects the text of every Mosaic module the Pallas TPU lowering builds."""
+    from jax._src.pallas.mosaic import pallas_call_registration as registration
+
+    lower = registration.lowering.lower_jaxpr_to_pipelined_module
+    modules = []
+
+    def lower_and_keep(*args, **kwargs):
+        module = lower(*args, **kwargs)
+        modules.append(str(module))
+        return module
+
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_pipelined_module", lower_and_keep)
+    return modules
+
+
+def test_float32_matmuls_ask_mosaic_for_full_precision(monkeypatch):
+    # The interpreter multiplies in full float32 whatever the kernel asks, so the oracle
+    # checks on the CPU cannot see this: on a TPU, a float32 matmul at default precision
+    # runs in bfloat16 passes, far outside the float32 tolerance of 1e-5.
+    modules = _mosaic_modules(monkeypatch)
+    _lower(_specs(F32, F32, 128, 16, 8, 2))
+    (module,) = modules
+    matmuls = [line for line in module.splitlines() if "tpu.matmul" in line]
+    assert matmuls and all("contract_precision<fp32>" in m for m in matmuls), matmuls
+
+
 def _trace(args, **kw):
     f = functools.partial(ragged_paged_attention, sm_scale=0.125, **kw)
     return jax.eval_shape(f, *args)
@@ -115,6 +142,7 @@ def test_output_shapes():
         ((F32, F32, 128, 16, 4, 1), {"num_queries_per_block": 3}, "num_queries_per_block"),
         ((F32, F32, 128, 16, 4, 1), {"num_kv_pages_per_block": 0}, "num_kv_pages_per_block"),
         ((F32, F32, 128, 16, 16, 8), {"num_kv_heads_per_block": 2}, "num_kv_heads_per_block"),
+        ((F32, F32, 128, 16, 4, 1), {"vmem_limit_bytes": 0}, "vmem_limit_bytes"),
         ((F32, F32, 128, 16, 4, 1), {"tpu_generation": "v9x"}, "tpu_generation"),
         ((F32, F32, 128, 16, 4, 1), {"causal": False, "sliding_window": 8}, "sliding_window"),
     ],
