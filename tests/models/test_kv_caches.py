@@ -1,0 +1,35 @@
+"""The paged KV caches of a model: layout and dtype, donation to a step, quantized writes."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.attention import write_kv
+from tests.models.test_paged import CONFIG, MODEL, PagedRun, _sequences, _shuffled_table
+
+
+def test_init_kv_caches_layout_and_dtype():
+    caches = MODEL.init_kv_caches(5, 4)
+    shape = (5, 4, 2 * CONFIG.num_kv_heads, CONFIG.head_dim)
+    assert len(caches) == CONFIG.num_layers
+    assert all(c.shape == shape and c.dtype == jnp.float32 and not c.any() for c in caches)
+    # A cache dtype other than the model's (EngineConfig's CacheConfig.kv_dtype).
+    assert {c.dtype for c in MODEL.init_kv_caches(5, 4, "bfloat16")} == {jnp.dtype("bfloat16")}
+
+
+def test_a_paged_step_donates_the_caches_it_is_given():
+    run = PagedRun(_shuffled_table(1))
+    given = run.caches
+    (logits,) = run.step([(0, _sequences([3])[0], 0)])
+    assert np.isfinite(logits).all()
+    # Donated: updated in place, not copied (a copy would hold the KV cache twice).
+    assert all(c.is_deleted() for c in given)
+    assert not any(c.is_deleted() for c in run.caches)
+
+
+def test_quantized_writes_round_to_the_nearest_step():
+    kv = jnp.zeros((2, 2, 2, 4), jnp.int8)
+    k = jnp.array([[[0.037, -0.037, 1.234, 0.5]]])  # [1 token, 1 KV head, head_dim 4]
+    out = write_kv(kv, k, -k, jnp.array([3], jnp.int32), k_scale=0.01, v_scale=0.01)
+    assert np.asarray(out)[1, 1].tolist() == [[4, -4, 123, 50], [-4, 4, -123, -50]]
