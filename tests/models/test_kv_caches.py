@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxkv.attention import write_kv
 from tests.models.test_paged import CONFIG, MODEL, PagedRun, _sequences, _shuffled_table
@@ -33,3 +34,10 @@ def test_quantized_writes_round_to_the_nearest_step():
     k = jnp.array([[[0.037, -0.037, 1.234, 0.5]]])  # [1 token, 1 KV head, head_dim 4]
     out = write_kv(kv, k, -k, jnp.array([3], jnp.int32), k_scale=0.01, v_scale=0.01)
     assert np.asarray(out)[1, 1].tolist() == [[4, -4, 123, 50], [-4, 4, -123, -50]]
+
+
+def test_a_slot_mapping_of_another_length_is_refused():
+    kv = jnp.zeros((2, 2, 2, 4))
+    k = jnp.ones((3, 1, 4))
+    with pytest.raises(ValueError, match=r"slot_mapping.shape=\(1,\) must be \(3,\)"):
+        write_kv(kv, k, k, jnp.array([3], jnp.int32))
