@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -50,3 +51,30 @@ def test_defaults_build_and_derive_consistent_sizes():
     )
     assert config.max_blocks_per_seq == 7 and config.q_len_buckets == (1, 128)
     assert config.buckets.max_pages_per_seq == 7
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: EngineConfig(q_len_buckets=(0, 512)), "strictly increasing ints >= 1"),
+        (lambda: EngineConfig(q_len_buckets=(1.5, 512)), "strictly increasing ints >= 1"),
+        (lambda: EngineConfig(q_len_buckets=(1, True, 512)), "strictly increasing ints >= 1"),
+        (lambda: EngineConfig(max_cascade_groups=0), "max_cascade_groups=0"),
+    ],
+)
+def test_bad_bucket_fields_are_refused(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_limits_at_their_bounds_are_accepted():
+    # One token per request fills the budget exactly; a whole prompt fills one step exactly.
+    assert SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=8).max_num_seqs == 8
+    full = SchedulerConfig(
+        max_num_batched_tokens=64, max_model_len=64, enable_chunked_prefill=False
+    )
+    assert full.max_model_len == 64
+    assert CacheConfig(num_blocks=2).num_blocks == 2  # the null block and one usable block
+    # q_len_buckets reaching the budget exactly; any integer sequence becomes a tuple of int.
+    config = EngineConfig(q_len_buckets=[1, np.int64(512)])
+    assert config.q_len_buckets == (1, 512) and all(type(b) is int for b in config.q_len_buckets)
