@@ -1,0 +1,109 @@
+"""Hugging Face configs and files as they occur in published checkpoints.
+
+config.json keys left out take Hugging Face's `LlamaConfig` defaults; unsupported or
+inconsistent values are refused by name. Safetensors files carry a `__metadata__` header
+entry, tied models may store `lm_head.weight` anyway, older ones a `rotary_emb.inv_freq`
+buffer: all load, checked against the numpy reference forward.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from jaxkv.models import (
+    LlamaConfig,
+    RopeScaling,
+    from_hf_tensors,
+    load_hf_safetensors,
+    make_dense_forward,
+)
+from jaxkv.models.checkpoint import flat_params
+from tests.models.conftest import hf_config_dict, small_config
+from tests.models.reference import hf_llama_forward, random_hf_weights
+from tests.models.test_checkpoint import TOKENS  # a program that file compiles
+
+REQUIRED = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4
+)
+
+
+def test_keys_left_out_take_hugging_face_defaults():
+    cfg = LlamaConfig.from_hf_dict(REQUIRED)
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling) == (4, 8, 1e4, None)
+    assert (cfg.rms_norm_eps, cfg.max_position_embeddings) == (1e-6, 2048)
+    assert (cfg.tie_word_embeddings, cfg.dtype) == (False, "float32")
+    given = dict(num_key_value_heads=1, head_dim=16, rope_theta=5e5, rms_norm_eps=1e-5,
+                 max_position_embeddings=4096, torch_dtype="float16")  # fmt: skip
+    cfg = LlamaConfig.from_hf_dict({**REQUIRED, **given})
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.rms_norm_eps) == (1, 16, 5e5, 1e-5)
+    assert (cfg.max_position_embeddings, cfg.dtype) == (4096, "float16")
+    assert LlamaConfig.from_hf_dict({**REQUIRED, **given}, dtype="bfloat16").dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("key", sorted(REQUIRED))
+def test_each_required_key_is_named_when_missing(key):
+    hf = dict(REQUIRED)
+    del hf[key]
+    with pytest.raises(ValueError, match=f"lacks \\['{key}'\\]"):
+        LlamaConfig.from_hf_dict(hf)
+
+
+def test_unsupported_rope_scaling_and_inconsistent_values_are_refused():
+    linear = {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(ValueError, match="'linear' is not supported"):
+        LlamaConfig.from_hf_dict({**REQUIRED, "rope_scaling": linear})
+    for bad, match in [
+        (dict(factor=0.5), "factor"),
+        (dict(low_freq_factor=4.0, high_freq_factor=1.0), "low_freq_factor"),
+        (dict(low_freq_factor=0.0), "low_freq_factor"),
+        (dict(original_max_position_embeddings=0), "original_max_position_embeddings"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            RopeScaling(**bad)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        small_config(max_position_embeddings=0)
+
+
+def _logits(model, tokens):
+    return np.asarray(make_dense_forward(model)(jnp.asarray(tokens)[None]))[0]
+
+
+def test_a_published_tied_file_loads_with_its_extra_tensors(tmp_path):
+    cfg = small_config(tie_word_embeddings=True)
+    weights = random_hf_weights(cfg, seed=6)
+    extra = {
+        # Some tied exports store the head too (a copy of the embedding); older ones a buffer.
+        "lm_head.weight": weights["model.embed_tokens.weight"] + 1.0,
+        "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32),
+    }
+    safetensors.numpy.save_file({**weights, **extra}, str(tmp_path / "model.safetensors"),
+                                metadata={"format": "pt"})  # fmt: skip
+    hf_config = hf_config_dict(cfg, tie_word_embeddings=True, rms_norm_eps=cfg.rms_norm_eps)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    # A file path: config.json is read from its directory.
+    model = load_hf_safetensors(tmp_path / "model.safetensors")
+    assert model.config == cfg and model.lm_head is None
+    want = hf_llama_forward(weights, cfg, TOKENS)  # the head is the embedding
+    np.testing.assert_allclose(_logits(model, TOKENS), want, rtol=1e-4, atol=1e-4)
+
+
+def test_loaded_parameters_take_the_requested_dtype(tmp_path):
+    cfg = small_config()
+    weights = random_hf_weights(cfg, seed=7)
+    safetensors.numpy.save_file(weights, str(tmp_path / "model.safetensors"))
+    model = load_hf_safetensors(tmp_path / "model.safetensors", cfg, dtype="bfloat16")
+    assert model.config.dtype == "bfloat16"
+    assert {np.asarray(v).dtype for v in flat_params(model).values()} == {np.dtype("bfloat16")}
+    # bfloat16 tensors into a float32 config: cast up, exactly.
+    half = {k: v.astype(ml_dtypes.bfloat16) for k, v in weights.items()}
+    params = flat_params(from_hf_tensors(cfg, half))
+    assert {np.asarray(v).dtype for v in params.values()} == {np.dtype("float32")}
+    np.testing.assert_array_equal(
+        params["norm.weight"], half["model.norm.weight"].astype(np.float32)
+    )
