@@ -101,3 +101,10 @@ def test_llama3_rope_scaling_keeps_high_and_divides_low_frequencies():
     np.testing.assert_allclose(f1[low], f0[low] / 32.0, rtol=1e-6)
     mid = ~high & ~low
     assert np.all((f1[mid] < f0[mid]) & (f1[mid] > f0[mid] / 32.0))
+
+
+def test_kv_cache_bytes_per_token_of_llama3_8b():
+    # K and V, 32 layers, 8 KV heads of 128: the well-known 128 KiB per token in bfloat16.
+    cfg = LlamaConfig.preset("llama3_8b")
+    assert cfg.kv_cache_bytes_per_token() == 128 * 1024
+    assert cfg.kv_cache_bytes_per_token(itemsize=4) == 256 * 1024

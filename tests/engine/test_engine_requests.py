@@ -1,0 +1,122 @@
+"""Per-request state of the engine (default ids and seeds, sampling rows), the model's
+position limit, and the KV caches the engine builds and hands to each step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import SamplingParams
+from jaxkv.attention import default_backend
+from jaxkv.config import EngineConfig, SchedulerConfig
+from jaxkv.engine import Engine
+from jaxkv.sampler import sample, sampling_arrays, sampling_row
+from tests.engine._util import MAX_MODEL_LEN, _dense_logits, make_engine, prompts_for, tiny_model
+
+HOT = SamplingParams(max_tokens=6, temperature=1.5)
+
+
+def test_default_ids_skip_every_id_a_caller_holds():
+    engine = make_engine()
+    # Every queued request takes a serial: these two take 0 and 1, and hold ids "2" and "3".
+    engine.add_request([1, 2], request_id="2")
+    engine.add_request([1, 2], request_id="3")
+    assert engine.add_request([3, 4]) == "4"
+    assert engine.add_request([3, 4]) == "5"
+
+
+def test_ids_and_default_seeds_are_not_reused_after_requests_finish():
+    engine = make_engine()
+    prompt = [3, 1, 4, 1, 5]
+    first = engine.generate([prompt], HOT, progress=False)[0]
+    second = engine.generate([prompt], HOT, progress=False)[0]
+    assert (first.request_id, second.request_id) == ("0", "1")
+    assert first.output_token_ids != second.output_token_ids  # a new default seed
+
+
+def test_finished_and_aborted_requests_release_their_sampling_rows():
+    engine = make_engine()
+    engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=2), progress=False)
+    waiting = engine.add_request([1, 2, 3])
+    assert engine.abort(waiting)
+    assert engine._sampling == {}
+
+
+def test_max_model_len_beyond_the_models_positions_is_refused():
+    config = EngineConfig(scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN + 1))
+    with pytest.raises(ValueError, match="max_model_len=65 exceeds"):
+        Engine(tiny_model(), None, config)
+
+
+def _sampled_by_the_dense_model(prompts, params) -> list[list[int]]:
+    """Oracle: the dense model's logits of each whole sequence so far (up to 8 at once),
+    sampled by jaxkv.sampler with each request's seed folded with the new token's position."""
+    n = len(prompts)
+    rows = sampling_arrays([sampling_row(p, 0) for p in params], 8)
+    seqs = [list(p) for p in prompts]
+    for _ in range(max(p.max_tokens for p in params)):
+        tokens = np.zeros((8, MAX_MODEL_LEN), np.int32)
+        lengths = np.ones(8, np.int32)
+        for i, seq in enumerate(seqs):
+            tokens[i, : len(seq)] = seq
+            lengths[i] = len(seq)
+        logits = np.asarray(_dense_logits()(tokens, lengths))
+        drawn = np.asarray(_sample(logits, *rows, lengths))
+        for i in range(n):
+            if len(seqs[i]) < len(prompts[i]) + params[i].max_tokens:
+                seqs[i].append(int(drawn[i]))
+    return [seq[len(prompt) :] for seq, prompt in zip(seqs, prompts, strict=True)]
+
+
+_sample = jax.jit(sample)
+
+
+def test_a_seeded_request_draws_each_token_at_its_own_position():
+    params = dataclasses.replace(HOT, max_tokens=8, seed=4321)
+    prompt = [7, 7, 2, 9, 100, 31]
+    got = make_engine().generate([prompt], params, progress=False)[0].output_token_ids
+    assert [list(got)] == _sampled_by_the_dense_model([prompt], [params])
+
+
+def test_each_request_samples_with_its_own_params_when_cascade_reorders_the_batch():
+    # Schedule order alternates two system prompts; the groups plan puts each group's
+    # requests together, so batch rows and schedule order differ.
+    prompts = prompts_for("two_groups", seed=2)
+    prompts = [prompts[i] for i in (0, 3, 1, 4, 2, 5)]
+    params = [
+        dataclasses.replace(HOT, seed=10 + i) if i % 2 else SamplingParams(max_tokens=6)
+        for i in range(6)
+    ]
+    engine = make_engine()
+    got = [list(o.output_token_ids) for o in engine.generate(prompts, params, progress=False)]
+    assert dict(engine.metrics.cascade_steps_by_levels).get("groups", 0) > 0
+    assert got == _sampled_by_the_dense_model(prompts, params)
+
+
+def test_the_configured_backend_is_used_and_none_picks_the_platforms():
+    base = make_engine().config
+    none = Engine(tiny_model(), None, dataclasses.replace(base, backend=None))
+    assert none.backend == default_backend()
+    gpu = dataclasses.replace(base, backend="pallas_gpu", interpret=True)
+    assert Engine(tiny_model(), None, gpu).backend == "pallas_gpu"
+
+
+def test_kv_dtype_sets_the_cache_dtype():
+    base = make_engine().config
+    config = dataclasses.replace(base, cache=dataclasses.replace(base.cache, kv_dtype="bfloat16"))
+    caches = Engine(tiny_model(), None, config).kv_caches
+    assert len(caches) == 2 and {c.dtype for c in caches} == {jnp.dtype("bfloat16")}
+
+
+def test_a_step_donates_the_kv_caches_to_the_program():
+    engine = make_engine()
+    engine.add_request([4, 5, 6], SamplingParams(max_tokens=2))
+    given = engine.kv_caches
+    assert engine.step()
+    # Updated in place, not copied: a copy would hold the whole KV cache twice.
+    assert all(c.is_deleted() for c in given)
+    assert not any(c.is_deleted() for c in engine.kv_caches)
