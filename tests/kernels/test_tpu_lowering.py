@@ -116,7 +116,7 @@ def test_float32_matmuls_ask_mosaic_for_full_precision(monkeypatch):
 
 
 def _trace(args, **kw):
-    f = functools.partial(ragged_paged_attention, sm_scale=0.125, **kw)
+    f = functools.partial(ragged_paged_attention, **{"sm_scale": 0.125, **kw})
     return jax.eval_shape(f, *args)
 
 
@@ -139,6 +139,11 @@ def test_output_shapes():
         ((jnp.float16, jnp.float16, 128, 16, 4, 1), {}, "q.dtype"),
         ((F32, jnp.float16, 128, 16, 4, 1), {}, "kv_pages.dtype"),
         ((BF16, I8, 128, 16, 4, 1), {"k_scale": None}, "k_scale"),
+        ((BF16, I8, 128, 16, 4, 1), {"v_scale": None}, "v_scale"),
+        ((F32, F32, 128, 16, 4, 1), {"out_dtype": jnp.int8}, "out_dtype"),
+        ((F32, F32, 128, 16, 4, 1), {"sm_scale": 0.0}, "sm_scale"),
+        ((F32, F32, 128, 16, 4, 1), {"soft_cap": 0.0}, "soft_cap"),
+        ((F32, F32, 128, 16, 4, 1), {"sliding_window": 0}, "sliding_window"),
         ((F32, F32, 128, 16, 4, 1), {"num_queries_per_block": 3}, "num_queries_per_block"),
         ((F32, F32, 128, 16, 4, 1), {"num_kv_pages_per_block": 0}, "num_kv_pages_per_block"),
         ((F32, F32, 128, 16, 16, 8), {"num_kv_heads_per_block": 2}, "num_kv_heads_per_block"),
