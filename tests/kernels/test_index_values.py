@@ -21,6 +21,7 @@ import pytest
 from kernels_pallas import reference
 from kernels_pallas.gpu import ragged_paged_attention as gpu_kernel
 from kernels_pallas.tpu import ragged_paged_attention as tpu_kernel
+from kernels_pallas.validation import checks_index_values
 from tests.kernels import harness
 
 SEQ_LENS = [(3, 20), (1, 9)]
@@ -51,8 +52,9 @@ BREAKAGES = [
     ("page_past_num_pages", "page_indices", (0, 1), 6, r"page_indices\[0, 1\]=6"),
     ("negative_page", "page_indices", (1, 0), -1, r"page_indices\[1, 0\]=-1"),
     ("kv_len_past_its_pages", "kv_lens", 0, 33, r"kv_lens\[0\]=33"),
-    ("negative_kv_len", "kv_lens", 1, -1, r"kv_lens\[1\]=-1"),
+    ("negative_kv_len", "kv_lens", 1, -1, r"kv_lens\[1\]=-1 must be in \[0, 32\]"),
     ("num_seqs_past_max", "num_seqs", 0, 4, r"num_seqs\[0\]=4"),
+    ("negative_first_offset", "cu_q_lens", 0, -1, r"cu_q_lens\[0\]=-1"),
     ("cu_q_lens_falls_back", "cu_q_lens", 1, 5, r"cu_q_lens\[2\]=4"),
     ("cu_q_lens_past_tokens", "cu_q_lens", 2, 9, r"cu_q_lens\[2\]=9"),
     ("causal_kv_len_below_q_len", "kv_lens", 0, 2, r"kv_lens\[0\]=2 .* query length 3"),
@@ -83,6 +85,44 @@ def test_unread_entries_may_hold_anything(backend):
     case = case.replace(page_indices=jnp.asarray(table), kv_lens=kv_lens, cu_q_lens=cu_q_lens)
     out, lse = BACKENDS[backend](*case.args(), sm_scale=0.125, out_dtype=jnp.float32)
     harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_values_at_their_bounds_are_accepted(backend):
+    # Every sequence slot used, the last token row used, a kv_len filling its whole
+    # page-table row and the last page id of kv_pages: each on the edge of its range.
+    case = harness.make_case(
+        1, [(3, 32), (1, 9), (4, 4)], num_q_heads=2, num_kv_heads=1, head_dim=64,
+        page_size=16, **SHAPES,
+    )  # fmt: skip
+    num_pages = SHAPES["num_pages"]
+    assert num_pages - 1 in np.asarray(case.page_indices)
+    out, lse = BACKENDS[backend](*case.args(), sm_scale=0.125, out_dtype=jnp.float32)
+    harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))
+
+
+def test_non_causal_queries_may_outnumber_keys():
+    # A cascade prefix pass: every query token of the batch over a short shared prefix.
+    # The entry points' check takes `causal` from their options.
+    case = _case()
+    case = case.replace(kv_lens=_set(case.kv_lens, 0, 2))
+    checked = checks_index_values(lambda *args, **options: "ran")
+    assert checked(*case.args(), sm_scale=0.125, causal=False) == "ran"
+    with pytest.raises(ValueError, match="query length"):
+        checked(*case.args(), sm_scale=0.125)
+
+
+def test_partly_traced_index_arrays_are_not_checked():
+    # Concrete page tables closed over by a function traced in kv_lens alone: the
+    # values are not all known, so nothing is converted to numpy.
+    case = _case()
+
+    def attend(kv_lens):
+        args = (case.q, case.kv_pages, kv_lens, case.page_indices, case.cu_q_lens, case.num_seqs)
+        return reference.ragged_paged_attention(*args, sm_scale=0.125)
+
+    out, _ = jax.eval_shape(attend, case.kv_lens)
+    assert out.shape == case.q.shape
 
 
 def test_traced_values_are_not_checked():

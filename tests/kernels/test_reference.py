@@ -287,6 +287,8 @@ def test_agrees_with_jax_reference():
         (lambda a: {**a, "page_indices": a["page_indices"][:1]}, "page_indices.shape"),
         (lambda a: {**a, "q": a["q"][:, :3]}, "multiple of num_kv_heads"),
         (lambda a: {**a, "kv_pages": a["kv_pages"].astype(jnp.int8)}, "k_scale and v_scale"),
+        (lambda a: {**a, "q": a["q"].astype(jnp.int32)}, "q.dtype"),
+        (lambda a: {**a, "kv_pages": a["kv_pages"].astype(jnp.int32)}, "kv_pages.dtype"),
     ],
 )
 def test_bad_input_raises_at_trace_time(mutate, match):
