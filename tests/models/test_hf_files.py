@@ -17,13 +17,14 @@ import pytest
 import safetensors.numpy
 
 from jaxkv.models import (
+    CheckpointError,
     LlamaConfig,
     RopeScaling,
     from_hf_tensors,
     load_hf_safetensors,
     make_dense_forward,
 )
-from jaxkv.models.checkpoint import flat_params
+from jaxkv.models.checkpoint import flat_params, read_safetensors
 from tests.models.conftest import hf_config_dict, small_config
 from tests.models.reference import hf_llama_forward, random_hf_weights
 from tests.models.test_checkpoint import TOKENS  # a program that file compiles
@@ -107,3 +108,11 @@ def test_loaded_parameters_take_the_requested_dtype(tmp_path):
     np.testing.assert_array_equal(
         params["norm.weight"], half["model.norm.weight"].astype(np.float32)
     )
+
+
+def test_a_tensor_whose_byte_range_does_not_match_its_shape_is_refused(tmp_path):
+    blob = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}).encode()
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(8))
+    with pytest.raises(CheckpointError, match=r"'w'.*bytes \[0, 4\) of 8 cannot hold F32 \[2\]"):
+        read_safetensors(path)
