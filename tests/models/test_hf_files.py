@@ -24,7 +24,7 @@ from jaxkv.models import (
     load_hf_safetensors,
     make_dense_forward,
 )
-from jaxkv.models.checkpoint import flat_params, read_safetensors
+from jaxkv.models.checkpoint import flat_params, read_safetensors, write_safetensors
 from tests.models.conftest import hf_config_dict, small_config
 from tests.models.reference import hf_llama_forward, random_hf_weights
 from tests.models.test_checkpoint import TOKENS  # a program that file compiles
@@ -116,3 +116,11 @@ def test_a_tensor_whose_byte_range_does_not_match_its_shape_is_refused(tmp_path)
     path.write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(8))
     with pytest.raises(CheckpointError, match=r"'w'.*bytes \[0, 4\) of 8 cannot hold F32 \[2\]"):
         read_safetensors(path)
+
+
+def test_written_safetensors_align_their_data_to_8_bytes(tmp_path):
+    path = tmp_path / "a.safetensors"
+    write_safetensors(path, {"odd_name": np.arange(3, dtype=np.float32)})
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    assert header_len % 8 == 0  # the format's requirement: data starts 8-byte aligned
+    np.testing.assert_array_equal(read_safetensors(path)["odd_name"], np.arange(3))

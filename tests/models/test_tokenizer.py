@@ -44,3 +44,9 @@ def test_invalid_utf8_cases_by_hand():
     # A str holding a lone surrogate is not Unicode text: refused, not mangled.
     with pytest.raises(ValueError):
         TOK.encode("\ud800")
+
+
+def test_bos_and_eos_are_added_independently():
+    assert TOK.encode("a", bos=True) == [TOK.bos_id, 97]
+    assert TOK.encode("a", eos=True) == [97, TOK.eos_id]
+    assert TOK.encode("") == [] and TOK.encode("", bos=True, eos=True) == [TOK.bos_id, TOK.eos_id]

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from jaxkv.models.train import Trainer, greedy_generate, make_optimizer
 from tests.models.conftest import random_model, small_config
@@ -85,3 +86,8 @@ def test_greedy_generate_takes_the_argmax_of_the_last_window_tokens():
         assert top2[1] - top2[0] > 1e-3, "near-tie: pick another seed"
         seq.append(int(np.argmax(logits)))
     assert greedy_generate(model, prompt, 4, window=window) == seq[len(prompt) :]
+
+
+def test_greedy_generate_refuses_an_empty_prompt():
+    with pytest.raises(ValueError, match="prompt must hold at least one token"):
+        greedy_generate(random_model(CONFIG), [], 1)
