@@ -82,9 +82,11 @@ def test_mixed_bf16_page_size_32_with_empty_sequence():
 @pytest.mark.parametrize("num_kv_splits", [1, 2])
 def test_bf16_with_float32_out_is_the_unrounded_output(num_kv_splits):
     # What a cascade pass asks for: the same result before its rounding to bfloat16.
+    # Key blocks of 16, so that two splits each hold keys and are merged unrounded.
     case = _case([(1, 37), (5, 20), (1, 60)], dtype=jnp.bfloat16)
-    out, lse = _run(case, num_kv_splits=num_kv_splits)
-    out32, lse32 = _run(case, num_kv_splits=num_kv_splits, out_dtype=jnp.float32)
+    knobs = dict(num_kv_splits=num_kv_splits, block_k=16)
+    out, lse = _run(case, **knobs)
+    out32, lse32 = _run(case, **knobs, out_dtype=jnp.float32)
     assert out.dtype == jnp.bfloat16 and out32.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(out32.astype(jnp.bfloat16)), np.asarray(out))
     np.testing.assert_array_equal(np.asarray(lse32), np.asarray(lse))
@@ -97,7 +99,11 @@ def test_bf16_with_float32_out_is_the_unrounded_output(num_kv_splits):
 
 def test_prefix_pass_non_causal():
     # The cascade prefix pass: one sequence holds every query token, all keys visible.
-    _check(_case([(7, 48)]), oracle_kw={"causal": False}, num_kv_splits=2, block_k=16)
+    # The second sequence is a level's gap: query tokens and no key, so both of its KV
+    # splits are empty and the merge must give out 0 and lse -inf, not NaN.
+    case = _case([(7, 48), (3, 3)])
+    case = case.replace(kv_lens=case.kv_lens.at[1].set(0), seq_lens=((7, 48), (3, 0)))
+    _check(case, oracle_kw={"causal": False}, num_kv_splits=2, block_k=16)
 
 
 def test_cascade_composition_matches_plain_attention():
@@ -128,9 +134,12 @@ def test_sliding_window_page_size_24():
 @pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
 def test_quantized_kv_with_scales(kv_dtype):
     case = _case([(1, 37), (4, 20)], dtype=jnp.bfloat16, kv_dtype=kv_dtype)
-    # int8 values span +-127, float8 ones about +-3: scales keep the logits O(1).
+    # int8 values span +-127, float8 ones about +-3: scales keep the logits O(1). The int8
+    # case also caps the logits, whose scale must then include k_scale before the cap.
     int8 = jnp.dtype(kv_dtype) == jnp.dtype(jnp.int8)
     scales = {"k_scale": 0.02, "v_scale": 0.03} if int8 else {"k_scale": 0.5, "v_scale": 0.25}
+    if int8:
+        scales["soft_cap"] = 1.0
     _check(case, oracle_kw=scales)
 
 
