@@ -8,6 +8,7 @@ compiled program of the case they break.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +52,8 @@ def _case(seq_lens, *, dtype=jnp.float32, head_dim=64, page_size=16, heads=(8, 2
 
 def test_decode_with_kv_splits_and_broken_inputs_fail():
     # 4 splits over at most 3 key blocks of 32: some splits are empty and must weigh 0.
-    case = _case([(1, 37), (1, 16), (1, 70), (1, 1)])
+    # Nine sequences: each program's binary search over cu_q_lens needs all its steps.
+    case = _case([(1, 37), (1, 16), (1, 70), (1, 1), (1, 5), (1, 33), (1, 17), (1, 2), (1, 48)])
     knobs = {"num_kv_splits": 4, "block_k": 32}
     expected = _check(case, **knobs)
     for broken in (harness.drop_one_key(case), harness.swap_kv(case)):
@@ -153,6 +155,11 @@ def test_default_config_fills_the_gpu_and_reads_shared_pages_rarely():
         max_num_tokens=128, max_num_seqs=128, max_q_len=None, kv_itemsize=2, **llama
     )
     assert big.num_kv_splits == 1
+    # 16 query heads per KV head still fit the 16-row decode block.
+    wide = default_config(
+        max_num_tokens=8, max_num_seqs=8, max_q_len=1, kv_itemsize=2, **{**llama, "group": 16}
+    )
+    assert wide.block_m == 16
     # Prefix pass: one sequence of 128 tokens x 4 heads = 512 rows, in 128-row blocks.
     prefix = default_config(
         max_num_tokens=128, max_num_seqs=1, max_q_len=None, kv_itemsize=2, **llama
@@ -171,13 +178,14 @@ def test_default_config_fills_the_gpu_and_reads_shared_pages_rarely():
     [
         ({"head_dim": 48}, "head_dim"),
         ({"block_m": 24}, "block_m"),
+        ({"block_m": 16, "heads": (32, 1)}, "block_m"),  # fewer rows than one token's
         ({"block_k": 8}, "block_k"),
         ({"num_kv_splits": 0}, "num_kv_splits"),
     ],
 )
 def test_rejects_unsupported_static_shapes(kw, match):
     head_dim = kw.pop("head_dim", 64)
-    case = _case([(1, 5)], head_dim=head_dim)
+    case = _case([(1, 5)], head_dim=head_dim, heads=kw.pop("heads", (8, 2)))
     with pytest.raises(ValueError, match=match):
         jax.eval_shape(
             functools.partial(ragged_paged_attention, sm_scale=SM_SCALE, interpret=True, **kw),
@@ -185,8 +193,20 @@ def test_rejects_unsupported_static_shapes(kw, match):
         )
 
 
-def _verified_triton_modules(monkeypatch) -> list[bool]:
-    """Runs the Triton dialect verifier on every module the Triton backend lowers."""
+def test_float8_needs_compute_capability_8_9(monkeypatch):
+    module = importlib.import_module("kernels_pallas.gpu.ragged_paged_attention")
+    case = _case([(1, 5)], dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn)
+    f = functools.partial(ragged_paged_attention, sm_scale=SM_SCALE, k_scale=1.0, v_scale=1.0)
+    monkeypatch.setattr(module, "_gpu_compute_capability", lambda: 8.6)  # an A10 or RTX 3090
+    with pytest.raises(ValueError, match="compute capability"):
+        jax.eval_shape(f, *case.args())
+    monkeypatch.setattr(module, "_gpu_compute_capability", lambda: 8.9)  # an L4 or RTX 4090
+    jax.eval_shape(f, *case.args())
+
+
+def _verified_triton_modules(monkeypatch) -> list[tuple[bool, str]]:
+    """Runs the Triton dialect verifier on every module the Triton backend lowers; each
+    entry is (verified, the module's text)."""
     from jax._src.pallas.triton import pallas_call_registration as registration
 
     lower = registration.lowering.lower_jaxpr_to_triton_module
@@ -194,7 +214,7 @@ def _verified_triton_modules(monkeypatch) -> list[bool]:
 
     def lower_and_verify(*args, **kwargs):
         result = lower(*args, **kwargs)
-        verified.append(result.module.operation.verify())
+        verified.append((result.module.operation.verify(), str(result.module)))
         return result
 
     monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
@@ -219,4 +239,9 @@ def test_lowers_for_cuda_to_a_verified_triton_call(monkeypatch, dtype, kv_dtype,
     text = jax.jit(f).trace(*case.args()).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
     assert "ragged_paged_attention_gpu" in text
-    assert verified == [True]
+    assert [ok for ok, _ in verified] == [True]
+    if dtype == jnp.float32:
+        # The interpreter multiplies in full float32 whatever the kernel asks; on the GPU a
+        # tf32 dot (10-bit mantissa) would break the float32 tolerance of 1e-5.
+        dots = [line for line in verified[0][1].splitlines() if "tt.dot" in line]
+        assert dots and not any("tf32" in d for d in dots), dots
