@@ -8,9 +8,10 @@ preempted by recompute: it gives all its blocks back and resumes later from scra
 (its prefix-cache hits make that cheap). A waiting request whose KV the connector can
 supply starts a load instead; once it lands the request needs no further block, so it
 is admitted ahead of the queue (jaxkv.scheduler_admission holds the admission order and
-why). update_from_output() applies the sampled tokens, stops requests, and either frees
-a finished request's blocks or lets the KV connector keep them held until an
-asynchronous save lands. Loads and saves are tracked by scheduler_transfers.TransferTracker.
+why). update_from_output() applies the sampled tokens (jaxkv.scheduler_update), stops
+requests, and either frees a finished request's blocks or lets the KV connector keep
+them held until an asynchronous save lands. Loads and saves are tracked by
+scheduler_transfers.TransferTracker.
 
 Liveness: add_request refuses a request the whole pool could not hold, and blocks are
 held only by running requests (which finish or are preempted), by copies in flight
@@ -29,19 +30,14 @@ import numpy as np
 from jaxkv.config import SchedulerConfig
 from jaxkv.kv_cache_manager import KVCacheManager, UnknownRequestError
 from jaxkv.kv_transfer import KVConnector
-from jaxkv.outputs import RequestOutput, request_output_of
+from jaxkv.outputs import RequestOutput
 from jaxkv.request import Request, RequestStatus
 from jaxkv.scheduler_admission import admit_waiting
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput, SchedulerStats, StepBatch
 from jaxkv.scheduler_transfers import TransferTracker
+from jaxkv.scheduler_update import apply_sampled_tokens
 
 __all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats"]
-
-_FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
 
 
 class Scheduler:
@@ -336,60 +332,7 @@ class Scheduler:
         """
         tokens = self._checked_tokens(output, sampled_token_ids)
         self._unapplied = None
-        outputs: list[RequestOutput] = []
-        finished: list[Request] = []
-        max_len = self.config.max_model_len
-        running = RequestStatus.RUNNING
-        num_prompt = num_decode = num_generated = 0
-        # The next step's decode carry: computed tokens, next token, and the requests whose
-        # next token needs the manager (a new block, or a block to cache), as in
-        # _needs_manager for one token. Valid only if this output covers all of `running`.
-        carry = DecodeCarry([], [], []) if output.requests == self.running else None
-        bs = self.manager.block_size
-        cache_offset = bs - 1 if self.manager.enable_prefix_caching else 0
-        for request, n, token in zip(
-            output.requests, output.num_scheduled_tokens.tolist(), tokens, strict=True
-        ):
-            if request.status is not running:
-                continue  # aborted between schedule and update
-            computed = request.num_computed_tokens + n
-            request.num_computed_tokens = computed
-            output_ids = request.output_token_ids
-            if n == 1 and output_ids:  # else prefill, also a preempted request's recompute
-                num_decode += 1
-            else:
-                num_prompt += n
-            if computed < request.num_tokens:
-                carry = None
-                continue  # a prefill chunk: the sampled token is not the next one
-            request.append_output_token_ids(token)
-            num_generated += 1
-            params = request.sampling_params
-            if token in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-            elif len(output_ids) >= params.max_tokens or computed + 1 >= max_len:
-                request.status = RequestStatus.FINISHED_LENGTH
-            else:
-                outputs.append(request_output_of((request.request_id, (token,), False, None)))
-                if carry is not None:
-                    carry.num_computed.append(computed)
-                    carry.token_ids.append(token)
-                    offset = computed % bs
-                    if offset == 0 or offset == cache_offset:
-                        carry.needing.append(request)
-                continue
-            finished.append(request)
-            reason = _FINISH_REASONS[request.status]
-            outputs.append(request_output_of((request.request_id, (token,), True, reason)))
-        if finished:
-            self._finish(finished)
-        self._decode_carry = carry
-        self._count(
-            num_prompt_tokens_computed=num_prompt,
-            num_decode_tokens_computed=num_decode,
-            num_generated_tokens=num_generated,
-        )
-        return outputs
+        return apply_sampled_tokens(self, output, tokens)
 
     def _checked_tokens(self, output: SchedulerOutput, sampled_token_ids) -> list[int]:
         """The sampled tokens as ints; ValueError unless update_from_output may apply them."""

@@ -1,0 +1,88 @@
+"""Applying one step's sampled tokens: computed tokens advance, tokens append, requests stop.
+
+Plain Python, no JAX. The body of Scheduler.update_from_output (whose docstring states
+the guarantees): it reads and changes the scheduler's running queue, decode carry and
+counters, so the scheduler is its only caller. It also prepares the next step's decode
+carry: when this step covered every running request, what the next decode step needs
+from each is gathered here, in the same pass.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jaxkv.outputs import RequestOutput, request_output_of
+from jaxkv.request import Request, RequestStatus
+from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput
+
+if TYPE_CHECKING:
+    from jaxkv.scheduler import Scheduler
+
+__all__ = ["apply_sampled_tokens"]
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+def apply_sampled_tokens(
+    scheduler: Scheduler, output: SchedulerOutput, tokens: list[int]
+) -> list[RequestOutput]:
+    """scheduler.update_from_output(output, tokens) once its arguments are checked."""
+    outputs: list[RequestOutput] = []
+    finished: list[Request] = []
+    max_len = scheduler.config.max_model_len
+    running = RequestStatus.RUNNING
+    num_prompt = num_decode = num_generated = 0
+    # The next step's decode carry: computed tokens, next token, and the requests whose
+    # next token needs the manager (a new block, or a block to cache), as in
+    # Scheduler._needs_manager for one token. Valid only if this output covers all of
+    # `running`.
+    carry = DecodeCarry([], [], []) if output.requests == scheduler.running else None
+    bs = scheduler.manager.block_size
+    cache_offset = bs - 1 if scheduler.manager.enable_prefix_caching else 0
+    for request, n, token in zip(
+        output.requests, output.num_scheduled_tokens.tolist(), tokens, strict=True
+    ):
+        if request.status is not running:
+            continue  # aborted between schedule and update
+        computed = request.num_computed_tokens + n
+        request.num_computed_tokens = computed
+        output_ids = request.output_token_ids
+        if n == 1 and output_ids:  # else prefill, also a preempted request's recompute
+            num_decode += 1
+        else:
+            num_prompt += n
+        if computed < request.num_tokens:
+            carry = None
+            continue  # a prefill chunk: the sampled token is not the next one
+        request.append_output_token_ids(token)
+        num_generated += 1
+        params = request.sampling_params
+        if token in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif len(output_ids) >= params.max_tokens or computed + 1 >= max_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+        else:
+            outputs.append(request_output_of((request.request_id, (token,), False, None)))
+            if carry is not None:
+                carry.num_computed.append(computed)
+                carry.token_ids.append(token)
+                offset = computed % bs
+                if offset == 0 or offset == cache_offset:
+                    carry.needing.append(request)
+            continue
+        finished.append(request)
+        reason = _FINISH_REASONS[request.status]
+        outputs.append(request_output_of((request.request_id, (token,), True, reason)))
+    if finished:
+        scheduler._finish(finished)
+    scheduler._decode_carry = carry
+    scheduler._count(
+        num_prompt_tokens_computed=num_prompt,
+        num_decode_tokens_computed=num_decode,
+        num_generated_tokens=num_generated,
+    )
+    return outputs
