@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxkv.batch import AttentionMetadata, LevelMetadata, build_attention_metadata
+from jaxkv.batch import AttentionMetadata, LevelMetadata
 from jaxkv.buckets import BucketConfig, padded_size
 from jaxkv.cascade import CascadeLevel, CascadePlan, CascadePlanner
 from tests.attention import workload
@@ -225,14 +225,7 @@ def test_a_level_with_a_gap_before_every_group_fills_the_largest_sequence_bucket
         buckets = dataclasses.replace(
             buckets_for(step.manager.block_size), max_cascade_groups=num_groups
         )
-        md = build_attention_metadata(
-            block_table=step.manager.block_table,
-            plan=plan,
-            query_lens=step.query_lens[plan.order],
-            num_computed_tokens=step.num_computed_tokens[plan.order],
-            block_size=step.manager.block_size,
-            buckets=buckets,
-        )
+        md = step.metadata(plan, buckets)
         assert md.levels[-1].page_indices.shape[0] == buckets.level_seq_buckets[-1]
         assert buckets.level_seq_buckets[-1] == 2 * num_groups
         assert level_mismatches(step, plan, level, md.levels[-1], buckets) == []
