@@ -10,7 +10,9 @@ Each plan must give the exact common prefix of the scheduled set, identical bloc
 across every group and no prefix over a member's query token; a planner reused across
 steps must plan what a fresh one plans; and through the metadata every valid query must
 attend to exactly the KV of its own context (serving_sim.reads_of against fingerprints
-of its tokens).
+of its tokens). Runs in which some steps fail before writing KV (Scheduler.discard,
+cancelling the loads those steps started) must read the same way: a cache hit on a
+block a failed step was to write reads unwritten content.
 
 Device part: steps of such a run with each level structure go through
 jaxkv.attention.paged_attention on the 'xla' backend and the Pallas GPU kernel in
@@ -139,6 +141,55 @@ def test_random_serving_runs_read_exactly_their_own_context():
     names = ("global", "groups", "global+groups", "holders", "partial", "preemptions", "loads")
     for name in (*names, "together"):
         assert totals.get(name, 0) >= 3, totals
+
+
+def serve_with_failed_steps(seed: int, num_steps: int = 60) -> tuple[int, int]:
+    """A random run in which a fifth of the steps fail before writing any KV
+    (Scheduler.discard, as Engine.step does); every step that runs must still read
+    exactly its own context. Returns (failed steps, loads those failures cancelled)."""
+    rng = np.random.default_rng(seed)
+    block_size = int(rng.choice([1, 2, 4]))
+    num_blocks = int(rng.choice([1.1, 1.6, 6.0]) * sim.MAX_MODEL_LEN / block_size) + 2
+    serving = sim.make_serving(
+        seed, block_size=block_size, num_blocks=num_blocks,
+        max_tokens=int(rng.choice([8, 16, 32])), max_groups=8,
+    )  # fmt: skip
+    planner = _planners(serving)[1]
+    scheduler, manager = serving.scheduler, serving.manager
+    serial = sim.add_requests(serving, 0, 4)
+    failed = cancelled = 0
+    for _ in range(num_steps):
+        if rng.random() < 0.3:
+            serial = sim.add_requests(serving, serial, int(rng.integers(1, 4)))
+        if rng.random() < 0.05 and scheduler.running:
+            victim = scheduler.running[int(rng.integers(len(scheduler.running)))]
+            scheduler.abort(victim.request_id)
+        out = scheduler.schedule()
+        if out.num_requests == 0:
+            continue
+        if rng.random() < 0.2:
+            cancelled += len(scheduler._transfers._new_loads)  # loads this schedule started
+            scheduler.discard(out)
+            manager.check_integrity()
+            failed += 1
+            continue
+        plan = planner.plan(
+            out.request_ids, out.num_computed_tokens, out.num_scheduled_tokens, manager
+        )
+        sim.check_plan(manager, out, plan)
+        order, md, _ = serving.step_inputs(out, plan, 1)
+        tokens = sim.batch_tokens(out, order)
+        sim.write_kv(serving, tokens, md)
+        assert sim.check_reads(serving.store, tokens, md) == [], seed
+        scheduler.update_from_output(out, rng.integers(0, 500, out.num_requests))
+    return failed, cancelled
+
+
+def test_runs_with_failed_steps_never_read_kv_the_failed_steps_were_to_write():
+    # A failed step's blocks leave the prefix cache and its new loads are cancelled; a
+    # cache hit on any of them would show here as a read of UNWRITTEN content.
+    totals = np.sum([serve_with_failed_steps(seed) for seed in range(40)], axis=0)
+    assert totals[0] >= 100 and totals[1] >= 10, totals
 
 
 def test_the_context_check_catches_a_short_level_and_a_foreign_block():
