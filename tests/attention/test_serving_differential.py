@@ -76,10 +76,8 @@ def _pays_alone(planner: CascadePlanner, out, plan: CascadePlan, *, bs: int) -> 
     return verdicts
 
 
-def serve(seed: int, visit=None) -> dict[str, int]:
-    """One random run of NUM_STEPS steps with every check above; returns counts of what
-    it exercised. `visit(serving, out, plan, md, tokens)` sees each step of the first
-    planner after its KV is written."""
+def random_run(seed: int) -> tuple[np.random.Generator, sim.Serving]:
+    """The random stream and serving setup of one random run (see random_steps)."""
     rng = np.random.default_rng(seed)
     block_size = int(rng.choice([1, 2, 4]))
     # From barely a full-length request's blocks (preemption) to roomy.
@@ -88,23 +86,40 @@ def serve(seed: int, visit=None) -> dict[str, int]:
         seed, block_size=block_size, num_blocks=num_blocks,
         max_tokens=int(rng.choice([8, 16, 32])), max_groups=8,
     )  # fmt: skip
-    planners = _planners(serving)
-    scheduler, manager = serving.scheduler, serving.manager
+    return rng, serving
+
+
+def random_steps(rng: np.random.Generator, serving: sim.Serving, num_steps: int):
+    """Yields the SchedulerOutput of each of `num_steps` schedule() calls that scheduled
+    something, after random arrivals and aborts; the caller applies or discards each
+    before the next."""
+    scheduler = serving.scheduler
     serial = sim.add_requests(serving, 0, 4)
-    seen: dict[str, int] = {}
-
-    def count(name: str, happened=True) -> None:
-        seen[name] = seen.get(name, 0) + bool(happened)
-
-    for _ in range(NUM_STEPS):
+    for _ in range(num_steps):
         if rng.random() < 0.3:
             serial = sim.add_requests(serving, serial, int(rng.integers(1, 4)))
         if rng.random() < 0.05 and scheduler.running:
             victim = scheduler.running[int(rng.integers(len(scheduler.running)))]
             scheduler.abort(victim.request_id)
         out = scheduler.schedule()
-        if out.num_requests == 0:
-            continue
+        if out.num_requests:
+            yield out
+
+
+def serve(seed: int, visit=None) -> dict[str, int]:
+    """One random run of NUM_STEPS steps with every check above; returns counts of what
+    it exercised. `visit(serving, out, plan, md, tokens)` sees each step of the first
+    planner after its KV is written."""
+    seen: dict[str, int] = {}
+
+    def count(name: str, happened=True) -> None:
+        seen[name] = seen.get(name, 0) + bool(happened)
+
+    rng, serving = random_run(seed)
+    planners = _planners(serving)
+    scheduler, manager = serving.scheduler, serving.manager
+    block_size = manager.block_size
+    for out in random_steps(rng, serving, NUM_STEPS):
         count("holders", len(manager.request_ids) > out.num_requests)
         count("partial", (out.num_computed_tokens % block_size).any())
         for k, planner in enumerate(planners):
@@ -147,26 +162,11 @@ def serve_with_failed_steps(seed: int, num_steps: int = 60) -> tuple[int, int]:
     """A random run in which a fifth of the steps fail before writing any KV
     (Scheduler.discard, as Engine.step does); every step that runs must still read
     exactly its own context. Returns (failed steps, loads those failures cancelled)."""
-    rng = np.random.default_rng(seed)
-    block_size = int(rng.choice([1, 2, 4]))
-    num_blocks = int(rng.choice([1.1, 1.6, 6.0]) * sim.MAX_MODEL_LEN / block_size) + 2
-    serving = sim.make_serving(
-        seed, block_size=block_size, num_blocks=num_blocks,
-        max_tokens=int(rng.choice([8, 16, 32])), max_groups=8,
-    )  # fmt: skip
+    rng, serving = random_run(seed)
     planner = _planners(serving)[1]
     scheduler, manager = serving.scheduler, serving.manager
-    serial = sim.add_requests(serving, 0, 4)
     failed = cancelled = 0
-    for _ in range(num_steps):
-        if rng.random() < 0.3:
-            serial = sim.add_requests(serving, serial, int(rng.integers(1, 4)))
-        if rng.random() < 0.05 and scheduler.running:
-            victim = scheduler.running[int(rng.integers(len(scheduler.running)))]
-            scheduler.abort(victim.request_id)
-        out = scheduler.schedule()
-        if out.num_requests == 0:
-            continue
+    for out in random_steps(rng, serving, num_steps):
         if rng.random() < 0.2:
             cancelled += len(scheduler._transfers._new_loads)  # loads this schedule started
             scheduler.discard(out)
