@@ -10,7 +10,6 @@ free(request).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -27,22 +26,10 @@ from jaxkv.allocation_args import (
 from jaxkv.block_pool import BlockPool, IntegrityError, KVCacheBlock, KVCacheEvent
 from jaxkv.block_table import HostBlockTable, UnknownRequestError
 from jaxkv.hashing import root_hash
+from jaxkv.prefix_cache_stats import PrefixCacheStats
 from jaxkv.request import Request
 
 __all__ = ["KVCacheManager", "PrefixCacheStats", "UnknownRequestError"]
-
-
-@dataclass(frozen=True)
-class PrefixCacheStats:
-    """Prefix-cache counters since the last reset, in tokens (requests counts lookups)."""
-
-    requests: int = 0  # number of get_computed_blocks calls
-    queries: int = 0  # tokens looked up (each request's num_tokens)
-    hits: int = 0  # tokens found cached
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class KVCacheManager:
