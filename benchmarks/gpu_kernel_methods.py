@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
 from kernels_pallas import reference
-from kernels_pallas.gpu import ragged_paged_attention
+from kernels_pallas.gpu import cuda_lowering_target, ragged_paged_attention
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 
@@ -85,7 +85,8 @@ def lower_full_size(b=64, p=8192, s=128, page_size=16) -> dict:
     }
     out = {}
     for name, (fn, args) in fns.items():
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        with cuda_lowering_target():
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         out[name] = text.count("__gpu$xla.gpu.triton")
         print(f"lowered {name} for cuda at B={b} P={p} S={s}: {out[name]} Triton call(s)")
     return out

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas import reference
-from kernels_pallas.gpu import ragged_paged_attention
+from kernels_pallas.gpu import cuda_lowering_target, ragged_paged_attention
 from kernels_pallas.gpu.tuning import default_config
 from tests.kernels import harness
 
@@ -221,6 +221,12 @@ def _verified_triton_modules(monkeypatch) -> list[tuple[bool, str]]:
     return verified
 
 
+def test_cuda_lowering_target_refuses_a_device_kind_that_is_not_nvidia():
+    with pytest.raises(ValueError, match="device_kind='TPU v5e' must be an NVIDIA device kind"):
+        with cuda_lowering_target("TPU v5e"):
+            pass
+
+
 @pytest.mark.parametrize(
     ("dtype", "kv_dtype", "kw"),
     [
@@ -236,7 +242,8 @@ def test_lowers_for_cuda_to_a_verified_triton_call(monkeypatch, dtype, kv_dtype,
     verified = _verified_triton_modules(monkeypatch)
     case = _case([(1, 37), (5, 20)], dtype=dtype, kv_dtype=kv_dtype, head_dim=128)
     f = functools.partial(ragged_paged_attention, sm_scale=SM_SCALE, **kw)
-    text = jax.jit(f).trace(*case.args()).lower(lowering_platforms=("cuda",)).as_text()
+    with cuda_lowering_target():
+        text = jax.jit(f).trace(*case.args()).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
     assert "ragged_paged_attention_gpu" in text
     assert [ok for ok, _ in verified] == [True]
