@@ -336,6 +336,7 @@ def ragged_paged_attention(
         num_kv_heads=num_kv_heads,
         group=group,
         head_dim=head_dim,
+        q_itemsize=jnp.dtype(q.dtype).itemsize,
         kv_itemsize=jnp.dtype(kv_pages.dtype).itemsize,
         page_size=page_size,
         pages_per_seq=pages_per_seq,

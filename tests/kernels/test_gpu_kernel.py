@@ -19,6 +19,7 @@ from kernels_pallas import reference
 from kernels_pallas.gpu import cuda_lowering_target, ragged_paged_attention
 from kernels_pallas.gpu.tuning import default_config
 from tests.kernels import harness
+from tests.kernels.triton_modules import lower_for_cuda
 
 SM_SCALE = 0.125
 
@@ -146,7 +147,9 @@ def test_quantized_kv_with_scales(kv_dtype):
 
 
 def test_default_config_fills_the_gpu_and_reads_shared_pages_rarely():
-    llama = dict(num_kv_heads=8, group=4, head_dim=128, page_size=16, pages_per_seq=520)
+    llama = dict(
+        num_kv_heads=8, group=4, head_dim=128, page_size=16, pages_per_seq=520, q_itemsize=2
+    )
     # Small decode batch: 8 sequences x 8 KV heads = 64 programs, so split the keys.
     small = default_config(max_num_tokens=8, max_num_seqs=8, max_q_len=1, kv_itemsize=2, **llama)
     assert (small.block_m, small.num_kv_splits) == (16, 8)
@@ -171,6 +174,12 @@ def test_default_config_fills_the_gpu_and_reads_shared_pages_rarely():
             max_num_tokens=8, max_num_seqs=8, max_q_len=1, kv_itemsize=itemsize, **llama
         )
         assert cfg.block_k * 128 * itemsize <= 32 * 1024
+    # Query tiles stay within 64 KiB: float32 queries of head_dim 256 take 64-row blocks.
+    f32_256 = {**llama, "head_dim": 256, "q_itemsize": 4}
+    prefill = default_config(
+        max_num_tokens=2048, max_num_seqs=8, max_q_len=None, kv_itemsize=4, **f32_256
+    )
+    assert prefill.block_m == 64
 
 
 @pytest.mark.parametrize(
@@ -204,23 +213,6 @@ def test_float8_needs_compute_capability_8_9(monkeypatch):
     jax.eval_shape(f, *case.args())
 
 
-def _verified_triton_modules(monkeypatch) -> list[tuple[bool, str]]:
-    """Runs the Triton dialect verifier on every module the Triton backend lowers; each
-    entry is (verified, the module's text)."""
-    from jax._src.pallas.triton import pallas_call_registration as registration
-
-    lower = registration.lowering.lower_jaxpr_to_triton_module
-    verified = []
-
-    def lower_and_verify(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        verified.append((result.module.operation.verify(), str(result.module)))
-        return result
-
-    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
-    return verified
-
-
 def test_cuda_lowering_target_refuses_a_device_kind_that_is_not_nvidia():
     with pytest.raises(ValueError, match="device_kind='TPU v5e' must be an NVIDIA device kind"):
         with cuda_lowering_target("TPU v5e"):
@@ -239,16 +231,13 @@ def test_cuda_lowering_target_refuses_a_device_kind_that_is_not_nvidia():
     ids=["bf16-splits", "int8-softcap", "fp8-window", "f32-noncausal", "bf16-f32-out"],
 )
 def test_lowers_for_cuda_to_a_verified_triton_call(monkeypatch, dtype, kv_dtype, kw):
-    verified = _verified_triton_modules(monkeypatch)
     case = _case([(1, 37), (5, 20)], dtype=dtype, kv_dtype=kv_dtype, head_dim=128)
     f = functools.partial(ragged_paged_attention, sm_scale=SM_SCALE, **kw)
-    with cuda_lowering_target():
-        text = jax.jit(f).trace(*case.args()).lower(lowering_platforms=("cuda",)).as_text()
-    assert "__gpu$xla.gpu.triton" in text
+    text, calls = lower_for_cuda(f, case.args(), monkeypatch)
     assert "ragged_paged_attention_gpu" in text
-    assert [ok for ok, _ in verified] == [True]
+    assert [call.verified for call in calls] == [True]
     if dtype == jnp.float32:
         # The interpreter multiplies in full float32 whatever the kernel asks; on the GPU a
         # tf32 dot (10-bit mantissa) would break the float32 tolerance of 1e-5.
-        dots = [line for line in verified[0][1].splitlines() if "tt.dot" in line]
+        dots = [line for line in calls[0].ir.splitlines() if "tt.dot" in line]
         assert dots and not any("tf32" in d for d in dots), dots
