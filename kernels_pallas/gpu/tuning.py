@@ -12,7 +12,7 @@ from typing import NamedTuple
 # Programs the split heuristic aims for: a few waves of a 132-SM H100/H200.
 _TARGET_PROGRAMS = 512
 _MAX_KV_SPLITS = 32
-_Q_TILE_BYTES = 64 * 1024
+_Q_TILE_BYTES = 32 * 1024
 
 
 def _next_pow2(n: int) -> int:
@@ -48,17 +48,18 @@ def default_config(
     and long key steps, and split the keys until about `_TARGET_PROGRAMS` programs run.
     Prefill-like calls (including the cascade prefix pass: one sequence holding a whole
     batch) take up to 128 rows so a shared page is read by few blocks. Query tiles
-    (at most 64 KiB) and key tiles are capped in bytes so that the compiled kernel fits
-    in an A100's 163 KiB of shared memory per block; Triton's own compile checks the
-    largest tilings of each dtype (tests/kernels/test_gpu_triton_compile.py).
+    (at most 32 KiB) and key tiles are capped in bytes so that the compiled kernel fits
+    in 99 KiB of shared memory per block, the least a GPU of compute capability 8.0 to
+    9.0 gives one block (8.6 and 8.9: 99 KiB; A100: 163; H100, H200: 227); Triton's own
+    compile checks the largest tilings of each dtype (test_gpu_triton_compile.py).
     """
     decode = (max_q_len is not None and max_q_len <= 1) or max_num_tokens <= max_num_seqs
     if decode:
         block_m = max(16, _next_pow2(group))
     else:
         q_len = max_num_tokens if max_q_len is None else min(max_q_len, max_num_tokens)
-        rows_in_64k = _Q_TILE_BYTES // (head_dim * q_itemsize)
-        block_m = max(16, _next_pow2(group), min(128, rows_in_64k, _next_pow2(q_len * group)))
+        rows_in_tile = _Q_TILE_BYTES // (head_dim * q_itemsize)
+        block_m = max(16, _next_pow2(group), min(128, rows_in_tile, _next_pow2(q_len * group)))
     tile_bytes = (32 if decode else 16) * 1024
     block_k = max(16, min(128, _next_pow2(tile_bytes // (head_dim * kv_itemsize) + 1) // 2))
     tokens_per_block = block_m // group

@@ -174,12 +174,12 @@ def test_default_config_fills_the_gpu_and_reads_shared_pages_rarely():
             max_num_tokens=8, max_num_seqs=8, max_q_len=1, kv_itemsize=itemsize, **llama
         )
         assert cfg.block_k * 128 * itemsize <= 32 * 1024
-    # Query tiles stay within 64 KiB: float32 queries of head_dim 256 take 64-row blocks.
+    # Query tiles stay within 32 KiB: float32 queries of head_dim 256 take 32-row blocks.
     f32_256 = {**llama, "head_dim": 256, "q_itemsize": 4}
     prefill = default_config(
         max_num_tokens=2048, max_num_seqs=8, max_q_len=None, kv_itemsize=4, **f32_256
     )
-    assert prefill.block_m == 64
+    assert prefill.block_m == 32
 
 
 @pytest.mark.parametrize(
