@@ -66,6 +66,7 @@ def _compile(call: TritonCall, cc: int, tmp_path, monkeypatch):
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))  # a real compile each run
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, stated
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "ragged_paged_attention_gpu.ttir"
     path.write_text(call.ir)
     options = {"num_warps": call.num_warps, "num_stages": call.num_stages}
@@ -102,3 +103,22 @@ def test_a_tiling_too_big_for_an_a100_is_caught(tmp_path, monkeypatch):
     call = _lower(monkeypatch, 80, PREFILL, F32, F32, 16, 16, 256, block_m=128, num_warps=8)
     compiled = _compile(call, 80, tmp_path, monkeypatch)
     assert compiled.metadata.shared > SHARED_BYTES_PER_BLOCK[80]
+
+
+@pytest.mark.parametrize("cc", [89, 90])
+def test_a_two_level_cascade_step_compiles(cc, tmp_path, monkeypatch):
+    # The dispatch as the model calls it: the main pass and the global and groups prefix
+    # passes (non-causal, float32 partial results) are three Triton calls.
+    from jaxkv.attention import paged_attention
+    from tests.attention.test_paged_attention import SM_SCALE, planned_inputs
+    from tests.models.test_attention_dispatch import BUCKETS, _cascade_step
+
+    step, plan = _cascade_step()
+    md, q, kv = planned_inputs(step, plan, BUCKETS)
+    q, kv = jnp.asarray(q, BF16), jnp.asarray(kv, BF16)
+    run = lambda q, kv: paged_attention(q, kv, md, sm_scale=SM_SCALE, backend="pallas_gpu")
+    _, calls = lower_for_cuda(run, (q, kv), monkeypatch, DEVICE_KIND[cc])
+    assert len(calls) == 3 and all(call.verified for call in calls)
+    for i, call in enumerate(calls):
+        compiled = _compile(call, cc, tmp_path / str(i), monkeypatch)
+        assert 0 < compiled.metadata.shared <= SHARED_BYTES_PER_BLOCK[cc]
