@@ -16,10 +16,12 @@ chosen, for four reasons:
 - hardware: Mosaic GPU targets Hopper and newer; Triton also runs on Ampere;
 - verification: much of a Mosaic GPU kernel (layouts, swizzles, barrier pipelining) is
   checked only on the device, and no GPU was at hand; the Triton module this file emits
-  passes the Triton dialect verifier on the CPU (see the lowering tests).
+  passes the Triton dialect verifier on the CPU and compiles to a cubin for sm_89 and
+  sm_90 with the triton package (tests/kernels/test_gpu_triton_compile.py).
 Porting the same tiling to Mosaic GPU for bf16 on Hopper is the follow-up once a Hopper
 machine can test it. The kernel body uses only loads, stores, dots, reductions and
-loops, which the Triton backend lowers on jax 0.10 (and, deprecated but present, 0.11).
+loops, which the Triton backend lowers on jax 0.10 (and, deprecated but present, on
+0.11 and 0.12).
 
 Layout of the work: grid (query block, KV head, KV split). A query block holds up to
 `block_m` rows, each row one (token, query head) pair of one sequence and of one KV
