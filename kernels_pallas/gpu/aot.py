@@ -1,10 +1,28 @@
-"""Lowering the GPU kernel for a CUDA device this process does not have (ahead of time)."""
+"""The GPU kernel ahead of time, on a machine without a GPU: lowering and Triton's compile.
+
+- `cuda_lowering_target` names the GPU to lower for.
+- `lower_triton_calls` lowers a function for CUDA and returns the Triton module of each
+  Pallas call in it: what XLA hands to its own Triton when it compiles the program on
+  a GPU.
+- `compile_triton_call` runs the `triton` package's compiler on such a module for a
+  compute capability given by hand (GPU layouts, software pipelining, LLVM, PTX,
+  ptxas), and reports what the binary needs per block: shared memory, registers and
+  stack (spilled registers). XLA bundles a Triton build of its own, so this is the same
+  pipeline, not the same build.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
+import jax
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 DEFAULT_CUDA_DEVICE_KIND = "NVIDIA H200"
@@ -27,3 +45,105 @@ def cuda_lowering_target(device_kind: str = DEFAULT_CUDA_DEVICE_KIND) -> Iterato
     device = AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
     with use_abstract_mesh(AbstractMesh((1,), ("lowering",), abstract_device=device)):
         yield
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonCall:
+    """One Triton kernel of a program lowered for CUDA."""
+
+    ir: str  # the Triton dialect module as text, without debug locations
+    verified: bool  # whether the module passes the Triton dialect verifier
+    num_warps: int
+    num_stages: int
+
+
+def lower_triton_calls(
+    fn: Callable, args: Sequence, device_kind: str = DEFAULT_CUDA_DEVICE_KIND
+) -> tuple[str, list[TritonCall]]:
+    """The StableHLO text of `jax.jit(fn)(*args)` lowered for CUDA on `device_kind`, and
+    its Triton calls in program order. `args` may be jax.ShapeDtypeStructs.
+
+    Reads each module by wrapping JAX's Pallas-to-Triton lowering function for the
+    duration of the call (a private JAX function; not thread-safe).
+    """
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    lowering = registration.lowering
+    lower = lowering.lower_jaxpr_to_triton_module
+    modules = []
+
+    def lower_and_capture(*a, **kw):
+        result = lower(*a, **kw)
+        op = result.module.operation
+        modules.append((op.get_asm(enable_debug_info=False), op.verify()))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = lower_and_capture
+    try:
+        with cuda_lowering_target(device_kind):
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    finally:
+        lowering.lower_jaxpr_to_triton_module = lower
+    lines = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+    if len(lines) != len(modules):
+        raise RuntimeError(f"{len(lines)} Triton custom calls but {len(modules)} modules")
+    calls = []
+    for line, (ir, verified) in zip(lines, modules, strict=True):
+        (num_warps,) = re.findall(r"num_warps = (\d+)", line)
+        (num_stages,) = re.findall(r"num_stages = (\d+)", line)
+        calls.append(TritonCall(ir, verified, int(num_warps), int(num_stages)))
+    return text, calls
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonBinary:
+    """What one compiled kernel needs per block; None where cuobjdump could not tell."""
+
+    compute_capability: int
+    shared_bytes: int
+    registers: int | None  # per thread
+    stack_bytes: int | None  # per thread; above 0, ptxas spilled registers to memory
+
+
+def compile_triton_call(call: TritonCall, compute_capability: int) -> TritonBinary:
+    """Triton's compile of `call` to a cubin for `compute_capability` (80, 89, 90, ...).
+
+    Needs the `triton` package (Linux); raises what Triton raises on a module it cannot
+    compile. Compiles afresh (its cache goes to a temporary folder).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    options = {"num_warps": call.num_warps, "num_stages": call.num_stages}
+    target = GPUTarget("cuda", compute_capability, 32)
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TRITON_DEFAULT_FP_FUSION")}
+        os.environ["TRITON_CACHE_DIR"] = str(Path(tmp) / "cache")
+        os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, stated
+        try:
+            path = Path(tmp) / "kernel.ttir"
+            path.write_text(call.ir)
+            compiled = triton.compile(str(path), target=target, options=options)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        registers, stack = _resource_usage(triton, cubin)
+    return TritonBinary(compute_capability, compiled.metadata.shared, registers, stack)
+
+
+def _resource_usage(triton, cubin: Path) -> tuple[int | None, int | None]:
+    """(registers, stack bytes) per thread from the cuobjdump that ships with Triton."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    try:
+        out = subprocess.run(
+            [str(tool), "-res-usage", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None, None
+    match = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return (int(match[1]), int(match[2])) if match else (None, None)

@@ -17,9 +17,9 @@ import pytest
 
 from kernels_pallas import reference
 from kernels_pallas.gpu import cuda_lowering_target, ragged_paged_attention
+from kernels_pallas.gpu.aot import lower_triton_calls
 from kernels_pallas.gpu.tuning import default_config
 from tests.kernels import harness
-from tests.kernels.triton_modules import lower_for_cuda
 
 SM_SCALE = 0.125
 
@@ -213,6 +213,19 @@ def test_float8_needs_compute_capability_8_9(monkeypatch):
     jax.eval_shape(f, *case.args())
 
 
+def test_lower_triton_calls_restores_jaxs_lowering_when_tracing_raises():
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    before = registration.lowering.lower_jaxpr_to_triton_module
+
+    def broken(q):
+        raise ZeroDivisionError("traced function failed")
+
+    with pytest.raises(ZeroDivisionError):
+        lower_triton_calls(broken, (jax.ShapeDtypeStruct((2,), jnp.float32),))
+    assert registration.lowering.lower_jaxpr_to_triton_module is before
+
+
 def test_cuda_lowering_target_refuses_a_device_kind_that_is_not_nvidia():
     with pytest.raises(ValueError, match="device_kind='TPU v5e' must be an NVIDIA device kind"):
         with cuda_lowering_target("TPU v5e"):
@@ -230,10 +243,10 @@ def test_cuda_lowering_target_refuses_a_device_kind_that_is_not_nvidia():
     ],
     ids=["bf16-splits", "int8-softcap", "fp8-window", "f32-noncausal", "bf16-f32-out"],
 )
-def test_lowers_for_cuda_to_a_verified_triton_call(monkeypatch, dtype, kv_dtype, kw):
+def test_lowers_for_cuda_to_a_verified_triton_call(dtype, kv_dtype, kw):
     case = _case([(1, 37), (5, 20)], dtype=dtype, kv_dtype=kv_dtype, head_dim=128)
     f = functools.partial(ragged_paged_attention, sm_scale=SM_SCALE, **kw)
-    text, calls = lower_for_cuda(f, case.args(), monkeypatch)
+    text, calls = lower_triton_calls(f, case.args())
     assert "ragged_paged_attention_gpu" in text
     assert [call.verified for call in calls] == [True]
     if dtype == jnp.float32:

@@ -1,15 +1,13 @@
 """The GPU kernel through Triton's own compiler, to a cubin, on a machine without a GPU.
 
 Lowering (test_gpu_kernel.py) stops at the Triton dialect module that XLA hands to its
-Triton when it compiles the program on a GPU. The `triton` package compiles that module
-the rest of the way (GPU layouts, software pipelining, LLVM, PTX, ptxas) for a compute
-capability given by hand, which catches what only the GPU compiler sees: a tile that
-cannot be laid out, or a kernel that needs more shared memory per block than the GPU
-has. Each default tiling must fit compute capability 8.9 (an L4 or L40: 99 KiB per
-block, the tightest limit; 8.0 to 8.9 share one code generation, and an A100's 163 KiB
-is looser) and 9.0 (an H100 or H200: 227 KiB, with a code generation of its own). XLA
-bundles a Triton build of its own, so this is the same compiler pipeline, not the same
-build.
+Triton when it compiles the program on a GPU. `kernels_pallas.gpu.aot` compiles that
+module the rest of the way with the `triton` package for a compute capability given by
+hand, which catches what only the GPU compiler sees: a tile that cannot be laid out, or
+a kernel that needs more shared memory per block than the GPU has. Each default tiling
+must fit compute capability 8.9 (an L4 or L40: 99 KiB per block, the tightest limit;
+8.0 to 8.9 share one code generation, and an A100's 163 KiB is looser) and 9.0 (an
+H100 or H200: 227 KiB, with a code generation of its own).
 
 Runs where `triton` is installed (the test extras install it on Linux x86_64).
 """
@@ -23,9 +21,9 @@ import jax.numpy as jnp
 import pytest
 
 from kernels_pallas.gpu import ragged_paged_attention
-from tests.kernels.triton_modules import TritonCall, lower_for_cuda
+from kernels_pallas.gpu.aot import TritonCall, compile_triton_call, lower_triton_calls
 
-triton = pytest.importorskip("triton", reason="needs the triton package (Linux x86_64)")
+pytest.importorskip("triton", reason="needs the triton package (Linux x86_64)")
 
 # Most dynamic shared memory one block may use (CUDA C Programming Guide, compute
 # capabilities table): 163 KiB on an A100, 99 KiB on an L4, 227 KiB on an H100 or H200.
@@ -39,8 +37,9 @@ PREFILL = (2048, 8, {})
 PREFIX = (256, 1, {"causal": False})  # the cascade prefix pass: one sequence, all queries
 
 
-def _lower(monkeypatch, cc, kind, q_dtype, kv_dtype, num_q_heads, num_kv_heads, head_dim,
-           **kernel_kw) -> TritonCall:  # fmt: skip
+def lower_default_call(cc, kind, q_dtype, kv_dtype, num_q_heads, num_kv_heads, head_dim,
+                       **kernel_kw) -> TritonCall:  # fmt: skip
+    """The one Triton call of the kernel for these shapes, lowered for GPU `cc`."""
     tokens, seqs, kw = kind
     pages_per_seq, page_size = 64, 16
     spec = jax.ShapeDtypeStruct
@@ -55,58 +54,42 @@ def _lower(monkeypatch, cc, kind, q_dtype, kv_dtype, num_q_heads, num_kv_heads, 
     if jnp.dtype(kv_dtype).itemsize == 1:
         kw = {**kw, "k_scale": 0.5, "v_scale": 0.5}
     f = functools.partial(ragged_paged_attention, sm_scale=0.1, **kw, **kernel_kw)
-    _, (call,) = lower_for_cuda(f, args, monkeypatch, DEVICE_KIND[cc])
+    _, (call,) = lower_triton_calls(f, args, DEVICE_KIND[cc])
     assert call.verified
     return call
-
-
-def _compile(call: TritonCall, cc: int, tmp_path, monkeypatch):
-    """Triton's compile of `call` for compute capability `cc`, down to a cubin."""
-    from triton.backends.compiler import GPUTarget
-
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))  # a real compile each run
-    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, stated
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "ragged_paged_attention_gpu.ttir"
-    path.write_text(call.ir)
-    options = {"num_warps": call.num_warps, "num_stages": call.num_stages}
-    compiled = triton.compile(str(path), target=GPUTarget("cuda", cc, 32), options=options)
-    assert compiled.asm["cubin"], "no cubin"
-    return compiled
 
 
 # The largest shared-memory users for each dtype (head_dim 256 prefill),
 # and Llama-3-8B heads (32 query, 8 KV, head_dim 128) for decode and the prefix pass.
 CASES = {
-    "bf16-decode-llama": (BF16, BF16, DECODE, 32, 8, 128),
-    "bf16-prefix-llama": (BF16, BF16, PREFIX, 32, 8, 128),
-    "bf16-prefill-256": (BF16, BF16, PREFILL, 16, 16, 256),
-    "f32-decode-256": (F32, F32, DECODE, 16, 16, 256),
-    "f32-prefill-256": (F32, F32, PREFILL, 16, 16, 256),
-    "int8-prefill-256": (BF16, I8, PREFILL, 16, 16, 256),
-    "fp8-prefill-256": (BF16, FP8, PREFILL, 16, 16, 256),
+    "bf16-decode-llama": (DECODE, BF16, BF16, 32, 8, 128),
+    "bf16-prefix-llama": (PREFIX, BF16, BF16, 32, 8, 128),
+    "bf16-prefill-256": (PREFILL, BF16, BF16, 16, 16, 256),
+    "f32-decode-256": (DECODE, F32, F32, 16, 16, 256),
+    "f32-prefill-256": (PREFILL, F32, F32, 16, 16, 256),
+    "int8-prefill-256": (PREFILL, BF16, I8, 16, 16, 256),
+    "fp8-prefill-256": (PREFILL, BF16, FP8, 16, 16, 256),
 }
 
 
 @pytest.mark.parametrize("cc", [89, 90])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_default_tiling_compiles_and_fits_shared_memory(case, cc, tmp_path, monkeypatch):
-    q_dtype, kv_dtype, kind, num_q_heads, num_kv_heads, head_dim = CASES[case]
-    call = _lower(monkeypatch, cc, kind, q_dtype, kv_dtype, num_q_heads, num_kv_heads, head_dim)
-    compiled = _compile(call, cc, tmp_path, monkeypatch)
-    assert 0 < compiled.metadata.shared <= SHARED_BYTES_PER_BLOCK[cc], compiled.metadata.shared
+def test_default_tiling_compiles_and_fits_shared_memory(case, cc):
+    call = lower_default_call(cc, *CASES[case])
+    binary = compile_triton_call(call, cc)
+    assert 0 < binary.shared_bytes <= SHARED_BYTES_PER_BLOCK[cc], binary
+    assert binary.registers is not None and 0 < binary.registers <= 255, binary
 
 
-def test_a_tiling_too_big_for_an_a100_is_caught(tmp_path, monkeypatch):
+def test_a_tiling_too_big_for_an_a100_is_caught():
     # 128 float32 query rows of head_dim 256 (the default before query tiles were capped)
     # need 168 KiB of shared memory: more than an A100 gives one block.
-    call = _lower(monkeypatch, 80, PREFILL, F32, F32, 16, 16, 256, block_m=128, num_warps=8)
-    compiled = _compile(call, 80, tmp_path, monkeypatch)
-    assert compiled.metadata.shared > SHARED_BYTES_PER_BLOCK[80]
+    call = lower_default_call(80, PREFILL, F32, F32, 16, 16, 256, block_m=128, num_warps=8)
+    assert compile_triton_call(call, 80).shared_bytes > SHARED_BYTES_PER_BLOCK[80]
 
 
 @pytest.mark.parametrize("cc", [89, 90])
-def test_a_two_level_cascade_step_compiles(cc, tmp_path, monkeypatch):
+def test_a_two_level_cascade_step_compiles(cc):
     # The dispatch as the model calls it: the main pass and the global and groups prefix
     # passes (non-causal, float32 partial results) are three Triton calls.
     from jaxkv.attention import paged_attention
@@ -117,8 +100,7 @@ def test_a_two_level_cascade_step_compiles(cc, tmp_path, monkeypatch):
     md, q, kv = planned_inputs(step, plan, BUCKETS)
     q, kv = jnp.asarray(q, BF16), jnp.asarray(kv, BF16)
     run = lambda q, kv: paged_attention(q, kv, md, sm_scale=SM_SCALE, backend="pallas_gpu")
-    _, calls = lower_for_cuda(run, (q, kv), monkeypatch, DEVICE_KIND[cc])
+    _, calls = lower_triton_calls(run, (q, kv), DEVICE_KIND[cc])
     assert len(calls) == 3 and all(call.verified for call in calls)
-    for i, call in enumerate(calls):
-        compiled = _compile(call, cc, tmp_path / str(i), monkeypatch)
-        assert 0 < compiled.metadata.shared <= SHARED_BYTES_PER_BLOCK[cc]
+    for call in calls:
+        assert 0 < compile_triton_call(call, cc).shared_bytes <= SHARED_BYTES_PER_BLOCK[cc]
