@@ -47,21 +47,32 @@ def default_config(
     Decode-like calls (max_q_len 1, or no more tokens than sequences) take 16-row blocks
     and long key steps, and split the keys until about `_TARGET_PROGRAMS` programs run.
     Prefill-like calls (including the cascade prefix pass: one sequence holding a whole
-    batch) take up to 128 rows so a shared page is read by few blocks. Query tiles
-    (at most 32 KiB) and key tiles are capped in bytes so that the compiled kernel fits
-    in 99 KiB of shared memory per block, the least a GPU of compute capability 8.0 to
-    9.0 gives one block (8.6 and 8.9: 99 KiB; A100: 163; H100, H200: 227); Triton's own
-    compile checks the largest tilings of each dtype (test_gpu_triton_compile.py).
+    batch) take up to 128 rows so a shared page is read by few blocks.
+
+    Tiles are capped in bytes: query tiles at 32 KiB, key tiles at 32 KiB (decode) or
+    16 KiB, both counted in the dtype the dots read (int8 and float8 pages are widened
+    to the query dtype first), and half that for float32 queries, whose exact dots run
+    on FMA units, not tensor cores, and hold their operands in registers. Blocks of at
+    least 64 x 128 query elements, and float32 queries, take 8 warps. So every default
+    tiling fits the 99 KiB of
+    shared memory a GPU of compute capability 8.6 or 8.9 gives one block (A100: 163 KiB;
+    H100, H200: 227), and Triton's compile for sm_80, sm_89 and sm_90 spills few or no
+    registers (benchmarks/gpu_compile_report.py; the shared memory is tested in
+    tests/kernels/test_gpu_triton_compile.py). Chosen from those static figures: no
+    tiling here has been timed on a GPU.
     """
     decode = (max_q_len is not None and max_q_len <= 1) or max_num_tokens <= max_num_seqs
+    fma = q_itemsize >= 4  # float32 queries: exact dots on FMA units
+    q_tile_bytes = _Q_TILE_BYTES // (2 if fma else 1)
     if decode:
         block_m = max(16, _next_pow2(group))
     else:
         q_len = max_num_tokens if max_q_len is None else min(max_q_len, max_num_tokens)
-        rows_in_tile = _Q_TILE_BYTES // (head_dim * q_itemsize)
+        rows_in_tile = q_tile_bytes // (head_dim * q_itemsize)
         block_m = max(16, _next_pow2(group), min(128, rows_in_tile, _next_pow2(q_len * group)))
-    tile_bytes = (32 if decode else 16) * 1024
-    block_k = max(16, min(128, _next_pow2(tile_bytes // (head_dim * kv_itemsize) + 1) // 2))
+    tile_bytes = (32 if decode else 16) * 1024 // (2 if fma else 1)
+    dot_itemsize = max(kv_itemsize, q_itemsize)
+    block_k = max(16, min(128, _next_pow2(tile_bytes // (head_dim * dot_itemsize) + 1) // 2))
     tokens_per_block = block_m // group
     if decode:
         busy_programs = max_num_seqs * num_kv_heads
@@ -73,6 +84,6 @@ def default_config(
         block_m=block_m,
         block_k=block_k,
         num_kv_splits=max(1, min(splits, key_blocks, _MAX_KV_SPLITS)),
-        num_warps=8 if block_m >= 128 else 4,
+        num_warps=8 if fma or block_m * head_dim >= 64 * 128 else 4,
         num_stages=2,
     )

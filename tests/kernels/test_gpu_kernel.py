@@ -174,12 +174,20 @@ def test_default_config_fills_the_gpu_and_reads_shared_pages_rarely():
             max_num_tokens=8, max_num_seqs=8, max_q_len=1, kv_itemsize=itemsize, **llama
         )
         assert cfg.block_k * 128 * itemsize <= 32 * 1024
-    # Query tiles stay within 32 KiB: float32 queries of head_dim 256 take 32-row blocks.
+    # Query tiles stay within 32 KiB, 16 KiB for float32 queries (exact dots on FMA
+    # units): float32 queries of head_dim 256 take 16-row blocks, and 8 warps.
     f32_256 = {**llama, "head_dim": 256, "q_itemsize": 4}
     prefill = default_config(
         max_num_tokens=2048, max_num_seqs=8, max_q_len=None, kv_itemsize=4, **f32_256
     )
-    assert prefill.block_m == 32
+    assert (prefill.block_m, prefill.block_k, prefill.num_warps) == (16, 16, 8)
+    # int8 pages are widened to the query dtype before the dots: their key tile is sized
+    # as a bfloat16 one.
+    for kv_itemsize in (1, 2):
+        cfg = default_config(
+            max_num_tokens=2048, max_num_seqs=8, max_q_len=None, kv_itemsize=kv_itemsize, **llama
+        )
+        assert (cfg.block_m, cfg.block_k, cfg.num_warps) == (128, 64, 8)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,164 @@
+"""What the GPU kernel's default tilings need per block, from Triton's compile, no GPU.
+
+For each kind of call the engine makes (decode, prefill, cascade prefix pass), each head
+layout and each query/KV dtype pair, lowers `kernels_pallas.gpu.ragged_paged_attention`
+for CUDA with its default tiling (`kernels_pallas.gpu.tuning.default_config`), compiles
+the Triton module to a cubin with the `triton` package for each compute capability
+(kernels_pallas.gpu.aot), and reports shared memory per block against the GPU's limit,
+registers per thread, and stack bytes per thread (registers ptxas spilled to local
+memory; a few bytes can be a local array). Static figures: nothing runs, so they hold
+on any machine with the same jax and triton. Prints a table and writes JSON.
+
+    python benchmarks/gpu_compile_report.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import platform
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.gpu import ragged_paged_attention
+from kernels_pallas.gpu.aot import compile_triton_call, lower_triton_calls
+from kernels_pallas.gpu.tuning import default_config
+
+# Most dynamic shared memory one block may use (CUDA C Programming Guide).
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+DEVICE_KIND = {80: "NVIDIA A100", 86: "NVIDIA A10", 89: "NVIDIA L4", 90: "NVIDIA H200"}
+KINDS = {  # tokens, sequences, kernel keywords
+    "decode": (256, 256, {"max_q_len": 1}),
+    "prefill": (2048, 8, {}),
+    "prefix": (256, 1, {"causal": False}),
+}
+HEADS = {  # query heads, KV heads, head_dim
+    "llama3-8b": (32, 8, 128),
+    "llama3.2-1b": (32, 8, 64),
+    "gqa8": (8, 1, 128),
+    "mha-d256": (16, 16, 256),
+}
+DTYPES = {
+    "bf16": (jnp.bfloat16, jnp.bfloat16),
+    "f32": (jnp.float32, jnp.float32),
+    "bf16/int8": (jnp.bfloat16, jnp.int8),
+    "bf16/fp8": (jnp.bfloat16, jnp.float8_e4m3fn),
+}
+PAGE_SIZE, PAGES_PER_SEQ, NUM_PAGES = 16, 64, 256
+
+
+def tiling(kind: str, heads: str, dtypes: str):
+    tokens, seqs, kw = KINDS[kind]
+    num_q_heads, num_kv_heads, head_dim = HEADS[heads]
+    q_dtype, kv_dtype = DTYPES[dtypes]
+    return default_config(
+        max_num_tokens=tokens, max_num_seqs=seqs, max_q_len=kw.get("max_q_len"),
+        num_kv_heads=num_kv_heads, group=num_q_heads // num_kv_heads, head_dim=head_dim,
+        q_itemsize=jnp.dtype(q_dtype).itemsize, kv_itemsize=jnp.dtype(kv_dtype).itemsize,
+        page_size=PAGE_SIZE, pages_per_seq=PAGES_PER_SEQ,
+    )  # fmt: skip
+
+
+def compile_point(kind: str, heads: str, dtypes: str, cc: int) -> dict:
+    tokens, seqs, kw = KINDS[kind]
+    num_q_heads, num_kv_heads, head_dim = HEADS[heads]
+    q_dtype, kv_dtype = DTYPES[dtypes]
+    spec = jax.ShapeDtypeStruct
+    args = (
+        spec((tokens, num_q_heads, head_dim), q_dtype),
+        spec((NUM_PAGES, PAGE_SIZE, 2 * num_kv_heads, head_dim), kv_dtype),
+        spec((seqs,), jnp.int32),
+        spec((seqs, PAGES_PER_SEQ), jnp.int32),
+        spec((seqs + 1,), jnp.int32),
+        spec((1,), jnp.int32),
+    )
+    if jnp.dtype(kv_dtype).itemsize == 1:
+        kw = {**kw, "k_scale": 0.5, "v_scale": 0.5}
+    fn = functools.partial(ragged_paged_attention, sm_scale=head_dim**-0.5, **kw)
+    _, (call,) = lower_triton_calls(fn, args, DEVICE_KIND[cc])
+    start = time.perf_counter()
+    binary = compile_triton_call(call, cc)
+    return dict(
+        kind=kind, heads=heads, dtypes=dtypes, cc=cc, **tiling(kind, heads, dtypes)._asdict(),
+        shared_bytes=binary.shared_bytes, shared_limit=SHARED_LIMIT[cc],
+        fits=binary.shared_bytes <= SHARED_LIMIT[cc], registers=binary.registers,
+        stack_bytes=binary.stack_bytes, compile_s=time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def print_table(rows: list[dict], ccs: list[int]) -> None:
+    by_point = {}
+    for r in rows:
+        by_point.setdefault((r["kind"], r["heads"], r["dtypes"]), {})[r["cc"]] = r
+    head = f"{'kind':8} {'heads':12} {'q/kv':10} {'bm':>4} {'bk':>4} {'wp':>3}"
+    head += "".join(f" | sm_{cc}: KiB reg stack" for cc in ccs)
+    print(head)
+    for (kind, heads, dtypes), per_cc in by_point.items():
+        first = next(iter(per_cc.values()))
+        line = f"{kind:8} {heads:12} {dtypes:10} {first['block_m']:>4} {first['block_k']:>4}"
+        line += f" {first['num_warps']:>3}"
+        for cc in ccs:
+            r = per_cc.get(cc)
+            if r is None:
+                line += f" | {'-':>21}"
+                continue
+            mark = "" if r["fits"] else "!"
+            line += f" | {r['shared_bytes'] / 1024:>10.0f}{mark:1} {r['registers']!s:>3} "
+            line += f"{r['stack_bytes']!s:>5}"
+        print(line)
+
+
+def summary(rows: list[dict], ccs: list[int]) -> dict:
+    out = {}
+    for cc in ccs:
+        at = [r for r in rows if r["cc"] == cc]
+        spills = [r for r in at if (r["stack_bytes"] or 0) > 16]
+        out[f"sm_{cc}"] = dict(
+            tilings=len(at), over_shared_limit=sum(not r["fits"] for r in at),
+            max_shared_kib=max(r["shared_bytes"] for r in at) / 1024,
+            shared_limit_kib=SHARED_LIMIT[cc] / 1024, spilling=len(spills),
+            max_stack_bytes=max((r["stack_bytes"] or 0) for r in at),
+        )  # fmt: skip
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cc", type=int, nargs="+", default=[80, 89, 90],
+                        choices=sorted(SHARED_LIMIT), help="compute capabilities")  # fmt: skip
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    parser.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    import triton  # fail early: the report needs the triton package
+
+    rows = []
+    for kind, heads, dtypes, cc in itertools.product(args.kinds, args.heads, args.dtypes, args.cc):
+        if dtypes == "bf16/fp8" and cc < 89:
+            continue  # float8_e4m3fn needs compute capability 8.9; the kernel refuses it below
+        rows.append(compile_point(kind, heads, dtypes, cc))
+        print(".", end="", flush=True)
+    print()
+    print_table(rows, args.cc)
+    totals = summary(rows, args.cc)
+    for cc, s in totals.items():
+        print(f"{cc}: {s}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = dict(
+        machine=platform.machine(), jax=jax.__version__, triton=triton.__version__,
+        page_size=PAGE_SIZE, pages_per_seq=PAGES_PER_SEQ,
+        kinds={k: v[:2] for k, v in KINDS.items()},
+    )  # fmt: skip
+    path = args.out / "gpu_compile_report.json"
+    path.write_text(json.dumps(dict(meta=meta, summary=totals, results=rows), indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
