@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.gpu import ragged_paged_attention
-from kernels_pallas.gpu.aot import compile_triton_call, lower_triton_calls
+from kernels_pallas.gpu.aot import compile_triton_call, kernel_arg_specs, lower_triton_calls
 from kernels_pallas.gpu.tuning import default_config
 
 # Most dynamic shared memory one block may use (CUDA C Programming Guide).
@@ -68,15 +68,11 @@ def compile_point(kind: str, heads: str, dtypes: str, cc: int) -> dict:
     tokens, seqs, kw = KINDS[kind]
     num_q_heads, num_kv_heads, head_dim = HEADS[heads]
     q_dtype, kv_dtype = DTYPES[dtypes]
-    spec = jax.ShapeDtypeStruct
-    args = (
-        spec((tokens, num_q_heads, head_dim), q_dtype),
-        spec((NUM_PAGES, PAGE_SIZE, 2 * num_kv_heads, head_dim), kv_dtype),
-        spec((seqs,), jnp.int32),
-        spec((seqs, PAGES_PER_SEQ), jnp.int32),
-        spec((seqs + 1,), jnp.int32),
-        spec((1,), jnp.int32),
-    )
+    args = kernel_arg_specs(
+        num_tokens=tokens, num_seqs=seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype, num_pages=NUM_PAGES,
+        page_size=PAGE_SIZE, pages_per_seq=PAGES_PER_SEQ,
+    )  # fmt: skip
     if jnp.dtype(kv_dtype).itemsize == 1:
         kw = {**kw, "k_scale": 0.5, "v_scale": 0.5}
     fn = functools.partial(ragged_paged_attention, sm_scale=head_dim**-0.5, **kw)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 DEFAULT_CUDA_DEVICE_KIND = "NVIDIA H200"
@@ -45,6 +46,23 @@ def cuda_lowering_target(device_kind: str = DEFAULT_CUDA_DEVICE_KIND) -> Iterato
     device = AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
     with use_abstract_mesh(AbstractMesh((1,), ("lowering",), abstract_device=device)):
         yield
+
+
+def kernel_arg_specs(
+    *, num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+    q_dtype, kv_dtype, num_pages: int, page_size: int, pages_per_seq: int,
+) -> tuple[jax.ShapeDtypeStruct, ...]:  # fmt: skip
+    """Abstract arguments of `ragged_paged_attention` (q, kv_pages, kv_lens, page_indices,
+    cu_q_lens, num_seqs), to lower it for given shapes without any data."""
+    spec, i32 = jax.ShapeDtypeStruct, jnp.int32
+    return (
+        spec((num_tokens, num_q_heads, head_dim), q_dtype),
+        spec((num_pages, page_size, 2 * num_kv_heads, head_dim), kv_dtype),
+        spec((num_seqs,), i32),
+        spec((num_seqs, pages_per_seq), i32),
+        spec((num_seqs + 1,), i32),
+        spec((1,), i32),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import pytest
 
 from kernels_pallas.gpu import ragged_paged_attention
-from kernels_pallas.gpu.aot import TritonCall, compile_triton_call, lower_triton_calls
+from kernels_pallas.gpu.aot import (
+    TritonCall,
+    compile_triton_call,
+    kernel_arg_specs,
+    lower_triton_calls,
+)
 
 pytest.importorskip("triton", reason="needs the triton package (Linux x86_64)")
 
@@ -41,16 +45,11 @@ def lower_default_call(cc, kind, q_dtype, kv_dtype, num_q_heads, num_kv_heads, h
                        **kernel_kw) -> TritonCall:  # fmt: skip
     """The one Triton call of the kernel for these shapes, lowered for GPU `cc`."""
     tokens, seqs, kw = kind
-    pages_per_seq, page_size = 64, 16
-    spec = jax.ShapeDtypeStruct
-    args = (
-        spec((tokens, num_q_heads, head_dim), q_dtype),
-        spec((256, page_size, 2 * num_kv_heads, head_dim), kv_dtype),
-        spec((seqs,), jnp.int32),
-        spec((seqs, pages_per_seq), jnp.int32),
-        spec((seqs + 1,), jnp.int32),
-        spec((1,), jnp.int32),
-    )
+    args = kernel_arg_specs(
+        num_tokens=tokens, num_seqs=seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype, num_pages=256, page_size=16,
+        pages_per_seq=64,
+    )  # fmt: skip
     if jnp.dtype(kv_dtype).itemsize == 1:
         kw = {**kw, "k_scale": 0.5, "v_scale": 0.5}
     f = functools.partial(ragged_paged_attention, sm_scale=0.1, **kw, **kernel_kw)
@@ -104,3 +103,20 @@ def test_a_two_level_cascade_step_compiles(cc):
     assert len(calls) == 3 and all(call.verified for call in calls)
     for call in calls:
         assert 0 < compile_triton_call(call, cc).shared_bytes <= SHARED_BYTES_PER_BLOCK[cc]
+
+
+def test_compile_report_writes_a_row_per_tiling(tmp_path, monkeypatch, capsys):
+    import json
+    import sys
+
+    from benchmarks import gpu_compile_report
+
+    argv = ["gpu_compile_report.py", "--kinds", "decode", "--heads", "llama3.2-1b"]
+    argv += ["--dtypes", "bf16", "bf16/fp8", "--cc", "80", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    gpu_compile_report.main()
+    report = json.loads((tmp_path / "gpu_compile_report.json").read_text())
+    # float8 pages need compute capability 8.9: no sm_80 row for them.
+    assert [(r["dtypes"], r["cc"]) for r in report["results"]] == [("bf16", 80)]
+    assert report["results"][0]["fits"] and report["summary"]["sm_80"]["tilings"] == 1
+    assert "decode   llama3.2-1b  bf16" in capsys.readouterr().out
