@@ -50,7 +50,7 @@ from jaxkv import (  # noqa: E402
 from jaxkv.attention import default_backend  # noqa: E402
 from jaxkv.cascade import CascadeCostModel  # noqa: E402
 from jaxkv.models import ByteTokenizer, Llama, LlamaConfig, load_checkpoint  # noqa: E402
-from kernels_pallas.tpu.kernel import SUPPORTED_HEAD_DIMS as TPU_HEAD_DIMS  # noqa: E402
+from kernels_pallas.tpu.ragged_paged_attention import SUPPORTED_HEAD_DIMS as TPU_HEAD_DIMS  # noqa: E402
 
 SHIPPED_CHECKPOINT = REPO / "examples" / "checkpoints" / "tiny"
 CACHED_CHECKPOINT = REPO / ".cache" / "tiny_lm"  # git-ignored; written when none is shipped

@@ -1,6 +1,6 @@
 """Pallas TPU (Mosaic) kernels: ragged paged attention with LSE, for flat and cascade attention."""
 
-from kernels_pallas.tpu.kernel import ragged_paged_attention
+from kernels_pallas.tpu.ragged_paged_attention import ragged_paged_attention
 from kernels_pallas.tpu.tuning import (
     TUNED_BLOCK_SIZES,
     BlockSizes,
