@@ -120,14 +120,15 @@ class TritonBinary:
     compute_capability: int
     shared_bytes: int
     registers: int | None  # per thread
-    stack_bytes: int | None  # per thread; above 0, ptxas spilled registers to memory
+    stack_bytes: int | None  # per thread: registers ptxas spilled, and local arrays
 
 
 def compile_triton_call(call: TritonCall, compute_capability: int) -> TritonBinary:
     """Triton's compile of `call` to a cubin for `compute_capability` (80, 89, 90, ...).
 
     Needs the `triton` package (Linux); raises what Triton raises on a module it cannot
-    compile. Compiles afresh (its cache goes to a temporary folder).
+    compile. Compiles afresh: Triton's cache goes to a temporary folder, and the
+    environment variables set for the compile are restored after it.
     """
     import triton
     from triton.backends.compiler import GPUTarget

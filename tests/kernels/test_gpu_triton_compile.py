@@ -15,6 +15,7 @@ Runs where `triton` is installed (the test extras install it on Linux x86_64).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax.numpy as jnp
 import pytest
@@ -80,11 +81,13 @@ def test_default_tiling_compiles_and_fits_shared_memory(case, cc):
     assert binary.registers is not None and 0 < binary.registers <= 255, binary
 
 
-def test_a_tiling_too_big_for_an_a100_is_caught():
+def test_a_tiling_too_big_for_an_a100_is_caught(monkeypatch, tmp_path):
     # 128 float32 query rows of head_dim 256 (the default before query tiles were capped)
     # need 168 KiB of shared memory: more than an A100 gives one block.
     call = lower_default_call(80, PREFILL, F32, F32, 16, 16, 256, block_m=128, num_warps=8)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     assert compile_triton_call(call, 80).shared_bytes > SHARED_BYTES_PER_BLOCK[80]
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path)  # the caller's, restored
 
 
 @pytest.mark.parametrize("cc", [89, 90])
