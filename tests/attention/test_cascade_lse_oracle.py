@@ -29,6 +29,7 @@ from tests.attention.test_paged_attention import (
     planned_inputs,
 )
 from tests.kernels import test_tpu_dispatch as tpu
+from tests.kernels.harness import INTERPRET_TPU
 
 ATOL = RTOL = LSE_ATOL = 1e-5
 
@@ -131,7 +132,9 @@ def test_cascade_lse_on_interpreted_tpu_kernel_equals_the_float64_oracle():
 
     def run(md):
         args = (jnp.asarray(q), jnp.asarray(kv), md)
-        options = dict(sm_scale=tpu.SM_SCALE, backend="pallas_tpu", interpret=True, return_lse=True)
+        options = dict(
+            sm_scale=tpu.SM_SCALE, backend="pallas_tpu", interpret=INTERPRET_TPU, return_lse=True
+        )
         return tpu._attention(*args, **options)
 
     out, lse = run(md)

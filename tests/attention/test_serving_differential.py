@@ -33,6 +33,10 @@ import pytest
 from jaxkv.attention import paged_attention
 from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlan, CascadePlanner
 from tests.attention import serving_sim as sim
+from tests.kernels.harness import INTERPRET_GPU, INTERPRET_TPU
+
+# The kernels run compiled on their own device, interpreted elsewhere.
+INTERPRET = {"xla": False, "pallas_gpu": INTERPRET_GPU, "pallas_tpu": INTERPRET_TPU}
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
 SM_SCALE = HEAD_DIM**-0.5
@@ -296,7 +300,7 @@ def test_attention_over_random_serving_steps_equals_the_dense_oracle(backend, st
         for metadata in (md, _poisoned(md, len(store), rng)):
             out = paged_attention(
                 jnp.asarray(q, jnp.float32), jnp.asarray(kv, jnp.float32), metadata,
-                sm_scale=SM_SCALE, backend=backend, interpret=backend != "xla",
+                sm_scale=SM_SCALE, backend=backend, interpret=INTERPRET[backend],
             )  # fmt: skip
             out = np.asarray(out, np.float64)
             np.testing.assert_allclose(out[: len(tokens)], want, atol=2e-5, rtol=2e-5, err_msg=name)

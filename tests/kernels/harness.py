@@ -13,8 +13,20 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def interpret_unless_on(platform: str) -> bool:
+    """The kernels' `interpret` flag in tests: False where JAX's default backend is
+    `platform` ("gpu" or "tpu"), so the same tests run the compiled kernel on that
+    device; True elsewhere (the Pallas interpreter, e.g. on the CPU)."""
+    return jax.default_backend() != platform
+
+
+INTERPRET_GPU = interpret_unless_on("gpu")
+INTERPRET_TPU = interpret_unless_on("tpu")
 
 
 @dataclasses.dataclass(frozen=True)

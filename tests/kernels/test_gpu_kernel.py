@@ -1,8 +1,9 @@
 """The Pallas GPU (Triton) ragged paged attention kernel against the dense oracle.
 
-Every case runs the kernel in interpret mode on the CPU. Each distinct static shape costs
-one compile of a few seconds, so cases are tiny and the broken-input checks reuse the
-compiled program of the case they break.
+Every case runs the kernel in interpret mode off a GPU (on the CPU) and compiled on a GPU
+(harness.INTERPRET_GPU). Each distinct static shape costs one compile of a few seconds,
+so cases are tiny and the broken-input checks reuse the compiled program of the case
+they break.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ SM_SCALE = 0.125
 
 
 def _run(case: harness.Case, **kw):
-    return ragged_paged_attention(*case.args(), sm_scale=SM_SCALE, interpret=True, **kw)
+    return ragged_paged_attention(
+        *case.args(), sm_scale=SM_SCALE, interpret=harness.INTERPRET_GPU, **kw
+    )
 
 
 def _check(case: harness.Case, *, oracle_kw=None, **kernel_kw):
@@ -115,7 +118,7 @@ def test_cascade_composition_matches_plain_attention():
     table = np.asarray(case.page_indices).copy()
     table[1:3, :2] = table[0, :2]  # the same physical prefix pages for all three
     case = case.replace(page_indices=jnp.asarray(table))
-    kernel = functools.partial(ragged_paged_attention, interpret=True)
+    kernel = functools.partial(ragged_paged_attention, interpret=harness.INTERPRET_GPU)
     out, lse = reference.cascade_attention(*case.args(), 2, sm_scale=SM_SCALE, attention_fn=kernel)
     expected = harness.dense_oracle(case, sm_scale=SM_SCALE)
     harness.assert_close_to_oracle(case, out, lse, expected)

@@ -30,8 +30,8 @@ SHAPES = dict(max_num_seqs=3, max_num_tokens=8, pages_per_seq=2, num_pages=6)
 
 BACKENDS = {
     "reference": reference.ragged_paged_attention,
-    "tpu": functools.partial(tpu_kernel, interpret=True),
-    "gpu": functools.partial(gpu_kernel, interpret=True),
+    "tpu": functools.partial(tpu_kernel, interpret=harness.INTERPRET_TPU),
+    "gpu": functools.partial(gpu_kernel, interpret=harness.INTERPRET_GPU),
 }
 
 

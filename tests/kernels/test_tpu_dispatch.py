@@ -12,6 +12,7 @@ from jaxkv.batch import build_attention_metadata
 from jaxkv.buckets import BucketConfig
 from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlanner
 from tests.attention import workload
+from tests.kernels.harness import INTERPRET_TPU
 
 # The smallest shapes the TPU kernel takes: head_dim 64, pages of 16 keys.
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 1, 64, 16
@@ -69,7 +70,7 @@ def test_cascade_step_on_tpu_kernel_equals_xla_backend():
     args = (jnp.asarray(q), jnp.asarray(kv), md)
 
     out_tpu, lse_tpu = _attention(
-        *args, sm_scale=SM_SCALE, backend="pallas_tpu", interpret=True, return_lse=True
+        *args, sm_scale=SM_SCALE, backend="pallas_tpu", interpret=INTERPRET_TPU, return_lse=True
     )
     out_xla, lse_xla = _attention(*args, sm_scale=SM_SCALE, backend="xla", return_lse=True)
     want = workload.dense_oracle(step, plan.order, q, kv, SM_SCALE)

@@ -1,4 +1,5 @@
-"""The Pallas TPU kernel in the TPU interpreter on the CPU, against the float64 oracle.
+"""The Pallas TPU kernel against the float64 oracle: in the TPU interpreter off a TPU
+(on the CPU), compiled on a TPU (harness.INTERPRET_TPU).
 
 Every case with the same static configuration shares one set of padded shapes, so the
 interpreter compiles once per configuration and each further case costs only its run.
@@ -26,15 +27,19 @@ SHAPES = dict(max_num_tokens=40, max_num_seqs=9, pages_per_seq=6, num_pages=48)
 # Small tiles so that tiny cases still cross q-tile, KV-block and page boundaries.
 KNOBS = dict(num_queries_per_block=8, num_kv_pages_per_block=2)
 
-# The interpreter turns the kernel into a large XLA program whose CPU compile dominates
-# these tests; XLA's cheapest CPU pipeline compiles it about a third faster.
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# On the CPU the interpreter turns the kernel into a large XLA program whose compile
+# dominates these tests; XLA's cheapest CPU pipeline compiles it about a third faster.
+_FAST_COMPILE = (
+    {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+    if jax.default_backend() == "cpu"
+    else None
+)
 _STATIC = (
     "sm_scale", "causal", "sliding_window", "soft_cap", "k_scale", "v_scale", "interpret",
     "num_queries_per_block", "num_kv_pages_per_block", "num_kv_heads_per_block", "out_dtype",
 )  # fmt: skip
 _rpa = jax.jit(ragged_paged_attention, static_argnames=_STATIC, compiler_options=_FAST_COMPILE)
-_interpreted = functools.partial(_rpa, interpret=True, **KNOBS)
+_run_kernel = functools.partial(_rpa, interpret=harness.INTERPRET_TPU, **KNOBS)
 
 # Eight decode tokens fill a q tile of 8: their rows need the row window at every offset.
 DECODE = [(1, 17), (1, 1), (1, 64), (1, 33), (1, 96), (1, 16), (1, 40), (1, 2), (1, 9)]
@@ -73,7 +78,7 @@ def _kernel(case: harness.Case, **kw):
     options.update(kw)
     knobs = options.pop("knobs", {})
     sm_scale = options.pop("sm_scale", 1.0 / math.sqrt(case.q.shape[-1]))
-    return _interpreted(*case.args(), sm_scale=sm_scale, **knobs, **options)
+    return _run_kernel(*case.args(), sm_scale=sm_scale, **knobs, **options)
 
 
 def _run(case: harness.Case, **kw):
@@ -222,7 +227,7 @@ def test_cascade_composition_equals_plain_attention():
     case = case.replace(page_indices=jnp.asarray(table), kv_pages=jnp.asarray(kv))
     sm_scale = 1.0 / math.sqrt(case.q.shape[-1])
     out, lse = cascade_attention(
-        *case.args(), num_prefix_pages, sm_scale=sm_scale, attention_fn=_interpreted
+        *case.args(), num_prefix_pages, sm_scale=sm_scale, attention_fn=_run_kernel
     )
     harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=sm_scale))
 
