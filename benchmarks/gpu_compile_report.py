@@ -15,7 +15,6 @@ on any machine with the same jax and triton. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 import platform
@@ -25,13 +24,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.gpu import ragged_paged_attention
-from kernels_pallas.gpu.aot import compile_triton_call, kernel_arg_specs, lower_triton_calls
+from kernels_pallas.gpu.aot import SHARED_BYTES_PER_BLOCK as SHARED_LIMIT
+from kernels_pallas.gpu.aot import compile_triton_call, lower_kernel_call
 from kernels_pallas.gpu.tuning import default_config
 
-# Most dynamic shared memory one block may use (CUDA C Programming Guide).
-SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-DEVICE_KIND = {80: "NVIDIA A100", 86: "NVIDIA A10", 89: "NVIDIA L4", 90: "NVIDIA H200"}
 KINDS = {  # tokens, sequences, kernel keywords
     "decode": (256, 256, {"max_q_len": 1}),
     "prefill": (2048, 8, {}),
@@ -68,15 +64,11 @@ def compile_point(kind: str, heads: str, dtypes: str, cc: int) -> dict:
     tokens, seqs, kw = KINDS[kind]
     num_q_heads, num_kv_heads, head_dim = HEADS[heads]
     q_dtype, kv_dtype = DTYPES[dtypes]
-    args = kernel_arg_specs(
-        num_tokens=tokens, num_seqs=seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype, num_pages=NUM_PAGES,
-        page_size=PAGE_SIZE, pages_per_seq=PAGES_PER_SEQ,
+    call = lower_kernel_call(
+        cc, num_tokens=tokens, num_seqs=seqs, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
+        num_pages=NUM_PAGES, page_size=PAGE_SIZE, pages_per_seq=PAGES_PER_SEQ, **kw,
     )  # fmt: skip
-    if jnp.dtype(kv_dtype).itemsize == 1:
-        kw = {**kw, "k_scale": 0.5, "v_scale": 0.5}
-    fn = functools.partial(ragged_paged_attention, sm_scale=head_dim**-0.5, **kw)
-    _, (call,) = lower_triton_calls(fn, args, DEVICE_KIND[cc])
     start = time.perf_counter()
     binary = compile_triton_call(call, cc)
     return dict(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import subprocess
@@ -27,6 +28,10 @@ import jax.numpy as jnp
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 DEFAULT_CUDA_DEVICE_KIND = "NVIDIA H200"
+# A GPU of each compute capability, and the most dynamic shared memory one block may use
+# there (CUDA C Programming Guide, compute capabilities table).
+DEVICE_KIND = {80: "NVIDIA A100", 86: "NVIDIA A10", 89: "NVIDIA L4", 90: "NVIDIA H200"}
+SHARED_BYTES_PER_BLOCK = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 
 @contextlib.contextmanager
@@ -111,6 +116,29 @@ def lower_triton_calls(
         (num_stages,) = re.findall(r"num_stages = (\d+)", line)
         calls.append(TritonCall(ir, verified, int(num_warps), int(num_stages)))
     return text, calls
+
+
+def lower_kernel_call(
+    compute_capability: int, *, num_tokens: int, num_seqs: int, num_q_heads: int,
+    num_kv_heads: int, head_dim: int, q_dtype, kv_dtype, num_pages: int = 256,
+    page_size: int = 16, pages_per_seq: int = 64, **kernel_kw,
+) -> TritonCall:  # fmt: skip
+    """The one Triton call of `ragged_paged_attention` for these shapes, lowered for the
+    GPU of `compute_capability` (a key of DEVICE_KIND). `kernel_kw` goes to the kernel
+    (causal, max_q_len, tiling knobs; default: its default tiling); 1-byte KV pages get
+    k_scale = v_scale = 0.5."""
+    from kernels_pallas.gpu.ragged_paged_attention import ragged_paged_attention
+
+    args = kernel_arg_specs(
+        num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
+        num_pages=num_pages, page_size=page_size, pages_per_seq=pages_per_seq,
+    )  # fmt: skip
+    if jnp.dtype(kv_dtype).itemsize == 1:
+        kernel_kw = {"k_scale": 0.5, "v_scale": 0.5, **kernel_kw}
+    fn = functools.partial(ragged_paged_attention, sm_scale=head_dim**-0.5, **kernel_kw)
+    _, (call,) = lower_triton_calls(fn, args, DEVICE_KIND[compute_capability])
+    return call
 
 
 @dataclasses.dataclass(frozen=True)

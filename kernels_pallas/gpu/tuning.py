@@ -54,23 +54,23 @@ def default_config(
     to the query dtype first), and half that for float32 queries, whose exact dots run
     on FMA units, not tensor cores, and hold their operands in registers. Blocks of at
     least 64 x 128 query elements, and float32 queries, take 8 warps. So every default
-    tiling fits the 99 KiB of
-    shared memory a GPU of compute capability 8.6 or 8.9 gives one block (A100: 163 KiB;
-    H100, H200: 227), and Triton's compile for sm_80, sm_89 and sm_90 spills few or no
-    registers (benchmarks/gpu_compile_report.py; the shared memory is tested in
-    tests/kernels/test_gpu_triton_compile.py). Chosen from those static figures: no
-    tiling here has been timed on a GPU.
+    tiling fits the 99 KiB of shared memory a GPU of compute capability 8.6 or 8.9 gives
+    one block (A100: 163 KiB; H100, H200: 227), and Triton's compile for sm_80, sm_89
+    and sm_90 spills few or no registers (benchmarks/gpu_compile_report.py; the shared
+    memory is tested in tests/kernels/test_gpu_triton_compile.py). Chosen from those
+    static figures: no tiling here has been timed on a GPU.
     """
     decode = (max_q_len is not None and max_q_len <= 1) or max_num_tokens <= max_num_seqs
     fma = q_itemsize >= 4  # float32 queries: exact dots on FMA units
-    q_tile_bytes = _Q_TILE_BYTES // (2 if fma else 1)
+    shrink = 2 if fma else 1
+    q_tile_bytes = _Q_TILE_BYTES // shrink
     if decode:
         block_m = max(16, _next_pow2(group))
     else:
         q_len = max_num_tokens if max_q_len is None else min(max_q_len, max_num_tokens)
         rows_in_tile = q_tile_bytes // (head_dim * q_itemsize)
         block_m = max(16, _next_pow2(group), min(128, rows_in_tile, _next_pow2(q_len * group)))
-    tile_bytes = (32 if decode else 16) * 1024 // (2 if fma else 1)
+    tile_bytes = (32 if decode else 16) * 1024 // shrink
     dot_itemsize = max(kv_itemsize, q_itemsize)
     block_k = max(16, min(128, _next_pow2(tile_bytes // (head_dim * dot_itemsize) + 1) // 2))
     tokens_per_block = block_m // group

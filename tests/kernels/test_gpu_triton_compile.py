@@ -14,26 +14,22 @@ Runs where `triton` is installed (the test extras install it on Linux x86_64).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import jax.numpy as jnp
 import pytest
 
-from kernels_pallas.gpu import ragged_paged_attention
 from kernels_pallas.gpu.aot import (
+    DEVICE_KIND,
+    SHARED_BYTES_PER_BLOCK,
     TritonCall,
     compile_triton_call,
-    kernel_arg_specs,
+    lower_kernel_call,
     lower_triton_calls,
 )
 
 pytest.importorskip("triton", reason="needs the triton package (Linux x86_64)")
 
-# Most dynamic shared memory one block may use (CUDA C Programming Guide, compute
-# capabilities table): 163 KiB on an A100, 99 KiB on an L4, 227 KiB on an H100 or H200.
-SHARED_BYTES_PER_BLOCK = {80: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-DEVICE_KIND = {80: "NVIDIA A100", 89: "NVIDIA L4", 90: "NVIDIA H200"}
 BF16, F32, I8, FP8 = jnp.bfloat16, jnp.float32, jnp.int8, jnp.float8_e4m3fn
 
 # (tokens, sequences, keyword arguments) of the three kinds of call the engine makes.
@@ -46,15 +42,11 @@ def lower_default_call(cc, kind, q_dtype, kv_dtype, num_q_heads, num_kv_heads, h
                        **kernel_kw) -> TritonCall:  # fmt: skip
     """The one Triton call of the kernel for these shapes, lowered for GPU `cc`."""
     tokens, seqs, kw = kind
-    args = kernel_arg_specs(
-        num_tokens=tokens, num_seqs=seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype, num_pages=256, page_size=16,
-        pages_per_seq=64,
+    call = lower_kernel_call(
+        cc, num_tokens=tokens, num_seqs=seqs, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
+        **kw, **kernel_kw,
     )  # fmt: skip
-    if jnp.dtype(kv_dtype).itemsize == 1:
-        kw = {**kw, "k_scale": 0.5, "v_scale": 0.5}
-    f = functools.partial(ragged_paged_attention, sm_scale=0.1, **kw, **kernel_kw)
-    _, (call,) = lower_triton_calls(f, args, DEVICE_KIND[cc])
     assert call.verified
     return call
 
