@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
+from kernels_pallas.gpu.ragged_paged_attention import ragged_paged_attention
+
 DEFAULT_CUDA_DEVICE_KIND = "NVIDIA H200"
 # A GPU of each compute capability, and the most dynamic shared memory one block may use
 # there (CUDA C Programming Guide, compute capabilities table).
@@ -127,8 +129,6 @@ def lower_kernel_call(
     GPU of `compute_capability` (a key of DEVICE_KIND). `kernel_kw` goes to the kernel
     (causal, max_q_len, tiling knobs; default: its default tiling); 1-byte KV pages get
     k_scale = v_scale = 0.5."""
-    from kernels_pallas.gpu.ragged_paged_attention import ragged_paged_attention
-
     args = kernel_arg_specs(
         num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
