@@ -177,7 +177,13 @@ class BlockPool:
             block.ref_cnt += 1
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        """Takes `n` blocks from the head of the free queue, evicting their cached hashes."""
+        """Takes `n` blocks from the head of the free queue, evicting their cached hashes.
+
+        Raises ValueError (nothing changed) unless `n` is an int >= 0 (not a bool) and at
+        most num_free_blocks.
+        """
+        if type(n) is not int or n < 0:
+            raise ValueError(f"get_new_blocks: n={n!r} must be an int >= 0")
         blocks = self.free_block_queue.popleft_n(n)
         removed = []
         for block in blocks:
@@ -207,8 +213,9 @@ class BlockPool:
         left as it is. With events on, each run of consecutive blocks that were stored
         is reported as one BlockStored (its parent hash, its tokens). Raises ValueError
         (nothing changed) unless there is one hash and `block_size` tokens per block and
-        every block is this pool's and not the null block (validate=False skips this,
-        for an owner that passes only its own blocks with their hashes and tokens).
+        every block is this pool's, not the null block and held (a free block's contents
+        are nobody's; validate=False skips these checks, for an owner that passes only
+        blocks it holds, with their hashes and tokens).
         """
         if validate:
             if len(block_hashes) != len(blocks) or len(token_ids) != len(blocks) * block_size:
@@ -218,6 +225,9 @@ class BlockPool:
                     f"(got {len(token_ids)})"
                 )
             self._check_own("blocks", blocks)
+            free = [b.block_id for b in blocks if b.ref_cnt == 0]
+            if free:
+                raise ValueError(f"cache_full_blocks: blocks {free} are free (held by nobody)")
         if not self.enable_caching:
             return
         cached = self.cached_block_hash_to_block

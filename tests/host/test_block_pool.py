@@ -108,6 +108,20 @@ def _pool_state(pool: BlockPool) -> tuple:
             ),
             "2 blocks need as many block_hashes \\(got 1\\)",
         ),
+        (
+            lambda p: p.cache_full_blocks(
+                p.blocks[2:4],
+                [root_hash(7), root_hash(8)],
+                parent_block_hash=None,
+                token_ids=[1, 2, 3, 4],
+                block_size=2,
+                adapter_id=None,
+            ),
+            "blocks \\[3\\] are free",  # a free block's KV is nobody's: never a hit
+        ),
+        (lambda p: p.get_new_blocks(-1), "n=-1 must be an int >= 0"),
+        (lambda p: p.get_new_blocks(True), "n=True must be an int >= 0"),
+        (lambda p: p.get_new_blocks(3), "n=3 exceeds num_free_blocks=2"),
     ],
 )
 def test_bad_input_raises_and_changes_nothing(call, match):
