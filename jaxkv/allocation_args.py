@@ -17,6 +17,7 @@ from jaxkv.request import Request
 __all__ = [
     "allocation_counts",
     "check_computed_within_held",
+    "check_computed_within_tokens",
     "check_prompt_fits",
     "check_total_fits",
     "count",
@@ -74,6 +75,15 @@ def check_prompt_fits(request: Request, max_model_len: int) -> None:
     if request.num_prompt_tokens > max_model_len:
         raise ValueError(
             f"request {request.request_id!r}: {request.num_prompt_tokens=} exceeds {max_model_len=}"
+        )
+
+
+def check_computed_within_tokens(request: Request, num_computed_tokens: int) -> None:
+    """Refuses marking more tokens computed than the request has."""
+    if num_computed_tokens > request.num_tokens:
+        raise ValueError(
+            f"request {request.request_id!r}: num_computed_tokens + num_new_computed_tokens "
+            f"= {num_computed_tokens} exceeds its {request.num_tokens} tokens"
         )
 
 

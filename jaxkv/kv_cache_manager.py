@@ -17,6 +17,7 @@ from jaxkv import batch_allocation
 from jaxkv.allocation_args import (
     allocation_counts,
     check_computed_within_held,
+    check_computed_within_tokens,
     check_prompt_fits,
     check_total_fits,
     count,
@@ -176,7 +177,8 @@ class KVCacheManager:
         Returns (block_ids, num_computed_tokens). Never covers the whole prompt's last
         token (it must be computed to produce logits). Changes no block state; the result
         is safe to pass to allocate_slots until the next allocate_slots or free call.
-        Counts the lookup in prefix_cache_stats.
+        With prefix caching on, counts the lookup in prefix_cache_stats (with it off
+        there is no cache to query: ([], 0), nothing counted).
         """
         check_prompt_fits(request, self.max_model_len)
         if not self.enable_prefix_caching:
@@ -220,9 +222,11 @@ class KVCacheManager:
 
         Raises ValueError, with nothing changed, on a count that is not an int >= 0
         (request.num_computed_tokens included), a request.num_computed_tokens beyond the
-        blocks the request holds, a cache hit that does not start where its computed
-        tokens end, is not covered by num_new_computed_tokens or no longer caches the
-        request's tokens, or block hashes the request computed with another block size.
+        blocks the request holds, computed tokens (request.num_computed_tokens +
+        num_new_computed_tokens) beyond the request's tokens, a cache hit that does not
+        start where its computed tokens end, is not covered by num_new_computed_tokens
+        or no longer caches the request's tokens, or block hashes the request computed
+        with another block size.
         """
         req_id = request.request_id
         num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_done = allocation_counts(
@@ -252,6 +256,7 @@ class KVCacheManager:
         if self.enable_prefix_caching:  # caching the filled blocks below must not fail
             request.check_hash_config(self.block_size, self.hash_seed)
         num_computed = num_done + num_new_computed_tokens
+        check_computed_within_tokens(request, num_computed)
         num_total = num_computed + num_new_tokens + num_lookahead_tokens
         check_total_fits(req_id, num_total, self.max_model_len)
         num_required = -(-num_total // self.block_size)
@@ -299,9 +304,10 @@ class KVCacheManager:
     def free(self, request: Request | str) -> None:
         """Releases every block of the request, tail first (so its tail is evicted first).
 
-        Raises UnknownRequestError if the request holds no blocks (unknown or freed twice).
+        Raises UnknownRequestError if the request holds no blocks (unknown or freed twice),
+        ValueError if `request` is neither a Request nor a str.
         """
-        req_id = request if isinstance(request, str) else request.request_id
+        req_id = _request_id("request", request)
         blocks = self._blocks_of(req_id)
         self.pool.free_blocks(reversed(blocks), validate=False)  # the request's own
         del self._blocks[req_id]
@@ -309,15 +315,16 @@ class KVCacheManager:
         self._table.release(req_id)
 
     def uncache_unwritten(self, request: Request | str, num_written_tokens: int) -> None:
-        """Takes the blocks past the request's first `num_written_tokens` tokens that it
-        entered into the prefix cache out of it again: their KV was never written (the
-        step that was to write it failed). A later allocation that fills them caches
-        them anew.
+        """Takes the request's cached blocks past its first `num_written_tokens` tokens out
+        of the prefix cache again: their KV was never written (the step that was to write
+        it failed). `num_written_tokens` counts every token whose KV is in place, cache
+        hits included (other requests wrote those), so only blocks this request entered
+        leave the cache. A later allocation that fills them caches them anew.
 
         Raises UnknownRequestError if the request holds no blocks, ValueError (nothing
         changed) unless num_written_tokens is an int >= 0.
         """
-        req_id = request if isinstance(request, str) else request.request_id
+        req_id = _request_id("request", request)
         num_written = count("num_written_tokens", num_written_tokens, req_id)
         blocks = self._blocks_of(req_id)
         first = num_written // self.block_size
@@ -388,6 +395,15 @@ class KVCacheManager:
             validate=False,  # the request's own blocks, hashes and tokens
         )
         self._num_cached[req_id] = num_full
+
+
+def _request_id(name: str, request) -> str:
+    """The id of `request` (a Request or its id); ValueError naming `name` otherwise."""
+    if isinstance(request, str):
+        return request
+    if isinstance(request, Request):
+        return request.request_id
+    raise ValueError(f"{name}={request!r} must be a Request or a request id (str)")
 
 
 def _check(condition: bool, message: str) -> None:

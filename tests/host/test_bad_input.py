@@ -82,6 +82,28 @@ def test_double_free(busy):
     _assert_unchanged(busy, before)
 
 
+@pytest.mark.parametrize("bad", [123, None, ["a"]])
+def test_free_and_uncache_take_a_request_or_its_id(busy, bad):
+    before = snapshot(busy)
+    with pytest.raises(ValueError, match="request=.* must be a Request or a request id"):
+        busy.free(bad)
+    with pytest.raises(ValueError, match="request=.* must be a Request or a request id"):
+        busy.uncache_unwritten(bad, 0)
+    _assert_unchanged(busy, before)
+
+
+def test_computed_tokens_past_the_request_are_refused(busy):
+    # 100 computed tokens of a 9-token request would take 25 blocks for tokens it lacks.
+    before = snapshot(busy)
+    for req in (make_request("new", range(9)), make_request("a", range(9))):
+        with pytest.raises(ValueError, match="= 100 exceeds its 9 tokens"):
+            busy.allocate_slots(req, 0, num_new_computed_tokens=100)
+    _assert_unchanged(busy, before)
+    req = make_request("new", range(9))  # all of its tokens computed elsewhere: fine
+    assert len(busy.allocate_slots(req, 0, num_new_computed_tokens=9)) == 3
+    busy.check_integrity()
+
+
 def test_unknown_id_in_shared_prefix_queries(busy):
     before = snapshot(busy)
     for call in (busy.num_common_prefix_blocks, busy.rows_of, busy.num_blocks_of):
