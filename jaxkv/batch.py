@@ -202,7 +202,8 @@ def build_attention_metadata(
     interpret: bool = False,
     levels: tuple[LevelMetadata, ...] | None = None,
 ) -> AttentionMetadata:
-    """Pads one planned batch to buckets. Raises ValueError if it exceeds the buckets.
+    """Pads one planned batch to buckets. Raises ValueError if it exceeds the buckets or
+    a scheduled token lies past the blocks its request holds.
 
     `levels`: the level metadata this function built for the same plan object and the
     same query_lens at an earlier step, to reuse (it depends on nothing else while the
@@ -266,7 +267,14 @@ def build_attention_metadata(
         token_rows = rows[token_req]
     positions[:total] = pos
     block_col, offset = np.divmod(pos, block_size)
-    slot_mapping[:total] = block_table[token_rows, block_col] * block_size + offset
+    token_blocks = block_table[token_rows, block_col]
+    if not token_blocks.all():  # the null block: its KV would land where every pad writes
+        i = int(np.argmin(token_blocks != 0))
+        raise ValueError(
+            f"position {int(pos[i])} of a request in block-table row {int(token_rows[i])} "
+            "lies past the blocks it holds (allocate slots for every scheduled token first)"
+        )
+    slot_mapping[:total] = token_blocks * block_size + offset
 
     if levels is None:
         starts_list = token_starts.tolist() if plan.levels else []

@@ -132,11 +132,12 @@ class CascadePlanner:
         rows = manager.rows_of(request_ids)
         identity = np.arange(num_requests, dtype=np.int32)
         if num_requests == 0:
-            return CascadePlan(identity, rows, identity, (), 0, keeps_order=True)
+            return CascadePlan(identity, rows, identity, (), 0, keeps_order=True, validate=False)
         common = manager.num_common_prefix_blocks(request_ids)
         flat = CascadePlan(
-            identity, rows, np.zeros(num_requests, np.int32), (), common, keeps_order=True
-        )
+            identity, rows, np.zeros(num_requests, np.int32), (), common, keeps_order=True,
+            validate=False,
+        )  # fmt: skip
         if not self.enable_cascade or num_requests < 2:
             return flat
 
@@ -168,7 +169,9 @@ class CascadePlanner:
                     return last[1]  # a repeated batch: the same plan
             suffix_start = np.full(num_requests, base, np.int32)
             level = make_level("global", [0], [num_requests], [0], [k0], [rows[0]])
-            plan = CascadePlan(identity, rows, suffix_start, (level,), common, keeps_order=True)
+            plan = CascadePlan(
+                identity, rows, suffix_start, (level,), common, keeps_order=True, validate=False
+            )
             self._last_plan = (key, plan)
             return plan
         suffix_start = np.full(num_requests, base, np.int32)
@@ -192,7 +195,9 @@ class CascadePlanner:
             block_ends.append(end)
             leaders.append(rows[members[0]])
         levels.append(make_level("groups", starts, ends, [base] * len(groups), block_ends, leaders))
-        return CascadePlan(order, rows[order], suffix_start[order], tuple(levels), common)
+        return CascadePlan(
+            order, rows[order], suffix_start[order], tuple(levels), common, validate=False
+        )
 
     def _narrows(
         self,

@@ -70,22 +70,57 @@ class CascadePlan:
     levels: tuple[CascadeLevel, ...]
     num_common_prefix_blocks: int  # exact common prefix of the whole batch, before capping
     keeps_order: bool = False  # True only if order is the identity (schedule order)
+    # False only for plans correct by construction (CascadePlanner's, whose tests run
+    # check() on them): check() costs O(R) numpy work, every step.
+    validate: dataclasses.InitVar[bool] = True
 
-    def __post_init__(self) -> None:
-        """Raises ValueError unless order, rows and suffix starts are one per request and
-        every level's groups lie within the batch."""
+    def __post_init__(self, validate: bool) -> None:
+        if validate:
+            self.check()
+
+    def check(self) -> None:
+        """Raises ValueError unless order, rows and suffix starts are one per request,
+        order is a permutation (the identity if keeps_order), rows are >= 0, every
+        level's groups lie within the batch, and each batch position's block columns are
+        read exactly once: the levels that cover it (in level order) read consecutive
+        ranges from column 0, and its suffix pass starts where the last of them ends.
+
+        Not checked (a plan holds no block table): that each group's requests hold its
+        leader row's blocks in the level's columns. Cost: O(R) numpy work per level.
+        """
         num_requests = len(self.order)
         if len(self.rows) != num_requests or len(self.suffix_start_blocks) != num_requests:
             raise ValueError(
                 f"{len(self.order)=}, {len(self.rows)=} and {len(self.suffix_start_blocks)=} "
                 "must be equal (one per scheduled request)"
             )
+        if not _is_permutation(self.order):
+            raise ValueError(f"order {self.order.tolist()} must be a permutation of the batch")
+        if self.keeps_order and (self.order != np.arange(num_requests)).any():
+            raise ValueError(
+                f"keeps_order=True needs the identity order, not {self.order.tolist()}"
+            )
+        if num_requests and self.rows.min() < 0:
+            raise ValueError(f"rows {self.rows.tolist()} must be block-table rows (>= 0)")
+        covered_to = np.zeros(num_requests, np.int64)  # block columns the levels read so far
         for level in self.levels:
             if level.num_groups and int(level.group_ends[-1]) > num_requests:
                 raise ValueError(
                     f"level {level.name!r}: group_ends {level.group_ends.tolist()} must "
                     f"stay within the {num_requests} requests of the batch"
                 )
+            group, pos = _positions_of_groups(level)
+            if (covered_to[pos] != level.block_starts[group]).any():
+                raise ValueError(
+                    f"level {level.name!r}: block_starts {level.block_starts.tolist()} must "
+                    "start where the earlier levels end for each of its batch positions"
+                )
+            covered_to[pos] = level.block_ends[group]
+        if (covered_to != self.suffix_start_blocks).any():
+            raise ValueError(
+                f"suffix_start_blocks {self.suffix_start_blocks.tolist()} must be where the "
+                f"levels' block columns end at each batch position ({covered_to.tolist()})"
+            )
 
     @property
     def uses_cascade(self) -> bool:
@@ -94,6 +129,26 @@ class CascadePlan:
     @property
     def num_levels(self) -> int:
         return len(self.levels)
+
+
+def _is_permutation(order: np.ndarray) -> bool:
+    n = len(order)
+    if n == 0:
+        return True
+    if order.min() < 0 or order.max() >= n:
+        return False
+    seen = np.zeros(n, bool)
+    seen[order] = True
+    return bool(seen.all())
+
+
+def _positions_of_groups(level: CascadeLevel) -> tuple[np.ndarray, np.ndarray]:
+    """(group, batch position) of every position a group of `level` covers."""
+    sizes = level.group_ends - level.group_starts
+    group = np.repeat(np.arange(level.num_groups), sizes)
+    first_index = np.cumsum(sizes) - sizes  # index in `group` of each group's first position
+    pos = np.arange(len(group)) + (level.group_starts - first_index)[group]
+    return group, pos
 
 
 def make_level(name, starts, ends, block_starts, block_ends, leaders) -> CascadeLevel:

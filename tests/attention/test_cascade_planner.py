@@ -11,6 +11,7 @@ from jaxkv import KVCacheManager, Request
 from jaxkv.batch import build_attention_metadata
 from jaxkv.buckets import BucketConfig, padded_size, pow2_buckets
 from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlanner
+from jaxkv.cascade_plan import make_level
 
 SHAPE = AttentionShape(num_q_heads=8, num_kv_heads=2, head_dim=64, kv_itemsize=2)
 ALWAYS = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0)
@@ -39,7 +40,9 @@ def _decoding(manager: KVCacheManager, rid: str, tokens) -> Request:
 def _plan(planner, manager, requests, query_lens=None):
     query_lens = np.ones(len(requests), int) if query_lens is None else np.asarray(query_lens)
     computed = np.array([r.num_tokens for r in requests]) - query_lens
-    return planner.plan([r.request_id for r in requests], computed, query_lens, manager)
+    plan = planner.plan([r.request_id for r in requests], computed, query_lens, manager)
+    plan.check()  # the planner skips it; its plans must pass it
+    return plan
 
 
 SYSTEM_A = list(range(100, 132))  # 8 blocks of 4
@@ -255,6 +258,12 @@ def test_metadata_pads_with_null_block_and_null_slots():
             block_table=m.block_table, plan=plan, query_lens=np.ones(3, int),
             num_computed_tokens=np.full(3, 13), block_size=4, buckets=buckets, levels=(),
         )  # fmt: skip
+    # A token past its request's blocks would write its KV into the null block.
+    with pytest.raises(ValueError, match="position 16 .* past the blocks it holds"):
+        build_attention_metadata(
+            block_table=m.block_table, plan=plan, query_lens=np.ones(3, int),
+            num_computed_tokens=np.array([13, 16, 13]), block_size=4, buckets=buckets,
+        )  # fmt: skip
 
 
 def test_bucket_functions():
@@ -406,3 +415,33 @@ def test_a_level_past_the_batch_or_ragged_plan_arrays_are_refused():
         dataclasses.replace(plan, levels=(longer,))
     with pytest.raises(ValueError, match="must be equal"):
         dataclasses.replace(plan, rows=plan.rows[:-1])
+
+
+def _refused(plan, match, **changes):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(plan, **changes)
+
+
+def test_a_plan_that_reads_a_block_twice_or_never_is_refused():
+    plan = _two_group_plan()  # suffix starts [8, 8, 8, 6, 6, 6]: after each group's blocks
+    (level,) = plan.levels
+    starts = plan.suffix_start_blocks
+    end = "must be where the levels' block columns end"
+    _refused(plan, end, suffix_start_blocks=np.zeros_like(starts))  # read twice
+    _refused(plan, end, suffix_start_blocks=starts + 1)  # block 8 or 6 never read
+    _refused(plan, end, levels=())  # the groups' blocks never read
+    late = dataclasses.replace(level, block_starts=np.array([1, 0], np.int32))
+    _refused(plan, "must start where the earlier levels end", levels=(late,))  # block 0
+    # A global level over blocks 0:2 under the groups' levels, which also start at 0.
+    glob = make_level("global", [0], [6], [0], [2], [int(plan.rows[0])])
+    _refused(plan, "must start where the earlier levels end", levels=(glob, level))
+    shifted = dataclasses.replace(level, block_starts=np.array([2, 2], np.int32))
+    assert dataclasses.replace(plan, levels=(glob, shifted)).levels[0] is glob  # consistent
+
+
+def test_a_plan_whose_order_is_not_a_permutation_is_refused():
+    plan = _two_group_plan()
+    _refused(plan, "must be a permutation", order=np.array([0, 2, 4, 1, 3, 3], np.int32))
+    _refused(plan, "must be a permutation", order=np.array([0, 2, 4, 1, 3, 6], np.int32))
+    _refused(plan, "needs the identity order", keeps_order=True)  # order is [0, 2, 4, 1, 3, 5]
+    _refused(plan, "block-table rows", rows=np.array([0, 1, 2, 3, 4, -1], np.int32))
