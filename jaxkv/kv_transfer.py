@@ -114,6 +114,7 @@ class _Transfer:
     hashes: list[BlockHash]
     start_step: int
     num_tokens: int = 0  # loads: prompt tokens the loaded blocks cover
+    chain: list[BlockHash] = dataclasses.field(default_factory=list)  # saves: all full blocks
 
 
 class HostOffloadConnector(KVConnector):
@@ -176,7 +177,7 @@ class HostOffloadConnector(KVConnector):
         new_hashes = [h for _, h in picked]
         future = copier.start_save(ids)
         self._saves[request.request_id] = _Transfer(
-            request.request_id, future, new_hashes, self._step
+            request.request_id, future, new_hashes, self._step, chain=hashes[:num_full]
         )
         self._saving.update(new_hashes)
         return True
@@ -261,12 +262,15 @@ class HostOffloadConnector(KVConnector):
         except Exception:  # noqa: BLE001 - any copy failure frees the blocks the same way
             self._count(num_failed_saves=1)
             return False
-        # Each entry owns its memory (a view would keep the whole padded copy alive),
-        # and a chain is entered tail first: its head, without which on_admission can
-        # use none of it, is evicted last.
-        for h, block in reversed(list(zip(t.hashes, data, strict=True))):
-            self._store[h] = np.array(block)
-            self._store.move_to_end(h)
+        # Each entry owns its memory (a view would keep the whole padded copy alive).
+        # The whole chain, blocks stored before included, is refreshed tail first: its
+        # head, without which on_admission can use none of it, is evicted last.
+        landed = dict(zip(t.hashes, data, strict=True))
+        for h in reversed(t.chain):
+            if h in landed:
+                self._store[h] = np.array(landed[h])
+            if h in self._store:
+                self._store.move_to_end(h)
         self._evict()
         self._count(num_saves=1, bytes_offloaded=len(t.hashes) * self._bytes_per_block())
         return True

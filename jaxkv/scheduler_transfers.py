@@ -24,6 +24,7 @@ scheduler's queues; the Scheduler's liveness argument rests on that.
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable, Sequence
 
 from jaxkv.kv_cache_manager import KVCacheManager
@@ -139,9 +140,20 @@ class TransferTracker:
 
     def finish(self, request: Request) -> None:
         """A request just finished: held (FINISHED_TRANSFERRING) while the connector saves
-        its blocks, else released now."""
+        its blocks, else released now. A connector whose on_finish raises counts as a
+        save that failed to start: the blocks are freed and a RuntimeWarning says why."""
         block_ids = self._manager.block_ids(request.request_id)
-        if self._connector.on_finish(request, block_ids):
+        try:
+            held = self._connector.on_finish(request, block_ids)
+        except Exception as e:  # noqa: BLE001 - a failed save frees the blocks, as below
+            warnings.warn(
+                f"KV connector on_finish({request.request_id!r}) raised {e!r}; its blocks "
+                "are freed without saving them",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            held = False
+        if held:
             request.status = RequestStatus.FINISHED_TRANSFERRING
             self.transferring[request.request_id] = request
         else:

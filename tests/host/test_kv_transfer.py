@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxkv import RequestStatus
-from jaxkv.kv_transfer import HostOffloadConnector
+from jaxkv import Request, RequestStatus, SamplingParams
+from jaxkv.kv_transfer import HostOffloadConnector, KVConnector
 from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
 
 BS = 4
@@ -207,6 +207,24 @@ def test_failed_save_frees_blocks_and_stores_nothing():
     assert conn.stats.num_failed_saves == 1 and conn.stats.num_stored_blocks == 0
 
 
+class _OnFinishRaises(KVConnector):
+    def on_finish(self, request, block_ids):
+        raise RuntimeError("device copy failed to start")
+
+
+def test_an_on_finish_that_raises_is_a_failed_save_and_every_finished_request_is_freed():
+    sched = make_scheduler(block_size=4, num_blocks=16, connector=_OnFinishRaises())
+    for rid in "ab":
+        add(sched, rid, range(1, 6), max_tokens=1)
+    out = sched.schedule()
+    with pytest.warns(RuntimeWarning, match="on_finish\\('[ab]'\\) raised RuntimeError"):
+        outputs = sched.update_from_output(out, [9, 9])
+    assert [(o.request_id, o.finished) for o in outputs] == [("a", True), ("b", True)]
+    assert not sched.has_unfinished_requests() and not sched.has_pending_transfers()
+    assert sched.requests == {} and sched.manager.num_free_blocks == 15
+    add(sched, "a", range(1, 6), max_tokens=1)  # its id is free again
+
+
 def test_failed_load_drops_entries_frees_blocks_and_recomputes():
     sched, conn, copier = setup()
     prompt = list(range(1, 15))
@@ -272,8 +290,9 @@ def test_constructor_validates_and_unbound_use_raises():
         HostOffloadConnector(10, copy_delay_steps=-2)
     sched = make_scheduler(connector=HostOffloadConnector(1024))
     add(sched, "a", range(1, 10), max_tokens=1)
-    with pytest.raises(RuntimeError, match="bind"):
-        step(sched)
+    with pytest.warns(RuntimeWarning, match="used before bind.*freed without saving"):
+        step(sched)  # an unbound connector cannot save: its blocks are freed
+    assert sched.requests == {} and sched.manager.num_free_blocks == 63
 
 
 def test_finishing_again_refreshes_stored_blocks_in_the_lru():
@@ -288,6 +307,20 @@ def test_finishing_again_refreshes_stored_blocks_in_the_lru():
     a, c = r0.block_hashes, r3.block_hashes
     assert conn.stored_hashes() == [a[1], a[0], c[1], c[0]]
     assert not set(r1.block_hashes) & set(conn.stored_hashes())
+
+
+def test_a_chain_whose_head_was_stored_before_keeps_its_head_last_in_the_lru():
+    # y shares x's stored head block and saves only its two new blocks, which land after
+    # the head was refreshed; a 2-block store must still evict y's tail, not its head.
+    sched, conn, copier = setup(host_blocks=2)
+    add(sched, "x", [1, 2, 3, 4, 5, 6, 7, 8, 9], max_tokens=1)
+    run_until_idle(sched, copier)
+    y = add(sched, "y", [1, 2, 3, 4, *range(20, 29)], max_tokens=1)
+    run_until_idle(sched, copier)
+    assert len(copier.saved_block_ids[-1]) == 2  # the head was not copied again
+    assert conn.stored_hashes() == [y.block_hashes[1], y.block_hashes[0]]
+    probe = Request("p", [1, 2, 3, 4, *range(20, 30)], SamplingParams())
+    assert conn.on_admission(probe, 0) == 8
 
 
 def test_a_store_of_exactly_one_block_keeps_one_block():
