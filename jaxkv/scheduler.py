@@ -31,7 +31,7 @@ from jaxkv.config import SchedulerConfig
 from jaxkv.kv_cache_manager import KVCacheManager, UnknownRequestError
 from jaxkv.kv_transfer import KVConnector
 from jaxkv.outputs import RequestOutput
-from jaxkv.request import Request, RequestStatus
+from jaxkv.request import MAX_TOKEN_ID, Request, RequestStatus
 from jaxkv.scheduler_admission import admit_waiting
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput, SchedulerStats, StepBatch
 from jaxkv.scheduler_transfers import TransferTracker
@@ -108,7 +108,9 @@ class Scheduler:
 
         Returns False (nothing changed) for an unknown or already finished request. A
         request whose KV is loading keeps its blocks until the load lands, then they
-        are freed; every other one frees its blocks now.
+        are freed; every other one frees its blocks now. Between schedule() and
+        update_from_output() or discard(), the blocks the step is to write leave the
+        prefix cache first: the step may yet be discarded.
         """
         request = self.requests.get(request_id)
         if request is None or request.is_finished():
@@ -116,10 +118,24 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
             self._decode_carry = None
+            self._uncache_if_unapplied(request)
         else:
             self.waiting.remove(request)
         self._transfers.abort(request)
         return True
+
+    def _uncache_if_unapplied(self, request: Request) -> None:
+        """A request aborted between schedule() and update_from_output() or discard():
+        the blocks that step was to write leave the prefix cache now, since a discard
+        can no longer reach them once they are freed (if the step runs, only those
+        cache entries are lost)."""
+        out = self._unapplied
+        if out is None:
+            return
+        for i, scheduled in enumerate(out.requests):
+            if scheduled is request:
+                self.manager.uncache_unwritten(request, int(out.num_computed_tokens[i]))
+                return
 
     def has_unfinished_requests(self) -> bool:
         """True while some request has not finished (running, waiting, loading KV)."""
@@ -349,8 +365,10 @@ class Scheduler:
                 f"({output.num_requests},), one per scheduled request"
             )
         tokens = tokens.tolist()
-        if tokens and min(tokens) < 0:
-            raise ValueError(f"sampled_token_ids: {min(tokens)} must be >= 0")
+        if tokens and not 0 <= min(tokens) <= max(tokens) <= MAX_TOKEN_ID:
+            raise ValueError(
+                f"sampled_token_ids: {min(tokens)}..{max(tokens)} must lie in [0, {MAX_TOKEN_ID}]"
+            )
         return tokens
 
     def _finish(self, finished: list[Request]) -> None:

@@ -205,7 +205,8 @@ def test_update_refuses_a_stale_output_or_bad_tokens_and_changes_nothing():
         (np.array([7.0, 8.0]), "float64 must be integers of shape \\(2,\\)"),
         ([[7, 8]], "\\(1, 2\\) int64"),
         ([7], "shape \\(2,\\)"),
-        ([7, -8], "-8 must be >= 0"),
+        ([7, -8], "-8..7 must lie in \\[0, 9223372036854775807\\]"),
+        (np.array([7, 2**63], np.uint64), "7..9223372036854775808 must lie in"),  # not int64
     ]:
         with pytest.raises(ValueError, match=f"sampled_token_ids: .*{match}"):
             sched.update_from_output(first, bad)

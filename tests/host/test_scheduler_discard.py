@@ -8,6 +8,7 @@ failed schedule() admitted (such a request may hold one of them as a cache hit).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jaxkv import Request, RequestStatus, SamplingParams
@@ -64,6 +65,38 @@ def test_discard_uncaches_only_what_the_step_would_have_written_and_unadmits_adm
         step(sched, copier)
     assert a.num_output_tokens == b.num_output_tokens == 5
     assert m.num_free_blocks == m.pool.num_blocks - 1
+
+
+def test_a_request_aborted_before_its_step_is_discarded_leaves_no_unwritten_cache_hit():
+    sched, copier = make_scheduler(block_size=4), FakeCopier(64, 4)
+    a, b = _a_decoding_and_b_sharing_its_blocks(sched, copier)
+    probe_tokens = list(b.all_token_ids)
+    out = sched.schedule()  # enters a's second block (not yet written) into the cache
+    assert sched.abort("a") and sched.abort("b")  # freed: discard can no longer reach them
+    sched.discard(out)
+    assert _num_hit_tokens(sched, probe_tokens) == 4  # a's first block was written
+    m = sched.manager
+    assert m.request_ids == [] and m.num_free_blocks == m.pool.num_blocks - 1
+    m.check_integrity()
+
+
+def test_a_request_aborted_before_its_step_runs_keeps_the_step_applicable():
+    sched, copier = make_scheduler(block_size=4), FakeCopier(64, 4)
+    a, b = _a_decoding_and_b_sharing_its_blocks(sched, copier)
+    out = sched.schedule()
+    block_ids = {r: sched.manager.block_ids(r) for r in ("a", "b")}
+    assert sched.abort("a")
+    # The step runs the batch as scheduled: it writes a's token too (into a block b holds).
+    for req, start in zip(out.requests, out.num_computed_tokens.tolist(), strict=True):
+        ids, pos = block_ids[req.request_id], np.arange(start, req.num_tokens)
+        copier.device[np.asarray(ids)[pos // 4], pos % 4] = 1000 * pos + req.all_token_ids[start:]
+    outputs = sched.update_from_output(out, [5, 6])  # b gets its token
+    assert [o.request_id for o in outputs] == ["b"] and b.output_token_ids == [6]
+    assert _num_hit_tokens(sched, a.all_token_ids) == 4  # only a's unwritten block is gone
+    while sched.has_unfinished_requests():
+        step(sched, copier)
+    assert b.num_output_tokens == 5
+    sched.manager.check_integrity()
 
 
 class _RaisingConnector(KVConnector):
