@@ -118,7 +118,7 @@ def _softmax_pv(logits, visible, v, spec_pv: str):
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     probs = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
     denom = jnp.sum(probs, axis=-1)
-    seen = denom > 0
+    seen = denom != 0  # NaN (from NaN or inf data) must not read as "no keys"
     safe = jnp.where(seen, denom, 1.0)
     lse = jnp.where(seen, row_max[..., 0] + jnp.log(safe), -jnp.inf)
     return jnp.einsum(spec_pv, probs / safe[..., None], v, precision=_HIGHEST), lse

@@ -177,7 +177,7 @@ def paged_attention_kernel(
     denom = jnp.zeros((block_m,), jnp.float32)
     acc, m, denom = jax.lax.fori_loop(split_lo, split_hi, body, (acc, m, denom))
 
-    seen = denom > 0
+    seen = denom != 0  # NaN (from NaN or inf data) must not read as "no keys"
     l_safe = jnp.where(seen, denom, 1.0)
     out = acc * ((1.0 if v_scale is None else v_scale) / l_safe)[:, None]
     lse = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)

@@ -67,7 +67,7 @@ def _merge_splits(
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - m_safe[None]))
     denom = w.sum(axis=0)
-    seen = denom > 0
+    seen = denom != 0  # NaN (from NaN or inf data) must not read as "no keys"
     denom_safe = jnp.where(seen, denom, 1.0)
     merged = (w[..., None] * out).sum(axis=0) / denom_safe[:, None]
     return merged, jnp.where(seen, m_safe + jnp.log(denom_safe), -jnp.inf)

@@ -289,7 +289,7 @@ def paged_attention_kernel(
 
     m = m_ref[...][:, :, :1]
     denom = l_ref[...][:, :, :1]
-    seen = denom > 0.0
+    seen = denom != 0  # NaN (from NaN or inf data) must not read as "no keys"
     l_safe = jnp.where(seen, denom, 1.0)
     out = acc_ref[...] / l_safe
     if v_scale is not None:

@@ -290,3 +290,21 @@ def swap_kv(case: Case) -> Case:
     kv = case.kv_pages
     swapped = jnp.stack([kv[:, :, 1::2], kv[:, :, 0::2]], axis=3).reshape(kv.shape)
     return case.replace(kv_pages=swapped)
+
+
+def nan_in_key(case: Case, seq: int, key: int) -> Case:
+    """The same case with element 0 of the K of kv head 0, key `key` of sequence `seq`
+    (a key some queries see), set to NaN: a data fault that must show, not vanish."""
+    page = int(np.asarray(case.page_indices)[seq, key // case.page_size])
+    kv = np.asarray(case.kv_pages.astype(jnp.float32)).copy()
+    kv[page, key % case.page_size, 0, 0] = np.nan
+    return case.replace(kv_pages=jnp.asarray(kv).astype(case.kv_pages.dtype))
+
+
+def assert_nan_where_the_key_is_seen(out, lse, rows: slice, heads: slice) -> None:
+    """A NaN key gives NaN out and lse in every row and head that sees it: a NaN lse read
+    as -inf ("no keys") would make a cascade merge drop that part silently."""
+    got_out = np.asarray(jnp.asarray(out)[rows, heads].astype(jnp.float32))
+    got_lse = np.asarray(lse)[rows, heads]
+    assert np.isnan(got_out).all(), "a row that sees a NaN key has a non-NaN output"
+    assert np.isnan(got_lse).all(), f"lse of rows that see a NaN key: {got_lse}"

@@ -124,6 +124,22 @@ def test_cascade_composition_matches_plain_attention():
     harness.assert_close_to_oracle(case, out, lse, expected)
 
 
+def test_a_nan_key_in_the_shared_prefix_is_nan_in_flat_and_cascade_attention():
+    case = _case([(1, 45), (4, 40), (1, 33)], pages_per_seq=4)
+    table = np.asarray(case.page_indices).copy()
+    table[1:3, :2] = table[0, :2]
+    case = harness.nan_in_key(case.replace(page_indices=jnp.asarray(table)), seq=0, key=3)
+    kernel = functools.partial(ragged_paged_attention, interpret=harness.INTERPRET_GPU)
+    rows, heads = slice(0, case.num_valid_tokens), slice(0, 4)  # q heads of kv head 0
+    for num_kv_splits in (1, 2):  # one split; and the merge of splits
+        harness.assert_nan_where_the_key_is_seen(
+            *_run(case, num_kv_splits=num_kv_splits), rows, heads
+        )
+    out, lse = reference.cascade_attention(*case.args(), 2, sm_scale=SM_SCALE, attention_fn=kernel)
+    harness.assert_nan_where_the_key_is_seen(out, lse, rows, heads)
+    assert np.isfinite(np.asarray(lse)[rows, 4:]).all()  # kv head 1 never sees it
+
+
 def test_soft_cap():
     _check(_case([(1, 37), (6, 20)]), oracle_kw={"soft_cap": 2.0})
 

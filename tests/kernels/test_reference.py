@@ -205,6 +205,15 @@ def test_cascade_equals_oracle_on_random_shared_prefix(seed):
     harness.assert_close_to_oracle(case, out2, lse2, expected)
 
 
+def test_a_nan_key_in_the_shared_prefix_is_nan_in_flat_and_cascade_attention():
+    case = harness.nan_in_key(_shared_prefix_case(3, 2, [(1, 4), (2, 9), (1, 0)]), 0, key=3)
+    rows, heads = slice(0, case.num_valid_tokens), slice(0, 4)  # q heads of kv head 0
+    flat = ragged_paged_attention(*case.args(), sm_scale=0.125)
+    harness.assert_nan_where_the_key_is_seen(*flat, rows, heads)
+    harness.assert_nan_where_the_key_is_seen(*_jit_cascade(*case.args(), 2), rows, heads)
+    assert np.isfinite(np.asarray(flat[1])[rows, 4:]).all()  # kv head 1 never sees it
+
+
 def test_cascade_with_soft_cap_and_bfloat16():
     case = _shared_prefix_case(21, 3, [(1, 4), (1, 9), (3, 3)], dtype=jnp.bfloat16)
     expected = harness.dense_oracle(case, sm_scale=0.3, soft_cap=4.0)

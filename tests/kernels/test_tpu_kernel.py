@@ -232,6 +232,19 @@ def test_cascade_composition_equals_plain_attention():
     harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=sm_scale))
 
 
+def test_a_nan_key_in_the_shared_prefix_is_nan_in_flat_and_cascade_attention():
+    seq_lens = [(1, 41), (3, 52), (1, 33), (6, 62)]  # 2 shared pages, then each its own
+    case = _case(seq_lens, seed=11)
+    table = np.asarray(case.page_indices).copy()
+    table[1:, :2] = table[0, :2]
+    case = harness.nan_in_key(case.replace(page_indices=jnp.asarray(table)), seq=0, key=3)
+    rows, heads = slice(0, case.num_valid_tokens), slice(None)  # one kv head: all q heads
+    harness.assert_nan_where_the_key_is_seen(*_kernel(case), rows, heads)
+    sm_scale = 1.0 / math.sqrt(case.q.shape[-1])
+    out, lse = cascade_attention(*case.args(), 2, sm_scale=sm_scale, attention_fn=_run_kernel)
+    harness.assert_nan_where_the_key_is_seen(out, lse, rows, heads)
+
+
 def test_empty_batch_gives_zero_and_neg_inf():
     case = _case(MIXED, seed=12)
     out, lse = _kernel(case.replace(num_seqs=jnp.array([0], jnp.int32)))
