@@ -98,8 +98,13 @@ def test_a_shuffled_block_table_is_caught():
     planner = CascadePlanner(SHAPE, enable_cascade=False)
     plan = planner.plan(step.request_ids, step.num_computed_tokens, step.query_lens, m)
     table = m.block_table.copy()
-    rows = m.rows_of(step.request_ids)
-    table[[rows[0], rows[1]]] = table[[rows[1], rows[0]]]  # two requests' pages swapped
+    # The first and last block of the longest row swapped: every token still lies in a
+    # held block (the builder's own check passes), but in the wrong one.
+    held = m.num_blocks_of(step.request_ids)
+    row = int(m.rows_of(step.request_ids)[np.argmax(held)])
+    last = int(held.max()) - 1
+    assert last >= 1
+    table[row, [0, last]] = table[row, [last, 0]]
     assert {"slot_mapping", "page_indices"} <= set(
         _mismatches(step, plan, _build(step, plan, table))
     )
