@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels_pallas.merge import merge_attn_states
 from kernels_pallas.validation import (
@@ -66,7 +67,8 @@ def ragged_paged_attention(
 
     `max_q_len` (static) bounds the query length of every valid sequence; it defaults to
     max_num_tokens, which is always safe. A smaller bound saves work and memory (decode:
-    1), and a sequence with more query tokens than it gets wrong results for the excess.
+    1); on concrete arrays a sequence with more query tokens is refused (under jit it
+    would get wrong results for the excess).
 
     Raises ValueError for bad shapes or options (at trace time) and, called on concrete
     arrays, for index values out of range (kernels_pallas.validation).
@@ -78,6 +80,8 @@ def ragged_paged_attention(
     )  # fmt: skip
     max_num_tokens, num_q_heads, head_dim = q.shape
     max_num_seqs = page_indices.shape[0]
+    if max_q_len is not None:
+        _check_max_q_len(max_q_len, cu_q_lens, num_seqs)
     q_rows = max_num_tokens if max_q_len is None else min(int(max_q_len), max_num_tokens)
 
     # Entries past num_seqs are padding with any value (as the kernels read them): make
@@ -109,6 +113,22 @@ def ragged_paged_attention(
     out = jnp.where(valid[:, None, None], out, 0.0)
     lse = jnp.where(valid[:, None], lse, -jnp.inf)
     return out.astype(output_dtype(q, out_dtype)), lse
+
+
+def _check_max_q_len(max_q_len, cu_q_lens, num_seqs) -> None:
+    """ValueError unless max_q_len is an int >= 1 and, on concrete arrays, bounds every
+    valid sequence's query length (rows past it would silently get no attention)."""
+    if not isinstance(max_q_len, (int, np.integer)) or isinstance(max_q_len, bool):
+        raise ValueError(f"{max_q_len=} must be an int >= 1 or None")
+    if max_q_len < 1:
+        raise ValueError(f"{max_q_len=} must be >= 1 or None")
+    if isinstance(cu_q_lens, jax.core.Tracer) or isinstance(num_seqs, jax.core.Tracer):
+        return
+    n = int(np.asarray(num_seqs)[0])
+    q_lens = np.diff(np.asarray(cu_q_lens)[: n + 1].astype(np.int64))
+    if q_lens.size and q_lens.max() > max_q_len:
+        i = int(q_lens.argmax())
+        raise ValueError(f"sequence {i} has {q_lens[i]} query tokens, more than {max_q_len=}")
 
 
 def _softmax_pv(logits, visible, v, spec_pv: str):

@@ -12,6 +12,7 @@ Two kinds of checks, each error naming the argument and what was expected:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -50,8 +51,10 @@ def validate_ragged_paged_attention_inputs(
     _, _, num_combined_kv_heads, kv_head_dim = kv_pages.shape
     if kv_head_dim != head_dim:
         raise ValueError(f"{kv_pages.shape=} head_dim must equal {q.shape[2]=}")
-    if num_combined_kv_heads % 2:
-        raise ValueError(f"{kv_pages.shape=}: combined KV heads (axis 2) must be even (K, V)")
+    if num_combined_kv_heads % 2 or num_combined_kv_heads < 2:
+        raise ValueError(
+            f"{kv_pages.shape=}: combined KV heads (axis 2) must be a positive even number (K, V)"
+        )
     num_kv_heads = num_combined_kv_heads // 2
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{q.shape[1]=} (query heads) must be a multiple of {num_kv_heads=}")
@@ -82,15 +85,26 @@ def validate_ragged_paged_attention_inputs(
     ):
         if jnp.dtype(arr.dtype) != jnp.dtype(jnp.int32):
             raise ValueError(f"{name}.dtype={arr.dtype} must be int32")
-    if not sm_scale > 0:
-        raise ValueError(f"{sm_scale=} must be > 0")
-    if soft_cap is not None and not soft_cap > 0:
-        raise ValueError(f"{soft_cap=} must be > 0 or None")
+    if not _positive_finite(sm_scale):
+        raise ValueError(f"{sm_scale=} must be a finite number > 0")
+    for name, value in (("soft_cap", soft_cap), ("k_scale", k_scale), ("v_scale", v_scale)):
+        if value is not None and not _positive_finite(value):
+            raise ValueError(f"{name}={value!r} must be a finite number > 0 or None")
     if sliding_window is not None:
         if not causal:
             raise ValueError(f"{sliding_window=} needs causal=True (a prefix pass sees all keys)")
-        if int(sliding_window) < 1:
+        if not isinstance(sliding_window, (int, np.integer)) or isinstance(sliding_window, bool):
+            raise ValueError(f"{sliding_window=} must be an int or None")
+        if sliding_window < 1:
             raise ValueError(f"{sliding_window=} must be >= 1 or None")
+
+
+def _positive_finite(x) -> bool:
+    """Whether x is a finite number > 0 (a scalar, static: options never come traced)."""
+    try:
+        return math.isfinite(x) and x > 0
+    except TypeError:
+        return False
 
 
 def _dtype_or_none(x) -> jnp.dtype | None:
@@ -116,8 +130,8 @@ def validate_index_values(
     causal: bool = True,
 ) -> None:
     """Raises ValueError, naming the first bad entry, unless num_seqs[0] lies in
-    [0, max_num_seqs], cu_q_lens[:num_seqs + 1] is non-decreasing within
-    [0, max_num_tokens], every valid kv_lens entry lies in [0, pages_per_seq * page_size]
+    [0, max_num_seqs], cu_q_lens[:num_seqs + 1] is non-decreasing from 0 to at most
+    max_num_tokens, every valid kv_lens entry lies in [0, pages_per_seq * page_size]
     (and, when `causal`, is at least its sequence's query length: the queries are the
     last q_len of its keys) and every page a valid sequence reads (its first
     ceil(kv_len / page_size) entries) lies in [0, num_pages). Entries no valid sequence
@@ -147,12 +161,14 @@ def validate_index_values(
     if not 0 <= n <= max_num_seqs:
         raise ValueError(f"num_seqs[0]={n} must be in [0, {max_num_seqs=}]")
     cu = cu_q_lens[: n + 1].astype(np.int64)
+    if cu[0] != 0:
+        raise ValueError(f"cu_q_lens[0]={cu[0]} must be 0 (the first sequence's first token)")
     bad = np.flatnonzero((cu < np.concatenate([[0], cu[:-1]])) | (cu > max_num_tokens))
     if bad.size:
         i = int(bad[0])
         raise ValueError(
-            f"cu_q_lens[{i}]={cu[i]} must be in [{cu[i - 1] if i else 0}, {max_num_tokens=}]"
-            " (cu_q_lens[:num_seqs + 1] non-decreasing from >= 0)"
+            f"cu_q_lens[{i}]={cu[i]} must be in [{cu[i - 1]}, {max_num_tokens=}]"
+            " (cu_q_lens[:num_seqs + 1] non-decreasing from 0)"
         )
     lens = kv_lens[:n].astype(np.int64)
     capacity = pages_per_seq * page_size

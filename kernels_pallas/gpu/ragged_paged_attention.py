@@ -253,8 +253,10 @@ def ragged_paged_attention(
         out, lse = _merge_splits(out, lse)
     out, lse = out[: num_rows - block_m], lse[: num_rows - block_m]
 
-    # Rows no program wrote (past cu_q_lens[num_seqs]) hold whatever the buffer held.
-    tok_valid = jnp.arange(max_num_tokens) < cu_q_lens[num_seqs[0]]
+    # Rows no program wrote (outside cu_q_lens[0]:cu_q_lens[num_seqs]) hold whatever the
+    # buffer held.
+    tok = jnp.arange(max_num_tokens)
+    tok_valid = (tok >= cu_q_lens[0]) & (tok < cu_q_lens[num_seqs[0]])
     out = out.reshape(max_num_tokens, num_q_heads, head_dim)
     lse = lse.reshape(max_num_tokens, num_q_heads)
     out = jnp.where(tok_valid[:, None, None], out, 0).astype(out_dtype)

@@ -55,6 +55,7 @@ BREAKAGES = [
     ("negative_kv_len", "kv_lens", 1, -1, r"kv_lens\[1\]=-1 must be in \[0, 32\]"),
     ("num_seqs_past_max", "num_seqs", 0, 4, r"num_seqs\[0\]=4"),
     ("negative_first_offset", "cu_q_lens", 0, -1, r"cu_q_lens\[0\]=-1"),
+    ("first_offset_not_zero", "cu_q_lens", 0, 1, r"cu_q_lens\[0\]=1 must be 0"),
     ("cu_q_lens_falls_back", "cu_q_lens", 1, 5, r"cu_q_lens\[2\]=4"),
     ("cu_q_lens_past_tokens", "cu_q_lens", 2, 9, r"cu_q_lens\[2\]=9"),
     ("causal_kv_len_below_q_len", "kv_lens", 0, 2, r"kv_lens\[0\]=2 .* query length 3"),

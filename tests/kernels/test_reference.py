@@ -309,6 +309,36 @@ def test_bad_input_raises_at_trace_time(mutate, match):
         jax.eval_shape(functools.partial(ragged_paged_attention, sm_scale=1.0), **abstract)
 
 
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"sm_scale": float("inf")}, "sm_scale=inf must be a finite number > 0"),
+        ({"sm_scale": float("nan")}, "sm_scale=nan must be a finite number > 0"),
+        ({"soft_cap": float("inf")}, "soft_cap=inf must be a finite number > 0"),
+        ({"k_scale": float("nan"), "v_scale": 1.0}, "k_scale=nan must be a finite number"),
+        ({"k_scale": 1.0, "v_scale": 0.0}, "v_scale=0.0 must be a finite number > 0"),
+        ({"sliding_window": 2.5}, "sliding_window=2.5 must be an int"),
+        ({"sliding_window": True}, "sliding_window=True must be an int"),
+        ({"max_q_len": 0}, "max_q_len=0 must be >= 1"),
+        ({"max_q_len": 2.0}, "max_q_len=2.0 must be an int"),
+        ({"max_q_len": 11}, "sequence 4 has 12 query tokens, more than max_q_len=11"),
+    ],
+)
+def test_bad_options_are_refused_by_name(options, match):
+    # Each would give NaN or silently wrong rows (a query row past max_q_len gets none of
+    # its attention), or fail deep inside a kernel.
+    case = harness.make_case(0, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
+    options = {"sm_scale": 1.0, **options}
+    with pytest.raises(ValueError, match=match):
+        ragged_paged_attention(*case.args(), **options)
+
+
+def test_zero_kv_heads_are_refused_by_name():
+    case = harness.make_case(0, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
+    with pytest.raises(ValueError, match="combined KV heads .* positive even number"):
+        ragged_paged_attention(case.q, case.kv_pages[:, :, :0], *case.args()[2:], sm_scale=1.0)
+
+
 def test_sliding_window_needs_causal():
     case = harness.make_case(0, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
     with pytest.raises(ValueError, match="sliding_window"):
