@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 import numpy as np
@@ -144,11 +145,20 @@ def token_of(request: Request) -> int:
     return (sum(request.all_token_ids) * 31 + request.num_tokens) % 97 + 100
 
 
-def step(sched: Scheduler, copier: FakeCopier | None = None):
+def step(
+    sched: Scheduler,
+    copier: FakeCopier | None = None,
+    *,
+    abort_between: Callable[[SchedulerOutput], Iterable[str]] | None = None,
+    fail: bool = False,
+):
     """One schedule + update with fake tokens; writes KV of computed tokens into the copier.
 
     Each computed token's fake KV value is 1000 * position + token id, so a load can be
     checked against what the request's own computation would have written.
+    `abort_between(out)` names requests to abort after schedule(), before the step runs
+    (the step still writes their KV, as a model running the scheduled batch does).
+    `fail`: the step fails before writing any KV and the batch is discarded.
     """
     out: SchedulerOutput = sched.schedule()
     assert out.num_computed_tokens.tolist() == [r.num_computed_tokens for r in out.requests]
@@ -161,18 +171,33 @@ def step(sched: Scheduler, copier: FakeCopier | None = None):
         )
         for t in req.all_token_ids[start : start + n]
     ]
+    block_ids = {r.request_id: sched.manager.block_ids(r.request_id) for r in out.requests}
+    for req_id in abort_between(out) if abort_between else ():
+        assert sched.abort(req_id)
+    if fail:
+        sched.discard(out)
+        sched.manager.check_integrity()
+        return out, []
     if copier is not None:
+        # The model writes the KV of every scheduled token (aborted requests' too), then
+        # attention reads each request's first num_computed + n positions: its own KV,
+        # computed, loaded, hit in the prefix cache, or written in this very step (a hit
+        # on a block another request of the batch fills now).
         bs = sched.manager.block_size
-        for req, n, start in zip(
-            out.requests, out.num_scheduled_tokens, out.num_computed_tokens, strict=True
-        ):
-            ids = sched.manager.block_ids(req.request_id)
-            pos = np.arange(start)  # computed (or loaded, or cache-hit) KV must be its own
+        batch = list(
+            zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens, strict=True)
+        )
+        for req, n, start in batch:
+            ids, pos = block_ids[req.request_id], np.arange(start, start + n)
+            kv = 1000 * pos + np.asarray(req.all_token_ids[start : start + n])
+            copier.device[np.asarray(ids, np.int64)[pos // bs], pos % bs] = kv
+        for req, n, start in batch:
+            if req.is_finished():
+                continue  # aborted after schedule()
+            ids, pos = block_ids[req.request_id], np.arange(start + n)
             kv = copier.device[np.asarray(ids, np.int64)[pos // bs], pos % bs]
-            expected = 1000 * pos + np.asarray(req.all_token_ids[:start])
-            assert np.array_equal(kv, expected), f"{req.request_id}: wrong KV before this step"
-            for pos in range(start, start + n):
-                copier.device[ids[pos // bs], pos % bs] = 1000 * pos + req.all_token_ids[pos]
+            expected = 1000 * pos + np.asarray(req.all_token_ids[: start + n])
+            assert np.array_equal(kv, expected), f"{req.request_id}: attention reads wrong KV"
     results = sched.update_from_output(out, [token_of(r) for r in out.requests])
     sched.manager.check_integrity()
     bs = sched.manager.block_size

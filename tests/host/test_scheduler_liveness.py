@@ -2,7 +2,8 @@
 
 Random arrivals and aborts over small pools, with the host offload connector saving
 finished requests' KV and loading it back (copies landing late, or at once), prefix
-caching on and off. The run must go idle within a bound (no deadlock, no livelock),
+caching on and off, steps that fail and are discarded, and aborts between a schedule()
+and its step. The run must go idle within a bound (no deadlock, no livelock),
 free every block, keep the manager's integrity after every step, give every scheduled
 request its own KV (checked by the step driver), and produce for each request that was
 not aborted exactly the tokens it would produce alone.
@@ -32,7 +33,7 @@ def _alone(prompt: list[int], max_tokens: int) -> list[int]:
     return out
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
     num_blocks=st.sampled_from([9, 12, 24]),
@@ -79,7 +80,15 @@ def test_every_accepted_request_finishes_with_its_own_tokens(
         if not pending and not sched.has_unfinished_requests():
             if not sched.has_pending_transfers():
                 break
-        _, results = step(sched, copier)
+
+        def abort_between(out):
+            if not out.request_ids or rng.random() >= 0.05:
+                return []
+            victim = out.request_ids[int(rng.integers(out.num_requests))]
+            aborted.add(victim)
+            return [victim]
+
+        _, results = step(sched, copier, abort_between=abort_between, fail=rng.random() < 0.08)
         reasons.update({r.request_id: r.finish_reason for r in results if r.finished})
         if not auto_complete and rng.random() < 0.5:
             copier.complete()
