@@ -299,7 +299,8 @@ class Scheduler:
         requests that schedule() admitted free their blocks and go back to the head of
         the waiting queue, in order. KV loads that schedule() started are cancelled (their
         cache hits may be among those blocks): each request keeps its blocks and its queue
-        place until its copy lands or fails, then frees them and recomputes. Raises
+        place until its copy lands or fails, then frees them and recomputes. The
+        output's finished_request_ids are reported again by the next schedule(). Raises
         ValueError (nothing changed) unless `output` is the latest schedule()'s and not
         yet applied.
         """
@@ -309,6 +310,7 @@ class Scheduler:
             )
         self._unapplied = None
         self._decode_carry = None
+        self._finished_ids[:0] = output.finished_request_ids  # the next output reports them
         self._transfers.cancel_new_loads()
         computed = output.num_computed_tokens.tolist()
         for request, num_written in zip(output.requests, computed, strict=True):

@@ -99,6 +99,17 @@ def test_a_request_aborted_before_its_step_runs_keeps_the_step_applicable():
     sched.manager.check_integrity()
 
 
+def test_finished_ids_of_a_discarded_output_are_reported_by_the_next_one():
+    sched = make_scheduler(block_size=4)
+    add(sched, "a", range(1, 6), max_tokens=3)
+    add(sched, "b", range(1, 6), max_tokens=3)
+    assert sched.abort("b")
+    out = sched.schedule()
+    assert out.finished_request_ids == ("b",)
+    sched.discard(out)
+    assert sched.schedule().finished_request_ids == ("b",)
+
+
 class _RaisingConnector(KVConnector):
     def __init__(self) -> None:
         self.raise_for: str | None = None
