@@ -20,6 +20,8 @@ import jax.numpy as jnp
 def _check(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array) -> None:
     if out_a.shape != out_b.shape:
         raise ValueError(f"{out_a.shape=} must equal {out_b.shape=}")
+    if out_a.dtype != out_b.dtype:  # else a pass-through would be rounded to out_a's dtype
+        raise ValueError(f"{out_a.dtype=} must equal {out_b.dtype=}")
     if out_a.ndim != 3:
         raise ValueError(f"{out_a.shape=} must be [num_tokens, num_heads, head_dim]")
     if lse_a.shape != out_a.shape[:2] or lse_b.shape != out_a.shape[:2]:

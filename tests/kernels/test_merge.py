@@ -84,3 +84,15 @@ def test_shape_mismatch_raises():
         merge_attn_states(
             jnp.zeros((2, 1, 4)), jnp.zeros((2, 1)), jnp.zeros((3, 1, 4)), jnp.zeros((3, 1))
         )
+
+
+def test_dtype_mismatch_raises():
+    # The result takes out_a's dtype: with out_a empty, a float32 out_b would come out
+    # rounded to bfloat16, not passed through bit for bit as the merge promises.
+    with pytest.raises(ValueError, match="out_a.dtype=.* must equal out_b.dtype"):
+        merge_attn_states(
+            jnp.zeros((2, 1, 4), jnp.bfloat16),
+            jnp.zeros((2, 1)),
+            jnp.zeros((2, 1, 4)),
+            jnp.zeros((2, 1)),
+        )
