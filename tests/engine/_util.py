@@ -59,14 +59,17 @@ def make_engine(
     num_blocks: int = ROOMY_BLOCKS,
     connector=None,
     max_num_seqs: int = MAX_SEQS,
+    max_num_batched_tokens: int = MAX_TOKENS_PER_STEP,
 ) -> Engine:
+    """An engine over tiny_model(). A smaller max_num_batched_tokens chunks prefills
+    but keeps the token bucket (and so the compiled programs) of the default."""
     assert num_blocks in (ROOMY_BLOCKS, TIGHT_BLOCKS), "keep the number of programs small"
     config = EngineConfig(
         cache=CacheConfig(
             num_blocks=num_blocks, block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching
         ),
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=MAX_TOKENS_PER_STEP,
+            max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             max_model_len=MAX_MODEL_LEN,
         ),

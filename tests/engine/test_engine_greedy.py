@@ -32,6 +32,20 @@ def test_cascade_on_off_and_dense_agree(workload):
     assert results[False] == expected
 
 
+def test_chunked_prefill_under_a_small_token_budget_agrees_with_dense():
+    # 8 tokens per step: prompts of 14 to 25 tokens are prefilled in chunks next to other
+    # requests' decodes and chunks, cascade on and off.
+    prompts = prompts_for("two_groups", seed=2) + prompts_for("shared", seed=2)[:2]
+    assert min(map(len, prompts)) > 8  # each group's first prompt (no cache hit) is chunked
+    expected = dense_greedy(prompts, 4)
+    for cascade in (True, False):
+        engine = make_engine(cascade=cascade, max_num_batched_tokens=8)
+        outs = engine.generate(prompts, SamplingParams(max_tokens=4), progress=False)
+        assert [list(o.output_token_ids) for o in outs] == expected, cascade
+        assert (engine.metrics.cascade_steps > 0) == cascade
+        assert_all_blocks_free(engine)
+
+
 def test_two_groups_use_the_groups_level_and_shared_uses_global():
     for workload, level in (("shared", "global"), ("two_groups", "groups")):
         engine = make_engine()
