@@ -307,3 +307,32 @@ def test_free_accepts_a_request_id():
     m.free("a")
     assert m.num_free_blocks == 9
     m.check_integrity()
+
+
+def test_uncache_unwritten_takes_the_unwritten_blocks_out_and_a_refill_caches_them_again():
+    # a's step was to compute tokens 4..12 (blocks 2 and 3 full) but failed: only its
+    # first block, a cache hit on b's, holds KV.
+    m = _manager(enable_kv_cache_events=True)
+    b = make_request("b", [*range(4), 99])
+    prefill(m, b)
+    a = make_request("a", [*range(12), 7])
+    hit_ids, num_hit = m.get_computed_blocks(a)
+    assert (hit_ids, num_hit) == (m.block_ids("b")[:1], 4)
+    m.allocate_slots(a, 9, num_new_computed_tokens=4, new_computed_blocks=hit_ids)
+    first, second, third, _ = m.block_ids("a")
+    m.take_events()
+    m.uncache_unwritten(a, 4)
+    assert [m.pool.blocks[i].block_hash for i in (second, third)] == [None, None]
+    assert m.pool.blocks[first].block_hash == a.block_hashes[0]  # written by b: kept
+    assert m.take_events() == [BlockRemoved(tuple(a.block_hashes[1:3]))]
+    probe = make_request("p", a.all_token_ids)
+    assert m.get_computed_blocks(probe) == ([first], 4)
+    m.check_integrity()
+    # The retried step computes the same tokens into the same blocks, which cache again.
+    a.num_computed_tokens = 4
+    assert m.allocate_slots(a, 9) == []
+    assert [m.pool.blocks[i].block_hash for i in (second, third)] == a.block_hashes[1:3]
+    assert m.get_computed_blocks(probe) == ([first, second, third], 12)
+    m.uncache_unwritten(a, 100)  # nothing past 100 tokens: no change
+    assert m.get_computed_blocks(probe) == ([first, second, third], 12)
+    m.check_integrity()
