@@ -98,6 +98,7 @@ class PrefixAwareRouter:
         self._prefix_replica: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
         self._outstanding = [0] * len(self.replicas)  # replica -> unfinished requests
         self._replica_of: dict[str, int] = {}  # request_id -> replica, while unfinished
+        self._undelivered: list[RequestOutput] = []  # gathered by a step() that raised
         self._next_serial = 0  # of the next generated id, taken once a replica queues it
 
     # ---------------------------------------------------------------- routing
@@ -193,18 +194,24 @@ class PrefixAwareRouter:
             self._outstanding[replica] -= 1
 
     def has_unfinished_requests(self) -> bool:
-        return any(r.has_unfinished_requests() for r in self.replicas)
+        """True while a replica has unfinished requests or a step() has outputs to give."""
+        return bool(self._undelivered) or any(r.has_unfinished_requests() for r in self.replicas)
 
     def step(self) -> list[RequestOutput]:
         """One step of every replica that has unfinished requests, in replica order.
 
-        Finished requests are released from the router replica by replica, so an error
-        raised by one replica's step leaves the counts of the replicas before it right.
+        Finished requests are released from the router replica by replica. When one
+        replica's step raises, the outputs of the replicas before it are kept and the
+        next step() returns them first: no token, and no finish, is lost.
         """
-        outputs: list[RequestOutput] = []
-        for replica in self.replicas:
-            if replica.has_unfinished_requests():
-                outputs.extend(self._finished_from(replica.step()))
+        outputs, self._undelivered = self._undelivered, []
+        try:
+            for replica in self.replicas:
+                if replica.has_unfinished_requests():
+                    outputs.extend(self._finished_from(replica.step()))
+        except BaseException:
+            self._undelivered = outputs
+            raise
         return outputs
 
     def _finished_from(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -267,12 +267,21 @@ def test_a_shared_short_prefix_outlives_the_longer_ones_it_starts():
 
 
 class FailingReplica(FakeReplica):
+    """Its first `failures` steps raise; later ones step as FakeReplica does."""
+
+    def __init__(self, index: int, failures: int = 1) -> None:
+        super().__init__(index)
+        self.failures = failures
+
     def step(self):
-        raise RuntimeError("device lost")
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("device lost")
+        return super().step()
 
 
-def test_a_replica_whose_step_raises_leaves_the_others_counts_right():
-    replicas = [FakeReplica(0), FailingReplica(1)]
+def test_a_replica_whose_step_raises_loses_no_output_and_keeps_counts_right():
+    replicas = [FakeReplica(0), FailingReplica(1, failures=2)]
     router = PrefixAwareRouter(replicas, block_size=BLOCK)
     done = router.add_request([1] * BLOCK, SamplingParams(max_tokens=1))
     stuck = router.add_request([2] * BLOCK, SamplingParams(max_tokens=1))
@@ -282,6 +291,13 @@ def test_a_replica_whose_step_raises_leaves_the_others_counts_right():
     assert router.num_outstanding == (0, 1)
     with pytest.raises(KeyError):
         router.replica_of(done)
+    # Replica 0's finished output, gathered before the failure, is kept across failures.
+    assert router.has_unfinished_requests()
+    with pytest.raises(RuntimeError, match="device lost"):
+        router.step()
+    outputs = router.step()
+    assert [(o.request_id, o.finished) for o in outputs] == [(done, True), (stuck, True)]
+    assert router.num_outstanding == (0, 0) and not router.has_unfinished_requests()
 
 
 class OffloadingReplica(FakeReplica):
