@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxkv.batch import AttentionMetadata
 from kernels_pallas import reference
 from kernels_pallas.merge import merge_attn_states
+from kernels_pallas.validation import FLOAT_DTYPES, QUANTIZED_KV_DTYPES, is_positive_finite
 
 BACKENDS = ("xla", "pallas_tpu", "pallas_gpu")
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array]]
@@ -124,17 +125,18 @@ def paged_attention(
 
 
 def _quantize(x: jax.Array, dtype, scale: float | None) -> jax.Array:
-    """x / scale in `dtype`, saturating at the dtype's range (a float8 cast of an
-    out-of-range value would give NaN, which attention would spread to every query)."""
+    """x / scale in `dtype`, finite values saturating at the dtype's range (a float16 or
+    float8 cast of a value out of its range would give inf or NaN, which attention
+    would spread to every query). NaN and inf in x stay faults that show."""
     x = x.astype(jnp.float32)
     if scale is not None:
         x = x / scale
     if jnp.issubdtype(dtype, jnp.integer):
         info = jnp.iinfo(dtype)
         x = jnp.clip(jnp.round(x), info.min, info.max)
-    elif jnp.finfo(dtype).bits <= 8:
+    elif jnp.finfo(dtype).bits < 32:
         limit = float(jnp.finfo(dtype).max)
-        x = jnp.clip(x, -limit, limit)
+        x = jnp.where(jnp.isfinite(x), jnp.clip(x, -limit, limit), x)
     return x.astype(dtype)
 
 
@@ -152,7 +154,17 @@ def write_kv(
 
     The cache is donated and updated in place. Padded tokens carry slots inside the null
     block 0, which no valid row ever reads. Quantized caches store round(x / scale).
+    Raises ValueError (at trace time) unless the cache dtype is one the kernels read
+    (float32, bfloat16, float16, int8, float8_e4m3fn), each scale is None or a finite
+    number > 0, and the shapes agree.
     """
+    if jnp.dtype(kv_pages.dtype) not in FLOAT_DTYPES + QUANTIZED_KV_DTYPES:
+        raise ValueError(
+            f"{kv_pages.dtype=} must be float32, bfloat16, float16, int8 or float8_e4m3fn"
+        )
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None and not is_positive_finite(scale):
+            raise ValueError(f"{name}={scale!r} must be a finite number > 0 or None")
     num_blocks, block_size, num_combined, head_dim = kv_pages.shape
     if k.shape != v.shape or k.shape[1:] != (num_combined // 2, head_dim):
         raise ValueError(

@@ -85,10 +85,10 @@ def validate_ragged_paged_attention_inputs(
     ):
         if jnp.dtype(arr.dtype) != jnp.dtype(jnp.int32):
             raise ValueError(f"{name}.dtype={arr.dtype} must be int32")
-    if not _positive_finite(sm_scale):
+    if not is_positive_finite(sm_scale):
         raise ValueError(f"{sm_scale=} must be a finite number > 0")
     for name, value in (("soft_cap", soft_cap), ("k_scale", k_scale), ("v_scale", v_scale)):
-        if value is not None and not _positive_finite(value):
+        if value is not None and not is_positive_finite(value):
             raise ValueError(f"{name}={value!r} must be a finite number > 0 or None")
     if sliding_window is not None:
         if not causal:
@@ -99,7 +99,7 @@ def validate_ragged_paged_attention_inputs(
             raise ValueError(f"{sliding_window=} must be >= 1 or None")
 
 
-def _positive_finite(x) -> bool:
+def is_positive_finite(x) -> bool:
     """Whether x is a finite number > 0 (a scalar, static: options never come traced)."""
     try:
         return math.isfinite(x) and x > 0

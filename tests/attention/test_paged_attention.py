@@ -181,6 +181,31 @@ def test_write_kv_saturates_out_of_range_values(dtype, scale):
     assert out[1, 1, 1, 0].astype(np.float32) == -limit - (dtype == jnp.int8)
 
 
+def test_write_kv_saturates_float16_but_keeps_nan_and_inf_visible():
+    # 1e5 overflows float16 (max 65504): stored as inf, attention over it would be NaN.
+    kv = jnp.zeros((3, 4, 2, 8), jnp.float16)
+    k = jnp.array([1e5, -1e5, jnp.inf, jnp.nan, 1.0, 2.0, 3.0, 4.0]).reshape(1, 1, 8)
+    out = np.asarray(write_kv(kv, k, k, jnp.array([5], jnp.int32)))[1, 1, 0].astype(np.float32)
+    assert out[:2].tolist() == [65504.0, -65504.0] and np.isposinf(out[2]) and np.isnan(out[3])
+
+
+@pytest.mark.parametrize(
+    "dtype, scales, match",
+    [
+        (jnp.int8, {"k_scale": 0.0}, "k_scale=0.0 must be a finite number > 0"),
+        (jnp.int8, {"v_scale": -0.01}, "v_scale=-0.01 must be a finite number > 0"),
+        (jnp.float32, {"k_scale": float("nan")}, "k_scale=nan must be a finite number > 0"),
+        (jnp.uint8, {}, "kv_pages.dtype=.*uint8.* must be float32, bfloat16"),
+        (jnp.int32, {}, "kv_pages.dtype=.*int32.* must be float32, bfloat16"),
+    ],
+)
+def test_write_kv_refuses_what_attention_cannot_read(dtype, scales, match):
+    kv = jnp.zeros((3, 4, 2, 8), dtype)
+    k = jnp.ones((1, 1, 8))
+    with pytest.raises(ValueError, match=match):
+        write_kv(kv, k, k, jnp.array([5], jnp.int32), **scales)
+
+
 def test_sliding_window_with_levels_is_rejected():
     step = workload.random_step(3, block_size=4)
     planner = CascadePlanner(SHAPE, cost_model=ALWAYS)
