@@ -8,6 +8,8 @@ import math
 import numbers
 from typing import Any
 
+import numpy as np
+
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -26,12 +28,20 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self) -> None:
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            _check_finite_real(name, getattr(self, name))
         if self.factor < 1.0:
             raise ValueError(f"{self.factor=} must be >= 1")
         if not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ValueError(f"need 0 < {self.low_freq_factor=} < {self.high_freq_factor=}")
-        if self.original_max_position_embeddings <= 0:
-            raise ValueError(f"{self.original_max_position_embeddings=} must be positive")
+        n = self.original_max_position_embeddings
+        if type(n) is not int or n <= 0:
+            raise ValueError(f"original_max_position_embeddings={n!r} must be an int > 0")
+
+
+def _check_finite_real(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite real number")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +81,9 @@ class LlamaConfig:
                 raise ValueError(f"{name}={value!r} must be an int")
         for name in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise ValueError(f"{name}={value!r} must be a real number")
-            if not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"{name}={value!r} must be positive and finite")
+            _check_finite_real(name, value)
+            if not value > 0:
+                raise ValueError(f"{name}={value!r} must be positive")
         if type(self.tie_word_embeddings) is not bool:
             raise ValueError(f"tie_word_embeddings={self.tie_word_embeddings!r} must be a bool")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
@@ -97,8 +106,13 @@ class LlamaConfig:
             raise ValueError(f"{self.head_dim=} must be positive and even (RoPE rotates pairs)")
         if self.max_position_embeddings <= 0:
             raise ValueError(f"{self.max_position_embeddings=} must be positive")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"{self.dtype=} must be one of {_DTYPES}")
+        if isinstance(self.dtype, (np.dtype, type)):  # np.float32, jnp.bfloat16: by name
+            try:
+                object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
+            except TypeError:
+                pass
+        if not isinstance(self.dtype, str) or self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {_DTYPES}")
 
     # Derived sizes.
     @property
@@ -160,6 +174,7 @@ class LlamaConfig:
             if not isinstance(scaling, dict):
                 raise ValueError(f"rope_scaling={scaling!r} must be a dict or null")
             kind = scaling.get("rope_type", scaling.get("type"))
+        if scaling is not None and kind != "default":  # "default": plain RoPE
             if kind != "llama3":
                 raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
             keys = (
@@ -170,10 +185,14 @@ class LlamaConfig:
             if missing:
                 raise ValueError(f"rope_scaling (llama3) lacks {missing}")
             rope_scaling = RopeScaling(
-                factor=float(scaling["factor"]),
-                low_freq_factor=float(scaling["low_freq_factor"]),
-                high_freq_factor=float(scaling["high_freq_factor"]),
-                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+                factor=_hf_value(scaling, "factor", float, None, "rope_scaling"),
+                low_freq_factor=_hf_value(scaling, "low_freq_factor", float, None, "rope_scaling"),
+                high_freq_factor=_hf_value(
+                    scaling, "high_freq_factor", float, None, "rope_scaling"
+                ),
+                original_max_position_embeddings=_hf_value(
+                    scaling, "original_max_position_embeddings", int, None, "rope_scaling"
+                ),
             )
         act = hf.get("hidden_act", "silu")
         if act != "silu":
@@ -186,11 +205,12 @@ class LlamaConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+            # A null num_key_value_heads means as many as query heads, as in transformers.
+            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
             head_dim=hf.get("head_dim") or 0,
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_theta=_hf_value(hf, "rope_theta", float, 10000.0),
             rope_scaling=rope_scaling,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_hf_value(hf, "rms_norm_eps", float, 1e-6),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             dtype=dtype or (torch_dtype if torch_dtype in _DTYPES else "float32"),
@@ -265,3 +285,17 @@ PRESETS: dict[str, LlamaConfig] = {
         dtype="bfloat16",
     ),
 }
+
+
+def _hf_value(d: dict[str, Any], key: str, convert, default, where: str = "config"):
+    """d[key] converted (e.g. float("1e-5") -> 1e-05), or `default` when absent or null;
+    a ValueError naming the key when it does not convert."""
+    value = d.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        raise ValueError(f"Hugging Face {where}: {key}={value!r} must be a number")
+    try:
+        return convert(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"Hugging Face {where}: {key}={value!r} must be a number") from None

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -44,11 +46,21 @@ def test_big_presets_build_abstractly_with_the_config_shapes(name):
         (dict(rms_norm_eps=0.0), "rms_norm_eps"),
         (dict(num_layers=2.0), "num_layers=2.0 must be an int"),
         (dict(hidden_size=True), "hidden_size=True must be an int"),
+        (dict(dtype=None), "dtype=None must be one of"),
+        (dict(dtype=np.dtype("float64")), "dtype='float64' must be one of"),
     ],
 )
 def test_invalid_configs_raise(overrides, match):
     with pytest.raises(ValueError, match=match):
         small_config(**overrides)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype("bfloat16"), jnp.bfloat16])
+def test_a_dtype_object_is_kept_by_name_so_configs_save_and_hash_alike(dtype):
+    cfg = small_config(dtype=dtype)
+    assert cfg.dtype == "bfloat16" and cfg == small_config(dtype="bfloat16")
+    assert hash(cfg) == hash(small_config(dtype="bfloat16"))
+    assert LlamaConfig.from_dict(json.loads(cfg.to_json())) == cfg
 
 
 def test_preset_overrides_derive_head_dim_again():

@@ -64,11 +64,40 @@ def test_unsupported_rope_scaling_and_inconsistent_values_are_refused():
         (dict(low_freq_factor=4.0, high_freq_factor=1.0), "low_freq_factor"),
         (dict(low_freq_factor=0.0), "low_freq_factor"),
         (dict(original_max_position_embeddings=0), "original_max_position_embeddings"),
+        (dict(factor=float("nan")), "factor=nan must be a finite real"),  # NaN RoPE else
+        (dict(high_freq_factor=float("inf")), "high_freq_factor=inf must be a finite real"),
+        (dict(factor="8"), "factor='8' must be a finite real"),
+        (dict(original_max_position_embeddings=8192.5), "must be an int > 0"),
     ]:
         with pytest.raises(ValueError, match=match):
             RopeScaling(**bad)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         small_config(max_position_embeddings=0)
+
+
+def test_null_and_default_values_read_as_hugging_face_reads_them():
+    # transformers reads a null num_key_value_heads as num_attention_heads, a null
+    # rope_theta or rms_norm_eps as the default, and rope_type "default" as plain RoPE.
+    nulls = dict(num_key_value_heads=None, rope_theta=None, rms_norm_eps=None)
+    cfg = LlamaConfig.from_hf_dict({**REQUIRED, **nulls, "rope_scaling": {"rope_type": "default"}})
+    assert cfg == LlamaConfig.from_hf_dict(REQUIRED)
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("rms_norm_eps", "1e-5x", "rms_norm_eps='1e-5x' must be a number"),
+        ("rope_theta", [5e5], "rope_theta=\\[500000.0\\] must be a number"),
+        ("rope_theta", True, "rope_theta=True must be a number"),
+    ],
+)
+def test_a_value_that_is_not_a_number_is_refused_naming_its_key(key, value, match):
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig.from_hf_dict({**REQUIRED, key: value})
+    scaling = dict(rope_type="llama3", factor=value, low_freq_factor=1, high_freq_factor=4,
+                   original_max_position_embeddings=8192)  # fmt: skip
+    with pytest.raises(ValueError, match="rope_scaling: factor="):
+        LlamaConfig.from_hf_dict({**REQUIRED, "rope_scaling": scaling})
 
 
 def _logits(model, tokens):
