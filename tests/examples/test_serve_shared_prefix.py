@@ -88,3 +88,16 @@ def test_help_lists_every_flag(serve, capsys):
 def test_pallas_tpu_backend_with_a_head_dim_the_kernel_lacks_says_why(serve):
     with pytest.raises(SystemExit, match="head_dim"):
         serve.main(["--backend", "pallas_tpu", "--num-requests", "2", "--max-tokens", "1"])
+
+
+def test_warm_tokens_per_s_times_every_run_over_the_same_steps(serve):
+    report = sys.modules["serving_report"]
+    # Step 1 compiled only in the first run: it is left out of both, so both rates
+    # cover steps 0 and 2 (a heavy step 1 warm in one run only would skew the ratio).
+    on = report.RunResult("on", step_log=[(False, 4, 1.0), (True, 64, 9.0), (False, 4, 1.0)])
+    off = report.RunResult("off", step_log=[(False, 4, 2.0), (False, 64, 2.0), (False, 4, 2.0)])
+    assert report.warm_tokens_per_s([on, off]) == [4.0, 2.0]
+    # Runs of different step counts: each over its own warm steps.
+    short = report.RunResult("short", step_log=[(False, 4, 1.0), (True, 8, 1.0)])
+    assert report.warm_tokens_per_s([on, short]) == [4.0, 4.0]
+    assert report.warm_tokens_per_s([report.RunResult("cold", step_log=[(True, 1, 1.0)])]) == [None]
