@@ -101,16 +101,20 @@ def run_one(model, prompts, args, name, cascade, prefix_caching) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens)
     for p in prompts:
         engine.add_request(p, params)
-    steps = []
+    steps, generated = [], []  # per step that ran the model: its stats, tokens it generated
     peak_usage = 0.0
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
-        engine.step()
-        steps.append(engine.last_step)
+        before = engine.last_step
+        outputs = engine.step()
+        if engine.last_step is not before:  # the model ran (a prefill chunk may generate none)
+            steps.append(engine.last_step)
+            generated.append(len(outputs))
         peak_usage = max(peak_usage, engine.manager.usage)
     wall = time.perf_counter() - t0
     m = engine.metrics
     warm = [s for s in steps if not s.new_program]
+    warm_generated = sum(n for s, n in zip(steps, generated, strict=True) if not s.new_program)
     decode = [s for s in warm if s.num_tokens == s.num_requests >= args.decode_batch]
     p50 = lambda xs: 1e3 * float(np.median(xs)) if xs else float("nan")
     mean = lambda xs: 1e3 * float(np.mean(xs)) if xs else float("nan")
@@ -127,11 +131,10 @@ def run_one(model, prompts, args, name, cascade, prefix_caching) -> dict:
         "compile_step_s": sum(s.host_s + s.device_s + s.update_s for s in steps if s.new_program),
         "generated_tokens_per_s": m.generation_tokens_per_s,
         "tokens_per_s": m.tokens_per_s,
-        # Warm steps: tokens computed, and one generated token per decode-only request.
+        # Over the steps that compiled nothing: tokens computed, and tokens generated
+        # (decodes and the first token of each finished prefill).
         "warm_tokens_per_s": per_s(sum(s.num_tokens for s in warm)),
-        "warm_generated_tokens_per_s": per_s(
-            sum(s.num_requests for s in warm if s.num_tokens == s.num_requests)
-        ),
+        "warm_generated_tokens_per_s": per_s(warm_generated),
         "host_ms_per_step_p50": p50([s.host_s for s in warm]),
         "host_cpu_ms_per_step_p50": p50([s.host_cpu_s for s in warm]),
         "device_ms_per_step_p50": p50([s.device_s for s in warm]),
