@@ -49,7 +49,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu_kernel_checks import device_checks  # noqa: E402
+from benchmarks.gpu_kernel_checks import checks_passed, device_checks  # noqa: E402
 from benchmarks.gpu_kernel_methods import (  # noqa: E402
     HEAD_DIM,
     NUM_KV_HEADS,
@@ -358,8 +358,7 @@ def main(argv=None) -> int:
     (args.out / "gpu_kernel.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result["goals"], indent=1))
     print(f"wrote {args.out / 'gpu_kernel.json'} in {result['seconds']:.0f} s")
-    checks_ok = all(c["ok"] for c in result["checks"] if "error" not in c)
-    return 0 if checks_ok else 1
+    return 0 if checks_passed(result["checks"]) else 1
 
 
 if __name__ == "__main__":

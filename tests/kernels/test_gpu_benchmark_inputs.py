@@ -1,4 +1,5 @@
-"""The page tables of benchmarks/gpu_kernel.py share exactly what its table says they share."""
+"""benchmarks/gpu_kernel.py: its page tables share exactly what its table says they
+share, and a correctness check that raises fails the run."""
 
 from __future__ import annotations
 
@@ -30,3 +31,15 @@ def test_unique_tables_share_no_page():
     tables, pages_per_copy = bench.decode_tables(3, 64, 20, 16, shared=False, copies=1)
     assert len(np.unique(tables)) == tables.size == 3 * 6
     assert tables.min() >= 1 and tables.max() < pages_per_copy
+
+
+def test_a_check_that_raises_fails_the_run_unless_the_gpu_cannot_convert_float8():
+    from benchmarks import gpu_kernel_checks as checks
+
+    q, kv = np.zeros((4, 2, 16), np.float32), np.zeros((2, 16, 2, 16), np.float32)
+    meta = [np.zeros(1, np.int32), np.zeros((1, 1), np.int32), np.zeros(2, np.int32)]
+    bad = checks._check_one("bad_args", (q, kv, *meta, np.ones(3)), {"sm_scale": 1.0}, True)
+    assert not bad["ok"] and not bad["unsupported"] and "num_seqs" in bad["error"]
+    old_gpu = {"ok": False, "unsupported": True}  # the kernel's refusal below sm_89
+    assert checks.checks_passed([{"ok": True}, old_gpu])
+    assert not checks.checks_passed([{"ok": True}, old_gpu, bad])
