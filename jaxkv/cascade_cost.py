@@ -72,8 +72,9 @@ class CascadeCostModel:
 
 # Key: backend name as in jaxkv.attention ("xla", "pallas_tpu", "pallas_gpu").
 # xla: from benchmarks/attention.py on the CPU (README table): cascade won wherever it
-# saved over ~1.5 MiB and at least a third of flat's bytes, and lost (0.84x) at
-# B=32, P=256, S=1024 where it saved a sixth. The accelerator rows are estimates (a
+# saved over ~1.5 MiB and at least a third of flat's bytes. Where it saves only a sixth
+# (P=256, S=1024) runs disagree: 0.84x in one, 1.2x in the latest, so min_saved_fraction
+# keeps flat there rather than risk a loss. The accelerator rows are estimates (a
 # kernel launch of a few microseconds at HBM bandwidth) until measured on hardware.
 DEFAULT_COST_MODELS: dict[str, CascadeCostModel] = {
     "xla": CascadeCostModel(
