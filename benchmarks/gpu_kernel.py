@@ -22,8 +22,9 @@ One run (under 5 minutes on an H100/H200):
 Bandwidth is KV bytes that the method must read divided by time: B*(P+S) tokens for the
 flat kernels and JAX's, P + B*S tokens for cascade; fractions are of the measured copy
 bandwidth. Each timed call runs `--reps` kernel calls in one jitted program on distinct
-queries, and, when the KV of one call would fit in L2, on distinct copies of the cache,
-so repeated calls do not read a warm L2.
+queries, and, when the KV of one call would fit in L2, on distinct copies of the cache
+(a call never reads what an earlier call of its program left in L2); before each timed
+program a buffer twice the size of L2 is written, untimed, so no program starts warm.
 
     python benchmarks/gpu_kernel.py --out results/            # on the GPU
     python benchmarks/gpu_kernel.py --out /tmp/smoke --smoke  # CPU: interpret mode, tiny
@@ -36,6 +37,7 @@ their lowering are in gpu_kernel_methods.py, the correctness checks in gpu_kerne
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import pathlib
@@ -100,14 +102,28 @@ def _copies_for(kv_bytes: int, reps: int) -> int:
     return max(1, min(reps, math.ceil(4 * L2_BYTES / max(kv_bytes, 1))))
 
 
-def time_call(fn, args, repeats: int) -> tuple[float, object]:
+def time_call(fn, args, repeats: int, *, flush_l2: bool = False) -> tuple[float, object]:
+    """Median seconds of `repeats` runs of fn(*args) after a warm-up, and its output.
+
+    flush_l2: before each timed run, untimed, write a buffer twice the size of L2, so no
+    run reads what the previous one left in L2."""
     out = jax.block_until_ready(fn(*args))  # compile and warm up
+    flush = _l2_flush() if flush_l2 else None
     times = []
     for _ in range(repeats):
+        if flush is not None:
+            flush()
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times), out
+
+
+@functools.cache
+def _l2_flush():
+    buffer = jnp.zeros((L2_BYTES,), jnp.bfloat16)  # 2 * L2_BYTES bytes
+    touch = jax.jit(lambda x: x + 1)
+    return lambda: jax.block_until_ready(touch(buffer))
 
 
 # ----------------------------------------------------------------------------- timing
@@ -135,7 +151,7 @@ def bench_config(b, p, s, *, page_size, reps, repeats, interpret, heads, dtype, 
     row = {"B": b, "P": p, "S": s, "flat_kv_bytes": flat_bytes, "cascade_kv_bytes": cascade_bytes}
 
     def timed(name, fn, args, nbytes):
-        t, out = time_call(jax.jit(fn), args, repeats)
+        t, out = time_call(jax.jit(fn), args, repeats, flush_l2=True)
         row[f"{name}_us"] = t / reps * 1e6
         row[f"{name}_bytes_per_s"] = nbytes / (t / reps)
         print(f"  {name:12s} {t / reps * 1e6:10.1f} us", flush=True)
@@ -227,7 +243,7 @@ def sweep(b, p, s, *, page_size, reps, repeats, copy_bps, deadline, heads, inter
             ]  # fmt: skip
 
         try:
-            t, _ = time_call(jax.jit(run), (qs, kv), repeats)
+            t, _ = time_call(jax.jit(run), (qs, kv), repeats, flush_l2=True)
             row = {**knobs, "us": t / reps * 1e6,
                    "fraction_of_copy": flat_bytes / (t / reps) / copy_bps}  # fmt: skip
         except Exception as e:  # e.g. out of shared memory for this tiling

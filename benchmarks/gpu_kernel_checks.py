@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.gpu_kernel_methods import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS
+from benchmarks.reference_errors import errors_against_reference
 from kernels_pallas import reference
 from kernels_pallas.gpu import ragged_paged_attention
 
@@ -40,20 +41,6 @@ def _random_ragged(key, seq_lens, *, page_size, num_q_heads, num_kv_heads, head_
     cu = np.concatenate([[0], np.cumsum([q for q, _ in seq_lens])]).astype(np.int32)
     kv_lens = np.array([kv for _, kv in seq_lens], np.int32)
     return q, kv, jnp.asarray(kv_lens), jnp.asarray(table), jnp.asarray(cu)
-
-
-def _max_errors(got, want) -> dict:
-    out_g, lse_g = (np.asarray(x.astype(jnp.float32), np.float64) for x in got)
-    out_w, lse_w = (np.asarray(x.astype(jnp.float32), np.float64) for x in want)
-    finite = np.isfinite(lse_w)
-    out_excess = np.abs(out_g - out_w) - (2e-2 + 2e-2 * np.abs(out_w))
-    lse_excess = np.abs(lse_g - lse_w) - 5e-3 * (1 + np.abs(np.where(finite, lse_w, 0)))
-    lse_excess = np.where(finite, lse_excess, np.where(np.isneginf(lse_g), -1.0, np.inf))
-    return {
-        "max_abs_out_err": float(np.nanmax(np.abs(out_g - out_w))),
-        "max_abs_lse_err": float(np.max(np.abs(np.where(finite, lse_g - lse_w, 0)))),
-        "ok": bool(np.all(out_excess <= 0) and np.all(lse_excess <= 0)),
-    }
 
 
 def device_checks(*, interpret: bool, small: bool) -> list[dict]:
@@ -99,7 +86,7 @@ def _check_one(name: str, args, kw: dict, interpret: bool) -> dict:
         kernel = functools.partial(ragged_paged_attention, interpret=interpret, **kw)
         got = jax.jit(kernel)(*args)
         want = jax.jit(functools.partial(reference.ragged_paged_attention, **kw))(*args)
-        res = {"check": name, **_max_errors(got, want)}
+        res = {"check": name, **errors_against_reference(got, want)}
     except Exception as e:  # reported, not fatal: the other checks and timings still run
         res = {"check": name, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         res["unsupported"] = isinstance(e, ValueError) and "compute capability >= 8.9" in str(e)

@@ -3,7 +3,8 @@
 One run:
 
 1. checks the kernel against `kernels_pallas.reference` on the device (mixed prefill and
-   decode with GQA, the non-causal prefix pass, int8 KV) and records the worst errors;
+   decode with GQA, the non-causal prefix pass, int8 KV), records the worst errors and
+   judges them (benchmarks/reference_errors.py; a failed check makes the exit status 1);
 2. measures the device's copy bandwidth (a large elementwise copy, read + write);
 3. for B decode requests (B in {8, 32, 128}) that share a P-token prefix (P in {256, 1024,
    4096}) and own S more tokens each (S in {16, 128, 1024}), with Llama-3-8B heads (32
@@ -35,6 +36,7 @@ import argparse
 import functools
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -43,8 +45,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kernels_pallas import reference
-from kernels_pallas.tpu import TUNED_BLOCK_SIZES, detect_tpu_generation, ragged_paged_attention
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.reference_errors import errors_against_reference  # noqa: E402
+from kernels_pallas import reference  # noqa: E402
+from kernels_pallas.tpu import (  # noqa: E402
+    TUNED_BLOCK_SIZES,
+    detect_tpu_generation,
+    ragged_paged_attention,
+)
 
 # Peak HBM bandwidth per chip, bytes/s (Google Cloud TPU documentation), keyed like
 # kernels_pallas.tpu.tuning: device_kind lower-cased without "tpu", " lite" -> "e".
@@ -138,7 +147,8 @@ def methods(sm_scale: float, kernel):
 
 
 def check(kernel, *, heads, dtype, page_size, interpret: bool) -> dict:
-    """Worst |kernel - reference| over valid rows of a few small cases, on this device."""
+    """Worst |kernel - reference| over valid rows of a few small cases, on this device,
+    and whether each is within benchmarks.reference_errors' tolerances."""
     num_q_heads, num_kv_heads, head_dim = heads
     rng = np.random.default_rng(1)
     seq_lens = [(1, 300), (17, 17), (5, 100), (1, 33)] if not interpret else [(1, 40), (7, 7)]
@@ -169,13 +179,9 @@ def check(kernel, *, heads, dtype, page_size, interpret: bool) -> dict:
         meta = (kv_lens, table, cu, n) if meta is None else meta
         meta = tuple(jnp.asarray(m, jnp.int32) for m in meta)
         opts = dict(sm_scale=sm_scale, causal=causal, **scales)
-        out, lse = kernel(q, kv, *meta, **opts)
-        want_out, want_lse = reference.ragged_paged_attention(q, kv, *meta, **opts)
-        valid = int(meta[2][-1])
-        errors[name] = dict(
-            out=float(jnp.max(jnp.abs(out[:valid].astype(jnp.float32) - want_out[:valid]))),
-            lse=float(jnp.max(jnp.abs(lse[:valid] - want_lse[:valid]))),
-        )
+        got = kernel(q, kv, *meta, **opts)
+        want = reference.ragged_paged_attention(q, kv, *meta, **opts)
+        errors[name] = errors_against_reference(got, want, valid_rows=int(meta[2][-1]))
     return errors
 
 
@@ -266,7 +272,7 @@ def lower_full_size(args) -> None:
         i32(batch + 1),
         i32(1),
     )
-    kernel = functools.partial(ragged_paged_attention, tpu_generation="v6e")
+    kernel = functools.partial(ragged_paged_attention, tpu_generation=args.tpu_generation)
     for name, fn in methods(args.head_dim**-0.5, kernel).items():
         f = jax.jit(functools.partial(fn, prefix_pages=prefix_pages))
         text = f.trace(*specs).lower(lowering_platforms=("tpu",)).as_text()
@@ -275,7 +281,7 @@ def lower_full_size(args) -> None:
         print(f"lowered {name} B={batch} P={prefix} S={suffix} for TPU: {calls} Mosaic call(s)")
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--prefix", type=int, nargs="+", default=[256, 1024, 4096])
@@ -312,7 +318,11 @@ def main() -> None:
     path = args.out / "tpu_kernel.json"
     path.write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     print(f"wrote {path}")
+    failed = [name for name, e in meta["reference_errors"].items() if not e["ok"]]
+    if failed:
+        print(f"FAIL: the kernel is outside tolerance of the reference in {failed}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
