@@ -139,3 +139,29 @@ def test_freeing_a_block_once_per_holder_is_fine():
     pool.free_blocks([pool.blocks[2], pool.blocks[2]])
     assert pool.free_block_queue.block_ids() == [3, 4, 2]
     pool.check_integrity({1: 1})
+
+
+def test_events_split_stored_runs_around_a_block_already_cached():
+    # The middle block's hash is cached on another block: the two stored blocks are two
+    # runs, the second with the skipped block's hash as its parent.
+    pool = BlockPool(8, enable_events=True)
+    a, b, c, other = pool.get_new_blocks(4)
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    kw = dict(block_size=1, adapter_id=None)
+    pool.cache_full_blocks([other], hashes[1:2], parent_block_hash=hashes[0], token_ids=[2], **kw)
+    pool.take_events()
+    pool.cache_full_blocks([a, b, c], hashes, parent_block_hash=None, token_ids=[1, 2, 3], **kw)
+    events = pool.take_events()
+    assert [e.block_hashes for e in events] == [(hashes[0],), (hashes[2],)]
+    assert events[1].parent_block_hash == hashes[1] and events[1].token_ids == (3,)
+
+
+def test_a_cached_block_keeps_its_hash_when_cached_again():
+    pool = BlockPool(4)
+    (a,) = pool.get_new_blocks(1)
+    h1, h2 = b"\1" * 16, b"\2" * 16
+    kw = dict(parent_block_hash=None, token_ids=[1], block_size=1, adapter_id=None)
+    pool.cache_full_blocks([a], [h1], **kw)
+    pool.cache_full_blocks([a], [h2], **kw)
+    assert a.block_hash == h1 and pool.get_cached_block(h2) is None
+    pool.check_integrity({a.block_id: 1})

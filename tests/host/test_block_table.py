@@ -125,3 +125,13 @@ def test_append_one_each_past_the_scalar_path_keeps_lengths_and_prefix_chains():
     assert t.num_common_prefix_blocks(ids) == 1
     t.append_one_each(ids, [80] * 70)  # one block id after different prefixes
     assert t.check_integrity({rid: [1, i + 2, 80] for i, rid in enumerate(ids)}) == []
+
+
+def test_rows_of_is_not_fooled_by_a_caller_changing_its_list_afterwards():
+    table = HostBlockTable(4)
+    for request_id in "abc":
+        table.add_row(request_id)
+    ids = ["a", "b"]
+    assert table.rows_of(ids).tolist() == [0, 1]
+    ids[0] = "c"  # the same list object, other contents: the memo must not answer
+    assert table.rows_of(ids).tolist() == [2, 1]

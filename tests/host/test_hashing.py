@@ -134,3 +134,9 @@ def test_digests_are_pinned():
     plain = extend_block_hashes([], list(range(100, 140)), 16)
     assert plain[-1].hex() == "16ca569b08e9acb46c2b94a046b6c5e5"
     assert plain[0] == hash_block_tokens(root_hash(0), list(range(100, 116)))
+
+
+@pytest.mark.parametrize("parent", [b"\0" * (HASH_NUM_BYTES - 1), b"\0" * (HASH_NUM_BYTES + 1)])
+def test_hash_block_tokens_rejects_a_parent_that_is_not_a_block_hash(parent):
+    with pytest.raises(ValueError):
+        hash_block_tokens(parent, [1, 2])

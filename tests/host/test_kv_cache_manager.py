@@ -336,3 +336,23 @@ def test_uncache_unwritten_takes_the_unwritten_blocks_out_and_a_refill_caches_th
     m.uncache_unwritten(a, 100)  # nothing past 100 tokens: no change
     assert m.get_computed_blocks(probe) == ([first, second, third], 12)
     m.check_integrity()
+
+
+def test_a_cache_hit_after_an_uncache_caches_the_blocks_before_it_again():
+    # r's block 1 left the cache (a failed step); the retry wrote it (computed 8) and r
+    # then takes block 2 as a hit. Block 1 must not be counted as already cached along
+    # with the hit: the same call caches it.
+    m = _manager(num_blocks=16)
+    r = make_request("r", range(1, 14))
+    m.allocate_slots(r, 8)  # caches its blocks 0 and 1
+    donor = make_request("d", range(1, 14))
+    m.allocate_slots(donor, 13)  # no lookup: caches only block 2 (0 and 1 are r's)
+    m.free("d")
+    m.uncache_unwritten(r, 4)
+    hashes = r.block_hashes
+    assert hashes[1] not in m.pool.cached_block_hash_to_block
+    r.num_computed_tokens = 8
+    hit = m.pool.cached_block_hash_to_block[hashes[2]]
+    m.allocate_slots(r, 1, num_new_computed_tokens=4, new_computed_blocks=[hit.block_id])
+    assert m.pool.cached_block_hash_to_block[hashes[1]].block_id == m.block_ids("r")[1]
+    m.check_integrity()

@@ -317,3 +317,34 @@ def test_events_replayed_give_the_cache_and_reused_id_lists_stay_exact(seed):
         _replay(cache, m.take_events())
         assert cache == set(m.pool.cached_block_hash_to_block)
         m.check_integrity()
+
+
+def test_a_cache_hit_past_the_requests_full_blocks_is_refused():
+    # "c" has two full blocks (8 of 9 tokens); a hit of three blocks runs past them.
+    m = _busy()
+    req = make_request("c", range(9))
+    hit, _ = m.get_computed_blocks(req)
+    extra = m.block_ids("b")[1]
+    _refused(
+        m,
+        lambda: m.allocate_slots(
+            req, 1, num_new_computed_tokens=12, new_computed_blocks=[*hit, extra]
+        ),
+        "run past the request's full blocks",
+    )
+
+
+def test_limits_are_refused_one_past_their_boundary():
+    m = _busy()
+    req = make_request("c", range(9))
+    _refused(m, lambda: m.allocate_slots(req, 0, num_new_computed_tokens=10), "exceeds its 9")
+    assert m.allocate_slots(req, 0, num_new_computed_tokens=9) is not None  # at the limit
+    # The batch path: 31 computed tokens + 2 > max_model_len=32; + 1 is fine.
+    long = make_request("d", range(31))
+    long.num_computed_tokens = 0
+    m2 = KVCacheManager(12, 4, max_model_len=32)
+    assert m2.allocate_slots(long, 31) is not None
+    long.num_computed_tokens = 31
+    long.append_output_token_ids([1])
+    _refused(m2, lambda: m2.allocate_slots_batch([long], [2]), "max_model_len=32")
+    assert m2.allocate_slots_batch([long], [1])

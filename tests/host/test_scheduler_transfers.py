@@ -113,6 +113,24 @@ def test_a_failing_start_load_frees_its_blocks_and_keeps_the_queue():
     assert [rid for rid, _ in connector.loads] == ["a", "b", "c"]
 
 
+def test_a_failing_start_load_after_a_device_cache_hit_leaves_nothing_computed():
+    # "b" hits r's two cached blocks (8 tokens) before its load fails: it holds no
+    # block afterwards, so it must not keep counting those 8 tokens as computed.
+    connector = _ClaimingConnector(0, failing={"b"})
+    sched = make_scheduler(num_blocks=32, block_size=BS, connector=connector)
+    add(sched, "r", range(1, 10), max_tokens=5)
+    step(sched)  # caches r's blocks of tokens 1..4 and 5..8
+    connector.claim = 4
+    b = add(sched, "b", range(1, 15), max_tokens=2)
+    with pytest.raises(OSError, match="injected"):
+        sched.schedule()
+    assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0
+    sched.manager.check_integrity()
+    connector.failing.clear()
+    sched.schedule()  # admits "b" again: its load starts after the same hit
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV and b.num_computed_tokens == 8
+
+
 def _decoding(sched, n: int) -> list:
     """n requests with 1-token prompts, running (decoding) after one step."""
     reqs = [add(sched, f"d{i}", [100 + i], max_tokens=5) for i in range(n)]
