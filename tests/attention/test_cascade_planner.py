@@ -213,6 +213,33 @@ def test_cost_model_arithmetic():
     kw = dict(num_query_tokens=4, num_q_heads=1, num_kv_heads=1, head_dim=8, kv_itemsize=2)
     assert not model.pays(num_requests=4, prefix_tokens=10, **kw)
     assert model.pays(num_requests=5, prefix_tokens=10, **kw)  # 1280 bytes
+    # The merge reads two float32 partials (out and lse: head_dim + 1 values) and writes
+    # one, per query token and head: 2 tokens x 4 heads x 9 x 4 bytes x 3 = 864 bytes.
+    assert CascadeCostModel(0, merge_cost_factor=1.0).cost_bytes(2, 4, 8) == 864
+    assert CascadeCostModel(100, merge_cost_factor=0.5).cost_bytes(2, 4, 8) == 100 + 432
+    # min_saved_fraction compares bytes with bytes: 1 x 10 tokens saved out of the
+    # requests' whole contexts (100 tokens: a tenth; 15 tokens: two thirds).
+    half = CascadeCostModel(0, merge_cost_factor=0, min_saved_fraction=0.5)
+    kw = dict(num_query_tokens=1, num_q_heads=1, num_kv_heads=1, head_dim=8, kv_itemsize=2)
+    assert not half.pays(num_requests=2, prefix_tokens=10, context_tokens=100, **kw)
+    assert half.pays(num_requests=2, prefix_tokens=10, context_tokens=15, **kw)
+    assert half.pays(num_requests=2, prefix_tokens=10, **kw)  # no context: no such test
+
+
+def test_the_groups_level_keeps_the_max_groups_that_save_most():
+    # Four system prompts of two blocks under 2, 3, 4 and 5 decoding requests: with
+    # max_groups=2 the level keeps the groups of 5 and 4 requests.
+    m = KVCacheManager(256, 4, max_model_len=64)
+    reqs = []
+    for p, count in enumerate((2, 3, 4, 5)):
+        system = list(range(100 * (p + 1), 100 * (p + 1) + 8))
+        reqs += [_decoding(m, f"p{p}r{i}", system + [i, 50 + i]) for i in range(count)]
+    plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=2), m, reqs)
+    (level,) = plan.levels
+    sizes = (level.group_ends - level.group_starts).tolist()
+    assert sorted(sizes) == [4, 5]
+    kept = {reqs[i].request_id[:2] for i in plan.order[: sum(sizes)]}
+    assert kept == {"p2", "p3"}
 
 
 def test_planning_changes_nothing_and_unknown_id_raises():

@@ -91,6 +91,8 @@ def test_pad_level_appends_empty_sequences_and_keeps_the_valid_ones():
     assert padded.page_indices.tolist() == [[0, 0], [3, 4], [0, 0], [0, 0]]
     assert int(padded.num_seqs[0]) == 2 and padded.max_q_len == 3
     assert pad_level(level, 2) is level and pad_level(level, 1) is level
+    one_more = pad_level(level, 3)  # exactly one slot missing: padded too
+    assert one_more.kv_lens.tolist() == [0, 8, 0] and one_more.cu_q_lens.tolist() == [0, 2, 5, 5]
 
 
 def test_coarsen_rounds_each_query_bound_up_to_its_bucket_and_pads_levels_on_its_own():

@@ -319,6 +319,7 @@ def test_bad_input_raises_at_trace_time(mutate, match):
         ({"k_scale": 1.0, "v_scale": 0.0}, "v_scale=0.0 must be a finite number > 0"),
         ({"sliding_window": 2.5}, "sliding_window=2.5 must be an int"),
         ({"sliding_window": True}, "sliding_window=True must be an int"),
+        ({"sliding_window": 0}, "sliding_window=0 must be >= 1"),  # would hide every key
         ({"max_q_len": 0}, "max_q_len=0 must be >= 1"),
         ({"max_q_len": 2.0}, "max_q_len=2.0 must be an int"),
         ({"max_q_len": 11}, "sequence 4 has 12 query tokens, more than max_q_len=11"),
