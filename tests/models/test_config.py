@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -120,3 +121,20 @@ def test_kv_cache_bytes_per_token_of_llama3_8b():
     cfg = LlamaConfig.preset("llama3_8b")
     assert cfg.kv_cache_bytes_per_token() == 128 * 1024
     assert cfg.kv_cache_bytes_per_token(itemsize=4) == 256 * 1024
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_bfloat16_model_returns_float32_logits(tied):
+    from tests.models.conftest import random_model
+
+    model = random_model(small_config(dtype="bfloat16", tie_word_embeddings=tied))
+    assert model.dense_forward(jnp.zeros((1, 4), jnp.int32)).dtype == jnp.float32
+
+
+def test_llama3_scaling_band_is_inclusive_at_the_low_frequency_edge():
+    # As in Hugging Face, a wavelength exactly at original_max / low_freq_factor is in the
+    # band with smoothing 0, so divided by factor. inv_freq[0] = 1: wavelength 2 pi.
+    low = 8 / (2 * math.pi)
+    assert 8 / low == 2 * math.pi
+    cfg = small_config(rope_scaling=RopeScaling(4.0, low, 4.0, 8))
+    np.testing.assert_allclose(rope_inv_freq(cfg)[0], 1 / 4.0, rtol=1e-6)

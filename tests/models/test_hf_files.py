@@ -63,6 +63,7 @@ def test_unsupported_rope_scaling_and_inconsistent_values_are_refused():
         (dict(factor=0.5), "factor"),
         (dict(low_freq_factor=4.0, high_freq_factor=1.0), "low_freq_factor"),
         (dict(low_freq_factor=0.0), "low_freq_factor"),
+        (dict(low_freq_factor=4.0, high_freq_factor=4.0), "low_freq_factor"),  # 0 / 0 band
         (dict(original_max_position_embeddings=0), "original_max_position_embeddings"),
         (dict(factor=float("nan")), "factor=nan must be a finite real"),  # NaN RoPE else
         (dict(high_freq_factor=float("inf")), "high_freq_factor=inf must be a finite real"),

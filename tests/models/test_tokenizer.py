@@ -50,3 +50,13 @@ def test_bos_and_eos_are_added_independently():
     assert TOK.encode("a", bos=True) == [TOK.bos_id, 97]
     assert TOK.encode("a", eos=True) == [97, TOK.eos_id]
     assert TOK.encode("") == [] and TOK.encode("", bos=True, eos=True) == [TOK.bos_id, TOK.eos_id]
+
+
+def test_special_ids_and_vocab_are_the_documented_ones():
+    # Checkpoints trained on these ids depend on them, and every id the tokenizer emits
+    # must be a row of the embedding of a model of its vocab size (the tiny preset).
+    from jaxkv.models import LlamaConfig
+
+    tok = ByteTokenizer()
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.vocab_size) == (256, 257, 258, 259)
+    assert tok.vocab_size == LlamaConfig.preset("tiny").vocab_size

@@ -331,6 +331,15 @@ def bad_tp_sizes():
     raises(lambda: engine_replicas(model(8), engine_config, num_replicas=1.5), "num_replicas")
 
 
+@check
+def replica_meshes_are_consecutive_device_groups():
+    """Replicas take consecutive groups of devices in device order (neighbours on real
+    hardware), and a mesh of the first devices."""
+    groups = [[d.id for d in m.devices.flat] for m in sharding.replica_meshes(2)]
+    assert groups == [[0, 1], [2, 3], [4, 5], [6, 7]], groups
+    assert [d.id for d in sharding.make_mesh(4).devices.flat] == [0, 1, 2, 3]
+
+
 # ------------------------------------------------------------------ engine, router
 
 MAX_TOKENS = 6

@@ -24,6 +24,7 @@ CHECKS = (
     "kv_heads_replicated_when_tp_exceeds_them",
     "tp8_collectives",
     "bad_tp_sizes",
+    "replica_meshes_are_consecutive_device_groups",
     "engine_greedy_tp",
     "router_over_engine_replicas",
     "router_replicas_sample_independently",

@@ -40,3 +40,22 @@ def test_more_replicas_than_device_groups_is_refused_before_any_engine_is_built(
         engine_replicas(None, num_replicas=n)  # the model is never touched
     with pytest.raises(ValueError, match="num_replicas=0"):
         engine_replicas(None, num_replicas=0)
+
+
+def test_every_projection_is_split_megatron_style_when_kv_heads_are_not_replicated():
+    # Checked through the recorded PartitionSpecs, which a 1-device mesh keeps too: the
+    # multi-device checks compare logits and a few shard shapes, which k and v kernels
+    # silently replicated on every device would pass.
+    from jax.sharding import PartitionSpec as P
+
+    from tests.models.conftest import random_model, small_config
+
+    sharded = sharding.shard_model(random_model(small_config()), sharding.make_mesh(1))
+    assert sharding.tensor_parallel_of(sharded).kv_replicas == 1
+    ax = sharding.DEFAULT_AXIS
+    attn, mlp = sharded.layers[0].self_attn, sharded.layers[0].mlp
+    for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+        assert linear.kernel[...].sharding.spec == P(None, ax)
+    for linear in (attn.o_proj, mlp.down_proj):
+        assert linear.kernel[...].sharding.spec == P(ax, None)
+    assert sharded.embed_tokens.embedding[...].sharding.spec == P()
