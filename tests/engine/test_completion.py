@@ -36,3 +36,24 @@ def test_the_bar_is_closed_when_a_prompt_is_refused():
     with pytest.raises(ValueError, match="empty prompt"):
         run_to_completion(router, [[1, 2], []], progress_bar=bar)
     assert bar.n == 0 and bar.closed and router.num_outstanding == (0, 0)
+
+
+def test_generate_with_a_wrong_number_of_params_queues_nothing():
+    # Refused before any prompt is queued: no default id or seed is used up.
+    from tests.engine._util import make_engine
+
+    engine = make_engine()
+    with pytest.raises(ValueError, match="sampling params for"):
+        engine.generate([[1, 2], [3, 4]], [SamplingParams()], progress=False)
+    assert engine.add_request([1, 2]) == "0"
+
+
+def test_completion_output_is_frozen_and_hashable():
+    import dataclasses
+
+    from jaxkv.outputs import CompletionOutput
+
+    c = CompletionOutput("0", (1, 2), (3,), "length")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.finish_reason = "stop"
+    assert len({c, CompletionOutput("0", (1, 2), (3,), "length")}) == 1

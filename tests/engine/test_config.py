@@ -78,3 +78,19 @@ def test_limits_at_their_bounds_are_accepted():
     # q_len_buckets reaching the budget exactly; any integer sequence becomes a tuple of int.
     config = EngineConfig(q_len_buckets=[1, np.int64(512)])
     assert config.q_len_buckets == (1, 512) and all(type(b) is int for b in config.q_len_buckets)
+
+
+def test_a_bool_seed_is_refused():
+    with pytest.raises(ValueError, match="seed"):
+        EngineConfig(seed=True)
+
+
+def test_duplicate_q_len_buckets_are_refused():
+    with pytest.raises(ValueError, match="strictly increasing"):
+        EngineConfig(q_len_buckets=(1, 1, 512))
+
+
+def test_max_step_programs_without_cascade_counts_the_main_programs_only():
+    flat = EngineConfig(enable_cascade=False)
+    assert flat.max_step_programs == flat.buckets.max_programs(cascade=False)
+    assert flat.max_step_programs < EngineConfig().max_step_programs

@@ -15,7 +15,14 @@ from jaxkv.attention import default_backend
 from jaxkv.config import EngineConfig, SchedulerConfig
 from jaxkv.engine import Engine
 from jaxkv.sampler import sample, sampling_arrays, sampling_row
-from tests.engine._util import MAX_MODEL_LEN, _dense_logits, make_engine, prompts_for, tiny_model
+from tests.engine._util import (
+    MAX_MODEL_LEN,
+    VOCAB,
+    _dense_logits,
+    make_engine,
+    prompts_for,
+    tiny_model,
+)
 
 HOT = SamplingParams(max_tokens=6, temperature=1.5)
 
@@ -120,3 +127,32 @@ def test_a_step_donates_the_kv_caches_to_the_program():
     # Updated in place, not copied: a copy would hold the whole KV cache twice.
     assert all(c.is_deleted() for c in given)
     assert not any(c.is_deleted() for c in engine.kv_caches)
+
+
+def test_a_stop_token_id_equal_to_the_vocab_size_is_refused():
+    engine = make_engine()
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        engine.add_request([1, 2], SamplingParams(stop_token_ids=(VOCAB,)))
+    assert not engine.has_unfinished_requests()
+
+
+def test_default_ids_never_repeat_after_skipping_a_callers_id():
+    # The next default id follows the one actually used: a later request never gets the
+    # id (and so the default seed) of an earlier one.
+    engine = make_engine()
+    engine.add_request([1, 2], request_id="1")  # holds id "1"
+    first = engine.add_request([1, 2])  # id "1" is taken: skips to "2"
+    assert first == "2"
+    assert engine.abort(first)
+    assert engine.add_request([1, 2]) == "3"
+
+
+def test_seed_zero_is_a_seed_of_its_own_whatever_the_request_index():
+    assert sampling_row(SamplingParams(temperature=1.0, seed=0), 7)[3] == 0
+    assert sampling_row(SamplingParams(temperature=1.0), 7)[3] == 7  # no seed: the index
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=8)
+    alone = make_engine().generate([[5, 6, 7]], params, progress=False)[0].output_token_ids
+    engine = make_engine()
+    engine.add_request([9, 9, 9], SamplingParams(max_tokens=1))  # takes index 0
+    second = engine.generate([[5, 6, 7]], params, progress=False)[0].output_token_ids
+    assert alone == second

@@ -335,3 +335,76 @@ def test_generate_with_a_progress_bar():
     router, _ = make_router(2)
     outs = router.generate([[1, 2], [3]], SamplingParams(max_tokens=2), progress=True)
     assert [len(o.output_token_ids) for o in outs] == [2, 2]
+
+
+def test_max_imbalance_zero_is_accepted_and_balances_strictly():
+    router, _ = make_router(2, max_imbalance=0)
+    prefix = [7] * BLOCK
+    a = router.add_request(prefix + [1], SamplingParams(max_tokens=5))
+    b = router.add_request(prefix + [2], SamplingParams(max_tokens=5))
+    # The prefix's replica would hold one more than the idle one: over 0, so b goes there.
+    assert router.replica_of(a) != router.replica_of(b)
+
+
+def test_a_route_matches_at_most_max_prefix_blocks():
+    router, _ = make_router(2, max_prefix_blocks=1)
+    prompt = list(range(3 * BLOCK))
+    router.add_request(prompt)
+    assert router.route(prompt).matched_blocks == 1
+
+
+class _LosesItsRequestThenFails(FakeReplica):
+    """Its first step drops what it runs and raises; later steps are a FakeReplica's."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.raised = False
+
+    def step(self):
+        if not self.raised:
+            self.raised = True
+            self.running.clear()
+            raise RuntimeError("device lost")
+        return super().step()
+
+
+def test_outputs_kept_from_a_failed_step_count_as_unfinished_work():
+    router = PrefixAwareRouter([FakeReplica(0), _LosesItsRequestThenFails(1)], block_size=BLOCK)
+    done = router.add_request([1] * BLOCK, SamplingParams(max_tokens=1))
+    router.add_request([2] * BLOCK, SamplingParams(max_tokens=1))
+    with pytest.raises(RuntimeError):
+        router.step()
+    assert not any(r.has_unfinished_requests() for r in router.replicas)
+    assert router.has_unfinished_requests()  # the kept output is still to be delivered
+    assert [(o.request_id, o.finished) for o in router.step()] == [(done, True)]
+    assert not router.has_unfinished_requests()
+
+
+def test_drain_transfers_releases_requests_that_finish_meanwhile():
+    router = PrefixAwareRouter([OffloadingReplica(0, copy_steps=5)], block_size=BLOCK)
+    router.generate([[1] * BLOCK], SamplingParams(max_tokens=1), progress=False)
+    assert router.has_pending_transfers()
+    late = router.add_request([2] * BLOCK, SamplingParams(max_tokens=2))
+    assert router.num_outstanding == (1,)
+    router.drain_transfers(timeout_s=5)
+    assert router.num_outstanding == (0,)
+    with pytest.raises(KeyError):
+        router.replica_of(late)
+
+
+def test_engine_replicas_give_each_replica_its_own_seed(monkeypatch):
+    import jaxkv.engine
+    import jaxkv.sharding
+    from jaxkv.config import EngineConfig
+    from jaxkv.router import engine_replicas
+
+    monkeypatch.setattr(jaxkv.sharding, "replica_meshes", lambda tp, devices: ["m0", "m1", "m2"])
+
+    class _Engine:
+        def __init__(self, model, params, config, mesh):
+            self.config, self.mesh = config, mesh
+
+    monkeypatch.setattr(jaxkv.engine, "Engine", _Engine)
+    engines = engine_replicas(None, EngineConfig(seed=5))
+    assert [e.config.seed for e in engines] == [5, 6, 7]
+    assert [e.mesh for e in engines] == ["m0", "m1", "m2"]
