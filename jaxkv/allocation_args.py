@@ -22,6 +22,7 @@ __all__ = [
     "check_total_fits",
     "count",
     "plain_int",
+    "request_id_of",
     "validated_computed_blocks",
 ]
 
@@ -33,6 +34,15 @@ def plain_int(value):
     if isinstance(value, _INTEGER_TYPES) and not isinstance(value, (bool, np.bool_)):
         return int(value)
     return value
+
+
+def request_id_of(name: str, request) -> str:
+    """The id of `request` (a Request or its id); ValueError naming `name` otherwise."""
+    if isinstance(request, str):
+        return request
+    if isinstance(request, Request):
+        return request.request_id
+    raise ValueError(f"{name}={request!r} must be a Request or a request id (str)")
 
 
 def count(name: str, value, req_id: str) -> int:

@@ -22,6 +22,7 @@ from jaxkv.allocation_args import (
     check_total_fits,
     count,
     plain_int,
+    request_id_of,
     validated_computed_blocks,
 )
 from jaxkv.block_pool import BlockPool, IntegrityError, KVCacheBlock, KVCacheEvent
@@ -60,10 +61,9 @@ class KVCacheManager:
     ) -> None:
         num_blocks = plain_int(num_blocks)  # BlockPool checks it
         block_size, max_model_len = plain_int(block_size), plain_int(max_model_len)
-        if type(block_size) is not int or block_size < 1:
-            raise ValueError(f"{block_size=} must be an int >= 1")
-        if type(max_model_len) is not int or max_model_len < 1:
-            raise ValueError(f"{max_model_len=} must be an int >= 1")
+        for name, value in (("block_size", block_size), ("max_model_len", max_model_len)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
         hash_seed = plain_int(hash_seed)
         if type(hash_seed) is not int:
             raise ValueError(f"{hash_seed=} must be an int")
@@ -307,7 +307,7 @@ class KVCacheManager:
         Raises UnknownRequestError if the request holds no blocks (unknown or freed twice),
         ValueError if `request` is neither a Request nor a str.
         """
-        req_id = _request_id("request", request)
+        req_id = request_id_of("request", request)
         blocks = self._blocks_of(req_id)
         self.pool.free_blocks(reversed(blocks), validate=False)  # the request's own
         del self._blocks[req_id]
@@ -324,7 +324,7 @@ class KVCacheManager:
         Raises UnknownRequestError if the request holds no blocks, ValueError (nothing
         changed) unless num_written_tokens is an int >= 0.
         """
-        req_id = _request_id("request", request)
+        req_id = request_id_of("request", request)
         num_written = count("num_written_tokens", num_written_tokens, req_id)
         blocks = self._blocks_of(req_id)
         first = num_written // self.block_size
@@ -357,12 +357,13 @@ class KVCacheManager:
         problems = self._table.check_integrity(
             {req_id: [b.block_id for b in blocks] for req_id, blocks in self._blocks.items()}
         )
-        _check(not problems, "; ".join(problems))
-        for req_id, blocks in self._blocks.items():
-            n_cached = self._num_cached[req_id]
-            _check(0 <= n_cached <= len(blocks), f"{req_id!r}: num_cached={n_cached}")
-
-    # --------------------------------------------------------------- helpers
+        problems += [
+            f"{req_id!r}: num_cached={self._num_cached[req_id]}"
+            for req_id, blocks in self._blocks.items()
+            if not 0 <= self._num_cached[req_id] <= len(blocks)
+        ]
+        if problems:
+            raise IntegrityError("; ".join(problems))
 
     def _blocks_of(self, req_id: str) -> list[KVCacheBlock]:
         blocks = self._blocks.get(req_id)
@@ -395,17 +396,3 @@ class KVCacheManager:
             validate=False,  # the request's own blocks, hashes and tokens
         )
         self._num_cached[req_id] = num_full
-
-
-def _request_id(name: str, request) -> str:
-    """The id of `request` (a Request or its id); ValueError naming `name` otherwise."""
-    if isinstance(request, str):
-        return request
-    if isinstance(request, Request):
-        return request.request_id
-    raise ValueError(f"{name}={request!r} must be a Request or a request id (str)")
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise IntegrityError(message)
