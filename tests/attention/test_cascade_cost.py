@@ -1,5 +1,6 @@
-"""The cascade cost model's units: one device's heads under tensor parallelism, and one
-call for a whole groups level however many groups it holds."""
+"""The cascade cost model: its arithmetic, its units (one device's heads under tensor
+parallelism), one call for a whole groups level however many groups it holds, and the
+max_groups cap on that level."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxkv import KVCacheManager, Request
-from jaxkv.cascade import DEFAULT_COST_MODELS, AttentionShape, CascadePlanner
+from jaxkv.cascade import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel, CascadePlanner
+from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding, _plan
 
 LLAMA_8B = AttentionShape(num_q_heads=32, num_kv_heads=8, head_dim=128, kv_itemsize=2)
 
@@ -80,3 +82,38 @@ def test_groups_that_do_not_pay_even_together_stay_flat():
     manager, ids, computed, query_lens = _system_prompt_batch(2, 2, 512)
     plan = CascadePlanner(LLAMA_8B, backend="pallas_tpu").plan(ids, computed, query_lens, manager)
     assert not plan.uses_cascade
+
+
+def test_cost_model_arithmetic():
+    model = CascadeCostModel(launch_overhead_bytes=1000, merge_cost_factor=0)
+    # (4 - 1) requests' copies of 10 tokens at 2 * 1 * 8 * 2 = 32 bytes each = 960 bytes.
+    kw = dict(num_query_tokens=4, num_q_heads=1, num_kv_heads=1, head_dim=8, kv_itemsize=2)
+    assert not model.pays(num_requests=4, prefix_tokens=10, **kw)
+    assert model.pays(num_requests=5, prefix_tokens=10, **kw)  # 1280 bytes
+    # The merge reads two float32 partials (out and lse: head_dim + 1 values) and writes
+    # one, per query token and head: 2 tokens x 4 heads x 9 x 4 bytes x 3 = 864 bytes.
+    assert CascadeCostModel(0, merge_cost_factor=1.0).cost_bytes(2, 4, 8) == 864
+    assert CascadeCostModel(100, merge_cost_factor=0.5).cost_bytes(2, 4, 8) == 100 + 432
+    # min_saved_fraction compares bytes with bytes: 1 x 10 tokens saved out of the
+    # requests' whole contexts (100 tokens: a tenth; 15 tokens: two thirds).
+    half = CascadeCostModel(0, merge_cost_factor=0, min_saved_fraction=0.5)
+    kw = dict(num_query_tokens=1, num_q_heads=1, num_kv_heads=1, head_dim=8, kv_itemsize=2)
+    assert not half.pays(num_requests=2, prefix_tokens=10, context_tokens=100, **kw)
+    assert half.pays(num_requests=2, prefix_tokens=10, context_tokens=15, **kw)
+    assert half.pays(num_requests=2, prefix_tokens=10, **kw)  # no context: no such test
+
+
+def test_the_groups_level_keeps_the_max_groups_that_save_most():
+    # Four system prompts of two blocks under 2, 3, 4 and 5 decoding requests: with
+    # max_groups=2 the level keeps the groups of 5 and 4 requests.
+    m = KVCacheManager(256, 4, max_model_len=64)
+    reqs = []
+    for p, count in enumerate((2, 3, 4, 5)):
+        system = list(range(100 * (p + 1), 100 * (p + 1) + 8))
+        reqs += [_decoding(m, f"p{p}r{i}", system + [i, 50 + i]) for i in range(count)]
+    plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=2), m, reqs)
+    (level,) = plan.levels
+    sizes = (level.group_ends - level.group_starts).tolist()
+    assert sorted(sizes) == [4, 5]
+    kept = {reqs[i].request_id[:2] for i in plan.order[: sum(sizes)]}
+    assert kept == {"p2", "p3"}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -11,7 +9,6 @@ from jaxkv import KVCacheManager, Request
 from jaxkv.batch import build_attention_metadata
 from jaxkv.buckets import BucketConfig, padded_size, pow2_buckets
 from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlanner
-from jaxkv.cascade_plan import make_level
 
 SHAPE = AttentionShape(num_q_heads=8, num_kv_heads=2, head_dim=64, kv_itemsize=2)
 ALWAYS = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0)
@@ -207,41 +204,6 @@ def test_default_cost_model_declines_short_prefix_and_takes_long_one():
     assert _plan(CascadePlanner(SHAPE), m, long).uses_cascade
 
 
-def test_cost_model_arithmetic():
-    model = CascadeCostModel(launch_overhead_bytes=1000, merge_cost_factor=0)
-    # (4 - 1) requests' copies of 10 tokens at 2 * 1 * 8 * 2 = 32 bytes each = 960 bytes.
-    kw = dict(num_query_tokens=4, num_q_heads=1, num_kv_heads=1, head_dim=8, kv_itemsize=2)
-    assert not model.pays(num_requests=4, prefix_tokens=10, **kw)
-    assert model.pays(num_requests=5, prefix_tokens=10, **kw)  # 1280 bytes
-    # The merge reads two float32 partials (out and lse: head_dim + 1 values) and writes
-    # one, per query token and head: 2 tokens x 4 heads x 9 x 4 bytes x 3 = 864 bytes.
-    assert CascadeCostModel(0, merge_cost_factor=1.0).cost_bytes(2, 4, 8) == 864
-    assert CascadeCostModel(100, merge_cost_factor=0.5).cost_bytes(2, 4, 8) == 100 + 432
-    # min_saved_fraction compares bytes with bytes: 1 x 10 tokens saved out of the
-    # requests' whole contexts (100 tokens: a tenth; 15 tokens: two thirds).
-    half = CascadeCostModel(0, merge_cost_factor=0, min_saved_fraction=0.5)
-    kw = dict(num_query_tokens=1, num_q_heads=1, num_kv_heads=1, head_dim=8, kv_itemsize=2)
-    assert not half.pays(num_requests=2, prefix_tokens=10, context_tokens=100, **kw)
-    assert half.pays(num_requests=2, prefix_tokens=10, context_tokens=15, **kw)
-    assert half.pays(num_requests=2, prefix_tokens=10, **kw)  # no context: no such test
-
-
-def test_the_groups_level_keeps_the_max_groups_that_save_most():
-    # Four system prompts of two blocks under 2, 3, 4 and 5 decoding requests: with
-    # max_groups=2 the level keeps the groups of 5 and 4 requests.
-    m = KVCacheManager(256, 4, max_model_len=64)
-    reqs = []
-    for p, count in enumerate((2, 3, 4, 5)):
-        system = list(range(100 * (p + 1), 100 * (p + 1) + 8))
-        reqs += [_decoding(m, f"p{p}r{i}", system + [i, 50 + i]) for i in range(count)]
-    plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=2), m, reqs)
-    (level,) = plan.levels
-    sizes = (level.group_ends - level.group_starts).tolist()
-    assert sorted(sizes) == [4, 5]
-    kept = {reqs[i].request_id[:2] for i in plan.order[: sum(sizes)]}
-    assert kept == {"p2", "p3"}
-
-
 def test_planning_changes_nothing_and_unknown_id_raises():
     m = KVCacheManager(64, 4, max_model_len=64)
     reqs = [_decoding(m, f"r{i}", SYSTEM_A[:12] + [i]) for i in range(3)]
@@ -410,65 +372,3 @@ def test_cost_models_that_do_not_read_padded_pages_ignore_page_buckets():
     reqs = [_decoding(m, f"r{i}", SYSTEM_A + [i, i + 1]) for i in range(4)]
     planner = CascadePlanner(SHAPE, cost_model=ALWAYS, page_buckets=(16,))
     assert _plan(planner, m, reqs).uses_cascade
-
-
-def _reversed_groups(level):
-    names = ("group_starts", "group_ends", "block_starts", "block_ends", "leader_rows")
-    return {f: getattr(level, f)[::-1].copy() for f in names}
-
-
-@pytest.mark.parametrize(
-    "change,match",
-    [
-        (_reversed_groups, "in batch order"),
-        (lambda lv: {"group_ends": np.array([4, 6], np.int32)}, "in batch order"),  # overlap
-        (lambda lv: {"group_ends": np.array([0, 6], np.int32)}, "non-empty"),
-        (lambda lv: {"block_ends": np.array([0, 6], np.int32)}, "non-empty"),
-        (lambda lv: {"leader_rows": np.array([0], np.int32)}, "one length"),
-    ],
-    ids=["out_of_order", "overlapping", "empty_group", "empty_blocks", "ragged"],
-)
-def test_a_malformed_level_is_refused(change, match):
-    (level,) = _two_group_plan().levels
-    with pytest.raises(ValueError, match=match):
-        dataclasses.replace(level, **change(level))
-
-
-def test_a_level_past_the_batch_or_ragged_plan_arrays_are_refused():
-    plan = _two_group_plan()
-    (level,) = plan.levels
-    longer = dataclasses.replace(level, group_ends=np.array([3, 7], np.int32))
-    with pytest.raises(ValueError, match="within the 6 requests"):
-        dataclasses.replace(plan, levels=(longer,))
-    with pytest.raises(ValueError, match="must be equal"):
-        dataclasses.replace(plan, rows=plan.rows[:-1])
-
-
-def _refused(plan, match, **changes):
-    with pytest.raises(ValueError, match=match):
-        dataclasses.replace(plan, **changes)
-
-
-def test_a_plan_that_reads_a_block_twice_or_never_is_refused():
-    plan = _two_group_plan()  # suffix starts [8, 8, 8, 6, 6, 6]: after each group's blocks
-    (level,) = plan.levels
-    starts = plan.suffix_start_blocks
-    end = "must be where the levels' block columns end"
-    _refused(plan, end, suffix_start_blocks=np.zeros_like(starts))  # read twice
-    _refused(plan, end, suffix_start_blocks=starts + 1)  # block 8 or 6 never read
-    _refused(plan, end, levels=())  # the groups' blocks never read
-    late = dataclasses.replace(level, block_starts=np.array([1, 0], np.int32))
-    _refused(plan, "must start where the earlier levels end", levels=(late,))  # block 0
-    # A global level over blocks 0:2 under the groups' levels, which also start at 0.
-    glob = make_level("global", [0], [6], [0], [2], [int(plan.rows[0])])
-    _refused(plan, "must start where the earlier levels end", levels=(glob, level))
-    shifted = dataclasses.replace(level, block_starts=np.array([2, 2], np.int32))
-    assert dataclasses.replace(plan, levels=(glob, shifted)).levels[0] is glob  # consistent
-
-
-def test_a_plan_whose_order_is_not_a_permutation_is_refused():
-    plan = _two_group_plan()
-    _refused(plan, "must be a permutation", order=np.array([0, 2, 4, 1, 3, 3], np.int32))
-    _refused(plan, "must be a permutation", order=np.array([0, 2, 4, 1, 3, 6], np.int32))
-    _refused(plan, "needs the identity order", keeps_order=True)  # order is [0, 2, 4, 1, 3, 5]
-    _refused(plan, "block-table rows", rows=np.array([0, 1, 2, 3, 4, -1], np.int32))

@@ -266,40 +266,6 @@ def test_a_shared_short_prefix_outlives_the_longer_ones_it_starts():
     assert router.route([4] * (2 * BLOCK)).matched_blocks == 2
 
 
-class FailingReplica(FakeReplica):
-    """Its first `failures` steps raise; later ones step as FakeReplica does."""
-
-    def __init__(self, index: int, failures: int = 1) -> None:
-        super().__init__(index)
-        self.failures = failures
-
-    def step(self):
-        if self.failures:
-            self.failures -= 1
-            raise RuntimeError("device lost")
-        return super().step()
-
-
-def test_a_replica_whose_step_raises_loses_no_output_and_keeps_counts_right():
-    replicas = [FakeReplica(0), FailingReplica(1, failures=2)]
-    router = PrefixAwareRouter(replicas, block_size=BLOCK)
-    done = router.add_request([1] * BLOCK, SamplingParams(max_tokens=1))
-    stuck = router.add_request([2] * BLOCK, SamplingParams(max_tokens=1))
-    assert (router.replica_of(done), router.replica_of(stuck)) == (0, 1)
-    with pytest.raises(RuntimeError, match="device lost"):
-        router.step()
-    assert router.num_outstanding == (0, 1)
-    with pytest.raises(KeyError):
-        router.replica_of(done)
-    # Replica 0's finished output, gathered before the failure, is kept across failures.
-    assert router.has_unfinished_requests()
-    with pytest.raises(RuntimeError, match="device lost"):
-        router.step()
-    outputs = router.step()
-    assert [(o.request_id, o.finished) for o in outputs] == [(done, True), (stuck, True)]
-    assert router.num_outstanding == (0, 0) and not router.has_unfinished_requests()
-
-
 class OffloadingReplica(FakeReplica):
     """Keeps each finished request's blocks for `copy_steps` more steps (a KV copy)."""
 
@@ -351,33 +317,6 @@ def test_a_route_matches_at_most_max_prefix_blocks():
     prompt = list(range(3 * BLOCK))
     router.add_request(prompt)
     assert router.route(prompt).matched_blocks == 1
-
-
-class _LosesItsRequestThenFails(FakeReplica):
-    """Its first step drops what it runs and raises; later steps are a FakeReplica's."""
-
-    def __init__(self, index: int) -> None:
-        super().__init__(index)
-        self.raised = False
-
-    def step(self):
-        if not self.raised:
-            self.raised = True
-            self.running.clear()
-            raise RuntimeError("device lost")
-        return super().step()
-
-
-def test_outputs_kept_from_a_failed_step_count_as_unfinished_work():
-    router = PrefixAwareRouter([FakeReplica(0), _LosesItsRequestThenFails(1)], block_size=BLOCK)
-    done = router.add_request([1] * BLOCK, SamplingParams(max_tokens=1))
-    router.add_request([2] * BLOCK, SamplingParams(max_tokens=1))
-    with pytest.raises(RuntimeError):
-        router.step()
-    assert not any(r.has_unfinished_requests() for r in router.replicas)
-    assert router.has_unfinished_requests()  # the kept output is still to be delivered
-    assert [(o.request_id, o.finished) for o in router.step()] == [(done, True)]
-    assert not router.has_unfinished_requests()
 
 
 def test_drain_transfers_releases_requests_that_finish_meanwhile():

@@ -1,0 +1,78 @@
+"""Hand-made cascade plans and levels the metadata builder would misread are refused.
+
+CascadePlan.check (run on construction unless the planner builds the plan) and
+CascadeLevel's own checks: groups in batch order and non-empty, every batch position's
+block columns read exactly once, order a permutation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxkv.cascade_plan import make_level
+from tests.attention.test_cascade_planner import _two_group_plan
+
+
+def _reversed_groups(level):
+    names = ("group_starts", "group_ends", "block_starts", "block_ends", "leader_rows")
+    return {f: getattr(level, f)[::-1].copy() for f in names}
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (_reversed_groups, "in batch order"),
+        (lambda lv: {"group_ends": np.array([4, 6], np.int32)}, "in batch order"),  # overlap
+        (lambda lv: {"group_ends": np.array([0, 6], np.int32)}, "non-empty"),
+        (lambda lv: {"block_ends": np.array([0, 6], np.int32)}, "non-empty"),
+        (lambda lv: {"leader_rows": np.array([0], np.int32)}, "one length"),
+    ],
+    ids=["out_of_order", "overlapping", "empty_group", "empty_blocks", "ragged"],
+)
+def test_a_malformed_level_is_refused(change, match):
+    (level,) = _two_group_plan().levels
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(level, **change(level))
+
+
+def test_a_level_past_the_batch_or_ragged_plan_arrays_are_refused():
+    plan = _two_group_plan()
+    (level,) = plan.levels
+    longer = dataclasses.replace(level, group_ends=np.array([3, 7], np.int32))
+    with pytest.raises(ValueError, match="within the 6 requests"):
+        dataclasses.replace(plan, levels=(longer,))
+    with pytest.raises(ValueError, match="must be equal"):
+        dataclasses.replace(plan, rows=plan.rows[:-1])
+
+
+def _refused(plan, match, **changes):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(plan, **changes)
+
+
+def test_a_plan_that_reads_a_block_twice_or_never_is_refused():
+    plan = _two_group_plan()  # suffix starts [8, 8, 8, 6, 6, 6]: after each group's blocks
+    (level,) = plan.levels
+    starts = plan.suffix_start_blocks
+    end = "must be where the levels' block columns end"
+    _refused(plan, end, suffix_start_blocks=np.zeros_like(starts))  # read twice
+    _refused(plan, end, suffix_start_blocks=starts + 1)  # block 8 or 6 never read
+    _refused(plan, end, levels=())  # the groups' blocks never read
+    late = dataclasses.replace(level, block_starts=np.array([1, 0], np.int32))
+    _refused(plan, "must start where the earlier levels end", levels=(late,))  # block 0
+    # A global level over blocks 0:2 under the groups' levels, which also start at 0.
+    glob = make_level("global", [0], [6], [0], [2], [int(plan.rows[0])])
+    _refused(plan, "must start where the earlier levels end", levels=(glob, level))
+    shifted = dataclasses.replace(level, block_starts=np.array([2, 2], np.int32))
+    assert dataclasses.replace(plan, levels=(glob, shifted)).levels[0] is glob  # consistent
+
+
+def test_a_plan_whose_order_is_not_a_permutation_is_refused():
+    plan = _two_group_plan()
+    _refused(plan, "must be a permutation", order=np.array([0, 2, 4, 1, 3, 3], np.int32))
+    _refused(plan, "must be a permutation", order=np.array([0, 2, 4, 1, 3, 6], np.int32))
+    _refused(plan, "needs the identity order", keeps_order=True)  # order is [0, 2, 4, 1, 3, 5]
+    _refused(plan, "block-table rows", rows=np.array([0, 1, 2, 3, 4, -1], np.int32))
