@@ -124,6 +124,15 @@ class Request:
             raise ValueError(f"prompt_token_ids of {request_id!r} must not be empty")
         if sampling_params is None:
             sampling_params = SamplingParams()
+        elif not isinstance(sampling_params, SamplingParams):
+            raise ValueError(
+                f"sampling_params={sampling_params!r} of {request_id!r} must be None or "
+                "a SamplingParams"
+            )
+        if arrival_time is not None and not (
+            _is_real(arrival_time) and math.isfinite(arrival_time)
+        ):
+            raise ValueError(f"{arrival_time=} of {request_id!r} must be None or a finite number")
         self.request_id = request_id
         self.prompt_token_ids: tuple[int, ...] = tuple(prompt)
         self.sampling_params = sampling_params
@@ -220,9 +229,14 @@ class Request:
 
 def _token_ids(name: str, token_ids: Iterable[int], request_id: str) -> list[int]:
     """`token_ids` as a list of Python ints (numpy integers included), each in
-    [0, MAX_TOKEN_ID]."""
+    [0, MAX_TOKEN_ID]. Text (str, bytes) and bools are not token ids."""
     try:
-        ids = list(map(operator.index, token_ids))
+        if isinstance(token_ids, (str, bytes, bytearray)):
+            raise TypeError
+        items = list(token_ids)
+        if bool in set(map(type, items)):  # operator.index(True) is 1
+            raise TypeError
+        ids = list(map(operator.index, items))
     except TypeError:
         raise ValueError(f"{name} of {request_id!r} must be ints >= 0, got {token_ids!r}") from None
     if ids and min(ids) < 0:

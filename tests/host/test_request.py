@@ -118,3 +118,31 @@ def test_tokens_may_be_numpy_integers_and_bad_tokens_append_nothing():
     assert list(req.all_token_ids) == [5, 6, 7, 8, 9] and req.output_token_ids == [7, 8, 9]
     with pytest.raises(ValueError, match="prompt_token_ids of 'f' must be ints"):
         Request("f", [1, 2.5])
+
+
+@pytest.mark.parametrize("tokens", [[True, 2], [1, False], b"ab", bytearray(b"ab")])
+def test_bools_and_bytes_are_not_token_ids(tokens):
+    # True was read as token 1, and bytes as their character codes.
+    with pytest.raises(ValueError, match="prompt_token_ids of 'r' must be ints"):
+        Request("r", tokens)
+    req = Request("r", [5, 6])
+    for bad in (True, [7, True], b"\x07"):
+        with pytest.raises(ValueError, match="token_ids of 'r' must be ints"):
+            req.append_output_token_ids(bad)
+    assert list(req.all_token_ids) == [5, 6] and req.output_token_ids == []
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"sampling_params": {"max_tokens": 3}}, "sampling_params="),
+        ({"sampling_params": 3}, "sampling_params="),
+        ({"arrival_time": float("nan")}, "arrival_time="),
+        ({"arrival_time": "now"}, "arrival_time="),
+        ({"arrival_time": True}, "arrival_time="),
+    ],
+)
+def test_request_refuses_bad_params_and_arrival_time(kwargs, match):
+    # A dict as sampling_params used to be stored and fail later as an AttributeError.
+    with pytest.raises(ValueError, match=match):
+        Request("r", [1, 2], **kwargs)
