@@ -186,6 +186,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Cancels a request in any unfinished state; False if unknown or finished.
+        Raises ValueError unless `request_id` is a str (the ids add_request returns).
 
         No RequestOutput follows for it: step() reports only requests that got a token.
         """

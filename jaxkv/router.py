@@ -181,7 +181,10 @@ class PrefixAwareRouter:
         return request_id
 
     def abort(self, request_id: str) -> bool:
-        """Aborts an unfinished request on its replica; False if unknown or finished."""
+        """Aborts an unfinished request on its replica; False if unknown or finished.
+        Raises ValueError unless `request_id` is a str (the ids add_request returns)."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"{request_id=} must be a request id (a str)")
         replica = self._replica_of.get(request_id)
         if replica is None or not self.replicas[replica].abort(request_id):
             return False

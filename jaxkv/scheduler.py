@@ -32,7 +32,7 @@ from jaxkv.kv_cache_manager import KVCacheManager, UnknownRequestError
 from jaxkv.kv_transfer import KVConnector
 from jaxkv.outputs import RequestOutput
 from jaxkv.request import MAX_TOKEN_ID, Request, RequestStatus
-from jaxkv.scheduler_admission import admit_waiting
+from jaxkv.scheduler_admission import admit_waiting, check_new_request
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput, SchedulerStats, StepBatch
 from jaxkv.scheduler_transfers import TransferTracker
 from jaxkv.scheduler_update import apply_sampled_tokens
@@ -79,39 +79,26 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queues a new request (status WAITING).
 
-        Raises ValueError (nothing queued) on an id in use, a request not new, a prompt
-        that leaves no room for output, or one that the whole pool could not hold.
+        Raises ValueError (nothing queued) on an id in use, a request not new (or block
+        hashes of another block size or seed), a prompt that leaves no room for output,
+        or one that the whole pool could not hold.
         """
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
-            raise ValueError(f"{request!r} must be new (WAITING, nothing computed)")
-        if request.num_tokens >= self.config.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r}: {request.num_tokens} prompt tokens leave no "
-                f"room for output within {self.config.max_model_len=}"
-            )
-        # A request the whole pool cannot hold would preempt itself and wait forever.
-        max_len = min(request.num_tokens + request.max_tokens, self.config.max_model_len)
-        num_blocks = -(-max_len // self.manager.block_size)
-        if num_blocks >= self.manager.pool.num_blocks:
-            raise ValueError(
-                f"request {request.request_id!r}: up to {max_len} tokens (prompt plus "
-                f"max_tokens, at most max_model_len) need {num_blocks} blocks of "
-                f"{self.manager.block_size}; the pool has {self.manager.pool.num_blocks - 1}"
-            )
+        check_new_request(self, request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> bool:
         """Finishes a request as FINISHED_ABORTED from any unfinished state.
 
-        Returns False (nothing changed) for an unknown or already finished request. A
+        Returns False (nothing changed) for an unknown or already finished request, and
+        raises ValueError unless `request_id` is a str (a Request or int is no id). A
         request whose KV is loading keeps its blocks until the load lands, then they
         are freed; every other one frees its blocks now. Between schedule() and
         update_from_output() or discard(), the blocks the step is to write leave the
         prefix cache first: the step may yet be discarded.
         """
+        if not isinstance(request_id, str):
+            raise ValueError(f"{request_id=} must be a request id (a str)")
         request = self.requests.get(request_id)
         if request is None or request.is_finished():
             return False

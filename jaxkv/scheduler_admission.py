@@ -10,6 +10,7 @@ running) must not keep them waiting with their blocks idle. Then waiting request
 admitted in queue order until one cannot get its blocks, the token budget is spent or
 max_num_seqs requests run. A request the connector can supply KV for starts a load
 instead (status WAITING_FOR_REMOTE_KV, 0 tokens this step) and keeps its queue place.
+Also the checks a request passes before it may queue at all (check_new_request).
 """
 
 from __future__ import annotations
@@ -22,7 +23,38 @@ from jaxkv.scheduler_output import StepBatch
 if TYPE_CHECKING:
     from jaxkv.scheduler import Scheduler
 
-__all__ = ["admit_waiting"]
+__all__ = ["admit_waiting", "check_new_request"]
+
+
+def check_new_request(scheduler: Scheduler, request: Request) -> None:
+    """Raises ValueError unless Scheduler.add_request may queue `request` (see there)."""
+    if not isinstance(request, Request):
+        raise ValueError(f"request={request!r} must be a Request")
+    rid, manager, max_model_len = (
+        request.request_id,
+        scheduler.manager,
+        scheduler.config.max_model_len,
+    )
+    if rid in scheduler.requests:
+        raise ValueError(f"request id {rid!r} is already in use")
+    if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+        raise ValueError(f"{request!r} must be new (WAITING, nothing computed)")
+    if manager.enable_prefix_caching:  # else its block hashes are never read
+        request.check_hash_config(manager.block_size, manager.hash_seed)
+    if request.num_tokens >= max_model_len:
+        raise ValueError(
+            f"request {rid!r}: {request.num_tokens} prompt tokens leave no "
+            f"room for output within {max_model_len=}"
+        )
+    # A request the whole pool cannot hold would preempt itself and wait forever.
+    max_len = min(request.num_tokens + request.max_tokens, max_model_len)
+    num_blocks = -(-max_len // manager.block_size)
+    if num_blocks >= manager.pool.num_blocks:
+        raise ValueError(
+            f"request {rid!r}: up to {max_len} tokens (prompt plus max_tokens, at most "
+            f"max_model_len) need {num_blocks} blocks of {manager.block_size}; the pool has "
+            f"{manager.pool.num_blocks - 1}"
+        )
 
 
 def admit_waiting(scheduler: Scheduler, budget: int, batch: StepBatch) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxkv import RequestStatus
+from jaxkv import Request, RequestStatus, SamplingParams
 from jaxkv.cascade import AttentionShape, CascadePlanner
 from jaxkv.kv_transfer import HostOffloadConnector
 from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
@@ -175,6 +175,33 @@ def test_add_request_rejects_duplicates_and_prompts_without_room():
         add(sched, "b", range(1, 9))
     out, _ = step(sched)
     assert out.request_ids == ["a"]
+
+
+def test_a_request_hashed_for_another_block_size_is_refused_at_add():
+    # It used to be queued, and then every schedule() raised on its block hashes: the
+    # scheduler served nothing until the caller aborted it.
+    sched = make_scheduler()
+    foreign = Request("x", list(range(9)), SamplingParams(max_tokens=2))
+    foreign.update_block_hashes(8)
+    with pytest.raises(ValueError, match=r"'x' were computed with \(block_size, seed\)=\(8, 0\)"):
+        sched.add_request(foreign)
+    with pytest.raises(ValueError, match="request='x' must be a Request"):
+        sched.add_request("x")
+    assert not sched.requests and not sched.waiting
+    add(sched, "a", [1, 2, 3], max_tokens=2)
+    assert run_until_idle(sched) == {"a": "length"}
+    assert sched.manager.num_free_blocks == sched.manager.pool.num_blocks - 1
+
+
+@pytest.mark.parametrize("bad", [0, ["a"], None])
+def test_abort_refuses_an_id_that_is_not_a_str(bad):
+    # abort(0) for the request "0" used to return False and leave it running.
+    sched = make_scheduler()
+    add(sched, "0", [1, 2, 3], max_tokens=2)
+    with pytest.raises(ValueError, match="request_id=.* must be a request id"):
+        sched.abort(bad)
+    assert sched.abort(sched.requests["0"].request_id)
+    assert not sched.has_unfinished_requests()
 
 
 def test_a_request_the_pool_cannot_hold_is_refused_and_one_it_can_finishes():
