@@ -25,6 +25,7 @@ import numpy as np
 from jaxkv.completion import progress_bar, run_to_completion
 from jaxkv.hashing import BlockHash, extend_block_hashes, root_hash
 from jaxkv.outputs import CompletionOutput, RequestOutput
+from jaxkv.request import MAX_TOKEN_ID
 
 
 class Replica(Protocol):
@@ -120,8 +121,9 @@ class PrefixAwareRouter:
         return min(range(len(self.replicas)), key=self._outstanding.__getitem__)
 
     def route(self, prompt_token_ids: Sequence[int]) -> Route:
-        """The replica a prompt would go to now. Changes nothing."""
-        return self._route(self._prefix_hashes(prompt_token_ids))
+        """The replica a prompt would go to now. Changes nothing. Raises ValueError
+        unless the prompt is a 1-D sequence of token ids (ints in [0, 2**63))."""
+        return self._route(self._prefix_hashes(_prompt_ids(prompt_token_ids)))
 
     def _route(self, hashes: list[BlockHash]) -> Route:
         for i in range(len(hashes) - 1, -1, -1):
@@ -158,10 +160,7 @@ class PrefixAwareRouter:
         replicas; generated ones are "dp-0", "dp-1", ... skipping ids callers hold).
         Raises ValueError on a duplicate id; the replica's own ValueError (bad prompt or
         params) leaves the router unchanged, the next generated id included."""
-        ids = np.asarray(prompt_token_ids)
-        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-            raise ValueError(f"prompt_token_ids must be a 1-D sequence of ints, got {ids.shape=}")
-        prompt = ids.tolist()
+        prompt = _prompt_ids(prompt_token_ids)
         serial = None
         if request_id is None:
             serial = self._next_serial
@@ -257,6 +256,20 @@ class PrefixAwareRouter:
         `progress` shows a progress bar (tqdm, when installed), as Engine.generate does."""
         bar = progress_bar(len(prompts), desc="generate") if progress else None
         return run_to_completion(self, prompts, sampling_params, progress_bar=bar)
+
+
+def _prompt_ids(prompt_token_ids: Sequence[int] | np.ndarray) -> list[int]:
+    """The prompt as Python ints; ValueError (before anything is hashed) unless a 1-D
+    sequence of ints in [0, MAX_TOKEN_ID], the ids a block hash can encode."""
+    ids = np.asarray(prompt_token_ids)
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        raise ValueError(f"prompt_token_ids must be a 1-D sequence of ints, got {ids.shape=}")
+    prompt = ids.tolist()
+    if prompt and not 0 <= min(prompt) <= max(prompt) <= MAX_TOKEN_ID:
+        raise ValueError(
+            f"prompt_token_ids must lie in [0, {MAX_TOKEN_ID}], got {min(prompt)}..{max(prompt)}"
+        )
+    return prompt
 
 
 def _pending_transfers(replica: Replica) -> bool:

@@ -357,3 +357,18 @@ def test_abort_refuses_an_id_that_is_not_a_str():
         router.abort(7)
     assert sorted(router.num_outstanding) == [0, 1]
     assert router.abort("7") and router.num_outstanding == (0, 0)
+
+
+def test_token_ids_a_block_hash_cannot_encode_are_refused_before_hashing():
+    # They used to fail inside hashing with struct.error, which generate() did not catch
+    # as a refused prompt: the prompts queued before it stayed queued, their outputs lost.
+    router, replicas = make_router(2)
+    huge = np.array([2**64 - 1] * BLOCK, np.uint64)
+    with pytest.raises(ValueError, match="prompt_token_ids must lie in"):
+        router.generate([[1, 2, 3], huge], SamplingParams(max_tokens=2), progress=False)
+    assert router.num_outstanding == (0, 0)
+    assert not any(r.running for r in replicas)
+    for bad in ([-1] * BLOCK, "abcdefgh", huge):
+        with pytest.raises(ValueError, match="prompt_token_ids must"):
+            router.route(bad)
+    assert router.generate([[1, 2, 3]], progress=False)[0].finish_reason == "length"
