@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxkv.block_pool import BlockPool, KVCacheBlock
+from jaxkv.hashing import root_hash
 from jaxkv.request import Request
 
 __all__ = [
@@ -20,7 +21,9 @@ __all__ = [
     "check_computed_within_tokens",
     "check_prompt_fits",
     "check_total_fits",
+    "checked_request_id",
     "count",
+    "manager_args",
     "plain_int",
     "request_id_of",
     "validated_computed_blocks",
@@ -43,6 +46,34 @@ def request_id_of(name: str, request) -> str:
     if isinstance(request, Request):
         return request.request_id
     raise ValueError(f"{name}={request!r} must be a Request or a request id (str)")
+
+
+def manager_args(
+    num_blocks, block_size, max_model_len, hash_seed, **flags
+) -> tuple[int, int, int, int]:
+    """KVCacheManager's sizes and seed as Python ints (numpy integers included); ValueError
+    unless block_size and max_model_len are ints >= 1, hash_seed an int of 64 bits and
+    each flag a bool (a flag read from text, "false", would switch on by truthiness)."""
+    num_blocks = plain_int(num_blocks)  # BlockPool checks it
+    block_size, max_model_len = plain_int(block_size), plain_int(max_model_len)
+    for name, value in (("block_size", block_size), ("max_model_len", max_model_len)):
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+    hash_seed = plain_int(hash_seed)
+    if type(hash_seed) is not int:
+        raise ValueError(f"{hash_seed=} must be an int")
+    root_hash(hash_seed)  # validates the seed's range
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}={flag!r} must be a bool")
+    return num_blocks, block_size, max_model_len, hash_seed
+
+
+def checked_request_id(request) -> str:
+    """The id of `request`; ValueError unless it is a Request (a bare id has no tokens)."""
+    if not isinstance(request, Request):
+        raise ValueError(f"request={request!r} must be a Request")
+    return request.request_id
 
 
 def count(name: str, value, req_id: str) -> int:

@@ -13,7 +13,12 @@ from collections.abc import Sequence
 from operator import add, gt
 from typing import TYPE_CHECKING
 
-from jaxkv.allocation_args import check_computed_within_held, check_total_fits, count
+from jaxkv.allocation_args import (
+    check_computed_within_held,
+    check_total_fits,
+    checked_request_id,
+    count,
+)
 from jaxkv.block_pool import KVCacheBlock
 from jaxkv.block_table import HostBlockTable
 from jaxkv.request import Request
@@ -24,12 +29,16 @@ if TYPE_CHECKING:
 __all__ = ["allocate_slots_batch"]
 
 _PLAIN_INT = {int}
+_REQUEST_TYPE = {Request}
 
 
 def allocate_slots_batch(
     manager: KVCacheManager, requests: Sequence[Request], num_new_tokens: Sequence[int]
 ) -> bool:
     """manager.allocate_slots_batch(requests, num_new_tokens); see there."""
+    if not set(map(type, requests)) <= _REQUEST_TYPE:  # the common case, at C speed
+        for r in requests:
+            checked_request_id(r)
     ids = [r.request_id for r in requests]
     counts = list(num_new_tokens)
     if len(counts) != len(ids):

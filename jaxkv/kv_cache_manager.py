@@ -20,14 +20,14 @@ from jaxkv.allocation_args import (
     check_computed_within_tokens,
     check_prompt_fits,
     check_total_fits,
+    checked_request_id,
     count,
-    plain_int,
+    manager_args,
     request_id_of,
     validated_computed_blocks,
 )
 from jaxkv.block_pool import BlockPool, IntegrityError, KVCacheBlock, KVCacheEvent
 from jaxkv.block_table import HostBlockTable, UnknownRequestError
-from jaxkv.hashing import root_hash
 from jaxkv.prefix_cache_stats import PrefixCacheStats
 from jaxkv.request import Request
 
@@ -59,15 +59,11 @@ class KVCacheManager:
         hash_seed: int = 0,
         enable_kv_cache_events: bool = False,
     ) -> None:
-        num_blocks = plain_int(num_blocks)  # BlockPool checks it
-        block_size, max_model_len = plain_int(block_size), plain_int(max_model_len)
-        for name, value in (("block_size", block_size), ("max_model_len", max_model_len)):
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
-        hash_seed = plain_int(hash_seed)
-        if type(hash_seed) is not int:
-            raise ValueError(f"{hash_seed=} must be an int")
-        root_hash(hash_seed)  # validates the seed's range
+        num_blocks, block_size, max_model_len, hash_seed = manager_args(
+            num_blocks, block_size, max_model_len, hash_seed,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_kv_cache_events=enable_kv_cache_events,
+        )  # fmt: skip
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -178,8 +174,10 @@ class KVCacheManager:
         token (it must be computed to produce logits). Changes no block state; the result
         is safe to pass to allocate_slots until the next allocate_slots or free call.
         With prefix caching on, counts the lookup in prefix_cache_stats (with it off
-        there is no cache to query: ([], 0), nothing counted).
+        there is no cache to query: ([], 0), nothing counted). Raises ValueError unless
+        `request` is a Request whose prompt fits max_model_len.
         """
+        checked_request_id(request)
         check_prompt_fits(request, self.max_model_len)
         if not self.enable_prefix_caching:
             return [], 0
@@ -220,15 +218,15 @@ class KVCacheManager:
         if the pool cannot fit them. Every block that the computed plus new tokens fill
         is entered into the prefix cache.
 
-        Raises ValueError, with nothing changed, on a count that is not an int >= 0
-        (request.num_computed_tokens included), a request.num_computed_tokens beyond the
-        blocks the request holds, computed tokens (request.num_computed_tokens +
-        num_new_computed_tokens) beyond the request's tokens, a cache hit that does not
-        start where its computed tokens end, is not covered by num_new_computed_tokens
-        or no longer caches the request's tokens, or block hashes the request computed
-        with another block size.
+        Raises ValueError, with nothing changed, on a `request` that is not a Request, a
+        count that is not an int >= 0 (request.num_computed_tokens included), a
+        request.num_computed_tokens beyond the blocks the request holds, computed tokens
+        (request.num_computed_tokens + num_new_computed_tokens) beyond the request's
+        tokens, a cache hit that does not start where its computed tokens end, is not
+        covered by num_new_computed_tokens or no longer caches the request's tokens, or
+        block hashes the request computed with another block size.
         """
-        req_id = request.request_id
+        req_id = checked_request_id(request)
         num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_done = allocation_counts(
             req_id,
             num_new_tokens,
@@ -297,7 +295,7 @@ class KVCacheManager:
         stayed uncached as a duplicate. Raises ValueError (nothing changed) on a count that
         is not an int >= 0 (request.num_computed_tokens included), a
         request.num_computed_tokens beyond the blocks the request holds, a repeated
-        request id, an unknown request or a request that would pass max_model_len.
+        request id, an unknown request or a non-Request, or one that would pass max_model_len.
         """
         return batch_allocation.allocate_slots_batch(self, requests, num_new_tokens)
 

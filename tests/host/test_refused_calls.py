@@ -348,3 +348,22 @@ def test_limits_are_refused_one_past_their_boundary():
     long.append_output_token_ids([1])
     _refused(m2, lambda: m2.allocate_slots_batch([long], [2]), "max_model_len=32")
     assert m2.allocate_slots_batch([long], [1])
+
+
+@pytest.mark.parametrize("bad", ["a", "c", None])
+def test_allocation_and_lookup_take_a_request_not_an_id(bad):
+    # An id (or None) used to fail deep inside with AttributeError.
+    m = _busy()
+    _refused(m, lambda: m.get_computed_blocks(bad), "request=.* must be a Request")
+    _refused(m, lambda: m.allocate_slots(bad, 1), "request=.* must be a Request")
+    a = make_request("a", range(9))
+    a.num_computed_tokens = 9
+    _refused(m, lambda: m.allocate_slots_batch([a, bad], [1, 1]), "request=.* must be a Request")
+
+
+@pytest.mark.parametrize("key", ["enable_prefix_caching", "enable_kv_cache_events"])
+@pytest.mark.parametrize("flag", ["false", 0, None, np.bool_(False)])
+def test_constructor_flags_must_be_bools(key, flag):
+    # "false" used to switch prefix caching on (the pool read it by truthiness).
+    with pytest.raises(ValueError, match=f"{key}=.* must be a bool"):
+        KVCacheManager(12, 4, max_model_len=32, **{key: flag})
