@@ -9,6 +9,16 @@ level's one call. Tables of defaults are keyed by attention backend name.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +44,18 @@ class CascadeCostModel:
     # only if its suffix pass pads to fewer pages than flat attention would; the planner
     # checks that when it knows the page buckets (CascadePlanner(page_buckets=...)).
     reads_padded_pages: bool = False
+
+    def __post_init__(self) -> None:
+        """Checks every field: a NaN cost would turn cascade off silently, a str would
+        fail inside the planner at every step of an engine built with it."""
+        for name in ("launch_overhead_bytes", "merge_cost_factor", "min_saved_fraction"):
+            value = getattr(self, name)
+            if not _is_real(value) or not 0 <= value < math.inf:
+                raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+        if not _is_int(self.min_requests) or self.min_requests < 1:
+            raise ValueError(f"min_requests={self.min_requests!r} must be an int >= 1")
+        if not isinstance(self.reads_padded_pages, bool):
+            raise ValueError(f"reads_padded_pages={self.reads_padded_pages!r} must be a bool")
 
     def saved_bytes(self, num_requests: int, prefix_tokens: int, kv_bytes_per_token: int) -> int:
         return max(num_requests - 1, 0) * prefix_tokens * kv_bytes_per_token
@@ -104,6 +126,15 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     kv_itemsize: int = 2
+
+    def __post_init__(self) -> None:
+        """Checks every field: ints >= 1, the query heads a multiple of the KV heads."""
+        for name in ("num_q_heads", "num_kv_heads", "head_dim", "kv_itemsize"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_q_heads=} must be a multiple of {self.num_kv_heads=}")
 
     def per_device(self, tensor_parallel_size: int) -> AttentionShape:
         """The heads one device of a `tensor_parallel_size`-way mesh attends with, as

@@ -117,3 +117,40 @@ def test_the_groups_level_keeps_the_max_groups_that_save_most():
     assert sorted(sizes) == [4, 5]
     kept = {reqs[i].request_id[:2] for i in plan.order[: sum(sizes)]}
     assert kept == {"p2", "p3"}
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"launch_overhead_bytes": float("nan")}, "launch_overhead_bytes=nan"),
+        ({"launch_overhead_bytes": "1MiB"}, "launch_overhead_bytes='1MiB'"),
+        ({"merge_cost_factor": -1.0}, "merge_cost_factor=-1.0"),
+        ({"merge_cost_factor": float("inf")}, "merge_cost_factor=inf"),
+        ({"min_saved_fraction": None}, "min_saved_fraction=None"),
+        ({"min_requests": 0}, "min_requests=0"),
+        ({"min_requests": True}, "min_requests=True"),
+        ({"min_requests": 2.0}, "min_requests=2.0"),
+        ({"reads_padded_pages": "no"}, "reads_padded_pages='no'"),
+    ],
+)
+def test_cost_model_fields_are_checked_on_construction(kwargs, match):
+    # A NaN cost turned cascade off silently; a str was accepted by EngineConfig and then
+    # failed inside the planner at every step.
+    with pytest.raises(ValueError, match=match):
+        CascadeCostModel(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((0, 1, 8), "num_q_heads=0"),
+        ((4, 0, 8), "num_kv_heads=0"),
+        ((4, 2, 8.0), "head_dim=8.0"),
+        ((4, 2, True), "head_dim=True"),
+        ((4, 3, 8), "multiple of"),
+        ((4, 2, 8, -2), "kv_itemsize=-2"),
+    ],
+)
+def test_attention_shape_fields_are_checked_on_construction(args, match):
+    with pytest.raises(ValueError, match=match):
+        AttentionShape(*args)
