@@ -97,7 +97,10 @@ def longest_common_prefix(
     only); the answer never exceeds its minimum. Zero rows give 0; one row gives its
     num_blocks. Pass `rows` to avoid copying R full rows out of a large table.
     Cost: no Python loop over rows or blocks; see `shared_prefix_of_rows`.
+    Raises ValueError on arrays of other shapes, num_blocks outside [0, C], or rows
+    outside [0, num_rows) (they would index or wrap around silently).
     """
+    _check_lcp_args(prefix_ids, num_blocks, rows)
     num_rows = len(num_blocks)
     if num_rows <= 1:
         return int(num_blocks[0]) if num_rows else 0
@@ -105,6 +108,27 @@ def longest_common_prefix(
         rows = np.arange(num_rows)
     found = _shared_prefix(prefix_ids, rows, num_blocks[:: _sample_step(num_rows)])
     return min(found, int(num_blocks.min()))
+
+
+def _check_lcp_args(prefix_ids, num_blocks, rows) -> None:
+    """ValueError unless longest_common_prefix's arguments have its shapes and ranges."""
+    if not isinstance(prefix_ids, np.ndarray) or prefix_ids.ndim != 2:
+        raise ValueError(f"prefix_ids must be a 2-D numpy array, got {type(prefix_ids)}")
+    for name, a in (("num_blocks", num_blocks), ("rows", rows)):
+        if a is not None and not (isinstance(a, np.ndarray) and a.ndim == 1):
+            raise ValueError(f"{name} must be a 1-D numpy array of ints, got {type(a)}")
+        if a is not None and a.size and a.dtype.kind not in "iu":
+            raise ValueError(f"{name} must be integers, got dtype {a.dtype}")
+    num_rows, num_cols = prefix_ids.shape
+    if num_blocks.size and not 0 <= num_blocks.min() <= num_blocks.max() <= num_cols:
+        raise ValueError(f"num_blocks must lie in [0, {num_cols}] (columns of prefix_ids)")
+    if rows is None:
+        if num_blocks.size and len(num_blocks) != num_rows:
+            raise ValueError(f"{len(num_blocks)=} must equal the {num_rows} rows of prefix_ids")
+    elif len(rows) != len(num_blocks):
+        raise ValueError(f"{len(rows)=} must equal {len(num_blocks)=}")
+    elif rows.size and not 0 <= rows.min() <= rows.max() < num_rows:
+        raise ValueError(f"rows must lie in [0, {num_rows}) (rows of prefix_ids)")
 
 
 def shared_prefix_of_rows(

@@ -290,3 +290,23 @@ def test_interner_acquire_one_matches_acquire():
     assert a.ref_counts() == b.ref_counts() == {0: 2, 1: 1, 2: 1}
     b.release([0, 0])
     assert 0 not in b.ref_counts() and b.acquire_one(-1, 5) == 3  # ids are never reused
+
+
+@pytest.mark.parametrize(
+    "num_blocks,rows,match",
+    [
+        ([-1, 3, 4], None, "num_blocks must lie in"),  # used to answer -1
+        ([3, 3, 9], None, "num_blocks must lie in"),  # IndexError
+        ([3, 3], None, "must equal the 3 rows"),  # used to compare the first two rows only
+        ([3, 4], [0, -1], "rows must lie in"),  # -1 wrapped round to the last row
+        ([3, 4], [0, 1, 2], r"len\(rows\)=3"),
+        ([3.0, 4.0, 4.0], None, "integers"),
+    ],
+)
+def test_longest_common_prefix_refuses_arguments_it_would_misread(num_blocks, rows, match):
+    table = np.array([[0, 1, 2, -1], [0, 1, 3, -1], [0, 1, 2, 4]], np.int64)
+    rows = None if rows is None else np.array(rows)
+    with pytest.raises(ValueError, match=match):
+        longest_common_prefix(table, np.array(num_blocks), rows)
+    with pytest.raises(ValueError, match="num_blocks must be a 1-D numpy array"):
+        longest_common_prefix(table, [3, 3, 4])
