@@ -33,10 +33,11 @@ def run_to_completion(
     """One CompletionOutput per prompt, in order.
 
     `sampling_params` is one for all prompts or a sequence of one per prompt. Prompts are
-    queued in order; one that fails validation raises ValueError after the ones before
-    it are aborted again (none has run). An exception while stepping (KeyboardInterrupt
-    too) aborts the prompts' unfinished requests before it propagates. Other requests
-    the driver holds progress too; their outputs are dropped.
+    queued in order; when queueing one raises (a ValueError for a prompt that fails
+    validation, or anything else), the ones before it are aborted again (none has run).
+    An exception while stepping (KeyboardInterrupt too) aborts the prompts' unfinished
+    requests before it propagates. Other requests the driver holds progress too; their
+    outputs are dropped.
     `progress_bar` (tqdm-like, optional) is advanced once per finished prompt and closed.
     """
     if sampling_params is None or not isinstance(sampling_params, Sequence):
@@ -49,7 +50,7 @@ def run_to_completion(
     try:
         for p, sp in zip(prompts, params_list, strict=True):
             ids.append(driver.add_request(p, sp))
-    except ValueError:
+    except BaseException:
         for rid in ids:
             driver.abort(rid)
         if progress_bar is not None:

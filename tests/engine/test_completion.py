@@ -1,4 +1,4 @@
-"""run_to_completion's progress bar: one update per finished prompt, closed at the end."""
+"""run_to_completion: the progress bar, refused prompts and what is rolled back."""
 
 from __future__ import annotations
 
@@ -57,3 +57,33 @@ def test_completion_output_is_frozen_and_hashable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.finish_reason = "stop"
     assert len({c, CompletionOutput("0", (1, 2), (3,), "length")}) == 1
+
+
+class _RefusesThird:
+    """A driver whose add_request fails with a TypeError (not a ValueError) on call 3."""
+
+    def __init__(self) -> None:
+        self.queued: list[str] = []
+
+    def add_request(self, prompt, params) -> str:
+        if len(self.queued) == 2:
+            raise TypeError("not a prompt")
+        self.queued.append(str(len(self.queued)))
+        return self.queued[-1]
+
+    def abort(self, request_id: str) -> bool:
+        self.queued.remove(request_id)
+        return True
+
+    def step(self):
+        raise AssertionError("nothing may run")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.queued)
+
+
+def test_any_exception_while_queueing_aborts_the_prompts_queued_before_it():
+    driver, bar = _RefusesThird(), Bar()
+    with pytest.raises(TypeError, match="not a prompt"):
+        run_to_completion(driver, [[1], [2], [3]], progress_bar=bar)
+    assert driver.queued == [] and bar.closed
