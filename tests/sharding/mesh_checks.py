@@ -4,7 +4,9 @@ XLA_FLAGS must hold --xla_force_host_platform_device_count=8 before jax is impor
 the rest of the test suite imports jax in the pytest process, so tests/sharding/test_mesh.py
 runs `python -m tests.sharding.mesh_checks --json PATH` and asserts each check's result.
 Run it by hand the same way; `--only NAME` runs one check. Every check prints what it
-compared; a failure prints its traceback and the process exits 1.
+compared; a failure prints its traceback and the process exits 1. The attention and
+model checks are here; the engine and router checks in mesh_serving_checks.py; what both
+use (the registry, the model, the sizes) in mesh_common.py.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ for _flag in FLAGS:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
-import functools  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
@@ -35,47 +36,26 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxkv import SamplingParams, sharding  # noqa: E402
+from jaxkv import sharding  # noqa: E402
 from jaxkv.attention import paged_attention, write_kv  # noqa: E402
 from jaxkv.batch import build_attention_metadata  # noqa: E402
 from jaxkv.buckets import BucketConfig  # noqa: E402
-from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlanner  # noqa: E402
-from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from jaxkv.models import Llama, LlamaConfig, make_paged_forward  # noqa: E402
+from jaxkv.cascade import AttentionShape, CascadePlanner  # noqa: E402
+from jaxkv.config import EngineConfig, SchedulerConfig  # noqa: E402
+from jaxkv.models import Llama, make_paged_forward  # noqa: E402
 from jaxkv.models.llama import _paged_step  # noqa: E402
 from tests.attention import workload  # noqa: E402
-
-TP_SIZES = (1, 2, 4, 8)
-ALWAYS = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0.0)
-BLOCK_SIZE = 4
-NUM_BLOCKS = 37  # prime: a collective over a cache-shaped array is easy to spot in HLO
-CHECKS: dict[str, object] = {}
-
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
-
-
-def model_config(num_kv_heads: int = 8, **overrides) -> LlamaConfig:
-    """1 layer, 8 query heads of dim 8, `num_kv_heads` KV heads: tiny, TP 8 divides all."""
-    base = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=8,
-        num_kv_heads=num_kv_heads, head_dim=8, max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    return LlamaConfig(**{**base, **overrides})
-
-
-@functools.cache
-def model(num_kv_heads: int = 8) -> Llama:
-    """Random weights with std 0.2: decisive logits, so greedy ties cannot flip a token."""
-    from jaxkv.models import from_hf_tensors
-    from tests.models.reference import random_hf_weights
-
-    cfg = model_config(num_kv_heads)
-    return from_hf_tensors(cfg, random_hf_weights(cfg, seed=0, std=0.2))
-
+from tests.sharding import mesh_serving_checks  # noqa: E402, F401 - registers its checks
+from tests.sharding.mesh_common import (  # noqa: E402
+    ALWAYS,
+    BLOCK_SIZE,
+    CHECKS,
+    NUM_BLOCKS,
+    check,
+    model,
+    model_config,
+    shard_shapes,
+)
 
 BUCKETS = BucketConfig(
     max_num_tokens=64, max_num_seqs=8, max_pages_per_seq=16,
@@ -113,10 +93,6 @@ def planned_step(seed: int, *, cascade: bool, num_kv_heads: int = 8, block_size:
 
 def max_diff(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
-
-
-def shard_shapes(x: jax.Array) -> list[tuple[int, ...]]:
-    return [tuple(s.data.shape) for s in x.addressable_shards]
 
 
 # ------------------------------------------------------------------------- checks
@@ -338,129 +314,6 @@ def replica_meshes_are_consecutive_device_groups():
     groups = [[d.id for d in m.devices.flat] for m in sharding.replica_meshes(2)]
     assert groups == [[0, 1], [2, 3], [4, 5], [6, 7]], groups
     assert [d.id for d in sharding.make_mesh(4).devices.flat] == [0, 1, 2, 3]
-
-
-# ------------------------------------------------------------------ engine, router
-
-MAX_TOKENS = 6
-
-
-def engine_config(cascade: bool = True) -> EngineConfig:
-    return EngineConfig(
-        cache=CacheConfig(num_blocks=64, block_size=BLOCK_SIZE),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64),
-        backend="xla", enable_cascade=cascade, cascade_cost_model=ALWAYS,
-        max_cascade_groups=2, min_num_tokens_bucket=64, min_num_seqs_bucket=8,
-        min_pages_bucket=16, q_len_buckets=(64,), pad_cascade_levels=True,
-    )  # fmt: skip
-
-
-def prompts(seed: int = 1) -> list[list[int]]:
-    """Two groups of three requests under a shared 10- or 13-token prefix, and three loners."""
-    rng = np.random.default_rng(seed)
-    rand = lambda n: rng.integers(0, 128, n).tolist()
-    pa, pb = rand(10), rand(13)
-    grouped = [p + rand(int(n)) for p in (pa, pb) for n in rng.integers(1, 6, 3)]
-    return grouped + [rand(int(n)) for n in rng.integers(3, 14, 3)]
-
-
-def greedy(engine, ps) -> list[list[int]]:
-    outs = engine.generate(ps, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
-    return [list(o.output_token_ids) for o in outs]
-
-
-@functools.cache
-def unsharded_greedy() -> tuple[list[list[int]], int]:
-    """Greedy outputs of prompts() on an engine without a mesh, and its cascade steps."""
-    from jaxkv.engine import Engine
-
-    engine = Engine(model(8), None, engine_config())
-    return greedy(engine, prompts()), engine.metrics.cascade_steps
-
-
-@check
-def engine_greedy_tp():
-    """Greedy outputs with TP 2, 4, 8 equal TP 1's (the engine without a mesh; the TP=1 mesh
-    path runs in attention_flat_and_cascade), token for token, over runs with both flat and
-    cascade steps; the caches hold 1/TP per device."""
-    from jaxkv.engine import Engine
-
-    want, want_cascade_steps = unsharded_greedy()
-    print(f"  unsharded: {want}")
-    assert want_cascade_steps > 0
-    for tp in TP_SIZES[1:]:
-        engine = Engine(model(8), None, engine_config(), tensor_parallel_size=tp)
-        got = greedy(engine, prompts())
-        m = engine.metrics
-        print(
-            f"  TP={tp}: {m.num_steps} steps, {m.cascade_steps} cascade, {m.num_compiles} programs"
-        )
-        assert got == want, (tp, got)
-        assert 0 < m.cascade_steps < m.num_steps, "need flat and cascade steps"
-        c = engine.kv_caches[0]
-        # The cost model weighs one device's KV reads: each device attends with 8 // tp heads.
-        assert engine.planner.shape == AttentionShape(8 // tp, 8 // tp, 8, c.dtype.itemsize)
-        assert shard_shapes(c) == [(64, BLOCK_SIZE, 16 // tp, 8)] * tp
-
-
-@functools.cache
-def tp4_replicas() -> tuple:
-    """Two TP=4 engines from engine_replicas (shared by the router checks: one compile)."""
-    from jaxkv.router import engine_replicas
-
-    return tuple(engine_replicas(model(8), engine_config(), tensor_parallel_size=4))
-
-
-@check
-def router_over_engine_replicas():
-    """Two TP=4 engine replicas on disjoint device groups behind the router: outputs equal
-    one unsharded engine's; each prefix group stays on one replica; loners spread."""
-    from jaxkv.router import PrefixAwareRouter
-
-    ps = prompts()
-    want, _ = unsharded_greedy()
-    replicas = tp4_replicas()
-    assert len(replicas) == 2
-    device_sets = [frozenset(r.mesh.devices.flat) for r in replicas]
-    assert len(set().union(*device_sets)) == 8, "replicas share devices"
-    router = PrefixAwareRouter(replicas, block_size=BLOCK_SIZE)
-    ids = [router.add_request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in ps]
-    where = [router.replica_of(i) for i in ids]
-    print(f"  replica of each request: {where}")
-    assert len(set(where[0:3])) == 1 and len(set(where[3:6])) == 1, where
-    assert where[0] != where[3], where
-    assert len(set(where[6:])) == 2, f"loners did not spread over both replicas: {where}"
-    tokens: dict[str, list[int]] = {i: [] for i in ids}
-    while router.has_unfinished_requests():
-        for o in router.step():
-            tokens[o.request_id].extend(o.new_token_ids)
-    assert [tokens[i] for i in ids] == want
-    assert router.num_outstanding == (0, 0)
-    hits = [r.metrics.prefix_cache_hits for r in replicas]
-    print(f"  prefix-cache hits per replica: {hits}")
-
-
-@check
-def router_replicas_sample_independently():
-    """Four sampled requests (no seed of their own) for one prompt shorter than a block
-    spread over both replicas, two each, and draw four different outputs, as on one engine:
-    the replicas do not share a sampling seed."""
-    from jaxkv.router import PrefixAwareRouter
-
-    replicas = tp4_replicas()
-    router = PrefixAwareRouter(replicas, block_size=BLOCK_SIZE)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0)
-    ids = [router.add_request([5, 6, 7], params) for _ in range(4)]
-    where = [router.replica_of(i) for i in ids]
-    assert sorted(where) == [0, 0, 1, 1], where
-    tokens: dict[str, list[int]] = {i: [] for i in ids}
-    while router.has_unfinished_requests():
-        for o in router.step():
-            tokens[o.request_id].extend(o.new_token_ids)
-    outs = [tuple(tokens[i]) for i in ids]
-    print(f"  replicas {where}: {outs}")
-    assert all(len(o) == MAX_TOKENS for o in outs), outs
-    assert len(set(outs)) == 4, f"replicas drew the same samples: {outs}"
 
 
 # --------------------------------------------------------------------------- main

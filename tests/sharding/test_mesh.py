@@ -1,9 +1,9 @@
 """Tensor parallelism and data-parallel replicas on 8 CPU host devices.
 
-The checks live in tests/sharding/mesh_checks.py and run in one subprocess, because the
-host device count must be set before jax is imported and this pytest process has imported
-jax already. Each test below asserts one check's result; a failure shows that check's
-traceback and the subprocess's output.
+The checks live in tests/sharding/mesh_checks.py and the files it imports, and run in one
+subprocess, because the host device count must be set before jax is imported and this
+pytest process has imported jax already. Each test below asserts one check's result; a
+failure shows that check's traceback and the subprocess's output.
 """
 
 from __future__ import annotations

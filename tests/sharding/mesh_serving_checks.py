@@ -1,0 +1,136 @@
+"""Device-mesh checks of the engine and router (registered into mesh_common.CHECKS).
+
+Imported by tests/sharding/mesh_checks.py after it has set XLA_FLAGS (8 CPU host
+devices); see there for how the checks run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from jaxkv import SamplingParams
+from jaxkv.cascade import AttentionShape
+from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig
+from tests.sharding.mesh_common import ALWAYS, BLOCK_SIZE, TP_SIZES, check, model, shard_shapes
+
+MAX_TOKENS = 6
+
+
+def engine_config(cascade: bool = True) -> EngineConfig:
+    return EngineConfig(
+        cache=CacheConfig(num_blocks=64, block_size=BLOCK_SIZE),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64),
+        backend="xla", enable_cascade=cascade, cascade_cost_model=ALWAYS,
+        max_cascade_groups=2, min_num_tokens_bucket=64, min_num_seqs_bucket=8,
+        min_pages_bucket=16, q_len_buckets=(64,), pad_cascade_levels=True,
+    )  # fmt: skip
+
+
+def prompts(seed: int = 1) -> list[list[int]]:
+    """Two groups of three requests under a shared 10- or 13-token prefix, and three loners."""
+    rng = np.random.default_rng(seed)
+    rand = lambda n: rng.integers(0, 128, n).tolist()
+    pa, pb = rand(10), rand(13)
+    grouped = [p + rand(int(n)) for p in (pa, pb) for n in rng.integers(1, 6, 3)]
+    return grouped + [rand(int(n)) for n in rng.integers(3, 14, 3)]
+
+
+def greedy(engine, ps) -> list[list[int]]:
+    outs = engine.generate(ps, SamplingParams(max_tokens=MAX_TOKENS), progress=False)
+    return [list(o.output_token_ids) for o in outs]
+
+
+@functools.cache
+def unsharded_greedy() -> tuple[list[list[int]], int]:
+    """Greedy outputs of prompts() on an engine without a mesh, and its cascade steps."""
+    from jaxkv.engine import Engine
+
+    engine = Engine(model(8), None, engine_config())
+    return greedy(engine, prompts()), engine.metrics.cascade_steps
+
+
+@check
+def engine_greedy_tp():
+    """Greedy outputs with TP 2, 4, 8 equal TP 1's (the engine without a mesh; the TP=1 mesh
+    path runs in attention_flat_and_cascade), token for token, over runs with both flat and
+    cascade steps; the caches hold 1/TP per device."""
+    from jaxkv.engine import Engine
+
+    want, want_cascade_steps = unsharded_greedy()
+    print(f"  unsharded: {want}")
+    assert want_cascade_steps > 0
+    for tp in TP_SIZES[1:]:
+        engine = Engine(model(8), None, engine_config(), tensor_parallel_size=tp)
+        got = greedy(engine, prompts())
+        m = engine.metrics
+        print(
+            f"  TP={tp}: {m.num_steps} steps, {m.cascade_steps} cascade, {m.num_compiles} programs"
+        )
+        assert got == want, (tp, got)
+        assert 0 < m.cascade_steps < m.num_steps, "need flat and cascade steps"
+        c = engine.kv_caches[0]
+        # The cost model weighs one device's KV reads: each device attends with 8 // tp heads.
+        assert engine.planner.shape == AttentionShape(8 // tp, 8 // tp, 8, c.dtype.itemsize)
+        assert shard_shapes(c) == [(64, BLOCK_SIZE, 16 // tp, 8)] * tp
+
+
+@functools.cache
+def tp4_replicas() -> tuple:
+    """Two TP=4 engines from engine_replicas (shared by the router checks: one compile)."""
+    from jaxkv.router import engine_replicas
+
+    return tuple(engine_replicas(model(8), engine_config(), tensor_parallel_size=4))
+
+
+@check
+def router_over_engine_replicas():
+    """Two TP=4 engine replicas on disjoint device groups behind the router: outputs equal
+    one unsharded engine's; each prefix group stays on one replica; loners spread."""
+    from jaxkv.router import PrefixAwareRouter
+
+    ps = prompts()
+    want, _ = unsharded_greedy()
+    replicas = tp4_replicas()
+    assert len(replicas) == 2
+    device_sets = [frozenset(r.mesh.devices.flat) for r in replicas]
+    assert len(set().union(*device_sets)) == 8, "replicas share devices"
+    router = PrefixAwareRouter(replicas, block_size=BLOCK_SIZE)
+    ids = [router.add_request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in ps]
+    where = [router.replica_of(i) for i in ids]
+    print(f"  replica of each request: {where}")
+    assert len(set(where[0:3])) == 1 and len(set(where[3:6])) == 1, where
+    assert where[0] != where[3], where
+    assert len(set(where[6:])) == 2, f"loners did not spread over both replicas: {where}"
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    while router.has_unfinished_requests():
+        for o in router.step():
+            tokens[o.request_id].extend(o.new_token_ids)
+    assert [tokens[i] for i in ids] == want
+    assert router.num_outstanding == (0, 0)
+    hits = [r.metrics.prefix_cache_hits for r in replicas]
+    print(f"  prefix-cache hits per replica: {hits}")
+
+
+@check
+def router_replicas_sample_independently():
+    """Four sampled requests (no seed of their own) for one prompt shorter than a block
+    spread over both replicas, two each, and draw four different outputs, as on one engine:
+    the replicas do not share a sampling seed."""
+    from jaxkv.router import PrefixAwareRouter
+
+    replicas = tp4_replicas()
+    router = PrefixAwareRouter(replicas, block_size=BLOCK_SIZE)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0)
+    ids = [router.add_request([5, 6, 7], params) for _ in range(4)]
+    where = [router.replica_of(i) for i in ids]
+    assert sorted(where) == [0, 0, 1, 1], where
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    while router.has_unfinished_requests():
+        for o in router.step():
+            tokens[o.request_id].extend(o.new_token_ids)
+    outs = [tuple(tokens[i]) for i in ids]
+    print(f"  replicas {where}: {outs}")
+    assert all(len(o) == MAX_TOKENS for o in outs), outs
+    assert len(set(outs)) == 4, f"replicas drew the same samples: {outs}"
