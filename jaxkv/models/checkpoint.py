@@ -118,14 +118,30 @@ def build_with_params(
 
 
 def save_checkpoint(model: Llama, path: str | os.PathLike) -> Path:
-    """Write `model` to directory `path` (created if needed); returns the directory."""
+    """Write `model` to directory `path` (created if needed); returns the directory.
+
+    Both files are written in full under temporary names first and only then renamed into
+    place, weights before config: an exception or crash while writing (the long part)
+    leaves a checkpoint already in `path` whole, its config and weights still a pair.
+    """
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     params = {k: np.asarray(v) for k, v in flat_params(model).items()}
-    (directory / CONFIG_FILE).write_text(model.config.to_json() + "\n")
-    tmp = directory / (PARAMS_FILE + ".tmp")
-    tmp.write_bytes(serialization.msgpack_serialize(params))
-    tmp.replace(directory / PARAMS_FILE)  # a crash mid-write never leaves a torn file
+    staged = []
+    try:
+        for name, data in (
+            (PARAMS_FILE, serialization.msgpack_serialize(params)),
+            (CONFIG_FILE, (model.config.to_json() + "\n").encode()),
+        ):
+            tmp = directory / (name + ".tmp")
+            staged.append((tmp, directory / name))
+            tmp.write_bytes(data)
+    except BaseException:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise
+    for tmp, final in staged:
+        tmp.replace(final)
     return directory
 
 

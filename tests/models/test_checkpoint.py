@@ -170,3 +170,23 @@ def test_hf_missing_and_unknown_tensors_raise(tmp_path):
     weights["model.layers.0.self_attn.q_norm.weight"] = np.ones(8, np.float32)
     with pytest.raises(CheckpointError, match="q_norm"):
         load_hf_safetensors(_saved_hf(tmp_path, weights), cfg)
+
+
+def test_a_save_that_fails_while_writing_leaves_the_old_checkpoint_whole(tmp_path, monkeypatch):
+    # Same shapes, other weights and rope_theta: a torn pair would load without complaint.
+    old = random_model(small_config(), seed=1)
+    save_checkpoint(old, tmp_path)
+    new = random_model(small_config(rope_theta=500.0), seed=2)
+    from flax import serialization
+
+    def fail(_):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(serialization, "msgpack_serialize", fail)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(new, tmp_path)
+    monkeypatch.undo()
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.config == old.config
+    np.testing.assert_array_equal(_logits(loaded), _logits(old))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "params.msgpack"]
