@@ -148,11 +148,13 @@ class Engine:
         sampling_params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Queues a request; returns its id. Raises ValueError (nothing queued) when the
         prompt is empty, not 1-D integers, holds ids outside [0, vocab_size), leaves no
         room for output within max_model_len, could not fit the whole KV cache, or the
-        params or id are invalid."""
+        params, id or salt are invalid. Requests share cached KV only if their
+        `cache_salt` (e.g. one per tenant) is equal: None is a salt of its own."""
         ids = np.asarray(prompt_token_ids)
         if ids.ndim != 1 or ids.size == 0:
             raise ValueError(f"prompt_token_ids must be a non-empty 1-D sequence, got {ids.shape=}")
@@ -177,7 +179,7 @@ class Engine:
             while str(serial) in self.scheduler.requests:  # a caller took that id
                 serial += 1
             request_id = str(serial)
-        request = Request(request_id, ids.tolist(), sampling_params)
+        request = Request(request_id, ids.tolist(), sampling_params, cache_salt=cache_salt)
         self.scheduler.add_request(request)  # raises on duplicate id or too long a prompt
         self._next_serial = serial + 1
         seed = (self.config.seed * 0x9E3779B1 + serial) & 0xFFFFFFFF

@@ -32,7 +32,12 @@ class Replica(Protocol):
     """What the router needs of a replica; jaxkv.engine.Engine has it."""
 
     def add_request(
-        self, prompt_token_ids: Sequence[int], sampling_params: Any = None, *, request_id: str
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Any = None,
+        *,
+        request_id: str,
+        cache_salt: str | None = None,
     ) -> str: ...
 
     def step(self) -> list[RequestOutput]: ...
@@ -113,17 +118,24 @@ class PrefixAwareRouter:
         """The replica an unfinished request runs on; KeyError if unknown or finished."""
         return self._replica_of[request_id]
 
-    def _prefix_hashes(self, prompt_token_ids: Sequence[int]) -> list[BlockHash]:
+    def _prefix_hashes(
+        self, prompt_token_ids: Sequence[int], cache_salt: str | None
+    ) -> list[BlockHash]:
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"{cache_salt=} must be None or a str")
         head = list(prompt_token_ids[: self.max_prefix_blocks * self.block_size])
-        return extend_block_hashes([], head, self.block_size, seed=self.hash_seed)
+        return extend_block_hashes(
+            [], head, self.block_size, seed=self.hash_seed, cache_salt=cache_salt
+        )
 
     def _least_loaded(self) -> int:
         return min(range(len(self.replicas)), key=self._outstanding.__getitem__)
 
-    def route(self, prompt_token_ids: Sequence[int]) -> Route:
+    def route(self, prompt_token_ids: Sequence[int], *, cache_salt: str | None = None) -> Route:
         """The replica a prompt would go to now. Changes nothing. Raises ValueError
-        unless the prompt is a 1-D sequence of token ids (ints in [0, 2**63))."""
-        return self._route(self._prefix_hashes(_prompt_ids(prompt_token_ids)))
+        unless the prompt is a 1-D sequence of token ids (ints in [0, 2**63)) and the
+        salt None or a str."""
+        return self._route(self._prefix_hashes(_prompt_ids(prompt_token_ids), cache_salt))
 
     def _route(self, hashes: list[BlockHash]) -> Route:
         for i in range(len(hashes) - 1, -1, -1):
@@ -155,9 +167,11 @@ class PrefixAwareRouter:
         sampling_params: Any = None,
         *,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Routes and queues a request on one replica; returns its id (unique across all
         replicas; generated ones are "dp-0", "dp-1", ... skipping ids callers hold).
+        Prompts route together only under equal `cache_salt`s, as the replicas cache them.
         Raises ValueError on a duplicate id; the replica's own ValueError (bad prompt or
         params) leaves the router unchanged, the next generated id included."""
         prompt = _prompt_ids(prompt_token_ids)
@@ -169,9 +183,11 @@ class PrefixAwareRouter:
             request_id = f"dp-{serial}"
         if request_id in self._replica_of:
             raise ValueError(f"{request_id=} is already running")
-        hashes = self._prefix_hashes(prompt)
+        hashes = self._prefix_hashes(prompt, cache_salt)
         replica = self._route(hashes).replica
-        self.replicas[replica].add_request(prompt, sampling_params, request_id=request_id)
+        self.replicas[replica].add_request(
+            prompt, sampling_params, request_id=request_id, cache_salt=cache_salt
+        )
         if serial is not None:  # a refused request leaves later generated ids as they were
             self._next_serial = serial + 1
         self._remember(hashes, replica)

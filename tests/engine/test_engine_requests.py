@@ -156,3 +156,26 @@ def test_seed_zero_is_a_seed_of_its_own_whatever_the_request_index():
     engine.add_request([9, 9, 9], SamplingParams(max_tokens=1))  # takes index 0
     second = engine.generate([[5, 6, 7]], params, progress=False)[0].output_token_ids
     assert alone == second
+
+
+def _serve(engine, prompt, **kw) -> list[int]:
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=2), **kw)
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
+    return tokens
+
+
+def test_requests_share_cached_kv_only_under_the_same_cache_salt():
+    prompt = prompts_for("shared")[0]  # 20 shared tokens and more: several full blocks
+    engine = make_engine()
+    first = _serve(engine, prompt, cache_salt="tenant-a")
+    hits = lambda: engine.metrics.prefix_cache_hits
+    for salt in (None, "tenant-b"):
+        assert _serve(engine, prompt, cache_salt=salt) == first
+        assert hits() == 0, salt
+    assert _serve(engine, prompt, cache_salt="tenant-a") == first
+    assert hits() > 0
+    with pytest.raises(ValueError, match="cache_salt"):
+        engine.add_request(prompt, cache_salt=7)
+    assert not engine.has_unfinished_requests()

@@ -21,13 +21,15 @@ class FakeReplica:
         self.index = index
         self.running: dict[str, list] = {}  # request_id -> [prompt, tokens left]
         self.prompts: dict[str, list[int]] = {}  # every request ever added
+        self.salts: dict[str, str | None] = {}  # request_id -> cache_salt
 
-    def add_request(self, prompt_token_ids, sampling_params=None, *, request_id):
+    def add_request(self, prompt_token_ids, sampling_params=None, *, request_id, cache_salt=None):
         if len(prompt_token_ids) == 0:
             raise ValueError("empty prompt")
         params = sampling_params or SamplingParams(max_tokens=2)
         self.running[request_id] = [list(prompt_token_ids), params.max_tokens]
         self.prompts[request_id] = list(prompt_token_ids)
+        self.salts[request_id] = cache_salt
         return request_id
 
     def step(self) -> list[RequestOutput]:
@@ -180,10 +182,10 @@ def test_a_request_counts_until_its_finishing_output_only():
 
 def test_a_refused_request_leaves_no_prefix_route():
     class Picky(FakeReplica):
-        def add_request(self, prompt_token_ids, sampling_params=None, *, request_id):
+        def add_request(self, prompt_token_ids, sampling_params=None, **kw):
             if 999 in prompt_token_ids:
                 raise ValueError("token 999 is out of vocabulary")
-            return super().add_request(prompt_token_ids, sampling_params, request_id=request_id)
+            return super().add_request(prompt_token_ids, sampling_params, **kw)
 
     router = PrefixAwareRouter([Picky(0), Picky(1)], block_size=BLOCK)
     prompt = [5] * BLOCK + [999]
@@ -372,3 +374,17 @@ def test_token_ids_a_block_hash_cannot_encode_are_refused_before_hashing():
         with pytest.raises(ValueError, match="prompt_token_ids must"):
             router.route(bad)
     assert router.generate([[1, 2, 3]], progress=False)[0].finish_reason == "length"
+
+
+def test_prompts_route_together_only_under_the_same_cache_salt():
+    router, replicas = make_router(2)
+    prompt = [7] * (3 * BLOCK)
+    rid = router.add_request(prompt, cache_salt="tenant-a")
+    home = router.replica_of(rid)
+    assert replicas[home].salts[rid] == "tenant-a"  # the replica caches it under the salt
+    assert router.route(prompt, cache_salt="tenant-a") == Route(home, 3)
+    assert router.route(prompt) == Route(1 - home, 0)  # unsalted: no cached prefix anywhere
+    assert router.route(prompt, cache_salt="tenant-b") == Route(1 - home, 0)
+    with pytest.raises(ValueError, match="cache_salt"):
+        router.add_request(prompt, cache_salt=b"tenant-a")
+    assert router.num_outstanding == ((1, 0) if home == 0 else (0, 1))
