@@ -12,6 +12,9 @@ Python loop over sequences) and returns `(out, lse)`:
 - quantized KV (int8, float8_e4m3fn) is read as k.astype(f32) * k_scale, v likewise;
 - softmax and the value sum run in float32; out is cast to `out_dtype` (default q.dtype;
   float32 keeps a partial result unrounded for a later LSE merge);
+- the Pallas kernels feed the dot products in the query's dtype: bfloat16 queries over
+  float32 pages round K and V to bfloat16 first (as JAX's own kernels do), so they match
+  this reference only to bfloat16 tolerance; equal dtypes, the engine's case, lose nothing;
 - lse is float32, natural log, [max_num_tokens, num_q_heads]; a row that sees no key and
   every row past cu_q_lens[num_seqs] gives out 0 and lse -inf, never NaN, whatever the
   padding of q, kv_pages or the page table holds.
