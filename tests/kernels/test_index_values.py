@@ -54,6 +54,7 @@ BREAKAGES = [
     ("kv_len_past_its_pages", "kv_lens", 0, 33, r"kv_lens\[0\]=33"),
     ("negative_kv_len", "kv_lens", 1, -1, r"kv_lens\[1\]=-1 must be in \[0, 32\]"),
     ("num_seqs_past_max", "num_seqs", 0, 4, r"num_seqs\[0\]=4"),
+    ("negative_num_seqs", "num_seqs", 0, -1, r"num_seqs\[0\]=-1"),
     ("negative_first_offset", "cu_q_lens", 0, -1, r"cu_q_lens\[0\]=-1"),
     ("first_offset_not_zero", "cu_q_lens", 0, 1, r"cu_q_lens\[0\]=1 must be 0"),
     ("cu_q_lens_falls_back", "cu_q_lens", 1, 5, r"cu_q_lens\[2\]=4"),

@@ -298,6 +298,11 @@ def test_agrees_with_jax_reference():
         (lambda a: {**a, "kv_pages": a["kv_pages"].astype(jnp.int8)}, "k_scale and v_scale"),
         (lambda a: {**a, "q": a["q"].astype(jnp.int32)}, "q.dtype"),
         (lambda a: {**a, "kv_pages": a["kv_pages"].astype(jnp.int32)}, "kv_pages.dtype"),
+        (lambda a: {**a, "kv_pages": a["kv_pages"][0]}, "kv_pages.shape"),
+        (lambda a: {**a, "kv_lens": a["kv_lens"][:, None]}, "kv_lens.shape"),
+        (lambda a: {**a, "page_indices": a["page_indices"][..., None]}, "page_indices.shape"),
+        (lambda a: {**a, "page_indices": a["page_indices"].astype(jnp.int8)}, "page_indices.dtype"),
+        (lambda a: {**a, "num_seqs": a["num_seqs"].astype(jnp.float32)}, "num_seqs.dtype"),
     ],
 )
 def test_bad_input_raises_at_trace_time(mutate, match):
@@ -314,6 +319,8 @@ def test_bad_input_raises_at_trace_time(mutate, match):
     [
         ({"sm_scale": float("inf")}, "sm_scale=inf must be a finite number > 0"),
         ({"sm_scale": float("nan")}, "sm_scale=nan must be a finite number > 0"),
+        ({"sm_scale": None}, "sm_scale=None must be a finite number > 0"),
+        ({"out_dtype": jnp.int32}, "out_dtype=.* must be None"),
         ({"soft_cap": float("inf")}, "soft_cap=inf must be a finite number > 0"),
         ({"k_scale": float("nan"), "v_scale": 1.0}, "k_scale=nan must be a finite number"),
         ({"k_scale": 1.0, "v_scale": 0.0}, "v_scale=0.0 must be a finite number > 0"),
@@ -332,6 +339,16 @@ def test_bad_options_are_refused_by_name(options, match):
     options = {"sm_scale": 1.0, **options}
     with pytest.raises(ValueError, match=match):
         ragged_paged_attention(*case.args(), **options)
+
+
+@pytest.mark.parametrize("k_scale, v_scale", [(0.5, None), (None, 0.5)])
+def test_quantized_kv_needs_both_scales(k_scale, v_scale):
+    # One missing scale would read that side's integers unscaled: silently wrong.
+    case = harness.make_case(0, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
+    args = list(case.args())
+    args[1] = args[1].astype(jnp.int8)
+    with pytest.raises(ValueError, match="k_scale and v_scale are required"):
+        ragged_paged_attention(*args, sm_scale=1.0, k_scale=k_scale, v_scale=v_scale)
 
 
 def test_zero_kv_heads_are_refused_by_name():
