@@ -40,6 +40,7 @@ def test_one_side_empty_passes_the_other_through_exactly(dtype):
     nan_out = jnp.full(out_a.shape, jnp.nan, dtype)  # an empty side's output is never read
     empty = jnp.full(lse_a.shape, -INF)
     out, lse = merge_attn_states(out_a, lse_a, nan_out, empty)
+    assert out.dtype == dtype  # out keeps out_a's dtype
     assert np.array_equal(np.asarray(out), np.asarray(out_a))
     assert np.array_equal(np.asarray(lse), np.asarray(lse_a))
     out, lse = merge_attn_states(nan_out, empty, out_a, lse_a)
@@ -64,6 +65,9 @@ def test_very_different_magnitudes_and_infinities_give_no_nan():
     out, lse = merge_attn_states(out_a, lse_a, out_b, lse_b)
     assert not np.any(np.isnan(np.asarray(out)))
     assert not np.any(np.isnan(np.asarray(lse)))
+    # A side with a finite lse has keys, however far below the other: never "empty".
+    either_finite = np.isfinite(np.maximum(grid_a.ravel(), grid_b.ravel()))
+    assert np.all(np.isfinite(np.asarray(lse)[either_finite, 0]))
     # A side 1e30 below the other contributes nothing: out equals the larger side.
     big = (grid_a.ravel() == 1e30) & (grid_b.ravel() == -1e30)
     np.testing.assert_array_equal(np.asarray(out)[big], np.asarray(out_a)[big])
@@ -96,3 +100,28 @@ def test_dtype_mismatch_raises():
             jnp.zeros((2, 1, 4)),
             jnp.zeros((2, 1)),
         )
+
+
+def test_bfloat16_lse_merges_in_float32():
+    # lse = log(e^0 + e^(-0.01)): in bfloat16 arithmetic it would round to a multiple of 2^-8.
+    ones = jnp.ones((1, 1, 4))
+    out, lse = merge_attn_states(
+        ones, jnp.zeros((1, 1), jnp.bfloat16), ones, jnp.full((1, 1), -0.01, jnp.bfloat16)
+    )
+    assert lse.dtype == jnp.float32
+    want = math.log(1 + math.exp(float(jnp.bfloat16(-0.01))))
+    np.testing.assert_allclose(float(lse[0, 0]), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        ((2, 1, 4), (2, 2), (2, 1, 4), (2, 1)),  # lse_a
+        ((2, 1, 4), (2, 1), (2, 1, 4), (1, 1)),  # lse_b
+        ((2, 4), (2, 4), (2, 4), (2, 4)),  # no head axis
+    ],
+    ids=["lse_a", "lse_b", "rank"],
+)
+def test_lse_shape_and_rank_mismatch_raise(shapes):
+    with pytest.raises(ValueError, match="must be|must both be"):
+        merge_attn_states(*(jnp.zeros(s) for s in shapes))
