@@ -297,8 +297,10 @@ def test_interner_acquire_one_matches_acquire():
     [
         ([-1, 3, 4], None, "num_blocks must lie in"),  # used to answer -1
         ([3, 3, 9], None, "num_blocks must lie in"),  # IndexError
+        ([3, 3, 5], None, "num_blocks must lie in"),  # one past the 4 columns
         ([3, 3], None, "must equal the 3 rows"),  # used to compare the first two rows only
         ([3, 4], [0, -1], "rows must lie in"),  # -1 wrapped round to the last row
+        ([3, 4], [0, 3], "rows must lie in"),  # one past the 3 rows
         ([3, 4], [0, 1, 2], r"len\(rows\)=3"),
         ([3.0, 4.0, 4.0], None, "integers"),
     ],
