@@ -205,6 +205,14 @@ def test_cascade_equals_oracle_on_random_shared_prefix(seed):
     harness.assert_close_to_oracle(case, out2, lse2, expected)
 
 
+def test_cascade_with_no_shared_page_is_plain_attention():
+    # A static num_prefix_pages of 0: the prefix pass sees no keys, the suffix pass all.
+    case = _shared_prefix_case(0, 0, [(1, 5), (2, 7)])
+    attend = jax.jit(functools.partial(cascade_attention, sm_scale=0.125), static_argnums=6)
+    out, lse = attend(*case.args(), 0)
+    harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))
+
+
 def test_a_nan_key_in_the_shared_prefix_is_nan_in_flat_and_cascade_attention():
     case = harness.nan_in_key(_shared_prefix_case(3, 2, [(1, 4), (2, 9), (1, 0)]), 0, key=3)
     rows, heads = slice(0, case.num_valid_tokens), slice(0, 4)  # q heads of kv head 0
