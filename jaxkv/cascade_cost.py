@@ -10,15 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 
-
-def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+from jaxkv.field_checks import bool_fields, is_real, positive_int_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +43,10 @@ class CascadeCostModel:
         fail inside the planner at every step of an engine built with it."""
         for name in ("launch_overhead_bytes", "merge_cost_factor", "min_saved_fraction"):
             value = getattr(self, name)
-            if not _is_real(value) or not 0 <= value < math.inf:
+            if not is_real(value) or not 0 <= value < math.inf:
                 raise ValueError(f"{name}={value!r} must be a finite number >= 0")
-        if not _is_int(self.min_requests) or self.min_requests < 1:
-            raise ValueError(f"min_requests={self.min_requests!r} must be an int >= 1")
-        if not isinstance(self.reads_padded_pages, bool):
-            raise ValueError(f"reads_padded_pages={self.reads_padded_pages!r} must be a bool")
+        positive_int_fields(self, "min_requests")
+        bool_fields(self, "reads_padded_pages")
 
     def saved_bytes(self, num_requests: int, prefix_tokens: int, kv_bytes_per_token: int) -> int:
         return max(num_requests - 1, 0) * prefix_tokens * kv_bytes_per_token
@@ -129,10 +120,7 @@ class AttentionShape:
 
     def __post_init__(self) -> None:
         """Checks every field: ints >= 1, the query heads a multiple of the KV heads."""
-        for name in ("num_q_heads", "num_kv_heads", "head_dim", "kv_itemsize"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        positive_int_fields(self, "num_q_heads", "num_kv_heads", "head_dim", "kv_itemsize")
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"{self.num_q_heads=} must be a multiple of {self.num_kv_heads=}")
 

@@ -12,24 +12,10 @@ import numbers
 
 from jaxkv.buckets import BucketConfig
 from jaxkv.cascade_cost import CascadeCostModel
+from jaxkv.field_checks import bool_fields, positive_int_fields
 from jaxkv.hashing import root_hash
 
 _KV_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _positive_int(owner: object, *names: str) -> None:
-    for name in names:
-        value = getattr(owner, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an int >= 1")
-
-
-def _bool(owner: object, *names: str) -> None:
-    # A flag read from text ("false") or left None would otherwise switch by truthiness.
-    for name in names:
-        value = getattr(owner, name)
-        if not isinstance(value, bool):
-            raise ValueError(f"{name}={value!r} must be a bool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +29,8 @@ class CacheConfig:
     kv_dtype: str | None = None  # None: the model's dtype
 
     def __post_init__(self) -> None:
-        _positive_int(self, "num_blocks", "block_size")
-        _bool(self, "enable_prefix_caching")
+        positive_int_fields(self, "num_blocks", "block_size")
+        bool_fields(self, "enable_prefix_caching")
         if self.num_blocks < 2:
             raise ValueError(f"{self.num_blocks=} must be >= 2 (block 0 is the null block)")
         if self.kv_dtype is not None and self.kv_dtype not in _KV_DTYPES:
@@ -69,8 +55,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
-        _positive_int(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len")
-        _bool(self, "enable_chunked_prefill")
+        positive_int_fields(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len")
+        bool_fields(self, "enable_chunked_prefill")
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(
                 f"{self.max_num_seqs=} must be <= {self.max_num_batched_tokens=} "
@@ -120,7 +106,7 @@ class EngineConfig:
             raise ValueError(f"scheduler={self.scheduler!r} must be a SchedulerConfig")
         if type(self.seed) is not int:
             raise ValueError(f"seed={self.seed!r} must be an int")
-        _bool(self, "interpret", "enable_cascade", "pad_cascade_levels")
+        bool_fields(self, "interpret", "enable_cascade", "pad_cascade_levels")
         if self.cascade_cost_model is not None and not isinstance(
             self.cascade_cost_model, CascadeCostModel
         ):
@@ -129,7 +115,7 @@ class EngineConfig:
             )
         if self.backend not in (None, "xla", "pallas_tpu", "pallas_gpu"):
             raise ValueError(f"{self.backend=} must be None, 'xla', 'pallas_tpu' or 'pallas_gpu'")
-        _positive_int(
+        positive_int_fields(
             self,
             "max_cascade_groups",
             "min_num_tokens_bucket",

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import enum
 import math
-import numbers
 import operator
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from jaxkv.field_checks import is_real
 from jaxkv.hashing import BlockHash, extend_block_hashes
 
 MAX_TOKEN_ID = 2**63 - 1  # block hashes encode each token as a signed 64-bit integer
@@ -55,11 +55,11 @@ class SamplingParams:
         max_tokens, top_k = _int_or_none(self.max_tokens), _int_or_none(self.top_k)
         if max_tokens is None or max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1")
-        if not _is_real(self.temperature) or not 0.0 <= self.temperature < math.inf:
+        if not is_real(self.temperature) or not 0.0 <= self.temperature < math.inf:
             raise ValueError(f"temperature={self.temperature!r} must be finite and >= 0")
         if top_k is None or top_k < 0:
             raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 = off)")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
         seed = None if self.seed is None else _int_or_none(self.seed)
         if self.seed is not None and seed is None:
@@ -129,9 +129,7 @@ class Request:
                 f"sampling_params={sampling_params!r} of {request_id!r} must be None or "
                 "a SamplingParams"
             )
-        if arrival_time is not None and not (
-            _is_real(arrival_time) and math.isfinite(arrival_time)
-        ):
+        if arrival_time is not None and not (is_real(arrival_time) and math.isfinite(arrival_time)):
             raise ValueError(f"{arrival_time=} of {request_id!r} must be None or a finite number")
         self.request_id = request_id
         self.prompt_token_ids: tuple[int, ...] = tuple(prompt)
@@ -254,8 +252,3 @@ def _int_or_none(value) -> int | None:
         return operator.index(value)
     except TypeError:  # e.g. a numpy array of more than one element
         return None
-
-
-def _is_real(value) -> bool:
-    """A real number (int, float, numpy scalar), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -1,0 +1,31 @@
+"""Checks of configuration fields shared by the frozen configs and dataclasses.
+
+Each raises ValueError naming the field and what was expected. A bool is never taken for
+a number: True as a size or a cost is a caller's mistake, not 1.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+
+def is_real(value) -> bool:
+    """A real number (int, float, numpy scalar), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def positive_int_fields(owner: object, *names: str) -> None:
+    """ValueError unless each named attribute of `owner` is a Python int >= 1."""
+    for name in names:
+        value = getattr(owner, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+
+
+def bool_fields(owner: object, *names: str) -> None:
+    """ValueError unless each named attribute of `owner` is a bool."""
+    # A flag read from text ("false") or left None would otherwise switch by truthiness.
+    for name in names:
+        value = getattr(owner, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be a bool")
