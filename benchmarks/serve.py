@@ -113,6 +113,7 @@ def run_one(model, prompts, args, name, cascade, prefix_caching) -> dict:
         peak_usage = max(peak_usage, engine.manager.usage)
     wall = time.perf_counter() - t0
     m = engine.metrics
+    engine.close()  # frees its KV cache before the next configuration builds one
     warm = [s for s in steps if not s.new_program]
     warm_generated = sum(n for s, n in zip(steps, generated, strict=True) if not s.new_program)
     decode = [s for s in warm if s.num_tokens == s.num_requests >= args.decode_batch]

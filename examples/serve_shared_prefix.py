@@ -241,6 +241,7 @@ def serve(
     result.wall_s = time.perf_counter() - start
     result.outputs = [tuple(o) for o in outputs]
     result.metrics = engine.metrics
+    engine.close()  # frees its KV cache before the next run builds one
     return result
 
 

@@ -32,10 +32,11 @@ from jaxkv.config import EngineConfig
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_copy import DeviceKVCopier
 from jaxkv.kv_transfer import KVConnector
-from jaxkv.metrics import EngineMetrics, StepStats
+from jaxkv.metrics import EngineMetrics, StepStats, StepTotals
 from jaxkv.outputs import CompletionOutput, RequestOutput
+from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.request import Request, SamplingParams
-from jaxkv.sampler import sample, sampling_arrays, sampling_row
+from jaxkv.sampler import SamplingRows, sample
 from jaxkv.scheduler import Scheduler, SchedulerOutput
 from jaxkv.sharding import DEFAULT_AXIS, mesh_for, shard_model
 from jaxkv.step_inputs import coarsen_metadata, gather_input_ids, program_key
@@ -125,16 +126,12 @@ class Engine:
             lambda: self.kv_caches, self._set_caches, max_blocks=self.manager.max_blocks_per_seq
         )
         self.connector.bind(self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed)
-        self._sampling: dict[str, tuple[float, int, float, int]] = {}  # req_id -> sampler row
-        self._sampling_memo: tuple | None = None  # (requests, order bytes or None, arrays)
+        self._sampling = SamplingRows()
         self._levels_memo: tuple | None = None  # (plan, num tokens, level metadata)
         self._next_serial = 0  # of the next queued request: default id and seed
         self._programs: set[tuple] = set()
-        self._m = dict(
-            num_steps=0, host_time_s=0.0, device_time_s=0.0, update_time_s=0.0,
-            cascade_steps=0, cascade_tokens=0,
-        )  # fmt: skip
-        self._levels: dict[str, int] = {}  # level names joined by '+' -> steps
+        self._totals = StepTotals()
+        self._closed = False
         self.last_step: StepStats | None = None  # the last step that ran the model
 
     def _set_caches(self, caches: list[jax.Array]) -> None:
@@ -155,16 +152,8 @@ class Engine:
         room for output within max_model_len, could not fit the whole KV cache, or the
         params, id or salt are invalid. Requests share cached KV only if their
         `cache_salt` (e.g. one per tenant) is equal: None is a salt of its own."""
-        ids = np.asarray(prompt_token_ids)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(f"prompt_token_ids must be a non-empty 1-D sequence, got {ids.shape=}")
-        if ids.dtype.kind not in "iu":
-            raise ValueError(f"prompt_token_ids must be integers, got dtype {ids.dtype}")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.vocab_size:
-            raise ValueError(
-                f"prompt_token_ids must lie in [0, {self.vocab_size}), got min {lo}, max {hi}"
-            )
+        self._check_open()
+        prompt = checked_prompt_ids(prompt_token_ids, limit=self.vocab_size)
         if sampling_params is None:
             sampling_params = SamplingParams()
         elif not isinstance(sampling_params, SamplingParams):
@@ -179,11 +168,11 @@ class Engine:
             while str(serial) in self.scheduler.requests:  # a caller took that id
                 serial += 1
             request_id = str(serial)
-        request = Request(request_id, ids.tolist(), sampling_params, cache_salt=cache_salt)
+        request = Request(request_id, prompt, sampling_params, cache_salt=cache_salt)
         self.scheduler.add_request(request)  # raises on duplicate id or too long a prompt
         self._next_serial = serial + 1
         seed = (self.config.seed * 0x9E3779B1 + serial) & 0xFFFFFFFF
-        self._sampling[request_id] = sampling_row(sampling_params, seed)
+        self._sampling.add(request_id, sampling_params, seed)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -194,7 +183,7 @@ class Engine:
         """
         aborted = self.scheduler.abort(request_id)
         if aborted:
-            self._sampling.pop(request_id, None)
+            self._sampling.discard(request_id)
         return aborted
 
     def has_unfinished_requests(self) -> bool:
@@ -216,6 +205,7 @@ class Engine:
         in the prefix cache, running requests schedule the same tokens next step, and
         requests it admitted wait again; the engine keeps serving.
         """
+        self._check_open()
         t0, c0 = time.perf_counter(), time.thread_time()
         out = self.scheduler.schedule()
         n = out.num_requests
@@ -252,7 +242,7 @@ class Engine:
         outputs = self.scheduler.update_from_output(out, sampled)
         for o in outputs:
             if o.finished:
-                del self._sampling[o.request_id]
+                self._sampling.discard(o.request_id)
         t3 = time.perf_counter()
         levels = "+".join(level.name for level in plan.levels)
         self.last_step = StepStats(
@@ -260,7 +250,7 @@ class Engine:
             schedule_cpu_s=c_schedule - c0, plan_cpu_s=c_plan - c_schedule,
             prepare_cpu_s=c1 - c_plan,
         )  # fmt: skip
-        self._record(self.last_step)
+        self._totals.record(self.last_step)
         return outputs
 
     def _step_inputs(self, out: SchedulerOutput, plan: CascadePlan):
@@ -301,40 +291,8 @@ class Engine:
         input_ids = gather_input_ids(out.token_ids, out.num_scheduled_tokens, order, md)
         positions = np.zeros(md.max_num_seqs, np.int32)  # of the tokens being sampled
         positions[:n] = num_computed + query_lens
-        sampling = (*self._sampling_rows(out.requests, order, md.max_num_seqs), positions)
+        sampling = (*self._sampling.arrays(out.requests, order, md.max_num_seqs), positions)
         return order, md, input_ids, sampling
-
-    def _record(self, step: StepStats) -> None:
-        """Adds a step that ran the model to the engine's running metrics."""
-        m = self._m
-        m["num_steps"] += 1
-        m["host_time_s"] += step.host_s
-        m["device_time_s"] += step.device_s
-        m["update_time_s"] += step.update_s
-        if step.cascade_levels:
-            m["cascade_steps"] += 1
-            m["cascade_tokens"] += step.num_tokens
-            levels = step.cascade_levels
-            self._levels[levels] = self._levels.get(levels, 0) + 1
-
-    def _sampling_rows(self, requests: list[Request], order: np.ndarray | None, num_rows: int):
-        """Per-row sampling arrays in batch order (`order` None: schedule order); reused
-        while the batch holds the same Request objects (a reused id is a new object, so
-        it never inherits another request's parameters)."""
-        order_key = None if order is None else order.tobytes()
-        memo = self._sampling_memo
-        if (
-            memo is not None
-            and memo[0] == requests  # Request compares by identity
-            and memo[1] == order_key
-            and memo[2][0].shape[0] == num_rows
-        ):
-            return memo[2]
-        ordered = requests if order is None else [requests[i] for i in order.tolist()]
-        rows = [self._sampling[r.request_id] for r in ordered]
-        arrays = sampling_arrays(rows, num_rows)
-        self._sampling_memo = (list(requests), order_key, arrays)
-        return arrays
 
     # ----------------------------------------------------------------- driving
 
@@ -344,6 +302,7 @@ class Engine:
         Runs other requests' steps meanwhile if any are queued (their outputs are
         dropped; call it when the engine is otherwise idle). Raises TimeoutError.
         """
+        self._check_open()
         deadline = time.monotonic() + timeout_s
         while self.scheduler.has_pending_transfers():
             if time.monotonic() > deadline:
@@ -368,6 +327,45 @@ class Engine:
         bar = progress_bar(len(prompts), desc="generate") if progress else None
         return run_to_completion(self, prompts, sampling_params, progress_bar=bar)
 
+    # --------------------------------------------------------------- lifetime
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Aborts every unfinished request, waits for the KV copies in flight to land (the
+        connector keeps what they saved, for another engine it is bound to), stops the
+        copy thread and frees the KV cache's device memory.
+
+        Afterwards add_request, step, generate and drain_transfers raise RuntimeError;
+        metrics stay readable; closing again does nothing. Raises TimeoutError when the
+        copies have not landed within `timeout_s`: the engine then stays open, without
+        requests, and close can be called again. `with Engine(...) as engine:` closes it
+        on leaving the block.
+        """
+        if self._closed:
+            return
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.abort(request.request_id)
+        self.drain_transfers(timeout_s)
+        self.copier.close()
+        self._closed = True
+        self._state_leaves = []  # the sharded copies of the weights are the engine's own
+        caches, self.kv_caches = self.kv_caches, []
+        for cache in caches:  # the engine made them and is their only user
+            cache.delete()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed (Engine.close() was called)")
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     # ----------------------------------------------------------------- metrics
 
     @property
@@ -380,11 +378,10 @@ class Engine:
         t = self.connector.stats
         pc = self.manager.prefix_cache_stats
         return EngineMetrics(
-            **self._m,
+            **self._totals.fields(),
             num_prompt_tokens=s.num_prompt_tokens_computed,
             num_generated_tokens=s.num_generated_tokens,
             num_preemptions=s.num_preemptions,
-            cascade_steps_by_levels=tuple(sorted(self._levels.items())),
             num_compiles=self.num_compiles,
             prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits,

@@ -23,6 +23,39 @@ class StepStats:
     prepare_cpu_s: float = 0.0
 
 
+class StepTotals:
+    """Running sums over the steps that ran the model: EngineMetrics' step fields."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.host_time_s = self.device_time_s = self.update_time_s = 0.0
+        self.cascade_steps = self.cascade_tokens = 0
+        self._by_levels: dict[str, int] = {}  # level names joined by '+' -> steps
+
+    def record(self, step: StepStats) -> None:
+        self.num_steps += 1
+        self.host_time_s += step.host_s
+        self.device_time_s += step.device_s
+        self.update_time_s += step.update_s
+        if step.cascade_levels:
+            self.cascade_steps += 1
+            self.cascade_tokens += step.num_tokens
+            levels = step.cascade_levels
+            self._by_levels[levels] = self._by_levels.get(levels, 0) + 1
+
+    def fields(self) -> dict:
+        """The EngineMetrics fields these totals fill, by name."""
+        return dict(
+            num_steps=self.num_steps,
+            host_time_s=self.host_time_s,
+            device_time_s=self.device_time_s,
+            update_time_s=self.update_time_s,
+            cascade_steps=self.cascade_steps,
+            cascade_tokens=self.cascade_tokens,
+            cascade_steps_by_levels=tuple(sorted(self._by_levels.items())),
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineMetrics:
     """Counters since the engine was built (times in seconds, KV in bytes of all layers).

@@ -25,6 +25,7 @@ import numpy as np
 from jaxkv.completion import progress_bar, run_to_completion
 from jaxkv.hashing import BlockHash, extend_block_hashes, root_hash
 from jaxkv.outputs import CompletionOutput, RequestOutput
+from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.request import MAX_TOKEN_ID
 
 
@@ -106,6 +107,7 @@ class PrefixAwareRouter:
         self._replica_of: dict[str, int] = {}  # request_id -> replica, while unfinished
         self._undelivered: list[RequestOutput] = []  # gathered by a step() that raised
         self._next_serial = 0  # of the next generated id, taken once a replica queues it
+        self._closed = False
 
     # ---------------------------------------------------------------- routing
 
@@ -174,6 +176,7 @@ class PrefixAwareRouter:
         Prompts route together only under equal `cache_salt`s, as the replicas cache them.
         Raises ValueError on a duplicate id; the replica's own ValueError (bad prompt or
         params) leaves the router unchanged, the next generated id included."""
+        self._check_open()
         prompt = _prompt_ids(prompt_token_ids)
         serial = None
         if request_id is None:
@@ -222,6 +225,7 @@ class PrefixAwareRouter:
         replica's step raises, the outputs of the replicas before it are kept and the
         next step() returns them first: no token, and no finish, is lost.
         """
+        self._check_open()
         outputs, self._undelivered = self._undelivered, []
         try:
             for replica in self.replicas:
@@ -249,6 +253,7 @@ class PrefixAwareRouter:
         Outputs of requests stepped meanwhile are dropped (their finishes are still
         counted); call it when the router is otherwise idle. Raises TimeoutError.
         """
+        self._check_open()
         deadline = time.monotonic() + timeout_s
         while self.has_pending_transfers():
             if time.monotonic() > deadline:
@@ -273,19 +278,50 @@ class PrefixAwareRouter:
         bar = progress_bar(len(prompts), desc="generate") if progress else None
         return run_to_completion(self, prompts, sampling_params, progress_bar=bar)
 
+    # --------------------------------------------------------------- lifetime
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Aborts every unfinished request, then closes each replica that has a
+        `close(timeout_s)` method (Engine.close: KV copies in flight land, device memory
+        is freed), all within `timeout_s`. Outputs that a failed step() kept for the next
+        one are dropped.
+
+        Afterwards add_request, step, generate and drain_transfers raise RuntimeError;
+        closing again does nothing. Raises TimeoutError when a replica's close does: the
+        router then stays open, without requests, and close can be called again.
+        """
+        if self._closed:
+            return
+        for request_id in list(self._replica_of):
+            self.abort(request_id)
+        deadline = time.monotonic() + timeout_s
+        for replica in self.replicas:
+            close = getattr(replica, "close", None)
+            if close is not None:
+                close(timeout_s=max(0.0, deadline - time.monotonic()))
+        self._undelivered = []
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the router is closed (PrefixAwareRouter.close() was called)")
+
+    def __enter__(self) -> PrefixAwareRouter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
 
 def _prompt_ids(prompt_token_ids: Sequence[int] | np.ndarray) -> list[int]:
-    """The prompt as Python ints; ValueError (before anything is hashed) unless a 1-D
-    sequence of ints in [0, MAX_TOKEN_ID], the ids a block hash can encode."""
-    ids = np.asarray(prompt_token_ids)
-    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-        raise ValueError(f"prompt_token_ids must be a 1-D sequence of ints, got {ids.shape=}")
-    prompt = ids.tolist()
-    if prompt and not 0 <= min(prompt) <= max(prompt) <= MAX_TOKEN_ID:
-        raise ValueError(
-            f"prompt_token_ids must lie in [0, {MAX_TOKEN_ID}], got {min(prompt)}..{max(prompt)}"
-        )
-    return prompt
+    """The prompt as Python ints; ValueError (before anything is hashed) unless ids a
+    block hash can encode. The replica refuses what else it must (an empty prompt, ids
+    outside its vocabulary)."""
+    return checked_prompt_ids(prompt_token_ids, limit=MAX_TOKEN_ID + 1, allow_empty=True)
 
 
 def _pending_transfers(replica: Replica) -> bool:

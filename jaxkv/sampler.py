@@ -44,6 +44,44 @@ def sampling_arrays(
     return temperature, top_k, top_p, seeds
 
 
+class SamplingRows:
+    """Each queued request's sampler row (sampling_row), and the padded arrays of a batch.
+
+    The arrays of the previous batch are reused while it holds the same Request objects
+    in the same order: a reused id is a new object, so it never inherits another
+    request's parameters.
+    """
+
+    def __init__(self) -> None:
+        self._rows: dict[str, tuple[float, int, float, int]] = {}
+        self._memo: tuple | None = None  # (requests, order bytes or None, arrays)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def add(self, request_id: str, params: SamplingParams, default_seed: int) -> None:
+        self._rows[request_id] = sampling_row(params, default_seed)
+
+    def discard(self, request_id: str) -> None:
+        self._rows.pop(request_id, None)
+
+    def arrays(self, requests: list, order: np.ndarray | None, num_rows: int):
+        """sampling_arrays of `requests` in batch order (`order` None: as given)."""
+        order_key = None if order is None else order.tobytes()
+        memo = self._memo
+        if (
+            memo is not None
+            and memo[0] == requests  # Request compares by identity
+            and memo[1] == order_key
+            and memo[2][0].shape[0] == num_rows
+        ):
+            return memo[2]
+        ordered = requests if order is None else [requests[i] for i in order.tolist()]
+        arrays = sampling_arrays([self._rows[r.request_id] for r in ordered], num_rows)
+        self._memo = (list(requests), order_key, arrays)
+        return arrays
+
+
 def sample(
     logits: jax.Array,  # f32[S, vocab]
     temperature: jax.Array,  # f32[S] 0 = greedy

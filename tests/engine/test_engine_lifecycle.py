@@ -101,6 +101,8 @@ def test_abort_in_every_state_frees_everything_and_others_stay_exact():
         ([1, -2, 3], None, r"\[0, 256\)"),
         ([1.5, 2.0], None, "integers"),
         ([[1, 2]], None, "1-D"),
+        ("abc", None, "1-D"),
+        ([5, True, 2], None, "a bool at index 1"),  # numpy would read it as [5, 1, 2]
         ([1, 2], {"max_tokens": 3}, "SamplingParams"),
         ([1, 2], SamplingParams(stop_token_ids=(VOCAB + 1,)), "stop_token_ids"),
     ],
@@ -171,7 +173,7 @@ def test_generate_with_a_bad_prompt_queues_nothing():
     with pytest.raises(ValueError, match=r"\[0, 256\)"):
         engine.generate([[1, 2, 3], [4, 5], [1, VOCAB]], SamplingParams(max_tokens=2))
     assert not engine.scheduler.requests and not engine.has_unfinished_requests()
-    assert not engine._sampling
+    assert len(engine._sampling) == 0
     outs = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), progress=False)
     assert [list(o.output_token_ids) for o in outs] == dense_greedy([[1, 2, 3]], 2)
 

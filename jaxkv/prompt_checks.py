@@ -1,0 +1,33 @@
+"""The one check of a prompt's token ids that the engine and the router share."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def checked_prompt_ids(
+    prompt_token_ids: Sequence[int] | np.ndarray, *, limit: int, allow_empty: bool = False
+) -> list[int]:
+    """`prompt_token_ids` as a list of Python ints.
+
+    Raises ValueError naming prompt_token_ids unless it is a 1-D sequence (or array) of
+    integers, each in [0, `limit`), and not empty unless `allow_empty`. Text is refused
+    (numpy reads a str as a 0-D array), and so are bools (numpy reads [True, 2] as [1, 2]).
+    """
+    if isinstance(prompt_token_ids, (list, tuple)) and bool in set(map(type, prompt_token_ids)):
+        at = next(i for i, t in enumerate(prompt_token_ids) if type(t) is bool)
+        raise ValueError(f"prompt_token_ids must be ints, got a bool at index {at}")
+    ids = np.asarray(prompt_token_ids)
+    if ids.ndim != 1 or (ids.size == 0 and not allow_empty):
+        kind = "1-D" if allow_empty else "non-empty 1-D"
+        raise ValueError(f"prompt_token_ids must be a {kind} sequence of ints, got {ids.shape=}")
+    if ids.size == 0:
+        return []
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"prompt_token_ids must be integers, got dtype {ids.dtype}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= limit:
+        raise ValueError(f"prompt_token_ids must lie in [0, {limit}), got min {lo}, max {hi}")
+    return ids.tolist()

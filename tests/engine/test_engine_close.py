@@ -1,0 +1,89 @@
+"""Engine.close: requests aborted, KV copies landed, device memory freed, use refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxkv import SamplingParams
+from jaxkv.kv_transfer import HostOffloadConnector
+from tests.engine._util import VOCAB, assert_all_blocks_free, dense_greedy, make_engine
+
+HOST_BYTES = 1 << 24
+
+
+def _prompts(seed: int, n: int, length: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, length).tolist() for _ in range(n)]
+
+
+def test_close_aborts_requests_lands_copies_and_frees_the_kv_cache():
+    connector = HostOffloadConnector(HOST_BYTES, copy_delay_steps=5)
+    engine = make_engine(connector=connector)
+    done, running, waiting = _prompts(0, 3, 20)
+    engine.generate([done], SamplingParams(max_tokens=2), progress=False)
+    assert engine.has_pending_transfers()  # its KV is still being copied out
+    engine.add_request(running, SamplingParams(max_tokens=50), request_id="running")
+    engine.step()
+    engine.add_request(waiting, SamplingParams(max_tokens=50), request_id="waiting")
+    caches = engine.kv_caches
+
+    engine.close()
+
+    assert engine.closed and not engine.has_unfinished_requests()
+    assert not engine.has_pending_transfers()
+    assert connector.stats.num_stored_blocks > 0  # the copy landed in the host store
+    assert_all_blocks_free(engine)
+    assert all(cache.is_deleted() for cache in caches) and engine.kv_caches == []
+    assert engine.metrics.num_steps > 0  # still readable
+    calls = {
+        "add_request": lambda: engine.add_request(done),
+        "step": engine.step,
+        "generate": lambda: engine.generate([done], progress=False),
+        "drain_transfers": engine.drain_transfers,
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match="engine is closed"):
+            call()
+            pytest.fail(f"{name} ran on a closed engine")
+    engine.close()  # again: nothing to do
+
+
+def test_a_connector_keeps_the_closed_engines_kv_for_the_next_engine():
+    connector = HostOffloadConnector(HOST_BYTES, copy_delay_steps=3)
+    prefix = _prompts(1, 1, 32)[0]
+    first, second = prefix + [5, 6], prefix + [7, 8, 9]
+    with make_engine(connector=connector) as engine:
+        out1 = engine.generate([first], SamplingParams(max_tokens=3), progress=False)
+    assert engine.closed and connector.stats.num_stored_blocks > 0
+
+    with make_engine(connector=connector) as successor:
+        out2 = successor.generate([second], SamplingParams(max_tokens=3), progress=False)
+        assert connector.stats.num_loads > 0 and connector.stats.num_loaded_tokens >= 16
+    expected = dense_greedy([first, second], 3)
+    assert [list(out1[0].output_token_ids), list(out2[0].output_token_ids)] == expected
+
+
+def test_close_that_times_out_leaves_the_engine_open_and_can_be_retried():
+    connector = HostOffloadConnector(HOST_BYTES, copy_delay_steps=10**9)
+    engine = make_engine(connector=connector)
+    engine.generate(_prompts(2, 1, 20), SamplingParams(max_tokens=2), progress=False)
+    with pytest.raises(TimeoutError, match="still pending"):
+        engine.close(timeout_s=0.05)
+    assert not engine.closed and engine.has_pending_transfers()
+    assert all(not cache.is_deleted() for cache in engine.kv_caches)
+
+    connector.copy_delay_steps = 0
+    engine.close()
+    assert engine.closed and not engine.has_pending_transfers()
+    assert_all_blocks_free(engine)
+
+
+def test_leaving_a_with_block_by_an_exception_closes_the_engine():
+    with pytest.raises(KeyError, match="boom"):
+        with make_engine() as engine:
+            engine.add_request(_prompts(3, 1, 8)[0], SamplingParams(max_tokens=4))
+            engine.step()
+            raise KeyError("boom")
+    assert engine.closed and not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)

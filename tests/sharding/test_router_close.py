@@ -1,0 +1,71 @@
+"""PrefixAwareRouter.close: requests aborted, closable replicas closed, use refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv import SamplingParams
+from jaxkv.router import PrefixAwareRouter
+from tests.sharding.test_router import BLOCK, FakeReplica
+
+
+class ClosableReplica(FakeReplica):
+    """Records its close calls; the first `timeouts` of them raise TimeoutError."""
+
+    def __init__(self, index: int, timeouts: int = 0) -> None:
+        super().__init__(index)
+        self.timeouts = timeouts
+        self.close_calls: list[float] = []  # the timeout_s of each call
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        self.close_calls.append(timeout_s)
+        if self.timeouts:
+            self.timeouts -= 1
+            raise TimeoutError("copies still pending")
+        self.running.clear()
+
+
+def test_close_aborts_every_request_closes_replicas_that_can_and_refuses_use():
+    replicas = [ClosableReplica(0), FakeReplica(1)]  # the second has no close()
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    for tokens in ([1] * BLOCK, [2] * BLOCK, [3] * BLOCK):
+        router.add_request(tokens, SamplingParams(max_tokens=5))
+    assert sorted(router.num_outstanding) == [1, 2]
+
+    router.close(timeout_s=30.0)
+
+    assert router.closed and router.num_outstanding == (0, 0)
+    assert not router.has_unfinished_requests()
+    assert not any(r.running for r in replicas)  # aborted on the replica, not just forgotten
+    assert len(replicas[0].close_calls) == 1 and 0 < replicas[0].close_calls[0] <= 30.0
+    calls = {
+        "add_request": lambda: router.add_request([4] * BLOCK),
+        "step": router.step,
+        "generate": lambda: router.generate([[4] * BLOCK], progress=False),
+        "drain_transfers": router.drain_transfers,
+    }
+    for call in calls.values():
+        with pytest.raises(RuntimeError, match="router is closed"):
+            call()
+    assert not any(r.prompts.get("dp-3") for r in replicas)  # nothing reached a replica
+    router.close()  # again: nothing to do
+    assert len(replicas[0].close_calls) == 1
+
+
+def test_a_replica_close_that_times_out_leaves_the_router_open_to_close_again():
+    replicas = [ClosableReplica(0, timeouts=1), ClosableReplica(1)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    router.add_request([1] * BLOCK)
+    with pytest.raises(TimeoutError, match="still pending"):
+        router.close()
+    assert not router.closed and router.num_outstanding == (0, 0)
+    router.close()
+    assert router.closed
+    assert [len(r.close_calls) for r in replicas] == [2, 1]
+
+
+def test_leaving_a_with_block_closes_the_router():
+    replicas = [ClosableReplica(0), ClosableReplica(1)]
+    with PrefixAwareRouter(replicas, block_size=BLOCK) as router:
+        router.add_request([1] * BLOCK)
+    assert router.closed and all(len(r.close_calls) == 1 for r in replicas)
