@@ -345,6 +345,7 @@ class Engine:
         for request in [*self.scheduler.running, *self.scheduler.waiting]:
             self.abort(request.request_id)
         self.drain_transfers(timeout_s)
+        self.connector.unbind()
         self.copier.close()
         self._closed = True
         self._state_leaves = []  # the sharded copies of the weights are the engine's own

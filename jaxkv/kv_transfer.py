@@ -86,7 +86,10 @@ class KVConnector:
     """The no-op connector: never keeps blocks, never supplies KV. Base of real ones."""
 
     def bind(self, copier: KVCopier, *, block_size: int, hash_seed: int) -> None:
-        """Called once by the engine before the first step."""
+        """Called by the engine when it is built, before its first step."""
+
+    def unbind(self) -> None:
+        """Called by Engine.close once no copy is in flight; bind may then be called again."""
 
     def on_finish(self, request: Request, block_ids: Sequence[int]) -> bool:
         return False
@@ -132,6 +135,14 @@ class HostOffloadConnector(KVConnector):
 
     copy_delay_steps > 0 reports a transfer no earlier than that many poll() calls after
     it started (to hold blocks on purpose in tests and benchmarks).
+
+    It serves one engine at a time: bind refuses a second copier until unbind (which
+    Engine.close calls), since one engine's saves through another's copier would store
+    that engine's KV under the first one's hashes. The store outlives the engine: a later
+    engine bound with the same block size, hash seed and block layout (bytes, shape and
+    dtype of a block) reads what the earlier one saved; any other binding empties it.
+    Equal tokens hash equal under one seed, so engines over different weights must use
+    different hash seeds to share one connector in turn.
     """
 
     def __init__(self, host_bytes: int, *, copy_delay_steps: int = 0) -> None:
@@ -144,6 +155,8 @@ class HostOffloadConnector(KVConnector):
         self._copier: KVCopier | None = None
         self._block_size = 0
         self._hash_seed = 0
+        self._layout: tuple | None = None  # of the blocks in the store
+        self._block_bytes = 0
         self._store: collections.OrderedDict[BlockHash, np.ndarray] = collections.OrderedDict()
         self._saves: dict[str, _Transfer] = {}
         self._loads: dict[str, _Transfer] = {}
@@ -152,9 +165,35 @@ class HostOffloadConnector(KVConnector):
         self._stats = TransferStats()
 
     def bind(self, copier: KVCopier, *, block_size: int, hash_seed: int) -> None:
+        """Serves the engine of `copier` from now on. Raises RuntimeError, changing
+        nothing, while bound to another copier."""
+        if self._copier is not None and self._copier is not copier:
+            raise RuntimeError(
+                "this HostOffloadConnector serves another engine: close that engine "
+                "(Engine.close) or call unbind() first, or give each engine its own connector"
+            )
+        layout = (
+            block_size,
+            hash_seed,
+            copier.bytes_per_block,
+            getattr(copier, "block_shape", None),
+            str(getattr(copier, "dtype", None)),
+        )
+        if layout != self._layout:
+            self._store.clear()  # saved for other blocks: not this engine's KV
+        self._layout, self._block_bytes = layout, copier.bytes_per_block
         self._copier = copier
         self._block_size = block_size
         self._hash_seed = hash_seed
+
+    def unbind(self) -> None:
+        """Lets bind take another engine's copier; the store is kept. Raises RuntimeError,
+        changing nothing, while a copy is in flight (its landing is reported by poll)."""
+        if self.has_pending():
+            raise RuntimeError(
+                f"unbind with {len(self._saves)} saves and {len(self._loads)} loads in flight"
+            )
+        self._copier = None
 
     # ------------------------------------------------------------------ hooks
 
@@ -297,7 +336,7 @@ class HostOffloadConnector(KVConnector):
             self._store.popitem(last=False)
 
     def _bytes_per_block(self) -> int:
-        return self._copier.bytes_per_block if self._copier is not None else 0
+        return self._block_bytes
 
     def _count(self, **deltas: int) -> None:
         s = self._stats

@@ -87,3 +87,21 @@ def test_leaving_a_with_block_by_an_exception_closes_the_engine():
             raise KeyError("boom")
     assert engine.closed and not engine.has_unfinished_requests()
     assert_all_blocks_free(engine)
+
+
+def test_a_connector_serving_a_live_engine_is_refused_by_a_second_one():
+    # Built beside the first, the second engine used to take the connector over: the
+    # first engine's saves then copied the second one's blocks under its own hashes, and
+    # a later reload gave a request another's KV (wrong tokens, no error).
+    connector = HostOffloadConnector(HOST_BYTES)
+    first = make_engine(connector=connector)
+    with pytest.raises(RuntimeError, match="serves another engine"):
+        make_engine(connector=connector)
+    prefix = _prompts(4, 1, 32)[0]
+    out1 = first.generate([prefix + [1]], SamplingParams(max_tokens=2), progress=False)
+    first.close()
+    with make_engine(connector=connector) as second:
+        out2 = second.generate([prefix + [2, 3]], SamplingParams(max_tokens=4), progress=False)
+        assert connector.stats.num_loads == 1
+    assert list(out1[0].output_token_ids) == dense_greedy([prefix + [1]], 2)[0]
+    assert list(out2[0].output_token_ids) == dense_greedy([prefix + [2, 3]], 4)[0]

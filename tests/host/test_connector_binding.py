@@ -1,0 +1,65 @@
+"""HostOffloadConnector serves one engine at a time; its store outlives the engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv.kv_transfer import HostOffloadConnector
+from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
+
+BS = 4
+
+
+def _saved_connector(delay: int = 0):
+    """A connector whose store holds a finished request's two full blocks."""
+    copier = FakeCopier(32, BS)
+    connector = HostOffloadConnector(1 << 20, copy_delay_steps=delay)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    sched = make_scheduler(num_blocks=32, block_size=BS, connector=connector)
+    add(sched, "a", list(range(1, 10)), max_tokens=1)
+    return connector, copier, sched
+
+
+def test_a_second_copier_is_refused_until_unbind():
+    connector, copier, sched = _saved_connector()
+    run_until_idle(sched, copier)
+    stored = connector.stored_hashes()
+    assert len(stored) == 2
+    other = FakeCopier(32, BS)
+    with pytest.raises(RuntimeError, match="serves another engine"):
+        connector.bind(other, block_size=BS, hash_seed=0)
+    assert connector.stored_hashes() == stored  # nothing changed
+    connector.bind(copier, block_size=BS, hash_seed=0)  # its own copier again: fine
+
+    connector.unbind()
+    assert connector.stats.stored_bytes == 2 * copier.bytes_per_block  # still counted
+    connector.bind(other, block_size=BS, hash_seed=0)  # same layout: the store is kept
+    assert connector.stored_hashes() == stored
+
+
+def test_unbind_is_refused_while_a_copy_is_in_flight():
+    connector, copier, sched = _saved_connector(delay=3)
+    step(sched, copier)  # "a" finishes; its save lands three polls later
+    assert connector.has_pending()
+    with pytest.raises(RuntimeError, match="1 saves and 0 loads in flight"):
+        connector.unbind()
+    with pytest.raises(RuntimeError, match="serves another engine"):
+        connector.bind(FakeCopier(32, BS), block_size=BS, hash_seed=0)
+    run_until_idle(sched, copier)
+    connector.unbind()
+    assert len(connector.stored_hashes()) == 2
+
+
+@pytest.mark.parametrize(
+    ("block_size", "hash_seed", "bytes_per_block"),
+    [(2 * BS, 0, None), (BS, 1, None), (BS, 0, 2 * 4 * BS)],
+)
+def test_binding_another_block_layout_empties_the_store(block_size, hash_seed, bytes_per_block):
+    connector, copier, sched = _saved_connector()
+    run_until_idle(sched, copier)
+    connector.unbind()
+    other = FakeCopier(32, block_size)
+    if bytes_per_block is not None:
+        other.bytes_per_block = bytes_per_block
+    connector.bind(other, block_size=block_size, hash_seed=hash_seed)
+    assert connector.stored_hashes() == [] and connector.stats.num_stored_blocks == 0
