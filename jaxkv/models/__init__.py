@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from jaxkv.models.checkpoint import (
-    CheckpointError,
-    from_hf_tensors,
-    load_checkpoint,
-    load_hf_safetensors,
-    save_checkpoint,
-)
+from jaxkv.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from jaxkv.models.config import PRESETS, LlamaConfig, RopeScaling
+from jaxkv.models.hf_checkpoint import from_hf_tensors, load_hf_safetensors
 from jaxkv.models.llama import Llama, make_dense_forward, make_paged_forward
 from jaxkv.models.tokenizer import ByteTokenizer
 

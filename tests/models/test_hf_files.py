@@ -24,7 +24,8 @@ from jaxkv.models import (
     load_hf_safetensors,
     make_dense_forward,
 )
-from jaxkv.models.checkpoint import flat_params, read_safetensors, write_safetensors
+from jaxkv.models.checkpoint import flat_params
+from jaxkv.models.hf_checkpoint import read_safetensors, write_safetensors
 from tests.models.conftest import hf_config_dict, small_config
 from tests.models.reference import hf_llama_forward, random_hf_weights
 from tests.models.test_checkpoint import TOKENS  # a program that file compiles

@@ -28,7 +28,7 @@ from jaxkv.models import (
     make_dense_forward,
     make_paged_forward,
 )
-from jaxkv.models.checkpoint import write_safetensors
+from jaxkv.models.hf_checkpoint import write_safetensors
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 # GQA 4:1, head_dim 16 (q_size 64 != hidden 32), Llama 3 scaling with a short original

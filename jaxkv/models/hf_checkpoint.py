@@ -1,0 +1,242 @@
+"""Hugging Face Llama weights: safetensors files and the `LlamaForCausalLM` names.
+
+One or more `*.safetensors` files with the `LlamaForCausalLM` parameter names
+(`model.layers.{i}.self_attn.q_proj.weight`, ...), read by a small reader here so that
+bfloat16 files load without torch. Linear weights are stored `[out, in]` there and transposed
+into flax kernels `[in, out]`; RoPE is rotate-half in both, so no permutation is needed.
+
+Every load checks that the files hold exactly the model's parameters, each with the model's
+shape, and raises `CheckpointError` (a ValueError) naming the tensor and both shapes before
+building anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import struct
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from jaxkv.models.checkpoint import (
+    CheckpointError,
+    build_with_params,
+    check_names_and_shapes,
+    flat_params,
+)
+from jaxkv.models.config import LlamaConfig
+from jaxkv.models.llama import Llama
+
+# --- safetensors -------------------------------------------------------------------------
+
+_ST_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of one safetensors file, as read-only arrays memory-mapped from disk.
+
+    Raises CheckpointError naming the file (and tensor) if the header is unreadable or a
+    tensor's byte range does not hold its shape and dtype within the file.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        try:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if 8 + header_len > size:
+                raise ValueError(f"header of {header_len} bytes past the end of the file")
+            header = json.loads(f.read(header_len))
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
+        except (struct.error, ValueError) as e:
+            raise CheckpointError(f"{path}: not a safetensors file ({e})") from e
+    data_len = size - 8 - header_len
+    if data_len > 0:
+        data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    else:  # mmap refuses an empty range; only zero-size tensors can be read from it
+        data = np.zeros(0, np.uint8)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError) as e:
+            raise CheckpointError(f"tensor {name!r} in {path}: bad header entry {info!r}") from e
+        if not (
+            isinstance(shape, list)
+            and all(type(d) is int and d >= 0 for d in shape)
+            and type(begin) is int
+            and type(end) is int
+        ):
+            raise CheckpointError(f"tensor {name!r} in {path}: bad header entry {info!r}")
+        if dtype not in _ST_DTYPES:
+            raise CheckpointError(f"tensor {name!r} in {path}: dtype {dtype} unsupported")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_ST_DTYPES[dtype]).itemsize
+        if not 0 <= begin <= end <= len(data) or end - begin != nbytes:
+            raise CheckpointError(
+                f"tensor {name!r} in {path}: bytes [{begin}, {end}) of {len(data)} cannot "
+                f"hold {dtype} {shape} ({nbytes} bytes)"
+            )
+        out[name] = data[begin:end].view(_ST_DTYPES[dtype]).reshape(shape)
+    return out
+
+
+def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:
+    """Write tensors in the safetensors format (any dtype `read_safetensors` reads)."""
+    header: dict[str, dict] = {}
+    offset = 0
+    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    for name, a in arrays.items():
+        header[name] = {
+            "dtype": _ST_NAMES[a.dtype],
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + a.nbytes],
+        }
+        offset += a.nbytes
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)  # the format asks for 8-byte-aligned data
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for a in arrays.values():
+            f.write(a.tobytes())
+
+
+# --- Hugging Face names --------------------------------------------------------------------
+
+_HF_LAYER = re.compile(
+    r"model\.layers\.(\d+)\.(?:"
+    r"(?P<linear>(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj))\.weight|"
+    r"(?P<norm>input_layernorm|post_attention_layernorm)\.weight)$"
+)
+
+
+def hf_to_jaxkv_name(hf_name: str) -> tuple[str, bool] | None:
+    """(jaxkv name, needs transpose) for a Hugging Face Llama tensor; None if it is a buffer.
+
+    Raises CheckpointError for a name that is neither a Llama parameter nor a known buffer.
+    """
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None  # a recomputable buffer some older checkpoints store
+    if hf_name == "model.embed_tokens.weight":
+        return "embed_tokens.embedding", False
+    if hf_name == "model.norm.weight":
+        return "norm.weight", False
+    if hf_name == "lm_head.weight":
+        return "lm_head.kernel", True
+    m = _HF_LAYER.match(hf_name)
+    if m is None:
+        raise CheckpointError(f"tensor {hf_name!r} is not a Hugging Face Llama parameter")
+    if m["linear"]:
+        return f"layers.{m[1]}.{m['linear']}.kernel", True
+    return f"layers.{m[1]}.{m['norm']}.weight", False
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+def _iter_hf_tensors(files: list[Path]) -> Iterator[tuple[str, np.ndarray]]:
+    for file in files:
+        yield from read_safetensors(file).items()
+
+
+def load_hf_safetensors(
+    path: str | os.PathLike, config: LlamaConfig | None = None, *, dtype: str | None = None
+) -> Llama:
+    """Load a Hugging Face Llama checkpoint (a `.safetensors` file or a directory of them).
+
+    `config` defaults to the directory's `config.json` read with `LlamaConfig.from_hf_dict`;
+    `dtype` overrides the parameter dtype. With tied embeddings a stored `lm_head.weight` is
+    ignored (it is the embedding). Raises CheckpointError on any name or shape mismatch.
+    """
+    path = Path(path)
+    if config is None:
+        config_dir = path if path.is_dir() else path.parent
+        hf_config = json.loads((config_dir / "config.json").read_text())
+        config = LlamaConfig.from_hf_dict(hf_config, dtype=dtype)
+    elif dtype is not None:
+        config = LlamaConfig.from_dict({**config.to_dict(), "dtype": dtype})
+    return from_hf_tensors(
+        config,
+        _iter_hf_tensors(_safetensors_files(path)),
+        source=str(path),
+    )
+
+
+def from_hf_tensors(
+    config: LlamaConfig,
+    tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]],
+    *,
+    source: str = "Hugging Face tensors",
+) -> Llama:
+    """A `Llama(config)` holding `tensors` given under Hugging Face names and orientation.
+
+    The inverse of `to_hf_tensors`. Raises CheckpointError naming the Hugging Face tensor
+    (and its shape as given, `[out, in]`) if one is missing, unexpected, given twice or
+    mis-shaped.
+    """
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    tied = config.tie_word_embeddings
+    expected = {
+        jaxkv_to_hf_name(name): shape[::-1] if name.endswith(".kernel") else shape
+        for name, shape in _param_shapes(config)
+    }
+    given: dict[str, np.ndarray] = {}
+    for hf_name, tensor in items:
+        if hf_name in given:
+            raise CheckpointError(f"tensor {hf_name!r} appears twice in {source}")
+        if hf_to_jaxkv_name(hf_name) is not None and not (tied and hf_name == "lm_head.weight"):
+            given[hf_name] = tensor
+    check_names_and_shapes(expected, given, source, kind="tensor")
+    params = {}
+    for hf_name, tensor in given.items():
+        name, transpose = hf_to_jaxkv_name(hf_name)
+        params[name] = tensor.T if transpose else tensor
+    return build_with_params(config, params, source=source)
+
+
+@functools.lru_cache(maxsize=8)
+def _param_shapes(config: LlamaConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    return tuple((k, tuple(v.shape)) for k, v in flat_params(abstract).items())
+
+
+def jaxkv_to_hf_name(name: str) -> str:
+    """The Hugging Face name of a jaxkv parameter (kernels are stored transposed there)."""
+    if name == "embed_tokens.embedding":
+        return "model.embed_tokens.weight"
+    if name == "lm_head.kernel":
+        return "lm_head.weight"
+    return "model." + name.removesuffix(".kernel").removesuffix(".weight") + ".weight"
+
+
+def to_hf_tensors(model: Llama) -> dict[str, np.ndarray]:
+    """The model's weights under Hugging Face names and orientation (inverse of loading)."""
+    out = {}
+    for name, value in flat_params(model).items():
+        a = np.asarray(value)
+        out[jaxkv_to_hf_name(name)] = a.T if name.endswith(".kernel") else a
+    return out
