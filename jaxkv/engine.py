@@ -324,6 +324,7 @@ class Engine:
         (KeyboardInterrupt too) aborts the prompts' unfinished requests, then propagates.
         Requests already in the engine progress too; their outputs are not returned.
         """
+        self._check_open()
         bar = progress_bar(len(prompts), desc="generate") if progress else None
         return run_to_completion(self, prompts, sampling_params, progress_bar=bar)
 

@@ -96,6 +96,18 @@ def _digest(parent: BlockHash, n: int, token_bytes: bytes, extra_keys: tuple[str
     return hashlib.blake2b(data, digest_size=HASH_NUM_BYTES).digest()
 
 
+def is_hash_key(key: object) -> bool:
+    """Whether `key` can be an extra key of a block hash (an adapter id, a cache salt): a
+    str that encodes as UTF-8 (one holding a lone surrogate, "\\ud800", does not)."""
+    if not isinstance(key, str):
+        return False
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _encode_keys(extra_keys: tuple[str, ...]) -> bytes:
     """The key count, then each key as length-prefixed UTF-8."""
     parts = [_INT64.pack(len(extra_keys))]

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+_BOOLS = {bool, np.bool_}
+
 
 def checked_prompt_ids(
     prompt_token_ids: Sequence[int] | np.ndarray, *, limit: int, allow_empty: bool = False
@@ -16,10 +18,13 @@ def checked_prompt_ids(
     integers, each in [0, `limit`), and not empty unless `allow_empty`. Text is refused
     (numpy reads a str as a 0-D array), and so are bools (numpy reads [True, 2] as [1, 2]).
     """
-    if isinstance(prompt_token_ids, (list, tuple)) and bool in set(map(type, prompt_token_ids)):
-        at = next(i for i, t in enumerate(prompt_token_ids) if type(t) is bool)
+    if isinstance(prompt_token_ids, (list, tuple)) and _BOOLS & set(map(type, prompt_token_ids)):
+        at = next(i for i, t in enumerate(prompt_token_ids) if type(t) in _BOOLS)
         raise ValueError(f"prompt_token_ids must be ints, got a bool at index {at}")
-    ids = np.asarray(prompt_token_ids)
+    try:
+        ids = np.asarray(prompt_token_ids)
+    except (ValueError, TypeError) as e:  # ragged nesting, ints past 64 bits in an array
+        raise ValueError(f"prompt_token_ids must be a 1-D sequence of ints ({e})") from None
     if ids.ndim != 1 or (ids.size == 0 and not allow_empty):
         kind = "1-D" if allow_empty else "non-empty 1-D"
         raise ValueError(f"prompt_token_ids must be a {kind} sequence of ints, got {ids.shape=}")

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from jaxkv.field_checks import is_real
-from jaxkv.hashing import BlockHash, extend_block_hashes
+from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key
 
 MAX_TOKEN_ID = 2**63 - 1  # block hashes encode each token as a signed 64-bit integer
 
@@ -117,8 +117,10 @@ class Request:
         if not isinstance(request_id, str):
             raise ValueError(f"{request_id=} must be a str")
         for name, key in (("cache_salt", cache_salt), ("adapter_id", adapter_id)):
-            if key is not None and not isinstance(key, str):  # hashed as UTF-8 text
-                raise ValueError(f"{name}={key!r} of {request_id!r} must be None or a str")
+            if key is not None and not is_hash_key(key):  # hashed as UTF-8 text
+                raise ValueError(
+                    f"{name}={key!r} of {request_id!r} must be None or a str encodable as UTF-8"
+                )
         prompt = _token_ids("prompt_token_ids", prompt_token_ids, request_id)
         if not prompt:
             raise ValueError(f"prompt_token_ids of {request_id!r} must not be empty")

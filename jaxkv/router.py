@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from jaxkv.completion import progress_bar, run_to_completion
-from jaxkv.hashing import BlockHash, extend_block_hashes, root_hash
+from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key, root_hash
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.request import MAX_TOKEN_ID
@@ -123,8 +123,8 @@ class PrefixAwareRouter:
     def _prefix_hashes(
         self, prompt_token_ids: Sequence[int], cache_salt: str | None
     ) -> list[BlockHash]:
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"{cache_salt=} must be None or a str")
+        if cache_salt is not None and not is_hash_key(cache_salt):
+            raise ValueError(f"{cache_salt=} must be None or a str encodable as UTF-8")
         head = list(prompt_token_ids[: self.max_prefix_blocks * self.block_size])
         return extend_block_hashes(
             [], head, self.block_size, seed=self.hash_seed, cache_salt=cache_salt
@@ -275,6 +275,7 @@ class PrefixAwareRouter:
         """Runs `prompts` to completion over all replicas; one CompletionOutput per prompt,
         in order. `sampling_params` is one for all or a sequence of one per prompt.
         `progress` shows a progress bar (tqdm, when installed), as Engine.generate does."""
+        self._check_open()
         bar = progress_bar(len(prompts), desc="generate") if progress else None
         return run_to_completion(self, prompts, sampling_params, progress_bar=bar)
 

@@ -121,7 +121,8 @@ def save_checkpoint(model: Llama, path: str | os.PathLike) -> Path:
     place, weights before config: an exception while writing (the long part) leaves a
     checkpoint already in `path` whole. config.json records the weights' SHA-256, so a
     crash between the two renames, which would pair the new weights with the old config,
-    is refused by load_checkpoint rather than loaded.
+    is refused by load_checkpoint rather than loaded (unless the old config.json has no
+    digest: one written by hand or before digests were recorded is not checked).
     """
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
@@ -149,9 +150,8 @@ def save_checkpoint(model: Llama, path: str | os.PathLike) -> Path:
 def _read_config(directory: Path) -> tuple[LlamaConfig, str | None]:
     """(config, recorded SHA-256 of the weights or None); CheckpointError if invalid."""
     file = directory / CONFIG_FILE
-    text = file.read_text()
     try:
-        fields = json.loads(text)
+        fields = json.loads(file.read_text())  # UnicodeDecodeError is a ValueError
         digest = fields.pop(DIGEST_KEY, None) if isinstance(fields, dict) else None
         if digest is not None and not isinstance(digest, str):
             raise ValueError(f"{DIGEST_KEY}={digest!r} must be a hex str")

@@ -87,7 +87,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
             and type(end) is int
         ):
             raise CheckpointError(f"tensor {name!r} in {path}: bad header entry {info!r}")
-        if dtype not in _ST_DTYPES:
+        if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
             raise CheckpointError(f"tensor {name!r} in {path}: dtype {dtype} unsupported")
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_ST_DTYPES[dtype]).itemsize
         if not 0 <= begin <= end <= len(data) or end - begin != nbytes:

@@ -40,6 +40,7 @@ def test_close_aborts_requests_lands_copies_and_frees_the_kv_cache():
         "add_request": lambda: engine.add_request(done),
         "step": engine.step,
         "generate": lambda: engine.generate([done], progress=False),
+        "generate of no prompts": lambda: engine.generate([], progress=False),
         "drain_transfers": engine.drain_transfers,
     }
     for name, call in calls.items():

@@ -103,6 +103,8 @@ def test_abort_in_every_state_frees_everything_and_others_stay_exact():
         ([[1, 2]], None, "1-D"),
         ("abc", None, "1-D"),
         ([5, True, 2], None, "a bool at index 1"),  # numpy would read it as [5, 1, 2]
+        ([5, np.True_], None, "a bool at index 1"),
+        ([[1, 2], [3]], None, "prompt_token_ids must be a 1-D"),  # numpy's own error before
         ([1, 2], {"max_tokens": 3}, "SamplingParams"),
         ([1, 2], SamplingParams(stop_token_ids=(VOCAB + 1,)), "stop_token_ids"),
     ],

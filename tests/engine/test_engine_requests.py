@@ -176,6 +176,7 @@ def test_requests_share_cached_kv_only_under_the_same_cache_salt():
         assert hits() == 0, salt
     assert _serve(engine, prompt, cache_salt="tenant-a") == first
     assert hits() > 0
-    with pytest.raises(ValueError, match="cache_salt"):
-        engine.add_request(prompt, cache_salt=7)
+    for bad in (7, "tenant-\ud800"):  # not a str; not encodable as UTF-8
+        with pytest.raises(ValueError, match="cache_salt"):
+            engine.add_request(prompt, cache_salt=bad)
     assert not engine.has_unfinished_requests()

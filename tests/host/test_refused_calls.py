@@ -67,9 +67,12 @@ def test_token_ids_past_int64_are_refused(token):
 
 @pytest.mark.parametrize("key", ["cache_salt", "adapter_id"])
 def test_salt_and_adapter_must_be_str(key):
-    for bad in (5, b"x", ("x",)):
+    # A lone surrogate is a str that UTF-8 cannot encode: hashing it raised later, inside
+    # schedule() (every step failed) or allocate_slots (after taking the blocks).
+    for bad in (5, b"x", ("x",), "tenant-\ud800"):
         with pytest.raises(ValueError, match=f"{key}=.* of 'r' must be None or a str"):
             Request("r", [1], **{key: bad})
+    assert Request("r", [1], **{key: "tenant-é"}).update_block_hashes(1)
 
 
 # -------------------------------------------------------------- allocation

@@ -60,6 +60,7 @@ def test_checkpoint_of_a_different_shape_raises_naming_the_parameter(tmp_path):
         ("params.msgpack", lambda b: b"not msgpack at all", "params.msgpack: not a msgpack"),
         ("config.json", lambda b: b"{not json", "config.json: not a valid LlamaConfig"),
         ("config.json", lambda b: b'{"vocab_size": 8}', "config.json: not a valid LlamaConfig"),
+        ("config.json", lambda b: b"\xff\xfe" + b, "config.json: not a valid LlamaConfig"),
     ],
 )
 def test_corrupt_checkpoint_files_raise_checkpoint_error_naming_the_file(
@@ -72,6 +73,16 @@ def test_corrupt_checkpoint_files_raise_checkpoint_error_naming_the_file(
         load_checkpoint(tmp_path)
 
 
+def _with_header(whole: bytes, **entry) -> bytes:
+    """The safetensors file `whole` with tensor 'a''s header entry updated by `entry`."""
+    n = int.from_bytes(whole[:8], "little")
+    header = json.loads(whole[8 : 8 + n])
+    header["a"].update(entry)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    return len(blob).to_bytes(8, "little") + blob + whole[8 + n :]
+
+
 def test_corrupt_safetensors_raise_checkpoint_error_naming_file_and_tensor(tmp_path):
     path = tmp_path / "w.safetensors"
     write_safetensors(path, {"a": np.arange(6, dtype=np.float32).reshape(2, 3)})
@@ -80,6 +91,7 @@ def test_corrupt_safetensors_raise_checkpoint_error_naming_file_and_tensor(tmp_p
         (whole[:4], "w.safetensors: not a safetensors file"),
         ((1 << 40).to_bytes(8, "little") + whole[8:], "header of .* past the end"),
         (whole[:-4], "tensor 'a' in .*w.safetensors: bytes \\[0, 24\\) of 20"),
+        (_with_header(whole, dtype=["F32"]), "tensor 'a' in .*w.safetensors: dtype"),
     ]:
         path.write_bytes(data)
         with pytest.raises(CheckpointError, match=match):

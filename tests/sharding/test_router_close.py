@@ -42,6 +42,7 @@ def test_close_aborts_every_request_closes_replicas_that_can_and_refuses_use():
         "add_request": lambda: router.add_request([4] * BLOCK),
         "step": router.step,
         "generate": lambda: router.generate([[4] * BLOCK], progress=False),
+        "generate of no prompts": lambda: router.generate([], progress=False),
         "drain_transfers": router.drain_transfers,
     }
     for call in calls.values():
