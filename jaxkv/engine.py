@@ -16,9 +16,9 @@ shared by every engine over the same model graph.
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -36,28 +36,11 @@ from jaxkv.metrics import EngineMetrics, StepStats, StepTotals
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.request import Request, SamplingParams
-from jaxkv.sampler import SamplingRows, sample
+from jaxkv.sampler import SamplingRows
 from jaxkv.scheduler import Scheduler, SchedulerOutput
 from jaxkv.sharding import DEFAULT_AXIS, mesh_for, shard_model
 from jaxkv.step_inputs import coarsen_metadata, gather_input_ids, program_key
-
-
-@functools.lru_cache(maxsize=8)
-def _step_program(graphdef: nnx.GraphDef, state_treedef) -> Callable:
-    """The jitted forward + sampler of one model graph, shared by every engine over it.
-
-    Takes the parameters as a flat list of arrays: flattening an nnx.State on every call
-    costs Python time per leaf, a flat list goes through jit's C++ fast path.
-    """
-
-    @functools.partial(jax.jit, donate_argnums=3)
-    def program(state_leaves, input_ids, positions, kv_caches, metadata, sampling):
-        state = jax.tree.unflatten(state_treedef, state_leaves)
-        model = nnx.merge(graphdef, state)
-        logits, kv_caches = model(input_ids, positions, kv_caches, metadata)
-        return sample(logits, *sampling), kv_caches
-
-    return program
+from jaxkv.step_program import step_program
 
 
 class Engine:
@@ -97,7 +80,7 @@ class Engine:
         graphdef, state = nnx.split(model)
         state = state if params is None else params
         self._state_leaves, state_treedef = jax.tree.flatten(state)
-        self._program = _step_program(graphdef, state_treedef)
+        self._program = step_program(graphdef, state_treedef)
         self.backend = config.backend or default_backend()
         self.manager = KVCacheManager(
             cc.num_blocks,
@@ -122,10 +105,17 @@ class Engine:
             max_groups=config.max_cascade_groups,
             page_buckets=self.buckets.page_buckets,
         )
+        # The copier reaches the engine weakly: a connector holding it must not keep a
+        # dropped engine (and its KV cache) alive.
+        engine = weakref.ref(self)
         self.copier = DeviceKVCopier(
-            lambda: self.kv_caches, self._set_caches, max_blocks=self.manager.max_blocks_per_seq
+            lambda: engine().kv_caches,
+            lambda caches: engine()._set_caches(caches),
+            max_blocks=self.manager.max_blocks_per_seq,
         )
         self.connector.bind(self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed)
+        # A connector may have served engines before this one: count only this one's copies.
+        self._transfers_at_bind = self._transfers_at_close = self.connector.stats
         self._sampling = SamplingRows()
         self._levels_memo: tuple | None = None  # (plan, num tokens, level metadata)
         self._next_serial = 0  # of the next queued request: default id and seed
@@ -346,7 +336,8 @@ class Engine:
         for request in [*self.scheduler.running, *self.scheduler.waiting]:
             self.abort(request.request_id)
         self.drain_transfers(timeout_s)
-        self.connector.unbind()
+        self._transfers_at_close = self.connector.stats
+        self.connector.unbind(self.copier)
         self.copier.close()
         self._closed = True
         self._state_leaves = []  # the sharded copies of the weights are the engine's own
@@ -377,7 +368,8 @@ class Engine:
     @property
     def metrics(self) -> EngineMetrics:
         s = self.scheduler.stats
-        t = self.connector.stats
+        t = self._transfers_at_close if self._closed else self.connector.stats
+        t0 = self._transfers_at_bind
         pc = self.manager.prefix_cache_stats
         return EngineMetrics(
             **self._totals.fields(),
@@ -388,8 +380,8 @@ class Engine:
             prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits,
             kv_usage=self.manager.usage,
-            bytes_offloaded=t.bytes_offloaded,
-            bytes_reloaded=t.bytes_reloaded,
+            bytes_offloaded=t.bytes_offloaded - t0.bytes_offloaded,
+            bytes_reloaded=t.bytes_reloaded - t0.bytes_reloaded,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_transferring=len(self.scheduler.transferring),

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Protocol
@@ -88,8 +89,8 @@ class KVConnector:
     def bind(self, copier: KVCopier, *, block_size: int, hash_seed: int) -> None:
         """Called by the engine when it is built, before its first step."""
 
-    def unbind(self) -> None:
-        """Called by Engine.close once no copy is in flight; bind may then be called again."""
+    def unbind(self, copier: KVCopier) -> None:
+        """Called by Engine.close, with the copier it bound, once no copy is in flight."""
 
     def on_finish(self, request: Request, block_ids: Sequence[int]) -> bool:
         return False
@@ -136,9 +137,11 @@ class HostOffloadConnector(KVConnector):
     copy_delay_steps > 0 reports a transfer no earlier than that many poll() calls after
     it started (to hold blocks on purpose in tests and benchmarks).
 
-    It serves one engine at a time: bind refuses a second copier until unbind (which
-    Engine.close calls), since one engine's saves through another's copier would store
-    that engine's KV under the first one's hashes. The store outlives the engine: a later
+    It serves one engine at a time: bind refuses a second copier while the first one's
+    engine lives and is not closed (Engine.close unbinds it), since one engine's saves
+    through another's copier would store that engine's KV under the first one's hashes.
+    It holds the copier weakly, so an engine dropped without close() is still collected;
+    the copies it had in flight are then forgotten. The store outlives the engine: a later
     engine bound with the same block size, hash seed and block layout (bytes, shape and
     dtype of a block) reads what the earlier one saved; any other binding empties it.
     Equal tokens hash equal under one seed, so engines over different weights must use
@@ -152,7 +155,7 @@ class HostOffloadConnector(KVConnector):
             raise ValueError(f"{copy_delay_steps=} must be an int >= 0")
         self.host_bytes = host_bytes
         self.copy_delay_steps = copy_delay_steps
-        self._copier: KVCopier | None = None
+        self._copier_ref: weakref.ref[KVCopier] | None = None
         self._block_size = 0
         self._hash_seed = 0
         self._layout: tuple | None = None  # of the blocks in the store
@@ -165,13 +168,19 @@ class HostOffloadConnector(KVConnector):
         self._stats = TransferStats()
 
     def bind(self, copier: KVCopier, *, block_size: int, hash_seed: int) -> None:
-        """Serves the engine of `copier` from now on. Raises RuntimeError, changing
-        nothing, while bound to another copier."""
-        if self._copier is not None and self._copier is not copier:
+        """Serves the engine of `copier` from now on, holding it weakly (its engine keeps
+        it). Raises RuntimeError, changing nothing, while bound to another live copier."""
+        bound = self._bound()
+        if bound is not None and bound is not copier:
             raise RuntimeError(
                 "this HostOffloadConnector serves another engine: close that engine "
-                "(Engine.close) or call unbind() first, or give each engine its own connector"
+                "(Engine.close) first, or give each engine its own connector"
             )
+        if bound is None and self._copier_ref is not None:
+            # Its engine was collected without close(): no one will collect these copies.
+            self._saves.clear()
+            self._loads.clear()
+            self._saving.clear()
         layout = (
             block_size,
             hash_seed,
@@ -182,18 +191,21 @@ class HostOffloadConnector(KVConnector):
         if layout != self._layout:
             self._store.clear()  # saved for other blocks: not this engine's KV
         self._layout, self._block_bytes = layout, copier.bytes_per_block
-        self._copier = copier
+        self._copier_ref = weakref.ref(copier)
         self._block_size = block_size
         self._hash_seed = hash_seed
 
-    def unbind(self) -> None:
-        """Lets bind take another engine's copier; the store is kept. Raises RuntimeError,
-        changing nothing, while a copy is in flight (its landing is reported by poll)."""
+    def unbind(self, copier: KVCopier) -> None:
+        """Lets bind take another engine's copier, if `copier` is the one bound (otherwise
+        does nothing); the store is kept. Raises RuntimeError, changing nothing, while a
+        copy is in flight (its landing is reported by poll)."""
+        if self._bound() is not copier:
+            return
         if self.has_pending():
             raise RuntimeError(
                 f"unbind with {len(self._saves)} saves and {len(self._loads)} loads in flight"
             )
-        self._copier = None
+        self._copier_ref = None
 
     # ------------------------------------------------------------------ hooks
 
@@ -342,7 +354,11 @@ class HostOffloadConnector(KVConnector):
         s = self._stats
         self._stats = dataclasses.replace(s, **{k: getattr(s, k) + v for k, v in deltas.items()})
 
+    def _bound(self) -> KVCopier | None:
+        return None if self._copier_ref is None else self._copier_ref()
+
     def _require_copier(self) -> KVCopier:
-        if self._copier is None:
-            raise RuntimeError("HostOffloadConnector used before bind(copier, ...)")
-        return self._copier
+        copier = self._bound()
+        if copier is None:
+            raise RuntimeError("HostOffloadConnector used unbound (bind(copier, ...) first)")
+        return copier

@@ -100,6 +100,7 @@ class Request:
         "num_computed_tokens",
         "num_preemptions",
         "block_hashes",
+        "queued",
         "_all_token_ids",
         "_hash_config",
     )
@@ -144,6 +145,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
+        self.queued = False  # set by the Scheduler that takes it: one serves it, once
         self._all_token_ids: list[int] = prompt
         self._hash_config: tuple[int, int] | None = None  # (block_size, seed) of block_hashes
 

@@ -282,20 +282,22 @@ class PrefixAwareRouter:
     # --------------------------------------------------------------- lifetime
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Aborts every unfinished request, then closes each replica that has a
-        `close(timeout_s)` method (Engine.close: KV copies in flight land, device memory
-        is freed), all within `timeout_s`. Outputs that a failed step() kept for the next
-        one are dropped.
+        """Aborts every unfinished request, waits for every replica's KV copies in flight
+        to land, then closes each replica that has a `close(timeout_s)` method
+        (Engine.close: the copy thread stops, device memory is freed), all within
+        `timeout_s`. Outputs that a failed step() kept for the next one are dropped.
 
         Afterwards add_request, step, generate and drain_transfers raise RuntimeError;
-        closing again does nothing. Raises TimeoutError when a replica's close does: the
-        router then stays open, without requests, and close can be called again.
+        closing again does nothing. Raises TimeoutError when the copies have not landed
+        in time (no replica is closed then) or a replica's close raises it; either way
+        the router stays open, without requests, and close can be called again.
         """
         if self._closed:
             return
         for request_id in list(self._replica_of):
             self.abort(request_id)
         deadline = time.monotonic() + timeout_s
+        self.drain_transfers(timeout_s)  # first: a timeout leaves every replica open
         for replica in self.replicas:
             close = getattr(replica, "close", None)
             if close is not None:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import numpy as np
 
@@ -79,13 +80,14 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queues a new request (status WAITING).
 
-        Raises ValueError (nothing queued) on an id in use, a request not new (or block
-        hashes of another block size or seed), a prompt that leaves no room for output,
-        or one that the whole pool could not hold.
+        Raises ValueError (nothing queued) on an id in use, a request not new (queued
+        by a scheduler before, or block hashes of another block size or seed), a prompt
+        that leaves no room for output, or one that the whole pool could not hold.
         """
         check_new_request(self, request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        request.queued = True
 
     def abort(self, request_id: str) -> bool:
         """Finishes a request as FINISHED_ABORTED from any unfinished state.
@@ -133,9 +135,10 @@ class Scheduler:
         return bool(self._transfers.transferring)
 
     @property
-    def transferring(self) -> dict[str, Request]:
-        """Finished or aborted requests whose blocks a KV copy still holds, by id."""
-        return self._transfers.transferring
+    def transferring(self) -> Mapping[str, Request]:
+        """Finished or aborted requests whose blocks a KV copy still holds, by id (a
+        read-only view that follows later steps)."""
+        return MappingProxyType(self._transfers.transferring)
 
     @property
     def stats(self) -> SchedulerStats:

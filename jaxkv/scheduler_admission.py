@@ -39,6 +39,8 @@ def check_new_request(scheduler: Scheduler, request: Request) -> None:
         raise ValueError(f"request id {rid!r} is already in use")
     if request.status != RequestStatus.WAITING or request.num_computed_tokens:
         raise ValueError(f"{request!r} must be new (WAITING, nothing computed)")
+    if request.queued:  # two schedulers would both advance it, each its own way
+        raise ValueError(f"{request!r} was already queued by a scheduler: build a new Request")
     if manager.enable_prefix_caching:  # else its block hashes are never read
         request.check_hash_config(manager.block_size, manager.hash_seed)
     if request.num_tokens >= max_model_len:

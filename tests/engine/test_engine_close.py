@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -106,3 +109,38 @@ def test_a_connector_serving_a_live_engine_is_refused_by_a_second_one():
         assert connector.stats.num_loads == 1
     assert list(out1[0].output_token_ids) == dense_greedy([prefix + [1]], 2)[0]
     assert list(out2[0].output_token_ids) == dense_greedy([prefix + [2, 3]], 4)[0]
+
+
+def test_an_engine_dropped_without_close_is_collected_and_frees_its_connector():
+    # Its connector held the copier, whose callbacks held the engine: the engine, its KV
+    # cache and copy thread lived on, and the connector refused every later engine.
+    connector = HostOffloadConnector(HOST_BYTES)
+    engine = make_engine(connector=connector)
+    engine.generate(_prompts(5, 1, 20), SamplingParams(max_tokens=2), progress=False)
+    engine.drain_transfers()
+    dropped = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert dropped() is None
+    with make_engine(connector=connector) as successor:
+        assert successor.metrics.bytes_offloaded == 0
+
+
+def test_transfer_metrics_count_only_the_engines_own_copies():
+    # With a connector used in turn, a new engine reported the old one's copies, and the
+    # closed one's figures went on growing with the new one's.
+    connector = HostOffloadConnector(HOST_BYTES)
+    prefix = _prompts(6, 1, 32)[0]
+    with make_engine(connector=connector) as first:
+        first.generate([prefix + [1]], SamplingParams(max_tokens=2), progress=False)
+    first_saved = first.metrics.bytes_offloaded
+    assert first_saved > 0 and first.metrics.bytes_reloaded == 0
+    with make_engine(connector=connector) as second:
+        assert (second.metrics.bytes_offloaded, second.metrics.bytes_reloaded) == (0, 0)
+        second.generate([prefix + [2, 3]], SamplingParams(max_tokens=2), progress=False)
+        second.drain_transfers()
+        assert second.metrics.bytes_reloaded > 0
+    assert (first.metrics.bytes_offloaded, first.metrics.bytes_reloaded) == (first_saved, 0)
+    total = connector.stats
+    assert total.bytes_offloaded == first_saved + second.metrics.bytes_offloaded
+    assert total.bytes_reloaded == second.metrics.bytes_reloaded

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from jaxkv.kv_transfer import HostOffloadConnector
@@ -31,7 +33,10 @@ def test_a_second_copier_is_refused_until_unbind():
     assert connector.stored_hashes() == stored  # nothing changed
     connector.bind(copier, block_size=BS, hash_seed=0)  # its own copier again: fine
 
-    connector.unbind()
+    connector.unbind(other)  # not the bound copier: nothing happens
+    with pytest.raises(RuntimeError, match="serves another engine"):
+        connector.bind(other, block_size=BS, hash_seed=0)
+    connector.unbind(copier)
     assert connector.stats.stored_bytes == 2 * copier.bytes_per_block  # still counted
     connector.bind(other, block_size=BS, hash_seed=0)  # same layout: the store is kept
     assert connector.stored_hashes() == stored
@@ -42,11 +47,11 @@ def test_unbind_is_refused_while_a_copy_is_in_flight():
     step(sched, copier)  # "a" finishes; its save lands three polls later
     assert connector.has_pending()
     with pytest.raises(RuntimeError, match="1 saves and 0 loads in flight"):
-        connector.unbind()
+        connector.unbind(copier)
     with pytest.raises(RuntimeError, match="serves another engine"):
         connector.bind(FakeCopier(32, BS), block_size=BS, hash_seed=0)
     run_until_idle(sched, copier)
-    connector.unbind()
+    connector.unbind(copier)
     assert len(connector.stored_hashes()) == 2
 
 
@@ -57,9 +62,19 @@ def test_unbind_is_refused_while_a_copy_is_in_flight():
 def test_binding_another_block_layout_empties_the_store(block_size, hash_seed, bytes_per_block):
     connector, copier, sched = _saved_connector()
     run_until_idle(sched, copier)
-    connector.unbind()
+    connector.unbind(copier)
     other = FakeCopier(32, block_size)
     if bytes_per_block is not None:
         other.bytes_per_block = bytes_per_block
     connector.bind(other, block_size=block_size, hash_seed=hash_seed)
     assert connector.stored_hashes() == [] and connector.stats.num_stored_blocks == 0
+
+
+def test_a_copier_collected_without_unbind_frees_the_connector_and_its_copies():
+    connector, copier, sched = _saved_connector(delay=3)
+    step(sched, copier)  # a save is in flight when its engine goes away
+    assert connector.has_pending()
+    del copier, sched
+    gc.collect()
+    connector.bind(FakeCopier(32, BS), block_size=BS, hash_seed=0)
+    assert not connector.has_pending()  # no one is left to be told they landed

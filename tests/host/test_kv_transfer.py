@@ -290,7 +290,7 @@ def test_constructor_validates_and_unbound_use_raises():
         HostOffloadConnector(10, copy_delay_steps=-2)
     sched = make_scheduler(connector=HostOffloadConnector(1024))
     add(sched, "a", range(1, 10), max_tokens=1)
-    with pytest.warns(RuntimeWarning, match="used before bind.*freed without saving"):
+    with pytest.warns(RuntimeWarning, match="used unbound.*freed without saving"):
         step(sched)  # an unbound connector cannot save: its blocks are freed
     assert sched.requests == {} and sched.manager.num_free_blocks == 63
 

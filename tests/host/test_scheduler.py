@@ -177,6 +177,32 @@ def test_add_request_rejects_duplicates_and_prompts_without_room():
     assert out.request_ids == ["a"]
 
 
+def test_one_request_object_is_served_by_one_scheduler():
+    # Two schedulers used to take it: both appended tokens and advanced its computed
+    # tokens (18 computed of 11), with no error and check_integrity passing on both.
+    first, second = make_scheduler(), make_scheduler()
+    request = Request("a", list(range(1, 10)), SamplingParams(max_tokens=3))
+    first.add_request(request)
+    with pytest.raises(ValueError, match="already queued by a scheduler"):
+        second.add_request(request)
+    assert not second.has_unfinished_requests() and "a" not in second.requests
+    assert run_until_idle(first) == {"a": "length"} and request.num_tokens == 12
+
+
+def test_transferring_is_a_read_only_view():
+    sched = make_scheduler(connector=HostOffloadConnector(1 << 20, copy_delay_steps=2))
+    copier = FakeCopier(64, 4)  # held here: the connector holds it weakly
+    sched.connector.bind(copier, block_size=4, hash_seed=0)
+    add(sched, "a", list(range(1, 10)), max_tokens=1)
+    view = sched.transferring
+    step(sched, copier)
+    assert list(view) == ["a"]  # follows the scheduler
+    with pytest.raises(TypeError):
+        view["b"] = view["a"]  # would have held has_pending_transfers() True for ever
+    run_until_idle(sched, copier)
+    assert list(view) == [] and not sched.has_pending_transfers()
+
+
 def test_a_request_hashed_for_another_block_size_is_refused_at_add():
     # It used to be queued, and then every schedule() raised on its block hashes: the
     # scheduler served nothing until the caller aborted it.

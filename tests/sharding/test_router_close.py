@@ -70,3 +70,34 @@ def test_leaving_a_with_block_closes_the_router():
     with PrefixAwareRouter(replicas, block_size=BLOCK) as router:
         router.add_request([1] * BLOCK)
     assert router.closed and all(len(r.close_calls) == 1 for r in replicas)
+
+
+class CopyingReplica(ClosableReplica):
+    """Has KV copies in flight while `pending`; each step lands them if `lands`."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.pending, self.lands = True, False
+
+    def has_pending_transfers(self) -> bool:
+        return self.pending
+
+    def step(self):
+        self.pending = self.pending and not self.lands
+        return super().step()
+
+
+def test_close_closes_no_replica_until_every_copy_has_landed():
+    # It used to close replicas one by one: a timeout on the second left the first closed
+    # behind a router that stayed open and went on routing requests to it.
+    replicas = [ClosableReplica(0), CopyingReplica(1)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    router.add_request([1] * BLOCK)
+    with pytest.raises(TimeoutError, match="still pending"):
+        router.close(timeout_s=0.05)
+    assert not router.closed and [r.close_calls for r in replicas] == [[], []]
+    rid = router.add_request([2] * BLOCK)  # still serving, on every replica
+    assert router.replica_of(rid) in (0, 1)
+    replicas[1].lands = True
+    router.close()
+    assert router.closed and [len(r.close_calls) for r in replicas] == [1, 1]

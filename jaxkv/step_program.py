@@ -1,0 +1,33 @@
+"""The jitted step program: the model forward and the sampler, one per model graph.
+
+Every engine over the same graph (flax NNX GraphDef and parameter tree structure) shares
+it, so engines reuse each other's compiles of equal shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+
+from jaxkv.sampler import sample
+
+
+@functools.lru_cache(maxsize=8)
+def step_program(graphdef: nnx.GraphDef, state_treedef) -> Callable:
+    """The jitted forward + sampler of one model graph, shared by every engine over it.
+
+    Takes the parameters as a flat list of arrays: flattening an nnx.State on every call
+    costs Python time per leaf, a flat list goes through jit's C++ fast path.
+    """
+
+    @functools.partial(jax.jit, donate_argnums=3)
+    def program(state_leaves, input_ids, positions, kv_caches, metadata, sampling):
+        state = jax.tree.unflatten(state_treedef, state_leaves)
+        model = nnx.merge(graphdef, state)
+        logits, kv_caches = model(input_ids, positions, kv_caches, metadata)
+        return sample(logits, *sampling), kv_caches
+
+    return program
