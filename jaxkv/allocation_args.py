@@ -76,6 +76,15 @@ def checked_request_id(request) -> str:
     return request.request_id
 
 
+def checked_hit_tokens(request, num_hit_tokens) -> int:
+    """`num_hit_tokens` as an int in [0, request.num_tokens]; ValueError otherwise, or
+    unless `request` is a Request."""
+    hits = count("num_hit_tokens", num_hit_tokens, checked_request_id(request))
+    if hits > request.num_tokens:
+        raise ValueError(f"{num_hit_tokens=} exceeds the {request.num_tokens} tokens of {request}")
+    return hits
+
+
 def count(name: str, value, req_id: str) -> int:
     """`value` as a Python int (numpy integers included); ValueError unless an int >= 0
     (a bool is refused: True as a token count is a caller's mistake, not 1)."""

@@ -51,7 +51,8 @@ class Engine:
     requests and prefix-cache misses. `mesh` (a jax Mesh with a "model" axis) or
     `tensor_parallel_size` (a mesh over the first that many devices) runs the model
     tensor-parallel (jaxkv.sharding); None of both: the default device, unsharded.
-    Not thread-safe: one thread drives the engine.
+    Not thread-safe: one thread drives the engine. close() (or leaving a `with` block)
+    frees its device memory at once.
     """
 
     def __init__(

@@ -9,6 +9,7 @@ free(request).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,6 +21,7 @@ from jaxkv.allocation_args import (
     check_computed_within_tokens,
     check_prompt_fits,
     check_total_fits,
+    checked_hit_tokens,
     checked_request_id,
     count,
     manager_args,
@@ -28,7 +30,7 @@ from jaxkv.allocation_args import (
 )
 from jaxkv.block_pool import BlockPool, IntegrityError, KVCacheBlock, KVCacheEvent
 from jaxkv.block_table import HostBlockTable, UnknownRequestError
-from jaxkv.prefix_cache_stats import PrefixCacheStats
+from jaxkv.prefix_cache_stats import PrefixCacheCounter, PrefixCacheStats
 from jaxkv.request import Request
 
 __all__ = ["KVCacheManager", "PrefixCacheStats", "UnknownRequestError"]
@@ -75,7 +77,7 @@ class KVCacheManager:
         self._blocks: dict[str, list[KVCacheBlock]] = {}  # req_id -> held blocks, in order
         self._num_cached: dict[str, int] = {}  # req_id -> leading blocks already cached
         self._table = HostBlockTable(self.max_blocks_per_seq)
-        self._stats = PrefixCacheStats()
+        self._lookups = PrefixCacheCounter()
 
     # ---------------------------------------------------------------- queries
 
@@ -91,12 +93,11 @@ class KVCacheManager:
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """A snapshot of the counters since the last reset_prefix_cache_stats()."""
-        return self._stats
+        return self._lookups.stats
 
     def reset_prefix_cache_stats(self) -> PrefixCacheStats:
         """Returns the counters and starts new ones from zero."""
-        stats, self._stats = self._stats, PrefixCacheStats()
-        return stats
+        return self._lookups.reset()
 
     @property
     def request_ids(self) -> list[str]:
@@ -167,15 +168,16 @@ class KVCacheManager:
 
     # ---------------------------------------------------------- prefix cache
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+    def get_computed_blocks(self, request: Request, *, count: bool = True) -> tuple[list[int], int]:
         """The longest run of leading full blocks of `request` already cached.
 
         Returns (block_ids, num_computed_tokens). Never covers the whole prompt's last
         token (it must be computed to produce logits). Changes no block state; the result
         is safe to pass to allocate_slots until the next allocate_slots or free call.
-        With prefix caching on, counts the lookup in prefix_cache_stats (with it off
-        there is no cache to query: ([], 0), nothing counted). Raises ValueError unless
-        `request` is a Request whose prompt fits max_model_len.
+        With prefix caching on, counts the lookup in prefix_cache_stats unless `count` is
+        False (see count_prefix_lookup); with it off there is no cache to query: ([], 0),
+        nothing counted. Raises ValueError unless `request` is a Request whose prompt fits
+        max_model_len.
         """
         checked_request_id(request)
         check_prompt_fits(request, self.max_model_len)
@@ -191,11 +193,16 @@ class KVCacheManager:
                 break
             block_ids.append(block.block_id)
         num_computed_tokens = len(block_ids) * self.block_size
-        s = self._stats
-        self._stats = PrefixCacheStats(
-            s.requests + 1, s.queries + request.num_tokens, s.hits + num_computed_tokens
-        )
+        if count:
+            self._lookups.count(request.num_tokens, num_computed_tokens)
         return block_ids, num_computed_tokens
+
+    def count_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Counts a lookup made with count=False once its caller acts on it (the scheduler:
+        once the request is admitted). Does nothing with prefix caching off."""
+        hits = checked_hit_tokens(request, num_hit_tokens)
+        if self.enable_prefix_caching:
+            self._lookups.count(request.num_tokens, hits)
 
     # ------------------------------------------------------------ allocation
 
@@ -347,10 +354,7 @@ class KVCacheManager:
         holds exactly its block ids then zeros; prefix ids are the interned chain of those
         block ids; rows are owned by exactly one request or free.
         """
-        counts: dict[int, int] = {}
-        for blocks in self._blocks.values():
-            for b in blocks:
-                counts[b.block_id] = counts.get(b.block_id, 0) + 1
+        counts = collections.Counter(b.block_id for bs in self._blocks.values() for b in bs)
         self.pool.check_integrity(counts)
         problems = self._table.check_integrity(
             {req_id: [b.block_id for b in blocks] for req_id, blocks in self._blocks.items()}

@@ -80,7 +80,9 @@ class TransferStats:
     num_failed_loads: int = 0
     num_stored_blocks: int = 0  # blocks in the host store now
     stored_bytes: int = 0
-    num_loaded_tokens: int = 0  # prompt tokens served from the host store
+    # Prompt tokens that landed loads copied in; a load lands and counts even when its
+    # request was aborted or its step discarded meanwhile (that request recomputes them).
+    num_loaded_tokens: int = 0
 
 
 class KVConnector:

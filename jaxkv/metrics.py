@@ -79,8 +79,10 @@ class EngineMetrics:
     # (levels, steps), sorted: levels "global", "groups" or "global+groups" (two levels)
     cascade_steps_by_levels: tuple[tuple[str, int], ...] = ()
     num_compiles: int = 0  # distinct step programs this engine needed
-    prefix_cache_queries: int = 0  # tokens looked up in the device prefix cache
-    prefix_cache_hits: int = 0  # tokens found there
+    # Tokens looked up in the device prefix cache, once per admission, and tokens found
+    # there: since engine.manager.reset_prefix_cache_stats() if that was called.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     kv_usage: float = 0.0  # fraction of KV blocks held now
     bytes_offloaded: int = 0  # KV copied device -> host (landed)
     bytes_reloaded: int = 0  # KV copied host -> device (landed)

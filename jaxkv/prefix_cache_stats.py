@@ -4,17 +4,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PrefixCacheStats"]
+__all__ = ["PrefixCacheCounter", "PrefixCacheStats"]
 
 
 @dataclass(frozen=True)
 class PrefixCacheStats:
-    """Prefix-cache counters since the last reset, in tokens (requests counts lookups)."""
+    """Prefix-cache counters since the last reset, in tokens (requests counts lookups).
 
-    requests: int = 0  # number of get_computed_blocks calls
+    A lookup is counted when made (KVCacheManager.get_computed_blocks) or, for the
+    Scheduler, once the request it was made for is admitted: a request that waits for
+    blocks is looked up again each step but counted once. An admission that
+    Scheduler.discard undoes is counted again when it is redone.
+    """
+
+    requests: int = 0  # lookups counted
     queries: int = 0  # tokens looked up (each request's num_tokens)
     hits: int = 0  # tokens found cached
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
+
+
+class PrefixCacheCounter:
+    """The running PrefixCacheStats of one manager."""
+
+    def __init__(self) -> None:
+        self.stats = PrefixCacheStats()
+
+    def count(self, num_tokens: int, num_hit_tokens: int) -> None:
+        s = self.stats
+        self.stats = PrefixCacheStats(
+            s.requests + 1, s.queries + num_tokens, s.hits + num_hit_tokens
+        )
+
+    def reset(self) -> PrefixCacheStats:
+        """Returns the counters and starts new ones from zero."""
+        stats, self.stats = self.stats, PrefixCacheStats()
+        return stats

@@ -128,10 +128,13 @@ def _allocate_for_admission(scheduler: Scheduler, request: Request, budget: int)
         if n is None or m.allocate_slots(request, n) is None:
             return None
         return n
-    hit_ids, num_hit = m.get_computed_blocks(request)
+    # Counted only once acted on: a request waiting for room is looked up every step.
+    hit_ids, num_hit = m.get_computed_blocks(request, count=False)
     num_external = scheduler.connector.on_admission(request, num_hit)
     if num_external:  # the request waits for the load: 0 tokens this step
         started = scheduler._transfers.start_load(request, hit_ids, num_hit, num_external)
+        if started:
+            m.count_prefix_lookup(request, num_hit)
         return 0 if started else None
     n = _chunk(request.num_tokens - num_hit, budget, chunked)
     if n is None:
@@ -141,6 +144,7 @@ def _allocate_for_admission(scheduler: Scheduler, request: Request, budget: int)
         is None
     ):
         return None
+    m.count_prefix_lookup(request, num_hit)
     request.num_computed_tokens = num_hit
     return n
 

@@ -51,7 +51,9 @@ def apply_sampled_tokens(
         computed = request.num_computed_tokens + n
         request.num_computed_tokens = computed
         output_ids = request.output_token_ids
-        if n == 1 and output_ids:  # else prefill, also a preempted request's recompute
+        # A decode computes only the last sampled token; every other chunk is prefill, a
+        # preempted request's recompute too (in 1-token chunks when the budget is tight).
+        if n == 1 and output_ids and computed == request.num_tokens:
             num_decode += 1
         else:
             num_prompt += n

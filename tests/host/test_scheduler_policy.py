@@ -6,7 +6,7 @@ between schedule() and update_from_output()."""
 from __future__ import annotations
 
 from jaxkv import RequestStatus
-from tests.host._sched_util import add, make_scheduler, run_until_idle, step
+from tests.host._sched_util import add, make_scheduler, run_until_idle, step, token_of
 
 
 def test_the_pool_check_caps_a_request_at_max_model_len():
@@ -78,3 +78,29 @@ def test_without_chunked_prefill_a_prompt_exactly_filling_the_budget_left_runs()
     add(sched, "b", range(10, 17), max_tokens=1)  # 7 tokens: the budget after a's decode
     out, _ = step(sched)
     assert out.request_ids == ["a", "b"] and out.num_scheduled_tokens.tolist() == [1, 7]
+
+
+def test_a_recompute_in_one_token_chunks_counts_as_prefill():
+    # With a budget of 2 tokens a preempted request recomputes its context one token at a
+    # time; those chunks used to count as decodes (prompt 28 and decode 42 here, for 33
+    # and 37). A decode computes only the request's last sampled token.
+    sched = make_scheduler(
+        num_blocks=9, max_num_batched_tokens=2, max_num_seqs=2, max_model_len=32,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    add(sched, "a", range(1, 9), max_tokens=20)
+    add(sched, "b", range(11, 19), max_tokens=20)
+    prompt = decode = recompute_singles = 0
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        chunks = zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens, strict=True)
+        for r, n, done in chunks:
+            if n == 1 and r.num_output_tokens and done + 1 == r.num_tokens:
+                decode += 1
+            else:
+                prompt += int(n)
+                recompute_singles += n == 1 and r.num_output_tokens > 0
+        sched.update_from_output(out, [token_of(r) for r in out.requests])
+    stats = sched.stats
+    assert stats.num_preemptions >= 1 and recompute_singles >= 1  # the case is exercised
+    assert (stats.num_prompt_tokens_computed, stats.num_decode_tokens_computed) == (prompt, decode)
