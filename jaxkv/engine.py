@@ -27,6 +27,7 @@ from flax import nnx
 from jaxkv.attention import default_backend
 from jaxkv.batch import build_attention_metadata
 from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner
+from jaxkv.closable import Closable
 from jaxkv.completion import progress_bar, run_to_completion
 from jaxkv.config import EngineConfig
 from jaxkv.kv_cache_manager import KVCacheManager
@@ -43,7 +44,7 @@ from jaxkv.step_inputs import coarsen_metadata, gather_input_ids, program_key
 from jaxkv.step_program import step_program
 
 
-class Engine:
+class Engine(Closable):
     """Serves generation requests on a flax NNX Llama (jaxkv.models.Llama) with paged KV.
 
     `params` (an nnx.State of the model's parameters) replaces the weights the model holds;
@@ -122,7 +123,6 @@ class Engine:
         self._next_serial = 0  # of the next queued request: default id and seed
         self._programs: set[tuple] = set()
         self._totals = StepTotals()
-        self._closed = False
         self.last_step: StepStats | None = None  # the last step that ran the model
 
     def _set_caches(self, caches: list[jax.Array]) -> None:
@@ -345,20 +345,6 @@ class Engine:
         caches, self.kv_caches = self.kv_caches, []
         for cache in caches:  # the engine made them and is their only user
             cache.delete()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the engine is closed (Engine.close() was called)")
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
     # ----------------------------------------------------------------- metrics
 

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from jaxkv.closable import Closable
 from jaxkv.completion import progress_bar, run_to_completion
 from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key, root_hash
 from jaxkv.outputs import CompletionOutput, RequestOutput
@@ -55,7 +56,7 @@ class Route(NamedTuple):
     matched_blocks: int  # leading full blocks whose prefix was routed to `replica` before
 
 
-class PrefixAwareRouter:
+class PrefixAwareRouter(Closable):
     """Routes requests over `replicas`: shared prefixes together, the rest to the least loaded.
 
     block_size: tokens per hashed block (use the replicas' KV block size).
@@ -107,7 +108,6 @@ class PrefixAwareRouter:
         self._replica_of: dict[str, int] = {}  # request_id -> replica, while unfinished
         self._undelivered: list[RequestOutput] = []  # gathered by a step() that raised
         self._next_serial = 0  # of the next generated id, taken once a replica queues it
-        self._closed = False
 
     # ---------------------------------------------------------------- routing
 
@@ -304,20 +304,6 @@ class PrefixAwareRouter:
                 close(timeout_s=max(0.0, deadline - time.monotonic()))
         self._undelivered = []
         self._closed = True
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the router is closed (PrefixAwareRouter.close() was called)")
-
-    def __enter__(self) -> PrefixAwareRouter:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
 
 def _prompt_ids(prompt_token_ids: Sequence[int] | np.ndarray) -> list[int]:

@@ -47,7 +47,7 @@ def test_close_aborts_requests_lands_copies_and_frees_the_kv_cache():
         "drain_transfers": engine.drain_transfers,
     }
     for name, call in calls.items():
-        with pytest.raises(RuntimeError, match="engine is closed"):
+        with pytest.raises(RuntimeError, match="the Engine is closed"):
             call()
             pytest.fail(f"{name} ran on a closed engine")
     engine.close()  # again: nothing to do

@@ -46,7 +46,7 @@ def test_close_aborts_every_request_closes_replicas_that_can_and_refuses_use():
         "drain_transfers": router.drain_transfers,
     }
     for call in calls.values():
-        with pytest.raises(RuntimeError, match="router is closed"):
+        with pytest.raises(RuntimeError, match="the PrefixAwareRouter is closed"):
             call()
     assert not any(r.prompts.get("dp-3") for r in replicas)  # nothing reached a replica
     router.close()  # again: nothing to do
