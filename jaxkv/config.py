@@ -62,9 +62,10 @@ class SchedulerConfig:
                 f"{self.max_num_seqs=} must be <= {self.max_num_batched_tokens=} "
                 "(every scheduled request takes at least one token)"
             )
-        if not self.enable_chunked_prefill and self.max_model_len > self.max_num_batched_tokens:
+        # A prompt, or a preempted request's recompute, has at most max_model_len - 1 tokens.
+        if not self.enable_chunked_prefill and self.max_model_len - 1 > self.max_num_batched_tokens:
             raise ValueError(
-                f"without chunked prefill {self.max_model_len=} must be <= "
+                f"without chunked prefill {self.max_model_len=} must be at most one more than "
                 f"{self.max_num_batched_tokens=} (a whole prompt must fit one step)"
             )
 

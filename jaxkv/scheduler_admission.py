@@ -48,14 +48,15 @@ def check_new_request(scheduler: Scheduler, request: Request) -> None:
             f"request {rid!r}: {request.num_tokens} prompt tokens leave no "
             f"room for output within {max_model_len=}"
         )
-    # A request the whole pool cannot hold would preempt itself and wait forever.
-    max_len = min(request.num_tokens + request.max_tokens, max_model_len)
-    num_blocks = -(-max_len // manager.block_size)
+    # A request the whole pool cannot hold would preempt itself and wait forever. Its KV
+    # peaks one token short of prompt plus max_tokens: the last token is never fed back.
+    max_kv = min(request.num_tokens + request.max_tokens, max_model_len) - 1
+    num_blocks = -(-max_kv // manager.block_size)
     if num_blocks >= manager.pool.num_blocks:
         raise ValueError(
-            f"request {rid!r}: up to {max_len} tokens (prompt plus max_tokens, at most "
-            f"max_model_len) need {num_blocks} blocks of {manager.block_size}; the pool has "
-            f"{manager.pool.num_blocks - 1}"
+            f"request {rid!r}: up to {max_kv} tokens of KV (prompt plus max_tokens less "
+            f"the last token, at most max_model_len - 1) need {num_blocks} blocks of "
+            f"{manager.block_size}; the pool has {manager.pool.num_blocks - 1}"
         )
 
 

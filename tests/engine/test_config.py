@@ -68,12 +68,15 @@ def test_bad_bucket_fields_are_refused(make, match):
 
 
 def test_limits_at_their_bounds_are_accepted():
-    # One token per request fills the budget exactly; a whole prompt fills one step exactly.
+    # One token per request fills the budget exactly; the longest prompt (max_model_len - 1
+    # tokens, the last position is for output) fills one step exactly.
     assert SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=8).max_num_seqs == 8
     full = SchedulerConfig(
-        max_num_batched_tokens=64, max_model_len=64, enable_chunked_prefill=False
+        max_num_batched_tokens=64, max_model_len=65, enable_chunked_prefill=False
     )
-    assert full.max_model_len == 64
+    assert full.max_model_len == 65
+    with pytest.raises(ValueError, match="at most one more than"):
+        SchedulerConfig(max_num_batched_tokens=64, max_model_len=66, enable_chunked_prefill=False)
     assert CacheConfig(num_blocks=2).num_blocks == 2  # the null block and one usable block
     # q_len_buckets reaching the budget exactly; any integer sequence becomes a tuple of int.
     config = EngineConfig(q_len_buckets=[1, np.int64(512)])

@@ -231,12 +231,16 @@ def test_abort_refuses_an_id_that_is_not_a_str(bad):
 
 
 def test_a_request_the_pool_cannot_hold_is_refused_and_one_it_can_finishes():
-    # 4 usable blocks of 4 tokens: 16 tokens of KV. Without the check, a 17-token request
-    # would preempt itself when it outgrew the pool and then wait forever.
+    # 4 usable blocks of 4 tokens: 16 tokens of KV. Without the check, a request needing
+    # 17 would preempt itself when it outgrew the pool and then wait forever. Its KV is one
+    # token short of prompt plus max_tokens: the last sampled token is never fed back.
     sched = make_scheduler(num_blocks=5, max_num_batched_tokens=32, max_model_len=32)
-    with pytest.raises(ValueError, match="'big': up to 17 tokens .* 5 blocks of 4; the pool has 4"):
-        add(sched, "big", range(1, 9), max_tokens=9)
+    with pytest.raises(ValueError, match="'big': up to 17 tokens of KV .* 5 blocks of 4; the pool"):
+        add(sched, "big", range(1, 9), max_tokens=10)
     assert not sched.requests and not sched.waiting
+    whole = add(sched, "whole", range(1, 9), max_tokens=9)  # 16 tokens of KV: the whole pool
+    assert run_until_idle(sched) == {"whole": "length"} and whole.num_output_tokens == 9
+    assert sched.stats.num_preemptions == 0 and sched.manager.num_free_blocks == 4
     fits = [add(sched, f"r{i}", range(10 * i + 1, 10 * i + 9), max_tokens=8) for i in range(2)]
     assert run_until_idle(sched) == {"r0": "length", "r1": "length"}
     assert [r.num_output_tokens for r in fits] == [8, 8] and sched.stats.num_preemptions > 0
