@@ -8,11 +8,13 @@ its own, times (in the same run, on the same inputs):
 - jax_ref: jax.experimental.pallas.ops.tpu.ragged_paged_attention.ref_ragged_paged_attention
   (a Python loop over sequences, run eagerly: it cannot be jitted).
 
-Reports KV bytes read per step (flat: B*(P+S) tokens; cascade: P + B*S tokens; times
-2 * num_kv_heads * head_dim * itemsize), achieved bandwidth, its fraction of the
-machine's measured copy bandwidth, the cascade/flat speedup next to the bytes ratio,
-and whether the planner's default cost model picks cascade there. Prints a table,
-writes JSON, and draws the speedup as a heatmap (prefix length x batch size).
+Reports the bytes each call moves (benchmarks/attention_bytes.py: KV, flat B*(P+S)
+tokens and cascade P + B*S, plus queries, outputs and cascade's partial results),
+achieved bandwidth, its fraction of the machine's measured read bandwidth (a jitted sum
+over 256 MiB: reads only, so no output buffer is allocated and page-faulted in on every
+call), the cascade/flat speedup next to the bytes ratio, and whether the planner's
+default cost model picks cascade there. Prints a table, writes JSON, and draws the
+speedup as a heatmap (prefix length x batch size).
 
     python benchmarks/attention.py --out benchmarks/results
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -29,18 +32,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.attention import default_backend, paged_attention
-from jaxkv.batch import build_attention_metadata
-from jaxkv.buckets import BucketConfig
-from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner
-from jaxkv.cascade_plan import make_level
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.attention_bytes import decode_bytes, kv_bytes  # noqa: E402
+from jaxkv.attention import default_backend, paged_attention  # noqa: E402
+from jaxkv.batch import build_attention_metadata  # noqa: E402
+from jaxkv.buckets import BucketConfig  # noqa: E402
+from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner  # noqa: E402
+from jaxkv.cascade_plan import make_level  # noqa: E402
 
 
-def copy_bandwidth(nbytes: int = 1 << 28) -> float:
-    """Bytes per second of a device-side copy (read + write counted)."""
+def read_bandwidth(nbytes: int = 1 << 28) -> float:
+    """Bytes per second read by a jitted sum over `nbytes` (a copy would measure the
+    CPU's page faults on its fresh output buffer more than memory bandwidth)."""
     x = jnp.ones(nbytes // 4, jnp.float32)
-    copy = jax.jit(lambda a: a + 0.0)
-    return 2 * nbytes / _time(copy, x, reps=5)
+    return nbytes / _time(jax.jit(jnp.sum), x, reps=5)
 
 
 def _time(fn, *args, reps: int) -> float:
@@ -112,9 +118,13 @@ def run(args) -> list[dict]:
         args.q_heads, args.kv_heads, args.head_dim, jnp.dtype(args.dtype).itemsize
     )
     planner = CascadePlanner(shape, backend=default_backend())
-    kv_bytes_per_token = 2 * shape.num_kv_heads * shape.head_dim * shape.kv_itemsize
-    bandwidth = copy_bandwidth()
-    print(f"backend {jax.default_backend()} ({default_backend()}), copy bandwidth "
+    kv_per_token = 2 * shape.num_kv_heads * shape.head_dim * shape.kv_itemsize
+    sizes = dict(
+        num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim, kv_itemsize=shape.kv_itemsize, q_itemsize=shape.kv_itemsize,
+    )  # fmt: skip
+    bandwidth = read_bandwidth()
+    print(f"backend {jax.default_backend()} ({default_backend()}), read bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s")  # fmt: skip
     rng = np.random.default_rng(0)
     sm_scale = shape.head_dim**-0.5
@@ -156,16 +166,19 @@ def run(args) -> list[dict]:
                 if args.jax_ref and batch * (prefix + suffix) <= args.jax_ref_max_tokens:
                     ref_args = (q, kv_pages, md_flat, table, prefix, suffix, sm_scale)
                     t_ref = _time(jax_reference, *ref_args, reps=max(1, args.reps // 2))
-                flat_bytes = batch * (prefix + suffix) * kv_bytes_per_token
-                casc_bytes = (prefix + batch * suffix) * kv_bytes_per_token
+                flat_bytes = decode_bytes(batch, prefix, suffix, **sizes, cascade=False)
+                casc_bytes = decode_bytes(batch, prefix, suffix, **sizes, cascade=True)
+                kv = dict(kv_per_token=kv_per_token)
                 chooses = planner.pays(batch, prefix, batch, batch * (prefix + suffix))
                 row = dict(
                     batch=batch, prefix=prefix, suffix=suffix,
                     flat_s=t_flat, cascade_s=t_casc, jax_ref_s=t_ref,
                     flat_bytes=flat_bytes, cascade_bytes=casc_bytes,
+                    flat_kv_bytes=kv_bytes(batch, prefix, suffix, **kv, cascade=False),
+                    cascade_kv_bytes=kv_bytes(batch, prefix, suffix, **kv, cascade=True),
                     speedup=t_flat / t_casc, bytes_ratio=flat_bytes / casc_bytes,
                     flat_bandwidth=flat_bytes / t_flat, cascade_bandwidth=casc_bytes / t_casc,
-                    flat_fraction_of_copy=flat_bytes / t_flat / bandwidth,
+                    flat_fraction_of_read=flat_bytes / t_flat / bandwidth,
                     cost_model_chooses_cascade=chooses, max_abs_diff=max_diff,
                 )  # fmt: skip
                 results.append(row)
@@ -176,7 +189,7 @@ def run(args) -> list[dict]:
                     f"{row['bytes_ratio']:7.1f} | {row['flat_bandwidth'] / 1e9:9.2f} "
                     f"{row['cascade_bandwidth'] / 1e9:9.2f} | {'cascade' if chooses else 'flat'}"
                 )
-    return [dict(r, copy_bandwidth=bandwidth) for r in results]
+    return [dict(r, read_bandwidth=bandwidth) for r in results]
 
 
 def heatmap(results: list[dict], path: Path) -> None:

@@ -19,12 +19,14 @@ One run (under 5 minutes on an H100/H200):
      on the flat_unique inputs;
 4. writes `gpu_kernel.json` to --out and prints a table with achieved bandwidth.
 
-Bandwidth is KV bytes that the method must read divided by time: B*(P+S) tokens for the
-flat kernels and JAX's, P + B*S tokens for cascade; fractions are of the measured copy
-bandwidth. Each timed call runs `--reps` kernel calls in one jitted program on distinct
-queries, and, when the KV of one call would fit in L2, on distinct copies of the cache
-(a call never reads what an earlier call of its program left in L2); before each timed
-program a buffer twice the size of L2 is written, untimed, so no program starts warm.
+Bandwidth is the bytes the method must move divided by time (benchmarks/attention_bytes.py:
+KV, B*(P+S) tokens for the flat kernels and JAX's, P + B*S tokens for cascade, plus
+queries, outputs, and cascade's partial results and merge); fractions are of the
+measured copy bandwidth. Each timed call runs `--reps` kernel calls in one jitted
+program on distinct queries, and, when the KV of one call would fit in L2, on distinct
+copies of the cache (a call never reads what an earlier call of its program left in
+L2); before each timed program a buffer twice the size of L2 is written, untimed, so no
+program starts warm.
 
     python benchmarks/gpu_kernel.py --out results/            # on the GPU
     python benchmarks/gpu_kernel.py --out /tmp/smoke --smoke  # CPU: interpret mode, tiny
@@ -51,6 +53,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from benchmarks.attention_bytes import decode_bytes  # noqa: E402
 from benchmarks.gpu_kernel_checks import checks_passed, device_checks  # noqa: E402
 from benchmarks.gpu_kernel_methods import (  # noqa: E402
     HEAD_DIM,
@@ -140,15 +143,20 @@ def copy_bandwidth(nbytes: int, repeats: int = 10) -> float:
 def bench_config(b, p, s, *, page_size, reps, repeats, interpret, heads, dtype, jax_k_splits):
     hq, hkv, d = heads
     sm_scale = d**-0.5
-    token_bytes = 2 * hkv * d * jnp.dtype(dtype).itemsize
-    flat_bytes = b * (p + s) * token_bytes
-    cascade_bytes = (p + b * s) * token_bytes
+    itemsize = jnp.dtype(dtype).itemsize
+    token_bytes = 2 * hkv * d * itemsize
+    sizes = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, kv_itemsize=itemsize,
+                 q_itemsize=itemsize)  # fmt: skip
+    flat_bytes = decode_bytes(b, p, s, **sizes, cascade=False)
+    cascade_bytes = decode_bytes(b, p, s, **sizes, cascade=True)
     keys = jax.random.split(jax.random.key(b * 7 + p + s), 4)
     qs = jax.random.normal(keys[0], (reps, b, hq, d), jnp.float32).astype(dtype)
     kv_lens = jnp.full((b,), p + s, jnp.int32)
     cu = jnp.arange(b + 1, dtype=jnp.int32)
     num_seqs = jnp.array([b], jnp.int32)
-    row = {"B": b, "P": p, "S": s, "flat_kv_bytes": flat_bytes, "cascade_kv_bytes": cascade_bytes}
+    row = {"B": b, "P": p, "S": s, "flat_bytes": flat_bytes, "cascade_bytes": cascade_bytes,
+           "flat_kv_bytes": b * (p + s) * token_bytes,
+           "cascade_kv_bytes": (p + b * s) * token_bytes}  # fmt: skip
 
     def timed(name, fn, args, nbytes):
         t, out = time_call(jax.jit(fn), args, repeats, flush_l2=True)
@@ -222,7 +230,8 @@ SWEEP = [
 def sweep(b, p, s, *, page_size, reps, repeats, copy_bps, deadline, heads, interpret, tilings):
     """flat_unique at one configuration over a few tilings (the defaults are untuned)."""
     hq, hkv, d = heads
-    flat_bytes = b * (p + s) * 2 * hkv * d * 2
+    flat_bytes = decode_bytes(b, p, s, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                              kv_itemsize=2, q_itemsize=2, cascade=False)  # fmt: skip
     tables, pages_per_copy = decode_tables(b, p, s, page_size, shared=False, copies=1)
     kv = _kv_pool(jax.random.key(3), pages_per_copy, page_size, hkv, d, jnp.bfloat16)
     qs = jax.random.normal(jax.random.key(4), (reps, b, hq, d), jnp.float32).astype(jnp.bfloat16)

@@ -15,10 +15,11 @@ One run:
      with this kernel as `attention_fn` (P + B * S KV tokens);
 4. prints a table and writes `tpu_kernel.json` to --out.
 
-Bandwidth is the KV bytes the method must read divided by its time, reported as a
+Bandwidth is the bytes the method must move (benchmarks/attention_bytes.py: KV, queries,
+outputs, and cascade's partial results and merge) divided by its time, reported as a
 fraction of the chip's peak HBM bandwidth (PEAK_HBM_BANDWIDTH, by TPU generation) and of
 the measured copy bandwidth. The goals: flat decode at >= 80% of peak at large batch;
-cascade within 1.3x of its bytes bound (cascade KV bytes / peak), the `vs_bound` column.
+cascade within 1.3x of its bytes bound (cascade bytes / peak), the `vs_bound` column.
 Each timing runs --reps calls inside one jitted loop (queries perturbed per iteration so
 XLA cannot hoist the call out of the loop), so dispatch overhead is amortised.
 
@@ -47,6 +48,7 @@ from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.attention_bytes import decode_bytes, kv_bytes  # noqa: E402
 from benchmarks.reference_errors import errors_against_reference  # noqa: E402
 from kernels_pallas import reference  # noqa: E402
 from kernels_pallas.tpu import (  # noqa: E402
@@ -83,14 +85,18 @@ def _time(fn, *args, reps: int) -> float:
 
 
 def looped(fn, reps: int):
-    """jit(q, *rest) running fn `reps` times in one program; returns a scalar to keep."""
+    """jit(q, *rest) running fn `reps` times in one program; returns a scalar to keep.
+
+    The scalar sums every output and log-sum-exp: kept from one element only, XLA would
+    compute one element of cascade's merge and drop the rest of it from the timing.
+    """
 
     @jax.jit
     def run(q, *rest):
         def body(i, acc):
             q_i = q + i.astype(q.dtype) * jnp.asarray(1e-30, q.dtype)
             out, lse = fn(q_i, *rest)
-            return acc + out[0, 0, 0].astype(jnp.float32) + lse[0, 0]
+            return acc + jnp.sum(out, dtype=jnp.float32) + jnp.sum(lse, dtype=jnp.float32)
 
         return lax.fori_loop(0, reps, body, jnp.float32(0))
 
@@ -200,6 +206,10 @@ def run(args) -> tuple[list[dict], dict]:
         f"{peak / 1e9 if peak else float('nan'):.0f} GB/s, copy {copy_bw / 1e9:.1f} GB/s"
     )
     kv_bytes_per_token = 2 * args.kv_heads * args.head_dim * dtype.itemsize
+    sizes = dict(
+        num_q_heads=args.q_heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+        kv_itemsize=dtype.itemsize, q_itemsize=dtype.itemsize,
+    )  # fmt: skip
     sm_scale = args.head_dim**-0.5
     fns = methods(sm_scale, kernel)
     rng = np.random.default_rng(0)
@@ -222,12 +232,15 @@ def run(args) -> tuple[list[dict], dict]:
                     bound = functools.partial(fn, prefix_pages=prefix_pages)
                     loop = looped(lambda q, *rest, f=bound: f(q, *rest), args.reps)
                     times[name] = _time(loop, *inputs, reps=3) / args.reps
-                flat_bytes = batch * (prefix + suffix) * kv_bytes_per_token
-                casc_bytes = (prefix + batch * suffix) * kv_bytes_per_token
+                flat_bytes = decode_bytes(batch, prefix, suffix, **sizes, cascade=False)
+                casc_bytes = decode_bytes(batch, prefix, suffix, **sizes, cascade=True)
+                kv = dict(kv_per_token=kv_bytes_per_token)
                 row = dict(
                     batch=batch, prefix=prefix, suffix=suffix,
                     flat_s=times["flat"], cascade_s=times["cascade"],
-                    flat_kv_bytes=flat_bytes, cascade_kv_bytes=casc_bytes,
+                    flat_bytes=flat_bytes, cascade_bytes=casc_bytes,
+                    flat_kv_bytes=kv_bytes(batch, prefix, suffix, **kv, cascade=False),
+                    cascade_kv_bytes=kv_bytes(batch, prefix, suffix, **kv, cascade=True),
                     speedup=times["flat"] / times["cascade"], bytes_ratio=flat_bytes / casc_bytes,
                     flat_bandwidth=flat_bytes / times["flat"],
                     cascade_bandwidth=casc_bytes / times["cascade"],
