@@ -8,13 +8,14 @@ its own, times (in the same run, on the same inputs):
 - jax_ref: jax.experimental.pallas.ops.tpu.ragged_paged_attention.ref_ragged_paged_attention
   (a Python loop over sequences, run eagerly: it cannot be jitted).
 
-Reports the bytes each call moves (benchmarks/attention_bytes.py: KV, flat B*(P+S)
-tokens and cascade P + B*S, plus queries, outputs and cascade's partial results),
-achieved bandwidth, its fraction of the machine's measured read bandwidth (a jitted sum
-over 256 MiB: reads only, so no output buffer is allocated and page-faulted in on every
-call), the cascade/flat speedup next to the bytes ratio, and whether the planner's
-default cost model picks cascade there. Prints a table, writes JSON, and draws the
-speedup as a heatmap (prefix length x batch size).
+Reports the KV bytes read per step (flat: B*(P+S) tokens; cascade: P + B*S tokens; times
+2 * num_kv_heads * head_dim * itemsize) and all the bytes each call moves
+(benchmarks/attention_bytes.py: also queries, outputs and cascade's partial results),
+the speedup next to both bytes ratios, achieved bandwidth (all bytes over time), its
+fraction of the machine's measured read bandwidth (a jitted sum over 256 MiB: reads
+only, so no output buffer is allocated and page-faulted in on every call), and whether
+the planner's default cost model picks cascade there. Prints a table, writes JSON, and
+draws the speedup as a heatmap (prefix length x batch size).
 
     python benchmarks/attention.py --out benchmarks/results
 """
@@ -131,7 +132,7 @@ def run(args) -> list[dict]:
     results = []
     header = (
         f"{'B':>4} {'P':>5} {'S':>5} | {'flat ms':>8} {'casc ms':>8} {'jaxref ms':>9} | "
-        f"{'speedup':>7} {'bytes x':>7} | {'flat GB/s':>9} {'casc GB/s':>9} | model"
+        f"{'speedup':>7} {'KV x':>7} {'all x':>7} | {'flat GB/s':>9} {'casc GB/s':>9} | model"
     )
     print(header)
     print("-" * len(header))
@@ -169,14 +170,16 @@ def run(args) -> list[dict]:
                 flat_bytes = decode_bytes(batch, prefix, suffix, **sizes, cascade=False)
                 casc_bytes = decode_bytes(batch, prefix, suffix, **sizes, cascade=True)
                 kv = dict(kv_per_token=kv_per_token)
+                flat_kv = kv_bytes(batch, prefix, suffix, **kv, cascade=False)
+                casc_kv = kv_bytes(batch, prefix, suffix, **kv, cascade=True)
                 chooses = planner.pays(batch, prefix, batch, batch * (prefix + suffix))
                 row = dict(
                     batch=batch, prefix=prefix, suffix=suffix,
                     flat_s=t_flat, cascade_s=t_casc, jax_ref_s=t_ref,
-                    flat_bytes=flat_bytes, cascade_bytes=casc_bytes,
-                    flat_kv_bytes=kv_bytes(batch, prefix, suffix, **kv, cascade=False),
-                    cascade_kv_bytes=kv_bytes(batch, prefix, suffix, **kv, cascade=True),
-                    speedup=t_flat / t_casc, bytes_ratio=flat_bytes / casc_bytes,
+                    flat_bytes=flat_kv, cascade_bytes=casc_kv,  # KV only
+                    flat_total_bytes=flat_bytes, cascade_total_bytes=casc_bytes,
+                    speedup=t_flat / t_casc, bytes_ratio=flat_kv / casc_kv,
+                    total_bytes_ratio=flat_bytes / casc_bytes,
                     flat_bandwidth=flat_bytes / t_flat, cascade_bandwidth=casc_bytes / t_casc,
                     flat_fraction_of_read=flat_bytes / t_flat / bandwidth,
                     cost_model_chooses_cascade=chooses, max_abs_diff=max_diff,
@@ -186,7 +189,8 @@ def run(args) -> list[dict]:
                 print(
                     f"{batch:>4} {prefix:>5} {suffix:>5} | {t_flat * 1e3:8.2f} "
                     f"{t_casc * 1e3:8.2f} {ref} | {row['speedup']:7.2f} "
-                    f"{row['bytes_ratio']:7.1f} | {row['flat_bandwidth'] / 1e9:9.2f} "
+                    f"{row['bytes_ratio']:7.1f} {row['total_bytes_ratio']:7.1f} | "
+                    f"{row['flat_bandwidth'] / 1e9:9.2f} "
                     f"{row['cascade_bandwidth'] / 1e9:9.2f} | {'cascade' if chooses else 'flat'}"
                 )
     return [dict(r, read_bandwidth=bandwidth) for r in results]

@@ -154,7 +154,8 @@ def bench_config(b, p, s, *, page_size, reps, repeats, interpret, heads, dtype, 
     kv_lens = jnp.full((b,), p + s, jnp.int32)
     cu = jnp.arange(b + 1, dtype=jnp.int32)
     num_seqs = jnp.array([b], jnp.int32)
-    row = {"B": b, "P": p, "S": s, "flat_bytes": flat_bytes, "cascade_bytes": cascade_bytes,
+    row = {"B": b, "P": p, "S": s,
+           "flat_total_bytes": flat_bytes, "cascade_total_bytes": cascade_bytes,
            "flat_kv_bytes": b * (p + s) * token_bytes,
            "cascade_kv_bytes": (p + b * s) * token_bytes}  # fmt: skip
 

@@ -169,13 +169,16 @@ def run_one(model, prompts, args, name, cascade, prefix_caching) -> dict:
 
 def paired(cascade: dict, flat: dict) -> dict | None:
     """Cascade against flat over the steps in which neither run compiled, or None when
-    the two runs did not schedule the same tokens step for step."""
+    the two runs did not schedule the same tokens step for step or no such step
+    generated a token."""
     a, b = cascade["step_log"], flat["step_log"]
     if [s[1:3] for s in a] != [s[1:3] for s in b]:
         return None
     keep = [i for i in range(len(a)) if not a[i][0] and not b[i][0]]
     generated = sum(a[i][2] for i in keep)
     t_cascade, t_flat = sum(a[i][3] for i in keep), sum(b[i][3] for i in keep)
+    if not (generated and t_cascade and t_flat):  # e.g. every step compiled in one run
+        return None
     return {
         "steps": len(keep),
         "generated_tokens": generated,
@@ -242,7 +245,7 @@ def main(argv=None) -> int:
             continue
         pairs[cache] = pair = paired(c, f)
         if pair is None:
-            print(f"{cache}: cascade and flat scheduled different steps; no paired ratio")
+            print(f"{cache}: no step that both runs scheduled alike and neither compiled; no ratio")
             continue
         print(
             f"{cache}: cascade {pair['speedup']:.2f}x flat in generated tokens/s "

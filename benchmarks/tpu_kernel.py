@@ -215,7 +215,8 @@ def run(args) -> tuple[list[dict], dict]:
     rng = np.random.default_rng(0)
     header = (
         f"{'B':>4} {'P':>5} {'S':>5} | {'flat us':>9} {'casc us':>9} {'speedup':>7} "
-        f"{'bytes x':>7} | {'flat GB/s':>9} {'%peak':>6} | {'casc GB/s':>9} {'vs_bound':>8}"
+        f"{'KV x':>7} {'all x':>7} | {'flat GB/s':>9} {'%peak':>6} | {'casc GB/s':>9} "
+        f"{'vs_bound':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -235,13 +236,15 @@ def run(args) -> tuple[list[dict], dict]:
                 flat_bytes = decode_bytes(batch, prefix, suffix, **sizes, cascade=False)
                 casc_bytes = decode_bytes(batch, prefix, suffix, **sizes, cascade=True)
                 kv = dict(kv_per_token=kv_bytes_per_token)
+                flat_kv = kv_bytes(batch, prefix, suffix, **kv, cascade=False)
+                casc_kv = kv_bytes(batch, prefix, suffix, **kv, cascade=True)
                 row = dict(
                     batch=batch, prefix=prefix, suffix=suffix,
                     flat_s=times["flat"], cascade_s=times["cascade"],
-                    flat_bytes=flat_bytes, cascade_bytes=casc_bytes,
-                    flat_kv_bytes=kv_bytes(batch, prefix, suffix, **kv, cascade=False),
-                    cascade_kv_bytes=kv_bytes(batch, prefix, suffix, **kv, cascade=True),
-                    speedup=times["flat"] / times["cascade"], bytes_ratio=flat_bytes / casc_bytes,
+                    flat_total_bytes=flat_bytes, cascade_total_bytes=casc_bytes,
+                    flat_kv_bytes=flat_kv, cascade_kv_bytes=casc_kv,
+                    speedup=times["flat"] / times["cascade"], bytes_ratio=flat_kv / casc_kv,
+                    total_bytes_ratio=flat_bytes / casc_bytes,
                     flat_bandwidth=flat_bytes / times["flat"],
                     cascade_bandwidth=casc_bytes / times["cascade"],
                     flat_fraction_of_peak=flat_bytes / times["flat"] / peak if peak else None,
@@ -254,7 +257,8 @@ def run(args) -> tuple[list[dict], dict]:
                 print(
                     f"{batch:>4} {prefix:>5} {suffix:>5} | {times['flat'] * 1e6:9.1f} "
                     f"{times['cascade'] * 1e6:9.1f} {row['speedup']:7.2f} "
-                    f"{row['bytes_ratio']:7.1f} | {row['flat_bandwidth'] / 1e9:9.2f} {pct} | "
+                    f"{row['bytes_ratio']:7.1f} {row['total_bytes_ratio']:7.1f} | "
+                    f"{row['flat_bandwidth'] / 1e9:9.2f} {pct} | "
                     f"{row['cascade_bandwidth'] / 1e9:9.2f} {vsb}"
                 )
     meta = dict(
