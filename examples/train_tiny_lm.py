@@ -72,7 +72,13 @@ def tiny_config(overrides: list[str]) -> LlamaConfig:
             fields[key] = int(value)
         except ValueError:
             raise ValueError(f"{item!r}: {value!r} is not an int") from None
-    return LlamaConfig.preset("tiny", **fields)
+    config = LlamaConfig.preset("tiny", **fields)
+    if config.vocab_size < ByteTokenizer.vocab_size:
+        raise ValueError(
+            f"vocab_size={config.vocab_size} must hold the byte tokenizer's "
+            f"{ByteTokenizer.vocab_size} ids"
+        )
+    return config
 
 
 def random_windows(

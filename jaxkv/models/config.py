@@ -160,7 +160,11 @@ class LlamaConfig:
     def from_hf_dict(cls, hf: dict[str, Any], *, dtype: str | None = None) -> LlamaConfig:
         """Build from a Hugging Face Llama `config.json` dict (architectures LlamaForCausalLM).
 
-        Raises ValueError naming a required key the dict lacks (or a bad value)."""
+        RoPE comes from `rope_theta` / `rope_scaling`, or from `rope_parameters` (newer
+        transformers), which must then agree with them. Raises ValueError naming a required
+        key the dict lacks, a bad value, or a feature this Llama lacks (another model_type,
+        a sliding window, attention or MLP biases): such a model would load and run wrong.
+        """
         required = (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads",
@@ -168,32 +172,15 @@ class LlamaConfig:
         missing = [k for k in required if k not in hf]
         if missing:
             raise ValueError(f"Hugging Face config lacks {missing}")
-        scaling = hf.get("rope_scaling")
-        rope_scaling = None
-        if scaling is not None:
-            if not isinstance(scaling, dict):
-                raise ValueError(f"rope_scaling={scaling!r} must be a dict or null")
-            kind = scaling.get("rope_type", scaling.get("type"))
-        if scaling is not None and kind != "default":  # "default": plain RoPE
-            if kind != "llama3":
-                raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
-            keys = (
-                "factor", "low_freq_factor", "high_freq_factor",
-                "original_max_position_embeddings",
-            )  # fmt: skip
-            missing = [k for k in keys if k not in scaling]
-            if missing:
-                raise ValueError(f"rope_scaling (llama3) lacks {missing}")
-            rope_scaling = RopeScaling(
-                factor=_hf_value(scaling, "factor", float, None, "rope_scaling"),
-                low_freq_factor=_hf_value(scaling, "low_freq_factor", float, None, "rope_scaling"),
-                high_freq_factor=_hf_value(
-                    scaling, "high_freq_factor", float, None, "rope_scaling"
-                ),
-                original_max_position_embeddings=_hf_value(
-                    scaling, "original_max_position_embeddings", int, None, "rope_scaling"
-                ),
-            )
+        model_type = hf.get("model_type", "llama")
+        if model_type != "llama":
+            raise ValueError(f"{model_type=} is not supported (only 'llama')")
+        if hf.get("sliding_window") is not None:
+            raise ValueError(f"sliding_window={hf['sliding_window']!r}: this Llama attends to all")
+        for key in ("attention_bias", "mlp_bias"):
+            if hf.get(key):
+                raise ValueError(f"{key}={hf[key]!r}: this Llama's projections have no bias")
+        rope_theta, rope_scaling = _hf_rope(hf)
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act={act!r} is not supported (Llama's MLP is SwiGLU: 'silu')")
@@ -206,9 +193,13 @@ class LlamaConfig:
             num_layers=hf["num_hidden_layers"],
             num_heads=hf["num_attention_heads"],
             # A null num_key_value_heads means as many as query heads, as in transformers.
-            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            num_kv_heads=(
+                hf["num_attention_heads"]
+                if hf.get("num_key_value_heads") is None
+                else hf["num_key_value_heads"]
+            ),
             head_dim=hf.get("head_dim") or 0,
-            rope_theta=_hf_value(hf, "rope_theta", float, 10000.0),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             rms_norm_eps=_hf_value(hf, "rms_norm_eps", float, 1e-6),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -285,6 +276,56 @@ PRESETS: dict[str, LlamaConfig] = {
         dtype="bfloat16",
     ),
 }
+
+
+def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, rope_scaling) of a Hugging Face config, from the top-level keys or
+    `rope_parameters`; ValueError when the two are given and disagree."""
+    scaling = hf.get("rope_scaling")
+    rope_scaling = None if scaling is None else _hf_scaling(scaling, "rope_scaling")
+    rope_theta = _hf_value(hf, "rope_theta", float, None)
+    params = hf.get("rope_parameters")
+    if params is not None:
+        from_params = _hf_scaling(params, "rope_parameters", default_kind="default")
+        theta = _hf_value(params, "rope_theta", float, None, "rope_parameters")
+        if (scaling is not None and from_params != rope_scaling) or (
+            None not in (theta, rope_theta) and theta != rope_theta
+        ):
+            raise ValueError(f"rope_parameters={params!r} disagree with rope_theta/rope_scaling")
+        rope_scaling, rope_theta = from_params, rope_theta if theta is None else theta
+    return (10000.0 if rope_theta is None else rope_theta), rope_scaling
+
+
+def _hf_scaling(d: Any, where: str, default_kind: str | None = None) -> RopeScaling | None:
+    """The RopeScaling a `rope_scaling` (or `rope_parameters`) dict describes: None for
+    plain RoPE ("default"), the llama3 scaling, ValueError for anything else."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}={d!r} must be a dict or null")
+    kind = d.get("rope_type", d.get("type", default_kind))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"{where} type {kind!r} is not supported (only 'llama3')")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise ValueError(f"{where} (llama3) lacks {missing}")
+    return RopeScaling(
+        factor=_hf_value(d, "factor", float, None, where),
+        low_freq_factor=_hf_value(d, "low_freq_factor", float, None, where),
+        high_freq_factor=_hf_value(d, "high_freq_factor", float, None, where),
+        original_max_position_embeddings=_hf_value(
+            d, "original_max_position_embeddings", _integral, None, where
+        ),
+    )
+
+
+def _integral(value) -> int:
+    """`value` as an int if it is integral (8192 or 8192.0); ValueError otherwise."""
+    as_float = float(value)
+    if not as_float.is_integer():
+        raise ValueError(value)
+    return int(as_float)
 
 
 def _hf_value(d: dict[str, Any], key: str, convert, default, where: str = "config"):

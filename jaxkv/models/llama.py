@@ -308,7 +308,7 @@ def make_paged_forward(
     distinct static metadata (bucket sizes, levels, backend). The caller must use the
     returned caches: the ones passed in are donated.
     """
-    graphdef, state = nnx.split(model)
+    graphdef, state = _snapshot(model)
     return lambda input_ids, positions, kv_caches, metadata: _paged_step(
         graphdef, state, input_ids, positions, kv_caches, metadata
     )
@@ -316,5 +316,12 @@ def make_paged_forward(
 
 def make_dense_forward(model: Llama) -> Callable[[jax.Array], jax.Array]:
     """Jit `model.dense_forward(tokens)` over a snapshot of the model's weights."""
-    graphdef, state = nnx.split(model)
+    graphdef, state = _snapshot(model)
     return lambda tokens: _dense_step(graphdef, state, tokens)
+
+
+def _snapshot(model: Llama) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state) holding the arrays the model holds now: nnx.split's state shares
+    the model's Variables, so a later nnx.update of the model would show through it."""
+    graphdef, state = nnx.split(model)
+    return graphdef, jax.tree.map(lambda x: x, state)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 
@@ -10,7 +12,8 @@ class ByteTokenizer:
 
     Token id b < 256 is the byte b; ids 256, 257, 258 are PAD, BOS, EOS. `decode` keeps only
     byte ids (it drops the specials and any id outside 0..255, silently) and replaces invalid
-    UTF-8 (a sample cut mid-character) with U+FFFD, one per maximal invalid subsequence.
+    UTF-8 (a sample cut mid-character) with U+FFFD, one per maximal invalid subsequence; it
+    refuses (ValueError) an id that is not an integer, which it would otherwise truncate.
     `encode` refuses (UnicodeEncodeError, a ValueError) a str holding lone surrogates.
     """
 
@@ -29,5 +32,12 @@ class ByteTokenizer:
         return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
 
     def decode(self, ids: list[int] | np.ndarray) -> str:
-        data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
-        return data.decode("utf-8", errors="replace")
+        values = []
+        for i in ids:
+            try:
+                if isinstance(i, (bool, np.bool_)):
+                    raise TypeError
+                values.append(operator.index(i))
+            except TypeError:
+                raise ValueError(f"ids must be integer token ids, got {i!r}") from None
+        return bytes(v for v in values if 0 <= v < 256).decode("utf-8", errors="replace")

@@ -126,10 +126,16 @@ def greedy_generate(
 
     Runs on a fixed [1, window] buffer, so it compiles once per model graph and window
     (calls with other prompts reuse the program); the context is the last `window` tokens.
-    Causal attention means the padding after the context never matters.
+    Causal attention means the padding after the context never matters, as long as it is
+    a token id of the model: ValueError for a `pad_id` or prompt id outside the vocabulary.
     """
     if not prompt:
         raise ValueError("prompt must hold at least one token")
+    vocab = model.config.vocab_size
+    if not 0 <= pad_id < vocab:  # an id past the table embeds as NaN, and NaN * 0 is NaN
+        raise ValueError(f"{pad_id=} must be a token id in [0, {vocab})")
+    if not 0 <= min(prompt) <= max(prompt) < vocab:
+        raise ValueError(f"prompt ids must lie in [0, {vocab}), got {min(prompt)}..{max(prompt)}")
     graphdef, state = nnx.split(model)
     next_token = _greedy_next_token(graphdef)
     tokens = list(prompt)

@@ -1,0 +1,109 @@
+"""Inputs the model side used to misread: Hugging Face configs of other models or newer
+transformers, forwards that followed later weight updates, non-integer token ids."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxkv.models import ByteTokenizer, LlamaConfig, RopeScaling, make_dense_forward
+from jaxkv.models.train import greedy_generate
+from tests.models.conftest import random_model, small_config
+from tests.models.test_train import _example
+
+REQUIRED = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4
+)
+LLAMA3 = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0)
+
+
+def llama3(original_max) -> dict:
+    return {"rope_type": "llama3", **LLAMA3, "original_max_position_embeddings": original_max}
+
+
+LLAMA3_SCALING = RopeScaling(32.0, 1.0, 4.0, 8192)
+
+
+def test_rope_parameters_of_newer_transformers_configs_are_read():
+    # They carry rope_theta and the llama3 scaling; both used to be dropped (theta 1e4,
+    # no scaling): a different model, loaded without complaint.
+    cfg = LlamaConfig.from_hf_dict(
+        {**REQUIRED, "rope_parameters": {**llama3(8192), "rope_theta": 500000.0}}
+    )
+    assert (cfg.rope_theta, cfg.rope_scaling) == (500000.0, LLAMA3_SCALING)
+    plain = LlamaConfig.from_hf_dict(
+        {**REQUIRED, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+    )
+    assert (plain.rope_theta, plain.rope_scaling) == (5e5, None)
+    agreeing = {**REQUIRED, "rope_theta": 5e5, "rope_parameters": {"rope_theta": 5e5}}
+    assert LlamaConfig.from_hf_dict(agreeing).rope_theta == 5e5
+    for disagreeing in (
+        {"rope_theta": 1e4, "rope_parameters": {"rope_theta": 5e5}},
+        {
+            "rope_scaling": llama3(4096),
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+        },
+    ):
+        with pytest.raises(ValueError, match="disagree"):
+            LlamaConfig.from_hf_dict({**REQUIRED, **disagreeing})
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"model_type": "mistral", "sliding_window": 4096}, "model_type='mistral'"),
+        ({"sliding_window": 4096}, "sliding_window=4096"),
+        ({"attention_bias": True}, "attention_bias=True"),
+        ({"mlp_bias": True}, "mlp_bias=True"),
+        ({"num_key_value_heads": 0}, "num_kv_heads=0"),  # used to become full MHA
+        (
+            {"rope_scaling": llama3(8192.9)},
+            "original_max_position_embeddings=8192.9",  # used to be truncated to 8192
+        ),
+    ],
+)
+def test_configs_this_llama_cannot_run_are_refused(extra, match):
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig.from_hf_dict({**REQUIRED, **extra})
+
+
+def test_what_this_llama_runs_is_still_accepted():
+    fine = {
+        "model_type": "llama", "sliding_window": None, "attention_bias": False,
+        "mlp_bias": False, "num_key_value_heads": 2,
+        "rope_scaling": llama3(8192.0),
+    }  # fmt: skip
+    cfg = LlamaConfig.from_hf_dict({**REQUIRED, **fine})
+    assert cfg.num_kv_heads == 2 and cfg.rope_scaling == LLAMA3_SCALING
+
+
+def test_a_forward_keeps_the_weights_it_was_made_with():
+    model, other = random_model(small_config(), seed=1), random_model(small_config(), seed=2)
+    forward = make_dense_forward(model)
+    tokens = jnp.arange(6)[None]
+    before = np.asarray(forward(tokens))
+    nnx.update(model, nnx.state(other))  # the model changes; the snapshot must not
+    np.testing.assert_array_equal(np.asarray(forward(tokens)), before)
+    assert not np.allclose(np.asarray(make_dense_forward(model)(tokens)), before)
+
+
+@pytest.mark.parametrize("bad", [[72.5], np.array([72.0, 105.0]), ["72"], [True], [np.True_]])
+def test_decode_refuses_ids_that_are_not_integers(bad):
+    with pytest.raises(ValueError, match="integer token ids"):
+        ByteTokenizer().decode(bad)
+    assert ByteTokenizer().decode([np.int64(72), 105, 300, -1]) == "Hi"  # others dropped
+
+
+def test_greedy_generate_refuses_a_pad_or_prompt_id_outside_the_vocabulary():
+    # An id past the embedding table embeds as NaN, and NaN * 0 is NaN: every token
+    # generated was 0, whatever the prompt.
+    model = random_model(small_config())  # vocabulary 64
+    for kwargs, match in [({"pad_id": 64}, "pad_id=64"), ({"pad_id": -1}, "pad_id=-1")]:
+        with pytest.raises(ValueError, match=match):
+            greedy_generate(model, [3, 4], 2, window=8, **kwargs)
+    with pytest.raises(ValueError, match="prompt ids must lie in"):
+        greedy_generate(model, [3, 64], 2, window=8)
+    with pytest.raises(ValueError, match="byte tokenizer's 259 ids"):
+        _example().tiny_config(["vocab_size=200"])
