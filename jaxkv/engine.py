@@ -39,7 +39,7 @@ from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.request import Request, SamplingParams
 from jaxkv.sampler import SamplingRows
 from jaxkv.scheduler import Scheduler, SchedulerOutput
-from jaxkv.sharding import DEFAULT_AXIS, mesh_for, shard_model
+from jaxkv.sharding import mesh_for, shard_model, tensor_parallel_of
 from jaxkv.step_inputs import coarsen_metadata, gather_input_ids, program_key
 from jaxkv.step_program import step_program
 
@@ -51,7 +51,8 @@ class Engine(Closable):
     None uses them as they are. `connector` (e.g. HostOffloadConnector) sees finished
     requests and prefix-cache misses. `mesh` (a jax Mesh with a "model" axis) or
     `tensor_parallel_size` (a mesh over the first that many devices) runs the model
-    tensor-parallel (jaxkv.sharding); None of both: the default device, unsharded.
+    tensor-parallel (jaxkv.sharding); None of both: as the model is placed (one that
+    jaxkv.sharding.shard_model returned keeps its mesh), else the default device.
     Not thread-safe: one thread drives the engine. close() (or leaving a `with` block)
     frees its device memory at once.
     """
@@ -79,6 +80,9 @@ class Engine(Closable):
         self.mesh = mesh_for(mesh, tensor_parallel_size)
         if self.mesh is not None:
             model, params = shard_model(model, self.mesh, params=params), None
+        # A model shard_model placed already runs tensor-parallel without a mesh argument.
+        placed = tensor_parallel_of(model)
+        self.mesh = None if placed is None else placed.mesh
         graphdef, state = nnx.split(model)
         state = state if params is None else params
         self._state_leaves, state_treedef = jax.tree.flatten(state)
@@ -98,7 +102,7 @@ class Engine(Closable):
         self.buckets = config.buckets
         # Each device reads only its own heads' KV in every kernel call: the cost model
         # must weigh one device's bytes against one device's call.
-        tp = 1 if self.mesh is None else self.mesh.shape[DEFAULT_AXIS]
+        tp = 1 if placed is None else placed.size
         self.planner = CascadePlanner(
             AttentionShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, kv_itemsize).per_device(tp),
             backend=self.backend,

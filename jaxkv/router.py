@@ -207,6 +207,8 @@ class PrefixAwareRouter(Closable):
         if replica is None or not self.replicas[replica].abort(request_id):
             return False
         self._finish(request_id)
+        # Outputs a failed step() kept for it must not reach a later request of this id.
+        self._undelivered = [o for o in self._undelivered if o.request_id != request_id]
         return True
 
     def _finish(self, request_id: str) -> None:

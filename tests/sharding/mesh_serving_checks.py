@@ -74,6 +74,14 @@ def engine_greedy_tp():
         # The cost model weighs one device's KV reads: each device attends with 8 // tp heads.
         assert engine.planner.shape == AttentionShape(8 // tp, 8 // tp, 8, c.dtype.itemsize)
         assert shard_shapes(c) == [(64, BLOCK_SIZE, 16 // tp, 8)] * tp
+    # A model shard_model placed already, given without a mesh: the engine takes its mesh
+    # (it used to run tensor-parallel but plan cascade with the whole model's heads).
+    from jaxkv.sharding import make_mesh, shard_model
+
+    placed = Engine(shard_model(model(8), make_mesh(4)), None, engine_config())
+    assert placed.mesh is not None and placed.mesh.devices.size == 4
+    assert placed.planner.shape == AttentionShape(2, 2, 8, c.dtype.itemsize)
+    assert greedy(placed, prompts()) == want
 
 
 @functools.cache

@@ -69,3 +69,18 @@ def test_outputs_kept_from_a_failed_step_count_as_unfinished_work():
     assert router.has_unfinished_requests()  # the kept output is still to be delivered
     assert [(o.request_id, o.finished) for o in router.step()] == [(done, True)]
     assert not router.has_unfinished_requests()
+
+
+def test_an_aborted_requests_kept_output_never_reaches_a_later_request_of_its_id():
+    # A failed step() keeps x's first token for the next step; x is aborted and its id
+    # reused: the old token used to be delivered as the new x's first.
+    router = PrefixAwareRouter([FakeReplica(0), FailingReplica(1)], block_size=BLOCK)
+    router.add_request([1] * BLOCK, SamplingParams(max_tokens=3), request_id="x")
+    router.add_request([2] * BLOCK, SamplingParams(max_tokens=3), request_id="y")
+    with pytest.raises(RuntimeError, match="device lost"):
+        router.step()
+    assert router.abort("x")
+    router.add_request([7] * 9, SamplingParams(max_tokens=1), request_id="x")
+    outputs = router.step()
+    assert [(o.request_id, o.finished) for o in outputs if o.request_id == "x"] == [("x", True)]
+    assert [o.new_token_ids for o in outputs if o.request_id == "x"] == [(9,)]
