@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from jaxkv.field_checks import is_real
 from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key
 
+_FLOAT32_MAX = 3.4028234663852886e38
 MAX_TOKEN_ID = 2**63 - 1  # block hashes encode each token as a signed 64-bit integer
 
 
@@ -55,8 +56,12 @@ class SamplingParams:
         max_tokens, top_k = _int_or_none(self.max_tokens), _int_or_none(self.top_k)
         if max_tokens is None or max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1")
-        if not is_real(self.temperature) or not 0.0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature={self.temperature!r} must be finite and >= 0")
+        try:  # 10**400 compares below math.inf but overflows a float
+            temperature = float(self.temperature) if is_real(self.temperature) else math.nan
+        except OverflowError:
+            temperature = math.inf
+        if not 0.0 <= temperature <= _FLOAT32_MAX:  # the sampler divides in float32
+            raise ValueError(f"temperature={self.temperature!r} must be >= 0 and finite in float32")
         if top_k is None or top_k < 0:
             raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 = off)")
         if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -74,7 +79,7 @@ class SamplingParams:
             )
         for name, value in (("max_tokens", max_tokens), ("top_k", top_k), ("seed", seed)):
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "stop_token_ids", stop)
 

@@ -119,7 +119,9 @@ def sample(
 
     def draw(seed, position, row):
         key = jax.random.fold_in(jax.random.key(seed), position)
-        return jax.random.categorical(key, row)
+        # "high": the default Gumbel noise stops about 20 logits below the maximum, so a
+        # large vocabulary's many unlikely tokens were drawn too rarely, or never.
+        return jax.random.categorical(key, row, mode="high")
 
     sampled = jax.vmap(draw)(seeds, positions, masked).astype(jnp.int32)
     return jnp.where(temperature > 0, sampled, greedy)
