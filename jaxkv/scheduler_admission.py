@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jaxkv.allocation_args import checked_request_id
 from jaxkv.request import Request, RequestStatus
 from jaxkv.scheduler_output import StepBatch
 
@@ -28,13 +29,8 @@ __all__ = ["admit_waiting", "check_new_request"]
 
 def check_new_request(scheduler: Scheduler, request: Request) -> None:
     """Raises ValueError unless Scheduler.add_request may queue `request` (see there)."""
-    if not isinstance(request, Request):
-        raise ValueError(f"request={request!r} must be a Request")
-    rid, manager, max_model_len = (
-        request.request_id,
-        scheduler.manager,
-        scheduler.config.max_model_len,
-    )
+    rid = checked_request_id(request)
+    manager, max_model_len = scheduler.manager, scheduler.config.max_model_len
     if rid in scheduler.requests:
         raise ValueError(f"request id {rid!r} is already in use")
     if request.status != RequestStatus.WAITING or request.num_computed_tokens:
