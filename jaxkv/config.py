@@ -83,7 +83,8 @@ class EngineConfig:
     "anything else"), trading padding for fewer programs; `pad_cascade_levels` pads every
     cascade level to its largest number of sequences (one program per level structure).
     `max_step_programs` is the resulting bound on Engine.num_compiles.
-    seed: default sampling seed of requests that give none (mixed with their index).
+    seed: default sampling seed of requests that give none (mixed with their index, and
+    drawn in a stream of its own: no SamplingParams.seed replays an unseeded request).
     """
 
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)

@@ -2,8 +2,10 @@
 
 A pure function of arrays with static shapes (jittable, no Python branching on values),
 one row per scheduled sequence. Each row's randomness comes from its own seed folded
-with the position of the token being sampled, so a request samples the same tokens
-whatever batch it runs in, and again after a preemption recomputes it.
+with its stream (0: the request's own seed, 1: the engine's default for a request that
+gives none) and the position of the token being sampled, so a request samples the same
+tokens whatever batch it runs in, and again after a preemption recomputes it, and no
+explicit seed replays the draws of an unseeded request.
 """
 
 from __future__ import annotations
@@ -18,30 +20,43 @@ _SEED_MASK = 0xFFFFFFFF
 _MAX_TOP_K = 2**31 - 1  # any top_k >= vocab is no cut; larger ones would overflow int32
 
 
-def sampling_row(params: SamplingParams, default_seed: int) -> tuple[float, int, float, int]:
-    """(temperature, top_k, top_p, seed) of one request, seed folded into 32 bits and
+SEED_STREAM = 0  # a request's own SamplingParams.seed
+DEFAULT_STREAM = 1  # the default seed of a request that gives none
+
+SamplingRow = tuple[float, int, float, int, int]
+
+
+def sampling_row(params: SamplingParams, default_seed: int) -> SamplingRow:
+    """(temperature, top_k, top_p, seed, stream) of one request: its own seed in
+    SEED_STREAM, else `default_seed` in DEFAULT_STREAM; the seed folded into 32 bits and
     top_k capped at 2**31 - 1."""
-    seed = default_seed if params.seed is None else params.seed
+    if params.seed is None:
+        seed, stream = default_seed, DEFAULT_STREAM
+    else:
+        seed, stream = params.seed, SEED_STREAM
     top_k = min(int(params.top_k), _MAX_TOP_K)
-    return (float(params.temperature), top_k, float(params.top_p), seed & _SEED_MASK)
+    return (float(params.temperature), top_k, float(params.top_p), seed & _SEED_MASK, stream)
 
 
 def sampling_arrays(
-    rows: list[tuple[float, int, float, int]], num_rows: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(temperature, top_k, top_p, seeds) padded to `num_rows`; padding rows are greedy."""
+    rows: list[SamplingRow], num_rows: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(temperature, top_k, top_p, seeds, streams) padded to `num_rows`; padding rows are
+    greedy."""
     n = len(rows)
     temperature = np.zeros(num_rows, np.float32)
     top_k = np.zeros(num_rows, np.int32)
     top_p = np.ones(num_rows, np.float32)
     seeds = np.zeros(num_rows, np.uint32)
+    streams = np.zeros(num_rows, np.uint32)
     if n:
         table = np.array(rows, np.float64)  # exact: seeds < 2**32, top_k small
         temperature[:n] = table[:, 0]
         top_k[:n] = table[:, 1]
         top_p[:n] = table[:, 2]
         seeds[:n] = table[:, 3].astype(np.uint32)
-    return temperature, top_k, top_p, seeds
+        streams[:n] = table[:, 4].astype(np.uint32)
+    return temperature, top_k, top_p, seeds, streams
 
 
 class SamplingRows:
@@ -53,7 +68,7 @@ class SamplingRows:
     """
 
     def __init__(self) -> None:
-        self._rows: dict[str, tuple[float, int, float, int]] = {}
+        self._rows: dict[str, SamplingRow] = {}
         self._memo: tuple | None = None  # (requests, order bytes or None, arrays)
 
     def __len__(self) -> int:
@@ -88,6 +103,7 @@ def sample(
     top_k: jax.Array,  # i32[S] 0 = no cut
     top_p: jax.Array,  # f32[S] 1 = no cut
     seeds: jax.Array,  # u32[S]
+    streams: jax.Array,  # u32[S] SEED_STREAM or DEFAULT_STREAM
     positions: jax.Array,  # i32[S] position of the token being sampled
 ) -> jax.Array:  # i32[S]
     """One token per row. Greedy rows take the argmax (lowest id on ties).
@@ -117,11 +133,11 @@ def sample(
     threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1)
     masked = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
 
-    def draw(seed, position, row):
-        key = jax.random.fold_in(jax.random.key(seed), position)
+    def draw(seed, stream, position, row):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), position)
         # "high": the default Gumbel noise stops about 20 logits below the maximum, so a
         # large vocabulary's many unlikely tokens were drawn too rarely, or never.
         return jax.random.categorical(key, row, mode="high")
 
-    sampled = jax.vmap(draw)(seeds, positions, masked).astype(jnp.int32)
+    sampled = jax.vmap(draw)(seeds, streams, positions, masked).astype(jnp.int32)
     return jnp.where(temperature > 0, sampled, greedy)

@@ -45,6 +45,17 @@ def test_ids_and_default_seeds_are_not_reused_after_requests_finish():
     assert first.output_token_ids != second.output_token_ids  # a new default seed
 
 
+def test_no_explicit_seed_replays_an_unseeded_request():
+    # The first unseeded request's default seed is 0 (EngineConfig.seed 0, serial 0); an
+    # explicit seed=0 draws in the other stream, not the same tokens.
+    prompt = [3, 1, 4, 1, 5]
+    params = [HOT, dataclasses.replace(HOT, seed=0)]
+    outs = make_engine().generate([prompt, prompt], params, progress=False)
+    unseeded, seeded = (list(o.output_token_ids) for o in outs)
+    assert [unseeded, seeded] == _sampled_by_the_dense_model([prompt, prompt], params)
+    assert unseeded != seeded
+
+
 def test_finished_and_aborted_requests_release_their_sampling_rows():
     engine = make_engine()
     engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=2), progress=False)

@@ -23,6 +23,7 @@ def _draws(top_k: int, top_p: float, temperature: float = 1.0, n: int = 4000) ->
             np.full(n, top_k, np.int32),
             np.full(n, top_p, np.float32),
             np.arange(n, dtype=np.uint32),
+            np.zeros(n, np.uint32),
             np.full(n, 7, np.int32),
         )
     )
@@ -34,7 +35,7 @@ def test_greedy_rows_take_the_argmax_and_sampled_rows_follow_probabilities():
     logits = np.array([[0.1, 2.0, -1.0, 2.0]], np.float32)
     one = lambda a, dt: np.array([a], dt)
     out = _sample(logits, one(0, np.float32), one(0, np.int32), one(1, np.float32),
-                  one(0, np.uint32), one(0, np.int32))  # fmt: skip
+                  one(0, np.uint32), one(0, np.uint32), one(0, np.int32))  # fmt: skip
     assert int(out[0]) == 1  # ties: the lowest id
 
 
@@ -56,13 +57,14 @@ def test_low_temperature_sharpens():
 def test_a_row_depends_on_its_seed_and_position_only():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(8, 32)).astype(np.float32)
-    args = lambda seeds, pos: (
+    args = lambda seeds, pos, stream=0: (
         logits, np.ones(8, np.float32), np.zeros(8, np.int32), np.ones(8, np.float32),
-        np.asarray(seeds, np.uint32), np.asarray(pos, np.int32),
+        np.asarray(seeds, np.uint32), np.full(8, stream, np.uint32), np.asarray(pos, np.int32),
     )  # fmt: skip
     a = np.asarray(_sample(*args([5] * 8, [3] * 8)))
     b = np.asarray(_sample(*args([5] * 8, [3] * 8)))
     np.testing.assert_array_equal(a, b)
     shifted = np.asarray(_sample(*args([5] * 8, [4] * 8)))
     other = np.asarray(_sample(*args([6] * 8, [3] * 8)))
-    assert (shifted != a).any() and (other != a).any()
+    other_stream = np.asarray(_sample(*args([5] * 8, [3] * 8, stream=1)))
+    assert (shifted != a).any() and (other != a).any() and (other_stream != a).any()

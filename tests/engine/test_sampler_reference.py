@@ -16,7 +16,7 @@ import pytest
 from scipy import stats
 
 from jaxkv.request import SamplingParams
-from jaxkv.sampler import sample, sampling_arrays, sampling_row
+from jaxkv.sampler import DEFAULT_STREAM, SEED_STREAM, sample, sampling_arrays, sampling_row
 
 _sample = jax.jit(sample)
 LOGITS = np.array([2.0, 1.5, 1.1, 0.7, 0.2, -0.3, -1.0, -2.0], np.float32)
@@ -24,7 +24,7 @@ N = 20_000
 ROWS = 4000  # every other test pads its batch to this many rows
 
 
-def _run(logits, temperature, top_k=0, top_p=1.0, seeds=0, positions=0) -> np.ndarray:
+def _run(logits, temperature, top_k=0, top_p=1.0, seeds=0, positions=0, streams=0) -> np.ndarray:
     """Tokens of `logits` rows; batches smaller than ROWS are padded (one compiled shape)."""
     logits = np.asarray(logits, np.float32)
     n = len(logits)
@@ -38,6 +38,7 @@ def _run(logits, temperature, top_k=0, top_p=1.0, seeds=0, positions=0) -> np.nd
         full(top_k, np.int32, 0),
         full(top_p, np.float32, 1),
         full(seeds, np.uint32, 0),
+        full(streams, np.uint32, 0),
         full(positions, np.int32, 0),
     )
     return np.asarray(out)[:n]
@@ -168,40 +169,43 @@ def test_a_row_depends_only_on_its_seed_and_position_and_seeds_are_independent()
     top_k = np.r_[np.zeros(100), np.full(ROWS - 100, 3)]
     got = _run(mixed, temperature, top_k, seeds=np.r_[perm, seeds[100:]], positions=7)
     np.testing.assert_array_equal(got[:100], a[perm])
-    # Streams of neighbouring seeds, far seeds and neighbouring positions agree as often as
-    # independent uniform draws do (1/8, sd 0.005), not more.
+    # Streams of neighbouring seeds, far seeds, neighbouring positions and the same seed
+    # as an engine default agree as often as independent uniform draws do (1/8, sd 0.005).
     for other in (
         _run(uniform, 1.0, seeds=seeds + 1, positions=7),
         _run(uniform, 1.0, seeds=seeds + 2**31, positions=7),
         _run(uniform, 1.0, seeds=seeds, positions=8),
+        _run(uniform, 1.0, seeds=seeds, positions=7, streams=DEFAULT_STREAM),
     ):
         agree = float((other == a).mean())
         assert 0.1 < agree < 0.15, agree
     # Seeds are folded into 32 bits, as sampling_row documents.
     row = lambda seed: sampling_row(SamplingParams(temperature=1.0, seed=seed), 0)
     assert row(2**32 + 5)[3] == row(5)[3] == 5 and row(-1)[3] == 2**32 - 1
-    assert sampling_row(SamplingParams(temperature=1.0), 99)[3] == 99
+    assert row(99)[3:] == (99, SEED_STREAM)
+    assert sampling_row(SamplingParams(temperature=1.0), 99)[3:] == (99, DEFAULT_STREAM)
 
 
 def test_sampling_arrays_hold_a_huge_top_k_without_overflow():
     rows = [sampling_row(SamplingParams(temperature=1.0, top_k=2**40), 0)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # numpy warns on an out-of-range float->int cast
-        _, top_k, _, _ = sampling_arrays(rows, 2)
+        _, top_k, _, _, _ = sampling_arrays(rows, 2)
     assert top_k[0] >= 2**31 - 1 and top_k[1] == 0
 
 
 def test_sampling_arrays_put_each_row_in_its_column_and_pad_with_greedy_rows():
-    rows = [(0.7, 5, 0.9, 11), (1.3, 0, 0.25, 2**32 - 1)]
-    temperature, top_k, top_p, seeds = sampling_arrays(rows, 4)
+    rows = [(0.7, 5, 0.9, 11, SEED_STREAM), (1.3, 0, 0.25, 2**32 - 1, DEFAULT_STREAM)]
+    temperature, top_k, top_p, seeds, streams = sampling_arrays(rows, 4)
     assert temperature.dtype == np.float32 and top_p.dtype == np.float32
-    assert top_k.dtype == np.int32 and seeds.dtype == np.uint32
+    assert top_k.dtype == np.int32 and seeds.dtype == streams.dtype == np.uint32
     np.testing.assert_array_equal(temperature, np.float32([0.7, 1.3, 0, 0]))
     np.testing.assert_array_equal(top_k, [5, 0, 0, 0])
     np.testing.assert_array_equal(top_p, np.float32([0.9, 0.25, 1, 1]))
     np.testing.assert_array_equal(seeds, [11, 2**32 - 1, 0, 0])
+    np.testing.assert_array_equal(streams, [SEED_STREAM, DEFAULT_STREAM, 0, 0])
     empty = sampling_arrays([], 2)
-    assert [a.tolist() for a in empty] == [[0, 0], [0, 0], [1, 1], [0, 0]]
+    assert [a.tolist() for a in empty] == [[0, 0], [0, 0], [1, 1], [0, 0], [0, 0]]
 
 
 @pytest.mark.parametrize(
@@ -241,7 +245,8 @@ def test_a_sampled_token_is_the_high_dynamic_range_gumbel_draw():
     logits -= logits.max(axis=1, keepdims=True)
     seeds, positions = np.arange(64, dtype=np.uint32), np.arange(64, dtype=np.int32) % 5
     got = _run(logits, 1.0, seeds=seeds, positions=positions)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
+    key = lambda s, p: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), SEED_STREAM), p)
+    keys = jax.vmap(key)(seeds, positions)
     draw = jax.vmap(lambda k, row: jax.random.categorical(k, row, mode="high"))
     np.testing.assert_array_equal(got, np.asarray(draw(keys, logits)))
     assert SamplingParams(temperature=3.4e38).temperature == 3.4e38  # the largest f32 works
