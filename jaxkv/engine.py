@@ -118,6 +118,7 @@ class Engine(Closable):
             lambda: engine().kv_caches,
             lambda caches: engine()._set_caches(caches),
             max_blocks=self.manager.max_blocks_per_seq,
+            kv_replicas=1 if placed is None else placed.kv_replicas,
         )
         self.connector.bind(self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed)
         # A connector may have served engines before this one: count only this one's copies.

@@ -5,6 +5,11 @@ gathers and scatters (block counts padded to powers of two, padding pointing at 
 block 0), so they run in device order with the engine's steps: a save reads the blocks as
 the last step left them, a load's scatter precedes every later step. A worker thread
 waits for each transfer so the step loop never does.
+
+Host blocks hold each KV head once. Under tensor parallelism wider than the KV heads
+(jaxkv.sharding), the cache holds every KV head `kv_replicas` times; a save keeps the
+first replica of each head and a load writes every replica, so the host store's layout
+does not depend on the tensor-parallel width and holds no copy twice.
 """
 
 from __future__ import annotations
@@ -22,26 +27,52 @@ from jaxkv.buckets import padded_size, pow2_buckets
 Caches = list[jax.Array]  # num_layers x [num_blocks, block_size, 2*num_kv_heads, head_dim]
 
 
-@jax.jit
+def replica_heads(num_cache_heads: int, kv_replicas: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first, expand) for a cache axis of `num_cache_heads` combined heads that holds each
+    KV head `kv_replicas` times, K of combined head c at 2c and V at 2c+1, replicas of a
+    head adjacent (jaxkv.sharding's layout): `first` lists the cache positions of each
+    head's first replica, K and V interleaved as the cache does; `expand[p]` is the index
+    into `first` that cache position p repeats."""
+    p = np.arange(num_cache_heads)
+    expand = 2 * (p // 2 // kv_replicas) + p % 2
+    j = np.arange(num_cache_heads // kv_replicas)
+    first = 2 * (j // 2) * kv_replicas + j % 2
+    return first, expand
+
+
+@functools.partial(jax.jit, static_argnames="kv_replicas")
 def _gather(
     caches: tuple[jax.Array, ...],
     block_ids: jax.Array,  # i32[n]
+    kv_replicas: int,
 ) -> jax.Array:  # [n, num_layers, block_size, 2*num_kv_heads, head_dim]
-    return jnp.stack([c[block_ids] for c in caches], axis=1)
+    blocks = jnp.stack([c[block_ids] for c in caches], axis=1)
+    if kv_replicas == 1:
+        return blocks
+    first, _ = replica_heads(blocks.shape[3], kv_replicas)
+    return blocks[:, :, :, first]
 
 
-@functools.partial(jax.jit, donate_argnums=0)
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="kv_replicas")
 def _scatter(
     caches: tuple[jax.Array, ...],
     block_ids: jax.Array,  # i32[n]
     blocks: jax.Array,  # [n, num_layers, block_size, 2*num_kv_heads, head_dim]
+    kv_replicas: int,
 ) -> tuple[jax.Array, ...]:
+    if kv_replicas > 1:
+        _, expand = replica_heads(caches[0].shape[2], kv_replicas)
+        blocks = blocks[:, :, :, expand]
     return tuple(c.at[block_ids].set(blocks[:, i]) for i, c in enumerate(caches))
 
 
 class DeviceKVCopier:
     """Copies whole blocks of every layer; the engine's caches are read and replaced via
-    `get_caches` / `set_caches` (a load updates them in place through donation)."""
+    `get_caches` / `set_caches` (a load updates them in place through donation).
+
+    `kv_replicas` is how many times the cache holds each KV head (TensorParallel's);
+    host blocks (`block_shape`, `bytes_per_block`) hold each head once.
+    """
 
     def __init__(
         self,
@@ -49,11 +80,24 @@ class DeviceKVCopier:
         set_caches: Callable[[Caches], None],
         *,
         max_blocks: int,
+        kv_replicas: int = 1,
     ) -> None:
         caches = get_caches()
         layer = caches[0]
-        self.bytes_per_block = len(caches) * int(np.prod(layer.shape[1:])) * layer.dtype.itemsize
-        self.block_shape = (len(caches), *layer.shape[1:])
+        num_cache_heads = layer.shape[2]
+        if type(kv_replicas) is not int or kv_replicas < 1 or num_cache_heads % (2 * kv_replicas):
+            raise ValueError(
+                f"{kv_replicas=} must be an int >= 1 that divides the cache's "
+                f"{num_cache_heads // 2} KV heads"
+            )
+        self.kv_replicas = kv_replicas
+        self.block_shape = (
+            len(caches),
+            layer.shape[1],
+            num_cache_heads // kv_replicas,
+            *layer.shape[3:],
+        )
+        self.bytes_per_block = int(np.prod(self.block_shape)) * layer.dtype.itemsize
         self.dtype = layer.dtype
         self._get_caches = get_caches
         self._set_caches = set_caches
@@ -67,7 +111,7 @@ class DeviceKVCopier:
 
     def start_save(self, block_ids: Sequence[int]) -> Future:
         n = len(block_ids)
-        gathered = _gather(tuple(self._get_caches()), self._padded_ids(block_ids))
+        gathered = _gather(tuple(self._get_caches()), self._padded_ids(block_ids), self.kv_replicas)
         gathered.copy_to_host_async()
         return self._executor.submit(lambda: np.asarray(gathered)[:n])
 
@@ -79,7 +123,8 @@ class DeviceKVCopier:
         data = np.zeros((len(ids), *self.block_shape), self.dtype)
         data[:n] = blocks
         on_device = jax.device_put(data)
-        self._set_caches(list(_scatter(tuple(self._get_caches()), ids, on_device)))
+        caches = _scatter(tuple(self._get_caches()), ids, on_device, self.kv_replicas)
+        self._set_caches(list(caches))
         return self._executor.submit(on_device.block_until_ready)
 
     def close(self) -> None:

@@ -145,7 +145,8 @@ class HostOffloadConnector(KVConnector):
     It holds the copier weakly, so an engine dropped without close() is still collected;
     the copies it had in flight are then forgotten. The store outlives the engine: a later
     engine bound with the same block size, hash seed and block layout (bytes, shape and
-    dtype of a block) reads what the earlier one saved; any other binding empties it.
+    dtype of a block, which holds each KV head once whatever the tensor-parallel width)
+    reads what the earlier one saved; any other binding empties it.
     Equal tokens hash equal under one seed, so engines over different weights must use
     different hash seeds to share one connector in turn.
     """

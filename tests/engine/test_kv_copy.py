@@ -36,3 +36,45 @@ def test_save_and_load_move_exactly_the_listed_blocks_of_every_layer():
             np.testing.assert_array_equal(np.asarray(got)[1:], exp[1:])
     finally:
         copier.close()
+
+
+def _replicated(blocks: np.ndarray, kv_replicas: int) -> np.ndarray:
+    """[..., 2*H, D] (K, V of each head interleaved) -> [..., 2*H*r, D] with each head's
+    (K, V) pair repeated r times in place, as jaxkv.sharding writes the cache."""
+    *lead, combined, dim = blocks.shape
+    pairs = blocks.reshape(*lead, combined // 2, 2, dim)
+    return np.repeat(pairs, kv_replicas, axis=len(lead)).reshape(*lead, combined * kv_replicas, dim)
+
+
+@pytest.mark.parametrize("kv_replicas", [2, 4])
+def test_replicated_kv_heads_are_stored_once_and_loaded_into_every_replica(kv_replicas):
+    rng = np.random.default_rng(1)
+    logical = rng.standard_normal((NUM_LAYERS, NUM_BLOCKS, 2, 4, 4)).astype(np.float32)
+    state = {"caches": [jnp.asarray(_replicated(c, kv_replicas)) for c in logical]}
+    copier = DeviceKVCopier(
+        lambda: state["caches"],
+        lambda c: state.update(caches=c),
+        max_blocks=NUM_BLOCKS,
+        kv_replicas=kv_replicas,
+    )
+    try:
+        assert copier.block_shape == (NUM_LAYERS, 2, 4, 4)
+        assert copier.bytes_per_block == NUM_LAYERS * 2 * 4 * 4 * 4
+        saved = copier.start_save([6, 2]).result()
+        np.testing.assert_array_equal(saved, np.moveaxis(logical[:, [6, 2]], 0, 1))
+
+        new = rng.standard_normal((2, NUM_LAYERS, 2, 4, 4)).astype(np.float32)
+        copier.start_load([3, 5], new).result()
+        expected = logical.copy()
+        expected[:, [3, 5]] = np.moveaxis(new, 1, 0)
+        for got, exp in zip(state["caches"], expected, strict=True):
+            np.testing.assert_array_equal(np.asarray(got)[1:], _replicated(exp, kv_replicas)[1:])
+    finally:
+        copier.close()
+
+
+@pytest.mark.parametrize("kv_replicas", [0, 3, 2.0, True])
+def test_a_replica_count_that_does_not_divide_the_cache_heads_is_refused(kv_replicas):
+    caches = [jnp.zeros((NUM_BLOCKS, 2, 4, 4))]  # 2 KV heads
+    with pytest.raises(ValueError, match="kv_replicas="):
+        DeviceKVCopier(lambda: caches, lambda c: None, max_blocks=4, kv_replicas=kv_replicas)

@@ -142,3 +142,32 @@ def router_replicas_sample_independently():
     print(f"  replicas {where}: {outs}")
     assert all(len(o) == MAX_TOKENS for o in outs), outs
     assert len(set(outs)) == 4, f"replicas drew the same samples: {outs}"
+
+
+@check
+def offload_stores_replicated_kv_heads_once():
+    """2 KV heads: a TP=4 engine (each head on 2 devices) offloads to a host connector that
+    holds each head once; an engine without a mesh and then a TP=8 one (each head on 4
+    devices) reload those blocks, and all three give the unsharded engine's outputs."""
+    from jaxkv.engine import Engine
+    from jaxkv.kv_transfer import HostOffloadConnector
+
+    ps = prompts()
+    want = greedy(Engine(model(2), None, engine_config()), ps)
+    connector = HostOffloadConnector(1 << 24)
+    # A block of 1 layer, BLOCK_SIZE tokens, K and V of 2 heads of dim 8, float32.
+    logical_bytes = BLOCK_SIZE * 2 * 2 * 8 * 4
+    for tp in (4, None, 8):
+        with Engine(model(2), None, engine_config(), tensor_parallel_size=tp,
+                    connector=connector) as engine:  # fmt: skip
+            assert engine.copier.bytes_per_block == logical_bytes
+            got = greedy(engine, ps)
+            engine.drain_transfers()
+            m = engine.metrics
+        print(f"  TP={tp}: offloaded {m.bytes_offloaded} B, reloaded {m.bytes_reloaded} B")
+        assert got == want, (tp, got)
+        if tp == 4:
+            assert m.bytes_offloaded > 0 and m.bytes_reloaded == 0
+        else:
+            assert m.bytes_reloaded > 0, f"TP={tp} reloaded nothing"
+    assert connector.stats.stored_bytes % logical_bytes == 0

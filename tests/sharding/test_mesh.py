@@ -28,6 +28,7 @@ CHECKS = (
     "engine_greedy_tp",
     "router_over_engine_replicas",
     "router_replicas_sample_independently",
+    "offload_stores_replicated_kv_heads_once",
 )
 TIMEOUT_S = 600
 
