@@ -199,8 +199,11 @@ class KVCacheManager:
 
     def count_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Counts a lookup made with count=False once its caller acts on it (the scheduler:
-        once the request is admitted). Does nothing with prefix caching off."""
+        once the request is admitted). Does nothing with prefix caching off. Raises
+        ValueError (nothing counted) like get_computed_blocks, or on a hit count outside
+        [0, request.num_tokens]."""
         hits = checked_hit_tokens(request, num_hit_tokens)
+        check_prompt_fits(request, self.max_model_len)  # as get_computed_blocks refuses it
         if self.enable_prefix_caching:
             self._lookups.count(request.num_tokens, hits)
 

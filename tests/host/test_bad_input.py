@@ -33,6 +33,8 @@ def test_prompt_longer_than_max_model_len(busy):
         busy.get_computed_blocks(long)
     with pytest.raises(ValueError, match="num_prompt_tokens=17"):
         busy.allocate_slots(long, 17)
+    with pytest.raises(ValueError, match="num_prompt_tokens=17"):
+        busy.count_prefix_lookup(long, 0)  # used to count a lookup get_computed_blocks refuses
     _assert_unchanged(busy, before)
     assert busy.prefix_cache_stats.requests == 3  # the refused lookup was not counted
 
