@@ -199,11 +199,11 @@ class KVCacheManager:
 
     def count_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Counts a lookup made with count=False once its caller acts on it (the scheduler:
-        once the request is admitted). Does nothing with prefix caching off. Raises
-        ValueError (nothing counted) like get_computed_blocks, or on a hit count outside
+        once the request is admitted); nothing with prefix caching off. Raises ValueError,
+        counting nothing, where get_computed_blocks would or on a hit count outside
         [0, request.num_tokens]."""
         hits = checked_hit_tokens(request, num_hit_tokens)
-        check_prompt_fits(request, self.max_model_len)  # as get_computed_blocks refuses it
+        check_prompt_fits(request, self.max_model_len)
         if self.enable_prefix_caching:
             self._lookups.count(request.num_tokens, hits)
 
@@ -238,12 +238,9 @@ class KVCacheManager:
         """
         req_id = checked_request_id(request)
         num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_done = allocation_counts(
-            req_id,
-            num_new_tokens,
-            num_new_computed_tokens,
-            num_lookahead_tokens,
+            req_id, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens,
             request.num_computed_tokens,
-        )
+        )  # fmt: skip
         check_prompt_fits(request, self.max_model_len)
         held = self._blocks.get(req_id, [])
         check_computed_within_held(req_id, num_done, len(held), self.block_size)
@@ -283,8 +280,7 @@ class KVCacheManager:
             added = computed + new_blocks
             self._blocks[req_id].extend(added)
             self._table.append(req_id, [b.block_id for b in added], shared=bool(computed))
-        if req_id not in self._num_cached:
-            self._num_cached[req_id] = 0
+        self._num_cached.setdefault(req_id, 0)
         if computed and self._num_cached[req_id] == len(held):
             self._num_cached[req_id] = len(held) + len(computed)
         self._cache_full_blocks(request, num_computed + num_new_tokens)
