@@ -169,7 +169,15 @@ def validated_computed_blocks(
 ) -> list[KVCacheBlock]:
     """The pool's blocks of a cache hit (`block_ids`), checked to start where the
     request's computed tokens end, to be covered by num_new_computed_tokens and to still
-    carry the request's block hashes at their positions. Requires prefix caching on."""
+    carry the request's block hashes at their positions. Requires prefix caching on
+    unless `block_ids` is empty ([] then)."""
+    try:
+        if not len(block_ids):
+            return []
+    except TypeError:
+        raise ValueError(
+            f"new_computed_blocks={block_ids!r} must be a sequence of block ids"
+        ) from None
     if not pool.enable_caching:
         raise ValueError("new_computed_blocks given while prefix caching is disabled")
     if num_computed_tokens != num_held_blocks * block_size:

@@ -31,6 +31,16 @@ class UnknownRequestError(ValueError, KeyError):
 _SCALAR_WRITES_MAX = 64
 
 
+def _unhashable(ids: list):
+    """The first of `ids` that cannot be a dict key."""
+    for i in ids:
+        try:
+            hash(i)
+        except TypeError:
+            return i
+    return None
+
+
 class HostBlockTable:
     """Rows of block ids and prefix ids, one per request that holds blocks.
 
@@ -89,7 +99,10 @@ class HostBlockTable:
         elif isinstance(request_ids, str):  # list("ab") would be the ids "a" and "b"
             raise ValueError(f"{request_ids=} must be a sequence of request ids, not one str")
         else:
-            ids = list(request_ids)
+            try:
+                ids = list(request_ids)
+            except TypeError:
+                raise ValueError(f"{request_ids=} must be a sequence of request ids") from None
         memo = self._rows_memo
         if memo is not None and memo[1] == self._row_epoch and memo[0] == ids:
             return memo[2]
@@ -103,6 +116,8 @@ class HostBlockTable:
             raise UnknownRequestError(
                 f"request_ids: {e.args[0]!r} holds no blocks (never allocated or already freed)"
             ) from None
+        except TypeError:
+            raise ValueError(f"request_ids: {_unhashable(key)!r} is not a request id") from None
         rows = np.frombuffer(raw, np.int32)  # read-only
         self._rows_memo = (key, self._row_epoch, rows)
         return rows

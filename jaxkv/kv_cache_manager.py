@@ -244,20 +244,10 @@ class KVCacheManager:
         check_prompt_fits(request, self.max_model_len)
         held = self._blocks.get(req_id, [])
         check_computed_within_held(req_id, num_done, len(held), self.block_size)
-        computed = (
-            validated_computed_blocks(
-                self.pool,
-                request,
-                len(held),
-                num_done,
-                num_new_computed_tokens,
-                new_computed_blocks,
-                block_size=self.block_size,
-                hash_seed=self.hash_seed,
-            )
-            if len(new_computed_blocks)
-            else []
-        )
+        computed = validated_computed_blocks(
+            self.pool, request, len(held), num_done, num_new_computed_tokens,
+            new_computed_blocks, block_size=self.block_size, hash_seed=self.hash_seed,
+        )  # fmt: skip
         if self.enable_prefix_caching:  # caching the filled blocks below must not fail
             request.check_hash_config(self.block_size, self.hash_seed)
         num_computed = num_done + num_new_computed_tokens

@@ -115,6 +115,9 @@ def test_unknown_id_in_shared_prefix_queries(busy):
         busy.num_common_prefix_blocks(["zzz"])
     with pytest.raises(ValueError, match="'never'"):
         busy.block_ids("never")
+    for bad, match in ((["a", ["b"]], r"\['b'\] is not a request id"), (None, "sequence")):
+        with pytest.raises(ValueError, match=f"request_ids.*{match}"):
+            busy.num_common_prefix_blocks(bad)
     assert busy.num_common_prefix_blocks(["a", "b"]) == 1  # a failed call left no residue
     _assert_unchanged(busy, before)
 
@@ -133,7 +136,10 @@ def test_stale_cache_hit_is_refused(busy):
     _assert_unchanged(busy, before)
 
 
-@pytest.mark.parametrize("block_ids,match", [([0], "invalid block id"), ([99], "invalid")])
+@pytest.mark.parametrize(
+    "block_ids,match",
+    [([0], "invalid block id"), ([99], "invalid"), (None, "must be a sequence of block ids")],
+)
 def test_invalid_computed_block_ids(busy, block_ids, match):
     before = snapshot(busy)
     with pytest.raises(ValueError, match=match):
