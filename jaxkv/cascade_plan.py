@@ -28,14 +28,24 @@ class CascadeLevel:
     leader_rows: np.ndarray  # i32[G] a block-table row holding the group's shared blocks
 
     def __post_init__(self) -> None:
-        """Raises ValueError unless the groups are non-empty, in batch order and disjoint,
-        each over a non-empty range of block columns (the metadata builder relies on it)."""
+        """Raises ValueError unless the five arrays are 1-D integer numpy arrays of one
+        length, the groups are non-empty, in batch order and disjoint, each over a
+        non-empty range of block columns of a block-table row >= 0 (the metadata builder
+        relies on it: numpy would read row -1 as the table's last row)."""
         fields = (
             self.group_starts, self.group_ends, self.block_starts, self.block_ends,
             self.leader_rows,
         )  # fmt: skip
-        if len({np.shape(f) for f in fields}) != 1 or np.ndim(self.group_starts) != 1:
-            raise ValueError(f"level {self.name!r}: its five arrays must be 1-D of one length")
+        if not all(_is_int_vector(f) for f in fields) or len({f.shape for f in fields}) != 1:
+            raise ValueError(
+                f"level {self.name!r}: its five arrays must be 1-D integer numpy arrays "
+                "of one length"
+            )
+        if self.leader_rows.size and self.leader_rows.min() < 0:
+            raise ValueError(
+                f"level {self.name!r}: leader_rows {self.leader_rows.tolist()} must be "
+                "block-table rows (>= 0)"
+            )
         starts, ends = self.group_starts.tolist(), self.group_ends.tolist()
         previous_end = 0
         for g, (start, end, b0, b1) in enumerate(
@@ -79,15 +89,18 @@ class CascadePlan:
             self.check()
 
     def check(self) -> None:
-        """Raises ValueError unless order, rows and suffix starts are one per request,
-        order is a permutation (the identity if keeps_order), rows are >= 0, every
-        level's groups lie within the batch, and each batch position's block columns are
-        read exactly once: the levels that cover it (in level order) read consecutive
-        ranges from column 0, and its suffix pass starts where the last of them ends.
+        """Raises ValueError unless order, rows and suffix starts are 1-D integer numpy
+        arrays, one per request, order is a permutation (the identity if keeps_order),
+        rows are >= 0, every level's groups lie within the batch, and each batch
+        position's block columns are read exactly once: the levels that cover it (in
+        level order) read consecutive ranges from column 0, and its suffix pass starts
+        where the last of them ends.
 
         Not checked (a plan holds no block table): that each group's requests hold its
         leader row's blocks in the level's columns. Cost: O(R) numpy work per level.
         """
+        if not all(_is_int_vector(a) for a in (self.order, self.rows, self.suffix_start_blocks)):
+            raise ValueError("order, rows and suffix_start_blocks must be 1-D integer numpy arrays")
         num_requests = len(self.order)
         if len(self.rows) != num_requests or len(self.suffix_start_blocks) != num_requests:
             raise ValueError(
@@ -129,6 +142,10 @@ class CascadePlan:
     @property
     def num_levels(self) -> int:
         return len(self.levels)
+
+
+def _is_int_vector(a) -> bool:
+    return isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype.kind in "iu"
 
 
 def _is_permutation(order: np.ndarray) -> bool:

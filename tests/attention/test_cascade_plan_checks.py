@@ -76,3 +76,17 @@ def test_a_plan_whose_order_is_not_a_permutation_is_refused():
     _refused(plan, "must be a permutation", order=np.array([0, 2, 4, 1, 3, 6], np.int32))
     _refused(plan, "needs the identity order", keeps_order=True)  # order is [0, 2, 4, 1, 3, 5]
     _refused(plan, "block-table rows", rows=np.array([0, 1, 2, 3, 4, -1], np.int32))
+
+
+def test_a_negative_leader_row_or_non_integer_arrays_are_refused():
+    # numpy reads leader row -1 as the table's last row: another request's (or no) KV.
+    plan = _two_group_plan()
+    (level,) = plan.levels
+    with pytest.raises(ValueError, match="leader_rows"):
+        dataclasses.replace(level, leader_rows=np.array([0, -1], np.int32))
+    with pytest.raises(ValueError, match="integer numpy arrays"):
+        dataclasses.replace(level, block_ends=level.block_ends.astype(float) - 0.5)
+    with pytest.raises(ValueError, match="integer numpy arrays"):
+        dataclasses.replace(level, group_starts=level.group_starts.tolist())
+    _refused(plan, "integer numpy arrays", order=plan.order.tolist())
+    _refused(plan, "integer numpy arrays", suffix_start_blocks=plan.suffix_start_blocks * 1.0)
