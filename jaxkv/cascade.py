@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -58,6 +59,8 @@ class CascadePlanner:
     ) -> None:
         """`page_buckets`: the page widths metadata is padded to (BucketConfig.page_buckets),
         for a cost model with reads_padded_pages; None skips that check."""
+        if not isinstance(max_groups, numbers.Integral) or isinstance(max_groups, bool):
+            raise ValueError(f"{max_groups=} must be an int >= 1")  # 2.0 failed every plan()
         if max_groups < 1:
             raise ValueError(f"{max_groups=} must be >= 1")
         if cost_model is None:
@@ -68,7 +71,7 @@ class CascadePlanner:
         self.cost_model = cost_model
         self.enable_cascade = enable_cascade and sliding_window is None
         self.enable_groups = enable_groups
-        self.max_groups = max_groups
+        self.max_groups = int(max_groups)
         self.page_buckets = (
             tuple(page_buckets) if page_buckets and cost_model.reads_padded_pages else None
         )

@@ -125,7 +125,12 @@ class EngineConfig:
             "min_pages_bucket",
         )
         if self.q_len_buckets is not None:
-            qb = tuple(self.q_len_buckets)
+            try:
+                qb = tuple(self.q_len_buckets)
+            except TypeError:  # an int, e.g. one bound meant as (bound,)
+                raise ValueError(
+                    f"{self.q_len_buckets=} must be strictly increasing ints >= 1"
+                ) from None
             # A float bound would reach the kernels as a static query length.
             if not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in qb):
                 raise ValueError(f"{self.q_len_buckets=} must be strictly increasing ints >= 1")

@@ -372,3 +372,10 @@ def test_cost_models_that_do_not_read_padded_pages_ignore_page_buckets():
     reqs = [_decoding(m, f"r{i}", SYSTEM_A + [i, i + 1]) for i in range(4)]
     planner = CascadePlanner(SHAPE, cost_model=ALWAYS, page_buckets=(16,))
     assert _plan(planner, m, reqs).uses_cascade
+
+
+@pytest.mark.parametrize("max_groups", [0, 2.0, "2", True])
+def test_a_max_groups_that_is_no_int_above_zero_is_refused_on_construction(max_groups):
+    # A float used to pass and make every plan() raise TypeError (a float slice bound).
+    with pytest.raises(ValueError, match="max_groups"):
+        CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=max_groups)

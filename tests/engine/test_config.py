@@ -59,6 +59,7 @@ def test_defaults_build_and_derive_consistent_sizes():
         (lambda: EngineConfig(q_len_buckets=(0, 512)), "strictly increasing ints >= 1"),
         (lambda: EngineConfig(q_len_buckets=(1.5, 512)), "strictly increasing ints >= 1"),
         (lambda: EngineConfig(q_len_buckets=(1, True, 512)), "strictly increasing ints >= 1"),
+        (lambda: EngineConfig(q_len_buckets=512), "strictly increasing ints >= 1"),
         (lambda: EngineConfig(max_cascade_groups=0), "max_cascade_groups=0"),
     ],
 )
