@@ -202,8 +202,9 @@ def build_attention_metadata(
     interpret: bool = False,
     levels: tuple[LevelMetadata, ...] | None = None,
 ) -> AttentionMetadata:
-    """Pads one planned batch to buckets. Raises ValueError if it exceeds the buckets or
-    a scheduled token lies past the blocks its request holds.
+    """Pads one planned batch to buckets. Raises ValueError if it exceeds the buckets, a
+    scheduled token lies past the blocks its request holds, or a cascade level reads
+    blocks past a request's num_computed_tokens (it would cover a query token).
 
     `levels`: the level metadata this function built for the same plan object and the
     same query_lens at an earlier step, to reuse (it depends on nothing else while the
@@ -234,6 +235,14 @@ def build_attention_metadata(
     suffix_start = plan.suffix_start_blocks
     main_kv = (num_computed + 1) if decode_only else (num_computed + query_lens)
     main_kv -= suffix_start * block_size
+    if plan.levels and (suffix_start * block_size > num_computed).any():
+        # A level would read past a request's cached tokens: its non-causal pass would
+        # show the request's query tokens keys after their own positions.
+        i = int(np.argmax(suffix_start * block_size > num_computed))
+        raise ValueError(
+            f"batch position {i}: the cascade levels read {int(suffix_start[i])} blocks, "
+            f"past its {int(num_computed[i])} cached tokens (block size {block_size})"
+        )
     longest_main = int(main_kv.max(initial=1))
     width = padded_size(
         buckets.page_buckets, max(-(-longest_main // block_size), 1), name="main-pass pages"

@@ -12,8 +12,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxkv.cascade_plan import make_level
-from tests.attention.test_cascade_planner import _two_group_plan
+from jaxkv import KVCacheManager
+from jaxkv.batch import build_attention_metadata
+from jaxkv.buckets import BucketConfig
+from jaxkv.cascade_plan import CascadePlan, make_level
+from tests.attention.test_cascade_planner import SYSTEM_A, _decoding, _two_group_plan
 
 
 def _reversed_groups(level):
@@ -90,3 +93,20 @@ def test_a_negative_leader_row_or_non_integer_arrays_are_refused():
         dataclasses.replace(level, group_starts=level.group_starts.tolist())
     _refused(plan, "integer numpy arrays", order=plan.order.tolist())
     _refused(plan, "integer numpy arrays", suffix_start_blocks=plan.suffix_start_blocks * 1.0)
+
+
+def test_metadata_refuses_a_level_past_a_requests_cached_tokens():
+    # Both hold SYSTEM_A's 8 blocks; r1 is given 30 cached tokens, so a level over all 8
+    # blocks would show its query tokens at positions 30 and 31 keys after their own.
+    m = KVCacheManager(64, 4, max_model_len=64)
+    reqs = [_decoding(m, f"r{i}", SYSTEM_A + [i]) for i in range(2)]
+    rows = m.rows_of([r.request_id for r in reqs])
+    level = make_level("global", [0], [2], [0], [8], [int(rows[0])])
+    plan = CascadePlan(np.arange(2, dtype=np.int32), rows, np.full(2, 8, np.int32), (level,), 8)
+    build = dict(
+        block_table=m.block_table, plan=plan, block_size=4,
+        buckets=BucketConfig(max_num_tokens=8, max_num_seqs=4, max_pages_per_seq=16),
+    )  # fmt: skip
+    build_attention_metadata(query_lens=np.array([1, 1]), num_computed_tokens=[33, 33], **build)
+    with pytest.raises(ValueError, match="batch position 1: the cascade levels read 8 blocks"):
+        build_attention_metadata(query_lens=np.array([1, 4]), num_computed_tokens=[33, 30], **build)
