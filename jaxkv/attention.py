@@ -57,6 +57,39 @@ def kernel_for(
     raise ValueError(f"{backend=} must be one of {BACKENDS}")
 
 
+def check_backend(
+    backend: str,
+    *,
+    interpret: bool,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    q_dtype,
+    kv_dtype,
+) -> None:
+    """Raises ValueError, naming the limit, unless `backend` can run paged attention of
+    these shapes and dtypes (per device) here: a Pallas backend compiles only on its own
+    platform, and each kernel has its own limits (head_dim, page size, dtypes), which
+    tracing it once on tiny arrays shows without compiling (about 0.1 s the first time)."""
+    platform = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}.get(backend)
+    if platform is not None and not interpret and jax.default_backend() != platform:
+        raise ValueError(
+            f"{backend=} compiles only on a {platform.upper()} and JAX's platform here is "
+            f"{jax.default_backend()!r}: pass interpret=True to run it in interpret mode"
+        )
+    spec = jax.ShapeDtypeStruct
+    i32 = jnp.int32
+    args = (
+        spec((8, num_q_heads, head_dim), q_dtype),
+        spec((2, block_size, 2 * num_kv_heads, head_dim), kv_dtype),
+        spec((1,), i32), spec((1, 1), i32), spec((2,), i32), spec((1,), i32),
+    )  # fmt: skip
+    kernel = kernel_for(backend, interpret=interpret)
+    for causal in (True, False):  # the main pass and a cascade level's
+        jax.eval_shape(functools.partial(kernel, sm_scale=1.0, causal=causal), *args)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxkv.attention import default_backend
+from jaxkv.attention import check_backend, default_backend
 from jaxkv.batch import build_attention_metadata
 from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner
 from jaxkv.closable import Closable
@@ -88,6 +88,13 @@ class Engine(Closable):
         self._state_leaves, state_treedef = jax.tree.flatten(state)
         self._program = step_program(graphdef, state_treedef)
         self.backend = config.backend or default_backend()
+        tp = 1 if placed is None else placed.size
+        kv_heads = mc.num_kv_heads * (1 if placed is None else placed.kv_replicas)
+        check_backend(
+            self.backend, interpret=config.interpret, num_q_heads=mc.num_heads // tp,
+            num_kv_heads=kv_heads // tp, head_dim=mc.head_dim, block_size=cc.block_size,
+            q_dtype=mc.dtype, kv_dtype=cc.kv_dtype or mc.dtype,
+        )  # fmt: skip
         self.manager = KVCacheManager(
             cc.num_blocks,
             cc.block_size,
@@ -102,7 +109,6 @@ class Engine(Closable):
         self.buckets = config.buckets
         # Each device reads only its own heads' KV in every kernel call: the cost model
         # must weigh one device's bytes against one device's call.
-        tp = 1 if placed is None else placed.size
         self.planner = CascadePlanner(
             AttentionShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, kv_itemsize).per_device(tp),
             backend=self.backend,

@@ -14,6 +14,7 @@ from jaxkv import SamplingParams
 from jaxkv.attention import default_backend
 from jaxkv.config import EngineConfig, SchedulerConfig
 from jaxkv.engine import Engine
+from jaxkv.kv_transfer import HostOffloadConnector
 from jaxkv.sampler import sample, sampling_arrays, sampling_row
 from tests.engine._util import (
     MAX_MODEL_LEN,
@@ -121,6 +122,20 @@ def test_the_configured_backend_is_used_and_none_picks_the_platforms():
     assert none.backend == default_backend()
     gpu = dataclasses.replace(base, backend="pallas_gpu", interpret=True)
     assert Engine(tiny_model(), None, gpu).backend == "pallas_gpu"
+
+
+def test_a_backend_that_cannot_run_the_model_here_is_refused_at_construction():
+    base = make_engine().config
+    connector = HostOffloadConnector(1 << 20)
+    cases = (
+        (dataclasses.replace(base, backend="pallas_tpu", interpret=True), "head_dim"),
+        (dataclasses.replace(base, backend="pallas_gpu"), "pass interpret=True"),
+    )
+    for config, match in cases:
+        with pytest.raises(ValueError, match=match):  # was: every step raised
+            Engine(tiny_model(), None, config, connector=connector)
+    # The refused engines bound nothing: the connector serves the next engine.
+    make_engine(connector=connector).close()
 
 
 def test_kv_dtype_sets_the_cache_dtype():
