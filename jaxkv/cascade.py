@@ -63,8 +63,10 @@ class CascadePlanner:
             raise ValueError(f"{max_groups=} must be an int >= 1")  # 2.0 failed every plan()
         if max_groups < 1:
             raise ValueError(f"{max_groups=} must be >= 1")
+        if page_buckets is not None and not _ascending_sizes(page_buckets):
+            raise ValueError(f"{page_buckets=} must be ascending distinct ints >= 1")
         if cost_model is None:
-            if backend not in DEFAULT_COST_MODELS:
+            if not isinstance(backend, str) or backend not in DEFAULT_COST_MODELS:
                 raise ValueError(f"{backend=} must be one of {sorted(DEFAULT_COST_MODELS)}")
             cost_model = DEFAULT_COST_MODELS[backend]
         self.shape = shape
@@ -347,3 +349,13 @@ class CascadePlanner:
         runs = runs[np.argsort(-sizes[runs], kind="stable")][: 2 * self.max_groups]
         order = eligible[by_key]
         return [np.sort(order[starts[c] : starts[c] + sizes[c]]) for c in runs]
+
+
+def _ascending_sizes(sizes) -> bool:
+    sizes = list(sizes)
+    integral = all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in sizes)
+    return (
+        integral
+        and all(n >= 1 for n in sizes)
+        and all(a < b for a, b in zip(sizes, sizes[1:], strict=False))
+    )

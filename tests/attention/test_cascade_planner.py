@@ -379,3 +379,19 @@ def test_a_max_groups_that_is_no_int_above_zero_is_refused_on_construction(max_g
     # A float used to pass and make every plan() raise TypeError (a float slice bound).
     with pytest.raises(ValueError, match="max_groups"):
         CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=max_groups)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(page_buckets=(16, 8)), "page_buckets"),  # padded_size assumes ascending sizes
+        (dict(page_buckets=(0, 8)), "page_buckets"),
+        (dict(page_buckets=(4.0,)), "page_buckets"),
+        (dict(backend=["xla"]), "backend"),  # was a TypeError (unhashable)
+        (dict(backend="tpu"), "backend"),
+    ],
+)
+def test_bad_page_buckets_or_backend_are_refused_on_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CascadePlanner(SHAPE, **kwargs)
+    assert CascadePlanner(SHAPE, page_buckets=(np.int64(4), 8)).page_buckets == (4, 8)
