@@ -124,12 +124,17 @@ def test_the_configured_backend_is_used_and_none_picks_the_platforms():
     assert Engine(tiny_model(), None, gpu).backend == "pallas_gpu"
 
 
-def test_a_backend_that_cannot_run_the_model_here_is_refused_at_construction():
+@pytest.mark.parametrize("platform", [None, "gpu", "tpu"])
+def test_a_backend_that_cannot_run_the_model_here_is_refused_at_construction(monkeypatch, platform):
+    if platform is not None:  # as on that machine (None: this one's platform)
+        monkeypatch.setattr(jax, "default_backend", lambda: platform)
     base = make_engine().config
     connector = HostOffloadConnector(1 << 20)
+    # A compiled Pallas backend of another platform (on a GPU, pallas_gpu builds).
+    other = "pallas_gpu" if jax.default_backend() == "tpu" else "pallas_tpu"
     cases = (
         (dataclasses.replace(base, backend="pallas_tpu", interpret=True), "head_dim"),
-        (dataclasses.replace(base, backend="pallas_gpu"), "pass interpret=True"),
+        (dataclasses.replace(base, backend=other), "pass interpret=True"),
     )
     for config, match in cases:
         with pytest.raises(ValueError, match=match):  # was: every step raised
