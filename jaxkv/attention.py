@@ -71,13 +71,24 @@ def check_backend(
     """Raises ValueError, naming the limit, unless `backend` can run paged attention of
     these shapes and dtypes (per device) here: a Pallas backend compiles only on its own
     platform, and each kernel has its own limits (head_dim, page size, dtypes), which
-    tracing it once on tiny arrays shows without compiling (about 0.1 s the first time)."""
+    tracing it once on tiny arrays shows without compiling (about 0.1 s the first time;
+    an accepted combination is remembered)."""
     platform = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}.get(backend)
     if platform is not None and not interpret and jax.default_backend() != platform:
         raise ValueError(
             f"{backend=} compiles only on a {platform.upper()} and JAX's platform here is "
             f"{jax.default_backend()!r}: pass interpret=True to run it in interpret mode"
         )
+    _probe_kernel(
+        backend, interpret, num_q_heads, num_kv_heads, head_dim, block_size,
+        jnp.dtype(q_dtype), jnp.dtype(kv_dtype),
+    )  # fmt: skip
+
+
+@functools.cache  # a refusal raises, so only accepted combinations are kept
+def _probe_kernel(
+    backend, interpret, num_q_heads, num_kv_heads, head_dim, block_size, q_dtype, kv_dtype
+) -> None:
     spec = jax.ShapeDtypeStruct
     i32 = jnp.int32
     args = (
