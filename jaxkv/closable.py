@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Self
 
+from jaxkv.field_checks import is_real
+
 
 class Closable:
     """`closed`, `_check_open()` (RuntimeError once closed) and `with` support: leaving
@@ -28,3 +30,14 @@ class Closable:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def checked_timeout(timeout_s) -> float:
+    """`timeout_s` as a float; ValueError unless a number of seconds >= 0 (inf: no limit).
+
+    Checked before a close or drain changes anything: "60" or None used to fail with a
+    TypeError only after close had aborted every request, and NaN never timed out.
+    """
+    if not is_real(timeout_s) or not timeout_s >= 0:  # NaN fails the comparison
+        raise ValueError(f"{timeout_s=} must be a number of seconds >= 0")
+    return float(timeout_s)

@@ -27,7 +27,7 @@ from flax import nnx
 from jaxkv.attention import check_backend, default_backend
 from jaxkv.batch import build_attention_metadata
 from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner
-from jaxkv.closable import Closable
+from jaxkv.closable import Closable, checked_timeout
 from jaxkv.completion import progress_bar, run_to_completion
 from jaxkv.config import EngineConfig
 from jaxkv.kv_cache_manager import KVCacheManager
@@ -302,10 +302,11 @@ class Engine(Closable):
         """Steps until every finished request's KV copy has landed (blocks all freed).
 
         Runs other requests' steps meanwhile if any are queued (their outputs are
-        dropped; call it when the engine is otherwise idle). Raises TimeoutError.
+        dropped; call it when the engine is otherwise idle). Raises TimeoutError, and
+        ValueError (nothing done) unless `timeout_s` is a number >= 0.
         """
         self._check_open()
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + checked_timeout(timeout_s)
         while self.scheduler.has_pending_transfers():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"KV transfers still pending after {timeout_s=}")
@@ -338,13 +339,15 @@ class Engine(Closable):
         copy thread and frees the KV cache's device memory.
 
         Afterwards add_request, step, generate and drain_transfers raise RuntimeError;
-        metrics stay readable; closing again does nothing. Raises TimeoutError when the
+        metrics stay readable; closing again does nothing. Raises ValueError, changing
+        nothing, unless `timeout_s` is a number >= 0, and TimeoutError when the
         copies have not landed within `timeout_s`: the engine then stays open, without
         requests, and close can be called again. `with Engine(...) as engine:` closes it
         on leaving the block.
         """
         if self._closed:
             return
+        timeout_s = checked_timeout(timeout_s)  # before any request is aborted
         for request in [*self.scheduler.running, *self.scheduler.waiting]:
             self.abort(request.request_id)
         self.drain_transfers(timeout_s)

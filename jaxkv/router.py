@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from jaxkv.closable import Closable
+from jaxkv.closable import Closable, checked_timeout
 from jaxkv.completion import progress_bar, run_to_completion
 from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key, root_hash
 from jaxkv.outputs import CompletionOutput, RequestOutput
@@ -253,10 +253,11 @@ class PrefixAwareRouter(Closable):
         """Steps replicas until every KV copy in flight has landed; see Engine.drain_transfers.
 
         Outputs of requests stepped meanwhile are dropped (their finishes are still
-        counted); call it when the router is otherwise idle. Raises TimeoutError.
+        counted); call it when the router is otherwise idle. Raises TimeoutError, and
+        ValueError (nothing done) unless `timeout_s` is a number >= 0.
         """
         self._check_open()
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + checked_timeout(timeout_s)
         while self.has_pending_transfers():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"KV transfers still pending after {timeout_s=}")
@@ -290,12 +291,14 @@ class PrefixAwareRouter(Closable):
         `timeout_s`. Outputs that a failed step() kept for the next one are dropped.
 
         Afterwards add_request, step, generate and drain_transfers raise RuntimeError;
-        closing again does nothing. Raises TimeoutError when the copies have not landed
+        closing again does nothing. Raises ValueError, changing nothing, unless
+        `timeout_s` is a number >= 0, and TimeoutError when the copies have not landed
         in time (no replica is closed then) or a replica's close raises it; either way
         the router stays open, without requests, and close can be called again.
         """
         if self._closed:
             return
+        timeout_s = checked_timeout(timeout_s)  # before any request is aborted
         for request_id in list(self._replica_of):
             self.abort(request_id)
         deadline = time.monotonic() + timeout_s

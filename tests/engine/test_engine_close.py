@@ -144,3 +144,16 @@ def test_transfer_metrics_count_only_the_engines_own_copies():
     total = connector.stats
     assert total.bytes_offloaded == first_saved + second.metrics.bytes_offloaded
     assert total.bytes_reloaded == second.metrics.bytes_reloaded
+
+
+@pytest.mark.parametrize("timeout_s", ["60", None, float("nan"), -1.0, True])
+def test_close_and_drain_refuse_a_bad_timeout_before_aborting_anything(timeout_s):
+    # close("60") used to abort every request and only then raise TypeError from the
+    # deadline sum, leaving the engine open with its work gone; NaN never timed out.
+    engine = make_engine()
+    rid = engine.add_request(_prompts(4, 1, 8)[0], SamplingParams(max_tokens=4))
+    for call in (engine.close, engine.drain_transfers):
+        with pytest.raises(ValueError, match="timeout_s"):
+            call(timeout_s)
+    assert not engine.closed and engine.scheduler.requests[rid].status.name == "WAITING"
+    engine.close()

@@ -101,3 +101,16 @@ def test_close_closes_no_replica_until_every_copy_has_landed():
     replicas[1].lands = True
     router.close()
     assert router.closed and [len(r.close_calls) for r in replicas] == [1, 1]
+
+
+@pytest.mark.parametrize("timeout_s", ["60", None, float("nan"), -1.0])
+def test_close_and_drain_refuse_a_bad_timeout_before_aborting_anything(timeout_s):
+    # close("60") used to abort every request before raising TypeError; NaN never timed out.
+    replicas = [ClosableReplica(0), ClosableReplica(1)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    rid = router.add_request([1] * BLOCK)
+    for call in (router.close, router.drain_transfers):
+        with pytest.raises(ValueError, match="timeout_s"):
+            call(timeout_s)
+    assert not router.closed and router.replica_of(rid) in (0, 1)
+    assert sum(router.num_outstanding) == 1 and not any(r.close_calls for r in replicas)
