@@ -174,9 +174,14 @@ class PrefixAwareRouter(Closable):
         """Routes and queues a request on one replica; returns its id (unique across all
         replicas; generated ones are "dp-0", "dp-1", ... skipping ids callers hold).
         Prompts route together only under equal `cache_salt`s, as the replicas cache them.
-        Raises ValueError on a duplicate id; the replica's own ValueError (bad prompt or
-        params) leaves the router unchanged, the next generated id included."""
+        Raises ValueError on a duplicate id or one that is not a str; the replica's own
+        ValueError (bad prompt or params) leaves the router unchanged, the next generated
+        id included."""
         self._check_open()
+        if request_id is not None and not isinstance(request_id, str):
+            # abort() and close() take only str ids: a replica that queued an int id would
+            # leave a request the router can never abort, and a close() that always raises.
+            raise ValueError(f"{request_id=} must be None or a str")
         prompt = _prompt_ids(prompt_token_ids)
         serial = None
         if request_id is None:
