@@ -23,6 +23,17 @@ class StepDriver(Protocol):
     def abort(self, request_id: str) -> bool: ...
 
 
+def count_prompts(prompts: Sequence[Sequence[int]]) -> int:
+    """len(prompts); ValueError naming `prompts` if it has none (an int, a generator)."""
+    try:
+        return len(prompts)
+    except TypeError:
+        raise ValueError(
+            f"prompts must be a sequence of prompts (each a sequence of token ids), not "
+            f"{type(prompts).__name__}"
+        ) from None
+
+
 def run_to_completion(
     driver: StepDriver,
     prompts: Sequence[Sequence[int]],
@@ -40,12 +51,13 @@ def run_to_completion(
     outputs are dropped.
     `progress_bar` (tqdm-like, optional) is advanced once per finished prompt and closed.
     """
+    num_prompts = count_prompts(prompts)
     if sampling_params is None or not isinstance(sampling_params, Sequence):
-        params_list = [sampling_params] * len(prompts)
+        params_list = [sampling_params] * num_prompts
     else:
         params_list = list(sampling_params)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(params_list)=} sampling params for {len(prompts)=}")
+        if len(params_list) != num_prompts:
+            raise ValueError(f"{len(params_list)=} sampling params for {num_prompts} prompts")
     ids: list[str] = []
     try:
         for p, sp in zip(prompts, params_list, strict=True):

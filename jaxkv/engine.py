@@ -28,7 +28,7 @@ from jaxkv.attention import check_backend, default_backend
 from jaxkv.batch import build_attention_metadata
 from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner
 from jaxkv.closable import Closable, checked_timeout
-from jaxkv.completion import progress_bar, run_to_completion
+from jaxkv.completion import count_prompts, progress_bar, run_to_completion
 from jaxkv.config import EngineConfig
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_copy import DeviceKVCopier
@@ -328,7 +328,7 @@ class Engine(Closable):
         Requests already in the engine progress too; their outputs are not returned.
         """
         self._check_open()
-        bar = progress_bar(len(prompts), desc="generate") if progress else None
+        bar = progress_bar(count_prompts(prompts), desc="generate") if progress else None
         return run_to_completion(self, prompts, sampling_params, progress_bar=bar)
 
     # --------------------------------------------------------------- lifetime

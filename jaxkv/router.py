@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from jaxkv.closable import Closable, checked_timeout
-from jaxkv.completion import progress_bar, run_to_completion
+from jaxkv.completion import count_prompts, progress_bar, run_to_completion
 from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key, root_hash
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.prompt_checks import checked_prompt_ids
@@ -118,7 +118,10 @@ class PrefixAwareRouter(Closable):
 
     def replica_of(self, request_id: str) -> int:
         """The replica an unfinished request runs on; KeyError if unknown or finished."""
-        return self._replica_of[request_id]
+        try:
+            return self._replica_of[request_id]
+        except TypeError:  # unhashable: no request's id
+            raise KeyError(request_id) from None
 
     def _prefix_hashes(
         self, prompt_token_ids: Sequence[int], cache_salt: str | None
@@ -284,7 +287,7 @@ class PrefixAwareRouter(Closable):
         in order. `sampling_params` is one for all or a sequence of one per prompt.
         `progress` shows a progress bar (tqdm, when installed), as Engine.generate does."""
         self._check_open()
-        bar = progress_bar(len(prompts), desc="generate") if progress else None
+        bar = progress_bar(count_prompts(prompts), desc="generate") if progress else None
         return run_to_completion(self, prompts, sampling_params, progress_bar=bar)
 
     # --------------------------------------------------------------- lifetime

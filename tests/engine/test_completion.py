@@ -87,3 +87,17 @@ def test_any_exception_while_queueing_aborts_the_prompts_queued_before_it():
     with pytest.raises(TypeError, match="not a prompt"):
         run_to_completion(driver, [[1], [2], [3]], progress_bar=bar)
     assert driver.queued == [] and bar.closed
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_prompts_that_are_no_sequence_are_refused_by_name_and_queue_nothing(progress):
+    from tests.engine._util import make_engine
+
+    engine = make_engine()
+    router, _ = make_router(2)
+    for driver in (engine, router):
+        with pytest.raises(ValueError, match="prompts must be a sequence of prompts"):
+            driver.generate(5, progress=progress)  # was a TypeError from len()
+    assert engine.add_request([1, 2]) == "0" and router.num_outstanding == (0, 0)
+    with pytest.raises(KeyError):  # as for any unknown id (was a TypeError)
+        router.replica_of(["x"])
