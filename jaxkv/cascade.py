@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel
 from jaxkv.cascade_plan import CascadeLevel, CascadePlan, make_level
+from jaxkv.field_checks import increasing_sizes
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.prefix_index import longest_common_prefix
 
@@ -63,7 +64,7 @@ class CascadePlanner:
             raise ValueError(f"{max_groups=} must be an int >= 1")  # 2.0 failed every plan()
         if max_groups < 1:
             raise ValueError(f"{max_groups=} must be >= 1")
-        if page_buckets is not None and not _ascending_sizes(page_buckets):
+        if page_buckets is not None and increasing_sizes(page_buckets) is None:
             raise ValueError(f"{page_buckets=} must be ascending distinct ints >= 1")
         if cost_model is None:
             if not isinstance(backend, str) or backend not in DEFAULT_COST_MODELS:
@@ -349,13 +350,3 @@ class CascadePlanner:
         runs = runs[np.argsort(-sizes[runs], kind="stable")][: 2 * self.max_groups]
         order = eligible[by_key]
         return [np.sort(order[starts[c] : starts[c] + sizes[c]]) for c in runs]
-
-
-def _ascending_sizes(sizes) -> bool:
-    sizes = list(sizes)
-    integral = all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in sizes)
-    return (
-        integral
-        and all(n >= 1 for n in sizes)
-        and all(a < b for a, b in zip(sizes, sizes[1:], strict=False))
-    )

@@ -8,11 +8,10 @@ largest token bucket, max_model_len vs. blocks per sequence) are derived here on
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 from jaxkv.buckets import BucketConfig
 from jaxkv.cascade_cost import CascadeCostModel
-from jaxkv.field_checks import bool_fields, positive_int_fields
+from jaxkv.field_checks import bool_fields, increasing_sizes, positive_int_fields
 from jaxkv.hashing import root_hash
 
 _KV_DTYPES = ("float32", "bfloat16", "float16")
@@ -125,17 +124,8 @@ class EngineConfig:
             "min_pages_bucket",
         )
         if self.q_len_buckets is not None:
-            try:
-                qb = tuple(self.q_len_buckets)
-            except TypeError:  # an int, e.g. one bound meant as (bound,)
-                raise ValueError(
-                    f"{self.q_len_buckets=} must be strictly increasing ints >= 1"
-                ) from None
-            # A float bound would reach the kernels as a static query length.
-            if not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in qb):
-                raise ValueError(f"{self.q_len_buckets=} must be strictly increasing ints >= 1")
-            qb = tuple(int(b) for b in qb)
-            if not qb or list(qb) != sorted(set(qb)) or qb[0] < 1:
+            qb = increasing_sizes(self.q_len_buckets)
+            if not qb:
                 raise ValueError(f"{self.q_len_buckets=} must be strictly increasing ints >= 1")
             if qb[-1] < self.scheduler.max_num_batched_tokens:
                 raise ValueError(

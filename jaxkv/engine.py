@@ -88,12 +88,11 @@ class Engine(Closable):
         self._state_leaves, state_treedef = jax.tree.flatten(state)
         self._program = step_program(graphdef, state_treedef)
         self.backend = config.backend or default_backend()
-        tp = 1 if placed is None else placed.size
-        kv_heads = mc.num_kv_heads * (1 if placed is None else placed.kv_replicas)
+        tp, kv_replicas = (1, 1) if placed is None else (placed.size, placed.kv_replicas)
         check_backend(
             self.backend, interpret=config.interpret, num_q_heads=mc.num_heads // tp,
-            num_kv_heads=kv_heads // tp, head_dim=mc.head_dim, block_size=cc.block_size,
-            q_dtype=mc.dtype, kv_dtype=cc.kv_dtype or mc.dtype,
+            num_kv_heads=mc.num_kv_heads * kv_replicas // tp, head_dim=mc.head_dim,
+            block_size=cc.block_size, q_dtype=mc.dtype, kv_dtype=cc.kv_dtype or mc.dtype,
         )  # fmt: skip
         self.manager = KVCacheManager(
             cc.num_blocks,
@@ -124,7 +123,7 @@ class Engine(Closable):
             lambda: engine().kv_caches,
             lambda caches: engine()._set_caches(caches),
             max_blocks=self.manager.max_blocks_per_seq,
-            kv_replicas=1 if placed is None else placed.kv_replicas,
+            kv_replicas=kv_replicas,
         )
         self.connector.bind(self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed)
         # A connector may have served engines before this one: count only this one's copies.

@@ -29,3 +29,18 @@ def bool_fields(owner: object, *names: str) -> None:
         value = getattr(owner, name)
         if not isinstance(value, bool):
             raise ValueError(f"{name}={value!r} must be a bool")
+
+
+def increasing_sizes(values) -> tuple[int, ...] | None:
+    """`values` as a tuple of ints if it is a collection of strictly increasing integers
+    >= 1 (numpy integers too, bools not; possibly empty), else None."""
+    try:
+        sizes = tuple(values)
+    except TypeError:  # an int, e.g. one bound meant as (bound,)
+        return None
+    if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in sizes):
+        return None  # a float bound would reach the kernels as a static size
+    sizes = tuple(int(n) for n in sizes)
+    if any(n < 1 for n in sizes) or any(a >= b for a, b in zip(sizes, sizes[1:], strict=False)):
+        return None
+    return sizes
