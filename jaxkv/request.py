@@ -20,7 +20,8 @@ class RequestStatus(enum.IntEnum):
     """Lifecycle of a request. Every state from FINISHED_STOPPED on is a finished state.
 
     A FINISHED_TRANSFERRING request has produced its last token but its KV blocks are
-    still being copied out asynchronously; it keeps its blocks until freed.
+    still being copied out asynchronously; it keeps its blocks until the copy lands or
+    fails, then is freed and gets back the status it finished with.
     """
 
     WAITING = enum.auto()

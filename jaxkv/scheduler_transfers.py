@@ -14,7 +14,8 @@ Plain Python, no JAX. Two kinds of copy hold blocks outside the running queue:
   request recomputes from scratch (WAITING, keeping its queue place), like a failed load.
 - saves: a finished request whose blocks the connector is copying out stays
   FINISHED_TRANSFERRING until poll() reports the save, landed or failed; then its
-  blocks are freed. A request aborted while its load is in flight is held the same way
+  blocks are freed and it gets back the status it finished with (FINISHED_STOPPED or
+  FINISHED_LENGTH). A request aborted while its load is in flight is held the same way
   until that load lands or fails.
 
 Every copy lands or fails, so every block held here is released or handed back to the
@@ -53,6 +54,7 @@ class TransferTracker:
         self._manager = manager
         self._release = release  # frees a request's blocks (if any) and forgets it
         self.transferring: dict[str, Request] = {}  # finished or aborted, blocks held
+        self._finished_as: dict[str, RequestStatus] = {}  # saving req_id -> its end status
         # req_id -> (request, its computed tokens once the load lands; None: cancelled)
         self._loading: dict[str, tuple[Request, int | None]] = {}
         self._landed: dict[str, Request] = {}  # waiting requests whose load landed, in order
@@ -140,8 +142,9 @@ class TransferTracker:
 
     def finish(self, request: Request) -> None:
         """A request just finished: held (FINISHED_TRANSFERRING) while the connector saves
-        its blocks, else released now. A connector whose on_finish raises counts as a
-        save that failed to start: the blocks are freed and a RuntimeWarning says why."""
+        its blocks, then released with its finished status back; else released now. A
+        connector whose on_finish raises counts as a save that failed to start: the
+        blocks are freed and a RuntimeWarning says why."""
         block_ids = self._manager.block_ids(request.request_id)
         try:
             held = self._connector.on_finish(request, block_ids)
@@ -154,6 +157,7 @@ class TransferTracker:
             )
             held = False
         if held:
+            self._finished_as[request.request_id] = request.status
             request.status = RequestStatus.FINISHED_TRANSFERRING
             self.transferring[request.request_id] = request
         else:
@@ -186,7 +190,9 @@ class TransferTracker:
         if not events:
             return
         for req_id in events.saved + events.failed_saves:
-            self._release(self.transferring.pop(req_id))
+            request = self.transferring.pop(req_id)
+            request.status = self._finished_as.pop(req_id)
+            self._release(request)
         for req_id in events.loaded:
             self._load_ended(req_id, landed=True)
         for req_id in events.failed_loads:

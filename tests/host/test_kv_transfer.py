@@ -40,6 +40,7 @@ def test_save_holds_blocks_for_delay_steps_then_frees_and_stores():
         assert sched.manager.block_ids("a") == held
     step(sched, copier)
     assert not sched.has_pending_transfers() and sched.manager.num_free_blocks == 63
+    assert a.status == RequestStatus.FINISHED_LENGTH  # its own end again, once saved
     assert conn.stats.num_saves == 1 and conn.stats.bytes_offloaded == 3 * copier.bytes_per_block
     assert conn.stored_hashes() == a.block_hashes[2::-1]  # head most recent
 
@@ -198,12 +199,13 @@ def test_claim_never_covers_the_last_prompt_token():
 def test_failed_save_frees_blocks_and_stores_nothing():
     sched, conn, copier = setup(auto=False)
     copier.fail_saves = True
-    add(sched, "a", range(1, 10), max_tokens=1)
+    a = add(sched, "a", range(1, 10), max_tokens=5, stop_token_ids=(146,))  # samples 146
     step(sched, copier)
     assert "a" in sched.transferring
     copier.complete()
     step(sched, copier)
     assert not sched.has_pending_transfers() and sched.manager.num_free_blocks == 63
+    assert a.status == RequestStatus.FINISHED_STOPPED and a.output_token_ids == [146]
     assert conn.stats.num_failed_saves == 1 and conn.stats.num_stored_blocks == 0
 
 
