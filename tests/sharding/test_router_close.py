@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import time
+
 import pytest
 
 from jaxkv import SamplingParams
+from jaxkv.closable import checked_timeout
 from jaxkv.router import PrefixAwareRouter
 from tests.sharding.test_router import BLOCK, FakeReplica
 
@@ -127,3 +131,36 @@ def test_add_request_refuses_an_id_that_is_not_a_str(request_id):
     assert router.num_outstanding == (0, 0) and not any(r.prompts for r in replicas)
     router.close()
     assert router.closed
+
+
+class SlowClosingReplica(ClosableReplica):
+    """Takes `seconds` to close, as an engine landing its last copies does."""
+
+    def __init__(self, index: int, seconds: float) -> None:
+        super().__init__(index)
+        self.seconds = seconds
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        super().close(timeout_s)
+        time.sleep(self.seconds)
+
+
+def test_replicas_close_within_one_timeout_together():
+    # Each replica gets what is left of timeout_s, not all of it again.
+    replicas = [SlowClosingReplica(0, seconds=0.2), ClosableReplica(1)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    router.close(timeout_s=1.0)
+    first, second = replicas[0].close_calls[0], replicas[1].close_calls[0]
+    assert 0 < first <= 1.0 and second <= first - 0.2, (first, second)
+
+
+def test_a_zero_and_an_infinite_timeout_are_accepted():
+    # ">= 0 (inf: no limit)": 0 closes at once when nothing is in flight.
+    for timeout_s in (0, 0.0, math.inf):
+        replicas = [ClosableReplica(0), ClosableReplica(1)]
+        router = PrefixAwareRouter(replicas, block_size=BLOCK)
+        router.add_request([1] * BLOCK)
+        router.drain_transfers(timeout_s)
+        router.close(timeout_s)
+        assert router.closed and all(len(r.close_calls) == 1 for r in replicas)
+    assert checked_timeout(0) == 0.0 and checked_timeout(math.inf) == math.inf
