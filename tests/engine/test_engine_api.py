@@ -162,3 +162,15 @@ def test_a_step_that_raises_before_the_model_ran_hands_its_batch_back_and_caches
     assert seen[first] == dense_greedy([kept_prompt], 8)[0]
     assert seen[second] == dense_greedy([late], 4)[0]
     assert_all_blocks_free(engine)
+
+
+def test_generate_reports_a_stop_with_the_stop_token_as_the_last_output():
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, VOCAB, 9).tolist()
+    greedy = dense_greedy([prompt], 4)[0]
+    stop = greedy[1]
+    params = [SamplingParams(max_tokens=5, stop_token_ids=(stop,)), SamplingParams(max_tokens=2)]
+    outs = make_engine().generate([prompt, prompt], params, progress=False)
+    assert [o.finish_reason for o in outs] == ["stop", "length"]
+    assert list(outs[0].output_token_ids) == greedy[: greedy.index(stop) + 1]
+    assert list(outs[1].output_token_ids) == greedy[:2]
