@@ -7,7 +7,8 @@ import functools
 import jax
 import numpy as np
 
-from jaxkv.sampler import sample
+from jaxkv.request import Request, SamplingParams
+from jaxkv.sampler import SamplingRows, sample
 
 _sample = jax.jit(sample)
 PROBS = np.array([0.5, 0.3, 0.15, 0.05])
@@ -68,3 +69,18 @@ def test_a_row_depends_on_its_seed_and_position_only():
     other = np.asarray(_sample(*args([6] * 8, [3] * 8)))
     other_stream = np.asarray(_sample(*args([5] * 8, [3] * 8, stream=1)))
     assert (shifted != a).any() and (other != a).any() and (other_stream != a).any()
+
+
+def test_sampling_rows_follow_each_batch_order_and_size():
+    # The arrays of a previous batch are reused only for the same requests in the same
+    # order at the same size; each other call builds its own.
+    rows = SamplingRows()
+    reqs = [Request(str(i), [1, 2], SamplingParams(temperature=0.5 + i, seed=i)) for i in range(3)]
+    for r in reqs:
+        rows.add(r.request_id, r.sampling_params, default_seed=0)
+    temperature = lambda order, n: rows.arrays(reqs, order, n)[0].tolist()
+    assert temperature(None, 4) == [0.5, 1.5, 2.5, 0.0]
+    assert temperature(np.array([2, 0, 1]), 4) == [2.5, 0.5, 1.5, 0.0]
+    assert temperature(np.array([2, 0, 1]), 8) == [2.5, 0.5, 1.5] + [0.0] * 5
+    seeds = rows.arrays(reqs, np.array([1, 2, 0]), 4)[3]
+    assert seeds.tolist() == [1, 2, 0, 0]
