@@ -98,3 +98,19 @@ def test_max_step_programs_without_cascade_counts_the_main_programs_only():
     flat = EngineConfig(enable_cascade=False)
     assert flat.max_step_programs == flat.buckets.max_programs(cascade=False)
     assert flat.max_step_programs < EngineConfig().max_step_programs
+
+
+def test_buckets_take_each_minimum_from_its_own_field():
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=32, max_model_len=128),
+        cache=CacheConfig(block_size=8),
+        max_cascade_groups=3,
+        min_num_tokens_bucket=16,
+        min_num_seqs_bucket=2,
+        min_pages_bucket=8,
+    )
+    b = config.buckets
+    assert (b.max_num_tokens, b.max_num_seqs, b.max_pages_per_seq) == (256, 32, 16)
+    assert (b.min_num_tokens, b.min_num_seqs, b.min_pages_per_seq) == (16, 2, 8)
+    assert b.max_cascade_groups == 3
+    assert b.seq_buckets == (2, 4, 8, 16, 32) and b.token_buckets[0] == 16

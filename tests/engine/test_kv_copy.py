@@ -73,7 +73,8 @@ def test_replicated_kv_heads_are_stored_once_and_loaded_into_every_replica(kv_re
         copier.close()
 
 
-@pytest.mark.parametrize("kv_replicas", [0, 3, 2.0, True])
+# 4: divides the 4 combined (K, V) positions but not the 2 KV heads.
+@pytest.mark.parametrize("kv_replicas", [0, 3, 4, 2.0, True])
 def test_a_replica_count_that_does_not_divide_the_cache_heads_is_refused(kv_replicas):
     caches = [jnp.zeros((NUM_BLOCKS, 2, 4, 4))]  # 2 KV heads
     with pytest.raises(ValueError, match="kv_replicas="):
