@@ -215,3 +215,23 @@ def test_requests_share_cached_kv_only_under_the_same_cache_salt():
         with pytest.raises(ValueError, match="cache_salt"):
             engine.add_request(prompt, cache_salt=bad)
     assert not engine.has_unfinished_requests()
+
+
+def test_the_engine_seed_sets_the_draws_of_unseeded_requests():
+    # Replicas get seeds config.seed + i (engine_replicas) so that their unseeded
+    # requests draw differently: the engine must mix its seed into every default seed.
+    prompt = [3, 1, 4, 1, 5]
+    base = make_engine().config
+    draws = {}
+    for seed in (0, 1, 0):
+        engine = Engine(tiny_model(), None, dataclasses.replace(base, seed=seed))
+        outs = engine.generate([prompt, prompt], HOT, progress=False)
+        got = tuple(o.output_token_ids for o in outs)
+        assert draws.setdefault(seed, got) == got  # reproducible
+    assert draws[0][0] != draws[1][0] and draws[0][1] != draws[1][1]
+
+
+def test_engines_over_one_model_share_its_step_program():
+    # Compiles are per model graph, not per engine: a second engine reuses them.
+    first, second = make_engine(), make_engine(cascade=False)
+    assert first._program is second._program
