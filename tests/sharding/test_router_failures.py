@@ -84,3 +84,16 @@ def test_an_aborted_requests_kept_output_never_reaches_a_later_request_of_its_id
     outputs = router.step()
     assert [(o.request_id, o.finished) for o in outputs if o.request_id == "x"] == [("x", True)]
     assert [o.new_token_ids for o in outputs if o.request_id == "x"] == [(9,)]
+
+
+def test_close_drops_the_outputs_a_failed_step_kept():
+    # A finished request's output kept by a failed step() is not work a closed router
+    # still has: close drops it, as documented.
+    router = PrefixAwareRouter([FakeReplica(0), _LosesItsRequestThenFails(1)], block_size=BLOCK)
+    router.add_request([1] * BLOCK, SamplingParams(max_tokens=1))
+    router.add_request([2] * BLOCK, SamplingParams(max_tokens=1))
+    with pytest.raises(RuntimeError):
+        router.step()
+    assert router.has_unfinished_requests()
+    router.close()
+    assert router.closed and not router.has_unfinished_requests()
