@@ -46,6 +46,10 @@ def test_counters_add_up_the_steps_that_ran():
     assert m.host_time_s == pytest.approx(sum(s.host_s for s in steps), rel=1e-12)
     assert m.device_time_s == pytest.approx(sum(s.device_s for s in steps), rel=1e-12)
     assert m.update_time_s == pytest.approx(sum(s.update_s for s in steps), rel=1e-12)
+    # The CPU time of each step's host part splits into scheduler, planner and the rest.
+    for s in steps:
+        parts = (s.schedule_cpu_s, s.plan_cpu_s, s.prepare_cpu_s)
+        assert min(parts) >= 0 and sum(parts) == pytest.approx(s.host_cpu_s, abs=1e-9)
     # Every computed token is a prompt token or an output token fed back; each request's
     # last output is never fed back.
     assert m.num_generated_tokens == 3 * len(prompts)
