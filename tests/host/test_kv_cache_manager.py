@@ -134,6 +134,25 @@ def test_cache_hit_on_blocks_that_are_free_in_the_queue():
     m.check_integrity()
 
 
+def test_cache_hits_at_the_head_of_the_free_queue_are_not_handed_out_as_fresh_blocks():
+    # The hits leave the free queue before fresh blocks are taken: taken the other way
+    # round, the head of the queue (a hit) would be handed out as a fresh block too.
+    m = _manager(num_blocks=4)
+    x = make_request("x", range(8))  # two full blocks, both cached
+    assert prefill(m, x) == [1, 2]
+    z = make_request("z", [90, 91, 92])
+    assert prefill(m, z) == [3]
+    m.free(x)
+    m.free(z)
+    assert _queue(m) == [2, 1, 3]  # a hit is the head of the queue
+    b = make_request("b", [*range(8), 40])
+    assert m.get_computed_blocks(b) == ([1, 2], 8)
+    assert prefill(m, b) == [3]
+    assert m.block_ids("b") == [1, 2, 3] and _queue(m) == []
+    assert ref_counts(m)[1:] == [1, 1, 1]
+    m.check_integrity()
+
+
 def test_not_enough_blocks_returns_none_and_changes_nothing():
     m = _manager(num_blocks=6)
     a = make_request("a", range(12))
