@@ -62,6 +62,22 @@ def test_not_enough_blocks_changes_nothing():
     m.check_integrity()
 
 
+def test_a_batch_that_needs_every_free_block_fits_and_one_more_does_not():
+    # 11 usable blocks, 4 held: the batch may take exactly the 7 free ones.
+    m = KVCacheManager(12, 4, max_model_len=64)
+    a, b = make_request("a", range(8)), make_request("b", range(20, 28))
+    prefill(m, a)
+    prefill(m, b)
+    assert m.num_free_blocks == 7
+    before = snapshot(m)
+    assert not m.allocate_slots_batch([a, b], [16, 13])  # 4 + 4 blocks: one too many
+    assert snapshot(m) == before
+    assert m.allocate_slots_batch([a, b], [16, 12])  # 4 + 3 blocks
+    assert m.block_ids("a") == [1, 2, 5, 6, 7, 8] and m.block_ids("b") == [3, 4, 9, 10, 11]
+    assert m.num_free_blocks == 0
+    m.check_integrity()
+
+
 @pytest.mark.parametrize(
     "counts, match",
     [([1, -1], "num_new_tokens=-1"), ([1, 1.5], "num_new_tokens=1.5"), ([1, 200], "max_model_len")],
