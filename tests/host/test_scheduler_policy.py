@@ -5,7 +5,7 @@ between schedule() and update_from_output()."""
 
 from __future__ import annotations
 
-from jaxkv import RequestStatus
+from jaxkv import Request, RequestStatus
 from tests.host._sched_util import add, make_scheduler, run_until_idle, step, token_of
 
 
@@ -104,3 +104,20 @@ def test_a_recompute_in_one_token_chunks_counts_as_prefill():
     stats = sched.stats
     assert stats.num_preemptions >= 1 and recompute_singles >= 1  # the case is exercised
     assert (stats.num_prompt_tokens_computed, stats.num_decode_tokens_computed) == (prompt, decode)
+
+
+def test_a_step_that_preempts_still_caches_the_block_a_decode_exactly_fills():
+    # 3 usable blocks: a (7 tokens) holds 2, b (4 tokens) holds 1. Next step a's token
+    # fills a's second block and b needs a new block, so the batch allocation fails and
+    # the requests are allocated one by one (b preempts itself). a needs no block, but
+    # its filled block must still enter the prefix cache in that step.
+    sched = make_scheduler(num_blocks=4)
+    a = add(sched, "a", range(1, 8), max_tokens=5)
+    add(sched, "b", [20, 21, 22, 23], max_tokens=5)
+    step(sched)
+    m = sched.manager
+    assert m.block_ids("a") == [1, 2] and m.block_ids("b") == [3]
+    out, _ = step(sched)
+    assert out.request_ids == ["a"] and out.preempted_request_ids == ("b",)
+    probe = Request("probe", [*a.all_token_ids[:8], 99])
+    assert m.get_computed_blocks(probe, count=False) == ([1, 2], 8)
