@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from jaxkv import KVCacheManager, Request, RequestStatus
-from tests.host._sched_util import add, make_scheduler, token_of
+from tests.host._sched_util import (
+    FakeCopier,
+    OracleLoadConnector,
+    add,
+    make_scheduler,
+    step,
+    token_of,
+)
 
 BS = 4
 
@@ -55,3 +62,22 @@ def test_count_prefix_lookup_counts_what_it_is_given_and_refuses_what_it_cannot_
     off = KVCacheManager(16, BS, max_model_len=64, enable_prefix_caching=False)
     off.count_prefix_lookup(req, 0)  # no cache, nothing to count
     assert off.prefix_cache_stats.requests == 0
+
+
+def test_a_load_that_waits_for_blocks_counts_one_lookup_when_it_starts():
+    # 3 usable blocks: a holds 2, so b's load (blocks for all 9 tokens) cannot start
+    # until a finishes. Each refused start looked b up again; only the start counts.
+    copier = FakeCopier(4, BS)
+    connector = OracleLoadConnector(copier, {"b": BS})
+    sched = make_scheduler(num_blocks=4, block_size=BS, max_model_len=16, connector=connector)
+    add(sched, "a", range(1, 9), max_tokens=3)
+    add(sched, "b", range(20, 29), max_tokens=2)
+    waits = 0
+    for _ in range(50):
+        waits += not connector.started
+        step(sched, copier)
+        if not sched.has_unfinished_requests():
+            break
+    assert waits >= 3 and connector.started == ["b"]
+    stats = sched.manager.prefix_cache_stats
+    assert (stats.requests, stats.queries, stats.hits) == (2, 8 + 9, 0)
