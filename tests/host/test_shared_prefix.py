@@ -143,6 +143,28 @@ def test_reused_answer_follows_cache_hit_appends_frees_and_reused_ids():
     m.check_integrity()
 
 
+def test_reused_answer_follows_a_single_cache_hit_block_and_the_sharing_version_moves():
+    # A cache hit of one block (no fresh block with it) takes the table's one-block write
+    # path; it must change the sharing version and the reused answer all the same.
+    m = _manager()
+    y = [5, 6, 7, 8]
+    a = make_request("A", [*X, *y, 10])
+    prefill(m, a)
+    b = make_request("B", [*X, *y, 20])
+    hit, n = m.get_computed_blocks(b)
+    assert n == 8
+    m.allocate_slots(b, 0, num_new_computed_tokens=4, new_computed_blocks=hit[:1])
+    b.num_computed_tokens = 4
+    assert m.num_common_prefix_blocks(["A", "B"]) == 1
+    version = m.sharing_version
+    assert m.allocate_slots(b, 0, num_new_computed_tokens=4, new_computed_blocks=hit[1:]) == []
+    b.num_computed_tokens = 8
+    assert m.block_ids("B") == hit == m.block_ids("A")[:2]
+    assert m.sharing_version != version
+    assert m.num_common_prefix_blocks(["A", "B"]) == 2 == _brute_force_common(m, ["A", "B"])
+    m.check_integrity()
+
+
 def test_one_id_repeated_follows_its_growth():
     # One row repeated shares all its blocks with itself, so fresh blocks change the
     # answer: the reused answer of distinct rows must not apply to it.
