@@ -351,6 +351,11 @@ def test_limits_are_refused_one_past_their_boundary():
     long.append_output_token_ids([1])
     _refused(m2, lambda: m2.allocate_slots_batch([long], [2]), "max_model_len=32")
     assert m2.allocate_slots_batch([long], [1])
+    # Lookahead slots count too: 8 tokens + 25 lookahead > 32; + 24 is fine.
+    m3 = KVCacheManager(12, 4, max_model_len=32)
+    e = make_request("e", range(8))
+    _refused(m3, lambda: m3.allocate_slots(e, 8, num_lookahead_tokens=25), "max_model_len=32")
+    assert m3.allocate_slots(e, 8, num_lookahead_tokens=24) == list(range(1, 9))
 
 
 @pytest.mark.parametrize("bad", ["a", "c", None])
