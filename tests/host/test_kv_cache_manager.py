@@ -205,6 +205,7 @@ def test_prefix_caching_disabled():
     a, b = make_request("a", range(9)), make_request("b", range(9))
     assert prefill(m, a) == [1, 2, 3]
     assert m.get_computed_blocks(b) == ([], 0)
+    assert m.prefix_cache_stats.requests == 0  # no cache, no lookup counted
     assert prefill(m, b) == [4, 5, 6]
     assert all(blk.block_hash is None for blk in m.pool.blocks)
     assert m.num_common_prefix_blocks(["a", "b"]) == 0
