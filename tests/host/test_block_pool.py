@@ -6,7 +6,7 @@ import pytest
 
 from jaxkv import IntegrityError
 from jaxkv.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from jaxkv.hashing import root_hash
+from jaxkv.hashing import hash_block_tokens, root_hash
 
 
 def test_free_queue_order_and_middle_removal():
@@ -165,3 +165,17 @@ def test_a_cached_block_keeps_its_hash_when_cached_again():
     pool.cache_full_blocks([a], [h2], **kw)
     assert a.block_hash == h1 and pool.get_cached_block(h2) is None
     pool.check_integrity({a.block_id: 1})
+
+
+def test_a_pool_without_caching_caches_no_block_and_reports_no_event():
+    pool = BlockPool(4, enable_caching=False, enable_events=True)
+    blocks = pool.get_new_blocks(2)
+    h0 = hash_block_tokens(root_hash(), [0, 1, 2, 3])
+    h1 = hash_block_tokens(h0, [4, 5, 6, 7])
+    pool.cache_full_blocks(
+        blocks, [h0, h1], parent_block_hash=None, token_ids=range(8), block_size=4,
+        adapter_id=None,
+    )  # fmt: skip
+    assert [b.block_hash for b in blocks] == [None, None]
+    assert pool.cached_block_hash_to_block == {} and pool.take_events() == []
+    pool.check_integrity()
