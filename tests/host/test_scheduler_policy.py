@@ -121,3 +121,23 @@ def test_a_step_that_preempts_still_caches_the_block_a_decode_exactly_fills():
     assert out.request_ids == ["a"] and out.preempted_request_ids == ("b",)
     probe = Request("probe", [*a.all_token_ids[:8], 99])
     assert m.get_computed_blocks(probe, count=False) == ([1, 2], 8)
+
+
+def test_a_request_with_a_cache_hit_that_waits_for_budget_is_left_as_it_was():
+    # Without chunked prefill, c (a hit of 2 blocks, 6 tokens left) does not fit the 4
+    # tokens b leaves: it must wait with nothing computed, or the next step would take
+    # it for a landed load that holds blocks.
+    sched = make_scheduler(
+        max_num_batched_tokens=16, max_model_len=17, enable_chunked_prefill=False
+    )
+    a = add(sched, "a", range(1, 10), max_tokens=1)
+    assert run_until_idle(sched) == {"a": "length"}
+    add(sched, "b", range(50, 62), max_tokens=2)
+    c = add(sched, "c", [*a.prompt_token_ids[:8], *range(70, 76)], max_tokens=2)
+    out, _ = step(sched)
+    assert out.request_ids == ["b"]
+    assert c.status is RequestStatus.WAITING and c.num_computed_tokens == 0
+    assert "c" not in sched.manager.request_ids
+    out, _ = step(sched)
+    assert out.request_ids == ["b", "c"] and out.num_computed_tokens.tolist() == [12, 8]
+    assert run_until_idle(sched) == {"c": "length"}  # b finished with that step
