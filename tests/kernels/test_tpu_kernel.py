@@ -158,6 +158,15 @@ def test_sliding_window_with_soft_cap_and_kv_head_blocks():
     )
 
 
+def test_gqa_group_and_page_size_that_are_no_powers_of_two():
+    # 6 query heads over 2 KV heads (a group of 3, as in models with 24 query and 8 KV
+    # heads) and pages of 48 keys: the kernel divides rows by the group and keys by the
+    # page size with a true division, not the shift it uses for powers of two, and the
+    # 3 rows of a decode token straddle the aligned 8-row windows of a 24-row q tile.
+    case = _case(MIXED, seed=15, num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=48)
+    _check(case)
+
+
 def test_bf16_gqa_two_kv_heads():
     case = _case(MIXED, seed=5, num_q_heads=8, num_kv_heads=2, dtype=jnp.bfloat16)
     _check(case)
