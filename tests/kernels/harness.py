@@ -292,6 +292,13 @@ def swap_kv(case: Case) -> Case:
     return case.replace(kv_pages=swapped)
 
 
+def scale_queries(case: Case, factor: float) -> Case:
+    """The same case with every query multiplied by `factor`: factor 100 on unit-variance
+    data gives logits of a few hundred, past 88.7, where exp overflows float32, so only a
+    softmax (and an LSE merge) that subtracts its running maximum stays finite."""
+    return case.replace(q=(case.q.astype(jnp.float32) * factor).astype(case.q.dtype))
+
+
 def nan_in_key(case: Case, seq: int, key: int) -> Case:
     """The same case with element 0 of the K of kv head 0, key `key` of sequence `seq`
     (a key some queries see), set to NaN: a data fault that must show, not vanish."""

@@ -103,6 +103,16 @@ def test_bf16_with_float32_out_is_the_unrounded_output(num_kv_splits):
     )
 
 
+def test_large_logits_stay_finite_in_each_split_and_in_their_merge():
+    # Logits (and so each split's lse) of a few hundred, where exp overflows float32: the
+    # online softmax and the merge of splits must both subtract their maximum. Float32
+    # logits that large carry about 1e-4 of rounding, hence the wider bounds.
+    case = harness.scale_queries(_case([(1, 37), (5, 20), (1, 60)]), 100.0)
+    out, lse = _run(case, num_kv_splits=2, block_k=16)
+    expected = harness.dense_oracle(case, sm_scale=SM_SCALE)
+    harness.assert_close_to_oracle(case, out, lse, expected, atol=2e-4, rtol=2e-4, lse_atol=1e-4)
+
+
 def test_prefix_pass_non_causal():
     # The cascade prefix pass: one sequence holds every query token, all keys visible.
     # The second sequence is a level's gap: query tokens and no key, so both of its KV

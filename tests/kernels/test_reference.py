@@ -134,6 +134,22 @@ def test_options(options, seq_lens, max_q_len):
 
 
 @pytest.mark.parametrize(
+    "seq_lens, max_q_len",
+    [(MIXED, None), ([(12, 29), (7, 7)], 12)],
+    ids=["per_token", "per_sequence"],
+)
+def test_large_logits_stay_finite(seq_lens, max_q_len):
+    # Logits of a few hundred, where exp overflows float32: the softmax must subtract each
+    # row's maximum. Float32 logits that large carry about 1e-4 of rounding, hence the
+    # wider bounds (an overflow gives NaN or inf, far outside them).
+    case = harness.make_case(17, seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
+    case = harness.scale_queries(case, 100.0)
+    out, lse = rpa(*case.args(), sm_scale=0.125, max_q_len=max_q_len)
+    expected = harness.dense_oracle(case, sm_scale=0.125)
+    harness.assert_close_to_oracle(case, out, lse, expected, atol=2e-4, rtol=2e-4, lse_atol=1e-4)
+
+
+@pytest.mark.parametrize(
     "kv_dtype, scale",
     [(jnp.int8, 0.01), (jnp.float8_e4m3fn, 0.5)],
     ids=["int8", "fp8"],

@@ -130,6 +130,16 @@ def test_golden_two_keys():
     assert np.all(out[2:] == 0.0) and np.all(np.isneginf(lse[2:]))
 
 
+def test_large_logits_stay_finite():
+    # Logits of a few hundred, where exp overflows float32: the online softmax must
+    # subtract its running maximum. Float32 logits that large carry about 1e-4 of
+    # rounding, hence the wider bounds (an overflow gives NaN or inf, far outside them).
+    case = harness.scale_queries(_case(MIXED, seed=16), 100.0)
+    out, lse, expected = _run(case)
+    harness.assert_close_to_oracle(case, out, lse, expected, atol=2e-4, rtol=2e-4, lse_atol=1e-4)
+    harness.assert_padding_is_empty(case, out, lse)
+
+
 @pytest.mark.parametrize("broken", [harness.drop_one_key, harness.swap_kv])
 def test_broken_input_fails_the_check(broken):
     case = _case(MIXED, seed=7)
