@@ -59,3 +59,25 @@ def test_every_projection_is_split_megatron_style_when_kv_heads_are_not_replicat
     for linear in (attn.o_proj, mlp.down_proj):
         assert linear.kernel[...].sharding.spec == P(ax, None)
     assert sharded.embed_tokens.embedding[...].sharding.spec == P()
+
+
+def test_k_and_v_projections_stay_whole_on_every_device_when_kv_heads_are_replicated():
+    # With TP above the KV heads each device repeats all KV heads from whole K and V
+    # projections; split ones would need an all-gather before the repeat. The logits are
+    # the same either way, so only the recorded PartitionSpecs show it.
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    from tests.models.conftest import random_model, small_config
+
+    graphdef, state = nnx.split(random_model(small_config()))
+    tp = sharding.TensorParallel(sharding.make_mesh(1), kv_replicas=2)
+    sharded = nnx.merge(graphdef, sharding.shard_params(state, tp))
+    ax = sharding.DEFAULT_AXIS
+    attn, mlp = sharded.layers[0].self_attn, sharded.layers[0].mlp
+    for linear in (attn.k_proj, attn.v_proj):
+        assert linear.kernel[...].sharding.spec == P()
+    for linear in (attn.q_proj, mlp.gate_proj, mlp.up_proj):
+        assert linear.kernel[...].sharding.spec == P(None, ax)
+    for linear in (attn.o_proj, mlp.down_proj):
+        assert linear.kernel[...].sharding.spec == P(ax, None)
