@@ -271,9 +271,14 @@ def bad_tp_sizes():
     raises(lambda: sharding.plan_tensor_parallel(24, 6, mesh4), 4, 6)  # 4 does not divide 6
     raises(lambda: sharding.plan_tensor_parallel(24, 6, sharding.make_mesh(8)), 8, 6)
     raises(lambda: sharding.plan_tensor_parallel(12, 12, sharding.make_mesh(8)), 8, 12)
-    cfg = model_config(num_kv_heads=6, num_heads=12)
-    abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))  # no weights computed
-    raises(lambda: sharding.shard_model(abstract, mesh4), 4, 6)
+    # 8 is a multiple of the 2 KV heads, but 4 query heads cannot be split 8 ways.
+    raises(lambda: sharding.plan_tensor_parallel(4, 2, sharding.make_mesh(8)), 8, 4)
+    for cfg, numbers in (
+        (model_config(num_kv_heads=6, num_heads=12), (4, 6)),
+        (model_config(intermediate_size=66), (4, 66)),
+    ):
+        abstract = nnx.eval_shape(lambda c=cfg: Llama(c, rngs=nnx.Rngs(0)))  # no weights computed
+        raises(lambda m=abstract: sharding.shard_model(m, mesh4), *numbers)
     q = jnp.zeros((BUCKETS.max_num_tokens, 12, 8))
     kv = jnp.zeros((NUM_BLOCKS, BLOCK_SIZE, 12, 8))
     _, md = planned_step(1, cascade=False)
@@ -294,6 +299,12 @@ def bad_tp_sizes():
         lambda: sharding.sharded_write_kv(kv8, k2, k2, md.slot_mapping, mesh=mesh4),
         "max_num_tokens, 8",
     )
+    # Named by the caller's parameters, not by shard_map's message about array axes.
+    k6 = jnp.zeros((BUCKETS.max_num_tokens, 6, 8))
+    raises(
+        lambda: sharding.sharded_write_kv(kv, k6, k6, md.slot_mapping, mesh=mesh4),
+        "tensor_parallel_size=4", "num_kv_heads=6",
+    )  # fmt: skip
     # A device listed twice makes a Mesh that jit later rejects with an unrelated error.
     d = jax.devices()
     raises(lambda: sharding.make_mesh(2, devices=[d[0], d[0]]), "distinct")
