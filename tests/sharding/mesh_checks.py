@@ -225,6 +225,28 @@ def kv_heads_replicated_when_tp_exceeds_them():
         assert d < 1e-4, (tp, d)
 
 
+@check
+def model_on_a_mesh_axis_of_another_name():
+    """shard_model(axis_name="tp") on a mesh whose one axis is "tp" (not DEFAULT_AXIS):
+    weights, caches and attention split along it, logits and caches equal the unsharded
+    model's (every other check uses DEFAULT_AXIS, which hides a dropped axis_name)."""
+    md, ids, base, want_logits, want_caches = _model_step(8)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("tp",))
+    sharded = sharding.shard_model(model(8), mesh, axis_name="tp")
+    tp = sharding.tensor_parallel_of(sharded)
+    assert (tp.axis_name, tp.size, tp.kv_replicas) == ("tp", 4, 1), tp
+    caches = [jax.device_put(c, sharding.kv_cache_sharding(mesh, "tp")) for c in base]
+    logits, caches = make_paged_forward(sharded)(ids, md.positions, caches, md)
+    d = (max_diff(logits, want_logits), max(map(max_diff, caches, want_caches)))
+    print(f"  TP=4 along 'tp': diff logits/caches {d}")
+    assert d[0] < 1e-4 and d[1] < 1e-5, d
+    split = jax.sharding.PartitionSpec(None, None, "tp", None)
+    assert [c.sharding.spec for c in sharded.init_kv_caches(NUM_BLOCKS, BLOCK_SIZE)] == [split]
+    attn = sharded.layers[0].self_attn
+    assert attn.q_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "tp")
+    assert attn.o_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec("tp", None)
+
+
 _COLLECTIVE = re.compile(
     r"=\s*(\S+)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
     r"(?:-start)?\("

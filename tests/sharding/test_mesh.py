@@ -22,6 +22,7 @@ CHECKS = (
     "pallas_backends_per_shard",
     "model_logits_and_shard_shapes",
     "kv_heads_replicated_when_tp_exceeds_them",
+    "model_on_a_mesh_axis_of_another_name",
     "tp8_collectives",
     "bad_tp_sizes",
     "replica_meshes_are_consecutive_device_groups",
