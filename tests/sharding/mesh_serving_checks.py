@@ -9,10 +9,12 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+from flax import nnx
 
 from jaxkv import SamplingParams
 from jaxkv.cascade import AttentionShape
 from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig
+from jaxkv.models import Llama
 from tests.sharding.mesh_common import ALWAYS, BLOCK_SIZE, TP_SIZES, check, model, shard_shapes
 
 MAX_TOKENS = 6
@@ -51,18 +53,45 @@ def unsharded_greedy() -> tuple[list[list[int]], int]:
     return greedy(engine, prompts()), engine.metrics.cascade_steps
 
 
+def other_weights() -> Llama:
+    """model(8)'s architecture with other random weights."""
+    from jaxkv.models import from_hf_tensors
+    from tests.models.reference import random_hf_weights
+
+    cfg = model(8).config
+    return from_hf_tensors(cfg, random_hf_weights(cfg, seed=1, std=0.2))
+
+
 @check
 def engine_greedy_tp():
     """Greedy outputs with TP 2, 4, 8 equal TP 1's (the engine without a mesh; the TP=1 mesh
     path runs in attention_flat_and_cascade), token for token, over runs with both flat and
-    cascade steps; the caches hold 1/TP per device."""
+    cascade steps; the caches hold 1/TP per device. At TP 2 the weights come as `params`
+    over a model holding other weights: the engine shards and runs those params."""
+    from jaxkv import engine as engine_module
     from jaxkv.engine import Engine
 
     want, want_cascade_steps = unsharded_greedy()
     print(f"  unsharded: {want}")
     assert want_cascade_steps > 0
+    probed = []  # (num_q_heads, num_kv_heads) each engine checks its backend with
+    real_check = engine_module.check_backend
+
+    def check_backend(backend, **kw):
+        probed.append((kw["num_q_heads"], kw["num_kv_heads"]))
+        return real_check(backend, **kw)
+
     for tp in TP_SIZES[1:]:
-        engine = Engine(model(8), None, engine_config(), tensor_parallel_size=tp)
+        m, params = (other_weights(), nnx.state(model(8))) if tp == 2 else (model(8), None)
+        engine_module.check_backend = check_backend
+        try:
+            engine = Engine(m, params, engine_config(), tensor_parallel_size=tp)
+        finally:
+            engine_module.check_backend = real_check
+        # The kernel runs on one device's heads: those are what the backend must accept.
+        assert probed[-1] == (8 // tp, 8 // tp), (tp, probed)
+        devices = set(engine.mesh.devices.flat)
+        assert all(leaf.sharding.device_set == devices for leaf in engine._state_leaves)
         got = greedy(engine, prompts())
         m = engine.metrics
         print(
