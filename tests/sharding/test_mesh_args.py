@@ -51,7 +51,12 @@ def test_every_projection_is_split_megatron_style_when_kv_heads_are_not_replicat
     from tests.models.conftest import random_model, small_config
 
     sharded = sharding.shard_model(random_model(small_config()), sharding.make_mesh(1))
-    assert sharding.tensor_parallel_of(sharded).kv_replicas == 1
+    tp = sharding.tensor_parallel_of(sharded)
+    assert tp.kv_replicas == 1
+    # Every layer's attention runs per shard, not only the first (the mesh checks' models
+    # have one layer).
+    assert len(sharded.layers) > 1
+    assert all(layer.self_attn.tensor_parallel is tp for layer in sharded.layers)
     ax = sharding.DEFAULT_AXIS
     attn, mlp = sharded.layers[0].self_attn, sharded.layers[0].mlp
     for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
