@@ -5,8 +5,9 @@ the rest of the test suite imports jax in the pytest process, so tests/sharding/
 runs `python -m tests.sharding.mesh_checks --json PATH` and asserts each check's result.
 Run it by hand the same way; `--only NAME` runs one check. Every check prints what it
 compared; a failure prints its traceback and the process exits 1. The attention and
-model checks are here; the engine and router checks in mesh_serving_checks.py; what both
-use (the registry, the model, the sizes) in mesh_common.py.
+model checks are here; the attention options per shard in mesh_option_checks.py; the
+engine and router checks in mesh_serving_checks.py; what all use (the registry, the
+model, the sizes, random batches) in mesh_common.py.
 """
 
 from __future__ import annotations
@@ -38,62 +39,25 @@ from flax import nnx  # noqa: E402
 
 from jaxkv import sharding  # noqa: E402
 from jaxkv.attention import paged_attention, write_kv  # noqa: E402
-from jaxkv.batch import build_attention_metadata  # noqa: E402
-from jaxkv.buckets import BucketConfig  # noqa: E402
-from jaxkv.cascade import AttentionShape, CascadePlanner  # noqa: E402
 from jaxkv.config import EngineConfig, SchedulerConfig  # noqa: E402
 from jaxkv.models import Llama, make_paged_forward  # noqa: E402
 from jaxkv.models.llama import _paged_step  # noqa: E402
-from tests.attention import workload  # noqa: E402
-from tests.sharding import mesh_serving_checks  # noqa: E402, F401 - registers its checks
+from tests.sharding import (  # noqa: E402, F401 - register their checks
+    mesh_option_checks,
+    mesh_serving_checks,
+)
 from tests.sharding.mesh_common import (  # noqa: E402
-    ALWAYS,
     BLOCK_SIZE,
+    BUCKETS,
     CHECKS,
     NUM_BLOCKS,
     check,
+    max_diff,
     model,
     model_config,
+    planned_step,
     shard_shapes,
 )
-
-BUCKETS = BucketConfig(
-    max_num_tokens=64, max_num_seqs=8, max_pages_per_seq=16,
-    min_num_tokens=64, min_num_seqs=8, min_pages_per_seq=16, max_cascade_groups=2,
-)  # fmt: skip
-
-
-def planned_step(seed: int, *, cascade: bool, num_kv_heads: int = 8, block_size: int = BLOCK_SIZE):
-    """(step, metadata) of a random scheduled batch; cascade planned whenever possible."""
-    for s in range(seed, seed + 50):
-        step = workload.random_step(
-            s, block_size=block_size, max_requests=6, max_prompt_blocks=3,
-            num_blocks=NUM_BLOCKS, max_model_len=64 * block_size // BLOCK_SIZE,
-        )  # fmt: skip
-        if int(step.query_lens.sum()) > BUCKETS.max_num_tokens:
-            continue
-        planner = CascadePlanner(
-            AttentionShape(8, num_kv_heads, 8, 4), cost_model=ALWAYS, enable_cascade=cascade,
-            max_groups=2,
-        )  # fmt: skip
-        plan = planner.plan(
-            step.request_ids, step.num_computed_tokens, step.query_lens, step.manager
-        )
-        if cascade and not plan.uses_cascade:
-            continue
-        md = build_attention_metadata(
-            block_table=step.manager.block_table, plan=plan,
-            query_lens=step.query_lens[plan.order],
-            num_computed_tokens=step.num_computed_tokens[plan.order],
-            block_size=block_size, buckets=BUCKETS,
-        )  # fmt: skip
-        return step, md
-    raise AssertionError("no suitable random step")
-
-
-def max_diff(a, b) -> float:
-    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
-
 
 # ------------------------------------------------------------------------- checks
 

@@ -21,6 +21,7 @@ CHECKS = (
     "attention_flat_and_cascade",
     "pallas_backends_per_shard",
     "model_logits_and_shard_shapes",
+    "attention_options_per_shard",
     "kv_heads_replicated_when_tp_exceeds_them",
     "model_on_a_mesh_axis_of_another_name",
     "tp8_collectives",
