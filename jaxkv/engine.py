@@ -80,8 +80,12 @@ class Engine(Closable):
         self.mesh = mesh_for(mesh, tensor_parallel_size)
         if self.mesh is not None:
             model, params = shard_model(model, self.mesh, params=params), None
-        # A model shard_model placed already runs tensor-parallel without a mesh argument.
+        # A model shard_model placed already runs tensor-parallel without a mesh argument;
+        # params given with it are placed as its weights are (not left whole on one device).
         placed = tensor_parallel_of(model)
+        if placed is not None and params is not None:
+            model = shard_model(model, placed.mesh, params=params, axis_name=placed.axis_name)
+            params = None
         self.mesh = None if placed is None else placed.mesh
         graphdef, state = nnx.split(model)
         state = state if params is None else params

@@ -104,11 +104,16 @@ def engine_greedy_tp():
         assert engine.planner.shape == AttentionShape(8 // tp, 8 // tp, 8, c.dtype.itemsize)
         assert shard_shapes(c) == [(64, BLOCK_SIZE, 16 // tp, 8)] * tp
     # A model shard_model placed already, given without a mesh: the engine takes its mesh
-    # (it used to run tensor-parallel but plan cascade with the whole model's heads).
+    # (it used to run tensor-parallel but plan cascade with the whole model's heads), and
+    # places params given with it as the model's weights are (it used to keep them whole
+    # on their device, copied to the mesh at every step).
     from jaxkv.sharding import make_mesh, shard_model
 
-    placed = Engine(shard_model(model(8), make_mesh(4)), None, engine_config())
+    placed_model = shard_model(other_weights(), make_mesh(4))
+    placed = Engine(placed_model, nnx.state(model(8)), engine_config())
     assert placed.mesh is not None and placed.mesh.devices.size == 4
+    devices = set(placed.mesh.devices.flat)
+    assert all(leaf.sharding.device_set == devices for leaf in placed._state_leaves)
     assert placed.planner.shape == AttentionShape(2, 2, 8, c.dtype.itemsize)
     assert greedy(placed, prompts()) == want
 
