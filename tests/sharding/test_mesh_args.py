@@ -18,6 +18,13 @@ def test_a_tensor_parallel_size_below_one_is_refused_by_name(tp):
         sharding.make_mesh(tp)
 
 
+@pytest.mark.parametrize("tp", [True, 1.0])
+def test_a_tensor_parallel_size_that_is_not_an_int_is_refused(tp):
+    # True divides every device count and would make a 1-device mesh; 1.0 a TypeError.
+    with pytest.raises(ValueError, match="must be an int"):
+        sharding.replica_meshes(tp)
+
+
 def test_mesh_for_takes_the_mesh_or_the_size_and_refuses_them_disagreeing():
     mesh = sharding.make_mesh(1)
     assert mesh.shape == {sharding.DEFAULT_AXIS: 1}
