@@ -193,7 +193,8 @@ def kv_heads_replicated_when_tp_exceeds_them():
 def model_on_a_mesh_axis_of_another_name():
     """shard_model(axis_name="tp") on a mesh whose one axis is "tp" (not DEFAULT_AXIS):
     weights, caches and attention split along it, logits and caches equal the unsharded
-    model's (every other check uses DEFAULT_AXIS, which hides a dropped axis_name)."""
+    model's (every other check uses DEFAULT_AXIS, which hides a dropped axis_name); fresh
+    caches take the dtype asked for."""
     md, ids, base, want_logits, want_caches = _model_step(8)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("tp",))
     sharded = sharding.shard_model(model(8), mesh, axis_name="tp")
@@ -205,7 +206,8 @@ def model_on_a_mesh_axis_of_another_name():
     print(f"  TP=4 along 'tp': diff logits/caches {d}")
     assert d[0] < 1e-4 and d[1] < 1e-5, d
     split = jax.sharding.PartitionSpec(None, None, "tp", None)
-    assert [c.sharding.spec for c in sharded.init_kv_caches(NUM_BLOCKS, BLOCK_SIZE)] == [split]
+    fresh = sharded.init_kv_caches(NUM_BLOCKS, BLOCK_SIZE, jnp.bfloat16)
+    assert [(c.sharding.spec, c.dtype) for c in fresh] == [(split, jnp.bfloat16)], fresh
     attn = sharded.layers[0].self_attn
     assert attn.q_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "tp")
     assert attn.o_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec("tp", None)
@@ -299,6 +301,7 @@ def bad_tp_sizes():
     from jaxkv.engine import Engine
 
     raises(lambda: Engine(model(8), None, engine_config, tensor_parallel_size=3), 3, 8)
+    raises(lambda: Engine(model(8), None, engine_config, mesh=mesh4, tensor_parallel_size=2), 2, 4)
     from jaxkv.router import engine_replicas
 
     raises(lambda: engine_replicas(model(8), engine_config, num_replicas=1.5), "num_replicas")
