@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jaxkv.models import LlamaConfig, RopeScaling
 from jaxkv.models.llama import RMSNorm
-from tests.models.conftest import small_config
+from tests.models.conftest import hf_config_dict, small_config
 
 BF16 = ml_dtypes.bfloat16
 ONE_LAYER = small_config(num_layers=1)
@@ -31,3 +32,23 @@ def test_bf16_rmsnorm_rounds_the_normalised_input_before_the_weight_as_hugging_f
     got = np.asarray(norm(jnp.asarray(x)))
     assert got.dtype == BF16
     np.testing.assert_array_equal(got.astype(np.float64), want.astype(np.float64))
+
+
+def test_hf_llama3_scaling_under_the_older_type_key_is_read():
+    # Configs written before transformers renamed the key say "type", not "rope_type".
+    scaling = dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)  # fmt: skip
+    hf = hf_config_dict(small_config(), rope_theta=5e5, rope_scaling=scaling)
+    assert LlamaConfig.from_hf_dict(hf).rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
+    # "rope_type" wins where both are given, as in transformers.
+    both = {**scaling, "rope_type": "default"}
+    assert LlamaConfig.from_hf_dict({**hf, "rope_scaling": both}).rope_scaling is None
+
+
+def test_hf_dtype_keys_are_read_as_transformers_reads_them():
+    # transformers >= 4.56 reads "dtype" first; "torch_dtype" is its fallback.
+    hf = hf_config_dict(small_config(), dtype="bfloat16", torch_dtype="float16")
+    assert LlamaConfig.from_hf_dict(hf).dtype == "bfloat16"
+    # A dtype this Llama does not run (float64) falls back to float32, the widest it runs.
+    wide = hf_config_dict(small_config(), torch_dtype="float64")
+    assert LlamaConfig.from_hf_dict(wide).dtype == "float32"
