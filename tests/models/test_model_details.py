@@ -6,10 +6,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 
 from jaxkv.models import LlamaConfig, RopeScaling
 from jaxkv.models.llama import RMSNorm
-from tests.models.conftest import hf_config_dict, small_config
+from jaxkv.models.train import Trainer, greedy_generate
+from tests.models.conftest import hf_config_dict, random_model, small_config
+from tests.models.reference import hf_llama_forward, random_hf_weights
 
 BF16 = ml_dtypes.bfloat16
 ONE_LAYER = small_config(num_layers=1)
@@ -52,3 +55,25 @@ def test_hf_dtype_keys_are_read_as_transformers_reads_them():
     # A dtype this Llama does not run (float64) falls back to float32, the widest it runs.
     wide = hf_config_dict(small_config(), torch_dtype="float64")
     assert LlamaConfig.from_hf_dict(wide).dtype == "float32"
+
+
+def test_greedy_generate_reads_the_last_prompt_token_of_a_context_shorter_than_the_window():
+    # The context sits at the start of the window and padding follows it: the next token is
+    # the argmax at the context's last position, not at the window's last (a pad's).
+    weights = random_hf_weights(ONE_LAYER, seed=7, std=0.5)
+    prompt, seq = [5, 9, 2], [5, 9, 2]
+    for _ in range(3):
+        logits = hf_llama_forward(weights, ONE_LAYER, np.array(seq))[-1]
+        top2 = np.sort(logits)[-2:]
+        assert top2[1] - top2[0] > 1e-3, "near-tie: pick another seed"
+        seq.append(int(np.argmax(logits)))
+    model = random_model(ONE_LAYER, seed=7, std=0.5)
+    assert greedy_generate(model, prompt, 3, window=8) == seq[len(prompt) :]
+
+
+def test_trainer_step_returns_the_loss_before_its_update():
+    tokens = np.random.default_rng(8).integers(0, ONE_LAYER.vocab_size, (2, 7)).astype(np.int32)
+    trainer = Trainer.create(random_model(ONE_LAYER, seed=8), optax.sgd(0.5))
+    before = trainer.eval_loss(tokens)
+    assert np.isclose(float(trainer.step(tokens)), before, rtol=1e-6)
+    assert trainer.eval_loss(tokens) < before - 1e-3  # the update did move the loss
