@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -181,3 +182,36 @@ def test_safetensors_with_no_data_or_a_bad_shape_is_refused_by_tensor(tmp_path):
         _raw_safetensors(path, header, bytes(8))
         with pytest.raises(CheckpointError, match="'w'.*bad header entry"):
             read_safetensors(path)
+
+
+def test_a_checkpoint_with_a_parameter_the_model_lacks_is_refused_naming_it(tmp_path):
+    # An untied checkpoint read with a tied config would otherwise drop its lm_head
+    # silently and serve logits from the embedding instead.
+    save_checkpoint(random_model(small_config(tie_word_embeddings=False)), tmp_path)
+    drop_weights_digest(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    with pytest.raises(CheckpointError, match=r"missing \[\], unexpected \['lm_head\.kernel'\]"):
+        load_checkpoint(tmp_path)
+
+
+def test_a_save_that_fails_writing_its_config_leaves_no_staged_file(tmp_path, monkeypatch):
+    old = random_model(small_config(), seed=1)
+    save_checkpoint(old, tmp_path)
+    write_bytes = Path.write_bytes
+
+    def fail_on_config(path, data):
+        if path.name == "config.json.tmp":
+            raise OSError("disk full")
+        return write_bytes(path, data)
+
+    monkeypatch.setattr(Path, "write_bytes", fail_on_config)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(random_model(small_config(), seed=2), tmp_path)
+    monkeypatch.undo()
+    # The staged weights were written, and removed again; the old pair is untouched.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "params.msgpack"]
+    loaded = load_checkpoint(tmp_path)
+    np.testing.assert_array_equal(
+        loaded.embed_tokens.embedding[...], old.embed_tokens.embedding[...]
+    )
