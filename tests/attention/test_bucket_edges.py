@@ -95,7 +95,7 @@ def test_a_bad_bucket_config_is_refused_on_construction_by_name(field, value):
         BucketConfig(**sizes)
 
 
-@pytest.mark.parametrize("q_len_buckets", [(1, 16.5, 512), (1, 512.0), "12"])
+@pytest.mark.parametrize("q_len_buckets", [(1, 16.5, 512), (1, 512.0), "12", (True, 512)])
 def test_q_len_buckets_must_be_ints(q_len_buckets):
     with pytest.raises(ValueError, match="q_len_buckets"):
         EngineConfig(q_len_buckets=q_len_buckets)
