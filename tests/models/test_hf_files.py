@@ -142,11 +142,14 @@ def test_loaded_parameters_take_the_requested_dtype(tmp_path):
     )
 
 
-def test_a_tensor_whose_byte_range_does_not_match_its_shape_is_refused(tmp_path):
-    blob = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}).encode()
+# [-4, 4) is 8 bytes long, but a negative offset would slice from the end of the data.
+@pytest.mark.parametrize("begin, end", [(0, 4), (-4, 4)])
+def test_a_tensor_whose_byte_range_does_not_match_its_shape_is_refused(tmp_path, begin, end):
+    blob = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [begin, end]}}).encode()
     path = tmp_path / "w.safetensors"
     path.write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(8))
-    with pytest.raises(CheckpointError, match=r"'w'.*bytes \[0, 4\) of 8 cannot hold F32 \[2\]"):
+    match = rf"'w'.*bytes \[{begin}, {end}\) of 8 cannot hold F32 \[2\]"
+    with pytest.raises(CheckpointError, match=match):
         read_safetensors(path)
 
 
