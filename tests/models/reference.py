@@ -19,7 +19,11 @@ def _rotate_half(x):
 
 
 def hf_llama_forward(w: dict[str, np.ndarray], cfg, tokens: np.ndarray) -> np.ndarray:
-    """Logits f64[L, vocab] of one sequence `tokens` i32[L] starting at position 0."""
+    """Logits f64[L, vocab] of one sequence `tokens` i32[L] starting at position 0.
+
+    Plain RoPE only: test_numpy_oracle.py holds the reference with Llama 3 scaling."""
+    if cfg.rope_scaling is not None:  # it would be ignored, and the logits silently wrong
+        raise NotImplementedError("hf_llama_forward has no RoPE scaling")
     w = {k: v.astype(np.float64) for k, v in w.items()}
     seq_len, d = len(tokens), cfg.head_dim
     inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2) / d)
