@@ -118,11 +118,10 @@ def save_checkpoint(model: Llama, path: str | os.PathLike) -> Path:
     """Write `model` to directory `path` (created if needed); returns the directory.
 
     Both files are written in full under temporary names first and only then renamed into
-    place, weights before config: an exception while writing (the long part) leaves a
-    checkpoint already in `path` whole. config.json records the weights' SHA-256, so a
-    crash between the two renames, which would pair the new weights with the old config,
-    is refused by load_checkpoint rather than loaded (unless the old config.json has no
-    digest: one written by hand or before digests were recorded is not checked).
+    place, config before weights: an exception while writing (the long part) leaves a
+    checkpoint already in `path` whole. The new config.json records the new weights'
+    SHA-256, so a crash between the two renames, which pairs it with the old weights, is
+    refused by load_checkpoint rather than loaded, whatever the old config held.
     """
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
@@ -132,8 +131,8 @@ def save_checkpoint(model: Llama, path: str | os.PathLike) -> Path:
         weights = serialization.msgpack_serialize(params)
         config = {**model.config.to_dict(), DIGEST_KEY: hashlib.sha256(weights).hexdigest()}
         for name, data in (
-            (PARAMS_FILE, weights),
             (CONFIG_FILE, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()),
+            (PARAMS_FILE, weights),
         ):
             tmp = directory / (name + ".tmp")
             staged.append((tmp, directory / name))

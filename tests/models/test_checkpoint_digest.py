@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +38,31 @@ def test_weights_of_another_save_beside_the_config_are_refused(tmp_path):
         load_checkpoint(old_dir)
     drop_weights_digest(old_dir)  # the check the digest made: without it, the pair loads
     assert load_checkpoint(old_dir).config.rope_theta == 10000.0
+
+
+def test_a_save_cut_between_its_renames_is_refused_even_over_a_config_without_digest(
+    tmp_path, monkeypatch
+):
+    # The new config.json lands first and names the new weights' digest, so the old
+    # weights beside it are refused. Renaming the weights first left new weights beside
+    # an old config; one without a digest (written by hand) loaded that pair unchecked.
+    save_checkpoint(random_model(small_config(), seed=1), tmp_path)
+    drop_weights_digest(tmp_path)
+    renames = []
+    real_replace = Path.replace
+
+    def replace_then_crash(self, target):
+        if renames:
+            raise KeyboardInterrupt  # the process dies after the first rename
+        renames.append(target)
+        return real_replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", replace_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(random_model(small_config(rope_theta=500.0), seed=2), tmp_path)
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=TORN):
+        load_checkpoint(tmp_path)
 
 
 def test_a_damaged_weights_file_is_refused_by_its_digest(tmp_path):
