@@ -114,12 +114,30 @@ def jax_reference(q, kv_pages, md, table, prefix, suffix, sm_scale):
     )
 
 
+def figures(batch, prefix, suffix, t_flat, t_casc, bandwidth, sizes) -> dict:
+    """One point's bytes (KV only, and all a call moves: benchmarks/attention_bytes.py),
+    their flat / cascade ratios, the speedup and the achieved bandwidths (all bytes over
+    time; flat's also as a fraction of the measured read `bandwidth`)."""
+    kv = dict(kv_per_token=2 * sizes["num_kv_heads"] * sizes["head_dim"] * sizes["kv_itemsize"])
+    flat_kv = kv_bytes(batch, prefix, suffix, **kv, cascade=False)
+    casc_kv = kv_bytes(batch, prefix, suffix, **kv, cascade=True)
+    flat_bytes = decode_bytes(batch, prefix, suffix, **sizes, cascade=False)
+    casc_bytes = decode_bytes(batch, prefix, suffix, **sizes, cascade=True)
+    return dict(
+        flat_bytes=flat_kv, cascade_bytes=casc_kv,  # KV only
+        flat_total_bytes=flat_bytes, cascade_total_bytes=casc_bytes,
+        speedup=t_flat / t_casc, bytes_ratio=flat_kv / casc_kv,
+        total_bytes_ratio=flat_bytes / casc_bytes,
+        flat_bandwidth=flat_bytes / t_flat, cascade_bandwidth=casc_bytes / t_casc,
+        flat_fraction_of_read=flat_bytes / t_flat / bandwidth,
+    )  # fmt: skip
+
+
 def run(args) -> list[dict]:
     shape = AttentionShape(
         args.q_heads, args.kv_heads, args.head_dim, jnp.dtype(args.dtype).itemsize
     )
     planner = CascadePlanner(shape, backend=default_backend())
-    kv_per_token = 2 * shape.num_kv_heads * shape.head_dim * shape.kv_itemsize
     sizes = dict(
         num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim, kv_itemsize=shape.kv_itemsize, q_itemsize=shape.kv_itemsize,
@@ -167,21 +185,11 @@ def run(args) -> list[dict]:
                 if args.jax_ref and batch * (prefix + suffix) <= args.jax_ref_max_tokens:
                     ref_args = (q, kv_pages, md_flat, table, prefix, suffix, sm_scale)
                     t_ref = _time(jax_reference, *ref_args, reps=max(1, args.reps // 2))
-                flat_bytes = decode_bytes(batch, prefix, suffix, **sizes, cascade=False)
-                casc_bytes = decode_bytes(batch, prefix, suffix, **sizes, cascade=True)
-                kv = dict(kv_per_token=kv_per_token)
-                flat_kv = kv_bytes(batch, prefix, suffix, **kv, cascade=False)
-                casc_kv = kv_bytes(batch, prefix, suffix, **kv, cascade=True)
                 chooses = planner.pays(batch, prefix, batch, batch * (prefix + suffix))
                 row = dict(
                     batch=batch, prefix=prefix, suffix=suffix,
                     flat_s=t_flat, cascade_s=t_casc, jax_ref_s=t_ref,
-                    flat_bytes=flat_kv, cascade_bytes=casc_kv,  # KV only
-                    flat_total_bytes=flat_bytes, cascade_total_bytes=casc_bytes,
-                    speedup=t_flat / t_casc, bytes_ratio=flat_kv / casc_kv,
-                    total_bytes_ratio=flat_bytes / casc_bytes,
-                    flat_bandwidth=flat_bytes / t_flat, cascade_bandwidth=casc_bytes / t_casc,
-                    flat_fraction_of_read=flat_bytes / t_flat / bandwidth,
+                    **figures(batch, prefix, suffix, t_flat, t_casc, bandwidth, sizes),
                     cost_model_chooses_cascade=chooses, max_abs_diff=max_diff,
                 )  # fmt: skip
                 results.append(row)

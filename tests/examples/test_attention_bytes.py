@@ -1,0 +1,77 @@
+"""benchmarks/attention_bytes.py: the bytes one decode call moves, counted by hand for a
+small shape, and the figures benchmarks/attention.py derives from them."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.attention_bytes import decode_bytes, kv_bytes
+
+# 2 requests sharing 32 tokens, 16 of their own; 4 query heads over 2 KV heads of 8 dims;
+# 1-byte KV (fp8) and 2-byte queries, so a count that mixes the two itemsizes shows.
+B, P, S = 2, 32, 16
+SIZES = dict(num_q_heads=4, num_kv_heads=2, head_dim=8, kv_itemsize=1, q_itemsize=2)
+KV_PER_TOKEN = 2 * 2 * 8 * 1  # K and V, 2 heads of 8 dims, 1 byte: 32
+QUERIES = 2 * 4 * 8 * 2  # 2 tokens x 4 heads x 8 dims x 2 bytes: 128
+OUT, LSE = 2 * 4 * 8 * 2, 2 * 4 * 4  # output in the query dtype; lse in float32
+PARTIAL = 2 * 4 * (8 + 1) * 4  # one pass's float32 output and lse: 288
+
+
+def test_flat_reads_every_requests_whole_context_and_writes_out_and_lse():
+    kv = B * (P + S) * KV_PER_TOKEN  # 96 tokens: 3072
+    assert kv_bytes(B, P, S, kv_per_token=KV_PER_TOKEN, cascade=False) == kv == 3072
+    assert decode_bytes(B, P, S, **SIZES, cascade=False) == kv + QUERIES + OUT + LSE == 3360
+
+
+def test_cascade_reads_the_prefix_once_and_pays_for_two_passes_and_a_merge():
+    kv = (P + B * S) * KV_PER_TOKEN  # 64 tokens: 2048
+    assert kv_bytes(B, P, S, kv_per_token=KV_PER_TOKEN, cascade=True) == kv == 2048
+    passes = 2 * (QUERIES + PARTIAL)  # each reads the queries, writes a partial: 832
+    merge = 2 * PARTIAL + OUT + LSE  # reads both partials, writes the result: 736
+    assert decode_bytes(B, P, S, **SIZES, cascade=True) == kv + passes + merge == 3616
+
+
+def test_at_a_large_batch_and_short_suffix_cascade_moves_more_bytes_than_flat():
+    # 256 requests sharing 16 tokens, 1 token each of their own. Per request: queries 64
+    # bytes, output 64, lse 16, one pass's partial 144.
+    flat = 256 * 17 * KV_PER_TOKEN + 256 * (64 + 64 + 16)  # 139264 + 36864
+    cascade = (16 + 256) * KV_PER_TOKEN + 256 * (2 * (64 + 144) + 2 * 144 + 64 + 16)
+    assert decode_bytes(256, 16, 1, **SIZES, cascade=False) == flat == 176128
+    assert decode_bytes(256, 16, 1, **SIZES, cascade=True) == cascade == 209408
+    # KV alone would call cascade 16 times cheaper: its partials weigh more than the KV.
+    kv = dict(kv_per_token=KV_PER_TOKEN)
+    assert kv_bytes(256, 16, 1, **kv, cascade=False) == 16 * kv_bytes(
+        256, 16, 1, **kv, cascade=True
+    )
+
+
+def test_the_attention_benchmarks_figures_for_one_point():
+    from benchmarks.attention import figures
+
+    # Flat took 2 us, cascade 1 us, on a machine that reads 1 GB/s.
+    row = figures(B, P, S, 2e-6, 1e-6, 1e9, SIZES)
+    assert (row["flat_bytes"], row["cascade_bytes"]) == (3072, 2048)  # KV only
+    assert (row["flat_total_bytes"], row["cascade_total_bytes"]) == (3360, 3616)
+    assert row["speedup"] == pytest.approx(2.0)
+    assert row["bytes_ratio"] == pytest.approx(1.5)  # flat over cascade
+    assert row["total_bytes_ratio"] == pytest.approx(3360 / 3616)
+    assert row["flat_bandwidth"] == pytest.approx(3360 / 2e-6)  # bytes per second
+    assert row["cascade_bandwidth"] == pytest.approx(3616 / 1e-6)
+    assert row["flat_fraction_of_read"] == pytest.approx(1.68)  # 1.68 GB/s of 1 GB/s
+
+
+def test_the_attention_benchmarks_tables_share_the_prefix_pages_only():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.attention import make_inputs
+    from jaxkv.cascade import AttentionShape
+
+    shape = AttentionShape(4, 2, 8, 4)
+    rng = np.random.default_rng(0)
+    table, kv = make_inputs(rng, 3, 32, 20, block_size=16, shape=shape, dtype=jnp.float32)
+    assert table.shape == (3, 2 + 2)  # 32 prefix tokens: 2 pages; 20 own: 2 pages
+    assert np.all(table[:, :2] == table[0, :2])
+    own = table[:, 2:]
+    assert len(np.unique(own)) == own.size and not np.intersect1d(own, table[0, :2]).size
+    assert table.min() >= 1 and kv.shape == (1 + 2 + 3 * 2, 16, 4, 8)
