@@ -1,0 +1,48 @@
+"""benchmarks/host_overhead.py: the setups it times are what its table says they are
+(its asserts run here on a small grid, with the timing loop stubbed out)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks import host_overhead as bench
+
+
+def test_a_point_times_the_four_cases_on_requests_sharing_the_whole_prefix(monkeypatch):
+    calls = []
+
+    def fake_time_calls(fn, args_cycle):
+        calls.append([fn(a) for a in args_cycle])  # what each timed call answers
+        return 1.0, 2.0
+
+    monkeypatch.setattr(bench, "_time_calls", fake_time_calls)
+    setup = bench._Setup(4, 3, 1, np.random.default_rng(0))
+    sched = [setup.add(4) for _ in range(3)]
+    others = [setup.add(4)]
+    rows = bench._time_point(setup, sched, len(others))
+    assert [r["case"] for r in rows] == ["cold", "memo", "diverge", "rows"]
+    assert all((r["R"], r["C"], r["T"]) == (3, 4, 1) for r in rows)
+    # cold, memo and rows see 4 shared blocks; diverge's last request shares 2 of them.
+    assert calls == [[4, 4], [4], [2, 2], [4, 4]]
+    setup.m.check_integrity()
+    assert setup.m.num_common_prefix_blocks(sched) == 4  # the half holder was freed
+
+
+def test_a_holder_hits_exactly_the_prefix_blocks_it_asks_for():
+    setup = bench._Setup(4, 2, 0, np.random.default_rng(0))
+    first, second, half = setup.add(4), setup.add(4), setup.add(2)
+    m = setup.m
+    assert m.num_common_prefix_blocks([first, second]) == 4
+    assert m.num_common_prefix_blocks([first, half]) == 2
+    # Two blocks of its own each, the last partial (never cached): 4 + 3 * 2 blocks held.
+    assert bench.OWN_TOKENS == 2 * bench.BLOCK_SIZE - 3
+    assert m.pool.num_blocks - 1 - m.num_free_blocks == 4 + 3 * 2
+
+
+def test_the_trace_admits_decodes_and_frees_every_request():
+    trace = bench.bench_trace(np.random.default_rng(0), num_requests=40)
+    assert trace["num_requests"] == 40
+    assert trace["lookup"]["count"] == trace["alloc_prefill"]["count"] == 40
+    assert trace["free"]["count"] == 40
+    assert trace["alloc_decode"]["count"] >= 40 * 8  # 8 to 64 decode steps each
+    assert 0 < trace["prefix_cache_hit_rate"] < 1
