@@ -119,24 +119,38 @@ def run_one(model, prompts, args, name, cascade, prefix_caching) -> dict:
     wall = time.perf_counter() - t0
     m = engine.metrics
     engine.close()  # frees its KV cache before the next configuration builds one
-    warm = [s for s in steps if not s.new_program]
-    warm_generated = sum(n for s, n in zip(steps, generated, strict=True) if not s.new_program)
-    decode = [s for s in warm if s.num_tokens == s.num_requests >= args.decode_batch]
-    p50 = lambda xs: 1e3 * float(np.median(xs)) if xs else float("nan")
-    mean = lambda xs: 1e3 * float(np.mean(xs)) if xs else float("nan")
-    warm_s = sum(s.host_s + s.device_s + s.update_s for s in warm)
-    per_s = lambda n: n / warm_s if warm_s else float("nan")
     return {
         "config": name,
         "enable_cascade": cascade,
         "enable_prefix_caching": prefix_caching,
         "wall_s": wall,
         "num_steps": m.num_steps,
-        "num_warm_steps": len(warm),
         "num_compiles": m.num_compiles,
-        "compile_step_s": sum(s.host_s + s.device_s + s.update_s for s in steps if s.new_program),
         "generated_tokens_per_s": m.generation_tokens_per_s,
         "tokens_per_s": m.tokens_per_s,
+        **step_figures(steps, generated, args.decode_batch),
+        "cascade_steps": m.cascade_steps,
+        "cascade_steps_by_levels": dict(m.cascade_steps_by_levels),
+        "prefix_cache_hit_rate": m.prefix_cache_hit_rate,
+        "peak_kv_usage": peak_usage,
+        "metrics": m.as_dict(),
+    }
+
+
+def step_figures(steps, generated: list[int], decode_batch: int) -> dict:
+    """Figures over the steps that ran the model (their StepStats, and the tokens each
+    generated): per-step times and tokens/s over those that compiled nothing, host times
+    of decode steps of at least `decode_batch` requests, and the step log `paired` reads."""
+    warm = [s for s in steps if not s.new_program]
+    warm_generated = sum(n for s, n in zip(steps, generated, strict=True) if not s.new_program)
+    decode = [s for s in warm if s.num_tokens == s.num_requests >= decode_batch]
+    p50 = lambda xs: 1e3 * float(np.median(xs)) if xs else float("nan")
+    mean = lambda xs: 1e3 * float(np.mean(xs)) if xs else float("nan")
+    warm_s = sum(s.host_s + s.device_s + s.update_s for s in warm)
+    per_s = lambda n: n / warm_s if warm_s else float("nan")
+    return {
+        "num_warm_steps": len(warm),
+        "compile_step_s": sum(s.host_s + s.device_s + s.update_s for s in steps if s.new_program),
         # Over the steps that compiled nothing: tokens computed, and tokens generated
         # (decodes and the first token of each finished prefill).
         "warm_tokens_per_s": per_s(sum(s.num_tokens for s in warm)),
@@ -154,11 +168,6 @@ def run_one(model, prompts, args, name, cascade, prefix_caching) -> dict:
         "decode_prepare_cpu_ms_at_batch_p50": p50([s.prepare_cpu_s for s in decode]),
         "decode_device_ms_at_batch_p50": p50([s.device_s for s in decode]),
         "decode_update_ms_at_batch_p50": p50([s.update_s for s in decode]),
-        "cascade_steps": m.cascade_steps,
-        "cascade_steps_by_levels": dict(m.cascade_steps_by_levels),
-        "prefix_cache_hit_rate": m.prefix_cache_hit_rate,
-        "peak_kv_usage": peak_usage,
-        "metrics": m.as_dict(),
         # Per step that ran the model: (compiled, tokens computed, generated, seconds).
         "step_log": [
             (s.new_program, s.num_tokens, n, s.host_s + s.device_s + s.update_s)

@@ -1,10 +1,13 @@
-"""benchmarks/serve.py's paired cascade/flat ratio (the rest is exercised by running it)."""
+"""benchmarks/serve.py's figures: per-step figures over warm steps, and the paired
+cascade/flat ratio (the engine runs are exercised by running it)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from benchmarks.serve import paired
+from benchmarks.serve import paired, step_figures
 
 
 def _run(steps):
@@ -24,3 +27,56 @@ def test_no_ratio_without_a_common_schedule_or_a_step_to_compare():
     base = [(False, 8, 8, 1.0)]
     assert paired(_run(base), _run([(False, 9, 8, 1.0)])) is None  # other tokens scheduled
     assert paired(_run(base), _run([(True, 8, 8, 1.0)])) is None  # every step compiled once
+
+
+def _stats(new_program, num_tokens, num_requests, host, device=0.0, update=0.0):
+    return SimpleNamespace(
+        new_program=new_program, num_tokens=num_tokens, num_requests=num_requests,
+        host_s=host, device_s=device, update_s=update, host_cpu_s=host / 2,
+        schedule_cpu_s=host / 8, plan_cpu_s=host / 8, prepare_cpu_s=host / 4,
+    )  # fmt: skip
+
+
+def test_step_figures_leave_out_the_steps_that_compiled():
+    steps = [
+        _stats(True, 64, 4, 1.0, 8.0, 1.0),  # prefill that compiled: 10 s, 4 generated
+        _stats(False, 40, 4, 0.5, 1.0, 0.5),  # prefill chunk and decodes, 2 generated
+        _stats(False, 4, 4, 0.1, 0.3, 0.1),  # decode of 4 requests
+        _stats(False, 4, 4, 0.3, 0.3, 0.4),
+        _stats(False, 3, 3, 0.2, 0.2, 0.1),  # decode of 3: below --decode-batch 4
+    ]
+    fig = step_figures(steps, [4, 2, 4, 4, 3], decode_batch=4)
+    assert fig["num_warm_steps"] == 4 and fig["compile_step_s"] == 10.0
+    warm_s = 1.1 + 1.8 + 1.1  # host + device + update of the four warm steps
+    assert fig["warm_tokens_per_s"] == pytest.approx((40 + 4 + 4 + 3) / warm_s)
+    assert fig["warm_generated_tokens_per_s"] == pytest.approx((2 + 4 + 4 + 3) / warm_s)
+    assert fig["host_ms_per_step_p50"] == pytest.approx(250.0)  # median of 500, 100, 300, 200
+    assert fig["device_ms_per_step_p50"] == pytest.approx(300.0)
+    assert fig["update_ms_per_step_p50"] == pytest.approx(250.0)
+    # Decode steps of at least 4 requests, every one a decode: steps 2 and 3.
+    assert fig["decode_steps_at_batch"] == 2
+    assert fig["decode_host_ms_at_batch_p50"] == pytest.approx(200.0)
+    assert fig["decode_host_cpu_ms_at_batch_mean"] == pytest.approx(100.0)
+    assert fig["decode_device_ms_at_batch_p50"] == pytest.approx(300.0)
+    assert fig["step_log"][0] == (True, 64, 4, 10.0)
+    assert [s[:3] for s in fig["step_log"][1:]] == [
+        (False, 40, 2),
+        (False, 4, 4),
+        (False, 4, 4),
+        (False, 3, 3),
+    ]
+
+
+def test_the_schedule_must_match_in_generated_tokens_too():
+    base = [(False, 8, 8, 1.0)]
+    assert paired(_run(base), _run([(False, 8, 7, 1.0)])) is None
+
+
+def test_steps_pair_by_their_place_in_the_schedule():
+    # Cascade compiled at step 0, flat at step 2: steps 1 and 3 are warm in both.
+    cascade = _run([(True, 8, 8, 5.0), (False, 8, 8, 1.0), (False, 8, 8, 1.0), (False, 8, 8, 1.0)])
+    flat = _run([(False, 8, 8, 1.0), (False, 8, 8, 2.0), (True, 8, 8, 9.0), (False, 8, 8, 2.0)])
+    pair = paired(cascade, flat)
+    assert (pair["steps"], pair["generated_tokens"]) == (2, 16)
+    assert pair["speedup"] == pytest.approx(2.0)
+    assert pair["flat_generated_tokens_per_s"] == pytest.approx(4.0)
