@@ -1,0 +1,84 @@
+"""examples/serving_report.py: each row of the serving example's table shows its own
+run's figure, computed as its label says."""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from rich.console import Console
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture(scope="module")
+def report():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import serving_report
+        import shared_prefix_workload
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    return serving_report, shared_prefix_workload.Prompt
+
+
+def _metrics(cascade_steps, by_levels, compiles):
+    return SimpleNamespace(
+        num_generated_tokens=8, num_prompt_tokens=50, prefix_cache_hit_rate=0.25,
+        num_steps=2, cascade_steps=cascade_steps, cascade_steps_by_levels=by_levels,
+        num_compiles=compiles,
+    )  # fmt: skip
+
+
+def _runs(report, outputs_off=((1,) * 5, (2,) * 3)):
+    on = report.RunResult(
+        "on", outputs=[(1,) * 5, (2,) * 3], wall_s=2.0, peak_blocks=3,
+        step_log=[(True, 4, 1.0), (False, 4, 0.5)],
+        metrics=_metrics(1, {"global+groups": 1}, 1),
+    )  # fmt: skip
+    off = report.RunResult(
+        "off", outputs=list(outputs_off), wall_s=4.0, peak_blocks=4,
+        step_log=[(False, 4, 2.0), (False, 4, 1.0)], metrics=_metrics(0, {}, 0),
+    )  # fmt: skip
+    return [on, off]
+
+
+def _prompts(Prompt):
+    return [Prompt(0, "a", [7] * 20), Prompt(1, "b", [8] * 30)]
+
+
+def test_every_row_shows_its_own_runs_figure(report):
+    module, Prompt = report
+    rows = dict((r[0], r[1:]) for r in module.summary_rows(_prompts(Prompt), _runs(module), 16))
+    assert rows == {
+        "requests": ("2", "2"),
+        "tokens generated": ("8", "8"),
+        "prompt tokens computed": ("50", "50"),
+        "wall time": ("2.0 s", "4.0 s"),
+        "tokens/s (wall, with compiles)": ("4.0", "2.0"),  # generated tokens over wall time
+        # Step 1 only, warm in both: 4 tokens in 0.5 s and in 1.0 s.
+        "tokens/s (steps warm in both runs)": ("8.0", "4.0"),
+        "prefix-cache hit rate": ("25.0%", "25.0%"),
+        "steps": ("2", "2"),
+        "steps using cascade": ("50%", "0%"),
+        "  levels (names): steps": ("2 (global+groups): 1", "-"),
+        # Contexts 20 + 5 and 30 + 3 tokens: 2 + 3 blocks of 16 without sharing.
+        "KV blocks held at peak / unshared": ("3 / 5 (60%)", "4 / 5 (80%)"),
+        "step programs compiled": ("1", "0"),
+    }
+
+
+def test_the_report_says_whether_the_two_runs_generated_the_same_tokens(report):
+    module, Prompt = report
+    for outputs_off, same, line in (
+        (((1,) * 5, (2,) * 3), True, "cascade on and off: yes"),
+        (((1,) * 5, (2, 2, 9)), False, "cascade on and off: NO (1 of 2 requests differ)"),
+    ):
+        console = Console(file=io.StringIO(), width=200)
+        assert (
+            module.print_report(console, _prompts(Prompt), _runs(module, outputs_off), 16) is same
+        )
+        assert line in console.file.getvalue()
