@@ -226,11 +226,13 @@ def serve(
     with progress:
         task = progress.add_task("serve", total=len(prompts), tokens=0)
         while engine.has_unfinished_requests():
+            before = engine.last_step
             step_outputs = engine.step()
-            if not step_outputs:
-                continue
-            result.peak_blocks = max(result.peak_blocks, held())
             stats = engine.last_step
+            if stats is before:  # nothing could be scheduled: the model did not run
+                continue
+            # Logged even when it generated nothing (prefill chunks only): it took its time.
+            result.peak_blocks = max(result.peak_blocks, held())
             seconds = stats.host_s + stats.device_s + stats.update_s
             result.step_log.append((stats.new_program, len(step_outputs), seconds))
             for o in step_outputs:

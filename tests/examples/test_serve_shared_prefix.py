@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from rich.console import Console
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -101,3 +104,58 @@ def test_warm_tokens_per_s_times_every_run_over_the_same_steps(serve):
     short = report.RunResult("short", step_log=[(False, 4, 1.0), (True, 8, 1.0)])
     assert report.warm_tokens_per_s([on, short]) == [4.0, 4.0]
     assert report.warm_tokens_per_s([report.RunResult("cold", step_log=[(True, 1, 1.0)])]) == [None]
+
+
+class _ScriptedEngine:
+    """Stands in for jaxkv.Engine: plays back steps of (ran the model, outputs, held
+    blocks), each model step timed 1 + 2 + 3 seconds of host, device and update."""
+
+    SCRIPT = [
+        (True, [], 5),  # a prefill chunk: the model ran, nothing generated
+        (True, [(0, 7, False), (1, 8, False)], 9),  # the peak
+        (False, [], 9),  # nothing could be scheduled: the model did not run
+        (True, [(0, 9, True), (1, 10, True)], 2),
+    ]
+
+    def __init__(self, model, tokenizer, config):
+        self.steps = iter(self.SCRIPT)
+        self.last_step, self.held, self.left = None, 0, len(self.SCRIPT)
+        self.manager = SimpleNamespace(pool=SimpleNamespace(num_blocks=100))
+        self.metrics = "metrics"
+
+    def add_request(self, token_ids, params):
+        return f"r{token_ids[0]}"
+
+    def has_unfinished_requests(self):
+        return self.left > 0
+
+    def step(self):
+        ran, outputs, held = next(self.steps)
+        self.left -= 1
+        self.held = held
+        self.manager.num_free_blocks = 100 - 1 - held
+        if ran:
+            first = self.last_step is None
+            self.last_step = SimpleNamespace(
+                new_program=first, host_s=1.0, device_s=2.0, update_s=3.0
+            )
+        return [
+            SimpleNamespace(request_id=f"r{i}", new_token_ids=[t], finished=f)
+            for i, t, f in outputs
+        ]
+
+    def close(self):
+        pass
+
+
+def test_the_step_log_has_every_step_that_ran_the_model(serve, monkeypatch):
+    monkeypatch.setattr(serve, "Engine", _ScriptedEngine)
+    prompts = [serve.Prompt(0, "a", [0, 1]), serve.Prompt(1, "b", [1, 2])]
+    args = serve.parse_args(["--num-requests", "2", "--max-tokens", "2"])
+    console = Console(file=io.StringIO())
+    result = serve.serve(None, prompts, args, True, console)
+    # The prefill chunk that generated nothing took its time too; the step that ran
+    # nothing is not a step.
+    assert result.step_log == [(True, 0, 6.0), (False, 2, 6.0), (False, 2, 6.0)]
+    assert result.peak_blocks == 9
+    assert result.outputs == [(7, 9), (8, 10)]
