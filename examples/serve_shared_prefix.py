@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 # examples/ itself is on sys.path when this file runs as a script.
 from serving_report import RunResult, blocks_without_sharing, print_report, print_samples  # noqa: E402
-from shared_prefix_workload import Prompt, workload  # noqa: E402
+from shared_prefix_workload import Prompt, common_prefix_len, workload  # noqa: E402
 
 from jaxkv import (  # noqa: E402
     CacheConfig,
@@ -275,7 +275,8 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(
         f"model: {source}\n"
         f"workload: {len(prompts)} requests, 2 system prompts; prompts {min(lengths)}-"
-        f"{max(lengths)} tokens of which {args.prefix_len} shared ({args.prefix_len // 3} by "
+        f"{max(lengths)} tokens of which {args.prefix_len} shared "
+        f"({common_prefix_len(args.prefix_len)} by "
         f"all, the rest by each system prompt's group); up to {args.max_tokens} new tokens\n"
         f"engine: backend {cfg.backend or default_backend()}, {cfg.cache.num_blocks - 1} KV "
         f"blocks of {args.block_size} tokens, up to {cfg.scheduler.max_num_seqs} requests and "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 
 import numpy as np
 
@@ -76,6 +77,12 @@ def shared_prefixes(prefix_len: int) -> list[str]:
     preamble = _fit(PREAMBLE, prefix_len // 3)
     examples = "".join(f"Q: {q}\nA: {a}\n" for q, a in FEW_SHOT)
     return [preamble + _fit(s + examples, prefix_len - len(preamble)) for s in SYSTEM_PROMPTS]
+
+
+def common_prefix_len(prefix_len: int) -> int:
+    """Tokens every request shares: the preamble, and then the words both system prompts
+    open with ("System: speak as "), so more than the preamble's third."""
+    return len(os.path.commonprefix(shared_prefixes(prefix_len)))
 
 
 def workload(num_requests: int, prefix_len: int, seed: int) -> list[Prompt]:

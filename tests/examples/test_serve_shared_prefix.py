@@ -55,6 +55,8 @@ def test_small_run_shares_prefixes_uses_cascade_and_matches_flat_attention(serve
     assert runs["cascade on"]["peak_blocks"] < summary["blocks_without_sharing"]
 
     assert "generated tokens identical with cascade on and off: yes" in out
+    # A 21-token preamble and "System: speak as " (the console may wrap the line).
+    assert "of which 64 shared (38 by all" in " ".join(out.split())
     for label in ("prefix-cache hit rate", "steps using cascade", "KV blocks held", "tokens/s"):
         assert label in out
 
@@ -68,6 +70,15 @@ def test_workload_has_two_system_prompts_under_one_preamble(serve):
     assert a[0][:32] == b[0][:32] and a[0][32:96] != b[0][32:96]
     assert len({p.question for p in prompts}) == 10  # distinct questions
     assert all(p.token_ids[96:99] == list(b"Q: ") for p in prompts)
+
+
+def test_every_request_shares_the_preamble_and_the_system_prompts_opening_words(serve):
+    wl = sys.modules["shared_prefix_workload"]
+    a, b = wl.shared_prefixes(96)
+    assert len(a) == len(b) == 96
+    assert a[:32] == b[:32] == wl.PREAMBLE[:32]  # the preamble: a third
+    assert a[32:49] == b[32:49] == "System: speak as " and a[49] != b[49]
+    assert wl.common_prefix_len(96) == 49  # what the run prints as shared by all
 
 
 def test_help_lists_every_flag(serve, capsys):
