@@ -113,11 +113,9 @@ def _brute_force_common(m: KVCacheManager, ids: list[str]) -> int:
     return k
 
 
-def test_reused_answer_follows_cache_hit_appends_frees_and_reused_ids():
-    # Repeating an id list reuses the previous answer; every change that can alter it
-    # (a cache hit appended to a member, a free, an id reused for another request) must
-    # be seen, and fresh decode blocks must leave it unchanged.
-    m = _manager()
+def _b_holding_the_first_of_two_hit_blocks(m: KVCacheManager):
+    """(A, B, B's hit): A holds two full blocks B's prompt also starts with; B has taken
+    the first of them only (4 tokens computed)."""
     y = [5, 6, 7, 8]
     a = make_request("A", [*X, *y, 10])
     prefill(m, a)
@@ -126,6 +124,15 @@ def test_reused_answer_follows_cache_hit_appends_frees_and_reused_ids():
     assert n == 8
     m.allocate_slots(b, 0, num_new_computed_tokens=4, new_computed_blocks=hit[:1])
     b.num_computed_tokens = 4
+    return a, b, hit
+
+
+def test_reused_answer_follows_cache_hit_appends_frees_and_reused_ids():
+    # Repeating an id list reuses the previous answer; every change that can alter it
+    # (a cache hit appended to a member, a free, an id reused for another request) must
+    # be seen, and fresh decode blocks must leave it unchanged.
+    m = _manager()
+    a, b, hit = _b_holding_the_first_of_two_hit_blocks(m)
     ids = ["A", "B"]
     assert m.num_common_prefix_blocks(ids) == 1 == _brute_force_common(m, ids)
     m.allocate_slots(b, 1, num_new_computed_tokens=4, new_computed_blocks=hit[1:])
@@ -147,14 +154,7 @@ def test_reused_answer_follows_a_single_cache_hit_block_and_the_sharing_version_
     # A cache hit of one block (no fresh block with it) takes the table's one-block write
     # path; it must change the sharing version and the reused answer all the same.
     m = _manager()
-    y = [5, 6, 7, 8]
-    a = make_request("A", [*X, *y, 10])
-    prefill(m, a)
-    b = make_request("B", [*X, *y, 20])
-    hit, n = m.get_computed_blocks(b)
-    assert n == 8
-    m.allocate_slots(b, 0, num_new_computed_tokens=4, new_computed_blocks=hit[:1])
-    b.num_computed_tokens = 4
+    a, b, hit = _b_holding_the_first_of_two_hit_blocks(m)
     assert m.num_common_prefix_blocks(["A", "B"]) == 1
     version = m.sharing_version
     assert m.allocate_slots(b, 0, num_new_computed_tokens=4, new_computed_blocks=hit[1:]) == []
