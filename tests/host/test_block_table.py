@@ -135,3 +135,33 @@ def test_rows_of_is_not_fooled_by_a_caller_changing_its_list_afterwards():
     assert table.rows_of(ids).tolist() == [0, 1]
     ids[0] = "c"  # the same list object, other contents: the memo must not answer
     assert table.rows_of(ids).tolist() == [2, 1]
+
+
+def _common_oracle(rows: list[list[int]]) -> int:
+    k = 0
+    while all(len(r) > k for r in rows) and len({r[k] for r in rows}) == 1:
+        k += 1
+    return k
+
+
+@pytest.mark.parametrize("num_rows", [33, 40, 58])
+def test_rows_outside_the_sample_that_diverge_early_set_the_answer(num_rows):
+    # > 32 rows: the bound comes from every ceil(R/8)-th row; the probe at that bound
+    # must find every other row that disagrees with the first, also the last row and
+    # several rows that agree with each other but not with the first.
+    step = -(-num_rows // 8)
+    outside = [i for i in range(num_rows) if i % step]
+    assert num_rows - 1 in outside
+    shared = [7, 8, 9, 10]
+    for odd in ([num_rows - 1], [outside[0], num_rows - 1], outside[:3]):
+        t = HostBlockTable(max_blocks_per_seq=6)
+        blocks = {}
+        for i in range(num_rows):
+            rid = f"r{i}"
+            blocks[rid] = shared[:1] + [50, 51, 52] if i in odd else shared + [100 + i]
+            t.add_row(rid)
+            t.append(rid, blocks[rid], shared=True)
+        ids = list(blocks)
+        assert t.num_common_prefix_blocks(ids) == 1 == _common_oracle(list(blocks.values()))
+        rest = [rid for i, rid in enumerate(ids) if i not in odd]
+        assert t.num_common_prefix_blocks(rest) == 4 == _common_oracle([blocks[r] for r in rest])
