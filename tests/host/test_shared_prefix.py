@@ -334,3 +334,21 @@ def test_longest_common_prefix_refuses_arguments_it_would_misread(num_blocks, ro
         longest_common_prefix(table, np.array(num_blocks), rows)
     with pytest.raises(ValueError, match="num_blocks must be a 1-D numpy array"):
         longest_common_prefix(table, [3, 3, 4])
+
+
+def test_reused_answer_follows_a_cache_hit_on_a_request_that_held_no_block():
+    # A request allocated nothing yet holds a row but no block; its first cache hit lands
+    # at column 0 of that row and must move the sharing version and the reused answer.
+    m = _manager()
+    prefill(m, make_request("A", [*X, 5]))
+    b = make_request("B", [*X, 6])
+    assert m.allocate_slots(b, 0) == []
+    assert m.block_ids("B") == []
+    assert m.num_common_prefix_blocks(["A", "B"]) == 0 == _brute_force_common(m, ["A", "B"])
+    version = m.sharing_version
+    hit, n = m.get_computed_blocks(b)
+    assert n == 4
+    m.allocate_slots(b, 1, num_new_computed_tokens=n, new_computed_blocks=hit)
+    assert m.sharing_version != version
+    assert m.num_common_prefix_blocks(["A", "B"]) == 1 == _brute_force_common(m, ["A", "B"])
+    m.check_integrity()
