@@ -1,0 +1,130 @@
+"""Which groups the planner keeps, against block counts read from KVCacheManager.block_ids.
+
+Each case is built so that one rule of the group search decides the plan: what a group
+saves ((members - 1) x its own shared blocks), what a group adds past the global level,
+where a candidate that does not pay is split, and which queries the level's one call
+merges. The expected groups come from the block ids each request holds, never from the
+planner's prefix ids.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxkv import KVCacheManager
+from jaxkv.cascade import CascadeCostModel, CascadePlanner
+from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding, _plan, _prefilled
+
+
+def _shared(m: KVCacheManager, ids: list[str]) -> int:
+    """Leading block columns in which every request of `ids` holds the same block id."""
+    tables = [m.block_ids(rid) for rid in ids]
+    k = 0
+    while all(k < len(t) for t in tables) and len({t[k] for t in tables}) == 1:
+        k += 1
+    return k
+
+
+def _groups(plan, reqs) -> list[tuple[list[str], int, int]]:
+    """(member ids, first block, end block) of each group of the plan's last level."""
+    level = plan.levels[-1]
+    return [
+        (
+            [reqs[int(plan.order[i])].request_id for i in range(s, e)],
+            int(level.block_starts[g]),
+            int(level.block_ends[g]),
+        )
+        for g, (s, e) in enumerate(zip(level.group_starts, level.group_ends, strict=True))
+    ]
+
+
+def test_the_kept_group_is_the_one_whose_other_members_read_fewest_blocks():
+    # With max_groups=1 the level keeps the group that saves most block reads: a group
+    # of n requests sharing b blocks saves (n - 1) x b. Two requests over 7 blocks save
+    # 7, four over 3 blocks save 9 (counting n x b would keep the pair: 14 > 12).
+    m = KVCacheManager(256, 4, max_model_len=64)
+    pair = [_decoding(m, f"a{i}", list(range(100, 128)) + [i, 50 + i]) for i in range(2)]
+    four = [_decoding(m, f"b{i}", list(range(200, 212)) + [i, 60 + i]) for i in range(4)]
+    reqs = pair + four
+    saves = {}
+    for name, members in (("pair", pair), ("four", four)):
+        ids = [r.request_id for r in members]
+        saves[name] = (len(ids) - 1) * _shared(m, ids)
+    assert saves == {"pair": 7, "four": 9}
+    plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=1), m, reqs)
+    ((members, start, end),) = _groups(plan, reqs)
+    assert sorted(members) == ["b0", "b1", "b2", "b3"]
+    assert (start, end) == (0, _shared(m, members)) == (0, 3)
+
+
+def test_a_group_is_judged_by_the_blocks_it_adds_past_the_global_level():
+    # Six requests share 8 blocks (the global level pays); two groups of three share one
+    # more block each. Saving 2 x 4 tokens x 512 bytes per group does not pay for the
+    # level's call (20000 bytes) even together; counting the global 8 blocks again would
+    # make each group look as if it saved 2 x 36 tokens and plan a groups level.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    system = list(range(100, 132))
+    reqs = [
+        _decoding(m, f"r{i}", system + [900 + i % 2] * 4 + [i, 50 + i, 60 + i]) for i in range(6)
+    ]
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids) == 8
+    assert _shared(m, ids[0::2]) == _shared(m, ids[1::2]) == 9
+    model = CascadeCostModel(launch_overhead_bytes=20000, merge_cost_factor=0)
+    planner = CascadePlanner(SHAPE, cost_model=model)
+    assert planner.pays(6, 32, 6) and not planner.pays(3, 4, 3)
+    plan = _plan(planner, m, reqs)
+    assert [lv.name for lv in plan.levels] == ["global"]
+    assert plan.suffix_start_blocks.tolist() == [8] * 6
+
+
+def test_a_candidate_that_does_not_pay_is_split_at_the_first_column_it_differs():
+    # Nine requests share a one-block header that does not pay. Past it, three share a
+    # long prompt (9 blocks in all) and six share one block only (2 in all): that group
+    # differs from the header group first at column 1 and diverges at column 2, so a
+    # split anywhere past column 1 loses it.
+    m = KVCacheManager(512, 4, max_model_len=128)
+    header = [1, 2, 3, 4]
+    long_reqs = [
+        _decoding(m, f"a{i}", header + list(range(100, 132)) + [i, 50 + i]) for i in range(3)
+    ]
+    short_reqs = [
+        _decoding(m, f"b{i}", header + [7, 7, 7, 7] + [10 * i + j for j in range(8)] + [i])
+        for i in range(6)
+    ]
+    reqs = long_reqs + short_reqs
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids) == 1
+    assert _shared(m, ids[:3]) == 9 and _shared(m, ids[3:]) == 2
+    # 512 bytes per token: the header saves 8 x 4 x 512 = 16384, the six 5 x 8 x 512 = 20480.
+    model = CascadeCostModel(launch_overhead_bytes=20000, merge_cost_factor=0)
+    planner = CascadePlanner(SHAPE, cost_model=model)
+    assert not planner.pays(9, 4, 9) and planner.pays(6, 8, 6) and planner.pays(3, 36, 3)
+    plan = _plan(planner, m, reqs)
+    got = sorted((sorted(members), start, end) for members, start, end in _groups(plan, reqs))
+    assert got == [(ids[:3], 0, 9), (ids[3:], 0, 2)]
+    assert [lv.name for lv in plan.levels] == ["groups"]
+
+
+def test_groups_that_pay_together_are_charged_only_their_own_queries():
+    # Two pairs of decoding requests share 8 blocks each; a fifth request, sharing
+    # nothing, prefills 40 tokens. Each pair saves 32 x 512 = 16384 bytes and costs its
+    # 2 query tokens' merge (2 x 6240); together 32768 bytes pay one call (6000 bytes) and
+    # the merge of their 4 query tokens (24960), not of the batch's 44 tokens.
+    m = KVCacheManager(512, 4, max_model_len=128)
+    pairs = [
+        _decoding(m, f"p{p}r{i}", list(range(100 * (p + 1), 100 * (p + 1) + 32)) + [i, 50 + i])
+        for p in range(2)
+        for i in range(2)
+    ]
+    loner = _prefilled(m, "loner", list(range(700, 748)))
+    reqs = [*pairs, loner]
+    query_lens = np.array([1, 1, 1, 1, 40])
+    model = CascadeCostModel(launch_overhead_bytes=6000, merge_cost_factor=1)
+    planner = CascadePlanner(SHAPE, cost_model=model)
+    assert not planner.pays(2, 32, 2)  # no pair pays a call of its own
+    plan = _plan(planner, m, reqs, query_lens)
+    got = sorted((sorted(members), start, end) for members, start, end in _groups(plan, reqs))
+    expected = [(["p0r0", "p0r1"], 0, 8), (["p1r0", "p1r1"], 0, 8)]
+    assert got == expected
+    assert all(_shared(m, members) >= end for members, _, end in got)
