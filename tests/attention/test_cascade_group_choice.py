@@ -10,6 +10,7 @@ planner's prefix ids.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from jaxkv import KVCacheManager
 from jaxkv.cascade import CascadeCostModel, CascadePlanner
@@ -128,3 +129,21 @@ def test_groups_that_pay_together_are_charged_only_their_own_queries():
     expected = [(["p0r0", "p0r1"], 0, 8), (["p1r0", "p1r1"], 0, 8)]
     assert got == expected
     assert all(_shared(m, members) >= end for members, _, end in got)
+
+
+@pytest.mark.parametrize(("page_buckets", "cascade"), [((2, 16), False), ((4, 16), True)])
+def test_a_groups_level_counts_the_partial_last_page_of_the_longest_suffix(page_buckets, cascade):
+    # Groups over 8 and 6 blocks of 4. The longest context, 38 tokens, pads flat
+    # attention to 10 -> 16 pages. The longest suffix past its group is 33 - 24 = 9
+    # tokens: 3 pages (the third partial), padded to 16 with buckets (2, 16), so cascade
+    # reads no fewer pages there; with (4, 16) it pads to 4 and pays.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    reqs = [_decoding(m, f"a{i}", list(range(100, 132)) + [i] * 5) for i in range(3)]
+    reqs += [_decoding(m, f"b{i}", list(range(200, 224)) + [i] * 8) for i in range(3)]
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids[:3]) >= 8 and _shared(m, ids[3:]) >= 6
+    contexts = [r.num_tokens for r in reqs]
+    assert max(contexts) == 38 and max(contexts[3:]) - 6 * 4 == 9
+    model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0, reads_padded_pages=True)
+    plan = _plan(CascadePlanner(SHAPE, cost_model=model, page_buckets=page_buckets), m, reqs)
+    assert plan.uses_cascade == cascade
