@@ -147,3 +147,17 @@ def test_a_groups_level_counts_the_partial_last_page_of_the_longest_suffix(page_
     model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0, reads_padded_pages=True)
     plan = _plan(CascadePlanner(SHAPE, cost_model=model, page_buckets=page_buckets), m, reqs)
     assert plan.uses_cascade == cascade
+
+
+def test_a_larger_group_saving_less_does_not_hide_a_smaller_one_saving_more():
+    # max_groups=1: three requests share one block (saving 2), two share 8 (saving 8).
+    # The search must weigh both candidates, not only the largest run of requests.
+    m = KVCacheManager(256, 4, max_model_len=64)
+    three = [_decoding(m, f"c{i}", [1, 2, 3, 4] + [10 * i + j for j in range(8)]) for i in range(3)]
+    two = [_decoding(m, f"d{i}", list(range(100, 132)) + [i, 50 + i]) for i in range(2)]
+    reqs = three + two
+    ids = [r.request_id for r in reqs]
+    assert (2 * _shared(m, ids[:3]), _shared(m, ids[3:])) == (2, 8)
+    plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=1), m, reqs)
+    ((members, start, end),) = _groups(plan, reqs)
+    assert (sorted(members), start, end) == (["d0", "d1"], 0, 8)
