@@ -146,11 +146,11 @@ def step_figures(steps, generated: list[int], decode_batch: int) -> dict:
     decode = [s for s in warm if s.num_tokens == s.num_requests >= decode_batch]
     p50 = lambda xs: 1e3 * float(np.median(xs)) if xs else float("nan")
     mean = lambda xs: 1e3 * float(np.mean(xs)) if xs else float("nan")
-    warm_s = sum(s.host_s + s.device_s + s.update_s for s in warm)
+    warm_s = sum(s.step_s for s in warm)
     per_s = lambda n: n / warm_s if warm_s else float("nan")
     return {
         "num_warm_steps": len(warm),
-        "compile_step_s": sum(s.host_s + s.device_s + s.update_s for s in steps if s.new_program),
+        "compile_step_s": sum(s.step_s for s in steps if s.new_program),
         # Over the steps that compiled nothing: tokens computed, and tokens generated
         # (decodes and the first token of each finished prefill).
         "warm_tokens_per_s": per_s(sum(s.num_tokens for s in warm)),
@@ -170,7 +170,7 @@ def step_figures(steps, generated: list[int], decode_batch: int) -> dict:
         "decode_update_ms_at_batch_p50": p50([s.update_s for s in decode]),
         # Per step that ran the model: (compiled, tokens computed, generated, seconds).
         "step_log": [
-            (s.new_program, s.num_tokens, n, s.host_s + s.device_s + s.update_s)
+            (s.new_program, s.num_tokens, n, s.step_s)
             for s, n in zip(steps, generated, strict=True)
         ],
     }

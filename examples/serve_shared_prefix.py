@@ -233,8 +233,7 @@ def serve(
                 continue
             # Logged even when it generated nothing (prefill chunks only): it took its time.
             result.peak_blocks = max(result.peak_blocks, held())
-            seconds = stats.host_s + stats.device_s + stats.update_s
-            result.step_log.append((stats.new_program, len(step_outputs), seconds))
+            result.step_log.append((stats.new_program, len(step_outputs), stats.step_s))
             for o in step_outputs:
                 outputs[index[o.request_id]].extend(o.new_token_ids)
             finished = sum(o.finished for o in step_outputs)

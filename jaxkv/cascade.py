@@ -60,10 +60,12 @@ class CascadePlanner:
     ) -> None:
         """`page_buckets`: the page widths metadata is padded to (BucketConfig.page_buckets),
         for a cost model with reads_padded_pages; None skips that check."""
-        if not isinstance(max_groups, numbers.Integral) or isinstance(max_groups, bool):
-            raise ValueError(f"{max_groups=} must be an int >= 1")  # 2.0 failed every plan()
-        if max_groups < 1:
-            raise ValueError(f"{max_groups=} must be >= 1")
+        if (
+            not isinstance(max_groups, numbers.Integral)  # 2.0 used to fail every plan()
+            or isinstance(max_groups, bool)
+            or max_groups < 1
+        ):
+            raise ValueError(f"{max_groups=} must be an int >= 1")
         if page_buckets is not None and increasing_sizes(page_buckets) is None:
             raise ValueError(f"{page_buckets=} must be ascending distinct ints >= 1")
         if cost_model is None:

@@ -22,6 +22,11 @@ class StepStats:
     plan_cpu_s: float = 0.0
     prepare_cpu_s: float = 0.0
 
+    @property
+    def step_s(self) -> float:
+        """Wall seconds of the whole step: host_s + device_s + update_s."""
+        return self.host_s + self.device_s + self.update_s
+
 
 class StepTotals:
     """Running sums over the steps that ran the model: EngineMetrics' step fields."""

@@ -3,11 +3,10 @@ cascade/flat ratio (the engine runs are exercised by running it)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from benchmarks.serve import paired, step_figures
+from jaxkv.metrics import StepStats
 
 
 def _run(steps):
@@ -30,10 +29,11 @@ def test_no_ratio_without_a_common_schedule_or_a_step_to_compare():
 
 
 def _stats(new_program, num_tokens, num_requests, host, device=0.0, update=0.0):
-    return SimpleNamespace(
+    return StepStats(
         new_program=new_program, num_tokens=num_tokens, num_requests=num_requests,
         host_s=host, device_s=device, update_s=update, host_cpu_s=host / 2,
         schedule_cpu_s=host / 8, plan_cpu_s=host / 8, prepare_cpu_s=host / 4,
+        cascade_levels="",
     )  # fmt: skip
 
 

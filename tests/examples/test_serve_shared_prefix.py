@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
+from jaxkv.metrics import StepStats
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -147,9 +149,10 @@ class _ScriptedEngine:
         self.manager.num_free_blocks = 100 - 1 - held
         if ran:
             first = self.last_step is None
-            self.last_step = SimpleNamespace(
-                new_program=first, host_s=1.0, device_s=2.0, update_s=3.0
-            )
+            self.last_step = StepStats(
+                host_s=1.0, host_cpu_s=1.0, device_s=2.0, update_s=3.0, num_requests=1,
+                num_tokens=1, cascade_levels="", new_program=first,
+            )  # fmt: skip
         return [
             SimpleNamespace(request_id=f"r{i}", new_token_ids=[t], finished=f)
             for i, t, f in outputs
