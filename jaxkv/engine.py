@@ -16,6 +16,7 @@ shared by every engine over the same model graph.
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_copy import DeviceKVCopier
 from jaxkv.kv_transfer import KVConnector
 from jaxkv.metrics import EngineMetrics, StepStats, StepTotals
+from jaxkv.model_fingerprint import model_fingerprint
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.request import Request, SamplingParams
@@ -128,6 +130,7 @@ class Engine(Closable):
             lambda caches: engine()._set_caches(caches),
             max_blocks=self.manager.max_blocks_per_seq,
             kv_replicas=kv_replicas,
+            fingerprint=functools.partial(model_fingerprint, mc.to_dict(), self._state_leaves),
         )
         self.connector.bind(self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed)
         # A connector may have served engines before this one: count only this one's copies.

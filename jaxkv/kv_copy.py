@@ -72,6 +72,8 @@ class DeviceKVCopier:
 
     `kv_replicas` is how many times the cache holds each KV head (TensorParallel's);
     host blocks (`block_shape`, `bytes_per_block`) hold each head once.
+    `model_fingerprint` names the model that computed the KV (jaxkv.model_fingerprint):
+    computed by `fingerprint` on first use, None without one.
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class DeviceKVCopier:
         *,
         max_blocks: int,
         kv_replicas: int = 1,
+        fingerprint: Callable[[], bytes] | None = None,
     ) -> None:
         caches = get_caches()
         layer = caches[0]
@@ -103,6 +106,11 @@ class DeviceKVCopier:
         self._set_caches = set_caches
         self._buckets = pow2_buckets(1, max(max_blocks, 1))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxkv-kv-copy")
+        self._fingerprint = fingerprint
+
+    @functools.cached_property
+    def model_fingerprint(self) -> bytes | None:
+        return None if self._fingerprint is None else self._fingerprint()
 
     def _padded_ids(self, block_ids: Sequence[int]) -> np.ndarray:
         ids = np.zeros(padded_size(self._buckets, len(block_ids), name="len(block_ids)"), np.int32)

@@ -48,6 +48,9 @@ class KVCopier(Protocol):
     """
 
     bytes_per_block: int
+    # Optional: block_shape, dtype, and model_fingerprint (bytes naming the model that
+    # computed the KV, jaxkv.model_fingerprint); HostOffloadConnector keeps its store only
+    # across copiers that agree on all three.
 
     def start_save(self, block_ids: Sequence[int]) -> Future:
         """Copies blocks to host; result(): array [len(block_ids), ...] (one entry per block)."""
@@ -145,11 +148,11 @@ class HostOffloadConnector(KVConnector):
     through another's copier would store that engine's KV under the first one's hashes.
     It holds the copier weakly, so an engine dropped without close() is still collected;
     the copies it had in flight are then forgotten. The store outlives the engine: a later
-    engine bound with the same block size, hash seed and block layout (bytes, shape and
+    engine bound with the same block size, hash seed, block layout (bytes, shape and
     dtype of a block, which holds each KV head once whatever the tensor-parallel width)
-    reads what the earlier one saved; any other binding empties it.
-    Equal tokens hash equal under one seed, so engines over different weights must use
-    different hash seeds to share one connector in turn.
+    and model (the copier's model_fingerprint: config and weights' bits, wherever the
+    weights are placed) reads what the earlier one saved; any other binding empties it,
+    so KV one model computed is never loaded into another's cache.
     """
 
     def __init__(self, host_bytes: int, *, copy_delay_steps: int = 0) -> None:
@@ -191,6 +194,7 @@ class HostOffloadConnector(KVConnector):
             copier.bytes_per_block,
             getattr(copier, "block_shape", None),
             str(getattr(copier, "dtype", None)),
+            getattr(copier, "model_fingerprint", None),
         )
         if layout != self._layout:
             self._store.clear()  # saved for other blocks: not this engine's KV

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxkv import Request, RequestStatus, SamplingParams
+from jaxkv.engine import Engine
 from jaxkv.kv_transfer import HostOffloadConnector
 from tests.engine._util import (
     TIGHT_BLOCKS,
@@ -20,6 +24,7 @@ from tests.engine._util import (
     assert_all_blocks_free,
     dense_greedy,
     make_engine,
+    tiny_model,
 )
 
 HOST_BYTES = 1 << 24
@@ -157,3 +162,38 @@ def test_failed_save_and_failed_load_free_blocks_and_keep_outputs_exact():
     expected = dense_greedy([first, second], 3)
     assert [list(out1[0].output_token_ids), list(out2[0].output_token_ids)] == expected
     assert_all_blocks_free(engine)
+
+
+def test_only_an_engine_over_the_same_weights_reloads_the_store():
+    """Engines sharing a connector in turn under one hash seed: equal tokens hash equal,
+    so only the model fingerprint keeps one model's KV out of another model's cache."""
+    rng = np.random.default_rng(13)
+    prefix = _rand(rng, 24)
+    first, second = prefix + _rand(rng, 3), prefix + _rand(rng, 2)
+    params = SamplingParams(max_tokens=4)
+    connector = HostOffloadConnector(HOST_BYTES)
+    with make_engine(connector=connector) as engine:
+        engine.generate([first], params, progress=False)
+        engine.drain_transfers()
+    config, stored = engine.config, connector.stats.num_stored_blocks
+    assert stored == 7  # 27 prompt tokens + 3 of the 4 outputs computed: 7 full blocks
+
+    state = nnx.split(tiny_model())[1]
+    copied = jax.tree.map(jnp.copy, state)  # the same bits in other arrays
+    with Engine(tiny_model(), copied, config, connector=connector) as same:
+        out = same.generate([second], params, progress=False)
+        same.drain_transfers()
+        assert same.metrics.bytes_reloaded == 6 * same.copier.bytes_per_block
+    assert [list(out[0].output_token_ids)] == dense_greedy([second], 4)
+
+    leaves, treedef = jax.tree.flatten(state)
+    leaves[0] = leaves[0].at[0].multiply(1.5)  # other weights, the same shapes
+    other = jax.tree.unflatten(treedef, leaves)
+    with Engine(tiny_model(), other, config) as alone:
+        want = alone.generate([second], params, progress=False)
+    with Engine(tiny_model(), other, config, connector=connector) as engine:
+        assert connector.stats.num_stored_blocks == 0  # another model's KV: dropped
+        got = engine.generate([second], params, progress=False)
+        engine.drain_transfers()
+        assert engine.metrics.bytes_reloaded == 0
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]

@@ -182,12 +182,15 @@ def router_replicas_sample_independently():
 def offload_stores_replicated_kv_heads_once():
     """2 KV heads: a TP=4 engine (each head on 2 devices) offloads to a host connector that
     holds each head once; an engine without a mesh and then a TP=8 one (each head on 4
-    devices) reload those blocks, and all three give the unsharded engine's outputs."""
+    devices) reload those blocks, and all three give the unsharded engine's outputs. The
+    three engines' weights are distinct arrays, placed three ways: the model fingerprint
+    that lets them share the store reads the same bits in each."""
     from jaxkv.engine import Engine
     from jaxkv.kv_transfer import HostOffloadConnector
 
     ps = prompts()
-    want = greedy(Engine(model(2), None, engine_config()), ps)
+    unsharded = Engine(model(2), None, engine_config())
+    want = greedy(unsharded, ps)
     connector = HostOffloadConnector(1 << 24)
     # A block of 1 layer, BLOCK_SIZE tokens, K and V of 2 heads of dim 8, float32.
     logical_bytes = BLOCK_SIZE * 2 * 2 * 8 * 4
@@ -195,6 +198,7 @@ def offload_stores_replicated_kv_heads_once():
         with Engine(model(2), None, engine_config(), tensor_parallel_size=tp,
                     connector=connector) as engine:  # fmt: skip
             assert engine.copier.bytes_per_block == logical_bytes
+            assert engine.copier.model_fingerprint == unsharded.copier.model_fingerprint
             got = greedy(engine, ps)
             engine.drain_transfers()
             m = engine.metrics

@@ -1,0 +1,80 @@
+"""A fingerprint of what a model's KV depends on: its config and every weight's bits.
+
+KV saved by one engine is valid for another only if both would compute the same KV for
+the same tokens. Block hashes name the tokens; this names the model: a 16-byte BLAKE2b
+digest of the config (as JSON, sorted keys), each weight's shape and dtype, and four
+32-bit checksums of each weight's bits computed on the device the weight lives on.
+
+Guarantees:
+- Equal configs and bitwise-equal weights give equal fingerprints, whatever the weights'
+  placement (one device or sharded over a mesh) and whichever objects hold them: each
+  checksum is a wrapping uint32 sum, exact in any reduction order.
+- Any other config, shape or dtype gives a different one. Different bits give a different
+  one except with probability about 2**-128 for weights not crafted to collide: every
+  element's bits are mixed with its index (murmur3's finalizer), so a changed, moved or
+  swapped element changes each checksum. The checksums are not a cryptographic digest
+  and do not resist weights crafted to collide.
+- Cost: one read of every weight on its device (one jitted program per distinct shape
+  and dtype, so a deep model compiles no more than a shallow one) and 16 bytes per weight
+  back to the host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FINGERPRINT_NUM_BYTES = 16
+_SALTS = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)  # one per checksum lane
+_KINDS = (jnp.bool_, jnp.integer, jnp.floating)
+_UNSIGNED_OF_ITEMSIZE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
+
+
+def _fmix32(x: jax.Array) -> jax.Array:
+    """murmur3's 32-bit finalizer: every input bit affects every output bit."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The bits of `x` as a flat uint32 array (8-byte items as two words each)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32).ravel()
+    unsigned = _UNSIGNED_OF_ITEMSIZE[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).ravel()
+
+
+@jax.jit
+def _checksums(x: jax.Array) -> jax.Array:  # u32[4]
+    words = _words(x)
+    index = jnp.arange(words.size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
+    lanes = [_fmix32(words ^ _fmix32(index + jnp.uint32(s))) for s in _SALTS]
+    return jnp.stack([jnp.sum(lane, dtype=jnp.uint32) for lane in lanes])
+
+
+def model_fingerprint(config: Mapping[str, Any], weights: Sequence[Any]) -> bytes:
+    """16 bytes naming `config` (JSON-serialisable) and `weights` (arrays, in a fixed
+    order). Raises ValueError naming the weight when one is not a bool, int or float
+    array."""
+    arrays = []
+    for i, w in enumerate(weights):
+        dtype = getattr(w, "dtype", None)
+        if dtype is None or not any(jnp.issubdtype(dtype, k) for k in _KINDS):
+            raise ValueError(f"weights[{i}] must be an array of bool, int or float, got {w!r:.80}")
+        arrays.append(w if isinstance(w, jax.Array) else jnp.asarray(w))
+    digest = hashlib.blake2b(digest_size=FINGERPRINT_NUM_BYTES)
+    digest.update(json.dumps(config, sort_keys=True).encode())
+    for w in arrays:
+        digest.update(f"|{w.shape}:{w.dtype}".encode())
+    for sums in jax.device_get([_checksums(w) for w in arrays]):  # all dispatched first
+        digest.update(np.asarray(sums).astype("<u4").tobytes())
+    return digest.digest()

@@ -1,0 +1,82 @@
+"""model_fingerprint names a model's config and weights' bits, wherever the weights live."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.model_fingerprint import FINGERPRINT_NUM_BYTES, model_fingerprint
+
+CONFIG = {"hidden_size": 8, "rope_theta": 10000.0}
+
+
+def _weights():
+    rng = np.random.default_rng(0)
+    return [
+        jnp.asarray(rng.standard_normal((6, 8)), jnp.float32),
+        jnp.asarray(rng.standard_normal((5, 3)), jnp.bfloat16),
+        jnp.asarray(rng.integers(-128, 128, 7), jnp.int8),
+        jnp.asarray([True, False, True]),
+    ]
+
+
+def test_equal_bits_in_other_arrays_give_the_same_fingerprint():
+    weights = _weights()
+    fp = model_fingerprint(CONFIG, weights)
+    assert len(fp) == FINGERPRINT_NUM_BYTES
+    copies = [jnp.array(np.asarray(w)) for w in weights]
+    assert all(c is not w for c, w in zip(copies, weights, strict=True))
+    assert model_fingerprint(dict(reversed(CONFIG.items())), copies) == fp
+    host = [np.asarray(w) for w in weights]  # numpy weights are read as jax would run them
+    assert model_fingerprint(CONFIG, host) == fp
+
+
+def _changed(weights, i, change):
+    out = list(weights)
+    out[i] = change(weights[i])
+    return out
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda w: _changed(w, 0, lambda x: x.at[2, 5].set(jnp.nextafter(x[2, 5], jnp.inf))),
+        lambda w: _changed(w, 1, lambda x: x.at[4, 2].set(-x[4, 2])),  # a bf16 sign bit
+        lambda w: _changed(w, 0, lambda x: x.at[jnp.array([0, 1])].set(x[jnp.array([1, 0])])),
+        lambda w: _changed(w, 2, lambda x: x.at[6].add(1)),
+        lambda w: _changed(w, 3, lambda x: ~x),
+        lambda w: _changed(w, 0, lambda x: x.reshape(8, 6)),  # same bits, other shape
+        lambda w: _changed(w, 1, lambda x: x.astype(jnp.float16)),
+        lambda w: [w[1], w[0], *w[2:]],  # weights in another order
+        lambda w: w[:-1],
+    ],
+    ids=["ulp", "bf16-sign", "swap-rows", "int8", "bool", "shape", "dtype", "order", "fewer"],
+)
+def test_any_change_of_a_weight_changes_the_fingerprint(change):
+    weights = _weights()
+    assert model_fingerprint(CONFIG, change(weights)) != model_fingerprint(CONFIG, weights)
+
+
+def test_a_config_field_changes_the_fingerprint():
+    weights = _weights()
+    other = {**CONFIG, "rope_theta": 500000.0}
+    assert model_fingerprint(other, weights) != model_fingerprint(CONFIG, weights)
+
+
+def test_many_single_element_changes_give_distinct_fingerprints():
+    """Each element of a weight, bumped by one ulp in turn: all 48 differ from each other
+    and from the original (a checksum that ignores position or bits would repeat)."""
+    weights = _weights()
+    x = weights[0]
+    seen = {model_fingerprint(CONFIG, weights)}
+    for i in range(x.size):
+        bumped = x.ravel().at[i].set(jnp.nextafter(x.ravel()[i], jnp.inf)).reshape(x.shape)
+        seen.add(model_fingerprint(CONFIG, [bumped, *weights[1:]]))
+    assert len(seen) == x.size + 1
+
+
+@pytest.mark.parametrize("bad", [3, "w", jnp.ones(2, jnp.complex64), None])
+def test_a_weight_that_is_not_a_real_array_is_refused_by_position(bad):
+    with pytest.raises(ValueError, match=r"weights\[1\] must be an array of bool, int or float"):
+        model_fingerprint(CONFIG, [_weights()[0], bad])
