@@ -24,6 +24,7 @@ __all__ = [
     "checked_request_id",
     "count",
     "manager_args",
+    "not_the_owner_message",
     "plain_int",
     "request_id_of",
     "validated_computed_blocks",
@@ -74,6 +75,13 @@ def checked_request_id(request) -> str:
     if not isinstance(request, Request):
         raise ValueError(f"request={request!r} must be a Request")
     return request.request_id
+
+
+def not_the_owner_message(req_id: str) -> str:
+    return (
+        f"request {req_id!r} holds blocks allocated for another Request object with that "
+        "id: free it before reusing the id"
+    )
 
 
 def checked_hit_tokens(request, num_hit_tokens) -> int:

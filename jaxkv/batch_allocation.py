@@ -18,6 +18,7 @@ from jaxkv.allocation_args import (
     check_total_fits,
     checked_request_id,
     count,
+    not_the_owner_message,
 )
 from jaxkv.block_pool import KVCacheBlock
 from jaxkv.block_table import HostBlockTable
@@ -47,9 +48,11 @@ def allocate_slots_batch(
         return True
     if not (set(map(type, counts)) <= _PLAIN_INT and min(counts) >= 0):
         counts = [count("num_new_tokens", n, r) for r, n in zip(ids, counts, strict=True)]
-    held = list(map(manager._blocks.get, ids))
+    held = list(map(manager._held_of.get, requests))
     if None in held:
-        manager._blocks_of(ids[held.index(None)])  # raises UnknownRequestError
+        req_id = ids[held.index(None)]
+        manager._blocks_of(req_id)  # raises UnknownRequestError
+        raise ValueError(not_the_owner_message(req_id))
     if len(set(ids)) != len(ids):
         raise ValueError("requests: request ids must be distinct")
     computed = [r.num_computed_tokens for r in requests]

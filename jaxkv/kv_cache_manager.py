@@ -25,6 +25,7 @@ from jaxkv.allocation_args import (
     checked_request_id,
     count,
     manager_args,
+    not_the_owner_message,
     request_id_of,
     validated_computed_blocks,
 )
@@ -75,6 +76,11 @@ class KVCacheManager:
             num_blocks, enable_caching=enable_prefix_caching, enable_events=enable_kv_cache_events
         )
         self._blocks: dict[str, list[KVCacheBlock]] = {}  # req_id -> held blocks, in order
+        # The Request object each id's blocks were allocated for (another object reusing a
+        # live id would cache the owner's KV under its own tokens' hashes) and, keyed by
+        # that object, the same lists as _blocks, so a batch finds both in one lookup.
+        self._owner: dict[str, Request] = {}
+        self._held_of: dict[Request, list[KVCacheBlock]] = {}
         self._num_cached: dict[str, int] = {}  # req_id -> leading blocks already cached
         self._table = HostBlockTable(self.max_blocks_per_seq)
         self._lookups = PrefixCacheCounter()
@@ -233,8 +239,9 @@ class KVCacheManager:
         request.num_computed_tokens beyond the blocks the request holds, computed tokens
         (request.num_computed_tokens + num_new_computed_tokens) beyond the request's
         tokens, a cache hit that does not start where its computed tokens end, is not
-        covered by num_new_computed_tokens or no longer caches the request's tokens, or
-        block hashes the request computed with another block size.
+        covered by num_new_computed_tokens or no longer caches the request's tokens,
+        block hashes the request computed with another block size, or a `request` whose
+        id holds blocks allocated for another Request object (free that one first).
         """
         req_id = checked_request_id(request)
         num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_done = allocation_counts(
@@ -242,7 +249,11 @@ class KVCacheManager:
             request.num_computed_tokens,
         )  # fmt: skip
         check_prompt_fits(request, self.max_model_len)
-        held = self._blocks.get(req_id, [])
+        held = self._blocks.get(req_id)
+        if held is None:
+            held = []
+        elif self._held_of.get(request) is not held:
+            raise ValueError(not_the_owner_message(req_id))
         check_computed_within_held(req_id, num_done, len(held), self.block_size)
         computed = validated_computed_blocks(
             self.pool, request, len(held), num_done, num_new_computed_tokens,
@@ -261,7 +272,8 @@ class KVCacheManager:
             return None
 
         if req_id not in self._blocks:
-            self._blocks[req_id] = []
+            self._blocks[req_id] = self._held_of[request] = []
+            self._owner[req_id] = request
             self._table.add_row(req_id)
         if computed:  # cache hits leave the free queue before fresh blocks are taken
             self.pool.touch(computed, validate=False)  # validated above
@@ -291,7 +303,8 @@ class KVCacheManager:
         stayed uncached as a duplicate. Raises ValueError (nothing changed) on a count that
         is not an int >= 0 (request.num_computed_tokens included), a
         request.num_computed_tokens beyond the blocks the request holds, a repeated
-        request id, an unknown request or a non-Request, or one that would pass max_model_len.
+        request id, an unknown request or a non-Request, one that would pass max_model_len,
+        or a Request whose id holds blocks allocated for another Request object.
         """
         return batch_allocation.allocate_slots_batch(self, requests, num_new_tokens)
 
@@ -305,6 +318,7 @@ class KVCacheManager:
         blocks = self._blocks_of(req_id)
         self.pool.free_blocks(reversed(blocks), validate=False)  # the request's own
         del self._blocks[req_id]
+        del self._held_of[self._owner.pop(req_id)]
         del self._num_cached[req_id]
         self._table.release(req_id)
 
@@ -348,6 +362,16 @@ class KVCacheManager:
         problems = self._table.check_integrity(
             {req_id: [b.block_id for b in blocks] for req_id, blocks in self._blocks.items()}
         )
+        problems += [
+            f"{req_id!r}: its blocks are not held by the Request it was allocated for"
+            for req_id, blocks in self._blocks.items()
+            if self._held_of.get(self._owner.get(req_id)) is not blocks
+        ]
+        if len(self._owner) != len(self._blocks) or len(self._held_of) != len(self._blocks):
+            problems.append(
+                f"{len(self._blocks)} requests hold blocks, {len(self._owner)} have an owner, "
+                f"{len(self._held_of)} owners hold blocks"
+            )
         problems += [
             f"{req_id!r}: num_cached={self._num_cached[req_id]}"
             for req_id, blocks in self._blocks.items()

@@ -94,8 +94,9 @@ def test_bad_input_raises_and_changes_nothing(counts, match):
         m.allocate_slots_batch([a, a], [1, 1])
     twin = make_request("a", range(8))  # another object with a's id
     twin.num_computed_tokens = a.num_computed_tokens
-    with pytest.raises(ValueError, match="request ids must be distinct"):
-        m.allocate_slots_batch([a, b, twin], [1, 1, 1])
+    for batch in ([a, b, twin], [twin, b]):  # twin's own tokens would be cached in a's blocks
+        with pytest.raises(ValueError, match="'a' holds blocks allocated for another Request"):
+            m.allocate_slots_batch(batch, [1] * len(batch))
     with pytest.raises(ValueError, match="holds no blocks"):
         m.allocate_slots_batch([a, make_request("c", [1, 2])], [1, 1])
     assert snapshot(m) == before

@@ -96,8 +96,10 @@ def test_free_and_uncache_take_a_request_or_its_id(busy, bad):
 
 def test_computed_tokens_past_the_request_are_refused(busy):
     # 100 computed tokens of a 9-token request would take 25 blocks for tokens it lacks.
+    held = make_request("held", range(9))
+    assert len(busy.allocate_slots(held, 4)) == 1  # holds a block, 0 tokens computed
     before = snapshot(busy)
-    for req in (make_request("new", range(9)), make_request("a", range(9))):
+    for req in (make_request("new", range(9)), held):
         with pytest.raises(ValueError, match="= 100 exceeds its 9 tokens"):
             busy.allocate_slots(req, 0, num_new_computed_tokens=100)
     _assert_unchanged(busy, before)
@@ -193,3 +195,22 @@ def test_a_bool_token_count_is_refused(busy, count):
     with pytest.raises(ValueError, match="num_new_tokens=.*must be an int"):
         busy.allocate_slots_batch([req], [count])
     _assert_unchanged(busy, before)
+
+
+def test_another_request_object_reusing_a_live_id_is_refused(busy):
+    """A second Request with a live id would otherwise grow the first one's row and cache
+    the first one's KV under its own tokens' hashes: a later hit on those tokens would
+    read another request's KV. Once the id is freed, the new object may use it."""
+    before = snapshot(busy)
+    twin = make_request("a", [*range(4), 70, 71, 72, 73, 74])  # a's id, other tokens
+    twin.num_computed_tokens = 9  # as a's, so only the object tells them apart
+    with pytest.raises(ValueError, match="'a' holds blocks allocated for another Request"):
+        busy.allocate_slots(twin, 1)
+    _assert_unchanged(busy, before)
+    busy.free("a")
+    twin.num_computed_tokens = 0
+    assert busy.allocate_slots(twin, twin.num_tokens) is not None
+    busy.check_integrity()
+    hit = make_request("probe", [*range(4), 70, 71, 72, 73, 74, 75])
+    hit_ids, num_hit = busy.get_computed_blocks(hit)
+    assert num_hit == 8 and hit_ids[1] == busy.block_ids("a")[1]  # 70..73: twin's own block

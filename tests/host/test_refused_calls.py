@@ -33,6 +33,12 @@ def _busy() -> KVCacheManager:
     return m
 
 
+def _request(m: KVCacheManager, request_id: str) -> Request:
+    """The Request object `request_id`'s blocks were allocated for (the only one the
+    manager lets grow them)."""
+    return m._owner[request_id]
+
+
 def _state(m: KVCacheManager) -> tuple:
     """Everything observable: pool, table, holders, stats, pending events."""
     events = m.take_events()
@@ -104,7 +110,7 @@ def test_num_computed_tokens_must_be_a_count(computed):
     _refused(m, lambda: m.allocate_slots(new, 4), "num_computed_tokens=.* must be an int >= 0")
     # Batch: a float used to fail after the requests before it had cached their blocks;
     # -1 and True were taken as counts.
-    a, b = make_request("a", range(9)), make_request("b", [*range(4), 50, 51])
+    a, b = _request(m, "a"), _request(m, "b")
     a.num_computed_tokens, b.num_computed_tokens = 9, computed
     for r in (a, b):
         r.append_output_token_ids([60, 61, 62])  # a fills its third block
@@ -114,7 +120,8 @@ def test_num_computed_tokens_must_be_a_count(computed):
 def test_numpy_num_computed_tokens_count_as_their_value():
     m, ref = _busy(), _busy()
     for manager, computed in ((m, np.int64(9)), (ref, 9)):
-        a = make_request("a", range(13))
+        a = _request(manager, "a")
+        a.append_output_token_ids([9, 10, 11, 12])
         a.num_computed_tokens = computed
         assert len(manager.allocate_slots(a, 4)) == 1
         manager.check_integrity()
@@ -135,8 +142,7 @@ def test_computed_tokens_beyond_held_blocks_are_refused():
     _refused(m, lambda: m.allocate_slots(req, 1), "num_computed_tokens=5 exceeds the 4 tokens")
     # The batch path: 7 computed tokens in one 4-token block used to get a fresh block
     # that was then cached as holding tokens 4..7.
-    a = make_request("a", range(9))
-    a.num_computed_tokens = 9
+    a = _request(m, "a")
     req.num_computed_tokens = 7
     _refused(
         m,
