@@ -46,17 +46,24 @@ def _fmix32(x: jax.Array) -> jax.Array:
 
 
 def _words(x: jax.Array) -> jax.Array:
-    """The bits of `x` as a flat uint32 array (8-byte items as two words each)."""
+    """The bits of `x` as uint32, in x's shape (8-byte items: a trailing axis of 2 words)."""
     if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32).ravel()
+        return x.astype(jnp.uint32)
     unsigned = _UNSIGNED_OF_ITEMSIZE[x.dtype.itemsize]
-    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).ravel()
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
 
 
 @jax.jit
 def _checksums(x: jax.Array) -> jax.Array:  # u32[4]
     words = _words(x)
-    index = jnp.arange(words.size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
+    # Each word's row-major index, built from iotas in the weight's own shape: flattening
+    # a sharded weight would gather it whole onto every device.
+    index, stride = jnp.zeros(words.shape, jnp.uint32), 1
+    for axis in reversed(range(words.ndim)):
+        iota = jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
+        index = index + iota * jnp.uint32(stride & 0xFFFFFFFF)
+        stride *= words.shape[axis]
+    index = index * jnp.uint32(0x9E3779B9)
     lanes = [_fmix32(words ^ _fmix32(index + jnp.uint32(s))) for s in _SALTS]
     return jnp.stack([jnp.sum(lane, dtype=jnp.uint32) for lane in lanes])
 

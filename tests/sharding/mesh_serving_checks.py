@@ -187,6 +187,7 @@ def offload_stores_replicated_kv_heads_once():
     that lets them share the store reads the same bits in each."""
     from jaxkv.engine import Engine
     from jaxkv.kv_transfer import HostOffloadConnector
+    from jaxkv.model_fingerprint import _checksums
 
     ps = prompts()
     unsharded = Engine(model(2), None, engine_config())
@@ -199,6 +200,11 @@ def offload_stores_replicated_kv_heads_once():
                     connector=connector) as engine:  # fmt: skip
             assert engine.copier.bytes_per_block == logical_bytes
             assert engine.copier.model_fingerprint == unsharded.copier.model_fingerprint
+            if tp is not None:  # and it reads each shard where it lies, gathering nothing
+                for w in engine._state_leaves:  # split by rows or by columns
+                    if not w.sharding.is_fully_replicated:
+                        program = _checksums.lower(w).compile().as_text()
+                        assert "all-reduce" in program and "all-gather" not in program
             got = greedy(engine, ps)
             engine.drain_transfers()
             m = engine.metrics
