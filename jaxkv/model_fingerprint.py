@@ -32,7 +32,7 @@ import numpy as np
 
 FINGERPRINT_NUM_BYTES = 16
 _SALTS = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)  # one per checksum lane
-_KINDS = (jnp.bool_, jnp.integer, jnp.floating)
+_KINDS = (jnp.bool_, jnp.integer, jnp.floating, jax.dtypes.prng_key)
 _UNSIGNED_OF_ITEMSIZE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
 
 
@@ -46,9 +46,14 @@ def _fmix32(x: jax.Array) -> jax.Array:
 
 
 def _words(x: jax.Array) -> jax.Array:
-    """The bits of `x` as uint32, in x's shape (8-byte items: a trailing axis of 2 words)."""
+    """The bits of `x` as uint32, in x's shape (8-byte items: a trailing axis of 2 words;
+    a PRNG key: its key data; a sub-byte item: its value, widened exactly)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32)
+    if jax.dtypes.itemsize_bits(x.dtype) < 8:  # int4, float4, ...: bitcasts would pack pairs
+        x = x.astype(jnp.int8 if jnp.issubdtype(x.dtype, jnp.integer) else jnp.float32)
     unsigned = _UNSIGNED_OF_ITEMSIZE[x.dtype.itemsize]
     return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
 
@@ -70,13 +75,15 @@ def _checksums(x: jax.Array) -> jax.Array:  # u32[4]
 
 def model_fingerprint(config: Mapping[str, Any], weights: Sequence[Any]) -> bytes:
     """16 bytes naming `config` (JSON-serialisable) and `weights` (arrays, in a fixed
-    order). Raises ValueError naming the weight when one is not a bool, int or float
-    array."""
+    order). Raises ValueError naming the weight when one is not a bool, int, float or
+    PRNG key array (nnx state holds keys, e.g. a Dropout's)."""
     arrays = []
     for i, w in enumerate(weights):
         dtype = getattr(w, "dtype", None)
         if dtype is None or not any(jnp.issubdtype(dtype, k) for k in _KINDS):
-            raise ValueError(f"weights[{i}] must be an array of bool, int or float, got {w!r:.80}")
+            raise ValueError(
+                f"weights[{i}] must be an array of bool, int, float or PRNG keys, got {w!r:.80}"
+            )
         arrays.append(w if isinstance(w, jax.Array) else jnp.asarray(w))
     digest = hashlib.blake2b(digest_size=FINGERPRINT_NUM_BYTES)
     digest.update(json.dumps(config, sort_keys=True).encode())

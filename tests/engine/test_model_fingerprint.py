@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -58,6 +59,19 @@ def test_any_change_of_a_weight_changes_the_fingerprint(change):
     assert model_fingerprint(CONFIG, change(weights)) != model_fingerprint(CONFIG, weights)
 
 
+def test_keys_and_sub_byte_weights_are_read_by_value():
+    """A model's state may hold PRNG keys (a Dropout's) and int4 weights: each value counts."""
+    extra = [jax.random.key(0), jnp.array([[1, -2, 7]], jnp.int4), jnp.array([3, 15], jnp.uint4)]
+    fp = model_fingerprint(CONFIG, extra)
+    assert model_fingerprint(CONFIG, [jax.random.key(0), *extra[1:]]) == fp
+    for i, other in enumerate(
+        [jax.random.key(1), jnp.array([[1, -2, 6]], jnp.int4), jnp.array([3, 14], jnp.uint4)]
+    ):
+        changed = list(extra)
+        changed[i] = other
+        assert model_fingerprint(CONFIG, changed) != fp, i
+
+
 def test_a_config_field_changes_the_fingerprint():
     weights = _weights()
     other = {**CONFIG, "rope_theta": 500000.0}
@@ -78,5 +92,5 @@ def test_many_single_element_changes_give_distinct_fingerprints():
 
 @pytest.mark.parametrize("bad", [3, "w", jnp.ones(2, jnp.complex64), None])
 def test_a_weight_that_is_not_a_real_array_is_refused_by_position(bad):
-    with pytest.raises(ValueError, match=r"weights\[1\] must be an array of bool, int or float"):
+    with pytest.raises(ValueError, match=r"weights\[1\] must be an array of bool, int, float or"):
         model_fingerprint(CONFIG, [_weights()[0], bad])
