@@ -110,7 +110,11 @@ class DeviceKVCopier:
 
     @functools.cached_property
     def model_fingerprint(self) -> bytes | None:
-        return None if self._fingerprint is None else self._fingerprint()
+        if self._fingerprint is None:
+            return None
+        value = self._fingerprint()
+        self._fingerprint = None  # it holds the weights, which Engine.close lets go
+        return value
 
     def _padded_ids(self, block_ids: Sequence[int]) -> np.ndarray:
         ids = np.zeros(padded_size(self._buckets, len(block_ids), name="len(block_ids)"), np.int32)
@@ -137,3 +141,4 @@ class DeviceKVCopier:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        self._fingerprint = None

@@ -52,19 +52,23 @@ def tiny_model() -> Llama:
     return Llama(config, rngs=nnx.Rngs(0))
 
 
-def make_engine(
+def make_engine(*, connector=None, **config_args) -> Engine:
+    """An engine over tiny_model() with engine_config(**config_args)."""
+    return Engine(tiny_model(), None, engine_config(**config_args), connector=connector)
+
+
+def engine_config(
     *,
     cascade: bool = True,
     prefix_caching: bool = True,
     num_blocks: int = ROOMY_BLOCKS,
-    connector=None,
     max_num_seqs: int = MAX_SEQS,
     max_num_batched_tokens: int = MAX_TOKENS_PER_STEP,
-) -> Engine:
-    """An engine over tiny_model(). A smaller max_num_batched_tokens chunks prefills
-    but keeps the token bucket (and so the compiled programs) of the default."""
+) -> EngineConfig:
+    """The engine tests' config. A smaller max_num_batched_tokens chunks prefills but
+    keeps the token bucket (and so the compiled programs) of the default."""
     assert num_blocks in (ROOMY_BLOCKS, TIGHT_BLOCKS), "keep the number of programs small"
-    config = EngineConfig(
+    return EngineConfig(
         cache=CacheConfig(
             num_blocks=num_blocks, block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching
         ),
@@ -83,7 +87,6 @@ def make_engine(
         q_len_buckets=(MAX_TOKENS_PER_STEP,),
         pad_cascade_levels=True,
     )
-    return Engine(tiny_model(), None, config, connector=connector)
 
 
 @functools.cache

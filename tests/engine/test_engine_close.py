@@ -5,12 +5,23 @@ from __future__ import annotations
 import gc
 import weakref
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxkv import SamplingParams
+from jaxkv.engine import Engine
 from jaxkv.kv_transfer import HostOffloadConnector
-from tests.engine._util import VOCAB, assert_all_blocks_free, dense_greedy, make_engine
+from tests.engine._util import (
+    VOCAB,
+    assert_all_blocks_free,
+    dense_greedy,
+    engine_config,
+    make_engine,
+    tiny_model,
+)
 
 HOST_BYTES = 1 << 24
 
@@ -157,3 +168,19 @@ def test_close_and_drain_refuse_a_bad_timeout_before_aborting_anything(timeout_s
             call(timeout_s)
     assert not engine.closed and engine.scheduler.requests[rid].status.name == "WAITING"
     engine.close()
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["no-connector", "host-connector"])
+def test_close_lets_the_weights_go_while_the_engine_lives(host):
+    """The copier's model fingerprint reads the weights (at once when a host connector
+    binds, else never): neither way may it keep them past close."""
+    params = jax.tree.map(jnp.copy, nnx.split(tiny_model())[1])
+    weight = weakref.ref(jax.tree.leaves(params)[0])
+    connector = HostOffloadConnector(HOST_BYTES) if host else None
+    engine = Engine(tiny_model(), params, engine_config(), connector=connector)
+    del params
+    gc.collect()
+    assert weight() is not None  # the engine's
+    engine.close()
+    gc.collect()
+    assert weight() is None and engine.closed
