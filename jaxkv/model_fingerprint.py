@@ -10,10 +10,11 @@ Guarantees:
   placement (one device or sharded over a mesh) and whichever objects hold them: each
   checksum is a wrapping uint32 sum, exact in any reduction order.
 - Any other config, shape or dtype gives a different one. Different bits give a different
-  one except with probability about 2**-128 for weights not crafted to collide: every
-  element's bits are mixed with its index (murmur3's finalizer), so a changed, moved or
-  swapped element changes each checksum. The checksums are not a cryptographic digest
-  and do not resist weights crafted to collide.
+  one unless all four checksums of some weight collide by chance: each sums, over the
+  weight's words, murmur3's finalizer of the word mixed with its index under the lane's
+  own salt, so a changed, moved or swapped word changes every lane but with a chance of
+  about 2**-32 each (about 2**-128 together, taking the lanes as independent). The
+  checksums are not a cryptographic digest and do not resist weights crafted to collide.
 - Cost: one read of every weight on its device (one jitted program per distinct shape
   and dtype, so a deep model compiles no more than a shallow one) and 16 bytes per weight
   back to the host.
