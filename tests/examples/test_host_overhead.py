@@ -26,6 +26,9 @@ def test_a_point_times_the_four_cases_on_requests_sharing_the_whole_prefix(monke
     assert calls == [[4, 4], [4], [2, 2], [4, 4]]
     setup.m.check_integrity()
     assert setup.m.num_common_prefix_blocks(sched) == 4  # the half holder was freed
+    assert sorted(setup.requests) == sorted(sched + others)  # alive while holding blocks
+    setup.free(others[0])
+    assert others[0] not in setup.requests and others[0] not in setup.m.request_ids
 
 
 def test_a_holder_hits_exactly_the_prefix_blocks_it_asks_for():
