@@ -9,7 +9,6 @@ free(request).
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,8 +28,9 @@ from jaxkv.allocation_args import (
     request_id_of,
     validated_computed_blocks,
 )
-from jaxkv.block_pool import BlockPool, IntegrityError, KVCacheBlock, KVCacheEvent
+from jaxkv.block_pool import BlockPool, KVCacheBlock, KVCacheEvent
 from jaxkv.block_table import HostBlockTable, UnknownRequestError
+from jaxkv.manager_integrity import check_manager_integrity
 from jaxkv.prefix_cache_stats import PrefixCacheCounter, PrefixCacheStats
 from jaxkv.request import Request
 
@@ -355,30 +355,10 @@ class KVCacheManager:
 
         Ref counts equal the number of requests holding each block; each request's row
         holds exactly its block ids then zeros; prefix ids are the interned chain of those
-        block ids; rows are owned by exactly one request or free.
+        block ids; rows are owned by exactly one request or free; each request's blocks
+        are held for the one Request object they were allocated for.
         """
-        counts = collections.Counter(b.block_id for bs in self._blocks.values() for b in bs)
-        self.pool.check_integrity(counts)
-        problems = self._table.check_integrity(
-            {req_id: [b.block_id for b in blocks] for req_id, blocks in self._blocks.items()}
-        )
-        problems += [
-            f"{req_id!r}: its blocks are not held by the Request it was allocated for"
-            for req_id, blocks in self._blocks.items()
-            if self._held_of.get(self._owner.get(req_id)) is not blocks
-        ]
-        if len(self._owner) != len(self._blocks) or len(self._held_of) != len(self._blocks):
-            problems.append(
-                f"{len(self._blocks)} requests hold blocks, {len(self._owner)} have an owner, "
-                f"{len(self._held_of)} owners hold blocks"
-            )
-        problems += [
-            f"{req_id!r}: num_cached={self._num_cached[req_id]}"
-            for req_id, blocks in self._blocks.items()
-            if not 0 <= self._num_cached[req_id] <= len(blocks)
-        ]
-        if problems:
-            raise IntegrityError("; ".join(problems))
+        check_manager_integrity(self)
 
     def _blocks_of(self, req_id: str) -> list[KVCacheBlock]:
         blocks = self._blocks.get(req_id)

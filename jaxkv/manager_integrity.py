@@ -1,0 +1,47 @@
+"""The consistency check of a KVCacheManager's bookkeeping.
+
+Plain Python, no JAX. The body of KVCacheManager.check_integrity (whose docstring states
+what is checked): it reads the manager's private state, so the manager is its only
+caller.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING
+
+from jaxkv.block_pool import IntegrityError
+
+if TYPE_CHECKING:
+    from jaxkv.kv_cache_manager import KVCacheManager
+
+__all__ = ["check_manager_integrity"]
+
+
+def check_manager_integrity(manager: KVCacheManager) -> None:
+    """manager.check_integrity(); see there."""
+    held = manager._blocks
+    counts = collections.Counter(b.block_id for blocks in held.values() for b in blocks)
+    manager.pool.check_integrity(counts)
+    problems = manager._table.check_integrity(
+        {req_id: [b.block_id for b in blocks] for req_id, blocks in held.items()}
+    )
+    owner, held_of = manager._owner, manager._held_of
+    problems += [
+        f"{req_id!r}: its blocks are not held by the Request it was allocated for"
+        for req_id, blocks in held.items()
+        if held_of.get(owner.get(req_id)) is not blocks
+    ]
+    if len(owner) != len(held) or len(held_of) != len(held):
+        problems.append(
+            f"{len(held)} requests hold blocks, {len(owner)} have an owner, "
+            f"{len(held_of)} owners hold blocks"
+        )
+    num_cached = manager._num_cached
+    problems += [
+        f"{req_id!r}: num_cached={num_cached[req_id]}"
+        for req_id, blocks in held.items()
+        if not 0 <= num_cached[req_id] <= len(blocks)
+    ]
+    if problems:
+        raise IntegrityError("; ".join(problems))
