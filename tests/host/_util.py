@@ -47,3 +47,12 @@ def snapshot(manager: KVCacheManager) -> dict:
         "holders": {rid: manager.block_ids(rid) for rid in manager.request_ids},
         "num_free_blocks": manager.num_free_blocks,
     }
+
+
+def two_request_manager() -> KVCacheManager:
+    """32 blocks of 4 tokens; "A" (10 tokens) and "B" (12) share their first two blocks."""
+    m = KVCacheManager(32, 4, max_model_len=64)
+    prefill(m, make_request("A", range(10)))
+    prefill(m, make_request("B", [*range(8), 50, 51]))
+    m.check_integrity()
+    return m

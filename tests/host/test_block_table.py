@@ -5,17 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxkv import IntegrityError, KVCacheManager, UnknownRequestError
+from jaxkv import IntegrityError, UnknownRequestError
 from jaxkv.block_table import HostBlockTable
-from tests.host._util import make_request, prefill
-
-
-def _manager_with_two_requests() -> KVCacheManager:
-    m = KVCacheManager(32, 4, max_model_len=64)
-    prefill(m, make_request("A", range(10)))
-    prefill(m, make_request("B", [*range(8), 50, 51]))
-    m.check_integrity()
-    return m
+from tests.host._util import two_request_manager
 
 
 def test_rows_mirror_blocks_and_rows_are_reused_lowest_first():
@@ -56,7 +48,7 @@ def test_rows_grow_past_the_initial_table():
     ],
 )
 def test_check_integrity_names_each_corruption(corrupt, message):
-    m = _manager_with_two_requests()
+    m = two_request_manager()
     row = int(m.rows_of(["B"])[0])
     corrupt(m, row)
     with pytest.raises(IntegrityError, match=message):
@@ -64,7 +56,7 @@ def test_check_integrity_names_each_corruption(corrupt, message):
 
 
 def test_unknown_id_is_rejected_and_changes_nothing():
-    m = _manager_with_two_requests()
+    m = two_request_manager()
     before = m.block_table.copy(), m.prefix_ids.copy()
     with pytest.raises(ValueError, match="'C' holds no blocks"):
         m.rows_of(["A", "C"])

@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxkv import IntegrityError, KVCacheManager
-from tests.host._util import make_request, prefill
-
-
-def _manager() -> KVCacheManager:
-    m = KVCacheManager(32, 4, max_model_len=64)
-    prefill(m, make_request("A", range(10)))
-    prefill(m, make_request("B", [*range(8), 50, 51]))
-    m.check_integrity()
-    return m
+from jaxkv import IntegrityError
+from tests.host._util import make_request, two_request_manager
 
 
 def _other_owner(m):
@@ -45,14 +37,14 @@ def _stale_holder(m):
     ids=["other-owner", "copied-blocks", "stale-owner", "stale-holder", "num-cached"],
 )
 def test_each_break_of_the_bookkeeping_is_named(corrupt, message):
-    m = _manager()
+    m = two_request_manager()
     corrupt(m)
     with pytest.raises(IntegrityError, match=message):
         m.check_integrity()
 
 
 def test_free_leaves_no_owner_behind():
-    m = _manager()
+    m = two_request_manager()
     m.free("A")
     m.check_integrity()
     assert list(m._owner) == ["B"] and len(m._held_of) == 1
