@@ -131,6 +131,29 @@ def test_a_failing_start_load_after_a_device_cache_hit_leaves_nothing_computed()
     assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV and b.num_computed_tokens == 8
 
 
+def test_a_load_the_pool_cannot_hold_yet_leaves_its_cache_hit_uncounted():
+    # "b" hits r's two cached blocks (8 tokens) and is claimed 4 more, but the pool has
+    # one free block for the two it needs: it waits holding nothing, so it must not count
+    # the 8 hit tokens as computed (its next allocation would find them past its blocks).
+    connector = _ClaimingConnector(0)
+    sched = make_scheduler(num_blocks=5, block_size=BS, connector=connector)
+    r = add(sched, "r", range(1, 10), max_tokens=3)
+    step(sched)  # r holds 3 blocks; its blocks of tokens 1..4 and 5..8 are cached
+    connector.claim = 4
+    b = add(sched, "b", range(1, 15), max_tokens=2)
+    assert sched.manager.get_computed_blocks(b, count=False)[1] == 8
+    out = sched.schedule()
+    assert out.request_ids == ["r"] and not connector.loads
+    assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert "b" not in sched.manager.request_ids
+    sched.manager.check_integrity()
+    while r.status == RequestStatus.RUNNING:
+        sched.update_from_output(out, [7] * len(out.requests))
+        out = sched.schedule()
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV and b.num_computed_tokens == 8
+    assert [rid for rid, _ in connector.loads] == ["b"]
+
+
 def _decoding(sched, n: int) -> list:
     """n requests with 1-token prompts, running (decoding) after one step."""
     reqs = [add(sched, f"d{i}", [100 + i], max_tokens=5) for i in range(n)]
