@@ -221,6 +221,10 @@ def test_reset_prefix_cache_refused_while_in_use():
     assert m.reset_prefix_cache() is False
     assert len(m.pool.cached_block_hash_to_block) == 2
     m.free(a)
+    one = make_request("one", range(4))  # holds a single block: still in use
+    prefill(m, one)
+    assert m.usage > 0 and m.reset_prefix_cache() is False
+    m.free(one)
     m.take_events()
     assert m.reset_prefix_cache() is True
     assert m.pool.cached_block_hash_to_block == {}
