@@ -161,3 +161,31 @@ def test_a_larger_group_saving_less_does_not_hide_a_smaller_one_saving_more():
     plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=1), m, reqs)
     ((members, start, end),) = _groups(plan, reqs)
     assert (sorted(members), start, end) == (["d0", "d1"], 0, 8)
+
+
+def test_split_candidates_larger_than_those_waiting_are_examined_first():
+    # max_groups=1 examines 4 candidates. A (8 requests, 1 shared block) and B (2, 1
+    # block) pay nothing; A splits into A1 (6, 2 blocks: still not enough) and A2 (2), and
+    # A1 into two trios sharing 10 blocks, which pay. Visiting the larger split candidates
+    # first reaches a trio on the third look; taking candidates in the order they were
+    # found spends the four looks on A, B, A1 and A2, none of which pays: no cascade.
+    m = KVCacheManager(256, 4, max_model_len=64)
+    a0, b0 = [1000, 1001, 1002, 1003], [2000, 2001, 2002, 2003]
+    a1 = [1100 + i for i in range(4)]  # A1's second block
+    reqs = [
+        _decoding(m, f"a{i}", a0 + a1 + [3000 + 100 * (i // 3) + j for j in range(32)] + [i])
+        for i in range(6)
+    ]  # trios a0..a2 and a3..a5: 10 shared blocks each
+    reqs += [_decoding(m, f"a{i}", a0 + [1200] * 4 + [i]) for i in (6, 7)]
+    reqs += [_decoding(m, f"b{i}", b0 + [i, 60 + i]) for i in range(2)]
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids[:8]) == 1 and _shared(m, ids[:6]) == 2
+    assert _shared(m, ids[:3]) == _shared(m, ids[3:6]) == 10
+    assert _shared(m, ids[6:8]) == 2 and _shared(m, ids[8:]) == 1
+    model = CascadeCostModel(launch_overhead_bytes=30000, merge_cost_factor=0)
+    planner = CascadePlanner(SHAPE, cost_model=model, max_groups=1)
+    assert not planner.pays(8, 4, 8) and not planner.pays(6, 8, 6) and planner.pays(3, 40, 3)
+    plan = _plan(planner, m, reqs)
+    assert [lv.name for lv in plan.levels] == ["groups"]
+    ((members, start, end),) = _groups(plan, reqs)
+    assert (sorted(members), start, end) == (["a0", "a1", "a2"], 0, 10)
