@@ -37,8 +37,8 @@ def check_new_request(scheduler: Scheduler, request: Request) -> None:
         raise ValueError(f"{request!r} must be new (WAITING, nothing computed)")
     if request.queued:  # two schedulers would both advance it, each its own way
         raise ValueError(f"{request!r} was already queued by a scheduler: build a new Request")
-    if manager.enable_prefix_caching:  # else its block hashes are never read
-        request.check_hash_config(manager.block_size, manager.hash_seed)
+    # Read by the prefix cache and, with prefix caching off too, by a KV connector.
+    request.check_hash_config(manager.block_size, manager.hash_seed)
     if request.num_tokens >= max_model_len:
         raise ValueError(
             f"request {rid!r}: {request.num_tokens} prompt tokens leave no "

@@ -219,6 +219,26 @@ def test_a_request_hashed_for_another_block_size_is_refused_at_add():
     assert sched.manager.num_free_blocks == sched.manager.pool.num_blocks - 1
 
 
+def test_a_foreign_hashed_request_is_refused_at_add_with_prefix_caching_off_too():
+    # The host offload connector reads block hashes whatever the manager's prefix
+    # caching: such a request was queued, and once the store held a block every
+    # schedule() raised on it, so no request ran until the caller aborted it.
+    copier = FakeCopier(16, 4)
+    connector = HostOffloadConnector(16 * copier.bytes_per_block)
+    connector.bind(copier, block_size=4, hash_seed=0)
+    sched = make_scheduler(num_blocks=16, enable_prefix_caching=False, connector=connector)
+    add(sched, "a", range(1, 10), max_tokens=1)
+    run_until_idle(sched, copier)
+    assert connector.stats.num_stored_blocks == 2
+    foreign = Request("x", list(range(9)), SamplingParams(max_tokens=2))
+    foreign.update_block_hashes(8)
+    with pytest.raises(ValueError, match=r"'x' were computed with \(block_size, seed\)=\(8, 0\)"):
+        sched.add_request(foreign)
+    assert not sched.requests and not sched.waiting
+    add(sched, "b", [1, 2, 3], max_tokens=2)
+    assert run_until_idle(sched, copier) == {"b": "length"}
+
+
 @pytest.mark.parametrize("bad", [0, ["a"], None])
 def test_abort_refuses_an_id_that_is_not_a_str(bad):
     # abort(0) for the request "0" used to return False and leave it running.
