@@ -286,10 +286,10 @@ def test_zero_budget_store_never_keeps_blocks():
 
 
 def test_constructor_validates_and_unbound_use_raises():
-    with pytest.raises(ValueError, match="host_bytes"):
-        HostOffloadConnector(-1)
-    with pytest.raises(ValueError, match="copy_delay_steps"):
-        HostOffloadConnector(10, copy_delay_steps=-2)
+    for bad in ({"host_bytes": -1}, {"host_bytes": True}, {"copy_delay_steps": -2},
+                {"copy_delay_steps": True}):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}=.* must be an int >= 0"):
+            HostOffloadConnector(**{"host_bytes": 10, **bad})
     sched = make_scheduler(connector=HostOffloadConnector(1024))
     add(sched, "a", range(1, 10), max_tokens=1)
     with pytest.warns(RuntimeWarning, match="used unbound.*freed without saving"):
