@@ -31,6 +31,7 @@ from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner
 from jaxkv.closable import Closable, checked_timeout
 from jaxkv.completion import count_prompts, progress_bar, run_to_completion
 from jaxkv.config import EngineConfig
+from jaxkv.engine_args import checked_engine_args
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_copy import DeviceKVCopier
 from jaxkv.kv_transfer import KVConnector
@@ -69,7 +70,7 @@ class Engine(Closable):
         mesh: jax.sharding.Mesh | None = None,
         tensor_parallel_size: int | None = None,
     ) -> None:
-        config = EngineConfig() if config is None else config
+        config = checked_engine_args(model, params, config, connector)
         mc = model.config
         sc, cc = config.scheduler, config.cache
         if sc.max_model_len > mc.max_position_embeddings:

@@ -1,0 +1,47 @@
+"""Checks of Engine's constructor arguments, run before it builds anything.
+
+A config of another type, a connector that is no KVConnector or params that are not the
+model's state used to fail with AttributeError from deep inside the constructor (after
+the KV cache was allocated), or, for params, only at the first step().
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from jaxkv.config import EngineConfig
+from jaxkv.kv_transfer import KVConnector
+
+
+def checked_engine_args(model, params, config, connector) -> EngineConfig:
+    """`config` (EngineConfig() for None); ValueError naming the argument unless `model`
+    is an nnx.Module with a `config` and `init_kv_caches` (a jaxkv.models.Llama),
+    `params` None or a state of the model's structure and leaf shapes, `config` None or
+    an EngineConfig and `connector` None or a KVConnector."""
+    llama = all(hasattr(model, name) for name in ("config", "init_kv_caches"))
+    if not (isinstance(model, nnx.Module) and llama):
+        raise ValueError(f"model={type(model).__name__} must be a jaxkv.models.Llama")
+    if config is not None and not isinstance(config, EngineConfig):
+        raise ValueError(f"config={config!r} must be None or an EngineConfig")
+    if connector is not None and not isinstance(connector, KVConnector):
+        raise ValueError(f"connector={connector!r} must be None or a KVConnector")
+    if params is not None:
+        _check_params(model, params)
+    return EngineConfig() if config is None else config
+
+
+def _check_params(model, params) -> None:
+    state = nnx.state(model)
+    want, got = jax.tree.structure(state), jax.tree.structure(params)
+    if got != want:
+        raise ValueError(
+            f"params: a {type(params).__name__} with {got.num_leaves} leaves must be the "
+            f"model's state (nnx.state(model): {want.num_leaves} leaves, same structure)"
+        )
+    for (path, w), g in zip(jax.tree.leaves_with_path(state), jax.tree.leaves(params), strict=True):
+        if getattr(g, "shape", None) != w.shape:
+            raise ValueError(
+                f"params{jax.tree_util.keystr(path)}: shape {getattr(g, 'shape', None)} "
+                f"must be {w.shape}, as the model's"
+            )
