@@ -56,6 +56,13 @@ class Scheduler:
         manager: KVCacheManager,
         connector: KVConnector | None = None,
     ) -> None:
+        for name, value, kind in (
+            ("config", config, SchedulerConfig),
+            ("manager", manager, KVCacheManager),
+            ("connector", KVConnector() if connector is None else connector, KVConnector),
+        ):  # each used to raise AttributeError here or, a connector, in the first step
+            if not isinstance(value, kind):
+                raise ValueError(f"{name}={value!r} must be a {kind.__name__}")
         if manager.max_model_len < config.max_model_len:
             raise ValueError(f"{manager.max_model_len=} must be >= {config.max_model_len=}")
         self.config = config
@@ -348,7 +355,10 @@ class Scheduler:
             raise ValueError(
                 "output: not the latest schedule() call's SchedulerOutput, or already applied"
             )
-        tokens = np.asarray(sampled_token_ids)
+        try:
+            tokens = np.asarray(sampled_token_ids)
+        except (ValueError, TypeError):  # ragged nesting
+            tokens = np.asarray(None)
         if tokens.shape != (output.num_requests,) or (
             tokens.size and tokens.dtype.kind not in "iu"
         ):

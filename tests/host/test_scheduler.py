@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxkv import Request, RequestStatus, SamplingParams
+from jaxkv import Request, RequestStatus, SamplingParams, Scheduler
 from jaxkv.cascade import AttentionShape, CascadePlanner
 from jaxkv.kv_transfer import HostOffloadConnector
 from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
@@ -282,6 +282,7 @@ def test_update_refuses_a_stale_output_or_bad_tokens_and_changes_nothing():
         (np.array([7.0, 8.0]), "float64 must be integers of shape \\(2,\\)"),
         ([[7, 8]], "\\(1, 2\\) int64"),
         ([7], "shape \\(2,\\)"),
+        ([[7], [8, 9]], "shape \\(2,\\)"),  # ragged: numpy's own error used to escape
         ([7, -8], "-8..7 must lie in \\[0, 9223372036854775807\\]"),
         (np.array([7, 2**63], np.uint64), "7..9223372036854775808 must lie in"),  # not int64
     ]:
@@ -298,6 +299,22 @@ def test_update_refuses_a_stale_output_or_bad_tokens_and_changes_nothing():
         sched.update_from_output(older, [9, 10])
     sched.update_from_output(newer, [9, 10])
     assert [r.output_token_ids for r in (a, b)] == [[7, 9], [8, 10]]
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (lambda c, m: (None, m), "config=None must be a SchedulerConfig"),
+        (lambda c, m: ({"max_model_len": 64}, m), "config=.* must be a SchedulerConfig"),
+        (lambda c, m: (c, None), "manager=None must be a KVCacheManager"),
+        (lambda c, m: (c, m, "offload"), "connector='offload' must be a KVConnector"),
+    ],
+)
+def test_the_constructor_refuses_arguments_of_the_wrong_kind_by_name(args, match):
+    # Each used to raise AttributeError, a connector only in the first schedule().
+    made = make_scheduler()
+    with pytest.raises(ValueError, match=match):
+        Scheduler(*args(made.config, made.manager))
 
 
 def test_abort_from_waiting_running_and_preempted_frees_blocks():
