@@ -138,7 +138,7 @@ class Request:
                 f"sampling_params={sampling_params!r} of {request_id!r} must be None or "
                 "a SamplingParams"
             )
-        if arrival_time is not None and not (is_real(arrival_time) and math.isfinite(arrival_time)):
+        if arrival_time is not None and not (is_real(arrival_time) and _finite(arrival_time)):
             raise ValueError(f"{arrival_time=} of {request_id!r} must be None or a finite number")
         self.request_id = request_id
         self.prompt_token_ids: tuple[int, ...] = tuple(prompt)
@@ -198,31 +198,43 @@ class Request:
         return self.status.is_finished()
 
     def check_hash_config(self, block_size: int, seed: int = 0) -> None:
-        """Raises ValueError if `block_hashes` were computed with another block size or seed.
+        """Raises ValueError if `block_hashes` were computed with another block size or seed,
+        or unless `block_size` is an int >= 1 and `seed` an int that fits in 64 bits.
 
         Changes nothing: a caller checks this before changing its own state, so that a
         later update_block_hashes with the same arguments cannot fail.
         """
-        config = (block_size, seed)
+        self._checked_hash_config(block_size, seed)
+
+    def _checked_hash_config(self, block_size: int, seed: int) -> tuple[int, int]:
+        if type(block_size) is int and type(seed) is int and block_size >= 1:
+            config = (block_size, seed)  # the common case, without a call per argument
+        else:
+            config = (_int_or_none(block_size), _int_or_none(seed))
+            if config[0] is None or config[0] < 1:
+                raise ValueError(f"{block_size=} must be an int >= 1")
+        if config[1] is None or not -(2**63) <= config[1] < 2**63:
+            raise ValueError(f"{seed=} must be an int that fits in 64 bits")
         if self._hash_config is not None and self._hash_config != config:
             raise ValueError(
                 f"block hashes of {self.request_id!r} were computed with (block_size, seed)="
                 f"{self._hash_config}, not {config}"
             )
+        return config
 
     def update_block_hashes(self, block_size: int, seed: int = 0) -> list[BlockHash]:
         """Extends `block_hashes` to cover every full block of `all_token_ids`.
 
-        Raises ValueError if earlier hashes were computed with another block size or seed.
+        Raises ValueError, changing nothing, where check_hash_config would.
         """
-        self.check_hash_config(block_size, seed)
-        self._hash_config = (block_size, seed)
+        self._hash_config = config = self._checked_hash_config(block_size, seed)
+        block_size = config[0]
         if len(self._all_token_ids) // block_size > len(self.block_hashes):
             extend_block_hashes(
                 self.block_hashes,
                 self._all_token_ids,
                 block_size,
-                seed=seed,
+                seed=config[1],
                 adapter_id=self.adapter_id,
                 cache_salt=self.cache_salt,
             )
@@ -262,3 +274,11 @@ def _int_or_none(value) -> int | None:
         return operator.index(value)
     except TypeError:  # e.g. a numpy array of more than one element
         return None
+
+
+def _finite(value) -> bool:
+    """math.isfinite, False for an int too large for a float (10**400 raised OverflowError)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False

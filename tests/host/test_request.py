@@ -140,9 +140,35 @@ def test_bools_and_bytes_are_not_token_ids(tokens):
         ({"arrival_time": float("nan")}, "arrival_time="),
         ({"arrival_time": "now"}, "arrival_time="),
         ({"arrival_time": True}, "arrival_time="),
+        ({"arrival_time": 10**400}, "arrival_time="),  # used to raise OverflowError
     ],
 )
 def test_request_refuses_bad_params_and_arrival_time(kwargs, match):
     # A dict as sampling_params used to be stored and fail later as an AttributeError.
     with pytest.raises(ValueError, match=match):
         Request("r", [1, 2], **kwargs)
+
+
+@pytest.mark.parametrize(
+    "block_size,seed,match",
+    [
+        (0, 0, "block_size=0 must be an int >= 1"),  # ZeroDivisionError before
+        (-4, 0, "block_size=-4"),  # returned [] and kept -4 as the request's block size
+        ("4", 0, "block_size='4'"),  # TypeError before
+        (4.0, 0, "block_size=4.0"),  # struct.error before
+        (True, 0, "block_size=True"),
+        (4, "1", "seed='1' must be an int that fits in 64 bits"),
+        (4, 2**64, "seed=18446744073709551616"),
+    ],
+)
+def test_bad_hash_arguments_are_refused_and_leave_the_request_hashable(block_size, seed, match):
+    # Each used to record (block_size, seed) before failing (or returning []): every
+    # later hashing of the request, a manager's included, was then refused.
+    req = Request("r", range(9))
+    with pytest.raises(ValueError, match=match):
+        req.update_block_hashes(block_size, seed)
+    with pytest.raises(ValueError, match=match):
+        req.check_hash_config(block_size, seed)
+    assert req.block_hashes == []
+    assert req.update_block_hashes(4, 0) == Request("s", range(9)).update_block_hashes(4)
+    assert req.update_block_hashes(np.int64(4), np.uint8(0)) == req.block_hashes  # same config
