@@ -143,6 +143,26 @@ class HostBlockTable:
             self._common_memo = (rows, self._shared_epoch, answer)
         return answer
 
+    def checked_rows(self, rows) -> np.ndarray:
+        """`rows` as a 1-D integer array; ValueError unless each is a row of block_table
+        (an out-of-range row used to raise numpy's IndexError, a negative one wrapped)."""
+        given = rows
+        if type(rows) is not np.ndarray or rows.dtype != np.int32:  # rows_of's own: fast
+            try:
+                rows = np.asarray(rows)
+            except (ValueError, TypeError):  # ragged nesting
+                rows = np.asarray(None)
+            if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
+                raise ValueError(f"rows={given!r} must be a 1-D sequence of block-table rows")
+            rows = rows.astype(np.int64)  # an empty list is float64
+        elif rows.ndim != 1:
+            raise ValueError(f"rows={given!r} must be a 1-D sequence of block-table rows")
+        # As unsigned, a negative row is larger than any: one reduction checks both ends.
+        unsigned = rows.view(np.uint32 if rows.dtype == np.int32 else np.uint64)
+        if rows.size and unsigned.max() >= len(self.block_table):
+            raise ValueError(f"rows={given!r} must lie in [0, {len(self.block_table)})")
+        return rows
+
     def num_common_prefix_blocks_of_rows(self, rows: np.ndarray) -> int:
         """The same for live rows (as rows_of returns them), without lookup or reuse."""
         rows = np.asarray(rows)

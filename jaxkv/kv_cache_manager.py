@@ -148,7 +148,7 @@ class KVCacheManager:
 
     def num_blocks_of_rows(self, rows: np.ndarray) -> np.ndarray:
         """i32[len(rows)] number of blocks held in each of `rows` (from rows_of)."""
-        return self._table.num_blocks_of_row[rows]
+        return self._table.num_blocks_of_row[self._table.checked_rows(rows)]
 
     def num_common_prefix_blocks(self, request_ids: Sequence[str]) -> int:
         """How many leading blocks every request in `request_ids` holds at the same positions.
@@ -169,8 +169,9 @@ class KVCacheManager:
 
         For callers that keep their batch's rows: no id lookup and no reuse of earlier
         answers. Rows must be live (held by a request); the answer is then exact.
+        Raises ValueError unless `rows` is a 1-D sequence of rows of block_table.
         """
-        return self._table.num_common_prefix_blocks_of_rows(rows)
+        return self._table.num_common_prefix_blocks_of_rows(self._table.checked_rows(rows))
 
     # ---------------------------------------------------------- prefix cache
 

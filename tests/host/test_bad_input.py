@@ -124,6 +124,31 @@ def test_unknown_id_in_shared_prefix_queries(busy):
     _assert_unchanged(busy, before)
 
 
+@pytest.mark.parametrize(
+    "rows,match",
+    [
+        ([0, 99], r"rows=\[0, 99\] must lie in \[0, 16\)"),  # numpy's IndexError before
+        (np.array([0, -1], np.int32), "must lie in"),  # read the table's last row before
+        ([-1], "must lie in"),
+        ([0.0, 1.0], "1-D sequence of block-table rows"),
+        (None, "rows=None must be a 1-D"),  # num_blocks_of_rows gave a 2-D array
+        (np.array(0), "1-D"),
+        (["a", "b"], "1-D"),
+    ],
+)
+def test_rows_outside_the_block_table_are_refused(busy, rows, match):
+    before = snapshot(busy)
+    for call in (busy.num_common_prefix_blocks_of_rows, busy.num_blocks_of_rows):
+        with pytest.raises(ValueError, match=match):
+            call(rows)
+    _assert_unchanged(busy, before)
+    rows = busy.rows_of(["a", "b"])
+    for given in (rows, list(rows), np.asarray(rows, np.uint8)):  # still taken as rows
+        assert busy.num_common_prefix_blocks_of_rows(given) == 1
+        assert busy.num_blocks_of_rows(given).tolist() == [3, 2]
+    assert busy.num_common_prefix_blocks_of_rows([]) == 0 and busy.num_blocks_of_rows([]).size == 0
+
+
 def test_stale_cache_hit_is_refused(busy):
     req = make_request("c", [*range(8), 7])
     hit_ids, num_hit = busy.get_computed_blocks(req)
