@@ -37,11 +37,11 @@ def allocate_slots_batch(
     manager: KVCacheManager, requests: Sequence[Request], num_new_tokens: Sequence[int]
 ) -> bool:
     """manager.allocate_slots_batch(requests, num_new_tokens); see there."""
+    requests, counts = _as_list("requests", requests), _as_list("num_new_tokens", num_new_tokens)
     if not set(map(type, requests)) <= _REQUEST_TYPE:  # the common case, at C speed
         for r in requests:
             checked_request_id(r)
     ids = [r.request_id for r in requests]
-    counts = list(num_new_tokens)
     if len(counts) != len(ids):
         raise ValueError(f"{len(requests)=} must equal {len(counts)=}")
     if not ids:
@@ -86,6 +86,18 @@ def allocate_slots_batch(
     for request, num_total in filling:
         manager._cache_full_blocks(request, num_total)
     return True
+
+
+def _as_list(name: str, values) -> list:
+    """`values` as a list (a generator is read once); ValueError naming `name` unless it
+    is iterable (None or one Request raised TypeError, a generator of requests was used
+    up by the type check and then read as empty)."""
+    if type(values) is list:
+        return values
+    try:
+        return list(values)
+    except TypeError:
+        raise ValueError(f"{name}={values!r} must be a sequence") from None
 
 
 def _take_fresh_blocks(

@@ -111,8 +111,9 @@ class KVCacheManager:
         return list(self._blocks)
 
     def block_ids(self, request_id: str) -> list[int]:
-        """The block ids `request_id` holds, in order. Raises UnknownRequestError."""
-        return [b.block_id for b in self._blocks_of(request_id)]
+        """The block ids `request_id` (or a Request's id) holds, in order. Raises
+        UnknownRequestError, ValueError unless given a Request or a str."""
+        return [b.block_id for b in self._blocks_of(request_id_of("request_id", request_id))]
 
     @property
     def block_table(self) -> np.ndarray:

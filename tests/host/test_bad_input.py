@@ -149,6 +149,39 @@ def test_rows_outside_the_block_table_are_refused(busy, rows, match):
     assert busy.num_common_prefix_blocks_of_rows([]) == 0 and busy.num_blocks_of_rows([]).size == 0
 
 
+def test_batch_allocation_reads_any_iterable_once_and_refuses_the_rest_by_name(busy):
+    # A generator of requests used to be used up by the type check (then TypeError from
+    # len()); None or one Request raised TypeError naming neither argument.
+    a, b = busy._owner["a"], busy._owner["b"]
+    before = snapshot(busy)
+    for requests, counts, name in (
+        (None, [1], "requests=None"),
+        (a, [1], "requests=Request"),
+        ([a], None, "num_new_tokens=None"),
+        ([a, b], 5, "num_new_tokens=5"),
+    ):
+        with pytest.raises(ValueError, match=f"{name}.* must be a sequence"):
+            busy.allocate_slots_batch(requests, counts)
+    _assert_unchanged(busy, before)
+    assert busy.allocate_slots_batch((r for r in (a, b)), (n for n in (3, 2)))
+    ref = KVCacheManager(12, 4, max_model_len=16)
+    for rid, tokens in (("a", range(9)), ("b", [*range(4), 50, 51]), ("gone", range(100, 105))):
+        prefill(ref, make_request(rid, tokens))
+    ref.free("gone")
+    assert ref.allocate_slots_batch([ref._owner["a"], ref._owner["b"]], [3, 2])
+    assert snapshot(busy) == snapshot(ref)
+    busy.check_integrity()
+
+
+def test_block_ids_take_a_request_or_its_id(busy):
+    # An unhashable id raised TypeError; a Request was reported as holding no blocks.
+    before = snapshot(busy)
+    with pytest.raises(ValueError, match=r"request_id=\['a'\] must be a Request or a request id"):
+        busy.block_ids(["a"])
+    assert busy.block_ids(busy._owner["a"]) == busy.block_ids("a") == before["holders"]["a"]
+    _assert_unchanged(busy, before)
+
+
 def test_stale_cache_hit_is_refused(busy):
     req = make_request("c", [*range(8), 7])
     hit_ids, num_hit = busy.get_computed_blocks(req)
