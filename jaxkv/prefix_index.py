@@ -115,7 +115,9 @@ def _check_lcp_args(prefix_ids, num_blocks, rows) -> None:
     if not isinstance(prefix_ids, np.ndarray) or prefix_ids.ndim != 2:
         raise ValueError(f"prefix_ids must be a 2-D numpy array, got {type(prefix_ids)}")
     for name, a in (("num_blocks", num_blocks), ("rows", rows)):
-        if a is not None and not (isinstance(a, np.ndarray) and a.ndim == 1):
+        if (a is not None or name == "num_blocks") and not (
+            isinstance(a, np.ndarray) and a.ndim == 1
+        ):
             raise ValueError(f"{name} must be a 1-D numpy array of ints, got {type(a)}")
         if a is not None and a.size and a.dtype.kind not in "iu":
             raise ValueError(f"{name} must be integers, got dtype {a.dtype}")

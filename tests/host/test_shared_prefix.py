@@ -332,8 +332,9 @@ def test_longest_common_prefix_refuses_arguments_it_would_misread(num_blocks, ro
     rows = None if rows is None else np.array(rows)
     with pytest.raises(ValueError, match=match):
         longest_common_prefix(table, np.array(num_blocks), rows)
-    with pytest.raises(ValueError, match="num_blocks must be a 1-D numpy array"):
-        longest_common_prefix(table, [3, 3, 4])
+    for bad in ([3, 3, 4], None):  # None raised AttributeError
+        with pytest.raises(ValueError, match="num_blocks must be a 1-D numpy array"):
+            longest_common_prefix(table, bad)
 
 
 def test_reused_answer_follows_a_cache_hit_on_a_request_that_held_no_block():
