@@ -85,6 +85,10 @@ class PrefixAwareRouter(Closable):
         max_tracked_prefixes: int = 1 << 16,
         hash_seed: int = 0,
     ) -> None:
+        try:  # None or a lone engine used to raise TypeError from len()
+            replicas = list(replicas)
+        except TypeError:
+            raise ValueError(f"replicas={replicas!r} must be a sequence of replicas") from None
         if len(replicas) == 0:
             raise ValueError("replicas must not be empty")
         for name, value in (
@@ -92,9 +96,9 @@ class PrefixAwareRouter(Closable):
             ("max_prefix_blocks", max_prefix_blocks),
             ("max_tracked_prefixes", max_tracked_prefixes),
         ):
-            if not isinstance(value, int) or value < 1:
+            if type(value) is not int or value < 1:  # True is no size
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
-        if max_imbalance is not None and (not isinstance(max_imbalance, int) or max_imbalance < 0):
+        if max_imbalance is not None and (type(max_imbalance) is not int or max_imbalance < 0):
             raise ValueError(f"{max_imbalance=} must be None or an int >= 0")
         root_hash(hash_seed)  # raises ValueError unless an int that fits in 64 bits
         self.replicas = list(replicas)

@@ -228,11 +228,19 @@ def test_bad_input_leaves_the_router_unchanged():
         {"block_size": 0},
         {"block_size": 4, "max_imbalance": -1},
         {"block_size": 4, "hash_seed": 2**64},
+        {"block_size": True},  # bools were taken as 1 (max_imbalance=True as 1 too)
+        {"block_size": 4, "max_prefix_blocks": True},
+        {"block_size": 4, "max_tracked_prefixes": True},
+        {"block_size": 4, "max_imbalance": True},
     ):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=f"{list(kwargs)[-1].removeprefix('hash_')}="):
             PrefixAwareRouter(replicas, **kwargs)
     with pytest.raises(ValueError, match="empty"):
         PrefixAwareRouter([], block_size=4)
+    for bad in (None, replicas[0]):  # TypeError from len() before
+        with pytest.raises(ValueError, match="replicas=.* must be a sequence of replicas"):
+            PrefixAwareRouter(bad, block_size=4)
+    assert PrefixAwareRouter(iter(replicas), block_size=4).replicas == replicas
 
 
 def test_generated_ids_skip_ids_callers_chose():
