@@ -189,6 +189,8 @@ class KVCacheManager:
         """
         checked_request_id(request)
         check_prompt_fits(request, self.max_model_len)
+        if not isinstance(count, bool):  # "no" counted, by its truthiness
+            raise ValueError(f"count={count!r} must be a bool")
         if not self.enable_prefix_caching:
             return [], 0
         block_hashes = request.update_block_hashes(self.block_size, self.hash_seed)

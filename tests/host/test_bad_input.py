@@ -182,6 +182,16 @@ def test_block_ids_take_a_request_or_its_id(busy):
     _assert_unchanged(busy, before)
 
 
+@pytest.mark.parametrize("flag", ["no", None, 0, np.bool_(False)])
+def test_the_count_flag_of_a_lookup_must_be_a_bool(busy, flag):
+    # "no" used to count the lookup, by its truthiness.
+    before, stats = snapshot(busy), busy.prefix_cache_stats
+    with pytest.raises(ValueError, match="count=.* must be a bool"):
+        busy.get_computed_blocks(make_request("c", range(9)), count=flag)
+    _assert_unchanged(busy, before)
+    assert busy.prefix_cache_stats == stats
+
+
 def test_stale_cache_hit_is_refused(busy):
     req = make_request("c", [*range(8), 7])
     hit_ids, num_hit = busy.get_computed_blocks(req)
