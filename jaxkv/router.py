@@ -366,6 +366,8 @@ def engine_replicas(
             )
         meshes = meshes[:num_replicas]
     config = EngineConfig() if config is None else config
+    if not isinstance(config, EngineConfig):  # a dict raised AttributeError on config.seed
+        raise ValueError(f"config={config!r} must be None or an EngineConfig")
     return [
         Engine(model, params, dataclasses.replace(config, seed=config.seed + i), mesh=mesh)
         for i, mesh in enumerate(meshes)

@@ -49,6 +49,13 @@ def test_more_replicas_than_device_groups_is_refused_before_any_engine_is_built(
         engine_replicas(None, num_replicas=0)
 
 
+def test_a_config_that_is_no_engine_config_is_refused_before_any_engine_is_built():
+    from jaxkv.router import engine_replicas
+
+    with pytest.raises(ValueError, match="config=.* must be None or an EngineConfig"):
+        engine_replicas(None, {"seed": 1})  # AttributeError on config.seed before
+
+
 def test_every_projection_is_split_megatron_style_when_kv_heads_are_not_replicated():
     # Checked through the recorded PartitionSpecs, which a 1-device mesh keeps too: the
     # multi-device checks compare logits and a few shard shapes, which k and v kernels
