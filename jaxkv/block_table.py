@@ -146,8 +146,11 @@ class HostBlockTable:
     def checked_rows(self, rows) -> np.ndarray:
         """`rows` as a 1-D integer array; ValueError unless each is a row of block_table
         (an out-of-range row used to raise numpy's IndexError, a negative one wrapped)."""
+        memo = self._rows_memo
+        if memo is not None and rows is memo[2]:  # rows_of's latest: rows only ever grow
+            return rows
         given = rows
-        if type(rows) is not np.ndarray or rows.dtype != np.int32:  # rows_of's own: fast
+        if type(rows) is not np.ndarray or rows.dtype != np.int32:
             try:
                 rows = np.asarray(rows)
             except (ValueError, TypeError):  # ragged nesting
