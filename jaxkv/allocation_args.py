@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxkv.block_pool import BlockPool, KVCacheBlock
+from jaxkv.block_pool import MAX_INT32, BlockPool, KVCacheBlock
 from jaxkv.hashing import root_hash
 from jaxkv.request import Request
 
@@ -58,8 +58,8 @@ def manager_args(
     num_blocks = plain_int(num_blocks)  # BlockPool checks it
     block_size, max_model_len = plain_int(block_size), plain_int(max_model_len)
     for name, value in (("block_size", block_size), ("max_model_len", max_model_len)):
-        if type(value) is not int or value < 1:
-            raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if type(value) is not int or not 1 <= value <= MAX_INT32:
+            raise ValueError(f"{name}={value!r} must be an int in [1, {MAX_INT32}] (int32)")
     hash_seed = plain_int(hash_seed)
     if type(hash_seed) is not int:
         raise ValueError(f"{hash_seed=} must be an int")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from jaxkv.hashing import BlockHash
 
 NULL_BLOCK_ID = 0
+MAX_INT32 = 2**31 - 1  # block ids, positions and lengths are int32 in device arrays
 
 
 class IntegrityError(AssertionError):
@@ -140,8 +141,11 @@ class BlockPool:
     def __init__(
         self, num_blocks: int, *, enable_caching: bool = True, enable_events: bool = False
     ) -> None:
-        if not isinstance(num_blocks, int) or num_blocks < 2:
-            raise ValueError(f"{num_blocks=} must be an int >= 2 (block 0 is the null block)")
+        if not isinstance(num_blocks, int) or not 2 <= num_blocks <= MAX_INT32:
+            raise ValueError(
+                f"{num_blocks=} must be an int in [2, {MAX_INT32}] (block 0 is the null "
+                "block; block ids are int32 in block tables)"
+            )
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.enable_events = enable_events

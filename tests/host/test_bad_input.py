@@ -226,6 +226,12 @@ def test_invalid_computed_block_ids(busy, block_ids, match):
         ((8, 0), {"max_model_len": 8}, "block_size"),
         ((8, 4), {"max_model_len": 0}, "max_model_len"),
         ((8, 4), {"max_model_len": 8, "hash_seed": 2**70}, "seed"),
+        # Past int32 the device's block ids and positions overflow; 10**12 blocks also
+        # hung in building the pool instead of being refused.
+        ((10**12, 4), {"max_model_len": 8}, r"num_blocks=1000000000000 must be an int in \[2,"),
+        ((2**31, 4), {"max_model_len": 8}, "num_blocks"),
+        ((8, 2**31), {"max_model_len": 8}, "block_size"),
+        ((8, 4), {"max_model_len": 2**31}, r"max_model_len=2147483648 must be an int in \[1,"),
     ],
 )
 def test_bad_constructor_arguments(args, kwargs, match):
