@@ -7,7 +7,7 @@ they were. Each check raises ValueError naming the argument and what was expecte
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -40,11 +40,14 @@ def plain_int(value):
     return value
 
 
-def request_id_of(name: str, request) -> str:
-    """The id of `request` (a Request or its id); ValueError naming `name` otherwise."""
+def request_id_of(name: str, request, owner: Mapping[str, Request]) -> str:
+    """The id of `request` (a Request or its id); ValueError naming `name` otherwise, or
+    for a Request other than `owner`'s for its id (it would act on another's blocks)."""
     if isinstance(request, str):
         return request
     if isinstance(request, Request):
+        if owner.get(request.request_id, request) is not request:
+            raise ValueError(not_the_owner_message(request.request_id))
         return request.request_id
     raise ValueError(f"{name}={request!r} must be a Request or a request id (str)")
 

@@ -112,8 +112,9 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         """The block ids `request_id` (or a Request's id) holds, in order. Raises
-        UnknownRequestError, ValueError unless given a Request or a str."""
-        return [b.block_id for b in self._blocks_of(request_id_of("request_id", request_id))]
+        UnknownRequestError; ValueError unless given a str or the Request that holds them."""
+        req_id = request_id_of("request_id", request_id, self._owner)
+        return [b.block_id for b in self._blocks_of(req_id)]
 
     @property
     def block_table(self) -> np.ndarray:
@@ -316,9 +317,10 @@ class KVCacheManager:
         """Releases every block of the request, tail first (so its tail is evicted first).
 
         Raises UnknownRequestError if the request holds no blocks (unknown or freed twice),
-        ValueError if `request` is neither a Request nor a str.
+        ValueError if `request` is neither a str nor the Request the blocks were allocated
+        for (another Request object with its id).
         """
-        req_id = request_id_of("request", request)
+        req_id = request_id_of("request", request, self._owner)
         blocks = self._blocks_of(req_id)
         self.pool.free_blocks(reversed(blocks), validate=False)  # the request's own
         del self._blocks[req_id]
@@ -334,9 +336,10 @@ class KVCacheManager:
         leave the cache. A later allocation that fills them caches them anew.
 
         Raises UnknownRequestError if the request holds no blocks, ValueError (nothing
-        changed) unless num_written_tokens is an int >= 0.
+        changed) unless num_written_tokens is an int >= 0 and `request` a str or the
+        Request the blocks were allocated for.
         """
-        req_id = request_id_of("request", request)
+        req_id = request_id_of("request", request, self._owner)
         num_written = count("num_written_tokens", num_written_tokens, req_id)
         blocks = self._blocks_of(req_id)
         first = num_written // self.block_size

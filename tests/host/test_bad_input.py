@@ -278,9 +278,17 @@ def test_another_request_object_reusing_a_live_id_is_refused(busy):
     before = snapshot(busy)
     twin = make_request("a", [*range(4), 70, 71, 72, 73, 74])  # a's id, other tokens
     twin.num_computed_tokens = 9  # as a's, so only the object tells them apart
-    with pytest.raises(ValueError, match="'a' holds blocks allocated for another Request"):
-        busy.allocate_slots(twin, 1)
-    _assert_unchanged(busy, before)
+    refused = [
+        lambda: busy.allocate_slots(twin, 1),
+        # These acted on the owner's blocks: its caller meant its own request.
+        lambda: busy.free(twin),
+        lambda: busy.uncache_unwritten(twin, 0),
+        lambda: busy.block_ids(twin),
+    ]
+    for call in refused:
+        with pytest.raises(ValueError, match="'a' holds blocks allocated for another Request"):
+            call()
+        _assert_unchanged(busy, before)
     busy.free("a")
     twin.num_computed_tokens = 0
     assert busy.allocate_slots(twin, twin.num_tokens) is not None
