@@ -130,7 +130,7 @@ class AttentionShape:
         per device when there are fewer KV heads than devices (each then replicated).
         Raises ValueError unless the size is >= 1 and divides the query heads."""
         tp = tensor_parallel_size
-        if not isinstance(tp, int) or tp < 1 or self.num_q_heads % tp:
+        if type(tp) is not int or tp < 1 or self.num_q_heads % tp:  # True is no size
             raise ValueError(f"{tensor_parallel_size=} must be >= 1 and divide {self.num_q_heads=}")
         return dataclasses.replace(
             self, num_q_heads=self.num_q_heads // tp, num_kv_heads=max(self.num_kv_heads // tp, 1)

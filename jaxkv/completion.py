@@ -105,6 +105,14 @@ def run_to_completion(
     ]
 
 
+def generate_progress_bar(prompts: Sequence[Sequence[int]], progress: bool):
+    """generate's bar: one over len(prompts) if `progress`, else None. ValueError unless
+    `progress` is a bool (a flag read from text, "no", would show it by truthiness)."""
+    if not isinstance(progress, bool):
+        raise ValueError(f"{progress=} must be a bool")
+    return progress_bar(count_prompts(prompts), desc="generate") if progress else None
+
+
 def progress_bar(total: int, *, desc: str):
     """A tqdm progress bar of `total` steps, or None when tqdm is not installed."""
     try:

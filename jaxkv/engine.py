@@ -29,7 +29,7 @@ from jaxkv.attention import check_backend, default_backend
 from jaxkv.batch import build_attention_metadata
 from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner
 from jaxkv.closable import Closable, checked_timeout
-from jaxkv.completion import count_prompts, progress_bar, run_to_completion
+from jaxkv.completion import generate_progress_bar, run_to_completion
 from jaxkv.config import EngineConfig
 from jaxkv.engine_args import checked_engine_args
 from jaxkv.kv_cache_manager import KVCacheManager
@@ -335,7 +335,7 @@ class Engine(Closable):
         Requests already in the engine progress too; their outputs are not returned.
         """
         self._check_open()
-        bar = progress_bar(count_prompts(prompts), desc="generate") if progress else None
+        bar = generate_progress_bar(prompts, progress)
         return run_to_completion(self, prompts, sampling_params, progress_bar=bar)
 
     # --------------------------------------------------------------- lifetime

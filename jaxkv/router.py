@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from jaxkv.closable import Closable, checked_timeout
-from jaxkv.completion import count_prompts, progress_bar, run_to_completion
+from jaxkv.completion import generate_progress_bar, run_to_completion
 from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key, root_hash
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.prompt_checks import checked_prompt_ids
@@ -291,7 +291,7 @@ class PrefixAwareRouter(Closable):
         in order. `sampling_params` is one for all or a sequence of one per prompt.
         `progress` shows a progress bar (tqdm, when installed), as Engine.generate does."""
         self._check_open()
-        bar = progress_bar(count_prompts(prompts), desc="generate") if progress else None
+        bar = generate_progress_bar(prompts, progress)
         return run_to_completion(self, prompts, sampling_params, progress_bar=bar)
 
     # --------------------------------------------------------------- lifetime

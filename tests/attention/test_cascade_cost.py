@@ -26,7 +26,7 @@ def test_per_device_heads_follow_the_sharding(tp, heads):
     assert (shape.head_dim, shape.kv_itemsize) == (128, 2)
 
 
-@pytest.mark.parametrize("tp", [0, 3, 64, 2.0])
+@pytest.mark.parametrize("tp", [0, 3, 64, 2.0, True])  # True was taken as 1
 def test_per_device_refuses_a_size_that_cannot_split_the_query_heads(tp):
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLAMA_8B.per_device(tp)

@@ -101,3 +101,14 @@ def test_prompts_that_are_no_sequence_are_refused_by_name_and_queue_nothing(prog
     assert engine.add_request([1, 2]) == "0" and router.num_outstanding == (0, 0)
     with pytest.raises(KeyError):  # as for any unknown id (was a TypeError)
         router.replica_of(["x"])
+
+
+def test_a_progress_flag_that_is_no_bool_is_refused_by_name_and_queues_nothing():
+    from tests.engine._util import make_engine
+
+    engine = make_engine()
+    router, _ = make_router(2)
+    for driver in (engine, router):
+        with pytest.raises(ValueError, match="progress='no' must be a bool"):
+            driver.generate([[1, 2]], progress="no")  # showed the bar, by truthiness
+    assert engine.add_request([1, 2]) == "0" and router.num_outstanding == (0, 0)
