@@ -159,8 +159,10 @@ class Engine(Closable):
         """Queues a request; returns its id. Raises ValueError (nothing queued) when the
         prompt is empty, not 1-D integers, holds ids outside [0, vocab_size), leaves no
         room for output within max_model_len, could not fit the whole KV cache, or the
-        params, id or salt are invalid. Requests share cached KV only if their
-        `cache_salt` (e.g. one per tenant) is equal: None is a salt of its own."""
+        params, id or salt are invalid or the id is in use (unfinished, or finished or
+        aborted with a KV copy in flight: drain_transfers frees it). Requests share cached
+        KV only if their `cache_salt` (e.g. one per tenant) is equal: None is a salt of
+        its own."""
         self._check_open()
         prompt = checked_prompt_ids(prompt_token_ids, limit=self.vocab_size)
         if sampling_params is None:
