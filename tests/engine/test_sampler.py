@@ -84,3 +84,23 @@ def test_sampling_rows_follow_each_batch_order_and_size():
     assert temperature(np.array([2, 0, 1]), 8) == [2.5, 0.5, 1.5] + [0.0] * 5
     seeds = rows.arrays(reqs, np.array([1, 2, 0]), 4)[3]
     assert seeds.tolist() == [1, 2, 0, 0]
+
+
+def test_sampling_rows_of_a_reused_id_or_a_list_changed_in_place_are_rebuilt():
+    # A reused id is a new Request object: the previous batch's arrays (same ids, order
+    # and size) must not carry the finished request's parameters over to it. Nor may a
+    # batch list the caller changes in place afterwards still match the previous batch.
+    rows = SamplingRows()
+    old = Request("a", [1, 2], SamplingParams(temperature=0.5))
+    rows.add("a", old.sampling_params, default_seed=0)
+    assert rows.arrays([old], None, 4)[0].tolist() == [0.5, 0, 0, 0]
+    rows.discard("a")
+    new = Request("a", [1, 2], SamplingParams(temperature=1.5))
+    rows.add("a", new.sampling_params, default_seed=0)
+    assert rows.arrays([new], None, 4)[0].tolist() == [1.5, 0, 0, 0]
+    other = Request("b", [3], SamplingParams(temperature=2.5))
+    rows.add("b", other.sampling_params, default_seed=0)
+    batch = [new]
+    assert rows.arrays(batch, None, 2)[0].tolist() == [1.5, 0]  # a new size: rebuilt
+    batch[0] = other
+    assert rows.arrays(batch, None, 2)[0].tolist() == [2.5, 0]
