@@ -15,7 +15,7 @@ import pytest
 
 from jaxkv import SamplingParams
 from jaxkv.kv_transfer import HostOffloadConnector
-from jaxkv.metrics import EngineMetrics
+from jaxkv.metrics import EngineMetrics, StepStats, StepTotals
 from tests.engine._util import BLOCK_SIZE, VOCAB, make_engine, prompts_for
 
 
@@ -106,3 +106,15 @@ def test_derived_rates_of_a_snapshot():
     # Nothing measured yet: every rate is 0, not a division by zero.
     idle = EngineMetrics()
     assert idle.tokens_per_s == idle.prefix_cache_hit_rate == idle.host_time_per_step_ms == 0.0
+
+
+def test_step_totals_list_the_cascade_levels_sorted_whatever_came_first():
+    # EngineMetrics documents (levels, steps) sorted: snapshots of engines that saw the same
+    # steps in another order compare equal.
+    totals = StepTotals()
+    steps = [("groups", 5), ("", 7), ("global+groups", 3), ("global", 2), ("groups", 1)]
+    for levels, tokens in steps:
+        totals.record(StepStats(0.1, 0.1, 0.2, 0.3, 1, tokens, levels, False))
+    f = totals.fields()
+    assert f["cascade_steps_by_levels"] == (("global", 1), ("global+groups", 1), ("groups", 2))
+    assert (f["num_steps"], f["cascade_steps"], f["cascade_tokens"]) == (5, 4, 11)
