@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
 import pytest
 
 from jaxkv.batch import AttentionMetadata, LevelMetadata
-from jaxkv.step_inputs import coarsen_metadata, gather_input_ids, pad_level
+from jaxkv.step_inputs import coarsen_metadata, gather_input_ids, pad_level, program_key
 
 
 def _metadata(query_lens_in_batch_order: np.ndarray, max_num_tokens: int):
@@ -109,3 +110,23 @@ def test_coarsen_rounds_each_query_bound_up_to_its_bucket_and_pads_levels_on_its
     # A bound already at a bucket stays; decode (1) keeps its own bucket.
     assert coarsen_metadata(_main(4, ()), (1, 4, 8), None).max_q_len == 4
     assert coarsen_metadata(_main(1, ()), (1, 4, 8), None).max_q_len == 1
+
+
+def test_program_key_tells_apart_every_padded_shape_and_static_field():
+    # Engine.num_compiles and StepStats.new_program count distinct keys: metadata padded
+    # to another sequence or page bucket (same token bucket) needs another program.
+    md = _main(3, (_level([0, 5], [8], [[3, 0]], max_q_len=5),))
+    pages = md.page_indices
+    others = [
+        dataclasses.replace(md, page_indices=np.zeros((8, pages.shape[1]), np.int32)),
+        dataclasses.replace(md, page_indices=np.zeros((pages.shape[0], 4), np.int32)),
+        dataclasses.replace(md, block_size=8),
+        dataclasses.replace(md, backend="pallas"),
+        dataclasses.replace(md, interpret=True),
+        dataclasses.replace(md, max_q_len=4),
+        dataclasses.replace(md, levels=(pad_level(md.levels[0], 2),)),
+        dataclasses.replace(md, levels=(dataclasses.replace(md.levels[0], max_q_len=8),)),
+    ]
+    keys = [program_key(m) for m in (md, *others)]
+    assert len(set(keys)) == len(keys)
+    assert program_key(dataclasses.replace(md, kv_lens=np.ones(4, np.int32))) == keys[0]
