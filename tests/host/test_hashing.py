@@ -82,10 +82,15 @@ def test_request_refuses_a_second_block_size():
         req.update_block_hashes(2)
 
 
-@pytest.mark.parametrize("seed", [2**64, True, 1.0, "0"])
+@pytest.mark.parametrize("seed", [2**64, 2**63, -(2**63) - 1, True, 1.0, "0"])
 def test_root_hash_rejects_bad_seed(seed):
     with pytest.raises(ValueError, match="seed"):
         root_hash(seed)
+
+
+def test_root_hash_takes_every_int64_seed_and_tells_them_apart():
+    seeds = [-(2**63), -1, 0, 1, 2**63 - 1]
+    assert len({root_hash(s) for s in seeds}) == len(seeds)
 
 
 @pytest.mark.parametrize("tokens", [[1, 2**63], [1, 2.5], [-(2**63) - 1]])
