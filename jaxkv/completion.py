@@ -48,7 +48,8 @@ def run_to_completion(
     validation, or anything else), the ones before it are aborted again (none has run).
     An exception while stepping (KeyboardInterrupt too) aborts the prompts' unfinished
     requests before it propagates. Other requests the driver holds progress too; their
-    outputs are dropped.
+    outputs are dropped. A prompt's request that ends without a final output (aborted by
+    another caller meanwhile) gets finish_reason "abort" and the tokens it had.
     `progress_bar` (tqdm-like, optional) is advanced once per finished prompt and closed.
     """
     num_prompts = count_prompts(prompts)
@@ -100,7 +101,7 @@ def run_to_completion(
         if progress_bar is not None:
             progress_bar.close()
     return [
-        CompletionOutput(rid, tuple(int(t) for t in p), tuple(tokens[i]), reasons[i])
+        CompletionOutput(rid, tuple(int(t) for t in p), tuple(tokens[i]), reasons[i] or "abort")
         for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
     ]
 

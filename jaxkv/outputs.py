@@ -29,7 +29,8 @@ request_output_of = functools.partial(tuple.__new__, RequestOutput)
 
 @dataclasses.dataclass(frozen=True)
 class CompletionOutput:
-    """A finished request, as Engine.generate returns it."""
+    """A finished request, as Engine.generate returns it: finish_reason is "stop" or
+    "length" as in RequestOutput, or "abort" if another caller aborted it meanwhile."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]

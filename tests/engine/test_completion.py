@@ -6,6 +6,7 @@ import pytest
 
 from jaxkv import SamplingParams
 from jaxkv.completion import run_to_completion
+from jaxkv.outputs import RequestOutput
 from tests.sharding.test_router import make_router
 
 
@@ -112,3 +113,41 @@ def test_a_progress_flag_that_is_no_bool_is_refused_by_name_and_queues_nothing()
         with pytest.raises(ValueError, match="progress='no' must be a bool"):
             driver.generate([[1, 2]], progress="no")  # showed the bar, by truthiness
     assert engine.add_request([1, 2]) == "0" and router.num_outstanding == (0, 0)
+
+
+class _DropsSecond:
+    """A driver on which prompt "1" is aborted by another caller after its first token."""
+
+    def __init__(self) -> None:
+        self.unfinished, self.steps = [], 0
+
+    def add_request(self, prompt, params) -> str:
+        self.unfinished.append(str(len(self.unfinished)))
+        return self.unfinished[-1]
+
+    def abort(self, request_id: str) -> bool:
+        raise AssertionError("nothing is left to abort")
+
+    def step(self):
+        self.steps += 1
+        assert self.steps <= 3, "the loop must end once the driver has nothing unfinished"
+        if self.steps == 1:
+            return [RequestOutput("0", (5,), False, None), RequestOutput("1", (6,), False, None)]
+        if self.steps == 2:
+            self.unfinished = ["0"]  # "1" aborted elsewhere: no final output follows
+            return [RequestOutput("0", (7,), True, "stop")]
+        self.unfinished = []
+        return []
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.unfinished)
+
+
+def test_a_request_aborted_by_another_caller_ends_as_abort_and_generate_returns():
+    driver, bar = _DropsSecond(), Bar()
+    outs = run_to_completion(driver, [[1], [2]], progress_bar=bar)
+    assert [(o.output_token_ids, o.finish_reason) for o in outs] == [
+        ((5, 7), "stop"),
+        ((6,), "abort"),
+    ]
+    assert driver.steps == 3 and bar.n == 1 and bar.closed
