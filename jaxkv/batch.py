@@ -13,6 +13,7 @@ write their K/V into the null block (slot 0) and read nothing into a valid row.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import numpy as np
@@ -190,6 +191,34 @@ def _level_metadata(
     )
 
 
+def _check_arguments(block_table, plan, block_size, buckets) -> None:
+    """ValueError naming the argument unless each has the type the builder reads."""
+    if not isinstance(plan, CascadePlan):
+        raise ValueError(f"plan={type(plan).__name__} must be a CascadePlan (CascadePlanner.plan)")
+    if not isinstance(buckets, BucketConfig):
+        raise ValueError(f"buckets={type(buckets).__name__} must be a BucketConfig")
+    if (
+        not isinstance(block_size, numbers.Integral)
+        or isinstance(block_size, bool)
+        or block_size < 1
+    ):
+        raise ValueError(f"{block_size=} must be an int >= 1")
+    dtype = getattr(block_table, "dtype", None)
+    if getattr(block_table, "ndim", None) != 2 or dtype is None or dtype.kind not in "iu":
+        raise ValueError(
+            f"block_table ({type(block_table).__name__}, dtype {dtype}) must be a 2-D integer "
+            "array [num_rows, max_blocks_per_seq] (KVCacheManager.block_table)"
+        )
+
+
+def _outside(block_table) -> ValueError:
+    return ValueError(
+        f"a scheduled token or plan row lies outside {block_table.shape=}: the plan must "
+        "come from the manager owning block_table, and every num_computed_tokens + "
+        "query_lens entry must fit in the blocks its request holds"
+    )
+
+
 def build_attention_metadata(
     *,
     block_table: np.ndarray,  # i32[num_rows, max_blocks_per_seq] the manager's host table
@@ -215,6 +244,7 @@ def build_attention_metadata(
     Cost: a fixed number of numpy calls (a Python loop only over cascade groups); a
     decode-only batch (one token per request) takes a shorter path.
     """
+    _check_arguments(block_table, plan, block_size, buckets)
     query_lens = np.asarray(query_lens)
     num_computed = np.asarray(num_computed_tokens)
     num_requests = len(plan.rows)
@@ -222,6 +252,16 @@ def build_attention_metadata(
         raise ValueError(
             f"{query_lens.shape=} and {num_computed_tokens.shape=} must be ({num_requests},)"
         )
+    if num_requests:  # (an empty list is a float64 array)
+        if query_lens.dtype.kind not in "iu" or num_computed.dtype.kind not in "iu":
+            raise ValueError(
+                f"{query_lens.dtype=} and num_computed_tokens.dtype={num_computed.dtype} must "
+                "be integer dtypes"
+            )
+        if num_computed.min() < 0:  # numpy would read column -1 of the table
+            raise ValueError(
+                f"every num_computed_tokens entry must be >= 0, got {num_computed.min()}"
+            )
     decode_only = num_requests > 0 and not (query_lens != 1).any()
     if decode_only:
         total = num_requests
@@ -265,8 +305,6 @@ def build_attention_metadata(
     cu[num_requests + 1 :] = total
     kv_lens[:num_requests] = main_kv
     page_indices = np.zeros((max_seqs, width), np.int32)
-    _fill_pages(page_indices, block_table, rows, suffix_start)
-
     # Per-token position and KV slot, vectorised over tokens.
     if decode_only:
         pos, token_rows = num_computed, rows
@@ -276,7 +314,11 @@ def build_attention_metadata(
         token_rows = rows[token_req]
     positions[:total] = pos
     block_col, offset = np.divmod(pos, block_size)
-    token_blocks = block_table[token_rows, block_col]
+    try:  # numpy's IndexError names neither argument
+        _fill_pages(page_indices, block_table, rows, suffix_start)
+        token_blocks = block_table[token_rows, block_col]
+    except IndexError:
+        raise _outside(block_table) from None
     if not token_blocks.all():  # the null block: its KV would land where every pad writes
         i = int(np.argmin(token_blocks != 0))
         raise ValueError(
@@ -287,10 +329,13 @@ def build_attention_metadata(
 
     if levels is None:
         starts_list = token_starts.tolist() if plan.levels else []
-        levels = tuple(
-            _level_metadata(level, block_table, starts_list, block_size, buckets)
-            for level in plan.levels
-        )
+        try:
+            levels = tuple(
+                _level_metadata(level, block_table, starts_list, block_size, buckets)
+                for level in plan.levels
+            )
+        except IndexError:
+            raise _outside(block_table) from None
     elif len(levels) != len(plan.levels):
         raise ValueError(f"{len(levels)=} must equal the plan's {len(plan.levels)} levels")
     longest_query = 1 if decode_only else int(query_lens.max(initial=1))

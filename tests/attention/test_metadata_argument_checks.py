@@ -1,0 +1,82 @@
+"""build_attention_metadata refuses arguments of the wrong type, dtype or range by name.
+
+Before these checks numpy's own errors leaked out (IndexError, TypeError, a
+ZeroDivisionError) or, worse, a negative num_computed_tokens entry read column -1 of the
+block table: a request holding every column of its row got slots in its last block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxkv import KVCacheManager, Request
+from jaxkv.batch import build_attention_metadata
+from jaxkv.buckets import BucketConfig
+from jaxkv.cascade import CascadePlanner
+from tests.attention.test_cascade_planner import ALWAYS, SHAPE, SYSTEM_A, _decoding
+
+BUCKETS = BucketConfig(max_num_tokens=32, max_num_seqs=8, max_pages_per_seq=16)
+
+
+def _three_decoding():
+    m = KVCacheManager(64, 4, max_model_len=64)
+    reqs = [_decoding(m, f"r{i}", SYSTEM_A[:12] + [i]) for i in range(3)]
+    ids = [r.request_id for r in reqs]
+    plan = CascadePlanner(SHAPE, cost_model=ALWAYS).plan(ids, np.full(3, 13), np.ones(3, int), m)
+    assert plan.uses_cascade
+    build = dict(
+        block_table=m.block_table, plan=plan, query_lens=np.ones(3, int),
+        num_computed_tokens=np.full(3, 13), block_size=4, buckets=BUCKETS,
+    )  # fmt: skip
+    return m, build
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("plan", None, "plan=NoneType must be a CascadePlan"),
+        ("buckets", None, "buckets=NoneType must be a BucketConfig"),
+        ("block_size", True, "block_size=True must be an int >= 1"),
+        ("block_size", 0, "block_size=0 must be an int >= 1"),  # was ZeroDivisionError
+        ("block_size", 4.0, "block_size=4.0 must be an int >= 1"),
+        ("block_table", "list", "block_table .list.* must be a 2-D integer array"),
+        ("block_table", "float", "block_table .* float64.* must be a 2-D integer array"),
+        ("block_table", "row", "block_table .* must be a 2-D integer array"),
+        ("query_lens", np.ones(3), "query_lens.dtype"),
+        ("query_lens", np.ones(3, bool), "query_lens.dtype"),
+        ("query_lens", np.array([1.5, 1, 1]), "query_lens.dtype"),  # was a casting TypeError
+        ("num_computed_tokens", np.full(3, 13.0), "num_computed_tokens.dtype"),  # IndexError
+    ],
+)
+def test_an_argument_of_the_wrong_type_is_refused_by_name(field, value, match):
+    m, build = _three_decoding()
+    table = m.block_table
+    if isinstance(value, str):
+        value = {"list": table.tolist(), "float": table * 1.0, "row": table[0]}[value]
+    with pytest.raises(ValueError, match=match):
+        build_attention_metadata(**{**build, field: value})
+
+
+def test_a_negative_num_computed_tokens_entry_is_refused():
+    # r holds all 4 columns of its row: position -4 used to read column -1, its last
+    # block, and the token's KV slot landed among its last block's keys.
+    m = KVCacheManager(16, 4, max_model_len=16)
+    r = Request("r", list(range(16)))
+    assert m.allocate_slots(r, 16) is not None
+    plan = CascadePlanner(SHAPE, cost_model=ALWAYS).plan(["r"], [0], [16], m)
+    build = dict(block_table=m.block_table, plan=plan, block_size=4, buckets=BUCKETS)
+    build_attention_metadata(query_lens=np.array([16]), num_computed_tokens=np.array([0]), **build)
+    with pytest.raises(ValueError, match="num_computed_tokens entry must be >= 0, got -4"):
+        build_attention_metadata(
+            query_lens=np.array([4]), num_computed_tokens=np.array([-4]), **build
+        )
+
+
+def test_a_block_table_too_narrow_or_of_another_manager_is_refused_by_name():
+    m, build = _three_decoding()
+    match = "outside block_table.shape=.*: the plan must come from the manager"
+    with pytest.raises(ValueError, match=match):  # was an IndexError
+        build_attention_metadata(**{**build, "block_table": m.block_table[:, :3]})
+    with pytest.raises(ValueError, match=match):  # a smaller manager's table: fewer rows
+        build_attention_metadata(**{**build, "block_table": m.block_table[:2]})
