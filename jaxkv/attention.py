@@ -15,6 +15,7 @@ plain causal attention over each request's whole context, whatever the plan.
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Callable
 
 import jax
@@ -73,6 +74,21 @@ def check_backend(
     platform, and each kernel has its own limits (head_dim, page size, dtypes), which
     tracing it once on tiny arrays shows without compiling (about 0.1 s the first time;
     an accepted combination is remembered)."""
+    sizes = dict(
+        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size,
+    )  # fmt: skip
+    for name, value in sizes.items():  # jax.eval_shape takes head_dim=-1 or 64.0 as given
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+    if not isinstance(interpret, bool):
+        raise ValueError(f"{interpret=} must be a bool")
+    dtypes = dict(q_dtype=q_dtype, kv_dtype=kv_dtype)
+    for name, value in dtypes.items():
+        try:
+            dtypes[name] = jnp.dtype(value)
+        except TypeError:
+            raise ValueError(f"{name}={value!r} must be a dtype") from None
     platform = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}.get(backend)
     if platform is not None and not interpret and jax.default_backend() != platform:
         raise ValueError(
@@ -80,8 +96,7 @@ def check_backend(
             f"{jax.default_backend()!r}: pass interpret=True to run it in interpret mode"
         )
     _probe_kernel(
-        backend, interpret, num_q_heads, num_kv_heads, head_dim, block_size,
-        jnp.dtype(q_dtype), jnp.dtype(kv_dtype),
+        backend, interpret, *(int(v) for v in sizes.values()), *dtypes.values()
     )  # fmt: skip
 
 
@@ -97,8 +112,10 @@ def _probe_kernel(
         spec((1,), i32), spec((1, 1), i32), spec((2,), i32), spec((1,), i32),
     )  # fmt: skip
     kernel = kernel_for(backend, interpret=interpret)
+    # A quantized cache is read with scales (any: the probe traces shapes only).
+    scales = dict(k_scale=1.0, v_scale=1.0) if kv_dtype in QUANTIZED_KV_DTYPES else {}
     for causal in (True, False):  # the main pass and a cascade level's
-        jax.eval_shape(functools.partial(kernel, sm_scale=1.0, causal=causal), *args)
+        jax.eval_shape(functools.partial(kernel, sm_scale=1.0, causal=causal, **scales), *args)
 
 
 @functools.partial(
@@ -129,6 +146,13 @@ def paged_attention(
     Raises ValueError when cascade levels are combined with a sliding window (the
     planner never plans that: a non-causal prefix pass cannot honour a window).
     """
+    if not isinstance(metadata, AttentionMetadata):
+        raise ValueError(f"metadata={type(metadata).__name__} must be an AttentionMetadata")
+    if kv_pages.ndim == 4 and kv_pages.shape[1] != metadata.block_size:
+        # Under jit nothing else notices: slots and page counts would address other keys.
+        raise ValueError(
+            f"{kv_pages.shape=} must have pages of the metadata's {metadata.block_size=} tokens"
+        )
     if q.shape[0] != metadata.max_num_tokens:
         raise ValueError(f"{q.shape=} must have {metadata.max_num_tokens} (padded) tokens")
     if metadata.levels and sliding_window is not None:
@@ -209,6 +233,13 @@ def write_kv(
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is not None and not is_positive_finite(scale):
             raise ValueError(f"{name}={scale!r} must be a finite number > 0 or None")
+    if kv_pages.ndim != 4 or kv_pages.shape[2] % 2 or kv_pages.shape[2] < 2:
+        raise ValueError(
+            f"{kv_pages.shape=} must be [num_blocks, block_size, 2 * num_kv_heads, head_dim]"
+        )
+    dtype = getattr(slot_mapping, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError("slot_mapping must be an integer array (AttentionMetadata.slot_mapping)")
     num_blocks, block_size, num_combined, head_dim = kv_pages.shape
     if k.shape != v.shape or k.shape[1:] != (num_combined // 2, head_dim):
         raise ValueError(

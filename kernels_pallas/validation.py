@@ -100,7 +100,10 @@ def validate_ragged_paged_attention_inputs(
 
 
 def is_positive_finite(x) -> bool:
-    """Whether x is a finite number > 0 (a scalar, static: options never come traced)."""
+    """Whether x is a finite number > 0 (a scalar, static: options never come traced);
+    a bool is no number here (sm_scale=True would silently scale by 1)."""
+    if isinstance(x, (bool, np.bool_)):
+        return False
     try:
         return math.isfinite(x) and x > 0
     except TypeError:

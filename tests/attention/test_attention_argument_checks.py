@@ -1,0 +1,87 @@
+"""paged_attention, write_kv and check_backend refuse bad arguments by name, at trace time.
+
+A cache whose pages hold another number of tokens than the metadata's block_size used
+to run without complaint under jit (slots and page counts addressed other keys); a bool
+sm_scale scaled by 1; write_kv leaked unpacking, reshape and indexer errors; and
+check_backend passed head_dim=-1, failed on block_size=0 with numpy's reduction error
+and refused every quantized cache (its probe passed no scales).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.attention import check_backend, paged_attention, write_kv
+from jaxkv.batch import build_attention_metadata
+from tests.attention.test_metadata_argument_checks import _three_decoding
+
+H_Q, H_KV, D = 8, 2, 64
+
+
+def _metadata():
+    _, build = _three_decoding()  # block size 4, one cascade level
+    return build_attention_metadata(**build)
+
+
+def test_pages_of_another_block_size_or_no_metadata_are_refused():
+    md = _metadata()
+    q = jnp.zeros((md.max_num_tokens, H_Q, D), jnp.float32)
+    pages8 = jnp.zeros((64, 8, 2 * H_KV, D), jnp.float32)
+    with pytest.raises(ValueError, match="must have pages of the metadata's .*block_size=4"):
+        paged_attention(q, pages8, md, sm_scale=0.125)
+    with pytest.raises(ValueError, match="metadata=dict must be an AttentionMetadata"):
+        paged_attention(q, pages8, {"md": md}, sm_scale=0.125)
+
+
+def test_a_bool_scale_is_refused():
+    md = _metadata()
+    q = jnp.zeros((md.max_num_tokens, H_Q, D), jnp.float32)
+    pages = jnp.zeros((64, 4, 2 * H_KV, D), jnp.float32)
+    with pytest.raises(ValueError, match="sm_scale=True must be a finite number > 0"):
+        paged_attention(q, pages, md, sm_scale=True)
+    k = jnp.zeros((md.max_num_tokens, H_KV, D), jnp.float32)
+    with pytest.raises(ValueError, match="k_scale=True"):
+        write_kv(pages.astype(jnp.int8), k, k, md.slot_mapping, k_scale=True, v_scale=1.0)
+
+
+@pytest.mark.parametrize(
+    "pages_shape,slot_dtype,match",
+    [
+        ((64, 4, 4 * D), np.int32, r"kv_pages.shape=\(64, 4, 256\) must be \[num_blocks"),
+        ((64, 4, 3, D), np.int32, r"kv_pages.shape=\(64, 4, 3, 64\) must be \[num_blocks"),
+        ((64, 4, 2 * H_KV, D), np.float32, "slot_mapping must be an integer array"),
+    ],
+    ids=["rank_3", "odd_heads", "float_slots"],
+)
+def test_write_kv_refuses_a_malformed_cache_or_slot_mapping_by_name(pages_shape, slot_dtype, match):
+    k = jnp.zeros((8, H_KV, D), jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        write_kv(jnp.zeros(pages_shape, jnp.float32), k, k, np.zeros(8, slot_dtype))
+
+
+SHAPES = dict(num_q_heads=H_Q, num_kv_heads=H_KV, head_dim=D, block_size=16)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(head_dim=-1), "head_dim=-1 must be an int >= 1"),
+        (dict(head_dim=64.0), "head_dim=64.0 must be an int >= 1"),
+        (dict(block_size=0), "block_size=0 must be an int >= 1"),
+        (dict(num_kv_heads=True), "num_kv_heads=True must be an int >= 1"),
+        (dict(interpret="yes"), "interpret='yes' must be a bool"),
+        (dict(q_dtype="float33"), "q_dtype='float33' must be a dtype"),
+    ],
+)
+def test_check_backend_refuses_bad_sizes_and_dtypes_by_name(change, match):
+    args = dict(SHAPES, interpret=False, q_dtype=jnp.float32, kv_dtype=jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        check_backend("xla", **{**args, **change})
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_check_backend_accepts_a_quantized_cache(kv_dtype):
+    # write_kv and paged_attention take such caches with k_scale and v_scale.
+    check_backend("xla", interpret=False, q_dtype=jnp.float32, kv_dtype=kv_dtype, **SHAPES)
