@@ -137,6 +137,16 @@ class CascadePlanner:
             raise ValueError(
                 f"{num_computed_tokens.shape=} and {query_lens.shape=} must be ({num_requests},)"
             )
+        if isinstance(request_ids, str):  # its characters would be read as ids
+            raise ValueError(f"{request_ids=} must be a sequence of request ids, not a str")
+        if not isinstance(manager, KVCacheManager):
+            raise ValueError(f"manager={type(manager).__name__} must be a KVCacheManager")
+        if num_requests and (
+            num_computed_tokens.dtype.kind not in "iu" or query_lens.dtype.kind not in "iu"
+        ):  # floats used to plan fractional block caps; bools passed as 0/1
+            raise ValueError(
+                f"{num_computed_tokens.dtype=} and {query_lens.dtype=} must be integer dtypes"
+            )
         rows = manager.rows_of(request_ids)
         identity = np.arange(num_requests, dtype=np.int32)
         if num_requests == 0:

@@ -15,8 +15,15 @@ import pytest
 from jaxkv import KVCacheManager
 from jaxkv.batch import build_attention_metadata
 from jaxkv.buckets import BucketConfig
+from jaxkv.cascade import CascadePlanner
 from jaxkv.cascade_plan import CascadePlan, make_level
-from tests.attention.test_cascade_planner import SYSTEM_A, _decoding, _two_group_plan
+from tests.attention.test_cascade_planner import (
+    ALWAYS,
+    SHAPE,
+    SYSTEM_A,
+    _decoding,
+    _two_group_plan,
+)
 
 
 def _reversed_groups(level):
@@ -110,3 +117,24 @@ def test_metadata_refuses_a_level_past_a_requests_cached_tokens():
     build_attention_metadata(query_lens=np.array([1, 1]), num_computed_tokens=[33, 33], **build)
     with pytest.raises(ValueError, match="batch position 1: the cascade levels read 8 blocks"):
         build_attention_metadata(query_lens=np.array([1, 4]), num_computed_tokens=[33, 30], **build)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((["r0", "r1"], [13.0, 13.0], [1, 1]), "num_computed_tokens.dtype"),
+        ((["r0", "r1"], [13, 13], [True, True]), "query_lens.dtype"),
+        (("r0", [13, 13], [1, 1]), "request_ids='r0' must be a sequence of request ids"),
+    ],
+    ids=["float_computed", "bool_query_lens", "str_ids"],
+)
+def test_the_planner_refuses_arguments_of_the_wrong_type_by_name(args, match):
+    m = KVCacheManager(64, 4, max_model_len=64)
+    for i in range(2):
+        _decoding(m, f"r{i}", SYSTEM_A[:12] + [i])
+    planner = CascadePlanner(SHAPE, cost_model=ALWAYS)
+    planner.plan(["r0", "r1"], [13, 13], [1, 1], m)
+    with pytest.raises(ValueError, match=match):
+        planner.plan(*args, m)
+    with pytest.raises(ValueError, match="manager=dict must be a KVCacheManager"):
+        planner.plan(["r0", "r1"], [13, 13], [1, 1], {"r0": 0})
