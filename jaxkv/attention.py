@@ -148,6 +148,8 @@ def paged_attention(
     """
     if not isinstance(metadata, AttentionMetadata):
         raise ValueError(f"metadata={type(metadata).__name__} must be an AttentionMetadata")
+    if not isinstance(return_lse, bool):  # "no" returned the tuple, by truthiness
+        raise ValueError(f"{return_lse=} must be a bool")
     if kv_pages.ndim == 4 and kv_pages.shape[1] != metadata.block_size:
         # Under jit nothing else notices: slots and page counts would address other keys.
         raise ValueError(

@@ -22,6 +22,11 @@ def _check(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Arra
         raise ValueError(f"{out_a.shape=} must equal {out_b.shape=}")
     if out_a.dtype != out_b.dtype:  # else a pass-through would be rounded to out_a's dtype
         raise ValueError(f"{out_a.dtype=} must equal {out_b.dtype=}")
+    if not jnp.issubdtype(out_a.dtype, jnp.floating):  # int32 outputs would be truncated
+        raise ValueError(f"{out_a.dtype=} must be a floating dtype")
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):  # a complex lse lost its imag
+        if not jnp.issubdtype(lse.dtype, jnp.floating):
+            raise ValueError(f"{name}.dtype={lse.dtype} must be a floating dtype")
     if out_a.ndim != 3:
         raise ValueError(f"{out_a.shape=} must be [num_tokens, num_heads, head_dim]")
     if lse_a.shape != out_a.shape[:2] or lse_b.shape != out_a.shape[:2]:

@@ -41,6 +41,8 @@ def test_a_bool_scale_is_refused():
     pages = jnp.zeros((64, 4, 2 * H_KV, D), jnp.float32)
     with pytest.raises(ValueError, match="sm_scale=True must be a finite number > 0"):
         paged_attention(q, pages, md, sm_scale=True)
+    with pytest.raises(ValueError, match="return_lse='no' must be a bool"):  # gave the tuple
+        paged_attention(q, pages, md, sm_scale=0.125, return_lse="no")
     k = jnp.zeros((md.max_num_tokens, H_KV, D), jnp.float32)
     with pytest.raises(ValueError, match="k_scale=True"):
         write_kv(pages.astype(jnp.int8), k, k, md.slot_mapping, k_scale=True, v_scale=1.0)

@@ -102,6 +102,17 @@ def test_dtype_mismatch_raises():
         )
 
 
+@pytest.mark.parametrize("bad", ["out", "lse_a", "lse_b"])
+def test_outputs_and_lses_of_no_floating_dtype_are_refused(bad):
+    # int32 outputs were merged and truncated, a complex lse lost its imaginary part.
+    out, lse = jnp.zeros((2, 1, 4)), jnp.zeros((2, 1))
+    args = {"out": out, "lse_a": lse, "lse_b": lse}
+    args[bad] = args[bad].astype(jnp.int32 if bad == "out" else jnp.complex64)
+    name = "out_a" if bad == "out" else bad
+    with pytest.raises(ValueError, match=f"{name}.dtype=.* must be a floating dtype"):
+        merge_attn_states(args["out"], args["lse_a"], args["out"], args["lse_b"])
+
+
 def test_bfloat16_lse_merges_in_float32():
     # lse = log(e^0 + e^(-0.01)): in bfloat16 arithmetic it would round to a multiple of 2^-8.
     ones = jnp.ones((1, 1, 4))
