@@ -15,13 +15,13 @@ plain causal attention over each request's whole context, whatever the plan.
 from __future__ import annotations
 
 import functools
-import numbers
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from jaxkv.batch import AttentionMetadata
+from jaxkv.field_checks import is_integer
 from kernels_pallas import reference
 from kernels_pallas.merge import merge_attn_states
 from kernels_pallas.validation import FLOAT_DTYPES, QUANTIZED_KV_DTYPES, is_positive_finite
@@ -79,7 +79,7 @@ def check_backend(
         block_size=block_size,
     )  # fmt: skip
     for name, value in sizes.items():  # jax.eval_shape takes head_dim=-1 or 64.0 as given
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        if not is_integer(value) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
     if not isinstance(interpret, bool):
         raise ValueError(f"{interpret=} must be a bool")

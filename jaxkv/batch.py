@@ -13,13 +13,13 @@ write their K/V into the null block (slot 0) and read nothing into a valid row.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import jax
 import numpy as np
 
 from jaxkv.buckets import BucketConfig, padded_size
 from jaxkv.cascade import CascadeLevel, CascadePlan
+from jaxkv.field_checks import is_integer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,11 +197,7 @@ def _check_arguments(block_table, plan, block_size, buckets) -> None:
         raise ValueError(f"plan={type(plan).__name__} must be a CascadePlan (CascadePlanner.plan)")
     if not isinstance(buckets, BucketConfig):
         raise ValueError(f"buckets={type(buckets).__name__} must be a BucketConfig")
-    if (
-        not isinstance(block_size, numbers.Integral)
-        or isinstance(block_size, bool)
-        or block_size < 1
-    ):
+    if not is_integer(block_size) or block_size < 1:
         raise ValueError(f"{block_size=} must be an int >= 1")
     dtype = getattr(block_table, "dtype", None)
     if getattr(block_table, "ndim", None) != 2 or dtype is None or dtype.kind not in "iu":

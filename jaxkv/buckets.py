@@ -11,8 +11,9 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import numbers
 from collections.abc import Sequence
+
+from jaxkv.field_checks import is_integer
 
 
 def pow2_buckets(minimum: int, maximum: int) -> tuple[int, ...]:
@@ -60,7 +61,7 @@ class BucketConfig:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise ValueError(f"{field.name}={value!r} must be an int >= 1")
             object.__setattr__(self, field.name, int(value))  # numpy ints become plain ints
         if self.max_num_seqs > self.max_num_tokens:

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import numbers
 from collections.abc import Sequence
 
 import numpy as np
 
 from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel
 from jaxkv.cascade_plan import CascadeLevel, CascadePlan, make_level
-from jaxkv.field_checks import increasing_sizes
+from jaxkv.field_checks import increasing_sizes, is_integer
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.prefix_index import longest_common_prefix
 
@@ -60,11 +59,7 @@ class CascadePlanner:
     ) -> None:
         """`page_buckets`: the page widths metadata is padded to (BucketConfig.page_buckets),
         for a cost model with reads_padded_pages; None skips that check."""
-        if (
-            not isinstance(max_groups, numbers.Integral)  # 2.0 used to fail every plan()
-            or isinstance(max_groups, bool)
-            or max_groups < 1
-        ):
+        if not is_integer(max_groups) or max_groups < 1:  # 2.0 used to fail every plan()
             raise ValueError(f"{max_groups=} must be an int >= 1")
         if page_buckets is not None and increasing_sizes(page_buckets) is None:
             raise ValueError(f"{page_buckets=} must be ascending distinct ints >= 1")

@@ -9,6 +9,11 @@ from __future__ import annotations
 import numbers
 
 
+def is_integer(value) -> bool:
+    """An integer (int, numpy integer), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def is_real(value) -> bool:
     """A real number (int, float, numpy scalar), not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
@@ -38,7 +43,7 @@ def increasing_sizes(values) -> tuple[int, ...] | None:
         sizes = tuple(values)
     except TypeError:  # an int, e.g. one bound meant as (bound,)
         return None
-    if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in sizes):
+    if not all(map(is_integer, sizes)):
         return None  # a float bound would reach the kernels as a static size
     sizes = tuple(int(n) for n in sizes)
     if any(n < 1 for n in sizes) or any(a >= b for a, b in zip(sizes, sizes[1:], strict=False)):

@@ -157,13 +157,9 @@ class HostOffloadConnector(KVConnector):
 
     def __init__(self, host_bytes: int, *, copy_delay_steps: int = 0) -> None:
         # A bool is no size: HostOffloadConnector(True) was a 1-byte store that never saved.
-        if not isinstance(host_bytes, int) or isinstance(host_bytes, bool) or host_bytes < 0:
+        if type(host_bytes) is not int or host_bytes < 0:
             raise ValueError(f"{host_bytes=} must be an int >= 0")
-        if (
-            not isinstance(copy_delay_steps, int)
-            or isinstance(copy_delay_steps, bool)
-            or copy_delay_steps < 0
-        ):
+        if type(copy_delay_steps) is not int or copy_delay_steps < 0:
             raise ValueError(f"{copy_delay_steps=} must be an int >= 0")
         self.host_bytes = host_bytes
         self.copy_delay_steps = copy_delay_steps
