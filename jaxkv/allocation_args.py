@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import numpy as np
-
 from jaxkv.block_pool import MAX_INT32, BlockPool, KVCacheBlock
+from jaxkv.field_checks import as_int
 from jaxkv.hashing import root_hash
 from jaxkv.request import Request
 
@@ -30,14 +29,11 @@ __all__ = [
     "validated_computed_blocks",
 ]
 
-_INTEGER_TYPES = (int, np.integer)
-
 
 def plain_int(value):
     """`value` as a Python int if it is an integer (numpy ones too; bool is not), else as is."""
-    if isinstance(value, _INTEGER_TYPES) and not isinstance(value, (bool, np.bool_)):
-        return int(value)
-    return value
+    as_python = as_int(value)
+    return value if as_python is None else as_python
 
 
 def request_id_of(name: str, request, owner: Mapping[str, Request]) -> str:

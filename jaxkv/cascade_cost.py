@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxkv.field_checks import bool_fields, is_real, positive_int_fields
+from jaxkv.field_checks import as_int, bool_fields, is_real, positive_int_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +129,8 @@ class AttentionShape:
         jaxkv.sharding splits them: query heads evenly, KV heads evenly, or one KV head
         per device when there are fewer KV heads than devices (each then replicated).
         Raises ValueError unless the size is >= 1 and divides the query heads."""
-        tp = tensor_parallel_size
-        if type(tp) is not int or tp < 1 or self.num_q_heads % tp:  # True is no size
+        tp = as_int(tensor_parallel_size)  # True is no size
+        if tp is None or tp < 1 or self.num_q_heads % tp:
             raise ValueError(f"{tensor_parallel_size=} must be >= 1 and divide {self.num_q_heads=}")
         return dataclasses.replace(
             self, num_q_heads=self.num_q_heads // tp, num_kv_heads=max(self.num_kv_heads // tp, 1)

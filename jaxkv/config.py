@@ -11,8 +11,7 @@ import dataclasses
 
 from jaxkv.buckets import BucketConfig
 from jaxkv.cascade_cost import CascadeCostModel
-from jaxkv.field_checks import bool_fields, increasing_sizes, positive_int_fields
-from jaxkv.hashing import root_hash
+from jaxkv.field_checks import bool_fields, increasing_sizes, int_fields, positive_int_fields
 
 _KV_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -34,7 +33,7 @@ class CacheConfig:
             raise ValueError(f"{self.num_blocks=} must be >= 2 (block 0 is the null block)")
         if self.kv_dtype is not None and self.kv_dtype not in _KV_DTYPES:
             raise ValueError(f"{self.kv_dtype=} must be None or one of {_KV_DTYPES}")
-        root_hash(self.hash_seed)  # raises ValueError unless an int that fits in 64 bits
+        int_fields(self, "hash_seed", minimum=-(2**63), maximum=2**63 - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +104,7 @@ class EngineConfig:
             raise ValueError(f"cache={self.cache!r} must be a CacheConfig")
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ValueError(f"scheduler={self.scheduler!r} must be a SchedulerConfig")
-        if type(self.seed) is not int:
-            raise ValueError(f"seed={self.seed!r} must be an int")
+        int_fields(self, "seed")
         bool_fields(self, "interpret", "enable_cascade", "pad_cascade_levels")
         if self.cascade_cost_model is not None and not isinstance(
             self.cascade_cost_model, CascadeCostModel

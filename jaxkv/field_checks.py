@@ -1,7 +1,9 @@
 """Checks of configuration fields shared by the frozen configs and dataclasses.
 
 Each raises ValueError naming the field and what was expected. A bool is never taken for
-a number: True as a size or a cost is a caller's mistake, not 1.
+a number: True as a size or a cost is a caller's mistake, not 1. A numpy integer is
+taken for an int and stored as one, so a config built from numpy arithmetic equals,
+hashes and prints as one built from Python ints.
 """
 
 from __future__ import annotations
@@ -14,17 +16,45 @@ def is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def as_int(value) -> int | None:
+    """`value` as a Python int if it is an integer (int, numpy integer), not a bool; else
+    None."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return None
+
+
 def is_real(value) -> bool:
     """A real number (int, float, numpy scalar), not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def positive_int_fields(owner: object, *names: str) -> None:
-    """ValueError unless each named attribute of `owner` is a Python int >= 1."""
+def int_fields(
+    owner: object, *names: str, minimum: int | None = None, maximum: int | None = None
+) -> None:
+    """ValueError unless each named attribute of `owner` is an integer (see `as_int`) in
+    [`minimum`, `maximum`] (None: unbounded); each is stored back as a Python int (frozen
+    dataclasses too)."""
     for name in names:
-        value = getattr(owner, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an int >= 1")
+        raw = getattr(owner, name)
+        value = as_int(raw)
+        if (
+            value is None
+            or (minimum is not None and value < minimum)
+            or (maximum is not None and value > maximum)
+        ):
+            if maximum is not None:
+                bound = f" in [{minimum}, {maximum}]"
+            else:
+                bound = "" if minimum is None else f" >= {minimum}"
+            raise ValueError(f"{name}={raw!r} must be an int{bound}")
+        object.__setattr__(owner, name, value)
+
+
+def positive_int_fields(owner: object, *names: str) -> None:
+    """ValueError unless each named attribute of `owner` is an integer >= 1; each is
+    stored back as a Python int."""
+    int_fields(owner, *names, minimum=1)
 
 
 def bool_fields(owner: object, *names: str) -> None:

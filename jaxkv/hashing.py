@@ -19,6 +19,8 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
+from jaxkv.field_checks import as_int
+
 BlockHash = bytes  # 16-byte digest naming a full block and all blocks before it
 
 HASH_NUM_BYTES = 16
@@ -27,8 +29,10 @@ _DOMAIN = b"jaxkv.block.v1"
 
 def root_hash(seed: int = 0) -> BlockHash:
     """The parent hash of every request's first block, derived from `seed` only."""
-    if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63:
+    value = as_int(seed)
+    if value is None or not -(2**63) <= value < 2**63:
         raise ValueError(f"{seed=} must be an int that fits in 64 bits")
+    seed = value
     return hashlib.blake2b(_DOMAIN + struct.pack("<q", seed), digest_size=HASH_NUM_BYTES).digest()
 
 

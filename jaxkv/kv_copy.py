@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.buckets import padded_size, pow2_buckets
+from jaxkv.field_checks import as_int
 
 Caches = list[jax.Array]  # num_layers x [num_blocks, block_size, 2*num_kv_heads, head_dim]
 
@@ -88,11 +89,13 @@ class DeviceKVCopier:
         caches = get_caches()
         layer = caches[0]
         num_cache_heads = layer.shape[2]
-        if type(kv_replicas) is not int or kv_replicas < 1 or num_cache_heads % (2 * kv_replicas):
+        replicas = as_int(kv_replicas)
+        if replicas is None or replicas < 1 or num_cache_heads % (2 * replicas):
             raise ValueError(
                 f"{kv_replicas=} must be an int >= 1 that divides the cache's "
                 f"{num_cache_heads // 2} KV heads"
             )
+        kv_replicas = replicas
         self.kv_replicas = kv_replicas
         self.block_shape = (
             len(caches),

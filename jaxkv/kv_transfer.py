@@ -35,6 +35,7 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxkv.field_checks import int_fields
 from jaxkv.hashing import BlockHash
 from jaxkv.request import Request
 
@@ -157,12 +158,9 @@ class HostOffloadConnector(KVConnector):
 
     def __init__(self, host_bytes: int, *, copy_delay_steps: int = 0) -> None:
         # A bool is no size: HostOffloadConnector(True) was a 1-byte store that never saved.
-        if type(host_bytes) is not int or host_bytes < 0:
-            raise ValueError(f"{host_bytes=} must be an int >= 0")
-        if type(copy_delay_steps) is not int or copy_delay_steps < 0:
-            raise ValueError(f"{copy_delay_steps=} must be an int >= 0")
         self.host_bytes = host_bytes
         self.copy_delay_steps = copy_delay_steps
+        int_fields(self, "host_bytes", "copy_delay_steps", minimum=0)
         self._copier_ref: weakref.ref[KVCopier] | None = None
         self._block_size = 0
         self._hash_seed = 0

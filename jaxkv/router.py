@@ -24,7 +24,8 @@ import numpy as np
 
 from jaxkv.closable import Closable, checked_timeout
 from jaxkv.completion import generate_progress_bar, run_to_completion
-from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key, root_hash
+from jaxkv.field_checks import as_int, int_fields
+from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.request import MAX_TOKEN_ID
@@ -91,22 +92,16 @@ class PrefixAwareRouter(Closable):
             raise ValueError(f"replicas={replicas!r} must be a sequence of replicas") from None
         if len(replicas) == 0:
             raise ValueError("replicas must not be empty")
-        for name, value in (
-            ("block_size", block_size),
-            ("max_prefix_blocks", max_prefix_blocks),
-            ("max_tracked_prefixes", max_tracked_prefixes),
-        ):
-            if type(value) is not int or value < 1:  # True is no size
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
-        if max_imbalance is not None and (type(max_imbalance) is not int or max_imbalance < 0):
-            raise ValueError(f"{max_imbalance=} must be None or an int >= 0")
-        root_hash(hash_seed)  # raises ValueError unless an int that fits in 64 bits
-        self.replicas = list(replicas)
+        self.replicas = replicas
         self.block_size = block_size
         self.max_prefix_blocks = max_prefix_blocks
         self.max_imbalance = max_imbalance
         self.max_tracked_prefixes = max_tracked_prefixes
         self.hash_seed = hash_seed
+        int_fields(self, "block_size", "max_prefix_blocks", "max_tracked_prefixes", minimum=1)
+        if max_imbalance is not None:
+            int_fields(self, "max_imbalance", minimum=0)
+        int_fields(self, "hash_seed", minimum=-(2**63), maximum=2**63 - 1)
         self._prefix_replica: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
         self._outstanding = [0] * len(self.replicas)  # replica -> unfinished requests
         self._replica_of: dict[str, int] = {}  # request_id -> replica, while unfinished
@@ -357,8 +352,10 @@ def engine_replicas(
 
     meshes = replica_meshes(tensor_parallel_size, devices)
     if num_replicas is not None:
-        if not isinstance(num_replicas, int) or isinstance(num_replicas, bool):
+        count = as_int(num_replicas)
+        if count is None:
             raise ValueError(f"{num_replicas=} must be None or an int")
+        num_replicas = count
         if not 1 <= num_replicas <= len(meshes):
             raise ValueError(
                 f"{num_replicas=} needs {num_replicas} groups of {tensor_parallel_size} "

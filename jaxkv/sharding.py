@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkv import attention
 from jaxkv.batch import AttentionMetadata
+from jaxkv.field_checks import as_int
 
 DEFAULT_AXIS = "model"
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # kernel [in, out/TP]
@@ -67,10 +68,10 @@ def replica_meshes(
         raise ValueError("devices must not be empty")
     if len(set(devices)) != len(devices):  # jax.sharding.Mesh accepts them, jit then fails
         raise ValueError(f"devices must be distinct, got ids {[d.id for d in devices]}")
-    if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool):
+    tp = as_int(tensor_parallel_size)
+    if tp is None:
         raise ValueError(f"{tensor_parallel_size=} must be an int")
-    _check_divides(tensor_parallel_size, "the device count", len(devices))
-    tp = tensor_parallel_size
+    _check_divides(tp, "the device count", len(devices))
     return [Mesh(np.array(devices[i : i + tp]), (axis_name,)) for i in range(0, len(devices), tp)]
 
 

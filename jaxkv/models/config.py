@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxkv.field_checks import int_fields
+
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -34,9 +36,7 @@ class RopeScaling:
             raise ValueError(f"{self.factor=} must be >= 1")
         if not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ValueError(f"need 0 < {self.low_freq_factor=} < {self.high_freq_factor=}")
-        n = self.original_max_position_embeddings
-        if type(n) is not int or n <= 0:
-            raise ValueError(f"original_max_position_embeddings={n!r} must be an int > 0")
+        int_fields(self, "original_max_position_embeddings", minimum=1)
 
 
 def _check_finite_real(name: str, value) -> None:
@@ -75,10 +75,7 @@ class LlamaConfig:
                 raise ValueError(f"rope_scaling={self.rope_scaling!r}: {e}") from e
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"rope_scaling={self.rope_scaling!r} must be a RopeScaling or None")
-        for name in _INT_FIELDS:
-            value = getattr(self, name)
-            if type(value) is not int:
-                raise ValueError(f"{name}={value!r} must be an int")
+        int_fields(self, *_INT_FIELDS)
         for name in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, name)
             _check_finite_real(name, value)

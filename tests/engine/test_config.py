@@ -15,7 +15,7 @@ from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig
         (lambda: CacheConfig(block_size=0), "block_size=0"),
         (lambda: CacheConfig(block_size=True), "block_size=True"),
         (lambda: CacheConfig(kv_dtype="int8"), "kv_dtype"),
-        (lambda: CacheConfig(hash_seed=2**64), "fits in 64 bits"),
+        (lambda: CacheConfig(hash_seed=2**64), "hash_seed=18446744073709551616 must be an int in"),
         (lambda: CacheConfig(hash_seed="0"), "seed='0'"),
         (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs=0"),
         (lambda: SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=16), "max_num_seqs"),

@@ -46,7 +46,7 @@ def _replicated(blocks: np.ndarray, kv_replicas: int) -> np.ndarray:
     return np.repeat(pairs, kv_replicas, axis=len(lead)).reshape(*lead, combined * kv_replicas, dim)
 
 
-@pytest.mark.parametrize("kv_replicas", [2, 4])
+@pytest.mark.parametrize("kv_replicas", [2, np.int64(4)])  # numpy integers count too
 def test_replicated_kv_heads_are_stored_once_and_loaded_into_every_replica(kv_replicas):
     rng = np.random.default_rng(1)
     logical = rng.standard_normal((NUM_LAYERS, NUM_BLOCKS, 2, 4, 4)).astype(np.float32)
@@ -58,7 +58,7 @@ def test_replicated_kv_heads_are_stored_once_and_loaded_into_every_replica(kv_re
         kv_replicas=kv_replicas,
     )
     try:
-        assert copier.block_shape == (NUM_LAYERS, 2, 4, 4)
+        assert copier.block_shape == (NUM_LAYERS, 2, 4, 4) and type(copier.kv_replicas) is int
         assert copier.bytes_per_block == NUM_LAYERS * 2 * 4 * 4 * 4
         saved = copier.start_save([6, 2]).result()
         np.testing.assert_array_equal(saved, np.moveaxis(logical[:, [6, 2]], 0, 1))
@@ -74,7 +74,7 @@ def test_replicated_kv_heads_are_stored_once_and_loaded_into_every_replica(kv_re
 
 
 # 4: divides the 4 combined (K, V) positions but not the 2 KV heads.
-@pytest.mark.parametrize("kv_replicas", [0, 3, 4, 2.0, True])
+@pytest.mark.parametrize("kv_replicas", [0, 3, 4, 2.0, True, np.bool_(True)])
 def test_a_replica_count_that_does_not_divide_the_cache_heads_is_refused(kv_replicas):
     caches = [jnp.zeros((NUM_BLOCKS, 2, 4, 4))]  # 2 KV heads
     with pytest.raises(ValueError, match="kv_replicas="):
