@@ -42,6 +42,16 @@ __all__ = [
 ]
 
 
+def _check_distinct(rows: np.ndarray, request_ids: Sequence[str]) -> None:
+    """ValueError naming an id given twice: its two batch positions would both write its
+    KV slots and each attend as the whole request."""
+    if len(rows) > 1:
+        repeats = np.bincount(rows)[rows] > 1
+        if repeats.any():
+            req_id = list(request_ids)[int(np.argmax(repeats))]
+            raise ValueError(f"request_ids: {req_id!r} is given more than once")
+
+
 class CascadePlanner:
     """Plans flat or cascade attention for each scheduled batch."""
 
@@ -87,6 +97,9 @@ class CascadePlanner:
         # that stays so (held columns keep their prefix ids), so the search is skipped.
         self._no_groups: tuple | None = None
         self._last_plan: tuple | None = None  # (key, plan) of the last plan without groups
+        # rows_of's array whose ids were last found distinct; rows_of returns that same
+        # object only for an equal id list, so a repeated batch is not checked again.
+        self._distinct_rows: np.ndarray | None = None
 
     def pays(
         self,
@@ -143,6 +156,9 @@ class CascadePlanner:
                 f"{num_computed_tokens.dtype=} and {query_lens.dtype=} must be integer dtypes"
             )
         rows = manager.rows_of(request_ids)
+        if rows is not self._distinct_rows:
+            _check_distinct(rows, request_ids)
+            self._distinct_rows = rows
         identity = np.arange(num_requests, dtype=np.int32)
         if num_requests == 0:
             return CascadePlan(identity, rows, identity, (), 0, keeps_order=True, validate=False)

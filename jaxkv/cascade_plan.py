@@ -91,10 +91,10 @@ class CascadePlan:
     def check(self) -> None:
         """Raises ValueError unless order, rows and suffix starts are 1-D integer numpy
         arrays, one per request, order is a permutation (the identity if keeps_order),
-        rows are >= 0, every level's groups lie within the batch, and each batch
-        position's block columns are read exactly once: the levels that cover it (in
-        level order) read consecutive ranges from column 0, and its suffix pass starts
-        where the last of them ends.
+        rows are distinct (a row twice would write its KV slots twice) and >= 0, every
+        level's groups lie within the batch, and each batch position's block columns are
+        read exactly once: the levels that cover it (in level order) read consecutive
+        ranges from column 0, and its suffix pass starts where the last of them ends.
 
         Not checked (a plan holds no block table): that each group's requests hold its
         leader row's blocks in the level's columns. Cost: O(R) numpy work per level.
@@ -115,6 +115,8 @@ class CascadePlan:
             )
         if num_requests and self.rows.min() < 0:
             raise ValueError(f"rows {self.rows.tolist()} must be block-table rows (>= 0)")
+        if num_requests > 1 and np.bincount(self.rows).max() > 1:
+            raise ValueError(f"rows {self.rows.tolist()} must be distinct (one per request)")
         covered_to = np.zeros(num_requests, np.int64)  # block columns the levels read so far
         for level in self.levels:
             if level.num_groups and int(level.group_ends[-1]) > num_requests:
