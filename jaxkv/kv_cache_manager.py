@@ -180,9 +180,9 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request, *, count: bool = True) -> tuple[list[int], int]:
         """The longest run of leading full blocks of `request` already cached.
 
-        Returns (block_ids, num_computed_tokens). Never covers the whole prompt's last
-        token (it must be computed to produce logits). Changes no block state; the result
-        is safe to pass to allocate_slots until the next allocate_slots or free call.
+        Returns (block_ids, num_computed_tokens). Never covers the request's last token (a
+        preempted request's last output; its logits must be computed). Changes no block state;
+        the result is safe to pass to allocate_slots until the next allocate_slots or free call.
         With prefix caching on, counts the lookup in prefix_cache_stats unless `count` is
         False (see count_prefix_lookup); with it off there is no cache to query: ([], 0),
         nothing counted. Raises ValueError unless `request` is a Request whose prompt fits

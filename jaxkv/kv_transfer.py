@@ -12,13 +12,14 @@ host, never inside jit:
   call. The step loop never waits on a copy.
 - on_admission(request, num_computed_tokens) -> tokens: a waiting request missed the
   device prefix cache after `num_computed_tokens`; the connector says how many further
-  prompt tokens (whole blocks, ending before the prompt's last token, whose logits must
-  be computed) it can supply; the scheduler refuses any other claim with ValueError,
-  changing nothing. The scheduler then sets the request's
-  num_computed_tokens to that point, allocates blocks for the rest of its prompt, and
-  calls start_load(request, block_ids) with the blocks for the supplied tokens; the
-  request waits in WAITING_FOR_REMOTE_KV, holding its blocks, until poll() reports the
-  load. A claim is a promise for this call only: no state is kept between the two.
+  tokens (whole blocks, ending before the request's last token, whose logits must be
+  computed; a preempted request's tokens include its outputs) it can supply; the
+  scheduler refuses any other claim with ValueError, changing nothing. The scheduler
+  then sets the request's num_computed_tokens to that point, allocates blocks for the
+  rest of its tokens, and calls start_load(request, block_ids) with the blocks for the
+  supplied tokens; the request waits in WAITING_FOR_REMOTE_KV, holding its blocks, until
+  poll() reports the load. A claim is a promise for this call only: no state is kept
+  between the two.
 
 Device access goes through a KVCopier (implemented next to the engine, which owns the
 caches); this module imports no JAX, so connectors are testable with a fake copier.

@@ -78,7 +78,7 @@ class TransferTracker:
         WAITING_FOR_REMOTE_KV with `num_hit` tokens computed until the load lands.
 
         Raises ValueError, with nothing changed, for a claim that is not whole blocks
-        ending before the prompt's last token; an exception from the connector's
+        ending before the request's last token; an exception from the connector's
         start_load frees the blocks again and propagates.
         """
         m = self._manager
@@ -116,7 +116,7 @@ class TransferTracker:
             raise ValueError(
                 f"{type(self._connector).__name__}.on_admission({request.request_id!r}, "
                 f"{num_hit}) returned {num_external!r}: a claim must be a whole number of "
-                f"{block_size}-token blocks ending before the prompt's last token "
+                f"{block_size}-token blocks ending before the request's last token "
                 f"(at most {max(most, 0)} tokens here)"
             )
         return claim
