@@ -35,7 +35,8 @@ class BlockStored:
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    """Blocks whose cached contents were evicted (their ids were handed out again)."""
+    """Blocks that left the prefix cache: evicted (their ids were handed out again) or
+    uncached while held (their KV was never written, KVCacheManager.uncache_unwritten)."""
 
     block_hashes: tuple[BlockHash, ...]
 
