@@ -258,6 +258,12 @@ def build_attention_metadata(
             raise ValueError(
                 f"every num_computed_tokens entry must be >= 0, got {num_computed.min()}"
             )
+        # Unsigned counts (accepted above, as the planner accepts them) made the in-place
+        # `main_kv -= suffix_start * block_size` below fail numpy's casting rule.
+        if num_computed.dtype.kind == "u":
+            num_computed = num_computed.astype(np.int64)
+        if query_lens.dtype.kind == "u":
+            query_lens = query_lens.astype(np.int64)
     decode_only = num_requests > 0 and not (query_lens != 1).any()
     if decode_only:
         total = num_requests

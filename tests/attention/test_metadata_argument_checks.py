@@ -80,3 +80,17 @@ def test_a_block_table_too_narrow_or_of_another_manager_is_refused_by_name():
         build_attention_metadata(**{**build, "block_table": m.block_table[:, :3]})
     with pytest.raises(ValueError, match=match):  # a smaller manager's table: fewer rows
         build_attention_metadata(**{**build, "block_table": m.block_table[:2]})
+
+
+@pytest.mark.parametrize("dtype", [np.uint32, np.uint64])
+def test_unsigned_counts_give_the_metadata_of_signed_ones(dtype):
+    # Accepted as integer dtypes, unsigned counts used to fail numpy's casting rule in
+    # the builder's in-place main-pass length update (flat and cascade plans alike).
+    m, build = _three_decoding()
+    want = build_attention_metadata(**build)
+    got = build_attention_metadata(
+        **{**build, "query_lens": np.ones(3, dtype), "num_computed_tokens": np.full(3, 13, dtype)}
+    )
+    assert want.levels and got.kv_lens.tolist() == want.kv_lens.tolist()
+    for name in ("slot_mapping", "positions", "cu_q_lens", "page_indices", "logits_indices"):
+        assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
