@@ -19,8 +19,9 @@ _DTYPES = ("float32", "bfloat16", "float16")
 class RopeScaling:
     """Llama 3 frequency-dependent RoPE scaling (Hugging Face `rope_type: "llama3"`).
 
-    Wavelengths longer than `original_max_position_embeddings / low_freq_factor` are divided by
-    `factor`, shorter than `original_max_position_embeddings / high_freq_factor` are kept, and
+    Frequencies whose wavelength is longer than `original_max_position_embeddings /
+    low_freq_factor` are divided by `factor` (their wavelengths stretched `factor` times),
+    those shorter than `original_max_position_embeddings / high_freq_factor` are kept, and
     the band between is interpolated smoothly.
     """
 
