@@ -81,6 +81,8 @@ def ragged_paged_attention(
         sm_scale=sm_scale, causal=causal, sliding_window=sliding_window,
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, out_dtype=out_dtype,
     )  # fmt: skip
+    # As jax arrays: numpy would index numpy eagerly and raise for an unread page id.
+    q, kv_pages, page_indices = jnp.asarray(q), jnp.asarray(kv_pages), jnp.asarray(page_indices)
     max_num_tokens, num_q_heads, head_dim = q.shape
     max_num_seqs = page_indices.shape[0]
     if max_q_len is not None:

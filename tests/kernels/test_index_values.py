@@ -89,6 +89,19 @@ def test_unread_entries_may_hold_anything(backend):
     harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))
 
 
+def test_unread_entries_may_hold_anything_in_numpy_arrays():
+    # The reference runs eagerly: numpy arguments must not be indexed by numpy, which
+    # raises IndexError for an unread page id past kv_pages instead of clamping it.
+    case = _case()
+    table = np.asarray(case.page_indices).copy()
+    table[1, 1] = 10**6
+    table[2] = 10**6
+    case = case.replace(page_indices=jnp.asarray(table))
+    args = tuple(np.asarray(a) for a in case.args())
+    out, lse = reference.ragged_paged_attention(*args, sm_scale=0.125, out_dtype=jnp.float32)
+    harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))
+
+
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_values_at_their_bounds_are_accepted(backend):
     # Every sequence slot used, the last token row used, a kv_len filling its whole
