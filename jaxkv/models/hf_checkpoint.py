@@ -205,9 +205,11 @@ def from_hf_tensors(
         for name, shape in _param_shapes(config)
     }
     given: dict[str, np.ndarray] = {}
+    seen: set[str] = set()  # ignored tensors too: a second copy means mixed-up files
     for hf_name, tensor in items:
-        if hf_name in given:
+        if hf_name in seen:
             raise CheckpointError(f"tensor {hf_name!r} appears twice in {source}")
+        seen.add(hf_name)
         if hf_to_jaxkv_name(hf_name) is not None and not (tied and hf_name == "lm_head.weight"):
             given[hf_name] = tensor
     check_names_and_shapes(expected, given, source, kind="tensor")

@@ -108,6 +108,21 @@ def test_a_tensor_in_two_shards_is_refused(tmp_path):
         load_hf_safetensors(tmp_path, cfg)
 
 
+def test_an_ignored_tensor_given_twice_is_refused():
+    # A tied model ignores a stored lm_head.weight, and every model the rotary buffer;
+    # a second copy of either still means files from two checkpoints were mixed.
+    cfg = small_config(tie_word_embeddings=True)
+    weights = list(random_hf_weights(cfg).items())
+    ignored = {
+        "lm_head.weight": (cfg.vocab_size, cfg.hidden_size),
+        "model.rotary_emb.inv_freq": (cfg.head_dim // 2,),
+    }
+    for name, shape in ignored.items():
+        extra = (name, np.zeros(shape, np.float32))
+        with pytest.raises(CheckpointError, match=rf"'{name}'.*twice"):
+            from_hf_tensors(cfg, [*weights, extra, extra])
+
+
 def _hf_config(**extra) -> dict:
     return hf_config_dict(small_config(), **extra)
 
