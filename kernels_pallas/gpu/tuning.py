@@ -52,7 +52,9 @@ def default_config(
     Tiles are capped in bytes: query tiles at 32 KiB, key tiles at 32 KiB (decode) or
     16 KiB, both counted in the dtype the dots read (int8 and float8 pages are widened
     to the query dtype first), and half that for float32 queries, whose exact dots run
-    on FMA units, not tensor cores, and hold their operands in registers. Blocks of at
+    on FMA units, not tensor cores, and hold their operands in registers; but no block
+    has fewer than 16 rows or keys (Triton's smallest dot), so float32 prefill at
+    head_dim 256 takes 16 KiB key tiles, twice its cap. Blocks of at
     least 64 x 128 query elements, and float32 queries, take 8 warps. So every default
     tiling fits the 99 KiB of shared memory a GPU of compute capability 8.6 or 8.9 gives
     one block (A100: 163 KiB; H100, H200: 227), and Triton's compile for sm_80, sm_89
