@@ -77,7 +77,9 @@ def _checksums(x: jax.Array) -> jax.Array:  # u32[4]
 def model_fingerprint(config: Mapping[str, Any], weights: Sequence[Any]) -> bytes:
     """16 bytes naming `config` (JSON-serialisable) and `weights` (arrays, in a fixed
     order). Raises ValueError naming the weight when one is not a bool, int, float or
-    PRNG key array (nnx state holds keys, e.g. a Dropout's)."""
+    PRNG key array (nnx state holds keys, e.g. a Dropout's). A weight that is not a
+    jax.Array is named by `jnp.asarray(w)`: without jax_enable_x64 a 64-bit numpy array
+    counts as its 32-bit conversion, so its dtype and dropped bits do not show."""
     arrays = []
     for i, w in enumerate(weights):
         dtype = getattr(w, "dtype", None)
