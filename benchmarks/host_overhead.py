@@ -3,7 +3,7 @@
 Part 1, shared-prefix detection: time KVCacheManager.num_common_prefix_blocks for R
 scheduled requests that share C prefix blocks (each also holds two blocks of its own),
 with T other holders of the same prefix (finished requests still offloading KV), for
-R in {16, 256, 1024}, C in {128, 2048}, T in {0, 64}. Three cases per point:
+R in {16, 256, 1024}, C in {128, 2048}, T in {0, 64}. Four cases per point:
 
 - cold: the id -> row lookup runs on every call (ids alternate between two orders, so
   the manager's one-entry memo of the previous id list never hits);
