@@ -1,10 +1,11 @@
 """DeviceKVCopier: asynchronous block copies between the paged KV caches and host memory.
 
 The device half of jaxkv.kv_transfer's KVCopier. Copies are dispatched as small jitted
-gathers and scatters (block counts padded to powers of two, padding pointing at the null
-block 0), so they run in device order with the engine's steps: a save reads the blocks as
-the last step left them, a load's scatter precedes every later step. A worker thread
-waits for each transfer so the step loop never does.
+gathers and scatters (block counts padded to a power of two below max_blocks, or to
+max_blocks itself; padding pointing at the null block 0), so they run in device order
+with the engine's steps: a save reads the blocks as the last step left them, a load's
+scatter precedes every later step. A worker thread waits for each transfer so the step
+loop never does.
 
 Host blocks hold each KV head once. Under tensor parallelism wider than the KV heads
 (jaxkv.sharding), the cache holds every KV head `kv_replicas` times; a save keeps the
