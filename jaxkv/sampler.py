@@ -43,14 +43,20 @@ def sampling_arrays(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(temperature, top_k, top_p, seeds, streams) padded to `num_rows`; padding rows are
     greedy."""
-    n = len(rows)
+    return _padded_arrays(np.array(rows, np.float64).reshape(len(rows), 5), num_rows)
+
+
+def _padded_arrays(
+    table: np.ndarray,  # f64[n, 5] sampling rows, exact: seeds < 2**32, top_k < 2**31
+    num_rows: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    n = len(table)
     temperature = np.zeros(num_rows, np.float32)
     top_k = np.zeros(num_rows, np.int32)
     top_p = np.ones(num_rows, np.float32)
     seeds = np.zeros(num_rows, np.uint32)
     streams = np.zeros(num_rows, np.uint32)
     if n:
-        table = np.array(rows, np.float64)  # exact: seeds < 2**32, top_k small
         temperature[:n] = table[:, 0]
         top_k[:n] = table[:, 1]
         top_p[:n] = table[:, 2]
@@ -62,23 +68,38 @@ def sampling_arrays(
 class SamplingRows:
     """Each queued request's sampler row (sampling_row), and the padded arrays of a batch.
 
-    The arrays of the previous batch are reused while it holds the same Request objects
-    in the same order: a reused id is a new object, so it never inherits another
-    request's parameters.
+    Rows live in one float64 table, a slot per queued request (freed by discard, reused
+    by a later add, which writes its row first), so a batch's arrays are one gather
+    rather than a conversion of Python tuples. The arrays of the previous batch are
+    reused while it holds the same Request objects in the same order: a reused id is a
+    new object, so it never inherits another request's parameters.
     """
 
     def __init__(self) -> None:
-        self._rows: dict[str, SamplingRow] = {}
+        self._slots: dict[str, int] = {}  # request id -> its row of _table
+        self._free: list[int] = []  # rows of _table no request holds
+        self._table = np.zeros((0, 5), np.float64)
         self._memo: tuple | None = None  # (requests, order bytes or None, arrays)
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._slots)
 
     def add(self, request_id: str, params: SamplingParams, default_seed: int) -> None:
-        self._rows[request_id] = sampling_row(params, default_seed)
+        row = sampling_row(params, default_seed)
+        slot = self._slots.get(request_id)
+        if slot is None:
+            if not self._free:
+                size = len(self._table)
+                grown = max(2 * size, 64)
+                self._table = np.concatenate([self._table, np.zeros((grown - size, 5))])
+                self._free = list(range(grown - 1, size - 1, -1))
+            slot = self._slots[request_id] = self._free.pop()
+        self._table[slot] = row
 
     def discard(self, request_id: str) -> None:
-        self._rows.pop(request_id, None)
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
 
     def arrays(self, requests: list, order: np.ndarray | None, num_rows: int):
         """sampling_arrays of `requests` in batch order (`order` None: as given)."""
@@ -91,8 +112,11 @@ class SamplingRows:
             and memo[2][0].shape[0] == num_rows
         ):
             return memo[2]
-        ordered = requests if order is None else [requests[i] for i in order.tolist()]
-        arrays = sampling_arrays([self._rows[r.request_id] for r in ordered], num_rows)
+        slot = self._slots
+        slots = np.fromiter((slot[r.request_id] for r in requests), np.intp, len(requests))
+        if order is not None:
+            slots = slots[order]
+        arrays = _padded_arrays(self._table[slots], num_rows)
         self._memo = (list(requests), order_key, arrays)
         return arrays
 
