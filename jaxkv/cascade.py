@@ -187,7 +187,10 @@ class CascadePlanner:
         ):
             groups = []
         else:
-            groups = self._groups(manager, rows, num_computed_tokens, query_lens, base)
+            # Without a global level, k0 > 0 means every request has computed and shares
+            # column 0: the search's first candidate is the whole batch, ending at k0.
+            whole = k0 if base == 0 else 0
+            groups = self._groups(manager, rows, num_computed_tokens, query_lens, base, whole)
         if not groups:
             if not use_global or not self._narrows(num_computed_tokens, query_lens, k0, bs):
                 return flat
@@ -261,8 +264,13 @@ class CascadePlanner:
         num_computed_tokens: np.ndarray,  # i[R]
         query_lens: np.ndarray,  # i[R]
         base: int,
+        whole_batch_end: int = 0,
     ) -> list[tuple[np.ndarray, int]]:
         """Groups (member indices, shared block end) sharing blocks past column `base`.
+
+        `whole_batch_end` > 0: every request has computed column `base` and holds the
+        same block there, and the batch shares columns up to it (capped by the computed
+        blocks): the first candidate is then the whole batch, without a search.
 
         Candidates are requests with the same prefix id at column `base`. A candidate
         whose shared blocks do not pay is split again at the first column its members
@@ -278,7 +286,10 @@ class CascadePlanner:
         if not self.enable_groups or base >= manager.max_blocks_per_seq:
             return []
         everyone = np.arange(len(rows))
-        candidates = self._split(manager, rows, num_computed_tokens, everyone, base)
+        if whole_batch_end:
+            candidates = [everyone]
+        else:
+            candidates = self._split(manager, rows, num_computed_tokens, everyone, base)
         if candidates is None:  # every key distinct: no two requests share past the base
             self._no_groups = (manager, rows, manager.sharing_version, base)
             return []
@@ -289,9 +300,12 @@ class CascadePlanner:
         while candidates and budget:
             budget -= 1
             members = candidates.pop(0)
-            end = longest_common_prefix(manager.prefix_ids, num_blocks[members], rows[members])
             computed = num_computed_tokens[members]
-            end = min(end, int(computed.min()) // bs)
+            if members is everyone and whole_batch_end:
+                end = whole_batch_end
+            else:
+                end = longest_common_prefix(manager.prefix_ids, num_blocks[members], rows[members])
+                end = min(end, int(computed.min()) // bs)
             queries = int(query_lens[members].sum())
             context = int(computed.sum()) + queries
             saved = (len(members) - 1) * (end - base)
