@@ -20,11 +20,11 @@ __all__ = [
     "check_computed_within_tokens",
     "check_prompt_fits",
     "check_total_fits",
+    "checked_hit_tokens",
     "checked_request_id",
     "count",
     "manager_args",
     "not_the_owner_message",
-    "plain_int",
     "request_id_of",
     "validated_computed_blocks",
 ]
