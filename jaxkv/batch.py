@@ -124,22 +124,21 @@ def _fill_pages(
     block_table: np.ndarray,  # i32[num_rows, max_blocks_per_seq]
     rows: np.ndarray,  # i32[n]
     col_starts: np.ndarray,  # i[n]
-    col_ends: np.ndarray | None = None,  # i[n] exclusive; None: up to the table's width
 ) -> None:
-    """out[i, j] = block_table[rows[i], col_starts[i] + j], 0 past col_ends or the table.
+    """out[i, j] = block_table[rows[i], col_starts[i] + j], 0 past the table.
 
-    One strided copy when every row starts at the same column and runs to the table's
-    end (the null-block fill of the table pads it); the general gather otherwise.
+    One strided copy when every row starts at the same column (the null-block fill of
+    the table pads it); the general gather otherwise.
     """
     n, width = len(rows), out.shape[1]
     if n == 0:
         return
     start = int(col_starts[0])
-    if col_ends is None and not (col_starts != start).any():
+    if not (col_starts != start).any():
         end = min(start + width, block_table.shape[1])
         out[:n, : end - start] = block_table[rows, start:end]
         return
-    out[:n] = _table_slice(block_table, rows, col_starts, width, col_ends)
+    out[:n] = _table_slice(block_table, rows, col_starts, width)
 
 
 def _level_metadata(
