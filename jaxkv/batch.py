@@ -6,8 +6,8 @@ are arrays and whose static fields (bucket-derived bounds, backend, flags) are h
 Every array is padded to a bucket size (jaxkv.buckets), so a serving run compiles at
 most one program per combination of buckets.
 
-Conventions (README, "Architecture"): padded page-table entries hold the null block 0; padded tokens
-write their K/V into the null block (slot 0) and read nothing into a valid row.
+Conventions: padded page-table entries hold the null block 0; padded tokens write their
+K/V into the null block (slot 0) and read nothing into a valid row.
 """
 
 from __future__ import annotations
