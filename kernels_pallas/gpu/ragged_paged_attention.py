@@ -190,7 +190,7 @@ def ragged_paged_attention(
     tokens_per_block = block_m // group
     grid = (max_num_tokens // tokens_per_block + max_num_seqs, num_kv_heads, num_kv_splits)
 
-    compute_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
+    compute_dtype = q.dtype
     precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
     out_dtype = output_dtype(q, out_dtype)
     # Splits are merged in float32, so their partial outputs are not rounded first.
