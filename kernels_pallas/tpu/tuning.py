@@ -1,9 +1,10 @@
 """Default tuning knobs of the TPU ragged paged attention kernel, by TPU generation.
 
-Nothing here asks a device anything: the kernel takes `tpu_generation` as a static
+The table asks no device anything: the kernel takes `tpu_generation` as a static
 argument (default "default"), so lowering on a machine without a TPU uses the same table
-as running on one. `detect_tpu_generation()` is for scripts that run on a TPU VM and want
-to pass the right key explicitly.
+as running on one. Only `detect_tpu_generation()` asks the runtime: the kernel calls it
+for `tpu_generation="auto"` (which jaxkv.attention passes when it runs on a TPU), and
+scripts on a TPU VM can call it to pass the key explicitly.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def generation_from_device_kind(device_kind: str) -> str | None:
 
 
 def detect_tpu_generation() -> str | None:
-    """Generation key of the first JAX device, None off TPU. Asks the runtime: scripts only."""
+    """Generation key of the first JAX device, None off TPU. Asks the runtime (the kernel
+    only for tpu_generation="auto")."""
     import jax
 
     return generation_from_device_kind(jax.devices()[0].device_kind)
