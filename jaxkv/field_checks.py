@@ -19,9 +19,7 @@ def is_integer(value) -> bool:
 def as_int(value) -> int | None:
     """`value` as a Python int if it is an integer (int, numpy integer), not a bool; else
     None."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    return None
+    return int(value) if is_integer(value) else None
 
 
 def is_real(value) -> bool:
