@@ -159,11 +159,6 @@ def _read_config(directory: Path) -> tuple[LlamaConfig, str | None]:
         raise CheckpointError(f"{file}: not a valid LlamaConfig: {e}") from e
 
 
-def load_config(path: str | os.PathLike) -> LlamaConfig:
-    """The LlamaConfig in directory `path`; CheckpointError if it is not a valid one."""
-    return _read_config(Path(path))[0]
-
-
 def load_checkpoint(path: str | os.PathLike) -> Llama:
     """Load a model saved by `save_checkpoint`. Raises FileNotFoundError for a missing
     file and CheckpointError (naming the file) for a corrupt or mismatched one, weights
