@@ -80,9 +80,9 @@ class Engine(Closable):
         self.vocab_size = mc.vocab_size
         # Weights Megatron-sharded over the mesh, KV cache and attention split by KV heads;
         # host block management is unchanged (block ids mean the same on every shard).
-        self.mesh = mesh_for(mesh, tensor_parallel_size)
-        if self.mesh is not None:
-            model, params = shard_model(model, self.mesh, params=params), None
+        mesh = mesh_for(mesh, tensor_parallel_size)
+        if mesh is not None:
+            model, params = shard_model(model, mesh, params=params), None
         # A model shard_model placed already runs tensor-parallel without a mesh argument;
         # params given with it are placed as its weights are (not left whole on one device).
         placed = tensor_parallel_of(model)
