@@ -95,10 +95,14 @@ class Engine(Closable):
         self._state_leaves, state_treedef = jax.tree.flatten(state)
         self._program = step_program(graphdef, state_treedef)
         self.backend = config.backend or default_backend()
-        tp, kv_replicas = (1, 1) if placed is None else (placed.size, placed.kv_replicas)
+        # Each device reads only its own heads' KV in every kernel call: the kernels are
+        # checked with, and the cost model weighs, one device's heads.
+        kv_itemsize = jax.numpy.dtype(cc.kv_dtype or mc.dtype).itemsize
+        shape = AttentionShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, kv_itemsize)
+        heads = shape.per_device(1 if placed is None else placed.size)
         check_backend(
-            self.backend, interpret=config.interpret, num_q_heads=mc.num_heads // tp,
-            num_kv_heads=mc.num_kv_heads * kv_replicas // tp, head_dim=mc.head_dim,
+            self.backend, interpret=config.interpret, num_q_heads=heads.num_q_heads,
+            num_kv_heads=heads.num_kv_heads, head_dim=mc.head_dim,
             block_size=cc.block_size, q_dtype=mc.dtype, kv_dtype=cc.kv_dtype or mc.dtype,
         )  # fmt: skip
         self.manager = KVCacheManager(
@@ -111,12 +115,9 @@ class Engine(Closable):
         self.connector = connector if connector is not None else KVConnector()
         self.scheduler = Scheduler(sc, self.manager, self.connector)
         self.kv_caches = model.init_kv_caches(cc.num_blocks, cc.block_size, cc.kv_dtype)
-        kv_itemsize = self.kv_caches[0].dtype.itemsize
         self.buckets = config.buckets
-        # Each device reads only its own heads' KV in every kernel call: the cost model
-        # must weigh one device's bytes against one device's call.
         self.planner = CascadePlanner(
-            AttentionShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, kv_itemsize).per_device(tp),
+            heads,
             backend=self.backend,
             cost_model=config.cascade_cost_model,
             enable_cascade=config.enable_cascade,
@@ -130,7 +131,7 @@ class Engine(Closable):
             lambda: engine().kv_caches,
             lambda caches: engine()._set_caches(caches),
             max_blocks=self.manager.max_blocks_per_seq,
-            kv_replicas=kv_replicas,
+            kv_replicas=1 if placed is None else placed.kv_replicas,
             fingerprint=functools.partial(model_fingerprint, mc.to_dict(), self._state_leaves),
         )
         self.connector.bind(self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed)

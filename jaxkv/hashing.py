@@ -24,6 +24,7 @@ from jaxkv.field_checks import as_int
 BlockHash = bytes  # 16-byte digest naming a full block and all blocks before it
 
 HASH_NUM_BYTES = 16
+_INT64 = struct.Struct("<q")
 _DOMAIN = b"jaxkv.block.v1"
 
 
@@ -129,6 +130,3 @@ def _block_encoding(block_size: int, adapter_id: str | None, cache_salt: str | N
         for i in (0, 1)
     )
     return struct.Struct(f"<{block_size}q").pack, _INT64.pack(block_size), first, later
-
-
-_INT64 = struct.Struct("<q")

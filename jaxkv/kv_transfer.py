@@ -101,18 +101,23 @@ class KVConnector:
         """Called by Engine.close, with the copier it bound, once no copy is in flight."""
 
     def on_finish(self, request: Request, block_ids: Sequence[int]) -> bool:
+        """True to keep the finished request's blocks held until poll() reports its save."""
         return False
 
     def on_admission(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens past `num_computed_tokens` this connector can load (module docstring)."""
         return 0
 
     def start_load(self, request: Request, block_ids: Sequence[int]) -> None:
+        """Starts loading the tokens on_admission claimed into `block_ids`."""
         raise RuntimeError("start_load without a positive on_admission claim")
 
     def poll(self) -> TransferEvents:
+        """Saves and loads that landed or failed since the last call."""
         return TransferEvents()
 
     def has_pending(self) -> bool:
+        """Whether any save or load is still in flight."""
         return False
 
     @property
