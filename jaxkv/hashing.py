@@ -25,16 +25,22 @@ BlockHash = bytes  # 16-byte digest naming a full block and all blocks before it
 
 HASH_NUM_BYTES = 16
 _INT64 = struct.Struct("<q")
+_EMPTY_STATE = hashlib.blake2b(digest_size=HASH_NUM_BYTES)  # only ever copied, never updated
 _DOMAIN = b"jaxkv.block.v1"
 
 
 def root_hash(seed: int = 0) -> BlockHash:
     """The parent hash of every request's first block, derived from `seed` only."""
-    value = as_int(seed)
+    value = seed if type(seed) is int else as_int(seed)  # the common case without the ABC
     if value is None or not -(2**63) <= value < 2**63:
         raise ValueError(f"{seed=} must be an int that fits in 64 bits")
-    seed = value
-    return hashlib.blake2b(_DOMAIN + struct.pack("<q", seed), digest_size=HASH_NUM_BYTES).digest()
+    return _root_hash(value)
+
+
+@functools.lru_cache(maxsize=64)
+def _root_hash(seed: int) -> BlockHash:
+    """root_hash of a checked seed: a pure function of it, so it never goes stale."""
+    return hashlib.blake2b(_DOMAIN + _INT64.pack(seed), digest_size=HASH_NUM_BYTES).digest()
 
 
 def block_extra_keys(
@@ -86,12 +92,24 @@ def extend_block_hashes(
     if num_full <= start:
         return block_hashes
     parent = block_hashes[-1] if block_hashes else root_hash(seed)
-    pack_tokens, count, first, later = _block_encoding(block_size, adapter_id, cache_salt)
-    blake2b, join = hashlib.blake2b, b"".join
+    count, first, later = _block_encoding(block_size, adapter_id, cache_salt)
+    # All new blocks' tokens packed in one call; each digest starts from a copy of an
+    # empty 16-byte BLAKE2b state (cheaper than parsing digest_size on every block).
+    lo, width = start * block_size, block_size * 8
+    n = num_full * block_size - lo
+    try:
+        packed = _int64s(n).pack(*token_ids[lo : lo + n])
+    except struct.error:
+        raise ValueError("token_ids must be ints that fit in int64") from None
+    new_state = _EMPTY_STATE.copy
     for i in range(start, num_full):
-        tokens = pack_tokens(*token_ids[i * block_size : (i + 1) * block_size])
-        data = join((parent, count, tokens, later if i else first))
-        parent = blake2b(data, digest_size=HASH_NUM_BYTES).digest()
+        h = new_state()
+        h.update(parent)
+        h.update(count)
+        at = (i - start) * width
+        h.update(packed[at : at + width])
+        h.update(later if i else first)
+        parent = h.digest()
         block_hashes.append(parent)
     return block_hashes
 
@@ -124,9 +142,15 @@ def _encode_keys(extra_keys: tuple[str, ...]) -> bytes:
 
 @functools.lru_cache(maxsize=1024)
 def _block_encoding(block_size: int, adapter_id: str | None, cache_salt: str | None):
-    """(token packer, encoded token count, encoded extra keys of block 0, of later blocks)."""
+    """(encoded token count, encoded extra keys of block 0, of later blocks)."""
     first, later = (
         _encode_keys(block_extra_keys(i, adapter_id=adapter_id, cache_salt=cache_salt))
         for i in (0, 1)
     )
-    return struct.Struct(f"<{block_size}q").pack, _INT64.pack(block_size), first, later
+    return _INT64.pack(block_size), first, later
+
+
+@functools.lru_cache(maxsize=256)
+def _int64s(n: int) -> struct.Struct:
+    """Packer of `n` little-endian int64s."""
+    return struct.Struct(f"<{n}q")
