@@ -94,7 +94,19 @@ class FreeKVCacheBlockQueue:
         """Pops the first `n` free blocks, head first. Raises ValueError if fewer are free."""
         if n > self.num_free_blocks:
             raise ValueError(f"{n=} exceeds num_free_blocks={self.num_free_blocks}")
-        return [self.popleft() for _ in range(n)]
+        blocks = []
+        block = self._head
+        for _ in range(n):  # walk, then unlink the whole run from the head at once
+            block = block.next_free
+            blocks.append(block)
+        if n:
+            rest = block.next_free
+            self._head.next_free = rest
+            rest.prev_free = self._head
+            for block in blocks:
+                block.prev_free = block.next_free = None
+            self.num_free_blocks -= n
+        return blocks
 
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
@@ -155,6 +167,10 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self._events: list[KVCacheEvent] = []
+        # Bumped whenever a block loses its hash (eviction by get_new_blocks,
+        # uncache_blocks, reset_prefix_cache): while it is unchanged, every block found in
+        # the prefix cache still carries the hash it was found under.
+        self.cache_epoch = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -197,8 +213,10 @@ class BlockPool:
                 del self.cached_block_hash_to_block[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
-        if removed and self.enable_events:
-            self._events.append(BlockRemoved(tuple(removed)))
+        if removed:
+            self.cache_epoch += 1
+            if self.enable_events:
+                self._events.append(BlockRemoved(tuple(removed)))
         return blocks
 
     def cache_full_blocks(
@@ -236,6 +254,12 @@ class BlockPool:
         if not self.enable_caching:
             return
         cached = self.cached_block_hash_to_block
+        if not self.enable_events:  # no runs to report
+            for block, block_hash in zip(blocks, block_hashes, strict=True):
+                if block.block_hash is None and block_hash not in cached:
+                    block.block_hash = block_hash
+                    cached[block_hash] = block
+            return
         runs: list[list[int]] = []  # [start, end) of consecutive stored blocks
         for i, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
             if block.block_hash is not None or block_hash in cached:
@@ -246,17 +270,16 @@ class BlockPool:
                 runs[-1][1] = i + 1
             else:
                 runs.append([i, i + 1])
-        if self.enable_events:
-            for start, end in runs:
-                self._events.append(
-                    BlockStored(
-                        tuple(block_hashes[start:end]),
-                        block_hashes[start - 1] if start else parent_block_hash,
-                        tuple(token_ids[start * block_size : end * block_size]),
-                        block_size,
-                        adapter_id,
-                    )
+        for start, end in runs:
+            self._events.append(
+                BlockStored(
+                    tuple(block_hashes[start:end]),
+                    block_hashes[start - 1] if start else parent_block_hash,
+                    tuple(token_ids[start * block_size : end * block_size]),
+                    block_size,
+                    adapter_id,
                 )
+            )
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Takes `blocks` out of the prefix cache (their KV was never written); a block
@@ -269,8 +292,10 @@ class BlockPool:
                 del cached[block_hash]
                 block.block_hash = None
                 removed.append(block_hash)
-        if removed and self.enable_events:
-            self._events.append(BlockRemoved(tuple(removed)))
+        if removed:
+            self.cache_epoch += 1
+            if self.enable_events:
+                self._events.append(BlockRemoved(tuple(removed)))
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], *, validate: bool = True) -> None:
         """Drops one holder from each block; blocks reaching 0 join the queue in this order.
@@ -301,6 +326,7 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        self.cache_epoch += 1
         if self.enable_events:
             self._events.append(AllBlocksCleared())
         return True

@@ -27,18 +27,24 @@ class PrefixCacheStats:
 
 
 class PrefixCacheCounter:
-    """The running PrefixCacheStats of one manager."""
+    """The running PrefixCacheStats of one manager (plain ints; a snapshot on read)."""
+
+    __slots__ = ("requests", "queries", "hits")
 
     def __init__(self) -> None:
-        self.stats = PrefixCacheStats()
+        self.requests = self.queries = self.hits = 0
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self.requests, self.queries, self.hits)
 
     def count(self, num_tokens: int, num_hit_tokens: int) -> None:
-        s = self.stats
-        self.stats = PrefixCacheStats(
-            s.requests + 1, s.queries + num_tokens, s.hits + num_hit_tokens
-        )
+        self.requests += 1
+        self.queries += num_tokens
+        self.hits += num_hit_tokens
 
     def reset(self) -> PrefixCacheStats:
         """Returns the counters and starts new ones from zero."""
-        stats, self.stats = self.stats, PrefixCacheStats()
+        stats = self.stats
+        self.requests = self.queries = self.hits = 0
         return stats
