@@ -23,6 +23,7 @@ from jaxkv.allocation_args import (
 from jaxkv.block_pool import KVCacheBlock
 from jaxkv.block_table import HostBlockTable
 from jaxkv.request import Request
+from jaxkv.slot_allocation import cache_full_blocks
 
 if TYPE_CHECKING:
     from jaxkv.kv_cache_manager import KVCacheManager
@@ -84,7 +85,7 @@ def allocate_slots_batch(
         fresh = manager.pool.get_new_blocks(total)
         _take_fresh_blocks(manager._table, ids, held, needs, fresh)
     for request, num_total in filling:
-        manager._cache_full_blocks(request, num_total)
+        cache_full_blocks(manager, request, num_total)
     return True
 
 

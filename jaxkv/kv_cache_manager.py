@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxkv import batch_allocation
+from jaxkv import batch_allocation, slot_allocation
 from jaxkv.allocation_args import (
     allocation_counts,
     check_computed_within_held,
@@ -192,21 +192,10 @@ class KVCacheManager:
         check_prompt_fits(request, self.max_model_len)
         if not isinstance(count, bool):  # "no" counted, by its truthiness
             raise ValueError(f"count={count!r} must be a bool")
-        if not self.enable_prefix_caching:
-            return [], 0
-        block_hashes = request.update_block_hashes(self.block_size, self.hash_seed)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        block_ids = []
-        lookup = self.pool.cached_block_hash_to_block.get
-        for block_hash in block_hashes[:max_blocks]:
-            block = lookup(block_hash)
-            if block is None:
-                break
-            block_ids.append(block.block_id)
-        num_computed_tokens = len(block_ids) * self.block_size
+        hit = slot_allocation.find_cache_hit(self, request)
         if count:
-            self._lookups.count(request.num_tokens, num_computed_tokens)
-        return block_ids, num_computed_tokens
+            slot_allocation.count_lookup(self, request, hit.num_tokens)
+        return hit.block_ids, hit.num_tokens
 
     def count_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Counts a lookup made with count=False once its caller acts on it (the scheduler:
@@ -215,8 +204,7 @@ class KVCacheManager:
         [0, request.num_tokens]."""
         hits = checked_hit_tokens(request, num_hit_tokens)
         check_prompt_fits(request, self.max_model_len)
-        if self.enable_prefix_caching:
-            self._lookups.count(request.num_tokens, hits)
+        slot_allocation.count_lookup(self, request, hits)
 
     # ------------------------------------------------------------ allocation
 
@@ -272,26 +260,11 @@ class KVCacheManager:
         check_total_fits(req_id, num_total, self.max_model_len)
         num_required = -(-num_total // self.block_size)
         num_new_blocks = max(0, num_required - len(held) - len(computed))
-        num_free_hits = sum(1 for b in computed if b.ref_cnt == 0) if computed else 0
-        if num_new_blocks + num_free_hits > self.pool.num_free_blocks:
-            return None
-
-        if req_id not in self._blocks:
-            self._blocks[req_id] = self._held_of[request] = []
-            self._owner[req_id] = request
-            self._table.add_row(req_id)
-        if computed:  # cache hits leave the free queue before fresh blocks are taken
-            self.pool.touch(computed, validate=False)  # validated above
-        new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
-        if computed or new_blocks:
-            added = computed + new_blocks
-            self._blocks[req_id].extend(added)
-            self._table.append(req_id, [b.block_id for b in added], shared=bool(computed))
-        self._num_cached.setdefault(req_id, 0)
-        if computed and self._num_cached[req_id] == len(held):
-            self._num_cached[req_id] = len(held) + len(computed)
-        self._cache_full_blocks(request, num_computed + num_new_tokens)
-        return [b.block_id for b in new_blocks]
+        computed_ids = [b.block_id for b in computed]  # ints, whatever the caller passed
+        return slot_allocation.commit(
+            self, request, held, computed, computed_ids, num_new_blocks,
+            num_computed + num_new_tokens,
+        )  # fmt: skip
 
     def allocate_slots_batch(
         self, requests: Sequence[Request], num_new_tokens: Sequence[int]
@@ -374,27 +347,3 @@ class KVCacheManager:
                 f"request {req_id!r} holds no blocks (never allocated or already freed)"
             )
         return blocks
-
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Enters into the prefix cache every block that `num_tokens` tokens fill."""
-        if not self.enable_prefix_caching:
-            return
-        req_id = request.request_id
-        blocks = self._blocks[req_id]
-        num_full = min(num_tokens // self.block_size, len(blocks))
-        num_cached = self._num_cached[req_id]
-        if num_full <= num_cached:
-            return
-        hashes = request.update_block_hashes(self.block_size, self.hash_seed)
-        num_full = min(num_full, len(hashes))
-        bs = self.block_size
-        self.pool.cache_full_blocks(
-            blocks[num_cached:num_full],
-            hashes[num_cached:num_full],
-            parent_block_hash=hashes[num_cached - 1] if num_cached else None,
-            token_ids=request.all_token_ids[num_cached * bs : num_full * bs],
-            block_size=bs,
-            adapter_id=request.adapter_id,
-            validate=False,  # the request's own blocks, hashes and tokens
-        )
-        self._num_cached[req_id] = num_full
