@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from jaxkv.allocation_args import checked_request_id
 from jaxkv.request import Request, RequestStatus
 from jaxkv.scheduler_output import StepBatch
+from jaxkv.slot_allocation import allocate_admitted, count_lookup, find_cache_hit
 
 if TYPE_CHECKING:
     from jaxkv.scheduler import Scheduler
@@ -125,23 +126,21 @@ def _allocate_for_admission(scheduler: Scheduler, request: Request, budget: int)
         if n is None or m.allocate_slots(request, n) is None:
             return None
         return n
+    # check_new_request checked the request when it queued: the manager's unchecked
+    # lookup and allocation serve it (allocate_admitted re-checks a stale cache hit).
     # Counted only once acted on: a request waiting for room is looked up every step.
-    hit_ids, num_hit = m.get_computed_blocks(request, count=False)
+    hit = find_cache_hit(m, request)
+    num_hit = hit.num_tokens
     num_external = scheduler.connector.on_admission(request, num_hit)
     if num_external:  # the request waits for the load: 0 tokens this step
-        started = scheduler._transfers.start_load(request, hit_ids, num_hit, num_external)
+        started = scheduler._transfers.start_load(request, hit.block_ids, num_hit, num_external)
         if started:
-            m.count_prefix_lookup(request, num_hit)
+            count_lookup(m, request, num_hit)
         return 0 if started else None
     n = _chunk(request.num_tokens - num_hit, budget, chunked)
-    if n is None:
+    if n is None or not allocate_admitted(m, request, n, hit):
         return None
-    if (
-        m.allocate_slots(request, n, num_new_computed_tokens=num_hit, new_computed_blocks=hit_ids)
-        is None
-    ):
-        return None
-    m.count_prefix_lookup(request, num_hit)
+    count_lookup(m, request, num_hit)
     request.num_computed_tokens = num_hit
     return n
 

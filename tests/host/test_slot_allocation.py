@@ -1,0 +1,63 @@
+"""The scheduler's unchecked admission path (jaxkv.slot_allocation) against the public calls.
+
+block_size 4; a fresh pool of N blocks has free queue [1 .. N-1].
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv import KVCacheManager
+from jaxkv.slot_allocation import allocate_admitted, find_cache_hit
+from tests.host._util import make_request, prefill
+
+
+def _manager(num_blocks: int = 12) -> KVCacheManager:
+    return KVCacheManager(num_blocks, 4, max_model_len=64)
+
+
+def _state(m: KVCacheManager) -> tuple:
+    return (
+        {r: m.block_ids(r) for r in m.request_ids},
+        m.pool.free_block_queue.block_ids(),
+        sorted((b.block_id, h) for h, b in m.pool.cached_block_hash_to_block.items()),
+        m.block_table.tolist(),
+        m.prefix_ids.tolist(),
+        m.sharing_version,
+    )
+
+
+def _public(m: KVCacheManager, request, n: int) -> None:
+    ids, num = m.get_computed_blocks(request, count=False)
+    m.allocate_slots(request, n, num_new_computed_tokens=num, new_computed_blocks=ids)
+
+
+def test_admitted_allocation_equals_the_public_calls():
+    ms = [_manager(), _manager()]
+    for m in ms:
+        prefill(m, make_request("a", range(14)))
+    fresh = [make_request("b", [*range(12), 100, 101, 102]) for _ in ms]
+    hit = find_cache_hit(ms[0], fresh[0])
+    assert hit.block_ids == [1, 2, 3] and hit.num_tokens == 12
+    assert allocate_admitted(ms[0], fresh[0], 3, hit)
+    _public(ms[1], fresh[1], 3)
+    assert _state(ms[0]) == _state(ms[1])
+    for m in ms:
+        m.check_integrity()
+
+
+def test_a_hit_evicted_since_the_lookup_is_refused_with_nothing_changed():
+    m = _manager(num_blocks=6)  # blocks 1..5
+    a = make_request("a", range(9))  # blocks 1, 2 full and cached, 3 partial
+    prefill(m, a)
+    m.free(a)  # free queue: 3, 2, 1 (tail first)
+    b = make_request("b", [*range(8), 50])
+    hit = find_cache_hit(m, b)
+    assert hit.block_ids == [1, 2]
+    other = make_request("c", [7] * 13)
+    prefill(m, other)  # takes 3, 2, 1, 4: evicts the hit's blocks
+    before = _state(m)
+    with pytest.raises(ValueError, match="stale cache hit"):
+        allocate_admitted(m, b, 1, hit)
+    assert _state(m) == before
+    m.check_integrity()
