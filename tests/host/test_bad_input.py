@@ -128,15 +128,18 @@ def test_unknown_id_in_shared_prefix_queries(busy):
     "rows,match",
     [
         ([0, 99], r"rows=\[0, 99\] must lie in \[0, 16\)"),  # numpy's IndexError before
+        ([16], "must lie in"),  # one past the last row
         (np.array([0, -1], np.int32), "must lie in"),  # read the table's last row before
         ([-1], "must lie in"),
         ([0.0, 1.0], "1-D sequence of block-table rows"),
         (None, "rows=None must be a 1-D"),  # num_blocks_of_rows gave a 2-D array
         (np.array(0), "1-D"),
+        (np.zeros((1, 2), np.int32), "1-D"),  # rows_of's dtype, but 2-D
         (["a", "b"], "1-D"),
     ],
 )
 def test_rows_outside_the_block_table_are_refused(busy, rows, match):
+    busy.rows_of(["a", "b"])  # a live rows_of answer does not wave other rows through
     before = snapshot(busy)
     for call in (busy.num_common_prefix_blocks_of_rows, busy.num_blocks_of_rows):
         with pytest.raises(ValueError, match=match):

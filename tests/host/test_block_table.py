@@ -55,6 +55,23 @@ def test_check_integrity_names_each_corruption(corrupt, message):
         m.check_integrity()
 
 
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda t: t.prefix_ids.__setitem__((3, 0), 7), "a free row holds prefix ids"),
+        (lambda t: t._interner.acquire_one(t._prefix["a"][0], 9), "ref counts"),
+        (lambda t: t._row_bytes.__setitem__("a", np.int32(1).tobytes()), "'a': row"),
+    ],
+)
+def test_check_integrity_sees_state_outside_the_live_rows(corrupt, message):
+    t = HostBlockTable(max_blocks_per_seq=4)
+    t.add_row("a")
+    t.append("a", [5, 6], shared=False)
+    assert t.check_integrity({"a": [5, 6]}) == []
+    corrupt(t)
+    assert any(message in p for p in t.check_integrity({"a": [5, 6]}))
+
+
 def test_unknown_id_is_rejected_and_changes_nothing():
     m = two_request_manager()
     before = m.block_table.copy(), m.prefix_ids.copy()
