@@ -9,7 +9,7 @@ import pytest
 
 from jaxkv import KVCacheManager, Request
 from jaxkv.cascade import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel, CascadePlanner
-from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding, _plan
+from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding, _plan, _prefilled
 
 LLAMA_8B = AttentionShape(num_q_heads=32, num_kv_heads=8, head_dim=128, kv_itemsize=2)
 
@@ -154,3 +154,17 @@ def test_cost_model_fields_are_checked_on_construction(kwargs, match):
 def test_attention_shape_fields_are_checked_on_construction(args, match):
     with pytest.raises(ValueError, match=match):
         AttentionShape(*args)
+
+
+@pytest.mark.parametrize(("min_saved_fraction", "cascade"), [(0.2, True), (0.4, False)])
+def test_min_saved_fraction_counts_the_query_tokens_flat_attention_reads(
+    min_saved_fraction, cascade
+):
+    # Two requests share 4 blocks (16 tokens) and each prefills 16 more: flat attention
+    # reads 2 x 32 tokens, so one copy of the prefix saved is a quarter of it (half of
+    # the 32 computed tokens alone).
+    m = KVCacheManager(64, 4, max_model_len=64)
+    reqs = [_prefilled(m, f"r{i}", list(range(16)) + [100 * (i + 1)] * 16) for i in range(2)]
+    model = CascadeCostModel(0, merge_cost_factor=0, min_saved_fraction=min_saved_fraction)
+    plan = _plan(CascadePlanner(SHAPE, cost_model=model), m, reqs, query_lens=[16, 16])
+    assert plan.uses_cascade == cascade

@@ -189,3 +189,26 @@ def test_split_candidates_larger_than_those_waiting_are_examined_first():
     assert [lv.name for lv in plan.levels] == ["groups"]
     ((members, start, end),) = _groups(plan, reqs)
     assert (sorted(members), start, end) == (["a0", "a1", "a2"], 0, 10)
+
+
+@pytest.mark.parametrize(
+    ("launch_overhead_bytes", "max_groups", "num_groups"),
+    [(7807, 2, 2), (7808, 2, 0), (6000, 1, 0)],
+)
+def test_groups_paying_together_must_save_more_than_the_call_of_the_groups_kept(
+    launch_overhead_bytes, max_groups, num_groups
+):
+    # Two pairs each save 16384 bytes and merge 2 query tokens (12480 bytes): together
+    # 32768 bytes against the call and 24960 bytes of merge, which must cost less (a
+    # tie plans flat). With max_groups=1 only one pair is kept, and its 16384 bytes
+    # saved do not pay the call and its own merge alone.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    reqs = [
+        _decoding(m, f"p{p}r{i}", list(range(100 * (p + 1), 100 * (p + 1) + 32)) + [i, 50 + i])
+        for p in range(2)
+        for i in range(2)
+    ]
+    model = CascadeCostModel(launch_overhead_bytes=launch_overhead_bytes, merge_cost_factor=1)
+    plan = _plan(CascadePlanner(SHAPE, cost_model=model, max_groups=max_groups), m, reqs)
+    assert plan.num_levels == (num_groups > 0)
+    assert sum(lv.num_groups for lv in plan.levels) == num_groups

@@ -342,6 +342,8 @@ PADDED = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0, reads_pa
     [
         ((4, 8, 16), True),  # flat pads 10 pages to 16, the suffix pass 2 pages to 4
         ((16,), False),  # one bucket: the suffix pass pads to as many pages as flat
+        ((1, 9), True),  # 1 and 9 pages fill their buckets exactly: no padding either way
+        ((8, 16), True),  # flat's 35 tokens are 9 pages (a partial one), past bucket 8
         (None, True),  # buckets unknown: the byte model alone decides
     ],
 )
