@@ -38,9 +38,10 @@ def _reversed_groups(level):
         (lambda lv: {"group_ends": np.array([4, 6], np.int32)}, "in batch order"),  # overlap
         (lambda lv: {"group_ends": np.array([0, 6], np.int32)}, "non-empty"),
         (lambda lv: {"block_ends": np.array([0, 6], np.int32)}, "non-empty"),
+        (lambda lv: {"block_starts": np.array([-1, 0], np.int32)}, "non-empty"),  # column -1
         (lambda lv: {"leader_rows": np.array([0], np.int32)}, "one length"),
     ],
-    ids=["out_of_order", "overlapping", "empty_group", "empty_blocks", "ragged"],
+    ids=["out_of_order", "overlapping", "empty_group", "empty_blocks", "negative_block", "ragged"],
 )
 def test_a_malformed_level_is_refused(change, match):
     (level,) = _two_group_plan().levels
@@ -56,6 +57,8 @@ def test_a_level_past_the_batch_or_ragged_plan_arrays_are_refused():
         dataclasses.replace(plan, levels=(longer,))
     with pytest.raises(ValueError, match="must be equal"):
         dataclasses.replace(plan, rows=plan.rows[:-1])
+    with pytest.raises(ValueError, match="must be equal"):  # one start would broadcast
+        dataclasses.replace(plan, suffix_start_blocks=plan.suffix_start_blocks[:1])
 
 
 def _refused(plan, match, **changes):
@@ -85,7 +88,12 @@ def test_a_plan_whose_order_is_not_a_permutation_is_refused():
     _refused(plan, "must be a permutation", order=np.array([0, 2, 4, 1, 3, 3], np.int32))
     _refused(plan, "must be a permutation", order=np.array([0, 2, 4, 1, 3, 6], np.int32))
     _refused(plan, "needs the identity order", keeps_order=True)  # order is [0, 2, 4, 1, 3, 5]
+    _refused(plan, "must be a permutation", order=np.array([0, 2, 4, 1, 3, -1], np.int32))
     _refused(plan, "block-table rows", rows=np.array([0, 1, 2, 3, 4, -1], np.int32))
+    with pytest.raises(ValueError, match="must be distinct"):  # two requests, one row
+        CascadePlan(
+            np.arange(2, dtype=np.int32), np.array([3, 3], np.int32), np.zeros(2, np.int32), (), 0
+        )
 
 
 def test_a_negative_leader_row_or_non_integer_arrays_are_refused():
@@ -99,6 +107,7 @@ def test_a_negative_leader_row_or_non_integer_arrays_are_refused():
     with pytest.raises(ValueError, match="integer numpy arrays"):
         dataclasses.replace(level, group_starts=level.group_starts.tolist())
     _refused(plan, "integer numpy arrays", order=plan.order.tolist())
+    _refused(plan, "1-D integer numpy arrays", order=plan.order[None, :])
     _refused(plan, "integer numpy arrays", suffix_start_blocks=plan.suffix_start_blocks * 1.0)
 
 
