@@ -126,6 +126,8 @@ def test_metadata_refuses_a_level_past_a_requests_cached_tokens():
     build_attention_metadata(query_lens=np.array([1, 1]), num_computed_tokens=[33, 33], **build)
     with pytest.raises(ValueError, match="batch position 1: the cascade levels read 8 blocks"):
         build_attention_metadata(query_lens=np.array([1, 4]), num_computed_tokens=[33, 30], **build)
+    with pytest.raises(ValueError, match="batch position 1"):  # one token short of 8 blocks
+        build_attention_metadata(query_lens=np.array([1, 2]), num_computed_tokens=[33, 31], **build)
 
 
 @pytest.mark.parametrize(
