@@ -5,6 +5,8 @@ between schedule() and update_from_output()."""
 
 from __future__ import annotations
 
+import pytest
+
 from jaxkv import Request, RequestStatus
 from tests.host._sched_util import add, make_scheduler, run_until_idle, step, token_of
 
@@ -141,3 +143,24 @@ def test_a_request_with_a_cache_hit_that_waits_for_budget_is_left_as_it_was():
     out, _ = step(sched)
     assert out.request_ids == ["b", "c"] and out.num_computed_tokens.tolist() == [12, 8]
     assert run_until_idle(sched) == {"c": "length"}  # b finished with that step
+
+
+def test_admission_stops_once_the_token_budget_is_spent():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    add(sched, "a", range(1, 9))
+    add(sched, "b", range(20, 24))
+    sched.schedule()
+    assert [r.request_id for r in sched.running] == ["a"]
+    assert [r.request_id for r in sched.waiting] == ["b"]
+
+
+def test_a_request_that_is_not_new_is_refused():
+    sched = make_scheduler()
+    computed = Request("computed", [1, 2, 3])
+    computed.num_computed_tokens = 1
+    running = Request("running", [1, 2, 3])
+    running.status = RequestStatus.RUNNING
+    for request in (computed, running):
+        with pytest.raises(ValueError, match="must be new"):
+            sched.add_request(request)
+    assert not sched.waiting

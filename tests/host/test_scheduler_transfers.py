@@ -234,3 +234,28 @@ def test_an_aborted_landed_load_is_never_admitted():
     assert run_until_idle(sched, copier) == {"d": "length", "e": "length"}
     assert r.status == RequestStatus.FINISHED_ABORTED and r.num_output_tokens == 0
     assert sched.manager.num_free_blocks == sched.manager.pool.num_blocks - 1
+
+
+def test_requests_waiting_for_their_loads_keep_their_queue_order():
+    connector = _ClaimingConnector(8, failing={"c"})
+    sched = make_scheduler(num_blocks=32, block_size=BS, connector=connector)
+    for rid in "abcd":
+        add(sched, rid, range(1, 15), max_tokens=2)
+    with pytest.raises(OSError, match="injected"):
+        sched.schedule()  # "a" and "b" start their loads, then "c" fails
+    assert _queued(sched) == ["a", "b", "c", "d"]
+    connector.failing.clear()
+    sched.schedule()  # "c" and "d" start theirs behind "a" and "b", still loading
+    assert _queued(sched) == ["a", "b", "c", "d"]
+
+
+def test_a_landed_load_waits_while_running_requests_use_the_whole_budget():
+    copier = FakeCopier(64, BS)
+    sched = make_scheduler(
+        max_num_batched_tokens=4, max_num_seqs=4, connector=OracleLoadConnector(copier, {"l": 4})
+    )
+    add(sched, "l", range(1, 8), max_tokens=1)
+    add(sched, "p", range(50, 66), max_tokens=1)  # 16 tokens: four chunks of the budget
+    step(sched, copier)  # the load starts; "p" takes the 4 tokens
+    out, _ = step(sched, copier)  # it lands, but "p" runs first and takes them all again
+    assert out.request_ids == ["p"] and _queued(sched) == ["l"]
