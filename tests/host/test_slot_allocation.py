@@ -61,3 +61,40 @@ def test_a_hit_evicted_since_the_lookup_is_refused_with_nothing_changed():
         allocate_admitted(m, b, 1, hit)
     assert _state(m) == before
     m.check_integrity()
+
+
+def test_a_request_holding_blocks_gets_only_the_blocks_it_lacks():
+    ms = [_manager(), _manager()]
+    held = [make_request("a", range(10)) for _ in ms]
+    for m, r in zip(ms, held, strict=True):
+        m.allocate_slots(r, 0, num_lookahead_tokens=4)  # one block, nothing computed
+    hit = find_cache_hit(ms[0], held[0])
+    assert hit.num_tokens == 0
+    assert allocate_admitted(ms[0], held[0], 10, hit)
+    _public(ms[1], held[1], 10)
+    assert _state(ms[0]) == _state(ms[1]) and len(ms[0].block_ids("a")) == 3
+    ms[0].check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("num_computed", "num_new", "match"),
+    [(4, 1, "exceeds"), (0, 65, "> max_model_len")],
+)
+def test_admission_refuses_what_allocate_slots_refuses(num_computed, num_new, match):
+    m = _manager()
+    r = make_request("a", range(8))
+    r.num_computed_tokens = num_computed  # holds no block: its computed tokens have no KV
+    hit = find_cache_hit(m, r)
+    before = _state(m)
+    with pytest.raises(ValueError, match=match):
+        allocate_admitted(m, r, num_new, hit)
+    assert _state(m) == before
+    m.check_integrity()
+
+
+def test_without_prefix_caching_a_lookup_hashes_nothing():
+    m = KVCacheManager(12, 4, max_model_len=64, enable_prefix_caching=False)
+    r = make_request("a", range(10))
+    r.update_block_hashes(8)  # hashed for another block size: no cache here to query
+    assert m.get_computed_blocks(r) == ([], 0)
+    assert find_cache_hit(m, r).num_tokens == 0 and len(r.block_hashes) == 1
