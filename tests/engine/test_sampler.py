@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from jaxkv.request import Request, SamplingParams
-from jaxkv.sampler import SamplingRows, sample
+from jaxkv.sampler import SamplingRows, sample, sampling_arrays, sampling_row
 
 _sample = jax.jit(sample)
 PROBS = np.array([0.5, 0.3, 0.15, 0.05])
@@ -104,3 +104,24 @@ def test_sampling_rows_of_a_reused_id_or_a_list_changed_in_place_are_rebuilt():
     assert rows.arrays(batch, None, 2)[0].tolist() == [1.5, 0]  # a new size: rebuilt
     batch[0] = other
     assert rows.arrays(batch, None, 2)[0].tolist() == [2.5, 0]
+
+
+def test_sampling_rows_keep_every_row_through_growth_reuse_and_a_second_add():
+    # 100 requests outgrow the first 64 rows; discarded rows are reused by later adds
+    # (no further growth); adding a queued id again replaces its row.
+    params = {i: SamplingParams(temperature=0.5 + i, top_k=i, seed=i) for i in range(150)}
+    rows = SamplingRows()
+    for i in range(100):
+        rows.add(str(i), params[i], default_seed=0)
+    for i in range(0, 100, 3):
+        rows.discard(str(i))
+    for i in range(100, 150):
+        rows.add(str(i), params[i], default_seed=0)
+    params[1] = SamplingParams(temperature=9.0)
+    rows.add("1", params[1], default_seed=5)
+    live = [i for i in range(150) if i >= 100 or i % 3]
+    reqs = [Request(str(i), [1], params[i]) for i in live]
+    want = sampling_arrays([sampling_row(params[i], 5 if i == 1 else 0) for i in live], 120)
+    for got, expected in zip(rows.arrays(reqs, None, 120), want, strict=True):
+        np.testing.assert_array_equal(got, expected)
+    assert len(rows) == len(live) and len(rows._table) == 128

@@ -110,6 +110,17 @@ def _pool_state(pool: BlockPool) -> tuple:
         ),
         (
             lambda p: p.cache_full_blocks(
+                p.blocks[1:3],
+                [root_hash(7), root_hash(8)],
+                parent_block_hash=None,
+                token_ids=[1, 2, 3],
+                block_size=2,
+                adapter_id=None,
+            ),
+            "block_size=2 token_ids \\(got 3\\)",
+        ),
+        (
+            lambda p: p.cache_full_blocks(
                 p.blocks[2:4],
                 [root_hash(7), root_hash(8)],
                 parent_block_hash=None,
@@ -153,17 +164,20 @@ def test_events_split_stored_runs_around_a_block_already_cached():
     pool.cache_full_blocks([a, b, c], hashes, parent_block_hash=None, token_ids=[1, 2, 3], **kw)
     events = pool.take_events()
     assert [e.block_hashes for e in events] == [(hashes[0],), (hashes[2],)]
+    assert events[0].token_ids == (1,)  # not the skipped block's token too
     assert events[1].parent_block_hash == hashes[1] and events[1].token_ids == (3,)
 
 
-def test_a_cached_block_keeps_its_hash_when_cached_again():
-    pool = BlockPool(4)
+@pytest.mark.parametrize("events", [False, True])
+def test_a_cached_block_keeps_its_hash_when_cached_again(events):
+    pool = BlockPool(4, enable_events=events)
     (a,) = pool.get_new_blocks(1)
     h1, h2 = b"\1" * 16, b"\2" * 16
     kw = dict(parent_block_hash=None, token_ids=[1], block_size=1, adapter_id=None)
     pool.cache_full_blocks([a], [h1], **kw)
     pool.cache_full_blocks([a], [h2], **kw)
     assert a.block_hash == h1 and pool.get_cached_block(h2) is None
+    assert [e.block_hashes for e in pool.take_events()] == ([(h1,)] if events else [])
     pool.check_integrity({a.block_id: 1})
 
 

@@ -51,12 +51,14 @@ def test_chain_names_the_whole_prefix():
     assert all(a != b for a, b in zip(hashes, other, strict=True))  # first block differs
 
 
-def test_extend_is_incremental_and_ignores_partial_blocks():
-    tokens = list(range(10))
-    hashes = extend_block_hashes([], tokens[:6], 4)
+@pytest.mark.parametrize("keys", [{}, {"adapter_id": "a", "cache_salt": "s"}])
+def test_extend_is_incremental_and_ignores_partial_blocks(keys):
+    # The salt is block 0's key only, also when a later call adds blocks 1 and 2.
+    tokens = list(range(14))
+    hashes = extend_block_hashes([], tokens[:6], 4, **keys)
     assert len(hashes) == 1
-    extend_block_hashes(hashes, tokens, 4)
-    assert hashes == extend_block_hashes([], tokens, 4)
+    extend_block_hashes(hashes, tokens, 4, **keys)
+    assert hashes == extend_block_hashes([], tokens, 4, **keys)
 
 
 def test_salt_on_first_block_only_adapter_on_every_block():
@@ -97,6 +99,13 @@ def test_root_hash_takes_every_int64_seed_and_tells_them_apart():
 def test_hash_block_tokens_rejects_tokens_outside_int64(tokens):
     with pytest.raises(ValueError, match="token_ids"):
         hash_block_tokens(root_hash(0), tokens)
+    with pytest.raises(ValueError, match="token_ids"):
+        extend_block_hashes([], [7, *tokens], len(tokens) + 1)
+
+
+def test_extend_hashes_every_int64_token_as_hash_block_tokens_does():
+    tokens = [-(2**63), -1, 0, 2**63 - 1]
+    assert extend_block_hashes([], tokens, 4) == [hash_block_tokens(root_hash(0), tokens)]
 
 
 # Loads hashing.py by path (it imports only the standard library) so the child process

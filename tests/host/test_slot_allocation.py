@@ -98,3 +98,24 @@ def test_without_prefix_caching_a_lookup_hashes_nothing():
     r.update_block_hashes(8)  # hashed for another block size: no cache here to query
     assert m.get_computed_blocks(r) == ([], 0)
     assert find_cache_hit(m, r).num_tokens == 0 and len(r.block_hashes) == 1
+
+
+@pytest.mark.parametrize("forget", ["uncache", "reset"])
+def test_a_hit_whose_blocks_lost_their_hash_since_the_lookup_is_refused(forget):
+    m = _manager()
+    a = make_request("a", range(9))  # blocks 1, 2 full and cached
+    prefill(m, a)
+    if forget == "reset":
+        m.free(a)
+    b = make_request("b", [*range(8), 50])
+    hit = find_cache_hit(m, b)
+    assert hit.block_ids == [1, 2]
+    if forget == "uncache":
+        m.uncache_unwritten(a, 0)  # a's KV was never written
+    else:
+        assert m.reset_prefix_cache()
+    before = _state(m)
+    with pytest.raises(ValueError, match="stale cache hit"):
+        allocate_admitted(m, b, 1, hit)
+    assert _state(m) == before
+    m.check_integrity()
