@@ -204,6 +204,20 @@ def _check_arguments(block_table, plan, block_size, buckets) -> None:
             f"block_table ({type(block_table).__name__}, dtype {dtype}) must be a 2-D integer "
             "array [num_rows, max_blocks_per_seq] (KVCacheManager.block_table)"
         )
+    if plan.made_for is not None:
+        manager, row_version = plan.made_for
+        if manager.row_version != row_version:
+            raise ValueError(
+                "plan: made before its manager freed a request, whose block-table row may "
+                "now hold another request's blocks; plan the batch again"
+            )
+        if manager.block_table.shape != block_table.shape:
+            raise ValueError(
+                f"{block_table.shape=} must be that of the plan's manager's block_table "
+                f"{manager.block_table.shape}: a plan reads rows of the table it was made from"
+            )
+        if block_size != manager.block_size:
+            raise ValueError(f"{block_size=} must be the plan's manager's {manager.block_size}")
 
 
 def _outside(block_table) -> ValueError:
@@ -228,7 +242,10 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """Pads one planned batch to buckets. Raises ValueError if it exceeds the buckets, a
     scheduled token lies past the blocks its request holds, or a cascade level reads
-    blocks past a request's num_computed_tokens (it would cover a query token).
+    blocks past a request's num_computed_tokens (it would cover a query token); also if
+    CascadePlanner made `plan` before its manager last freed a request (the plan's rows
+    may hold other requests' blocks now), or for a table shape or block size other than
+    its manager's (a hand-made plan is not checked against a manager).
 
     `levels`: the level metadata this function built for the same plan object and the
     same query_lens at an earlier step, to reuse (it depends on nothing else while the

@@ -87,6 +87,12 @@ class HostBlockTable:
         """
         return self._row_epoch, self._shared_epoch
 
+    @property
+    def row_version(self) -> int:
+        """Changes whenever a row is released. While it is unchanged, every live row
+        belongs to the same request and holds the blocks it held, perhaps with more after."""
+        return self._row_epoch
+
     def rows_of(self, request_ids: Sequence[str]) -> np.ndarray:
         """i32[len(request_ids)] rows of block_table, in order. Raises UnknownRequestError.
 

@@ -131,7 +131,8 @@ class CascadePlanner:
         query_lens: np.ndarray,  # i32[R] tokens scheduled this step, per request
         manager: KVCacheManager,
     ) -> CascadePlan:
-        """A plan for the scheduled requests, in the order given. Changes nothing.
+        """A plan for the scheduled requests, in the order given. Changes nothing. The plan
+        is valid until the manager next frees a request (build_attention_metadata checks).
 
         Every request must hold blocks for its num_computed_tokens (as the scheduler
         guarantees). Cost: a fixed number of numpy calls plus a loop over at most
@@ -156,16 +157,20 @@ class CascadePlanner:
                 f"{num_computed_tokens.dtype=} and {query_lens.dtype=} must be integer dtypes"
             )
         rows = manager.rows_of(request_ids)
+        made_for = (manager, manager.row_version)
         if rows is not self._distinct_rows:
             _check_distinct(rows, request_ids)
             self._distinct_rows = rows
         identity = np.arange(num_requests, dtype=np.int32)
         if num_requests == 0:
-            return CascadePlan(identity, rows, identity, (), 0, keeps_order=True, validate=False)
+            return CascadePlan(
+                identity, rows, identity, (), 0, keeps_order=True, made_for=made_for,
+                validate=False,
+            )  # fmt: skip
         common = manager.num_common_prefix_blocks(request_ids)
         flat = CascadePlan(
             identity, rows, np.zeros(num_requests, np.int32), (), common, keeps_order=True,
-            validate=False,
+            made_for=made_for, validate=False,
         )  # fmt: skip
         if not self.enable_cascade or num_requests < 2:
             return flat
@@ -202,8 +207,9 @@ class CascadePlanner:
             suffix_start = np.full(num_requests, base, np.int32)
             level = make_level("global", [0], [num_requests], [0], [k0], [rows[0]])
             plan = CascadePlan(
-                identity, rows, suffix_start, (level,), common, keeps_order=True, validate=False
-            )
+                identity, rows, suffix_start, (level,), common, keeps_order=True,
+                made_for=made_for, validate=False,
+            )  # fmt: skip
             self._last_plan = (key, plan)
             return plan
         suffix_start = np.full(num_requests, base, np.int32)
@@ -228,8 +234,9 @@ class CascadePlanner:
             leaders.append(rows[members[0]])
         levels.append(make_level("groups", starts, ends, [base] * len(groups), block_ends, leaders))
         return CascadePlan(
-            order, rows[order], suffix_start[order], tuple(levels), common, validate=False
-        )
+            order, rows[order], suffix_start[order], tuple(levels), common, made_for=made_for,
+            validate=False,
+        )  # fmt: skip
 
     def _narrows(
         self,

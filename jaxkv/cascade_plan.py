@@ -9,6 +9,7 @@ refused with a ValueError.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -66,7 +67,8 @@ class CascadeLevel:
 
 @dataclasses.dataclass(frozen=True)
 class CascadePlan:
-    """How one scheduled batch runs attention. Safe to use until the manager next changes.
+    """How one scheduled batch runs attention. Valid until its manager next frees a request
+    (the metadata builder refuses a plan made by CascadePlanner after that).
 
     order[i] is the index (into the scheduled list given to plan()) of the request at
     batch position i; the batch must be laid out in this order. suffix_start_blocks[i] is
@@ -80,6 +82,9 @@ class CascadePlan:
     levels: tuple[CascadeLevel, ...]
     num_common_prefix_blocks: int  # exact common prefix of the whole batch, before capping
     keeps_order: bool = False  # True only if order is the identity (schedule order)
+    # (manager, its row_version) for CascadePlanner's plans: the metadata builder refuses
+    # the plan once that manager has freed a request, whose row may then hold another's.
+    made_for: tuple[Any, int] | None = dataclasses.field(default=None, repr=False, compare=False)
     # False only for plans correct by construction (CascadePlanner's, whose tests run
     # check() on them): check() costs O(R) numpy work, every step.
     validate: dataclasses.InitVar[bool] = True

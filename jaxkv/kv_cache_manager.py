@@ -135,6 +135,12 @@ class KVCacheManager:
         """
         return self._table.sharing_version
 
+    @property
+    def row_version(self) -> int:
+        """Changes whenever a request is freed. While it is unchanged, every row of
+        block_table belongs to the same request and holds the same leading blocks."""
+        return self._table.row_version
+
     def rows_of(self, request_ids: Sequence[str]) -> np.ndarray:
         """i32[len(request_ids)] rows of block_table, in order. Raises UnknownRequestError.
 

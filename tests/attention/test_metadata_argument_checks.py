@@ -7,6 +7,8 @@ block table: a request holding every column of its row got slots in its last blo
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -73,9 +75,16 @@ def test_a_negative_num_computed_tokens_entry_is_refused():
         )
 
 
-def test_a_block_table_too_narrow_or_of_another_manager_is_refused_by_name():
+@pytest.mark.parametrize("planned", [True, False])
+def test_a_block_table_too_narrow_or_of_another_manager_is_refused_by_name(planned):
+    # A planner's plan knows its manager's table shape; a hand-made one is caught where
+    # its rows or columns fall outside the table given.
     m, build = _three_decoding()
-    match = "outside block_table.shape=.*: the plan must come from the manager"
+    if planned:
+        match = "block_table.shape=.* must be that of the plan's manager's block_table"
+    else:
+        build["plan"] = dataclasses.replace(build["plan"], made_for=None)
+        match = "outside block_table.shape=.*: the plan must come from the manager"
     with pytest.raises(ValueError, match=match):  # was an IndexError
         build_attention_metadata(**{**build, "block_table": m.block_table[:, :3]})
     with pytest.raises(ValueError, match=match):  # a smaller manager's table: fewer rows
