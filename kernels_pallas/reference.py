@@ -293,11 +293,17 @@ def cascade_attention(
     the shared prefix, i.e. kv_lens - q_lens >= num_prefix_pages * page_size, so the
     non-causal prefix pass never shows a query a key after itself. Then the result equals
     plain causal attention over each whole context. `attention_fn` is any kernel with the
-    contract of `ragged_paged_attention` (default: this module's, with `max_q_len`); both
-    passes return float32 and the merged result is rounded to q.dtype once.
+    contract of `ragged_paged_attention` (default: this module's, with `max_q_len`;
+    refused with an `attention_fn`, which would not see it); both passes return float32
+    and the merged result is rounded to q.dtype once.
     A Python int `num_prefix_pages` splits the page table statically: each pass gets only
     its own columns, so a kernel whose work follows the padded width does less of it.
     """
+    if attention_fn is not None and max_q_len is not None:  # it would go unused
+        raise ValueError(
+            f"{max_q_len=} applies to the default attention_fn only: bind it into the "
+            "attention_fn given"
+        )
     if attention_fn is None:
         prefix_fn = ragged_paged_attention
         suffix_fn = lambda *a, **kw: ragged_paged_attention(*a, **kw, max_q_len=max_q_len)

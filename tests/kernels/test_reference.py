@@ -221,6 +221,14 @@ def test_cascade_equals_oracle_on_random_shared_prefix(seed):
     harness.assert_close_to_oracle(case, out2, lse2, expected)
 
 
+def test_cascade_refuses_a_max_q_len_its_attention_fn_would_not_see():
+    case = _shared_prefix_case(0, 1, [(1, 5)])
+    with pytest.raises(ValueError, match="max_q_len=1 applies to the default attention_fn"):
+        cascade_attention(
+            *case.args(), 1, sm_scale=0.125, attention_fn=ragged_paged_attention, max_q_len=1
+        )
+
+
 def test_cascade_with_no_shared_page_is_plain_attention():
     # A static num_prefix_pages of 0: the prefix pass sees no keys, the suffix pass all.
     case = _shared_prefix_case(0, 0, [(1, 5), (2, 7)])
