@@ -124,6 +124,13 @@ class KVConnector:
     def stats(self) -> TransferStats:
         return TransferStats()
 
+    @property
+    def hash_layout(self) -> tuple[int, int] | None:
+        """(block_size, hash_seed) the connector hashes requests' blocks with, or None when
+        it hashes none now (unbound, or a connector that keeps no blocks by hash). The
+        Scheduler refuses a connector whose layout is not its manager's."""
+        return None
+
 
 @dataclasses.dataclass
 class _Transfer:
@@ -366,6 +373,10 @@ class HostOffloadConnector(KVConnector):
     def _count(self, **deltas: int) -> None:
         s = self._stats
         self._stats = dataclasses.replace(s, **{k: getattr(s, k) + v for k, v in deltas.items()})
+
+    @property
+    def hash_layout(self) -> tuple[int, int] | None:
+        return None if self._bound() is None else (self._block_size, self._hash_seed)
 
     def _bound(self) -> KVCopier | None:
         return None if self._copier_ref is None else self._copier_ref()

@@ -56,18 +56,25 @@ class Scheduler:
         manager: KVCacheManager,
         connector: KVConnector | None = None,
     ) -> None:
+        connector = KVConnector() if connector is None else connector
         for name, value, kind in (
             ("config", config, SchedulerConfig),
             ("manager", manager, KVCacheManager),
-            ("connector", KVConnector() if connector is None else connector, KVConnector),
+            ("connector", connector, KVConnector),
         ):  # each used to raise AttributeError here or, a connector, in the first step
             if not isinstance(value, kind):
                 raise ValueError(f"{name}={value!r} must be a {kind.__name__}")
         if manager.max_model_len < config.max_model_len:
             raise ValueError(f"{manager.max_model_len=} must be >= {config.max_model_len=}")
+        layout = (manager.block_size, manager.hash_seed)
+        if connector.hash_layout not in (None, layout):  # its saves would all be refused
+            raise ValueError(
+                f"connector is bound with (block_size, hash_seed)={connector.hash_layout}, the "
+                f"manager has {layout}: bind it with the manager's (it serves one engine)"
+            )
         self.config = config
         self.manager = manager
-        self.connector = connector if connector is not None else KVConnector()
+        self.connector = connector
         self.requests: dict[str, Request] = {}  # every request not yet released
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -188,11 +195,8 @@ class Scheduler:
         """
         bs = self.manager.block_size
         offset = computed % bs
-        return (
-            offset == 0
-            or offset + n > bs
-            or (offset + n == bs and self.manager.enable_prefix_caching)
-        )
+        fills_last = offset + n == bs and self.manager.enable_prefix_caching
+        return offset == 0 or offset + n > bs or fills_last
 
     def _schedule_running(self, budget: int, batch: StepBatch, preempted: list[str]) -> int:
         """Schedules running requests oldest first; returns the budget left.
@@ -266,10 +270,8 @@ class Scheduler:
         return budget
 
     def _allocate_or_preempt(self, request: Request, n: int, preempted: list[str]) -> bool:
-        """Allocates for `request`, preempting the latest running requests until it fits.
-
-        Returns False if `request` itself had to be preempted.
-        """
+        """Allocates for `request`, preempting the latest running requests until it fits;
+        False if `request` itself had to be preempted."""
         while self.manager.allocate_slots(request, n) is None:
             victim = self.running.pop()
             self._preempt(victim)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 
@@ -112,6 +113,10 @@ def test_a_connector_serving_a_live_engine_is_refused_by_a_second_one():
     first = make_engine(connector=connector)
     with pytest.raises(RuntimeError, match="serves another engine"):
         make_engine(connector=connector)
+    config = engine_config()
+    other_seed = dataclasses.replace(config, cache=dataclasses.replace(config.cache, hash_seed=1))
+    with pytest.raises(ValueError, match=r"bound with .* \(it serves one engine\)"):
+        Engine(tiny_model(), None, other_seed, connector=connector)
     prefix = _prompts(4, 1, 32)[0]
     out1 = first.generate([prefix + [1]], SamplingParams(max_tokens=2), progress=False)
     first.close()

@@ -259,3 +259,22 @@ def test_a_landed_load_waits_while_running_requests_use_the_whole_budget():
     step(sched, copier)  # the load starts; "p" takes the 4 tokens
     out, _ = step(sched, copier)  # it lands, but "p" runs first and takes them all again
     assert out.request_ids == ["p"] and _queued(sched) == ["l"]
+
+
+@pytest.mark.parametrize("block_size,hash_seed", [(8, 0), (BS, 1)])
+def test_a_connector_bound_with_another_block_size_or_seed_is_refused(block_size, hash_seed):
+    # Its hashes could never be the manager's: every save used to fail with a warning.
+    copier = FakeCopier(64, BS)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    assert connector.hash_layout is None and KVConnector().hash_layout is None
+    make_scheduler(block_size=BS, connector=connector)  # unbound: nothing to compare
+    connector.bind(copier, block_size=block_size, hash_seed=hash_seed)
+    assert connector.hash_layout == (block_size, hash_seed)
+    match = rf"\(block_size, hash_seed\)=\({block_size}, {hash_seed}\), the manager has \(4, 0\)"
+    with pytest.raises(ValueError, match=match):
+        make_scheduler(block_size=BS, connector=connector)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    sched = make_scheduler(block_size=BS, connector=connector)
+    add(sched, "a", list(range(1, 14)), max_tokens=1)
+    run_until_idle(sched, copier)
+    assert connector.stats.num_stored_blocks == 3
