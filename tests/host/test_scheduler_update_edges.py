@@ -1,0 +1,49 @@
+"""update_from_output details the scenario tests left unpinned: each step's outputs in
+batch order with the token sampled, and the prefill/decode counters of a 1-token
+recompute chunk that leaves exactly one token to compute."""
+
+from __future__ import annotations
+
+from jaxkv import RequestOutput
+from tests.host._sched_util import add, make_scheduler, token_of
+
+
+def test_outputs_follow_the_batch_order_and_carry_the_sampled_token():
+    sched = make_scheduler()
+    add(sched, "a", [1, 2, 3], max_tokens=1)
+    add(sched, "b", [4, 5], max_tokens=3)
+    out = sched.schedule()
+    assert out.request_ids == ["a", "b"]
+    # A finished request's output stays in its batch place, ahead of a running one's.
+    assert sched.update_from_output(out, [7, 8]) == [
+        RequestOutput("a", (7,), True, "length"),
+        RequestOutput("b", (8,), False, None),
+    ]
+    out = sched.schedule()
+    assert sched.update_from_output(out, [9]) == [RequestOutput("b", (9,), False, None)]
+
+
+def test_a_one_token_recompute_chunk_before_the_last_token_counts_as_prefill():
+    # c (1-token prompt) is preempted after sampling one token, then recomputes its 2
+    # tokens in 1-token chunks next to b's chunks: the chunk of position 0 leaves one
+    # token to compute, so it is prefill; only the chunk of position 1 is a decode.
+    sched = make_scheduler(
+        num_blocks=7, max_num_batched_tokens=3, max_num_seqs=3, max_model_len=32,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    add(sched, "a", range(1, 9), max_tokens=8)
+    add(sched, "b", range(11, 19), max_tokens=8)
+    c = add(sched, "c", [31], max_tokens=2)
+    c_chunks = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        if c in out.requests:
+            i = out.requests.index(c)
+            n, done = out.num_scheduled_tokens[i], out.num_computed_tokens[i]
+            c_chunks.append((int(n), int(done), c.num_output_tokens))
+        sched.update_from_output(out, [token_of(r) for r in out.requests])
+    # (tokens, computed before, outputs): its prompt, then after preemption two chunks
+    assert c_chunks == [(1, 0, 0), (1, 0, 1), (1, 1, 1)]
+    stats = sched.stats
+    assert stats.num_preemptions == 2
+    assert (stats.num_prompt_tokens_computed, stats.num_decode_tokens_computed) == (27, 14)
