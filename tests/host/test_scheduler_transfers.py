@@ -93,6 +93,18 @@ def test_a_numpy_claim_of_whole_blocks_is_taken():
     assert connector.loads == [("a", sched.manager.block_ids("a")[:2])]
 
 
+def test_a_started_load_holds_blocks_for_every_token_of_its_request():
+    # 13 tokens need 4 blocks, the last for token 13 alone: a landed load must hold them
+    # all, so that the request needs no further block to be admitted.
+    connector = _ClaimingConnector(8)
+    sched = make_scheduler(num_blocks=16, block_size=BS, connector=connector)
+    a = add(sched, "a", range(1, 14), max_tokens=2)
+    sched.schedule()
+    assert a.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert sched.manager.block_ids("a") == [1, 2, 3, 4] and sched.manager.num_free_blocks == 11
+    assert connector.loads == [("a", [1, 2])]
+
+
 def test_a_failing_start_load_frees_its_blocks_and_keeps_the_queue():
     connector = _ClaimingConnector(0, failing={"b"})
     sched = make_scheduler(num_blocks=16, block_size=BS, connector=connector)
