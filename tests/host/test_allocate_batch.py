@@ -100,3 +100,68 @@ def test_bad_input_raises_and_changes_nothing(counts, match):
     with pytest.raises(ValueError, match="holds no blocks"):
         m.allocate_slots_batch([a, make_request("c", [1, 2])], [1, 1])
     assert snapshot(m) == before
+
+
+@pytest.mark.parametrize("counts", [[1], [1, 1, 1]], ids=["fewer", "more"])
+def test_counts_of_another_length_than_the_requests_are_refused(counts):
+    # Unchecked, extra counts were ignored and too few failed inside zip() instead.
+    m = KVCacheManager(64, 4, max_model_len=64)
+    a, b = make_request("a", range(8)), make_request("b", range(20, 28))
+    prefill(m, a)
+    prefill(m, b)
+    before = snapshot(m)
+    with pytest.raises(ValueError, match=r"len\(requests\)=2 must equal len\(counts\)="):
+        m.allocate_slots_batch([a, b], counts)
+    assert snapshot(m) == before
+
+
+def test_an_empty_batch_fits():
+    m = KVCacheManager(4, 4, max_model_len=16)
+    assert m.allocate_slots_batch([], []) is True
+    assert m.num_free_blocks == 3
+
+
+def test_two_requests_filling_equal_blocks_cache_the_first_ones_block():
+    # One by one, the block of the batch's first request (b) enters the cache and a's
+    # stays an uncached duplicate; the batch must cache the same one.
+    m = KVCacheManager(16, 4, max_model_len=64)
+    a, b = make_request("a", [1, 2, 3]), make_request("b", [1, 2, 3])
+    prefill(m, a)
+    prefill(m, b)  # 3 tokens fill no block: no hit, b holds its own block
+    for r in (a, b):
+        r.append_output_token_ids([4, 9])
+    assert m.allocate_slots_batch([b, a], [2, 2])
+    assert m.block_ids("a") == [1, 4] and m.block_ids("b") == [2, 3]
+    probe = make_request("probe", [1, 2, 3, 4, 5])
+    assert m.get_computed_blocks(probe, count=False) == ([2], 4)
+    m.check_integrity()
+
+
+def test_fresh_blocks_for_many_tokens_leave_the_sharing_version():
+    # Only frees and cache hits may move it (the cascade planner reuses its plan until
+    # then); fresh blocks, one or several per request, are held by no other request.
+    m = KVCacheManager(64, 4, max_model_len=64)
+    a, b = make_request("a", range(8)), make_request("b", range(20, 28))
+    prefill(m, a)
+    prefill(m, b)
+    version = m.sharing_version
+    a.append_output_token_ids(list(range(30, 39)))
+    b.append_output_token_ids([40])
+    assert m.allocate_slots_batch([a, b], [9, 1])  # 3 fresh blocks for a, 1 for b
+    assert len(m.block_ids("a")) == 5 and len(m.block_ids("b")) == 3
+    assert m.sharing_version == version
+
+
+def test_without_prefix_caching_a_request_hashed_elsewhere_is_allocated_as_one_by_one():
+    # Without prefix caching its hashes are never read: allocate_slots takes it, and so
+    # must the batch, filling a block included.
+    m = KVCacheManager(16, 4, max_model_len=64, enable_prefix_caching=False)
+    a, b = make_request("a", range(3)), make_request("b", range(10, 13))
+    for r in (a, b):
+        r.update_block_hashes(8, seed=1)  # as if hashed for another manager
+        prefill(m, r)
+        r.append_output_token_ids([7, 8])
+    assert m.allocate_slots(a, 2) == [3]
+    assert m.allocate_slots_batch([b], [2])
+    assert m.block_ids("b") == [2, 4]
+    m.check_integrity()
