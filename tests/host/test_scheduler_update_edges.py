@@ -1,10 +1,10 @@
 """update_from_output details the scenario tests left unpinned: each step's outputs in
-batch order with the token sampled, and the prefill/decode counters of a 1-token
-recompute chunk that leaves exactly one token to compute."""
+batch order with the token sampled, any of several stop tokens, and the prefill/decode
+counters of a 1-token recompute chunk that leaves exactly one token to compute."""
 
 from __future__ import annotations
 
-from jaxkv import RequestOutput
+from jaxkv import RequestOutput, RequestStatus
 from tests.host._sched_util import add, make_scheduler, token_of
 
 
@@ -21,6 +21,18 @@ def test_outputs_follow_the_batch_order_and_carry_the_sampled_token():
     ]
     out = sched.schedule()
     assert sched.update_from_output(out, [9]) == [RequestOutput("b", (9,), False, None)]
+
+
+def test_any_of_several_stop_tokens_stops_the_request():
+    sched = make_scheduler()
+    a = add(sched, "a", [1, 2], max_tokens=5, stop_token_ids=(5, 7))
+    b = add(sched, "b", [3, 4], max_tokens=5, stop_token_ids=(5, 7))
+    out = sched.schedule()
+    assert sched.update_from_output(out, [7, 6]) == [
+        RequestOutput("a", (7,), True, "stop"),
+        RequestOutput("b", (6,), False, None),
+    ]
+    assert a.status == RequestStatus.FINISHED_STOPPED and b.status == RequestStatus.RUNNING
 
 
 def test_a_one_token_recompute_chunk_before_the_last_token_counts_as_prefill():
