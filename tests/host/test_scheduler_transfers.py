@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxkv import Request, RequestStatus, SamplingParams
-from jaxkv.kv_transfer import HostOffloadConnector, KVConnector
+from jaxkv.kv_transfer import HostOffloadConnector, KVConnector, TransferEvents
 from tests.host._sched_util import (
     FakeCopier,
     OracleLoadConnector,
@@ -123,6 +123,65 @@ def test_a_failing_start_load_frees_its_blocks_and_keeps_the_queue():
     out = sched.schedule()
     assert [r.request_id for r in out.requests] == ["r"]
     assert [rid for rid, _ in connector.loads] == ["a", "b", "c"]
+
+
+class _Interrupt(BaseException):
+    """Not an Exception, as KeyboardInterrupt."""
+
+
+class _InterruptedConnector(_ClaimingConnector):
+    def start_load(self, request, block_ids):
+        raise _Interrupt
+
+
+def test_a_start_load_interrupted_by_a_base_exception_frees_its_blocks():
+    sched = make_scheduler(num_blocks=16, block_size=BS, connector=_InterruptedConnector(8))
+    a = add(sched, "a", range(1, 15), max_tokens=2)
+    with pytest.raises(_Interrupt):
+        sched.schedule()
+    assert _queued(sched) == ["a"] and "a" not in sched.manager.request_ids
+    assert a.status == RequestStatus.WAITING and a.num_computed_tokens == 0
+    assert sched.manager.num_free_blocks == 15
+    sched.manager.check_integrity()
+
+
+def test_a_claim_that_reaches_the_last_token_after_a_device_cache_hit_is_refused():
+    # 14 tokens: 12 loadable from position 0, but only 8 after the 4-token device hit.
+    connector = _ClaimingConnector(0)
+    sched = make_scheduler(num_blocks=32, block_size=BS, connector=connector)
+    add(sched, "p", range(1, 6), max_tokens=1)
+    run_until_idle(sched)  # caches the block of tokens 1..4
+    connector.claim = 12
+    r = add(sched, "r", range(1, 15), max_tokens=2)
+    with pytest.raises(ValueError, match=r"on_admission\('r', 4\) returned 12.*at most 8 tokens"):
+        sched.schedule()
+    assert _queued(sched) == ["r"] and "r" not in sched.manager.request_ids
+    assert r.status == RequestStatus.WAITING and r.num_computed_tokens == 0
+    sched.manager.check_integrity()
+
+
+class _LandingConnector(_ClaimingConnector):
+    """Its loads land at the next poll() after `to_land` names them, in that order."""
+
+    def __init__(self, claim) -> None:
+        super().__init__(claim)
+        self.to_land: list[str] = []
+
+    def poll(self):
+        landed, self.to_land = tuple(self.to_land), []
+        return TransferEvents(loaded=landed)
+
+
+def test_landed_loads_are_admitted_in_landing_order_not_queue_order():
+    connector = _LandingConnector(4)
+    sched = make_scheduler(num_blocks=32, block_size=BS, connector=connector)
+    a = add(sched, "a", range(1, 8), max_tokens=2)
+    b = add(sched, "b", range(11, 18), max_tokens=2)
+    sched.schedule()
+    assert a.status == b.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    connector.to_land = ["b", "a"]
+    out = sched.schedule()
+    assert out.request_ids == ["b", "a"] and out.num_computed_tokens.tolist() == [4, 4]
 
 
 def test_a_failing_start_load_after_a_device_cache_hit_leaves_nothing_computed():
