@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import gc
 
+import numpy as np
 import pytest
 
-from jaxkv.kv_transfer import HostOffloadConnector
+from jaxkv import Request, SamplingParams
+from jaxkv.kv_transfer import HostOffloadConnector, TransferEvents
 from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
 
 BS = 4
@@ -78,3 +80,65 @@ def test_a_copier_collected_without_unbind_frees_the_connector_and_its_copies():
     gc.collect()
     connector.bind(FakeCopier(32, BS), block_size=BS, hash_seed=0)
     assert not connector.has_pending()  # no one is left to be told they landed
+
+
+def _one_request(request_id: str, num_tokens: int) -> Request:
+    request = Request(request_id, list(range(1, num_tokens + 1)), SamplingParams())
+    request.num_computed_tokens = num_tokens
+    return request
+
+
+def test_a_copier_collected_with_a_load_in_flight_leaves_nothing_pending():
+    copier = FakeCopier(16, BS)
+    connector = HostOffloadConnector(1 << 20)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    assert connector.on_finish(_one_request("a", 8), [1, 2])
+    connector.poll()
+    copier.auto_complete = False  # the load below never lands
+    b = Request("b", list(range(1, 10)), SamplingParams())
+    assert connector.on_admission(b, 0) == 2 * BS
+    connector.start_load(b, [5, 6])
+    assert connector.has_pending()
+    del copier
+    gc.collect()
+    connector.bind(FakeCopier(16, BS), block_size=BS, hash_seed=0)
+    assert not connector.has_pending() and connector.poll() == TransferEvents()
+    assert len(connector.stored_hashes()) == 2  # same layout: the store is kept
+
+
+def test_blocks_whose_save_was_forgotten_with_its_copier_can_be_saved_again():
+    copier = FakeCopier(16, BS, auto_complete=False)
+    connector = HostOffloadConnector(1 << 20)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    assert connector.on_finish(_one_request("a", 8), [1, 2])  # never lands
+    del copier
+    gc.collect()
+    other = FakeCopier(16, BS)
+    connector.bind(other, block_size=BS, hash_seed=0)
+    assert connector.on_finish(_one_request("b", 8), [3, 4])  # no longer "being saved"
+    assert other.saved_block_ids == [[3, 4]]
+
+
+@pytest.mark.parametrize(
+    ("attr", "first", "other"),
+    [
+        ("block_shape", (BS,), (2, BS // 2)),
+        ("dtype", np.dtype(np.float32), np.dtype(np.int32)),
+        ("model_fingerprint", b"model-a", b"model-b"),
+    ],
+)
+def test_a_copier_with_another_block_shape_dtype_or_model_empties_the_store(attr, first, other):
+    # Same block size, seed and bytes per block: only `attr` tells the blocks apart.
+    copiers = [FakeCopier(16, BS) for _ in range(3)]
+    for copier, value in zip(copiers, (first, first, other), strict=True):
+        setattr(copier, attr, value)
+    connector = HostOffloadConnector(1 << 20)
+    connector.bind(copiers[0], block_size=BS, hash_seed=0)
+    assert connector.on_finish(_one_request("a", 8), [1, 2])
+    connector.poll()
+    connector.unbind(copiers[0])
+    connector.bind(copiers[1], block_size=BS, hash_seed=0)  # the same value: kept
+    assert len(connector.stored_hashes()) == 2
+    connector.unbind(copiers[1])
+    connector.bind(copiers[2], block_size=BS, hash_seed=0)
+    assert connector.stored_hashes() == []
