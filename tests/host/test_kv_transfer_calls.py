@@ -1,0 +1,74 @@
+"""HostOffloadConnector's hooks called directly: what they save, claim, refuse and count."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv import Request, SamplingParams
+from jaxkv.kv_transfer import HostOffloadConnector
+from tests.host._sched_util import FakeCopier
+
+BS = 4
+
+
+def _bound_connector() -> tuple[FakeCopier, HostOffloadConnector]:
+    copier = FakeCopier(16, BS)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    return copier, connector
+
+
+def _computed(request_id: str, tokens: list[int]) -> Request:
+    request = Request(request_id, tokens, SamplingParams())
+    request.num_computed_tokens = len(tokens)
+    return request
+
+
+def _stored(connector: HostOffloadConnector, tokens: list[int]) -> None:
+    """Saves the full blocks of `tokens` through block ids 1, 2, ... and lands the save."""
+    assert connector.on_finish(_computed("saved", tokens), list(range(1, len(tokens) // BS + 1)))
+    connector.poll()
+
+
+def test_only_blocks_the_caller_names_are_saved():
+    # Two computed blocks but one block id: the save covers that one block only.
+    copier, connector = _bound_connector()
+    r = _computed("r", list(range(1, 9)))
+    assert connector.on_finish(r, [7])
+    connector.poll()
+    assert copier.saved_block_ids == [[7]] and connector.stored_hashes() == r.block_hashes[:1]
+
+
+def test_a_claim_after_a_partial_block_is_zero():
+    _, connector = _bound_connector()
+    _stored(connector, list(range(1, 13)))
+    probe = Request("p", list(range(1, 14)), SamplingParams())
+    assert connector.on_admission(probe, 0) == 3 * BS
+    assert connector.on_admission(probe, BS) == 2 * BS
+    for partial in (1, BS + 2):  # a claim from there would end inside a block
+        assert connector.on_admission(probe, partial) == 0
+
+
+def test_start_load_refuses_a_partial_block_start_and_no_block_ids():
+    copier, connector = _bound_connector()
+    _stored(connector, list(range(1, 13)))
+    b = Request("b", list(range(1, 14)), SamplingParams())
+    b.num_computed_tokens = 2
+    with pytest.raises(ValueError, match="1 block_ids do not cover whole prompt blocks after 2"):
+        connector.start_load(b, [5])
+    b.num_computed_tokens = 0
+    with pytest.raises(ValueError, match="0 block_ids do not cover whole prompt blocks after 0"):
+        connector.start_load(b, [])
+    assert copier.loaded_block_ids == [] and not connector.has_pending()
+
+
+def test_bytes_offloaded_counts_only_the_blocks_copied():
+    # The second save's chain has three blocks, two already stored: one is copied.
+    copier, connector = _bound_connector()
+    _stored(connector, list(range(1, 9)))
+    assert connector.on_finish(_computed("longer", list(range(1, 13))), [3, 4, 5])
+    connector.poll()
+    assert copier.saved_block_ids == [[1, 2], [5]]
+    stats = connector.stats
+    assert (stats.num_saves, stats.num_stored_blocks) == (2, 3)
+    assert stats.bytes_offloaded == 3 * copier.bytes_per_block
