@@ -43,6 +43,70 @@ def test_each_break_of_the_bookkeeping_is_named(corrupt, message):
         m.check_integrity()
 
 
+def _lost_owner(m):
+    del m._owner["B"]
+
+
+def _lost_holder(m):
+    del m._held_of[m._owner["B"]]
+
+
+def _two_bad_counts(m):
+    m._num_cached.update(A=4, B=-1)
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (
+            _lost_owner,
+            "'B': its blocks are not held by the Request it was allocated for; "
+            "2 requests hold blocks, 1 have an owner, 2 owners hold blocks",
+        ),
+        (
+            _lost_holder,
+            "'B': its blocks are not held by the Request it was allocated for; "
+            "2 requests hold blocks, 2 have an owner, 1 owners hold blocks",
+        ),
+        (lambda m: m._num_cached.__setitem__("B", -1), "'B': num_cached=-1"),
+        (_two_bad_counts, "'A': num_cached=4; 'B': num_cached=-1"),
+    ],
+    ids=["lost-owner", "lost-holder", "negative-num-cached", "two-requests"],
+)
+def test_the_message_names_every_break_and_only_those(corrupt, message):
+    m = two_request_manager()
+    corrupt(m)
+    with pytest.raises(IntegrityError) as e:
+        m.check_integrity()
+    assert str(e.value) == message
+
+
+def _shared_block(m):
+    return m._blocks["A"][0]  # held by A and B, cached
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda m: setattr(_shared_block(m), "ref_cnt", 3), "ref_cnt=3, cached) has 2 holders"),
+        (lambda m: m._blocks["B"].pop(), "ref_cnt=1, uncached) has 0 holders"),
+        (lambda m: m._blocks["B"].append(m._blocks["B"][-1]), "ref_cnt=1, uncached) has 2 holders"),
+        (
+            lambda m: m.pool.cached_block_hash_to_block.pop(_shared_block(m).block_hash),
+            "ref_cnt=2, cached) carries a hash the cache map does not give it",
+        ),
+    ],
+    ids=["ref-count", "held-list-lost-a-block", "held-list-twice", "cache-map"],
+)
+def test_pool_breaks_are_checked_against_the_blocks_requests_hold(corrupt, message):
+    # The pool's own laws, and each ref count against the held lists (counted with repeats).
+    m = two_request_manager()
+    corrupt(m)
+    with pytest.raises(IntegrityError) as e:
+        m.check_integrity()
+    assert str(e.value).startswith("KVCacheBlock(") and str(e.value).endswith(message)
+
+
 def test_free_leaves_no_owner_behind():
     m = two_request_manager()
     m.free("A")
