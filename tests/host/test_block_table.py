@@ -7,6 +7,7 @@ import pytest
 
 from jaxkv import IntegrityError, UnknownRequestError
 from jaxkv.block_table import HostBlockTable
+from jaxkv.prefix_index import ROOT_PREFIX
 from tests.host._util import two_request_manager
 
 
@@ -70,6 +71,39 @@ def test_check_integrity_sees_state_outside_the_live_rows(corrupt, message):
     assert t.check_integrity({"a": [5, 6]}) == []
     corrupt(t)
     assert any(message in p for p in t.check_integrity({"a": [5, 6]}))
+
+
+def _two_rows() -> HostBlockTable:
+    t = HostBlockTable(max_blocks_per_seq=4)
+    for rid, blocks in (("a", [5, 6]), ("b", [5])):
+        t.add_row(rid)
+        t.append(rid, blocks, shared=True)
+    assert t.check_integrity({"a": [5, 6], "b": [5]}) == []
+    return t
+
+
+def _wrong_chain(t):
+    # A consistent row, but its second prefix id is interned after the root, not after 5.
+    pid = t._interner.acquire_one(ROOT_PREFIX, 6)
+    t._prefix["a"][1] = t.prefix_ids[t._row_of["a"], 1] = pid
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda t: t._row_of.__setitem__("b", t._row_of["a"]), "two requests share a row"),
+        (lambda t: t._free_rows.append(t._row_of["a"]), "a live row is also free"),
+        (lambda t: t._free_rows.pop(), "rows leak"),
+        (lambda t: t.num_blocks_of_row.__setitem__(9, 1), "a free row has num_blocks > 0"),
+        (lambda t: t.num_blocks_of_row.__setitem__(t._row_of["a"], 1), "'a': num_blocks"),
+        (lambda t: t._row_of.pop("b"), "requests with blocks != rows"),
+        (_wrong_chain, "'a': chain"),
+    ],
+)
+def test_check_integrity_sees_each_break_of_the_row_bookkeeping(corrupt, message):
+    t = _two_rows()
+    corrupt(t)
+    assert any(message in p for p in t.check_integrity({"a": [5, 6], "b": [5]}))
 
 
 def test_unknown_id_is_rejected_and_changes_nothing():
