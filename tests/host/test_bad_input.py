@@ -132,6 +132,7 @@ def test_unknown_id_in_shared_prefix_queries(busy):
         (np.array([0, -1], np.int32), "must lie in"),  # read the table's last row before
         ([-1], "must lie in"),
         ([0.0, 1.0], "1-D sequence of block-table rows"),
+        (np.array([True, False]), "1-D sequence of block-table rows"),  # a mask, not rows
         (None, "rows=None must be a 1-D"),  # num_blocks_of_rows gave a 2-D array
         (np.array(0), "1-D"),
         (np.zeros((1, 2), np.int32), "1-D"),  # rows_of's dtype, but 2-D
