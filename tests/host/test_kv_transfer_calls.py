@@ -72,3 +72,28 @@ def test_bytes_offloaded_counts_only_the_blocks_copied():
     stats = connector.stats
     assert (stats.num_saves, stats.num_stored_blocks) == (2, 3)
     assert stats.bytes_offloaded == 3 * copier.bytes_per_block
+
+
+def test_start_load_refuses_blocks_the_store_holds_only_in_part():
+    copier, connector = _bound_connector()
+    _stored(connector, list(range(1, 5)))  # the first block only
+    b = Request("b", list(range(1, 10)), SamplingParams())
+    with pytest.raises(ValueError, match=r"start_load\('b'\): the store no longer holds"):
+        connector.start_load(b, [5, 6])
+    assert copier.loaded_block_ids == [] and not connector.has_pending()
+
+
+def test_every_hook_hashes_with_the_bound_seed():
+    copier = FakeCopier(16, BS)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=7)
+    assert connector.on_finish(_computed("saved", list(range(1, 9))), [1, 2])
+    connector.poll()
+    seeded = Request("s", list(range(1, 9)), SamplingParams()).update_block_hashes(BS, 7)
+    assert connector.stored_hashes() == seeded[1::-1]
+    probe = Request("p", list(range(1, 10)), SamplingParams())
+    probe.update_block_hashes(BS, 7)  # as a manager with the same seed hashes it first
+    assert connector.on_admission(probe, 0) == 2 * BS
+    connector.start_load(probe, [5, 6])
+    assert copier.loaded_block_ids == [[5, 6]]
+    assert connector.poll().loaded == ("p",)
