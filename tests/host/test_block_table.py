@@ -98,6 +98,7 @@ def _wrong_chain(t):
         (lambda t: t.num_blocks_of_row.__setitem__(t._row_of["a"], 1), "'a': num_blocks"),
         (lambda t: t._row_of.pop("b"), "requests with blocks != rows"),
         (_wrong_chain, "'a': chain"),
+        (lambda t: t._prefix["a"].pop(), "'a': 1 prefix ids for 2 blocks"),
     ],
 )
 def test_check_integrity_sees_each_break_of_the_row_bookkeeping(corrupt, message):
@@ -124,8 +125,10 @@ def test_repeated_rows_of_sees_a_release_and_a_row_swap():
         t.append(rid, [block], shared=False)
     assert t.rows_of(["a", "b"]).tolist() == [0, 1]
     t.release("a")
-    with pytest.raises(UnknownRequestError, match="'a' holds no blocks"):
+    with pytest.raises(UnknownRequestError) as e:
         t.rows_of(["a", "b"])
+    # Its own str(), not KeyError's, which would quote the whole message.
+    assert str(e.value) == "request_ids: 'a' holds no blocks (never allocated or already freed)"
     t.release("b")
     for rid in ("b", "a"):
         t.add_row(rid)
