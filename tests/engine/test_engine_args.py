@@ -21,6 +21,13 @@ def _params_with_a_wrong_shape():
     return jax.tree.unflatten(treedef, leaves)
 
 
+class _ConfigOnly(nnx.Module):
+    """A module with a config but no init_kv_caches: no Llama."""
+
+    def __init__(self):
+        self.config = tiny_model().config
+
+
 @pytest.mark.parametrize(
     "make, match",
     [
@@ -28,6 +35,8 @@ def _params_with_a_wrong_shape():
         (lambda: Engine(tiny_model(), None, SchedulerConfig()), "config=.* must be None or an"),
         (lambda: Engine(tiny_model(), None, {"cache": None}), "config=.* must be None or an"),
         (lambda: Engine(None), "model=NoneType must be a jaxkv.models.Llama"),
+        # Both attributes are needed: a config alone is not enough.
+        (lambda: Engine(_ConfigOnly()), "model=_ConfigOnly must be a jaxkv.models.Llama"),
         (lambda: Engine(tiny_model(), None, engine_config(), mesh="x"), "mesh='x' must be"),
         # Used to be accepted; the first step then failed on the number of leaves.
         (lambda: Engine(tiny_model(), {"w": 1}, engine_config()), "params: a dict with 1"),
