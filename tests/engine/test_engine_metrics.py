@@ -88,6 +88,19 @@ def test_a_finished_request_copying_out_its_kv_is_counted_as_transferring():
     assert m.bytes_offloaded > 0 and m.bytes_offloaded % engine.copier.bytes_per_block == 0
 
 
+def test_a_step_with_nothing_scheduled_runs_no_model():
+    # step() returns [] without running the model: no StepStats, no step counted.
+    engine = make_engine(connector=HostOffloadConnector(1 << 24, copy_delay_steps=3))
+    assert engine.step() == [] and engine.last_step is None
+    assert engine.metrics.num_steps == 0
+    engine.generate([list(range(1, 10))], SamplingParams(max_tokens=1), progress=False)
+    last, before = engine.last_step, engine.metrics
+    engine.drain_transfers()  # steps while only a finished request's copy is in flight
+    m = engine.metrics
+    assert engine.last_step is last and m.num_steps == before.num_steps == 1
+    assert m.num_compiles == before.num_compiles
+
+
 def test_derived_rates_of_a_snapshot():
     m = EngineMetrics(
         num_steps=4, num_prompt_tokens=30, num_generated_tokens=10, host_time_s=0.5,
