@@ -33,6 +33,26 @@ def test_equal_bits_in_other_arrays_give_the_same_fingerprint():
     assert model_fingerprint(CONFIG, host) == fp
 
 
+def test_a_64_bit_numpy_weight_counts_as_its_32_bit_conversion():
+    # As documented: without jax_enable_x64 the digest names float32 / int32, as jax runs it.
+    assert not jax.config.jax_enable_x64
+    rng = np.random.default_rng(1)
+    host = [rng.standard_normal((3, 4)), rng.integers(-(2**20), 2**20, 5)]
+    assert [w.dtype for w in host] == [np.float64, np.int64]
+    converted = [jnp.asarray(w) for w in host]
+    assert model_fingerprint(CONFIG, host) == model_fingerprint(CONFIG, converted)
+
+
+def test_the_four_checksums_of_a_weight_are_distinct_lanes():
+    # Each lane mixes the words under its own salt; lanes sharing one salt would all be
+    # equal, leaving 32 bits of the promised 128 against a collision.
+    from jaxkv.model_fingerprint import _checksums
+
+    for w in _weights():
+        sums = np.asarray(_checksums(w))
+        assert sums.shape == (4,) and len(set(sums.tolist())) == 4, sums
+
+
 def _changed(weights, i, change):
     out = list(weights)
     out[i] = change(weights[i])
@@ -45,14 +65,33 @@ def _changed(weights, i, change):
         lambda w: _changed(w, 0, lambda x: x.at[2, 5].set(jnp.nextafter(x[2, 5], jnp.inf))),
         lambda w: _changed(w, 1, lambda x: x.at[4, 2].set(-x[4, 2])),  # a bf16 sign bit
         lambda w: _changed(w, 0, lambda x: x.at[jnp.array([0, 1])].set(x[jnp.array([1, 0])])),
+        # x[0, 1] and x[1, 0] swapped: a position index that ignored the row stride
+        # (row + column) would give both the same index.
+        lambda w: _changed(w, 0, lambda x: x.at[0, 1].set(x[1, 0]).at[1, 0].set(x[0, 1])),
         lambda w: _changed(w, 2, lambda x: x.at[6].add(1)),
         lambda w: _changed(w, 3, lambda x: ~x),
         lambda w: _changed(w, 0, lambda x: x.reshape(8, 6)),  # same bits, other shape
         lambda w: _changed(w, 1, lambda x: x.astype(jnp.float16)),
+        # Same bits, other dtype: only the dtype in the digest tells them apart.
+        lambda w: _changed(w, 2, lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)),
+        lambda w: _changed(w, 0, lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)),
         lambda w: [w[1], w[0], *w[2:]],  # weights in another order
         lambda w: w[:-1],
     ],
-    ids=["ulp", "bf16-sign", "swap-rows", "int8", "bool", "shape", "dtype", "order", "fewer"],
+    ids=[
+        "ulp",
+        "bf16-sign",
+        "swap-rows",
+        "swap-transposed",
+        "int8",
+        "bool",
+        "shape",
+        "dtype",
+        "bits-as-uint8",
+        "bits-as-int32",
+        "order",
+        "fewer",
+    ],
 )
 def test_any_change_of_a_weight_changes_the_fingerprint(change):
     weights = _weights()
