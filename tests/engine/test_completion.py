@@ -151,3 +151,14 @@ def test_a_request_aborted_by_another_caller_ends_as_abort_and_generate_returns(
         ((6,), "abort"),
     ]
     assert driver.steps == 3 and bar.n == 1 and bar.closed
+
+
+def test_generate_progress_bar_counts_the_prompts_and_is_none_when_not_asked():
+    from jaxkv.completion import generate_progress_bar
+
+    bar = generate_progress_bar([[1], [2, 3], [4]], True)
+    try:
+        assert (bar.total, bar.desc, bar.n) == (3, "generate", 0)  # one step per prompt
+    finally:
+        bar.close()
+    assert generate_progress_bar([[1]], False) is None
