@@ -100,3 +100,43 @@ def test_k_and_v_projections_stay_whole_on_every_device_when_kv_heads_are_replic
         assert linear.kernel[...].sharding.spec == P(None, ax)
     for linear in (attn.o_proj, mlp.down_proj):
         assert linear.kernel[...].sharding.spec == P(ax, None)
+
+
+@pytest.mark.parametrize("bad", ["model", jax.devices()[:1]])
+def test_a_mesh_that_is_no_mesh_is_refused_by_name(bad):
+    # Read as a Mesh it raised AttributeError on .shape.
+    with pytest.raises(ValueError, match="must be None or a jax.sharding.Mesh"):
+        sharding.mesh_for(bad)
+
+
+def test_an_axis_name_that_is_not_an_axis_of_the_mesh_is_refused_by_name():
+    # Traced only: each raises before anything is compiled (a KeyError from mesh.shape before).
+    import jax.numpy as jnp
+
+    mesh = sharding.make_mesh(1)
+    q, kv = jnp.zeros((4, 2, 8)), jnp.zeros((5, 4, 2, 8))
+    k = jnp.zeros((4, 1, 8))
+    slots = jnp.zeros(4, jnp.int32)
+    with pytest.raises(ValueError, match="axis_name='tp' is not an axis of"):
+        sharding.sharded_paged_attention(q, kv, None, mesh=mesh, axis_name="tp", sm_scale=1.0)
+    with pytest.raises(ValueError, match="axis_name='tp' is not an axis of"):
+        sharding.sharded_write_kv(kv, k, k, slots, mesh=mesh, axis_name="tp")
+    with pytest.raises(ValueError, match="axis_name='tp' is not an axis of"):
+        sharding.plan_tensor_parallel(2, 1, mesh, axis_name="tp")
+
+
+def test_kv_pages_and_k_v_of_the_wrong_rank_or_no_heads_are_refused_by_name():
+    import jax.numpy as jnp
+
+    mesh = sharding.make_mesh(1)
+    slots = jnp.zeros(4, jnp.int32)
+    no_heads = jnp.zeros((5, 4, 0, 8))  # num_kv_heads 0: a ZeroDivisionError on q heads before
+    with pytest.raises(ValueError, match=r"kv_pages.shape=\(5, 4, 0, 8\) must be"):
+        sharding.sharded_paged_attention(
+            jnp.zeros((4, 2, 8)), no_heads, None, mesh=mesh, sm_scale=1.0
+        )
+    kv, flat = jnp.zeros((5, 4, 16, 8)), jnp.zeros((4, 8))  # k without its head_dim axis
+    with pytest.raises(
+        ValueError, match=r"k.shape=\(4, 8\) must be \[max_num_tokens, 8, head_dim\]"
+    ):
+        sharding.sharded_write_kv(kv, flat, jnp.zeros((4, 8, 8)), slots, mesh=mesh)
