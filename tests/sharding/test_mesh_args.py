@@ -140,3 +140,23 @@ def test_kv_pages_and_k_v_of_the_wrong_rank_or_no_heads_are_refused_by_name():
         ValueError, match=r"k.shape=\(4, 8\) must be \[max_num_tokens, 8, head_dim\]"
     ):
         sharding.sharded_write_kv(kv, flat, jnp.zeros((4, 8, 8)), slots, mesh=mesh)
+
+
+def test_shard_params_splits_only_the_kernels_of_megatron_layers():
+    # A bias under q_proj and a kernel at the top of the tree are replicated (a kernel
+    # path needs its layer's name); a plain dict's keys name the path as nnx's do.
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    tp = sharding.TensorParallel(sharding.make_mesh(1))
+    state = {
+        "kernel": jnp.zeros((4, 4)),
+        "q_proj": {"kernel": jnp.zeros((4, 8)), "bias": jnp.zeros(8)},
+        "o_proj": {"kernel": jnp.zeros((8, 4))},
+    }
+    placed = sharding.shard_params(state, tp)
+    ax = sharding.DEFAULT_AXIS
+    assert placed["kernel"].sharding.spec == P()
+    assert placed["q_proj"]["kernel"].sharding.spec == P(None, ax)
+    assert placed["q_proj"]["bias"].sharding.spec == P()
+    assert placed["o_proj"]["kernel"].sharding.spec == P(ax, None)
