@@ -267,6 +267,15 @@ def bad_tp_sizes():
     ):
         abstract = nnx.eval_shape(lambda c=cfg: Llama(c, rngs=nnx.Rngs(0)))  # no weights computed
         raises(lambda m=abstract: sharding.shard_model(m, mesh4), *numbers)
+    # shard_params on its own names the split parameter that TP does not divide, and leaves
+    # a replicated one of an indivisible size (here 6) alone.
+    tp4 = sharding.TensorParallel(mesh4)
+    norm = {"norm": {"scale": jnp.zeros(6)}}
+    scale = sharding.shard_params(norm, tp4)["norm"]["scale"]
+    assert scale.sharding.spec == jax.sharding.PartitionSpec(), scale.sharding
+    up = {"mlp": {"up_proj": {"kernel": jnp.zeros((8, 6))}}}
+    raises(lambda: sharding.shard_params(up, tp4), "tensor_parallel_size=4", "dimension 1",
+           "size 6", "mlp.up_proj.kernel")  # fmt: skip
     q = jnp.zeros((BUCKETS.max_num_tokens, 12, 8))
     kv = jnp.zeros((NUM_BLOCKS, BLOCK_SIZE, 12, 8))
     _, md = planned_step(1, cascade=False)
