@@ -160,3 +160,18 @@ def test_shard_params_splits_only_the_kernels_of_megatron_layers():
     assert placed["q_proj"]["kernel"].sharding.spec == P(None, ax)
     assert placed["q_proj"]["bias"].sharding.spec == P()
     assert placed["o_proj"]["kernel"].sharding.spec == P(ax, None)
+
+
+def test_a_sharded_model_makes_one_split_cache_per_layer():
+    # The mesh checks' models have one layer, which hides a cache list cut to one.
+    from jax.sharding import PartitionSpec as P
+
+    from tests.models.conftest import random_model, small_config
+
+    cfg = small_config()
+    sharded = sharding.shard_model(random_model(cfg), sharding.make_mesh(1))
+    caches = sharded.init_kv_caches(5, 4)
+    assert cfg.num_layers == 2 and len(caches) == cfg.num_layers
+    for c in caches:
+        assert c.shape == (5, 4, 2 * cfg.num_kv_heads, cfg.head_dim)
+        assert c.sharding.spec == P(None, None, sharding.DEFAULT_AXIS, None)
