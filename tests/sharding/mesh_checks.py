@@ -276,6 +276,9 @@ def bad_tp_sizes():
     up = {"mlp": {"up_proj": {"kernel": jnp.zeros((8, 6))}}}
     raises(lambda: sharding.shard_params(up, tp4), "tensor_parallel_size=4", "dimension 1",
            "size 6", "mlp.up_proj.kernel")  # fmt: skip
+    # On a mesh with another axis beside "model", TP is the model axis (4), not all 8 devices.
+    mesh2x4 = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    assert sharding.TensorParallel(mesh2x4).size == 4
     q = jnp.zeros((BUCKETS.max_num_tokens, 12, 8))
     kv = jnp.zeros((NUM_BLOCKS, BLOCK_SIZE, 12, 8))
     _, md = planned_step(1, cascade=False)
