@@ -13,7 +13,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
-from jaxkv.field_checks import is_integer
+from jaxkv.field_checks import positive_int_fields
 
 
 def pow2_buckets(minimum: int, maximum: int) -> tuple[int, ...]:
@@ -59,11 +59,8 @@ class BucketConfig:
     min_pages_per_seq: int = 4
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not is_integer(value) or value < 1:
-                raise ValueError(f"{field.name}={value!r} must be an int >= 1")
-            object.__setattr__(self, field.name, int(value))  # numpy ints become plain ints
+        # numpy ints become plain ints
+        positive_int_fields(self, *(field.name for field in dataclasses.fields(self)))
         if self.max_num_seqs > self.max_num_tokens:
             raise ValueError(f"{self.max_num_seqs=} must be <= {self.max_num_tokens=}")
 
