@@ -22,6 +22,8 @@ class StepDriver(Protocol):
 
     def abort(self, request_id: str) -> bool: ...
 
+    # Optional: queue_checkpoint() -> Callable[[], None] (see Engine.queue_checkpoint).
+
 
 def count_prompts(prompts: Sequence[Sequence[int]]) -> int:
     """len(prompts); ValueError naming `prompts` if it has none (an int, a generator)."""
@@ -45,11 +47,14 @@ def run_to_completion(
 
     `sampling_params` is one for all prompts or a sequence of one per prompt. Prompts are
     queued in order; when queueing one raises (a ValueError for a prompt that fails
-    validation, or anything else), the ones before it are aborted again (none has run).
-    An exception while stepping (KeyboardInterrupt too) aborts the prompts' unfinished
-    requests before it propagates. Other requests the driver holds progress too; their
-    outputs are dropped. A prompt's request that ends without a final output (aborted by
-    another caller meanwhile) gets finish_reason "abort" and the tokens it had.
+    validation, or anything else), the ones before it are aborted again (none has run),
+    and a driver with a `queue_checkpoint()` method is rewound to the checkpoint taken
+    before the first (the next request gets the default id and seed it would have had
+    without this call). An exception while stepping (KeyboardInterrupt too) aborts the
+    prompts' unfinished requests before it propagates. Other requests the driver holds
+    progress too; their outputs are dropped. A prompt's request that ends without a final
+    output (aborted by another caller meanwhile) gets finish_reason "abort" and the tokens
+    it had.
     `progress_bar` (tqdm-like, optional) is advanced once per finished prompt and closed.
     """
     num_prompts = count_prompts(prompts)
@@ -60,12 +65,16 @@ def run_to_completion(
         if len(params_list) != num_prompts:
             raise ValueError(f"{len(params_list)=} sampling params for {num_prompts} prompts")
     ids: list[str] = []
+    checkpoint = getattr(driver, "queue_checkpoint", None)
+    rewind = checkpoint() if checkpoint is not None else None
     try:
         for p, sp in zip(prompts, params_list, strict=True):
             ids.append(driver.add_request(p, sp))
     except BaseException:
         for rid in ids:
             driver.abort(rid)
+        if rewind is not None:
+            rewind()
         if progress_bar is not None:
             progress_bar.close()
         raise

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -40,6 +40,7 @@ from jaxkv.model_fingerprint import model_fingerprint
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.request import Request, SamplingParams
+from jaxkv.request_serials import RequestSerials
 from jaxkv.sampler import SamplingRows
 from jaxkv.scheduler import Scheduler, SchedulerOutput
 from jaxkv.sharding import mesh_for, shard_model, tensor_parallel_of
@@ -139,7 +140,7 @@ class Engine(Closable):
         self._transfers_at_bind = self._transfers_at_close = self.connector.stats
         self._sampling = SamplingRows()
         self._levels_memo: tuple | None = None  # (plan, num tokens, level metadata)
-        self._next_serial = 0  # of the next queued request: default id and seed
+        self._serials = RequestSerials()  # default ids and seeds of queued requests
         self._programs: set[tuple] = set()
         self._totals = StepTotals()
         self.last_step: StepStats | None = None  # the last step that ran the model
@@ -173,19 +174,19 @@ class Engine(Closable):
         bad_stop = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop} must be < {self.vocab_size=}")
-        # The serial (default id and seed) is taken only once the request is queued, so
-        # a refused request leaves the ids and seeds of later ones as they would have been.
-        serial = self._next_serial
-        if request_id is None:
-            while str(serial) in self.scheduler.requests:  # a caller took that id
-                serial += 1
-            request_id = str(serial)
+        serial, request_id = self._serials.peek(request_id, self.scheduler.requests)
         request = Request(request_id, prompt, sampling_params, cache_salt=cache_salt)
         self.scheduler.add_request(request)  # raises on duplicate id or too long a prompt
-        self._next_serial = serial + 1
+        self._serials.take(serial)  # only once queued (jaxkv.request_serials)
         seed = (self.config.seed * 0x9E3779B1 + serial) & 0xFFFFFFFF
         self._sampling.add(request_id, sampling_params, seed)
         return request_id
+
+    def queue_checkpoint(self) -> Callable[[], None]:
+        """A function that, called once every request queued since has been aborted (as
+        generate does when it refuses a prompt), gives the next request the default id and
+        seed it would have had; it raises RuntimeError while the engine still holds one."""
+        return self._serials.checkpoint(self.scheduler.requests)
 
     def abort(self, request_id: str) -> bool:
         """Cancels a request in any unfinished state; False if unknown or finished.

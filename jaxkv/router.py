@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -29,6 +29,7 @@ from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.request import MAX_TOKEN_ID
+from jaxkv.request_serials import RequestSerials
 
 
 class Replica(Protocol):
@@ -106,7 +107,7 @@ class PrefixAwareRouter(Closable):
         self._outstanding = [0] * len(self.replicas)  # replica -> unfinished requests
         self._replica_of: dict[str, int] = {}  # request_id -> replica, while unfinished
         self._undelivered: list[RequestOutput] = []  # gathered by a step() that raised
-        self._next_serial = 0  # of the next generated id, taken once a replica queues it
+        self._serials = RequestSerials("dp-")  # of generated ids
 
     # ---------------------------------------------------------------- routing
 
@@ -185,12 +186,8 @@ class PrefixAwareRouter(Closable):
             # leave a request the router can never abort, and a close() that always raises.
             raise ValueError(f"{request_id=} must be None or a str")
         prompt = _prompt_ids(prompt_token_ids)
-        serial = None
-        if request_id is None:
-            serial = self._next_serial
-            while f"dp-{serial}" in self._replica_of:  # a caller took that id
-                serial += 1
-            request_id = f"dp-{serial}"
+        generated = request_id is None
+        serial, request_id = self._serials.peek(request_id, self._replica_of)
         if request_id in self._replica_of:
             raise ValueError(f"{request_id=} is already running")
         hashes = self._prefix_hashes(prompt, cache_salt)
@@ -198,12 +195,32 @@ class PrefixAwareRouter(Closable):
         self.replicas[replica].add_request(
             prompt, sampling_params, request_id=request_id, cache_salt=cache_salt
         )
-        if serial is not None:  # a refused request leaves later generated ids as they were
-            self._next_serial = serial + 1
+        if generated:  # only once queued: a refused request leaves later ids as they were
+            self._serials.take(serial)
         self._remember(hashes, replica)
         self._outstanding[replica] += 1
         self._replica_of[request_id] = replica
         return request_id
+
+    def queue_checkpoint(self) -> Callable[[], None]:
+        """A function that, called once every request queued since has been aborted (as
+        generate does when it refuses a prompt), gives back what queueing them changed:
+        the next generated id, the prefix routes they added, and the default ids and seeds
+        of replicas with a queue_checkpoint method (Engine). It raises RuntimeError,
+        changing nothing, while the router still holds one of them."""
+        routes = self._prefix_replica.copy()
+        rewind_ids = self._serials.checkpoint(self._replica_of)
+        rewind_replicas = [
+            r.queue_checkpoint() for r in self.replicas if hasattr(r, "queue_checkpoint")
+        ]
+
+        def rewind() -> None:
+            rewind_ids()  # first: raises while a request queued since is outstanding
+            for rewind_replica in rewind_replicas:
+                rewind_replica()
+            self._prefix_replica = routes
+
+        return rewind
 
     def abort(self, request_id: str) -> bool:
         """Aborts an unfinished request on its replica; False if unknown or finished.
