@@ -220,6 +220,33 @@ def _check_arguments(block_table, plan, block_size, buckets) -> None:
             raise ValueError(f"{block_size=} must be the plan's manager's {manager.block_size}")
 
 
+def _checked_counts(query_lens, num_computed_tokens, num_requests: int):
+    """Both per-request counts as signed integer arrays of shape (num_requests,)."""
+    query_lens = np.asarray(query_lens)
+    num_computed = np.asarray(num_computed_tokens)
+    if query_lens.shape != (num_requests,) or num_computed.shape != (num_requests,):
+        raise ValueError(
+            f"{query_lens.shape=} and num_computed_tokens.shape={num_computed.shape} must be "
+            f"({num_requests},)"
+        )
+    if not num_requests:  # (an empty list is a float64 array)
+        return query_lens, num_computed
+    if query_lens.dtype.kind not in "iu" or num_computed.dtype.kind not in "iu":
+        raise ValueError(
+            f"{query_lens.dtype=} and num_computed_tokens.dtype={num_computed.dtype} must "
+            "be integer dtypes"
+        )
+    if num_computed.min() < 0:  # numpy would read column -1 of the table
+        raise ValueError(f"every num_computed_tokens entry must be >= 0, got {num_computed.min()}")
+    # Unsigned counts (accepted, as the planner accepts them) made the in-place
+    # `main_kv -= suffix_start * block_size` fail numpy's casting rule.
+    if num_computed.dtype.kind == "u":
+        num_computed = num_computed.astype(np.int64)
+    if query_lens.dtype.kind == "u":
+        query_lens = query_lens.astype(np.int64)
+    return query_lens, num_computed
+
+
 def _outside(block_table) -> ValueError:
     return ValueError(
         f"a scheduled token or plan row lies outside {block_table.shape=}: the plan must "
@@ -257,29 +284,8 @@ def build_attention_metadata(
     decode-only batch (one token per request) takes a shorter path.
     """
     _check_arguments(block_table, plan, block_size, buckets)
-    query_lens = np.asarray(query_lens)
-    num_computed = np.asarray(num_computed_tokens)
     num_requests = len(plan.rows)
-    if query_lens.shape != (num_requests,) or num_computed.shape != (num_requests,):
-        raise ValueError(
-            f"{query_lens.shape=} and {num_computed_tokens.shape=} must be ({num_requests},)"
-        )
-    if num_requests:  # (an empty list is a float64 array)
-        if query_lens.dtype.kind not in "iu" or num_computed.dtype.kind not in "iu":
-            raise ValueError(
-                f"{query_lens.dtype=} and num_computed_tokens.dtype={num_computed.dtype} must "
-                "be integer dtypes"
-            )
-        if num_computed.min() < 0:  # numpy would read column -1 of the table
-            raise ValueError(
-                f"every num_computed_tokens entry must be >= 0, got {num_computed.min()}"
-            )
-        # Unsigned counts (accepted above, as the planner accepts them) made the in-place
-        # `main_kv -= suffix_start * block_size` below fail numpy's casting rule.
-        if num_computed.dtype.kind == "u":
-            num_computed = num_computed.astype(np.int64)
-        if query_lens.dtype.kind == "u":
-            query_lens = query_lens.astype(np.int64)
+    query_lens, num_computed = _checked_counts(query_lens, num_computed_tokens, num_requests)
     decode_only = num_requests > 0 and not (query_lens != 1).any()
     if decode_only:
         total = num_requests

@@ -49,6 +49,9 @@ def _three_decoding():
         ("query_lens", np.ones(3, bool), "query_lens.dtype"),
         ("query_lens", np.array([1.5, 1, 1]), "query_lens.dtype"),  # was a casting TypeError
         ("num_computed_tokens", np.full(3, 13.0), "num_computed_tokens.dtype"),  # IndexError
+        # A list of the wrong length raised AttributeError ('list' has no .shape) instead.
+        ("num_computed_tokens", [13, 13], r"num_computed_tokens.shape=\(2,\) must be \(3,\)"),
+        ("query_lens", [1, 1, 1, 1], r"query_lens.shape=\(4,\) .* must be \(3,\)"),
     ],
 )
 def test_an_argument_of_the_wrong_type_is_refused_by_name(field, value, match):
