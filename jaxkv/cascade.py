@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel
-from jaxkv.cascade_plan import CascadeLevel, CascadePlan, make_level
+from jaxkv.cascade_plan import CascadeLevel, CascadePlan, grouped_plan, make_level
 from jaxkv.field_checks import increasing_sizes, is_integer
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.prefix_index import longest_common_prefix
@@ -50,6 +50,28 @@ def _check_distinct(rows: np.ndarray, request_ids: Sequence[str]) -> None:
         if repeats.any():
             req_id = list(request_ids)[int(np.argmax(repeats))]
             raise ValueError(f"request_ids: {req_id!r} is given more than once")
+
+
+def _checked_plan_args(request_ids, num_computed_tokens, query_lens, manager):
+    """The two per-request counts as arrays; ValueError naming a bad argument."""
+    num_requests = len(request_ids)
+    num_computed_tokens = np.asarray(num_computed_tokens)
+    query_lens = np.asarray(query_lens)
+    if num_computed_tokens.shape != (num_requests,) or query_lens.shape != (num_requests,):
+        raise ValueError(
+            f"{num_computed_tokens.shape=} and {query_lens.shape=} must be ({num_requests},)"
+        )
+    if isinstance(request_ids, str):  # its characters would be read as ids
+        raise ValueError(f"{request_ids=} must be a sequence of request ids, not a str")
+    if not isinstance(manager, KVCacheManager):
+        raise ValueError(f"manager={type(manager).__name__} must be a KVCacheManager")
+    if num_requests and (
+        num_computed_tokens.dtype.kind not in "iu" or query_lens.dtype.kind not in "iu"
+    ):  # floats used to plan fractional block caps; bools passed as 0/1
+        raise ValueError(
+            f"{num_computed_tokens.dtype=} and {query_lens.dtype=} must be integer dtypes"
+        )
+    return num_computed_tokens, query_lens
 
 
 class CascadePlanner:
@@ -140,22 +162,9 @@ class CascadePlanner:
         prefix (KVCacheManager.num_common_prefix_blocks).
         """
         num_requests = len(request_ids)
-        num_computed_tokens = np.asarray(num_computed_tokens)
-        query_lens = np.asarray(query_lens)
-        if num_computed_tokens.shape != (num_requests,) or query_lens.shape != (num_requests,):
-            raise ValueError(
-                f"{num_computed_tokens.shape=} and {query_lens.shape=} must be ({num_requests},)"
-            )
-        if isinstance(request_ids, str):  # its characters would be read as ids
-            raise ValueError(f"{request_ids=} must be a sequence of request ids, not a str")
-        if not isinstance(manager, KVCacheManager):
-            raise ValueError(f"manager={type(manager).__name__} must be a KVCacheManager")
-        if num_requests and (
-            num_computed_tokens.dtype.kind not in "iu" or query_lens.dtype.kind not in "iu"
-        ):  # floats used to plan fractional block caps; bools passed as 0/1
-            raise ValueError(
-                f"{num_computed_tokens.dtype=} and {query_lens.dtype=} must be integer dtypes"
-            )
+        num_computed_tokens, query_lens = _checked_plan_args(
+            request_ids, num_computed_tokens, query_lens, manager
+        )
         rows = manager.rows_of(request_ids)
         made_for = (manager, manager.row_version)
         if rows is not self._distinct_rows:
@@ -199,44 +208,33 @@ class CascadePlanner:
         if not groups:
             if not use_global or not self._narrows(num_computed_tokens, query_lens, k0, bs):
                 return flat
-            key = (manager, rows, version, k0, common)
-            last = self._last_plan
-            if last is not None and last[0][0] is manager and last[0][1] is rows:
-                if last[0][2:] == key[2:]:
-                    return last[1]  # a repeated batch: the same plan
-            suffix_start = np.full(num_requests, base, np.int32)
-            level = make_level("global", [0], [num_requests], [0], [k0], [rows[0]])
-            plan = CascadePlan(
-                identity, rows, suffix_start, (level,), common, keeps_order=True,
-                made_for=made_for, validate=False,
-            )  # fmt: skip
-            self._last_plan = (key, plan)
-            return plan
+            return self._global_plan(manager, rows, version, k0, common, made_for)
         suffix_start = np.full(num_requests, base, np.int32)
         for members, end in groups:
             suffix_start[members] = end
         if not self._narrows(num_computed_tokens, query_lens, suffix_start, bs):
             return flat
+        global_blocks = k0 if use_global else None
+        return grouped_plan(groups, rows, suffix_start, global_blocks, common, made_for)
 
-        grouped = np.concatenate([members for members, _ in groups])
-        ungrouped = np.ones(num_requests, bool)
-        ungrouped[grouped] = False
-        order = np.concatenate([grouped, np.flatnonzero(ungrouped)]).astype(np.int32)
-        levels = []
-        if use_global:
-            levels.append(make_level("global", [0], [num_requests], [0], [k0], [rows[order[0]]]))
-        starts, ends, block_ends, leaders = [], [], [], []
-        for members, end in groups:
-            first = ends[-1] if ends else 0
-            starts.append(first)
-            ends.append(first + len(members))
-            block_ends.append(end)
-            leaders.append(rows[members[0]])
-        levels.append(make_level("groups", starts, ends, [base] * len(groups), block_ends, leaders))
-        return CascadePlan(
-            order, rows[order], suffix_start[order], tuple(levels), common, made_for=made_for,
-            validate=False,
+    def _global_plan(self, manager, rows, version, k0: int, common: int, made_for) -> CascadePlan:
+        """One level, the first k0 blocks of the whole batch; the last such plan is reused
+        for the same rows while the manager's sharing is unchanged."""
+        key = (manager, rows, version, k0, common)
+        last = self._last_plan
+        if last is not None and last[0][0] is manager and last[0][1] is rows:
+            if last[0][2:] == key[2:]:
+                return last[1]  # a repeated batch: the same plan
+        num_requests = len(rows)
+        identity = np.arange(num_requests, dtype=np.int32)
+        suffix_start = np.full(num_requests, k0, np.int32)
+        level = make_level("global", [0], [num_requests], [0], [k0], [rows[0]])
+        plan = CascadePlan(
+            identity, rows, suffix_start, (level,), common, keeps_order=True,
+            made_for=made_for, validate=False,
         )  # fmt: skip
+        self._last_plan = (key, plan)
+        return plan
 
     def _narrows(
         self,

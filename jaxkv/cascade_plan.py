@@ -179,3 +179,38 @@ def make_level(name, starts, ends, block_starts, block_ends, leaders) -> Cascade
     """A CascadeLevel from per-group sequences of ints (checked as CascadeLevel checks)."""
     fields = np.array([starts, ends, block_starts, block_ends, leaders], np.int32)
     return CascadeLevel(name, *fields)
+
+
+def grouped_plan(
+    groups: list[tuple[np.ndarray, int]],  # (batch positions, end block) per group
+    rows: np.ndarray,  # i32[R] block-table rows, batch order
+    suffix_start: np.ndarray,  # i32[R] first block of each request's own pass, batch order
+    global_blocks: int | None,  # blocks of a global level under the groups; None: none
+    common: int,
+    made_for,
+) -> CascadePlan:
+    """The plan with a "groups" level (over a "global" one if global_blocks): grouped
+    requests first, each group's members together, then the rest in batch order."""
+    num_requests = len(rows)
+    grouped = np.concatenate([members for members, _ in groups])
+    ungrouped = np.ones(num_requests, bool)
+    ungrouped[grouped] = False
+    order = np.concatenate([grouped, np.flatnonzero(ungrouped)]).astype(np.int32)
+    levels = []
+    if global_blocks is not None:
+        levels.append(
+            make_level("global", [0], [num_requests], [0], [global_blocks], [rows[order[0]]])
+        )
+    starts, ends, block_ends, leaders = [], [], [], []
+    for members, end in groups:
+        first = ends[-1] if ends else 0
+        starts.append(first)
+        ends.append(first + len(members))
+        block_ends.append(end)
+        leaders.append(rows[members[0]])
+    base = global_blocks or 0
+    levels.append(make_level("groups", starts, ends, [base] * len(groups), block_ends, leaders))
+    return CascadePlan(
+        order, rows[order], suffix_start[order], tuple(levels), common, made_for=made_for,
+        validate=False,
+    )  # fmt: skip
