@@ -335,6 +335,9 @@ def test_longest_common_prefix_refuses_arguments_it_would_misread(num_blocks, ro
     for bad in ([3, 3, 4], None):  # None raised AttributeError
         with pytest.raises(ValueError, match="num_blocks must be a 1-D numpy array"):
             longest_common_prefix(table, bad)
+    for bad_table in (table.tolist(), table[0]):  # a list, and one row only
+        with pytest.raises(ValueError, match="prefix_ids must be a 2-D numpy array"):
+            longest_common_prefix(bad_table, np.array([3, 3, 4]))
 
 
 def test_reused_answer_follows_a_cache_hit_on_a_request_that_held_no_block():

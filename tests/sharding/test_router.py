@@ -11,6 +11,7 @@ import pytest
 
 from jaxkv import SamplingParams
 from jaxkv.outputs import RequestOutput
+from jaxkv.request import MAX_TOKEN_ID
 from jaxkv.router import PrefixAwareRouter, Route
 
 BLOCK = 4
@@ -382,6 +383,28 @@ def test_token_ids_a_block_hash_cannot_encode_are_refused_before_hashing():
         with pytest.raises(ValueError, match="prompt_token_ids must"):
             router.route(bad)
     assert router.generate([[1, 2, 3]], progress=False)[0].finish_reason == "length"
+    # The bounds are exact: the largest token id a hash encodes is routed, and hashed.
+    top = [MAX_TOKEN_ID] * BLOCK
+    assert router.route(top).matched_blocks == 0
+    with pytest.raises(ValueError, match="prompt_token_ids must lie in"):
+        router.route([MAX_TOKEN_ID + 1] * BLOCK)
+    router.add_request(top)
+    assert router.route(top).matched_blocks == 1
+    for seed in (-(2**63), 2**63 - 1):  # the ends of a signed 64-bit seed
+        assert PrefixAwareRouter(replicas, block_size=4, hash_seed=seed).hash_seed == seed
+    for seed in (-(2**63) - 1, 2**63):
+        with pytest.raises(ValueError, match="seed="):
+            PrefixAwareRouter(replicas, block_size=4, hash_seed=seed)
+
+
+def test_a_generated_id_is_never_given_again_after_its_request_ends():
+    router, _ = make_router(2)
+    first = router.add_request([1, 2])
+    assert router.abort(first)
+    second = router.add_request([1, 2], SamplingParams(max_tokens=1))
+    while router.has_unfinished_requests():
+        router.step()
+    assert (first, second, router.add_request([3])) == ("dp-0", "dp-1", "dp-2")
 
 
 def test_prompts_route_together_only_under_the_same_cache_salt():
