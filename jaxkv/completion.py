@@ -74,7 +74,10 @@ def run_to_completion(
         for rid in ids:
             driver.abort(rid)
         if rewind is not None:
-            rewind()
+            try:
+                rewind()
+            except RuntimeError:  # one is still held: its id and seed stay taken
+                pass
         if progress_bar is not None:
             progress_bar.close()
         raise

@@ -90,6 +90,28 @@ def test_any_exception_while_queueing_aborts_the_prompts_queued_before_it():
     assert driver.queued == [] and bar.closed
 
 
+class _RewindRefused(_RefusesThird):
+    """Its checkpoint cannot be rewound (as when a queued request is still held)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rewinds = 0
+
+    def queue_checkpoint(self):
+        def rewind() -> None:
+            self.rewinds += 1
+            raise RuntimeError("still held")
+
+        return rewind
+
+
+def test_a_checkpoint_that_cannot_be_rewound_leaves_the_refusal_to_propagate():
+    driver = _RewindRefused()
+    with pytest.raises(TypeError, match="not a prompt"):
+        run_to_completion(driver, [[1], [2], [3]])
+    assert driver.rewinds == 1 and driver.queued == []
+
+
 @pytest.mark.parametrize("progress", [False, True])
 def test_prompts_that_are_no_sequence_are_refused_by_name_and_queue_nothing(progress):
     from tests.engine._util import make_engine
