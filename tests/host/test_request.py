@@ -95,6 +95,26 @@ def test_sampling_params_take_numpy_numbers_as_python_ones():
         max_tokens=5, temperature=0.5, top_k=3, top_p=0.9, seed=7, stop_token_ids=(1, 2)
     )
     assert all(type(v) is int for v in (p.max_tokens, p.top_k, p.seed, *p.stop_token_ids))
+    assert type(p.temperature) is float and type(p.top_p) is float
+    assert type(SamplingParams(temperature=1, top_p=1).temperature) is float
+
+
+def test_sampling_params_bounds_are_exact():
+    f32_max = float(np.finfo(np.float32).max)
+    assert SamplingParams(temperature=f32_max).temperature == f32_max  # finite in float32
+    assert SamplingParams(stop_token_ids=[0]).stop_token_ids == (0,)
+    with pytest.raises(ValueError, match="^temperature="):
+        SamplingParams(temperature=float(np.nextafter(np.float64(f32_max), np.inf)) * 2)
+
+
+@pytest.mark.parametrize("seed", [-(2**63), 2**63 - 1])
+def test_a_hash_seed_at_either_end_of_64_bits_is_taken(seed):
+    req = Request("r", range(9))
+    req.check_hash_config(4, seed)
+    assert req.update_block_hashes(4, seed) == Request("s", range(9)).update_block_hashes(4, seed)
+    for outside in (-(2**63) - 1, 2**63):
+        with pytest.raises(ValueError, match="fits in 64 bits"):
+            Request("t", range(9)).check_hash_config(4, outside)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxkv import KVCacheManager, RequestStatus, longest_common_prefix, prefix_index
-from jaxkv.prefix_index import PrefixInterner
+from jaxkv.prefix_index import PrefixInterner, shared_prefix_of_rows
 from tests.host._util import decode, make_request, prefill, ref_counts
 
 X = list(range(4))  # one full block of shared prefix (block_size 4)
@@ -356,3 +356,11 @@ def test_reused_answer_follows_a_cache_hit_on_a_request_that_held_no_block():
     assert m.sharing_version != version
     assert m.num_common_prefix_blocks(["A", "B"]) == 1 == _brute_force_common(m, ["A", "B"])
     m.check_integrity()
+
+
+def test_shared_prefix_of_no_rows_is_zero_and_of_one_row_its_length():
+    table = np.array([[0, 1, -1], [0, 2, 3]], np.int64, order="F")
+    held = np.array([2, 3], np.int32)
+    assert shared_prefix_of_rows(table, np.array([], np.int32), held) == 0
+    assert shared_prefix_of_rows(table, np.array([1], np.int32), held) == 3
+    assert shared_prefix_of_rows(table, np.array([0, 1], np.int32), held) == 1
