@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -192,3 +193,16 @@ def test_bad_hash_arguments_are_refused_and_leave_the_request_hashable(block_siz
     assert req.block_hashes == []
     assert req.update_block_hashes(4, 0) == Request("s", range(9)).update_block_hashes(4)
     assert req.update_block_hashes(np.int64(4), np.uint8(0)) == req.block_hashes  # same config
+
+
+def test_arrival_time_defaults_to_the_monotonic_clock_and_keeps_a_given_one():
+    before = time.monotonic()
+    req = Request("r", [1])
+    assert before <= req.arrival_time <= time.monotonic()
+    assert Request("s", [1], arrival_time=12.5).arrival_time == 12.5
+
+
+def test_a_misspelt_field_assignment_fails_instead_of_adding_an_attribute():
+    req = Request("r", [1])
+    with pytest.raises(AttributeError):
+        req.num_computed_token = 1  # num_computed_tokens
