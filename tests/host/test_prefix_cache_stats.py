@@ -59,6 +59,8 @@ def test_count_prefix_lookup_counts_what_it_is_given_and_refuses_what_it_cannot_
     m.count_prefix_lookup(req, 8)
     stats = m.prefix_cache_stats
     assert (stats.requests, stats.queries, stats.hits) == (1, 10, 8)
+    m.count_prefix_lookup(req, 10)  # the bound is inclusive: a hit on every token
+    assert m.prefix_cache_stats.hits == 18
     off = KVCacheManager(16, BS, max_model_len=64, enable_prefix_caching=False)
     off.count_prefix_lookup(req, 0)  # no cache, nothing to count
     assert off.prefix_cache_stats.requests == 0
