@@ -212,7 +212,12 @@ def test_stale_cache_hit_is_refused(busy):
 
 @pytest.mark.parametrize(
     "block_ids,match",
-    [([0], "invalid block id"), ([99], "invalid"), (None, "must be a sequence of block ids")],
+    [
+        ([0], "invalid block id"),
+        ([12], "invalid block id"),  # one past the pool: IndexError
+        ([99], "invalid"),
+        (None, "must be a sequence of block ids"),
+    ],
 )
 def test_invalid_computed_block_ids(busy, block_ids, match):
     before = snapshot(busy)
@@ -241,6 +246,12 @@ def test_invalid_computed_block_ids(busy, block_ids, match):
 def test_bad_constructor_arguments(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         KVCacheManager(*args, **kwargs)
+
+
+def test_sizes_at_either_end_of_their_range_are_taken():
+    assert KVCacheManager(8, 1, max_model_len=1).block_size == 1
+    top = KVCacheManager(8, 2**31 - 1, max_model_len=2**31 - 1)  # one block per request
+    assert (top.block_size, top.max_model_len, top.max_blocks_per_seq) == (2**31 - 1,) * 2 + (1,)
 
 
 @pytest.mark.parametrize("dtype", [np.uint32, np.uint64, np.int8, np.int64])
