@@ -168,3 +168,25 @@ def test_min_saved_fraction_counts_the_query_tokens_flat_attention_reads(
     model = CascadeCostModel(0, merge_cost_factor=0, min_saved_fraction=min_saved_fraction)
     plan = _plan(CascadePlanner(SHAPE, cost_model=model), m, reqs, query_lens=[16, 16])
     assert plan.uses_cascade == cascade
+
+
+def test_the_cost_model_boundaries_are_exact():
+    # One head of one byte: a prefix token is 2 bytes (K and V); 2 requests sharing 4
+    # tokens save 8 bytes, and flat attention over 16 context tokens reads 32.
+    shape = dict(num_q_heads=1, num_kv_heads=1, head_dim=1, kv_itemsize=1, num_query_tokens=1)
+    free = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0.0)
+    assert free.pays(num_requests=2, prefix_tokens=4, **shape)  # min_requests=2 is enough
+    assert not free.pays(num_requests=1, prefix_tokens=4, **shape)
+    assert not free.pays(num_requests=2, prefix_tokens=0, **shape)
+
+    def costing(launch: float) -> CascadeCostModel:
+        return CascadeCostModel(launch_overhead_bytes=launch, merge_cost_factor=0.0)
+
+    assert costing(7.5).pays(num_requests=2, prefix_tokens=4, **shape)
+    assert not costing(8).pays(num_requests=2, prefix_tokens=4, **shape)  # saves only its cost
+
+    def needing(fraction: float) -> CascadeCostModel:
+        return CascadeCostModel(0, merge_cost_factor=0.0, min_saved_fraction=fraction)
+
+    assert needing(0.25).pays(num_requests=2, prefix_tokens=4, context_tokens=16, **shape)
+    assert not needing(0.26).pays(num_requests=2, prefix_tokens=4, context_tokens=16, **shape)
