@@ -4,7 +4,11 @@ counters of a 1-token recompute chunk that leaves exactly one token to compute."
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from jaxkv import RequestOutput, RequestStatus
+from jaxkv.request import MAX_TOKEN_ID
 from tests.host._sched_util import add, make_scheduler, token_of
 
 
@@ -59,3 +63,16 @@ def test_a_one_token_recompute_chunk_before_the_last_token_counts_as_prefill():
     stats = sched.stats
     assert stats.num_preemptions == 2
     assert (stats.num_prompt_tokens_computed, stats.num_decode_tokens_computed) == (27, 14)
+
+
+def test_sampled_token_ids_at_either_end_of_the_id_range_are_taken():
+    sched = make_scheduler()
+    a = add(sched, "a", [1, 2, 3], max_tokens=3)
+    b = add(sched, "b", [4, 5], max_tokens=3)
+    out = sched.schedule()
+    for bad in ([-1, 5], np.array([5, MAX_TOKEN_ID + 1], np.uint64)):
+        with pytest.raises(ValueError, match=r"sampled_token_ids: .* must lie in \[0,"):
+            sched.update_from_output(out, bad)
+    assert a.output_token_ids == b.output_token_ids == []  # nothing applied
+    sched.update_from_output(out, [0, MAX_TOKEN_ID])
+    assert (a.output_token_ids, b.output_token_ids) == ([0], [MAX_TOKEN_ID])
