@@ -244,28 +244,6 @@ def test_bad_input_leaves_the_router_unchanged():
     assert PrefixAwareRouter(iter(replicas), block_size=4).replicas == replicas
 
 
-def test_generated_ids_skip_ids_callers_chose():
-    router, _ = make_router(2)
-    ids = [router.add_request([1, 2], request_id="dp-1"), router.add_request([3, 4])]
-    ids.append(router.add_request([5, 6]))
-    assert ids[0] == "dp-1" and len(set(ids)) == 3 and sum(router.num_outstanding) == 3
-    # Two taken ids in a row are both skipped.
-    router.add_request([7], request_id="dp-3")
-    router.add_request([8], request_id="dp-4")
-    assert router.add_request([9]) == "dp-5" and sum(router.num_outstanding) == 6
-
-
-def test_a_refused_request_takes_no_generated_id():
-    # As with Engine.add_request, the ids of later requests are those a run without the
-    # refused one gives them.
-    router, _ = make_router(2)
-    ids = [router.add_request([1, 2])]
-    with pytest.raises(ValueError, match="empty prompt"):  # refused by the replica
-        router.add_request([])
-    ids += [router.add_request([3, 4]), router.add_request([5, 6])]
-    assert ids == ["dp-0", "dp-1", "dp-2"]
-
-
 def test_a_shared_short_prefix_outlives_the_longer_ones_it_starts():
     router, _ = make_router(2, max_tracked_prefixes=3, max_prefix_blocks=2)
     a = [1] * BLOCK
@@ -395,16 +373,6 @@ def test_token_ids_a_block_hash_cannot_encode_are_refused_before_hashing():
     for seed in (-(2**63) - 1, 2**63):
         with pytest.raises(ValueError, match="seed="):
             PrefixAwareRouter(replicas, block_size=4, hash_seed=seed)
-
-
-def test_a_generated_id_is_never_given_again_after_its_request_ends():
-    router, _ = make_router(2)
-    first = router.add_request([1, 2])
-    assert router.abort(first)
-    second = router.add_request([1, 2], SamplingParams(max_tokens=1))
-    while router.has_unfinished_requests():
-        router.step()
-    assert (first, second, router.add_request([3])) == ("dp-0", "dp-1", "dp-2")
 
 
 def test_prompts_route_together_only_under_the_same_cache_salt():

@@ -1,0 +1,41 @@
+"""PrefixAwareRouter's generated request ids: callers' ids are skipped, a refused request
+takes none, and none is given twice."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv import SamplingParams
+from tests.sharding.test_router import make_router
+
+
+def test_generated_ids_skip_ids_callers_chose():
+    router, _ = make_router(2)
+    ids = [router.add_request([1, 2], request_id="dp-1"), router.add_request([3, 4])]
+    ids.append(router.add_request([5, 6]))
+    assert ids[0] == "dp-1" and len(set(ids)) == 3 and sum(router.num_outstanding) == 3
+    # Two taken ids in a row are both skipped.
+    router.add_request([7], request_id="dp-3")
+    router.add_request([8], request_id="dp-4")
+    assert router.add_request([9]) == "dp-5" and sum(router.num_outstanding) == 6
+
+
+def test_a_refused_request_takes_no_generated_id():
+    # As with Engine.add_request, the ids of later requests are those a run without the
+    # refused one gives them.
+    router, _ = make_router(2)
+    ids = [router.add_request([1, 2])]
+    with pytest.raises(ValueError, match="empty prompt"):  # refused by the replica
+        router.add_request([])
+    ids += [router.add_request([3, 4]), router.add_request([5, 6])]
+    assert ids == ["dp-0", "dp-1", "dp-2"]
+
+
+def test_a_generated_id_is_never_given_again_after_its_request_ends():
+    router, _ = make_router(2)
+    first = router.add_request([1, 2])
+    assert router.abort(first)
+    second = router.add_request([1, 2], SamplingParams(max_tokens=1))
+    while router.has_unfinished_requests():
+        router.step()
+    assert (first, second, router.add_request([3])) == ("dp-0", "dp-1", "dp-2")
