@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CascadeLevel", "CascadePlan", "make_level"]
+__all__ = ["CascadeLevel", "CascadePlan", "grouped_plan", "make_level"]
 
 
 @dataclasses.dataclass(frozen=True)
