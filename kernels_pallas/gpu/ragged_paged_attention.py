@@ -154,6 +154,8 @@ def ragged_paged_attention(
     a default from the static shapes. `interpret=True` runs the kernel on the CPU.
     Called on concrete arrays, raises ValueError for index values out of range (a page id
     past kv_pages, a kv_len past its pages; kernels_pallas.validation) before anything runs.
+    The kernel is traced with 32-bit types whatever `jax_enable_x64` says, so it is the
+    same program either way (under x64, its index arithmetic would run in 64 bits).
     """
     validate_ragged_paged_attention_inputs(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
@@ -215,38 +217,39 @@ def ragged_paged_attention(
     )
     whole = pl.BlockSpec()
     kv_block = (num_pages, page_size, None, head_dim)
-    out, lse = pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=[
-            whole,  # cu_q_lens
-            whole,  # kv_lens
-            whole,  # page_indices
-            whole,  # num_seqs
-            whole,  # q
-            pl.BlockSpec(kv_block, lambda i, h, s: (0, 0, 2 * h, 0)),  # K of head h
-            pl.BlockSpec(kv_block, lambda i, h, s: (0, 0, 2 * h + 1, 0)),  # V of head h
-        ],
-        out_specs=[
-            pl.BlockSpec((None, num_rows, head_dim), lambda i, h, s: (s, 0, 0)),
-            pl.BlockSpec((None, num_rows), lambda i, h, s: (s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((num_kv_splits, num_rows, head_dim), split_dtype),
-            jax.ShapeDtypeStruct((num_kv_splits, num_rows), jnp.float32),
-        ],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="ragged_paged_attention_gpu",
-    )(
-        cu_q_lens,
-        kv_lens,
-        page_indices,
-        num_seqs,
-        q.reshape(-1, head_dim),
-        kv_pages,
-        kv_pages,
-    )
+    with jax.enable_x64(False):  # see ragged_paged_attention's docstring
+        out, lse = pl.pallas_call(
+            kernel,
+            grid=grid,
+            in_specs=[
+                whole,  # cu_q_lens
+                whole,  # kv_lens
+                whole,  # page_indices
+                whole,  # num_seqs
+                whole,  # q
+                pl.BlockSpec(kv_block, lambda i, h, s: (0, 0, 2 * h, 0)),  # K of head h
+                pl.BlockSpec(kv_block, lambda i, h, s: (0, 0, 2 * h + 1, 0)),  # V of head h
+            ],
+            out_specs=[
+                pl.BlockSpec((None, num_rows, head_dim), lambda i, h, s: (s, 0, 0)),
+                pl.BlockSpec((None, num_rows), lambda i, h, s: (s, 0)),
+            ],
+            out_shape=[
+                jax.ShapeDtypeStruct((num_kv_splits, num_rows, head_dim), split_dtype),
+                jax.ShapeDtypeStruct((num_kv_splits, num_rows), jnp.float32),
+            ],
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            interpret=interpret,
+            name="ragged_paged_attention_gpu",
+        )(
+            cu_q_lens,
+            kv_lens,
+            page_indices,
+            num_seqs,
+            q.reshape(-1, head_dim),
+            kv_pages,
+            kv_pages,
+        )
     if num_kv_splits == 1:
         out, lse = out[0], lse[0]
     else:

@@ -163,6 +163,10 @@ def ragged_paged_attention(
     mismatched heads, unsupported dtypes, bad knobs), naming the argument; called on
     concrete arrays, also for index values out of range (a page id past kv_pages, a
     kv_len past its pages; kernels_pallas.validation), before anything runs.
+
+    The kernel is traced with 32-bit types whatever `jax_enable_x64` says, so it is the
+    same program either way: under x64, Python ints in its index arithmetic would become
+    int64, which Mosaic's memref slices refuse.
     """
     validate_ragged_paged_attention_inputs(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
@@ -243,28 +247,29 @@ def ragged_paged_attention(
     )
     if interpret is True:
         interpret = pltpu.InterpretParams()
-    out_rows, lse_rows = pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(scalar_prefetch),
-            in_specs=[tile_spec, pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=[tile_spec, lse_spec],
-            grid=grid,
-            scratch_shapes=scratch_shapes,
-        ),
-        out_shape=[
-            jax.ShapeDtypeStruct(q_rows.shape, output_dtype(q, out_dtype)),
-            jax.ShapeDtypeStruct((num_kv_heads, padded_tokens * group, LANES), jnp.float32),
-        ],
-        compiler_params=pltpu.CompilerParams(
-            # Grid steps share no state (each starts its own first copy), so both axes
-            # may be split across TensorCores.
-            dimension_semantics=("parallel", "parallel"),
-            vmem_limit_bytes=vmem_limit_bytes,
-        ),
-        interpret=interpret or False,
-        name="jaxkv_ragged_paged_attention",
-    )(*scalar_prefetch, q_rows, kv_pages)
+    with jax.enable_x64(False):  # see ragged_paged_attention's docstring
+        out_rows, lse_rows = pl.pallas_call(
+            kernel,
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=len(scalar_prefetch),
+                in_specs=[tile_spec, pl.BlockSpec(memory_space=pl.ANY)],
+                out_specs=[tile_spec, lse_spec],
+                grid=grid,
+                scratch_shapes=scratch_shapes,
+            ),
+            out_shape=[
+                jax.ShapeDtypeStruct(q_rows.shape, output_dtype(q, out_dtype)),
+                jax.ShapeDtypeStruct((num_kv_heads, padded_tokens * group, LANES), jnp.float32),
+            ],
+            compiler_params=pltpu.CompilerParams(
+                # Grid steps share no state (each starts its own first copy), so both axes
+                # may be split across TensorCores.
+                dimension_semantics=("parallel", "parallel"),
+                vmem_limit_bytes=vmem_limit_bytes,
+            ),
+            interpret=interpret or False,
+            name="jaxkv_ragged_paged_attention",
+        )(*scalar_prefetch, q_rows, kv_pages)
 
     out = out_rows.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(1, 0, 2, 3)
     out = out.reshape(padded_tokens, num_q_heads, head_dim)[:num_tokens]
