@@ -193,7 +193,11 @@ def ragged_paged_attention(
     grid = (max_num_tokens // tokens_per_block + max_num_seqs, num_kv_heads, num_kv_splits)
 
     compute_dtype = q.dtype
-    precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+    # Explicit either way, so a global jax.default_matmul_precision does not change the
+    # program (bfloat16 and float16 products are exact in the float32 accumulator).
+    precision = (
+        jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    )
     out_dtype = output_dtype(q, out_dtype)
     # Splits are merged in float32, so their partial outputs are not rounded first.
     split_dtype = out_dtype if num_kv_splits == 1 else jnp.float32

@@ -87,7 +87,10 @@ def paged_attention_kernel(
     kv_per_blk = pages_per_blk * page_size
     q_per_blk = rows // group
     compute_dtype = q_ref.dtype
-    precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+    # Explicit either way: a global jax.default_matmul_precision must not reach Mosaic,
+    # which takes only DEFAULT and HIGHEST. bfloat16 and float16 products are exact in
+    # the float32 accumulator at DEFAULT.
+    precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else lax.Precision.DEFAULT
     score_scale = sm_scale * (1.0 if k_scale is None else k_scale)
 
     heads_blk = pl.program_id(0)
