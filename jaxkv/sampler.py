@@ -152,7 +152,7 @@ def sample(
     # top_p >= 1 keeps everything even where the float32 cumsum reaches 1 early; the most
     # likely token is always kept, also for a top_p that is 0 in float32 (or flushed to 0).
     keep = in_top_k & (
-        (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0) | (jnp.arange(vocab) == 0)
+        (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0) | (jnp.arange(vocab) == 0)[None, :]
     )
     threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1)
     masked = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)

@@ -60,7 +60,8 @@ def apply_rope(
     inv_freq: np.ndarray,  # f32[head_dim // 2]
 ) -> jax.Array:  # [..., T, num_heads, head_dim]
     """Rotate-half RoPE (the Hugging Face convention): pairs are (i, i + head_dim / 2)."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, D/2]
+    inv_freq = jnp.asarray(inv_freq).reshape((1,) * positions.ndim + (-1,))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, D/2]
     cos = jnp.cos(freqs)[..., None, :]
     sin = jnp.sin(freqs)[..., None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -96,7 +97,8 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * x32.astype(x.dtype)
+        weight = jnp.expand_dims(self.weight[...], tuple(range(x.ndim - 1)))
+        return weight * x32.astype(x.dtype)
 
 
 def _linear(n_in: int, n_out: int, dtype: Any, rngs: nnx.Rngs) -> nnx.Linear:

@@ -1,0 +1,37 @@
+"""The engine under JAX's stricter global settings: the same greedy tokens as the dense model.
+
+Projects often switch these on for their own code: implicit rank promotion raising
+(the model's RMSNorm weight, its RoPE frequencies and the sampler's top-p mask used to
+rely on it), strict dtype promotion, and 64-bit types. Each test serves greedy requests
+and one sampled with top-k and top-p under the setting, so the model, the attention
+dispatch, cascade and the sampler all run under it.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from jaxkv import SamplingParams
+from tests.engine._util import assert_all_blocks_free, dense_greedy, make_engine, prompts_for
+
+SETTINGS = {
+    "rank_promotion_raise": lambda: jax.numpy_rank_promotion("raise"),
+    "strict_dtype_promotion": lambda: jax.numpy_dtype_promotion("strict"),
+    "x64": lambda: jax.enable_x64(True),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_the_engine_serves_exact_greedy_tokens_under_the_setting(setting):
+    prompts = prompts_for("two_groups")
+    with SETTINGS[setting]():
+        engine = make_engine()
+        greedy = engine.generate(prompts, SamplingParams(max_tokens=4), progress=False)
+        hot = SamplingParams(max_tokens=4, temperature=0.8, top_k=20, top_p=0.9, seed=1)
+        sampled = engine.generate(prompts[:2], hot, progress=False)
+        expected = dense_greedy(prompts, 4)
+    assert [list(o.output_token_ids) for o in greedy] == expected
+    assert all(len(o.output_token_ids) == 4 for o in sampled)
+    assert engine.metrics.cascade_steps > 0
+    assert_all_blocks_free(engine)
