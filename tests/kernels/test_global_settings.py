@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import functools
 import re
 
 import jax
@@ -46,40 +45,20 @@ def _mosaic_calls(stablehlo: str) -> list[str]:
     return re.findall(r"@tpu_custom_call\(.*?backend_config = (\"[^\"]*)", stablehlo)
 
 
-@pytest.mark.parametrize("max_q_len", [1, None])
-def test_the_gpu_kernel_lowers_to_the_same_triton_module_under_x64(max_q_len):
-    lower = functools.partial(
-        lower_kernel_call, 90, num_tokens=64, num_seqs=8, num_q_heads=8, num_kv_heads=2,
-        head_dim=128, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, max_q_len=max_q_len,
-    )  # fmt: skip
-    plain = lower()
-    with jax.enable_x64(True):
-        under_x64 = lower()
-    assert "i64" not in under_x64.ir
-    assert under_x64 == plain
-
-
-@pytest.mark.parametrize(
-    "kernel,interpret",
-    [(tpu_attention, harness.INTERPRET_TPU), (gpu_attention, harness.INTERPRET_GPU)],
-    ids=["tpu", "gpu"],
-)
-def test_both_kernels_run_under_x64_and_match_the_oracle(kernel, interpret):
-    case = harness.make_case(
-        3, MIXED, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, max_num_seqs=8
-    )
-    with jax.enable_x64(True):
-        out, lse = kernel(*case.args(), sm_scale=SM_SCALE, interpret=interpret)
-    assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
-    harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=SM_SCALE))
-    harness.assert_padding_is_empty(case, out, lse)
-
-
-def _gpu_module(q_dtype, kv_dtype) -> str:
+def _gpu_module(q_dtype, kv_dtype, **kernel_kw) -> str:
     return lower_kernel_call(
         90, num_tokens=64, num_seqs=8, num_q_heads=8, num_kv_heads=2, head_dim=128,
-        q_dtype=q_dtype, kv_dtype=kv_dtype,
+        q_dtype=q_dtype, kv_dtype=kv_dtype, **kernel_kw,
     ).ir  # fmt: skip
+
+
+@pytest.mark.parametrize("max_q_len", [1, None])
+def test_the_gpu_kernel_lowers_to_the_same_triton_module_under_x64(max_q_len):
+    plain = _gpu_module(jnp.bfloat16, jnp.bfloat16, max_q_len=max_q_len)
+    with jax.enable_x64(True):
+        under_x64 = _gpu_module(jnp.bfloat16, jnp.bfloat16, max_q_len=max_q_len)
+    assert "i64" not in under_x64
+    assert under_x64 == plain
 
 
 @pytest.mark.parametrize("q_dtype,kv_dtype", DTYPE_PAIRS)
@@ -92,17 +71,28 @@ def test_a_global_matmul_precision_leaves_both_kernels_programs_unchanged(q_dtyp
             assert _gpu_module(q_dtype, kv_dtype) == gpu_plain, precision
 
 
+# (enter the setting, q and KV dtype) for the run test: "tensorfloat32" with the bfloat16
+# inputs whose matmuls it used to reach.
+RUN_SETTINGS = {
+    "x64": (lambda: jax.enable_x64(True), jnp.float32),
+    "tensorfloat32": (lambda: jax.default_matmul_precision("tensorfloat32"), jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(RUN_SETTINGS))
 @pytest.mark.parametrize(
     "kernel,interpret",
     [(tpu_attention, harness.INTERPRET_TPU), (gpu_attention, harness.INTERPRET_GPU)],
     ids=["tpu", "gpu"],
 )
-def test_both_kernels_run_under_tensorfloat32_and_match_the_oracle(kernel, interpret):
+def test_both_kernels_run_under_the_setting_and_match_the_oracle(kernel, interpret, setting):
+    enter, dtype = RUN_SETTINGS[setting]
     case = harness.make_case(
-        4, MIXED, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, max_num_seqs=8,
-        dtype=jnp.bfloat16,
+        3, MIXED, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, max_num_seqs=8,
+        dtype=dtype,
     )  # fmt: skip
-    with jax.default_matmul_precision("tensorfloat32"):
+    with enter():
         out, lse = kernel(*case.args(), sm_scale=SM_SCALE, interpret=interpret)
+    assert out.dtype == dtype and lse.dtype == jnp.float32
     harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=SM_SCALE))
     harness.assert_padding_is_empty(case, out, lse)
