@@ -235,14 +235,14 @@ class Engine(Closable):
             new_program = key not in self._programs
             t1, c1 = time.perf_counter(), time.thread_time()
 
-            tokens, self.kv_caches = self._program(
-                self._state_leaves, input_ids, md.positions, self.kv_caches, md, sampling
-            )
-            if order is None:
-                sampled = np.asarray(tokens)[:n]
-            else:
-                sampled = np.empty(n, np.int32)
-                sampled[order] = np.asarray(tokens)[:n]
+            with jax.transfer_guard("allow"):  # deliberate, whatever guard the caller set
+                tokens, self.kv_caches = self._program(
+                    self._state_leaves, input_ids, md.positions, self.kv_caches, md, sampling
+                )
+                tokens = np.asarray(tokens)[:n]
+            sampled = tokens if order is None else np.empty(n, np.int32)
+            if order is not None:
+                sampled[order] = tokens
             t2 = time.perf_counter()
         except BaseException:
             # The batch's allocation entered the blocks its tokens were to fill into the

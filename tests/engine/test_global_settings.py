@@ -5,6 +5,9 @@ Projects often switch these on for their own code: implicit rank promotion raisi
 rely on it), strict dtype promotion, and 64-bit types. Each test serves greedy requests
 and one sampled with top-k and top-p under the setting, so the model, the attention
 dispatch, cascade and the sampler all run under it.
+
+A serving loop under jax.transfer_guard("disallow") catches its own implicit transfers;
+the engine's step and its KV copies transfer on purpose, and used to be stopped by it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import jax
 import pytest
 
 from jaxkv import SamplingParams
+from tests.engine._random_runs import assert_dense_tokens, draw_run, make_engines, serve
 from tests.engine._util import assert_all_blocks_free, dense_greedy, make_engine, prompts_for
 
 SETTINGS = {
@@ -34,4 +38,15 @@ def test_the_engine_serves_exact_greedy_tokens_under_the_setting(setting):
     assert [list(o.output_token_ids) for o in greedy] == expected
     assert all(len(o.output_token_ids) == 4 for o in sampled)
     assert engine.metrics.cascade_steps > 0
+    assert_all_blocks_free(engine)
+
+
+def test_a_serving_loop_under_transfer_guard_disallow_serves_offloads_and_reloads():
+    run = draw_run(5008)  # a tight cache and a connector: it offloads and reloads KV
+    engines = make_engines(run)  # built outside: creating the caches transfers
+    with jax.transfer_guard("disallow"):
+        served = serve(run, engines)
+    assert_dense_tokens(run, served)
+    (engine,) = engines
+    assert engine.metrics.bytes_offloaded > 0 and engine.metrics.bytes_reloaded > 0
     assert_all_blocks_free(engine)
