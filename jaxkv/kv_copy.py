@@ -127,8 +127,8 @@ class DeviceKVCopier:
 
     def start_save(self, block_ids: Sequence[int]) -> Future:
         n = len(block_ids)
+        ids = self._padded_ids(block_ids)
         with jax.transfer_guard("allow"):  # deliberate, whatever guard the caller set
-            ids = self._padded_ids(block_ids)
             gathered = _gather(tuple(self._get_caches()), ids, self.kv_replicas)
             gathered.copy_to_host_async()
         return self._executor.submit(lambda: np.asarray(gathered)[:n])

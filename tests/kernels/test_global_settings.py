@@ -22,10 +22,10 @@ from kernels_pallas.gpu import ragged_paged_attention as gpu_attention
 from kernels_pallas.gpu.aot import lower_kernel_call
 from kernels_pallas.tpu import ragged_paged_attention as tpu_attention
 from tests.kernels import harness
+from tests.kernels.test_tpu_kernel import MIXED
 from tests.kernels.test_tpu_lowering import _lower, _specs
 
 SM_SCALE = 128**-0.5
-MIXED = [(1, 17), (7, 7), (3, 40), (12, 29), (1, 96)]
 PRECISIONS = ["bfloat16", "tensorfloat32", "float32", "highest"]
 DTYPE_PAIRS = [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.int8)]
 
