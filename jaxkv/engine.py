@@ -252,10 +252,10 @@ class Engine(Closable):
         if new_program:
             self._programs.add(key)
 
-        outputs = self.scheduler.update_from_output(out, sampled)
-        for o in outputs:
-            if o.finished:
-                self._sampling.discard(o.request_id)
+        try:
+            outputs = self.scheduler.update_from_output(out, sampled)
+        finally:  # also when an interrupt stops the connector's hand-over of finished ones
+            self._sampling.discard_finished(out.requests)
         t3 = time.perf_counter()
         levels = "+".join(level.name for level in plan.levels)
         self.last_step = StepStats(

@@ -101,6 +101,12 @@ class SamplingRows:
         if slot is not None:
             self._free.append(slot)
 
+    def discard_finished(self, requests: list) -> None:
+        """Discards the rows of the requests (a step's batch) that have finished."""
+        for request in requests:
+            if request.status.is_finished():
+                self.discard(request.request_id)
+
     def arrays(self, requests: list, order: np.ndarray | None, num_rows: int):
         """sampling_arrays of `requests` in batch order (`order` None: as given)."""
         order_key = None if order is None else order.tobytes()

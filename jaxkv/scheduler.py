@@ -379,8 +379,7 @@ class Scheduler:
         """Takes requests that just finished out of `running`; frees or holds their blocks."""
         done = set(map(id, finished))
         self.running = [r for r in self.running if id(r) not in done]
-        for request in finished:
-            self._transfers.finish(request)
+        self._transfers.finish_all(finished)
 
     # ---------------------------------------------------------------- release
 

@@ -140,11 +140,25 @@ class TransferTracker:
 
     # ---------------------------------------------------------------- finishing
 
+    def finish_all(self, finished: Sequence[Request]) -> None:
+        """finish() for each request, in order. An interrupt (KeyboardInterrupt while a
+        save's copy program compiles, say) finishes the rest before it propagates: no
+        finished request is left outside both `transferring` and the manager's free list."""
+        interrupt: BaseException | None = None
+        for request in finished:
+            try:
+                self.finish(request)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                interrupt = interrupt or e
+        if interrupt is not None:
+            raise interrupt
+
     def finish(self, request: Request) -> None:
         """A request just finished: held (FINISHED_TRANSFERRING) while the connector saves
         its blocks, then released with its finished status back; else released now. A
         connector whose on_finish raises counts as a save that failed to start: the
-        blocks are freed and a RuntimeWarning says why."""
+        blocks are freed and a RuntimeWarning says why; an interrupt that is no Exception
+        frees them too, then propagates."""
         block_ids = self._manager.block_ids(request.request_id)
         try:
             held = self._connector.on_finish(request, block_ids)
@@ -156,6 +170,9 @@ class TransferTracker:
                 stacklevel=2,
             )
             held = False
+        except BaseException:
+            self._release(request)
+            raise
         if held:
             self._finished_as[request.request_id] = request.status
             request.status = RequestStatus.FINISHED_TRANSFERRING

@@ -79,12 +79,12 @@ def apply_sampled_tokens(
         finished.append(request)
         reason = _FINISH_REASONS[request.status]
         outputs.append(request_output_of((request.request_id, (token,), True, reason)))
-    if finished:
-        scheduler._finish(finished)
-    scheduler._decode_carry = carry
     scheduler._count(
         num_prompt_tokens_computed=num_prompt,
         num_decode_tokens_computed=num_decode,
         num_generated_tokens=num_generated,
     )
+    if finished:  # may raise an interrupt: the carry then stays None (a full pass next)
+        scheduler._finish(finished)
+    scheduler._decode_carry = carry
     return outputs

@@ -13,6 +13,7 @@ from concurrent.futures import Future
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxkv import Request, RequestStatus, SamplingParams
@@ -199,3 +200,32 @@ def test_only_an_engine_over_the_same_weights_reloads_the_store():
         engine.drain_transfers()
         assert engine.metrics.bytes_reloaded == 0
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+
+
+def test_an_interrupt_while_a_save_starts_loses_no_block_and_the_engine_serves_on():
+    """Ctrl-C while a finished request's save starts (its copy program compiling): the
+    step raises, but that request's blocks are freed and the others finishing with it
+    are still saved; the engine keeps no sampler row of them and serves on."""
+    rng = np.random.default_rng(17)
+    prompts = [_rand(rng, 10), _rand(rng, 12)]
+    connector = HostOffloadConnector(HOST_BYTES)
+    engine = make_engine(connector=connector)
+    real_save = engine.copier.start_save
+
+    def interrupted_save(ids):
+        engine.copier.start_save = real_save
+        raise KeyboardInterrupt("during the save's compile")
+
+    engine.copier.start_save = interrupted_save
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=1))
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()  # both finish in their first step
+    assert not engine.has_unfinished_requests() and len(engine._sampling) == 0
+    engine.drain_transfers()
+    assert connector.stats.num_saves == 1 and engine.scheduler.requests == {}
+    assert_all_blocks_free(engine)
+    out = engine.generate(prompts, SamplingParams(max_tokens=3), progress=False)
+    engine.drain_transfers()
+    assert [list(o.output_token_ids) for o in out] == dense_greedy(prompts, 3)
+    assert_all_blocks_free(engine)

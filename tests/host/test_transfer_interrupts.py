@@ -1,0 +1,47 @@
+"""An interrupt while finished requests are handed to the connector strands none of them."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv import RequestStatus
+from jaxkv.kv_transfer import HostOffloadConnector
+from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
+
+BS = 4
+
+
+class _SaveInterrupted(FakeCopier):
+    """A copier whose next start_save raises KeyboardInterrupt (Ctrl-C while the save's
+    gather program compiles, as DeviceKVCopier's first save of a size does)."""
+
+    interrupt_next = False
+
+    def start_save(self, block_ids):
+        if self.interrupt_next:
+            self.interrupt_next = False
+            raise KeyboardInterrupt("during the save's compile")
+        return super().start_save(block_ids)
+
+
+def test_an_interrupt_in_on_finish_frees_that_request_and_still_finishes_the_others():
+    copier = _SaveInterrupted(32, BS)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    sched = make_scheduler(num_blocks=32, block_size=BS, connector=connector)
+    a = add(sched, "a", range(1, 10), max_tokens=1)
+    b = add(sched, "b", range(20, 29), max_tokens=1)
+    copier.interrupt_next = True
+    with pytest.raises(KeyboardInterrupt):
+        step(sched, copier)  # their prompts and one token each: both finish
+    # a's save never started: its blocks are free. b, after it, is saved as usual.
+    assert "a" not in sched.requests and a.status == RequestStatus.FINISHED_LENGTH
+    assert list(sched.transferring) == ["b"] and b.status == RequestStatus.FINISHED_TRANSFERRING
+    assert sched.running == [] and sched.stats.num_generated_tokens == 2
+    sched.manager.check_integrity()
+    run_until_idle(sched, copier)
+    assert sched.requests == {} and sched.manager.num_free_blocks == 31
+    assert connector.stats.num_saves == 1 and b.status == RequestStatus.FINISHED_LENGTH
+    add(sched, "a", range(1, 10), max_tokens=1)  # its id is free again
+    assert run_until_idle(sched, copier) == {"a": "length"}
+    assert sched.manager.num_free_blocks == 31
