@@ -20,6 +20,7 @@ import numpy as np
 from jaxkv.buckets import BucketConfig, padded_size
 from jaxkv.cascade import CascadeLevel, CascadePlan
 from jaxkv.field_checks import is_integer
+from jaxkv.planner_args import widened_counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,20 +231,18 @@ def _checked_counts(query_lens, num_computed_tokens, num_requests: int):
             f"({num_requests},)"
         )
     if not num_requests:  # (an empty list is a float64 array)
-        return query_lens, num_computed
+        return query_lens.astype(np.int64), num_computed.astype(np.int64)
     if query_lens.dtype.kind not in "iu" or num_computed.dtype.kind not in "iu":
         raise ValueError(
             f"{query_lens.dtype=} and num_computed_tokens.dtype={num_computed.dtype} must "
             "be integer dtypes"
         )
+    # Unsigned counts (accepted, as the planner accepts them) made the in-place
+    # `main_kv -= suffix_start * block_size` fail numpy's casting rule, and int8 or int16
+    # counts overflowed in the sums below (kv_lens of -128: keys silently dropped).
+    query_lens, num_computed = widened_counts(query_lens), widened_counts(num_computed)
     if num_computed.min() < 0:  # numpy would read column -1 of the table
         raise ValueError(f"every num_computed_tokens entry must be >= 0, got {num_computed.min()}")
-    # Unsigned counts (accepted, as the planner accepts them) made the in-place
-    # `main_kv -= suffix_start * block_size` fail numpy's casting rule.
-    if num_computed.dtype.kind == "u":
-        num_computed = num_computed.astype(np.int64)
-    if query_lens.dtype.kind == "u":
-        query_lens = query_lens.astype(np.int64)
     return query_lens, num_computed
 
 

@@ -28,8 +28,8 @@ import numpy as np
 
 from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel
 from jaxkv.cascade_plan import CascadeLevel, CascadePlan, grouped_plan, make_level
-from jaxkv.field_checks import increasing_sizes, is_integer
 from jaxkv.kv_cache_manager import KVCacheManager
+from jaxkv.planner_args import checked_plan_args, checked_planner_settings
 from jaxkv.prefix_index import longest_common_prefix
 
 __all__ = [
@@ -52,28 +52,6 @@ def _check_distinct(rows: np.ndarray, request_ids: Sequence[str]) -> None:
             raise ValueError(f"request_ids: {req_id!r} is given more than once")
 
 
-def _checked_plan_args(request_ids, num_computed_tokens, query_lens, manager):
-    """The two per-request counts as arrays; ValueError naming a bad argument."""
-    num_requests = len(request_ids)
-    num_computed_tokens = np.asarray(num_computed_tokens)
-    query_lens = np.asarray(query_lens)
-    if num_computed_tokens.shape != (num_requests,) or query_lens.shape != (num_requests,):
-        raise ValueError(
-            f"{num_computed_tokens.shape=} and {query_lens.shape=} must be ({num_requests},)"
-        )
-    if isinstance(request_ids, str):  # its characters would be read as ids
-        raise ValueError(f"{request_ids=} must be a sequence of request ids, not a str")
-    if not isinstance(manager, KVCacheManager):
-        raise ValueError(f"manager={type(manager).__name__} must be a KVCacheManager")
-    if num_requests and (
-        num_computed_tokens.dtype.kind not in "iu" or query_lens.dtype.kind not in "iu"
-    ):  # floats used to plan fractional block caps; bools passed as 0/1
-        raise ValueError(
-            f"{num_computed_tokens.dtype=} and {query_lens.dtype=} must be integer dtypes"
-        )
-    return num_computed_tokens, query_lens
-
-
 class CascadePlanner:
     """Plans flat or cascade attention for each scheduled batch."""
 
@@ -91,14 +69,11 @@ class CascadePlanner:
     ) -> None:
         """`page_buckets`: the page widths metadata is padded to (BucketConfig.page_buckets),
         for a cost model with reads_padded_pages; None skips that check."""
-        if not is_integer(max_groups) or max_groups < 1:  # 2.0 used to fail every plan()
-            raise ValueError(f"{max_groups=} must be an int >= 1")
-        if page_buckets is not None and increasing_sizes(page_buckets) is None:
-            raise ValueError(f"{page_buckets=} must be ascending distinct ints >= 1")
-        if cost_model is None:
-            if not isinstance(backend, str) or backend not in DEFAULT_COST_MODELS:
-                raise ValueError(f"{backend=} must be one of {sorted(DEFAULT_COST_MODELS)}")
-            cost_model = DEFAULT_COST_MODELS[backend]
+        cost_model = checked_planner_settings(
+            shape, backend=backend, cost_model=cost_model, enable_cascade=enable_cascade,
+            enable_groups=enable_groups, max_groups=max_groups, sliding_window=sliding_window,
+            page_buckets=page_buckets,
+        )  # fmt: skip
         self.shape = shape
         self.cost_model = cost_model
         self.enable_cascade = enable_cascade and sliding_window is None
@@ -162,7 +137,7 @@ class CascadePlanner:
         prefix (KVCacheManager.num_common_prefix_blocks).
         """
         num_requests = len(request_ids)
-        num_computed_tokens, query_lens = _checked_plan_args(
+        num_computed_tokens, query_lens = checked_plan_args(
             request_ids, num_computed_tokens, query_lens, manager
         )
         rows = manager.rows_of(request_ids)

@@ -30,18 +30,20 @@ class CascadeLevel:
 
     def __post_init__(self) -> None:
         """Raises ValueError unless the five arrays are 1-D integer numpy arrays of one
-        length, the groups are non-empty, in batch order and disjoint, each over a
-        non-empty range of block columns of a block-table row >= 0 (the metadata builder
-        relies on it: numpy would read row -1 as the table's last row)."""
-        fields = (
-            self.group_starts, self.group_ends, self.block_starts, self.block_ends,
-            self.leader_rows,
-        )  # fmt: skip
+        length, there is a group, the groups are non-empty, in batch order and disjoint,
+        each over a non-empty range of block columns of a block-table row >= 0 (the
+        metadata builder relies on it: numpy would read row -1 as the table's last row).
+        Unsigned arrays are kept as int64 (their sums with signed counts are floats)."""
+        names = ("group_starts", "group_ends", "block_starts", "block_ends", "leader_rows")
+        _sign_fields(self, names)
+        fields = [getattr(self, name) for name in names]
         if not all(_is_int_vector(f) for f in fields) or len({f.shape for f in fields}) != 1:
             raise ValueError(
                 f"level {self.name!r}: its five arrays must be 1-D integer numpy arrays "
                 "of one length"
             )
+        if not self.group_starts.size:  # a pass over no sequence: nothing to plan
+            raise ValueError(f"level {self.name!r} must have at least one group")
         if self.leader_rows.size and self.leader_rows.min() < 0:
             raise ValueError(
                 f"level {self.name!r}: leader_rows {self.leader_rows.tolist()} must be "
@@ -90,7 +92,8 @@ class CascadePlan:
     validate: dataclasses.InitVar[bool] = True
 
     def __post_init__(self, validate: bool) -> None:
-        if validate:
+        if validate:  # a hand-made plan: unsigned arrays kept as int64, as levels keep them
+            _sign_fields(self, ("order", "rows", "suffix_start_blocks"))
             self.check()
 
     def check(self) -> None:
@@ -153,6 +156,14 @@ class CascadePlan:
 
 def _is_int_vector(a) -> bool:
     return isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype.kind in "iu"
+
+
+def _sign_fields(owner, names: tuple[str, ...]) -> None:
+    """Stores each unsigned integer array among `names` of a frozen `owner` as int64."""
+    for name in names:
+        value = getattr(owner, name)
+        if isinstance(value, np.ndarray) and value.dtype.kind == "u":
+            object.__setattr__(owner, name, value.astype(np.int64))
 
 
 def _is_permutation(order: np.ndarray) -> bool:

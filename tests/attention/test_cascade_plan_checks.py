@@ -16,7 +16,7 @@ from jaxkv import KVCacheManager
 from jaxkv.batch import build_attention_metadata
 from jaxkv.buckets import BucketConfig
 from jaxkv.cascade import CascadePlanner
-from jaxkv.cascade_plan import CascadePlan, make_level
+from jaxkv.cascade_plan import CascadeLevel, CascadePlan, make_level
 from tests.attention.test_cascade_planner import (
     ALWAYS,
     SHAPE,
@@ -166,3 +166,55 @@ def test_a_request_given_twice_is_refused_by_the_planner_and_the_plan(ids, twice
             planner.plan(ids, computed[: len(ids)], ones[: len(ids)], m)
     assert planner.plan(["a", "b", "c"], computed, ones, m).rows.tolist() == plan.rows.tolist()
     _refused(plan, "must be distinct", rows=np.array([plan.rows[0]] * 3, np.int32))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(shape=(4, 2, 16)), "shape=.* must be an AttentionShape"),  # was AttributeError
+        (dict(cost_model={"merge_cost_factor": 0}), "cost_model=.* must be a CascadeCostModel"),
+        (dict(enable_cascade="no"), "enable_cascade='no' must be a bool"),  # planned cascade
+        (dict(enable_groups=None), "enable_groups=None must be a bool"),
+        (dict(sliding_window=-3), "sliding_window=-3 must be None or an int >= 1"),
+        (dict(sliding_window=0), "sliding_window=0"),
+        (dict(sliding_window=8.0), "sliding_window=8.0"),
+    ],
+)
+def test_planner_settings_it_cannot_use_are_refused_on_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CascadePlanner(**{"shape": SHAPE, "cost_model": ALWAYS, **kwargs})
+    planner = CascadePlanner(SHAPE, sliding_window=np.int64(8), enable_groups=False)
+    assert not planner.enable_cascade  # a window turns cascade off
+
+
+def test_a_level_of_no_group_is_refused():
+    # It passed, and the metadata builder failed on max() of an empty sequence.
+    with pytest.raises(ValueError, match="level 'groups' must have at least one group"):
+        make_level("groups", [], [], [], [], [])
+
+
+def test_a_hand_made_plan_of_unsigned_arrays_builds_the_metadata_of_a_signed_one():
+    # Accepted as integer arrays, uint64 ones made the builder's in-place main-pass
+    # length update fail numpy's casting rule (uint64 with int64 is float64).
+    m = KVCacheManager(64, 4, max_model_len=64)
+    reqs = [_decoding(m, f"r{i}", SYSTEM_A[:12] + [i]) for i in range(2)]
+    rows = m.rows_of([r.request_id for r in reqs])
+
+    def plan_of(dtype):
+        level = CascadeLevel(
+            "global", *np.array([[0], [2], [0], [3], [rows[0]]], dtype)
+        )  # fmt: skip
+        return CascadePlan(np.arange(2, dtype=dtype), rows.astype(dtype),
+                           np.full(2, 3, dtype), (level,), 3)  # fmt: skip
+
+    build = dict(
+        block_table=m.block_table, query_lens=np.ones(2, np.int32),
+        num_computed_tokens=np.full(2, 12, np.int32), block_size=4,
+        buckets=BucketConfig(max_num_tokens=8, max_num_seqs=4, max_pages_per_seq=16),
+    )  # fmt: skip
+    want = build_attention_metadata(plan=plan_of(np.int32), **build)
+    got = build_attention_metadata(plan=plan_of(np.uint64), **build)
+    assert got.levels and got.kv_lens.tolist() == want.kv_lens.tolist() == [1, 1, 0, 0]
+    for name in ("page_indices", "slot_mapping", "cu_q_lens"):
+        assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
+    assert got.levels[0].page_indices.tolist() == want.levels[0].page_indices.tolist()

@@ -106,3 +106,33 @@ def test_unsigned_counts_give_the_metadata_of_signed_ones(dtype):
     assert want.levels and got.kv_lens.tolist() == want.kv_lens.tolist()
     for name in ("slot_mapping", "positions", "cu_q_lens", "page_indices", "logits_indices"):
         assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16])
+def test_narrow_signed_counts_give_the_metadata_of_int64_ones(dtype):
+    # A decode at position 127 in int8: the main pass's 128 keys overflowed to -128 and
+    # attention read no key at all (out 0, lse -inf), silently.
+    m = KVCacheManager(64, 16, max_model_len=256)
+    for i in range(2):
+        assert m.allocate_slots(Request(f"r{i}", list(range(100 * i, 100 * i + 128))), 128)
+    plan = CascadePlanner(SHAPE, enable_cascade=False).plan(["r0", "r1"], [127, 127], [1, 1], m)
+    build = dict(block_table=m.block_table, plan=plan, block_size=16, buckets=BUCKETS)
+    want = build_attention_metadata(query_lens=[1, 1], num_computed_tokens=[127, 127], **build)
+    got = build_attention_metadata(
+        query_lens=np.ones(2, dtype), num_computed_tokens=np.full(2, 127, dtype), **build
+    )
+    assert got.kv_lens.tolist() == want.kv_lens.tolist() and want.kv_lens[:2].tolist() == [128] * 2
+    for name in ("positions", "slot_mapping", "page_indices"):
+        assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
+
+
+def test_an_empty_batch_given_as_lists_builds_as_empty_arrays_do():
+    m = KVCacheManager(16, 4, max_model_len=16)
+    plan = CascadePlanner(SHAPE).plan([], [], [], m)
+    build = dict(block_table=m.block_table, plan=plan, block_size=4, buckets=BUCKETS)
+    want = build_attention_metadata(
+        query_lens=np.zeros(0, np.int32), num_computed_tokens=np.zeros(0, np.int32), **build
+    )
+    got = build_attention_metadata(query_lens=[], num_computed_tokens=[], **build)  # TypeError
+    assert got.num_seqs.tolist() == want.num_seqs.tolist() == [0]
+    assert got.cu_q_lens.tolist() == want.cu_q_lens.tolist()
