@@ -190,8 +190,8 @@ class BlockPool:
         Raises ValueError (nothing changed) if a block is the null block or not this pool's.
         validate=False skips that check, for an owner that passes only blocks of this pool.
         """
-        if validate:
-            self._check_own("blocks", blocks)
+        if validate:  # (a generator: checked, then walked again)
+            blocks = self._check_own("blocks", blocks)
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
@@ -248,6 +248,9 @@ class BlockPool:
                     f"(got {len(token_ids)})"
                 )
             self._check_own("blocks", blocks)
+            bad = [h for h in block_hashes if type(h) is not bytes][:1]
+            if bad:  # None was cached as a key; a list raised TypeError midway
+                raise ValueError(f"cache_full_blocks: block hash {bad[0]!r} is no BlockHash")
             free = [b.block_id for b in blocks if b.ref_cnt == 0]
             if free:
                 raise ValueError(f"cache_full_blocks: blocks {free} are free (held by nobody)")
@@ -283,7 +286,9 @@ class BlockPool:
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Takes `blocks` out of the prefix cache (their KV was never written); a block
-        that carries no hash, or whose hash maps to another block, is left as it is."""
+        that carries no hash, or whose hash maps to another block, is left as it is.
+        Raises ValueError (nothing changed) if a block is the null block or not this pool's."""
+        blocks = self._check_own("blocks", blocks)
         cached = self.cached_block_hash_to_block
         removed = []
         for block in blocks:
@@ -305,8 +310,7 @@ class BlockPool:
         checks, for an owner that frees only blocks it holds.
         """
         if validate:
-            ordered_blocks = list(ordered_blocks)
-            self._check_own("ordered_blocks", ordered_blocks)
+            ordered_blocks = self._check_own("ordered_blocks", ordered_blocks)
             times = Counter(map(id, ordered_blocks))
             for block in ordered_blocks:
                 if times[id(block)] > block.ref_cnt:
@@ -331,9 +335,10 @@ class BlockPool:
             self._events.append(AllBlocksCleared())
         return True
 
-    def _check_own(self, name: str, blocks: Iterable[KVCacheBlock]) -> None:
-        """ValueError naming `name` unless every block is this pool's and not the null block."""
-        pool = self.blocks
+    def _check_own(self, name: str, blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
+        """`blocks` as a list; ValueError naming `name` unless every block is this pool's
+        and not the null block."""
+        blocks, pool = list(blocks), self.blocks
         for block in blocks:
             block_id = getattr(block, "block_id", None)
             if (
@@ -342,6 +347,7 @@ class BlockPool:
                 or pool[block_id] is not block
             ):
                 raise ValueError(f"{name}: {block!r} is the null block or not of this pool")
+        return blocks
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []

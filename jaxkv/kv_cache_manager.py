@@ -210,6 +210,8 @@ class KVCacheManager:
         [0, request.num_tokens]."""
         hits = checked_hit_tokens(request, num_hit_tokens)
         check_prompt_fits(request, self.max_model_len)
+        if self.enable_prefix_caching:  # where get_computed_blocks's hashing would refuse it
+            request.check_hash_config(self.block_size, self.hash_seed)
         slot_allocation.count_lookup(self, request, hits)
 
     # ------------------------------------------------------------ allocation

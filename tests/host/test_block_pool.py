@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from jaxkv import IntegrityError
@@ -130,6 +132,22 @@ def _pool_state(pool: BlockPool) -> tuple:
             ),
             "blocks \\[3\\] are free",  # a free block's KV is nobody's: never a hit
         ),
+        *[
+            (
+                lambda p, bad=bad: p.cache_full_blocks(
+                    p.blocks[1:3],
+                    [root_hash(7), bad],  # None used to be cached as a key
+                    parent_block_hash=None,
+                    token_ids=[1, 2, 3, 4],
+                    block_size=2,
+                    adapter_id=None,
+                ),
+                re.escape(f"block hash {bad!r} is no BlockHash"),
+            )
+            for bad in (None, [])
+        ],
+        # It used to uncache block 1, then fail on "junk" with no epoch bump or event.
+        (lambda p: p.uncache_blocks([p.blocks[1], "junk"]), "blocks: 'junk' is the null block"),
         (lambda p: p.get_new_blocks(-1), "n=-1 must be an int >= 0"),
         (lambda p: p.get_new_blocks(True), "n=True must be an int >= 0"),
         (lambda p: p.get_new_blocks(3), "n=3 exceeds num_free_blocks=2"),
@@ -142,6 +160,13 @@ def test_bad_input_raises_and_changes_nothing(call, match):
         call(pool)
     assert _pool_state(pool) == before
     pool.check_integrity({1: 1, 2: 1})
+
+
+def test_touch_takes_blocks_from_a_generator():
+    pool = _pool_with_cached_block()  # the check used to consume it: nothing was touched
+    pool.touch(b for b in pool.blocks[3:4])
+    assert pool.blocks[3].ref_cnt == 1 and 3 not in pool.free_block_queue.block_ids()
+    pool.check_integrity({1: 1, 2: 1, 3: 1})
 
 
 def test_freeing_a_block_once_per_holder_is_fine():

@@ -55,6 +55,11 @@ def test_count_prefix_lookup_counts_what_it_is_given_and_refuses_what_it_cannot_
             m.count_prefix_lookup(req, bad)
     with pytest.raises(ValueError, match="must be a Request"):
         m.count_prefix_lookup("r", 0)
+    other = Request("o", list(range(10)))
+    other.update_block_hashes(2)  # hashed for another manager's block size
+    for call in (m.get_computed_blocks, lambda r: m.count_prefix_lookup(r, 0)):
+        with pytest.raises(ValueError, match="computed with \\(block_size, seed\\)=\\(2, 0\\)"):
+            call(other)
     assert m.prefix_cache_stats.requests == 0
     m.count_prefix_lookup(req, 8)
     stats = m.prefix_cache_stats
