@@ -39,12 +39,13 @@ def checked_planner_settings(
         if not isinstance(backend, str) or backend not in DEFAULT_COST_MODELS:
             raise ValueError(f"{backend=} must be one of {sorted(DEFAULT_COST_MODELS)}")
         return DEFAULT_COST_MODELS[backend]
-    if not callable(getattr(cost_model, "pays", None)) or not hasattr(
-        cost_model, "reads_padded_pages"
+    needs = ("reads_padded_pages",) if page_buckets else ()  # what the planner reads of it
+    if not callable(getattr(cost_model, "pays", None)) or not all(
+        hasattr(cost_model, name) for name in needs
     ):  # a dict of CascadeCostModel's fields failed in plan(), on .pays
         raise ValueError(
-            f"cost_model={cost_model!r} must be a CascadeCostModel (or have its pays method "
-            "and reads_padded_pages)"
+            f"cost_model={cost_model!r} must be a CascadeCostModel (or have its pays method, "
+            "and reads_padded_pages with page_buckets)"
         )
     return cost_model
 
