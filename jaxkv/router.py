@@ -69,12 +69,12 @@ class PrefixAwareRouter(Closable):
     outstanding requests beyond the least-loaded one.
     max_tracked_prefixes: bound on remembered prefix hashes (least recently used dropped).
 
-    Outstanding requests are counted by the router: +1 on add_request, -1 when a replica's
-    output says the request finished or it is aborted; so add, step and abort through the
-    router only (a request added to a replica directly is not counted, and one aborted
-    there stays counted). Not thread-safe. Replicas should
-    sample with different default seeds (engine_replicas sees to it): otherwise unseeded
-    sampled requests on two replicas can draw the same tokens.
+    Outstanding requests are counted by the router: +1 on add_request, -1 when step()
+    returns the output that says the request finished, or when it is aborted; so add,
+    step and abort through the router only (a request added to a replica directly is not
+    counted; one aborted there counts until the router's abort). Not thread-safe. Replicas
+    should sample with different default seeds (engine_replicas sees to it): otherwise
+    unseeded sampled requests on two replicas can draw the same tokens.
     """
 
     def __init__(
@@ -225,11 +225,19 @@ class PrefixAwareRouter(Closable):
 
     def abort(self, request_id: str) -> bool:
         """Aborts an unfinished request on its replica; False if unknown or finished.
-        Raises ValueError unless `request_id` is a str (the ids add_request returns)."""
+        Raises ValueError unless `request_id` is a str (the ids add_request returns).
+
+        A request its replica no longer runs, with no finishing output left to deliver
+        (it finished inside a replica step() that raised, its output lost with it), is
+        released here too, and False returned."""
         if not isinstance(request_id, str):
             raise ValueError(f"{request_id=} must be a request id (a str)")
         replica = self._replica_of.get(request_id)
-        if replica is None or not self.replicas[replica].abort(request_id):
+        if replica is None:
+            return False
+        if not self.replicas[replica].abort(request_id):
+            if not any(o.finished and o.request_id == request_id for o in self._undelivered):
+                self._finish(request_id)
             return False
         self._finish(request_id)
         # Outputs a failed step() kept for it must not reach a later request of this id.
@@ -248,20 +256,22 @@ class PrefixAwareRouter(Closable):
     def step(self) -> list[RequestOutput]:
         """One step of every replica that has unfinished requests, in replica order.
 
-        Finished requests are released from the router replica by replica. When one
-        replica's step raises, the outputs of the replicas before it are kept and the
-        next step() returns them first: no token, and no finish, is lost.
+        When one replica's step raises, the outputs of the replicas before it are kept
+        and the next step() returns them first: no token, and no finish, is lost. A
+        finished request is released (its id free, its replica's count down) once its
+        finishing output is returned, so a kept output never reaches a later request
+        of its id.
         """
         self._check_open()
         outputs, self._undelivered = self._undelivered, []
         try:
             for replica in self.replicas:
                 if replica.has_unfinished_requests():
-                    outputs.extend(self._finished_from(replica.step()))
+                    outputs.extend(replica.step())
         except BaseException:
             self._undelivered = outputs
             raise
-        return outputs
+        return self._finished_from(outputs)
 
     def _finished_from(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for o in outputs:

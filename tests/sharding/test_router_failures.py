@@ -32,13 +32,13 @@ def test_a_replica_whose_step_raises_loses_no_output_and_keeps_counts_right():
     assert (router.replica_of(done), router.replica_of(stuck)) == (0, 1)
     with pytest.raises(RuntimeError, match="device lost"):
         router.step()
-    assert router.num_outstanding == (0, 1)
-    with pytest.raises(KeyError):
-        router.replica_of(done)
-    # Replica 0's finished output, gathered before the failure, is kept across failures.
+    # Replica 0's finished output, gathered before the failure, is kept across failures;
+    # its request is the router's (counted, its id taken) until that output is returned.
+    assert router.num_outstanding == (1, 1) and router.replica_of(done) == 0
     assert router.has_unfinished_requests()
     with pytest.raises(RuntimeError, match="device lost"):
         router.step()
+    assert not router.abort(done)  # finished: its output is still to come
     outputs = router.step()
     assert [(o.request_id, o.finished) for o in outputs] == [(done, True), (stuck, True)]
     assert router.num_outstanding == (0, 0) and not router.has_unfinished_requests()
@@ -97,3 +97,48 @@ def test_close_drops_the_outputs_a_failed_step_kept():
     assert router.has_unfinished_requests()
     router.close()
     assert router.closed and not router.has_unfinished_requests()
+
+
+def test_a_finished_requests_kept_output_never_reaches_a_later_request_of_its_id():
+    # x finished in a step() that raised; its id used to be free at once, so a new x
+    # (or generate's next default id) got the old x's finishing output as its own.
+    router = PrefixAwareRouter([FakeReplica(0), FailingReplica(1)], block_size=BLOCK)
+    router.add_request([1] * BLOCK, SamplingParams(max_tokens=1), request_id="dp-0")
+    router.add_request([2] * BLOCK, SamplingParams(max_tokens=3), request_id="y")
+    with pytest.raises(RuntimeError, match="device lost"):
+        router.step()
+    with pytest.raises(ValueError, match="'dp-0' is already running"):
+        router.add_request([7] * 9, SamplingParams(max_tokens=1), request_id="dp-0")
+    out = router.generate([[5] * 7], SamplingParams(max_tokens=3), progress=False)
+    assert [(o.request_id, len(o.output_token_ids)) for o in out] == [("dp-1", 3)]
+    assert router.num_outstanding == (0, 0) and not router.has_unfinished_requests()
+
+
+class _FinishesThenRaises(FakeReplica):
+    """Its first step finishes what it runs and raises, the finishing outputs lost (as an
+    Engine whose connector is interrupted while it takes the finished requests)."""
+
+    def step(self):
+        if not hasattr(self, "raised"):
+            self.raised = True
+            super().step()
+            raise KeyboardInterrupt
+        return super().step()
+
+
+def test_a_request_finished_in_a_step_that_raised_is_released_by_abort_and_close():
+    router = PrefixAwareRouter([_FinishesThenRaises(0)], block_size=BLOCK)
+    rid = router.add_request([1] * BLOCK, SamplingParams(max_tokens=1))
+    with pytest.raises(KeyboardInterrupt):
+        router.step()
+    assert not router.replicas[0].has_unfinished_requests() and router.num_outstanding == (1,)
+    assert not router.abort(rid)  # finished, not aborted: but no longer counted
+    assert router.num_outstanding == (0,)
+    with pytest.raises(KeyError):
+        router.replica_of(rid)
+    other = PrefixAwareRouter([_FinishesThenRaises(0)], block_size=BLOCK)
+    other.add_request([1] * BLOCK, SamplingParams(max_tokens=1))
+    with pytest.raises(KeyboardInterrupt):
+        other.step()
+    other.close()
+    assert other.num_outstanding == (0,)
