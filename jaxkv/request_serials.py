@@ -10,7 +10,9 @@ its k-th prompt after queueing the ones before it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
+
+_NONE = object()  # held by no request
 
 
 class RequestSerials:
@@ -34,17 +36,18 @@ class RequestSerials:
         """Records that the request given `serial` by peek() has been queued."""
         self.next = serial + 1
 
-    def checkpoint(self, live: Collection[str]) -> Callable[[], None]:
+    def checkpoint(self, live: Mapping[str, object]) -> Callable[[], None]:
         """A function that sets the next serial back to the one it is now.
 
-        `live` is the owner's live collection of request ids. The function raises
-        RuntimeError, changing nothing, while it holds an id it did not hold at the
-        checkpoint: that request keeps the serial (its seed) a later one would take again.
+        `live` is the owner's live mapping of request ids to their requests. The function
+        raises RuntimeError, changing nothing, while it holds a request it did not hold at
+        the checkpoint (by identity: an id released and queued again since counts as
+        new): that request keeps the serial (its seed) a later one would take again.
         """
-        serial, before = self.next, set(live)
+        serial, before = self.next, dict(live)
 
         def rewind() -> None:
-            since = [rid for rid in live if rid not in before]
+            since = [rid for rid, held in live.items() if before.get(rid, _NONE) is not held]
             if since:
                 raise RuntimeError(
                     f"requests {since[:3]} queued since the checkpoint are still held; "

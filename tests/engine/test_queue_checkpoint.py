@@ -91,13 +91,30 @@ def test_request_serials_skip_taken_ids_and_take_a_serial_only_when_told():
     assert serials.peek(None, {"x-0", "x-1"}) == (2, "x-2")
     assert serials.peek("mine", {"x-0"}) == (0, "mine") and serials.next == 0
     serials.take(2)
-    live = {"a"}
+    live = {"a": object()}
     rewind = serials.checkpoint(live)
     serials.take(5)
-    live.add("b")
+    live["b"] = object()
     with pytest.raises(RuntimeError, match=r"\['b'\]"):
         rewind()
     assert serials.next == 6
-    live.discard("b")
+    del live["b"]
+    live["a"] = object()  # "a" released and queued again since: a new request
+    with pytest.raises(RuntimeError, match=r"\['a'\]"):
+        rewind()
+    live.pop("a")
     rewind()
     assert serials.next == 3
+
+
+def test_an_engine_rewind_refuses_while_an_id_held_at_the_checkpoint_is_queued_again():
+    # "a" aborted and queued again under its id took serial 1; the rewind used to pass,
+    # and the next unseeded request took serial 1 again: the same draws as the new "a".
+    engine = make_engine()
+    engine.add_request([7, 7, 7], SamplingParams(max_tokens=2), request_id="a")
+    rewind = engine.queue_checkpoint()
+    assert engine.abort("a")
+    engine.add_request(PROMPT, SAMPLED, request_id="a")
+    with pytest.raises(RuntimeError, match=r"\['a'\] queued since the checkpoint"):
+        rewind()
+    assert engine.add_request(PROMPT, SAMPLED) == "2"  # serial 1 stays the new a's
