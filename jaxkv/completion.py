@@ -63,6 +63,8 @@ def run_to_completion(
     else:
         params_list = list(sampling_params)
         if len(params_list) != num_prompts:
+            if progress_bar is not None:  # generate made it first: it must not stay drawn
+                progress_bar.close()
             raise ValueError(f"{len(params_list)=} sampling params for {num_prompts} prompts")
     ids: list[str] = []
     checkpoint = getattr(driver, "queue_checkpoint", None)

@@ -37,6 +37,10 @@ def test_the_bar_is_closed_when_a_prompt_is_refused():
     with pytest.raises(ValueError, match="empty prompt"):
         run_to_completion(router, [[1, 2], []], progress_bar=bar)
     assert bar.n == 0 and bar.closed and router.num_outstanding == (0, 0)
+    bar = Bar()  # refused before any prompt is queued: it used to stay open
+    with pytest.raises(ValueError, match="sampling params for 2 prompts"):
+        run_to_completion(router, [[1, 2], [3]], [SamplingParams()], progress_bar=bar)
+    assert bar.closed
 
 
 def test_generate_with_a_wrong_number_of_params_queues_nothing():
