@@ -195,10 +195,13 @@ def paged_attention(
 
 
 def _quantize(x: jax.Array, dtype, scale: float | None) -> jax.Array:
-    """x / scale in `dtype`, finite values saturating at the dtype's range (a float16 or
-    float8 cast of a value out of its range would give inf or NaN, which attention
-    would spread to every query). NaN and inf in x stay faults that show."""
+    """x / scale in `dtype`, finite values of x saturating at the dtype's range (a float16
+    or float8 cast of a value out of its range would give inf or NaN, which attention
+    would spread to every query), also where x / scale overflows float32. NaN and inf
+    in x stay faults that show in a float cache; an integer cache has no NaN or inf:
+    inf saturates and NaN is stored as some integer."""
     x = x.astype(jnp.float32)
+    finite = jnp.isfinite(x)  # before the division, whose overflow is the scale's doing
     if scale is not None:
         x = x / scale
     if jnp.issubdtype(dtype, jnp.integer):
@@ -206,7 +209,7 @@ def _quantize(x: jax.Array, dtype, scale: float | None) -> jax.Array:
         x = jnp.clip(jnp.round(x), info.min, info.max)
     elif jnp.finfo(dtype).bits < 32:
         limit = float(jnp.finfo(dtype).max)
-        x = jnp.where(jnp.isfinite(x), jnp.clip(x, -limit, limit), x)
+        x = jnp.where(finite, jnp.clip(x, -limit, limit), x)
     return x.astype(dtype)
 
 

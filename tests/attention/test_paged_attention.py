@@ -188,6 +188,20 @@ def test_write_kv_saturates_float16_but_keeps_nan_and_inf_visible():
     assert out[:2].tolist() == [65504.0, -65504.0] and np.isposinf(out[2]) and np.isnan(out[3])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e4m3fn])
+def test_write_kv_saturates_a_finite_value_whose_scaled_value_overflows(dtype):
+    # 3e38 / 0.5 is inf in float32: it used to be stored as inf (float8: NaN), as if the
+    # input itself were not finite.
+    kv = jnp.zeros((3, 4, 2, 8), dtype)
+    k = jnp.array([3e38, -3e38, jnp.inf, jnp.nan, 1.0, 2.0, 3.0, 4.0]).reshape(1, 1, 8)
+    out = write_kv(kv, k, k, jnp.array([5], jnp.int32), k_scale=0.5, v_scale=0.5)
+    out = np.asarray(out)[1, 1, 0].astype(np.float32)
+    limit = float(jnp.finfo(dtype).max)
+    assert out[:2].tolist() == [limit, -limit] and np.isnan(out[3])
+    assert out[4:].tolist() == [2.0, 4.0, 6.0, 8.0]
+    assert np.isposinf(out[2]) if dtype == jnp.float16 else np.isnan(out[2])  # no inf in fp8
+
+
 @pytest.mark.parametrize(
     "dtype, scales, match",
     [
