@@ -233,7 +233,10 @@ def serve(
                 continue
             # Logged even when it generated nothing (prefill chunks only): it took its time.
             result.peak_blocks = max(result.peak_blocks, held())
-            result.step_log.append((stats.new_program, len(step_outputs), stats.step_s))
+            decode_only = stats.num_tokens == stats.num_requests
+            result.step_log.append(
+                (stats.new_program, len(step_outputs), stats.step_s, decode_only)
+            )
             for o in step_outputs:
                 outputs[index[o.request_id]].extend(o.new_token_ids)
             finished = sum(o.finished for o in step_outputs)

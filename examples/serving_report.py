@@ -23,8 +23,9 @@ class RunResult:
     name: str
     outputs: list[tuple[int, ...]] = dataclasses.field(default_factory=list)  # per prompt
     wall_s: float = 0.0
-    # Per step that ran the model: (needed a program not run before, tokens, seconds).
-    step_log: list[tuple[bool, int, float]] = dataclasses.field(default_factory=list)
+    # Per step that ran the model: (needed a program not run before, tokens generated,
+    # seconds, decode only: every scheduled request computed one token).
+    step_log: list[tuple[bool, int, float, bool]] = dataclasses.field(default_factory=list)
     peak_blocks: int = 0  # KV blocks held at once, at most
     metrics: EngineMetrics | None = None
 
@@ -35,8 +36,8 @@ def blocks_without_sharing(prompts: list[Prompt], runs: list[RunResult], block_s
     return sum(math.ceil(n / block_size) for n in lengths)
 
 
-def warm_tokens_per_s(runs: list[RunResult]) -> list[float | None]:
-    """Tokens/s of each run over the steps that compiled nothing in any run (warm in all).
+def warm_steps(runs: list[RunResult]) -> list[list[tuple[bool, int, float, bool]]]:
+    """Each run's steps that compiled nothing in any run (warm in all).
 
     Runs of one workload schedule the same steps (scheduling does not depend on
     attention), so each is timed over the same steps; each run leaving out only its own
@@ -46,19 +47,38 @@ def warm_tokens_per_s(runs: list[RunResult]) -> list[float | None]:
         warm = [not any(r.step_log[i][0] for r in runs) for i in range(len(runs[0].step_log))]
     else:
         warm = None
+    return [[s for i, s in enumerate(r.step_log) if (warm[i] if warm else not s[0])] for r in runs]
+
+
+def warm_tokens_per_s(runs: list[RunResult], *, decode_only: bool = False) -> list[float | None]:
+    """Generated tokens/s of each run over its warm steps (warm_steps), or over those of
+    them that only decoded; None where there are none."""
     rates = []
-    for r in runs:
-        steps = [s for i, s in enumerate(r.step_log) if (warm[i] if warm else not s[0])]
+    for steps in warm_steps(runs):
+        steps = [s for s in steps if s[3]] if decode_only else steps
         seconds = sum(s[2] for s in steps)
         rates.append(sum(s[1] for s in steps) / seconds if seconds else None)
     return rates
+
+
+def warm_prefill_ms(runs: list[RunResult]) -> list[float | None]:
+    """Mean milliseconds of each run's warm steps that computed prefill chunks (their
+    tokens/s would say little: most of their work generates no token)."""
+    times = [[s[2] for s in steps if not s[3]] for steps in warm_steps(runs)]
+    return [1e3 * sum(t) / len(t) if t else None for t in times]
 
 
 def summary_rows(
     prompts: list[Prompt], runs: list[RunResult], block_size: int
 ) -> list[tuple[str, ...]]:
     unshared = blocks_without_sharing(prompts, runs, block_size)
-    warm_rates = dict(zip((r.name for r in runs), warm_tokens_per_s(runs), strict=True))
+    names = [r.name for r in runs]
+    warm_rates = dict(zip(names, warm_tokens_per_s(runs), strict=True))
+    decode_rates = dict(zip(names, warm_tokens_per_s(runs, decode_only=True), strict=True))
+    prefill_ms = dict(zip(names, warm_prefill_ms(runs), strict=True))
+    warm = warm_steps(runs)[0]
+    num_decode = sum(s[3] for s in warm)
+    scope = "both runs" if len(runs) == 2 else "every run" if len(runs) > 2 else "the run"
     rows = []
 
     def row(label: str, fn) -> None:
@@ -69,10 +89,9 @@ def summary_rows(
     row("prompt tokens computed", lambda r, m: f"{m.num_prompt_tokens}")
     row("wall time", lambda r, m: f"{r.wall_s:.1f} s")
     row("tokens/s (wall, with compiles)", lambda r, m: f"{m.num_generated_tokens / r.wall_s:.1f}")
-    row(
-        "tokens/s (steps warm in both runs)",
-        lambda r, m: f"{warm_rates[r.name]:.1f}" if warm_rates[r.name] else "-",
-    )
+    row(f"tokens/s ({len(warm)} steps warm in {scope})", lambda r, m: _fmt(warm_rates[r.name]))
+    row(f"  tokens/s ({num_decode} decode-only)", lambda r, m: _fmt(decode_rates[r.name]))
+    row(f"  ms/step ({len(warm) - num_decode} with prefill)", lambda r, m: _fmt(prefill_ms[r.name]))
     row("prefix-cache hit rate", lambda r, m: f"{m.prefix_cache_hit_rate:.1%}")
     row("steps", lambda r, m: f"{m.num_steps}")
     row("steps using cascade", lambda r, m: f"{m.cascade_steps / max(m.num_steps, 1):.0%}")
@@ -83,6 +102,10 @@ def summary_rows(
     )
     row("step programs compiled", lambda r, m: f"{m.num_compiles}")
     return rows
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _levels(m) -> str:

@@ -110,13 +110,21 @@ def test_warm_tokens_per_s_times_every_run_over_the_same_steps(serve):
     report = sys.modules["serving_report"]
     # Step 1 compiled only in the first run: it is left out of both, so both rates
     # cover steps 0 and 2 (a heavy step 1 warm in one run only would skew the ratio).
-    on = report.RunResult("on", step_log=[(False, 4, 1.0), (True, 64, 9.0), (False, 4, 1.0)])
-    off = report.RunResult("off", step_log=[(False, 4, 2.0), (False, 64, 2.0), (False, 4, 2.0)])
-    assert report.warm_tokens_per_s([on, off]) == [4.0, 2.0]
+    on = report.RunResult(
+        "on", step_log=[(False, 4, 1.0, False), (True, 64, 9.0, False), (False, 4, 1.0, True)]
+    )
+    off = report.RunResult(
+        "off", step_log=[(False, 4, 2.0, False), (False, 64, 2.0, False), (False, 4, 4.0, True)]
+    )
+    assert report.warm_tokens_per_s([on, off]) == [4.0, 4 / 3]
+    # Of those, the decode-only step 2, and the mean time of the steps with prefill.
+    assert report.warm_tokens_per_s([on, off], decode_only=True) == [4.0, 1.0]
+    assert report.warm_prefill_ms([on, off]) == [1000.0, 2000.0]
     # Runs of different step counts: each over its own warm steps.
-    short = report.RunResult("short", step_log=[(False, 4, 1.0), (True, 8, 1.0)])
+    short = report.RunResult("short", step_log=[(False, 4, 1.0, True), (True, 8, 1.0, True)])
     assert report.warm_tokens_per_s([on, short]) == [4.0, 4.0]
-    assert report.warm_tokens_per_s([report.RunResult("cold", step_log=[(True, 1, 1.0)])]) == [None]
+    cold = report.RunResult("cold", step_log=[(True, 1, 1.0, True)])
+    assert report.warm_tokens_per_s([cold]) == [None] and report.warm_prefill_ms([cold]) == [None]
 
 
 class _ScriptedEngine:
@@ -151,7 +159,7 @@ class _ScriptedEngine:
             first = self.last_step is None
             self.last_step = StepStats(
                 host_s=1.0, host_cpu_s=1.0, device_s=2.0, update_s=3.0, num_requests=1,
-                num_tokens=1, cascade_levels="", new_program=first,
+                num_tokens=1 if outputs else 3, cascade_levels="", new_program=first,
             )  # fmt: skip
         return [
             SimpleNamespace(request_id=f"r{i}", new_token_ids=[t], finished=f)
@@ -170,6 +178,6 @@ def test_the_step_log_has_every_step_that_ran_the_model(serve, monkeypatch):
     result = serve.serve(None, prompts, args, True, console)
     # The prefill chunk that generated nothing took its time too; the step that ran
     # nothing is not a step.
-    assert result.step_log == [(True, 0, 6.0), (False, 2, 6.0), (False, 2, 6.0)]
+    assert result.step_log == [(True, 0, 6.0, False), (False, 2, 6.0, True), (False, 2, 6.0, True)]
     assert result.peak_blocks == 9
     assert result.outputs == [(7, 9), (8, 10)]

@@ -36,12 +36,13 @@ def _metrics(cascade_steps, by_levels, compiles):
 def _runs(report, outputs_off=((1,) * 5, (2,) * 3)):
     on = report.RunResult(
         "on", outputs=[(1,) * 5, (2,) * 3], wall_s=2.0, peak_blocks=3,
-        step_log=[(True, 4, 1.0), (False, 4, 0.5)],
+        step_log=[(True, 4, 1.0, False), (False, 4, 0.5, True), (False, 0, 0.25, False)],
         metrics=_metrics(1, {"global+groups": 1}, 1),
     )  # fmt: skip
     off = report.RunResult(
         "off", outputs=list(outputs_off), wall_s=4.0, peak_blocks=4,
-        step_log=[(False, 4, 2.0), (False, 4, 1.0)], metrics=_metrics(0, {}, 0),
+        step_log=[(False, 4, 2.0, False), (False, 4, 1.0, True), (False, 0, 0.5, False)],
+        metrics=_metrics(0, {}, 0),
     )  # fmt: skip
     return [on, off]
 
@@ -59,8 +60,11 @@ def test_every_row_shows_its_own_runs_figure(report):
         "prompt tokens computed": ("50", "50"),
         "wall time": ("2.0 s", "4.0 s"),
         "tokens/s (wall, with compiles)": ("4.0", "2.0"),  # generated tokens over wall time
-        # Step 1 only, warm in both: 4 tokens in 0.5 s and in 1.0 s.
-        "tokens/s (steps warm in both runs)": ("8.0", "4.0"),
+        # Steps 1 and 2, warm in both: 4 tokens in 0.75 s and in 1.5 s; of them, step 1
+        # decodes (4 tokens in 0.5 s and 1.0 s), step 2 computes prefill.
+        "tokens/s (2 steps warm in both runs)": ("5.3", "2.7"),
+        "  tokens/s (1 decode-only)": ("8.0", "4.0"),
+        "  ms/step (1 with prefill)": ("250.0", "500.0"),
         "prefix-cache hit rate": ("25.0%", "25.0%"),
         "steps": ("2", "2"),
         "steps using cascade": ("50%", "0%"),
