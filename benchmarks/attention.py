@@ -36,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention_bytes import decode_bytes, kv_bytes  # noqa: E402
+from benchmarks.cli_args import check_whole_pages, positive_int  # noqa: E402
 from jaxkv.attention import default_backend, paged_attention  # noqa: E402
 from jaxkv.batch import build_attention_metadata  # noqa: E402
 from jaxkv.buckets import BucketConfig  # noqa: E402
@@ -234,24 +235,23 @@ def heatmap(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[8, 32, 128])
-    parser.add_argument("--prefix", type=int, nargs="+", default=[256, 1024, 4096])
-    parser.add_argument("--suffix", type=int, nargs="+", default=[16, 128, 1024])
-    parser.add_argument("--q-heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--batch", type=positive_int, nargs="+", default=[8, 32, 128])
+    parser.add_argument("--prefix", type=positive_int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--suffix", type=positive_int, nargs="+", default=[16, 128, 1024])
+    parser.add_argument("--q-heads", type=positive_int, default=8)
+    parser.add_argument("--kv-heads", type=positive_int, default=2)
+    parser.add_argument("--head-dim", type=positive_int, default=64)
+    parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=positive_int, default=5)
     parser.add_argument("--no-jax-ref", dest="jax_ref", action="store_false")
     parser.add_argument(
-        "--jax-ref-max-tokens", type=int, default=1 << 17,
+        "--jax-ref-max-tokens", type=positive_int, default=1 << 17,
         help="skip JAX's eager reference above this many KV tokens per step (it is slow)",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
-    if any(p % args.block_size for p in args.prefix):
-        parser.error(f"--prefix {args.prefix}: each must be a multiple of --block-size")
+    check_whole_pages(parser, args.prefix, args.block_size, "--prefix")
     args.dtype = jnp.dtype(args.dtype)
     results = run(args)
     args.out.mkdir(parents=True, exist_ok=True)

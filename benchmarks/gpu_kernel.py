@@ -54,6 +54,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention_bytes import decode_bytes  # noqa: E402
+from benchmarks.cli_args import check_whole_pages, decode_grid, positive_int  # noqa: E402
 from benchmarks.gpu_kernel_checks import checks_passed, device_checks  # noqa: E402
 from benchmarks.gpu_kernel_methods import (  # noqa: E402
     HEAD_DIM,
@@ -308,18 +309,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=pathlib.Path, help="folder for gpu_kernel.json")
     ap.add_argument("--smoke", action="store_true", help="tiny interpret-mode run on the CPU")
-    ap.add_argument("--reps", type=int, default=5, help="kernel calls per timed program")
-    ap.add_argument("--repeats", type=int, default=5, help="timed programs per method")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--jax-k-splits", type=int, default=16, help="JAX paged_attention k_splits")
+    ap.add_argument("--reps", type=positive_int, default=5, help="kernel calls per timed program")
+    ap.add_argument("--repeats", type=positive_int, default=5, help="timed programs per method")
+    ap.add_argument("--page-size", type=positive_int, default=16)
+    ap.add_argument("--jax-k-splits", type=positive_int, default=16, help="JAX k_splits")
     ap.add_argument(
         "--max-seconds", type=float, default=230.0, help="start no config (sweep: +40 s) past this"
     )
-    ap.add_argument("--only", default=None, help="e.g. '64,8192,128;8,1024,128'")
+    ap.add_argument("--only", type=decode_grid, help="B,P,S cells, e.g. '64,8192,128;8,1024,128'")
     ap.add_argument(
         "--no-sweep", dest="sweep", action="store_false", help="skip the flat tiling sweep"
     )
     args = ap.parse_args(argv)
+    if args.only:
+        check_whole_pages(ap, [p for _, p, _ in args.only], args.page_size, "--only")
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     dev = jax.devices()[0]
@@ -352,7 +355,7 @@ def main(argv=None) -> int:
             args.repeats,
         )
     if args.only:
-        grid = [tuple(int(x) for x in c.split(",")) for c in args.only.split(";")]
+        grid = args.only
     rows = []
     for b, p, s in grid:
         if time.perf_counter() - t_start > args.max_seconds:

@@ -37,7 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxkv.kv_cache_manager import KVCacheManager
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cli_args import positive_int  # noqa: E402
+from jaxkv.kv_cache_manager import KVCacheManager  # noqa: E402
 from jaxkv.request import Request
 
 BLOCK_SIZE = 16
@@ -227,9 +230,9 @@ def bench_trace(rng, num_requests: int = 10_000) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/host_overhead.json")
-    parser.add_argument("--num-requests", type=int, default=10_000)
+    parser.add_argument("--num-requests", type=positive_int, default=10_000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=5, help="repeats of the prefix grid")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="repeats of the prefix grid")
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
     t_start = time.perf_counter()

@@ -38,7 +38,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cli_args import positive_int  # noqa: E402
+from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from jaxkv.models import Llama, LlamaConfig
 
 CONFIGS = [  # (name, enable_cascade, enable_prefix_caching)
@@ -51,13 +54,19 @@ CONFIGS = [  # (name, enable_cascade, enable_prefix_caching)
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-requests", type=int, default=256)
-    p.add_argument("--system-len", type=int, default=128, help="shared system prompt tokens")
-    p.add_argument("--question-len", type=int, default=8, help="tokens of each question")
-    p.add_argument("--max-tokens", type=int, default=32, help="generated tokens per request")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--decode-batch", type=int, default=256, help="batch of the host-time goal")
+    p.add_argument("--num-requests", type=positive_int, default=256)
+    p.add_argument(
+        "--system-len", type=positive_int, default=128, help="shared system prompt tokens"
+    )
+    p.add_argument("--question-len", type=positive_int, default=8, help="tokens of each question")
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=32, help="generated tokens per request"
+    )
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    p.add_argument(
+        "--decode-batch", type=positive_int, default=256, help="batch of the host-time goal"
+    )
     p.add_argument("--preset", default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))

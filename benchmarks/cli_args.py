@@ -1,0 +1,42 @@
+"""Command-line argument types the benchmark scripts share.
+
+A bad value is refused by argparse with the flag's name, rather than met later as a
+ZeroDivisionError, a library traceback or a table of NaN figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (zero requests, tokens, pages or repetitions measure
+    nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def decode_grid(text: str) -> list[tuple[int, int, int]]:
+    """argparse type: "B,P,S;B,P,S" as (batch, prefix, suffix) triples of ints >= 1."""
+    grid = []
+    for cell in text.split(";"):
+        parts = cell.split(",")
+        if len(parts) != 3:
+            raise argparse.ArgumentTypeError(f"{cell!r} must be B,P,S (three ints)")
+        batch, prefix, suffix = (positive_int(part) for part in parts)
+        grid.append((batch, prefix, suffix))
+    return grid
+
+
+def check_whole_pages(parser: argparse.ArgumentParser, prefixes, page_size: int, flag: str):
+    """parser.error unless every prefix is a whole number of pages: the benchmarks'
+    page tables hold prefix // page_size shared pages, so the rest of a prefix would be
+    keys no page holds (flat and cascade then disagree, and bytes are miscounted)."""
+    ragged = [p for p in prefixes if p % page_size]
+    if ragged:
+        parser.error(f"{flag} {ragged}: each must be a multiple of the page size, {page_size}")

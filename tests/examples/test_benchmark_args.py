@@ -1,0 +1,39 @@
+"""The benchmark scripts refuse bad flag values by name (benchmarks/cli_args.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks import gpu_kernel
+from benchmarks.cli_args import check_whole_pages, decode_grid, positive_int
+
+
+def test_positive_int_takes_ints_from_one_up():
+    assert positive_int("3") == 3
+    for text, match in (("0", "0 must be >= 1"), ("-2", "-2 must be >= 1"), ("1.5", "not an int")):
+        with pytest.raises(argparse.ArgumentTypeError, match=match):
+            positive_int(text)
+
+
+def test_decode_grid_reads_cells_of_three_positive_ints():
+    assert decode_grid("64,8192,128;8,1024,128") == [(64, 8192, 128), (8, 1024, 128)]
+    for text in ("2,40", "2,40,16,1", "2,0,16", "a,b,c"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            decode_grid(text)
+
+
+def test_a_prefix_that_is_not_whole_pages_is_refused_by_its_flag(capsys):
+    parser = argparse.ArgumentParser()
+    check_whole_pages(parser, [32, 64], 16, "--prefix")
+    with pytest.raises(SystemExit):
+        check_whole_pages(parser, [32, 40], 16, "--prefix")
+    assert "--prefix [40]: each must be a multiple of the page size, 16" in capsys.readouterr().err
+
+
+def test_gpu_kernel_refuses_a_ragged_prefix_before_it_measures_anything(tmp_path, capsys):
+    # It used to run it: 3 pages for a 40-token prefix, 8 keys in no page, exit status 0.
+    with pytest.raises(SystemExit):
+        gpu_kernel.main(["--out", str(tmp_path), "--smoke", "--no-sweep", "--only", "2,40,16"])
+    assert "--only [40]" in capsys.readouterr().err and not any(tmp_path.iterdir())
