@@ -226,7 +226,8 @@ def write_kv(
     """Writes each token's K and V into its slot (K at even, V at odd combined heads).
 
     The cache is donated and updated in place. Padded tokens carry slots inside the null
-    block 0, which no valid row ever reads. Quantized caches store round(x / scale).
+    block 0, which no valid row ever reads; a negative slot (vLLM's padding) or one past
+    the cache writes nothing. Quantized caches store round(x / scale).
     Raises ValueError (at trace time) unless the cache dtype is one the kernels read
     (float32, bfloat16, float16, int8, float8_e4m3fn), each scale is None or a finite
     number > 0, and the shapes agree.
@@ -255,6 +256,9 @@ def write_kv(
     kv = jnp.stack(
         [_quantize(k, kv_pages.dtype, k_scale), _quantize(v, kv_pages.dtype, v_scale)], axis=2
     ).reshape(k.shape[0], num_combined, head_dim)
-    flat = kv_pages.reshape(num_blocks * block_size, num_combined, head_dim)
+    num_slots = num_blocks * block_size
+    flat = kv_pages.reshape(num_slots, num_combined, head_dim)
+    # Out of range, so dropped: indexing would wrap a -1 round to the cache's last slot.
+    slot_mapping = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
     flat = flat.at[slot_mapping].set(kv, mode="drop", unique_indices=False)
     return flat.reshape(kv_pages.shape)

@@ -85,6 +85,8 @@ def validate_ragged_paged_attention_inputs(
     ):
         if jnp.dtype(arr.dtype) != jnp.dtype(jnp.int32):
             raise ValueError(f"{name}.dtype={arr.dtype} must be int32")
+    if not isinstance(causal, (bool, np.bool_)):  # "no" ran causal, None not, by truthiness
+        raise ValueError(f"{causal=} must be a bool")
     if not is_positive_finite(sm_scale):
         raise ValueError(f"{sm_scale=} must be a finite number > 0")
     for name, value in (("soft_cap", soft_cap), ("k_scale", k_scale), ("v_scale", v_scale)):

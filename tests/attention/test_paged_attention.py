@@ -158,6 +158,16 @@ def test_write_kv_writes_slots_and_padding_only_touches_null_block():
     assert sorted(map(tuple, touched.tolist())) == [(0, 0), (2, 1), (5, 3)]
 
 
+def test_write_kv_writes_nothing_for_a_negative_or_too_large_slot():
+    # vLLM pads with slot -1: indexing wrapped it round to the last block's last slot,
+    # a live block's KV overwritten; one past the cache was dropped already.
+    kv = jnp.zeros((6, 4, 2 * NUM_KV_HEADS, HEAD_DIM))
+    k = jnp.ones((3, NUM_KV_HEADS, HEAD_DIM))
+    out = np.asarray(write_kv(kv, k, k, jnp.array([9, -1, 6 * 4], jnp.int32)))
+    touched = np.argwhere(np.any(out != 0, axis=(2, 3)))
+    assert touched.tolist() == [[2, 1]]
+
+
 def test_write_kv_quantized_round_trip():
     kv = jnp.zeros((3, 4, 2, 8), jnp.int8)
     k = jnp.full((1, 1, 8), 0.5)

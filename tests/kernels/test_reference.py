@@ -352,6 +352,8 @@ def test_bad_input_raises_at_trace_time(mutate, match):
         ({"sm_scale": float("inf")}, "sm_scale=inf must be a finite number > 0"),
         ({"sm_scale": float("nan")}, "sm_scale=nan must be a finite number > 0"),
         ({"sm_scale": None}, "sm_scale=None must be a finite number > 0"),
+        ({"causal": "no"}, "causal='no' must be a bool"),  # ran causal, by truthiness
+        ({"causal": None}, "causal=None must be a bool"),  # ran non-causal
         ({"out_dtype": jnp.int32}, "out_dtype=.* must be None"),
         ({"soft_cap": float("inf")}, "soft_cap=inf must be a finite number > 0"),
         ({"k_scale": float("nan"), "v_scale": 1.0}, "k_scale=nan must be a finite number"),
