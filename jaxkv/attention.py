@@ -20,13 +20,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxkv.batch import AttentionMetadata
+from jaxkv.batch import BACKENDS, AttentionMetadata
 from jaxkv.field_checks import is_integer
 from kernels_pallas import reference
 from kernels_pallas.merge import merge_attn_states
 from kernels_pallas.validation import FLOAT_DTYPES, QUANTIZED_KV_DTYPES, is_positive_finite
 
-BACKENDS = ("xla", "pallas_tpu", "pallas_gpu")
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 

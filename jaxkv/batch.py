@@ -22,6 +22,8 @@ from jaxkv.cascade import CascadeLevel, CascadePlan
 from jaxkv.field_checks import is_integer
 from jaxkv.planner_args import widened_counts
 
+BACKENDS = ("xla", "pallas_tpu", "pallas_gpu")  # attention backends, as metadata names them
+
 
 @dataclasses.dataclass(frozen=True)
 class LevelMetadata:
@@ -191,7 +193,7 @@ def _level_metadata(
     )
 
 
-def _check_arguments(block_table, plan, block_size, buckets) -> None:
+def _check_arguments(block_table, plan, block_size, buckets, backend, interpret, levels):
     """ValueError naming the argument unless each has the type the builder reads."""
     if not isinstance(plan, CascadePlan):
         raise ValueError(f"plan={type(plan).__name__} must be a CascadePlan (CascadePlanner.plan)")
@@ -199,6 +201,14 @@ def _check_arguments(block_table, plan, block_size, buckets) -> None:
         raise ValueError(f"buckets={type(buckets).__name__} must be a BucketConfig")
     if not is_integer(block_size) or block_size < 1:
         raise ValueError(f"{block_size=} must be an int >= 1")
+    if not isinstance(backend, str) or backend not in BACKENDS:  # else paged_attention fails
+        raise ValueError(f"{backend=} must be one of {BACKENDS}")
+    if not isinstance(interpret, bool):  # "no" would interpret, by its truthiness
+        raise ValueError(f"{interpret=} must be a bool")
+    if levels is not None and not (
+        isinstance(levels, tuple) and all(isinstance(lv, LevelMetadata) for lv in levels)
+    ):
+        raise ValueError(f"levels={levels!r} must be None or a tuple of LevelMetadata")
     dtype = getattr(block_table, "dtype", None)
     if getattr(block_table, "ndim", None) != 2 or dtype is None or dtype.kind not in "iu":
         raise ValueError(
@@ -282,7 +292,7 @@ def build_attention_metadata(
     Cost: a fixed number of numpy calls (a Python loop only over cascade groups); a
     decode-only batch (one token per request) takes a shorter path.
     """
-    _check_arguments(block_table, plan, block_size, buckets)
+    _check_arguments(block_table, plan, block_size, buckets, backend, interpret, levels)
     num_requests = len(plan.rows)
     query_lens, num_computed = _checked_counts(query_lens, num_computed_tokens, num_requests)
     decode_only = num_requests > 0 and not (query_lens != 1).any()

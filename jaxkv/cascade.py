@@ -136,10 +136,10 @@ class CascadePlanner:
         4 x max_groups candidate groups; repeated id lists reuse the manager's common
         prefix (KVCacheManager.num_common_prefix_blocks).
         """
-        num_requests = len(request_ids)
         num_computed_tokens, query_lens = checked_plan_args(
             request_ids, num_computed_tokens, query_lens, manager
         )
+        num_requests = len(request_ids)
         rows = manager.rows_of(request_ids)
         made_for = (manager, manager.row_version)
         if rows is not self._distinct_rows:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Self
 
 from jaxkv.field_checks import is_real
@@ -40,4 +41,7 @@ def checked_timeout(timeout_s) -> float:
     """
     if not is_real(timeout_s) or not timeout_s >= 0:  # NaN fails the comparison
         raise ValueError(f"{timeout_s=} must be a number of seconds >= 0")
-    return float(timeout_s)
+    try:
+        return float(timeout_s)
+    except OverflowError:  # an int past float's range, 10**400: no limit, as inf
+        return math.inf

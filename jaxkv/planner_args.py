@@ -52,7 +52,10 @@ def checked_planner_settings(
 
 def checked_plan_args(request_ids: Sequence[str], num_computed_tokens, query_lens, manager):
     """The two per-request counts as arrays; ValueError naming a bad argument."""
-    num_requests = len(request_ids)
+    try:
+        num_requests = len(request_ids)
+    except TypeError:  # None, a generator: plan() needs the ids twice
+        raise ValueError(f"{request_ids=} must be a sequence of request ids") from None
     num_computed_tokens = np.asarray(num_computed_tokens)
     query_lens = np.asarray(query_lens)
     if num_computed_tokens.shape != (num_requests,) or query_lens.shape != (num_requests,):

@@ -66,6 +66,8 @@ def replica_meshes(
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("devices must not be empty")
+    if not all(isinstance(d, jax.Device) for d in devices):  # "cpu" gave a mesh of chars
+        raise ValueError(f"devices={devices!r} must be jax Devices")
     if len(set(devices)) != len(devices):  # jax.sharding.Mesh accepts them, jit then fails
         raise ValueError(f"devices must be distinct, got ids {[d.id for d in devices]}")
     tp = as_int(tensor_parallel_size)

@@ -123,7 +123,9 @@ def save_checkpoint(model: Llama, path: str | os.PathLike) -> Path:
     SHA-256, so a crash between the two renames, which pairs it with the old weights, is
     refused by load_checkpoint rather than loaded, whatever the old config held.
     """
-    directory = Path(path)
+    if not isinstance(model, Llama):  # before the directory is made: nothing left behind
+        raise ValueError(f"model={type(model).__name__} must be a jaxkv.models.Llama")
+    directory = _directory(path)
     directory.mkdir(parents=True, exist_ok=True)
     params = {k: np.asarray(v) for k, v in flat_params(model).items()}
     staged = []
@@ -159,12 +161,19 @@ def _read_config(directory: Path) -> tuple[LlamaConfig, str | None]:
         raise CheckpointError(f"{file}: not a valid LlamaConfig: {e}") from e
 
 
+def _directory(path) -> Path:
+    """`path` as a Path; ValueError unless a str or os.PathLike (None raised TypeError)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path={path!r} must be a str or os.PathLike")
+    return Path(path)
+
+
 def load_checkpoint(path: str | os.PathLike) -> Llama:
     """Load a model saved by `save_checkpoint`. Raises FileNotFoundError for a missing
     file and CheckpointError (naming the file) for a corrupt or mismatched one, weights
     whose SHA-256 is not the one config.json records (damaged, or from another save)
     included. A config.json without a digest (written by hand) is taken as it is."""
-    directory = Path(path)
+    directory = _directory(path)
     config, digest = _read_config(directory)
     file = directory / PARAMS_FILE
     data = file.read_bytes()

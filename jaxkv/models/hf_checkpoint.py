@@ -173,6 +173,8 @@ def load_hf_safetensors(
     ignored (it is the embedding). Raises CheckpointError on any name or shape mismatch.
     """
     path = Path(path)
+    if not path.exists():  # else the parent's config.json was read, or reported missing
+        raise FileNotFoundError(f"{path}: no such file or directory")
     if config is None:
         config_dir = path if path.is_dir() else path.parent
         hf_config = json.loads((config_dir / "config.json").read_text())

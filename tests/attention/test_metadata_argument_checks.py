@@ -136,3 +136,17 @@ def test_an_empty_batch_given_as_lists_builds_as_empty_arrays_do():
     got = build_attention_metadata(query_lens=[], num_computed_tokens=[], **build)  # TypeError
     assert got.num_seqs.tolist() == want.num_seqs.tolist() == [0]
     assert got.cu_q_lens.tolist() == want.cu_q_lens.tolist()
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("backend", "gpu", "backend='gpu' must be one of"),  # failed in paged_attention
+        ("interpret", "no", "interpret='no' must be a bool"),  # would interpret, by truthiness
+        ("levels", 5, "levels=5 must be None or a tuple of LevelMetadata"),  # was TypeError
+    ],
+)
+def test_backend_interpret_and_levels_are_checked_by_the_builder(field, value, match):
+    _, build = _three_decoding()
+    with pytest.raises(ValueError, match=match):
+        build_attention_metadata(**{**build, field: value})

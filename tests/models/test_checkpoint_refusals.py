@@ -230,3 +230,20 @@ def test_a_save_that_fails_writing_its_config_leaves_no_staged_file(tmp_path, mo
     np.testing.assert_array_equal(
         loaded.embed_tokens.embedding[...], old.embed_tokens.embedding[...]
     )
+
+
+def test_save_checkpoint_refuses_what_is_no_model_before_making_its_directory(tmp_path):
+    # An nnx.State or a str raised AttributeError or IndexError, an empty directory left.
+    with pytest.raises(ValueError, match="model=str must be a jaxkv.models.Llama"):
+        save_checkpoint("model", tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    with pytest.raises(ValueError, match="path=None must be a str or os.PathLike"):
+        save_checkpoint(random_model(small_config(), seed=0), None)  # was TypeError
+    with pytest.raises(ValueError, match="path=None must be a str or os.PathLike"):
+        load_checkpoint(None)
+
+
+def test_load_hf_safetensors_names_the_missing_path_not_its_parents_config(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # another model's config beside the typo
+    with pytest.raises(FileNotFoundError, match="typo: no such file or directory"):
+        load_hf_safetensors(tmp_path / "typo")

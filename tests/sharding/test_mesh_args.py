@@ -175,3 +175,12 @@ def test_a_sharded_model_makes_one_split_cache_per_layer():
     for c in caches:
         assert c.shape == (5, 4, 2 * cfg.num_kv_heads, cfg.head_dim)
         assert c.sharding.spec == P(None, None, sharding.DEFAULT_AXIS, None)
+
+
+@pytest.mark.parametrize("devices", ["cpu", [None]])
+def test_devices_that_are_no_jax_devices_are_refused_by_name(devices):
+    # "cpu" gave a mesh of the characters c, p and u (three replica meshes), [None] a mesh
+    # whose first use raised AttributeError.
+    for build in (sharding.make_mesh, sharding.replica_meshes):
+        with pytest.raises(ValueError, match="devices=.* must be jax Devices"):
+            build(1, devices=devices)

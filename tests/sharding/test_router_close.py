@@ -164,3 +164,4 @@ def test_a_zero_and_an_infinite_timeout_are_accepted():
         router.close(timeout_s)
         assert router.closed and all(len(r.close_calls) == 1 for r in replicas)
     assert checked_timeout(0) == 0.0 and checked_timeout(math.inf) == math.inf
+    assert checked_timeout(10**400) == math.inf  # past float's range: was OverflowError
