@@ -31,6 +31,7 @@ from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner
 from jaxkv.closable import Closable, checked_timeout
 from jaxkv.completion import generate_progress_bar, run_to_completion
 from jaxkv.config import EngineConfig
+from jaxkv.deliberate_transfers import allowing_transfers
 from jaxkv.engine_args import checked_engine_args
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_copy import DeviceKVCopier
@@ -235,7 +236,7 @@ class Engine(Closable):
             new_program = key not in self._programs
             t1, c1 = time.perf_counter(), time.thread_time()
 
-            with jax.transfer_guard("allow"):  # deliberate, whatever guard the caller set
+            with allowing_transfers():  # deliberate, whatever guard the caller set
                 tokens, self.kv_caches = self._program(
                     self._state_leaves, input_ids, md.positions, self.kv_caches, md, sampling
                 )
@@ -296,11 +297,8 @@ class Engine(Closable):
         )
         if plan.levels:
             self._levels_memo = (plan, num_tokens, md.levels)
-        md = coarsen_metadata(
-            md,
-            self.config.q_len_buckets,
-            self.buckets.level_seq_buckets[-1] if self.config.pad_cascade_levels else None,
-        )
+        pad_to = self.buckets.level_seq_buckets[-1] if self.config.pad_cascade_levels else None
+        md = coarsen_metadata(md, self.config.q_len_buckets, pad_to)
         input_ids = gather_input_ids(out.token_ids, out.num_scheduled_tokens, order, md)
         positions = np.zeros(md.max_num_seqs, np.int32)  # of the tokens being sampled
         positions[:n] = num_computed + query_lens

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.buckets import padded_size, pow2_buckets
+from jaxkv.deliberate_transfers import allowing_transfers
 from jaxkv.field_checks import as_int
 
 Caches = list[jax.Array]  # num_layers x [num_blocks, block_size, 2*num_kv_heads, head_dim]
@@ -128,7 +129,7 @@ class DeviceKVCopier:
     def start_save(self, block_ids: Sequence[int]) -> Future:
         n = len(block_ids)
         ids = self._padded_ids(block_ids)
-        with jax.transfer_guard("allow"):  # deliberate, whatever guard the caller set
+        with allowing_transfers():  # deliberate, whatever guard the caller set
             gathered = _gather(tuple(self._get_caches()), ids, self.kv_replicas)
             gathered.copy_to_host_async()
         return self._executor.submit(lambda: np.asarray(gathered)[:n])
@@ -140,7 +141,7 @@ class DeviceKVCopier:
         ids = self._padded_ids(block_ids)
         data = np.zeros((len(ids), *self.block_shape), self.dtype)
         data[:n] = blocks
-        with jax.transfer_guard("allow"):  # deliberate, whatever guard the caller set
+        with allowing_transfers():  # deliberate, whatever guard the caller set
             on_device = jax.device_put(data)
             caches = _scatter(tuple(self._get_caches()), ids, on_device, self.kv_replicas)
         self._set_caches(list(caches))
