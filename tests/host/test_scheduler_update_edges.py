@@ -76,3 +76,21 @@ def test_sampled_token_ids_at_either_end_of_the_id_range_are_taken():
     assert a.output_token_ids == b.output_token_ids == []  # nothing applied
     sched.update_from_output(out, [0, MAX_TOKEN_ID])
     assert (a.output_token_ids, b.output_token_ids) == ([0], [MAX_TOKEN_ID])
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint64])
+def test_sampled_tokens_land_in_both_token_lists_as_python_ints(dtype):
+    # The update appends to the Request's lists itself, not through its checked append:
+    # each token must still reach all_token_ids too, as an int whatever the array held.
+    sched = make_scheduler()
+    a = add(sched, "a", [1, 2, 3], max_tokens=4)
+    b = add(sched, "b", [4, 5], max_tokens=4)
+    for step in range(4):
+        out = sched.schedule()
+        sched.update_from_output(out, np.array([10 + step, 20 + step], dtype))
+    for request, prompt, first in ((a, [1, 2, 3], 10), (b, [4, 5], 20)):
+        assert request.output_token_ids == list(range(first, first + 4))
+        assert list(request.all_token_ids) == prompt + request.output_token_ids
+        assert request.num_tokens == len(prompt) + 4
+        assert all(type(t) is int for t in request.all_token_ids)
+    assert not sched.has_unfinished_requests()
