@@ -36,7 +36,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention_bytes import decode_bytes, kv_bytes  # noqa: E402
-from benchmarks.cli_args import check_whole_pages, positive_int  # noqa: E402
+from benchmarks.cli_args import (  # noqa: E402
+    add_decode_grid_args,
+    check_whole_pages,
+    positive_int,
+)
 from jaxkv.attention import default_backend, paged_attention  # noqa: E402
 from jaxkv.batch import build_attention_metadata  # noqa: E402
 from jaxkv.buckets import BucketConfig  # noqa: E402
@@ -235,13 +239,7 @@ def heatmap(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=positive_int, nargs="+", default=[8, 32, 128])
-    parser.add_argument("--prefix", type=positive_int, nargs="+", default=[256, 1024, 4096])
-    parser.add_argument("--suffix", type=positive_int, nargs="+", default=[16, 128, 1024])
-    parser.add_argument("--q-heads", type=positive_int, default=8)
-    parser.add_argument("--kv-heads", type=positive_int, default=2)
-    parser.add_argument("--head-dim", type=positive_int, default=64)
-    parser.add_argument("--block-size", type=positive_int, default=16)
+    add_decode_grid_args(parser, heads=(8, 2, 64), page_flag="--block-size")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--reps", type=positive_int, default=5)
     parser.add_argument("--no-jax-ref", dest="jax_ref", action="store_false")

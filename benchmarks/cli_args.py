@@ -21,6 +21,20 @@ def positive_int(text: str) -> int:
     return value
 
 
+def add_decode_grid_args(
+    parser: argparse.ArgumentParser, *, heads: tuple[int, int, int], page_flag: str
+) -> None:
+    """The flags of a flat-vs-cascade decode grid: --batch, --prefix and --suffix (lists
+    of sizes), --q-heads, --kv-heads and --head-dim (defaults `heads`), and the page size
+    under `page_flag` (default 16)."""
+    parser.add_argument("--batch", type=positive_int, nargs="+", default=[8, 32, 128])
+    parser.add_argument("--prefix", type=positive_int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--suffix", type=positive_int, nargs="+", default=[16, 128, 1024])
+    for flag, default in zip(("--q-heads", "--kv-heads", "--head-dim"), heads, strict=True):
+        parser.add_argument(flag, type=positive_int, default=default)
+    parser.add_argument(page_flag, type=positive_int, default=16)
+
+
 def decode_grid(text: str) -> list[tuple[int, int, int]]:
     """argparse type: "B,P,S;B,P,S" as (batch, prefix, suffix) triples of ints >= 1."""
     grid = []

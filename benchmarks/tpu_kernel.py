@@ -49,7 +49,11 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention_bytes import decode_bytes, kv_bytes  # noqa: E402
-from benchmarks.cli_args import check_whole_pages, positive_int  # noqa: E402
+from benchmarks.cli_args import (  # noqa: E402
+    add_decode_grid_args,
+    check_whole_pages,
+    positive_int,
+)
 from benchmarks.reference_errors import errors_against_reference  # noqa: E402
 from kernels_pallas import reference  # noqa: E402
 from kernels_pallas.tpu import (  # noqa: E402
@@ -301,13 +305,7 @@ def lower_full_size(args) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=positive_int, nargs="+", default=[8, 32, 128])
-    parser.add_argument("--prefix", type=positive_int, nargs="+", default=[256, 1024, 4096])
-    parser.add_argument("--suffix", type=positive_int, nargs="+", default=[16, 128, 1024])
-    parser.add_argument("--q-heads", type=positive_int, default=32)
-    parser.add_argument("--kv-heads", type=positive_int, default=8)
-    parser.add_argument("--head-dim", type=positive_int, default=128)
-    parser.add_argument("--page-size", type=positive_int, default=16)
+    add_decode_grid_args(parser, heads=(32, 8, 128), page_flag="--page-size")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--reps", type=positive_int, default=20)
     parser.add_argument(
