@@ -25,6 +25,24 @@ class StepDriver(Protocol):
     # Optional: queue_checkpoint() -> Callable[[], None] (see Engine.queue_checkpoint).
 
 
+def checked_drivers(drivers, name: str) -> list:
+    """`drivers` as a list; ValueError naming `name` unless it is a non-empty sequence
+    of objects with StepDriver's four methods (a str was taken as one per character)."""
+    try:  # None or a lone engine used to raise TypeError from len()
+        listed = None if isinstance(drivers, str) else list(drivers)
+    except TypeError:
+        listed = None
+    if listed is None:
+        raise ValueError(f"{name}={drivers!r} must be a sequence of replicas")
+    if not listed:
+        raise ValueError(f"{name} must not be empty")
+    methods = ("add_request", "step", "has_unfinished_requests", "abort")
+    for driver in listed:
+        if not all(callable(getattr(driver, method, None)) for method in methods):
+            raise ValueError(f"{name}: {driver!r} lacks one of the methods {methods}")
+    return listed
+
+
 def count_prompts(prompts: Sequence[Sequence[int]]) -> int:
     """len(prompts); ValueError naming `prompts` if it has none (an int, a generator)."""
     try:

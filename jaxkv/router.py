@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from jaxkv.closable import Closable, checked_timeout
-from jaxkv.completion import generate_progress_bar, run_to_completion
+from jaxkv.completion import checked_drivers, generate_progress_bar, run_to_completion
 from jaxkv.field_checks import as_int, int_fields
 from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key
 from jaxkv.outputs import CompletionOutput, RequestOutput
@@ -87,13 +87,7 @@ class PrefixAwareRouter(Closable):
         max_tracked_prefixes: int = 1 << 16,
         hash_seed: int = 0,
     ) -> None:
-        try:  # None or a lone engine used to raise TypeError from len()
-            replicas = list(replicas)
-        except TypeError:
-            raise ValueError(f"replicas={replicas!r} must be a sequence of replicas") from None
-        if len(replicas) == 0:
-            raise ValueError("replicas must not be empty")
-        self.replicas = replicas
+        self.replicas = checked_drivers(replicas, "replicas")
         self.block_size = block_size
         self.max_prefix_blocks = max_prefix_blocks
         self.max_imbalance = max_imbalance

@@ -14,6 +14,7 @@ from jaxkv.kv_transfer import HostOffloadConnector
 from jaxkv.models.config import LlamaConfig, RopeScaling
 from jaxkv.router import PrefixAwareRouter
 from jaxkv.sharding import replica_meshes
+from tests.sharding.test_router import FakeReplica
 
 _LLAMA = dict(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2
@@ -49,6 +50,9 @@ def test_frozen_configs_store_numpy_integers_as_ints(cls, fields):
     assert repr(from_numpy) == repr(cls(**fields))  # np.int64(64) would print otherwise
 
 
+_REPLICAS = [FakeReplica(0)]  # the router checks only its methods here
+
+
 @pytest.mark.parametrize("bad", [np.bool_(True), np.float64(16.0), 16.0])
 @pytest.mark.parametrize(
     "make, name",
@@ -60,8 +64,8 @@ def test_frozen_configs_store_numpy_integers_as_ints(cls, fields):
         (lambda v: AttentionShape(8, 2, 64).per_device(v), "tensor_parallel_size"),
         (lambda v: HostOffloadConnector(v), "host_bytes"),
         (lambda v: HostOffloadConnector(0, copy_delay_steps=v), "copy_delay_steps"),
-        (lambda v: PrefixAwareRouter([object()], block_size=v), "block_size"),
-        (lambda v: PrefixAwareRouter([object()], block_size=4, max_imbalance=v), "max_imbalance"),
+        (lambda v: PrefixAwareRouter(_REPLICAS, block_size=v), "block_size"),
+        (lambda v: PrefixAwareRouter(_REPLICAS, block_size=4, max_imbalance=v), "max_imbalance"),
         (lambda v: LlamaConfig(**dict(_LLAMA, num_layers=v)), "num_layers"),
         (lambda v: replica_meshes(v), "tensor_parallel_size"),
         (lambda v: root_hash(v), "seed"),
@@ -78,7 +82,7 @@ def test_calls_take_numpy_integers_as_ints():
     assert (type(connector.host_bytes), type(connector.copy_delay_steps)) == (int, int)
     assert connector.copy_delay_steps == 2
     router = PrefixAwareRouter(
-        [object()],
+        _REPLICAS,
         block_size=np.int64(4),
         max_prefix_blocks=np.int16(2),
         max_imbalance=np.int64(0),

@@ -238,9 +238,11 @@ def test_bad_input_leaves_the_router_unchanged():
             PrefixAwareRouter(replicas, **kwargs)
     with pytest.raises(ValueError, match="empty"):
         PrefixAwareRouter([], block_size=4)
-    for bad in (None, replicas[0]):  # TypeError from len() before
+    for bad in (None, replicas[0], "ab"):  # TypeError from len() before; a str: 2 "replicas"
         with pytest.raises(ValueError, match="replicas=.* must be a sequence of replicas"):
             PrefixAwareRouter(bad, block_size=4)
+    with pytest.raises(ValueError, match="replicas: None lacks one of the methods"):
+        PrefixAwareRouter([replicas[0], None], block_size=4)  # AttributeError in add_request
     assert PrefixAwareRouter(iter(replicas), block_size=4).replicas == replicas
 
 
