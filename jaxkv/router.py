@@ -328,6 +328,8 @@ class PrefixAwareRouter(Closable):
         if self._closed:
             return
         timeout_s = checked_timeout(timeout_s)  # before any request is aborted
+        self._finished_from(self._undelivered)  # dropped: their finished requests released
+        self._undelivered = []
         for request_id in list(self._replica_of):
             self.abort(request_id)
         deadline = time.monotonic() + timeout_s
@@ -336,7 +338,6 @@ class PrefixAwareRouter(Closable):
             close = getattr(replica, "close", None)
             if close is not None:
                 close(timeout_s=max(0.0, deadline - time.monotonic()))
-        self._undelivered = []
         self._closed = True
 
 

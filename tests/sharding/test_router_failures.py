@@ -97,6 +97,16 @@ def test_close_drops_the_outputs_a_failed_step_kept():
     assert router.has_unfinished_requests()
     router.close()
     assert router.closed and not router.has_unfinished_requests()
+    # A finished request whose kept output close dropped is released with it.
+    router = PrefixAwareRouter([FakeReplica(0), FailingReplica(1)], block_size=BLOCK)
+    router.add_request([1] * BLOCK, SamplingParams(max_tokens=1), request_id="x")
+    router.add_request([2] * BLOCK, SamplingParams(max_tokens=3), request_id="y")
+    with pytest.raises(RuntimeError, match="device lost"):
+        router.step()
+    router.close()
+    assert router.num_outstanding == (0, 0)
+    with pytest.raises(KeyError):
+        router.replica_of("x")
 
 
 def test_a_finished_requests_kept_output_never_reaches_a_later_request_of_its_id():
