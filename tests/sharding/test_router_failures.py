@@ -71,14 +71,21 @@ def test_outputs_kept_from_a_failed_step_count_as_unfinished_work():
     assert not router.has_unfinished_requests()
 
 
-def test_an_aborted_requests_kept_output_never_reaches_a_later_request_of_its_id():
-    # A failed step() keeps x's first token for the next step; x is aborted and its id
-    # reused: the old token used to be delivered as the new x's first.
+def _after_a_failed_step(request_id: str, *, max_tokens: int) -> PrefixAwareRouter:
+    """A router whose step raised once: replica 0 ran `request_id` (its output kept),
+    replica 1 failed with request "y" (3 tokens) still to run."""
     router = PrefixAwareRouter([FakeReplica(0), FailingReplica(1)], block_size=BLOCK)
-    router.add_request([1] * BLOCK, SamplingParams(max_tokens=3), request_id="x")
+    router.add_request([1] * BLOCK, SamplingParams(max_tokens=max_tokens), request_id=request_id)
     router.add_request([2] * BLOCK, SamplingParams(max_tokens=3), request_id="y")
     with pytest.raises(RuntimeError, match="device lost"):
         router.step()
+    return router
+
+
+def test_an_aborted_requests_kept_output_never_reaches_a_later_request_of_its_id():
+    # A failed step() keeps x's first token for the next step; x is aborted and its id
+    # reused: the old token used to be delivered as the new x's first.
+    router = _after_a_failed_step("x", max_tokens=3)
     assert router.abort("x")
     router.add_request([7] * 9, SamplingParams(max_tokens=1), request_id="x")
     outputs = router.step()
@@ -98,11 +105,7 @@ def test_close_drops_the_outputs_a_failed_step_kept():
     router.close()
     assert router.closed and not router.has_unfinished_requests()
     # A finished request whose kept output close dropped is released with it.
-    router = PrefixAwareRouter([FakeReplica(0), FailingReplica(1)], block_size=BLOCK)
-    router.add_request([1] * BLOCK, SamplingParams(max_tokens=1), request_id="x")
-    router.add_request([2] * BLOCK, SamplingParams(max_tokens=3), request_id="y")
-    with pytest.raises(RuntimeError, match="device lost"):
-        router.step()
+    router = _after_a_failed_step("x", max_tokens=1)
     router.close()
     assert router.num_outstanding == (0, 0)
     with pytest.raises(KeyError):
@@ -112,11 +115,7 @@ def test_close_drops_the_outputs_a_failed_step_kept():
 def test_a_finished_requests_kept_output_never_reaches_a_later_request_of_its_id():
     # x finished in a step() that raised; its id used to be free at once, so a new x
     # (or generate's next default id) got the old x's finishing output as its own.
-    router = PrefixAwareRouter([FakeReplica(0), FailingReplica(1)], block_size=BLOCK)
-    router.add_request([1] * BLOCK, SamplingParams(max_tokens=1), request_id="dp-0")
-    router.add_request([2] * BLOCK, SamplingParams(max_tokens=3), request_id="y")
-    with pytest.raises(RuntimeError, match="device lost"):
-        router.step()
+    router = _after_a_failed_step("dp-0", max_tokens=1)
     with pytest.raises(ValueError, match="'dp-0' is already running"):
         router.add_request([7] * 9, SamplingParams(max_tokens=1), request_id="dp-0")
     out = router.generate([[5] * 7], SamplingParams(max_tokens=3), progress=False)
