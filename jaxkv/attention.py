@@ -24,7 +24,12 @@ from jaxkv.batch import BACKENDS, AttentionMetadata
 from jaxkv.field_checks import is_integer
 from kernels_pallas import reference
 from kernels_pallas.merge import merge_attn_states
-from kernels_pallas.validation import FLOAT_DTYPES, QUANTIZED_KV_DTYPES, is_positive_finite
+from kernels_pallas.validation import (
+    FLOAT_DTYPES,
+    QUANTIZED_KV_DTYPES,
+    is_positive_finite,
+    static_number_options,
+)
 
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array]]
 
@@ -117,6 +122,17 @@ def _probe_kernel(
         jax.eval_shape(functools.partial(kernel, sm_scale=1.0, causal=causal, **scales), *args)
 
 
+def _static_numbers(jitted: Callable) -> Callable:
+    """`jitted` called with static_number_options applied to its keyword options."""
+
+    @functools.wraps(jitted)
+    def call(*args, **options):
+        return jitted(*args, **static_number_options(options))
+
+    return call
+
+
+@_static_numbers
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -212,6 +228,7 @@ def _quantize(x: jax.Array, dtype, scale: float | None) -> jax.Array:
     return x.astype(dtype)
 
 
+@_static_numbers
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("k_scale", "v_scale"))
 def write_kv(
     kv_pages: jax.Array,  # [num_blocks, block_size, 2 * num_kv_heads, head_dim]

@@ -203,12 +203,40 @@ def validate_index_values(
         )
 
 
+STATIC_NUMBER_OPTIONS = ("sm_scale", "soft_cap", "k_scale", "v_scale")
+
+
+def static_number_options(options: dict) -> dict:
+    """`options` with each of STATIC_NUMBER_OPTIONS that is a concrete 0-d array (numpy
+    or jax, as `1 / jnp.sqrt(head_dim)` gives) as a Python float: jit's static
+    arguments must be hashable, and a jax array is not. Raises ValueError naming the
+    option for a traced value (a static option must be known when tracing) or an array
+    of more than one value; anything else is left for the option's own check."""
+    converted = None
+    for name in STATIC_NUMBER_OPTIONS:
+        value = options.get(name)
+        if value is None or isinstance(value, (int, float)):
+            continue
+        if isinstance(value, jax.core.Tracer):
+            raise ValueError(f"{name} must be a static number, not a traced value")
+        if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+            if np.ndim(value) != 0:
+                raise ValueError(f"{name}={value!r} must be a single number")
+            if converted is None:
+                converted = dict(options)
+            # A bool array stays one: the option's check refuses bools.
+            converted[name] = value.item() if value.dtype == bool else float(value)
+    return options if converted is None else converted
+
+
 def checks_index_values(fn: Callable) -> Callable:
     """Wraps a kernel entry point `fn(q, kv_pages, kv_lens, page_indices, cu_q_lens,
-    num_seqs, **options)` so that `validate_index_values` runs before it."""
+    num_seqs, **options)` so that `validate_index_values` runs before it, with
+    static_number_options applied to `options`."""
 
     @functools.wraps(fn)
     def checked(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+        options = static_number_options(options)
         causal = options.get("causal", True)
         validate_index_values(
             q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, causal=bool(causal)

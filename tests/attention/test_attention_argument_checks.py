@@ -9,6 +9,7 @@ and refused every quantized cache (its probe passed no scales).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -87,3 +88,29 @@ def test_check_backend_refuses_bad_sizes_and_dtypes_by_name(change, match):
 def test_check_backend_accepts_a_quantized_cache(kv_dtype):
     # write_kv and paged_attention take such caches with k_scale and v_scale.
     check_backend("xla", interpret=False, q_dtype=jnp.float32, kv_dtype=kv_dtype, **SHAPES)
+
+
+def test_a_scale_given_as_a_scalar_array_is_the_same_number_and_a_traced_one_is_named():
+    """1 / jnp.sqrt(head_dim) is a jax array, which jit's static options cannot hash:
+    it used to fail with jax's "Non-hashable static arguments" naming no argument."""
+    md = _metadata()
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(md.max_num_tokens, H_Q, D)), jnp.float32)
+    pages = jnp.asarray(rng.normal(size=(64, 4, 2 * H_KV, D)), jnp.float32)
+    want = paged_attention(q, pages, md, sm_scale=0.125)
+    for scale in (1 / jnp.sqrt(jnp.float32(D)), np.float32(0.125), np.array(0.125)):
+        np.testing.assert_array_equal(paged_attention(q, pages, md, sm_scale=scale), want)
+    with pytest.raises(ValueError, match="sm_scale=.* must be a single number"):
+        paged_attention(q, pages, md, sm_scale=jnp.full((2,), 0.125))
+    with pytest.raises(ValueError, match="sm_scale must be a static number, not a traced"):
+        jax.jit(lambda s: paged_attention(q, pages, md, sm_scale=s))(0.125)
+    with pytest.raises(ValueError, match="sm_scale=True must be a finite number > 0"):
+        paged_attention(q, pages, md, sm_scale=np.bool_(True))
+    k = jnp.ones((md.max_num_tokens, H_KV, D), jnp.float32)
+
+    def int8_pages():  # write_kv donates the cache
+        return jnp.zeros((64, 4, 2 * H_KV, D), jnp.int8)
+
+    got = write_kv(int8_pages(), k, k, md.slot_mapping, k_scale=jnp.float32(0.5), v_scale=1.0)
+    want = write_kv(int8_pages(), k, k, md.slot_mapping, k_scale=0.5, v_scale=1.0)
+    np.testing.assert_array_equal(got, want)

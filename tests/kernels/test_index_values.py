@@ -149,3 +149,11 @@ def test_traced_values_are_not_checked():
     jitted = jax.jit(functools.partial(reference.ragged_paged_attention, sm_scale=0.125))
     out, _ = jitted(*case.args())
     assert out.shape == case.q.shape
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_a_scale_given_as_a_jax_scalar_is_that_number(backend):
+    # A jax array cannot be hashed as a static option; each entry point takes its value.
+    case = _case()
+    out, lse = BACKENDS[backend](*case.args(), sm_scale=jnp.float32(0.125), out_dtype=jnp.float32)
+    harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))
