@@ -19,8 +19,8 @@ import numpy as np
 
 from jaxkv.buckets import BucketConfig, padded_size
 from jaxkv.cascade import CascadeLevel, CascadePlan
+from jaxkv.count_arrays import widened_counts
 from jaxkv.field_checks import is_integer
-from jaxkv.planner_args import widened_counts
 
 BACKENDS = ("xla", "pallas_tpu", "pallas_gpu")  # attention backends, as metadata names them
 

@@ -12,10 +12,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel
+from jaxkv.count_arrays import widened_counts
 from jaxkv.field_checks import increasing_sizes, is_integer
 from jaxkv.kv_cache_manager import KVCacheManager
 
-__all__ = ["checked_plan_args", "checked_planner_settings", "widened_counts"]
+__all__ = ["checked_plan_args", "checked_planner_settings"]
 
 
 def checked_planner_settings(
@@ -74,11 +75,3 @@ def checked_plan_args(request_ids: Sequence[str], num_computed_tokens, query_len
         )
     return widened_counts(num_computed_tokens), widened_counts(query_lens)
 
-
-def widened_counts(counts: np.ndarray) -> np.ndarray:
-    """Integer counts in a dtype their sums fit: int32 and int64 as given (the scheduler's
-    are int32), others as int64 (int8 or int16 sums overflow; unsigned ones with signed
-    ones are floats)."""
-    if counts.dtype.kind == "u" or counts.dtype.itemsize < 4:
-        return counts.astype(np.int64)
-    return counts
