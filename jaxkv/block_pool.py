@@ -1,4 +1,7 @@
-"""KV blocks, the free queue with LRU eviction, and the prefix-cache map (host side, no JAX).
+"""The block pool: every KV block, its holders, LRU eviction and the prefix-cache map.
+
+Host side, no JAX; built on KVCacheBlock (jaxkv.kv_cache_block) and the free queue
+(jaxkv.free_block_queue), both re-exported here.
 
 Blocks are created once and addressed by id. Block 0 is the null block: never handed out,
 the fill value of unused block-table entries. Every other block is either free (ref_cnt 0,
@@ -12,7 +15,23 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from jaxkv.field_checks import as_int
+from jaxkv.free_block_queue import FreeKVCacheBlockQueue
 from jaxkv.hashing import BlockHash
+from jaxkv.kv_cache_block import KVCacheBlock
+
+__all__ = [
+    "MAX_INT32",
+    "NULL_BLOCK_ID",
+    "AllBlocksCleared",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "FreeKVCacheBlockQueue",
+    "IntegrityError",
+    "KVCacheBlock",
+    "KVCacheEvent",
+]
 
 NULL_BLOCK_ID = 0
 MAX_INT32 = 2**31 - 1  # block ids, positions and lengths are int32 in device arrays
@@ -49,100 +68,6 @@ class AllBlocksCleared:
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class KVCacheBlock:
-    """One KV block: id, holder count, hash while cached, and free-queue links."""
-
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: BlockHash | None = None
-        self.prev_free: KVCacheBlock | None = None
-        self.next_free: KVCacheBlock | None = None
-
-    def __repr__(self) -> str:
-        cached = "cached" if self.block_hash is not None else "uncached"
-        return f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}, {cached})"
-
-
-class FreeKVCacheBlockQueue:
-    """Doubly linked list of free blocks with head and tail sentinels.
-
-    Eviction order: blocks are taken from the head and returned to the tail, so the least
-    recently freed block is evicted first. A caller that frees a request appends its
-    blocks tail first, so within one request the tail blocks (the least shareable) are
-    evicted before its head blocks. `remove` takes a cache hit out of the middle in O(1).
-    """
-
-    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
-        self._head = KVCacheBlock(-1)
-        self._tail = KVCacheBlock(-1)
-        self._head.next_free = self._tail
-        self._tail.prev_free = self._head
-        self.num_free_blocks = 0
-        self.append_n(blocks)
-
-    def popleft(self) -> KVCacheBlock:
-        block = self._head.next_free
-        if block is self._tail:
-            raise ValueError("no free block to pop")
-        self.remove(block)
-        return block
-
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        """Pops the first `n` free blocks, head first. Raises ValueError if fewer are free."""
-        if n > self.num_free_blocks:
-            raise ValueError(f"{n=} exceeds num_free_blocks={self.num_free_blocks}")
-        blocks = []
-        block = self._head
-        for _ in range(n):  # walk, then unlink the whole run from the head at once
-            block = block.next_free
-            blocks.append(block)
-        if n:
-            rest = block.next_free
-            self._head.next_free = rest
-            rest.prev_free = self._head
-            for block in blocks:
-                block.prev_free = block.next_free = None
-            self.num_free_blocks -= n
-        return blocks
-
-    def remove(self, block: KVCacheBlock) -> None:
-        prev, nxt = block.prev_free, block.next_free
-        if prev is None or nxt is None:
-            raise ValueError(f"{block} is not in the free queue")
-        prev.next_free = nxt
-        nxt.prev_free = prev
-        block.prev_free = block.next_free = None
-        self.num_free_blocks -= 1
-
-    def append(self, block: KVCacheBlock) -> None:
-        if block.prev_free is not None or block.next_free is not None:
-            raise ValueError(f"{block} is already in the free queue")
-        last = self._tail.prev_free
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
-        self.num_free_blocks += 1
-
-    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        for block in blocks:
-            self.append(block)
-
-    def __iter__(self):
-        """Free blocks in eviction order (head first)."""
-        block = self._head.next_free
-        while block is not self._tail:
-            yield block
-            block = block.next_free
-
-    def block_ids(self) -> list[int]:
-        """Free block ids in eviction order (head first)."""
-        return [b.block_id for b in self]
-
-
 class BlockPool:
     """Owns every KV block: ref counts, free queue and the hash -> block cache map.
 
@@ -154,11 +79,15 @@ class BlockPool:
     def __init__(
         self, num_blocks: int, *, enable_caching: bool = True, enable_events: bool = False
     ) -> None:
-        if not isinstance(num_blocks, int) or not 2 <= num_blocks <= MAX_INT32:
+        given, num_blocks = num_blocks, as_int(num_blocks)  # a numpy int is taken as one
+        if num_blocks is None or not 2 <= num_blocks <= MAX_INT32:
             raise ValueError(
-                f"{num_blocks=} must be an int in [2, {MAX_INT32}] (block 0 is the null "
-                "block; block ids are int32 in block tables)"
+                f"num_blocks={given!r} must be an int in [2, {MAX_INT32}] (block 0 is the "
+                "null block; block ids are int32 in block tables)"
             )
+        for name, flag in (("enable_caching", enable_caching), ("enable_events", enable_events)):
+            if not isinstance(flag, bool):  # "no" cached, by its truthiness
+                raise ValueError(f"{name}={flag!r} must be a bool")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.enable_events = enable_events

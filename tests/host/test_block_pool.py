@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 from jaxkv import IntegrityError
@@ -37,6 +38,22 @@ def test_pool_never_hands_out_the_null_block():
     with pytest.raises(ValueError):
         pool.get_new_blocks(1)
     pool.check_integrity({1: 1, 2: 1, 3: 1})
+
+
+def test_pool_settings_are_checked_by_name():
+    # A numpy int is a block count (it used to be refused as "must be an int"); a flag
+    # given as a str used to switch caching or events by its truthiness.
+    pool = BlockPool(np.int64(4))
+    assert pool.num_blocks == 4 and type(pool.num_blocks) is int
+    for kwargs, match in [
+        (dict(num_blocks=1), "num_blocks=1 must be an int in"),
+        (dict(num_blocks=4.0), "num_blocks=4.0 must be an int in"),
+        (dict(num_blocks=True), "num_blocks=True must be an int in"),
+        (dict(num_blocks=4, enable_caching="no"), "enable_caching='no' must be a bool"),
+        (dict(num_blocks=4, enable_events=1), "enable_events=1 must be a bool"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            BlockPool(**kwargs)
 
 
 def _pool_with_cached_block() -> BlockPool:
