@@ -81,8 +81,9 @@ class EngineConfig:
     "anything else"), trading padding for fewer programs; `pad_cascade_levels` pads every
     cascade level to its largest number of sequences (one program per level structure).
     `max_step_programs` is the resulting bound on Engine.num_compiles.
-    seed: default sampling seed of requests that give none (mixed with their index, and
-    drawn in a stream of its own: no SamplingParams.seed replays an unseeded request).
+    seed: default sampling seed of requests that give none, 64 bits as SamplingParams.seed
+    (mixed with their index, and drawn in a stream of its own: no SamplingParams.seed
+    replays an unseeded request).
     """
 
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
@@ -104,7 +105,7 @@ class EngineConfig:
             raise ValueError(f"cache={self.cache!r} must be a CacheConfig")
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ValueError(f"scheduler={self.scheduler!r} must be a SchedulerConfig")
-        int_fields(self, "seed")
+        int_fields(self, "seed", minimum=-(2**63), maximum=2**64 - 1)
         bool_fields(self, "interpret", "enable_cascade", "pad_cascade_levels")
         if self.cascade_cost_model is not None and not isinstance(
             self.cascade_cost_model, CascadeCostModel

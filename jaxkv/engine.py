@@ -179,7 +179,7 @@ class Engine(Closable):
         request = Request(request_id, prompt, sampling_params, cache_salt=cache_salt)
         self.scheduler.add_request(request)  # raises on duplicate id or too long a prompt
         self._serials.take(serial)  # only once queued (jaxkv.request_serials)
-        seed = (self.config.seed * 0x9E3779B1 + serial) & 0xFFFFFFFF
+        seed = (self.config.seed * 0x9E3779B97F4A7C15 + serial) & 0xFFFFFFFFFFFFFFFF
         self._sampling.add(request_id, sampling_params, seed)
         return request_id
 

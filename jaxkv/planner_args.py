@@ -74,4 +74,3 @@ def checked_plan_args(request_ids: Sequence[str], num_computed_tokens, query_len
             f"{num_computed_tokens.dtype=} and {query_lens.dtype=} must be integer dtypes"
         )
     return widened_counts(num_computed_tokens), widened_counts(query_lens)
-

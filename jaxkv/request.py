@@ -43,6 +43,8 @@ class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction.
 
     temperature 0 means greedy; top_k 0 means no top-k cut; top_p 1.0 means no nucleus cut.
+    seed: 64 bits, as torch's generators take (a negative seed counts modulo 2**64); a
+    request with a seed samples the same tokens whatever batch it runs in.
     """
 
     max_tokens: int = 16
@@ -68,8 +70,8 @@ class SamplingParams:
         if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
         seed = None if self.seed is None else _int_or_none(self.seed)
-        if self.seed is not None and seed is None:
-            raise ValueError(f"seed={self.seed!r} must be None or an int")
+        if self.seed is not None and (seed is None or not -(2**63) <= seed < 2**64):
+            raise ValueError(f"seed={self.seed!r} must be None or an int in [-2**63, 2**64)")
         try:
             stop = tuple(map(_int_or_none, self.stop_token_ids))
         except TypeError:  # not iterable: a lone id, None

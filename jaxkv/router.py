@@ -388,7 +388,8 @@ def engine_replicas(
     config = EngineConfig() if config is None else config
     if not isinstance(config, EngineConfig):  # a dict raised AttributeError on config.seed
         raise ValueError(f"config={config!r} must be None or an EngineConfig")
+    seeds = [(config.seed + i) % 2**64 for i in range(len(meshes))]  # within EngineConfig's
     return [
-        Engine(model, params, dataclasses.replace(config, seed=config.seed + i), mesh=mesh)
-        for i, mesh in enumerate(meshes)
+        Engine(model, params, dataclasses.replace(config, seed=seed), mesh=mesh)
+        for seed, mesh in zip(seeds, meshes, strict=True)
     ]

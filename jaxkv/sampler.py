@@ -5,7 +5,9 @@ one row per scheduled sequence. Each row's randomness comes from its own seed fo
 with its stream (0: the request's own seed, 1: the engine's default for a request that
 gives none) and the position of the token being sampled, so a request samples the same
 tokens whatever batch it runs in, and again after a preemption recomputes it, and no
-explicit seed replays the draws of an unseeded request.
+explicit seed replays the draws of an unseeded request. Seeds are 64-bit: a row's key is
+the threefry key whose data are the seed's high and low 32-bit words (jax.random.key of
+that seed under 64-bit ints; for a seed below 2**32, jax.random.key(seed)).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import numpy as np
 
 from jaxkv.request import RequestStatus, SamplingParams
 
-_SEED_MASK = 0xFFFFFFFF
+_SEED_MASK = 2**64 - 1  # a negative seed is taken modulo 2**64
+_WORD = 2**32
 _MAX_TOP_K = 2**31 - 1  # any top_k >= vocab is no cut; larger ones would overflow int32
 
 
@@ -28,8 +31,8 @@ SamplingRow = tuple[float, int, float, int, int]
 
 def sampling_row(params: SamplingParams, default_seed: int) -> SamplingRow:
     """(temperature, top_k, top_p, seed, stream) of one request: its own seed in
-    SEED_STREAM, else `default_seed` in DEFAULT_STREAM; the seed folded into 32 bits and
-    top_k capped at 2**31 - 1."""
+    SEED_STREAM, else `default_seed` in DEFAULT_STREAM; the seed modulo 2**64 and top_k
+    capped at 2**31 - 1."""
     if params.seed is None:
         seed, stream = default_seed, DEFAULT_STREAM
     else:
@@ -42,26 +45,45 @@ def sampling_arrays(
     rows: list[SamplingRow], num_rows: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(temperature, top_k, top_p, seeds, streams) padded to `num_rows`; padding rows are
-    greedy."""
-    return _padded_arrays(np.array(rows, np.float64).reshape(len(rows), 5), num_rows)
+    greedy. seeds is u32[num_rows, 2]: each seed's high and low 32-bit words."""
+    table = np.array([_table_row(row) for row in rows], np.float64).reshape(len(rows), _COLUMNS)
+    return _padded_arrays(table, num_rows)
+
+
+def seed_words(seeds) -> np.ndarray:
+    """u32[..., 2] `seeds` (ints, each taken modulo 2**64) as sample() takes them: each
+    seed's high and low 32-bit words."""
+    if not isinstance(seeds, np.ndarray):  # as objects: a list mixing -1 and 2**64 - 1
+        seeds = np.array(seeds, dtype=object)  # would otherwise become float64
+    words = [divmod(int(seed) & _SEED_MASK, _WORD) for seed in seeds.ravel().tolist()]
+    return np.array(words, np.uint32).reshape(*seeds.shape, 2)
+
+
+_COLUMNS = 6  # temperature, top_k, top_p, seed's high word, its low word, stream
+
+
+def _table_row(row: SamplingRow) -> tuple[float, int, float, int, int, int]:
+    """A sampling row with its 64-bit seed split into words, each exact in a float64."""
+    temperature, top_k, top_p, seed, stream = row
+    return temperature, top_k, top_p, seed // _WORD, seed % _WORD, stream
 
 
 def _padded_arrays(
-    table: np.ndarray,  # f64[n, 5] sampling rows, exact: seeds < 2**32, top_k < 2**31
+    table: np.ndarray,  # f64[n, _COLUMNS] rows of _table_row, exact: every value < 2**32
     num_rows: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     n = len(table)
     temperature = np.zeros(num_rows, np.float32)
     top_k = np.zeros(num_rows, np.int32)
     top_p = np.ones(num_rows, np.float32)
-    seeds = np.zeros(num_rows, np.uint32)
+    seeds = np.zeros((num_rows, 2), np.uint32)
     streams = np.zeros(num_rows, np.uint32)
     if n:
         temperature[:n] = table[:, 0]
         top_k[:n] = table[:, 1]
         top_p[:n] = table[:, 2]
-        seeds[:n] = table[:, 3].astype(np.uint32)
-        streams[:n] = table[:, 4].astype(np.uint32)
+        seeds[:n] = table[:, 3:5].astype(np.uint32)
+        streams[:n] = table[:, 5].astype(np.uint32)
     return temperature, top_k, top_p, seeds, streams
 
 
@@ -81,20 +103,20 @@ class SamplingRows:
     def __init__(self) -> None:
         self._slots: dict[str, int] = {}  # request id -> its row of _table
         self._free: list[int] = []  # rows of _table no request holds
-        self._table = np.zeros((0, 5), np.float64)
+        self._table = np.zeros((0, _COLUMNS), np.float64)
         self._memo: tuple | None = None  # (requests, order bytes or None, arrays)
 
     def __len__(self) -> int:
         return len(self._slots)
 
     def add(self, request_id: str, params: SamplingParams, default_seed: int) -> None:
-        row = sampling_row(params, default_seed)
+        row = _table_row(sampling_row(params, default_seed))
         slot = self._slots.get(request_id)
         if slot is None:
             if not self._free:
                 size = len(self._table)
                 grown = max(2 * size, 64)
-                self._table = np.concatenate([self._table, np.zeros((grown - size, 5))])
+                self._table = np.concatenate([self._table, np.zeros((grown - size, _COLUMNS))])
                 self._free = list(range(grown - 1, size - 1, -1))
             slot = self._slots[request_id] = self._free.pop()
         self._table[slot] = row
@@ -135,7 +157,7 @@ def sample(
     temperature: jax.Array,  # f32[S] 0 = greedy
     top_k: jax.Array,  # i32[S] 0 = no cut
     top_p: jax.Array,  # f32[S] 1 = no cut
-    seeds: jax.Array,  # u32[S]
+    seeds: jax.Array,  # u32[S, 2] each seed's high and low 32-bit words
     streams: jax.Array,  # u32[S] SEED_STREAM or DEFAULT_STREAM
     positions: jax.Array,  # i32[S] position of the token being sampled
 ) -> jax.Array:  # i32[S]
@@ -167,7 +189,9 @@ def sample(
     masked = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
 
     def draw(seed, stream, position, row):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), position)
+        # The threefry key of the 64-bit seed, whatever jax's default PRNG is.
+        key = jax.random.wrap_key_data(seed, impl="threefry2x32")
+        key = jax.random.fold_in(jax.random.fold_in(key, stream), position)
         # "high": the default Gumbel noise stops about 20 logits below the maximum, so a
         # large vocabulary's many unlikely tokens were drawn too rarely, or never.
         return jax.random.categorical(key, row, mode="high")

@@ -30,6 +30,7 @@ from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig
         (lambda: EngineConfig(cache={"num_blocks": 8}), "must be a CacheConfig"),
         (lambda: EngineConfig(scheduler=None), "must be a SchedulerConfig"),
         (lambda: EngineConfig(seed=1.5), "seed=1.5"),
+        (lambda: EngineConfig(seed=2**64), r"seed=18446744073709551616 must be an int in \[-"),
         (lambda: CacheConfig(enable_prefix_caching="false"), "enable_prefix_caching='false'"),
         (lambda: SchedulerConfig(enable_chunked_prefill=None), "enable_chunked_prefill=None"),
         (lambda: EngineConfig(enable_cascade="no"), "enable_cascade='no'"),

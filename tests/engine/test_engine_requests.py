@@ -20,6 +20,7 @@ from tests.engine._util import (
     MAX_MODEL_LEN,
     VOCAB,
     _dense_logits,
+    engine_config,
     make_engine,
     prompts_for,
     tiny_model,
@@ -191,6 +192,21 @@ def test_seed_zero_is_a_seed_of_its_own_whatever_the_request_index():
     engine.add_request([9, 9, 9], SamplingParams(max_tokens=1))  # takes index 0
     second = engine.generate([[5, 6, 7]], params, progress=False)[0].output_token_ids
     assert alone == second
+
+
+def test_seeds_are_64_bit_for_requests_and_the_engine_default():
+    # Seeds used to be folded into 32 bits: seed 1 sampled as 2**32 + 1 did, and so did
+    # engines with default seeds 0 and 2**32.
+    prompt = [[5, 6, 7]]
+
+    def drawn(seed=None, engine_seed=0):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=12)
+        engine = Engine(tiny_model(), None, dataclasses.replace(engine_config(), seed=engine_seed))
+        return engine.generate(prompt, params, progress=False)[0].output_token_ids
+
+    assert drawn(1) != drawn(2**32 + 1) and drawn(2**32 - 1) != drawn(-1)
+    assert drawn(-1) == drawn(2**64 - 1)  # a negative seed counts modulo 2**64
+    assert drawn(engine_seed=0) != drawn(engine_seed=2**32)
 
 
 def _serve(engine, prompt, **kw) -> list[int]:

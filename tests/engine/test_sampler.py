@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from jaxkv.request import Request, SamplingParams
-from jaxkv.sampler import SamplingRows, sample, sampling_arrays, sampling_row
+from jaxkv.sampler import SamplingRows, sample, sampling_arrays, sampling_row, seed_words
 
 _sample = jax.jit(sample)
 PROBS = np.array([0.5, 0.3, 0.15, 0.05])
@@ -23,7 +23,7 @@ def _draws(top_k: int, top_p: float, temperature: float = 1.0, n: int = 4000) ->
             np.full(n, temperature, np.float32),
             np.full(n, top_k, np.int32),
             np.full(n, top_p, np.float32),
-            np.arange(n, dtype=np.uint32),
+            seed_words(np.arange(n)),
             np.zeros(n, np.uint32),
             np.full(n, 7, np.int32),
         )
@@ -36,7 +36,7 @@ def test_greedy_rows_take_the_argmax_and_sampled_rows_follow_probabilities():
     logits = np.array([[0.1, 2.0, -1.0, 2.0]], np.float32)
     one = lambda a, dt: np.array([a], dt)
     out = _sample(logits, one(0, np.float32), one(0, np.int32), one(1, np.float32),
-                  one(0, np.uint32), one(0, np.uint32), one(0, np.int32))  # fmt: skip
+                  seed_words([0]), one(0, np.uint32), one(0, np.int32))  # fmt: skip
     assert int(out[0]) == 1  # ties: the lowest id
 
 
@@ -60,7 +60,7 @@ def test_a_row_depends_on_its_seed_and_position_only():
     logits = rng.normal(size=(8, 32)).astype(np.float32)
     args = lambda seeds, pos, stream=0: (
         logits, np.ones(8, np.float32), np.zeros(8, np.int32), np.ones(8, np.float32),
-        np.asarray(seeds, np.uint32), np.full(8, stream, np.uint32), np.asarray(pos, np.int32),
+        seed_words(seeds), np.full(8, stream, np.uint32), np.asarray(pos, np.int32),
     )  # fmt: skip
     a = np.asarray(_sample(*args([5] * 8, [3] * 8)))
     b = np.asarray(_sample(*args([5] * 8, [3] * 8)))
@@ -83,7 +83,7 @@ def test_sampling_rows_follow_each_batch_order_and_size():
     assert temperature(np.array([2, 0, 1]), 4) == [2.5, 0.5, 1.5, 0.0]
     assert temperature(np.array([2, 0, 1]), 8) == [2.5, 0.5, 1.5] + [0.0] * 5
     seeds = rows.arrays(reqs, np.array([1, 2, 0]), 4)[3]
-    assert seeds.tolist() == [1, 2, 0, 0]
+    assert seeds.tolist() == [[0, 1], [0, 2], [0, 0], [0, 0]]
 
 
 def test_sampling_rows_of_a_reused_id_or_a_list_changed_in_place_are_rebuilt():

@@ -16,7 +16,14 @@ import pytest
 from scipy import stats
 
 from jaxkv.request import SamplingParams
-from jaxkv.sampler import DEFAULT_STREAM, SEED_STREAM, sample, sampling_arrays, sampling_row
+from jaxkv.sampler import (
+    DEFAULT_STREAM,
+    SEED_STREAM,
+    sample,
+    sampling_arrays,
+    sampling_row,
+    seed_words,
+)
 
 _sample = jax.jit(sample)
 LOGITS = np.array([2.0, 1.5, 1.1, 0.7, 0.2, -0.3, -1.0, -2.0], np.float32)
@@ -37,7 +44,7 @@ def _run(logits, temperature, top_k=0, top_p=1.0, seeds=0, positions=0, streams=
         full(temperature, np.float32, 0),
         full(top_k, np.int32, 0),
         full(top_p, np.float32, 1),
-        full(seeds, np.uint32, 0),
+        seed_words(full(seeds, np.uint64, 0)),
         full(streams, np.uint32, 0),
         full(positions, np.int32, 0),
     )
@@ -179,9 +186,13 @@ def test_a_row_depends_only_on_its_seed_and_position_and_seeds_are_independent()
     ):
         agree = float((other == a).mean())
         assert 0.1 < agree < 0.15, agree
-    # Seeds are folded into 32 bits, as sampling_row documents.
+    # Seeds are 64-bit: ones equal modulo 2**32 draw apart (they drew alike when seeds
+    # were folded into 32 bits), and a negative one counts modulo 2**64.
+    for far in (seeds + 2**32, seeds + 2**40, seeds.astype(np.uint64) + np.uint64(2**63)):
+        agree = float((_run(uniform, 1.0, seeds=far, positions=7) == a).mean())
+        assert 0.1 < agree < 0.15, agree
     row = lambda seed: sampling_row(SamplingParams(temperature=1.0, seed=seed), 0)
-    assert row(2**32 + 5)[3] == row(5)[3] == 5 and row(-1)[3] == 2**32 - 1
+    assert row(2**32 + 5)[3] == 2**32 + 5 and row(-1)[3] == 2**64 - 1
     assert row(99)[3:] == (99, SEED_STREAM)
     assert sampling_row(SamplingParams(temperature=1.0), 99)[3:] == (99, DEFAULT_STREAM)
 
@@ -196,16 +207,17 @@ def test_sampling_arrays_hold_a_huge_top_k_without_overflow():
 
 def test_sampling_arrays_put_each_row_in_its_column_and_pad_with_greedy_rows():
     rows = [(0.7, 5, 0.9, 11, SEED_STREAM), (1.3, 0, 0.25, 2**32 - 1, DEFAULT_STREAM)]
+    rows += [(1.0, 0, 1.0, 2**64 - 1, SEED_STREAM)]  # both words, exact in the float table
     temperature, top_k, top_p, seeds, streams = sampling_arrays(rows, 4)
     assert temperature.dtype == np.float32 and top_p.dtype == np.float32
     assert top_k.dtype == np.int32 and seeds.dtype == streams.dtype == np.uint32
-    np.testing.assert_array_equal(temperature, np.float32([0.7, 1.3, 0, 0]))
+    np.testing.assert_array_equal(temperature, np.float32([0.7, 1.3, 1, 0]))
     np.testing.assert_array_equal(top_k, [5, 0, 0, 0])
     np.testing.assert_array_equal(top_p, np.float32([0.9, 0.25, 1, 1]))
-    np.testing.assert_array_equal(seeds, [11, 2**32 - 1, 0, 0])
-    np.testing.assert_array_equal(streams, [SEED_STREAM, DEFAULT_STREAM, 0, 0])
+    np.testing.assert_array_equal(seeds, [[0, 11], [0, 2**32 - 1], [2**32 - 1] * 2, [0, 0]])
+    np.testing.assert_array_equal(streams, [SEED_STREAM, DEFAULT_STREAM, SEED_STREAM, 0])
     empty = sampling_arrays([], 2)
-    assert [a.tolist() for a in empty] == [[0, 0], [0, 0], [1, 1], [0, 0], [0, 0]]
+    assert [a.tolist() for a in empty] == [[0, 0], [0, 0], [1, 1], [[0, 0], [0, 0]], [0, 0]]
 
 
 @pytest.mark.parametrize(
@@ -223,6 +235,8 @@ def test_sampling_arrays_put_each_row_in_its_column_and_pad_with_greedy_rows():
         ("top_p", 1.5),
         ("top_p", float("nan")),
         ("seed", 1.5),
+        pytest.param("seed", 2**64, id="seed-2**64"),  # beyond 64 bits: was folded silently
+        pytest.param("seed", -(2**63) - 1, id="seed-below-int64"),
         ("max_tokens", 0),
         ("stop_token_ids", (-1,)),
         ("stop_token_ids", 5),  # a lone id, not a sequence: was a TypeError
