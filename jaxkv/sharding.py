@@ -49,7 +49,8 @@ ROW_PARALLEL = ("o_proj", "down_proj")  # kernel [in/TP, out]; partial sums are 
 
 def _check_divides(tp: int, name: str, n: int) -> None:
     if tp < 1 or n % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide {name}={n}")
+        need = "be >= 1" if tp < 1 else f"divide {name}={n}"
+        raise ValueError(f"tensor_parallel_size={tp} must {need}")
 
 
 def replica_meshes(
@@ -82,12 +83,13 @@ def make_mesh(
     devices: Sequence[jax.Device] | None = None,
     axis_name: str = DEFAULT_AXIS,
 ) -> Mesh:
-    """A 1-D mesh over the first TP of `devices` (default: jax.devices()).
-
-    TP must divide the device count (the other groups serve other replicas, see
-    `replica_meshes`); otherwise ValueError naming both numbers.
-    """
-    return replica_meshes(tensor_parallel_size, devices, axis_name)[0]
+    """A 1-D mesh over the first TP of `devices` (default: jax.devices()), as vLLM's
+    tensor_parallel_size takes them; ValueError naming both numbers if TP exceeds them."""
+    devices = list(jax.devices() if devices is None else devices)
+    tp = as_int(tensor_parallel_size)
+    if tp is not None and tp > len(devices) > 0:
+        raise ValueError(f"tensor_parallel_size={tp} exceeds the device count={len(devices)}")
+    return replica_meshes(tensor_parallel_size, devices[: max(tp or 0, 1)], axis_name)[0]
 
 
 def mesh_for(mesh: Mesh | None = None, tensor_parallel_size: int | None = None) -> Mesh | None:

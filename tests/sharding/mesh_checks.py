@@ -252,7 +252,10 @@ def bad_tp_sizes():
             return
         raise AssertionError(f"no ValueError; expected one naming {numbers}")
 
-    raises(lambda: sharding.make_mesh(3), 3, 8)
+    raises(lambda: sharding.make_mesh(9), 9, 8)
+    raises(lambda: sharding.replica_meshes(3), 3, 8)
+    # As vLLM's tensor_parallel_size: the first 3 devices, though 3 does not divide 8.
+    assert [d.id for d in sharding.make_mesh(3).devices.flat] == [0, 1, 2]
     raises(lambda: sharding.replica_meshes(5), 5, 8)
     raises(lambda: sharding.make_mesh(2, devices=[]))
     mesh4 = sharding.make_mesh(4)
