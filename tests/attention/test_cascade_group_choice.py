@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxkv import KVCacheManager
-from jaxkv.cascade import CascadeCostModel, CascadePlanner
+from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlanner
 from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding, _plan, _prefilled
 
 
@@ -212,3 +212,25 @@ def test_groups_paying_together_must_save_more_than_the_call_of_the_groups_kept(
     plan = _plan(CascadePlanner(SHAPE, cost_model=model, max_groups=max_groups), m, reqs)
     assert plan.num_levels == (num_groups > 0)
     assert sum(lv.num_groups for lv in plan.levels) == num_groups
+
+
+def test_a_whole_batch_prefix_that_pays_in_tokens_is_one_global_level():
+    # The global level's cost verdict counts the shared prefix in tokens. Four decoding
+    # requests share 1024 tokens (64 blocks of 16): reading them once saves
+    # 3 * 1024 * 4 KiB = 12 MiB, more than a TPU call's 8 MiB. Counted as 64 "tokens"
+    # (its blocks) it would save 0.75 MiB and not pay, and the batch would fall through
+    # to a one-group "groups" level (or, beside real groups, lose them).
+    shape = AttentionShape(num_q_heads=32, num_kv_heads=8, head_dim=128, kv_itemsize=2)
+    m = KVCacheManager(4096, 16, max_model_len=2048)
+    prompt = list(range(5000, 5000 + 1024))
+    reqs = [_decoding(m, f"r{i}", prompt + [9000 + i] * 3) for i in range(4)]
+    planner = CascadePlanner(shape, backend="pallas_tpu")
+    context = sum(r.num_tokens for r in reqs)
+    assert planner.pays(4, 1024, 4, context) and not planner.pays(4, 64, 4, context)
+    plan = _plan(planner, m, reqs)
+    assert [level.name for level in plan.levels] == ["global"]
+    assert (
+        plan.levels[0].block_ends.tolist() == [64]
+        and _shared(m, [r.request_id for r in reqs]) == 64
+    )
+    assert plan.suffix_start_blocks.tolist() == [64] * 4
