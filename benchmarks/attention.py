@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention_bytes import decode_bytes, kv_bytes  # noqa: E402
 from benchmarks.cli_args import (  # noqa: E402
+    RESULTS_DIR,
     add_decode_grid_args,
     check_whole_pages,
     positive_int,
@@ -247,7 +248,9 @@ def main() -> None:
         "--jax-ref-max-tokens", type=positive_int, default=1 << 17,
         help="skip JAX's eager reference above this many KV tokens per step (it is slow)",
     )  # fmt: skip
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS_DIR, help="folder for the JSON and plot (%(default)s)"
+    )
     args = parser.parse_args()
     check_whole_pages(parser, args.prefix, args.block_size, "--prefix")
     args.dtype = jnp.dtype(args.dtype)

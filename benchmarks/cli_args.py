@@ -7,6 +7,11 @@ ZeroDivisionError, a library traceback or a table of NaN figures.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+# Where the scripts write their JSON without --out: this checkout's benchmarks/results/,
+# whatever the working directory.
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def positive_int(text: str) -> int:

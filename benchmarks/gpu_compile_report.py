@@ -122,7 +122,8 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     parser.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    results = Path(__file__).resolve().parent / "results"  # whatever the working directory
+    parser.add_argument("--out", type=Path, default=results, help="folder (%(default)s)")
     args = parser.parse_args()
     import triton  # fail early: the report needs the triton package
 

@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cli_args import positive_int  # noqa: E402
 from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
+from jaxkv.attention import default_backend  # noqa: E402
 from jaxkv.models import Llama, LlamaConfig
 
 CONFIGS = [  # (name, enable_cascade, enable_prefix_caching)
@@ -69,7 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--preset", default="tiny")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
+    names = ",".join(c[0] for c in CONFIGS)
+    p.add_argument("--configs", default=names, help=f"comma-separated, of {names}")
     p.add_argument("--out", type=Path, default=None, help="JSON file to write")
     args = p.parse_args(argv)
     unknown = set(args.configs.split(",")) - {c[0] for c in CONFIGS}
@@ -187,8 +189,11 @@ def step_figures(steps, generated: list[int], decode_batch: int) -> dict:
 
 def paired(cascade: dict, flat: dict) -> dict | None:
     """Cascade against flat over the steps in which neither run compiled, or None when
-    the two runs did not schedule the same tokens step for step or no such step
-    generated a token."""
+    the cascade run planned cascade in no step (the ratio would time flat attention
+    against itself), the two runs did not schedule the same tokens step for step, or no
+    such step generated a token."""
+    if not cascade.get("cascade_steps", True):
+        return None
     a, b = cascade["step_log"], flat["step_log"]
     if [s[1:3] for s in a] != [s[1:3] for s in b]:
         return None
@@ -239,7 +244,8 @@ def main(argv=None) -> int:
     print(
         f"{args.num_requests} requests, system prompt {args.system_len} + question "
         f"{args.question_len} tokens, {args.max_tokens} generated; backend "
-        f"{jax.default_backend()}; medians over steps that compiled nothing"
+        f"{default_backend()} on {jax.default_backend()}; medians over steps that compiled "
+        "nothing"
     )
     widths = [
         max([len(h)] + [len(fmt.format(r[key]).strip()) for r in results]) for h, key, fmt in cols
@@ -262,6 +268,9 @@ def main(argv=None) -> int:
         if c is None or f is None:
             continue
         pairs[cache] = pair = paired(c, f)
+        if not c["cascade_steps"]:
+            print(f"{cache}: the cascade run planned cascade in no step; no ratio")
+            continue
         if pair is None:
             print(f"{cache}: no step that both runs scheduled alike and neither compiled; no ratio")
             continue
@@ -276,6 +285,7 @@ def main(argv=None) -> int:
         report = {
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "backend": jax.default_backend(),
+            "attention_backend": default_backend(),
             "device": str(jax.devices()[0]),
             "platform": platform.platform(),
             "python": sys.version.split()[0],

@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention_bytes import decode_bytes, kv_bytes  # noqa: E402
 from benchmarks.cli_args import (  # noqa: E402
+    RESULTS_DIR,
     add_decode_grid_args,
     check_whole_pages,
     positive_int,
@@ -316,7 +317,7 @@ def main() -> int:
         "--smoke", action="store_true",
         help="CPU: tiny case in the TPU interpreter, then lower the full-size calls for TPU",
     )  # fmt: skip
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder (%(default)s)")
     args = parser.parse_args()
     args.generation = detect_tpu_generation()
     args.tpu_generation = args.tpu_generation or (
