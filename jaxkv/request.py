@@ -42,12 +42,14 @@ class RequestStatus(enum.IntEnum):
 class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction.
 
-    temperature 0 means greedy; top_k 0 means no top-k cut; top_p 1.0 means no nucleus cut.
+    max_tokens None generates until a stop token or max_model_len. temperature 0 means
+    greedy; top_k 0 (or -1, vLLM's older spelling, stored as 0) means no top-k cut;
+    top_p 1.0 means no nucleus cut.
     seed: 64 bits, as torch's generators take (a negative seed counts modulo 2**64); a
     request with a seed samples the same tokens whatever batch it runs in.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -57,16 +59,18 @@ class SamplingParams:
     def __post_init__(self) -> None:
         """Checks every field; integers (numpy ones too) are stored as Python ints."""
         max_tokens, top_k = _int_or_none(self.max_tokens), _int_or_none(self.top_k)
-        if max_tokens is None or max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1")
+        if self.max_tokens is not None and (max_tokens is None or max_tokens < 1):
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1 or None")
         try:  # 10**400 compares below math.inf but overflows a float
             temperature = float(self.temperature) if is_real(self.temperature) else math.nan
         except OverflowError:
             temperature = math.inf
         if not 0.0 <= temperature <= _FLOAT32_MAX:  # the sampler divides in float32
             raise ValueError(f"temperature={self.temperature!r} must be >= 0 and finite in float32")
+        if top_k == -1:
+            top_k = 0
         if top_k is None or top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 = off)")
+            raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 or -1 = off)")
         if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
         seed = None if self.seed is None else _int_or_none(self.seed)
@@ -176,7 +180,8 @@ class Request:
         return self._all_token_ids
 
     @property
-    def max_tokens(self) -> int:
+    def max_tokens(self) -> int | None:
+        """SamplingParams.max_tokens: None for no limit but max_model_len."""
         return self.sampling_params.max_tokens
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:

@@ -47,7 +47,8 @@ def check_new_request(scheduler: Scheduler, request: Request) -> None:
         )
     # A request the whole pool cannot hold would preempt itself and wait forever. Its KV
     # peaks one token short of prompt plus max_tokens: the last token is never fed back.
-    max_kv = min(request.num_tokens + request.max_tokens, max_model_len) - 1
+    max_new = max_model_len if request.max_tokens is None else request.max_tokens
+    max_kv = min(request.num_tokens + max_new, max_model_len) - 1
     num_blocks = -(-max_kv // manager.block_size)
     if num_blocks >= manager.pool.num_blocks:
         raise ValueError(

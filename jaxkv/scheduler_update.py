@@ -70,7 +70,9 @@ def apply_sampled_tokens(
         params = request.sampling_params
         if token in params.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
-        elif len(output_ids) >= params.max_tokens or computed + 1 >= max_len:
+        elif computed + 1 >= max_len or (
+            params.max_tokens is not None and len(output_ids) >= params.max_tokens
+        ):
             request.status = RequestStatus.FINISHED_LENGTH
         else:
             outputs.append(request_output_of((request.request_id, (token,), False, None)))

@@ -194,6 +194,25 @@ def test_seed_zero_is_a_seed_of_its_own_whatever_the_request_index():
     assert alone == second
 
 
+def test_vllm_spellings_of_no_limit_and_no_top_k_cut():
+    # max_tokens=None (generate until a stop token or max_model_len) and top_k=-1 (no
+    # cut) were refused; vLLM takes both.
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
+    engine = make_engine()
+    prompt = [5, 6, 7]
+    unlimited = SamplingParams(max_tokens=None, temperature=1.0, top_k=-1, seed=3)
+    out = engine.generate([prompt], unlimited, progress=False)[0]
+    assert out.finish_reason == "length" and len(out.output_token_ids) == MAX_MODEL_LEN - 3
+    same = SamplingParams(max_tokens=MAX_MODEL_LEN - 3, temperature=1.0, seed=3)
+    assert engine.generate([prompt], same, progress=False)[0].output_token_ids == (
+        out.output_token_ids
+    )
+    first = engine.generate([prompt], SamplingParams(max_tokens=1), progress=False)[0]
+    stopped = SamplingParams(max_tokens=None, stop_token_ids=tuple(first.output_token_ids))
+    got = engine.generate([prompt], stopped, progress=False)[0]
+    assert got.finish_reason == "stop" and got.output_token_ids == first.output_token_ids
+
+
 def test_seeds_are_64_bit_for_requests_and_the_engine_default():
     # Seeds used to be folded into 32 bits: seed 1 sampled as 2**32 + 1 did, and so did
     # engines with default seeds 0 and 2**32.

@@ -228,7 +228,7 @@ def test_sampling_arrays_put_each_row_in_its_column_and_pad_with_greedy_rows():
         ("temperature", "1.0"),
         pytest.param("temperature", 10**400, id="temperature-10**400"),  # OverflowError
         ("temperature", 1e39),  # infinite in float32, where the sampler divides
-        ("top_k", -1),
+        ("top_k", -2),  # -1 is vLLM's spelling of "off"
         ("top_k", 2.0),
         ("top_k", True),
         ("top_p", 0.0),

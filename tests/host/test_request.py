@@ -67,7 +67,7 @@ def test_sampling_params_defaults_and_frozen():
         ("temperature", -0.1),
         ("temperature", float("nan")),
         ("temperature", float("inf")),
-        ("top_k", -1),
+        ("top_k", -2),  # -1 is vLLM's "off"
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("seed", 1.5),
