@@ -64,9 +64,11 @@ class PrefixAwareRouter(Closable):
     block_size: tokens per hashed block (use the replicas' KV block size).
     max_prefix_blocks: how many leading full blocks are hashed (longer prefixes share the
     route of their first max_prefix_blocks blocks).
-    max_imbalance: None keeps prefix affinity strictly; an int lets a request leave its
-    prefix's replica (and move the prefix) when that replica has more than max_imbalance
-    outstanding requests beyond the least-loaded one.
+    max_imbalance: a request leaves its prefix's replica (and moves the prefix) when that
+    replica has more than max_imbalance outstanding requests beyond the least-loaded one;
+    None keeps prefix affinity strictly. Strict affinity sends every prompt that opens
+    with one common block (a BOS and chat-template header) to one replica for good,
+    hence the default of 16.
     max_tracked_prefixes: bound on remembered prefix hashes (least recently used dropped).
 
     Outstanding requests are counted by the router: +1 on add_request, -1 when step()
@@ -83,7 +85,7 @@ class PrefixAwareRouter(Closable):
         *,
         block_size: int,
         max_prefix_blocks: int = 8,
-        max_imbalance: int | None = None,
+        max_imbalance: int | None = 16,
         max_tracked_prefixes: int = 1 << 16,
         hash_seed: int = 0,
     ) -> None:

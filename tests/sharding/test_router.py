@@ -143,14 +143,18 @@ def test_generate_returns_outputs_in_prompt_order():
 
 def test_max_imbalance_lets_a_hot_prefix_spill_over():
     prompt = list(range(2 * BLOCK))
-    strict, _ = make_router(2)
+    strict, _ = make_router(2, max_imbalance=None)
     spill, _ = make_router(2, max_imbalance=1)
-    for router in (strict, spill):
-        for i in range(6):
+    default, _ = make_router(2)
+    for router in (strict, spill, default):
+        for i in range(20):
             router.add_request(prompt + [i])
-    assert strict.num_outstanding == (6, 0)
-    # The third request exceeds the imbalance and moves the prefix to replica 1.
-    assert spill.num_outstanding == (2, 4)
+    assert strict.num_outstanding == (20, 0)
+    # The third request exceeds the imbalance and moves the prefix to replica 1, and so on.
+    assert spill.num_outstanding == (10, 10)
+    # By default the 18th leaves replica 0 (17 beyond replica 1's 0): a header that
+    # every prompt opens with no longer holds the whole load on one replica.
+    assert default.num_outstanding == (17, 3)
 
 
 def test_prefix_table_is_bounded_least_recently_used_first():
