@@ -122,17 +122,22 @@ def _probe_kernel(
         jax.eval_shape(functools.partial(kernel, sm_scale=1.0, causal=causal, **scales), *args)
 
 
-def _static_numbers(jitted: Callable) -> Callable:
-    """`jitted` called with static_number_options applied to its keyword options."""
+class _StaticNumbers:
+    """`jitted`, called with static_number_options applied to its keyword options; its
+    other attributes (lower, trace, _cache_size) are the jitted function's."""
 
-    @functools.wraps(jitted)
-    def call(*args, **options):
-        return jitted(*args, **static_number_options(options))
+    def __init__(self, jitted: Callable) -> None:
+        self._jitted = jitted
+        functools.update_wrapper(self, jitted)
 
-    return call
+    def __call__(self, *args, **options):
+        return self._jitted(*args, **static_number_options(options))
+
+    def __getattr__(self, name: str):
+        return getattr(self._jitted, name)
 
 
-@_static_numbers
+@_StaticNumbers
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -228,7 +233,7 @@ def _quantize(x: jax.Array, dtype, scale: float | None) -> jax.Array:
     return x.astype(dtype)
 
 
-@_static_numbers
+@_StaticNumbers
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("k_scale", "v_scale"))
 def write_kv(
     kv_pages: jax.Array,  # [num_blocks, block_size, 2 * num_kv_heads, head_dim]
