@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxkv import Request, RequestStatus, SamplingParams
+from jaxkv import KVCacheManager, Request, RequestStatus, SamplingParams
 from jaxkv.kv_transfer import KVConnector
 from tests.host._sched_util import (
     FakeCopier,
@@ -21,6 +21,7 @@ from tests.host._sched_util import (
     run_until_idle,
     step,
 )
+from tests.host._util import make_request
 
 
 def _num_hit_tokens(sched, tokens) -> int:
@@ -211,3 +212,29 @@ def test_discard_requeues_admitted_requests_in_order_with_their_status():
     assert (b.status, c.status) == (RequestStatus.PREEMPTED, RequestStatus.WAITING)
     sched.manager.check_integrity()
     assert run_until_idle(sched) == {"b": "length", "c": "length"}
+
+
+def test_uncache_unwritten_leaves_a_later_block_another_request_cached_again():
+    # Only the blocks this request itself entered into the cache (its first num_cached)
+    # leave it: after two failed steps, block 2, which c cached again on its retry, lies
+    # past b's cached blocks and must stay cached (c counts it as cached and would never
+    # cache it again).
+    m = KVCacheManager(32, 4, max_model_len=64)
+    b = make_request("b", range(1, 14))  # 13 tokens: blocks 0..2 full, 3 partial
+    m.allocate_slots(b, 13)
+    b.num_computed_tokens = 13
+    c = make_request("c", [*range(1, 13), 99, 98])  # shares b's three full blocks
+    ids, num = m.get_computed_blocks(c)
+    assert num == 12
+    m.allocate_slots(c, 2, num_new_computed_tokens=num, new_computed_blocks=ids)
+    shared = m.block_ids("b")[2]
+    m.uncache_unwritten(b, 8)  # a failed step: b and c wrote only 8 tokens each
+    m.uncache_unwritten(c, 8)
+    assert m.pool.blocks[shared].block_hash is None
+    c.num_computed_tokens = 8
+    m.allocate_slots(c, 6)  # c's retry fills block 2 again and caches it again
+    assert m.pool.blocks[shared].block_hash == c.block_hashes[2]
+    m.uncache_unwritten(b, 4)  # b fails again after 4 tokens: its block 1 leaves
+    assert m.pool.blocks[m.block_ids("b")[1]].block_hash is None
+    assert m.pool.blocks[shared].block_hash == c.block_hashes[2]
+    m.check_integrity()

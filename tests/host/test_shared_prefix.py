@@ -364,3 +364,20 @@ def test_shared_prefix_of_no_rows_is_zero_and_of_one_row_its_length():
     assert shared_prefix_of_rows(table, np.array([], np.int32), held) == 0
     assert shared_prefix_of_rows(table, np.array([1], np.int32), held) == 3
     assert shared_prefix_of_rows(table, np.array([0, 1], np.int32), held) == 1
+
+
+def test_sharing_version_changes_on_free_even_when_the_row_is_refilled_fresh():
+    # Its documented rule: it changes whenever a request is freed. A caller that keys
+    # the common prefix of ["a", "b"] on it must see that a new "a" in the same row,
+    # holding fresh blocks only, shares nothing with b.
+    m = KVCacheManager(32, 4, max_model_len=64)
+    a, b = make_request("a", range(9)), make_request("b", range(9))
+    prefill(m, a)
+    prefill(m, b)  # a cache hit on a's two full blocks
+    version = m.sharing_version
+    assert m.num_common_prefix_blocks(["a", "b"]) == 2
+    m.free(a)
+    assert m.sharing_version != version
+    prefill(m, make_request("a", [7] * 9))
+    assert m.sharing_version != version
+    assert m.num_common_prefix_blocks(["a", "b"]) == 0

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from jaxkv import RequestStatus
-from jaxkv.kv_transfer import HostOffloadConnector
+from jaxkv import KVCacheManager, RequestStatus
+from jaxkv.kv_transfer import HostOffloadConnector, KVConnector
+from jaxkv.scheduler_transfers import TransferTracker
 from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
+from tests.host._util import make_request, prefill
 
 BS = 4
 
@@ -45,3 +47,41 @@ def test_an_interrupt_in_on_finish_frees_that_request_and_still_finishes_the_oth
     add(sched, "a", range(1, 10), max_tokens=1)  # its id is free again
     assert run_until_idle(sched, copier) == {"a": "length"}
     assert sched.manager.num_free_blocks == 31
+
+
+class _First(BaseException):
+    pass
+
+
+class _Second(BaseException):
+    pass
+
+
+class _InterruptingConnector(KVConnector):
+    """Each on_finish raises the next of `interrupts`."""
+
+    def __init__(self, interrupts):
+        self.interrupts = list(interrupts)
+
+    def on_finish(self, request, block_ids):
+        raise self.interrupts.pop(0)
+
+
+def test_finish_all_releases_everyone_and_then_raises_the_first_interrupt():
+    # With one interrupt per request, the first is the one the caller sees (the later
+    # ones happened while finishing the rest); each request is released all the same.
+    m = KVCacheManager(16, 4, max_model_len=64)
+    reqs = [make_request(r, range(6)) for r in "abc"]
+    for r in reqs:
+        prefill(m, r)
+    released = []
+
+    def release(request):
+        m.free(request)
+        released.append(request.request_id)
+
+    connector = _InterruptingConnector([_First(), KeyboardInterrupt(), _Second()])
+    with pytest.raises(_First):
+        TransferTracker(connector, m, release).finish_all(reqs)
+    assert released == ["a", "b", "c"] and m.num_free_blocks == 15
+    m.check_integrity()
