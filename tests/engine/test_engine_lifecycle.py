@@ -122,7 +122,7 @@ def test_bad_input_raises_and_the_engine_keeps_serving(prompt, params, match):
 
 
 def test_invalid_sampling_params_and_duplicate_ids_raise_value_error():
-    for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"max_tokens": 0}, {"top_k": -1}):
+    for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"max_tokens": 0}, {"top_k": -2}):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     engine = make_engine()
