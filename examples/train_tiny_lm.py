@@ -78,7 +78,8 @@ def tiny_config(overrides: list[str]) -> LlamaConfig:
             f"vocab_size={config.vocab_size} must hold the byte tokenizer's "
             f"{ByteTokenizer.vocab_size} ids"
         )
-    return config
+    # The byte tokenizer's EOS ends a generation: Engine stops there unless ignore_eos.
+    return dataclasses.replace(config, eos_token_ids=(ByteTokenizer.eos_id,))
 
 
 def random_windows(

@@ -165,7 +165,7 @@ class Engine(Closable):
         params, id or salt are invalid or the id is in use (unfinished, or finished or
         aborted with a KV copy in flight: drain_transfers frees it). Requests share cached
         KV only if their `cache_salt` (e.g. one per tenant) is equal: None is a salt of
-        its own."""
+        its own. A request stops at the model's eos_token_ids unless params.ignore_eos."""
         self._check_open()
         prompt = checked_prompt_ids(prompt_token_ids, limit=self.vocab_size)
         if sampling_params is None:
@@ -175,6 +175,7 @@ class Engine(Closable):
         bad_stop = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop} must be < {self.vocab_size=}")
+        sampling_params = sampling_params.stopping_at(self.model_config.eos_token_ids)
         serial, request_id = self._serials.peek(request_id, self.scheduler.requests)
         request = Request(request_id, prompt, sampling_params, cache_salt=cache_salt)
         self.scheduler.add_request(request)  # raises on duplicate id or too long a prompt

@@ -7,7 +7,7 @@ import math
 import operator
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jaxkv.field_checks import is_real
 from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key
@@ -55,6 +55,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # Engine: do not stop at the model's eos_token_ids
 
     def __post_init__(self) -> None:
         """Checks every field; integers (numpy ones too) are stored as Python ints."""
@@ -84,11 +85,21 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids={self.stop_token_ids!r} must be a sequence of ints >= 0"
             )
+        if not isinstance(self.ignore_eos, bool):  # "no" ignored EOS, by its truthiness
+            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be a bool")
         for name, value in (("max_tokens", max_tokens), ("top_k", top_k), ("seed", seed)):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "stop_token_ids", stop)
+
+    def stopping_at(self, eos_token_ids: tuple[int, ...]) -> SamplingParams:
+        """These params with `eos_token_ids` added to stop_token_ids (the model's end of
+        generation, as vLLM takes it from the model's configs), unless ignore_eos."""
+        if self.ignore_eos:
+            return self
+        extra = tuple(t for t in eos_token_ids if t not in self.stop_token_ids)
+        return replace(self, stop_token_ids=self.stop_token_ids + extra) if extra else self
 
 
 class Request:

@@ -40,6 +40,23 @@ class RopeScaling:
         int_fields(self, "original_max_position_embeddings", minimum=1)
 
 
+def _token_ids(ids, vocab_size: int) -> tuple[int, ...]:
+    """eos_token_ids as a tuple of ints in [0, vocab_size): from one int or None too, as
+    Hugging Face configs write eos_token_id; ValueError naming the field otherwise."""
+    given = ids
+    ids = () if ids is None else (ids,) if isinstance(ids, numbers.Integral) else ids
+    try:
+        ids = tuple(ids)
+    except TypeError:
+        ids = (None,)
+    if any(
+        isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size
+        for t in ids
+    ):
+        raise ValueError(f"eos_token_ids={given!r} must be token ids in [0, {vocab_size=})")
+    return tuple(int(t) for t in ids)
+
+
 def _check_finite_real(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(f"{name}={value!r} must be a finite real number")
@@ -67,6 +84,9 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     dtype: str = "float32"  # parameter and activation dtype; norms and softmax run in f32
+    # Tokens that end a generation (Hugging Face `eos_token_id`, an int or a list): the
+    # engine stops a request at them unless its SamplingParams.ignore_eos.
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from to_dict() / JSON
@@ -111,6 +131,7 @@ class LlamaConfig:
                 pass
         if not isinstance(self.dtype, str) or self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {_DTYPES}")
+        object.__setattr__(self, "eos_token_ids", _token_ids(self.eos_token_ids, self.vocab_size))
 
     # Derived sizes.
     @property
@@ -203,6 +224,7 @@ class LlamaConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             dtype=dtype or (torch_dtype if torch_dtype in _DTYPES else "float32"),
+            eos_token_ids=hf.get("eos_token_id"),
         )
 
     # Presets.

@@ -9,12 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxkv import SamplingParams
 from jaxkv.attention import default_backend
 from jaxkv.config import EngineConfig, SchedulerConfig
 from jaxkv.engine import Engine
 from jaxkv.kv_transfer import HostOffloadConnector
+from jaxkv.models import Llama
 from jaxkv.sampler import sample, sampling_arrays, sampling_row
 from tests.engine._util import (
     MAX_MODEL_LEN,
@@ -211,6 +213,27 @@ def test_vllm_spellings_of_no_limit_and_no_top_k_cut():
     stopped = SamplingParams(max_tokens=None, stop_token_ids=tuple(first.output_token_ids))
     got = engine.generate([prompt], stopped, progress=False)[0]
     assert got.finish_reason == "stop" and got.output_token_ids == first.output_token_ids
+
+
+def test_a_request_stops_at_the_models_eos_unless_it_ignores_eos():
+    # vLLM stops at the model's EOS by default; a forgotten stop_token_ids=(eos,) used to
+    # run every request to max_tokens. The model here is tiny_model() with its first
+    # greedy token after the prompt named EOS.
+    prompt = [5, 6, 7]
+    params = SamplingParams(max_tokens=4)
+    free_run = make_engine().generate([prompt], params, progress=False)[0].output_token_ids
+    eos = free_run[1]
+    model = tiny_model()
+    config = dataclasses.replace(model.config, eos_token_ids=(eos,))
+    with_eos = Llama(config, rngs=nnx.Rngs(0))  # tiny_model's weights, by its seed
+    engine = Engine(with_eos, None, engine_config())
+    out = engine.generate([prompt], params, progress=False)[0]
+    assert out.finish_reason == "stop" and out.output_token_ids == free_run[:2]
+    ignoring = SamplingParams(max_tokens=4, ignore_eos=True)
+    out = engine.generate([prompt], ignoring, progress=False)[0]
+    assert out.finish_reason == "length" and out.output_token_ids == free_run
+    with pytest.raises(ValueError, match="ignore_eos='no' must be a bool"):
+        SamplingParams(ignore_eos="no")
 
 
 def test_seeds_are_64_bit_for_requests_and_the_engine_default():

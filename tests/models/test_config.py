@@ -138,3 +138,20 @@ def test_llama3_scaling_band_is_inclusive_at_the_low_frequency_edge():
     assert 8 / low == 2 * math.pi
     cfg = small_config(rope_scaling=RopeScaling(4.0, low, 4.0, 8))
     np.testing.assert_allclose(rope_inv_freq(cfg)[0], 1 / 4.0, rtol=1e-6)
+
+
+def test_eos_token_ids_take_the_hugging_face_spellings_and_round_trip():
+    # Hugging Face writes eos_token_id as an int, a list (Llama 3 instruct) or null.
+    base = LlamaConfig.preset("tiny")
+    assert base.eos_token_ids == ()
+    for given, want in ((258, (258,)), ([1, 258], (1, 258)), (None, ()), (np.int64(7), (7,))):
+        cfg = dataclasses.replace(base, eos_token_ids=given)
+        assert cfg.eos_token_ids == want and all(type(t) is int for t in cfg.eos_token_ids)
+        assert LlamaConfig.from_dict(json.loads(cfg.to_json())) == cfg
+    hf = {"vocab_size": 259, "hidden_size": 128, "intermediate_size": 384,
+          "num_hidden_layers": 4, "num_attention_heads": 4}  # fmt: skip
+    assert LlamaConfig.from_hf_dict(hf).eos_token_ids == ()
+    assert LlamaConfig.from_hf_dict({**hf, "eos_token_id": [257, 258]}).eos_token_ids == (257, 258)
+    for bad in (259, -1, [True], "258", 2.0):
+        with pytest.raises(ValueError, match="eos_token_ids=.* must be token ids in"):
+            dataclasses.replace(base, eos_token_ids=bad)
