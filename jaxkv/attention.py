@@ -134,6 +134,8 @@ class _StaticNumbers:
         return self._jitted(*args, **static_number_options(options))
 
     def __getattr__(self, name: str):
+        if name == "_jitted":  # a copy before __init__ ran: no recursion through here
+            raise AttributeError(name)
         return getattr(self._jitted, name)
 
 

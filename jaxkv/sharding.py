@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jaxkv import attention
 from jaxkv.batch import AttentionMetadata
 from jaxkv.field_checks import as_int
+from kernels_pallas.validation import static_number_options
 
 DEFAULT_AXIS = "model"
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # kernel [in, out/TP]
@@ -62,8 +63,7 @@ def replica_meshes(
 
     One 1-D mesh per group, in device order; each group can serve one engine replica.
     Raises ValueError naming both numbers when TP does not divide the device count, or
-    when `devices` is empty or lists a device twice.
-    """
+    when `devices` is empty or lists a device twice."""
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("devices must not be empty")
@@ -96,8 +96,7 @@ def mesh_for(mesh: Mesh | None = None, tensor_parallel_size: int | None = None) 
     """The mesh an engine runs on: `mesh`, or make_mesh(tensor_parallel_size), or None.
 
     None (both None) means the default device without sharding. Raises ValueError when
-    both are given and disagree, or `mesh` is no Mesh or has no DEFAULT_AXIS axis.
-    """
+    both are given and disagree, or `mesh` is no Mesh or has no DEFAULT_AXIS axis."""
     if mesh is None:
         return None if tensor_parallel_size is None else make_mesh(tensor_parallel_size)
     if not isinstance(mesh, Mesh):  # a str or a device list used to raise AttributeError
@@ -172,8 +171,7 @@ def sharded_paged_attention(
     Each device runs the dispatch (flat or cascade, any backend) on its contiguous chunk of
     query heads and KV heads; metadata is replicated. Returns what paged_attention returns,
     sharded along heads. Raises ValueError naming both numbers when TP does not divide the
-    query heads or the KV heads, or the query heads are not a multiple of the KV heads.
-    """
+    query heads or the KV heads, or the query heads are not a multiple of the KV heads."""
     tp = _tp_size(mesh, axis_name)
     _check_heads(kv_pages, q.shape[1])
     _check_divides(tp, "num_q_heads", q.shape[1])
@@ -220,8 +218,7 @@ def sharded_write_kv(
     """jaxkv.attention.write_kv per shard: each device writes its own KV heads' K and V.
 
     The cache is donated; the result keeps kv_cache_sharding. Raises ValueError naming both
-    numbers when TP does not divide the KV heads, or k / v do not have the cache's KV heads.
-    """
+    numbers when TP does not divide the KV heads, or k / v do not have the cache's KV heads."""
     tp = _tp_size(mesh, axis_name)
     _check_heads(kv_pages, kv={"k": k, "v": v})
     _check_divides(tp, "num_kv_heads", kv_pages.shape[2] // 2)
@@ -266,6 +263,7 @@ class TensorParallel:
         if self.kv_replicas > 1:
             k = jnp.repeat(k, self.kv_replicas, axis=1)
             v = jnp.repeat(v, self.kv_replicas, axis=1)
+        kwargs = static_number_options(kwargs)  # a jax scalar scale, as attention.write_kv
         return sharded_write_kv(
             kv_pages, k, v, slot_mapping, mesh=self.mesh, axis_name=self.axis_name, **kwargs
         )
@@ -277,6 +275,7 @@ class TensorParallel:
         metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        kwargs = static_number_options(kwargs)  # a jax scalar scale, as attention's
         return sharded_paged_attention(
             q, kv_pages, metadata, mesh=self.mesh, axis_name=self.axis_name, **kwargs
         )

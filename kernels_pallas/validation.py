@@ -210,8 +210,9 @@ def static_number_options(options: dict) -> dict:
     """`options` with each of STATIC_NUMBER_OPTIONS that is a concrete 0-d array (numpy
     or jax, as `1 / jnp.sqrt(head_dim)` gives) as a Python float: jit's static
     arguments must be hashable, and a jax array is not. Raises ValueError naming the
-    option for a traced value (a static option must be known when tracing) or an array
-    of more than one value; anything else is left for the option's own check."""
+    option for a traced value (a static option must be known when tracing), an array of
+    more than one value or one of no real number (str, complex, date); anything else is
+    left for the option's own check."""
     converted = None
     for name in STATIC_NUMBER_OPTIONS:
         value = options.get(name)
@@ -222,10 +223,17 @@ def static_number_options(options: dict) -> dict:
         if isinstance(value, (np.ndarray, np.generic, jax.Array)):
             if np.ndim(value) != 0:
                 raise ValueError(f"{name}={value!r} must be a single number")
+            if value.dtype == bool:  # kept a bool: the option's own check refuses it
+                number = value.item()
+            elif jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(
+                value.dtype, jnp.floating
+            ):
+                number = float(value)
+            else:  # a str, complex or date would be read as some other number, or fail
+                raise ValueError(f"{name}={value!r} must be a finite number > 0")
             if converted is None:
                 converted = dict(options)
-            # A bool array stays one: the option's check refuses bools.
-            converted[name] = value.item() if value.dtype == bool else float(value)
+            converted[name] = number
     return options if converted is None else converted
 
 

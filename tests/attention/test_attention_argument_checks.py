@@ -9,6 +9,8 @@ and refused every quantized cache (its probe passed no scales).
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,6 +108,11 @@ def test_a_scale_given_as_a_scalar_array_is_the_same_number_and_a_traced_one_is_
         jax.jit(lambda s: paged_attention(q, pages, md, sm_scale=s))(0.125)
     with pytest.raises(ValueError, match="sm_scale=True must be a finite number > 0"):
         paged_attention(q, pages, md, sm_scale=np.bool_(True))
+    for not_real in (np.str_("0.125"), np.array("0.125"), np.complex64(0.125 + 1j)):
+        with pytest.raises(ValueError, match="sm_scale=.* must be a finite number > 0"):
+            paged_attention(q, pages, md, sm_scale=not_real)  # the str was read as 0.125
+    for copied in (copy.copy(paged_attention), copy.deepcopy(write_kv)):  # no recursion
+        assert copied.__wrapped__ is not None
     k = jnp.ones((md.max_num_tokens, H_KV, D), jnp.float32)
 
     def int8_pages():  # write_kv donates the cache

@@ -184,3 +184,24 @@ def test_devices_that_are_no_jax_devices_are_refused_by_name(devices):
     for build in (sharding.make_mesh, sharding.replica_meshes):
         with pytest.raises(ValueError, match="devices=.* must be jax Devices"):
             build(1, devices=devices)
+
+
+def test_tensor_parallel_attention_takes_a_scale_given_as_a_jax_scalar():
+    # TensorParallel's methods have the signatures of jaxkv.attention's, which take
+    # 1 / jnp.sqrt(head_dim); they failed with jax's "Non-hashable static arguments".
+    import jax.numpy as jnp
+
+    from jaxkv.attention import paged_attention
+    from tests.attention.test_attention_argument_checks import H_KV, H_Q, D, _metadata
+
+    md, tp = _metadata(), sharding.TensorParallel(sharding.make_mesh(1))
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(md.max_num_tokens, H_Q, D)), jnp.float32)
+    pages = jnp.asarray(rng.normal(size=(64, 4, 2 * H_KV, D)), jnp.float32)
+    want = paged_attention(q, pages, md, sm_scale=0.125)
+    got = tp.paged_attention(q, pages, md, sm_scale=1 / jnp.sqrt(jnp.float32(D)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    k = jnp.ones((md.max_num_tokens, H_KV, D), jnp.float32)
+    int8_pages = jnp.zeros((64, 4, 2 * H_KV, D), jnp.int8)
+    written = tp.write_kv(int8_pages, k, k, md.slot_mapping, k_scale=jnp.float32(0.5))
+    assert int(np.asarray(written).max()) == 2  # 1 / 0.5
