@@ -134,7 +134,7 @@ class Engine(Closable):
             lambda caches: engine()._set_caches(caches),
             max_blocks=self.manager.max_blocks_per_seq,
             kv_replicas=1 if placed is None else placed.kv_replicas,
-            fingerprint=functools.partial(model_fingerprint, mc.to_dict(), self._state_leaves),
+            fingerprint=functools.partial(model_fingerprint, mc.to_kv_dict(), self._state_leaves),
         )
         self.connector.bind(self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed)
         # A connector may have served engines before this one: count only this one's copies.

@@ -164,6 +164,13 @@ class LlamaConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_kv_dict(self) -> dict[str, Any]:
+        """to_dict() less what a model's KV does not depend on (eos_token_ids), for
+        jaxkv.model_fingerprint: KV saved under one EOS is valid under another."""
+        fields = self.to_dict()
+        del fields["eos_token_ids"]
+        return fields
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 

@@ -133,3 +133,24 @@ def test_many_single_element_changes_give_distinct_fingerprints():
 def test_a_weight_that_is_not_a_real_array_is_refused_by_position(bad):
     with pytest.raises(ValueError, match=r"weights\[1\] must be an array of bool, int, float or"):
         model_fingerprint(CONFIG, [_weights()[0], bad])
+
+
+def test_an_engines_fingerprint_leaves_out_eos_but_not_the_weights():
+    # EOS changes no KV: KV a connector stored under one EOS stays valid under another,
+    # so binding an engine that differs only there must not empty the store.
+    import dataclasses
+
+    from flax import nnx
+
+    from jaxkv.engine import Engine
+    from jaxkv.models import Llama
+    from tests.engine._util import engine_config, tiny_model
+
+    def fingerprint(cfg, seed=0) -> bytes:
+        engine = Engine(Llama(cfg, rngs=nnx.Rngs(seed)), None, engine_config())
+        return engine.copier.model_fingerprint
+
+    config = tiny_model().config
+    plain = fingerprint(config)
+    assert fingerprint(dataclasses.replace(config, eos_token_ids=(3,))) == plain
+    assert fingerprint(config, seed=1) != plain
