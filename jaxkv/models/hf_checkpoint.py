@@ -12,6 +12,7 @@ building anything.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -168,8 +169,10 @@ def load_hf_safetensors(
 ) -> Llama:
     """Load a Hugging Face Llama checkpoint (a `.safetensors` file or a directory of them).
 
-    `config` defaults to the directory's `config.json` read with `LlamaConfig.from_hf_dict`;
-    `dtype` overrides the parameter dtype. With tied embeddings a stored `lm_head.weight` is
+    `config` defaults to the directory's `config.json` read with `LlamaConfig.from_hf_dict`,
+    its eos_token_ids joined by those of `generation_config.json` where there is one (as
+    vLLM stops at both: Llama 3 Instruct names its end of turn only there); `dtype`
+    overrides the parameter dtype. With tied embeddings a stored `lm_head.weight` is
     ignored (it is the embedding). Raises CheckpointError on any name or shape mismatch.
     """
     path = Path(path)
@@ -179,6 +182,12 @@ def load_hf_safetensors(
         config_dir = path if path.is_dir() else path.parent
         hf_config = json.loads((config_dir / "config.json").read_text())
         config = LlamaConfig.from_hf_dict(hf_config, dtype=dtype)
+        generation = config_dir / "generation_config.json"
+        if generation.exists():
+            eos = json.loads(generation.read_text()).get("eos_token_id")  # int, list or None
+            eos = dataclasses.replace(config, eos_token_ids=eos).eos_token_ids  # checked
+            joined = config.eos_token_ids + tuple(t for t in eos if t not in config.eos_token_ids)
+            config = dataclasses.replace(config, eos_token_ids=joined)
     elif dtype is not None:
         config = LlamaConfig.from_dict({**config.to_dict(), "dtype": dtype})
     return from_hf_tensors(

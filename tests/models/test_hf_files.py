@@ -159,3 +159,18 @@ def test_written_safetensors_align_their_data_to_8_bytes(tmp_path):
     header_len = int.from_bytes(path.read_bytes()[:8], "little")
     assert header_len % 8 == 0  # the format's requirement: data starts 8-byte aligned
     np.testing.assert_array_equal(read_safetensors(path)["odd_name"], np.arange(3))
+
+
+def test_eos_comes_from_config_and_generation_config(tmp_path):
+    # Llama 3 Instruct names <|eot_id|> only in generation_config.json; vLLM stops at
+    # both files' EOS ids, and so does Engine with the loaded config's eos_token_ids.
+    cfg = small_config()
+    safetensors.numpy.save_file(random_hf_weights(cfg, seed=7), str(tmp_path / "m.safetensors"))
+    hf_config = hf_config_dict(cfg, rms_norm_eps=cfg.rms_norm_eps)
+    (tmp_path / "config.json").write_text(json.dumps({**hf_config, "eos_token_id": 9}))
+    assert load_hf_safetensors(tmp_path).config.eos_token_ids == (9,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 11]}))
+    assert load_hf_safetensors(tmp_path).config.eos_token_ids == (9, 11)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 10**6}))
+    with pytest.raises(ValueError, match="eos_token_ids=1000000 must be token ids in"):
+        load_hf_safetensors(tmp_path)
