@@ -28,7 +28,7 @@ from kernels_pallas.validation import (
     FLOAT_DTYPES,
     QUANTIZED_KV_DTYPES,
     is_positive_finite,
-    static_number_options,
+    with_static_numbers,
 )
 
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array]]
@@ -122,24 +122,7 @@ def _probe_kernel(
         jax.eval_shape(functools.partial(kernel, sm_scale=1.0, causal=causal, **scales), *args)
 
 
-class _StaticNumbers:
-    """`jitted`, called with static_number_options applied to its keyword options; its
-    other attributes (lower, trace, _cache_size) are the jitted function's."""
-
-    def __init__(self, jitted: Callable) -> None:
-        self._jitted = jitted
-        functools.update_wrapper(self, jitted)
-
-    def __call__(self, *args, **options):
-        return self._jitted(*args, **static_number_options(options))
-
-    def __getattr__(self, name: str):
-        if name == "_jitted":  # a copy before __init__ ran: no recursion through here
-            raise AttributeError(name)
-        return getattr(self._jitted, name)
-
-
-@_StaticNumbers
+@with_static_numbers
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -235,7 +218,7 @@ def _quantize(x: jax.Array, dtype, scale: float | None) -> jax.Array:
     return x.astype(dtype)
 
 
-@_StaticNumbers
+@with_static_numbers
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("k_scale", "v_scale"))
 def write_kv(
     kv_pages: jax.Array,  # [num_blocks, block_size, 2 * num_kv_heads, head_dim]

@@ -17,6 +17,7 @@ One model runs on a 1-D mesh whose axis (`"model"` by default) has TP devices:
   o/down row-parallel, everything else replicated. XLA's sharding propagation then emits
   one all-reduce after each attention block and one after each MLP block.
 
+Meshes come from jaxkv.meshes (make_mesh, replica_meshes, mesh_for; re-exported here).
 When TP exceeds the number of KV heads H (TP a multiple of H), every KV head is replicated
 on TP / H devices, as vLLM does: K/V are computed for all H heads on every device, each
 head repeated TP / H times, and the cache holds 2 * TP combined heads (one pair per device).
@@ -26,86 +27,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv import attention
 from jaxkv.batch import AttentionMetadata
-from jaxkv.field_checks import as_int
-from kernels_pallas.validation import static_number_options
+from jaxkv.meshes import DEFAULT_AXIS as DEFAULT_AXIS
+from jaxkv.meshes import check_divides
+from jaxkv.meshes import make_mesh as make_mesh
+from jaxkv.meshes import mesh_for as mesh_for
+from jaxkv.meshes import replica_meshes as replica_meshes
+from kernels_pallas.validation import with_static_numbers
 
-DEFAULT_AXIS = "model"
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # kernel [in, out/TP]
 ROW_PARALLEL = ("o_proj", "down_proj")  # kernel [in/TP, out]; partial sums are all-reduced
-
-
-# ------------------------------------------------------------------------------ meshes
-
-
-def _check_divides(tp: int, name: str, n: int) -> None:
-    if tp < 1 or n % tp:
-        need = "be >= 1" if tp < 1 else f"divide {name}={n}"
-        raise ValueError(f"tensor_parallel_size={tp} must {need}")
-
-
-def replica_meshes(
-    tensor_parallel_size: int,
-    devices: Sequence[jax.Device] | None = None,
-    axis_name: str = DEFAULT_AXIS,
-) -> list[Mesh]:
-    """Splits `devices` (default: jax.devices()) into consecutive groups of TP devices.
-
-    One 1-D mesh per group, in device order; each group can serve one engine replica.
-    Raises ValueError naming both numbers when TP does not divide the device count, or
-    when `devices` is empty or lists a device twice."""
-    devices = list(jax.devices() if devices is None else devices)
-    if not devices:
-        raise ValueError("devices must not be empty")
-    if not all(isinstance(d, jax.Device) for d in devices):  # "cpu" gave a mesh of chars
-        raise ValueError(f"devices={devices!r} must be jax Devices")
-    if len(set(devices)) != len(devices):  # jax.sharding.Mesh accepts them, jit then fails
-        raise ValueError(f"devices must be distinct, got ids {[d.id for d in devices]}")
-    tp = as_int(tensor_parallel_size)
-    if tp is None:
-        raise ValueError(f"{tensor_parallel_size=} must be an int")
-    _check_divides(tp, "the device count", len(devices))
-    return [Mesh(np.array(devices[i : i + tp]), (axis_name,)) for i in range(0, len(devices), tp)]
-
-
-def make_mesh(
-    tensor_parallel_size: int,
-    devices: Sequence[jax.Device] | None = None,
-    axis_name: str = DEFAULT_AXIS,
-) -> Mesh:
-    """A 1-D mesh over the first TP of `devices` (default: jax.devices()), as vLLM's
-    tensor_parallel_size takes them; ValueError naming both numbers if TP exceeds them."""
-    devices = list(jax.devices() if devices is None else devices)
-    tp = as_int(tensor_parallel_size)
-    if tp is not None and tp > len(devices) > 0:
-        raise ValueError(f"tensor_parallel_size={tp} exceeds the device count={len(devices)}")
-    return replica_meshes(tensor_parallel_size, devices[: max(tp or 0, 1)], axis_name)[0]
-
-
-def mesh_for(mesh: Mesh | None = None, tensor_parallel_size: int | None = None) -> Mesh | None:
-    """The mesh an engine runs on: `mesh`, or make_mesh(tensor_parallel_size), or None.
-
-    None (both None) means the default device without sharding. Raises ValueError when
-    both are given and disagree, or `mesh` is no Mesh or has no DEFAULT_AXIS axis."""
-    if mesh is None:
-        return None if tensor_parallel_size is None else make_mesh(tensor_parallel_size)
-    if not isinstance(mesh, Mesh):  # a str or a device list used to raise AttributeError
-        raise ValueError(f"mesh={mesh!r} must be None or a jax.sharding.Mesh")
-    if DEFAULT_AXIS not in mesh.shape:
-        raise ValueError(f"{mesh.axis_names=} must contain {DEFAULT_AXIS!r}")
-    if tensor_parallel_size is not None and mesh.shape[DEFAULT_AXIS] != tensor_parallel_size:
-        raise ValueError(f"{tensor_parallel_size=} disagrees with {mesh.shape=}")
-    return mesh
 
 
 def kv_cache_sharding(mesh: Mesh, axis_name: str = DEFAULT_AXIS) -> NamedSharding:
@@ -143,6 +82,7 @@ def _tp_size(mesh: Mesh, axis_name: str) -> int:
     return mesh.shape[axis_name]
 
 
+@with_static_numbers
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -174,8 +114,8 @@ def sharded_paged_attention(
     query heads or the KV heads, or the query heads are not a multiple of the KV heads."""
     tp = _tp_size(mesh, axis_name)
     _check_heads(kv_pages, q.shape[1])
-    _check_divides(tp, "num_q_heads", q.shape[1])
-    _check_divides(tp, "num_kv_heads", kv_pages.shape[2] // 2)
+    check_divides(tp, "num_q_heads", q.shape[1])
+    check_divides(tp, "num_kv_heads", kv_pages.shape[2] // 2)
     heads = P(None, axis_name, None)
     cache = P(None, None, axis_name, None)
     out_specs = (heads, P(None, axis_name)) if return_lse else heads
@@ -201,6 +141,7 @@ def sharded_paged_attention(
     )(q, kv_pages, metadata)
 
 
+@with_static_numbers
 @functools.partial(
     jax.jit, donate_argnums=0, static_argnames=("mesh", "axis_name", "k_scale", "v_scale")
 )
@@ -221,7 +162,7 @@ def sharded_write_kv(
     numbers when TP does not divide the KV heads, or k / v do not have the cache's KV heads."""
     tp = _tp_size(mesh, axis_name)
     _check_heads(kv_pages, kv={"k": k, "v": v})
-    _check_divides(tp, "num_kv_heads", kv_pages.shape[2] // 2)
+    check_divides(tp, "num_kv_heads", kv_pages.shape[2] // 2)
     heads = P(None, axis_name, None)
     cache = P(None, None, axis_name, None)
 
@@ -263,7 +204,6 @@ class TensorParallel:
         if self.kv_replicas > 1:
             k = jnp.repeat(k, self.kv_replicas, axis=1)
             v = jnp.repeat(v, self.kv_replicas, axis=1)
-        kwargs = static_number_options(kwargs)  # a jax scalar scale, as attention.write_kv
         return sharded_write_kv(
             kv_pages, k, v, slot_mapping, mesh=self.mesh, axis_name=self.axis_name, **kwargs
         )
@@ -275,7 +215,6 @@ class TensorParallel:
         metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
-        kwargs = static_number_options(kwargs)  # a jax scalar scale, as attention's
         return sharded_paged_attention(
             q, kv_pages, metadata, mesh=self.mesh, axis_name=self.axis_name, **kwargs
         )
@@ -291,9 +230,9 @@ def plan_tensor_parallel(
     (TP > num_kv_heads).
     """
     tp = _tp_size(mesh, axis_name)
-    _check_divides(tp, "num_heads", num_heads)
+    check_divides(tp, "num_heads", num_heads)
     if tp <= num_kv_heads:
-        _check_divides(tp, "num_kv_heads", num_kv_heads)
+        check_divides(tp, "num_kv_heads", num_kv_heads)
         return TensorParallel(mesh, axis_name, 1)
     if tp % num_kv_heads:
         raise ValueError(
@@ -361,7 +300,7 @@ def shard_model(model: Any, mesh: Mesh, *, params: Any = None, axis_name: str = 
 
     c = model.config
     tp = plan_tensor_parallel(c.num_heads, c.num_kv_heads, mesh, axis_name)
-    _check_divides(tp.size, "intermediate_size", c.intermediate_size)
+    check_divides(tp.size, "intermediate_size", c.intermediate_size)
     graphdef, state = nnx.split(model)
     sharded = nnx.merge(graphdef, shard_params(state if params is None else params, tp))
     for _, module in nnx.iter_modules(sharded):

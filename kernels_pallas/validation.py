@@ -237,6 +237,23 @@ def static_number_options(options: dict) -> dict:
     return options if converted is None else converted
 
 
+class with_static_numbers:  # lower case: used as a decorator, like functools.wraps
+    """`jitted`, called with static_number_options applied to its keyword options; its
+    other attributes (lower, trace, _cache_size) are the jitted function's."""
+
+    def __init__(self, jitted: Callable) -> None:
+        self._jitted = jitted
+        functools.update_wrapper(self, jitted)
+
+    def __call__(self, *args, **options):
+        return self._jitted(*args, **static_number_options(options))
+
+    def __getattr__(self, name: str):
+        if name == "_jitted":  # a copy before __init__ ran: no recursion through here
+            raise AttributeError(name)
+        return getattr(self._jitted, name)
+
+
 def checks_index_values(fn: Callable) -> Callable:
     """Wraps a kernel entry point `fn(q, kv_pages, kv_lens, page_indices, cu_q_lens,
     num_seqs, **options)` so that `validate_index_values` runs before it, with

@@ -201,6 +201,8 @@ def test_tensor_parallel_attention_takes_a_scale_given_as_a_jax_scalar():
     want = paged_attention(q, pages, md, sm_scale=0.125)
     got = tp.paged_attention(q, pages, md, sm_scale=1 / jnp.sqrt(jnp.float32(D)))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    got = sharding.sharded_paged_attention(q, pages, md, mesh=tp.mesh, sm_scale=np.array(0.125))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     k = jnp.ones((md.max_num_tokens, H_KV, D), jnp.float32)
     int8_pages = jnp.zeros((64, 4, 2 * H_KV, D), jnp.int8)
     written = tp.write_kv(int8_pages, k, k, md.slot_mapping, k_scale=jnp.float32(0.5))

@@ -1,0 +1,81 @@
+"""1-D device meshes for tensor parallelism: one per engine, or one per replica.
+
+The mesh axis (`DEFAULT_AXIS`, "model") is the one jaxkv.sharding splits heads and
+weights along. Each check raises ValueError naming the tensor-parallel size and the
+number it must fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxkv.field_checks import as_int
+
+__all__ = ["DEFAULT_AXIS", "check_divides", "make_mesh", "mesh_for", "replica_meshes"]
+
+DEFAULT_AXIS = "model"
+
+
+def check_divides(tp: int, name: str, n: int) -> None:
+    """ValueError unless the tensor-parallel size `tp` is >= 1 and divides `name`=`n`."""
+    if tp < 1 or n % tp:
+        need = "be >= 1" if tp < 1 else f"divide {name}={n}"
+        raise ValueError(f"tensor_parallel_size={tp} must {need}")
+
+
+def replica_meshes(
+    tensor_parallel_size: int,
+    devices: Sequence[jax.Device] | None = None,
+    axis_name: str = DEFAULT_AXIS,
+) -> list[Mesh]:
+    """Splits `devices` (default: jax.devices()) into consecutive groups of TP devices.
+
+    One 1-D mesh per group, in device order; each group can serve one engine replica.
+    Raises ValueError naming both numbers when TP does not divide the device count, or
+    when `devices` is empty or lists a device twice."""
+    devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("devices must not be empty")
+    if not all(isinstance(d, jax.Device) for d in devices):  # "cpu" gave a mesh of chars
+        raise ValueError(f"devices={devices!r} must be jax Devices")
+    if len(set(devices)) != len(devices):  # jax.sharding.Mesh accepts them, jit then fails
+        raise ValueError(f"devices must be distinct, got ids {[d.id for d in devices]}")
+    tp = as_int(tensor_parallel_size)
+    if tp is None:
+        raise ValueError(f"{tensor_parallel_size=} must be an int")
+    check_divides(tp, "the device count", len(devices))
+    return [Mesh(np.array(devices[i : i + tp]), (axis_name,)) for i in range(0, len(devices), tp)]
+
+
+def make_mesh(
+    tensor_parallel_size: int,
+    devices: Sequence[jax.Device] | None = None,
+    axis_name: str = DEFAULT_AXIS,
+) -> Mesh:
+    """A 1-D mesh over the first TP of `devices` (default: jax.devices()), as vLLM's
+    tensor_parallel_size takes them; ValueError naming both numbers if TP exceeds them."""
+    devices = list(jax.devices() if devices is None else devices)
+    tp = as_int(tensor_parallel_size)
+    if tp is not None and tp > len(devices) > 0:
+        raise ValueError(f"tensor_parallel_size={tp} exceeds the device count={len(devices)}")
+    return replica_meshes(tensor_parallel_size, devices[: max(tp or 0, 1)], axis_name)[0]
+
+
+def mesh_for(mesh: Mesh | None = None, tensor_parallel_size: int | None = None) -> Mesh | None:
+    """The mesh an engine runs on: `mesh`, or make_mesh(tensor_parallel_size), or None.
+
+    None (both None) means the default device without sharding. Raises ValueError when
+    both are given and disagree, or `mesh` is no Mesh or has no DEFAULT_AXIS axis."""
+    if mesh is None:
+        return None if tensor_parallel_size is None else make_mesh(tensor_parallel_size)
+    if not isinstance(mesh, Mesh):  # a str or a device list used to raise AttributeError
+        raise ValueError(f"mesh={mesh!r} must be None or a jax.sharding.Mesh")
+    if DEFAULT_AXIS not in mesh.shape:
+        raise ValueError(f"{mesh.axis_names=} must contain {DEFAULT_AXIS!r}")
+    if tensor_parallel_size is not None and mesh.shape[DEFAULT_AXIS] != tensor_parallel_size:
+        raise ValueError(f"{tensor_parallel_size=} disagrees with {mesh.shape=}")
+    return mesh
