@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from jaxkv.field_checks import as_int
+from jaxkv.field_checks import as_int, bool_fields
 from jaxkv.free_block_queue import FreeKVCacheBlockQueue
 from jaxkv.hashing import BlockHash
 from jaxkv.kv_cache_block import KVCacheBlock
@@ -85,12 +85,10 @@ class BlockPool:
                 f"num_blocks={given!r} must be an int in [2, {MAX_INT32}] (block 0 is the "
                 "null block; block ids are int32 in block tables)"
             )
-        for name, flag in (("enable_caching", enable_caching), ("enable_events", enable_events)):
-            if not isinstance(flag, bool):  # "no" cached, by its truthiness
-                raise ValueError(f"{name}={flag!r} must be a bool")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.enable_events = enable_events
+        bool_fields(self, "enable_caching", "enable_events")  # "no" cached, by its truthiness
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])

@@ -62,7 +62,8 @@ def make_mesh(
     tp = as_int(tensor_parallel_size)
     if tp is not None and tp > len(devices) > 0:
         raise ValueError(f"tensor_parallel_size={tp} exceeds the device count={len(devices)}")
-    return replica_meshes(tensor_parallel_size, devices[: max(tp or 0, 1)], axis_name)[0]
+    first = devices[:tp] if tp is not None and tp >= 1 else devices  # else refused below
+    return replica_meshes(tensor_parallel_size, first, axis_name)[0]
 
 
 def mesh_for(mesh: Mesh | None = None, tensor_parallel_size: int | None = None) -> Mesh | None:

@@ -96,10 +96,10 @@ class SamplingParams:
     def stopping_at(self, eos_token_ids: tuple[int, ...]) -> SamplingParams:
         """These params with `eos_token_ids` added to stop_token_ids (the model's end of
         generation, as vLLM takes it from the model's configs), unless ignore_eos."""
-        if self.ignore_eos:
+        stop = tuple(dict.fromkeys(self.stop_token_ids + tuple(eos_token_ids)))
+        if self.ignore_eos or stop == self.stop_token_ids:
             return self
-        extra = tuple(t for t in eos_token_ids if t not in self.stop_token_ids)
-        return replace(self, stop_token_ids=self.stop_token_ids + extra) if extra else self
+        return replace(self, stop_token_ids=stop)
 
 
 class Request:

@@ -55,17 +55,22 @@ def seed_words(seeds) -> np.ndarray:
     seed's high and low 32-bit words."""
     if not isinstance(seeds, np.ndarray):  # as objects: a list mixing -1 and 2**64 - 1
         seeds = np.array(seeds, dtype=object)  # would otherwise become float64
-    words = [divmod(int(seed) & _SEED_MASK, _WORD) for seed in seeds.ravel().tolist()]
+    words = [_words(int(seed)) for seed in seeds.ravel().tolist()]
     return np.array(words, np.uint32).reshape(*seeds.shape, 2)
 
 
 _COLUMNS = 6  # temperature, top_k, top_p, seed's high word, its low word, stream
 
 
+def _words(seed: int) -> tuple[int, int]:
+    """(high, low) 32-bit words of `seed` modulo 2**64."""
+    return divmod(seed & _SEED_MASK, _WORD)
+
+
 def _table_row(row: SamplingRow) -> tuple[float, int, float, int, int, int]:
     """A sampling row with its 64-bit seed split into words, each exact in a float64."""
     temperature, top_k, top_p, seed, stream = row
-    return temperature, top_k, top_p, seed // _WORD, seed % _WORD, stream
+    return temperature, top_k, top_p, *_words(seed), stream
 
 
 def _padded_arrays(

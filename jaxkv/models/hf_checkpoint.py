@@ -186,7 +186,7 @@ def load_hf_safetensors(
         if generation.exists():
             eos = json.loads(generation.read_text()).get("eos_token_id")  # int, list or None
             eos = dataclasses.replace(config, eos_token_ids=eos).eos_token_ids  # checked
-            joined = config.eos_token_ids + tuple(t for t in eos if t not in config.eos_token_ids)
+            joined = tuple(dict.fromkeys(config.eos_token_ids + eos))  # in order, once each
             config = dataclasses.replace(config, eos_token_ids=joined)
     elif dtype is not None:
         config = LlamaConfig.from_dict({**config.to_dict(), "dtype": dtype})
