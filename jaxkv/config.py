@@ -80,7 +80,9 @@ class EngineConfig:
     sequence's query length (e.g. (1, max_num_batched_tokens) gives decode and
     "anything else"), trading padding for fewer programs; `pad_cascade_levels` pads every
     cascade level to its largest number of sequences (one program per level structure).
-    `max_step_programs` is the resulting bound on Engine.num_compiles.
+    `max_step_programs` is the resulting bound on Engine.num_compiles; a request below
+    its SamplingParams.min_tokens adds the shapes of its batches once per power of two
+    its stop list (EOS included) rounds up to (jaxkv.min_tokens).
     seed: default sampling seed of requests that give none, 64 bits as SamplingParams.seed
     (mixed with their index, and drawn in a stream of its own: no SamplingParams.seed
     replays an unseeded request).
@@ -153,8 +155,11 @@ class EngineConfig:
     @property
     def max_step_programs(self) -> int:
         """An upper bound on the step programs an Engine with this config compiles
-        (Engine.num_compiles), whatever the workload: BucketConfig.max_programs with this
-        config's q_len_buckets, pad_cascade_levels and enable_cascade."""
+        (Engine.num_compiles), whatever the workload without min_tokens:
+        BucketConfig.max_programs with this config's q_len_buckets, pad_cascade_levels
+        and enable_cascade. Batches in which a request's stop tokens are banned (before
+        its min_tokens) compile those shapes again for each ban width they use: the
+        longest banned stop list rounded up to a power of two."""
         return self.buckets.max_programs(
             self.q_len_buckets, pad_levels=self.pad_cascade_levels, cascade=self.enable_cascade
         )

@@ -233,7 +233,7 @@ class Engine(Closable):
             )
             c_plan = time.thread_time()
             order, md, input_ids, sampling = self._step_inputs(out, plan)
-            key = program_key(md)
+            key = program_key(md, sampling)
             new_program = key not in self._programs
             t1, c1 = time.perf_counter(), time.thread_time()
 
@@ -303,7 +303,7 @@ class Engine(Closable):
         input_ids = gather_input_ids(out.token_ids, out.num_scheduled_tokens, order, md)
         positions = np.zeros(md.max_num_seqs, np.int32)  # of the tokens being sampled
         positions[:n] = num_computed + query_lens
-        sampling = (*self._sampling.arrays(out.requests, order, md.max_num_seqs), positions)
+        sampling = self._sampling.step_arrays(out.requests, order, md.max_num_seqs, positions)
         return order, md, input_ids, sampling
 
     # ----------------------------------------------------------------- driving

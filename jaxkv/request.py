@@ -47,6 +47,8 @@ class SamplingParams:
     top_p 1.0 means no nucleus cut.
     seed: 64 bits, as torch's generators take (a negative seed counts modulo 2**64); a
     request with a seed samples the same tokens whatever batch it runs in.
+    min_tokens: as vLLM's, the stop tokens (EOS included) cannot be sampled before the
+    request has generated that many tokens; at most max_tokens.
     """
 
     max_tokens: int | None = 16
@@ -56,6 +58,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # Engine: do not stop at the model's eos_token_ids
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         """Checks every field; integers (numpy ones too) are stored as Python ints."""
@@ -87,7 +90,16 @@ class SamplingParams:
             )
         if not isinstance(self.ignore_eos, bool):  # "no" ignored EOS, by its truthiness
             raise ValueError(f"ignore_eos={self.ignore_eos!r} must be a bool")
-        for name, value in (("max_tokens", max_tokens), ("top_k", top_k), ("seed", seed)):
+        min_tokens = _int_or_none(self.min_tokens)
+        if min_tokens is None or not 0 <= min_tokens <= (max_tokens or min_tokens):
+            cap = "" if max_tokens is None else f" and <= max_tokens={max_tokens}"
+            raise ValueError(f"min_tokens={self.min_tokens!r} must be an int >= 0{cap}")
+        for name, value in (
+            ("max_tokens", max_tokens),
+            ("top_k", top_k),
+            ("seed", seed),
+            ("min_tokens", min_tokens),
+        ):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", float(self.top_p))

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.min_tokens import StopTokenBans
 from jaxkv.request import RequestStatus, SamplingParams
 
 _SEED_MASK = 2**64 - 1  # a negative seed is taken modulo 2**64
@@ -110,6 +111,7 @@ class SamplingRows:
         self._free: list[int] = []  # rows of _table no request holds
         self._table = np.zeros((0, _COLUMNS), np.float64)
         self._memo: tuple | None = None  # (requests, order bytes or None, arrays)
+        self._bans = StopTokenBans()
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -125,11 +127,13 @@ class SamplingRows:
                 self._free = list(range(grown - 1, size - 1, -1))
             slot = self._slots[request_id] = self._free.pop()
         self._table[slot] = row
+        self._bans.add(request_id, params)
 
     def discard(self, request_id: str) -> None:
         slot = self._slots.pop(request_id, None)
         if slot is not None:
             self._free.append(slot)
+            self._bans.discard(request_id)
 
     def discard_finished(self, requests: list) -> None:
         """Discards the rows of the requests (a step's batch) that have finished."""
@@ -156,6 +160,13 @@ class SamplingRows:
         self._memo = (list(requests), order_key, arrays)
         return arrays
 
+    def step_arrays(self, requests: list, order: np.ndarray | None, num_rows: int, positions):
+        """sample()'s arguments after the logits for one batch: `arrays`, then `positions`
+        (i32[num_rows] of the tokens being sampled), then the stop tokens each row may not
+        sample yet (jaxkv.min_tokens; i32[num_rows, 0] when none is banned)."""
+        banned = self._bans.array(requests, order, num_rows)
+        return (*self.arrays(requests, order, num_rows), positions, banned)
+
 
 def sample(
     logits: jax.Array,  # f32[S, vocab]
@@ -165,15 +176,22 @@ def sample(
     seeds: jax.Array,  # u32[S, 2] each seed's high and low 32-bit words
     streams: jax.Array,  # u32[S] SEED_STREAM or DEFAULT_STREAM
     positions: jax.Array,  # i32[S] position of the token being sampled
+    banned: jax.Array | None = None,  # i32[S, B] token ids a row may not sample; others ignored
 ) -> jax.Array:  # i32[S]
     """One token per row. Greedy rows take the argmax (lowest id on ties).
 
     Sampled rows draw from softmax(logits / temperature) restricted to the top_k most
     likely tokens and then to the smallest prefix (by probability) whose mass reaches
-    top_p; tokens tied with the last kept one are kept too.
+    top_p; tokens tied with the last kept one are kept too. A row's `banned` ids in
+    [0, vocab) are removed first (their logits set to -inf), as if the model gave them
+    no probability; ids outside it (padding) are ignored.
     """
     vocab = logits.shape[-1]
     logits = logits.astype(jnp.float32)
+    if banned is not None and banned.shape[-1]:
+        rows = jnp.arange(logits.shape[0])[:, None]
+        in_vocab = (banned >= 0) & (banned < vocab)  # a negative id would index from the end
+        logits = logits.at[rows, jnp.where(in_vocab, banned, vocab)].set(-jnp.inf, mode="drop")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     # Shift the row maximum to 0 before dividing: logits / a tiny temperature would overflow
     # to inf and tie every large logit; shifted, the maximum stays 0 and the rest -> -inf.

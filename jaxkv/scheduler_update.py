@@ -68,7 +68,9 @@ def apply_sampled_tokens(
         all_ids.append(token)
         num_generated += 1
         params = request.sampling_params
-        if token in params.stop_token_ids:
+        # The sampler bans stop tokens before min_tokens (jaxkv.min_tokens); should a row
+        # have nothing else left to sample, the stop token still does not stop it early.
+        if token in params.stop_token_ids and len(output_ids) > params.min_tokens:
             request.status = RequestStatus.FINISHED_STOPPED
         elif computed + 1 >= max_len or (
             params.max_tokens is not None and len(output_ids) >= params.max_tokens

@@ -25,14 +25,16 @@ def pad_level(level: LevelMetadata, num_seqs: int) -> LevelMetadata:
     )
 
 
-def program_key(metadata: AttentionMetadata) -> tuple:
-    """Identifies the compiled program a metadata pytree needs: its static fields and the
-    padded sizes that fix every leaf's shape (all leaves are int32 by construction).
+def program_key(metadata: AttentionMetadata, sampling: Sequence[np.ndarray] = ()) -> tuple:
+    """Identifies the compiled program a metadata pytree and the sampler's arrays need:
+    the metadata's static fields and the padded sizes that fix every leaf's shape (all
+    leaves are int32 by construction), and each sampling array's shape.
 
     Equal keys mean equal pytree structure and leaf shapes; read off the fields
     directly because flattening the pytree each step costs more than the rest."""
     md = metadata
     return (
+        tuple(a.shape for a in sampling),
         md.slot_mapping.shape,
         md.page_indices.shape,
         md.block_size,
