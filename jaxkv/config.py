@@ -86,6 +86,9 @@ class EngineConfig:
     seed: default sampling seed of requests that give none, 64 bits as SamplingParams.seed
     (mixed with their index, and drawn in a stream of its own: no SamplingParams.seed
     replays an unseeded request).
+    max_logprobs: the most SamplingParams.logprobs a request may ask for (vLLM's default,
+    20); a batch where a request asks for any computes this many top tokens for all of its
+    rows, in a variant of its step program (at most one per shape).
     """
 
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
@@ -101,6 +104,7 @@ class EngineConfig:
     q_len_buckets: tuple[int, ...] | None = None
     pad_cascade_levels: bool = False
     seed: int = 0
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
@@ -108,6 +112,7 @@ class EngineConfig:
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ValueError(f"scheduler={self.scheduler!r} must be a SchedulerConfig")
         int_fields(self, "seed", minimum=-(2**63), maximum=2**64 - 1)
+        int_fields(self, "max_logprobs", minimum=0, maximum=2**31 - 1)  # lax.top_k's k: int32
         bool_fields(self, "interpret", "enable_cascade", "pad_cascade_levels")
         if self.cascade_cost_model is not None and not isinstance(
             self.cascade_cost_model, CascadeCostModel

@@ -43,6 +43,7 @@ from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.request import Request, SamplingParams
 from jaxkv.request_serials import RequestSerials
 from jaxkv.sampler import SamplingRows
+from jaxkv.sampling_checks import checked_sampling_params
 from jaxkv.scheduler import Scheduler, SchedulerOutput
 from jaxkv.sharding import mesh_for, shard_model, tensor_parallel_of
 from jaxkv.step_inputs import coarsen_metadata, gather_input_ids, program_key
@@ -162,20 +163,14 @@ class Engine(Closable):
         """Queues a request; returns its id. Raises ValueError (nothing queued) when the
         prompt is empty, not 1-D integers, holds ids outside [0, vocab_size), leaves no
         room for output within max_model_len, could not fit the whole KV cache, or the
-        params, id or salt are invalid or the id is in use (unfinished, or finished or
-        aborted with a KV copy in flight: drain_transfers frees it). Requests share cached
-        KV only if their `cache_salt` (e.g. one per tenant) is equal: None is a salt of
-        its own. A request stops at the model's eos_token_ids unless params.ignore_eos."""
+        params (logprobs above config.max_logprobs too), id or salt are invalid or the id
+        is in use (unfinished, or finished or aborted with a KV copy in flight:
+        drain_transfers frees it). Requests share cached KV only if their `cache_salt`
+        (e.g. one per tenant) is equal: None is a salt of its own. A request stops at the
+        model's eos_token_ids unless params.ignore_eos."""
         self._check_open()
         prompt = checked_prompt_ids(prompt_token_ids, limit=self.vocab_size)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        elif not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"{type(sampling_params)=} must be SamplingParams")
-        bad_stop = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids {bad_stop} must be < {self.vocab_size=}")
-        sampling_params = sampling_params.stopping_at(self.model_config.eos_token_ids)
+        sampling_params = checked_sampling_params(sampling_params, self.model_config, self.config)
         serial, request_id = self._serials.peek(request_id, self.scheduler.requests)
         request = Request(request_id, prompt, sampling_params, cache_salt=cache_salt)
         self.scheduler.add_request(request)  # raises on duplicate id or too long a prompt

@@ -49,6 +49,10 @@ class SamplingParams:
     request with a seed samples the same tokens whatever batch it runs in.
     min_tokens: as vLLM's, the stop tokens (EOS included) cannot be sampled before the
     request has generated that many tokens; at most max_tokens.
+    logprobs: None returns none; k >= 0 returns, for every output token, the sampled
+    token's log-probability and the k most likely tokens' (jaxkv.logprobs), from the
+    model's raw logits (before temperature, top-k and top-p), as vLLM's default. An
+    Engine refuses more than EngineConfig.max_logprobs.
     """
 
     max_tokens: int | None = 16
@@ -59,6 +63,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # Engine: do not stop at the model's eos_token_ids
     min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         """Checks every field; integers (numpy ones too) are stored as Python ints."""
@@ -94,11 +99,15 @@ class SamplingParams:
         if min_tokens is None or not 0 <= min_tokens <= (max_tokens or min_tokens):
             cap = "" if max_tokens is None else f" and <= max_tokens={max_tokens}"
             raise ValueError(f"min_tokens={self.min_tokens!r} must be an int >= 0{cap}")
+        logprobs = None if self.logprobs is None else _int_or_none(self.logprobs)
+        if self.logprobs is not None and (logprobs is None or logprobs < 0):
+            raise ValueError(f"logprobs={self.logprobs!r} must be None or an int >= 0")
         for name, value in (
             ("max_tokens", max_tokens),
             ("top_k", top_k),
             ("seed", seed),
             ("min_tokens", min_tokens),
+            ("logprobs", logprobs),
         ):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "temperature", temperature)

@@ -37,6 +37,7 @@ from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig
         (lambda: EngineConfig(interpret=1), "interpret=1"),
         (lambda: EngineConfig(pad_cascade_levels="yes"), "pad_cascade_levels='yes'"),
         (lambda: EngineConfig(cascade_cost_model={"min_requests": 2}), "cascade_cost_model"),
+        (lambda: EngineConfig(max_logprobs=-1), "max_logprobs=-1"),
     ],
 )
 def test_bad_fields_raise_value_error_naming_them(make, match):
