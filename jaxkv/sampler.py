@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.logprobs import top_logprobs
 from jaxkv.min_tokens import StopTokenBans
 from jaxkv.request import RequestStatus, SamplingParams
 
@@ -177,17 +178,21 @@ def sample(
     streams: jax.Array,  # u32[S] SEED_STREAM or DEFAULT_STREAM
     positions: jax.Array,  # i32[S] position of the token being sampled
     banned: jax.Array | None = None,  # i32[S, B] token ids a row may not sample; others ignored
-) -> jax.Array:  # i32[S]
+    *,
+    num_logprobs: int | None = None,  # static: None, or top tokens per row (top_logprobs)
+):  # i32[S], or (i32[S], top_logprobs' five arrays) when num_logprobs is not None
     """One token per row. Greedy rows take the argmax (lowest id on ties).
 
     Sampled rows draw from softmax(logits / temperature) restricted to the top_k most
     likely tokens and then to the smallest prefix (by probability) whose mass reaches
     top_p; tokens tied with the last kept one are kept too. A row's `banned` ids in
     [0, vocab) are removed first (their logits set to -inf), as if the model gave them
-    no probability; ids outside it (padding) are ignored.
+    no probability; ids outside it (padding) are ignored. With `num_logprobs`, also
+    jaxkv.logprobs.top_logprobs of the raw logits (before the ban, as vLLM's raw
+    logprobs come before its logits processors) and the sampled tokens.
     """
     vocab = logits.shape[-1]
-    logits = logits.astype(jnp.float32)
+    logits = raw = logits.astype(jnp.float32)
     if banned is not None and banned.shape[-1]:
         rows = jnp.arange(logits.shape[0])[:, None]
         in_vocab = (banned >= 0) & (banned < vocab)  # a negative id would index from the end
@@ -220,4 +225,7 @@ def sample(
         return jax.random.categorical(key, row, mode="high")
 
     sampled = jax.vmap(draw)(seeds, streams, positions, masked).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    tokens = jnp.where(temperature > 0, sampled, greedy)
+    if num_logprobs is None:
+        return tokens
+    return tokens, top_logprobs(raw, tokens, num_logprobs)

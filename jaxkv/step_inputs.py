@@ -25,10 +25,15 @@ def pad_level(level: LevelMetadata, num_seqs: int) -> LevelMetadata:
     )
 
 
-def program_key(metadata: AttentionMetadata, sampling: Sequence[np.ndarray] = ()) -> tuple:
+def program_key(
+    metadata: AttentionMetadata,
+    sampling: Sequence[np.ndarray] = (),
+    num_logprobs: int | None = None,
+) -> tuple:
     """Identifies the compiled program a metadata pytree and the sampler's arrays need:
     the metadata's static fields and the padded sizes that fix every leaf's shape (all
-    leaves are int32 by construction), and each sampling array's shape.
+    leaves are int32 by construction), each sampling array's shape, and the step
+    program's static logprob width `num_logprobs` (None: no logprobs), last.
 
     Equal keys mean equal pytree structure and leaf shapes; read off the fields
     directly because flattening the pytree each step costs more than the rest."""
@@ -42,6 +47,7 @@ def program_key(metadata: AttentionMetadata, sampling: Sequence[np.ndarray] = ()
         md.backend,
         md.interpret,
         tuple((lv.page_indices.shape, lv.max_q_len) for lv in md.levels),
+        num_logprobs,
     )
 
 

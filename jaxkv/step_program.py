@@ -21,13 +21,18 @@ def step_program(graphdef: nnx.GraphDef, state_treedef) -> Callable:
 
     Takes the parameters as a flat list of arrays: flattening an nnx.State on every call
     costs Python time per leaf, a flat list goes through jit's C++ fast path.
+
+    `num_logprobs` (static) None returns the sampled tokens, an int also the logprob
+    arrays of jaxkv.logprobs.top_logprobs with that many top tokens per row.
     """
 
-    @functools.partial(jax.jit, donate_argnums=3)
-    def program(state_leaves, input_ids, positions, kv_caches, metadata, sampling):
+    @functools.partial(jax.jit, donate_argnums=3, static_argnames="num_logprobs")
+    def program(
+        state_leaves, input_ids, positions, kv_caches, metadata, sampling, *, num_logprobs=None
+    ):
         state = jax.tree.unflatten(state_treedef, state_leaves)
         model = nnx.merge(graphdef, state)
         logits, kv_caches = model(input_ids, positions, kv_caches, metadata)
-        return sample(logits, *sampling), kv_caches
+        return sample(logits, *sampling, num_logprobs=num_logprobs), kv_caches
 
     return program

@@ -42,7 +42,7 @@ def test_a_long_random_run_stays_within_max_step_programs():
 
     def recording(out, plan):
         inputs = build(out, plan)
-        keys.add(program_key(inputs[1]))
+        keys.add(program_key(inputs[1], inputs[3]))
         return inputs
 
     engine._step_inputs = recording
@@ -74,7 +74,7 @@ def test_a_long_random_run_stays_within_max_step_programs():
     assert engine._program._cache_size() - before == engine.num_compiles
     assert engine.num_compiles <= CONFIG.max_step_programs == 2 * (1 + 2) ** 2
     b = CONFIG.buckets
-    for tokens, pages, _, max_q_len, _, _, levels in keys:
+    for _, tokens, pages, _, max_q_len, _, _, levels, _ in keys:
         assert tokens[0] in b.token_buckets and max_q_len in CONFIG.q_len_buckets
         assert pages[0] in b.seq_buckets and pages[1] in b.page_buckets
         for level_pages, level_q in levels:

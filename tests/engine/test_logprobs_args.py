@@ -1,12 +1,18 @@
-"""SamplingParams.logprobs and EngineConfig.max_logprobs are checked, naming the field."""
+"""SamplingParams.logprobs and EngineConfig.max_logprobs are checked, naming the field; the
+sampler's logprob arrays on hand-made logits (ties, ranks, the width-0 variant)."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import numpy as np
 import pytest
 
 from jaxkv import SamplingParams
 from jaxkv.config import EngineConfig
+from jaxkv.logprobs import top_logprobs
+from jaxkv.sampler import sample, seed_words
 from tests.engine._util import make_engine
 
 
@@ -62,3 +68,56 @@ def test_the_engine_refuses_more_logprobs_than_max_logprobs_queueing_nothing():
         assert not engine.has_unfinished_requests()
     rid = engine.add_request([1, 2, 3], SamplingParams(logprobs=20))  # at the limit
     assert engine.has_unfinished_requests() and engine.abort(rid)
+
+
+_sample = jax.jit(sample, static_argnames="num_logprobs")
+_top = jax.jit(top_logprobs, static_argnums=2)
+
+
+def _sampled(logits, temperature, num_logprobs):
+    n = len(logits)
+    return _sample(
+        np.asarray(logits, np.float32), np.full(n, temperature, np.float32),
+        np.zeros(n, np.int32), np.ones(n, np.float32), seed_words(np.arange(n)),
+        np.zeros(n, np.uint32), np.zeros(n, np.int32), num_logprobs=num_logprobs,
+    )  # fmt: skip
+
+
+@functools.cache
+def _logits() -> np.ndarray:
+    return np.random.default_rng(0).normal(size=(4, 32)).astype(np.float32)
+
+
+def test_without_num_logprobs_sample_returns_the_tokens_alone():
+    tokens = _sampled(_logits(), 0.0, None)
+    assert isinstance(tokens, jax.Array) and tokens.shape == (4,)
+
+
+def test_logprobs_are_the_raw_log_softmax_whatever_the_temperature():
+    logits = _logits()
+    ref = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1))[:, None]
+    for temperature in (0.0, 0.3, 2.0):
+        tokens, (ids, top, top_rank, sampled, rank) = _sampled(logits, temperature, 3)
+        tokens = np.asarray(tokens)
+        assert ids.shape == top.shape == top_rank.shape == (4, 3) and sampled.shape == (4,)
+        np.testing.assert_array_equal(ids, np.argsort(-ref, axis=-1, kind="stable")[:, :3])
+        np.testing.assert_allclose(top, np.take_along_axis(ref, np.asarray(ids), -1), atol=1e-5)
+        np.testing.assert_allclose(sampled, ref[np.arange(4), tokens], atol=1e-5)
+        np.testing.assert_array_equal(rank, 1 + (ref > ref[np.arange(4), tokens][:, None]).sum(-1))
+        np.testing.assert_array_equal(top_rank, np.tile([1, 2, 3], (4, 1)))
+
+
+def test_ties_put_the_lowest_id_first_and_share_a_rank():
+    logits = np.array([[0.0, 2.0, 1.0, 2.0, 1.0, 2.0]], np.float32)
+    ids, top, top_rank, sampled, rank = _top(logits, np.array([4], np.int32), 5)
+    assert ids.tolist() == [[1, 3, 5, 2, 4]]
+    assert top_rank.tolist() == [[1, 1, 1, 4, 4]]
+    assert rank.tolist() == [4]  # token 4: three tokens strictly above it
+    assert sampled[0] == top[0, 3] == top[0, 4]
+
+
+def test_a_width_of_zero_gives_the_sampled_token_only():
+    tokens, (ids, top, top_rank, sampled, rank) = _sampled(_logits(), 0.0, 0)
+    assert ids.shape == top.shape == top_rank.shape == (4, 0)
+    np.testing.assert_array_equal(rank, np.ones(4))  # greedy: the argmax
+    assert sampled.shape == (4,)

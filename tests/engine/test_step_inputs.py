@@ -130,3 +130,7 @@ def test_program_key_tells_apart_every_padded_shape_and_static_field():
     keys = [program_key(m) for m in (md, *others)]
     assert len(set(keys)) == len(keys)
     assert program_key(dataclasses.replace(md, kv_lens=np.ones(4, np.int32))) == keys[0]
+    # The logprob width is a static argument of the step program: another program.
+    assert program_key(md, num_logprobs=None) == keys[0]
+    widths = {program_key(md, num_logprobs=20), program_key(md, num_logprobs=0)}
+    assert len({*widths, *keys}) == len(keys) + 2
