@@ -35,6 +35,7 @@ from jaxkv.engine import Engine as Engine
 from jaxkv.kv_transfer import HostOffloadConnector as HostOffloadConnector
 from jaxkv.kv_transfer import KVConnector as KVConnector
 from jaxkv.kv_transfer import TransferStats as TransferStats
+from jaxkv.logprobs import Logprob as Logprob
 from jaxkv.metrics import EngineMetrics as EngineMetrics
 from jaxkv.metrics import StepStats as StepStats
 from jaxkv.outputs import CompletionOutput as CompletionOutput

@@ -72,7 +72,8 @@ def run_to_completion(
     prompts' unfinished requests before it propagates. Other requests the driver holds
     progress too; their outputs are dropped. A prompt's request that ends without a final
     output (aborted by another caller meanwhile) gets finish_reason "abort" and the tokens
-    it had.
+    it had. A prompt whose params ask for logprobs gets them, one dict per output token,
+    and their cumulative_logprob (the sum of its sampled tokens' logprobs).
     `progress_bar` (tqdm-like, optional) is advanced once per finished prompt and closed.
     """
     num_prompts = count_prompts(prompts)
@@ -103,6 +104,9 @@ def run_to_completion(
         raise
     index = {rid: i for i, rid in enumerate(ids)}
     tokens: list[list[int]] = [[] for _ in ids]
+    logprobs: list[list[dict] | None] = [
+        None if getattr(sp, "logprobs", None) is None else [] for sp in params_list
+    ]
     reasons: list[str | None] = [None] * len(ids)
     remaining = len(ids)
     try:
@@ -117,6 +121,8 @@ def run_to_completion(
                 if i is None:
                     continue
                 tokens[i].extend(o.new_token_ids)
+                if o.logprobs is not None:
+                    logprobs[i].extend(o.logprobs)
                 if o.finished:
                     reasons[i] = o.finish_reason
                     remaining -= 1
@@ -133,9 +139,23 @@ def run_to_completion(
         if progress_bar is not None:
             progress_bar.close()
     return [
-        CompletionOutput(rid, tuple(int(t) for t in p), tuple(tokens[i]), reasons[i] or "abort")
+        CompletionOutput(
+            rid,
+            tuple(int(t) for t in p),
+            tuple(tokens[i]),
+            reasons[i] or "abort",
+            *_with_cumulative(tokens[i], logprobs[i]),
+        )
         for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
     ]
+
+
+def _with_cumulative(tokens: list[int], logprobs: list[dict] | None) -> tuple:
+    """(logprobs as a tuple, the sum of the sampled tokens' logprobs), or (None, None)."""
+    if logprobs is None:
+        return None, None
+    pairs = zip(tokens, logprobs, strict=True)
+    return tuple(logprobs), sum((entry[t].logprob for t, entry in pairs), 0.0)
 
 
 def generate_progress_bar(prompts: Sequence[Sequence[int]], progress: bool):

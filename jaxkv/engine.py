@@ -36,6 +36,7 @@ from jaxkv.engine_args import checked_engine_args
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_copy import DeviceKVCopier
 from jaxkv.kv_transfer import KVConnector
+from jaxkv.logprobs import StepLogprobs
 from jaxkv.metrics import EngineMetrics, StepStats, StepTotals
 from jaxkv.model_fingerprint import model_fingerprint
 from jaxkv.outputs import CompletionOutput, RequestOutput
@@ -46,7 +47,7 @@ from jaxkv.sampler import SamplingRows
 from jaxkv.sampling_checks import checked_sampling_params
 from jaxkv.scheduler import Scheduler, SchedulerOutput
 from jaxkv.sharding import mesh_for, shard_model, tensor_parallel_of
-from jaxkv.step_inputs import coarsen_metadata, gather_input_ids, program_key
+from jaxkv.step_inputs import coarsen_metadata, gather_input_ids, in_schedule_order, program_key
 from jaxkv.step_program import step_program
 
 
@@ -140,7 +141,7 @@ class Engine(Closable):
         self.connector.bind(self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed)
         # A connector may have served engines before this one: count only this one's copies.
         self._transfers_at_bind = self._transfers_at_close = self.connector.stats
-        self._sampling = SamplingRows()
+        self._sampling = SamplingRows(min(config.max_logprobs, self.vocab_size))
         self._levels_memo: tuple | None = None  # (plan, num tokens, level metadata)
         self._serials = RequestSerials()  # default ids and seeds of queued requests
         self._programs: set[tuple] = set()
@@ -228,18 +229,19 @@ class Engine(Closable):
             )
             c_plan = time.thread_time()
             order, md, input_ids, sampling = self._step_inputs(out, plan)
-            key = program_key(md, sampling)
+            width = self._sampling.logprob_width(out.requests)  # None: no logprobs
+            key = program_key(md, sampling, width)
             new_program = key not in self._programs
             t1, c1 = time.perf_counter(), time.thread_time()
 
             with allowing_transfers():  # deliberate, whatever guard the caller set
                 tokens, self.kv_caches = self._program(
-                    self._state_leaves, input_ids, md.positions, self.kv_caches, md, sampling
-                )
-                tokens = np.asarray(tokens)[:n]
-            sampled = tokens if order is None else np.empty(n, np.int32)
-            if order is not None:
-                sampled[order] = tokens
+                    self._state_leaves, input_ids, md.positions, self.kv_caches, md, sampling,
+                    num_logprobs=width,
+                )  # fmt: skip
+                if width is not None:
+                    tokens, logprobs = tokens[0], StepLogprobs(tokens[1], n, order)
+                sampled = in_schedule_order(tokens, n, order)
             t2 = time.perf_counter()
         except BaseException:
             # The batch's allocation entered the blocks its tokens were to fill into the
@@ -251,6 +253,8 @@ class Engine(Closable):
 
         try:
             outputs = self.scheduler.update_from_output(out, sampled)
+            if width is not None:
+                outputs = logprobs.attach(outputs, out.requests, self._sampling.logprobs)
         finally:  # also when an interrupt stops the connector's hand-over of finished ones
             self._sampling.discard_finished(out.requests)
         t3 = time.perf_counter()

@@ -6,16 +6,21 @@ token first, then the request's k most likely tokens by descending logprob (ties
 id first, as jax.lax.top_k orders them), the sampled one not twice. rank is 1 + the
 number of tokens whose logprob is strictly greater.
 
-Device side: top_logprobs, which the step program runs only when asked (a static
-width, num_logprobs).
+Device side: top_logprobs, which the step program runs only for a batch where some
+request asked (a static width: the engine's max_logprobs). Host side: StepLogprobs
+hands one step's rows to the RequestOutputs of the requests that asked.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.step_inputs import in_schedule_order
 
 
 class Logprob(NamedTuple):
@@ -23,6 +28,9 @@ class Logprob(NamedTuple):
 
     logprob: float
     rank: int
+
+
+_logprob_of = functools.partial(tuple.__new__, Logprob)  # Logprob((lp, rank)), faster
 
 
 def top_logprobs(
@@ -39,3 +47,32 @@ def top_logprobs(
     # Every token above a top one is among the top ones: rank among them is exact.
     top_rank = 1 + jnp.sum(top[:, None, :] > top[:, :, None], axis=-1, dtype=jnp.int32)
     return top_ids.astype(jnp.int32), top, top_rank, sampled, rank
+
+
+class StepLogprobs:
+    """One step's top_logprobs on the host, first `n` rows in schedule order."""
+
+    def __init__(self, arrays, n: int, order: np.ndarray | None) -> None:
+        ids, top, top_rank, sampled, rank = (in_schedule_order(a, n, order) for a in arrays)
+        self._top = (ids, top, top_rank)
+        self._sampled = sampled.tolist(), rank.tolist()
+
+    def attach(self, outputs: list, requests: list, wanted: dict[str, int]) -> list:
+        """`outputs` (RequestOutputs of the scheduled `requests`, rows in that order) with
+        their logprobs where their request is in `wanted` (request id -> its k)."""
+        rows = {r.request_id: i for i, r in enumerate(requests) if r.request_id in wanted}
+        ids, top, top_rank = self._top
+        sampled, rank = self._sampled
+        for j, output in enumerate(outputs):
+            i = rows.get(output.request_id)
+            if i is None:
+                continue
+            k = wanted[output.request_id]
+            entry = {output.new_token_ids[0]: _logprob_of((sampled[i], rank[i]))}
+            for t, lp, r in zip(
+                ids[i, :k].tolist(), top[i, :k].tolist(), top_rank[i, :k].tolist(), strict=True
+            ):
+                if t not in entry:
+                    entry[t] = _logprob_of((lp, r))
+            outputs[j] = output._replace(logprobs=(entry,))
+        return outputs

@@ -13,6 +13,9 @@ class RequestOutput(NamedTuple):
     finish_reason is "stop" (a stop token was sampled; it is included in
     new_token_ids) or "length" (max_tokens or max_model_len reached), and None while the
     request runs. An aborted request gets no further RequestOutput (its caller knows).
+    logprobs is None unless the request asked (SamplingParams.logprobs), else one dict
+    per token of new_token_ids: {token_id: jaxkv.logprobs.Logprob(logprob, rank)}, the
+    sampled token first, then the top ones by descending logprob.
     A NamedTuple: one is made per request per step.
     """
 
@@ -20,9 +23,10 @@ class RequestOutput(NamedTuple):
     new_token_ids: tuple[int, ...]  # tokens sampled this step (one per step today)
     finished: bool
     finish_reason: str | None
+    logprobs: tuple[dict, ...] | None = None
 
 
-# RequestOutput from the tuple of its four fields: what RequestOutput._make does, without
+# RequestOutput from the tuple of its five fields: what RequestOutput._make does, without
 # the NamedTuple's Python-level __new__ (half the cost of one; one per request per step).
 request_output_of = functools.partial(tuple.__new__, RequestOutput)
 
@@ -30,9 +34,14 @@ request_output_of = functools.partial(tuple.__new__, RequestOutput)
 @dataclasses.dataclass(frozen=True)
 class CompletionOutput:
     """A finished request, as Engine.generate returns it: finish_reason is "stop" or
-    "length" as in RequestOutput, or "abort" if another caller aborted it meanwhile."""
+    "length" as in RequestOutput, or "abort" if another caller aborted it meanwhile.
+    logprobs (one dict per output token, as RequestOutput.logprobs) and
+    cumulative_logprob (the sum of the sampled tokens' logprobs) are None unless the
+    request asked for logprobs, as in vLLM's CompletionOutput."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]
     finish_reason: str
+    logprobs: tuple[dict, ...] | None = None
+    cumulative_logprob: float | None = None

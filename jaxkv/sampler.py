@@ -105,14 +105,18 @@ class SamplingRows:
     rather than a conversion of Python tuples. The arrays of the previous batch are
     reused while it holds the same Request objects in the same order: a reused id is a
     new object, so it never inherits another request's parameters.
+    `logprobs` maps the queued requests that asked for logprobs to their k; a batch
+    with one of them samples with `logprob_width` top tokens (logprob_width()).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, logprob_width: int = 0) -> None:
         self._slots: dict[str, int] = {}  # request id -> its row of _table
         self._free: list[int] = []  # rows of _table no request holds
         self._table = np.zeros((0, _COLUMNS), np.float64)
         self._memo: tuple | None = None  # (requests, order bytes or None, arrays)
         self._bans = StopTokenBans()
+        self.logprobs: dict[str, int] = {}  # request id -> its SamplingParams.logprobs
+        self._logprob_width = logprob_width
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -129,12 +133,26 @@ class SamplingRows:
             slot = self._slots[request_id] = self._free.pop()
         self._table[slot] = row
         self._bans.add(request_id, params)
+        if params.logprobs is not None:
+            self.logprobs[request_id] = params.logprobs
+        else:
+            self.logprobs.pop(request_id, None)
 
     def discard(self, request_id: str) -> None:
         slot = self._slots.pop(request_id, None)
         if slot is not None:
             self._free.append(slot)
             self._bans.discard(request_id)
+            if self.logprobs:
+                self.logprobs.pop(request_id, None)
+
+    def logprob_width(self, requests: list) -> int | None:
+        """The static logprob width of a batch of `requests`: None (no logprobs computed)
+        unless one of them asked for logprobs."""
+        wanted = self.logprobs
+        if wanted and any(r.request_id in wanted for r in requests):
+            return self._logprob_width
+        return None
 
     def discard_finished(self, requests: list) -> None:
         """Discards the rows of the requests (a step's batch) that have finished."""

@@ -1,4 +1,5 @@
-"""Host-side pieces of one engine step's jit inputs: token ids, coarser buckets, program keys."""
+"""Host-side pieces of one engine step's jit inputs (token ids, coarser buckets, program
+keys), and its outputs back in schedule order."""
 
 from __future__ import annotations
 
@@ -103,3 +104,16 @@ def gather_input_ids(
         source = np.repeat(starts[order] - batch_starts, lens) + np.arange(total)
         ids[:total] = np.asarray(token_ids, np.int32)[source]
     return ids
+
+
+def in_schedule_order(rows, n: int, order: np.ndarray | None) -> np.ndarray:
+    """The first `n` rows of a step program's output (batch order) in schedule order.
+
+    `order` None: the batch kept the schedule order; else batch row i is request order[i].
+    """
+    rows = np.asarray(rows)[:n]
+    if order is None:
+        return rows
+    scheduled = np.empty_like(rows)
+    scheduled[order] = rows
+    return scheduled

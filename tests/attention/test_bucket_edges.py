@@ -109,15 +109,15 @@ def test_max_programs_is_the_product_of_the_bucket_counts():
     assert BUCKETS.max_programs(cascade=False) == 72
     assert BUCKETS.max_programs() == 72 * (1 + 60) ** 2
     assert BUCKETS.max_programs((1, 32), pad_levels=True) == 36 * (1 + 6) ** 2
-    # The defaults bound a run by 1120 * 161**2 (about 3e7) programs; the bucket options
-    # bring it down to one program per level structure.
-    assert EngineConfig().max_step_programs == 1120 * 161**2
+    # The defaults bound a run by 1120 * 161**2 (about 3e7) shapes, each with and without
+    # logprobs; the bucket options bring it down to one shape per level structure.
+    assert EngineConfig().max_step_programs == 2 * 1120 * 161**2
     one_size = EngineConfig(
         min_num_tokens_bucket=512, min_num_seqs_bucket=64, min_pages_bucket=32,
         q_len_buckets=(512,), pad_cascade_levels=True,
     )  # fmt: skip
-    assert one_size.max_step_programs == 4
-    assert dataclasses.replace(one_size, enable_cascade=False).max_step_programs == 1
+    assert one_size.max_step_programs == 2 * 4
+    assert dataclasses.replace(one_size, enable_cascade=False).max_step_programs == 2 * 1
 
 
 def test_pow2_buckets_double_from_the_minimum_and_end_at_the_maximum():

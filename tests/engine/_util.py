@@ -132,6 +132,20 @@ def dense_greedy(prompts, max_tokens) -> list[list[int]]:
     return out
 
 
+def dense_logits(seqs) -> np.ndarray:
+    """f32[len(seqs), VOCAB]: the dense model's logits after each whole sequence (no
+    paging, no cache: the full sequence recomputed)."""
+    rows = []
+    for start in range(0, len(seqs), ORACLE_BATCH):
+        chunk = [list(s) for s in seqs[start : start + ORACLE_BATCH]]
+        tokens = np.zeros((ORACLE_BATCH, MAX_MODEL_LEN), np.int32)
+        lengths = np.ones(ORACLE_BATCH, np.int32)
+        for i, s in enumerate(chunk):
+            tokens[i, : len(s)], lengths[i] = s, len(s)
+        rows.append(np.asarray(_dense_logits()(tokens, lengths))[: len(chunk)])
+    return np.concatenate(rows)
+
+
 def prompts_for(workload: str, seed: int = 1) -> list[list[int]]:
     """Prompts of one shape: "shared" prefix, "two_groups", or "none" shared."""
     rng = np.random.default_rng(seed)

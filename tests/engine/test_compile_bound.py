@@ -1,7 +1,8 @@
 """A long random serving run compiles no more step programs than its config's stated bound.
 
 Chunked prefill, preemption under a small cache, cascade under 1-3 system prompts, aborts
-and requests that end exactly at max_model_len; jax's own compile count of the step
+and requests that end exactly at max_model_len, some asking for logprobs (each shape
+then has a second program); jax's own compile count of the step
 program must equal Engine.num_compiles (no retrace hidden by a Python scalar, dtype or
 weak type in the metadata pytree) and stay within EngineConfig.max_step_programs.
 """
@@ -42,11 +43,12 @@ def test_a_long_random_run_stays_within_max_step_programs():
 
     def recording(out, plan):
         inputs = build(out, plan)
-        keys.add(program_key(inputs[1], inputs[3]))
+        keys.add(program_key(inputs[1], inputs[3], engine._sampling.logprob_width(out.requests)))
         return inputs
 
     engine._step_inputs = recording
     rng = np.random.default_rng(0)
+    logprobs_rng = np.random.default_rng(1)  # apart: the run's schedule stays as it was
     systems = [rng.integers(0, VOCAB, n).tolist() for n in (8, 13, 20)]
     live: list[str] = []
     num_aborts = num_chunked = 0
@@ -58,7 +60,9 @@ def test_a_long_random_run_stays_within_max_step_programs():
             # Half end exactly at max_model_len, the rest anywhere before it.
             room = MAX_MODEL_LEN - len(prompt)
             max_tokens = room if rng.random() < 0.5 else int(rng.integers(1, room + 1))
-            live.append(engine.add_request(prompt, SamplingParams(max_tokens=max_tokens)))
+            logprobs = int(logprobs_rng.integers(3)) if logprobs_rng.random() < 0.2 else None
+            params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs)
+            live.append(engine.add_request(prompt, params))
             num_chunked += len(prompt) > MAX_TOKENS
         if live and rng.random() < 0.04:
             num_aborts += engine.abort(live.pop(int(rng.integers(len(live)))))
@@ -72,7 +76,8 @@ def test_a_long_random_run_stays_within_max_step_programs():
     assert m.num_preemptions > 0 and m.cascade_steps > 0 and num_aborts > 0 and num_chunked > 0
     assert engine.num_compiles == len(keys) >= 3
     assert engine._program._cache_size() - before == engine.num_compiles
-    assert engine.num_compiles <= CONFIG.max_step_programs == 2 * (1 + 2) ** 2
+    assert engine.num_compiles <= CONFIG.max_step_programs == 2 * 2 * (1 + 2) ** 2
+    assert {key[-1] for key in keys} == {None, CONFIG.max_logprobs}
     b = CONFIG.buckets
     for _, tokens, pages, _, max_q_len, _, _, levels, _ in keys:
         assert tokens[0] in b.token_buckets and max_q_len in CONFIG.q_len_buckets

@@ -122,7 +122,7 @@ def _fail_next_step(engine) -> None:
     """Makes the engine's next model call raise, as an interrupt during a compile would."""
     program = engine._program
 
-    def interrupted(*args):
+    def interrupted(*args, **static):  # static: the logprob width
         engine._program = program
         raise KeyboardInterrupt
 

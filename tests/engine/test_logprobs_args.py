@@ -65,9 +65,12 @@ def test_the_engine_refuses_more_logprobs_than_max_logprobs_queueing_nothing():
     for value in (21, 10**6):
         with pytest.raises(ValueError, match=rf"logprobs={value} exceeds max_logprobs=20"):
             engine.add_request([1, 2, 3], SamplingParams(logprobs=value))
-        assert not engine.has_unfinished_requests()
-    rid = engine.add_request([1, 2, 3], SamplingParams(logprobs=20))  # at the limit
-    assert engine.has_unfinished_requests() and engine.abort(rid)
+        assert not engine.has_unfinished_requests() and not engine._sampling.logprobs
+    # At the limit it queues; aborted, nothing of it stays.
+    rid = engine.add_request([1, 2, 3], SamplingParams(logprobs=20))
+    assert engine.has_unfinished_requests() and engine._sampling.logprobs == {rid: 20}
+    assert engine.abort(rid)
+    assert not engine.has_unfinished_requests() and not engine._sampling.logprobs
 
 
 _sample = jax.jit(sample, static_argnames="num_logprobs")
