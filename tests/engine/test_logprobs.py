@@ -197,3 +197,17 @@ def test_max_logprobs_zero_still_gives_the_sampled_tokens_logprobs():
     assert {key[-1] for key in engine._programs} == {0}
     assert all(len(entry) == 1 for entry in out.logprobs)
     _check(prompt, out.output_token_ids, out.logprobs, 0)
+
+
+def test_logprobs_are_taken_before_min_tokens_bans_the_stop_token():
+    # The greedy first token is made a stop token that min_tokens bans for two steps:
+    # the engine samples something else, yet the raw logprobs still rank the banned
+    # token first, with its finite logprob (vLLM's raw logprobs precede its logits
+    # processors, min_tokens among them).
+    prompt = prompts_for("none", seed=8)[1]
+    stop = dense_greedy([prompt], 1)[0][0]
+    params = SamplingParams(max_tokens=4, stop_token_ids=(stop,), min_tokens=2, logprobs=2)
+    out = make_engine().generate([prompt], params, progress=False)[0]
+    assert out.output_token_ids[0] != stop
+    assert list(out.logprobs[0])[1] == stop and out.logprobs[0][stop].rank == 1
+    _check(prompt, out.output_token_ids, out.logprobs, 2)
