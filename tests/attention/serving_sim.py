@@ -127,7 +127,7 @@ class Serving:
                 backend=self.config.backend,
                 config=self.config,
                 _levels_memo=None,
-                _sampling=types.SimpleNamespace(arrays=lambda requests, order, num_rows: ()),
+                _sampling=types.SimpleNamespace(step_arrays=lambda requests, order, rows, pos: ()),
             )
         order, md, input_ids, _ = Engine._step_inputs(engine, out, plan)
         return order, md, input_ids
