@@ -4,13 +4,16 @@
 few shared prefixes, some of those cut short inside a block, a few under a cache salt),
 aborts at random steps (in whatever state the request is then), a tight or roomy cache,
 a token budget from 8 to 64 tokens, and with or without an asynchronous host offload
-whose copies land a random number of steps late. The configurations stay within
+whose copies land a random number of steps late. Some requests stop at a token of their
+greedy continuation, some of those only after min_tokens (the ban changes their path),
+and some ask for logprobs. The configurations stay within
 tests.engine._util's bucket sizes, so the runs share their step programs with the other
 engine tests.
 
 `serve` runs one on an engine, or on a router over engines, and checks every engine's
 bookkeeping after every step; `assert_dense_tokens` checks that every request generated
-exactly the dense model's greedy tokens (an aborted one, those it had before the abort).
+exactly the dense model's greedy tokens (an aborted one, those it had before the abort)
+under its stop tokens and min_tokens, and the logprobs of the dense model's logits.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from tests.engine._util import (
     ROOMY_BLOCKS,
     TIGHT_BLOCKS,
     VOCAB,
+    dense_decode,
     dense_greedy,
     make_engine,
 )
@@ -42,6 +46,18 @@ class Arrival:
     max_tokens: int
     cache_salt: str | None
     step: int  # added before this step
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            stop_token_ids=self.stop_token_ids,
+            min_tokens=self.min_tokens,
+            logprobs=self.logprobs,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +74,8 @@ class Served:
     engines: list[Engine]
     tokens: dict[str, list[int]]  # generated, by request id
     aborted: set[str]
+    logprobs: dict[str, list[dict]] = dataclasses.field(default_factory=dict)  # who asked
+    finish_reasons: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def draw_run(seed: int) -> RandomRun:
@@ -80,7 +98,29 @@ def draw_run(seed: int) -> RandomRun:
     abort_at = {a.request_id: int(rng.integers(0, 30)) for a in arrivals if rng.random() < 0.3}
     num_blocks = TIGHT_BLOCKS if rng.random() < 0.4 else ROOMY_BLOCKS
     copy_delay = int(rng.integers(0, 6)) if rng.random() < 0.5 else None
+    arrivals = _with_sampling_params(arrivals, np.random.default_rng((seed, 2)))
     return RandomRun(arrivals, abort_at, num_blocks, int(rng.choice([8, 16, 32, 64])), copy_delay)
+
+
+def _with_sampling_params(arrivals: list[Arrival], rng: np.random.Generator) -> list[Arrival]:
+    """`arrivals` with stop tokens, min_tokens and logprobs drawn by `rng` (a stream apart
+    from the run's, which stays as it was drawn). A stop token is one of the request's
+    own greedy tokens, so it is met; with min_tokens past it, the ban must steer around
+    it."""
+    plain = dense_greedy([a.prompt for a in arrivals], [a.max_tokens for a in arrivals])
+    out = []
+    for a, greedy in zip(arrivals, plain, strict=True):
+        stop, min_tokens = (), 0
+        if rng.random() < 0.4:
+            at = int(rng.integers(len(greedy)))
+            stop = (greedy[at], int(rng.integers(VOCAB)))
+            if rng.random() < 0.5:
+                min_tokens = int(rng.integers(at + 1, a.max_tokens + 1))
+        logprobs = int(rng.choice([0, 2, 5])) if rng.random() < 0.3 else None
+        out.append(
+            dataclasses.replace(a, stop_token_ids=stop, min_tokens=min_tokens, logprobs=logprobs)
+        )
+    return out
 
 
 def make_engines(run: RandomRun, count: int = 1) -> list[Engine]:
@@ -111,11 +151,12 @@ def serve(run: RandomRun, engines: list[Engine], driver=None) -> Served:
     while step <= last_event or driver.has_unfinished_requests():
         for a in run.arrivals:
             if a.step == step:
-                params = SamplingParams(max_tokens=a.max_tokens)
                 driver.add_request(
-                    a.prompt, params, request_id=a.request_id, cache_salt=a.cache_salt
+                    a.prompt, a.params, request_id=a.request_id, cache_salt=a.cache_salt
                 )
                 served.tokens[a.request_id] = []
+                if a.logprobs is not None:
+                    served.logprobs[a.request_id] = []
         for request_id, at in run.abort_at.items():
             if at == step and request_id in served.tokens and request_id not in finished:
                 if driver.abort(request_id):
@@ -125,8 +166,14 @@ def serve(run: RandomRun, engines: list[Engine], driver=None) -> Served:
             engine.manager.check_integrity()
         for o in outputs:
             served.tokens[o.request_id].extend(o.new_token_ids)
+            if o.request_id in served.logprobs:
+                assert len(o.logprobs) == len(o.new_token_ids), o
+                served.logprobs[o.request_id].extend(o.logprobs)
+            else:
+                assert o.logprobs is None, o
             if o.finished:
                 finished.add(o.request_id)
+                served.finish_reasons[o.request_id] = o.finish_reason
         if not outputs:  # waiting on KV copies: let the copy thread run
             time.sleep(0.001)
         assert time.monotonic() - start < WALL_LIMIT_S, f"no end after {step} steps"
@@ -136,13 +183,48 @@ def serve(run: RandomRun, engines: list[Engine], driver=None) -> Served:
 
 
 def assert_dense_tokens(run: RandomRun, served: Served) -> None:
-    """Every request of `run` generated the dense model's greedy tokens: all of them when
-    it was not aborted, a leading part of them (possibly none) when it was."""
+    """Every request of `run` generated the dense model's greedy tokens under its stop
+    tokens and min_tokens: all of them when it was not aborted, a leading part of them
+    (possibly none) when it was; it finished for the oracle's reason; and the logprobs
+    of a request that asked are the dense model's (assert_dense_logprobs)."""
     arrivals = run.arrivals
-    expected = dense_greedy([a.prompt for a in arrivals], [a.max_tokens for a in arrivals])
-    for a, want in zip(arrivals, expected, strict=True):
-        got = served.tokens[a.request_id]
-        if a.request_id in served.aborted:
-            assert got == want[: len(got)], a.request_id
+    expected, rows = dense_decode(
+        [a.prompt for a in arrivals],
+        [a.max_tokens for a in arrivals],
+        [a.stop_token_ids for a in arrivals],
+        [a.min_tokens for a in arrivals],
+    )
+    for a, want, want_rows in zip(arrivals, expected, rows, strict=True):
+        rid = a.request_id
+        got = served.tokens[rid]
+        if rid in served.aborted:
+            assert got == want[: len(got)], rid
         else:
-            assert got == want, a.request_id
+            assert got == want, rid
+            stopped = len(want) > a.min_tokens and want[-1] in a.stop_token_ids
+            assert served.finish_reasons[rid] == ("stop" if stopped else "length"), rid
+        if a.logprobs is not None:
+            assert len(served.logprobs[rid]) == len(got), rid
+            for token, entry, row in zip(got, served.logprobs[rid], want_rows, strict=False):
+                assert_dense_logprobs(entry, token, a.logprobs, row)
+
+
+LOGPROB_TOL = 1e-4  # the paged and dense forward passes differ by float rounding
+
+
+def assert_dense_logprobs(entry: dict, token: int, k: int, row: np.ndarray) -> None:
+    """`entry` ({token id: Logprob}) is the sampled `token` first, then k most likely
+    tokens of the dense log_softmax `row`, with its values and ranks up to rounding."""
+    ids = list(entry)
+    assert ids[0] == token and len(entry) in (k, k + 1), (ids, token, k)
+    for t, (logprob, rank) in entry.items():
+        assert abs(logprob - row[t]) < LOGPROB_TOL, (t, logprob, row[t])
+        # 1 + the tokens strictly above it, whichever way rounding breaks a near-tie.
+        above_surely = int(np.sum(row > row[t] + LOGPROB_TOL))
+        above_maybe = int(np.sum(row > row[t] - LOGPROB_TOL)) - 1
+        assert 1 + above_surely <= rank <= 1 + above_maybe, (t, rank)
+    if k:
+        top = ids[1:] if len(entry) == k + 1 else ids  # k entries: the sampled one is a top one
+        floor = min(row[t] for t in top)
+        missed = set(np.flatnonzero(row > floor + LOGPROB_TOL).tolist()) - set(top)
+        assert not missed, f"{missed} are more likely than a top token of {entry}"

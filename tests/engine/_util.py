@@ -107,29 +107,56 @@ def dense_greedy(prompts, max_tokens) -> list[list[int]]:
     Asserts the top-2 logit gap stays above MIN_MARGIN, so a mismatch with the engine is
     a wrong result, not float noise deciding a tie.
     """
+    return dense_decode(prompts, max_tokens)[0]
+
+
+def dense_decode(prompts, max_tokens, stops=None, min_tokens=None):
+    """(tokens, logprobs): greedy continuations by the dense model as the engine's
+    SamplingParams define them, and f64[num_tokens, VOCAB] log_softmax rows of the raw
+    logits each token was picked from, one list per prompt.
+
+    A prompt stops after max_tokens, or at a token of its `stops` once it has more than
+    its `min_tokens` tokens; before that its stop tokens are excluded from the argmax.
+    The top-2 gap among the allowed tokens must exceed MIN_MARGIN (as dense_greedy).
+    """
+    num = len(prompts)
     if isinstance(max_tokens, int):
-        max_tokens = [max_tokens] * len(prompts)
-    out = []
-    for start in range(0, len(prompts), ORACLE_BATCH):
+        max_tokens = [max_tokens] * num
+    stops = [()] * num if stops is None else stops
+    min_tokens = [0] * num if min_tokens is None else min_tokens
+    tokens: list[list[int]] = []
+    logprobs: list[list[np.ndarray]] = []
+    for start in range(0, num, ORACLE_BATCH):
         chunk = [list(p) for p in prompts[start : start + ORACLE_BATCH]]
-        limits = max_tokens[start : start + ORACLE_BATCH]
+        part = slice(start, start + len(chunk))
+        limits, stop, floor = max_tokens[part], stops[part], min_tokens[part]
         seqs = chunk + [[0]] * (ORACLE_BATCH - len(chunk))
-        gen: list[list[int]] = [[] for _ in seqs]
-        for _ in range(max(limits)):
-            tokens = np.zeros((ORACLE_BATCH, MAX_MODEL_LEN), np.int32)
+        gen: list[list[int]] = [[] for _ in chunk]
+        rows: list[list[np.ndarray]] = [[] for _ in chunk]
+        done = [limit == 0 for limit in limits]
+        while not all(done):
+            batch = np.zeros((ORACLE_BATCH, MAX_MODEL_LEN), np.int32)
             lengths = np.array([len(s) for s in seqs], np.int32)
             for i, s in enumerate(seqs):
-                tokens[i, : len(s)] = s
-            logits = np.asarray(_dense_logits()(tokens, lengths))
-            top2 = np.sort(logits, axis=-1)[:, -2:]
+                batch[i, : len(s)] = s
+            logits = np.asarray(_dense_logits()(batch, lengths), np.float64)
             for i in range(len(chunk)):
-                if len(gen[i]) < limits[i]:
-                    assert top2[i, 1] - top2[i, 0] > MIN_MARGIN, "oracle near-tie: pick a new seed"
-                    t = int(np.argmax(logits[i]))
-                    gen[i].append(t)
-                    seqs[i] = seqs[i] + [t]
-        out.extend(gen[: len(chunk)])
-    return out
+                if done[i]:
+                    continue
+                allowed = logits[i].copy()
+                if len(gen[i]) < floor[i]:
+                    allowed[list(stop[i])] = -np.inf
+                top2 = np.sort(allowed)[-2:]
+                assert top2[1] - top2[0] > MIN_MARGIN, "oracle near-tie: pick a new seed"
+                t = int(np.argmax(allowed))
+                z = logits[i] - logits[i].max()
+                rows[i].append(z - np.log(np.exp(z).sum()))
+                gen[i].append(t)
+                seqs[i] = seqs[i] + [t]
+                done[i] = len(gen[i]) >= limits[i] or t in stop[i]
+        tokens.extend(gen)
+        logprobs.extend(rows)
+    return tokens, logprobs
 
 
 def dense_logits(seqs) -> np.ndarray:

@@ -4,10 +4,12 @@ Each seed draws a run (tests.engine._random_runs): requests arriving over severa
 shared prefixes, cache salts, aborts in any state, a tight or roomy cache, small and
 large token budgets, with or without a host offload whose copies land late. After every
 step the manager's bookkeeping must be intact; at the end every request must have
-generated exactly the dense model's greedy tokens (an aborted one, a leading part of
-them), and every block must be back in the pool. The seeds were picked so that,
+generated exactly the dense model's greedy tokens under its stop tokens and min_tokens
+(an aborted one, a leading part of them) with the dense model's logprobs where it asked,
+and every block must be back in the pool. The seeds were picked so that,
 between them, the runs preempt, reload offloaded KV, abort requests and plan cascade
-levels; the last test checks that they still do.
+levels, stop at stop tokens, steer around a stop token banned by min_tokens and return
+logprobs; the last test checks that they still do.
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ from __future__ import annotations
 import pytest
 
 from tests.engine._random_runs import assert_dense_tokens, draw_run, make_engines, serve
-from tests.engine._util import assert_all_blocks_free
+from tests.engine._util import assert_all_blocks_free, dense_greedy
+
+
+def dense_greedy_of(arrival) -> list[int]:
+    """The greedy tokens of `arrival` without stop tokens or min_tokens."""
+    return dense_greedy([arrival.prompt], arrival.max_tokens)[0]
+
 
 SEEDS = (5005, 5008, 5020, 5026, 5034, 5037)
 
@@ -31,7 +39,7 @@ def test_a_random_run_generates_the_dense_models_tokens_and_frees_every_block(se
 
 
 def test_the_seeds_between_them_preempt_reload_abort_and_cascade():
-    seen = {"preempt": 0, "reload": 0, "abort": 0, "cascade": 0}
+    seen = dict.fromkeys(("preempt", "reload", "abort", "cascade", "stop", "ban", "logprobs"), 0)
     for seed in SEEDS:
         run = draw_run(seed)
         served = serve(run, make_engines(run))
@@ -40,5 +48,10 @@ def test_the_seeds_between_them_preempt_reload_abort_and_cascade():
         seen["reload"] += m.bytes_reloaded
         seen["abort"] += len(served.aborted)
         seen["cascade"] += m.cascade_steps
+        seen["stop"] += list(served.finish_reasons.values()).count("stop")
+        for a in run.arrivals:
+            # min_tokens kept a stop token out: the request sampled past where it was due.
+            seen["ban"] += any(t in a.stop_token_ids for t in dense_greedy_of(a)[: a.min_tokens])
+            seen["logprobs"] += len(served.logprobs.get(a.request_id, ()))
         served.engines[0].close()
     assert all(seen.values()), seen
