@@ -61,7 +61,8 @@ def run_to_completion(
     *,
     progress_bar: Any = None,
 ) -> list[CompletionOutput]:
-    """One CompletionOutput per prompt, in order.
+    """One CompletionOutput per prompt and sample (SamplingParams.n, 1 by default), in
+    prompt order, then by sample index.
 
     `sampling_params` is one for all prompts or a sequence of one per prompt. Prompts are
     queued in order; when queueing one raises (a ValueError for a prompt that fails
@@ -72,8 +73,9 @@ def run_to_completion(
     prompts' unfinished requests before it propagates. Other requests the driver holds
     progress too; their outputs are dropped. A prompt's request that ends without a final
     output (aborted by another caller meanwhile) gets finish_reason "abort" and the tokens
-    it had. A prompt whose params ask for logprobs gets them, one dict per output token,
-    and their cumulative_logprob (the sum of its sampled tokens' logprobs).
+    it had, as does each sample of it that ended so. A prompt whose params ask for
+    logprobs gets them, one dict per output token, and their cumulative_logprob (the sum
+    of its sampled tokens' logprobs).
     `progress_bar` (tqdm-like, optional) is advanced once per finished prompt and closed.
     """
     num_prompts = count_prompts(prompts)
@@ -103,11 +105,15 @@ def run_to_completion(
             progress_bar.close()
         raise
     index = {rid: i for i, rid in enumerate(ids)}
-    tokens: list[list[int]] = [[] for _ in ids]
-    logprobs: list[list[dict] | None] = [
-        None if getattr(sp, "logprobs", None) is None else [] for sp in params_list
+    # Per prompt, per sample (SamplingParams.n, read off the params as queued).
+    counts = [getattr(sp, "n", 1) or 1 for sp in params_list]
+    tokens: list[list[list[int]]] = [[[] for _ in range(n)] for n in counts]
+    logprobs: list[list[list[dict]] | None] = [
+        None if getattr(sp, "logprobs", None) is None else [[] for _ in range(n)]
+        for sp, n in zip(params_list, counts, strict=True)
     ]
-    reasons: list[str | None] = [None] * len(ids)
+    reasons: list[list[str | None]] = [[None] * n for n in counts]
+    done = [False] * len(ids)
     remaining = len(ids)
     try:
         while remaining:
@@ -120,19 +126,21 @@ def run_to_completion(
                 i = index.get(o.request_id)
                 if i is None:
                     continue
-                tokens[i].extend(o.new_token_ids)
+                tokens[i][o.index].extend(o.new_token_ids)
                 if o.logprobs is not None:
-                    logprobs[i].extend(o.logprobs)
+                    logprobs[i][o.index].extend(o.logprobs)
+                if o.finish_reason is not None:
+                    reasons[i][o.index] = o.finish_reason
                 if o.finished:
-                    reasons[i] = o.finish_reason
+                    done[i] = True
                     remaining -= 1
                     if progress_bar is not None:
                         progress_bar.update(1)
     except BaseException:
         # Nobody else knows these ids: left queued, they would run on in later calls
         # (KeyboardInterrupt included) with their outputs dropped.
-        for rid, reason in zip(ids, reasons, strict=True):
-            if reason is None:
+        for rid, finished in zip(ids, done, strict=True):
+            if not finished:
                 driver.abort(rid)
         raise
     finally:
@@ -142,11 +150,13 @@ def run_to_completion(
         CompletionOutput(
             rid,
             tuple(int(t) for t in p),
-            tuple(tokens[i]),
-            reasons[i] or "abort",
-            *_with_cumulative(tokens[i], logprobs[i]),
+            tuple(tokens[i][k]),
+            reasons[i][k] or "abort",
+            *_with_cumulative(tokens[i][k], None if logprobs[i] is None else logprobs[i][k]),
+            index=k,
         )
         for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
+        for k in range(counts[i])
     ]
 
 

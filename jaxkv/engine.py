@@ -37,9 +37,10 @@ from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_copy import DeviceKVCopier
 from jaxkv.kv_transfer import KVConnector
 from jaxkv.logprobs import StepLogprobs
-from jaxkv.metrics import EngineMetrics, StepStats, StepTotals
+from jaxkv.metrics import EngineMetrics, StepStats, StepTotals, engine_metrics
 from jaxkv.model_fingerprint import model_fingerprint
 from jaxkv.outputs import CompletionOutput, RequestOutput
+from jaxkv.parallel_sampling import IdsInUse, ParallelSamples
 from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.request import Request, SamplingParams
 from jaxkv.request_serials import RequestSerials
@@ -142,6 +143,7 @@ class Engine(Closable):
         # A connector may have served engines before this one: count only this one's copies.
         self._transfers_at_bind = self._transfers_at_close = self.connector.stats
         self._sampling = SamplingRows(min(config.max_logprobs, self.vocab_size))
+        self._samples = ParallelSamples()  # requests of SamplingParams.n > 1
         self._levels_memo: tuple | None = None  # (plan, num tokens, level metadata)
         self._serials = RequestSerials()  # default ids and seeds of queued requests
         self._programs: set[tuple] = set()
@@ -168,16 +170,18 @@ class Engine(Closable):
         is in use (unfinished, or finished or aborted with a KV copy in flight:
         drain_transfers frees it). Requests share cached KV only if their `cache_salt`
         (e.g. one per tenant) is equal: None is a salt of its own. A request stops at the
-        model's eos_token_ids unless params.ignore_eos."""
+        model's eos_token_ids unless params.ignore_eos. Under params.n > 1 its n samples
+        are queued (ids "0_<id>" to "<n-1>_<id>", in use too) and report under its id."""
         self._check_open()
         prompt = checked_prompt_ids(prompt_token_ids, limit=self.vocab_size)
         sampling_params = checked_sampling_params(sampling_params, self.model_config, self.config)
-        serial, request_id = self._serials.peek(request_id, self.scheduler.requests)
+        in_use = IdsInUse(self.scheduler.requests, self._samples)
+        serial, request_id = self._serials.peek(request_id, in_use)
         request = Request(request_id, prompt, sampling_params, cache_salt=cache_salt)
-        self.scheduler.add_request(request)  # raises on duplicate id or too long a prompt
-        self._serials.take(serial)  # only once queued (jaxkv.request_serials)
         seed = (self.config.seed * 0x9E3779B97F4A7C15 + serial) & 0xFFFFFFFFFFFFFFFF
-        self._sampling.add(request_id, sampling_params, seed)
+        # Raises on an id in use or too long a prompt, nothing queued.
+        self._samples.queue(self.scheduler, self._sampling, request, seed)
+        self._serials.take(serial)  # only once queued (jaxkv.request_serials)
         return request_id
 
     def queue_checkpoint(self) -> Callable[[], None]:
@@ -187,14 +191,18 @@ class Engine(Closable):
         return self._serials.checkpoint(self.scheduler.requests)
 
     def abort(self, request_id: str) -> bool:
-        """Cancels a request in any unfinished state; False if unknown or finished.
+        """Cancels a request in any unfinished state (under n > 1, each of its unfinished
+        samples; a sample's own id cancels that one); False if unknown or finished.
         Raises ValueError unless `request_id` is a str (the ids add_request returns).
 
         No RequestOutput follows for it: step() reports only requests that got a token.
         """
-        aborted = self.scheduler.abort(request_id)
-        if aborted:
-            self._sampling.discard(request_id)
+        aborted = False
+        for rid in self._samples.ids_to_abort(request_id):
+            if self.scheduler.abort(rid):
+                self._sampling.discard(rid)
+                self._samples.discard(rid)
+                aborted = True
         return aborted
 
     def has_unfinished_requests(self) -> bool:
@@ -255,8 +263,12 @@ class Engine(Closable):
             outputs = self.scheduler.update_from_output(out, sampled)
             if width is not None:
                 outputs = logprobs.attach(outputs, out.requests, self._sampling.logprobs)
+            if self._samples:
+                outputs = self._samples.relabel(outputs)
         finally:  # also when an interrupt stops the connector's hand-over of finished ones
             self._sampling.discard_finished(out.requests)
+            if self._samples:
+                self._samples.discard_finished(out.requests)
         t3 = time.perf_counter()
         levels = "+".join(level.name for level in plan.levels)
         self.last_step = StepStats(
@@ -329,7 +341,8 @@ class Engine(Closable):
         *,
         progress: bool = True,
     ) -> list[CompletionOutput]:
-        """Runs `prompts` to completion; one CompletionOutput per prompt, in order.
+        """Runs `prompts` to completion; one CompletionOutput per prompt and sample
+        (SamplingParams.n), in prompt order, then by sample index.
 
         Prompts are queued in order; one that fails validation raises ValueError after
         the ones before it are aborted again (none has run). An exception while stepping
@@ -377,22 +390,7 @@ class Engine(Closable):
 
     @property
     def metrics(self) -> EngineMetrics:
-        s = self.scheduler.stats
-        t = self._transfers_at_close if self._closed else self.connector.stats
-        t0 = self._transfers_at_bind
-        pc = self.manager.prefix_cache_stats
-        return EngineMetrics(
-            **self._totals.fields(),
-            num_prompt_tokens=s.num_prompt_tokens_computed,
-            num_generated_tokens=s.num_generated_tokens,
-            num_preemptions=s.num_preemptions,
-            num_compiles=self.num_compiles,
-            prefix_cache_queries=pc.queries,
-            prefix_cache_hits=pc.hits,
-            kv_usage=self.manager.usage,
-            bytes_offloaded=t.bytes_offloaded - t0.bytes_offloaded,
-            bytes_reloaded=t.bytes_reloaded - t0.bytes_reloaded,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_transferring=len(self.scheduler.transferring),
+        transfers = self._transfers_at_close if self._closed else self.connector.stats
+        return engine_metrics(
+            self._totals, self.scheduler, self.num_compiles, transfers, self._transfers_at_bind
         )

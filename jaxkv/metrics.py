@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxkv.kv_transfer import TransferStats
+    from jaxkv.scheduler import Scheduler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,3 +141,32 @@ class EngineMetrics:
         ):
             d[name] = getattr(self, name)
         return d
+
+
+def engine_metrics(
+    totals: StepTotals,
+    scheduler: Scheduler,
+    num_compiles: int,
+    transfers: TransferStats,
+    transfers_at_bind: TransferStats,
+) -> EngineMetrics:
+    """An engine's EngineMetrics: its step totals, its scheduler's counts and its KV
+    manager's, and the KV copies of `transfers` (its connector's stats) made since
+    `transfers_at_bind`."""
+    s = scheduler.stats
+    pc = scheduler.manager.prefix_cache_stats
+    return EngineMetrics(
+        **totals.fields(),
+        num_prompt_tokens=s.num_prompt_tokens_computed,
+        num_generated_tokens=s.num_generated_tokens,
+        num_preemptions=s.num_preemptions,
+        num_compiles=num_compiles,
+        prefix_cache_queries=pc.queries,
+        prefix_cache_hits=pc.hits,
+        kv_usage=scheduler.manager.usage,
+        bytes_offloaded=transfers.bytes_offloaded - transfers_at_bind.bytes_offloaded,
+        bytes_reloaded=transfers.bytes_reloaded - transfers_at_bind.bytes_reloaded,
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_transferring=len(scheduler.transferring),
+    )

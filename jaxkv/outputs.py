@@ -16,6 +16,9 @@ class RequestOutput(NamedTuple):
     logprobs is None unless the request asked (SamplingParams.logprobs), else one dict
     per token of new_token_ids: {token_id: jaxkv.logprobs.Logprob(logprob, rank)}, the
     sampled token first, then the top ones by descending logprob.
+    index is the sample's index under SamplingParams.n > 1 (0 otherwise); such a
+    request's samples report under its id, each finish_reason its sample's, and
+    finished is True on the last output of its last sample (jaxkv.parallel_sampling).
     A NamedTuple: one is made per request per step.
     """
 
@@ -24,9 +27,10 @@ class RequestOutput(NamedTuple):
     finished: bool
     finish_reason: str | None
     logprobs: tuple[dict, ...] | None = None
+    index: int = 0
 
 
-# RequestOutput from the tuple of its five fields: what RequestOutput._make does, without
+# RequestOutput from the tuple of its six fields: what RequestOutput._make does, without
 # the NamedTuple's Python-level __new__ (half the cost of one; one per request per step).
 request_output_of = functools.partial(tuple.__new__, RequestOutput)
 
@@ -37,7 +41,8 @@ class CompletionOutput:
     "length" as in RequestOutput, or "abort" if another caller aborted it meanwhile.
     logprobs (one dict per output token, as RequestOutput.logprobs) and
     cumulative_logprob (the sum of the sampled tokens' logprobs) are None unless the
-    request asked for logprobs, as in vLLM's CompletionOutput."""
+    request asked for logprobs, as in vLLM's CompletionOutput. index is the sample's
+    index under SamplingParams.n > 1 (0 otherwise)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -45,3 +50,4 @@ class CompletionOutput:
     finish_reason: str
     logprobs: tuple[dict, ...] | None = None
     cumulative_logprob: float | None = None
+    index: int = 0

@@ -53,6 +53,9 @@ class SamplingParams:
     token's log-probability and the k most likely tokens' (jaxkv.logprobs), from the
     model's raw logits (before temperature, top-k and top-p), as vLLM's default. An
     Engine refuses more than EngineConfig.max_logprobs.
+    n: how many samples of the prompt to generate, as vLLM's: an Engine runs them as n
+    requests that share the prompt's cached KV (jaxkv.parallel_sampling); with a seed,
+    sample i draws with seed + i. A Scheduler takes only n = 1.
     """
 
     max_tokens: int | None = 16
@@ -64,6 +67,7 @@ class SamplingParams:
     ignore_eos: bool = False  # Engine: do not stop at the model's eos_token_ids
     min_tokens: int = 0
     logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         """Checks every field; integers (numpy ones too) are stored as Python ints."""
@@ -102,12 +106,16 @@ class SamplingParams:
         logprobs = None if self.logprobs is None else _int_or_none(self.logprobs)
         if self.logprobs is not None and (logprobs is None or logprobs < 0):
             raise ValueError(f"logprobs={self.logprobs!r} must be None or an int >= 0")
+        n = _int_or_none(self.n)
+        if n is None or n < 1:
+            raise ValueError(f"n={self.n!r} must be an int >= 1")
         for name, value in (
             ("max_tokens", max_tokens),
             ("top_k", top_k),
             ("seed", seed),
             ("min_tokens", min_tokens),
             ("logprobs", logprobs),
+            ("n", n),
         ):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "temperature", temperature)

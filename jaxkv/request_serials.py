@@ -10,7 +10,7 @@ its k-th prompt after queueing the ones before it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Container, Mapping
 
 _NONE = object()  # held by no request
 
@@ -22,7 +22,7 @@ class RequestSerials:
         self.id_prefix = id_prefix
         self.next = 0  # the serial of the next queued request
 
-    def peek(self, request_id: str | None, taken: Collection[str]) -> tuple[int, str]:
+    def peek(self, request_id: str | None, taken: Container[str]) -> tuple[int, str]:
         """(serial, id) of the next request: `request_id` if given, else the first default
         id from the next serial on that `taken` does not hold. Changes nothing."""
         serial = self.next

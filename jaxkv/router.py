@@ -306,9 +306,10 @@ class PrefixAwareRouter(Closable):
         *,
         progress: bool = True,
     ) -> list[CompletionOutput]:
-        """Runs `prompts` to completion over all replicas; one CompletionOutput per prompt,
-        in order. `sampling_params` is one for all or a sequence of one per prompt.
-        `progress` shows a progress bar (tqdm, when installed), as Engine.generate does."""
+        """Runs `prompts` to completion over all replicas; one CompletionOutput per prompt
+        and sample (SamplingParams.n), in prompt order, then by sample index.
+        `sampling_params` is one for all or a sequence of one per prompt. `progress`
+        shows a progress bar (tqdm, when installed), as Engine.generate does."""
         self._check_open()
         bar = generate_progress_bar(prompts, progress)
         return run_to_completion(self, prompts, sampling_params, progress_bar=bar)

@@ -38,6 +38,11 @@ def check_new_request(scheduler: Scheduler, request: Request) -> None:
         raise ValueError(f"{request!r} must be new (WAITING, nothing computed)")
     if request.queued:  # two schedulers would both advance it, each its own way
         raise ValueError(f"{request!r} was already queued by a scheduler: build a new Request")
+    if request.sampling_params.n != 1:
+        raise ValueError(
+            f"request {rid!r}: sampling_params.n={request.sampling_params.n} must be 1; "
+            "each sample is a request of its own (Engine.add_request fans them out)"
+        )
     # Read by the prefix cache and, with prefix caching off too, by a KV connector.
     request.check_hash_config(manager.block_size, manager.hash_seed)
     if request.num_tokens >= max_model_len:

@@ -77,7 +77,7 @@ def apply_sampled_tokens(
         ):
             request.status = RequestStatus.FINISHED_LENGTH
         else:
-            outputs.append(request_output_of((request.request_id, (token,), False, None, None)))
+            outputs.append(request_output_of((request.request_id, (token,), False, None, None, 0)))
             if carry is not None:
                 carry.num_computed.append(computed)
                 carry.token_ids.append(token)
@@ -87,7 +87,7 @@ def apply_sampled_tokens(
             continue
         finished.append(request)
         reason = _FINISH_REASONS[request.status]
-        outputs.append(request_output_of((request.request_id, (token,), True, reason, None)))
+        outputs.append(request_output_of((request.request_id, (token,), True, reason, None, 0)))
     scheduler._count(
         num_prompt_tokens_computed=num_prompt,
         num_decode_tokens_computed=num_decode,

@@ -1,0 +1,175 @@
+"""SamplingParams.n > 1: one prompt, n samples, each served as a request of its own.
+
+As vLLM's ParentRequest: the engine queues sample i of request `rid` as the request
+`f"{i}_{rid}"` (child_request_ids) with n = 1 and, under a seed, seed + i (child_params).
+The samples share the prompt's KV through the prefix cache (its full blocks are cached
+once the first sample is allocated, in the same step), and so the cascade levels over it.
+
+ParallelSamples keeps the live parents. Its `relabel` turns a step's outputs of samples
+into outputs of their parent: `request_id` the parent's, `index` the sample's,
+`finish_reason` the sample's own, and `finished` True only on the output after which no
+sample of the parent runs, as vLLM's RequestOutput.finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from jaxkv.request import Request, SamplingParams
+
+if TYPE_CHECKING:
+    from jaxkv.sampler import SamplingRows
+    from jaxkv.scheduler import Scheduler
+
+_SEED_MASK = (1 << 64) - 1
+# Unseeded samples of one request draw with default_seed + i * _CHILD_SEED_STEP: an odd
+# 64-bit step, so the n seeds of a request differ, and far from the small offsets between
+# the default seeds of consecutive requests (their serials).
+_CHILD_SEED_STEP = 0xD1B54A32D192ED03
+
+
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's n samples, as vLLM names them: "0_<id>" to "<n-1>_<id>"."""
+    return [f"{i}_{request_id}" for i in range(n)]
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index`'s params: n = 1 and, under a seed, seed + index (modulo 2**64)."""
+    seed = None if params.seed is None else (params.seed + index) & _SEED_MASK
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+def child_default_seed(default_seed: int, index: int) -> int:
+    """The default (unseeded) sampling seed of sample `index` of a request whose own
+    default seed is `default_seed`; sample 0 keeps it."""
+    return (default_seed + index * _CHILD_SEED_STEP) & _SEED_MASK
+
+
+class IdsInUse:
+    """The ids a new request may not take: those of `requests` (a scheduler's) and of the
+    parents in `samples`."""
+
+    def __init__(self, requests: Mapping[str, object], samples: ParallelSamples) -> None:
+        self._requests, self._samples = requests, samples
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests or request_id in self._samples
+
+
+class ParallelSamples:
+    """The live requests of n > 1 and their samples' request ids."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, set[str]] = {}  # parent id -> ids of its unfinished samples
+        self._parent_of: dict[str, tuple[str, int]] = {}  # sample id -> (parent id, index)
+
+    def __contains__(self, request_id: object) -> bool:
+        """True for the id of a parent with a sample still running."""
+        return isinstance(request_id, str) and request_id in self._live
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def queue(
+        self,
+        scheduler: Scheduler,
+        sampling: SamplingRows,
+        request: Request,
+        default_seed: int,
+    ) -> None:
+        """Queues `request` (checked, new) on `scheduler` and its sampling row, or under
+        n > 1 its n samples (the request itself never runs): all of them or, raising
+        ValueError when an id is in use, none."""
+        params = request.sampling_params
+        n = params.n
+        in_use = IdsInUse(scheduler.requests, self)
+        if n == 1:
+            if request.request_id in in_use:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            scheduler.add_request(request)
+            sampling.add(request.request_id, params, default_seed)
+            return
+        ids = child_request_ids(request.request_id, n)
+        taken = [rid for rid in (request.request_id, *ids) if rid in in_use]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
+        samples = [
+            Request(
+                rid,
+                request.prompt_token_ids,
+                child_params(params, i),
+                cache_salt=request.cache_salt,
+            )
+            for i, rid in enumerate(ids)
+        ]
+        queued = []
+        try:  # the first raises where any would (all alike but their ids, checked above)
+            for sample in samples:
+                scheduler.add_request(sample)
+                queued.append(sample.request_id)
+        except BaseException:
+            for rid in queued:
+                scheduler.abort(rid)
+            raise
+        for i, sample in enumerate(samples):
+            sampling.add(
+                sample.request_id, sample.sampling_params, child_default_seed(default_seed, i)
+            )
+        self._live[request.request_id] = set(ids)
+        for i, rid in enumerate(ids):
+            self._parent_of[rid] = (request.request_id, i)
+
+    def ids_to_abort(self, request_id: str) -> list[str]:
+        """[request_id], or for a live parent its unfinished samples (it is forgotten)."""
+        return self.pop(request_id) if request_id in self else [request_id]
+
+    def samples(self, request_id: str) -> list[str]:
+        """The ids of a parent's unfinished samples ([] for an unknown id)."""
+        return sorted(self._live.get(request_id, ()), key=lambda s: self._parent_of[s][1])
+
+    def discard(self, sample_id: str) -> None:
+        """Forgets a sample that ends without an output (aborted), and its parent once it
+        has no sample left (no output says it finished: as for an aborted request)."""
+        parent = self._parent_of.pop(sample_id, None)
+        if parent is not None:
+            live = self._live[parent[0]]
+            live.discard(sample_id)
+            if not live:
+                del self._live[parent[0]]
+
+    def pop(self, request_id: str) -> list[str]:
+        """Forgets a parent; returns its unfinished samples' ids (to abort them)."""
+        sample_ids = self.samples(request_id)
+        for sample_id in sample_ids:
+            del self._parent_of[sample_id]
+        self._live.pop(request_id, None)
+        return sample_ids
+
+    def discard_finished(self, requests: list) -> None:
+        """Forgets the finished ones of `requests` (a step's batch whose outputs were lost
+        to an exception: relabel forgets them otherwise)."""
+        for request in requests:
+            if request.request_id in self._parent_of and request.is_finished():
+                self.discard(request.request_id)
+
+    def relabel(self, outputs: list) -> list:
+        """`outputs` (RequestOutputs of one step, in order) with each sample's output made
+        its parent's; the parent's last one (no sample left running) says finished."""
+        parent_of = self._parent_of
+        for j, output in enumerate(outputs):
+            parent = parent_of.get(output.request_id)
+            if parent is None:
+                continue
+            request_id, index = parent
+            finished = False
+            if output.finished:
+                del parent_of[output.request_id]
+                live = self._live[request_id]
+                live.discard(output.request_id)
+                if not live:
+                    del self._live[request_id]
+                    finished = True
+            outputs[j] = output._replace(request_id=request_id, finished=finished, index=index)
+        return outputs
