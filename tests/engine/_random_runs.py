@@ -6,14 +6,15 @@ aborts at random steps (in whatever state the request is then), a tight or roomy
 a token budget from 8 to 64 tokens, and with or without an asynchronous host offload
 whose copies land a random number of steps late. Some requests stop at a token of their
 greedy continuation, some of those only after min_tokens (the ban changes their path),
-and some ask for logprobs. The configurations stay within
-tests.engine._util's bucket sizes, so the runs share their step programs with the other
-engine tests.
+some ask for logprobs, and some for 2 or 3 samples (SamplingParams.n). The
+configurations stay within tests.engine._util's bucket sizes, so the runs share their
+step programs with the other engine tests.
 
 `serve` runs one on an engine, or on a router over engines, and checks every engine's
 bookkeeping after every step; `assert_dense_tokens` checks that every request generated
 exactly the dense model's greedy tokens (an aborted one, those it had before the abort)
-under its stop tokens and min_tokens, and the logprobs of the dense model's logits.
+under its stop tokens and min_tokens, in each of its samples, and the logprobs of the
+dense model's logits.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Arrival:
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     logprobs: int | None = None
+    n: int = 1
 
     @property
     def params(self) -> SamplingParams:
@@ -57,6 +59,7 @@ class Arrival:
             stop_token_ids=self.stop_token_ids,
             min_tokens=self.min_tokens,
             logprobs=self.logprobs,
+            n=self.n,
         )
 
 
@@ -72,10 +75,11 @@ class RandomRun:
 @dataclasses.dataclass
 class Served:
     engines: list[Engine]
-    tokens: dict[str, list[int]]  # generated, by request id
+    tokens: dict[tuple[str, int], list[int]]  # generated, by (request id, sample index)
     aborted: set[str]
-    logprobs: dict[str, list[dict]] = dataclasses.field(default_factory=dict)  # who asked
-    finish_reasons: dict[str, str] = dataclasses.field(default_factory=dict)
+    # By (request id, sample index): the logprobs of those that asked, each finish_reason.
+    logprobs: dict[tuple[str, int], list[dict]] = dataclasses.field(default_factory=dict)
+    finish_reasons: dict[tuple[str, int], str] = dataclasses.field(default_factory=dict)
 
 
 def draw_run(seed: int) -> RandomRun:
@@ -103,7 +107,7 @@ def draw_run(seed: int) -> RandomRun:
 
 
 def _with_sampling_params(arrivals: list[Arrival], rng: np.random.Generator) -> list[Arrival]:
-    """`arrivals` with stop tokens, min_tokens and logprobs drawn by `rng` (a stream apart
+    """`arrivals` with stop tokens, min_tokens, logprobs and n drawn by `rng` (a stream apart
     from the run's, which stays as it was drawn). A stop token is one of the request's
     own greedy tokens, so it is met; with min_tokens past it, the ban must steer around
     it."""
@@ -117,8 +121,11 @@ def _with_sampling_params(arrivals: list[Arrival], rng: np.random.Generator) -> 
             if rng.random() < 0.5:
                 min_tokens = int(rng.integers(at + 1, a.max_tokens + 1))
         logprobs = int(rng.choice([0, 2, 5])) if rng.random() < 0.3 else None
+        n = int(rng.choice([1, 1, 1, 1, 2, 3]))
         out.append(
-            dataclasses.replace(a, stop_token_ids=stop, min_tokens=min_tokens, logprobs=logprobs)
+            dataclasses.replace(
+                a, stop_token_ids=stop, min_tokens=min_tokens, logprobs=logprobs, n=n
+            )
         )
     return out
 
@@ -154,26 +161,31 @@ def serve(run: RandomRun, engines: list[Engine], driver=None) -> Served:
                 driver.add_request(
                     a.prompt, a.params, request_id=a.request_id, cache_salt=a.cache_salt
                 )
-                served.tokens[a.request_id] = []
-                if a.logprobs is not None:
-                    served.logprobs[a.request_id] = []
+                for k in range(a.n):
+                    served.tokens[(a.request_id, k)] = []
+                    if a.logprobs is not None:
+                        served.logprobs[(a.request_id, k)] = []
         for request_id, at in run.abort_at.items():
-            if at == step and request_id in served.tokens and request_id not in finished:
+            if at == step and (request_id, 0) in served.tokens and request_id not in finished:
                 if driver.abort(request_id):
                     served.aborted.add(request_id)
         outputs = driver.step()
         for engine in engines:
             engine.manager.check_integrity()
         for o in outputs:
-            served.tokens[o.request_id].extend(o.new_token_ids)
-            if o.request_id in served.logprobs:
+            sample = (o.request_id, o.index)
+            assert o.request_id not in finished, f"{o} after the request finished"
+            served.tokens[sample].extend(o.new_token_ids)
+            if sample in served.logprobs:
                 assert len(o.logprobs) == len(o.new_token_ids), o
-                served.logprobs[o.request_id].extend(o.logprobs)
+                served.logprobs[sample].extend(o.logprobs)
             else:
                 assert o.logprobs is None, o
+            if o.finish_reason is not None:
+                assert sample not in served.finish_reasons, f"{o}: that sample had ended"
+                served.finish_reasons[sample] = o.finish_reason
             if o.finished:
                 finished.add(o.request_id)
-                served.finish_reasons[o.request_id] = o.finish_reason
         if not outputs:  # waiting on KV copies: let the copy thread run
             time.sleep(0.001)
         assert time.monotonic() - start < WALL_LIMIT_S, f"no end after {step} steps"
@@ -195,18 +207,18 @@ def assert_dense_tokens(run: RandomRun, served: Served) -> None:
         [a.min_tokens for a in arrivals],
     )
     for a, want, want_rows in zip(arrivals, expected, rows, strict=True):
-        rid = a.request_id
-        got = served.tokens[rid]
-        if rid in served.aborted:
-            assert got == want[: len(got)], rid
-        else:
-            assert got == want, rid
-            stopped = len(want) > a.min_tokens and want[-1] in a.stop_token_ids
-            assert served.finish_reasons[rid] == ("stop" if stopped else "length"), rid
-        if a.logprobs is not None:
-            assert len(served.logprobs[rid]) == len(got), rid
-            for token, entry, row in zip(got, served.logprobs[rid], want_rows, strict=False):
-                assert_dense_logprobs(entry, token, a.logprobs, row)
+        for sample in [(a.request_id, k) for k in range(a.n)]:  # greedy: all alike
+            got = served.tokens[sample]
+            if a.request_id in served.aborted:
+                assert got == want[: len(got)], sample
+            else:
+                assert got == want, sample
+                stopped = len(want) > a.min_tokens and want[-1] in a.stop_token_ids
+                assert served.finish_reasons[sample] == ("stop" if stopped else "length")
+            if a.logprobs is not None:
+                assert len(served.logprobs[sample]) == len(got), sample
+                for token, entry, row in zip(got, served.logprobs[sample], want_rows, strict=False):
+                    assert_dense_logprobs(entry, token, a.logprobs, row)
 
 
 LOGPROB_TOL = 1e-4  # the paged and dense forward passes differ by float rounding

@@ -8,8 +8,8 @@ generated exactly the dense model's greedy tokens under its stop tokens and min_
 (an aborted one, a leading part of them) with the dense model's logprobs where it asked,
 and every block must be back in the pool. The seeds were picked so that,
 between them, the runs preempt, reload offloaded KV, abort requests and plan cascade
-levels, stop at stop tokens, steer around a stop token banned by min_tokens and return
-logprobs; the last test checks that they still do.
+levels, stop at stop tokens, steer around a stop token banned by min_tokens, return
+logprobs and finish requests of several samples; the last test checks that they still do.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def test_a_random_run_generates_the_dense_models_tokens_and_frees_every_block(se
 
 
 def test_the_seeds_between_them_preempt_reload_abort_and_cascade():
-    seen = dict.fromkeys(("preempt", "reload", "abort", "cascade", "stop", "ban", "logprobs"), 0)
+    paths = ("preempt", "reload", "abort", "cascade", "stop", "ban", "logprobs", "samples")
+    seen = dict.fromkeys(paths, 0)
     for seed in SEEDS:
         run = draw_run(seed)
         served = serve(run, make_engines(run))
@@ -52,6 +53,7 @@ def test_the_seeds_between_them_preempt_reload_abort_and_cascade():
         for a in run.arrivals:
             # min_tokens kept a stop token out: the request sampled past where it was due.
             seen["ban"] += any(t in a.stop_token_ids for t in dense_greedy_of(a)[: a.min_tokens])
-            seen["logprobs"] += len(served.logprobs.get(a.request_id, ()))
+            seen["logprobs"] += len(served.logprobs.get((a.request_id, 0), ()))
+            seen["samples"] += a.n > 1 and a.request_id not in served.aborted
         served.engines[0].close()
     assert all(seen.values()), seen
