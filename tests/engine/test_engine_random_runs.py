@@ -14,10 +14,21 @@ logprobs and finish requests of several samples; the last test checks that they 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from tests.engine._random_runs import assert_dense_tokens, draw_run, make_engines, serve
 from tests.engine._util import assert_all_blocks_free, dense_greedy
+
+SEEDS = (5005, 5008, 5020, 5026, 5034, 5037)
+
+
+@functools.cache
+def served_run(seed: int):
+    """(run, served) of `seed`, served once for both tests below."""
+    run = draw_run(seed)
+    return run, serve(run, make_engines(run))
 
 
 def dense_greedy_of(arrival) -> list[int]:
@@ -25,25 +36,20 @@ def dense_greedy_of(arrival) -> list[int]:
     return dense_greedy([arrival.prompt], arrival.max_tokens)[0]
 
 
-SEEDS = (5005, 5008, 5020, 5026, 5034, 5037)
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_random_run_generates_the_dense_models_tokens_and_frees_every_block(seed):
-    run = draw_run(seed)
-    served = serve(run, make_engines(run))
+    run, served = served_run(seed)
     assert_dense_tokens(run, served)
     (engine,) = served.engines
     assert_all_blocks_free(engine)
-    engine.close()
+    engine.close()  # its metrics stay readable
 
 
 def test_the_seeds_between_them_preempt_reload_abort_and_cascade():
     paths = ("preempt", "reload", "abort", "cascade", "stop", "ban", "logprobs", "samples")
     seen = dict.fromkeys(paths, 0)
     for seed in SEEDS:
-        run = draw_run(seed)
-        served = serve(run, make_engines(run))
+        run, served = served_run(seed)
         m = served.engines[0].metrics
         seen["preempt"] += m.num_preemptions
         seen["reload"] += m.bytes_reloaded

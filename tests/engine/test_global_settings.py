@@ -3,8 +3,9 @@
 Projects often switch these on for their own code: implicit rank promotion raising
 (the model's RMSNorm weight, its RoPE frequencies and the sampler's top-p mask used to
 rely on it), strict dtype promotion, and 64-bit types. Each test serves greedy requests
-and one sampled with top-k and top-p under the setting, so the model, the attention
-dispatch, cascade and the sampler all run under it.
+and sampled ones (top-k and top-p, two samples each, logprobs, stop tokens banned by
+min_tokens) under the setting, so the model, the attention dispatch, cascade and the
+sampler all run under it.
 
 A serving loop under jax.transfer_guard("disallow") catches its own implicit transfers;
 the engine's step and its KV copies transfer on purpose, and used to be stopped by it.
@@ -22,7 +23,13 @@ import pytest
 from jaxkv import SamplingParams
 from jaxkv.deliberate_transfers import allowing_transfers
 from tests.engine._random_runs import assert_dense_tokens, draw_run, make_engines, serve
-from tests.engine._util import assert_all_blocks_free, dense_greedy, make_engine, prompts_for
+from tests.engine._util import (
+    VOCAB,
+    assert_all_blocks_free,
+    dense_greedy,
+    make_engine,
+    prompts_for,
+)
 
 SETTINGS = {
     "rank_promotion_raise": lambda: jax.numpy_rank_promotion("raise"),
@@ -37,11 +44,17 @@ def test_the_engine_serves_exact_greedy_tokens_under_the_setting(setting):
     with SETTINGS[setting]():
         engine = make_engine()
         greedy = engine.generate(prompts, SamplingParams(max_tokens=4), progress=False)
-        hot = SamplingParams(max_tokens=4, temperature=0.8, top_k=20, top_p=0.9, seed=1)
+        hot = SamplingParams(
+            max_tokens=4, temperature=0.8, top_k=20, top_p=0.9, seed=1, n=2, logprobs=2,
+            stop_token_ids=tuple(range(VOCAB // 2)), min_tokens=4,
+        )  # fmt: skip
         sampled = engine.generate(prompts[:2], hot, progress=False)
         expected = dense_greedy(prompts, 4)
     assert [list(o.output_token_ids) for o in greedy] == expected
-    assert all(len(o.output_token_ids) == 4 for o in sampled)
+    assert [o.index for o in sampled] == [0, 1, 0, 1]
+    for o in sampled:  # min_tokens kept out the half of the vocabulary that stops them
+        assert len(o.output_token_ids) == 4 and min(o.output_token_ids) >= VOCAB // 2
+        assert len(o.logprobs) == 4 and o.cumulative_logprob < 0
     assert engine.metrics.cascade_steps > 0
     assert_all_blocks_free(engine)
 
