@@ -193,3 +193,17 @@ def assert_all_blocks_free(engine: Engine) -> None:
     m.check_integrity()
     assert m.num_free_blocks == m.pool.num_blocks - 1, f"{m.num_free_blocks=} blocks leaked"
     assert m.request_ids == []
+
+
+def recording_orders(engine) -> list:
+    """The batch order (None: schedule order) of every step `engine` runs from now: wraps
+    its _step_inputs."""
+    orders, build = [], engine._step_inputs
+
+    def recording(out, plan):
+        inputs = build(out, plan)
+        orders.append(inputs[0])
+        return inputs
+
+    engine._step_inputs = recording
+    return orders

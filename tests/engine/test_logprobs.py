@@ -27,6 +27,7 @@ from tests.engine._util import (
     engine_config,
     make_engine,
     prompts_for,
+    recording_orders,
     tiny_model,
 )
 
@@ -64,20 +65,6 @@ def _check(prompt, output_ids, logprobs, k) -> None:
             assert entry[t].rank == j + 1  # the top ones are apart: ranks 1..k
 
 
-def _recording_orders(engine) -> list:
-    """The batch order (None: schedule order) of every step the engine runs from now."""
-    orders = []
-    build = engine._step_inputs
-
-    def recording(out, plan):
-        inputs = build(out, plan)
-        orders.append(inputs[0])
-        return inputs
-
-    engine._step_inputs = recording
-    return orders
-
-
 def test_greedy_and_sampled_logprobs_match_the_dense_model_in_a_reordered_batch():
     # Schedule order alternates two system prompts; the groups plan puts each group's
     # requests together, so batch rows and schedule order differ.
@@ -93,7 +80,7 @@ def test_greedy_and_sampled_logprobs_match_the_dense_model_in_a_reordered_batch(
         dataclasses.replace(HOT, seed=15, logprobs=2),
     ]
     engine = make_engine()
-    orders = _recording_orders(engine)
+    orders = recording_orders(engine)
     outs = engine.generate(prompts, params, progress=False)
     assert any(o is not None and (o != np.arange(len(o))).any() for o in orders)
     assert dict(engine.metrics.cascade_steps_by_levels).get("groups", 0) > 0

@@ -24,6 +24,7 @@ from tests.engine._util import (
     dense_greedy,
     make_engine,
     prompts_for,
+    recording_orders,
 )
 from tests.host._sched_util import add, make_scheduler
 
@@ -51,24 +52,11 @@ def _dense_greedy_banned(prompt, max_tokens, stop, min_tokens) -> list[int]:
     return out
 
 
-def _recording_orders(engine) -> list:
-    """Wraps engine._step_inputs; the list gets each step's row permutation (or None)."""
-    orders, build = [], engine._step_inputs
-
-    def recording(out, plan):
-        inputs = build(out, plan)
-        orders.append(inputs[0])
-        return inputs
-
-    engine._step_inputs = recording
-    return orders
-
-
 def test_greedy_requests_skip_their_stop_tokens_until_min_tokens_in_reordered_batches():
     prompts = prompts_for("two_groups", seed=3) + prompts_for("shared", seed=3)[:2]
     greedy = dense_greedy(prompts, 3)
     engine = make_engine()
-    orders = _recording_orders(engine)
+    orders = recording_orders(engine)
     cases = []
     for i, (prompt, first) in enumerate(zip(prompts, greedy, strict=True)):
         # Every request's stop list holds the token it would pick first, so without the
