@@ -227,3 +227,11 @@ def test_a_step_whose_outputs_are_lost_forgets_the_samples_it_finished():
     assert rid not in engine._samples and not engine.has_unfinished_requests()
     assert engine.add_request(PROMPT, SamplingParams(max_tokens=1, n=2), request_id=rid) == rid
     assert _run(engine)[-1].finished
+
+
+def test_generate_refusing_a_later_prompt_aborts_the_samples_queued_and_rewinds_ids():
+    engine = make_engine()
+    with pytest.raises(ValueError, match="must lie in"):
+        engine.generate([PROMPT, [VOCAB]], SamplingParams(max_tokens=2, n=3), progress=False)
+    assert engine.scheduler.requests == {} and len(engine._samples) == 0
+    assert engine.add_request(PROMPT) == "0"  # the id (and seed) the first prompt had
