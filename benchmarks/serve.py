@@ -2,6 +2,9 @@
 
 Workload: N requests that all start with one long system prompt, each followed by a
 short question of its own, all queued at once; greedy decoding of --max-tokens tokens.
+With --samples S, N / S questions, each queued once with SamplingParams(n=S) and sampled
+at temperature 1 (seeded per question): S sequences share the system prompt and their
+question, a second level of shared prefix.
 Runs four engines on the same model and workload: cascade attention on/off x prefix
 caching on/off, and reports per engine:
 
@@ -63,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--max-tokens", type=positive_int, default=32, help="generated tokens per request"
     )
+    p.add_argument(
+        "--samples", type=positive_int, default=1, help="SamplingParams.n of each question"
+    )
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     p.add_argument(
@@ -74,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--configs", default=names, help=f"comma-separated, of {names}")
     p.add_argument("--out", type=Path, default=None, help="JSON file to write")
     args = p.parse_args(argv)
+    if args.num_requests % args.samples:
+        p.error(f"--num-requests {args.num_requests} must be a multiple of --samples")
     unknown = set(args.configs.split(",")) - {c[0] for c in CONFIGS}
     if unknown:
         p.error(f"--configs: unknown {sorted(unknown)}; choose from {[c[0] for c in CONFIGS]}")
@@ -86,7 +94,7 @@ def workload(args) -> list[list[int]]:
     system = rng.integers(0, vocab, args.system_len).tolist()
     return [
         system + rng.integers(0, vocab, args.question_len).tolist()
-        for _ in range(args.num_requests)
+        for _ in range(args.num_requests // args.samples)
     ]
 
 
@@ -114,8 +122,13 @@ def engine_config(args, cascade: bool, prefix_caching: bool) -> EngineConfig:
 
 def run_one(model, prompts, args, name, cascade, prefix_caching) -> dict:
     engine = Engine(model, None, engine_config(args, cascade, prefix_caching))
-    params = SamplingParams(max_tokens=args.max_tokens)
-    for p in prompts:
+    for i, p in enumerate(prompts):
+        if args.samples == 1:
+            params = SamplingParams(max_tokens=args.max_tokens)
+        else:  # identical greedy samples would be a waste; seeded: both runs draw alike
+            params = SamplingParams(
+                max_tokens=args.max_tokens, n=args.samples, temperature=1.0, seed=i
+            )
         engine.add_request(p, params)
     steps, generated = [], []  # per step that ran the model: its stats, tokens it generated
     peak_usage = 0.0
@@ -241,8 +254,9 @@ def main(argv=None) -> int:
         ("cascade", "cascade_steps", "{:>7d}"),
         ("hit rate", "prefix_cache_hit_rate", "{:>8.2f}"),
     ]
+    samples = f" ({args.samples} samples per question)" if args.samples > 1 else ""
     print(
-        f"{args.num_requests} requests, system prompt {args.system_len} + question "
+        f"{args.num_requests} requests{samples}, system prompt {args.system_len} + question "
         f"{args.question_len} tokens, {args.max_tokens} generated; backend "
         f"{default_backend()} on {jax.default_backend()}; medians over steps that compiled "
         "nothing"

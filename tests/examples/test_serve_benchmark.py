@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.serve import paired, step_figures
+from benchmarks.serve import paired, parse_args, step_figures, workload
 from jaxkv.metrics import StepStats
 
 
@@ -84,3 +84,10 @@ def test_steps_pair_by_their_place_in_the_schedule():
     assert (pair["steps"], pair["generated_tokens"]) == (2, 16)
     assert pair["speedup"] == pytest.approx(2.0)
     assert pair["flat_generated_tokens_per_s"] == pytest.approx(4.0)
+
+
+def test_samples_split_the_requests_into_questions_of_n_samples_each():
+    args = parse_args(["--num-requests", "12", "--samples", "4"])
+    assert len(workload(args)) == 3
+    with pytest.raises(SystemExit):  # argparse's error: 12 is no multiple of 5
+        parse_args(["--num-requests", "12", "--samples", "5"])
