@@ -45,8 +45,8 @@ from jaxkv.scheduler import SchedulerOutput as SchedulerOutput
 
 # isort: split
 # Several devices: tensor parallelism over a mesh, data-parallel replicas behind a router.
+from jaxkv.engine_replicas import engine_replicas as engine_replicas
 from jaxkv.router import PrefixAwareRouter as PrefixAwareRouter
-from jaxkv.router import engine_replicas as engine_replicas
 from jaxkv.sharding import make_mesh as make_mesh
 from jaxkv.sharding import replica_meshes as replica_meshes
 from jaxkv.sharding import shard_model as shard_model

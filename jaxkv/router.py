@@ -15,7 +15,6 @@ engines in one process (on CPU devices too) and is testable without engines.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -24,7 +23,8 @@ import numpy as np
 
 from jaxkv.closable import Closable, checked_timeout
 from jaxkv.completion import checked_drivers, generate_progress_bar, run_to_completion
-from jaxkv.field_checks import as_int, int_fields
+from jaxkv.engine_replicas import engine_replicas as engine_replicas  # its former home
+from jaxkv.field_checks import int_fields
 from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.prompt_checks import checked_prompt_ids
@@ -65,18 +65,18 @@ class PrefixAwareRouter(Closable):
     max_prefix_blocks: how many leading full blocks are hashed (longer prefixes share the
     route of their first max_prefix_blocks blocks).
     max_imbalance: a request leaves its prefix's replica (and moves the prefix) when that
-    replica has more than max_imbalance outstanding requests beyond the least-loaded one;
-    None keeps prefix affinity strictly. Strict affinity sends every prompt that opens
-    with one common block (a BOS and chat-template header) to one replica for good,
-    hence the default of 16.
+    replica has more than max_imbalance outstanding sequences beyond the least-loaded
+    one; None keeps prefix affinity strictly, which sends every prompt that opens with
+    one common block (a BOS and chat-template header) to one replica for good: hence 16.
     max_tracked_prefixes: bound on remembered prefix hashes (least recently used dropped).
 
-    Outstanding requests are counted by the router: +1 on add_request, -1 when step()
-    returns the output that says the request finished, or when it is aborted; so add,
-    step and abort through the router only (a request added to a replica directly is not
-    counted; one aborted there counts until the router's abort). Not thread-safe. Replicas
-    should sample with different default seeds (engine_replicas sees to it): otherwise
-    unseeded sampled requests on two replicas can draw the same tokens.
+    Outstanding sequences are counted by the router: +n on add_request (SamplingParams.n,
+    1 without params), -n when step() returns the output that says the request finished,
+    or when it is aborted; so add, step and abort through the router only (a request
+    added to a replica directly is not counted; one aborted there counts until the
+    router's abort). Not thread-safe. Replicas should sample with different default
+    seeds (engine_replicas sees to it): otherwise unseeded sampled requests on two
+    replicas can draw the same tokens.
     """
 
     def __init__(
@@ -100,8 +100,9 @@ class PrefixAwareRouter(Closable):
             int_fields(self, "max_imbalance", minimum=0)
         int_fields(self, "hash_seed", minimum=-(2**63), maximum=2**63 - 1)
         self._prefix_replica: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
-        self._outstanding = [0] * len(self.replicas)  # replica -> unfinished requests
+        self._outstanding = [0] * len(self.replicas)  # replica -> unfinished sequences
         self._replica_of: dict[str, int] = {}  # request_id -> replica, while unfinished
+        self._samples_of: dict[str, int] = {}  # request_id -> its n, where n > 1
         self._undelivered: list[RequestOutput] = []  # gathered by a step() that raised
         self._serials = RequestSerials("dp-")  # of generated ids
 
@@ -109,7 +110,8 @@ class PrefixAwareRouter(Closable):
 
     @property
     def num_outstanding(self) -> tuple[int, ...]:
-        """Unfinished requests per replica."""
+        """Unfinished sequences per replica: each unfinished request counts its
+        SamplingParams.n (its samples each take a sequence of the replica's batch)."""
         return tuple(self._outstanding)
 
     def replica_of(self, request_id: str) -> int:
@@ -194,8 +196,11 @@ class PrefixAwareRouter(Closable):
         if generated:  # only once queued: a refused request leaves later ids as they were
             self._serials.take(serial)
         self._remember(hashes, replica)
-        self._outstanding[replica] += 1
+        n = getattr(sampling_params, "n", 1)
+        self._outstanding[replica] += n
         self._replica_of[request_id] = replica
+        if n > 1:
+            self._samples_of[request_id] = n
         return request_id
 
     def queue_checkpoint(self) -> Callable[[], None]:
@@ -243,7 +248,7 @@ class PrefixAwareRouter(Closable):
     def _finish(self, request_id: str) -> None:
         replica = self._replica_of.pop(request_id, None)
         if replica is not None:
-            self._outstanding[replica] -= 1
+            self._outstanding[replica] -= self._samples_of.pop(request_id, 1)
 
     def has_unfinished_requests(self) -> bool:
         """True while a replica has unfinished requests or a step() has outputs to give."""
@@ -354,45 +359,3 @@ def _prompt_ids(prompt_token_ids: Sequence[int] | np.ndarray) -> list[int]:
 def _pending_transfers(replica: Replica) -> bool:
     pending = getattr(replica, "has_pending_transfers", None)
     return pending is not None and pending()
-
-
-def engine_replicas(
-    model: Any,
-    config: Any = None,
-    *,
-    tensor_parallel_size: int = 1,
-    num_replicas: int | None = None,
-    devices: Sequence[Any] | None = None,
-    params: Any = None,
-) -> list[Any]:
-    """Engines over consecutive groups of `tensor_parallel_size` devices (default: all of
-    jax.devices()), one per group, at most `num_replicas`. Each engine holds its own copy
-    of the weights and its own KV cache on its group. Replica i gets `config` with seed
-    config.seed + i, so requests without a seed of their own draw different random
-    streams on different replicas (with one seed, the n-th request of every replica would
-    sample the same tokens). Raises ValueError naming both numbers when the TP size does
-    not divide the device count, or too few groups exist."""
-    from jaxkv.config import EngineConfig
-    from jaxkv.engine import Engine
-    from jaxkv.sharding import replica_meshes
-
-    meshes = replica_meshes(tensor_parallel_size, devices)
-    if num_replicas is not None:
-        count = as_int(num_replicas)
-        if count is None:
-            raise ValueError(f"{num_replicas=} must be None or an int")
-        num_replicas = count
-        if not 1 <= num_replicas <= len(meshes):
-            raise ValueError(
-                f"{num_replicas=} needs {num_replicas} groups of {tensor_parallel_size} "
-                f"devices; there are {len(meshes)}"
-            )
-        meshes = meshes[:num_replicas]
-    config = EngineConfig() if config is None else config
-    if not isinstance(config, EngineConfig):  # a dict raised AttributeError on config.seed
-        raise ValueError(f"config={config!r} must be None or an EngineConfig")
-    seeds = [(config.seed + i) % 2**64 for i in range(len(meshes))]  # within EngineConfig's
-    return [
-        Engine(model, params, dataclasses.replace(config, seed=seed), mesh=mesh)
-        for seed, mesh in zip(seeds, meshes, strict=True)
-    ]

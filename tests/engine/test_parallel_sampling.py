@@ -235,3 +235,21 @@ def test_generate_refusing_a_later_prompt_aborts_the_samples_queued_and_rewinds_
         engine.generate([PROMPT, [VOCAB]], SamplingParams(max_tokens=2, n=3), progress=False)
     assert engine.scheduler.requests == {} and len(engine._samples) == 0
     assert engine.add_request(PROMPT) == "0"  # the id (and seed) the first prompt had
+
+
+def test_the_router_counts_a_request_of_n_samples_as_n_sequences():
+    router = PrefixAwareRouter(
+        [make_engine(), make_engine()], block_size=BLOCK_SIZE, max_imbalance=2
+    )
+    first = router.add_request(PROMPT, SamplingParams(max_tokens=2, n=4))
+    assert sorted(router.num_outstanding) == [0, 4]
+    # The same prefix leaves its replica: 4 sequences there against 0 is over 2 (as
+    # requests it would be 1 against 0, and stay).
+    second = router.add_request(PROMPT, SamplingParams(max_tokens=2))
+    assert router.replica_of(second) != router.replica_of(first)
+    assert router.abort(first) and router.num_outstanding.count(0) == 1
+    router.generate([PROMPT], SamplingParams(max_tokens=2, n=3), progress=False)
+    while router.has_unfinished_requests():
+        router.step()
+    assert router.num_outstanding == (0, 0)
+    router.close()

@@ -1,0 +1,51 @@
+"""Data-parallel replicas: one Engine per group of devices, for PrefixAwareRouter."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from jaxkv.field_checks import as_int
+
+
+def engine_replicas(
+    model: Any,
+    config: Any = None,
+    *,
+    tensor_parallel_size: int = 1,
+    num_replicas: int | None = None,
+    devices: Sequence[Any] | None = None,
+    params: Any = None,
+) -> list[Any]:
+    """Engines over consecutive groups of `tensor_parallel_size` devices (default: all of
+    jax.devices()), one per group, at most `num_replicas`. Each engine holds its own copy
+    of the weights and its own KV cache on its group. Replica i gets `config` with seed
+    config.seed + i, so requests without a seed of their own draw different random
+    streams on different replicas (with one seed, the n-th request of every replica would
+    sample the same tokens). Raises ValueError naming both numbers when the TP size does
+    not divide the device count, or too few groups exist."""
+    from jaxkv.config import EngineConfig
+    from jaxkv.engine import Engine
+    from jaxkv.sharding import replica_meshes
+
+    meshes = replica_meshes(tensor_parallel_size, devices)
+    if num_replicas is not None:
+        count = as_int(num_replicas)
+        if count is None:
+            raise ValueError(f"{num_replicas=} must be None or an int")
+        num_replicas = count
+        if not 1 <= num_replicas <= len(meshes):
+            raise ValueError(
+                f"{num_replicas=} needs {num_replicas} groups of {tensor_parallel_size} "
+                f"devices; there are {len(meshes)}"
+            )
+        meshes = meshes[:num_replicas]
+    config = EngineConfig() if config is None else config
+    if not isinstance(config, EngineConfig):  # a dict raised AttributeError on config.seed
+        raise ValueError(f"config={config!r} must be None or an EngineConfig")
+    seeds = [(config.seed + i) % 2**64 for i in range(len(meshes))]  # within EngineConfig's
+    return [
+        Engine(model, params, dataclasses.replace(config, seed=seed), mesh=mesh)
+        for seed, mesh in zip(seeds, meshes, strict=True)
+    ]
