@@ -175,8 +175,8 @@ class Engine(Closable):
         self._check_open()
         prompt = checked_prompt_ids(prompt_token_ids, limit=self.vocab_size)
         sampling_params = checked_sampling_params(sampling_params, self.model_config, self.config)
-        in_use = IdsInUse(self.scheduler.requests, self._samples)
-        serial, request_id = self._serials.peek(request_id, in_use)
+        in_use = IdsInUse(self.scheduler.requests, self._samples, n=sampling_params.n)
+        serial, request_id = self._serials.peek(request_id, in_use)  # a default id: all free
         request = Request(request_id, prompt, sampling_params, cache_salt=cache_salt)
         seed = (self.config.seed * 0x9E3779B97F4A7C15 + serial) & 0xFFFFFFFFFFFFFFFF
         # Raises on an id in use or too long a prompt, nothing queued.
@@ -201,8 +201,8 @@ class Engine(Closable):
         for rid in self._samples.ids_to_abort(request_id):
             if self.scheduler.abort(rid):
                 self._sampling.discard(rid)
-                self._samples.discard(rid)
                 aborted = True
+            self._samples.discard(rid)  # aborted, or no longer running
         return aborted
 
     def has_unfinished_requests(self) -> bool:

@@ -14,7 +14,7 @@ sample of the parent runs, as vLLM's RequestOutput.finished.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Container
 from typing import TYPE_CHECKING
 
 from jaxkv.request import Request, SamplingParams
@@ -48,14 +48,20 @@ def child_default_seed(default_seed: int, index: int) -> int:
 
 
 class IdsInUse:
-    """The ids a new request may not take: those of `requests` (a scheduler's) and of the
-    parents in `samples`."""
+    """The ids a new request of `n` samples may not take: an id is in use when it, or
+    under n > 1 one of its samples' ids, is in one of `holders` (a scheduler's requests,
+    a ParallelSamples' parents, a router's requests)."""
 
-    def __init__(self, requests: Mapping[str, object], samples: ParallelSamples) -> None:
-        self._requests, self._samples = requests, samples
+    def __init__(self, *holders: Container[str], n: int = 1) -> None:
+        self._holders, self._n = holders, n
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._requests or request_id in self._samples
+        if any(request_id in holder for holder in self._holders):
+            return True
+        if self._n == 1 or not isinstance(request_id, str):
+            return False
+        ids = child_request_ids(request_id, self._n)
+        return any(rid in holder for rid in ids for holder in self._holders)
 
 
 class ParallelSamples:
@@ -122,8 +128,9 @@ class ParallelSamples:
             self._parent_of[rid] = (request.request_id, i)
 
     def ids_to_abort(self, request_id: str) -> list[str]:
-        """[request_id], or for a live parent its unfinished samples (it is forgotten)."""
-        return self.pop(request_id) if request_id in self else [request_id]
+        """[request_id], or for a live parent its unfinished samples. Each stays known
+        until discarded, so an abort interrupted midway can be repeated."""
+        return self.samples(request_id) if request_id in self else [request_id]
 
     def samples(self, request_id: str) -> list[str]:
         """The ids of a parent's unfinished samples ([] for an unknown id)."""
@@ -138,14 +145,6 @@ class ParallelSamples:
             live.discard(sample_id)
             if not live:
                 del self._live[parent[0]]
-
-    def pop(self, request_id: str) -> list[str]:
-        """Forgets a parent; returns its unfinished samples' ids (to abort them)."""
-        sample_ids = self.samples(request_id)
-        for sample_id in sample_ids:
-            del self._parent_of[sample_id]
-        self._live.pop(request_id, None)
-        return sample_ids
 
     def discard_finished(self, requests: list) -> None:
         """Forgets the finished ones of `requests` (a step's batch whose outputs were lost

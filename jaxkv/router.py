@@ -27,6 +27,7 @@ from jaxkv.engine_replicas import engine_replicas as engine_replicas  # its form
 from jaxkv.field_checks import int_fields
 from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key
 from jaxkv.outputs import CompletionOutput, RequestOutput
+from jaxkv.parallel_sampling import IdsInUse
 from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.request import MAX_TOKEN_ID
 from jaxkv.request_serials import RequestSerials
@@ -102,7 +103,7 @@ class PrefixAwareRouter(Closable):
         self._prefix_replica: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
         self._outstanding = [0] * len(self.replicas)  # replica -> unfinished sequences
         self._replica_of: dict[str, int] = {}  # request_id -> replica, while unfinished
-        self._samples_of: dict[str, int] = {}  # request_id -> its n, where n > 1
+        self._samples_of: dict[str, int] = {}  # request_id -> samples running, where n > 1
         self._undelivered: list[RequestOutput] = []  # gathered by a step() that raised
         self._serials = RequestSerials("dp-")  # of generated ids
 
@@ -110,8 +111,8 @@ class PrefixAwareRouter(Closable):
 
     @property
     def num_outstanding(self) -> tuple[int, ...]:
-        """Unfinished sequences per replica: each unfinished request counts its
-        SamplingParams.n (its samples each take a sequence of the replica's batch)."""
+        """Unfinished sequences per replica: each unfinished request counts its samples
+        still running (SamplingParams.n of them at first; each takes a batch row)."""
         return tuple(self._outstanding)
 
     def replica_of(self, request_id: str) -> int:
@@ -185,7 +186,8 @@ class PrefixAwareRouter(Closable):
             raise ValueError(f"{request_id=} must be None or a str")
         prompt = _prompt_ids(prompt_token_ids)
         generated = request_id is None
-        serial, request_id = self._serials.peek(request_id, self._replica_of)
+        n = getattr(sampling_params, "n", 1)  # a default id whose samples' ids are free
+        serial, request_id = self._serials.peek(request_id, IdsInUse(self._replica_of, n=n))
         if request_id in self._replica_of:
             raise ValueError(f"{request_id=} is already running")
         hashes = self._prefix_hashes(prompt, cache_salt)
@@ -196,7 +198,6 @@ class PrefixAwareRouter(Closable):
         if generated:  # only once queued: a refused request leaves later ids as they were
             self._serials.take(serial)
         self._remember(hashes, replica)
-        n = getattr(sampling_params, "n", 1)
         self._outstanding[replica] += n
         self._replica_of[request_id] = replica
         if n > 1:
@@ -275,7 +276,11 @@ class PrefixAwareRouter(Closable):
         return self._finished_from(outputs)
 
     def _finished_from(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        samples = self._samples_of
         for o in outputs:
+            if samples and o.finish_reason is not None and o.request_id in samples:
+                samples[o.request_id] -= 1  # one sample ended: one sequence fewer
+                self._outstanding[self._replica_of[o.request_id]] -= 1
             if o.finished:
                 self._finish(o.request_id)
         return outputs

@@ -253,3 +253,49 @@ def test_the_router_counts_a_request_of_n_samples_as_n_sequences():
         router.step()
     assert router.num_outstanding == (0, 0)
     router.close()
+
+
+def test_a_default_id_skips_one_whose_sample_ids_are_in_use():
+    engine = make_engine()
+    engine.add_request(PROMPT[:5], request_id="0_1")  # takes serial 0
+    assert engine.add_request(PROMPT, SamplingParams(max_tokens=2, n=2)) == "2"
+    router = PrefixAwareRouter([make_engine(), make_engine()], block_size=BLOCK_SIZE)
+    router.add_request(PROMPT[:5], request_id="0_dp-0")
+    assert router.add_request(PROMPT, SamplingParams(max_tokens=2, n=2)) == "dp-1"
+    router.close()
+
+
+def test_an_abort_interrupted_between_samples_can_be_repeated():
+    engine = make_engine()
+    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=20, n=3))
+    engine.step()
+    abort, calls = engine.scheduler.abort, []
+
+    def abort_then_interrupt(request_id):
+        calls.append(request_id)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return abort(request_id)
+
+    engine.scheduler.abort = abort_then_interrupt
+    with pytest.raises(KeyboardInterrupt):
+        engine.abort(rid)
+    del engine.scheduler.abort
+    assert engine.abort(rid)  # the two samples left
+    assert not engine.has_unfinished_requests() and len(engine._samples) == 0
+    assert_all_blocks_free(engine)
+
+
+def test_the_router_counts_each_sample_until_it_ends():
+    router = PrefixAwareRouter([make_engine(), make_engine()], block_size=BLOCK_SIZE)
+    stop = tuple(range(VOCAB // 8))  # each sampled token stops its sample with p ~ 1/8
+    router.add_request(
+        PROMPT, SamplingParams(max_tokens=12, n=4, seed=5, stop_token_ids=stop, **HOT)
+    )
+    running, seen = 4, []
+    while router.has_unfinished_requests():
+        running -= sum(o.finish_reason is not None for o in router.step())
+        assert max(router.num_outstanding) == running
+        seen.append(running)
+    assert len(set(seen)) > 2  # the samples ended at different steps
+    router.close()
