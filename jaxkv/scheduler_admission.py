@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 
 __all__ = ["admit_waiting", "check_new_request"]
 
+# _allocate_for_admission: a load in flight for another request brings this one's next
+# block; it waits (keeping its queue place) and then hits the block in the prefix cache.
+_AWAITING_LOAD = -1
+
 
 def check_new_request(scheduler: Scheduler, request: Request) -> None:
     """Raises ValueError unless Scheduler.add_request may queue `request` (see there)."""
@@ -86,7 +90,7 @@ def admit_waiting(scheduler: Scheduler, budget: int, batch: StepBatch) -> int:
         if n is None:
             break
         waiting.popleft()
-        if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+        if n == _AWAITING_LOAD or request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
             skipped.append(request)
             continue
         _start_running(scheduler, request, n, batch)
@@ -123,7 +127,8 @@ def _allocate_for_admission(scheduler: Scheduler, request: Request, budget: int)
     A request that already holds blocks (its KV load landed) continues from its
     computed tokens; a fresh one looks up the device prefix cache and then the
     connector, and if the connector claims more it starts the load instead (status
-    WAITING_FOR_REMOTE_KV, 0 tokens this step).
+    WAITING_FOR_REMOTE_KV, 0 tokens this step). A fresh one whose next block a load in
+    flight for another request brings gets _AWAITING_LOAD: one load serves both.
     """
     m = scheduler.manager
     chunked = scheduler.config.enable_chunked_prefill
@@ -137,6 +142,11 @@ def _allocate_for_admission(scheduler: Scheduler, request: Request, budget: int)
     # Counted only once acted on: a request waiting for room is looked up every step.
     hit = find_cache_hit(m, request)
     num_hit = hit.num_tokens
+    next_block = num_hit // m.block_size
+    if next_block < len(request.block_hashes) and scheduler._transfers.is_loading(
+        request.block_hashes[next_block]
+    ):
+        return _AWAITING_LOAD
     num_external = scheduler.connector.on_admission(request, num_hit)
     if num_external:  # the request waits for the load: 0 tokens this step
         started = scheduler._transfers.start_load(request, hit.block_ids, num_hit, num_external)

@@ -19,11 +19,14 @@ Plain Python, no JAX. Two kinds of copy hold blocks outside the running queue:
   until that load lands or fails.
 
 Every copy lands or fails, so every block held here is released or handed back to the
-scheduler's queues; the Scheduler's liveness argument rests on that.
+scheduler's queues; the Scheduler's liveness argument rests on that. It also bounds the
+wait of a request whose next block another request's load brings (is_loading): admission
+holds it back only while that load is in flight, so one load serves both.
 """
 
 from __future__ import annotations
 
+import collections
 import operator
 import warnings
 from collections.abc import Callable, Sequence
@@ -59,6 +62,10 @@ class TransferTracker:
         self._loading: dict[str, tuple[Request, int | None]] = {}
         self._landed: dict[str, Request] = {}  # waiting requests whose load landed, in order
         self._new_loads: list[Request] = []  # loads started since apply_events (this schedule)
+        # Block hash -> loads in flight (not cancelled) that fill a block of that hash,
+        # and each such load's hashes, subtracted exactly as they were added.
+        self._loading_hashes: collections.Counter = collections.Counter()
+        self._hashes_of: dict[str, list] = {}
 
     # ------------------------------------------------------------------ loads
 
@@ -101,6 +108,12 @@ class TransferTracker:
             raise
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self._loading[request.request_id] = (request, num_hit + num_external)
+        if self._manager.enable_prefix_caching:  # else no later request could hit them
+            hashes = request.block_hashes[
+                num_hit // m.block_size : (num_hit + num_external) // m.block_size
+            ]
+            self._hashes_of[request.request_id] = hashes
+            self._loading_hashes.update(hashes)
         self._new_loads.append(request)
         return True
 
@@ -128,7 +141,19 @@ class TransferTracker:
         for request in self._new_loads:
             if request.request_id in self._loading:
                 self._loading[request.request_id] = (request, None)
+                self._forget_hashes(request.request_id)
         self._new_loads.clear()
+
+    def is_loading(self, block_hash: object) -> bool:
+        """True while a load in flight (not cancelled) fills a block of `block_hash`: once
+        it lands and its request runs, the block enters the prefix cache."""
+        return self._loading_hashes[block_hash] > 0 if self._loading_hashes else False
+
+    def _forget_hashes(self, req_id: str) -> None:
+        hashes = self._hashes_of.pop(req_id, None)
+        if hashes:
+            self._loading_hashes.subtract(hashes)
+            self._loading_hashes = +self._loading_hashes  # drops the zero counts
 
     def landed(self) -> list[Request]:
         """Waiting requests whose load landed, in landing order (a copy: safe to admit)."""
@@ -217,6 +242,7 @@ class TransferTracker:
 
     def _load_ended(self, req_id: str, *, landed: bool) -> None:
         request, num_computed = self._loading.pop(req_id)
+        self._forget_hashes(req_id)
         if self.transferring.pop(req_id, None) is not None:  # aborted while loading
             self._release(request)
         elif landed and num_computed is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxkv import Request, SamplingParams
+from jaxkv import HostOffloadConnector, Request, SamplingParams
 from jaxkv.router import PrefixAwareRouter
 from tests.engine._util import (
     BLOCK_SIZE,
@@ -299,3 +299,18 @@ def test_the_router_counts_each_sample_until_it_ends():
         seen.append(running)
     assert len(set(seen)) > 2  # the samples ended at different steps
     router.close()
+
+
+def test_samples_of_a_prompt_only_the_host_holds_share_one_load():
+    connector = HostOffloadConnector(1 << 24, copy_delay_steps=2)
+    first = make_engine(connector=connector)
+    first.generate([PROMPT], SamplingParams(max_tokens=2), progress=False)
+    first.close()  # its copies landed: the prompt's 5 full blocks are on the host only
+    engine = make_engine(connector=connector)
+    outs = engine.generate([PROMPT], SamplingParams(max_tokens=4, n=3), progress=False)
+    (want,) = dense_greedy([PROMPT], 4)
+    assert [o.output_token_ids for o in outs] == [tuple(want)] * 3
+    # One load of the 5 blocks; then each sample computes only its last prompt token.
+    assert connector.stats.num_loads == 1 and engine.metrics.bytes_reloaded > 0
+    assert engine.metrics.num_prompt_tokens == 3
+    engine.close()

@@ -111,7 +111,9 @@ def test_a_failing_start_load_frees_its_blocks_and_keeps_the_queue():
     running = add(sched, "r", range(1, 3), max_tokens=5)
     step(sched)  # "r" runs, holding one block
     connector.claim = 8
-    a, b, c = (add(sched, rid, range(1, 15), max_tokens=2) for rid in "abc")
+    # Prompts of their own: a request whose next block another's load brings waits for it.
+    a, b, c = (add(sched, rid, range(20 * i, 20 * i + 14), max_tokens=2)
+               for i, rid in enumerate("abc", 1))  # fmt: skip
     with pytest.raises(OSError, match="injected"):
         sched.schedule()  # "a" starts its load (4 blocks), then "b" fails
     assert _queued(sched) == ["a", "b", "c"] and sched.running == [running]
@@ -310,8 +312,8 @@ def test_an_aborted_landed_load_is_never_admitted():
 def test_requests_waiting_for_their_loads_keep_their_queue_order():
     connector = _ClaimingConnector(8, failing={"c"})
     sched = make_scheduler(num_blocks=32, block_size=BS, connector=connector)
-    for rid in "abcd":
-        add(sched, rid, range(1, 15), max_tokens=2)
+    for i, rid in enumerate("abcd", 1):
+        add(sched, rid, range(20 * i, 20 * i + 14), max_tokens=2)  # no prefix in common
     with pytest.raises(OSError, match="injected"):
         sched.schedule()  # "a" and "b" start their loads, then "c" fails
     assert _queued(sched) == ["a", "b", "c", "d"]
@@ -349,3 +351,31 @@ def test_a_connector_bound_with_another_block_size_or_seed_is_refused(block_size
     add(sched, "a", list(range(1, 14)), max_tokens=1)
     run_until_idle(sched, copier)
     assert connector.stats.num_stored_blocks == 3
+
+
+def test_a_request_whose_next_block_another_load_brings_waits_for_it_then_hits_it():
+    copier = FakeCopier(64, BS, auto_complete=False)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    sched = make_scheduler(num_blocks=64, block_size=BS, connector=connector)
+    prompt = list(range(1, 15))  # 3 full blocks stored, then reloaded
+    add(sched, "a", prompt, max_tokens=1)
+    step(sched, copier)
+    copier.complete()
+    run_until_idle(sched, copier)
+    assert sched.manager.reset_prefix_cache()  # the KV is now on the host only
+    b = add(sched, "b", prompt, max_tokens=2)
+    c = add(sched, "c", prompt[:12] + [99, 98], max_tokens=2)  # the same 3 full blocks
+    add(sched, "d", [50, 51, 52, 53, 54], max_tokens=2)  # behind them, still admitted
+    out, _ = step(sched, copier)
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert c.status == RequestStatus.WAITING and "c" not in sched.manager.request_ids
+    assert [r.request_id for r in out.requests] == ["d"] and _queued(sched) == ["b", "c"]
+    copier.complete()
+    out, _ = step(sched, copier)  # b's load lands: b runs and caches its blocks, then c hits
+    assert [r.request_id for r in out.requests] == ["d", "b", "c"]
+    assert sched.manager.block_ids("c")[:3] == sched.manager.block_ids("b")[:3]
+    scheduled = dict(zip(out.request_ids, out.num_scheduled_tokens.tolist(), strict=True))
+    assert scheduled["c"] == 2 and connector.stats.num_loads == 1  # 12 tokens were a hit
+    run_until_idle(sched, copier)
+    assert sched.manager.num_free_blocks == 63
