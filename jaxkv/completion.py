@@ -106,7 +106,7 @@ def run_to_completion(
         raise
     index = {rid: i for i, rid in enumerate(ids)}
     # Per prompt, per sample (SamplingParams.n, read off the params as queued).
-    counts = [getattr(sp, "n", 1) or 1 for sp in params_list]
+    counts = [getattr(sp, "n", 1) for sp in params_list]
     tokens: list[list[list[int]]] = [[[] for _ in range(n)] for n in counts]
     logprobs: list[list[list[dict]] | None] = [
         None if getattr(sp, "logprobs", None) is None else [[] for _ in range(n)]

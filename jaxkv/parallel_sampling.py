@@ -128,23 +128,25 @@ class ParallelSamples:
             self._parent_of[rid] = (request.request_id, i)
 
     def ids_to_abort(self, request_id: str) -> list[str]:
-        """[request_id], or for a live parent its unfinished samples. Each stays known
-        until discarded, so an abort interrupted midway can be repeated."""
-        return self.samples(request_id) if request_id in self else [request_id]
+        """[request_id], or for a live parent its unfinished samples in index order. Each
+        stays known until discarded, so an abort interrupted midway can be repeated."""
+        if request_id not in self:
+            return [request_id]
+        return sorted(self._live[request_id], key=lambda s: self._parent_of[s][1])
 
-    def samples(self, request_id: str) -> list[str]:
-        """The ids of a parent's unfinished samples ([] for an unknown id)."""
-        return sorted(self._live.get(request_id, ()), key=lambda s: self._parent_of[s][1])
-
-    def discard(self, sample_id: str) -> None:
-        """Forgets a sample that ends without an output (aborted), and its parent once it
-        has no sample left (no output says it finished: as for an aborted request)."""
+    def discard(self, sample_id: str) -> bool:
+        """Forgets a sample that ended, and its parent once it has no sample left; returns
+        True when that happened (False too for an id that is no sample). A parent whose
+        last sample was aborted gets no output saying it finished, as an aborted request."""
         parent = self._parent_of.pop(sample_id, None)
-        if parent is not None:
-            live = self._live[parent[0]]
-            live.discard(sample_id)
-            if not live:
-                del self._live[parent[0]]
+        if parent is None:
+            return False
+        live = self._live[parent[0]]
+        live.discard(sample_id)
+        if live:
+            return False
+        del self._live[parent[0]]
+        return True
 
     def discard_finished(self, requests: list) -> None:
         """Forgets the finished ones of `requests` (a step's batch whose outputs were lost
@@ -162,13 +164,6 @@ class ParallelSamples:
             if parent is None:
                 continue
             request_id, index = parent
-            finished = False
-            if output.finished:
-                del parent_of[output.request_id]
-                live = self._live[request_id]
-                live.discard(output.request_id)
-                if not live:
-                    del self._live[request_id]
-                    finished = True
+            finished = output.finished and self.discard(output.request_id)
             outputs[j] = output._replace(request_id=request_id, finished=finished, index=index)
         return outputs

@@ -26,7 +26,6 @@ holds it back only while that load is in flight, so one load serves both.
 
 from __future__ import annotations
 
-import collections
 import operator
 import warnings
 from collections.abc import Callable, Sequence
@@ -62,9 +61,9 @@ class TransferTracker:
         self._loading: dict[str, tuple[Request, int | None]] = {}
         self._landed: dict[str, Request] = {}  # waiting requests whose load landed, in order
         self._new_loads: list[Request] = []  # loads started since apply_events (this schedule)
-        # Block hash -> loads in flight (not cancelled) that fill a block of that hash,
-        # and each such load's hashes, subtracted exactly as they were added.
-        self._loading_hashes: collections.Counter = collections.Counter()
+        # Block hash -> how many loads in flight (not cancelled) fill a block of that hash
+        # (no zero counts), and each such load's hashes, taken back exactly as added.
+        self._loading_hashes: dict[object, int] = {}
         self._hashes_of: dict[str, list] = {}
 
     # ------------------------------------------------------------------ loads
@@ -113,7 +112,9 @@ class TransferTracker:
                 num_hit // m.block_size : (num_hit + num_external) // m.block_size
             ]
             self._hashes_of[request.request_id] = hashes
-            self._loading_hashes.update(hashes)
+            counts = self._loading_hashes
+            for block_hash in hashes:
+                counts[block_hash] = counts.get(block_hash, 0) + 1
         self._new_loads.append(request)
         return True
 
@@ -147,13 +148,16 @@ class TransferTracker:
     def is_loading(self, block_hash: object) -> bool:
         """True while a load in flight (not cancelled) fills a block of `block_hash`: once
         it lands and its request runs, the block enters the prefix cache."""
-        return self._loading_hashes[block_hash] > 0 if self._loading_hashes else False
+        return block_hash in self._loading_hashes
 
     def _forget_hashes(self, req_id: str) -> None:
-        hashes = self._hashes_of.pop(req_id, None)
-        if hashes:
-            self._loading_hashes.subtract(hashes)
-            self._loading_hashes = +self._loading_hashes  # drops the zero counts
+        counts = self._loading_hashes
+        for block_hash in self._hashes_of.pop(req_id, ()):
+            left = counts[block_hash] - 1
+            if left:
+                counts[block_hash] = left
+            else:
+                del counts[block_hash]
 
     def landed(self) -> list[Request]:
         """Waiting requests whose load landed, in landing order (a copy: safe to admit)."""
