@@ -4,9 +4,9 @@ Plain Python, no JAX. Two kinds of copy hold blocks outside the running queue:
 
 - loads: a waiting request whose KV the connector can supply gets blocks for all its
   tokens and waits (WAITING_FOR_REMOTE_KV) until poll() reports the load. A landed
-  load makes it WAITING again with those tokens computed, still holding blocks for all
-  its tokens, so it needs no further block to be admitted; a failed load frees its
-  blocks and the request recomputes from scratch.
+  load makes it WAITING again with those tokens computed and their blocks in the prefix
+  cache, still holding blocks for all its tokens, so it needs no further block to be
+  admitted; a failed load frees its blocks and the request recomputes from scratch.
 - a load started by a schedule() whose batch is discarded (Scheduler.discard) is
   cancelled: its device prefix-cache hit may be a block that the failed step was to
   write, so the request may not count it as computed. The copy may still write its
@@ -43,7 +43,8 @@ class TransferTracker:
     `release`, when apply_events() sees its copy land or fail. landed() lists only
     waiting requests whose load landed and that were neither admitted nor aborted since;
     each holds blocks for all its tokens. Changes the manager's blocks only through
-    start_load, apply_events (a failed or cancelled load) and `release`.
+    start_load, apply_events (a landed load's blocks cached; a failed or cancelled load's
+    freed) and `release`.
     """
 
     def __init__(
@@ -78,9 +79,9 @@ class TransferTracker:
         """Allocates blocks for all of a fresh waiting request's tokens and starts its load.
 
         `hit_ids` and `num_hit` are its device prefix-cache hit; the connector claimed
-        `num_external` further tokens. The loaded blocks enter the prefix cache only once
-        the load has landed and the request is scheduled. Returns False (nothing
-        changed) when the pool cannot hold the blocks; else the request is
+        `num_external` further tokens. The loaded blocks enter the prefix cache when the
+        load lands (apply_events), before the request is admitted again. Returns False
+        (nothing changed) when the pool cannot hold the blocks; else the request is
         WAITING_FOR_REMOTE_KV with `num_hit` tokens computed until the load lands.
 
         Raises ValueError, with nothing changed, for a claim that is not whole blocks
@@ -147,7 +148,7 @@ class TransferTracker:
 
     def is_loading(self, block_hash: object) -> bool:
         """True while a load in flight (not cancelled) fills a block of `block_hash`: once
-        it lands and its request runs, the block enters the prefix cache."""
+        it lands, the block is in the prefix cache."""
         return block_hash in self._loading_hashes
 
     def _forget_hashes(self, req_id: str) -> None:
@@ -251,6 +252,9 @@ class TransferTracker:
             self._release(request)
         elif landed and num_computed is not None:
             request.num_computed_tokens = num_computed
+            # Caches the loaded blocks now (it needs no fresh block): a request that
+            # misses them before this one is admitted hits them instead of loading again.
+            self._manager.allocate_slots(request, 0)
             request.status = RequestStatus.WAITING
             self._landed[req_id] = request
         else:  # failed or cancelled: recompute from scratch

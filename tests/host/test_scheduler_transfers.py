@@ -379,3 +379,23 @@ def test_a_request_whose_next_block_another_load_brings_waits_for_it_then_hits_i
     assert scheduled["c"] == 2 and connector.stats.num_loads == 1  # 12 tokens were a hit
     run_until_idle(sched, copier)
     assert sched.manager.num_free_blocks == 63
+
+
+def test_a_landed_loads_blocks_are_cached_before_its_request_is_admitted():
+    copier = FakeCopier(64, BS)
+    connector = OracleLoadConnector(copier, {"b": 12})
+    sched = make_scheduler(num_blocks=64, block_size=BS, max_num_seqs=1, connector=connector)
+    prompt = list(range(1, 15))  # 3 full blocks loaded, then 2 tokens computed
+    b = add(sched, "b", prompt, max_tokens=2)
+    add(sched, "r", [50, 51], max_tokens=6)  # takes the one running slot
+    step(sched, copier)
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    out, _ = step(sched, copier)  # b's load lands; b waits for the slot
+    assert out.request_ids == ["r"] and b.status == RequestStatus.WAITING
+    probe = Request("probe", prompt + [7])
+    hit, num_hit = sched.manager.get_computed_blocks(probe, count=False)
+    assert num_hit == 12 and hit == sched.manager.block_ids("b")[:3]
+    c = add(sched, "c", prompt[:12] + [99, 98], max_tokens=2)
+    finished = run_until_idle(sched, copier)
+    assert set(finished) == {"b", "c", "r"} and connector.started == ["b"]
+    assert c.num_preemptions == 0 and sched.manager.num_free_blocks == 63
