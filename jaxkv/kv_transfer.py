@@ -113,7 +113,9 @@ class KVConnector:
         raise RuntimeError("start_load without a positive on_admission claim")
 
     def poll(self) -> TransferEvents:
-        """Saves and loads that landed or failed since the last call."""
+        """Saves and loads that landed or failed since the last call, each reported once.
+        The Scheduler refuses (ValueError, applying none) a report of a copy it has not
+        started or has already seen end."""
         return TransferEvents()
 
     def has_pending(self) -> bool:

@@ -31,7 +31,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from jaxkv.kv_cache_manager import KVCacheManager
-from jaxkv.kv_transfer import KVConnector
+from jaxkv.kv_transfer import KVConnector, TransferEvents
 from jaxkv.request import Request, RequestStatus
 
 
@@ -230,13 +230,15 @@ class TransferTracker:
         """Applies the connector's events since the last call (see the module doc).
 
         Called first by each schedule(): the loads started before it can no longer be
-        cancelled by a discard.
+        cancelled by a discard. Raises ValueError, applying none of them, for events that
+        are not a TransferEvents or report a copy that is not in flight, or one twice.
         """
         self._new_loads.clear()
         events = self._connector.poll()
-        if not events:
+        if events is None or (type(events) is TransferEvents and not events):
             return
-        for req_id in events.saved + events.failed_saves:
+        self._check_events(events)
+        for req_id in (*events.saved, *events.failed_saves):
             request = self.transferring.pop(req_id)
             request.status = self._finished_as.pop(req_id)
             self._release(request)
@@ -244,6 +246,31 @@ class TransferTracker:
             self._load_ended(req_id, landed=True)
         for req_id in events.failed_loads:
             self._load_ended(req_id, landed=False)
+
+    def _check_events(self, events: object) -> None:
+        """ValueError naming the connector, before any event is applied, unless `events`
+        is a TransferEvents that reports only copies in flight, each once."""
+        poll = f"{type(self._connector).__name__}.poll()"
+        if not isinstance(events, TransferEvents):
+            raise ValueError(f"{poll} returned {events!r}; expected a TransferEvents")
+        for kind, fields, in_flight in (
+            ("save", ("saved", "failed_saves"), self._finished_as),
+            ("load", ("loaded", "failed_loads"), self._loading),
+        ):
+            seen: set[str] = set()
+            for field in fields:
+                ids = getattr(events, field)
+                if not isinstance(ids, (tuple, list)):
+                    raise ValueError(f"{poll} returned {field}={ids!r}; expected request ids")
+                for req_id in ids:
+                    if type(req_id) is not str or req_id not in in_flight:
+                        raise ValueError(
+                            f"{poll} reported {field} {req_id!r}, but no {kind} of that "
+                            f"request is in flight"
+                        )
+                    if req_id in seen:
+                        raise ValueError(f"{poll} reported the {kind} of {req_id!r} twice")
+                    seen.add(req_id)
 
     def _load_ended(self, req_id: str, *, landed: bool) -> None:
         request, num_computed = self._loading.pop(req_id)
