@@ -95,3 +95,18 @@ def test_a_bad_report_is_refused_with_nothing_applied(report):
     assert out.num_scheduled_tokens.tolist() == [6]  # 8 of its 14 tokens were loaded
     run_until_idle(sched)
     assert sched.manager.num_free_blocks == 31
+
+
+def test_a_load_aborted_in_flight_reported_as_a_save_is_refused_and_still_held():
+    sched, connector, a, b = _saving_and_loading()
+    assert sched.abort("b") and sched.transferring == {"a": a, "b": b}
+    held = sched.manager.block_ids("b")
+    connector.report = TransferEvents(saved=("b",))
+    with pytest.raises(ValueError, match=r"reported saved 'b', but no save"):
+        sched.schedule()
+    assert sched.transferring == {"a": a, "b": b} and sched.manager.block_ids("b") == held
+    connector.report = TransferEvents(saved=("a",), failed_loads=("b",))
+    connector.in_flight.clear()
+    out, _ = step(sched)
+    assert set(out.finished_request_ids) >= {"b"} and not sched.transferring
+    assert b.status == RequestStatus.FINISHED_ABORTED and sched.manager.num_free_blocks == 31
