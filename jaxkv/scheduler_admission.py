@@ -142,10 +142,10 @@ def _allocate_for_admission(scheduler: Scheduler, request: Request, budget: int)
     # Counted only once acted on: a request waiting for room is looked up every step.
     hit = find_cache_hit(m, request)
     num_hit = hit.num_tokens
-    next_block = num_hit // m.block_size
-    if next_block < len(request.block_hashes) and scheduler._transfers.is_loading(
-        request.block_hashes[next_block]
-    ):
+    hashes, next_block = request.block_hashes, num_hit // m.block_size
+    # Worth the wait only for a block a cache hit may cover (never the last token's).
+    num_hittable = min(len(hashes), (request.num_tokens - 1) // m.block_size)
+    if next_block < num_hittable and scheduler._transfers.is_loading(hashes[next_block]):
         return _AWAITING_LOAD
     num_external = scheduler.connector.on_admission(request, num_hit)
     if num_external:  # the request waits for the load: 0 tokens this step

@@ -214,7 +214,8 @@ class TransferTracker:
         """Makes an unfinished request, already out of its queue, FINISHED_ABORTED.
 
         A request whose load is in flight stays in `transferring` (its blocks held)
-        until the load lands or fails; every other one is released now.
+        until the load lands or fails (a landed load's blocks enter the prefix cache
+        before they are freed); every other one is released now.
         """
         self._landed.pop(request.request_id, None)
         loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
@@ -275,13 +276,16 @@ class TransferTracker:
     def _load_ended(self, req_id: str, *, landed: bool) -> None:
         request, num_computed = self._loading.pop(req_id)
         self._forget_hashes(req_id)
-        if self.transferring.pop(req_id, None) is not None:  # aborted while loading
+        aborted = self.transferring.pop(req_id, None) is not None
+        if landed and num_computed is not None:
+            request.num_computed_tokens = num_computed
+            # Caches the loaded blocks now (it needs no fresh block), even for an aborted
+            # request: one that misses them before this one is admitted, or that waited
+            # for this load (is_loading), hits them instead of loading them again.
+            self._manager.allocate_slots(request, 0)
+        if aborted:
             self._release(request)
         elif landed and num_computed is not None:
-            request.num_computed_tokens = num_computed
-            # Caches the loaded blocks now (it needs no fresh block): a request that
-            # misses them before this one is admitted hits them instead of loading again.
-            self._manager.allocate_slots(request, 0)
             request.status = RequestStatus.WAITING
             self._landed[req_id] = request
         else:  # failed or cancelled: recompute from scratch

@@ -1,0 +1,112 @@
+"""Loads shared between requests: a request whose next block another request's load
+brings waits for that load and then hits its blocks, which enter the prefix cache when
+it lands, whatever becomes of the request that started it."""
+
+from __future__ import annotations
+
+from jaxkv import Request, RequestStatus
+from jaxkv.kv_transfer import HostOffloadConnector
+from tests.host._sched_util import (
+    FakeCopier,
+    OracleLoadConnector,
+    add,
+    make_scheduler,
+    run_until_idle,
+    step,
+)
+
+BS = 4
+PROMPT = list(range(1, 15))  # 3 full blocks, then 2 tokens
+
+
+def _offloaded(sched_kwargs=None):
+    """A scheduler whose connector's host store alone holds PROMPT's 3 full blocks, and
+    copies that land only on copier.complete()."""
+    copier = FakeCopier(64, BS, auto_complete=False)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    sched = make_scheduler(
+        num_blocks=64, block_size=BS, connector=connector, **(sched_kwargs or {})
+    )
+    add(sched, "a0", PROMPT, max_tokens=1)
+    step(sched, copier)
+    copier.complete()
+    run_until_idle(sched, copier)
+    assert sched.manager.reset_prefix_cache()  # the KV is now on the host only
+    return sched, connector, copier
+
+
+def test_a_request_whose_next_block_another_load_brings_waits_for_it_then_hits_it():
+    sched, connector, copier = _offloaded()
+    prompt = PROMPT
+    b = add(sched, "b", prompt, max_tokens=2)
+    c = add(sched, "c", prompt[:12] + [99, 98], max_tokens=2)  # the same 3 full blocks
+    add(sched, "d", [50, 51, 52, 53, 54], max_tokens=2)  # behind them, still admitted
+    out, _ = step(sched, copier)
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert c.status == RequestStatus.WAITING and "c" not in sched.manager.request_ids
+    assert [r.request_id for r in out.requests] == ["d"] and [
+        r.request_id for r in sched.waiting
+    ] == ["b", "c"]
+    copier.complete()
+    out, _ = step(sched, copier)  # b's load lands: b runs and caches its blocks, then c hits
+    assert [r.request_id for r in out.requests] == ["d", "b", "c"]
+    assert sched.manager.block_ids("c")[:3] == sched.manager.block_ids("b")[:3]
+    scheduled = dict(zip(out.request_ids, out.num_scheduled_tokens.tolist(), strict=True))
+    assert scheduled["c"] == 2 and connector.stats.num_loads == 1  # 12 tokens were a hit
+    run_until_idle(sched, copier)
+    assert sched.manager.num_free_blocks == 63
+
+
+def test_a_landed_loads_blocks_are_cached_before_its_request_is_admitted():
+    copier = FakeCopier(64, BS)
+    connector = OracleLoadConnector(copier, {"b": 12})
+    sched = make_scheduler(num_blocks=64, block_size=BS, max_num_seqs=1, connector=connector)
+    prompt = list(range(1, 15))  # 3 full blocks loaded, then 2 tokens computed
+    b = add(sched, "b", prompt, max_tokens=2)
+    add(sched, "r", [50, 51], max_tokens=6)  # takes the one running slot
+    step(sched, copier)
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    out, _ = step(sched, copier)  # b's load lands; b waits for the slot
+    assert out.request_ids == ["r"] and b.status == RequestStatus.WAITING
+    probe = Request("probe", prompt + [7])
+    hit, num_hit = sched.manager.get_computed_blocks(probe, count=False)
+    assert num_hit == 12 and hit == sched.manager.block_ids("b")[:3]
+    c = add(sched, "c", prompt[:12] + [99, 98], max_tokens=2)
+    finished = run_until_idle(sched, copier)
+    assert set(finished) == {"b", "c", "r"} and connector.started == ["b"]
+    assert c.num_preemptions == 0 and sched.manager.num_free_blocks == 63
+
+
+def test_a_load_whose_request_is_aborted_in_flight_still_serves_its_waiters():
+    sched, connector, copier = _offloaded()
+    a = add(sched, "a", PROMPT, max_tokens=2)
+    b = add(sched, "b", PROMPT, max_tokens=2)
+    step(sched, copier)  # a starts its load; b waits for it
+    assert a.status == RequestStatus.WAITING_FOR_REMOTE_KV and b.status == RequestStatus.WAITING
+    assert sched.abort("a")  # its copy is still in flight: a's blocks stay held
+    out, _ = step(sched, copier)
+    assert out.request_ids == [] and b.status == RequestStatus.WAITING
+    copier.complete()  # a's load lands with valid KV: its blocks are cached, then freed
+    out, _ = step(sched, copier)
+    assert out.request_ids == ["b"] and out.num_scheduled_tokens.tolist() == [2]
+    assert connector.stats.num_loads == 1 and len(copier.loaded_block_ids) == 1
+    run_until_idle(sched, copier)
+    assert sched.manager.num_free_blocks == 63
+
+
+def test_a_request_waits_for_no_load_of_a_block_it_cannot_hit():
+    sched, connector, copier = _offloaded()
+    add(sched, "a", PROMPT, max_tokens=2)
+    b = add(sched, "b", PROMPT[:4], max_tokens=2)  # one block, holding its last token
+    out, _ = step(sched, copier)  # a starts its load; b computes its 4 tokens at once
+    assert out.request_ids == ["b"] and out.num_scheduled_tokens.tolist() == [4]
+    assert b.status == RequestStatus.RUNNING
+    c = add(sched, "c", PROMPT[:9], max_tokens=2)  # 2 hittable blocks: waits for a's load
+    out, _ = step(sched, copier)
+    assert c.status == RequestStatus.WAITING and "c" not in out.request_ids
+    copier.complete()
+    out, _ = step(sched, copier)
+    scheduled = dict(zip(out.request_ids, out.num_scheduled_tokens.tolist(), strict=True))
+    assert scheduled["a"] == 2 and scheduled["c"] == 1  # 8 of c's 9 tokens were a hit
+    assert connector.stats.num_loads == 1
