@@ -119,6 +119,10 @@ class HostBlockTable:
             else:
                 raw = self._row_bytes[key[0]] if key else b""
         except KeyError as e:
+            if type(e.args[0]) is not str:  # a Request, say: its id would have been found
+                raise ValueError(
+                    f"request_ids: {e.args[0]!r} is not a request id (a str, as Request.request_id)"
+                ) from None
             raise UnknownRequestError(
                 f"request_ids: {e.args[0]!r} holds no blocks (never allocated or already freed)"
             ) from None

@@ -34,7 +34,10 @@ class FreeKVCacheBlockQueue:
         return block
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        """Pops the first `n` free blocks, head first. Raises ValueError if fewer are free."""
+        """Pops the first `n` free blocks, head first. Raises ValueError (nothing changed)
+        unless `n` is an int >= 0 (not a bool) and at most num_free_blocks."""
+        if type(n) is not int or n < 0:
+            raise ValueError(f"popleft_n: n={n!r} must be an int >= 0")
         if n > self.num_free_blocks:
             raise ValueError(f"{n=} exceeds num_free_blocks={self.num_free_blocks}")
         blocks = []

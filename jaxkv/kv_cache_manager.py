@@ -163,7 +163,9 @@ class KVCacheManager:
 
         Exact whatever else holds blocks: requests outside `request_ids` neither add to nor
         subtract from the answer. Zero ids give 0; one id gives its number of blocks.
-        Raises UnknownRequestError (a ValueError) naming an id that holds no blocks.
+        Raises UnknownRequestError (a ValueError) naming an id that holds no row (never
+        allocated, or freed; a request allocated 0 tokens holds a row and gives 0), and
+        ValueError naming an item that is not a str id (a Request, say).
 
         For two or more ids the answer of the previous call is reused while the id list
         is equal, no request has been freed and no cache hit has been appended: blocks

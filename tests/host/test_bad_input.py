@@ -117,9 +117,17 @@ def test_unknown_id_in_shared_prefix_queries(busy):
         busy.num_common_prefix_blocks(["zzz"])
     with pytest.raises(ValueError, match="'never'"):
         busy.block_ids("never")
-    for bad, match in ((["a", ["b"]], r"\['b'\] is not a request id"), (None, "sequence")):
-        with pytest.raises(ValueError, match=f"request_ids.*{match}"):
-            busy.num_common_prefix_blocks(bad)
+    a_request = make_request("a", range(9))  # the Request, not its id: a ValueError
+    for bad, match in (
+        (["a", ["b"]], r"\['b'\] is not a request id"),
+        (None, "sequence"),
+        (["b", a_request], r"Request\('a'.* is not a request id \(a str"),
+        ([7], r"7 is not a request id"),
+    ):
+        for call in (busy.num_common_prefix_blocks, busy.rows_of):
+            with pytest.raises(ValueError, match=f"request_ids.*{match}") as raised:
+                call(bad)
+            assert not isinstance(raised.value, UnknownRequestError)
     assert busy.num_common_prefix_blocks(["a", "b"]) == 1  # a failed call left no residue
     _assert_unchanged(busy, before)
 
