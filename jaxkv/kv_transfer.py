@@ -114,8 +114,8 @@ class KVConnector:
 
     def poll(self) -> TransferEvents:
         """Saves and loads that landed or failed since the last call, each reported once.
-        The Scheduler refuses (ValueError, applying none) a report of a copy it has not
-        started or has already seen end."""
+        The Scheduler ignores an entry for a copy it has not started or has already seen
+        end, and raises ValueError naming it once it has applied the rest."""
         return TransferEvents()
 
     def has_pending(self) -> bool:

@@ -231,47 +231,59 @@ class TransferTracker:
         """Applies the connector's events since the last call (see the module doc).
 
         Called first by each schedule(): the loads started before it can no longer be
-        cancelled by a discard. Raises ValueError, applying none of them, for events that
-        are not a TransferEvents or report a copy that is not in flight, or one twice.
+        cancelled by a discard. A report that is not a TransferEvents raises ValueError
+        with nothing applied. Entries that name no copy in flight, or one already named,
+        are ignored: the rest are applied (each a copy that ended, whose blocks would
+        otherwise stay held), then ValueError names the connector and every ignored entry.
         """
         self._new_loads.clear()
         events = self._connector.poll()
         if events is None or (type(events) is TransferEvents and not events):
             return
-        self._check_events(events)
-        for req_id in (*events.saved, *events.failed_saves):
+        saves, loads, ignored = self._sorted_events(events)
+        for req_id in saves:
             request = self.transferring.pop(req_id)
             request.status = self._finished_as.pop(req_id)
             self._release(request)
-        for req_id in events.loaded:
-            self._load_ended(req_id, landed=True)
-        for req_id in events.failed_loads:
-            self._load_ended(req_id, landed=False)
+        for req_id, landed in loads:
+            self._load_ended(req_id, landed=landed)
+        if ignored:
+            raise ValueError(
+                f"{type(self._connector).__name__}.poll() reported {'; '.join(ignored)}. "
+                "Those entries were ignored; the others were applied"
+            )
 
-    def _check_events(self, events: object) -> None:
-        """ValueError naming the connector, before any event is applied, unless `events`
-        is a TransferEvents that reports only copies in flight, each once."""
-        poll = f"{type(self._connector).__name__}.poll()"
+    def _sorted_events(self, events: object) -> tuple[list[str], list[tuple[str, bool]], list]:
+        """(ended saves, (ended load, landed) pairs, why each other entry is ignored): a
+        save or load counts if its request has one in flight, once. ValueError unless
+        `events` is a TransferEvents."""
         if not isinstance(events, TransferEvents):
-            raise ValueError(f"{poll} returned {events!r}; expected a TransferEvents")
-        for kind, fields, in_flight in (
-            ("save", ("saved", "failed_saves"), self._finished_as),
-            ("load", ("loaded", "failed_loads"), self._loading),
+            raise ValueError(
+                f"{type(self._connector).__name__}.poll() returned {events!r}; expected a "
+                "TransferEvents (nothing was applied)"
+            )
+        saves: list[str] = []
+        loads: list[tuple[str, bool]] = []
+        ignored: list[str] = []
+        for kind, fields, in_flight, ended in (
+            ("save", ("saved", "failed_saves"), self._finished_as, saves),
+            ("load", ("loaded", "failed_loads"), self._loading, loads),
         ):
             seen: set[str] = set()
             for field in fields:
                 ids = getattr(events, field)
                 if not isinstance(ids, (tuple, list)):
-                    raise ValueError(f"{poll} returned {field}={ids!r}; expected request ids")
+                    ignored.append(f"{field}={ids!r}, not a tuple of request ids")
+                    continue
                 for req_id in ids:
                     if type(req_id) is not str or req_id not in in_flight:
-                        raise ValueError(
-                            f"{poll} reported {field} {req_id!r}, but no {kind} of that "
-                            f"request is in flight"
-                        )
-                    if req_id in seen:
-                        raise ValueError(f"{poll} reported the {kind} of {req_id!r} twice")
-                    seen.add(req_id)
+                        ignored.append(f"{field} {req_id!r}, but no {kind} of it is in flight")
+                    elif req_id in seen:
+                        ignored.append(f"{field} {req_id!r}, but its {kind} ended already")
+                    else:
+                        seen.add(req_id)
+                        ended.append(req_id if kind == "save" else (req_id, field == "loaded"))
+        return saves, loads, ignored
 
     def _load_ended(self, req_id: str, *, landed: bool) -> None:
         request, num_computed = self._loading.pop(req_id)

@@ -1,5 +1,7 @@
-"""A connector's poll() events are checked before any is applied: a bad report leaves
-every queue, block and transfer as it was, and the good report after it still lands."""
+"""A connector's poll() report is checked entry by entry: an entry naming no copy in
+flight, or one already ended, is ignored and named in a ValueError after the others
+are applied (each ended a real copy); a report that is no TransferEvents changes nothing.
+Either way every copy still in flight lands on a later report and nothing leaks."""
 
 from __future__ import annotations
 
@@ -51,44 +53,68 @@ def _saving_and_loading():
     return sched, connector, a, b
 
 
+# (report, what the error says, the requests whose copies it ends all the same)
 BAD_REPORTS = {
-    "unknown_load": (TransferEvents(loaded=("zzz",)), r"reported loaded 'zzz', but no load"),
-    "a_load_reported_as_a_save": (TransferEvents(saved=("b",)), r"reported saved 'b', but no save"),
+    "unknown_load": (TransferEvents(loaded=("zzz",)), r"loaded 'zzz', but no load", ""),
+    "a_load_reported_as_a_save": (TransferEvents(saved=("b",)), r"saved 'b', but no save", ""),
     "a_save_reported_as_a_load": (
         TransferEvents(failed_loads=("a",)),
-        r"reported failed_loads 'a', but no load",
+        r"failed_loads 'a', but no load",
+        "",
     ),
     "save_twice": (
         TransferEvents(saved=("a",), failed_saves=("a",)),
-        r"reported the save of 'a' twice",
+        r"failed_saves 'a', but its save ended already",
+        "a",
     ),
-    "load_twice": (TransferEvents(loaded=("b", "b")), r"reported the load of 'b' twice"),
-    "good_then_bad": (
-        TransferEvents(saved=("a",), loaded=("b", "zzz")),
-        r"reported loaded 'zzz', but no load",
+    "load_twice": (
+        TransferEvents(loaded=("b", "b")),
+        r"loaded 'b', but its load ended already",
+        "b",
     ),
-    "not_events": ({"saved": ("a",)}, r"returned \{'saved'.*expected a TransferEvents"),
-    "ids_as_one_str": (TransferEvents(loaded="b"), r"returned loaded='b'; expected request ids"),
-    "unhashable_id": (TransferEvents(loaded=(["b"],)), r"reported loaded \['b'\], but no load"),
+    "good_and_bad": (
+        TransferEvents(saved=("a", "zzz"), loaded=("yyy", "b")),
+        r"saved 'zzz', but no save of it.*; loaded 'yyy', but no load of it",
+        "ab",
+    ),
+    "ids_as_one_str": (
+        TransferEvents(saved=("a",), loaded="b"),
+        r"loaded='b', not a tuple",
+        "a",
+    ),
+    "unhashable_id": (TransferEvents(loaded=(["b"],)), r"loaded \['b'\], but no load", ""),
 }
 
 
-@pytest.mark.parametrize("report", list(BAD_REPORTS.values()), ids=list(BAD_REPORTS))
-def test_a_bad_report_is_refused_with_nothing_applied(report):
-    events, message = report
-    sched, connector, a, b = _saving_and_loading()
-    held = {rid: sched.manager.block_ids(rid) for rid in "ab"}
-    free = sched.manager.num_free_blocks
-    connector.report = events
-    with pytest.raises(ValueError, match=r"_ScriptedConnector\.poll\(\) " + message):
-        sched.schedule()
+def _ended_as_reported(sched, a, b, ended: str) -> None:
+    """The copies of the requests in `ended` ended (a: its save, b: its load); the
+    others are still in flight with their blocks held."""
     sched.manager.check_integrity()
-    assert sched.transferring == {"a": a} and a.status == RequestStatus.FINISHED_TRANSFERRING
-    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV and b.num_computed_tokens == 0
-    assert {rid: sched.manager.block_ids(rid) for rid in "ab"} == held
-    assert sched.manager.num_free_blocks == free
-    # The connector's true report still lands both copies; then everything is freed.
-    connector.report = TransferEvents(saved=("a",), loaded=("b",))
+    if "a" in ended:
+        assert a.status == RequestStatus.FINISHED_LENGTH and "a" not in sched.transferring
+        assert "a" not in sched.manager.request_ids
+    else:
+        assert sched.transferring["a"] is a and a.status == RequestStatus.FINISHED_TRANSFERRING
+        assert len(sched.manager.block_ids("a")) == 2
+    if "b" in ended:
+        assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 8
+    else:
+        assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV and b.num_computed_tokens == 0
+    assert len(sched.manager.block_ids("b")) == 4
+
+
+@pytest.mark.parametrize("report", list(BAD_REPORTS.values()), ids=list(BAD_REPORTS))
+def test_a_reports_bad_entries_are_named_and_ignored_and_the_rest_applied(report):
+    events, message, ended = report
+    sched, connector, a, b = _saving_and_loading()
+    connector.report = events
+    with pytest.raises(ValueError, match=r"_ScriptedConnector\.poll\(\) reported .*" + message):
+        sched.schedule()
+    _ended_as_reported(sched, a, b, ended)
+    # The copies still in flight land on a later report; then everything is freed.
+    connector.report = TransferEvents(
+        saved=() if "a" in ended else ("a",), loaded=() if "b" in ended else ("b",)
+    )
     connector.in_flight.clear()
     out, _ = step(sched)
     assert a.status == RequestStatus.FINISHED_LENGTH and out.request_ids == ["b"]
@@ -97,13 +123,21 @@ def test_a_bad_report_is_refused_with_nothing_applied(report):
     assert sched.manager.num_free_blocks == 31
 
 
-def test_a_load_aborted_in_flight_reported_as_a_save_is_refused_and_still_held():
+def test_a_report_that_is_no_transfer_events_is_refused_with_nothing_applied():
+    sched, connector, a, b = _saving_and_loading()
+    connector.report = {"saved": ("a",)}
+    with pytest.raises(ValueError, match=r"poll\(\) returned \{'saved'.*expected a TransferEvents"):
+        sched.schedule()
+    _ended_as_reported(sched, a, b, "")
+
+
+def test_a_load_aborted_in_flight_reported_as_a_save_is_ignored_and_still_held():
     sched, connector, a, b = _saving_and_loading()
     assert sched.abort("b") and sched.transferring == {"a": a, "b": b}
     held = sched.manager.block_ids("b")
     connector.report = TransferEvents(saved=("b",))
     with pytest.raises(ValueError, match=r"reported saved 'b', but no save"):
-        sched.schedule()
+        sched.schedule()  # "b" has no save: its load's blocks stay held for the copy
     assert sched.transferring == {"a": a, "b": b} and sched.manager.block_ids("b") == held
     connector.report = TransferEvents(saved=("a",), failed_loads=("b",))
     connector.in_flight.clear()
