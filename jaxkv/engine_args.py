@@ -8,6 +8,7 @@ the KV cache was allocated), or, for params, only at the first step().
 from __future__ import annotations
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxkv.config import EngineConfig
@@ -17,7 +18,8 @@ from jaxkv.kv_transfer import KVConnector
 def checked_engine_args(model, params, config, connector) -> EngineConfig:
     """`config` (EngineConfig() for None); ValueError naming the argument unless `model`
     is an nnx.Module with a `config` and `init_kv_caches` (a jaxkv.models.Llama),
-    `params` None or a state of the model's structure and leaf shapes, `config` None or
+    `params` None or a state of the model's structure, leaf shapes and dtypes (concrete
+    arrays, not abstract ones), `config` None or
     an EngineConfig and `connector` None or a KVConnector."""
     llama = all(hasattr(model, name) for name in ("config", "init_kv_caches"))
     if not (isinstance(model, nnx.Module) and llama):
@@ -40,8 +42,15 @@ def _check_params(model, params) -> None:
             f"model's state (nnx.state(model): {want.num_leaves} leaves, same structure)"
         )
     for (path, w), g in zip(jax.tree.leaves_with_path(state), jax.tree.leaves(params), strict=True):
+        where = f"params{jax.tree_util.keystr(path)}"
         if getattr(g, "shape", None) != w.shape:
             raise ValueError(
-                f"params{jax.tree_util.keystr(path)}: shape {getattr(g, 'shape', None)} "
-                f"must be {w.shape}, as the model's"
+                f"{where}: shape {getattr(g, 'shape', None)} must be {w.shape}, as the model's"
+            )
+        # An abstract leaf (jax.ShapeDtypeStruct) failed only at the first step; weights
+        # of another dtype (ints, say) served garbage silently.
+        if not isinstance(g, (jax.Array, np.ndarray)) or g.dtype != w.dtype:
+            raise ValueError(
+                f"{where}: {type(g).__name__} of dtype {getattr(g, 'dtype', None)}; it must "
+                f"be an array of {w.dtype}, as the model's"
             )

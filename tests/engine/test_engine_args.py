@@ -21,6 +21,10 @@ def _params_with_a_wrong_shape():
     return jax.tree.unflatten(treedef, leaves)
 
 
+def _params_mapped(leaf_of):
+    return jax.tree.map(leaf_of, nnx.state(tiny_model()))
+
+
 class _ConfigOnly(nnx.Module):
     """A module with a config but no init_kv_caches: no Llama."""
 
@@ -41,6 +45,21 @@ class _ConfigOnly(nnx.Module):
         # Used to be accepted; the first step then failed on the number of leaves.
         (lambda: Engine(tiny_model(), {"w": 1}, engine_config()), "params: a dict with 1"),
         (lambda: Engine(tiny_model(), _params_with_a_wrong_shape(), engine_config()), "shape"),
+        # Int weights served zeros; abstract ones failed only at the first step.
+        (
+            lambda: Engine(
+                tiny_model(), _params_mapped(lambda x: x.astype(jnp.int32)), engine_config()
+            ),
+            r"params\[.*: \w+ of dtype int32; it must be an array of float32",
+        ),
+        (
+            lambda: Engine(
+                tiny_model(),
+                _params_mapped(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)),
+                engine_config(),
+            ),
+            r"params\[.*: ShapeDtypeStruct of dtype float32; it must be an array of float32",
+        ),
     ],
 )
 def test_arguments_of_the_wrong_kind_are_refused_by_name(make, match):
