@@ -70,13 +70,17 @@ def mesh_for(mesh: Mesh | None = None, tensor_parallel_size: int | None = None) 
     """The mesh an engine runs on: `mesh`, or make_mesh(tensor_parallel_size), or None.
 
     None (both None) means the default device without sharding. Raises ValueError when
-    both are given and disagree, or `mesh` is no Mesh or has no DEFAULT_AXIS axis."""
+    both are given and disagree, `tensor_parallel_size` is no int (bools are not), or
+    `mesh` is no Mesh or has no DEFAULT_AXIS axis."""
     if mesh is None:
         return None if tensor_parallel_size is None else make_mesh(tensor_parallel_size)
     if not isinstance(mesh, Mesh):  # a str or a device list used to raise AttributeError
         raise ValueError(f"mesh={mesh!r} must be None or a jax.sharding.Mesh")
     if DEFAULT_AXIS not in mesh.shape:
         raise ValueError(f"{mesh.axis_names=} must contain {DEFAULT_AXIS!r}")
-    if tensor_parallel_size is not None and mesh.shape[DEFAULT_AXIS] != tensor_parallel_size:
-        raise ValueError(f"{tensor_parallel_size=} disagrees with {mesh.shape=}")
+    if tensor_parallel_size is not None:
+        if as_int(tensor_parallel_size) is None:  # True or 1.0 compared equal to 1
+            raise ValueError(f"{tensor_parallel_size=} must be an int")
+        if mesh.shape[DEFAULT_AXIS] != tensor_parallel_size:
+            raise ValueError(f"{tensor_parallel_size=} disagrees with {mesh.shape=}")
     return mesh

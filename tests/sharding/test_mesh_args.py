@@ -23,6 +23,8 @@ def test_a_tensor_parallel_size_that_is_not_an_int_is_refused(tp):
     # True divides every device count and would make a 1-device mesh; 1.0 a TypeError.
     with pytest.raises(ValueError, match="must be an int"):
         sharding.replica_meshes(tp)
+    with pytest.raises(ValueError, match="must be an int"):  # compared equal to 1 before
+        sharding.mesh_for(sharding.make_mesh(1), tp)
 
 
 def test_mesh_for_takes_the_mesh_or_the_size_and_refuses_them_disagreeing():
