@@ -29,8 +29,9 @@ from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.parallel_sampling import IdsInUse
 from jaxkv.prompt_checks import checked_prompt_ids
-from jaxkv.request import MAX_TOKEN_ID
+from jaxkv.request import MAX_TOKEN_ID, SamplingParams
 from jaxkv.request_serials import RequestSerials
+from jaxkv.router_samples import RunningSamples
 
 
 class Replica(Protocol):
@@ -103,7 +104,7 @@ class PrefixAwareRouter(Closable):
         self._prefix_replica: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
         self._outstanding = [0] * len(self.replicas)  # replica -> unfinished sequences
         self._replica_of: dict[str, int] = {}  # request_id -> replica, while unfinished
-        self._samples_of: dict[str, int] = {}  # request_id -> samples running, where n > 1
+        self._samples = RunningSamples()  # of requests of n > 1
         self._undelivered: list[RequestOutput] = []  # gathered by a step() that raised
         self._serials = RequestSerials("dp-")  # of generated ids
 
@@ -176,7 +177,8 @@ class PrefixAwareRouter(Closable):
         """Routes and queues a request on one replica; returns its id (unique across all
         replicas; generated ones are "dp-0", "dp-1", ... skipping ids callers hold).
         Prompts route together only under equal `cache_salt`s, as the replicas cache them.
-        Raises ValueError on a duplicate id or one that is not a str; the replica's own
+        Raises ValueError on an id in use (a running request's, a running sample's, or
+        under n > 1 one whose samples' ids are) or one that is not a str; the replica's own
         ValueError (bad prompt or params) leaves the router unchanged, the next generated
         id included."""
         self._check_open()
@@ -186,10 +188,18 @@ class PrefixAwareRouter(Closable):
             raise ValueError(f"{request_id=} must be None or a str")
         prompt = _prompt_ids(prompt_token_ids)
         generated = request_id is None
-        n = getattr(sampling_params, "n", 1)  # a default id whose samples' ids are free
-        serial, request_id = self._serials.peek(request_id, IdsInUse(self._replica_of, n=n))
+        # Anything else the replica refuses by name. A default id is one whose samples'
+        # ids are free too; no id may be a running sample's, whichever replica runs it.
+        n = sampling_params.n if isinstance(sampling_params, SamplingParams) else 1
+        in_use = IdsInUse(self._replica_of, self._samples, n=n)
+        serial, request_id = self._serials.peek(request_id, in_use)
         if request_id in self._replica_of:
             raise ValueError(f"{request_id=} is already running")
+        if request_id in in_use:
+            raise ValueError(
+                f"{request_id=} is already in use: it, or one of its {n} samples' ids, is "
+                "a running sample's id"
+            )
         hashes = self._prefix_hashes(prompt, cache_salt)
         replica = self._route(hashes).replica
         self.replicas[replica].add_request(
@@ -201,7 +211,7 @@ class PrefixAwareRouter(Closable):
         self._outstanding[replica] += n
         self._replica_of[request_id] = replica
         if n > 1:
-            self._samples_of[request_id] = n
+            self._samples.add(request_id, n)
         return request_id
 
     def queue_checkpoint(self) -> Callable[[], None]:
@@ -226,30 +236,52 @@ class PrefixAwareRouter(Closable):
         return rewind
 
     def abort(self, request_id: str) -> bool:
-        """Aborts an unfinished request on its replica; False if unknown or finished.
-        Raises ValueError unless `request_id` is a str (the ids add_request returns).
+        """Aborts an unfinished request on its replica (under n > 1 each of its running
+        samples; a sample's own id, "i_<id>", aborts that one); False if unknown or
+        finished. Raises ValueError unless `request_id` is a str (the ids add_request
+        returns).
 
         A request its replica no longer runs, with no finishing output left to deliver
         (it finished inside a replica step() that raised, its output lost with it), is
         released here too, and False returned."""
         if not isinstance(request_id, str):
             raise ValueError(f"{request_id=} must be a request id (a str)")
-        replica = self._replica_of.get(request_id)
+        sample = None if request_id in self._replica_of else self._samples.sample_of(request_id)
+        owner = request_id if sample is None else sample[0]
+        replica = self._replica_of.get(owner)
         if replica is None:
             return False
+
+        def its(o: RequestOutput) -> bool:  # an output of what is aborted
+            return o.request_id == owner and (sample is None or o.index == sample[1])
+
         if not self.replicas[replica].abort(request_id):
-            if not any(o.finished and o.request_id == request_id for o in self._undelivered):
-                self._finish(request_id)
+            if not any(its(o) and o.finish_reason is not None for o in self._undelivered):
+                self._release(owner, sample)
             return False
-        self._finish(request_id)
+        self._release(owner, sample)
         # Outputs a failed step() kept for it must not reach a later request of this id.
-        self._undelivered = [o for o in self._undelivered if o.request_id != request_id]
+        self._undelivered = [o for o in self._undelivered if not its(o)]
         return True
+
+    def _release(self, request_id: str, sample: tuple[str, int] | None) -> None:
+        if sample is None:
+            self._finish(request_id)
+        else:
+            self._sample_ended(*sample)
 
     def _finish(self, request_id: str) -> None:
         replica = self._replica_of.pop(request_id, None)
         if replica is not None:
-            self._outstanding[replica] -= self._samples_of.pop(request_id, 1)
+            self._outstanding[replica] -= self._samples.pop(request_id)
+
+    def _sample_ended(self, parent: str, index: int) -> None:
+        """One sample ended: one sequence fewer; the request ends with its last sample
+        (an aborted last sample gets no output saying so)."""
+        if self._samples.end(parent, index):
+            self._outstanding[self._replica_of[parent]] -= 1
+            if not self._samples.num_running(parent):
+                self._finish(parent)
 
     def has_unfinished_requests(self) -> bool:
         """True while a replica has unfinished requests or a step() has outputs to give."""
@@ -276,11 +308,10 @@ class PrefixAwareRouter(Closable):
         return self._finished_from(outputs)
 
     def _finished_from(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        samples = self._samples_of
+        samples = self._samples
         for o in outputs:
-            if samples and o.finish_reason is not None and o.request_id in samples:
-                samples[o.request_id] -= 1  # one sample ended: one sequence fewer
-                self._outstanding[self._replica_of[o.request_id]] -= 1
+            if o.finish_reason is not None and samples.is_parent(o.request_id):
+                self._sample_ended(o.request_id, o.index)
             if o.finished:
                 self._finish(o.request_id)
         return outputs
