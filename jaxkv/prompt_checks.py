@@ -15,9 +15,14 @@ def checked_prompt_ids(
     """`prompt_token_ids` as a list of Python ints.
 
     Raises ValueError naming prompt_token_ids unless it is a 1-D sequence (or array) of
-    integers, each in [0, `limit`), and not empty unless `allow_empty`. Text is refused
-    (numpy reads a str as a 0-D array), and so are bools (numpy reads [True, 2] as [1, 2]).
+    integers, each in [0, `limit`), and not empty unless `allow_empty`. Text and bytes are
+    refused, as Request refuses them, and so are bools (numpy reads [True, 2] as [1, 2]).
     """
+    if isinstance(prompt_token_ids, (str, bytes, bytearray)):  # numpy reads a bytearray as uint8
+        raise ValueError(
+            f"prompt_token_ids must be token ids, not {type(prompt_token_ids).__name__} "
+            "(encode text with a tokenizer)"
+        )
     if isinstance(prompt_token_ids, (list, tuple)) and _BOOLS & set(map(type, prompt_token_ids)):
         at = next(i for i, t in enumerate(prompt_token_ids) if type(t) in _BOOLS)
         raise ValueError(f"prompt_token_ids must be ints, got a bool at index {at}")

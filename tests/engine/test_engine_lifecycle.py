@@ -101,7 +101,9 @@ def test_abort_in_every_state_frees_everything_and_others_stay_exact():
         ([1, -2, 3], None, r"\[0, 256\)"),
         ([1.5, 2.0], None, "integers"),
         ([[1, 2]], None, "1-D"),
-        ("abc", None, "1-D"),
+        ("abc", None, "token ids, not str"),
+        (b"hi", None, "token ids, not bytes"),
+        (bytearray(b"hi"), None, "token ids, not bytearray"),  # was queued as [104, 105]
         ([5, True, 2], None, "a bool at index 1"),  # numpy would read it as [5, 1, 2]
         ([5, np.True_], None, "a bool at index 1"),
         ([[1, 2], [3]], None, "prompt_token_ids must be a 1-D"),  # numpy's own error before

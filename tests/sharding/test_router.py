@@ -363,7 +363,7 @@ def test_token_ids_a_block_hash_cannot_encode_are_refused_before_hashing():
         router.generate([[1, 2, 3], huge], SamplingParams(max_tokens=2), progress=False)
     assert router.num_outstanding == (0, 0)
     assert not any(r.running for r in replicas)
-    for bad in ([-1] * BLOCK, "abcdefgh", huge, [1, True, 2, 3]):
+    for bad in ([-1] * BLOCK, "abcdefgh", huge, [1, True, 2, 3], bytearray(b"abcdefgh")):
         with pytest.raises(ValueError, match="prompt_token_ids must"):
             router.route(bad)
     assert router.generate([[1, 2, 3]], progress=False)[0].finish_reason == "length"
