@@ -86,7 +86,10 @@ def run_to_completion(
         if len(params_list) != num_prompts:
             if progress_bar is not None:  # generate made it first: it must not stay drawn
                 progress_bar.close()
-            raise ValueError(f"{len(params_list)=} sampling params for {num_prompts} prompts")
+            raise ValueError(
+                f"sampling_params: {len(params_list)} for {num_prompts} prompts; pass one "
+                "for all, or one per prompt"
+            )
     ids: list[str] = []
     checkpoint = getattr(driver, "queue_checkpoint", None)
     rewind = checkpoint() if checkpoint is not None else None

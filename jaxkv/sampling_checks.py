@@ -21,7 +21,7 @@ def checked_sampling_params(
     if params is None:
         params = SamplingParams()
     elif not isinstance(params, SamplingParams):
-        raise ValueError(f"{type(params)=} must be SamplingParams")
+        raise ValueError(f"sampling_params={params!r} must be None or a SamplingParams")
     vocab_size = model_config.vocab_size
     bad_stop = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad_stop:

@@ -38,7 +38,7 @@ def test_the_bar_is_closed_when_a_prompt_is_refused():
         run_to_completion(router, [[1, 2], []], progress_bar=bar)
     assert bar.n == 0 and bar.closed and router.num_outstanding == (0, 0)
     bar = Bar()  # refused before any prompt is queued: it used to stay open
-    with pytest.raises(ValueError, match="sampling params for 2 prompts"):
+    with pytest.raises(ValueError, match="sampling_params: 1 for 2 prompts; pass one"):
         run_to_completion(router, [[1, 2], [3]], [SamplingParams()], progress_bar=bar)
     assert bar.closed
 
@@ -48,7 +48,7 @@ def test_generate_with_a_wrong_number_of_params_queues_nothing():
     from tests.engine._util import make_engine
 
     engine = make_engine()
-    with pytest.raises(ValueError, match="sampling params for"):
+    with pytest.raises(ValueError, match="sampling_params: .* for .* prompts"):
         engine.generate([[1, 2], [3, 4]], [SamplingParams()], progress=False)
     assert engine.add_request([1, 2]) == "0"
 

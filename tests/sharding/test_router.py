@@ -137,7 +137,7 @@ def test_generate_returns_outputs_in_prompt_order():
     assert all(len(o.output_token_ids) == 3 and o.finish_reason == "length" for o in outs)
     # The fake token encodes replica and prompt length: each output came from its prompt.
     assert [o.output_token_ids[0] % 1000 for o in outs] == [len(p) for p in prompts]
-    with pytest.raises(ValueError, match="sampling params"):
+    with pytest.raises(ValueError, match="sampling_params: 1 for 7 prompts"):
         router.generate(prompts, [SamplingParams()])
 
 
