@@ -150,7 +150,8 @@ class HostOffloadConnector(KVConnector):
     The store maps block hash -> host copy of that block (every layer), holding at most
     `host_bytes` bytes (each entry its own array); the least recently saved or loaded
     block is evicted first, and within one request's blocks the last first, since a
-    prefix is only usable from its first block. Only
+    prefix is only usable from its first block (a save or load refreshes the whole
+    prefix; a save landing after its prefix's head left stores nothing behind it). Only
     blocks whose every token was computed are saved, and a hash already stored or being
     saved is not copied twice. A failed save frees the blocks and stores nothing; a failed
     load drops its store entries (so a retry recomputes) and the scheduler frees the
@@ -280,8 +281,8 @@ class HostOffloadConnector(KVConnector):
         as on_admission promised just before."""
         req_id = request.request_id
         first, rem = divmod(request.num_computed_tokens, self._block_size)
-        hashes = request.update_block_hashes(self._block_size, self._hash_seed)
-        hashes = hashes[first : first + len(block_ids)]
+        all_hashes = request.update_block_hashes(self._block_size, self._hash_seed)
+        hashes = all_hashes[first : first + len(block_ids)]
         if rem or not block_ids or len(hashes) != len(block_ids):
             raise ValueError(
                 f"start_load({req_id!r}): {len(block_ids)} block_ids do not cover whole "
@@ -290,8 +291,10 @@ class HostOffloadConnector(KVConnector):
         if not all(h in self._store for h in hashes):
             raise ValueError(f"start_load({req_id!r}): the store no longer holds those blocks")
         data = np.stack([self._store[h] for h in hashes])
-        for h in reversed(hashes):
-            self._store.move_to_end(h)
+        # The whole prefix is used again (device hits too): refreshed tail first, as saved.
+        for h in reversed(all_hashes[: first + len(hashes)]):
+            if h in self._store:
+                self._store.move_to_end(h)
         future = self._require_copier().start_load(list(block_ids), data)
         self._loads[req_id] = _Transfer(
             req_id, future, hashes, self._step, len(hashes) * self._block_size
@@ -336,11 +339,18 @@ class HostOffloadConnector(KVConnector):
         except Exception:  # noqa: BLE001 - any copy failure frees the blocks the same way
             self._count(num_failed_saves=1)
             return False
-        # Each entry owns its memory (a view would keep the whole padded copy alive).
-        # The whole chain, blocks stored before included, is refreshed tail first: its
-        # head, without which on_admission can use none of it, is evicted last.
+        # A block is stored only behind its whole prefix (stored, landing now or still
+        # being saved): one whose head was evicted or failed meanwhile could never load.
+        # The usable chain, blocks stored before included, is refreshed tail first: its
+        # head, without which on_admission can use none of it, is evicted last. Each
+        # entry owns its memory (a view would keep the whole padded copy alive).
         landed = dict(zip(t.hashes, data, strict=True))
-        for h in reversed(t.chain):
+        usable = 0
+        for h in t.chain:
+            if h not in landed and h not in self._store and h not in self._saving:
+                break
+            usable += 1
+        for h in reversed(t.chain[:usable]):
             if h in landed:
                 self._store[h] = np.array(landed[h])
             if h in self._store:

@@ -1,0 +1,77 @@
+"""HostOffloadConnector keeps whole prefixes: a prompt's blocks are usable only from its
+first one, so a load refreshes the whole prefix it extends, and a save that lands after
+its prefix's head left the store stores none of the blocks behind it."""
+
+from __future__ import annotations
+
+from jaxkv import Request, SamplingParams
+from jaxkv.kv_transfer import HostOffloadConnector
+from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
+
+BS = 4
+
+
+def _claim(connector, prompt) -> int:
+    return connector.on_admission(Request("probe", list(prompt), SamplingParams()), 0)
+
+
+def test_a_load_after_a_device_hit_refreshes_the_blocks_before_it_too():
+    copier = FakeCopier(64, BS)
+    connector = HostOffloadConnector(3 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    sched = make_scheduler(num_blocks=64, block_size=BS, connector=connector)
+    x = add(sched, "x", range(1, 14), max_tokens=1)  # its 3 full blocks a0 a1 a2 saved
+    run_until_idle(sched, copier)
+    a = x.block_hashes[:3]
+    assert sched.manager.reset_prefix_cache()
+    add(sched, "y", range(1, 6), max_tokens=1)  # reloads a0: a0 back in the device cache
+    run_until_idle(sched, copier)
+    add(sched, "z", range(1, 14), max_tokens=8)  # a0 hit on the device, a1 a2 loaded
+    add(sched, "w", range(60, 65), max_tokens=1)  # finishes at once, saving one block
+    step(sched, copier)
+    order = connector.stored_hashes()
+    assert [order.index(h) for h in a] == [2, 1, 0]  # a0 most recent: evicted last
+    step(sched, copier)  # w's save lands: the full store evicts its tail, a2
+    assert sched.abort("z")
+    run_until_idle(sched, copier)
+    assert a[2] not in connector.stored_hashes() and _claim(connector, range(1, 14)) == 8
+
+
+def test_a_save_landing_after_its_head_was_evicted_stores_nothing_behind_it():
+    copier = FakeCopier(64, BS)
+    connector = HostOffloadConnector(2 * copier.bytes_per_block, copy_delay_steps=2)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    sched = make_scheduler(num_blocks=64, block_size=BS, connector=connector)
+    add(sched, "x", range(1, 6), max_tokens=1)  # h0 stored
+    run_until_idle(sched, copier)
+    b = add(sched, "b", range(20, 25), max_tokens=1)
+    c = add(sched, "c", range(30, 35), max_tokens=1)
+    step(sched, copier)  # b's and c's saves start
+    a = add(sched, "a", range(1, 10), max_tokens=1)  # h0 hit on the device, h1 its own
+    step(sched, copier)  # a finishes: h0 refreshed, h1's save starts
+    run_until_idle(sched, copier)  # b, c land and evict h0; then h1 lands without it
+    stored = connector.stored_hashes()
+    assert a.block_hashes[1] not in stored  # it would have evicted a usable block
+    assert stored == [b.block_hashes[0], c.block_hashes[0]]
+    assert _claim(connector, range(20, 25)) == 4 and _claim(connector, range(30, 35)) == 4
+
+
+def test_a_save_whose_prefix_another_requests_failed_save_held_stores_nothing():
+    copier = FakeCopier(16, BS, auto_complete=False)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    a = Request("a", list(range(1, 10)), SamplingParams())
+    b = Request("b", list(range(1, 14)), SamplingParams())
+    a.num_computed_tokens, b.num_computed_tokens = 8, 12
+    copier.fail_saves = True
+    assert connector.on_finish(a, [1, 2])  # h0 h1: this copy fails
+    copier.fail_saves = False
+    assert connector.on_finish(b, [1, 2, 3])  # copies h2 only: h0 h1 are being saved
+    copier.complete()
+    events = connector.poll()
+    assert events.saved == ("b",) and events.failed_saves == ("a",)
+    assert connector.stored_hashes() == [] and _claim(connector, range(1, 14)) == 0
+    # Once a's save lands instead, b's last block joins the chain and all of it loads.
+    assert connector.on_finish(a, [1, 2]) and connector.on_finish(b, [1, 2, 3])
+    copier.complete()
+    assert connector.poll().saved == ("a", "b") and _claim(connector, range(1, 14)) == 12
