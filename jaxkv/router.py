@@ -241,9 +241,10 @@ class PrefixAwareRouter(Closable):
         finished. Raises ValueError unless `request_id` is a str (the ids add_request
         returns).
 
-        A request its replica no longer runs, with no finishing output left to deliver
-        (it finished inside a replica step() that raised, its output lost with it), is
-        released here too, and False returned."""
+        A request (or sample) its replica no longer runs, with no finishing output left
+        to deliver (it finished inside a replica step() that raised, its output lost with
+        it), is released here too, and False returned. Outputs a failed step() kept for a
+        sequence released here are dropped: they must not reach a later request of its id."""
         if not isinstance(request_id, str):
             raise ValueError(f"{request_id=} must be a request id (a str)")
         sample = None if request_id in self._replica_of else self._samples.sample_of(request_id)
@@ -251,24 +252,20 @@ class PrefixAwareRouter(Closable):
         replica = self._replica_of.get(owner)
         if replica is None:
             return False
-
-        def its(o: RequestOutput) -> bool:  # an output of what is aborted
-            return o.request_id == owner and (sample is None or o.index == sample[1])
-
-        if not self.replicas[replica].abort(request_id):
-            if not any(its(o) and o.finish_reason is not None for o in self._undelivered):
-                self._release(owner, sample)
-            return False
-        self._release(owner, sample)
-        # Outputs a failed step() kept for it must not reach a later request of this id.
-        self._undelivered = [o for o in self._undelivered if not its(o)]
-        return True
-
-    def _release(self, request_id: str, sample: tuple[str, int] | None) -> None:
-        if sample is None:
-            self._finish(request_id)
-        else:
-            self._sample_ended(*sample)
+        aborted = self.replicas[replica].abort(request_id)
+        running = [sample] if sample else [(owner, i) for i in self._samples.running(owner)]
+        for key in running or [(owner, 0)]:  # its sequences: (request id, sample index)
+            if not aborted and any(
+                (o.request_id, o.index) == key and o.finish_reason is not None
+                for o in self._undelivered
+            ):
+                continue  # that output ends it when step() delivers it
+            self._undelivered = [o for o in self._undelivered if (o.request_id, o.index) != key]
+            if running:
+                self._sample_ended(*key)
+            else:
+                self._finish(owner)
+        return aborted
 
     def _finish(self, request_id: str) -> None:
         replica = self._replica_of.pop(request_id, None)

@@ -49,6 +49,10 @@ class RunningSamples:
     def num_running(self, parent: str) -> int:
         return len(self._live.get(parent, ()))
 
+    def running(self, parent: str) -> list[int]:
+        """Indices of the parent's running samples, in order ([] for any other id)."""
+        return sorted(self._live.get(parent, ()))
+
     def pop(self, request_id: str) -> int:
         """Forgets a request that ended; returns how many sequences it still counted for:
         its running samples under n > 1, else 1."""

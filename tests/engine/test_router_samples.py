@@ -13,6 +13,8 @@ from jaxkv import SamplingParams
 from jaxkv.router import PrefixAwareRouter
 from tests.engine._util import BLOCK_SIZE, VOCAB, assert_all_blocks_free, make_engine
 
+HOT = dict(temperature=1.0, top_k=0, top_p=1.0)
+
 _rng = np.random.default_rng(12)
 A, B = (_rng.integers(0, VOCAB, 9).tolist() for _ in range(2))  # 2 full blocks + 1 each
 
@@ -98,3 +100,64 @@ def test_params_of_another_type_are_refused_by_name_on_both_id_paths(engines, re
         router.add_request(A, types.SimpleNamespace(n="2"), request_id=request_id)
     assert router.num_outstanding == (0, 0) and router.add_request(A) == "dp-0"
     assert router.abort("dp-0")
+
+
+def _fails_once(engine, *, after_running: bool) -> None:
+    """engine.step raises once: before running, or after (its outputs lost)."""
+    real = engine.step
+
+    def step():
+        engine.step = real
+        if after_running:
+            real()
+        raise RuntimeError("replica step failed")
+
+    engine.step = step
+
+
+def _lose_the_last_outputs(router, engines) -> None:
+    """Replica 1's step fails first (replica 0's outputs are kept for the next step());
+    then replica 0's step runs and fails, its outputs lost."""
+    _fails_once(engines[1], after_running=False)
+    with pytest.raises(RuntimeError):
+        router.step()
+    _fails_once(engines[0], after_running=True)
+    with pytest.raises(RuntimeError):
+        router.step()
+
+
+def test_aborting_a_request_whose_outputs_were_lost_releases_each_sample_once(engines):
+    # Seed 3: sample 0 stops at its first token (kept); sample 1's last one is lost.
+    router = _router(engines)
+    stop = tuple(range(VOCAB // 2))
+    params = SamplingParams(n=2, max_tokens=2, seed=3, stop_token_ids=stop, **HOT)
+    router.add_request(A, params, request_id="x")
+    router.add_request(B, SamplingParams(max_tokens=8), request_id="other")
+    _lose_the_last_outputs(router, engines)
+    assert [(o.index, o.finish_reason) for o in router._undelivered if o.request_id == "x"] == [
+        (0, "stop"),
+        (1, None),
+    ]
+    assert not router.abort("x")  # nothing runs; sample 1 is released now, 0 on delivery
+    ended = _run(router)
+    assert ended[("x", 0)] == "stop" and ("x", 1) not in ended
+    assert router.num_outstanding == (0, 0)
+    router.add_request(A, SamplingParams(max_tokens=1), request_id="x")
+    assert _run(router) == {("x", 0): "length"}
+
+
+def test_a_request_released_by_abort_leaves_no_kept_output_to_a_later_one(engines):
+    router = _router(engines)
+    router.add_request(A, SamplingParams(max_tokens=2), request_id="x")
+    router.add_request(B, SamplingParams(max_tokens=8), request_id="other")
+    _lose_the_last_outputs(router, engines)  # x's first token kept, its finish lost
+    assert not router.abort("x") and router.num_outstanding[0] == 0
+    router.add_request(A, SamplingParams(max_tokens=1, n=2), request_id="x")
+    outputs = []
+    while router.has_unfinished_requests():
+        outputs += [o for o in router.step() if o.request_id == "x"]
+    assert sorted((o.index, len(o.new_token_ids), o.finish_reason) for o in outputs) == [
+        (0, 1, "length"),
+        (1, 1, "length"),
+    ]
+    assert router.num_outstanding == (0, 0)
