@@ -238,7 +238,7 @@ class TransferTracker:
         """
         self._new_loads.clear()
         events = self._connector.poll()
-        if events is None or (type(events) is TransferEvents and not events):
+        if type(events) is TransferEvents and not events:
             return
         saves, loads, ignored = self._sorted_events(events)
         for req_id in saves:

@@ -123,10 +123,12 @@ def test_a_reports_bad_entries_are_named_and_ignored_and_the_rest_applied(report
     assert sched.manager.num_free_blocks == 31
 
 
-def test_a_report_that_is_no_transfer_events_is_refused_with_nothing_applied():
+@pytest.mark.parametrize("report", [{"saved": ("a",)}, None], ids=["dict", "none"])
+def test_a_report_that_is_no_transfer_events_is_refused_with_nothing_applied(report):
+    # None too: a poll() that forgot its return would otherwise hold every copy for good.
     sched, connector, a, b = _saving_and_loading()
-    connector.report = {"saved": ("a",)}
-    with pytest.raises(ValueError, match=r"poll\(\) returned \{'saved'.*expected a TransferEvents"):
+    connector.poll = lambda: report
+    with pytest.raises(ValueError, match=r"poll\(\) returned .*; expected a TransferEvents"):
         sched.schedule()
     _ended_as_reported(sched, a, b, "")
 
