@@ -241,7 +241,7 @@ class TransferTracker:
         if type(events) is TransferEvents and not events:
             return
         saves, loads, ignored = self._sorted_events(events)
-        for req_id in saves:
+        for req_id, _ in saves:
             request = self.transferring.pop(req_id)
             request.status = self._finished_as.pop(req_id)
             self._release(request)
@@ -253,18 +253,19 @@ class TransferTracker:
                 "Those entries were ignored; the others were applied"
             )
 
-    def _sorted_events(self, events: object) -> tuple[list[str], list[tuple[str, bool]], list]:
-        """(ended saves, (ended load, landed) pairs, why each other entry is ignored): a
-        save or load counts if its request has one in flight, once. ValueError unless
-        `events` is a TransferEvents."""
+    def _sorted_events(self, events: object) -> tuple[list, list, list[str]]:
+        """((request id, landed) of each ended save, the same of each ended load, why each
+        other entry is ignored): a save or load counts if its request has one in flight,
+        once. ValueError unless `events` is a TransferEvents."""
         if not isinstance(events, TransferEvents):
             raise ValueError(
                 f"{type(self._connector).__name__}.poll() returned {events!r}; expected a "
                 "TransferEvents (nothing was applied)"
             )
-        saves: list[str] = []
+        saves: list[tuple[str, bool]] = []
         loads: list[tuple[str, bool]] = []
         ignored: list[str] = []
+        # Each kind's fields name its landed copies, then its failed ones.
         for kind, fields, in_flight, ended in (
             ("save", ("saved", "failed_saves"), self._finished_as, saves),
             ("load", ("loaded", "failed_loads"), self._loading, loads),
@@ -282,14 +283,15 @@ class TransferTracker:
                         ignored.append(f"{field} {req_id!r}, but its {kind} ended already")
                     else:
                         seen.add(req_id)
-                        ended.append(req_id if kind == "save" else (req_id, field == "loaded"))
+                        ended.append((req_id, field == fields[0]))
         return saves, loads, ignored
 
     def _load_ended(self, req_id: str, *, landed: bool) -> None:
         request, num_computed = self._loading.pop(req_id)
         self._forget_hashes(req_id)
         aborted = self.transferring.pop(req_id, None) is not None
-        if landed and num_computed is not None:
+        computed = landed and num_computed is not None  # else failed or cancelled
+        if computed:
             request.num_computed_tokens = num_computed
             # Caches the loaded blocks now (it needs no fresh block), even for an aborted
             # request: one that misses them before this one is admitted, or that waited
@@ -297,7 +299,7 @@ class TransferTracker:
             self._manager.allocate_slots(request, 0)
         if aborted:
             self._release(request)
-        elif landed and num_computed is not None:
+        elif computed:
             request.status = RequestStatus.WAITING
             self._landed[req_id] = request
         else:  # failed or cancelled: recompute from scratch
