@@ -97,8 +97,9 @@ def longest_common_prefix(
     only); the answer never exceeds its minimum. Zero rows give 0; one row gives its
     num_blocks. Pass `rows` to avoid copying R full rows out of a large table.
     Cost: no Python loop over rows or blocks; see `shared_prefix_of_rows`.
-    Raises ValueError on arrays of other shapes, num_blocks outside [0, C], or rows
-    outside [0, num_rows) (they would index or wrap around silently).
+    Raises ValueError on arrays of other shapes, num_blocks outside [0, C], rows
+    outside [0, num_rows) (they would index or wrap around silently), or a num_blocks
+    past the blocks its row holds (rows whose -1 fills agree would count as sharing).
     """
     _check_lcp_args(prefix_ids, num_blocks, rows)
     num_rows = len(num_blocks)
@@ -131,6 +132,10 @@ def _check_lcp_args(prefix_ids, num_blocks, rows) -> None:
         raise ValueError(f"{len(rows)=} must equal {len(num_blocks)=}")
     elif rows.size and not 0 <= rows.min() <= rows.max() < num_rows:
         raise ValueError(f"rows must lie in [0, {num_rows}) (rows of prefix_ids)")
+    held = num_blocks > 0
+    selected = np.flatnonzero(held) if rows is None else rows[held]
+    if (prefix_ids[selected, num_blocks[held] - 1] < 0).any():
+        raise ValueError("num_blocks must not exceed the blocks each row holds (-1 in prefix_ids)")
 
 
 def shared_prefix_of_rows(

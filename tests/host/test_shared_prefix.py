@@ -325,6 +325,9 @@ def test_interner_acquire_one_matches_acquire():
         ([3, 4], [0, 3], "rows must lie in"),  # one past the 3 rows
         ([3, 4], [0, 1, 2], r"len\(rows\)=3"),
         ([3.0, 4.0, 4.0], None, "integers"),
+        ([4, 4, 4], None, "must not exceed the blocks"),
+        ([3, 4], [0, 1], "must not exceed the blocks"),
+        ([0, 4], [2, 0], "must not exceed the blocks"),
     ],
 )
 def test_longest_common_prefix_refuses_arguments_it_would_misread(num_blocks, rows, match):
@@ -338,6 +341,17 @@ def test_longest_common_prefix_refuses_arguments_it_would_misread(num_blocks, ro
     for bad_table in (table.tolist(), table[0]):  # a list, and one row only
         with pytest.raises(ValueError, match="prefix_ids must be a 2-D numpy array"):
             longest_common_prefix(bad_table, np.array([3, 3, 4]))
+
+
+def test_longest_common_prefix_refuses_num_blocks_past_the_blocks_held():
+    # Both rows hold 2 blocks; their -1 fills agree in columns 2 and 3, which a larger
+    # num_blocks used to count as shared.
+    table = np.array([[0, 1, -1, -1], [0, 1, -1, -1]], np.int64)
+    assert longest_common_prefix(table, np.array([2, 2])) == 2
+    with pytest.raises(ValueError, match="must not exceed the blocks each row holds"):
+        longest_common_prefix(table, np.array([4, 4]))
+    with pytest.raises(ValueError, match="must not exceed the blocks each row holds"):
+        longest_common_prefix(table, np.array([3, 2]), np.array([1, 0]))
 
 
 def test_reused_answer_follows_a_cache_hit_on_a_request_that_held_no_block():
