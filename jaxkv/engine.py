@@ -33,6 +33,7 @@ from jaxkv.completion import generate_progress_bar, run_to_completion
 from jaxkv.config import EngineConfig
 from jaxkv.deliberate_transfers import allowing_transfers
 from jaxkv.engine_args import checked_engine_args
+from jaxkv.hashing import check_hash_key
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_copy import DeviceKVCopier
 from jaxkv.kv_transfer import KVConnector
@@ -175,6 +176,7 @@ class Engine(Closable):
         self._check_open()
         prompt = checked_prompt_ids(prompt_token_ids, limit=self.vocab_size)
         sampling_params = checked_sampling_params(sampling_params, self.model_config, self.config)
+        check_hash_key("cache_salt", cache_salt)  # before a default id exists to name
         in_use = IdsInUse(self.scheduler.requests, self._samples, n=sampling_params.n)
         serial, request_id = self._serials.peek(request_id, in_use)  # a default id: all free
         request = Request(request_id, prompt, sampling_params, cache_salt=cache_salt)

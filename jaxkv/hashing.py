@@ -131,6 +131,12 @@ def is_hash_key(key: object) -> bool:
     return True
 
 
+def check_hash_key(name: str, key: object) -> None:
+    """ValueError naming `name` unless `key` is None or a valid extra key (is_hash_key)."""
+    if key is not None and not is_hash_key(key):
+        raise ValueError(f"{name}={key!r} must be None or a str encodable as UTF-8")
+
+
 def _encode_keys(extra_keys: tuple[str, ...]) -> bytes:
     """The key count, then each key as length-prefixed UTF-8."""
     parts = [_INT64.pack(len(extra_keys))]

@@ -25,7 +25,7 @@ from jaxkv.closable import Closable, checked_timeout
 from jaxkv.completion import checked_drivers, generate_progress_bar, run_to_completion
 from jaxkv.engine_replicas import engine_replicas as engine_replicas  # its former home
 from jaxkv.field_checks import int_fields
-from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key
+from jaxkv.hashing import BlockHash, check_hash_key, extend_block_hashes
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.parallel_sampling import IdsInUse
 from jaxkv.prompt_checks import checked_prompt_ids
@@ -126,8 +126,7 @@ class PrefixAwareRouter(Closable):
     def _prefix_hashes(
         self, prompt_token_ids: Sequence[int], cache_salt: str | None
     ) -> list[BlockHash]:
-        if cache_salt is not None and not is_hash_key(cache_salt):
-            raise ValueError(f"{cache_salt=} must be None or a str encodable as UTF-8")
+        check_hash_key("cache_salt", cache_salt)
         head = list(prompt_token_ids[: self.max_prefix_blocks * self.block_size])
         return extend_block_hashes(
             [], head, self.block_size, seed=self.hash_seed, cache_salt=cache_salt

@@ -270,8 +270,9 @@ def test_requests_share_cached_kv_only_under_the_same_cache_salt():
     assert _serve(engine, prompt, cache_salt="tenant-a") == first
     assert hits() > 0
     for bad in (7, "tenant-\ud800"):  # not a str; not encodable as UTF-8
-        with pytest.raises(ValueError, match="cache_salt"):
+        with pytest.raises(ValueError, match="cache_salt") as refused:
             engine.add_request(prompt, cache_salt=bad)
+        assert "of '" not in str(refused.value)  # no default id was given out to name
     assert not engine.has_unfinished_requests()
 
 
