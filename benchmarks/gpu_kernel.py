@@ -69,6 +69,8 @@ from benchmarks.gpu_kernel_methods import (  # noqa: E402
 
 L2_BYTES = 64 * 2**20  # a little above the 50 MiB L2 of an H100/H200
 GRID = [(b, p, s) for b in (8, 64, 128) for p in (1024, 8192) for s in (128, 1024)]
+SMOKE_CELL = (2, 32, 16)  # (B, P, S) of --smoke's one cell and sweep
+SWEEP_CELL = (64, 8192, 128)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -321,8 +323,18 @@ def main(argv=None) -> int:
         "--no-sweep", dest="sweep", action="store_false", help="skip the flat tiling sweep"
     )
     args = ap.parse_args(argv)
-    if args.only:
-        check_whole_pages(ap, [p for _, p, _ in args.only], args.page_size, "--only")
+    grid = args.only or ([SMOKE_CELL] if args.smoke else GRID)
+    sweep_cell = SMOKE_CELL if args.smoke else SWEEP_CELL
+    check_whole_pages(
+        ap,
+        sorted({p for _, p, _ in grid}),
+        args.page_size,
+        "--only" if args.only else "the grid's prefixes",
+    )
+    if args.sweep:
+        check_whole_pages(
+            ap, [sweep_cell[1]], args.page_size, "the sweep's prefix (--no-sweep skips it)"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     dev = jax.devices()[0]
@@ -346,16 +358,9 @@ def main(argv=None) -> int:
     print(f"copy bandwidth: {copy_bps / 1e9:.0f} GB/s (read + write of {copy_bytes} B)")
 
     if args.smoke:
-        grid, heads, reps, repeats = [(2, 32, 16)], (4, 2, 64), 2, 1
+        heads, reps, repeats = (4, 2, 64), 2, 1
     else:
-        grid, heads, reps, repeats = (
-            GRID,
-            (NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM),
-            args.reps,
-            args.repeats,
-        )
-    if args.only:
-        grid = args.only
+        heads, reps, repeats = (NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM), args.reps, args.repeats
     rows = []
     for b, p, s in grid:
         if time.perf_counter() - t_start > args.max_seconds:
@@ -374,7 +379,7 @@ def main(argv=None) -> int:
     print_table(rows, copy_bps)
     result["goals"] = goals(rows, copy_bps)
     if args.sweep:
-        b, p, s = (2, 32, 16) if args.smoke else (64, 8192, 128)
+        b, p, s = sweep_cell
         tilings = [dict(block_k=16, num_kv_splits=2)] if args.smoke else SWEEP
         result["sweep"] = sweep(
             b, p, s, page_size=args.page_size, reps=reps, repeats=repeats, copy_bps=copy_bps,

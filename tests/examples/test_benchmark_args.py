@@ -37,3 +37,19 @@ def test_gpu_kernel_refuses_a_ragged_prefix_before_it_measures_anything(tmp_path
     with pytest.raises(SystemExit):
         gpu_kernel.main(["--out", str(tmp_path), "--smoke", "--no-sweep", "--only", "2,40,16"])
     assert "--only [40]" in capsys.readouterr().err and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["--smoke", "--no-sweep", "--page-size", "64"], "the grid's prefixes [32]"),
+        (["--page-size", "48"], "the grid's prefixes [1024, 8192]"),
+        (["--smoke", "--only", "2,64,16", "--page-size", "64"], "the sweep's prefix"),
+    ],
+)
+def test_gpu_kernel_refuses_a_page_size_its_own_cells_do_not_fill(tmp_path, capsys, argv, named):
+    # The built-in grid and sweep cells were never checked: --smoke --page-size 64 gave a
+    # 32-token prefix no shared page, and the run reported cascade bytes it never read.
+    with pytest.raises(SystemExit):
+        gpu_kernel.main(["--out", str(tmp_path), *argv])
+    assert named in capsys.readouterr().err and not any(tmp_path.iterdir())
