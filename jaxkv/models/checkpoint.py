@@ -75,7 +75,7 @@ def check_names_and_shapes(
     """CheckpointError unless `given` holds exactly the names of `expected`, each with its
     shape; names the missing, unexpected or mis-shaped ones ("parameter" or "tensor")."""
     missing = sorted(set(expected) - set(given))
-    unexpected = sorted(set(given) - set(expected))
+    unexpected = sorted(set(given) - set(expected), key=repr)  # a file's keys may be any type
     if missing or unexpected:
         raise CheckpointError(
             f"{source} does not match the model: missing {missing}, unexpected {unexpected}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import re
 import struct
@@ -90,13 +91,16 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
             raise CheckpointError(f"tensor {name!r} in {path}: bad header entry {info!r}")
         if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
             raise CheckpointError(f"tensor {name!r} in {path}: dtype {dtype} unsupported")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_ST_DTYPES[dtype]).itemsize
+        nbytes = math.prod(shape) * np.dtype(_ST_DTYPES[dtype]).itemsize  # no int64 wrap
         if not 0 <= begin <= end <= len(data) or end - begin != nbytes:
             raise CheckpointError(
                 f"tensor {name!r} in {path}: bytes [{begin}, {end}) of {len(data)} cannot "
                 f"hold {dtype} {shape} ({nbytes} bytes)"
             )
-        out[name] = data[begin:end].view(_ST_DTYPES[dtype]).reshape(shape)
+        try:
+            out[name] = data[begin:end].view(_ST_DTYPES[dtype]).reshape(shape)
+        except ValueError as e:  # a zero-size shape with a dimension numpy cannot hold
+            raise CheckpointError(f"tensor {name!r} in {path}: shape {shape}: {e}") from e
     return out
 
 

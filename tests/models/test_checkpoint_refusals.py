@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import ml_dtypes
+import msgpack
 import numpy as np
 import optax
 import pytest
@@ -45,6 +46,18 @@ def test_msgpack_that_is_not_a_parameter_dict_is_refused_naming_the_file(tmp_pat
     drop_weights_digest(tmp_path)  # as a config.json written by hand: no digest to check
     (tmp_path / "params.msgpack").write_bytes(serialization.msgpack_serialize(payload))
     with pytest.raises(CheckpointError, match=r"params\.msgpack"):
+        load_checkpoint(tmp_path)
+
+
+def test_msgpack_with_keys_of_several_types_is_refused_naming_them(tmp_path):
+    # Sorting the unexpected names raised TypeError: '<' between an int and a str.
+    save_checkpoint(random_model(small_config()), tmp_path)
+    drop_weights_digest(tmp_path)
+    weights = tmp_path / "params.msgpack"
+    params = msgpack.unpackb(weights.read_bytes())  # values stay packed: written back as read
+    norm = next(v for k, v in params.items() if "norm" in k)
+    weights.write_bytes(msgpack.packb({**params, 7: norm, "extra": norm}))
+    with pytest.raises(CheckpointError, match=r"params\.msgpack.*unexpected \['extra', 7\]"):
         load_checkpoint(tmp_path)
 
 
@@ -196,6 +209,23 @@ def test_safetensors_with_no_data_or_a_bad_shape_is_refused_by_tensor(tmp_path):
         header = {"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 8]}}
         _raw_safetensors(path, header, bytes(8))
         with pytest.raises(CheckpointError, match="'w'.*bad header entry"):
+            read_safetensors(path)
+
+
+def test_safetensors_shapes_numpy_cannot_hold_are_refused_by_tensor(tmp_path):
+    path = tmp_path / "huge.safetensors"
+    # 2**62 + 1 rows of 4: int64 element counts wrapped to 4, matching the 16 bytes given,
+    # and reshape then raised a bare ValueError.
+    _raw_safetensors(
+        path, {"w": {"dtype": "F32", "shape": [2**62 + 1, 4], "data_offsets": [0, 16]}}, bytes(16)
+    )
+    with pytest.raises(CheckpointError, match=r"'w'.*cannot hold F32 \[4611686018427387905, 4\]"):
+        read_safetensors(path)
+    for shape in ([0, 2**62], [0, 2**64]):  # no bytes, but no numpy array has such a dimension
+        _raw_safetensors(path, {"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}})
+        with pytest.raises(
+            CheckpointError, match=rf"'w' in .*huge.safetensors: shape \[0, {shape[1]}\]"
+        ):
             read_safetensors(path)
 
 
