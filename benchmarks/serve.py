@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cli_args import positive_int  # noqa: E402
 from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from jaxkv.attention import default_backend  # noqa: E402
-from jaxkv.models import Llama, LlamaConfig
+from jaxkv.models import Llama, LlamaConfig  # noqa: E402
+from jaxkv.models.config import PRESETS  # noqa: E402
 
 CONFIGS = [  # (name, enable_cascade, enable_prefix_caching)
     ("cascade+prefix_cache", True, True),
@@ -74,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--decode-batch", type=positive_int, default=256, help="batch of the host-time goal"
     )
-    p.add_argument("--preset", default="tiny")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--seed", type=int, default=0)
     names = ",".join(c[0] for c in CONFIGS)
     p.add_argument("--configs", default=names, help=f"comma-separated, of {names}")
@@ -85,7 +86,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.configs.split(",")) - {c[0] for c in CONFIGS}
     if unknown:
         p.error(f"--configs: unknown {sorted(unknown)}; choose from {[c[0] for c in CONFIGS]}")
+    if args.num_requests > args.max_num_batched_tokens:  # all requests run in one batch
+        p.error(
+            f"--num-requests {args.num_requests} must be <= --max-num-batched-tokens "
+            f"{args.max_num_batched_tokens} (each scheduled request takes a token)"
+        )
+    max_len, limit = max_model_len(args), PRESETS[args.preset].max_position_embeddings
+    if max_len > limit:
+        p.error(
+            f"--system-len + --question-len + --max-tokens + 1 = {max_len} tokens exceed "
+            f"the {limit} positions of --preset {args.preset}"
+        )
     return args
+
+
+def max_model_len(args) -> int:
+    """The engine's max_model_len: a request's prompt and max_tokens, and a token of slack."""
+    return args.system_len + args.question_len + args.max_tokens + 1
 
 
 def workload(args) -> list[list[int]]:
@@ -99,9 +116,8 @@ def workload(args) -> list[list[int]]:
 
 
 def engine_config(args, cascade: bool, prefix_caching: bool) -> EngineConfig:
-    max_len = args.system_len + args.question_len + args.max_tokens + 1
-    max_len = -(-max_len // args.block_size) * args.block_size
-    blocks_per_req = max_len // args.block_size
+    max_len = max_model_len(args)
+    blocks_per_req = -(-max_len // args.block_size)
     return EngineConfig(
         cache=CacheConfig(
             num_blocks=args.num_requests * blocks_per_req + 1,

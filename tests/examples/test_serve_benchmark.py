@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.serve import paired, parse_args, step_figures, workload
+from benchmarks.serve import engine_config, paired, parse_args, step_figures, workload
 from jaxkv.metrics import StepStats
 
 
@@ -91,3 +91,26 @@ def test_samples_split_the_requests_into_questions_of_n_samples_each():
     assert len(workload(args)) == 3
     with pytest.raises(SystemExit):  # argparse's error: 12 is no multiple of 5
         parse_args(["--num-requests", "12", "--samples", "5"])
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--num-requests", "4096"], "--num-requests 4096 must be <= --max-num-batched-tokens"),
+        (["--system-len", "1100"], "1141 tokens exceed the 1024 positions of --preset tiny"),
+        (["--preset", "nope"], "invalid choice: 'nope'"),
+    ],
+)
+def test_flags_the_engine_would_refuse_are_refused_by_name(argv, message, capsys):
+    # Each used to reach Engine or LlamaConfig and end in a traceback.
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_a_block_larger_than_the_requests_needs_no_longer_model_length():
+    # max_model_len was rounded up to a whole block, past the model's 1024 positions.
+    args = parse_args(["--block-size", "2048", "--num-requests", "4"])
+    config = engine_config(args, cascade=True, prefix_caching=True)
+    assert config.scheduler.max_model_len == 128 + 8 + 32 + 1
+    assert config.cache.num_blocks == 4 + 1
