@@ -39,6 +39,7 @@ from benchmarks.attention_bytes import decode_bytes, kv_bytes  # noqa: E402
 from benchmarks.cli_args import (  # noqa: E402
     RESULTS_DIR,
     add_decode_grid_args,
+    check_head_groups,
     check_whole_pages,
     positive_int,
 )
@@ -253,6 +254,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     check_whole_pages(parser, args.prefix, args.block_size, "--prefix")
+    check_head_groups(parser, args.q_heads, args.kv_heads)
     args.dtype = jnp.dtype(args.dtype)
     results = run(args)
     args.out.mkdir(parents=True, exist_ok=True)

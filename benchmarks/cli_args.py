@@ -52,6 +52,13 @@ def decode_grid(text: str) -> list[tuple[int, int, int]]:
     return grid
 
 
+def check_head_groups(parser: argparse.ArgumentParser, q_heads: int, kv_heads: int) -> None:
+    """parser.error unless --q-heads is a multiple of --kv-heads (each KV head serves a
+    whole group of query heads)."""
+    if q_heads % kv_heads:
+        parser.error(f"--q-heads {q_heads} must be a multiple of --kv-heads {kv_heads}")
+
+
 def check_whole_pages(parser: argparse.ArgumentParser, prefixes, page_size: int, flag: str):
     """parser.error unless every prefix is a whole number of pages: the benchmarks'
     page tables hold prefix // page_size shared pages, so the rest of a prefix would be

@@ -52,6 +52,7 @@ from benchmarks.attention_bytes import decode_bytes, kv_bytes  # noqa: E402
 from benchmarks.cli_args import (  # noqa: E402
     RESULTS_DIR,
     add_decode_grid_args,
+    check_head_groups,
     check_whole_pages,
     positive_int,
 )
@@ -328,6 +329,7 @@ def main() -> int:
         args.batch, args.prefix, args.suffix, args.reps = [4], [32], [16], 2
         args.q_heads, args.kv_heads = 8, 2
     check_whole_pages(parser, {*args.full_prefix, *args.prefix}, args.page_size, "--prefix")
+    check_head_groups(parser, args.q_heads, args.kv_heads)
     results, meta = run(args)
     if args.smoke:
         args.q_heads, args.kv_heads = parser.get_default("q_heads"), parser.get_default("kv_heads")

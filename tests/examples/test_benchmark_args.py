@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from benchmarks import gpu_kernel
-from benchmarks.cli_args import check_whole_pages, decode_grid, positive_int
+from benchmarks.cli_args import check_head_groups, check_whole_pages, decode_grid, positive_int
 
 
 def test_positive_int_takes_ints_from_one_up():
@@ -22,6 +25,18 @@ def test_decode_grid_reads_cells_of_three_positive_ints():
     for text in ("2,40", "2,40,16,1", "2,0,16", "a,b,c"):
         with pytest.raises(argparse.ArgumentTypeError):
             decode_grid(text)
+
+
+@pytest.mark.parametrize("script", ["attention.py", "tpu_kernel.py"])
+def test_query_heads_that_no_kv_head_count_divides_are_refused_by_flag(script):
+    # Both died in AttentionShape with a traceback once the grid had started.
+    run = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", "--q-heads", "8", "--kv-heads", "3"],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "--q-heads 8 must be a multiple of --kv-heads 3" in run.stderr
+    check_head_groups(argparse.ArgumentParser(), 8, 2)
 
 
 def test_a_prefix_that_is_not_whole_pages_is_refused_by_its_flag(capsys):
