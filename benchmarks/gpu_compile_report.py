@@ -105,6 +105,9 @@ def summary(rows: list[dict], ccs: list[int]) -> dict:
     out = {}
     for cc in ccs:
         at = [r for r in rows if r["cc"] == cc]
+        if not at:  # every point skipped (float8 pages below 8.9)
+            out[f"sm_{cc}"] = dict(tilings=0, shared_limit_kib=SHARED_LIMIT[cc] / 1024)
+            continue
         spills = [r for r in at if (r["stack_bytes"] or 0) > 16]
         out[f"sm_{cc}"] = dict(
             tilings=len(at), over_shared_limit=sum(not r["fits"] for r in at),

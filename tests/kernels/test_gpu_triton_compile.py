@@ -115,3 +115,13 @@ def test_compile_report_writes_a_row_per_tiling(tmp_path, monkeypatch, capsys):
     assert [(r["dtypes"], r["cc"]) for r in report["results"]] == [("bf16", 80)]
     assert report["results"][0]["fits"] and report["summary"]["sm_80"]["tilings"] == 1
     assert "decode   llama3.2-1b  bf16" in capsys.readouterr().out
+
+
+def test_compile_report_summarises_a_capability_with_no_tiling():
+    # --dtypes bf16/fp8 --cc 80 skips every point; max() over none raised ValueError
+    # before the JSON was written.
+    from benchmarks import gpu_compile_report
+
+    assert gpu_compile_report.summary([], [80]) == {
+        "sm_80": {"tilings": 0, "shared_limit_kib": 163.0}
+    }
