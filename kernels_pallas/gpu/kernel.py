@@ -28,9 +28,6 @@ from jax.experimental.pallas import triton as plgpu
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
-# Running max before any key is seen: finite, so that exp2(m_old - m_new) is never
-# exp2(-inf + inf) = NaN when a whole key block is masked out.
-_M_INIT = -1e30
 
 
 def _find_seq(cu_q_lens_ref, num_seqs, pid, tokens_per_block: int, max_num_seqs: int):
@@ -160,8 +157,11 @@ def paged_attention_kernel(
         s = jnp.where(visible, s, -jnp.inf)
 
         m_next = jnp.maximum(m_prev, s.max(axis=-1))
-        alpha = jnp.exp2(m_prev - m_next)
-        p = jnp.exp2(s - m_next[:, None])
+        # The max stays -inf until a row sees a key; shifting by 0 then keeps exp2 off
+        # -inf + inf. (A finite start, -1e30, hid every key whose logit lay below it.)
+        shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        alpha = jnp.exp2(m_prev - shift)
+        p = jnp.exp2(s - shift[:, None])
         l_next = l_prev * alpha + p.sum(axis=-1)
         pv = jax.lax.dot_general(
             p.astype(compute_dtype),
@@ -173,7 +173,7 @@ def paged_attention_kernel(
         return acc * alpha[:, None] + pv, m_next, l_next
 
     acc = jnp.zeros((block_m, head_dim), jnp.float32)
-    m = jnp.full((block_m,), _M_INIT, jnp.float32)
+    m = jnp.full((block_m,), -jnp.inf, jnp.float32)
     denom = jnp.zeros((block_m,), jnp.float32)
     acc, m, denom = jax.lax.fori_loop(split_lo, split_hi, body, (acc, m, denom))
 

@@ -113,6 +113,23 @@ def test_large_logits_stay_finite_in_each_split_and_in_their_merge():
     harness.assert_close_to_oracle(case, out, lse, expected, atol=2e-4, rtol=2e-4, lse_atol=1e-4)
 
 
+@pytest.mark.parametrize("logit", [-8e26, -8e29, -4e37])
+def test_keys_whose_logits_are_all_hugely_negative_are_still_seen(logit):
+    # A running max started at -1e30 (base 2) never rose for rows whose every logit lay
+    # below it: they came back as seeing no key (out 0, lse -inf).
+    page_size, head_dim = 16, 64
+    kv = np.zeros((3, page_size, 2, head_dim), np.float32)  # 1 KV head: keys, values
+    kv[1, :, 0] = 1.0
+    kv[1, :, 1] = np.arange(page_size, dtype=np.float32)[:, None]  # value j = j
+    q = np.full((1, 2, head_dim), logit / (head_dim * SM_SCALE), np.float32)
+    args = (q, kv, [8], [[1]], [0, 1], [1])  # one query, 8 keys on page 1
+    out, lse = ragged_paged_attention(
+        *(jnp.asarray(a) for a in args), sm_scale=SM_SCALE, interpret=harness.INTERPRET_GPU
+    )
+    np.testing.assert_allclose(np.asarray(out), 3.5, rtol=1e-6)  # the mean of values 0..7
+    np.testing.assert_allclose(np.asarray(lse), logit, rtol=1e-6)  # + log(8), below f32 ulp
+
+
 def test_prefix_pass_non_causal():
     # The cascade prefix pass: one sequence holds every query token, all keys visible.
     # The second sequence is a level's gap: query tokens and no key, so both of its KV
