@@ -55,6 +55,8 @@ def validate_ragged_paged_attention_inputs(
         raise ValueError(
             f"{kv_pages.shape=}: combined KV heads (axis 2) must be a positive even number (K, V)"
         )
+    if 0 in q.shape or 0 in kv_pages.shape:  # padded shapes hold at least one of each
+        raise ValueError(f"{q.shape=} and {kv_pages.shape=} must have no zero-size axis")
     num_kv_heads = num_combined_kv_heads // 2
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{q.shape[1]=} (query heads) must be a multiple of {num_kv_heads=}")
@@ -73,6 +75,8 @@ def validate_ragged_paged_attention_inputs(
     max_num_seqs = kv_lens.shape[0]
     if page_indices.ndim != 2 or page_indices.shape[0] != max_num_seqs:
         raise ValueError(f"{page_indices.shape=} must be [{max_num_seqs=}, pages_per_seq]")
+    if 0 in page_indices.shape:
+        raise ValueError(f"{page_indices.shape=}: max_num_seqs and pages_per_seq must be >= 1")
     if cu_q_lens.shape != (max_num_seqs + 1,):
         raise ValueError(f"{cu_q_lens.shape=} must be ({max_num_seqs + 1},) = (max_num_seqs + 1,)")
     if num_seqs.shape != (1,):
