@@ -12,9 +12,11 @@ Python loop over sequences) and returns `(out, lse)`:
 - quantized KV (int8, float8_e4m3fn) is read as k.astype(f32) * k_scale, v likewise;
 - softmax and the value sum run in float32; out is cast to `out_dtype` (default q.dtype;
   float32 keeps a partial result unrounded for a later LSE merge);
-- the Pallas kernels feed the dot products in the query's dtype: bfloat16 queries over
-  float32 pages round K and V to bfloat16 first (as JAX's own kernels do), so they match
-  this reference only to bfloat16 tolerance; equal dtypes, the engine's case, lose nothing;
+- the Pallas kernels feed both dot products in the query's dtype, as JAX's own kernels
+  do: bfloat16 queries round K and V (if float32) and the softmax weights to bfloat16
+  before their products, so with bfloat16 queries they match this reference only to
+  bfloat16 tolerance (a few 1e-3 on outputs of order 1, float32 out_dtype too); with
+  float32 queries and pages they match it to float32 rounding;
 - lse is float32, natural log, [max_num_tokens, num_q_heads]; a row that sees no key and
   every row past cu_q_lens[num_seqs] gives out 0 and lse -inf, never NaN, whatever the
   padding of q, kv_pages or the page table holds.
