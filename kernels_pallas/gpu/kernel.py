@@ -158,7 +158,7 @@ def paged_attention_kernel(
 
         m_next = jnp.maximum(m_prev, s.max(axis=-1))
         # The max stays -inf until a row sees a key; shifting by 0 then keeps exp2 off
-        # -inf + inf. (A finite start, -1e30, hid every key whose logit lay below it.)
+        # -inf + inf. (A finite start would hide every key whose logits all lie below it.)
         shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
         alpha = jnp.exp2(m_prev - shift)
         p = jnp.exp2(s - shift[:, None])
