@@ -110,6 +110,10 @@ class KVCacheManager:
         """Ids of every request that holds a row (blocks or not), in allocation order."""
         return list(self._blocks)
 
+    def holds_row(self, request_id: str) -> bool:
+        """Whether `request_id` holds a row (blocks or not): allocated and not yet freed."""
+        return request_id in self._blocks
+
     def block_ids(self, request_id: str) -> list[int]:
         """The block ids `request_id` (or a Request's id) holds, in order. Raises
         UnknownRequestError; ValueError unless given a str or the Request that holds them."""

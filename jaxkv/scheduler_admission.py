@@ -38,8 +38,14 @@ def check_new_request(scheduler: Scheduler, request: Request) -> None:
     manager, max_model_len = scheduler.manager, scheduler.config.max_model_len
     if rid in scheduler.requests:
         raise ValueError(f"request id {rid!r} is already in use")
-    if request.status != RequestStatus.WAITING or request.num_computed_tokens:
-        raise ValueError(f"{request!r} must be new (WAITING, nothing computed)")
+    if manager.holds_row(rid):  # allocated on the manager directly: admission would fail
+        raise ValueError(f"request id {rid!r} holds blocks in the manager: free it first")
+    if (
+        request.status != RequestStatus.WAITING
+        or request.num_computed_tokens
+        or request.output_token_ids
+    ):
+        raise ValueError(f"{request!r} must be new (WAITING, nothing computed, no output)")
     if request.queued:  # two schedulers would both advance it, each its own way
         raise ValueError(f"{request!r} was already queued by a scheduler: build a new Request")
     if request.sampling_params.n != 1:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxkv import Request, RequestStatus
+from jaxkv import Request, RequestStatus, SamplingParams
 from tests.host._sched_util import add, make_scheduler, run_until_idle, step, token_of
 
 
@@ -160,7 +160,23 @@ def test_a_request_that_is_not_new_is_refused():
     computed.num_computed_tokens = 1
     running = Request("running", [1, 2, 3])
     running.status = RequestStatus.RUNNING
-    for request in (computed, running):
+    answered = Request("answered", [1, 2, 3], SamplingParams(max_tokens=2))
+    answered.append_output_token_ids([5, 6])  # was served to max_tokens=2, then a third
+    for request in (computed, running, answered):
         with pytest.raises(ValueError, match="must be new"):
             sched.add_request(request)
     assert not sched.waiting
+
+
+def test_an_id_holding_blocks_in_the_manager_is_refused():
+    # It was queued, and then every schedule() raised on its admission: the scheduler
+    # stuck for good, and every request behind it too.
+    sched = make_scheduler()
+    held = Request("x", [1, 2, 3, 4, 5])
+    assert sched.manager.allocate_slots(held, 5) is not None
+    for request in (held, Request("x", [1, 2, 3, 4, 5])):
+        with pytest.raises(ValueError, match="'x' holds blocks in the manager"):
+            sched.add_request(request)
+    add(sched, "y", [1, 2, 3])
+    out, _ = step(sched)
+    assert out.request_ids == ["y"] and not sched.waiting
