@@ -76,6 +76,7 @@ def test_sampling_params_defaults_and_frozen():
         ("temperature", "hot"),
         ("top_p", None),
         ("stop_token_ids", (1.0,)),
+        ("stop_token_ids", {7: "eos"}),  # a mapping: its keys passed for the ids
     ],
 )
 def test_sampling_params_reject_bad_fields(field, value):
