@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 import jax
 import numpy as np
@@ -135,7 +135,7 @@ class Engine(Closable):
         engine = weakref.ref(self)
         self.copier = DeviceKVCopier(
             lambda: engine().kv_caches,
-            lambda caches: engine()._set_caches(caches),
+            lambda caches: setattr(engine(), "kv_caches", caches),
             max_blocks=self.manager.max_blocks_per_seq,
             kv_replicas=1 if placed is None else placed.kv_replicas,
             fingerprint=functools.partial(model_fingerprint, mc.to_kv_dict(), self._state_leaves),
@@ -150,9 +150,6 @@ class Engine(Closable):
         self._programs: set[tuple] = set()
         self._totals = StepTotals()
         self.last_step: StepStats | None = None  # the last step that ran the model
-
-    def _set_caches(self, caches: list[jax.Array]) -> None:
-        self.kv_caches = caches
 
     # --------------------------------------------------------------- requests
 
@@ -209,6 +206,11 @@ class Engine(Closable):
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    @property
+    def ids_in_use(self) -> Container[str]:
+        """A live view of the request ids add_request refuses as in use (see there)."""
+        return IdsInUse(self.scheduler.requests, self._samples)
 
     def has_pending_transfers(self) -> bool:
         """True while finished requests hold blocks for KV copies that have not landed."""

@@ -35,7 +35,8 @@ from jaxkv.router_samples import RunningSamples
 
 
 class Replica(Protocol):
-    """What the router needs of a replica; jaxkv.engine.Engine has it."""
+    """What the router needs of a replica; jaxkv.engine.Engine has it. It also uses
+    Engine's ids_in_use, has_pending_transfers and queue_checkpoint where a replica has them."""
 
     def add_request(
         self,
@@ -176,10 +177,10 @@ class PrefixAwareRouter(Closable):
         """Routes and queues a request on one replica; returns its id (unique across all
         replicas; generated ones are "dp-0", "dp-1", ... skipping ids callers hold).
         Prompts route together only under equal `cache_salt`s, as the replicas cache them.
-        Raises ValueError on an id in use (a running request's, a running sample's, or
-        under n > 1 one whose samples' ids are) or one that is not a str; the replica's own
-        ValueError (bad prompt or params) leaves the router unchanged, the next generated
-        id included."""
+        Raises ValueError on an id in use (a running request's, a running sample's, one a
+        replica's ids_in_use holds, or under n > 1 one whose samples' ids are any of
+        these) or one that is not a str; the replica's own ValueError (bad prompt or
+        params) leaves the router unchanged, the next generated id included."""
         self._check_open()
         if request_id is not None and not isinstance(request_id, str):
             # abort() and close() take only str ids: a replica that queued an int id would
@@ -190,14 +191,16 @@ class PrefixAwareRouter(Closable):
         # Anything else the replica refuses by name. A default id is one whose samples'
         # ids are free too; no id may be a running sample's, whichever replica runs it.
         n = sampling_params.n if isinstance(sampling_params, SamplingParams) else 1
-        in_use = IdsInUse(self._replica_of, self._samples, n=n)
+        held = [r.ids_in_use for r in self.replicas if hasattr(r, "ids_in_use")]  # Engine's
+        in_use = IdsInUse(self._replica_of, self._samples, *held, n=n)
         serial, request_id = self._serials.peek(request_id, in_use)
         if request_id in self._replica_of:
             raise ValueError(f"{request_id=} is already running")
         if request_id in in_use:
             raise ValueError(
                 f"{request_id=} is already in use: it, or one of its {n} samples' ids, is "
-                "a running sample's id"
+                "a running sample's or one a replica holds (a finished request's KV copy in "
+                "flight: drain_transfers frees it)"
             )
         hashes = self._prefix_hashes(prompt, cache_salt)
         replica = self._route(hashes).replica
@@ -284,7 +287,8 @@ class PrefixAwareRouter(Closable):
         return bool(self._undelivered) or any(r.has_unfinished_requests() for r in self.replicas)
 
     def step(self) -> list[RequestOutput]:
-        """One step of every replica that has unfinished requests, in replica order.
+        """One step of every replica with unfinished requests or KV copies in flight (an
+        idle one's step collects its copies, freeing their blocks and ids), in replica order.
 
         When one replica's step raises, the outputs of the replicas before it are kept
         and the next step() returns them first: no token, and no finish, is lost. A
@@ -296,7 +300,7 @@ class PrefixAwareRouter(Closable):
         outputs, self._undelivered = self._undelivered, []
         try:
             for replica in self.replicas:
-                if replica.has_unfinished_requests():
+                if replica.has_unfinished_requests() or _pending_transfers(replica):
                     outputs.extend(replica.step())
         except BaseException:
             self._undelivered = outputs

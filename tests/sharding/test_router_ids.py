@@ -39,3 +39,29 @@ def test_a_generated_id_is_never_given_again_after_its_request_ends():
     while router.has_unfinished_requests():
         router.step()
     assert (first, second, router.add_request([3])) == ("dp-0", "dp-1", "dp-2")
+
+
+def test_generated_ids_skip_ids_a_replica_holds_for_a_kv_copy_in_flight():
+    # A caller's "dp-0" finished, but its replica held the id until its KV save landed,
+    # and router.step() never stepped that idle replica to land it: every generated id
+    # was "dp-0", refused by the replica, until drain_transfers.
+    from jaxkv import HostOffloadConnector, PrefixAwareRouter
+    from tests.engine._util import make_engine
+
+    connectors = [HostOffloadConnector(1 << 24, copy_delay_steps=3) for _ in range(2)]
+    engines = [make_engine(connector=c) for c in connectors]
+    router = PrefixAwareRouter(engines, block_size=engines[0].config.cache.block_size)
+    prompt, params = list(range(1, 14)), SamplingParams(max_tokens=2, ignore_eos=True)
+    router.add_request(prompt, params, request_id="dp-0")
+    while router.has_unfinished_requests():
+        router.step()
+    holder = engines[router.route(prompt).replica]
+    assert holder.has_pending_transfers() and "dp-0" in holder.ids_in_use
+    with pytest.raises(ValueError, match="one a replica holds"):
+        router.add_request(prompt, params, request_id="dp-0")
+    assert router.add_request(prompt, params) == "dp-1"  # not "dp-0"
+    while router.has_unfinished_requests() or router.has_pending_transfers():
+        router.step()  # steps the idle replica too, until its copies land
+    assert "dp-0" not in holder.ids_in_use
+    assert router.add_request(prompt, params, request_id="dp-0") == "dp-0"
+    router.close()
