@@ -37,9 +37,11 @@ def checked_drivers(drivers, name: str) -> list:
     if not listed:
         raise ValueError(f"{name} must not be empty")
     methods = ("add_request", "step", "has_unfinished_requests", "abort")
-    for driver in listed:
+    for i, driver in enumerate(listed):
         if not all(callable(getattr(driver, method, None)) for method in methods):
             raise ValueError(f"{name}: {driver!r} lacks one of the methods {methods}")
+        if any(driver is other for other in listed[:i]):  # stepped twice, counted twice
+            raise ValueError(f"{name}: {driver!r} is given twice")
     return listed
 
 

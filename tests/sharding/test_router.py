@@ -247,6 +247,8 @@ def test_bad_input_leaves_the_router_unchanged():
             PrefixAwareRouter(bad, block_size=4)
     with pytest.raises(ValueError, match="replicas: None lacks one of the methods"):
         PrefixAwareRouter([replicas[0], None], block_size=4)  # AttributeError in add_request
+    with pytest.raises(ValueError, match="replicas: .* is given twice"):
+        PrefixAwareRouter([replicas[0], replicas[1], replicas[0]], block_size=4)  # stepped twice
     assert PrefixAwareRouter(iter(replicas), block_size=4).replicas == replicas
 
 
