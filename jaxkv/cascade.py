@@ -30,7 +30,7 @@ from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostM
 from jaxkv.cascade_plan import CascadeLevel, CascadePlan, grouped_plan, make_level
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.planner_args import checked_plan_args, checked_planner_settings
-from jaxkv.prefix_index import longest_common_prefix
+from jaxkv.prefix_index import longest_common_prefix_unchecked
 
 __all__ = [
     "DEFAULT_COST_MODELS",
@@ -284,7 +284,9 @@ class CascadePlanner:
             if members is everyone and whole_batch_end:
                 end = whole_batch_end
             else:
-                end = longest_common_prefix(manager.prefix_ids, num_blocks[members], rows[members])
+                end = longest_common_prefix_unchecked(
+                    manager.prefix_ids, num_blocks[members], rows[members]
+                )
                 end = min(end, int(computed.min()) // bs)
             queries = int(query_lens[members].sum())
             context = int(computed.sum()) + queries

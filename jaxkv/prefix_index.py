@@ -102,6 +102,14 @@ def longest_common_prefix(
     past the blocks its row holds (rows whose -1 fills agree would count as sharing).
     """
     _check_lcp_args(prefix_ids, num_blocks, rows)
+    return longest_common_prefix_unchecked(prefix_ids, num_blocks, rows)
+
+
+def longest_common_prefix_unchecked(
+    prefix_ids: np.ndarray, num_blocks: np.ndarray, rows: np.ndarray | None = None
+) -> int:
+    """longest_common_prefix without its argument checks, for callers whose arguments
+    are right by construction (the cascade planner: rows and counts from the manager)."""
     num_rows = len(num_blocks)
     if num_rows <= 1:
         return int(num_blocks[0]) if num_rows else 0
@@ -132,6 +140,8 @@ def _check_lcp_args(prefix_ids, num_blocks, rows) -> None:
         raise ValueError(f"{len(rows)=} must equal {len(num_blocks)=}")
     elif rows.size and not 0 <= rows.min() <= rows.max() < num_rows:
         raise ValueError(f"rows must lie in [0, {num_rows}) (rows of prefix_ids)")
+    if not num_blocks.size:  # of any dtype: zero rows
+        return
     held = num_blocks > 0
     selected = np.flatnonzero(held) if rows is None else rows[held]
     if (prefix_ids[selected, num_blocks[held] - 1] < 0).any():

@@ -352,6 +352,9 @@ def test_longest_common_prefix_refuses_num_blocks_past_the_blocks_held():
         longest_common_prefix(table, np.array([4, 4]))
     with pytest.raises(ValueError, match="must not exceed the blocks each row holds"):
         longest_common_prefix(table, np.array([3, 2]), np.array([1, 0]))
+    for empty in (np.array([]), np.array([], np.int32)):  # zero rows, of any dtype: 0
+        assert longest_common_prefix(table, empty) == 0
+        assert longest_common_prefix(table, empty, empty) == 0
 
 
 def test_reused_answer_follows_a_cache_hit_on_a_request_that_held_no_block():
