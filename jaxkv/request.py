@@ -90,7 +90,8 @@ class SamplingParams:
         if self.seed is not None and (seed is None or not -(2**63) <= seed < 2**64):
             raise ValueError(f"seed={self.seed!r} must be None or an int in [-2**63, 2**64)")
         try:
-            if isinstance(self.stop_token_ids, Mapping):  # its keys would pass for the ids
+            # A mapping's keys, or bytes' values, would pass for the ids.
+            if isinstance(self.stop_token_ids, (Mapping, bytes, bytearray)):
                 raise TypeError
             stop = tuple(map(_int_or_none, self.stop_token_ids))
         except TypeError:  # not iterable: a lone id, None

@@ -77,6 +77,8 @@ def test_sampling_params_defaults_and_frozen():
         ("top_p", None),
         ("stop_token_ids", (1.0,)),
         ("stop_token_ids", {7: "eos"}),  # a mapping: its keys passed for the ids
+        ("stop_token_ids", b"\x07\x08"),  # bytes: their values passed for the ids
+        ("stop_token_ids", bytearray(b"\x07")),
     ],
 )
 def test_sampling_params_reject_bad_fields(field, value):
