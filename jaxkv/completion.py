@@ -27,7 +27,8 @@ class StepDriver(Protocol):
 
 def checked_drivers(drivers, name: str) -> list:
     """`drivers` as a list; ValueError naming `name` unless it is a non-empty sequence
-    of objects with StepDriver's four methods (a str was taken as one per character)."""
+    of distinct objects with StepDriver's four methods (a str was taken as one per
+    character)."""
     try:  # None or a lone engine used to raise TypeError from len()
         listed = None if isinstance(drivers, str) else list(drivers)
     except TypeError:

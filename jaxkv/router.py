@@ -199,8 +199,8 @@ class PrefixAwareRouter(Closable):
         if request_id in in_use:
             raise ValueError(
                 f"{request_id=} is already in use: it, or one of its {n} samples' ids, is "
-                "a running sample's or one a replica holds (a finished request's KV copy in "
-                "flight: drain_transfers frees it)"
+                "a running sample's or one a replica holds (added to it directly, or finished "
+                "with its KV copy in flight: drain_transfers frees those)"
             )
         hashes = self._prefix_hashes(prompt, cache_salt)
         replica = self._route(hashes).replica

@@ -94,7 +94,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queues a new request (status WAITING).
 
-        Raises ValueError (nothing queued) on an id in use (here, or holding blocks in
+        Raises ValueError (nothing queued) on an id in use (here, or holding a row in
         the manager), a request not new (computed or output tokens, queued by a
         scheduler before, or block hashes of another block size or seed), a prompt that
         leaves no room for output, or one that the whole pool could not hold.

@@ -39,7 +39,9 @@ def check_new_request(scheduler: Scheduler, request: Request) -> None:
     if rid in scheduler.requests:
         raise ValueError(f"request id {rid!r} is already in use")
     if manager.holds_row(rid):  # allocated on the manager directly: admission would fail
-        raise ValueError(f"request id {rid!r} holds blocks in the manager: free it first")
+        raise ValueError(
+            f"request id {rid!r} holds a row in the manager (allocated there): free it first"
+        )
     if (
         request.status != RequestStatus.WAITING
         or request.num_computed_tokens

@@ -175,7 +175,7 @@ def test_an_id_holding_blocks_in_the_manager_is_refused():
     held = Request("x", [1, 2, 3, 4, 5])
     assert sched.manager.allocate_slots(held, 5) is not None
     for request in (held, Request("x", [1, 2, 3, 4, 5])):
-        with pytest.raises(ValueError, match="'x' holds blocks in the manager"):
+        with pytest.raises(ValueError, match="'x' holds a row in the manager"):
             sched.add_request(request)
     add(sched, "y", [1, 2, 3])
     out, _ = step(sched)
