@@ -143,7 +143,8 @@ def load_model(args: argparse.Namespace, console: Console) -> tuple[Llama, str]:
         config = LlamaConfig.preset(args.preset)
         return Llama(config, rngs=nnx.Rngs(args.seed)), f"{args.preset}, random weights"
     path = Path(args.checkpoint) if args.checkpoint else _default_checkpoint(console)
-    return load_checkpoint(path), f"tiny, trained checkpoint {path}"
+    shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path  # as the README
+    return load_checkpoint(path), f"tiny, trained checkpoint {shown}"
 
 
 def _default_checkpoint(console: Console) -> Path:
