@@ -4,7 +4,8 @@ Workload: N requests that all start with one long system prompt, each followed b
 short question of its own, all queued at once; greedy decoding of --max-tokens tokens.
 With --samples S, N / S questions, each queued once with SamplingParams(n=S) and sampled
 at temperature 1 (seeded per question): S sequences share the system prompt and their
-question, a second level of shared prefix.
+question, a second level of shared prefix wherever a question fills a KV block of its own
+(with the default sizes it does not, and cascade plans the global level only).
 Runs four engines on the same model and workload: cascade attention on/off x prefix
 caching on/off, and reports per engine:
 
@@ -23,7 +24,7 @@ caching on/off, and reports per engine:
 - cascade steps by level, prefix-cache hit rate, KV usage peak.
 
 Model: the `tiny` Llama preset with random weights (timings do not depend on the
-weights). Timings are measured, never asserted. Prints a table, writes JSON:
+weights). Timings are measured, never asserted. Prints a table, and with --out writes JSON:
 
     python benchmarks/serve.py --out benchmarks/results/serve.json
 """
