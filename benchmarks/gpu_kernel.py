@@ -17,11 +17,9 @@ One run (under 5 minutes on an H100/H200):
      tables,
    - jax_paged: `jax.experimental.pallas.ops.gpu.paged_attention` with its default tiling
      on the flat_unique inputs;
-4. times the flat kernel under each tiling of a sweep at B=64, P=8192, S=128
-   (--no-sweep skips it);
-5. writes `gpu_kernel.json` to --out and prints a table with achieved bandwidth.
-
-It starts no configuration after --max-seconds (230 s; the sweep gets 40 s more).
+4. times the flat kernel per tiling of a sweep at B=64, P=8192, S=128 (--no-sweep skips);
+5. writes `gpu_kernel.json` to --out and prints a table with achieved bandwidth. It
+   starts no configuration after --max-seconds (230 s; the sweep gets 40 s more).
 
 Bandwidth is the bytes the method must move divided by time (benchmarks/attention_bytes.py:
 KV, B*(P+S) tokens for the flat kernels and JAX's, P + B*S tokens for cascade, plus
@@ -329,11 +327,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     grid = args.only or ([SMOKE_CELL] if args.smoke else GRID)
     sweep_cell = SMOKE_CELL if args.smoke else SWEEP_CELL
+    prefixes = sorted({p for _, p, _ in grid})
     check_whole_pages(
-        ap,
-        sorted({p for _, p, _ in grid}),
-        args.page_size,
-        "--only" if args.only else "the grid's prefixes",
+        ap, prefixes, args.page_size, "--only" if args.only else "the grid's prefixes"
     )
     if args.sweep:
         check_whole_pages(

@@ -10,9 +10,8 @@ One step (README, "Architecture"):
 5. Scheduler.update_from_output(): append tokens, stop, free blocks or hand them to the
    KV connector (which may keep them held while it copies them out).
 
-The engine compiles one program per combination of buckets it meets, and per variant
-(with logprobs, and per min_tokens ban width; EngineConfig.max_step_programs bounds
-them); programs are shared by every engine over the same model graph.
+One program per combination of buckets met and variant (logprobs, min_tokens ban width;
+EngineConfig.max_step_programs bounds them), shared by engines over one model graph.
 """
 
 from __future__ import annotations
