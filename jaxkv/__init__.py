@@ -32,7 +32,7 @@ from jaxkv.config import CacheConfig as CacheConfig
 from jaxkv.config import EngineConfig as EngineConfig
 from jaxkv.config import SchedulerConfig as SchedulerConfig
 from jaxkv.engine import Engine as Engine
-from jaxkv.kv_transfer import HostOffloadConnector as HostOffloadConnector
+from jaxkv.host_offload_connector import HostOffloadConnector as HostOffloadConnector
 from jaxkv.kv_transfer import KVConnector as KVConnector
 from jaxkv.kv_transfer import TransferStats as TransferStats
 from jaxkv.logprobs import Logprob as Logprob

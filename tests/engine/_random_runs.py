@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxkv import SamplingParams
 from jaxkv.engine import Engine
-from jaxkv.kv_transfer import HostOffloadConnector
+from jaxkv.host_offload_connector import HostOffloadConnector
 from tests.engine._util import (
     MAX_MODEL_LEN,
     ROOMY_BLOCKS,

@@ -10,7 +10,7 @@ from flax import nnx
 from jaxkv import SamplingParams
 from jaxkv.config import SchedulerConfig
 from jaxkv.engine import Engine
-from jaxkv.kv_transfer import HostOffloadConnector
+from jaxkv.host_offload_connector import HostOffloadConnector
 from tests.engine._util import engine_config, tiny_model
 
 

@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxkv import SamplingParams
 from jaxkv.engine import Engine
-from jaxkv.kv_transfer import HostOffloadConnector
+from jaxkv.host_offload_connector import HostOffloadConnector
 from tests.engine._util import (
     VOCAB,
     assert_all_blocks_free,

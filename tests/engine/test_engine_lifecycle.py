@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxkv import RequestStatus, SamplingParams
-from jaxkv.kv_transfer import HostOffloadConnector
+from jaxkv.host_offload_connector import HostOffloadConnector
 from tests.engine._util import (
     MAX_MODEL_LEN,
     TIGHT_BLOCKS,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxkv import SamplingParams
-from jaxkv.kv_transfer import HostOffloadConnector
+from jaxkv.host_offload_connector import HostOffloadConnector
 from jaxkv.metrics import EngineMetrics, StepStats, StepTotals
 from tests.engine._util import BLOCK_SIZE, VOCAB, make_engine, prompts_for
 

@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxkv import Request, RequestStatus, SamplingParams
 from jaxkv.engine import Engine
-from jaxkv.kv_transfer import HostOffloadConnector
+from jaxkv.host_offload_connector import HostOffloadConnector
 from tests.engine._util import (
     TIGHT_BLOCKS,
     VOCAB,

@@ -15,7 +15,7 @@ from jaxkv import SamplingParams
 from jaxkv.attention import default_backend
 from jaxkv.config import EngineConfig, SchedulerConfig
 from jaxkv.engine import Engine
-from jaxkv.kv_transfer import HostOffloadConnector
+from jaxkv.host_offload_connector import HostOffloadConnector
 from jaxkv.models import Llama
 from jaxkv.sampler import sample, sampling_arrays, sampling_row
 from tests.engine._util import (

@@ -10,7 +10,7 @@ import pytest
 from jaxkv.cascade_cost import AttentionShape, CascadeCostModel
 from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxkv.hashing import root_hash
-from jaxkv.kv_transfer import HostOffloadConnector
+from jaxkv.host_offload_connector import HostOffloadConnector
 from jaxkv.models.config import LlamaConfig, RopeScaling
 from jaxkv.router import PrefixAwareRouter
 from jaxkv.sharding import replica_meshes

@@ -5,7 +5,7 @@ its prefix's head left the store stores none of the blocks behind it."""
 from __future__ import annotations
 
 from jaxkv import Request, SamplingParams
-from jaxkv.kv_transfer import HostOffloadConnector
+from jaxkv.host_offload_connector import HostOffloadConnector
 from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
 
 BS = 4
@@ -75,3 +75,51 @@ def test_a_save_whose_prefix_another_requests_failed_save_held_stores_nothing():
     assert connector.on_finish(a, [1, 2]) and connector.on_finish(b, [1, 2, 3])
     copier.complete()
     assert connector.poll().saved == ("a", "b") and _claim(connector, range(1, 14)) == 12
+
+
+def _reachable(connector) -> bool:
+    """Every stored block's prefix is stored or still being saved."""
+    store = connector._store
+    return all(
+        store.parent_of(h) is None
+        or store.parent_of(h) in store
+        or store.parent_of(h) in connector._saving
+        for h in store
+    )
+
+
+def test_blocks_stored_behind_another_requests_failed_save_leave_with_it():
+    # b's last block lands while a still saves the two before it; then a's save fails:
+    # b's block could never load again, so it must not take room in the store.
+    copier = FakeCopier(16, BS, auto_complete=False)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    a = Request("a", list(range(1, 10)), SamplingParams())
+    b = Request("b", list(range(1, 14)), SamplingParams())
+    a.num_computed_tokens, b.num_computed_tokens = 8, 12
+    copier.fail_saves = True
+    assert connector.on_finish(a, [1, 2])  # h0 h1: this copy will fail
+    copier.fail_saves, copier.auto_complete = False, True
+    assert connector.on_finish(b, [1, 2, 3])  # copies h2 only, landing at once
+    assert connector.poll().saved == ("b",)
+    assert connector.stored_hashes() == [b.block_hashes[2]] and _reachable(connector)
+    copier.complete()
+    assert connector.poll().failed_saves == ("a",)
+    assert connector.stored_hashes() == [] and _reachable(connector)
+    assert connector.stats.num_stored_blocks == 0
+
+
+def test_a_failed_load_drops_the_blocks_stored_behind_the_ones_it_loaded():
+    copier = FakeCopier(16, BS)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    long = Request("long", list(range(1, 14)), SamplingParams())
+    long.num_computed_tokens = 12
+    assert connector.on_finish(long, [1, 2, 3]) and connector.poll().saved == ("long",)
+    short = Request("short", list(range(1, 10)), SamplingParams())  # h0 h1 of long's
+    assert connector.on_admission(short, 0) == 8
+    copier.fail_loads = True
+    connector.start_load(short, [4, 5])
+    assert connector.poll().failed_loads == ("short",)
+    assert connector.stored_hashes() == [] and _reachable(connector)
+    assert _claim(connector, range(1, 14)) == 0

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jaxkv import Request, RequestStatus, SamplingParams
-from jaxkv.kv_transfer import HostOffloadConnector, KVConnector
+from jaxkv.host_offload_connector import HostOffloadConnector
+from jaxkv.kv_transfer import KVConnector
 from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
 
 BS = 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jaxkv import Request, SamplingParams
-from jaxkv.kv_transfer import HostOffloadConnector
+from jaxkv.host_offload_connector import HostOffloadConnector
 from tests.host._sched_util import FakeCopier
 
 BS = 4

@@ -7,7 +7,7 @@ import pytest
 
 from jaxkv import Request, RequestStatus, SamplingParams, Scheduler
 from jaxkv.cascade import AttentionShape, CascadePlanner
-from jaxkv.kv_transfer import HostOffloadConnector
+from jaxkv.host_offload_connector import HostOffloadConnector
 from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from hypothesis import given, settings
 
 from jaxkv import RequestStatus
-from jaxkv.kv_transfer import HostOffloadConnector
+from jaxkv.host_offload_connector import HostOffloadConnector
 from tests.host._sched_util import FakeCopier, add, make_scheduler, step
 
 BS = 4

@@ -5,7 +5,7 @@ it lands, whatever becomes of the request that started it."""
 from __future__ import annotations
 
 from jaxkv import Request, RequestStatus
-from jaxkv.kv_transfer import HostOffloadConnector
+from jaxkv.host_offload_connector import HostOffloadConnector
 from tests.host._sched_util import (
     FakeCopier,
     OracleLoadConnector,

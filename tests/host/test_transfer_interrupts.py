@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from jaxkv import KVCacheManager, RequestStatus
-from jaxkv.kv_transfer import HostOffloadConnector, KVConnector
+from jaxkv.host_offload_connector import HostOffloadConnector
+from jaxkv.kv_transfer import KVConnector
 from jaxkv.scheduler_transfers import TransferTracker
 from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
 from tests.host._util import make_request, prefill

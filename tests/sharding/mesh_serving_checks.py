@@ -186,7 +186,7 @@ def offload_stores_replicated_kv_heads_once():
     three engines' weights are distinct arrays, placed three ways: the model fingerprint
     that lets them share the store reads the same bits in each."""
     from jaxkv.engine import Engine
-    from jaxkv.kv_transfer import HostOffloadConnector
+    from jaxkv.host_offload_connector import HostOffloadConnector
     from jaxkv.model_fingerprint import _checksums
 
     ps = prompts()

@@ -1,0 +1,294 @@
+"""HostOffloadConnector: the KVConnector that keeps finished requests' full blocks in an
+LRU host store and reloads them on a later device-cache miss (see jaxkv.kv_transfer for
+the connector's hooks and when the Scheduler calls them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import numpy as np
+
+from jaxkv.field_checks import int_fields
+from jaxkv.hashing import BlockHash
+from jaxkv.host_block_store import HostBlockStore
+from jaxkv.kv_transfer import KVConnector, KVCopier, TransferEvents, TransferStats
+from jaxkv.request import Request
+
+
+@dataclasses.dataclass
+class _Transfer:
+    request_id: str
+    future: Future
+    hashes: list[BlockHash]
+    start_step: int
+    num_tokens: int = 0  # loads: prompt tokens the loaded blocks cover
+    chain: list[BlockHash] = dataclasses.field(default_factory=list)  # saves: all full blocks
+
+
+class HostOffloadConnector(KVConnector):
+    """Offloads finished requests' full blocks to an LRU host store; reloads prefix hits.
+
+    The store maps block hash -> host copy of that block (every layer), holding at most
+    `host_bytes` bytes (each entry its own array); the least recently saved or loaded
+    block is evicted first, and within one request's blocks the last first, since a
+    prefix is only usable from its first block (a save or load refreshes the whole
+    prefix; a save landing after its prefix's head left stores nothing behind it). Only
+    blocks whose every token was computed are saved, and a hash already stored or being
+    saved is not copied twice. A failed save frees the blocks and stores nothing; a failed
+    load drops its store entries (so a retry recomputes) and the scheduler frees the
+    blocks and recomputes the tokens: nothing leaks, nothing is half-loaded. The store
+    holds only blocks a prompt can reach: blocks stored behind one that leaves it (evicted,
+    dropped by a failed load, or never stored because its save failed) leave with it.
+
+    copy_delay_steps > 0 reports a transfer no earlier than that many poll() calls after
+    it started (to hold blocks on purpose in tests and benchmarks).
+
+    It serves one engine at a time: bind refuses a second copier while the first one's
+    engine lives and is not closed (Engine.close unbinds it), since one engine's saves
+    through another's copier would store that engine's KV under the first one's hashes.
+    It holds the copier weakly, so an engine dropped without close() is still collected;
+    the copies it had in flight are then forgotten. The store outlives the engine: a later
+    engine bound with the same block size, hash seed, block layout (bytes, shape and
+    dtype of a block, which holds each KV head once whatever the tensor-parallel width)
+    and model (the copier's model_fingerprint: config and weights' bits, wherever the
+    weights are placed) reads what the earlier one saved; any other binding empties it,
+    so KV one model computed is never loaded into another's cache.
+    """
+
+    def __init__(self, host_bytes: int, *, copy_delay_steps: int = 0) -> None:
+        # A bool is no size: HostOffloadConnector(True) was a 1-byte store that never saved.
+        self.host_bytes = host_bytes
+        self.copy_delay_steps = copy_delay_steps
+        int_fields(self, "host_bytes", "copy_delay_steps", minimum=0)
+        self._copier_ref: weakref.ref[KVCopier] | None = None
+        self._block_size = 0
+        self._hash_seed = 0
+        self._layout: tuple | None = None  # of the blocks in the store
+        self._block_bytes = 0
+        self._store = HostBlockStore()
+        self._saves: dict[str, _Transfer] = {}
+        self._loads: dict[str, _Transfer] = {}
+        self._saving: set[BlockHash] = set()  # hashes with a save in flight
+        self._step = 0
+        self._stats = TransferStats()
+
+    def bind(self, copier: KVCopier, *, block_size: int, hash_seed: int) -> None:
+        """Serves the engine of `copier` from now on, holding it weakly (its engine keeps
+        it). Raises RuntimeError, changing nothing, while bound to another live copier."""
+        bound = self._bound()
+        if bound is not None and bound is not copier:
+            raise RuntimeError(
+                "this HostOffloadConnector serves another engine: close that engine "
+                "(Engine.close) first, or give each engine its own connector"
+            )
+        if bound is None and self._copier_ref is not None:
+            # Its engine was collected without close(): no one will collect these copies.
+            self._saves.clear()
+            self._loads.clear()
+            self._end_saving(list(self._saving))
+        layout = (
+            block_size,
+            hash_seed,
+            copier.bytes_per_block,
+            getattr(copier, "block_shape", None),
+            str(getattr(copier, "dtype", None)),
+            getattr(copier, "model_fingerprint", None),
+        )
+        if layout != self._layout:
+            self._store.clear()  # saved for other blocks: not this engine's KV
+        self._layout, self._block_bytes = layout, copier.bytes_per_block
+        self._copier_ref = weakref.ref(copier)
+        self._block_size = block_size
+        self._hash_seed = hash_seed
+
+    def unbind(self, copier: KVCopier) -> None:
+        """Lets bind take another engine's copier, if `copier` is the one bound (otherwise
+        does nothing); the store is kept. Raises RuntimeError, changing nothing, while a
+        copy is in flight (its landing is reported by poll)."""
+        if self._bound() is not copier:
+            return
+        if self.has_pending():
+            raise RuntimeError(
+                f"unbind with {len(self._saves)} saves and {len(self._loads)} loads in flight"
+            )
+        self._copier_ref = None
+
+    # ------------------------------------------------------------------ hooks
+
+    def on_finish(self, request: Request, block_ids: Sequence[int]) -> bool:
+        copier = self._require_copier()
+        if self.host_bytes < copier.bytes_per_block:
+            return False
+        hashes = request.update_block_hashes(self._block_size, self._hash_seed)
+        num_full = min(request.num_computed_tokens // self._block_size, len(block_ids))
+        picked = []
+        for i in reversed(range(num_full)):  # a chain's head ends up most recently used
+            h = hashes[i]
+            if h in self._store:
+                self._store.touch(h)  # used again: refresh its LRU position
+            elif h not in self._saving:
+                picked.append((block_ids[i], h))
+        picked.reverse()
+        if not picked:
+            return False
+        ids = [b for b, _ in picked]
+        new_hashes = [h for _, h in picked]
+        future = copier.start_save(ids)
+        self._saves[request.request_id] = _Transfer(
+            request.request_id, future, new_hashes, self._step, chain=hashes[:num_full]
+        )
+        self._saving.update(new_hashes)
+        return True
+
+    def on_admission(self, request: Request, num_computed_tokens: int) -> int:
+        """Whole blocks after `num_computed_tokens` found in the store, in tokens.
+
+        Never covers the request's last token (its logits must be computed). Changes no
+        state.
+        """
+        if not self._store or num_computed_tokens % self._block_size:
+            return 0
+        hashes = request.update_block_hashes(self._block_size, self._hash_seed)
+        first = num_computed_tokens // self._block_size
+        last = (request.num_tokens - 1) // self._block_size
+        num_found = 0
+        for h in hashes[first:last]:
+            if h not in self._store:
+                break
+            num_found += 1
+        return num_found * self._block_size
+
+    def start_load(self, request: Request, block_ids: Sequence[int]) -> None:
+        """Loads the stored blocks that follow request.num_computed_tokens into
+        `block_ids`. Raises ValueError (nothing started) unless the store holds them all,
+        as on_admission promised just before."""
+        req_id = request.request_id
+        first, rem = divmod(request.num_computed_tokens, self._block_size)
+        all_hashes = request.update_block_hashes(self._block_size, self._hash_seed)
+        hashes = all_hashes[first : first + len(block_ids)]
+        if rem or not block_ids or len(hashes) != len(block_ids):
+            raise ValueError(
+                f"start_load({req_id!r}): {len(block_ids)} block_ids do not cover whole "
+                f"prompt blocks after {request.num_computed_tokens} computed tokens"
+            )
+        if not all(h in self._store for h in hashes):
+            raise ValueError(f"start_load({req_id!r}): the store no longer holds those blocks")
+        data = np.stack([self._store[h] for h in hashes])
+        # The whole prefix is used again (device hits too): refreshed tail first, as saved.
+        for h in reversed(all_hashes[: first + len(hashes)]):
+            if h in self._store:
+                self._store.touch(h)
+        future = self._require_copier().start_load(list(block_ids), data)
+        self._loads[req_id] = _Transfer(
+            req_id, future, hashes, self._step, len(hashes) * self._block_size
+        )
+
+    def poll(self) -> TransferEvents:
+        self._step += 1
+        saved, failed_saves = self._collect(self._saves, self._finish_save)
+        loaded, failed_loads = self._collect(self._loads, self._finish_load)
+        return TransferEvents(tuple(saved), tuple(failed_saves), tuple(loaded), tuple(failed_loads))
+
+    def has_pending(self) -> bool:
+        return bool(self._saves or self._loads)
+
+    @property
+    def stats(self) -> TransferStats:
+        return dataclasses.replace(
+            self._stats,
+            num_stored_blocks=len(self._store),
+            stored_bytes=len(self._store) * self._bytes_per_block(),
+        )
+
+    def stored_hashes(self) -> list[BlockHash]:
+        """Hashes in the host store, least recently used first."""
+        return list(self._store)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _collect(self, transfers: dict[str, _Transfer], finish) -> tuple[list[str], list[str]]:
+        ok, failed = [], []
+        for req_id, t in list(transfers.items()):
+            if self._step - t.start_step < self.copy_delay_steps or not t.future.done():
+                continue
+            del transfers[req_id]
+            (ok if finish(t) else failed).append(req_id)
+        return ok, failed
+
+    def _finish_save(self, t: _Transfer) -> bool:
+        try:
+            data = t.future.result()
+        except Exception:  # noqa: BLE001 - any copy failure frees the blocks the same way
+            self._end_saving(t.hashes)
+            self._count(num_failed_saves=1)
+            return False
+        self._saving.difference_update(t.hashes)
+        # A block is stored only behind its whole prefix (stored, landing now or still
+        # being saved): one whose head was evicted or failed meanwhile could never load.
+        # The usable chain, blocks stored before included, is refreshed tail first: its
+        # head, without which on_admission can use none of it, is evicted last. Blocks
+        # other saves stored behind one that is not stored now leave with it.
+        landed = dict(zip(t.hashes, data, strict=True))
+        usable = 0
+        for h in t.chain:
+            if h not in landed and h not in self._store and h not in self._saving:
+                break
+            usable += 1
+        for i in reversed(range(usable)):
+            h = t.chain[i]
+            if h in landed:
+                self._store.put(h, t.chain[i - 1] if i else None, landed[h])
+            elif h in self._store:
+                self._store.touch(h)
+        self._end_saving([h for h in t.hashes if h not in self._store])
+        self._evict()
+        self._count(num_saves=1, bytes_offloaded=len(t.hashes) * self._bytes_per_block())
+        return True
+
+    def _finish_load(self, t: _Transfer) -> bool:
+        try:
+            t.future.result()
+        except Exception:  # noqa: BLE001
+            for h in t.hashes:
+                self._store.drop(h)
+            self._count(num_failed_loads=1)
+            return False
+        self._count(
+            num_loads=1,
+            bytes_reloaded=len(t.hashes) * self._bytes_per_block(),
+            num_loaded_tokens=t.num_tokens,
+        )
+        return True
+
+    def _evict(self) -> None:
+        limit = self.host_bytes // max(self._bytes_per_block(), 1)
+        self._store.evict_to(limit)
+
+    def _end_saving(self, hashes: Sequence[BlockHash]) -> None:
+        """Saves of `hashes` ended without storing them: what was stored behind them leaves."""
+        self._saving.difference_update(hashes)
+        for h in hashes:
+            self._store.drop_behind(h)
+
+    def _bytes_per_block(self) -> int:
+        return self._block_bytes
+
+    def _count(self, **deltas: int) -> None:
+        s = self._stats
+        self._stats = dataclasses.replace(s, **{k: getattr(s, k) + v for k, v in deltas.items()})
+
+    @property
+    def hash_layout(self) -> tuple[int, int] | None:
+        return None if self._bound() is None else (self._block_size, self._hash_seed)
+
+    def _bound(self) -> KVCopier | None:
+        return None if self._copier_ref is None else self._copier_ref()
+
+    def _require_copier(self) -> KVCopier:
+        copier = self._bound()
+        if copier is None:
+            raise RuntimeError("HostOffloadConnector used unbound (bind(copier, ...) first)")
+        return copier
