@@ -223,3 +223,18 @@ def run_until_idle(sched: Scheduler, copier: FakeCopier | None = None, max_steps
         if copier is not None and not copier.auto_complete:
             copier.complete()
     raise AssertionError("scheduler did not go idle")
+
+
+def unreachable_entries(connector) -> list:
+    """Hashes in a HostOffloadConnector's store whose parent is neither stored nor being
+    saved: no prompt could load them again."""
+    store = connector._store
+    return [
+        h
+        for h in store
+        if not (
+            store.parent_of(h) is None
+            or store.parent_of(h) in store
+            or store.parent_of(h) in connector._saving
+        )
+    ]

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from jaxkv import Request, SamplingParams
 from jaxkv.host_offload_connector import HostOffloadConnector
-from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
+from tests.host._sched_util import (
+    FakeCopier,
+    add,
+    make_scheduler,
+    run_until_idle,
+    step,
+    unreachable_entries,
+)
 
 BS = 4
 
@@ -56,13 +63,20 @@ def test_a_save_landing_after_its_head_was_evicted_stores_nothing_behind_it():
     assert _claim(connector, range(20, 25)) == 4 and _claim(connector, range(30, 35)) == 4
 
 
-def test_a_save_whose_prefix_another_requests_failed_save_held_stores_nothing():
+def _a_and_b_sharing_two_blocks():
+    """A copier landing copies on complete(), its connector, and finished requests a (two
+    full blocks) and b (the same two, then one more)."""
     copier = FakeCopier(16, BS, auto_complete=False)
     connector = HostOffloadConnector(64 * copier.bytes_per_block)
     connector.bind(copier, block_size=BS, hash_seed=0)
     a = Request("a", list(range(1, 10)), SamplingParams())
     b = Request("b", list(range(1, 14)), SamplingParams())
     a.num_computed_tokens, b.num_computed_tokens = 8, 12
+    return copier, connector, a, b
+
+
+def test_a_save_whose_prefix_another_requests_failed_save_held_stores_nothing():
+    copier, connector, a, b = _a_and_b_sharing_two_blocks()
     copier.fail_saves = True
     assert connector.on_finish(a, [1, 2])  # h0 h1: this copy fails
     copier.fail_saves = False
@@ -77,35 +91,19 @@ def test_a_save_whose_prefix_another_requests_failed_save_held_stores_nothing():
     assert connector.poll().saved == ("a", "b") and _claim(connector, range(1, 14)) == 12
 
 
-def _reachable(connector) -> bool:
-    """Every stored block's prefix is stored or still being saved."""
-    store = connector._store
-    return all(
-        store.parent_of(h) is None
-        or store.parent_of(h) in store
-        or store.parent_of(h) in connector._saving
-        for h in store
-    )
-
-
 def test_blocks_stored_behind_another_requests_failed_save_leave_with_it():
     # b's last block lands while a still saves the two before it; then a's save fails:
     # b's block could never load again, so it must not take room in the store.
-    copier = FakeCopier(16, BS, auto_complete=False)
-    connector = HostOffloadConnector(64 * copier.bytes_per_block)
-    connector.bind(copier, block_size=BS, hash_seed=0)
-    a = Request("a", list(range(1, 10)), SamplingParams())
-    b = Request("b", list(range(1, 14)), SamplingParams())
-    a.num_computed_tokens, b.num_computed_tokens = 8, 12
+    copier, connector, a, b = _a_and_b_sharing_two_blocks()
     copier.fail_saves = True
     assert connector.on_finish(a, [1, 2])  # h0 h1: this copy will fail
     copier.fail_saves, copier.auto_complete = False, True
     assert connector.on_finish(b, [1, 2, 3])  # copies h2 only, landing at once
     assert connector.poll().saved == ("b",)
-    assert connector.stored_hashes() == [b.block_hashes[2]] and _reachable(connector)
+    assert connector.stored_hashes() == [b.block_hashes[2]] and not unreachable_entries(connector)
     copier.complete()
     assert connector.poll().failed_saves == ("a",)
-    assert connector.stored_hashes() == [] and _reachable(connector)
+    assert connector.stored_hashes() == [] and not unreachable_entries(connector)
     assert connector.stats.num_stored_blocks == 0
 
 
@@ -121,5 +119,5 @@ def test_a_failed_load_drops_the_blocks_stored_behind_the_ones_it_loaded():
     copier.fail_loads = True
     connector.start_load(short, [4, 5])
     assert connector.poll().failed_loads == ("short",)
-    assert connector.stored_hashes() == [] and _reachable(connector)
+    assert connector.stored_hashes() == [] and not unreachable_entries(connector)
     assert _claim(connector, range(1, 14)) == 0
