@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -122,6 +123,22 @@ def test_bfloat16_lse_merges_in_float32():
     assert lse.dtype == jnp.float32
     want = math.log(1 + math.exp(float(jnp.bfloat16(-0.01))))
     np.testing.assert_allclose(float(lse[0, 0]), want, rtol=1e-6)
+
+
+def test_bfloat16_outputs_blend_in_float32_and_round_once():
+    # Rounding each weighted side to bfloat16 before the sum errs by up to a whole
+    # bfloat16 step; one rounding of the float32 blend stays within half a step.
+    rng = np.random.default_rng(0)
+    out_a, out_b = (rng.standard_normal((4096, 1, 1)).astype(ml_dtypes.bfloat16) for _ in "ab")
+    lse_a, lse_b = (rng.normal(size=(4096, 1)).astype(np.float32) for _ in "ab")
+    out, _ = merge_attn_states(*map(jnp.asarray, (out_a, lse_a, out_b, lse_b)))
+    assert out.dtype == jnp.bfloat16
+    m = np.maximum(lse_a, lse_b).astype(np.float64)
+    wa, wb = np.exp(lse_a - m)[..., None], np.exp(lse_b - m)[..., None]
+    exact = (wa * out_a.astype(np.float64) + wb * out_b.astype(np.float64)) / (wa + wb)
+    step = np.spacing(np.abs(exact).astype(np.float32)) * 2.0**16  # a bfloat16 step
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    assert (np.abs(got - exact) / step).max() <= 0.51
 
 
 @pytest.mark.parametrize(

@@ -140,6 +140,22 @@ def test_large_logits_stay_finite():
     harness.assert_padding_is_empty(case, out, lse)
 
 
+@pytest.mark.parametrize("logit", [-8e29, -4e37])
+def test_keys_whose_logits_are_all_hugely_negative_are_still_seen(logit):
+    # A running max started above every logit (say at -1e30) would never rise: such rows
+    # would come back as seeing no key (out 0, lse -inf).
+    kv = np.zeros((SHAPES["num_pages"], 16, 2, 128), np.float32)  # 1 KV head: keys, values
+    kv[1, :, 0] = 1.0
+    kv[1, :, 1] = np.arange(16, dtype=np.float32)[:, None]  # value j = j
+    case = _case([(1, 8)]).replace(kv_pages=jnp.asarray(kv))
+    case = case.replace(
+        q=jnp.full_like(case.q, logit / 128), page_indices=jnp.ones_like(case.page_indices)
+    )
+    out, lse = _kernel(case, sm_scale=1.0)
+    np.testing.assert_allclose(np.asarray(out)[0], 3.5, rtol=1e-6)  # the mean of values 0..7
+    np.testing.assert_allclose(np.asarray(lse)[0], logit, rtol=1e-6)  # + log(8), below f32 ulp
+
+
 @pytest.mark.parametrize("broken", [harness.drop_one_key, harness.swap_kv])
 def test_broken_input_fails_the_check(broken):
     case = _case(MIXED, seed=7)
@@ -195,16 +211,16 @@ def test_bf16_with_float32_out_is_the_unrounded_output():
 
 
 @pytest.mark.parametrize(
-    "q_dtype,kv_dtype,k_scale,v_scale",
+    "q_dtype,kv_dtype,k_scale,v_scale,soft_cap",
     [
-        (jnp.bfloat16, jnp.int8, 0.02, 0.01),
-        (jnp.float32, jnp.float8_e4m3fn, 0.5, 2.0),
+        (jnp.bfloat16, jnp.int8, 0.02, 0.01, 1.0),  # k_scale scales the logits the cap sees
+        (jnp.float32, jnp.float8_e4m3fn, 0.5, 2.0, None),
     ],
-    ids=["int8_bf16", "fp8_f32"],
+    ids=["int8_bf16_soft_cap", "fp8_f32"],
 )
-def test_quantized_kv(q_dtype, kv_dtype, k_scale, v_scale):
+def test_quantized_kv(q_dtype, kv_dtype, k_scale, v_scale, soft_cap):
     case = _case(MIXED, seed=8, dtype=q_dtype, kv_dtype=kv_dtype, page_size=32)
-    _check(case, k_scale=k_scale, v_scale=v_scale)
+    _check(case, k_scale=k_scale, v_scale=v_scale, soft_cap=soft_cap)
 
 
 def _prefix_pass_case(case: harness.Case, prefix_len: int) -> harness.Case:

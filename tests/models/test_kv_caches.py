@@ -32,8 +32,8 @@ def test_a_paged_step_donates_the_caches_it_is_given():
 def test_quantized_writes_round_to_the_nearest_step():
     kv = jnp.zeros((2, 2, 2, 4), jnp.int8)
     k = jnp.array([[[0.037, -0.037, 1.234, 0.5]]])  # [1 token, 1 KV head, head_dim 4]
-    out = write_kv(kv, k, -k, jnp.array([3], jnp.int32), k_scale=0.01, v_scale=0.01)
-    assert np.asarray(out)[1, 1].tolist() == [[4, -4, 123, 50], [-4, 4, -123, -50]]
+    out = write_kv(kv, k, -k, jnp.array([3], jnp.int32), k_scale=0.01, v_scale=0.02)
+    assert np.asarray(out)[1, 1].tolist() == [[4, -4, 123, 50], [-2, 2, -62, -25]]
 
 
 def test_a_slot_mapping_of_another_length_is_refused():
