@@ -27,10 +27,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel
-from jaxkv.cascade_plan import CascadeLevel, CascadePlan, grouped_plan, make_level
+from jaxkv.cascade_plan import CascadeLevel, CascadePlan, make_level
+from jaxkv.group_search_memo import GroupSearchMemo
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.planner_args import checked_plan_args, checked_planner_settings
-from jaxkv.prefix_index import longest_common_prefix_unchecked
 
 __all__ = [
     "DEFAULT_COST_MODELS",
@@ -97,6 +97,7 @@ class CascadePlanner:
         # rows_of's array whose ids were last found distinct; rows_of returns that same
         # object only for an equal id list, so a repeated batch is not checked again.
         self._distinct_rows: np.ndarray | None = None
+        self._search = GroupSearchMemo()  # answers the group search reuses across steps
 
     def pays(
         self,
@@ -190,7 +191,9 @@ class CascadePlanner:
         if not self._narrows(num_computed_tokens, query_lens, suffix_start, bs):
             return flat
         global_blocks = k0 if use_global else None
-        return grouped_plan(groups, rows, suffix_start, global_blocks, common, made_for)
+        return self._search.grouped_plan(
+            groups, rows, suffix_start, global_blocks, common, made_for
+        )
 
     def _global_plan(self, manager, rows, version, k0: int, common: int, made_for) -> CascadePlan:
         """One level, the first k0 blocks of the whole batch; the last such plan is reused
@@ -284,9 +287,7 @@ class CascadePlanner:
             if members is everyone and whole_batch_end:
                 end = whole_batch_end
             else:
-                end = longest_common_prefix_unchecked(
-                    manager.prefix_ids, num_blocks[members], rows[members]
-                )
+                end = self._search.common_prefix(manager, rows, num_blocks, members)
                 end = min(end, int(computed.min()) // bs)
             queries = int(query_lens[members].sum())
             context = int(computed.sum()) + queries
@@ -356,6 +357,15 @@ class CascadePlanner:
         eligible = members[num_computed_tokens[members] >= (column + 1) * bs]
         if len(eligible) < 2:
             return []
+        return self._search.split(
+            manager, rows, eligible, column,
+            lambda: self._split_eligible(manager, rows, eligible, column),
+        )  # fmt: skip
+
+    def _split_eligible(
+        self, manager: KVCacheManager, rows: np.ndarray, eligible: np.ndarray, column: int
+    ) -> list[np.ndarray] | None:
+        """_split's answer for `eligible` members (two or more, each holding `column`)."""
         # Requests that hold the same prefix id at `column` share blocks 0..column.
         keys = manager.prefix_ids[rows[eligible], column]
         by_key = np.argsort(keys, kind="stable")

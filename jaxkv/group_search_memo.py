@@ -1,0 +1,90 @@
+"""What the cascade planner's group search found for a batch, reused while it stays true.
+
+A serving loop schedules the same requests step after step (decode), and the search for
+groups sharing a prefix of their own asks the same questions each time: the longest
+common prefix of a member set, and how the members that hold a column split by their
+prefix id there. While the manager, the batch's rows array (rows_of returns the same
+object for an equal id list) and the manager's sharing_version are unchanged, every
+column a row holds keeps its prefix id, and the columns it gains hold fresh blocks that
+no other row holds. Neither answer can change then: a fresh block ends any prefix two
+rows could share at its column, so a longer count of held blocks adds no shared column.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxkv.cascade_plan import CascadePlan, grouped_plan
+from jaxkv.kv_cache_manager import KVCacheManager
+from jaxkv.prefix_index import longest_common_prefix_unchecked
+
+MAX_ANSWERS = 1024  # answers kept for one key; more start over (bounds memory, not speed)
+
+
+class GroupSearchMemo:
+    """Common prefixes, splits and the last grouped plan of one batch; see the module doc.
+
+    Every answer equals what the search would compute now: the memo is emptied whenever
+    its key (manager, rows object, sharing_version) changes.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._answers: dict[tuple, object] = {}
+        self._last_plan: tuple | None = None  # (arguments, plan) of the last grouped plan
+
+    def _answers_for(self, manager: KVCacheManager, rows: np.ndarray) -> dict:
+        key, version = self._key, manager.sharing_version
+        if key is None or key[0] is not manager or key[1] is not rows or key[2] != version:
+            self._key = (manager, rows, version)
+            self._answers = {}
+        elif len(self._answers) >= MAX_ANSWERS:
+            self._answers = {}
+        return self._answers
+
+    def common_prefix(
+        self,
+        manager: KVCacheManager,
+        rows: np.ndarray,  # i32[R] the batch's rows
+        num_blocks: np.ndarray,  # i32[R] blocks each row holds
+        members: np.ndarray,  # indices into rows, two or more
+    ) -> int:
+        """Leading columns every member's row holds with the same block ids."""
+        answers = self._answers_for(manager, rows)
+        key = ("lcp", members.dtype.str, members.tobytes())
+        end = answers.get(key)
+        if end is None:
+            end = answers[key] = longest_common_prefix_unchecked(
+                manager.prefix_ids, num_blocks[members], rows[members]
+            )
+        return end
+
+    def split(
+        self, manager: KVCacheManager, rows: np.ndarray, eligible: np.ndarray, column: int, compute
+    ):
+        """compute(), memoised for members `eligible` (each holding `column`) at `column`.
+        The runs are read-only: later steps share them."""
+        answers = self._answers_for(manager, rows)
+        key = ("split", column, eligible.dtype.str, eligible.tobytes())
+        if key not in answers:
+            runs = answers[key] = compute()
+            for run in runs or ():
+                run.flags.writeable = False
+        runs = answers[key]
+        return runs if runs is None else list(runs)
+
+    def grouped_plan(
+        self, groups, rows, suffix_start, global_blocks, common, made_for
+    ) -> CascadePlan:
+        """cascade_plan.grouped_plan, or the last plan it gave for equal arguments (the
+        plan depends on nothing else; suffix_start follows from the groups and the base)."""
+        args = (
+            made_for, global_blocks, common,
+            tuple((m.dtype.str, m.tobytes(), end) for m, end in groups),
+        )  # fmt: skip
+        last = self._last_plan
+        if last is not None and last[0][0] is rows and last[0][1:] == args:
+            return last[1]
+        plan = grouped_plan(groups, rows, suffix_start, global_blocks, common, made_for)
+        self._last_plan = ((rows, *args), plan)
+        return plan
