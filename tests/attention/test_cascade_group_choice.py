@@ -234,3 +234,14 @@ def test_a_whole_batch_prefix_that_pays_in_tokens_is_one_global_level():
         and _shared(m, [r.request_id for r in reqs]) == 64
     )
     assert plan.suffix_start_blocks.tolist() == [64] * 4
+
+
+def test_enable_groups_false_plans_no_groups_level():
+    def two_prompts(m):
+        a = [_decoding(m, f"a{i}", [*range(100, 132), i, 50 + i]) for i in range(3)]
+        return a + [_decoding(m, f"b{i}", [*range(200, 224), i, 60 + i]) for i in range(3)]
+
+    for enable_groups, names in ((True, ["groups"]), (False, [])):
+        m = KVCacheManager(256, 4, max_model_len=64)
+        planner = CascadePlanner(SHAPE, cost_model=ALWAYS, enable_groups=enable_groups)
+        assert [lv.name for lv in _plan(planner, m, two_prompts(m)).levels] == names

@@ -238,3 +238,18 @@ def test_a_pool_without_caching_caches_no_block_and_reports_no_event():
     assert [b.block_hash for b in blocks] == [None, None]
     assert pool.cached_block_hash_to_block == {} and pool.take_events() == []
     pool.check_integrity()
+
+
+def test_a_broken_backward_link_of_the_free_queue_is_reported():
+    pool = BlockPool(5)
+    _, b, c = list(pool.free_block_queue)[:3]
+    b.prev_free = c  # the forward links and the tail are intact
+    with pytest.raises(IntegrityError, match="broken free-queue link"):
+        pool.check_integrity()
+
+
+@pytest.mark.parametrize("bad_id", [0, 5, 99])  # the null block, then past the pool
+def test_holders_of_ids_that_are_no_pool_block_are_reported(bad_id):
+    pool = BlockPool(5)
+    with pytest.raises(IntegrityError, match="invalid block ids"):
+        pool.check_integrity({bad_id: 1})

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxkv import hashing
+from jaxkv import KVCacheManager, hashing
 from jaxkv.hashing import (
     HASH_NUM_BYTES,
     block_extra_keys,
@@ -154,3 +154,30 @@ def test_digests_are_pinned():
 def test_hash_block_tokens_rejects_a_parent_that_is_not_a_block_hash(parent):
     with pytest.raises(ValueError):
         hash_block_tokens(parent, [1, 2])
+
+
+def test_extending_known_hashes_chains_from_the_last_one():
+    # Two known hashes, then two more blocks: the same as hashing all four at once. A
+    # chain from the first hash would give block 2 of prompts that differ only in block
+    # 1 the same hash, so one could be served the other's KV.
+    tokens = list(range(16))
+    partial = extend_block_hashes([], tokens[:8], 4)
+    assert extend_block_hashes(partial, tokens, 4) == extend_block_hashes([], tokens, 4)
+    a = extend_block_hashes([], [1] * 4 + [2] * 4, 4)
+    b = extend_block_hashes([], [1] * 4 + [3] * 4, 4)
+    extend_block_hashes(a, [1] * 4 + [2] * 4 + [7] * 4, 4)
+    extend_block_hashes(b, [1] * 4 + [3] * 4 + [7] * 4, 4)
+    assert a[2] != b[2]
+
+
+def test_blocks_filled_by_decode_tokens_hit_like_the_same_prompt_at_once():
+    m = KVCacheManager(32, 4, max_model_len=64)
+    r = Request("a", list(range(9)))
+    assert m.allocate_slots(r, 9) is not None
+    r.num_computed_tokens = 9
+    for t in range(100, 108):  # fills blocks 2 and 3 one decode token at a time
+        r.append_output_token_ids([t])
+        assert m.allocate_slots(r, 1) is not None
+        r.num_computed_tokens += 1
+    fresh = Request("b", [*range(9), *range(100, 108), 5])
+    assert m.get_computed_blocks(fresh) == (m.block_ids("a")[:4], 16)

@@ -121,3 +121,27 @@ def test_a_failed_load_drops_the_blocks_stored_behind_the_ones_it_loaded():
     assert connector.poll().failed_loads == ("short",)
     assert connector.stored_hashes() == [] and not unreachable_entries(connector)
     assert _claim(connector, range(1, 14)) == 0
+
+
+def test_blocks_stored_behind_a_save_that_lands_unusable_leave_with_it():
+    # c saves h0 (fails), a saves h1 behind it, b saves h2 behind both. b lands first and
+    # stores h2 (h0 and h1 are still being saved); c fails; a lands without h0, so h1 is
+    # not stored, and h2, behind it, must leave too.
+    copier, connector, a, b = _a_and_b_sharing_two_blocks()
+    c = Request("c", list(range(1, 6)), SamplingParams())
+    c.num_computed_tokens = 4
+    copier.fail_saves = True
+    assert connector.on_finish(c, [1])
+    copier.fail_saves = False
+    assert connector.on_finish(a, [1, 2]) and connector.on_finish(b, [1, 2, 3])
+    c_save, a_save, b_save = copier.pending
+    copier.pending.clear()
+    for (future, work), field, rid in (
+        (b_save, "saved", "b"),
+        (c_save, "failed_saves", "c"),
+        (a_save, "saved", "a"),
+    ):
+        FakeCopier._run(future, work)
+        assert getattr(connector.poll(), field) == (rid,)
+        assert not unreachable_entries(connector)
+    assert connector.stored_hashes() == []

@@ -110,3 +110,22 @@ def test_a_request_waits_for_no_load_of_a_block_it_cannot_hit():
     scheduled = dict(zip(out.request_ids, out.num_scheduled_tokens.tolist(), strict=True))
     assert scheduled["a"] == 2 and scheduled["c"] == 1  # 8 of c's 9 tokens were a hit
     assert connector.stats.num_loads == 1
+
+
+def test_every_block_a_load_in_flight_brings_counts_as_loading():
+    sched, _, _ = _offloaded()
+    b = add(sched, "b", PROMPT, max_tokens=2)
+    sched.schedule()
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert all(sched._transfers.is_loading(h) for h in b.block_hashes[:3])
+
+
+def test_a_cancelled_load_holds_back_no_other_request():
+    sched, _, _ = _offloaded()
+    b = add(sched, "b", PROMPT, max_tokens=2)
+    sched.discard(sched.schedule())  # b's load, started by that schedule, is cancelled
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV  # its copy is still in flight
+    assert not any(sched._transfers.is_loading(h) for h in b.block_hashes[:3])
+    c = add(sched, "c", [*PROMPT[:12], 99, 98], max_tokens=2)
+    sched.schedule()  # c does not wait for blocks that load will never cache
+    assert c.status != RequestStatus.WAITING

@@ -119,3 +119,25 @@ def test_a_hit_whose_blocks_lost_their_hash_since_the_lookup_is_refused(forget):
         allocate_admitted(m, b, 1, hit)
     assert _state(m) == before
     m.check_integrity()
+
+
+def test_a_block_table_row_fits_a_max_model_len_that_is_no_multiple_of_the_block():
+    m = KVCacheManager(16, 4, max_model_len=10)  # 3 blocks: the last one partly used
+    r = make_request("a", list(range(10)))
+    ids = m.allocate_slots(r, 10)
+    assert m.max_blocks_per_seq == 3 and ids is not None and len(ids) == 3
+    assert m.block_table[m.rows_of(["a"])[0]].tolist() == ids
+    m.check_integrity()
+
+
+def test_cache_hits_another_request_holds_take_no_free_block():
+    m = KVCacheManager(5, 4, max_model_len=64)  # 4 usable blocks
+    a = make_request("a", list(range(9)))  # 3 blocks, the first 2 full and cached
+    assert m.allocate_slots(a, 9) is not None
+    a.num_computed_tokens = 9
+    b = make_request("b", [*range(8), 42])
+    ids, n = m.get_computed_blocks(b)
+    assert (len(ids), n, m.num_free_blocks) == (2, 8, 1)  # both hits held by a
+    new = m.allocate_slots(b, 1, num_new_computed_tokens=n, new_computed_blocks=ids)
+    assert new is not None and len(new) == 1 and m.num_free_blocks == 0
+    m.check_integrity()
