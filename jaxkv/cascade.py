@@ -357,10 +357,7 @@ class CascadePlanner:
         eligible = members[num_computed_tokens[members] >= (column + 1) * bs]
         if len(eligible) < 2:
             return []
-        return self._search.split(
-            manager, rows, eligible, column,
-            lambda: self._split_eligible(manager, rows, eligible, column),
-        )  # fmt: skip
+        return self._search.split(manager, rows, eligible, column, self._split_eligible)
 
     def _split_eligible(
         self, manager: KVCacheManager, rows: np.ndarray, eligible: np.ndarray, column: int

@@ -12,12 +12,15 @@ rows could share at its column, so a longer count of held blocks adds no shared 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from jaxkv.cascade_plan import CascadePlan, grouped_plan
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.prefix_index import longest_common_prefix_unchecked
 
+SplitRuns = list[np.ndarray] | None  # runs of members sharing a column; None: all distinct
 MAX_ANSWERS = 1024  # answers kept for one key; more start over (bounds memory, not speed)
 
 
@@ -60,14 +63,19 @@ class GroupSearchMemo:
         return end
 
     def split(
-        self, manager: KVCacheManager, rows: np.ndarray, eligible: np.ndarray, column: int, compute
-    ):
-        """compute(), memoised for members `eligible` (each holding `column`) at `column`.
-        The runs are read-only: later steps share them."""
+        self,
+        manager: KVCacheManager,
+        rows: np.ndarray,
+        eligible: np.ndarray,  # indices into rows, each row holding `column`
+        column: int,
+        compute: Callable[[KVCacheManager, np.ndarray, np.ndarray, int], SplitRuns],
+    ) -> SplitRuns:
+        """compute(manager, rows, eligible, column), memoised. The runs it returns are
+        made read-only: later steps share them."""
         answers = self._answers_for(manager, rows)
         key = ("split", column, eligible.dtype.str, eligible.tobytes())
         if key not in answers:
-            runs = answers[key] = compute()
+            runs = answers[key] = compute(manager, rows, eligible, column)
             for run in runs or ():
                 run.flags.writeable = False
         runs = answers[key]
@@ -76,10 +84,9 @@ class GroupSearchMemo:
     def grouped_plan(
         self, groups, rows, suffix_start, global_blocks, common, made_for
     ) -> CascadePlan:
-        """cascade_plan.grouped_plan, or the last plan it gave for equal arguments (the
-        plan depends on nothing else; suffix_start follows from the groups and the base)."""
+        """cascade_plan.grouped_plan, or the last plan it gave for equal arguments."""
         args = (
-            made_for, global_blocks, common,
+            made_for, global_blocks, common, suffix_start.tobytes(),
             tuple((m.dtype.str, m.tobytes(), end) for m, end in groups),
         )  # fmt: skip
         last = self._last_plan

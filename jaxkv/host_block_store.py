@@ -1,13 +1,14 @@
 """The host store of HostOffloadConnector: block hash -> host copy, least recently used
-first, holding only blocks a prompt can reach.
+first, with each block's place in its prompt's chain.
 
-A stored block is usable only behind its whole prefix: on_admission walks a prompt's
-hashes from its first block and stops at the first one missing. So each entry records
-its parent (the hash of the block before it; None for a prompt's first block), and an
-entry leaves with every entry stored behind it: a block whose parent is gone could never
-be loaded again and would only take room from usable ones. A parent may be missing while
-its own save is still in flight (the connector's `saving` set); `drop_behind` then takes
-the entries behind it when that save ends without storing it.
+A stored block loads only behind its whole prefix, held either here or in the device
+prefix cache: on_admission starts after a request's device hits and walks the store from
+there. So a block whose parent leaves the store is not useless (the device may still
+hold that parent), but it is worth less than a block whose whole prefix is here. Each
+entry records its parent (the hash of the block before it; None for a prompt's first
+block), and when a block leaves, or its save ends without storing it, the blocks stored
+behind it are demoted: they become the next to be evicted, the deepest first, and stay
+loadable until then. Using a demoted block again refreshes it like any other.
 """
 
 from __future__ import annotations
@@ -21,17 +22,13 @@ from jaxkv.hashing import BlockHash
 
 
 class HostBlockStore:
-    """LRU map of block hash -> array with parent links; see the module doc.
-
-    Guarantee: after every public call, each entry's parent is None, stored, or one the
-    caller named in `saving` at the last put (a save in flight), unless the caller has
-    since ended that save without calling drop_behind for it.
-    """
+    """LRU map of block hash -> array with parent links; see the module doc."""
 
     def __init__(self) -> None:
         self._entries: collections.OrderedDict[BlockHash, np.ndarray] = collections.OrderedDict()
         self._parent_of: dict[BlockHash, BlockHash | None] = {}
-        self._children: dict[BlockHash, set[BlockHash]] = {}  # parent -> stored children
+        # parent -> its stored children, in the order they were stored (a dict as a set)
+        self._children: dict[BlockHash, dict[BlockHash, None]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -40,7 +37,7 @@ class HostBlockStore:
         return block_hash in self._entries
 
     def __iter__(self) -> Iterator[BlockHash]:
-        """Hashes, least recently used first."""
+        """Hashes, least recently used (next to be evicted) first."""
         return iter(self._entries)
 
     def __getitem__(self, block_hash: BlockHash) -> np.ndarray:
@@ -52,35 +49,46 @@ class HostBlockStore:
     def parent_of(self, block_hash: BlockHash) -> BlockHash | None:
         return self._parent_of[block_hash]
 
-    def put(self, block_hash: BlockHash, parent: BlockHash | None, data: np.ndarray) -> None:
-        """Stores `data` (copied: each entry owns its memory) as the most recently used."""
+    def put(
+        self,
+        block_hash: BlockHash,
+        parent: BlockHash | None,
+        data: np.ndarray,
+        *,
+        demoted: bool = False,
+    ) -> None:
+        """Stores a copy of `data` (each entry owns its memory) as the most recently used
+        entry or, `demoted`, as the next to be evicted after what is stored behind it."""
         self._entries[block_hash] = np.array(data)
-        self._entries.move_to_end(block_hash)
+        self._entries.move_to_end(block_hash, last=not demoted)
         self._parent_of[block_hash] = parent  # a chained digest has one parent
         if parent is not None:
-            self._children.setdefault(parent, set()).add(block_hash)
+            self._children.setdefault(parent, {})[block_hash] = None
+        if demoted:
+            self.demote_behind(block_hash)  # what is stored behind it goes first
 
     def touch(self, block_hash: BlockHash) -> None:
         """Marks a stored entry most recently used."""
         self._entries.move_to_end(block_hash)
 
     def drop(self, block_hash: BlockHash) -> None:
-        """Removes the entry (if stored) and every entry stored behind it."""
+        """Removes the entry, if stored, and demotes the entries stored behind it."""
         if block_hash in self._entries:
             self._remove(block_hash)
-        self.drop_behind(block_hash)
+        self.demote_behind(block_hash)
 
-    def drop_behind(self, block_hash: BlockHash) -> None:
-        """Removes every entry stored behind `block_hash` (its children, theirs, ...)."""
-        stack = list(self._children.pop(block_hash, ()))
-        while stack:
-            h = stack.pop()
-            self._remove(h)
-            stack.extend(self._children.pop(h, ()))
+    def demote_behind(self, block_hash: BlockHash) -> None:
+        """Makes the entries stored behind `block_hash` (its children, theirs, ...) the
+        next to be evicted, the deepest first."""
+        level = list(self._children.get(block_hash, ()))
+        while level:
+            for h in reversed(level):
+                self._entries.move_to_end(h, last=False)
+            level = [c for h in level for c in self._children.get(h, ())]
 
     def evict_to(self, max_entries: int) -> None:
-        """Drops least recently used entries (each with those behind it) down to
-        `max_entries`."""
+        """Evicts from the front of the LRU order down to `max_entries` entries, demoting
+        what is stored behind each evicted entry."""
         while len(self._entries) > max_entries:
             self.drop(next(iter(self._entries)))
 
@@ -94,6 +102,6 @@ class HostBlockStore:
         parent = self._parent_of.pop(block_hash)
         siblings = self._children.get(parent)
         if siblings is not None:
-            siblings.discard(block_hash)
+            siblings.pop(block_hash, None)
             if not siblings:
                 del self._children[parent]

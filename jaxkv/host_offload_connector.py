@@ -35,13 +35,14 @@ class HostOffloadConnector(KVConnector):
     `host_bytes` bytes (each entry its own array); the least recently saved or loaded
     block is evicted first, and within one request's blocks the last first, since a
     prefix is only usable from its first block (a save or load refreshes the whole
-    prefix; a save landing after its prefix's head left stores nothing behind it). Only
-    blocks whose every token was computed are saved, and a hash already stored or being
-    saved is not copied twice. A failed save frees the blocks and stores nothing; a failed
-    load drops its store entries (so a retry recomputes) and the scheduler frees the
-    blocks and recomputes the tokens: nothing leaks, nothing is half-loaded. The store
-    holds only blocks a prompt can reach: blocks stored behind one that leaves it (evicted,
-    dropped by a failed load, or never stored because its save failed) leave with it.
+    prefix). A block loads only behind its whole prefix, held in the store or in the
+    device's prefix cache: blocks stored behind a gap in the store (their parent evicted,
+    dropped by a failed load, or never stored because its save failed) are demoted, the
+    next to be evicted (see jaxkv.host_block_store). Only blocks whose every token was
+    computed are saved, and a hash already stored or being saved is not copied twice. A
+    failed save frees the blocks and stores nothing; a failed load drops its store
+    entries (so a retry recomputes) and the scheduler frees the blocks and recomputes
+    the tokens: nothing leaks, nothing is half-loaded.
 
     copy_delay_steps > 0 reports a transfer no earlier than that many poll() calls after
     it started (to hold blocks on purpose in tests and benchmarks).
@@ -88,7 +89,9 @@ class HostOffloadConnector(KVConnector):
             # Its engine was collected without close(): no one will collect these copies.
             self._saves.clear()
             self._loads.clear()
-            self._end_saving(list(self._saving))
+            for h in self._saving:
+                self._store.demote_behind(h)
+            self._saving.clear()
         layout = (
             block_size,
             hash_seed,
@@ -221,16 +224,19 @@ class HostOffloadConnector(KVConnector):
     def _finish_save(self, t: _Transfer) -> bool:
         try:
             data = t.future.result()
+            if len(data) != len(t.hashes):
+                raise ValueError(f"{len(data)} blocks copied for {len(t.hashes)} asked")
         except Exception:  # noqa: BLE001 - any copy failure frees the blocks the same way
-            self._end_saving(t.hashes)
+            self._saving.difference_update(t.hashes)
+            for h in t.hashes:  # blocks other saves stored behind these
+                self._store.demote_behind(h)
             self._count(num_failed_saves=1)
             return False
         self._saving.difference_update(t.hashes)
-        # A block is stored only behind its whole prefix (stored, landing now or still
-        # being saved): one whose head was evicted or failed meanwhile could never load.
-        # The usable chain, blocks stored before included, is refreshed tail first: its
-        # head, without which on_admission can use none of it, is evicted last. Blocks
-        # other saves stored behind one that is not stored now leave with it.
+        # The chain up to its first block neither stored nor being saved (evicted or
+        # failed meanwhile) is refreshed tail first: its head, without which no prompt
+        # can use the rest from the store, is evicted last. Blocks past that gap load
+        # only behind device-cache hits: they are stored demoted, the next to be evicted.
         landed = dict(zip(t.hashes, data, strict=True))
         usable = 0
         for h in t.chain:
@@ -243,7 +249,9 @@ class HostOffloadConnector(KVConnector):
                 self._store.put(h, t.chain[i - 1] if i else None, landed[h])
             elif h in self._store:
                 self._store.touch(h)
-        self._end_saving([h for h in t.hashes if h not in self._store])
+        for i in range(usable, len(t.chain)):
+            if t.chain[i] in landed:
+                self._store.put(t.chain[i], t.chain[i - 1], landed[t.chain[i]], demoted=True)
         self._evict()
         self._count(num_saves=1, bytes_offloaded=len(t.hashes) * self._bytes_per_block())
         return True
@@ -266,12 +274,6 @@ class HostOffloadConnector(KVConnector):
     def _evict(self) -> None:
         limit = self.host_bytes // max(self._bytes_per_block(), 1)
         self._store.evict_to(limit)
-
-    def _end_saving(self, hashes: Sequence[BlockHash]) -> None:
-        """Saves of `hashes` ended without storing them: what was stored behind them leaves."""
-        self._saving.difference_update(hashes)
-        for h in hashes:
-            self._store.drop_behind(h)
 
     def _bytes_per_block(self) -> int:
         return self._block_bytes

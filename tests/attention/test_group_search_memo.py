@@ -42,12 +42,12 @@ def test_fresh_blocks_keep_the_answers_and_splits_are_read_only():
     m, c, _ = _a_and_c_sharing_one_of_three_blocks()
     memo, rows = GroupSearchMemo(), m.rows_of(["a", "c"])
     calls = []
-    runs = memo.split(m, rows, BOTH, 0, lambda: calls.append(1) or [np.array([0, 1])])
+    runs = memo.split(m, rows, BOTH, 0, lambda *_: calls.append(1) or [np.array([0, 1])])
     m.allocate_slots(c, 3)  # fresh blocks for c's next tokens: held by c alone
     num_blocks = m.num_blocks_of_rows(rows)
     assert memo.common_prefix(m, rows, num_blocks, BOTH) == 1
     assert longest_common_prefix_unchecked(m.prefix_ids, num_blocks, rows) == 1
-    again = memo.split(m, rows, BOTH, 0, lambda: calls.append(1) or [])
+    again = memo.split(m, rows, BOTH, 0, lambda *_: calls.append(1) or [])
     assert calls == [1] and [r.tolist() for r in again] == [r.tolist() for r in runs] == [[0, 1]]
     assert not again[0].flags.writeable  # shared by later steps: nobody may write it
 

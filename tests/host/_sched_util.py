@@ -225,16 +225,18 @@ def run_until_idle(sched: Scheduler, copier: FakeCopier | None = None, max_steps
     raise AssertionError("scheduler did not go idle")
 
 
-def unreachable_entries(connector) -> list:
-    """Hashes in a HostOffloadConnector's store whose parent is neither stored nor being
-    saved: no prompt could load them again."""
+def store_link_faults(connector) -> list[str]:
+    """What is wrong with a HostOffloadConnector store's parent links: each stored block
+    must be listed under its parent, and each parent listed must have a stored child."""
     store = connector._store
-    return [
-        h
+    faults = [
+        f"{h.hex()[:8]} not under its parent"
         for h in store
-        if not (
-            store.parent_of(h) is None
-            or store.parent_of(h) in store
-            or store.parent_of(h) in connector._saving
-        )
+        if store.parent_of(h) is not None and h not in store._children[store.parent_of(h)]
     ]
+    for parent, children in store._children.items():
+        if not children or not all(c in store for c in children):
+            faults.append(
+                f"parent {parent.hex()[:8]} lists {len(children)} children, not all stored"
+            )
+    return faults

@@ -1,5 +1,5 @@
-"""HostBlockStore: LRU order, entries owning their memory, and an entry leaving with every
-entry stored behind it (its prefix is the only way a prompt reaches it)."""
+"""HostBlockStore: LRU order, entries owning their memory, and the entries stored behind
+one that leaves becoming the next to be evicted, the deepest first."""
 
 from __future__ import annotations
 
@@ -8,11 +8,15 @@ import numpy as np
 from jaxkv.host_block_store import HostBlockStore
 
 
-def _chain(store: HostBlockStore, names: str, parent: bytes | None = None) -> None:
+def _chain(store: HostBlockStore, names: str, parent: bytes | None = None, **kw) -> None:
     for name in names:
         h = name.encode()
-        store.put(h, parent, np.full(2, ord(name)))
+        store.put(h, parent, np.full(2, ord(name)), **kw)
         parent = h
+
+
+def _order(store: HostBlockStore) -> str:
+    return "".join(h.decode() for h in store)
 
 
 def test_entries_are_copies_in_lru_order_and_touch_refreshes():
@@ -23,30 +27,44 @@ def test_entries_are_copies_in_lru_order_and_touch_refreshes():
     assert store[b"a"].tolist() == [0, 1, 2] and store[b"a"].base is None
     _chain(store, "bc", b"a")
     store.touch(b"a")
-    assert list(store) == [b"b", b"c", b"a"] and store.parent_of(b"c") == b"b"
+    assert _order(store) == "bca" and store.parent_of(b"c") == b"b"
 
 
-def test_eviction_and_drop_take_every_entry_behind_the_one_that_leaves():
+def test_a_dropped_entry_demotes_what_is_stored_behind_it_deepest_first():
     store = HostBlockStore()
-    _chain(store, "abc")
-    _chain(store, "de", b"a")  # a second branch under a
-    _chain(store, "x")
-    store.touch(b"b")
-    store.touch(b"a")  # LRU order: c d e x b a
-    store.drop(b"b")
-    assert list(store) == [b"d", b"e", b"x", b"a"]
-    for name in (b"x", b"e", b"d"):
-        store.touch(name)  # a's tail more recent than a, evicted first: a d e leave
-    store.evict_to(3)
-    assert list(store) == [b"x"]
-    assert store._children == {} and set(store._parent_of) == {b"x"}  # no stale links
-
-
-def test_drop_behind_a_parent_that_was_never_stored():
-    store = HostBlockStore()
-    _chain(store, "bc", b"a")  # a: still being saved elsewhere
+    _chain(store, "xabc")  # x <- a <- b <- c
+    _chain(store, "de", b"a")  # a second branch under a: a <- d <- e
     _chain(store, "y")
-    store.drop_behind(b"a")  # a's save ended without storing it
-    assert list(store) == [b"y"] and store._children == {}
+    store.drop(b"a")
+    assert _order(store) == "cebdxy"  # depth 3, depth 2, then depth 1, before the rest
+    # a's children stay listed under it: a stored again would make them whole again.
+    assert {p: list(c) for p, c in store._children.items()} == {
+        b"a": [b"b", b"d"], b"b": [b"c"], b"d": [b"e"]
+    }  # fmt: skip
+    store.evict_to(4)  # c and e go first: each is useless without the one before it
+    assert _order(store) == "bdxy"
+
+
+def test_eviction_demotes_the_tail_of_an_evicted_head():
+    store = HostBlockStore()
+    _chain(store, "ab")
+    _chain(store, "z")
+    store.touch(b"b")  # a's tail more recent than a: a is evicted first
+    store.evict_to(2)
+    assert _order(store) == "bz"  # b demoted, so the next eviction takes it, not z
+    store.evict_to(1)
+    assert _order(store) == "z" and store._children == {} and set(store._parent_of) == {b"z"}
+
+
+def test_demoted_puts_and_blocks_behind_a_parent_that_was_never_stored():
+    store = HostBlockStore()
+    _chain(store, "y")
+    _chain(store, "bc", b"a")  # a: its save still in flight elsewhere
+    store.demote_behind(b"a")  # a's save ended without storing it
+    assert _order(store) == "cby"
+    _chain(store, "p")
+    store.put(b"q", b"p", np.zeros(2), demoted=True)
+    store.put(b"r", b"q", np.zeros(2), demoted=True)  # stored behind q: evicted before it
+    assert _order(store) == "rqcbyp"
     store.drop(b"missing")  # neither stored nor a parent: nothing happens
-    assert list(store) == [b"y"]
+    assert _order(store) == "rqcbyp"

@@ -12,7 +12,7 @@ from tests.host._sched_util import (
     make_scheduler,
     run_until_idle,
     step,
-    unreachable_entries,
+    store_link_faults,
 )
 
 BS = 4
@@ -75,7 +75,15 @@ def _a_and_b_sharing_two_blocks():
     return copier, connector, a, b
 
 
-def test_a_save_whose_prefix_another_requests_failed_save_held_stores_nothing():
+def _claim_after(connector, prompt, device_blocks: int) -> int:
+    """on_admission's claim for `prompt` after `device_blocks` device-cache hits."""
+    probe = Request("probe", list(prompt), SamplingParams())
+    return connector.on_admission(probe, device_blocks * BS)
+
+
+def test_a_save_behind_another_requests_failed_save_is_stored_demoted():
+    # b's h2 lands behind h0 h1, whose save (a's) fails: the device may still hold h0 h1
+    # (only the host copy failed), so h2 stays, loadable behind those device hits.
     copier, connector, a, b = _a_and_b_sharing_two_blocks()
     copier.fail_saves = True
     assert connector.on_finish(a, [1, 2])  # h0 h1: this copy fails
@@ -84,30 +92,32 @@ def test_a_save_whose_prefix_another_requests_failed_save_held_stores_nothing():
     copier.complete()
     events = connector.poll()
     assert events.saved == ("b",) and events.failed_saves == ("a",)
-    assert connector.stored_hashes() == [] and _claim(connector, range(1, 14)) == 0
-    # Once a's save lands instead, b's last block joins the chain and all of it loads.
-    assert connector.on_finish(a, [1, 2]) and connector.on_finish(b, [1, 2, 3])
+    assert connector.stored_hashes() == [b.block_hashes[2]] and not store_link_faults(connector)
+    assert _claim(connector, range(1, 14)) == 0 and _claim_after(connector, range(1, 14), 2) == 4
+    # Once a's save lands instead, the whole chain loads from the store.
+    assert connector.on_finish(a, [1, 2]) and not connector.on_finish(b, [1, 2, 3])  # h2 kept
     copier.complete()
-    assert connector.poll().saved == ("a", "b") and _claim(connector, range(1, 14)) == 12
+    assert connector.poll().saved == ("a",) and _claim(connector, range(1, 14)) == 12
 
 
-def test_blocks_stored_behind_another_requests_failed_save_leave_with_it():
-    # b's last block lands while a still saves the two before it; then a's save fails:
-    # b's block could never load again, so it must not take room in the store.
+def test_blocks_stored_behind_another_requests_failed_save_become_the_next_evicted():
     copier, connector, a, b = _a_and_b_sharing_two_blocks()
     copier.fail_saves = True
     assert connector.on_finish(a, [1, 2])  # h0 h1: this copy will fail
     copier.fail_saves, copier.auto_complete = False, True
-    assert connector.on_finish(b, [1, 2, 3])  # copies h2 only, landing at once
-    assert connector.poll().saved == ("b",)
-    assert connector.stored_hashes() == [b.block_hashes[2]] and not unreachable_entries(connector)
+    x = Request("x", list(range(40, 45)), SamplingParams())
+    x.num_computed_tokens = 4
+    assert connector.on_finish(b, [1, 2, 3]) and connector.on_finish(x, [4])
+    assert connector.poll().saved == ("b", "x")
+    h2, x0 = b.block_hashes[2], x.block_hashes[0]
+    connector._store.touch(h2)
+    assert connector.stored_hashes() == [x0, h2]
     copier.complete()
     assert connector.poll().failed_saves == ("a",)
-    assert connector.stored_hashes() == [] and not unreachable_entries(connector)
-    assert connector.stats.num_stored_blocks == 0
+    assert connector.stored_hashes() == [h2, x0] and not store_link_faults(connector)
 
 
-def test_a_failed_load_drops_the_blocks_stored_behind_the_ones_it_loaded():
+def test_a_failed_load_demotes_the_blocks_stored_behind_the_ones_it_loaded():
     copier = FakeCopier(16, BS)
     connector = HostOffloadConnector(64 * copier.bytes_per_block)
     connector.bind(copier, block_size=BS, hash_seed=0)
@@ -119,14 +129,14 @@ def test_a_failed_load_drops_the_blocks_stored_behind_the_ones_it_loaded():
     copier.fail_loads = True
     connector.start_load(short, [4, 5])
     assert connector.poll().failed_loads == ("short",)
-    assert connector.stored_hashes() == [] and not unreachable_entries(connector)
-    assert _claim(connector, range(1, 14)) == 0
+    assert connector.stored_hashes() == [long.block_hashes[2]] and not store_link_faults(connector)
+    assert _claim(connector, range(1, 14)) == 0 and _claim_after(connector, range(1, 14), 2) == 4
 
 
-def test_blocks_stored_behind_a_save_that_lands_unusable_leave_with_it():
+def test_a_save_that_lands_behind_a_gap_is_stored_demoted_after_its_own_tail():
     # c saves h0 (fails), a saves h1 behind it, b saves h2 behind both. b lands first and
-    # stores h2 (h0 and h1 are still being saved); c fails; a lands without h0, so h1 is
-    # not stored, and h2, behind it, must leave too.
+    # stores h2 (h0 and h1 are still being saved); c fails; a lands behind the gap at h0:
+    # h1 is stored demoted, with h2, deeper, evicted before it.
     copier, connector, a, b = _a_and_b_sharing_two_blocks()
     c = Request("c", list(range(1, 6)), SamplingParams())
     c.num_computed_tokens = 4
@@ -143,5 +153,6 @@ def test_blocks_stored_behind_a_save_that_lands_unusable_leave_with_it():
     ):
         FakeCopier._run(future, work)
         assert getattr(connector.poll(), field) == (rid,)
-        assert not unreachable_entries(connector)
-    assert connector.stored_hashes() == []
+        assert not store_link_faults(connector)
+    assert connector.stored_hashes() == [b.block_hashes[2], b.block_hashes[1]]
+    assert _claim(connector, range(1, 14)) == 0 and _claim_after(connector, range(1, 14), 1) == 8

@@ -3,9 +3,10 @@ failing at random, checked after every step.
 
 Prompts are chains of blocks drawn from a small tree, so saves and loads of different
 requests share heads and extend each other's chains. After every step: the store stays
-within its byte budget, every stored block's prefix is stored or still being saved (a
-block behind a missing one could never load again), and once nothing is in flight every
-stored block is claimable by on_admission of the prompt that ends with it.
+within its byte budget, its parent links are consistent, every stored block comes before
+its stored parent in eviction order (a tail never outlives its head), and every stored
+block is claimable by on_admission behind device-cache hits up to its nearest ancestor
+missing from the store.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from jaxkv import Request, SamplingParams
 from jaxkv.host_offload_connector import HostOffloadConnector
-from tests.host._sched_util import FakeCopier, unreachable_entries
+from tests.host._sched_util import FakeCopier, store_link_faults
 
 BS = 2
 HOST_BLOCKS = 5
@@ -71,14 +72,20 @@ class HostStoreMachine(RuleBasedStateMachine):
         self.conn.poll()
 
     @invariant()
-    def store_holds_only_reachable_blocks(self):
+    def stored_chains_stay_loadable_and_tails_go_first(self):
         store = self.conn._store
-        assert len(store) <= HOST_BLOCKS and not unreachable_entries(self.conn)
-        if not self.conn.has_pending():
-            for h in store:
-                tokens = self.prompt_of[h]
-                probe = Request("probe", [*tokens, 1], SamplingParams())
-                assert self.conn.on_admission(probe, 0) == len(tokens)
+        assert len(store) <= HOST_BLOCKS and not store_link_faults(self.conn)
+        position = {h: i for i, h in enumerate(store)}
+        for h in store:
+            parent = store.parent_of(h)
+            assert parent not in position or position[h] < position[parent]
+            # Loadable behind device hits up to its nearest ancestor missing here.
+            tokens = self.prompt_of[h]
+            probe = Request("probe", [*tokens, 1], SamplingParams())
+            hashes = probe.update_block_hashes(BS, 0)
+            depth = len(hashes) - 1
+            gap = max((j for j in range(depth) if hashes[j] not in store), default=-1)
+            assert self.conn.on_admission(probe, (gap + 1) * BS) == (depth - gap) * BS
 
 
 HostStoreMachine.TestCase.settings = settings(
