@@ -156,3 +156,14 @@ def test_a_save_that_lands_behind_a_gap_is_stored_demoted_after_its_own_tail():
         assert not store_link_faults(connector)
     assert connector.stored_hashes() == [b.block_hashes[2], b.block_hashes[1]]
     assert _claim(connector, range(1, 14)) == 0 and _claim_after(connector, range(1, 14), 1) == 8
+
+
+def test_a_save_returning_the_wrong_number_of_blocks_counts_as_failed():
+    copier, connector, a, _ = _a_and_b_sharing_two_blocks()
+    assert connector.on_finish(a, [1, 2])
+    ((future, _),) = copier.pending
+    copier.pending.clear()
+    future.set_result(copier.device[[1]])  # one block for the two asked
+    assert connector.poll().failed_saves == ("a",)
+    assert connector.stored_hashes() == [] and connector.stats.num_failed_saves == 1
+    assert not connector._saving and not store_link_faults(connector)
