@@ -188,3 +188,38 @@ def test_generate_progress_bar_counts_the_prompts_and_is_none_when_not_asked():
     finally:
         bar.close()
     assert generate_progress_bar([[1]], False) is None
+
+
+class _TwoSamples:
+    """A driver serving one prompt of n=2: sample 0 ends first (a finish_reason with
+    finished=False, as ParallelSamples reports it), sample 1 ends the prompt a step later."""
+
+    def __init__(self) -> None:
+        self._steps = [
+            [RequestOutput("p", (5,), False, "length", None, 0),
+             RequestOutput("p", (6,), False, None, None, 1)],
+            [RequestOutput("p", (7,), True, "stop", None, 1)],
+        ]  # fmt: skip
+
+    def add_request(self, prompt_token_ids, sampling_params=None) -> str:
+        return "p"
+
+    def step(self):
+        return self._steps.pop(0)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._steps)
+
+    def abort(self, request_id: str) -> bool:
+        return False
+
+
+def test_the_bar_counts_a_prompt_of_n_samples_once():
+    bar = Bar()
+    params = SamplingParams(n=2, max_tokens=2)
+    outs = run_to_completion(_TwoSamples(), [[1, 2]], params, progress_bar=bar)
+    assert [(o.index, o.output_token_ids, o.finish_reason) for o in outs] == [
+        (0, (5,), "length"),
+        (1, (6, 7), "stop"),
+    ]
+    assert bar.n == 1 and bar.closed

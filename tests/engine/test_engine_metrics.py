@@ -131,3 +131,11 @@ def test_step_totals_list_the_cascade_levels_sorted_whatever_came_first():
     f = totals.fields()
     assert f["cascade_steps_by_levels"] == (("global", 1), ("global+groups", 1), ("groups", 2))
     assert (f["num_steps"], f["cascade_steps"], f["cascade_tokens"]) == (5, 4, 11)
+
+
+def test_step_s_is_the_whole_step():
+    s = StepStats(
+        host_s=0.5, host_cpu_s=0.4, device_s=2.0, update_s=0.25, num_requests=3,
+        num_tokens=7, cascade_levels="", new_program=False,
+    )  # fmt: skip
+    assert s.step_s == 2.75

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from jaxkv import HostOffloadConnector, Request, SamplingParams
+from jaxkv.parallel_sampling import ParallelSamples
 from jaxkv.router import PrefixAwareRouter
+from jaxkv.sampler import SamplingRows
 from tests.engine._util import (
     BLOCK_SIZE,
     VOCAB,
@@ -20,6 +22,7 @@ from tests.engine._util import (
     dense_greedy,
     make_engine,
 )
+from tests.host._sched_util import make_scheduler
 
 PROMPT = np.random.default_rng(11).integers(0, VOCAB, 21).tolist()  # 5 full blocks + 1
 HOT = dict(temperature=1.0, top_k=0, top_p=1.0)
@@ -314,3 +317,10 @@ def test_samples_of_a_prompt_only_the_host_holds_share_one_load():
     assert connector.stats.num_loads == 1 and engine.metrics.bytes_reloaded > 0
     assert engine.metrics.num_prompt_tokens == 3
     engine.close()
+
+
+def test_a_parents_samples_are_aborted_in_index_order():
+    sched, rows, samples = make_scheduler(), SamplingRows(), ParallelSamples()
+    parent = Request("p", [1, 2, 3], SamplingParams(n=12, max_tokens=2))
+    samples.queue(sched, rows, parent, default_seed=5)
+    assert samples.ids_to_abort("p") == [f"{i}_p" for i in range(12)]

@@ -125,3 +125,20 @@ def test_sampling_rows_keep_every_row_through_growth_reuse_and_a_second_add():
     for got, expected in zip(rows.arrays(reqs, None, 120), want, strict=True):
         np.testing.assert_array_equal(got, expected)
     assert len(rows) == len(live) and len(rows._table) == 128
+
+
+def test_adding_an_id_again_replaces_its_logprobs_request():
+    rows = SamplingRows(logprob_width=4)
+    rows.add("a", SamplingParams(logprobs=2), default_seed=0)
+    a = Request("a", [1])
+    assert rows.logprob_width([a]) == 4
+    rows.add("a", SamplingParams(), default_seed=0)  # the same id, now without logprobs
+    assert rows.logprob_width([a]) is None and "a" not in rows.logprobs
+
+
+def test_discard_forgets_a_pending_min_tokens_ban():
+    rows = SamplingRows()
+    rows.add("a", SamplingParams(min_tokens=3, stop_token_ids=[7]), default_seed=0)
+    assert len(rows._bans) == 1
+    rows.discard("a")  # aborted before it reached min_tokens
+    assert len(rows) == 0 and len(rows._bans) == 0

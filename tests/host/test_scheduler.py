@@ -376,3 +376,19 @@ def test_schedule_output_arrays_are_int32_and_parallel():
     assert out.num_scheduled_tokens.dtype == np.int32
     assert out.num_computed_tokens.dtype == np.int32
     assert len(out.requests) == len(out.request_ids) == len(out.num_scheduled_tokens)
+
+
+def test_a_request_without_max_tokens_is_sized_up_to_max_model_len():
+    # max_tokens=None generates until a stop token or max_model_len: up to 31 tokens of
+    # KV, 8 blocks of 4 where the pool has 4. Sized as a short request, it would preempt
+    # itself once it outgrew the pool and wait forever.
+    sched = make_scheduler(num_blocks=5, max_num_batched_tokens=32, max_model_len=32)
+    with pytest.raises(
+        ValueError, match="'open': up to 31 tokens of KV .* 8 blocks of 4; the pool"
+    ):
+        add(sched, "open", range(1, 5), max_tokens=None)
+    assert not sched.requests and not sched.waiting
+    roomy = make_scheduler(num_blocks=9, max_num_batched_tokens=32, max_model_len=32)
+    r = add(roomy, "open", range(1, 5), max_tokens=None)
+    assert run_until_idle(roomy) == {"open": "length"}
+    assert r.num_tokens == 32 and roomy.stats.num_preemptions == 0
