@@ -89,9 +89,7 @@ class HostOffloadConnector(KVConnector):
             # Its engine was collected without close(): no one will collect these copies.
             self._saves.clear()
             self._loads.clear()
-            for h in self._saving:
-                self._store.demote_behind(h)
-            self._saving.clear()
+            self._saves_ended_unstored(list(self._saving))
         layout = (
             block_size,
             hash_seed,
@@ -227,9 +225,7 @@ class HostOffloadConnector(KVConnector):
             if len(data) != len(t.hashes):
                 raise ValueError(f"{len(data)} blocks copied for {len(t.hashes)} asked")
         except Exception:  # noqa: BLE001 - any copy failure frees the blocks the same way
-            self._saving.difference_update(t.hashes)
-            for h in t.hashes:  # blocks other saves stored behind these
-                self._store.demote_behind(h)
+            self._saves_ended_unstored(t.hashes)
             self._count(num_failed_saves=1)
             return False
         self._saving.difference_update(t.hashes)
@@ -274,6 +270,13 @@ class HostOffloadConnector(KVConnector):
     def _evict(self) -> None:
         limit = self.host_bytes // max(self._bytes_per_block(), 1)
         self._store.evict_to(limit)
+
+    def _saves_ended_unstored(self, hashes: Sequence[BlockHash]) -> None:
+        """`hashes` are no longer being saved and were not stored: the blocks other saves
+        stored behind them are demoted."""
+        self._saving.difference_update(hashes)
+        for h in hashes:
+            self._store.demote_behind(h)
 
     def _bytes_per_block(self) -> int:
         return self._block_bytes

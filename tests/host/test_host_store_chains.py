@@ -18,8 +18,10 @@ from tests.host._sched_util import (
 BS = 4
 
 
-def _claim(connector, prompt) -> int:
-    return connector.on_admission(Request("probe", list(prompt), SamplingParams()), 0)
+def _claim(connector, prompt, device_blocks: int = 0) -> int:
+    """on_admission's claim for `prompt` after `device_blocks` device-cache hits."""
+    probe = Request("probe", list(prompt), SamplingParams())
+    return connector.on_admission(probe, device_blocks * BS)
 
 
 def test_a_load_after_a_device_hit_refreshes_the_blocks_before_it_too():
@@ -75,12 +77,6 @@ def _a_and_b_sharing_two_blocks():
     return copier, connector, a, b
 
 
-def _claim_after(connector, prompt, device_blocks: int) -> int:
-    """on_admission's claim for `prompt` after `device_blocks` device-cache hits."""
-    probe = Request("probe", list(prompt), SamplingParams())
-    return connector.on_admission(probe, device_blocks * BS)
-
-
 def test_a_save_behind_another_requests_failed_save_is_stored_demoted():
     # b's h2 lands behind h0 h1, whose save (a's) fails: the device may still hold h0 h1
     # (only the host copy failed), so h2 stays, loadable behind those device hits.
@@ -93,7 +89,7 @@ def test_a_save_behind_another_requests_failed_save_is_stored_demoted():
     events = connector.poll()
     assert events.saved == ("b",) and events.failed_saves == ("a",)
     assert connector.stored_hashes() == [b.block_hashes[2]] and not store_link_faults(connector)
-    assert _claim(connector, range(1, 14)) == 0 and _claim_after(connector, range(1, 14), 2) == 4
+    assert _claim(connector, range(1, 14)) == 0 and _claim(connector, range(1, 14), 2) == 4
     # Once a's save lands instead, the whole chain loads from the store.
     assert connector.on_finish(a, [1, 2]) and not connector.on_finish(b, [1, 2, 3])  # h2 kept
     copier.complete()
@@ -130,7 +126,7 @@ def test_a_failed_load_demotes_the_blocks_stored_behind_the_ones_it_loaded():
     connector.start_load(short, [4, 5])
     assert connector.poll().failed_loads == ("short",)
     assert connector.stored_hashes() == [long.block_hashes[2]] and not store_link_faults(connector)
-    assert _claim(connector, range(1, 14)) == 0 and _claim_after(connector, range(1, 14), 2) == 4
+    assert _claim(connector, range(1, 14)) == 0 and _claim(connector, range(1, 14), 2) == 4
 
 
 def test_a_save_that_lands_behind_a_gap_is_stored_demoted_after_its_own_tail():
@@ -155,7 +151,7 @@ def test_a_save_that_lands_behind_a_gap_is_stored_demoted_after_its_own_tail():
         assert getattr(connector.poll(), field) == (rid,)
         assert not store_link_faults(connector)
     assert connector.stored_hashes() == [b.block_hashes[2], b.block_hashes[1]]
-    assert _claim(connector, range(1, 14)) == 0 and _claim_after(connector, range(1, 14), 1) == 8
+    assert _claim(connector, range(1, 14)) == 0 and _claim(connector, range(1, 14), 1) == 8
 
 
 def test_a_save_returning_the_wrong_number_of_blocks_counts_as_failed():
