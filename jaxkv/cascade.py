@@ -27,9 +27,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel
-from jaxkv.cascade_plan import CascadeLevel, CascadePlan, make_level
-from jaxkv.group_search_memo import GroupSearchMemo
+from jaxkv.cascade_plan import CascadeLevel, CascadePlan
 from jaxkv.kv_cache_manager import KVCacheManager
+from jaxkv.plan_memo import PlanMemo
 from jaxkv.planner_args import checked_plan_args, checked_planner_settings
 
 __all__ = [
@@ -89,15 +89,10 @@ class CascadePlanner:
             if isinstance(cost_model, CascadeCostModel) and cost_model.launch_overhead_bytes
             else None
         )
-        # (manager, rows, sharing version, base) for which every request was eligible for
-        # a group and no two shared a prefix id at column `base`: while all four hold,
-        # that stays so (held columns keep their prefix ids), so the search is skipped.
-        self._no_groups: tuple | None = None
-        self._last_plan: tuple | None = None  # (key, plan) of the last plan without groups
         # rows_of's array whose ids were last found distinct; rows_of returns that same
         # object only for an equal id list, so a repeated batch is not checked again.
         self._distinct_rows: np.ndarray | None = None
-        self._search = GroupSearchMemo()  # answers the group search reuses across steps
+        self._memo = PlanMemo()  # what the planner reuses while a batch repeats
 
     def pays(
         self,
@@ -167,14 +162,7 @@ class CascadePlanner:
         use_global = k0 > 0 and self.pays(num_requests, k0 * bs, total_q, context)
         base = k0 if use_global else 0
 
-        version = manager.sharing_version
-        settled = self._no_groups
-        if (
-            settled is not None
-            and settled[0] is manager
-            and settled[1] is rows
-            and settled[2:] == (version, base)
-        ):
+        if self._memo.no_groups_past(manager, rows, base):
             groups = []
         else:
             # Without a global level, k0 > 0 means every request has computed and shares
@@ -184,35 +172,14 @@ class CascadePlanner:
         if not groups:
             if not use_global or not self._narrows(num_computed_tokens, query_lens, k0, bs):
                 return flat
-            return self._global_plan(manager, rows, version, k0, common, made_for)
+            return self._memo.global_plan(rows, k0, common, made_for)
         suffix_start = np.full(num_requests, base, np.int32)
         for members, end in groups:
             suffix_start[members] = end
         if not self._narrows(num_computed_tokens, query_lens, suffix_start, bs):
             return flat
         global_blocks = k0 if use_global else None
-        return self._search.grouped_plan(
-            groups, rows, suffix_start, global_blocks, common, made_for
-        )
-
-    def _global_plan(self, manager, rows, version, k0: int, common: int, made_for) -> CascadePlan:
-        """One level, the first k0 blocks of the whole batch; the last such plan is reused
-        for the same rows while the manager's sharing is unchanged."""
-        key = (manager, rows, version, k0, common)
-        last = self._last_plan
-        if last is not None and last[0][0] is manager and last[0][1] is rows:
-            if last[0][2:] == key[2:]:
-                return last[1]  # a repeated batch: the same plan
-        num_requests = len(rows)
-        identity = np.arange(num_requests, dtype=np.int32)
-        suffix_start = np.full(num_requests, k0, np.int32)
-        level = make_level("global", [0], [num_requests], [0], [k0], [rows[0]])
-        plan = CascadePlan(
-            identity, rows, suffix_start, (level,), common, keeps_order=True,
-            made_for=made_for, validate=False,
-        )  # fmt: skip
-        self._last_plan = (key, plan)
-        return plan
+        return self._memo.grouped_plan(groups, rows, suffix_start, global_blocks, common, made_for)
 
     def _narrows(
         self,
@@ -274,7 +241,7 @@ class CascadePlanner:
         else:
             candidates = self._split(manager, rows, num_computed_tokens, everyone, base)
         if candidates is None:  # every key distinct: no two requests share past the base
-            self._no_groups = (manager, rows, manager.sharing_version, base)
+            self._memo.note_no_groups(manager, rows, base)
             return []
         bs = manager.block_size
         num_blocks = manager.num_blocks_of_rows(rows)
@@ -287,7 +254,7 @@ class CascadePlanner:
             if members is everyone and whole_batch_end:
                 end = whole_batch_end
             else:
-                end = self._search.common_prefix(manager, rows, num_blocks, members)
+                end = self._memo.common_prefix(manager, rows, num_blocks, members)
                 end = min(end, int(computed.min()) // bs)
             queries = int(query_lens[members].sum())
             context = int(computed.sum()) + queries
@@ -357,7 +324,7 @@ class CascadePlanner:
         eligible = members[num_computed_tokens[members] >= (column + 1) * bs]
         if len(eligible) < 2:
             return []
-        return self._search.split(manager, rows, eligible, column, self._split_eligible)
+        return self._memo.split(manager, rows, eligible, column, self._split_eligible)
 
     def _split_eligible(
         self, manager: KVCacheManager, rows: np.ndarray, eligible: np.ndarray, column: int

@@ -192,6 +192,19 @@ def make_level(name, starts, ends, block_starts, block_ends, leaders) -> Cascade
     return CascadeLevel(name, *fields)
 
 
+def global_plan(rows: np.ndarray, k0: int, common: int, made_for) -> CascadePlan:
+    """The plan with one "global" level, the first k0 blocks of the whole batch, in batch
+    order (rows: i32[R] block-table rows)."""
+    num_requests = len(rows)
+    identity = np.arange(num_requests, dtype=np.int32)
+    suffix_start = np.full(num_requests, k0, np.int32)
+    level = make_level("global", [0], [num_requests], [0], [k0], [rows[0]])
+    return CascadePlan(
+        identity, rows, suffix_start, (level,), common, keeps_order=True, made_for=made_for,
+        validate=False,
+    )  # fmt: skip
+
+
 def grouped_plan(
     groups: list[tuple[np.ndarray, int]],  # (batch positions, end block) per group
     rows: np.ndarray,  # i32[R] block-table rows, batch order

@@ -1,13 +1,17 @@
-"""What the cascade planner's group search found for a batch, reused while it stays true.
+"""What the cascade planner found for a batch, reused while it stays true.
 
 A serving loop schedules the same requests step after step (decode), and the search for
 groups sharing a prefix of their own asks the same questions each time: the longest
-common prefix of a member set, and how the members that hold a column split by their
-prefix id there. While the manager, the batch's rows array (rows_of returns the same
-object for an equal id list) and the manager's sharing_version are unchanged, every
-column a row holds keeps its prefix id, and the columns it gains hold fresh blocks that
-no other row holds. Neither answer can change then: a fresh block ends any prefix two
-rows could share at its column, so a longer count of held blocks adds no shared column.
+common prefix of a member set, how the members that hold a column split by their prefix
+id there, and whether any two requests share past the base column at all. While the
+manager, the batch's rows array (rows_of returns the same object for an equal id list)
+and the manager's sharing_version are unchanged, every column a row holds keeps its
+prefix id, and the columns it gains hold fresh blocks that no other row holds. None of
+these answers can change then: a fresh block ends any prefix two rows could share at its
+column, so a longer count of held blocks adds no shared column.
+
+The plans themselves are pure functions of their arguments (the rows object among them),
+so the last plan is reused whenever a step asks for an equal one, whatever changed since.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxkv.cascade_plan import CascadePlan, grouped_plan
+from jaxkv.cascade_plan import CascadePlan, global_plan, grouped_plan
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.prefix_index import longest_common_prefix_unchecked
 
@@ -24,17 +28,19 @@ SplitRuns = list[np.ndarray] | None  # runs of members sharing a column; None: a
 MAX_ANSWERS = 1024  # answers kept for one key; more start over (bounds memory, not speed)
 
 
-class GroupSearchMemo:
-    """Common prefixes, splits and the last grouped plan of one batch; see the module doc.
+class PlanMemo:
+    """Common prefixes, splits, where no groups exist, and the last plan of one batch;
+    see the module doc.
 
-    Every answer equals what the search would compute now: the memo is emptied whenever
-    its key (manager, rows object, sharing_version) changes.
+    Every answer equals what the planner would compute now: the search's answers are
+    emptied whenever their key (manager, rows object, sharing_version) changes, and a
+    plan is reused only for the same rows object and equal arguments.
     """
 
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._answers: dict[tuple, object] = {}
-        self._last_plan: tuple | None = None  # (arguments, plan) of the last grouped plan
+        self._last_plan: tuple | None = None  # (rows, arguments, plan) of the last plan
 
     def _answers_for(self, manager: KVCacheManager, rows: np.ndarray) -> dict:
         key, version = self._key, manager.sharing_version
@@ -81,17 +87,41 @@ class GroupSearchMemo:
         runs = answers[key]
         return runs if runs is None else list(runs)
 
+    def no_groups_past(self, manager: KVCacheManager, rows: np.ndarray, base: int) -> bool:
+        """Whether note_no_groups(manager, rows, base) still holds."""
+        return ("none", base) in self._answers_for(manager, rows)
+
+    def note_no_groups(self, manager: KVCacheManager, rows: np.ndarray, base: int) -> None:
+        """Records that every request of the batch was eligible for a group and no two
+        held the same prefix id at column `base`: no group can form past `base`."""
+        self._answers_for(manager, rows)[("none", base)] = True
+
+    def global_plan(self, rows: np.ndarray, k0: int, common: int, made_for) -> CascadePlan:
+        """cascade_plan.global_plan, or the last plan it gave for equal arguments."""
+        return self._reused(
+            rows, ("global", k0, common, made_for),
+            lambda: global_plan(rows, k0, common, made_for),
+        )  # fmt: skip
+
     def grouped_plan(
         self, groups, rows, suffix_start, global_blocks, common, made_for
     ) -> CascadePlan:
         """cascade_plan.grouped_plan, or the last plan it gave for equal arguments."""
-        args = (
-            made_for, global_blocks, common, suffix_start.tobytes(),
+        key = (
+            "grouped", global_blocks, common, made_for, suffix_start.tobytes(),
             tuple((m.dtype.str, m.tobytes(), end) for m, end in groups),
         )  # fmt: skip
+        return self._reused(
+            rows, key,
+            lambda: grouped_plan(groups, rows, suffix_start, global_blocks, common, made_for),
+        )  # fmt: skip
+
+    def _reused(self, rows: np.ndarray, key: tuple, build) -> CascadePlan:
+        """The last plan if it was made for this rows object under an equal key, else
+        build()'s, which becomes the last."""
         last = self._last_plan
-        if last is not None and last[0][0] is rows and last[0][1:] == args:
-            return last[1]
-        plan = grouped_plan(groups, rows, suffix_start, global_blocks, common, made_for)
-        self._last_plan = ((rows, *args), plan)
+        if last is not None and last[0] is rows and last[1] == key:
+            return last[2]
+        plan = build()
+        self._last_plan = (rows, key, plan)
         return plan

@@ -1,5 +1,5 @@
-"""GroupSearchMemo: the group search's answers are reused only while they are still what
-the search would compute (the differential serving runs compare whole plans, step by
+"""PlanMemo: the planner's answers and plans are reused only while they are still what
+it would compute (the differential serving runs compare whole plans, step by
 step, against a planner that never reuses; these cases reach what those runs cannot)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxkv import KVCacheManager, Request
-from jaxkv.cascade_plan import grouped_plan
-from jaxkv.group_search_memo import GroupSearchMemo
+from jaxkv.cascade_plan import global_plan, grouped_plan
+from jaxkv.plan_memo import PlanMemo
 from jaxkv.prefix_index import longest_common_prefix_unchecked
 
 BOTH = np.arange(2)
@@ -30,7 +30,7 @@ def _a_and_c_sharing_one_of_three_blocks():
 
 def test_a_cache_hit_appended_to_a_batch_row_renews_the_common_prefix():
     m, c, hit = _a_and_c_sharing_one_of_three_blocks()
-    memo, rows = GroupSearchMemo(), m.rows_of(["a", "c"])
+    memo, rows = PlanMemo(), m.rows_of(["a", "c"])
     assert memo.common_prefix(m, rows, m.num_blocks_of_rows(rows), BOTH) == 1
     # c gains a's next two blocks as a cache hit: the same rows object, a new answer.
     m.allocate_slots(c, 0, num_new_computed_tokens=4, new_computed_blocks=hit[1:])
@@ -40,7 +40,7 @@ def test_a_cache_hit_appended_to_a_batch_row_renews_the_common_prefix():
 
 def test_fresh_blocks_keep_the_answers_and_splits_are_read_only():
     m, c, _ = _a_and_c_sharing_one_of_three_blocks()
-    memo, rows = GroupSearchMemo(), m.rows_of(["a", "c"])
+    memo, rows = PlanMemo(), m.rows_of(["a", "c"])
     calls = []
     runs = memo.split(m, rows, BOTH, 0, lambda *_: calls.append(1) or [np.array([0, 1])])
     m.allocate_slots(c, 3)  # fresh blocks for c's next tokens: held by c alone
@@ -54,7 +54,7 @@ def test_fresh_blocks_keep_the_answers_and_splits_are_read_only():
 
 def test_the_last_grouped_plan_is_reused_for_equal_arguments_only():
     m, _, _ = _a_and_c_sharing_one_of_three_blocks()
-    memo, rows = GroupSearchMemo(), m.rows_of(["a", "c"])
+    memo, rows = PlanMemo(), m.rows_of(["a", "c"])
     made_for = (m, m.row_version)
     suffix_start = np.ones(2, np.int32)
     args = ([(BOTH, 1)], rows, suffix_start, None, 1, made_for)
@@ -68,3 +68,34 @@ def test_the_last_grouped_plan_is_reused_for_equal_arguments_only():
     assert (
         len(memo.grouped_plan(two, rows, suffix_start, None, 1, made_for).levels[0].block_ends) == 2
     )
+
+
+def test_no_groups_is_remembered_per_base_until_the_sharing_changes():
+    m, c, hit = _a_and_c_sharing_one_of_three_blocks()
+    memo, rows = PlanMemo(), m.rows_of(["a", "c"])
+    memo.note_no_groups(m, rows, 1)
+    assert memo.no_groups_past(m, rows, 1) and not memo.no_groups_past(m, rows, 0)
+    m.allocate_slots(c, 3)  # fresh blocks: the fact holds
+    assert memo.no_groups_past(m, rows, 1)
+    assert not memo.no_groups_past(m, m.rows_of(["c", "a"]), 1)  # another batch
+    m.allocate_slots(
+        Request("d", [1, 2]), 0, num_new_computed_tokens=2, new_computed_blocks=hit[:1]
+    )
+    assert not memo.no_groups_past(m, rows, 1)  # a cache hit appended: asked again
+
+
+def test_the_last_global_plan_is_reused_for_equal_arguments_only():
+    m, _, _ = _a_and_c_sharing_one_of_three_blocks()
+    memo, rows = PlanMemo(), m.rows_of(["a", "c"])
+    made_for = (m, m.row_version)
+    plan = memo.global_plan(rows, 1, 1, made_for)
+    assert memo.global_plan(rows, 1, 1, made_for) is plan
+    fresh = global_plan(rows, 1, 1, made_for)
+    assert plan.suffix_start_blocks.tolist() == fresh.suffix_start_blocks.tolist() == [1, 1]
+    assert plan.levels[0].block_ends.tolist() == [1] and plan.levels[0].name == "global"
+    assert memo.global_plan(rows, 1, 2, made_for).num_common_prefix_blocks == 2
+    assert memo.global_plan(rows, 2, 2, made_for).levels[0].block_ends.tolist() == [2]
+    m.free("c")  # a released row: plans name the row version they were made for
+    later = memo.global_plan(rows, 2, 2, (m, m.row_version))
+    assert later.made_for == (m, m.row_version) != made_for
+    assert memo.global_plan(rows.copy(), 2, 2, later.made_for).rows is not rows
