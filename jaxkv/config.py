@@ -129,6 +129,13 @@ class EngineConfig:
             "min_num_seqs_bucket",
             "min_pages_bucket",
         )
+        if self.cache.num_blocks - 1 < self.max_blocks_per_seq:
+            raise ValueError(
+                f"cache.num_blocks={self.cache.num_blocks} must be at least "
+                f"{self.max_blocks_per_seq + 1}: one request of scheduler.max_model_len="
+                f"{self.scheduler.max_model_len} tokens takes {self.max_blocks_per_seq} blocks "
+                f"of {self.cache.block_size} tokens, and block 0 is the null block"
+            )
         if self.q_len_buckets is not None:
             qb = increasing_sizes(self.q_len_buckets)
             if not qb:

@@ -117,3 +117,13 @@ def test_buckets_take_each_minimum_from_its_own_field():
     assert (b.min_num_tokens, b.min_num_seqs, b.min_pages_per_seq) == (16, 2, 8)
     assert b.max_cascade_groups == 3
     assert b.seq_buckets == (2, 4, 8, 16, 32) and b.token_buckets[0] == 16
+
+
+def test_a_pool_too_small_for_one_max_model_len_request_is_refused():
+    """A pool that cannot hold one request of max_model_len tokens would refuse every
+    request whose output may reach it; the config says so at construction instead."""
+    sched = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=100)
+    # 100 tokens take 7 blocks of 16; block 0 is the null block: 8 is the least pool.
+    assert EngineConfig(cache=CacheConfig(num_blocks=8), scheduler=sched).max_blocks_per_seq == 7
+    with pytest.raises(ValueError, match=r"cache.num_blocks=7 must be at least 8: one request"):
+        EngineConfig(cache=CacheConfig(num_blocks=7), scheduler=sched)
