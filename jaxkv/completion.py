@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from numbers import Integral
 from typing import Any, Protocol
 
 from jaxkv.outputs import CompletionOutput, RequestOutput
@@ -47,14 +48,22 @@ def checked_drivers(drivers, name: str) -> list:
 
 
 def count_prompts(prompts: Sequence[Sequence[int]]) -> int:
-    """len(prompts); ValueError naming `prompts` if it has none (an int, a generator)."""
+    """len(prompts); ValueError naming `prompts` if it has none (an int, a generator), or
+    if it is one prompt rather than a sequence of them (a str, or token ids)."""
     try:
-        return len(prompts)
+        num_prompts = len(prompts)
     except TypeError:
         raise ValueError(
             f"prompts must be a sequence of prompts (each a sequence of token ids), not "
             f"{type(prompts).__name__}"
         ) from None
+    if isinstance(prompts, str) or isinstance(next(iter(prompts), None), Integral):
+        raise ValueError(
+            "prompts must be a sequence of prompts, each a sequence of token ids; it is one "
+            f"{'str' if isinstance(prompts, str) else 'sequence of ints'} (for one prompt of "
+            "token ids pass [prompt_token_ids])"
+        )
+    return num_prompts
 
 
 def run_to_completion(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jaxkv import SamplingParams
@@ -128,6 +129,29 @@ def test_prompts_that_are_no_sequence_are_refused_by_name_and_queue_nothing(prog
     assert engine.add_request([1, 2]) == "0" and router.num_outstanding == (0, 0)
     with pytest.raises(KeyError):  # as for any unknown id (was a TypeError)
         router.replica_of(["x"])
+
+
+@pytest.mark.parametrize(
+    "one_prompt, kind",
+    [([5, 6, 7], "sequence of ints"), (np.array([5, 6], np.int32), "sequence of ints"),
+     ("hello", "str")],
+)  # fmt: skip
+def test_one_prompt_given_for_a_list_of_prompts_is_refused_by_name(one_prompt, kind):
+    """generate takes a sequence of prompts; one prompt's token ids used to be refused as
+    prompt 0 with a message about shape=(), naming neither `prompts` nor the fix."""
+    from tests.engine._util import make_engine
+
+    engine = make_engine()
+    router, _ = make_router(2)
+    for driver in (engine, router):
+        with pytest.raises(ValueError, match=f"it is one {kind} .*pass \\[prompt_token_ids\\]"):
+            driver.generate(one_prompt, progress=False)
+    assert engine.add_request([1, 2]) == "0" and router.num_outstanding == (0, 0)
+    # A 2-D array is a sequence of prompts: its rows.
+    outputs = engine.generate(
+        np.ones((2, 3), np.int32), SamplingParams(max_tokens=1), progress=False
+    )
+    assert [(o.prompt_token_ids, len(o.output_token_ids)) for o in outputs] == [((1, 1, 1), 1)] * 2
 
 
 def test_a_progress_flag_that_is_no_bool_is_refused_by_name_and_queues_nothing():
