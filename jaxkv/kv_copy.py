@@ -118,7 +118,7 @@ class DeviceKVCopier:
         if self._fingerprint is None:
             return None
         value = self._fingerprint()
-        self._fingerprint = None  # it holds the weights, which Engine.close lets go
+        self._fingerprint = None  # it holds the weights: let them go once read
         return value
 
     def _padded_ids(self, block_ids: Sequence[int]) -> np.ndarray:

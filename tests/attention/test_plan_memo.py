@@ -99,3 +99,59 @@ def test_the_last_global_plan_is_reused_for_equal_arguments_only():
     later = memo.global_plan(rows, 2, 2, (m, m.row_version))
     assert later.made_for == (m, m.row_version) != made_for
     assert memo.global_plan(rows.copy(), 2, 2, later.made_for).rows is not rows
+
+
+def test_a_split_is_remembered_per_column():
+    m, _, _ = _a_and_c_sharing_one_of_three_blocks()
+    memo, rows = PlanMemo(), m.rows_of(["a", "c"])
+    calls = []
+
+    def compute(manager, rows, eligible, column):
+        calls.append(column)
+        return [eligible.copy()] if column == 0 else None
+
+    assert [r.tolist() for r in memo.split(m, rows, BOTH, 0, compute)] == [[0, 1]]
+    assert memo.split(m, rows, BOTH, 1, compute) is None  # column 1: asked, not column 0's
+    assert [r.tolist() for r in memo.split(m, rows, BOTH, 0, compute)] == [[0, 1]]
+    assert calls == [0, 1]
+
+
+def test_the_search_answers_are_kept_per_manager():
+    m, _, _ = _a_and_c_sharing_one_of_three_blocks()
+    other = KVCacheManager(32, 2, max_model_len=16)  # a and c share nothing there
+    for rid, tokens in (("a", [7, 7, 7, 7, 7]), ("c", [8, 8, 8, 8, 8]), ("d", [7, 7, 9])):
+        r = Request(rid, tokens)
+        hit, num_hit = other.get_computed_blocks(r)  # d hits a's first block
+        other.allocate_slots(
+            r, len(tokens) - num_hit, num_new_computed_tokens=num_hit, new_computed_blocks=hit
+        )
+        r.num_computed_tokens = len(tokens)
+        other.allocate_slots(r, 0)  # caches its full blocks
+    memo, rows = PlanMemo(), m.rows_of(["a", "c"])
+    assert m.sharing_version == other.sharing_version
+    assert other.rows_of(["a", "c"]).tolist() == rows.tolist()
+    assert memo.common_prefix(m, rows, m.num_blocks_of_rows(rows), BOTH) == 1
+    # The same rows object asked of another manager: its own answer, not m's.
+    assert memo.common_prefix(other, rows, other.num_blocks_of_rows(rows), BOTH) == 0
+    memo.note_no_groups(other, rows, 0)
+    assert not memo.no_groups_past(m, rows, 0)
+
+
+def test_a_grouped_plan_is_not_reused_for_other_plan_arguments():
+    m, _, _ = _a_and_c_sharing_one_of_three_blocks()
+    memo, rows = PlanMemo(), m.rows_of(["a", "c"])
+    made_for = (m, m.row_version)
+    suffix_start = np.ones(2, np.int32)
+    plan = memo.grouped_plan([(BOTH, 1)], rows, suffix_start, None, 1, made_for)
+    assert plan.made_for == made_for and plan.num_common_prefix_blocks == 1
+    later = (m, m.row_version + 1)
+    assert memo.grouped_plan([(BOTH, 1)], rows, suffix_start, None, 1, later).made_for == later
+    common = memo.grouped_plan([(BOTH, 1)], rows, suffix_start, None, 0, later)
+    assert common.num_common_prefix_blocks == 0
+    ends = memo.grouped_plan([(BOTH, 2)], rows, suffix_start, None, 0, later)
+    assert ends.levels[-1].block_ends.tolist() == [2]
+    two = np.full(2, 2, np.int32)
+    suffix = memo.grouped_plan([(BOTH, 2)], rows, two, None, 0, later)
+    assert suffix.suffix_start_blocks.tolist() == [2, 2]
+    with_global = memo.grouped_plan([(BOTH, 2)], rows, two, 1, 0, later)
+    assert [level.name for level in with_global.levels] == ["global", "groups"]

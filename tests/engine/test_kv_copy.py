@@ -3,6 +3,9 @@ writes exactly those blocks of every layer and nothing else but the null block."
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -79,3 +82,34 @@ def test_a_replica_count_that_does_not_divide_the_cache_heads_is_refused(kv_repl
     caches = [jnp.zeros((NUM_BLOCKS, 2, 4, 4))]  # 2 KV heads
     with pytest.raises(ValueError, match="kv_replicas="):
         DeviceKVCopier(lambda: caches, lambda c: None, max_blocks=4, kv_replicas=kv_replicas)
+
+
+class _Weights:
+    """Stands for a model's parameters: collected once nothing refers to them."""
+
+
+def test_the_fingerprint_is_computed_once_and_its_weights_let_go():
+    state = {"caches": [jnp.zeros((4, 2, 2, 4), jnp.float32)]}
+    weights = _Weights()
+    alive = weakref.ref(weights)
+    calls = []
+
+    def fingerprint(held=weights) -> bytes:
+        calls.append(held)
+        return b"fp"
+
+    copier = DeviceKVCopier(
+        lambda: state["caches"],
+        lambda c: state.update(caches=c),
+        max_blocks=4,
+        fingerprint=fingerprint,
+    )
+    del weights, fingerprint
+    try:
+        assert copier.model_fingerprint == b"fp" and copier.model_fingerprint == b"fp"
+        assert len(calls) == 1
+        calls.clear()
+        gc.collect()
+        assert alive() is None  # the copier, still open, no longer holds the weights
+    finally:
+        copier.close()

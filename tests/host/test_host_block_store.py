@@ -4,6 +4,7 @@ one that leaves becoming the next to be evicted, the deepest first."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from jaxkv.host_block_store import HostBlockStore
 
@@ -68,3 +69,30 @@ def test_demoted_puts_and_blocks_behind_a_parent_that_was_never_stored():
     assert _order(store) == "rqcbyp"
     store.drop(b"missing")  # neither stored nor a parent: nothing happens
     assert _order(store) == "rqcbyp"
+
+
+def test_clear_forgets_the_children_of_cleared_entries():
+    store = HostBlockStore()
+    store.put(b"a", None, np.zeros(2))
+    store.put(b"b", b"a", np.ones(2))  # b is stored behind a
+    store.clear()
+    assert len(store) == 0 and store._children == {}
+    store.put(b"a", None, np.zeros(2))  # a again, without b
+    store.put(b"x", None, np.zeros(2))
+    store.drop(b"a")  # demotes what is stored behind a now: nothing
+    assert _order(store) == "x"
+    store.put(b"a", None, np.zeros(2))
+    store.demote_behind(b"a")  # a failed save of a's child would ask the same
+    assert _order(store) == "xa"
+
+
+def test_clear_forgets_the_parents_of_cleared_entries():
+    store = HostBlockStore()
+    store.put(b"a", None, np.zeros(2))
+    store.put(b"b", b"a", np.ones(2))
+    store.clear()
+    with pytest.raises(KeyError):
+        store.parent_of(b"b")  # as for a block never stored
+    assert store._parent_of == {}
+    store.put(b"b", None, np.ones(2))  # b stored again as a prompt's first block
+    assert store.parent_of(b"b") is None

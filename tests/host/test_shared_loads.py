@@ -129,3 +129,26 @@ def test_a_cancelled_load_holds_back_no_other_request():
     c = add(sched, "c", [*PROMPT[:12], 99, 98], max_tokens=2)
     sched.schedule()  # c does not wait for blocks that load will never cache
     assert c.status != RequestStatus.WAITING
+
+
+def test_a_load_after_a_device_hit_marks_the_blocks_it_brings_as_loading():
+    copier = FakeCopier(64, BS, auto_complete=False)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    sched = make_scheduler(num_blocks=64, block_size=BS, connector=connector)
+    add(sched, "a0", PROMPT, max_tokens=1)
+    step(sched, copier)
+    copier.complete()
+    run_until_idle(sched, copier)  # the 3 full blocks saved to the host
+    assert sched.manager.reset_prefix_cache()
+    add(sched, "p", PROMPT[:5], max_tokens=1)  # reloads the first block into the device
+    run_until_idle(sched, copier)
+    assert connector.stats.num_loads == 1
+    b = add(sched, "b", PROMPT, max_tokens=2)
+    sched.schedule()  # one block a device hit, the next two loaded from the host
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV and b.num_computed_tokens == BS
+    loading = [sched._transfers.is_loading(h) for h in b.block_hashes[:3]]
+    assert loading == [False, True, True]
+    c = add(sched, "c", PROMPT[:9], max_tokens=2)  # its second block comes with b's load
+    sched.schedule()
+    assert c.status == RequestStatus.WAITING and "c" not in sched.manager.request_ids

@@ -1,0 +1,39 @@
+"""HostOffloadConnector: a block whose save is still in flight is no gap in a chain. A
+save landing behind another request's save in flight stores its blocks as usual (most
+recently used), not demoted: that other save is expected to store the blocks before them."""
+
+from __future__ import annotations
+
+from jaxkv import Request, SamplingParams
+from jaxkv.host_offload_connector import HostOffloadConnector
+from tests.host._sched_util import FakeCopier, store_link_faults
+
+BS = 4
+
+
+def _finished(request_id: str, tokens, computed: int) -> Request:
+    request = Request(request_id, list(tokens), SamplingParams())
+    request.num_computed_tokens = computed
+    return request
+
+
+def test_a_save_landing_behind_blocks_still_being_saved_is_stored_most_recent():
+    copier = FakeCopier(16, BS, auto_complete=False)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    x = _finished("x", range(40, 45), 4)
+    assert connector.on_finish(x, [5])
+    copier.complete()
+    assert connector.poll().saved == ("x",)
+    a = _finished("a", range(1, 10), 8)  # h0 h1
+    b = _finished("b", range(1, 14), 12)  # h0 h1 h2
+    assert connector.on_finish(a, [1, 2]) and connector.on_finish(b, [1, 2, 3])
+    a_save, b_save = copier.pending
+    copier.pending.clear()
+    FakeCopier._run(*b_save)  # b's h2 lands while h0 h1 are still being saved
+    assert connector.poll().saved == ("b",)
+    x0, (h0, h1, h2) = x.block_hashes[0], b.block_hashes
+    assert connector.stored_hashes() == [x0, h2]  # x0 is the next evicted, not h2
+    FakeCopier._run(*a_save)
+    assert connector.poll().saved == ("a",)
+    assert connector.stored_hashes() == [x0, h2, h1, h0] and not store_link_faults(connector)

@@ -1,0 +1,36 @@
+"""engine_replicas builds exactly num_replicas engines over the first device groups (all
+of them allowed), and replica seeds wrap within EngineConfig's 64-bit range."""
+
+from __future__ import annotations
+
+import pytest
+
+import jaxkv.engine
+import jaxkv.sharding
+from jaxkv.config import EngineConfig
+from jaxkv.router import engine_replicas
+
+
+class _Engine:
+    def __init__(self, model, params, config, mesh):
+        self.config, self.mesh = config, mesh
+
+
+@pytest.fixture
+def three_groups(monkeypatch):
+    """Three device groups, named m0 m1 m2, and engines that only record their inputs."""
+    monkeypatch.setattr(jaxkv.sharding, "replica_meshes", lambda tp, devices: ["m0", "m1", "m2"])
+    monkeypatch.setattr(jaxkv.engine, "Engine", _Engine)
+
+
+@pytest.mark.parametrize("num_replicas", [1, 2, 3])
+def test_num_replicas_engines_over_the_first_groups(three_groups, num_replicas):
+    engines = engine_replicas(None, EngineConfig(seed=5), num_replicas=num_replicas)
+    assert [e.mesh for e in engines] == ["m0", "m1", "m2"][:num_replicas]
+    assert [e.config.seed for e in engines] == [5, 6, 7][:num_replicas]
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, -1])
+def test_replica_seeds_wrap_at_2_to_the_64(three_groups, seed):
+    engines = engine_replicas(None, EngineConfig(seed=seed))
+    assert [e.config.seed for e in engines] == [2**64 - 1, 0, 1]
