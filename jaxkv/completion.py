@@ -57,7 +57,12 @@ def count_prompts(prompts: Sequence[Sequence[int]]) -> int:
             f"prompts must be a sequence of prompts (each a sequence of token ids), not "
             f"{type(prompts).__name__}"
         ) from None
-    if isinstance(prompts, str) or isinstance(next(iter(prompts), None), Integral):
+    try:  # indexed, not iterated: iterating would consume a sequence that is an iterator
+        first = prompts[0] if num_prompts else None
+    except (TypeError, LookupError):
+        first = None
+    # A token id: an int, or a 0-d array (an element of a 1-D numpy or jax array).
+    if isinstance(prompts, str) or isinstance(first, Integral) or getattr(first, "ndim", 1) == 0:
         raise ValueError(
             "prompts must be a sequence of prompts, each a sequence of token ids; it is one "
             f"{'str' if isinstance(prompts, str) else 'sequence of ints'} (for one prompt of "

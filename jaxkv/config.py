@@ -129,12 +129,15 @@ class EngineConfig:
             "min_num_seqs_bucket",
             "min_pages_bucket",
         )
-        if self.cache.num_blocks - 1 < self.max_blocks_per_seq:
+        # As the scheduler sizes a request: its last token's KV is never written.
+        max_kv_blocks = -(-(self.scheduler.max_model_len - 1) // self.cache.block_size)
+        if self.cache.num_blocks - 1 < max_kv_blocks:
             raise ValueError(
                 f"cache.num_blocks={self.cache.num_blocks} must be at least "
-                f"{self.max_blocks_per_seq + 1}: one request of scheduler.max_model_len="
-                f"{self.scheduler.max_model_len} tokens takes {self.max_blocks_per_seq} blocks "
-                f"of {self.cache.block_size} tokens, and block 0 is the null block"
+                f"{max_kv_blocks + 1}: one request of scheduler.max_model_len="
+                f"{self.scheduler.max_model_len} tokens writes the KV of up to "
+                f"{self.scheduler.max_model_len - 1} tokens, {max_kv_blocks} blocks of "
+                f"{self.cache.block_size}, and block 0 is the null block"
             )
         if self.q_len_buckets is not None:
             qb = increasing_sizes(self.q_len_buckets)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -134,6 +135,7 @@ def test_prompts_that_are_no_sequence_are_refused_by_name_and_queue_nothing(prog
 @pytest.mark.parametrize(
     "one_prompt, kind",
     [([5, 6, 7], "sequence of ints"), (np.array([5, 6], np.int32), "sequence of ints"),
+     (jnp.array([5, 6]), "sequence of ints"), ([np.array(5), np.array(6)], "sequence of ints"),
      ("hello", "str")],
 )  # fmt: skip
 def test_one_prompt_given_for_a_list_of_prompts_is_refused_by_name(one_prompt, kind):

@@ -119,11 +119,22 @@ def test_buckets_take_each_minimum_from_its_own_field():
     assert b.seq_buckets == (2, 4, 8, 16, 32) and b.token_buckets[0] == 16
 
 
-def test_a_pool_too_small_for_one_max_model_len_request_is_refused():
+@pytest.mark.parametrize(
+    "block_size, max_model_len, least",
+    [(16, 100, 8), (8, 17, 3), (4, 17, 5), (1, 64, 64), (4, 16, 5)],
+)
+def test_a_pool_too_small_for_one_max_model_len_request_is_refused(
+    block_size, max_model_len, least
+):
     """A pool that cannot hold one request of max_model_len tokens would refuse every
-    request whose output may reach it; the config says so at construction instead."""
-    sched = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=100)
-    # 100 tokens take 7 blocks of 16; block 0 is the null block: 8 is the least pool.
-    assert EngineConfig(cache=CacheConfig(num_blocks=8), scheduler=sched).max_blocks_per_seq == 7
-    with pytest.raises(ValueError, match=r"cache.num_blocks=7 must be at least 8: one request"):
-        EngineConfig(cache=CacheConfig(num_blocks=7), scheduler=sched)
+    request whose output may reach it; the config says so at construction instead. The
+    request's last token is never fed back, so its KV is max_model_len - 1 tokens, as the
+    scheduler sizes it (17 tokens in blocks of 8 need two blocks; block 0 is the null
+    block)."""
+    sched = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, max_model_len=max_model_len)
+    cache = CacheConfig(num_blocks=least, block_size=block_size)
+    assert EngineConfig(cache=cache, scheduler=sched).cache.num_blocks == least
+    with pytest.raises(ValueError, match=rf"cache.num_blocks={least - 1} must be at least {least}"):
+        EngineConfig(
+            cache=CacheConfig(num_blocks=least - 1, block_size=block_size), scheduler=sched
+        )
