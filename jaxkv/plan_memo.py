@@ -11,7 +11,8 @@ these answers can change then: a fresh block ends any prefix two rows could shar
 column, so a longer count of held blocks adds no shared column.
 
 The plans themselves are pure functions of their arguments (the rows object among them),
-so the last plan is reused whenever a step asks for an equal one, whatever changed since.
+so the last plan of each kind (global only, grouped) is reused whenever a step asks for
+an equal one, whatever changed since.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ MAX_ANSWERS = 1024  # answers kept for one key; more start over (bounds memory, 
 
 
 class PlanMemo:
-    """Common prefixes, splits, where no groups exist, and the last plan of one batch;
+    """Common prefixes, splits, where no groups exist, and the last plans of one batch;
     see the module doc.
 
     Every answer equals what the planner would compute now: the search's answers are
@@ -40,7 +41,9 @@ class PlanMemo:
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._answers: dict[tuple, object] = {}
-        self._last_plan: tuple | None = None  # (rows, arguments, plan) of the last plan
+        # "global" / "grouped" -> (rows, arguments, plan) of the last plan of that kind
+        # (one each: a batch whose plan flips between the kinds keeps both)
+        self._last_plans: dict[str, tuple] = {}
 
     def _answers_for(self, manager: KVCacheManager, rows: np.ndarray) -> dict:
         key, version = self._key, manager.sharing_version
@@ -99,7 +102,7 @@ class PlanMemo:
     def global_plan(self, rows: np.ndarray, k0: int, common: int, made_for) -> CascadePlan:
         """cascade_plan.global_plan, or the last plan it gave for equal arguments."""
         return self._reused(
-            rows, ("global", k0, common, made_for),
+            "global", rows, (k0, common, made_for),
             lambda: global_plan(rows, k0, common, made_for),
         )  # fmt: skip
 
@@ -108,20 +111,20 @@ class PlanMemo:
     ) -> CascadePlan:
         """cascade_plan.grouped_plan, or the last plan it gave for equal arguments."""
         key = (
-            "grouped", global_blocks, common, made_for, suffix_start.tobytes(),
+            global_blocks, common, made_for, suffix_start.tobytes(),
             tuple((m.dtype.str, m.tobytes(), end) for m, end in groups),
         )  # fmt: skip
         return self._reused(
-            rows, key,
+            "grouped", rows, key,
             lambda: grouped_plan(groups, rows, suffix_start, global_blocks, common, made_for),
         )  # fmt: skip
 
-    def _reused(self, rows: np.ndarray, key: tuple, build) -> CascadePlan:
-        """The last plan if it was made for this rows object under an equal key, else
-        build()'s, which becomes the last."""
-        last = self._last_plan
+    def _reused(self, kind: str, rows: np.ndarray, key: tuple, build) -> CascadePlan:
+        """The last plan of `kind` if it was made for this rows object under an equal key,
+        else build()'s, which becomes the last of its kind."""
+        last = self._last_plans.get(kind)
         if last is not None and last[0] is rows and last[1] == key:
             return last[2]
         plan = build()
-        self._last_plan = (rows, key, plan)
+        self._last_plans[kind] = (rows, key, plan)
         return plan

@@ -155,3 +155,16 @@ def test_a_grouped_plan_is_not_reused_for_other_plan_arguments():
     assert suffix.suffix_start_blocks.tolist() == [2, 2]
     with_global = memo.grouped_plan([(BOTH, 2)], rows, two, 1, 0, later)
     assert [level.name for level in with_global.levels] == ["global", "groups"]
+
+
+def test_a_batch_whose_plan_flips_between_kinds_keeps_both_plans():
+    """The engine caches a level's metadata per plan object: a batch alternating between
+    a global-only and a grouped plan (as its computed tokens cross a cost threshold) gets
+    the same two objects back, not a new plan each step."""
+    m, _, _ = _a_and_c_sharing_one_of_three_blocks()
+    memo, rows = PlanMemo(), m.rows_of(["a", "c"])
+    made_for = (m, m.row_version)
+    glob = memo.global_plan(rows, 1, 1, made_for)
+    grouped = memo.grouped_plan([(BOTH, 1)], rows, np.ones(2, np.int32), None, 1, made_for)
+    assert memo.global_plan(rows, 1, 1, made_for) is glob
+    assert memo.grouped_plan([(BOTH, 1)], rows, np.ones(2, np.int32), None, 1, made_for) is grouped
