@@ -149,7 +149,8 @@ def paged_attention(
     Returns out [max_num_tokens, num_q_heads, head_dim] in q.dtype (and lse f32
     [max_num_tokens, num_q_heads] with return_lse). Padded token rows give 0.
     Raises ValueError when cascade levels are combined with a sliding window (the
-    planner never plans that: a non-causal prefix pass cannot honour a window).
+    planner never plans that: a non-causal prefix pass cannot honour a window), and when
+    kv_pages holds fewer blocks than the pool of the manager the metadata was built for.
     """
     if not isinstance(metadata, AttentionMetadata):
         raise ValueError(f"metadata={type(metadata).__name__} must be an AttentionMetadata")
@@ -159,6 +160,12 @@ def paged_attention(
         # Under jit nothing else notices: slots and page counts would address other keys.
         raise ValueError(
             f"{kv_pages.shape=} must have pages of the metadata's {metadata.block_size=} tokens"
+        )
+    if metadata.num_blocks is not None and kv_pages.shape[0] < metadata.num_blocks:
+        # Under jit an out-of-range page id is clamped: other blocks' keys, no error.
+        raise ValueError(
+            f"{kv_pages.shape=} must hold the {metadata.num_blocks} blocks of the pool the "
+            "metadata's page ids address (KVCacheManager num_blocks)"
         )
     if q.shape[0] != metadata.max_num_tokens:
         raise ValueError(f"{q.shape=} must have {metadata.max_num_tokens} (padded) tokens")

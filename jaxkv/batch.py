@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxkv.buckets import BucketConfig, padded_size
 from jaxkv.cascade import CascadeLevel, CascadePlan
-from jaxkv.count_arrays import widened_counts
+from jaxkv.count_arrays import checked_step_counts
 from jaxkv.field_checks import is_integer
 
 BACKENDS = ("xla", "pallas_tpu", "pallas_gpu")  # attention backends, as metadata names them
@@ -65,6 +65,9 @@ class AttentionMetadata:
     max_q_len: int  # static: bound on the query tokens of one sequence
     backend: str  # static: "xla" | "pallas_tpu" | "pallas_gpu"
     interpret: bool  # static: run Pallas kernels in interpret mode
+    # static: blocks in the pool of the plan's manager, which kv_pages must hold (its page
+    # ids address them all); None for a hand-made plan
+    num_blocks: int | None = None
 
     @property
     def num_levels(self) -> int:
@@ -91,7 +94,7 @@ jax.tree_util.register_dataclass(
         "num_seqs",
         "levels",
     ],
-    meta_fields=["block_size", "max_q_len", "backend", "interpret"],
+    meta_fields=["block_size", "max_q_len", "backend", "interpret", "num_blocks"],
 )
 
 
@@ -229,31 +232,14 @@ def _check_arguments(block_table, plan, block_size, buckets, backend, interpret,
             )
         if block_size != manager.block_size:
             raise ValueError(f"{block_size=} must be the plan's manager's {manager.block_size}")
-
-
-def _checked_counts(query_lens, num_computed_tokens, num_requests: int):
-    """Both per-request counts as signed integer arrays of shape (num_requests,)."""
-    query_lens = np.asarray(query_lens)
-    num_computed = np.asarray(num_computed_tokens)
-    if query_lens.shape != (num_requests,) or num_computed.shape != (num_requests,):
-        raise ValueError(
-            f"{query_lens.shape=} and num_computed_tokens.shape={num_computed.shape} must be "
-            f"({num_requests},)"
-        )
-    if not num_requests:  # (an empty list is a float64 array)
-        return query_lens.astype(np.int64), num_computed.astype(np.int64)
-    if query_lens.dtype.kind not in "iu" or num_computed.dtype.kind not in "iu":
-        raise ValueError(
-            f"{query_lens.dtype=} and num_computed_tokens.dtype={num_computed.dtype} must "
-            "be integer dtypes"
-        )
-    # Unsigned counts (accepted, as the planner accepts them) made the in-place
-    # `main_kv -= suffix_start * block_size` fail numpy's casting rule, and int8 or int16
-    # counts overflowed in the sums below (kv_lens of -128: keys silently dropped).
-    query_lens, num_computed = widened_counts(query_lens), widened_counts(num_computed)
-    if num_computed.min() < 0:  # numpy would read column -1 of the table
-        raise ValueError(f"every num_computed_tokens entry must be >= 0, got {num_computed.min()}")
-    return query_lens, num_computed
+        rows = plan.rows
+        if block_table is not manager.block_table and not np.array_equal(
+            block_table[rows], manager.block_table[rows]
+        ):
+            raise ValueError(
+                "block_table: the plan's rows differ from its manager's block_table; pass "
+                "the table of the manager that made the plan"
+            )
 
 
 def _outside(block_table) -> ValueError:
@@ -280,8 +266,9 @@ def build_attention_metadata(
     scheduled token lies past the blocks its request holds, or a cascade level reads
     blocks past a request's num_computed_tokens (it would cover a query token); also if
     CascadePlanner made `plan` before its manager last freed a request (the plan's rows
-    may hold other requests' blocks now), or for a table shape or block size other than
-    its manager's (a hand-made plan is not checked against a manager).
+    may hold other requests' blocks now), or for a table shape, block size or plan rows
+    other than its manager's (a hand-made plan is not checked against a manager). The
+    metadata names that manager's pool size: paged_attention refuses a smaller cache.
 
     `levels`: the level metadata this function built for the same plan object and the
     same query_lens at an earlier step, to reuse (it depends on nothing else while the
@@ -294,7 +281,7 @@ def build_attention_metadata(
     """
     _check_arguments(block_table, plan, block_size, buckets, backend, interpret, levels)
     num_requests = len(plan.rows)
-    query_lens, num_computed = _checked_counts(query_lens, num_computed_tokens, num_requests)
+    query_lens, num_computed = checked_step_counts(query_lens, num_computed_tokens, num_requests)
     decode_only = num_requests > 0 and not (query_lens != 1).any()
     if decode_only:
         total = num_requests
@@ -387,4 +374,5 @@ def build_attention_metadata(
         ),
         backend=backend,
         interpret=interpret,
+        num_blocks=None if plan.made_for is None else plan.made_for[0].pool.num_blocks,
     )

@@ -38,6 +38,19 @@ def test_pages_of_another_block_size_or_no_metadata_are_refused():
         paged_attention(q, pages8, {"md": md}, sm_scale=0.125)
 
 
+def test_a_cache_smaller_than_the_managers_pool_is_refused():
+    """Under jit a page id past the cache is clamped to its last block: another block's
+    keys and finite, wrong output. The metadata names its manager's pool size (64)."""
+    md = _metadata()
+    assert md.num_blocks == 64
+    q = jnp.zeros((md.max_num_tokens, H_Q, D), jnp.float32)
+    small = jnp.zeros((32, 4, 2 * H_KV, D), jnp.float32)
+    with pytest.raises(ValueError, match=r"must hold the 64 blocks of the pool"):
+        jax.jit(lambda q, p, md: paged_attention(q, p, md, sm_scale=0.125))(q, small, md)
+    pages = jnp.zeros((64, 4, 2 * H_KV, D), jnp.float32)
+    assert paged_attention(q, pages, md, sm_scale=0.125).shape == q.shape
+
+
 def test_a_bool_scale_is_refused():
     md = _metadata()
     q = jnp.zeros((md.max_num_tokens, H_Q, D), jnp.float32)

@@ -244,7 +244,8 @@ def _broken(
         table = table.copy()
         row, col = int(level.leader_rows[0]), int(level.block_starts[0])
         table[row, [col, col + 1]] = table[row, [col + 1, col]]
-        return k, "page_indices", _build(step, plan, table)
+        # As a hand-made plan: the builder refuses a planner's plan with another table.
+        return k, "page_indices", _build(step, dataclasses.replace(plan, made_for=None), table)
     if kind == "wrong leader row":  # a row that does not hold the group's blocks
         others = np.setdiff1d(plan.rows, plan.rows[level.group_starts[0] : level.group_ends[0]])
         leaders = level.leader_rows.copy()

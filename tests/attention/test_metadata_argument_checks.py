@@ -94,6 +94,20 @@ def test_a_block_table_too_narrow_or_of_another_manager_is_refused_by_name(plann
         build_attention_metadata(**{**build, "block_table": m.block_table[:2]})
 
 
+def test_the_table_of_another_manager_of_the_same_shape_is_refused():
+    """Its rows hold other requests' blocks: attention read them with no error (NaN or
+    other requests' keys). A copy of the plan's manager's table is accepted."""
+    m, build = _three_decoding()
+    other = KVCacheManager(64, 4, max_model_len=64)
+    for i in range(3):
+        _decoding(other, f"r{i}", [90 + i] * 13)
+    assert other.block_table.shape == m.block_table.shape
+    with pytest.raises(ValueError, match="block_table: the plan's rows differ from its manager"):
+        build_attention_metadata(**{**build, "block_table": other.block_table})
+    copied = build_attention_metadata(**{**build, "block_table": m.block_table.copy()})
+    assert copied.page_indices.tolist() == build_attention_metadata(**build).page_indices.tolist()
+
+
 @pytest.mark.parametrize("dtype", [np.uint32, np.uint64])
 def test_unsigned_counts_give_the_metadata_of_signed_ones(dtype):
     # Accepted as integer dtypes, unsigned counts used to fail numpy's casting rule in
