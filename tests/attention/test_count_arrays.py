@@ -1,0 +1,26 @@
+"""widened_counts keeps int32 and int64 counts as given and widens every other integer
+dtype (narrower signed ones, unsigned ones) to int64, values unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxkv.count_arrays import widened_counts
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_int32_and_int64_counts_are_kept(dtype):
+    counts = np.array([0, 5, 127], dtype)
+    assert widened_counts(counts) is counts
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.uint8, np.uint16, np.uint32, np.uint64])
+def test_other_integer_counts_are_widened_to_int64(dtype):
+    got = widened_counts(np.array([0, 1, 100], dtype))
+    assert got.dtype == np.int64 and got.tolist() == [0, 1, 100]
+
+
+def test_int16_counts_sum_past_int16_without_overflow():
+    counts = widened_counts(np.array([32767, 1], np.int16))
+    assert int(counts.sum()) == 32768 and int((counts + counts).max()) == 65534

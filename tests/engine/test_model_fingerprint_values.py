@@ -1,0 +1,23 @@
+"""model_fingerprint is 16 bytes, and sub-byte float weights count by their exact value
+(a fraction lost in widening would make 0.5 and 0 collide)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxkv.model_fingerprint import model_fingerprint
+
+CONFIG = {"hidden_size": 8}
+
+
+def test_the_fingerprint_is_16_bytes():
+    fp = model_fingerprint(CONFIG, [jnp.arange(6, dtype=jnp.float32)])
+    assert isinstance(fp, bytes) and len(fp) == 16
+
+
+def test_float4_weights_that_differ_by_a_fraction_give_different_fingerprints():
+    base = jnp.array([[0.5, 1.0, -1.5]], jnp.float4_e2m1fn)
+    fp = model_fingerprint(CONFIG, [base])
+    assert model_fingerprint(CONFIG, [jnp.array([[0.5, 1.0, -1.5]], jnp.float4_e2m1fn)]) == fp
+    for other in ([[0.0, 1.0, -1.5]], [[0.5, 1.0, -1.0]], [[-0.5, 1.0, -1.5]]):
+        assert model_fingerprint(CONFIG, [jnp.array(other, jnp.float4_e2m1fn)]) != fp, other

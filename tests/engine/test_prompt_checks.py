@@ -1,0 +1,46 @@
+"""checked_prompt_ids returns a prompt as a list of Python ints, or raises ValueError
+naming prompt_token_ids: bools are refused in tuples as in lists and as a bool array,
+and an array-like numpy cannot read raises ValueError, not TypeError."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxkv.prompt_checks import checked_prompt_ids
+from tests.engine._util import VOCAB, make_engine
+
+
+class _Unreadable:
+    """An array-like numpy cannot convert (as a tensor on another device)."""
+
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError("cannot convert a device tensor")
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        ((5, True, 2), "a bool at index 1"),
+        ((np.True_,), "a bool at index 0"),
+        (np.array([True, False]), "must be integers, got dtype bool"),
+        (_Unreadable(), "prompt_token_ids must be a 1-D sequence of ints"),
+    ],
+)
+def test_bools_and_unreadable_prompts_are_refused_by_name(prompt, match):
+    with pytest.raises(ValueError, match=match):
+        checked_prompt_ids(prompt, limit=VOCAB)
+
+
+def test_the_engine_refuses_a_tuple_holding_a_bool_and_queues_nothing():
+    engine = make_engine()
+    with pytest.raises(ValueError, match="a bool at index 1"):
+        engine.add_request((5, True, 2))
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint16])
+def test_arrays_of_ints_come_back_as_python_ints(dtype):
+    ids = checked_prompt_ids(np.array([3, 0, VOCAB - 1], dtype), limit=VOCAB)
+    assert ids == [3, 0, VOCAB - 1]
+    assert [type(t) for t in ids] == [int, int, int]

@@ -1,0 +1,28 @@
+"""A tensor-parallel size below one is refused as such (must be >= 1), not as failing to
+divide the device count; a positive one that does not divide is named with the count.
+These run on whatever devices this process has (one CPU is enough)."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from jaxkv import sharding
+from jaxkv.meshes import check_divides
+
+
+@pytest.mark.parametrize("tp", [0, -1])
+def test_a_size_below_one_is_refused_as_below_one(tp):
+    for make in (sharding.replica_meshes, sharding.make_mesh):
+        with pytest.raises(ValueError, match=rf"^tensor_parallel_size={tp} must be >= 1$"):
+            make(tp)
+    with pytest.raises(ValueError, match=rf"^tensor_parallel_size={tp} must be >= 1$"):
+        check_divides(tp, "num_heads", 8)
+
+
+def test_a_size_that_does_not_divide_names_the_number():
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=3 must divide num_heads=8$"):
+        check_divides(3, "num_heads", 8)
+    check_divides(4, "num_heads", 8)  # divides: no error
+    [mesh] = sharding.replica_meshes(1, jax.devices()[:1])
+    assert mesh.shape == {"model": 1}
