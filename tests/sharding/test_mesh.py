@@ -9,14 +9,13 @@ failure shows that check's traceback and the subprocess's output.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.sharding.host_devices import ROOT, host_device_env
+
 CHECKS = (
     "attention_flat_and_cascade",
     "pallas_backends_per_shard",
@@ -38,12 +37,7 @@ TIMEOUT_S = 600
 @pytest.fixture(scope="module")
 def mesh_results(tmp_path_factory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("mesh") / "results.json"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = host_device_env(8)
     proc = subprocess.run(
         [sys.executable, "-m", "tests.sharding.mesh_checks", "--json", str(out)],
         cwd=ROOT,

@@ -10,16 +10,13 @@ mesh lacks is refused with ValueError naming it, on whatever devices this proces
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from jaxkv import sharding
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.sharding.host_devices import ROOT, host_device_env
 
 SCRIPT = """
 import json
@@ -47,12 +44,7 @@ print(json.dumps(specs))
 
 @pytest.fixture(scope="module")
 def specs() -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = host_device_env(2)
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True
     )
