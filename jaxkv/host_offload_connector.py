@@ -245,7 +245,7 @@ class HostOffloadConnector(KVConnector):
                 self._store.put(h, t.chain[i - 1] if i else None, landed[h])
             elif h in self._store:
                 self._store.touch(h)
-        for i in range(usable, len(t.chain)):
+        for i in range(usable + 1, len(t.chain)):  # chain[usable] is the gap itself
             if t.chain[i] in landed:
                 self._store.put(t.chain[i], t.chain[i - 1], landed[t.chain[i]], demoted=True)
         self._evict()
