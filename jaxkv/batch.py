@@ -18,29 +18,14 @@ import jax
 import numpy as np
 
 from jaxkv.buckets import BucketConfig, padded_size
-from jaxkv.cascade import CascadeLevel, CascadePlan
+from jaxkv.cascade import CascadePlan
 from jaxkv.count_arrays import checked_step_counts
 from jaxkv.field_checks import is_integer
+from jaxkv.level_metadata import LevelMetadata, plan_levels, table_slice
+
+__all__ = ["AttentionMetadata", "LevelMetadata", "build_attention_metadata"]
 
 BACKENDS = ("xla", "pallas_tpu", "pallas_gpu")  # attention backends, as metadata names them
-
-
-@dataclasses.dataclass(frozen=True)
-class LevelMetadata:
-    """One non-causal cascade pass: each sequence is a group of the batch (or a gap)."""
-
-    cu_q_lens: np.ndarray  # i32[level_seqs + 1] token ranges of the groups
-    kv_lens: np.ndarray  # i32[level_seqs] shared prefix length of each group (0 in gaps)
-    page_indices: np.ndarray  # i32[level_seqs, level_pages] shared blocks of each group
-    num_seqs: np.ndarray  # i32[1]
-    max_q_len: int  # static: bound on the tokens of one group
-
-
-jax.tree_util.register_dataclass(
-    LevelMetadata,
-    data_fields=["cu_q_lens", "kv_lens", "page_indices", "num_seqs"],
-    meta_fields=["max_q_len"],
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,21 +95,6 @@ def _iota(n: int) -> np.ndarray:
 _IOTA = np.zeros(0, np.int32)
 
 
-def _table_slice(
-    block_table: np.ndarray,  # i32[num_rows, max_blocks_per_seq]
-    rows: np.ndarray,  # i32[n]
-    col_starts: np.ndarray,  # i[n]
-    width: int,
-    col_ends: np.ndarray | None = None,  # i[n] exclusive; default: the table's width
-) -> np.ndarray:
-    """i32[n, width]: block_table[rows[i], col_starts[i] + j], 0 past col_ends or the table."""
-    cols = col_starts[:, None] + np.arange(width)[None, :]
-    limit = block_table.shape[1] if col_ends is None else col_ends[:, None]
-    valid = cols < limit
-    out = block_table[rows[:, None], np.minimum(cols, block_table.shape[1] - 1)]
-    return np.where(valid, out, 0).astype(np.int32)
-
-
 def _fill_pages(
     out: np.ndarray,  # i32[>= n, width] zeros; rows :n are written
     block_table: np.ndarray,  # i32[num_rows, max_blocks_per_seq]
@@ -144,56 +114,7 @@ def _fill_pages(
         end = min(start + width, block_table.shape[1])
         out[:n, : end - start] = block_table[rows, start:end]
         return
-    out[:n] = _table_slice(block_table, rows, col_starts, width)
-
-
-def _level_metadata(
-    level: CascadeLevel,
-    block_table: np.ndarray,
-    token_starts: list[int],  # [R + 1] cumulative query tokens in batch order
-    block_size: int,
-    buckets: BucketConfig,
-) -> LevelMetadata:
-    """Groups become sequences; the token ranges between groups become empty sequences."""
-    bounds, kv_lens, group_pos = [0], [], []
-    block_starts, block_ends = level.block_starts.tolist(), level.block_ends.tolist()
-    for s, e, first, last in zip(
-        level.group_starts.tolist(), level.group_ends.tolist(), block_starts, block_ends,
-        strict=True,
-    ):  # fmt: skip
-        if s > 0 and token_starts[s] > bounds[-1]:
-            bounds.append(token_starts[s])
-            kv_lens.append(0)
-        group_pos.append(len(kv_lens))
-        bounds.append(token_starts[e])
-        kv_lens.append((last - first) * block_size)
-    num_level_seqs = len(kv_lens)
-    seqs = padded_size(
-        buckets.level_seq_buckets, num_level_seqs, name=f"sequences of cascade level {level.name!r}"
-    )
-    num_pages = max(b - a for a, b in zip(block_starts, block_ends, strict=True))
-    width = padded_size(
-        buckets.page_buckets, num_pages, name=f"pages of cascade level {level.name!r}"
-    )
-    cu = np.array(bounds + bounds[-1:] * (seqs + 1 - len(bounds)), np.int32)
-    kv = np.array(kv_lens + [0] * (seqs - num_level_seqs), np.int32)
-    pages = np.zeros((seqs, width), np.int32)
-    if len(group_pos) == 1 and block_ends[0] - block_starts[0] <= width:
-        first, last = block_starts[0], block_ends[0]
-        pages[group_pos[0], : last - first] = block_table[int(level.leader_rows[0]), first:last]
-    else:
-        pages[group_pos] = _table_slice(
-            block_table, level.leader_rows, level.block_starts.astype(np.int64), width,
-            level.block_ends.astype(np.int64),
-        )  # fmt: skip
-    longest = max((b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)), default=1)
-    return LevelMetadata(
-        cu_q_lens=cu,
-        kv_lens=kv,
-        page_indices=pages,
-        num_seqs=np.array([num_level_seqs], np.int32),
-        max_q_len=padded_size(buckets.q_len_buckets, max(longest, 1), name="level query length"),
-    )
+    out[:n] = table_slice(block_table, rows, col_starts, width)
 
 
 def _check_arguments(block_table, plan, block_size, buckets, backend, interpret, levels):
@@ -270,9 +191,10 @@ def build_attention_metadata(
     other than its manager's (a hand-made plan is not checked against a manager). The
     metadata names that manager's pool size: paged_attention refuses a smaller cache.
 
-    `levels`: the level metadata this function built for the same plan object and the
-    same query_lens at an earlier step, to reuse (it depends on nothing else while the
-    plan is valid); None builds it.
+    `levels`: None, or level metadata kept from an earlier step; ValueError unless it
+    equals what this plan and query_lens need. Either way, the level metadata of a
+    CascadePlanner's plan is built once while the plan, query_lens, block size and
+    buckets repeat (jaxkv.level_metadata), and handed out read-only.
 
     The caller lays out the step's tokens in plan order: request plan.order[i]'s query
     tokens occupy positions cu_q_lens[i]:cu_q_lens[i+1] of the flat token arrays.
@@ -347,17 +269,12 @@ def build_attention_metadata(
         )
     slot_mapping[:total] = token_blocks * block_size + offset
 
-    if levels is None:
-        starts_list = token_starts.tolist() if plan.levels else []
-        try:
-            levels = tuple(
-                _level_metadata(level, block_table, starts_list, block_size, buckets)
-                for level in plan.levels
-            )
-        except IndexError:
-            raise _outside(block_table) from None
-    elif len(levels) != len(plan.levels):
-        raise ValueError(f"{len(levels)=} must equal the plan's {len(plan.levels)} levels")
+    try:
+        levels = plan_levels(
+            plan, levels, block_table, token_starts, decode_only, block_size, buckets
+        )
+    except IndexError:
+        raise _outside(block_table) from None
     longest_query = 1 if decode_only else int(query_lens.max(initial=1))
     return AttentionMetadata(
         slot_mapping=slot_mapping,

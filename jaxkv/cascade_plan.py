@@ -87,6 +87,11 @@ class CascadePlan:
     # (manager, its row_version) for CascadePlanner's plans: the metadata builder refuses
     # the plan once that manager has freed a request, whose row may then hold another's.
     made_for: tuple[Any, int] | None = dataclasses.field(default=None, repr=False, compare=False)
+    # The metadata builder's memo of the level metadata it last built for this plan (see
+    # jaxkv.level_metadata); empty until then.
+    level_memo: list = dataclasses.field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
     # False only for plans correct by construction (CascadePlanner's, whose tests run
     # check() on them): check() costs O(R) numpy work, every step.
     validate: dataclasses.InitVar[bool] = True

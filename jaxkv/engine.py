@@ -145,7 +145,6 @@ class Engine(Closable):
         self._transfers_at_bind = self._transfers_at_close = self.connector.stats
         self._sampling = SamplingRows(min(config.max_logprobs, self.vocab_size))
         self._samples = ParallelSamples()  # requests of SamplingParams.n > 1
-        self._levels_memo: tuple | None = None  # (plan, num tokens, level metadata)
         self._serials = RequestSerials()  # default ids and seeds of queued requests
         self._programs: set[tuple] = set()
         self._totals = StepTotals()
@@ -296,10 +295,6 @@ class Engine(Closable):
             order = plan.order
             query_lens = out.num_scheduled_tokens[order]
             num_computed = out.num_computed_tokens[order]
-        num_tokens = len(out.token_ids)
-        # A reused plan with the same decode-only layout has the same level metadata.
-        memo = self._levels_memo
-        reuse = memo is not None and memo[0] is plan and memo[1] == num_tokens == n
         md = build_attention_metadata(
             block_table=self.manager.block_table,
             plan=plan,
@@ -309,10 +304,7 @@ class Engine(Closable):
             buckets=self.buckets,
             backend=self.backend,
             interpret=self.config.interpret,
-            levels=memo[2] if reuse else None,
         )
-        if plan.levels:
-            self._levels_memo = (plan, num_tokens, md.levels)
         pad_to = self.buckets.level_seq_buckets[-1] if self.config.pad_cascade_levels else None
         md = coarsen_metadata(md, self.config.q_len_buckets, pad_to)
         input_ids = gather_input_ids(out.token_ids, out.num_scheduled_tokens, order, md)

@@ -126,7 +126,6 @@ class Serving:
                 buckets=self.config.buckets,
                 backend=self.config.backend,
                 config=self.config,
-                _levels_memo=None,
                 _sampling=types.SimpleNamespace(step_arrays=lambda requests, order, rows, pos: ()),
             )
         order, md, input_ids, _ = Engine._step_inputs(engine, out, plan)

@@ -1,12 +1,13 @@
-"""Engine._step_inputs reuses a cascade plan's level metadata (the levels memo) only where
-building it afresh would give the same arrays, under a random serving workload.
+"""The metadata builder reuses a cascade plan's level metadata (the plan's level memo) only
+where building it afresh would give the same arrays, under a random serving workload.
 
-The memo is keyed by the plan object, the step's token count and decode-only steps: a
-mutant that dropped the plan identity or the token count from that key reused another
-step's levels, and every other test still passed.
+The memo is keyed by the token layout, block size and buckets, and lives on the plan
+object: a mutant that dropped the layout from that key reused another step's levels.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -21,14 +22,16 @@ def _level_arrays(levels) -> list[tuple]:
 
 
 def test_reused_level_metadata_equals_a_fresh_build_every_step(monkeypatch):
-    reused = []
+    reused, last = [], [None]
 
     def checked_build(**kwargs):
         md = build_attention_metadata(**kwargs)
-        if kwargs["levels"] is not None:
-            fresh = build_attention_metadata(**{**kwargs, "levels": None})
-            assert _level_arrays(md.levels) == _level_arrays(fresh.levels)
+        fresh_plan = dataclasses.replace(kwargs["plan"])  # an equal plan, its memo empty
+        fresh = build_attention_metadata(**{**kwargs, "plan": fresh_plan})
+        assert _level_arrays(md.levels) == _level_arrays(fresh.levels)
+        if md.levels and md.levels is last[0]:
             reused.append(len(md.levels))
+        last[0] = md.levels
         return md
 
     monkeypatch.setattr(jaxkv.engine, "build_attention_metadata", checked_build)
