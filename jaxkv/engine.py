@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import time
 import weakref
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 
 import jax
 import numpy as np
@@ -44,6 +44,7 @@ from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.parallel_sampling import IdsInUse, ParallelSamples
 from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.request import Request, SamplingParams
+from jaxkv.request_id_lists import checked_request_ids
 from jaxkv.request_serials import RequestSerials
 from jaxkv.sampler import SamplingRows
 from jaxkv.sampling_checks import checked_sampling_params
@@ -188,19 +189,21 @@ class Engine(Closable):
         seed it would have had; it raises RuntimeError while the engine still holds one."""
         return self._serials.checkpoint(self.scheduler.requests)
 
-    def abort(self, request_id: str) -> bool:
-        """Cancels a request in any unfinished state (under n > 1, each of its unfinished
-        samples; a sample's own id cancels that one); False if unknown or finished.
-        Raises ValueError unless `request_id` is a str (the ids add_request returns).
+    def abort(self, request_ids: str | Iterable[str]) -> bool:
+        """Cancels a request, or each of an iterable of them, in any unfinished state (under
+        n > 1, each of its unfinished samples; a sample's own id cancels that one); True if
+        one was, False if each is unknown or finished. Raises ValueError, cancelling none,
+        unless each id is a str (the ids add_request returns).
 
         No RequestOutput follows for it: step() reports only requests that got a token.
         """
         aborted = False
-        for rid in self._samples.ids_to_abort(request_id):
-            if self.scheduler.abort(rid):
-                self._sampling.discard(rid)
-                aborted = True
-            self._samples.discard(rid)  # aborted, or no longer running
+        for request_id in checked_request_ids(request_ids):
+            for rid in self._samples.ids_to_abort(request_id):
+                if self.scheduler.abort(rid):
+                    self._sampling.discard(rid)
+                    aborted = True
+                self._samples.discard(rid)  # aborted, or no longer running
         return aborted
 
     def has_unfinished_requests(self) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -30,6 +30,7 @@ from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.parallel_sampling import IdsInUse
 from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.request import MAX_TOKEN_ID, SamplingParams
+from jaxkv.request_id_lists import checked_request_ids
 from jaxkv.request_serials import RequestSerials
 from jaxkv.router_samples import RunningSamples
 
@@ -237,18 +238,19 @@ class PrefixAwareRouter(Closable):
 
         return rewind
 
-    def abort(self, request_id: str) -> bool:
-        """Aborts an unfinished request on its replica (under n > 1 each of its running
-        samples; a sample's own id, "i_<id>", aborts that one); False if unknown or
-        finished. Raises ValueError unless `request_id` is a str (the ids add_request
-        returns).
+    def abort(self, request_ids: str | Iterable[str]) -> bool:
+        """Aborts an unfinished request, or each of an iterable of them, on its replica
+        (under n > 1 each of its running samples; a sample's own id, "i_<id>", aborts that
+        one); True if one was, False if each is unknown or finished. Raises ValueError,
+        aborting none, unless each id is a str (the ids add_request returns).
 
         A request (or sample) its replica no longer runs, with no finishing output left
         to deliver (it finished inside a replica step() that raised, its output lost with
         it), is released here too, and False returned. Outputs a failed step() kept for a
         sequence released here are dropped: they must not reach a later request of its id."""
-        if not isinstance(request_id, str):
-            raise ValueError(f"{request_id=} must be a request id (a str)")
+        return any([self._abort_one(rid) for rid in checked_request_ids(request_ids)])
+
+    def _abort_one(self, request_id: str) -> bool:
         sample = None if request_id in self._replica_of else self._samples.sample_of(request_id)
         owner = request_id if sample is None else sample[0]
         replica = self._replica_of.get(owner)

@@ -350,7 +350,7 @@ def test_abort_refuses_an_id_that_is_not_a_str():
     # abort(7) for the request "7" used to return False and leave it running.
     router, replicas = make_router(2)
     router.add_request([1, 2, 3], request_id="7")
-    with pytest.raises(ValueError, match="request_id=7 must be a request id"):
+    with pytest.raises(ValueError, match="request_ids=7 must be a request id"):
         router.abort(7)
     assert sorted(router.num_outstanding) == [0, 1]
     assert router.abort("7") and router.num_outstanding == (0, 0)
