@@ -170,8 +170,8 @@ class Request:
         adapter_id: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        if not isinstance(request_id, str):
-            raise ValueError(f"{request_id=} must be a str")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"{request_id=} must be a non-empty str")
         for name, key in (("cache_salt", cache_salt), ("adapter_id", adapter_id)):
             if key is not None and not is_hash_key(key):  # hashed as UTF-8 text
                 raise ValueError(

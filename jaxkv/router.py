@@ -183,10 +183,10 @@ class PrefixAwareRouter(Closable):
         these) or one that is not a str; the replica's own ValueError (bad prompt or
         params) leaves the router unchanged, the next generated id included."""
         self._check_open()
-        if request_id is not None and not isinstance(request_id, str):
+        if request_id is not None and not (isinstance(request_id, str) and request_id):
             # abort() and close() take only str ids: a replica that queued an int id would
             # leave a request the router can never abort, and a close() that always raises.
-            raise ValueError(f"{request_id=} must be None or a str")
+            raise ValueError(f"{request_id=} must be None or a non-empty str")
         prompt = _prompt_ids(prompt_token_ids)
         generated = request_id is None
         # Anything else the replica refuses by name. A default id is one whose samples'

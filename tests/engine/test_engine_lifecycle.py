@@ -131,6 +131,9 @@ def test_invalid_sampling_params_and_duplicate_ids_raise_value_error():
     engine.add_request([1, 2], request_id="x")
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([3, 4], request_id="x")
+    with pytest.raises(ValueError, match="request_id='' must be a non-empty str"):
+        engine.add_request([3, 4], request_id="")
+    assert list(engine.scheduler.requests) == ["x"]
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch():

@@ -71,6 +71,13 @@ def test_token_ids_past_int64_are_refused(token):
     assert Request("r", [2**63 - 1]).update_block_hashes(1)  # the largest one hashes
 
 
+@pytest.mark.parametrize("request_id", ["", 5, None, b"r"])
+def test_a_request_id_must_be_a_non_empty_str(request_id):
+    # "" was taken: it names nothing in a log, and its samples' ids ("0_") look malformed.
+    with pytest.raises(ValueError, match="request_id=.* must be a non-empty str"):
+        Request(request_id, [1])
+
+
 @pytest.mark.parametrize("key", ["cache_salt", "adapter_id"])
 def test_salt_and_adapter_must_be_str(key):
     # A lone surrogate is a str that UTF-8 cannot encode: hashing it raised later, inside

@@ -120,13 +120,14 @@ def test_close_and_drain_refuse_a_bad_timeout_before_aborting_anything(timeout_s
     assert sum(router.num_outstanding) == 1 and not any(r.close_calls for r in replicas)
 
 
-@pytest.mark.parametrize("request_id", [7, ["a"], b"a"])
-def test_add_request_refuses_an_id_that_is_not_a_str(request_id):
+@pytest.mark.parametrize("request_id", [7, ["a"], b"a", ""])
+def test_add_request_refuses_an_id_that_is_not_a_non_empty_str(request_id):
     # A replica that took the id 7 left a request abort(7) refuses, so close() raised
-    # ValueError every time; ["a"] raised TypeError (unhashable) instead of ValueError.
+    # ValueError every time; ["a"] raised TypeError (unhashable) instead of ValueError;
+    # "" named nothing a log or a sample id ("0_") could tell apart.
     replicas = [ClosableReplica(0), ClosableReplica(1)]
     router = PrefixAwareRouter(replicas, block_size=BLOCK)
-    with pytest.raises(ValueError, match="must be None or a str"):
+    with pytest.raises(ValueError, match="must be None or a non-empty str"):
         router.add_request([1] * BLOCK, request_id=request_id)
     assert router.num_outstanding == (0, 0) and not any(r.prompts for r in replicas)
     router.close()
