@@ -170,12 +170,13 @@ class EngineConfig:
     @property
     def max_step_programs(self) -> int:
         """An upper bound on the step programs an Engine with this config compiles
-        (Engine.num_compiles), whatever the workload without min_tokens:
+        (Engine.num_compiles), whatever the workload without min_tokens or penalties:
         BucketConfig.max_programs with this config's q_len_buckets, pad_cascade_levels
         and enable_cascade, twice over (each shape also has the variant that computes
         logprobs). Batches in which a request's stop tokens are banned (before its
         min_tokens) compile those shapes again for each ban width they use: the longest
-        banned stop list rounded up to a power of two."""
+        banned stop list rounded up to a power of two; batches with penalties, for each
+        width of their penalty table (jaxkv.penalties), likewise."""
         return 2 * self.buckets.max_programs(
             self.q_len_buckets, pad_levels=self.pad_cascade_levels, cascade=self.enable_cascade
         )

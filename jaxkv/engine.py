@@ -10,8 +10,9 @@ One step (README, "Architecture"):
 5. Scheduler.update_from_output(): append tokens, stop, free blocks or hand them to the
    KV connector (which may keep them held while it copies them out).
 
-One program per combination of buckets met and variant (logprobs, min_tokens ban width;
-EngineConfig.max_step_programs bounds them), shared by engines over one model graph.
+One program per combination of buckets met and variant (logprobs, min_tokens ban width,
+penalty table width; EngineConfig.max_step_programs bounds them), shared by engines over
+one model graph.
 """
 
 from __future__ import annotations

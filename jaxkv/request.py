@@ -56,6 +56,11 @@ class SamplingParams:
     n: how many samples of the prompt to generate, as vLLM's: an Engine runs them as n
     requests that share the prompt's cached KV (jaxkv.parallel_sampling); with a seed,
     sample i draws with seed + i. A Scheduler takes only n = 1.
+    presence_penalty, frequency_penalty (in [-2, 2]) and repetition_penalty (> 0) are
+    vLLM's (jaxkv.penalties): each token's logit is divided by repetition_penalty if
+    positive, else multiplied by it, when the token is in the prompt or the output so
+    far; then frequency_penalty times its count in the output, and presence_penalty if
+    it is there at all, are subtracted. 0, 0 and 1 change nothing.
     """
 
     max_tokens: int | None = 16
@@ -68,6 +73,9 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         """Checks every field; integers (numpy ones too) are stored as Python ints."""
@@ -112,6 +120,17 @@ class SamplingParams:
         n = _int_or_none(self.n)
         if n is None or n < 1:
             raise ValueError(f"n={self.n!r} must be an int >= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (is_real(value) and -2.0 <= value <= 2.0):
+                raise ValueError(f"{name}={value!r} must be a number in [-2, 2]")
+            object.__setattr__(self, name, float(value))
+        repetition = self.repetition_penalty
+        if not (is_real(repetition) and 0.0 < repetition <= _FLOAT32_MAX):  # NaN fails too
+            raise ValueError(
+                f"repetition_penalty={repetition!r} must be a number > 0, finite in float32"
+            )
+        object.__setattr__(self, "repetition_penalty", float(repetition))
         for name, value in (
             ("max_tokens", max_tokens),
             ("top_k", top_k),
@@ -124,6 +143,13 @@ class SamplingParams:
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "stop_token_ids", stop)
+
+    @property
+    def has_penalties(self) -> bool:
+        """True unless every penalty is at its no-op value (0, 0 and 1)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
     def stopping_at(self, eos_token_ids: tuple[int, ...]) -> SamplingParams:
         """These params with `eos_token_ids` added to stop_token_ids (the model's end of

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxkv.logprobs import top_logprobs
 from jaxkv.min_tokens import StopTokenBans
+from jaxkv.penalties import TokenPenalties, apply_penalties
 from jaxkv.request import RequestStatus, SamplingParams
 
 _SEED_MASK = 2**64 - 1  # a negative seed is taken modulo 2**64
@@ -115,6 +116,7 @@ class SamplingRows:
         self._table = np.zeros((0, _COLUMNS), np.float64)
         self._memo: tuple | None = None  # (requests, order bytes or None, arrays)
         self._bans = StopTokenBans()
+        self._penalties = TokenPenalties()
         self.logprobs: dict[str, int] = {}  # request id -> its SamplingParams.logprobs
         self._logprob_width = logprob_width
 
@@ -133,6 +135,7 @@ class SamplingRows:
             slot = self._slots[request_id] = self._free.pop()
         self._table[slot] = row
         self._bans.add(request_id, params)
+        self._penalties.add(request_id, params)
         if params.logprobs is not None:
             self.logprobs[request_id] = params.logprobs
         else:
@@ -143,6 +146,7 @@ class SamplingRows:
         if slot is not None:
             self._free.append(slot)
             self._bans.discard(request_id)
+            self._penalties.discard(request_id)
             if self.logprobs:
                 self.logprobs.pop(request_id, None)
 
@@ -182,9 +186,11 @@ class SamplingRows:
     def step_arrays(self, requests: list, order: np.ndarray | None, num_rows: int, positions):
         """sample()'s arguments after the logits for one batch: `arrays`, then `positions`
         (i32[num_rows] of the tokens being sampled), then the stop tokens each row may not
-        sample yet (jaxkv.min_tokens; i32[num_rows, 0] when none is banned)."""
+        sample yet (jaxkv.min_tokens; i32[num_rows, 0] when none is banned), then the
+        penalty arrays (jaxkv.penalties; None when no request of the batch has one)."""
         banned = self._bans.array(requests, order, num_rows)
-        return (*self.arrays(requests, order, num_rows), positions, banned)
+        penalties = self._penalties.arrays(requests, order, num_rows)
+        return (*self.arrays(requests, order, num_rows), positions, banned, penalties)
 
 
 def sample(
@@ -196,6 +202,7 @@ def sample(
     streams: jax.Array,  # u32[S] SEED_STREAM or DEFAULT_STREAM
     positions: jax.Array,  # i32[S] position of the token being sampled
     banned: jax.Array | None = None,  # i32[S, B] token ids a row may not sample; others ignored
+    penalties: tuple | None = None,  # jaxkv.penalties.PenaltyArrays; None: no penalty
     *,
     num_logprobs: int | None = None,  # static: None, or top tokens per row (top_logprobs)
 ):  # i32[S], or (i32[S], top_logprobs' five arrays) when num_logprobs is not None
@@ -203,14 +210,17 @@ def sample(
 
     Sampled rows draw from softmax(logits / temperature) restricted to the top_k most
     likely tokens and then to the smallest prefix (by probability) whose mass reaches
-    top_p; tokens tied with the last kept one are kept too. A row's `banned` ids in
-    [0, vocab) are removed first (their logits set to -inf), as if the model gave them
+    top_p; tokens tied with the last kept one are kept too. The `penalties` rewrite
+    their rows' logits first (jaxkv.penalties.apply_penalties); then a row's `banned`
+    ids in [0, vocab) are removed (their logits set to -inf), as if the model gave them
     no probability; ids outside it (padding) are ignored. With `num_logprobs`, also
-    jaxkv.logprobs.top_logprobs of the raw logits (before the ban, as vLLM's raw
-    logprobs come before its logits processors) and the sampled tokens.
+    jaxkv.logprobs.top_logprobs of the raw logits (before penalties and the ban, as
+    vLLM's raw logprobs come before its logits processors) and the sampled tokens.
     """
     vocab = logits.shape[-1]
     logits = raw = logits.astype(jnp.float32)
+    if penalties is not None:
+        logits = apply_penalties(logits, penalties)
     if banned is not None and banned.shape[-1]:
         rows = jnp.arange(logits.shape[0])[:, None]
         in_vocab = (banned >= 0) & (banned < vocab)  # a negative id would index from the end

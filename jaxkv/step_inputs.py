@@ -28,19 +28,20 @@ def pad_level(level: LevelMetadata, num_seqs: int) -> LevelMetadata:
 
 def program_key(
     metadata: AttentionMetadata,
-    sampling: Sequence[np.ndarray] = (),
+    sampling: Sequence = (),
     num_logprobs: int | None = None,
 ) -> tuple:
     """Identifies the compiled program a metadata pytree and the sampler's arrays need:
     the metadata's static fields and the padded sizes that fix every leaf's shape (all
-    leaves are int32 by construction), each sampling array's shape, and the step
-    program's static logprob width `num_logprobs` (None: no logprobs), last.
+    leaves are int32 by construction), each sampling argument's shape (None for None, a
+    tuple of shapes for a tuple of arrays), and the step program's static logprob width
+    `num_logprobs` (None: no logprobs), last.
 
     Equal keys mean equal pytree structure and leaf shapes; read off the fields
     directly because flattening the pytree each step costs more than the rest."""
     md = metadata
     return (
-        tuple(a.shape for a in sampling),
+        tuple(_shape(a) for a in sampling),
         md.slot_mapping.shape,
         md.page_indices.shape,
         md.block_size,
@@ -50,6 +51,14 @@ def program_key(
         tuple((lv.page_indices.shape, lv.max_q_len) for lv in md.levels),
         num_logprobs,
     )
+
+
+def _shape(argument) -> tuple | None:
+    if argument is None:
+        return None
+    if isinstance(argument, tuple):
+        return tuple(a.shape for a in argument)
+    return argument.shape
 
 
 def coarsen_metadata(

@@ -1,0 +1,190 @@
+"""SamplingParams' presence, frequency and repetition penalties (jaxkv.penalties).
+
+End to end against a dense oracle that penalises by its own loop (vLLM's rule written
+out in numpy), in batches the cascade planner reorders, under preemption and n > 1;
+apply_penalties against the same rule on random logits; the penalty table's rows under
+a permutation; raw logprobs; bad input; compile accounting.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxkv import SamplingParams
+from jaxkv.penalties import NO_TOKEN, TokenPenalties, apply_penalties
+from jaxkv.request import Request
+from tests.engine._util import (
+    MIN_MARGIN,
+    TIGHT_BLOCKS,
+    assert_all_blocks_free,
+    dense_logits,
+    make_engine,
+    prompts_for,
+    recording_orders,
+)
+
+
+def _penalised(logits, prompt, output, params: SamplingParams) -> np.ndarray:
+    """vLLM's penalties on one row, by a loop over the vocabulary (float32, as the sampler)."""
+    out = np.array(logits, np.float32)
+    rep = np.float32(params.repetition_penalty)
+    for t in set(prompt) | set(output):
+        out[t] = out[t] / rep if out[t] > 0 else out[t] * rep
+    for t in set(output):
+        n = np.float32(output.count(t))
+        out[t] -= np.float32(params.frequency_penalty) * n + np.float32(params.presence_penalty)
+    return out
+
+
+def _dense_greedy_penalised(prompts, params_list, max_tokens) -> list[list[int]]:
+    """Greedy continuations by the dense model, whole sequences recomputed per token, with
+    each prompt's penalties applied by _penalised."""
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for _ in range(max_tokens):
+        rows = dense_logits([list(p) + o for p, o in zip(prompts, outputs, strict=True)])
+        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            row = _penalised(rows[i], list(prompt), outputs[i], params)
+            top2 = np.sort(row)[-2:]
+            assert top2[1] - top2[0] > MIN_MARGIN, "oracle near-tie: pick another prompt"
+            outputs[i].append(int(np.argmax(row)))
+    return outputs
+
+
+PARAMS = [
+    SamplingParams(max_tokens=12, repetition_penalty=1.8),
+    SamplingParams(max_tokens=12, presence_penalty=1.5),
+    SamplingParams(max_tokens=12, frequency_penalty=0.7, repetition_penalty=0.6),
+    SamplingParams(max_tokens=12),  # no penalty, in the same batches
+    SamplingParams(max_tokens=12, presence_penalty=-1.0, frequency_penalty=2.0),
+]
+
+
+@pytest.mark.parametrize("num_blocks", [None, TIGHT_BLOCKS])
+def test_greedy_requests_with_penalties_equal_the_dense_oracle(num_blocks):
+    prompts = (prompts_for("two_groups", seed=4) + prompts_for("shared", seed=4))[:10]
+    params = [PARAMS[i % len(PARAMS)] for i in range(len(prompts))]
+    expected = _dense_greedy_penalised(prompts, params, 12)
+    plain = _dense_greedy_penalised(prompts, [SamplingParams()] * len(prompts), 12)
+    assert sum(e != p for e, p in zip(expected, plain, strict=True)) >= 5  # 8 penalised
+    engine = make_engine() if num_blocks is None else make_engine(num_blocks=num_blocks)
+    orders = recording_orders(engine)
+    outs = engine.generate(prompts, params, progress=False)
+    assert [list(o.output_token_ids) for o in outs] == expected
+    assert any(order is not None for order in orders), "no step reordered its rows"
+    if num_blocks is not None:
+        assert engine.metrics.num_preemptions > 0
+    assert len(engine._sampling._penalties) == 0  # every request left the table
+    assert_all_blocks_free(engine)
+
+
+def test_each_sample_of_n_counts_its_own_output_and_logprobs_stay_raw():
+    prompt = prompts_for("none", seed=5)[0]
+    params = SamplingParams(max_tokens=8, n=2, seed=3, temperature=0.8, logprobs=2,
+                            frequency_penalty=2.0, repetition_penalty=1.5)  # fmt: skip
+    engine = make_engine()
+    samples = engine.generate([prompt], params, progress=False)
+    assert len(samples) == 2 and samples[0].output_token_ids != samples[1].output_token_ids
+    for sample in samples:
+        tokens = list(sample.output_token_ids)
+        raw = dense_logits([list(prompt) + tokens[:i] for i in range(len(tokens))])
+        for i, token in enumerate(tokens):
+            z = raw[i].astype(np.float64) - raw[i].max()
+            want = z[token] - np.log(np.exp(z).sum())  # of the raw logits, as vLLM's
+            assert sample.logprobs[i][token].logprob == pytest.approx(want, abs=1e-4)
+    assert_all_blocks_free(engine)
+
+
+def test_apply_penalties_equals_the_rule_on_random_rows():
+    rng = np.random.default_rng(0)
+    vocab, rows = 50, 6
+    logits = rng.normal(0, 3, (rows, vocab)).astype(np.float32)
+    table = TokenPenalties()
+    reqs, params = [], []
+    for i in range(rows - 1):
+        p = SamplingParams(presence_penalty=float(rng.uniform(-2, 2)),
+                           frequency_penalty=float(rng.uniform(-2, 2)),
+                           repetition_penalty=float(rng.uniform(0.3, 3)))  # fmt: skip
+        req = Request(f"r{i}", rng.integers(0, vocab, 7).tolist())
+        req.append_output_token_ids(rng.integers(0, vocab, int(rng.integers(0, 9))).tolist())
+        table.add(req.request_id, p)
+        reqs.append(req)
+        params.append(p)
+    reqs.append(Request("plain", [1, 2, 3]))  # no penalty: its row must stay as it was
+    params.append(SamplingParams())
+    arrays = table.arrays(reqs, None, rows + 2)
+    padded = np.concatenate([logits, np.ones((2, vocab), np.float32)])
+    got = np.asarray(jax.jit(apply_penalties)(padded, arrays))
+    for i, (req, p) in enumerate(zip(reqs, params, strict=True)):
+        want = _penalised(logits[i], list(req.prompt_token_ids), req.output_token_ids, p)
+        np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[rows - 1 :], padded[rows - 1 :])
+    # The same check rejects a table that lost one count (a broken input).
+    broken = list(arrays)
+    broken[1] = arrays[1].copy()
+    broken[1][0, 0] += 1
+    assert not np.allclose(np.asarray(apply_penalties(padded, tuple(broken)))[0], got[0])
+
+
+def test_penalty_rows_follow_the_batch_permutation_and_count_new_outputs():
+    table = TokenPenalties()
+    reqs = [Request(f"r{i}", [4, 5, 4]) for i in range(3)]
+    table.add("r0", SamplingParams(presence_penalty=1.0))
+    table.add("r1", SamplingParams(repetition_penalty=2.0))
+    table.add("r2", SamplingParams())  # nothing to apply: not held
+    assert len(table) == 2 and table.arrays(reqs[2:], None, 4) is None
+    reqs[0].append_output_token_ids([9, 9, 7])
+    order = np.array([2, 0, 1])  # batch row i holds reqs[order[i]]
+    tokens, counts, presence, frequency, repetition = table.arrays(reqs, order, 5)
+    pad = NO_TOKEN
+    assert tokens.tolist() == [[pad] * 2, [9, 7], [4, 5], [pad] * 2, [pad] * 2]
+    assert counts.tolist() == [[0, 0], [2, 1], [0, 0], [0, 0], [0, 0]]
+    assert presence.tolist() == [0, 1, 0, 0, 0] and frequency.tolist() == [0] * 5
+    assert repetition.tolist() == [1, 1, 2, 1, 1]
+    reqs[1].append_output_token_ids([5, 6])  # prompt token 5 is now an output token too
+    reqs[0].append_output_token_ids(7)
+    tokens, counts, *_ = table.arrays(reqs, None, 3)
+    assert tokens.tolist() == [[9, 7, pad, pad], [5, 6, 4, pad], [pad] * 4]
+    assert counts.tolist() == [[2, 2, 0, 0], [1, 1, 0, 0], [0] * 4]
+    table.add("r0", SamplingParams())  # params without a penalty replace the entry
+    table.discard("r1")
+    assert len(table) == 0 and table.arrays(reqs, None, 3) is None
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty=2.5 must be a number in"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty=-2.01 must be a number in"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty=nan"),
+        ({"presence_penalty": True}, "presence_penalty=True"),
+        ({"presence_penalty": "1"}, "presence_penalty='1'"),
+        ({"repetition_penalty": 0}, "repetition_penalty=0 must be a number > 0"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty=inf"),
+        ({"repetition_penalty": None}, "repetition_penalty=None"),
+    ],
+)
+def test_bad_penalties_are_refused_by_name(args, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**args)
+
+
+def test_penalties_are_stored_as_floats_and_no_op_values_hold_nothing():
+    params = SamplingParams(presence_penalty=np.int64(2), repetition_penalty=np.float32(1.5))
+    assert type(params.presence_penalty) is float and params.presence_penalty == 2.0
+    assert params.has_penalties and not SamplingParams(repetition_penalty=1).has_penalties
+    assert SamplingParams(frequency_penalty=-2, presence_penalty=2).has_penalties
+
+
+def test_penalty_widths_are_counted_as_programs():
+    prompt = prompts_for("none", seed=6)[0]
+    engine = make_engine(cascade=False)
+    engine.generate([prompt], SamplingParams(max_tokens=2), progress=False)
+    base = engine.num_compiles
+    # One output token is listed at the second step: the same shapes with a 1-wide table.
+    penalised = SamplingParams(max_tokens=2, presence_penalty=1.0)
+    engine.generate([prompt], penalised, progress=False)
+    assert engine.num_compiles == base + 1
+    engine.generate([prompt], penalised, progress=False)
+    assert engine.num_compiles == base + 1
