@@ -6,6 +6,8 @@ With --samples S, N / S questions, each queued once with SamplingParams(n=S) and
 at temperature 1 (seeded per question): S sequences share the system prompt and their
 question, a second level of shared prefix wherever a question fills a KV block of its own
 (with the default sizes it does not, and cascade plans the global level only).
+--repetition-penalty / --frequency-penalty / --presence-penalty give every request those
+SamplingParams penalties (jaxkv.penalties); their host cost shows in the prep column.
 Runs four engines on the same model and workload: cascade attention on/off x prefix
 caching on/off, and reports per engine:
 
@@ -71,6 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--samples", type=positive_int, default=1, help="SamplingParams.n of each question"
     )
+    for name, default in (("repetition", 1.0), ("frequency", 0.0), ("presence", 0.0)):
+        p.add_argument(
+            f"--{name}-penalty", type=float, default=default, help="SamplingParams' of each"
+        )
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     p.add_argument(
@@ -139,12 +145,17 @@ def engine_config(args, cascade: bool, prefix_caching: bool) -> EngineConfig:
 
 def run_one(model, prompts, args, name, cascade, prefix_caching) -> dict:
     engine = Engine(model, None, engine_config(args, cascade, prefix_caching))
+    penalties = {
+        "repetition_penalty": args.repetition_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "presence_penalty": args.presence_penalty,
+    }
     for i, p in enumerate(prompts):
         if args.samples == 1:
-            params = SamplingParams(max_tokens=args.max_tokens)
+            params = SamplingParams(max_tokens=args.max_tokens, **penalties)
         else:  # identical greedy samples would be a waste; seeded: both runs draw alike
             params = SamplingParams(
-                max_tokens=args.max_tokens, n=args.samples, temperature=1.0, seed=i
+                max_tokens=args.max_tokens, n=args.samples, temperature=1.0, seed=i, **penalties
             )
         engine.add_request(p, params)
     steps, generated = [], []  # per step that ran the model: its stats, tokens it generated
@@ -272,6 +283,11 @@ def main(argv=None) -> int:
         ("hit rate", "prefix_cache_hit_rate", "{:>8.2f}"),
     ]
     samples = f" ({args.samples} samples per question)" if args.samples > 1 else ""
+    if (args.repetition_penalty, args.frequency_penalty, args.presence_penalty) != (1, 0, 0):
+        samples += (
+            f" (penalties: repetition {args.repetition_penalty}, frequency "
+            f"{args.frequency_penalty}, presence {args.presence_penalty})"
+        )
     print(
         f"{args.num_requests} requests{samples}, system prompt {args.system_len} + question "
         f"{args.question_len} tokens, {args.max_tokens} generated; backend "

@@ -13,6 +13,7 @@ from jaxkv.field_checks import is_real
 from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key
 
 _FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
 MAX_TOKEN_ID = 2**63 - 1  # block hashes encode each token as a signed 64-bit integer
 
 
@@ -126,9 +127,12 @@ class SamplingParams:
                 raise ValueError(f"{name}={value!r} must be a number in [-2, 2]")
             object.__setattr__(self, name, float(value))
         repetition = self.repetition_penalty
-        if not (is_real(repetition) and 0.0 < repetition <= _FLOAT32_MAX):  # NaN fails too
+        # The sampler divides by it in float32: one below float32's smallest normal number
+        # (1.2e-38) would be 0 or subnormal there, and turn every positive logit into inf.
+        if not (is_real(repetition) and _FLOAT32_TINY <= repetition <= _FLOAT32_MAX):
             raise ValueError(
-                f"repetition_penalty={repetition!r} must be a number > 0, finite in float32"
+                f"repetition_penalty={repetition!r} must be a number > 0, normal and finite "
+                "in float32 (in [1.2e-38, 3.4e38])"
             )
         object.__setattr__(self, "repetition_penalty", float(repetition))
         for name, value in (

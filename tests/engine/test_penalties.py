@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxkv import SamplingParams
-from jaxkv.penalties import NO_TOKEN, TokenPenalties, apply_penalties
+from jaxkv.penalties import NO_TOKEN, TokenPenalties, apply_penalties, table_width
 from jaxkv.request import Request
 from tests.engine._util import (
     MIN_MARGIN,
@@ -113,7 +113,11 @@ def test_apply_penalties_equals_the_rule_on_random_rows():
         params.append(p)
     reqs.append(Request("plain", [1, 2, 3]))  # no penalty: its row must stay as it was
     params.append(SamplingParams())
+    table.arrays(reqs, None, rows + 2)
+    for req in reqs[:-1]:  # more output after a step: counted on, the lists grow past 16
+        req.append_output_token_ids(rng.integers(0, vocab, int(rng.integers(10, 40))).tolist())
     arrays = table.arrays(reqs, None, rows + 2)
+    assert arrays[0].shape[1] >= 32
     padded = np.concatenate([logits, np.ones((2, vocab), np.float32)])
     got = np.asarray(jax.jit(apply_penalties)(padded, arrays))
     for i, (req, p) in enumerate(zip(reqs, params, strict=True)):
@@ -134,22 +138,39 @@ def test_penalty_rows_follow_the_batch_permutation_and_count_new_outputs():
     table.add("r1", SamplingParams(repetition_penalty=2.0))
     table.add("r2", SamplingParams())  # nothing to apply: not held
     assert len(table) == 2 and table.arrays(reqs[2:], None, 4) is None
+    # Before any output a presence penalty lists nothing: the batch runs without a table.
+    assert table.arrays(reqs[:1], None, 4) is None
     reqs[0].append_output_token_ids([9, 9, 7])
     order = np.array([2, 0, 1])  # batch row i holds reqs[order[i]]
     tokens, counts, presence, frequency, repetition = table.arrays(reqs, order, 5)
     pad = NO_TOKEN
-    assert tokens.tolist() == [[pad] * 2, [9, 7], [4, 5], [pad] * 2, [pad] * 2]
-    assert counts.tolist() == [[0, 0], [2, 1], [0, 0], [0, 0], [0, 0]]
+    assert tokens.shape == counts.shape == (5, 64)
+    assert tokens[:, :2].tolist() == [[pad] * 2, [9, 7], [4, 5], [pad] * 2, [pad] * 2]
+    assert counts[:, :2].tolist() == [[0, 0], [2, 1], [0, 0], [0, 0], [0, 0]]
+    assert (tokens[:, 2:] == pad).all() and not counts[:, 2:].any()
     assert presence.tolist() == [0, 1, 0, 0, 0] and frequency.tolist() == [0] * 5
     assert repetition.tolist() == [1, 1, 2, 1, 1]
     reqs[1].append_output_token_ids([5, 6])  # prompt token 5 is now an output token too
     reqs[0].append_output_token_ids(7)
     tokens, counts, *_ = table.arrays(reqs, None, 3)
-    assert tokens.tolist() == [[9, 7, pad, pad], [5, 6, 4, pad], [pad] * 4]
-    assert counts.tolist() == [[2, 2, 0, 0], [1, 1, 0, 0], [0] * 4]
+    assert tokens[:, :4].tolist() == [[9, 7, pad, pad], [4, 5, 6, pad], [pad] * 4]
+    assert counts[:, :4].tolist() == [[2, 2, 0, 0], [0, 1, 1, 0], [0] * 4]
     table.add("r0", SamplingParams())  # params without a penalty replace the entry
     table.discard("r1")
     assert len(table) == 0 and table.arrays(reqs, None, 3) is None
+    # A reused id starts afresh, in a row of the table another request held.
+    table.add("r1", SamplingParams(frequency_penalty=1.0))
+    tokens, counts, *_ = table.arrays(reqs[1:2], None, 1)
+    assert tokens[0, :3].tolist() == [5, 6, pad] and counts[0, :3].tolist() == [1, 1, 0]
+
+
+def test_table_widths_grow_by_powers_of_four_from_64():
+    assert [table_width(n) for n in (1, 64, 65, 256, 257, 1025)] == [64, 64, 256, 256, 1024, 4096]
+    table = TokenPenalties()
+    req = Request("r", list(range(300)))
+    table.add("r", SamplingParams(repetition_penalty=1.3))
+    tokens, *_ = table.arrays([req], None, 2)
+    assert tokens.shape == (2, 1024) and sorted(tokens[0, :300].tolist()) == list(range(300))
 
 
 @pytest.mark.parametrize(
@@ -163,6 +184,7 @@ def test_penalty_rows_follow_the_batch_permutation_and_count_new_outputs():
         ({"repetition_penalty": 0}, "repetition_penalty=0 must be a number > 0"),
         ({"repetition_penalty": float("inf")}, "repetition_penalty=inf"),
         ({"repetition_penalty": None}, "repetition_penalty=None"),
+        ({"repetition_penalty": 1e-39}, "repetition_penalty=1e-39 must be .* normal"),
     ],
 )
 def test_bad_penalties_are_refused_by_name(args, match):
