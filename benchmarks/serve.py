@@ -98,6 +98,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"--num-requests {args.num_requests} must be <= --max-num-batched-tokens "
             f"{args.max_num_batched_tokens} (each scheduled request takes a token)"
         )
+    try:
+        penalties(args)
+    except ValueError as e:  # named as SamplingParams names it, not a traceback mid-run
+        p.error(str(e))
     max_len, limit = max_model_len(args), PRESETS[args.preset].max_position_embeddings
     if max_len > limit:
         p.error(
@@ -143,20 +147,27 @@ def engine_config(args, cascade: bool, prefix_caching: bool) -> EngineConfig:
     )
 
 
-def run_one(model, prompts, args, name, cascade, prefix_caching) -> dict:
-    engine = Engine(model, None, engine_config(args, cascade, prefix_caching))
-    penalties = {
+def penalties(args: argparse.Namespace) -> dict[str, float]:
+    """The SamplingParams penalties the flags ask for; ValueError as SamplingParams's."""
+    kwargs = {
         "repetition_penalty": args.repetition_penalty,
         "frequency_penalty": args.frequency_penalty,
         "presence_penalty": args.presence_penalty,
     }
+    SamplingParams(**kwargs)
+    return kwargs
+
+
+def run_one(model, prompts, args, name, cascade, prefix_caching) -> dict:
+    engine = Engine(model, None, engine_config(args, cascade, prefix_caching))
     for i, p in enumerate(prompts):
         if args.samples == 1:
-            params = SamplingParams(max_tokens=args.max_tokens, **penalties)
+            params = SamplingParams(max_tokens=args.max_tokens, **penalties(args))
         else:  # identical greedy samples would be a waste; seeded: both runs draw alike
             params = SamplingParams(
-                max_tokens=args.max_tokens, n=args.samples, temperature=1.0, seed=i, **penalties
-            )
+                max_tokens=args.max_tokens, n=args.samples, temperature=1.0, seed=i,
+                **penalties(args),
+            )  # fmt: skip
         engine.add_request(p, params)
     steps, generated = [], []  # per step that ran the model: its stats, tokens it generated
     peak_usage = 0.0

@@ -99,6 +99,8 @@ def test_samples_split_the_requests_into_questions_of_n_samples_each():
         (["--num-requests", "4096"], "--num-requests 4096 must be <= --max-num-batched-tokens"),
         (["--system-len", "1100"], "1141 tokens exceed the 1024 positions of --preset tiny"),
         (["--preset", "nope"], "invalid choice: 'nope'"),
+        (["--presence-penalty", "3"], "presence_penalty=3.0 must be a number in [-2, 2]"),
+        (["--repetition-penalty", "0"], "repetition_penalty=0.0 must be a number > 0"),
     ],
 )
 def test_flags_the_engine_would_refuse_are_refused_by_name(argv, message, capsys):
