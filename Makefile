@@ -17,8 +17,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/serve_shared_prefix.py
 
+# Two worker processes, each taking whole test files (a file's compiled programs stay
+# in one process); TEST_WORKERS=0 runs the suite in this process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
