@@ -23,7 +23,7 @@ from jaxkv.request import SamplingParams
 NO_TOKEN = np.iinfo(np.int32).max  # padding: past every vocabulary, so the scatter drops it
 
 # (token ids i32[S, W], their output counts i32[S, W], presence f32[S], frequency f32[S],
-# repetition f32[S]); W is a power of two, NO_TOKEN (count 0) pads each row
+# repetition f32[S]); W is a table_width, NO_TOKEN (count 0) pads each row
 PenaltyArrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 _MIN_WIDTH = 64
@@ -32,7 +32,8 @@ _MIN_WIDTH = 64
 def table_width(longest: int) -> int:
     """The padded width of a batch whose longest list holds `longest` tokens: 64, 256,
     1024, ... (powers of four from 64), so a run compiles few penalty variants: one per
-    width it meets, at most log4(max_model_len / 16) + 1 of them."""
+    width it meets, at most ceil(log4(max_model_len / 64)) + 1 of them (a list holds at
+    most max_model_len tokens)."""
     width = _MIN_WIDTH
     while width < longest:
         width *= 4

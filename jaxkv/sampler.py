@@ -187,7 +187,7 @@ class SamplingRows:
         """sample()'s arguments after the logits for one batch: `arrays`, then `positions`
         (i32[num_rows] of the tokens being sampled), then the stop tokens each row may not
         sample yet (jaxkv.min_tokens; i32[num_rows, 0] when none is banned), then the
-        penalty arrays (jaxkv.penalties; None when no request of the batch has one)."""
+        penalty arrays (jaxkv.penalties; None when no request of the batch lists a token)."""
         banned = self._bans.array(requests, order, num_rows)
         penalties = self._penalties.arrays(requests, order, num_rows)
         return (*self.arrays(requests, order, num_rows), positions, banned, penalties)
