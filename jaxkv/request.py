@@ -122,19 +122,21 @@ class SamplingParams:
         if n is None or n < 1:
             raise ValueError(f"n={self.n!r} must be an int >= 1")
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not (is_real(value) and -2.0 <= value <= 2.0):
-                raise ValueError(f"{name}={value!r} must be a number in [-2, 2]")
-            object.__setattr__(self, name, float(value))
-        repetition = self.repetition_penalty
-        # The sampler divides by it in float32: one below float32's smallest normal number
-        # (1.2e-38) would be 0 or subnormal there, and turn every positive logit into inf.
-        if not (is_real(repetition) and _FLOAT32_TINY <= repetition <= _FLOAT32_MAX):
+            value = _as_float(getattr(self, name))
+            if not -2.0 <= value <= 2.0:  # NaN fails too
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a number in [-2, 2]")
+            object.__setattr__(self, name, value)
+        # Compared as a Python float: a float16's own comparison with float32's bounds
+        # would round them to 0 and inf, letting 0 and inf through. The sampler divides by
+        # it in float32: one below float32's smallest normal number (1.2e-38) would be 0
+        # or subnormal there, and turn every positive logit into inf.
+        repetition = _as_float(self.repetition_penalty)
+        if not _FLOAT32_TINY <= repetition <= _FLOAT32_MAX:
             raise ValueError(
-                f"repetition_penalty={repetition!r} must be a number > 0, normal and finite "
-                "in float32 (in [1.2e-38, 3.4e38])"
+                f"repetition_penalty={self.repetition_penalty!r} must be a number > 0, normal "
+                "and finite in float32 (in [1.2e-38, 3.4e38])"
             )
-        object.__setattr__(self, "repetition_penalty", float(repetition))
+        object.__setattr__(self, "repetition_penalty", repetition)
         for name, value in (
             ("max_tokens", max_tokens),
             ("top_k", top_k),
@@ -354,6 +356,17 @@ def _int_or_none(value) -> int | None:
         return operator.index(value)
     except TypeError:  # e.g. a numpy array of more than one element
         return None
+
+
+def _as_float(value) -> float:
+    """A real number (not a bool) as a Python float; NaN for anything else, and for one
+    too large for a float (10**400)."""
+    if not is_real(value):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:
+        return math.nan
 
 
 def _finite(value) -> bool:

@@ -8,6 +8,8 @@ a permutation; raw logprobs; bad input; compile accounting.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import numpy as np
 import pytest
@@ -185,6 +187,10 @@ def test_table_widths_grow_by_powers_of_four_from_64():
         ({"repetition_penalty": float("inf")}, "repetition_penalty=inf"),
         ({"repetition_penalty": None}, "repetition_penalty=None"),
         ({"repetition_penalty": 1e-39}, "repetition_penalty=1e-39 must be .* normal"),
+        # float16's own comparison rounded the float32 bounds to 0 and inf: both passed.
+        ({"repetition_penalty": np.float16(0)}, r"repetition_penalty=np.float16\(0.0\)"),
+        ({"repetition_penalty": np.float16("inf")}, r"repetition_penalty=np.float16\(inf\)"),
+        ({"presence_penalty": 10**400}, "presence_penalty=1000"),
     ],
 )
 def test_bad_penalties_are_refused_by_name(args, match):
@@ -194,6 +200,9 @@ def test_bad_penalties_are_refused_by_name(args, match):
 
 def test_penalties_are_stored_as_floats_and_no_op_values_hold_nothing():
     params = SamplingParams(presence_penalty=np.int64(2), repetition_penalty=np.float32(1.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a float16 compared with float32's bounds warned
+        assert SamplingParams(repetition_penalty=np.float16(1.5)).repetition_penalty == 1.5
     assert type(params.presence_penalty) is float and params.presence_penalty == 2.0
     assert params.has_penalties and not SamplingParams(repetition_penalty=1).has_penalties
     assert SamplingParams(frequency_penalty=-2, presence_penalty=2).has_penalties
