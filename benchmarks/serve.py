@@ -160,14 +160,14 @@ def penalties(args: argparse.Namespace) -> dict[str, float]:
 
 def run_one(model, prompts, args, name, cascade, prefix_caching) -> dict:
     engine = Engine(model, None, engine_config(args, cascade, prefix_caching))
+    penalised = penalties(args)
     for i, p in enumerate(prompts):
         if args.samples == 1:
-            params = SamplingParams(max_tokens=args.max_tokens, **penalties(args))
+            params = SamplingParams(max_tokens=args.max_tokens, **penalised)
         else:  # identical greedy samples would be a waste; seeded: both runs draw alike
             params = SamplingParams(
-                max_tokens=args.max_tokens, n=args.samples, temperature=1.0, seed=i,
-                **penalties(args),
-            )  # fmt: skip
+                max_tokens=args.max_tokens, n=args.samples, temperature=1.0, seed=i, **penalised
+            )
         engine.add_request(p, params)
     steps, generated = [], []  # per step that ran the model: its stats, tokens it generated
     peak_usage = 0.0

@@ -14,6 +14,18 @@ from jaxkv.request import SamplingParams
 NO_TOKEN = np.iinfo(np.int32).max  # padding: past every vocabulary, so the ban drops it
 
 
+def batch_rows(indices: list[int], order: np.ndarray | None) -> np.ndarray:
+    """intp[len(indices)]: the batch row of each schedule index (the row i with order[i]
+    == index; the index itself when `order` is None). Shared by the sampler's per-row
+    tables (stop-token bans, penalties), which hold requests by schedule index."""
+    rows = np.array(indices, np.intp)
+    if order is None:
+        return rows
+    row_of = np.empty(len(order), np.intp)
+    row_of[order] = np.arange(len(order))
+    return row_of[rows]
+
+
 class StopTokenBans:
     """The stop tokens each row of a batch may not sample yet.
 
@@ -55,12 +67,9 @@ class StopTokenBans:
             return empty
         longest = max(len(stops) for _, stops in banned)
         out = np.full((num_rows, 1 << (longest - 1).bit_length()), NO_TOKEN, np.int32)
-        row_of = None
-        if order is not None:
-            row_of = np.empty(len(order), np.intp)
-            row_of[order] = np.arange(len(order))
-        for index, stops in banned:
-            out[index if row_of is None else row_of[index], : len(stops)] = stops
+        rows = batch_rows([index for index, _ in banned], order).tolist()
+        for row, (_, stops) in zip(rows, banned, strict=True):
+            out[row, : len(stops)] = stops
         return out
 
     def _banned(self, requests: list) -> list[tuple[int, tuple[int, ...]]]:

@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.min_tokens import NO_TOKEN, batch_rows
 from jaxkv.request import SamplingParams
-
-NO_TOKEN = np.iinfo(np.int32).max  # padding: past every vocabulary, so the scatter drops it
 
 # (token ids i32[S, W], their output counts i32[S, W], presence f32[S], frequency f32[S],
 # repetition f32[S]); W is a table_width, NO_TOKEN (count 0) pads each row
@@ -109,21 +108,17 @@ class TokenPenalties:
         if not entries:
             return None
         held = [
-            (i, entries[r.request_id]) for i, r in enumerate(requests) if r.request_id in entries
+            (i, entries[r.request_id], r) for i, r in enumerate(requests) if r.request_id in entries
         ]
         if not held:
             return None
-        longest = self._sync([(entry, requests[i]) for i, entry in held])
+        longest = self._sync(held)
         if not longest:  # presence or frequency only, before any output: nothing to change
             return None
         width = table_width(longest)
         self._reserve(width)
-        positions = np.array([i for i, _ in held], np.intp)
-        if order is not None:  # schedule index -> batch row
-            row_of = np.empty(len(order), np.intp)
-            row_of[order] = np.arange(len(order))
-            positions = row_of[positions]
-        table_rows = np.array([entry.row for _, entry in held], np.intp)
+        positions = batch_rows([i for i, _, _ in held], order)
+        table_rows = np.array([entry.row for _, entry, _ in held], np.intp)
         tokens = np.full((num_rows, width), NO_TOKEN, np.int32)
         counts = np.zeros((num_rows, width), np.int32)
         params = np.zeros((num_rows, 3), np.float32)
@@ -133,13 +128,13 @@ class TokenPenalties:
         params[positions] = self._params[table_rows]
         return tokens, counts, params[:, 0], params[:, 1], params[:, 2]
 
-    def _sync(self, held: list[tuple[_Entry, object]]) -> int:
-        """Lists what each (entry, request) generated since the last call (and, the first
-        time, its prompt's distinct tokens under a repetition penalty); returns the
+    def _sync(self, held: list[tuple[int, _Entry, object]]) -> int:
+        """Lists what each (index, entry, request) generated since the last call (and, the
+        first time, its prompt's distinct tokens under a repetition penalty); returns the
         longest list. The new tokens of all of them are written in two numpy calls."""
         new_rows, new_cols, new_ids, rows, cols = [], [], [], [], []
         longest = 0
-        for entry, request in held:
+        for _, entry, request in held:
             if entry.slot is None:
                 self._list_prompt(entry, request)
             outputs = request.output_token_ids

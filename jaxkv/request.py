@@ -83,10 +83,7 @@ class SamplingParams:
         max_tokens, top_k = _int_or_none(self.max_tokens), _int_or_none(self.top_k)
         if self.max_tokens is not None and (max_tokens is None or max_tokens < 1):
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1 or None")
-        try:  # 10**400 compares below math.inf but overflows a float
-            temperature = float(self.temperature) if is_real(self.temperature) else math.nan
-        except OverflowError:
-            temperature = math.inf
+        temperature = _as_float(self.temperature)  # 10**400 overflows a float: NaN
         if not 0.0 <= temperature <= _FLOAT32_MAX:  # the sampler divides in float32
             raise ValueError(f"temperature={self.temperature!r} must be >= 0 and finite in float32")
         if top_k == -1:
