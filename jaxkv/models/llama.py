@@ -227,7 +227,8 @@ class Llama(nnx.Module):
             else _linear(config.hidden_size, config.vocab_size, dt, rngs)
         )
 
-    def _logits(self, h: jax.Array) -> jax.Array:
+    def logits(self, h: jax.Array) -> jax.Array:  # f32[..., vocab_size]
+        """The final norm and the LM head over hidden states `h` ([..., hidden_size])."""
         h = self.norm(h)
         if self.lm_head is None:
             logits = self.embed_tokens.attend(h)
@@ -246,7 +247,7 @@ class Llama(nnx.Module):
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer.dense(x, positions)
-        return self._logits(x)
+        return self.logits(x)
 
     def __call__(
         self,
@@ -261,6 +262,18 @@ class Llama(nnx.Module):
         logits of each sequence's last scheduled token (`metadata.logits_indices`); rows past
         the batch's number of sequences are padding.
         """
+        hidden, new_caches = self.hidden_states(input_ids, positions, kv_caches, metadata)
+        return self.logits(hidden[metadata.logits_indices]), new_caches
+
+    def hidden_states(
+        self,
+        input_ids: jax.Array,  # i32[max_num_tokens]
+        positions: jax.Array,  # i32[max_num_tokens]
+        kv_caches: list[jax.Array],
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, list[jax.Array]]:  # [max_num_tokens, hidden_size], new kv_caches
+        """The serving step of __call__ up to the last layer's output for every token (before
+        the final norm: `logits` applies it), e.g. for logits at more than the last tokens."""
         if input_ids.ndim != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"{input_ids.shape=} and {positions.shape=} must be equal and 1-D")
         if len(kv_caches) != len(self.layers):
@@ -270,7 +283,7 @@ class Llama(nnx.Module):
         for layer, kv_pages in zip(self.layers, kv_caches, strict=True):
             x, kv_pages = layer.paged(x, positions, kv_pages, metadata)
             new_caches.append(kv_pages)
-        return self._logits(x[metadata.logits_indices]), new_caches
+        return x, new_caches
 
     def init_kv_caches(
         self, num_blocks: int, block_size: int, dtype: Any = None
