@@ -92,7 +92,8 @@ def run_to_completion(
     output (aborted by another caller meanwhile) gets finish_reason "abort" and the tokens
     it had, as does each sample of it that ended so. A prompt whose params ask for
     logprobs gets them, one dict per output token, and their cumulative_logprob (the sum
-    of its sampled tokens' logprobs).
+    of its sampled tokens' logprobs); one that asks for prompt logprobs gets them on each
+    of its samples.
     `progress_bar` (tqdm-like, optional) is advanced once per finished prompt and closed.
     """
     num_prompts = count_prompts(prompts)
@@ -133,6 +134,7 @@ def run_to_completion(
         for sp, n in zip(params_list, counts, strict=True)
     ]
     reasons: list[list[str | None]] = [[None] * n for n in counts]
+    prompt_logprobs: list[tuple | None] = [None] * len(ids)  # from a sample's first output
     done = [False] * len(ids)
     remaining = len(ids)
     try:
@@ -149,6 +151,8 @@ def run_to_completion(
                 tokens[i][o.index].extend(o.new_token_ids)
                 if o.logprobs is not None:
                     logprobs[i][o.index].extend(o.logprobs)
+                if o.prompt_logprobs is not None:
+                    prompt_logprobs[i] = o.prompt_logprobs
                 if o.finish_reason is not None:
                     reasons[i][o.index] = o.finish_reason
                 if o.finished:
@@ -174,6 +178,7 @@ def run_to_completion(
             reasons[i][k] or "abort",
             *_with_cumulative(tokens[i][k], None if logprobs[i] is None else logprobs[i][k]),
             index=k,
+            prompt_logprobs=prompt_logprobs[i],
         )
         for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
         for k in range(counts[i])

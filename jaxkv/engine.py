@@ -11,8 +11,8 @@ One step (README, "Architecture"):
    KV connector (which may keep them held while it copies them out).
 
 One program per combination of buckets met and variant (logprobs, min_tokens ban width,
-penalty table width; EngineConfig.max_step_programs bounds them), shared by engines over
-one model graph.
+penalty table width, prompt-logprob rows; EngineConfig.max_step_programs bounds them),
+shared by engines over one model graph.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.attention import check_backend, default_backend
-from jaxkv.batch import build_attention_metadata
 from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner
 from jaxkv.closable import Closable, checked_timeout
 from jaxkv.completion import generate_progress_bar, run_to_completion
@@ -51,7 +50,7 @@ from jaxkv.sampler import SamplingRows
 from jaxkv.sampling_checks import checked_sampling_params
 from jaxkv.scheduler import Scheduler, SchedulerOutput
 from jaxkv.sharding import mesh_for, shard_model, tensor_parallel_of
-from jaxkv.step_inputs import coarsen_metadata, gather_input_ids, in_schedule_order, program_key
+from jaxkv.step_inputs import batch_inputs, in_schedule_order, program_key
 from jaxkv.step_program import step_program
 
 
@@ -165,12 +164,13 @@ class Engine(Closable):
         """Queues a request; returns its id. Raises ValueError (nothing queued) when the
         prompt is empty, not 1-D integers, holds ids outside [0, vocab_size), leaves no
         room for output within max_model_len, could not fit the whole KV cache, or the
-        params (logprobs above config.max_logprobs too), id or salt are invalid or the id
-        is in use (unfinished, or finished or aborted with a KV copy in flight:
-        drain_transfers frees it). Requests share cached KV only if their `cache_salt`
-        (e.g. one per tenant) is equal: None is a salt of its own. A request stops at the
-        model's eos_token_ids unless params.ignore_eos. Under params.n > 1 its n samples
-        are queued (ids "0_<id>" to "<n-1>_<id>", in use too) and report under its id."""
+        params (logprobs or prompt_logprobs above config.max_logprobs too), id or salt
+        are invalid or the id is in use (unfinished, or finished or aborted with a KV
+        copy in flight: drain_transfers frees it). Requests share cached KV only if their
+        `cache_salt` (e.g. one per tenant) is equal: None is a salt of its own. A request
+        stops at the model's eos_token_ids unless params.ignore_eos. Under params.n > 1
+        its n samples are queued (ids "0_<id>" to "<n-1>_<id>", in use too) and report
+        under its id."""
         self._check_open()
         prompt = checked_prompt_ids(prompt_token_ids, limit=self.vocab_size)
         sampling_params = checked_sampling_params(sampling_params, self.model_config, self.config)
@@ -233,6 +233,7 @@ class Engine(Closable):
         """
         self._check_open()
         t0, c0 = time.perf_counter(), time.thread_time()
+        prompts = self._sampling.prompt_logprobs
         out = self.scheduler.schedule()
         n = out.num_requests
         if n == 0:
@@ -243,19 +244,22 @@ class Engine(Closable):
                 out.request_ids, out.num_computed_tokens, out.num_scheduled_tokens, self.manager
             )
             c_plan = time.thread_time()
-            order, md, input_ids, sampling = self._step_inputs(out, plan)
+            order, md, input_ids, sampling, prompt = self._step_inputs(out, plan)
             width = self._sampling.logprob_width(out.requests)  # None: no logprobs
-            key = program_key(md, sampling, width)
+            rows, prompt_width = (None, 0) if prompt is None else (prompt[0], prompts.width)
+            key = program_key(md, sampling, width, rows)
             new_program = key not in self._programs
             t1, c1 = time.perf_counter(), time.thread_time()
 
             with allowing_transfers():  # deliberate, whatever guard the caller set
-                tokens, self.kv_caches = self._program(
+                tokens, self.kv_caches, prompt_out = self._program(
                     self._state_leaves, input_ids, md.positions, self.kv_caches, md, sampling,
-                    num_logprobs=width,
+                    rows, num_logprobs=width, num_prompt_logprobs=prompt_width,
                 )  # fmt: skip
                 if width is not None:
                     tokens, logprobs = tokens[0], StepLogprobs(tokens[1], n, order)
+                if prompt is not None:
+                    prompts.record(prompt[1], prompt_out)
                 sampled = in_schedule_order(tokens, n, order)
             t2 = time.perf_counter()
         except BaseException:
@@ -270,6 +274,7 @@ class Engine(Closable):
             outputs = self.scheduler.update_from_output(out, sampled)
             if width is not None:
                 outputs = logprobs.attach(outputs, out.requests, self._sampling.logprobs)
+            outputs = prompts.attach(outputs, out.requests)
             if self._samples:
                 outputs = self._samples.relabel(outputs)
         finally:  # also when an interrupt stops the connector's hand-over of finished ones
@@ -287,35 +292,11 @@ class Engine(Closable):
         return outputs
 
     def _step_inputs(self, out: SchedulerOutput, plan: CascadePlan):
-        """(order, metadata, input ids, sampling arrays) of a scheduled batch in plan order.
-
-        `order` is None when the plan keeps schedule order, else the plan's permutation.
-        """
-        n = out.num_requests
-        if plan.keeps_order:
-            order = None
-            query_lens, num_computed = out.num_scheduled_tokens, out.num_computed_tokens
-        else:
-            order = plan.order
-            query_lens = out.num_scheduled_tokens[order]
-            num_computed = out.num_computed_tokens[order]
-        md = build_attention_metadata(
-            block_table=self.manager.block_table,
-            plan=plan,
-            query_lens=query_lens,
-            num_computed_tokens=num_computed,
-            block_size=self.manager.block_size,
-            buckets=self.buckets,
-            backend=self.backend,
-            interpret=self.config.interpret,
-        )
-        pad_to = self.buckets.level_seq_buckets[-1] if self.config.pad_cascade_levels else None
-        md = coarsen_metadata(md, self.config.q_len_buckets, pad_to)
-        input_ids = gather_input_ids(out.token_ids, out.num_scheduled_tokens, order, md)
-        positions = np.zeros(md.max_num_seqs, np.int32)  # of the tokens being sampled
-        positions[:n] = num_computed + query_lens
-        sampling = self._sampling.step_arrays(out.requests, order, md.max_num_seqs, positions)
-        return order, md, input_ids, sampling
+        """jaxkv.step_inputs.batch_inputs of a scheduled batch on this engine."""
+        return batch_inputs(
+            out, plan, manager=self.manager, buckets=self.buckets, config=self.config,
+            backend=self.backend, sampling_rows=self._sampling,
+        )  # fmt: skip
 
     # ----------------------------------------------------------------- driving
 

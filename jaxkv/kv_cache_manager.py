@@ -197,8 +197,9 @@ class KVCacheManager:
         the result is safe to pass to allocate_slots until the next allocate_slots or free call.
         With prefix caching on, counts the lookup in prefix_cache_stats unless `count` is
         False (see count_prefix_lookup); with it off there is no cache to query: ([], 0),
-        nothing counted. Raises ValueError unless `request` is a Request whose prompt fits
-        max_model_len.
+        nothing counted; likewise for a request that skips_prefix_cache_reads (it asked
+        for prompt logprobs). Raises ValueError unless `request` is a Request whose prompt
+        fits max_model_len.
         """
         checked_request_id(request)
         check_prompt_fits(request, self.max_model_len)
@@ -211,7 +212,8 @@ class KVCacheManager:
 
     def count_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Counts a lookup made with count=False once its caller acts on it (the scheduler:
-        once the request is admitted); nothing with prefix caching off. Raises ValueError,
+        once the request is admitted); nothing with prefix caching off, or for a request
+        that skips_prefix_cache_reads. Raises ValueError,
         counting nothing, where get_computed_blocks would or on a hit count outside
         [0, request.num_tokens]."""
         hits = checked_hit_tokens(request, num_hit_tokens)

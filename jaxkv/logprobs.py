@@ -30,7 +30,7 @@ class Logprob(NamedTuple):
     rank: int
 
 
-_logprob_of = functools.partial(tuple.__new__, Logprob)  # Logprob((lp, rank)), faster
+logprob_of = functools.partial(tuple.__new__, Logprob)  # Logprob((lp, rank)), faster
 
 
 def top_logprobs(
@@ -68,11 +68,11 @@ class StepLogprobs:
             if i is None:
                 continue
             k = wanted[output.request_id]
-            entry = {output.new_token_ids[0]: _logprob_of((sampled[i], rank[i]))}
+            entry = {output.new_token_ids[0]: logprob_of((sampled[i], rank[i]))}
             for t, lp, r in zip(
                 ids[i, :k].tolist(), top[i, :k].tolist(), top_rank[i, :k].tolist(), strict=True
             ):
                 if t not in entry:
-                    entry[t] = _logprob_of((lp, r))
+                    entry[t] = logprob_of((lp, r))
             outputs[j] = output._replace(logprobs=(entry,))
         return outputs

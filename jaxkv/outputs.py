@@ -19,6 +19,9 @@ class RequestOutput(NamedTuple):
     index is the sample's index under SamplingParams.n > 1 (0 otherwise); such a
     request's samples report under its id, each finish_reason its sample's, and
     finished is True on the last output of its last sample (jaxkv.parallel_sampling).
+    prompt_logprobs is None except on the first output of a request that asked
+    (SamplingParams.prompt_logprobs; under n > 1 on sample 0's): one entry per prompt
+    token, None for the first (jaxkv.prompt_logprobs).
     A NamedTuple: one is made per request per step.
     """
 
@@ -28,9 +31,10 @@ class RequestOutput(NamedTuple):
     finish_reason: str | None
     logprobs: tuple[dict, ...] | None = None
     index: int = 0
+    prompt_logprobs: tuple[dict | None, ...] | None = None
 
 
-# RequestOutput from the tuple of its six fields: what RequestOutput._make does, without
+# RequestOutput from the tuple of its seven fields: what RequestOutput._make does, without
 # the NamedTuple's Python-level __new__ (half the cost of one; one per request per step).
 request_output_of = functools.partial(tuple.__new__, RequestOutput)
 
@@ -42,7 +46,9 @@ class CompletionOutput:
     logprobs (one dict per output token, as RequestOutput.logprobs) and
     cumulative_logprob (the sum of the sampled tokens' logprobs) are None unless the
     request asked for logprobs, as in vLLM's CompletionOutput. index is the sample's
-    index under SamplingParams.n > 1 (0 otherwise)."""
+    index under SamplingParams.n > 1 (0 otherwise). prompt_logprobs is None unless the
+    request asked (SamplingParams.prompt_logprobs), else as RequestOutput's, the same
+    for each sample of the prompt (vLLM's RequestOutput.prompt_logprobs)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -51,3 +57,4 @@ class CompletionOutput:
     logprobs: tuple[dict, ...] | None = None
     cumulative_logprob: float | None = None
     index: int = 0
+    prompt_logprobs: tuple[dict | None, ...] | None = None

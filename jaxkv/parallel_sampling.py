@@ -36,9 +36,11 @@ def child_request_ids(request_id: str, n: int) -> list[str]:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sample `index`'s params: n = 1 and, under a seed, seed + index (modulo 2**64)."""
+    """Sample `index`'s params: n = 1 and, under a seed, seed + index (modulo 2**64).
+    Only sample 0 computes prompt logprobs: the others read its cached prompt KV."""
     seed = None if params.seed is None else (params.seed + index) & _SEED_MASK
-    return dataclasses.replace(params, n=1, seed=seed)
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 def child_default_seed(default_seed: int, index: int) -> int:

@@ -54,6 +54,11 @@ class SamplingParams:
     token's log-probability and the k most likely tokens' (jaxkv.logprobs), from the
     model's raw logits (before temperature, top-k and top-p), as vLLM's default. An
     Engine refuses more than EngineConfig.max_logprobs.
+    prompt_logprobs: None returns none; k >= 0 returns, for every prompt token after the
+    first, its log-probability given the tokens before it and the k most likely tokens
+    at its position (jaxkv.prompt_logprobs), as vLLM's. The request then reads no cached
+    KV until its prompt is computed, as in vLLM (a cached block's positions have no
+    logits). An Engine refuses more than EngineConfig.max_logprobs.
     n: how many samples of the prompt to generate, as vLLM's: an Engine runs them as n
     requests that share the prompt's cached KV (jaxkv.parallel_sampling); with a seed,
     sample i draws with seed + i. A Scheduler takes only n = 1.
@@ -77,6 +82,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         """Checks every field; integers (numpy ones too) are stored as Python ints."""
@@ -112,9 +118,13 @@ class SamplingParams:
         if min_tokens is None or not 0 <= min_tokens <= (max_tokens or min_tokens):
             cap = "" if max_tokens is None else f" and <= max_tokens={max_tokens}"
             raise ValueError(f"min_tokens={self.min_tokens!r} must be an int >= 0{cap}")
-        logprobs = None if self.logprobs is None else _int_or_none(self.logprobs)
-        if self.logprobs is not None and (logprobs is None or logprobs < 0):
-            raise ValueError(f"logprobs={self.logprobs!r} must be None or an int >= 0")
+        logprobs, prompt_logprobs = (
+            None if value is None else _int_or_none(value)
+            for value in (self.logprobs, self.prompt_logprobs)
+        )
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if getattr(self, name) is not None and (value is None or value < 0):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be None or an int >= 0")
         n = _int_or_none(self.n)
         if n is None or n < 1:
             raise ValueError(f"n={self.n!r} must be an int >= 1")
@@ -140,6 +150,7 @@ class SamplingParams:
             ("seed", seed),
             ("min_tokens", min_tokens),
             ("logprobs", logprobs),
+            ("prompt_logprobs", prompt_logprobs),
             ("n", n),
         ):
             object.__setattr__(self, name, value)
@@ -250,6 +261,12 @@ class Request:
     def all_token_ids(self) -> Sequence[int]:
         """Prompt then output tokens (a live read-only view; do not mutate)."""
         return self._all_token_ids
+
+    @property
+    def skips_prefix_cache_reads(self) -> bool:
+        """True while the request must compute its prompt itself: it asked for prompt
+        logprobs and has no output yet (a cache hit's positions would have no logits)."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def max_tokens(self) -> int | None:

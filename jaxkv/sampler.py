@@ -19,6 +19,7 @@ import numpy as np
 from jaxkv.logprobs import top_logprobs
 from jaxkv.min_tokens import StopTokenBans
 from jaxkv.penalties import TokenPenalties, apply_penalties
+from jaxkv.prompt_logprobs import PromptLogprobs
 from jaxkv.request import RequestStatus, SamplingParams
 
 _SEED_MASK = 2**64 - 1  # a negative seed is taken modulo 2**64
@@ -108,6 +109,7 @@ class SamplingRows:
     new object, so it never inherits another request's parameters.
     `logprobs` maps the queued requests that asked for logprobs to their k; a batch
     with one of them samples with `logprob_width` top tokens (logprob_width()).
+    `prompt_logprobs` keeps those that asked for prompt logprobs until their first output.
     """
 
     def __init__(self, logprob_width: int = 0) -> None:
@@ -119,6 +121,7 @@ class SamplingRows:
         self._penalties = TokenPenalties()
         self.logprobs: dict[str, int] = {}  # request id -> its SamplingParams.logprobs
         self._logprob_width = logprob_width
+        self.prompt_logprobs = PromptLogprobs(logprob_width)
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -136,6 +139,7 @@ class SamplingRows:
         self._table[slot] = row
         self._bans.add(request_id, params)
         self._penalties.add(request_id, params)
+        self.prompt_logprobs.add(request_id, params.prompt_logprobs)
         if params.logprobs is not None:
             self.logprobs[request_id] = params.logprobs
         else:
@@ -147,6 +151,7 @@ class SamplingRows:
             self._free.append(slot)
             self._bans.discard(request_id)
             self._penalties.discard(request_id)
+            self.prompt_logprobs.discard(request_id)
             if self.logprobs:
                 self.logprobs.pop(request_id, None)
 

@@ -17,7 +17,7 @@ def checked_sampling_params(
     """`params` (None: the defaults) as the engine runs them: stopping at the model's
     eos_token_ids too (SamplingParams.stopping_at). Raises ValueError unless `params`
     is None or a SamplingParams whose stop_token_ids lie below the model's vocab_size
-    and whose logprobs, if any, are at most config.max_logprobs."""
+    and whose logprobs and prompt_logprobs, if any, are at most config.max_logprobs."""
     if params is None:
         params = SamplingParams()
     elif not isinstance(params, SamplingParams):
@@ -27,6 +27,8 @@ def checked_sampling_params(
     if bad_stop:
         raise ValueError(f"stop_token_ids {bad_stop} must be < {vocab_size=}")
     max_logprobs = config.max_logprobs
-    if params.logprobs is not None and params.logprobs > max_logprobs:
-        raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds {max_logprobs=}")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > max_logprobs:
+            raise ValueError(f"SamplingParams.{name}={k} exceeds {max_logprobs=}")
     return params.stopping_at(model_config.eos_token_ids)

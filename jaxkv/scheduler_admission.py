@@ -153,9 +153,15 @@ def _allocate_for_admission(scheduler: Scheduler, request: Request, budget: int)
     hashes, next_block = request.block_hashes, num_hit // m.block_size
     # Worth the wait only for a block a cache hit may cover (never the last token's).
     num_hittable = min(len(hashes), (request.num_tokens - 1) // m.block_size)
-    if next_block < num_hittable and scheduler._transfers.is_loading(hashes[next_block]):
+    # One computing its prompt logprobs reads no cached KV, the connector's neither.
+    reads_cache = not request.skips_prefix_cache_reads
+    if (
+        reads_cache
+        and next_block < num_hittable
+        and scheduler._transfers.is_loading(hashes[next_block])
+    ):
         return _AWAITING_LOAD
-    num_external = scheduler.connector.on_admission(request, num_hit)
+    num_external = scheduler.connector.on_admission(request, num_hit) if reads_cache else 0
     if num_external:  # the request waits for the load: 0 tokens this step
         started = scheduler._transfers.start_load(request, hit.block_ids, num_hit, num_external)
         if started:

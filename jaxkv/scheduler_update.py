@@ -77,7 +77,9 @@ def apply_sampled_tokens(
         ):
             request.status = RequestStatus.FINISHED_LENGTH
         else:
-            outputs.append(request_output_of((request.request_id, (token,), False, None, None, 0)))
+            outputs.append(
+                request_output_of((request.request_id, (token,), False, None, None, 0, None))
+            )
             if carry is not None:
                 carry.num_computed.append(computed)
                 carry.token_ids.append(token)
@@ -87,7 +89,9 @@ def apply_sampled_tokens(
             continue
         finished.append(request)
         reason = _FINISH_REASONS[request.status]
-        outputs.append(request_output_of((request.request_id, (token,), True, reason, None, 0)))
+        outputs.append(
+            request_output_of((request.request_id, (token,), True, reason, None, 0, None))
+        )
     scheduler._count(
         num_prompt_tokens_computed=num_prompt,
         num_decode_tokens_computed=num_decode,

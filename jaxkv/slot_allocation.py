@@ -42,7 +42,7 @@ class CacheHit(NamedTuple):
 def find_cache_hit(manager: KVCacheManager, request: Request) -> CacheHit:
     """get_computed_blocks(request, count=False) without its checks of `request`."""
     pool = manager.pool
-    if not manager.enable_prefix_caching:
+    if not manager.enable_prefix_caching or request.skips_prefix_cache_reads:
         return CacheHit([], [], 0, pool.cache_epoch)
     bs = manager.block_size
     # Hashes stay on the Request: a request looked up again (it waited for room) or
@@ -61,7 +61,7 @@ def find_cache_hit(manager: KVCacheManager, request: Request) -> CacheHit:
 
 def count_lookup(manager: KVCacheManager, request: Request, num_hit_tokens: int) -> None:
     """count_prefix_lookup(request, num_hit_tokens) without its checks."""
-    if manager.enable_prefix_caching:
+    if manager.enable_prefix_caching and not request.skips_prefix_cache_reads:
         manager._lookups.count(request.num_tokens, num_hit_tokens)
 
 

@@ -1,16 +1,70 @@
-"""Host-side pieces of one engine step's jit inputs (token ids, coarser buckets, program
-keys), and its outputs back in schedule order."""
+"""Host-side pieces of one engine step's jit inputs (batch_inputs: metadata, token ids,
+coarser buckets, sampling arrays, prompt-logprob rows; program keys), and its outputs
+back in schedule order."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxkv.batch import AttentionMetadata, LevelMetadata
-from jaxkv.buckets import padded_size
+from jaxkv.batch import AttentionMetadata, LevelMetadata, build_attention_metadata
+from jaxkv.buckets import BucketConfig, padded_size
+
+if TYPE_CHECKING:
+    from jaxkv.cascade_plan import CascadePlan
+    from jaxkv.config import EngineConfig
+    from jaxkv.kv_cache_manager import KVCacheManager
+    from jaxkv.prompt_logprobs import PromptRows
+    from jaxkv.sampler import SamplingRows
+    from jaxkv.scheduler_output import SchedulerOutput
+
+
+def batch_inputs(
+    out: SchedulerOutput,
+    plan: CascadePlan,
+    *,
+    manager: KVCacheManager,
+    buckets: BucketConfig,
+    config: EngineConfig,
+    backend: str,
+    sampling_rows: SamplingRows,
+):
+    """(order, metadata, input ids, sampling arrays, prompt-logprob rows and segments or
+    None) of a scheduled batch in plan order, for an engine's step program. `order` is
+    None when the plan keeps schedule order, else the plan's permutation."""
+    n = out.num_requests
+    if plan.keeps_order:
+        order = None
+        query_lens, num_computed = out.num_scheduled_tokens, out.num_computed_tokens
+    else:
+        order = plan.order
+        query_lens = out.num_scheduled_tokens[order]
+        num_computed = out.num_computed_tokens[order]
+    md = build_attention_metadata(
+        block_table=manager.block_table,
+        plan=plan,
+        query_lens=query_lens,
+        num_computed_tokens=num_computed,
+        block_size=manager.block_size,
+        buckets=buckets,
+        backend=backend,
+        interpret=config.interpret,
+    )
+    pad_to = buckets.level_seq_buckets[-1] if config.pad_cascade_levels else None
+    md = coarsen_metadata(md, config.q_len_buckets, pad_to)
+    input_ids = gather_input_ids(out.token_ids, out.num_scheduled_tokens, order, md)
+    positions = np.zeros(md.max_num_seqs, np.int32)  # of the tokens being sampled
+    positions[:n] = num_computed + query_lens
+    sampling = sampling_rows.step_arrays(out.requests, order, md.max_num_seqs, positions)
+    prompt = sampling_rows.prompt_logprobs.rows(
+        out.requests, out.num_computed_tokens, out.num_scheduled_tokens, order,
+        md.cu_q_lens, md.max_num_tokens,
+    )  # fmt: skip
+    return order, md, input_ids, sampling, prompt
 
 
 def pad_level(level: LevelMetadata, num_seqs: int) -> LevelMetadata:
@@ -30,12 +84,14 @@ def program_key(
     metadata: AttentionMetadata,
     sampling: Sequence = (),
     num_logprobs: int | None = None,
+    prompt_rows: PromptRows | None = None,
 ) -> tuple:
     """Identifies the compiled program a metadata pytree and the sampler's arrays need:
     the metadata's static fields and the padded sizes that fix every leaf's shape (all
     leaves are int32 by construction), each sampling argument's shape (None for None, a
-    tuple of shapes for a tuple of arrays), and the step program's static logprob width
-    `num_logprobs` (None: no logprobs), last.
+    tuple of shapes for a tuple of arrays), the number of prompt-logprob rows (None
+    without them), and the step program's static logprob width `num_logprobs` (None: no
+    logprobs), last.
 
     Equal keys mean equal pytree structure and leaf shapes; read off the fields
     directly because flattening the pytree each step costs more than the rest."""
@@ -49,6 +105,7 @@ def program_key(
         md.backend,
         md.interpret,
         tuple((lv.page_indices.shape, lv.max_q_len) for lv in md.levels),
+        None if prompt_rows is None else prompt_rows.indices.shape,
         num_logprobs,
     )
 

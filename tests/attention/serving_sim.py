@@ -28,6 +28,7 @@ from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxkv.engine import Engine
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_transfer import KVConnector, TransferEvents
+from jaxkv.prompt_logprobs import PromptLogprobs
 from jaxkv.request import Request, SamplingParams
 from jaxkv.scheduler import Scheduler, SchedulerOutput
 
@@ -126,9 +127,12 @@ class Serving:
                 buckets=self.config.buckets,
                 backend=self.config.backend,
                 config=self.config,
-                _sampling=types.SimpleNamespace(step_arrays=lambda requests, order, rows, pos: ()),
+                _sampling=types.SimpleNamespace(
+                    step_arrays=lambda requests, order, rows, pos: (),
+                    prompt_logprobs=PromptLogprobs(0),  # nobody asks: no prompt rows
+                ),
             )
-        order, md, input_ids, _ = Engine._step_inputs(engine, out, plan)
+        order, md, input_ids, _, _ = Engine._step_inputs(engine, out, plan)
         return order, md, input_ids
 
 

@@ -43,7 +43,8 @@ def test_a_long_random_run_stays_within_max_step_programs():
 
     def recording(out, plan):
         inputs = build(out, plan)
-        keys.add(program_key(inputs[1], inputs[3], engine._sampling.logprob_width(out.requests)))
+        width = engine._sampling.logprob_width(out.requests)
+        keys.add(program_key(inputs[1], inputs[3], width, inputs[4] and inputs[4][0]))
         return inputs
 
     engine._step_inputs = recording
@@ -79,7 +80,8 @@ def test_a_long_random_run_stays_within_max_step_programs():
     assert engine.num_compiles <= CONFIG.max_step_programs == 2 * 2 * (1 + 2) ** 2
     assert {key[-1] for key in keys} == {None, CONFIG.max_logprobs}
     b = CONFIG.buckets
-    for _, tokens, pages, _, max_q_len, _, _, levels, _ in keys:
+    for _, tokens, pages, _, max_q_len, _, _, levels, prompt_rows, _ in keys:
+        assert prompt_rows is None  # no request asks for prompt logprobs
         assert tokens[0] in b.token_buckets and max_q_len in CONFIG.q_len_buckets
         assert pages[0] in b.seq_buckets and pages[1] in b.page_buckets
         for level_pages, level_q in levels:

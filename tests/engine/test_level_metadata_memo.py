@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-import jaxkv.engine
+import jaxkv.step_inputs
 from jaxkv import SamplingParams
 from jaxkv.batch import build_attention_metadata
 from tests.engine._util import VOCAB, assert_all_blocks_free, make_engine
@@ -34,7 +34,7 @@ def test_reused_level_metadata_equals_a_fresh_build_every_step(monkeypatch):
         last[0] = md.levels
         return md
 
-    monkeypatch.setattr(jaxkv.engine, "build_attention_metadata", checked_build)
+    monkeypatch.setattr(jaxkv.step_inputs, "build_attention_metadata", checked_build)
     engine = make_engine()
     rng = np.random.default_rng(0)
     systems = [rng.integers(0, VOCAB, n).tolist() for n in (8, 13, 20)]

@@ -215,3 +215,28 @@ def offload_stores_replicated_kv_heads_once():
         else:
             assert m.bytes_reloaded > 0, f"TP={tp} reloaded nothing"
     assert connector.stats.stored_bytes % logical_bytes == 0
+
+
+@check
+def prompt_logprobs_tp():
+    """Prompt logprobs at TP 4 equal those of the engine without a mesh: the last layer's
+    output at the prompt rows, through the vocabulary-sharded LM head, gives the same
+    values (compared as sorted top values, which ties between ids cannot reorder)."""
+    from jaxkv.engine import Engine
+
+    params = SamplingParams(max_tokens=2, prompt_logprobs=3)
+    ps = prompts()[:5]
+
+    def run(tp):
+        engine = Engine(model(8), None, engine_config(), tensor_parallel_size=tp)
+        return [o.prompt_logprobs for o in engine.generate(ps, params, progress=False)]
+
+    want, got = run(None), run(4)
+    for prompt, w, g in zip(ps, want, got, strict=True):
+        assert len(w) == len(g) == len(prompt) and w[0] is None and g[0] is None
+        for token, w_entry, g_entry in zip(prompt[1:], w[1:], g[1:], strict=True):
+            assert next(iter(g_entry)) == token
+            assert abs(g_entry[token].logprob - w_entry[token].logprob) < 1e-4
+            w_top, g_top = (sorted(lp.logprob for lp in e.values()) for e in (w_entry, g_entry))
+            assert len(w_top) == len(g_top)
+            assert np.allclose(w_top, g_top, atol=1e-4), (w_top, g_top)

@@ -1,0 +1,99 @@
+"""A request owed prompt logprobs reads no cached KV (Request.skips_prefix_cache_reads),
+from the prefix cache or a connector, and its own blocks are still cached; the rows of
+a batch's flat token array that PromptLogprobs lists for the step program."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxkv import KVCacheManager, Request, SamplingParams
+from jaxkv.prompt_logprobs import PromptLogprobs
+from tests.host._sched_util import FakeCopier, OracleLoadConnector, add, make_scheduler, step
+
+BS = 4
+PROMPT = list(range(1, 14))  # 3 full blocks of 4 + 1 token
+
+
+def _cached_manager() -> KVCacheManager:
+    manager = KVCacheManager(32, BS, max_model_len=64)
+    first = Request("first", PROMPT)
+    manager.allocate_slots(first, len(PROMPT))
+    manager.free(first)  # its 3 full blocks stay cached
+    manager.reset_prefix_cache_stats()
+    return manager
+
+
+def test_the_manager_finds_no_hit_and_counts_no_lookup_until_the_first_output():
+    manager = _cached_manager()
+    owed = Request("owed", PROMPT, SamplingParams(prompt_logprobs=2))
+    assert owed.skips_prefix_cache_reads
+    assert manager.get_computed_blocks(owed) == ([], 0)
+    assert manager.prefix_cache_stats.requests == 0
+    plain = Request("plain", PROMPT, SamplingParams(prompt_logprobs=None))
+    ids, hit = manager.get_computed_blocks(plain)
+    assert hit == 12 and len(ids) == 3
+    # With its first output the prompt logprobs are done: a recompute may read the cache.
+    owed.append_output_token_ids(7)
+    assert not owed.skips_prefix_cache_reads
+    assert manager.get_computed_blocks(owed)[1] == 12
+
+
+def test_its_blocks_are_cached_for_the_next_request():
+    sched = make_scheduler(block_size=BS)
+    add(sched, "owed", PROMPT, max_tokens=1, prompt_logprobs=0)
+    out, _ = step(sched)
+    assert out.num_computed_tokens.tolist() == [0]
+    add(sched, "next", PROMPT[:12] + [99], max_tokens=1)
+    out, _ = step(sched)
+    assert out.num_computed_tokens.tolist() == [12]
+
+
+def test_the_scheduler_computes_the_whole_prompt_and_asks_no_connector():
+    copier = FakeCopier(32, BS)
+    connector = OracleLoadConnector(copier, {"owed": 8, "plain": BS})
+    sched = make_scheduler(block_size=BS, connector=connector)
+    add(sched, "first", PROMPT, max_tokens=1)
+    while sched.has_unfinished_requests():
+        step(sched, copier)
+    add(sched, "owed", PROMPT, max_tokens=1, prompt_logprobs=1)
+    out, _ = step(sched, copier)  # the step checks the KV attention reads
+    assert out.num_computed_tokens.tolist() == [0]
+    assert out.num_scheduled_tokens.tolist() == [len(PROMPT)]
+    assert connector.started == []
+    add(sched, "plain", PROMPT + [5, 6, 7, 8, 9], max_tokens=1)
+    step(sched, copier)
+    assert connector.started == ["plain"]  # the same connector serves the others
+
+
+def _segments(tracker, requests, computed, scheduled, order):
+    query_lens = np.asarray(scheduled)[order] if order is not None else np.asarray(scheduled)
+    cu = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    return tracker.rows(requests, np.asarray(computed), np.asarray(scheduled), order, cu, 64)
+
+
+def test_rows_follow_the_batch_order_and_stop_before_the_last_prompt_token():
+    tracker = PromptLogprobs(5)
+    a = Request("a", [10, 11, 12, 13, 14, 15])
+    b = Request("b", [20, 21, 22])
+    c = Request("c", [30, 31, 32, 33])
+    for request, k in ((a, 2), (c, 0)):
+        tracker.add(request.request_id, k)
+    # Schedule order a, b, c; the batch runs c, a, b. a computes positions 2..5 (its last
+    # prompt token's logits are the sampler's), c its first chunk, positions 0..1.
+    order = np.array([2, 0, 1])
+    rows, segments = _segments(tracker, [a, b, c], [2, 0, 0], [4, 3, 2], order)
+    # batch rows: c at 0..1, a at 2..5, b at 6..8
+    assert segments == [("a", 6, 2, 5, 0), ("c", 4, 0, 2, 3)]
+    assert rows.indices[:5].tolist() == [2, 3, 4, 0, 1]
+    assert rows.targets[:5].tolist() == [13, 14, 15, 31, 32]
+    assert rows.indices.shape == (64,) and not rows.indices[5:].any()
+
+
+def test_no_rows_when_nobody_in_the_batch_is_owed_any():
+    tracker = PromptLogprobs(5)
+    a, b = Request("a", [1, 2, 3]), Request("b", [4])
+    assert _segments(tracker, [a], [0], [3], None) is None  # nobody asked
+    tracker.add("b", 3)
+    assert _segments(tracker, [a, b], [0, 0], [3, 1], None) is None  # a one-token prompt
+    tracker.add("a", None)  # asked, then queued again without
+    assert _segments(tracker, [a], [0], [3], None) is None
