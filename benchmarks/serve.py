@@ -8,6 +8,8 @@ question, a second level of shared prefix wherever a question fills a KV block o
 (with the default sizes it does not, and cascade plans the global level only).
 --repetition-penalty / --frequency-penalty / --presence-penalty give every request those
 SamplingParams penalties (jaxkv.penalties); their host cost shows in the prep column.
+--prompt-logprobs K asks every request for its prompt logprobs (jaxkv.prompt_logprobs):
+each then computes its whole prompt (no prefix-cache reads) and its prompt rows' logits.
 Runs four engines on the same model and workload: cascade attention on/off x prefix
 caching on/off, and reports per engine:
 
@@ -77,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument(
             f"--{name}-penalty", type=float, default=default, help="SamplingParams' of each"
         )
+    p.add_argument(
+        "--prompt-logprobs", type=int, default=None, help="SamplingParams' of each (k >= 0)"
+    )
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     p.add_argument(
@@ -102,6 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         penalties(args)
     except ValueError as e:  # named as SamplingParams names it, not a traceback mid-run
         p.error(str(e))
+    if (args.prompt_logprobs or 0) > EngineConfig.max_logprobs:  # the engines' default
+        p.error(f"--prompt-logprobs {args.prompt_logprobs} exceeds {EngineConfig.max_logprobs}")
     max_len, limit = max_model_len(args), PRESETS[args.preset].max_position_embeddings
     if max_len > limit:
         p.error(
@@ -148,12 +155,15 @@ def engine_config(args, cascade: bool, prefix_caching: bool) -> EngineConfig:
 
 
 def penalties(args: argparse.Namespace) -> dict[str, float]:
-    """The SamplingParams penalties the flags ask for; ValueError as SamplingParams's."""
+    """The SamplingParams penalties (and prompt logprobs) the flags ask for; ValueError
+    as SamplingParams's."""
     kwargs = {
         "repetition_penalty": args.repetition_penalty,
         "frequency_penalty": args.frequency_penalty,
         "presence_penalty": args.presence_penalty,
     }
+    if args.prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = args.prompt_logprobs
     SamplingParams(**kwargs)
     return kwargs
 
@@ -299,6 +309,8 @@ def main(argv=None) -> int:
             f" (penalties: repetition {args.repetition_penalty}, frequency "
             f"{args.frequency_penalty}, presence {args.presence_penalty})"
         )
+    if args.prompt_logprobs is not None:
+        samples += f" (prompt logprobs: {args.prompt_logprobs})"
     print(
         f"{args.num_requests} requests{samples}, system prompt {args.system_len} + question "
         f"{args.question_len} tokens, {args.max_tokens} generated; backend "

@@ -86,9 +86,9 @@ class EngineConfig:
     seed: default sampling seed of requests that give none, 64 bits as SamplingParams.seed
     (mixed with their index, and drawn in a stream of its own: no SamplingParams.seed
     replays an unseeded request).
-    max_logprobs: the most SamplingParams.logprobs a request may ask for (vLLM's default,
-    20); a batch where a request asks for any computes this many top tokens for all of its
-    rows, in a variant of its step program (at most one per shape).
+    max_logprobs: the most SamplingParams.logprobs, and prompt_logprobs, a request may ask
+    for (vLLM's default, 20); a batch where a request asks for any computes this many top
+    tokens for all of its rows (its prompt rows), in a variant of its step program.
     """
 
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
@@ -176,7 +176,8 @@ class EngineConfig:
         logprobs). Batches in which a request's stop tokens are banned (before its
         min_tokens) compile those shapes again for each ban width they use: the longest
         banned stop list rounded up to a power of two; batches with penalties, for each
-        width of their penalty table (jaxkv.penalties), likewise."""
+        width of their penalty table (jaxkv.penalties), and batches computing prompt
+        logprobs, for each of their row counts (jaxkv.prompt_logprobs), likewise."""
         return 2 * self.buckets.max_programs(
             self.q_len_buckets, pad_levels=self.pad_cascade_levels, cascade=self.enable_cascade
         )

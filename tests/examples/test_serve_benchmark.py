@@ -101,6 +101,8 @@ def test_samples_split_the_requests_into_questions_of_n_samples_each():
         (["--preset", "nope"], "invalid choice: 'nope'"),
         (["--presence-penalty", "3"], "presence_penalty=3.0 must be a number in [-2, 2]"),
         (["--repetition-penalty", "0"], "repetition_penalty=0.0 must be a number > 0"),
+        (["--prompt-logprobs", "-1"], "prompt_logprobs=-1 must be None or an int >= 0"),
+        (["--prompt-logprobs", "21"], "--prompt-logprobs 21 exceeds 20"),
     ],
 )
 def test_flags_the_engine_would_refuse_are_refused_by_name(argv, message, capsys):
