@@ -233,7 +233,7 @@ class Engine(Closable):
         """
         self._check_open()
         t0, c0 = time.perf_counter(), time.thread_time()
-        prompts = self._sampling.prompt_logprobs
+        prompt_logprobs = self._sampling.prompt_logprobs
         out = self.scheduler.schedule()
         n = out.num_requests
         if n == 0:
@@ -246,7 +246,8 @@ class Engine(Closable):
             c_plan = time.thread_time()
             order, md, input_ids, sampling, prompt = self._step_inputs(out, plan)
             width = self._sampling.logprob_width(out.requests)  # None: no logprobs
-            rows, prompt_width = (None, 0) if prompt is None else (prompt[0], prompts.width)
+            rows = None if prompt is None else prompt.rows
+            prompt_width = 0 if rows is None else prompt_logprobs.width
             key = program_key(md, sampling, width, rows)
             new_program = key not in self._programs
             t1, c1 = time.perf_counter(), time.thread_time()
@@ -258,8 +259,8 @@ class Engine(Closable):
                 )  # fmt: skip
                 if width is not None:
                     tokens, logprobs = tokens[0], StepLogprobs(tokens[1], n, order)
-                if prompt is not None:
-                    prompts.record(prompt[1], prompt_out)
+                if rows is not None:
+                    prompt_logprobs.record(prompt, prompt_out)
                 sampled = in_schedule_order(tokens, n, order)
             t2 = time.perf_counter()
         except BaseException:
@@ -274,7 +275,7 @@ class Engine(Closable):
             outputs = self.scheduler.update_from_output(out, sampled)
             if width is not None:
                 outputs = logprobs.attach(outputs, out.requests, self._sampling.logprobs)
-            outputs = prompts.attach(outputs, out.requests)
+            outputs = prompt_logprobs.attach(outputs, prompt)
             if self._samples:
                 outputs = self._samples.relabel(outputs)
         finally:  # also when an interrupt stops the connector's hand-over of finished ones

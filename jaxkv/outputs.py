@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 
@@ -20,8 +21,9 @@ class RequestOutput(NamedTuple):
     request's samples report under its id, each finish_reason its sample's, and
     finished is True on the last output of its last sample (jaxkv.parallel_sampling).
     prompt_logprobs is None except on the first output of a request that asked
-    (SamplingParams.prompt_logprobs; under n > 1 on sample 0's): one entry per prompt
-    token, None for the first (jaxkv.prompt_logprobs).
+    (SamplingParams.prompt_logprobs; under n > 1 on sample 0's): a read-only sequence
+    (jaxkv.prompt_logprobs.PromptLogprobList) of one entry per prompt token, None for
+    the first.
     A NamedTuple: one is made per request per step.
     """
 
@@ -31,7 +33,7 @@ class RequestOutput(NamedTuple):
     finish_reason: str | None
     logprobs: tuple[dict, ...] | None = None
     index: int = 0
-    prompt_logprobs: tuple[dict | None, ...] | None = None
+    prompt_logprobs: Sequence[dict | None] | None = None
 
 
 # RequestOutput from the tuple of its seven fields: what RequestOutput._make does, without
@@ -48,7 +50,9 @@ class CompletionOutput:
     request asked for logprobs, as in vLLM's CompletionOutput. index is the sample's
     index under SamplingParams.n > 1 (0 otherwise). prompt_logprobs is None unless the
     request asked (SamplingParams.prompt_logprobs), else as RequestOutput's, the same
-    for each sample of the prompt (vLLM's RequestOutput.prompt_logprobs)."""
+    for each sample of the prompt (vLLM's RequestOutput.prompt_logprobs); None too for
+    the samples of a request whose sample 0 was aborted on its own before its prompt
+    was computed (only sample 0 computes them)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -57,4 +61,4 @@ class CompletionOutput:
     logprobs: tuple[dict, ...] | None = None
     cumulative_logprob: float | None = None
     index: int = 0
-    prompt_logprobs: tuple[dict | None, ...] | None = None
+    prompt_logprobs: Sequence[dict | None] | None = None

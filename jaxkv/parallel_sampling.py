@@ -97,7 +97,7 @@ class ParallelSamples:
             if request.request_id in in_use:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
             scheduler.add_request(request)
-            sampling.add(request.request_id, params, default_seed)
+            sampling.add_request(request, default_seed)
             return
         ids = child_request_ids(request.request_id, n)
         taken = [rid for rid in (request.request_id, *ids) if rid in in_use]
@@ -122,9 +122,7 @@ class ParallelSamples:
                 scheduler.abort(rid)
             raise
         for i, sample in enumerate(samples):
-            sampling.add(
-                sample.request_id, sample.sampling_params, child_default_seed(default_seed, i)
-            )
+            sampling.add_request(sample, child_default_seed(default_seed, i))
         self._live[request.request_id] = set(ids)
         for i, rid in enumerate(ids):
             self._parent_of[rid] = (request.request_id, i)

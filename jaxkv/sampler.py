@@ -20,7 +20,7 @@ from jaxkv.logprobs import top_logprobs
 from jaxkv.min_tokens import StopTokenBans
 from jaxkv.penalties import TokenPenalties, apply_penalties
 from jaxkv.prompt_logprobs import PromptLogprobs
-from jaxkv.request import RequestStatus, SamplingParams
+from jaxkv.request import Request, RequestStatus, SamplingParams
 
 _SEED_MASK = 2**64 - 1  # a negative seed is taken modulo 2**64
 _WORD = 2**32
@@ -139,11 +139,17 @@ class SamplingRows:
         self._table[slot] = row
         self._bans.add(request_id, params)
         self._penalties.add(request_id, params)
-        self.prompt_logprobs.add(request_id, params.prompt_logprobs)
+        self.prompt_logprobs.discard(request_id)  # a reused id asks anew (add_request)
         if params.logprobs is not None:
             self.logprobs[request_id] = params.logprobs
         else:
             self.logprobs.pop(request_id, None)
+
+    def add_request(self, request: Request, default_seed: int) -> None:
+        """add() of a queued request, which also registers it for prompt logprobs if its
+        params ask (jaxkv.prompt_logprobs keeps the Request until its first output)."""
+        self.add(request.request_id, request.sampling_params, default_seed)
+        self.prompt_logprobs.add(request)
 
     def discard(self, request_id: str) -> None:
         slot = self._slots.pop(request_id, None)

@@ -33,7 +33,7 @@ def batch_inputs(
     backend: str,
     sampling_rows: SamplingRows,
 ):
-    """(order, metadata, input ids, sampling arrays, prompt-logprob rows and segments or
+    """(order, metadata, input ids, sampling arrays, jaxkv.prompt_logprobs.PromptStep or
     None) of a scheduled batch in plan order, for an engine's step program. `order` is
     None when the plan keeps schedule order, else the plan's permutation."""
     n = out.num_requests

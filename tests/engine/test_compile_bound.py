@@ -44,7 +44,7 @@ def test_a_long_random_run_stays_within_max_step_programs():
     def recording(out, plan):
         inputs = build(out, plan)
         width = engine._sampling.logprob_width(out.requests)
-        keys.add(program_key(inputs[1], inputs[3], width, inputs[4] and inputs[4][0]))
+        keys.add(program_key(inputs[1], inputs[3], width, inputs[4] and inputs[4].rows))
         return inputs
 
     engine._step_inputs = recording

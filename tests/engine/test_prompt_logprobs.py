@@ -50,6 +50,9 @@ def check_prompt_logprobs(prompt, entries, k) -> None:
     if len(prompt) == 1:
         return
     ref = _reference(prompt)
+    if hasattr(entries, "token_logprobs"):  # the scoring view: the prompt tokens' own
+        own = ref[np.arange(len(prompt) - 1), prompt[1:]]
+        assert np.abs(entries.token_logprobs() - own).max() < 1e-4
     for row, token, entry in zip(ref, prompt[1:], entries[1:], strict=True):
         ids = list(entry)
         assert ids[0] == token

@@ -8,6 +8,7 @@ import numpy as np
 
 from jaxkv import KVCacheManager, Request, SamplingParams
 from jaxkv.prompt_logprobs import PromptLogprobs
+from jaxkv.request import RequestStatus
 from tests.host._sched_util import FakeCopier, OracleLoadConnector, add, make_scheduler, step
 
 BS = 4
@@ -73,17 +74,19 @@ def _segments(tracker, requests, computed, scheduled, order):
 
 def test_rows_follow_the_batch_order_and_stop_before_the_last_prompt_token():
     tracker = PromptLogprobs(5)
-    a = Request("a", [10, 11, 12, 13, 14, 15])
+    a = Request("a", [10, 11, 12, 13, 14, 15], SamplingParams(prompt_logprobs=2))
     b = Request("b", [20, 21, 22])
-    c = Request("c", [30, 31, 32, 33])
-    for request, k in ((a, 2), (c, 0)):
-        tracker.add(request.request_id, k)
+    c = Request("c", [30, 31, 32, 33], SamplingParams(prompt_logprobs=0))
+    for request in (a, c):
+        request.status = RequestStatus.RUNNING
+        tracker.add(request)
     # Schedule order a, b, c; the batch runs c, a, b. a computes positions 2..5 (its last
     # prompt token's logits are the sampler's), c its first chunk, positions 0..1.
     order = np.array([2, 0, 1])
-    rows, segments = _segments(tracker, [a, b, c], [2, 0, 0], [4, 3, 2], order)
+    rows, segments, completing = _segments(tracker, [a, b, c], [2, 0, 0], [4, 3, 2], order)
     # batch rows: c at 0..1, a at 2..5, b at 6..8
-    assert segments == [("a", 6, 2, 5, 0), ("c", 4, 0, 2, 3)]
+    assert segments == [("a", 2, 5, 0), ("c", 0, 2, 3)]
+    assert completing == {"a"}  # its prompt is computed this step: its first output
     assert rows.indices[:5].tolist() == [2, 3, 4, 0, 1]
     assert rows.targets[:5].tolist() == [13, 14, 15, 31, 32]
     assert rows.indices.shape == (64,) and not rows.indices[5:].any()
@@ -91,9 +94,13 @@ def test_rows_follow_the_batch_order_and_stop_before_the_last_prompt_token():
 
 def test_no_rows_when_nobody_in_the_batch_is_owed_any():
     tracker = PromptLogprobs(5)
-    a, b = Request("a", [1, 2, 3]), Request("b", [4])
+    a = Request("a", [1, 2, 3])
+    b = Request("b", [4], SamplingParams(prompt_logprobs=3))
     assert _segments(tracker, [a], [0], [3], None) is None  # nobody asked
-    tracker.add("b", 3)
-    assert _segments(tracker, [a, b], [0, 0], [3, 1], None) is None  # a one-token prompt
-    tracker.add("a", None)  # asked, then queued again without
-    assert _segments(tracker, [a], [0], [3], None) is None
+    tracker.add(b)
+    assert _segments(tracker, [a, b], [0, 0], [3, 1], None) is None  # b is not running yet
+    b.status = RequestStatus.RUNNING
+    step = _segments(tracker, [a, b], [0, 0], [3, 1], None)
+    assert step.rows is None and step.segments == [] and step.completing == {"b"}
+    tracker.add(Request("b", [4]))  # queued again without asking
+    assert _segments(tracker, [a, b], [0, 0], [3, 1], None) is None

@@ -1,0 +1,28 @@
+"""benchmarks/prompt_logprobs.py end to end at a tiny size: its table and JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.prompt_logprobs import CASES, main, parse_args
+
+
+def test_a_tiny_run_measures_every_case_against_the_baseline(tmp_path, capsys):
+    out = tmp_path / "prompt_logprobs.json"
+    argv = ["--num-requests", "2", "--prompt-len", "16", "--max-num-batched-tokens", "64"]
+    argv += ["--repeats", "2"]
+    assert main([*argv, "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["prompt_logprobs"] for r in results] == list(CASES)
+    assert results[0]["ratio_to_none"] == 1.0 and results[0]["head_gflop"] == 0.0
+    assert all(r["tokens"] == 2 * 16 and r["num_steps"] == 1 for r in results)
+    assert all(r["head_gflop"] > 0 for r in results[1:])
+    assert "prompt_logprobs" in capsys.readouterr().out
+
+
+def test_a_prompt_longer_than_the_model_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--prompt-len", "1023"])
+    assert "--prompt-len 1023 + 2 exceeds" in capsys.readouterr().err
