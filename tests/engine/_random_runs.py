@@ -6,15 +6,16 @@ aborts at random steps (in whatever state the request is then), a tight or roomy
 a token budget from 8 to 64 tokens, and with or without an asynchronous host offload
 whose copies land a random number of steps late. Some requests stop at a token of their
 greedy continuation, some of those only after min_tokens (the ban changes their path),
-some ask for logprobs, and some for 2 or 3 samples (SamplingParams.n). The
+some ask for logprobs, some for prompt logprobs (they then read no cached KV), and some
+for 2 or 3 samples (SamplingParams.n). The
 configurations stay within tests.engine._util's bucket sizes, so the runs share their
 step programs with the other engine tests.
 
 `serve` runs one on an engine, or on a router over engines, and checks every engine's
 bookkeeping after every step; `assert_dense_tokens` checks that every request generated
 exactly the dense model's greedy tokens (an aborted one, those it had before the abort)
-under its stop tokens and min_tokens, in each of its samples, and the logprobs of the
-dense model's logits.
+under its stop tokens and min_tokens, in each of its samples, and the logprobs and
+prompt logprobs of the dense model's logits.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from tests.engine._util import (
     VOCAB,
     dense_decode,
     dense_greedy,
+    dense_logits,
     make_engine,
 )
 
@@ -51,6 +53,7 @@ class Arrival:
     min_tokens: int = 0
     logprobs: int | None = None
     n: int = 1
+    prompt_logprobs: int | None = None
 
     @property
     def params(self) -> SamplingParams:
@@ -60,6 +63,7 @@ class Arrival:
             min_tokens=self.min_tokens,
             logprobs=self.logprobs,
             n=self.n,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -79,6 +83,8 @@ class Served:
     aborted: set[str]
     # By (request id, sample index): the logprobs of those that asked, each finish_reason.
     logprobs: dict[tuple[str, int], list[dict]] = dataclasses.field(default_factory=dict)
+    # By request id: the prompt logprobs of those that asked and got them.
+    prompt_logprobs: dict[str, object] = dataclasses.field(default_factory=dict)
     finish_reasons: dict[tuple[str, int], str] = dataclasses.field(default_factory=dict)
 
 
@@ -103,6 +109,13 @@ def draw_run(seed: int) -> RandomRun:
     num_blocks = TIGHT_BLOCKS if rng.random() < 0.4 else ROOMY_BLOCKS
     copy_delay = int(rng.integers(0, 6)) if rng.random() < 0.5 else None
     arrivals = _with_sampling_params(arrivals, np.random.default_rng((seed, 2)))
+    prompt_rng = np.random.default_rng((seed, 3))  # a stream apart: the others stay as drawn
+    arrivals = [
+        dataclasses.replace(a, prompt_logprobs=int(prompt_rng.choice([0, 3])))
+        if prompt_rng.random() < 0.2
+        else a
+        for a in arrivals
+    ]
     return RandomRun(arrivals, abort_at, num_blocks, int(rng.choice([8, 16, 32, 64])), copy_delay)
 
 
@@ -181,6 +194,9 @@ def serve(run: RandomRun, engines: list[Engine], driver=None) -> Served:
                 served.logprobs[sample].extend(o.logprobs)
             else:
                 assert o.logprobs is None, o
+            if o.prompt_logprobs is not None:
+                assert o.index == 0 and o.request_id not in served.prompt_logprobs, o
+                served.prompt_logprobs[o.request_id] = o.prompt_logprobs
             if o.finish_reason is not None:
                 assert sample not in served.finish_reasons, f"{o}: that sample had ended"
                 served.finish_reasons[sample] = o.finish_reason
@@ -198,7 +214,8 @@ def assert_dense_tokens(run: RandomRun, served: Served) -> None:
     """Every request of `run` generated the dense model's greedy tokens under its stop
     tokens and min_tokens: all of them when it was not aborted, a leading part of them
     (possibly none) when it was; it finished for the oracle's reason; and the logprobs
-    of a request that asked are the dense model's (assert_dense_logprobs)."""
+    and prompt logprobs of a request that asked are the dense model's
+    (assert_dense_logprobs); an aborted request may have got no prompt logprobs."""
     arrivals = run.arrivals
     expected, rows = dense_decode(
         [a.prompt for a in arrivals],
@@ -219,9 +236,23 @@ def assert_dense_tokens(run: RandomRun, served: Served) -> None:
                 assert len(served.logprobs[sample]) == len(got), sample
                 for token, entry, row in zip(got, served.logprobs[sample], want_rows, strict=False):
                     assert_dense_logprobs(entry, token, a.logprobs, row)
+        entries = served.prompt_logprobs.get(a.request_id)
+        if a.prompt_logprobs is None or (entries is None and a.request_id in served.aborted):
+            assert entries is None, a.request_id
+            continue
+        assert entries is not None and len(entries) == len(a.prompt) and entries[0] is None
+        rows = _log_softmax(dense_logits([a.prompt[: p + 1] for p in range(len(a.prompt) - 1)]))
+        for token, entry, row in zip(a.prompt[1:], entries[1:], rows, strict=True):
+            assert_dense_logprobs(entry, token, a.prompt_logprobs, row)
 
 
 LOGPROB_TOL = 1e-4  # the paged and dense forward passes differ by float rounding
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:  # f64 rows
+    logits = logits.astype(np.float64)
+    top = logits.max(axis=-1, keepdims=True)
+    return logits - top - np.log(np.exp(logits - top).sum(axis=-1, keepdims=True))
 
 
 def assert_dense_logprobs(entry: dict, token: int, k: int, row: np.ndarray) -> None:

@@ -47,6 +47,7 @@ def test_a_random_run_generates_the_dense_models_tokens_and_frees_every_block(se
 
 def test_the_seeds_between_them_preempt_reload_abort_and_cascade():
     paths = ("preempt", "reload", "abort", "cascade", "stop", "ban", "logprobs", "samples")
+    paths += ("prompt_logprobs",)
     seen = dict.fromkeys(paths, 0)
     for seed in SEEDS:
         run, served = served_run(seed)
@@ -61,5 +62,6 @@ def test_the_seeds_between_them_preempt_reload_abort_and_cascade():
             seen["ban"] += any(t in a.stop_token_ids for t in dense_greedy_of(a)[: a.min_tokens])
             seen["logprobs"] += len(served.logprobs.get((a.request_id, 0), ()))
             seen["samples"] += a.n > 1 and a.request_id not in served.aborted
+            seen["prompt_logprobs"] += a.request_id in served.prompt_logprobs
         served.engines[0].close()
     assert all(seen.values()), seen
