@@ -8,6 +8,7 @@ hashes and prints as one built from Python ints.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 
@@ -77,3 +78,25 @@ def increasing_sizes(values) -> tuple[int, ...] | None:
     if any(n < 1 for n in sizes) or any(a >= b for a, b in zip(sizes, sizes[1:], strict=False)):
         return None
     return sizes
+
+
+def as_float(value) -> float:
+    """A real number (not a bool) as a Python float; NaN for anything else, and for one
+    too large for a float (10**400)."""
+    if not is_real(value):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:
+        return math.nan
+
+
+def is_finite_number(value) -> bool:
+    """A finite real number (not a bool); False for an int too large for a float (10**400,
+    where math.isfinite raises OverflowError)."""
+    if not is_real(value):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import enum
-import math
 import operator
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from jaxkv.field_checks import is_real
+from jaxkv.field_checks import as_float, is_finite_number, is_real
 from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key
 
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -89,7 +88,7 @@ class SamplingParams:
         max_tokens, top_k = _int_or_none(self.max_tokens), _int_or_none(self.top_k)
         if self.max_tokens is not None and (max_tokens is None or max_tokens < 1):
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1 or None")
-        temperature = _as_float(self.temperature)  # 10**400 overflows a float: NaN
+        temperature = as_float(self.temperature)  # 10**400 overflows a float: NaN
         if not 0.0 <= temperature <= _FLOAT32_MAX:  # the sampler divides in float32
             raise ValueError(f"temperature={self.temperature!r} must be >= 0 and finite in float32")
         if top_k == -1:
@@ -129,7 +128,7 @@ class SamplingParams:
         if n is None or n < 1:
             raise ValueError(f"n={self.n!r} must be an int >= 1")
         for name in ("presence_penalty", "frequency_penalty"):
-            value = _as_float(getattr(self, name))
+            value = as_float(getattr(self, name))
             if not -2.0 <= value <= 2.0:  # NaN fails too
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a number in [-2, 2]")
             object.__setattr__(self, name, value)
@@ -137,7 +136,7 @@ class SamplingParams:
         # would round them to 0 and inf, letting 0 and inf through. The sampler divides by
         # it in float32: one below float32's smallest normal number (1.2e-38) would be 0
         # or subnormal there, and turn every positive logit into inf.
-        repetition = _as_float(self.repetition_penalty)
+        repetition = as_float(self.repetition_penalty)
         if not _FLOAT32_TINY <= repetition <= _FLOAT32_MAX:
             raise ValueError(
                 f"repetition_penalty={self.repetition_penalty!r} must be a number > 0, normal "
@@ -227,7 +226,7 @@ class Request:
                 f"sampling_params={sampling_params!r} of {request_id!r} must be None or "
                 "a SamplingParams"
             )
-        if arrival_time is not None and not (is_real(arrival_time) and _finite(arrival_time)):
+        if arrival_time is not None and not is_finite_number(arrival_time):
             raise ValueError(f"{arrival_time=} of {request_id!r} must be None or a finite number")
         self.request_id = request_id
         self.prompt_token_ids: tuple[int, ...] = tuple(prompt)
@@ -370,22 +369,3 @@ def _int_or_none(value) -> int | None:
         return operator.index(value)
     except TypeError:  # e.g. a numpy array of more than one element
         return None
-
-
-def _as_float(value) -> float:
-    """A real number (not a bool) as a Python float; NaN for anything else, and for one
-    too large for a float (10**400)."""
-    if not is_real(value):
-        return math.nan
-    try:
-        return float(value)
-    except OverflowError:
-        return math.nan
-
-
-def _finite(value) -> bool:
-    """math.isfinite, False for an int too large for a float (10**400 raised OverflowError)."""
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
