@@ -134,6 +134,7 @@ def run_to_completion(
         for sp, n in zip(params_list, counts, strict=True)
     ]
     reasons: list[list[str | None]] = [[None] * n for n in counts]
+    stop_reasons: list[list[int | str | None]] = [[None] * n for n in counts]
     prompt_logprobs: list[tuple | None] = [None] * len(ids)  # from a sample's first output
     done = [False] * len(ids)
     remaining = len(ids)
@@ -155,6 +156,7 @@ def run_to_completion(
                     prompt_logprobs[i] = o.prompt_logprobs
                 if o.finish_reason is not None:
                     reasons[i][o.index] = o.finish_reason
+                    stop_reasons[i][o.index] = o.stop_reason
                 if o.finished:
                     done[i] = True
                     remaining -= 1
@@ -179,6 +181,7 @@ def run_to_completion(
             *_with_cumulative(tokens[i][k], None if logprobs[i] is None else logprobs[i][k]),
             index=k,
             prompt_logprobs=prompt_logprobs[i],
+            stop_reason=stop_reasons[i][k],
         )
         for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
         for k in range(counts[i])

@@ -21,6 +21,7 @@ import functools
 import time
 import weakref
 from collections.abc import Callable, Container, Iterable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -52,6 +53,7 @@ from jaxkv.scheduler import Scheduler, SchedulerOutput
 from jaxkv.sharding import mesh_for, shard_model, tensor_parallel_of
 from jaxkv.step_inputs import batch_inputs, in_schedule_order, program_key
 from jaxkv.step_program import step_program
+from jaxkv.stop_strings import StopStrings
 
 
 class Engine(Closable):
@@ -63,6 +65,8 @@ class Engine(Closable):
     `tensor_parallel_size` (a mesh over the first that many devices) runs the model
     tensor-parallel (jaxkv.sharding); None of both: as the model is placed (one that
     jaxkv.sharding.shard_model returned keeps its mesh), else the default device.
+    `tokenizer` (anything with decode(token_ids) -> str) reads the output text that
+    SamplingParams.stop strings are looked for in; without one, stop strings are refused.
     Not thread-safe: one thread drives the engine. close() (or leaving a `with` block)
     frees its device memory at once.
     """
@@ -76,8 +80,10 @@ class Engine(Closable):
         connector: KVConnector | None = None,
         mesh: jax.sharding.Mesh | None = None,
         tensor_parallel_size: int | None = None,
+        tokenizer: Any = None,
     ) -> None:
         config = checked_engine_args(model, params, config, connector)
+        stop_strings = None if tokenizer is None else StopStrings(tokenizer)  # checks it
         mc = model.config
         sc, cc = config.scheduler, config.cache
         if sc.max_model_len > mc.max_position_embeddings:
@@ -121,6 +127,8 @@ class Engine(Closable):
         )
         self.connector = connector if connector is not None else KVConnector()
         self.scheduler = Scheduler(sc, self.manager, self.connector)
+        self.scheduler.stop_strings = stop_strings
+        self.tokenizer = tokenizer
         self.kv_caches = model.init_kv_caches(cc.num_blocks, cc.block_size, cc.kv_dtype)
         self.buckets = config.buckets
         self.planner = CascadePlanner(
@@ -168,9 +176,9 @@ class Engine(Closable):
         are invalid or the id is in use (unfinished, or finished or aborted with a KV
         copy in flight: drain_transfers frees it). Requests share cached KV only if their
         `cache_salt` (e.g. one per tenant) is equal: None is a salt of its own. A request
-        stops at the model's eos_token_ids unless params.ignore_eos. Under params.n > 1
-        its n samples are queued (ids "0_<id>" to "<n-1>_<id>", in use too) and report
-        under its id."""
+        stops at the model's eos_token_ids unless params.ignore_eos; params.stop strings
+        need the engine's tokenizer. Under params.n > 1 its n samples are queued (ids
+        "0_<id>" to "<n-1>_<id>", in use too) and report under its id."""
         self._check_open()
         prompt = checked_prompt_ids(prompt_token_ids, limit=self.vocab_size)
         sampling_params = checked_sampling_params(sampling_params, self.model_config, self.config)

@@ -17,14 +17,16 @@ def engine_replicas(
     num_replicas: int | None = None,
     devices: Sequence[Any] | None = None,
     params: Any = None,
+    tokenizer: Any = None,
 ) -> list[Any]:
     """Engines over consecutive groups of `tensor_parallel_size` devices (default: all of
     jax.devices()), one per group, at most `num_replicas`. Each engine holds its own copy
     of the weights and its own KV cache on its group. Replica i gets `config` with seed
     config.seed + i, so requests without a seed of their own draw different random
     streams on different replicas (with one seed, the n-th request of every replica would
-    sample the same tokens). Raises ValueError naming both numbers when the TP size does
-    not divide the device count, or too few groups exist."""
+    sample the same tokens). Each engine gets `tokenizer` (Engine's). Raises ValueError
+    naming both numbers when the TP size does not divide the device count, or too few
+    groups exist."""
     from jaxkv.config import EngineConfig
     from jaxkv.engine import Engine
     from jaxkv.sharding import replica_meshes
@@ -46,6 +48,8 @@ def engine_replicas(
         raise ValueError(f"config={config!r} must be None or an EngineConfig")
     seeds = [(config.seed + i) % 2**64 for i in range(len(meshes))]  # within EngineConfig's
     return [
-        Engine(model, params, dataclasses.replace(config, seed=seed), mesh=mesh)
+        Engine(
+            model, params, dataclasses.replace(config, seed=seed), mesh=mesh, tokenizer=tokenizer
+        )
         for seed, mesh in zip(seeds, meshes, strict=True)
     ]

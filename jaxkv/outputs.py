@@ -23,7 +23,9 @@ class RequestOutput(NamedTuple):
     prompt_logprobs is None except on the first output of a request that asked
     (SamplingParams.prompt_logprobs; under n > 1 on sample 0's): a read-only sequence
     (jaxkv.prompt_logprobs.PromptLogprobList) of one entry per prompt token, None for
-    the first.
+    the first. stop_reason is what stopped a request that finished with "stop": the stop
+    token's id (EOS too; vLLM gives None for EOS) or the stop string
+    (SamplingParams.stop), else None.
     A NamedTuple: one is made per request per step.
     """
 
@@ -34,9 +36,10 @@ class RequestOutput(NamedTuple):
     logprobs: tuple[dict, ...] | None = None
     index: int = 0
     prompt_logprobs: Sequence[dict | None] | None = None
+    stop_reason: int | str | None = None
 
 
-# RequestOutput from the tuple of its seven fields: what RequestOutput._make does, without
+# RequestOutput from the tuple of its eight fields: what RequestOutput._make does, without
 # the NamedTuple's Python-level __new__ (half the cost of one; one per request per step).
 request_output_of = functools.partial(tuple.__new__, RequestOutput)
 
@@ -52,7 +55,7 @@ class CompletionOutput:
     request asked (SamplingParams.prompt_logprobs), else as RequestOutput's, the same
     for each sample of the prompt (vLLM's RequestOutput.prompt_logprobs); None too for
     the samples of a request whose sample 0 was aborted on its own before its prompt
-    was computed (only sample 0 computes them)."""
+    was computed (only sample 0 computes them). stop_reason is RequestOutput's."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -62,3 +65,4 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     index: int = 0
     prompt_logprobs: Sequence[dict | None] | None = None
+    stop_reason: int | str | None = None

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 from jaxkv.field_checks import as_float, is_finite_number, is_real
 from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key
+from jaxkv.stop_strings import checked_stop_strings
 
 _FLOAT32_MAX = 3.4028234663852886e38
 _FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
@@ -66,6 +67,8 @@ class SamplingParams:
     positive, else multiplied by it, when the token is in the prompt or the output so
     far; then frequency_penalty times its count in the output, and presence_penalty if
     it is there at all, are subtracted. 0, 0 and 1 change nothing.
+    stop: strings (one str or a sequence) whose appearance in the output text ends the
+    request, as vLLM's (jaxkv.stop_strings); an Engine needs a tokenizer to read them.
     """
 
     max_tokens: int | None = 16
@@ -82,6 +85,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     prompt_logprobs: int | None = None
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         """Checks every field; integers (numpy ones too) are stored as Python ints."""
@@ -156,6 +160,7 @@ class SamplingParams:
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "stop_token_ids", stop)
+        object.__setattr__(self, "stop", checked_stop_strings(self.stop))
 
     @property
     def has_penalties(self) -> bool:
@@ -195,6 +200,7 @@ class Request:
         "num_preemptions",
         "block_hashes",
         "queued",
+        "stop_text",
         "_all_token_ids",
         "_hash_config",
     )
@@ -240,6 +246,7 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
         self.queued = False  # set by the Scheduler that takes it: one serves it, once
+        self.stop_text = None  # output text decoded for stop strings (jaxkv.stop_strings)
         self._all_token_ids: list[int] = prompt
         self._hash_config: tuple[int, int] | None = None  # (block_size, seed) of block_hashes
 

@@ -43,6 +43,7 @@ def apply_sampled_tokens(
     carry = DecodeCarry([], [], []) if output.requests == scheduler.running else None
     bs = scheduler.manager.block_size
     cache_offset = bs - 1 if scheduler.manager.enable_prefix_caching else 0
+    stop_strings = scheduler.stop_strings  # None: no request has any
     for request, n, token in zip(
         output.requests, output.num_scheduled_tokens.tolist(), tokens, strict=True
     ):
@@ -70,7 +71,14 @@ def apply_sampled_tokens(
         params = request.sampling_params
         # The sampler bans stop tokens before min_tokens (jaxkv.min_tokens); should a row
         # have nothing else left to sample, the stop token still does not stop it early.
+        stop_reason = None
         if token in params.stop_token_ids and len(output_ids) > params.min_tokens:
+            request.status, stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif (
+            stop_strings is not None
+            and params.stop
+            and (stop_reason := stop_strings.matched(request)) is not None
+        ):
             request.status = RequestStatus.FINISHED_STOPPED
         elif computed + 1 >= max_len or (
             params.max_tokens is not None and len(output_ids) >= params.max_tokens
@@ -78,7 +86,7 @@ def apply_sampled_tokens(
             request.status = RequestStatus.FINISHED_LENGTH
         else:
             outputs.append(
-                request_output_of((request.request_id, (token,), False, None, None, 0, None))
+                request_output_of((request.request_id, (token,), False, None, None, 0, None, None))
             )
             if carry is not None:
                 carry.num_computed.append(computed)
@@ -90,7 +98,9 @@ def apply_sampled_tokens(
         finished.append(request)
         reason = _FINISH_REASONS[request.status]
         outputs.append(
-            request_output_of((request.request_id, (token,), True, reason, None, 0, None))
+            request_output_of(
+                (request.request_id, (token,), True, reason, None, 0, None, stop_reason)
+            )
         )
     scheduler._count(
         num_prompt_tokens_computed=num_prompt,

@@ -1,0 +1,105 @@
+"""Stop strings (SamplingParams.stop), as vLLM's: a request stops once the text of its
+output contains one of them.
+
+jaxkv serves token ids; the text comes from a tokenizer the engine is given (anything
+with `decode(token_ids) -> str`, e.g. jaxkv.models.ByteTokenizer or a Hugging Face
+tokenizer). StopStrings decodes each such request's output incrementally, as vLLM's
+detokenizer does: the new tokens with a few before them for context, and text that ends
+in U+FFFD (a character cut between tokens) waits for the next token. A stop string is
+searched for only where it would end in the text the newest tokens added (so a string
+spanning tokens is found, and one found before is not found again), and only once the
+request has at least min_tokens output tokens. The output token ids end with
+the token that completed the string, as vLLM's do; finish_reason is "stop" and
+stop_reason the string. jaxkv returns no text: a caller cuts its decoded text at the
+string itself.
+
+The decoded text lives on the Request (Request.stop_text), so it is dropped with it and a
+preempted request keeps it (its output tokens do not change).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxkv.request import Request
+
+_CONTEXT_TOKENS = 5  # tokens decoded before the new ones, for tokenizers that join words
+
+
+def checked_stop_strings(stop) -> tuple[str, ...]:
+    """SamplingParams.stop as a tuple: None (none), one str or a sequence of them, each
+    non-empty. Raises ValueError naming the field otherwise."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    try:
+        if isinstance(stop, (bytes, bytearray, Mapping)):  # bytes would be its int values
+            raise TypeError
+        strings = tuple(stop)
+    except TypeError:
+        strings = (None,)
+    if not all(isinstance(s, str) and s for s in strings):
+        raise ValueError(f"stop={stop!r} must be a str or a sequence of non-empty str")
+    return strings
+
+
+class DecodedText:
+    """One request's output text so far, decoded incrementally (vLLM's offsets)."""
+
+    __slots__ = ("text", "prefix_offset", "read_offset")
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.prefix_offset = 0  # first token of the context decoded with the new ones
+        self.read_offset = 0  # tokens whose text is in `text`
+
+    def update(self, decode, token_ids: list[int]) -> int:
+        """Appends the text of the tokens past read_offset; returns where it starts in
+        `text` (len(text) when none could be added yet)."""
+        start = len(self.text)
+        if len(token_ids) <= self.read_offset:
+            return start
+        prefix = decode(token_ids[self.prefix_offset : self.read_offset])
+        full = decode(token_ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self.read_offset = len(token_ids)
+            self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)
+        return start
+
+
+class StopStrings:
+    """Finds requests' stop strings in their output text, decoded with `tokenizer`."""
+
+    def __init__(self, tokenizer) -> None:
+        decode = getattr(tokenizer, "decode", None)
+        if not callable(decode):
+            raise ValueError(f"tokenizer={tokenizer!r} must have a decode(token_ids) method")
+        text = decode([])
+        if not isinstance(text, str):
+            raise ValueError(f"tokenizer.decode([]) returned {text!r}, not a str")
+        self.tokenizer = tokenizer
+        self._decode = decode
+
+    def matched(self, request: Request) -> str | None:
+        """The stop string the request's newest output token completed, if any: the one
+        that starts first in its text (on a tie, the first listed). Call once per new
+        output token, after it is appended."""
+        state = request.stop_text
+        if state is None:
+            state = request.stop_text = DecodedText()
+        output = request.output_token_ids
+        new_from = state.update(self._decode, output)
+        params = request.sampling_params
+        if len(output) < params.min_tokens or new_from == len(state.text):
+            return None
+        text = state.text
+        found = [  # each string where it would end in the new text, not before
+            (i, n, s)
+            for n, s in enumerate(params.stop)
+            if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0
+        ]
+        return min(found)[2] if found else None

@@ -1,0 +1,190 @@
+"""Stop strings (SamplingParams.stop) against an oracle over the dense model's bytes.
+
+The tiny model's tokens are bytes (jaxkv.models.ByteTokenizer decodes them). The oracle
+searches the greedy continuation's raw bytes for an ASCII stop string (ASCII bytes decode
+to themselves whatever surrounds them): the request must end with the token that
+completes the first occurrence ending at or after min_tokens tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv import SamplingParams
+from jaxkv.engine import Engine
+from jaxkv.models import ByteTokenizer
+from jaxkv.request import Request
+from jaxkv.router import PrefixAwareRouter
+from jaxkv.stop_strings import DecodedText, StopStrings
+from tests.engine._util import (
+    BLOCK_SIZE,
+    TIGHT_BLOCKS,
+    assert_all_blocks_free,
+    dense_greedy,
+    engine_config,
+    prompts_for,
+    tiny_model,
+)
+
+MAX_TOKENS = 24
+TOKENIZER = ByteTokenizer()
+
+
+def _engine(**config) -> Engine:
+    return Engine(tiny_model(), None, engine_config(**config), tokenizer=TOKENIZER)
+
+
+def _oracle_length(tokens: list[int], stops: tuple[str, ...], min_tokens: int = 0) -> int | None:
+    """Output tokens up to the one completing the first stop string that ends at or after
+    min_tokens tokens (None: no stop string ends in `tokens`)."""
+    data = bytes(tokens)
+    ends = []
+    for s in stops:
+        needle, start = s.encode("ascii"), 0
+        while (at := data.find(needle, start)) >= 0:
+            if at + len(needle) >= max(min_tokens, 1):
+                ends.append(at + len(needle))
+                break
+            start = at + 1
+    return min(ends) if ends else None
+
+
+def _ascii_stops(tokens: list[int]) -> list[str]:
+    """Two-character ASCII strings of the continuation, in order of appearance."""
+    return [
+        bytes(tokens[i : i + 2]).decode("ascii")
+        for i in range(len(tokens) - 1)
+        if all(32 <= t < 127 for t in tokens[i : i + 2])
+    ]
+
+
+def _cases():
+    """(prompt, its greedy tokens, stop strings, min_tokens) for prompts whose greedy
+    continuation holds ASCII pairs to stop at: the first pair, a later one with a string
+    that never occurs listed first, and the first pair again past min_tokens."""
+    prompts = prompts_for("none", seed=3) + prompts_for("shared", seed=3)
+    cases = []
+    for prompt, tokens in zip(prompts, dense_greedy(prompts, MAX_TOKENS), strict=True):
+        pairs = _ascii_stops(tokens)
+        if len(pairs) < 2:
+            continue
+        cases.append((prompt, tokens, (pairs[0],), 0))
+        cases.append((prompt, tokens, ("\x00never", pairs[-1]), 0))
+        past = min(tokens.index(ord(pairs[0][1])) + 2, MAX_TOKENS)
+        cases.append((prompt, tokens, (pairs[0],), past))
+    assert len(cases) >= 6, "too few ASCII pairs: pick a new seed"
+    return cases
+
+
+@pytest.mark.parametrize("config", [{}, {"num_blocks": TIGHT_BLOCKS}], ids=["roomy", "preempted"])
+def test_requests_end_with_the_token_completing_the_first_stop_string(config):
+    cases = _cases()
+    engine = _engine(**config)
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, stop=stops, min_tokens=min_tokens)
+        for _, _, stops, min_tokens in cases
+    ]
+    outs = engine.generate([c[0] for c in cases], params, progress=False)
+    stopped = 0
+    for (_, tokens, stops, min_tokens), out in zip(cases, outs, strict=True):
+        length = _oracle_length(tokens, stops, min_tokens)
+        if length is None:
+            assert list(out.output_token_ids) == tokens and out.finish_reason == "length"
+            assert out.stop_reason is None
+            continue
+        stopped += 1
+        assert list(out.output_token_ids) == tokens[:length]
+        assert out.finish_reason == "stop"
+        text = TOKENIZER.decode(out.output_token_ids)
+        assert out.stop_reason in stops and text.endswith(out.stop_reason)
+    assert stopped >= 4
+    if config:
+        assert engine.metrics.num_preemptions > 0
+    assert_all_blocks_free(engine)
+
+
+def test_stop_strings_pass_through_the_router_and_samples():
+    (prompt, tokens, stops, _), *_ = _cases()
+    engines = [_engine(), _engine()]
+    router = PrefixAwareRouter(engines, block_size=BLOCK_SIZE)
+    params = SamplingParams(max_tokens=MAX_TOKENS, stop=stops, n=2)
+    outs = router.generate([prompt], params, progress=False)
+    length = _oracle_length(tokens, stops)
+    assert [list(o.output_token_ids) for o in outs] == [tokens[:length]] * 2
+    assert [o.stop_reason for o in outs] == [stops[0]] * 2
+
+
+def test_a_stop_token_reports_its_id_and_other_finishes_none():
+    (prompt, tokens, _, _), *_ = _cases()
+    engine = _engine()
+    outs = engine.generate(
+        [prompt, prompt],
+        [SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=[tokens[3]]), SamplingParams()],
+        progress=False,
+    )
+    assert outs[0].finish_reason == "stop" and outs[0].stop_reason == tokens[3]
+    assert outs[1].finish_reason == "length" and outs[1].stop_reason is None
+
+
+def test_text_is_decoded_incrementally_and_a_cut_character_waits():
+    decode, ids, state = TOKENIZER.decode, [], DecodedText()
+    for token, text in zip(
+        b"a" + "é".encode() + "€b".encode(),
+        ["a", "a", "aé", "aé", "aé", "aé€", "aé€b"],
+        strict=True,
+    ):
+        ids.append(token)
+        state.update(decode, ids)
+        assert state.text == text
+
+
+def test_a_string_is_found_where_it_ends_in_new_text_only():
+    stops = StopStrings(TOKENIZER)
+    request = Request("r", [1], SamplingParams(stop=("c", "bc", "xyz")))
+    found = []
+    for token in b"abcxyzc":
+        request.append_output_token_ids(token)
+        found.append(stops.matched(request))
+    # "c" and "bc" end at the same token: "bc", listed later, starts first; "xyz" spans
+    # three tokens; "bc" is not found again once "c" (a shorter string) ends later.
+    assert found == [None, None, "bc", None, None, "xyz", "c"]
+
+
+def test_min_tokens_hides_strings_that_end_before_it():
+    stops = StopStrings(TOKENIZER)
+    request = Request("r", [1], SamplingParams(stop=("ab",), min_tokens=3, max_tokens=9))
+    found = []
+    for token in b"abab":
+        request.append_output_token_ids(token)
+        found.append(stops.matched(request))
+    assert found == [None, None, None, "ab"]
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [(b"ab", "stop=b'ab'"), (["a", ""], "stop=\\['a', ''\\]"), ([1], "stop=\\[1\\]"),
+     ({"a": 1}, "stop=\\{'a': 1\\}")],
+)  # fmt: skip
+def test_bad_stop_strings_are_refused_naming_the_field(value, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(stop=value)
+
+
+def test_stop_takes_one_str_a_sequence_or_none():
+    assert SamplingParams(stop="ab").stop == ("ab",)
+    assert SamplingParams(stop=["ab", "c"]).stop == ("ab", "c")
+    assert SamplingParams(stop=None).stop == ()
+
+
+def test_an_engine_without_a_tokenizer_refuses_stop_strings_queueing_nothing():
+    engine = Engine(tiny_model(), None, engine_config())
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        engine.add_request([1, 2, 3], SamplingParams(stop="ab", n=2))
+    assert not engine.has_unfinished_requests()
+    assert engine.add_request([1, 2, 3]) == "0"  # the default id was not taken
+
+
+@pytest.mark.parametrize("tokenizer", [object(), type("T", (), {"decode": lambda self, ids: 1})()])
+def test_a_tokenizer_without_a_text_decode_is_refused_by_name(tokenizer):
+    with pytest.raises(ValueError, match="tokenizer"):
+        Engine(tiny_model(), None, engine_config(), tokenizer=tokenizer)
