@@ -4,8 +4,8 @@ output contains one of them.
 jaxkv serves token ids; the text comes from a tokenizer the engine is given (anything
 with `decode(token_ids) -> str`, e.g. jaxkv.models.ByteTokenizer or a Hugging Face
 tokenizer). StopStrings decodes each such request's output incrementally, as vLLM's
-detokenizer does: the new tokens with a few before them for context, and text that ends
-in U+FFFD (a character cut between tokens) waits for the next token. A stop string is
+detokenizer does: the new tokens with those read last time before them for context, and
+text that ends in U+FFFD (a character cut between tokens) waits for the next token. A stop string is
 searched for only where it would end in the text the newest tokens added (so a string
 spanning tokens is found, and one found before is not found again), and only once the
 request has at least min_tokens output tokens. The output token ids end with
@@ -13,8 +13,10 @@ the token that completed the string, as vLLM's do; finish_reason is "stop" and
 stop_reason the string. jaxkv returns no text: a caller cuts its decoded text at the
 string itself.
 
-The decoded text lives on the Request (Request.stop_text), so it is dropped with it and a
-preempted request keeps it (its output tokens do not change).
+The decoding state lives on the Request (Request.stop_text): the offsets and the text's
+last characters (as many as the longest stop string, less one), so it is dropped with the
+request, a preempted request keeps it (its output tokens do not change), and a step's
+cost does not grow with the output.
 """
 
 from __future__ import annotations
@@ -24,9 +26,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from jaxkv.request import Request
-
-_CONTEXT_TOKENS = 5  # tokens decoded before the new ones, for tokenizers that join words
-
 
 def checked_stop_strings(stop) -> tuple[str, ...]:
     """SamplingParams.stop as a tuple: None (none), one str or a sequence of them, each
@@ -47,28 +46,30 @@ def checked_stop_strings(stop) -> tuple[str, ...]:
 
 
 class DecodedText:
-    """One request's output text so far, decoded incrementally (vLLM's offsets)."""
+    """One request's output text, decoded incrementally (vLLM's offsets). Only the text's
+    last `keep` characters are kept (`tail`): all a stop string can span before new text.
+    """
 
-    __slots__ = ("text", "prefix_offset", "read_offset")
+    __slots__ = ("tail", "keep", "prefix_offset", "read_offset")
 
-    def __init__(self) -> None:
-        self.text = ""
+    def __init__(self, keep: int) -> None:
+        self.tail = ""
+        self.keep = keep
         self.prefix_offset = 0  # first token of the context decoded with the new ones
-        self.read_offset = 0  # tokens whose text is in `text`
+        self.read_offset = 0  # tokens whose text has been read
 
-    def update(self, decode, token_ids: list[int]) -> int:
-        """Appends the text of the tokens past read_offset; returns where it starts in
-        `text` (len(text) when none could be added yet)."""
-        start = len(self.text)
+    def update(self, decode, token_ids: list[int]) -> str:
+        """The text of the tokens past read_offset ("" while none can be read yet: a
+        character cut between tokens waits for the rest)."""
         if len(token_ids) <= self.read_offset:
-            return start
+            return ""
         prefix = decode(token_ids[self.prefix_offset : self.read_offset])
         full = decode(token_ids[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix) :]
-            self.read_offset = len(token_ids)
-            self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)
-        return start
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        # The tokens just read are the next call's context, as in vLLM.
+        self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+        return full[len(prefix) :]
 
 
 class StopStrings:
@@ -88,15 +89,18 @@ class StopStrings:
         """The stop string the request's newest output token completed, if any: the one
         that starts first in its text (on a tie, the first listed). Call once per new
         output token, after it is appended."""
+        params = request.sampling_params
         state = request.stop_text
         if state is None:
-            state = request.stop_text = DecodedText()
+            state = request.stop_text = DecodedText(max(map(len, params.stop)) - 1)
         output = request.output_token_ids
-        new_from = state.update(self._decode, output)
-        params = request.sampling_params
-        if len(output) < params.min_tokens or new_from == len(state.text):
+        new = state.update(self._decode, output)
+        if not new:
             return None
-        text = state.text
+        text, new_from = state.tail + new, len(state.tail)
+        state.tail = text[len(text) - state.keep :] if state.keep else ""
+        if len(output) < params.min_tokens:
+            return None
         found = [  # each string where it would end in the new text, not before
             (i, n, s)
             for n, s in enumerate(params.stop)

@@ -127,15 +127,15 @@ def test_a_stop_token_reports_its_id_and_other_finishes_none():
 
 
 def test_text_is_decoded_incrementally_and_a_cut_character_waits():
-    decode, ids, state = TOKENIZER.decode, [], DecodedText()
+    decode, ids, state, text_so_far = TOKENIZER.decode, [], DecodedText(0), ""
     for token, text in zip(
         b"a" + "é".encode() + "€b".encode(),
         ["a", "a", "aé", "aé", "aé", "aé€", "aé€b"],
         strict=True,
     ):
         ids.append(token)
-        state.update(decode, ids)
-        assert state.text == text
+        text_so_far += state.update(decode, ids)
+        assert text_so_far == text
 
 
 def test_a_string_is_found_where_it_ends_in_new_text_only():
