@@ -21,11 +21,13 @@ cost does not grow with the output.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from jaxkv.request import Request
+
 
 def checked_stop_strings(stop) -> tuple[str, ...]:
     """SamplingParams.stop as a tuple: None (none), one str or a sequence of them, each
@@ -50,10 +52,11 @@ class DecodedText:
     last `keep` characters are kept (`tail`): all a stop string can span before new text.
     """
 
-    __slots__ = ("tail", "keep", "prefix_offset", "read_offset")
+    __slots__ = ("tail", "keep", "prefix_offset", "read_offset", "failed")
 
     def __init__(self, keep: int) -> None:
         self.tail = ""
+        self.failed = False  # the tokenizer raised: the request's strings are not looked for
         self.keep = keep
         self.prefix_offset = 0  # first token of the context decoded with the new ones
         self.read_offset = 0  # tokens whose text has been read
@@ -88,13 +91,27 @@ class StopStrings:
     def matched(self, request: Request) -> str | None:
         """The stop string the request's newest output token completed, if any: the one
         that starts first in its text (on a tie, the first listed). Call once per new
-        output token, after it is appended."""
+        output token, after it is appended. A tokenizer whose decode raises (or returns no
+        str) gets a RuntimeWarning, and the request runs on without its stop strings: the
+        scheduler's update pass must not stop halfway through a batch."""
         params = request.sampling_params
         state = request.stop_text
         if state is None:
             state = request.stop_text = DecodedText(max(map(len, params.stop)) - 1)
+        elif state.failed:
+            return None
         output = request.output_token_ids
-        new = state.update(self._decode, output)
+        try:
+            new = state.update(self._decode, output)
+        except Exception as e:  # noqa: BLE001 - the scheduler's update pass must not stop midway
+            state.failed = True
+            warnings.warn(
+                f"tokenizer.decode raised {e!r} on the output of {request.request_id!r}: its "
+                "stop strings are no longer looked for",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
         if not new:
             return None
         text, new_from = state.tail + new, len(state.tail)

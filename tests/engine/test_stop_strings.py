@@ -188,3 +188,27 @@ def test_an_engine_without_a_tokenizer_refuses_stop_strings_queueing_nothing():
 def test_a_tokenizer_without_a_text_decode_is_refused_by_name(tokenizer):
     with pytest.raises(ValueError, match="tokenizer"):
         Engine(tiny_model(), None, engine_config(), tokenizer=tokenizer)
+
+
+class _FailingTokenizer:
+    """Decodes as ByteTokenizer until the output holds a 0x58 ('X'), then raises."""
+
+    def decode(self, ids):
+        if 0x58 in ids:
+            raise KeyError("no such token")
+        return TOKENIZER.decode(ids)
+
+
+def test_a_tokenizer_that_raises_warns_and_the_batch_runs_on():
+    stops = StopStrings(_FailingTokenizer())
+    request = Request("r", [1], SamplingParams(stop=("ab",)))
+    for token in b"aX":
+        request.append_output_token_ids(token)
+        if token == 0x58:
+            with pytest.warns(RuntimeWarning, match="decode raised KeyError.*'r'"):
+                assert stops.matched(request) is None
+        else:
+            assert stops.matched(request) is None
+    for token in b"ab":  # no longer looked for
+        request.append_output_token_ids(token)
+        assert stops.matched(request) is None
