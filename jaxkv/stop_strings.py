@@ -4,19 +4,22 @@ output contains one of them.
 jaxkv serves token ids; the text comes from a tokenizer the engine is given (anything
 with `decode(token_ids) -> str`, e.g. jaxkv.models.ByteTokenizer or a Hugging Face
 tokenizer). StopStrings decodes each such request's output incrementally, as vLLM's
-detokenizer does: the new tokens with those read last time before them for context, and
-text that ends in U+FFFD (a character cut between tokens) waits for the next token. A stop string is
-searched for only where it would end in the text the newest tokens added (so a string
-spanning tokens is found, and one found before is not found again), and only once the
-request has at least min_tokens output tokens. The output token ids end with
-the token that completed the string, as vLLM's do; finish_reason is "stop" and
-stop_reason the string. jaxkv returns no text: a caller cuts its decoded text at the
-string itself.
+detokenizer does: the new tokens with context before them (at first the prompt's last
+5 tokens, then the tokens read last time), so a tokenizer that writes a word's leading
+space only after another word gives the same text as a whole decode; text that ends in
+U+FFFD (a character cut between tokens), or adds nothing, waits for the next token, for
+at most MAX_HELD_TOKENS tokens (then it is taken as it is: a decode of a window that
+keeps growing would cost more every step). A stop string is searched for only where it
+would end in the text the newest tokens added (so a string spanning tokens is found, and
+one found before is not found again), and only once the request has at least min_tokens
+output tokens. The output token ids end with the token that completed the string, as
+vLLM's do; finish_reason is "stop" and stop_reason the string. jaxkv returns no text: a
+caller cuts its decoded text at the string itself.
 
 The decoding state lives on the Request (Request.stop_text): the offsets and the text's
 last characters (as many as the longest stop string, less one), so it is dropped with the
-request, a preempted request keeps it (its output tokens do not change), and a step's
-cost does not grow with the output.
+request, a preempted request keeps it (its tokens do not change), and a step's cost does
+not grow with the output.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from jaxkv.request import Request
+
+PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token (vLLM's)
+MAX_HELD_TOKENS = 8  # tokens text may wait for: more than a UTF-8 character's 4 bytes
 
 
 def checked_stop_strings(stop) -> tuple[str, ...]:
@@ -48,27 +54,33 @@ def checked_stop_strings(stop) -> tuple[str, ...]:
 
 
 class DecodedText:
-    """One request's output text, decoded incrementally (vLLM's offsets). Only the text's
-    last `keep` characters are kept (`tail`): all a stop string can span before new text.
+    """One request's output text, decoded incrementally (vLLM's offsets into its prompt
+    and output tokens). Only the text's last `keep` characters are kept (`tail`): all a
+    stop string can span before new text.
     """
 
     __slots__ = ("tail", "keep", "prefix_offset", "read_offset", "failed")
 
-    def __init__(self, keep: int) -> None:
+    def __init__(self, keep: int, num_prompt_tokens: int) -> None:
         self.tail = ""
-        self.failed = False  # the tokenizer raised: the request's strings are not looked for
         self.keep = keep
-        self.prefix_offset = 0  # first token of the context decoded with the new ones
-        self.read_offset = 0  # tokens whose text has been read
+        self.failed = False  # the tokenizer raised: the request's strings are not looked for
+        # First token of the context decoded with the new ones, and tokens read so far.
+        self.prefix_offset = max(0, num_prompt_tokens - PROMPT_CONTEXT_TOKENS)
+        self.read_offset = num_prompt_tokens
 
-    def update(self, decode, token_ids: list[int]) -> str:
-        """The text of the tokens past read_offset ("" while none can be read yet: a
-        character cut between tokens waits for the rest)."""
+    def update(self, decode, token_ids) -> str:
+        """The text of `token_ids` (prompt and output) past read_offset; "" while none can
+        be read yet (a character cut between tokens waits for the rest, at most
+        MAX_HELD_TOKENS tokens)."""
         if len(token_ids) <= self.read_offset:
             return ""
         prefix = decode(token_ids[self.prefix_offset : self.read_offset])
         full = decode(token_ids[self.prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if not isinstance(full, str) or not isinstance(prefix, str):
+            raise TypeError(f"decode returned {type(full).__name__}, not a str")
+        held = len(token_ids) - self.read_offset < MAX_HELD_TOKENS
+        if held and (len(full) <= len(prefix) or full.endswith("\ufffd")):
             return ""
         # The tokens just read are the next call's context, as in vLLM.
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
@@ -97,12 +109,13 @@ class StopStrings:
         params = request.sampling_params
         state = request.stop_text
         if state is None:
-            state = request.stop_text = DecodedText(max(map(len, params.stop)) - 1)
+            keep = max(map(len, params.stop)) - 1
+            state = request.stop_text = DecodedText(keep, request.num_prompt_tokens)
         elif state.failed:
             return None
         output = request.output_token_ids
         try:
-            new = state.update(self._decode, output)
+            new = state.update(self._decode, request.all_token_ids)
         except Exception as e:  # noqa: BLE001 - the scheduler's update pass must not stop midway
             state.failed = True
             warnings.warn(
@@ -115,7 +128,7 @@ class StopStrings:
         if not new:
             return None
         text, new_from = state.tail + new, len(state.tail)
-        state.tail = text[len(text) - state.keep :] if state.keep else ""
+        state.tail = text[-state.keep :] if state.keep else ""
         if len(output) < params.min_tokens:
             return None
         found = [  # each string where it would end in the new text, not before

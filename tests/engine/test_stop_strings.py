@@ -15,7 +15,7 @@ from jaxkv.engine import Engine
 from jaxkv.models import ByteTokenizer
 from jaxkv.request import Request
 from jaxkv.router import PrefixAwareRouter
-from jaxkv.stop_strings import DecodedText, StopStrings
+from jaxkv.stop_strings import MAX_HELD_TOKENS, DecodedText, StopStrings
 from tests.engine._util import (
     BLOCK_SIZE,
     TIGHT_BLOCKS,
@@ -49,12 +49,12 @@ def _oracle_length(tokens: list[int], stops: tuple[str, ...], min_tokens: int = 
     return min(ends) if ends else None
 
 
-def _ascii_stops(tokens: list[int]) -> list[str]:
-    """Two-character ASCII strings of the continuation, in order of appearance."""
+def _ascii_stops(tokens: list[int], length: int = 2) -> list[str]:
+    """ASCII strings of `length` characters in the continuation, in order of appearance."""
     return [
-        bytes(tokens[i : i + 2]).decode("ascii")
-        for i in range(len(tokens) - 1)
-        if all(32 <= t < 127 for t in tokens[i : i + 2])
+        bytes(tokens[i : i + length]).decode("ascii")
+        for i in range(len(tokens) - length + 1)
+        if all(32 <= t < 127 for t in tokens[i : i + length])
     ]
 
 
@@ -72,6 +72,7 @@ def _cases():
         cases.append((prompt, tokens, ("\x00never", pairs[-1]), 0))
         past = min(tokens.index(ord(pairs[0][1])) + 2, MAX_TOKENS)
         cases.append((prompt, tokens, (pairs[0],), past))
+        cases.extend((prompt, tokens, (s,), 0) for s in _ascii_stops(tokens, 4)[:1])
     assert len(cases) >= 6, "too few ASCII pairs: pick a new seed"
     return cases
 
@@ -127,7 +128,7 @@ def test_a_stop_token_reports_its_id_and_other_finishes_none():
 
 
 def test_text_is_decoded_incrementally_and_a_cut_character_waits():
-    decode, ids, state, text_so_far = TOKENIZER.decode, [], DecodedText(0), ""
+    decode, ids, state, text_so_far = TOKENIZER.decode, [], DecodedText(0, 0), ""
     for token, text in zip(
         b"a" + "é".encode() + "€b".encode(),
         ["a", "a", "aé", "aé", "aé", "aé€", "aé€b"],
@@ -212,3 +213,42 @@ def test_a_tokenizer_that_raises_warns_and_the_batch_runs_on():
     for token in b"ab":  # no longer looked for
         request.append_output_token_ids(token)
         assert stops.matched(request) is None
+
+
+def test_a_long_string_spanning_many_tokens_is_found():
+    stops = StopStrings(TOKENIZER)
+    request = Request("r", [1], SamplingParams(stop=("hello world", "User:")))
+    found = []
+    for token in b"> User: hello world!":
+        request.append_output_token_ids(token)
+        found.append(stops.matched(request))
+    assert found.index("User:") == len("> User:") - 1
+    assert found.index("hello world") == len("> User: hello world") - 1
+
+
+class _WordTokenizer:
+    """Token i is word WORDS[i]; like SentencePiece, a word's leading space is written
+    only after another word, so the text of a token depends on the one before it."""
+
+    WORDS = ["Hi", "User", ":", "there"]
+
+    def decode(self, ids):
+        return " ".join(self.WORDS[i] for i in ids)
+
+
+def test_the_first_output_token_is_read_after_the_prompt_as_vllm_does():
+    stops = StopStrings(_WordTokenizer())
+    request = Request("r", [0], SamplingParams(stop=(" User",)))
+    request.append_output_token_ids(1)  # "Hi User": the space belongs to the output
+    assert stops.matched(request) == " User"
+
+
+def test_text_that_cannot_be_read_waits_only_a_few_tokens():
+    decode, state = TOKENIZER.decode, DecodedText(0, 1)
+    ids, read = [65], []
+    for _ in range(20):
+        ids.append(0x80)  # a lone continuation byte: the text keeps ending in U+FFFD
+        read.append(state.update(decode, ids))
+    assert read[: MAX_HELD_TOKENS - 1] == [""] * (MAX_HELD_TOKENS - 1)
+    assert read[MAX_HELD_TOKENS - 1] == "\ufffd" * MAX_HELD_TOKENS
+    assert state.read_offset >= len(ids) - MAX_HELD_TOKENS  # the window stays short

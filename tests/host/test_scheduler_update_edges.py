@@ -33,7 +33,7 @@ def test_any_of_several_stop_tokens_stops_the_request():
     b = add(sched, "b", [3, 4], max_tokens=5, stop_token_ids=(5, 7))
     out = sched.schedule()
     assert sched.update_from_output(out, [7, 6]) == [
-        RequestOutput("a", (7,), True, "stop"),
+        RequestOutput("a", (7,), True, "stop", stop_reason=7),
         RequestOutput("b", (6,), False, None),
     ]
     assert a.status == RequestStatus.FINISHED_STOPPED and b.status == RequestStatus.RUNNING
