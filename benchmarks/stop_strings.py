@@ -1,0 +1,107 @@
+"""What stop strings cost the scheduler's update pass: decode steps with and without them.
+
+--num-requests requests decode together on a bare Scheduler (no model: the sampled
+tokens are fixed ASCII bytes), each step one schedule() and one update_from_output().
+Cases: no stop strings (the baseline), and every request with one or four stop strings
+that never occur, read through jaxkv.models.ByteTokenizer, so every step decodes every
+request's new token. Reports the median CPU time per step over --steps steps after the
+requests have --warmup-tokens output tokens (the cost must not grow with the output),
+and its ratio to the baseline. Timings are measured, never asserted. Prints a table and
+writes JSON:
+
+    python benchmarks/stop_strings.py --out benchmarks/results/stop_strings.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cli_args import RESULTS_DIR, positive_int  # noqa: E402
+from jaxkv import KVCacheManager, Request, SamplingParams  # noqa: E402
+from jaxkv.config import SchedulerConfig  # noqa: E402
+from jaxkv.models import ByteTokenizer  # noqa: E402
+from jaxkv.scheduler import Scheduler  # noqa: E402
+from jaxkv.stop_strings import StopStrings  # noqa: E402
+
+CASES = {  # name -> SamplingParams.stop of every request
+    "none": (),
+    "1 string": ("\x00\x01",),
+    "4 strings": ("\x00\x01", "User:", "\n\nQ:", "never seen"),
+}
+PROMPT_LEN = 40
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-requests", type=positive_int, default=256)
+    p.add_argument("--steps", type=positive_int, default=200)
+    p.add_argument("--warmup-tokens", type=int, default=100, help="output tokens before timing")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "stop_strings.json")
+    args = p.parse_args(argv)
+    if args.warmup_tokens < 1:
+        p.error(f"--warmup-tokens {args.warmup_tokens} must be >= 1")
+    return args
+
+
+def time_case(args, stop: tuple[str, ...]) -> float:
+    """Median CPU seconds of one decode step's schedule() + update_from_output()."""
+    r, block_size = args.num_requests, 16
+    max_len = PROMPT_LEN + args.warmup_tokens + args.steps + 1
+    blocks = r * -(-max_len // block_size) + 1
+    manager = KVCacheManager(blocks, block_size, max_model_len=max_len)
+    config = SchedulerConfig(
+        max_num_batched_tokens=r * PROMPT_LEN, max_num_seqs=r, max_model_len=max_len
+    )
+    scheduler = Scheduler(config, manager)
+    scheduler.stop_strings = StopStrings(ByteTokenizer())
+    params = SamplingParams(max_tokens=None, ignore_eos=True, stop=stop)
+    for i in range(r):
+        scheduler.add_request(Request(str(i), [1 + i % 50] * PROMPT_LEN, params))
+    times = []
+    for step in range(args.warmup_tokens + args.steps):
+        t0 = time.thread_time()
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, [ord("a") + step % 26] * r)
+        if step >= args.warmup_tokens:
+            times.append(time.thread_time() - t0)
+    assert not any(q.is_finished() for q in scheduler.running)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    results = []
+    for name, stop in CASES.items():
+        results.append({"case": name, "stop": list(stop), "step_s": time_case(args, stop)})
+    base = results[0]["step_s"]
+    print(
+        f"{args.num_requests} decoding requests, median CPU per step over {args.steps} steps "
+        f"after {args.warmup_tokens} output tokens ({platform.processor() or platform.machine()})"
+    )
+    print(f"{'case':>10} {'ms/step':>8} {'us/request':>10} {'ratio':>6}")
+    for r in results:
+        r["ratio_to_none"] = r["step_s"] / base
+        r["us_per_request"] = 1e6 * r["step_s"] / args.num_requests
+        print(
+            f"{r['case']:>10} {1e3 * r['step_s']:>8.2f} {r['us_per_request']:>10.2f} "
+            f"{r['ratio_to_none']:>6.2f}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    args.out.write_text(
+        json.dumps({"args": meta, "machine": platform.platform(), "results": results}, indent=2)
+    )
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

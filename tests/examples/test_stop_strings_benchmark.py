@@ -1,0 +1,25 @@
+"""benchmarks/stop_strings.py end to end at a tiny size: its table and JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.stop_strings import CASES, main, parse_args
+
+
+def test_a_tiny_run_times_every_case_against_the_baseline(tmp_path, capsys):
+    out = tmp_path / "stop_strings.json"
+    argv = ["--num-requests", "4", "--steps", "3", "--warmup-tokens", "2", "--out", str(out)]
+    assert main(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["case"] for r in results] == list(CASES)
+    assert results[0]["ratio_to_none"] == 1.0 and all(r["step_s"] > 0 for r in results)
+    assert "us/request" in capsys.readouterr().out
+
+
+def test_no_warmup_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--warmup-tokens", "0"])
+    assert "--warmup-tokens 0 must be >= 1" in capsys.readouterr().err
