@@ -41,10 +41,16 @@ PROMPT_LEN = 40
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-requests", type=positive_int, default=256)
-    p.add_argument("--steps", type=positive_int, default=200)
-    p.add_argument("--warmup-tokens", type=int, default=100, help="output tokens before timing")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "stop_strings.json")
+    p.add_argument(
+        "--num-requests", type=positive_int, default=256, help="decoding together (%(default)s)"
+    )
+    p.add_argument("--steps", type=positive_int, default=200, help="timed (%(default)s)")
+    p.add_argument(
+        "--warmup-tokens", type=int, default=100, help="output tokens before timing (%(default)s)"
+    )
+    p.add_argument(
+        "--out", type=Path, default=RESULTS_DIR / "stop_strings.json", help="(%(default)s)"
+    )
     args = p.parse_args(argv)
     if args.warmup_tokens < 1:
         p.error(f"--warmup-tokens {args.warmup_tokens} must be >= 1")

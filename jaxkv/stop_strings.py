@@ -25,7 +25,7 @@ not grow with the output.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -40,12 +40,11 @@ def checked_stop_strings(stop) -> tuple[str, ...]:
     non-empty. Raises ValueError naming the field otherwise."""
     if stop is None:
         return ()
-    if isinstance(stop, str):
-        stop = (stop,)
     try:
-        if isinstance(stop, (bytes, bytearray, Mapping)):  # bytes would be its int values
+        # bytes would be their int values; a set has no order (the first listed wins a tie)
+        if isinstance(stop, (bytes, bytearray, Mapping, Set)):
             raise TypeError
-        strings = tuple(stop)
+        strings = (stop,) if isinstance(stop, str) else tuple(stop)
     except TypeError:
         strings = (None,)
     if not all(isinstance(s, str) and s for s in strings):
@@ -94,7 +93,10 @@ class StopStrings:
         decode = getattr(tokenizer, "decode", None)
         if not callable(decode):
             raise ValueError(f"tokenizer={tokenizer!r} must have a decode(token_ids) method")
-        text = decode([])
+        try:
+            text = decode([])
+        except Exception as e:  # noqa: BLE001 - named as the tokenizer's fault
+            raise ValueError(f"tokenizer.decode([]) raised {e!r}: it must take a list") from e
         if not isinstance(text, str):
             raise ValueError(f"tokenizer.decode([]) returned {text!r}, not a str")
         self.tokenizer = tokenizer

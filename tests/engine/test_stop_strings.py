@@ -164,7 +164,7 @@ def test_min_tokens_hides_strings_that_end_before_it():
 @pytest.mark.parametrize(
     ("value", "match"),
     [(b"ab", "stop=b'ab'"), (["a", ""], "stop=\\['a', ''\\]"), ([1], "stop=\\[1\\]"),
-     ({"a": 1}, "stop=\\{'a': 1\\}")],
+     ({"a": 1}, "stop=\\{'a': 1\\}"), ("", "stop=''"), ({"ab"}, "stop=\\{'ab'\\}")],
 )  # fmt: skip
 def test_bad_stop_strings_are_refused_naming_the_field(value, match):
     with pytest.raises(ValueError, match=match):
@@ -185,7 +185,14 @@ def test_an_engine_without_a_tokenizer_refuses_stop_strings_queueing_nothing():
     assert engine.add_request([1, 2, 3]) == "0"  # the default id was not taken
 
 
-@pytest.mark.parametrize("tokenizer", [object(), type("T", (), {"decode": lambda self, ids: 1})()])
+@pytest.mark.parametrize(
+    "tokenizer",
+    [
+        object(),
+        type("T", (), {"decode": lambda self, ids: 1})(),
+        type("T", (), {"decode": lambda self, ids, skip: ""})(),
+    ],
+)
 def test_a_tokenizer_without_a_text_decode_is_refused_by_name(tokenizer):
     with pytest.raises(ValueError, match="tokenizer"):
         Engine(tiny_model(), None, engine_config(), tokenizer=tokenizer)
