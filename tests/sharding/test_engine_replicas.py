@@ -12,8 +12,8 @@ from jaxkv.router import engine_replicas
 
 
 class _Engine:
-    def __init__(self, model, params, config, mesh):
-        self.config, self.mesh = config, mesh
+    def __init__(self, model, params, config, mesh, tokenizer):
+        self.config, self.mesh, self.tokenizer = config, mesh, tokenizer
 
 
 @pytest.fixture

@@ -337,13 +337,14 @@ def test_engine_replicas_give_each_replica_its_own_seed(monkeypatch):
     monkeypatch.setattr(jaxkv.sharding, "replica_meshes", lambda tp, devices: ["m0", "m1", "m2"])
 
     class _Engine:
-        def __init__(self, model, params, config, mesh):
-            self.config, self.mesh = config, mesh
+        def __init__(self, model, params, config, mesh, tokenizer):
+            self.config, self.mesh, self.tokenizer = config, mesh, tokenizer
 
     monkeypatch.setattr(jaxkv.engine, "Engine", _Engine)
-    engines = engine_replicas(None, EngineConfig(seed=5))
+    engines = engine_replicas(None, EngineConfig(seed=5), tokenizer="tok")
     assert [e.config.seed for e in engines] == [5, 6, 7]
     assert [e.mesh for e in engines] == ["m0", "m1", "m2"]
+    assert [e.tokenizer for e in engines] == ["tok"] * 3  # each replica reads stop strings
 
 
 def test_abort_refuses_an_id_that_is_not_a_str():
