@@ -62,6 +62,16 @@ def kernel_for(
     raise ValueError(f"{backend=} must be one of {BACKENDS}")
 
 
+def _check_platform(backend: str, interpret: bool, here: str) -> None:
+    """ValueError unless a Pallas `backend` runs interpreted or on its own platform."""
+    platform = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}.get(backend)
+    if platform is not None and not interpret and here != platform:
+        raise ValueError(
+            f"{backend=} compiles only on a {platform.upper()} and JAX's platform here is "
+            f"{here!r}: pass interpret=True to run it in interpret mode"
+        )
+
+
 def check_backend(
     backend: str,
     *,
@@ -93,12 +103,7 @@ def check_backend(
             dtypes[name] = jnp.dtype(value)
         except TypeError:
             raise ValueError(f"{name}={value!r} must be a dtype") from None
-    platform = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}.get(backend)
-    if platform is not None and not interpret and jax.default_backend() != platform:
-        raise ValueError(
-            f"{backend=} compiles only on a {platform.upper()} and JAX's platform here is "
-            f"{jax.default_backend()!r}: pass interpret=True to run it in interpret mode"
-        )
+    _check_platform(backend, interpret, jax.default_backend())
     _probe_kernel(
         backend, interpret, *(int(v) for v in sizes.values()), *dtypes.values()
     )  # fmt: skip
@@ -122,7 +127,25 @@ def _probe_kernel(
         jax.eval_shape(functools.partial(kernel, sm_scale=1.0, causal=causal, **scales), *args)
 
 
-@with_static_numbers
+class _runs_where_q_lies(with_static_numbers):  # lower case: a decorator
+    """with_static_numbers, and outside jit (q a concrete array) a Pallas backend must
+    run interpreted or on q's platform: JAX's own error names neither. Under jit nothing
+    is checked here: a trace may be lowered for another platform on purpose."""
+
+    def __call__(self, *args, **options):
+        q = args[0] if args else options.get("q")
+        metadata = args[2] if len(args) > 2 else options.get("metadata")
+        if isinstance(metadata, AttentionMetadata) and not isinstance(q, jax.core.Tracer):
+            backend = options.get("backend") or metadata.backend
+            interpret = options.get("interpret")
+            interpret = metadata.interpret if interpret is None else interpret
+            devices = q.devices() if isinstance(q, jax.Array) else jax.devices()[:1]
+            if isinstance(interpret, bool):  # else the jitted body names it
+                _check_platform(backend, interpret, next(iter(devices)).platform)
+        return super().__call__(*args, **options)
+
+
+@_runs_where_q_lies
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -149,8 +172,11 @@ def paged_attention(
     Returns out [max_num_tokens, num_q_heads, head_dim] in q.dtype (and lse f32
     [max_num_tokens, num_q_heads] with return_lse). Padded token rows give 0.
     Raises ValueError when cascade levels are combined with a sliding window (the
-    planner never plans that: a non-causal prefix pass cannot honour a window), and when
-    kv_pages holds fewer blocks than the pool of the manager the metadata was built for.
+    planner never plans that: a non-causal prefix pass cannot honour a window), when
+    kv_pages holds fewer blocks than the pool of the manager the metadata was built for,
+    and, called outside jit, when a Pallas backend would compile for a platform other
+    than q's without interpret=True (under jit, lowering for another platform is left
+    to the caller).
     """
     if not isinstance(metadata, AttentionMetadata):
         raise ValueError(f"metadata={type(metadata).__name__} must be an AttentionMetadata")

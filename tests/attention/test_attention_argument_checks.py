@@ -134,3 +134,16 @@ def test_a_scale_given_as_a_scalar_array_is_the_same_number_and_a_traced_one_is_
     got = write_kv(int8_pages(), k, k, md.slot_mapping, k_scale=jnp.float32(0.5), v_scale=1.0)
     want = write_kv(int8_pages(), k, k, md.slot_mapping, k_scale=0.5, v_scale=1.0)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+def test_a_pallas_backend_called_outside_jit_off_its_platform_is_refused_by_name(backend):
+    """It used to fail inside JAX's compile with an error naming neither the backend nor
+    interpret. Under jit nothing is checked (tests/kernels lower such traces for TPU and
+    GPU on this CPU)."""
+    md = _metadata()
+    q = jnp.zeros((md.max_num_tokens, H_Q, D), jnp.float32)
+    pages = jnp.zeros((64, 4, 2 * H_KV, D), jnp.float32)
+    refused = f"backend='{backend}' compiles only on a .*interpret=True"
+    with pytest.raises(ValueError, match=refused):
+        paged_attention(q, pages, md, sm_scale=0.125, backend=backend, interpret=False)
