@@ -10,11 +10,11 @@ so every run computes the same tokens in the same steps. One engine per case on 
 
 Each case runs the workload once to compile, then --repeats times, and reports the
 fastest of those (the VM's noise only ever adds time):
-prompt tokens/s and its ratio to the baseline, device and host ms per step, and the
-host time that turns the rows into the per-token dicts (update ms: it holds the
-hand-over). The extra device work is the LM head over every prompt row: 2 x rows x
-hidden x vocab FLOPs, reported with the rate it implies. Timings are measured, never
-asserted. Prints a table and writes JSON:
+prompt tokens/s and its ratio to the baseline, device and host ms per step, and update
+ms (it holds the hand-over of the prompt logprobs; their dicts are made only as a caller
+reads them). The extra device work is the LM head over every prompt row: 2 x rows x
+hidden x vocab FLOPs, printed; the JSON adds the rate the extra time implies (None when
+there is none to see). Timings are measured, never asserted. Prints a table and writes JSON:
 
     python benchmarks/prompt_logprobs.py --out benchmarks/results/prompt_logprobs.json
 """

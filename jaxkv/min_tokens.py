@@ -17,7 +17,8 @@ NO_TOKEN = np.iinfo(np.int32).max  # padding: past every vocabulary, so the ban 
 def batch_rows(indices: list[int], order: np.ndarray | None) -> np.ndarray:
     """intp[len(indices)]: the batch row of each schedule index (the row i with order[i]
     == index; the index itself when `order` is None). Shared by the sampler's per-row
-    tables (stop-token bans, penalties), which hold requests by schedule index."""
+    tables (stop-token bans, penalties) and the prompt-logprob rows, which hold requests
+    by schedule index."""
     rows = np.array(indices, np.intp)
     if order is None:
         return rows

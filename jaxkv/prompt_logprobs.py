@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from jaxkv.logprobs import logprob_of
+from jaxkv.min_tokens import batch_rows
 from jaxkv.penalties import table_width
 from jaxkv.request import RequestStatus
 
@@ -176,13 +177,9 @@ class PromptLogprobs:
         found = [(s, r) for s, r in enumerate(requests) if r.request_id in wanted]
         if not found:
             return None
-        if order is None:
-            batch_row = np.arange(len(requests))
-        else:
-            batch_row = np.empty(len(order), np.intp)
-            batch_row[order] = np.arange(len(order))
+        first_rows = cu_q_lens[batch_rows([s for s, _ in found], order)].tolist()
         segments, indices, targets, completing, total = [], [], [], [], 0
-        for s, request in found:
+        for (s, request), first in zip(found, first_rows, strict=True):
             start = int(num_computed[s])
             stop = start + int(num_scheduled[s])
             if stop >= request.num_prompt_tokens:
@@ -190,7 +187,6 @@ class PromptLogprobs:
             end = min(stop, request.num_prompt_tokens - 1)
             if end <= start:
                 continue
-            first = int(cu_q_lens[batch_row[s]])
             segments.append((request.request_id, start, end, total))
             indices.append(np.arange(first, first + end - start, dtype=np.int32))
             targets.append(request.prompt_token_ids[start + 1 : end + 1])
