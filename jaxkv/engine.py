@@ -128,6 +128,7 @@ class Engine(Closable):
         self.connector = connector if connector is not None else KVConnector()
         self.scheduler = Scheduler(sc, self.manager, self.connector)
         self.scheduler.stop_strings = stop_strings
+        self.scheduler.eos_token_ids = frozenset(mc.eos_token_ids)
         self.tokenizer = tokenizer
         self.kv_caches = model.init_kv_caches(cc.num_blocks, cc.block_size, cc.kv_dtype)
         self.buckets = config.buckets

@@ -24,8 +24,9 @@ class RequestOutput(NamedTuple):
     (SamplingParams.prompt_logprobs; under n > 1 on sample 0's): a read-only sequence
     (jaxkv.prompt_logprobs.PromptLogprobList) of one entry per prompt token, None for
     the first. stop_reason is what stopped a request that finished with "stop": the stop
-    token's id (EOS too; vLLM gives None for EOS) or the stop string
-    (SamplingParams.stop), else None.
+    token's id (SamplingParams.stop_token_ids) or the stop string (SamplingParams.stop),
+    else None, as in vLLM: None too for the model's EOS (unless the request ignores EOS
+    and lists that id among its stop tokens).
     A NamedTuple: one is made per request per step.
     """
 

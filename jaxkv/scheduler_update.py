@@ -73,7 +73,10 @@ def apply_sampled_tokens(
         # have nothing else left to sample, the stop token still does not stop it early.
         stop_reason = None
         if token in params.stop_token_ids and len(output_ids) > params.min_tokens:
-            request.status, stop_reason = RequestStatus.FINISHED_STOPPED, token
+            request.status = RequestStatus.FINISHED_STOPPED
+            # vLLM reports the model's EOS as None, a listed stop token as its id.
+            if params.ignore_eos or token not in scheduler.eos_token_ids:
+                stop_reason = token
         elif (
             stop_strings is not None
             and params.stop

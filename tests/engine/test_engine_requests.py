@@ -229,9 +229,15 @@ def test_a_request_stops_at_the_models_eos_unless_it_ignores_eos():
     engine = Engine(with_eos, None, engine_config())
     out = engine.generate([prompt], params, progress=False)[0]
     assert out.finish_reason == "stop" and out.output_token_ids == free_run[:2]
+    assert out.stop_reason is None  # vLLM's for EOS; a listed stop token gives its id
+    listed = SamplingParams(max_tokens=4, stop_token_ids=[eos])
+    assert engine.generate([prompt], listed, progress=False)[0].stop_reason is None
     ignoring = SamplingParams(max_tokens=4, ignore_eos=True)
     out = engine.generate([prompt], ignoring, progress=False)[0]
     assert out.finish_reason == "length" and out.output_token_ids == free_run
+    ignoring_but_listed = dataclasses.replace(ignoring, stop_token_ids=(eos,))
+    out = engine.generate([prompt], ignoring_but_listed, progress=False)[0]
+    assert out.output_token_ids == free_run[:2] and out.stop_reason == eos
     with pytest.raises(ValueError, match="ignore_eos='no' must be a bool"):
         SamplingParams(ignore_eos="no")
 
