@@ -135,6 +135,7 @@ def run_to_completion(
     ]
     reasons: list[list[str | None]] = [[None] * n for n in counts]
     stop_reasons: list[list[int | str | None]] = [[None] * n for n in counts]
+    texts: list[list[str | None]] = [[None] * n for n in counts]
     prompt_logprobs: list[tuple | None] = [None] * len(ids)  # from a sample's first output
     done = [False] * len(ids)
     remaining = len(ids)
@@ -157,6 +158,7 @@ def run_to_completion(
                 if o.finish_reason is not None:
                     reasons[i][o.index] = o.finish_reason
                     stop_reasons[i][o.index] = o.stop_reason
+                    texts[i][o.index] = o.text
                 if o.finished:
                     done[i] = True
                     remaining -= 1
@@ -182,6 +184,7 @@ def run_to_completion(
             index=k,
             prompt_logprobs=prompt_logprobs[i],
             stop_reason=stop_reasons[i][k],
+            text=texts[i][k],
         )
         for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
         for k in range(counts[i])

@@ -66,7 +66,8 @@ class Engine(Closable):
     tensor-parallel (jaxkv.sharding); None of both: as the model is placed (one that
     jaxkv.sharding.shard_model returned keeps its mesh), else the default device.
     `tokenizer` (anything with decode(token_ids) -> str) reads the output text that
-    SamplingParams.stop strings are looked for in; without one, stop strings are refused.
+    SamplingParams.stop strings are looked for in, and each finished request's text
+    (RequestOutput.text, jaxkv.output_text); without one, stop strings are refused.
     Not thread-safe: one thread drives the engine. close() (or leaving a `with` block)
     frees its device memory at once.
     """

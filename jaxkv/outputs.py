@@ -26,7 +26,9 @@ class RequestOutput(NamedTuple):
     the first. stop_reason is what stopped a request that finished with "stop": the stop
     token's id (SamplingParams.stop_token_ids) or the stop string (SamplingParams.stop),
     else None, as in vLLM: None too for the model's EOS (unless the request ignores EOS
-    and lists that id among its stop tokens).
+    and lists that id among its stop tokens). text is None except on a request's finishing
+    output when the Engine has a tokenizer: the whole output's text, as vLLM's
+    CompletionOutput.text (jaxkv.output_text).
     A NamedTuple: one is made per request per step.
     """
 
@@ -38,9 +40,10 @@ class RequestOutput(NamedTuple):
     index: int = 0
     prompt_logprobs: Sequence[dict | None] | None = None
     stop_reason: int | str | None = None
+    text: str | None = None
 
 
-# RequestOutput from the tuple of its eight fields: what RequestOutput._make does, without
+# RequestOutput from the tuple of its nine fields: what RequestOutput._make does, without
 # the NamedTuple's Python-level __new__ (half the cost of one; one per request per step).
 request_output_of = functools.partial(tuple.__new__, RequestOutput)
 
@@ -56,7 +59,8 @@ class CompletionOutput:
     request asked (SamplingParams.prompt_logprobs), else as RequestOutput's, the same
     for each sample of the prompt (vLLM's RequestOutput.prompt_logprobs); None too for
     the samples of a request whose sample 0 was aborted on its own before its prompt
-    was computed (only sample 0 computes them). stop_reason is RequestOutput's."""
+    was computed (only sample 0 computes them). stop_reason and text are RequestOutput's
+    (text is None unless the Engine has a tokenizer)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -67,3 +71,4 @@ class CompletionOutput:
     index: int = 0
     prompt_logprobs: Sequence[dict | None] | None = None
     stop_reason: int | str | None = None
+    text: str | None = None

@@ -69,6 +69,8 @@ class SamplingParams:
     it is there at all, are subtracted. 0, 0 and 1 change nothing.
     stop: strings (one str or a sequence) whose appearance in the output text ends the
     request, as vLLM's (jaxkv.stop_strings); an Engine needs a tokenizer to read them.
+    include_stop_str_in_output: the finishing output's text (jaxkv.output_text) keeps the
+    stop string, or the stop token's text, as vLLM's.
     """
 
     max_tokens: int | None = 16
@@ -86,6 +88,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     prompt_logprobs: int | None = None
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         """Checks every field; integers (numpy ones too) are stored as Python ints."""
@@ -115,8 +118,9 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids={self.stop_token_ids!r} must be a sequence of ints >= 0"
             )
-        if not isinstance(self.ignore_eos, bool):  # "no" ignored EOS, by its truthiness
-            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be a bool")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):  # "no" would count by its truthiness
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         min_tokens = _int_or_none(self.min_tokens)
         if min_tokens is None or not 0 <= min_tokens <= (max_tokens or min_tokens):
             cap = "" if max_tokens is None else f" and <= max_tokens={max_tokens}"

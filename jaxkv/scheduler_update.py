@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jaxkv.output_text import output_text
 from jaxkv.outputs import RequestOutput, request_output_of
 from jaxkv.request import Request, RequestStatus
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput
@@ -43,7 +44,7 @@ def apply_sampled_tokens(
     carry = DecodeCarry([], [], []) if output.requests == scheduler.running else None
     bs = scheduler.manager.block_size
     cache_offset = bs - 1 if scheduler.manager.enable_prefix_caching else 0
-    stop_strings = scheduler.stop_strings  # None: no request has any
+    stop_strings = scheduler.stop_strings  # None: the engine has no tokenizer
     for request, n, token in zip(
         output.requests, output.num_scheduled_tokens.tolist(), tokens, strict=True
     ):
@@ -89,7 +90,9 @@ def apply_sampled_tokens(
             request.status = RequestStatus.FINISHED_LENGTH
         else:
             outputs.append(
-                request_output_of((request.request_id, (token,), False, None, None, 0, None, None))
+                request_output_of(
+                    (request.request_id, (token,), False, None, None, 0, None, None, None)
+                )
             )
             if carry is not None:
                 carry.num_computed.append(computed)
@@ -100,9 +103,12 @@ def apply_sampled_tokens(
             continue
         finished.append(request)
         reason = _FINISH_REASONS[request.status]
+        text = (
+            None if stop_strings is None else output_text(stop_strings.decode, request, stop_reason)
+        )
         outputs.append(
             request_output_of(
-                (request.request_id, (token,), True, reason, None, 0, None, stop_reason)
+                (request.request_id, (token,), True, reason, None, 0, None, stop_reason, text)
             )
         )
     scheduler._count(

@@ -13,8 +13,9 @@ keeps growing would cost more every step). A stop string is searched for only wh
 would end in the text the newest tokens added (so a string spanning tokens is found, and
 one found before is not found again), and only once the request has at least min_tokens
 output tokens. The output token ids end with the token that completed the string, as
-vLLM's do; finish_reason is "stop" and stop_reason the string. jaxkv returns no text: a
-caller cuts its decoded text at the string itself.
+vLLM's do; finish_reason is "stop" and stop_reason the string. The finishing output's
+text (jaxkv.output_text) ends before the string, or after it with
+SamplingParams.include_stop_str_in_output, as vLLM's.
 
 The decoding state lives on the Request (Request.stop_text): the offsets and the text's
 last characters (as many as the longest stop string, less one), so it is dropped with the
@@ -58,7 +59,7 @@ class DecodedText:
     stop string can span before new text.
     """
 
-    __slots__ = ("tail", "keep", "prefix_offset", "read_offset", "failed")
+    __slots__ = ("tail", "keep", "prefix_offset", "read_offset", "failed", "stop_from_end")
 
     def __init__(self, keep: int, num_prompt_tokens: int) -> None:
         self.tail = ""
@@ -67,6 +68,9 @@ class DecodedText:
         # First token of the context decoded with the new ones, and tokens read so far.
         self.prefix_offset = max(0, num_prompt_tokens - PROMPT_CONTEXT_TOKENS)
         self.read_offset = num_prompt_tokens
+        # Once a stop string is found: how many characters before the end of the text
+        # decoded so far it starts (where jaxkv.output_text cuts the text).
+        self.stop_from_end = 0
 
     def update(self, decode, token_ids) -> str:
         """The text of `token_ids` (prompt and output) past read_offset; "" while none can
@@ -100,7 +104,7 @@ class StopStrings:
         if not isinstance(text, str):
             raise ValueError(f"tokenizer.decode([]) returned {text!r}, not a str")
         self.tokenizer = tokenizer
-        self._decode = decode
+        self.decode = decode
 
     def matched(self, request: Request) -> str | None:
         """The stop string the request's newest output token completed, if any: the one
@@ -117,7 +121,7 @@ class StopStrings:
             return None
         output = request.output_token_ids
         try:
-            new = state.update(self._decode, request.all_token_ids)
+            new = state.update(self.decode, request.all_token_ids)
         except Exception as e:  # noqa: BLE001 - the scheduler's update pass must not stop midway
             state.failed = True
             warnings.warn(
@@ -138,4 +142,8 @@ class StopStrings:
             for n, s in enumerate(params.stop)
             if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0
         ]
-        return min(found)[2] if found else None
+        if not found:
+            return None
+        start, _, string = min(found)
+        state.stop_from_end = len(text) - start
+        return string
