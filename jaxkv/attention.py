@@ -182,6 +182,8 @@ def paged_attention(
         raise ValueError(f"metadata={type(metadata).__name__} must be an AttentionMetadata")
     if not isinstance(return_lse, bool):  # "no" returned the tuple, by truthiness
         raise ValueError(f"{return_lse=} must be a bool")
+    if interpret is not None and not isinstance(interpret, bool):  # "no" interpreted
+        raise ValueError(f"{interpret=} must be a bool or None (the metadata's)")
     if kv_pages.ndim == 4 and kv_pages.shape[1] != metadata.block_size:
         # Under jit nothing else notices: slots and page counts would address other keys.
         raise ValueError(

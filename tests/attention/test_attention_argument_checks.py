@@ -147,3 +147,8 @@ def test_a_pallas_backend_called_outside_jit_off_its_platform_is_refused_by_name
     refused = f"backend='{backend}' compiles only on a .*interpret=True"
     with pytest.raises(ValueError, match=refused):
         paged_attention(q, pages, md, sm_scale=0.125, backend=backend, interpret=False)
+    for bad in (0, "", "no"):  # JAX's own error, or interpreted by truthiness
+        with pytest.raises(ValueError, match=f"interpret={bad!r} must be a bool or None"):
+            paged_attention(q, pages, md, sm_scale=0.125, backend=backend, interpret=bad)
+    with pytest.raises(ValueError, match="interpret='yes' must be a bool or None"):
+        paged_attention(q, pages, md, sm_scale=0.125, backend="xla", interpret="yes")
