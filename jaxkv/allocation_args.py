@@ -11,7 +11,6 @@ from collections.abc import Mapping, Sequence
 
 from jaxkv.block_pool import MAX_INT32, BlockPool, KVCacheBlock
 from jaxkv.field_checks import as_int
-from jaxkv.hashing import root_hash
 from jaxkv.request import Request
 
 __all__ = [
@@ -62,7 +61,8 @@ def manager_args(
     hash_seed = plain_int(hash_seed)
     if type(hash_seed) is not int:
         raise ValueError(f"{hash_seed=} must be an int")
-    root_hash(hash_seed)  # validates the seed's range
+    if not -(2**63) <= hash_seed < 2**63:  # root_hash's range, named as this argument
+        raise ValueError(f"{hash_seed=} must be an int that fits in 64 bits")
     for name, flag in flags.items():
         if not isinstance(flag, bool):
             raise ValueError(f"{name}={flag!r} must be a bool")

@@ -221,9 +221,11 @@ def test_cache_hit_ids_must_be_ints(bad):
         ({"num_blocks": 12.0}, "num_blocks"),
         ({"hash_seed": True}, "hash_seed"),
         ({"block_size": 4.0}, "block_size"),
+        ({"hash_seed": 2**64}, "hash_seed=18446744073709551616 must be an int that fits"),
+        ({"hash_seed": -(2**63) - 1}, "hash_seed=-9223372036854775809 must be an int"),
     ],
 )
-def test_constructor_refuses_bools_and_floats(kwargs, match):
+def test_constructor_refuses_bools_floats_and_seeds_past_64_bits(kwargs, match):
     args = {"num_blocks": 12, "block_size": 4, "max_model_len": 32, **kwargs}
     num_blocks, block_size = args.pop("num_blocks"), args.pop("block_size")
     with pytest.raises(ValueError, match=match):
