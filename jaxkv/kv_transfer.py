@@ -7,7 +7,7 @@ host, never inside jit:
   keeps its blocks held (status FINISHED_TRANSFERRING) until poll() reports the save;
   the scheduler frees them then, whether the save succeeded or failed, and gives the
   request back the status it finished with. Raising counts as a save that failed to
-  start: the blocks are freed at once, with a RuntimeWarning.
+  start: the blocks are freed at once, with a logged warning.
 - poll(): once per step; reports saves and loads that landed or failed since the last
   call. The step loop never waits on a copy.
 - on_admission(request, num_computed_tokens) -> tokens: a waiting request missed the

@@ -26,13 +26,15 @@ holds it back only while that load is in flight, so one load serves both.
 
 from __future__ import annotations
 
+import logging
 import operator
-import warnings
 from collections.abc import Callable, Sequence
 
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_transfer import KVConnector, TransferEvents
 from jaxkv.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 class TransferTracker:
@@ -187,17 +189,17 @@ class TransferTracker:
         """A request just finished: held (FINISHED_TRANSFERRING) while the connector saves
         its blocks, then released with its finished status back; else released now. A
         connector whose on_finish raises counts as a save that failed to start: the
-        blocks are freed and a RuntimeWarning says why; an interrupt that is no Exception
+        blocks are freed and a logged warning says why (a warnings filter could turn a
+        warning into an exception before they were); an interrupt that is no Exception
         frees them too, then propagates."""
         block_ids = self._manager.block_ids(request.request_id)
         try:
             held = self._connector.on_finish(request, block_ids)
         except Exception as e:  # noqa: BLE001 - a failed save frees the blocks, as below
-            warnings.warn(
-                f"KV connector on_finish({request.request_id!r}) raised {e!r}; its blocks "
-                "are freed without saving them",
-                RuntimeWarning,
-                stacklevel=2,
+            logger.warning(
+                "KV connector on_finish(%r) raised %r; its blocks are freed without saving them",
+                request.request_id,
+                e,
             )
             held = False
         except BaseException:
