@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cli_args import RESULTS_DIR, positive_int  # noqa: E402
 from jaxkv import KVCacheManager, Request, SamplingParams  # noqa: E402
 from jaxkv.config import SchedulerConfig  # noqa: E402
+from jaxkv.detokenizer import Detokenizer  # noqa: E402
 from jaxkv.models import ByteTokenizer  # noqa: E402
 from jaxkv.scheduler import Scheduler  # noqa: E402
-from jaxkv.stop_strings import StopStrings  # noqa: E402
 
 CASES = {  # name -> SamplingParams.stop of every request
     "none": (),
@@ -67,7 +67,7 @@ def time_case(args, stop: tuple[str, ...]) -> float:
         max_num_batched_tokens=r * PROMPT_LEN, max_num_seqs=r, max_model_len=max_len
     )
     scheduler = Scheduler(config, manager)
-    scheduler.stop_strings = StopStrings(ByteTokenizer())
+    scheduler.detokenizer = Detokenizer(ByteTokenizer())
     params = SamplingParams(max_tokens=None, ignore_eos=True, stop=stop)
     for i in range(r):
         scheduler.add_request(Request(str(i), [1 + i % 50] * PROMPT_LEN, params))

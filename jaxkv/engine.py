@@ -33,6 +33,7 @@ from jaxkv.closable import Closable, checked_timeout
 from jaxkv.completion import generate_progress_bar, run_to_completion
 from jaxkv.config import EngineConfig
 from jaxkv.deliberate_transfers import allowing_transfers
+from jaxkv.detokenizer import Detokenizer
 from jaxkv.engine_args import checked_engine_args
 from jaxkv.hashing import check_hash_key
 from jaxkv.kv_cache_manager import KVCacheManager
@@ -53,7 +54,6 @@ from jaxkv.scheduler import Scheduler, SchedulerOutput
 from jaxkv.sharding import mesh_for, shard_model, tensor_parallel_of
 from jaxkv.step_inputs import batch_inputs, in_schedule_order, program_key
 from jaxkv.step_program import step_program
-from jaxkv.stop_strings import StopStrings
 
 
 class Engine(Closable):
@@ -67,7 +67,7 @@ class Engine(Closable):
     jaxkv.sharding.shard_model returned keeps its mesh), else the default device.
     `tokenizer` (anything with decode(token_ids) -> str) reads the output text that
     SamplingParams.stop strings are looked for in, and each finished request's text
-    (RequestOutput.text, jaxkv.output_text); without one, stop strings are refused.
+    (RequestOutput.text), through jaxkv.detokenizer; without one, stop strings are refused.
     Not thread-safe: one thread drives the engine. close() (or leaving a `with` block)
     frees its device memory at once.
     """
@@ -84,7 +84,7 @@ class Engine(Closable):
         tokenizer: Any = None,
     ) -> None:
         config = checked_engine_args(model, params, config, connector)
-        stop_strings = None if tokenizer is None else StopStrings(tokenizer)  # checks it
+        detokenizer = None if tokenizer is None else Detokenizer(tokenizer)  # checks it
         mc = model.config
         sc, cc = config.scheduler, config.cache
         if sc.max_model_len > mc.max_position_embeddings:
@@ -128,8 +128,7 @@ class Engine(Closable):
         )
         self.connector = connector if connector is not None else KVConnector()
         self.scheduler = Scheduler(sc, self.manager, self.connector)
-        self.scheduler.stop_strings = stop_strings
-        self.scheduler.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.scheduler.detokenizer = detokenizer
         self.tokenizer = tokenizer
         self.kv_caches = model.init_kv_caches(cc.num_blocks, cc.block_size, cc.kv_dtype)
         self.buckets = config.buckets

@@ -28,7 +28,7 @@ class RequestOutput(NamedTuple):
     else None, as in vLLM: None too for the model's EOS (unless the request ignores EOS
     and lists that id among its stop tokens). text is None except on a request's finishing
     output when the Engine has a tokenizer: the whole output's text, as vLLM's
-    CompletionOutput.text (jaxkv.output_text).
+    CompletionOutput.text (jaxkv.detokenizer).
     A NamedTuple: one is made per request per step.
     """
 

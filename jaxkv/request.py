@@ -69,7 +69,7 @@ class SamplingParams:
     it is there at all, are subtracted. 0, 0 and 1 change nothing.
     stop: strings (one str or a sequence) whose appearance in the output text ends the
     request, as vLLM's (jaxkv.stop_strings); an Engine needs a tokenizer to read them.
-    include_stop_str_in_output: the finishing output's text (jaxkv.output_text) keeps the
+    include_stop_str_in_output: the finishing output's text (jaxkv.detokenizer) keeps the
     stop string, or the stop token's text, as vLLM's.
     """
 

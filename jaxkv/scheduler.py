@@ -81,8 +81,7 @@ class Scheduler:
         self._transfers = TransferTracker(self.connector, manager, self._release)
         self._finished_ids: list[str] = []
         self._stats = SchedulerStats()
-        self.stop_strings = None  # jaxkv.stop_strings.StopStrings: set by Engine(tokenizer=)
-        self.eos_token_ids: frozenset[int] = frozenset()  # the model's: set by Engine
+        self.detokenizer = None  # jaxkv.detokenizer.Detokenizer: set by Engine(tokenizer=)
         # Left by update_from_output when every running request is decoding (one token
         # left) and every one was scheduled: what the next step needs of them, without
         # another pass over the requests. Consumed by the next schedule() (which alone

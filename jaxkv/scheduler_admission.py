@@ -55,7 +55,7 @@ def check_new_request(scheduler: Scheduler, request: Request) -> None:
             f"request {rid!r}: sampling_params.n={request.sampling_params.n} must be 1; "
             "each sample is a request of its own (Engine.add_request fans them out)"
         )
-    if request.sampling_params.stop and scheduler.stop_strings is None:
+    if request.sampling_params.stop and scheduler.detokenizer is None:
         raise ValueError(
             f"request {rid!r}: sampling_params.stop={request.sampling_params.stop!r} needs "
             "a tokenizer to read the output text: Engine(..., tokenizer=...)"

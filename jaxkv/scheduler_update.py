@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jaxkv.output_text import output_text
 from jaxkv.outputs import RequestOutput, request_output_of
 from jaxkv.request import Request, RequestStatus
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput
@@ -44,7 +43,8 @@ def apply_sampled_tokens(
     carry = DecodeCarry([], [], []) if output.requests == scheduler.running else None
     bs = scheduler.manager.block_size
     cache_offset = bs - 1 if scheduler.manager.enable_prefix_caching else 0
-    stop_strings = scheduler.stop_strings  # None: the engine has no tokenizer
+    detokenizer = scheduler.detokenizer  # None: the engine has no tokenizer
+    eos = None if detokenizer is None else detokenizer.eos_token_id
     for request, n, token in zip(
         output.requests, output.num_scheduled_tokens.tolist(), tokens, strict=True
     ):
@@ -75,13 +75,16 @@ def apply_sampled_tokens(
         stop_reason = None
         if token in params.stop_token_ids and len(output_ids) > params.min_tokens:
             request.status = RequestStatus.FINISHED_STOPPED
-            # vLLM reports the model's EOS as None, a listed stop token as its id.
-            if params.ignore_eos or token not in scheduler.eos_token_ids:
+            # vLLM reports the tokenizer's EOS as None, any other stop token as its id;
+            # and a stop string that a kept stop token's text completes, as the string.
+            if params.ignore_eos or token != eos:
                 stop_reason = token
+            if params.include_stop_str_in_output and params.stop and detokenizer is not None:
+                stop_reason = detokenizer.matched(request) or stop_reason
         elif (
-            stop_strings is not None
+            detokenizer is not None
             and params.stop
-            and (stop_reason := stop_strings.matched(request)) is not None
+            and (stop_reason := detokenizer.matched(request)) is not None
         ):
             request.status = RequestStatus.FINISHED_STOPPED
         elif computed + 1 >= max_len or (
@@ -103,9 +106,7 @@ def apply_sampled_tokens(
             continue
         finished.append(request)
         reason = _FINISH_REASONS[request.status]
-        text = (
-            None if stop_strings is None else output_text(stop_strings.decode, request, stop_reason)
-        )
+        text = None if detokenizer is None else detokenizer.text(request, stop_reason)
         outputs.append(
             request_output_of(
                 (request.request_id, (token,), True, reason, None, 0, None, stop_reason, text)

@@ -3,34 +3,35 @@ output contains one of them.
 
 jaxkv serves token ids; the text comes from a tokenizer the engine is given (anything
 with `decode(token_ids) -> str`, e.g. jaxkv.models.ByteTokenizer or a Hugging Face
-tokenizer). StopStrings decodes each such request's output incrementally, as vLLM's
-detokenizer does: the new tokens with context before them (at first the prompt's last
-5 tokens, then the tokens read last time), so a tokenizer that writes a word's leading
-space only after another word gives the same text as a whole decode; text that ends in
-U+FFFD (a character cut between tokens), or adds nothing, waits for the next token, for
-at most MAX_HELD_TOKENS tokens (then it is taken as it is: a decode of a window that
-keeps growing would cost more every step). A stop string is searched for only where it
-would end in the text the newest tokens added (so a string spanning tokens is found, and
-one found before is not found again), and only once the request has at least min_tokens
-output tokens. The output token ids end with the token that completed the string, as
+tokenizer), through jaxkv.detokenizer.Detokenizer, which finds the strings. It decodes
+each such request's output incrementally (DecodedText, here), as vLLM's detokenizer
+does: the new tokens with context before them (at first the prompt's last 5 tokens, then
+the tokens read last time), so a tokenizer that writes a word's leading space only after
+another word gives the same text as a whole decode; text that ends in U+FFFD (a
+character cut between tokens), or adds nothing, waits for the next token, for at most
+MAX_HELD_TOKENS tokens (then it is taken as it is: a decode of a window that keeps
+growing would cost more every step). A stop string is searched for only where it would
+end in the text the newest tokens added (so a string spanning tokens is found, and one
+found before is not found again), and only once the request has more than min_tokens
+output tokens, as in vLLM (the text of the first min_tokens tokens can begin a string,
+not end one). The output token ids end with the token that completed the string, as
 vLLM's do; finish_reason is "stop" and stop_reason the string. The finishing output's
-text (jaxkv.output_text) ends before the string, or after it with
+text (Detokenizer.text) ends before the string, or after it with
 SamplingParams.include_stop_str_in_output, as vLLM's.
 
 The decoding state lives on the Request (Request.stop_text): the offsets and the text's
-last characters (as many as the longest stop string, less one), so it is dropped with the
-request, a preempted request keeps it (its tokens do not change), and a step's cost does
-not grow with the output.
+last characters (as many as the longest stop string, less one), so it is dropped with
+the request, a preempted request keeps it (its tokens do not change), and a step's cost
+does not grow with the output.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Set
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jaxkv.request import Request
+    pass
 
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token (vLLM's)
 MAX_HELD_TOKENS = 8  # tokens text may wait for: more than a UTF-8 character's 4 bytes
@@ -69,7 +70,7 @@ class DecodedText:
         self.prefix_offset = max(0, num_prompt_tokens - PROMPT_CONTEXT_TOKENS)
         self.read_offset = num_prompt_tokens
         # Once a stop string is found: how many characters before the end of the text
-        # decoded so far it starts (where jaxkv.output_text cuts the text).
+        # decoded so far it starts (where Detokenizer.text cuts the text).
         self.stop_from_end = 0
 
     def update(self, decode, token_ids) -> str:
@@ -88,62 +89,3 @@ class DecodedText:
         # The tokens just read are the next call's context, as in vLLM.
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
         return full[len(prefix) :]
-
-
-class StopStrings:
-    """Finds requests' stop strings in their output text, decoded with `tokenizer`."""
-
-    def __init__(self, tokenizer) -> None:
-        decode = getattr(tokenizer, "decode", None)
-        if not callable(decode):
-            raise ValueError(f"tokenizer={tokenizer!r} must have a decode(token_ids) method")
-        try:
-            text = decode([])
-        except Exception as e:  # noqa: BLE001 - named as the tokenizer's fault
-            raise ValueError(f"tokenizer.decode([]) raised {e!r}: it must take a list") from e
-        if not isinstance(text, str):
-            raise ValueError(f"tokenizer.decode([]) returned {text!r}, not a str")
-        self.tokenizer = tokenizer
-        self.decode = decode
-
-    def matched(self, request: Request) -> str | None:
-        """The stop string the request's newest output token completed, if any: the one
-        that starts first in its text (on a tie, the first listed). Call once per new
-        output token, after it is appended. A tokenizer whose decode raises (or returns no
-        str) gets a RuntimeWarning, and the request runs on without its stop strings: the
-        scheduler's update pass must not stop halfway through a batch."""
-        params = request.sampling_params
-        state = request.stop_text
-        if state is None:
-            keep = max(map(len, params.stop)) - 1
-            state = request.stop_text = DecodedText(keep, request.num_prompt_tokens)
-        elif state.failed:
-            return None
-        output = request.output_token_ids
-        try:
-            new = state.update(self.decode, request.all_token_ids)
-        except Exception as e:  # noqa: BLE001 - the scheduler's update pass must not stop midway
-            state.failed = True
-            warnings.warn(
-                f"tokenizer.decode raised {e!r} on the output of {request.request_id!r}: its "
-                "stop strings are no longer looked for",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return None
-        if not new:
-            return None
-        text, new_from = state.tail + new, len(state.tail)
-        state.tail = text[-state.keep :] if state.keep else ""
-        if len(output) < params.min_tokens:
-            return None
-        found = [  # each string where it would end in the new text, not before
-            (i, n, s)
-            for n, s in enumerate(params.stop)
-            if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0
-        ]
-        if not found:
-            return None
-        start, _, string = min(found)
-        state.stop_from_end = len(text) - start
-        return string

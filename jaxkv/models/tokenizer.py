@@ -20,6 +20,7 @@ class ByteTokenizer:
     pad_id = 256
     bos_id = 257
     eos_id = 258
+    eos_token_id = eos_id  # Hugging Face's name, which jaxkv.detokenizer reads
     vocab_size = 259
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:

@@ -16,7 +16,7 @@ from jaxkv.attention import default_backend
 from jaxkv.config import EngineConfig, SchedulerConfig
 from jaxkv.engine import Engine
 from jaxkv.host_offload_connector import HostOffloadConnector
-from jaxkv.models import Llama
+from jaxkv.models import ByteTokenizer, Llama
 from jaxkv.sampler import sample, sampling_arrays, sampling_row
 from tests.engine._util import (
     MAX_MODEL_LEN,
@@ -229,7 +229,12 @@ def test_a_request_stops_at_the_models_eos_unless_it_ignores_eos():
     engine = Engine(with_eos, None, engine_config())
     out = engine.generate([prompt], params, progress=False)[0]
     assert out.finish_reason == "stop" and out.output_token_ids == free_run[:2]
-    assert out.stop_reason is None  # vLLM's for EOS; a listed stop token gives its id
+    # As vLLM: the tokenizer's EOS gives stop_reason None, any other stop token its id
+    # (so does the model's EOS with no tokenizer, or a tokenizer with another EOS).
+    assert out.stop_reason == eos
+    tokenizer = type("T", (ByteTokenizer,), {"eos_token_id": eos})()
+    engine = Engine(with_eos, None, engine_config(), tokenizer=tokenizer)
+    assert engine.generate([prompt], params, progress=False)[0].stop_reason is None
     listed = SamplingParams(max_tokens=4, stop_token_ids=[eos])
     assert engine.generate([prompt], listed, progress=False)[0].stop_reason is None
     ignoring = SamplingParams(max_tokens=4, ignore_eos=True)

@@ -1,26 +1,28 @@
 """A finished request's text (RequestOutput.text, CompletionOutput.text) against an
-oracle over the dense model's bytes.
+oracle over the dense model's bytes, and jaxkv.detokenizer's rules on a word tokenizer.
 
 The tiny model's tokens are bytes, decoded by jaxkv.models.ByteTokenizer. The prompts are
 ASCII, so the output's text is its own bytes decoded as UTF-8 (with replacement), which
 is what the oracle takes: a stop string (ASCII) cuts the bytes where it starts, a stop
-token leaves its byte out, unless include_stop_str_in_output.
+token leaves its byte out, unless include_stop_str_in_output; and bytes still cutting a
+character at the end (up to MAX_HELD_TOKENS of them) are left out, as vLLM's streaming
+detokenizer never hands them out.
 """
 
 from __future__ import annotations
 
-import warnings
+import logging
 
 import numpy as np
 import pytest
 
 from jaxkv import SamplingParams
+from jaxkv.detokenizer import Detokenizer
 from jaxkv.engine import Engine
 from jaxkv.models import ByteTokenizer
-from jaxkv.output_text import output_text
 from jaxkv.request import Request, RequestStatus
 from jaxkv.router import PrefixAwareRouter
-from jaxkv.stop_strings import StopStrings
+from jaxkv.stop_strings import MAX_HELD_TOKENS
 from tests.engine._util import (
     BLOCK_SIZE,
     assert_all_blocks_free,
@@ -28,6 +30,7 @@ from tests.engine._util import (
     engine_config,
     tiny_model,
 )
+from tests.host._sched_util import add, make_scheduler
 
 MAX_TOKENS = 24
 TOKENIZER = ByteTokenizer()
@@ -37,19 +40,34 @@ def _text(data) -> str:
     return bytes(data).decode("utf-8", errors="replace")
 
 
+def _streamed(data) -> str:
+    """The text of `data` less the last bytes, at most MAX_HELD_TOKENS, whose text ends
+    in U+FFFD (a character still cut)."""
+    for end in range(len(data), len(data) - MAX_HELD_TOKENS, -1):
+        if not _text(data[:end]).endswith("\ufffd"):
+            return _text(data[:end])
+    return _text(data[: len(data) - MAX_HELD_TOKENS])
+
+
 def _engine(tokenizer=TOKENIZER) -> Engine:
     return Engine(tiny_model(), None, engine_config(), tokenizer=tokenizer)
 
 
 def _cases():
     """(prompt, greedy tokens, params, expected text): ASCII prompts, each run to length,
-    to its first ASCII pair as a stop string and to its fourth token as a stop token, each
-    with and without include_stop_str_in_output."""
+    to the token after its first UTF-8 lead byte as a stop token (a cut character ends its
+    text), and to its first ASCII pair as a stop string and to its fourth token as a stop
+    token, each with and without include_stop_str_in_output."""
     rng = np.random.default_rng(5)
     prompts = [rng.integers(ord("a"), ord("z") + 1, int(n)).tolist() for n in (3, 9, 14, 20)]
     cases = []
     for prompt, tokens in zip(prompts, dense_greedy(prompts, MAX_TOKENS), strict=True):
-        cases.append((prompt, tokens, SamplingParams(max_tokens=MAX_TOKENS), _text(tokens)))
+        cases.append((prompt, tokens, SamplingParams(max_tokens=MAX_TOKENS), _streamed(tokens)))
+        # A stop token right after a character's first byte: the text before it is cut.
+        lead = next(i for i, t in enumerate(tokens) if t >= 0xC2 and i + 1 < len(tokens))
+        if tokens.index(tokens[lead + 1]) == lead + 1:
+            params = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=[tokens[lead + 1]])
+            cases.append((prompt, tokens, params, _streamed(tokens[: lead + 1])))
         pairs = [i for i in range(len(tokens) - 1) if all(32 <= t < 127 for t in tokens[i : i + 2])]
         if pairs and tokens.index(tokens[pairs[0]]) == pairs[0]:
             at = pairs[0]
@@ -67,8 +85,10 @@ def _cases():
                 stop_token_ids=[tokens[3]],
                 include_stop_str_in_output=include,
             )
-            cases.append((prompt, tokens, params, _text(tokens[: first + include])))
+            cases.append((prompt, tokens, params, _streamed(tokens[: first + include])))
     assert sum(bool(p.stop) for _, _, p, _ in cases) >= 4, "too few ASCII pairs: pick a new seed"
+    held_back = [c for c in cases if c[2].stop_token_ids and c[3] + "\ufffd" in _text(c[1])]
+    assert len(held_back) >= 2, "too few cut characters before a stop token: pick a new seed"
     return cases
 
 
@@ -97,7 +117,7 @@ def test_samples_and_the_router_carry_each_samples_text():
     params = SamplingParams(max_tokens=8, n=2, stop_token_ids=[tokens[5]])
     router = PrefixAwareRouter([_engine(), _engine()], block_size=BLOCK_SIZE)
     outs = router.generate([prompt], params, progress=False)
-    assert [o.text for o in outs] == [_text(tokens[: min(8, tokens.index(tokens[5]))])] * 2
+    assert [o.text for o in outs] == [_streamed(tokens[: min(8, tokens.index(tokens[5]))])] * 2
 
 
 def test_an_engine_without_a_tokenizer_gives_no_text():
@@ -110,34 +130,81 @@ def test_an_engine_without_a_tokenizer_gives_no_text():
 class _Words:
     """Word ids; a word after another gets a leading space, as sentencepiece writes it."""
 
-    words = ["<s>", "the", "cat", "saysXYmeow", "sat"]
+    words = ["<s>", "the", "cat", "saysXYmeXYow", "sat", "XY", "</s>"]
+    eos_token_id = 6
 
     def decode(self, ids) -> str:
         return " ".join(self.words[i] for i in ids)
 
 
+def _finished(output, status=RequestStatus.FINISHED_STOPPED, **params) -> Request:
+    request = Request("r", [0, 1], SamplingParams(**params))
+    request.append_output_token_ids(output)
+    request.status = status
+    return request
+
+
 @pytest.mark.parametrize(("include", "expected"), [(False, " cat says"), (True, " cat saysXY")])
-def test_text_has_the_first_words_space_and_ends_at_a_stop_string_inside_a_token(include, expected):
+def test_text_has_the_first_words_space_and_ends_where_the_found_string_starts(include, expected):
+    detokenizer = Detokenizer(_Words())
     request = Request("r", [0, 1], SamplingParams(stop="XY", include_stop_str_in_output=include))
-    stops = StopStrings(_Words())
     found = []
     for token in (2, 3):
         request.append_output_token_ids(token)
-        found.append(stops.matched(request))
+        found.append(detokenizer.matched(request))
     assert found == [None, "XY"]
     request.status = RequestStatus.FINISHED_STOPPED
-    # Decoded after the prompt, as vLLM does: " cat", not "cat"; "meow" is dropped.
-    assert output_text(stops.decode, request, "XY") == expected
+    # Decoded after the prompt, as vLLM does: " cat", not "cat"; the text after the first
+    # "XY" of the token is dropped.
+    assert detokenizer.text(request, "XY") == expected
 
 
-def test_text_without_stop_strings_decodes_after_the_prompt():
-    request = Request("r", [0, 1], SamplingParams())
-    request.append_output_token_ids([2, 4])
-    request.status = RequestStatus.FINISHED_LENGTH
-    assert output_text(_Words().decode, request, None) == " cat sat"
+def test_a_string_in_min_tokens_text_is_not_where_the_text_is_cut():
+    detokenizer = Detokenizer(_Words())
+    request = Request("r", [0], SamplingParams(stop="XY", min_tokens=1))
+    found = []
+    for token in (5, 2, 3):  # "XY", hidden by min_tokens; then " cat saysXY..."
+        request.append_output_token_ids(token)
+        found.append(detokenizer.matched(request))
+    assert found == [None, None, "XY"]
+    request.status = RequestStatus.FINISHED_STOPPED
+    assert detokenizer.text(request, "XY") == " XY cat says"
 
 
-def test_a_tokenizer_that_fails_at_the_end_warns_and_the_request_still_finishes():
+@pytest.mark.parametrize(
+    ("status", "params", "reason", "expected"),
+    [
+        (RequestStatus.FINISHED_LENGTH, {}, None, " cat sat"),
+        (RequestStatus.FINISHED_STOPPED, {}, None, " cat"),  # EOS: its text left out
+        (RequestStatus.FINISHED_STOPPED, {"include_stop_str_in_output": True}, None, " cat </s>"),
+        (RequestStatus.FINISHED_STOPPED, {"stop_token_ids": [4]}, 4, " cat"),
+    ],
+)
+def test_a_stop_tokens_text_is_left_out_unless_included(status, params, reason, expected):
+    last = 6 if reason is None and status is RequestStatus.FINISHED_STOPPED else 4
+    request = _finished([2, last], status, **params)
+    assert Detokenizer(_Words()).text(request, reason) == expected
+
+
+def test_the_tokenizers_eos_reports_none_and_a_stop_token_completing_a_string_the_string():
+    sched = make_scheduler()
+    sched.detokenizer = Detokenizer(ByteTokenizer())
+    eos = ByteTokenizer.eos_token_id
+    add(sched, "eos", [97], stop_token_ids=[eos])
+    add(sched, "other", [97], stop_token_ids=[eos, 33])
+    add(sched, "kept", [97], stop_token_ids=[33], stop="b!", include_stop_str_in_output=True)
+    add(sched, "cut", [97], stop_token_ids=[33], stop="b!")
+    out = sched.schedule()
+    assert [o.finished for o in sched.update_from_output(out, [98] * 4)] == [False] * 4
+    outputs = sched.update_from_output(sched.schedule(), [eos, 33, 33, 33])
+    # vLLM decodes a stop token's text only to keep it: then "b!" stops "kept", not "!".
+    assert [(o.stop_reason, o.text) for o in outputs] == [
+        (None, "b"), (33, "b"), ("b!", "b!"), (33, "b"),
+    ]  # fmt: skip
+
+
+@pytest.mark.filterwarnings("error")  # logged, not warned: no filter can raise it
+def test_a_tokenizer_that_fails_at_the_end_is_logged_and_the_request_still_finishes(caplog):
     class FailsOnLongText(ByteTokenizer):
         def decode(self, ids):
             if len(ids) > 6:
@@ -145,15 +212,23 @@ def test_a_tokenizer_that_fails_at_the_end_warns_and_the_request_still_finishes(
             return super().decode(ids)
 
     engine = _engine(FailsOnLongText())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level(logging.WARNING, logger="jaxkv.detokenizer"):
         out = engine.generate([[97, 98]], SamplingParams(max_tokens=8), progress=False)[0]
     assert out.finish_reason == "length" and len(out.output_token_ids) == 8
     assert out.text is None
-    assert any("RequestOutput.text is None" in str(w.message) for w in caught)
+    assert "RuntimeError('decoder broke') on the output of '0': its text is None" in caplog.text
     assert_all_blocks_free(engine)
 
 
 def test_include_stop_str_in_output_must_be_a_bool():
     with pytest.raises(ValueError, match="include_stop_str_in_output='no' must be a bool"):
         SamplingParams(include_stop_str_in_output="no")
+
+
+def test_a_character_the_prompt_cut_is_read_with_the_prompts_last_tokens_as_vllm_does():
+    # vLLM decodes the output after the prompt's last 5 tokens: the emoji the prompt began
+    # is not the output's, and the byte finishing it adds no text of its own.
+    request = Request("r", list(b"ab\xf0\x9f\x98"), SamplingParams())
+    request.append_output_token_ids(list(b"\x80!"))
+    request.status = RequestStatus.FINISHED_LENGTH
+    assert Detokenizer(ByteTokenizer()).text(request, None) == "!"

@@ -8,14 +8,18 @@ completes the first occurrence ending at or after min_tokens tokens.
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 
 from jaxkv import SamplingParams
+from jaxkv.detokenizer import Detokenizer
 from jaxkv.engine import Engine
 from jaxkv.models import ByteTokenizer
 from jaxkv.request import Request
 from jaxkv.router import PrefixAwareRouter
-from jaxkv.stop_strings import MAX_HELD_TOKENS, DecodedText, StopStrings
+from jaxkv.stop_strings import MAX_HELD_TOKENS, DecodedText
 from tests.engine._util import (
     BLOCK_SIZE,
     TIGHT_BLOCKS,
@@ -35,14 +39,14 @@ def _engine(**config) -> Engine:
 
 
 def _oracle_length(tokens: list[int], stops: tuple[str, ...], min_tokens: int = 0) -> int | None:
-    """Output tokens up to the one completing the first stop string that ends at or after
-    min_tokens tokens (None: no stop string ends in `tokens`)."""
+    """Output tokens up to the one completing the first stop string that ends after
+    min_tokens tokens, as vLLM's (None: no stop string ends in `tokens`)."""
     data = bytes(tokens)
     ends = []
     for s in stops:
         needle, start = s.encode("ascii"), 0
         while (at := data.find(needle, start)) >= 0:
-            if at + len(needle) >= max(min_tokens, 1):
+            if at + len(needle) > min_tokens:
                 ends.append(at + len(needle))
                 break
             start = at + 1
@@ -140,7 +144,7 @@ def test_text_is_decoded_incrementally_and_a_cut_character_waits():
 
 
 def test_a_string_is_found_where_it_ends_in_new_text_only():
-    stops = StopStrings(TOKENIZER)
+    stops = Detokenizer(TOKENIZER)
     request = Request("r", [1], SamplingParams(stop=("c", "bc", "xyz")))
     found = []
     for token in b"abcxyzc":
@@ -151,14 +155,20 @@ def test_a_string_is_found_where_it_ends_in_new_text_only():
     assert found == [None, None, "bc", None, None, "xyz", "c"]
 
 
-def test_min_tokens_hides_strings_that_end_before_it():
-    stops = StopStrings(TOKENIZER)
-    request = Request("r", [1], SamplingParams(stop=("ab",), min_tokens=3, max_tokens=9))
+@pytest.mark.parametrize(
+    ("stop", "tokens", "expected"),
+    [(("ab",), b"abab", [None, None, None, "ab"]), (("ab", "ba"), b"aba", [None, None, "ba"])],
+)
+def test_min_tokens_hides_strings_that_end_in_its_tokens_text(stop, tokens, expected):
+    # As vLLM's: a string must end after the first min_tokens tokens' text; it may begin
+    # in it ("ba" at the 2nd token).
+    stops = Detokenizer(TOKENIZER)
+    request = Request("r", [1], SamplingParams(stop=stop, min_tokens=2, max_tokens=9))
     found = []
-    for token in b"abab":
+    for token in tokens:
         request.append_output_token_ids(token)
         found.append(stops.matched(request))
-    assert found == [None, None, None, "ab"]
+    assert found == expected
 
 
 @pytest.mark.parametrize(
@@ -207,14 +217,15 @@ class _FailingTokenizer:
         return TOKENIZER.decode(ids)
 
 
-def test_a_tokenizer_that_raises_warns_and_the_batch_runs_on():
-    stops = StopStrings(_FailingTokenizer())
+def test_a_tokenizer_that_raises_is_logged_and_the_batch_runs_on(caplog):
+    stops = Detokenizer(_FailingTokenizer())
     request = Request("r", [1], SamplingParams(stop=("ab",)))
     for token in b"aX":
         request.append_output_token_ids(token)
         if token == 0x58:
-            with pytest.warns(RuntimeWarning, match="decode raised KeyError.*'r'"):
+            with caplog.at_level(logging.WARNING, logger="jaxkv.detokenizer"):
                 assert stops.matched(request) is None
+            assert re.search("decode raised KeyError.*'r'", caplog.text)
         else:
             assert stops.matched(request) is None
     for token in b"ab":  # no longer looked for
@@ -223,7 +234,7 @@ def test_a_tokenizer_that_raises_warns_and_the_batch_runs_on():
 
 
 def test_a_long_string_spanning_many_tokens_is_found():
-    stops = StopStrings(TOKENIZER)
+    stops = Detokenizer(TOKENIZER)
     request = Request("r", [1], SamplingParams(stop=("hello world", "User:")))
     found = []
     for token in b"> User: hello world!":
@@ -244,7 +255,7 @@ class _WordTokenizer:
 
 
 def test_the_first_output_token_is_read_after_the_prompt_as_vllm_does():
-    stops = StopStrings(_WordTokenizer())
+    stops = Detokenizer(_WordTokenizer())
     request = Request("r", [0], SamplingParams(stop=(" User",)))
     request.append_output_token_ids(1)  # "Hi User": the space belongs to the output
     assert stops.matched(request) == " User"

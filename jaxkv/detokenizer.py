@@ -1,0 +1,158 @@
+"""The engine's tokenizer, read for text: stop strings, finished requests' text, the EOS.
+
+An Engine given a tokenizer (anything with `decode(token_ids) -> str`, e.g.
+jaxkv.models.ByteTokenizer or a Hugging Face tokenizer) hands the scheduler a Detokenizer,
+which the update pass calls with each request's new output token:
+
+- matched(): the stop string (SamplingParams.stop) the token completed, if any, found in
+  the output text decoded incrementally (jaxkv.stop_strings);
+- text(): a finished request's output text, as vLLM's CompletionOutput.text reads
+  (RequestOutput.text on its finishing output, CompletionOutput.text): decoded once, as
+  the request finishes, so a step's cost does not grow with the output; decoded after
+  the prompt's last PROMPT_CONTEXT_TOKENS tokens, as vLLM's detokenizer does, so a
+  tokenizer that writes a word's leading space only after another word gives the first
+  word its space. Unless SamplingParams.include_stop_str_in_output, it leaves out a stop
+  token's text (EOS included) and ends where a stop string starts; with it, it keeps
+  them. Text after a stop string (in the same token) is dropped either way, and so is a
+  character still cut at the end (text ending in U+FFFD after up to MAX_HELD_TOKENS
+  tokens), which vLLM's detokenizer holds back and never hands out;
+- eos_token_id: the tokenizer's EOS (its `eos_token_id`, as vLLM reads it), the one stop
+  token a finished request reports as stop_reason None.
+
+A tokenizer that raises (or returns no str) is logged (logger "jaxkv.detokenizer"), not
+raised or warned: the update pass must not stop halfway through a batch, and a warnings
+filter could turn a warning into an exception there. Such a request runs on without its
+stop strings; its text is None.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import TYPE_CHECKING
+
+from jaxkv.request import RequestStatus
+from jaxkv.stop_strings import MAX_HELD_TOKENS, PROMPT_CONTEXT_TOKENS, DecodedText
+
+if TYPE_CHECKING:
+    from jaxkv.request import Request
+
+__all__ = ["Detokenizer"]
+
+logger = logging.getLogger(__name__)
+
+
+class Detokenizer:
+    """Reads requests' output text with `tokenizer` (see the module docstring)."""
+
+    def __init__(self, tokenizer) -> None:
+        """Raises ValueError naming `tokenizer` unless its decode takes a list of ids and
+        returns a str."""
+        decode = getattr(tokenizer, "decode", None)
+        if not callable(decode):
+            raise ValueError(f"tokenizer={tokenizer!r} must have a decode(token_ids) method")
+        try:
+            text = decode([])
+        except Exception as e:  # noqa: BLE001 - named as the tokenizer's fault
+            raise ValueError(f"tokenizer.decode([]) raised {e!r}: it must take a list") from e
+        if not isinstance(text, str):
+            raise ValueError(f"tokenizer.decode([]) returned {text!r}, not a str")
+        self.tokenizer = tokenizer
+        self.decode = decode
+        eos = getattr(tokenizer, "eos_token_id", None)
+        try:
+            self.eos_token_id: int | None = None if eos is None else operator.index(eos)
+        except TypeError:  # e.g. a list: no single EOS to report as None
+            self.eos_token_id = None
+
+    def matched(self, request: Request) -> str | None:
+        """The stop string the request's newest output token completed, if any: the one
+        that starts first in its text (on a tie, the first listed). Call once per new
+        output token, after it is appended. A tokenizer that fails is logged, and the
+        request runs on without its stop strings."""
+        params = request.sampling_params
+        state = request.stop_text
+        if state is None:
+            keep = max(map(len, params.stop)) - 1
+            state = request.stop_text = DecodedText(keep, request.num_prompt_tokens)
+        elif state.failed:
+            return None
+        output = request.output_token_ids
+        try:
+            new = state.update(self.decode, request.all_token_ids)
+        except Exception as e:  # noqa: BLE001 - logged; the update pass goes on
+            state.failed = True
+            logger.warning(
+                "tokenizer.decode raised %r on the output of %r: its stop strings are no "
+                "longer looked for",
+                e,
+                request.request_id,
+            )
+            return None
+        if not new:
+            return None
+        text, new_from = state.tail + new, len(state.tail)
+        state.tail = text[-state.keep :] if state.keep else ""
+        if len(output) <= params.min_tokens:
+            return None
+        found = [  # each string where it would end in the new text, not before
+            (i, n, s)
+            for n, s in enumerate(params.stop)
+            if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0
+        ]
+        if not found:
+            return None
+        start, _, string = min(found)
+        state.stop_from_end = len(text) - start
+        return string
+
+    def text(self, request: Request, stop_reason: int | str | None) -> str | None:
+        """The finished `request`'s output text; `stop_reason` is what its finishing
+        RequestOutput reports. None (logged) when the tokenizer fails."""
+        params = request.sampling_params
+        include = params.include_stop_str_in_output
+        ids = request.all_token_ids
+        end = len(ids)
+        by_string = isinstance(stop_reason, str)
+        if request.status is RequestStatus.FINISHED_STOPPED and not by_string and not include:
+            end -= 1
+        num_prompt = request.num_prompt_tokens
+        context = max(0, num_prompt - PROMPT_CONTEXT_TOKENS)
+        try:
+            before = self._decoded(ids[context:num_prompt])
+            text = self._decoded(ids[context:end])
+            if not by_string and text.endswith("\ufffd"):  # (a found string's text was whole)
+                text = self._decoded(ids[context : self._held_from(ids, num_prompt, end)])
+        except Exception as e:  # noqa: BLE001 - logged; the update pass goes on
+            logger.warning(
+                "tokenizer.decode raised %r on the output of %r: its text is None",
+                e,
+                request.request_id,
+            )
+            return None
+        text = text[len(before) :]
+        if by_string:
+            # The string starts where matched() found it: so many characters before the
+            # end of the text, decoded then up to this same last token.
+            start = max(0, len(text) - request.stop_text.stop_from_end)
+            text = text[: start + len(stop_reason) if include else start]
+        return text
+
+    def _held_from(self, ids: list[int], num_prompt: int, end: int) -> int:
+        """Where the text of ids[:end], which ends in U+FFFD, stops ending in it: the
+        last output tokens, at most MAX_HELD_TOKENS, whose text a streaming detokenizer
+        would still hold back. Decodes a few tokens before each candidate end only (a
+        character spans at most 4 bytes), not the whole output each time."""
+        held = end
+        while held > num_prompt and end - held < MAX_HELD_TOKENS:
+            held -= 1
+            window = ids[max(0, held - PROMPT_CONTEXT_TOKENS) : held]
+            if not self._decoded(window).endswith("\ufffd"):
+                break
+        return held
+
+    def _decoded(self, token_ids) -> str:
+        text = self.decode(token_ids)
+        if not isinstance(text, str):
+            raise TypeError(f"decode returned {type(text).__name__}, not a str")
+        return text
