@@ -1,4 +1,5 @@
-"""What stop strings cost the scheduler's update pass: decode steps with and without them.
+"""What stop strings cost the scheduler's update pass: decode steps with and without them;
+and what a finished request's text costs (jaxkv.detokenizer).
 
 --num-requests requests decode together on a bare Scheduler (no model: the sampled
 tokens are fixed ASCII bytes), each step one schedule() and one update_from_output().
@@ -6,8 +7,10 @@ Cases: no stop strings (the baseline), and every request with one or four stop s
 that never occur, read through jaxkv.models.ByteTokenizer, so every step decodes every
 request's new token. Reports the median CPU time per step over --steps steps after the
 requests have --warmup-tokens output tokens (the cost must not grow with the output),
-and its ratio to the baseline. Timings are measured, never asserted. Prints a table and
-writes JSON:
+and its ratio to the baseline. Then Detokenizer.text for outputs of --text-lengths tokens,
+once plain and once ending in a character cut by its last byte (the text then steps back
+over it), against one tokenizer.decode of the same output: the least any text costs.
+Timings are measured, never asserted. Prints tables and writes JSON:
 
     python benchmarks/stop_strings.py --out benchmarks/results/stop_strings.json
 """
@@ -25,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cli_args import RESULTS_DIR, positive_int  # noqa: E402
-from jaxkv import KVCacheManager, Request, SamplingParams  # noqa: E402
+from jaxkv import KVCacheManager, Request, RequestStatus, SamplingParams  # noqa: E402
 from jaxkv.config import SchedulerConfig  # noqa: E402
 from jaxkv.detokenizer import Detokenizer  # noqa: E402
 from jaxkv.models import ByteTokenizer  # noqa: E402
@@ -47,6 +50,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=positive_int, default=200, help="timed (%(default)s)")
     p.add_argument(
         "--warmup-tokens", type=int, default=100, help="output tokens before timing (%(default)s)"
+    )
+    p.add_argument(
+        "--text-lengths",
+        type=positive_int,
+        nargs="+",
+        default=[16, 256, 1024],
+        help="output tokens of the finished text timed (%(default)s)",
     )
     p.add_argument(
         "--out", type=Path, default=RESULTS_DIR / "stop_strings.json", help="(%(default)s)"
@@ -82,6 +92,33 @@ def time_case(args, stop: tuple[str, ...]) -> float:
     return statistics.median(times)
 
 
+def time_text(num_tokens: int, cut: bool) -> dict:
+    """Best CPU microseconds of Detokenizer.text and of one plain decode of its output."""
+    tokenizer = ByteTokenizer()
+    detokenizer = Detokenizer(tokenizer)
+    request = Request("r", [ord("a")] * PROMPT_LEN, SamplingParams(max_tokens=None))
+    output = [ord("a") + i % 26 for i in range(num_tokens - 1)] + [0xE4 if cut else ord("z")]
+    request.append_output_token_ids(output)
+    request.status = RequestStatus.FINISHED_LENGTH
+    loops = max(1, 20_000 // num_tokens)
+    text = detokenizer.text(request, None)
+    assert text is not None and len(text) == num_tokens - cut
+
+    def best(fn) -> float:
+        rounds = []
+        for _ in range(5):
+            t0 = time.thread_time()
+            for _ in range(loops):
+                fn()
+            rounds.append((time.thread_time() - t0) / loops)
+        return 1e6 * min(rounds)
+
+    text_us = best(lambda: detokenizer.text(request, None))
+    decode_us = best(lambda: tokenizer.decode(output))
+    return {"tokens": num_tokens, "cut": cut, "text_us": text_us, "decode_us": decode_us,
+            "ratio_to_decode": text_us / decode_us}  # fmt: skip
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     results = []
@@ -100,10 +137,21 @@ def main(argv=None) -> int:
             f"{r['case']:>10} {1e3 * r['step_s']:>8.2f} {r['us_per_request']:>10.2f} "
             f"{r['ratio_to_none']:>6.2f}"
         )
+    texts = [time_text(n, cut) for n in args.text_lengths for cut in (False, True)]
+    print("\nfinished text: Detokenizer.text vs one decode of the output (best CPU us)")
+    print(f"{'tokens':>7} {'cut end':>7} {'text us':>8} {'decode us':>9} {'ratio':>6}")
+    for t in texts:
+        print(
+            f"{t['tokens']:>7} {'yes' if t['cut'] else 'no':>7} {t['text_us']:>8.1f} "
+            f"{t['decode_us']:>9.1f} {t['ratio_to_decode']:>6.2f}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     args.out.write_text(
-        json.dumps({"args": meta, "machine": platform.platform(), "results": results}, indent=2)
+        json.dumps(
+            {"args": meta, "machine": platform.platform(), "results": results, "text": texts},
+            indent=2,
+        )
     )
     print(f"wrote {args.out}")
     return 0

@@ -122,7 +122,7 @@ class Detokenizer:
             before = self._decoded(ids[context:num_prompt])
             text = self._decoded(ids[context:end])
             if not by_string and text.endswith("\ufffd"):  # (a found string's text was whole)
-                text = self._decoded(ids[context : self._held_from(ids, num_prompt, end)])
+                text = text[: len(text) - self._held_chars(ids, num_prompt, end)]
         except Exception as e:  # noqa: BLE001 - logged; the update pass goes on
             logger.warning(
                 "tokenizer.decode raised %r on the output of %r: its text is None",
@@ -138,18 +138,19 @@ class Detokenizer:
             text = text[: start + len(stop_reason) if include else start]
         return text
 
-    def _held_from(self, ids: list[int], num_prompt: int, end: int) -> int:
-        """Where the text of ids[:end], which ends in U+FFFD, stops ending in it: the
-        last output tokens, at most MAX_HELD_TOKENS, whose text a streaming detokenizer
-        would still hold back. Decodes a few tokens before each candidate end only (a
-        character spans at most 4 bytes), not the whole output each time."""
+    def _held_chars(self, ids: list[int], num_prompt: int, end: int) -> int:
+        """How many characters at the end of the text of ids[:end], which ends in U+FFFD,
+        come from the last output tokens (at most MAX_HELD_TOKENS) whose text a streaming
+        detokenizer would still hold back. Decodes only a few tokens before each
+        candidate end (a character spans at most 4 bytes), never the whole output."""
         held = end
         while held > num_prompt and end - held < MAX_HELD_TOKENS:
             held -= 1
-            window = ids[max(0, held - PROMPT_CONTEXT_TOKENS) : held]
-            if not self._decoded(window).endswith("\ufffd"):
+            before_held = self._decoded(ids[max(0, held - PROMPT_CONTEXT_TOKENS) : held])
+            if not before_held.endswith("\ufffd"):
                 break
-        return held
+        start = max(0, held - PROMPT_CONTEXT_TOKENS)
+        return len(self._decoded(ids[start:end])) - len(self._decoded(ids[start:held]))
 
     def _decoded(self, token_ids) -> str:
         text = self.decode(token_ids)

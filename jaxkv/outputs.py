@@ -26,9 +26,9 @@ class RequestOutput(NamedTuple):
     the first. stop_reason is what stopped a request that finished with "stop": the stop
     token's id (SamplingParams.stop_token_ids, the model's eos_token_ids) or the stop
     string (SamplingParams.stop), else None, as in vLLM: None too for the tokenizer's EOS
-    (its eos_token_id; unless the request ignores EOS and lists that id itself). text is None except on a request's finishing
-    output when the Engine has a tokenizer: the whole output's text, as vLLM's
-    CompletionOutput.text (jaxkv.detokenizer).
+    (its eos_token_id; unless the request ignores EOS and lists that id itself). text is
+    None except on a request's finishing output when the Engine has a tokenizer: the
+    whole output's text, as vLLM's CompletionOutput.text (jaxkv.detokenizer).
     A NamedTuple: one is made per request per step.
     """
 

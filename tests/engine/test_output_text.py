@@ -232,3 +232,20 @@ def test_a_character_the_prompt_cut_is_read_with_the_prompts_last_tokens_as_vllm
     request.append_output_token_ids(list(b"\x80!"))
     request.status = RequestStatus.FINISHED_LENGTH
     assert Detokenizer(ByteTokenizer()).text(request, None) == "!"
+
+
+@pytest.mark.parametrize(
+    ("output", "expected"),
+    [
+        (b"ab\xe4", "ab"),
+        (b"ab\xe4\xb8", "ab"),  # two bytes of a 3-byte character: both held back
+        (b"ab\xe4\xb8\xad", "ab\u4e2d"),  # complete
+        (b"\xe4\xb8", ""),
+        (b"ab" + b"\x80" * (MAX_HELD_TOKENS + 1), "ab\ufffd"),  # held back at most 8 tokens
+    ],
+)
+def test_a_character_cut_at_the_end_is_left_out(output, expected):
+    request = Request("r", list(b"xyz"), SamplingParams())
+    request.append_output_token_ids(list(output))
+    request.status = RequestStatus.FINISHED_LENGTH
+    assert Detokenizer(ByteTokenizer()).text(request, None) == expected

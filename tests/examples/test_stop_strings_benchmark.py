@@ -11,11 +11,15 @@ from benchmarks.stop_strings import CASES, main, parse_args
 
 def test_a_tiny_run_times_every_case_against_the_baseline(tmp_path, capsys):
     out = tmp_path / "stop_strings.json"
-    argv = ["--num-requests", "4", "--steps", "3", "--warmup-tokens", "2", "--out", str(out)]
+    argv = ["--num-requests", "4", "--steps", "3", "--warmup-tokens", "2", "--out", str(out),
+            "--text-lengths", "4"]  # fmt: skip
     assert main(argv) == 0
-    results = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    results = report["results"]
     assert [r["case"] for r in results] == list(CASES)
     assert results[0]["ratio_to_none"] == 1.0 and all(r["step_s"] > 0 for r in results)
+    assert [(t["tokens"], t["cut"]) for t in report["text"]] == [(4, False), (4, True)]
+    assert all(t["text_us"] > 0 and t["ratio_to_decode"] > 0 for t in report["text"])
     assert "us/request" in capsys.readouterr().out
 
 
