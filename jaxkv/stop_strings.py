@@ -27,6 +27,7 @@ does not grow with the output.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Set
 from typing import TYPE_CHECKING
 
@@ -60,7 +61,9 @@ class DecodedText:
     stop string can span before new text.
     """
 
-    __slots__ = ("tail", "keep", "prefix_offset", "read_offset", "failed", "stop_from_end")
+    __slots__ = (
+        "tail", "keep", "prefix_offset", "read_offset", "failed", "stop_from_end", "cut_read",
+    )  # fmt: skip
 
     def __init__(self, keep: int, num_prompt_tokens: int) -> None:
         self.tail = ""
@@ -72,20 +75,28 @@ class DecodedText:
         # Once a stop string is found: how many characters before the end of the text
         # decoded so far it starts (where Detokenizer.text cuts the text).
         self.stop_from_end = 0
+        # The last read was forced (MAX_HELD_TOKENS) and its text ended in a cut character.
+        self.cut_read = False
 
     def update(self, decode, token_ids) -> str:
         """The text of `token_ids` (prompt and output) past read_offset; "" while none can
         be read yet (a character cut between tokens waits for the rest, at most
-        MAX_HELD_TOKENS tokens)."""
+        MAX_HELD_TOKENS tokens). After a forced read that ended in a cut character, the
+        character the next tokens complete is read again, whole: its U+FFFD was handed
+        out already, and a stop string ending in it must still be found."""
         if len(token_ids) <= self.read_offset:
             return ""
         prefix = decode(token_ids[self.prefix_offset : self.read_offset])
         full = decode(token_ids[self.prefix_offset :])
         if not isinstance(full, str) or not isinstance(prefix, str):
             raise TypeError(f"decode returned {type(full).__name__}, not a str")
+        start = len(prefix)
+        if self.cut_read and not full.startswith(prefix):
+            start = len(os.path.commonprefix([prefix, full]))
         held = len(token_ids) - self.read_offset < MAX_HELD_TOKENS
-        if held and (len(full) <= len(prefix) or full.endswith("\ufffd")):
+        if held and (len(full) <= start or full.endswith("\ufffd")):
             return ""
         # The tokens just read are the next call's context, as in vLLM.
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
-        return full[len(prefix) :]
+        self.cut_read = not held and full.endswith("\ufffd")
+        return full[start:]

@@ -17,7 +17,7 @@ from jaxkv import SamplingParams
 from jaxkv.detokenizer import Detokenizer
 from jaxkv.engine import Engine
 from jaxkv.models import ByteTokenizer
-from jaxkv.request import Request
+from jaxkv.request import Request, RequestStatus
 from jaxkv.router import PrefixAwareRouter
 from jaxkv.stop_strings import MAX_HELD_TOKENS, DecodedText
 from tests.engine._util import (
@@ -270,3 +270,18 @@ def test_text_that_cannot_be_read_waits_only_a_few_tokens():
     assert read[: MAX_HELD_TOKENS - 1] == [""] * (MAX_HELD_TOKENS - 1)
     assert read[MAX_HELD_TOKENS - 1] == "\ufffd" * MAX_HELD_TOKENS
     assert state.read_offset >= len(ids) - MAX_HELD_TOKENS  # the window stays short
+
+
+def test_a_character_completed_after_a_forced_read_is_searched_whole():
+    # 'a', 6 invalid bytes and an emoji's first two bytes: 8 held tokens force a read
+    # ending in U+FFFD; the emoji's last two bytes then complete it, and it is found (it
+    # used to be dropped from the searched text, while the finished text held it).
+    stops = Detokenizer(TOKENIZER)
+    request = Request("r", list(b"Hello "), SamplingParams(stop="\U0001f600", max_tokens=12))
+    found = []
+    for token in b"a" + b"\x80" * 6 + "\U0001f600".encode():
+        request.append_output_token_ids(token)
+        found.append(stops.matched(request))
+    assert found == [None] * 10 + ["\U0001f600"]  # at the emoji's last byte
+    request.status = RequestStatus.FINISHED_STOPPED
+    assert stops.text(request, "\U0001f600") == "a" + "\ufffd" * 6
