@@ -97,7 +97,8 @@ def run_to_completion(
     `progress_bar` (tqdm-like, optional) is advanced once per finished prompt and closed.
     """
     num_prompts = count_prompts(prompts)
-    if sampling_params is None or not isinstance(sampling_params, Sequence):
+    # A str is a Sequence, of characters: refused by each add_request as what it is.
+    if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, (str, bytes)):
         params_list = [sampling_params] * num_prompts
     else:
         params_list = list(sampling_params)

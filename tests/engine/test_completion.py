@@ -52,6 +52,9 @@ def test_generate_with_a_wrong_number_of_params_queues_nothing():
     engine = make_engine()
     with pytest.raises(ValueError, match="sampling_params: .* for .* prompts"):
         engine.generate([[1, 2], [3, 4]], [SamplingParams()], progress=False)
+    # A str is named as what it is, not counted as a list of 6 params.
+    with pytest.raises(ValueError, match="sampling_params='greedy' must be None or a Sampl"):
+        engine.generate([[1, 2]], "greedy", progress=False)
     assert engine.add_request([1, 2]) == "0"
 
 
