@@ -92,7 +92,10 @@ class Detokenizer:
         if not new:
             return None
         text, new_from = state.tail + new, len(state.tail)
-        state.tail = text[-state.keep :] if state.keep else ""
+        keep = state.keep
+        if state.cut_read:  # its last U+FFFDs may be read again, completed: keep more
+            keep += len(text) - len(text.rstrip("\ufffd"))
+        state.tail = text[-keep:] if keep else ""
         if len(output) <= params.min_tokens:
             return None
         found = [  # each string where it would end in the new text, not before
@@ -141,15 +144,15 @@ class Detokenizer:
     def _held_chars(self, ids: list[int], num_prompt: int, end: int) -> int:
         """How many characters at the end of the text of ids[:end], which ends in U+FFFD,
         come from the last output tokens (at most MAX_HELD_TOKENS) whose text a streaming
-        detokenizer would still hold back. Decodes only a few tokens before each
-        candidate end (a character spans at most 4 bytes), never the whole output."""
+        detokenizer would still hold back. Decodes from one start, PROMPT_CONTEXT_TOKENS
+        before the earliest candidate end (tokens that decode to nothing, such as PAD, may
+        lie between a character's bytes), never the whole output."""
+        start = max(0, end - MAX_HELD_TOKENS - PROMPT_CONTEXT_TOKENS)
         held = end
         while held > num_prompt and end - held < MAX_HELD_TOKENS:
             held -= 1
-            before_held = self._decoded(ids[max(0, held - PROMPT_CONTEXT_TOKENS) : held])
-            if not before_held.endswith("\ufffd"):
+            if not self._decoded(ids[start:held]).endswith("\ufffd"):
                 break
-        start = max(0, held - PROMPT_CONTEXT_TOKENS)
         return len(self._decoded(ids[start:end])) - len(self._decoded(ids[start:held]))
 
     def _decoded(self, token_ids) -> str:

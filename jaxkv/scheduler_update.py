@@ -34,7 +34,7 @@ def apply_sampled_tokens(
     outputs: list[RequestOutput] = []
     finished: list[Request] = []
     max_len = scheduler.config.max_model_len
-    running = RequestStatus.RUNNING
+    running, stopped = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
     num_prompt = num_decode = num_generated = 0
     # The next step's decode carry: computed tokens, next token, and the requests whose
     # next token needs the manager (a new block, or a block to cache), as in
@@ -70,28 +70,28 @@ def apply_sampled_tokens(
         all_ids.append(token)
         num_generated += 1
         params = request.sampling_params
-        # The sampler bans stop tokens before min_tokens (jaxkv.min_tokens); should a row
-        # have nothing else left to sample, the stop token still does not stop it early.
-        stop_reason = None
-        if token in params.stop_token_ids and len(output_ids) > params.min_tokens:
-            request.status = RequestStatus.FINISHED_STOPPED
-            # vLLM reports the tokenizer's EOS as None, any other stop token as its id;
-            # and a stop string that a kept stop token's text completes, as the string.
-            if params.ignore_eos or token != eos:
-                stop_reason = token
-            if params.include_stop_str_in_output and params.stop and detokenizer is not None:
-                stop_reason = detokenizer.matched(request) or stop_reason
-        elif (
-            detokenizer is not None
-            and params.stop
-            and (stop_reason := detokenizer.matched(request)) is not None
-        ):
-            request.status = RequestStatus.FINISHED_STOPPED
-        elif computed + 1 >= max_len or (
+        # As vLLM's: the length limit first; then a stop token (the sampler bans them
+        # before min_tokens, jaxkv.min_tokens; should a row have nothing else left to
+        # sample, one still does not stop it early); then a stop string in the text, in
+        # which a stop token's text counts only if the output keeps it.
+        stop_reason = status = None
+        if computed + 1 >= max_len or (
             params.max_tokens is not None and len(output_ids) >= params.max_tokens
         ):
-            request.status = RequestStatus.FINISHED_LENGTH
-        else:
+            status = RequestStatus.FINISHED_LENGTH
+        elif token in params.stop_token_ids and len(output_ids) > params.min_tokens:
+            status = stopped
+            # vLLM reports the tokenizer's EOS as None, any other stop token as its id.
+            if params.ignore_eos or token != eos:
+                stop_reason = token
+        if (
+            detokenizer is not None
+            and params.stop
+            and (status is not stopped or params.include_stop_str_in_output)
+            and (string := detokenizer.matched(request)) is not None
+        ):
+            status, stop_reason = stopped, string
+        if status is None:
             outputs.append(
                 request_output_of(
                     (request.request_id, (token,), False, None, None, 0, None, None, None)
@@ -104,6 +104,7 @@ def apply_sampled_tokens(
                 if offset == 0 or offset == cache_offset:
                     carry.needing.append(request)
             continue
+        request.status = status
         finished.append(request)
         reason = _FINISH_REASONS[request.status]
         text = None if detokenizer is None else detokenizer.text(request, stop_reason)

@@ -96,6 +96,8 @@ class DecodedText:
         held = len(token_ids) - self.read_offset < MAX_HELD_TOKENS
         if held and (len(full) <= start or full.endswith("\ufffd")):
             return ""
+        if start < len(prefix):  # the U+FFFD read last time, read again now completed
+            self.tail = self.tail[: max(0, len(self.tail) - (len(prefix) - start))]
         # The tokens just read are the next call's context, as in vLLM.
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
         self.cut_read = not held and full.endswith("\ufffd")

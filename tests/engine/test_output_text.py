@@ -33,6 +33,7 @@ from tests.engine._util import (
 from tests.host._sched_util import add, make_scheduler
 
 MAX_TOKENS = 24
+PAD = ByteTokenizer.pad_id
 TOKENIZER = ByteTokenizer()
 
 
@@ -242,6 +243,11 @@ def test_a_character_the_prompt_cut_is_read_with_the_prompts_last_tokens_as_vllm
         (b"ab\xe4\xb8\xad", "ab\u4e2d"),  # complete
         (b"\xe4\xb8", ""),
         (b"ab" + b"\x80" * (MAX_HELD_TOKENS + 1), "ab\ufffd"),  # held back at most 8 tokens
+        (b"\xc3\x98\x9f", "\xd8"),  # a whole character, then a stray byte
+        # PAD decodes to nothing, even between a character's bytes.
+        ([*b"a\xe2", *[PAD] * 4, *b"\x82\xac\xe2"], "a\u20ac"),
+        ([*b"a\xf0", *[PAD] * 3, *b"\x9f\x98\x80\xe2"], "a\U0001f600"),
+        ([*b"a\xe2", *[PAD] * 6], "a"),
     ],
 )
 def test_a_character_cut_at_the_end_is_left_out(output, expected):
@@ -249,3 +255,18 @@ def test_a_character_cut_at_the_end_is_left_out(output, expected):
     request.append_output_token_ids(list(output))
     request.status = RequestStatus.FINISHED_LENGTH
     assert Detokenizer(ByteTokenizer()).text(request, None) == expected
+
+
+def test_the_length_limit_comes_before_a_stop_token_and_a_stop_string_after_it():
+    # As vLLM's check_stop: the max_tokens-th token ends the request by length even if
+    # it is a stop token (whose text is then kept); a stop string it completes still
+    # stops it.
+    sched = make_scheduler()
+    sched.detokenizer = Detokenizer(ByteTokenizer())
+    add(sched, "token", [97], max_tokens=2, stop_token_ids=[33])
+    add(sched, "string", [97], max_tokens=2, stop="b!")
+    sched.update_from_output(sched.schedule(), [98, 98])
+    outputs = sched.update_from_output(sched.schedule(), [33, 33])
+    assert [(o.finish_reason, o.stop_reason, o.text) for o in outputs] == [
+        ("length", None, "b!"), ("stop", "b!", ""),
+    ]  # fmt: skip

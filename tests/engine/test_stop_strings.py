@@ -285,3 +285,18 @@ def test_a_character_completed_after_a_forced_read_is_searched_whole():
     assert found == [None] * 10 + ["\U0001f600"]  # at the emoji's last byte
     request.status = RequestStatus.FINISHED_STOPPED
     assert stops.text(request, "\U0001f600") == "a" + "\ufffd" * 6
+
+
+def test_a_string_spanning_a_character_completed_after_a_forced_read_is_found():
+    # The forced read handed out "ab" and the U+FFFD of the cut euro sign; read again
+    # whole, the sign follows "b" in the searched text, not that U+FFFD.
+    pad = ByteTokenizer.pad_id
+    stops = Detokenizer(TOKENIZER)
+    request = Request("r", list(b"xyz"), SamplingParams(stop="b\u20ac", max_tokens=20))
+    found = []
+    for token in [*b"ab\xe2", *[pad] * 7, *b"\x82\xac"]:
+        request.append_output_token_ids(token)
+        found.append(stops.matched(request))
+    assert found == [None] * 11 + ["b\u20ac"]
+    request.status = RequestStatus.FINISHED_STOPPED
+    assert stops.text(request, "b\u20ac") == "a"

@@ -37,13 +37,14 @@ def test_a_preempted_request_waits_ahead_of_requests_queued_after_it():
     assert run_until_idle(sched) == {"a": "length", "b": "length", "c": "length"}
 
 
-def test_a_stop_token_that_is_also_the_last_allowed_token_finishes_as_stop():
+def test_a_stop_token_that_is_also_the_last_allowed_token_finishes_by_length():
+    # As vLLM's check_stop: the length limit is checked first.
     sched = make_scheduler()
     a = add(sched, "a", [1, 2, 3], max_tokens=1, stop_token_ids=(7,))
     out = sched.schedule()
     [result] = sched.update_from_output(out, [7])
-    assert (result.finished, result.finish_reason) == (True, "stop")
-    assert a.status == RequestStatus.FINISHED_STOPPED
+    assert (result.finished, result.finish_reason, result.stop_reason) == (True, "length", None)
+    assert a.status == RequestStatus.FINISHED_LENGTH
 
 
 def test_a_one_token_prompt_counts_as_prefill_and_its_decodes_as_decode():
