@@ -21,8 +21,8 @@ which the update pass calls with each request's new output token:
 
 A tokenizer that raises (or returns no str) is logged (logger "jaxkv.detokenizer"), not
 raised or warned: the update pass must not stop halfway through a batch, and a warnings
-filter could turn a warning into an exception there. Such a request runs on without its
-stop strings; its text is None.
+filter could turn a warning into an exception there. A request whose text the tokenizer
+fails to read runs on without its stop strings; a failed final decode gives it text None.
 """
 
 from __future__ import annotations
