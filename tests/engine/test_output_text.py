@@ -65,7 +65,8 @@ def _cases():
     for prompt, tokens in zip(prompts, dense_greedy(prompts, MAX_TOKENS), strict=True):
         cases.append((prompt, tokens, SamplingParams(max_tokens=MAX_TOKENS), _streamed(tokens)))
         # A stop token right after a character's first byte: the text before it is cut.
-        lead = next(i for i, t in enumerate(tokens) if t >= 0xC2 and i + 1 < len(tokens))
+        # (Not the last allowed token: that one ends the request by length.)
+        lead = next(i for i, t in enumerate(tokens) if t >= 0xC2 and i + 2 < len(tokens))
         if tokens.index(tokens[lead + 1]) == lead + 1:
             params = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=[tokens[lead + 1]])
             cases.append((prompt, tokens, params, _streamed(tokens[: lead + 1])))
