@@ -148,12 +148,14 @@ class Detokenizer:
         before the earliest candidate end (tokens that decode to nothing, such as PAD, may
         lie between a character's bytes), never the whole output."""
         start = max(0, end - MAX_HELD_TOKENS - PROMPT_CONTEXT_TOKENS)
+        whole = kept = self._decoded(ids[start:end])
         held = end
         while held > num_prompt and end - held < MAX_HELD_TOKENS:
             held -= 1
-            if not self._decoded(ids[start:held]).endswith("\ufffd"):
+            kept = self._decoded(ids[start:held])
+            if not kept.endswith("\ufffd"):
                 break
-        return len(self._decoded(ids[start:end])) - len(self._decoded(ids[start:held]))
+        return len(whole) - len(kept)
 
     def _decoded(self, token_ids) -> str:
         text = self.decode(token_ids)

@@ -29,10 +29,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Set
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    pass
 
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token (vLLM's)
 MAX_HELD_TOKENS = 8  # tokens text may wait for: more than a UTF-8 character's 4 bytes
