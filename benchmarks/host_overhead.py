@@ -40,6 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cli_args import RESULTS_DIR, positive_int  # noqa: E402
+from benchmarks.cpu_timing import best_us_per_call  # noqa: E402
 from jaxkv.kv_cache_manager import KVCacheManager  # noqa: E402
 from jaxkv.request import Request
 
@@ -88,31 +89,6 @@ class _Setup:
         del self.requests[rid]
 
 
-def _time_calls(fn, args_cycle: list, loop_seconds: float = 0.004) -> tuple[float, float]:
-    """(CPU, wall) microseconds per call: the best of 21 short timed loops.
-
-    CPU time (time.process_time) is the headline figure: this machine's cores are shared,
-    and CPU time leaves out the time the process waits for a core; the minimum over many
-    short loops keeps the ones that ran undisturbed.
-    """
-    n = 8
-    while True:
-        t0 = time.process_time()
-        for i in range(n):
-            fn(args_cycle[i % len(args_cycle)])
-        if time.process_time() - t0 > loop_seconds or n >= 1 << 14:
-            break
-        n *= 2
-    cpu, wall = [], []
-    for _ in range(21):
-        c0, w0 = time.process_time(), time.perf_counter()
-        for i in range(n):
-            fn(args_cycle[i % len(args_cycle)])
-        cpu.append((time.process_time() - c0) / n * 1e6)
-        wall.append((time.perf_counter() - w0) / n * 1e6)
-    return min(cpu), min(wall)
-
-
 def bench_prefix(rng) -> list[dict]:
     """Largest R first; smaller R by freeing scheduled requests (building is the slow part)."""
     rows = []
@@ -138,14 +114,14 @@ def _time_point(setup: _Setup, sched: list[str], num_others: int) -> list[dict]:
     c = setup.num_prefix
     rotated = sched[1:] + sched[:1]
     assert f(sched) == c
-    cases = {"cold": _time_calls(f, [sched, rotated]), "memo": _time_calls(f, [sched])}
+    cases = {"cold": best_us_per_call(f, [sched, rotated]), "memo": best_us_per_call(f, [sched])}
     half = setup.add(c // 2)  # shares half the prefix; scheduled in place of the last
     diverge = sched[:-1] + [half]
     assert f(diverge) == c // 2
-    cases["diverge"] = _time_calls(f, [diverge, diverge[1:] + diverge[:1]])
+    cases["diverge"] = best_us_per_call(f, [diverge, diverge[1:] + diverge[:1]])
     m = setup.m
     rows, rows_rotated = np.array(m.rows_of(sched)), np.array(m.rows_of(rotated))
-    cases["rows"] = _time_calls(m.num_common_prefix_blocks_of_rows, [rows, rows_rotated])
+    cases["rows"] = best_us_per_call(m.num_common_prefix_blocks_of_rows, [rows, rows_rotated])
     setup.free(half)
     return [
         dict(R=len(sched), C=c, T=num_others, case=case, cpu_us=cpu_us, wall_us=wall_us)

@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cli_args import RESULTS_DIR, positive_int  # noqa: E402
+from benchmarks.cpu_timing import best_us_per_call  # noqa: E402
 from jaxkv import KVCacheManager, Request, RequestStatus, SamplingParams  # noqa: E402
 from jaxkv.config import SchedulerConfig  # noqa: E402
 from jaxkv.detokenizer import Detokenizer  # noqa: E402
@@ -93,28 +94,18 @@ def time_case(args, stop: tuple[str, ...]) -> float:
 
 
 def time_text(num_tokens: int, cut: bool) -> dict:
-    """Best CPU microseconds of Detokenizer.text and of one plain decode of its output."""
+    """CPU microseconds of Detokenizer.text and of one plain decode of its output
+    (benchmarks.cpu_timing: the best of 21 short loops)."""
     tokenizer = ByteTokenizer()
     detokenizer = Detokenizer(tokenizer)
     request = Request("r", [ord("a")] * PROMPT_LEN, SamplingParams(max_tokens=None))
     output = [ord("a") + i % 26 for i in range(num_tokens - 1)] + [0xE4 if cut else ord("z")]
     request.append_output_token_ids(output)
     request.status = RequestStatus.FINISHED_LENGTH
-    loops = max(1, 20_000 // num_tokens)
     text = detokenizer.text(request, None)
     assert text is not None and len(text) == num_tokens - cut
-
-    def best(fn) -> float:
-        rounds = []
-        for _ in range(5):
-            t0 = time.thread_time()
-            for _ in range(loops):
-                fn()
-            rounds.append((time.thread_time() - t0) / loops)
-        return 1e6 * min(rounds)
-
-    text_us = best(lambda: detokenizer.text(request, None))
-    decode_us = best(lambda: tokenizer.decode(output))
+    text_us, _ = best_us_per_call(lambda r: detokenizer.text(r, None), [request])
+    decode_us, _ = best_us_per_call(tokenizer.decode, [output])
     return {"tokens": num_tokens, "cut": cut, "text_us": text_us, "decode_us": decode_us,
             "ratio_to_decode": text_us / decode_us}  # fmt: skip
 
@@ -138,7 +129,7 @@ def main(argv=None) -> int:
             f"{r['ratio_to_none']:>6.2f}"
         )
     texts = [time_text(n, cut) for n in args.text_lengths for cut in (False, True)]
-    print("\nfinished text: Detokenizer.text vs one decode of the output (best CPU us)")
+    print("\nfinished text: Detokenizer.text vs one decode (CPU us, best of 21 loops)")
     print(f"{'tokens':>7} {'cut end':>7} {'text us':>8} {'decode us':>9} {'ratio':>6}")
     for t in texts:
         print(

@@ -15,7 +15,7 @@ def test_a_point_times_the_four_cases_on_requests_sharing_the_whole_prefix(monke
         calls.append([fn(a) for a in args_cycle])  # what each timed call answers
         return 1.0, 2.0
 
-    monkeypatch.setattr(bench, "_time_calls", fake_time_calls)
+    monkeypatch.setattr(bench, "best_us_per_call", fake_time_calls)
     setup = bench._Setup(4, 3, 1, np.random.default_rng(0))
     sched = [setup.add(4) for _ in range(3)]
     others = [setup.add(4)]
