@@ -1,13 +1,14 @@
-"""What stop strings cost the scheduler's update pass: decode steps with and without them;
-and what a finished request's text costs (jaxkv.detokenizer).
+"""What stop strings and streamed text cost the scheduler's update pass: decode steps with
+and without them; and what a finished request's text costs (jaxkv.detokenizer).
 
 --num-requests requests decode together on a bare Scheduler (no model: the sampled
 tokens are fixed ASCII bytes), each step one schedule() and one update_from_output().
 Cases: no stop strings (the baseline), and every request with one or four stop strings
-that never occur, read through jaxkv.models.ByteTokenizer, so every step decodes every
-request's new token. Reports the median CPU time per step over --steps steps after the
-requests have --warmup-tokens output tokens (the cost must not grow with the output),
-and its ratio to the baseline. Then Detokenizer.text for outputs of --text-lengths tokens,
+that never occur, with streamed text (SamplingParams.stream_text), and with both, read
+through jaxkv.models.ByteTokenizer, so every step decodes every request's new token.
+Reports the median CPU time per step over --steps steps after the requests have
+--warmup-tokens output tokens (the cost must not grow with the output), and its ratio to
+the baseline. Then Detokenizer.text for outputs of --text-lengths tokens,
 once plain and once ending in a character cut by its last byte (the text then steps back
 over it), against one tokenizer.decode of the same output: the least any text costs.
 Timings are measured, never asserted. Prints tables and writes JSON:
@@ -35,10 +36,13 @@ from jaxkv.detokenizer import Detokenizer  # noqa: E402
 from jaxkv.models import ByteTokenizer  # noqa: E402
 from jaxkv.scheduler import Scheduler  # noqa: E402
 
-CASES = {  # name -> SamplingParams.stop of every request
-    "none": (),
-    "1 string": ("\x00\x01",),
-    "4 strings": ("\x00\x01", "User:", "\n\nQ:", "never seen"),
+_FOUR = ("\x00\x01", "User:", "\n\nQ:", "never seen")
+CASES = {  # name -> (SamplingParams.stop, stream_text) of every request
+    "none": ((), False),
+    "1 string": (("\x00\x01",), False),
+    "4 strings": (_FOUR, False),
+    "streamed": ((), True),
+    "streamed + 4 strings": (_FOUR, True),
 }
 PROMPT_LEN = 40
 
@@ -68,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def time_case(args, stop: tuple[str, ...]) -> float:
+def time_case(args, stop: tuple[str, ...], stream_text: bool) -> float:
     """Median CPU seconds of one decode step's schedule() + update_from_output()."""
     r, block_size = args.num_requests, 16
     max_len = PROMPT_LEN + args.warmup_tokens + args.steps + 1
@@ -79,7 +83,7 @@ def time_case(args, stop: tuple[str, ...]) -> float:
     )
     scheduler = Scheduler(config, manager)
     scheduler.detokenizer = Detokenizer(ByteTokenizer())
-    params = SamplingParams(max_tokens=None, ignore_eos=True, stop=stop)
+    params = SamplingParams(max_tokens=None, ignore_eos=True, stop=stop, stream_text=stream_text)
     for i in range(r):
         scheduler.add_request(Request(str(i), [1 + i % 50] * PROMPT_LEN, params))
     times = []
@@ -113,19 +117,20 @@ def time_text(num_tokens: int, cut: bool) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     results = []
-    for name, stop in CASES.items():
-        results.append({"case": name, "stop": list(stop), "step_s": time_case(args, stop)})
+    for name, (stop, stream) in CASES.items():
+        step_s = time_case(args, stop, stream)
+        results.append({"case": name, "stop": list(stop), "stream_text": stream, "step_s": step_s})
     base = results[0]["step_s"]
     print(
         f"{args.num_requests} decoding requests, median CPU per step over {args.steps} steps "
         f"after {args.warmup_tokens} output tokens ({platform.processor() or platform.machine()})"
     )
-    print(f"{'case':>10} {'ms/step':>8} {'us/request':>10} {'ratio':>6}")
+    print(f"{'case':>20} {'ms/step':>8} {'us/request':>10} {'ratio':>6}")
     for r in results:
         r["ratio_to_none"] = r["step_s"] / base
         r["us_per_request"] = 1e6 * r["step_s"] / args.num_requests
         print(
-            f"{r['case']:>10} {1e3 * r['step_s']:>8.2f} {r['us_per_request']:>10.2f} "
+            f"{r['case']:>20} {1e3 * r['step_s']:>8.2f} {r['us_per_request']:>10.2f} "
             f"{r['ratio_to_none']:>6.2f}"
         )
     texts = [time_text(n, cut) for n in args.text_lengths for cut in (False, True)]

@@ -136,7 +136,10 @@ def run_to_completion(
     ]
     reasons: list[list[str | None]] = [[None] * n for n in counts]
     stop_reasons: list[list[int | str | None]] = [[None] * n for n in counts]
+    # A streamed text (SamplingParams.stream_text) comes in parts, one per output.
+    streams = [getattr(sp, "stream_text", False) for sp in params_list]
     texts: list[list[str | None]] = [[None] * n for n in counts]
+    parts: list[list[list[str | None]]] = [[[] for _ in range(n)] for n in counts]
     prompt_logprobs: list[tuple | None] = [None] * len(ids)  # from a sample's first output
     done = [False] * len(ids)
     remaining = len(ids)
@@ -156,10 +159,12 @@ def run_to_completion(
                     logprobs[i][o.index].extend(o.logprobs)
                 if o.prompt_logprobs is not None:
                     prompt_logprobs[i] = o.prompt_logprobs
+                if streams[i]:
+                    parts[i][o.index].append(o.text)
                 if o.finish_reason is not None:
                     reasons[i][o.index] = o.finish_reason
                     stop_reasons[i][o.index] = o.stop_reason
-                    texts[i][o.index] = o.text
+                    texts[i][o.index] = o.text if not streams[i] else _joined(parts[i][o.index])
                 if o.finished:
                     done[i] = True
                     remaining -= 1
@@ -190,6 +195,11 @@ def run_to_completion(
         for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
         for k in range(counts[i])
     ]
+
+
+def _joined(parts: list[str | None]) -> str | None:
+    """A streamed text's parts joined; None if any is (no tokenizer, or it failed)."""
+    return None if None in parts else "".join(parts)
 
 
 def _with_cumulative(tokens: list[int], logprobs: list[dict] | None) -> tuple:

@@ -4,8 +4,9 @@ An Engine given a tokenizer (anything with `decode(token_ids) -> str`, e.g.
 jaxkv.models.ByteTokenizer or a Hugging Face tokenizer) hands the scheduler a Detokenizer,
 which the update pass calls with each request's new output token:
 
-- matched(): the stop string (SamplingParams.stop) the token completed, if any, found in
-  the output text decoded incrementally (jaxkv.stop_strings);
+- read(): the stop string (SamplingParams.stop) the token completed, if any, found in
+  the output text decoded incrementally (jaxkv.stop_strings), and, under
+  SamplingParams.stream_text, the text the token hands out (see below);
 - text(): a finished request's output text, as vLLM's CompletionOutput.text reads
   (RequestOutput.text on its finishing output, CompletionOutput.text): decoded once, as
   the request finishes, so a step's cost does not grow with the output; decoded after
@@ -15,14 +16,27 @@ which the update pass calls with each request's new output token:
   token's text (EOS included) and ends where a stop string starts; with it, it keeps
   them. Text after a stop string (in the same token) is dropped either way, and so is a
   character still cut at the end (text ending in U+FFFD after up to MAX_HELD_TOKENS
-  tokens), which vLLM's detokenizer holds back and never hands out;
+  tokens), which vLLM's detokenizer holds back and never hands out. Under
+  SamplingParams.stream_text it is the part of that text not streamed yet;
 - eos_token_id: the tokenizer's EOS (its `eos_token_id`, as vLLM reads it), the one stop
   token a finished request reports as stop_reason None.
+
+Streamed text (SamplingParams.stream_text) is vLLM's RequestOutputKind.DELTA text: each
+output before the finishing one carries the text read from its token, less what is held
+back, as vLLM's detokenizer holds it: a character still cut between tokens, and, with
+stop strings and without include_stop_str_in_output, the text's last characters (as
+many as the longest stop string, less one), which may begin a stop string that the
+finished text leaves out. The finishing output carries the rest of the finished text
+(text()), so a request's streamed texts joined are its finished text whenever the
+tokenizer's decode of a longer id list extends its decode of a shorter one (byte-level
+tokenizers do; a Hugging Face decode that cleans up spaces may not, and then the
+finishing output's part starts after as many characters as were streamed).
 
 A tokenizer that raises (or returns no str) is logged (logger "jaxkv.detokenizer"), not
 raised or warned: the update pass must not stop halfway through a batch, and a warnings
 filter could turn a warning into an exception there. A request whose text the tokenizer
-fails to read runs on without its stop strings; a failed final decode gives it text None.
+fails to read runs on without its stop strings, and streams text None from then on
+(the finishing output's too); a failed final decode gives it text None.
 """
 
 from __future__ import annotations
@@ -65,18 +79,21 @@ class Detokenizer:
         except TypeError:  # e.g. a list: no single EOS to report as None
             self.eos_token_id = None
 
-    def matched(self, request: Request) -> str | None:
-        """The stop string the request's newest output token completed, if any: the one
-        that starts first in its text (on a tie, the first listed). Call once per new
-        output token, after it is appended. A tokenizer that fails is logged, and the
-        request runs on without its stop strings."""
+    def read(self, request: Request) -> tuple[str | None, str | None]:
+        """Reads the text of the request's newest output token; call once per new output
+        token, after it is appended, for a request with stop strings or stream_text.
+        Returns (stop string, streamed text): the stop string the token completed, if
+        any (the one that starts first in the text; on a tie, the first listed), and,
+        under stream_text, the text it hands out ("" while held back), else None. A
+        tokenizer that fails is logged, and the request runs on without its stop strings,
+        streaming None."""
         params = request.sampling_params
-        state = request.stop_text
+        state = request.decoded_text
         if state is None:
-            keep = max(map(len, params.stop)) - 1
-            state = request.stop_text = DecodedText(keep, request.num_prompt_tokens)
+            keep = max(map(len, params.stop)) - 1 if params.stop else 0
+            state = request.decoded_text = DecodedText(keep, request.num_prompt_tokens)
         elif state.failed:
-            return None
+            return None, None
         output = request.output_token_ids
         try:
             new = state.update(self.decode, request.all_token_ids)
@@ -84,34 +101,47 @@ class Detokenizer:
             state.failed = True
             logger.warning(
                 "tokenizer.decode raised %r on the output of %r: its stop strings are no "
-                "longer looked for",
+                "longer looked for, nor its text streamed",
                 e,
                 request.request_id,
             )
-            return None
+            return None, None
         if not new:
-            return None
+            return None, "" if params.stream_text else None
         text, new_from = state.tail + new, len(state.tail)
         keep = state.keep
-        if state.cut_read:  # its last U+FFFDs may be read again, completed: keep more
-            keep += len(text) - len(text.rstrip("\ufffd"))
-        state.tail = text[-keep:] if keep else ""
-        if len(output) <= params.min_tokens:
-            return None
+        cut = len(text) - len(text.rstrip("\ufffd")) if state.cut_read else 0
+        state.tail = text[-(keep + cut) :] if keep + cut else ""  # its U+FFFDs may be read again
+        streamed = None
+        if params.stream_text:
+            # Held back: a cut character, and (vLLM's stop buffer) what may begin a stop
+            # string the finished text leaves out. Never more than the tail keeps.
+            unstreamed = state.unstreamed + len(new)
+            held = cut + (0 if params.include_stop_str_in_output else keep)
+            ready = max(0, unstreamed - held)
+            streamed = text[max(0, len(text) - unstreamed) :][:ready]
+            state.streamed += ready
+            state.unstreamed = unstreamed - ready
+        if not params.stop or len(output) <= params.min_tokens:
+            return None, streamed
         found = [  # each string where it would end in the new text, not before
             (i, n, s)
             for n, s in enumerate(params.stop)
             if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0
         ]
         if not found:
-            return None
+            return None, streamed
         start, _, string = min(found)
         state.stop_from_end = len(text) - start
-        return string
+        return string, streamed
 
-    def text(self, request: Request, stop_reason: int | str | None) -> str | None:
-        """The finished `request`'s output text; `stop_reason` is what its finishing
-        RequestOutput reports. None (logged) when the tokenizer fails."""
+    def text(
+        self, request: Request, stop_reason: int | str | None, unsent: str | None = None
+    ) -> str | None:
+        """The finished `request`'s output text, or under stream_text the part of it not
+        streamed yet; `stop_reason` is what its finishing RequestOutput reports, and
+        `unsent` what read() streamed for its last token, which no output carried. None
+        (logged) when the tokenizer fails."""
         params = request.sampling_params
         include = params.include_stop_str_in_output
         ids = request.all_token_ids
@@ -135,10 +165,12 @@ class Detokenizer:
             return None
         text = text[len(before) :]
         if by_string:
-            # The string starts where matched() found it: so many characters before the
+            # The string starts where read() found it: so many characters before the
             # end of the text, decoded then up to this same last token.
-            start = max(0, len(text) - request.stop_text.stop_from_end)
+            start = max(0, len(text) - request.decoded_text.stop_from_end)
             text = text[: start + len(stop_reason) if include else start]
+        if params.stream_text and (state := request.decoded_text) is not None:
+            return None if state.failed else text[state.streamed - len(unsent or "") :]
         return text
 
     def _held_chars(self, ids: list[int], num_prompt: int, end: int) -> int:

@@ -67,7 +67,8 @@ class Engine(Closable):
     jaxkv.sharding.shard_model returned keeps its mesh), else the default device.
     `tokenizer` (anything with decode(token_ids) -> str) reads the output text that
     SamplingParams.stop strings are looked for in, and each finished request's text
-    (RequestOutput.text), through jaxkv.detokenizer; without one, stop strings are refused.
+    (RequestOutput.text), or streams it (SamplingParams.stream_text), through
+    jaxkv.detokenizer; without one, stop strings and stream_text are refused.
     Not thread-safe: one thread drives the engine. close() (or leaving a `with` block)
     frees its device memory at once.
     """
@@ -178,8 +179,9 @@ class Engine(Closable):
         copy in flight: drain_transfers frees it). Requests share cached KV only if their
         `cache_salt` (e.g. one per tenant) is equal: None is a salt of its own. A request
         stops at the model's eos_token_ids unless params.ignore_eos; params.stop strings
-        need the engine's tokenizer. Under params.n > 1 its n samples are queued (ids
-        "0_<id>" to "<n-1>_<id>", in use too) and report under its id."""
+        and params.stream_text need the engine's tokenizer. Under params.n > 1 its n
+        samples are queued (ids "0_<id>" to "<n-1>_<id>", in use too) and report under
+        its id."""
         self._check_open()
         prompt = checked_prompt_ids(prompt_token_ids, limit=self.vocab_size)
         sampling_params = checked_sampling_params(sampling_params, self.model_config, self.config)

@@ -28,7 +28,9 @@ class RequestOutput(NamedTuple):
     string (SamplingParams.stop), else None, as in vLLM: None too for the tokenizer's EOS
     (its eos_token_id; unless the request ignores EOS and lists that id itself). text is
     None except on a request's finishing output when the Engine has a tokenizer: the
-    whole output's text, as vLLM's CompletionOutput.text (jaxkv.detokenizer).
+    whole output's text, as vLLM's CompletionOutput.text (jaxkv.detokenizer). Under
+    SamplingParams.stream_text every output carries text: what its token adds ("" while
+    held back; the finishing output, the rest), as vLLM's RequestOutputKind.DELTA.
     A NamedTuple: one is made per request per step.
     """
 
@@ -59,8 +61,9 @@ class CompletionOutput:
     request asked (SamplingParams.prompt_logprobs), else as RequestOutput's, the same
     for each sample of the prompt (vLLM's RequestOutput.prompt_logprobs); None too for
     the samples of a request whose sample 0 was aborted on its own before its prompt
-    was computed (only sample 0 computes them). stop_reason and text are RequestOutput's
-    (text is None unless the Engine has a tokenizer)."""
+    was computed (only sample 0 computes them). stop_reason is RequestOutput's; text is
+    its finishing output's, or under SamplingParams.stream_text its outputs' texts
+    joined (None unless the Engine has a tokenizer)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]

@@ -71,6 +71,9 @@ class SamplingParams:
     request, as vLLM's (jaxkv.stop_strings); an Engine needs a tokenizer to read them.
     include_stop_str_in_output: the finishing output's text (jaxkv.detokenizer) keeps the
     stop string, or the stop token's text, as vLLM's.
+    stream_text: every RequestOutput carries the text its tokens add (jaxkv.detokenizer),
+    as vLLM's RequestOutputKind.DELTA does, rather than only the finishing one the whole
+    text; an Engine needs a tokenizer to read it.
     """
 
     max_tokens: int | None = 16
@@ -89,6 +92,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+    stream_text: bool = False
 
     def __post_init__(self) -> None:
         """Checks every field; integers (numpy ones too) are stored as Python ints."""
@@ -118,7 +122,7 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids={self.stop_token_ids!r} must be a sequence of ints >= 0"
             )
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "stream_text"):
             if not isinstance(getattr(self, name), bool):  # "no" would count by its truthiness
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         min_tokens = _int_or_none(self.min_tokens)
@@ -204,7 +208,7 @@ class Request:
         "num_preemptions",
         "block_hashes",
         "queued",
-        "stop_text",
+        "decoded_text",
         "_all_token_ids",
         "_hash_config",
     )
@@ -250,7 +254,7 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
         self.queued = False  # set by the Scheduler that takes it: one serves it, once
-        self.stop_text = None  # output text decoded for stop strings (jaxkv.stop_strings)
+        self.decoded_text = None  # output text read so far (jaxkv.stop_strings.DecodedText)
         self._all_token_ids: list[int] = prompt
         self._hash_config: tuple[int, int] | None = None  # (block_size, seed) of block_hashes
 

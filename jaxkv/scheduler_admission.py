@@ -55,11 +55,14 @@ def check_new_request(scheduler: Scheduler, request: Request) -> None:
             f"request {rid!r}: sampling_params.n={request.sampling_params.n} must be 1; "
             "each sample is a request of its own (Engine.add_request fans them out)"
         )
-    if request.sampling_params.stop and scheduler.detokenizer is None:
-        raise ValueError(
-            f"request {rid!r}: sampling_params.stop={request.sampling_params.stop!r} needs "
-            "a tokenizer to read the output text: Engine(..., tokenizer=...)"
-        )
+    if scheduler.detokenizer is None:
+        params = request.sampling_params
+        field = f"stop={params.stop!r}" if params.stop else "stream_text=True"
+        if params.stop or params.stream_text:
+            raise ValueError(
+                f"request {rid!r}: sampling_params.{field} needs a tokenizer to read the "
+                "output text: Engine(..., tokenizer=...)"
+            )
     # Read by the prefix cache and, with prefix caching off too, by a KV connector.
     request.check_hash_config(manager.block_size, manager.hash_seed)
     if request.num_tokens >= max_model_len:

@@ -84,17 +84,19 @@ def apply_sampled_tokens(
             # vLLM reports the tokenizer's EOS as None, any other stop token as its id.
             if params.ignore_eos or token != eos:
                 stop_reason = token
+        streamed = None  # the text this output streams (SamplingParams.stream_text)
         if (
             detokenizer is not None
-            and params.stop
+            and (params.stop or params.stream_text)
             and (status is not stopped or params.include_stop_str_in_output)
-            and (string := detokenizer.matched(request)) is not None
         ):
-            status, stop_reason = stopped, string
+            string, streamed = detokenizer.read(request)
+            if string is not None:
+                status, stop_reason = stopped, string
         if status is None:
             outputs.append(
                 request_output_of(
-                    (request.request_id, (token,), False, None, None, 0, None, None, None)
+                    (request.request_id, (token,), False, None, None, 0, None, None, streamed)
                 )
             )
             if carry is not None:
@@ -107,7 +109,7 @@ def apply_sampled_tokens(
         request.status = status
         finished.append(request)
         reason = _FINISH_REASONS[request.status]
-        text = None if detokenizer is None else detokenizer.text(request, stop_reason)
+        text = None if detokenizer is None else detokenizer.text(request, stop_reason, streamed)
         outputs.append(
             request_output_of(
                 (request.request_id, (token,), True, reason, None, 0, None, stop_reason, text)

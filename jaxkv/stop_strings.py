@@ -19,10 +19,11 @@ vLLM's do; finish_reason is "stop" and stop_reason the string. The finishing out
 text (Detokenizer.text) ends before the string, or after it with
 SamplingParams.include_stop_str_in_output, as vLLM's.
 
-The decoding state lives on the Request (Request.stop_text): the offsets and the text's
-last characters (as many as the longest stop string, less one), so it is dropped with
-the request, a preempted request keeps it (its tokens do not change), and a step's cost
-does not grow with the output.
+The decoding state lives on the Request (Request.decoded_text): the offsets and the
+text's last characters (as many as the longest stop string, less one), so it is dropped
+with the request, a preempted request keeps it (its tokens do not change), and a step's
+cost does not grow with the output. The same state streams a request's text
+(SamplingParams.stream_text): it counts the characters handed out and those held back.
 """
 
 from __future__ import annotations
@@ -54,11 +55,14 @@ def checked_stop_strings(stop) -> tuple[str, ...]:
 class DecodedText:
     """One request's output text, decoded incrementally (vLLM's offsets into its prompt
     and output tokens). Only the text's last `keep` characters are kept (`tail`): all a
-    stop string can span before new text.
+    stop string can span before new text. `streamed` counts the characters handed out
+    (SamplingParams.stream_text), `unstreamed` those read but held back, the last of the
+    tail (the reader holds back no more than the tail keeps).
     """
 
     __slots__ = (
         "tail", "keep", "prefix_offset", "read_offset", "failed", "stop_from_end", "cut_read",
+        "streamed", "unstreamed",
     )  # fmt: skip
 
     def __init__(self, keep: int, num_prompt_tokens: int) -> None:
@@ -73,6 +77,7 @@ class DecodedText:
         self.stop_from_end = 0
         # The last read was forced (MAX_HELD_TOKENS) and its text ended in a cut character.
         self.cut_read = False
+        self.streamed = self.unstreamed = 0
 
     def update(self, decode, token_ids) -> str:
         """The text of `token_ids` (prompt and output) past read_offset; "" while none can
@@ -94,6 +99,7 @@ class DecodedText:
             return ""
         if start < len(prefix):  # the U+FFFD read last time, read again now completed
             self.tail = self.tail[: max(0, len(self.tail) - (len(prefix) - start))]
+            self.unstreamed = max(0, self.unstreamed - (len(prefix) - start))
         # The tokens just read are the next call's context, as in vLLM.
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
         self.cut_read = not held and full.endswith("\ufffd")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import pytest
 
 from jaxkv import SamplingParams
@@ -23,79 +22,19 @@ from jaxkv.models import ByteTokenizer
 from jaxkv.request import Request, RequestStatus
 from jaxkv.router import PrefixAwareRouter
 from jaxkv.stop_strings import MAX_HELD_TOKENS
-from tests.engine._util import (
-    BLOCK_SIZE,
-    assert_all_blocks_free,
-    dense_greedy,
-    engine_config,
-    tiny_model,
-)
+from tests.engine._text_cases import TOKENIZER, streamed_text, text_cases
+from tests.engine._util import BLOCK_SIZE, assert_all_blocks_free, engine_config, tiny_model
 from tests.host._sched_util import add, make_scheduler
 
-MAX_TOKENS = 24
 PAD = ByteTokenizer.pad_id
-TOKENIZER = ByteTokenizer()
-
-
-def _text(data) -> str:
-    return bytes(data).decode("utf-8", errors="replace")
-
-
-def _streamed(data) -> str:
-    """The text of `data` less the last bytes, at most MAX_HELD_TOKENS, whose text ends
-    in U+FFFD (a character still cut)."""
-    for end in range(len(data), len(data) - MAX_HELD_TOKENS, -1):
-        if not _text(data[:end]).endswith("\ufffd"):
-            return _text(data[:end])
-    return _text(data[: len(data) - MAX_HELD_TOKENS])
 
 
 def _engine(tokenizer=TOKENIZER) -> Engine:
     return Engine(tiny_model(), None, engine_config(), tokenizer=tokenizer)
 
 
-def _cases():
-    """(prompt, greedy tokens, params, expected text): ASCII prompts, each run to length,
-    to the token after its first UTF-8 lead byte as a stop token (a cut character ends its
-    text), and to its first ASCII pair as a stop string and to its fourth token as a stop
-    token, each with and without include_stop_str_in_output."""
-    rng = np.random.default_rng(5)
-    prompts = [rng.integers(ord("a"), ord("z") + 1, int(n)).tolist() for n in (3, 9, 14, 20)]
-    cases = []
-    for prompt, tokens in zip(prompts, dense_greedy(prompts, MAX_TOKENS), strict=True):
-        cases.append((prompt, tokens, SamplingParams(max_tokens=MAX_TOKENS), _streamed(tokens)))
-        # A stop token right after a character's first byte: the text before it is cut.
-        # (Not the last allowed token: that one ends the request by length.)
-        lead = next(i for i, t in enumerate(tokens) if t >= 0xC2 and i + 2 < len(tokens))
-        if tokens.index(tokens[lead + 1]) == lead + 1:
-            params = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=[tokens[lead + 1]])
-            cases.append((prompt, tokens, params, _streamed(tokens[: lead + 1])))
-        pairs = [i for i in range(len(tokens) - 1) if all(32 <= t < 127 for t in tokens[i : i + 2])]
-        if pairs and tokens.index(tokens[pairs[0]]) == pairs[0]:
-            at = pairs[0]
-            stop = _text(tokens[at : at + 2])
-            if _text(tokens).find(stop) == len(_text(tokens[:at])):  # first in the text too
-                for include in (False, True):
-                    params = SamplingParams(
-                        max_tokens=MAX_TOKENS, stop=stop, include_stop_str_in_output=include
-                    )
-                    cases.append((prompt, tokens, params, _text(tokens[: at + 2 * include])))
-        first = tokens.index(tokens[3])
-        for include in (False, True):
-            params = SamplingParams(
-                max_tokens=MAX_TOKENS,
-                stop_token_ids=[tokens[3]],
-                include_stop_str_in_output=include,
-            )
-            cases.append((prompt, tokens, params, _streamed(tokens[: first + include])))
-    assert sum(bool(p.stop) for _, _, p, _ in cases) >= 4, "too few ASCII pairs: pick a new seed"
-    held_back = [c for c in cases if c[2].stop_token_ids and c[3] + "\ufffd" in _text(c[1])]
-    assert len(held_back) >= 2, "too few cut characters before a stop token: pick a new seed"
-    return cases
-
-
 def test_generate_returns_each_requests_text_as_the_oracle_decodes_it():
-    cases = _cases()
+    cases = text_cases()
     engine = _engine()
     outs = engine.generate([c[0] for c in cases], [c[2] for c in cases], progress=False)
     for (_, _, params, expected), out in zip(cases, outs, strict=True):
@@ -104,7 +43,7 @@ def test_generate_returns_each_requests_text_as_the_oracle_decodes_it():
 
 
 def test_only_the_finishing_step_output_carries_text():
-    (prompt, tokens, params, expected), *_ = _cases()
+    (prompt, tokens, params, expected), *_ = text_cases()
     engine = _engine()
     rid = engine.add_request(prompt, params)
     outputs = []
@@ -114,12 +53,13 @@ def test_only_the_finishing_step_output_carries_text():
     assert outputs[-1].finished and outputs[-1].text == expected
 
 
-def test_samples_and_the_router_carry_each_samples_text():
-    prompt, tokens, *_ = _cases()[0]
-    params = SamplingParams(max_tokens=8, n=2, stop_token_ids=[tokens[5]])
+@pytest.mark.parametrize("stream", [False, True])  # streamed: generate joins the parts
+def test_samples_and_the_router_carry_each_samples_text(stream):
+    prompt, tokens, *_ = text_cases()[0]
+    params = SamplingParams(max_tokens=8, n=2, stop_token_ids=[tokens[5]], stream_text=stream)
     router = PrefixAwareRouter([_engine(), _engine()], block_size=BLOCK_SIZE)
     outs = router.generate([prompt], params, progress=False)
-    assert [o.text for o in outs] == [_streamed(tokens[: min(8, tokens.index(tokens[5]))])] * 2
+    assert [o.text for o in outs] == [streamed_text(tokens[: min(8, tokens.index(tokens[5]))])] * 2
 
 
 def test_an_engine_without_a_tokenizer_gives_no_text():
@@ -153,7 +93,7 @@ def test_text_has_the_first_words_space_and_ends_where_the_found_string_starts(i
     found = []
     for token in (2, 3):
         request.append_output_token_ids(token)
-        found.append(detokenizer.matched(request))
+        found.append(detokenizer.read(request)[0])
     assert found == [None, "XY"]
     request.status = RequestStatus.FINISHED_STOPPED
     # Decoded after the prompt, as vLLM does: " cat", not "cat"; the text after the first
@@ -167,7 +107,7 @@ def test_a_string_in_min_tokens_text_is_not_where_the_text_is_cut():
     found = []
     for token in (5, 2, 3):  # "XY", hidden by min_tokens; then " cat saysXY..."
         request.append_output_token_ids(token)
-        found.append(detokenizer.matched(request))
+        found.append(detokenizer.read(request)[0])
     assert found == [None, None, "XY"]
     request.status = RequestStatus.FINISHED_STOPPED
     assert detokenizer.text(request, "XY") == " XY cat says"

@@ -149,7 +149,7 @@ def test_a_string_is_found_where_it_ends_in_new_text_only():
     found = []
     for token in b"abcxyzc":
         request.append_output_token_ids(token)
-        found.append(stops.matched(request))
+        found.append(stops.read(request)[0])
     # "c" and "bc" end at the same token: "bc", listed later, starts first; "xyz" spans
     # three tokens; "bc" is not found again once "c" (a shorter string) ends later.
     assert found == [None, None, "bc", None, None, "xyz", "c"]
@@ -167,7 +167,7 @@ def test_min_tokens_hides_strings_that_end_in_its_tokens_text(stop, tokens, expe
     found = []
     for token in tokens:
         request.append_output_token_ids(token)
-        found.append(stops.matched(request))
+        found.append(stops.read(request)[0])
     assert found == expected
 
 
@@ -224,13 +224,13 @@ def test_a_tokenizer_that_raises_is_logged_and_the_batch_runs_on(caplog):
         request.append_output_token_ids(token)
         if token == 0x58:
             with caplog.at_level(logging.WARNING, logger="jaxkv.detokenizer"):
-                assert stops.matched(request) is None
+                assert stops.read(request)[0] is None
             assert re.search("decode raised KeyError.*'r'", caplog.text)
         else:
-            assert stops.matched(request) is None
+            assert stops.read(request)[0] is None
     for token in b"ab":  # no longer looked for
         request.append_output_token_ids(token)
-        assert stops.matched(request) is None
+        assert stops.read(request)[0] is None
 
 
 def test_a_long_string_spanning_many_tokens_is_found():
@@ -239,7 +239,7 @@ def test_a_long_string_spanning_many_tokens_is_found():
     found = []
     for token in b"> User: hello world!":
         request.append_output_token_ids(token)
-        found.append(stops.matched(request))
+        found.append(stops.read(request)[0])
     assert found.index("User:") == len("> User:") - 1
     assert found.index("hello world") == len("> User: hello world") - 1
 
@@ -258,7 +258,7 @@ def test_the_first_output_token_is_read_after_the_prompt_as_vllm_does():
     stops = Detokenizer(_WordTokenizer())
     request = Request("r", [0], SamplingParams(stop=(" User",)))
     request.append_output_token_ids(1)  # "Hi User": the space belongs to the output
-    assert stops.matched(request) == " User"
+    assert stops.read(request)[0] == " User"
 
 
 def test_text_that_cannot_be_read_waits_only_a_few_tokens():
@@ -281,7 +281,7 @@ def test_a_character_completed_after_a_forced_read_is_searched_whole():
     found = []
     for token in b"a" + b"\x80" * 6 + "\U0001f600".encode():
         request.append_output_token_ids(token)
-        found.append(stops.matched(request))
+        found.append(stops.read(request)[0])
     assert found == [None] * 10 + ["\U0001f600"]  # at the emoji's last byte
     request.status = RequestStatus.FINISHED_STOPPED
     assert stops.text(request, "\U0001f600") == "a" + "\ufffd" * 6
@@ -296,7 +296,7 @@ def test_a_string_spanning_a_character_completed_after_a_forced_read_is_found():
     found = []
     for token in [*b"ab\xe2", *[pad] * 7, *b"\x82\xac"]:
         request.append_output_token_ids(token)
-        found.append(stops.matched(request))
+        found.append(stops.read(request)[0])
     assert found == [None] * 11 + ["b\u20ac"]
     request.status = RequestStatus.FINISHED_STOPPED
     assert stops.text(request, "b\u20ac") == "a"
