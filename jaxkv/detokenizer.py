@@ -18,6 +18,10 @@ which the update pass calls with each request's new output token:
   character still cut at the end (text ending in U+FFFD after up to MAX_HELD_TOKENS
   tokens), which vLLM's detokenizer holds back and never hands out. Under
   SamplingParams.stream_text it is the part of that text not streamed yet;
+- SamplingParams.skip_special_tokens (True by default, as vLLM's) goes to every decode
+  of the request's text when the tokenizer's decode names such a parameter (Hugging
+  Face's, whose own default is False); a decode without it (ByteTokenizer's, which
+  always leaves out its specials) decodes as it does;
 - eos_token_id: the tokenizer's EOS (its `eos_token_id`, as vLLM reads it), the one stop
   token a finished request reports as stop_reason None.
 
@@ -41,6 +45,8 @@ fails to read runs on without its stop strings, and streams text None from then 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import operator
 from typing import TYPE_CHECKING
@@ -73,6 +79,11 @@ class Detokenizer:
             raise ValueError(f"tokenizer.decode([]) returned {text!r}, not a str")
         self.tokenizer = tokenizer
         self.decode = decode
+        # Per SamplingParams.skip_special_tokens: the flag goes to a decode that takes it.
+        self._decodes = {True: decode, False: decode}
+        if _takes_skip_special_tokens(decode):
+            for skip in (True, False):
+                self._decodes[skip] = functools.partial(decode, skip_special_tokens=skip)
         eos = getattr(tokenizer, "eos_token_id", None)
         try:
             self.eos_token_id: int | None = None if eos is None else operator.index(eos)
@@ -96,7 +107,7 @@ class Detokenizer:
             return None, None
         output = request.output_token_ids
         try:
-            new = state.update(self.decode, request.all_token_ids)
+            new = state.update(self._decodes[params.skip_special_tokens], request.all_token_ids)
         except Exception as e:  # noqa: BLE001 - logged; the update pass goes on
             state.failed = True
             logger.warning(
@@ -151,11 +162,12 @@ class Detokenizer:
             end -= 1
         num_prompt = request.num_prompt_tokens
         context = max(0, num_prompt - PROMPT_CONTEXT_TOKENS)
+        decode = self._decodes[params.skip_special_tokens]
         try:
-            before = self._decoded(ids[context:num_prompt])
-            text = self._decoded(ids[context:end])
+            before = _decoded(decode, ids[context:num_prompt])
+            text = _decoded(decode, ids[context:end])
             if not by_string and text.endswith("\ufffd"):  # (a found string's text was whole)
-                text = text[: len(text) - self._held_chars(ids, num_prompt, end)]
+                text = text[: len(text) - _held_chars(decode, ids, num_prompt, end)]
         except Exception as e:  # noqa: BLE001 - logged; the update pass goes on
             logger.warning(
                 "tokenizer.decode raised %r on the output of %r: its text is None",
@@ -173,24 +185,34 @@ class Detokenizer:
             return None if state.failed else text[state.streamed - len(unsent or "") :]
         return text
 
-    def _held_chars(self, ids: list[int], num_prompt: int, end: int) -> int:
-        """How many characters at the end of the text of ids[:end], which ends in U+FFFD,
-        come from the last output tokens (at most MAX_HELD_TOKENS) whose text a streaming
-        detokenizer would still hold back. Decodes from one start, PROMPT_CONTEXT_TOKENS
-        before the earliest candidate end (tokens that decode to nothing, such as PAD, may
-        lie between a character's bytes), never the whole output."""
-        start = max(0, end - MAX_HELD_TOKENS - PROMPT_CONTEXT_TOKENS)
-        whole = kept = self._decoded(ids[start:end])
-        held = end
-        while held > num_prompt and end - held < MAX_HELD_TOKENS:
-            held -= 1
-            kept = self._decoded(ids[start:held])
-            if not kept.endswith("\ufffd"):
-                break
-        return len(whole) - len(kept)
 
-    def _decoded(self, token_ids) -> str:
-        text = self.decode(token_ids)
-        if not isinstance(text, str):
-            raise TypeError(f"decode returned {type(text).__name__}, not a str")
-        return text
+def _held_chars(decode, ids: list[int], num_prompt: int, end: int) -> int:
+    """How many characters at the end of the text of ids[:end], which ends in U+FFFD,
+    come from the last output tokens (at most MAX_HELD_TOKENS) whose text a streaming
+    detokenizer would still hold back. Decodes from one start, PROMPT_CONTEXT_TOKENS
+    before the earliest candidate end (tokens that decode to nothing, such as PAD, may
+    lie between a character's bytes), never the whole output."""
+    start = max(0, end - MAX_HELD_TOKENS - PROMPT_CONTEXT_TOKENS)
+    whole = kept = _decoded(decode, ids[start:end])
+    held = end
+    while held > num_prompt and end - held < MAX_HELD_TOKENS:
+        held -= 1
+        kept = _decoded(decode, ids[start:held])
+        if not kept.endswith("\ufffd"):
+            break
+    return len(whole) - len(kept)
+
+
+def _decoded(decode, token_ids) -> str:
+    text = decode(token_ids)
+    if not isinstance(text, str):
+        raise TypeError(f"decode returned {type(text).__name__}, not a str")
+    return text
+
+
+def _takes_skip_special_tokens(decode) -> bool:
+    """Whether `decode` names a skip_special_tokens parameter (Hugging Face's does)."""
+    try:
+        return "skip_special_tokens" in inspect.signature(decode).parameters
+    except (TypeError, ValueError):  # no signature to read (some builtins)
+        return False

@@ -74,6 +74,9 @@ class SamplingParams:
     stream_text: every RequestOutput carries the text its tokens add (jaxkv.detokenizer),
     as vLLM's RequestOutputKind.DELTA does, rather than only the finishing one the whole
     text; an Engine needs a tokenizer to read it.
+    skip_special_tokens: as vLLM's, the text (and what stop strings are looked for in)
+    leaves out the tokenizer's special tokens: passed to a decode that takes it (Hugging
+    Face's); jaxkv.models.ByteTokenizer's decode always leaves them out.
     """
 
     max_tokens: int | None = 16
@@ -93,6 +96,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     stream_text: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         """Checks every field; integers (numpy ones too) are stored as Python ints."""
@@ -122,7 +126,8 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids={self.stop_token_ids!r} must be a sequence of ints >= 0"
             )
-        for name in ("ignore_eos", "include_stop_str_in_output", "stream_text"):
+        bools = ("ignore_eos", "include_stop_str_in_output", "stream_text", "skip_special_tokens")
+        for name in bools:
             if not isinstance(getattr(self, name), bool):  # "no" would count by its truthiness
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         min_tokens = _int_or_none(self.min_tokens)
