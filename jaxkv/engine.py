@@ -240,7 +240,9 @@ class Engine(Closable):
         raising, an interrupt during a compile) hands the batch back to the scheduler
         (Scheduler.discard) before it propagates: no block its tokens were to fill stays
         in the prefix cache, running requests schedule the same tokens next step, and
-        requests it admitted wait again; the engine keeps serving.
+        requests it admitted wait again; the engine keeps serving. An interrupt in the
+        tokenizer (which reads the text after the model ran) loses the step's outputs:
+        each request keeps its tokens, and those that finished free their blocks.
         """
         self._check_open()
         t0, c0 = time.perf_counter(), time.thread_time()

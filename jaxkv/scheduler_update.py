@@ -45,82 +45,88 @@ def apply_sampled_tokens(
     cache_offset = bs - 1 if scheduler.manager.enable_prefix_caching else 0
     detokenizer = scheduler.detokenizer  # None: the engine has no tokenizer
     eos = None if detokenizer is None else detokenizer.eos_token_id
-    for request, n, token in zip(
-        output.requests, output.num_scheduled_tokens.tolist(), tokens, strict=True
-    ):
-        if request.status is not running:
-            continue  # aborted between schedule and update
-        computed = request.num_computed_tokens + n
-        request.num_computed_tokens = computed
-        output_ids = request.output_token_ids
-        all_ids = request._all_token_ids  # appended below as append_output_token_ids does
-        num_tokens = len(all_ids)
-        # A decode computes only the last sampled token; every other chunk is prefill, a
-        # preempted request's recompute too (in 1-token chunks when the budget is tight).
-        if n == 1 and output_ids and computed == num_tokens:
-            num_decode += 1
-        else:
-            num_prompt += n
-        if computed < num_tokens:
-            carry = None
-            continue  # a prefill chunk: the sampled token is not the next one
-        # The tokens are checked ints (Scheduler._checked_tokens), which is all that
-        # append_output_token_ids checks; its call cost about 0.2 us a request.
-        output_ids.append(token)
-        all_ids.append(token)
-        num_generated += 1
-        params = request.sampling_params
-        # As vLLM's: the length limit first; then a stop token (the sampler bans them
-        # before min_tokens, jaxkv.min_tokens; should a row have nothing else left to
-        # sample, one still does not stop it early); then a stop string in the text, in
-        # which a stop token's text counts only if the output keeps it.
-        stop_reason = status = None
-        if computed + 1 >= max_len or (
-            params.max_tokens is not None and len(output_ids) >= params.max_tokens
+    # The tokenizer (user code) runs in the pass: an interrupt there loses this step's
+    # outputs, but each request keeps its tokens so far, and those marked finished leave
+    # `running` with their blocks (the carry stays None: the next step takes a full pass).
+    try:
+        for request, n, token in zip(
+            output.requests, output.num_scheduled_tokens.tolist(), tokens, strict=True
         ):
-            status = RequestStatus.FINISHED_LENGTH
-        elif token in params.stop_token_ids and len(output_ids) > params.min_tokens:
-            status = stopped
-            # vLLM reports the tokenizer's EOS as None, any other stop token as its id.
-            if params.ignore_eos or token != eos:
-                stop_reason = token
-        streamed = None  # the text this output streams (SamplingParams.stream_text)
-        if (
-            detokenizer is not None
-            and (params.stop or params.stream_text)
-            and (status is not stopped or params.include_stop_str_in_output)
-        ):
-            string, streamed = detokenizer.read(request)
-            if string is not None:
-                status, stop_reason = stopped, string
-        if status is None:
+            if request.status is not running:
+                continue  # aborted between schedule and update
+            computed = request.num_computed_tokens + n
+            request.num_computed_tokens = computed
+            output_ids = request.output_token_ids
+            all_ids = request._all_token_ids  # appended below as append_output_token_ids does
+            num_tokens = len(all_ids)
+            # A decode computes only the last sampled token; every other chunk is prefill, a
+            # preempted request's recompute too (in 1-token chunks when the budget is tight).
+            if n == 1 and output_ids and computed == num_tokens:
+                num_decode += 1
+            else:
+                num_prompt += n
+            if computed < num_tokens:
+                carry = None
+                continue  # a prefill chunk: the sampled token is not the next one
+            # The tokens are checked ints (Scheduler._checked_tokens), which is all that
+            # append_output_token_ids checks; its call cost about 0.2 us a request.
+            output_ids.append(token)
+            all_ids.append(token)
+            num_generated += 1
+            params = request.sampling_params
+            # As vLLM's: the length limit first; then a stop token (the sampler bans them
+            # before min_tokens, jaxkv.min_tokens; should a row have nothing else left to
+            # sample, one still does not stop it early); then a stop string in the text, in
+            # which a stop token's text counts only if the output keeps it.
+            stop_reason = status = None
+            if computed + 1 >= max_len or (
+                params.max_tokens is not None and len(output_ids) >= params.max_tokens
+            ):
+                status = RequestStatus.FINISHED_LENGTH
+            elif token in params.stop_token_ids and len(output_ids) > params.min_tokens:
+                status = stopped
+                # vLLM reports the tokenizer's EOS as None, any other stop token as its id.
+                if params.ignore_eos or token != eos:
+                    stop_reason = token
+            streamed = None  # the text this output streams (SamplingParams.stream_text)
+            if (
+                detokenizer is not None
+                and (params.stop or params.stream_text)
+                and (status is not stopped or params.include_stop_str_in_output)
+            ):
+                string, streamed = detokenizer.read(request)
+                if string is not None:
+                    status, stop_reason = stopped, string
+            if status is None:
+                outputs.append(
+                    request_output_of(
+                        (request.request_id, (token,), False, None, None, 0, None, None, streamed)
+                    )
+                )
+                if carry is not None:
+                    carry.num_computed.append(computed)
+                    carry.token_ids.append(token)
+                    offset = computed % bs
+                    if offset == 0 or offset == cache_offset:
+                        carry.needing.append(request)
+                continue
+            finished.append(request)  # first: an interrupt must not leave it finished, running
+            request.status = status
+            reason = _FINISH_REASONS[request.status]
+            text = None if detokenizer is None else detokenizer.text(request, stop_reason, streamed)
             outputs.append(
                 request_output_of(
-                    (request.request_id, (token,), False, None, None, 0, None, None, streamed)
+                    (request.request_id, (token,), True, reason, None, 0, None, stop_reason, text)
                 )
             )
-            if carry is not None:
-                carry.num_computed.append(computed)
-                carry.token_ids.append(token)
-                offset = computed % bs
-                if offset == 0 or offset == cache_offset:
-                    carry.needing.append(request)
-            continue
-        request.status = status
-        finished.append(request)
-        reason = _FINISH_REASONS[request.status]
-        text = None if detokenizer is None else detokenizer.text(request, stop_reason, streamed)
-        outputs.append(
-            request_output_of(
-                (request.request_id, (token,), True, reason, None, 0, None, stop_reason, text)
-            )
+    finally:
+        scheduler._count(
+            num_prompt_tokens_computed=num_prompt,
+            num_decode_tokens_computed=num_decode,
+            num_generated_tokens=num_generated,
         )
-    scheduler._count(
-        num_prompt_tokens_computed=num_prompt,
-        num_decode_tokens_computed=num_decode,
-        num_generated_tokens=num_generated,
-    )
-    if finished:  # may raise an interrupt: the carry then stays None (a full pass next)
-        scheduler._finish(finished)
+        finished = [r for r in finished if r.status is not running]
+        if finished:  # may raise an interrupt: the carry then stays None
+            scheduler._finish(finished)
     scheduler._decode_carry = carry
     return outputs

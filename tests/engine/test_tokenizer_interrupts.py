@@ -1,0 +1,69 @@
+"""An interrupt (KeyboardInterrupt) raised inside the tokenizer, which the update pass
+calls for stop strings, streamed text and finished text: the step's outputs are lost, but
+the engine keeps serving: a request marked finished leaves the running queue with its
+blocks, a running one keeps its tokens, and nothing stays in use or allocated."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv import SamplingParams
+from jaxkv.engine import Engine
+from jaxkv.models import ByteTokenizer
+from tests.engine._util import assert_all_blocks_free, dense_greedy, engine_config, tiny_model
+
+PROMPT = [97, 98, 99, 100, 101, 102]
+
+
+class _InterruptOnce(ByteTokenizer):
+    """Raises KeyboardInterrupt from its `after`-th decode call on, once."""
+
+    def __init__(self) -> None:
+        self.calls, self.after = 0, None
+
+    def decode(self, ids):
+        self.calls += 1
+        if self.after is not None and self.calls >= self.after:
+            self.after = None
+            raise KeyboardInterrupt
+        return super().decode(ids)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=1),  # the finished text's decode
+        SamplingParams(max_tokens=4, stream_text=True),  # a running request's read
+        SamplingParams(max_tokens=4, stop="\x00\x01"),
+    ],
+    ids=["finishing", "streaming", "stop strings"],
+)
+def test_an_interrupt_in_the_tokenizer_leaves_the_engine_serving(params):
+    tokenizer = _InterruptOnce()
+    engine = Engine(tiny_model(), None, engine_config(), tokenizer=tokenizer)
+    tokenizer.after = tokenizer.calls + 1
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([PROMPT], params, progress=False)
+    assert not engine.scheduler.running and not engine.has_unfinished_requests()
+    assert "0" not in engine.ids_in_use
+    assert_all_blocks_free(engine)
+    outs = engine.generate([PROMPT, PROMPT], params, progress=False)
+    expected = dense_greedy([PROMPT], params.max_tokens)[0]
+    assert [list(o.output_token_ids) for o in outs] == [expected, expected]
+    assert_all_blocks_free(engine)
+
+
+def test_a_step_driven_request_keeps_its_tokens_after_an_interrupt_and_runs_on():
+    tokenizer = _InterruptOnce()
+    engine = Engine(tiny_model(), None, engine_config(), tokenizer=tokenizer)
+    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=5, stream_text=True))
+    seen = [t for o in engine.step() for t in o.new_token_ids]
+    tokenizer.after = tokenizer.calls + 1
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()  # its second token is kept, its output lost
+    request = engine.scheduler.requests[rid]
+    assert request.output_token_ids[: len(seen)] == seen and len(request.output_token_ids) == 2
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert request.output_token_ids == dense_greedy([PROMPT], 5)[0]
+    assert_all_blocks_free(engine)
