@@ -187,7 +187,7 @@ def apply_penalties(logits: jax.Array, penalties) -> jax.Array:
     tokens, counts, presence, frequency, repetition = penalties
     logits = jnp.asarray(logits)
     vocab = logits.shape[-1]
-    rows = jnp.arange(logits.shape[0])[:, None]
+    rows = jnp.arange(logits.shape[0], dtype=jnp.int32)[:, None]
     listed = (tokens >= 0) & (tokens < vocab)
     old = logits[rows, jnp.where(listed, tokens, 0)]
     rep = repetition[:, None]

@@ -233,7 +233,7 @@ def sample(
     if penalties is not None:
         logits = apply_penalties(logits, penalties)
     if banned is not None and banned.shape[-1]:
-        rows = jnp.arange(logits.shape[0])[:, None]
+        rows = jnp.arange(logits.shape[0], dtype=jnp.int32)[:, None]
         in_vocab = (banned >= 0) & (banned < vocab)  # a negative id would index from the end
         logits = logits.at[rows, jnp.where(in_vocab, banned, vocab)].set(-jnp.inf, mode="drop")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -244,13 +244,15 @@ def sample(
     scaled = shifted / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     desc = -jnp.sort(-scaled, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    in_top_k = jnp.arange(vocab)[None, :] < k[:, None]
+    in_top_k = jnp.arange(vocab, dtype=jnp.int32)[None, :] < k[:, None]
     probs = jax.nn.softmax(jnp.where(in_top_k, desc, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     # top_p >= 1 keeps everything even where the float32 cumsum reaches 1 early; the most
     # likely token is always kept, also for a top_p that is 0 in float32 (or flushed to 0).
     keep = in_top_k & (
-        (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0) | (jnp.arange(vocab) == 0)[None, :]
+        (mass_before < top_p[:, None])
+        | (top_p[:, None] >= 1.0)
+        | (jnp.arange(vocab, dtype=jnp.int32) == 0)[None, :]
     )
     threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1)
     masked = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)

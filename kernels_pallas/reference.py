@@ -94,8 +94,10 @@ def ragged_paged_attention(
     # Entries past num_seqs are padding with any value (as the kernels read them): make
     # them the last valid offset so the per-token search below sees a sorted array.
     n = num_seqs[0]
-    cu_q_lens = jnp.where(jnp.arange(max_num_seqs + 1) <= n, cu_q_lens, cu_q_lens[n])
-    seq_valid = jnp.arange(max_num_seqs) < n
+    cu_q_lens = jnp.where(
+        jnp.arange(max_num_seqs + 1, dtype=jnp.int32) <= n, cu_q_lens, cu_q_lens[n]
+    )
+    seq_valid = jnp.arange(max_num_seqs, dtype=jnp.int32) < n
     q_start = cu_q_lens[:-1]
     q_len = jnp.where(seq_valid, cu_q_lens[1:] - q_start, 0)
     kv_len = jnp.where(seq_valid, kv_lens, 0)
@@ -115,7 +117,7 @@ def ragged_paged_attention(
         out, lse = _per_token(
             q, kv_pages, page_indices, q_start, q_len, kv_len, **masking, **scales
         )
-    tok = jnp.arange(max_num_tokens)
+    tok = jnp.arange(max_num_tokens, dtype=jnp.int32)
     valid = tok < cu_q_lens[num_seqs[0]]
     out = jnp.where(valid[:, None, None], out, 0.0)
     lse = jnp.where(valid[:, None], lse, -jnp.inf)
@@ -183,14 +185,14 @@ def _per_sequence(
     max_num_seqs, pages_per_seq = page_indices.shape
     max_kv_len = pages_per_seq * kv_pages.shape[1]
 
-    row = jnp.arange(q_rows)
+    row = jnp.arange(q_rows, dtype=jnp.int32)
     row_valid = row[None, :] < q_len[:, None]
     token = jnp.clip(q_start[:, None] + row[None, :], 0, max_num_tokens - 1)
     qs = jnp.where(row_valid[..., None, None], q[token].astype(jnp.float32), 0.0)
     qs = qs.reshape(max_num_seqs, q_rows, num_kv_heads, group, head_dim)
 
     kv = kv_pages[page_indices].reshape(max_num_seqs, max_kv_len, num_combined, head_dim)
-    key_pos = jnp.arange(max_kv_len)
+    key_pos = jnp.arange(max_kv_len, dtype=jnp.int32)
     k, v = _keys_values(kv, key_pos[None, :] < kv_len[:, None], k_scale, v_scale)
 
     logits = jnp.einsum("sqhgd,skhd->shgqk", qs, k, precision=_HIGHEST) * sm_scale
@@ -204,7 +206,7 @@ def _per_sequence(
     out_s = out_s.reshape(max_num_seqs, q_rows, num_q_heads, head_dim)
     lse_s = lse_s.transpose(0, 3, 1, 2).reshape(max_num_seqs, q_rows, num_q_heads)
 
-    tok = jnp.arange(max_num_tokens)
+    tok = jnp.arange(max_num_tokens, dtype=jnp.int32)
     tok_seq = jnp.clip(jnp.searchsorted(q_start[1:], tok, side="right"), 0, max_num_seqs - 1)
     tok_row = tok - q_start[tok_seq]
     in_rows = (tok_row >= 0) & (tok_row < q_rows)
@@ -225,14 +227,14 @@ def _per_token(
     max_num_seqs, pages_per_seq = page_indices.shape
     max_kv_len = pages_per_seq * kv_pages.shape[1]
 
-    tok = jnp.arange(max_num_tokens)
+    tok = jnp.arange(max_num_tokens, dtype=jnp.int32)
     tok_seq = jnp.clip(jnp.searchsorted(q_start[1:], tok, side="right"), 0, max_num_seqs - 1)
     seq_kv_len = kv_len[tok_seq]
     row = tok - q_start[tok_seq]
     tok_valid = (row >= 0) & (row < q_len[tok_seq])
     q_pos = seq_kv_len - q_len[tok_seq] + row
     kv = kv_pages[page_indices[tok_seq]].reshape(max_num_tokens, max_kv_len, num_combined, head_dim)
-    key_pos = jnp.arange(max_kv_len)
+    key_pos = jnp.arange(max_kv_len, dtype=jnp.int32)
     k, v = _keys_values(kv, key_pos[None, :] < seq_kv_len[:, None], k_scale, v_scale)
     qs = q.astype(jnp.float32).reshape(max_num_tokens, num_kv_heads, group, head_dim)
     qs = jnp.where(tok_valid[:, None, None, None], qs, 0.0)  # padding rows may hold NaN
@@ -268,7 +270,7 @@ def suffix_page_indices(
 ) -> jax.Array:
     """Each row shifted left by num_prefix_pages columns, the freed tail pointing at page 0."""
     pages_per_seq = page_indices.shape[1]
-    col = jnp.arange(pages_per_seq) + num_prefix_pages
+    col = jnp.arange(pages_per_seq, dtype=jnp.int32) + num_prefix_pages
     shifted = jnp.take(page_indices, jnp.clip(col, 0, pages_per_seq - 1), axis=1)
     return jnp.where(col[None, :] < pages_per_seq, shifted, 0).astype(jnp.int32)
 

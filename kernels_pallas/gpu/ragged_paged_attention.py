@@ -262,7 +262,7 @@ def ragged_paged_attention(
 
     # Rows no program wrote (outside cu_q_lens[0]:cu_q_lens[num_seqs]) hold whatever the
     # buffer held.
-    tok = jnp.arange(max_num_tokens)
+    tok = jnp.arange(max_num_tokens, dtype=jnp.int32)
     tok_valid = (tok >= cu_q_lens[0]) & (tok < cu_q_lens[num_seqs[0]])
     out = out.reshape(max_num_tokens, num_q_heads, head_dim)
     lse = lse.reshape(max_num_tokens, num_q_heads)

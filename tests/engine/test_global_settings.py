@@ -36,6 +36,16 @@ SETTINGS = {
     "strict_dtype_promotion": lambda: jax.numpy_dtype_promotion("strict"),
     "x64": lambda: jax.enable_x64(True),
 }
+_EACH = tuple(SETTINGS.values())
+SETTINGS["all three"] = lambda: _stacked(*(setting() for setting in _EACH))
+
+
+@contextlib.contextmanager
+def _stacked(*contexts):
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
