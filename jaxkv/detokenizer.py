@@ -167,7 +167,7 @@ class Detokenizer:
             before = _decoded(decode, ids[context:num_prompt])
             text = _decoded(decode, ids[context:end])
             if not by_string and text.endswith("\ufffd"):  # (a found string's text was whole)
-                text = text[: len(text) - _held_chars(decode, ids, num_prompt, end)]
+                text = text[: len(text) - _held_chars(decode, ids, num_prompt, end, text)]
         except Exception as e:  # noqa: BLE001 - logged; the update pass goes on
             logger.warning(
                 "tokenizer.decode raised %r on the output of %r: its text is None",
@@ -186,14 +186,18 @@ class Detokenizer:
         return text
 
 
-def _held_chars(decode, ids: list[int], num_prompt: int, end: int) -> int:
-    """How many characters at the end of the text of ids[:end], which ends in U+FFFD,
-    come from the last output tokens (at most MAX_HELD_TOKENS) whose text a streaming
-    detokenizer would still hold back. Decodes from one start, PROMPT_CONTEXT_TOKENS
-    before the earliest candidate end (tokens that decode to nothing, such as PAD, may
-    lie between a character's bytes), never the whole output."""
+def _held_chars(decode, ids: list[int], num_prompt: int, end: int, text: str) -> int:
+    """How many characters at the end of `text`, the text of ids[:end] (decoded after the
+    prompt's last tokens), which ends in U+FFFD, come from the last output tokens (at most
+    MAX_HELD_TOKENS) whose text a streaming detokenizer would still hold back. Decodes
+    from one start, PROMPT_CONTEXT_TOKENS before the earliest candidate end (tokens that
+    decode to nothing, such as PAD, may lie between a character's bytes), not the whole
+    output, unless that start cuts a character (its text is then no end of `text`)."""
     start = max(0, end - MAX_HELD_TOKENS - PROMPT_CONTEXT_TOKENS)
     whole = kept = _decoded(decode, ids[start:end])
+    if not text.endswith(whole):
+        start = max(0, num_prompt - PROMPT_CONTEXT_TOKENS)
+        whole = kept = text
     held = end
     while held > num_prompt and end - held < MAX_HELD_TOKENS:
         held -= 1

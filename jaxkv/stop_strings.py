@@ -33,6 +33,9 @@ from collections.abc import Mapping, Set
 
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token (vLLM's)
 MAX_HELD_TOKENS = 8  # tokens text may wait for: more than a UTF-8 character's 4 bytes
+# Tokens the decode window may span while a character read cut waits for its other bytes
+# (tokens that decode to nothing, such as PAD, between them): its first bytes stay in it.
+MAX_WINDOW_TOKENS = 4 * MAX_HELD_TOKENS
 
 
 def checked_stop_strings(stop) -> tuple[str, ...]:
@@ -84,7 +87,8 @@ class DecodedText:
         be read yet (a character cut between tokens waits for the rest, at most
         MAX_HELD_TOKENS tokens). After a forced read that ended in a cut character, the
         character the next tokens complete is read again, whole: its U+FFFD was handed
-        out already, and a stop string ending in it must still be found."""
+        out already, and a stop string ending in it must still be found; tokens that add
+        no text meanwhile keep its first bytes in the window (up to MAX_WINDOW_TOKENS)."""
         if len(token_ids) <= self.read_offset:
             return ""
         prefix = decode(token_ids[self.prefix_offset : self.read_offset])
@@ -97,6 +101,12 @@ class DecodedText:
         held = len(token_ids) - self.read_offset < MAX_HELD_TOKENS
         if held and (len(full) <= start or full.endswith("\ufffd")):
             return ""
+        if (
+            self.cut_read
+            and len(full) <= start
+            and len(token_ids) - self.prefix_offset < MAX_WINDOW_TOKENS
+        ):
+            return ""  # moving on would drop the cut character's first bytes from the window
         if start < len(prefix):  # the U+FFFD read last time, read again now completed
             self.tail = self.tail[: max(0, len(self.tail) - (len(prefix) - start))]
             self.unstreamed = max(0, self.unstreamed - (len(prefix) - start))

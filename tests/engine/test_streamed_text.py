@@ -137,6 +137,22 @@ _STOPS = st.lists(st.sampled_from(["a", "ab", "b!", "XY", "\xe9a", "\u20ac", " a
     include=False,
     min_tokens=0,
 )
+@example(  # two forced reads inside one character: its first byte stays in the window
+    prompt=[97],
+    output=[*b"a\xe2", *[PAD] * 7, 0x82, *[PAD] * 7, 0xAC, *b"cd"],
+    stop=[],
+    stop_token_ids=(),
+    include=False,
+    min_tokens=0,
+)
+@example(  # a whole character with PADs in it before a cut one at the end
+    prompt=[97],
+    output=[*b"ab\xf0", PAD, PAD, *b"\x98\x9f", PAD, *b"\x80\xe2", *[PAD] * 6],
+    stop=[],
+    stop_token_ids=(),
+    include=False,
+    min_tokens=0,
+)
 @given(
     prompt=st.lists(_TOKENS, min_size=1, max_size=6),
     output=st.lists(_TOKENS, min_size=1, max_size=24),
