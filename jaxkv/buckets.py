@@ -62,7 +62,10 @@ class BucketConfig:
         # numpy ints become plain ints
         positive_int_fields(self, *(field.name for field in dataclasses.fields(self)))
         if self.max_num_seqs > self.max_num_tokens:
-            raise ValueError(f"{self.max_num_seqs=} must be <= {self.max_num_tokens=}")
+            raise ValueError(
+                f"max_num_seqs={self.max_num_seqs!r} must be <= "
+                f"max_num_tokens={self.max_num_tokens!r}"
+            )
 
     @functools.cached_property
     def token_buckets(self) -> tuple[int, ...]:

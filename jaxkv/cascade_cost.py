@@ -122,7 +122,10 @@ class AttentionShape:
         """Checks every field: ints >= 1, the query heads a multiple of the KV heads."""
         positive_int_fields(self, "num_q_heads", "num_kv_heads", "head_dim", "kv_itemsize")
         if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(f"{self.num_q_heads=} must be a multiple of {self.num_kv_heads=}")
+            raise ValueError(
+                f"num_q_heads={self.num_q_heads!r} must be a multiple of "
+                f"num_kv_heads={self.num_kv_heads!r}"
+            )
 
     def per_device(self, tensor_parallel_size: int) -> AttentionShape:
         """The heads one device of a `tensor_parallel_size`-way mesh attends with, as
@@ -131,7 +134,9 @@ class AttentionShape:
         Raises ValueError unless the size is >= 1 and divides the query heads."""
         tp = as_int(tensor_parallel_size)  # True is no size
         if tp is None or tp < 1 or self.num_q_heads % tp:
-            raise ValueError(f"{tensor_parallel_size=} must be >= 1 and divide {self.num_q_heads=}")
+            raise ValueError(
+                f"{tensor_parallel_size=} must be >= 1 and divide num_q_heads={self.num_q_heads!r}"
+            )
         return dataclasses.replace(
             self, num_q_heads=self.num_q_heads // tp, num_kv_heads=max(self.num_kv_heads // tp, 1)
         )

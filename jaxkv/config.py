@@ -30,9 +30,11 @@ class CacheConfig:
         positive_int_fields(self, "num_blocks", "block_size")
         bool_fields(self, "enable_prefix_caching")
         if self.num_blocks < 2:
-            raise ValueError(f"{self.num_blocks=} must be >= 2 (block 0 is the null block)")
+            raise ValueError(
+                f"num_blocks={self.num_blocks!r} must be >= 2 (block 0 is the null block)"
+            )
         if self.kv_dtype is not None and self.kv_dtype not in _KV_DTYPES:
-            raise ValueError(f"{self.kv_dtype=} must be None or one of {_KV_DTYPES}")
+            raise ValueError(f"kv_dtype={self.kv_dtype!r} must be None or one of {_KV_DTYPES}")
         int_fields(self, "hash_seed", minimum=-(2**63), maximum=2**63 - 1)
 
 
@@ -57,14 +59,16 @@ class SchedulerConfig:
         bool_fields(self, "enable_chunked_prefill")
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(
-                f"{self.max_num_seqs=} must be <= {self.max_num_batched_tokens=} "
+                f"max_num_seqs={self.max_num_seqs!r} must be <= "
+                f"max_num_batched_tokens={self.max_num_batched_tokens!r} "
                 "(every scheduled request takes at least one token)"
             )
         # A prompt, or a preempted request's recompute, has at most max_model_len - 1 tokens.
         if not self.enable_chunked_prefill and self.max_model_len - 1 > self.max_num_batched_tokens:
             raise ValueError(
-                f"without chunked prefill {self.max_model_len=} must be at most one more than "
-                f"{self.max_num_batched_tokens=} (a whole prompt must fit one step)"
+                f"without chunked prefill max_model_len={self.max_model_len!r} must be at most "
+                f"one more than max_num_batched_tokens={self.max_num_batched_tokens!r} (a "
+                "whole prompt must fit one step)"
             )
 
 
@@ -121,7 +125,9 @@ class EngineConfig:
                 f"cascade_cost_model={self.cascade_cost_model!r} must be a CascadeCostModel or None"
             )
         if self.backend not in (None, "xla", "pallas_tpu", "pallas_gpu"):
-            raise ValueError(f"{self.backend=} must be None, 'xla', 'pallas_tpu' or 'pallas_gpu'")
+            raise ValueError(
+                f"backend={self.backend!r} must be None, 'xla', 'pallas_tpu' or 'pallas_gpu'"
+            )
         positive_int_fields(
             self,
             "max_cascade_groups",
@@ -142,10 +148,13 @@ class EngineConfig:
         if self.q_len_buckets is not None:
             qb = increasing_sizes(self.q_len_buckets)
             if not qb:
-                raise ValueError(f"{self.q_len_buckets=} must be strictly increasing ints >= 1")
+                raise ValueError(
+                    f"q_len_buckets={self.q_len_buckets!r} must be strictly increasing ints >= 1"
+                )
             if qb[-1] < self.scheduler.max_num_batched_tokens:
                 raise ValueError(
-                    f"{self.q_len_buckets=} must reach {self.scheduler.max_num_batched_tokens=}"
+                    f"q_len_buckets={self.q_len_buckets!r} must reach scheduler."
+                    f"max_num_batched_tokens={self.scheduler.max_num_batched_tokens!r}"
                 )
             object.__setattr__(self, "q_len_buckets", qb)
 

@@ -89,7 +89,10 @@ class Engine(Closable):
         mc = model.config
         sc, cc = config.scheduler, config.cache
         if sc.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"{sc.max_model_len=} exceeds {mc.max_position_embeddings=}")
+            raise ValueError(
+                f"config.scheduler.max_model_len={sc.max_model_len} exceeds the model's "
+                f"max_position_embeddings={mc.max_position_embeddings}"
+            )
         self.config = config
         self.model_config = mc
         self.vocab_size = mc.vocab_size

@@ -28,6 +28,10 @@ def checked_engine_args(model, params, config, connector) -> EngineConfig:
         raise ValueError(f"config={config!r} must be None or an EngineConfig")
     if connector is not None and not isinstance(connector, KVConnector):
         raise ValueError(f"connector={connector!r} must be None or a KVConnector")
+    if isinstance(params, EngineConfig):  # Engine(model, config): params come second
+        raise ValueError(
+            "params: an EngineConfig, where the model's weights (or None) go; pass it as config=..."
+        )
     if params is not None:
         _check_params(model, params)
     return EngineConfig() if config is None else config

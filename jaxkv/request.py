@@ -44,8 +44,9 @@ class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction.
 
     max_tokens None generates until a stop token or max_model_len. temperature 0 means
-    greedy; top_k 0 (or -1, vLLM's older spelling, stored as 0) means no top-k cut;
-    top_p 1.0 means no nucleus cut.
+    greedy, and is the default (vLLM's is 1.0: pass a temperature to sample); top_k 0 (or
+    -1, vLLM's older spelling, stored as 0) means no top-k cut; top_p 1.0 means no
+    nucleus cut. stop_token_ids None (vLLM's default) means none.
     seed: 64 bits, as torch's generators take (a negative seed counts modulo 2**64); a
     request with a seed samples the same tokens whatever batch it runs in.
     min_tokens: as vLLM's, the stop tokens (EOS included) cannot be sampled before the
@@ -105,7 +106,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1 or None")
         temperature = as_float(self.temperature)  # 10**400 overflows a float: NaN
         if not 0.0 <= temperature <= _FLOAT32_MAX:  # the sampler divides in float32
-            raise ValueError(f"temperature={self.temperature!r} must be >= 0 and finite in float32")
+            raise ValueError(
+                f"temperature={self.temperature!r} must be a number >= 0, finite in float32"
+            )
         if top_k == -1:
             top_k = 0
         if top_k is None or top_k < 0:
@@ -119,7 +122,8 @@ class SamplingParams:
             # A mapping's keys, or bytes' values, would pass for the ids.
             if isinstance(self.stop_token_ids, (Mapping, bytes, bytearray)):
                 raise TypeError
-            stop = tuple(map(_int_or_none, self.stop_token_ids))
+            ids = () if self.stop_token_ids is None else self.stop_token_ids  # vLLM's default
+            stop = tuple(map(_int_or_none, ids))
         except TypeError:  # not iterable: a lone id, None
             stop = (None,)
         if any(t is None or t < 0 for t in stop):

@@ -38,6 +38,7 @@ class _ConfigOnly(nnx.Module):
         # Each used to raise AttributeError from inside the constructor.
         (lambda: Engine(tiny_model(), None, SchedulerConfig()), "config=.* must be None or an"),
         (lambda: Engine(tiny_model(), None, {"cache": None}), "config=.* must be None or an"),
+        (lambda: Engine(tiny_model(), engine_config()), "params: an EngineConfig.*config="),
         (lambda: Engine(None), "model=NoneType must be a jaxkv.models.Llama"),
         # Both attributes are needed: a config alone is not enough.
         (lambda: Engine(_ConfigOnly()), "model=_ConfigOnly must be a jaxkv.models.Llama"),

@@ -56,6 +56,7 @@ def test_sampling_params_defaults_and_frozen():
         (),
     )
     assert SamplingParams(stop_token_ids=[2, 3]).stop_token_ids == (2, 3)
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == ()  # vLLM's default
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.top_k = 3
 
