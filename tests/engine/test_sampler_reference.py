@@ -240,7 +240,6 @@ def test_sampling_arrays_put_each_row_in_its_column_and_pad_with_greedy_rows():
         ("max_tokens", 0),
         ("stop_token_ids", (-1,)),
         ("stop_token_ids", 5),  # a lone id, not a sequence: was a TypeError
-        ("stop_token_ids", None),
     ],
 )
 def test_bad_sampling_params_are_rejected_by_name(field, value):
