@@ -33,7 +33,7 @@ from jaxkv.kv_cache_manager import KVCacheManager, UnknownRequestError
 from jaxkv.kv_transfer import KVConnector
 from jaxkv.outputs import RequestOutput
 from jaxkv.request import MAX_TOKEN_ID, Request, RequestStatus
-from jaxkv.scheduler_admission import admit_waiting, check_new_request
+from jaxkv.scheduler_admission import admit_waiting, check_new_request, requeue_admitted
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput, SchedulerStats, StepBatch
 from jaxkv.scheduler_transfers import TransferTracker
 from jaxkv.scheduler_update import apply_sampled_tokens
@@ -89,6 +89,7 @@ class Scheduler:
         self._decode_carry: DecodeCarry | None = None
         self._unapplied: SchedulerOutput | None = None  # the latest schedule()'s, until applied
         self._num_running_scheduled = 0  # its leading requests that were running before it
+        self._admission_order: list[Request] = []  # taken off `waiting` by its admission
 
     # ---------------------------------------------------------------- requests
 
@@ -297,13 +298,13 @@ class Scheduler:
         schedule() entered the blocks the batch's tokens were to fill into the prefix
         cache; they leave it again, so that no request hits KV that was never written.
         Requests that were running stay running and schedule the same tokens next;
-        requests that schedule() admitted free their blocks and go back to the head of
-        the waiting queue, in order. KV loads that schedule() started are cancelled (their
-        cache hits may be among those blocks): each request keeps its blocks and its queue
-        place until its copy lands or fails, then frees them and recomputes. The
-        output's finished_request_ids are reported again by the next schedule(). Raises
-        ValueError (nothing changed) unless `output` is the latest schedule()'s and not
-        yet applied.
+        requests that schedule() admitted free their blocks and go back to their places
+        in the waiting queue (requeue_admitted). KV loads that schedule() started are
+        cancelled (their cache hits may be among those blocks): each request keeps its
+        blocks and its queue place until its copy lands or fails, then frees them and
+        recomputes. The output's finished_request_ids are reported again by the next
+        schedule(). Raises ValueError (nothing changed) unless `output` is the latest
+        schedule()'s and not yet applied.
         """
         if output is not self._unapplied:
             raise ValueError(
@@ -325,13 +326,13 @@ class Scheduler:
         if admitted:
             gone = set(map(id, admitted))
             self.running = [r for r in self.running if id(r) not in gone]
-            for request in reversed(admitted):  # appendleft: keeps their order
+            for request in reversed(admitted):  # the last admitted is evicted first
                 self.manager.free(request)
                 request.num_computed_tokens = 0
                 request.status = (
                     RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
                 )
-                self.waiting.appendleft(request)
+            requeue_admitted(self, admitted)
 
     # ------------------------------------------------------------------ update
 

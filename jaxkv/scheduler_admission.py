@@ -93,10 +93,12 @@ def admit_waiting(scheduler: Scheduler, budget: int, batch: StepBatch) -> int:
     waiting, running = scheduler.waiting, scheduler.running
     max_num_seqs = scheduler.config.max_num_seqs
     skipped: list[Request] = []
+    taken = scheduler._admission_order = []  # off the queue's head, in its order
     while waiting and budget > 0 and len(running) < max_num_seqs:
         request = waiting[0]
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
             skipped.append(waiting.popleft())
+            taken.append(request)
             continue
         try:
             n = _allocate_for_admission(scheduler, request, budget)
@@ -105,7 +107,7 @@ def admit_waiting(scheduler: Scheduler, budget: int, batch: StepBatch) -> int:
             raise
         if n is None:
             break
-        waiting.popleft()
+        taken.append(waiting.popleft())
         if n == _AWAITING_LOAD or request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
             skipped.append(request)
             continue
@@ -113,6 +115,19 @@ def admit_waiting(scheduler: Scheduler, budget: int, batch: StepBatch) -> int:
         budget -= n
     waiting.extendleft(reversed(skipped))
     return budget
+
+
+def requeue_admitted(scheduler: Scheduler, admitted: list[Request]) -> None:
+    """Puts the requests a discarded step admitted back in the waiting queue: those
+    admitted as their loads landed at its head, then each other where it stood among the
+    requests that step's admit_waiting passed over (which lie at the head, in order)."""
+    waiting, taken = scheduler.waiting, scheduler._admission_order
+    taken_ids = set(map(id, taken))
+    back = set(map(id, admitted))
+    while waiting and id(waiting[0]) in taken_ids:  # passed over (some may be aborted since)
+        back.add(id(waiting.popleft()))
+    landed = [r for r in admitted if id(r) not in taken_ids]
+    waiting.extendleft(reversed(landed + [r for r in taken if id(r) in back]))
 
 
 def _admit_landed(scheduler: Scheduler, budget: int, batch: StepBatch) -> int:

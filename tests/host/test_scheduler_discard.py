@@ -214,6 +214,41 @@ def test_discard_requeues_admitted_requests_in_order_with_their_status():
     assert run_until_idle(sched) == {"b": "length", "c": "length"}
 
 
+class _LoadsForA(KVConnector):
+    """Claims 4 cached tokens for request "A" (a load that never lands); raises on
+    admitting `raise_for`."""
+
+    def __init__(self, raise_for: str | None = None) -> None:
+        self.raise_for = raise_for
+
+    def on_admission(self, request: Request, num_computed_tokens: int) -> int:
+        if request.request_id == self.raise_for:
+            raise OSError("injected connector failure")
+        return 4 if request.request_id == "A" else 0
+
+    def start_load(self, request: Request, block_ids) -> None:
+        pass
+
+
+@pytest.mark.parametrize("raise_for", [None, "C"])
+def test_admitted_requests_go_back_behind_a_request_passed_over_for_its_load(raise_for):
+    # A's load keeps it waiting; B and C, queued after it, are admitted (or B is and C's
+    # admission raises). Handed back, they return behind A, as they were queued.
+    sched = make_scheduler(block_size=4, connector=_LoadsForA(raise_for))
+    for rid in "ABC":
+        add(sched, rid, [ord(rid), *range(10)])
+    if raise_for is None:
+        out = sched.schedule()
+        assert out.request_ids == ["B", "C"]
+        sched.discard(out)
+    else:
+        with pytest.raises(OSError, match="injected"):
+            sched.schedule()
+    assert [r.request_id for r in sched.waiting] == ["A", "B", "C"]
+    assert not sched.running
+    sched.manager.check_integrity()
+
+
 def test_uncache_unwritten_leaves_a_later_block_another_request_cached_again():
     # Only the blocks this request itself entered into the cache (its first num_cached)
     # leave it: after two failed steps, block 2, which c cached again on its retry, lies
