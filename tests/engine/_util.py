@@ -170,7 +170,7 @@ def dense_logits(seqs) -> np.ndarray:
         for i, s in enumerate(chunk):
             tokens[i, : len(s)], lengths[i] = s, len(s)
         rows.append(np.asarray(_dense_logits()(tokens, lengths))[: len(chunk)])
-    return np.concatenate(rows)
+    return np.concatenate(rows) if rows else np.zeros((0, VOCAB), np.float32)
 
 
 def prompts_for(workload: str, seed: int = 1) -> list[list[int]]:
