@@ -78,7 +78,6 @@ class Detokenizer:
         if not isinstance(text, str):
             raise ValueError(f"tokenizer.decode([]) returned {text!r}, not a str")
         self.tokenizer = tokenizer
-        self.decode = decode
         # Per SamplingParams.skip_special_tokens: the flag goes to a decode that takes it.
         self._decodes = {True: decode, False: decode}
         if _takes_skip_special_tokens(decode):
@@ -130,7 +129,8 @@ class Detokenizer:
             unstreamed = state.unstreamed + len(new)
             held = cut + (0 if params.include_stop_str_in_output else keep)
             ready = max(0, unstreamed - held)
-            streamed = text[max(0, len(text) - unstreamed) :][:ready]
+            first = max(0, len(text) - unstreamed)
+            streamed = text[first : first + ready]
             state.streamed += ready
             state.unstreamed = unstreamed - ready
         if not params.stop or len(output) <= params.min_tokens:

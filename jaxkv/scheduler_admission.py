@@ -55,14 +55,13 @@ def check_new_request(scheduler: Scheduler, request: Request) -> None:
             f"request {rid!r}: sampling_params.n={request.sampling_params.n} must be 1; "
             "each sample is a request of its own (Engine.add_request fans them out)"
         )
-    if scheduler.detokenizer is None:
-        params = request.sampling_params
+    params = request.sampling_params
+    if scheduler.detokenizer is None and (params.stop or params.stream_text):
         field = f"stop={params.stop!r}" if params.stop else "stream_text=True"
-        if params.stop or params.stream_text:
-            raise ValueError(
-                f"request {rid!r}: sampling_params.{field} needs a tokenizer to read the "
-                "output text: Engine(..., tokenizer=...)"
-            )
+        raise ValueError(
+            f"request {rid!r}: sampling_params.{field} needs a tokenizer to read the "
+            "output text: Engine(..., tokenizer=...)"
+        )
     # Read by the prefix cache and, with prefix caching off too, by a KV connector.
     request.check_hash_config(manager.block_size, manager.hash_seed)
     if request.num_tokens >= max_model_len:
