@@ -54,6 +54,7 @@ from jaxkv.scheduler import Scheduler, SchedulerOutput
 from jaxkv.sharding import mesh_for, shard_model, tensor_parallel_of
 from jaxkv.step_inputs import batch_inputs, in_schedule_order, program_key
 from jaxkv.step_program import step_program
+from jaxkv.token_texts import NO_TOKEN_TEXTS, TokenTexts
 
 
 class Engine(Closable):
@@ -68,7 +69,8 @@ class Engine(Closable):
     `tokenizer` (anything with decode(token_ids) -> str) reads the output text that
     SamplingParams.stop strings are looked for in, and each finished request's text
     (RequestOutput.text), or streams it (SamplingParams.stream_text), through
-    jaxkv.detokenizer; without one, stop strings and stream_text are refused.
+    jaxkv.detokenizer, and each logprob's decoded_token (jaxkv.token_texts); without
+    one, stop strings and stream_text are refused.
     Not thread-safe: one thread drives the engine. close() (or leaving a `with` block)
     frees its device memory at once.
     """
@@ -134,6 +136,7 @@ class Engine(Closable):
         self.scheduler = Scheduler(sc, self.manager, self.connector)
         self.scheduler.detokenizer = detokenizer
         self.tokenizer = tokenizer
+        self._token_texts = NO_TOKEN_TEXTS if tokenizer is None else TokenTexts(tokenizer.decode)
         self.kv_caches = model.init_kv_caches(cc.num_blocks, cc.block_size, cc.kv_dtype)
         self.buckets = config.buckets
         self.planner = CascadePlanner(
@@ -274,7 +277,8 @@ class Engine(Closable):
                     rows, num_logprobs=width, num_prompt_logprobs=prompt_width,
                 )  # fmt: skip
                 if width is not None:
-                    tokens, logprobs = tokens[0], StepLogprobs(tokens[1], n, order)
+                    logprobs = StepLogprobs(tokens[1], n, order, self._token_texts)
+                    tokens = tokens[0]
                 if rows is not None:
                     prompt_logprobs.record(prompt, prompt_out)
                 sampled = in_schedule_order(tokens, n, order)
@@ -291,7 +295,7 @@ class Engine(Closable):
             outputs = self.scheduler.update_from_output(out, sampled)
             if width is not None:
                 outputs = logprobs.attach(outputs, out.requests, self._sampling.logprobs)
-            outputs = prompt_logprobs.attach(outputs, prompt)
+            outputs = prompt_logprobs.attach(outputs, prompt, self._token_texts)
             if self._samples:
                 outputs = self._samples.relabel(outputs)
         finally:  # also when an interrupt stops the connector's hand-over of finished ones

@@ -1,10 +1,12 @@
 """Sample logprobs (SamplingParams.logprobs), as vLLM V1 returns them by default.
 
 Taken from log_softmax of the model's raw logits in float32: before temperature, top-k
-and top-p. Each output token gets a dict {token_id: Logprob(logprob, rank)}: the sampled
-token first, then the request's k most likely tokens by descending logprob (ties: lowest
-id first, as jax.lax.top_k orders them), the sampled one not twice. rank is 1 + the
-number of tokens whose logprob is strictly greater.
+and top-p. Each output token gets a dict {token_id: Logprob(logprob, rank,
+decoded_token)}: the sampled token first, then the request's k most likely tokens by
+descending logprob (ties: lowest id first, as jax.lax.top_k orders them), the sampled one
+not twice. rank is 1 + the number of tokens whose logprob is strictly greater.
+decoded_token is the token's own text (jaxkv.token_texts) when the Engine has a
+tokenizer, else None.
 
 Device side: top_logprobs, which the step program runs only for a batch where some
 request asked (a static width: the engine's max_logprobs). Host side: StepLogprobs
@@ -21,16 +23,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.step_inputs import in_schedule_order
+from jaxkv.token_texts import NO_TOKEN_TEXTS
 
 
 class Logprob(NamedTuple):
-    """One token's log-probability and rank (1: the most likely), as vLLM's Logprob."""
+    """One token's log-probability, rank (1: the most likely) and text, as vLLM's Logprob:
+    decoded_token is the token decoded alone (jaxkv.token_texts), or None when the Engine
+    has no tokenizer."""
 
     logprob: float
     rank: int
+    decoded_token: str | None = None
 
 
-logprob_of = functools.partial(tuple.__new__, Logprob)  # Logprob((lp, rank)), faster
+logprob_of = functools.partial(tuple.__new__, Logprob)  # Logprob((lp, rank, text)), faster
 
 
 def top_logprobs(
@@ -50,12 +56,14 @@ def top_logprobs(
 
 
 class StepLogprobs:
-    """One step's top_logprobs on the host, first `n` rows in schedule order."""
+    """One step's top_logprobs on the host, first `n` rows in schedule order; `texts`
+    (jaxkv.token_texts) gives each entry's decoded_token."""
 
-    def __init__(self, arrays, n: int, order: np.ndarray | None) -> None:
+    def __init__(self, arrays, n: int, order: np.ndarray | None, texts=NO_TOKEN_TEXTS):
         ids, top, top_rank, sampled, rank = (in_schedule_order(a, n, order) for a in arrays)
         self._top = (ids, top, top_rank)
         self._sampled = sampled.tolist(), rank.tolist()
+        self._texts = texts
 
     def attach(self, outputs: list, requests: list, wanted: dict[str, int]) -> list:
         """`outputs` (RequestOutputs of the scheduled `requests`, rows in that order) with
@@ -63,16 +71,17 @@ class StepLogprobs:
         rows = {r.request_id: i for i, r in enumerate(requests) if r.request_id in wanted}
         ids, top, top_rank = self._top
         sampled, rank = self._sampled
+        texts = self._texts
         for j, output in enumerate(outputs):
             i = rows.get(output.request_id)
             if i is None:
                 continue
-            k = wanted[output.request_id]
-            entry = {output.new_token_ids[0]: logprob_of((sampled[i], rank[i]))}
+            k, token = wanted[output.request_id], output.new_token_ids[0]
+            entry = {token: logprob_of((sampled[i], rank[i], texts[token]))}
             for t, lp, r in zip(
                 ids[i, :k].tolist(), top[i, :k].tolist(), top_rank[i, :k].tolist(), strict=True
             ):
                 if t not in entry:
-                    entry[t] = logprob_of((lp, r))
+                    entry[t] = logprob_of((lp, r, texts[t]))
             outputs[j] = output._replace(logprobs=(entry,))
         return outputs

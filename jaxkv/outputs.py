@@ -15,8 +15,8 @@ class RequestOutput(NamedTuple):
     new_token_ids) or "length" (max_tokens or max_model_len reached), and None while the
     request runs. An aborted request gets no further RequestOutput (its caller knows).
     logprobs is None unless the request asked (SamplingParams.logprobs), else one dict
-    per token of new_token_ids: {token_id: jaxkv.logprobs.Logprob(logprob, rank)}, the
-    sampled token first, then the top ones by descending logprob.
+    per token of new_token_ids: {token_id: jaxkv.logprobs.Logprob(logprob, rank,
+    decoded_token)}, the sampled token first, then the top ones by descending logprob.
     index is the sample's index under SamplingParams.n > 1 (0 otherwise); such a
     request's samples report under its id, each finish_reason its sample's, and
     finished is True on the last output of its last sample (jaxkv.parallel_sampling).

@@ -5,9 +5,9 @@ and the k most likely tokens at its position, from the model's raw logits in flo
 They are computed as the prompt is prefilled (chunk by chunk under chunked prefill) and
 handed out once, on the request's first RequestOutput (`prompt_logprobs`), as a
 PromptLogprobList: one entry per prompt token, None for the first, then
-{token_id: Logprob(logprob, rank)} with the prompt token first and then the top k by
-descending logprob (ties: lowest id first), the prompt token not twice: the format of
-jaxkv.logprobs.
+{token_id: Logprob(logprob, rank, decoded_token)} with the prompt token first and then
+the top k by descending logprob (ties: lowest id first), the prompt token not twice: the
+format of jaxkv.logprobs.
 
 A request that asks reads no cached KV until its prompt is computed
 (Request.skips_prefix_cache_reads): a cache hit's positions would have no logits. Its own
@@ -33,6 +33,7 @@ from jaxkv.logprobs import logprob_of
 from jaxkv.min_tokens import batch_rows
 from jaxkv.penalties import table_width
 from jaxkv.request import RequestStatus
+from jaxkv.token_texts import NO_TOKEN_TEXTS
 
 if TYPE_CHECKING:
     from jaxkv.request import Request
@@ -78,10 +79,11 @@ class PromptLogprobList(Sequence):
     `token_logprobs()` gives the prompt tokens' own logprobs as one array, for scoring.
     """
 
-    __slots__ = ("_pending", "_entries")
+    __slots__ = ("_pending", "_entries", "_texts")
 
-    def __init__(self, pending: _Pending) -> None:
+    def __init__(self, pending: _Pending, texts=NO_TOKEN_TEXTS) -> None:
         self._pending = pending
+        self._texts = texts  # decoded_token of each id (jaxkv.token_texts)
         self._entries: list[dict | None] = [None] * len(pending.prompt)
 
     def __len__(self) -> int:
@@ -100,10 +102,9 @@ class PromptLogprobList(Sequence):
         return entry
 
     def _entry(self, index: int) -> dict:
-        p, pending = index - 1, self._pending
-        entry = {
-            pending.prompt[index]: logprob_of((float(pending.logprob[p]), int(pending.rank[p])))
-        }
+        p, pending, texts = index - 1, self._pending, self._texts
+        token = pending.prompt[index]
+        entry = {token: logprob_of((float(pending.logprob[p]), int(pending.rank[p]), texts[token]))}
         for t, lp, rank in zip(
             pending.top_ids[p].tolist(),
             pending.top_logprob[p].tolist(),
@@ -111,7 +112,7 @@ class PromptLogprobList(Sequence):
             strict=True,
         ):
             if t not in entry:
-                entry[t] = logprob_of((lp, rank))
+                entry[t] = logprob_of((lp, rank, texts[t]))
         return entry
 
     def token_logprobs(self) -> np.ndarray:
@@ -215,10 +216,10 @@ class PromptLogprobs:
             pending.top_logprob[start:end] = top[rows, :k]
             pending.top_rank[start:end] = top_rank[rows, :k]
 
-    def attach(self, outputs: list, step: PromptStep | None) -> list:
+    def attach(self, outputs: list, step: PromptStep | None, texts=NO_TOKEN_TEXTS) -> list:
         """`outputs` (one step's RequestOutputs, before n > 1 relabelling) with the prompt
-        logprobs of each request whose prompt `step` completed, on its first output. The
-        request is then forgotten."""
+        logprobs of each request whose prompt `step` completed, on its first output, their
+        decoded_token from `texts` (jaxkv.token_texts). The request is then forgotten."""
         if step is None or not step.completing:
             return outputs
         for j, output in enumerate(outputs):
@@ -229,5 +230,5 @@ class PromptLogprobs:
             pending = self._pending.pop(request_id, None)
             if pending is None:  # a one-token prompt: nothing to predict
                 pending = _Pending(request.prompt_token_ids, k)
-            outputs[j] = output._replace(prompt_logprobs=PromptLogprobList(pending))
+            outputs[j] = output._replace(prompt_logprobs=PromptLogprobList(pending, texts))
         return outputs
