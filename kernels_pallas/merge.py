@@ -57,12 +57,9 @@ def merge_attn_states(
 
     fa = out_a.astype(jnp.float32)
     fb = out_b.astype(jnp.float32)
-    blended = (wa[..., None] * fa + wb[..., None] * fb) / denom[..., None]
-    out = jnp.where(
-        b_empty[..., None],
-        fa,
-        jnp.where(a_empty[..., None], fb, blended),
-    )
-    out = jnp.where(both_empty[..., None], 0.0, out).astype(out_a.dtype)
+    blended = ((wa[..., None] * fa + wb[..., None] * fb) / denom[..., None]).astype(out_a.dtype)
+    # The pass-throughs take the inputs themselves: exact also for a dtype wider than f32.
+    out = jnp.where(b_empty[..., None], out_a, jnp.where(a_empty[..., None], out_b, blended))
+    out = jnp.where(both_empty[..., None], jnp.zeros((), out_a.dtype), out)
     lse = jnp.where(both_empty, -jnp.inf, m + jnp.log(denom))
     return out, lse

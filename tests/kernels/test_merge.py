@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -34,7 +35,7 @@ def test_merge_equals_attention_over_the_union():
     np.testing.assert_allclose(float(lse[0, 0]), math.log(1 + e + e * e), rtol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_one_side_empty_passes_the_other_through_exactly(dtype):
     rng = np.random.default_rng(0)
     out_a, lse_a = _states(rng, [0.3, -7.0, 80.0], dtype)
@@ -47,6 +48,15 @@ def test_one_side_empty_passes_the_other_through_exactly(dtype):
     out, lse = merge_attn_states(nan_out, empty, out_a, lse_a)
     assert np.array_equal(np.asarray(out), np.asarray(out_a))
     assert np.array_equal(np.asarray(lse), np.asarray(lse_a))
+
+
+def test_a_float64_side_passes_through_exactly_under_x64():
+    with jax.enable_x64(True):
+        out_a = jnp.full((2, 1, 4), 1 / 3, jnp.float64)
+        lse_a = jnp.zeros((2, 1), jnp.float64)
+        empty = jnp.full((2, 1), -INF, jnp.float64)
+        out, _ = merge_attn_states(out_a, lse_a, jnp.full_like(out_a, jnp.nan), empty)
+        assert out.dtype == jnp.float64 and np.array_equal(np.asarray(out), np.asarray(out_a))
 
 
 def test_both_empty_gives_zero_and_minus_inf():
