@@ -55,6 +55,19 @@ def top_logprobs(
     return top_ids.astype(jnp.int32), top, top_rank, sampled, rank
 
 
+def logprob_entry(
+    token: int, logprob: float, rank: int, top_ids: list, top: list, top_rank: list, texts
+) -> dict:
+    """One position's dict in the format of this module: `token` (the sampled or prompt
+    one) first, then the top ones in the order given, `token` not twice; decoded_token
+    from `texts` (jaxkv.token_texts)."""
+    entry = {token: logprob_of((logprob, rank, texts[token]))}
+    for t, lp, r in zip(top_ids, top, top_rank, strict=True):
+        if t not in entry:
+            entry[t] = logprob_of((lp, r, texts[t]))
+    return entry
+
+
 class StepLogprobs:
     """One step's top_logprobs on the host, first `n` rows in schedule order; `texts`
     (jaxkv.token_texts) gives each entry's decoded_token."""
@@ -76,12 +89,10 @@ class StepLogprobs:
             i = rows.get(output.request_id)
             if i is None:
                 continue
-            k, token = wanted[output.request_id], output.new_token_ids[0]
-            entry = {token: logprob_of((sampled[i], rank[i], texts[token]))}
-            for t, lp, r in zip(
-                ids[i, :k].tolist(), top[i, :k].tolist(), top_rank[i, :k].tolist(), strict=True
-            ):
-                if t not in entry:
-                    entry[t] = logprob_of((lp, r, texts[t]))
+            k = wanted[output.request_id]
+            entry = logprob_entry(
+                output.new_token_ids[0], sampled[i], rank[i],
+                ids[i, :k].tolist(), top[i, :k].tolist(), top_rank[i, :k].tolist(), texts,
+            )  # fmt: skip
             outputs[j] = output._replace(logprobs=(entry,))
         return outputs

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from jaxkv.logprobs import logprob_of
+from jaxkv.logprobs import logprob_entry
 from jaxkv.min_tokens import batch_rows
 from jaxkv.penalties import table_width
 from jaxkv.request import RequestStatus
@@ -102,18 +102,12 @@ class PromptLogprobList(Sequence):
         return entry
 
     def _entry(self, index: int) -> dict:
-        p, pending, texts = index - 1, self._pending, self._texts
-        token = pending.prompt[index]
-        entry = {token: logprob_of((float(pending.logprob[p]), int(pending.rank[p]), texts[token]))}
-        for t, lp, rank in zip(
-            pending.top_ids[p].tolist(),
-            pending.top_logprob[p].tolist(),
-            pending.top_rank[p].tolist(),
-            strict=True,
-        ):
-            if t not in entry:
-                entry[t] = logprob_of((lp, rank, texts[t]))
-        return entry
+        p, pending = index - 1, self._pending
+        return logprob_entry(
+            pending.prompt[index], float(pending.logprob[p]), int(pending.rank[p]),
+            pending.top_ids[p].tolist(), pending.top_logprob[p].tolist(),
+            pending.top_rank[p].tolist(), self._texts,
+        )  # fmt: skip
 
     def token_logprobs(self) -> np.ndarray:
         """f32[len(self) - 1]: the logprob of each prompt token after the first (a copy)."""
