@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from jaxkv.field_checks import as_float, is_finite_number, is_real
+from jaxkv.field_checks import as_float, as_int, is_finite_number, is_real
 from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key
 from jaxkv.stop_strings import checked_stop_strings
 
@@ -101,7 +101,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         """Checks every field; integers (numpy ones too) are stored as Python ints."""
-        max_tokens, top_k = _int_or_none(self.max_tokens), _int_or_none(self.top_k)
+        max_tokens, top_k = as_int(self.max_tokens), as_int(self.top_k)
         if self.max_tokens is not None and (max_tokens is None or max_tokens < 1):
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1 or None")
         temperature = as_float(self.temperature)  # 10**400 overflows a float: NaN
@@ -115,7 +115,7 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 or -1 = off)")
         if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        seed = None if self.seed is None else _int_or_none(self.seed)
+        seed = None if self.seed is None else as_int(self.seed)
         if self.seed is not None and (seed is None or not -(2**63) <= seed < 2**64):
             raise ValueError(f"seed={self.seed!r} must be None or an int in [-2**63, 2**64)")
         try:
@@ -123,7 +123,7 @@ class SamplingParams:
             if isinstance(self.stop_token_ids, (Mapping, bytes, bytearray)):
                 raise TypeError
             ids = () if self.stop_token_ids is None else self.stop_token_ids  # vLLM's default
-            stop = tuple(map(_int_or_none, ids))
+            stop = tuple(map(as_int, ids))
         except TypeError:  # not iterable: a lone id, None
             stop = (None,)
         if any(t is None or t < 0 for t in stop):
@@ -134,18 +134,18 @@ class SamplingParams:
         for name in bools:
             if not isinstance(getattr(self, name), bool):  # "no" would count by its truthiness
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
-        min_tokens = _int_or_none(self.min_tokens)
+        min_tokens = as_int(self.min_tokens)
         if min_tokens is None or not 0 <= min_tokens <= (max_tokens or min_tokens):
             cap = "" if max_tokens is None else f" and <= max_tokens={max_tokens}"
             raise ValueError(f"min_tokens={self.min_tokens!r} must be an int >= 0{cap}")
         logprobs, prompt_logprobs = (
-            None if value is None else _int_or_none(value)
+            None if value is None else as_int(value)
             for value in (self.logprobs, self.prompt_logprobs)
         )
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if getattr(self, name) is not None and (value is None or value < 0):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be None or an int >= 0")
-        n = _int_or_none(self.n)
+        n = as_int(self.n)
         if n is None or n < 1:
             raise ValueError(f"n={self.n!r} must be an int >= 1")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -329,7 +329,7 @@ class Request:
         if type(block_size) is int and type(seed) is int and block_size >= 1:
             config = (block_size, seed)  # the common case, without a call per argument
         else:
-            config = (_int_or_none(block_size), _int_or_none(seed))
+            config = (as_int(block_size), as_int(seed))
             if config[0] is None or config[0] < 1:
                 raise ValueError(f"{block_size=} must be an int >= 1")
         if config[1] is None or not -(2**63) <= config[1] < 2**63:
@@ -384,12 +384,3 @@ def _token_ids(name: str, token_ids: Iterable[int], request_id: str) -> list[int
         raise ValueError(f"{name} of {request_id!r} must be <= {MAX_TOKEN_ID}, got {max(ids)}")
     return ids
 
-
-def _int_or_none(value) -> int | None:
-    """`value` as a Python int if it is an integer (numpy ones too; bool is not), else None."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:  # e.g. a numpy array of more than one element
-        return None
