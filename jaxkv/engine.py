@@ -160,7 +160,7 @@ class Engine(Closable):
         self.connector.bind(self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed)
         # A connector may have served engines before this one: count only this one's copies.
         self._transfers_at_bind = self._transfers_at_close = self.connector.stats
-        self._sampling = SamplingRows(min(config.max_logprobs, self.vocab_size))
+        self._sampling = SamplingRows(min(config.max_logprobs, self.vocab_size), mc.eos_token_ids)
         self._samples = ParallelSamples()  # requests of SamplingParams.n > 1
         self._serials = RequestSerials()  # default ids and seeds of queued requests
         self._programs: set[tuple] = set()

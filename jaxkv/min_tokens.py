@@ -2,7 +2,9 @@
 
 Plain numpy, no JAX. As in vLLM, the ban is a logit mask: the sampler never draws a
 banned token (greedy rows take the best token that is not banned), so a request with
-min_tokens=m generates at least m tokens before any stop token, EOS included.
+min_tokens=m generates at least m tokens before any stop token, EOS included: the
+model's EOS ids are banned under ignore_eos too, as vLLM bans them (its
+all_stop_token_ids), though they do not stop such a request.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class StopTokenBans:
     the step program is the one compiled without bans.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self._eos = tuple(eos_token_ids)  # the model's; banned under ignore_eos too
         # request id -> (min_tokens, stop token ids)
         self._pending: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._empty: dict[int, np.ndarray] = {}  # num_rows -> i32[num_rows, 0]
@@ -47,8 +50,11 @@ class StopTokenBans:
 
     def add(self, request_id: str, params: SamplingParams) -> None:
         """Holds the request if its params ban tokens; replaces an earlier add's entry."""
-        if params.min_tokens and params.stop_token_ids:
-            self._pending[request_id] = (params.min_tokens, params.stop_token_ids)
+        stops = params.stop_token_ids
+        if params.ignore_eos and self._eos:
+            stops = tuple(dict.fromkeys(stops + self._eos))
+        if params.min_tokens and stops:
+            self._pending[request_id] = (params.min_tokens, stops)
         else:
             self._pending.pop(request_id, None)
 

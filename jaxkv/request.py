@@ -49,8 +49,9 @@ class SamplingParams:
     nucleus cut. stop_token_ids None (vLLM's default) means none.
     seed: 64 bits, as torch's generators take (a negative seed counts modulo 2**64); a
     request with a seed samples the same tokens whatever batch it runs in.
-    min_tokens: as vLLM's, the stop tokens (EOS included) cannot be sampled before the
-    request has generated that many tokens; at most max_tokens.
+    min_tokens: as vLLM's, the stop tokens (the model's EOS included, also under
+    ignore_eos) cannot be sampled before the request has generated that many tokens; at
+    most max_tokens.
     logprobs: None returns none; k >= 0 returns, for every output token, the sampled
     token's log-probability and the k most likely tokens' (jaxkv.logprobs), from the
     model's raw logits (before temperature, top-k and top-p), as vLLM's default. An
@@ -383,4 +384,3 @@ def _token_ids(name: str, token_ids: Iterable[int], request_id: str) -> list[int
     if ids and max(ids) > MAX_TOKEN_ID:
         raise ValueError(f"{name} of {request_id!r} must be <= {MAX_TOKEN_ID}, got {max(ids)}")
     return ids
-

@@ -110,14 +110,16 @@ class SamplingRows:
     `logprobs` maps the queued requests that asked for logprobs to their k; a batch
     with one of them samples with `logprob_width` top tokens (logprob_width()).
     `prompt_logprobs` keeps those that asked for prompt logprobs until their first output.
+    `eos_token_ids` (the model's) are banned until min_tokens also for a request that
+    ignores EOS (jaxkv.min_tokens).
     """
 
-    def __init__(self, logprob_width: int = 0) -> None:
+    def __init__(self, logprob_width: int = 0, eos_token_ids: tuple[int, ...] = ()) -> None:
         self._slots: dict[str, int] = {}  # request id -> its row of _table
         self._free: list[int] = []  # rows of _table no request holds
         self._table = np.zeros((0, _COLUMNS), np.float64)
         self._memo: tuple | None = None  # (requests, order bytes or None, arrays)
-        self._bans = StopTokenBans()
+        self._bans = StopTokenBans(eos_token_ids)
         self._penalties = TokenPenalties()
         self.logprobs: dict[str, int] = {}  # request id -> its SamplingParams.logprobs
         self._logprob_width = logprob_width

@@ -12,9 +12,12 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxkv import SamplingParams
+from jaxkv.engine import Engine
 from jaxkv.min_tokens import NO_TOKEN, StopTokenBans
+from jaxkv.models import Llama
 from jaxkv.request import Request
 from jaxkv.sampler import sample, sampling_arrays, sampling_row
 from tests.engine._util import (
@@ -22,9 +25,11 @@ from tests.engine._util import (
     _dense_logits,
     assert_all_blocks_free,
     dense_greedy,
+    engine_config,
     make_engine,
     prompts_for,
     recording_orders,
+    tiny_model,
 )
 from tests.host._sched_util import add, make_scheduler
 
@@ -102,19 +107,25 @@ def test_sampled_requests_never_draw_a_banned_token_before_min_tokens():
     assert_all_blocks_free(engine)
 
 
-def test_eos_is_banned_too_unless_ignored():
+def test_eos_is_banned_until_min_tokens_also_for_a_request_that_ignores_it():
     prompt = prompts_for("none", seed=5)[0]
     first = dense_greedy([prompt], 1)[0][0]
-    engine = make_engine()
-    eos_model = dataclasses.replace(engine.model_config, eos_token_ids=(first,))
-    engine.model_config = eos_model
-    outs = engine.generate(
-        [prompt, prompt],
-        [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, min_tokens=3)],
-        progress=False,
-    )
+    # The same weights (tiny_model's seed) with the greedy first token as the model's EOS.
+    config = dataclasses.replace(tiny_model().config, eos_token_ids=(first,))
+    engine = Engine(Llama(config, rngs=nnx.Rngs(0)), None, engine_config())
+    params = [
+        SamplingParams(max_tokens=4),
+        SamplingParams(max_tokens=4, min_tokens=3),
+        SamplingParams(max_tokens=4, min_tokens=3, ignore_eos=True),  # vLLM bans EOS here too
+        SamplingParams(max_tokens=2, ignore_eos=True),
+    ]
+    outs = engine.generate([prompt] * 4, params, progress=False)
     assert list(outs[0].output_token_ids) == [first] and outs[0].finish_reason == "stop"
-    assert list(outs[1].output_token_ids) == _dense_greedy_banned(prompt, 4, (first,), 3)
+    banned = _dense_greedy_banned(prompt, 4, (first,), 3)
+    assert list(outs[1].output_token_ids) == banned
+    assert list(outs[2].output_token_ids)[:3] == banned[:3]
+    assert len(outs[2].output_token_ids) == 4 and outs[2].finish_reason == "length"
+    assert outs[3].output_token_ids[0] == first and outs[3].finish_reason == "length"
 
 
 def test_sample_bans_only_in_vocab_ids_of_each_row():
