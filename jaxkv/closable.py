@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Self
 
@@ -9,10 +10,13 @@ from jaxkv.field_checks import is_real
 
 
 class Closable:
-    """`closed`, `_check_open()` (RuntimeError once closed) and `with` support: leaving
-    the block calls close(). A subclass defines close() and sets `_closed` in it."""
+    """`closed`, `_check_open()` (RuntimeError once closed, or inside a call of a method
+    wrapped by one_at_a_time; `_check_not_running()` only the latter) and `with`
+    support: leaving the block calls close(). A subclass defines close() and sets
+    `_closed` in it."""
 
     _closed = False
+    _running: str | None = None  # the one_at_a_time method now running
 
     @property
     def closed(self) -> bool:
@@ -25,12 +29,40 @@ class Closable:
         if self._closed:
             name = type(self).__name__
             raise RuntimeError(f"the {name} is closed ({name}.close() was called)")
+        self._check_not_running()
+
+    def _check_not_running(self) -> None:
+        """RuntimeError while a one_at_a_time method of this object runs."""
+        if self._running is not None:
+            name = type(self).__name__
+            raise RuntimeError(
+                f"the {name} is inside {name}.{self._running}(): a call back into it from "
+                "there (a tokenizer's or connector's callback) is refused"
+            )
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def one_at_a_time(method):
+    """`method` of a Closable, refusing (RuntimeError) to start once closed, and making
+    every _check_open() call on the object refuse while it runs: a callback it makes (a
+    tokenizer's decode during a step) cannot step, abort or add requests halfway through
+    its bookkeeping."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        self._check_open()
+        self._running = method.__name__
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._running = None
+
+    return run
 
 
 def checked_timeout(timeout_s) -> float:

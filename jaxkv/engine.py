@@ -29,7 +29,7 @@ from flax import nnx
 
 from jaxkv.attention import check_backend, default_backend
 from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner
-from jaxkv.closable import Closable, checked_timeout
+from jaxkv.closable import Closable, checked_timeout, one_at_a_time
 from jaxkv.completion import generate_progress_bar, run_to_completion
 from jaxkv.config import EngineConfig
 from jaxkv.deliberate_transfers import allowing_transfers
@@ -96,8 +96,7 @@ class Engine(Closable):
                 f"max_position_embeddings={mc.max_position_embeddings}"
             )
         self.config = config
-        self.model_config = mc
-        self.vocab_size = mc.vocab_size
+        self.model_config, self.vocab_size = mc, mc.vocab_size
         # Weights Megatron-sharded over the mesh, KV cache and attention split by KV heads;
         # host block management is unchanged (block ids mean the same on every shard).
         mesh = mesh_for(mesh, tensor_parallel_size)
@@ -215,6 +214,7 @@ class Engine(Closable):
 
         No RequestOutput follows for it: step() reports only requests that got a token.
         """
+        self._check_not_running()
         aborted = False
         for request_id in checked_request_ids(request_ids):
             for rid in self._samples.ids_to_abort(request_id):
@@ -238,6 +238,7 @@ class Engine(Closable):
 
     # ------------------------------------------------------------------- step
 
+    @one_at_a_time
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled batch; returns the requests that got a token, in schedule
         order. Returns [] without running the model when nothing can be scheduled.
@@ -248,9 +249,9 @@ class Engine(Closable):
         in the prefix cache, running requests schedule the same tokens next step, and
         requests it admitted wait again; the engine keeps serving. An interrupt in the
         tokenizer (which reads the text after the model ran) loses the step's outputs:
-        each request keeps its tokens, and those that finished free their blocks.
+        each request keeps its tokens, and those that finished free their blocks. Calls
+        back into the engine from inside a step (a tokenizer's) raise RuntimeError.
         """
-        self._check_open()
         t0, c0 = time.perf_counter(), time.thread_time()
         prompt_logprobs = self._sampling.prompt_logprobs
         out = self.scheduler.schedule()
@@ -371,6 +372,7 @@ class Engine(Closable):
         """
         if self._closed:
             return
+        self._check_not_running()
         timeout_s = checked_timeout(timeout_s)  # before any request is aborted
         for request in [*self.scheduler.running, *self.scheduler.waiting]:
             self.abort(request.request_id)
