@@ -306,7 +306,7 @@ class Scheduler:
         schedule(). Raises ValueError (nothing changed) unless `output` is the latest
         schedule()'s and not yet applied.
         """
-        if output is not self._unapplied:
+        if output is None or output is not self._unapplied:  # None: no schedule() pending
             raise ValueError(
                 "output: not the latest schedule() call's SchedulerOutput, or already applied"
             )
@@ -356,7 +356,7 @@ class Scheduler:
 
     def _checked_tokens(self, output: SchedulerOutput, sampled_token_ids) -> list[int]:
         """The sampled tokens as ints; ValueError unless update_from_output may apply them."""
-        if output is not self._unapplied:
+        if output is None or output is not self._unapplied:  # None: no schedule() pending
             raise ValueError(
                 "output: not the latest schedule() call's SchedulerOutput, or already applied"
             )

@@ -293,6 +293,9 @@ def test_update_refuses_a_stale_output_or_bad_tokens_and_changes_nothing():
     after = state()
     with pytest.raises(ValueError, match="output: .*already applied"):
         sched.update_from_output(first, [9, 10])
+    for call in (lambda: sched.update_from_output(None, []), lambda: sched.discard(None)):
+        with pytest.raises(ValueError, match="output: not the latest"):  # none pending
+            call()
     assert state() == after
     older, newer = sched.schedule(), sched.schedule()
     with pytest.raises(ValueError, match="not the latest schedule"):
