@@ -6,6 +6,7 @@ import enum
 import operator
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
 from jaxkv.field_checks import as_float, as_int, is_finite_number, is_real
@@ -369,9 +370,10 @@ class Request:
 
 def _token_ids(name: str, token_ids: Iterable[int], request_id: str) -> list[int]:
     """`token_ids` as a list of Python ints (numpy integers included), each in
-    [0, MAX_TOKEN_ID]. Text (str, bytes) and bools are not token ids."""
+    [0, MAX_TOKEN_ID]. Text (str, bytes), bools, and mappings and sets (no order; a
+    dict's keys) are not token ids."""
     try:
-        if isinstance(token_ids, (str, bytes, bytearray)):
+        if isinstance(token_ids, (str, bytes, bytearray, Mapping, AbstractSet)):
             raise TypeError
         items = list(token_ids)
         if bool in set(map(type, items)):  # operator.index(True) is 1

@@ -145,13 +145,16 @@ def test_tokens_may_be_numpy_integers_and_bad_tokens_append_nothing():
         Request("f", [1, 2.5])
 
 
-@pytest.mark.parametrize("tokens", [[True, 2], [1, False], b"ab", bytearray(b"ab")])
-def test_bools_and_bytes_are_not_token_ids(tokens):
-    # True was read as token 1, and bytes as their character codes.
+@pytest.mark.parametrize(
+    "tokens", [[True, 2], [1, False], b"ab", bytearray(b"ab"), {1: 2}, {3, 1, 2}, frozenset([4])]
+)
+def test_bools_bytes_mappings_and_sets_are_not_token_ids(tokens):
+    # True was read as token 1, bytes as their character codes, a dict as its keys and a
+    # set in its own order.
     with pytest.raises(ValueError, match="prompt_token_ids of 'r' must be ints"):
         Request("r", tokens)
     req = Request("r", [5, 6])
-    for bad in (True, [7, True], b"\x07"):
+    for bad in (True, [7, True], b"\x07", {7}, {7: 8}):
         with pytest.raises(ValueError, match="token_ids of 'r' must be ints"):
             req.append_output_token_ids(bad)
     assert list(req.all_token_ids) == [5, 6] and req.output_token_ids == []
