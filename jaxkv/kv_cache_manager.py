@@ -111,8 +111,12 @@ class KVCacheManager:
         return list(self._blocks)
 
     def holds_row(self, request_id: str) -> bool:
-        """Whether `request_id` holds a row (blocks or not): allocated and not yet freed."""
-        return request_id in self._blocks
+        """Whether `request_id` holds a row (blocks or not): allocated and not yet freed.
+        Raises ValueError naming request_id for an unhashable one (a list)."""
+        try:
+            return request_id in self._blocks
+        except TypeError:
+            raise ValueError(f"{request_id=} must be a request id (a str)") from None
 
     def block_ids(self, request_id: str) -> list[int]:
         """The block ids `request_id` (or a Request's id) holds, in order. Raises

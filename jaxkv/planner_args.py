@@ -57,14 +57,14 @@ def checked_plan_args(request_ids: Sequence[str], num_computed_tokens, query_len
         num_requests = len(request_ids)
     except TypeError:  # None, a generator: plan() needs the ids twice
         raise ValueError(f"{request_ids=} must be a sequence of request ids") from None
+    if isinstance(request_ids, str):  # its characters would be read as ids
+        raise ValueError(f"{request_ids=} must be a sequence of request ids, not a str")
     num_computed_tokens = np.asarray(num_computed_tokens)
     query_lens = np.asarray(query_lens)
     if num_computed_tokens.shape != (num_requests,) or query_lens.shape != (num_requests,):
         raise ValueError(
             f"{num_computed_tokens.shape=} and {query_lens.shape=} must be ({num_requests},)"
         )
-    if isinstance(request_ids, str):  # its characters would be read as ids
-        raise ValueError(f"{request_ids=} must be a sequence of request ids, not a str")
     if not isinstance(manager, KVCacheManager):
         raise ValueError(f"manager={type(manager).__name__} must be a KVCacheManager")
     if num_requests and (

@@ -136,9 +136,10 @@ def test_metadata_refuses_a_level_past_a_requests_cached_tokens():
         ((["r0", "r1"], [13.0, 13.0], [1, 1]), "num_computed_tokens.dtype"),
         ((["r0", "r1"], [13, 13], [True, True]), "query_lens.dtype"),
         (("r0", [13, 13], [1, 1]), "request_ids='r0' must be a sequence of request ids"),
+        (("r0", [13], [1]), "request_ids='r0' must be a sequence of request ids"),  # not shapes
         ((None, [], []), "request_ids=None must be a sequence of request ids"),  # TypeError
     ],
-    ids=["float_computed", "bool_query_lens", "str_ids", "no_ids"],
+    ids=["float_computed", "bool_query_lens", "str_ids", "str_ids_one_count", "no_ids"],
 )
 def test_the_planner_refuses_arguments_of_the_wrong_type_by_name(args, match):
     m = KVCacheManager(64, 4, max_model_len=64)

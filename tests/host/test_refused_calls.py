@@ -250,6 +250,10 @@ def test_one_str_is_not_a_list_of_ids():
     for call in (m.num_common_prefix_blocks, m.rows_of, m.num_blocks_of):
         _refused(m, lambda call=call: call("ab"), "must be a sequence of request ids")
 
+    assert m.holds_row("a") and not m.holds_row("c")
+    with pytest.raises(ValueError, match=r"request_id=\[\] must be a request id"):
+        m.holds_row([])  # unhashable: a bare TypeError named nothing
+
 
 # ------------------------------------------------------------- event replay
 
