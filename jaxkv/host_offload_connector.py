@@ -164,8 +164,9 @@ class HostOffloadConnector(KVConnector):
 
     def start_load(self, request: Request, block_ids: Sequence[int]) -> None:
         """Loads the stored blocks that follow request.num_computed_tokens into
-        `block_ids`. Raises ValueError (nothing started) unless the store holds them all,
-        as on_admission promised just before."""
+        `block_ids`. Raises ValueError (nothing started or changed) unless the store holds
+        them all, as on_admission promised just before, and each id is a block of the
+        bound engine's cache other than the null block 0."""
         req_id = request.request_id
         first, rem = divmod(request.num_computed_tokens, self._block_size)
         all_hashes = request.update_block_hashes(self._block_size, self._hash_seed)
@@ -178,11 +179,11 @@ class HostOffloadConnector(KVConnector):
         if not all(h in self._store for h in hashes):
             raise ValueError(f"start_load({req_id!r}): the store no longer holds those blocks")
         data = np.stack([self._store[h] for h in hashes])
+        future = self._require_copier().start_load(list(block_ids), data)  # checks the ids
         # The whole prefix is used again (device hits too): refreshed tail first, as saved.
         for h in reversed(all_hashes[: first + len(hashes)]):
             if h in self._store:
                 self._store.touch(h)
-        future = self._require_copier().start_load(list(block_ids), data)
         self._loads[req_id] = _Transfer(
             req_id, future, hashes, self._step, len(hashes) * self._block_size
         )

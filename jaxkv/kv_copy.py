@@ -107,6 +107,7 @@ class DeviceKVCopier:
         )
         self.bytes_per_block = int(np.prod(self.block_shape)) * layer.dtype.itemsize
         self.dtype = layer.dtype
+        self.num_blocks = layer.shape[0]
         self._get_caches = get_caches
         self._set_caches = set_caches
         self._buckets = pow2_buckets(1, max(max_blocks, 1))
@@ -122,8 +123,17 @@ class DeviceKVCopier:
         return value
 
     def _padded_ids(self, block_ids: Sequence[int]) -> np.ndarray:
-        ids = np.zeros(padded_size(self._buckets, len(block_ids), name="len(block_ids)"), np.int32)
-        ids[: len(block_ids)] = block_ids
+        """`block_ids` padded with 0 to a bucket; ValueError naming them unless each is a
+        block of the cache other than the null block 0 (the scatter would drop one past
+        the cache silently, and write into the null block where every pad writes)."""
+        given = np.asarray(block_ids)
+        if given.ndim != 1 or (
+            given.size
+            and (given.dtype.kind not in "iu" or given.min() < 1 or given.max() >= self.num_blocks)
+        ):
+            raise ValueError(f"block_ids={block_ids!r} must be block ids in [1, {self.num_blocks})")
+        ids = np.zeros(padded_size(self._buckets, len(given), name="len(block_ids)"), np.int32)
+        ids[: len(given)] = given
         return ids
 
     def start_save(self, block_ids: Sequence[int]) -> Future:

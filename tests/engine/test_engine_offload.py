@@ -229,3 +229,18 @@ def test_an_interrupt_while_a_save_starts_loses_no_block_and_the_engine_serves_o
     engine.drain_transfers()
     assert [list(o.output_token_ids) for o in out] == dense_greedy(prompts, 3)
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("block_ids", [[0], [10**5], [1.5]])
+def test_a_load_into_a_block_the_cache_lacks_is_refused_starting_nothing(block_ids):
+    # The null block 0 or one past the pool used to be accepted: the scatter dropped the
+    # load (or wrote where every pad writes), and close() then waited on it for good.
+    prompt = _rand(np.random.default_rng(3), 9)
+    connector = HostOffloadConnector(HOST_BYTES)
+    with make_engine(connector=connector) as engine:
+        engine.generate([prompt], SamplingParams(max_tokens=2), progress=False)
+        engine.drain_transfers()
+        order = list(connector._store)
+        with pytest.raises(ValueError, match="block_ids=.* must be block ids in"):
+            connector.start_load(Request("q", prompt), block_ids)
+        assert list(connector._store) == order and not connector.has_pending()

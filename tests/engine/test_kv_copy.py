@@ -31,6 +31,14 @@ def test_save_and_load_move_exactly_the_listed_blocks_of_every_layer():
         new = rng.standard_normal((3, NUM_LAYERS, *BLOCK_SHAPE)).astype(np.float32)
         with pytest.raises(ValueError, match=r"blocks.shape"):
             copier.start_load([2, 6], new)  # three blocks for two ids: refused, nothing written
+        # The null block, one past the cache, a float: refused, nothing written.
+        for bad in ([0, 6, 7], [2, 6, NUM_BLOCKS], [2.0, 6, 7], [-1, 6, 7]):
+            with pytest.raises(ValueError, match=r"block_ids=.* must be block ids in \[1, 8\)"):
+                copier.start_load(bad, new)
+        with pytest.raises(ValueError, match=r"block_ids=\[9\] must be block ids"):
+            copier.start_save([9])
+        for got, exp in zip(state["caches"], host, strict=True):
+            np.testing.assert_array_equal(np.asarray(got), exp)
         copier.start_load([2, 6, 7], new).result()
         expected = host.copy()
         expected[:, [2, 6, 7]] = np.moveaxis(new, 1, 0)
