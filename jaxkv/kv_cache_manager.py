@@ -245,7 +245,10 @@ class KVCacheManager:
         num_computed + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
         tokens. Returns the fresh block ids (possibly []), or None with no state changed
         if the pool cannot fit them. Every block that the computed plus new tokens fill
-        is entered into the prefix cache.
+        is entered into the prefix cache. Computed tokens past the cache hit's blocks are
+        taken as computed elsewhere, their KV already in the blocks they fill (which are
+        cached at once, for other requests to hit): the manager cannot check that claim,
+        so only a caller that wrote that KV may make it (the scheduler never does).
 
         Raises ValueError, with nothing changed, on a `request` that is not a Request, a
         count that is not an int >= 0 (request.num_computed_tokens included), a
