@@ -222,11 +222,13 @@ def sample(
     """One token per row. Greedy rows take the argmax (lowest id on ties).
 
     Sampled rows draw from softmax(logits / temperature) restricted to the top_k most
-    likely tokens and then to the smallest prefix (by probability) whose mass reaches
-    top_p; tokens tied with the last kept one are kept too. The `penalties` rewrite
-    their rows' logits first (jaxkv.penalties.apply_penalties); then a row's `banned`
-    ids in [0, vocab) are removed (their logits set to -inf), as if the model gave them
-    no probability; ids outside it (padding) are ignored. With `num_logprobs`, also
+    likely tokens (and those tied with the k-th, as vLLM's top-k keeps them) and then to
+    the smallest prefix (by probability) whose mass reaches top_p; tokens tied with the
+    last kept one are kept too (vLLM keeps one of them, by its sort's order). The
+    `penalties` rewrite their rows' logits first (jaxkv.penalties.apply_penalties); then
+    a row's `banned` ids in [0, vocab) are removed (their logits set to -inf), as if the
+    model gave them no probability; ids outside it (padding) are ignored. A temperature
+    below 0.01 is used as given (vLLM raises it to 0.01). With `num_logprobs`, also
     jaxkv.logprobs.top_logprobs of the raw logits (before penalties and the ban, as
     vLLM's raw logprobs come before its logits processors) and the sampled tokens.
     """
@@ -246,7 +248,9 @@ def sample(
     scaled = shifted / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     desc = -jnp.sort(-scaled, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    in_top_k = jnp.arange(vocab, dtype=jnp.int32)[None, :] < k[:, None]
+    # Tokens tied with the k-th most likely are in the top k too, as vLLM's cut keeps them.
+    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+    in_top_k = desc >= kth
     probs = jax.nn.softmax(jnp.where(in_top_k, desc, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     # top_p >= 1 keeps everything even where the float32 cumsum reaches 1 early; the most

@@ -57,10 +57,11 @@ def reference_probs(logits, temperature, top_k, top_p) -> np.ndarray:  # f64[voc
     probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")
     k = len(probs) if top_k == 0 else min(top_k, len(probs))
-    kept = order[:k]
+    kept = order[probs[order] >= probs[order[k - 1]]]  # ties with the k-th are in
     mass = probs[kept] / probs[kept].sum()
     before = np.cumsum(mass) - mass
-    kept = kept[before < top_p]
+    last = probs[kept[before < top_p]].min()
+    kept = kept[probs[kept] >= last]  # ties with the last one kept are in
     out = np.zeros_like(probs)
     out[kept] = probs[kept] / probs[kept].sum()
     return out
@@ -161,6 +162,18 @@ def test_ties_greedy_takes_lowest_id_and_sampling_keeps_every_tied_token():
     for cut in (dict(top_k=1), dict(top_p=1e-6)):
         counts = np.bincount(_run(logits, 1.0, seeds=np.arange(ROWS), **cut), minlength=8)
         assert counts[1] + counts[3] == ROWS and abs(counts[1] - ROWS / 2) < 200, counts
+
+
+def test_top_p_weighs_every_token_tied_with_the_kth():
+    # top_k = 2 keeps all three tokens tied at the 2nd logit (as vLLM's cut does); their
+    # mass puts top_p = 0.6 past the first of them, which keeps all three (ties).
+    logits = np.array([2.0, 1.0, 1.0, 1.0, -1.0], np.float32)
+    want = reference_probs(logits, 1.0, 2, 0.6)
+    np.testing.assert_allclose(want[:4], np.exp([2, 1, 1, 1]) / np.exp([2, 1, 1, 1]).sum())
+    counts = np.bincount(
+        _run(np.tile(logits, (N, 1)), 1.0, 2, 0.6, seeds=np.arange(N), positions=3), minlength=5
+    )
+    assert _chi2_pvalue(counts, want) > 1e-6, counts
 
 
 def test_a_row_depends_only_on_its_seed_and_position_and_seeds_are_independent():
