@@ -4,7 +4,9 @@ Taken from log_softmax of the model's raw logits in float32: before temperature,
 and top-p. Each output token gets a dict {token_id: Logprob(logprob, rank,
 decoded_token)}: the sampled token first, then the request's k most likely tokens by
 descending logprob (ties: lowest id first, as jax.lax.top_k orders them), the sampled one
-not twice. rank is 1 + the number of tokens whose logprob is strictly greater.
+not twice. rank is 1 + the number of tokens whose logprob is strictly greater, so tied
+tokens share a rank (vLLM ranks a top-k entry by its position, and the sampled token by
+the count of tokens at least as likely: ties differ from vLLM's, nothing else does).
 decoded_token is the token's own text (jaxkv.token_texts) when the Engine has a
 tokenizer, else None.
 

@@ -48,8 +48,9 @@ class SamplingParams:
     greedy, and is the default (vLLM's is 1.0: pass a temperature to sample); top_k 0 (or
     -1, vLLM's older spelling, stored as 0) means no top-k cut; top_p 1.0 means no
     nucleus cut. stop_token_ids None (vLLM's default) means none.
-    seed: 64 bits, as torch's generators take (a negative seed counts modulo 2**64); a
-    request with a seed samples the same tokens whatever batch it runs in.
+    seed: 64 bits, as torch's generators take (a negative seed counts modulo 2**64, but
+    -1 means None, as in vLLM); a request with a seed samples the same tokens whatever
+    batch it runs in.
     min_tokens: as vLLM's, the stop tokens (the model's EOS included, also under
     ignore_eos) cannot be sampled before the request has generated that many tokens; at
     most max_tokens.
@@ -64,7 +65,8 @@ class SamplingParams:
     logits). An Engine refuses more than EngineConfig.max_logprobs.
     n: how many samples of the prompt to generate, as vLLM's: an Engine runs them as n
     requests that share the prompt's cached KV (jaxkv.parallel_sampling); with a seed,
-    sample i draws with seed + i. A Scheduler takes only n = 1.
+    sample i draws with seed + i. A Scheduler takes only n = 1. Greedy samples (temperature
+    0, the default) are all the same, where vLLM refuses n > 1 without a temperature.
     presence_penalty, frequency_penalty (in [-2, 2]) and repetition_penalty (> 0) are
     vLLM's (jaxkv.penalties): each token's logit is divided by repetition_penalty if
     positive, else multiplied by it, when the token is in the prompt or the output so
@@ -120,6 +122,8 @@ class SamplingParams:
         seed = None if self.seed is None else as_int(self.seed)
         if self.seed is not None and (seed is None or not -(2**63) <= seed < 2**64):
             raise ValueError(f"seed={self.seed!r} must be None or an int in [-2**63, 2**64)")
+        if seed == -1:  # vLLM's spelling of no seed, which pass-through code sends
+            seed = None
         try:
             # A mapping's keys, or bytes' values, would pass for the ids.
             if isinstance(self.stop_token_ids, (Mapping, bytes, bytearray)):

@@ -57,6 +57,9 @@ def test_sampling_params_defaults_and_frozen():
     )
     assert SamplingParams(stop_token_ids=[2, 3]).stop_token_ids == (2, 3)
     assert SamplingParams(stop_token_ids=None).stop_token_ids == ()  # vLLM's default
+    assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"; other negatives count
+    assert SamplingParams(seed=np.int64(-1)).seed is None
+    assert SamplingParams(seed=-2).seed == -2
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.top_k = 3
 
