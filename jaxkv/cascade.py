@@ -317,7 +317,8 @@ class CascadePlanner:
         column: int,
     ) -> list[np.ndarray] | None:
         """Runs of >= 2 `members` holding the same block prefix through `column`, largest
-        first, each sorted; None if every member was eligible and all keys differ."""
+        first, each sorted; None if every request of the batch (not only every member)
+        was eligible and all keys differ: then no group exists past `column` at all."""
         bs = manager.block_size
         # A request can share column `column` in a cascade level only once it has
         # computed that whole block (then it also holds it).

@@ -15,11 +15,12 @@ host, never inside jit:
   tokens (whole blocks, ending before the request's last token, whose logits must be
   computed; a preempted request's tokens include its outputs) it can supply; the
   scheduler refuses any other claim with ValueError, changing nothing. The scheduler
-  then sets the request's num_computed_tokens to that point, allocates blocks for the
-  rest of its tokens, and calls start_load(request, block_ids) with the blocks for the
-  supplied tokens; the request waits in WAITING_FOR_REMOTE_KV, holding its blocks, until
-  poll() reports the load. A claim is a promise for this call only: no state is kept
-  between the two.
+  then allocates blocks for the rest of the request's tokens and calls
+  start_load(request, block_ids) with the blocks for the supplied tokens; the request
+  waits in WAITING_FOR_REMOTE_KV, holding its blocks, its num_computed_tokens at the
+  device hit's end, until poll() reports the load; once it has landed,
+  num_computed_tokens moves past the supplied tokens. A claim is a promise for this call
+  only: no state is kept between the two.
 
 Device access goes through a KVCopier (implemented next to the engine, which owns the
 caches); this module imports no JAX, so connectors are testable with a fake copier.
