@@ -77,7 +77,6 @@ class Detokenizer:
             raise ValueError(f"tokenizer.decode([]) raised {e!r}: it must take a list") from e
         if not isinstance(text, str):
             raise ValueError(f"tokenizer.decode([]) returned {text!r}, not a str")
-        self.tokenizer = tokenizer
         # Per SamplingParams.skip_special_tokens: the flag goes to a decode that takes it.
         self._decodes = {True: decode, False: decode}
         if _takes_skip_special_tokens(decode):

@@ -202,7 +202,7 @@ class HostOffloadConnector(KVConnector):
         return dataclasses.replace(
             self._stats,
             num_stored_blocks=len(self._store),
-            stored_bytes=len(self._store) * self._bytes_per_block(),
+            stored_bytes=len(self._store) * self._block_bytes,
         )
 
     def stored_hashes(self) -> list[BlockHash]:
@@ -250,7 +250,7 @@ class HostOffloadConnector(KVConnector):
             if t.chain[i] in landed:
                 self._store.put(t.chain[i], t.chain[i - 1], landed[t.chain[i]], demoted=True)
         self._evict()
-        self._count(num_saves=1, bytes_offloaded=len(t.hashes) * self._bytes_per_block())
+        self._count(num_saves=1, bytes_offloaded=len(t.hashes) * self._block_bytes)
         return True
 
     def _finish_load(self, t: _Transfer) -> bool:
@@ -263,13 +263,13 @@ class HostOffloadConnector(KVConnector):
             return False
         self._count(
             num_loads=1,
-            bytes_reloaded=len(t.hashes) * self._bytes_per_block(),
+            bytes_reloaded=len(t.hashes) * self._block_bytes,
             num_loaded_tokens=t.num_tokens,
         )
         return True
 
     def _evict(self) -> None:
-        limit = self.host_bytes // max(self._bytes_per_block(), 1)
+        limit = self.host_bytes // max(self._block_bytes, 1)
         self._store.evict_to(limit)
 
     def _saves_ended_unstored(self, hashes: Sequence[BlockHash]) -> None:
@@ -278,9 +278,6 @@ class HostOffloadConnector(KVConnector):
         self._saving.difference_update(hashes)
         for h in hashes:
             self._store.demote_behind(h)
-
-    def _bytes_per_block(self) -> int:
-        return self._block_bytes
 
     def _count(self, **deltas: int) -> None:
         s = self._stats

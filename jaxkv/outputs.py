@@ -47,6 +47,8 @@ class RequestOutput(NamedTuple):
 
 # RequestOutput from the tuple of its nine fields: what RequestOutput._make does, without
 # the NamedTuple's Python-level __new__ (half the cost of one; one per request per step).
+# jaxkv.scheduler_update builds the tuples by position (the field order is pinned by
+# tests/host/test_scheduler_update_edges.py).
 request_output_of = functools.partial(tuple.__new__, RequestOutput)
 
 

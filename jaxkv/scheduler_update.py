@@ -23,8 +23,7 @@ __all__ = ["apply_sampled_tokens"]
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
+}  # the update finishes a request only by these two
 
 
 def apply_sampled_tokens(

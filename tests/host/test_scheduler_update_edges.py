@@ -94,3 +94,12 @@ def test_sampled_tokens_land_in_both_token_lists_as_python_ints(dtype):
         assert request.num_tokens == len(prompt) + 4
         assert all(type(t) is int for t in request.all_token_ids)
     assert not sched.has_unfinished_requests()
+
+
+def test_request_output_fields_keep_the_order_the_update_builds_them_in():
+    # scheduler_update builds RequestOutputs from positional 9-tuples (request_output_of,
+    # for speed): a field added or moved must be added or moved there too.
+    assert RequestOutput._fields == (
+        "request_id", "new_token_ids", "finished", "finish_reason", "logprobs", "index",
+        "prompt_logprobs", "stop_reason", "text",
+    )  # fmt: skip
