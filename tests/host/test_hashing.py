@@ -108,6 +108,22 @@ def test_extend_hashes_every_int64_token_as_hash_block_tokens_does():
     assert extend_block_hashes([], tokens, 4) == [hash_block_tokens(root_hash(0), tokens)]
 
 
+@pytest.mark.parametrize("adapter_id", [None, "a", ""])
+@pytest.mark.parametrize("cache_salt", [None, "s", "é"])
+def test_extend_equals_chaining_hash_block_tokens_with_every_key(adapter_id, cache_salt):
+    # The fast path encodes blocks itself: it must stay the specification's chain, with
+    # the adapter id on every block and the salt on block 0 only, from two starting points.
+    tokens, seed = list(range(13)), 5
+    chain, parent = [], root_hash(seed)
+    for i in range(3):
+        keys = block_extra_keys(i, adapter_id=adapter_id, cache_salt=cache_salt)
+        parent = hash_block_tokens(parent, tokens[4 * i : 4 * i + 4], keys)
+        chain.append(parent)
+    keys = dict(seed=seed, adapter_id=adapter_id, cache_salt=cache_salt)
+    assert extend_block_hashes([], tokens, 4, **keys) == chain
+    assert extend_block_hashes(chain[:1], tokens, 4, **keys) == chain
+
+
 # Loads hashing.py by path (it imports only the standard library) so the child process
 # does not pay for importing the rest of the package.
 _SNIPPET = """
