@@ -200,12 +200,14 @@ def test_a_row_depends_only_on_its_seed_and_position_and_seeds_are_independent()
         agree = float((other == a).mean())
         assert 0.1 < agree < 0.15, agree
     # Seeds are 64-bit: ones equal modulo 2**32 draw apart (they drew alike when seeds
-    # were folded into 32 bits), and a negative one counts modulo 2**64.
+    # were folded into 32 bits), and a negative one counts modulo 2**64 (but -1, vLLM's
+    # "no seed", is None).
     for far in (seeds + 2**32, seeds + 2**40, seeds.astype(np.uint64) + np.uint64(2**63)):
         agree = float((_run(uniform, 1.0, seeds=far, positions=7) == a).mean())
         assert 0.1 < agree < 0.15, agree
     row = lambda seed: sampling_row(SamplingParams(temperature=1.0, seed=seed), 0)
-    assert row(2**32 + 5)[3] == 2**32 + 5 and row(-1)[3] == 2**64 - 1
+    assert row(2**32 + 5)[3] == 2**32 + 5 and row(-2)[3] == 2**64 - 2
+    assert sampling_row(SamplingParams(temperature=1.0, seed=-1), 7)[3:] == (7, DEFAULT_STREAM)
     assert row(99)[3:] == (99, SEED_STREAM)
     assert sampling_row(SamplingParams(temperature=1.0), 99)[3:] == (99, DEFAULT_STREAM)
 
