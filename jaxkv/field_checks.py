@@ -1,9 +1,10 @@
 """Checks of configuration fields shared by the frozen configs and dataclasses.
 
 Each raises ValueError naming the field and what was expected. A bool is never taken for
-a number: True as a size or a cost is a caller's mistake, not 1. A numpy integer is
-taken for an int and stored as one, so a config built from numpy arithmetic equals,
-hashes and prints as one built from Python ints.
+a number: True as a size or a cost is a caller's mistake, not 1. A numpy integer (or a
+0-d integer array of numpy or JAX) is taken for an int and stored as one, so a config
+built from array arithmetic equals, hashes and prints as one built from Python ints;
+likewise for real numbers.
 """
 
 from __future__ import annotations
@@ -13,19 +14,31 @@ import numbers
 
 
 def is_integer(value) -> bool:
-    """An integer (int, numpy integer), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    """An integer (int, numpy integer, 0-d integer array of numpy or JAX), not a bool."""
+    if isinstance(value, numbers.Integral):
+        return not isinstance(value, bool)
+    return _scalar_kind(value) in ("i", "u")
 
 
 def as_int(value) -> int | None:
-    """`value` as a Python int if it is an integer (int, numpy integer), not a bool; else
-    None."""
+    """`value` as a Python int if it is an integer (is_integer); else None."""
     return int(value) if is_integer(value) else None
 
 
 def is_real(value) -> bool:
-    """A real number (int, float, numpy scalar), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    """A real number (int, float, numpy scalar, 0-d integer or float array of numpy or
+    JAX), not a bool."""
+    if isinstance(value, numbers.Real):
+        return not isinstance(value, bool)
+    return _scalar_kind(value) in ("i", "u", "f")
+
+
+def _scalar_kind(value) -> str | None:
+    """The numpy dtype kind of a 0-d array (numpy's or JAX's), else None."""
+    dtype = getattr(value, "dtype", None)
+    if getattr(value, "ndim", None) != 0 or not hasattr(dtype, "kind"):
+        return None
+    return dtype.kind
 
 
 def int_fields(

@@ -248,7 +248,8 @@ class KVCacheManager:
         is entered into the prefix cache. Computed tokens past the cache hit's blocks are
         taken as computed elsewhere, their KV already in the blocks they fill (which are
         cached at once, for other requests to hit): the manager cannot check that claim,
-        so only a caller that wrote that KV may make it (the scheduler never does).
+        so only a caller that wrote that KV may make it (the scheduler makes it only for
+        KV it computed or loaded).
 
         Raises ValueError, with nothing changed, on a `request` that is not a Request, a
         count that is not an int >= 0 (request.num_computed_tokens included), a

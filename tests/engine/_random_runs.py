@@ -261,7 +261,8 @@ def assert_dense_logprobs(entry: dict, token: int, k: int, row: np.ndarray) -> N
     tokens of the dense log_softmax `row`, with its values and ranks up to rounding."""
     ids = list(entry)
     assert ids[0] == token and len(entry) in (k, k + 1), (ids, token, k)
-    for t, (logprob, rank) in entry.items():
+    for t, lp in entry.items():
+        logprob, rank = lp.logprob, lp.rank
         assert abs(logprob - row[t]) < LOGPROB_TOL, (t, logprob, row[t])
         # 1 + the tokens strictly above it, whichever way rounding breaks a near-tie.
         above_surely = int(np.sum(row > row[t] + LOGPROB_TOL))

@@ -257,8 +257,9 @@ def test_seeds_are_64_bit_for_requests_and_the_engine_default():
         engine = Engine(tiny_model(), None, dataclasses.replace(engine_config(), seed=engine_seed))
         return engine.generate(prompt, params, progress=False)[0].output_token_ids
 
-    assert drawn(1) != drawn(2**32 + 1) and drawn(2**32 - 1) != drawn(-1)
-    assert drawn(-1) == drawn(2**64 - 1)  # a negative seed counts modulo 2**64
+    assert drawn(1) != drawn(2**32 + 1) and drawn(2**32 - 2) != drawn(-2)
+    assert drawn(-2) == drawn(2**64 - 2)  # a negative seed counts modulo 2**64
+    assert drawn(-1) == drawn(None)  # but -1 is vLLM's "no seed"
     assert drawn(engine_seed=0) != drawn(engine_seed=2**32)
 
 

@@ -1,12 +1,15 @@
-"""numpy integers are taken wherever an int size, count or seed is, and stored as Python
-ints; numpy bools and integral floats are refused as Python bools and floats are."""
+"""numpy integers (and 0-d integer arrays of numpy or JAX) are taken wherever an int size,
+count or seed is, and stored as Python ints; numpy bools and integral floats are refused
+as Python bools and floats are."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import SamplingParams
 from jaxkv.cascade_cost import AttentionShape, CascadeCostModel
 from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxkv.hashing import root_hash
@@ -92,3 +95,17 @@ def test_calls_take_numpy_integers_as_ints():
     assert sizes == (4, 2, 0, 5) and all(type(value) is int for value in sizes)
     assert root_hash(np.int64(-5)) == root_hash(-5)
     assert len(replica_meshes(np.int64(1), jax.devices()[:1])) == 1
+
+
+def test_zero_d_integer_arrays_of_numpy_and_jax_are_ints_and_others_are_refused():
+    params = SamplingParams(
+        max_tokens=jnp.int32(5), seed=np.array(7, np.uint64), stop_token_ids=jnp.array([1, 2]),
+        temperature=jnp.float32(0.5), top_p=np.array(0.75),
+    )  # fmt: skip
+    assert (params.max_tokens, params.seed, params.stop_token_ids) == (5, 7, (1, 2))
+    assert (params.temperature, params.top_p) == (0.5, 0.75)
+    assert all(type(v) is int for v in (params.max_tokens, params.seed, *params.stop_token_ids))
+    assert SchedulerConfig(max_num_seqs=jnp.array(4)).max_num_seqs == 4
+    for bad in (np.array(True), jnp.array([5]), np.array(5.0), jnp.array(True)):
+        with pytest.raises(ValueError, match="^max_tokens="):
+            SamplingParams(max_tokens=bad)
