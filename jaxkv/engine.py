@@ -54,7 +54,7 @@ from jaxkv.scheduler import Scheduler, SchedulerOutput
 from jaxkv.sharding import mesh_for, shard_model, tensor_parallel_of
 from jaxkv.step_inputs import batch_inputs, in_schedule_order, program_key
 from jaxkv.step_program import step_program
-from jaxkv.token_texts import NO_TOKEN_TEXTS, TokenTexts
+from jaxkv.token_texts import TokenTexts
 
 
 class Engine(Closable):
@@ -135,7 +135,7 @@ class Engine(Closable):
         self.scheduler = Scheduler(sc, self.manager, self.connector)
         self.scheduler.detokenizer = detokenizer
         self.tokenizer = tokenizer
-        self._token_texts = NO_TOKEN_TEXTS if tokenizer is None else TokenTexts(tokenizer.decode)
+        self._token_texts = None if tokenizer is None else TokenTexts(tokenizer.decode)
         self.kv_caches = model.init_kv_caches(cc.num_blocks, cc.block_size, cc.kv_dtype)
         self.buckets = config.buckets
         self.planner = CascadePlanner(

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.step_inputs import in_schedule_order
-from jaxkv.token_texts import NO_TOKEN_TEXTS
 
 
 class Logprob(NamedTuple):
@@ -62,7 +61,13 @@ def logprob_entry(
 ) -> dict:
     """One position's dict in the format of this module: `token` (the sampled or prompt
     one) first, then the top ones in the order given, `token` not twice; decoded_token
-    from `texts` (jaxkv.token_texts)."""
+    from `texts` (token id -> text; None: None for every token)."""
+    if texts is None:
+        entry = {token: logprob_of((logprob, rank, None))}
+        for t, lp, r in zip(top_ids, top, top_rank, strict=True):
+            if t not in entry:
+                entry[t] = logprob_of((lp, r, None))
+        return entry
     entry = {token: logprob_of((logprob, rank, texts[token]))}
     for t, lp, r in zip(top_ids, top, top_rank, strict=True):
         if t not in entry:
@@ -72,9 +77,9 @@ def logprob_entry(
 
 class StepLogprobs:
     """One step's top_logprobs on the host, first `n` rows in schedule order; `texts`
-    (jaxkv.token_texts) gives each entry's decoded_token."""
+    (jaxkv.token_texts.TokenTexts, None without a tokenizer) gives decoded_token."""
 
-    def __init__(self, arrays, n: int, order: np.ndarray | None, texts=NO_TOKEN_TEXTS):
+    def __init__(self, arrays, n: int, order: np.ndarray | None, texts=None):
         ids, top, top_rank, sampled, rank = (in_schedule_order(a, n, order) for a in arrays)
         self._top = (ids, top, top_rank)
         self._sampled = sampled.tolist(), rank.tolist()

@@ -33,7 +33,6 @@ from jaxkv.logprobs import logprob_entry
 from jaxkv.min_tokens import batch_rows
 from jaxkv.penalties import table_width
 from jaxkv.request import RequestStatus
-from jaxkv.token_texts import NO_TOKEN_TEXTS
 
 if TYPE_CHECKING:
     from jaxkv.request import Request
@@ -81,9 +80,9 @@ class PromptLogprobList(Sequence):
 
     __slots__ = ("_pending", "_entries", "_texts")
 
-    def __init__(self, pending: _Pending, texts=NO_TOKEN_TEXTS) -> None:
+    def __init__(self, pending: _Pending, texts: dict[int, str | None] | None = None) -> None:
         self._pending = pending
-        self._texts = texts  # decoded_token of each id (jaxkv.token_texts)
+        self._texts = texts  # decoded_token of each id it holds; None: None for all
         self._entries: list[dict | None] = [None] * len(pending.prompt)
 
     def __len__(self) -> int:
@@ -210,10 +209,12 @@ class PromptLogprobs:
             pending.top_logprob[start:end] = top[rows, :k]
             pending.top_rank[start:end] = top_rank[rows, :k]
 
-    def attach(self, outputs: list, step: PromptStep | None, texts=NO_TOKEN_TEXTS) -> list:
+    def attach(self, outputs: list, step: PromptStep | None, texts=None) -> list:
         """`outputs` (one step's RequestOutputs, before n > 1 relabelling) with the prompt
         logprobs of each request whose prompt `step` completed, on its first output, their
-        decoded_token from `texts` (jaxkv.token_texts). The request is then forgotten."""
+        decoded_token from `texts` (jaxkv.token_texts.TokenTexts; None: None), read here
+        for every id they hold: the list keeps a plain dict, not the tokenizer. The
+        request is then forgotten."""
         if step is None or not step.completing:
             return outputs
         for j, output in enumerate(outputs):
@@ -224,5 +225,8 @@ class PromptLogprobs:
             pending = self._pending.pop(request_id, None)
             if pending is None:  # a one-token prompt: nothing to predict
                 pending = _Pending(request.prompt_token_ids, k)
-            outputs[j] = output._replace(prompt_logprobs=PromptLogprobList(pending, texts))
+            held = None
+            if texts is not None:
+                held = texts.texts_of(np.concatenate([pending.prompt, pending.top_ids.ravel()]))
+            outputs[j] = output._replace(prompt_logprobs=PromptLogprobList(pending, held))
         return outputs

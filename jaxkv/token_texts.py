@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["NO_TOKEN_TEXTS", "TokenTexts"]
+import numpy as np
+
+__all__ = ["TokenTexts"]
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +26,11 @@ class TokenTexts(dict):
     once (logger "jaxkv.token_texts"); as with the output text (jaxkv.detokenizer), a
     failing tokenizer must not stop the step halfway through handing out its outputs.
     """
+
+    def texts_of(self, token_ids) -> dict[int, str | None]:
+        """A plain dict of the texts of `token_ids` (any int array): what an output keeps,
+        so that it holds neither the tokenizer nor this cache."""
+        return {t: self[t] for t in np.unique(np.asarray(token_ids)).tolist()}
 
     __slots__ = ("_decode",)
 
@@ -48,15 +55,3 @@ class TokenTexts(dict):
                 text = None
         self[token_id] = text
         return text
-
-
-class _NoTokenTexts(dict):
-    """decoded_token None for every token id: an Engine without a tokenizer."""
-
-    __slots__ = ()
-
-    def __missing__(self, token_id: int) -> None:
-        return None
-
-
-NO_TOKEN_TEXTS = _NoTokenTexts()

@@ -5,14 +5,14 @@ tokenizer; the values and ranks are those of an engine without one."""
 from __future__ import annotations
 
 import logging
-
-import pytest
+import pickle
+import threading
 
 from jaxkv import SamplingParams
 from jaxkv.engine import Engine
 from jaxkv.logprobs import Logprob
 from jaxkv.models import ByteTokenizer
-from jaxkv.token_texts import NO_TOKEN_TEXTS, TokenTexts
+from jaxkv.token_texts import TokenTexts
 from tests.engine._util import engine_config, prompts_for, tiny_model
 
 PARAMS = SamplingParams(max_tokens=5, temperature=0.8, seed=3, logprobs=4, prompt_logprobs=3)
@@ -110,7 +110,18 @@ def test_a_tokenizer_failing_on_one_token_leaves_the_step_whole():
     assert len(completion.output_token_ids) == 2
 
 
-@pytest.mark.parametrize("token", [0, 255, 10**6])
-def test_without_a_tokenizer_every_token_is_none(token):
-    assert NO_TOKEN_TEXTS[token] is None
-    assert not NO_TOKEN_TEXTS  # nothing is kept
+def test_prompt_logprobs_keep_their_own_texts_not_the_tokenizer():
+    # An output must pickle, and not grow with the engine's cache of token texts.
+    class Unpicklable(ByteTokenizer):
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+
+    params = SamplingParams(max_tokens=2, logprobs=2, prompt_logprobs=2)
+    with Engine(tiny_model(), None, engine_config(), tokenizer=Unpicklable()) as engine:
+        (first,) = engine.generate([[5, 6, 7, 8, 9]], params, progress=False)
+        engine.generate([list(range(60, 120))], params, progress=False)  # more texts read
+        (again,) = engine.generate([[5, 6, 7, 8, 9]], params, progress=False)
+    copied = pickle.loads(pickle.dumps(first))
+    assert copied.prompt_logprobs == first.prompt_logprobs == again.prompt_logprobs
+    assert copied.logprobs == first.logprobs
+    assert len(pickle.dumps(first)) == len(pickle.dumps(again))
