@@ -47,7 +47,9 @@ class SamplingParams:
     max_tokens None generates until a stop token or max_model_len. temperature 0 means
     greedy, and is the default (vLLM's is 1.0: pass a temperature to sample); top_k 0 (or
     -1, vLLM's older spelling, stored as 0) means no top-k cut; top_p 1.0 means no
-    nucleus cut. stop_token_ids None (vLLM's default) means none.
+    nucleus cut; min_p (in [0, 1], 0: no cut), as vLLM's, keeps only the tokens at least
+    min_p times as likely as the most likely one, after temperature and before top-k and
+    top-p. stop_token_ids None (vLLM's default) means none.
     seed: 64 bits, as torch's generators take (a negative seed counts modulo 2**64, but
     -1 means None, as in vLLM); a request with a seed samples the same tokens whatever
     batch it runs in.
@@ -102,6 +104,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     stream_text: bool = False
     skip_special_tokens: bool = True
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         """Checks every field; integers (numpy ones too) are stored as Python ints."""
@@ -119,6 +122,8 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 or -1 = off)")
         if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if not is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p={self.min_p!r} must be in [0, 1]")
         seed = None if self.seed is None else as_int(self.seed)
         if self.seed is not None and (seed is None or not -(2**63) <= seed < 2**64):
             raise ValueError(f"seed={self.seed!r} must be None or an int in [-2**63, 2**64)")
@@ -182,6 +187,7 @@ class SamplingParams:
             object.__setattr__(self, name, value)
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "min_p", float(self.min_p))
         object.__setattr__(self, "stop_token_ids", stop)
         object.__setattr__(self, "stop", checked_stop_strings(self.stop))
 

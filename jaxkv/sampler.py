@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.logprobs import top_logprobs
-from jaxkv.min_tokens import StopTokenBans
+from jaxkv.min_tokens import StopTokenBans, batch_rows
 from jaxkv.penalties import TokenPenalties, apply_penalties
 from jaxkv.prompt_logprobs import PromptLogprobs
 from jaxkv.request import Request, RequestStatus, SamplingParams
@@ -120,6 +120,7 @@ class SamplingRows:
         self._table = np.zeros((0, _COLUMNS), np.float64)
         self._memo: tuple | None = None  # (requests, order bytes or None, arrays)
         self._bans = StopTokenBans(eos_token_ids)
+        self._min_p: dict[str, float] = {}  # request id -> its min_p, where above 0
         self._penalties = TokenPenalties()
         self.logprobs: dict[str, int] = {}  # request id -> its SamplingParams.logprobs
         self._logprob_width = logprob_width
@@ -141,6 +142,10 @@ class SamplingRows:
         self._table[slot] = row
         self._bans.add(request_id, params)
         self._penalties.add(request_id, params)
+        if params.min_p > 0:
+            self._min_p[request_id] = params.min_p
+        else:
+            self._min_p.pop(request_id, None)
         self.prompt_logprobs.discard(request_id)  # a reused id asks anew (add_request)
         if params.logprobs is not None:
             self.logprobs[request_id] = params.logprobs
@@ -159,6 +164,7 @@ class SamplingRows:
             self._free.append(slot)
             self._bans.discard(request_id)
             self._penalties.discard(request_id)
+            self._min_p.pop(request_id, None)
             self.prompt_logprobs.discard(request_id)
             if self.logprobs:
                 self.logprobs.pop(request_id, None)
@@ -200,10 +206,16 @@ class SamplingRows:
         """sample()'s arguments after the logits for one batch: `arrays`, then `positions`
         (i32[num_rows] of the tokens being sampled), then the stop tokens each row may not
         sample yet (jaxkv.min_tokens; i32[num_rows, 0] when none is banned), then the
-        penalty arrays (jaxkv.penalties; None when no request of the batch lists a token)."""
+        penalty arrays (jaxkv.penalties; None when no request of the batch lists a token),
+        then each row's min_p (f32[num_rows], 0 for rows without one: no program variant)."""
         banned = self._bans.array(requests, order, num_rows)
         penalties = self._penalties.arrays(requests, order, num_rows)
-        return (*self.arrays(requests, order, num_rows), positions, banned, penalties)
+        min_p, wanted = np.zeros(num_rows, np.float32), self._min_p
+        listed = [i for i, r in enumerate(requests) if r.request_id in wanted] if wanted else ()
+        if listed:
+            min_p[batch_rows(listed, order)] = [wanted[requests[i].request_id] for i in listed]
+        arrays = self.arrays(requests, order, num_rows)
+        return (*arrays, positions, banned, penalties, min_p)
 
 
 def sample(
@@ -216,6 +228,7 @@ def sample(
     positions: jax.Array,  # i32[S] position of the token being sampled
     banned: jax.Array | None = None,  # i32[S, B] token ids a row may not sample; others ignored
     penalties: tuple | None = None,  # jaxkv.penalties.PenaltyArrays; None: no penalty
+    min_p: jax.Array | None = None,  # f32[S] 0 = no cut; None: none for any row
     *,
     num_logprobs: int | None = None,  # static: None, or top tokens per row (top_logprobs)
 ):  # i32[S], or (i32[S], top_logprobs' five arrays) when num_logprobs is not None
@@ -227,8 +240,10 @@ def sample(
     last kept one are kept too (vLLM keeps one of them, by its sort's order). The
     `penalties` rewrite their rows' logits first (jaxkv.penalties.apply_penalties); then
     a row's `banned` ids in [0, vocab) are removed (their logits set to -inf), as if the
-    model gave them no probability; ids outside it (padding) are ignored. A temperature
-    below 0.01 is used as given (vLLM raises it to 0.01). With `num_logprobs`, also
+    model gave them no probability; ids outside it (padding) are ignored. `min_p` cuts
+    the tokens less than min_p times as likely as the most likely one (after temperature,
+    before top-k and top-p, as vLLM's). A temperature below 0.01 is used as given (vLLM
+    raises it to 0.01). With `num_logprobs`, also
     jaxkv.logprobs.top_logprobs of the raw logits (before penalties and the ban, as
     vLLM's raw logprobs come before its logits processors) and the sampled tokens.
     """
@@ -246,6 +261,8 @@ def sample(
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     shifted = jnp.where(logits == row_max, 0.0, logits - row_max)  # also for a +inf maximum
     scaled = shifted / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    if min_p is not None:  # p >= min_p * p_max is scaled >= log(min_p): the maximum is 0
+        scaled = jnp.where(scaled >= jnp.log(min_p)[:, None], scaled, -jnp.inf)
     desc = -jnp.sort(-scaled, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     # Tokens tied with the k-th most likely are in the top k too, as vLLM's cut keeps them.
