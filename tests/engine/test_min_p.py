@@ -8,19 +8,16 @@ a permutation, and bad values.
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
 from jaxkv import SamplingParams
 from jaxkv.request import Request
-from jaxkv.sampler import SamplingRows, sample, seed_words
+from jaxkv.sampler import SamplingRows
 from tests.engine._util import dense_greedy, make_engine, prompts_for
-from tests.engine.test_sampler_reference import _chi2_pvalue, reference_probs
+from tests.engine.test_sampler_reference import N, _chi2_pvalue, _run, reference_probs
 
-N = 20_000
 LOGITS = np.array([2.0, 1.6, 1.0, 0.3, -0.4, -1.2, -2.0, 0.9], np.float32)
-_sample = jax.jit(sample)
 
 
 def _reference(logits, temperature, min_p, top_k=0, top_p=1.0) -> np.ndarray:
@@ -32,14 +29,10 @@ def _reference(logits, temperature, min_p, top_k=0, top_p=1.0) -> np.ndarray:
 
 
 def _draws(temperature, min_p, top_k=0, top_p=1.0, logits=LOGITS) -> np.ndarray:
-    full = lambda v, dt: np.full(N, v, dt)
-    out = _sample(
-        np.tile(np.asarray(logits, np.float32), (N, 1)),
-        full(temperature, np.float32), full(top_k, np.int32), full(top_p, np.float32),
-        seed_words(np.arange(N, dtype=np.uint64)), full(0, np.uint32), full(5, np.int32),
-        None, None, full(min_p, np.float32),
-    )  # fmt: skip
-    return np.bincount(np.asarray(out), minlength=len(logits))
+    rows = np.tile(np.asarray(logits, np.float32), (N, 1))
+    seeds = np.arange(N, dtype=np.uint64)
+    out = _run(rows, temperature, top_k, top_p, seeds=seeds, positions=5, min_p=min_p)
+    return np.bincount(out, minlength=len(logits))
 
 
 @pytest.mark.parametrize(

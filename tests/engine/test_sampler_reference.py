@@ -31,8 +31,11 @@ N = 20_000
 ROWS = 4000  # every other test pads its batch to this many rows
 
 
-def _run(logits, temperature, top_k=0, top_p=1.0, seeds=0, positions=0, streams=0) -> np.ndarray:
-    """Tokens of `logits` rows; batches smaller than ROWS are padded (one compiled shape)."""
+def _run(
+    logits, temperature, top_k=0, top_p=1.0, seeds=0, positions=0, streams=0, min_p=None
+) -> np.ndarray:
+    """Tokens of `logits` rows; batches smaller than ROWS are padded (one compiled shape).
+    `min_p` None passes none (the sampler's default)."""
     logits = np.asarray(logits, np.float32)
     n = len(logits)
     size = n if n == N else ROWS
@@ -47,6 +50,7 @@ def _run(logits, temperature, top_k=0, top_p=1.0, seeds=0, positions=0, streams=
         seed_words(full(seeds, np.uint64, 0)),
         full(streams, np.uint32, 0),
         full(positions, np.int32, 0),
+        *(() if min_p is None else (None, None, full(min_p, np.float32, 0))),
     )
     return np.asarray(out)[:n]
 
