@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from tests.sharding.host_devices import host_device_env
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -43,3 +47,18 @@ def test_readme_example_runs(section, capsys, monkeypatch):
         # The text the README quotes below the example.
         assert "16 requests, 544 tokens, levels ['groups'], shared blocks 32" in out
         assert "16 requests, 16 tokens, levels ['global'], shared blocks 32" in out
+
+
+@pytest.mark.slow
+def test_readme_several_devices_example_runs():
+    """The ```py block continues the Engine example on 8 devices: both run, in that order,
+    in a process of their own on 8 CPU host devices (JAX fixes the count when it starts)."""
+    (devices,) = re.findall(r"^```py\n(.*?)^```$", README.read_text(), flags=re.M | re.S)
+    code = _python_blocks()["Serving loop with `Engine`"] + devices
+    code += "print('texts', [o.text is not None for o in outputs])\n"
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=README.parent, env=host_device_env(8),
+        capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "texts [True, True]" in run.stdout
