@@ -11,6 +11,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from jaxkv.allocation_args import count
 from jaxkv.field_checks import int_fields
 from jaxkv.hashing import BlockHash
 from jaxkv.host_block_store import HostBlockStore
@@ -148,8 +149,11 @@ class HostOffloadConnector(KVConnector):
         """Whole blocks after `num_computed_tokens` found in the store, in tokens.
 
         Never covers the request's last token (its logits must be computed). Changes no
-        state.
+        state. Raises ValueError unless `num_computed_tokens` is an int >= 0.
         """
+        num_computed_tokens = count(
+            "num_computed_tokens", num_computed_tokens, getattr(request, "request_id", None)
+        )
         if not self._store or num_computed_tokens % self._block_size:
             return 0
         hashes = request.update_block_hashes(self._block_size, self._hash_seed)

@@ -97,3 +97,15 @@ def test_every_hook_hashes_with_the_bound_seed():
     connector.start_load(probe, [5, 6])
     assert copier.loaded_block_ids == [[5, 6]]
     assert connector.poll().loaded == ("p",)
+
+
+@pytest.mark.parametrize("bad", [-BS, -3 * BS, 4.0, True, None])
+def test_a_claim_for_a_count_that_is_no_token_count_is_refused(bad):
+    # A negative count was read from the prompt's end: -4 claimed the last stored block.
+    _, connector = _bound_connector()
+    tokens = list(range(13))
+    _stored(connector, tokens)
+    r = Request("r", tokens, SamplingParams())
+    assert connector.on_admission(r, 0) == 3 * BS
+    with pytest.raises(ValueError, match="num_computed_tokens"):
+        connector.on_admission(r, bad)
