@@ -40,6 +40,7 @@ from kernels_pallas.validation import (
     checks_index_values,
     output_dtype,
     validate_ragged_paged_attention_inputs,
+    validate_shared_prefix,
 )
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -296,7 +297,10 @@ def cascade_attention(
     Precondition (the planner's cap): every sequence's first query position is at or past
     the shared prefix, i.e. kv_lens - q_lens >= num_prefix_pages * page_size, so the
     non-causal prefix pass never shows a query a key after itself. Then the result equals
-    plain causal attention over each whole context. `attention_fn` is any kernel with the
+    plain causal attention over each whole context. Called on concrete arrays, raises
+    ValueError unless that precondition holds and every sequence with query tokens holds
+    sequence 0's first num_prefix_pages pages (validation.validate_shared_prefix).
+    `attention_fn` is any kernel with the
     contract of `ragged_paged_attention` (default: this module's, with `max_q_len`;
     refused with an `attention_fn`, which would not see it); both passes return float32
     and the merged result is rounded to q.dtype once.
@@ -308,6 +312,9 @@ def cascade_attention(
             f"{max_q_len=} applies to the default attention_fn only: bind it into the "
             "attention_fn given"
         )
+    validate_shared_prefix(
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, num_prefix_pages
+    )
     if attention_fn is None:
         prefix_fn = ragged_paged_attention
         suffix_fn = lambda *a, **kw: ragged_paged_attention(*a, **kw, max_q_len=max_q_len)

@@ -207,6 +207,58 @@ def validate_index_values(
         )
 
 
+def validate_shared_prefix(
+    q: jax.Array,  # [max_num_tokens, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # i32[max_num_seqs]
+    page_indices: jax.Array,  # i32[max_num_seqs, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
+    num_seqs: jax.Array,  # i32[1]
+    num_prefix_pages: jax.Array | int,  # i32[]
+) -> None:
+    """Raises ValueError, naming the first bad entry, unless the cascade precondition holds:
+    `num_prefix_pages` lies in [0, pages_per_seq] and every valid sequence with query
+    tokens holds sequence 0's first num_prefix_pages page ids (the prefix pass reads row
+    0's) and has its first query at or past them (kv_len - q_len >= num_prefix_pages *
+    page_size). Either would otherwise give another sequence's keys, or keys after a
+    query, without an error. Does nothing while tracing, like validate_index_values,
+    which it runs first."""
+    validate_index_values(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    index_arrays = (kv_lens, page_indices, cu_q_lens, num_seqs, num_prefix_pages)
+    if any(isinstance(a, jax.core.Tracer) for a in index_arrays) or np.ndim(page_indices) != 2:
+        return
+    if np.size(num_prefix_pages) != 1 or not np.issubdtype(
+        np.asarray(num_prefix_pages).dtype, np.integer
+    ):
+        raise ValueError(f"{num_prefix_pages=} must be one integer")
+    k = int(np.asarray(num_prefix_pages).reshape(-1)[0])
+    page_indices = np.asarray(page_indices)
+    pages_per_seq = page_indices.shape[1]
+    if not 0 <= k <= pages_per_seq:
+        raise ValueError(f"num_prefix_pages={k} must be in [0, {pages_per_seq=}]")
+    n = int(np.asarray(num_seqs)[0])
+    prefix_len = k * np.shape(kv_pages)[1]
+    q_lens = np.diff(np.asarray(cu_q_lens)[: n + 1].astype(np.int64))
+    first_pos = np.asarray(kv_lens)[:n].astype(np.int64) - q_lens
+    bad = np.flatnonzero((q_lens > 0) & (first_pos < prefix_len))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"sequence {i}'s first query position {first_pos[i]} lies inside the "
+            f"{prefix_len} tokens of num_prefix_pages={k}: the non-causal prefix pass "
+            "would show it keys after itself"
+        )
+    differs = (page_indices[:n, :k] != page_indices[:1, :k]) & (q_lens > 0)[:, None]
+    bad = np.argwhere(differs)
+    if bad.size:
+        i, j = (int(x) for x in bad[0])
+        raise ValueError(
+            f"page_indices[{i}, {j}]={page_indices[i, j]} must equal page_indices[0, {j}]="
+            f"{page_indices[0, j]}: num_prefix_pages={k} pages must be shared by every "
+            "sequence with query tokens (the prefix pass reads sequence 0's)"
+        )
+
+
 STATIC_NUMBER_OPTIONS = ("sm_scale", "soft_cap", "k_scale", "v_scale")
 
 

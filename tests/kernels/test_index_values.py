@@ -157,3 +157,48 @@ def test_a_scale_given_as_a_jax_scalar_is_that_number(backend):
     case = _case()
     out, lse = BACKENDS[backend](*case.args(), sm_scale=jnp.float32(0.125), out_dtype=jnp.float32)
     harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))
+
+
+def _cascade_case(shared: bool) -> harness.Case:
+    """Two sequences whose queries all lie past their first page; `shared`: both rows
+    start with the same page (the oracle walks each row, so it sees the sharing)."""
+    case = harness.make_case(
+        2, [(3, 20), (1, 30)], num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=16,
+        **SHAPES,
+    )  # fmt: skip
+    if shared:
+        case = case.replace(page_indices=_set(case.page_indices, (1, 0), case.page_indices[0, 0]))
+    return case
+
+
+@pytest.mark.parametrize(
+    "num_prefix_pages, match",
+    [
+        (1, r"page_indices\[1, 0\]=\d+ must equal page_indices\[0, 0\]=\d+: num_prefix_pages=1"),
+        (2, r"sequence 0's first query position 17 lies inside the 32 tokens"),
+        (3, r"num_prefix_pages=3 must be in \[0, pages_per_seq=2\]"),
+        (-1, r"num_prefix_pages=-1 must be in \[0, pages_per_seq=2\]"),
+        (1.0, r"num_prefix_pages=1.0 must be one integer"),
+    ],
+)
+def test_cascade_refuses_a_prefix_its_sequences_do_not_share(num_prefix_pages, match):
+    # Unchecked, the prefix pass would show sequence 1 sequence 0's first page, or a query
+    # keys after itself: wrong rows, no error.
+    with pytest.raises(ValueError, match=match):
+        reference.cascade_attention(*_cascade_case(False).args(), num_prefix_pages, sm_scale=0.125)
+
+
+def test_cascade_takes_a_shared_prefix_and_skips_rows_without_queries():
+    case = _cascade_case(True)
+    expected = harness.dense_oracle(case, sm_scale=0.125)
+    for prefix in (1, jnp.int32(1), np.int64(1), jnp.ones((1,), jnp.int32)):
+        out, lse = reference.cascade_attention(*case.args(), prefix, sm_scale=0.125)
+        harness.assert_close_to_oracle(case, out, lse, expected)
+    # A sequence without query tokens gives no row: it need not hold the prefix.
+    case = case.replace(
+        page_indices=_set(case.page_indices, (1, 0), 5),
+        cu_q_lens=_set(case.cu_q_lens, 2, 3),
+        seq_lens=((3, 20), (0, 30)),
+    )
+    out, lse = reference.cascade_attention(*case.args(), 1, sm_scale=0.125)
+    harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))

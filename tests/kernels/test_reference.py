@@ -287,10 +287,10 @@ def test_cascade_in_bfloat16_is_as_accurate_as_flat_attention(seed):
 def test_cascade_prefix_covering_a_query_is_wrong():
     # The planner's cap exists because of this: a prefix pass over pages that hold a
     # query's own position lets that query see keys after itself.
-    # Called eagerly, the suffix pass refuses the fewer keys than queries this leaves it;
-    # under jit, where values are not checked, the output is wrong.
+    # Called eagerly, cascade_attention refuses it by name; under jit, where values are
+    # not checked, the output is wrong.
     case = _shared_prefix_case(22, 2, [(1, 3), (4, 4)])
-    with pytest.raises(ValueError, match="query length"):
+    with pytest.raises(ValueError, match="first query position 18 lies inside the 24 tokens"):
         cascade_attention(*case.args(), 3, sm_scale=0.125)
     expected = harness.dense_oracle(case, sm_scale=0.125)
     jitted = jax.jit(functools.partial(cascade_attention, sm_scale=0.125))
