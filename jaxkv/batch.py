@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxkv.buckets import BucketConfig, padded_size
 from jaxkv.cascade import CascadePlan
+from jaxkv.cascade_plan import positions_of_groups
 from jaxkv.count_arrays import checked_step_counts
 from jaxkv.field_checks import is_integer
 from jaxkv.level_metadata import LevelMetadata, plan_levels, table_slice
@@ -163,6 +164,32 @@ def _check_arguments(block_table, plan, block_size, buckets, backend, interpret,
             )
 
 
+def _check_hand_made_levels(block_table: np.ndarray, plan: CascadePlan) -> None:
+    """ValueError unless, in every level of a hand-made plan, each group member's row
+    holds its leader row's blocks (none of them the null block 0) in the group's columns:
+    the level reads the leader's blocks, so a member without them would attend to other
+    requests' KV. A CascadePlanner's plan is so by construction (exact shared prefixes).
+    Raises IndexError for a row outside block_table (the builder names it)."""
+    for level in plan.levels:
+        group, pos = positions_of_groups(level)
+        starts = level.block_starts[group].astype(np.int64)
+        ends = level.block_ends[group].astype(np.int64)
+        width = int((level.block_ends - level.block_starts).max())
+        mine = table_slice(block_table, plan.rows[pos], starts, width, ends)
+        leader = table_slice(block_table, level.leader_rows[group], starts, width, ends)
+        inside = np.arange(width)[None, :] < (ends - starts)[:, None]
+        bad = np.argwhere(inside & ((mine != leader) | (leader == 0)))
+        if bad.size:
+            i, j = (int(x) for x in bad[0])
+            raise ValueError(
+                f"plan: level {level.name!r} reads block {int(leader[i, j])} (column "
+                f"{int(starts[i]) + j} of leader row {int(level.leader_rows[group[i]])}) for "
+                f"batch position {int(pos[i])}, whose row {int(plan.rows[pos[i]])} holds "
+                f"block {int(mine[i, j])} there: a level's blocks must be held by every "
+                "request of its group (and not be the null block 0)"
+            )
+
+
 def _outside(block_table) -> ValueError:
     return ValueError(
         f"a scheduled token or plan row lies outside {block_table.shape=}: the plan must "
@@ -188,7 +215,8 @@ def build_attention_metadata(
     blocks past a request's num_computed_tokens (it would cover a query token); also if
     CascadePlanner made `plan` before its manager last freed a request (the plan's rows
     may hold other requests' blocks now), or for a table shape, block size or plan rows
-    other than its manager's (a hand-made plan is not checked against a manager). The
+    other than its manager's (a hand-made plan is not checked against a manager, but
+    each of its levels' group members must hold the leader row's blocks it reads). The
     metadata names that manager's pool size: paged_attention refuses a smaller cache.
 
     `levels`: None, or level metadata kept from an earlier step; ValueError unless it
@@ -225,6 +253,11 @@ def build_attention_metadata(
             f"batch position {i}: the cascade levels read {int(suffix_start[i])} blocks, "
             f"past its {int(num_computed[i])} cached tokens (block size {block_size})"
         )
+    if plan.levels and plan.made_for is None:
+        try:
+            _check_hand_made_levels(block_table, plan)
+        except IndexError:
+            raise _outside(block_table) from None
     longest_main = int(main_kv.max(initial=1))
     width = padded_size(
         buckets.page_buckets, max(-(-longest_main // block_size), 1), name="main-pass pages"

@@ -110,7 +110,8 @@ class CascadePlan:
         ranges from column 0, and its suffix pass starts where the last of them ends.
 
         Not checked (a plan holds no block table): that each group's requests hold its
-        leader row's blocks in the level's columns. Cost: O(R) numpy work per level.
+        leader row's blocks in the level's columns; build_attention_metadata checks that
+        for a hand-made plan. Cost: O(R) numpy work per level.
         """
         if not all(_is_int_vector(a) for a in (self.order, self.rows, self.suffix_start_blocks)):
             raise ValueError("order, rows and suffix_start_blocks must be 1-D integer numpy arrays")
@@ -137,7 +138,7 @@ class CascadePlan:
                     f"level {level.name!r}: group_ends {level.group_ends.tolist()} must "
                     f"stay within the {num_requests} requests of the batch"
                 )
-            group, pos = _positions_of_groups(level)
+            group, pos = positions_of_groups(level)
             if (covered_to[pos] != level.block_starts[group]).any():
                 raise ValueError(
                     f"level {level.name!r}: block_starts {level.block_starts.tolist()} must "
@@ -182,7 +183,7 @@ def _is_permutation(order: np.ndarray) -> bool:
     return bool(seen.all())
 
 
-def _positions_of_groups(level: CascadeLevel) -> tuple[np.ndarray, np.ndarray]:
+def positions_of_groups(level: CascadeLevel) -> tuple[np.ndarray, np.ndarray]:
     """(group, batch position) of every position a group of `level` covers."""
     sizes = level.group_ends - level.group_starts
     group = np.repeat(np.arange(level.num_groups), sizes)

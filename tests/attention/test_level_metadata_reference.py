@@ -240,21 +240,24 @@ def _broken(
     k = plan.num_levels - 1
     level = plan.levels[k]
     table = step.manager.block_table
-    if kind == "shuffled block":  # the leader row's first shared block swapped with the next
-        table = table.copy()
-        row, col = int(level.leader_rows[0]), int(level.block_starts[0])
-        table[row, [col, col + 1]] = table[row, [col + 1, col]]
-        # As a hand-made plan: the builder refuses a planner's plan with another table.
-        return k, "page_indices", _build(step, dataclasses.replace(plan, made_for=None), table)
-    if kind == "wrong leader row":  # a row that does not hold the group's blocks
-        others = np.setdiff1d(plan.rows, plan.rows[level.group_starts[0] : level.group_ends[0]])
-        leaders = level.leader_rows.copy()
-        leaders[0] = others[0]
-        wrong = dataclasses.replace(level, leader_rows=leaders)
-        bad_plan = dataclasses.replace(plan, levels=(*plan.levels[:-1], wrong))
-        return k, "page_indices", _build(step, bad_plan, table)
     md = _build(step, plan, table)
     lmd = md.levels[k]
+    # The builder refuses a hand-made plan whose group does not hold the leader's blocks
+    # (test_metadata_argument_checks), so these two edit the level metadata it built.
+    first = int(np.flatnonzero(lmd.kv_lens)[0])  # group 0's level sequence
+    start, end = int(level.block_starts[0]), int(level.block_ends[0])
+    pages = lmd.page_indices.copy()
+    if kind == "shuffled block":  # the leader row's first shared block swapped with the next
+        row = int(level.leader_rows[0])
+        pages[first, 0] = table[row, start + 1]
+        if end - start > 1:
+            pages[first, 1] = table[row, start]
+    if kind == "wrong leader row":  # a row that does not hold the group's blocks
+        others = np.setdiff1d(plan.rows, plan.rows[level.group_starts[0] : level.group_ends[0]])
+        pages[first, : end - start] = table[others[0], start:end]
+    if kind in ("shuffled block", "wrong leader row"):
+        lmd = dataclasses.replace(lmd, page_indices=pages)
+        return k, "page_indices", dataclasses.replace(md, levels=(*md.levels[:-1], lmd))
     if kind == "kv_len off by one":
         kv_lens = lmd.kv_lens.copy()
         kv_lens[0] += 1

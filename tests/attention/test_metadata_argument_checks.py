@@ -16,6 +16,7 @@ from jaxkv import KVCacheManager, Request
 from jaxkv.batch import build_attention_metadata
 from jaxkv.buckets import BucketConfig
 from jaxkv.cascade import CascadePlanner
+from jaxkv.cascade_plan import CascadePlan, make_level
 from tests.attention.test_cascade_planner import ALWAYS, SHAPE, SYSTEM_A, _decoding
 
 BUCKETS = BucketConfig(max_num_tokens=32, max_num_seqs=8, max_pages_per_seq=16)
@@ -164,3 +165,60 @@ def test_backend_interpret_and_levels_are_checked_by_the_builder(field, value, m
     _, build = _three_decoding()
     with pytest.raises(ValueError, match=match):
         build_attention_metadata(**{**build, field: value})
+
+
+def _unshared_pair():
+    """Two requests that share no block (block size 4, 9 tokens, 8 computed each)."""
+    m = KVCacheManager(32, 4, max_model_len=32)
+    for rid, tokens in (("a", list(range(9))), ("b", list(range(100, 109)))):
+        m.allocate_slots(Request(rid, tokens), 9)
+    rows = m.rows_of(["a", "b"]).astype(np.int32)
+    build = dict(
+        block_table=m.block_table, query_lens=np.ones(2, int),
+        num_computed_tokens=np.full(2, 8), block_size=4, buckets=BUCKETS,
+    )  # fmt: skip
+    return m, rows, build
+
+
+@pytest.mark.parametrize("leader", [0, 1])
+def test_a_hand_made_level_over_blocks_a_member_does_not_hold_is_refused(leader):
+    # The level reads its leader row's blocks for every member: b (or a) would attend to
+    # the other request's KV, a silently wrong row.
+    m, rows, build = _unshared_pair()
+    level = make_level("global", [0], [2], [0], [2], [rows[leader]])
+    plan = CascadePlan(np.arange(2, dtype=np.int32), rows, np.full(2, 2, np.int32), (level,), 0)
+    other = 1 - leader
+    match = (
+        rf"level 'global' reads block {m.block_table[rows[leader], 0]} \(column 0 of leader "
+        rf"row {rows[leader]}\) for batch position {other}, whose row {rows[other]} holds "
+        rf"block {m.block_table[rows[other], 0]} there"
+    )
+    with pytest.raises(ValueError, match=match):
+        build_attention_metadata(plan=plan, **build)
+
+
+def test_a_hand_made_level_over_null_blocks_is_refused():
+    # Both rows hold the null block 0 in column 0: equal ids there are no shared prefix.
+    m, rows, build = _unshared_pair()
+    table = m.block_table.copy()
+    table[rows, 0] = 0
+    level = make_level("groups", [0], [2], [0], [1], [rows[0]])
+    plan = CascadePlan(np.arange(2, dtype=np.int32), rows, np.ones(2, np.int32), (level,), 0)
+    with pytest.raises(ValueError, match="reads block 0 .* not be the null block 0"):
+        build_attention_metadata(plan=plan, **{**build, "block_table": table})
+
+
+def test_a_hand_made_level_over_shared_blocks_is_built():
+    m = KVCacheManager(32, 4, max_model_len=32)
+    requests = [Request(rid, list(range(8)) + [50 + i]) for i, rid in enumerate("ab")]
+    for request in requests:
+        hit, n = m.get_computed_blocks(request)
+        m.allocate_slots(request, 9 - n, num_new_computed_tokens=n, new_computed_blocks=hit)
+    rows = m.rows_of(["a", "b"]).astype(np.int32)
+    level = make_level("global", [0], [2], [0], [2], [rows[1]])
+    plan = CascadePlan(np.arange(2, dtype=np.int32), rows, np.full(2, 2, np.int32), (level,), 0)
+    md = build_attention_metadata(
+        block_table=m.block_table, plan=plan, query_lens=np.ones(2, int),
+        num_computed_tokens=np.full(2, 8), block_size=4, buckets=BUCKETS,
+    )  # fmt: skip
+    assert md.levels[0].page_indices[0, :2].tolist() == m.block_table[rows[0], :2].tolist()
