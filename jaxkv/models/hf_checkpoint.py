@@ -55,8 +55,11 @@ _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """All tensors of one safetensors file, as read-only arrays memory-mapped from disk.
 
-    Raises CheckpointError naming the file (and tensor) if the header is unreadable or a
-    tensor's byte range does not hold its shape and dtype within the file.
+    Raises CheckpointError naming the file (and tensor) if the header is unreadable, a
+    tensor's byte range does not hold its shape and dtype within the file, or the ranges,
+    in order, do not cover the data exactly (an overlap, a gap or trailing bytes: the
+    format's reference reader refuses them, and an overlap would give two tensors one
+    set of bytes).
     """
     size = os.path.getsize(path)
     with open(path, "rb") as f:
@@ -75,6 +78,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     else:  # mmap refuses an empty range; only zero-size tensors can be read from it
         data = np.zeros(0, np.uint8)
     out = {}
+    ranges = []  # (begin, end, name) of every tensor
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -101,7 +105,27 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
             out[name] = data[begin:end].view(_ST_DTYPES[dtype]).reshape(shape)
         except ValueError as e:  # a zero-size shape with a dimension numpy cannot hold
             raise CheckpointError(f"tensor {name!r} in {path}: shape {shape}: {e}") from e
+        ranges.append((begin, end, name))
+    _check_tiling(ranges, len(data), path)
     return out
+
+
+def _check_tiling(ranges: list[tuple[int, int, str]], data_len: int, path) -> None:
+    """CheckpointError unless the byte ranges, sorted, follow each other from 0 to
+    data_len: each tensor's bytes are its own, and every byte belongs to a tensor."""
+    covered = 0
+    for begin, end, name in sorted(ranges):
+        if begin != covered:
+            what = "overlaps the tensor before it" if begin < covered else "leaves a gap before it"
+            raise CheckpointError(
+                f"tensor {name!r} in {path}: bytes [{begin}, {end}) {what} (bytes up to "
+                f"{covered} belong to earlier tensors)"
+            )
+        covered = end
+    if covered != data_len:
+        raise CheckpointError(
+            f"{path}: bytes [{covered}, {data_len}) after the last tensor belong to no tensor"
+        )
 
 
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:

@@ -174,3 +174,42 @@ def test_eos_comes_from_config_and_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 10**6}))
     with pytest.raises(ValueError, match="eos_token_ids=1000000 must be token ids in"):
         load_hf_safetensors(tmp_path)
+
+
+def _raw(path, header: dict, data: bytes) -> None:
+    blob = json.dumps(header).encode()
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + data)
+
+
+@pytest.mark.parametrize(
+    "offsets, data_len, match",
+    [
+        # b reads a's last 4 bytes: two weights would share memory.
+        ([(0, 8), (4, 12)], 12, r"'b'.*bytes \[4, 12\) overlaps the tensor before it"),
+        ([(0, 8), (0, 8)], 8, r"'b'.*bytes \[0, 8\) overlaps the tensor before it"),
+        ([(0, 8), (12, 20)], 20, r"'b'.*bytes \[12, 20\) leaves a gap before it"),
+        ([(0, 8), (8, 16)], 20, r"bytes \[16, 20\) after the last tensor belong to no tensor"),
+    ],
+)
+def test_byte_ranges_that_do_not_tile_the_data_are_refused(tmp_path, offsets, data_len, match):
+    # The format's reference reader (safetensors) refuses each of these files too.
+    header = {
+        name: {"dtype": "F32", "shape": [2], "data_offsets": list(r)}
+        for name, r in zip("ab", offsets, strict=True)
+    }
+    path = tmp_path / "w.safetensors"
+    _raw(path, header, bytes(data_len))
+    with pytest.raises(CheckpointError, match=match):
+        read_safetensors(path)
+
+
+def test_byte_ranges_in_any_header_order_and_empty_tensors_tile_the_data(tmp_path):
+    header = {
+        "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]},
+        "e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]},
+        "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+    }
+    path = tmp_path / "w.safetensors"
+    _raw(path, header, np.array([1.0, 2.0], np.float32).tobytes())
+    got = read_safetensors(path)
+    assert (got["a"].tolist(), got["b"].tolist(), got["e"].shape) == ([1.0], [2.0], (0,))
