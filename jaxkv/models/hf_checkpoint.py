@@ -129,10 +129,18 @@ def _check_tiling(ranges: list[tuple[int, int, str]], data_len: int, path) -> No
 
 
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:
-    """Write tensors in the safetensors format (any dtype `read_safetensors` reads)."""
+    """Write tensors in the safetensors format (any dtype `read_safetensors` reads, in
+    either byte order: the file holds them little-endian, as the format asks). Raises
+    ValueError naming the tensor, before writing anything, for any other dtype."""
     header: dict[str, dict] = {}
     offset = 0
-    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    arrays = {}
+    for name, value in tensors.items():
+        a = np.asarray(value)
+        little = a.dtype.newbyteorder("<")
+        if little not in _ST_NAMES:
+            raise ValueError(f"tensor {name!r}: dtype {a.dtype} has no safetensors name")
+        arrays[name] = np.ascontiguousarray(a, dtype=little)
     for name, a in arrays.items():
         header[name] = {
             "dtype": _ST_NAMES[a.dtype],

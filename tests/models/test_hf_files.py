@@ -213,3 +213,18 @@ def test_byte_ranges_in_any_header_order_and_empty_tensors_tile_the_data(tmp_pat
     _raw(path, header, np.array([1.0, 2.0], np.float32).tobytes())
     got = read_safetensors(path)
     assert (got["a"].tolist(), got["b"].tolist(), got["e"].shape) == ([1.0], [2.0], (0,))
+
+
+def test_write_safetensors_stores_any_byte_order_little_endian(tmp_path):
+    path = tmp_path / "w.safetensors"
+    write_safetensors(path, {"x": np.arange(3, dtype=">f4"), "i": np.arange(2, dtype=">i8")})
+    got = read_safetensors(path)
+    assert got["x"].tolist() == [0.0, 1.0, 2.0] and got["i"].tolist() == [0, 1]
+    assert got["x"].dtype == np.float32 and got["i"].dtype == np.int64
+
+
+def test_write_safetensors_refuses_a_dtype_the_format_lacks_naming_the_tensor(tmp_path):
+    path = tmp_path / "w.safetensors"
+    with pytest.raises(ValueError, match="tensor 'c': dtype complex64"):
+        write_safetensors(path, {"a": np.zeros(2, np.float32), "c": np.zeros(2, np.complex64)})
+    assert not path.exists()
