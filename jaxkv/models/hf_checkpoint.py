@@ -186,9 +186,37 @@ def hf_to_jaxkv_name(hf_name: str) -> tuple[str, bool] | None:
     return f"layers.{m[1]}.{m['norm']}.weight", False
 
 
+_SINGLE_FILE = "model.safetensors"
+_SHARD_INDEX = "model.safetensors.index.json"
+
+
 def _safetensors_files(path: Path) -> list[Path]:
+    """The files a checkpoint's weights are in, as Hugging Face picks them: `path` itself,
+    a directory's `model.safetensors`, else the shards its `model.safetensors.index.json`
+    maps weights to, else every `*.safetensors` file in it. Other files next to the
+    model's (a LoRA adapter's, say) are left alone where the first three apply."""
     if path.is_file():
         return [path]
+    if (path / _SINGLE_FILE).is_file():
+        return [path / _SINGLE_FILE]
+    index = path / _SHARD_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(
+                f"{index}: expected a JSON object whose 'weight_map' maps tensor names to "
+                f"file names ({type(e).__name__}: {e})"
+            ) from None
+        files = []
+        for name in names:
+            if type(name) is not str or Path(name).name != name:
+                raise CheckpointError(f"{index}: {name!r} is not a file name in {path}")
+            if not (path / name).is_file():
+                raise FileNotFoundError(f"{index} names {name}, which is not in {path}")
+            files.append(path / name)
+        return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -203,7 +231,9 @@ def _iter_hf_tensors(files: list[Path]) -> Iterator[tuple[str, np.ndarray]]:
 def load_hf_safetensors(
     path: str | os.PathLike, config: LlamaConfig | None = None, *, dtype: str | None = None
 ) -> Llama:
-    """Load a Hugging Face Llama checkpoint (a `.safetensors` file or a directory of them).
+    """Load a Hugging Face Llama checkpoint (a `.safetensors` file or a directory of them:
+    its `model.safetensors`, else the shards `model.safetensors.index.json` lists, else
+    every `*.safetensors` file).
 
     `config` defaults to the directory's `config.json` read with `LlamaConfig.from_hf_dict`,
     its eos_token_ids joined by those of `generation_config.json` where there is one (as

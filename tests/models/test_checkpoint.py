@@ -203,3 +203,28 @@ def test_a_save_that_fails_while_writing_leaves_the_old_checkpoint_whole(tmp_pat
     assert loaded.config == old.config
     np.testing.assert_array_equal(_logits(loaded), _logits(old))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "params.msgpack"]
+
+
+def test_hf_directory_loads_only_the_files_hugging_face_would(tmp_path):
+    # An adapter's weights next to the model's were loaded too and refused as unexpected
+    # names; Hugging Face takes model.safetensors, else the shards its index lists.
+    cfg = small_config()
+    weights = random_hf_weights(cfg, seed=5)
+    names = sorted(weights)
+    halves = (names[:3], names[3:])
+    shards = {f"model-0000{i + 1}-of-00002.safetensors": part for i, part in enumerate(halves)}
+    for file, part in shards.items():
+        write_safetensors(tmp_path / file, {n: weights[n] for n in part})
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    stray = {"base_model.model.layers.0.q_proj.lora_A.weight": np.zeros((2, 2), np.float32)}
+    write_safetensors(tmp_path / "adapter_model.safetensors", stray)
+    expected = hf_llama_forward(weights, cfg, TOKENS)
+    model = load_hf_safetensors(tmp_path, cfg)
+    np.testing.assert_allclose(_logits(model), expected, rtol=1e-4, atol=1e-4)
+    for file in shards:
+        (tmp_path / file).unlink()
+    write_safetensors(tmp_path / "model.safetensors", weights)  # preferred over the index
+    np.testing.assert_allclose(
+        _logits(load_hf_safetensors(tmp_path, cfg)), expected, rtol=1e-4, atol=1e-4
+    )

@@ -277,3 +277,23 @@ def test_load_hf_safetensors_names_the_missing_path_not_its_parents_config(tmp_p
     (tmp_path / "config.json").write_text("{}")  # another model's config beside the typo
     with pytest.raises(FileNotFoundError, match="typo: no such file or directory"):
         load_hf_safetensors(tmp_path / "typo")
+
+
+@pytest.mark.parametrize(
+    "index, error, match",
+    [
+        ({"weight_map": {"model.norm.weight": "gone.safetensors"}}, FileNotFoundError,
+         r"names gone\.safetensors, which is not in"),
+        ({"weight_map": {"model.norm.weight": "../m.safetensors"}}, CheckpointError,
+         r"'\.\./m\.safetensors' is not a file name in"),
+        ({"weights": {}}, CheckpointError, r"'weight_map' maps tensor names to file names"),
+        ([1, 2], CheckpointError, r"'weight_map' maps tensor names to file names"),
+    ],
+)  # fmt: skip
+def test_a_shard_index_naming_no_shard_of_its_directory_is_refused(tmp_path, index, error, match):
+    cfg = small_config()
+    (tmp_path / "ckpt").mkdir()
+    write_safetensors(tmp_path / "m.safetensors", random_hf_weights(cfg))
+    (tmp_path / "ckpt" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(error, match=match):
+        load_hf_safetensors(tmp_path / "ckpt", cfg)
