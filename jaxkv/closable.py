@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import math
+import time
+from collections.abc import Callable
 from typing import Self
 
 from jaxkv.field_checks import is_real
@@ -77,3 +79,18 @@ def checked_timeout(timeout_s) -> float:
         return float(timeout_s)
     except OverflowError:  # an int past float's range, 10**400: no limit, as inf
         return math.inf
+
+
+def step_until_landed(pending: Callable[[], bool], step: Callable[[], bool], timeout_s) -> None:
+    """Calls `step` while `pending()` (True: the KV copies it waits for are in flight),
+    sleeping briefly after a step that returns False (nothing happened). Raises
+    TimeoutError when a step begun after `timeout_s` seconds leaves a copy in flight: a
+    copy that landed in time is collected, under timeout_s=0 too. ValueError, with no
+    step taken, unless `timeout_s` is a number >= 0 (checked_timeout)."""
+    deadline = time.monotonic() + checked_timeout(timeout_s)
+    while pending():
+        late = time.monotonic() > deadline  # read before this step polls the copies
+        if not step() and not late:
+            time.sleep(0.0005)
+        elif late and pending():
+            raise TimeoutError(f"KV transfers still pending after {timeout_s=}")

@@ -29,7 +29,7 @@ from flax import nnx
 
 from jaxkv.attention import check_backend, default_backend
 from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner
-from jaxkv.closable import Closable, checked_timeout, one_at_a_time
+from jaxkv.closable import Closable, checked_timeout, one_at_a_time, step_until_landed
 from jaxkv.completion import generate_progress_bar, run_to_completion
 from jaxkv.config import EngineConfig
 from jaxkv.deliberate_transfers import allowing_transfers
@@ -326,16 +326,13 @@ class Engine(Closable):
         """Steps until every finished request's KV copy has landed (blocks all freed).
 
         Runs other requests' steps meanwhile if any are queued (their outputs are
-        dropped; call it when the engine is otherwise idle). Raises TimeoutError, and
-        ValueError (nothing done) unless `timeout_s` is a number >= 0.
+        dropped; call it when the engine is otherwise idle). Raises TimeoutError and
+        ValueError as jaxkv.closable.step_until_landed does: copies that landed within
+        `timeout_s` are collected, under timeout_s=0 too.
         """
         self._check_open()
-        deadline = time.monotonic() + checked_timeout(timeout_s)
-        while self.scheduler.has_pending_transfers():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"KV transfers still pending after {timeout_s=}")
-            if not self.step():
-                time.sleep(0.0005)
+        pending = self.scheduler.has_pending_transfers
+        step_until_landed(pending, lambda: bool(self.step()), timeout_s)
 
     def generate(
         self,

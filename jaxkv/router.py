@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from jaxkv.closable import Closable, checked_timeout
+from jaxkv.closable import Closable, checked_timeout, step_until_landed
 from jaxkv.completion import checked_drivers, generate_progress_bar, run_to_completion
 from jaxkv.engine_replicas import engine_replicas as engine_replicas  # its former home
 from jaxkv.field_checks import int_fields
@@ -327,20 +327,20 @@ class PrefixAwareRouter(Closable):
         """Steps replicas until every KV copy in flight has landed; see Engine.drain_transfers.
 
         Outputs of requests stepped meanwhile are dropped (their finishes are still
-        counted); call it when the router is otherwise idle. Raises TimeoutError, and
-        ValueError (nothing done) unless `timeout_s` is a number >= 0.
+        counted); call it when the router is otherwise idle. Raises TimeoutError and
+        ValueError as jaxkv.closable.step_until_landed does: copies that landed within
+        `timeout_s` are collected, under timeout_s=0 too.
         """
         self._check_open()
-        deadline = time.monotonic() + checked_timeout(timeout_s)
-        while self.has_pending_transfers():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"KV transfers still pending after {timeout_s=}")
+
+        def step() -> bool:
             stepped = False
             for replica in self.replicas:
                 if _pending_transfers(replica):
                     stepped |= bool(self._finished_from(replica.step()))
-            if not stepped:
-                time.sleep(0.0005)
+            return stepped
+
+        step_until_landed(self.has_pending_transfers, step, timeout_s)
 
     def generate(
         self,

@@ -10,7 +10,7 @@ import pytest
 from jaxkv import SamplingParams
 from jaxkv.closable import checked_timeout
 from jaxkv.router import PrefixAwareRouter
-from tests.sharding.test_router import BLOCK, FakeReplica
+from tests.sharding.test_router import BLOCK, FakeReplica, OffloadingReplica
 
 
 class ClosableReplica(FakeReplica):
@@ -166,3 +166,14 @@ def test_a_zero_and_an_infinite_timeout_are_accepted():
         assert router.closed and all(len(r.close_calls) == 1 for r in replicas)
     assert checked_timeout(0) == 0.0 and checked_timeout(math.inf) == math.inf
     assert checked_timeout(10**400) == math.inf  # past float's range: was OverflowError
+
+
+def test_a_zero_timeout_collects_copies_that_land_at_the_next_step():
+    """drain_transfers and close under timeout_s=0 step each replica with a copy in flight
+    once before raising: a copy that the step collects raises nothing."""
+    for call in ("drain_transfers", "close"):
+        router = PrefixAwareRouter([OffloadingReplica(0, copy_steps=1)], block_size=BLOCK)
+        router.generate([[1] * BLOCK], SamplingParams(max_tokens=1), progress=False)
+        assert router.has_pending_transfers()
+        getattr(router, call)(timeout_s=0)
+        assert not router.has_pending_transfers() and router.closed == (call == "close")
