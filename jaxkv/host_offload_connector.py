@@ -5,6 +5,7 @@ the connector's hooks and when the Scheduler calls them)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -17,6 +18,8 @@ from jaxkv.hashing import BlockHash
 from jaxkv.host_block_store import HostBlockStore
 from jaxkv.kv_transfer import KVConnector, KVCopier, TransferEvents, TransferStats
 from jaxkv.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -43,7 +46,8 @@ class HostOffloadConnector(KVConnector):
     computed are saved, and a hash already stored or being saved is not copied twice. A
     failed save frees the blocks and stores nothing; a failed load drops its store
     entries (so a retry recomputes) and the scheduler frees the blocks and recomputes
-    the tokens: nothing leaks, nothing is half-loaded.
+    the tokens: nothing leaks, nothing is half-loaded. Each failed copy is logged as a
+    warning naming its request and the copy's exception (raised on the copy thread).
 
     copy_delay_steps > 0 reports a transfer no earlier than that many poll() calls after
     it started (to hold blocks on purpose in tests and benchmarks).
@@ -229,7 +233,8 @@ class HostOffloadConnector(KVConnector):
             data = t.future.result()
             if len(data) != len(t.hashes):
                 raise ValueError(f"{len(data)} blocks copied for {len(t.hashes)} asked")
-        except Exception:  # noqa: BLE001 - any copy failure frees the blocks the same way
+        except Exception as e:  # noqa: BLE001 - any copy failure frees the blocks the same way
+            logger.warning("KV save of %r failed, its blocks freed unsaved: %r", t.request_id, e)
             self._saves_ended_unstored(t.hashes)
             self._count(num_failed_saves=1)
             return False
@@ -260,7 +265,8 @@ class HostOffloadConnector(KVConnector):
     def _finish_load(self, t: _Transfer) -> bool:
         try:
             t.future.result()
-        except Exception:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - any copy failure recomputes the same way
+            logger.warning("KV load of %r failed, its tokens recomputed: %r", t.request_id, e)
             for h in t.hashes:
                 self._store.drop(h)
             self._count(num_failed_loads=1)
