@@ -213,7 +213,6 @@ def serve(
     ids = [engine.add_request(p.token_ids, params) for p in prompts]
     index = {rid: i for i, rid in enumerate(ids)}
     outputs: list[list[int]] = [[] for _ in prompts]
-    held = lambda: engine.manager.pool.num_blocks - 1 - engine.manager.num_free_blocks
     result = RunResult("cascade on" if cascade else "cascade off")
     progress = Progress(
         TextColumn(f"{result.name:<12}"),
@@ -233,7 +232,8 @@ def serve(
             if stats is before:  # nothing could be scheduled: the model did not run
                 continue
             # Logged even when it generated nothing (prefill chunks only): it took its time.
-            result.peak_blocks = max(result.peak_blocks, held())
+            # Held while the step ran: requests finishing in it free theirs afterwards.
+            result.peak_blocks = max(result.peak_blocks, stats.num_blocks_held)
             decode_only = stats.num_tokens == stats.num_requests
             result.step_log.append(
                 (stats.new_program, len(step_outputs), stats.step_s, decode_only)

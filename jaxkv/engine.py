@@ -255,7 +255,7 @@ class Engine(Closable):
         t0, c0 = time.perf_counter(), time.thread_time()
         prompt_logprobs = self._sampling.prompt_logprobs
         out = self.scheduler.schedule()
-        n = out.num_requests
+        n, num_free = out.num_requests, self.manager.num_free_blocks  # before update frees
         if n == 0:
             return []
         try:
@@ -308,7 +308,7 @@ class Engine(Closable):
         self.last_step = StepStats(
             t1 - t0, c1 - c0, t2 - t1, t3 - t2, n, len(out.token_ids), levels, new_program,
             schedule_cpu_s=c_schedule - c0, plan_cpu_s=c_plan - c_schedule,
-            prepare_cpu_s=c1 - c_plan,
+            prepare_cpu_s=c1 - c_plan, num_blocks_held=self.manager.pool.num_blocks - 1 - num_free,
         )  # fmt: skip
         self._totals.record(self.last_step)
         return outputs

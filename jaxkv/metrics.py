@@ -26,6 +26,9 @@ class StepStats:
     schedule_cpu_s: float = 0.0
     plan_cpu_s: float = 0.0
     prepare_cpu_s: float = 0.0
+    # KV blocks held while the step ran: once scheduled (its blocks allocated), before
+    # the requests that finish in it free theirs.
+    num_blocks_held: int = 0
 
     @property
     def step_s(self) -> float:

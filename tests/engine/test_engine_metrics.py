@@ -77,6 +77,25 @@ def test_prefix_cache_counters_of_a_repeated_prompt():
     assert m.num_prompt_tokens == 2 * len(prompt) - 4 * BLOCK_SIZE
 
 
+def test_last_step_counts_the_blocks_held_while_it_ran():
+    engine = make_engine()
+    # 2 blocks of prompt and one for the first output: allocated for the step, then
+    # freed by the request that finishes in it, before step() returns.
+    engine.add_request(list(range(1, 2 * BLOCK_SIZE + 1)), SamplingParams(max_tokens=1))
+    assert engine.step() and not engine.has_unfinished_requests()
+    assert engine.last_step.num_blocks_held == 2 and engine.metrics.kv_usage == 0.0
+    # Two requests sharing their first block (cached by the first request): their KV
+    # ends at 6 + 2 and 7 + 2 tokens, 2 and 3 blocks, the shared one held once.
+    prompt = list(range(1, BLOCK_SIZE + 3))
+    engine.add_request(prompt, SamplingParams(max_tokens=3))
+    engine.add_request(prompt[:BLOCK_SIZE] + [9, 9, 9], SamplingParams(max_tokens=3))
+    held = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        held.append(engine.last_step.num_blocks_held)
+    assert max(held) == held[-1] == 1 + 1 + 2 and engine.metrics.kv_usage == 0.0
+
+
 def test_a_finished_request_copying_out_its_kv_is_counted_as_transferring():
     connector = HostOffloadConnector(1 << 24, copy_delay_steps=3)
     engine = make_engine(connector=connector)

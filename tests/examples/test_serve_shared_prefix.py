@@ -128,19 +128,22 @@ def test_warm_tokens_per_s_times_every_run_over_the_same_steps(serve):
 
 
 class _ScriptedEngine:
-    """Stands in for jaxkv.Engine: plays back steps of (ran the model, outputs, held
-    blocks), each model step timed 1 + 2 + 3 seconds of host, device and update."""
+    """Stands in for jaxkv.Engine: plays back steps of (ran the model, outputs, blocks
+    held while it ran, blocks held after it), each model step timed 1 + 2 + 3 seconds of
+    host, device and update."""
 
     SCRIPT = [
-        (True, [], 5),  # a prefill chunk: the model ran, nothing generated
-        (True, [(0, 7, False), (1, 8, False)], 9),  # the peak
-        (False, [], 9),  # nothing could be scheduled: the model did not run
-        (True, [(0, 9, True), (1, 10, True)], 2),
+        (True, [], 5, 5),  # a prefill chunk: the model ran, nothing generated
+        (True, [(0, 7, False), (1, 8, False)], 9, 9),
+        (False, [], 9, 9),  # nothing could be scheduled: the model did not run
+        # The peak: both requests take a block for their last token, then finish and
+        # free every block before step() returns.
+        (True, [(0, 9, True), (1, 10, True)], 11, 0),
     ]
 
     def __init__(self, model, tokenizer, config):
         self.steps = iter(self.SCRIPT)
-        self.last_step, self.held, self.left = None, 0, len(self.SCRIPT)
+        self.last_step, self.left = None, len(self.SCRIPT)
         self.manager = SimpleNamespace(pool=SimpleNamespace(num_blocks=100))
         self.metrics = "metrics"
 
@@ -151,15 +154,15 @@ class _ScriptedEngine:
         return self.left > 0
 
     def step(self):
-        ran, outputs, held = next(self.steps)
+        ran, outputs, held, held_after = next(self.steps)
         self.left -= 1
-        self.held = held
-        self.manager.num_free_blocks = 100 - 1 - held
+        self.manager.num_free_blocks = 100 - 1 - held_after
         if ran:
             first = self.last_step is None
             self.last_step = StepStats(
                 host_s=1.0, host_cpu_s=1.0, device_s=2.0, update_s=3.0, num_requests=1,
                 num_tokens=1 if outputs else 3, cascade_levels="", new_program=first,
+                num_blocks_held=held,
             )  # fmt: skip
         return [
             SimpleNamespace(request_id=f"r{i}", new_token_ids=[t], finished=f)
@@ -179,5 +182,6 @@ def test_the_step_log_has_every_step_that_ran_the_model(serve, monkeypatch):
     # The prefill chunk that generated nothing took its time too; the step that ran
     # nothing is not a step.
     assert result.step_log == [(True, 0, 6.0, False), (False, 2, 6.0, True), (False, 2, 6.0, True)]
-    assert result.peak_blocks == 9
+    # Blocks held while a step ran, those of requests that finished in it included.
+    assert result.peak_blocks == 11
     assert result.outputs == [(7, 9), (8, 10)]
