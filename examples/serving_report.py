@@ -31,9 +31,11 @@ class RunResult:
 
 
 def blocks_without_sharing(prompts: list[Prompt], runs: list[RunResult], block_size: int) -> int:
-    """KV blocks the workload holds when no request shares a block with another."""
+    """KV blocks the workload holds when no request shares a block with another: each
+    request's KV covers its prompt and its output but the last token, which is sampled
+    and never fed back."""
     lengths = [len(p.token_ids) + len(o) for p, o in zip(prompts, runs[0].outputs, strict=True)]
-    return sum(math.ceil(n / block_size) for n in lengths)
+    return sum(math.ceil((n - 1) / block_size) for n in lengths)
 
 
 def warm_steps(runs: list[RunResult]) -> list[list[tuple[bool, int, float, bool]]]:
@@ -139,7 +141,8 @@ def print_report(
     console.print(table)
     console.print(
         "unshared: the blocks these requests hold without prefix sharing,\n"
-        "  sum of ceil(context / block size)."
+        "  sum of ceil(context / block size); a request's context is its prompt and\n"
+        "  its output but the last token, whose KV is never computed."
     )
     if len(runs) != 2:
         return False
