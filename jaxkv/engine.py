@@ -248,14 +248,14 @@ class Engine(Closable):
         (Scheduler.discard) before it propagates: no block its tokens were to fill stays
         in the prefix cache, running requests schedule the same tokens next step, and
         requests it admitted wait again; the engine keeps serving. An interrupt in the
-        tokenizer (which reads the text after the model ran) loses the step's outputs:
-        each request keeps its tokens, and those that finished free their blocks. Calls
-        back into the engine from inside a step (a tokenizer's) raise RuntimeError.
+        tokenizer (read after the model ran) loses the step's outputs: each request keeps
+        its tokens, those that finished free their blocks, and the step counts in metrics
+        and last_step. Calls back into the engine from a step (a tokenizer's) raise RuntimeError.
         """
         t0, c0 = time.perf_counter(), time.thread_time()
         prompt_logprobs = self._sampling.prompt_logprobs
         out = self.scheduler.schedule()
-        n, num_free = out.num_requests, self.manager.num_free_blocks  # before update frees
+        n, held = out.num_requests, self.manager.pool.num_blocks - 1 - self.manager.num_free_blocks
         if n == 0:
             return []
         try:
@@ -299,18 +299,18 @@ class Engine(Closable):
             outputs = prompt_logprobs.attach(outputs, prompt, self._token_texts)
             if self._samples:
                 outputs = self._samples.relabel(outputs)
-        finally:  # also when an interrupt stops the connector's hand-over of finished ones
+        finally:  # also when an interrupt stops the update (the tokenizer, the connector)
             self._sampling.discard_finished(out.requests)
             if self._samples:
                 self._samples.discard_finished(out.requests)
-        t3 = time.perf_counter()
-        levels = "+".join(level.name for level in plan.levels)
-        self.last_step = StepStats(
-            t1 - t0, c1 - c0, t2 - t1, t3 - t2, n, len(out.token_ids), levels, new_program,
-            schedule_cpu_s=c_schedule - c0, plan_cpu_s=c_plan - c_schedule,
-            prepare_cpu_s=c1 - c_plan, num_blocks_held=self.manager.pool.num_blocks - 1 - num_free,
-        )  # fmt: skip
-        self._totals.record(self.last_step)
+            t3 = time.perf_counter()  # the model ran: the step counts, interrupted or not
+            levels = "+".join(level.name for level in plan.levels)
+            self.last_step = StepStats(
+                t1 - t0, c1 - c0, t2 - t1, t3 - t2, n, len(out.token_ids), levels, new_program,
+                schedule_cpu_s=c_schedule - c0, plan_cpu_s=c_plan - c_schedule,
+                prepare_cpu_s=c1 - c_plan, num_blocks_held=held,
+            )  # fmt: skip
+            self._totals.record(self.last_step)
         return outputs
 
     def _step_inputs(self, out: SchedulerOutput, plan: CascadePlan):

@@ -67,3 +67,25 @@ def test_a_step_driven_request_keeps_its_tokens_after_an_interrupt_and_runs_on()
         engine.step()
     assert request.output_token_ids == dense_greedy([PROMPT], 5)[0]
     assert_all_blocks_free(engine)
+
+
+def test_a_step_interrupted_in_the_tokenizer_counts_in_the_metrics():
+    # The model ran and its tokens were kept: the step is one of num_steps, and the step
+    # records still add up to the tokens computed (each prompt token and fed-back output).
+    tokenizer = _InterruptOnce()
+    engine = Engine(tiny_model(), None, engine_config(), tokenizer=tokenizer)
+    engine.add_request(PROMPT, SamplingParams(max_tokens=4, stream_text=True))
+    assert engine.step()
+    steps = [engine.last_step]
+    tokenizer.after = tokenizer.calls + 1
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    steps.append(engine.last_step)
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps.append(engine.last_step)
+    m = engine.metrics
+    assert len(set(map(id, steps))) == len(steps) == m.num_steps == 4
+    assert m.num_generated_tokens == 4
+    assert sum(s.num_tokens for s in steps) == m.num_prompt_tokens + 4 - 1 == len(PROMPT) + 3
+    assert m.device_time_s == pytest.approx(sum(s.device_s for s in steps), rel=1e-12)
