@@ -255,7 +255,8 @@ class Engine(Closable):
         t0, c0 = time.perf_counter(), time.thread_time()
         prompt_logprobs = self._sampling.prompt_logprobs
         out = self.scheduler.schedule()
-        n, held = out.num_requests, self.manager.pool.num_blocks - 1 - self.manager.num_free_blocks
+        n = out.num_requests
+        held = self.manager.pool.num_blocks - 1 - self.manager.num_free_blocks  # before frees
         if n == 0:
             return []
         try:
