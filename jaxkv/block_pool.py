@@ -104,9 +104,14 @@ class BlockPool:
         return self.free_block_queue.num_free_blocks
 
     @property
+    def num_held_blocks(self) -> int:
+        """Handable blocks (all but the null block) that some request holds."""
+        return self.num_blocks - 1 - self.num_free_blocks
+
+    @property
     def usage(self) -> float:
         """Fraction of handable blocks (all but the null block) that are held."""
-        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+        return self.num_held_blocks / (self.num_blocks - 1)
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)

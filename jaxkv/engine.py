@@ -256,9 +256,9 @@ class Engine(Closable):
         prompt_logprobs = self._sampling.prompt_logprobs
         out = self.scheduler.schedule()
         n = out.num_requests
-        held = self.manager.pool.num_blocks - 1 - self.manager.num_free_blocks  # before frees
         if n == 0:
             return []
+        held = self.manager.pool.num_held_blocks  # before the update frees finished ones
         try:
             c_schedule = time.thread_time()
             plan = self.planner.plan(

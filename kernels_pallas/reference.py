@@ -300,10 +300,9 @@ def cascade_attention(
     plain causal attention over each whole context. Called on concrete arrays, raises
     ValueError unless that precondition holds and every sequence with query tokens holds
     sequence 0's first num_prefix_pages pages (validation.validate_shared_prefix).
-    `attention_fn` is any kernel with the
-    contract of `ragged_paged_attention` (default: this module's, with `max_q_len`;
-    refused with an `attention_fn`, which would not see it); both passes return float32
-    and the merged result is rounded to q.dtype once.
+    `attention_fn` is any kernel with the contract of `ragged_paged_attention` (default:
+    this module's, with `max_q_len`; refused with an `attention_fn`, which would not see
+    it); both passes return float32 and the merged result is rounded to q.dtype once.
     A Python int `num_prefix_pages` splits the page table statically: each pass gets only
     its own columns, so a kernel whose work follows the padded width does less of it.
     """
