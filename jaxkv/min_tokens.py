@@ -11,22 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxkv.batch_rows import NO_TOKEN, batch_rows
 from jaxkv.request import SamplingParams
-
-NO_TOKEN = np.iinfo(np.int32).max  # padding: past every vocabulary, so the ban drops it
-
-
-def batch_rows(indices: list[int], order: np.ndarray | None) -> np.ndarray:
-    """intp[len(indices)]: the batch row of each schedule index (the row i with order[i]
-    == index; the index itself when `order` is None). Shared by the sampler's per-row
-    tables (stop-token bans, penalties) and the prompt-logprob rows, which hold requests
-    by schedule index."""
-    rows = np.array(indices, np.intp)
-    if order is None:
-        return rows
-    row_of = np.empty(len(order), np.intp)
-    row_of[order] = np.arange(len(order))
-    return row_of[rows]
 
 
 class StopTokenBans:

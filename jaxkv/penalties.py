@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.min_tokens import NO_TOKEN, batch_rows
+from jaxkv.batch_rows import NO_TOKEN, batch_rows
 from jaxkv.request import SamplingParams
 
 # (token ids i32[S, W], their output counts i32[S, W], presence f32[S], frequency f32[S],

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from jaxkv.batch_rows import batch_rows
 from jaxkv.logprobs import logprob_entry
-from jaxkv.min_tokens import batch_rows
 from jaxkv.penalties import table_width
 from jaxkv.request import RequestStatus
 

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.batch_rows import batch_rows
 from jaxkv.logprobs import top_logprobs
-from jaxkv.min_tokens import StopTokenBans, batch_rows
+from jaxkv.min_tokens import StopTokenBans
 from jaxkv.penalties import TokenPenalties, apply_penalties
 from jaxkv.prompt_logprobs import PromptLogprobs
 from jaxkv.request import Request, RequestStatus, SamplingParams

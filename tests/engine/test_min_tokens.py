@@ -15,8 +15,9 @@ import pytest
 from flax import nnx
 
 from jaxkv import SamplingParams
+from jaxkv.batch_rows import NO_TOKEN
 from jaxkv.engine import Engine
-from jaxkv.min_tokens import NO_TOKEN, StopTokenBans
+from jaxkv.min_tokens import StopTokenBans
 from jaxkv.models import Llama
 from jaxkv.request import Request
 from jaxkv.sampler import sample, sampling_arrays, sampling_row
