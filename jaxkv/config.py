@@ -25,10 +25,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     hash_seed: int = 0  # seed of the chained block hashes
     kv_dtype: str | None = None  # None: the model's dtype
+    # Record BlockStored / BlockRemoved / AllBlocksCleared for Engine.manager.take_events()
+    # (vLLM's enable_kv_cache_events). Off, no event is kept.
+    enable_kv_cache_events: bool = False
 
     def __post_init__(self) -> None:
         positive_int_fields(self, "num_blocks", "block_size")
-        bool_fields(self, "enable_prefix_caching")
+        bool_fields(self, "enable_prefix_caching", "enable_kv_cache_events")
         if self.num_blocks < 2:
             raise ValueError(
                 f"num_blocks={self.num_blocks!r} must be >= 2 (block 0 is the null block)"

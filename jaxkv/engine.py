@@ -130,6 +130,7 @@ class Engine(Closable):
             max_model_len=sc.max_model_len,
             enable_prefix_caching=cc.enable_prefix_caching,
             hash_seed=cc.hash_seed,
+            enable_kv_cache_events=cc.enable_kv_cache_events,
         )
         self.connector = connector if connector is not None else KVConnector()
         self.scheduler = Scheduler(sc, self.manager, self.connector)
