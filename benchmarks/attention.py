@@ -14,8 +14,12 @@ Reports the KV bytes read per step (flat: B*(P+S) tokens; cascade: P + B*S token
 the speedup next to both bytes ratios, achieved bandwidth (all bytes over time), its
 fraction of the machine's measured read bandwidth (a jitted sum over 256 MiB: reads
 only, so no output buffer is allocated and page-faulted in on every call), and whether
-the planner's default cost model picks cascade there. Prints a table, writes JSON, and
-draws the speedup as a heatmap (prefix length x batch size).
+the planner's default cost model picks cascade there. Before a point's figures count,
+its outputs are compared on the timed inputs (benchmarks/output_agreement.py): cascade
+against flat, and flat against JAX's reference where that ran; the `agree` column says
+whether they agree, and a run with a point that does not exits with status 1 (after
+writing its JSON). Prints a table, writes JSON, and draws the speedup as a heatmap
+(prefix length x batch size).
 
     python benchmarks/attention.py --out benchmarks/results
 """
@@ -43,6 +47,7 @@ from benchmarks.cli_args import (  # noqa: E402
     check_whole_pages,
     positive_int,
 )
+from benchmarks.output_agreement import agreement  # noqa: E402
 from jaxkv.attention import default_backend, paged_attention  # noqa: E402
 from jaxkv.batch import build_attention_metadata  # noqa: E402
 from jaxkv.buckets import BucketConfig  # noqa: E402
@@ -157,7 +162,8 @@ def run(args) -> list[dict]:
     results = []
     header = (
         f"{'B':>4} {'P':>5} {'S':>5} | {'flat ms':>8} {'casc ms':>8} {'jaxref ms':>9} | "
-        f"{'speedup':>7} {'KV x':>7} {'all x':>7} | {'flat GB/s':>9} {'casc GB/s':>9} | model"
+        f"{'speedup':>7} {'KV x':>7} {'all x':>7} | {'flat GB/s':>9} {'casc GB/s':>9} | model "
+        f"  | agree"
     )
     print(header)
     print("-" * len(header))
@@ -183,21 +189,23 @@ def run(args) -> list[dict]:
                 attn = jax.jit(lambda q, kv, md: paged_attention(q, kv, md, sm_scale=sm_scale))
                 t_flat = _time(attn, q, kv_pages, md_flat, reps=args.reps)
                 t_casc = _time(attn, q, kv_pages, md_casc, reps=args.reps)
-                out_f = attn(q, kv_pages, md_flat)
-                out_c = attn(q, kv_pages, md_casc)
-                max_diff = float(
-                    jnp.max(jnp.abs(out_f[:batch].astype(jnp.float32) - out_c[:batch]))
-                )
+                out_f = attn(q, kv_pages, md_flat)[:batch]
+                checks = dict(cascade=agreement(attn(q, kv_pages, md_casc)[:batch], out_f, q.dtype))
                 t_ref = None
                 if args.jax_ref and batch * (prefix + suffix) <= args.jax_ref_max_tokens:
                     ref_args = (q, kv_pages, md_flat, table, prefix, suffix, sm_scale)
                     t_ref = _time(jax_reference, *ref_args, reps=max(1, args.reps // 2))
+                    checks["jax_ref"] = agreement(out_f, jax_reference(*ref_args), q.dtype)
+                agrees = all(c["agrees"] for c in checks.values())
                 chooses = planner.pays(batch, prefix, batch, batch * (prefix + suffix))
                 row = dict(
                     batch=batch, prefix=prefix, suffix=suffix,
                     flat_s=t_flat, cascade_s=t_casc, jax_ref_s=t_ref,
                     **figures(batch, prefix, suffix, t_flat, t_casc, bandwidth, sizes),
-                    cost_model_chooses_cascade=chooses, max_abs_diff=max_diff,
+                    cost_model_chooses_cascade=chooses,
+                    max_abs_diff=checks["cascade"]["max_abs_diff"],  # cascade vs flat
+                    jax_ref_max_abs_diff=checks.get("jax_ref", {}).get("max_abs_diff"),
+                    outputs_agree=agrees,
                 )  # fmt: skip
                 results.append(row)
                 ref = f"{t_ref * 1e3:9.2f}" if t_ref is not None else f"{'-':>9}"
@@ -206,7 +214,8 @@ def run(args) -> list[dict]:
                     f"{t_casc * 1e3:8.2f} {ref} | {row['speedup']:7.2f} "
                     f"{row['bytes_ratio']:7.1f} {row['total_bytes_ratio']:7.1f} | "
                     f"{row['flat_bandwidth'] / 1e9:9.2f} "
-                    f"{row['cascade_bandwidth'] / 1e9:9.2f} | {'cascade' if chooses else 'flat'}"
+                    f"{row['cascade_bandwidth'] / 1e9:9.2f} | "
+                    f"{'cascade' if chooses else 'flat':<7} | {'yes' if agrees else 'NO'}"
                 )
     return [dict(r, read_bandwidth=bandwidth) for r in results]
 
@@ -239,7 +248,8 @@ def heatmap(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def main(argv=None) -> int:
+    """Runs the grid; 0, or 1 when a point's outputs disagree (see the module)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_decode_grid_args(parser, heads=(8, 2, 64), page_flag="--block-size")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -252,7 +262,7 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=RESULTS_DIR, help="folder for the JSON and plot (%(default)s)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     check_whole_pages(parser, args.prefix, args.block_size, "--prefix")
     check_head_groups(parser, args.q_heads, args.kv_heads)
     args.dtype = jnp.dtype(args.dtype)
@@ -267,7 +277,11 @@ def main() -> None:
     (args.out / "attention.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     heatmap(results, args.out / "attention_speedup.png")
     print(f"wrote {args.out / 'attention.json'} and {args.out / 'attention_speedup.png'}")
+    wrong = [(r["batch"], r["prefix"], r["suffix"]) for r in results if not r["outputs_agree"]]
+    if wrong:
+        print(f"FAIL: outputs disagree at (B, P, S) {wrong}: their timings compare nothing")
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
