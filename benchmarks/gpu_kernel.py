@@ -19,7 +19,8 @@ One run (under 5 minutes on an H100/H200):
      on the flat_unique inputs;
 4. times the flat kernel per tiling of a sweep at B=64, P=8192, S=128 (--no-sweep skips);
 5. writes `gpu_kernel.json` to --out and prints a table with achieved bandwidth. It
-   starts no configuration after --max-seconds (230 s; the sweep gets 40 s more).
+   starts no configuration after --max-seconds (230 s; the sweep gets 40 s more), and
+   exits 1 when a check fails or a method disagrees with flat on the inputs it timed.
 
 Bandwidth is the bytes the method must move divided by time (benchmarks/attention_bytes.py:
 KV, B*(P+S) tokens for the flat kernels and JAX's, P + B*S tokens for cascade, plus
@@ -57,7 +58,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention_bytes import decode_bytes  # noqa: E402
 from benchmarks.cli_args import check_whole_pages, decode_grid, positive_int  # noqa: E402
-from benchmarks.gpu_kernel_checks import checks_passed, device_checks  # noqa: E402
+from benchmarks.gpu_kernel_checks import (  # noqa: E402
+    checks_passed,
+    device_checks,
+    disagreeing_cells,
+    outputs_agreement,
+)
 from benchmarks.gpu_kernel_methods import (  # noqa: E402
     HEAD_DIM,
     NUM_KV_HEADS,
@@ -213,15 +219,7 @@ def bench_config(b, p, s, *, page_size, reps, repeats, interpret, heads, dtype, 
             del k_pages, v_pages
         del kv
 
-    # Agreement on the same inputs (first rep): cascade vs flat_shared, JAX vs flat_unique.
-    f32 = lambda x: np.asarray(x.astype(jnp.float32))
-    row["cascade_vs_flat_max_abs"] = float(
-        np.max(np.abs(f32(outs["cascade"][0][0]) - f32(outs["flat_shared"][0][0])))
-    )
-    row["jax_vs_flat_max_abs"] = float(
-        np.max(np.abs(f32(outs["jax_paged"][0]) - f32(outs["flat_unique"][0][0])))
-    )
-    return row
+    return row | outputs_agreement(outs, dtype)  # main exits 1 on a disagreement
 
 
 SWEEP = [
@@ -392,7 +390,10 @@ def main(argv=None) -> int:
     (args.out / "gpu_kernel.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result["goals"], indent=1))
     print(f"wrote {args.out / 'gpu_kernel.json'} in {result['seconds']:.0f} s")
-    return 0 if checks_passed(result["checks"]) else 1
+    wrong = disagreeing_cells(rows)
+    if wrong:
+        print(f"FAIL: cascade or JAX's kernel disagrees with flat at (B, P, S) {wrong}")
+    return 0 if checks_passed(result["checks"]) and not wrong else 1
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ its --smoke run): decode, mixed prefill/decode with shuffled page tables, soft c
 sliding window, int8 and float8 KV, and the non-causal prefix pass of cascade attention.
 A check that raises is reported as failed, except the kernel's own refusal of float8
 pages on a GPU older than compute capability 8.9, which is reported as unsupported.
+After the timings, the methods' outputs on the inputs they were timed on are judged
+against flat's (benchmarks/output_agreement.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.gpu_kernel_methods import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS
+from benchmarks.output_agreement import agreement
 from benchmarks.reference_errors import errors_against_reference
 from kernels_pallas import reference
 from kernels_pallas.gpu import ragged_paged_attention
@@ -98,3 +101,22 @@ def _check_one(name: str, args, kw: dict, interpret: bool) -> dict:
 def checks_passed(results: list[dict]) -> bool:
     """Whether every check passed or was refused as unsupported by this GPU."""
     return all(r["ok"] or r.get("unsupported", False) for r in results)
+
+
+def outputs_agreement(outs: dict, dtype) -> dict:
+    """The first timed call's outputs of each method, judged on the same inputs: cascade
+    against flat_shared, JAX's kernel against flat_unique (flat and cascade return
+    (out, lse) per call, JAX's kernel out alone). Worst difference and verdict of each."""
+    casc = agreement(outs["cascade"][0][0], outs["flat_shared"][0][0], dtype)
+    jaxp = agreement(outs["jax_paged"][0], outs["flat_unique"][0][0], dtype)
+    return {
+        "cascade_vs_flat_max_abs": casc["max_abs_diff"],
+        "cascade_agrees": casc["agrees"],
+        "jax_vs_flat_max_abs": jaxp["max_abs_diff"],
+        "jax_agrees": jaxp["agrees"],
+    }
+
+
+def disagreeing_cells(rows: list[dict]) -> list[tuple[int, int, int]]:
+    """(B, P, S) of the benchmark rows where cascade or JAX's kernel disagreed with flat."""
+    return [(r["B"], r["P"], r["S"]) for r in rows if not (r["cascade_agrees"] and r["jax_agrees"])]
