@@ -13,7 +13,9 @@ One run:
    - cascade: prefix pass (one non-causal sequence holding all B queries over the shared
      pages) + suffix pass + LSE merge, i.e. `kernels_pallas.reference.cascade_attention`
      with this kernel as `attention_fn` (P + B * S KV tokens);
-4. prints a table and writes `tpu_kernel.json` to --out.
+4. compares cascade's output with flat's on each configuration's timed inputs
+   (benchmarks/output_agreement.py: a disagreement makes the exit status 1);
+5. prints a table and writes `tpu_kernel.json` to --out.
 
 Bandwidth is the bytes the method must move (benchmarks/attention_bytes.py: KV, queries,
 outputs, and cascade's partial results and merge) divided by its time, reported as a
@@ -56,6 +58,7 @@ from benchmarks.cli_args import (  # noqa: E402
     check_whole_pages,
     positive_int,
 )
+from benchmarks.output_agreement import agreement  # noqa: E402
 from benchmarks.reference_errors import errors_against_reference  # noqa: E402
 from kernels_pallas import reference  # noqa: E402
 from kernels_pallas.tpu import (  # noqa: E402
@@ -159,6 +162,17 @@ def methods(sm_scale: float, kernel):
     return {"flat": flat, "cascade": cascade}
 
 
+def cascade_agreement(fns, inputs, prefix_pages: int, dtype) -> dict:
+    """Cascade's output against flat's on one configuration's inputs (every query row
+    is a request's decode token): benchmarks.output_agreement's worst difference and
+    verdict."""
+    outs = {
+        name: jax.jit(functools.partial(fn, prefix_pages=prefix_pages))(*inputs)[0]
+        for name, fn in fns.items()
+    }
+    return agreement(outs["cascade"], outs["flat"], dtype)
+
+
 def check(kernel, *, heads, dtype, page_size, interpret: bool) -> dict:
     """Worst |kernel - reference| over valid rows of a few small cases, on this device,
     and whether each is within benchmarks.reference_errors' tolerances."""
@@ -223,7 +237,7 @@ def run(args) -> tuple[list[dict], dict]:
     header = (
         f"{'B':>4} {'P':>5} {'S':>5} | {'flat us':>9} {'casc us':>9} {'speedup':>7} "
         f"{'KV x':>7} {'all x':>7} | {'flat GB/s':>9} {'%peak':>6} | {'casc GB/s':>9} "
-        f"{'vs_bound':>8}"
+        f"{'vs_bound':>8} | agree"
     )
     print(header)
     print("-" * len(header))
@@ -240,6 +254,7 @@ def run(args) -> tuple[list[dict], dict]:
                     bound = functools.partial(fn, prefix_pages=prefix_pages)
                     loop = looped(lambda q, *rest, f=bound: f(q, *rest), args.reps)
                     times[name] = _time(loop, *inputs, reps=3) / args.reps
+                agree = cascade_agreement(fns, inputs, prefix_pages, dtype)
                 flat_bytes = decode_bytes(batch, prefix, suffix, **sizes, cascade=False)
                 casc_bytes = decode_bytes(batch, prefix, suffix, **sizes, cascade=True)
                 kv = dict(kv_per_token=kv_bytes_per_token)
@@ -257,6 +272,8 @@ def run(args) -> tuple[list[dict], dict]:
                     flat_fraction_of_peak=flat_bytes / times["flat"] / peak if peak else None,
                     cascade_vs_bytes_bound=times["cascade"] / (casc_bytes / peak) if peak else None,
                     flat_fraction_of_copy=flat_bytes / times["flat"] / copy_bw,
+                    cascade_vs_flat_max_abs=agree["max_abs_diff"],
+                    outputs_agree=agree["agrees"],
                 )  # fmt: skip
                 results.append(row)
                 pct = f"{100 * row['flat_fraction_of_peak']:6.1f}" if peak else f"{'-':>6}"
@@ -266,7 +283,8 @@ def run(args) -> tuple[list[dict], dict]:
                     f"{times['cascade'] * 1e6:9.1f} {row['speedup']:7.2f} "
                     f"{row['bytes_ratio']:7.1f} {row['total_bytes_ratio']:7.1f} | "
                     f"{row['flat_bandwidth'] / 1e9:9.2f} {pct} | "
-                    f"{row['cascade_bandwidth'] / 1e9:9.2f} {vsb}"
+                    f"{row['cascade_bandwidth'] / 1e9:9.2f} {vsb} | "
+                    f"{'yes' if agree['agrees'] else 'NO'}"
                 )
     meta = dict(
         machine=platform.machine(), jax=jax.__version__, backend=jax.default_backend(),
@@ -341,7 +359,10 @@ def main() -> int:
     failed = [name for name, e in meta["reference_errors"].items() if not e["ok"]]
     if failed:
         print(f"FAIL: the kernel is outside tolerance of the reference in {failed}")
-    return 1 if failed else 0
+    wrong = [(r["batch"], r["prefix"], r["suffix"]) for r in results if not r["outputs_agree"]]
+    if wrong:
+        print(f"FAIL: cascade's output disagrees with flat's at (B, P, S) {wrong}")
+    return 1 if failed or wrong else 0
 
 
 if __name__ == "__main__":

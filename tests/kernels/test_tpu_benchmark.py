@@ -39,3 +39,26 @@ def test_generation_keys(kind, gen):
     if gen is not None:
         assert gen in bench.PEAK_HBM_BANDWIDTH
         assert gen in TUNED_BLOCK_SIZES or gen == "7x"
+
+
+def test_cascade_is_judged_against_flat_on_the_timed_inputs():
+    # The benchmark timed both methods and reported the speedup without comparing their
+    # outputs: its device checks never run the cascade composition on the grid's inputs.
+    import jax.numpy as jnp
+
+    from kernels_pallas import reference
+
+    rng = np.random.default_rng(0)
+    inputs, prefix_pages = bench.decode_inputs(
+        rng, 3, 32, 16, page_size=16, heads=(4, 2, 64), dtype=jnp.float32
+    )
+    right = bench.methods(0.125, reference.ragged_paged_attention)
+    got = bench.cascade_agreement(right, inputs, prefix_pages, jnp.float32)
+    assert got["agrees"] and got["max_abs_diff"] < 1e-5
+
+    def no_prefix_pass(q, *args, causal=True, **kw):  # drops the prefix's keys
+        out, lse = reference.ragged_paged_attention(q, *args, causal=causal, **kw)
+        return (out, lse) if causal else (out, jnp.full_like(lse, -jnp.inf))
+
+    wrong = bench.methods(0.125, no_prefix_pass)
+    assert not bench.cascade_agreement(wrong, inputs, prefix_pages, jnp.float32)["agrees"]
