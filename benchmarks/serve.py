@@ -18,7 +18,9 @@ caching on/off, and reports per engine:
   prompt again, so all tokens/s is not comparable across the prefix-cache settings);
 - cascade against flat at each prefix-cache setting over the same steps, those in which
   neither run compiled (both runs schedule the same tokens step for step): the ratio of
-  generated tokens/s;
+  generated tokens/s, and whether the two runs generated the same tokens (reported, not
+  a failure: greedy decoding of random weights can meet a near-tie that float rounding
+  breaks either way);
 - time per step split into host (schedule + cascade plan + metadata + input arrays),
   device (jitted forward + sampler until tokens reach the host) and update;
 - host ms per step in decode steps with at least --decode-batch requests scheduled
@@ -180,6 +182,7 @@ def run_one(model, prompts, args, name, cascade, prefix_caching) -> dict:
             )
         engine.add_request(p, params)
     steps, generated = [], []  # per step that ran the model: its stats, tokens it generated
+    tokens: dict[tuple[str, int], list[int]] = {}  # per (request, sample): its tokens
     peak_usage = 0.0
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -188,6 +191,8 @@ def run_one(model, prompts, args, name, cascade, prefix_caching) -> dict:
         if engine.last_step is not before:  # the model ran (a prefill chunk may generate none)
             steps.append(engine.last_step)
             generated.append(len(outputs))
+        for o in outputs:
+            tokens.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
         peak_usage = max(peak_usage, engine.manager.usage)
     wall = time.perf_counter() - t0
     m = engine.metrics
@@ -207,6 +212,7 @@ def run_one(model, prompts, args, name, cascade, prefix_caching) -> dict:
         "prefix_cache_hit_rate": m.prefix_cache_hit_rate,
         "peak_kv_usage": peak_usage,
         "metrics": m.as_dict(),
+        "outputs": [tokens[k] for k in sorted(tokens)],  # left out of the JSON
     }
 
 
@@ -265,6 +271,7 @@ def paired(cascade: dict, flat: dict) -> dict | None:
     if not (generated and t_cascade and t_flat):  # e.g. every step compiled in one run
         return None
     return {
+        "outputs_identical": cascade["outputs"] == flat["outputs"],
         "steps": len(keep),
         "generated_tokens": generated,
         "cascade_generated_tokens_per_s": generated / t_cascade,
@@ -348,7 +355,8 @@ def main(argv=None) -> int:
             f"{cache}: cascade {pair['speedup']:.2f}x flat in generated tokens/s "
             f"({pair['cascade_generated_tokens_per_s']:.0f} against "
             f"{pair['flat_generated_tokens_per_s']:.0f}) over the {pair['steps']} steps "
-            "that compiled in neither run"
+            "that compiled in neither run; generated tokens identical: "
+            + ("yes" if pair["outputs_identical"] else "NO")
         )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -360,7 +368,7 @@ def main(argv=None) -> int:
             "platform": platform.platform(),
             "python": sys.version.split()[0],
             "jax": jax.__version__,
-            "results": results,
+            "results": [{k: v for k, v in r.items() if k != "outputs"} for r in results],
             "cascade_vs_flat": pairs,
         }
         args.out.write_text(json.dumps(report, indent=2))

@@ -9,8 +9,10 @@ from benchmarks.serve import engine_config, paired, parse_args, step_figures, wo
 from jaxkv.metrics import StepStats
 
 
-def _run(steps):
-    return {"step_log": steps}  # (compiled, tokens computed, generated, seconds)
+def _run(steps, outputs=((7, 8), (9,))):
+    # step_log: (compiled, tokens computed, generated, seconds) per step; outputs: the
+    # tokens each request generated.
+    return {"step_log": steps, "outputs": [list(o) for o in outputs]}
 
 
 def test_the_ratio_is_over_the_steps_in_which_neither_run_compiled():
@@ -69,6 +71,14 @@ def test_step_figures_leave_out_the_steps_that_compiled():
         (False, 4, 4),
         (False, 3, 3),
     ]
+
+
+def test_the_pair_says_whether_both_runs_generated_the_same_tokens():
+    # The ratio was reported without comparing what the two runs generated.
+    base = [(False, 8, 8, 1.0)]
+    assert paired(_run(base), _run(base))["outputs_identical"]
+    other = paired(_run(base), _run(base, outputs=((7, 8), (5,))))
+    assert other["outputs_identical"] is False and other["speedup"] == 1.0
 
 
 def test_the_schedule_must_match_in_generated_tokens_too():
