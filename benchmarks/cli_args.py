@@ -26,6 +26,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (a time limit of zero or less measures nothing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number > 0")
+    return value
+
+
 def add_decode_grid_args(
     parser: argparse.ArgumentParser, *, heads: tuple[int, int, int], page_flag: str
 ) -> None:

@@ -57,7 +57,12 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention_bytes import decode_bytes  # noqa: E402
-from benchmarks.cli_args import check_whole_pages, decode_grid, positive_int  # noqa: E402
+from benchmarks.cli_args import (  # noqa: E402
+    check_whole_pages,
+    decode_grid,
+    positive_float,
+    positive_int,
+)
 from benchmarks.gpu_kernel_checks import (  # noqa: E402
     checks_passed,
     device_checks,
@@ -74,6 +79,7 @@ from benchmarks.gpu_kernel_methods import (  # noqa: E402
     lower_full_size,
     split_kv,
 )
+from benchmarks.gpu_kernel_report import goals, print_table  # noqa: E402
 
 L2_BYTES = 64 * 2**20  # a little above the 50 MiB L2 of an H100/H200
 GRID = [(b, p, s) for b in (8, 64, 128) for p in (1024, 8192) for s in (128, 1024)]
@@ -266,44 +272,6 @@ def sweep(b, p, s, *, page_size, reps, repeats, copy_bps, deadline, heads, inter
     return rows
 
 
-def print_table(rows: list[dict], copy_bps: float) -> None:
-    head = (
-        f"{'B':>4} {'P':>5} {'S':>5} | {'flat_uniq us':>12} {'GB/s':>6} {'%copy':>5} | "
-        f"{'flat_shr us':>11} | {'cascade us':>10} {'GB/s':>6} {'x flat':>6} | "
-        f"{'jax us':>9} {'flat x':>6} | {'err c/j':>15}"
-    )
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        fu = r["flat_unique_bytes_per_s"]
-        print(
-            f"{r['B']:>4} {r['P']:>5} {r['S']:>5} | {r['flat_unique_us']:>12.1f} "
-            f"{fu / 1e9:>6.0f} {100 * fu / copy_bps:>5.0f} | {r['flat_shared_us']:>11.1f} | "
-            f"{r['cascade_us']:>10.1f} {r['cascade_bytes_per_s'] / 1e9:>6.0f} "
-            f"{r['flat_shared_us'] / r['cascade_us']:>6.1f} | {r['jax_paged_us']:>9.1f} "
-            f"{r['jax_paged_us'] / r['flat_unique_us']:>6.2f} | "
-            f"{r['cascade_vs_flat_max_abs']:.1e}/{r['jax_vs_flat_max_abs']:.1e}"
-        )
-
-
-def goals(rows: list[dict], copy_bps: float) -> dict:
-    """The three targets of the GPU kernel, read off the table (None if not measured)."""
-    pick = {(r["B"], r["P"], r["S"]): r for r in rows}
-    g = {}
-    r = pick.get((64, 8192, 128))
-    if r:
-        g["flat_decode_fraction_of_copy_B64_P8192_S128"] = r["flat_unique_bytes_per_s"] / copy_bps
-    r = pick.get((128, 8192, 128))
-    if r:
-        g["cascade_speedup_vs_flat_shared_B128_P8192_S128"] = r["flat_shared_us"] / r["cascade_us"]
-        g["cascade_speedup_vs_flat_unique_B128_P8192_S128"] = r["flat_unique_us"] / r["cascade_us"]
-    if rows:
-        g["min_flat_speedup_vs_jax_paged"] = min(
-            r["jax_paged_us"] / r["flat_unique_us"] for r in rows
-        )
-    return g
-
-
 # ----------------------------------------------------------------------------- main
 
 
@@ -316,7 +284,10 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=positive_int, default=16)
     ap.add_argument("--jax-k-splits", type=positive_int, default=16, help="JAX k_splits")
     ap.add_argument(
-        "--max-seconds", type=float, default=230.0, help="start no config (sweep: +40 s) past this"
+        "--max-seconds",
+        type=positive_float,
+        default=230.0,
+        help="start no config (sweep: +40 s) past this",
     )
     ap.add_argument("--only", type=decode_grid, help="B,P,S cells, e.g. '64,8192,128;8,1024,128'")
     ap.add_argument(

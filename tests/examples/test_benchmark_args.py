@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpu_kernel
-from benchmarks.cli_args import check_head_groups, check_whole_pages, decode_grid, positive_int
+from benchmarks.cli_args import (
+    check_head_groups,
+    check_whole_pages,
+    decode_grid,
+    positive_float,
+    positive_int,
+)
 
 
 def test_positive_int_takes_ints_from_one_up():
@@ -18,6 +24,22 @@ def test_positive_int_takes_ints_from_one_up():
     for text, match in (("0", "0 must be >= 1"), ("-2", "-2 must be >= 1"), ("1.5", "not an int")):
         with pytest.raises(argparse.ArgumentTypeError, match=match):
             positive_int(text)
+
+
+def test_positive_float_takes_finite_numbers_above_zero():
+    assert positive_float("0.5") == 0.5
+    for text, match in (("0", "must be a finite number > 0"), ("-1", "> 0"), ("inf", "> 0"),
+                        ("nan", "> 0"), ("ten", "not a number")):  # fmt: skip
+        with pytest.raises(argparse.ArgumentTypeError, match=match):
+            positive_float(text)
+
+
+def test_gpu_kernel_refuses_a_time_limit_that_would_measure_nothing(tmp_path, capsys):
+    # --max-seconds -1 ran the checks, skipped every cell and exited 0 with no figures.
+    with pytest.raises(SystemExit):
+        gpu_kernel.main(["--out", str(tmp_path), "--smoke", "--max-seconds", "-1"])
+    assert "--max-seconds: -1.0 must be a finite number > 0" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
 
 
 def test_decode_grid_reads_cells_of_three_positive_ints():

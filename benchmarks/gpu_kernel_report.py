@@ -1,0 +1,50 @@
+"""The GPU kernel benchmark's report: its table, and the kernel's targets read off it.
+
+Used by benchmarks/gpu_kernel.py on the rows bench_config measures: per (B, P, S) each
+method's microseconds per call and bytes per second, and the methods' differences from
+flat on the timed inputs.
+"""
+
+from __future__ import annotations
+
+
+def print_table(rows: list[dict], copy_bps: float) -> None:
+    """One line per row: flat over unique pages (us, GB/s, % of the copy bandwidth), flat
+    over shared pages, cascade (us, GB/s, flat_shared / cascade), JAX's kernel (us, and
+    its time over flat_unique's), and the worst differences from flat of cascade / JAX."""
+    head = (
+        f"{'B':>4} {'P':>5} {'S':>5} | {'flat_uniq us':>12} {'GB/s':>6} {'%copy':>5} | "
+        f"{'flat_shr us':>11} | {'cascade us':>10} {'GB/s':>6} {'x flat':>6} | "
+        f"{'jax us':>9} {'flat x':>6} | {'err c/j':>15}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        fu = r["flat_unique_bytes_per_s"]
+        print(
+            f"{r['B']:>4} {r['P']:>5} {r['S']:>5} | {r['flat_unique_us']:>12.1f} "
+            f"{fu / 1e9:>6.0f} {100 * fu / copy_bps:>5.0f} | {r['flat_shared_us']:>11.1f} | "
+            f"{r['cascade_us']:>10.1f} {r['cascade_bytes_per_s'] / 1e9:>6.0f} "
+            f"{r['flat_shared_us'] / r['cascade_us']:>6.1f} | {r['jax_paged_us']:>9.1f} "
+            f"{r['jax_paged_us'] / r['flat_unique_us']:>6.2f} | "
+            f"{r['cascade_vs_flat_max_abs']:.1e}/{r['jax_vs_flat_max_abs']:.1e}"
+        )
+
+
+def goals(rows: list[dict], copy_bps: float) -> dict:
+    """The three targets of the GPU kernel, read off the table (a target whose
+    configuration was not measured is left out)."""
+    pick = {(r["B"], r["P"], r["S"]): r for r in rows}
+    g = {}
+    r = pick.get((64, 8192, 128))
+    if r:
+        g["flat_decode_fraction_of_copy_B64_P8192_S128"] = r["flat_unique_bytes_per_s"] / copy_bps
+    r = pick.get((128, 8192, 128))
+    if r:
+        g["cascade_speedup_vs_flat_shared_B128_P8192_S128"] = r["flat_shared_us"] / r["cascade_us"]
+        g["cascade_speedup_vs_flat_unique_B128_P8192_S128"] = r["flat_unique_us"] / r["cascade_us"]
+    if rows:
+        g["min_flat_speedup_vs_jax_paged"] = min(
+            r["jax_paged_us"] / r["flat_unique_us"] for r in rows
+        )
+    return g
