@@ -1,12 +1,13 @@
 """widened_counts keeps int32 and int64 counts as given and widens every other integer
-dtype (narrower signed ones, unsigned ones) to int64, values unchanged."""
+dtype (narrower signed ones, unsigned ones) to int64, values unchanged; checked_step_counts
+refuses every negative num_computed_tokens entry, -1 included."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from jaxkv.count_arrays import widened_counts
+from jaxkv.count_arrays import checked_step_counts, widened_counts
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
@@ -24,3 +25,11 @@ def test_other_integer_counts_are_widened_to_int64(dtype):
 def test_int16_counts_sum_past_int16_without_overflow():
     counts = widened_counts(np.array([32767, 1], np.int16))
     assert int(counts.sum()) == 32768 and int((counts + counts).max()) == 65534
+
+
+def test_checked_step_counts_refuses_minus_one_and_takes_zero():
+    # -1 is the first value numpy reads as a column from the table's end.
+    query_lens, computed = checked_step_counts(np.array([1, 2]), np.array([0, 5]), 2)
+    assert computed.tolist() == [0, 5] and query_lens.tolist() == [1, 2]
+    with pytest.raises(ValueError, match="num_computed_tokens entry must be >= 0, got -1"):
+        checked_step_counts(np.array([1, 2]), np.array([3, -1]), 2)
