@@ -202,3 +202,15 @@ def test_cascade_takes_a_shared_prefix_and_skips_rows_without_queries():
     )
     out, lse = reference.cascade_attention(*case.args(), 1, sm_scale=0.125)
     harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))
+
+
+def test_cascade_takes_a_row_without_queries_whose_context_is_shorter_than_the_prefix():
+    # Its suffix pass has no keys: a negative suffix kv_len would be refused as an index
+    # value, although the row reads nothing.
+    case = _cascade_case(True)
+    case = case.replace(
+        kv_lens=_set(case.kv_lens, 1, 5), cu_q_lens=_set(case.cu_q_lens, 2, 3),
+        seq_lens=((3, 20), (0, 5)),
+    )  # fmt: skip
+    out, lse = reference.cascade_attention(*case.args(), 1, sm_scale=0.125)
+    harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))
