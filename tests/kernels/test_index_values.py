@@ -214,3 +214,15 @@ def test_cascade_takes_a_row_without_queries_whose_context_is_shorter_than_the_p
     )  # fmt: skip
     out, lse = reference.cascade_attention(*case.args(), 1, sm_scale=0.125)
     harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))
+
+
+def test_cascade_refuses_a_first_query_on_the_prefix_last_key_by_name():
+    # Position 15 is the last key of a 16-token prefix: the precondition's own message,
+    # not a later refusal of the suffix pass's arguments.
+    case = _cascade_case(True)
+    case = case.replace(kv_lens=_set(case.kv_lens, 0, 18), seq_lens=((3, 18), (1, 30)))
+    with pytest.raises(ValueError, match="sequence 0's first query position 15 lies inside"):
+        reference.cascade_attention(*case.args(), 1, sm_scale=0.125)
+    case = case.replace(kv_lens=_set(case.kv_lens, 0, 19), seq_lens=((3, 19), (1, 30)))
+    out, lse = reference.cascade_attention(*case.args(), 1, sm_scale=0.125)
+    harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))
