@@ -44,9 +44,10 @@ def test_a_cache_smaller_than_the_managers_pool_is_refused():
     md = _metadata()
     assert md.num_blocks == 64
     q = jnp.zeros((md.max_num_tokens, H_Q, D), jnp.float32)
-    small = jnp.zeros((32, 4, 2 * H_KV, D), jnp.float32)
-    with pytest.raises(ValueError, match=r"must hold the 64 blocks of the pool"):
-        jax.jit(lambda q, p, md: paged_attention(q, p, md, sm_scale=0.125))(q, small, md)
+    for num_blocks in (32, 63):  # 63: one block short, the pool's last id past the cache
+        small = jnp.zeros((num_blocks, 4, 2 * H_KV, D), jnp.float32)
+        with pytest.raises(ValueError, match=r"must hold the 64 blocks of the pool"):
+            jax.jit(lambda q, p, md: paged_attention(q, p, md, sm_scale=0.125))(q, small, md)
     pages = jnp.zeros((64, 4, 2 * H_KV, D), jnp.float32)
     assert paged_attention(q, pages, md, sm_scale=0.125).shape == q.shape
 
