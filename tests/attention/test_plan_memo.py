@@ -7,9 +7,11 @@ from __future__ import annotations
 import numpy as np
 
 from jaxkv import KVCacheManager, Request
+from jaxkv.cascade import CascadePlanner
 from jaxkv.cascade_plan import global_plan, grouped_plan
 from jaxkv.plan_memo import PlanMemo
 from jaxkv.prefix_index import longest_common_prefix_unchecked
+from tests.attention.test_cascade_planner import ALWAYS, SHAPE, SYSTEM_A, _decoding
 
 BOTH = np.arange(2)
 
@@ -168,3 +170,15 @@ def test_a_batch_whose_plan_flips_between_kinds_keeps_both_plans():
     grouped = memo.grouped_plan([(BOTH, 1)], rows, np.ones(2, np.int32), None, 1, made_for)
     assert memo.global_plan(rows, 1, 1, made_for) is glob
     assert memo.grouped_plan([(BOTH, 1)], rows, np.ones(2, np.int32), None, 1, made_for) is grouped
+
+
+def test_a_planner_remembers_that_no_group_forms_past_its_global_level():
+    # Three requests share two blocks and then hold distinct ones: the search past the
+    # global level finds every key distinct once, and later steps skip it.
+    m = KVCacheManager(64, 4, max_model_len=64)
+    ids = [_decoding(m, f"r{i}", SYSTEM_A[:8] + [100 + i] * 4).request_id for i in range(3)]
+    planner = CascadePlanner(SHAPE, cost_model=ALWAYS)
+    plan = planner.plan(ids, np.full(3, 12), np.ones(3, int), m)
+    assert [lv.name for lv in plan.levels] == ["global"]
+    assert plan.suffix_start_blocks.tolist() == [2, 2, 2]
+    assert planner._memo.no_groups_past(m, m.rows_of(ids), 2)
