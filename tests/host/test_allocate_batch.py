@@ -165,3 +165,22 @@ def test_without_prefix_caching_a_request_hashed_elsewhere_is_allocated_as_one_b
     assert m.allocate_slots_batch([b], [2])
     assert m.block_ids("b") == [2, 4]
     m.check_integrity()
+
+
+def test_a_request_hashed_elsewhere_is_refused_only_once_it_fills_a_block():
+    # With prefix caching the batch reads a request's hashes only to cache a block it
+    # fills: tokens that stay inside a partly filled block are allocated; filling it is
+    # refused with nothing changed.
+    m = KVCacheManager(16, 4, max_model_len=64)
+    a = make_request("a", range(2))
+    assert m.allocate_slots(a, 2) == [1]  # no full block: no hashes read yet
+    a.num_computed_tokens = 2
+    a.update_block_hashes(8, seed=1)  # as if hashed for another manager
+    a.append_output_token_ids([7])
+    assert m.allocate_slots_batch([a], [1])  # 3 tokens: block 1 not yet full
+    a.num_computed_tokens = 3
+    a.append_output_token_ids([8])
+    before = snapshot(m)
+    with pytest.raises(ValueError, match="block_size, seed"):
+        m.allocate_slots_batch([a], [1])  # the 4th token fills block 1
+    assert snapshot(m) == before
