@@ -1,0 +1,30 @@
+"""checked_request_ids: the ids an abort is given, refused whole if any is no id."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv.request_id_lists import checked_request_ids
+
+
+def test_one_id_or_an_iterable_of_ids_in_order():
+    assert checked_request_ids("a") == ["a"]
+    assert checked_request_ids(["b", "a"]) == ["b", "a"]
+    assert checked_request_ids(iter(("x", "y"))) == ["x", "y"]
+    assert checked_request_ids(()) == []
+
+
+@pytest.mark.parametrize(
+    ("ids", "match"),
+    [
+        (["a", 5], "holds 5 \\(int\\)"),
+        (("a", None), "holds None"),
+        ([b"a"], "holds b'a' \\(bytes\\)"),
+        (b"ab", "must be a request id"),
+        (5, "must be a request id"),
+    ],
+)
+def test_an_item_that_is_no_id_refuses_the_whole_list(ids, match):
+    """Checked before any id is used, so a list with one bad item aborts nothing."""
+    with pytest.raises(ValueError, match=match):
+        checked_request_ids(ids)
