@@ -8,3 +8,12 @@ without room, so the tests allocate as they go.
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files holding a test marked slow run first, the rest in collection order.
+
+    The two workers take whole files (--dist loadfile) as they free up; a long file
+    reached last keeps one worker busy while the other idles, so long ones go first."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: order kept within

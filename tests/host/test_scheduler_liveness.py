@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import numpy as np
+import pytest
 from hypothesis import given, settings
 
 from jaxkv import RequestStatus
 from jaxkv.host_offload_connector import HostOffloadConnector
 from tests.host._sched_util import FakeCopier, add, make_scheduler, step
+
+pytestmark = pytest.mark.slow  # minutes on 2 cores
 
 BS = 4
 MAX_MODEL_LEN = 32

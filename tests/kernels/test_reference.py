@@ -13,6 +13,8 @@ import pytest
 from kernels_pallas.reference import cascade_attention, ragged_paged_attention
 from tests.kernels import harness
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores
+
 _STATIC = (
     "sm_scale", "causal", "sliding_window", "soft_cap", "k_scale", "v_scale", "max_q_len",
     "out_dtype",
