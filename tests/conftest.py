@@ -8,6 +8,13 @@ without room, so the tests allocate as they go.
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# Many tests build engines whose jitted step programs are the same computation; a shared
+# on-disk cache lets each worker, and each later engine, load a program the other
+# compiled (the in-memory jit caches the tests count are unaffected).
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "jax")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
 def pytest_collection_modifyitems(config, items):
