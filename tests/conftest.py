@@ -6,6 +6,7 @@ without room, so the tests allocate as they go.
 """
 
 import os
+import pkgutil
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Many tests build engines whose jitted step programs are the same computation; a shared
@@ -15,6 +16,26 @@ os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "jax")
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+
+def _cuda_plugin_installed() -> bool:
+    try:
+        import jax_plugins  # the namespace JAX's GPU plugins install into; imports no jax
+    except ImportError:
+        return False
+    return any(m.name.startswith("xla_cuda") for m in pkgutil.iter_modules(jax_plugins.__path__))
+
+
+# The suite's CPU programs are tiny and each runs a few times: XLA's CPU compiler spends
+# most of the suite's time optimising them. Compiled without LLVM optimisation and with
+# the classic fusion emitters, a serving step's program compiles 3.5x faster and computes
+# the same values (no fast-math either way). Any XLA_FLAGS of the caller's own are kept;
+# a GPU's compiles keep their defaults.
+_FAST_CPU_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+if not _cuda_plugin_installed():
+    _flags = os.environ.get("XLA_FLAGS", "")
+    _missing = [f for f in _FAST_CPU_COMPILE if f.split("=")[0] not in _flags]
+    os.environ["XLA_FLAGS"] = " ".join([_flags, *_missing]).strip()
 
 
 def pytest_collection_modifyitems(config, items):
