@@ -143,6 +143,26 @@ def test_text_is_decoded_incrementally_and_a_cut_character_waits():
         assert text_so_far == text
 
 
+def test_each_read_decodes_only_the_tokens_read_last_time_and_the_new_ones():
+    """The context of a read is the tokens the previous read took (at first the prompt's
+    last 5), as vLLM's offsets: the decoded window does not grow with the output."""
+    windows = []
+
+    def decode(token_ids):
+        windows.append(bytes(token_ids))
+        return TOKENIZER.decode(token_ids)
+
+    ids, state = list(b"Hello, "), DecodedText(0, 7)
+    texts = []
+    for token in b"abc":
+        ids.append(token)
+        texts.append(state.update(decode, ids))
+    assert texts == ["a", "b", "c"]
+    # (context, context + new) per read: "llo, " then the one token read before.
+    assert windows == [b"llo, ", b"llo, a", b"a", b"ab", b"b", b"bc"]
+    assert (state.prefix_offset, state.read_offset) == (9, 10)
+
+
 def test_a_string_is_found_where_it_ends_in_new_text_only():
     stops = Detokenizer(TOKENIZER)
     request = Request("r", [1], SamplingParams(stop=("c", "bc", "xyz")))
