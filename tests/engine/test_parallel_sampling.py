@@ -185,6 +185,18 @@ def test_a_scheduler_takes_one_sample_per_request():
     assert engine.scheduler.requests == {}
 
 
+def test_only_sample_0_computes_prompt_logprobs_and_the_others_hit_its_blocks():
+    """Prompt logprobs come once per request, on sample 0's first output; the other
+    samples do not ask for them, so they read sample 0's cached prompt blocks."""
+    engine = make_engine()
+    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=2, n=3, prompt_logprobs=1))
+    outputs = _run(engine)
+    assert [o.index for o in outputs if o.prompt_logprobs is not None] == [0]
+    assert {o.request_id for o in outputs} == {rid}
+    assert engine.metrics.num_prompt_tokens == len(PROMPT) + 2
+    assert_all_blocks_free(engine)
+
+
 def test_generate_returns_each_sample_in_prompt_then_index_order_with_its_logprobs():
     engine = make_engine()
     prompts = [PROMPT, PROMPT[:9]]
