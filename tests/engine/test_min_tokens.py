@@ -177,6 +177,23 @@ def test_ban_rows_follow_the_batch_permutation_and_leave_at_min_tokens():
     assert bans.array(reqs, order, 4) is bans.array(reqs, None, 4)  # one empty per size
 
 
+def test_ignore_eos_bans_the_models_eos_ids_besides_the_requests_own_stop_tokens():
+    """Under ignore_eos a request's own stop_token_ids stay banned until min_tokens, and
+    the model's EOS ids are banned after them (each once); without ignore_eos the params
+    already list EOS (SamplingParams.stopping_at) and only they are banned."""
+    bans = StopTokenBans(eos_token_ids=(2, 7))
+    reqs = [Request(f"r{i}", [1]) for i in range(3)]
+    bans.add("r0", SamplingParams(stop_token_ids=(5, 7), min_tokens=2, ignore_eos=True))
+    bans.add("r1", SamplingParams(stop_token_ids=(9,), min_tokens=2))
+    bans.add("r2", SamplingParams(min_tokens=2, ignore_eos=True))
+    pad = NO_TOKEN
+    assert bans.array(reqs, None, 3).tolist() == [
+        [5, 7, 2, pad],
+        [9, pad, pad, pad],
+        [2, 7, pad, pad],
+    ]
+
+
 def test_a_stop_token_sampled_before_min_tokens_does_not_stop():
     # The sampler bans it; should a row have had nothing else left, the scheduler still
     # does not stop the request before min_tokens.
