@@ -4,6 +4,8 @@ recently used), not demoted: that other save is expected to store the blocks bef
 
 from __future__ import annotations
 
+import gc
+
 from jaxkv import Request, SamplingParams
 from jaxkv.host_offload_connector import HostOffloadConnector
 from tests.host._sched_util import FakeCopier, store_link_faults
@@ -37,3 +39,29 @@ def test_a_save_landing_behind_blocks_still_being_saved_is_stored_most_recent():
     FakeCopier._run(*a_save)
     assert connector.poll().saved == ("a",)
     assert connector.stored_hashes() == [x0, h2, h1, h0] and not store_link_faults(connector)
+
+
+def test_a_rebind_after_the_copier_was_collected_demotes_what_its_lost_saves_were_before():
+    """Saves in flight through a copier collected without close() never land: a rebind
+    counts them as ended unstored, so blocks stored behind them become the next evicted."""
+    copier = FakeCopier(16, BS, auto_complete=False)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    x = _finished("x", range(40, 45), 4)
+    assert connector.on_finish(x, [5])
+    copier.complete()
+    assert connector.poll().saved == ("x",)
+    a = _finished("a", range(1, 10), 8)  # h0 h1
+    b = _finished("b", range(1, 14), 12)  # h0 h1 h2
+    assert connector.on_finish(a, [1, 2]) and connector.on_finish(b, [1, 2, 3])
+    a_save, b_save = copier.pending
+    copier.pending.clear()
+    FakeCopier._run(*b_save)  # h2 lands; h0 h1 are still being saved
+    assert connector.poll().saved == ("b",)
+    x0, h2 = x.block_hashes[0], b.block_hashes[2]
+    assert connector.stored_hashes() == [x0, h2]
+    del copier, a_save  # the engine is dropped without close(): a's save never lands
+    gc.collect()
+    connector.bind(FakeCopier(16, BS), block_size=BS, hash_seed=0)  # same layout: kept
+    assert connector.stored_hashes() == [h2, x0]  # h2 is useless without h0 h1: next out
+    assert not connector.has_pending() and not store_link_faults(connector)
