@@ -169,7 +169,8 @@ def test_eos_comes_from_config_and_generation_config(tmp_path):
     hf_config = hf_config_dict(cfg, rms_norm_eps=cfg.rms_norm_eps)
     (tmp_path / "config.json").write_text(json.dumps({**hf_config, "eos_token_id": 9}))
     assert load_hf_safetensors(tmp_path).config.eos_token_ids == (9,)
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 11]}))
+    # Joined in order, config.json's first, each id once.
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [11, 9]}))
     assert load_hf_safetensors(tmp_path).config.eos_token_ids == (9, 11)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 10**6}))
     with pytest.raises(ValueError, match="eos_token_ids=1000000 must be token ids in"):
