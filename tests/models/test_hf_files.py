@@ -25,7 +25,7 @@ from jaxkv.models import (
     make_dense_forward,
 )
 from jaxkv.models.checkpoint import flat_params
-from jaxkv.models.hf_checkpoint import read_safetensors, write_safetensors
+from jaxkv.models.hf_checkpoint import hf_to_jaxkv_name, read_safetensors, write_safetensors
 from tests.models.conftest import hf_config_dict, small_config
 from tests.models.reference import hf_llama_forward, random_hf_weights
 from tests.models.test_checkpoint import TOKENS  # a program that file compiles
@@ -229,3 +229,14 @@ def test_write_safetensors_refuses_a_dtype_the_format_lacks_naming_the_tensor(tm
     with pytest.raises(ValueError, match="tensor 'c': dtype complex64"):
         write_safetensors(path, {"a": np.zeros(2, np.float32), "c": np.zeros(2, np.complex64)})
     assert not path.exists()
+
+
+@pytest.mark.parametrize(
+    "name", ["model.layers.0.input_layernorm.weight.bak", "model.layers.1.mlp.up_proj.weight_old"]
+)
+def test_a_layer_name_with_a_suffix_is_not_a_llama_parameter(name):
+    """Only whole Hugging Face names map: a layer weight's name with anything after it is
+    refused, not read as that weight."""
+    assert hf_to_jaxkv_name(name.rsplit(".weight", 1)[0] + ".weight")[0].startswith("layers.")
+    with pytest.raises(CheckpointError, match="is not a Hugging Face Llama parameter"):
+        hf_to_jaxkv_name(name)
