@@ -38,6 +38,14 @@ def test_entries_read_as_vllms_with_the_prompt_token_first():
         entries[3]
 
 
+def test_negative_indices_read_as_a_lists_down_to_minus_its_length():
+    """entries[-len] is entry 0 (None), as a list's; one further is out of range."""
+    entries = _list()
+    assert [entries[i] for i in (-3, -2, -1)] == EXPECTED
+    with pytest.raises(IndexError, match="index -4 out of range for 3 tokens"):
+        entries[-4]
+
+
 def test_dicts_are_made_once_on_first_read():
     entries = _list()
     assert entries._entries == [None, None, None]
