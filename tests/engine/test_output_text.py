@@ -213,3 +213,31 @@ def test_the_length_limit_comes_before_a_stop_token_and_a_stop_string_after_it()
     assert [(o.finish_reason, o.stop_reason, o.text) for o in outputs] == [
         ("length", None, "b!"), ("stop", "b!", ""),
     ]  # fmt: skip
+
+
+class _Chunks:
+    """Token i is the bytes CHUNKS[i], decoded as UTF-8 with replacement: token 1 holds
+    "b" and the first byte of a character, as a byte-level BPE token may; token 2 is
+    empty, as PAD."""
+
+    CHUNKS = [b"x", b"b\xe2", b""]
+
+    def decode(self, ids):
+        return b"".join(self.CHUNKS[i] for i in ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize(("include", "expected"), [(False, ""), (True, "b")])
+def test_a_string_found_in_a_forced_read_of_a_cut_character_cuts_the_text_there(include, expected):
+    # "b\ufffd" is held back until MAX_HELD_TOKENS tokens force its read, which finds
+    # "b". The finished text is cut where "b" starts; its cut character, after the
+    # string, is not held back first (that would move where the string starts).
+    detokenizer = Detokenizer(_Chunks())
+    params = SamplingParams(stop="b", include_stop_str_in_output=include, max_tokens=20)
+    request = Request("r", [0, 0, 0], params)
+    found = []
+    for token in [1] + [2] * (MAX_HELD_TOKENS - 1):
+        request.append_output_token_ids(token)
+        found.append(detokenizer.read(request)[0])
+    assert found == [None] * (MAX_HELD_TOKENS - 1) + ["b"]
+    request.status = RequestStatus.FINISHED_STOPPED
+    assert detokenizer.text(request, "b") == expected
