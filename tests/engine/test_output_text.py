@@ -189,6 +189,8 @@ def test_a_character_the_prompt_cut_is_read_with_the_prompts_last_tokens_as_vllm
         ([*b"a\xe2", *[PAD] * 4, *b"\x82\xac\xe2"], "a\u20ac"),
         ([*b"a\xf0", *[PAD] * 3, *b"\x9f\x98\x80\xe2"], "a\U0001f600"),
         ([*b"a\xe2", *[PAD] * 6], "a"),
+        # Its first byte 9 tokens back, past MAX_HELD_TOKENS: its U+FFFD is not held back.
+        ([*b"a\xe2\x82", *[PAD] * 7], "a\ufffd"),
         # A whole character with PADs in it, then a cut one: only the cut one is left out.
         ([*b"ab\xf0", PAD, PAD, *b"\x98\x9f", PAD, *b"\x80\xe2", *[PAD] * 6], "ab\U000187c0"),
     ],
