@@ -281,6 +281,16 @@ def test_the_first_output_token_is_read_after_the_prompt_as_vllm_does():
     assert stops.read(request)[0] == " User"
 
 
+@pytest.mark.parametrize("stop", [(" Use", " U"), (" U", " Use")])
+def test_strings_starting_at_the_same_character_go_to_the_first_listed(stop):
+    # One token completes both strings, which start at its space: a tie, which the
+    # string listed first wins, whichever is longer.
+    stops = Detokenizer(_WordTokenizer())
+    request = Request("r", [0], SamplingParams(stop=stop))
+    request.append_output_token_ids(1)  # " User"
+    assert stops.read(request)[0] == stop[0]
+
+
 def test_text_that_cannot_be_read_waits_only_a_few_tokens():
     decode, state = TOKENIZER.decode, DecodedText(0, 1)
     ids, read = [65], []
