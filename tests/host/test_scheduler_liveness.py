@@ -20,7 +20,7 @@ from jaxkv import RequestStatus
 from jaxkv.host_offload_connector import HostOffloadConnector
 from tests.host._sched_util import FakeCopier, add, make_scheduler, step
 
-pytestmark = pytest.mark.slow  # minutes on 2 cores
+pytestmark = pytest.mark.slow  # a long randomised run: its file runs first
 
 BS = 4
 MAX_MODEL_LEN = 32

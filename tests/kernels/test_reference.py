@@ -13,7 +13,7 @@ import pytest
 from kernels_pallas.reference import cascade_attention, ragged_paged_attention
 from tests.kernels import harness
 
-pytestmark = pytest.mark.slow  # minutes on 2 cores
+pytestmark = pytest.mark.slow  # about a minute on 2 cores: its file runs first
 
 _STATIC = (
     "sm_scale", "causal", "sliding_window", "soft_cap", "k_scale", "v_scale", "max_q_len",
