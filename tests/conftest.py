@@ -2,15 +2,20 @@
 
 `make test` runs the suite in two processes (pytest-xdist). On a GPU, JAX's default of
 preallocating 75% of the device's memory in each process would leave the second one
-without room, so the tests allocate as they go. On the CPU, compiling is most of the
-suite's time: the processes share an on-disk compilation cache and compile without
-LLVM optimisation.
+without room, so the tests allocate as they go; and float32 matmuls run in full float32,
+not TF32. On the CPU, compiling is most of the suite's time: the processes share an
+on-disk compilation cache and compile without LLVM optimisation.
 """
 
 import os
 import pkgutil
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# The oracles are float64 numpy and the tolerances float32's (1e-4 on logits and
+# logprobs). On a GPU, XLA's default float32 matmul is TF32 (10-bit mantissa), which moves
+# the tiny model's logits by about 1e-3: the model's matmuls, like the kernels' (which name
+# their precision), run in full float32 here. A caller's own setting wins.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # Many tests build engines whose jitted step programs are the same computation; a shared
 # on-disk cache lets each worker, and each later engine, load a program the other
 # compiled (the in-memory jit caches the tests count are unaffected).

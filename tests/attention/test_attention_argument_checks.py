@@ -146,8 +146,9 @@ def test_a_pallas_backend_called_outside_jit_off_its_platform_is_refused_by_name
     q = jnp.zeros((md.max_num_tokens, H_Q, D), jnp.float32)
     pages = jnp.zeros((64, 4, 2 * H_KV, D), jnp.float32)
     refused = f"backend='{backend}' compiles only on a .*interpret=True"
-    with pytest.raises(ValueError, match=refused):
-        paged_attention(q, pages, md, sm_scale=0.125, backend=backend, interpret=False)
+    if backend != f"pallas_{jax.default_backend()}":  # on its own platform it compiles
+        with pytest.raises(ValueError, match=refused):
+            paged_attention(q, pages, md, sm_scale=0.125, backend=backend, interpret=False)
     for bad in (0, "", "no"):  # JAX's own error, or interpreted by truthiness
         with pytest.raises(ValueError, match=f"interpret={bad!r} must be a bool or None"):
             paged_attention(q, pages, md, sm_scale=0.125, backend=backend, interpret=bad)
