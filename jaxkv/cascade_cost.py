@@ -87,8 +87,13 @@ class CascadeCostModel:
 # xla: from benchmarks/attention.py on the CPU (README table): cascade won wherever it
 # saved over ~1.5 MiB and at least a third of flat's bytes. Where it saves only a sixth
 # (P=256, S=1024) runs disagree: 0.84x in one, 1.2x in the latest, so min_saved_fraction
-# keeps flat there rather than risk a loss. The accelerator rows are estimates (a
-# kernel launch of a few microseconds at HBM bandwidth) until measured on hardware.
+# keeps flat there rather than risk a loss. pallas_gpu: from benchmarks/gpu_kernel.py
+# on an H200 against flat over prefix-cached pages (tests/attention/
+# test_cascade_cost_measured.py holds the timings): cascade lost where it saved ~30 MB
+# (the extra call and merge cost ~15-20 us, ~64 MiB at 4 TB/s) and broke even where the
+# prefix was half the context (L2 already serves a small shared prefix to flat). The
+# pallas_tpu row is an estimate (a call of a few microseconds at HBM bandwidth) until
+# measured on a TPU.
 DEFAULT_COST_MODELS: dict[str, CascadeCostModel] = {
     "xla": CascadeCostModel(
         launch_overhead_bytes=256 << 10,
@@ -100,7 +105,7 @@ DEFAULT_COST_MODELS: dict[str, CascadeCostModel] = {
         launch_overhead_bytes=8 << 20, merge_cost_factor=1.0, min_saved_fraction=0.2
     ),
     "pallas_gpu": CascadeCostModel(
-        launch_overhead_bytes=16 << 20, merge_cost_factor=1.0, min_saved_fraction=0.2
+        launch_overhead_bytes=64 << 20, merge_cost_factor=1.0, min_saved_fraction=0.45
     ),
 }
 
