@@ -15,9 +15,12 @@ chosen, for four reasons:
   through shared memory to feed it;
 - hardware: Mosaic GPU targets Hopper and newer; Triton also runs on Ampere;
 - verification: much of a Mosaic GPU kernel (layouts, swizzles, barrier pipelining) is
-  checked only on the device, and no GPU was at hand; the Triton module this file emits
-  passes the Triton dialect verifier on the CPU and compiles to a cubin for sm_89 and
-  sm_90 with the triton package (tests/kernels/test_gpu_triton_compile.py).
+  checked only on the device, and no GPU was at hand while it was written; the Triton
+  module this file emits passes the Triton dialect verifier on the CPU and compiles to a
+  cubin for sm_89 and sm_90 with the triton package
+  (tests/kernels/test_gpu_triton_compile.py). Since then it has run compiled on an H200
+  (jax 0.11.2): its tests pass, and it decodes at up to 85% of the H200's peak HBM
+  bandwidth (README, GPU kernel).
 Porting the same tiling to Mosaic GPU for bf16 on Hopper is the follow-up once a Hopper
 machine can test it. The kernel body uses only loads, stores, dots, reductions and
 loops, which the Triton backend lowers on jax 0.10 (and, deprecated but present, on
