@@ -10,6 +10,9 @@ question, a second level of shared prefix wherever a question fills a KV block o
 SamplingParams penalties (jaxkv.penalties); their host cost shows in the prep column.
 --prompt-logprobs K asks every request for its prompt logprobs (jaxkv.prompt_logprobs):
 each then computes its whole prompt (no prefix-cache reads) and its prompt rows' logits.
+Every step runs the model on at least --min-tokens-bucket token slots (by default
+--max-num-batched-tokens: one token bucket, few programs); a smaller floor runs decode
+steps on fewer, where attention is a larger share of the step.
 Runs four engines on the same model and workload: cascade attention on/off x prefix
 caching on/off, and reports per engine:
 
@@ -87,6 +90,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     p.add_argument(
+        "--min-tokens-bucket",
+        type=positive_int,
+        default=None,
+        help="the engines' min_num_tokens_bucket (default: --max-num-batched-tokens, so every "
+        "step runs the model on that many token slots; smaller lets decode steps run on fewer)",
+    )
+    p.add_argument(
         "--decode-batch", type=positive_int, default=256, help="batch of the host-time goal"
     )
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -100,6 +110,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.configs.split(",")) - {c[0] for c in CONFIGS}
     if unknown:
         p.error(f"--configs: unknown {sorted(unknown)}; choose from {[c[0] for c in CONFIGS]}")
+    if args.min_tokens_bucket is None:
+        args.min_tokens_bucket = args.max_num_batched_tokens
+    elif args.min_tokens_bucket > args.max_num_batched_tokens:
+        p.error(
+            f"--min-tokens-bucket {args.min_tokens_bucket} must be <= --max-num-batched-tokens "
+            f"{args.max_num_batched_tokens}"
+        )
     if args.num_requests > args.max_num_batched_tokens:  # all requests run in one batch
         p.error(
             f"--num-requests {args.num_requests} must be <= --max-num-batched-tokens "
@@ -152,7 +169,7 @@ def engine_config(args, cascade: bool, prefix_caching: bool) -> EngineConfig:
         enable_cascade=cascade,
         # Few, coarse buckets: a long run compiles a handful of programs.
         min_num_seqs_bucket=max(args.num_requests // 4, 1),
-        min_num_tokens_bucket=args.max_num_batched_tokens,
+        min_num_tokens_bucket=args.min_tokens_bucket,
     )
 
 

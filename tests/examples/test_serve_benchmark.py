@@ -113,6 +113,7 @@ def test_samples_split_the_requests_into_questions_of_n_samples_each():
         (["--repetition-penalty", "0"], "repetition_penalty=0.0 must be a number > 0"),
         (["--prompt-logprobs", "-1"], "prompt_logprobs=-1 must be None or an int >= 0"),
         (["--prompt-logprobs", "21"], "--prompt-logprobs 21 exceeds 20"),
+        (["--min-tokens-bucket", "4096"], "--min-tokens-bucket 4096 must be <= --max-num-"),
     ],
 )
 def test_flags_the_engine_would_refuse_are_refused_by_name(argv, message, capsys):
@@ -128,3 +129,12 @@ def test_a_block_larger_than_the_requests_needs_no_longer_model_length():
     config = engine_config(args, cascade=True, prefix_caching=True)
     assert config.scheduler.max_model_len == 128 + 8 + 32 + 1
     assert config.cache.num_blocks == 4 + 1
+
+
+def test_the_token_bucket_floor_is_the_batch_budget_unless_given():
+    # Every step padded to --max-num-batched-tokens slots hid attention behind the model's
+    # matmuls on a GPU; a smaller floor lets decode steps run on fewer slots.
+    default = engine_config(parse_args([]), cascade=True, prefix_caching=True)
+    assert default.min_num_tokens_bucket == 2048
+    args = parse_args(["--min-tokens-bucket", "256"])
+    assert engine_config(args, cascade=True, prefix_caching=True).min_num_tokens_bucket == 256
