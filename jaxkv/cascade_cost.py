@@ -90,10 +90,11 @@ class CascadeCostModel:
 # keeps flat there rather than risk a loss. pallas_gpu: from benchmarks/gpu_kernel.py
 # on an H200 against flat over prefix-cached pages (tests/attention/
 # test_cascade_cost_measured.py holds the timings): cascade lost where it saved ~30 MB
-# (the extra call and merge cost ~15-20 us, ~64 MiB at 4 TB/s) and broke even where the
-# prefix was half the context (L2 already serves a small shared prefix to flat). The
-# pallas_tpu row is an estimate (a call of a few microseconds at HBM bandwidth) until
-# measured on a TPU.
+# (its extra call and merge cost ~15-20 us, ~64 MiB at 4 TB/s); where the prefix was
+# half of each context it came within 10% of flat either way (L2 serves a small shared
+# prefix to flat too), and it is planned there; it won by 1.06-3x wherever it saved
+# more. The pallas_tpu row is an estimate (a call of a few microseconds at HBM
+# bandwidth) until measured on a TPU.
 DEFAULT_COST_MODELS: dict[str, CascadeCostModel] = {
     "xla": CascadeCostModel(
         launch_overhead_bytes=256 << 10,
