@@ -12,9 +12,10 @@ import pkgutil
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # The oracles are float64 numpy and the tolerances float32's (1e-4 on logits and
-# logprobs). On a GPU, XLA's default float32 matmul is TF32 (10-bit mantissa), which moves
-# the tiny model's logits by about 1e-3: the model's matmuls, like the kernels' (which name
-# their precision), run in full float32 here. A caller's own setting wins.
+# logprobs). On a GPU, XLA's default float32 matmul is TF32 (10-bit mantissa), which moved
+# the tiny model's logits by about 1e-3 on an H200 (a TPU's default, bfloat16 passes, is
+# coarser still): the model's matmuls, like the kernels' (which name their precision), run
+# in full float32 here. A caller's own setting wins.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # Many tests build engines whose jitted step programs are the same computation; a shared
 # on-disk cache lets each worker, and each later engine, load a program the other
