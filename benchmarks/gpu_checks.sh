@@ -3,6 +3,8 @@
 #   1. the machine: nvidia-smi, and the versions of Python, jax, jaxlib, flax and optax;
 #   2. the whole test suite on the GPU: the kernel tests run the compiled kernel (the
 #      harness interprets only off its platform) and the engine serves with pallas_gpu;
+#      each test's result is logged as it ends, so a stage cut by its limit still says
+#      which tests ran;
 #   3. benchmarks/gpu_kernel.py: the kernel checked against the reference on the device,
 #      then flat, cascade and JAX's paged attention timed against the copy bandwidth;
 #   4. benchmarks/serve.py, cascade against flat with prefix caching: the tiny model as in
@@ -38,7 +40,7 @@ print(\"jax\", jax.__version__, \"jaxlib\", jaxlib.__version__, \"flax\", flax._
 print(jax.devices())'"
 
 stage tests "${GPU_TEST_S:-300}" "$OUT/pytest.log" "$PY" -m pytest -n "${GPU_TEST_WORKERS:-8}" \
-    --dist loadfile tests -q -rfE --durations=25 --junitxml="$OUT/pytest.xml"
+    --dist loadfile tests -o addopts= -v -rfE --durations=25 --junitxml="$OUT/pytest.xml"
 
 stage gpu_kernel "${GPU_BENCH_S:-130}" "$OUT/gpu_kernel.log" "$PY" benchmarks/gpu_kernel.py \
     --out "$OUT" --max-seconds "${GPU_BENCH_CONFIG_S:-80}"
