@@ -62,6 +62,18 @@ def test_learning_rate_and_weight_decay_follow_the_schedule_on_matrices_only():
     np.testing.assert_array_equal(got["norm"], np.ones(2))
 
 
+def test_a_run_no_longer_than_its_warmup_warms_up_then_ends_at_the_default_end_lr():
+    # total_steps <= warmup_steps (e.g. a short run of the example with its default
+    # warmup) still builds: warmup, then one step down to the end value. The defaults
+    # apply: weight decay 0.1 and an end learning rate a tenth of the peak.
+    peak = 0.2
+    tx = make_optimizer(peak_lr=peak, warmup_steps=2, total_steps=2)
+    params = {"kernel": jnp.ones((2, 2))}
+    got = _updates(tx, params, [{"kernel": jnp.zeros((2, 2))}] * 5)
+    lrs = [0.0, peak / 2, peak, peak * 0.1, peak * 0.1]
+    np.testing.assert_allclose(got["kernel"], np.prod([1 - lr * 0.1 for lr in lrs]), rtol=1e-6)
+
+
 def test_adam_runs_on_gradients_clipped_to_the_global_norm():
     b1, b2, eps, peak = 0.9, 0.95, 1e-8, 0.1
     tx = make_optimizer(peak_lr=peak, warmup_steps=1, total_steps=1000, clip_norm=1.0)
