@@ -103,7 +103,8 @@ def test_greedy_generate_refuses_a_pad_or_prompt_id_outside_the_vocabulary():
     for kwargs, match in [({"pad_id": 64}, "pad_id=64"), ({"pad_id": -1}, "pad_id=-1")]:
         with pytest.raises(ValueError, match=match):
             greedy_generate(model, [3, 4], 2, window=8, **kwargs)
-    with pytest.raises(ValueError, match="prompt ids must lie in"):
-        greedy_generate(model, [3, 64], 2, window=8)
+    for prompt in ([3, 64], [-1, 3]):  # past the table, or below it
+        with pytest.raises(ValueError, match="prompt ids must lie in"):
+            greedy_generate(model, prompt, 2, window=8)
     with pytest.raises(ValueError, match="byte tokenizer's 259 ids"):
         _example().tiny_config(["vocab_size=200"])
