@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 
 from jaxkv import SamplingParams
@@ -160,6 +161,13 @@ def test_a_tokenizer_that_fails_at_the_end_is_logged_and_the_request_still_finis
     assert out.text is None
     assert "RuntimeError('decoder broke') on the output of '0': its text is None" in caplog.text
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize(("eos", "expected"), [(np.int64(6), 6), ([6, 2], None), (None, None)])
+def test_the_tokenizers_eos_is_read_as_one_int_and_a_list_as_none(eos, expected):
+    # A list names no single EOS to report as stop_reason None; it must not be refused.
+    got = Detokenizer(type("T", (_Words,), {"eos_token_id": eos})()).eos_token_id
+    assert got == expected and type(got) is type(expected)
 
 
 def test_include_stop_str_in_output_must_be_a_bool():
