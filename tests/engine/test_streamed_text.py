@@ -21,7 +21,7 @@ from jaxkv import SamplingParams
 from jaxkv.detokenizer import Detokenizer
 from jaxkv.engine import Engine
 from jaxkv.models import ByteTokenizer
-from jaxkv.request import Request
+from jaxkv.request import Request, RequestStatus
 from tests.engine._text_cases import TOKENIZER, text_cases
 from tests.engine._util import assert_all_blocks_free, engine_config, tiny_model
 from tests.host._sched_util import add, make_scheduler
@@ -122,6 +122,33 @@ def test_a_tokenizer_that_fails_midway_streams_none_from_then_on(caplog):
     out = engine.generate([[97, 98, 99, 100, 101]], params, progress=False)[0]
     assert out.text is None and len(out.output_token_ids) == 6
     assert_all_blocks_free(engine)
+
+
+def test_a_tokenizer_that_fails_once_stays_unread_though_it_recovers(caplog):
+    """After one failed decode the request streams None (its finishing output too) and
+    its stop strings are not looked for, even when later decodes would succeed; the
+    failure is logged once."""
+
+    class FailsOnce(ByteTokenizer):
+        calls = 0
+
+        def decode(self, ids):
+            type(self).calls += 1
+            if type(self).calls == 2:  # the first read's first decode ([] above is the 1st)
+                raise RuntimeError("decoder broke once")
+            return super().decode(ids)
+
+    detokenizer = Detokenizer(FailsOnce())
+    request = Request("r", list(b"Q: "), SamplingParams(stop="b", stream_text=True))
+    reads = []
+    with caplog.at_level(logging.WARNING, logger="jaxkv.detokenizer"):
+        for token in b"aab":
+            request.append_output_token_ids(token)
+            reads.append(detokenizer.read(request))
+    assert reads == [(None, None)] * 3
+    request.status = RequestStatus.FINISHED_LENGTH  # and the finishing output's text: None
+    assert detokenizer.text(request, None) is None
+    assert caplog.text.count("decoder broke once") == 1
 
 
 _TOKENS = st.sampled_from([*b"ab!XY \xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80\x80", PAD, EOS])
