@@ -74,12 +74,14 @@ def test_a_run_no_longer_than_its_warmup_warms_up_then_ends_at_the_default_end_l
     np.testing.assert_allclose(got["kernel"], np.prod([1 - lr * 0.1 for lr in lrs]), rtol=1e-6)
 
 
-def test_adam_runs_on_gradients_clipped_to_the_global_norm():
+@pytest.mark.parametrize(("kwargs", "clip"), [({}, 1.0), ({"clip_norm": 2.0}, 2.0)])
+def test_adam_runs_on_gradients_clipped_to_the_global_norm(kwargs, clip):
+    # clip_norm is the bound the gradients are clipped to; 1.0 by default.
     b1, b2, eps, peak = 0.9, 0.95, 1e-8, 0.1
-    tx = make_optimizer(peak_lr=peak, warmup_steps=1, total_steps=1000, clip_norm=1.0)
+    tx = make_optimizer(peak_lr=peak, warmup_steps=1, total_steps=1000, **kwargs)
     grads = [np.array([60.0, 80.0]), np.array([0.3, 0.4])]  # global norms 100 and 0.5
     got = _updates(tx, {"b": jnp.zeros(2)}, [{"b": jnp.asarray(g)} for g in grads])["b"]
-    clipped = [g / max(1.0, np.linalg.norm(g)) for g in grads]
+    clipped = [g * min(1.0, clip / np.linalg.norm(g)) for g in grads]
     m = (1 - b1) * (b1 * clipped[0] + clipped[1])
     v = (1 - b2) * (b2 * clipped[0] ** 2 + clipped[1] ** 2)
     # The first update has learning rate 0 (warmup start); the second the peak.
