@@ -170,6 +170,19 @@ def test_the_tokenizers_eos_is_read_as_one_int_and_a_list_as_none(eos, expected)
     assert got == expected and type(got) is type(expected)
 
 
+def test_a_decode_returning_no_str_for_the_prompt_is_logged_and_gives_no_text(caplog):
+    class NoStrForThePrompt(ByteTokenizer):
+        def decode(self, ids):
+            return None if list(ids) == [97, 98] else super().decode(ids)
+
+    request = Request("r", [97, 98], SamplingParams())
+    request.append_output_token_ids(99)
+    request.status = RequestStatus.FINISHED_LENGTH
+    with caplog.at_level(logging.WARNING, logger="jaxkv.detokenizer"):
+        assert Detokenizer(NoStrForThePrompt()).text(request, None) is None
+    assert "decode returned NoneType, not a str" in caplog.text
+
+
 def test_include_stop_str_in_output_must_be_a_bool():
     with pytest.raises(ValueError, match="include_stop_str_in_output='no' must be a bool"):
         SamplingParams(include_stop_str_in_output="no")
