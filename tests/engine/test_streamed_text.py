@@ -180,6 +180,14 @@ _STOPS = st.lists(st.sampled_from(["a", "ab", "b!", "XY", "\xe9a", "\u20ac", " a
     include=False,
     min_tokens=0,
 )
+@example(  # a stop token first: the request finishes without a read of its text
+    prompt=[97],
+    output=[EOS],
+    stop=[],
+    stop_token_ids=(EOS,),
+    include=False,
+    min_tokens=0,
+)
 @given(
     prompt=st.lists(_TOKENS, min_size=1, max_size=6),
     output=st.lists(_TOKENS, min_size=1, max_size=24),
