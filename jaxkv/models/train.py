@@ -17,6 +17,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxkv.field_checks import as_int
 from jaxkv.models.llama import Llama
 
 
@@ -127,12 +128,20 @@ def greedy_generate(
     Runs on a fixed [1, window] buffer, so it compiles once per model graph and window
     (calls with other prompts reuse the program); the context is the last `window` tokens.
     Causal attention means the padding after the context never matters, as long as it is
-    a token id of the model: ValueError for a `pad_id` or prompt id outside the vocabulary.
+    a token id of the model: ValueError for a `pad_id` or prompt id outside the vocabulary,
+    a prompt of anything but ints, a `window` below 1 or a negative `num_new_tokens`.
     """
-    if not prompt:
+    if len(prompt) == 0:
         raise ValueError("prompt must hold at least one token")
+    if any(as_int(t) is None for t in prompt):  # 3.7 would be cut to 3 in the buffer
+        raise ValueError(f"prompt must hold int token ids, got {list(prompt)[:8]!r}")
+    if as_int(window) is None or window < 1:
+        raise ValueError(f"{window=} must be an int >= 1")
+    if as_int(num_new_tokens) is None or num_new_tokens < 0:
+        raise ValueError(f"{num_new_tokens=} must be an int >= 0")
     vocab = model.config.vocab_size
-    if not 0 <= pad_id < vocab:  # an id past the table embeds as NaN, and NaN * 0 is NaN
+    # An id past the embedding table embeds as NaN, and NaN * 0 is NaN.
+    if as_int(pad_id) is None or not 0 <= pad_id < vocab:
         raise ValueError(f"{pad_id=} must be a token id in [0, {vocab})")
     if not 0 <= min(prompt) <= max(prompt) < vocab:
         raise ValueError(f"prompt ids must lie in [0, {vocab}), got {min(prompt)}..{max(prompt)}")

@@ -106,5 +106,25 @@ def test_greedy_generate_refuses_a_pad_or_prompt_id_outside_the_vocabulary():
     for prompt in ([3, 64], [-1, 3]):  # past the table, or below it
         with pytest.raises(ValueError, match="prompt ids must lie in"):
             greedy_generate(model, prompt, 2, window=8)
+
+
+@pytest.mark.parametrize(
+    "prompt, num_new_tokens, window, match",
+    [
+        ([3.7, 4], 2, 8, "prompt must hold int token ids"),  # was cut to 3 in the buffer
+        ([True, 4], 2, 8, "prompt must hold int token ids"),
+        ([3, 4], -1, 8, "num_new_tokens=-1 must be an int >= 0"),  # returned [] quietly
+        ([3, 4], 2.0, 8, "num_new_tokens=2.0 must be an int"),
+        ([3, 4], 2, 0, "window=0 must be an int >= 1"),  # a numpy shape error, later
+        ([3, 4], 2, True, "window=True must be an int >= 1"),
+    ],
+)
+def test_greedy_generate_refuses_arguments_it_cannot_honour_by_name(
+    prompt, num_new_tokens, window, match
+):
+    model = random_model(small_config())
+    with pytest.raises(ValueError, match=match):
+        greedy_generate(model, prompt, num_new_tokens, window=window)
+    assert greedy_generate(model, np.array([3, 4]), 0, window=8) == []  # numpy prompts too
     with pytest.raises(ValueError, match="byte tokenizer's 259 ids"):
         _example().tiny_config(["vocab_size=200"])
