@@ -106,6 +106,9 @@ def test_greedy_generate_refuses_a_pad_or_prompt_id_outside_the_vocabulary():
     for prompt in ([3, 64], [-1, 3]):  # past the table, or below it
         with pytest.raises(ValueError, match="prompt ids must lie in"):
             greedy_generate(model, prompt, 2, window=8)
+    assert greedy_generate(model, np.array([3, 4]), 0, window=8) == []  # numpy ids are ints
+    with pytest.raises(ValueError, match="byte tokenizer's 259 ids"):
+        _example().tiny_config(["vocab_size=200"])
 
 
 @pytest.mark.parametrize(
@@ -125,6 +128,3 @@ def test_greedy_generate_refuses_arguments_it_cannot_honour_by_name(
     model = random_model(small_config())
     with pytest.raises(ValueError, match=match):
         greedy_generate(model, prompt, num_new_tokens, window=window)
-    assert greedy_generate(model, np.array([3, 4]), 0, window=8) == []  # numpy prompts too
-    with pytest.raises(ValueError, match="byte tokenizer's 259 ids"):
-        _example().tiny_config(["vocab_size=200"])
