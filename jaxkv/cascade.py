@@ -30,7 +30,7 @@ from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostM
 from jaxkv.cascade_plan import CascadeLevel, CascadePlan
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.plan_memo import PlanMemo
-from jaxkv.planner_args import checked_plan_args, checked_planner_settings
+from jaxkv.planner_args import check_computed_held, checked_plan_args, checked_planner_settings
 
 __all__ = [
     "DEFAULT_COST_MODELS",
@@ -128,8 +128,10 @@ class CascadePlanner:
         is valid until the manager next frees a request (build_attention_metadata checks).
 
         Every request must hold blocks for its num_computed_tokens (as the scheduler
-        guarantees). Cost: a fixed number of numpy calls plus a loop over at most
-        4 x max_groups candidate groups; repeated id lists reuse the manager's common
+        guarantees); ValueError naming the batch position otherwise, or for a count
+        below 0, an id given twice or unknown, or arguments of the wrong type.
+        Cost: a fixed number of numpy calls plus a loop over at most 4 x max_groups
+        candidate groups; repeated id lists reuse the manager's common
         prefix (KVCacheManager.num_common_prefix_blocks).
         """
         num_computed_tokens, query_lens = checked_plan_args(
@@ -141,6 +143,7 @@ class CascadePlanner:
         if rows is not self._distinct_rows:
             _check_distinct(rows, request_ids)
             self._distinct_rows = rows
+        check_computed_held(num_computed_tokens, rows, manager)
         identity = np.arange(num_requests, dtype=np.int32)
         if num_requests == 0:
             return CascadePlan(

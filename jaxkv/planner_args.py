@@ -16,7 +16,7 @@ from jaxkv.count_arrays import widened_counts
 from jaxkv.field_checks import increasing_sizes, is_integer
 from jaxkv.kv_cache_manager import KVCacheManager
 
-__all__ = ["checked_plan_args", "checked_planner_settings"]
+__all__ = ["check_computed_held", "checked_plan_args", "checked_planner_settings"]
 
 
 def checked_planner_settings(
@@ -52,7 +52,8 @@ def checked_planner_settings(
 
 
 def checked_plan_args(request_ids: Sequence[str], num_computed_tokens, query_lens, manager):
-    """The two per-request counts as arrays; ValueError naming a bad argument."""
+    """The two per-request counts as arrays; ValueError naming a bad argument (a count
+    below 0 too)."""
     try:
         num_requests = len(request_ids)
     except TypeError:  # None, a generator: plan() needs the ids twice
@@ -73,4 +74,23 @@ def checked_plan_args(request_ids: Sequence[str], num_computed_tokens, query_len
         raise ValueError(
             f"{num_computed_tokens.dtype=} and {query_lens.dtype=} must be integer dtypes"
         )
-    return widened_counts(num_computed_tokens), widened_counts(query_lens)
+    num_computed_tokens = widened_counts(num_computed_tokens)
+    query_lens = widened_counts(query_lens)
+    for name, counts in (("num_computed_tokens", num_computed_tokens), ("query_lens", query_lens)):
+        if num_requests and counts.min() < 0:  # a level would start at a negative column
+            i = int(np.argmin(counts))
+            raise ValueError(f"{name}[{i}]={int(counts[i])} must be >= 0")
+    return num_computed_tokens, query_lens
+
+
+def check_computed_held(num_computed_tokens: np.ndarray, rows: np.ndarray, manager) -> None:
+    """ValueError naming the first batch position whose num_computed_tokens lies past the
+    blocks its request holds: a level over them would read blocks it does not hold."""
+    held = manager.num_blocks_of_rows(rows).astype(np.int64) * manager.block_size
+    past = num_computed_tokens > held
+    if past.any():
+        i = int(np.argmax(past))
+        raise ValueError(
+            f"num_computed_tokens[{i}]={int(num_computed_tokens[i])} lies past the "
+            f"{int(held[i])} token slots its request holds (allocate them first)"
+        )

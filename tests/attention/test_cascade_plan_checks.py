@@ -154,6 +154,29 @@ def test_the_planner_refuses_arguments_of_the_wrong_type_by_name(args, match):
 
 
 @pytest.mark.parametrize(
+    "computed, query_lens, match",
+    [
+        ([13, -1], [1, 1], r"num_computed_tokens\[1\]=-1 must be >= 0"),
+        ([13, 13], [1, -2], r"query_lens\[1\]=-2 must be >= 0"),
+        ([17, 13], [1, 1], r"num_computed_tokens\[0\]=17 lies past the 16 token slots"),
+        ([13, 10**6], [1, 1], r"num_computed_tokens\[1\]=1000000 lies past"),
+    ],
+    ids=["negative_computed", "negative_query", "one_past_held", "far_past_held"],
+)
+def test_the_planner_refuses_counts_outside_the_blocks_held_by_name(computed, query_lens, match):
+    # Each request holds 4 blocks of 4 (14 tokens). A count past them planned a level over
+    # blocks it does not hold, and a negative one a suffix from a negative column.
+    m = KVCacheManager(64, 4, max_model_len=64)
+    for i in range(2):
+        _decoding(m, f"r{i}", SYSTEM_A[:12] + [i])
+    planner = CascadePlanner(SHAPE, cost_model=ALWAYS)
+    assert planner.plan(["r0", "r1"], [16, 13], [0, 1], m).levels  # at the bound: accepted
+    with pytest.raises(ValueError, match=match):
+        planner.plan(["r0", "r1"], np.array(computed), np.array(query_lens), m)
+    m.check_integrity()
+
+
+@pytest.mark.parametrize(
     "ids, twice", [(["a", "b", "a"], "a"), (["c", "b", "b"], "b"), (["b", "b"], "b")]
 )
 def test_a_request_given_twice_is_refused_by_the_planner_and_the_plan(ids, twice):
