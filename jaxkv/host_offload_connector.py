@@ -230,7 +230,7 @@ class HostOffloadConnector(KVConnector):
 
     def _finish_save(self, t: _Transfer) -> bool:
         try:
-            data = t.future.result()
+            data = _copy_result(t.future)
             if len(data) != len(t.hashes):
                 raise ValueError(f"{len(data)} blocks copied for {len(t.hashes)} asked")
         except Exception as e:  # noqa: BLE001 - any copy failure frees the blocks the same way
@@ -264,7 +264,7 @@ class HostOffloadConnector(KVConnector):
 
     def _finish_load(self, t: _Transfer) -> bool:
         try:
-            t.future.result()
+            _copy_result(t.future)
         except Exception as e:  # noqa: BLE001 - any copy failure recomputes the same way
             logger.warning("KV load of %r failed, its tokens recomputed: %r", t.request_id, e)
             for h in t.hashes:
@@ -305,3 +305,14 @@ class HostOffloadConnector(KVConnector):
         if copier is None:
             raise RuntimeError("HostOffloadConnector used unbound (bind(copier, ...) first)")
         return copier
+
+
+def _copy_result(future: Future):
+    """The landed copy's result. A copy that ended with a BaseException of its own (a
+    KeyboardInterrupt or SystemExit raised in its thread, which the Future stores) failed
+    like any other: raised as it is, it would escape poll() with its transfer already
+    dropped, and the request would hold its blocks for good."""
+    error = future.exception()  # the copy is done: this never waits
+    if error is not None and not isinstance(error, Exception):
+        raise RuntimeError(f"the copy ended with {error!r}") from error
+    return future.result()
