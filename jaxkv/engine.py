@@ -90,11 +90,6 @@ class Engine(Closable):
         detokenizer = None if tokenizer is None else Detokenizer(tokenizer)  # checks it
         mc = model.config
         sc, cc = config.scheduler, config.cache
-        if sc.max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"config.scheduler.max_model_len={sc.max_model_len} exceeds the model's "
-                f"max_position_embeddings={mc.max_position_embeddings}"
-            )
         self.config = config
         self.model_config, self.vocab_size = mc, mc.vocab_size
         # Weights Megatron-sharded over the mesh, KV cache and attention split by KV heads;

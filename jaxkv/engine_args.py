@@ -19,8 +19,8 @@ def checked_engine_args(model, params, config, connector) -> EngineConfig:
     """`config` (EngineConfig() for None); ValueError naming the argument unless `model`
     is an nnx.Module with a `config` and `init_kv_caches` (a jaxkv.models.Llama),
     `params` None or a state of the model's structure, leaf shapes and dtypes (concrete
-    arrays, not abstract ones), `config` None or
-    an EngineConfig and `connector` None or a KVConnector."""
+    arrays, not abstract ones), `config` None or an EngineConfig whose max_model_len fits
+    the model's max_position_embeddings, and `connector` None or a KVConnector."""
     llama = all(hasattr(model, name) for name in ("config", "init_kv_caches"))
     if not (isinstance(model, nnx.Module) and llama):
         raise ValueError(f"model={type(model).__name__} must be a jaxkv.models.Llama")
@@ -34,7 +34,14 @@ def checked_engine_args(model, params, config, connector) -> EngineConfig:
         )
     if params is not None:
         _check_params(model, params)
-    return EngineConfig() if config is None else config
+    config = EngineConfig() if config is None else config
+    max_len, max_positions = config.scheduler.max_model_len, model.config.max_position_embeddings
+    if max_len > max_positions:
+        raise ValueError(
+            f"config.scheduler.max_model_len={max_len} exceeds the model's "
+            f"max_position_embeddings={max_positions}"
+        )
+    return config
 
 
 def _check_params(model, params) -> None:

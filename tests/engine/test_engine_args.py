@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -11,7 +13,7 @@ from jaxkv import SamplingParams
 from jaxkv.config import SchedulerConfig
 from jaxkv.engine import Engine
 from jaxkv.host_offload_connector import HostOffloadConnector
-from tests.engine._util import engine_config, tiny_model
+from tests.engine._util import MAX_MODEL_LEN, engine_config, tiny_model
 
 
 def _params_with_a_wrong_shape():
@@ -19,6 +21,12 @@ def _params_with_a_wrong_shape():
     leaves, treedef = jax.tree.flatten(state)
     leaves[0] = jnp.zeros((*leaves[0].shape[:-1], leaves[0].shape[-1] + 1), leaves[0].dtype)
     return jax.tree.unflatten(treedef, leaves)
+
+
+def _config_longer_than_the_model():
+    config = engine_config()  # the tiny model has max_position_embeddings=MAX_MODEL_LEN
+    longer = dataclasses.replace(config.scheduler, max_model_len=MAX_MODEL_LEN + 1)
+    return dataclasses.replace(config, scheduler=longer)
 
 
 def _params_mapped(leaf_of):
@@ -43,6 +51,10 @@ class _ConfigOnly(nnx.Module):
         # Both attributes are needed: a config alone is not enough.
         (lambda: Engine(_ConfigOnly()), "model=_ConfigOnly must be a jaxkv.models.Llama"),
         (lambda: Engine(tiny_model(), None, engine_config(), mesh="x"), "mesh='x' must be"),
+        (
+            lambda: Engine(tiny_model(), None, _config_longer_than_the_model()),
+            f"max_model_len={MAX_MODEL_LEN + 1} exceeds the model's max_position_embeddings=",
+        ),
         # Used to be accepted; the first step then failed on the number of leaves.
         (lambda: Engine(tiny_model(), {"w": 1}, engine_config()), "params: a dict with 1"),
         (lambda: Engine(tiny_model(), _params_with_a_wrong_shape(), engine_config()), "shape"),
