@@ -228,6 +228,12 @@ class Engine(Closable):
         """A live view of the request ids add_request refuses as in use (see there)."""
         return IdsInUse(self.scheduler.requests, self._samples)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empties the device prefix cache (vLLM's LLM.reset_prefix_cache): True if it did,
+        False (nothing changed) while a request holds blocks; a connector's store stays."""
+        self._check_open()
+        return self.manager.reset_prefix_cache()
+
     def has_pending_transfers(self) -> bool:
         """True while finished requests hold blocks for KV copies that have not landed."""
         return self.scheduler.has_pending_transfers()

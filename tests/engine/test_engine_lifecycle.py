@@ -202,3 +202,28 @@ def test_generate_with_progress_bar_returns_outputs_in_prompt_order(capsys):
     assert [list(o.output_token_ids) for o in outs] == dense_greedy(prompts, lengths)
     assert [o.finish_reason for o in outs] == ["length"] * 3
     assert "generate" in capsys.readouterr().err  # the tqdm bar
+
+
+def test_reset_prefix_cache_is_refused_while_a_request_holds_blocks_then_empties_it():
+    prompt = prompts_for("none", seed=4)[0]
+    engine = make_engine()
+    params = SamplingParams(max_tokens=3)
+    [first] = engine.generate([prompt], params, progress=False)
+    running = engine.add_request(prompt, SamplingParams(max_tokens=6))
+    engine.step()
+    hits_of_one_lookup = engine.manager.prefix_cache_stats.hits
+    assert hits_of_one_lookup > 0  # the running request hit the first one's blocks
+    assert not engine.reset_prefix_cache()  # it holds them: refused, nothing changed
+    engine.abort(running)
+    engine.manager.reset_prefix_cache_stats()
+    [again] = engine.generate([prompt], params, progress=False)
+    assert engine.manager.prefix_cache_stats.hits == hits_of_one_lookup  # still cached
+    assert engine.reset_prefix_cache()
+    [cold] = engine.generate([prompt], params, progress=False)
+    assert engine.manager.prefix_cache_stats.hits == hits_of_one_lookup  # no hit since
+    assert first.output_token_ids == again.output_token_ids == cold.output_token_ids
+    assert first.output_token_ids == tuple(dense_greedy([prompt], 3)[0])
+    assert_all_blocks_free(engine)
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.reset_prefix_cache()
