@@ -49,7 +49,13 @@ from jaxkv import (  # noqa: E402
 )
 from jaxkv.attention import default_backend  # noqa: E402
 from jaxkv.cascade import CascadeCostModel  # noqa: E402
-from jaxkv.models import ByteTokenizer, Llama, LlamaConfig, load_checkpoint  # noqa: E402
+from jaxkv.models import (  # noqa: E402
+    ByteTokenizer,
+    CheckpointError,
+    Llama,
+    LlamaConfig,
+    load_checkpoint,
+)
 from kernels_pallas.tpu.ragged_paged_attention import SUPPORTED_HEAD_DIMS as TPU_HEAD_DIMS  # noqa: E402
 
 SHIPPED_CHECKPOINT = REPO / "examples" / "checkpoints" / "tiny"
@@ -144,7 +150,11 @@ def load_model(args: argparse.Namespace, console: Console) -> tuple[Llama, str]:
         return Llama(config, rngs=nnx.Rngs(args.seed)), f"{args.preset}, random weights"
     path = Path(args.checkpoint) if args.checkpoint else _default_checkpoint(console)
     shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path  # as the README
-    return load_checkpoint(path), f"tiny, trained checkpoint {shown}"
+    try:
+        model = load_checkpoint(path)
+    except (OSError, CheckpointError) as e:  # a missing file, or a damaged one
+        raise SystemExit(f"--checkpoint {args.checkpoint or shown}: {e}") from None
+    return model, f"tiny, trained checkpoint {shown}"
 
 
 def _default_checkpoint(console: Console) -> Path:

@@ -106,6 +106,16 @@ def test_pallas_tpu_backend_with_a_head_dim_the_kernel_lacks_says_why(serve):
         serve.main(["--backend", "pallas_tpu", "--num-requests", "2", "--max-tokens", "1"])
 
 
+def test_a_checkpoint_that_is_missing_or_damaged_is_named_without_a_traceback(serve, tmp_path):
+    with pytest.raises(SystemExit, match=f"--checkpoint {tmp_path}: .*config.json"):
+        serve.main(["--checkpoint", str(tmp_path), "--num-requests", "2", "--max-tokens", "1"])
+    shipped = EXAMPLES / "checkpoints" / "tiny"
+    (tmp_path / "config.json").write_bytes((shipped / "config.json").read_bytes())
+    (tmp_path / "params.msgpack").write_bytes(b"not the weights")
+    with pytest.raises(SystemExit, match="params.msgpack: its SHA-256"):
+        serve.main(["--checkpoint", str(tmp_path), "--num-requests", "2", "--max-tokens", "1"])
+
+
 def test_warm_tokens_per_s_times_every_run_over_the_same_steps(serve):
     report = sys.modules["serving_report"]
     # Step 1 compiled only in the first run: it is left out of both, so both rates
