@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from jaxkv import batch
 from jaxkv.batch import AttentionMetadata, build_attention_metadata
 from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlan, CascadePlanner
 from tests.attention import workload
@@ -140,3 +141,19 @@ def test_an_empty_query_or_reused_levels_of_another_plan_are_refused():
         build_attention_metadata(
             query_lens=step.query_lens[plan.order], levels=md.levels[:-1], **args
         )
+
+
+def test_a_decode_batch_one_past_the_shared_token_offsets_equals_the_reference(monkeypatch):
+    """The decode path's shared 0..n offsets grow when a batch needs one more than they
+    hold (R requests need R + 1 cumulative query offsets)."""
+    step = _decode_only(workload.random_step(0, block_size=4))
+    num_requests = len(step.request_ids)
+    assert num_requests >= 2
+    held = np.arange(num_requests, dtype=np.int32)
+    held.flags.writeable = False
+    monkeypatch.setattr(batch, "_IOTA", held)
+    m = step.manager
+    plan = CascadePlanner(SHAPE, enable_cascade=False).plan(
+        step.request_ids, step.num_computed_tokens, step.query_lens, m
+    )
+    assert _mismatches(step, plan, _build(step, plan, m.block_table)) == []
