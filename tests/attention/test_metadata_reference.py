@@ -13,10 +13,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxkv import batch
+from jaxkv import KVCacheManager, batch
 from jaxkv.batch import AttentionMetadata, build_attention_metadata
 from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlan, CascadePlanner
 from tests.attention import workload
+from tests.attention.test_cascade_planner import _decoding
 from tests.attention.test_paged_attention import buckets_for
 
 SHAPE = AttentionShape(4, 2, 16, kv_itemsize=4)
@@ -157,3 +158,23 @@ def test_a_decode_batch_one_past_the_shared_token_offsets_equals_the_reference(m
         step.request_ids, step.num_computed_tokens, step.query_lens, m
     )
     assert _mismatches(step, plan, _build(step, plan, m.block_table)) == []
+
+
+def test_a_cascade_request_holding_its_whole_row_keeps_its_last_main_pass_page():
+    """Main-pass pages of a batch whose suffix passes start at different columns include
+    the last column of the block table (a request at max_model_len)."""
+    m = KVCacheManager(32, 4, max_model_len=16)
+    shared = list(range(100, 108))
+    _decoding(m, "full", shared + list(range(7)))  # 16 tokens: every column of its row
+    _decoding(m, "short", shared + [50])
+    _decoding(m, "alone", list(range(200, 205)))
+    ids = ["full", "short", "alone"]
+    computed = np.array([15, 9, 5])
+    plan = CascadePlanner(SHAPE, cost_model=ALWAYS).plan(ids, computed, np.ones(3, int), m)
+    assert sorted(plan.suffix_start_blocks.tolist()) == [0, 2, 2]
+    md = build_attention_metadata(
+        block_table=m.block_table, plan=plan, query_lens=np.ones(3, int),
+        num_computed_tokens=computed[plan.order], block_size=4, buckets=buckets_for(4),
+    )  # fmt: skip
+    i = plan.order.tolist().index(0)
+    assert md.page_indices[i, :2].tolist() == m.block_ids("full")[2:4]
