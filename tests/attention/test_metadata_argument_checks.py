@@ -222,3 +222,11 @@ def test_a_hand_made_level_over_shared_blocks_is_built():
         num_computed_tokens=np.full(2, 8), block_size=4, buckets=BUCKETS,
     )  # fmt: skip
     assert md.levels[0].page_indices[0, :2].tolist() == m.block_table[rows[0], :2].tolist()
+
+
+def test_a_levels_tuple_holding_something_else_beside_level_metadata_is_refused():
+    """Every entry of `levels` must be a LevelMetadata, not just one of them."""
+    _, build = _three_decoding()
+    (level,) = build_attention_metadata(**build).levels
+    with pytest.raises(ValueError, match="must be None or a tuple of LevelMetadata"):
+        build_attention_metadata(**build, levels=(level, "level"))
