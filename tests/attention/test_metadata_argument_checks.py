@@ -230,3 +230,10 @@ def test_a_levels_tuple_holding_something_else_beside_level_metadata_is_refused(
     (level,) = build_attention_metadata(**build).levels
     with pytest.raises(ValueError, match="must be None or a tuple of LevelMetadata"):
         build_attention_metadata(**build, levels=(level, "level"))
+
+
+def test_a_decode_batch_with_a_request_of_no_query_token_is_refused():
+    """A 0 among 1s is no decode batch: its request would sample another's logits."""
+    _, build = _three_decoding()
+    with pytest.raises(ValueError, match="every query_lens entry must be >= 1, got 0"):
+        build_attention_metadata(**{**build, "query_lens": np.array([1, 0, 1])})
