@@ -237,3 +237,30 @@ def test_a_decode_batch_with_a_request_of_no_query_token_is_refused():
     _, build = _three_decoding()
     with pytest.raises(ValueError, match="every query_lens entry must be >= 1, got 0"):
         build_attention_metadata(**{**build, "query_lens": np.array([1, 0, 1])})
+
+
+def test_a_hand_made_group_is_checked_past_the_width_of_a_narrower_group():
+    """Each group of a level is checked over all its columns, also where another group of
+    the level spans fewer."""
+    m = KVCacheManager(64, 4, max_model_len=32)
+    prompts = {
+        "a": list(range(8)) + [50],  # a and b share block 0 only
+        "b": list(range(4)) + list(range(60, 64)) + [51],
+        "c": list(range(100, 108)) + [52],  # c and d share block 0 only
+        "d": list(range(100, 104)) + list(range(70, 74)) + [53],
+    }
+    for rid, tokens in prompts.items():
+        request = Request(rid, tokens)
+        hit, n = m.get_computed_blocks(request)
+        m.allocate_slots(request, 9 - n, num_new_computed_tokens=n, new_computed_blocks=hit)
+    rows = m.rows_of(list(prompts)).astype(np.int32)
+    level = make_level("groups", [0, 2], [2, 4], [0, 0], [2, 1], [rows[0], rows[2]])
+    suffix_start = np.array([2, 2, 1, 1], np.int32)
+    plan = CascadePlan(np.arange(4, dtype=np.int32), rows, suffix_start, (level,), 0)
+    with pytest.raises(
+        ValueError, match=rf"\(column 1 of leader row {rows[0]}\) for batch position 1"
+    ):
+        build_attention_metadata(
+            block_table=m.block_table, plan=plan, query_lens=np.ones(4, int),
+            num_computed_tokens=np.full(4, 8), block_size=4, buckets=BUCKETS,
+        )  # fmt: skip
