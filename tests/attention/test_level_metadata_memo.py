@@ -116,3 +116,13 @@ def test_a_hand_made_plan_is_built_each_call_and_checked():
     assert _build(m, hand_made, levels=first.levels).levels is first.levels
     with pytest.raises(ValueError, match="levels: .* differ"):
         _build(m, hand_made, levels=_build(m, plan_b).levels)
+
+
+def test_a_flat_plan_takes_back_the_empty_levels_it_was_given():
+    """A plan without levels accepts the () its earlier metadata holds; only a non-empty
+    tuple is refused."""
+    m, plan_a, _ = _two_plans()
+    flat = dataclasses.replace(plan_a, levels=(), suffix_start_blocks=np.zeros(3, np.int32))
+    md = _build(m, flat)
+    assert md.levels == ()
+    assert _build(m, flat, levels=md.levels).levels == ()
