@@ -50,16 +50,27 @@ class SchedulerConfig:
     max_model_len: prompt plus output tokens of one request.
     enable_chunked_prefill: split a prompt over several steps when the budget is short;
     when False a prompt is admitted only once its whole remainder fits the budget.
+    long_prefill_token_threshold: the most tokens one request is scheduled in a step
+    (vLLM's option of that name): a long prompt then runs in chunks of at most this many,
+    leaving the rest of the budget to other prompts. 0 (the default): only the budget
+    bounds it. Needs chunked prefill.
     """
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_model_len: int = 512
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         positive_int_fields(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len")
         bool_fields(self, "enable_chunked_prefill")
+        int_fields(self, "long_prefill_token_threshold", minimum=0)
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError(
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} splits "
+                "prompts into chunks: it needs enable_chunked_prefill=True"
+            )
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(
                 f"max_num_seqs={self.max_num_seqs!r} must be <= "

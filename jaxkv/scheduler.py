@@ -37,6 +37,7 @@ from jaxkv.scheduler_admission import admit_waiting, check_new_request, requeue_
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput, SchedulerStats, StepBatch
 from jaxkv.scheduler_transfers import TransferTracker
 from jaxkv.scheduler_update import apply_sampled_tokens
+from jaxkv.slot_allocation import needs_manager
 
 __all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats"]
 
@@ -188,19 +189,6 @@ class Scheduler:
         self._num_running_scheduled = num_running
         return self._unapplied
 
-    def _needs_manager(self, computed: int, n: int) -> bool:
-        """Whether `n` more tokens after `computed` need a block or a prefix-cache entry.
-
-        A running request holds ceil(computed / block_size) blocks (every allocation is
-        exact; only a request whose KV load landed holds blocks for all its tokens until
-        they are computed), so tokens that stay inside its partly filled last block
-        need nothing; tokens that exactly fill it need the manager only to cache it.
-        """
-        bs = self.manager.block_size
-        offset = computed % bs
-        fills_last = offset + n == bs and self.manager.enable_prefix_caching
-        return offset == 0 or offset + n > bs or fills_last
-
     def _schedule_running(self, budget: int, batch: StepBatch, preempted: list[str]) -> int:
         """Schedules running requests oldest first; returns the budget left.
 
@@ -211,8 +199,9 @@ class Scheduler:
         carry, self._decode_carry = self._decode_carry, None
         if carry is not None and len(self.running) <= budget:
             return self._schedule_decode(carry, budget, batch, preempted)
-        # The loop is the per-request cost of every step: _needs_manager and
+        # The loop is the per-request cost of every step: needs_manager and
         # StepBatch.add are inlined.
+        limit = self.config.long_prefill_token_threshold or budget
         bs = self.manager.block_size
         fill_limit = bs if self.manager.enable_prefix_caching else bs + 1
         add_request, add_tokens = batch.requests.append, batch.num_tokens.append
@@ -227,6 +216,8 @@ class Scheduler:
             n = request.num_tokens - computed
             if n > budget_left:
                 n = budget_left
+            if n > limit:
+                n = limit
             offset = computed % bs
             if offset == 0 or offset + n >= fill_limit:
                 needing.append(request)
@@ -259,12 +250,13 @@ class Scheduler:
 
     def _schedule_one_by_one(self, budget: int, batch: StepBatch, preempted: list[str]) -> int:
         """Schedules running requests one by one, preempting the latest when blocks run out."""
+        limit = self.config.long_prefill_token_threshold or budget
         # Iterating the live list is safe: preemption only pops from its end.
         for request in self.running:
             if budget <= 0:
                 break
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._needs_manager(request.num_computed_tokens, n) and not (
+            n = min(request.num_tokens - request.num_computed_tokens, budget, limit)
+            if needs_manager(self.manager, request.num_computed_tokens, n) and not (
                 self._allocate_or_preempt(request, n, preempted)
             ):
                 break  # the request itself was preempted: nothing after it can run

@@ -37,7 +37,7 @@ def apply_sampled_tokens(
     num_prompt = num_decode = num_generated = 0
     # The next step's decode carry: computed tokens, next token, and the requests whose
     # next token needs the manager (a new block, or a block to cache), as in
-    # Scheduler._needs_manager for one token. Valid only if this output covers all of
+    # slot_allocation.needs_manager for one token. Valid only if this output covers all of
     # `running`.
     carry = DecodeCarry([], [], []) if output.requests == scheduler.running else None
     bs = scheduler.manager.block_size

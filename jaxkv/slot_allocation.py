@@ -27,6 +27,7 @@ __all__ = [
     "commit",
     "count_lookup",
     "find_cache_hit",
+    "needs_manager",
 ]
 
 
@@ -165,3 +166,18 @@ def cache_full_blocks(manager: KVCacheManager, request: Request, num_tokens: int
         validate=False,  # the request's own blocks, hashes and tokens
     )
     manager._num_cached[req_id] = num_full
+
+
+def needs_manager(manager: KVCacheManager, computed: int, n: int) -> bool:
+    """Whether `n` more tokens after `computed` of a running request need a block or a
+    prefix-cache entry.
+
+    A running request holds ceil(computed / block_size) blocks (every allocation is
+    exact; only a request whose KV load landed holds blocks for all its tokens until
+    they are computed), so tokens that stay inside its partly filled last block need
+    nothing; tokens that exactly fill it need the manager only to cache it.
+    """
+    bs = manager.block_size
+    offset = computed % bs
+    fills_last = offset + n == bs and manager.enable_prefix_caching
+    return offset == 0 or offset + n > bs or fills_last

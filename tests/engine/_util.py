@@ -64,6 +64,7 @@ def engine_config(
     num_blocks: int = ROOMY_BLOCKS,
     max_num_seqs: int = MAX_SEQS,
     max_num_batched_tokens: int = MAX_TOKENS_PER_STEP,
+    long_prefill_token_threshold: int = 0,
 ) -> EngineConfig:
     """The engine tests' config. A smaller max_num_batched_tokens chunks prefills but
     keeps the token bucket (and so the compiled programs) of the default."""
@@ -74,6 +75,7 @@ def engine_config(
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=long_prefill_token_threshold,
             max_num_seqs=max_num_seqs,
             max_model_len=MAX_MODEL_LEN,
         ),

@@ -46,6 +46,18 @@ def test_chunked_prefill_under_a_small_token_budget_agrees_with_dense():
         assert_all_blocks_free(engine)
 
 
+def test_prefills_capped_by_long_prefill_token_threshold_agree_with_dense():
+    # At most 5 tokens per request and step: every prompt is prefilled in chunks, several
+    # prompts' chunks side by side in one step, cascade levels over the cached prefix.
+    prompts = prompts_for("two_groups", seed=3)
+    expected = dense_greedy(prompts, 4)
+    engine = make_engine(long_prefill_token_threshold=5)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=4), progress=False)
+    assert [list(o.output_token_ids) for o in outs] == expected
+    assert engine.metrics.cascade_steps > 0
+    assert_all_blocks_free(engine)
+
+
 def test_two_groups_use_the_groups_level_and_shared_uses_global():
     for workload, level in (("shared", "global"), ("two_groups", "groups")):
         engine = make_engine()

@@ -118,6 +118,7 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True,
     connector: KVConnector | None = None,
+    long_prefill_token_threshold: int = 0,
 ) -> Scheduler:
     manager = KVCacheManager(
         num_blocks,
@@ -130,6 +131,7 @@ def make_scheduler(
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         enable_chunked_prefill=enable_chunked_prefill,
+        long_prefill_token_threshold=long_prefill_token_threshold,
     )
     return Scheduler(config, manager, connector)
 

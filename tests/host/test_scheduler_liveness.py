@@ -2,11 +2,11 @@
 
 Random arrivals and aborts over small pools, with the host offload connector saving
 finished requests' KV and loading it back (copies landing late, or at once), prefix
-caching on and off, steps that fail and are discarded, and aborts between a schedule()
-and its step. The run must go idle within a bound (no deadlock, no livelock),
-free every block, keep the manager's integrity after every step, give every scheduled
-request its own KV (checked by the step driver), and produce for each request that was
-not aborted exactly the tokens it would produce alone.
+caching on and off, long prefills capped per step or not, steps that fail and are
+discarded, and aborts between a schedule() and its step. The run must go idle within a
+bound (no deadlock, no livelock), free every block, keep the manager's integrity after
+every step, give every scheduled request its own KV (checked by the step driver), and
+produce for each request that was not aborted exactly the tokens it would produce alone.
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ def _alone(prompt: list[int], max_tokens: int) -> list[int]:
     delay=st.integers(0, 3),
     auto_complete=st.booleans(),
     budget=st.sampled_from([8, 16]),
+    threshold=st.sampled_from([0, 0, 3, 5]),
 )
 def test_every_accepted_request_finishes_with_its_own_tokens(
-    seed, num_blocks, prefix_caching, host_blocks, delay, auto_complete, budget
+    seed, num_blocks, prefix_caching, host_blocks, delay, auto_complete, budget, threshold
 ):
     rng = np.random.default_rng(seed)
     copier = FakeCopier(num_blocks, BS, auto_complete=auto_complete)
@@ -61,6 +62,7 @@ def test_every_accepted_request_finishes_with_its_own_tokens(
         max_model_len=MAX_MODEL_LEN,
         enable_prefix_caching=prefix_caching,
         connector=connector,
+        long_prefill_token_threshold=threshold,
     )
     capacity = min((num_blocks - 1) * BS, MAX_MODEL_LEN)
     prefixes = [rng.integers(0, 90, 12).tolist() for _ in range(2)]  # store hits recur
