@@ -165,7 +165,15 @@ class Scheduler:
     # ---------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
-        """Chooses this step's batch and allocates its blocks. See the module doc."""
+        """Chooses this step's batch and allocates its blocks. See the module doc. Raises
+        RuntimeError (nothing changed) while the previous output holds requests neither
+        update_from_output nor discard has taken: their tokens would be scheduled again."""
+        pending = self._unapplied
+        if pending is not None and pending.num_requests:
+            raise RuntimeError(
+                f"schedule(): the previous output's {pending.num_requests} requests are "
+                "neither applied (update_from_output) nor handed back (discard)"
+            )
         self._transfers.apply_events()
         budget = self.config.max_num_batched_tokens
         batch = StepBatch()

@@ -1,6 +1,7 @@
 """update_from_output details the scenario tests left unpinned: each step's outputs in
 batch order with the token sampled, any of several stop tokens, and the prefill/decode
-counters of a 1-token recompute chunk that leaves exactly one token to compute."""
+counters of a 1-token recompute chunk that leaves exactly one token to compute, and no
+schedule() while its previous batch is pending."""
 
 from __future__ import annotations
 
@@ -103,3 +104,30 @@ def test_request_output_fields_keep_the_order_the_update_builds_them_in():
         "request_id", "new_token_ids", "finished", "finish_reason", "logprobs", "index",
         "prompt_logprobs", "stop_reason", "text",
     )  # fmt: skip
+
+
+def test_schedule_is_refused_while_the_previous_batch_is_neither_applied_nor_discarded():
+    # It used to schedule the same tokens again and replace the pending output.
+    sched = make_scheduler()
+    a, b = add(sched, "a", range(1, 6), max_tokens=3), add(sched, "b", range(1, 7), max_tokens=3)
+    sched.update_from_output(sched.schedule(), [7, 8])
+    pending = sched.schedule()
+
+    def state():
+        blocks = {r: sched.manager.block_ids(r) for r in ("a", "b")}
+        return [(r.num_computed_tokens, list(r.output_token_ids)) for r in (a, b)], blocks
+
+    before = state()
+    with pytest.raises(RuntimeError, match="previous output's 2 requests are neither applied"):
+        sched.schedule()
+    assert state() == before
+    sched.discard(pending)
+    newer = sched.schedule()
+    with pytest.raises(ValueError, match="not the latest schedule"):
+        sched.update_from_output(pending, [9, 10])
+    sched.update_from_output(newer, [9, 10])
+    assert [r.output_token_ids for r in (a, b)] == [[7, 9], [8, 10]]
+    sched.update_from_output(sched.schedule(), [11, 12])
+    assert not sched.has_unfinished_requests()
+    empty = sched.schedule()  # an output of no request needs no update
+    assert empty.num_requests == 0 and sched.schedule().num_requests == 0
