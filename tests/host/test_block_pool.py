@@ -253,3 +253,12 @@ def test_holders_of_ids_that_are_no_pool_block_are_reported(bad_id):
     pool = BlockPool(5)
     with pytest.raises(IntegrityError, match="invalid block ids"):
         pool.check_integrity({bad_id: 1})
+
+
+def test_taking_zero_blocks_changes_nothing():
+    """n=0 is a valid count: get_new_blocks(0) and popleft_n(0) return [] and change nothing."""
+    pool = _pool_with_cached_block()
+    before = _pool_state(pool)
+    assert pool.get_new_blocks(0) == [] and pool.free_block_queue.popleft_n(0) == []
+    assert _pool_state(pool) == before
+    pool.check_integrity({1: 1, 2: 1})
