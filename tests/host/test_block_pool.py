@@ -262,3 +262,14 @@ def test_taking_zero_blocks_changes_nothing():
     assert pool.get_new_blocks(0) == [] and pool.free_block_queue.popleft_n(0) == []
     assert _pool_state(pool) == before
     pool.check_integrity({1: 1, 2: 1})
+
+
+def test_popleft_takes_the_head_and_refuses_an_empty_queue():
+    """popleft returns the head block unlinked; on an empty queue it raises its own error."""
+    blocks = [KVCacheBlock(i) for i in range(3)]
+    queue = FreeKVCacheBlockQueue(blocks[1:])
+    assert queue.popleft() is blocks[1] and blocks[1].next_free is None
+    assert queue.popleft() is blocks[2] and queue.num_free_blocks == 0
+    with pytest.raises(ValueError, match="no free block to pop"):
+        queue.popleft()
+    assert queue.block_ids() == [] and queue.num_free_blocks == 0
