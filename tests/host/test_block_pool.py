@@ -116,6 +116,7 @@ def _pool_state(pool: BlockPool) -> tuple:
     [
         (lambda p: p.touch([p.blocks[3], p.null_block]), "blocks: .*null block"),
         (lambda p: p.touch([p.blocks[3], KVCacheBlock(3)]), "blocks: .*not of this pool"),
+        (lambda p: p.touch([KVCacheBlock(5)]), "blocks: .*not of this pool"),  # id past the pool
         (lambda p: p.free_blocks([p.blocks[2], p.blocks[3]]), "ordered_blocks: .*3.*0 holders"),
         (lambda p: p.free_blocks([p.blocks[2], p.blocks[2]]), "freed 2 times.*1 holders"),
         (lambda p: p.free_blocks([p.blocks[0]]), "ordered_blocks: .*null block"),
