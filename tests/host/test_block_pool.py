@@ -91,6 +91,22 @@ def test_integrity_catches_stale_cache_map():
         pool.check_integrity()
 
 
+def test_integrity_catches_a_block_carrying_another_blocks_cached_hash():
+    """A block whose hash the cache map gives to another block is reported."""
+    pool = _pool_with_cached_block()
+    pool.blocks[2].block_hash = pool.blocks[1].block_hash
+    with pytest.raises(IntegrityError, match="KVCacheBlock\\(2.*a hash the cache map does not"):
+        pool.check_integrity()
+
+
+def test_integrity_catches_a_negative_ref_count():
+    """A block out of the queue with ref_cnt -1 is reported, though it is not counted free."""
+    pool = _pool_with_cached_block()
+    pool.blocks[2].ref_cnt = -1
+    with pytest.raises(IntegrityError, match="negative ref_cnt"):
+        pool.check_integrity()
+
+
 def test_integrity_catches_leaked_block():
     pool = _pool_with_cached_block()
     pool.free_blocks([pool.blocks[2]])
@@ -246,6 +262,14 @@ def test_a_broken_backward_link_of_the_free_queue_is_reported():
     _, b, c = list(pool.free_block_queue)[:3]
     b.prev_free = c  # the forward links and the tail are intact
     with pytest.raises(IntegrityError, match="broken free-queue link"):
+        pool.check_integrity()
+
+
+def test_a_broken_tail_link_of_the_free_queue_is_reported():
+    """The tail sentinel's backward link is checked too, not only the free blocks' links."""
+    pool = BlockPool(5)
+    pool.free_block_queue._tail.prev_free = pool.blocks[3]  # the last free block is 4
+    with pytest.raises(IntegrityError, match="broken free-queue tail link"):
         pool.check_integrity()
 
 
