@@ -166,6 +166,16 @@ def test_digests_are_pinned():
     assert plain[0] == hash_block_tokens(root_hash(0), list(range(100, 116)))
 
 
+def test_digests_of_non_ascii_keys_are_pinned():
+    """Keys are length-prefixed by their UTF-8 byte count, not their character count: a
+    change would orphan every block stored under a non-ASCII adapter id or salt."""
+    hashes = extend_block_hashes([], list(range(8)), 4, adapter_id="lora-é", cache_salt="sël")
+    assert [h.hex() for h in hashes] == [
+        "8e3ecf90fc1642c34aeb5766db6ebbd0",
+        "68b87c96e7809cc15a12ff0e3e4bf0bb",
+    ]
+
+
 @pytest.mark.parametrize("parent", [b"\0" * (HASH_NUM_BYTES - 1), b"\0" * (HASH_NUM_BYTES + 1)])
 def test_hash_block_tokens_rejects_a_parent_that_is_not_a_block_hash(parent):
     with pytest.raises(ValueError):
