@@ -11,6 +11,7 @@ from jaxkv import KVCacheManager, hashing
 from jaxkv.hashing import (
     HASH_NUM_BYTES,
     block_extra_keys,
+    check_hash_key,
     extend_block_hashes,
     hash_block_tokens,
     root_hash,
@@ -174,6 +175,16 @@ def test_digests_of_non_ascii_keys_are_pinned():
         "8e3ecf90fc1642c34aeb5766db6ebbd0",
         "68b87c96e7809cc15a12ff0e3e4bf0bb",
     ]
+
+
+@pytest.mark.parametrize("key", [7, b"s", "tenant-\ud800"])
+def test_check_hash_key_refuses_what_cannot_be_hashed_by_name(key):
+    """check_hash_key names the argument for a non-str and for a str UTF-8 cannot encode
+    (a lone surrogate), and takes None and any encodable str."""
+    with pytest.raises(ValueError, match="cache_salt=.* must be None or a str"):
+        check_hash_key("cache_salt", key)
+    check_hash_key("cache_salt", None)
+    check_hash_key("cache_salt", "tenant-é")
 
 
 @pytest.mark.parametrize("parent", [b"\0" * (HASH_NUM_BYTES - 1), b"\0" * (HASH_NUM_BYTES + 1)])
