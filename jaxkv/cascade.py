@@ -131,8 +131,8 @@ class CascadePlanner:
         guarantees); ValueError naming the batch position otherwise, or for a count
         below 0, an id given twice or unknown, or arguments of the wrong type.
         Cost: a fixed number of numpy calls plus a loop over at most 4 x max_groups
-        candidate groups; repeated id lists reuse the manager's common
-        prefix (KVCacheManager.num_common_prefix_blocks).
+        candidate groups; repeated id lists reuse the manager's common prefix
+        (KVCacheManager.num_common_prefix_blocks).
         """
         num_computed_tokens, query_lens = checked_plan_args(
             request_ids, num_computed_tokens, query_lens, manager

@@ -5,8 +5,9 @@ Plain Python, no JAX. KVCacheManager.allocate_slots checks its arguments and the
 Scheduler.add_request already checked (a Request, its prompt within max_model_len, its
 hash configuration the manager's): it looks up the prefix cache with `find_cache_hit`
 and allocates with `allocate_admitted`, skipping the public calls' re-checks of the
-same request, counts and cache hit. Everything here reads and changes the manager's
-private state, so the manager and the scheduler's admission are its only callers.
+same request, counts and cache hit. Everything here but `needs_manager` (the scheduler's
+test whether a running request's next tokens need the manager at all) reads and changes
+the manager's private state, so the manager and the scheduler are its only callers.
 """
 
 from __future__ import annotations
