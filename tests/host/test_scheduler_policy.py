@@ -1,7 +1,7 @@
 """Scheduler policy details that the larger scenario tests left unpinned: the pool-size
 refusal's max_model_len cap, queue order after preemption, the finish reason when the
-last allowed token is a stop token, prefill/decode counters, and a request aborted
-between schedule() and update_from_output()."""
+last allowed token is a stop token, prefill/decode counters, a request aborted between
+schedule() and update_from_output(), and text options refused without a tokenizer."""
 
 from __future__ import annotations
 
@@ -181,3 +181,13 @@ def test_an_id_holding_blocks_in_the_manager_is_refused():
     add(sched, "y", [1, 2, 3])
     out, _ = step(sched)
     assert out.request_ids == ["y"] and not sched.waiting
+
+
+@pytest.mark.parametrize("params", [{"stop": "ab"}, {"stream_text": True}])
+def test_a_request_reading_its_output_text_is_refused_without_a_tokenizer(params):
+    """Stop strings and streamed text both read the output text: with no detokenizer
+    either one is refused before the request queues."""
+    sched = make_scheduler()
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        add(sched, "a", [1, 2, 3], **params)
+    assert not sched.waiting and not sched.requests
