@@ -215,8 +215,8 @@ def test_discard_requeues_admitted_requests_in_order_with_their_status():
 
 
 class _LoadsForA(KVConnector):
-    """Claims 4 cached tokens for request "A" (a load that never lands); raises on
-    admitting `raise_for`."""
+    """Claims 4 cached tokens for each request whose id starts with "A" (a load that
+    never lands); raises on admitting `raise_for`."""
 
     def __init__(self, raise_for: str | None = None) -> None:
         self.raise_for = raise_for
@@ -224,7 +224,7 @@ class _LoadsForA(KVConnector):
     def on_admission(self, request: Request, num_computed_tokens: int) -> int:
         if request.request_id == self.raise_for:
             raise OSError("injected connector failure")
-        return 4 if request.request_id == "A" else 0
+        return 4 if request.request_id.startswith("A") else 0
 
     def start_load(self, request: Request, block_ids) -> None:
         pass
@@ -246,6 +246,21 @@ def test_admitted_requests_go_back_behind_a_request_passed_over_for_its_load(rai
             sched.schedule()
     assert [r.request_id for r in sched.waiting] == ["A", "B", "C"]
     assert not sched.running
+    sched.manager.check_integrity()
+
+
+def test_an_admitted_request_goes_back_behind_every_request_still_loading():
+    # A1's load started a step before, A2's starts in this one; B, queued behind both,
+    # is admitted. Handed back, B returns behind both of them, as it was queued.
+    sched = make_scheduler(block_size=4, connector=_LoadsForA())
+    add(sched, "A1", [1, *range(10)])
+    sched.update_from_output(sched.schedule(), [])  # A1's load starts
+    add(sched, "A2", [2, *range(10)])
+    add(sched, "B", [3, *range(10)])
+    out = sched.schedule()
+    assert out.request_ids == ["B"]
+    sched.discard(out)
+    assert [r.request_id for r in sched.waiting] == ["A1", "A2", "B"]
     sched.manager.check_integrity()
 
 
