@@ -264,6 +264,19 @@ def test_an_admitted_request_goes_back_behind_every_request_still_loading():
     sched.manager.check_integrity()
 
 
+def test_a_landed_load_goes_back_ahead_of_a_request_admitted_behind_it():
+    copier = FakeCopier(64, 4)
+    sched = make_scheduler(block_size=4, connector=OracleLoadConnector(copier, {"l": 4}))
+    add(sched, "l", range(1, 8), max_tokens=1)
+    step(sched, copier)  # l's load starts
+    add(sched, "b", range(20, 28), max_tokens=1)
+    out = sched.schedule()  # l's load has landed: l runs, then b
+    assert out.request_ids == ["l", "b"]
+    sched.discard(out)
+    assert [r.request_id for r in sched.waiting] == ["l", "b"]
+    sched.manager.check_integrity()
+
+
 def test_uncache_unwritten_leaves_a_later_block_another_request_cached_again():
     # Only the blocks this request itself entered into the cache (its first num_cached)
     # leave it: after two failed steps, block 2, which c cached again on its retry, lies
