@@ -335,6 +335,17 @@ def test_a_landed_load_waits_while_running_requests_use_the_whole_budget():
     assert out.request_ids == ["p"] and _queued(sched) == ["l"]
 
 
+def test_a_landed_load_spends_the_budget_before_the_queue_is_admitted():
+    copier = FakeCopier(64, BS)
+    connector = OracleLoadConnector(copier, {"l": 4})
+    sched = make_scheduler(max_num_batched_tokens=8, connector=connector)
+    add(sched, "l", range(1, 8), max_tokens=1)  # 7 tokens: 3 left after its load
+    step(sched, copier)  # the load starts
+    add(sched, "b", range(20, 28), max_tokens=1)
+    out, _ = step(sched, copier)  # it lands: b gets the 5 tokens l leaves
+    assert out.request_ids == ["l", "b"] and out.num_scheduled_tokens.tolist() == [3, 5]
+
+
 @pytest.mark.parametrize("block_size,hash_seed", [(8, 0), (BS, 1)])
 def test_a_connector_bound_with_another_block_size_or_seed_is_refused(block_size, hash_seed):
     # Its hashes could never be the manager's: every save used to fail with a warning.
