@@ -66,6 +66,21 @@ def test_the_scheduler_computes_the_whole_prompt_and_asks_no_connector():
     assert connector.started == ["plain"]  # the same connector serves the others
 
 
+def test_a_request_owed_prompt_logprobs_waits_for_no_load_of_its_blocks():
+    # It came with its block hashes computed, and a load in flight for another request
+    # brings its first block: reading no cached KV, it runs at once instead of waiting.
+    copier = FakeCopier(32, BS)
+    connector = OracleLoadConnector(copier, {"loader": 8})
+    connector.hold = True
+    sched = make_scheduler(block_size=BS, connector=connector)
+    add(sched, "loader", PROMPT, max_tokens=1)
+    owed = Request("owed", PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    owed.update_block_hashes(BS)
+    sched.add_request(owed)
+    out, _ = step(sched, copier)
+    assert connector.started == ["loader"] and out.request_ids == ["owed"]
+
+
 def _segments(tracker, requests, computed, scheduled, order):
     query_lens = np.asarray(scheduled)[order] if order is not None else np.asarray(scheduled)
     cu = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
