@@ -380,3 +380,14 @@ def test_a_cache_hit_after_an_uncache_caches_the_blocks_before_it_again():
     m.allocate_slots(r, 1, num_new_computed_tokens=4, new_computed_blocks=[hit.block_id])
     assert m.pool.cached_block_hash_to_block[hashes[1]].block_id == m.block_ids("r")[1]
     m.check_integrity()
+
+
+def test_uncache_unwritten_takes_out_a_block_its_written_tokens_only_partly_fill():
+    # KV in place for 6 of a's 9 tokens: block 1 (tokens 4..7) lacks 6 and 7, so it
+    # leaves the cache; block 0 stays.
+    m = _manager()
+    a = make_request("a", range(9))
+    prefill(m, a)
+    m.uncache_unwritten(a, 6)
+    assert m.get_computed_blocks(make_request("p", range(9))) == (m.block_ids("a")[:1], 4)
+    m.check_integrity()
