@@ -94,6 +94,15 @@ def test_free_and_uncache_take_a_request_or_its_id(busy, bad):
     _assert_unchanged(busy, before)
 
 
+@pytest.mark.parametrize("bad", [-1, 4.0, True, "4", None])
+def test_uncache_unwritten_refuses_a_written_count_that_is_no_count(busy, bad):
+    # -1 would leave a negative number of cached blocks behind, True uncache them all.
+    before = snapshot(busy)
+    with pytest.raises(ValueError, match="num_written_tokens=.* must be an int >= 0"):
+        busy.uncache_unwritten("a", bad)
+    _assert_unchanged(busy, before)
+
+
 def test_computed_tokens_past_the_request_are_refused(busy):
     # 100 computed tokens of a 9-token request would take 25 blocks for tokens it lacks.
     held = make_request("held", range(9))
