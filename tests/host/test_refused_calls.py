@@ -222,6 +222,7 @@ def test_cache_hit_ids_must_be_ints(bad):
         ({"hash_seed": True}, "hash_seed"),
         ({"block_size": 4.0}, "block_size"),
         ({"hash_seed": 2**64}, "hash_seed=18446744073709551616 must be an int that fits"),
+        ({"hash_seed": 2**63}, "hash_seed=9223372036854775808 must be an int that fits"),
         ({"hash_seed": -(2**63) - 1}, "hash_seed=-9223372036854775809 must be an int"),
     ],
 )
