@@ -112,3 +112,4 @@ def test_free_leaves_no_owner_behind():
     m.free("A")
     m.check_integrity()
     assert list(m._owner) == ["B"] and len(m._held_of) == 1
+    assert list(m._num_cached) == ["B"]  # nor a count of its cached blocks
