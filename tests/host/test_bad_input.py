@@ -271,6 +271,14 @@ def test_sizes_at_either_end_of_their_range_are_taken():
     assert (top.block_size, top.max_model_len, top.max_blocks_per_seq) == (2**31 - 1,) * 2 + (1,)
 
 
+@pytest.mark.parametrize("seed", [-(2**63), 2**63 - 1])
+def test_hash_seeds_at_either_end_of_64_bits_are_taken(seed):
+    # Both ends of the signed 64-bit range hash and hit like any other seed.
+    m = KVCacheManager(8, 4, max_model_len=8, hash_seed=seed)
+    assert m.hash_seed == seed and prefill(m, make_request("a", range(5))) == [1, 2]
+    assert m.get_computed_blocks(make_request("b", range(5))) == ([1], 4)
+
+
 @pytest.mark.parametrize("dtype", [np.uint32, np.uint64, np.int8, np.int64])
 def test_numpy_integer_counts_count_as_their_value(dtype):
     # Unsigned counts must not wrap when negated, small ones must not overflow in sums.
