@@ -362,7 +362,8 @@ class KVCacheManager:
         Ref counts equal the number of requests holding each block; each request's row
         holds exactly its block ids then zeros; prefix ids are the interned chain of those
         block ids; rows are owned by exactly one request or free; each request's blocks
-        are held for the one Request object they were allocated for.
+        are held for the one Request object they were allocated for; each holder, and
+        only a holder, has a count of cached leading blocks within its blocks.
         """
         check_manager_integrity(self)
 

@@ -32,16 +32,16 @@ def check_manager_integrity(manager: KVCacheManager) -> None:
         for req_id, blocks in held.items()
         if held_of.get(owner.get(req_id)) is not blocks
     ]
-    if len(owner) != len(held) or len(held_of) != len(held):
+    num_cached = manager._num_cached
+    if not len(owner) == len(held_of) == len(num_cached) == len(held):
         problems.append(
             f"{len(held)} requests hold blocks, {len(owner)} have an owner, "
-            f"{len(held_of)} owners hold blocks"
+            f"{len(held_of)} owners hold blocks, {len(num_cached)} have a cached-block count"
         )
-    num_cached = manager._num_cached
     problems += [
-        f"{req_id!r}: num_cached={num_cached[req_id]}"
+        f"{req_id!r}: num_cached={num_cached.get(req_id)}"
         for req_id, blocks in held.items()
-        if not 0 <= num_cached[req_id] <= len(blocks)
+        if not 0 <= num_cached.get(req_id, -1) <= len(blocks)
     ]
     if problems:
         raise IntegrityError("; ".join(problems))

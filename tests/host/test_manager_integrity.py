@@ -25,6 +25,10 @@ def _stale_holder(m):
     m._held_of[make_request("gone", range(3))] = []
 
 
+def _stale_count(m):
+    m._num_cached["gone"] = 0
+
+
 @pytest.mark.parametrize(
     "corrupt, message",
     [
@@ -33,8 +37,16 @@ def _stale_holder(m):
         (_stale_owner, "2 requests hold blocks, 3 have an owner, 2 owners hold blocks"),
         (_stale_holder, "2 requests hold blocks, 2 have an owner, 3 owners hold blocks"),
         (lambda m: m._num_cached.__setitem__("A", 4), "'A': num_cached=4"),
+        (_stale_count, "2 owners hold blocks, 3 have a cached-block count"),
     ],
-    ids=["other-owner", "copied-blocks", "stale-owner", "stale-holder", "num-cached"],
+    ids=[
+        "other-owner",
+        "copied-blocks",
+        "stale-owner",
+        "stale-holder",
+        "num-cached",
+        "stale-count",
+    ],
 )
 def test_each_break_of_the_bookkeeping_is_named(corrupt, message):
     m = two_request_manager()
@@ -61,12 +73,14 @@ def _two_bad_counts(m):
         (
             _lost_owner,
             "'B': its blocks are not held by the Request it was allocated for; "
-            "2 requests hold blocks, 1 have an owner, 2 owners hold blocks",
+            "2 requests hold blocks, 1 have an owner, 2 owners hold blocks, 2 have a "
+            "cached-block count",
         ),
         (
             _lost_holder,
             "'B': its blocks are not held by the Request it was allocated for; "
-            "2 requests hold blocks, 2 have an owner, 1 owners hold blocks",
+            "2 requests hold blocks, 2 have an owner, 1 owners hold blocks, 2 have a "
+            "cached-block count",
         ),
         (lambda m: m._num_cached.__setitem__("B", -1), "'B': num_cached=-1"),
         (_two_bad_counts, "'A': num_cached=4; 'B': num_cached=-1"),
@@ -112,4 +126,3 @@ def test_free_leaves_no_owner_behind():
     m.free("A")
     m.check_integrity()
     assert list(m._owner) == ["B"] and len(m._held_of) == 1
-    assert list(m._num_cached) == ["B"]  # nor a count of its cached blocks
