@@ -8,7 +8,14 @@ import jax
 import numpy as np
 
 from jaxkv.request import Request, SamplingParams
-from jaxkv.sampler import SamplingRows, sample, sampling_arrays, sampling_row, seed_words
+from jaxkv.sampler import (
+    SEED_STREAM,
+    SamplingRows,
+    sample,
+    sampling_arrays,
+    sampling_row,
+    seed_words,
+)
 
 _sample = jax.jit(sample)
 PROBS = np.array([0.5, 0.3, 0.15, 0.05])
@@ -142,3 +149,10 @@ def test_discard_forgets_a_pending_min_tokens_ban():
     assert len(rows._bans) == 1
     rows.discard("a")  # aborted before it reached min_tokens
     assert len(rows) == 0 and len(rows._bans) == 0
+
+
+def test_seed_zero_is_the_requests_own_seed():
+    """seed=0 is a seed like any other: the request's own stream, not the engine default
+    (only None, or vLLM's -1, means no seed)."""
+    params = SamplingParams(temperature=1.0, seed=0)
+    assert sampling_row(params, 99)[3:] == (0, SEED_STREAM)
