@@ -156,3 +156,10 @@ def test_seed_zero_is_the_requests_own_seed():
     (only None, or vLLM's -1, means no seed)."""
     params = SamplingParams(temperature=1.0, seed=0)
     assert sampling_row(params, 99)[3:] == (0, SEED_STREAM)
+
+
+def test_seed_words_take_each_seed_modulo_2_64():
+    """seed_words splits a negative seed and one past 2**64 modulo 2**64, as documented."""
+    got = seed_words([-2, 2**64 + 5])
+    assert got.dtype == np.uint32
+    assert got.tolist() == [[2**32 - 1, 2**32 - 2], [0, 5]]
