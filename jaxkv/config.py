@@ -85,6 +85,13 @@ class SchedulerConfig:
                 "whole prompt must fit one step)"
             )
 
+    @property
+    def max_tokens_per_request(self) -> int:
+        """The most tokens one request is scheduled in a step: long_prefill_token_threshold
+        (0: no threshold), and never more than max_num_batched_tokens."""
+        budget = self.max_num_batched_tokens
+        return min(self.long_prefill_token_threshold or budget, budget)
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:

@@ -209,7 +209,7 @@ class Scheduler:
             return self._schedule_decode(carry, budget, batch, preempted)
         # The loop is the per-request cost of every step: needs_manager and
         # StepBatch.add are inlined.
-        limit = self.config.long_prefill_token_threshold or budget
+        limit = self.config.max_tokens_per_request
         bs = self.manager.block_size
         fill_limit = bs if self.manager.enable_prefix_caching else bs + 1
         add_request, add_tokens = batch.requests.append, batch.num_tokens.append
@@ -258,7 +258,7 @@ class Scheduler:
 
     def _schedule_one_by_one(self, budget: int, batch: StepBatch, preempted: list[str]) -> int:
         """Schedules running requests one by one, preempting the latest when blocks run out."""
-        limit = self.config.long_prefill_token_threshold or budget
+        limit = self.config.max_tokens_per_request
         # Iterating the live list is safe: preemption only pops from its end.
         for request in self.running:
             if budget <= 0:

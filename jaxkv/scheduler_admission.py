@@ -162,7 +162,7 @@ def _allocate_for_admission(scheduler: Scheduler, request: Request, budget: int)
     """
     m = scheduler.manager
     chunked = scheduler.config.enable_chunked_prefill
-    budget = min(budget, scheduler.config.long_prefill_token_threshold or budget)
+    budget = min(budget, scheduler.config.max_tokens_per_request)
     if request.num_computed_tokens:  # a load landed: blocks held, continue after them
         n = _chunk(request.num_tokens - request.num_computed_tokens, budget, chunked)
         if n is None or m.allocate_slots(request, n) is None:

@@ -78,6 +78,14 @@ def test_a_threshold_it_cannot_use_is_refused_by_name(kwargs, match):
     assert SchedulerConfig(long_prefill_token_threshold=1).long_prefill_token_threshold == 1
 
 
+@pytest.mark.parametrize("threshold, expected", [(0, 32), (1, 1), (8, 8), (32, 32), (40, 32)])
+def test_max_tokens_per_request_is_the_threshold_or_else_the_budget(threshold, expected):
+    config = SchedulerConfig(
+        max_num_batched_tokens=32, max_num_seqs=8, long_prefill_token_threshold=threshold
+    )
+    assert config.max_tokens_per_request == expected
+
+
 def test_a_request_whose_load_landed_runs_its_remaining_tokens_in_capped_chunks():
     copier = FakeCopier(64, 4)
     connector = HostOffloadConnector(64 * copier.bytes_per_block)
