@@ -14,7 +14,6 @@ engines in one process (on CPU devices too) and is testable without engines.
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -25,9 +24,10 @@ from jaxkv.closable import Closable, checked_timeout, step_until_landed
 from jaxkv.completion import checked_drivers, generate_progress_bar, run_to_completion
 from jaxkv.engine_replicas import engine_replicas as engine_replicas  # its former home
 from jaxkv.field_checks import int_fields
-from jaxkv.hashing import BlockHash, check_hash_key, extend_block_hashes
+from jaxkv.hashing import BlockHash
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.parallel_sampling import IdsInUse
+from jaxkv.prefix_routes import PrefixRoutes
 from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.request import MAX_TOKEN_ID, SamplingParams
 from jaxkv.request_id_lists import checked_request_ids
@@ -36,8 +36,9 @@ from jaxkv.router_samples import RunningSamples
 
 
 class Replica(Protocol):
-    """What the router needs of a replica; jaxkv.engine.Engine has it. It also uses
-    Engine's ids_in_use, has_pending_transfers and queue_checkpoint where a replica has them."""
+    """What the router needs of a replica; jaxkv.engine.Engine has it. It also uses Engine's
+    ids_in_use, has_pending_transfers, queue_checkpoint and reset_prefix_cache where a
+    replica has them."""
 
     def add_request(
         self,
@@ -103,7 +104,7 @@ class PrefixAwareRouter(Closable):
         if max_imbalance is not None:
             int_fields(self, "max_imbalance", minimum=0)
         int_fields(self, "hash_seed", minimum=-(2**63), maximum=2**63 - 1)
-        self._prefix_replica: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
+        self._routes = PrefixRoutes(block_size, max_prefix_blocks, max_tracked_prefixes, hash_seed)
         self._outstanding = [0] * len(self.replicas)  # replica -> unfinished sequences
         self._replica_of: dict[str, int] = {}  # request_id -> replica, while unfinished
         self._samples = RunningSamples()  # of requests of n > 1
@@ -125,15 +126,6 @@ class PrefixAwareRouter(Closable):
         except TypeError:  # unhashable: no request's id
             raise KeyError(request_id) from None
 
-    def _prefix_hashes(
-        self, prompt_token_ids: Sequence[int], cache_salt: str | None
-    ) -> list[BlockHash]:
-        check_hash_key("cache_salt", cache_salt)
-        head = list(prompt_token_ids[: self.max_prefix_blocks * self.block_size])
-        return extend_block_hashes(
-            [], head, self.block_size, seed=self.hash_seed, cache_salt=cache_salt
-        )
-
     def _least_loaded(self) -> int:
         return min(range(len(self.replicas)), key=self._outstanding.__getitem__)
 
@@ -141,29 +133,34 @@ class PrefixAwareRouter(Closable):
         """The replica a prompt would go to now. Changes nothing. Raises ValueError
         unless the prompt is a 1-D sequence of token ids (ints in [0, 2**63)) and the
         salt None or a str."""
-        return self._route(self._prefix_hashes(_prompt_ids(prompt_token_ids), cache_salt))
+        return self._route(self._routes.hashes(_prompt_ids(prompt_token_ids), cache_salt))
 
     def _route(self, hashes: list[BlockHash]) -> Route:
-        for i in range(len(hashes) - 1, -1, -1):
-            replica = self._prefix_replica.get(hashes[i])
-            if replica is None:
-                continue
-            least = self._least_loaded()
-            over = self._outstanding[replica] - self._outstanding[least]
-            if self.max_imbalance is not None and over > self.max_imbalance:
-                return Route(least, 0)
-            return Route(replica, i + 1)
-        return Route(self._least_loaded(), 0)
+        least = self._least_loaded()
+        found = self._routes.longest(hashes)
+        if found is None:
+            return Route(least, 0)
+        replica, matched = found
+        over = self._outstanding[replica] - self._outstanding[least]
+        if self.max_imbalance is not None and over > self.max_imbalance:
+            return Route(least, 0)
+        return Route(replica, matched)
 
-    def _remember(self, hashes: list[BlockHash], replica: int) -> None:
-        # Longest first: a prompt's shorter prefixes, which more prompts share, become the
-        # most recently used and are dropped last.
-        table = self._prefix_replica
-        for h in reversed(hashes):
-            table[h] = replica
-            table.move_to_end(h)
-        while len(table) > self.max_tracked_prefixes:
-            table.popitem(last=False)
+    def reset_prefix_cache(self) -> bool:
+        """Empties every replica's prefix cache (Engine.reset_prefix_cache) and forgets the
+        prefixes routed to each replica that emptied its own; True if every replica did.
+        A replica that refuses (one of its requests holds blocks), or that has no
+        reset_prefix_cache method, keeps its cache and its routes. Raises RuntimeError
+        after close()."""
+        self._check_open()
+        emptied = True
+        for index, replica in enumerate(self.replicas):
+            reset = getattr(replica, "reset_prefix_cache", None)
+            if reset is not None and reset():
+                self._routes.forget_replica(index)
+            else:
+                emptied = False
+        return emptied
 
     # --------------------------------------------------------------- requests
 
@@ -203,14 +200,14 @@ class PrefixAwareRouter(Closable):
                 "a running sample's or one a replica holds (added to it directly, or finished "
                 "with its KV copy in flight: drain_transfers frees those)"
             )
-        hashes = self._prefix_hashes(prompt, cache_salt)
+        hashes = self._routes.hashes(prompt, cache_salt)
         replica = self._route(hashes).replica
         self.replicas[replica].add_request(
             prompt, sampling_params, request_id=request_id, cache_salt=cache_salt
         )
         if generated:  # only once queued: a refused request leaves later ids as they were
             self._serials.take(serial)
-        self._remember(hashes, replica)
+        self._routes.remember(hashes, replica)
         self._outstanding[replica] += n
         self._replica_of[request_id] = replica
         if n > 1:
@@ -224,7 +221,7 @@ class PrefixAwareRouter(Closable):
         of replicas with a queue_checkpoint method (Engine). It raises RuntimeError,
         changing nothing, while the router still holds one of them. Taking it copies the
         prefix routes (about 5 ms at the default max_tracked_prefixes, 2-core CPU)."""
-        routes = self._prefix_replica.copy()
+        routes = self._routes.snapshot()
         rewind_ids = self._serials.checkpoint(self._replica_of)
         rewind_replicas = [
             r.queue_checkpoint() for r in self.replicas if hasattr(r, "queue_checkpoint")
@@ -234,7 +231,7 @@ class PrefixAwareRouter(Closable):
             rewind_ids()  # first: raises while a request queued since is outstanding
             for rewind_replica in rewind_replicas:
                 rewind_replica()
-            self._prefix_replica = routes
+            self._routes.restore(routes)
 
         return rewind
 

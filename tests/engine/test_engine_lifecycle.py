@@ -7,7 +7,9 @@ import pytest
 
 from jaxkv import RequestStatus, SamplingParams
 from jaxkv.host_offload_connector import HostOffloadConnector
+from jaxkv.router import PrefixAwareRouter
 from tests.engine._util import (
+    BLOCK_SIZE,
     MAX_MODEL_LEN,
     TIGHT_BLOCKS,
     VOCAB,
@@ -227,3 +229,20 @@ def test_reset_prefix_cache_is_refused_while_a_request_holds_blocks_then_empties
     engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         engine.reset_prefix_cache()
+
+
+def test_a_router_reset_empties_each_engines_prefix_cache_and_forgets_its_routes():
+    prompt = prompts_for("none", seed=5)[0]
+    engines = [make_engine(), make_engine()]
+    router = PrefixAwareRouter(engines, block_size=BLOCK_SIZE)
+    params = SamplingParams(max_tokens=2)
+    [first] = router.generate([prompt], params, progress=False)
+    assert router.route(prompt).matched_blocks > 0
+    assert router.reset_prefix_cache()
+    assert router.route(prompt).matched_blocks == 0
+    for e in engines:
+        e.manager.reset_prefix_cache_stats()
+    [cold] = router.generate([prompt], params, progress=False)
+    assert sum(e.manager.prefix_cache_stats.hits for e in engines) == 0
+    assert cold.output_token_ids == first.output_token_ids
+    router.close()

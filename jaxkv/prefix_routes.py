@@ -1,0 +1,76 @@
+"""The router's memory of where prompt prefixes went: block hashes -> replica index.
+
+A prompt's prefix is keyed by the chained hashes of its first full blocks (jaxkv.hashing,
+the keys the replicas' prefix caches use), so two prompts share a key exactly when they
+share those blocks' tokens, salt included. The table is bounded: past `capacity` keys
+the least recently used are dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+from jaxkv.hashing import BlockHash, check_hash_key, extend_block_hashes
+
+__all__ = ["PrefixRoutes"]
+
+
+class PrefixRoutes:
+    """Remembered prefix routes; plain Python, not thread-safe. The caller checks the
+    sizes (PrefixAwareRouter does)."""
+
+    def __init__(
+        self, block_size: int, max_prefix_blocks: int, capacity: int, hash_seed: int
+    ) -> None:
+        self.block_size = block_size
+        self.max_prefix_blocks = max_prefix_blocks
+        self.capacity = capacity
+        self.hash_seed = hash_seed
+        self._replica_of: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._replica_of)
+
+    def hashes(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
+        """The keys of the prompt's first full blocks (at most max_prefix_blocks). Raises
+        ValueError unless `cache_salt` is None or a str a hash can encode."""
+        check_hash_key("cache_salt", cache_salt)
+        head = list(prompt_token_ids[: self.max_prefix_blocks * self.block_size])
+        return extend_block_hashes(
+            [], head, self.block_size, seed=self.hash_seed, cache_salt=cache_salt
+        )
+
+    def longest(self, hashes: list[BlockHash]) -> tuple[int, int] | None:
+        """(replica, matched blocks) of the longest remembered prefix of `hashes`, or None.
+        Changes nothing (the order of use included)."""
+        for i in range(len(hashes) - 1, -1, -1):
+            replica = self._replica_of.get(hashes[i])
+            if replica is not None:
+                return replica, i + 1
+        return None
+
+    def remember(self, hashes: list[BlockHash], replica: int) -> None:
+        """Routes every prefix in `hashes` to `replica`, as the most recently used."""
+        # Longest first: a prompt's shorter prefixes, which more prompts share, become the
+        # most recently used and are dropped last.
+        table = self._replica_of
+        for h in reversed(hashes):
+            table[h] = replica
+            table.move_to_end(h)
+        while len(table) > self.capacity:
+            table.popitem(last=False)
+
+    def forget_replica(self, replica: int) -> None:
+        """Drops every prefix routed to `replica` (its prefix cache was emptied)."""
+        table = self._replica_of
+        for h in [h for h, r in table.items() if r == replica]:
+            del table[h]
+
+    def snapshot(self) -> collections.OrderedDict[BlockHash, int]:
+        """A copy of the table, for restore()."""
+        return self._replica_of.copy()
+
+    def restore(self, snapshot: collections.OrderedDict[BlockHash, int]) -> None:
+        """Puts back the table snapshot() copied (the snapshot is not copied again)."""
+        self._replica_of = snapshot

@@ -1,0 +1,99 @@
+"""PrefixAwareRouter.reset_prefix_cache: every replica's prefix cache is emptied, and the
+routes to a replica are forgotten exactly when its cache was; a refusing replica keeps
+both. Over fake replicas (tests/sharding/test_router.py's), without engines or jax."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv.prefix_routes import PrefixRoutes
+from jaxkv.router import PrefixAwareRouter, Route
+from tests.sharding.test_router import BLOCK, FakeReplica
+
+
+class ResettingReplica(FakeReplica):
+    """Refuses to reset while it holds a request, as Engine.reset_prefix_cache does."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.resets = 0
+
+    def reset_prefix_cache(self) -> bool:
+        if self.running:
+            return False
+        self.resets += 1
+        return True
+
+
+def _prompt(first: int) -> list[int]:
+    return list(range(first, first + 2 * BLOCK))
+
+
+def _routed_router() -> tuple[PrefixAwareRouter, list[ResettingReplica], list[list[int]]]:
+    """Two replicas, each given one two-block prompt and stepped until it finished."""
+    replicas = [ResettingReplica(0), ResettingReplica(1)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    prompts = [_prompt(0), _prompt(100)]
+    assert [router.replica_of(router.add_request(p)) for p in prompts] == [0, 1]
+    while router.has_unfinished_requests():
+        router.step()
+    assert [router.route(p) for p in prompts] == [Route(0, 2), Route(1, 2)]
+    return router, replicas, prompts
+
+
+def test_a_reset_empties_every_replica_and_forgets_every_route():
+    router, replicas, prompts = _routed_router()
+    assert router.reset_prefix_cache() is True
+    assert [r.resets for r in replicas] == [1, 1]
+    assert [router.route(p).matched_blocks for p in prompts] == [0, 0]
+    # Routes are learnt again from the next requests.
+    router.add_request(prompts[1])
+    assert router.route(prompts[1] + [7]).matched_blocks == 2
+
+
+def test_a_refusing_replica_keeps_its_routes_and_the_others_are_reset():
+    router, replicas, prompts = _routed_router()
+    router.add_request(prompts[1] + [5])  # replica 1 holds a request: it refuses
+    assert router.replica_of("dp-2") == 1
+    assert router.reset_prefix_cache() is False
+    assert [r.resets for r in replicas] == [1, 0]
+    assert router.route(prompts[0]).matched_blocks == 0
+    assert router.route(prompts[1]) == Route(1, 2)
+    assert router.num_outstanding == (0, 1)  # no request is touched
+
+
+def test_a_replica_without_the_method_keeps_its_routes():
+    replicas = [ResettingReplica(0), FakeReplica(1)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    for first in (0, 100):
+        router.add_request(_prompt(first))
+    while router.has_unfinished_requests():
+        router.step()
+    assert router.reset_prefix_cache() is False
+    assert router.route(_prompt(0)).matched_blocks == 0
+    assert router.route(_prompt(100)) == Route(1, 2)
+
+
+def test_a_closed_router_refuses_to_reset():
+    router, replicas, _ = _routed_router()
+    router.close()
+    with pytest.raises(RuntimeError):
+        router.reset_prefix_cache()
+    assert [r.resets for r in replicas] == [0, 0]
+
+
+def test_forget_replica_drops_only_its_routes_and_keeps_the_order_of_use():
+    routes = PrefixRoutes(BLOCK, max_prefix_blocks=4, capacity=4, hash_seed=0)
+    a, b, c = (routes.hashes(_prompt(first), None) for first in (0, 100, 200))
+    routes.remember(a, 0)
+    routes.remember(b, 1)
+    routes.remember(c, 2)  # over capacity: a's two routes, the least recently used, go
+    routes.remember(a[:1], 0)
+    assert len(routes) == 4 and routes.longest(b) == (1, 1)  # b's longer route went
+    routes.forget_replica(0)
+    assert len(routes) == 3
+    assert routes.longest(a) is None
+    assert routes.longest(b) == (1, 1) and routes.longest(c) == (2, 2)
+    routes.remember(a, 3)  # over capacity again: b's route, now the oldest, goes first
+    assert routes.longest(b) is None
+    assert routes.longest(a) == (3, 2) and routes.longest(c) == (2, 2)
