@@ -48,7 +48,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import operator
+import numbers
 from typing import TYPE_CHECKING
 
 from jaxkv.request import RequestStatus
@@ -67,7 +67,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer) -> None:
         """Raises ValueError naming `tokenizer` unless its decode takes a list of ids and
-        returns a str."""
+        returns a str, and its eos_token_id (if any) is None, a token id or a list."""
         decode = getattr(tokenizer, "decode", None)
         if not callable(decode):
             raise ValueError(f"tokenizer={tokenizer!r} must have a decode(token_ids) method")
@@ -83,10 +83,14 @@ class Detokenizer:
             for skip in (True, False):
                 self._decodes[skip] = functools.partial(decode, skip_special_tokens=skip)
         eos = getattr(tokenizer, "eos_token_id", None)
-        try:
-            self.eos_token_id: int | None = None if eos is None else operator.index(eos)
-        except TypeError:  # e.g. a list: no single EOS to report as None
-            self.eos_token_id = None
+        self.eos_token_id: int | None = None  # a list too: no single EOS to report as None
+        if eos is not None and not isinstance(eos, (list, tuple)):
+            if isinstance(eos, bool) or not isinstance(eos, numbers.Integral) or eos < 0:
+                raise ValueError(
+                    f"tokenizer.eos_token_id={eos!r} must be None, a token id (an int >= 0) "
+                    "or a list of them"
+                )
+            self.eos_token_id = int(eos)
 
     def read(self, request: Request) -> tuple[str | None, str | None]:
         """Reads the text of the request's newest output token; call once per new output

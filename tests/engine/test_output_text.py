@@ -170,6 +170,13 @@ def test_the_tokenizers_eos_is_read_as_one_int_and_a_list_as_none(eos, expected)
     assert got == expected and type(got) is type(expected)
 
 
+@pytest.mark.parametrize("eos", [6.0, "6", True, -1])
+def test_a_tokenizers_eos_that_is_no_token_id_is_refused_by_name(eos):
+    tokenizer = type("T", (_Words,), {"eos_token_id": eos})()
+    with pytest.raises(ValueError, match=r"tokenizer.eos_token_id=.* must be None, a token id"):
+        Detokenizer(tokenizer)
+
+
 def test_a_decode_returning_no_str_for_the_prompt_is_logged_and_gives_no_text(caplog):
     class NoStrForThePrompt(ByteTokenizer):
         def decode(self, ids):
