@@ -4,8 +4,10 @@ it lands, whatever becomes of the request that started it."""
 
 from __future__ import annotations
 
-from jaxkv import Request, RequestStatus
+from jaxkv import KVCacheManager, Request, RequestStatus, SamplingParams
 from jaxkv.host_offload_connector import HostOffloadConnector
+from jaxkv.kv_transfer import KVConnector, TransferEvents
+from jaxkv.scheduler_transfers import TransferTracker
 from tests.host._sched_util import (
     FakeCopier,
     OracleLoadConnector,
@@ -152,3 +154,35 @@ def test_a_load_after_a_device_hit_marks_the_blocks_it_brings_as_loading():
     c = add(sched, "c", PROMPT[:9], max_tokens=2)  # its second block comes with b's load
     sched.schedule()
     assert c.status == RequestStatus.WAITING and "c" not in sched.manager.request_ids
+
+
+class _LandsWhenTold(KVConnector):
+    def __init__(self) -> None:
+        self.to_land: list[str] = []
+
+    def start_load(self, request, block_ids) -> None:
+        pass
+
+    def poll(self) -> TransferEvents:
+        landed, self.to_land = tuple(self.to_land), []
+        return TransferEvents(loaded=landed)
+
+
+def test_a_block_two_loads_bring_counts_as_loading_until_both_have_ended():
+    # Admission makes a request wait rather than load such a block again, so the
+    # tracker is driven directly: its count must still cover each load.
+    manager = KVCacheManager(32, BS, max_model_len=64)
+    connector = _LandsWhenTold()
+    tracker = TransferTracker(connector, manager, manager.free)
+    a, b = (Request(rid, PROMPT, SamplingParams()) for rid in "ab")
+    for request in (a, b):
+        request.update_block_hashes(BS, 0)
+        assert tracker.start_load(request, [], 0, 8)
+    loaded = a.block_hashes[:2]
+    assert loaded == b.block_hashes[:2]
+    connector.to_land = ["a"]
+    tracker.apply_events()
+    assert all(tracker.is_loading(h) for h in loaded)  # b's load still brings them
+    connector.to_land = ["b"]
+    tracker.apply_events()
+    assert not any(tracker.is_loading(h) for h in loaded)
