@@ -146,3 +146,12 @@ def test_a_load_aborted_in_flight_reported_as_a_save_is_ignored_and_still_held()
     out, _ = step(sched)
     assert set(out.finished_request_ids) >= {"b"} and not sched.transferring
     assert b.status == RequestStatus.FINISHED_ABORTED and sched.manager.num_free_blocks == 31
+
+
+def test_a_report_that_lists_its_request_ids_in_lists_is_applied():
+    sched, connector, a, b = _saving_and_loading()
+    connector.report = TransferEvents(saved=["a"], loaded=["b"])
+    connector.in_flight.clear()
+    out, _ = step(sched)
+    assert a.status == RequestStatus.FINISHED_LENGTH and not sched.transferring
+    assert out.request_ids == ["b"] and out.num_scheduled_tokens.tolist() == [6]
