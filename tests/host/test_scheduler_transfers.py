@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxkv import Request, RequestStatus, SamplingParams
+from jaxkv import KVCacheManager, Request, RequestStatus, SamplingParams
 from jaxkv.host_offload_connector import HostOffloadConnector
 from jaxkv.kv_transfer import KVConnector, TransferEvents
+from jaxkv.scheduler_transfers import TransferTracker
 from tests.host._sched_util import (
     FakeCopier,
     OracleLoadConnector,
@@ -83,6 +84,17 @@ def test_a_bad_claim_is_refused_with_the_queue_and_blocks_unchanged(claim):
     assert all(r.status == RequestStatus.WAITING and not r.num_computed_tokens
                for r in sched.waiting)  # fmt: skip
     sched.manager.check_integrity()
+
+
+def test_a_claim_of_no_tokens_starts_no_load():
+    # Admission asks for a load only after a nonzero claim: the tracker is driven directly.
+    manager = KVCacheManager(16, BS, max_model_len=64)
+    tracker = TransferTracker(_ClaimingConnector(0), manager, manager.free)
+    a = Request("a", list(range(1, 15)), SamplingParams())
+    a.update_block_hashes(BS, 0)
+    with pytest.raises(ValueError, match=r"returned 0: a claim must be a whole number"):
+        tracker.start_load(a, [], 0, 0)
+    assert a.status == RequestStatus.WAITING and "a" not in manager.request_ids
 
 
 def test_a_numpy_claim_of_whole_blocks_is_taken():
