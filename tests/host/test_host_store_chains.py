@@ -163,3 +163,25 @@ def test_a_save_returning_the_wrong_number_of_blocks_counts_as_failed():
     assert connector.poll().failed_saves == ("a",)
     assert connector.stored_hashes() == [] and connector.stats.num_failed_saves == 1
     assert not connector._saving and not store_link_faults(connector)
+
+
+def test_a_save_refreshes_no_stored_block_past_the_tokens_its_request_computed():
+    copier = FakeCopier(16, BS)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    long = Request("long", list(range(1, 14)), SamplingParams())
+    long.num_computed_tokens = 12
+    assert connector.on_finish(long, [1, 2, 3]) and connector.poll().saved == ("long",)
+    h0, h1, h2 = long.block_hashes
+    copier.fail_loads = True
+    connector.start_load(Request("short", list(range(1, 10)), SamplingParams()), [4, 5])
+    assert connector.poll().failed_loads == ("short",)  # drops h0 and h1: h2 is left
+    copier.fail_loads = False
+    other = Request("other", [50, 51, 52, 53, 54], SamplingParams())
+    other.num_computed_tokens = 4
+    assert connector.on_finish(other, [6]) and connector.poll().saved == ("other",)
+    again = Request("again", list(range(1, 14)), SamplingParams())
+    again.num_computed_tokens = 8  # h2's tokens are its own, but never computed
+    assert connector.on_finish(again, [7, 8, 9]) and connector.poll().saved == ("again",)
+    assert copier.saved_block_ids[-1] == [7, 8]
+    assert connector.stored_hashes() == [h2, *other.block_hashes, h1, h0]
