@@ -109,3 +109,14 @@ def test_a_claim_for_a_count_that_is_no_token_count_is_refused(bad):
     assert connector.on_admission(r, 0) == 3 * BS
     with pytest.raises(ValueError, match="num_computed_tokens"):
         connector.on_admission(r, bad)
+
+
+def test_a_byte_budget_between_whole_blocks_keeps_only_the_blocks_it_holds_whole():
+    copier = FakeCopier(16, BS)
+    connector = HostOffloadConnector(5 * copier.bytes_per_block // 2)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    r = _computed("r", list(range(1, 13)))
+    assert connector.on_finish(r, [1, 2, 3])
+    connector.poll()
+    assert connector.stored_hashes() == r.block_hashes[1::-1]  # the tail is evicted
+    assert connector.stats.stored_bytes <= connector.host_bytes
