@@ -302,6 +302,8 @@ class CascadePlanner:
             if len(picked) < self.max_groups and not taken[members].any():
                 taken[members] = True
                 picked.append(candidate)
+        if not picked:  # a cost model with only a pays method has no cost_bytes
+            return []
         s, model = self.shape, self.cost_model
         kv_bytes_per_token = 2 * s.num_kv_heads * s.head_dim * s.kv_itemsize
         saved = sum(
@@ -309,7 +311,7 @@ class CascadePlanner:
             for _, members, end in picked
         )
         cost = model.cost_bytes(int(query_lens[taken].sum()), s.num_q_heads, s.head_dim)
-        return picked if picked and saved > cost else []
+        return picked if saved > cost else []
 
     def _split(
         self,

@@ -190,3 +190,20 @@ def test_the_cost_model_boundaries_are_exact():
 
     assert needing(0.25).pays(num_requests=2, prefix_tokens=4, context_tokens=16, **shape)
     assert not needing(0.26).pays(num_requests=2, prefix_tokens=4, context_tokens=16, **shape)
+
+
+class _PaysOnly:
+    """A cost model with nothing but the pays method CascadePlanner asks for."""
+
+    def __init__(self, verdict: bool) -> None:
+        self.verdict = verdict
+
+    def pays(self, **_) -> bool:
+        return self.verdict
+
+
+def test_a_cost_model_with_only_a_pays_method_plans_flat_when_nothing_pays():
+    # The planner accepts it; the groups search must not then ask it for cost_bytes.
+    m = KVCacheManager(128, 4, max_model_len=128)
+    reqs = [_decoding(m, f"r{i}", list(range(100, 132)) + [i, i + 1]) for i in range(4)]
+    assert not _plan(CascadePlanner(SHAPE, cost_model=_PaysOnly(False)), m, reqs).uses_cascade
