@@ -207,3 +207,12 @@ def test_a_cost_model_with_only_a_pays_method_plans_flat_when_nothing_pays():
     m = KVCacheManager(128, 4, max_model_len=128)
     reqs = [_decoding(m, f"r{i}", list(range(100, 132)) + [i, i + 1]) for i in range(4)]
     assert not _plan(CascadePlanner(SHAPE, cost_model=_PaysOnly(False)), m, reqs).uses_cascade
+
+
+def test_no_cost_model_verdict_makes_a_level_for_one_request_or_over_no_block():
+    planner = CascadePlanner(SHAPE, cost_model=_PaysOnly(True))
+    m = KVCacheManager(128, 4, max_model_len=128)
+    alone = [_decoding(m, "alone", list(range(100, 132)) + [1])]
+    assert not _plan(planner, m, alone).uses_cascade
+    apart = [_decoding(m, f"r{i}", [1000 * (i + 1) + t for t in range(9)]) for i in range(3)]
+    assert not _plan(planner, m, apart).uses_cascade
