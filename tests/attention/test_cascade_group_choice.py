@@ -262,3 +262,40 @@ def test_groups_paying_together_count_each_request_once():
     planner = CascadePlanner(SHAPE, cost_model=model)
     assert not planner.pays(4, 2 * 4, 4) and not planner.pays(2, 8 * 4, 2)
     assert not _plan(planner, m, reqs).uses_cascade
+
+
+class _NeverPays:
+    """A cost model that records the size of each candidate it is asked about."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def pays(self, *, num_requests: int, **_) -> bool:
+        self.asked.append(num_requests)
+        return False
+
+
+def _tree(m: KVCacheManager, base: int, num_groups: int, pairs_per_group: int) -> list:
+    """Groups sharing one block, each made of pairs that share two more."""
+    reqs = []
+    for g in range(num_groups):
+        head = [base + 1000 * g + t for t in range(4)]
+        for p in range(pairs_per_group):
+            pair = [base + 1000 * g + 100 * (p + 1) + t for t in range(8)]
+            for i in range(2):
+                reqs.append(_decoding(m, f"{base}.{g}.{p}.{i}", head + pair + [i, 9, 9]))
+    return reqs
+
+
+def test_the_group_search_is_bounded_by_max_groups():
+    # A split keeps its 2 x max_groups largest runs; the search examines at most
+    # 4 x max_groups candidates in all (here max_groups=1).
+    m = KVCacheManager(512, 4, max_model_len=64)
+    four_pairs, two_by_two = _tree(m, 10_000, 4, 1), _tree(m, 20_000, 2, 2)
+    model = _NeverPays()
+    planner = CascadePlanner(SHAPE, cost_model=model, max_groups=1)
+    assert not _plan(planner, m, four_pairs).uses_cascade
+    assert model.asked == [2, 2]
+    model.asked.clear()
+    assert not _plan(planner, m, two_by_two).uses_cascade
+    assert model.asked == [4, 4, 2, 2]
