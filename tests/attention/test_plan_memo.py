@@ -182,3 +182,16 @@ def test_a_planner_remembers_that_no_group_forms_past_its_global_level():
     assert [lv.name for lv in plan.levels] == ["global"]
     assert plan.suffix_start_blocks.tolist() == [2, 2, 2]
     assert planner._memo.no_groups_past(m, m.rows_of(ids), 2)
+
+
+def test_no_groups_is_not_remembered_while_a_request_has_not_computed_its_first_block():
+    # a and b share SYSTEM_A, c nothing. With a at 0 computed tokens only b and c can
+    # form a group, and they do not; once a has computed, a and b form one.
+    m = KVCacheManager(128, 4, max_model_len=128)
+    reqs = [_decoding(m, rid, SYSTEM_A + [i]) for i, rid in enumerate("ab")]
+    reqs.append(_decoding(m, "c", list(range(500, 533))))
+    ids, ones = [r.request_id for r in reqs], np.ones(3, int)
+    planner = CascadePlanner(SHAPE, cost_model=ALWAYS)
+    assert not planner.plan(ids, np.array([0, 33, 33]), ones, m).uses_cascade
+    plan = planner.plan(ids, np.array([33, 33, 33]), ones, m)
+    assert [(lv.name, lv.block_ends.tolist()) for lv in plan.levels] == [("groups", [8])]
