@@ -149,6 +149,20 @@ def test_a_groups_level_counts_the_partial_last_page_of_the_longest_suffix(page_
     assert plan.uses_cascade == cascade
 
 
+def test_a_global_level_compares_pages_with_the_longest_context():
+    # Two requests share 2 blocks of 4; contexts of 14 and 33 tokens. Flat attention pads
+    # the longer one's 9 pages to 16, the global level's suffix pass 7 pages to 8: cascade
+    # pays. Counting the shorter context (4 pages, suffix 2, both padded to 4) would not.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    header = list(range(100, 108))
+    reqs = [_decoding(m, "short", header + [1] * 5), _decoding(m, "long", header + [2] * 24)]
+    assert _shared(m, ["short", "long"]) == 2
+    assert [r.num_tokens for r in reqs] == [14, 33]
+    model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0, reads_padded_pages=True)
+    plan = _plan(CascadePlanner(SHAPE, cost_model=model, page_buckets=(4, 8, 16)), m, reqs)
+    assert [(lv.name, lv.block_ends.tolist()) for lv in plan.levels] == [("global", [2])]
+
+
 def test_a_larger_group_saving_less_does_not_hide_a_smaller_one_saving_more():
     # max_groups=1: three requests share one block (saving 2), two share 8 (saving 8).
     # The search must weigh both candidates, not only the largest run of requests.
