@@ -1,7 +1,8 @@
 """update_from_output details the scenario tests left unpinned: each step's outputs in
 batch order with the token sampled, any of several stop tokens, and the prefill/decode
-counters of a 1-token recompute chunk that leaves exactly one token to compute, and no
-schedule() while its previous batch is pending."""
+counters of a 1-token recompute chunk that leaves exactly one token to compute, no
+schedule() while its previous batch is pending, and which stop rule (min_tokens, an EOS
+under ignore_eos, a stop token's text) decides a finish."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxkv import RequestOutput, RequestStatus
+from jaxkv.detokenizer import Detokenizer
 from jaxkv.request import MAX_TOKEN_ID
 from tests.host._sched_util import add, make_scheduler, token_of
 
@@ -131,3 +133,47 @@ def test_schedule_is_refused_while_the_previous_batch_is_neither_applied_nor_dis
     assert not sched.has_unfinished_requests()
     empty = sched.schedule()  # an output of no request needs no update
     assert empty.num_requests == 0 and sched.schedule().num_requests == 0
+
+
+class _Letters:
+    """Token i decodes to the letter chr(ord("a") + i); EOS is token 5 ("f")."""
+
+    eos_token_id = 5
+
+    def decode(self, ids) -> str:
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def _outputs(sched, tokens) -> list[RequestOutput]:
+    """Each step's outputs, every scheduled request sampling that step's token."""
+    outputs = []
+    for token in tokens:
+        if sched.has_unfinished_requests():
+            out = sched.schedule()
+            outputs += sched.update_from_output(out, [token] * out.num_requests)
+    return outputs
+
+
+def test_a_stop_token_stops_only_once_more_than_min_tokens_are_out():
+    # The sampler bans stop tokens before min_tokens; should the min_tokens-th token still
+    # be one, it does not stop the request.
+    sched = make_scheduler()
+    add(sched, "r", [1, 2], max_tokens=9, min_tokens=2, stop_token_ids=(7,))
+    assert [o.finished for o in _outputs(sched, [7, 7, 7])] == [False, False, True]
+
+
+def test_an_eos_listed_as_stop_token_under_ignore_eos_is_reported_by_its_id():
+    sched = make_scheduler()
+    sched.detokenizer = Detokenizer(_Letters())
+    add(sched, "r", [1, 2], max_tokens=9, stop_token_ids=(5,), ignore_eos=True)
+    (out,) = _outputs(sched, [5])
+    assert (out.finish_reason, out.stop_reason) == ("stop", 5)
+
+
+def test_a_stop_tokens_text_is_a_stop_string_only_if_the_output_keeps_it():
+    sched = make_scheduler()
+    sched.detokenizer = Detokenizer(_Letters())
+    add(sched, "token", [1, 2], max_tokens=9, stop_token_ids=(7,), stop="h")
+    add(sched, "string", [1, 2], max_tokens=9, stop="h")
+    outs = _outputs(sched, [7])
+    assert [(o.finish_reason, o.stop_reason) for o in outs] == [("stop", 7), ("stop", "h")]
