@@ -60,6 +60,18 @@ def test_a_request_that_loses_its_blocks_resumes_in_chunks_of_the_threshold():
     assert all(n <= 5 for s in seen for n in s.values())
 
 
+def test_a_step_that_preempts_still_caps_a_prompt_chunk_at_the_threshold():
+    # 5 usable blocks of 4. In the third step a's chunk and b's first decode need one new
+    # block each, one too many: the requests are allocated one by one, from the whole
+    # budget again, and b preempted.
+    sched = make_scheduler(num_blocks=6, max_num_batched_tokens=8, long_prefill_token_threshold=4)
+    add(sched, "a", range(1, 17), max_tokens=2)
+    add(sched, "b", range(20, 28), max_tokens=2)
+    steps = [step(sched)[0] for _ in range(3)]
+    assert [_scheduled(out) for out in steps] == [{"a": 4, "b": 4}, {"a": 4, "b": 4}, {"a": 4}]
+    assert steps[-1].preempted_request_ids == ("b",)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
