@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from jaxkv import SamplingParams
 from jaxkv.router import PrefixAwareRouter
-from tests.sharding.test_router import BLOCK, FakeReplica
+from tests.sharding.test_router import BLOCK, FakeReplica, make_router
 
 
 class CheckpointedReplica(FakeReplica):
@@ -32,3 +32,18 @@ def test_rewinding_a_queue_checkpoint_forgets_the_routes_added_since_and_rewinds
     assert router.route([7] * BLOCK).matched_blocks == 1  # routed before the checkpoint
     assert [r.rewinds for r in replicas] == [1, 1]
     assert router.replica_of(before) in (0, 1)
+
+
+def test_aborting_several_ids_aborts_every_one_after_the_first_that_was_aborted():
+    router, replicas = make_router(2)
+    ids = [router.add_request([i] * BLOCK, SamplingParams(max_tokens=5)) for i in range(4)]
+    assert router.abort(ids)
+    assert router.num_outstanding == (0, 0)
+    assert not any(r.running for r in replicas)
+
+
+def test_a_request_of_one_sample_leaves_the_ids_its_samples_would_have_free():
+    router, _ = make_router(2)
+    router.add_request([1] * BLOCK, SamplingParams(n=1, max_tokens=3), request_id="x")
+    assert router.add_request([2] * BLOCK, request_id="0_x") == "0_x"
+    assert sorted(router.num_outstanding) == [1, 1]
