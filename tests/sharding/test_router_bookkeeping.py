@@ -3,9 +3,59 @@ ids, and the count of a request whose samples (SamplingParams.n > 1) end one by 
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+
 from jaxkv import SamplingParams
 from jaxkv.router import PrefixAwareRouter
 from tests.sharding.test_router import BLOCK, FakeReplica, make_router
+
+
+class SamplingReplica(FakeReplica):
+    """Serves sample i of a request `rid` of n > 1 as "i_rid" with max_tokens - i tokens (so
+    later samples finish first), reported as Engine does: under `rid`, index i, finished
+    only on the output after which no sample runs."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.fail = False
+        self.live: dict[str, set[int]] = {}  # parent -> indices of running samples
+
+    def add_request(self, prompt_token_ids, sampling_params=None, *, request_id, cache_salt=None):
+        if sampling_params is None or sampling_params.n == 1:
+            return super().add_request(prompt_token_ids, sampling_params, request_id=request_id)
+        for i in range(sampling_params.n):
+            params = dataclasses.replace(
+                sampling_params, n=1, max_tokens=max(1, sampling_params.max_tokens - i)
+            )
+            super().add_request(prompt_token_ids, params, request_id=f"{i}_{request_id}")
+        self.live[request_id] = set(range(sampling_params.n))
+        return request_id
+
+    def step(self):
+        if self.fail:
+            raise RuntimeError("replica step failed")
+        outputs = super().step()
+        for j, o in enumerate(outputs):
+            index, _, parent = o.request_id.partition("_")
+            if parent in self.live:
+                if o.finished:
+                    self.live[parent].discard(int(index))
+                finished = not self.live[parent]
+                outputs[j] = o._replace(request_id=parent, index=int(index), finished=finished)
+        return outputs
+
+    def abort(self, request_id: str) -> bool:
+        if request_id in self.live:
+            samples = self.live.pop(request_id)
+            return any([FakeReplica.abort(self, f"{i}_{request_id}") for i in sorted(samples)])
+        return super().abort(request_id)
+
+
+def sampling_router() -> tuple[PrefixAwareRouter, list[SamplingReplica]]:
+    replicas = [SamplingReplica(i) for i in range(2)]
+    return PrefixAwareRouter(replicas, block_size=BLOCK), replicas
 
 
 class CheckpointedReplica(FakeReplica):
@@ -47,3 +97,38 @@ def test_a_request_of_one_sample_leaves_the_ids_its_samples_would_have_free():
     router.add_request([1] * BLOCK, SamplingParams(n=1, max_tokens=3), request_id="x")
     assert router.add_request([2] * BLOCK, request_id="0_x") == "0_x"
     assert sorted(router.num_outstanding) == [1, 1]
+
+
+def test_a_sample_that_finishes_first_leaves_its_request_running_with_one_sequence_fewer():
+    router, _ = sampling_router()
+    rid = router.add_request([1] * BLOCK, SamplingParams(n=2, max_tokens=2))
+    replica = router.replica_of(rid)
+    outs = router.step()
+    assert [(o.index, o.finish_reason, o.finished) for o in outs] == [
+        (0, None, False),
+        (1, "length", False),
+    ]
+    assert router.num_outstanding[replica] == 1 and router.replica_of(rid) == replica
+    with pytest.raises(ValueError, match="already running"):
+        router.add_request([2] * BLOCK, request_id=rid)
+    assert [(o.index, o.finished) for o in router.step()] == [(0, True)]
+    assert router.num_outstanding == (0, 0)
+
+
+def test_aborting_a_request_drops_a_kept_sample_finish_and_releases_every_sample():
+    router, replicas = sampling_router()
+    rid = router.add_request([1] * BLOCK, SamplingParams(n=2, max_tokens=2))
+    other = 1 - router.replica_of(rid)
+    router.add_request([2] * BLOCK, request_id="y", cache_salt="s")
+    assert router.replica_of("y") == other
+    replicas[other].fail = True
+    with pytest.raises(RuntimeError):
+        router.step()  # kept: sample 0's token, and sample 1's finish
+    # The replica still runs sample 0, so the abort succeeds; sample 1's kept finish must
+    # not keep the request counted, nor reach the caller afterwards.
+    assert router.abort(rid)
+    assert router.num_outstanding[1 - other] == 0
+    with pytest.raises(KeyError):
+        router.replica_of(rid)
+    replicas[other].fail = False
+    assert [o.request_id for o in router.step()] == ["y"]
