@@ -1,0 +1,58 @@
+"""ParallelSamples.queue over a fake scheduler, and the default seeds of samples: what an
+n > 1 request may not take, what a failed queue leaves, and seeds that stay apart."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv.parallel_sampling import ParallelSamples, child_default_seed
+from jaxkv.request import Request, SamplingParams
+
+
+class FakeScheduler:
+    def __init__(self, fail_on: str | None = None) -> None:
+        self.requests: dict[str, Request] = {}
+        self.fail_on = fail_on
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id == self.fail_on:
+            raise KeyboardInterrupt  # interrupted midway: not a refusal checked up front
+        self.requests[request.request_id] = request
+
+    def abort(self, request_id: str) -> bool:
+        return self.requests.pop(request_id, None) is not None
+
+
+class FakeSampling:
+    def __init__(self) -> None:
+        self.seeds: dict[str, int] = {}
+
+    def add_request(self, request: Request, default_seed: int) -> None:
+        self.seeds[request.request_id] = default_seed
+
+
+def request(request_id: str, n: int) -> Request:
+    return Request(request_id, [1, 2, 3], SamplingParams(n=n, max_tokens=2))
+
+
+def test_a_request_of_n_samples_may_not_take_the_id_of_a_running_request():
+    scheduler, samples = FakeScheduler(), ParallelSamples()
+    samples.queue(scheduler, FakeSampling(), request("x", 1), 0)
+    with pytest.raises(ValueError, match="'x' is already in use"):
+        samples.queue(scheduler, FakeSampling(), request("x", 2), 0)
+    assert list(scheduler.requests) == ["x"] and "x" not in samples
+
+
+def test_samples_queued_before_one_that_raised_are_aborted():
+    scheduler, samples, sampling = FakeScheduler(fail_on="2_x"), ParallelSamples(), FakeSampling()
+    with pytest.raises(KeyboardInterrupt):
+        samples.queue(scheduler, sampling, request("x", 3), 0)
+    assert scheduler.requests == {} and sampling.seeds == {} and "x" not in samples
+
+
+def test_sample_default_seeds_differ_from_those_of_requests_queued_next():
+    # Consecutive requests' default seeds differ by small offsets (their serials); their
+    # samples must not draw with one another's seeds.
+    seeds = {child_default_seed(seed, i) for seed in range(100, 108) for i in range(8)}
+    assert len(seeds) == 64
+    assert child_default_seed(100, 0) == 100
