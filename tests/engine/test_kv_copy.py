@@ -121,3 +121,59 @@ def test_the_fingerprint_is_computed_once_and_its_weights_let_go():
         assert alive() is None  # the copier, still open, no longer holds the weights
     finally:
         copier.close()
+
+
+def test_without_a_fingerprint_the_model_fingerprint_is_none():
+    state = {"caches": [jnp.zeros((4, 2, 2, 4), jnp.float32)]}
+    copier = DeviceKVCopier(lambda: state["caches"], lambda c: None, max_blocks=4)
+    try:
+        assert copier.model_fingerprint is None
+    finally:
+        copier.close()
+
+
+def test_closing_a_copier_lets_go_of_the_weights_of_a_fingerprint_never_read():
+    state = {"caches": [jnp.zeros((4, 2, 2, 4), jnp.float32)]}
+    weights = _Weights()
+    alive = weakref.ref(weights)
+    copier = DeviceKVCopier(
+        lambda: state["caches"],
+        lambda c: None,
+        max_blocks=4,
+        fingerprint=lambda held=weights: b"fp",
+    )
+    del weights
+    copier.close()
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_copy_may_hold_max_blocks_blocks_or_none_but_no_more():
+    rng = np.random.default_rng(2)
+    host = rng.standard_normal((NUM_LAYERS, NUM_BLOCKS, *BLOCK_SHAPE)).astype(np.float32)
+    state = {"caches": [jnp.asarray(c) for c in host]}
+    # Buckets 1, 2, 4, then max_blocks itself.
+    copier = DeviceKVCopier(lambda: state["caches"], lambda c: state.update(caches=c), max_blocks=5)
+    try:
+        ids = [7, 1, 2, 6, 3]
+        saved = copier.start_save(ids).result()
+        np.testing.assert_array_equal(saved, np.moveaxis(host[:, ids], 0, 1))
+        with pytest.raises(ValueError, match=r"len\(block_ids\)=6 exceeds"):
+            copier.start_save([1, 2, 3, 4, 5, 6])
+        assert copier.start_save([]).result().shape == (0, NUM_LAYERS, *BLOCK_SHAPE)
+        copier.start_load([], np.zeros((0, NUM_LAYERS, *BLOCK_SHAPE), np.float32)).result()
+        for got, exp in zip(state["caches"], host, strict=True):
+            np.testing.assert_array_equal(np.asarray(got)[1:], exp[1:])
+    finally:
+        copier.close()
+
+
+def test_a_copier_of_bfloat16_caches_declares_and_saves_bfloat16_blocks():
+    caches = [jnp.ones((NUM_BLOCKS, *BLOCK_SHAPE), jnp.bfloat16)] * NUM_LAYERS
+    copier = DeviceKVCopier(lambda: caches, lambda c: None, max_blocks=4)
+    try:
+        saved = copier.start_save([3]).result()
+        assert copier.dtype == saved.dtype == jnp.bfloat16
+        assert copier.bytes_per_block == NUM_LAYERS * int(np.prod(BLOCK_SHAPE)) * 2
+    finally:
+        copier.close()
