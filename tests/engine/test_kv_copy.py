@@ -177,3 +177,14 @@ def test_a_copier_of_bfloat16_caches_declares_and_saves_bfloat16_blocks():
         assert copier.bytes_per_block == NUM_LAYERS * int(np.prod(BLOCK_SHAPE)) * 2
     finally:
         copier.close()
+
+
+def test_a_load_of_blocks_of_another_block_shape_is_refused_even_when_they_would_broadcast():
+    caches = [jnp.zeros((NUM_BLOCKS, *BLOCK_SHAPE), jnp.float32)] * NUM_LAYERS
+    copier = DeviceKVCopier(lambda: caches, lambda c: None, max_blocks=4)
+    try:
+        one_layer = np.ones((2, 1, *BLOCK_SHAPE), np.float32)  # [2, 1 layer, ...]
+        with pytest.raises(ValueError, match=r"blocks.shape=\(2, 1, 2, 2, 4\) must be"):
+            copier.start_load([2, 3], one_layer)
+    finally:
+        copier.close()
