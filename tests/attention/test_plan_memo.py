@@ -9,7 +9,7 @@ import numpy as np
 from jaxkv import KVCacheManager, Request
 from jaxkv.cascade import CascadePlanner
 from jaxkv.cascade_plan import global_plan, grouped_plan
-from jaxkv.plan_memo import PlanMemo
+from jaxkv.plan_memo import MAX_ANSWERS, PlanMemo
 from jaxkv.prefix_index import longest_common_prefix_unchecked
 from tests.attention.test_cascade_planner import ALWAYS, SHAPE, SYSTEM_A, _decoding
 
@@ -195,3 +195,48 @@ def test_no_groups_is_not_remembered_while_a_request_has_not_computed_its_first_
     assert not planner.plan(ids, np.array([0, 33, 33]), ones, m).uses_cascade
     plan = planner.plan(ids, np.array([33, 33, 33]), ones, m)
     assert [(lv.name, lv.block_ends.tolist()) for lv in plan.levels] == [("groups", [8])]
+
+
+def test_members_given_as_other_integers_with_the_same_bytes_get_their_own_prefix():
+    m, _, hit = _a_and_c_sharing_one_of_three_blocks()
+    b = Request("b", [1, 2, 3, 4, 5, 6, 8])  # holds all three of a's cached blocks
+    m.allocate_slots(b, 0, num_new_computed_tokens=6, new_computed_blocks=hit)
+    memo, rows = PlanMemo(), m.rows_of(["c", "a", "b"])
+    num_blocks = m.num_blocks_of_rows(rows)
+    assert memo.common_prefix(m, rows, num_blocks, np.array([1, 2], np.int64)) == 3
+    # int32 [1, 0, 2, 0] has the bytes of int64 [1, 2], but takes in c at position 0.
+    assert memo.common_prefix(m, rows, num_blocks, np.array([1, 0, 2, 0], np.int32)) == 1
+
+
+def test_a_grouped_plan_is_not_reused_for_other_members_in_groups_of_the_same_sizes():
+    memo, rows = PlanMemo(), np.arange(4, dtype=np.int32)
+    suffix_start = np.full(4, 2, np.int32)
+    pairs = [(np.array([0, 1]), 2), (np.array([2, 3]), 2)]
+    crossed = [(np.array([0, 2]), 2), (np.array([1, 3]), 2)]
+    assert memo.grouped_plan(pairs, rows, suffix_start, None, 0, None).order.tolist() == [
+        0,
+        1,
+        2,
+        3,
+    ]
+    plan = memo.grouped_plan(crossed, rows, suffix_start, None, 0, None)
+    assert plan.order.tolist() == [0, 2, 1, 3]
+    leaders = plan.levels[0].leader_rows.tolist()
+    assert leaders[0] in (0, 2) and leaders[1] in (1, 3)  # a row of each group
+
+
+def test_the_answers_of_one_batch_start_over_once_they_reach_max_answers():
+    m, _, _ = _a_and_c_sharing_one_of_three_blocks()
+    memo, rows = PlanMemo(), m.rows_of(["a", "c"])
+    calls = []
+
+    def compute(manager, rows, eligible, column):
+        calls.append(column)
+        return None
+
+    for column in range(MAX_ANSWERS):
+        memo.split(m, rows, BOTH, column, compute)
+    memo.split(m, rows, BOTH, 0, compute)  # remembered, but the memo is full: asked again
+    assert len(calls) == MAX_ANSWERS + 1 and calls[-1] == 0
+    memo.split(m, rows, BOTH, 0, compute)
+    assert len(calls) == MAX_ANSWERS + 1
