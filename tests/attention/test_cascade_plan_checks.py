@@ -73,6 +73,9 @@ def test_a_plan_that_reads_a_block_twice_or_never_is_refused():
     end = "must be where the levels' block columns end"
     _refused(plan, end, suffix_start_blocks=np.zeros_like(starts))  # read twice
     _refused(plan, end, suffix_start_blocks=starts + 1)  # block 8 or 6 never read
+    one_off = starts.copy()
+    one_off[-1] += 1  # one position alone: its block 6 never read
+    _refused(plan, end, suffix_start_blocks=one_off)
     _refused(plan, end, levels=())  # the groups' blocks never read
     late = dataclasses.replace(level, block_starts=np.array([1, 0], np.int32))
     _refused(plan, "must start where the earlier levels end", levels=(late,))  # block 0
