@@ -240,3 +240,15 @@ def test_the_answers_of_one_batch_start_over_once_they_reach_max_answers():
     assert len(calls) == MAX_ANSWERS + 1 and calls[-1] == 0
     memo.split(m, rows, BOTH, 0, compute)
     assert len(calls) == MAX_ANSWERS + 1
+
+
+def test_splits_and_grouped_plans_of_members_with_the_same_bytes_are_kept_apart():
+    m, _, _ = _a_and_c_sharing_one_of_three_blocks()
+    memo, rows = PlanMemo(), m.rows_of(["a", "c"])
+    wide, narrow = np.array([1], np.int64), np.array([1, 0], np.int32)  # the same bytes
+    runs = [memo.split(m, rows, e, 0, lambda *a: [a[2].copy()])[0].tolist() for e in (wide, narrow)]
+    assert runs == [[1], [1, 0]]
+    suffix_start = np.ones(2, np.int32)
+    for members, size in ((wide, 1), (narrow, 2)):
+        plan = memo.grouped_plan([(members, 1)], rows, suffix_start, None, 0, None)
+        assert plan.levels[0].group_ends.tolist() == [size]
