@@ -163,7 +163,9 @@ def test_a_tokenizer_that_fails_at_the_end_is_logged_and_the_request_still_finis
     assert_all_blocks_free(engine)
 
 
-@pytest.mark.parametrize(("eos", "expected"), [(np.int64(6), 6), ([6, 2], None), (None, None)])
+@pytest.mark.parametrize(
+    ("eos", "expected"), [(np.int64(6), 6), (0, 0), ([6, 2], None), (None, None)]
+)
 def test_the_tokenizers_eos_is_read_as_one_int_and_a_list_as_none(eos, expected):
     # A list names no single EOS to report as stop_reason None; it must not be refused.
     got = Detokenizer(type("T", (_Words,), {"eos_token_id": eos})()).eos_token_id
