@@ -330,3 +330,20 @@ def test_a_string_spanning_a_character_completed_after_a_forced_read_is_found():
     assert found == [None] * 11 + ["b\u20ac"]
     request.status = RequestStatus.FINISHED_STOPPED
     assert stops.text(request, "b\u20ac") == "a"
+
+
+class _BytesForOneToken:
+    """Decodes as ByteTokenizer, but returns bytes for a single token."""
+
+    def decode(self, ids):
+        return bytes(ids) if len(ids) == 1 else TOKENIZER.decode(ids)
+
+
+def test_a_decode_returning_no_str_for_the_context_stops_the_reads(caplog):
+    # The first read's context is the one prompt token: its bytes are no text to count.
+    stops = Detokenizer(_BytesForOneToken())
+    request = Request("r", [1], SamplingParams(stop="a"))
+    request.append_output_token_ids(ord("a"))
+    with caplog.at_level(logging.WARNING, logger="jaxkv.detokenizer"):
+        assert stops.read(request) == (None, None)
+    assert request.decoded_text.failed and "not a str" in caplog.text
