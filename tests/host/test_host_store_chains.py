@@ -113,13 +113,19 @@ def test_blocks_stored_behind_another_requests_failed_save_become_the_next_evict
     assert connector.stored_hashes() == [h2, x0] and not store_link_faults(connector)
 
 
-def test_a_failed_load_demotes_the_blocks_stored_behind_the_ones_it_loaded():
+def _long_saved():
+    """A connector whose store holds "long"'s three full blocks (13 tokens, 12 computed)."""
     copier = FakeCopier(16, BS)
     connector = HostOffloadConnector(64 * copier.bytes_per_block)
     connector.bind(copier, block_size=BS, hash_seed=0)
     long = Request("long", list(range(1, 14)), SamplingParams())
     long.num_computed_tokens = 12
     assert connector.on_finish(long, [1, 2, 3]) and connector.poll().saved == ("long",)
+    return copier, connector, long
+
+
+def test_a_failed_load_demotes_the_blocks_stored_behind_the_ones_it_loaded():
+    copier, connector, long = _long_saved()
     short = Request("short", list(range(1, 10)), SamplingParams())  # h0 h1 of long's
     assert connector.on_admission(short, 0) == 8
     copier.fail_loads = True
@@ -166,12 +172,7 @@ def test_a_save_returning_the_wrong_number_of_blocks_counts_as_failed():
 
 
 def test_a_save_refreshes_no_stored_block_past_the_tokens_its_request_computed():
-    copier = FakeCopier(16, BS)
-    connector = HostOffloadConnector(64 * copier.bytes_per_block)
-    connector.bind(copier, block_size=BS, hash_seed=0)
-    long = Request("long", list(range(1, 14)), SamplingParams())
-    long.num_computed_tokens = 12
-    assert connector.on_finish(long, [1, 2, 3]) and connector.poll().saved == ("long",)
+    copier, connector, long = _long_saved()
     h0, h1, h2 = long.block_hashes
     copier.fail_loads = True
     connector.start_load(Request("short", list(range(1, 10)), SamplingParams()), [4, 5])
