@@ -9,7 +9,7 @@ import pytest
 
 from jaxkv import SamplingParams
 from jaxkv.router import PrefixAwareRouter
-from tests.sharding.test_router import BLOCK, FakeReplica, make_router
+from tests.sharding.test_router import BLOCK, FakeReplica, OffloadingReplica, make_router
 
 
 class SamplingReplica(FakeReplica):
@@ -132,3 +132,15 @@ def test_aborting_a_request_drops_a_kept_sample_finish_and_releases_every_sample
         router.replica_of(rid)
     replicas[other].fail = False
     assert [o.request_id for o in router.step()] == ["y"]
+
+
+def test_a_step_steps_an_idle_replica_until_its_copies_land():
+    # Its copies end only in its own steps: a step() skipping an idle replica would leave
+    # them in flight for good.
+    replicas = [OffloadingReplica(0, copy_steps=2), OffloadingReplica(1, copy_steps=2)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    router.add_request([1] * BLOCK, SamplingParams(max_tokens=1))
+    assert [o.finished for o in router.step()] == [True]
+    assert router.has_pending_transfers() and not router.has_unfinished_requests()
+    assert router.step() == [] and router.has_pending_transfers()
+    assert router.step() == [] and not router.has_pending_transfers()
