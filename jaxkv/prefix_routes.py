@@ -2,8 +2,8 @@
 
 A prompt's prefix is keyed by the chained hashes of its first full blocks (jaxkv.hashing,
 the keys the replicas' prefix caches use), so two prompts share a key exactly when they
-share those blocks' tokens, salt included. The table is bounded: past `capacity` keys
-the least recently used are dropped.
+share those blocks' tokens, salt included. The table is bounded: past
+`max_tracked_prefixes` keys the least recently used are dropped.
 """
 
 from __future__ import annotations
@@ -11,22 +11,25 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
+from jaxkv.field_checks import int_fields
 from jaxkv.hashing import BlockHash, check_hash_key, extend_block_hashes
 
 __all__ = ["PrefixRoutes"]
 
 
 class PrefixRoutes:
-    """Remembered prefix routes; plain Python, not thread-safe. The caller checks the
-    sizes (PrefixAwareRouter does)."""
+    """Remembered prefix routes; plain Python, not thread-safe. Raises ValueError naming
+    a size that is not an int >= 1, or a hash_seed outside int64."""
 
     def __init__(
-        self, block_size: int, max_prefix_blocks: int, capacity: int, hash_seed: int
+        self, block_size: int, max_prefix_blocks: int, max_tracked_prefixes: int, hash_seed: int
     ) -> None:
         self.block_size = block_size
         self.max_prefix_blocks = max_prefix_blocks
-        self.capacity = capacity
+        self.max_tracked_prefixes = max_tracked_prefixes
         self.hash_seed = hash_seed
+        int_fields(self, "block_size", "max_prefix_blocks", "max_tracked_prefixes", minimum=1)
+        int_fields(self, "hash_seed", minimum=-(2**63), maximum=2**63 - 1)
         self._replica_of: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
 
     def __len__(self) -> int:
@@ -58,7 +61,7 @@ class PrefixRoutes:
         for h in reversed(hashes):
             table[h] = replica
             table.move_to_end(h)
-        while len(table) > self.capacity:
+        while len(table) > self.max_tracked_prefixes:
             table.popitem(last=False)
 
     def forget_replica(self, replica: int) -> None:

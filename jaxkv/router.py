@@ -63,6 +63,10 @@ class Route(NamedTuple):
     matched_blocks: int  # leading full blocks whose prefix was routed to `replica` before
 
 
+def _routes_size(name: str) -> property:
+    return property(lambda router: getattr(router._routes, name), doc=f"The router's {name}.")
+
+
 class PrefixAwareRouter(Closable):
     """Routes requests over `replicas`: shared prefixes together, the rest to the least loaded.
 
@@ -95,21 +99,21 @@ class PrefixAwareRouter(Closable):
         hash_seed: int = 0,
     ) -> None:
         self.replicas = checked_drivers(replicas, "replicas")
-        self.block_size = block_size
-        self.max_prefix_blocks = max_prefix_blocks
+        self._routes = PrefixRoutes(block_size, max_prefix_blocks, max_tracked_prefixes, hash_seed)
         self.max_imbalance = max_imbalance
-        self.max_tracked_prefixes = max_tracked_prefixes
-        self.hash_seed = hash_seed
-        int_fields(self, "block_size", "max_prefix_blocks", "max_tracked_prefixes", minimum=1)
         if max_imbalance is not None:
             int_fields(self, "max_imbalance", minimum=0)
-        int_fields(self, "hash_seed", minimum=-(2**63), maximum=2**63 - 1)
-        self._routes = PrefixRoutes(block_size, max_prefix_blocks, max_tracked_prefixes, hash_seed)
         self._outstanding = [0] * len(self.replicas)  # replica -> unfinished sequences
         self._replica_of: dict[str, int] = {}  # request_id -> replica, while unfinished
         self._samples = RunningSamples()  # of requests of n > 1
         self._undelivered: list[RequestOutput] = []  # gathered by a step() that raised
         self._serials = RequestSerials("dp-")  # of generated ids
+
+    # Read-only: the remembered routes are keyed by them.
+    block_size = _routes_size("block_size")
+    max_prefix_blocks = _routes_size("max_prefix_blocks")
+    max_tracked_prefixes = _routes_size("max_tracked_prefixes")
+    hash_seed = _routes_size("hash_seed")
 
     # ---------------------------------------------------------------- routing
 

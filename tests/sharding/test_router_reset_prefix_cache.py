@@ -83,7 +83,7 @@ def test_a_closed_router_refuses_to_reset():
 
 
 def test_forget_replica_drops_only_its_routes_and_keeps_the_order_of_use():
-    routes = PrefixRoutes(BLOCK, max_prefix_blocks=4, capacity=4, hash_seed=0)
+    routes = PrefixRoutes(BLOCK, max_prefix_blocks=4, max_tracked_prefixes=4, hash_seed=0)
     a, b, c = (routes.hashes(_prompt(first), None) for first in (0, 100, 200))
     routes.remember(a, 0)
     routes.remember(b, 1)
@@ -97,3 +97,17 @@ def test_forget_replica_drops_only_its_routes_and_keeps_the_order_of_use():
     routes.remember(a, 3)  # over capacity again: b's route, now the oldest, goes first
     assert routes.longest(b) is None
     assert routes.longest(a) == (3, 2) and routes.longest(c) == (2, 2)
+
+
+def test_the_sizes_routes_are_keyed_by_are_read_only_and_checked_by_the_table():
+    """Assigning router.block_size (say) would leave the routes hashed with the old one."""
+    router = PrefixAwareRouter([ResettingReplica(0)], block_size=BLOCK, hash_seed=7)
+    for name in ("block_size", "max_prefix_blocks", "max_tracked_prefixes", "hash_seed"):
+        with pytest.raises(AttributeError):
+            setattr(router, name, 3)
+    sizes = (router.block_size, router.max_prefix_blocks, router.max_tracked_prefixes)
+    assert sizes == (BLOCK, 8, 1 << 16) and router.hash_seed == 7
+    for bad in ({"block_size": 0}, {"max_tracked_prefixes": 0}, {"hash_seed": 2**63}):
+        kwargs = dict(block_size=BLOCK, max_prefix_blocks=1, max_tracked_prefixes=1, hash_seed=0)
+        with pytest.raises(ValueError, match=f"{list(bad)[0]}="):
+            PrefixRoutes(**(kwargs | bad))
