@@ -14,7 +14,7 @@ import pytest
 
 from jaxkv import KVCacheManager, Request
 from jaxkv.batch import build_attention_metadata
-from jaxkv.buckets import BucketConfig, pow2_buckets
+from jaxkv.buckets import BucketConfig, padded_size, pow2_buckets
 from jaxkv.cascade import AttentionShape, CascadePlanner
 from jaxkv.config import EngineConfig
 
@@ -150,3 +150,22 @@ def test_more_sequences_than_tokens_is_refused_by_name():
     with pytest.raises(ValueError, match="max_num_seqs=9"):
         BucketConfig(max_num_tokens=8, max_num_seqs=9, max_pages_per_seq=4)
     assert BucketConfig(max_num_tokens=8, max_num_seqs=8, max_pages_per_seq=4).seq_buckets == (4, 8)
+
+
+def test_bucket_functions():
+    assert pow2_buckets(8, 100) == (8, 16, 32, 64, 100)
+    assert pow2_buckets(4, 4) == (4,)
+    assert padded_size((8, 16, 32), 1) == 8
+    assert padded_size((8, 16, 32), 16) == 16
+    assert padded_size((8, 16, 32), 17) == 32
+    with pytest.raises(ValueError, match="exceeds"):
+        padded_size((8, 16, 32), 33)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        BucketConfig(max_num_tokens=4, max_num_seqs=8, max_pages_per_seq=4)
+
+
+@pytest.mark.timeout(10)  # unchecked, such a minimum doubles for good (0 * 2 == 0)
+def test_pow2_buckets_refuses_a_minimum_below_one_or_above_the_maximum():
+    for minimum, maximum in ((0, 4), (-1, 4), (8, 4)):
+        with pytest.raises(ValueError, match="need 1 <="):
+            pow2_buckets(minimum, maximum)

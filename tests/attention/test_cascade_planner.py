@@ -7,7 +7,7 @@ import pytest
 
 from jaxkv import KVCacheManager, Request
 from jaxkv.batch import build_attention_metadata
-from jaxkv.buckets import BucketConfig, padded_size, pow2_buckets
+from jaxkv.buckets import BucketConfig
 from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlanner
 
 SHAPE = AttentionShape(num_q_heads=8, num_kv_heads=2, head_dim=64, kv_itemsize=2)
@@ -253,20 +253,6 @@ def test_metadata_pads_with_null_block_and_null_slots():
             block_table=m.block_table, plan=plan, query_lens=np.ones(3, int),
             num_computed_tokens=np.array([13, 16, 13]), block_size=4, buckets=buckets,
         )  # fmt: skip
-
-
-def test_bucket_functions():
-    assert pow2_buckets(8, 100) == (8, 16, 32, 64, 100)
-    assert pow2_buckets(4, 4) == (4,)
-    assert padded_size((8, 16, 32), 1) == 8
-    assert padded_size((8, 16, 32), 16) == 16
-    assert padded_size((8, 16, 32), 17) == 32
-    with pytest.raises(ValueError, match="exceeds"):
-        padded_size((8, 16, 32), 33)
-    with pytest.raises(ValueError):
-        pow2_buckets(0, 4)
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        BucketConfig(max_num_tokens=4, max_num_seqs=8, max_pages_per_seq=4)
 
 
 def _plan_fields(plan) -> tuple:
