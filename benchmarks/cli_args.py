@@ -26,6 +26,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0 (for a flag whose 0 means "no limit")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0 (a time limit of zero or less measures nothing)."""
     try:

@@ -13,6 +13,8 @@ each then computes its whole prompt (no prefix-cache reads) and its prompt rows'
 Every step runs the model on at least --min-tokens-bucket token slots (by default
 --max-num-batched-tokens: one token bucket, few programs); a smaller floor runs decode
 steps on fewer, where attention is a larger share of the step.
+--long-prefill-token-threshold caps the tokens one request is scheduled per step, so a
+long prompt's prefill leaves room in the step's budget for other requests' decodes.
 Runs four engines on the same model and workload: cascade attention on/off x prefix
 caching on/off, and reports per engine:
 
@@ -40,7 +42,6 @@ weights). Timings are measured, never asserted. Prints a table, and with --out w
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
@@ -53,93 +54,10 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cli_args import positive_int  # noqa: E402
+from benchmarks.serve_args import CONFIGS, max_model_len, parse_args, penalties  # noqa: E402
 from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from jaxkv.attention import default_backend  # noqa: E402
 from jaxkv.models import Llama, LlamaConfig  # noqa: E402
-from jaxkv.models.config import PRESETS  # noqa: E402
-
-CONFIGS = [  # (name, enable_cascade, enable_prefix_caching)
-    ("cascade+prefix_cache", True, True),
-    ("flat+prefix_cache", False, True),
-    ("cascade+no_prefix_cache", True, False),
-    ("flat+no_prefix_cache", False, False),
-]
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-requests", type=positive_int, default=256)
-    p.add_argument(
-        "--system-len", type=positive_int, default=128, help="shared system prompt tokens"
-    )
-    p.add_argument("--question-len", type=positive_int, default=8, help="tokens of each question")
-    p.add_argument(
-        "--max-tokens", type=positive_int, default=32, help="generated tokens per request"
-    )
-    p.add_argument(
-        "--samples", type=positive_int, default=1, help="SamplingParams.n of each question"
-    )
-    for name, default in (("repetition", 1.0), ("frequency", 0.0), ("presence", 0.0)):
-        p.add_argument(
-            f"--{name}-penalty", type=float, default=default, help="SamplingParams' of each"
-        )
-    p.add_argument(
-        "--prompt-logprobs", type=int, default=None, help="SamplingParams' of each (k >= 0)"
-    )
-    p.add_argument("--block-size", type=positive_int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
-    p.add_argument(
-        "--min-tokens-bucket",
-        type=positive_int,
-        default=None,
-        help="the engines' min_num_tokens_bucket (default: --max-num-batched-tokens, so every "
-        "step runs the model on that many token slots; smaller lets decode steps run on fewer)",
-    )
-    p.add_argument(
-        "--decode-batch", type=positive_int, default=256, help="batch of the host-time goal"
-    )
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--seed", type=int, default=0)
-    names = ",".join(c[0] for c in CONFIGS)
-    p.add_argument("--configs", default=names, help=f"comma-separated, of {names}")
-    p.add_argument("--out", type=Path, default=None, help="JSON file to write")
-    args = p.parse_args(argv)
-    if args.num_requests % args.samples:
-        p.error(f"--num-requests {args.num_requests} must be a multiple of --samples")
-    unknown = set(args.configs.split(",")) - {c[0] for c in CONFIGS}
-    if unknown:
-        p.error(f"--configs: unknown {sorted(unknown)}; choose from {[c[0] for c in CONFIGS]}")
-    if args.min_tokens_bucket is None:
-        args.min_tokens_bucket = args.max_num_batched_tokens
-    elif args.min_tokens_bucket > args.max_num_batched_tokens:
-        p.error(
-            f"--min-tokens-bucket {args.min_tokens_bucket} must be <= --max-num-batched-tokens "
-            f"{args.max_num_batched_tokens}"
-        )
-    if args.num_requests > args.max_num_batched_tokens:  # all requests run in one batch
-        p.error(
-            f"--num-requests {args.num_requests} must be <= --max-num-batched-tokens "
-            f"{args.max_num_batched_tokens} (each scheduled request takes a token)"
-        )
-    try:
-        penalties(args)
-    except ValueError as e:  # named as SamplingParams names it, not a traceback mid-run
-        p.error(str(e))
-    if (args.prompt_logprobs or 0) > EngineConfig.max_logprobs:  # the engines' default
-        p.error(f"--prompt-logprobs {args.prompt_logprobs} exceeds {EngineConfig.max_logprobs}")
-    max_len, limit = max_model_len(args), PRESETS[args.preset].max_position_embeddings
-    if max_len > limit:
-        p.error(
-            f"--system-len + --question-len + --max-tokens + 1 = {max_len} tokens exceed "
-            f"the {limit} positions of --preset {args.preset}"
-        )
-    return args
-
-
-def max_model_len(args) -> int:
-    """The engine's max_model_len: a request's prompt and max_tokens, and a token of slack."""
-    return args.system_len + args.question_len + args.max_tokens + 1
 
 
 def workload(args) -> list[list[int]]:
@@ -165,26 +83,13 @@ def engine_config(args, cascade: bool, prefix_caching: bool) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.num_requests,
             max_model_len=max_len,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
         ),
         enable_cascade=cascade,
         # Few, coarse buckets: a long run compiles a handful of programs.
         min_num_seqs_bucket=max(args.num_requests // 4, 1),
         min_num_tokens_bucket=args.min_tokens_bucket,
     )
-
-
-def penalties(args: argparse.Namespace) -> dict[str, float]:
-    """The SamplingParams penalties (and prompt logprobs) the flags ask for; ValueError
-    as SamplingParams's."""
-    kwargs = {
-        "repetition_penalty": args.repetition_penalty,
-        "frequency_penalty": args.frequency_penalty,
-        "presence_penalty": args.presence_penalty,
-    }
-    if args.prompt_logprobs is not None:
-        kwargs["prompt_logprobs"] = args.prompt_logprobs
-    SamplingParams(**kwargs)
-    return kwargs
 
 
 def run_one(model, prompts, args, name, cascade, prefix_caching) -> dict:

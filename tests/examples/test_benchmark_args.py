@@ -14,6 +14,7 @@ from benchmarks.cli_args import (
     check_head_groups,
     check_whole_pages,
     decode_grid,
+    non_negative_int,
     positive_float,
     positive_int,
 )
@@ -24,6 +25,13 @@ def test_positive_int_takes_ints_from_one_up():
     for text, match in (("0", "0 must be >= 1"), ("-2", "-2 must be >= 1"), ("1.5", "not an int")):
         with pytest.raises(argparse.ArgumentTypeError, match=match):
             positive_int(text)
+
+
+def test_non_negative_int_takes_ints_from_zero_up():
+    assert non_negative_int("0") == 0 and non_negative_int("7") == 7
+    for text, match in (("-1", "-1 must be >= 0"), ("1.5", "not an int")):
+        with pytest.raises(argparse.ArgumentTypeError, match=match):
+            non_negative_int(text)
 
 
 def test_positive_float_takes_finite_numbers_above_zero():

@@ -114,6 +114,7 @@ def test_samples_split_the_requests_into_questions_of_n_samples_each():
         (["--prompt-logprobs", "-1"], "prompt_logprobs=-1 must be None or an int >= 0"),
         (["--prompt-logprobs", "21"], "--prompt-logprobs 21 exceeds 20"),
         (["--min-tokens-bucket", "4096"], "--min-tokens-bucket 4096 must be <= --max-num-"),
+        (["--long-prefill-token-threshold", "-1"], "-1 must be >= 0"),
     ],
 )
 def test_flags_the_engine_would_refuse_are_refused_by_name(argv, message, capsys):
@@ -138,3 +139,13 @@ def test_the_token_bucket_floor_is_the_batch_budget_unless_given():
     assert default.min_num_tokens_bucket == 2048
     args = parse_args(["--min-tokens-bucket", "256"])
     assert engine_config(args, cascade=True, prefix_caching=True).min_num_tokens_bucket == 256
+
+
+def test_the_long_prefill_threshold_reaches_the_engines_scheduler():
+    default = engine_config(parse_args([]), cascade=True, prefix_caching=True)
+    assert default.scheduler.long_prefill_token_threshold == 0  # the budget
+    args = parse_args(["--long-prefill-token-threshold", "64"])
+    assert (
+        engine_config(args, cascade=False, prefix_caching=True).scheduler.max_tokens_per_request
+        == 64
+    )
