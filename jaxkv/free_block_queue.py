@@ -27,6 +27,7 @@ class FreeKVCacheBlockQueue:
         self.append_n(blocks)
 
     def popleft(self) -> KVCacheBlock:
+        """Pops the head (the next block to evict). Raises ValueError when none is free."""
         block = self._head.next_free
         if block is self._tail:
             raise ValueError("no free block to pop")

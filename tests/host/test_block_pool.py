@@ -32,6 +32,12 @@ def test_free_queue_order_and_middle_removal():
         with pytest.raises(ValueError, match=r"popleft_n: n=.* must be an int >= 0"):
             queue.popleft_n(n)
     assert queue.block_ids() == [4, 5, 2, 3] and queue.num_free_blocks == 4
+    assert [queue.popleft().block_id for _ in range(4)] == [4, 5, 2, 3]
+    with pytest.raises(ValueError, match="no free block"):
+        queue.popleft()
+    assert queue.num_free_blocks == 0 and queue.block_ids() == []
+    queue.append(blocks[5])  # a popped block is out of the queue: it may go back
+    assert queue.block_ids() == [5]
 
 
 def test_pool_never_hands_out_the_null_block():
