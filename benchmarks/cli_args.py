@@ -17,23 +17,21 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1 (zero requests, tokens, pages or repetitions measure
     nothing)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
+    return _int_at_least(text, 1)
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: an int >= 0 (for a flag whose 0 means "no limit")."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
     return value
 
 
