@@ -124,3 +124,14 @@ def test_a_width_of_zero_gives_the_sampled_token_only():
     assert ids.shape == top.shape == top_rank.shape == (4, 0)
     np.testing.assert_array_equal(rank, np.ones(4))  # greedy: the argmax
     assert sampled.shape == (4,)
+
+
+def test_bfloat16_logits_give_float32_logprobs_of_their_float32_values():
+    """top_logprobs takes log_softmax in float32 whatever the logits' dtype."""
+    logits = jax.numpy.asarray(_logits(), jax.numpy.bfloat16)
+    ids, top, top_rank, sampled, rank = _top(logits, np.zeros(4, np.int32), 3)
+    assert top.dtype == sampled.dtype == np.float32
+    exact = np.asarray(logits, np.float64)
+    ref = exact - np.log(np.exp(exact).sum(-1))[:, None]
+    np.testing.assert_allclose(sampled, ref[:, 0], atol=1e-5)
+    np.testing.assert_allclose(top, np.take_along_axis(ref, np.asarray(ids), -1), atol=1e-5)
