@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxkv import KVCacheManager, Request, SamplingParams
+from jaxkv import KVCacheManager, Request, RequestOutput, SamplingParams
 from jaxkv.prompt_logprobs import PromptLogprobs
 from jaxkv.request import RequestStatus
 from tests.host._sched_util import FakeCopier, OracleLoadConnector, add, make_scheduler, step
@@ -119,3 +119,28 @@ def test_no_rows_when_nobody_in_the_batch_is_owed_any():
     assert step.rows is None and step.segments == [] and step.completing == {"b"}
     tracker.add(Request("b", [4]))  # queued again without asking
     assert _segments(tracker, [a, b], [0, 0], [3, 1], None) is None
+
+
+def test_rows_are_padded_to_at_most_the_batchs_token_count():
+    """Below the first row bucket (64) the rows stop at the batch's padded token count."""
+    tracker = PromptLogprobs(5)
+    a = Request("a", list(range(1, 11)), SamplingParams(prompt_logprobs=1))
+    a.status = RequestStatus.RUNNING
+    tracker.add(a)
+    cu = np.array([0, 10, 10], np.int32)
+    rows = tracker.rows([a], np.array([0]), np.array([10]), None, cu, 16).rows
+    assert rows.indices.shape == rows.targets.shape == (16,)
+    assert rows.indices[:9].tolist() == list(range(9)) and not rows.indices[9:].any()
+
+
+def test_attach_skips_a_completed_request_discarded_meanwhile():
+    """A request aborted after its step was listed gets no prompt logprobs, and no error."""
+    tracker = PromptLogprobs(5)
+    a = Request("a", [10, 11, 12], SamplingParams(prompt_logprobs=1))
+    a.status = RequestStatus.RUNNING
+    tracker.add(a)
+    prompt_step = _segments(tracker, [a], [0], [3], None)
+    assert prompt_step.completing == {"a"}
+    tracker.discard("a")
+    output = RequestOutput("a", (7,), False, None)
+    assert tracker.attach([output], prompt_step) == [output] and len(tracker) == 0
