@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from jaxkv.batch import AttentionMetadata, LevelMetadata
-from jaxkv.step_inputs import coarsen_metadata, gather_input_ids, pad_level, program_key
+from jaxkv.prompt_logprobs import PromptRows
+from jaxkv.step_inputs import (
+    coarsen_metadata,
+    gather_input_ids,
+    in_schedule_order,
+    pad_level,
+    program_key,
+)
 
 
 def _metadata(query_lens_in_batch_order: np.ndarray, max_num_tokens: int):
@@ -134,3 +141,28 @@ def test_program_key_tells_apart_every_padded_shape_and_static_field():
     assert program_key(md, num_logprobs=None) == keys[0]
     widths = {program_key(md, num_logprobs=20), program_key(md, num_logprobs=0)}
     assert len({*widths, *keys}) == len(keys) + 2
+
+
+def test_program_key_tells_apart_sampling_shapes_and_prompt_row_counts():
+    """Each sampling argument's shape (a tuple's shapes, None) and the prompt rows count."""
+    md = _main(3, ())
+    a4, a8 = np.zeros(4, np.int32), np.zeros(8, np.int32)
+    keys = [
+        program_key(md, (a4,)),
+        program_key(md, (a8,)),
+        program_key(md, ((a4, a4),)),
+        program_key(md, ((a4, a8),)),
+        program_key(md, (None,)),
+        program_key(md, (a4,), prompt_rows=PromptRows(a4, a4)),
+        program_key(md, (a4,), prompt_rows=PromptRows(a8, a8)),
+    ]
+    assert len(set(keys)) == len(keys)
+    assert program_key(md, (np.ones(4, np.int32),)) == keys[0]
+
+
+def test_in_schedule_order_undoes_the_batch_permutation():
+    """Batch row i is request order[i]: a 3-cycle (not its own inverse) tells it apart."""
+    rows = np.array([[10], [20], [30], [99]])
+    order = np.array([2, 0, 1])
+    assert in_schedule_order(rows, 3, order).tolist() == [[20], [30], [10]]
+    assert in_schedule_order(rows, 3, None).tolist() == [[10], [20], [30]]
