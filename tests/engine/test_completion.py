@@ -252,3 +252,42 @@ def test_the_bar_counts_a_prompt_of_n_samples_once():
         (1, (6, 7), "stop"),
     ]
     assert bar.n == 1 and bar.closed
+
+
+class _NoAbort:
+    """Has three of StepDriver's four methods: abort is missing."""
+
+    def add_request(self, prompt, params) -> str:
+        return "0"
+
+    def step(self):
+        return []
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+
+def test_a_driver_lacking_only_one_method_is_refused_by_name():
+    from jaxkv.completion import checked_drivers
+
+    with pytest.raises(ValueError, match="replicas: .*_NoAbort.* lacks one of the methods"):
+        checked_drivers([_NoAbort()], "replicas")
+    ok = _DropsSecond()
+    assert checked_drivers((ok,), "replicas") == [ok]
+
+
+def test_more_params_than_prompts_are_refused_by_count_and_queue_nothing():
+    """Too many sampling_params is refused like too few, before any prompt is queued."""
+    driver, bar = _RefusesThird(), Bar()
+    with pytest.raises(ValueError, match="sampling_params: 3 for 2 prompts; pass one"):
+        run_to_completion(driver, [[1], [2]], [SamplingParams()] * 3, progress_bar=bar)
+    assert driver.queued == [] and bar.closed
+
+
+def test_prompts_whose_first_item_cannot_be_indexed_are_refused_by_their_prompt():
+    """A mapping (prompts[0] a KeyError) is counted; its keys are refused as prompts."""
+    from tests.engine._util import make_engine
+
+    engine = make_engine()
+    with pytest.raises(ValueError, match="prompt_token_ids must be token ids, not str"):
+        engine.generate({"a": [1, 2]}, progress=False)  # not a KeyError from prompts[0]
