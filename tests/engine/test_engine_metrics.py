@@ -140,6 +140,15 @@ def test_derived_rates_of_a_snapshot():
     assert idle.tokens_per_s == idle.prefix_cache_hit_rate == idle.host_time_per_step_ms == 0.0
 
 
+def test_every_derived_rate_of_an_idle_snapshot_is_zero():
+    """No step time or no step yet: each rate is 0.0, never a ZeroDivisionError."""
+    idle = EngineMetrics(num_prompt_tokens=3, num_generated_tokens=2, prefix_cache_hits=0)
+    rates = [k for k, v in vars(EngineMetrics).items() if isinstance(v, property)]
+    assert len(rates) == 6
+    assert {name: getattr(idle, name) for name in rates} == dict.fromkeys(rates, 0.0)
+    assert {k: v for k, v in idle.as_dict().items() if k in rates} == dict.fromkeys(rates, 0.0)
+
+
 def test_step_totals_list_the_cascade_levels_sorted_whatever_came_first():
     # EngineMetrics documents (levels, steps) sorted: snapshots of engines that saw the same
     # steps in another order compare equal.
