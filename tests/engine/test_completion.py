@@ -291,3 +291,43 @@ def test_prompts_whose_first_item_cannot_be_indexed_are_refused_by_their_prompt(
     engine = make_engine()
     with pytest.raises(ValueError, match="prompt_token_ids must be token ids, not str"):
         engine.generate({"a": [1, 2]}, progress=False)  # not a KeyError from prompts[0]
+
+
+def test_prompt_token_ids_of_an_array_prompt_are_python_ints():
+    """A prompt of numpy ints comes back as a tuple of ints, as CompletionOutput states."""
+    prompt = np.array([1, 2], np.int32)
+    outs = run_to_completion(_TwoSamples(), [prompt], SamplingParams(n=2, max_tokens=2))
+    assert [o.prompt_token_ids for o in outs] == [(1, 2)] * 2
+    assert {type(t) for o in outs for t in o.prompt_token_ids} == {int}
+
+
+class _StopsOnToken:
+    """A driver whose one request stops on token 9 after a first output of token 5."""
+
+    def __init__(self) -> None:
+        self._steps = [
+            [RequestOutput("s", (5,), False, None)],
+            [RequestOutput("s", (9,), True, "stop", stop_reason=9, text="ab")],
+        ]
+
+    def add_request(self, prompt_token_ids, sampling_params=None) -> str:
+        return "s"
+
+    def step(self):
+        return self._steps.pop(0)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._steps)
+
+    def abort(self, request_id: str) -> bool:
+        return False
+
+
+def test_the_stop_reason_and_text_of_the_final_output_reach_the_completion():
+    (out,) = run_to_completion(_StopsOnToken(), [[1, 2]])
+    assert (out.output_token_ids, out.finish_reason, out.stop_reason, out.text) == (
+        (5, 9),
+        "stop",
+        9,
+        "ab",
+    )
