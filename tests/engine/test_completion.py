@@ -331,3 +331,34 @@ def test_the_stop_reason_and_text_of_the_final_output_reach_the_completion():
         9,
         "ab",
     )
+
+
+class _FailsSecondStep:
+    """Prompt "0" finishes on the first step; the second step raises."""
+
+    def __init__(self) -> None:
+        self.steps, self.aborted = 0, []
+
+    def add_request(self, prompt, params) -> str:
+        return str(prompt[0])
+
+    def step(self):
+        self.steps += 1
+        if self.steps == 2:
+            raise RuntimeError("device lost")
+        return [RequestOutput("0", (5,), True, "length")]
+
+    def has_unfinished_requests(self) -> bool:
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return True
+
+
+def test_an_error_while_stepping_aborts_only_the_unfinished_prompts():
+    """A finished prompt's id is not aborted: it may name another caller's request now."""
+    driver, bar = _FailsSecondStep(), Bar()
+    with pytest.raises(RuntimeError, match="device lost"):
+        run_to_completion(driver, [[0], [1]], progress_bar=bar)
+    assert driver.aborted == ["1"] and bar.n == 1 and bar.closed
