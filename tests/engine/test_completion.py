@@ -362,3 +362,17 @@ def test_an_error_while_stepping_aborts_only_the_unfinished_prompts():
     with pytest.raises(RuntimeError, match="device lost"):
         run_to_completion(driver, [[0], [1]], progress_bar=bar)
     assert driver.aborted == ["1"] and bar.n == 1 and bar.closed
+
+
+class _AbortedBeforeAnyToken(_TwoSamples):
+    """Its one request is aborted by another caller before any output."""
+
+    def __init__(self) -> None:
+        self._steps = [[]]
+
+
+def test_a_prompt_aborted_elsewhere_before_any_token_has_empty_logprobs():
+    """Asked for logprobs, it gets one per token: none, summing to 0.0 (not None)."""
+    (out,) = run_to_completion(_AbortedBeforeAnyToken(), [[1]], SamplingParams(logprobs=1))
+    assert (out.output_token_ids, out.finish_reason) == ((), "abort")
+    assert (out.logprobs, out.cumulative_logprob) == ((), 0.0)
