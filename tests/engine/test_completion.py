@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from jaxkv import SamplingParams
-from jaxkv.completion import run_to_completion
+from jaxkv.completion import checked_drivers, run_to_completion
 from jaxkv.outputs import RequestOutput
+from tests.engine._util import make_engine
 from tests.sharding.test_router import make_router
 
 
@@ -47,8 +48,6 @@ def test_the_bar_is_closed_when_a_prompt_is_refused():
 
 def test_generate_with_a_wrong_number_of_params_queues_nothing():
     # Refused before any prompt is queued: no default id or seed is used up.
-    from tests.engine._util import make_engine
-
     engine = make_engine()
     with pytest.raises(ValueError, match="sampling_params: .* for .* prompts"):
         engine.generate([[1, 2], [3, 4]], [SamplingParams()], progress=False)
@@ -123,8 +122,6 @@ def test_a_checkpoint_that_cannot_be_rewound_leaves_the_refusal_to_propagate():
 
 @pytest.mark.parametrize("progress", [False, True])
 def test_prompts_that_are_no_sequence_are_refused_by_name_and_queue_nothing(progress):
-    from tests.engine._util import make_engine
-
     engine = make_engine()
     router, _ = make_router(2)
     for driver in (engine, router):
@@ -144,8 +141,6 @@ def test_prompts_that_are_no_sequence_are_refused_by_name_and_queue_nothing(prog
 def test_one_prompt_given_for_a_list_of_prompts_is_refused_by_name(one_prompt, kind):
     """generate takes a sequence of prompts; one prompt's token ids used to be refused as
     prompt 0 with a message about shape=(), naming neither `prompts` nor the fix."""
-    from tests.engine._util import make_engine
-
     engine = make_engine()
     router, _ = make_router(2)
     for driver in (engine, router):
@@ -160,8 +155,6 @@ def test_one_prompt_given_for_a_list_of_prompts_is_refused_by_name(one_prompt, k
 
 
 def test_a_progress_flag_that_is_no_bool_is_refused_by_name_and_queues_nothing():
-    from tests.engine._util import make_engine
-
     engine = make_engine()
     router, _ = make_router(2)
     for driver in (engine, router):
@@ -268,8 +261,6 @@ class _NoAbort:
 
 
 def test_a_driver_lacking_only_one_method_is_refused_by_name():
-    from jaxkv.completion import checked_drivers
-
     with pytest.raises(ValueError, match="replicas: .*_NoAbort.* lacks one of the methods"):
         checked_drivers([_NoAbort()], "replicas")
     ok = _DropsSecond()
@@ -286,8 +277,6 @@ def test_more_params_than_prompts_are_refused_by_count_and_queue_nothing():
 
 def test_prompts_whose_first_item_cannot_be_indexed_are_refused_by_their_prompt():
     """A mapping (prompts[0] a KeyError) is counted; its keys are refused as prompts."""
-    from tests.engine._util import make_engine
-
     engine = make_engine()
     with pytest.raises(ValueError, match="prompt_token_ids must be token ids, not str"):
         engine.generate({"a": [1, 2]}, progress=False)  # not a KeyError from prompts[0]
