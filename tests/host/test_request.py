@@ -216,3 +216,71 @@ def test_a_misspelt_field_assignment_fails_instead_of_adding_an_attribute():
     req = Request("r", [1])
     with pytest.raises(AttributeError):
         req.num_computed_token = 1  # num_computed_tokens
+
+
+def test_sampling_params_edge_values_are_taken_and_the_next_ones_refused():
+    """Each range's closed ends are accepted; just past them is refused by name."""
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    tiny, f32_max = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+    assert SamplingParams(repetition_penalty=tiny).repetition_penalty == tiny
+    assert SamplingParams(repetition_penalty=f32_max).repetition_penalty == f32_max
+    for value in (float(np.nextafter(np.float32(tiny), np.float32(0))), f32_max * 2):
+        with pytest.raises(ValueError, match="^repetition_penalty="):
+            SamplingParams(repetition_penalty=value)
+
+
+def test_sampling_params_store_min_p_and_repetition_penalty_as_python_floats():
+    p = SamplingParams(min_p=np.float32(0.5), repetition_penalty=np.float32(1.5))
+    assert type(p.min_p) is float and type(p.repetition_penalty) is float
+    assert type(SamplingParams(min_p=1, repetition_penalty=2).min_p) is float
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"frequency_penalty": 0.5},
+        {"presence_penalty": -0.5},
+        {"repetition_penalty": 0.5},
+        {"repetition_penalty": 1.5},
+    ],
+)
+def test_any_one_penalty_off_its_no_op_value_counts(kwargs):
+    assert SamplingParams(**kwargs).has_penalties
+    assert not SamplingParams().has_penalties
+
+
+def test_stopping_at_appends_new_eos_ids_unless_ignore_eos():
+    p = SamplingParams(stop_token_ids=(3, 5))
+    assert p.stopping_at((5, 7, 3)).stop_token_ids == (3, 5, 7)
+    assert p.stopping_at((5,)) == p
+    ignoring = SamplingParams(stop_token_ids=(3,), ignore_eos=True)
+    assert ignoring.stopping_at((7,)).stop_token_ids == (3,)
+
+
+def test_stream_text_must_be_a_bool():
+    with pytest.raises(ValueError, match="^stream_text='yes' must be a bool"):
+        SamplingParams(stream_text="yes")
+
+
+def test_a_request_starts_with_no_preemptions_and_refuses_an_empty_id():
+    assert Request("r", [1]).num_preemptions == 0
+    with pytest.raises(ValueError, match="request_id='' must be a non-empty str"):
+        Request("", [1])
+
+
+@pytest.mark.parametrize("tokens", [2**63, [2**63], [1, 2**63]])
+def test_a_token_id_past_64_signed_bits_is_refused_and_appends_nothing(tokens):
+    req = Request("r", [2**63 - 1])
+    assert req.prompt_token_ids == (2**63 - 1,)
+    with pytest.raises(ValueError, match=f"must be <= {2**63 - 1}"):
+        req.append_output_token_ids(tokens)
+    assert req.output_token_ids == [] and req.num_tokens == 1
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        Request("s", [2**63])
+
+
+def test_block_hashes_depend_on_the_hash_seed():
+    a, b = Request("a", range(8)), Request("b", range(8))
+    assert a.update_block_hashes(4, seed=7) != b.update_block_hashes(4, seed=0)
+    assert a.block_hashes == Request("c", range(8)).update_block_hashes(4, seed=7)
