@@ -44,3 +44,26 @@ def test_arrays_of_ints_come_back_as_python_ints(dtype):
     ids = checked_prompt_ids(np.array([3, 0, VOCAB - 1], dtype), limit=VOCAB)
     assert ids == [3, 0, VOCAB - 1]
     assert [type(t) for t in ids] == [int, int, int]
+
+
+@pytest.mark.parametrize("prompt", ["ab", b"ab", bytearray(b"ab")])
+def test_text_and_bytes_are_refused_as_prompts(prompt):
+    with pytest.raises(ValueError, match=f"token ids, not {type(prompt).__name__}"):
+        checked_prompt_ids(prompt, limit=VOCAB)
+
+
+@pytest.mark.parametrize("prompt", [5, np.int32(5), [[1, 2]], [1.0, 2.0], [-1, 2], [1, VOCAB]])
+def test_scalars_nested_lists_floats_and_ids_out_of_range_are_refused(prompt):
+    with pytest.raises(ValueError, match="prompt_token_ids must"):
+        checked_prompt_ids(prompt, limit=VOCAB)
+
+
+def test_ids_at_either_end_of_the_range_are_taken():
+    assert checked_prompt_ids([0, VOCAB - 1], limit=VOCAB) == [0, VOCAB - 1]
+
+
+def test_an_empty_prompt_is_refused_unless_allowed():
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        checked_prompt_ids([], limit=VOCAB)
+    assert checked_prompt_ids([], limit=VOCAB, allow_empty=True) == []
+    assert checked_prompt_ids(np.array([], np.int32), limit=VOCAB, allow_empty=True) == []
