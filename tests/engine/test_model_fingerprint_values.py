@@ -21,3 +21,10 @@ def test_float4_weights_that_differ_by_a_fraction_give_different_fingerprints():
     assert model_fingerprint(CONFIG, [jnp.array([[0.5, 1.0, -1.5]], jnp.float4_e2m1fn)]) == fp
     for other in ([[0.0, 1.0, -1.5]], [[0.5, 1.0, -1.0]], [[-0.5, 1.0, -1.5]]):
         assert model_fingerprint(CONFIG, [jnp.array(other, jnp.float4_e2m1fn)]) != fp, other
+
+
+def test_the_fingerprint_of_a_fixed_model_is_pinned():
+    """Pins the checksum and digest layout: a change must be deliberate, as it makes
+    KV saved under the old fingerprints unmatched."""
+    weights = [jnp.arange(6, dtype=jnp.float32).reshape(2, 3), jnp.array([3, -1], jnp.int8)]
+    assert model_fingerprint(CONFIG, weights).hex() == "10f3b1ed786a6efc80320e06094468c8"
