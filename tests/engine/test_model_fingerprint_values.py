@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jaxkv.model_fingerprint import model_fingerprint
@@ -28,3 +29,10 @@ def test_the_fingerprint_of_a_fixed_model_is_pinned():
     KV saved under the old fingerprints unmatched."""
     weights = [jnp.arange(6, dtype=jnp.float32).reshape(2, 3), jnp.array([3, -1], jnp.int8)]
     assert model_fingerprint(CONFIG, weights).hex() == "10f3b1ed786a6efc80320e06094468c8"
+
+
+def test_64_bit_weights_that_differ_only_in_their_high_word_differ():
+    with jax.enable_x64(True):
+        low = jnp.array([1, 2], jnp.int64)
+        high = jnp.array([1, 2 + 2**40], jnp.int64)
+        assert model_fingerprint(CONFIG, [low]) != model_fingerprint(CONFIG, [high])
