@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.attention import check_backend, paged_attention, write_kv
+from jaxkv.attention import check_backend, kernel_for, paged_attention, write_kv
 from jaxkv.batch import build_attention_metadata
 from tests.attention.test_metadata_argument_checks import _three_decoding
 
@@ -154,3 +154,22 @@ def test_a_pallas_backend_called_outside_jit_off_its_platform_is_refused_by_name
             paged_attention(q, pages, md, sm_scale=0.125, backend=backend, interpret=bad)
     with pytest.raises(ValueError, match="interpret='yes' must be a bool or None"):
         paged_attention(q, pages, md, sm_scale=0.125, backend="xla", interpret="yes")
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_gpu"])
+def test_kernel_for_passes_max_q_len_to_the_kernel(backend):
+    """The bound sizes the query layout of each pass: dropped, a cascade level holding a
+    whole batch as one sequence is laid out for max_num_tokens rows."""
+    assert kernel_for(backend, interpret=True, max_q_len=5).keywords["max_q_len"] == 5
+
+
+def test_kernel_for_asks_the_tpu_for_its_tuning_only_when_compiling_on_one(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert kernel_for("pallas_tpu").keywords["tpu_generation"] == "auto"
+    interpreted = kernel_for("pallas_tpu", interpret=True).keywords
+    assert interpreted["tpu_generation"] == "default" and interpreted["interpret"] is True
+
+
+def test_kernel_for_refuses_an_unknown_backend_by_name():
+    with pytest.raises(ValueError, match="backend='cuda' must be one of"):
+        kernel_for("cuda")
