@@ -70,14 +70,21 @@ def test_a_bool_scale_is_refused():
     [
         ((64, 4, 4 * D), np.int32, r"kv_pages.shape=\(64, 4, 256\) must be \[num_blocks"),
         ((64, 4, 3, D), np.int32, r"kv_pages.shape=\(64, 4, 3, 64\) must be \[num_blocks"),
+        ((64, 4, 0, D), np.int32, r"kv_pages.shape=\(64, 4, 0, 64\) must be \[num_blocks"),
         ((64, 4, 2 * H_KV, D), np.float32, "slot_mapping must be an integer array"),
     ],
-    ids=["rank_3", "odd_heads", "float_slots"],
+    ids=["rank_3", "odd_heads", "no_heads", "float_slots"],
 )
 def test_write_kv_refuses_a_malformed_cache_or_slot_mapping_by_name(pages_shape, slot_dtype, match):
     k = jnp.zeros((8, H_KV, D), jnp.float32)
     with pytest.raises(ValueError, match=match):
         write_kv(jnp.zeros(pages_shape, jnp.float32), k, k, np.zeros(8, slot_dtype))
+
+
+def test_write_kv_refuses_a_slot_mapping_of_another_token_count():
+    k = jnp.zeros((8, H_KV, D), jnp.float32)
+    with pytest.raises(ValueError, match=r"slot_mapping.shape=\(7,\) must be \(8,\)"):
+        write_kv(jnp.zeros((64, 4, 2 * H_KV, D), jnp.float32), k, k, np.zeros(7, np.int32))
 
 
 SHAPES = dict(num_q_heads=H_Q, num_kv_heads=H_KV, head_dim=D, block_size=16)

@@ -176,6 +176,13 @@ def test_write_kv_quantized_round_trip():
     assert int(out[1, 1, 0, 0]) == 50 and int(out[1, 1, 1, 0]) == -25
 
 
+def test_write_kv_divides_k_and_v_each_by_its_own_scale():
+    kv = jnp.zeros((3, 4, 2, 8), jnp.int8)
+    k = jnp.full((1, 1, 8), 0.5)
+    out = write_kv(kv, k, k, jnp.array([5], jnp.int32), k_scale=0.01, v_scale=0.02)
+    assert int(out[1, 1, 0, 0]) == 50 and int(out[1, 1, 1, 0]) == 25
+
+
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("scale", [None, 0.01])
 def test_write_kv_saturates_out_of_range_values(dtype, scale):
