@@ -336,3 +336,18 @@ def test_another_request_object_reusing_a_live_id_is_refused(busy):
     hit = make_request("probe", [*range(4), 70, 71, 72, 73, 74, 75])
     hit_ids, num_hit = busy.get_computed_blocks(hit)
     assert num_hit == 8 and hit_ids[1] == busy.block_ids("a")[1]  # 70..73: twin's own block
+
+
+def test_a_numpy_count_keeps_the_requests_computed_tokens():
+    """A numpy count takes allocate_slots's checked path, which must read
+    request.num_computed_tokens (8 here), not the lookahead count (0)."""
+
+    def run(count):
+        m = KVCacheManager(40, 4, max_model_len=512)
+        a = make_request("a", range(16))
+        m.allocate_slots(a, 8)
+        a.num_computed_tokens = 8
+        return m.allocate_slots(a, count(4)), snapshot(m)
+
+    assert run(np.int64) == run(int)
+    assert run(int)[0] == [3]  # 12 tokens: a third block
