@@ -196,11 +196,19 @@ def test_a_request_given_twice_is_refused_by_the_planner_and_the_plan(ids, twice
     _refused(plan, "must be distinct", rows=np.array([plan.rows[0]] * 3, np.int32))
 
 
+class _PaysOnly:
+    """A cost model with pays but no reads_padded_pages, which page_buckets needs."""
+
+    def pays(self, *args, **kwargs):
+        return True
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
         (dict(shape=(4, 2, 16)), "shape=.* must be an AttentionShape"),  # was AttributeError
         (dict(cost_model={"merge_cost_factor": 0}), "cost_model=.* must be a CascadeCostModel"),
+        (dict(cost_model=_PaysOnly(), page_buckets=(4, 8)), "and reads_padded_pages with"),
         (dict(enable_cascade="no"), "enable_cascade='no' must be a bool"),  # planned cascade
         (dict(enable_groups=None), "enable_groups=None must be a bool"),
         (dict(sliding_window=-3), "sliding_window=-3 must be None or an int >= 1"),
