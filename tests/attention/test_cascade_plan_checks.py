@@ -141,8 +141,9 @@ def test_metadata_refuses_a_level_past_a_requests_cached_tokens():
         (("r0", [13, 13], [1, 1]), "request_ids='r0' must be a sequence of request ids"),
         (("r0", [13], [1]), "request_ids='r0' must be a sequence of request ids"),  # not shapes
         ((None, [], []), "request_ids=None must be a sequence of request ids"),  # TypeError
+        ((["r0", "r1"], [13, 13], [1]), r"query_lens.shape=\(1,\) must be \(2,\)"),
     ],
-    ids=["float_computed", "bool_query_lens", "str_ids", "str_ids_one_count", "no_ids"],
+    ids=["float_computed", "bool_query_lens", "str_ids", "str_ids_one_count", "no_ids", "short"],
 )
 def test_the_planner_refuses_arguments_of_the_wrong_type_by_name(args, match):
     m = KVCacheManager(64, 4, max_model_len=64)
