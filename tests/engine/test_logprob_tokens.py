@@ -8,6 +8,8 @@ import logging
 import pickle
 import threading
 
+import numpy as np
+
 from jaxkv import SamplingParams
 from jaxkv.engine import Engine
 from jaxkv.logprobs import Logprob
@@ -125,3 +127,13 @@ def test_prompt_logprobs_keep_their_own_texts_not_the_tokenizer():
     assert copied.prompt_logprobs == first.prompt_logprobs == again.prompt_logprobs
     assert copied.logprobs == first.logprobs
     assert len(pickle.dumps(first)) == len(pickle.dumps(again))
+
+
+def test_texts_of_keys_and_decodes_each_distinct_id_as_a_plain_int():
+    """texts_of hands the decode, and keys its dict by, Python ints, not numpy ones."""
+    words = _Words()
+    texts = TokenTexts(words.decode)
+    got = texts.texts_of(np.array([[9, 3], [3, 7]], np.int32))
+    assert got == {3: " w3", 7: "<|end|>", 9: " w9"}
+    assert all(type(t) is int for t in got) and all(type(t) is int for t in texts)
+    assert sorted(words.decoded) == [3, 7, 9] and all(type(t) is int for t in words.decoded)
