@@ -8,7 +8,7 @@ import pytest
 
 from jaxkv import SamplingParams
 from jaxkv.completion import checked_drivers, run_to_completion
-from jaxkv.outputs import RequestOutput
+from jaxkv.outputs import CompletionOutput, RequestOutput
 from tests.engine._util import make_engine
 from tests.sharding.test_router import make_router
 
@@ -66,6 +66,14 @@ def test_completion_output_is_frozen_and_hashable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.finish_reason = "stop"
     assert len({c, CompletionOutput("0", (1, 2), (3,), "length")}) == 1
+
+
+def test_completion_output_defaults_are_those_of_a_plain_request():
+    """Left out, the optional fields read as a request without logprobs, its sample 0,
+    stopped by no token or string and without a tokenizer: None, 0, None, None, None."""
+    c = CompletionOutput("0", (1, 2), (3,), "length")
+    assert (c.logprobs, c.cumulative_logprob, c.index) == (None, None, 0)
+    assert (c.prompt_logprobs, c.stop_reason, c.text) == (None, None, None)
 
 
 class _RefusesThird:
