@@ -240,3 +240,14 @@ def test_ban_widths_are_counted_as_programs():
     assert engine.num_compiles == base + 1  # the same shapes with a 1-wide ban
     engine.generate([prompt], banned, progress=False)
     assert engine.num_compiles == base + 1
+
+
+def test_adding_params_that_ban_nothing_drops_the_requests_earlier_ban():
+    """add replaces an earlier add's entry, also by none when the new params ban nothing."""
+    bans = StopTokenBans()
+    reqs = [Request("r0", [1, 2])]
+    bans.add("r0", SamplingParams(stop_token_ids=(5,), min_tokens=2))
+    assert bans.array(reqs, None, 1).tolist() == [[5]]
+    bans.add("r0", SamplingParams(stop_token_ids=(5,)))  # no minimum any more
+    assert len(bans) == 0
+    assert bans.array(reqs, None, 1).shape == (1, 0)
