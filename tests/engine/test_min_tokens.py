@@ -251,3 +251,15 @@ def test_adding_params_that_ban_nothing_drops_the_requests_earlier_ban():
     bans.add("r0", SamplingParams(stop_token_ids=(5,)))  # no minimum any more
     assert len(bans) == 0
     assert bans.array(reqs, None, 1).shape == (1, 0)
+
+
+@pytest.mark.parametrize(("longest", "width"), [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8)])
+def test_ban_width_is_the_longest_stop_list_rounded_up_to_a_power_of_two(longest, width):
+    bans = StopTokenBans()
+    reqs = [Request("r0", [1]), Request("r1", [1])]
+    bans.add("r0", SamplingParams(stop_token_ids=tuple(range(10, 10 + longest)), min_tokens=1))
+    bans.add("r1", SamplingParams(stop_token_ids=(9,), min_tokens=1))
+    got = bans.array(reqs, None, 2)
+    assert got.shape == (2, width)
+    assert got[0, :longest].tolist() == list(range(10, 10 + longest))
+    assert (got[0, longest:] == NO_TOKEN).all() and got[1].tolist()[:1] == [9]
