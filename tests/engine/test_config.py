@@ -138,3 +138,21 @@ def test_a_pool_too_small_for_one_max_model_len_request_is_refused(
         EngineConfig(
             cache=CacheConfig(num_blocks=least - 1, block_size=block_size), scheduler=sched
         )
+
+
+def test_defaults_are_the_documented_ones():
+    """Every config field left out takes its documented default (a changed default
+    would silently change every engine built without it)."""
+    cache, sched, config = CacheConfig(), SchedulerConfig(), EngineConfig()
+    assert (cache.num_blocks, cache.block_size, cache.hash_seed, cache.kv_dtype) == (
+        256, 16, 0, None,
+    )  # fmt: skip
+    assert cache.enable_prefix_caching is True and cache.enable_kv_cache_events is False
+    assert (sched.max_num_batched_tokens, sched.max_num_seqs, sched.max_model_len) == (512, 64, 512)
+    assert sched.enable_chunked_prefill is True and sched.long_prefill_token_threshold == 0
+    assert (config.cache, config.scheduler) == (cache, sched)
+    assert (config.backend, config.interpret, config.enable_cascade) == (None, False, True)
+    assert (config.cascade_cost_model, config.max_cascade_groups) == (None, 8)
+    assert (config.min_num_tokens_bucket, config.min_num_seqs_bucket) == (8, 4)
+    assert (config.min_pages_bucket, config.q_len_buckets) == (4, None)
+    assert (config.pad_cascade_levels, config.seed, config.max_logprobs) == (False, 0, 20)
