@@ -33,3 +33,11 @@ def test_checked_step_counts_refuses_minus_one_and_takes_zero():
     assert computed.tolist() == [0, 5] and query_lens.tolist() == [1, 2]
     with pytest.raises(ValueError, match="num_computed_tokens entry must be >= 0, got -1"):
         checked_step_counts(np.array([1, 2]), np.array([3, -1]), 2)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint16])
+def test_checked_step_counts_widens_narrow_or_unsigned_query_lens_too(dtype):
+    """The builder sums query_lens as it sums num_computed_tokens: both come back int64."""
+    query_lens, computed = checked_step_counts(np.array([100, 100], dtype), np.array([0, 1]), 2)
+    assert query_lens.dtype == np.int64 and int(query_lens.sum()) == 200
+    assert computed.dtype == np.array([0]).dtype
