@@ -89,6 +89,7 @@ def test_rewinding_while_a_request_queued_since_is_held_is_refused_and_changes_n
 def test_request_serials_skip_taken_ids_and_take_a_serial_only_when_told():
     serials = RequestSerials("x-")
     assert serials.peek(None, {"x-0", "x-1"}) == (2, "x-2")
+    assert serials.peek(None, {"x-0", "x-2"}) == (1, "x-1")  # the first free one, not skipped
     assert serials.peek("mine", {"x-0"}) == (0, "mine") and serials.next == 0
     serials.take(2)
     live = {"a": object()}
