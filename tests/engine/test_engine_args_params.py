@@ -42,3 +42,15 @@ def test_numpy_params_serve_as_the_models_own():
     plain = Engine(model, None, engine_config())
     want = [o.output_token_ids for o in plain.generate(prompts, sampling, progress=False)]
     assert got == want and all(len(t) == 4 for t in got)
+
+
+def test_params_given_replace_the_weights_the_model_holds():
+    """Negated weights give other tokens than the model's own: the params are used."""
+    model = tiny_model()
+    params = jax.tree.map(lambda x: -np.asarray(x), nnx.state(model))
+    prompts, sampling = [[1, 2, 3], [7, 8]], SamplingParams(max_tokens=4, ignore_eos=True)
+    engine = Engine(model, params, engine_config())
+    got = [o.output_token_ids for o in engine.generate(prompts, sampling, progress=False)]
+    plain = Engine(model, None, engine_config())
+    want = [o.output_token_ids for o in plain.generate(prompts, sampling, progress=False)]
+    assert got != want
