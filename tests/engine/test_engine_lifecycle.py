@@ -246,3 +246,13 @@ def test_a_router_reset_empties_each_engines_prefix_cache_and_forgets_its_routes
     assert sum(e.manager.prefix_cache_stats.hits for e in engines) == 0
     assert cold.output_token_ids == first.output_token_ids
     router.close()
+
+
+def test_finished_requests_leave_no_sampling_rows_behind():
+    """Each step drops the sampling rows of the requests it finished (no per-request leak)."""
+    engine = make_engine()
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request([4, 5], SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(engine._sampling) == 0
