@@ -9,6 +9,7 @@ transfer states the requests are known to be in.
 from __future__ import annotations
 
 import collections
+import time
 
 import numpy as np
 import pytest
@@ -167,3 +168,20 @@ def test_step_s_is_the_whole_step():
         num_tokens=7, cascade_levels="", new_program=False,
     )  # fmt: skip
     assert s.step_s == 2.75
+
+
+def test_plan_cpu_time_is_counted_as_plan_not_as_schedule(monkeypatch):
+    """A planner that burns CPU shows in last_step.plan_cpu_s, not in schedule_cpu_s."""
+    engine = make_engine()
+    plan = engine.planner.plan
+
+    def slow_plan(*args, **kwargs):
+        start = time.thread_time()
+        while time.thread_time() - start < 0.05:
+            pass
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(engine.planner, "plan", slow_plan)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=1))
+    engine.step()
+    assert engine.last_step.plan_cpu_s >= 0.05 > engine.last_step.schedule_cpu_s
