@@ -256,3 +256,20 @@ def test_finished_requests_leave_no_sampling_rows_behind():
     while engine.has_unfinished_requests():
         engine.step()
     assert len(engine._sampling) == 0
+
+
+def test_a_step_whose_planner_raises_is_handed_back_and_the_next_runs_it_again(monkeypatch):
+    """The failed step's batch is discarded: the request still gets the greedy tokens."""
+    prompt, sampling = [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True)
+    want = make_engine().generate([prompt], sampling, progress=False)[0].output_token_ids
+    engine = make_engine()
+    plan = engine.planner.plan
+    monkeypatch.setattr(engine.planner, "plan", lambda *a: (_ for _ in ()).throw(KeyError()))
+    engine.add_request(prompt, sampling, request_id="r")
+    with pytest.raises(KeyError):
+        engine.step()
+    monkeypatch.setattr(engine.planner, "plan", plan)
+    got = []
+    while engine.has_unfinished_requests():
+        got += [t for o in engine.step() for t in o.new_token_ids]
+    assert got == list(want)
