@@ -264,7 +264,11 @@ def test_a_step_whose_planner_raises_is_handed_back_and_the_next_runs_it_again(m
     want = make_engine().generate([prompt], sampling, progress=False)[0].output_token_ids
     engine = make_engine()
     plan = engine.planner.plan
-    monkeypatch.setattr(engine.planner, "plan", lambda *a: (_ for _ in ()).throw(KeyError()))
+
+    def failing_plan(*args, **kwargs):
+        raise KeyError("planner bug")
+
+    monkeypatch.setattr(engine.planner, "plan", failing_plan)
     engine.add_request(prompt, sampling, request_id="r")
     with pytest.raises(KeyError):
         engine.step()
