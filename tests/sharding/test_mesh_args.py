@@ -209,3 +209,30 @@ def test_tensor_parallel_attention_takes_a_scale_given_as_a_jax_scalar():
     int8_pages = jnp.zeros((64, 4, 2 * H_KV, D), jnp.int8)
     written = tp.write_kv(int8_pages, k, k, md.slot_mapping, k_scale=jnp.float32(0.5))
     assert int(np.asarray(written).max()) == 2  # 1 / 0.5
+
+
+@pytest.mark.parametrize("tp", [True, 1.0])
+def test_make_mesh_refuses_a_tensor_parallel_size_that_is_not_an_int(tp):
+    """make_mesh names the size as no int, not a TypeError comparing None with the count."""
+    with pytest.raises(ValueError, match="must be an int"):
+        sharding.make_mesh(tp)
+
+
+def test_meshes_are_built_on_the_axis_name_given():
+    """replica_meshes and make_mesh name their one axis axis_name, not DEFAULT_AXIS."""
+    [mesh] = sharding.replica_meshes(1, jax.devices()[:1], axis_name="tp")
+    assert mesh.axis_names == ("tp",)
+    assert sharding.make_mesh(1, jax.devices()[:1], axis_name="tp").axis_names == ("tp",)
+
+
+def test_make_mesh_over_no_devices_is_refused_as_empty():
+    """An empty device list is named as empty, not as fewer devices than TP."""
+    with pytest.raises(ValueError, match="^devices must not be empty$"):
+        sharding.make_mesh(2, devices=[])
+
+
+def test_make_mesh_takes_only_the_first_tp_devices():
+    """Devices past the first TP are not looked at, as vLLM's tensor_parallel_size."""
+    d = jax.devices()[0]
+    mesh = sharding.make_mesh(1, devices=[d, d])
+    assert list(mesh.devices.flat) == [d]
