@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -236,3 +239,45 @@ def test_make_mesh_takes_only_the_first_tp_devices():
     d = jax.devices()[0]
     mesh = sharding.make_mesh(1, devices=[d, d])
     assert list(mesh.devices.flat) == [d]
+
+
+def test_kv_pages_of_rank_three_are_refused_by_name():
+    """A cache without its head_dim axis is named as kv_pages, not failed in shard_map."""
+    mesh = sharding.make_mesh(1)
+    with pytest.raises(ValueError, match=r"kv_pages.shape=\(5, 4, 2\) must be"):
+        sharding.sharded_paged_attention(
+            jnp.zeros((4, 2, 8)), jnp.zeros((5, 4, 2)), None, mesh=mesh, sm_scale=1.0
+        )
+
+
+def test_shard_params_checks_only_the_split_dimension_against_tp():
+    """A kernel whose unsplit dimension TP does not divide is placed; the split one is checked."""
+    tp = SimpleNamespace(mesh=sharding.make_mesh(1), axis_name="model", kv_replicas=1, size=2)
+    placed = sharding.shard_params({"q_proj": {"kernel": jnp.zeros((3, 4))}}, tp)
+    assert placed["q_proj"]["kernel"].shape == (3, 4)
+    with pytest.raises(ValueError, match="must divide dimension 1 .size 3. of parameter q_proj"):
+        sharding.shard_params({"q_proj": {"kernel": jnp.zeros((4, 3))}}, tp)
+
+
+def test_shard_model_places_the_params_given_not_the_model_weights():
+    """params replaces the model's own weights; the model is left as it was."""
+    from flax import nnx
+
+    from tests.models.conftest import random_model, small_config
+
+    cfg = small_config()
+    model, other = random_model(cfg, seed=0), random_model(cfg, seed=1)
+    sharded = sharding.shard_model(model, sharding.make_mesh(1), params=nnx.state(other))
+    want = other.layers[0].self_attn.q_proj.kernel[...]
+    got = sharded.layers[0].self_attn.q_proj.kernel[...]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not np.array_equal(np.asarray(model.layers[0].self_attn.q_proj.kernel[...]), want)
+
+
+def test_a_sharded_model_makes_caches_of_the_dtype_asked_for():
+    """init_kv_caches on a sharded model takes its dtype argument over the config's."""
+    from tests.models.conftest import random_model, small_config
+
+    sharded = sharding.shard_model(random_model(small_config()), sharding.make_mesh(1))
+    caches = sharded.init_kv_caches(5, 4, "bfloat16")
+    assert {c.dtype for c in caches} == {jnp.dtype("bfloat16")}
