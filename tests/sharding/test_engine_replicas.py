@@ -14,6 +14,7 @@ from jaxkv.router import engine_replicas
 class _Engine:
     def __init__(self, model, params, config, mesh, tokenizer):
         self.config, self.mesh, self.tokenizer = config, mesh, tokenizer
+        self.params = params
 
 
 @pytest.fixture
@@ -34,3 +35,24 @@ def test_num_replicas_engines_over_the_first_groups(three_groups, num_replicas):
 def test_replica_seeds_wrap_at_2_to_the_64(three_groups, seed):
     engines = engine_replicas(None, EngineConfig(seed=seed))
     assert [e.config.seed for e in engines] == [2**64 - 1, 0, 1]
+
+
+def test_each_engine_gets_the_params_and_tokenizer_and_the_groups_of_the_devices_given(
+    monkeypatch,
+):
+    """devices go to replica_meshes; params and tokenizer go to every Engine."""
+    calls = []
+
+    def meshes(tp, devices):
+        calls.append((tp, devices))
+        return ["m0", "m1"]
+
+    monkeypatch.setattr(jaxkv.sharding, "replica_meshes", meshes)
+    monkeypatch.setattr(jaxkv.engine, "Engine", _Engine)
+    params, tokenizer, devices = object(), object(), ["d0", "d1", "d2", "d3"]
+    engines = engine_replicas(
+        None, tensor_parallel_size=2, devices=devices, params=params, tokenizer=tokenizer
+    )
+    assert calls == [(2, devices)]
+    assert [e.params for e in engines] == [params, params]
+    assert [e.tokenizer for e in engines] == [tokenizer, tokenizer]
