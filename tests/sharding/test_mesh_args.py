@@ -8,9 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxkv import sharding
+from jaxkv.attention import paged_attention
+from jaxkv.router import engine_replicas
+from tests.attention.test_attention_argument_checks import H_KV, H_Q, D, _metadata
+from tests.models.conftest import random_model, small_config
 
 
 @pytest.mark.parametrize("tp", [0, -1, -2])
@@ -45,8 +51,6 @@ def test_mesh_for_takes_the_mesh_or_the_size_and_refuses_them_disagreeing():
 
 @pytest.mark.parametrize("extra", [1, 2])
 def test_more_replicas_than_device_groups_is_refused_before_any_engine_is_built(extra):
-    from jaxkv.router import engine_replicas
-
     n = len(jax.devices()) + extra
     with pytest.raises(ValueError, match=f"num_replicas={n} needs {n} groups"):
         engine_replicas(None, num_replicas=n)  # the model is never touched
@@ -55,8 +59,6 @@ def test_more_replicas_than_device_groups_is_refused_before_any_engine_is_built(
 
 
 def test_a_config_that_is_no_engine_config_is_refused_before_any_engine_is_built():
-    from jaxkv.router import engine_replicas
-
     with pytest.raises(ValueError, match="config=.* must be None or an EngineConfig"):
         engine_replicas(None, {"seed": 1})  # AttributeError on config.seed before
 
@@ -65,10 +67,6 @@ def test_every_projection_is_split_megatron_style_when_kv_heads_are_not_replicat
     # Checked through the recorded PartitionSpecs, which a 1-device mesh keeps too: the
     # multi-device checks compare logits and a few shard shapes, which k and v kernels
     # silently replicated on every device would pass.
-    from jax.sharding import PartitionSpec as P
-
-    from tests.models.conftest import random_model, small_config
-
     sharded = sharding.shard_model(random_model(small_config()), sharding.make_mesh(1))
     tp = sharding.tensor_parallel_of(sharded)
     assert tp.kv_replicas == 1
@@ -89,11 +87,6 @@ def test_k_and_v_projections_stay_whole_on_every_device_when_kv_heads_are_replic
     # With TP above the KV heads each device repeats all KV heads from whole K and V
     # projections; split ones would need an all-gather before the repeat. The logits are
     # the same either way, so only the recorded PartitionSpecs show it.
-    from flax import nnx
-    from jax.sharding import PartitionSpec as P
-
-    from tests.models.conftest import random_model, small_config
-
     graphdef, state = nnx.split(random_model(small_config()))
     tp = sharding.TensorParallel(sharding.make_mesh(1), kv_replicas=2)
     sharded = nnx.merge(graphdef, sharding.shard_params(state, tp))
@@ -116,8 +109,6 @@ def test_a_mesh_that_is_no_mesh_is_refused_by_name(bad):
 
 def test_an_axis_name_that_is_not_an_axis_of_the_mesh_is_refused_by_name():
     # Traced only: each raises before anything is compiled (a KeyError from mesh.shape before).
-    import jax.numpy as jnp
-
     mesh = sharding.make_mesh(1)
     q, kv = jnp.zeros((4, 2, 8)), jnp.zeros((5, 4, 2, 8))
     k = jnp.zeros((4, 1, 8))
@@ -131,8 +122,6 @@ def test_an_axis_name_that_is_not_an_axis_of_the_mesh_is_refused_by_name():
 
 
 def test_kv_pages_and_k_v_of_the_wrong_rank_or_no_heads_are_refused_by_name():
-    import jax.numpy as jnp
-
     mesh = sharding.make_mesh(1)
     slots = jnp.zeros(4, jnp.int32)
     no_heads = jnp.zeros((5, 4, 0, 8))  # num_kv_heads 0: a ZeroDivisionError on q heads before
@@ -150,9 +139,6 @@ def test_kv_pages_and_k_v_of_the_wrong_rank_or_no_heads_are_refused_by_name():
 def test_shard_params_splits_only_the_kernels_of_megatron_layers():
     # A bias under q_proj and a kernel at the top of the tree are replicated (a kernel
     # path needs its layer's name); a plain dict's keys name the path as nnx's do.
-    import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
-
     tp = sharding.TensorParallel(sharding.make_mesh(1))
     state = {
         "kernel": jnp.zeros((4, 4)),
@@ -169,10 +155,6 @@ def test_shard_params_splits_only_the_kernels_of_megatron_layers():
 
 def test_a_sharded_model_makes_one_split_cache_per_layer():
     # The mesh checks' models have one layer, which hides a cache list cut to one.
-    from jax.sharding import PartitionSpec as P
-
-    from tests.models.conftest import random_model, small_config
-
     cfg = small_config()
     sharded = sharding.shard_model(random_model(cfg), sharding.make_mesh(1))
     caches = sharded.init_kv_caches(5, 4)
@@ -194,11 +176,6 @@ def test_devices_that_are_no_jax_devices_are_refused_by_name(devices):
 def test_tensor_parallel_attention_takes_a_scale_given_as_a_jax_scalar():
     # TensorParallel's methods have the signatures of jaxkv.attention's, which take
     # 1 / jnp.sqrt(head_dim); they failed with jax's "Non-hashable static arguments".
-    import jax.numpy as jnp
-
-    from jaxkv.attention import paged_attention
-    from tests.attention.test_attention_argument_checks import H_KV, H_Q, D, _metadata
-
     md, tp = _metadata(), sharding.TensorParallel(sharding.make_mesh(1))
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.normal(size=(md.max_num_tokens, H_Q, D)), jnp.float32)
@@ -261,9 +238,6 @@ def test_shard_params_checks_only_the_split_dimension_against_tp():
 
 def test_shard_model_places_the_params_given_not_the_model_weights():
     """params replaces the model's own weights; the model is left as it was."""
-    from flax import nnx
-
-    from tests.models.conftest import random_model, small_config
 
     cfg = small_config()
     model, other = random_model(cfg, seed=0), random_model(cfg, seed=1)
@@ -276,8 +250,6 @@ def test_shard_model_places_the_params_given_not_the_model_weights():
 
 def test_a_sharded_model_makes_caches_of_the_dtype_asked_for():
     """init_kv_caches on a sharded model takes its dtype argument over the config's."""
-    from tests.models.conftest import random_model, small_config
-
     sharded = sharding.shard_model(random_model(small_config()), sharding.make_mesh(1))
     caches = sharded.init_kv_caches(5, 4, "bfloat16")
     assert {c.dtype for c in caches} == {jnp.dtype("bfloat16")}
