@@ -298,26 +298,14 @@ def test_prompt_token_ids_of_an_array_prompt_are_python_ints():
     assert {type(t) for o in outs for t in o.prompt_token_ids} == {int}
 
 
-class _StopsOnToken:
-    """A driver whose one request stops on token 9 after a first output of token 5."""
+class _StopsOnToken(_TwoSamples):
+    """Its one request stops on token 9 after a first output of token 5."""
 
     def __init__(self) -> None:
         self._steps = [
-            [RequestOutput("s", (5,), False, None)],
-            [RequestOutput("s", (9,), True, "stop", stop_reason=9, text="ab")],
+            [RequestOutput("p", (5,), False, None)],
+            [RequestOutput("p", (9,), True, "stop", stop_reason=9, text="ab")],
         ]
-
-    def add_request(self, prompt_token_ids, sampling_params=None) -> str:
-        return "s"
-
-    def step(self):
-        return self._steps.pop(0)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._steps)
-
-    def abort(self, request_id: str) -> bool:
-        return False
 
 
 def test_the_stop_reason_and_text_of_the_final_output_reach_the_completion():
