@@ -11,7 +11,8 @@ is admitted ahead of the queue (jaxkv.scheduler_admission holds the admission or
 why). update_from_output() applies the sampled tokens (jaxkv.scheduler_update), stops
 requests, and either frees a finished request's blocks or lets the KV connector keep
 them held until an asynchronous save lands. Loads and saves are tracked by
-scheduler_transfers.TransferTracker.
+scheduler_transfers.TransferTracker. discard() hands back the batch of a step that failed
+before writing any KV (jaxkv.scheduler_discard).
 
 Liveness: add_request refuses a request the whole pool could not hold, and blocks are
 held only by running requests (which finish or are preempted), by copies in flight
@@ -32,11 +33,12 @@ from jaxkv.config import SchedulerConfig
 from jaxkv.kv_cache_manager import KVCacheManager, UnknownRequestError
 from jaxkv.kv_transfer import KVConnector
 from jaxkv.outputs import RequestOutput
-from jaxkv.request import MAX_TOKEN_ID, Request, RequestStatus
-from jaxkv.scheduler_admission import admit_waiting, check_new_request, requeue_admitted
+from jaxkv.request import Request, RequestStatus
+from jaxkv.scheduler_admission import admit_waiting, check_new_request
+from jaxkv.scheduler_discard import discard_batch
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput, SchedulerStats, StepBatch
 from jaxkv.scheduler_transfers import TransferTracker
-from jaxkv.scheduler_update import apply_sampled_tokens
+from jaxkv.scheduler_update import apply_sampled_tokens, checked_sampled_tokens
 from jaxkv.slot_allocation import needs_manager
 
 __all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats"]
@@ -306,33 +308,8 @@ class Scheduler:
         schedule(). Raises ValueError (nothing changed) unless `output` is the latest
         schedule()'s and not yet applied.
         """
-        if output is None or output is not self._unapplied:  # None: no schedule() pending
-            raise ValueError(
-                "output: not the latest schedule() call's SchedulerOutput, or already applied"
-            )
-        self._unapplied = None
-        self._decode_carry = None
-        self._finished_ids[:0] = output.finished_request_ids  # the next output reports them
-        self._transfers.cancel_new_loads()
-        computed = output.num_computed_tokens.tolist()
-        for request, num_written in zip(output.requests, computed, strict=True):
-            if request.status is RequestStatus.RUNNING:
-                self.manager.uncache_unwritten(request, num_written)
-        admitted = [
-            r
-            for r in output.requests[self._num_running_scheduled :]
-            if r.status is RequestStatus.RUNNING
-        ]
-        if admitted:
-            gone = set(map(id, admitted))
-            self.running = [r for r in self.running if id(r) not in gone]
-            for request in reversed(admitted):  # the last admitted is evicted first
-                self.manager.free(request)
-                request.num_computed_tokens = 0
-                request.status = (
-                    RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
-                )
-            requeue_admitted(self, admitted)
+        self._check_unapplied(output)
+        discard_batch(self, output)
 
     # ------------------------------------------------------------------ update
 
@@ -350,33 +327,16 @@ class Scheduler:
         changed) unless `output` is the latest schedule()'s and not yet applied, and
         `sampled_token_ids` holds one integer >= 0 per scheduled request.
         """
-        tokens = self._checked_tokens(output, sampled_token_ids)
+        self._check_unapplied(output)
+        tokens = checked_sampled_tokens(output, sampled_token_ids)
         self._unapplied = None
         return apply_sampled_tokens(self, output, tokens)
 
-    def _checked_tokens(self, output: SchedulerOutput, sampled_token_ids) -> list[int]:
-        """The sampled tokens as ints; ValueError unless update_from_output may apply them."""
+    def _check_unapplied(self, output: SchedulerOutput) -> None:
         if output is None or output is not self._unapplied:  # None: no schedule() pending
             raise ValueError(
                 "output: not the latest schedule() call's SchedulerOutput, or already applied"
             )
-        try:
-            tokens = np.asarray(sampled_token_ids)
-        except (ValueError, TypeError):  # ragged nesting
-            tokens = np.asarray(None)
-        if tokens.shape != (output.num_requests,) or (
-            tokens.size and tokens.dtype.kind not in "iu"
-        ):
-            raise ValueError(
-                f"sampled_token_ids: {tokens.shape} {tokens.dtype} must be integers of shape "
-                f"({output.num_requests},), one per scheduled request"
-            )
-        tokens = tokens.tolist()
-        if tokens and not 0 <= min(tokens) <= max(tokens) <= MAX_TOKEN_ID:
-            raise ValueError(
-                f"sampled_token_ids: {min(tokens)}..{max(tokens)} must lie in [0, {MAX_TOKEN_ID}]"
-            )
-        return tokens
 
     def _finish(self, finished: list[Request]) -> None:
         """Takes requests that just finished out of `running`; frees or holds their blocks."""

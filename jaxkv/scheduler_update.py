@@ -11,19 +11,41 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from jaxkv.outputs import RequestOutput, request_output_of
-from jaxkv.request import Request, RequestStatus
+from jaxkv.request import MAX_TOKEN_ID, Request, RequestStatus
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput
 
 if TYPE_CHECKING:
     from jaxkv.scheduler import Scheduler
 
-__all__ = ["apply_sampled_tokens"]
+__all__ = ["apply_sampled_tokens", "checked_sampled_tokens"]
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
 }  # the update finishes a request only by these two
+
+
+def checked_sampled_tokens(output: SchedulerOutput, sampled_token_ids) -> list[int]:
+    """The sampled tokens as ints; ValueError unless there is one integer in [0,
+    MAX_TOKEN_ID] per request of `output`."""
+    try:
+        tokens = np.asarray(sampled_token_ids)
+    except (ValueError, TypeError):  # ragged nesting
+        tokens = np.asarray(None)
+    if tokens.shape != (output.num_requests,) or (tokens.size and tokens.dtype.kind not in "iu"):
+        raise ValueError(
+            f"sampled_token_ids: {tokens.shape} {tokens.dtype} must be integers of shape "
+            f"({output.num_requests},), one per scheduled request"
+        )
+    tokens = tokens.tolist()
+    if tokens and not 0 <= min(tokens) <= max(tokens) <= MAX_TOKEN_ID:
+        raise ValueError(
+            f"sampled_token_ids: {min(tokens)}..{max(tokens)} must lie in [0, {MAX_TOKEN_ID}]"
+        )
+    return tokens
 
 
 def apply_sampled_tokens(
@@ -67,7 +89,7 @@ def apply_sampled_tokens(
             if computed < num_tokens:
                 carry = None
                 continue  # a prefill chunk: the sampled token is not the next one
-            # The tokens are checked ints (Scheduler._checked_tokens), which is all that
+            # The tokens are checked ints (checked_sampled_tokens), which is all that
             # append_output_token_ids checks; its call cost about 0.2 us a request.
             output_ids.append(token)
             all_ids.append(token)

@@ -1,0 +1,47 @@
+"""Handing back a step's batch when the step failed before any of its KV was written.
+
+Plain Python, no JAX. The body of Scheduler.discard (whose docstring states the
+guarantees): it reads and changes the scheduler's queues, transfers and decode carry, so
+the scheduler is its only caller.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jaxkv.request import RequestStatus
+from jaxkv.scheduler_admission import requeue_admitted
+from jaxkv.scheduler_output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from jaxkv.scheduler import Scheduler
+
+__all__ = ["discard_batch"]
+
+
+def discard_batch(scheduler: Scheduler, output: SchedulerOutput) -> None:
+    """scheduler.discard(output) once `output` is checked to be the unapplied one."""
+    scheduler._unapplied = None
+    scheduler._decode_carry = None
+    scheduler._finished_ids[:0] = output.finished_request_ids  # the next output reports them
+    scheduler._transfers.cancel_new_loads()
+    computed = output.num_computed_tokens.tolist()
+    for request, num_written in zip(output.requests, computed, strict=True):
+        if request.status is RequestStatus.RUNNING:
+            scheduler.manager.uncache_unwritten(request, num_written)
+    admitted = [
+        r
+        for r in output.requests[scheduler._num_running_scheduled :]
+        if r.status is RequestStatus.RUNNING
+    ]
+    if not admitted:
+        return
+    gone = set(map(id, admitted))
+    scheduler.running = [r for r in scheduler.running if id(r) not in gone]
+    for request in reversed(admitted):  # the last admitted is evicted first
+        scheduler.manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = (
+            RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+        )
+    requeue_admitted(scheduler, admitted)
