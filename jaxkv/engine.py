@@ -51,7 +51,7 @@ from jaxkv.request_serials import RequestSerials
 from jaxkv.sampler import SamplingRows
 from jaxkv.sampling_checks import checked_sampling_params
 from jaxkv.scheduler import Scheduler, SchedulerOutput
-from jaxkv.sharding import mesh_for, shard_model, tensor_parallel_of
+from jaxkv.sharding import mesh_for, place_model, tensor_parallel_of
 from jaxkv.step_inputs import batch_inputs, in_schedule_order, program_key
 from jaxkv.step_program import step_program
 from jaxkv.token_texts import TokenTexts
@@ -94,15 +94,8 @@ class Engine(Closable):
         self.model_config, self.vocab_size = mc, mc.vocab_size
         # Weights Megatron-sharded over the mesh, KV cache and attention split by KV heads;
         # host block management is unchanged (block ids mean the same on every shard).
-        mesh = mesh_for(mesh, tensor_parallel_size)
-        if mesh is not None:
-            model, params = shard_model(model, mesh, params=params), None
-        # A model shard_model placed already runs tensor-parallel without a mesh argument;
-        # params given with it are placed as its weights are (not left whole on one device).
+        model, params = place_model(model, params, mesh_for(mesh, tensor_parallel_size))
         placed = tensor_parallel_of(model)
-        if placed is not None and params is not None:
-            model = shard_model(model, placed.mesh, params=params, axis_name=placed.axis_name)
-            params = None
         self.mesh = None if placed is None else placed.mesh
         graphdef, state = nnx.split(model)
         state = state if params is None else params

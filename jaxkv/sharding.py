@@ -320,6 +320,19 @@ def tensor_parallel_of(model: Any) -> TensorParallel | None:
     return None
 
 
+def place_model(model: Any, params: Any, mesh: Mesh | None) -> tuple[Any, Any]:
+    """(model, params) as an engine runs them: sharded over `mesh` when given (params
+    then placed as its weights, and None returned in their place); a model shard_model
+    placed already keeps its mesh, and `params` given with it are placed the same way
+    (not left whole on one device); otherwise both as they are."""
+    if mesh is not None:
+        return shard_model(model, mesh, params=params), None
+    placed = tensor_parallel_of(model)
+    if placed is None or params is None:
+        return model, params
+    return shard_model(model, placed.mesh, params=params, axis_name=placed.axis_name), None
+
+
 def init_kv_caches(
     config: Any,  # jaxkv.models.LlamaConfig
     tp: TensorParallel,
