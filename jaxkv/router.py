@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -29,31 +29,12 @@ from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.parallel_sampling import IdsInUse
 from jaxkv.prefix_routes import PrefixRoutes
 from jaxkv.prompt_checks import checked_prompt_ids
+from jaxkv.replica import Replica as Replica  # its former home
+from jaxkv.replica import pending_transfers
 from jaxkv.request import MAX_TOKEN_ID, SamplingParams
 from jaxkv.request_id_lists import checked_request_ids
 from jaxkv.request_serials import RequestSerials
 from jaxkv.router_samples import RunningSamples
-
-
-class Replica(Protocol):
-    """What the router needs of a replica; jaxkv.engine.Engine has it. It also uses Engine's
-    ids_in_use, has_pending_transfers, queue_checkpoint and reset_prefix_cache where a
-    replica has them."""
-
-    def add_request(
-        self,
-        prompt_token_ids: Sequence[int],
-        sampling_params: Any = None,
-        *,
-        request_id: str,
-        cache_salt: str | None = None,
-    ) -> str: ...
-
-    def step(self) -> list[RequestOutput]: ...
-
-    def has_unfinished_requests(self) -> bool: ...
-
-    def abort(self, request_id: str) -> bool: ...
 
 
 class Route(NamedTuple):
@@ -303,7 +284,7 @@ class PrefixAwareRouter(Closable):
         outputs, self._undelivered = self._undelivered, []
         try:
             for replica in self.replicas:
-                if replica.has_unfinished_requests() or _pending_transfers(replica):
+                if replica.has_unfinished_requests() or pending_transfers(replica):
                     outputs.extend(replica.step())
         except BaseException:
             self._undelivered = outputs
@@ -322,7 +303,7 @@ class PrefixAwareRouter(Closable):
     def has_pending_transfers(self) -> bool:
         """True while a replica's finished requests hold blocks for KV copies in flight
         (replicas without a `has_pending_transfers` method have none)."""
-        return any(_pending_transfers(r) for r in self.replicas)
+        return any(pending_transfers(r) for r in self.replicas)
 
     def drain_transfers(self, timeout_s: float = 60.0) -> None:
         """Steps replicas until every KV copy in flight has landed; see Engine.drain_transfers.
@@ -337,7 +318,7 @@ class PrefixAwareRouter(Closable):
         def step() -> bool:
             stepped = False
             for replica in self.replicas:
-                if _pending_transfers(replica):
+                if pending_transfers(replica):
                     stepped |= bool(self._finished_from(replica.step()))
             return stepped
 
@@ -393,8 +374,3 @@ def _prompt_ids(prompt_token_ids: Sequence[int] | np.ndarray) -> list[int]:
     block hash can encode. The replica refuses what else it must (an empty prompt, ids
     outside its vocabulary)."""
     return checked_prompt_ids(prompt_token_ids, limit=MAX_TOKEN_ID + 1, allow_empty=True)
-
-
-def _pending_transfers(replica: Replica) -> bool:
-    pending = getattr(replica, "has_pending_transfers", None)
-    return pending is not None and pending()

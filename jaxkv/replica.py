@@ -1,0 +1,40 @@
+"""What PrefixAwareRouter needs of a replica (the `Replica` protocol), apart from the
+router so that replicas other than jaxkv.engine.Engine can be written against it alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from jaxkv.outputs import RequestOutput
+
+__all__ = ["Replica", "pending_transfers"]
+
+
+class Replica(Protocol):
+    """What the router needs of a replica; jaxkv.engine.Engine has it. It also uses Engine's
+    ids_in_use, has_pending_transfers, queue_checkpoint and reset_prefix_cache where a
+    replica has them."""
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Any = None,
+        *,
+        request_id: str,
+        cache_salt: str | None = None,
+    ) -> str: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+
+def pending_transfers(replica: Replica) -> bool:
+    """Whether the replica holds blocks for KV copies in flight (False without a
+    has_pending_transfers method: it has none)."""
+    pending = getattr(replica, "has_pending_transfers", None)
+    return pending is not None and pending()
