@@ -8,7 +8,7 @@ replica each prefix went to, keyed by the chained hashes of the prompt's first f
 replica of its longest remembered prefix. A request with no remembered prefix goes to the
 replica with the fewest outstanding (queued or running) requests.
 
-The router is plain Python: it needs only the `Replica` interface, so it works with
+The router is plain Python: it needs only the `Replica` interface (jaxkv.replica), so it works with
 engines in one process (on CPU devices too) and is testable without engines.
 """
 
