@@ -22,7 +22,7 @@ from jaxkv.kv_cache_manager import UnknownRequestError as UnknownRequestError
 from jaxkv.prefix_index import longest_common_prefix as longest_common_prefix
 from jaxkv.request import Request as Request
 from jaxkv.request import RequestStatus as RequestStatus
-from jaxkv.request import SamplingParams as SamplingParams
+from jaxkv.sampling_params import SamplingParams as SamplingParams
 
 # isort: split
 # Serving: configs, scheduler and KV transfer (host side), the Engine, outputs and metrics.

@@ -45,11 +45,12 @@ from jaxkv.model_fingerprint import model_fingerprint
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.parallel_sampling import IdsInUse, ParallelSamples
 from jaxkv.prompt_checks import checked_prompt_ids
-from jaxkv.request import Request, SamplingParams
+from jaxkv.request import Request
 from jaxkv.request_id_lists import checked_request_ids
 from jaxkv.request_serials import RequestSerials
 from jaxkv.sampler import SamplingRows
 from jaxkv.sampling_checks import checked_sampling_params
+from jaxkv.sampling_params import SamplingParams
 from jaxkv.scheduler import Scheduler, SchedulerOutput
 from jaxkv.sharding import mesh_for, place_model, tensor_parallel_of
 from jaxkv.step_inputs import batch_inputs, in_schedule_order, program_key

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxkv.batch_rows import NO_TOKEN, batch_rows
-from jaxkv.request import SamplingParams
+from jaxkv.sampling_params import SamplingParams
 
 
 class StopTokenBans:

@@ -17,7 +17,8 @@ import dataclasses
 from collections.abc import Container
 from typing import TYPE_CHECKING
 
-from jaxkv.request import Request, SamplingParams
+from jaxkv.request import Request
+from jaxkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from jaxkv.sampler import SamplingRows

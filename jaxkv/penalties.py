@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.batch_rows import NO_TOKEN, batch_rows
-from jaxkv.request import SamplingParams
+from jaxkv.sampling_params import SamplingParams
 
 # (token ids i32[S, W], their output counts i32[S, W], presence f32[S], frequency f32[S],
 # repetition f32[S]); W is a table_width, NO_TOKEN (count 0) pads each row

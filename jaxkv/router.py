@@ -31,10 +31,11 @@ from jaxkv.prefix_routes import PrefixRoutes
 from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.replica import Replica as Replica  # its former home
 from jaxkv.replica import pending_transfers
-from jaxkv.request import MAX_TOKEN_ID, SamplingParams
+from jaxkv.request import MAX_TOKEN_ID
 from jaxkv.request_id_lists import checked_request_ids
 from jaxkv.request_serials import RequestSerials
 from jaxkv.router_samples import RunningSamples
+from jaxkv.sampling_params import SamplingParams
 
 
 class Route(NamedTuple):

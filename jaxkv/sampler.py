@@ -21,7 +21,8 @@ from jaxkv.logprobs import top_logprobs
 from jaxkv.min_tokens import StopTokenBans
 from jaxkv.penalties import TokenPenalties, apply_penalties
 from jaxkv.prompt_logprobs import PromptLogprobs
-from jaxkv.request import Request, RequestStatus, SamplingParams
+from jaxkv.request import Request, RequestStatus
+from jaxkv.sampling_params import SamplingParams
 
 _SEED_MASK = 2**64 - 1  # a negative seed is taken modulo 2**64
 _WORD = 2**32

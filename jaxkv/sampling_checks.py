@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jaxkv.request import SamplingParams
+from jaxkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from jaxkv.config import EngineConfig
