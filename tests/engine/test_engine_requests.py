@@ -302,6 +302,21 @@ def test_the_engine_seed_sets_the_draws_of_unseeded_requests():
     assert draws[0][0] != draws[1][0] and draws[0][1] != draws[1][1]
 
 
+def test_engines_of_adjacent_seeds_do_not_replay_each_others_requests_one_later():
+    # engine_replicas gives replica i the seed config.seed + i. Were the engine seed only
+    # added to the request serial (engine.py's seed mixing), replica 1's n-th unseeded
+    # request would draw as replica 0's (n+1)-th: every draw here must be its own.
+    prompt = [3, 1, 4, 1, 5]
+    base = make_engine().config
+    draws = []
+    for seed in (0, 1):
+        engine = Engine(tiny_model(), None, dataclasses.replace(base, seed=seed))
+        draws += [
+            tuple(o.output_token_ids) for o in engine.generate([prompt] * 3, HOT, progress=False)
+        ]
+    assert len(set(draws)) == len(draws) == 6
+
+
 def test_engines_over_one_model_share_its_step_program():
     # Compiles are per model graph, not per engine: a second engine reuses them.
     first, second = make_engine(), make_engine(cascade=False)
