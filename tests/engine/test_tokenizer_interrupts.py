@@ -89,3 +89,25 @@ def test_a_step_interrupted_in_the_tokenizer_counts_in_the_metrics():
     assert m.num_generated_tokens == 4
     assert sum(s.num_tokens for s in steps) == m.num_prompt_tokens + 4 - 1 == len(PROMPT) + 3
     assert m.device_time_s == pytest.approx(sum(s.device_s for s in steps), rel=1e-12)
+
+
+def test_samples_finished_in_an_interrupted_step_leave_the_parallel_samples_bookkeeping():
+    # n=2, one token each: sample 0's finished text is decoded first and interrupted, so
+    # sample 0 has finished and sample 1 was not yet updated. engine.py's step forgets the
+    # finished sample in its `finally:`; kept, the request would never report finished
+    # and its id would stay in use.
+    tokenizer = _InterruptOnce()
+    engine = Engine(tiny_model(), None, engine_config(), tokenizer=tokenizer)
+    params = SamplingParams(max_tokens=1, n=2)
+    rid = engine.add_request(PROMPT, params)
+    tokenizer.after = tokenizer.calls + 1
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert rid in engine.ids_in_use  # sample 1 runs on
+    outs = [o for _ in range(3) for o in engine.step()]
+    assert [(o.request_id, o.index, o.finished) for o in outs] == [(rid, 1, True)]
+    assert rid not in engine.ids_in_use and not engine.has_unfinished_requests()
+    assert engine.add_request(PROMPT, params, request_id=rid) == rid
+    outs = engine.step()
+    assert [(o.request_id, o.index, o.finished) for o in outs] == [(rid, 0, False), (rid, 1, True)]
+    assert_all_blocks_free(engine)
