@@ -8,8 +8,8 @@ replica each prefix went to, keyed by the chained hashes of the prompt's first f
 replica of its longest remembered prefix. A request with no remembered prefix goes to the
 replica with the fewest outstanding (queued or running) requests.
 
-The router is plain Python: it needs only the `Replica` interface (jaxkv.replica), so it works with
-engines in one process (on CPU devices too) and is testable without engines.
+The router is plain Python: it needs only the `Replica` interface (jaxkv.replica), so it
+works with engines in one process (on CPU devices too) and is testable without engines.
 """
 
 from __future__ import annotations
