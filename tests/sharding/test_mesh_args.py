@@ -58,6 +58,14 @@ def test_more_replicas_than_device_groups_is_refused_before_any_engine_is_built(
         engine_replicas(None, num_replicas=0)
 
 
+def test_num_replicas_given_as_a_numpy_integer_is_named_as_an_int():
+    # Checked and used as the Python int as_int makes of it, not as numpy's repr.
+    n = len(jax.devices()) + 1
+    for num_replicas in (np.int64(n), np.array(n)):
+        with pytest.raises(ValueError, match=f"^num_replicas={n} needs {n} groups"):
+            engine_replicas(None, num_replicas=num_replicas)
+
+
 def test_a_config_that_is_no_engine_config_is_refused_before_any_engine_is_built():
     with pytest.raises(ValueError, match="config=.* must be None or an EngineConfig"):
         engine_replicas(None, {"seed": 1})  # AttributeError on config.seed before
