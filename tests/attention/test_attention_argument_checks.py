@@ -52,6 +52,17 @@ def test_a_cache_smaller_than_the_managers_pool_is_refused():
     assert paged_attention(q, pages, md, sm_scale=0.125).shape == q.shape
 
 
+def test_a_cache_of_another_rank_is_refused_for_its_shape_not_its_pool():
+    """A per-layer cache stacked into one array ([num_layers, num_blocks, ...]) has fewer
+    rows than the pool on axis 0: it was refused as a pool too small for the metadata,
+    which sends the caller looking for a smaller KVCacheManager, not for the layer index."""
+    md = _metadata()
+    q = jnp.zeros((md.max_num_tokens, H_Q, D), jnp.float32)
+    for shape in ((2, 64, 4, 2 * H_KV, D), (4, 2 * H_KV, D)):  # stacked layers; one page
+        with pytest.raises(ValueError, match=r"must be \[num_blocks, block_size, 2 \* num_kv"):
+            paged_attention(q, jnp.zeros(shape, jnp.float32), md, sm_scale=0.125)
+
+
 def test_a_bool_scale_is_refused():
     md = _metadata()
     q = jnp.zeros((md.max_num_tokens, H_Q, D), jnp.float32)
