@@ -184,7 +184,11 @@ def paged_attention(
         raise ValueError(f"{return_lse=} must be a bool")
     if interpret is not None and not isinstance(interpret, bool):  # "no" interpreted
         raise ValueError(f"{interpret=} must be a bool or None (the metadata's)")
-    if kv_pages.ndim == 4 and kv_pages.shape[1] != metadata.block_size:
+    if kv_pages.ndim != 4:  # else a stacked [num_layers, ...] cache reads as a small pool
+        raise ValueError(
+            f"{kv_pages.shape=} must be [num_blocks, block_size, 2 * num_kv_heads, head_dim]"
+        )
+    if kv_pages.shape[1] != metadata.block_size:
         # Under jit nothing else notices: slots and page counts would address other keys.
         raise ValueError(
             f"{kv_pages.shape=} must have pages of the metadata's {metadata.block_size=} tokens"
