@@ -7,8 +7,8 @@ readable with `flax.serialization.msgpack_restore` alone. Hugging Face safetenso
 read and written by `jaxkv.models.hf_checkpoint`.
 
 Every load checks that the file holds exactly the model's parameters, each with the model's
-shape, and raises `CheckpointError` (a ValueError) naming the parameter and both shapes before
-building anything.
+shape and of a floating-point dtype, and raises `CheckpointError` (a ValueError) naming the
+parameter (and both shapes, or its dtype) before building anything.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ PARAMS_FILE = "params.msgpack"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint does not match the model: missing, unexpected or mis-shaped parameters."""
+    """A checkpoint does not match the model: missing, unexpected, mis-shaped or
+    non-floating-point parameters."""
 
 
 # --- flat parameter dicts ----------------------------------------------------------------
@@ -88,19 +89,34 @@ def check_names_and_shapes(
             )
 
 
+def check_float_dtypes(given: Mapping[str, object], source: str, *, kind: str) -> None:
+    """CheckpointError naming the first of `given` ("parameter" or "tensor") whose values
+    are not floating-point: integer, bool or complex weights mean mixed-up files, and the
+    cast to the model's dtype would turn them into other numbers without a word."""
+    for name, value in given.items():
+        dtype = getattr(value, "dtype", None)
+        dtype = np.asarray(value).dtype if dtype is None else np.dtype(dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise CheckpointError(
+                f"{kind} {name!r} in {source}: dtype {dtype} is not a floating-point type"
+            )
+
+
 def build_with_params(
     config: LlamaConfig, params: Mapping[str, np.ndarray], *, source: str = "checkpoint"
 ) -> Llama:
     """A `Llama(config)` holding exactly `params` (flat dotted names, model orientation).
 
-    Raises CheckpointError if a parameter is missing, unexpected or has the wrong shape.
-    Values are cast to `config.dtype`. No random initialisation is run.
+    Raises CheckpointError if a parameter is missing, unexpected, has the wrong shape or
+    is not floating-point. Values are cast to `config.dtype`. No random initialisation
+    is run.
     """
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     expected = {k: v.shape for k, v in flat_params(abstract).items()}
     if not isinstance(params, Mapping):
         raise CheckpointError(f"{source} holds a {type(params).__name__}, not a parameter dict")
     check_names_and_shapes(expected, params, source, kind="parameter")
+    check_float_dtypes(params, source, kind="parameter")
     dtype = jnp.dtype(config.dtype)
     graphdef, state = nnx.split(abstract)
     values = {k: jnp.asarray(v, dtype=dtype) for k, v in params.items()}

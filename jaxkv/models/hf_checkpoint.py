@@ -29,6 +29,7 @@ from flax import nnx
 from jaxkv.models.checkpoint import (
     CheckpointError,
     build_with_params,
+    check_float_dtypes,
     check_names_and_shapes,
     flat_params,
 )
@@ -272,8 +273,8 @@ def from_hf_tensors(
     """A `Llama(config)` holding `tensors` given under Hugging Face names and orientation.
 
     The inverse of `to_hf_tensors`. Raises CheckpointError naming the Hugging Face tensor
-    (and its shape as given, `[out, in]`) if one is missing, unexpected, given twice or
-    mis-shaped.
+    (and its shape as given, `[out, in]`) if one is missing, unexpected, given twice,
+    mis-shaped or not floating-point.
     """
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     tied = config.tie_word_embeddings
@@ -290,6 +291,7 @@ def from_hf_tensors(
         if hf_to_jaxkv_name(hf_name) is not None and not (tied and hf_name == "lm_head.weight"):
             given[hf_name] = tensor
     check_names_and_shapes(expected, given, source, kind="tensor")
+    check_float_dtypes(given, source, kind="tensor")
     params = {}
     for hf_name, tensor in given.items():
         name, transpose = hf_to_jaxkv_name(hf_name)

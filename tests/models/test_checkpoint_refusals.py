@@ -297,3 +297,28 @@ def test_a_shard_index_naming_no_shard_of_its_directory_is_refused(tmp_path, ind
     (tmp_path / "ckpt" / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(error, match=match):
         load_hf_safetensors(tmp_path / "ckpt", cfg)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.bool_, np.uint8, np.complex64])
+def test_weights_that_are_not_floating_point_are_refused_by_name(tmp_path, dtype):
+    # Cast to the model's dtype they loaded as 0/1, truncated or real-part-only weights.
+    cfg = small_config()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    weights = random_hf_weights(cfg)
+    weights[name] = weights[name].astype(dtype)
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' in .*dtype .* not a floating"):
+        from_hf_tensors(cfg, weights)
+    save_checkpoint(random_model(cfg), tmp_path)
+    drop_weights_digest(tmp_path)  # as a config.json written by hand: no digest to check
+    params = {k: np.asarray(v) for k, v in flat_params(random_model(cfg)).items()}
+    params["norm.weight"] = params["norm.weight"].astype(dtype)
+    (tmp_path / "params.msgpack").write_bytes(serialization.msgpack_serialize(params))
+    with pytest.raises(CheckpointError, match=r"parameter 'norm\.weight' in .*params\.msgpack"):
+        load_checkpoint(tmp_path)
+
+
+def test_weights_of_every_float_dtype_still_load():
+    cfg = small_config()
+    for dtype in (np.float16, np.float64, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn):
+        weights = {k: v.astype(dtype) for k, v in random_hf_weights(cfg).items()}
+        assert flat_params(from_hf_tensors(cfg, weights)).keys()
