@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxkv import sharding
-from jaxkv.attention import paged_attention
+from jaxkv.attention import paged_attention, write_kv
 from jaxkv.router import engine_replicas
 from tests.attention.test_attention_argument_checks import H_KV, H_Q, D, _metadata
 from tests.models.conftest import random_model, small_config
@@ -197,6 +197,21 @@ def test_tensor_parallel_attention_takes_a_scale_given_as_a_jax_scalar():
     int8_pages = jnp.zeros((64, 4, 2 * H_KV, D), jnp.int8)
     written = tp.write_kv(int8_pages, k, k, md.slot_mapping, k_scale=jnp.float32(0.5))
     assert int(np.asarray(written).max()) == 2  # 1 / 0.5
+
+
+def test_replicated_kv_heads_are_written_once_per_device_that_holds_them():
+    # kv_replicas=2: each KV head sits on the two devices whose query heads read it, so
+    # write_kv repeats every head twice, in place (head h at 2h and 2h + 1); here on one
+    # device, where the 8-device mesh checks would otherwise be the only ones to see it.
+    md, tp = _metadata(), sharding.TensorParallel(sharding.make_mesh(1), kv_replicas=2)
+    rng = np.random.default_rng(1)
+    k, v = (jnp.asarray(rng.normal(size=(md.max_num_tokens, H_KV, D)), jnp.float32) for _ in "kv")
+    shape = (64, 4, 4 * H_KV, D)  # each write donates its cache: one each
+    got = tp.write_kv(jnp.zeros(shape), k, v, md.slot_mapping)
+    k2, v2 = jnp.repeat(k, 2, axis=1), jnp.repeat(v, 2, axis=1)
+    want = write_kv(jnp.zeros(shape), k2, v2, md.slot_mapping)
+    assert np.asarray(want).any()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("tp", [True, 1.0])
