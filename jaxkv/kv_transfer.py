@@ -20,7 +20,10 @@ host, never inside jit:
   waits in WAITING_FOR_REMOTE_KV, holding its blocks, its num_computed_tokens at the
   device hit's end, until poll() reports the load; once it has landed,
   num_computed_tokens moves past the supplied tokens. A claim is a promise for this call
-  only: no state is kept between the two.
+  only: no state is kept between the two. A failed load frees the blocks and the request
+  waits again, and its next admission asks again: a connector should stop claiming what
+  it failed to load (as HostOffloadConnector drops those store entries); one that claims
+  and fails for good keeps the request waiting for good.
 
 Device access goes through a KVCopier (implemented next to the engine, which owns the
 caches); this module imports no JAX, so connectors are testable with a fake copier.
@@ -112,7 +115,9 @@ class KVConnector:
     def poll(self) -> TransferEvents:
         """Saves and loads that landed or failed since the last call, each reported once.
         The Scheduler ignores an entry for a copy it has not started or has already seen
-        end, and raises ValueError naming it once it has applied the rest."""
+        end, and raises ValueError naming it once it has applied the rest. It learns of a
+        copy's end only from a report poll() returns: a poll() that raises must keep the
+        copies it saw end for the next call, or their blocks stay held for good."""
         return TransferEvents()
 
     def has_pending(self) -> bool:
