@@ -95,20 +95,21 @@ def apply_sampled_tokens(
             all_ids.append(token)
             num_generated += 1
             params = request.sampling_params
-            # As vLLM's: the length limit first; then a stop token (the sampler bans them
-            # before min_tokens, jaxkv.min_tokens; should a row have nothing else left to
-            # sample, one still does not stop it early); then a stop string in the text, in
-            # which a stop token's text counts only if the output keeps it.
+            # As vLLM's check_stop: a stop token first (the sampler bans them before
+            # min_tokens, jaxkv.min_tokens; should a row have nothing else left to sample,
+            # one still does not stop it early), so one sampled as the last allowed token
+            # ends the request as stopped; then the length limit; then a stop string in the
+            # text, in which a stop token's text counts only if the output keeps it.
             stop_reason = status = None
-            if computed + 1 >= max_len or (
-                params.max_tokens is not None and len(output_ids) >= params.max_tokens
-            ):
-                status = RequestStatus.FINISHED_LENGTH
-            elif token in params.stop_token_ids and len(output_ids) > params.min_tokens:
+            if token in params.stop_token_ids and len(output_ids) > params.min_tokens:
                 status = stopped
                 # vLLM reports the tokenizer's EOS as None, any other stop token as its id.
                 if params.ignore_eos or token != eos:
                     stop_reason = token
+            elif computed + 1 >= max_len or (
+                params.max_tokens is not None and len(output_ids) >= params.max_tokens
+            ):
+                status = RequestStatus.FINISHED_LENGTH
             streamed = None  # the text this output streams (SamplingParams.stream_text)
             if (
                 detokenizer is not None

@@ -230,8 +230,8 @@ def assert_dense_tokens(run: RandomRun, served: Served) -> None:
                 assert got == want[: len(got)], sample
             else:
                 assert got == want, sample
-                # The length limit first, as vLLM's (prompts leave max_model_len unreached).
-                stopped = a.min_tokens < len(want) < a.max_tokens and want[-1] in a.stop_token_ids
+                # A stop token first, as vLLM's (also as the last allowed token).
+                stopped = a.min_tokens < len(want) <= a.max_tokens and want[-1] in a.stop_token_ids
                 assert served.finish_reasons[sample] == ("stop" if stopped else "length")
             if a.logprobs is not None:
                 assert len(served.logprobs[sample]) == len(got), sample

@@ -44,7 +44,6 @@ def text_cases():
     for prompt, tokens in zip(prompts, dense_greedy(prompts, MAX_TOKENS), strict=True):
         cases.append((prompt, tokens, SamplingParams(max_tokens=MAX_TOKENS), streamed_text(tokens)))
         # A stop token right after a character's first byte: the text before it is cut.
-        # (Not the last allowed token: that one ends the request by length.)
         lead = next(i for i, t in enumerate(tokens) if t >= 0xC2 and i + 2 < len(tokens))
         if tokens.index(tokens[lead + 1]) == lead + 1:
             params = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=[tokens[lead + 1]])

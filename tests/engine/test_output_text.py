@@ -232,18 +232,20 @@ def test_a_character_cut_at_the_end_is_left_out(output, expected):
     assert Detokenizer(ByteTokenizer()).text(request, None) == expected
 
 
-def test_the_length_limit_comes_before_a_stop_token_and_a_stop_string_after_it():
-    # As vLLM's check_stop: the max_tokens-th token ends the request by length even if
-    # it is a stop token (whose text is then kept); a stop string it completes still
-    # stops it.
+def test_a_stop_token_comes_before_the_length_limit_and_a_stop_string_after_it():
+    # As vLLM's check_stop: the max_tokens-th token stops the request when it is a stop
+    # token (its text left out unless include_stop_str_in_output); a stop string it
+    # completes stops it too, where the length limit alone would have ended it.
     sched = make_scheduler()
     sched.detokenizer = Detokenizer(ByteTokenizer())
     add(sched, "token", [97], max_tokens=2, stop_token_ids=[33])
+    add(sched, "kept", [97], max_tokens=2, stop_token_ids=[33], include_stop_str_in_output=True)
     add(sched, "string", [97], max_tokens=2, stop="b!")
-    sched.update_from_output(sched.schedule(), [98, 98])
-    outputs = sched.update_from_output(sched.schedule(), [33, 33])
+    add(sched, "neither", [97], max_tokens=2, stop_token_ids=[34])
+    sched.update_from_output(sched.schedule(), [98] * 4)
+    outputs = sched.update_from_output(sched.schedule(), [33] * 4)
     assert [(o.finish_reason, o.stop_reason, o.text) for o in outputs] == [
-        ("length", None, "b!"), ("stop", "b!", ""),
+        ("stop", 33, "b"), ("stop", 33, "b!"), ("stop", "b!", ""), ("length", None, "b!"),
     ]  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """Scheduler policy details that the larger scenario tests left unpinned: the pool-size
 refusal's max_model_len cap, queue order after preemption, the finish reason when the
-last allowed token is a stop token, prefill/decode counters, a request aborted between
-schedule() and update_from_output(), and text options refused without a tokenizer."""
+last allowed token is a stop token (stopped, as in vLLM), prefill/decode counters, a
+request aborted between schedule() and update_from_output(), and text options refused
+without a tokenizer."""
 
 from __future__ import annotations
 
@@ -37,14 +38,25 @@ def test_a_preempted_request_waits_ahead_of_requests_queued_after_it():
     assert run_until_idle(sched) == {"a": "length", "b": "length", "c": "length"}
 
 
-def test_a_stop_token_that_is_also_the_last_allowed_token_finishes_by_length():
-    # As vLLM's check_stop: the length limit is checked first.
+def test_a_stop_token_that_is_also_the_last_allowed_token_finishes_as_stopped():
+    # As vLLM's check_stop since it checks the length limit last: the request completed
+    # on its own, which "length" would hide (it used to say so, as vLLM did before).
     sched = make_scheduler()
     a = add(sched, "a", [1, 2, 3], max_tokens=1, stop_token_ids=(7,))
     out = sched.schedule()
     [result] = sched.update_from_output(out, [7])
+    assert (result.finished, result.finish_reason, result.stop_reason) == (True, "stop", 7)
+    assert a.status == RequestStatus.FINISHED_STOPPED
+    # At max_model_len too: the prompt leaves room for one token only.
+    sched = make_scheduler()
+    add(sched, "b", range(1, 64), max_tokens=None, stop_token_ids=(7,))  # max_model_len 64
+    [result] = sched.update_from_output(sched.schedule(), [7])
+    assert (result.finished, result.finish_reason, result.stop_reason) == (True, "stop", 7)
+    # Not a stop token: the length limit.
+    sched = make_scheduler()
+    add(sched, "c", [1, 2, 3], max_tokens=1, stop_token_ids=(7,))
+    [result] = sched.update_from_output(sched.schedule(), [8])
     assert (result.finished, result.finish_reason, result.stop_reason) == (True, "length", None)
-    assert a.status == RequestStatus.FINISHED_LENGTH
 
 
 def test_a_one_token_prompt_counts_as_prefill_and_its_decodes_as_decode():
