@@ -45,6 +45,7 @@ from benchmarks.cli_args import (  # noqa: E402
     add_decode_grid_args,
     check_head_groups,
     check_whole_pages,
+    out_dir,
     positive_int,
 )
 from benchmarks.output_agreement import agreement  # noqa: E402
@@ -260,7 +261,10 @@ def main(argv=None) -> int:
         help="skip JAX's eager reference above this many KV tokens per step (it is slow)",
     )  # fmt: skip
     parser.add_argument(
-        "--out", type=Path, default=RESULTS_DIR, help="folder for the JSON and plot (%(default)s)"
+        "--out",
+        type=out_dir,
+        default=RESULTS_DIR,
+        help="folder for the JSON and plot (%(default)s)",
     )
     args = parser.parse_args(argv)
     check_whole_pages(parser, args.prefix, args.block_size, "--prefix")

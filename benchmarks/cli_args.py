@@ -46,6 +46,24 @@ def positive_float(text: str) -> float:
     return value
 
 
+def out_file(text: str) -> Path:
+    """argparse type: a JSON file to write, not an existing folder (the write at the end
+    of a run of minutes would raise IsADirectoryError and lose it)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name (.json)")
+    return path
+
+
+def out_dir(text: str) -> Path:
+    """argparse type: a folder to write into, not an existing file (its mkdir at the end
+    of a run would raise FileExistsError and lose it)."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder")
+    return path
+
+
 def add_decode_grid_args(
     parser: argparse.ArgumentParser, *, heads: tuple[int, int, int], page_flag: str
 ) -> None:

@@ -61,6 +61,7 @@ from benchmarks.attention_bytes import decode_bytes  # noqa: E402
 from benchmarks.cli_args import (  # noqa: E402
     check_whole_pages,
     decode_grid,
+    out_dir,
     positive_float,
     positive_int,
 )
@@ -287,7 +288,7 @@ def sweep(b, p, s, *, page_size, reps, repeats, copy_bps, deadline, heads, inter
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, type=pathlib.Path, help="folder for gpu_kernel.json")
+    ap.add_argument("--out", required=True, type=out_dir, help="folder for gpu_kernel.json")
     ap.add_argument("--smoke", action="store_true", help="tiny interpret-mode run on the CPU")
     ap.add_argument("--reps", type=positive_int, default=5, help="kernel calls per timed program")
     ap.add_argument("--repeats", type=positive_int, default=5, help="timed programs per method")

@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cli_args import RESULTS_DIR, positive_int  # noqa: E402
+from benchmarks.cli_args import RESULTS_DIR, out_file, positive_int  # noqa: E402
 from benchmarks.cpu_timing import best_us_per_call  # noqa: E402
 from jaxkv.kv_cache_manager import KVCacheManager  # noqa: E402
 from jaxkv.request import Request
@@ -206,7 +206,10 @@ def bench_trace(rng, num_requests: int = 10_000) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--out", default=RESULTS_DIR / "host_overhead.json", help="JSON file (%(default)s)"
+        "--out",
+        type=out_file,
+        default=RESULTS_DIR / "host_overhead.json",
+        help="JSON file (%(default)s)",
     )
     parser.add_argument("--num-requests", type=positive_int, default=10_000)
     parser.add_argument("--seed", type=int, default=0)

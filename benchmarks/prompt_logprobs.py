@@ -34,7 +34,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cli_args import RESULTS_DIR, positive_int  # noqa: E402
+from benchmarks.cli_args import RESULTS_DIR, out_file, positive_int  # noqa: E402
 from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from jaxkv.models import Llama, LlamaConfig  # noqa: E402
 
@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--repeats", type=positive_int, default=5, help="measured runs per case")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "prompt_logprobs.json")
+    p.add_argument("--out", type=out_file, default=RESULTS_DIR / "prompt_logprobs.json")
     args = p.parse_args(argv)
     limit = LlamaConfig.preset("tiny").max_position_embeddings
     if args.prompt_len + 2 > limit:

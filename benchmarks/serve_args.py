@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from benchmarks.cli_args import non_negative_int, positive_int
+from benchmarks.cli_args import non_negative_int, out_file, positive_int
 from jaxkv import EngineConfig, SamplingParams
 from jaxkv.models.config import PRESETS
 
@@ -62,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     names = ",".join(c[0] for c in CONFIGS)
     p.add_argument("--configs", default=names, help=f"comma-separated, of {names}")
-    p.add_argument("--out", type=Path, default=None, help="JSON file to write")
+    p.add_argument("--out", type=out_file, default=None, help="JSON file to write")
     args = p.parse_args(argv)
     if args.num_requests % args.samples:
         p.error(f"--num-requests {args.num_requests} must be a multiple of --samples")

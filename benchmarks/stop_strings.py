@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cli_args import RESULTS_DIR, positive_int  # noqa: E402
+from benchmarks.cli_args import RESULTS_DIR, out_file, positive_int  # noqa: E402
 from benchmarks.cpu_timing import best_us_per_call  # noqa: E402
 from jaxkv import KVCacheManager, Request, RequestStatus, SamplingParams  # noqa: E402
 from jaxkv.config import SchedulerConfig  # noqa: E402
@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="output tokens of the finished text timed (%(default)s)",
     )
     p.add_argument(
-        "--out", type=Path, default=RESULTS_DIR / "stop_strings.json", help="(%(default)s)"
+        "--out", type=out_file, default=RESULTS_DIR / "stop_strings.json", help="(%(default)s)"
     )
     args = p.parse_args(argv)
     if args.warmup_tokens < 1:

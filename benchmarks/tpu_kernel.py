@@ -56,6 +56,7 @@ from benchmarks.cli_args import (  # noqa: E402
     add_decode_grid_args,
     check_head_groups,
     check_whole_pages,
+    out_dir,
     positive_int,
 )
 from benchmarks.output_agreement import agreement  # noqa: E402
@@ -329,14 +330,14 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--reps", type=positive_int, default=20)
     parser.add_argument(
-        "--tpu-generation", default=None,
+        "--tpu-generation", default=None, choices=sorted(TUNED_BLOCK_SIZES),
         help="tuning-table key (default: detected from the device, 'default' off TPU)",
     )  # fmt: skip
     parser.add_argument(
         "--smoke", action="store_true",
         help="CPU: tiny case in the TPU interpreter, then lower the full-size calls for TPU",
     )  # fmt: skip
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder (%(default)s)")
+    parser.add_argument("--out", type=out_dir, default=RESULTS_DIR, help="folder (%(default)s)")
     args = parser.parse_args()
     args.generation = detect_tpu_generation()
     args.tpu_generation = args.tpu_generation or (
