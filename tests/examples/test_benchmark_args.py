@@ -98,3 +98,61 @@ def test_gpu_kernel_refuses_a_page_size_its_own_cells_do_not_fill(tmp_path, caps
     with pytest.raises(SystemExit):
         gpu_kernel.main(["--out", str(tmp_path), *argv])
     assert named in capsys.readouterr().err and not any(tmp_path.iterdir())
+
+
+def test_out_file_refuses_a_folder_and_out_dir_refuses_a_file(tmp_path):
+    from benchmarks.cli_args import out_dir, out_file
+
+    file = tmp_path / "x.json"
+    file.write_text("{}")
+    assert out_file(str(file)) == file and out_file(str(tmp_path / "new.json"))
+    assert out_dir(str(tmp_path)) == tmp_path and out_dir(str(tmp_path / "new"))
+    with pytest.raises(argparse.ArgumentTypeError, match="is a folder"):
+        out_file(str(tmp_path))
+    with pytest.raises(argparse.ArgumentTypeError, match="is a file"):
+        out_dir(str(file))
+
+
+@pytest.mark.parametrize("module", ["stop_strings", "prompt_logprobs", "serve_args"])
+def test_a_json_file_flag_given_a_folder_is_refused_before_the_run(module, tmp_path, capsys):
+    # `--out benchmarks/results` (as attention.py takes it) ran the whole benchmark and
+    # then died in write_text with IsADirectoryError, losing the run.
+    import importlib
+
+    parse_args = importlib.import_module(f"benchmarks.{module}").parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--out", str(tmp_path)])
+    assert "--out" in (err := capsys.readouterr().err) and "is a folder" in err
+
+
+def test_host_overhead_refuses_a_folder_for_its_json_file(tmp_path):
+    # Its default run takes minutes before the IsADirectoryError.
+    run = subprocess.run(
+        [sys.executable, "benchmarks/host_overhead.py", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert run.returncode == 2 and "is a folder" in run.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_folder_flags_given_a_file_are_refused_before_the_run(tmp_path, capsys):
+    # attention.py ran its grid, then died in mkdir with FileExistsError.
+    from benchmarks import attention
+
+    file = tmp_path / "results.json"
+    file.write_text("{}")
+    for main, argv in ((attention.main, []), (gpu_kernel.main, ["--smoke"])):
+        with pytest.raises(SystemExit):
+            main([*argv, "--out", str(file)])
+        assert "is a file; give a folder" in capsys.readouterr().err
+    assert file.read_text() == "{}"
+
+
+def test_tpu_kernel_refuses_an_unknown_generation_by_flag():
+    # It ran into the kernel's ValueError with a traceback instead.
+    run = subprocess.run(
+        [sys.executable, "benchmarks/tpu_kernel.py", "--smoke", "--tpu-generation", "v9"],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "--tpu-generation: invalid choice: 'v9'" in run.stderr
