@@ -27,7 +27,6 @@ writing its JSON). Prints a table, writes JSON, and draws the speedup as a heatm
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -48,6 +47,7 @@ from benchmarks.cli_args import (  # noqa: E402
     out_dir,
     positive_int,
 )
+from benchmarks.json_report import finite_json  # noqa: E402
 from benchmarks.output_agreement import agreement  # noqa: E402
 from jaxkv.attention import default_backend, paged_attention  # noqa: E402
 from jaxkv.batch import build_attention_metadata  # noqa: E402
@@ -278,7 +278,8 @@ def main(argv=None) -> int:
         q_heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         block_size=args.block_size, dtype=str(args.dtype),
     )  # fmt: skip
-    (args.out / "attention.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    report = finite_json(dict(meta=meta, results=results), indent=1)
+    (args.out / "attention.json").write_text(report)
     heatmap(results, args.out / "attention_speedup.png")
     print(f"wrote {args.out / 'attention.json'} and {args.out / 'attention_speedup.png'}")
     wrong = [(r["batch"], r["prefix"], r["suffix"]) for r in results if not r["outputs_agree"]]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import platform
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from benchmarks.json_report import finite_json
 from kernels_pallas.gpu.aot import SHARED_BYTES_PER_BLOCK as SHARED_LIMIT
 from kernels_pallas.gpu.aot import compile_triton_call, lower_kernel_call
 from kernels_pallas.gpu.tuning import default_config
@@ -148,7 +148,7 @@ def main() -> None:
         kinds={k: v[:2] for k, v in KINDS.items()},
     )  # fmt: skip
     path = args.out / "gpu_compile_report.json"
-    path.write_text(json.dumps(dict(meta=meta, summary=totals, results=rows), indent=1))
+    path.write_text(finite_json(dict(meta=meta, summary=totals, results=rows), indent=1))
     print(f"wrote {path}")
 
 

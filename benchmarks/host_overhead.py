@@ -28,7 +28,6 @@ Prints a table and writes JSON (timings are measured, never asserted):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -41,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cli_args import RESULTS_DIR, out_file, positive_int  # noqa: E402
 from benchmarks.cpu_timing import best_us_per_call  # noqa: E402
+from benchmarks.json_report import finite_json  # noqa: E402
 from jaxkv.kv_cache_manager import KVCacheManager  # noqa: E402
 from jaxkv.request import Request
 
@@ -264,7 +264,7 @@ def main() -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out.write_text(finite_json(result, indent=2))
     print(f"\nwrote {out} ({result['wall_seconds']:.0f} s)")
 
 

@@ -22,7 +22,6 @@ there is none to see). Timings are measured, never asserted. Prints a table and 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -35,6 +34,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cli_args import RESULTS_DIR, out_file, positive_int  # noqa: E402
+from benchmarks.json_report import finite_json  # noqa: E402
 from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from jaxkv.models import Llama, LlamaConfig  # noqa: E402
 
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
-        json.dumps(
+        finite_json(
             {
                 "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                 "machine": platform.platform(),

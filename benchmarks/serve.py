@@ -42,7 +42,6 @@ weights). Timings are measured, never asserted. Prints a table, and with --out w
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import time
@@ -54,6 +53,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.json_report import finite_json  # noqa: E402
 from benchmarks.serve_args import CONFIGS, max_model_len, parse_args, penalties  # noqa: E402
 from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from jaxkv.attention import default_backend  # noqa: E402
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
             "results": [{k: v for k, v in r.items() if k != "outputs"} for r in results],
             "cascade_vs_flat": pairs,
         }
-        args.out.write_text(json.dumps(report, indent=2))
+        args.out.write_text(finite_json(report, indent=2))
         print(f"wrote {args.out}")
     return 0
 

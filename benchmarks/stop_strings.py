@@ -19,7 +19,6 @@ Timings are measured, never asserted. Prints tables and writes JSON:
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -30,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cli_args import RESULTS_DIR, out_file, positive_int  # noqa: E402
 from benchmarks.cpu_timing import best_us_per_call  # noqa: E402
+from benchmarks.json_report import finite_json  # noqa: E402
 from jaxkv import KVCacheManager, Request, RequestStatus, SamplingParams  # noqa: E402
 from jaxkv.config import SchedulerConfig  # noqa: E402
 from jaxkv.detokenizer import Detokenizer  # noqa: E402
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     args.out.write_text(
-        json.dumps(
+        finite_json(
             {"args": meta, "machine": platform.platform(), "results": results, "text": texts},
             indent=2,
         )

@@ -59,6 +59,7 @@ from benchmarks.cli_args import (  # noqa: E402
     out_dir,
     positive_int,
 )
+from benchmarks.json_report import finite_json  # noqa: E402
 from benchmarks.output_agreement import agreement  # noqa: E402
 from benchmarks.reference_errors import errors_against_reference  # noqa: E402
 from kernels_pallas import reference  # noqa: E402
@@ -355,7 +356,7 @@ def main() -> int:
         lower_full_size(args)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "tpu_kernel.json"
-    path.write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    path.write_text(finite_json(dict(meta=meta, results=results), indent=1))
     print(f"wrote {path}")
     failed = [name for name, e in meta["reference_errors"].items() if not e["ok"]]
     if failed:

@@ -1,0 +1,41 @@
+"""Benchmark JSON is strict: NaN and infinities become null, as JSON.stringify writes them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks.json_report import finite_json
+
+
+def _strict(text: str):
+    """json.loads refusing NaN, Infinity and -Infinity, as jq and JSON.parse do."""
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_non_finite_figures_are_written_as_null_at_any_depth():
+    report = {
+        "p50": float("nan"),
+        "rows": [{"err": float("inf"), "lse": -np.inf, "ms": 1.5}, (np.float64("nan"), 2)],
+        "ok": True,
+        "name": "NaN",
+    }
+    assert _strict(finite_json(report, indent=2)) == {
+        "p50": None,
+        "rows": [{"err": None, "lse": None, "ms": 1.5}, [None, 2]],
+        "ok": True,
+        "name": "NaN",
+    }
+    with pytest.raises(ValueError, match="not JSON: NaN"):
+        _strict(json.dumps(report))  # what the benchmarks wrote before
+
+
+def test_finite_values_are_written_as_json_dumps_writes_them():
+    report = {"a": [1, 2.25, None, "x"], "b": {"c": 0.0, "d": -3}}
+    assert finite_json(report, indent=1) == json.dumps(report, indent=1)
