@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from benchmarks.cli_args import out_dir
 from benchmarks.json_report import finite_json
 from kernels_pallas.gpu.aot import SHARED_BYTES_PER_BLOCK as SHARED_LIMIT
 from kernels_pallas.gpu.aot import compile_triton_call, lower_kernel_call
@@ -126,7 +127,7 @@ def main() -> None:
     parser.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     results = Path(__file__).resolve().parent / "results"  # whatever the working directory
-    parser.add_argument("--out", type=Path, default=results, help="folder (%(default)s)")
+    parser.add_argument("--out", type=out_dir, default=results, help="folder (%(default)s)")
     args = parser.parse_args()
     import triton  # fail early: the report needs the triton package
 
