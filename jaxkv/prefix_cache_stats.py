@@ -14,7 +14,11 @@ class PrefixCacheStats:
     A lookup is counted when made (KVCacheManager.get_computed_blocks) or, for the
     Scheduler, once the request it was made for is admitted: a request that waits for
     blocks is looked up again each step but counted once. An admission that
-    Scheduler.discard undoes is counted again when it is redone.
+    Scheduler.discard undoes is counted again when it is redone. A request whose KV the
+    connector loads is counted when its load starts (its hits: the device cache's only),
+    not again when the landed load admits it; a load that fails, like a discard, makes
+    the request's next admission count again, and a request aborted while loading stays
+    counted.
     """
 
     requests: int = 0  # lookups counted
