@@ -113,7 +113,9 @@ class EngineMetrics:
 
     @property
     def tokens_per_s(self) -> float:
-        """Prompt plus generated tokens computed per second of step time."""
+        """num_prompt_tokens plus num_generated_tokens per second of step time: a
+        throughput figure, not the tokens the model ran (each request's last generated
+        token never runs through it)."""
         total = self.num_prompt_tokens + self.num_generated_tokens
         return total / self.step_time_s if self.step_time_s else 0.0
 
