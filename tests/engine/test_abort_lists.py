@@ -7,7 +7,7 @@ import pytest
 
 from jaxkv import SamplingParams
 from tests.engine._util import assert_all_blocks_free, make_engine
-from tests.sharding.test_router import make_router
+from tests.sharding._router_util import make_router
 
 
 def test_engine_aborts_each_listed_request_and_refuses_a_bad_list_whole():

@@ -10,7 +10,7 @@ from jaxkv import SamplingParams
 from jaxkv.completion import checked_drivers, run_to_completion
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from tests.engine._util import make_engine
-from tests.sharding.test_router import make_router
+from tests.sharding._router_util import make_router
 
 
 class Bar:

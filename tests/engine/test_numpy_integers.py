@@ -17,7 +17,7 @@ from jaxkv.host_offload_connector import HostOffloadConnector
 from jaxkv.models.config import LlamaConfig, RopeScaling
 from jaxkv.router import PrefixAwareRouter
 from jaxkv.sharding import replica_meshes
-from tests.sharding.test_router import FakeReplica
+from tests.sharding._router_util import FakeReplica
 
 _LLAMA = dict(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2

@@ -9,7 +9,7 @@ from jaxkv import SamplingParams
 from jaxkv.request_serials import RequestSerials
 from jaxkv.router import PrefixAwareRouter
 from tests.engine._util import BLOCK_SIZE, make_engine
-from tests.sharding.test_router import make_router
+from tests.sharding._router_util import make_router
 
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=6)  # unseeded: the serial's seed
 PROMPT = [5, 6, 7, 8, 9]

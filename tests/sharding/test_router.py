@@ -1,7 +1,7 @@
 """PrefixAwareRouter over fake replicas: prefix affinity, load balance, bookkeeping.
 
-A fake replica emits one token per step for every request it holds and finishes a request
-after `max_tokens` tokens, so the router is tested without engines or jax.
+The fake replicas (tests/sharding/_router_util.py) emit one token per step for every
+request they hold, so the router is tested without engines or jax.
 """
 
 from __future__ import annotations
@@ -10,54 +10,15 @@ import numpy as np
 import pytest
 
 from jaxkv import SamplingParams
-from jaxkv.outputs import RequestOutput
 from jaxkv.request import MAX_TOKEN_ID
 from jaxkv.router import PrefixAwareRouter, Route
-
-BLOCK = 4
-
-
-class FakeReplica:
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.running: dict[str, list] = {}  # request_id -> [prompt, tokens left]
-        self.prompts: dict[str, list[int]] = {}  # every request ever added
-        self.salts: dict[str, str | None] = {}  # request_id -> cache_salt
-
-    def add_request(self, prompt_token_ids, sampling_params=None, *, request_id, cache_salt=None):
-        if len(prompt_token_ids) == 0:
-            raise ValueError("empty prompt")
-        params = sampling_params or SamplingParams(max_tokens=2)
-        self.running[request_id] = [list(prompt_token_ids), params.max_tokens]
-        self.prompts[request_id] = list(prompt_token_ids)
-        self.salts[request_id] = cache_salt
-        return request_id
-
-    def step(self) -> list[RequestOutput]:
-        outputs = []
-        for rid, entry in list(self.running.items()):
-            entry[1] -= 1
-            done = entry[1] == 0
-            token = 1000 * self.index + len(entry[0])
-            outputs.append(RequestOutput(rid, (token,), done, "length" if done else None))
-            if done:
-                del self.running[rid]
-        return outputs
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.running)
-
-    def abort(self, request_id: str) -> bool:
-        return self.running.pop(request_id, None) is not None
-
-
-def make_router(n: int = 4, **kwargs) -> tuple[PrefixAwareRouter, list[FakeReplica]]:
-    replicas = [FakeReplica(i) for i in range(n)]
-    return PrefixAwareRouter(replicas, block_size=BLOCK, **kwargs), replicas
-
-
-def rand_tokens(rng, n: int) -> list[int]:
-    return rng.integers(0, 500, n).tolist()
+from tests.sharding._router_util import (
+    BLOCK,
+    FakeReplica,
+    OffloadingReplica,
+    make_router,
+    rand_tokens,
+)
 
 
 def test_shared_prefix_requests_stay_together_and_loners_go_to_the_least_loaded():
@@ -261,24 +222,6 @@ def test_a_shared_short_prefix_outlives_the_longer_ones_it_starts():
     assert router.route(a + [5] * BLOCK).matched_blocks == 1
     assert router.route(a + [2] * BLOCK).matched_blocks == 1
     assert router.route([4] * (2 * BLOCK)).matched_blocks == 2
-
-
-class OffloadingReplica(FakeReplica):
-    """Keeps each finished request's blocks for `copy_steps` more steps (a KV copy)."""
-
-    def __init__(self, index: int, copy_steps: int) -> None:
-        super().__init__(index)
-        self.copy_steps = copy_steps
-        self.copies: list[int] = []  # steps left per copy in flight
-
-    def step(self):
-        self.copies = [n - 1 for n in self.copies if n > 1]
-        outputs = super().step()
-        self.copies += [self.copy_steps for o in outputs if o.finished]
-        return outputs
-
-    def has_pending_transfers(self) -> bool:
-        return bool(self.copies)
 
 
 def test_drain_transfers_steps_until_every_replica_copy_landed():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from jaxkv import SamplingParams
 from jaxkv.router import PrefixAwareRouter, Route
-from tests.sharding.test_router import BLOCK, FakeReplica, make_router
+from tests.sharding._router_util import BLOCK, FakeReplica, make_router
 
 
 class StoppingReplica(FakeReplica):

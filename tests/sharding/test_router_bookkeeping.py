@@ -9,7 +9,7 @@ import pytest
 
 from jaxkv import SamplingParams
 from jaxkv.router import PrefixAwareRouter
-from tests.sharding.test_router import BLOCK, FakeReplica, OffloadingReplica, make_router
+from tests.sharding._router_util import BLOCK, FakeReplica, OffloadingReplica, make_router
 
 
 class SamplingReplica(FakeReplica):

@@ -10,7 +10,7 @@ import pytest
 from jaxkv import SamplingParams
 from jaxkv.closable import checked_timeout
 from jaxkv.router import PrefixAwareRouter
-from tests.sharding.test_router import BLOCK, FakeReplica, OffloadingReplica
+from tests.sharding._router_util import BLOCK, FakeReplica, OffloadingReplica
 
 
 class ClosableReplica(FakeReplica):

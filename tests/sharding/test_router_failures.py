@@ -7,7 +7,7 @@ import pytest
 
 from jaxkv import SamplingParams
 from jaxkv.router import PrefixAwareRouter
-from tests.sharding.test_router import BLOCK, FakeReplica
+from tests.sharding._router_util import BLOCK, FakeReplica
 
 
 class FailingReplica(FakeReplica):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from jaxkv import SamplingParams
-from tests.sharding.test_router import make_router
+from tests.sharding._router_util import make_router
 
 
 def test_generated_ids_skip_ids_callers_chose():

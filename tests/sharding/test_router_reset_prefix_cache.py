@@ -8,7 +8,7 @@ import pytest
 
 from jaxkv.prefix_routes import PrefixRoutes
 from jaxkv.router import PrefixAwareRouter, Route
-from tests.sharding.test_router import BLOCK, FakeReplica
+from tests.sharding._router_util import BLOCK, FakeReplica
 
 
 class ResettingReplica(FakeReplica):
