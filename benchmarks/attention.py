@@ -47,7 +47,7 @@ from benchmarks.cli_args import (  # noqa: E402
     out_dir,
     positive_int,
 )
-from benchmarks.json_report import finite_json  # noqa: E402
+from benchmarks.json_report import write_json  # noqa: E402
 from benchmarks.output_agreement import agreement  # noqa: E402
 from jaxkv.attention import default_backend, paged_attention  # noqa: E402
 from jaxkv.batch import build_attention_metadata  # noqa: E402
@@ -278,8 +278,7 @@ def main(argv=None) -> int:
         q_heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         block_size=args.block_size, dtype=str(args.dtype),
     )  # fmt: skip
-    report = finite_json(dict(meta=meta, results=results), indent=1)
-    (args.out / "attention.json").write_text(report)
+    write_json(args.out / "attention.json", dict(meta=meta, results=results))
     heatmap(results, args.out / "attention_speedup.png")
     print(f"wrote {args.out / 'attention.json'} and {args.out / 'attention_speedup.png'}")
     wrong = [(r["batch"], r["prefix"], r["suffix"]) for r in results if not r["outputs_agree"]]

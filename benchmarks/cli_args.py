@@ -49,7 +49,7 @@ def positive_float(text: str) -> float:
 def out_file(text: str) -> Path:
     """argparse type: a JSON file to write, not an existing folder (the write at the end
     of a run of minutes would raise IsADirectoryError and lose it)."""
-    path = Path(text)
+    path = _non_empty_path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name (.json)")
     return path
@@ -58,10 +58,18 @@ def out_file(text: str) -> Path:
 def out_dir(text: str) -> Path:
     """argparse type: a folder to write into, not an existing file (its mkdir at the end
     of a run would raise FileExistsError and lose it)."""
-    path = Path(text)
+    path = _non_empty_path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder")
     return path
+
+
+def _non_empty_path(text: str) -> Path:
+    # Path("") is Path("."): an empty --out (an unset shell variable) would write into
+    # the working directory.
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; give a path")
+    return Path(text)
 
 
 def add_decode_grid_args(

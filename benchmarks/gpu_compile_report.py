@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.cli_args import out_dir
-from benchmarks.json_report import finite_json
+from benchmarks.json_report import write_json
 from kernels_pallas.gpu.aot import SHARED_BYTES_PER_BLOCK as SHARED_LIMIT
 from kernels_pallas.gpu.aot import compile_triton_call, lower_kernel_call
 from kernels_pallas.gpu.tuning import default_config
@@ -142,14 +142,13 @@ def main() -> None:
     totals = summary(rows, args.cc)
     for cc, s in totals.items():
         print(f"{cc}: {s}")
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = dict(
         machine=platform.machine(), jax=jax.__version__, triton=triton.__version__,
         page_size=PAGE_SIZE, pages_per_seq=PAGES_PER_SEQ,
         kinds={k: v[:2] for k, v in KINDS.items()},
     )  # fmt: skip
     path = args.out / "gpu_compile_report.json"
-    path.write_text(finite_json(dict(meta=meta, summary=totals, results=rows), indent=1))
+    write_json(path, dict(meta=meta, summary=totals, results=rows))
     print(f"wrote {path}")
 
 

@@ -82,7 +82,7 @@ from benchmarks.gpu_kernel_methods import (  # noqa: E402
     split_kv,
 )
 from benchmarks.gpu_kernel_report import goals, print_table  # noqa: E402
-from benchmarks.json_report import finite_json  # noqa: E402
+from benchmarks.json_report import write_json  # noqa: E402
 
 L2_BYTES = 64 * 2**20  # a little above the 50 MiB L2 of an H100/H200
 GRID = [(b, p, s) for b in (8, 64, 128) for p in (1024, 8192) for s in (128, 1024)]
@@ -359,7 +359,7 @@ def main(argv=None) -> int:
             )
         )  # fmt: skip
         result["rows"] = rows
-        (args.out / "gpu_kernel.json").write_text(finite_json(result, indent=1))
+        write_json(args.out / "gpu_kernel.json", result)
     print_table(rows, copy_bps)
     result["goals"] = goals(rows, copy_bps)
     if args.sweep:
@@ -373,7 +373,7 @@ def main(argv=None) -> int:
     if args.smoke:
         result["lowered_full_size"] = lower_full_size()
     result["seconds"] = time.perf_counter() - t_start
-    (args.out / "gpu_kernel.json").write_text(finite_json(result, indent=1))
+    write_json(args.out / "gpu_kernel.json", result)
     print(json.dumps(result["goals"], indent=1))
     print(f"wrote {args.out / 'gpu_kernel.json'} in {result['seconds']:.0f} s")
     wrong = disagreeing_cells(rows)

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cli_args import RESULTS_DIR, out_file, positive_int  # noqa: E402
 from benchmarks.cpu_timing import best_us_per_call  # noqa: E402
-from benchmarks.json_report import finite_json  # noqa: E402
+from benchmarks.json_report import write_json  # noqa: E402
 from jaxkv.kv_cache_manager import KVCacheManager  # noqa: E402
 from jaxkv.request import Request
 
@@ -262,10 +262,8 @@ def main() -> None:
         "trace": trace,
         "wall_seconds": time.perf_counter() - t_start,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(finite_json(result, indent=2))
-    print(f"\nwrote {out} ({result['wall_seconds']:.0f} s)")
+    write_json(args.out, result, indent=2)
+    print(f"\nwrote {args.out} ({result['wall_seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

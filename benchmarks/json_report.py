@@ -10,16 +10,27 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 
 def finite_json(obj: Any, **kwargs: Any) -> str:
     """json.dumps(obj, **kwargs) with every non-finite float (numpy's float64 too) as
-    null; raises ValueError rather than write a NaN it did not reach."""
+    null and every Path as its str; raises ValueError rather than write a NaN it did not
+    reach."""
     return json.dumps(_nulled(obj), allow_nan=False, **kwargs)
 
 
+def write_json(path: Path, obj: Any, *, indent: int = 1) -> None:
+    """Writes finite_json(obj) to `path`, making its folder first; a Path anywhere in
+    `obj` (an argparse --out, say) is written as its str."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(finite_json(obj, indent=indent))
+
+
 def _nulled(obj: Any) -> Any:
+    if isinstance(obj, Path):
+        return str(obj)
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):

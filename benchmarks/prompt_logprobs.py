@@ -34,7 +34,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cli_args import RESULTS_DIR, out_file, positive_int  # noqa: E402
-from benchmarks.json_report import finite_json  # noqa: E402
+from benchmarks.json_report import write_json  # noqa: E402
 from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from jaxkv.models import Llama, LlamaConfig  # noqa: E402
 
@@ -141,18 +141,16 @@ def main(argv=None) -> int:
             f"{r['device_ms_per_step']:>7.1f} {r['host_ms_per_step']:>7.2f} "
             f"{r['update_ms_per_step']:>7.1f} {r['extra_s']:>7.3f} {r['head_gflop']:>10.2f}"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        finite_json(
-            {
-                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                "machine": platform.platform(),
-                "jax": jax.__version__,
-                "backend": jax.default_backend(),
-                "results": results,
-            },
-            indent=2,
-        )
+    write_json(
+        args.out,
+        {
+            "args": vars(args),
+            "machine": platform.platform(),
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "results": results,
+        },
+        indent=2,
     )
     print(f"wrote {args.out}")
     return 0

@@ -53,7 +53,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.json_report import finite_json  # noqa: E402
+from benchmarks.json_report import write_json  # noqa: E402
 from benchmarks.serve_args import CONFIGS, max_model_len, parse_args, penalties  # noqa: E402
 from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from jaxkv.attention import default_backend  # noqa: E402
@@ -281,9 +281,8 @@ def main(argv=None) -> int:
             + ("yes" if pair["outputs_identical"] else "NO")
         )
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         report = {
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "args": vars(args),
             "backend": jax.default_backend(),
             "attention_backend": default_backend(),
             "device": str(jax.devices()[0]),
@@ -293,7 +292,7 @@ def main(argv=None) -> int:
             "results": [{k: v for k, v in r.items() if k != "outputs"} for r in results],
             "cascade_vs_flat": pairs,
         }
-        args.out.write_text(finite_json(report, indent=2))
+        write_json(args.out, report, indent=2)
         print(f"wrote {args.out}")
     return 0
 

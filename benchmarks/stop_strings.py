@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cli_args import RESULTS_DIR, out_file, positive_int  # noqa: E402
 from benchmarks.cpu_timing import best_us_per_call  # noqa: E402
-from benchmarks.json_report import finite_json  # noqa: E402
+from benchmarks.json_report import write_json  # noqa: E402
 from jaxkv import KVCacheManager, Request, RequestStatus, SamplingParams  # noqa: E402
 from jaxkv.config import SchedulerConfig  # noqa: E402
 from jaxkv.detokenizer import Detokenizer  # noqa: E402
@@ -141,13 +141,10 @@ def main(argv=None) -> int:
             f"{t['tokens']:>7} {'yes' if t['cut'] else 'no':>7} {t['text_us']:>8.1f} "
             f"{t['decode_us']:>9.1f} {t['ratio_to_decode']:>6.2f}"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    args.out.write_text(
-        finite_json(
-            {"args": meta, "machine": platform.platform(), "results": results, "text": texts},
-            indent=2,
-        )
+    write_json(
+        args.out,
+        {"args": vars(args), "machine": platform.platform(), "results": results, "text": texts},
+        indent=2,
     )
     print(f"wrote {args.out}")
     return 0

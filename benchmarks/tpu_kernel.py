@@ -59,7 +59,7 @@ from benchmarks.cli_args import (  # noqa: E402
     out_dir,
     positive_int,
 )
-from benchmarks.json_report import finite_json  # noqa: E402
+from benchmarks.json_report import write_json  # noqa: E402
 from benchmarks.output_agreement import agreement  # noqa: E402
 from benchmarks.reference_errors import errors_against_reference  # noqa: E402
 from kernels_pallas import reference  # noqa: E402
@@ -354,9 +354,8 @@ def main() -> int:
     if args.smoke:
         args.q_heads, args.kv_heads = parser.get_default("q_heads"), parser.get_default("kv_heads")
         lower_full_size(args)
-    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "tpu_kernel.json"
-    path.write_text(finite_json(dict(meta=meta, results=results), indent=1))
+    write_json(path, dict(meta=meta, results=results))
     print(f"wrote {path}")
     failed = [name for name, e in meta["reference_errors"].items() if not e["ok"]]
     if failed:

@@ -111,6 +111,9 @@ def test_out_file_refuses_a_folder_and_out_dir_refuses_a_file(tmp_path):
         out_file(str(tmp_path))
     with pytest.raises(argparse.ArgumentTypeError, match="is a file"):
         out_dir(str(file))
+    for path_type in (out_file, out_dir):  # `--out "$UNSET"`: Path("") is the working folder
+        with pytest.raises(argparse.ArgumentTypeError, match="is empty"):
+            path_type("")
 
 
 @pytest.mark.parametrize("module", ["stop_strings", "prompt_logprobs", "serve_args"])

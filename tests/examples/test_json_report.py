@@ -39,3 +39,13 @@ def test_non_finite_figures_are_written_as_null_at_any_depth():
 def test_finite_values_are_written_as_json_dumps_writes_them():
     report = {"a": [1, 2.25, None, "x"], "b": {"c": 0.0, "d": -3}}
     assert finite_json(report, indent=1) == json.dumps(report, indent=1)
+
+
+def test_write_json_makes_the_folder_and_writes_paths_as_text(tmp_path):
+    from pathlib import Path
+
+    from benchmarks.json_report import write_json
+
+    out = tmp_path / "new" / "deeper" / "r.json"
+    write_json(out, {"out": out, "rows": [Path("a/b"), float("nan")]}, indent=2)
+    assert _strict(out.read_text()) == {"out": str(out), "rows": ["a/b", None]}
