@@ -144,9 +144,15 @@ def check_computed_within_tokens(request: Request, num_computed_tokens: int) -> 
         )
 
 
-def check_total_fits(req_id: str, num_total: int, max_model_len: int) -> None:
+def check_total_fits(req_id: str, num_total: int, max_model_len: int, **terms: int) -> None:
+    """Refuses a request growing past max_model_len; the message names the `terms` (the
+    counts that add up to num_total), so a caller sees which argument is too large."""
     if num_total > max_model_len:
-        raise ValueError(f"request {req_id!r} would hold {num_total} tokens > {max_model_len=}")
+        parts = " + ".join(f"{name}={value}" for name, value in terms.items())
+        raise ValueError(
+            f"request {req_id!r} would hold {num_total} tokens > {max_model_len=}"
+            + (f" ({parts})" if parts else "")
+        )
 
 
 def check_computed_within_held(

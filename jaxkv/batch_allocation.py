@@ -68,8 +68,11 @@ def allocate_slots_batch(
             check_computed_within_held(req_id, num_done, n, bs)
     totals = list(map(add, computed, counts))
     if max(totals) > manager.max_model_len:
-        for req_id, num_total in zip(ids, totals, strict=True):
-            check_total_fits(req_id, num_total, manager.max_model_len)
+        for req_id, num_done, n in zip(ids, computed, counts, strict=True):
+            check_total_fits(
+                req_id, num_done + n, manager.max_model_len,
+                num_computed_tokens=num_done, num_new_tokens=n,
+            )  # fmt: skip
     needs = [-(-t // bs) - n for t, n in zip(totals, num_held, strict=True)]
     total = sum(k for k in needs if k > 0)
     if total > manager.pool.num_free_blocks:

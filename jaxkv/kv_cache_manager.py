@@ -281,7 +281,10 @@ class KVCacheManager:
         num_computed = num_done + num_new_computed_tokens
         check_computed_within_tokens(request, num_computed)
         num_total = num_computed + num_new_tokens + num_lookahead_tokens
-        check_total_fits(req_id, num_total, self.max_model_len)
+        check_total_fits(
+            req_id, num_total, self.max_model_len, num_computed_tokens=num_computed,
+            num_new_tokens=num_new_tokens, num_lookahead_tokens=num_lookahead_tokens,
+        )  # fmt: skip
         num_required = -(-num_total // self.block_size)
         num_new_blocks = max(0, num_required - len(held) - len(computed))
         computed_ids = [b.block_id for b in computed]  # ints, whatever the caller passed

@@ -92,7 +92,10 @@ def allocate_admitted(
         )
         return got is not None
     num_total = hit.num_tokens + num_new_tokens
-    check_total_fits(req_id, num_total, manager.max_model_len)
+    check_total_fits(
+        req_id, num_total, manager.max_model_len,
+        num_new_computed_tokens=hit.num_tokens, num_new_tokens=num_new_tokens,
+    )  # fmt: skip
     num_new_blocks = max(0, -(-num_total // manager.block_size) - len(hit.blocks))
     got = commit(manager, request, [], hit.blocks, hit.block_ids, num_new_blocks, num_total)
     return got is not None
