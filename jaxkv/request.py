@@ -49,7 +49,7 @@ class Request:
     # Slots: a misspelt field assignment fails instead of adding a silent attribute.
     __slots__ = (
         "request_id",
-        "prompt_token_ids",
+        "_prompt_token_ids",
         "sampling_params",
         "cache_salt",
         "adapter_id",
@@ -95,7 +95,7 @@ class Request:
         if arrival_time is not None and not is_finite_number(arrival_time):
             raise ValueError(f"{arrival_time=} of {request_id!r} must be None or a finite number")
         self.request_id = request_id
-        self.prompt_token_ids: tuple[int, ...] = tuple(prompt)
+        self._prompt_token_ids: tuple[int, ...] = tuple(prompt)
         self.sampling_params = sampling_params
         self.cache_salt = cache_salt
         self.adapter_id = adapter_id
@@ -111,8 +111,15 @@ class Request:
         self._hash_config: tuple[int, int] | None = None  # (block_size, seed) of block_hashes
 
     @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        """The prompt, fixed at construction: assigning another raises AttributeError (the
+        tokens the KV is computed and cached from would stay the old ones; a new prompt is
+        a new Request)."""
+        return self._prompt_token_ids
+
+    @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return len(self._prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxkv import Request, RequestStatus, SamplingParams
+from jaxkv import KVCacheManager, Request, RequestStatus, SamplingParams
 
 
 def test_request_tracks_tokens():
@@ -284,3 +284,16 @@ def test_block_hashes_depend_on_the_hash_seed():
     a, b = Request("a", range(8)), Request("b", range(8))
     assert a.update_block_hashes(4, seed=7) != b.update_block_hashes(4, seed=0)
     assert a.block_hashes == Request("c", range(8)).update_block_hashes(4, seed=7)
+
+
+def test_the_prompt_cannot_be_replaced_after_construction():
+    # A replaced prompt used to be taken silently: num_prompt_tokens followed it, while the
+    # tokens that are hashed, cached and computed stayed the old ones.
+    m = KVCacheManager(8, 2, max_model_len=16)
+    req = Request("r", [1, 2, 3, 4, 5])
+    m.allocate_slots(req, 5)
+    with pytest.raises(AttributeError, match="prompt_token_ids"):
+        req.prompt_token_ids = (7, 8)
+    assert req.prompt_token_ids == (1, 2, 3, 4, 5) == tuple(req.all_token_ids)
+    assert req.num_prompt_tokens == 5
+    m.check_integrity()
