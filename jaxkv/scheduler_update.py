@@ -110,6 +110,11 @@ def apply_sampled_tokens(
                 params.max_tokens is not None and len(output_ids) >= params.max_tokens
             ):
                 status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                # Marked before the tokenizer runs: interrupted there, the request must
+                # leave `running` rather than sample a token past its end.
+                finished.append(request)
+                request.status = status
             streamed = None  # the text this output streams (SamplingParams.stream_text)
             if (
                 detokenizer is not None
@@ -118,7 +123,10 @@ def apply_sampled_tokens(
             ):
                 string, streamed = detokenizer.read(request)
                 if string is not None:
+                    if status is None:
+                        finished.append(request)
                     status, stop_reason = stopped, string
+                    request.status = status
             if status is None:
                 outputs.append(
                     request_output_of(
@@ -132,8 +140,6 @@ def apply_sampled_tokens(
                     if offset == 0 or offset == cache_offset:
                         carry.needing.append(request)
                 continue
-            finished.append(request)  # first: an interrupt must not leave it finished, running
-            request.status = status
             reason = _FINISH_REASONS[request.status]
             text = None if detokenizer is None else detokenizer.text(request, stop_reason, streamed)
             outputs.append(

@@ -111,3 +111,38 @@ def test_samples_finished_in_an_interrupted_step_leave_the_parallel_samples_book
     outs = engine.step()
     assert [(o.request_id, o.index, o.finished) for o in outs] == [(rid, 0, False), (rid, 1, True)]
     assert_all_blocks_free(engine)
+
+
+def _third_greedy_token_stops(**args) -> SamplingParams:
+    third = dense_greedy([PROMPT], 3)[0][2]
+    assert third not in dense_greedy([PROMPT], 2)[0]
+    return SamplingParams(max_tokens=8, stop_token_ids=(third,), **args)
+
+
+@pytest.mark.parametrize(
+    "make_params",
+    [
+        lambda: SamplingParams(max_tokens=3, stream_text=True),
+        lambda: SamplingParams(max_tokens=3, stop="\x00\x01"),
+        lambda: _third_greedy_token_stops(include_stop_str_in_output=True, stop="\x00\x01"),
+        lambda: _third_greedy_token_stops(include_stop_str_in_output=True, stream_text=True),
+    ],
+    ids=["length-streaming", "length-stop", "stop-token-stop", "stop-token-streaming"],
+)
+def test_an_interrupt_reading_a_finishing_token_still_finishes_the_request(make_params):
+    # The update decided the request stops (its length, or a stop token whose text it
+    # keeps) and then read the token's text for stop strings or the stream: interrupted
+    # there, the request must not stay running and sample a token past its end (which
+    # the metrics would count as generated too).
+    tokenizer = _InterruptOnce()
+    engine = Engine(tiny_model(), None, engine_config(), tokenizer=tokenizer)
+    rid = engine.add_request(PROMPT, make_params())
+    engine.step()
+    engine.step()
+    tokenizer.after = tokenizer.calls + 1
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert not engine.has_unfinished_requests() and rid not in engine.ids_in_use
+    assert engine.step() == []
+    assert engine.metrics.num_generated_tokens == 3
+    assert_all_blocks_free(engine)
