@@ -186,3 +186,52 @@ def test_a_block_two_loads_bring_counts_as_loading_until_both_have_ended():
     connector.to_land = ["b"]
     tracker.apply_events()
     assert not any(tracker.is_loading(h) for h in loaded)
+
+
+def test_a_request_whose_next_block_follows_a_loads_last_block_does_not_wait_for_it():
+    # b's load brings blocks 0-1 only; p, which reads no cached KV (prompt logprobs),
+    # computes its own blocks 0-1 meanwhile, so c hits them and needs block 2 next: no
+    # load in flight brings it, so c computes it now.
+    copier = FakeCopier(64, BS)
+    connector = OracleLoadConnector(copier, {"b": 8})
+    connector.hold = True
+    sched = make_scheduler(num_blocks=64, block_size=BS, connector=connector)
+    b = add(sched, "b", PROMPT, max_tokens=2)
+    add(sched, "p", [*PROMPT[:8], 90, 91, 92, 93, 94], max_tokens=1, prompt_logprobs=0)
+    _, results = step(sched, copier)
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV and results[0].finished
+    c = add(sched, "c", [*PROMPT[:12], 99, 98], max_tokens=2)
+    out, _ = step(sched, copier)
+    assert c.status == RequestStatus.RUNNING and out.request_ids == ["c"]
+    assert out.num_scheduled_tokens.tolist() == [6]  # blocks 0-1 were a device hit
+    connector.hold = False
+    assert set(run_until_idle(sched, copier)) == {"b", "c"}
+    assert connector.started == ["b"] and sched.manager.num_free_blocks == 63
+
+
+def test_without_prefix_caching_no_request_waits_for_another_requests_load():
+    # Its loaded blocks never enter a prefix cache, so waiting for them gains nothing.
+    # c's block hashes exist (the connector read them when the pool had no room for c's
+    # load), so only the tracker's not counting them lets c start its own load.
+    copier = FakeCopier(64, BS, auto_complete=False)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    sched = make_scheduler(
+        num_blocks=9, block_size=BS, connector=connector, enable_prefix_caching=False
+    )
+    add(sched, "a0", PROMPT, max_tokens=1)
+    step(sched, copier)
+    copier.complete()
+    run_until_idle(sched, copier)  # the 3 full blocks saved to the host
+    for i in range(4):  # one block each, no full block to save: freed as they finish
+        add(sched, f"r{i}", [60 + i, 70, 80], max_tokens=1)
+    b = add(sched, "b", PROMPT, max_tokens=2)
+    c = add(sched, "c", PROMPT, max_tokens=2)
+    step(sched, copier)  # b's load takes the last 4 free blocks; c's waits for room
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV and c.block_hashes
+    assert c.status == RequestStatus.WAITING and sched.manager.num_free_blocks == 4
+    step(sched, copier)  # b's load is still in flight
+    assert c.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    copier.complete()
+    assert set(run_until_idle(sched, copier)) == {"b", "c"}
+    assert connector.stats.num_loads == 2 and sched.manager.num_free_blocks == 8
