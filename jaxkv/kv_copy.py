@@ -73,6 +73,7 @@ class DeviceKVCopier:
     """Copies whole blocks of every layer; the engine's caches are read and replaced via
     `get_caches` / `set_caches` (a load updates them in place through donation).
 
+    One copy holds at most `max_blocks` blocks (an int >= 1; ValueError otherwise).
     `kv_replicas` is how many times the cache holds each KV head (TensorParallel's);
     host blocks (`block_shape`, `bytes_per_block`) hold each head once.
     `model_fingerprint` names the model that computed the KV (jaxkv.model_fingerprint):
@@ -88,6 +89,9 @@ class DeviceKVCopier:
         kv_replicas: int = 1,
         fingerprint: Callable[[], bytes] | None = None,
     ) -> None:
+        max_copy = as_int(max_blocks)
+        if max_copy is None or max_copy < 1:
+            raise ValueError(f"{max_blocks=} must be an int >= 1: the most blocks one copy holds")
         caches = get_caches()
         layer = caches[0]
         num_cache_heads = layer.shape[2]
@@ -110,7 +114,7 @@ class DeviceKVCopier:
         self.num_blocks = layer.shape[0]
         self._get_caches = get_caches
         self._set_caches = set_caches
-        self._buckets = pow2_buckets(1, max(max_blocks, 1))
+        self._buckets = pow2_buckets(1, max_copy)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxkv-kv-copy")
         self._fingerprint = fingerprint
 

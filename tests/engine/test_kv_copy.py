@@ -188,3 +188,22 @@ def test_a_load_of_blocks_of_another_block_shape_is_refused_even_when_they_would
             copier.start_load([2, 3], one_layer)
     finally:
         copier.close()
+
+
+@pytest.mark.parametrize("max_blocks", [0, -2, 2.5, None, True])
+def test_a_max_blocks_that_is_not_a_positive_int_is_refused(max_blocks):
+    # 0 once became a copier of one-block copies, past the bound it was given.
+    caches = [jnp.zeros((NUM_BLOCKS, *BLOCK_SHAPE), jnp.float32)] * NUM_LAYERS
+    with pytest.raises(ValueError, match=r"max_blocks=.* must be an int >= 1"):
+        DeviceKVCopier(lambda: caches, lambda c: None, max_blocks=max_blocks)
+
+
+def test_max_blocks_may_be_a_numpy_integer():
+    caches = [jnp.zeros((NUM_BLOCKS, *BLOCK_SHAPE), jnp.float32)] * NUM_LAYERS
+    copier = DeviceKVCopier(lambda: caches, lambda c: None, max_blocks=np.int64(1))
+    try:
+        assert copier.start_save([3]).result().shape == (1, NUM_LAYERS, *BLOCK_SHAPE)
+        with pytest.raises(ValueError, match=r"len\(block_ids\)=2 exceeds"):
+            copier.start_save([3, 4])
+    finally:
+        copier.close()
