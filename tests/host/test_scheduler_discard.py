@@ -112,6 +112,23 @@ def test_finished_ids_of_a_discarded_output_are_reported_by_the_next_one():
     assert sched.schedule().finished_request_ids == ("b",)
 
 
+def test_a_request_aborted_before_the_discard_is_reported_after_the_discarded_ones():
+    # The next output reports every id that finished since the last one, in finishing
+    # order: the discarded output's, then those aborted between its schedule and discard.
+    sched = make_scheduler(block_size=4)
+    for rid in "abc":
+        add(sched, rid, range(1, 6), max_tokens=3)
+    assert sched.abort("b")
+    out = sched.schedule()
+    assert out.finished_request_ids == ("b",) and out.request_ids == ["a", "c"]
+    assert sched.abort("c")
+    sched.discard(out)
+    out = sched.schedule()
+    assert out.finished_request_ids == ("b", "c") and out.request_ids == ["a"]
+    sched.discard(out)  # again: reported once more, in the same order
+    assert sched.schedule().finished_request_ids == ("b", "c")
+
+
 class _RaisingConnector(KVConnector):
     def __init__(self) -> None:
         self.raise_for: str | None = None
