@@ -21,6 +21,7 @@ import numpy as np
 
 QUANTIZED_KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+INT32_MAX = 2**31 - 1
 
 
 def validate_ragged_paged_attention_inputs(
@@ -103,6 +104,10 @@ def validate_ragged_paged_attention_inputs(
             raise ValueError(f"{sliding_window=} must be an int or None")
         if sliding_window < 1:
             raise ValueError(f"{sliding_window=} must be >= 1 or None")
+        if sliding_window > INT32_MAX:  # positions are int32; jit's parsing would overflow
+            raise ValueError(
+                f"{sliding_window=} must be <= 2**31 - 1 (int32 positions); None for no window"
+            )
 
 
 def is_positive_finite(x) -> bool:

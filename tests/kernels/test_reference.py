@@ -255,6 +255,8 @@ def test_bad_input_raises_at_trace_time(mutate, match):
         ({"sliding_window": 2.5}, "sliding_window=2.5 must be an int"),
         ({"sliding_window": True}, "sliding_window=True must be an int"),
         ({"sliding_window": 0}, "sliding_window=0 must be >= 1"),  # would hide every key
+        # Positions are int32: a longer window overflowed in jit's argument parsing.
+        ({"sliding_window": 2**31}, r"sliding_window=2147483648 must be <= 2\*\*31 - 1"),
         ({"max_q_len": 0}, "max_q_len=0 must be >= 1"),
         ({"max_q_len": 2.0}, "max_q_len=2.0 must be an int"),
         ({"max_q_len": 11}, "sequence 4 has 12 query tokens, more than max_q_len=11"),

@@ -150,6 +150,8 @@ def test_output_shapes():
         ((F32, F32, 128, 16, 4, 1), {"vmem_limit_bytes": 0}, "vmem_limit_bytes"),
         ((F32, F32, 128, 16, 4, 1), {"tpu_generation": "v9x"}, "tpu_generation"),
         ((F32, F32, 128, 16, 4, 1), {"causal": False, "sliding_window": 8}, "sliding_window"),
+        # Positions are int32: a longer window overflowed in jit's argument parsing.
+        ((F32, F32, 128, 16, 4, 1), {"sliding_window": 2**31}, "sliding_window"),
     ],
 )
 def test_rejects_at_trace_time(spec, kw, match):
