@@ -14,6 +14,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -44,8 +45,21 @@ def _validate_tpu(
     num_kv_pages_per_block: int | None,
     num_kv_heads_per_block: int | None,
     vmem_limit_bytes: int | None,
+    interpret,
 ) -> None:
     """What this kernel adds to the shared validation: Mosaic's dtypes and tiling."""
+    knobs = dict(
+        num_queries_per_block=num_queries_per_block,
+        num_kv_pages_per_block=num_kv_pages_per_block,
+        num_kv_heads_per_block=num_kv_heads_per_block,
+        vmem_limit_bytes=vmem_limit_bytes,
+    )
+    for name, value in knobs.items():  # a float fails deep in jnp.pad or a scratch shape
+        is_int = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+        if value is not None and not is_int:
+            raise ValueError(f"{name}={value!r} must be an int or None")
+    if not isinstance(interpret, (bool, pltpu.InterpretParams)):  # "no" would interpret
+        raise ValueError(f"{interpret=} must be a bool or a pltpu.InterpretParams")
     head_dim = q.shape[2]
     page_size = kv_pages.shape[1]
     num_kv_heads = kv_pages.shape[2] // 2
@@ -180,6 +194,7 @@ def ragged_paged_attention(
         num_kv_pages_per_block=num_kv_pages_per_block,
         num_kv_heads_per_block=num_kv_heads_per_block,
         vmem_limit_bytes=vmem_limit_bytes,
+        interpret=interpret,
     )
     if tpu_generation == "auto":
         tpu_generation = detect_tpu_generation() or "default"

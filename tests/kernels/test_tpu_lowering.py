@@ -150,6 +150,15 @@ def test_output_shapes():
         ((F32, F32, 128, 16, 4, 1), {"vmem_limit_bytes": 0}, "vmem_limit_bytes"),
         ((F32, F32, 128, 16, 4, 1), {"tpu_generation": "v9x"}, "tpu_generation"),
         ((F32, F32, 128, 16, 4, 1), {"causal": False, "sliding_window": 8}, "sliding_window"),
+        # Knobs are ints: a float reached jnp.pad or a scratch shape (TypeError naming
+        # neither), True ran as 1 and a float VMEM limit went to Mosaic as given.
+        ((F32, F32, 128, 16, 4, 1), {"num_queries_per_block": 8.0}, "num_queries_per_block"),
+        ((F32, F32, 128, 16, 4, 1), {"num_kv_pages_per_block": 2.0}, "num_kv_pages_per_block"),
+        ((F32, F32, 128, 16, 4, 1), {"num_kv_pages_per_block": True}, "num_kv_pages_per_block"),
+        ((F32, F32, 128, 16, 16, 8), {"num_kv_heads_per_block": 4.0}, "num_kv_heads_per_block"),
+        ((F32, F32, 128, 16, 4, 1), {"vmem_limit_bytes": 1.5e7}, "vmem_limit_bytes"),
+        ((F32, F32, 128, 16, 4, 1), {"vmem_limit_bytes": True}, "vmem_limit_bytes"),
+        ((F32, F32, 128, 16, 4, 1), {"interpret": "yes"}, "interpret"),
         # Positions are int32: a longer window overflowed in jit's argument parsing.
         ((F32, F32, 128, 16, 4, 1), {"sliding_window": 2**31}, "sliding_window"),
     ],
