@@ -13,7 +13,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from jaxkv.allocation_args import count
-from jaxkv.field_checks import int_fields
+from jaxkv.field_checks import as_int, int_fields
 from jaxkv.hashing import BlockHash
 from jaxkv.host_block_store import HostBlockStore
 from jaxkv.kv_transfer import KVConnector, KVCopier, TransferEvents, TransferStats
@@ -83,7 +83,10 @@ class HostOffloadConnector(KVConnector):
 
     def bind(self, copier: KVCopier, *, block_size: int, hash_seed: int) -> None:
         """Serves the engine of `copier` from now on, holding it weakly (its engine keeps
-        it). Raises RuntimeError, changing nothing, while bound to another live copier."""
+        it). Raises RuntimeError, changing nothing, while bound to another live copier,
+        and ValueError, changing nothing, unless `block_size` and `copier.bytes_per_block`
+        are ints >= 1 and `hash_seed` an int that fits in 64 bits."""
+        block_size, hash_seed, bytes_per_block = _checked_layout(copier, block_size, hash_seed)
         bound = self._bound()
         if bound is not None and bound is not copier:
             raise RuntimeError(
@@ -98,14 +101,14 @@ class HostOffloadConnector(KVConnector):
         layout = (
             block_size,
             hash_seed,
-            copier.bytes_per_block,
+            bytes_per_block,
             getattr(copier, "block_shape", None),
             str(getattr(copier, "dtype", None)),
             getattr(copier, "model_fingerprint", None),
         )
         if layout != self._layout:
             self._store.clear()  # saved for other blocks: not this engine's KV
-        self._layout, self._block_bytes = layout, copier.bytes_per_block
+        self._layout, self._block_bytes = layout, bytes_per_block
         self._copier_ref = weakref.ref(copier)
         self._block_size = block_size
         self._hash_seed = hash_seed
@@ -126,7 +129,7 @@ class HostOffloadConnector(KVConnector):
 
     def on_finish(self, request: Request, block_ids: Sequence[int]) -> bool:
         copier = self._require_copier()
-        if self.host_bytes < copier.bytes_per_block:
+        if self.host_bytes < self._block_bytes:
             return False
         hashes = request.update_block_hashes(self._block_size, self._hash_seed)
         num_full = min(request.num_computed_tokens // self._block_size, len(block_ids))
@@ -305,6 +308,21 @@ class HostOffloadConnector(KVConnector):
         if copier is None:
             raise RuntimeError("HostOffloadConnector used unbound (bind(copier, ...) first)")
         return copier
+
+
+def _checked_layout(copier: KVCopier, block_size: object, hash_seed: object) -> tuple[int, ...]:
+    """(block_size, hash_seed, copier.bytes_per_block) as ints; ValueError naming the first
+    that is not an int >= 1 (hash_seed: an int that fits in 64 bits, as Request takes)."""
+    size, seed = as_int(block_size), as_int(hash_seed)
+    if size is None or size < 1:
+        raise ValueError(f"{block_size=} must be an int >= 1")
+    if seed is None or not -(2**63) <= seed < 2**63:
+        raise ValueError(f"{hash_seed=} must be an int that fits in 64 bits")
+    raw = getattr(copier, "bytes_per_block", None)
+    bytes_per_block = as_int(raw)
+    if bytes_per_block is None or bytes_per_block < 1:
+        raise ValueError(f"copier.bytes_per_block={raw!r} must be an int >= 1")
+    return size, seed, bytes_per_block
 
 
 def _copy_result(future: Future):

@@ -143,3 +143,35 @@ def test_a_copier_with_another_block_shape_dtype_or_model_empties_the_store(attr
     connector.unbind(copiers[1])
     connector.bind(copiers[2], block_size=BS, hash_seed=0)
     assert connector.stored_hashes() == []
+
+
+@pytest.mark.parametrize(
+    ("name", "block_size", "hash_seed", "bytes_per_block"),
+    [
+        ("block_size", 0, 0, 4 * BS),
+        ("block_size", -BS, 0, 4 * BS),
+        ("block_size", float(BS), 0, 4 * BS),
+        ("block_size", True, 0, 4 * BS),
+        ("block_size", str(BS), 0, 4 * BS),
+        ("hash_seed", BS, 1.5, 4 * BS),
+        ("hash_seed", BS, None, 4 * BS),
+        ("hash_seed", BS, 2**63, 4 * BS),
+        ("bytes_per_block", BS, 0, 0),
+        ("bytes_per_block", BS, 0, 16.0),
+        ("bytes_per_block", BS, 0, None),
+    ],
+)
+def test_bind_refuses_a_bad_layout_changing_nothing(name, block_size, hash_seed, bytes_per_block):
+    # bind took any block_size, hash_seed or bytes_per_block: a bad one emptied the store
+    # (another layout) and bound the copier, and the next hook failed far from the cause.
+    connector, copier, sched = _saved_connector()
+    run_until_idle(sched, copier)
+    connector.unbind(copier)
+    stored = connector.stored_hashes()
+    other = FakeCopier(32, BS)
+    other.bytes_per_block = bytes_per_block
+    with pytest.raises(ValueError, match=name):
+        connector.bind(other, block_size=block_size, hash_seed=hash_seed)
+    assert connector.stored_hashes() == stored and connector.hash_layout is None
+    connector.bind(copier, block_size=BS, hash_seed=0)  # still free to bind a good one
+    assert connector.stored_hashes() == stored and connector.hash_layout == (BS, 0)
