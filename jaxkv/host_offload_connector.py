@@ -176,9 +176,10 @@ class HostOffloadConnector(KVConnector):
     def start_load(self, request: Request, block_ids: Sequence[int]) -> None:
         """Loads the stored blocks that follow request.num_computed_tokens into
         `block_ids`. Raises ValueError (nothing started or changed) unless the store holds
-        them all, as on_admission promised just before, and each id is a block of the
-        bound engine's cache other than the null block 0."""
+        them all, as on_admission promised just before, and `block_ids` are distinct
+        blocks of the bound engine's cache other than the null block 0."""
         req_id = request.request_id
+        block_ids = _distinct_ids(block_ids, req_id)
         first, rem = divmod(request.num_computed_tokens, self._block_size)
         all_hashes = request.update_block_hashes(self._block_size, self._hash_seed)
         hashes = all_hashes[first : first + len(block_ids)]
@@ -190,7 +191,7 @@ class HostOffloadConnector(KVConnector):
         if not all(h in self._store for h in hashes):
             raise ValueError(f"start_load({req_id!r}): the store no longer holds those blocks")
         data = np.stack([self._store[h] for h in hashes])
-        future = self._require_copier().start_load(list(block_ids), data)  # checks the ids
+        future = self._require_copier().start_load(block_ids, data)  # checks their range
         # The whole prefix is used again (device hits too): refreshed tail first, as saved.
         for h in reversed(all_hashes[: first + len(hashes)]):
             if h in self._store:
@@ -323,6 +324,23 @@ def _checked_layout(copier: KVCopier, block_size: object, hash_seed: object) -> 
     if bytes_per_block is None or bytes_per_block < 1:
         raise ValueError(f"copier.bytes_per_block={raw!r} must be an int >= 1")
     return size, seed, bytes_per_block
+
+
+def _distinct_ids(block_ids: object, req_id: str) -> list[int]:
+    """`block_ids` as a list of ints; ValueError naming them unless they are integers
+    (numpy's too), each once: a block loaded twice would hold whichever copy landed last."""
+    ids = None
+    if not isinstance(block_ids, (str, bytes)):
+        try:
+            ids = [as_int(b) for b in block_ids]
+        except TypeError:  # not iterable
+            ids = None
+    if ids is None or None in ids or len(set(ids)) != len(ids):
+        raise ValueError(
+            f"start_load({req_id!r}): block_ids={block_ids!r} must be block ids in the "
+            "bound engine's cache, each given once"
+        )
+    return ids
 
 
 def _copy_result(future: Future):

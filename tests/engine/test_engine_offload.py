@@ -244,3 +244,23 @@ def test_a_load_into_a_block_the_cache_lacks_is_refused_starting_nothing(block_i
         with pytest.raises(ValueError, match="block_ids=.* must be block ids in"):
             connector.start_load(Request("q", prompt), block_ids)
         assert list(connector._store) == order and not connector.has_pending()
+
+
+def test_a_load_names_block_ids_given_twice_or_not_as_ids_and_takes_a_numpy_array():
+    # A block id given twice was loaded: one block got both blocks' KV, whichever the
+    # scatter wrote last, under two hashes. None or a numpy array raised a TypeError or
+    # numpy's "truth value of an array is ambiguous", naming no argument.
+    prompt = _rand(np.random.default_rng(4), 9)
+    connector = HostOffloadConnector(HOST_BYTES)
+    with make_engine(connector=connector) as engine:
+        engine.generate([prompt], SamplingParams(max_tokens=2), progress=False)
+        engine.drain_transfers()
+        order = list(connector._store)
+        for block_ids in ([5, 5], np.array([5, 5]), None, "ab", [5, None]):
+            with pytest.raises(ValueError, match="block_ids=.* must be block ids in"):
+                connector.start_load(Request("q", prompt), block_ids)
+            assert list(connector._store) == order and not connector.has_pending()
+        connector.start_load(Request("q", prompt), np.array([5, 6]))
+        while connector.has_pending():
+            connector.poll()
+        assert connector.stats.num_loads == 1
