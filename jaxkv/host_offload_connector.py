@@ -128,7 +128,12 @@ class HostOffloadConnector(KVConnector):
     # ------------------------------------------------------------------ hooks
 
     def on_finish(self, request: Request, block_ids: Sequence[int]) -> bool:
+        """Starts saving the finished request's full blocks the store lacks (True: keep
+        them held until poll() reports the save). Raises ValueError, starting nothing,
+        unless `block_ids` are distinct block ids (one saved under two hashes would be the
+        wrong KV for one of them)."""
         copier = self._require_copier()
+        block_ids = _distinct_ids(block_ids, f"on_finish({request.request_id!r})")
         if self.host_bytes < self._block_bytes:
             return False
         hashes = request.update_block_hashes(self._block_size, self._hash_seed)
@@ -179,7 +184,7 @@ class HostOffloadConnector(KVConnector):
         them all, as on_admission promised just before, and `block_ids` are distinct
         blocks of the bound engine's cache other than the null block 0."""
         req_id = request.request_id
-        block_ids = _distinct_ids(block_ids, req_id)
+        block_ids = _distinct_ids(block_ids, f"start_load({req_id!r})")
         first, rem = divmod(request.num_computed_tokens, self._block_size)
         all_hashes = request.update_block_hashes(self._block_size, self._hash_seed)
         hashes = all_hashes[first : first + len(block_ids)]
@@ -326,7 +331,7 @@ def _checked_layout(copier: KVCopier, block_size: object, hash_seed: object) -> 
     return size, seed, bytes_per_block
 
 
-def _distinct_ids(block_ids: object, req_id: str) -> list[int]:
+def _distinct_ids(block_ids: object, call: str) -> list[int]:
     """`block_ids` as a list of ints; ValueError naming them unless they are integers
     (numpy's too), each once: a block loaded twice would hold whichever copy landed last."""
     ids = None
@@ -337,7 +342,7 @@ def _distinct_ids(block_ids: object, req_id: str) -> list[int]:
             ids = None
     if ids is None or None in ids or len(set(ids)) != len(ids):
         raise ValueError(
-            f"start_load({req_id!r}): block_ids={block_ids!r} must be block ids in the "
+            f"{call}: block_ids={block_ids!r} must be block ids in the "
             "bound engine's cache, each given once"
         )
     return ids

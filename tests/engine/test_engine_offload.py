@@ -264,3 +264,21 @@ def test_a_load_names_block_ids_given_twice_or_not_as_ids_and_takes_a_numpy_arra
         while connector.has_pending():
             connector.poll()
         assert connector.stats.num_loads == 1
+
+
+def test_a_save_names_block_ids_given_twice_or_not_as_ids():
+    # A block id given twice was saved under two hashes: one of them held the KV of
+    # another block, which a later request would then load.
+    connector = HostOffloadConnector(HOST_BYTES)
+    with make_engine(connector=connector) as engine:
+        bs = engine.manager.block_size
+        req = Request("f", _rand(np.random.default_rng(5), 2 * bs + 1))
+        req.num_computed_tokens = 2 * bs  # two full blocks to save
+        for block_ids in ([5, 5, 6], np.array([5, 5, 6]), None, "abc", [5, None, 6]):
+            with pytest.raises(ValueError, match="on_finish.*block_ids=.* must be block ids"):
+                connector.on_finish(req, block_ids)
+            assert not connector._store and not connector.has_pending()
+        assert connector.on_finish(req, np.array([5, 6, 7]))
+        while connector.has_pending():
+            connector.poll()
+        assert connector.stats.num_saves == 1 and len(connector._store) == 2
