@@ -23,7 +23,7 @@ import numpy as np
 from jaxkv.closable import Closable, checked_timeout, step_until_landed
 from jaxkv.completion import checked_drivers, generate_progress_bar, run_to_completion
 from jaxkv.engine_replicas import engine_replicas as engine_replicas  # its former home
-from jaxkv.field_checks import int_fields
+from jaxkv.field_checks import as_int
 from jaxkv.hashing import BlockHash
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.parallel_sampling import IdsInUse
@@ -83,8 +83,6 @@ class PrefixAwareRouter(Closable):
         self.replicas = checked_drivers(replicas, "replicas")
         self._routes = PrefixRoutes(block_size, max_prefix_blocks, max_tracked_prefixes, hash_seed)
         self.max_imbalance = max_imbalance
-        if max_imbalance is not None:
-            int_fields(self, "max_imbalance", minimum=0)
         self._outstanding = [0] * len(self.replicas)  # replica -> unfinished sequences
         self._replica_of: dict[str, int] = {}  # request_id -> replica, while unfinished
         self._samples = RunningSamples()  # of requests of n > 1
@@ -96,6 +94,19 @@ class PrefixAwareRouter(Closable):
     max_prefix_blocks = _routes_size("max_prefix_blocks")
     max_tracked_prefixes = _routes_size("max_tracked_prefixes")
     hash_seed = _routes_size("hash_seed")
+
+    @property
+    def max_imbalance(self) -> int | None:
+        """See the class; settable, checked as the constructor checks it (ValueError naming
+        it unless None or an int >= 0, the old value kept)."""
+        return self._max_imbalance
+
+    @max_imbalance.setter
+    def max_imbalance(self, value: int | None) -> None:
+        checked = None if value is None else as_int(value)
+        if value is not None and (checked is None or checked < 0):
+            raise ValueError(f"max_imbalance={value!r} must be None or an int >= 0")
+        self._max_imbalance = checked
 
     # ---------------------------------------------------------------- routing
 

@@ -1,8 +1,12 @@
 """PrefixAwareRouter bookkeeping beyond the plain "length" finish: a request that stops on a
 stop token releases its replica's load, and a route that leaves its prefix's replica
-claims no matched blocks there."""
+claims no matched blocks there; max_imbalance set after construction is checked as the
+constructor checks it."""
 
 from __future__ import annotations
+
+import numpy as np
+import pytest
 
 from jaxkv import SamplingParams
 from jaxkv.router import PrefixAwareRouter, Route
@@ -37,3 +41,20 @@ def test_a_route_that_spills_over_matches_no_blocks_on_the_idle_replica():
     assert router.num_outstanding == (2, 0)
     # Two beyond: the request would leave for replica 1, where no block of it was routed.
     assert router.route(prompt) == Route(1, 0)
+
+
+@pytest.mark.parametrize("value", [-1, True, 2.5, "4", [1]])
+def test_setting_max_imbalance_refuses_what_the_constructor_refuses(value):
+    # It is set after construction to tune the balance; an unchecked "4" raised TypeError
+    # from the next add_request, and -1 sent every request to the least loaded replica.
+    router, _ = make_router(2, max_imbalance=3)
+    with pytest.raises(ValueError, match="max_imbalance"):
+        router.max_imbalance = value
+    assert router.max_imbalance == 3
+    router.max_imbalance = np.int64(0)
+    assert router.max_imbalance == 0 and type(router.max_imbalance) is int
+    router.max_imbalance = None
+    prefix = [7] * BLOCK
+    a = router.add_request(prefix + [1], SamplingParams(max_tokens=5))
+    b = router.add_request(prefix + [2], SamplingParams(max_tokens=5))
+    assert router.replica_of(a) == router.replica_of(b)  # None: strict affinity
