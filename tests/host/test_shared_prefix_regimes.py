@@ -92,3 +92,19 @@ def test_sample_sharing_nothing_with_a_longer_row_outside_it_gives_zero():
     sel = t.rows_of(ids)
     assert longest_common_prefix(t.prefix_ids, t.num_blocks_of_row[sel], sel) == 0
     assert longest_common_prefix(t.prefix_ids, np.minimum(t.num_blocks_of_row[sel], 1), sel) == 0
+
+
+@pytest.mark.parametrize("sample_compare_max", [1 << 12, 0])  # 0: gallop over prefix ids
+def test_sample_of_short_rows_parting_early_bounds_by_their_own_lengths(
+    sample_compare_max, monkeypatch
+):
+    # 40 rows: the sample (every 5th row, rows[0] first) holds 2 blocks each and row 5
+    # parts from rows[0] early; every row outside the sample holds all 12. The search
+    # must be capped by the sample's own lengths: probed past them, the sample rows all
+    # hold -1 and would agree with each other there.
+    monkeypatch.setattr(prefix_index, "_SAMPLE_COMPARE_MAX", sample_compare_max)
+    for cut in range(3):
+        rows = [BASE if i % 5 else BASE[:2] for i in range(40)]
+        rows[5] = (BASE[:cut] + [98, 97])[:2]
+        expected = _oracle(rows)
+        assert _answers(rows) == (expected, expected), cut
