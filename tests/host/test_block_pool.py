@@ -28,7 +28,7 @@ def test_free_queue_order_and_middle_removal():
         queue.remove(blocks[1])
     with pytest.raises(ValueError, match="exceeds num_free_blocks=4"):
         queue.popleft_n(5)
-    for n in (-2, 1.0, True, "1"):  # a negative n raised the free count
+    for n in (-1, -2, 1.0, True, "1"):  # a negative n raised the free count
         with pytest.raises(ValueError, match=r"popleft_n: n=.* must be an int >= 0"):
             queue.popleft_n(n)
     assert queue.block_ids() == [4, 5, 2, 3] and queue.num_free_blocks == 4
