@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -69,6 +71,20 @@ def test_count_prefix_lookup_counts_what_it_is_given_and_refuses_what_it_cannot_
     off = KVCacheManager(16, BS, max_model_len=64, enable_prefix_caching=False)
     off.count_prefix_lookup(req, 0)  # no cache, nothing to count
     assert off.prefix_cache_stats.requests == 0
+
+
+def test_reset_starts_every_counter_from_zero_and_returns_a_frozen_snapshot():
+    m = KVCacheManager(16, BS, max_model_len=64)
+    req = Request("r", list(range(10)))
+    m.count_prefix_lookup(req, 8)
+    before = m.reset_prefix_cache_stats()
+    assert (before.requests, before.queries, before.hits) == (1, 10, 8)
+    m.count_prefix_lookup(req, 4)  # after the reset: this lookup alone, hits included
+    stats = m.prefix_cache_stats
+    assert (stats.requests, stats.queries, stats.hits) == (1, 10, 4)
+    assert stats.hit_rate == 0.4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.hits = 0  # a snapshot: writing it would change no counter
 
 
 def test_a_load_that_waits_for_blocks_counts_one_lookup_when_it_starts():
