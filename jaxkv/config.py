@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jaxkv.buckets import BucketConfig
 from jaxkv.cascade_cost import CascadeCostModel
 from jaxkv.field_checks import bool_fields, increasing_sizes, int_fields, positive_int_fields
@@ -24,7 +26,7 @@ class CacheConfig:
     block_size: int = 16  # tokens per block
     enable_prefix_caching: bool = True
     hash_seed: int = 0  # seed of the chained block hashes
-    kv_dtype: str | None = None  # None: the model's dtype
+    kv_dtype: str | None = None  # None: the model's dtype; a dtype is kept by name
     # Record BlockStored / BlockRemoved / AllBlocksCleared for Engine.manager.take_events()
     # (vLLM's enable_kv_cache_events). Off, no event is kept.
     enable_kv_cache_events: bool = False
@@ -36,9 +38,25 @@ class CacheConfig:
             raise ValueError(
                 f"num_blocks={self.num_blocks!r} must be >= 2 (block 0 is the null block)"
             )
-        if self.kv_dtype is not None and self.kv_dtype not in _KV_DTYPES:
-            raise ValueError(f"kv_dtype={self.kv_dtype!r} must be None or one of {_KV_DTYPES}")
+        if self.kv_dtype is not None:
+            object.__setattr__(self, "kv_dtype", _kv_dtype_name(self.kv_dtype))
         int_fields(self, "hash_seed", minimum=-(2**63), maximum=2**63 - 1)
+
+
+def _kv_dtype_name(kv_dtype) -> str:
+    """One of _KV_DTYPES, given by that name or as a numpy or JAX dtype (np.dtype("float16"),
+    jnp.bfloat16), stored by name: a dtype object kept as given compared equal to its name
+    but hashed apart. ValueError naming kv_dtype otherwise ("f2", float, an array)."""
+    if isinstance(kv_dtype, str):
+        name = str(kv_dtype)  # np.str_ too
+    else:
+        try:
+            name = np.dtype(kv_dtype).name
+        except (TypeError, ValueError):
+            name = None
+    if name not in _KV_DTYPES:
+        raise ValueError(f"kv_dtype={kv_dtype!r} must be None or one of {_KV_DTYPES}")
+    return name
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,11 +1,14 @@
 """Engine configs accept every value their checks name as valid, up to the exact bounds.
 
-CacheConfig takes each listed kv_dtype and a hash_seed anywhere in signed 64 bits (and
-nothing past it); EngineConfig takes each named attention backend.
+CacheConfig takes each listed kv_dtype (a numpy or JAX dtype of one, kept as its name) and
+a hash_seed anywhere in signed 64 bits (and nothing past it); EngineConfig takes each
+named attention backend.
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxkv.config import CacheConfig, EngineConfig
@@ -27,3 +30,27 @@ def test_hash_seed_takes_exactly_the_signed_64_bit_range():
 @pytest.mark.parametrize("backend", [None, "xla", "pallas_tpu", "pallas_gpu"])
 def test_every_named_backend_is_accepted(backend):
     assert EngineConfig(backend=backend).backend == backend
+
+
+@pytest.mark.parametrize(
+    "kv_dtype, name",
+    [
+        (np.dtype("float16"), "float16"),
+        (np.float32, "float32"),
+        (jnp.bfloat16, "bfloat16"),
+        (np.str_("bfloat16"), "bfloat16"),
+    ],
+)
+def test_a_kv_dtype_given_as_a_dtype_is_stored_as_its_name(kv_dtype, name):
+    """np.dtype("float16") used to be kept as given: its config compared equal to the one
+    with "float16" but hashed apart (a set held both), while np.float32 and jnp.bfloat16,
+    the same dtypes, were refused."""
+    config = CacheConfig(kv_dtype=kv_dtype)
+    assert type(config.kv_dtype) is str and config.kv_dtype == name
+    assert config == CacheConfig(kv_dtype=name) and hash(config) == hash(CacheConfig(kv_dtype=name))
+
+
+@pytest.mark.parametrize("bad", ["f2", "float", float, np.float64, np.int8, np.zeros(2), 1, True])
+def test_a_kv_dtype_of_another_dtype_or_spelling_is_refused(bad):
+    with pytest.raises(ValueError, match="kv_dtype=.* must be None or one of"):
+        CacheConfig(kv_dtype=bad)
