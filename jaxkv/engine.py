@@ -108,11 +108,15 @@ class Engine(Closable):
         kv_itemsize = jax.numpy.dtype(cc.kv_dtype or mc.dtype).itemsize
         shape = AttentionShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, kv_itemsize)
         heads = shape.per_device(1 if placed is None else placed.size)
-        check_backend(
-            self.backend, interpret=config.interpret, num_q_heads=heads.num_q_heads,
-            num_kv_heads=heads.num_kv_heads, head_dim=mc.head_dim,
-            block_size=cc.block_size, q_dtype=mc.dtype, kv_dtype=cc.kv_dtype or mc.dtype,
-        )  # fmt: skip
+        try:  # the kernels name their page_size and kv_pages.dtype: name the config's too
+            check_backend(
+                self.backend, interpret=config.interpret, num_q_heads=heads.num_q_heads,
+                num_kv_heads=heads.num_kv_heads, head_dim=mc.head_dim,
+                block_size=cc.block_size, q_dtype=mc.dtype, kv_dtype=cc.kv_dtype or mc.dtype,
+            )  # fmt: skip
+        except ValueError as e:
+            given = f"cache.block_size={cc.block_size}, cache.kv_dtype={cc.kv_dtype!r}"
+            raise ValueError(f"backend={self.backend!r} cannot serve {given} here: {e}") from None
         self.manager = KVCacheManager(
             cc.num_blocks,
             cc.block_size,
