@@ -218,7 +218,8 @@ class EngineConfig:
     @property
     def max_step_programs(self) -> int:
         """An upper bound on the step programs an Engine with this config compiles
-        (Engine.num_compiles), whatever the workload without min_tokens or penalties:
+        (Engine.num_compiles), whatever the workload without min_tokens, penalties or
+        prompt logprobs:
         BucketConfig.max_programs with this config's q_len_buckets, pad_cascade_levels
         and enable_cascade, twice over (each shape also has the variant that computes
         logprobs). Batches in which a request's stop tokens are banned (before its

@@ -11,8 +11,8 @@ One step (README, "Architecture"):
    KV connector (which may keep them held while it copies them out).
 
 One program per combination of buckets met and variant (logprobs, min_tokens ban width,
-penalty table width, prompt-logprob rows; EngineConfig.max_step_programs bounds them),
-shared by engines over one model graph.
+penalty table width, prompt-logprob rows), shared by engines over one model graph;
+EngineConfig.max_step_programs bounds them for workloads without the last three.
 """
 
 from __future__ import annotations
