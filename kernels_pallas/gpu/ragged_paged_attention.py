@@ -36,7 +36,9 @@ page and no sequence past num_seqs is used in a valid row. float8 pages need a G
 converts float8_e4m3fn (compute capability 8.9 or newer).
 
 Limits (ValueError at trace time): head_dim must be a power of two >= 16; the knobs
-block_m and block_k powers of two >= 16 (Triton block shapes are powers of two).
+are ints or None: block_m and block_k powers of two >= 16 (Triton block shapes are
+powers of two), num_warps a power of two <= 32, num_kv_splits, num_stages and max_q_len
+>= 1; `interpret` a bool.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -82,6 +85,29 @@ def _gpu_compute_capability() -> float | None:
         return float(jax.local_devices(backend="gpu")[0].compute_capability)
     except (RuntimeError, AttributeError, ValueError, IndexError):
         return None
+
+
+_MAX_WARPS = 32  # 1024 threads, the most one CUDA block may have
+
+
+def _validate_knobs(interpret, **knobs) -> None:
+    """Each knob an int (numpy ints too, bools not) or None, in range, and `interpret` a
+    bool: a float block size failed in `n & (n - 1)` naming nothing, a float split count
+    in Pallas's grid check, a float num_warps reached Triton as std::bad_cast, True ran
+    as 1, and `interpret="no"` interpreted (by truthiness)."""
+    for name, value in knobs.items():
+        is_int = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+        if value is not None and not is_int:
+            raise ValueError(f"{name}={value!r} must be an int or None")
+    if not isinstance(interpret, bool):
+        raise ValueError(f"{interpret=} must be a bool")
+    for name in ("max_q_len", "num_kv_splits", "num_stages"):
+        if knobs[name] is not None and knobs[name] < 1:
+            raise ValueError(f"{name}={knobs[name]} must be >= 1 or None")
+    num_warps = knobs["num_warps"]
+    if num_warps is not None and not (_is_pow2(num_warps) and num_warps <= _MAX_WARPS):
+        # Triton asserts a power of two; more than 32 warps is more threads than a block has.
+        raise ValueError(f"{num_warps=} must be a power of two <= {_MAX_WARPS} or None")
 
 
 def _validate_gpu(
@@ -165,6 +191,10 @@ def ragged_paged_attention(
         sm_scale=sm_scale, causal=causal, sliding_window=sliding_window,
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, out_dtype=out_dtype,
     )  # fmt: skip
+    _validate_knobs(
+        interpret, max_q_len=max_q_len, block_m=block_m, block_k=block_k,
+        num_kv_splits=num_kv_splits, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
     max_num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_combined_kv_heads, _ = kv_pages.shape
     num_kv_heads = num_combined_kv_heads // 2
@@ -182,13 +212,13 @@ def ragged_paged_attention(
         page_size=page_size,
         pages_per_seq=pages_per_seq,
     )
-    block_m = default.block_m if block_m is None else block_m
-    block_k = default.block_k if block_k is None else block_k
-    num_kv_splits = default.num_kv_splits if num_kv_splits is None else num_kv_splits
-    num_warps = default.num_warps if num_warps is None else num_warps
-    num_stages = default.num_stages if num_stages is None else num_stages
-    if num_kv_splits < 1:
-        raise ValueError(f"{num_kv_splits=} must be >= 1")
+    # Python ints: a numpy int in the grid reads to Pallas as a dynamic bound, which the
+    # Triton backend refuses when lowering for CUDA.
+    block_m = int(default.block_m if block_m is None else block_m)
+    block_k = int(default.block_k if block_k is None else block_k)
+    num_kv_splits = int(default.num_kv_splits if num_kv_splits is None else num_kv_splits)
+    num_warps = int(default.num_warps if num_warps is None else num_warps)
+    num_stages = int(default.num_stages if num_stages is None else num_stages)
     _validate_gpu(q, kv_pages, block_m, group, block_k, interpret)
 
     num_rows = max_num_tokens * num_q_heads + block_m
