@@ -283,7 +283,7 @@ def write_kv(
         )
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is not None and not is_positive_finite(scale):
-            raise ValueError(f"{name}={scale!r} must be a finite number > 0 or None")
+            raise ValueError(f"{name}={scale!r} must be a finite number > 0 in float32, or None")
     if kv_pages.ndim != 4 or kv_pages.shape[2] % 2 or kv_pages.shape[2] < 2:
         raise ValueError(
             f"{kv_pages.shape=} must be [num_blocks, block_size, 2 * num_kv_heads, head_dim]"

@@ -93,10 +93,10 @@ def validate_ragged_paged_attention_inputs(
     if not isinstance(causal, (bool, np.bool_)):  # "no" ran causal, None not, by truthiness
         raise ValueError(f"{causal=} must be a bool")
     if not is_positive_finite(sm_scale):
-        raise ValueError(f"{sm_scale=} must be a finite number > 0")
+        raise ValueError(f"{sm_scale=} must be a finite number > 0 in float32")
     for name, value in (("soft_cap", soft_cap), ("k_scale", k_scale), ("v_scale", v_scale)):
         if value is not None and not is_positive_finite(value):
-            raise ValueError(f"{name}={value!r} must be a finite number > 0 or None")
+            raise ValueError(f"{name}={value!r} must be a finite number > 0 in float32, or None")
     if sliding_window is not None:
         if not causal:
             raise ValueError(f"{sliding_window=} needs causal=True (a prefix pass sees all keys)")
@@ -111,14 +111,20 @@ def validate_ragged_paged_attention_inputs(
 
 
 def is_positive_finite(x) -> bool:
-    """Whether x is a finite number > 0 (a scalar, static: options never come traced);
-    a bool is no number here (sm_scale=True would silently scale by 1)."""
+    """Whether x is a finite number > 0, also once rounded to the float32 the kernels
+    scale in (1e39 is inf there: NaN rows; 1e-50 is 0: every key weighted alike). x is a
+    scalar, static: options never come traced; a bool is no number here (sm_scale=True
+    would silently scale by 1)."""
     if isinstance(x, (bool, np.bool_)):
         return False
     try:
-        return math.isfinite(x) and x > 0
+        if not (math.isfinite(x) and x > 0):
+            return False
     except TypeError:
         return False
+    with np.errstate(over="ignore"):
+        as_f32 = np.float32(x)
+    return bool(np.isfinite(as_f32) and as_f32 > 0)
 
 
 def _dtype_or_none(x) -> jnp.dtype | None:

@@ -99,3 +99,10 @@ def test_numpy_int_knobs_lower_for_cuda():
     f = functools.partial(ragged_paged_attention, sm_scale=SM_SCALE, **NUMPY_KNOBS)
     _, (call,) = lower_triton_calls(f, case.args())
     assert call.verified and (call.num_warps, call.num_stages) == (8, 3)
+
+
+@pytest.mark.parametrize("option", ["sm_scale", "soft_cap"])
+def test_a_scale_that_is_inf_in_float32_is_refused(option):
+    # 1e39 passed as finite, then was inf in the kernel's float32: every row NaN.
+    with pytest.raises(ValueError, match=f"{option}=1e\\+39 must be a finite number > 0"):
+        _trace(_case(), **{"sm_scale": SM_SCALE, option: 1e39})

@@ -252,6 +252,12 @@ def test_bad_input_raises_at_trace_time(mutate, match):
         ({"soft_cap": float("inf")}, "soft_cap=inf must be a finite number > 0"),
         ({"k_scale": float("nan"), "v_scale": 1.0}, "k_scale=nan must be a finite number"),
         ({"k_scale": 1.0, "v_scale": 0.0}, "v_scale=0.0 must be a finite number > 0"),
+        # Finite in float64 but inf or 0 in the float32 the kernels scale in: NaN rows, or
+        # every key weighted alike (as sm_scale=0 would, which is refused).
+        ({"sm_scale": 1e39}, r"sm_scale=1e\+39 must be a finite number > 0 in float32"),
+        ({"sm_scale": 1e-50}, "sm_scale=1e-50 must be a finite number > 0 in float32"),
+        ({"soft_cap": 1e39}, r"soft_cap=1e\+39 must be a finite number > 0 in float32"),
+        ({"k_scale": 1.0, "v_scale": 1e39}, r"v_scale=1e\+39 must be a finite number > 0"),
         ({"sliding_window": 2.5}, "sliding_window=2.5 must be an int"),
         ({"sliding_window": True}, "sliding_window=True must be an int"),
         ({"sliding_window": 0}, "sliding_window=0 must be >= 1"),  # would hide every key
