@@ -222,6 +222,10 @@ def ragged_paged_attention(
     )
     if vmem_limit_bytes is None:
         vmem_limit_bytes = defaults.vmem_limit_bytes
+    # Python ints: Mosaic refuses a numpy int as vmem_limit_bytes when lowering.
+    bq, pages_per_blk, kv_heads_per_blk = int(bq), int(pages_per_blk), int(kv_heads_per_blk)
+    if vmem_limit_bytes is not None:  # None: Mosaic's own default
+        vmem_limit_bytes = int(vmem_limit_bytes)
 
     padded_tokens = _round_up(num_tokens, bq)
     rows = bq * group

@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from kernels_pallas.tpu import TUNED_BLOCK_SIZES, ragged_paged_attention
@@ -176,3 +177,14 @@ def test_rejects_non_int32_index_arrays():
     args[4] = jax.ShapeDtypeStruct(args[4].shape, jnp.float32)
     with pytest.raises(ValueError, match="cu_q_lens"):
         _trace(args)
+
+
+def test_numpy_int_knobs_lower_as_python_ints_do():
+    # Mosaic refused a numpy vmem_limit_bytes when lowering ("must be an int").
+    args = _specs(BF16, BF16, 128, 16, 8, 2)
+    knobs = dict(
+        num_queries_per_block=16, num_kv_pages_per_block=4, num_kv_heads_per_block=2,
+        vmem_limit_bytes=1 << 25,
+    )  # fmt: skip
+    as_numpy = {k: np.int64(v) for k, v in knobs.items()}
+    assert _lower(args, **as_numpy) == _lower(args, **knobs)
