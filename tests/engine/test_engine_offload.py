@@ -9,6 +9,7 @@ request shares the prefix, and every block must come back once the copies land.
 from __future__ import annotations
 
 from concurrent.futures import Future
+from contextlib import contextmanager
 
 import jax
 import jax.numpy as jnp
@@ -231,35 +232,39 @@ def test_an_interrupt_while_a_save_starts_loses_no_block_and_the_engine_serves_o
     assert_all_blocks_free(engine)
 
 
-@pytest.mark.parametrize("block_ids", [[0], [10**5], [1.5]])
-def test_a_load_into_a_block_the_cache_lacks_is_refused_starting_nothing(block_ids):
-    # The null block 0 or one past the pool used to be accepted: the scatter dropped the
-    # load (or wrote where every pad writes), and close() then waited on it for good.
-    prompt = _rand(np.random.default_rng(3), 9)
+@contextmanager
+def _one_prompt_stored(seed: int):
+    """(connector, prompt): an engine served a 9-token prompt and its saves landed."""
+    prompt = _rand(np.random.default_rng(seed), 9)
     connector = HostOffloadConnector(HOST_BYTES)
     with make_engine(connector=connector) as engine:
         engine.generate([prompt], SamplingParams(max_tokens=2), progress=False)
         engine.drain_transfers()
+        yield connector, prompt
+
+
+@pytest.mark.parametrize(
+    "block_ids",
+    [[0], [10**5], [1.5], [5, 5], np.array([5, 5]), None, "ab", [5, None]],
+    ids=["null", "past-pool", "float", "twice", "twice-numpy", "none", "str", "none-item"],
+)
+def test_a_load_into_blocks_the_cache_lacks_or_given_twice_is_refused_starting_nothing(
+    block_ids,
+):
+    # The null block 0 or one past the pool used to be accepted: the scatter dropped the
+    # load (or wrote where every pad writes), and close() then waited on it for good. A
+    # block id given twice got both blocks' KV, whichever the scatter wrote last, under
+    # two hashes; None or a numpy array raised errors naming no argument.
+    with _one_prompt_stored(3) as (connector, prompt):
         order = list(connector._store)
         with pytest.raises(ValueError, match="block_ids=.* must be block ids in"):
             connector.start_load(Request("q", prompt), block_ids)
         assert list(connector._store) == order and not connector.has_pending()
 
 
-def test_a_load_names_block_ids_given_twice_or_not_as_ids_and_takes_a_numpy_array():
-    # A block id given twice was loaded: one block got both blocks' KV, whichever the
-    # scatter wrote last, under two hashes. None or a numpy array raised a TypeError or
-    # numpy's "truth value of an array is ambiguous", naming no argument.
-    prompt = _rand(np.random.default_rng(4), 9)
-    connector = HostOffloadConnector(HOST_BYTES)
-    with make_engine(connector=connector) as engine:
-        engine.generate([prompt], SamplingParams(max_tokens=2), progress=False)
-        engine.drain_transfers()
-        order = list(connector._store)
-        for block_ids in ([5, 5], np.array([5, 5]), None, "ab", [5, None]):
-            with pytest.raises(ValueError, match="block_ids=.* must be block ids in"):
-                connector.start_load(Request("q", prompt), block_ids)
-            assert list(connector._store) == order and not connector.has_pending()
+def test_a_load_takes_a_numpy_array_of_block_ids():
+    # It raised numpy's "truth value of an array is ambiguous".
+    with _one_prompt_stored(4) as (connector, prompt):
         connector.start_load(Request("q", prompt), np.array([5, 6]))
         while connector.has_pending():
             connector.poll()
