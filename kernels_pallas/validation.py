@@ -110,6 +110,16 @@ def validate_ragged_paged_attention_inputs(
             )
 
 
+def check_int_knobs(**knobs) -> None:
+    """ValueError naming the first knob that is neither None nor an int (numpy ints too;
+    bools are not: True would run as 1). A float block size or count fails deep in a
+    pad, a scratch shape or the launch grid, naming nothing."""
+    for name, value in knobs.items():
+        is_int = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+        if value is not None and not is_int:
+            raise ValueError(f"{name}={value!r} must be an int or None")
+
+
 def is_positive_finite(x) -> bool:
     """Whether x is a finite number > 0, also once rounded to the float32 the kernels
     scale in (1e39 is inf there: NaN rows; 1e-50 is 0: every key weighted alike). x is a

@@ -47,13 +47,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.gpu.kernel import paged_attention_kernel
 from kernels_pallas.gpu.tuning import default_config
 from kernels_pallas.validation import (
+    check_int_knobs,
     checks_index_values,
     output_dtype,
     validate_ragged_paged_attention_inputs,
@@ -95,10 +95,7 @@ def _validate_knobs(interpret, **knobs) -> None:
     bool: a float block size failed in `n & (n - 1)` naming nothing, a float split count
     in Pallas's grid check, a float num_warps reached Triton as std::bad_cast, True ran
     as 1, and `interpret="no"` interpreted (by truthiness)."""
-    for name, value in knobs.items():
-        is_int = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-        if value is not None and not is_int:
-            raise ValueError(f"{name}={value!r} must be an int or None")
+    check_int_knobs(**knobs)
     if not isinstance(interpret, bool):
         raise ValueError(f"{interpret=} must be a bool")
     for name in ("max_q_len", "num_kv_splits", "num_stages"):

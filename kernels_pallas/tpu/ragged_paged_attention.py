@@ -14,13 +14,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.tpu.kernel import LANES, paged_attention_kernel
 from kernels_pallas.tpu.tuning import TUNED_BLOCK_SIZES, block_sizes, detect_tpu_generation
 from kernels_pallas.validation import (
+    check_int_knobs,
     checks_index_values,
     output_dtype,
     validate_ragged_paged_attention_inputs,
@@ -48,16 +48,12 @@ def _validate_tpu(
     interpret,
 ) -> None:
     """What this kernel adds to the shared validation: Mosaic's dtypes and tiling."""
-    knobs = dict(
+    check_int_knobs(
         num_queries_per_block=num_queries_per_block,
         num_kv_pages_per_block=num_kv_pages_per_block,
         num_kv_heads_per_block=num_kv_heads_per_block,
         vmem_limit_bytes=vmem_limit_bytes,
     )
-    for name, value in knobs.items():  # a float fails deep in jnp.pad or a scratch shape
-        is_int = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-        if value is not None and not is_int:
-            raise ValueError(f"{name}={value!r} must be an int or None")
     if not isinstance(interpret, (bool, pltpu.InterpretParams)):  # "no" would interpret
         raise ValueError(f"{interpret=} must be a bool or a pltpu.InterpretParams")
     head_dim = q.shape[2]
