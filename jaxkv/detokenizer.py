@@ -21,7 +21,10 @@ which the update pass calls with each request's new output token:
 - SamplingParams.skip_special_tokens (True by default, as vLLM's) goes to every decode
   of the request's text when the tokenizer's decode names such a parameter (Hugging
   Face's, whose own default is False); a decode without it (ByteTokenizer's, which
-  always leaves out its specials) decodes as it does;
+  always leaves out its specials) decodes as it does. A decode that names
+  clean_up_tokenization_spaces (Hugging Face's) gets it False: vLLM's incremental text
+  never cleans up spaces, and a clean-up (" ." -> ".", " 's" -> "'s") rewrites text
+  that a later token follows, which streaming has handed out already;
 - eos_token_id: the tokenizer's EOS (its `eos_token_id`, as vLLM reads it), the one stop
   token a finished request reports as stop_reason None.
 
@@ -77,11 +80,21 @@ class Detokenizer:
             raise ValueError(f"tokenizer.decode([]) raised {e!r}: it must take a list") from e
         if not isinstance(text, str):
             raise ValueError(f"tokenizer.decode([]) returned {text!r}, not a str")
-        # Per SamplingParams.skip_special_tokens: the flag goes to a decode that takes it.
-        self._decodes = {True: decode, False: decode}
-        if _takes_skip_special_tokens(decode):
-            for skip in (True, False):
-                self._decodes[skip] = functools.partial(decode, skip_special_tokens=skip)
+        # Per SamplingParams.skip_special_tokens: the flag goes to a decode that takes it;
+        # clean-up of spaces (" ." -> ".") is off where the decode names it, as vLLM's
+        # incremental text never cleans up: cleaned, a later token rewrites earlier text.
+        names = _parameters(decode)
+        off = (
+            {"clean_up_tokenization_spaces": False}
+            if "clean_up_tokenization_spaces" in names
+            else {}
+        )
+        self._decodes = {}
+        for skip in (True, False):
+            flag = {"skip_special_tokens": skip} if "skip_special_tokens" in names else {}
+            self._decodes[skip] = (
+                functools.partial(decode, **flag, **off) if flag or off else decode
+            )
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_id: int | None = None  # a list too: no single EOS to report as None
         if eos is not None and not isinstance(eos, (list, tuple)):
@@ -217,9 +230,10 @@ def _decoded(decode, token_ids) -> str:
     return text
 
 
-def _takes_skip_special_tokens(decode) -> bool:
-    """Whether `decode` names a skip_special_tokens parameter (Hugging Face's does)."""
+def _parameters(decode) -> set[str]:
+    """The parameters `decode` names (Hugging Face's: skip_special_tokens and
+    clean_up_tokenization_spaces)."""
     try:
-        return "skip_special_tokens" in inspect.signature(decode).parameters
+        return set(inspect.signature(decode).parameters)
     except (TypeError, ValueError):  # no signature to read (some builtins)
-        return False
+        return set()
