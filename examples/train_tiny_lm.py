@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from pathlib import Path
@@ -50,13 +51,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="change a field of the tiny preset, e.g. --override num_layers=2",
     )
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name, least in (
+        ("steps", 1), ("batch_size", 1), ("seq_len", 1), ("eval_every", 1), ("eval_batches", 1),
+        ("warmup_steps", 0), ("sample_tokens", 0), ("seed", 0),
+    ):  # fmt: skip
+        if getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= {least}")
+    if not 0 < args.peak_lr < math.inf:  # nan fails too: it would train to NaN weights
+        p.error(f"--peak-lr {args.peak_lr} must be a finite number > 0")
     try:
         args.config = tiny_config(args.override)
     except ValueError as e:
         p.error(f"--override: {e}")
+    if args.seq_len > args.config.max_position_embeddings:
+        p.error(
+            f"--seq-len {args.seq_len} must be <= max_position_embeddings="
+            f"{args.config.max_position_embeddings} (raise it with --override)"
+        )
     return args
 
 

@@ -1,0 +1,86 @@
+"""examples/train_tiny_lm.py as a user runs it: bad flags refused by name before any
+training, a run repeatable from its seed, its checkpoint served by the engine, and the
+shipped checkpoint's README matching the script's defaults."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig
+from jaxkv.models import ByteTokenizer, load_checkpoint
+from jaxkv.models.checkpoint import flat_params
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["num_layers=1", "hidden_size=32", "intermediate_size=64", "num_heads=2"]
+QUICK = ["--steps", "1", "--batch-size", "1", "--seq-len", "8", "--eval-batches", "1"]
+QUICK += ["--sample-tokens", "0", *[a for o in SMALL for a in ("--override", o)]]
+
+
+def _example():
+    path = ROOT / "examples" / "train_tiny_lm.py"
+    spec = importlib.util.spec_from_file_location("train_tiny_lm", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--peak-lr", "0"),
+        ("--peak-lr", "-1e-3"),
+        ("--peak-lr", "nan"),
+        ("--peak-lr", "inf"),
+        ("--warmup-steps", "-1"),
+        ("--sample-tokens", "-1"),
+        ("--seed", "-1"),
+        ("--seq-len", "1025"),  # past the tiny preset's max_position_embeddings
+    ],
+)
+def test_bad_flags_are_refused_by_name_before_training(tmp_path, capsys, flag, value):
+    with pytest.raises(SystemExit):
+        _example().parse_args([str(tmp_path / "ckpt"), flag, value])
+    assert f"{flag} " in capsys.readouterr().err
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_defaults_and_the_largest_seq_len_are_accepted(tmp_path):
+    example = _example()
+    example.parse_args([str(tmp_path), "--seq-len", "1024", "--warmup-steps", "0"])
+    args = example.parse_args([str(tmp_path)])
+    # What examples/checkpoints/tiny/README.md says the shipped checkpoint was made with.
+    readme = (ROOT / "examples" / "checkpoints" / "tiny" / "README.md").read_text()
+    pattern = r"(\d+) steps of (\d+) x (\d+) bytes, AdamW peak ([\d.e-]+), seed (\d+)"
+    made = re.search(pattern, readme)
+    assert made is not None
+    want = (int(made[1]), int(made[2]), int(made[3]), float(made[4]), int(made[5]))
+    assert (args.steps, args.batch_size, args.seq_len, args.peak_lr, args.seed) == want
+    assert f"{args.config.num_params:,} parameters" in readme
+
+
+def test_two_runs_with_one_seed_save_identical_weights_that_an_engine_serves(tmp_path):
+    example = _example()
+    for name in ("a", "b"):
+        example.main([str(tmp_path / name), *QUICK, "--seed", "3"])
+    a, b = load_checkpoint(tmp_path / "a"), load_checkpoint(tmp_path / "b")
+    assert a.config == b.config
+    pa, pb = flat_params(a), flat_params(b)
+    assert all(np.array_equal(np.asarray(pa[k]), np.asarray(pb[k])) for k in pa)
+    tok = ByteTokenizer()
+    config = EngineConfig(
+        cache=CacheConfig(num_blocks=16, block_size=8),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=2, max_model_len=32),
+    )
+    with Engine(a, config=config, tokenizer=tok) as engine:
+        engine.add_request(tok.encode("I was "), SamplingParams(max_tokens=3, ignore_eos=True))
+        new, finished = [], []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                new += out.new_token_ids
+                finished.append(out.finished)
+    assert len(new) == 3 and finished[-1]
