@@ -100,8 +100,7 @@ def validate_ragged_paged_attention_inputs(
     if sliding_window is not None:
         if not causal:
             raise ValueError(f"{sliding_window=} needs causal=True (a prefix pass sees all keys)")
-        if not isinstance(sliding_window, (int, np.integer)) or isinstance(sliding_window, bool):
-            raise ValueError(f"{sliding_window=} must be an int or None")
+        check_int_knobs(sliding_window=sliding_window)
         if sliding_window < 1:
             raise ValueError(f"{sliding_window=} must be >= 1 or None")
         if sliding_window > INT32_MAX:  # positions are int32; jit's parsing would overflow

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from jaxkv.detokenizer import Detokenizer
-from tests.host._sched_util import add, make_scheduler
+from tests.host._sched_util import add, make_scheduler, outputs_fed
 
 
 class SentencePieceLike:
@@ -61,12 +61,7 @@ def _run(output, **params):
     sched.detokenizer = Detokenizer(SentencePieceLike())
     for rid, stream in (("whole", False), ("streamed", True)):
         add(sched, rid, [HELLO], max_tokens=len(output), stream_text=stream, **params)
-    results: dict[str, list] = {"whole": [], "streamed": []}
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        tokens = [output[len(r.output_token_ids)] for r in out.requests]
-        for o in sched.update_from_output(out, tokens):
-            results[o.request_id].append(o)
+    results = outputs_fed(sched, output)
     return results["whole"], [o.text for o in results["streamed"]]
 
 

@@ -24,7 +24,7 @@ from jaxkv.models import ByteTokenizer
 from jaxkv.request import Request, RequestStatus
 from tests.engine._text_cases import TOKENIZER, text_cases
 from tests.engine._util import assert_all_blocks_free, engine_config, tiny_model
-from tests.host._sched_util import add, make_scheduler
+from tests.host._sched_util import add, make_scheduler, outputs_fed
 
 PAD, EOS = ByteTokenizer.pad_id, ByteTokenizer.eos_id
 
@@ -212,12 +212,7 @@ def test_streamed_texts_join_to_the_unstreamed_finished_text(
     )
     requests = [add(sched, "whole", prompt, **params)]
     requests.append(add(sched, "streamed", prompt, stream_text=True, **params))
-    results: dict[str, list] = {"whole": [], "streamed": []}
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        tokens = [output[len(r.output_token_ids)] for r in out.requests]
-        for o in sched.update_from_output(out, tokens):
-            results[o.request_id].append(o)
+    results = outputs_fed(sched, output)
     whole, streamed = results["whole"], results["streamed"]
     assert [r.output_token_ids for r in requests[:1]] == [requests[1].output_token_ids]
     assert (whole[-1].finish_reason, whole[-1].stop_reason) == (

@@ -2,35 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
 
 from jaxkv.metrics import StepStats
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    return module
+from tests.examples._example_modules import EXAMPLES, load_example
 
 
 @pytest.fixture(scope="module")
 def serve():
-    return _load("serve_shared_prefix")
+    return load_example("serve_shared_prefix")
 
 
 # One prefill step (every request after the first hits the prefix cache), then every

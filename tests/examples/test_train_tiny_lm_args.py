@@ -4,7 +4,6 @@ shipped checkpoint's README matching the script's defaults."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig
 from jaxkv.models import ByteTokenizer, load_checkpoint
 from jaxkv.models.checkpoint import flat_params
+from tests.examples._example_modules import load_example
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["num_layers=1", "hidden_size=32", "intermediate_size=64", "num_heads=2"]
@@ -22,11 +22,7 @@ QUICK += ["--sample-tokens", "0", *[a for o in SMALL for a in ("--override", o)]
 
 
 def _example():
-    path = ROOT / "examples" / "train_tiny_lm.py"
-    spec = importlib.util.spec_from_file_location("train_tiny_lm", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("train_tiny_lm")
 
 
 @pytest.mark.parametrize(

@@ -142,6 +142,18 @@ def add(sched: Scheduler, request_id: str, tokens, **params) -> Request:
     return request
 
 
+def outputs_fed(sched: Scheduler, output) -> dict[str, list]:
+    """Steps `sched` until idle, each request sampling output[i] as its i-th token; the
+    RequestOutputs of each request, in order, by request id."""
+    results: dict[str, list] = {}
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        tokens = [output[len(r.output_token_ids)] for r in out.requests]
+        for o in sched.update_from_output(out, tokens):
+            results.setdefault(o.request_id, []).append(o)
+    return results
+
+
 def token_of(request: Request) -> int:
     """A deterministic fake sample: depends only on the request's tokens so far."""
     return (sum(request.all_token_ids) * 31 + request.num_tokens) % 97 + 100

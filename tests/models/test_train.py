@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -9,6 +8,7 @@ from flax import nnx
 
 from jaxkv.models import ByteTokenizer, load_checkpoint, make_dense_forward
 from jaxkv.models.train import _greedy_next_token, greedy_generate
+from tests.examples._example_modules import load_example
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,11 +24,7 @@ def test_byte_tokenizer_round_trips_utf8_and_skips_specials():
 
 
 def _example():
-    path = ROOT / "examples" / "train_tiny_lm.py"
-    spec = importlib.util.spec_from_file_location("train_tiny_lm", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("train_tiny_lm")
 
 
 def test_training_example_lowers_held_out_loss_and_saves_a_loadable_checkpoint(tmp_path, capsys):
