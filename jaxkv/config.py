@@ -11,6 +11,7 @@ import dataclasses
 
 import numpy as np
 
+from jaxkv.block_pool import MAX_INT32
 from jaxkv.buckets import BucketConfig
 from jaxkv.cascade_cost import CascadeCostModel
 from jaxkv.field_checks import bool_fields, increasing_sizes, int_fields, positive_int_fields
@@ -32,7 +33,8 @@ class CacheConfig:
     enable_kv_cache_events: bool = False
 
     def __post_init__(self) -> None:
-        positive_int_fields(self, "num_blocks", "block_size")
+        # Block ids and token positions are int32 on the device.
+        int_fields(self, "num_blocks", "block_size", minimum=1, maximum=MAX_INT32)
         bool_fields(self, "enable_prefix_caching", "enable_kv_cache_events")
         if self.num_blocks < 2:
             raise ValueError(
@@ -81,9 +83,10 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
-        positive_int_fields(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len")
+        sizes = ("max_num_batched_tokens", "max_num_seqs", "max_model_len")
+        int_fields(self, *sizes, minimum=1, maximum=MAX_INT32)  # int32 on the device
         bool_fields(self, "enable_chunked_prefill")
-        int_fields(self, "long_prefill_token_threshold", minimum=0)
+        int_fields(self, "long_prefill_token_threshold", minimum=0, maximum=MAX_INT32)
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
             raise ValueError(
                 f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} splits "

@@ -86,6 +86,33 @@ def test_limits_at_their_bounds_are_accepted():
     assert config.q_len_buckets == (1, 512) and all(type(b) is int for b in config.q_len_buckets)
 
 
+_INT32_MAX = 2**31 - 1
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda n: CacheConfig(num_blocks=n), "num_blocks"),
+        (lambda n: CacheConfig(block_size=n), "block_size"),
+        (lambda n: SchedulerConfig(max_num_batched_tokens=n), "max_num_batched_tokens"),
+        (lambda n: SchedulerConfig(max_model_len=n), "max_model_len"),
+        (
+            lambda n: SchedulerConfig(max_num_batched_tokens=_INT32_MAX, max_num_seqs=n),
+            "max_num_seqs",
+        ),
+        (lambda n: SchedulerConfig(long_prefill_token_threshold=n), "long_prefill_token_threshold"),
+    ],
+)
+def test_sizes_past_int32_are_refused_by_name(make, name):
+    """Block ids, positions and token counts are int32 on the device: a size past that
+    range is refused by the config, not at build (where it failed on memory)."""
+    assert getattr(make(_INT32_MAX), name) == _INT32_MAX
+    with pytest.raises(
+        ValueError, match=rf"{name}=2147483648 must be an int in \[[01], 2147483647\]"
+    ):
+        make(_INT32_MAX + 1)
+
+
 def test_a_bool_seed_is_refused():
     with pytest.raises(ValueError, match="seed"):
         EngineConfig(seed=True)
