@@ -20,7 +20,8 @@ def checked_engine_args(model, params, config, connector) -> EngineConfig:
     is an nnx.Module with a `config` and `init_kv_caches` (a jaxkv.models.Llama),
     `params` None or a state of the model's structure, leaf shapes and dtypes (concrete
     arrays, not abstract ones), `config` None or an EngineConfig whose max_model_len fits
-    the model's max_position_embeddings, and `connector` None or a KVConnector."""
+    the model's max_position_embeddings, and `connector` None or a KVConnector; the
+    connector's RuntimeError if it cannot be bound (it serves another live engine)."""
     llama = all(hasattr(model, name) for name in ("config", "init_kv_caches"))
     if not (isinstance(model, nnx.Module) and llama):
         raise ValueError(f"model={type(model).__name__} must be a jaxkv.models.Llama")
@@ -41,6 +42,8 @@ def checked_engine_args(model, params, config, connector) -> EngineConfig:
             f"config.scheduler.max_model_len={max_len} exceeds the model's "
             f"max_position_embeddings={max_positions}"
         )
+    if connector is not None:
+        connector.check_can_bind()  # before the weights are placed and the KV cache made
     return config
 
 

@@ -88,11 +88,8 @@ class HostOffloadConnector(KVConnector):
         are ints >= 1 and `hash_seed` an int that fits in 64 bits."""
         block_size, hash_seed, bytes_per_block = _checked_layout(copier, block_size, hash_seed)
         bound = self._bound()
-        if bound is not None and bound is not copier:
-            raise RuntimeError(
-                "this HostOffloadConnector serves another engine: close that engine "
-                "(Engine.close) first, or give each engine its own connector"
-            )
+        if bound is not copier:
+            self.check_can_bind()
         if bound is None and self._copier_ref is not None:
             # Its engine was collected without close(): no one will collect these copies.
             self._saves.clear()
@@ -112,6 +109,14 @@ class HostOffloadConnector(KVConnector):
         self._copier_ref = weakref.ref(copier)
         self._block_size = block_size
         self._hash_seed = hash_seed
+
+    def check_can_bind(self) -> None:
+        """RuntimeError while bound to a live engine's copier (see bind)."""
+        if self._bound() is not None:
+            raise RuntimeError(
+                "this HostOffloadConnector serves another engine: close that engine "
+                "(Engine.close) first, or give each engine its own connector"
+            )
 
     def unbind(self, copier: KVCopier) -> None:
         """Lets bind take another engine's copier, if `copier` is the one bound (otherwise

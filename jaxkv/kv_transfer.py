@@ -94,6 +94,11 @@ class TransferStats:
 class KVConnector:
     """The no-op connector: never keeps blocks, never supplies KV. Base of real ones."""
 
+    def check_can_bind(self) -> None:
+        """Raises RuntimeError if bind would refuse a new engine for serving another one;
+        called by the engine before it allocates its KV cache, so a refused engine
+        allocates none."""
+
     def bind(self, copier: KVCopier, *, block_size: int, hash_seed: int) -> None:
         """Called by the engine when it is built, before its first step."""
 

@@ -32,6 +32,8 @@ def test_a_second_copier_is_refused_until_unbind():
     assert len(stored) == 2
     other = FakeCopier(32, BS)
     with pytest.raises(RuntimeError, match="serves another engine"):
+        connector.check_can_bind()
+    with pytest.raises(RuntimeError, match="serves another engine"):
         connector.bind(other, block_size=BS, hash_seed=0)
     assert connector.stored_hashes() == stored  # nothing changed
     connector.bind(copier, block_size=BS, hash_seed=0)  # its own copier again: fine
@@ -40,6 +42,7 @@ def test_a_second_copier_is_refused_until_unbind():
     with pytest.raises(RuntimeError, match="serves another engine"):
         connector.bind(other, block_size=BS, hash_seed=0)
     connector.unbind(copier)
+    connector.check_can_bind()
     assert connector.stats.stored_bytes == 2 * copier.bytes_per_block  # still counted
     connector.bind(other, block_size=BS, hash_seed=0)  # same layout: the store is kept
     assert connector.stored_hashes() == stored
