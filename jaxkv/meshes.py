@@ -15,7 +15,14 @@ from jax.sharding import Mesh
 
 from jaxkv.field_checks import as_int
 
-__all__ = ["DEFAULT_AXIS", "check_divides", "make_mesh", "mesh_for", "replica_meshes"]
+__all__ = [
+    "DEFAULT_AXIS",
+    "check_distinct",
+    "check_divides",
+    "make_mesh",
+    "mesh_for",
+    "replica_meshes",
+]
 
 DEFAULT_AXIS = "model"
 
@@ -25,6 +32,14 @@ def check_divides(tp: int, name: str, n: int) -> None:
     if tp < 1 or n % tp:
         need = "be >= 1" if tp < 1 else f"divide {name}={n}"
         raise ValueError(f"tensor_parallel_size={tp} must {need}")
+
+
+def check_distinct(devices: Sequence[jax.Device], name: str = "devices") -> None:
+    """ValueError naming `name` unless no device is listed twice (jax.sharding.Mesh takes
+    such a list; placing an array on it then fails with an AssertionError)."""
+    ids = [d.id for d in devices]
+    if len(set(devices)) != len(ids):
+        raise ValueError(f"{name} must be distinct, got ids {ids}")
 
 
 def replica_meshes(
@@ -42,8 +57,7 @@ def replica_meshes(
         raise ValueError("devices must not be empty")
     if not all(isinstance(d, jax.Device) for d in devices):  # "cpu" gave a mesh of chars
         raise ValueError(f"devices={devices!r} must be jax Devices")
-    if len(set(devices)) != len(devices):  # jax.sharding.Mesh accepts them, jit then fails
-        raise ValueError(f"devices must be distinct, got ids {[d.id for d in devices]}")
+    check_distinct(devices)
     tp = as_int(tensor_parallel_size)
     if tp is None:
         raise ValueError(f"{tensor_parallel_size=} must be an int")
@@ -71,13 +85,14 @@ def mesh_for(mesh: Mesh | None = None, tensor_parallel_size: int | None = None) 
 
     None (both None) means the default device without sharding. Raises ValueError when
     both are given and disagree, `tensor_parallel_size` is no int (bools are not), or
-    `mesh` is no Mesh or has no DEFAULT_AXIS axis."""
+    `mesh` is no Mesh, has no DEFAULT_AXIS axis or lists a device twice."""
     if mesh is None:
         return None if tensor_parallel_size is None else make_mesh(tensor_parallel_size)
     if not isinstance(mesh, Mesh):  # a str or a device list used to raise AttributeError
         raise ValueError(f"mesh={mesh!r} must be None or a jax.sharding.Mesh")
     if DEFAULT_AXIS not in mesh.shape:
         raise ValueError(f"{mesh.axis_names=} must contain {DEFAULT_AXIS!r}")
+    check_distinct(list(mesh.devices.flat), "mesh.devices")
     if tensor_parallel_size is not None:
         if as_int(tensor_parallel_size) is None:  # True or 1.0 compared equal to 1
             raise ValueError(f"{tensor_parallel_size=} must be an int")

@@ -276,3 +276,15 @@ def test_a_sharded_model_makes_caches_of_the_dtype_asked_for():
     sharded = sharding.shard_model(random_model(small_config()), sharding.make_mesh(1))
     caches = sharded.init_kv_caches(5, 4, "bfloat16")
     assert {c.dtype for c in caches} == {jnp.dtype("bfloat16")}
+
+
+def test_a_mesh_that_lists_a_device_twice_is_refused_by_name():
+    """jax.sharding.Mesh takes a device twice; placing the weights on it then raised a bare
+    AssertionError inside jax.device_put, from Engine(mesh=...) and shard_model alike."""
+    d = jax.devices()[0]
+    twice = Mesh(np.array([d, d]), (sharding.DEFAULT_AXIS,))
+    with pytest.raises(ValueError, match=r"mesh.devices must be distinct, got ids \[0, 0\]"):
+        sharding.mesh_for(twice)
+    model = random_model(small_config())
+    with pytest.raises(ValueError, match=r"mesh.devices must be distinct"):
+        sharding.shard_model(model, twice)
