@@ -7,7 +7,7 @@ number it must fit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import numpy as np
@@ -42,6 +42,16 @@ def check_distinct(devices: Sequence[jax.Device], name: str = "devices") -> None
         raise ValueError(f"{name} must be distinct, got ids {ids}")
 
 
+def _device_list(devices: Sequence[jax.Device] | None) -> list:
+    """`devices` (default: jax.devices()) as a list; ValueError naming them when they are
+    one device or no iterable (list() raised TypeError on them)."""
+    if devices is None:
+        return list(jax.devices())
+    if isinstance(devices, jax.Device) or not isinstance(devices, Iterable):
+        raise ValueError(f"devices={devices!r} must be a sequence of jax Devices")
+    return list(devices)
+
+
 def replica_meshes(
     tensor_parallel_size: int,
     devices: Sequence[jax.Device] | None = None,
@@ -51,8 +61,9 @@ def replica_meshes(
 
     One 1-D mesh per group, in device order; each group can serve one engine replica.
     Raises ValueError naming both numbers when TP does not divide the device count, or
-    when `devices` is empty or lists a device twice."""
-    devices = list(jax.devices() if devices is None else devices)
+    naming `devices` when they are empty, no sequence of jax Devices (one Device is not)
+    or list a device twice."""
+    devices = _device_list(devices)
     if not devices:
         raise ValueError("devices must not be empty")
     if not all(isinstance(d, jax.Device) for d in devices):  # "cpu" gave a mesh of chars
@@ -72,7 +83,7 @@ def make_mesh(
 ) -> Mesh:
     """A 1-D mesh over the first TP of `devices` (default: jax.devices()), as vLLM's
     tensor_parallel_size takes them; ValueError naming both numbers if TP exceeds them."""
-    devices = list(jax.devices() if devices is None else devices)
+    devices = _device_list(devices)
     tp = as_int(tensor_parallel_size)
     if tp is not None and tp > len(devices) > 0:
         raise ValueError(f"tensor_parallel_size={tp} exceeds the device count={len(devices)}")

@@ -172,12 +172,13 @@ def test_a_sharded_model_makes_one_split_cache_per_layer():
         assert c.sharding.spec == P(None, None, sharding.DEFAULT_AXIS, None)
 
 
-@pytest.mark.parametrize("devices", ["cpu", [None]])
+@pytest.mark.parametrize("devices", ["cpu", [None], jax.devices()[0], 3])
 def test_devices_that_are_no_jax_devices_are_refused_by_name(devices):
     # "cpu" gave a mesh of the characters c, p and u (three replica meshes), [None] a mesh
-    # whose first use raised AttributeError.
+    # whose first use raised AttributeError; one Device (not in a list) or an int raised
+    # TypeError from list().
     for build in (sharding.make_mesh, sharding.replica_meshes):
-        with pytest.raises(ValueError, match="devices=.* must be jax Devices"):
+        with pytest.raises(ValueError, match="devices=.* must be (a sequence of )?jax Devices"):
             build(1, devices=devices)
 
 
