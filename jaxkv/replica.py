@@ -14,8 +14,9 @@ __all__ = ["Replica", "pending_transfers"]
 
 class Replica(Protocol):
     """What the router needs of a replica; jaxkv.engine.Engine has it. It also uses Engine's
-    ids_in_use, has_pending_transfers, queue_checkpoint and reset_prefix_cache where a
-    replica has them."""
+    ids_in_use, has_pending_transfers, queue_checkpoint, reset_prefix_cache and
+    close(timeout_s=...) where a replica has them (PrefixAwareRouter.close closes each
+    replica that has close)."""
 
     def add_request(
         self,
