@@ -26,7 +26,8 @@ def engine_replicas(
     streams on different replicas (with one seed, the n-th request of every replica would
     sample the same tokens). Each engine gets `tokenizer` (Engine's). Raises ValueError
     naming both numbers when the TP size does not divide the device count, or too few
-    groups exist."""
+    groups exist, and naming num_replicas unless it is None or an int >= 1; all before
+    any engine is built."""
     from jaxkv.config import EngineConfig
     from jaxkv.engine import Engine
     from jaxkv.sharding import replica_meshes
@@ -34,10 +35,10 @@ def engine_replicas(
     meshes = replica_meshes(tensor_parallel_size, devices)
     if num_replicas is not None:
         count = as_int(num_replicas)
-        if count is None:
-            raise ValueError(f"{num_replicas=} must be None or an int")
+        if count is None or count < 1:  # 0 was named as needing "0 groups"
+            raise ValueError(f"num_replicas={num_replicas!r} must be None or an int >= 1")
         num_replicas = count
-        if not 1 <= num_replicas <= len(meshes):
+        if num_replicas > len(meshes):
             raise ValueError(
                 f"{num_replicas=} needs {num_replicas} groups of {tensor_parallel_size} "
                 f"devices; there are {len(meshes)}"

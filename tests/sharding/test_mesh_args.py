@@ -58,6 +58,15 @@ def test_more_replicas_than_device_groups_is_refused_before_any_engine_is_built(
         engine_replicas(None, num_replicas=0)
 
 
+@pytest.mark.parametrize("num_replicas", [0, -1])
+def test_num_replicas_below_one_is_refused_as_below_one(num_replicas):
+    """Named as needing "0 groups" (or "-1 groups") of devices before, not as below one."""
+    with pytest.raises(
+        ValueError, match=rf"^num_replicas={num_replicas} must be None or an int >= 1$"
+    ):
+        engine_replicas(None, num_replicas=num_replicas)
+
+
 def test_num_replicas_given_as_a_numpy_integer_is_named_as_an_int():
     # Checked and used as the Python int as_int makes of it, not as numpy's repr.
     n = len(jax.devices()) + 1
