@@ -95,7 +95,8 @@ def mesh_for(mesh: Mesh | None = None, tensor_parallel_size: int | None = None) 
     """The mesh an engine runs on: `mesh`, or make_mesh(tensor_parallel_size), or None.
 
     None (both None) means the default device without sharding. Raises ValueError when
-    both are given and disagree, `tensor_parallel_size` is no int (bools are not), or
+    both are given and disagree (`tensor_parallel_size` is not the size of the mesh's
+    DEFAULT_AXIS axis), `tensor_parallel_size` is no int (bools are not) or below 1, or
     `mesh` is no Mesh, has no DEFAULT_AXIS axis or lists a device twice."""
     if mesh is None:
         return None if tensor_parallel_size is None else make_mesh(tensor_parallel_size)
@@ -105,8 +106,15 @@ def mesh_for(mesh: Mesh | None = None, tensor_parallel_size: int | None = None) 
         raise ValueError(f"{mesh.axis_names=} must contain {DEFAULT_AXIS!r}")
     check_distinct(list(mesh.devices.flat), "mesh.devices")
     if tensor_parallel_size is not None:
-        if as_int(tensor_parallel_size) is None:  # True or 1.0 compared equal to 1
+        tp = as_int(tensor_parallel_size)
+        if tp is None:  # True or 1.0 compared equal to 1
             raise ValueError(f"{tensor_parallel_size=} must be an int")
-        if mesh.shape[DEFAULT_AXIS] != tensor_parallel_size:
-            raise ValueError(f"{tensor_parallel_size=} disagrees with {mesh.shape=}")
+        if tp < 1:  # named as disagreeing with the mesh before
+            raise ValueError(f"tensor_parallel_size={tp} must be >= 1")
+        size = mesh.shape[DEFAULT_AXIS]
+        if size != tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} disagrees with the mesh: it must equal the size "
+                f"{size} of its {DEFAULT_AXIS!r} axis (mesh.shape={dict(mesh.shape)})"
+            )
     return mesh

@@ -18,6 +18,19 @@ def test_a_size_below_one_is_refused_as_below_one(tp):
             make(tp)
     with pytest.raises(ValueError, match=rf"^tensor_parallel_size={tp} must be >= 1$"):
         check_divides(tp, "num_heads", 8)
+    # Given with a mesh, it was named as disagreeing with the mesh's shape.
+    with pytest.raises(ValueError, match=rf"^tensor_parallel_size={tp} must be >= 1$"):
+        sharding.mesh_for(sharding.make_mesh(1), tp)
+
+
+def test_a_size_that_is_not_the_mesh_axis_size_names_that_size():
+    """Named with the size it must equal, not only with the mesh's shape (an OrderedDict)."""
+    with pytest.raises(
+        ValueError,
+        match=r"^tensor_parallel_size=2 disagrees with the mesh: it must equal the size 1 of "
+        r"its 'model' axis \(mesh.shape=\{'model': 1\}\)$",
+    ):
+        sharding.mesh_for(sharding.make_mesh(1), 2)
 
 
 def test_a_size_that_does_not_divide_names_the_number():
