@@ -63,7 +63,8 @@ class Engine(Closable):
 
     `params` (an nnx.State of the model's parameters) replaces the weights the model holds;
     None uses them as they are. `connector` (e.g. HostOffloadConnector) sees finished
-    requests and prefix-cache misses. `mesh` (a jax Mesh with a "model" axis) or
+    requests and prefix-cache misses. `mesh` (a jax Mesh with a "model" axis, of any axis
+    types: jax.make_mesh's Explicit ones run as Auto, see self.mesh) or
     `tensor_parallel_size` (a mesh over the first that many devices) runs the model
     tensor-parallel (jaxkv.sharding); None of both: as the model is placed (one that
     jaxkv.sharding.shard_model returned keeps its mesh), else the default device.

@@ -17,6 +17,7 @@ from jaxkv.field_checks import as_int
 
 __all__ = [
     "DEFAULT_AXIS",
+    "auto_axes",
     "check_distinct",
     "check_divides",
     "make_mesh",
@@ -40,6 +41,18 @@ def check_distinct(devices: Sequence[jax.Device], name: str = "devices") -> None
     ids = [d.id for d in devices]
     if len(set(devices)) != len(ids):
         raise ValueError(f"{name} must be distinct, got ids {ids}")
+
+
+def auto_axes(mesh: Mesh) -> Mesh:
+    """`mesh` (itself if every axis is AxisType.Auto) over the same devices and axis names
+    with every axis Auto: jaxkv's programs leave the collectives to XLA's sharding
+    propagation, and an Explicit axis (jax.make_mesh's default) made the first step fail
+    with ShardingTypeError on the row-parallel matmuls, a Manual one with AssertionError
+    while placing the weights."""
+    auto = jax.sharding.AxisType.Auto
+    if all(t == auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(auto,) * len(mesh.axis_names))
 
 
 def _device_list(devices: Sequence[jax.Device] | None) -> list:

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from jaxkv import attention
 from jaxkv.batch import AttentionMetadata
 from jaxkv.meshes import DEFAULT_AXIS as DEFAULT_AXIS
-from jaxkv.meshes import check_distinct, check_divides
+from jaxkv.meshes import auto_axes, check_distinct, check_divides
 from jaxkv.meshes import make_mesh as make_mesh
 from jaxkv.meshes import mesh_for as mesh_for
 from jaxkv.meshes import replica_meshes as replica_meshes
@@ -228,9 +228,12 @@ def plan_tensor_parallel(
     Raises ValueError naming both numbers when TP does not divide num_heads, does not
     divide num_kv_heads (TP <= num_kv_heads), or is not a multiple of num_kv_heads
     (TP > num_kv_heads), and naming mesh.devices when the mesh lists a device twice.
+    The plan runs on meshes.auto_axes(mesh): a mesh of Explicit or Manual axes (as
+    jax.make_mesh builds by default) serves as its Auto twin over the same devices.
     """
     tp = _tp_size(mesh, axis_name)
     check_distinct(list(mesh.devices.flat), "mesh.devices")
+    mesh = auto_axes(mesh)
     check_divides(tp, "num_heads", num_heads)
     if tp <= num_kv_heads:
         check_divides(tp, "num_kv_heads", num_kv_heads)

@@ -298,3 +298,26 @@ def test_a_mesh_that_lists_a_device_twice_is_refused_by_name():
     model = random_model(small_config())
     with pytest.raises(ValueError, match=r"mesh.devices must be distinct"):
         sharding.shard_model(model, twice)
+
+
+def test_an_engine_serves_on_a_mesh_of_explicit_axes_as_jax_make_mesh_builds():
+    """jax.make_mesh gives Explicit axes by default; the engine's first step failed with
+    ShardingTypeError on the row-parallel o_proj matmul (construction passed). It now runs
+    on the mesh's Auto twin and gives the unsharded engine's greedy tokens."""
+    from jax.sharding import AxisType
+
+    from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig
+
+    model = random_model(small_config())
+    config = EngineConfig(
+        cache=CacheConfig(num_blocks=16, block_size=4),
+        scheduler=SchedulerConfig(max_model_len=32, max_num_batched_tokens=32, max_num_seqs=2),
+    )
+    greedy = SamplingParams(max_tokens=2, temperature=0.0)
+    with Engine(model, config=config) as engine:
+        want = [o.output_token_ids for o in engine.generate([[1, 2, 3]], greedy)]
+    explicit = jax.make_mesh((1,), (sharding.DEFAULT_AXIS,), axis_types=(AxisType.Explicit,))
+    with Engine(model, config=config, mesh=explicit) as engine:
+        assert engine.mesh.axis_types == (AxisType.Auto,)
+        assert list(engine.mesh.devices.flat) == list(explicit.devices.flat)
+        assert [o.output_token_ids for o in engine.generate([[1, 2, 3]], greedy)] == want
