@@ -110,9 +110,11 @@ def sharded_paged_attention(
 
     Each device runs the dispatch (flat or cascade, any backend) on its contiguous chunk of
     query heads and KV heads; metadata is replicated. Returns what paged_attention returns,
-    sharded along heads. Raises ValueError naming both numbers when TP does not divide the
-    query heads or the KV heads, or the query heads are not a multiple of the KV heads."""
+    sharded along heads, on meshes.auto_axes(mesh) (any axis types serve). Raises
+    ValueError naming both numbers when TP does not divide the query heads or the KV
+    heads, or the query heads are not a multiple of the KV heads."""
     tp = _tp_size(mesh, axis_name)
+    mesh = auto_axes(mesh)  # shard_map refused the specs on jax.make_mesh's Explicit axes
     _check_heads(kv_pages, q.shape[1])
     check_divides(tp, "num_q_heads", q.shape[1])
     check_divides(tp, "num_kv_heads", kv_pages.shape[2] // 2)
@@ -158,9 +160,11 @@ def sharded_write_kv(
 ) -> jax.Array:
     """jaxkv.attention.write_kv per shard: each device writes its own KV heads' K and V.
 
-    The cache is donated; the result keeps kv_cache_sharding. Raises ValueError naming both
+    The cache is donated; the result keeps kv_cache_sharding (on meshes.auto_axes(mesh):
+    any axis types serve). Raises ValueError naming both
     numbers when TP does not divide the KV heads, or k / v do not have the cache's KV heads."""
     tp = _tp_size(mesh, axis_name)
+    mesh = auto_axes(mesh)  # as in sharded_paged_attention
     _check_heads(kv_pages, kv={"k": k, "v": v})
     check_divides(tp, "num_kv_heads", kv_pages.shape[2] // 2)
     heads = P(None, axis_name, None)

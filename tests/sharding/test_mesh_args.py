@@ -321,3 +321,22 @@ def test_an_engine_serves_on_a_mesh_of_explicit_axes_as_jax_make_mesh_builds():
         assert engine.mesh.axis_types == (AxisType.Auto,)
         assert list(engine.mesh.devices.flat) == list(explicit.devices.flat)
         assert [o.output_token_ids for o in engine.generate([[1, 2, 3]], greedy)] == want
+
+
+def test_sharded_attention_and_write_take_a_mesh_of_explicit_axes():
+    """shard_map refused their head specs on jax.make_mesh's Explicit axes ("in_specs ...
+    does not match the specs of the input"); they run on the mesh's Auto twin."""
+    from jax.sharding import AxisType
+
+    md = _metadata()
+    mesh = jax.make_mesh((1,), (sharding.DEFAULT_AXIS,), axis_types=(AxisType.Explicit,))
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.normal(size=(md.max_num_tokens, H_Q, D)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(md.max_num_tokens, H_KV, D)), jnp.float32)
+    shape = (64, 4, 2 * H_KV, D)  # each write donates its cache: one each
+    want_kv = write_kv(jnp.zeros(shape), k, k, md.slot_mapping)
+    got_kv = sharding.sharded_write_kv(jnp.zeros(shape), k, k, md.slot_mapping, mesh=mesh)
+    np.testing.assert_array_equal(np.asarray(got_kv), np.asarray(want_kv))
+    want = paged_attention(q, want_kv, md, sm_scale=0.125)
+    got = sharding.sharded_paged_attention(q, want_kv, md, mesh=mesh, sm_scale=0.125)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
