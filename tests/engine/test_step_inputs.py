@@ -121,10 +121,12 @@ def test_coarsen_rounds_each_query_bound_up_to_its_bucket_and_pads_levels_on_its
 
 def test_program_key_tells_apart_every_padded_shape_and_static_field():
     # Engine.num_compiles and StepStats.new_program count distinct keys: metadata padded
-    # to another sequence or page bucket (same token bucket) needs another program.
+    # to another token, sequence or page bucket needs another program.
     md = _main(3, (_level([0, 5], [8], [[3, 0]], max_q_len=5),))
     pages = md.page_indices
+    tokens16 = np.zeros(16, np.int32)  # the same batch padded to the next token bucket
     others = [
+        dataclasses.replace(md, slot_mapping=tokens16, positions=tokens16),
         dataclasses.replace(md, page_indices=np.zeros((8, pages.shape[1]), np.int32)),
         dataclasses.replace(md, page_indices=np.zeros((pages.shape[0], 4), np.int32)),
         dataclasses.replace(md, block_size=8),
