@@ -212,6 +212,7 @@ class _PaysOnly:
         (dict(cost_model=_PaysOnly(), page_buckets=(4, 8)), "and reads_padded_pages with"),
         (dict(enable_cascade="no"), "enable_cascade='no' must be a bool"),  # planned cascade
         (dict(enable_groups=None), "enable_groups=None must be a bool"),
+        (dict(enable_groups=1), "enable_groups=1 must be a bool"),  # 1 == True, not a bool
         (dict(sliding_window=-3), "sliding_window=-3 must be None or an int >= 1"),
         (dict(sliding_window=0), "sliding_window=0"),
         (dict(sliding_window=8.0), "sliding_window=8.0"),
