@@ -5,7 +5,6 @@ back in schedule order."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -125,14 +124,17 @@ def coarsen_metadata(
 ) -> AttentionMetadata:
     """Re-pads static bounds to coarser buckets, so fewer programs compile.
 
-    `q_len_buckets` bounds every pass's max_q_len; `level_seqs` pads each cascade level
-    to that many sequence slots. None leaves that part as built.
+    `q_len_buckets` bounds every pass's max_q_len, never past md.max_num_tokens (as the
+    metadata builder caps it: no sequence has more query tokens than the step); `level_seqs`
+    pads each cascade level to that many sequence slots. None leaves that part as built.
     """
     if q_len_buckets is None and level_seqs is None:
         return md
-    q_bucket = (
-        (lambda n: n) if q_len_buckets is None else functools.partial(padded_size, q_len_buckets)
-    )
+    max_tokens = md.max_num_tokens
+
+    def q_bucket(n: int) -> int:
+        return n if q_len_buckets is None else min(padded_size(q_len_buckets, n), max_tokens)
+
     levels = tuple(
         dataclasses.replace(
             lv if level_seqs is None else pad_level(lv, level_seqs),

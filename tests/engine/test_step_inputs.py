@@ -117,6 +117,10 @@ def test_coarsen_rounds_each_query_bound_up_to_its_bucket_and_pads_levels_on_its
     # A bound already at a bucket stays; decode (1) keeps its own bucket.
     assert coarsen_metadata(_main(4, ()), (1, 4, 8), None).max_q_len == 4
     assert coarsen_metadata(_main(1, ()), (1, 4, 8), None).max_q_len == 1
+    # Never past the step's 8 token slots, as the builder caps it (a kernel's tiles follow
+    # the bound): a bucket of 256 over them is 8, for the main pass and each level alike.
+    wide = coarsen_metadata(md, (1, 256), None)
+    assert wide.max_q_len == 8 and [lv.max_q_len for lv in wide.levels] == [8, 8]
 
 
 def test_program_key_tells_apart_every_padded_shape_and_static_field():
