@@ -137,11 +137,17 @@ class AttentionShape:
         """The heads one device of a `tensor_parallel_size`-way mesh attends with, as
         jaxkv.sharding splits them: query heads evenly, KV heads evenly, or one KV head
         per device when there are fewer KV heads than devices (each then replicated).
-        Raises ValueError unless the size is >= 1 and divides the query heads."""
+        Raises ValueError unless the size is >= 1, divides the query heads, and divides the
+        KV heads or is a multiple of them (as jaxkv.sharding.plan_tensor_parallel needs)."""
         tp = as_int(tensor_parallel_size)  # True is no size
         if tp is None or tp < 1 or self.num_q_heads % tp:
             raise ValueError(
                 f"{tensor_parallel_size=} must be >= 1 and divide num_q_heads={self.num_q_heads!r}"
+            )
+        kv = self.num_kv_heads
+        if kv % tp if tp <= kv else tp % kv:  # 6 KV heads over 4 devices: 1 each, silently
+            raise ValueError(
+                f"{tensor_parallel_size=} must divide num_kv_heads={kv!r} or be a multiple of it"
             )
         return dataclasses.replace(
             self, num_q_heads=self.num_q_heads // tp, num_kv_heads=max(self.num_kv_heads // tp, 1)

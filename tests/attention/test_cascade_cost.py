@@ -32,6 +32,16 @@ def test_per_device_refuses_a_size_that_cannot_split_the_query_heads(tp):
         LLAMA_8B.per_device(tp)
 
 
+@pytest.mark.parametrize("kv_heads, tp", [(6, 4), (3, 4), (4, 6)])
+def test_per_device_refuses_a_size_that_cannot_split_the_kv_heads(kv_heads, tp):
+    # As jaxkv.sharding refuses such a mesh: 6 KV heads over 4 devices were taken as one
+    # KV head a device, so the cost model weighed a shape no mesh runs.
+    shape = AttentionShape(num_q_heads=12, num_kv_heads=kv_heads, head_dim=64, kv_itemsize=2)
+    with pytest.raises(ValueError, match=f"must divide num_kv_heads={kv_heads} or be a multiple"):
+        shape.per_device(tp)
+    assert shape.per_device(kv_heads).num_kv_heads == 1
+
+
 def test_a_prefix_that_pays_on_one_device_need_not_pay_per_device_of_eight():
     # Four requests sharing 1024 tokens save 3 * 1024 * 4 KiB = 12 MiB of KV reads on one
     # device, more than the 8 MiB a TPU call costs; split over 8 devices each saves
