@@ -133,7 +133,9 @@ def coarsen_metadata(
     max_tokens = md.max_num_tokens
 
     def q_bucket(n: int) -> int:
-        return n if q_len_buckets is None else min(padded_size(q_len_buckets, n), max_tokens)
+        if q_len_buckets is None:
+            return n
+        return min(padded_size(q_len_buckets, n, name="max_q_len (q_len_buckets)"), max_tokens)
 
     levels = tuple(
         dataclasses.replace(

@@ -121,6 +121,8 @@ def test_coarsen_rounds_each_query_bound_up_to_its_bucket_and_pads_levels_on_its
     # the bound): a bucket of 256 over them is 8, for the main pass and each level alike.
     wide = coarsen_metadata(md, (1, 256), None)
     assert wide.max_q_len == 8 and [lv.max_q_len for lv in wide.levels] == [8, 8]
+    with pytest.raises(ValueError, match=r"max_q_len \(q_len_buckets\)=5 exceeds the largest"):
+        coarsen_metadata(md, (1, 4), None)  # the first level's 5
 
 
 def test_program_key_tells_apart_every_padded_shape_and_static_field():
