@@ -219,3 +219,34 @@ def test_penalty_widths_are_counted_as_programs():
     assert engine.num_compiles == base + 1
     engine.generate([prompt], penalised, progress=False)
     assert engine.num_compiles == base + 1
+
+
+def test_an_output_list_past_the_first_width_widens_the_table_and_keeps_every_count():
+    """A request whose output holds more distinct tokens than the table's first width (64)
+    widens the table (to 256) and counts every token: its penalised logits equal the rule."""
+    table = TokenPenalties()
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    req = Request("r", [1, 2])
+    table.add("r", params)
+    outputs = list(range(100)) + list(range(0, 100, 3))
+    req.append_output_token_ids(outputs[:10])
+    table.arrays([req], None, 2)
+    req.append_output_token_ids(outputs[10:])  # 90 new distinct tokens in one step
+    arrays = table.arrays([req], None, 2)
+    assert arrays[0].shape == (2, 256)
+    logits = np.random.default_rng(3).normal(0, 3, (2, 128)).astype(np.float32)
+    got = np.asarray(jax.jit(apply_penalties)(logits, arrays))
+    np.testing.assert_allclose(got[0], _penalised(logits[0], [1, 2], outputs, params), atol=1e-6)
+    np.testing.assert_array_equal(got[1], logits[1])
+
+
+def test_listed_ids_outside_the_vocabulary_change_nothing():
+    """apply_penalties ignores a listed id outside [0, vocab): a negative one would index
+    from the end of the row, and one at or past vocab is the padding."""
+    logits = np.float32([[1.0, -2.0, 3.0, 0.5], [0.25, 4.0, -1.0, 2.0]])
+    tokens = np.int32([[-1, -4, 4, NO_TOKEN], [-1, 1, 7, NO_TOKEN]])
+    arrays = (tokens, np.full((2, 4), 3, np.int32), *np.float32([[1, 1], [0.5, 0.5], [2, 2]]))
+    got = np.asarray(jax.jit(apply_penalties)(logits, arrays))
+    np.testing.assert_array_equal(got[0], logits[0])
+    want_1 = np.float32(4.0) / 2 - 0.5 * 3 - 1  # token 1 alone: 4 / 2 - 0.5 * 3 - 1
+    np.testing.assert_array_equal(got[1], [0.25, want_1, -1.0, 2.0])
