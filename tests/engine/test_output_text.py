@@ -164,10 +164,12 @@ def test_a_tokenizer_that_fails_at_the_end_is_logged_and_the_request_still_finis
 
 
 @pytest.mark.parametrize(
-    ("eos", "expected"), [(np.int64(6), 6), (0, 0), ([6, 2], None), (None, None)]
+    ("eos", "expected"),
+    [(np.int64(6), 6), (0, 0), ([6, 2], None), ((6, 2), None), (None, None)],
 )
 def test_the_tokenizers_eos_is_read_as_one_int_and_a_list_as_none(eos, expected):
-    # A list names no single EOS to report as stop_reason None; it must not be refused.
+    # A list (or tuple) names no single EOS to report as stop_reason None; it must not be
+    # refused.
     got = Detokenizer(type("T", (_Words,), {"eos_token_id": eos})()).eos_token_id
     assert got == expected and type(got) is type(expected)
 
