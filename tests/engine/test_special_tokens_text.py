@@ -66,3 +66,20 @@ def test_stop_strings_are_looked_for_in_the_text_the_flag_decodes(stream, skip, 
 def test_skip_special_tokens_must_be_a_bool():
     with pytest.raises(ValueError, match="skip_special_tokens=0 must be a bool"):
         SamplingParams(skip_special_tokens=0)
+
+
+class _UnreadSignature:
+    """A decode whose signature cannot be read (inspect raises ValueError, as for builtins
+    such as operator.itemgetter), decoding bytes."""
+
+    @property
+    def __signature__(self):
+        raise ValueError("no signature found")
+
+    def __call__(self, ids) -> str:
+        return bytes(ids).decode(errors="replace")
+
+
+def test_a_decode_whose_signature_cannot_be_read_decodes_as_it_does():
+    tokenizer = type("T", (), {"decode": _UnreadSignature()})()
+    assert _finished_text(tokenizer, [*b"ab"], skip_special_tokens=False) == "ab"
