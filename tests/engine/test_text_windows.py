@@ -1,5 +1,6 @@
-"""DecodedText's decode window (jaxkv.stop_strings): which tokens each read decodes, and
-for how long tokens that add no text, or cut a character, keep it from moving on."""
+"""DecodedText's decode window (jaxkv.stop_strings): which tokens each read decodes, for
+how long tokens that add no text, or cut a character, keep it from moving on, and how
+much of the text it keeps."""
 
 from __future__ import annotations
 
@@ -73,3 +74,16 @@ def test_a_cut_characters_first_bytes_stay_in_the_window_up_to_max_window_tokens
     texts, widest, _ = read(MAX_WINDOW_TOKENS - 3)  # the window would be too wide
     assert [t for t in texts if t] == ["a", "\ufffd", "\ufffdc"]
     assert widest == MAX_WINDOW_TOKENS
+
+
+def test_the_state_keeps_only_the_characters_a_stop_string_can_span():
+    """A streamed request's state keeps none of its text without stop strings, and the
+    last (longest string's length less one) characters with them: a step's cost must not
+    grow with the output."""
+    for stop, tail in (([], ""), (["XYZ", "Q"], "ij")):
+        detokenizer = Detokenizer(TOKENIZER)
+        request = Request("r", list(b"Q: "), SamplingParams(stop=stop, stream_text=True))
+        for token in b"abcdefghij":
+            request.append_output_token_ids(token)
+            detokenizer.read(request)
+        assert request.decoded_text.tail == tail, stop
