@@ -25,7 +25,7 @@ from jaxkv.router import PrefixAwareRouter
 from jaxkv.stop_strings import MAX_HELD_TOKENS
 from tests.engine._text_cases import TOKENIZER, streamed_text, text_cases
 from tests.engine._util import BLOCK_SIZE, assert_all_blocks_free, engine_config, tiny_model
-from tests.host._sched_util import add, make_scheduler
+from tests.host._sched_util import add, make_scheduler, outputs_fed
 
 PAD = ByteTokenizer.pad_id
 
@@ -50,6 +50,18 @@ def test_only_the_finishing_step_output_carries_text():
     outputs = []
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.request_id == rid]
+    assert [o.text for o in outputs[:-1]] == [None] * (len(outputs) - 1)
+    assert outputs[-1].finished and outputs[-1].text == expected
+
+
+@pytest.mark.parametrize(("stop", "expected"), [("XY", "ab c"), ("QQ", "ab cXYd")])
+def test_a_request_read_for_stop_strings_carries_text_only_on_its_finishing_output(stop, expected):
+    """Read each step for its stop strings, a request that does not stream text still
+    carries none before its finishing output."""
+    sched = make_scheduler()
+    sched.detokenizer = Detokenizer(TOKENIZER)
+    add(sched, "r", list(b"Q: "), max_tokens=7, stop=stop, include_stop_str_in_output=False)
+    outputs = outputs_fed(sched, list(b"ab cXYd"))["r"]
     assert [o.text for o in outputs[:-1]] == [None] * (len(outputs) - 1)
     assert outputs[-1].finished and outputs[-1].text == expected
 
