@@ -361,3 +361,4 @@ def test_a_prompt_aborted_elsewhere_before_any_token_has_empty_logprobs():
     (out,) = run_to_completion(_AbortedBeforeAnyToken(), [[1]], SamplingParams(logprobs=1))
     assert (out.output_token_ids, out.finish_reason) == ((), "abort")
     assert (out.logprobs, out.cumulative_logprob) == ((), 0.0)
+    assert type(out.cumulative_logprob) is float  # as vLLM's, not the int 0 of an empty sum
