@@ -85,6 +85,7 @@ class PrefixAwareRouter(Closable):
         self.max_imbalance = max_imbalance
         self._outstanding = [0] * len(self.replicas)  # replica -> unfinished sequences
         self._replica_of: dict[str, int] = {}  # request_id -> replica, while unfinished
+        self._queued: dict[str, object] = {}  # request_id -> a token new to each queueing
         self._samples = RunningSamples()  # of requests of n > 1
         self._undelivered: list[RequestOutput] = []  # gathered by a step() that raised
         self._serials = RequestSerials("dp-")  # of generated ids
@@ -207,6 +208,7 @@ class PrefixAwareRouter(Closable):
         self._routes.remember(hashes, replica)
         self._outstanding[replica] += n
         self._replica_of[request_id] = replica
+        self._queued[request_id] = object()
         if n > 1:
             self._samples.add(request_id, n)
         return request_id
@@ -219,7 +221,8 @@ class PrefixAwareRouter(Closable):
         changing nothing, while the router still holds one of them. Taking it copies the
         prefix routes (about 5 ms at the default max_tracked_prefixes, 2-core CPU)."""
         routes = self._routes.snapshot()
-        rewind_ids = self._serials.checkpoint(self._replica_of)
+        # By token, not replica: an id aborted and queued again on its replica is new.
+        rewind_ids = self._serials.checkpoint(self._queued)
         rewind_replicas = [
             r.queue_checkpoint() for r in self.replicas if hasattr(r, "queue_checkpoint")
         ]
@@ -267,6 +270,7 @@ class PrefixAwareRouter(Closable):
 
     def _finish(self, request_id: str) -> None:
         replica = self._replica_of.pop(request_id, None)
+        self._queued.pop(request_id, None)
         if replica is not None:
             self._outstanding[replica] -= self._samples.pop(request_id)
 

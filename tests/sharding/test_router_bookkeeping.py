@@ -144,3 +144,21 @@ def test_a_step_steps_an_idle_replica_until_its_copies_land():
     assert router.has_pending_transfers() and not router.has_unfinished_requests()
     assert router.step() == [] and router.has_pending_transfers()
     assert router.step() == [] and not router.has_pending_transfers()
+
+
+def test_a_rewind_refuses_while_an_id_held_at_the_checkpoint_is_queued_again_on_its_replica():
+    """An id aborted and queued again since the checkpoint is a request queued since, even
+    on the replica it ran on before: the rewind refuses, its route kept (the router told
+    them apart by replica index, so the same replica passed and the route was dropped)."""
+    router, _ = make_router(2)
+    router.add_request([7] * BLOCK, SamplingParams(max_tokens=3), request_id="a")
+    rewind = router.queue_checkpoint()
+    assert router.abort("a")
+    router.add_request([7] * 2 * BLOCK, SamplingParams(max_tokens=3), request_id="a")
+    assert router.replica_of("a") == 0  # where "a" ran at the checkpoint
+    with pytest.raises(RuntimeError, match=r"\['a'\] queued since the checkpoint"):
+        rewind()
+    assert router.route([7] * 2 * BLOCK).matched_blocks == 2
+    assert router.abort("a")
+    rewind()
+    assert router.route([7] * 2 * BLOCK).matched_blocks == 1  # routed before the checkpoint
