@@ -162,3 +162,55 @@ def test_a_rewind_refuses_while_an_id_held_at_the_checkpoint_is_queued_again_on_
     assert router.abort("a")
     rewind()
     assert router.route([7] * 2 * BLOCK).matched_blocks == 1  # routed before the checkpoint
+
+
+class _LosesAStepsOutputs(SamplingReplica):
+    """Its first step steps its samples, then raises: their outputs are lost."""
+
+    def step(self):
+        outputs = super().step()
+        if not hasattr(self, "raised"):
+            self.raised = True
+            raise RuntimeError(f"device lost with {len(outputs)} outputs")
+        return outputs
+
+
+def test_the_finished_output_of_a_request_releases_samples_whose_finishes_were_lost():
+    # Sample 1 finished in the step that raised; sample 0's finish then says the whole
+    # request finished: the router must release it, lost sample included.
+    router = PrefixAwareRouter([_LosesAStepsOutputs(0)], block_size=BLOCK)
+    rid = router.add_request([1] * BLOCK, SamplingParams(n=2, max_tokens=2))
+    with pytest.raises(RuntimeError, match="device lost"):
+        router.step()
+    assert router.num_outstanding == (2,)
+    assert [(o.index, o.finished) for o in router.step()] == [(0, True)]
+    assert router.num_outstanding == (0,) and not router.has_unfinished_requests()
+    with pytest.raises(KeyError):
+        router.replica_of(rid)
+    assert router.add_request([2] * BLOCK, request_id=rid) == rid  # its id is free again
+
+
+def test_an_aborted_request_whose_sample_finish_is_kept_is_held_until_it_is_delivered():
+    """Sample 1's finish sits in a failed step's outputs and sample 0's was lost in a
+    later one: abort releases sample 0 only, the request keeps its id (a new "x" would
+    receive the old finish) until the next step delivers sample 1's finish."""
+    replicas = [_LosesAStepsOutputs(0), SamplingReplica(1)]
+    replicas[0].raised = True  # raises only when told to
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    router.add_request([1] * BLOCK, SamplingParams(n=2, max_tokens=2), request_id="x")
+    router.add_request([2] * BLOCK, SamplingParams(max_tokens=9), request_id="y")
+    replicas[1].fail = True
+    with pytest.raises(RuntimeError):
+        router.step()  # kept: sample 0's first token, sample 1's finish
+    replicas[1].fail = False
+    del replicas[0].raised
+    with pytest.raises(RuntimeError, match="device lost"):
+        router.step()  # sample 0 finished, its output lost
+    assert router.abort("x") is False  # its replica runs no sample of it now
+    assert router.replica_of("x") == 0 and router.num_outstanding == (1, 1)
+    with pytest.raises(ValueError, match="already running"):
+        router.add_request([3] * BLOCK, request_id="x")
+    kept = [(o.request_id, o.index, o.finish_reason) for o in router.step()]
+    assert ("x", 1, "length") in kept and router.num_outstanding == (0, 1)
+    with pytest.raises(KeyError):
+        router.replica_of("x")

@@ -151,3 +151,27 @@ def test_a_request_finished_in_a_step_that_raised_is_released_by_abort_and_close
         other.step()
     other.close()
     assert other.num_outstanding == (0,)
+
+
+class _Interrupted(FakeReplica):
+    """Its first step raises KeyboardInterrupt before stepping anything."""
+
+    def step(self):
+        if not hasattr(self, "raised"):
+            self.raised = True
+            raise KeyboardInterrupt
+        return super().step()
+
+
+def test_an_interrupt_in_a_later_replicas_step_loses_no_earlier_replicas_output():
+    # Ctrl-C lands inside whichever replica steps: the outputs of the replicas stepped
+    # before it are kept, or their finished requests stay counted and their ids held.
+    router = PrefixAwareRouter([FakeReplica(0), _Interrupted(1)], block_size=BLOCK)
+    done = router.add_request([1] * BLOCK, SamplingParams(max_tokens=1))
+    router.add_request([2] * BLOCK, SamplingParams(max_tokens=1))
+    with pytest.raises(KeyboardInterrupt):
+        router.step()
+    assert router.has_unfinished_requests()
+    outputs = router.step()
+    assert [(o.request_id, o.finished) for o in outputs][0] == (done, True)
+    assert router.num_outstanding == (0, 0) and not router.has_unfinished_requests()
