@@ -44,3 +44,10 @@ def test_running_lists_indices_in_order_and_an_id_without_underscore_names_no_sa
     for i in (0, 5, 11):
         samples.end("x", i)
     assert samples.running("x") == [1, 2, 3, 4, 6, 7, 8, 9, 10] and samples.running("y") == []
+
+
+def test_an_object_that_is_no_str_names_no_sample():
+    samples = RunningSamples()
+    samples.add("x", 2)
+    for request_id in (0, None, b"0_x", ["0_x"]):  # `in` is asked of any object
+        assert samples.sample_of(request_id) is None and request_id not in samples

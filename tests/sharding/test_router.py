@@ -339,3 +339,18 @@ def test_prompts_route_together_only_under_the_same_cache_salt():
     with pytest.raises(ValueError, match="cache_salt"):
         router.add_request(prompt, cache_salt=b"tenant-a")
     assert router.num_outstanding == ((1, 0) if home == 0 else (0, 1))
+
+
+def test_drain_transfers_steps_only_the_replicas_with_copies_in_flight():
+    # It drops the outputs of what it steps: a busy replica without copies keeps its
+    # tokens for the caller's steps.
+    replicas = [FakeReplica(0), OffloadingReplica(1, copy_steps=3)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    busy = router.add_request([2] * BLOCK, SamplingParams(max_tokens=5))
+    router.generate([[1] * BLOCK], SamplingParams(max_tokens=1), progress=False)  # busy: 1
+    assert router.replica_of(busy) == 0 and router.has_pending_transfers()
+    router.drain_transfers(timeout_s=5)
+    tokens = []
+    while router.has_unfinished_requests():
+        tokens += [t for o in router.step() if o.request_id == busy for t in o.new_token_ids]
+    assert len(tokens) == 4

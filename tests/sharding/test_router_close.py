@@ -53,7 +53,10 @@ def test_close_aborts_every_request_closes_replicas_that_can_and_refuses_use():
         with pytest.raises(RuntimeError, match="the PrefixAwareRouter is closed"):
             call()
     assert not any(r.prompts.get("dp-3") for r in replicas)  # nothing reached a replica
+    # Not refused: a caller's cleanup may abort its ids after close; all were aborted.
+    assert router.abort(["dp-0", "dp-2"]) is False
     router.close()  # again: nothing to do
+    router.close(timeout_s=-1.0)  # nothing, not even reading the timeout
     assert len(replicas[0].close_calls) == 1
 
 
