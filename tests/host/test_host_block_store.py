@@ -96,3 +96,17 @@ def test_clear_forgets_the_parents_of_cleared_entries():
     assert store._parent_of == {}
     store.put(b"b", None, np.ones(2))  # b stored again as a prompt's first block
     assert store.parent_of(b"b") is None
+
+
+def test_dropping_a_parent_no_longer_stored_demotes_its_children_again():
+    """drop(h) demotes what is stored behind h even when h itself already left: a failed
+    load drops hashes that eviction may have taken meanwhile, and their children, refreshed
+    since, must again be the next to be evicted."""
+    store = HostBlockStore()
+    _chain(store, "ab")  # a <- b
+    _chain(store, "z")
+    store.drop(b"a")
+    store.touch(b"b")  # b used again behind a device hit of a
+    assert _order(store) == "zb"
+    store.drop(b"a")  # a is not stored, but b is still stored behind it
+    assert _order(store) == "bz"
