@@ -159,6 +159,7 @@ def test_a_copier_with_another_block_shape_dtype_or_model_empties_the_store(attr
         ("hash_seed", BS, 1.5, 4 * BS),
         ("hash_seed", BS, None, 4 * BS),
         ("hash_seed", BS, 2**63, 4 * BS),
+        ("hash_seed", BS, -(2**63) - 1, 4 * BS),
         ("bytes_per_block", BS, 0, 0),
         ("bytes_per_block", BS, 0, 16.0),
         ("bytes_per_block", BS, 0, None),
@@ -178,3 +179,17 @@ def test_bind_refuses_a_bad_layout_changing_nothing(name, block_size, hash_seed,
     assert connector.stored_hashes() == stored and connector.hash_layout is None
     connector.bind(copier, block_size=BS, hash_seed=0)  # still free to bind a good one
     assert connector.stored_hashes() == stored and connector.hash_layout == (BS, 0)
+
+
+@pytest.mark.parametrize("seed", [-(2**63), 2**63 - 1])
+def test_bind_takes_the_extreme_64_bit_hash_seeds(seed):
+    """Every seed that fits in 64 bits, as Request takes, binds, and the hooks hash with it."""
+    copier = FakeCopier(16, BS)
+    connector = HostOffloadConnector(1 << 20)
+    connector.bind(copier, block_size=BS, hash_seed=seed)
+    assert connector.hash_layout == (BS, seed)
+    assert connector.on_finish(_one_request("a", 8), [1, 2])
+    connector.poll()
+    probe = Request("p", list(range(1, 10)), SamplingParams())
+    assert connector.on_admission(probe, 0) == 2 * BS
+    assert connector.stored_hashes() == probe.update_block_hashes(BS, seed)[1::-1]
