@@ -193,3 +193,23 @@ def test_bind_takes_the_extreme_64_bit_hash_seeds(seed):
     probe = Request("p", list(range(1, 10)), SamplingParams())
     assert connector.on_admission(probe, 0) == 2 * BS
     assert connector.stored_hashes() == probe.update_block_hashes(BS, seed)[1::-1]
+
+
+def test_unbind_is_refused_while_a_load_is_in_flight():
+    """A load still writing into the engine's cache holds the binding as a save does."""
+    copier = FakeCopier(16, BS, auto_complete=False)
+    connector = HostOffloadConnector(1 << 20)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    assert connector.on_finish(_one_request("a", 8), [1, 2])
+    copier.complete()
+    connector.poll()
+    probe = Request("p", list(range(1, 10)), SamplingParams())
+    assert connector.on_admission(probe, 0) == 2 * BS
+    connector.start_load(probe, [3, 4])
+    with pytest.raises(RuntimeError, match="0 saves and 1 loads in flight"):
+        connector.unbind(copier)
+    assert connector.hash_layout == (BS, 0)  # still bound
+    copier.complete()
+    assert connector.poll().loaded == ("p",)
+    connector.unbind(copier)
+    assert connector.hash_layout is None
