@@ -120,3 +120,14 @@ def test_a_byte_budget_between_whole_blocks_keeps_only_the_blocks_it_holds_whole
     connector.poll()
     assert connector.stored_hashes() == r.block_hashes[1::-1]  # the tail is evicted
     assert connector.stats.stored_bytes <= connector.host_bytes
+
+
+def test_a_claim_for_a_preempted_request_covers_its_output_tokens():
+    """A preempted request's tokens include its outputs: stored blocks past its prompt
+    are claimed up to, never including, its last token."""
+    _, connector = _bound_connector()
+    _stored(connector, list(range(1, 13)))
+    preempted = Request("pre", list(range(1, 6)), SamplingParams())
+    preempted.append_output_token_ids(list(range(6, 14)))  # 13 tokens, 5 of them prompt
+    assert connector.on_admission(preempted, 0) == 3 * BS
+    assert connector.on_admission(preempted, BS) == 2 * BS
