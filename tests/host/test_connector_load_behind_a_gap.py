@@ -52,3 +52,36 @@ def test_a_load_behind_a_device_hit_on_a_head_the_store_lost_lands():
     np.testing.assert_array_equal(copier.device[7:9], expected)
     assert connector.stored_hashes() == z.block_hashes[2:0:-1]  # h1 refreshed last
     assert (connector.stats.num_loads, connector.stats.num_loaded_tokens) == (1, 2 * BS)
+
+
+def test_blocks_stored_behind_a_failed_save_keep_their_links():
+    """Blocks a save stores demoted, behind a head whose own save failed, are still linked
+    to each other: when a failed load later drops one, the blocks behind it are demoted."""
+    copier = FakeCopier(16, BS)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    x = Request("x", PROMPT[: BS + 1], SamplingParams())
+    x.num_computed_tokens = BS + 1
+    a = Request("a", PROMPT, SamplingParams())
+    a.num_computed_tokens = len(PROMPT)
+    copier.fail_saves = True
+    assert connector.on_finish(x, [1])  # h0's save, failing
+    copier.fail_saves = False
+    assert connector.on_finish(a, [2, 3, 4])  # h1 h2 only: h0 is being saved
+    assert connector.poll().saved == ("a",)
+    y = Request("y", list(range(50, 55)), SamplingParams())
+    y.num_computed_tokens = 5
+    assert connector.on_finish(y, [5]) and connector.poll().saved == ("y",)
+    h1, h2, hy = a.block_hashes[1], a.block_hashes[2], y.block_hashes[0]
+    assert connector.stored_hashes() == [h2, h1, hy]  # behind the gap: next evicted
+    both = Request("both", PROMPT, SamplingParams())
+    both.num_computed_tokens = BS  # h0 hit on the device
+    connector.start_load(both, [6, 7])
+    assert connector.poll().loaded == ("both",)
+    assert connector.stored_hashes() == [hy, h2, h1]
+    one = Request("one", PROMPT[: 2 * BS + 1], SamplingParams())
+    one.num_computed_tokens = BS
+    copier.fail_loads = True
+    connector.start_load(one, [8])
+    assert connector.poll().failed_loads == ("one",)
+    assert connector.stored_hashes() == [h2, hy]  # h1 dropped, h2 behind it demoted
