@@ -1,5 +1,6 @@
-"""HostOffloadConnector loads blocks stored behind a gap (their head left the store) after
-a device-cache hit on that head, and a failed load counts nothing it did not copy."""
+"""HostOffloadConnector around gaps in its store: it loads blocks stored behind a head the
+store lost after a device-cache hit on that head, keeps blocks stored behind a failed
+save linked, and a failed copy counts and demotes only what it concerned."""
 
 from __future__ import annotations
 
@@ -85,3 +86,29 @@ def test_blocks_stored_behind_a_failed_save_keep_their_links():
     connector.start_load(one, [8])
     assert connector.poll().failed_loads == ("one",)
     assert connector.stored_hashes() == [h2, hy]  # h1 dropped, h2 behind it demoted
+
+
+def test_a_failed_save_demotes_nothing_behind_the_stored_blocks_it_only_refreshed():
+    """A failed save ends only the saves it started: the blocks stored behind the chain's
+    stored head (another prompt's branch) keep their place."""
+    copier = FakeCopier(16, BS)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+
+    def finished(request_id: str, tokens: list[int]) -> Request:
+        request = Request(request_id, tokens, SamplingParams())
+        request.num_computed_tokens = len(tokens)
+        return request
+
+    b = finished("b", [1, 2, 3, 4, 20, 21, 22, 23, 24])  # h0 and b's own hb1
+    assert connector.on_finish(b, [1, 2]) and connector.poll().saved == ("b",)
+    y = finished("y", list(range(50, 55)))
+    assert connector.on_finish(y, [3]) and connector.poll().saved == ("y",)
+    assert not connector.on_finish(b, [1, 2])  # both stored: refreshed, nothing copied
+    h0, hb1, hy = b.block_hashes[0], b.block_hashes[1], y.block_hashes[0]
+    assert connector.stored_hashes() == [hy, hb1, h0]
+    a = finished("a", [1, 2, 3, 4, 30, 31, 32, 33, 34])  # h0 stored, ha1 copied
+    copier.fail_saves = True
+    assert connector.on_finish(a, [4, 5]) and connector.poll().failed_saves == ("a",)
+    assert copier.saved_block_ids[-1] == [5]
+    assert connector.stored_hashes() == [hy, hb1, h0]  # hb1 is not behind ha1
