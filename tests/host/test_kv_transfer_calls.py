@@ -131,3 +131,18 @@ def test_a_claim_for_a_preempted_request_covers_its_output_tokens():
     preempted.append_output_token_ids(list(range(6, 14)))  # 13 tokens, 5 of them prompt
     assert connector.on_admission(preempted, 0) == 3 * BS
     assert connector.on_admission(preempted, BS) == 2 * BS
+
+
+def test_stats_count_stored_blocks_only_once_their_save_lands():
+    """num_stored_blocks and stored_bytes count the store, not the saves in flight."""
+    copier = FakeCopier(16, BS, auto_complete=False)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    assert connector.on_finish(_computed("r", list(range(1, 9))), [1, 2])
+    connector.poll()
+    stats = connector.stats
+    assert (stats.num_stored_blocks, stats.stored_bytes, stats.num_saves) == (0, 0, 0)
+    copier.complete()
+    connector.poll()
+    stats = connector.stats
+    assert (stats.num_stored_blocks, stats.stored_bytes) == (2, 2 * copier.bytes_per_block)
