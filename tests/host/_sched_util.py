@@ -9,6 +9,7 @@ import numpy as np
 
 from jaxkv import KVCacheManager, Request, SamplingParams
 from jaxkv.config import SchedulerConfig
+from jaxkv.host_offload_connector import HostOffloadConnector
 from jaxkv.kv_transfer import KVConnector, TransferEvents
 from jaxkv.scheduler import Scheduler, SchedulerOutput
 
@@ -106,6 +107,21 @@ class OracleLoadConnector(KVConnector):
             return TransferEvents()
         loaded, self._pending = tuple(self._pending), []
         return TransferEvents(loaded=loaded)
+
+
+def bound_host_connector(block_size: int = 4) -> tuple[FakeCopier, HostOffloadConnector]:
+    """A HostOffloadConnector of 64 blocks' room, bound to a FakeCopier of 16 blocks."""
+    copier = FakeCopier(16, block_size)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=block_size, hash_seed=0)
+    return copier, connector
+
+
+def computed_request(request_id: str, tokens: list[int]) -> Request:
+    """A Request of prompt `tokens`, all computed (as when it finishes)."""
+    request = Request(request_id, tokens, SamplingParams())
+    request.num_computed_tokens = len(tokens)
+    return request
 
 
 def make_scheduler(

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from jaxkv import Request, SamplingParams
-from jaxkv.host_offload_connector import HostOffloadConnector
-from tests.host._sched_util import FakeCopier
+from tests.host._sched_util import bound_host_connector, computed_request
 
 BS = 4
 BAD = {
@@ -23,32 +22,19 @@ BAD = {
 }
 
 
-def _setup() -> tuple[FakeCopier, HostOffloadConnector]:
-    copier = FakeCopier(16, BS)
-    connector = HostOffloadConnector(64 * copier.bytes_per_block)
-    connector.bind(copier, block_size=BS, hash_seed=0)
-    return copier, connector
-
-
-def _computed(request_id: str, tokens: list[int]) -> Request:
-    request = Request(request_id, tokens, SamplingParams())
-    request.num_computed_tokens = len(tokens)
-    return request
-
-
 @pytest.mark.parametrize("bad", list(BAD.values()), ids=list(BAD))
 def test_on_finish_refuses_block_ids_that_are_not_distinct_ids(bad):
-    copier, connector = _setup()
+    copier, connector = bound_host_connector()
     with pytest.raises(ValueError, match=r"on_finish\('r'\): block_ids="):
-        connector.on_finish(_computed("r", list(range(1, 9))), bad)
+        connector.on_finish(computed_request("r", list(range(1, 9))), bad)
     assert copier.saved_block_ids == [] and not connector.has_pending()
     assert connector.stored_hashes() == [] and connector.stats.num_saves == 0
 
 
 @pytest.mark.parametrize("bad", list(BAD.values()), ids=list(BAD))
 def test_start_load_refuses_block_ids_that_are_not_distinct_ids(bad):
-    copier, connector = _setup()
-    assert connector.on_finish(_computed("saved", list(range(1, 13))), [1, 2, 3])
+    copier, connector = bound_host_connector()
+    assert connector.on_finish(computed_request("saved", list(range(1, 13))), [1, 2, 3])
     connector.poll()
     order = connector.stored_hashes()
     b = Request("b", list(range(1, 14)), SamplingParams())
@@ -59,7 +45,7 @@ def test_start_load_refuses_block_ids_that_are_not_distinct_ids(bad):
 
 
 def test_numpy_integer_block_ids_are_taken():
-    copier, connector = _setup()
-    assert connector.on_finish(_computed("r", list(range(1, 9))), np.array([3, 4]))
+    copier, connector = bound_host_connector()
+    assert connector.on_finish(computed_request("r", list(range(1, 9))), np.array([3, 4]))
     connector.poll()
     assert copier.saved_block_ids == [[3, 4]] and len(connector.stored_hashes()) == 2

@@ -7,7 +7,14 @@ import pytest
 
 from jaxkv import Request, RequestStatus, SamplingParams
 from jaxkv.host_offload_connector import HostOffloadConnector
-from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
+from tests.host._sched_util import (
+    FakeCopier,
+    add,
+    bound_host_connector,
+    make_scheduler,
+    run_until_idle,
+    step,
+)
 
 BS = 4
 
@@ -344,16 +351,9 @@ def test_a_load_refreshes_its_blocks_in_the_lru_and_is_pending_until_it_lands():
     assert r2.status != RequestStatus.WAITING_FOR_REMOTE_KV and not conn.has_pending()
 
 
-def _bound_connector() -> tuple[FakeCopier, HostOffloadConnector]:
-    copier = FakeCopier(16, BS)
-    connector = HostOffloadConnector(64 * copier.bytes_per_block)
-    connector.bind(copier, block_size=BS, hash_seed=0)
-    return copier, connector
-
-
 def test_a_block_whose_last_token_was_never_computed_is_not_saved():
     # 8 tokens, 7 computed: the second block is full of tokens but not of KV.
-    copier, connector = _bound_connector()
+    copier, connector = bound_host_connector()
     r = Request("r", list(range(1, 9)), SamplingParams())
     r.num_computed_tokens = 7
     assert connector.on_finish(r, [1, 2])
@@ -361,7 +361,7 @@ def test_a_block_whose_last_token_was_never_computed_is_not_saved():
 
 
 def test_blocks_of_a_failed_save_can_be_saved_by_a_later_request():
-    copier, connector = _bound_connector()
+    copier, connector = bound_host_connector()
     copier.fail_saves = True
     first = Request("first", list(range(1, 9)), SamplingParams())
     first.num_computed_tokens = 8

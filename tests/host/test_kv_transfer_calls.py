@@ -6,41 +6,29 @@ import pytest
 
 from jaxkv import Request, SamplingParams
 from jaxkv.host_offload_connector import HostOffloadConnector
-from tests.host._sched_util import FakeCopier
+from tests.host._sched_util import FakeCopier, bound_host_connector, computed_request
 
 BS = 4
 
 
-def _bound_connector() -> tuple[FakeCopier, HostOffloadConnector]:
-    copier = FakeCopier(16, BS)
-    connector = HostOffloadConnector(64 * copier.bytes_per_block)
-    connector.bind(copier, block_size=BS, hash_seed=0)
-    return copier, connector
-
-
-def _computed(request_id: str, tokens: list[int]) -> Request:
-    request = Request(request_id, tokens, SamplingParams())
-    request.num_computed_tokens = len(tokens)
-    return request
-
-
 def _stored(connector: HostOffloadConnector, tokens: list[int]) -> None:
     """Saves the full blocks of `tokens` through block ids 1, 2, ... and lands the save."""
-    assert connector.on_finish(_computed("saved", tokens), list(range(1, len(tokens) // BS + 1)))
+    block_ids = list(range(1, len(tokens) // BS + 1))
+    assert connector.on_finish(computed_request("saved", tokens), block_ids)
     connector.poll()
 
 
 def test_only_blocks_the_caller_names_are_saved():
     # Two computed blocks but one block id: the save covers that one block only.
-    copier, connector = _bound_connector()
-    r = _computed("r", list(range(1, 9)))
+    copier, connector = bound_host_connector()
+    r = computed_request("r", list(range(1, 9)))
     assert connector.on_finish(r, [7])
     connector.poll()
     assert copier.saved_block_ids == [[7]] and connector.stored_hashes() == r.block_hashes[:1]
 
 
 def test_a_claim_after_a_partial_block_is_zero():
-    _, connector = _bound_connector()
+    _, connector = bound_host_connector()
     _stored(connector, list(range(1, 13)))
     probe = Request("p", list(range(1, 14)), SamplingParams())
     assert connector.on_admission(probe, 0) == 3 * BS
@@ -50,7 +38,7 @@ def test_a_claim_after_a_partial_block_is_zero():
 
 
 def test_start_load_refuses_a_partial_block_start_and_no_block_ids():
-    copier, connector = _bound_connector()
+    copier, connector = bound_host_connector()
     _stored(connector, list(range(1, 13)))
     b = Request("b", list(range(1, 14)), SamplingParams())
     b.num_computed_tokens = 2
@@ -64,9 +52,9 @@ def test_start_load_refuses_a_partial_block_start_and_no_block_ids():
 
 def test_bytes_offloaded_counts_only_the_blocks_copied():
     # The second save's chain has three blocks, two already stored: one is copied.
-    copier, connector = _bound_connector()
+    copier, connector = bound_host_connector()
     _stored(connector, list(range(1, 9)))
-    assert connector.on_finish(_computed("longer", list(range(1, 13))), [3, 4, 5])
+    assert connector.on_finish(computed_request("longer", list(range(1, 13))), [3, 4, 5])
     connector.poll()
     assert copier.saved_block_ids == [[1, 2], [5]]
     stats = connector.stats
@@ -75,7 +63,7 @@ def test_bytes_offloaded_counts_only_the_blocks_copied():
 
 
 def test_start_load_refuses_blocks_the_store_holds_only_in_part():
-    copier, connector = _bound_connector()
+    copier, connector = bound_host_connector()
     _stored(connector, list(range(1, 5)))  # the first block only
     b = Request("b", list(range(1, 10)), SamplingParams())
     with pytest.raises(ValueError, match=r"start_load\('b'\): the store no longer holds"):
@@ -87,7 +75,7 @@ def test_every_hook_hashes_with_the_bound_seed():
     copier = FakeCopier(16, BS)
     connector = HostOffloadConnector(64 * copier.bytes_per_block)
     connector.bind(copier, block_size=BS, hash_seed=7)
-    assert connector.on_finish(_computed("saved", list(range(1, 9))), [1, 2])
+    assert connector.on_finish(computed_request("saved", list(range(1, 9))), [1, 2])
     connector.poll()
     seeded = Request("s", list(range(1, 9)), SamplingParams()).update_block_hashes(BS, 7)
     assert connector.stored_hashes() == seeded[1::-1]
@@ -102,7 +90,7 @@ def test_every_hook_hashes_with_the_bound_seed():
 @pytest.mark.parametrize("bad", [-BS, -3 * BS, 4.0, True, None])
 def test_a_claim_for_a_count_that_is_no_token_count_is_refused(bad):
     # A negative count was read from the prompt's end: -4 claimed the last stored block.
-    _, connector = _bound_connector()
+    _, connector = bound_host_connector()
     tokens = list(range(13))
     _stored(connector, tokens)
     r = Request("r", tokens, SamplingParams())
@@ -115,7 +103,7 @@ def test_a_byte_budget_between_whole_blocks_keeps_only_the_blocks_it_holds_whole
     copier = FakeCopier(16, BS)
     connector = HostOffloadConnector(5 * copier.bytes_per_block // 2)
     connector.bind(copier, block_size=BS, hash_seed=0)
-    r = _computed("r", list(range(1, 13)))
+    r = computed_request("r", list(range(1, 13)))
     assert connector.on_finish(r, [1, 2, 3])
     connector.poll()
     assert connector.stored_hashes() == r.block_hashes[1::-1]  # the tail is evicted
@@ -125,7 +113,7 @@ def test_a_byte_budget_between_whole_blocks_keeps_only_the_blocks_it_holds_whole
 def test_a_claim_for_a_preempted_request_covers_its_output_tokens():
     """A preempted request's tokens include its outputs: stored blocks past its prompt
     are claimed up to, never including, its last token."""
-    _, connector = _bound_connector()
+    _, connector = bound_host_connector()
     _stored(connector, list(range(1, 13)))
     preempted = Request("pre", list(range(1, 6)), SamplingParams())
     preempted.append_output_token_ids(list(range(6, 14)))  # 13 tokens, 5 of them prompt
@@ -138,7 +126,7 @@ def test_stats_count_stored_blocks_only_once_their_save_lands():
     copier = FakeCopier(16, BS, auto_complete=False)
     connector = HostOffloadConnector(64 * copier.bytes_per_block)
     connector.bind(copier, block_size=BS, hash_seed=0)
-    assert connector.on_finish(_computed("r", list(range(1, 9))), [1, 2])
+    assert connector.on_finish(computed_request("r", list(range(1, 9))), [1, 2])
     connector.poll()
     stats = connector.stats
     assert (stats.num_stored_blocks, stats.stored_bytes, stats.num_saves) == (0, 0, 0)
