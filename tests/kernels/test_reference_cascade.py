@@ -125,3 +125,17 @@ def test_cascade_prefix_covering_a_query_is_wrong():
     out, lse = jitted(*case.args(), 3)
     with pytest.raises(AssertionError):
         harness.assert_close_to_oracle(case, out, lse, expected)
+
+
+def test_cascade_max_q_len_bounds_only_the_suffix_pass():
+    # max_q_len bounds each sequence's query length; the prefix pass holds every query
+    # token as one sequence, so the bound must not reach it: there it would refuse the
+    # call eagerly and, under jit, leave the rows past it without their prefix keys.
+    case = _shared_prefix_case(4, 2, [(2, 5), (1, 9), (3, 3)])
+    expected = harness.dense_oracle(case, sm_scale=0.125)
+    out, lse = cascade_attention(*case.args(), 2, sm_scale=0.125, max_q_len=3)
+    harness.assert_close_to_oracle(case, out, lse, expected)
+    jitted = jax.jit(functools.partial(cascade_attention, sm_scale=0.125, max_q_len=3))
+    out, lse = jitted(*case.args(), 2)
+    harness.assert_close_to_oracle(case, out, lse, expected)
+    harness.assert_padding_is_empty(case, out, lse)
