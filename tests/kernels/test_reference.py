@@ -120,6 +120,8 @@ def test_bfloat16_within_stated_bound():
     [
         pytest.param(dict(sliding_window=5), id="sliding_window"),
         pytest.param(dict(sliding_window=1), id="sliding_window_1"),
+        # The longest window accepted (int32 positions): every causal key visible.
+        pytest.param(dict(sliding_window=2**31 - 1), id="sliding_window_int32_max"),
         pytest.param(dict(soft_cap=3.0, sm_scale=1.0), id="soft_cap"),
         pytest.param(dict(causal=False), id="non_causal"),
         pytest.param(dict(soft_cap=2.0, sliding_window=9, sm_scale=0.5), id="cap_and_window"),
