@@ -128,10 +128,14 @@ def dense_attention(
     q: np.ndarray,  # f[T, Hq, D] query tokens in batch order
     kv_pages: np.ndarray,  # f[num_blocks, block_size, 2 * Hkv, D]
     sm_scale: float,
+    *,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(out f64[num_valid_tokens, Hq, D], lse f64[num_valid_tokens, Hq]): causal softmax
     attention over each whole context, rebuilt key by key from the manager's block ids;
-    lse is the natural log of the softmax denominator of the scaled logits."""
+    lse is the natural log of the softmax denominator of the scaled (then soft-capped)
+    logits. A sliding window shows position p the keys j with p - window < j <= p."""
     block_size = step.manager.block_size
     outs, lses = [], []
     token = 0
@@ -148,7 +152,12 @@ def dense_attention(
         qs = q[token : token + q_len].astype(np.float64)
         token += q_len
         logits = np.einsum("qhd,khd->hqk", qs, k) * sm_scale
-        visible = np.arange(kv_len)[None, :] <= (num_computed + np.arange(q_len))[:, None]
+        if soft_cap is not None:
+            logits = soft_cap * np.tanh(logits / soft_cap)
+        key_pos, q_pos = np.arange(kv_len)[None, :], (num_computed + np.arange(q_len))[:, None]
+        visible = key_pos <= q_pos
+        if sliding_window is not None:
+            visible &= key_pos > q_pos - sliding_window
         logits = np.where(visible[None], logits, -np.inf)
         row_max = logits.max(-1, keepdims=True)  # finite: every query sees its own key
         p = np.exp(logits - row_max)
