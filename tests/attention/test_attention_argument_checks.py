@@ -16,8 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxkv.attention as attention
 from jaxkv.attention import check_backend, kernel_for, paged_attention, write_kv
 from jaxkv.batch import build_attention_metadata
+from kernels_pallas.reference import ragged_paged_attention
 from tests.attention.test_metadata_argument_checks import _three_decoding
 
 H_Q, H_KV, D = 8, 2, 64
@@ -122,6 +124,21 @@ def test_check_backend_refuses_bad_sizes_and_dtypes_by_name(change, match):
 def test_check_backend_accepts_a_quantized_cache(kv_dtype):
     # write_kv and paged_attention take such caches with k_scale and v_scale.
     check_backend("xla", interpret=False, q_dtype=jnp.float32, kv_dtype=kv_dtype, **SHAPES)
+
+
+def test_check_backend_probes_the_non_causal_pass_of_cascade_levels(monkeypatch):
+    # A cascade level runs the kernel with causal=False, which may pick other tiles (the
+    # TPU kernel's non-causal query block): a limit only that pass hits must be named
+    # here, not when the first cascade step runs.
+    def causal_only(*args, causal, **options):
+        if not causal:
+            raise ValueError("no non-causal pass for these shapes")
+        return ragged_paged_attention(*args, causal=causal, **options)
+
+    monkeypatch.setattr(attention, "kernel_for", lambda *a, **kw: causal_only)
+    attention._probe_kernel.cache_clear()  # a combination accepted earlier is not probed
+    with pytest.raises(ValueError, match="no non-causal pass"):
+        check_backend("xla", interpret=False, q_dtype=jnp.float32, kv_dtype=jnp.float32, **SHAPES)
 
 
 def test_a_scale_given_as_a_scalar_array_is_the_same_number_and_a_traced_one_is_named():
