@@ -227,6 +227,8 @@ def test_write_kv_saturates_a_finite_value_whose_scaled_value_overflows(dtype):
         (jnp.float32, {"k_scale": float("nan")}, "k_scale=nan must be a finite number > 0"),
         # inf in float32: every value stored as x / inf = 0, silently.
         (jnp.int8, {"k_scale": 1e39}, r"k_scale=1e\+39 must be a finite number > 0 in float32"),
+        # An int past float64's range: was OverflowError from math.isfinite, naming nothing.
+        (jnp.int8, {"v_scale": 10**400}, "v_scale=10+ must be a finite number > 0 in float32"),
         (jnp.uint8, {}, "kv_pages.dtype=.*uint8.* must be float32, bfloat16"),
         (jnp.int32, {}, "kv_pages.dtype=.*int32.* must be float32, bfloat16"),
     ],

@@ -259,6 +259,9 @@ def test_bad_input_raises_at_trace_time(mutate, match):
         ({"sm_scale": 1e39}, r"sm_scale=1e\+39 must be a finite number > 0 in float32"),
         ({"sm_scale": 1e-50}, "sm_scale=1e-50 must be a finite number > 0 in float32"),
         ({"soft_cap": 1e39}, r"soft_cap=1e\+39 must be a finite number > 0 in float32"),
+        # An int past float64's range: OverflowError from math.isfinite, naming nothing.
+        ({"sm_scale": 10**400}, "sm_scale=10+ must be a finite number > 0 in float32"),
+        ({"soft_cap": 10**400}, "soft_cap=10+ must be a finite number > 0 in float32"),
         ({"k_scale": 1.0, "v_scale": 1e39}, r"v_scale=1e\+39 must be a finite number > 0"),
         ({"sliding_window": 2.5}, "sliding_window=2.5 must be an int"),
         ({"sliding_window": True}, "sliding_window=True must be an int"),
