@@ -226,3 +226,12 @@ def test_cascade_refuses_a_first_query_on_the_prefix_last_key_by_name():
     case = case.replace(kv_lens=_set(case.kv_lens, 0, 19), seq_lens=((3, 19), (1, 30)))
     out, lse = reference.cascade_attention(*case.args(), 1, sm_scale=0.125)
     harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))
+
+
+def test_cascade_takes_a_prefix_of_every_page_when_no_row_has_queries():
+    # num_prefix_pages may equal pages_per_seq (the bound is inclusive): only a batch
+    # without query tokens satisfies the precondition then, and it gives empty rows.
+    case = _cascade_case(True)
+    case = case.replace(cu_q_lens=jnp.zeros_like(case.cu_q_lens), seq_lens=((0, 20), (0, 30)))
+    out, lse = reference.cascade_attention(*case.args(), SHAPES["pages_per_seq"], sm_scale=0.125)
+    harness.assert_padding_is_empty(case, out, lse)
