@@ -194,9 +194,12 @@ def test_cascade_takes_a_shared_prefix_and_skips_rows_without_queries():
     for prefix in (1, jnp.int32(1), np.int64(1), jnp.ones((1,), jnp.int32)):
         out, lse = reference.cascade_attention(*case.args(), prefix, sm_scale=0.125)
         harness.assert_close_to_oracle(case, out, lse, expected)
-    # A sequence without query tokens gives no row: it need not hold the prefix.
+    # A sequence without query tokens gives no row: it need not hold the prefix. (Page 5
+    # was sequence 0's first page, so setting it there changed nothing.)
+    other = 4
+    assert int(case.page_indices[0, 0]) != other
     case = case.replace(
-        page_indices=_set(case.page_indices, (1, 0), 5),
+        page_indices=_set(case.page_indices, (1, 0), other),
         cu_q_lens=_set(case.cu_q_lens, 2, 3),
         seq_lens=((3, 20), (0, 30)),
     )
