@@ -247,10 +247,9 @@ def validate_shared_prefix(
     index_arrays = (kv_lens, page_indices, cu_q_lens, num_seqs, num_prefix_pages)
     if any(isinstance(a, jax.core.Tracer) for a in index_arrays) or np.ndim(page_indices) != 2:
         return
-    if np.size(num_prefix_pages) != 1 or not np.issubdtype(
-        np.asarray(num_prefix_pages).dtype, np.integer
-    ):
-        raise ValueError(f"{num_prefix_pages=} must be one integer")
+    as_array = np.asarray(num_prefix_pages)  # shape (1, 1) broadcast the page table a rank up
+    if as_array.size != 1 or as_array.ndim > 1 or not np.issubdtype(as_array.dtype, np.integer):
+        raise ValueError(f"{num_prefix_pages=} must be one integer (a scalar or shape (1,))")
     k = int(np.asarray(num_prefix_pages).reshape(-1)[0])
     page_indices = np.asarray(page_indices)
     pages_per_seq = page_indices.shape[1]

@@ -188,6 +188,15 @@ def test_cascade_refuses_a_prefix_its_sequences_do_not_share(num_prefix_pages, m
         reference.cascade_attention(*_cascade_case(False).args(), num_prefix_pages, sm_scale=0.125)
 
 
+def test_cascade_refuses_a_prefix_count_of_two_dimensions_by_name():
+    # Shape (1, 1) passed as one integer, then broadcast the suffix page table a rank up:
+    # the error named kv_lens.shape=(1, 3).
+    with pytest.raises(ValueError, match=r"num_prefix_pages=.* must be one integer \(a scalar"):
+        reference.cascade_attention(
+            *_cascade_case(True).args(), np.ones((1, 1), np.int32), sm_scale=0.125
+        )
+
+
 def test_cascade_takes_a_shared_prefix_and_skips_rows_without_queries():
     case = _cascade_case(True)
     expected = harness.dense_oracle(case, sm_scale=0.125)
