@@ -73,6 +73,18 @@ def test_count_prefix_lookup_counts_what_it_is_given_and_refuses_what_it_cannot_
     assert off.prefix_cache_stats.requests == 0
 
 
+def test_without_prefix_caching_a_lookup_ignores_hashes_of_another_block_size():
+    """count_prefix_lookup refuses only where get_computed_blocks would: with prefix
+    caching off nothing is hashed, so a request hashed for another block size is looked
+    up and counted (as nothing) by both, not refused by one."""
+    off = KVCacheManager(16, BS, max_model_len=64, enable_prefix_caching=False)
+    other = Request("o", list(range(10)))
+    other.update_block_hashes(2)
+    assert off.get_computed_blocks(other) == ([], 0)
+    off.count_prefix_lookup(other, 0)
+    assert off.prefix_cache_stats.requests == 0
+
+
 def test_reset_starts_every_counter_from_zero_and_returns_a_frozen_snapshot():
     m = KVCacheManager(16, BS, max_model_len=64)
     req = Request("r", list(range(10)))
