@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxkv import KVCacheManager, Request, RequestStatus, SamplingParams
+from jaxkv.hashing import extend_block_hashes
 
 
 def test_request_tracks_tokens():
@@ -297,3 +298,16 @@ def test_the_prompt_cannot_be_replaced_after_construction():
     assert req.prompt_token_ids == (1, 2, 3, 4, 5) == tuple(req.all_token_ids)
     assert req.num_prompt_tokens == 5
     m.check_integrity()
+
+
+def test_block_hashes_carry_the_adapter_on_every_block_and_the_salt_on_the_first():
+    """A request hashes its adapter id as the adapter key and its cache salt as the salt
+    key: its hashes equal extend_block_hashes given each in its place. The two keys enter
+    the hashes differently (hashing's module doc), so swapping them gives other hashes,
+    though every request would still hash apart from the others."""
+    tokens = list(range(12))
+    req = Request("r", tokens, adapter_id="lora", cache_salt="tenant")
+    want = extend_block_hashes([], tokens, 4, seed=7, adapter_id="lora", cache_salt="tenant")
+    assert req.update_block_hashes(4, 7) == want
+    swapped = extend_block_hashes([], tokens, 4, seed=7, adapter_id="tenant", cache_salt="lora")
+    assert want != swapped
