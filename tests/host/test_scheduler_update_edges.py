@@ -135,6 +135,22 @@ def test_schedule_is_refused_while_the_previous_batch_is_neither_applied_nor_dis
     assert empty.num_requests == 0 and sched.schedule().num_requests == 0
 
 
+def test_schedule_is_refused_while_a_previous_batch_of_one_request_is_pending():
+    """One unapplied request is enough to refuse schedule(): its token would be
+    scheduled a second time. Nothing changes; applying the pending output goes on."""
+    sched = make_scheduler()
+    a = add(sched, "a", range(1, 6), max_tokens=3)
+    sched.update_from_output(sched.schedule(), [7])
+    pending = sched.schedule()
+    assert pending.num_requests == 1
+    before = (a.num_computed_tokens, list(a.output_token_ids), sched.manager.block_ids("a"))
+    with pytest.raises(RuntimeError, match="previous output's 1 requests are neither applied"):
+        sched.schedule()
+    assert (a.num_computed_tokens, list(a.output_token_ids), sched.manager.block_ids("a")) == before
+    sched.update_from_output(pending, [8])
+    assert a.output_token_ids == [7, 8]
+
+
 class _Letters:
     """Token i decodes to the letter chr(ord("a") + i); EOS is token 5 ("f")."""
 
