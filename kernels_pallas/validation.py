@@ -250,7 +250,7 @@ def validate_shared_prefix(
     as_array = np.asarray(num_prefix_pages)  # shape (1, 1) broadcast the page table a rank up
     if as_array.size != 1 or as_array.ndim > 1 or not np.issubdtype(as_array.dtype, np.integer):
         raise ValueError(f"{num_prefix_pages=} must be one integer (a scalar or shape (1,))")
-    k = int(np.asarray(num_prefix_pages).reshape(-1)[0])
+    k = int(as_array.reshape(-1)[0])
     page_indices = np.asarray(page_indices)
     pages_per_seq = page_indices.shape[1]
     if not 0 <= k <= pages_per_seq:
