@@ -27,7 +27,8 @@ def engine_replicas(
     sample the same tokens). Each engine gets `tokenizer` (Engine's). Raises ValueError
     naming both numbers when the TP size does not divide the device count, or too few
     groups exist, and naming num_replicas unless it is None or an int >= 1; all before
-    any engine is built."""
+    any engine is built. When building a later engine fails, the engines already built
+    are closed (their device memory freed) before the error propagates."""
     from jaxkv.config import EngineConfig
     from jaxkv.engine import Engine
     from jaxkv.sharding import replica_meshes
@@ -48,9 +49,13 @@ def engine_replicas(
     if not isinstance(config, EngineConfig):  # a dict raised AttributeError on config.seed
         raise ValueError(f"config={config!r} must be None or an EngineConfig")
     seeds = [(config.seed + i) % 2**64 for i in range(len(meshes))]  # within EngineConfig's
-    return [
-        Engine(
-            model, params, dataclasses.replace(config, seed=seed), mesh=mesh, tokenizer=tokenizer
-        )
-        for seed, mesh in zip(seeds, meshes, strict=True)
-    ]
+    engines: list[Any] = []
+    try:
+        for seed, mesh in zip(seeds, meshes, strict=True):
+            replica_config = dataclasses.replace(config, seed=seed)
+            engines.append(Engine(model, params, replica_config, mesh=mesh, tokenizer=tokenizer))
+    except BaseException:
+        for engine in reversed(engines):  # their weights and KV pools would stay placed
+            engine.close()
+        raise
+    return engines

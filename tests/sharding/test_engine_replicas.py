@@ -56,3 +56,24 @@ def test_each_engine_gets_the_params_and_tokenizer_and_the_groups_of_the_devices
     assert calls == [(2, devices)]
     assert [e.params for e in engines] == [params, params]
     assert [e.tokenizer for e in engines] == [tokenizer, tokenizer]
+
+
+def test_a_failed_engine_closes_the_engines_built_before_it(monkeypatch):
+    """The third engine fails: the first two are closed, newest first, and the error is
+    the third engine's."""
+    closed = []
+
+    class Engine(_Engine):
+        def __init__(self, model, params, config, mesh, tokenizer):
+            if mesh == "m2":
+                raise MemoryError("KV pool does not fit on m2")
+            super().__init__(model, params, config, mesh, tokenizer)
+
+        def close(self):
+            closed.append(self.mesh)
+
+    monkeypatch.setattr(jaxkv.sharding, "replica_meshes", lambda tp, devices: ["m0", "m1", "m2"])
+    monkeypatch.setattr(jaxkv.engine, "Engine", Engine)
+    with pytest.raises(MemoryError, match="m2"):
+        engine_replicas(None)
+    assert closed == ["m1", "m0"]
