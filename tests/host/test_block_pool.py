@@ -121,6 +121,32 @@ def test_integrity_catches_leaked_block():
         pool.check_integrity()
 
 
+@pytest.mark.parametrize(
+    "corrupt, match",
+    [
+        (lambda pool: setattr(pool.null_block, "ref_cnt", 1), "null block ref_cnt=1"),
+        (lambda pool: setattr(pool.null_block, "block_hash", root_hash(9)), "null block carries"),
+        (lambda pool: pool.free_block_queue.append(pool.null_block), "null block is in the free"),
+    ],
+)
+def test_integrity_catches_a_null_block_that_is_held_cached_or_free(corrupt, match):
+    """The null block is never handed out: a holder, a hash or a place in the free queue
+    is reported (the per-block checks start at block 1, so only these checks see it)."""
+    pool = _pool_with_cached_block()
+    corrupt(pool)
+    with pytest.raises(IntegrityError, match=match):
+        pool.check_integrity({1: 1, 2: 1})
+
+
+def test_integrity_catches_a_free_count_that_disagrees_with_the_queue():
+    """num_free_blocks is a counter kept beside the links: a drift (every admission and
+    allocation trusts it) is reported even when the links themselves are intact."""
+    pool = _pool_with_cached_block()
+    pool.free_block_queue.num_free_blocks += 1
+    with pytest.raises(IntegrityError, match="free queue holds 2 blocks, counter says 3"):
+        pool.check_integrity({1: 1, 2: 1})
+
+
 def test_integrity_error_is_an_assertion_error():
     assert issubclass(IntegrityError, AssertionError)
 
