@@ -215,10 +215,21 @@ def _pool_state(pool: BlockPool) -> tuple:
             )
             for bad in (None, [])
         ],
+        (
+            lambda p: p.cache_full_blocks(
+                [BlockPool(5).get_new_blocks(1)[0]],  # held, but by another pool
+                [root_hash(7)],
+                parent_block_hash=None,
+                token_ids=[1, 2],
+                block_size=2,
+                adapter_id=None,
+            ),
+            "blocks: .*not of this pool",
+        ),
         # It used to uncache block 1, then fail on "junk" with no epoch bump or event.
         (lambda p: p.uncache_blocks([p.blocks[1], "junk"]), "blocks: 'junk' is the null block"),
-        (lambda p: p.get_new_blocks(-1), "n=-1 must be an int >= 0"),
-        (lambda p: p.get_new_blocks(True), "n=True must be an int >= 0"),
+        (lambda p: p.get_new_blocks(-1), "get_new_blocks: n=-1 must be an int >= 0"),
+        (lambda p: p.get_new_blocks(True), "get_new_blocks: n=True must be an int >= 0"),
         (lambda p: p.get_new_blocks(3), "n=3 exceeds num_free_blocks=2"),
     ],
 )
