@@ -32,6 +32,10 @@ def test_reals_are_ints_floats_and_their_scalars_but_never_bools():
     for value in (2, 2.5, np.float16(2.5), np.int32(2), np.array(2.5), jnp.asarray(2.5)):
         assert is_real(value) and is_finite_number(value)
         assert as_float(value) == float(value) and type(as_float(value)) is float
+    # 0-d unsigned arrays too: as for is_integer, an array's dtype kind "u" is an integer.
+    for value in (np.array(2, np.uint8), jnp.asarray(2, jnp.uint32)):
+        assert is_real(value) and is_finite_number(value)
+        assert as_float(value) == float(value) and type(as_float(value)) is float
     for value in (True, False, np.bool_(True), np.array(True), 1j, "2", None, np.array([2.0])):
         assert not is_real(value) and not is_finite_number(value)
         assert math.isnan(as_float(value))
