@@ -2,7 +2,7 @@
 
 CacheConfig takes each listed kv_dtype (a numpy or JAX dtype of one, kept as its name) and
 a hash_seed anywhere in signed 64 bits (and nothing past it); EngineConfig takes each
-named attention backend.
+named attention backend and a seed anywhere from -2**63 to 2**64 - 1.
 """
 
 from __future__ import annotations
@@ -25,6 +25,14 @@ def test_hash_seed_takes_exactly_the_signed_64_bit_range():
     for bad in (2**63, -(2**63) - 1):
         with pytest.raises(ValueError, match=f"hash_seed={bad} must be an int in"):
             CacheConfig(hash_seed=bad)
+
+
+def test_engine_seed_takes_signed_and_unsigned_64_bit_seeds_and_nothing_past_them():
+    for seed in (-(2**63), 2**64 - 1):
+        assert EngineConfig(seed=seed).seed == seed
+    for bad in (2**64, -(2**63) - 1):
+        with pytest.raises(ValueError, match=f"seed={bad} must be an int in"):
+            EngineConfig(seed=bad)
 
 
 @pytest.mark.parametrize("backend", [None, "xla", "pallas_tpu", "pallas_gpu"])
@@ -50,7 +58,11 @@ def test_a_kv_dtype_given_as_a_dtype_is_stored_as_its_name(kv_dtype, name):
     assert config == CacheConfig(kv_dtype=name) and hash(config) == hash(CacheConfig(kv_dtype=name))
 
 
-@pytest.mark.parametrize("bad", ["f2", "float", float, np.float64, np.int8, np.zeros(2), 1, True])
+@pytest.mark.parametrize(
+    "bad",
+    # numpy raises ValueError, not TypeError, for the last one: the message still names kv_dtype.
+    ["f2", "float", float, np.float64, np.int8, np.zeros(2), 1, True, [("a", "f4", -1)]],
+)
 def test_a_kv_dtype_of_another_dtype_or_spelling_is_refused(bad):
     with pytest.raises(ValueError, match="kv_dtype=.* must be None or one of"):
         CacheConfig(kv_dtype=bad)
