@@ -24,9 +24,12 @@ from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig
             "without chunked prefill",
         ),
         (lambda: EngineConfig(backend="cuda"), "backend"),
+        (lambda: EngineConfig(backend=""), "backend=''"),
         (lambda: EngineConfig(min_pages_bucket=0), "min_pages_bucket=0"),
         (lambda: EngineConfig(q_len_buckets=(4, 2)), "strictly increasing"),
         (lambda: EngineConfig(q_len_buckets=(1, 8)), "must reach"),
+        (lambda: EngineConfig(q_len_buckets=(1, 511)), "must reach"),  # one short of 512
+        (lambda: EngineConfig(q_len_buckets=()), "strictly increasing ints >= 1"),
         (lambda: EngineConfig(cache={"num_blocks": 8}), "must be a CacheConfig"),
         (lambda: EngineConfig(scheduler=None), "must be a SchedulerConfig"),
         (lambda: EngineConfig(seed=1.5), "seed=1.5"),
@@ -128,6 +131,13 @@ def test_max_step_programs_without_cascade_counts_the_main_programs_only():
     # Twice: each shape compiles with and without logprobs.
     assert flat.max_step_programs == 2 * flat.buckets.max_programs(cascade=False)
     assert flat.max_step_programs < EngineConfig().max_step_programs
+
+
+def test_max_step_programs_with_padded_cascade_levels_counts_padded_levels():
+    """pad_cascade_levels exists to bound the programs more tightly; the bound says so."""
+    padded = EngineConfig(pad_cascade_levels=True)
+    assert padded.max_step_programs == 2 * padded.buckets.max_programs(pad_levels=True)
+    assert padded.max_step_programs < EngineConfig().max_step_programs
 
 
 def test_buckets_take_each_minimum_from_its_own_field():
