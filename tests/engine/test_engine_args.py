@@ -57,7 +57,11 @@ class _ConfigOnly(nnx.Module):
         ),
         # Used to be accepted; the first step then failed on the number of leaves.
         (lambda: Engine(tiny_model(), {"w": 1}, engine_config()), "params: a dict with 1"),
-        (lambda: Engine(tiny_model(), _params_with_a_wrong_shape(), engine_config()), "shape"),
+        # Named by the leaf's path within params, as the dtype refusals below are.
+        (
+            lambda: Engine(tiny_model(), _params_with_a_wrong_shape(), engine_config()),
+            r"params\[.*: shape \(.*\) must be \(.*\), as the model's",
+        ),
         # Int weights served zeros; abstract ones failed only at the first step.
         (
             lambda: Engine(
