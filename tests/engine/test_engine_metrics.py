@@ -141,6 +141,12 @@ def test_derived_rates_of_a_snapshot():
     assert idle.tokens_per_s == idle.prefix_cache_hit_rate == idle.host_time_per_step_ms == 0.0
 
 
+def test_per_step_times_after_one_step_are_that_steps_times():
+    """One step is already a mean: only no step at all gives 0."""
+    m = EngineMetrics(num_steps=1, host_time_s=0.5, device_time_s=0.25)
+    assert (m.host_time_per_step_ms, m.device_time_per_step_ms) == (500.0, 250.0)
+
+
 def test_every_derived_rate_of_an_idle_snapshot_is_zero():
     """No step time or no step yet: each rate is 0.0, never a ZeroDivisionError."""
     idle = EngineMetrics(num_prompt_tokens=3, num_generated_tokens=2, prefix_cache_hits=0)
