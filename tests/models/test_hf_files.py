@@ -80,10 +80,21 @@ def test_unsupported_rope_scaling_and_inconsistent_values_are_refused():
 
 def test_null_and_default_values_read_as_hugging_face_reads_them():
     # transformers reads a null num_key_value_heads as num_attention_heads, a null
-    # rope_theta or rms_norm_eps as the default, and rope_type "default" as plain RoPE.
-    nulls = dict(num_key_value_heads=None, rope_theta=None, rms_norm_eps=None)
+    # rope_theta or rms_norm_eps as the default, a null head_dim as hidden_size //
+    # num_attention_heads, and rope_type "default" as plain RoPE.
+    nulls = dict(num_key_value_heads=None, rope_theta=None, rms_norm_eps=None, head_dim=None)
     cfg = LlamaConfig.from_hf_dict({**REQUIRED, **nulls, "rope_scaling": {"rope_type": "default"}})
     assert cfg == LlamaConfig.from_hf_dict(REQUIRED)
+
+
+def test_the_legacy_rope_type_key_and_a_dtype_this_llama_lacks_are_read():
+    """Older configs name the scaling under "type"; a torch_dtype this Llama does not run
+    (float64) loads as float32, as a config without one does."""
+    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)  # fmt: skip
+    legacy = LlamaConfig.from_hf_dict({**REQUIRED, "rope_scaling": {"type": "llama3", **scaling}})
+    assert legacy.rope_scaling == RopeScaling(**scaling)
+    assert LlamaConfig.from_hf_dict({**REQUIRED, "torch_dtype": "float64"}).dtype == "float32"
 
 
 @pytest.mark.parametrize(
