@@ -39,6 +39,10 @@ def test_rope_parameters_of_newer_transformers_configs_are_read():
     assert (plain.rope_theta, plain.rope_scaling) == (5e5, None)
     agreeing = {**REQUIRED, "rope_theta": 5e5, "rope_parameters": {"rope_theta": 5e5}}
     assert LlamaConfig.from_hf_dict(agreeing).rope_theta == 5e5
+    # rope_parameters without a rope_theta keep the top-level one.
+    kept = {**REQUIRED, "rope_theta": 5e5, "rope_parameters": llama3(8192)}
+    cfg = LlamaConfig.from_hf_dict(kept)
+    assert (cfg.rope_theta, cfg.rope_scaling) == (5e5, LLAMA3_SCALING)
     for disagreeing in (
         {"rope_theta": 1e4, "rope_parameters": {"rope_theta": 5e5}},
         {
