@@ -58,6 +58,8 @@ def test_checkpoint_of_a_different_shape_raises_naming_the_parameter(tmp_path):
     [
         ("params.msgpack", lambda b: b[: len(b) // 2], "params.msgpack: not a msgpack"),
         ("params.msgpack", lambda b: b"not msgpack at all", "params.msgpack: not a msgpack"),
+        # A flax ndarray extension holding an int, not (shape, dtype, data): a TypeError.
+        ("params.msgpack", lambda b: b"\xc7\x01\x01\x01", "params.msgpack: not a msgpack"),
         ("config.json", lambda b: b"{not json", "config.json: not a valid LlamaConfig"),
         ("config.json", lambda b: b'{"vocab_size": 8}', "config.json: not a valid LlamaConfig"),
         ("config.json", lambda b: b"\xff\xfe" + b, "config.json: not a valid LlamaConfig"),
