@@ -210,6 +210,15 @@ def test_safetensors_with_no_data_or_a_bad_shape_is_refused_by_tensor(tmp_path):
         _raw_safetensors(path, header, bytes(8))
         with pytest.raises(CheckpointError, match="'w'.*bad header entry"):
             read_safetensors(path)
+    # Float offsets passed the range checks and slicing then raised a bare TypeError.
+    _raw_safetensors(
+        path, {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0.0, 8]}}, bytes(8)
+    )
+    with pytest.raises(CheckpointError, match="'w'.*bad header entry"):
+        read_safetensors(path)
+    path.write_bytes((2).to_bytes(8, "little") + b"[]")  # a header that is no JSON object
+    with pytest.raises(CheckpointError, match="header is not a JSON object"):
+        read_safetensors(path)
 
 
 def test_safetensors_shapes_numpy_cannot_hold_are_refused_by_tensor(tmp_path):
