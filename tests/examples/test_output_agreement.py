@@ -54,3 +54,14 @@ def test_the_attention_benchmark_fails_a_point_whose_cascade_output_is_wrong(
     assert row["jax_ref_max_abs_diff"] < 1e-4  # flat against JAX's reference, both runs
     assert (row["max_abs_diff"] >= 1.0) is broken
     assert ("FAIL: outputs disagree at (B, P, S) [(2, 16, 3)]" in capsys.readouterr().out) is broken
+
+
+def test_bfloat16_allows_2e_2_relative_to_the_wanted_value_not_to_the_output():
+    """The bfloat16 tolerance is 2e-2 * (1 + |want|): 0.05 off 0 disagrees, and an
+    output 2.04 above a wanted 100 is past 2.02 even though 2.04 <= 2e-2 * (1 + |got|)."""
+    assert TOLERANCE["bfloat16"] == 2e-2
+    zero = np.zeros(3, np.float32)
+    assert not agreement(zero + 0.05, zero, "bfloat16")["agrees"]
+    want = np.full(3, 100.0, np.float32)
+    assert not agreement(want + 2.04, want, "bfloat16")["agrees"]
+    assert agreement(want + 2.0, want, "bfloat16")["agrees"]
