@@ -77,3 +77,43 @@ def test_only_the_first_valid_rows_are_judged():
     got = errors_against_reference((junk_out, junk_lse), (out, lse), valid_rows=3)
     assert got == errors_against_reference((out[:3], lse[:3]), (out[:3], lse[:3]))
     assert got["ok"] and got["nan_outputs"] == 0
+
+
+def test_the_lse_tolerance_is_5e_3_relative_to_one_plus_the_wanted_lse():
+    """0.3 off a wanted lse of 100 passes (5e-3 * 101 = 0.505); 0.01 off 0 fails."""
+    out, lse = _pair()
+    lse[0, 0], lse[1, 0] = 100.0, 0.0
+    near = lse.copy()
+    near[0, 0] += 0.3
+    assert errors_against_reference((out, near), (out, lse))["ok"]
+    far = lse.copy()
+    far[1, 0] += 0.01
+    assert not errors_against_reference((out, far), (out, lse))["ok"]
+    assert LSE_TOLERANCE == 5e-3
+
+
+def test_the_output_tolerance_follows_the_wanted_value_not_the_kernels():
+    """2.04 above a wanted 100 fails (2e-2 * 101 = 2.02) though 2.04 <= 2e-2 * (1 + 102.04)."""
+    out, lse = _pair()
+    out[0, 0, 0] = 100.0
+    high = out.copy()
+    high[0, 0, 0] += 2.04
+    assert not errors_against_reference((high, lse), (out, lse))["ok"]
+
+
+def test_every_nan_is_counted_and_an_lse_below_the_reference_is_a_positive_error():
+    out, lse = _pair()
+    nan = out.copy()
+    nan[0, 0, 0] = nan[2, 1, 1] = np.nan
+    low = lse.copy()
+    low[1, 1] -= 0.5
+    got = errors_against_reference((nan, low), (out, lse))
+    assert got["nan_outputs"] == 2
+    assert math.isclose(got["max_abs_lse_err"], 0.5, rel_tol=1e-5)
+
+
+def test_valid_rows_judges_the_first_row_too():
+    out, lse = _pair()
+    bad = out.copy()
+    bad[0, 0, 0] += 1.0
+    assert not errors_against_reference((bad, lse), (out, lse), valid_rows=2)["ok"]
