@@ -49,3 +49,18 @@ def test_write_json_makes_the_folder_and_writes_paths_as_text(tmp_path):
     out = tmp_path / "new" / "deeper" / "r.json"
     write_json(out, {"out": out, "rows": [Path("a/b"), float("nan")]}, indent=2)
     assert _strict(out.read_text()) == {"out": str(out), "rows": ["a/b", None]}
+
+
+def test_a_nan_that_a_default_hook_makes_is_refused_not_written():
+    """finite_json nulls the NaNs it reaches; one json.dumps makes later (through a
+    `default` hook) raises ValueError instead of being written as NaN."""
+    with pytest.raises(ValueError):
+        finite_json({"x": np.float32("nan")}, default=float)
+
+
+def test_write_json_indents_by_one_space_unless_told(tmp_path):
+    from benchmarks.json_report import write_json
+
+    out = tmp_path / "r.json"
+    write_json(out, {"a": [1, 2]})
+    assert out.read_text() == json.dumps({"a": [1, 2]}, indent=1)
