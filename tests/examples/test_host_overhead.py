@@ -49,3 +49,13 @@ def test_the_trace_admits_decodes_and_frees_every_request():
     assert trace["free"]["count"] == 40
     assert trace["alloc_decode"]["count"] >= 40 * 8  # 8 to 64 decode steps each
     assert 0 < trace["prefix_cache_hit_rate"] < 1
+
+
+def test_the_trace_reports_each_operations_own_interval_in_microseconds(monkeypatch):
+    """On a clock that ticks 1000 ns a read, every timed operation spans one tick: its
+    mean, p50 and p99 are 1.0 us (not the lookup plus the allocation, nor a raw reading)."""
+    ticks = iter(range(0, 10**12, 1000))
+    monkeypatch.setattr(bench.time, "thread_time_ns", lambda: next(ticks))
+    trace = bench.bench_trace(np.random.default_rng(0), num_requests=20)
+    for op in ("lookup", "alloc_prefill", "alloc_decode", "free"):
+        assert trace[op]["mean_us"] == trace[op]["p50_us"] == trace[op]["p99_us"] == 1.0, op
