@@ -9,7 +9,7 @@ import numpy as np
 import optax
 
 from jaxkv.models import LlamaConfig, RopeScaling
-from jaxkv.models.llama import RMSNorm
+from jaxkv.models.llama import Llama, RMSNorm, apply_rope, causal_attention, rope_inv_freq
 from jaxkv.models.train import Trainer, greedy_generate
 from tests.models.conftest import hf_config_dict, random_model, small_config
 from tests.models.reference import hf_llama_forward, random_hf_weights
@@ -77,3 +77,30 @@ def test_trainer_step_returns_the_loss_before_its_update():
     before = trainer.eval_loss(tokens)
     assert np.isclose(float(trainer.step(tokens)), before, rtol=1e-6)
     assert trainer.eval_loss(tokens) < before - 1e-3  # the update did move the loss
+
+
+def test_bf16_rope_and_attention_return_bf16_as_hugging_face():
+    # Hugging Face rotates in the input dtype and casts the float32 softmax to V's dtype
+    # before multiplying by V; float32 results here would drift from a bf16 HF run.
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(0, 1, (1, 5, 2, 8)).astype(BF16)) for _ in range(3))
+    rotated = apply_rope(q, jnp.arange(5, dtype=jnp.int32)[None], rope_inv_freq(ONE_LAYER))
+    assert rotated.dtype == jnp.bfloat16
+    out = causal_attention(q, k, v, 8**-0.5)
+    assert out.dtype == jnp.bfloat16
+    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+    scores = np.einsum("bqhd,bkhd->bhqk", q64, k64) * 8**-0.5
+    scores = np.where(np.tril(np.ones((5, 5), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs = (probs / probs.sum(-1, keepdims=True)).astype(BF16).astype(np.float64)
+    want = np.einsum("bhqk,bkhd->bqhd", probs, v64)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=1e-2, atol=1e-2)
+
+
+def test_weights_are_initialised_with_hugging_faces_std_of_0_02():
+    from flax import nnx
+
+    model = Llama(small_config(num_layers=1), rngs=nnx.Rngs(0))
+    kernel = np.asarray(model.layers[0].mlp.gate_proj.kernel[...], np.float64)
+    assert abs(kernel.std() - 0.02) < 0.002
+    assert abs(np.asarray(model.embed_tokens.embedding[...], np.float64).std() - 0.02) < 0.002
