@@ -79,6 +79,20 @@ def test_trainer_step_returns_the_loss_before_its_update():
     assert trainer.eval_loss(tokens) < before - 1e-3  # the update did move the loss
 
 
+def test_the_trainer_leaves_the_given_model_and_earlier_snapshots_usable_after_steps():
+    """Trainer.step donates the trainer's own buffers: the model given to `create` and a
+    model() taken earlier keep their weights (not deleted, not overwritten)."""
+    tokens = np.random.default_rng(8).integers(0, ONE_LAYER.vocab_size, (2, 7)).astype(np.int32)
+    model = random_model(ONE_LAYER, seed=8)
+    want = np.asarray(model.embed_tokens.embedding[...]).copy()
+    trainer = Trainer.create(model, optax.sgd(0.5))
+    early = trainer.model()
+    for _ in range(2):
+        trainer.step(tokens)
+    for m in (model, early):
+        np.testing.assert_array_equal(np.asarray(m.embed_tokens.embedding[...]), want)
+
+
 def test_bf16_rope_and_attention_return_bf16_as_hugging_face():
     # Hugging Face rotates in the input dtype and casts the float32 softmax to V's dtype
     # before multiplying by V; float32 results here would drift from a bf16 HF run.
