@@ -116,6 +116,18 @@ def test_llama3_rope_scaling_keeps_high_and_divides_low_frequencies():
     assert np.all((f1[mid] < f0[mid]) & (f1[mid] > f0[mid] / 32.0))
 
 
+def test_llama3_low_band_starts_at_original_length_over_low_freq_factor():
+    # With low_freq_factor 2 the low band is wavelength > 8192 / 2 (not 8192 * 2): every
+    # wavelength past 4096 is divided by the factor whole, none smoothed.
+    base = small_config(head_dim=64, hidden_size=256, rope_theta=500000.0)
+    scaled = dataclasses.replace(base, rope_scaling=RopeScaling(32.0, 2.0, 4.0, 8192))
+    f0, f1 = rope_inv_freq(base), rope_inv_freq(scaled)
+    wavelen = 2 * np.pi / f0
+    low = wavelen > 8192 / 2
+    assert (low & (wavelen <= 8192 * 2)).any()
+    np.testing.assert_allclose(f1[low], f0[low] / 32.0, rtol=1e-6)
+
+
 def test_kv_cache_bytes_per_token_of_llama3_8b():
     # K and V, 32 layers, 8 KV heads of 128: the well-known 128 KiB per token in bfloat16.
     cfg = LlamaConfig.preset("llama3_8b")
