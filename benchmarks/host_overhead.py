@@ -46,6 +46,7 @@ from jaxkv.request import Request
 
 BLOCK_SIZE = 16
 OWN_TOKENS = 2 * BLOCK_SIZE - 3  # two blocks of a request's own, the last one partial
+CASES = ("cold", "memo", "diverge", "rows")
 
 
 # ----------------------------------------------------------- shared-prefix detection
@@ -186,18 +187,20 @@ def bench_trace(rng, num_requests: int = 10_000) -> dict:
         running = still
     m.check_integrity()
     stats = m.prefix_cache_stats
-    out = {
-        op: {
-            "count": len(v),
-            "mean_us": float(np.mean(v) / 1e3),
-            "p50_us": float(np.percentile(v, 50) / 1e3),
-            "p99_us": float(np.percentile(v, 99) / 1e3),
-        }
-        for op, v in lat.items()
-    }
+    out: dict = {op: latency_summary(v) for op, v in lat.items()}
     out["prefix_cache_hit_rate"] = stats.hit_rate
     out["num_requests"] = num_requests
     return out
+
+
+def latency_summary(ns: list[int]) -> dict:
+    """count, mean, p50 and p99 (microseconds) of per-operation times in nanoseconds."""
+    return {
+        "count": len(ns),
+        "mean_us": float(np.mean(ns) / 1e3),
+        "p50_us": float(np.percentile(ns, 50) / 1e3),
+        "p99_us": float(np.percentile(ns, 99) / 1e3),
+    }
 
 
 # -------------------------------------------------------------------------- main
@@ -229,7 +232,7 @@ def main() -> None:
     print(f"{'C':>5} {'T':>3} {'case':>8} | " + " ".join(f"R={r:<6}" for r in (16, 256, 1024)))
     for c in (128, 2048):
         for t in (0, 64):
-            for case in ("cold", "memo", "diverge", "rows"):
+            for case in CASES:
                 us = {
                     r["R"]: r["cpu_us"]
                     for r in prefix_rows

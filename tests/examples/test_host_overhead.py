@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from benchmarks import host_overhead as bench
@@ -53,9 +55,65 @@ def test_the_trace_admits_decodes_and_frees_every_request():
 
 def test_the_trace_reports_each_operations_own_interval_in_microseconds(monkeypatch):
     """On a clock that ticks 1000 ns a read, every timed operation spans one tick: its
-    mean, p50 and p99 are 1.0 us (not the lookup plus the allocation, nor a raw reading)."""
-    ticks = iter(range(0, 10**12, 1000))
-    monkeypatch.setattr(bench.time, "thread_time_ns", lambda: next(ticks))
+    mean, p50 and p99 are 1.0 us (not the lookup plus the allocation, nor a raw reading).
+    Making a Request moves the clock 1 ms: no interval includes it."""
+    clock = [0]
+
+    def read_clock():
+        clock[0] += 1000
+        return clock[0]
+
+    class SlowRequest(bench.Request):
+        def __init__(self, *args, **kwargs):
+            clock[0] += 10**6
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(bench.time, "thread_time_ns", read_clock)
+    monkeypatch.setattr(bench, "Request", SlowRequest)
     trace = bench.bench_trace(np.random.default_rng(0), num_requests=20)
     for op in ("lookup", "alloc_prefill", "alloc_decode", "free"):
         assert trace[op]["mean_us"] == trace[op]["p50_us"] == trace[op]["p99_us"] == 1.0, op
+
+
+def test_the_latency_summary_reads_the_median_and_the_99th_percentile():
+    ns = [1000 * k for k in range(1, 101)]  # 1..100 us
+    assert bench.latency_summary(ns) == {
+        "count": 100,
+        "mean_us": 50.5,
+        "p50_us": 50.5,
+        "p99_us": 99.01,
+    }
+
+
+def test_main_keeps_each_points_best_round_and_prints_1024_over_16(monkeypatch, tmp_path, capsys):
+    """Two rounds whose times differ per point: the JSON keeps the lower of each, and the
+    table prints R=16, 256, 1024 in order and their ratio 1024 / 16."""
+    grid = [(c, t, case) for c in (128, 2048) for t in (0, 64) for case in bench.CASES]
+
+    def fake_round(scale):
+        return [
+            dict(R=r, C=c, T=t, case=case, cpu_us=scale * r, wall_us=0.0)
+            for c, t, case in grid
+            for r in (16, 256, 1024)
+        ]
+
+    rounds = iter([fake_round(2.0), fake_round(1.0), fake_round(3.0)])
+    monkeypatch.setattr(bench, "bench_prefix", lambda rng: next(rounds))
+    summary = bench.latency_summary([1000])
+    trace = {op: summary for op in ("lookup", "alloc_prefill", "alloc_decode", "free")}
+    trace |= {"prefix_cache_hit_rate": 0.5, "num_requests": 1}
+    monkeypatch.setattr(bench, "bench_trace", lambda rng, n: trace)
+    out = tmp_path / "host.json"
+    monkeypatch.setattr("sys.argv", ["host_overhead.py", "--out", str(out), "--rounds", "3"])
+    bench.main()
+    rows = json.loads(out.read_text())["num_common_prefix_blocks"]
+    assert len(rows) == len(grid) * 3
+    assert all(r["cpu_us"] == r["R"] for r in rows)  # round 2's, the lowest
+    printed = capsys.readouterr().out.splitlines()
+    header = next(line for line in printed if line.lstrip().startswith("C "))
+    assert header.split("|")[1].split() == ["R=16", "R=256", "R=1024"]
+    table = [line for line in printed if "1024/16=" in line]
+    assert len(table) == len(grid)
+    assert all(
+        line.split("|")[1].split() == ["16.0", "256.0", "1024.0", "1024/16=64.00"] for line in table
+    )
