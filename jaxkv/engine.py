@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import time
 import weakref
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -47,7 +47,7 @@ from jaxkv.parallel_sampling import IdsInUse, ParallelSamples
 from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.request import Request
 from jaxkv.request_id_lists import checked_request_ids
-from jaxkv.request_serials import RequestSerials
+from jaxkv.request_serials import RequestSerials, SerialsCheckpoint
 from jaxkv.sampler import SamplingRows
 from jaxkv.sampling_checks import checked_sampling_params
 from jaxkv.sampling_params import SamplingParams
@@ -195,10 +195,12 @@ class Engine(Closable):
         self._serials.take(serial)  # only once queued (jaxkv.request_serials)
         return request_id
 
-    def queue_checkpoint(self) -> Callable[[], None]:
+    def queue_checkpoint(self) -> SerialsCheckpoint:
         """A function that, called once every request queued since has been aborted (as
         generate does when it refuses a prompt), gives the next request the default id and
-        seed it would have had; it raises RuntimeError while the engine still holds one."""
+        seed it would have had; it raises RuntimeError, changing nothing, while the engine
+        still holds one. Its check() raises that error without rewinding (a router checks
+        every replica before it rewinds any)."""
         return self._serials.checkpoint(self.scheduler.requests)
 
     def abort(self, request_ids: str | Iterable[str]) -> bool:

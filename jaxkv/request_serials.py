@@ -10,7 +10,7 @@ its k-th prompt after queueing the ones before it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Container, Mapping
 
 _NONE = object()  # held by no request
 
@@ -36,23 +36,35 @@ class RequestSerials:
         """Records that the request given `serial` by peek() has been queued."""
         self.next = serial + 1
 
-    def checkpoint(self, live: Mapping[str, object]) -> Callable[[], None]:
-        """A function that sets the next serial back to the one it is now.
+    def checkpoint(self, live: Mapping[str, object]) -> SerialsCheckpoint:
+        """A SerialsCheckpoint of the next serial as it is now; `live` is the owner's live
+        mapping of request ids to their requests."""
+        return SerialsCheckpoint(self, live)
 
-        `live` is the owner's live mapping of request ids to their requests. The function
-        raises RuntimeError, changing nothing, while it holds a request it did not hold at
-        the checkpoint (by identity: an id released and queued again since counts as
-        new): that request keeps the serial (its seed) a later one would take again.
-        """
-        serial, before = self.next, dict(live)
 
-        def rewind() -> None:
-            since = [rid for rid, held in live.items() if before.get(rid, _NONE) is not held]
-            if since:
-                raise RuntimeError(
-                    f"requests {since[:3]} queued since the checkpoint are still held; "
-                    "abort them (and let their KV copies land) before rewinding"
-                )
-            self.next = serial
+class SerialsCheckpoint:
+    """Called, sets the next serial of `serials` back to the one it was at creation.
 
-        return rewind
+    The call, and check(), raise RuntimeError, changing nothing, while `live` (the owner's
+    live mapping of request ids to their requests) holds a request it did not hold then
+    (by identity: an id released and queued again since counts as new): that request
+    keeps the serial (its seed) a later one would take again.
+    """
+
+    def __init__(self, serials: RequestSerials, live: Mapping[str, object]) -> None:
+        self._serials, self._serial = serials, serials.next
+        self._live, self._before = live, dict(live)
+
+    def check(self) -> None:
+        """Raises the RuntimeError a call would raise now; changes nothing either way."""
+        before = self._before
+        since = [rid for rid, held in self._live.items() if before.get(rid, _NONE) is not held]
+        if since:
+            raise RuntimeError(
+                f"requests {since[:3]} queued since the checkpoint are still held; "
+                "abort them (and let their KV copies land) before rewinding"
+            )
+
+    def __call__(self) -> None:
+        self.check()
+        self._serials.next = self._serial

@@ -96,14 +96,17 @@ def test_request_serials_skip_taken_ids_and_take_a_serial_only_when_told():
     rewind = serials.checkpoint(live)
     serials.take(5)
     live["b"] = object()
-    with pytest.raises(RuntimeError, match=r"\['b'\]"):
-        rewind()
+    for refused in (rewind.check, rewind):
+        with pytest.raises(RuntimeError, match=r"\['b'\]"):
+            refused()
     assert serials.next == 6
     del live["b"]
     live["a"] = object()  # "a" released and queued again since: a new request
     with pytest.raises(RuntimeError, match=r"\['a'\]"):
         rewind()
     live.pop("a")
+    rewind.check()
+    assert serials.next == 6  # checked, not rewound
     rewind()
     assert serials.next == 3
 
