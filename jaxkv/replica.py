@@ -16,7 +16,8 @@ class Replica(Protocol):
     """What the router needs of a replica; jaxkv.engine.Engine has it. It also uses Engine's
     ids_in_use, has_pending_transfers, queue_checkpoint, reset_prefix_cache and
     close(timeout_s=...) where a replica has them (PrefixAwareRouter.close closes each
-    replica that has close)."""
+    replica that has close; PrefixAwareRouter.queue_checkpoint calls the check() of each
+    replica's rewind that has one before it rewinds any)."""
 
     def add_request(
         self,

@@ -218,19 +218,26 @@ class PrefixAwareRouter(Closable):
         generate does when it refuses a prompt), gives back what queueing them changed:
         the next generated id, the prefix routes they added, and the default ids and seeds
         of replicas with a queue_checkpoint method (Engine). It raises RuntimeError,
-        changing nothing, while the router still holds one of them. Taking it copies the
-        prefix routes (about 5 ms at the default max_tracked_prefixes, 2-core CPU)."""
+        changing nothing, while the router, or such a replica, still holds one of them (a
+        request added to the replica directly counts too): it checks every checkpoint
+        before it rewinds any. A replica's rewind with no check() method (Engine's has one)
+        is checked only by calling it, before anything else is rewound: with two or more
+        such replicas, one that refuses leaves those before it rewound. Taking it copies
+        the prefix routes (about 5 ms at the default max_tracked_prefixes, 2-core CPU)."""
         routes = self._routes.snapshot()
         # By token, not replica: an id aborted and queued again on its replica is new.
         rewind_ids = self._serials.checkpoint(self._queued)
-        rewind_replicas = [
-            r.queue_checkpoint() for r in self.replicas if hasattr(r, "queue_checkpoint")
-        ]
+        rewinds = [r.queue_checkpoint() for r in self.replicas if hasattr(r, "queue_checkpoint")]
+        checked = [rewind_ids, *(r for r in rewinds if hasattr(r, "check"))]
+        unchecked = [r for r in rewinds if not hasattr(r, "check")]
 
         def rewind() -> None:
-            rewind_ids()  # first: raises while a request queued since is outstanding
-            for rewind_replica in rewind_replicas:
+            for checkpoint in checked:
+                checkpoint.check()  # raises while a request queued since is held
+            for rewind_replica in unchecked:  # its call is its check: before any change
                 rewind_replica()
+            for checkpoint in checked:
+                checkpoint()
             self._routes.restore(routes)
 
         return rewind

@@ -86,6 +86,26 @@ def test_rewinding_while_a_request_queued_since_is_held_is_refused_and_changes_n
     assert router.route([1] * 8).matched_blocks == 0 and router.add_request([1]) == "dp-0"
 
 
+def test_a_router_rewind_an_engine_replica_refuses_leaves_ids_seeds_and_routes_as_they_were():
+    # Replica 1 holds a request added to it directly since the checkpoint. The rewind used
+    # to rewind the router's ids and replica 0's ids and seeds before replica 1 refused.
+    r = PrefixAwareRouter([make_engine(), make_engine()], block_size=BLOCK_SIZE)
+    rewind = r.queue_checkpoint()
+    queued = r.add_request(PROMPT)
+    assert r.replica_of(queued) == 0 and r.abort(queued)
+    r.replicas[1].add_request([3], request_id="direct")
+    with pytest.raises(RuntimeError, match=r"\['direct'\] queued since the checkpoint"):
+        rewind()
+    assert r.route(PROMPT).matched_blocks == 1
+    assert r.replicas[0].add_request([3]) == "1"  # serial 1: the id and seed after PROMPT's
+    assert r.add_request([4]) == "dp-1"
+    assert r.replicas[0].abort("1") and r.abort("dp-1") and r.replicas[1].abort("direct")
+    rewind()
+    assert r.route(PROMPT).matched_blocks == 0
+    assert [e.add_request([3]) for e in r.replicas] == ["0", "0"]
+    assert r.add_request([4]) == "dp-0"
+
+
 def test_request_serials_skip_taken_ids_and_take_a_serial_only_when_told():
     serials = RequestSerials("x-")
     assert serials.peek(None, {"x-0", "x-1"}) == (2, "x-2")

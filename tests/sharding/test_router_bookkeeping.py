@@ -1,5 +1,6 @@
-"""PrefixAwareRouter bookkeeping over fake replicas: queue checkpoints, aborting several
-ids, and the count of a request whose samples (SamplingParams.n > 1) end one by one."""
+"""PrefixAwareRouter bookkeeping over fake replicas: queue checkpoints (a rewind that one
+replica refuses changes nothing), aborting several ids, and the count of a request whose
+samples (SamplingParams.n > 1) end one by one."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import dataclasses
 import pytest
 
 from jaxkv import SamplingParams
-from jaxkv.router import PrefixAwareRouter
+from jaxkv.request_serials import RequestSerials
+from jaxkv.router import PrefixAwareRouter, Route
 from tests.sharding._router_util import BLOCK, FakeReplica, OffloadingReplica, make_router
 
 
@@ -82,6 +84,75 @@ def test_rewinding_a_queue_checkpoint_forgets_the_routes_added_since_and_rewinds
     assert router.route([7] * BLOCK).matched_blocks == 1  # routed before the checkpoint
     assert [r.rewinds for r in replicas] == [1, 1]
     assert router.replica_of(before) in (0, 1)
+
+
+class SerialReplica(FakeReplica):
+    """Numbers the requests it queues, and checkpoints the numbers, as Engine does."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.serials = RequestSerials()
+
+    def add_request(self, prompt_token_ids, sampling_params=None, *, request_id, cache_salt=None):
+        super().add_request(
+            prompt_token_ids, sampling_params, request_id=request_id, cache_salt=cache_salt
+        )
+        self.serials.take(self.serials.next)
+        return request_id
+
+    def queue_checkpoint(self):
+        return self.serials.checkpoint(self.running)
+
+
+class RefusingRewindReplica(FakeReplica):
+    """Its rewind refuses, and has no check() to say so beforehand."""
+
+    def queue_checkpoint(self):
+        def rewind() -> None:
+            raise RuntimeError("replica 1 still holds one")
+
+        return rewind
+
+
+def _queue_and_abort_on_replica_0(router: PrefixAwareRouter) -> None:
+    rid = router.add_request([1] * 2 * BLOCK)
+    assert rid == "dp-0" and router.replica_of(rid) == 0
+    assert router.abort(rid)
+
+
+def test_a_rewind_one_replica_refuses_changes_nothing_until_every_one_can_rewind():
+    """Replica 1 holds a request added to it directly since the checkpoint, so its rewind
+    refuses. The rewind used to rewind the router's ids and replica 0's before replica 1
+    raised: half done, the next generated id "dp-0" again and replica 0's next serial 0."""
+    replicas = [SerialReplica(i) for i in range(2)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    rewind = router.queue_checkpoint()
+    _queue_and_abort_on_replica_0(router)
+    replicas[1].add_request([2], request_id="direct")
+    with pytest.raises(RuntimeError, match=r"\['direct'\] queued since the checkpoint"):
+        rewind()
+    assert [r.serials.next for r in replicas] == [1, 1]
+    assert router.route([1] * 2 * BLOCK) == Route(0, 2)
+    assert router.add_request([3]) == "dp-1"
+    assert router.abort("dp-1") and replicas[1].abort("direct")
+    rewind()
+    assert [r.serials.next for r in replicas] == [0, 0]
+    assert router.route([1] * 2 * BLOCK).matched_blocks == 0
+    assert router.add_request([3]) == "dp-0"
+
+
+def test_a_replica_rewind_without_a_check_is_called_before_anything_is_rewound():
+    """One that refuses changes nothing: rewound in replica order, it used to raise after
+    the router's ids and replica 0 had been rewound."""
+    replicas = [SerialReplica(0), RefusingRewindReplica(1)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    rewind = router.queue_checkpoint()
+    _queue_and_abort_on_replica_0(router)
+    with pytest.raises(RuntimeError, match="replica 1 still holds one"):
+        rewind()
+    assert replicas[0].serials.next == 1
+    assert router.route([1] * 2 * BLOCK) == Route(0, 2)
+    assert router.add_request([3]) == "dp-1"
 
 
 def test_aborting_several_ids_aborts_every_one_after_the_first_that_was_aborted():
