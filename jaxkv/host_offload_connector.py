@@ -44,10 +44,12 @@ class HostOffloadConnector(KVConnector):
     dropped by a failed load, or never stored because its save failed) are demoted, the
     next to be evicted (see jaxkv.host_block_store). Only blocks whose every token was
     computed are saved, and a hash already stored or being saved is not copied twice. A
-    failed save frees the blocks and stores nothing; a failed load drops its store
-    entries (so a retry recomputes) and the scheduler frees the blocks and recomputes
-    the tokens: nothing leaks, nothing is half-loaded. Each failed copy is logged as a
-    warning naming its request and the copy's exception (raised on the copy thread).
+    failed save (its copy raised, or returned no array of as many blocks as it was given)
+    frees the blocks and stores nothing; a failed load drops its store entries (so a
+    retry recomputes) and the scheduler frees the blocks and recomputes the tokens:
+    nothing leaks, nothing is half-loaded. Each failed copy is logged as a warning naming
+    its request and the copy's exception (raised on the copy thread) or what is wrong
+    with its result.
 
     copy_delay_steps > 0 reports a transfer no earlier than that many poll() calls after
     it started (to hold blocks on purpose in tests and benchmarks).
@@ -244,7 +246,9 @@ class HostOffloadConnector(KVConnector):
 
     def _finish_save(self, t: _Transfer) -> bool:
         try:
-            data = _copy_result(t.future)
+            # Made one array inside the try: blocks no array holds (ragged ones) fail the
+            # save here, not in the store's put below, after _collect dropped the transfer.
+            data = np.asarray(_copy_result(t.future))
             if len(data) != len(t.hashes):
                 raise ValueError(f"{len(data)} blocks copied for {len(t.hashes)} asked")
         except Exception as e:  # noqa: BLE001 - any copy failure frees the blocks the same way

@@ -4,12 +4,13 @@ the copy thread), naming the request and the exception, besides counting it."""
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 
 import pytest
 
 from jaxkv import Request, SamplingParams
 from jaxkv.host_offload_connector import HostOffloadConnector
-from tests.host._sched_util import FakeCopier
+from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle
 
 BS = 4
 
@@ -78,3 +79,39 @@ def test_a_copy_that_ended_with_a_base_exception_fails_like_any_other(error, cap
     assert len(messages) == 2 and all(repr(error) in m for m in messages), messages
     stats = connector.stats
     assert (stats.num_failed_saves, stats.num_saves, stats.num_failed_loads) == (1, 1, 1)
+
+
+class _RaggedSaves(FakeCopier):
+    """A copier whose saves, while `ragged`, land as many blocks as asked, each ragged (no
+    array holds it)."""
+
+    ragged = True
+
+    def start_save(self, block_ids):
+        if not self.ragged:
+            return super().start_save(block_ids)
+        future: Future = Future()
+        future.set_result([[[0.0], [1.0, 2.0]]] * len(block_ids))
+        return future
+
+
+@pytest.mark.filterwarnings("error")
+def test_a_save_that_lands_ragged_blocks_fails_and_its_blocks_are_freed(caplog):
+    # poll() used to raise in the store's put, the save already dropped: the request
+    # stayed FINISHED_TRANSFERRING, holding its blocks for good.
+    copier = _RaggedSaves(16, BS)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    sched = make_scheduler(num_blocks=16, block_size=BS, connector=connector)
+    add(sched, "a", range(1, 10), max_tokens=1)
+    with caplog.at_level(logging.WARNING, logger="jaxkv.host_offload_connector"):
+        run_until_idle(sched)
+    assert sched.requests == {} and sched.manager.num_free_blocks == 15
+    assert not connector.has_pending() and connector.stored_hashes() == []
+    assert connector.stats.num_failed_saves == 1 and connector.stats.num_saves == 0
+    ((message,),) = [[r.getMessage() for r in caplog.records]]
+    assert "save of 'a' failed" in message and "ValueError" in message, message
+    copier.ragged = False
+    add(sched, "b", range(1, 10), max_tokens=1)
+    run_until_idle(sched)
+    assert len(connector.stored_hashes()) == 2  # the failed save left none "being saved"
