@@ -136,28 +136,31 @@ class HostOffloadConnector(KVConnector):
 
     def on_finish(self, request: Request, block_ids: Sequence[int]) -> bool:
         """Starts saving the finished request's full blocks the store lacks (True: keep
-        them held until poll() reports the save). Raises ValueError, starting nothing,
-        unless `block_ids` are distinct block ids (one saved under two hashes would be the
-        wrong KV for one of them)."""
+        them held until poll() reports the save) and refreshes those it holds. Raises
+        ValueError, starting nothing, unless `block_ids` are distinct block ids (one saved
+        under two hashes would be the wrong KV for one of them). An exception from the
+        copier's start_save propagates with this connector unchanged (its store's LRU
+        order included); the scheduler then frees the blocks unsaved."""
         copier = self._require_copier()
         block_ids = _distinct_ids(block_ids, f"on_finish({request.request_id!r})")
         if self.host_bytes < self._block_bytes:
             return False
         hashes = request.update_block_hashes(self._block_size, self._hash_seed)
         num_full = min(request.num_computed_tokens // self._block_size, len(block_ids))
-        picked = []
+        picked, stored = [], []
         for i in reversed(range(num_full)):  # a chain's head ends up most recently used
             h = hashes[i]
             if h in self._store:
-                self._store.touch(h)  # used again: refresh its LRU position
+                stored.append(h)
             elif h not in self._saving:
                 picked.append((block_ids[i], h))
         picked.reverse()
-        if not picked:
+        future = copier.start_save([b for b, _ in picked]) if picked else None
+        for h in stored:  # used again, once start_save did not raise: refresh them
+            self._store.touch(h)
+        if future is None:
             return False
-        ids = [b for b, _ in picked]
         new_hashes = [h for _, h in picked]
-        future = copier.start_save(ids)
         self._saves[request.request_id] = _Transfer(
             request.request_id, future, new_hashes, self._step, chain=hashes[:num_full]
         )

@@ -1,6 +1,7 @@
 """A KV connector whose on_finish raises: a save that failed to start, logged, never a
 leak. The failure is logged, not warned: a warnings filter that turns warnings into
-errors (as these tests set) would otherwise raise before the blocks were freed."""
+errors (as these tests set) would otherwise raise before the blocks were freed. A
+HostOffloadConnector whose copier's start_save raises changes nothing before it does."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from jaxkv.host_offload_connector import HostOffloadConnector
 from jaxkv.kv_transfer import KVConnector
-from tests.host._sched_util import add, make_scheduler, step
+from tests.host._sched_util import FakeCopier, add, computed_request, make_scheduler, step
 
 
 class _OnFinishRaises(KVConnector):
@@ -44,3 +45,38 @@ def test_an_unbound_offload_connector_frees_the_blocks_it_cannot_save(caplog):
         step(sched)
     assert re.search("used unbound.*freed without saving", caplog.text)
     assert sched.requests == {} and sched.manager.num_free_blocks == 63
+
+
+class _StartSaveRaises(FakeCopier):
+    """A copier whose start_save raises while `refuse` (its copy program failed to build)."""
+
+    refuse = False
+
+    def start_save(self, block_ids):
+        if self.refuse:
+            raise RuntimeError("the save's copy program failed to build")
+        return super().start_save(block_ids)
+
+
+def test_a_start_save_that_raises_leaves_the_offload_connector_unchanged():
+    # on_finish used to refresh the stored blocks of the request's prompt before
+    # start_save: one that raised had still moved them to most recently used.
+    copier = _StartSaveRaises(16, 4)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=4, hash_seed=0)
+    for rid, first, ids in (("a", 1, [1, 2]), ("b", 20, [3, 4])):
+        assert connector.on_finish(computed_request(rid, list(range(first, first + 8))), ids)
+        assert connector.poll().saved == (rid,)
+    stored = connector.stored_hashes()  # a's two blocks, then b's
+    longer = computed_request("c", list(range(1, 13)))  # a's prompt and one block more
+    copier.refuse = True
+    with pytest.raises(RuntimeError, match="failed to build"):
+        connector.on_finish(longer, [5, 6, 7])
+    assert connector.stored_hashes() == stored and not connector.has_pending()
+    assert (connector.stats.num_saves, connector.stats.num_failed_saves) == (2, 0)
+    copier.refuse = False
+    assert connector.on_finish(longer, [5, 6, 7])  # its third block is not "being saved"
+    assert copier.saved_block_ids[-1] == [7]
+    assert connector.stored_hashes() == [*stored[2:], *stored[:2]]  # a's refreshed now
+    assert connector.poll().saved == ("c",)
+    assert connector.stored_hashes()[:2] == stored[2:] and len(connector.stored_hashes()) == 5
