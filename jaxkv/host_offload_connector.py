@@ -86,17 +86,15 @@ class HostOffloadConnector(KVConnector):
     def bind(self, copier: KVCopier, *, block_size: int, hash_seed: int) -> None:
         """Serves the engine of `copier` from now on, holding it weakly (its engine keeps
         it). Raises RuntimeError, changing nothing, while bound to another live copier,
-        and ValueError, changing nothing, unless `block_size` and `copier.bytes_per_block`
-        are ints >= 1 and `hash_seed` an int that fits in 64 bits."""
+        or to `copier` under another layout (block size, hash seed, or the copier's block
+        layout or model) while a copy is in flight: a save would land under the old
+        layout's hashes. Raises ValueError, changing nothing, unless `block_size` and
+        `copier.bytes_per_block` are ints >= 1 and `hash_seed` an int that fits in 64
+        bits."""
         block_size, hash_seed, bytes_per_block = _checked_layout(copier, block_size, hash_seed)
         bound = self._bound()
         if bound is not copier:
             self.check_can_bind()
-        if bound is None and self._copier_ref is not None:
-            # Its engine was collected without close(): no one will collect these copies.
-            self._saves.clear()
-            self._loads.clear()
-            self._saves_ended_unstored(list(self._saving))
         layout = (
             block_size,
             hash_seed,
@@ -105,6 +103,17 @@ class HostOffloadConnector(KVConnector):
             str(getattr(copier, "dtype", None)),
             getattr(copier, "model_fingerprint", None),
         )
+        if bound is copier and layout != self._layout and self.has_pending():
+            raise RuntimeError(
+                f"bind of the bound copier with another layout while {len(self._saves)} "
+                f"saves and {len(self._loads)} loads are in flight (a save would land under "
+                "the old layout's hashes): poll() until has_pending() is False first"
+            )
+        if bound is None and self._copier_ref is not None:
+            # Its engine was collected without close(): no one will collect these copies.
+            self._saves.clear()
+            self._loads.clear()
+            self._saves_ended_unstored(list(self._saving))
         if layout != self._layout:
             self._store.clear()  # saved for other blocks: not this engine's KV
         self._layout, self._block_bytes = layout, bytes_per_block

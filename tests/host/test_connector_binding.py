@@ -61,6 +61,29 @@ def test_unbind_is_refused_while_a_copy_is_in_flight():
     assert len(connector.stored_hashes()) == 2
 
 
+@pytest.mark.parametrize(("block_size", "hash_seed"), [(2 * BS, 0), (BS, 1)])
+def test_rebinding_the_bound_copier_under_another_layout_is_refused_mid_copy(block_size, hash_seed):
+    # The save in flight, hashed under the old layout, used to land in the store emptied
+    # for the new one: room taken by blocks no request of the new layout could load.
+    copier = FakeCopier(16, BS, auto_complete=False)
+    connector = HostOffloadConnector(1 << 20)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    assert connector.on_finish(_one_request("a", 8), [1, 2])
+    copier.complete()
+    assert connector.poll().saved == ("a",)
+    stored = connector.stored_hashes()
+    assert connector.on_finish(_one_request("b", 12), [3, 4, 5])  # a's blocks and one more
+    with pytest.raises(RuntimeError, match="another layout while 1 saves and 0 loads"):
+        connector.bind(copier, block_size=block_size, hash_seed=hash_seed)
+    assert connector.hash_layout == (BS, 0) and connector.stored_hashes() == stored
+    connector.bind(copier, block_size=BS, hash_seed=0)  # the same layout: fine
+    copier.complete()
+    assert connector.poll().saved == ("b",) and len(connector.stored_hashes()) == 3
+    connector.bind(copier, block_size=block_size, hash_seed=hash_seed)  # nothing in flight
+    assert connector.hash_layout == (block_size, hash_seed)
+    assert connector.stored_hashes() == []
+
+
 @pytest.mark.parametrize(
     ("block_size", "hash_seed", "bytes_per_block"),
     [(2 * BS, 0, None), (BS, 1, None), (BS, 0, 2 * 4 * BS)],
