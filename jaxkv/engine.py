@@ -251,9 +251,11 @@ class Engine(Closable):
         (Scheduler.discard) before it propagates: no block its tokens were to fill stays
         in the prefix cache, running requests schedule the same tokens next step, and
         requests it admitted wait again; the engine keeps serving. An interrupt in the
-        tokenizer (read after the model ran) loses the step's outputs: each request keeps
-        its tokens, those that finished free their blocks, and the step counts in metrics
-        and last_step. Calls back into the engine from a step (a tokenizer's) raise RuntimeError.
+        tokenizer (read after the model ran) loses the step's outputs: each request the
+        update reached keeps its tokens, those that finished free their blocks, those
+        after it compute the same tokens next step, and the step counts in metrics and
+        last_step (num_prompt_tokens counting a prompt chunk computed again in both
+        steps). Calls back into the engine from a step (a tokenizer's) raise RuntimeError.
         """
         t0, c0 = time.perf_counter(), time.thread_time()
         prompt_logprobs = self._sampling.prompt_logprobs

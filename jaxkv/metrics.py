@@ -79,8 +79,9 @@ class EngineMetrics:
     """
 
     num_steps: int = 0  # steps that ran the model
-    # Prefill tokens computed (prefix-cache hits excluded), a preempted request's
-    # recomputed context included.
+    # Prefill tokens computed (prefix-cache hits excluded), once per run: a preempted
+    # request's recomputed context included, and a chunk run again because a tokenizer
+    # interrupt stopped its step's update before it.
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0

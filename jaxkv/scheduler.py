@@ -326,6 +326,11 @@ class Scheduler:
         if the connector keeps them, held in `transferring`. Raises ValueError (nothing
         changed) unless `output` is the latest schedule()'s and not yet applied, and
         `sampled_token_ids` holds one integer >= 0 per scheduled request.
+
+        An interrupt from the tokenizer propagates once the requests it reached are
+        applied (those marked finished leave `running`); the running requests after it
+        stay unadvanced and schedule the same tokens again. Either way `stats` counts
+        every scheduled request's tokens but an aborted one's: computed twice, twice.
         """
         self._check_unapplied(output)
         tokens = checked_sampled_tokens(output, sampled_token_ids)

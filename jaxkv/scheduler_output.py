@@ -39,10 +39,13 @@ class SchedulerStats:
     """Counters since the scheduler was built."""
 
     num_preemptions: int = 0
-    # Prefill tokens run through the model: prompt chunks, and again the whole context of
-    # a request recomputed after preemption (prefix-cache hits are not computed).
+    # Prefill tokens run through the model, once per run: prompt chunks, and again the
+    # whole context of a request recomputed after preemption, and again a chunk that an
+    # update interrupted before reaching it (prefix-cache hits are not computed).
     num_prompt_tokens_computed: int = 0
-    num_decode_tokens_computed: int = 0  # one per decode step of a request with output
+    # One per decode step of a request with output, a decode run again after an
+    # interrupted update as well.
+    num_decode_tokens_computed: int = 0
     num_generated_tokens: int = 0
 
 

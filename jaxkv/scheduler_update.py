@@ -69,6 +69,8 @@ def apply_sampled_tokens(
     # The tokenizer (user code) runs in the pass: an interrupt there loses this step's
     # outputs, but each request keeps its tokens so far, and those marked finished leave
     # `running` with their blocks (the carry stays None: the next step takes a full pass).
+    # The requests after it stay unadvanced and compute their tokens again in a later step:
+    # the counters count both runs (_unadvanced_counts).
     try:
         for request, n, token in zip(
             output.requests, output.num_scheduled_tokens.tolist(), tokens, strict=True
@@ -147,6 +149,11 @@ def apply_sampled_tokens(
                     (request.request_id, (token,), True, reason, None, 0, None, stop_reason, text)
                 )
             )
+    except BaseException:
+        prompt, decode = _unadvanced_counts(output)
+        num_prompt += prompt
+        num_decode += decode
+        raise
     finally:
         scheduler._count(
             num_prompt_tokens_computed=num_prompt,
@@ -158,3 +165,23 @@ def apply_sampled_tokens(
             scheduler._finish(finished)
     scheduler._decode_carry = carry
     return outputs
+
+
+def _unadvanced_counts(output: SchedulerOutput) -> tuple[int, int]:
+    """Prompt and decode tokens of the running requests of `output` that its update left
+    unadvanced: the model computed them in this step and computes them again in a later
+    one, and each run counts, as a preempted request's recompute does."""
+    prompt = decode = 0
+    for request, n, computed in zip(
+        output.requests,
+        output.num_scheduled_tokens.tolist(),
+        output.num_computed_tokens.tolist(),
+        strict=True,
+    ):
+        if request.status is RequestStatus.RUNNING and request.num_computed_tokens == computed:
+            # apply_sampled_tokens' test, before the advance
+            if n == 1 and request.output_token_ids and computed + 1 == request.num_tokens:
+                decode += 1
+            else:
+                prompt += n
+    return prompt, decode

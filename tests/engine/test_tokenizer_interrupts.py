@@ -1,7 +1,8 @@
 """An interrupt (KeyboardInterrupt) raised inside the tokenizer, which the update pass
 calls for stop strings, streamed text and finished text: the step's outputs are lost, but
 the engine keeps serving: a request marked finished leaves the running queue with its
-blocks, a running one keeps its tokens, and nothing stays in use or allocated."""
+blocks, a running one keeps its tokens (one after it in the batch computes its tokens
+again, and the metrics count both runs), and nothing stays in use or allocated."""
 
 from __future__ import annotations
 
@@ -145,4 +146,31 @@ def test_an_interrupt_reading_a_finishing_token_still_finishes_the_request(make_
     assert not engine.has_unfinished_requests() and rid not in engine.ids_in_use
     assert engine.step() == []
     assert engine.metrics.num_generated_tokens == 3
+    assert_all_blocks_free(engine)
+
+
+def test_tokens_an_interrupt_leaves_to_compute_again_count_each_time_they_run():
+    # The interrupt comes in the first request's read, so the second was not advanced:
+    # the model ran its prompt in the interrupted step and runs it again in the next.
+    # num_prompt_tokens counts both runs, as it counts a preempted request's recompute,
+    # so the step records add up to the tokens computed.
+    tokenizer = _InterruptOnce()
+    engine = Engine(tiny_model(), None, engine_config(), tokenizer=tokenizer)
+    params = SamplingParams(max_tokens=2, stream_text=True)
+    first = engine.add_request(PROMPT, params)
+    second = engine.add_request([t + 10 for t in PROMPT], params)
+    tokenizer.after = tokenizer.calls + 1
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    steps = [engine.last_step]
+    requests = engine.scheduler.requests
+    assert requests[first].num_computed_tokens == len(PROMPT)
+    assert requests[second].num_computed_tokens == 0  # its prompt runs again
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps.append(engine.last_step)
+    m, stats = engine.metrics, engine.scheduler.stats
+    assert m.num_prompt_tokens == 3 * len(PROMPT) and m.num_generated_tokens == 4
+    decoded = stats.num_decode_tokens_computed
+    assert sum(s.num_tokens for s in steps) == m.num_prompt_tokens + decoded
     assert_all_blocks_free(engine)

@@ -1,8 +1,9 @@
 """update_from_output details the scenario tests left unpinned: each step's outputs in
 batch order with the token sampled, any of several stop tokens, and the prefill/decode
 counters of a 1-token recompute chunk that leaves exactly one token to compute, no
-schedule() while its previous batch is pending, and which stop rule (min_tokens, an EOS
-under ignore_eos, a stop token's text) decides a finish."""
+schedule() while its previous batch is pending, which stop rule (min_tokens, an EOS
+under ignore_eos, a stop token's text) decides a finish, and the counters of the
+requests a tokenizer interrupt leaves unadvanced."""
 
 from __future__ import annotations
 
@@ -193,3 +194,45 @@ def test_a_stop_tokens_text_is_a_stop_string_only_if_the_output_keeps_it():
     add(sched, "string", [1, 2], max_tokens=9, stop="h")
     outs = _outputs(sched, [7])
     assert [(o.finish_reason, o.stop_reason) for o in outs] == [("stop", 7), ("stop", "h")]
+
+
+class _Interrupting(_Letters):
+    """_Letters whose decode raises KeyboardInterrupt while `armed`."""
+
+    armed = False
+
+    def decode(self, ids) -> str:
+        if self.armed:
+            raise KeyboardInterrupt
+        return super().decode(ids)
+
+
+def test_tokens_an_interrupted_update_leaves_unadvanced_count_each_time_they_run():
+    # a's streamed read is interrupted in the second step, before b's decode and c's
+    # first prompt chunk are applied: both were computed and are computed again next
+    # step, and the counters count each run (as the steps' tokens do), a decode as one.
+    sched = make_scheduler(max_num_batched_tokens=6, max_num_seqs=3)
+    tokenizer = _Interrupting()
+    sched.detokenizer = Detokenizer(tokenizer)
+    a = add(sched, "a", [1, 2], max_tokens=3, stream_text=True)
+    b = add(sched, "b", [3, 4], max_tokens=3)
+    out = sched.schedule()
+    sched.update_from_output(out, [token_of(r) for r in out.requests])
+    c = add(sched, "c", range(10, 20), max_tokens=2)
+    out = sched.schedule()
+    assert out.requests == [a, b, c] and out.num_scheduled_tokens.tolist() == [1, 1, 4]
+    tokenizer.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        sched.update_from_output(out, [token_of(r) for r in out.requests])
+    tokenizer.armed = False
+    assert (a.num_computed_tokens, b.num_computed_tokens, c.num_computed_tokens) == (3, 2, 0)
+    stats = sched.stats
+    assert (stats.num_prompt_tokens_computed, stats.num_decode_tokens_computed) == (8, 2)
+    num_tokens = 4 + 6
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        num_tokens += out.total_num_scheduled_tokens
+        sched.update_from_output(out, [token_of(r) for r in out.requests])
+    stats = sched.stats
+    assert stats.num_prompt_tokens_computed == 4 + 2 * 4 + 6
+    assert stats.num_prompt_tokens_computed + stats.num_decode_tokens_computed == num_tokens
