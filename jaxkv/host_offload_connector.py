@@ -89,9 +89,11 @@ class HostOffloadConnector(KVConnector):
         or to `copier` under another layout (block size, hash seed, or the copier's block
         layout or model) while a copy is in flight: a save would land under the old
         layout's hashes. Raises ValueError, changing nothing, unless `block_size` and
-        `copier.bytes_per_block` are ints >= 1 and `hash_seed` an int that fits in 64
-        bits."""
+        `copier.bytes_per_block` are ints >= 1, `hash_seed` an int that fits in 64 bits,
+        and the copier's block_shape and dtype, where it declares them, a sequence of
+        ints >= 0 and what numpy takes as a dtype."""
         block_size, hash_seed, bytes_per_block = _checked_layout(copier, block_size, hash_seed)
+        block_shape, block_dtype = _declared_block(copier)
         bound = self._bound()
         if bound is not copier:
             self.check_can_bind()
@@ -99,8 +101,8 @@ class HostOffloadConnector(KVConnector):
             block_size,
             hash_seed,
             bytes_per_block,
-            getattr(copier, "block_shape", None),
-            str(getattr(copier, "dtype", None)),
+            block_shape,
+            None if block_dtype is None else str(block_dtype),
             getattr(copier, "model_fingerprint", None),
         )
         if bound is copier and layout != self._layout and self.has_pending():
@@ -350,6 +352,31 @@ def _checked_layout(copier: KVCopier, block_size: object, hash_seed: object) -> 
     if bytes_per_block is None or bytes_per_block < 1:
         raise ValueError(f"copier.bytes_per_block={raw!r} must be an int >= 1")
     return size, seed, bytes_per_block
+
+
+def _declared_block(copier: KVCopier) -> tuple[tuple[int, ...] | None, np.dtype | None]:
+    """The copier's block_shape as a tuple of ints and dtype as a numpy dtype, each None
+    where it declares none; ValueError naming the first that is neither."""
+    raw_shape = getattr(copier, "block_shape", None)
+    shape = None
+    if raw_shape is not None:
+        dims = None
+        if not isinstance(raw_shape, (str, bytes)):
+            try:
+                dims = [as_int(d) for d in raw_shape]
+            except TypeError:  # not iterable
+                dims = None
+        if dims is None or any(d is None or d < 0 for d in dims):
+            raise ValueError(f"copier.block_shape={raw_shape!r} must be a sequence of ints >= 0")
+        shape = tuple(dims)
+    raw_dtype = getattr(copier, "dtype", None)
+    dtype = None
+    if raw_dtype is not None:
+        try:
+            dtype = np.dtype(raw_dtype)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"copier.dtype={raw_dtype!r} must be a numpy dtype") from e
+    return shape, dtype
 
 
 def _distinct_ids(block_ids: object, call: str) -> list[int]:

@@ -236,3 +236,44 @@ def test_unbind_is_refused_while_a_load_is_in_flight():
     assert connector.poll().loaded == ("p",)
     connector.unbind(copier)
     assert connector.hash_layout is None
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("block_shape", BS),
+        ("block_shape", str(BS)),
+        ("block_shape", (float(BS),)),
+        ("block_shape", (-BS,)),
+        ("dtype", "not a dtype"),
+        ("dtype", object()),
+    ],
+)
+def test_bind_refuses_a_block_shape_or_dtype_it_cannot_check_blocks_by(name, value):
+    # bind took any, though no array has such a shape or dtype to tell its blocks by.
+    connector, copier, sched = _saved_connector()
+    run_until_idle(sched, copier)
+    connector.unbind(copier)
+    stored = connector.stored_hashes()
+    other = FakeCopier(32, BS)
+    setattr(other, name, value)
+    with pytest.raises(ValueError, match=f"copier.{name}="):
+        connector.bind(other, block_size=BS, hash_seed=0)
+    assert connector.stored_hashes() == stored and connector.hash_layout is None
+
+
+def test_copiers_declaring_one_block_layout_in_other_words_share_the_store():
+    # A dtype given as a scalar type or its name, a shape as a list or numpy ints: the
+    # same blocks. The store was emptied when the words differed.
+    first, second = FakeCopier(16, BS), FakeCopier(16, BS)
+    first.block_shape, first.dtype = (BS,), np.float32
+    second.block_shape, second.dtype = [np.int64(BS)], "float32"
+    connector = HostOffloadConnector(1 << 20)
+    connector.bind(first, block_size=BS, hash_seed=0)
+    assert connector.on_finish(_one_request("a", 8), [1, 2])
+    assert connector.poll().saved == ("a",)
+    connector.unbind(first)
+    connector.bind(second, block_size=BS, hash_seed=0)
+    assert len(connector.stored_hashes()) == 2
+    assert connector.on_finish(_one_request("b", 12), [1, 2, 3])  # its blocks pass the check
+    assert connector.poll().saved == ("b",) and len(connector.stored_hashes()) == 3
