@@ -44,12 +44,14 @@ class HostOffloadConnector(KVConnector):
     dropped by a failed load, or never stored because its save failed) are demoted, the
     next to be evicted (see jaxkv.host_block_store). Only blocks whose every token was
     computed are saved, and a hash already stored or being saved is not copied twice. A
-    failed save (its copy raised, or returned no array of as many blocks as it was given)
-    frees the blocks and stores nothing; a failed load drops its store entries (so a
-    retry recomputes) and the scheduler frees the blocks and recomputes the tokens:
-    nothing leaks, nothing is half-loaded. Each failed copy is logged as a warning naming
-    its request and the copy's exception (raised on the copy thread) or what is wrong
-    with its result.
+    failed save (its copy raised, or returned no array of as many blocks as it was given,
+    or blocks of another shape or dtype than the copier's block_shape and dtype, or,
+    where it declares none, than the blocks the store holds) frees the blocks and stores
+    nothing, so every stored block has one shape and dtype and a load's blocks always
+    make one array; a failed load drops its store entries (so a retry recomputes) and
+    the scheduler frees the blocks and recomputes the tokens: nothing leaks, nothing is
+    half-loaded. Each failed copy is logged as a warning naming its request and the
+    copy's exception (raised on the copy thread) or what is wrong with its result.
 
     copy_delay_steps > 0 reports a transfer no earlier than that many poll() calls after
     it started (to hold blocks on purpose in tests and benchmarks).
@@ -76,6 +78,9 @@ class HostOffloadConnector(KVConnector):
         self._hash_seed = 0
         self._layout: tuple | None = None  # of the blocks in the store
         self._block_bytes = 0
+        # The bound copier's block_shape and dtype (None where it declares none).
+        self._block_shape: tuple[int, ...] | None = None
+        self._block_dtype: np.dtype | None = None
         self._store = HostBlockStore()
         self._saves: dict[str, _Transfer] = {}
         self._loads: dict[str, _Transfer] = {}
@@ -119,6 +124,7 @@ class HostOffloadConnector(KVConnector):
         if layout != self._layout:
             self._store.clear()  # saved for other blocks: not this engine's KV
         self._layout, self._block_bytes = layout, bytes_per_block
+        self._block_shape, self._block_dtype = block_shape, block_dtype
         self._copier_ref = weakref.ref(copier)
         self._block_size = block_size
         self._hash_seed = hash_seed
@@ -203,7 +209,9 @@ class HostOffloadConnector(KVConnector):
         """Loads the stored blocks that follow request.num_computed_tokens into
         `block_ids`. Raises ValueError (nothing started or changed) unless the store holds
         them all, as on_admission promised just before, and `block_ids` are distinct
-        blocks of the bound engine's cache other than the null block 0."""
+        blocks of the bound engine's cache other than the null block 0. The stored blocks
+        always make one array of the copier's block_shape and dtype, where it declares
+        them: a save of blocks of another shape or dtype than those stored fails."""
         req_id = request.request_id
         block_ids = _distinct_ids(block_ids, f"start_load({req_id!r})")
         first, rem = divmod(request.num_computed_tokens, self._block_size)
@@ -265,6 +273,7 @@ class HostOffloadConnector(KVConnector):
             data = np.asarray(_copy_result(t.future))
             if len(data) != len(t.hashes):
                 raise ValueError(f"{len(data)} blocks copied for {len(t.hashes)} asked")
+            self._check_blocks(data)
         except Exception as e:  # noqa: BLE001 - any copy failure frees the blocks the same way
             logger.warning("KV save of %r failed, its blocks freed unsaved: %r", t.request_id, e)
             self._saves_ended_unstored(t.hashes)
@@ -293,6 +302,25 @@ class HostOffloadConnector(KVConnector):
         self._evict()
         self._count(num_saves=1, bytes_offloaded=len(t.hashes) * self._block_bytes)
         return True
+
+    def _check_blocks(self, data: np.ndarray) -> None:
+        """ValueError unless the blocks of `data` have the copier's block_shape and dtype,
+        or, where it declares none, those of the blocks the store holds (all alike: each
+        was checked so): a load makes the stored blocks it gathers one array."""
+        held_shape = held_dtype = None
+        held = next(iter(self._store.values()), None)
+        if held is not None:
+            held_shape, held_dtype = held.shape, held.dtype
+        wrong = [
+            problem
+            for problem in (
+                _mismatch("shape", data.shape[1:], self._block_shape, held_shape),
+                _mismatch("dtype", data.dtype, self._block_dtype, held_dtype),
+            )
+            if problem
+        ]
+        if wrong:
+            raise ValueError("copied blocks of " + " and ".join(wrong))
 
     def _finish_load(self, t: _Transfer) -> bool:
         try:
@@ -377,6 +405,17 @@ def _declared_block(copier: KVCopier) -> tuple[tuple[int, ...] | None, np.dtype 
         except (TypeError, ValueError) as e:
             raise ValueError(f"copier.dtype={raw_dtype!r} must be a numpy dtype") from e
     return shape, dtype
+
+
+def _mismatch(name: str, got: object, declared: object, held: object) -> str | None:
+    """What is wrong with a landed block's `got` shape or dtype: not the copier's
+    `declared` one, or, where it declares none, not that of the blocks the store `held`
+    (None: it holds none)."""
+    if declared is not None:
+        return None if got == declared else f"{name} {got}, not the copier's {declared}"
+    if held is not None and got != held:
+        return f"{name} {got}, not the stored blocks' {held}"
+    return None
 
 
 def _distinct_ids(block_ids: object, call: str) -> list[int]:

@@ -52,7 +52,8 @@ class KVCopier(Protocol):
     bytes_per_block: int
     # Optional: block_shape, dtype, and model_fingerprint (bytes naming the model that
     # computed the KV, jaxkv.model_fingerprint); HostOffloadConnector keeps its store only
-    # across copiers that agree on all three.
+    # across copiers that agree on all three, and fails a save whose blocks have another
+    # shape or dtype than the copier declares (or, declaring none, than those it stores).
 
     def start_save(self, block_ids: Sequence[int]) -> Future:
         """Copies blocks to host; result(): array [len(block_ids), ...] (one entry per block)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 
+import numpy as np
 import pytest
 
 from jaxkv import Request, SamplingParams
@@ -115,3 +116,99 @@ def test_a_save_that_lands_ragged_blocks_fails_and_its_blocks_are_freed(caplog):
     add(sched, "b", range(1, 10), max_tokens=1)
     run_until_idle(sched)
     assert len(connector.stored_hashes()) == 2  # the failed save left none "being saved"
+
+
+class _ReshapedSaves(FakeCopier):
+    """A copier whose saves land as many blocks as asked, each made `land(blocks)` (another
+    shape or dtype than the f32[block_size] blocks of FakeCopier) while `land` is set."""
+
+    land = None
+
+    def start_save(self, block_ids):
+        future = super().start_save(block_ids)
+        if self.land is None:
+            return future
+        reshaped: Future = Future()
+        reshaped.set_result(self.land(future.result()))
+        return reshaped
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize(
+    ("declared", "land", "wrong"),
+    [
+        ({"block_shape": (BS,)}, lambda a: a.reshape(len(a), 2, BS // 2), "shape (2, 2)"),
+        ({"dtype": np.dtype(np.float32)}, lambda a: a.view(np.int32), "dtype int32"),
+        (
+            {"block_shape": (BS,), "dtype": np.float32},
+            lambda a: a.astype(np.float64)[:, :, None],
+            "shape (4, 1), not the copier's (4,) and dtype float64, not the copier's float32",
+        ),
+    ],
+    ids=["shape", "dtype", "both"],
+)
+def test_a_save_that_lands_blocks_unlike_the_copiers_fails_and_its_blocks_are_freed(
+    declared, land, wrong, caplog
+):
+    # Such blocks were stored, and a later load that gathered them with blocks of the
+    # declared layout failed far from the cause (np.stack, or the copier refusing them).
+    copier = _ReshapedSaves(16, BS)
+    for name, value in declared.items():
+        setattr(copier, name, value)
+    copier.land = land
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    sched = make_scheduler(num_blocks=16, block_size=BS, connector=connector)
+    add(sched, "a", range(1, 10), max_tokens=1)
+    with caplog.at_level(logging.WARNING, logger="jaxkv.host_offload_connector"):
+        run_until_idle(sched)
+    assert sched.requests == {} and sched.manager.num_free_blocks == 15
+    assert not connector.has_pending() and connector.stored_hashes() == []
+    assert connector.stats.num_failed_saves == 1 and connector.stats.num_saves == 0
+    ((message,),) = [[r.getMessage() for r in caplog.records]]
+    assert "save of 'a' failed" in message and wrong in message, message
+    copier.land = None
+    add(sched, "b", range(1, 10), max_tokens=1)
+    run_until_idle(sched)
+    assert len(connector.stored_hashes()) == 2  # the failed save left none "being saved"
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize(
+    ("land", "wrong"),
+    [
+        (lambda a: a.reshape(len(a), 2, BS // 2), "shape (2, 2), not the stored blocks' (4,)"),
+        (lambda a: a.astype(np.float64), "dtype float64, not the stored blocks' float32"),
+    ],
+    ids=["shape", "dtype"],
+)
+def test_a_copier_declaring_no_layout_stores_only_blocks_like_those_stored(land, wrong, caplog):
+    # FakeCopier declares neither block_shape nor dtype. Blocks of another shape were
+    # stored behind those of an earlier save; a prompt covering both then made start_load
+    # raise in np.stack at every schedule(), its request waiting for good.
+    copier = _ReshapedSaves(16, BS)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    sched = make_scheduler(
+        num_blocks=16, block_size=BS, connector=connector, enable_prefix_caching=False
+    )
+    add(sched, "a", range(1, 10), max_tokens=1)
+    run_until_idle(sched, copier)
+    assert len(connector.stored_hashes()) == 2
+    copier.land = land
+    prompt = [1, 2, 3, 4, 50, 51, 52, 53, 54]  # a's first block, then a new one
+    add(sched, "b", prompt, max_tokens=1)  # loads a's first block, saves its second
+    with caplog.at_level(logging.WARNING, logger="jaxkv.host_offload_connector"):
+        run_until_idle(sched, copier)
+    assert sched.requests == {} and sched.manager.num_free_blocks == 15
+    assert not connector.has_pending() and len(connector.stored_hashes()) == 2
+    assert connector.stats.num_failed_saves == 1
+    ((message,),) = [[r.getMessage() for r in caplog.records]]
+    assert "save of 'b' failed" in message and wrong in message, message
+    copier.land = None
+    add(sched, "c", [*prompt, 55], max_tokens=1)  # finds only a's first block stored
+    run_until_idle(sched, copier)
+    assert sched.requests == {} and sched.manager.num_free_blocks == 15
+    stats = connector.stats
+    assert (stats.num_loads, stats.num_loaded_tokens, stats.num_failed_loads) == (2, 2 * BS, 0)
+    assert len(connector.stored_hashes()) == 3  # c's second block, like the others
