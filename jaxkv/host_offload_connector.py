@@ -13,6 +13,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from jaxkv.allocation_args import count
+from jaxkv.copier_layout import check_copied_blocks, checked_layout, declared_block
 from jaxkv.field_checks import as_int, int_fields
 from jaxkv.hashing import BlockHash
 from jaxkv.host_block_store import HostBlockStore
@@ -97,8 +98,8 @@ class HostOffloadConnector(KVConnector):
         `copier.bytes_per_block` are ints >= 1, `hash_seed` an int that fits in 64 bits,
         and the copier's block_shape and dtype, where it declares them, a sequence of
         ints >= 0 and what numpy takes as a dtype."""
-        block_size, hash_seed, bytes_per_block = _checked_layout(copier, block_size, hash_seed)
-        block_shape, block_dtype = _declared_block(copier)
+        block_size, hash_seed, bytes_per_block = checked_layout(copier, block_size, hash_seed)
+        block_shape, block_dtype = declared_block(copier)
         bound = self._bound()
         if bound is not copier:
             self.check_can_bind()
@@ -273,7 +274,8 @@ class HostOffloadConnector(KVConnector):
             data = np.asarray(_copy_result(t.future))
             if len(data) != len(t.hashes):
                 raise ValueError(f"{len(data)} blocks copied for {len(t.hashes)} asked")
-            self._check_blocks(data)
+            held = next(iter(self._store.values()), None)  # all alike: each was checked
+            check_copied_blocks(data, self._block_shape, self._block_dtype, held)
         except Exception as e:  # noqa: BLE001 - any copy failure frees the blocks the same way
             logger.warning("KV save of %r failed, its blocks freed unsaved: %r", t.request_id, e)
             self._saves_ended_unstored(t.hashes)
@@ -302,25 +304,6 @@ class HostOffloadConnector(KVConnector):
         self._evict()
         self._count(num_saves=1, bytes_offloaded=len(t.hashes) * self._block_bytes)
         return True
-
-    def _check_blocks(self, data: np.ndarray) -> None:
-        """ValueError unless the blocks of `data` have the copier's block_shape and dtype,
-        or, where it declares none, those of the blocks the store holds (all alike: each
-        was checked so): a load makes the stored blocks it gathers one array."""
-        held_shape = held_dtype = None
-        held = next(iter(self._store.values()), None)
-        if held is not None:
-            held_shape, held_dtype = held.shape, held.dtype
-        wrong = [
-            problem
-            for problem in (
-                _mismatch("shape", data.shape[1:], self._block_shape, held_shape),
-                _mismatch("dtype", data.dtype, self._block_dtype, held_dtype),
-            )
-            if problem
-        ]
-        if wrong:
-            raise ValueError("copied blocks of " + " and ".join(wrong))
 
     def _finish_load(self, t: _Transfer) -> bool:
         try:
@@ -365,57 +348,6 @@ class HostOffloadConnector(KVConnector):
         if copier is None:
             raise RuntimeError("HostOffloadConnector used unbound (bind(copier, ...) first)")
         return copier
-
-
-def _checked_layout(copier: KVCopier, block_size: object, hash_seed: object) -> tuple[int, ...]:
-    """(block_size, hash_seed, copier.bytes_per_block) as ints; ValueError naming the first
-    that is not an int >= 1 (hash_seed: an int that fits in 64 bits, as Request takes)."""
-    size, seed = as_int(block_size), as_int(hash_seed)
-    if size is None or size < 1:
-        raise ValueError(f"{block_size=} must be an int >= 1")
-    if seed is None or not -(2**63) <= seed < 2**63:
-        raise ValueError(f"{hash_seed=} must be an int that fits in 64 bits")
-    raw = getattr(copier, "bytes_per_block", None)
-    bytes_per_block = as_int(raw)
-    if bytes_per_block is None or bytes_per_block < 1:
-        raise ValueError(f"copier.bytes_per_block={raw!r} must be an int >= 1")
-    return size, seed, bytes_per_block
-
-
-def _declared_block(copier: KVCopier) -> tuple[tuple[int, ...] | None, np.dtype | None]:
-    """The copier's block_shape as a tuple of ints and dtype as a numpy dtype, each None
-    where it declares none; ValueError naming the first that is neither."""
-    raw_shape = getattr(copier, "block_shape", None)
-    shape = None
-    if raw_shape is not None:
-        dims = None
-        if not isinstance(raw_shape, (str, bytes)):
-            try:
-                dims = [as_int(d) for d in raw_shape]
-            except TypeError:  # not iterable
-                dims = None
-        if dims is None or any(d is None or d < 0 for d in dims):
-            raise ValueError(f"copier.block_shape={raw_shape!r} must be a sequence of ints >= 0")
-        shape = tuple(dims)
-    raw_dtype = getattr(copier, "dtype", None)
-    dtype = None
-    if raw_dtype is not None:
-        try:
-            dtype = np.dtype(raw_dtype)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"copier.dtype={raw_dtype!r} must be a numpy dtype") from e
-    return shape, dtype
-
-
-def _mismatch(name: str, got: object, declared: object, held: object) -> str | None:
-    """What is wrong with a landed block's `got` shape or dtype: not the copier's
-    `declared` one, or, where it declares none, not that of the blocks the store `held`
-    (None: it holds none)."""
-    if declared is not None:
-        return None if got == declared else f"{name} {got}, not the copier's {declared}"
-    if held is not None and got != held:
-        return f"{name} {got}, not the stored blocks' {held}"
-    return None
 
 
 def _distinct_ids(block_ids: object, call: str) -> list[int]:

@@ -1,0 +1,83 @@
+"""What a KV copier declares of its blocks, checked once at bind, and whether the blocks
+a save landed match it (jaxkv.host_offload_connector stores only blocks that do)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxkv.field_checks import as_int
+from jaxkv.kv_transfer import KVCopier
+
+
+def checked_layout(copier: KVCopier, block_size: object, hash_seed: object) -> tuple[int, ...]:
+    """(block_size, hash_seed, copier.bytes_per_block) as ints; ValueError naming the first
+    that is not an int >= 1 (hash_seed: an int that fits in 64 bits, as Request takes)."""
+    size, seed = as_int(block_size), as_int(hash_seed)
+    if size is None or size < 1:
+        raise ValueError(f"{block_size=} must be an int >= 1")
+    if seed is None or not -(2**63) <= seed < 2**63:
+        raise ValueError(f"{hash_seed=} must be an int that fits in 64 bits")
+    raw = getattr(copier, "bytes_per_block", None)
+    bytes_per_block = as_int(raw)
+    if bytes_per_block is None or bytes_per_block < 1:
+        raise ValueError(f"copier.bytes_per_block={raw!r} must be an int >= 1")
+    return size, seed, bytes_per_block
+
+
+def declared_block(copier: KVCopier) -> tuple[tuple[int, ...] | None, np.dtype | None]:
+    """The copier's block_shape as a tuple of ints and dtype as a numpy dtype, each None
+    where it declares none; ValueError naming the first that is neither."""
+    raw_shape = getattr(copier, "block_shape", None)
+    shape = None
+    if raw_shape is not None:
+        dims = None
+        if not isinstance(raw_shape, (str, bytes)):
+            try:
+                dims = [as_int(d) for d in raw_shape]
+            except TypeError:  # not iterable
+                dims = None
+        if dims is None or any(d is None or d < 0 for d in dims):
+            raise ValueError(f"copier.block_shape={raw_shape!r} must be a sequence of ints >= 0")
+        shape = tuple(dims)
+    raw_dtype = getattr(copier, "dtype", None)
+    dtype = None
+    if raw_dtype is not None:
+        try:
+            dtype = np.dtype(raw_dtype)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"copier.dtype={raw_dtype!r} must be a numpy dtype") from e
+    return shape, dtype
+
+
+def _mismatch(name: str, got: object, declared: object, held: object) -> str | None:
+    """What is wrong with a landed block's `got` shape or dtype: not the copier's
+    `declared` one, or, where it declares none, not that of the blocks the store `held`
+    (None: it holds none)."""
+    if declared is not None:
+        return None if got == declared else f"{name} {got}, not the copier's {declared}"
+    if held is not None and got != held:
+        return f"{name} {got}, not the stored blocks' {held}"
+    return None
+
+
+def check_copied_blocks(
+    data: np.ndarray,
+    block_shape: tuple[int, ...] | None,
+    dtype: np.dtype | None,
+    held: np.ndarray | None,
+) -> None:
+    """ValueError unless the blocks of `data` ([n, ...]) have the copier's declared
+    `block_shape` and `dtype`, or, where it declares none, those of `held`, a block the
+    store holds (None: it holds none): a load makes the stored blocks it gathers one array."""
+    held_shape = None if held is None else held.shape
+    held_dtype = None if held is None else held.dtype
+    wrong = [
+        problem
+        for problem in (
+            _mismatch("shape", data.shape[1:], block_shape, held_shape),
+            _mismatch("dtype", data.dtype, dtype, held_dtype),
+        )
+        if problem
+    ]
+    if wrong:
+        raise ValueError("copied blocks of " + " and ".join(wrong))
