@@ -49,6 +49,18 @@ def declared_block(copier: KVCopier) -> tuple[tuple[int, ...] | None, np.dtype |
     return shape, dtype
 
 
+def declared_num_blocks(copier: KVCopier) -> int | None:
+    """The copier's num_blocks as an int, None where it declares none; ValueError unless
+    an int >= 1."""
+    raw = getattr(copier, "num_blocks", None)
+    if raw is None:
+        return None
+    num_blocks = as_int(raw)
+    if num_blocks is None or num_blocks < 1:
+        raise ValueError(f"copier.num_blocks={raw!r} must be an int >= 1")
+    return num_blocks
+
+
 def _mismatch(name: str, got: object, declared: object, held: object) -> str | None:
     """What is wrong with a landed block's `got` shape or dtype: not the copier's
     `declared` one, or, where it declares none, not that of the blocks the store `held`

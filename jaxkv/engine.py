@@ -256,6 +256,10 @@ class Engine(Closable):
         after it compute the same tokens next step, and the step counts in metrics and
         last_step (num_prompt_tokens counting a prompt chunk computed again in both
         steps). Calls back into the engine from a step (a tokenizer's) raise RuntimeError.
+        A KV connector's exception while the batch is chosen (a load that fails to start)
+        propagates before the model runs, the batch handed back the same way; a
+        HostOffloadConnector first drops the blocks that load was to read, so the next
+        step computes them.
         """
         t0, c0 = time.perf_counter(), time.thread_time()
         prompt_logprobs = self._sampling.prompt_logprobs

@@ -13,7 +13,12 @@ from concurrent.futures import Future
 import numpy as np
 
 from jaxkv.allocation_args import count
-from jaxkv.copier_layout import check_copied_blocks, checked_layout, declared_block
+from jaxkv.copier_layout import (
+    check_copied_blocks,
+    checked_layout,
+    declared_block,
+    declared_num_blocks,
+)
 from jaxkv.field_checks import as_int, int_fields
 from jaxkv.hashing import BlockHash
 from jaxkv.host_block_store import HostBlockStore
@@ -49,10 +54,12 @@ class HostOffloadConnector(KVConnector):
     or blocks of another shape or dtype than the copier's block_shape and dtype, or,
     where it declares none, than the blocks the store holds) frees the blocks and stores
     nothing, so every stored block has one shape and dtype and a load's blocks always
-    make one array; a failed load drops its store entries (so a retry recomputes) and
-    the scheduler frees the blocks and recomputes the tokens: nothing leaks, nothing is
-    half-loaded. Each failed copy is logged as a warning naming its request and the
-    copy's exception (raised on the copy thread) or what is wrong with its result.
+    make one array; a failed load, whether its copy failed or the copier's start_load
+    raised, drops its store entries (so a retry recomputes) and the scheduler frees the
+    blocks and recomputes the tokens: nothing leaks, nothing is half-loaded, and no
+    request waits on a load that fails every time. Each failed copy is logged as a
+    warning naming its request and the copy's exception (raised on the copy thread) or
+    what is wrong with its result; a start_load's exception propagates instead.
 
     copy_delay_steps > 0 reports a transfer no earlier than that many poll() calls after
     it started (to hold blocks on purpose in tests and benchmarks).
@@ -82,6 +89,7 @@ class HostOffloadConnector(KVConnector):
         # The bound copier's block_shape and dtype (None where it declares none).
         self._block_shape: tuple[int, ...] | None = None
         self._block_dtype: np.dtype | None = None
+        self._num_blocks: int | None = None  # the bound copier's, where it declares them
         self._store = HostBlockStore()
         self._saves: dict[str, _Transfer] = {}
         self._loads: dict[str, _Transfer] = {}
@@ -96,10 +104,11 @@ class HostOffloadConnector(KVConnector):
         layout or model) while a copy is in flight: a save would land under the old
         layout's hashes. Raises ValueError, changing nothing, unless `block_size` and
         `copier.bytes_per_block` are ints >= 1, `hash_seed` an int that fits in 64 bits,
-        and the copier's block_shape and dtype, where it declares them, a sequence of
-        ints >= 0 and what numpy takes as a dtype."""
+        and the copier's block_shape, dtype and num_blocks, where it declares them, a
+        sequence of ints >= 0, what numpy takes as a dtype and an int >= 1."""
         block_size, hash_seed, bytes_per_block = checked_layout(copier, block_size, hash_seed)
         block_shape, block_dtype = declared_block(copier)
+        num_blocks = declared_num_blocks(copier)
         bound = self._bound()
         if bound is not copier:
             self.check_can_bind()
@@ -126,6 +135,7 @@ class HostOffloadConnector(KVConnector):
             self._store.clear()  # saved for other blocks: not this engine's KV
         self._layout, self._block_bytes = layout, bytes_per_block
         self._block_shape, self._block_dtype = block_shape, block_dtype
+        self._num_blocks = num_blocks
         self._copier_ref = weakref.ref(copier)
         self._block_size = block_size
         self._hash_seed = hash_seed
@@ -156,11 +166,13 @@ class HostOffloadConnector(KVConnector):
         """Starts saving the finished request's full blocks the store lacks (True: keep
         them held until poll() reports the save) and refreshes those it holds. Raises
         ValueError, starting nothing, unless `block_ids` are distinct block ids (one saved
-        under two hashes would be the wrong KV for one of them). An exception from the
-        copier's start_save propagates with this connector unchanged (its store's LRU
-        order included); the scheduler then frees the blocks unsaved."""
+        under two hashes would be the wrong KV for one of them), in [1, num_blocks) where
+        the copier declares num_blocks. An exception from the copier's start_save
+        propagates with this connector unchanged (its store's LRU order included); the
+        scheduler then frees the blocks unsaved and the request ends: unlike a load, a
+        save is not tried again."""
         copier = self._require_copier()
-        block_ids = _distinct_ids(block_ids, f"on_finish({request.request_id!r})")
+        block_ids = self._checked_ids(block_ids, f"on_finish({request.request_id!r})")
         if self.host_bytes < self._block_bytes:
             return False
         hashes = request.update_block_hashes(self._block_size, self._hash_seed)
@@ -209,12 +221,22 @@ class HostOffloadConnector(KVConnector):
     def start_load(self, request: Request, block_ids: Sequence[int]) -> None:
         """Loads the stored blocks that follow request.num_computed_tokens into
         `block_ids`. Raises ValueError (nothing started or changed) unless the store holds
-        them all, as on_admission promised just before, and `block_ids` are distinct
-        blocks of the bound engine's cache other than the null block 0. The stored blocks
-        always make one array of the copier's block_shape and dtype, where it declares
-        them: a save of blocks of another shape or dtype than those stored fails."""
+        them all, as on_admission promised just before, and `block_ids` are distinct ints,
+        in [1, num_blocks) where the copier declares num_blocks (the bound engine's cache
+        less the null block 0). The stored blocks always make one array of the copier's
+        block_shape and dtype, where it declares them: a save of blocks of another shape
+        or dtype than those stored fails.
+
+        An Exception from the copier's start_load is a load that failed to start: it
+        propagates after the blocks the load was to read leave the store, as a failed
+        load's do (counted in num_failed_loads, not logged: the caller has the
+        exception), so no later on_admission claims them and the request recomputes
+        them instead of failing the same way at every admission. An interrupt that is no
+        Exception (Ctrl-C while the copy program compiles) says nothing of the load: it
+        propagates with the store unchanged, and the next admission tries again."""
         req_id = request.request_id
-        block_ids = _distinct_ids(block_ids, f"start_load({req_id!r})")
+        copier = self._require_copier()
+        block_ids = self._checked_ids(block_ids, f"start_load({req_id!r})")
         first, rem = divmod(request.num_computed_tokens, self._block_size)
         all_hashes = request.update_block_hashes(self._block_size, self._hash_seed)
         hashes = all_hashes[first : first + len(block_ids)]
@@ -226,7 +248,11 @@ class HostOffloadConnector(KVConnector):
         if not all(h in self._store for h in hashes):
             raise ValueError(f"start_load({req_id!r}): the store no longer holds those blocks")
         data = np.stack([self._store[h] for h in hashes])
-        future = self._require_copier().start_load(block_ids, data)  # checks their range
+        try:
+            future = copier.start_load(block_ids, data)
+        except Exception:
+            self._load_failed(hashes)  # or every later admission fails the same way
+            raise
         # The whole prefix is used again (device hits too): refreshed tail first, as saved.
         for h in reversed(all_hashes[: first + len(hashes)]):
             if h in self._store:
@@ -310,9 +336,7 @@ class HostOffloadConnector(KVConnector):
             _copy_result(t.future)
         except Exception as e:  # noqa: BLE001 - any copy failure recomputes the same way
             logger.warning("KV load of %r failed, its tokens recomputed: %r", t.request_id, e)
-            for h in t.hashes:
-                self._store.drop(h)
-            self._count(num_failed_loads=1)
+            self._load_failed(t.hashes)
             return False
         self._count(
             num_loads=1,
@@ -320,6 +344,13 @@ class HostOffloadConnector(KVConnector):
             num_loaded_tokens=t.num_tokens,
         )
         return True
+
+    def _load_failed(self, hashes: Sequence[BlockHash]) -> None:
+        """A load of `hashes` failed: they leave the store, so no admission claims them
+        again (the blocks stored behind them are demoted)."""
+        for h in hashes:
+            self._store.drop(h)
+        self._count(num_failed_loads=1)
 
     def _evict(self) -> None:
         limit = self.host_bytes // max(self._block_bytes, 1)
@@ -342,6 +373,18 @@ class HostOffloadConnector(KVConnector):
 
     def _bound(self) -> KVCopier | None:
         return None if self._copier_ref is None else self._copier_ref()
+
+    def _checked_ids(self, block_ids: object, call: str) -> list[int]:
+        """`block_ids` as distinct ints (_distinct_ids) in [1, num_blocks) where the bound
+        copier declares num_blocks; ValueError naming them otherwise."""
+        ids = _distinct_ids(block_ids, call)
+        n = self._num_blocks
+        if n is not None and not all(1 <= b < n for b in ids):
+            raise ValueError(
+                f"{call}: block_ids={block_ids!r} must be block ids in [1, {n}), "
+                "the bound engine's cache less the null block 0"
+            )
+        return ids
 
     def _require_copier(self) -> KVCopier:
         copier = self._bound()

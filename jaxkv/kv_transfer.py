@@ -21,9 +21,11 @@ host, never inside jit:
   device hit's end, until poll() reports the load; once it has landed,
   num_computed_tokens moves past the supplied tokens. A claim is a promise for this call
   only: no state is kept between the two. A failed load frees the blocks and the request
-  waits again, and its next admission asks again: a connector should stop claiming what
-  it failed to load (as HostOffloadConnector drops those store entries); one that claims
-  and fails for good keeps the request waiting for good.
+  waits again, and its next admission asks again; so does a start_load that raises,
+  its exception propagating out of that schedule(). A connector should stop claiming
+  what it failed to load or to start loading (as HostOffloadConnector drops those
+  store entries); one that claims and fails for good keeps the request waiting for
+  good, or makes every later schedule() raise.
 
 Device access goes through a KVCopier (implemented next to the engine, which owns the
 caches); this module imports no JAX, so connectors are testable with a fake copier.
@@ -54,6 +56,9 @@ class KVCopier(Protocol):
     # computed the KV, jaxkv.model_fingerprint); HostOffloadConnector keeps its store only
     # across copiers that agree on all three, and fails a save whose blocks have another
     # shape or dtype than the copier declares (or, declaring none, than those it stores).
+    # Also num_blocks (blocks in the cache, the null block 0 included): it then refuses
+    # block ids outside [1, num_blocks) itself, changing nothing, where a start_load
+    # raising on them would count as a failed load.
 
     def start_save(self, block_ids: Sequence[int]) -> Future:
         """Copies blocks to host; result(): array [len(block_ids), ...] (one entry per block)."""
@@ -115,7 +120,9 @@ class KVConnector:
         return 0
 
     def start_load(self, request: Request, block_ids: Sequence[int]) -> None:
-        """Starts loading the tokens on_admission claimed into `block_ids`."""
+        """Starts loading the tokens on_admission claimed into `block_ids`. An exception
+        frees the blocks and propagates out of schedule(): stop claiming those tokens
+        before raising (module doc)."""
         raise RuntimeError("start_load without a positive on_admission claim")
 
     def poll(self) -> TransferEvents:

@@ -167,6 +167,37 @@ def test_failed_save_and_failed_load_free_blocks_and_keep_outputs_exact():
     assert_all_blocks_free(engine)
 
 
+def test_a_load_that_fails_to_start_raises_once_and_its_request_recomputes():
+    # The copier's start_load raising left the store as it was: every later step claimed
+    # the same blocks, started the same load and raised, serving no request again.
+    rng = np.random.default_rng(7)
+    prefix = _rand(rng, 16)
+    first, second, other = prefix + _rand(rng, 2), prefix + _rand(rng, 3), _rand(rng, 6)
+    connector = HostOffloadConnector(HOST_BYTES)
+    engine = make_engine(connector=connector)
+    out1 = engine.generate([first], SamplingParams(max_tokens=3), progress=False)
+    engine.drain_transfers()
+    assert engine.manager.reset_prefix_cache()  # the device cache forgets the prefix
+
+    def refused(ids, blocks):
+        raise RuntimeError("the load's copy program failed to build")
+
+    engine.copier.start_load = refused  # for good: a retry would fail the same way
+    ids = [engine.add_request(p, SamplingParams(max_tokens=3)) for p in (second, other)]
+    with pytest.raises(RuntimeError, match="failed to build"):
+        engine.step()
+    assert connector.stats.num_failed_loads == 1 and not connector.has_pending()
+    tokens = {rid: [] for rid in ids}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens[o.request_id] += o.new_token_ids
+    engine.drain_transfers()
+    expected = dense_greedy([first, second, other], 3)
+    assert [list(out1[0].output_token_ids), *tokens.values()] == expected
+    assert connector.stats.num_failed_loads == 1 and connector.stats.num_loads == 0
+    assert_all_blocks_free(engine)
+
+
 def test_only_an_engine_over_the_same_weights_reloads_the_store():
     """Engines sharing a connector in turn under one hash seed: equal tokens hash equal,
     so only the model fingerprint keeps one model's KV out of another model's cache."""

@@ -1,7 +1,9 @@
 """HostOffloadConnector's on_finish and start_load refuse block_ids that are not distinct
 integer block ids with a ValueError naming block_ids, copying and changing nothing: one
 block saved under two hashes, or loaded twice, would hold the wrong KV for one of them.
-bytes iterate as small integers, so b"\\x01\\x02" must be refused, not read as [1, 2]."""
+bytes iterate as small integers, so b"\\x01\\x02" must be refused, not read as [1, 2].
+Where the copier declares num_blocks, ids outside [1, num_blocks) are refused the same
+way: a start_load of the copier's that raised on them would drop the stored blocks."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import numpy as np
 import pytest
 
 from jaxkv import Request, SamplingParams
-from tests.host._sched_util import bound_host_connector, computed_request
+from jaxkv.host_offload_connector import HostOffloadConnector
+from tests.host._sched_util import FakeCopier, bound_host_connector, computed_request
 
 BS = 4
 BAD = {
@@ -49,3 +52,48 @@ def test_numpy_integer_block_ids_are_taken():
     assert connector.on_finish(computed_request("r", list(range(1, 9))), np.array([3, 4]))
     connector.poll()
     assert copier.saved_block_ids == [[3, 4]] and len(connector.stored_hashes()) == 2
+
+
+class _CountedCache(FakeCopier):
+    """A FakeCopier that declares its cache's num_blocks and refuses ids outside it."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, block_size)
+        self.num_blocks = num_blocks
+
+    def start_load(self, block_ids, blocks):
+        if not all(1 <= b < self.num_blocks for b in block_ids):
+            raise ValueError(f"{block_ids=} outside the cache")
+        return super().start_load(block_ids, blocks)
+
+
+@pytest.mark.parametrize("bad", [[0, 5], [5, 16], [-1, 5]], ids=["null", "past", "negative"])
+def test_block_ids_outside_a_declared_cache_are_refused_keeping_the_store(bad):
+    # The copier's own refusal counts as a load that failed to start, dropping the store's
+    # blocks: the connector refuses such ids before it calls the copier.
+    copier = _CountedCache(16, BS)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    assert connector.on_finish(computed_request("saved", list(range(1, 13))), [1, 2, 3])
+    connector.poll()
+    order = connector.stored_hashes()
+    b = Request("b", list(range(1, 14)), SamplingParams())
+    with pytest.raises(ValueError, match=r"start_load\('b'\): block_ids=.* in \[1, 16\)"):
+        connector.start_load(b, bad)
+    with pytest.raises(ValueError, match=r"on_finish\('c'\): block_ids=.* in \[1, 16\)"):
+        connector.on_finish(computed_request("c", list(range(20, 28))), bad)
+    assert copier.loaded_block_ids == [] and len(copier.saved_block_ids) == 1
+    assert connector.stored_hashes() == order and not connector.has_pending()
+    assert connector.stats.num_failed_loads == 0
+    connector.start_load(b, [14, 15])  # the last blocks of the cache
+    assert connector.poll().loaded == ("b",)
+
+
+@pytest.mark.parametrize("value", [0, 2.5, "16", [16]])
+def test_bind_refuses_a_num_blocks_that_is_no_count(value):
+    copier = FakeCopier(16, BS)
+    copier.num_blocks = value
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    with pytest.raises(ValueError, match=r"copier.num_blocks=.* must be an int >= 1"):
+        connector.bind(copier, block_size=BS, hash_seed=0)
+    assert connector.hash_layout is None
