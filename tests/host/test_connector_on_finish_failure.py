@@ -12,7 +12,14 @@ import pytest
 
 from jaxkv.host_offload_connector import HostOffloadConnector
 from jaxkv.kv_transfer import KVConnector
-from tests.host._sched_util import FakeCopier, add, computed_request, make_scheduler, step
+from tests.host._sched_util import (
+    FakeCopier,
+    add,
+    computed_request,
+    make_scheduler,
+    run_until_idle,
+    step,
+)
 
 
 class _OnFinishRaises(KVConnector):
@@ -80,3 +87,27 @@ def test_a_start_save_that_raises_leaves_the_offload_connector_unchanged():
     assert connector.stored_hashes() == [*stored[2:], *stored[:2]]  # a's refreshed now
     assert connector.poll().saved == ("c",)
     assert connector.stored_hashes()[:2] == stored[2:] and len(connector.stored_hashes()) == 5
+
+
+@pytest.mark.filterwarnings("error")
+def test_a_start_save_that_raises_every_time_ends_each_request_and_serving_goes_on(caplog):
+    # Unlike a load, a save that fails to start leaves nothing to retry: each finishing
+    # request is freed unsaved, and the next one is served as usual.
+    copier = _StartSaveRaises(16, 4)
+    copier.refuse = True
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=4, hash_seed=0)
+    sched = make_scheduler(block_size=4, num_blocks=16, connector=connector)
+    with caplog.at_level(logging.WARNING, logger="jaxkv.scheduler_transfers"):
+        for rid in "ab":
+            request = add(sched, rid, range(1, 10), max_tokens=3)
+            assert run_until_idle(sched, copier) == {rid: "length"}
+            assert len(request.output_token_ids) == 3 and sched.requests == {}
+            assert sched.manager.num_free_blocks == 15 and not connector.has_pending()
+            sched.manager.check_integrity()
+    assert re.search("on_finish\\('a'\\) raised.*on_finish\\('b'\\) raised", caplog.text, re.S)
+    assert connector.stored_hashes() == [] and connector.stats.num_failed_saves == 0
+    copier.refuse = False  # the copier recovers: the next request is saved
+    add(sched, "c", range(1, 10), max_tokens=3)
+    run_until_idle(sched, copier)
+    assert len(connector.stored_hashes()) == 2 and sched.manager.num_free_blocks == 15
