@@ -1,5 +1,6 @@
-"""What a KV copier declares of its blocks, checked once at bind, and whether the blocks
-a save landed match it (jaxkv.host_offload_connector stores only blocks that do)."""
+"""What a KV copier declares of its blocks, checked once at bind; whether the blocks a
+save landed match it (jaxkv.host_offload_connector stores only blocks that do); and the
+block ids a copy may be asked for."""
 
 from __future__ import annotations
 
@@ -93,3 +94,26 @@ def check_copied_blocks(
     ]
     if wrong:
         raise ValueError("copied blocks of " + " and ".join(wrong))
+
+
+def checked_block_ids(block_ids: object, call: str, num_blocks: int | None) -> list[int]:
+    """`block_ids` as a list of distinct ints, in [1, num_blocks) where the copier declares
+    num_blocks (its cache less the null block 0); ValueError naming them and `call`
+    otherwise: a block loaded twice would hold whichever copy landed last."""
+    ids = None
+    if not isinstance(block_ids, (str, bytes)):
+        try:
+            ids = [as_int(b) for b in block_ids]
+        except TypeError:  # not iterable
+            ids = None
+    if ids is None or None in ids or len(set(ids)) != len(ids):
+        raise ValueError(
+            f"{call}: block_ids={block_ids!r} must be block ids in the "
+            "bound engine's cache, each given once"
+        )
+    if num_blocks is not None and not all(1 <= b < num_blocks for b in ids):
+        raise ValueError(
+            f"{call}: block_ids={block_ids!r} must be block ids in [1, {num_blocks}), "
+            "the bound engine's cache less the null block 0"
+        )
+    return ids

@@ -15,11 +15,12 @@ import numpy as np
 from jaxkv.allocation_args import count
 from jaxkv.copier_layout import (
     check_copied_blocks,
+    checked_block_ids,
     checked_layout,
     declared_block,
     declared_num_blocks,
 )
-from jaxkv.field_checks import as_int, int_fields
+from jaxkv.field_checks import int_fields
 from jaxkv.hashing import BlockHash
 from jaxkv.host_block_store import HostBlockStore
 from jaxkv.kv_transfer import KVConnector, KVCopier, TransferEvents, TransferStats
@@ -172,7 +173,9 @@ class HostOffloadConnector(KVConnector):
         scheduler then frees the blocks unsaved and the request ends: unlike a load, a
         save is not tried again."""
         copier = self._require_copier()
-        block_ids = self._checked_ids(block_ids, f"on_finish({request.request_id!r})")
+        block_ids = checked_block_ids(
+            block_ids, f"on_finish({request.request_id!r})", self._num_blocks
+        )
         if self.host_bytes < self._block_bytes:
             return False
         hashes = request.update_block_hashes(self._block_size, self._hash_seed)
@@ -236,7 +239,7 @@ class HostOffloadConnector(KVConnector):
         propagates with the store unchanged, and the next admission tries again."""
         req_id = request.request_id
         copier = self._require_copier()
-        block_ids = self._checked_ids(block_ids, f"start_load({req_id!r})")
+        block_ids = checked_block_ids(block_ids, f"start_load({req_id!r})", self._num_blocks)
         first, rem = divmod(request.num_computed_tokens, self._block_size)
         all_hashes = request.update_block_hashes(self._block_size, self._hash_seed)
         hashes = all_hashes[first : first + len(block_ids)]
@@ -374,40 +377,11 @@ class HostOffloadConnector(KVConnector):
     def _bound(self) -> KVCopier | None:
         return None if self._copier_ref is None else self._copier_ref()
 
-    def _checked_ids(self, block_ids: object, call: str) -> list[int]:
-        """`block_ids` as distinct ints (_distinct_ids) in [1, num_blocks) where the bound
-        copier declares num_blocks; ValueError naming them otherwise."""
-        ids = _distinct_ids(block_ids, call)
-        n = self._num_blocks
-        if n is not None and not all(1 <= b < n for b in ids):
-            raise ValueError(
-                f"{call}: block_ids={block_ids!r} must be block ids in [1, {n}), "
-                "the bound engine's cache less the null block 0"
-            )
-        return ids
-
     def _require_copier(self) -> KVCopier:
         copier = self._bound()
         if copier is None:
             raise RuntimeError("HostOffloadConnector used unbound (bind(copier, ...) first)")
         return copier
-
-
-def _distinct_ids(block_ids: object, call: str) -> list[int]:
-    """`block_ids` as a list of ints; ValueError naming them unless they are integers
-    (numpy's too), each once: a block loaded twice would hold whichever copy landed last."""
-    ids = None
-    if not isinstance(block_ids, (str, bytes)):
-        try:
-            ids = [as_int(b) for b in block_ids]
-        except TypeError:  # not iterable
-            ids = None
-    if ids is None or None in ids or len(set(ids)) != len(ids):
-        raise ValueError(
-            f"{call}: block_ids={block_ids!r} must be block ids in the "
-            "bound engine's cache, each given once"
-        )
-    return ids
 
 
 def _copy_result(future: Future):
