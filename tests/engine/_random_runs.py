@@ -4,24 +4,28 @@
 few shared prefixes, some of those cut short inside a block, a few under a cache salt),
 aborts at random steps (in whatever state the request is then), a tight or roomy cache,
 a token budget from 8 to 64 tokens, and with or without an asynchronous host offload
-whose copies land a random number of steps late. Some requests stop at a token of their
-greedy continuation, some of those only after min_tokens (the ban changes their path),
-some ask for logprobs, some for prompt logprobs (they then read no cached KV), and some
-for 2 or 3 samples (SamplingParams.n). The
-configurations stay within tests.engine._util's bucket sizes, so the runs share their
-step programs with the other engine tests.
+whose copies land a random number of steps late; about half the runs with an offload
+draw copies that fail at random (CopyFailures): saves whose copy fails, loads whose copy
+fails after writing noise into the blocks, and loads whose start fails, which makes that
+step() raise. Some requests stop at a token of their greedy continuation, some of those
+only after min_tokens (the ban changes their path), some ask for logprobs, some for
+prompt logprobs (they then read no cached KV), and some for 2 or 3 samples
+(SamplingParams.n). The configurations stay within tests.engine._util's bucket sizes, so
+the runs share their step programs with the other engine tests.
 
-`serve` runs one on an engine, or on a router over engines, and checks every engine's
-bookkeeping after every step; `assert_dense_tokens` checks that every request generated
-exactly the dense model's greedy tokens (an aborted one, those it had before the abort)
-under its stop tokens and min_tokens, in each of its samples, and the logprobs and
-prompt logprobs of the dense model's logits.
+`serve` runs one on an engine, or on a router over engines, steps again after a step()
+that raised from an injected load failure (as a serving loop would, counting them), and
+checks every engine's bookkeeping after every step; `assert_dense_tokens` checks that
+every request generated exactly the dense model's greedy tokens (an aborted one, those
+it had before the abort) under its stop tokens and min_tokens, in each of its samples,
+and the logprobs and prompt logprobs of the dense model's logits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -67,6 +71,21 @@ class Arrival:
         )
 
 
+class InjectedCopyFailure(RuntimeError):
+    """A KV copy failure that CopyFailures injected."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyFailures:
+    """Copies of a run's host offload that fail at random: each save's Future fails with
+    probability `p` (once the copy ran); each load's start_load raises with probability
+    `p`, and with probability `p` writes noise into its blocks and its Future fails. Each
+    engine draws them from Generators of (`seed`, ..., its index), in its copy order."""
+
+    p: float
+    seed: int
+
+
 @dataclasses.dataclass(frozen=True)
 class RandomRun:
     arrivals: list[Arrival]
@@ -74,6 +93,7 @@ class RandomRun:
     num_blocks: int
     max_num_batched_tokens: int
     copy_delay_steps: int | None  # None: no connector
+    copy_failures: CopyFailures | None = None  # None: every copy succeeds
 
 
 @dataclasses.dataclass
@@ -86,6 +106,7 @@ class Served:
     # By request id: the prompt logprobs of those that asked and got them.
     prompt_logprobs: dict[str, object] = dataclasses.field(default_factory=dict)
     finish_reasons: dict[tuple[str, int], str] = dataclasses.field(default_factory=dict)
+    num_step_errors: int = 0  # steps that raised InjectedCopyFailure (a load's start)
 
 
 def draw_run(seed: int) -> RandomRun:
@@ -116,7 +137,18 @@ def draw_run(seed: int) -> RandomRun:
         else a
         for a in arrivals
     ]
-    return RandomRun(arrivals, abort_at, num_blocks, int(rng.choice([8, 16, 32, 64])), copy_delay)
+    failure_rng = np.random.default_rng((seed, 4))  # a stream apart too
+    copy_failures = None
+    if copy_delay is not None and failure_rng.random() < 0.5:
+        copy_failures = CopyFailures(float(failure_rng.choice([0.15, 0.3])), seed)
+    return RandomRun(
+        arrivals,
+        abort_at,
+        num_blocks,
+        int(rng.choice([8, 16, 32, 64])),
+        copy_delay,
+        copy_failures,
+    )
 
 
 def _with_sampling_params(arrivals: list[Arrival], rng: np.random.Generator) -> list[Arrival]:
@@ -144,20 +176,56 @@ def _with_sampling_params(arrivals: list[Arrival], rng: np.random.Generator) -> 
 
 
 def make_engines(run: RandomRun, count: int = 1) -> list[Engine]:
-    """`count` engines configured as `run` draws, each with a connector of its own."""
+    """`count` engines configured as `run` draws, each with a connector of its own (whose
+    copies fail as run.copy_failures draws)."""
     engines = []
-    for _ in range(count):
+    for index in range(count):
         connector = None
         if run.copy_delay_steps is not None:
             connector = HostOffloadConnector(1 << 24, copy_delay_steps=run.copy_delay_steps)
-        engines.append(
-            make_engine(
-                connector=connector,
-                num_blocks=run.num_blocks,
-                max_num_batched_tokens=run.max_num_batched_tokens,
-            )
+        engine = make_engine(
+            connector=connector,
+            num_blocks=run.num_blocks,
+            max_num_batched_tokens=run.max_num_batched_tokens,
         )
+        if run.copy_failures is not None:
+            fail_copies(engine, run.copy_failures, index)
+        engines.append(engine)
     return engines
+
+
+def fail_copies(engine: Engine, failures: CopyFailures, index: int) -> None:
+    """Makes `engine`'s KV copies fail as `failures` draws, by patching its copier's
+    start_save and start_load (the connector calls them through the copier it holds)."""
+    # Streams apart, so that how many saves a run makes leaves its loads' draws as they are.
+    save_rng, load_rng, noise_rng = (
+        np.random.default_rng((failures.seed, stream, index)) for stream in (5, 6, 7)
+    )
+    copier = engine.copier
+    real_save, real_load = copier.start_save, copier.start_load
+
+    def start_save(block_ids):
+        future = real_save(block_ids)
+        return _failed_once_done(future, "save") if save_rng.random() < failures.p else future
+
+    def start_load(block_ids, blocks):
+        draw = load_rng.random()
+        if draw < failures.p:
+            raise InjectedCopyFailure("injected: the load's copy failed to start")
+        if draw < 2 * failures.p:  # a copy that fails part way: its blocks hold garbage
+            noise = noise_rng.standard_normal(blocks.shape).astype(blocks.dtype)
+            return _failed_once_done(real_load(block_ids, noise), "load")
+        return real_load(block_ids, blocks)
+
+    copier.start_save, copier.start_load = start_save, start_load
+
+
+def _failed_once_done(future: Future, what: str) -> Future:
+    """A Future that fails once `future` is done, as a copy that failed on the copy thread."""
+    failed: Future = Future()
+    error = InjectedCopyFailure(f"injected: the {what}'s copy failed")
+    future.add_done_callback(lambda _: failed.set_exception(error))
+    return failed
 
 
 def serve(run: RandomRun, engines: list[Engine], driver=None) -> Served:
@@ -182,7 +250,11 @@ def serve(run: RandomRun, engines: list[Engine], driver=None) -> Served:
             if at == step and (request_id, 0) in served.tokens and request_id not in finished:
                 if driver.abort(request_id):
                     served.aborted.add(request_id)
-        outputs = driver.step()
+        try:
+            outputs = driver.step()
+        except InjectedCopyFailure:  # a load failed to start: step again, as a loop would
+            served.num_step_errors += 1
+            outputs = []
         for engine in engines:
             engine.manager.check_integrity()
         for o in outputs:

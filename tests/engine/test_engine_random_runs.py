@@ -2,14 +2,18 @@
 
 Each seed draws a run (tests.engine._random_runs): requests arriving over several steps,
 shared prefixes, cache salts, aborts in any state, a tight or roomy cache, small and
-large token budgets, with or without a host offload whose copies land late. After every
+large token budgets, with or without a host offload whose copies land late, and in some
+runs with an offload, copies that fail at random: saves whose copy fails, loads whose
+copy fails after writing garbage into their blocks, and loads whose start fails, which
+makes that step() raise (the run steps again, as a serving loop would). After every
 step the manager's bookkeeping must be intact; at the end every request must have
 generated exactly the dense model's greedy tokens under its stop tokens and min_tokens
 (an aborted one, a leading part of them) with the dense model's logprobs where it asked,
-and every block must be back in the pool. The seeds were picked so that,
-between them, the runs preempt, reload offloaded KV, abort requests and plan cascade
-levels, stop at stop tokens, steer around a stop token banned by min_tokens, return
-logprobs and finish requests of several samples; the last test checks that they still do.
+every block must be back in the pool and no copy pending in the connector. The seeds
+were picked so that, between them, the runs preempt, reload offloaded KV, abort requests
+and plan cascade levels, stop at stop tokens, steer around a stop token banned by
+min_tokens, return logprobs, finish requests of several samples, and fail saves, loads
+and the start of a load; the last test checks that they still do.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from tests.engine._random_runs import assert_dense_tokens, draw_run, make_engine
 from tests.engine._util import assert_all_blocks_free, dense_greedy
 
 SEEDS = (5005, 5008, 5020, 5026, 5034, 5037)
+# 5005, 5008, 5026 and 5037 offload; 5008 and 5026 draw failing copies, and only 5008
+# loads, failing a load's copy and a load's start besides saves.
 
 
 @functools.cache
@@ -50,12 +56,15 @@ def test_a_random_run_generates_the_dense_models_tokens_and_frees_every_block(se
     assert_dense_tokens(run, served)
     (engine,) = served.engines
     assert_all_blocks_free(engine)
+    assert not engine.has_pending_transfers() and not engine.connector.has_pending()
+    # Each step that raised was a load that failed to start, counted as a failed load.
+    assert served.num_step_errors <= engine.connector.stats.num_failed_loads
     engine.close()  # its metrics stay readable
 
 
-def test_the_seeds_between_them_preempt_reload_abort_and_cascade():
+def test_the_seeds_between_them_preempt_reload_abort_cascade_and_fail_copies():
     paths = ("preempt", "reload", "abort", "cascade", "stop", "ban", "logprobs", "samples")
-    paths += ("prompt_logprobs",)
+    paths += ("prompt_logprobs", "failed_save", "failed_load", "load_start_raised")
     seen = dict.fromkeys(paths, 0)
     for seed in SEEDS:
         run, served = served_run(seed)
@@ -66,6 +75,11 @@ def test_the_seeds_between_them_preempt_reload_abort_and_cascade():
         seen["cascade"] += m.cascade_steps
         seen["stop"] += list(served.finish_reasons.values()).count("stop")
         seen["ban"] += num_stops_banned(run.arrivals)
+        transfers = served.engines[0].connector.stats
+        seen["failed_save"] += transfers.num_failed_saves
+        # Loads whose copy failed, not counting those that failed to start (step raised).
+        seen["failed_load"] += transfers.num_failed_loads - served.num_step_errors
+        seen["load_start_raised"] += served.num_step_errors
         for a in run.arrivals:
             seen["logprobs"] += len(served.logprobs.get((a.request_id, 0), ()))
             seen["samples"] += a.n > 1 and a.request_id not in served.aborted

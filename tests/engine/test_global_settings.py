@@ -70,7 +70,8 @@ def test_the_engine_serves_exact_greedy_tokens_under_the_setting(setting):
 
 
 def test_a_serving_loop_under_transfer_guard_disallow_serves_offloads_and_reloads():
-    run = draw_run(5008)  # a tight cache and a connector: it offloads and reloads KV
+    run = draw_run(5008)  # a tight cache and a connector: it offloads and reloads KV,
+    # some of its copies failing (one load's start raising, which serve steps past)
     engines = make_engines(run)  # built outside: creating the caches transfers
     with jax.transfer_guard("disallow"):
         served = serve(run, engines)

@@ -1,11 +1,11 @@
 """Random serving runs through a PrefixAwareRouter over two engines, against the dense model.
 
 The runs of tests.engine._random_runs (arrivals over steps, shared prefixes, cache
-salts, aborts in any state, preemption, late KV copies), each engine with a connector of
-its own, and the router's prefix table bounded from 1 route up. Every request must
-generate exactly the dense model's greedy tokens (an aborted one, a leading part of
-them) whichever replica served it; afterwards both engines hold no block and the
-router counts no request.
+salts, aborts in any state, preemption, late KV copies, in some runs failing ones), each
+engine with a connector of its own, and the router's prefix table bounded from 1 route
+up. Every request must generate exactly the dense model's greedy tokens (an aborted one,
+a leading part of them) whichever replica served it; afterwards both engines hold no
+block and the router counts no request.
 """
 
 from __future__ import annotations
