@@ -31,12 +31,7 @@ def declared_block(copier: KVCopier) -> tuple[tuple[int, ...] | None, np.dtype |
     raw_shape = getattr(copier, "block_shape", None)
     shape = None
     if raw_shape is not None:
-        dims = None
-        if not isinstance(raw_shape, (str, bytes)):
-            try:
-                dims = [as_int(d) for d in raw_shape]
-            except TypeError:  # not iterable
-                dims = None
+        dims = _as_ints(raw_shape)
         if dims is None or any(d is None or d < 0 for d in dims):
             raise ValueError(f"copier.block_shape={raw_shape!r} must be a sequence of ints >= 0")
         shape = tuple(dims)
@@ -100,12 +95,7 @@ def checked_block_ids(block_ids: object, call: str, num_blocks: int | None) -> l
     """`block_ids` as a list of distinct ints, in [1, num_blocks) where the copier declares
     num_blocks (its cache less the null block 0); ValueError naming them and `call`
     otherwise: a block loaded twice would hold whichever copy landed last."""
-    ids = None
-    if not isinstance(block_ids, (str, bytes)):
-        try:
-            ids = [as_int(b) for b in block_ids]
-        except TypeError:  # not iterable
-            ids = None
+    ids = _as_ints(block_ids)
     if ids is None or None in ids or len(set(ids)) != len(ids):
         raise ValueError(
             f"{call}: block_ids={block_ids!r} must be block ids in the "
@@ -117,3 +107,13 @@ def checked_block_ids(block_ids: object, call: str, num_blocks: int | None) -> l
             "the bound engine's cache less the null block 0"
         )
     return ids
+
+
+def _as_ints(values: object) -> list[int | None] | None:
+    """as_int of each of `values`; None unless they are an iterable other than a str."""
+    if isinstance(values, (str, bytes)):
+        return None
+    try:
+        return [as_int(v) for v in values]
+    except TypeError:  # not iterable
+        return None

@@ -82,6 +82,27 @@ def test_a_copy_that_ended_with_a_base_exception_fails_like_any_other(error, cap
     assert (stats.num_failed_saves, stats.num_saves, stats.num_failed_loads) == (1, 1, 1)
 
 
+def _one_failed_save_then_one_saved(copier, wrong: str, caplog) -> None:
+    """Serves "a", whose save must fail with one warning naming `wrong` and leave nothing
+    held, stored or pending; then, once `copier` is healed (its `ragged` / `land` unset),
+    serves "b", whose save must land."""
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    sched = make_scheduler(num_blocks=16, block_size=BS, connector=connector)
+    add(sched, "a", range(1, 10), max_tokens=1)
+    with caplog.at_level(logging.WARNING, logger="jaxkv.host_offload_connector"):
+        run_until_idle(sched)
+    assert sched.requests == {} and sched.manager.num_free_blocks == 15
+    assert not connector.has_pending() and connector.stored_hashes() == []
+    assert connector.stats.num_failed_saves == 1 and connector.stats.num_saves == 0
+    ((message,),) = [[r.getMessage() for r in caplog.records]]
+    assert "save of 'a' failed" in message and wrong in message, message
+    copier.ragged, copier.land = False, None
+    add(sched, "b", range(1, 10), max_tokens=1)
+    run_until_idle(sched)
+    assert len(connector.stored_hashes()) == 2  # the failed save left none "being saved"
+
+
 class _RaggedSaves(FakeCopier):
     """A copier whose saves, while `ragged`, land as many blocks as asked, each ragged (no
     array holds it)."""
@@ -101,21 +122,7 @@ def test_a_save_that_lands_ragged_blocks_fails_and_its_blocks_are_freed(caplog):
     # poll() used to raise in the store's put, the save already dropped: the request
     # stayed FINISHED_TRANSFERRING, holding its blocks for good.
     copier = _RaggedSaves(16, BS)
-    connector = HostOffloadConnector(64 * copier.bytes_per_block)
-    connector.bind(copier, block_size=BS, hash_seed=0)
-    sched = make_scheduler(num_blocks=16, block_size=BS, connector=connector)
-    add(sched, "a", range(1, 10), max_tokens=1)
-    with caplog.at_level(logging.WARNING, logger="jaxkv.host_offload_connector"):
-        run_until_idle(sched)
-    assert sched.requests == {} and sched.manager.num_free_blocks == 15
-    assert not connector.has_pending() and connector.stored_hashes() == []
-    assert connector.stats.num_failed_saves == 1 and connector.stats.num_saves == 0
-    ((message,),) = [[r.getMessage() for r in caplog.records]]
-    assert "save of 'a' failed" in message and "ValueError" in message, message
-    copier.ragged = False
-    add(sched, "b", range(1, 10), max_tokens=1)
-    run_until_idle(sched)
-    assert len(connector.stored_hashes()) == 2  # the failed save left none "being saved"
+    _one_failed_save_then_one_saved(copier, "ValueError", caplog)
 
 
 class _ReshapedSaves(FakeCopier):
@@ -156,21 +163,7 @@ def test_a_save_that_lands_blocks_unlike_the_copiers_fails_and_its_blocks_are_fr
     for name, value in declared.items():
         setattr(copier, name, value)
     copier.land = land
-    connector = HostOffloadConnector(64 * copier.bytes_per_block)
-    connector.bind(copier, block_size=BS, hash_seed=0)
-    sched = make_scheduler(num_blocks=16, block_size=BS, connector=connector)
-    add(sched, "a", range(1, 10), max_tokens=1)
-    with caplog.at_level(logging.WARNING, logger="jaxkv.host_offload_connector"):
-        run_until_idle(sched)
-    assert sched.requests == {} and sched.manager.num_free_blocks == 15
-    assert not connector.has_pending() and connector.stored_hashes() == []
-    assert connector.stats.num_failed_saves == 1 and connector.stats.num_saves == 0
-    ((message,),) = [[r.getMessage() for r in caplog.records]]
-    assert "save of 'a' failed" in message and wrong in message, message
-    copier.land = None
-    add(sched, "b", range(1, 10), max_tokens=1)
-    run_until_idle(sched)
-    assert len(connector.stored_hashes()) == 2  # the failed save left none "being saved"
+    _one_failed_save_then_one_saved(copier, wrong, caplog)
 
 
 @pytest.mark.filterwarnings("error")
