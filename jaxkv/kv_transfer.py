@@ -12,10 +12,11 @@ host, never inside jit:
   call. The step loop never waits on a copy.
 - on_admission(request, num_computed_tokens) -> tokens: a waiting request missed the
   device prefix cache after `num_computed_tokens`; the connector says how many further
-  tokens (whole blocks, ending before the request's last token, whose logits must be
-  computed; a preempted request's tokens include its outputs) it can supply; the
-  scheduler refuses any other claim with ValueError, changing nothing. The scheduler
-  then allocates blocks for the rest of the request's tokens and calls
+  tokens (an int, numpy's too, 0 for none; else whole blocks, ending before the
+  request's last token, whose logits must be computed; a preempted request's tokens
+  include its outputs) it can supply; the scheduler refuses any other answer (None, a
+  bool, a float) with ValueError naming it, changing nothing. The scheduler then
+  allocates blocks for the rest of the request's tokens and calls
   start_load(request, block_ids) with the blocks for the supplied tokens; the request
   waits in WAITING_FOR_REMOTE_KV, holding its blocks, its num_computed_tokens at the
   device hit's end, until poll() reports the load; once it has landed,

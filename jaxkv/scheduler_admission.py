@@ -184,7 +184,7 @@ def _allocate_for_admission(scheduler: Scheduler, request: Request, budget: int)
         and scheduler._transfers.is_loading(hashes[next_block])
     ):
         return _AWAITING_LOAD
-    num_external = scheduler.connector.on_admission(request, num_hit) if reads_cache else 0
+    num_external = scheduler._transfers.claim(request, num_hit) if reads_cache else 0
     if num_external:  # the request waits for the load: 0 tokens this step
         started = scheduler._transfers.start_load(request, hit.block_ids, num_hit, num_external)
         if started:

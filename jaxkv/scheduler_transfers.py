@@ -30,6 +30,8 @@ import logging
 import operator
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_transfer import KVConnector, TransferEvents
 from jaxkv.request import Request, RequestStatus
@@ -91,7 +93,7 @@ class TransferTracker:
         start_load frees the blocks again and propagates.
         """
         m = self._manager
-        num_external = self._check_claim(request, num_hit, num_external)
+        num_external = self._check_claim(request, num_hit, num_external, least=1)
         new_ids = m.allocate_slots(
             request,
             0,
@@ -121,20 +123,29 @@ class TransferTracker:
         self._new_loads.append(request)
         return True
 
-    def _check_claim(self, request: Request, num_hit: int, num_external: object) -> int:
-        """The claim as an int; ValueError unless whole blocks before the last token."""
+    def claim(self, request: Request, num_hit: int) -> int:
+        """The tokens past the device hit's `num_hit` that the connector's on_admission
+        claims, as an int: 0, or whole blocks ending before the request's last token.
+        Raises ValueError naming any other answer (None, a bool, a float), changing
+        nothing."""
+        answer = self._connector.on_admission(request, num_hit)
+        return self._check_claim(request, num_hit, answer, least=0)
+
+    def _check_claim(self, request: Request, num_hit: int, answer: object, *, least: int) -> int:
+        """The claim as an int >= `least`; ValueError unless whole blocks before the last
+        token."""
         block_size = self._manager.block_size
         most = (request.num_tokens - 1) // block_size * block_size - num_hit
         try:
-            claim = operator.index(num_external)
+            claim = None if isinstance(answer, (bool, np.bool_)) else operator.index(answer)
         except TypeError:
             claim = None
-        if claim is None or not (0 < claim <= most and claim % block_size == 0):
+        if claim is None or not (least <= claim <= most and claim % block_size == 0):
             raise ValueError(
                 f"{type(self._connector).__name__}.on_admission({request.request_id!r}, "
-                f"{num_hit}) returned {num_external!r}: a claim must be a whole number of "
-                f"{block_size}-token blocks ending before the request's last token "
-                f"(at most {max(most, 0)} tokens here)"
+                f"{num_hit}) returned {answer!r}: a claim must be a whole number of "
+                f"{block_size}-token blocks (an int{', 0 for none' if least == 0 else ''}) "
+                f"ending before the request's last token (at most {max(most, 0)} tokens here)"
             )
         return claim
 
