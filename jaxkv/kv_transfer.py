@@ -7,7 +7,10 @@ host, never inside jit:
   keeps its blocks held (status FINISHED_TRANSFERRING) until poll() reports the save;
   the scheduler frees them then, whether the save succeeded or failed, and gives the
   request back the status it finished with. Raising counts as a save that failed to
-  start: the blocks are freed at once, with a logged warning.
+  start: the blocks are freed at once, with a logged warning. So does an answer other
+  than a bool (numpy's counts as one), None and 1 too, its warning naming it: whether a
+  save started is unknown, and a hold only a report ends could last for good (a later
+  report of that save is one poll() names as no save in flight).
 - poll(): once per step; reports saves and loads that landed or failed since the last
   call. The step loop never waits on a copy.
 - on_admission(request, num_computed_tokens) -> tokens: a waiting request missed the
@@ -113,7 +116,8 @@ class KVConnector:
         """Called by Engine.close, with the copier it bound, once no copy is in flight."""
 
     def on_finish(self, request: Request, block_ids: Sequence[int]) -> bool:
-        """True to keep the finished request's blocks held until poll() reports its save."""
+        """True to keep the finished request's blocks held until poll() reports its save;
+        False, or any answer but a bool, frees them (module docstring)."""
         return False
 
     def on_admission(self, request: Request, num_computed_tokens: int) -> int:

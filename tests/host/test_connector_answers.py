@@ -1,30 +1,36 @@
 """What the Scheduler does with a connector's answers that break the hooks' contract:
 on_admission's claim is an int (a numpy one too), any other answer refused with the
-queue and the blocks unchanged."""
+queue and the blocks unchanged; on_finish's answer is a bool (a numpy one too), any
+other freeing the blocks unsaved with a logged warning, as an on_finish that raises."""
 
 from __future__ import annotations
 
+import logging
 import re
 
 import numpy as np
 import pytest
 
 from jaxkv import RequestStatus
-from jaxkv.kv_transfer import KVConnector
+from jaxkv.kv_transfer import KVConnector, TransferEvents
 from tests.host._sched_util import add, make_scheduler, run_until_idle, step
 
 
 class _Answering(KVConnector):
-    """Claims `claims[request_id]` (0 for others); records the loads it is asked to start."""
+    """Claims `claims[request_id]` (0 for others) and answers on_finish `finish_answer`;
+    records the loads it is asked to start."""
 
-    def __init__(self, claims=None) -> None:
-        self.claims, self.loads = claims or {}, []
+    def __init__(self, claims=None, finish_answer=False) -> None:
+        self.claims, self.finish_answer, self.loads = claims or {}, finish_answer, []
 
     def on_admission(self, request, num_computed_tokens):
         return self.claims.get(request.request_id, 0)
 
     def start_load(self, request, block_ids):
         self.loads.append(request.request_id)
+
+    def on_finish(self, request, block_ids):
+        return self.finish_answer
 
 
 @pytest.mark.parametrize(
@@ -66,3 +72,40 @@ def test_a_numpy_zero_claims_nothing_and_the_request_computes_its_prompt():
     out, _ = step(sched)
     assert out.request_ids == ["a"] and out.num_scheduled_tokens.tolist() == [12]
     assert run_until_idle(sched) == {"a": "length"}
+
+
+@pytest.mark.parametrize("answer", [None, 1, "yes", 0])
+def test_an_on_finish_answer_that_is_no_bool_frees_the_blocks_with_a_warning(answer, caplog):
+    # 1 and "yes" held the blocks for a save nothing would report: the request stayed
+    # FINISHED_TRANSFERRING, its blocks held, for good.
+    sched = make_scheduler(num_blocks=16, block_size=4, connector=_Answering(finish_answer=answer))
+    a = add(sched, "a", range(1, 6), max_tokens=1)
+    with caplog.at_level(logging.WARNING, logger="jaxkv.scheduler_transfers"):
+        _, outputs = step(sched)
+    assert f"on_finish('a') returned {answer!r}, not a bool" in caplog.text
+    assert [(o.request_id, o.finished) for o in outputs] == [("a", True)]
+    assert a.status == RequestStatus.FINISHED_LENGTH and not sched.has_pending_transfers()
+    assert sched.requests == {} and sched.manager.num_free_blocks == 15
+
+
+def test_a_numpy_true_from_on_finish_holds_the_blocks_for_the_save():
+    sched = make_scheduler(
+        num_blocks=16, block_size=4, connector=_Answering(finish_answer=np.True_)
+    )
+    a = add(sched, "a", range(1, 6), max_tokens=1)
+    step(sched)
+    assert sched.transferring == {"a": a} and a.status == RequestStatus.FINISHED_TRANSFERRING
+    assert sched.manager.num_free_blocks == 13
+
+
+def test_a_save_reported_after_a_non_bool_answer_is_named_by_poll_and_nothing_leaks():
+    # The answer did not hold the blocks: the save's report names no save in flight.
+    connector = _Answering(finish_answer=1)
+    sched = make_scheduler(num_blocks=16, block_size=4, connector=connector)
+    add(sched, "a", range(1, 6), max_tokens=1)
+    step(sched)
+    connector.poll = lambda: TransferEvents(saved=("a",))
+    with pytest.raises(ValueError, match=r"poll\(\) reported saved 'a', but no save of it"):
+        sched.schedule()
+    assert sched.requests == {} and sched.manager.num_free_blocks == 15
+    sched.manager.check_integrity()
