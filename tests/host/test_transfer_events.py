@@ -1,7 +1,8 @@
 """A connector's poll() report is checked entry by entry: an entry naming no copy in
 flight, or one already ended, is ignored and named in a ValueError after the others
-are applied (each ended a real copy); a report that is no TransferEvents changes nothing.
-Either way every copy still in flight lands on a later report and nothing leaks."""
+are applied (each ended a real copy); a report that is no TransferEvents changes
+nothing, nor does a poll() that raises. Either way every copy still in flight lands on
+a later report and nothing leaks."""
 
 from __future__ import annotations
 
@@ -155,3 +156,21 @@ def test_a_report_that_lists_its_request_ids_in_lists_is_applied():
     out, _ = step(sched)
     assert a.status == RequestStatus.FINISHED_LENGTH and not sched.transferring
     assert out.request_ids == ["b"] and out.num_scheduled_tokens.tolist() == [6]
+
+
+def test_a_poll_that_raises_propagates_with_nothing_changed_and_a_later_report_lands():
+    sched, connector, a, b = _saving_and_loading()
+    report = connector.poll
+
+    def broken():
+        raise OSError("poll failed")
+
+    connector.poll = broken
+    with pytest.raises(OSError, match="poll failed"):
+        sched.schedule()
+    _ended_as_reported(sched, a, b, "")
+    connector.poll = report  # it kept the copies it saw end, as poll()'s contract asks
+    connector.report = TransferEvents(saved=("a",), loaded=("b",))
+    connector.in_flight.clear()
+    run_until_idle(sched)
+    assert a.status == RequestStatus.FINISHED_LENGTH and sched.manager.num_free_blocks == 31
