@@ -139,7 +139,8 @@ class KVConnector:
         return TransferEvents()
 
     def has_pending(self) -> bool:
-        """Whether any save or load is still in flight."""
+        """Whether any save or load is still in flight. For the connector's users: the
+        Scheduler never calls it (it knows its copies in flight from poll() reports)."""
         return False
 
     @property
