@@ -7,10 +7,10 @@ host, never inside jit:
   keeps its blocks held (status FINISHED_TRANSFERRING) until poll() reports the save;
   the scheduler frees them then, whether the save succeeded or failed, and gives the
   request back the status it finished with. Raising counts as a save that failed to
-  start: the blocks are freed at once, with a logged warning. So does an answer other
-  than a bool (numpy's counts as one), None and 1 too, its warning naming it: whether a
-  save started is unknown, and a hold only a report ends could last for good (a later
-  report of that save is one poll() names as no save in flight).
+  start: the blocks are freed at once, with a logged warning. An answer other than a
+  bool (numpy's is one) is read by its truth, with a logged warning naming it: a truthy
+  one may have started a save that reads the blocks, so they stay held until poll()
+  reports it.
 - poll(): once per step; reports saves and loads that landed or failed since the last
   call. The step loop never waits on a copy.
 - on_admission(request, num_computed_tokens) -> tokens: a waiting request missed the
@@ -117,7 +117,7 @@ class KVConnector:
 
     def on_finish(self, request: Request, block_ids: Sequence[int]) -> bool:
         """True to keep the finished request's blocks held until poll() reports its save;
-        False, or any answer but a bool, frees them (module docstring)."""
+        False frees them (any other answer is read by its truth: module docstring)."""
         return False
 
     def on_admission(self, request: Request, num_computed_tokens: int) -> int:

@@ -199,10 +199,11 @@ class TransferTracker:
     def finish(self, request: Request) -> None:
         """A request just finished: held (FINISHED_TRANSFERRING) while the connector saves
         its blocks, then released with its finished status back; else released now. A
-        connector whose on_finish raises, or answers other than a bool (numpy's too),
-        counts as a save that failed to start: the blocks are freed and a logged warning
-        says why (a warnings filter could turn a warning into an exception before they
-        were); an interrupt that is no Exception frees them too, then propagates."""
+        connector whose on_finish raises counts as a save that failed to start: the
+        blocks are freed and a logged warning says why (a warnings filter could turn a
+        warning into an exception before they were); an interrupt that is no Exception
+        frees them too, then propagates. An answer other than a bool (numpy's is one) is
+        read by its truth, with a logged warning naming it."""
         block_ids = self._manager.block_ids(request.request_id)
         try:
             held = self._connector.on_finish(request, block_ids)
@@ -217,13 +218,14 @@ class TransferTracker:
             self._release(request)
             raise
         if not isinstance(held, (bool, np.bool_)):
+            # Read by its truth: a truthy answer may have started a save that reads the
+            # blocks, and freeing them under it could store another request's KV.
             logger.warning(
-                "KV connector on_finish(%r) returned %r, not a bool; its blocks are freed "
-                "without saving them",
+                "KV connector on_finish(%r) returned %r, not a bool; read as %s",
                 request.request_id,
                 held,
+                bool(held),
             )
-            held = False
         if held:
             self._finished_as[request.request_id] = request.status
             request.status = RequestStatus.FINISHED_TRANSFERRING
