@@ -17,7 +17,17 @@ class Replica(Protocol):
     ids_in_use, has_pending_transfers, queue_checkpoint, reset_prefix_cache and
     close(timeout_s=...) where a replica has them (PrefixAwareRouter.close closes each
     replica that has close; PrefixAwareRouter.queue_checkpoint calls the check() of each
-    replica's rewind that has one before it rewinds any)."""
+    replica's rewind that has one before it rewinds any).
+
+    The router checks each answer where it reads it (jaxkv.replica_checks), raising
+    ValueError that names the replica (its index and type), the method and the answer.
+    step() must return a list (or tuple) of RequestOutput, each of a sequence (request
+    id, sample index) the router sent the replica and that has not ended: none twice,
+    none after the output that finished its request, a finished one with its
+    finish_reason, a finish_reason without finished only on a sample's output
+    (SamplingParams.n > 1). The outputs that pass are kept for the router's next step(),
+    with those of the replicas stepped before it, and the rest dropped.
+    """
 
     def add_request(
         self,

@@ -30,7 +30,7 @@ from jaxkv.parallel_sampling import IdsInUse
 from jaxkv.prefix_routes import PrefixRoutes
 from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.replica import Replica as Replica  # its former home
-from jaxkv.replica import pending_transfers
+from jaxkv.replica_checks import CheckedReplicas
 from jaxkv.request import MAX_TOKEN_ID
 from jaxkv.request_id_lists import checked_request_ids
 from jaxkv.request_serials import RequestSerials
@@ -64,10 +64,10 @@ class PrefixAwareRouter(Closable):
     Outstanding sequences are counted by the router: +n on add_request (SamplingParams.n,
     1 without params), -n when step() returns the output that says the request finished,
     or when it is aborted; so add, step and abort through the router only (a request
-    added to a replica directly is not counted; one aborted there counts until the
-    router's abort). Not thread-safe. Replicas should sample with different default
-    seeds (engine_replicas sees to it): otherwise unseeded sampled requests on two
-    replicas can draw the same tokens.
+    added to a replica directly is not counted, and its outputs make step() raise; one
+    aborted there counts until the router's abort). Not thread-safe. Replicas should
+    sample with different default seeds (engine_replicas sees to it): otherwise unseeded
+    sampled requests on two replicas can draw the same tokens.
     """
 
     def __init__(
@@ -83,10 +83,12 @@ class PrefixAwareRouter(Closable):
         self.replicas = checked_drivers(replicas, "replicas")
         self._routes = PrefixRoutes(block_size, max_prefix_blocks, max_tracked_prefixes, hash_seed)
         self.max_imbalance = max_imbalance
+        self._indices = range(len(self.replicas))
         self._outstanding = [0] * len(self.replicas)  # replica -> unfinished sequences
         self._replica_of: dict[str, int] = {}  # request_id -> replica, while unfinished
         self._queued: dict[str, object] = {}  # request_id -> a token new to each queueing
         self._samples = RunningSamples()  # of requests of n > 1
+        self._checked = CheckedReplicas(self.replicas, self._samples.is_parent)
         self._undelivered: list[RequestOutput] = []  # gathered by a step() that raised
         self._serials = RequestSerials("dp-")  # of generated ids
 
@@ -187,8 +189,7 @@ class PrefixAwareRouter(Closable):
         # Anything else the replica refuses by name. A default id is one whose samples'
         # ids are free too; no id may be a running sample's, whichever replica runs it.
         n = sampling_params.n if isinstance(sampling_params, SamplingParams) else 1
-        held = [r.ids_in_use for r in self.replicas if hasattr(r, "ids_in_use")]  # Engine's
-        in_use = IdsInUse(self._replica_of, self._samples, *held, n=n)
+        in_use = IdsInUse(self._replica_of, self._samples, *self._checked.held_ids(), n=n)
         serial, request_id = self._serials.peek(request_id, in_use)
         if request_id in self._replica_of:
             raise ValueError(f"{request_id=} is already running")
@@ -200,9 +201,7 @@ class PrefixAwareRouter(Closable):
             )
         hashes = self._routes.hashes(prompt, cache_salt)
         replica = self._route(hashes).replica
-        self.replicas[replica].add_request(
-            prompt, sampling_params, request_id=request_id, cache_salt=cache_salt
-        )
+        self._checked.add_request(replica, prompt, sampling_params, request_id, cache_salt, n)
         if generated:  # only once queued: a refused request leaves later ids as they were
             self._serials.take(serial)
         self._routes.remember(hashes, replica)
@@ -260,7 +259,7 @@ class PrefixAwareRouter(Closable):
         replica = self._replica_of.get(owner)
         if replica is None:
             return False
-        aborted = self.replicas[replica].abort(request_id)
+        aborted = self._checked.abort(replica, request_id)
         running = [sample] if sample else [(owner, i) for i in self._samples.running(owner)]
         for key in running or [(owner, 0)]:  # its sequences: (request id, sample index)
             if not aborted and any(
@@ -279,19 +278,22 @@ class PrefixAwareRouter(Closable):
         replica = self._replica_of.pop(request_id, None)
         self._queued.pop(request_id, None)
         if replica is not None:
+            self._checked.end(replica, request_id, self._samples.running(request_id) or [0])
             self._outstanding[replica] -= self._samples.pop(request_id)
 
     def _sample_ended(self, parent: str, index: int) -> None:
         """One sample ended: one sequence fewer; the request ends with its last sample
         (an aborted last sample gets no output saying so)."""
         if self._samples.end(parent, index):
-            self._outstanding[self._replica_of[parent]] -= 1
+            replica = self._replica_of[parent]
+            self._checked.end(replica, parent, [index])
+            self._outstanding[replica] -= 1
             if not self._samples.num_running(parent):
                 self._finish(parent)
 
     def has_unfinished_requests(self) -> bool:
         """True while a replica has unfinished requests or a step() has outputs to give."""
-        return bool(self._undelivered) or any(r.has_unfinished_requests() for r in self.replicas)
+        return bool(self._undelivered) or any(map(self._checked.unfinished, self._indices))
 
     def step(self) -> list[RequestOutput]:
         """One step of every replica with unfinished requests or KV copies in flight (an
@@ -301,16 +303,21 @@ class PrefixAwareRouter(Closable):
         and the next step() returns them first: no token, and no finish, is lost. A
         finished request is released (its id free, its replica's count down) once its
         finishing output is returned, so a kept output never reaches a later request
-        of its id.
+        of its id. A replica's step() that returns what the router cannot deliver (an
+        output of a request it did not send there, or of one that finished; see
+        jaxkv.replica.Replica) counts as one that raised: ValueError naming it, its
+        outputs that pass kept with those before it, the others dropped.
         """
         self._check_open()
         outputs, self._undelivered = self._undelivered, []
+        checked = self._checked
         try:
-            for replica in self.replicas:
-                if replica.has_unfinished_requests() or pending_transfers(replica):
-                    outputs.extend(replica.step())
+            for index in self._indices:
+                if checked.unfinished(index) or checked.pending(index):
+                    checked.step(outputs, index)
         except BaseException:
             self._undelivered = outputs
+            checked.ended_in(outputs, self._replica_of)
             raise
         return self._finished_from(outputs)
 
@@ -326,7 +333,7 @@ class PrefixAwareRouter(Closable):
     def has_pending_transfers(self) -> bool:
         """True while a replica's finished requests hold blocks for KV copies in flight
         (replicas without a `has_pending_transfers` method have none)."""
-        return any(pending_transfers(r) for r in self.replicas)
+        return any(map(self._checked.pending, self._indices))
 
     def drain_transfers(self, timeout_s: float = 60.0) -> None:
         """Steps replicas until every KV copy in flight has landed; see Engine.drain_transfers.
@@ -340,9 +347,12 @@ class PrefixAwareRouter(Closable):
 
         def step() -> bool:
             stepped = False
-            for replica in self.replicas:
-                if pending_transfers(replica):
-                    stepped |= bool(self._finished_from(replica.step()))
+            for index in filter(self._checked.pending, self._indices):
+                outputs: list[RequestOutput] = []
+                try:  # the outputs that passed its checks count, whatever else it returned
+                    self._checked.step(outputs, index)
+                finally:
+                    stepped |= bool(self._finished_from(outputs))
             return stepped
 
         step_until_landed(self.has_pending_transfers, step, timeout_s)

@@ -1,0 +1,215 @@
+"""What PrefixAwareRouter checks of its replicas' answers, where it reads them.
+
+A replica may be any object with the `Replica` methods (a proxy of a remote engine, say),
+so the router trusts none of its answers blindly: an output under the wrong request, or
+a finish reported twice, would release a request the router still runs elsewhere or end
+a generate early. A bad answer raises ValueError naming the replica (its index and
+type), the method, what it returned and what was expected.
+
+Checking a step's outputs costs a few passes of C over them (set operations), not a
+Python loop; the output-by-output pass runs only once they have found something wrong.
+"""
+
+from __future__ import annotations
+
+import operator
+import reprlib
+from collections.abc import Callable, Container, Iterable, Sequence
+from itertools import compress, repeat
+from typing import Any
+
+from jaxkv.outputs import RequestOutput
+from jaxkv.replica import Replica, pending_transfers
+
+__all__ = ["CheckedReplicas"]
+
+# RequestOutput's fields by position: itemgetter runs in C.
+_request_id = operator.itemgetter(0)
+_finished = operator.itemgetter(2)
+_finish_reason = operator.itemgetter(3)
+_index = operator.itemgetter(5)
+_sequence = operator.itemgetter(0, 5)  # (request_id, index)
+
+
+def replica_name(index: int, replica: object) -> str:
+    return f"replicas[{index}] ({type(replica).__name__})"
+
+
+class CheckedReplicas:
+    """The router's replicas, each answer checked as the Replica protocol says, and the
+    sequences each runs for the router: those its step() may report. A request's
+    sequence of sample index i is keyed `request_id` for i = 0 (a request of one sample
+    has only that one) and `(request_id, i)` for the others (SamplingParams.n).
+    `is_parent` tells a request of n > 1 with a sample still running."""
+
+    def __init__(self, replicas: Sequence[Replica], is_parent: Callable[[str], bool]) -> None:
+        self._replicas = replicas
+        self._is_parent = is_parent
+        self._running: list[set[str | tuple[str, int]]] = [set() for _ in replicas]
+
+    def unfinished(self, index: int) -> bool:
+        """replicas[index].has_unfinished_requests()."""
+        return self._replicas[index].has_unfinished_requests()
+
+    def pending(self, index: int) -> bool:
+        """Whether replicas[index] holds blocks for KV copies in flight (pending_transfers)."""
+        return pending_transfers(self._replicas[index])
+
+    def held_ids(self) -> list[Container[str]]:
+        """The ids_in_use of each replica that has it (Engine's)."""
+        return [r.ids_in_use for r in self._replicas if hasattr(r, "ids_in_use")]
+
+    def add_request(
+        self,
+        index: int,
+        prompt: list[int],
+        sampling_params: Any,
+        request_id: str,
+        cache_salt: str | None,
+        n: int,
+    ) -> None:
+        """Queues a request of `n` sequences on replicas[index] as `request_id`."""
+        self._replicas[index].add_request(
+            prompt, sampling_params, request_id=request_id, cache_salt=cache_salt
+        )
+        self._running[index].update(map(_key, repeat(request_id), range(n)))
+
+    def abort(self, index: int, request_id: str) -> bool:
+        """replicas[index].abort(request_id)."""
+        return self._replicas[index].abort(request_id)
+
+    def end(self, index: int, request_id: str, indices: Iterable[int]) -> None:
+        """The request's sequences of those sample indices no longer run on replicas[index]."""
+        self._running[index].difference_update(map(_key, repeat(request_id), indices))
+
+    def ended_in(self, outputs: list[RequestOutput], replica_of: dict[str, int]) -> None:
+        """The sequences `outputs` (kept for a later step()) end are over now: their
+        replicas reporting them again is refused before the outputs are delivered."""
+        for o in outputs:
+            index = replica_of.get(o.request_id)
+            if index is None or (o.finish_reason is None and not o.finished):
+                continue
+            running = self._running[index]
+            running.discard(_key(o.request_id, o.index))
+            if o.finished:  # every sample of its request
+                running.difference_update([k for k in running if _request_of(k) == o.request_id])
+
+    def step(self, outputs: list[RequestOutput], index: int) -> None:
+        """Steps replicas[index] and appends what it returned to `outputs`: a list (or
+        tuple) of RequestOutput, each of a sequence the replica runs, none twice or after
+        the output that finished its request, each finished one with a finish_reason,
+        and a finish_reason without finished only on a sample's (`is_parent` of its
+        request). Otherwise appends the outputs that are, and raises ValueError naming
+        the first that is not."""
+        replica = self._replicas[index]
+        result = replica.step()
+        if type(result) is list and self._fits(index, result):
+            outputs.extend(result)
+            return
+        name = f"{replica_name(index, replica)}.step()"
+        if not isinstance(result, (list, tuple)):
+            raise ValueError(f"{name} returned {_shown(result)}; expected a list")
+        running = self._running[index]
+        kept: list[RequestOutput] = []
+        seen: set[str | tuple[str, int]] = set()
+        finished: set[str] = set()
+        first = None
+        for o in result:
+            problem = _problem(o, running, seen, finished, self._is_parent)
+            if problem is None:
+                kept.append(o)
+                seen.add(_key(o.request_id, o.index))
+                if o.finished:
+                    finished.add(o.request_id)
+            elif first is None:
+                first = problem
+        outputs.extend(kept)
+        if first is not None:
+            raise ValueError(
+                f"{name} returned {first} ({len(result) - len(kept)} of its {len(result)} "
+                "outputs dropped, the rest kept for the router's next step())"
+            )
+
+    def _fits(self, index: int, result: list) -> bool:
+        """Whether `result` passes step's checks: passes of C over it, and a loop over its
+        finished outputs only (one per request)."""
+        if not set(map(type, result)) <= {RequestOutput}:
+            return False
+        try:
+            if set(map(_index, result)) <= {0}:  # no sample beyond a request's first
+                keys = set(map(_request_id, result))
+            else:
+                firsts = compress(result, map(operator.eq, map(_index, result), repeat(0)))
+                others = compress(result, map(operator.ne, map(_index, result), repeat(0)))
+                keys = set(map(_request_id, firsts)) | set(map(_sequence, others))
+            num_ending = len(result) - list(map(_finish_reason, result)).count(None)
+        except TypeError:  # an unhashable field
+            return False
+        if len(keys) != len(result) or not keys <= self._running[index]:
+            return False
+        is_parent = self._is_parent
+        last = None  # request id -> its last output in `result`
+        done = list(compress(result, map(_finished, result)))
+        for o in done:
+            if o.finish_reason is None:
+                return False
+            if is_parent(o.request_id):  # its samples' outputs come before it
+                last = last or dict(zip(map(_request_id, result), result, strict=True))
+                if last[o.request_id] is not o:
+                    return False
+        if num_ending == len(done):
+            return True
+        reasons = map(operator.is_not, map(_finish_reason, result), repeat(None))
+        return all(o.finished or is_parent(o.request_id) for o in compress(result, reasons))
+
+
+def _key(request_id: str, index: int) -> str | tuple[str, int]:
+    return request_id if index == 0 else (request_id, index)
+
+
+def _request_of(key: str | tuple[str, int]) -> str:
+    return key[0] if type(key) is tuple else key
+
+
+def _shown(value: object) -> str:
+    return _repr.repr(value)
+
+
+_repr = reprlib.Repr()
+_repr.maxother = 80  # an object's default repr, its address included
+
+
+def _problem(
+    o: object,
+    running: set[str | tuple[str, int]],
+    seen: set[str | tuple[str, int]],
+    finished: set[str],
+    is_parent: Callable[[str], bool],
+) -> str | None:
+    """What is wrong with output `o` of a replica's step (None if nothing), given the
+    outputs before it: `seen` their sequences, `finished` the requests they finished."""
+    if not isinstance(o, RequestOutput):
+        return f"{_shown(o)}, not a RequestOutput"
+    try:
+        key = _key(o.request_id, o.index)
+        hash(key)
+    except TypeError:
+        return f"an output of request_id {_shown(o.request_id)}, unhashable"
+    what = (
+        f"an output of request {o.request_id!r} (index {o.index!r}, finished="
+        f"{o.finished!r}, finish_reason={o.finish_reason!r})"
+    )
+    if o.request_id in finished:
+        return f"{what} after the output that finished that request"
+    if key in seen:
+        return f"{what} twice"
+    if key not in running:
+        return (
+            f"{what}, a sequence it does not run for the router (never sent to it, "
+            "sent to another replica, finished or aborted)"
+        )
+    if o.finished and o.finish_reason is None:
+        return f"{what}: finished without a finish_reason"
+    if o.finish_reason is not None and not o.finished and not is_parent(o.request_id):
+        return f"{what}: a finish_reason on a request of one sample that is not finished"
+    return None

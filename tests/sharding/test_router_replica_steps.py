@@ -1,0 +1,221 @@
+"""PrefixAwareRouter over a replica whose step() answers what the router cannot deliver: an
+output of a request it did not send there, one reported twice or after its request
+finished, a finish without its reason, no list of RequestOutput. Each raises ValueError
+naming the replica, step() and the output; the outputs that pass, and those of the
+replicas stepped before it, reach the caller once, on the next step()."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv import SamplingParams
+from jaxkv.outputs import RequestOutput
+from jaxkv.router import PrefixAwareRouter
+from tests.sharding._router_util import BLOCK, FakeReplica, OffloadingReplica
+from tests.sharding.test_router_bookkeeping import SamplingReplica
+
+
+class Misstepping(FakeReplica):
+    """Its next step's outputs go through `bad` (then it steps as FakeReplica does)."""
+
+    def __init__(self, index: int, bad) -> None:
+        super().__init__(index)
+        self.bad = bad
+
+    def step(self):
+        outputs = super().step()
+        bad, self.bad = self.bad, None
+        return outputs if bad is None else bad(outputs)
+
+
+def _router(bad, *, tokens: int = 3) -> PrefixAwareRouter:
+    """Replica 0 runs "a" (1 token), replica 1 (Misstepping) runs "b" (`tokens` tokens)."""
+    router = PrefixAwareRouter([FakeReplica(0), Misstepping(1, bad)], block_size=BLOCK)
+    router.add_request([1] * BLOCK, SamplingParams(max_tokens=1), request_id="a")
+    router.add_request([2] * BLOCK, SamplingParams(max_tokens=tokens), request_id="b")
+    assert (router.replica_of("a"), router.replica_of("b")) == (0, 1)
+    return router
+
+
+def _delivered(router: PrefixAwareRouter) -> list[tuple[str, bool]]:
+    """(request id, finished) of every output until the router has no work left."""
+    seen = []
+    while router.has_unfinished_requests():
+        seen += [(o.request_id, o.finished) for o in router.step()]
+    assert router.num_outstanding == (0, 0)
+    return seen
+
+
+def _output(request_id: str, *, finished: bool = False) -> RequestOutput:
+    return RequestOutput(request_id, (7,), finished, "length" if finished else None)
+
+
+@pytest.mark.parametrize(
+    "stray",
+    [_output("zz"), _output("a", finished=True), _output("b")._replace(index=1)],
+    ids=["never-sent", "another-replicas", "no-such-sample"],
+)
+def test_an_output_of_a_sequence_the_replica_does_not_run_is_refused(stray):
+    # "a" runs on replica 0: replica 1's finish of it used to release "a" there (its id
+    # free for a new "a" whose outputs replica 0's old "a" would fill) and reach the caller.
+    router = _router(lambda outputs: [*outputs, stray])
+    with pytest.raises(
+        ValueError, match=rf"replicas\[1\] \(Misstepping\)\.step\(\) .*'{stray[0]}'"
+    ):
+        router.step()
+    assert router.num_outstanding == (1, 1) and router.replica_of("a") == 0
+    with pytest.raises(ValueError, match="already running"):
+        router.add_request([3] * BLOCK, request_id="a")
+    assert _delivered(router) == [("a", True), ("b", False), ("b", False), ("b", True)]
+
+
+def test_a_finish_reported_twice_in_one_step_reaches_the_caller_once():
+    # The second finish used to reach generate, which counted the request done twice and
+    # returned with another prompt still running ("abort", its id held for good).
+    router = _router(lambda outputs: outputs + outputs, tokens=1)
+    with pytest.raises(ValueError, match=r"request 'b' .* after the output that finished"):
+        router.step()
+    assert _delivered(router) == [("a", True), ("b", True)]
+
+
+class _ReportsAgain(FakeReplica):
+    """Reports the first request it finishes once more, in the next step."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.finished: list[RequestOutput] | None = []
+
+    def step(self):
+        outputs = super().step()
+        again = self.finished or []
+        if self.finished is not None:
+            self.finished = [o for o in outputs if o.finished][:1] or None
+        return outputs + again
+
+
+def test_an_output_after_its_request_finished_is_refused():
+    router = PrefixAwareRouter([_ReportsAgain(0)], block_size=BLOCK)
+    router.add_request([1] * BLOCK, SamplingParams(max_tokens=1), request_id="a")
+    router.add_request([2] * BLOCK, SamplingParams(max_tokens=3), request_id="b")
+    assert [(o.request_id, o.finished) for o in router.step()] == [("a", True), ("b", False)]
+    with pytest.raises(ValueError, match=r"request 'a' .* does not run for the router"):
+        router.step()
+    assert [(o.request_id, o.finished) for o in router.step()] == [("b", False), ("b", True)]
+
+
+def test_an_output_kept_by_a_failed_step_is_not_taken_again_from_its_replica():
+    # "a" finished on replica 0 in a step() that replica 1 failed; replica 0 then reports
+    # it again: refused, though the kept finish has not reached the caller yet.
+    replicas = [_ReportsAgain(0), Misstepping(1, None)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    router.add_request([1] * BLOCK, SamplingParams(max_tokens=1), request_id="a")
+    router.add_request([2] * BLOCK, SamplingParams(max_tokens=3), request_id="b")
+    router.add_request([3] * BLOCK, SamplingParams(max_tokens=3), request_id="c")
+    assert [router.replica_of(rid) for rid in "abc"] == [0, 1, 0]
+
+    def lost(outputs):
+        raise RuntimeError("device lost")
+
+    replicas[1].bad = lost
+    with pytest.raises(RuntimeError, match="device lost"):
+        router.step()
+    with pytest.raises(ValueError, match=r"replicas\[0\].* request 'a' .* does not run"):
+        router.step()
+    assert _delivered(router) == [
+        ("a", True),
+        ("c", False),
+        ("c", False),
+        ("c", True),
+        ("b", False),
+        ("b", True),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("bad", "named"),
+    [
+        (lambda outputs: None, "returned None; expected a list"),
+        (lambda outputs: "ab", "returned 'ab'; expected a list"),
+        (lambda outputs: iter(outputs), "returned <list_iterator object"),
+        (lambda outputs: [o._asdict() for o in outputs], "returned {.*}, not a RequestOutput"),
+        (lambda outputs: [tuple(o) for o in outputs], r"returned \('b', .*\), not a Request"),
+    ],
+    ids=["None", "str", "iterator", "dicts", "tuples"],
+)
+def test_a_step_answer_that_is_no_list_of_outputs_loses_no_other_replicas_output(bad, named):
+    # None raised a TypeError naming nothing; "ab", dicts or tuples raised AttributeError
+    # after replica 0's finished "a" had been released, its output lost.
+    router = _router(bad)
+    with pytest.raises(ValueError, match=rf"replicas\[1\] \(Misstepping\)\.step\(\) {named}"):
+        router.step()
+    assert router.num_outstanding == (1, 1)
+    assert _delivered(router)[0] == ("a", True)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"finish_reason": None}, "finished without a finish_reason"),
+        ({"finished": False}, "a finish_reason on a request of one sample that is not"),
+    ],
+)
+def test_a_finish_without_its_reason_or_a_reason_without_its_finish_is_refused(change, named):
+    # A reason without finished left "b" counted and its id held after its replica
+    # dropped it; finished without a reason reached generate as an unexplained end.
+    router = _router(lambda outputs: [o._replace(**change) for o in outputs], tokens=1)
+    with pytest.raises(ValueError, match=named):
+        router.step()
+    assert router.num_outstanding == (1, 1) and router.replicas[1].running == {}
+    assert router.abort("b") is False  # its replica runs it no more: released
+    assert _delivered(router) == [("a", True)]
+
+
+def test_a_samples_output_after_the_one_that_finished_its_request_is_refused():
+    # Sample 0's output says "x" finished (no sample runs), then sample 1's token comes:
+    # it used to reach the caller after the request's end.
+    class FinishedFirst(SamplingReplica):
+        def step(self):
+            self.running.clear()
+            return [
+                RequestOutput("x", (1,), True, "length", index=0),
+                RequestOutput("x", (2,), False, None, index=1),
+            ]
+
+    router = PrefixAwareRouter([FinishedFirst(0)], block_size=BLOCK)
+    router.add_request([1] * BLOCK, SamplingParams(n=2, max_tokens=2), request_id="x")
+    with pytest.raises(ValueError, match=r"request 'x' \(index 1.* after the output that fin"):
+        router.step()
+    assert [(o.index, o.finished) for o in router.step()] == [(0, True)]
+    assert router.num_outstanding == (0,)
+
+
+def test_drain_transfers_counts_the_finish_in_a_refused_step_answer():
+    # "b" finishes in a step drain_transfers takes for "a"'s copy, beside a stray output:
+    # refused, but b's finish still counts, so b is released.
+    class Strays(OffloadingReplica):
+        def step(self):
+            outputs = super().step()
+            if [(o.request_id, o.finished) for o in outputs] == [("b", True)]:
+                outputs.append(outputs[0]._replace(request_id="zz"))
+            return outputs
+
+    router = PrefixAwareRouter([Strays(0, copy_steps=2)], block_size=BLOCK)
+    router.add_request([1] * BLOCK, SamplingParams(max_tokens=1), request_id="a")
+    router.add_request([2] * BLOCK, SamplingParams(max_tokens=2), request_id="b")
+    assert [o.request_id for o in router.step()] == ["a", "b"]
+    with pytest.raises(ValueError, match=r"replicas\[0\] \(Strays\)\.step\(\) .*'zz'"):
+        router.drain_transfers()
+    assert router.num_outstanding == (0,)
+    with pytest.raises(KeyError):
+        router.replica_of("b")
+    router.drain_transfers()
+    assert not router.has_pending_transfers()
+
+
+def test_a_tuple_of_outputs_and_subclasses_of_request_output_are_delivered():
+    class Output(RequestOutput):
+        pass
+
+    router = _router(lambda outputs: tuple(Output(*o) for o in outputs), tokens=1)
+    assert [(o.request_id, o.finished) for o in router.step()] == [("a", True), ("b", True)]
+    assert router.num_outstanding == (0, 0)
