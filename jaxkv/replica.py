@@ -27,6 +27,9 @@ class Replica(Protocol):
     finish_reason, a finish_reason without finished only on a sample's output
     (SamplingParams.n > 1). The outputs that pass are kept for the router's next step(),
     with those of the replicas stepped before it, and the rest dropped.
+    add_request must return the id it was asked to queue; when it raises, or returns
+    another, the router aborts that id on the replica before the error propagates (it
+    may have been queued).
     """
 
     def add_request(

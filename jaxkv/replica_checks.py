@@ -68,10 +68,25 @@ class CheckedReplicas:
         cache_salt: str | None,
         n: int,
     ) -> None:
-        """Queues a request of `n` sequences on replicas[index] as `request_id`."""
-        self._replicas[index].add_request(
-            prompt, sampling_params, request_id=request_id, cache_salt=cache_salt
-        )
+        """Queues a request of `n` sequences on replicas[index] as `request_id`. When the
+        replica raises, or returns another id (ValueError naming it), the id is aborted
+        there before the error propagates: a replica (a remote one whose reply was lost)
+        may have queued it, and a request the router does not hold must not run."""
+        replica = self._replicas[index]
+        try:
+            queued = replica.add_request(
+                prompt, sampling_params, request_id=request_id, cache_salt=cache_salt
+            )
+        except BaseException as error:
+            _abort_after(index, replica, request_id, error)
+            raise
+        if not (isinstance(queued, str) and queued == request_id):
+            error = ValueError(
+                f"{replica_name(index, replica)}.add_request(request_id={request_id!r}) "
+                f"returned {_shown(queued)}; expected that id (aborted there, nothing queued)"
+            )
+            _abort_after(index, replica, request_id, error)
+            raise error
         self._running[index].update(map(_key, repeat(request_id), range(n)))
 
     def abort(self, index: int, request_id: str) -> bool:
@@ -161,6 +176,16 @@ class CheckedReplicas:
             return True
         reasons = map(operator.is_not, map(_finish_reason, result), repeat(None))
         return all(o.finished or is_parent(o.request_id) for o in compress(result, reasons))
+
+
+def _abort_after(index: int, replica: Replica, request_id: str, error: BaseException) -> None:
+    try:
+        replica.abort(request_id)
+    except Exception as abort_error:  # noqa: BLE001 - the replica's own error is the one to raise
+        error.add_note(
+            f"aborting {request_id!r} on {replica_name(index, replica)} then raised "
+            f"{abort_error!r}: it may still run there"
+        )
 
 
 def _key(request_id: str, index: int) -> str | tuple[str, int]:

@@ -178,7 +178,9 @@ class PrefixAwareRouter(Closable):
         Raises ValueError on an id in use (a running request's, a running sample's, one a
         replica's ids_in_use holds, or under n > 1 one whose samples' ids are any of
         these) or one that is not a str; the replica's own ValueError (bad prompt or
-        params) leaves the router unchanged, the next generated id included."""
+        params) leaves the router unchanged, the next generated id included. When the
+        replica raises, or returns another id (ValueError naming it), the id is aborted
+        on it first, in case it was queued there."""
         self._check_open()
         if request_id is not None and not (isinstance(request_id, str) and request_id):
             # abort() and close() take only str ids: a replica that queued an int id would
