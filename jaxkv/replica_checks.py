@@ -3,8 +3,10 @@
 A replica may be any object with the `Replica` methods (a proxy of a remote engine, say),
 so the router trusts none of its answers blindly: an output under the wrong request, or
 a finish reported twice, would release a request the router still runs elsewhere or end
-a generate early. A bad answer raises ValueError naming the replica (its index and
-type), the method, what it returned and what was expected.
+a generate early, and a None where a bool belongs would stall a request for good. A bad
+answer raises ValueError naming the replica (its index and type), the method, what it
+returned and what was expected; `abort`'s answer, given after the replica acted, is read
+by its truth with a logged warning instead (as the scheduler reads a connector's on_finish).
 
 Checking a step's outputs costs a few passes of C over them (set operations), not a
 Python loop; the output-by-output pass runs only once they have found something wrong.
@@ -12,16 +14,21 @@ Python loop; the output-by-output pass runs only once they have found something 
 
 from __future__ import annotations
 
+import logging
 import operator
 import reprlib
 from collections.abc import Callable, Container, Iterable, Sequence
 from itertools import compress, repeat
 from typing import Any
 
+import numpy as np
+
 from jaxkv.outputs import RequestOutput
 from jaxkv.replica import Replica, pending_transfers
 
 __all__ = ["CheckedReplicas"]
+
+logger = logging.getLogger(__name__)
 
 # RequestOutput's fields by position: itemgetter runs in C.
 _request_id = operator.itemgetter(0)
@@ -49,15 +56,29 @@ class CheckedReplicas:
 
     def unfinished(self, index: int) -> bool:
         """replicas[index].has_unfinished_requests()."""
-        return self._replicas[index].has_unfinished_requests()
+        replica = self._replicas[index]
+        answer = replica.has_unfinished_requests()
+        return _checked_bool(index, replica, "has_unfinished_requests", answer)
 
     def pending(self, index: int) -> bool:
         """Whether replicas[index] holds blocks for KV copies in flight (pending_transfers)."""
-        return pending_transfers(self._replicas[index])
+        replica = self._replicas[index]
+        return _checked_bool(index, replica, "has_pending_transfers", pending_transfers(replica))
 
     def held_ids(self) -> list[Container[str]]:
-        """The ids_in_use of each replica that has it (Engine's)."""
-        return [r.ids_in_use for r in self._replicas if hasattr(r, "ids_in_use")]
+        """The ids_in_use of each replica that has it (Engine's); ValueError naming one
+        that is no container (a method, None, an iterator that `in` would consume)."""
+        held = []
+        for index, replica in enumerate(self._replicas):
+            if hasattr(replica, "ids_in_use"):
+                ids = replica.ids_in_use
+                if not isinstance(ids, Container):
+                    raise ValueError(
+                        f"{replica_name(index, replica)}.ids_in_use is {_shown(ids)}; "
+                        "expected a container of request ids (a set, or Engine's live view)"
+                    )
+                held.append(ids)
+        return held
 
     def add_request(
         self,
@@ -90,8 +111,19 @@ class CheckedReplicas:
         self._running[index].update(map(_key, repeat(request_id), range(n)))
 
     def abort(self, index: int, request_id: str) -> bool:
-        """replicas[index].abort(request_id)."""
-        return self._replicas[index].abort(request_id)
+        """replicas[index].abort(request_id), an answer other than a bool read by its truth
+        with a logged warning naming it: the replica has acted on it already."""
+        replica = self._replicas[index]
+        answer = replica.abort(request_id)
+        if not isinstance(answer, (bool, np.bool_)):
+            logger.warning(
+                "%s.abort(%r) returned %s, not a bool; read as %s",
+                replica_name(index, replica),
+                request_id,
+                _shown(answer),
+                bool(answer),
+            )
+        return bool(answer)
 
     def end(self, index: int, request_id: str, indices: Iterable[int]) -> None:
         """The request's sequences of those sample indices no longer run on replicas[index]."""
@@ -176,6 +208,16 @@ class CheckedReplicas:
             return True
         reasons = map(operator.is_not, map(_finish_reason, result), repeat(None))
         return all(o.finished or is_parent(o.request_id) for o in compress(result, reasons))
+
+
+def _checked_bool(index: int, replica: Replica, method: str, answer: object) -> bool:
+    """`answer`, what replica.method() returned, if a bool (numpy's is one); else
+    ValueError naming them."""
+    if isinstance(answer, (bool, np.bool_)):
+        return bool(answer)
+    raise ValueError(
+        f"{replica_name(index, replica)}.{method}() returned {_shown(answer)}; expected a bool"
+    )
 
 
 def _abort_after(index: int, replica: Replica, request_id: str, error: BaseException) -> None:

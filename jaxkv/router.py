@@ -252,7 +252,8 @@ class PrefixAwareRouter(Closable):
         A request (or sample) its replica no longer runs, with no finishing output left
         to deliver (it finished inside a replica step() that raised, its output lost with
         it), is released here too, and False returned. Outputs a failed step() kept for a
-        sequence released here are dropped: they must not reach a later request of its id."""
+        sequence released here are dropped: they must not reach a later request of its id.
+        A replica's abort answering no bool is read by its truth, with a logged warning."""
         return any([self._abort_one(rid) for rid in checked_request_ids(request_ids)])
 
     def _abort_one(self, request_id: str) -> bool:
@@ -294,7 +295,8 @@ class PrefixAwareRouter(Closable):
                 self._finish(parent)
 
     def has_unfinished_requests(self) -> bool:
-        """True while a replica has unfinished requests or a step() has outputs to give."""
+        """True while a replica has unfinished requests or a step() has outputs to give.
+        Raises ValueError naming a replica whose has_unfinished_requests is no bool."""
         return bool(self._undelivered) or any(map(self._checked.unfinished, self._indices))
 
     def step(self) -> list[RequestOutput]:

@@ -1,8 +1,12 @@
-"""PrefixAwareRouter over a replica whose add_request answers wrong: another id than the
-one asked for (ValueError naming the replica, the method and the answer), or an error
-after it queued the request. Either way the id is aborted there, the router unchanged."""
+"""PrefixAwareRouter over a replica whose other answers are wrong: add_request returning
+another id or raising after it queued, abort answering no bool, has_unfinished_requests
+or has_pending_transfers answering no bool, an ids_in_use that is no container. Each
+raises ValueError naming the replica, the method and the answer (abort's, given after the
+replica acted, is read by its truth with a logged warning), the router unchanged."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 
@@ -62,3 +66,64 @@ def test_an_abort_that_also_fails_is_noted_on_the_replicas_error():
         router.add_request([1] * BLOCK)
     assert "replica gone" in "".join(raised.value.__notes__)
     assert router.num_outstanding == (0,)
+
+
+@pytest.mark.parametrize(("answer", "read"), [(None, False), ("no", True), (1, True)])
+def test_an_abort_answering_no_bool_is_read_by_its_truth_with_a_warning(answer, read, caplog):
+    class Aborts(FakeReplica):
+        def abort(self, request_id):
+            super().abort(request_id)
+            return answer
+
+    router = PrefixAwareRouter([Aborts(0)], block_size=BLOCK)
+    router.add_request([1] * BLOCK, request_id="x")
+    with caplog.at_level(logging.WARNING, logger="jaxkv.replica_checks"):
+        assert router.abort("x") is read
+    assert f"replicas[0] (Aborts).abort('x') returned {answer!r}, not a bool" in caplog.text
+    assert router.num_outstanding == (0,) and router.add_request([2], request_id="x") == "x"
+
+
+@pytest.mark.parametrize("answer", [None, 0, "yes"])
+def test_has_unfinished_requests_answering_no_bool_is_refused(answer):
+    # None or 0 left the replica unstepped: generate returned its prompt as "abort" while
+    # the request stayed queued there, its id held by the router for good.
+    class Unsure(FakeReplica):
+        def has_unfinished_requests(self):
+            return answer
+
+    router = PrefixAwareRouter([Unsure(0)], block_size=BLOCK)
+    with pytest.raises(
+        ValueError,
+        match=rf"replicas\[0\] \(Unsure\)\.has_unfinished_requests\(\) returned {answer!r}; "
+        "expected a bool",
+    ):
+        router.generate([[1] * BLOCK], progress=False)
+    assert router.num_outstanding == (0,) and router.replicas[0].running == {}
+
+
+def test_has_pending_transfers_answering_no_bool_is_refused():
+    class Unsure(FakeReplica):
+        def has_pending_transfers(self):
+            return None
+
+    router = PrefixAwareRouter([FakeReplica(0), Unsure(1)], block_size=BLOCK)
+    with pytest.raises(ValueError, match=r"replicas\[1\] \(Unsure\)\.has_pending_transfers"):
+        router.has_pending_transfers()
+
+
+class _Holds(FakeReplica):
+    def __init__(self, index: int, ids_in_use) -> None:
+        super().__init__(index)
+        self.ids_in_use = ids_in_use
+
+
+@pytest.mark.parametrize("held", [None, iter(["dp-0"]), print])
+def test_an_ids_in_use_that_is_no_container_is_refused(held):
+    # None or a method raised TypeError from deep in the id check, naming nothing; an
+    # iterator was consumed by the first `in`, the id it held then free.
+    router = PrefixAwareRouter([FakeReplica(0), _Holds(1, held)], block_size=BLOCK)
+    with pytest.raises(ValueError, match=r"replicas\[1\] \(_Holds\)\.ids_in_use is .*container"):
+        router.add_request([1] * BLOCK)
+    assert router.num_outstanding == (0, 0)
+    router.replicas[1].ids_in_use = {"dp-0"}
+    assert router.add_request([1] * BLOCK) == "dp-1"
