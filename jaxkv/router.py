@@ -283,6 +283,8 @@ class PrefixAwareRouter(Closable):
         if replica is not None:
             self._checked.end(replica, request_id, self._samples.running(request_id) or [0])
             self._outstanding[replica] -= self._samples.pop(request_id)
+            if self._undelivered:  # released meanwhile (drain_transfers): they go with it
+                self._undelivered = [o for o in self._undelivered if o.request_id != request_id]
 
     def _sample_ended(self, parent: str, index: int) -> None:
         """One sample ended: one sequence fewer; the request ends with its last sample
@@ -343,7 +345,8 @@ class PrefixAwareRouter(Closable):
         """Steps replicas until every KV copy in flight has landed; see Engine.drain_transfers.
 
         Outputs of requests stepped meanwhile are dropped (their finishes are still
-        counted); call it when the router is otherwise idle. Raises TimeoutError and
+        counted, and a request finishing so drops the outputs a failed step() kept of
+        it); call it when the router is otherwise idle. Raises TimeoutError and
         ValueError as jaxkv.closable.step_until_landed does: copies that landed within
         `timeout_s` are collected, under timeout_s=0 too.
         """
