@@ -182,6 +182,8 @@ class CheckedReplicas:
         finished outputs only (one per request)."""
         if not set(map(type, result)) <= {RequestOutput}:
             return False
+        if not set(map(type, map(_request_id, result))) <= {str}:  # ("x", 1): sample 1's key
+            return False
         try:
             if set(map(_index, result)) <= {0}:  # no sample beyond a request's first
                 keys = set(map(_request_id, result))
@@ -257,11 +259,13 @@ def _problem(
     outputs before it: `seen` their sequences, `finished` the requests they finished."""
     if not isinstance(o, RequestOutput):
         return f"{_shown(o)}, not a RequestOutput"
+    if not isinstance(o.request_id, str):  # ("x", 1) would pass for sample 1 of "x"
+        return f"an output of request_id {_shown(o.request_id)}, not a str"
     try:
         key = _key(o.request_id, o.index)
         hash(key)
     except TypeError:
-        return f"an output of request_id {_shown(o.request_id)}, unhashable"
+        return f"an output of request {o.request_id!r} with index {_shown(o.index)}, unhashable"
     what = (
         f"an output of request {o.request_id!r} (index {o.index!r}, finished="
         f"{o.finished!r}, finish_reason={o.finish_reason!r})"

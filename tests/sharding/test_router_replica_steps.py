@@ -69,6 +69,25 @@ def test_an_output_of_a_sequence_the_replica_does_not_run_is_refused(stray):
     assert _delivered(router) == [("a", True), ("b", False), ("b", False), ("b", True)]
 
 
+def test_an_output_under_a_request_id_that_is_no_str_is_refused():
+    # The checks key sample 1 of "x" as ("x", 1): an output under that id (index 0) in a
+    # step without one of sample 1 passed for that sample's and reached the caller.
+    class TupleId(SamplingReplica):
+        def step(self):
+            outputs = [o for o in super().step() if o.index == 0]
+            stray, self.stray = self.stray, []
+            return outputs + stray
+
+    replica = TupleId(0)
+    replica.stray = [RequestOutput(("x", 1), (7,), False, None)]
+    router = PrefixAwareRouter([replica], block_size=BLOCK)
+    router.add_request([1] * BLOCK, SamplingParams(n=2, max_tokens=3), request_id="x")
+    with pytest.raises(ValueError, match=r"request_id \('x', 1\), not a str"):
+        router.step()
+    assert [(o.request_id, o.index) for o in router.step()] == [("x", 0), ("x", 0)]
+    assert router.num_outstanding == (2,)
+
+
 def test_a_finish_reported_twice_in_one_step_reaches_the_caller_once():
     # The second finish used to reach generate, which counted the request done twice and
     # returned with another prompt still running ("abort", its id held for good).
