@@ -27,14 +27,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxkv.attention import check_backend, default_backend
-from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner
+from jaxkv.attention import default_backend
+from jaxkv.cascade import CascadePlan, CascadePlanner
 from jaxkv.closable import Closable, checked_timeout, one_at_a_time, step_until_landed
 from jaxkv.completion import generate_progress_bar, run_to_completion
 from jaxkv.config import EngineConfig
 from jaxkv.deliberate_transfers import allowing_transfers
 from jaxkv.detokenizer import Detokenizer
-from jaxkv.engine_args import checked_engine_args
+from jaxkv.engine_args import checked_engine_args, served_heads
 from jaxkv.hashing import check_hash_key
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_copy import DeviceKVCopier
@@ -104,20 +104,7 @@ class Engine(Closable):
         self._state_leaves, state_treedef = jax.tree.flatten(state)
         self._program = step_program(graphdef, state_treedef)
         self.backend = config.backend or default_backend()
-        # Each device reads only its own heads' KV in every kernel call: the kernels are
-        # checked with, and the cost model weighs, one device's heads.
-        kv_itemsize = jax.numpy.dtype(cc.kv_dtype or mc.dtype).itemsize
-        shape = AttentionShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, kv_itemsize)
-        heads = shape.per_device(1 if placed is None else placed.size)
-        try:  # the kernels name their page_size and kv_pages.dtype: name the config's too
-            check_backend(
-                self.backend, interpret=config.interpret, num_q_heads=heads.num_q_heads,
-                num_kv_heads=heads.num_kv_heads, head_dim=mc.head_dim,
-                block_size=cc.block_size, q_dtype=mc.dtype, kv_dtype=cc.kv_dtype or mc.dtype,
-            )  # fmt: skip
-        except ValueError as e:
-            given = f"cache.block_size={cc.block_size}, cache.kv_dtype={cc.kv_dtype!r}"
-            raise ValueError(f"backend={self.backend!r} cannot serve {given} here: {e}") from None
+        heads = served_heads(self.backend, config, mc, 1 if placed is None else placed.size)
         self.manager = KVCacheManager(
             cc.num_blocks,
             cc.block_size,

@@ -11,6 +11,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxkv.attention import check_backend
+from jaxkv.cascade import AttentionShape
 from jaxkv.config import EngineConfig
 from jaxkv.kv_transfer import KVConnector
 
@@ -68,3 +70,24 @@ def _check_params(model, params) -> None:
                 f"{where}: {type(g).__name__} of dtype {getattr(g, 'dtype', None)}; it must "
                 f"be an array of {w.dtype}, as the model's"
             )
+
+
+def served_heads(backend: str, config: EngineConfig, mc, num_devices: int) -> AttentionShape:
+    """One device's attention heads of the model config `mc` over `num_devices` (each
+    device reads only its own heads' KV in every kernel call: the kernels are checked
+    with, and the cost model weighs, those); ValueError naming the cache's block_size and
+    kv_dtype unless `backend` can serve them here."""
+    cc = config.cache
+    kv_itemsize = jax.numpy.dtype(cc.kv_dtype or mc.dtype).itemsize
+    shape = AttentionShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, kv_itemsize)
+    heads = shape.per_device(num_devices)
+    try:  # the kernels name their page_size and kv_pages.dtype: name the config's too
+        check_backend(
+            backend, interpret=config.interpret, num_q_heads=heads.num_q_heads,
+            num_kv_heads=heads.num_kv_heads, head_dim=mc.head_dim,
+            block_size=cc.block_size, q_dtype=mc.dtype, kv_dtype=cc.kv_dtype or mc.dtype,
+        )  # fmt: skip
+    except ValueError as e:
+        given = f"cache.block_size={cc.block_size}, cache.kv_dtype={cc.kv_dtype!r}"
+        raise ValueError(f"backend={backend!r} cannot serve {given} here: {e}") from None
+    return heads

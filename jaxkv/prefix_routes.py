@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from jaxkv.field_checks import int_fields
 from jaxkv.hashing import BlockHash, check_hash_key, extend_block_hashes
 
-__all__ = ["PrefixRoutes"]
+__all__ = ["PrefixRoutes", "Route"]
+
+
+class Route(NamedTuple):
+    """Where a prompt goes and why."""
+
+    replica: int  # index into the router's replicas
+    matched_blocks: int  # leading full blocks whose prefix was routed to `replica` before
 
 
 class PrefixRoutes:

@@ -10,7 +10,7 @@ its k-th prompt after queueing the ones before it).
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping, Sequence
 
 _NONE = object()  # held by no request
 
@@ -68,3 +68,23 @@ class SerialsCheckpoint:
     def __call__(self) -> None:
         self.check()
         self._serials.next = self._serial
+
+
+def rewind_together(rewinds: Sequence[Callable[[], None]], then: Callable[[], None]):
+    """A function that calls each of `rewinds`, then `then`, raising (changing nothing)
+    where one refuses: it first calls check() on those that have it (SerialsCheckpoint),
+    then calls those without it (their call is their check), and only then rewinds the
+    checked ones. Two or more without check() can be left half done by a later refusal."""
+    checked = [r for r in rewinds if hasattr(r, "check")]
+    unchecked = [r for r in rewinds if not hasattr(r, "check")]
+
+    def rewind() -> None:
+        for checkpoint in checked:
+            checkpoint.check()  # raises while a request queued since is held
+        for rewind_unchecked in unchecked:  # before any change
+            rewind_unchecked()
+        for checkpoint in checked:
+            checkpoint()
+        then()
+
+    return rewind

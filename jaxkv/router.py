@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -27,22 +27,15 @@ from jaxkv.field_checks import as_int
 from jaxkv.hashing import BlockHash
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.parallel_sampling import IdsInUse
-from jaxkv.prefix_routes import PrefixRoutes
+from jaxkv.prefix_routes import PrefixRoutes, Route
 from jaxkv.prompt_checks import checked_prompt_ids
 from jaxkv.replica import Replica as Replica  # its former home
 from jaxkv.replica_checks import CheckedReplicas
 from jaxkv.request import MAX_TOKEN_ID
 from jaxkv.request_id_lists import checked_request_ids
-from jaxkv.request_serials import RequestSerials
+from jaxkv.request_serials import RequestSerials, rewind_together
 from jaxkv.router_samples import RunningSamples
 from jaxkv.sampling_params import SamplingParams
-
-
-class Route(NamedTuple):
-    """Where a prompt goes and why."""
-
-    replica: int  # index into the router's replicas
-    matched_blocks: int  # leading full blocks whose prefix was routed to `replica` before
 
 
 def _routes_size(name: str) -> property:
@@ -229,19 +222,7 @@ class PrefixAwareRouter(Closable):
         # By token, not replica: an id aborted and queued again on its replica is new.
         rewind_ids = self._serials.checkpoint(self._queued)
         rewinds = [r.queue_checkpoint() for r in self.replicas if hasattr(r, "queue_checkpoint")]
-        checked = [rewind_ids, *(r for r in rewinds if hasattr(r, "check"))]
-        unchecked = [r for r in rewinds if not hasattr(r, "check")]
-
-        def rewind() -> None:
-            for checkpoint in checked:
-                checkpoint.check()  # raises while a request queued since is held
-            for rewind_replica in unchecked:  # its call is its check: before any change
-                rewind_replica()
-            for checkpoint in checked:
-                checkpoint()
-            self._routes.restore(routes)
-
-        return rewind
+        return rewind_together([rewind_ids, *rewinds], then=lambda: self._routes.restore(routes))
 
     def abort(self, request_ids: str | Iterable[str]) -> bool:
         """Aborts an unfinished request, or each of an iterable of them, on its replica

@@ -68,7 +68,7 @@ def engine_greedy_tp():
     path runs in attention_flat_and_cascade), token for token, over runs with both flat and
     cascade steps; the caches hold 1/TP per device. At TP 2 the weights come as `params`
     over a model holding other weights: the engine shards and runs those params."""
-    from jaxkv import engine as engine_module
+    from jaxkv import engine_args as engine_module
     from jaxkv.engine import Engine
 
     want, want_cascade_steps = unsharded_greedy()
