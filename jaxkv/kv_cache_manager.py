@@ -112,11 +112,17 @@ class KVCacheManager:
 
     def holds_row(self, request_id: str) -> bool:
         """Whether `request_id` holds a row (blocks or not): allocated and not yet freed.
-        Raises ValueError naming request_id for an unhashable one (a list)."""
+        Raises ValueError naming request_id unless it is a str (a Request that holds a
+        row was answered False)."""
         try:
-            return request_id in self._blocks
+            if request_id in self._blocks:
+                return True
         except TypeError:
-            raise ValueError(f"{request_id=} must be a request id (a str)") from None
+            pass
+        else:
+            if isinstance(request_id, str):  # checked only here: found ids are str keys
+                return False
+        raise ValueError(f"{request_id=} must be a request id (a str)")
 
     def block_ids(self, request_id: str) -> list[int]:
         """The block ids `request_id` (or a Request's id) holds, in order. Raises

@@ -256,6 +256,18 @@ def test_one_str_is_not_a_list_of_ids():
         m.holds_row([])  # unhashable: a bare TypeError named nothing
 
 
+@pytest.mark.parametrize("bad", ["request", None, 1])
+def test_holds_row_takes_a_request_id_only(bad):
+    # A Request that holds a row was answered False (its id was never looked up), as
+    # were None and ints, where num_common_prefix_blocks refuses an item that is no id.
+    m = KVCacheManager(12, 4, max_model_len=32)
+    a = make_request("a", range(9))
+    prefill(m, a)
+    with pytest.raises(ValueError, match=r"request_id=.* must be a request id \(a str\)"):
+        m.holds_row(a if bad == "request" else bad)
+    assert m.holds_row("a")
+
+
 # ------------------------------------------------------------- event replay
 
 
