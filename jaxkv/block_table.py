@@ -198,7 +198,11 @@ class HostBlockTable:
 
     def append(self, request_id: str, block_ids: list[int], *, shared: bool) -> None:
         """Appends `block_ids` to the request's row. `shared`: some of them may also be
-        held by other rows (a cache hit); False only for blocks fresh from the pool."""
+        held by other rows (a cache hit); False only for blocks fresh from the pool.
+        Raises ValueError (nothing changed) if they include the null block: it fills the
+        unused columns, so a row holding it would share with a shorter row's padding."""
+        if NULL_BLOCK_ID in block_ids:
+            raise ValueError(f"{block_ids=} include the null block {NULL_BLOCK_ID}")
         pids = self._prefix[request_id]
         row, start = self._row_of[request_id], len(pids)
         parent = pids[-1] if pids else ROOT_PREFIX

@@ -211,3 +211,21 @@ def test_rows_outside_the_sample_that_diverge_early_set_the_answer(num_rows):
         assert t.num_common_prefix_blocks(ids) == 1 == _common_oracle(list(blocks.values()))
         rest = [rid for i, rid in enumerate(ids) if i not in odd]
         assert t.num_common_prefix_blocks(rest) == 4 == _common_oracle([blocks[r] for r in rest])
+
+
+def test_append_refuses_the_null_block_with_nothing_changed():
+    # Block 0 fills the columns past a row's blocks. A row holding it matched a shorter
+    # row's padding: with 40 rows, [5, 0, 7] against [5] gave a common prefix of 2.
+    t = HostBlockTable(max_blocks_per_seq=4)
+    ids = [f"r{i}" for i in range(40)]
+    for i, rid in enumerate(ids):
+        t.add_row(rid)
+        t.append(rid, [5] if i == 1 else [5, 6, 7], shared=True)
+    before = (t.block_table.copy(), t.prefix_ids.copy(), t.num_blocks_of_row.copy())
+    for block_ids in ([0], [8, 0], [0, 9]):
+        with pytest.raises(ValueError, match="null block"):
+            t.append("r0", block_ids, shared=True)
+    after = (t.block_table, t.prefix_ids, t.num_blocks_of_row)
+    assert all((x == y).all() for x, y in zip(before, after, strict=True))
+    assert t.num_common_prefix_blocks(ids) == 1
+    assert t.check_integrity({rid: [5] if i == 1 else [5, 6, 7] for i, rid in enumerate(ids)}) == []
