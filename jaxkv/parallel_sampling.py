@@ -90,7 +90,9 @@ class ParallelSamples:
     ) -> None:
         """Queues `request` (checked, new) on `scheduler` and its sampling row, or under
         n > 1 its n samples (the request itself never runs): all of them or, raising
-        ValueError when an id is in use, none."""
+        ValueError when an id is in use, none. Samples keep the request's prompt, cache
+        salt, adapter id and arrival time (so they share its cached blocks and its place
+        in the queue)."""
         params = request.sampling_params
         n = params.n
         in_use = IdsInUse(scheduler.requests, self)
@@ -110,6 +112,8 @@ class ParallelSamples:
                 request.prompt_token_ids,
                 child_params(params, i),
                 cache_salt=request.cache_salt,
+                adapter_id=request.adapter_id,
+                arrival_time=request.arrival_time,
             )
             for i, rid in enumerate(ids)
         ]

@@ -56,3 +56,20 @@ def test_sample_default_seeds_differ_from_those_of_requests_queued_next():
     seeds = {child_default_seed(seed, i) for seed in range(100, 108) for i in range(8)}
     assert len(seeds) == 64
     assert child_default_seed(100, 0) == 100
+
+
+def test_samples_keep_the_adapter_salt_and_arrival_time_of_their_request():
+    # The adapter id is a hash key of every block: a sample without it would neither hit
+    # its request's cached blocks nor be kept apart from another adapter's.
+    scheduler, samples = FakeScheduler(), ParallelSamples()
+    parent = Request(
+        "x",
+        [1, 2, 3],
+        SamplingParams(n=2, max_tokens=2),
+        cache_salt="tenant",
+        adapter_id="lora-7",
+        arrival_time=12.5,
+    )
+    samples.queue(scheduler, FakeSampling(), parent, 0)
+    kept = [(r.cache_salt, r.adapter_id, r.arrival_time) for r in scheduler.requests.values()]
+    assert kept == [("tenant", "lora-7", 12.5)] * 2
