@@ -87,7 +87,13 @@ def extend_block_hashes(
     `block_hashes` must hold the hashes of the first len(block_hashes) blocks of
     `token_ids` (computed with the same block size, seed and keys). Returns the list.
     Equal to chaining hash_block_tokens block by block (one digest call per block).
+    Raises ValueError, changing nothing, unless `block_size` is an int >= 1.
     """
+    if type(block_size) is not int or block_size < 1:
+        size = as_int(block_size)
+        if size is None or size < 1:
+            raise ValueError(f"{block_size=} must be an int >= 1")
+        block_size = size
     start, num_full = len(block_hashes), len(token_ids) // block_size
     if num_full <= start:
         return block_hashes

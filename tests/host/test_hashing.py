@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxkv import KVCacheManager, hashing
@@ -102,6 +103,21 @@ def test_hash_block_tokens_rejects_tokens_outside_int64(tokens):
         hash_block_tokens(root_hash(0), tokens)
     with pytest.raises(ValueError, match="token_ids"):
         extend_block_hashes([], [7, *tokens], len(tokens) + 1)
+
+
+@pytest.mark.parametrize("block_size", [0, -2, 2.0, "2", True, None])
+def test_extend_refuses_a_block_size_that_is_no_positive_int(block_size):
+    # 0 raised ZeroDivisionError and -2 answered "no full block" without a word.
+    hashes = extend_block_hashes([], [1, 2, 3, 4], 2)
+    with pytest.raises(ValueError, match="block_size"):
+        extend_block_hashes(hashes, [1, 2, 3, 4, 5, 6], block_size)
+    assert hashes == extend_block_hashes([], [1, 2, 3, 4], 2)
+
+
+def test_extend_takes_a_numpy_int_block_size():
+    assert extend_block_hashes([], [1, 2, 3, 4], np.int64(2)) == extend_block_hashes(
+        [], [1, 2, 3, 4], 2
+    )
 
 
 def test_extend_hashes_every_int64_token_as_hash_block_tokens_does():
