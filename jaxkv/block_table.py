@@ -110,8 +110,11 @@ class HostBlockTable:
             except TypeError:
                 raise ValueError(f"{request_ids=} must be a sequence of request ids") from None
         memo = self._rows_memo
-        if memo is not None and memo[1] == self._row_epoch and memo[0] == ids:
-            return memo[2]
+        try:
+            if memo is not None and memo[1] == self._row_epoch and memo[0] == ids:
+                return memo[2]
+        except ValueError:  # an item whose == answers an array, refused by name below
+            pass
         key = list(ids)  # a copy: the caller may mutate its list later
         try:
             if len(key) > 1:  # bytes join + frombuffer: no per-id int conversion

@@ -141,6 +141,19 @@ def test_unknown_id_in_shared_prefix_queries(busy):
     _assert_unchanged(busy, before)
 
 
+def test_an_array_among_request_ids_is_refused_by_name_after_a_call_of_as_many_ids(busy):
+    # The memo compares the list with the last call's: an array item made that == raise
+    # numpy's "truth value of an array is ambiguous" instead of naming the item.
+    before = snapshot(busy)
+    for call in (busy.num_common_prefix_blocks, busy.rows_of):
+        call(["a", "b"])
+        named = r"request_ids: array\(\['b', 'c'\].* is not a request id"
+        with pytest.raises(ValueError, match=named):
+            call(["a", np.array(["b", "c"])])
+    assert busy.num_common_prefix_blocks(["a", "b"]) == 1
+    _assert_unchanged(busy, before)
+
+
 @pytest.mark.parametrize(
     "rows,match",
     [
