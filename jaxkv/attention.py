@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv.batch import BACKENDS, AttentionMetadata
 from jaxkv.field_checks import is_integer
@@ -26,6 +27,7 @@ from kernels_pallas import reference
 from kernels_pallas.merge import merge_attn_states
 from kernels_pallas.validation import (
     FLOAT_DTYPES,
+    INT32_MAX,
     QUANTIZED_KV_DTYPES,
     is_positive_finite,
     with_static_numbers,
@@ -257,7 +259,32 @@ def _quantize(x: jax.Array, dtype, scale: float | None) -> jax.Array:
     return x.astype(dtype)
 
 
-@with_static_numbers
+def int32_slots(slot_mapping):
+    """A numpy slot_mapping of a 64-bit integer dtype as int32, every slot outside int32's
+    range (past any cache) made -1, which write_kv drops; anything else as given. jit's
+    own conversion to int32 wraps: slot 2**32 + 6 became slot 6, a live block's."""
+    if not isinstance(slot_mapping, (np.ndarray, np.generic)):
+        return slot_mapping
+    if slot_mapping.dtype.kind not in "iu" or slot_mapping.dtype.itemsize <= 4:
+        return slot_mapping
+    narrow = np.full(np.shape(slot_mapping), -1, np.int32)
+    inside = (slot_mapping >= 0) & (slot_mapping <= INT32_MAX)
+    narrow[inside] = slot_mapping[inside]
+    return narrow
+
+
+class _narrows_wide_slots(with_static_numbers):  # lower case: a decorator
+    """with_static_numbers, and slot_mapping passed through int32_slots first."""
+
+    def __call__(self, *args, **options):
+        if len(args) > 3:
+            args = (*args[:3], int32_slots(args[3]), *args[4:])
+        elif "slot_mapping" in options:
+            options["slot_mapping"] = int32_slots(options["slot_mapping"])
+        return super().__call__(*args, **options)
+
+
+@_narrows_wide_slots
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("k_scale", "v_scale"))
 def write_kv(
     kv_pages: jax.Array,  # [num_blocks, block_size, 2 * num_kv_heads, head_dim]
@@ -272,7 +299,8 @@ def write_kv(
 
     The cache is donated and updated in place. Padded tokens carry slots inside the null
     block 0, which no valid row ever reads; a negative slot (vLLM's padding) or one past
-    the cache writes nothing. Quantized caches store round(x / scale).
+    the cache writes nothing, also in a numpy int64 slot_mapping (int32_slots).
+    Quantized caches store round(x / scale).
     Raises ValueError (at trace time) unless the cache dtype is one the kernels read
     (float32, bfloat16, float16, int8, float8_e4m3fn), each scale is None or a finite
     number > 0, and the shapes agree.

@@ -168,6 +168,18 @@ def test_write_kv_writes_nothing_for_a_negative_or_too_large_slot():
     assert touched.tolist() == [[2, 1]]
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64])
+def test_write_kv_writes_nothing_for_a_64_bit_slot_past_int32(dtype):
+    # numpy int64 slots (torch's slot_mapping dtype) reached jit's conversion to int32,
+    # which wraps: 2**32 + 6 became slot 6 and overwrote a live block's KV.
+    kv = jnp.zeros((6, 4, 2 * NUM_KV_HEADS, HEAD_DIM))
+    k = jnp.ones((4, NUM_KV_HEADS, HEAD_DIM))
+    slots = np.array([9, 2**32 + 6, 2**33 + 13, 2**31], dtype)
+    out = np.asarray(write_kv(kv, k, k, slots))
+    touched = np.argwhere(np.any(out != 0, axis=(2, 3)))
+    assert touched.tolist() == [[2, 1]]
+
+
 def test_write_kv_quantized_round_trip():
     kv = jnp.zeros((3, 4, 2, 8), jnp.int8)
     k = jnp.full((1, 1, 8), 0.5)
