@@ -33,8 +33,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-# Finite stand-in for -inf in masked logits: keeps exp/max free of inf - inf.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LANES = 128
 
 
@@ -98,7 +96,7 @@ def paged_attention_kernel(
     tile_end = tile_start + q_per_blk
     num_seqs = num_seqs_ref[0]
 
-    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
@@ -212,15 +210,21 @@ def paged_attention_kernel(
             s = s * score_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
-            s = jnp.where(visible, s, MASK_VALUE)
+            # Masked logits are -inf, not a finite stand-in: a finite one (-0.7 * float32
+            # max) hid every key of a row whose logits all lay below it.
+            s = jnp.where(visible, s, -jnp.inf)
 
             # Rows of other sequences see no key here: their m, l and acc stay unchanged
-            # (alpha = 1, p = 0), so whole row windows are updated without masked stores.
+            # (alpha = 1, p = 0; or, before a row's first key, all three stay 0-valued),
+            # so whole row windows are updated without masked stores.
             m_prev = m_ref[h, rows_here, :][:, :1]
             l_prev = l_ref[h, rows_here, :][:, :1]
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            p = jnp.where(visible, jnp.exp(s - m_next), 0.0)
-            alpha = jnp.exp(m_prev - m_next)
+            # The max stays -inf until a row sees a key; shifting by 0 then keeps exp off
+            # -inf - -inf (NaN).
+            shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+            p = jnp.where(visible, jnp.exp(s - shift), 0.0)
+            alpha = jnp.exp(m_prev - shift)
             l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
             pv = lax.dot_general(
                 p.astype(compute_dtype),

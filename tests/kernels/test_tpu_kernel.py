@@ -140,10 +140,11 @@ def test_large_logits_stay_finite():
     harness.assert_padding_is_empty(case, out, lse)
 
 
-@pytest.mark.parametrize("logit", [-8e29, -4e37])
+@pytest.mark.parametrize("logit", [-8e29, -4e37, -3e38])
 def test_keys_whose_logits_are_all_hugely_negative_are_still_seen(logit):
     # A running max started above every logit (say at -1e30) would never rise: such rows
-    # would come back as seeing no key (out 0, lse -inf).
+    # would come back as seeing no key (out 0, lse -inf). So did finite logits below the
+    # finite stand-in for -inf that masked logits took (-0.7 * float32 max = -2.4e38).
     kv = np.zeros((SHAPES["num_pages"], 16, 2, 128), np.float32)  # 1 KV head: keys, values
     kv[1, :, 0] = 1.0
     kv[1, :, 1] = np.arange(16, dtype=np.float32)[:, None]  # value j = j
