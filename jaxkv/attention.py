@@ -30,6 +30,7 @@ from kernels_pallas.validation import (
     INT32_MAX,
     QUANTIZED_KV_DTYPES,
     is_positive_finite,
+    refuse_array_options,
     with_static_numbers,
 )
 
@@ -130,11 +131,13 @@ def _probe_kernel(
 
 
 class _runs_where_q_lies(with_static_numbers):  # lower case: a decorator
-    """with_static_numbers, and outside jit (q a concrete array) a Pallas backend must
-    run interpreted or on q's platform: JAX's own error names neither. Under jit nothing
-    is checked here: a trace may be lowered for another platform on purpose."""
+    """with_static_numbers, its other static options refused by name as arrays, and
+    outside jit (q a concrete array) a Pallas backend must run interpreted or on q's
+    platform: JAX's own error names neither. Under jit the platform is not checked: a
+    trace may be lowered for another platform on purpose."""
 
     def __call__(self, *args, **options):
+        refuse_array_options(options, ("sliding_window", "backend", "interpret", "return_lse"))
         q = args[0] if args else options.get("q")
         metadata = args[2] if len(args) > 2 else options.get("metadata")
         if isinstance(metadata, AttentionMetadata) and not isinstance(q, jax.core.Tracer):

@@ -312,6 +312,18 @@ def static_number_options(options: dict) -> dict:
     return options if converted is None else converted
 
 
+def refuse_array_options(options: dict, names: tuple[str, ...] | None = None) -> None:
+    """ValueError naming the first of `names` (default: every option) given as a numpy
+    or jax array, traced ones too: jit hashes static options, and its own error for an
+    array ("Non-hashable static arguments") names no argument. Numpy scalars hash."""
+    for name in options if names is None else names:
+        value = options.get(name)
+        if isinstance(value, (np.ndarray, jax.Array)):
+            raise ValueError(
+                f"{name}={value!r} must be a static value (a Python or numpy scalar), not an array"
+            )
+
+
 class with_static_numbers:  # lower case: used as a decorator, like functools.wraps
     """`jitted`, called with static_number_options applied to its keyword options; its
     other attributes (lower, trace, _cache_size) are the jitted function's."""
@@ -332,11 +344,13 @@ class with_static_numbers:  # lower case: used as a decorator, like functools.wr
 def checks_index_values(fn: Callable) -> Callable:
     """Wraps a kernel entry point `fn(q, kv_pages, kv_lens, page_indices, cu_q_lens,
     num_seqs, **options)` so that `validate_index_values` runs before it, with
-    static_number_options applied to `options`."""
+    static_number_options applied to `options` and any other option given as an array
+    refused by name (refuse_array_options: every option of an entry point is static)."""
 
     @functools.wraps(fn)
     def checked(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
         options = static_number_options(options)
+        refuse_array_options(options)
         causal = options.get("causal", True)
         validate_index_values(
             q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, causal=bool(causal)

@@ -73,6 +73,10 @@ def test_a_bool_scale_is_refused():
         paged_attention(q, pages, md, sm_scale=True)
     with pytest.raises(ValueError, match="return_lse='no' must be a bool"):  # gave the tuple
         paged_attention(q, pages, md, sm_scale=0.125, return_lse="no")
+    # Arrays failed with jax's "Non-hashable static arguments", naming no argument.
+    for option, value in (("sliding_window", jnp.int32(4)), ("return_lse", jnp.bool_(True))):
+        with pytest.raises(ValueError, match=f"{option}=.* must be a static"):
+            paged_attention(q, pages, md, sm_scale=0.125, **{option: value})
     k = jnp.zeros((md.max_num_tokens, H_KV, D), jnp.float32)
     with pytest.raises(ValueError, match="k_scale=True"):
         write_kv(pages.astype(jnp.int8), k, k, md.slot_mapping, k_scale=True, v_scale=1.0)

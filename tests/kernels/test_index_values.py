@@ -159,6 +159,23 @@ def test_a_scale_given_as_a_jax_scalar_is_that_number(backend):
     harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))
 
 
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("sliding_window", jnp.int32(4)),
+        ("causal", jnp.bool_(True)),
+        ("sliding_window", np.array(4)),
+    ],
+    ids=["jax_window", "jax_causal", "numpy_window"],
+)
+def test_an_option_given_as_an_array_is_refused_by_name(backend, option, value):
+    # The Pallas kernels failed with jax's "Non-hashable static arguments", naming no
+    # argument; the reference named it already.
+    with pytest.raises(ValueError, match=f"{option}=.* must be"):
+        BACKENDS[backend](*_case().args(), sm_scale=0.125, **{option: value})
+
+
 def _cascade_case(shared: bool) -> harness.Case:
     """Two sequences whose queries all lie past their first page; `shared`: both rows
     start with the same page (the oracle walks each row, so it sees the sharing)."""
