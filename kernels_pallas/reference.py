@@ -258,9 +258,11 @@ def prefix_pass_inputs(
     prefix_pages: jax.Array,  # i32[pages_per_seq]
     prefix_len: jax.Array | int,  # i32[] tokens in the shared prefix
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(kv_lens, page_indices, cu_q_lens, num_seqs) of one sequence holding every query token."""
+    """(kv_lens, page_indices, cu_q_lens, num_seqs) of one sequence holding every query
+    token, over prefix_len keys; over none when there is no query token (then no row
+    needs them, and the prefix pages may be padding)."""
     num_tokens = cu_q_lens[num_seqs[0]]
-    kv_lens = jnp.asarray(prefix_len, jnp.int32).reshape(1)
+    kv_lens = jnp.where(num_tokens > 0, jnp.asarray(prefix_len, jnp.int32), 0).reshape(1)
     cu = jnp.stack([jnp.int32(0), num_tokens.astype(jnp.int32)])
     return kv_lens, prefix_pages[None, :].astype(jnp.int32), cu, jnp.ones((1,), jnp.int32)
 

@@ -264,3 +264,23 @@ def test_cascade_takes_a_prefix_of_every_page_when_no_row_has_queries():
     case = case.replace(cu_q_lens=jnp.zeros_like(case.cu_q_lens), seq_lens=((0, 20), (0, 30)))
     out, lse = reference.cascade_attention(*case.args(), SHAPES["pages_per_seq"], sm_scale=0.125)
     harness.assert_padding_is_empty(case, out, lse)
+
+
+@pytest.mark.parametrize("num_seqs", [0, 1])
+def test_cascade_without_query_tokens_reads_no_prefix_page(num_seqs):
+    # With no query token the precondition holds for any prefix, and row 0's prefix
+    # pages may be padding (no sequence, or sequence 0 reads only its first page): the
+    # prefix pass still asked for num_prefix_pages * page_size keys of row 0 and refused
+    # them as page_indices[0, 1]=-1, naming a kv_lens[0] the caller never passed.
+    case = _cascade_case(True)
+    page_indices = np.full(case.page_indices.shape, -1, np.int32)
+    page_indices[0, 0] = case.page_indices[0, 0]
+    kv_lens = np.zeros_like(case.kv_lens)
+    kv_lens[0] = 5
+    case = case.replace(
+        page_indices=jnp.asarray(page_indices), kv_lens=jnp.asarray(kv_lens),
+        cu_q_lens=jnp.zeros_like(case.cu_q_lens), num_seqs=jnp.asarray([num_seqs], jnp.int32),
+        seq_lens=((0, 5),)[:num_seqs],
+    )  # fmt: skip
+    out, lse = reference.cascade_attention(*case.args(), SHAPES["pages_per_seq"], sm_scale=0.125)
+    harness.assert_padding_is_empty(case, out, lse)
