@@ -29,6 +29,7 @@ from kernels_pallas.validation import (
     FLOAT_DTYPES,
     INT32_MAX,
     QUANTIZED_KV_DTYPES,
+    check_arrays,
     is_positive_finite,
     refuse_array_options,
     with_static_numbers,
@@ -185,6 +186,7 @@ def paged_attention(
     """
     if not isinstance(metadata, AttentionMetadata):
         raise ValueError(f"metadata={type(metadata).__name__} must be an AttentionMetadata")
+    check_arrays(q=q, kv_pages=kv_pages)  # a list failed on .ndim, naming nothing
     if not isinstance(return_lse, bool):  # "no" returned the tuple, by truthiness
         raise ValueError(f"{return_lse=} must be a bool")
     if interpret is not None and not isinstance(interpret, bool):  # "no" interpreted
@@ -308,6 +310,7 @@ def write_kv(
     (float32, bfloat16, float16, int8, float8_e4m3fn), each scale is None or a finite
     number > 0, and the shapes agree.
     """
+    check_arrays(kv_pages=kv_pages, k=k, v=v)  # a list failed on .dtype, naming nothing
     if jnp.dtype(kv_pages.dtype) not in FLOAT_DTYPES + QUANTIZED_KV_DTYPES:
         raise ValueError(
             f"{kv_pages.dtype=} must be float32, bfloat16, float16, int8 or float8_e4m3fn"

@@ -16,8 +16,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.validation import check_arrays
+
 
 def _check(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array) -> None:
+    check_arrays(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
     if out_a.shape != out_b.shape:
         raise ValueError(f"{out_a.shape=} must equal {out_b.shape=}")
     if out_a.dtype != out_b.dtype:  # else a pass-through would be rounded to out_a's dtype

@@ -24,6 +24,15 @@ FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.f
 INT32_MAX = 2**31 - 1
 
 
+def check_arrays(**arrays) -> None:
+    """ValueError naming the first argument that is no numpy or jax array (traced or
+    abstract ones included): a list or a Python number failed deep inside with an
+    AttributeError or TypeError ('list' object has no attribute 'ndim') naming nothing."""
+    for name, value in arrays.items():
+        if not isinstance(value, (np.ndarray, np.generic, jax.Array, jax.ShapeDtypeStruct)):
+            raise ValueError(f"{name} must be a numpy or jax array, not {type(value).__name__}")
+
+
 def validate_ragged_paged_attention_inputs(
     q: jax.Array,  # [max_num_tokens, num_q_heads, head_dim]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
@@ -42,6 +51,10 @@ def validate_ragged_paged_attention_inputs(
 ) -> None:
     """Raises ValueError if the arguments break the layout conventions of the kernels
     (shapes as in kernels_pallas.reference.ragged_paged_attention)."""
+    check_arrays(
+        q=q, kv_pages=kv_pages, kv_lens=kv_lens, page_indices=page_indices,
+        cu_q_lens=cu_q_lens, num_seqs=num_seqs,
+    )  # fmt: skip
     if q.ndim != 3:
         raise ValueError(f"{q.shape=} must be [max_num_tokens, num_q_heads, head_dim]")
     if kv_pages.ndim != 4:
@@ -242,7 +255,11 @@ def validate_shared_prefix(
     0's) and has its first query at or past them (kv_len - q_len >= num_prefix_pages *
     page_size). Either would otherwise give another sequence's keys, or keys after a
     query, without an error. Does nothing while tracing, like validate_index_values,
-    which it runs first."""
+    which it runs first. Raises ValueError naming an argument that is no array."""
+    check_arrays(
+        q=q, kv_pages=kv_pages, kv_lens=kv_lens, page_indices=page_indices,
+        cu_q_lens=cu_q_lens, num_seqs=num_seqs,
+    )  # fmt: skip
     validate_index_values(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     index_arrays = (kv_lens, page_indices, cu_q_lens, num_seqs, num_prefix_pages)
     if any(isinstance(a, jax.core.Tracer) for a in index_arrays) or np.ndim(page_indices) != 2:

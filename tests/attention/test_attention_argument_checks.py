@@ -65,6 +65,23 @@ def test_a_cache_of_another_rank_is_refused_for_its_shape_not_its_pool():
             paged_attention(q, jnp.zeros(shape, jnp.float32), md, sm_scale=0.125)
 
 
+def test_a_cache_query_or_kv_that_is_no_array_is_refused_by_name():
+    # A list failed with AttributeError ('list' object has no attribute 'ndim'/'dtype').
+    md = _metadata()
+    q = jnp.zeros((md.max_num_tokens, H_Q, D), jnp.float32)
+    pages = jnp.zeros((64, 4, 2 * H_KV, D), jnp.float32)
+    with pytest.raises(ValueError, match="q must be a numpy or jax array, not list"):
+        paged_attention(np.asarray(q).tolist(), pages, md, sm_scale=0.125)
+    with pytest.raises(ValueError, match="kv_pages must be a numpy or jax array, not list"):
+        paged_attention(q, np.asarray(pages).tolist(), md, sm_scale=0.125)
+    k = jnp.zeros((md.max_num_tokens, H_KV, D), jnp.float32)
+    for name in ("kv_pages", "k", "v"):
+        args = {"kv_pages": pages, "k": k, "v": k}
+        args[name] = np.asarray(args[name]).tolist()
+        with pytest.raises(ValueError, match=f"{name} must be a numpy or jax array, not list"):
+            write_kv(args["kv_pages"], args["k"], args["v"], md.slot_mapping)
+
+
 def test_a_bool_scale_is_refused():
     md = _metadata()
     q = jnp.zeros((md.max_num_tokens, H_Q, D), jnp.float32)

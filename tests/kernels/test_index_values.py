@@ -74,6 +74,24 @@ def test_bad_index_values_raise_by_name(backend, field, index, value, match):
         BACKENDS[backend](*case.args(), sm_scale=0.125)
 
 
+@pytest.mark.parametrize("backend", [*sorted(BACKENDS), "cascade"])
+@pytest.mark.parametrize(
+    "name", ["q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"]
+)
+def test_an_argument_that_is_no_array_is_refused_by_name(backend, name):
+    # A list failed with an AttributeError ('list' object has no attribute 'ndim') or,
+    # in cascade_attention, a TypeError from its arithmetic, naming no argument.
+    names = ("q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
+    args = dict(zip(names, _case().args(), strict=True))
+    args[name] = np.asarray(args[name]).tolist()
+    if backend == "cascade":
+        fn = functools.partial(reference.cascade_attention, num_prefix_pages=0)
+    else:
+        fn = BACKENDS[backend]
+    with pytest.raises(ValueError, match=f"{name} must be a numpy or jax array, not list"):
+        fn(**args, sm_scale=0.125)
+
+
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_unread_entries_may_hold_anything(backend):
     # Past each valid row's pages, in the padded row and past num_seqs + 1 in cu_q_lens:

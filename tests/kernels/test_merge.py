@@ -101,6 +101,16 @@ def test_shape_mismatch_raises():
         )
 
 
+@pytest.mark.parametrize("bad", ["out_a", "lse_a", "out_b", "lse_b"])
+def test_an_argument_that_is_no_array_is_refused_by_name(bad):
+    # A list failed with AttributeError: 'list' object has no attribute 'shape'.
+    args = {"out_a": jnp.zeros((2, 1, 4)), "lse_a": jnp.zeros((2, 1))}
+    args.update(out_b=args["out_a"], lse_b=args["lse_a"])
+    args[bad] = np.asarray(args[bad]).tolist()
+    with pytest.raises(ValueError, match=f"{bad} must be a numpy or jax array, not list"):
+        merge_attn_states(**args)
+
+
 def test_dtype_mismatch_raises():
     # The result takes out_a's dtype: with out_a empty, a float32 out_b would come out
     # rounded to bfloat16, not passed through bit for bit as the merge promises.
