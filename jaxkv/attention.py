@@ -206,6 +206,8 @@ def paged_attention(
             f"{kv_pages.shape=} must hold the {metadata.num_blocks} blocks of the pool the "
             "metadata's page ids address (KVCacheManager num_blocks)"
         )
+    if q.ndim != 3:  # else q.shape[0] below raised IndexError for a scalar
+        raise ValueError(f"{q.shape=} must be [max_num_tokens, num_q_heads, head_dim]")
     if q.shape[0] != metadata.max_num_tokens:
         raise ValueError(f"{q.shape=} must have {metadata.max_num_tokens} (padded) tokens")
     if metadata.levels and sliding_window is not None:

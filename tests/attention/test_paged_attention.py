@@ -303,3 +303,13 @@ def test_paged_attention_refuses_q_with_other_than_the_padded_token_count():
     md, q, kv = planned_inputs(step, plan, buckets_for(4))
     with pytest.raises(ValueError, match="padded"):
         paged_attention(jnp.asarray(q[:-1]), jnp.asarray(kv), md, sm_scale=SM_SCALE)
+
+
+def test_paged_attention_refuses_a_scalar_q_by_its_shape():
+    # It read q.shape[0] for the token count first: IndexError, naming nothing.
+    step = workload.random_step(1, block_size=4)
+    planner = CascadePlanner(SHAPE, cost_model=ALWAYS)
+    plan = planner.plan(step.request_ids, step.num_computed_tokens, step.query_lens, step.manager)
+    md, q, kv = planned_inputs(step, plan, buckets_for(4))
+    with pytest.raises(ValueError, match=r"q.shape=\(\) must be \[max_num_tokens, num_q_heads"):
+        paged_attention(jnp.float32(1.0), jnp.asarray(kv), md, sm_scale=SM_SCALE)
