@@ -280,8 +280,9 @@ def int32_slots(slot_mapping):
     return narrow
 
 
-class _narrows_wide_slots(with_static_numbers):  # lower case: a decorator
-    """with_static_numbers, and slot_mapping passed through int32_slots first."""
+class narrows_wide_slots(with_static_numbers):  # lower case: a decorator
+    """with_static_numbers, and slot_mapping (the fourth argument) passed through
+    int32_slots first, outside jit."""
 
     def __call__(self, *args, **options):
         if len(args) > 3:
@@ -291,7 +292,7 @@ class _narrows_wide_slots(with_static_numbers):  # lower case: a decorator
         return super().__call__(*args, **options)
 
 
-@_narrows_wide_slots
+@narrows_wide_slots
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("k_scale", "v_scale"))
 def write_kv(
     kv_pages: jax.Array,  # [num_blocks, block_size, 2 * num_kv_heads, head_dim]

@@ -143,7 +143,7 @@ def sharded_paged_attention(
     )(q, kv_pages, metadata)
 
 
-@with_static_numbers
+@attention.narrows_wide_slots  # before jit's wrapping cast to int32
 @functools.partial(
     jax.jit, donate_argnums=0, static_argnames=("mesh", "axis_name", "k_scale", "v_scale")
 )
@@ -161,7 +161,8 @@ def sharded_write_kv(
     """jaxkv.attention.write_kv per shard: each device writes its own KV heads' K and V.
 
     The cache is donated; the result keeps kv_cache_sharding (on meshes.auto_axes(mesh):
-    any axis types serve). Raises ValueError naming both
+    any axis types serve). A slot past the cache writes nothing, also in a numpy int64
+    slot_mapping (attention.int32_slots). Raises ValueError naming both
     numbers when TP does not divide the KV heads, or k / v do not have the cache's KV heads."""
     tp = _tp_size(mesh, axis_name)
     mesh = auto_axes(mesh)  # as in sharded_paged_attention

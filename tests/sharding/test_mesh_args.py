@@ -340,3 +340,14 @@ def test_sharded_attention_and_write_take_a_mesh_of_explicit_axes():
     want = paged_attention(q, want_kv, md, sm_scale=0.125)
     got = sharding.sharded_paged_attention(q, want_kv, md, mesh=mesh, sm_scale=0.125)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_sharded_write_kv_writes_nothing_for_a_64_bit_slot_past_int32():
+    # shard_map converted numpy int64 slots to int32 by wrapping, before write_kv could
+    # drop them: 2**32 + 6 became slot 6 and overwrote a live block's KV.
+    mesh = sharding.make_mesh(1)
+    kv = jnp.zeros((6, 4, 2 * H_KV, D))
+    k = jnp.ones((4, H_KV, D))
+    slots = np.array([9, 2**32 + 6, 2**33 + 13, 2**31], np.int64)
+    out = np.asarray(sharding.sharded_write_kv(kv, k, k, slots, mesh=mesh))
+    assert np.argwhere(np.any(out != 0, axis=(2, 3))).tolist() == [[2, 1]]
