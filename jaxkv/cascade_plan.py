@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxkv.field_checks import as_int
+
 __all__ = ["CascadeLevel", "CascadePlan", "grouped_plan", "make_level"]
 
 
@@ -97,8 +99,12 @@ class CascadePlan:
     validate: dataclasses.InitVar[bool] = True
 
     def __post_init__(self, validate: bool) -> None:
+        """A hand-made plan (validate) is checked (see check), after its levels, common
+        prefix and keeps_order are: ValueError naming the field unless a tuple (or list,
+        kept as a tuple) of CascadeLevel, an int >= 0 and a bool."""
         if validate:  # a hand-made plan: unsigned arrays kept as int64, as levels keep them
             _sign_fields(self, ("order", "rows", "suffix_start_blocks"))
+            _check_plain_fields(self)
             self.check()
 
     def check(self) -> None:
@@ -158,6 +164,28 @@ class CascadePlan:
     @property
     def num_levels(self) -> int:
         return len(self.levels)
+
+
+def _check_plain_fields(plan: CascadePlan) -> None:
+    """ValueError naming the field unless `plan.levels` is a tuple or list of CascadeLevel
+    (stored as a tuple), num_common_prefix_blocks an int >= 0 (stored as an int) and
+    keeps_order a bool: check() read a level of another kind by its attributes, and the
+    builder reads keeps_order by its truthiness."""
+    levels = plan.levels
+    if not isinstance(levels, (tuple, list)) or not all(
+        isinstance(level, CascadeLevel) for level in levels
+    ):
+        raise ValueError(f"levels={levels!r} must be a tuple of CascadeLevel")
+    object.__setattr__(plan, "levels", tuple(levels))
+    common = as_int(plan.num_common_prefix_blocks)
+    if common is None or common < 0:
+        raise ValueError(
+            f"num_common_prefix_blocks={plan.num_common_prefix_blocks!r} must be an int >= 0"
+        )
+    object.__setattr__(plan, "num_common_prefix_blocks", common)
+    if not isinstance(plan.keeps_order, (bool, np.bool_)):
+        raise ValueError(f"keeps_order={plan.keeps_order!r} must be a bool")
+    object.__setattr__(plan, "keeps_order", bool(plan.keeps_order))
 
 
 def _is_int_vector(a) -> bool:

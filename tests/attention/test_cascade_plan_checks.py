@@ -256,3 +256,17 @@ def test_a_hand_made_plan_of_unsigned_arrays_builds_the_metadata_of_a_signed_one
     for name in ("page_indices", "slot_mapping", "cu_q_lens"):
         assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
     assert got.levels[0].page_indices.tolist() == want.levels[0].page_indices.tolist()
+
+
+def test_a_plan_whose_levels_count_or_flag_is_of_the_wrong_kind_is_refused_by_name():
+    # levels=(None,) raised AttributeError and one level given bare TypeError, naming
+    # nothing; a str count and a "no" flag (read by its truthiness) were taken.
+    plan = _two_group_plan()
+    (level,) = plan.levels
+    for levels in ((None,), level, None, (level, "global")):
+        _refused(plan, "levels=", levels=levels)
+    for count in ("8", -1, 2.0, True):
+        _refused(plan, "num_common_prefix_blocks=", num_common_prefix_blocks=count)
+    _refused(plan, "keeps_order=", keeps_order="no")
+    listed = dataclasses.replace(plan, levels=[level], num_common_prefix_blocks=np.int64(2))
+    assert listed.levels == (level,) and type(listed.num_common_prefix_blocks) is int
