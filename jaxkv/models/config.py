@@ -224,7 +224,9 @@ class LlamaConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             rms_norm_eps=_hf_value(hf, "rms_norm_eps", float, 1e-6),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Absent or null: untied (transformers' default); anything but a bool is refused
+            # by LlamaConfig: bool("false") would tie the head and drop lm_head.weight.
+            tie_word_embeddings=_hf_default(hf, "tie_word_embeddings", False),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             dtype=dtype or (torch_dtype if torch_dtype in _DTYPES else "float32"),
             eos_token_ids=hf.get("eos_token_id"),
@@ -349,6 +351,12 @@ def _integral(value) -> int:
     if not as_float.is_integer():
         raise ValueError(value)
     return int(as_float)
+
+
+def _hf_default(d: dict[str, Any], key: str, default):
+    """d[key] as given, or `default` when absent or null."""
+    value = d.get(key)
+    return default if value is None else value
 
 
 def _hf_value(d: dict[str, Any], key: str, convert, default, where: str = "config"):

@@ -114,6 +114,15 @@ def test_a_value_that_is_not_a_number_is_refused_naming_its_key(key, value, matc
         LlamaConfig.from_hf_dict({**REQUIRED, "rope_scaling": scaling})
 
 
+@pytest.mark.parametrize("value", ["false", "true", 0, 1])
+def test_tie_word_embeddings_that_is_not_a_bool_is_refused_by_name(value):
+    # bool("false") used to tie the head, so a stored lm_head.weight was dropped unread.
+    with pytest.raises(ValueError, match=f"tie_word_embeddings={value!r} must be a bool"):
+        LlamaConfig.from_hf_dict({**REQUIRED, "tie_word_embeddings": value})
+    null = LlamaConfig.from_hf_dict({**REQUIRED, "tie_word_embeddings": None})
+    assert null.tie_word_embeddings is False
+
+
 def _logits(model, tokens):
     return np.asarray(make_dense_forward(model)(jnp.asarray(tokens)[None]))[0]
 
