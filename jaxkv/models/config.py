@@ -187,6 +187,8 @@ class LlamaConfig:
         key the dict lacks, a bad value, or a feature this Llama lacks (another model_type,
         a sliding window, attention or MLP biases): such a model would load and run wrong.
         """
+        if not isinstance(hf, dict):
+            raise ValueError(f"Hugging Face config must be a dict, got {type(hf).__name__}")
         required = (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads",

@@ -240,18 +240,20 @@ def load_hf_safetensors(
     its eos_token_ids joined by those of `generation_config.json` where there is one (as
     vLLM stops at both: Llama 3 Instruct names its end of turn only there); `dtype`
     overrides the parameter dtype. With tied embeddings a stored `lm_head.weight` is
-    ignored (it is the embedding). Raises CheckpointError on any name or shape mismatch.
+    ignored (it is the embedding). Raises CheckpointError on any name or shape mismatch,
+    and naming the file when config.json or generation_config.json is not a JSON object
+    (truncated, say).
     """
     path = Path(path)
     if not path.exists():  # else the parent's config.json was read, or reported missing
         raise FileNotFoundError(f"{path}: no such file or directory")
     if config is None:
         config_dir = path if path.is_dir() else path.parent
-        hf_config = json.loads((config_dir / "config.json").read_text())
+        hf_config = _read_json_object(config_dir / "config.json")
         config = LlamaConfig.from_hf_dict(hf_config, dtype=dtype)
         generation = config_dir / "generation_config.json"
         if generation.exists():
-            eos = json.loads(generation.read_text()).get("eos_token_id")  # int, list or None
+            eos = _read_json_object(generation).get("eos_token_id")  # int, list or None
             eos = dataclasses.replace(config, eos_token_ids=eos).eos_token_ids  # checked
             joined = tuple(dict.fromkeys(config.eos_token_ids + eos))  # in order, once each
             config = dataclasses.replace(config, eos_token_ids=joined)
@@ -262,6 +264,18 @@ def load_hf_safetensors(
         _iter_hf_tensors(_safetensors_files(path)),
         source=str(path),
     )
+
+
+def _read_json_object(file: Path) -> dict:
+    """The JSON object in `file`; CheckpointError naming the file when it is not valid
+    JSON (truncated, say) or holds something else than an object."""
+    try:
+        value = json.loads(file.read_bytes())
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file}: holds a {type(value).__name__}, not a JSON object")
+    return value
 
 
 def from_hf_tensors(

@@ -197,6 +197,29 @@ def test_eos_comes_from_config_and_generation_config(tmp_path):
         load_hf_safetensors(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "file, text, match",
+    [
+        ("config.json", '{"vocab_size": 6', "config.json: not valid JSON"),  # truncated
+        ("config.json", "null", "config.json: holds a NoneType, not a JSON object"),
+        ("generation_config.json", '{"eos_token_id": ', "generation_config.json: not valid"),
+        ("generation_config.json", "[9]", "generation_config.json: holds a list, not a JSON"),
+    ],
+)
+def test_a_config_file_that_is_not_a_json_object_is_refused_naming_the_file(
+    tmp_path, file, text, match
+):
+    # Used to raise a JSONDecodeError naming no file, or a TypeError / AttributeError.
+    cfg = small_config()
+    safetensors.numpy.save_file(random_hf_weights(cfg, seed=7), str(tmp_path / "m.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
+    (tmp_path / file).write_text(text)
+    with pytest.raises(CheckpointError, match=match):
+        load_hf_safetensors(tmp_path)
+    with pytest.raises(ValueError, match="Hugging Face config must be a dict, got list"):
+        LlamaConfig.from_hf_dict([("vocab_size", 64)])
+
+
 def _raw(path, header: dict, data: bytes) -> None:
     blob = json.dumps(header).encode()
     path.write_bytes(len(blob).to_bytes(8, "little") + blob + data)
