@@ -63,12 +63,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.config = tiny_config(args.override)
     except ValueError as e:
         p.error(f"--override: {e}")
+    try:
+        size = args.corpus.stat().st_size  # bytes: the byte tokenizer's tokens
+    except OSError as e:
+        p.error(f"--corpus {args.corpus}: {e.strerror or e}")
+    held_out = size - train_size(size)
+    if min(held_out, train_size(size) - 1) < args.seq_len + 1:  # train: a start to draw
+        p.error(
+            f"--corpus {args.corpus} of {size} bytes is too short for --seq-len "
+            f"{args.seq_len}: its held-out last 10% ({held_out} bytes) and the rest must "
+            f"each hold a window of seq_len + 1 bytes"
+        )
     if args.seq_len > args.config.max_position_embeddings:
         p.error(
             f"--seq-len {args.seq_len} must be <= max_position_embeddings="
             f"{args.config.max_position_embeddings} (raise it with --override)"
         )
     return args
+
+
+def train_size(num_bytes: int) -> int:
+    """How many leading bytes of a corpus of `num_bytes` train (the rest is held out)."""
+    return int(num_bytes * 0.9)
 
 
 def tiny_config(overrides: list[str]) -> LlamaConfig:
@@ -120,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     tok = ByteTokenizer()
     data = tok.encode_array(args.corpus.read_bytes())
-    split = int(len(data) * 0.9)
+    split = train_size(len(data))
     train_data, eval_data = data[:split], data[split:]
 
     config = args.config

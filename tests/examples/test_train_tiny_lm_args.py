@@ -80,3 +80,28 @@ def test_two_runs_with_one_seed_save_identical_weights_that_an_engine_serves(tmp
                 new += out.new_token_ids
                 finished.append(out.finished)
     assert len(new) == 3 and finished[-1]
+
+
+def test_a_corpus_too_short_for_one_window_is_refused_by_name_before_training(tmp_path, capsys):
+    # Used to fail with numpy's IndexError (eval windows past the held-out bytes) or
+    # "high <= 0" (no training window to draw). 81 bytes: 72 train, 9 held out.
+    example = _example()
+    corpus = tmp_path / "corpus.txt"
+    for size, refused in ((80, True), (81, False)):
+        corpus.write_bytes(b"x" * size)
+        argv = [str(tmp_path / "ckpt"), "--corpus", str(corpus), "--seq-len", "8"]
+        if refused:
+            with pytest.raises(SystemExit):
+                example.parse_args(argv)
+            assert "--corpus " in capsys.readouterr().err
+            continue
+        example.parse_args(argv)
+        data = np.arange(size, dtype=np.int32)
+        split = example.train_size(size)
+        assert example.eval_windows(data[split:], 2, 3, 9)[0].shape == (3, 9)
+        rng = np.random.default_rng(0)
+        assert example.random_windows(data[:split], rng, 4, 9).shape == (4, 9)
+    with pytest.raises(SystemExit):
+        example.parse_args([str(tmp_path / "ckpt"), "--corpus", str(tmp_path / "absent.txt")])
+    assert "--corpus " in capsys.readouterr().err
+    assert not (tmp_path / "ckpt").exists()
