@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxkv import field_checks
 from jaxkv.field_checks import int_fields
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -32,7 +33,7 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            _check_finite_real(name, getattr(self, name))
+            _real_field(self, name)
         if self.factor < 1.0:
             raise ValueError(f"{self.factor=} must be >= 1")
         if not 0 < self.low_freq_factor < self.high_freq_factor:
@@ -57,9 +58,17 @@ def _token_ids(ids, vocab_size: int) -> tuple[int, ...]:
     return tuple(int(t) for t in ids)
 
 
-def _check_finite_real(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+def _real_field(owner: object, name: str) -> float:
+    """The named attribute of `owner` stored back as a Python float (numpy and 0-d JAX
+    reals too: a numpy float32 would not go to JSON, and 10000 would write apart from an
+    equal 10000.0, giving equal configs other fingerprints); ValueError naming it unless
+    a finite real number (not a bool)."""
+    value = getattr(owner, name)
+    as_float = field_checks.as_float(value)  # NaN for a non-real and for 10**400
+    if not math.isfinite(as_float):
         raise ValueError(f"{name}={value!r} must be a finite real number")
+    object.__setattr__(owner, name, as_float)
+    return as_float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +107,7 @@ class LlamaConfig:
             raise ValueError(f"rope_scaling={self.rope_scaling!r} must be a RopeScaling or None")
         int_fields(self, *_INT_FIELDS)
         for name in ("rope_theta", "rms_norm_eps"):
-            value = getattr(self, name)
-            _check_finite_real(name, value)
+            value = _real_field(self, name)
             if not value > 0:
                 raise ValueError(f"{name}={value!r} must be positive")
         if type(self.tie_word_embeddings) is not bool:

@@ -167,3 +167,24 @@ def test_eos_token_ids_take_the_hugging_face_spellings_and_round_trip():
     for bad in (259, -1, [True], "258", 2.0):
         with pytest.raises(ValueError, match="eos_token_ids=.* must be token ids in"):
             dataclasses.replace(base, eos_token_ids=bad)
+
+
+@pytest.mark.parametrize(
+    "theta", [10000, np.float32(1e4), np.float64(1e4), np.int64(10000), jnp.float32(1e4)]
+)
+def test_real_fields_are_stored_as_floats_so_equal_configs_write_and_fingerprint_alike(theta):
+    # 10000 used to write as "10000" beside an equal config's "10000.0" (another model
+    # fingerprint for the same model), numpy scalars failed json.dumps (to_json,
+    # save_checkpoint, an Engine's fingerprint), and a JAX scalar was refused.
+    from jaxkv.model_fingerprint import model_fingerprint
+
+    plain = small_config(rope_theta=10000.0, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64))
+    given = small_config(rope_theta=theta, rope_scaling=RopeScaling(8, 1, 4, 64))
+    assert type(given.rope_theta) is float and type(given.rope_scaling.factor) is float
+    assert given.to_json() == plain.to_json()
+    assert model_fingerprint(given.to_kv_dict(), []) == model_fingerprint(plain.to_kv_dict(), [])
+
+
+def test_a_real_field_too_large_for_a_float_is_refused_by_name():
+    with pytest.raises(ValueError, match="rope_theta=1000.* must be a finite real number"):
+        small_config(rope_theta=10**400)  # used to raise OverflowError from math.isfinite
