@@ -149,3 +149,21 @@ def test_the_long_prefill_threshold_reaches_the_engines_scheduler():
         engine_config(args, cascade=False, prefix_caching=True).scheduler.max_tokens_per_request
         == 64
     )
+
+
+def test_the_kv_usage_peak_counts_the_blocks_of_the_step_in_which_requests_finish():
+    # It read the usage after each step: with one token each, both requests finish in
+    # their prefill step and free their blocks before step() returns, so the peak was 0.
+    from flax import nnx
+
+    from benchmarks.serve import run_one
+    from jaxkv.models import Llama, LlamaConfig
+
+    argv = "--num-requests 2 --system-len 16 --question-len 8 --max-tokens 1"
+    args = parse_args([*argv.split(), "--max-num-batched-tokens", "64"])
+    model = Llama(LlamaConfig.preset("tiny"), rngs=nnx.Rngs(0))
+    result = run_one(model, workload(args), args, "flat", False, True)
+    assert result["num_steps"] == 1
+    # 4 handable blocks (2 a request); the second request finds the first's system
+    # prompt block in the prefix cache: 3 held.
+    assert result["peak_kv_usage"] == 0.75
