@@ -304,12 +304,19 @@ def main(argv: list[str] | None = None) -> dict:
     first = runs[0].metrics
     return {
         "num_requests": len(prompts),
-        "runs": {r.name: r.metrics.as_dict() | {"peak_blocks": r.peak_blocks} for r in runs},
+        "runs": {
+            r.name: r.metrics.as_dict()
+            | {
+                "peak_blocks": r.peak_blocks,
+                "blocks_without_sharing": blocks_without_sharing(prompts, r, args.block_size),
+            }
+            for r in runs
+        },
         "prefix_cache_hit_rate": first.prefix_cache_hit_rate,
         "cascade_steps": first.cascade_steps,
         "cascade_steps_by_levels": dict(first.cascade_steps_by_levels),
         "num_steps": first.num_steps,
-        "blocks_without_sharing": blocks_without_sharing(prompts, runs, args.block_size),
+        "blocks_without_sharing": blocks_without_sharing(prompts, runs[0], args.block_size),
         "outputs_identical": identical,
         "outputs": runs[0].outputs,
     }

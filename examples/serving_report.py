@@ -30,11 +30,12 @@ class RunResult:
     metrics: EngineMetrics | None = None
 
 
-def blocks_without_sharing(prompts: list[Prompt], runs: list[RunResult], block_size: int) -> int:
-    """KV blocks the workload holds when no request shares a block with another: each
-    request's KV covers its prompt and its output but the last token, which is sampled
-    and never fed back."""
-    lengths = [len(p.token_ids) + len(o) for p, o in zip(prompts, runs[0].outputs, strict=True)]
+def blocks_without_sharing(prompts: list[Prompt], run: RunResult, block_size: int) -> int:
+    """KV blocks the workload holds in `run` when no request shares a block with
+    another: each request's KV covers its prompt and its output in that run (runs whose
+    tokens differ stop at other lengths) but the last token, which is sampled and never
+    fed back."""
+    lengths = [len(p.token_ids) + len(o) for p, o in zip(prompts, run.outputs, strict=True)]
     return sum(math.ceil((n - 1) / block_size) for n in lengths)
 
 
@@ -73,7 +74,7 @@ def warm_prefill_ms(runs: list[RunResult]) -> list[float | None]:
 def summary_rows(
     prompts: list[Prompt], runs: list[RunResult], block_size: int
 ) -> list[tuple[str, ...]]:
-    unshared = blocks_without_sharing(prompts, runs, block_size)
+    unshared = {r.name: blocks_without_sharing(prompts, r, block_size) for r in runs}
     names = [r.name for r in runs]
     warm_rates = dict(zip(names, warm_tokens_per_s(runs), strict=True))
     decode_rates = dict(zip(names, warm_tokens_per_s(runs, decode_only=True), strict=True))
@@ -100,7 +101,9 @@ def summary_rows(
     row("  levels (names): steps", lambda r, m: _levels(m))
     row(
         "KV blocks held at peak / unshared",
-        lambda r, m: f"{r.peak_blocks} / {unshared} ({r.peak_blocks / unshared:.0%})",
+        lambda r, m: (
+            f"{r.peak_blocks} / {unshared[r.name]} ({r.peak_blocks / unshared[r.name]:.0%})"
+        ),
     )
     row("step programs compiled", lambda r, m: f"{m.num_compiles}")
     return rows

@@ -87,3 +87,14 @@ def test_the_report_says_whether_the_two_runs_generated_the_same_tokens(report):
             module.print_report(console, _prompts(Prompt), _runs(module, outputs_off), 16) is same
         )
         assert line in console.file.getvalue()
+
+
+def test_each_run_is_held_against_its_own_unshared_blocks(report):
+    # Both runs were held against the first run's outputs: a second run whose tokens
+    # differ stops at other lengths, and needs other blocks without sharing.
+    module, Prompt = report
+    runs = _runs(module, outputs_off=((1,) * 5, (2,) * 20))
+    rows = dict((r[0], r[1:]) for r in module.summary_rows(_prompts(Prompt), runs, 16))
+    # Off: contexts 20 + 5 - 1 and 30 + 20 - 1 tokens, 2 + 4 blocks of 16.
+    assert rows["KV blocks held at peak / unshared"] == ("3 / 4 (75%)", "4 / 6 (67%)")
+    assert [module.blocks_without_sharing(_prompts(Prompt), r, 16) for r in runs] == [4, 6]
