@@ -29,8 +29,9 @@ XLA cannot hoist the call out of the loop), so dispatch overhead is amortised.
     python benchmarks/tpu_kernel.py --out /tmp/smoke --smoke  # CPU: interpreter, tiny
 
 --smoke runs the checks and one tiny configuration of both methods in the TPU
-interpreter on the CPU, then lowers the largest Llama-3-8B flat and cascade calls for
-TPU (no TPU needed): it shows the script is not broken, it measures nothing.
+interpreter on the CPU, then lowers the largest flat and cascade calls of the grid the
+flags name (--batch, --prefix, --suffix and the heads; Llama-3-8B's by default) for TPU
+(no TPU needed): it shows the script is not broken, it measures nothing.
 """
 
 from __future__ import annotations
@@ -325,7 +326,7 @@ def lower_full_size(args) -> None:
         print(f"lowered {name} B={batch} P={prefix} S={suffix} for TPU: {calls} Mosaic call(s)")
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_decode_grid_args(parser, heads=(32, 8, 128), page_flag="--page-size")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -339,20 +340,21 @@ def main() -> int:
         help="CPU: tiny case in the TPU interpreter, then lower the full-size calls for TPU",
     )  # fmt: skip
     parser.add_argument("--out", type=out_dir, default=RESULTS_DIR, help="folder (%(default)s)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.generation = detect_tpu_generation()
     args.tpu_generation = args.tpu_generation or (
         args.generation if args.generation in TUNED_BLOCK_SIZES else "default"
     )
     args.full_batch, args.full_prefix, args.full_suffix = args.batch, args.prefix, args.suffix
+    full_heads = args.q_heads, args.kv_heads
+    check_head_groups(parser, *full_heads)
     if args.smoke:
         args.batch, args.prefix, args.suffix, args.reps = [4], [32], [16], 2
         args.q_heads, args.kv_heads = 8, 2
     check_whole_pages(parser, {*args.full_prefix, *args.prefix}, args.page_size, "--prefix")
-    check_head_groups(parser, args.q_heads, args.kv_heads)
     results, meta = run(args)
     if args.smoke:
-        args.q_heads, args.kv_heads = parser.get_default("q_heads"), parser.get_default("kv_heads")
+        args.q_heads, args.kv_heads = full_heads
         lower_full_size(args)
     path = args.out / "tpu_kernel.json"
     write_json(path, dict(meta=meta, results=results))

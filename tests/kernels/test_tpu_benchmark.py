@@ -62,3 +62,24 @@ def test_cascade_is_judged_against_flat_on_the_timed_inputs():
 
     wrong = bench.methods(0.125, no_prefix_pass)
     assert not bench.cascade_agreement(wrong, inputs, prefix_pages, jnp.float32)["agrees"]
+
+
+def test_smoke_lowers_the_full_size_calls_with_the_heads_the_flags_name(
+    monkeypatch, tmp_path, capsys
+):
+    # --smoke lowered Llama-3-8B's 32 / 8 heads whatever --q-heads and --kv-heads said
+    # (while it took --head-dim, --batch, --prefix and --suffix), and never checked them.
+    import sys
+
+    lowered = []
+    meta = {"reference_errors": {}}
+    monkeypatch.setattr(bench, "run", lambda args: ([], meta))
+    monkeypatch.setattr(bench, "lower_full_size", lambda a: lowered.append((a.q_heads, a.kv_heads)))
+    argv = ["tpu_kernel.py", "--smoke", "--out", str(tmp_path), "--q-heads", "16"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--kv-heads", "4"])
+    assert bench.main() == 0
+    assert lowered == [(16, 4)]
+    monkeypatch.setattr(sys, "argv", [*argv, "--kv-heads", "3"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "--q-heads 16 must be a multiple of --kv-heads 3" in capsys.readouterr().err
