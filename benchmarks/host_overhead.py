@@ -38,7 +38,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cli_args import RESULTS_DIR, out_file, positive_int  # noqa: E402
+from benchmarks.cli_args import (  # noqa: E402
+    RESULTS_DIR,
+    non_negative_int,
+    out_file,
+    positive_int,
+)
 from benchmarks.cpu_timing import best_us_per_call  # noqa: E402
 from benchmarks.json_report import write_json  # noqa: E402
 from jaxkv.kv_cache_manager import KVCacheManager  # noqa: E402
@@ -215,7 +220,7 @@ def main() -> None:
         help="JSON file (%(default)s)",
     )
     parser.add_argument("--num-requests", type=positive_int, default=10_000)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--rounds", type=positive_int, default=5, help="repeats of the prefix grid")
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)

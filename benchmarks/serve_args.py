@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--decode-batch", type=positive_int, default=256, help="batch of the host-time goal"
     )
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     names = ",".join(c[0] for c in CONFIGS)
     p.add_argument("--configs", default=names, help=f"comma-separated, of {names}")
     p.add_argument("--out", type=out_file, default=None, help="JSON file to write")

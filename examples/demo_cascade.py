@@ -41,9 +41,12 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    for flag in ("batch", "prefix_pages", "suffix_len", "page_size"):
-        if getattr(args, flag) < 1:  # 0 raised IndexError, or divided by zero, later
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1, not {getattr(args, flag)}")
+    for flag, least in (("batch", 1), ("prefix_pages", 1), ("suffix_len", 1), ("page_size", 1),
+                        ("seed", 0)):  # fmt: skip
+        if getattr(args, flag) < least:  # 0 raised IndexError, or divided by zero, later
+            parser.error(
+                f"--{flag.replace('_', '-')} must be >= {least}, not {getattr(args, flag)}"
+            )
 
     rng = np.random.default_rng(args.seed)
     inputs = shared_prefix_batch(

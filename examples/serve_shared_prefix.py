@@ -133,8 +133,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_batched_tokens is not None and args.max_batched_tokens < args.num_requests:
         p.error("--max-batched-tokens must be >= --num-requests (one token per request)")
-    if args.samples < 0:
-        p.error("--samples must be >= 0")
+    for name in ("samples", "seed"):  # a negative seed failed in numpy, naming no flag
+        if getattr(args, name) < 0:
+            p.error(f"--{name} must be >= 0")
     if args.prefix_len < 6:
         p.error("--prefix-len must be >= 6 (preamble and system prompt need some tokens)")
     return args

@@ -159,3 +159,30 @@ def test_tpu_kernel_refuses_an_unknown_generation_by_flag():
     )  # fmt: skip
     assert run.returncode == 2
     assert "--tpu-generation: invalid choice: 'v9'" in run.stderr
+
+
+@pytest.mark.parametrize("module", ["serve_args", "prompt_logprobs"])
+def test_a_negative_seed_is_refused_by_its_flag(module, capsys):
+    # It reached numpy's default_rng: "ValueError: expected non-negative integer", a
+    # traceback naming no flag.
+    import importlib
+
+    parse_args = importlib.import_module(f"benchmarks.{module}").parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--seed", "-1"])
+    assert "--seed: -1 must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "script,message",
+    [
+        ("benchmarks/host_overhead.py", "--seed: -1 must be >= 0"),
+        ("examples/demo_cascade.py", "--seed must be >= 0, not -1"),
+    ],
+)
+def test_scripts_refuse_a_negative_seed_before_the_run(script, message, tmp_path):
+    run = subprocess.run(
+        [sys.executable, script, "--seed", "-1"],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]

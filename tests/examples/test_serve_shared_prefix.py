@@ -86,6 +86,13 @@ def test_help_lists_every_flag(serve, capsys):
         assert flag in text
 
 
+def test_a_negative_seed_is_refused_by_its_flag(serve, capsys):
+    # It loaded the model, then failed in numpy's default_rng naming no flag.
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--seed", "-1"])
+    assert "--seed must be >= 0" in capsys.readouterr().err
+
+
 def test_pallas_tpu_backend_with_a_head_dim_the_kernel_lacks_says_why(serve):
     with pytest.raises(SystemExit, match="head_dim"):
         serve.main(["--backend", "pallas_tpu", "--num-requests", "2", "--max-tokens", "1"])
