@@ -138,6 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name} must be >= 0")
     if args.prefix_len < 6:
         p.error("--prefix-len must be >= 6 (preamble and system prompt need some tokens)")
+    if args.preset != "tiny" and args.checkpoint not in (None, "random"):  # was ignored
+        p.error(f"--checkpoint {args.checkpoint}: only --preset tiny loads a checkpoint "
+                f"(--preset {args.preset} runs random weights)")  # fmt: skip
     return args
 
 

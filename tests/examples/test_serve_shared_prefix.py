@@ -93,6 +93,14 @@ def test_a_negative_seed_is_refused_by_its_flag(serve, capsys):
     assert "--seed must be >= 0" in capsys.readouterr().err
 
 
+def test_a_checkpoint_with_a_preset_that_runs_random_weights_is_refused(serve, capsys):
+    # It was parsed and ignored: the Llama-3 presets built random weights regardless.
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--preset", "llama3_2_1b", "--checkpoint", "/some/ckpt"])
+    assert "--checkpoint /some/ckpt: only --preset tiny loads" in capsys.readouterr().err
+    assert serve.parse_args(["--preset", "llama3_2_1b", "--checkpoint", "random"])
+
+
 def test_pallas_tpu_backend_with_a_head_dim_the_kernel_lacks_says_why(serve):
     with pytest.raises(SystemExit, match="head_dim"):
         serve.main(["--backend", "pallas_tpu", "--num-requests", "2", "--max-tokens", "1"])
