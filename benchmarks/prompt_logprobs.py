@@ -57,6 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=out_file, default=RESULTS_DIR / "prompt_logprobs.json")
     args = p.parse_args(argv)
     limit = LlamaConfig.preset("tiny").max_position_embeddings
+    if args.num_requests > args.max_num_batched_tokens:  # all requests run in one batch
+        p.error(
+            f"--num-requests {args.num_requests} must be <= --max-num-batched-tokens "
+            f"{args.max_num_batched_tokens} (each scheduled request takes a token)"
+        )
     if args.prompt_len + 2 > limit:
         p.error(f"--prompt-len {args.prompt_len} + 2 exceeds the tiny preset's {limit} positions")
     return args

@@ -26,3 +26,12 @@ def test_a_prompt_longer_than_the_model_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--prompt-len", "1023"])
     assert "--prompt-len 1023 + 2 exceeds" in capsys.readouterr().err
+
+
+def test_more_requests_than_tokens_per_step_are_refused_by_name(capsys):
+    # It built the model, then SchedulerConfig raised "max_num_seqs=32 must be <=
+    # max_num_batched_tokens=8" in a traceback naming neither flag.
+    with pytest.raises(SystemExit):
+        parse_args(["--num-requests", "32", "--max-num-batched-tokens", "8"])
+    assert "--num-requests 32 must be <= --max-num-batched-tokens 8" in capsys.readouterr().err
+    assert parse_args(["--num-requests", "8", "--max-num-batched-tokens", "8"])
