@@ -17,17 +17,21 @@ from __future__ import annotations
 import argparse
 import itertools
 import platform
+import sys
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.cli_args import out_dir
-from benchmarks.json_report import write_json
-from kernels_pallas.gpu.aot import SHARED_BYTES_PER_BLOCK as SHARED_LIMIT
-from kernels_pallas.gpu.aot import compile_triton_call, lower_kernel_call
-from kernels_pallas.gpu.tuning import default_config
+# Run as a script, only benchmarks/ is on sys.path: `import benchmarks` then failed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cli_args import out_dir  # noqa: E402
+from benchmarks.json_report import write_json  # noqa: E402
+from kernels_pallas.gpu.aot import SHARED_BYTES_PER_BLOCK as SHARED_LIMIT  # noqa: E402
+from kernels_pallas.gpu.aot import compile_triton_call, lower_kernel_call  # noqa: E402
+from kernels_pallas.gpu.tuning import default_config  # noqa: E402
 
 KINDS = {  # tokens, sequences, kernel keywords
     "decode": (256, 256, {"max_q_len": 1}),

@@ -186,3 +186,23 @@ def test_scripts_refuse_a_negative_seed_before_the_run(script, message, tmp_path
         capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2],
     )  # fmt: skip
     assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "script",
+    ["attention.py", "gpu_compile_report.py", "gpu_kernel.py", "host_overhead.py",
+     "prompt_logprobs.py", "serve.py", "stop_strings.py", "tpu_kernel.py"],
+)  # fmt: skip
+def test_every_benchmark_runs_as_a_script_without_pythonpath(script):
+    # `python benchmarks/gpu_compile_report.py`, as the README runs it, had only
+    # benchmarks/ on sys.path and died on `from benchmarks.cli_args import out_dir`
+    # (ModuleNotFoundError) unless the caller set PYTHONPATH.
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", "--help"], env=env,
+        cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "--out" in run.stdout
