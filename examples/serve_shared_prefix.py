@@ -38,7 +38,12 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 # examples/ itself is on sys.path when this file runs as a script.
 from serving_report import RunResult, blocks_without_sharing, print_report, print_samples  # noqa: E402
-from shared_prefix_workload import Prompt, common_prefix_len, workload  # noqa: E402
+from shared_prefix_workload import (  # noqa: E402
+    Prompt,
+    common_prefix_len,
+    min_prefix_len,
+    workload,
+)
 
 from jaxkv import (  # noqa: E402
     CacheConfig,
@@ -136,8 +141,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("samples", "seed"):  # a negative seed failed in numpy, naming no flag
         if getattr(args, name) < 0:
             p.error(f"--{name} must be >= 0")
-    if args.prefix_len < 6:
-        p.error("--prefix-len must be >= 6 (preamble and system prompt need some tokens)")
+    if args.prefix_len < (least := min_prefix_len()):  # 25 and less: one system prompt
+        p.error(f"--prefix-len must be >= {least} (below, the two system prompts are cut "
+                "to the same words: no group has a prefix of its own)")  # fmt: skip
     if args.preset != "tiny" and args.checkpoint not in (None, "random"):  # was ignored
         p.error(f"--checkpoint {args.checkpoint}: only --preset tiny loads a checkpoint "
                 f"(--preset {args.preset} runs random weights)")  # fmt: skip

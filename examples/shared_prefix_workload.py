@@ -79,6 +79,15 @@ def shared_prefixes(prefix_len: int) -> list[str]:
     return [preamble + _fit(s + examples, prefix_len - len(preamble)) for s in SYSTEM_PROMPTS]
 
 
+def min_prefix_len() -> int:
+    """The shortest prefix_len whose two group prefixes differ: below it both are the
+    preamble and "System: speak as " cut short, one system prompt in two groups."""
+    n = 1
+    while len(set(shared_prefixes(n))) < 2:
+        n += 1
+    return n
+
+
 def common_prefix_len(prefix_len: int) -> int:
     """Tokens every request shares: the preamble, and then the words both system prompts
     open with ("System: speak as "), so more than the preamble's third."""

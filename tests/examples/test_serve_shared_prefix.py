@@ -68,6 +68,20 @@ def test_every_request_shares_the_preamble_and_the_system_prompts_opening_words(
     assert wl.common_prefix_len(96) == 49  # what the run prints as shared by all
 
 
+def test_a_prefix_too_short_for_two_system_prompts_is_refused(serve, capsys):
+    # --prefix-len 6 to 25 were taken: both groups' prefixes were the preamble and
+    # "System: speak as " cut short, identical, while the run printed "2 system prompts"
+    # and "25 shared (25 by all, the rest by each system prompt's group)".
+    wl = sys.modules["shared_prefix_workload"]
+    a, b = wl.shared_prefixes(25)
+    assert a == b and wl.shared_prefixes(26)[0] != wl.shared_prefixes(26)[1]
+    assert wl.min_prefix_len() == 26
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--prefix-len", "25"])
+    assert "--prefix-len must be >= 26" in capsys.readouterr().err
+    assert serve.parse_args(["--prefix-len", "26"]).prefix_len == 26
+
+
 def test_help_lists_every_flag(serve, capsys):
     with pytest.raises(SystemExit):
         serve.parse_args(["--help"])
