@@ -28,7 +28,8 @@ XLA cannot hoist the call out of the loop), so dispatch overhead is amortised.
     python benchmarks/tpu_kernel.py --out results/            # on a TPU VM
     python benchmarks/tpu_kernel.py --out /tmp/smoke --smoke  # CPU: interpreter, tiny
 
---smoke runs the checks and one tiny configuration of both methods in the TPU
+Without --smoke on a machine without a TPU it exits with status 2 (as gpu_kernel.py does
+without a GPU). --smoke runs the checks and one tiny configuration of both methods in the TPU
 interpreter on the CPU, then lowers the largest flat and cascade calls of the grid the
 flags name (--batch, --prefix, --suffix and the heads; Llama-3-8B's by default) for TPU
 (no TPU needed): it shows the script is not broken, it measures nothing.
@@ -352,6 +353,9 @@ def main(argv=None) -> int:
         args.batch, args.prefix, args.suffix, args.reps = [4], [32], [16], 2
         args.q_heads, args.kv_heads = 8, 2
     check_whole_pages(parser, {*args.full_prefix, *args.prefix}, args.page_size, "--prefix")
+    if not args.smoke and jax.default_backend() != "tpu":  # the kernel raised mid-check
+        print("no TPU found: run with --smoke on the CPU", file=sys.stderr)
+        return 2
     results, meta = run(args)
     if args.smoke:
         args.q_heads, args.kv_heads = full_heads

@@ -83,3 +83,18 @@ def test_smoke_lowers_the_full_size_calls_with_the_heads_the_flags_name(
     with pytest.raises(SystemExit):
         bench.main()
     assert "--q-heads 16 must be a multiple of --kv-heads 3" in capsys.readouterr().err
+
+
+def test_without_a_tpu_a_full_run_says_so_and_measures_nothing(monkeypatch, tmp_path, capsys):
+    # It ran its checks with the compiled kernel, which raised "Only interpret mode is
+    # supported on CPU backend." in a traceback (gpu_kernel.py exits 2 without a GPU).
+    import sys
+
+    import jax
+
+    if jax.default_backend() == "tpu":
+        pytest.skip("a TPU is here")
+    monkeypatch.setattr(sys, "argv", ["tpu_kernel.py", "--out", str(tmp_path)])
+    assert bench.main() == 2
+    assert "no TPU found: run with --smoke" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
