@@ -133,8 +133,9 @@ def print_samples(console: Console, prompts: list[Prompt], run: RunResult, n: in
 
 def print_report(
     console: Console, prompts: list[Prompt], runs: list[RunResult], block_size: int
-) -> bool:
-    """Prints the runs side by side; returns whether two runs generated identical tokens."""
+) -> bool | None:
+    """Prints the runs side by side; returns whether two runs generated identical tokens,
+    None for any other number of runs (nothing was compared)."""
     table = Table(title="\nshared-prefix serving")
     table.add_column("")
     for r in runs:
@@ -148,7 +149,7 @@ def print_report(
         "  its output but the last token, whose KV is never computed."
     )
     if len(runs) != 2:
-        return False
+        return None
     console.print(
         "step programs compile once per model and shapes; the second run reuses\n"
         "  those the first compiled."

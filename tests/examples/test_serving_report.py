@@ -98,3 +98,12 @@ def test_each_run_is_held_against_its_own_unshared_blocks(report):
     # Off: contexts 20 + 5 - 1 and 30 + 20 - 1 tokens, 2 + 4 blocks of 16.
     assert rows["KV blocks held at peak / unshared"] == ("3 / 4 (75%)", "4 / 6 (67%)")
     assert [module.blocks_without_sharing(_prompts(Prompt), r, 16) for r in runs] == [4, 6]
+
+
+def test_one_run_compares_nothing_and_says_neither_yes_nor_no(report):
+    # With --no-cascade the example's summary said outputs_identical False, as if the
+    # runs had differed, for a run compared with nothing.
+    module, Prompt = report
+    console = Console(file=io.StringIO(), width=200)
+    assert module.print_report(console, _prompts(Prompt), _runs(module)[:1], 16) is None
+    assert "identical" not in console.file.getvalue()
