@@ -36,7 +36,8 @@ program starts warm.
     python benchmarks/gpu_kernel.py --out /tmp/smoke --smoke  # CPU: interpret mode, tiny
 
 --smoke runs every method in interpret mode on a tiny case and checks it, then lowers
-one full-size configuration of every method for CUDA (no GPU needed). The methods and
+one full-size configuration of every method for CUDA (B=64, P=8192, S=128, with the
+flags' --page-size and --jax-k-splits; no GPU needed). The methods and
 their lowering are in gpu_kernel_methods.py, the correctness checks in gpu_kernel_checks.py.
 """
 
@@ -371,7 +372,11 @@ def main(argv=None) -> int:
             tilings=tilings,
         )  # fmt: skip
     if args.smoke:
-        result["lowered_full_size"] = lower_full_size()
+        # The flags' page size and k_splits (the interpreted run's tables are too short
+        # for more than 2 splits).
+        result["lowered_full_size"] = lower_full_size(
+            page_size=args.page_size, k_splits=args.jax_k_splits
+        )
     result["seconds"] = time.perf_counter() - t_start
     write_json(args.out / "gpu_kernel.json", result)
     print(json.dumps(result["goals"], indent=1))

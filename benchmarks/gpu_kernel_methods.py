@@ -56,8 +56,9 @@ def split_kv(kv):
     return kv[:, :, 0::2].transpose(2, 0, 1, 3), kv[:, :, 1::2].transpose(2, 0, 1, 3)
 
 
-def lower_full_size(b=64, p=8192, s=128, page_size=16) -> dict:
-    """Lowers every method at one full-size configuration for CUDA from abstract shapes."""
+def lower_full_size(b=64, p=8192, s=128, page_size=16, k_splits=16) -> dict:
+    """Lowers every method at one full-size configuration for CUDA from abstract shapes:
+    pages of `page_size` tokens, JAX's kernel with `k_splits`."""
     dt = jnp.bfloat16
     pps = p // page_size + math.ceil(s / page_size)
     num_pages = b * pps + 1
@@ -79,7 +80,7 @@ def lower_full_size(b=64, p=8192, s=128, page_size=16) -> dict:
             (q, kv, i32(b), i32(b, pps), i32(b + 1), i32(1)),
         ),
         "jax_paged": (
-            functools.partial(jax_paged_fn, sm_scale=sm, interpret=False, k_splits=16),
+            functools.partial(jax_paged_fn, sm_scale=sm, interpret=False, k_splits=k_splits),
             (q, kvh, kvh, i32(b, pps), i32(b)),
         ),
     }
@@ -88,5 +89,8 @@ def lower_full_size(b=64, p=8192, s=128, page_size=16) -> dict:
         with cuda_lowering_target():
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         out[name] = text.count("__gpu$xla.gpu.triton")
-        print(f"lowered {name} for cuda at B={b} P={p} S={s}: {out[name]} Triton call(s)")
+        print(
+            f"lowered {name} for cuda at B={b} P={p} S={s}, pages of {page_size}: "
+            f"{out[name]} Triton call(s)"
+        )
     return out

@@ -206,3 +206,23 @@ def test_every_benchmark_runs_as_a_script_without_pythonpath(script):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert "--out" in run.stdout
+
+
+def test_gpu_kernel_smoke_lowers_the_full_size_calls_with_the_flags_page_size(
+    tmp_path, monkeypatch
+):
+    # The full-size lowering took pages of 16 and k_splits 16 whatever --page-size and
+    # --jax-k-splits said, while the interpreted run used them.
+    lowered = []
+    stubs = dict(
+        device_checks=lambda **kw: [], copy_bandwidth=lambda *a, **kw: {"float32": 1.0},
+        bench_config=lambda *a, **kw: dict(B=2, P=32, S=16, cascade_agrees=True,
+                                           jax_agrees=True),
+        print_table=lambda *a: None, goals=lambda *a: {},
+        lower_full_size=lambda **kw: lowered.append(kw) or {},
+    )  # fmt: skip
+    for name, stub in stubs.items():
+        monkeypatch.setattr(gpu_kernel, name, stub)
+    argv = ["--out", str(tmp_path), "--smoke", "--no-sweep", "--page-size", "8"]
+    assert gpu_kernel.main([*argv, "--jax-k-splits", "4"]) == 0
+    assert lowered == [{"page_size": 8, "k_splits": 4}]
