@@ -273,6 +273,11 @@ def serve(
 def main(argv: list[str] | None = None) -> dict:
     """Runs the example; returns the summary figures (also printed) for scripts and tests."""
     args = parse_args(argv)
+    if args.interpret and (args.backend or default_backend()) == "xla":  # it was ignored
+        raise SystemExit(
+            "--interpret runs a Pallas backend in interpret mode; the backend here is xla "
+            "(add --backend pallas_tpu or pallas_gpu)"
+        )
     console = Console(highlight=False)
     model, source = load_model(args, console)
     backend = args.backend or default_backend()

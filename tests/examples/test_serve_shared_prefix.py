@@ -115,6 +115,13 @@ def test_a_checkpoint_with_a_preset_that_runs_random_weights_is_refused(serve, c
     assert serve.parse_args(["--preset", "llama3_2_1b", "--checkpoint", "random"])
 
 
+def test_interpret_without_a_pallas_backend_is_refused(serve):
+    # --interpret with the xla backend (the CPU's default) was parsed and ignored: the
+    # run served with XLA attention, no Pallas kernel interpreted.
+    with pytest.raises(SystemExit, match="--interpret runs a Pallas backend .* here is xla"):
+        serve.main(["--interpret", "--backend", "xla", "--num-requests", "2", "--max-tokens", "1"])
+
+
 def test_pallas_tpu_backend_with_a_head_dim_the_kernel_lacks_says_why(serve):
     with pytest.raises(SystemExit, match="head_dim"):
         serve.main(["--backend", "pallas_tpu", "--num-requests", "2", "--max-tokens", "1"])
