@@ -290,6 +290,12 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"--backend pallas_tpu: {message}")
         console.print(f"Using the xla attention backend: {message}.")
         args.backend = "xla"
+    platform = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}.get(args.backend)
+    if platform and not args.interpret and jax.default_backend() != platform:
+        raise SystemExit(  # the engine raised ValueError saying 'pass interpret=True'
+            f"--backend {args.backend} compiles only on a {platform.upper()}, and JAX runs on "
+            f"{jax.default_backend()} here: add --interpret to run it in interpret mode"
+        )
     prompts = workload(args.num_requests, args.prefix_len, args.seed)
     lengths = [len(p.token_ids) for p in prompts]
     cfg = engine_config(args, prompts, True)

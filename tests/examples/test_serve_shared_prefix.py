@@ -122,6 +122,17 @@ def test_interpret_without_a_pallas_backend_is_refused(serve):
         serve.main(["--interpret", "--backend", "xla", "--num-requests", "2", "--max-tokens", "1"])
 
 
+def test_a_pallas_backend_off_its_platform_asks_for_interpret_by_flag(serve):
+    # The engine raised "ValueError: backend='pallas_gpu' ... pass interpret=True" in a
+    # traceback, naming a config field rather than the example's --interpret.
+    import jax
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU compiles neither Pallas backend")
+    with pytest.raises(SystemExit, match="--backend pallas_gpu compiles only .* add --interpret"):
+        serve.main(["--backend", "pallas_gpu", "--num-requests", "2", "--max-tokens", "1"])
+
+
 def test_pallas_tpu_backend_with_a_head_dim_the_kernel_lacks_says_why(serve):
     with pytest.raises(SystemExit, match="head_dim"):
         serve.main(["--backend", "pallas_tpu", "--num-requests", "2", "--max-tokens", "1"])
