@@ -320,12 +320,16 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     dev = jax.devices()[0]
+    if args.smoke:
+        heads, reps, repeats = (4, 2, 64), 2, 1
+    else:
+        heads, reps, repeats = (NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM), args.reps, args.repeats
     result = {
         "device": f"{dev.platform} {getattr(dev, 'device_kind', '')}",
         "jax": jax.__version__,
         "smoke": args.smoke,
         "page_size": args.page_size,
-        "heads": [NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM],
+        "heads": list(heads),  # the rows' (--smoke times smaller ones)
         "dtype": "bfloat16",
     }
     print(f"device: {result['device']}  jax {jax.__version__}", flush=True)
@@ -342,10 +346,6 @@ def main(argv=None) -> int:
     by_dtype = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in copies.items())
     print(f"copy bandwidth: {copy_bps / 1e9:.0f} GB/s, read + write ({by_dtype})")
 
-    if args.smoke:
-        heads, reps, repeats = (4, 2, 64), 2, 1
-    else:
-        heads, reps, repeats = (NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM), args.reps, args.repeats
     rows = []
     for b, p, s in grid:
         if time.perf_counter() - t_start > args.max_seconds:

@@ -226,3 +226,21 @@ def test_gpu_kernel_smoke_lowers_the_full_size_calls_with_the_flags_page_size(
     argv = ["--out", str(tmp_path), "--smoke", "--no-sweep", "--page-size", "8"]
     assert gpu_kernel.main([*argv, "--jax-k-splits", "4"]) == 0
     assert lowered == [{"page_size": 8, "k_splits": 4}]
+
+
+def test_gpu_kernel_json_names_the_heads_its_rows_were_timed_with(tmp_path, monkeypatch):
+    # A --smoke run timed 4 / 2 heads of 64 and wrote "heads": [32, 8, 128].
+    import json
+
+    timed = []
+    stubs = dict(
+        device_checks=lambda **kw: [], copy_bandwidth=lambda *a, **kw: {"float32": 1.0},
+        bench_config=lambda *a, heads, **kw: timed.append(heads) or dict(
+            B=2, P=32, S=16, cascade_agrees=True, jax_agrees=True),
+        print_table=lambda *a: None, goals=lambda *a: {}, lower_full_size=lambda **kw: {},
+    )  # fmt: skip
+    for name, stub in stubs.items():
+        monkeypatch.setattr(gpu_kernel, name, stub)
+    assert gpu_kernel.main(["--out", str(tmp_path), "--smoke", "--no-sweep"]) == 0
+    report = json.loads((tmp_path / "gpu_kernel.json").read_text())
+    assert timed == [(4, 2, 64)] and report["heads"] == [4, 2, 64]
