@@ -183,8 +183,9 @@ def _default_checkpoint(console: Console) -> Path:
 
 def engine_config(args: argparse.Namespace, prompts: list[Prompt], cascade: bool) -> EngineConfig:
     bs = args.block_size
-    longest = max(len(p.token_ids) for p in prompts) + args.max_tokens
-    max_model_len = math.ceil(longest / bs) * bs
+    # A prompt and its output (not rounded up to a whole block: a large block would ask
+    # for positions past the model's that no request reaches).
+    max_model_len = max(len(p.token_ids) for p in prompts) + args.max_tokens
     # Room for the whole workload without any sharing: never a preemption.
     num_blocks = sum(math.ceil((len(p.token_ids) + args.max_tokens) / bs) for p in prompts) + 1
     max_num_seqs = len(prompts)
@@ -302,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.scheduler.max_model_len > model.config.max_position_embeddings:
         raise SystemExit(
             f"--prefix-len {args.prefix_len} + questions (up to {max(lengths) - args.prefix_len} "
-            f"tokens) + --max-tokens {args.max_tokens}, in blocks of {args.block_size}, need "
+            f"tokens) + --max-tokens {args.max_tokens} need "
             f"{cfg.scheduler.max_model_len} positions; the model has "
             f"{model.config.max_position_embeddings}"
         )
