@@ -55,12 +55,13 @@ class PrefixAwareRouter(Closable):
     max_tracked_prefixes: bound on remembered prefix hashes (least recently used dropped).
 
     Outstanding sequences are counted by the router: +n on add_request (SamplingParams.n,
-    1 without params), -n when step() returns the output that says the request finished,
-    or when it is aborted; so add, step and abort through the router only (a request
-    added to a replica directly is not counted, and its outputs make step() raise; one
-    aborted there counts until the router's abort). Not thread-safe. Replicas should
-    sample with different default seeds (engine_replicas sees to it): otherwise unseeded
-    sampled requests on two replicas can draw the same tokens.
+    1 without params), -1 when step() returns the output that says one sample finished,
+    and the samples still running when it is aborted; so add, step and abort through the
+    router only (a request added to a replica directly is not counted, and its outputs
+    make step() raise; one aborted there counts until the router's abort). Not
+    thread-safe. Replicas should sample with different default seeds (engine_replicas
+    sees to it): otherwise unseeded sampled requests on two replicas can draw the same
+    tokens.
     """
 
     def __init__(
