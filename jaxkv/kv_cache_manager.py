@@ -263,8 +263,9 @@ class KVCacheManager:
         (request.num_computed_tokens + num_new_computed_tokens) beyond the request's
         tokens, a cache hit that does not start where its computed tokens end, is not
         covered by num_new_computed_tokens or no longer caches the request's tokens,
-        block hashes the request computed with another block size, or a `request` whose
-        id holds blocks allocated for another Request object (free that one first).
+        block hashes the request computed with another block size, a prompt, or computed
+        plus new plus lookahead tokens, beyond max_model_len, or a `request` whose id
+        holds blocks allocated for another Request object (free that one first).
         """
         req_id = checked_request_id(request)
         num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_done = allocation_counts(
