@@ -36,6 +36,7 @@ from jaxkv.deliberate_transfers import allowing_transfers
 from jaxkv.detokenizer import Detokenizer
 from jaxkv.engine_args import checked_engine_args, served_heads
 from jaxkv.hashing import check_hash_key
+from jaxkv.held_interrupts import holding_interrupts
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_copy import DeviceKVCopier
 from jaxkv.kv_transfer import KVConnector
@@ -237,10 +238,12 @@ class Engine(Closable):
         raising, an interrupt during a compile) hands the batch back to the scheduler
         (Scheduler.discard) before it propagates: no block its tokens were to fill stays
         in the prefix cache, running requests schedule the same tokens next step, and
-        requests it admitted wait again; the engine keeps serving. An interrupt in the
-        tokenizer (read after the model ran) loses the step's outputs: each request the
-        update reached keeps its tokens, those that finished free their blocks, those
-        after it compute the same tokens next step, and the step counts in metrics and
+        requests it admitted wait again; the engine keeps serving (a Ctrl-C while a
+        compiled program runs is raised once the KV caches it returns, replacing the ones
+        it donated, are stored). An interrupt in the tokenizer (read after the model ran)
+        loses the step's outputs: each request the update reached keeps its tokens, those
+        that finished free their blocks, those after it compute the same tokens next
+        step, and the step counts in metrics and
         last_step (num_prompt_tokens counting a prompt chunk computed again in both
         steps). Calls back into the engine from a step (a tokenizer's) raise RuntimeError.
         A KV connector's exception while the batch is chosen (a load that fails to start)
@@ -270,10 +273,13 @@ class Engine(Closable):
             t1, c1 = time.perf_counter(), time.thread_time()
 
             with allowing_transfers():  # deliberate, whatever guard the caller set
-                tokens, self.kv_caches, prompt_out = self._program(
-                    self._state_leaves, input_ids, md.positions, self.kv_caches, md, sampling,
-                    rows, num_logprobs=width, num_prompt_logprobs=prompt_width,
-                )  # fmt: skip
+                # It donates the caches: Ctrl-C waits till it stored the new (held_interrupts)
+                donated = self.kv_caches
+                with holding_interrupts(passes_on=lambda: not donated[0].is_deleted()):
+                    tokens, self.kv_caches, prompt_out = self._program(
+                        self._state_leaves, input_ids, md.positions, self.kv_caches, md,
+                        sampling, rows, num_logprobs=width, num_prompt_logprobs=prompt_width,
+                    )  # fmt: skip
                 if width is not None:
                     logprobs = StepLogprobs(tokens[1], n, order, self._token_texts)
                     tokens = tokens[0]

@@ -26,6 +26,7 @@ import numpy as np
 from jaxkv.buckets import padded_size, pow2_buckets
 from jaxkv.deliberate_transfers import allowing_transfers
 from jaxkv.field_checks import as_int
+from jaxkv.held_interrupts import holding_interrupts
 
 Caches = list[jax.Array]  # num_layers x [num_blocks, block_size, 2*num_kv_heads, head_dim]
 
@@ -157,8 +158,12 @@ class DeviceKVCopier:
         data[:n] = blocks
         with allowing_transfers():  # deliberate, whatever guard the caller set
             on_device = jax.device_put(data)
-            caches = _scatter(tuple(self._get_caches()), ids, on_device, self.kv_replicas)
-        self._set_caches(list(caches))
+            # It donates the caches: a Ctrl-C raised before the new ones are set would
+            # leave the engine only deleted ones (jaxkv.held_interrupts).
+            donated = tuple(self._get_caches())
+            with holding_interrupts(passes_on=lambda: not donated[0].is_deleted()):
+                caches = _scatter(donated, ids, on_device, self.kv_replicas)
+                self._set_caches(list(caches))
         return self._executor.submit(on_device.block_until_ready)
 
     def close(self) -> None:

@@ -1,0 +1,72 @@
+"""Ctrl-C held back while host bookkeeping that must not stop halfway runs.
+
+Python runs a SIGINT handler (KeyboardInterrupt) at the next bytecode that looks for
+signals, which may be any call. Two places may not be cut there:
+
+- a jitted call that donates the KV caches (the engine's step program, the KV copier's
+  load scatter) deletes them and returns their replacement. A Ctrl-C that arrived while
+  it ran was raised right after it returned, the new caches dropped with its result,
+  and the engine held only deleted ones (every later step raised "Buffer has been
+  deleted or donated");
+- a KV connector's poll() forgets the copies it reports: raised before the scheduler
+  applied the report, an interrupt left their blocks held for good.
+
+Inside `holding_interrupts()` a SIGINT is recorded instead, and raised again (to the
+handler that was installed) on leaving the block.
+"""
+
+from __future__ import annotations
+
+import _signal  # signal's own functions, without its enum conversions (10x slower)
+import signal
+import threading
+from collections.abc import Callable
+
+__all__ = ["holding_interrupts"]
+
+_SIGINT = int(signal.SIGINT)
+
+
+class holding_interrupts:  # noqa: N801 - used as a context manager, like contextlib's
+    """Holds back SIGINT inside the block (if `hold`), in the main thread (the only one
+    a signal interrupts), where the installed handler was set from Python (otherwise it
+    could not be put back); raises it again on leaving the block. Costs about 1 us.
+
+    `passes_on` (a function): a SIGINT handled while it returns True is passed on at
+    once. A donating call's is "the donated caches are not deleted yet": a Ctrl-C while
+    jax traces or compiles a new program (before the donation) stops it without waiting
+    for a compile that may take minutes, and is held from the donation on."""
+
+    __slots__ = ("_passes_on", "_hold", "_previous", "_caught")
+
+    def __init__(self, hold: bool = True, *, passes_on: Callable[[], bool] | None = None) -> None:
+        self._passes_on = passes_on
+        self._hold = hold and threading.current_thread() is threading.main_thread()
+        self._previous = None
+        self._caught = False
+
+    def _record(self, signum, frame) -> None:
+        if self._passes_on is not None and self._passes_on():
+            self._caught = False  # an earlier one is passed on now too
+            previous = self._previous
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != _signal.SIG_IGN:  # SIG_DFL: on leaving the block
+                self._caught = True
+        else:
+            self._caught = True
+
+    def __enter__(self) -> None:
+        if self._hold:
+            previous = _signal.getsignal(_SIGINT)
+            if previous is None:  # installed outside Python: it could not be restored
+                self._hold = False
+                return
+            self._previous = previous
+            _signal.signal(_SIGINT, self._record)
+
+    def __exit__(self, *exc_info) -> None:
+        if self._hold:
+            _signal.signal(_SIGINT, self._previous)
+            if self._caught:
+                signal.raise_signal(_SIGINT)  # to the handler the caller had
