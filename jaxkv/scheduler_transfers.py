@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jaxkv.held_interrupts import holding_interrupts
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_transfer import KVConnector, TransferEvents
 from jaxkv.request import Request, RequestStatus
@@ -70,6 +71,8 @@ class TransferTracker:
         # (no zero counts), and each such load's hashes, taken back exactly as added.
         self._loading_hashes: dict[object, int] = {}
         self._hashes_of: dict[str, list] = {}
+        # The no-op connector's poll() reports nothing: no interrupt to hold around it.
+        self._polls_copies = type(connector).poll is not KVConnector.poll
 
     # ------------------------------------------------------------------ loads
 
@@ -258,9 +261,15 @@ class TransferTracker:
         with nothing applied. Entries that name no copy in flight, or one already named,
         are ignored: the rest are applied (each a copy that ended, whose blocks would
         otherwise stay held), then ValueError names the connector and every ignored entry.
+        A Ctrl-C during poll() or while its report is applied is raised once it is applied
+        (jaxkv.held_interrupts): raised before, it lost the copies poll() had seen end,
+        their blocks held for good.
         """
         self._new_loads.clear()
-        events = self._connector.poll()
+        with holding_interrupts(self._polls_copies):
+            self._apply(self._connector.poll())
+
+    def _apply(self, events: object) -> None:
         if type(events) is TransferEvents and not events:
             return
         saves, loads, ignored = self._sorted_events(events)

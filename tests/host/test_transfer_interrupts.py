@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from jaxkv import KVCacheManager, RequestStatus
@@ -86,3 +88,36 @@ def test_finish_all_releases_everyone_and_then_raises_the_first_interrupt():
         TransferTracker(connector, m, release).finish_all(reqs)
     assert released == ["a", "b", "c"] and m.num_free_blocks == 15
     m.check_integrity()
+
+
+class _InterruptedAfterPoll(HostOffloadConnector):
+    """A Ctrl-C arrives while its poll() runs, after it collected the copies that ended
+    (Python raises it at the next bytecode that looks for signals)."""
+
+    interrupt_next = False
+
+    def poll(self):
+        events = super().poll()
+        if self.interrupt_next and events:
+            self.interrupt_next = False
+            signal.raise_signal(signal.SIGINT)
+        return events
+
+
+def test_an_interrupt_while_copies_are_polled_loses_no_report():
+    # Raised inside poll(), after the connector had dropped the copies it reported: their
+    # blocks stayed held for good (drain_transfers and close timed out forever).
+    copier = FakeCopier(32, BS, auto_complete=False)
+    connector = _InterruptedAfterPoll(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    sched = make_scheduler(num_blocks=32, block_size=BS, connector=connector)
+    add(sched, "a", range(1, 10), max_tokens=1)
+    step(sched, copier)  # finishes: its save is in flight
+    assert list(sched.transferring) == ["a"]
+    copier.complete()
+    connector.interrupt_next = True
+    with pytest.raises(KeyboardInterrupt):
+        sched.schedule()
+    assert sched.transferring == {} and sched.manager.num_free_blocks == 31
+    assert connector.stats.num_saves == 1 and not sched.has_pending_transfers()
+    sched.manager.check_integrity()
