@@ -7,6 +7,16 @@ from collections.abc import Sequence
 import numpy as np
 
 _BOOLS = {bool, np.bool_}
+_PLAIN_INTS = {int, np.int64, np.int32}  # no element of these types can be a bool
+
+
+def _is_bool(value) -> bool:
+    """A bool, numpy bool or 0-d bool array (numpy's or JAX's: np.asarray reads
+    [jnp.array(True), 2] as [1, 2])."""
+    if type(value) in _BOOLS:
+        return True
+    dtype = getattr(value, "dtype", None)
+    return getattr(dtype, "kind", None) == "b"
 
 
 def checked_prompt_ids(
@@ -16,16 +26,20 @@ def checked_prompt_ids(
 
     Raises ValueError naming prompt_token_ids unless it is a 1-D sequence (or array) of
     integers, each in [0, `limit`), and not empty unless `allow_empty`. Text and bytes are
-    refused, as Request refuses them, and so are bools (numpy reads [True, 2] as [1, 2]).
+    refused, as Request refuses them, and so are bools (numpy reads [True, 2] as [1, 2]),
+    0-d bool arrays of numpy or JAX among a list's or tuple's elements included.
     """
     if isinstance(prompt_token_ids, (str, bytes, bytearray)):  # numpy reads a bytearray as uint8
         raise ValueError(
             f"prompt_token_ids must be token ids, not {type(prompt_token_ids).__name__} "
             "(encode text with a tokenizer)"
         )
-    if isinstance(prompt_token_ids, (list, tuple)) and _BOOLS & set(map(type, prompt_token_ids)):
-        at = next(i for i, t in enumerate(prompt_token_ids) if type(t) in _BOOLS)
-        raise ValueError(f"prompt_token_ids must be ints, got a bool at index {at}")
+    if isinstance(prompt_token_ids, (list, tuple)):
+        types = set(map(type, prompt_token_ids))
+        if types - _PLAIN_INTS:  # a bool, or a 0-d array (numpy's or JAX's) that may be one
+            at = next((i for i, t in enumerate(prompt_token_ids) if _is_bool(t)), None)
+            if at is not None:
+                raise ValueError(f"prompt_token_ids must be ints, got a bool at index {at}")
     try:
         ids = np.asarray(prompt_token_ids)
     except (ValueError, TypeError) as e:  # ragged nesting, ints past 64 bits in an array

@@ -4,6 +4,7 @@ and an array-like numpy cannot read raises ValueError, not TypeError."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -23,6 +24,8 @@ class _Unreadable:
     [
         ((5, True, 2), "a bool at index 1"),
         ((np.True_,), "a bool at index 0"),
+        ([3, np.array(True)], "a bool at index 1"),  # numpy read it as [3, 1]
+        ([jnp.array(False), 2], "a bool at index 0"),
         (np.array([True, False]), "must be integers, got dtype bool"),
         (_Unreadable(), "prompt_token_ids must be a 1-D sequence of ints"),
     ],
@@ -37,6 +40,10 @@ def test_the_engine_refuses_a_tuple_holding_a_bool_and_queues_nothing():
     with pytest.raises(ValueError, match="a bool at index 1"):
         engine.add_request((5, True, 2))
     assert not engine.has_unfinished_requests()
+
+
+def test_zero_d_int_arrays_in_a_list_are_taken_as_ids():
+    assert checked_prompt_ids([np.array(3), jnp.array(4), np.int16(5)], limit=VOCAB) == [3, 4, 5]
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint16])
