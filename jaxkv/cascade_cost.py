@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxkv.field_checks import as_int, bool_fields, is_real, positive_int_fields
+from jaxkv.field_checks import as_float, as_int, bool_fields, positive_int_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +40,15 @@ class CascadeCostModel:
 
     def __post_init__(self) -> None:
         """Checks every field: a NaN cost would turn cascade off silently, a str would
-        fail inside the planner at every step of an engine built with it."""
+        fail inside the planner at every step of an engine built with it. The costs are
+        stored as Python floats (a 0-d array left the model unhashable; an int too large
+        for a float failed in every pays())."""
         for name in ("launch_overhead_bytes", "merge_cost_factor", "min_saved_fraction"):
-            value = getattr(self, name)
-            if not is_real(value) or not 0 <= value < math.inf:
-                raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+            raw = getattr(self, name)
+            value = as_float(raw)  # NaN for a non-number and for an int past a float
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{name}={raw!r} must be a finite number >= 0")
+            object.__setattr__(self, name, value)
         positive_int_fields(self, "min_requests")
         bool_fields(self, "reads_padded_pages")
 

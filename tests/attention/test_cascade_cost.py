@@ -4,11 +4,13 @@ max_groups cap on that level."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxkv import KVCacheManager, Request
 from jaxkv.cascade import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel, CascadePlanner
+from jaxkv.config import EngineConfig
 from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding, _plan, _prefilled
 
 LLAMA_8B = AttentionShape(num_q_heads=32, num_kv_heads=8, head_dim=128, kv_itemsize=2)
@@ -148,6 +150,29 @@ def test_cost_model_fields_are_checked_on_construction(kwargs, match):
     # failed inside the planner at every step.
     with pytest.raises(ValueError, match=match):
         CascadeCostModel(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "name", ["launch_overhead_bytes", "merge_cost_factor", "min_saved_fraction"]
+)
+@pytest.mark.parametrize("value", [np.array(0.5), jnp.array(0.5), np.float32(0.5)])
+def test_cost_model_stores_array_costs_as_floats_and_stays_hashable(name, value):
+    # A 0-d array was stored as given: the model, and an EngineConfig holding it, could
+    # not be hashed.
+    model = CascadeCostModel(**{name: value})
+    assert type(getattr(model, name)) is float
+    assert model == CascadeCostModel(**{name: 0.5})
+    assert hash(model) == hash(CascadeCostModel(**{name: 0.5}))
+    assert hash(EngineConfig(cascade_cost_model=model)) == hash(
+        EngineConfig(cascade_cost_model=CascadeCostModel(**{name: 0.5}))
+    )
+
+
+def test_cost_model_refuses_a_cost_too_large_for_a_float():
+    # 10**400 passed the check (it compares below inf), then every pays() raised
+    # OverflowError inside the planner.
+    with pytest.raises(ValueError, match="launch_overhead_bytes=1000"):
+        CascadeCostModel(launch_overhead_bytes=10**400)
 
 
 @pytest.mark.parametrize(
