@@ -21,7 +21,9 @@ _KV_DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV cache: how many blocks of how many tokens, and prefix caching."""
+    """The paged KV cache: how many blocks of how many tokens, and prefix caching.
+
+    num_blocks * block_size, the cache's token slots, must fit int32 (at most 2**31)."""
 
     num_blocks: int = 256  # includes the null block 0
     block_size: int = 16  # tokens per block
@@ -39,6 +41,13 @@ class CacheConfig:
         if self.num_blocks < 2:
             raise ValueError(
                 f"num_blocks={self.num_blocks!r} must be >= 2 (block 0 is the null block)"
+            )
+        # A token's KV slot, block_id * block_size + offset, is int32 on the device: past
+        # it, the slot wrapped negative and write_kv dropped the token's KV silently.
+        if self.num_blocks * self.block_size > MAX_INT32 + 1:
+            raise ValueError(
+                f"num_blocks={self.num_blocks!r} times block_size={self.block_size!r} must be "
+                "at most 2**31 token slots (KV slot ids are int32 on the device)"
             )
         if self.kv_dtype is not None:
             object.__setattr__(self, "kv_dtype", _kv_dtype_name(self.kv_dtype))

@@ -95,8 +95,7 @@ _INT32_MAX = 2**31 - 1
 @pytest.mark.parametrize(
     "make, name",
     [
-        (lambda n: CacheConfig(num_blocks=n), "num_blocks"),
-        (lambda n: CacheConfig(block_size=n), "block_size"),
+        (lambda n: CacheConfig(num_blocks=n, block_size=1), "num_blocks"),
         (lambda n: SchedulerConfig(max_num_batched_tokens=n), "max_num_batched_tokens"),
         (lambda n: SchedulerConfig(max_model_len=n), "max_model_len"),
         (
@@ -114,6 +113,23 @@ def test_sizes_past_int32_are_refused_by_name(make, name):
         ValueError, match=rf"{name}=2147483648 must be an int in \[[01], 2147483647\]"
     ):
         make(_INT32_MAX + 1)
+
+
+def test_block_size_past_int32_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"block_size=2147483648 must be an int in \[1,"):
+        CacheConfig(num_blocks=2, block_size=_INT32_MAX + 1)
+
+
+def test_a_cache_of_more_token_slots_than_int32_holds_is_refused():
+    """A token's KV slot (block_id * block_size + offset) is int32 on the device: with
+    more than 2**31 slots a slot wrapped negative and its KV was dropped silently."""
+    assert CacheConfig(num_blocks=2, block_size=2**30).block_size == 2**30  # 2**31 slots
+    assert CacheConfig(num_blocks=2**21, block_size=2**10).num_blocks == 2**21
+    for num_blocks, block_size in ((3, 2**30), (2, _INT32_MAX), (2**21 + 1, 2**10)):
+        with pytest.raises(
+            ValueError, match=r"num_blocks=\d+ times block_size=\d+ must be at most 2\*\*31"
+        ):
+            CacheConfig(num_blocks=num_blocks, block_size=block_size)
 
 
 def test_a_bool_seed_is_refused():
