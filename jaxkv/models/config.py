@@ -38,7 +38,9 @@ class RopeScaling:
             raise ValueError(f"{self.factor=} must be >= 1")
         if not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ValueError(f"need 0 < {self.low_freq_factor=} < {self.high_freq_factor=}")
-        int_fields(self, "original_max_position_embeddings", minimum=1)
+        # A position count (positions are int32); past that rope_inv_freq's float division
+        # overflowed at the first trace (10**400), long after the config was accepted.
+        int_fields(self, "original_max_position_embeddings", minimum=1, maximum=2**31 - 1)
 
 
 def _token_ids(ids, vocab_size: int) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""RopeScaling takes a factor of exactly 1 (no stretch) and refuses anything below."""
+"""RopeScaling takes a factor of exactly 1 (no stretch) and refuses anything below, and an
+original context length only within int32 positions."""
 
 from __future__ import annotations
 
@@ -12,3 +13,11 @@ def test_a_rope_scaling_factor_of_one_is_accepted_and_below_one_refused():
     assert RopeScaling(factor=1).factor == 1
     with pytest.raises(ValueError, match="factor=0.999 must be >= 1"):
         RopeScaling(factor=0.999)
+
+
+@pytest.mark.parametrize("length", [0, 2**31, 10**400])
+def test_an_original_context_length_outside_int32_positions_is_refused(length):
+    # 10**400 was accepted, then rope_inv_freq raised OverflowError at the first trace.
+    with pytest.raises(ValueError, match=r"original_max_position_embeddings=.* must be an int in"):
+        RopeScaling(original_max_position_embeddings=length)
+    assert RopeScaling(original_max_position_embeddings=2**31 - 1).original_max_position_embeddings
