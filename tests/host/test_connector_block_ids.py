@@ -34,13 +34,18 @@ def test_on_finish_refuses_block_ids_that_are_not_distinct_ids(bad):
     assert connector.stored_hashes() == [] and connector.stats.num_saves == 0
 
 
+def _stored_then_b(connector: HostOffloadConnector) -> tuple[list, Request]:
+    """Stores three blocks of a saved request; (the store's order, a request "b" that
+    can load them)."""
+    assert connector.on_finish(computed_request("saved", list(range(1, 13))), [1, 2, 3])
+    connector.poll()
+    return connector.stored_hashes(), Request("b", list(range(1, 14)), SamplingParams())
+
+
 @pytest.mark.parametrize("bad", list(BAD.values()), ids=list(BAD))
 def test_start_load_refuses_block_ids_that_are_not_distinct_ids(bad):
     copier, connector = bound_host_connector()
-    assert connector.on_finish(computed_request("saved", list(range(1, 13))), [1, 2, 3])
-    connector.poll()
-    order = connector.stored_hashes()
-    b = Request("b", list(range(1, 14)), SamplingParams())
+    order, b = _stored_then_b(connector)
     with pytest.raises(ValueError, match=r"start_load\('b'\): block_ids="):
         connector.start_load(b, bad)
     assert copier.loaded_block_ids == [] and not connector.has_pending()
@@ -74,10 +79,7 @@ def test_block_ids_outside_a_declared_cache_are_refused_keeping_the_store(bad):
     copier = _CountedCache(16, BS)
     connector = HostOffloadConnector(64 * copier.bytes_per_block)
     connector.bind(copier, block_size=BS, hash_seed=0)
-    assert connector.on_finish(computed_request("saved", list(range(1, 13))), [1, 2, 3])
-    connector.poll()
-    order = connector.stored_hashes()
-    b = Request("b", list(range(1, 14)), SamplingParams())
+    order, b = _stored_then_b(connector)
     with pytest.raises(ValueError, match=r"start_load\('b'\): block_ids=.* in \[1, 16\)"):
         connector.start_load(b, bad)
     with pytest.raises(ValueError, match=r"on_finish\('c'\): block_ids=.* in \[1, 16\)"):
