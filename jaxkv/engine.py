@@ -236,20 +236,19 @@ class Engine(Closable):
 
         An exception before the sampled tokens reach the host (the planner or the model
         raising, an interrupt during a compile) hands the batch back to the scheduler
-        (Scheduler.discard) before it propagates: no block its tokens were to fill stays
-        in the prefix cache, running requests schedule the same tokens next step, and
-        requests it admitted wait again; the engine keeps serving (a Ctrl-C while a
-        compiled program runs is raised once the KV caches it returns, replacing the ones
-        it donated, are stored). An interrupt in the tokenizer (read after the model ran)
-        loses the step's outputs: each request the update reached keeps its tokens, those
-        that finished free their blocks, those after it compute the same tokens next
-        step, and the step counts in metrics and
-        last_step (num_prompt_tokens counting a prompt chunk computed again in both
-        steps). Calls back into the engine from a step (a tokenizer's) raise RuntimeError.
-        A KV connector's exception while the batch is chosen (a load that fails to start)
-        propagates before the model runs, the batch handed back the same way; a
-        HostOffloadConnector first drops the blocks that load was to read, so the next
-        step computes them.
+        (Scheduler.discard) before it propagates: no block its tokens were to fill stays in
+        the prefix cache, running requests schedule the same tokens next step, and requests
+        it admitted wait again; the engine keeps serving (a Ctrl-C while a compiled program
+        runs is raised once the KV caches it returns, replacing the ones it donated, are
+        stored). An interrupt in the tokenizer (read after the model ran) loses the step's
+        outputs: each request the update reached keeps its tokens, those that finished free
+        their blocks, those after it compute the same tokens next step, and the step counts
+        in metrics and last_step (num_prompt_tokens counting a prompt chunk computed again
+        in both steps). Calls back into the engine from a step (a tokenizer's) raise
+        RuntimeError. A KV connector's exception while the batch is chosen (a load that
+        fails to start) propagates before the model runs, the batch handed back the same
+        way; a HostOffloadConnector first drops the blocks that load was to read, so the
+        next step computes them.
         """
         t0, c0 = time.perf_counter(), time.thread_time()
         prompt_logprobs = self._sampling.prompt_logprobs
