@@ -4,10 +4,38 @@ block ids a copy may be asked for."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from jaxkv.field_checks import as_int
 from jaxkv.kv_transfer import KVCopier
+
+
+class StoreLayout(NamedTuple):
+    """What the blocks in a host store were saved under: the store serves a copier bound
+    under an equal layout only. block_shape and dtype are None where the copier declares
+    none."""
+
+    block_size: int
+    hash_seed: int
+    bytes_per_block: int
+    block_shape: tuple[int, ...] | None
+    dtype: np.dtype | None
+    model_fingerprint: object  # bytes naming the model (jaxkv.model_fingerprint), or None
+
+
+UNBOUND = StoreLayout(0, 0, 0, None, None, None)  # equal to no bound copier's layout
+
+
+def store_layout(copier: KVCopier, block_size: object, hash_seed: object) -> StoreLayout:
+    """The layout of `copier`'s blocks under `block_size` and `hash_seed`; ValueError
+    naming the first of block_size, hash_seed (see checked_layout), copier.block_shape or
+    copier.dtype (see declared_block) that is wrong."""
+    size, seed, bytes_per_block = checked_layout(copier, block_size, hash_seed)
+    shape, dtype = declared_block(copier)
+    fingerprint = getattr(copier, "model_fingerprint", None)
+    return StoreLayout(size, seed, bytes_per_block, shape, dtype, fingerprint)
 
 
 def checked_layout(copier: KVCopier, block_size: object, hash_seed: object) -> tuple[int, ...]:

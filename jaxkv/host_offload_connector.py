@@ -14,11 +14,12 @@ import numpy as np
 
 from jaxkv.allocation_args import count
 from jaxkv.copier_layout import (
+    UNBOUND,
+    StoreLayout,
     check_copied_blocks,
     checked_block_ids,
-    checked_layout,
-    declared_block,
     declared_num_blocks,
+    store_layout,
 )
 from jaxkv.field_checks import int_fields
 from jaxkv.hashing import BlockHash
@@ -83,13 +84,7 @@ class HostOffloadConnector(KVConnector):
         self.copy_delay_steps = copy_delay_steps
         int_fields(self, "host_bytes", "copy_delay_steps", minimum=0)
         self._copier_ref: weakref.ref[KVCopier] | None = None
-        self._block_size = 0
-        self._hash_seed = 0
-        self._layout: tuple | None = None  # of the blocks in the store
-        self._block_bytes = 0
-        # The bound copier's block_shape and dtype (None where it declares none).
-        self._block_shape: tuple[int, ...] | None = None
-        self._block_dtype: np.dtype | None = None
+        self._layout: StoreLayout = UNBOUND  # of the blocks in the store
         self._num_blocks: int | None = None  # the bound copier's, where it declares them
         self._store = HostBlockStore()
         self._saves: dict[str, _Transfer] = {}
@@ -107,20 +102,11 @@ class HostOffloadConnector(KVConnector):
         `copier.bytes_per_block` are ints >= 1, `hash_seed` an int that fits in 64 bits,
         and the copier's block_shape, dtype and num_blocks, where it declares them, a
         sequence of ints >= 0, what numpy takes as a dtype and an int >= 1."""
-        block_size, hash_seed, bytes_per_block = checked_layout(copier, block_size, hash_seed)
-        block_shape, block_dtype = declared_block(copier)
+        layout = store_layout(copier, block_size, hash_seed)
         num_blocks = declared_num_blocks(copier)
         bound = self._bound()
         if bound is not copier:
             self.check_can_bind()
-        layout = (
-            block_size,
-            hash_seed,
-            bytes_per_block,
-            block_shape,
-            None if block_dtype is None else str(block_dtype),
-            getattr(copier, "model_fingerprint", None),
-        )
         if bound is copier and layout != self._layout and self.has_pending():
             raise RuntimeError(
                 f"bind of the bound copier with another layout while {len(self._saves)} "
@@ -134,12 +120,9 @@ class HostOffloadConnector(KVConnector):
             self._saves_ended_unstored(list(self._saving))
         if layout != self._layout:
             self._store.clear()  # saved for other blocks: not this engine's KV
-        self._layout, self._block_bytes = layout, bytes_per_block
-        self._block_shape, self._block_dtype = block_shape, block_dtype
+        self._layout = layout
         self._num_blocks = num_blocks
         self._copier_ref = weakref.ref(copier)
-        self._block_size = block_size
-        self._hash_seed = hash_seed
 
     def check_can_bind(self) -> None:
         """RuntimeError while bound to a live engine's copier (see bind)."""
@@ -176,10 +159,10 @@ class HostOffloadConnector(KVConnector):
         block_ids = checked_block_ids(
             block_ids, f"on_finish({request.request_id!r})", self._num_blocks
         )
-        if self.host_bytes < self._block_bytes:
+        if self.host_bytes < self._layout.bytes_per_block:
             return False
-        hashes = request.update_block_hashes(self._block_size, self._hash_seed)
-        num_full = min(request.num_computed_tokens // self._block_size, len(block_ids))
+        hashes = request.update_block_hashes(self._layout.block_size, self._layout.hash_seed)
+        num_full = min(request.num_computed_tokens // self._layout.block_size, len(block_ids))
         picked, stored = [], []
         for i in reversed(range(num_full)):  # a chain's head ends up most recently used
             h = hashes[i]
@@ -209,17 +192,17 @@ class HostOffloadConnector(KVConnector):
         num_computed_tokens = count(
             "num_computed_tokens", num_computed_tokens, getattr(request, "request_id", None)
         )
-        if not self._store or num_computed_tokens % self._block_size:
+        if not self._store or num_computed_tokens % self._layout.block_size:
             return 0
-        hashes = request.update_block_hashes(self._block_size, self._hash_seed)
-        first = num_computed_tokens // self._block_size
-        last = (request.num_tokens - 1) // self._block_size
+        hashes = request.update_block_hashes(self._layout.block_size, self._layout.hash_seed)
+        first = num_computed_tokens // self._layout.block_size
+        last = (request.num_tokens - 1) // self._layout.block_size
         num_found = 0
         for h in hashes[first:last]:
             if h not in self._store:
                 break
             num_found += 1
-        return num_found * self._block_size
+        return num_found * self._layout.block_size
 
     def start_load(self, request: Request, block_ids: Sequence[int]) -> None:
         """Loads the stored blocks that follow request.num_computed_tokens into
@@ -240,8 +223,8 @@ class HostOffloadConnector(KVConnector):
         req_id = request.request_id
         copier = self._require_copier()
         block_ids = checked_block_ids(block_ids, f"start_load({req_id!r})", self._num_blocks)
-        first, rem = divmod(request.num_computed_tokens, self._block_size)
-        all_hashes = request.update_block_hashes(self._block_size, self._hash_seed)
+        first, rem = divmod(request.num_computed_tokens, self._layout.block_size)
+        all_hashes = request.update_block_hashes(self._layout.block_size, self._layout.hash_seed)
         hashes = all_hashes[first : first + len(block_ids)]
         if rem or not block_ids or len(hashes) != len(block_ids):
             raise ValueError(
@@ -261,7 +244,7 @@ class HostOffloadConnector(KVConnector):
             if h in self._store:
                 self._store.touch(h)
         self._loads[req_id] = _Transfer(
-            req_id, future, hashes, self._step, len(hashes) * self._block_size
+            req_id, future, hashes, self._step, len(hashes) * self._layout.block_size
         )
 
     def poll(self) -> TransferEvents:
@@ -278,7 +261,7 @@ class HostOffloadConnector(KVConnector):
         return dataclasses.replace(
             self._stats,
             num_stored_blocks=len(self._store),
-            stored_bytes=len(self._store) * self._block_bytes,
+            stored_bytes=len(self._store) * self._layout.bytes_per_block,
         )
 
     def stored_hashes(self) -> list[BlockHash]:
@@ -304,7 +287,7 @@ class HostOffloadConnector(KVConnector):
             if len(data) != len(t.hashes):
                 raise ValueError(f"{len(data)} blocks copied for {len(t.hashes)} asked")
             held = next(iter(self._store.values()), None)  # all alike: each was checked
-            check_copied_blocks(data, self._block_shape, self._block_dtype, held)
+            check_copied_blocks(data, self._layout.block_shape, self._layout.dtype, held)
         except Exception as e:  # noqa: BLE001 - any copy failure frees the blocks the same way
             logger.warning("KV save of %r failed, its blocks freed unsaved: %r", t.request_id, e)
             self._saves_ended_unstored(t.hashes)
@@ -331,7 +314,7 @@ class HostOffloadConnector(KVConnector):
             if t.chain[i] in landed:
                 self._store.put(t.chain[i], t.chain[i - 1], landed[t.chain[i]], demoted=True)
         self._evict()
-        self._count(num_saves=1, bytes_offloaded=len(t.hashes) * self._block_bytes)
+        self._count(num_saves=1, bytes_offloaded=len(t.hashes) * self._layout.bytes_per_block)
         return True
 
     def _finish_load(self, t: _Transfer) -> bool:
@@ -343,7 +326,7 @@ class HostOffloadConnector(KVConnector):
             return False
         self._count(
             num_loads=1,
-            bytes_reloaded=len(t.hashes) * self._block_bytes,
+            bytes_reloaded=len(t.hashes) * self._layout.bytes_per_block,
             num_loaded_tokens=t.num_tokens,
         )
         return True
@@ -356,7 +339,7 @@ class HostOffloadConnector(KVConnector):
         self._count(num_failed_loads=1)
 
     def _evict(self) -> None:
-        limit = self.host_bytes // max(self._block_bytes, 1)
+        limit = self.host_bytes // max(self._layout.bytes_per_block, 1)
         self._store.evict_to(limit)
 
     def _saves_ended_unstored(self, hashes: Sequence[BlockHash]) -> None:
@@ -372,7 +355,7 @@ class HostOffloadConnector(KVConnector):
 
     @property
     def hash_layout(self) -> tuple[int, int] | None:
-        return None if self._bound() is None else (self._block_size, self._hash_seed)
+        return None if self._bound() is None else (self._layout.block_size, self._layout.hash_seed)
 
     def _bound(self) -> KVCopier | None:
         return None if self._copier_ref is None else self._copier_ref()
