@@ -33,6 +33,14 @@ def check_arrays(**arrays) -> None:
             raise ValueError(f"{name} must be a numpy or jax array, not {type(value).__name__}")
 
 
+def _check_kernel_arrays(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> None:
+    """check_arrays of a kernel entry point's array arguments, each by its name."""
+    check_arrays(
+        q=q, kv_pages=kv_pages, kv_lens=kv_lens, page_indices=page_indices,
+        cu_q_lens=cu_q_lens, num_seqs=num_seqs,
+    )  # fmt: skip
+
+
 def validate_ragged_paged_attention_inputs(
     q: jax.Array,  # [max_num_tokens, num_q_heads, head_dim]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
@@ -51,10 +59,7 @@ def validate_ragged_paged_attention_inputs(
 ) -> None:
     """Raises ValueError if the arguments break the layout conventions of the kernels
     (shapes as in kernels_pallas.reference.ragged_paged_attention)."""
-    check_arrays(
-        q=q, kv_pages=kv_pages, kv_lens=kv_lens, page_indices=page_indices,
-        cu_q_lens=cu_q_lens, num_seqs=num_seqs,
-    )  # fmt: skip
+    _check_kernel_arrays(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     if q.ndim != 3:
         raise ValueError(f"{q.shape=} must be [max_num_tokens, num_q_heads, head_dim]")
     if kv_pages.ndim != 4:
@@ -256,10 +261,7 @@ def validate_shared_prefix(
     page_size). Either would otherwise give another sequence's keys, or keys after a
     query, without an error. Does nothing while tracing, like validate_index_values,
     which it runs first. Raises ValueError naming an argument that is no array."""
-    check_arrays(
-        q=q, kv_pages=kv_pages, kv_lens=kv_lens, page_indices=page_indices,
-        cu_q_lens=cu_q_lens, num_seqs=num_seqs,
-    )  # fmt: skip
+    _check_kernel_arrays(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     validate_index_values(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     index_arrays = (kv_lens, page_indices, cu_q_lens, num_seqs, num_prefix_pages)
     if any(isinstance(a, jax.core.Tracer) for a in index_arrays) or np.ndim(page_indices) != 2:
