@@ -54,14 +54,15 @@ class HostOffloadConnector(KVConnector):
     computed are saved, and a hash already stored or being saved is not copied twice. A
     failed save (its copy raised, or returned no array of as many blocks as it was given,
     or blocks of another shape or dtype than the copier's block_shape and dtype, or,
-    where it declares none, than the blocks the store holds) frees the blocks and stores
-    nothing, so every stored block has one shape and dtype and a load's blocks always
-    make one array; a failed load, whether its copy failed or the copier's start_load
-    raised, drops its store entries (so a retry recomputes) and the scheduler frees the
-    blocks and recomputes the tokens: nothing leaks, nothing is half-loaded, and no
-    request waits on a load that fails every time. Each failed copy is logged as a
-    warning naming its request and the copy's exception (raised on the copy thread) or
-    what is wrong with its result; a start_load's exception propagates instead.
+    where it declares none, than the blocks the store holds, or the store's copy of a
+    block raised, out of host memory) frees the blocks and stores nothing, so every
+    stored block has one shape and dtype and a load's blocks always make one array; a
+    failed load, whether its copy failed or the copier's start_load raised, drops its
+    store entries (so a retry recomputes) and the scheduler frees the blocks and
+    recomputes the tokens: nothing leaks, nothing is half-loaded, and no request waits
+    on a load that fails every time. Each failed copy is logged as a warning naming its
+    request and the copy's exception (raised on the copy thread) or what is wrong with
+    its result; a start_load's exception propagates instead.
 
     copy_delay_steps > 0 reports a transfer no earlier than that many poll() calls after
     it started (to hold blocks on purpose in tests and benchmarks).
@@ -289,33 +290,47 @@ class HostOffloadConnector(KVConnector):
             held = next(iter(self._store.values()), None)  # all alike: each was checked
             check_copied_blocks(data, self._layout.block_shape, self._layout.dtype, held)
         except Exception as e:  # noqa: BLE001 - any copy failure frees the blocks the same way
-            logger.warning("KV save of %r failed, its blocks freed unsaved: %r", t.request_id, e)
-            self._saves_ended_unstored(t.hashes)
-            self._count(num_failed_saves=1)
-            return False
+            return self._save_failed(t, e)
         self._saving.difference_update(t.hashes)
-        # The chain up to its first block neither stored nor being saved (evicted or
-        # failed meanwhile) is refreshed tail first: its head, without which no prompt
-        # can use the rest from the store, is evicted last. Blocks past that gap load
-        # only behind device-cache hits: they are stored demoted, the next to be evicted.
-        landed = dict(zip(t.hashes, data, strict=True))
+        try:
+            self._store_landed(t.chain, dict(zip(t.hashes, data, strict=True)))
+        except Exception as e:  # noqa: BLE001 - a MemoryError copying a block into the store
+            # It escaped poll() with the transfer dropped: the request held its blocks for
+            # good, and the other transfers that poll() had collected went unreported.
+            for h in t.hashes:  # each was stored by this save only, if at all
+                self._store.drop(h)
+            return self._save_failed(t, e)
+        self._evict()
+        self._count(num_saves=1, bytes_offloaded=len(t.hashes) * self._layout.bytes_per_block)
+        return True
+
+    def _save_failed(self, t: _Transfer, error: Exception) -> bool:
+        """Ends save `t` unstored, logged and counted as failed; returns False."""
+        logger.warning("KV save of %r failed, its blocks freed unsaved: %r", t.request_id, error)
+        self._saves_ended_unstored(t.hashes)
+        self._count(num_failed_saves=1)
+        return False
+
+    def _store_landed(self, chain: list[BlockHash], landed: dict[BlockHash, np.ndarray]) -> None:
+        """Stores the `landed` blocks of a save of the full blocks `chain`. The chain up to
+        its first block neither stored nor being saved (evicted or failed meanwhile) is
+        refreshed tail first: its head, without which no prompt can use the rest from the
+        store, is evicted last. Blocks past that gap load only behind device-cache hits:
+        they are stored demoted, the next to be evicted."""
         usable = 0
-        for h in t.chain:
+        for h in chain:
             if h not in landed and h not in self._store and h not in self._saving:
                 break
             usable += 1
         for i in reversed(range(usable)):
-            h = t.chain[i]
+            h = chain[i]
             if h in landed:
-                self._store.put(h, t.chain[i - 1] if i else None, landed[h])
+                self._store.put(h, chain[i - 1] if i else None, landed[h])
             elif h in self._store:
                 self._store.touch(h)
-        for i in range(usable + 1, len(t.chain)):  # chain[usable] is the gap itself
-            if t.chain[i] in landed:
-                self._store.put(t.chain[i], t.chain[i - 1], landed[t.chain[i]], demoted=True)
-        self._evict()
-        self._count(num_saves=1, bytes_offloaded=len(t.hashes) * self._layout.bytes_per_block)
-        return True
+        for i in range(usable + 1, len(chain)):  # chain[usable] is the gap itself
+            if chain[i] in landed:
+                self._store.put(chain[i], chain[i - 1], landed[chain[i]], demoted=True)
 
     def _finish_load(self, t: _Transfer) -> bool:
         try:

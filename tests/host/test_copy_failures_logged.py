@@ -1,5 +1,6 @@
 """HostOffloadConnector logs each save or load whose copy failed (its Future raised, on
-the copy thread), naming the request and the exception, besides counting it."""
+the copy thread, or the store had no memory for a landed block), naming the request and
+the exception, besides counting it."""
 
 from __future__ import annotations
 
@@ -10,8 +11,15 @@ import numpy as np
 import pytest
 
 from jaxkv import Request, SamplingParams
+from jaxkv.host_block_store import HostBlockStore
 from jaxkv.host_offload_connector import HostOffloadConnector
-from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle
+from tests.host._sched_util import (
+    FakeCopier,
+    add,
+    make_scheduler,
+    run_until_idle,
+    store_link_faults,
+)
 
 BS = 4
 
@@ -205,3 +213,40 @@ def test_a_copier_declaring_no_layout_stores_only_blocks_like_those_stored(land,
     stats = connector.stats
     assert (stats.num_loads, stats.num_loaded_tokens, stats.num_failed_loads) == (2, 2 * BS, 0)
     assert len(connector.stored_hashes()) == 3  # c's second block, like the others
+
+
+@pytest.mark.filterwarnings("error")
+def test_a_save_the_store_has_no_memory_for_fails_and_the_other_landed_copies_are_reported(
+    monkeypatch, caplog
+):
+    # A MemoryError in the store's copy of a landed block escaped poll(), its transfer
+    # already dropped: the request held its blocks for good, one of its blocks stayed
+    # stored, and b's save, landed in the same poll(), was never reported either.
+    copier = FakeCopier(32, BS, auto_complete=False)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    sched = make_scheduler(num_blocks=32, block_size=BS, connector=connector)
+    put, calls = HostBlockStore.put, []
+
+    def short_of_memory(store, *args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:  # a's second block: its first is stored by then
+            raise MemoryError
+        put(store, *args, **kwargs)
+
+    monkeypatch.setattr(HostBlockStore, "put", short_of_memory)
+    add(sched, "a", range(1, 10), max_tokens=1)
+    add(sched, "b", range(20, 29), max_tokens=1)
+    with caplog.at_level(logging.WARNING, logger="jaxkv.host_offload_connector"):
+        run_until_idle(sched, copier)
+    assert len(calls) == 4  # a's two blocks, then b's
+    assert sched.requests == {} and sched.manager.num_free_blocks == 31
+    assert not connector.has_pending() and connector.stored_hashes() == calls[2:]
+    assert store_link_faults(connector) == []
+    stats = connector.stats
+    assert (stats.num_failed_saves, stats.num_saves) == (1, 1)
+    ((message,),) = [[r.getMessage() for r in caplog.records]]
+    assert "save of 'a' failed" in message and "MemoryError" in message, message
+    add(sched, "again", range(1, 10), max_tokens=1)  # a's blocks are saved this time
+    run_until_idle(sched, copier)
+    assert len(connector.stored_hashes()) == 4 and connector.stats.num_saves == 2
