@@ -120,18 +120,22 @@ def check_copied_blocks(
 
 
 def checked_block_ids(block_ids: object, call: str, num_blocks: int | None) -> list[int]:
-    """`block_ids` as a list of distinct ints, in [1, num_blocks) where the copier declares
-    num_blocks (its cache less the null block 0); ValueError naming them and `call`
-    otherwise: a block loaded twice would hold whichever copy landed last."""
+    """`block_ids` as a list of distinct ints >= 1, below num_blocks where the copier
+    declares num_blocks (its cache less the null block 0); ValueError naming them and
+    `call` otherwise: a block loaded twice would hold whichever copy landed last, and a
+    copier's start_load refusing an id would count as a failed load, dropping the stored
+    blocks. The null block 0 and negative ids are in no engine's cache: refused whether
+    or not the copier declares num_blocks (ids past a cache it does not declare reach it)."""
     ids = _as_ints(block_ids)
     if ids is None or None in ids or len(set(ids)) != len(ids):
         raise ValueError(
             f"{call}: block_ids={block_ids!r} must be block ids in the "
             "bound engine's cache, each given once"
         )
-    if num_blocks is not None and not all(1 <= b < num_blocks for b in ids):
+    if ids and (min(ids) < 1 or (num_blocks is not None and max(ids) >= num_blocks)):
+        upper = "..." if num_blocks is None else num_blocks
         raise ValueError(
-            f"{call}: block_ids={block_ids!r} must be block ids in [1, {num_blocks}), "
+            f"{call}: block_ids={block_ids!r} must be block ids in [1, {upper}), "
             "the bound engine's cache less the null block 0"
         )
     return ids

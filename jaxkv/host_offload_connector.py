@@ -151,8 +151,8 @@ class HostOffloadConnector(KVConnector):
         """Starts saving the finished request's full blocks the store lacks (True: keep
         them held until poll() reports the save) and refreshes those it holds. Raises
         ValueError, starting nothing, unless `block_ids` are distinct block ids (one saved
-        under two hashes would be the wrong KV for one of them), in [1, num_blocks) where
-        the copier declares num_blocks. An exception from the copier's start_save
+        under two hashes would be the wrong KV for one of them), each >= 1 and, where the
+        copier declares num_blocks, below it. An exception from the copier's start_save
         propagates with this connector unchanged (its store's LRU order included); the
         scheduler then frees the blocks unsaved and the request ends: unlike a load, a
         save is not tried again."""
@@ -208,8 +208,8 @@ class HostOffloadConnector(KVConnector):
     def start_load(self, request: Request, block_ids: Sequence[int]) -> None:
         """Loads the stored blocks that follow request.num_computed_tokens into
         `block_ids`. Raises ValueError (nothing started or changed) unless the store holds
-        them all, as on_admission promised just before, and `block_ids` are distinct ints,
-        in [1, num_blocks) where the copier declares num_blocks (the bound engine's cache
+        them all, as on_admission promised just before, and `block_ids` are distinct ints
+        >= 1 and, where the copier declares num_blocks, below it (the bound engine's cache
         less the null block 0). The stored blocks always make one array of the copier's
         block_shape and dtype, where it declares them: a save of blocks of another shape
         or dtype than those stored fails.

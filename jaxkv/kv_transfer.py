@@ -62,7 +62,7 @@ class KVCopier(Protocol):
     # shape or dtype than the copier declares (or, declaring none, than those it stores).
     # Also num_blocks (blocks in the cache, the null block 0 included): it then refuses
     # block ids outside [1, num_blocks) itself, changing nothing, where a start_load
-    # raising on them would count as a failed load.
+    # raising on them would count as a failed load (it refuses ids < 1 either way).
 
     def start_save(self, block_ids: Sequence[int]) -> Future:
         """Copies blocks to host; result(): array [len(block_ids), ...] (one entry per block)."""

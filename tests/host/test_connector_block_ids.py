@@ -3,7 +3,8 @@ integer block ids with a ValueError naming block_ids, copying and changing nothi
 block saved under two hashes, or loaded twice, would hold the wrong KV for one of them.
 bytes iterate as small integers, so b"\\x01\\x02" must be refused, not read as [1, 2].
 Where the copier declares num_blocks, ids outside [1, num_blocks) are refused the same
-way: a start_load of the copier's that raised on them would drop the stored blocks."""
+way, and the null block 0 and negative ids whether it declares it or not: a start_load
+of the copier's that raised on them would drop the stored blocks."""
 
 from __future__ import annotations
 
@@ -88,6 +89,35 @@ def test_block_ids_outside_a_declared_cache_are_refused_keeping_the_store(bad):
     assert connector.stored_hashes() == order and not connector.has_pending()
     assert connector.stats.num_failed_loads == 0
     connector.start_load(b, [14, 15])  # the last blocks of the cache
+    assert connector.poll().loaded == ("b",)
+
+
+class _RefusingCache(FakeCopier):
+    """A FakeCopier that declares no num_blocks but refuses ids outside its cache."""
+
+    def start_load(self, block_ids, blocks):
+        if not all(1 <= b < len(self.device) for b in block_ids):
+            raise ValueError(f"{block_ids=} outside the cache")
+        return super().start_load(block_ids, blocks)
+
+
+@pytest.mark.parametrize("bad", [[0, 5], [-1, 5]], ids=["null", "negative"])
+def test_the_null_block_and_negative_ids_are_refused_without_a_declared_cache(bad):
+    # Block 0 and negative ids are in no engine's cache. Passed on to a copier that
+    # declares no num_blocks, its refusal counted as a failed load: the store lost b's
+    # blocks, and b, admitted later, recomputed them.
+    copier = _RefusingCache(16, BS)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    order, b = _stored_then_b(connector)
+    with pytest.raises(ValueError, match=r"start_load\('b'\): block_ids=.* in \[1, \.\.\.\)"):
+        connector.start_load(b, bad)
+    with pytest.raises(ValueError, match=r"on_finish\('c'\): block_ids=.* in \[1, \.\.\.\)"):
+        connector.on_finish(computed_request("c", list(range(20, 28))), bad)
+    assert copier.loaded_block_ids == [] and len(copier.saved_block_ids) == 1
+    assert connector.stored_hashes() == order and not connector.has_pending()
+    assert connector.stats.num_failed_loads == 0
+    connector.start_load(b, [14, 15])
     assert connector.poll().loaded == ("b",)
 
 

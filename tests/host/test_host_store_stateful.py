@@ -51,7 +51,7 @@ class HostStoreMachine(RuleBasedStateMachine):
         for i, h in enumerate(hashes):
             self.prompt_of[h] = tokens[: (i + 1) * BS]
         self.copier.fail_saves = fail
-        self.conn.on_finish(req, list(range(len(tokens) // BS)))
+        self.conn.on_finish(req, list(range(1, len(tokens) // BS + 1)))
 
     @rule(tokens=prompts, fail=st.booleans())
     def load(self, tokens, fail):
@@ -59,7 +59,7 @@ class HostStoreMachine(RuleBasedStateMachine):
         claimed = self.conn.on_admission(req, 0)
         if claimed:
             self.copier.fail_loads = fail
-            self.conn.start_load(req, list(range(claimed // BS)))
+            self.conn.start_load(req, list(range(1, claimed // BS + 1)))
 
     @rule(data=st.data())
     def land_one(self, data):
