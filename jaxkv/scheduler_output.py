@@ -41,10 +41,11 @@ class SchedulerStats:
     num_preemptions: int = 0
     # Prefill tokens run through the model, once per run: prompt chunks, and again the
     # whole context of a request recomputed after preemption, and again a chunk that an
-    # update interrupted before reaching it (prefix-cache hits are not computed).
+    # update interrupted before reaching it, and a chunk of a request aborted between
+    # schedule() and update_from_output() (prefix-cache hits are not computed).
     num_prompt_tokens_computed: int = 0
     # One per decode step of a request with output, a decode run again after an
-    # interrupted update as well.
+    # interrupted update, or of a request aborted before its step's update, as well.
     num_decode_tokens_computed: int = 0
     num_generated_tokens: int = 0
 

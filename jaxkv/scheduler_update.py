@@ -76,7 +76,7 @@ def apply_sampled_tokens(
             output.requests, output.num_scheduled_tokens.tolist(), tokens, strict=True
         ):
             if request.status is not running:
-                continue  # aborted between schedule and update
+                continue  # aborted between schedule and update (abort counted its tokens)
             computed = request.num_computed_tokens + n
             request.num_computed_tokens = computed
             output_ids = request.output_token_ids

@@ -3,7 +3,8 @@ batch order with the token sampled, any of several stop tokens, and the prefill/
 counters of a 1-token recompute chunk that leaves exactly one token to compute, no
 schedule() while its previous batch is pending, which stop rule (min_tokens, an EOS
 under ignore_eos, a stop token's text) decides a finish, and the counters of the
-requests a tokenizer interrupt leaves unadvanced."""
+requests a tokenizer interrupt leaves unadvanced or an abort takes out of a step before
+its update."""
 
 from __future__ import annotations
 
@@ -235,4 +236,35 @@ def test_tokens_an_interrupted_update_leaves_unadvanced_count_each_time_they_run
         sched.update_from_output(out, [token_of(r) for r in out.requests])
     stats = sched.stats
     assert stats.num_prompt_tokens_computed == 4 + 2 * 4 + 6
+    assert stats.num_prompt_tokens_computed + stats.num_decode_tokens_computed == num_tokens
+
+
+def test_tokens_of_requests_aborted_before_their_step_is_applied_count_once_run():
+    # The step runs the batch as scheduled, aborted requests included, but the update
+    # skipped them uncounted: the counters fell short of the tokens the steps computed.
+    # A discarded step ran nothing: its aborted requests' tokens do not count.
+    sched = make_scheduler(max_num_batched_tokens=8, max_num_seqs=4)
+    add(sched, "a", [1, 2], max_tokens=5)
+    add(sched, "b", [3, 4], max_tokens=5)
+    out = sched.schedule()
+    sched.update_from_output(out, [token_of(r) for r in out.requests])
+    add(sched, "c", range(10, 20), max_tokens=2)
+    add(sched, "d", range(30, 40), max_tokens=2)
+    out = sched.schedule()
+    assert out.request_ids == ["a", "b", "c"] and out.num_scheduled_tokens.tolist() == [1, 1, 6]
+    assert sched.abort("a") and sched.abort("c")  # a decode and a prompt chunk
+    sched.update_from_output(out, [token_of(r) for r in out.requests])
+    stats = sched.stats
+    assert (stats.num_prompt_tokens_computed, stats.num_decode_tokens_computed) == (4 + 6, 2)
+    out = sched.schedule()
+    assert out.request_ids == ["b", "d"]
+    assert sched.abort("d")
+    sched.discard(out)
+    assert sched.stats == stats
+    num_tokens = 4 + 8
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        num_tokens += out.total_num_scheduled_tokens
+        sched.update_from_output(out, [token_of(r) for r in out.requests])
+    stats = sched.stats
     assert stats.num_prompt_tokens_computed + stats.num_decode_tokens_computed == num_tokens
