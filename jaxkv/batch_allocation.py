@@ -10,7 +10,7 @@ decode case, are written to the block table in one call.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import add, gt
+from operator import add, attrgetter, gt
 from typing import TYPE_CHECKING
 
 from jaxkv.allocation_args import (
@@ -32,6 +32,7 @@ __all__ = ["allocate_slots_batch"]
 
 _PLAIN_INT = {int}
 _REQUEST_TYPE = {Request}
+_TOKEN_IDS = attrgetter("_all_token_ids")  # Request.num_tokens is their len, without a call
 
 
 def allocate_slots_batch(
@@ -61,6 +62,13 @@ def allocate_slots_batch(
         computed = [
             count("request.num_computed_tokens", n, r) for r, n in zip(ids, computed, strict=True)
         ]
+    if any(map(gt, computed, map(len, map(_TOKEN_IDS, requests)))):
+        for req_id, num_done, request in zip(ids, computed, requests, strict=True):
+            if num_done > request.num_tokens:  # allocate_slots refuses it the same way
+                raise ValueError(
+                    f"request {req_id!r}: request.num_computed_tokens={num_done} exceeds "
+                    f"its {request.num_tokens} tokens"
+                )
     bs = manager.block_size
     num_held = list(map(len, held))
     if any(map(gt, computed, [n * bs for n in num_held])):

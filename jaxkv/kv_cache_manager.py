@@ -314,11 +314,12 @@ class KVCacheManager:
         only an evicted block carried is cached here, where one by one it would have
         stayed uncached as a duplicate. Raises ValueError (nothing changed) on a count that
         is not an int >= 0 (request.num_computed_tokens included), a
-        request.num_computed_tokens beyond the blocks the request holds, a repeated
-        request id, an unknown request or a non-Request, one that would pass max_model_len,
-        or a Request whose id holds blocks allocated for another Request object. A
-        Request hashed for another block size or seed is refused once it fills a block
-        (allocate_slots refuses it at once; the per-step path reads no hashes before).
+        request.num_computed_tokens beyond the request's tokens or the blocks it holds, a
+        repeated request id, an unknown request or a non-Request, one that would pass
+        max_model_len, or a Request whose id holds blocks allocated for another Request
+        object. A Request hashed for another block size or seed is refused once it fills
+        a block (allocate_slots refuses it at once; the per-step path reads no hashes
+        before).
         """
         return batch_allocation.allocate_slots_batch(self, requests, num_new_tokens)
 

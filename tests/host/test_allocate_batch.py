@@ -102,6 +102,26 @@ def test_bad_input_raises_and_changes_nothing(counts, match):
     assert snapshot(m) == before
 
 
+def test_computed_tokens_past_a_requests_tokens_are_refused_as_one_by_one():
+    # Within the blocks it holds, b's 7 computed of its 6 tokens were taken, where
+    # allocate_slots refuses them: its blocks would be cached for tokens it lacks.
+    m = KVCacheManager(64, 4, max_model_len=64)
+    a, b = make_request("a", range(8)), make_request("b", range(20, 26))
+    prefill(m, a)
+    prefill(m, b)
+    b.num_computed_tokens = 7  # its two blocks hold 8
+    before = snapshot(m)
+    with pytest.raises(ValueError, match="exceeds its 6 tokens"):
+        m.allocate_slots(b, 1)
+    with pytest.raises(
+        ValueError, match=r"request 'b': request.num_computed_tokens=7 exceeds its 6"
+    ):
+        m.allocate_slots_batch([a, b], [1, 1])
+    assert snapshot(m) == before
+    b.num_computed_tokens = 6
+    assert m.allocate_slots_batch([a, b], [1, 1])
+
+
 @pytest.mark.parametrize("counts", [[1], [1, 1, 1]], ids=["fewer", "more"])
 def test_counts_of_another_length_than_the_requests_are_refused(counts):
     # Unchecked, extra counts were ignored and too few failed inside zip() instead.
