@@ -76,7 +76,7 @@ class SchedulerConfig:
 
     max_num_batched_tokens: tokens scheduled in one step (prefill chunks plus decodes).
     max_num_seqs: requests running at once (and so scheduled in one step).
-    max_model_len: prompt plus output tokens of one request.
+    max_model_len: prompt plus output tokens of one request (at least 2: one of each).
     enable_chunked_prefill: split a prompt over several steps when the budget is short;
     when False a prompt is admitted only once its whole remainder fits the budget.
     long_prefill_token_threshold: the most tokens one request is scheduled in a step
@@ -94,6 +94,11 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         sizes = ("max_num_batched_tokens", "max_num_seqs", "max_model_len")
         int_fields(self, *sizes, minimum=1, maximum=MAX_INT32)  # int32 on the device
+        if self.max_model_len < 2:  # add_request refused every request: none fits
+            raise ValueError(
+                f"max_model_len={self.max_model_len!r} must be >= 2: a request holds at least "
+                "one prompt token and the token it generates"
+            )
         bool_fields(self, "enable_chunked_prefill")
         int_fields(self, "long_prefill_token_threshold", minimum=0, maximum=MAX_INT32)
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:

@@ -18,6 +18,8 @@ from jaxkv.config import CacheConfig, EngineConfig, SchedulerConfig
         (lambda: CacheConfig(hash_seed=2**64), "hash_seed=18446744073709551616 must be an int in"),
         (lambda: CacheConfig(hash_seed="0"), "seed='0'"),
         (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs=0"),
+        # A prompt of one token leaves no room for output: every request was refused.
+        (lambda: SchedulerConfig(max_model_len=1), "max_model_len=1 must be >= 2"),
         (lambda: SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=16), "max_num_seqs"),
         (
             lambda: SchedulerConfig(max_num_batched_tokens=64, enable_chunked_prefill=False),
