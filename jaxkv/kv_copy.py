@@ -150,9 +150,14 @@ class DeviceKVCopier:
         return self._executor.submit(lambda: np.asarray(gathered)[:n])
 
     def start_load(self, block_ids: Sequence[int], blocks: np.ndarray) -> Future:
+        """Writes `blocks` ([len(block_ids), *block_shape], of the caches' dtype) into
+        `block_ids`; ValueError, nothing written, on another shape or dtype (a cast would
+        change the KV silently: float64 past float32's range became inf)."""
         n = len(block_ids)
         if blocks.shape != (n, *self.block_shape):
             raise ValueError(f"{blocks.shape=} must be {(n, *self.block_shape)}")
+        if blocks.dtype != self.dtype:
+            raise ValueError(f"blocks.dtype={blocks.dtype} must be the caches' {self.dtype}")
         ids = self._padded_ids(block_ids)
         data = np.zeros((len(ids), *self.block_shape), self.dtype)
         data[:n] = blocks

@@ -190,6 +190,26 @@ def test_a_load_of_blocks_of_another_block_shape_is_refused_even_when_they_would
         copier.close()
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.int32, np.float16])
+def test_a_load_of_blocks_of_another_dtype_is_refused_not_cast(dtype):
+    # They were cast into the cache, the KV changed silently (1e300 as float64 became
+    # inf): the connector's stored blocks always have the copier's dtype, anything else
+    # is a caller's mistake.
+    host = np.zeros((NUM_LAYERS, NUM_BLOCKS, *BLOCK_SHAPE), np.float32)
+    state = {"caches": [jnp.asarray(c) for c in host]}
+    copier = DeviceKVCopier(lambda: state["caches"], lambda c: state.update(caches=c), max_blocks=4)
+    try:
+        blocks = np.ones((2, NUM_LAYERS, *BLOCK_SHAPE), dtype)
+        with pytest.raises(ValueError, match=r"blocks.dtype=.* must be the caches' float32"):
+            copier.start_load([2, 3], blocks)
+        for got in state["caches"]:
+            np.testing.assert_array_equal(np.asarray(got), 0)
+        copier.start_load([2, 3], blocks.astype(np.float32)).result()
+        assert np.asarray(state["caches"][0])[2:4].min() == 1
+    finally:
+        copier.close()
+
+
 @pytest.mark.parametrize("max_blocks", [0, -2, 2.5, None, True])
 def test_a_max_blocks_that_is_not_a_positive_int_is_refused(max_blocks):
     # 0 once became a copier of one-block copies, past the bound it was given.
