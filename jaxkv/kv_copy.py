@@ -152,13 +152,16 @@ class DeviceKVCopier:
     def start_load(self, block_ids: Sequence[int], blocks: np.ndarray) -> Future:
         """Writes `blocks` ([len(block_ids), *block_shape], of the caches' dtype) into
         `block_ids`; ValueError, nothing written, on another shape or dtype (a cast would
-        change the KV silently: float64 past float32's range became inf)."""
+        change the KV silently: float64 past float32's range became inf) or a block id
+        given twice (which of its blocks a scatter keeps is up to the device)."""
         n = len(block_ids)
         if blocks.shape != (n, *self.block_shape):
             raise ValueError(f"{blocks.shape=} must be {(n, *self.block_shape)}")
         if blocks.dtype != self.dtype:
             raise ValueError(f"blocks.dtype={blocks.dtype} must be the caches' {self.dtype}")
         ids = self._padded_ids(block_ids)
+        if len(np.unique(ids[:n])) != n:
+            raise ValueError(f"block_ids={block_ids!r} must each be given once")
         data = np.zeros((len(ids), *self.block_shape), self.dtype)
         data[:n] = blocks
         with allowing_transfers():  # deliberate, whatever guard the caller set

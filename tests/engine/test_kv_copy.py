@@ -210,6 +210,22 @@ def test_a_load_of_blocks_of_another_dtype_is_refused_not_cast(dtype):
         copier.close()
 
 
+def test_a_load_into_a_block_given_twice_is_refused():
+    # A scatter with a repeated index keeps whichever of its blocks the device picks.
+    host = np.zeros((NUM_LAYERS, NUM_BLOCKS, *BLOCK_SHAPE), np.float32)
+    state = {"caches": [jnp.asarray(c) for c in host]}
+    copier = DeviceKVCopier(lambda: state["caches"], lambda c: state.update(caches=c), max_blocks=4)
+    try:
+        blocks = np.stack([np.full((NUM_LAYERS, *BLOCK_SHAPE), v, np.float32) for v in (1, 2)])
+        with pytest.raises(ValueError, match=r"block_ids=\[2, 2\] must each be given once"):
+            copier.start_load([2, 2], blocks)
+        for got in state["caches"]:
+            np.testing.assert_array_equal(np.asarray(got), 0)
+        np.testing.assert_array_equal(copier.start_save([2, 2]).result()[1], 0)  # harmless
+    finally:
+        copier.close()
+
+
 @pytest.mark.parametrize("max_blocks", [0, -2, 2.5, None, True])
 def test_a_max_blocks_that_is_not_a_positive_int_is_refused(max_blocks):
     # 0 once became a copier of one-block copies, past the bound it was given.
