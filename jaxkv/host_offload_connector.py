@@ -214,11 +214,12 @@ class HostOffloadConnector(KVConnector):
         block_shape and dtype, where it declares them: a save of blocks of another shape
         or dtype than those stored fails.
 
-        An Exception from the copier's start_load is a load that failed to start: it
-        propagates after the blocks the load was to read leave the store, as a failed
-        load's do (counted in num_failed_loads, not logged: the caller has the
-        exception), so no later on_admission claims them and the request recomputes
-        them instead of failing the same way at every admission. An interrupt that is no
+        An Exception from the copier's start_load, or from gathering the stored blocks
+        into one array (a MemoryError), is a load that failed to start: it propagates
+        after the blocks the load was to read leave the store, as a failed load's do
+        (counted in num_failed_loads, not logged: the caller has the exception), so no
+        later on_admission claims them and the request recomputes them instead of
+        failing the same way at every admission. An interrupt that is no
         Exception (Ctrl-C while the copy program compiles) says nothing of the load: it
         propagates with the store unchanged, and the next admission tries again."""
         req_id = request.request_id
@@ -234,8 +235,10 @@ class HostOffloadConnector(KVConnector):
             )
         if not all(h in self._store for h in hashes):
             raise ValueError(f"start_load({req_id!r}): the store no longer holds those blocks")
-        data = np.stack([self._store[h] for h in hashes])
         try:
+            # Inside the try: out of host memory here, the store kept the blocks, and
+            # each later admission claimed them and could raise the same way again.
+            data = np.stack([self._store[h] for h in hashes])
             future = copier.start_load(block_ids, data)
         except Exception:
             self._load_failed(hashes)  # or every later admission fails the same way

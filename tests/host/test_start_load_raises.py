@@ -2,13 +2,16 @@
 drops the store entries it was to read, so the request recomputes them on a later step
 instead of retrying the same failing load at every schedule(). The exception still
 propagates out of the schedule() that started the load. An interrupt (no Exception)
-says nothing of the load: the store is kept and the next admission tries it again."""
+says nothing of the load: the store is kept and the next admission tries it again. A
+MemoryError gathering the stored blocks fails the load's start as the copier's does."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
-from jaxkv import Request, RequestStatus, SamplingParams
+from jaxkv import Request, RequestStatus, SamplingParams, host_offload_connector
 from jaxkv.host_offload_connector import HostOffloadConnector
 from tests.host._sched_util import (
     FakeCopier,
@@ -108,3 +111,26 @@ def test_an_interrupted_start_load_keeps_the_store_and_the_next_admission_loads(
     assert b.status == RequestStatus.WAITING_FOR_REMOTE_KV
     assert run_until_idle(sched, copier) == {"b": "length"}
     assert connector.stats.num_loads == 1 and sched.manager.num_free_blocks == 15
+
+
+def test_a_start_load_out_of_host_memory_for_its_blocks_fails_to_start_the_same_way(
+    monkeypatch,
+):
+    # Gathering the stored blocks into one array ran before the try: its MemoryError
+    # kept them stored, so each later admission claimed them and could raise again.
+    copier = FakeCopier(16, BS)
+    sched, connector = _stored_then_evicted_from_device(copier)
+
+    def out_of_memory(arrays):
+        raise MemoryError
+
+    monkeypatch.setattr(host_offload_connector, "np", types.SimpleNamespace(stack=out_of_memory))
+    add(sched, "b", PROMPT, max_tokens=1)
+    with pytest.raises(MemoryError):
+        sched.schedule()
+    monkeypatch.undo()
+    assert connector.stored_hashes() == [] and connector.stats.num_failed_loads == 1
+    assert "b" not in sched.manager.request_ids and sched.manager.num_free_blocks == 15
+    sched.manager.check_integrity()
+    assert run_until_idle(sched, copier) == {"b": "length"}
+    assert len(copier.loaded_block_ids) == 0 and sched.manager.num_free_blocks == 15
