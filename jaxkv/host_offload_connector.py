@@ -187,23 +187,26 @@ class HostOffloadConnector(KVConnector):
     def on_admission(self, request: Request, num_computed_tokens: int) -> int:
         """Whole blocks after `num_computed_tokens` found in the store, in tokens.
 
-        Never covers the request's last token (its logits must be computed). Changes no
-        state. Raises ValueError unless `num_computed_tokens` is an int >= 0.
+        Never covers the request's last token (its logits must be computed); 0 while no
+        live copier is bound (the store outlives its engine, but start_load needs one).
+        Changes no state. Raises ValueError unless `num_computed_tokens` is an int >= 0.
         """
         num_computed_tokens = count(
             "num_computed_tokens", num_computed_tokens, getattr(request, "request_id", None)
         )
-        if not self._store or num_computed_tokens % self._layout.block_size:
+        bs = self._layout.block_size
+        # Unbound (its engine closed), start_load would refuse every claim, every time.
+        if not self._store or num_computed_tokens % bs or self._bound() is None:
             return 0
-        hashes = request.update_block_hashes(self._layout.block_size, self._layout.hash_seed)
-        first = num_computed_tokens // self._layout.block_size
-        last = (request.num_tokens - 1) // self._layout.block_size
+        hashes = request.update_block_hashes(bs, self._layout.hash_seed)
+        first = num_computed_tokens // bs
+        last = (request.num_tokens - 1) // bs
         num_found = 0
         for h in hashes[first:last]:
             if h not in self._store:
                 break
             num_found += 1
-        return num_found * self._layout.block_size
+        return num_found * bs
 
     def start_load(self, request: Request, block_ids: Sequence[int]) -> None:
         """Loads the stored blocks that follow request.num_computed_tokens into

@@ -277,3 +277,27 @@ def test_copiers_declaring_one_block_layout_in_other_words_share_the_store():
     assert len(connector.stored_hashes()) == 2
     assert connector.on_finish(_one_request("b", 12), [1, 2, 3])  # its blocks pass the check
     assert connector.poll().saved == ("b",) and len(connector.stored_hashes()) == 3
+
+
+def test_an_unbound_connector_claims_nothing_from_the_store_it_keeps():
+    # The store outlives its engine, and on_admission kept claiming it: start_load then
+    # refused each claim (no copier), so every schedule() raised and the request waited
+    # for good. Unbound, or its copier collected, it claims nothing until bound again.
+    connector, copier, sched = _saved_connector()
+    run_until_idle(sched, copier)
+    stored = connector.stored_hashes()
+    assert len(stored) == 2
+    connector.unbind(copier)
+    probe = Request("probe", list(range(1, 10)), SamplingParams())
+    assert connector.on_admission(probe, 0) == 0
+    other = make_scheduler(num_blocks=32, block_size=BS, connector=connector)
+    add(other, "b", list(range(1, 10)), max_tokens=1)
+    out = other.schedule()
+    assert out.request_ids == ["b"] and out.num_scheduled_tokens.tolist() == [9]
+    assert connector.stored_hashes() == stored and connector.stats.num_failed_loads == 0
+    again = FakeCopier(32, BS)
+    connector.bind(again, block_size=BS, hash_seed=0)
+    assert connector.on_admission(probe, 0) == 8
+    del again
+    gc.collect()
+    assert connector.on_admission(probe, 0) == 0
