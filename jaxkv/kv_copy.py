@@ -142,8 +142,8 @@ class DeviceKVCopier:
         return ids
 
     def start_save(self, block_ids: Sequence[int]) -> Future:
+        ids = self._padded_ids(block_ids)  # first: it names block_ids that have no len
         n = len(block_ids)
-        ids = self._padded_ids(block_ids)
         with allowing_transfers():  # deliberate, whatever guard the caller set
             gathered = _gather(tuple(self._get_caches()), ids, self.kv_replicas)
             gathered.copy_to_host_async()
@@ -154,12 +154,13 @@ class DeviceKVCopier:
         `block_ids`; ValueError, nothing written, on another shape or dtype (a cast would
         change the KV silently: float64 past float32's range became inf) or a block id
         given twice (which of its blocks a scatter keeps is up to the device)."""
+        ids = self._padded_ids(block_ids)  # first: it names block_ids that have no len
         n = len(block_ids)
-        if blocks.shape != (n, *self.block_shape):
-            raise ValueError(f"{blocks.shape=} must be {(n, *self.block_shape)}")
+        shape = getattr(blocks, "shape", None)  # None: no array (a list)
+        if shape != (n, *self.block_shape):
+            raise ValueError(f"blocks.shape={shape} must be {(n, *self.block_shape)}")
         if blocks.dtype != self.dtype:
             raise ValueError(f"blocks.dtype={blocks.dtype} must be the caches' {self.dtype}")
-        ids = self._padded_ids(block_ids)
         if len(np.unique(ids[:n])) != n:
             raise ValueError(f"block_ids={block_ids!r} must each be given once")
         data = np.zeros((len(ids), *self.block_shape), self.dtype)

@@ -226,6 +226,22 @@ def test_a_load_into_a_block_given_twice_is_refused():
         copier.close()
 
 
+@pytest.mark.parametrize("block_ids", [3, iter([1, 2]), None], ids=["int", "iterator", "None"])
+def test_block_ids_that_are_no_sequence_are_refused_by_name(block_ids):
+    # len(block_ids) ran first and raised TypeError ("object of type 'int' has no len()").
+    caches = [jnp.zeros((NUM_BLOCKS, *BLOCK_SHAPE), jnp.float32)] * NUM_LAYERS
+    copier = DeviceKVCopier(lambda: caches, lambda c: None, max_blocks=4)
+    try:
+        with pytest.raises(ValueError, match=r"block_ids=.* must be block ids in \[1, 8\)"):
+            copier.start_save(block_ids)
+        with pytest.raises(ValueError, match=r"block_ids=.* must be block ids in \[1, 8\)"):
+            copier.start_load(block_ids, np.zeros((1, NUM_LAYERS, *BLOCK_SHAPE), np.float32))
+        with pytest.raises(ValueError, match=r"blocks.shape=None must be \(1, 2, 2, 2, 4\)"):
+            copier.start_load([1], [[0.0]])  # no array: AttributeError on .shape before
+    finally:
+        copier.close()
+
+
 @pytest.mark.parametrize("max_blocks", [0, -2, 2.5, None, True])
 def test_a_max_blocks_that_is_not_a_positive_int_is_refused(max_blocks):
     # 0 once became a copier of one-block copies, past the bound it was given.
