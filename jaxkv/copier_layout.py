@@ -96,22 +96,23 @@ def _mismatch(name: str, got: object, declared: object, held: object) -> str | N
     return None
 
 
-def check_copied_blocks(
-    data: np.ndarray,
-    block_shape: tuple[int, ...] | None,
-    dtype: np.dtype | None,
-    held: np.ndarray | None,
-) -> None:
-    """ValueError unless the blocks of `data` ([n, ...]) have the copier's declared
-    `block_shape` and `dtype`, or, where it declares none, those of `held`, a block the
-    store holds (None: it holds none): a load makes the stored blocks it gathers one array."""
+def check_copied_blocks(data: np.ndarray, layout: StoreLayout, held: np.ndarray | None) -> None:
+    """ValueError unless the blocks of `data` ([n >= 1, ...]) have the copier's declared
+    block_shape and dtype (`layout`'s), or, where it declares none, those of `held`, a
+    block the store holds (None: it holds none), since a load makes the stored blocks it
+    gathers one array; and unless each has the copier's bytes_per_block, by which the
+    store counts its host_bytes (larger blocks overran the budget, unseen in the stats)."""
     held_shape = None if held is None else held.shape
     held_dtype = None if held is None else held.dtype
+    size = data.nbytes // len(data)
     wrong = [
         problem
         for problem in (
-            _mismatch("shape", data.shape[1:], block_shape, held_shape),
-            _mismatch("dtype", data.dtype, dtype, held_dtype),
+            _mismatch("shape", data.shape[1:], layout.block_shape, held_shape),
+            _mismatch("dtype", data.dtype, layout.dtype, held_dtype),
+            None
+            if size == layout.bytes_per_block
+            else f"{size} bytes each, not the copier's bytes_per_block {layout.bytes_per_block}",
         )
         if problem
     ]

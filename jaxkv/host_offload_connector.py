@@ -53,16 +53,17 @@ class HostOffloadConnector(KVConnector):
     next to be evicted (see jaxkv.host_block_store). Only blocks whose every token was
     computed are saved, and a hash already stored or being saved is not copied twice. A
     failed save (its copy raised, or returned no array of as many blocks as it was given,
-    or blocks of another shape or dtype than the copier's block_shape and dtype, or,
-    where it declares none, than the blocks the store holds, or the store's copy of a
-    block raised, out of host memory) frees the blocks and stores nothing, so every
-    stored block has one shape and dtype and a load's blocks always make one array; a
-    failed load, whether its copy failed or the copier's start_load raised, drops its
-    store entries (so a retry recomputes) and the scheduler frees the blocks and
-    recomputes the tokens: nothing leaks, nothing is half-loaded, and no request waits
-    on a load that fails every time. Each failed copy is logged as a warning naming its
-    request and the copy's exception (raised on the copy thread) or what is wrong with
-    its result; a start_load's exception propagates instead.
+    or blocks of another size than the copier's bytes_per_block, or of another shape or
+    dtype than its block_shape and dtype, or, where it declares none, than the blocks the
+    store holds, or the store's copy of a block raised, out of host memory) frees the
+    blocks and stores nothing, so the store keeps within host_bytes, every stored block
+    has one shape and dtype and a load's blocks always make one array; a failed load,
+    whether its copy failed or the copier's start_load raised, drops its store entries
+    (so a retry recomputes) and the scheduler frees the blocks and recomputes the
+    tokens: nothing leaks, nothing is half-loaded, and no request waits on a load that
+    fails every time. Each failed copy is logged as a warning naming its request and the
+    copy's exception (raised on the copy thread) or what is wrong with its result; a
+    start_load's exception propagates instead.
 
     copy_delay_steps > 0 reports a transfer no earlier than that many poll() calls after
     it started (to hold blocks on purpose in tests and benchmarks).
@@ -294,7 +295,7 @@ class HostOffloadConnector(KVConnector):
             if len(data) != len(t.hashes):
                 raise ValueError(f"{len(data)} blocks copied for {len(t.hashes)} asked")
             held = next(iter(self._store.values()), None)  # all alike: each was checked
-            check_copied_blocks(data, self._layout.block_shape, self._layout.dtype, held)
+            check_copied_blocks(data, self._layout, held)
         except Exception as e:  # noqa: BLE001 - any copy failure frees the blocks the same way
             return self._save_failed(t, e)
         self._saving.difference_update(t.hashes)

@@ -250,3 +250,17 @@ def test_a_save_the_store_has_no_memory_for_fails_and_the_other_landed_copies_ar
     add(sched, "again", range(1, 10), max_tokens=1)  # a's blocks are saved this time
     run_until_idle(sched, copier)
     assert len(connector.stored_hashes()) == 4 and connector.stats.num_saves == 2
+
+
+@pytest.mark.filterwarnings("error")
+def test_a_save_that_lands_blocks_larger_than_bytes_per_block_fails_and_its_blocks_are_freed(
+    caplog,
+):
+    # FakeCopier declares no block_shape or dtype, only bytes_per_block (16 bytes): its
+    # float64 blocks of 32 bytes were stored into an empty store, which counts host_bytes
+    # by bytes_per_block, so it held twice its budget while its stats said otherwise.
+    copier = _ReshapedSaves(16, BS)
+    copier.land = lambda a: a.astype(np.float64)
+    _one_failed_save_then_one_saved(
+        copier, "32 bytes each, not the copier's bytes_per_block 16", caplog
+    )
