@@ -218,8 +218,9 @@ class LlamaConfig:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act={act!r} is not supported (Llama's MLP is SwiGLU: 'silu')")
-        # transformers >= 4.56 writes "dtype"; older versions "torch_dtype".
-        torch_dtype = hf.get("dtype", hf.get("torch_dtype")) or "float32"
+        # transformers >= 4.56 writes "dtype", older versions "torch_dtype"; as in
+        # transformers, a null "dtype" is not given and "torch_dtype" then applies.
+        torch_dtype = _hf_default(hf, "dtype", hf.get("torch_dtype")) or "float32"
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],

@@ -52,6 +52,9 @@ def test_hf_dtype_keys_are_read_as_transformers_reads_them():
     # transformers >= 4.56 reads "dtype" first; "torch_dtype" is its fallback.
     hf = hf_config_dict(small_config(), dtype="bfloat16", torch_dtype="float16")
     assert LlamaConfig.from_hf_dict(hf).dtype == "bfloat16"
+    # A null "dtype" is not given there, so "torch_dtype" applies (it computed in float32).
+    null = hf_config_dict(small_config(), dtype=None, torch_dtype="bfloat16")
+    assert LlamaConfig.from_hf_dict(null).dtype == "bfloat16"
     # A dtype this Llama does not run (float64) falls back to float32, the widest it runs.
     wide = hf_config_dict(small_config(), torch_dtype="float64")
     assert LlamaConfig.from_hf_dict(wide).dtype == "float32"
