@@ -1,0 +1,132 @@
+"""A Hugging Face Llama `config.json` dict read as a LlamaConfig (`LlamaConfig.from_hf_dict`).
+
+Keys left out take transformers' `LlamaConfig` defaults; values this Llama cannot run, or
+cannot run the way transformers would, are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxkv.models.config import _DTYPES, LlamaConfig, RopeScaling
+
+
+def llama_config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> LlamaConfig:
+    """`LlamaConfig.from_hf_dict`: see there."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"Hugging Face config must be a dict, got {type(hf).__name__}")
+    required = (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads",
+    )  # fmt: skip
+    missing = [k for k in required if k not in hf]
+    if missing:
+        raise ValueError(f"Hugging Face config lacks {missing}")
+    model_type = hf.get("model_type", "llama")
+    if model_type != "llama":
+        raise ValueError(f"{model_type=} is not supported (only 'llama')")
+    if hf.get("sliding_window") is not None:
+        raise ValueError(f"sliding_window={hf['sliding_window']!r}: this Llama attends to all")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ValueError(f"{key}={hf[key]!r}: this Llama's projections have no bias")
+    rope_theta, rope_scaling = _hf_rope(hf)
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported (Llama's MLP is SwiGLU: 'silu')")
+    # transformers >= 4.56 writes "dtype", older versions "torch_dtype"; as in
+    # transformers, a null "dtype" is not given and "torch_dtype" then applies.
+    torch_dtype = _hf_default(hf, "dtype", hf.get("torch_dtype")) or "float32"
+    return LlamaConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        # A null num_key_value_heads means as many as query heads, as in transformers.
+        num_kv_heads=(
+            hf["num_attention_heads"]
+            if hf.get("num_key_value_heads") is None
+            else hf["num_key_value_heads"]
+        ),
+        head_dim=hf.get("head_dim") or 0,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        rms_norm_eps=_hf_value(hf, "rms_norm_eps", float, 1e-6),
+        # Absent or null: untied (transformers' default); anything but a bool is refused
+        # by LlamaConfig: bool("false") would tie the head and drop lm_head.weight.
+        tie_word_embeddings=_hf_default(hf, "tie_word_embeddings", False),
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        dtype=dtype or (torch_dtype if torch_dtype in _DTYPES else "float32"),
+        eos_token_ids=hf.get("eos_token_id"),
+    )
+
+
+def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, rope_scaling) of a Hugging Face config, from the top-level keys or
+    `rope_parameters`; ValueError when the two are given and disagree."""
+    scaling = hf.get("rope_scaling")
+    rope_scaling = None if scaling is None else _hf_scaling(scaling, "rope_scaling")
+    rope_theta = _hf_value(hf, "rope_theta", float, None)
+    params = hf.get("rope_parameters")
+    if params is not None:
+        from_params = _hf_scaling(params, "rope_parameters", default_kind="default")
+        theta = _hf_value(params, "rope_theta", float, None, "rope_parameters")
+        if (scaling is not None and from_params != rope_scaling) or (
+            None not in (theta, rope_theta) and theta != rope_theta
+        ):
+            raise ValueError(f"rope_parameters={params!r} disagree with rope_theta/rope_scaling")
+        rope_scaling, rope_theta = from_params, rope_theta if theta is None else theta
+    return (10000.0 if rope_theta is None else rope_theta), rope_scaling
+
+
+def _hf_scaling(d: Any, where: str, default_kind: str | None = None) -> RopeScaling | None:
+    """The RopeScaling a `rope_scaling` (or `rope_parameters`) dict describes: None for
+    plain RoPE ("default"), the llama3 scaling, ValueError for anything else."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}={d!r} must be a dict or null")
+    kind = d.get("rope_type", d.get("type", default_kind))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"{where} type {kind!r} is not supported (only 'llama3')")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise ValueError(f"{where} (llama3) lacks {missing}")
+    return RopeScaling(
+        factor=_hf_value(d, "factor", float, None, where),
+        low_freq_factor=_hf_value(d, "low_freq_factor", float, None, where),
+        high_freq_factor=_hf_value(d, "high_freq_factor", float, None, where),
+        original_max_position_embeddings=_hf_value(
+            d, "original_max_position_embeddings", _integral, None, where
+        ),
+    )
+
+
+def _integral(value) -> int:
+    """`value` as an int if it is integral (8192 or 8192.0); ValueError otherwise."""
+    as_float = float(value)
+    if not as_float.is_integer():
+        raise ValueError(value)
+    return int(as_float)
+
+
+def _hf_default(d: dict[str, Any], key: str, default):
+    """d[key] as given, or `default` when absent or null."""
+    value = d.get(key)
+    return default if value is None else value
+
+
+def _hf_value(d: dict[str, Any], key: str, convert, default, where: str = "config"):
+    """d[key] converted (e.g. float("1e-5") -> 1e-05), or `default` when absent or null;
+    a ValueError naming the key when it does not convert."""
+    value = d.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        raise ValueError(f"Hugging Face {where}: {key}={value!r} must be a number")
+    try:
+        return convert(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"Hugging Face {where}: {key}={value!r} must be a number") from None
