@@ -193,9 +193,11 @@ class LlamaConfig:
         """Build from a Hugging Face Llama `config.json` dict (architectures LlamaForCausalLM).
 
         RoPE comes from `rope_theta` / `rope_scaling`, or from `rope_parameters` (newer
-        transformers), which must then agree with them. Raises ValueError naming a required
-        key the dict lacks, a bad value, or a feature this Llama lacks (another model_type,
-        a sliding window, attention or MLP biases): such a model would load and run wrong.
+        transformers), which must then agree with them. `dtype`, when given, overrides the
+        dict's. Raises ValueError naming a required key the dict lacks, a bad value (by its
+        config.json key: num_attention_heads, not LlamaConfig's num_heads), or a feature this
+        Llama lacks (another model_type, a sliding window, attention or MLP biases): such a
+        model would load and run wrong.
         """
         # The reading lives in hf_config, which imports this module.
         from jaxkv.models.hf_config import llama_config_from_hf

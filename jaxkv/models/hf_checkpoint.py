@@ -253,8 +253,14 @@ def load_hf_safetensors(
         config = LlamaConfig.from_hf_dict(hf_config, dtype=dtype)
         generation = config_dir / "generation_config.json"
         if generation.exists():
-            eos = _read_json_object(generation).get("eos_token_id")  # int, list or None
-            eos = dataclasses.replace(config, eos_token_ids=eos).eos_token_ids  # checked
+            given = _read_json_object(generation).get("eos_token_id")  # int, list or None
+            try:
+                eos = dataclasses.replace(config, eos_token_ids=given).eos_token_ids  # checked
+            except ValueError:
+                raise CheckpointError(
+                    f"{generation}: eos_token_id={given!r} must be token ids in "
+                    f"[0, vocab_size={config.vocab_size})"
+                ) from None
             joined = tuple(dict.fromkeys(config.eos_token_ids + eos))  # in order, once each
             config = dataclasses.replace(config, eos_token_ids=joined)
     elif dtype is not None:

@@ -6,6 +6,8 @@ cannot run the way transformers would, are refused by name.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Any
 
 from jaxkv.models.config import _DTYPES, LlamaConfig, RopeScaling
@@ -37,29 +39,34 @@ def llama_config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> Lla
     # transformers >= 4.56 writes "dtype", older versions "torch_dtype"; as in
     # transformers, a null "dtype" is not given and "torch_dtype" then applies.
     torch_dtype = _hf_default(hf, "dtype", hf.get("torch_dtype")) or "float32"
-    return LlamaConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"],
-        # A null num_key_value_heads means as many as query heads, as in transformers.
-        num_kv_heads=(
-            hf["num_attention_heads"]
-            if hf.get("num_key_value_heads") is None
-            else hf["num_key_value_heads"]
-        ),
-        head_dim=hf.get("head_dim") or 0,
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        rms_norm_eps=_hf_value(hf, "rms_norm_eps", float, 1e-6),
-        # Absent or null: untied (transformers' default); anything but a bool is refused
-        # by LlamaConfig: bool("false") would tie the head and drop lm_head.weight.
-        tie_word_embeddings=_hf_default(hf, "tie_word_embeddings", False),
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        dtype=dtype or (torch_dtype if torch_dtype in _DTYPES else "float32"),
-        eos_token_ids=hf.get("eos_token_id"),
-    )
+    try:
+        config = LlamaConfig(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"],
+            # A null num_key_value_heads means as many as query heads, as in transformers.
+            num_kv_heads=(
+                hf["num_attention_heads"]
+                if hf.get("num_key_value_heads") is None
+                else hf["num_key_value_heads"]
+            ),
+            head_dim=hf.get("head_dim") or 0,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=_hf_value(hf, "rms_norm_eps", float, 1e-6),
+            # Absent or null: untied (transformers' default); anything but a bool is refused
+            # by LlamaConfig: bool("false") would tie the head and drop lm_head.weight.
+            tie_word_embeddings=_hf_default(hf, "tie_word_embeddings", False),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            dtype=torch_dtype if torch_dtype in _DTYPES else "float32",
+            eos_token_ids=hf.get("eos_token_id"),
+        )
+    except ValueError as e:  # LlamaConfig names its fields: name config.json's keys
+        raise ValueError(_in_hf_keys(str(e))) from None
+    # The caller's dtype, not config.json's: a bad one is refused as `dtype=`.
+    return config if dtype is None else dataclasses.replace(config, dtype=dtype)
 
 
 def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -110,6 +117,24 @@ def _integral(value) -> int:
     if not as_float.is_integer():
         raise ValueError(value)
     return int(as_float)
+
+
+# LlamaConfig's fields whose config.json keys are spelled otherwise.
+_HF_KEYS = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "eos_token_ids": "eos_token_id",
+}
+
+
+def _in_hf_keys(message: str) -> str:
+    """A LlamaConfig error about a Hugging Face config, its fields named by config.json's
+    keys, and LlamaConfig's own names for the renamed ones said after it."""
+    renamed = dict.fromkeys(n for n in re.findall(r"\w+", message) if n in _HF_KEYS)
+    message = re.sub(r"\b(?:self\.)?(\w+)", lambda m: _HF_KEYS.get(m[1], m[1]), message)
+    said = ", ".join(f"{name} for {_HF_KEYS[name]}" for name in renamed)
+    return f"Hugging Face config: {message}" + (f" (LlamaConfig says {said})" if said else "")
 
 
 def _hf_default(d: dict[str, Any], key: str, default):

@@ -114,6 +114,28 @@ def test_a_value_that_is_not_a_number_is_refused_naming_its_key(key, value, matc
         LlamaConfig.from_hf_dict({**REQUIRED, "rope_scaling": scaling})
 
 
+@pytest.mark.parametrize(
+    "given, match",
+    [
+        (dict(num_hidden_layers=0), "^Hugging Face config: num_hidden_layers=0 must be positive "
+         "\\(LlamaConfig says num_layers for num_hidden_layers\\)$"),
+        (dict(num_attention_heads=3), "multiple of num_attention_heads=3 when head_dim"),
+        (dict(num_key_value_heads=3), "num_attention_heads=4 must be a multiple of "
+         "num_key_value_heads=3"),
+        (dict(num_attention_heads=2.5), "^Hugging Face config: num_attention_heads=2.5 must be"),
+        (dict(eos_token_id=64), "^Hugging Face config: eos_token_id=64 must be token ids"),
+        (dict(hidden_size="32"), "^Hugging Face config: hidden_size='32' must be an int$"),
+    ],
+)  # fmt: skip
+def test_a_bad_size_is_refused_naming_its_config_json_key(given, match):
+    # Used to name LlamaConfig's fields (self.num_heads, num_layers), not the user's keys.
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig.from_hf_dict({**REQUIRED, **given})
+    # The dtype argument is the caller's, not config.json's: refused under its own name.
+    with pytest.raises(ValueError, match="^dtype='float64' must be one of"):
+        LlamaConfig.from_hf_dict(REQUIRED, dtype="float64")
+
+
 @pytest.mark.parametrize("value", ["false", "true", 0, 1])
 def test_tie_word_embeddings_that_is_not_a_bool_is_refused_by_name(value):
     # bool("false") used to tie the head, so a stored lm_head.weight was dropped unread.
@@ -193,7 +215,7 @@ def test_eos_comes_from_config_and_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [11, 9]}))
     assert load_hf_safetensors(tmp_path).config.eos_token_ids == (9, 11)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 10**6}))
-    with pytest.raises(ValueError, match="eos_token_ids=1000000 must be token ids in"):
+    with pytest.raises(CheckpointError, match="generation_config.json: eos_token_id=1000000 "):
         load_hf_safetensors(tmp_path)
 
 

@@ -61,7 +61,7 @@ def test_rope_parameters_of_newer_transformers_configs_are_read():
         ({"sliding_window": 4096}, "sliding_window=4096"),
         ({"attention_bias": True}, "attention_bias=True"),
         ({"mlp_bias": True}, "mlp_bias=True"),
-        ({"num_key_value_heads": 0}, "num_kv_heads=0"),  # used to become full MHA
+        ({"num_key_value_heads": 0}, "num_key_value_heads=0"),  # used to become full MHA
         (
             {"rope_scaling": llama3(8192.9)},
             "original_max_position_embeddings=8192.9",  # used to be truncated to 8192
