@@ -8,7 +8,8 @@ read and written by `jaxkv.models.hf_checkpoint`.
 
 Every load checks that the file holds exactly the model's parameters, each with the model's
 shape and of a floating-point dtype, and raises `CheckpointError` (a ValueError) naming the
-parameter (and both shapes, or its dtype) before building anything.
+parameter (and both shapes, or its dtype) before building anything; loading as float16, a
+finite weight past float16's range is refused by name too (it would load as inf).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import jax
@@ -103,13 +104,20 @@ def check_float_dtypes(given: Mapping[str, object], source: str, *, kind: str) -
 
 
 def build_with_params(
-    config: LlamaConfig, params: Mapping[str, np.ndarray], *, source: str = "checkpoint"
+    config: LlamaConfig,
+    params: Mapping[str, np.ndarray],
+    *,
+    source: str = "checkpoint",
+    kind: str = "parameter",
+    name_of: Callable[[str], str] | None = None,
 ) -> Llama:
     """A `Llama(config)` holding exactly `params` (flat dotted names, model orientation).
 
     Raises CheckpointError if a parameter is missing, unexpected, has the wrong shape or
-    is not floating-point. Values are cast to `config.dtype`. No random initialisation
-    is run.
+    is not floating-point. Values are cast to `config.dtype`; a finite value that float16
+    cannot hold (past 65504, from bfloat16 or float32 weights) raises CheckpointError
+    naming the parameter (as `kind` `name_of(name)` where given: a Hugging Face tensor)
+    instead of loading as inf. No random initialisation is run.
     """
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     expected = {k: v.shape for k, v in flat_params(abstract).items()}
@@ -119,9 +127,36 @@ def build_with_params(
     check_float_dtypes(params, source, kind="parameter")
     dtype = jnp.dtype(config.dtype)
     graphdef, state = nnx.split(abstract)
-    values = {k: jnp.asarray(v, dtype=dtype) for k, v in params.items()}
+    name_of = name_of or str
+    values = {k: _cast(v, dtype, f"{kind} {name_of(k)!r}", source) for k, v in params.items()}
     nnx.replace_by_pure_dict(state, _unflatten(values))
     return nnx.merge(graphdef, state)
+
+
+def _cast(value, dtype: np.dtype, what: str, source: str) -> jax.Array:
+    """`value` as a `dtype` array; CheckpointError naming it (`what`) if a finite value
+    overflows float16 (the one narrowing the loaders make that turns weights into inf)."""
+    value = value if hasattr(value, "dtype") else np.asarray(value)  # a list, say
+    if dtype != jnp.float16 or jnp.finfo(value.dtype).max <= jnp.finfo(jnp.float16).max:
+        return jnp.asarray(value, dtype=dtype)
+    if isinstance(value, jax.Array):  # on the device: cast and look there
+        cast = value.astype(jnp.float16)
+        suspect = bool(jnp.isinf(cast).any())
+    else:  # on the host, as jnp.asarray casts; two integer reductions find an inf or NaN
+        with np.errstate(over="ignore"):  # refused below, by name, instead
+            cast = np.asarray(value, dtype=np.float16)
+        bits = cast.view(np.int16)  # +inf and NaN from 0x7c00 up; -inf and NaN >= 0xfc00
+        suspect = cast.size > 0 and (bits.max() >= 0x7C00 or bits.view(np.uint16).max() >= 0xFC00)
+    if suspect:  # an inf or NaN in the file stays one; only overflow is refused
+        host = np.asarray(value)
+        overflow = np.isinf(np.asarray(cast)) & np.isfinite(host)
+        if overflow.any():
+            largest = np.abs(host[overflow]).max()
+            raise CheckpointError(
+                f"{what} in {source}: value {largest} overflows float16 (largest "
+                f"finite {jnp.finfo(jnp.float16).max}); load it as bfloat16 or float32"
+            )
+    return jnp.asarray(cast)
 
 
 # --- jaxkv format ------------------------------------------------------------------------

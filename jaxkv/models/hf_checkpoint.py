@@ -239,7 +239,8 @@ def load_hf_safetensors(
     `config` defaults to the directory's `config.json` read with `LlamaConfig.from_hf_dict`,
     its eos_token_ids joined by those of `generation_config.json` where there is one (as
     vLLM stops at both: Llama 3 Instruct names its end of turn only there); `dtype`
-    overrides the parameter dtype. With tied embeddings a stored `lm_head.weight` is
+    overrides the parameter dtype (float16 is refused, naming the tensor, where a weight
+    is past its range: it would load as inf). With tied embeddings a stored `lm_head.weight` is
     ignored (it is the embedding). Raises CheckpointError on any name or shape mismatch,
     and naming the file when config.json or generation_config.json is not a JSON object
     (truncated, say).
@@ -316,7 +317,7 @@ def from_hf_tensors(
     for hf_name, tensor in given.items():
         name, transpose = hf_to_jaxkv_name(hf_name)
         params[name] = tensor.T if transpose else tensor
-    return build_with_params(config, params, source=source)
+    return build_with_params(config, params, source=source, kind="tensor", name_of=jaxkv_to_hf_name)
 
 
 @functools.lru_cache(maxsize=8)

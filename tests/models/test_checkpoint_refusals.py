@@ -20,7 +20,7 @@ from jaxkv.models import (
     load_hf_safetensors,
     save_checkpoint,
 )
-from jaxkv.models.checkpoint import flat_params
+from jaxkv.models.checkpoint import build_with_params, flat_params
 from jaxkv.models.hf_checkpoint import read_safetensors, write_safetensors
 from jaxkv.models.train import Trainer
 from tests.models.conftest import drop_weights_digest, hf_config_dict, random_model, small_config
@@ -331,3 +331,26 @@ def test_weights_of_every_float_dtype_still_load():
     for dtype in (np.float16, np.float64, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn):
         weights = {k: v.astype(dtype) for k, v in random_hf_weights(cfg).items()}
         assert flat_params(from_hf_tensors(cfg, weights)).keys()
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32])
+def test_a_weight_past_float16_range_is_refused_by_name_when_loading_as_float16(tmp_path, dtype):
+    # Cast to float16 it loaded as inf without a word: logits of inf and NaN at run time.
+    cfg = small_config()
+    name = "model.layers.1.mlp.down_proj.weight"
+    weights = {k: v.astype(dtype) for k, v in random_hf_weights(cfg, seed=2).items()}
+    weights[name][3, 5] = -(2.0**17)  # held exactly by bfloat16 too
+    write_safetensors(tmp_path / "model.safetensors", weights)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(cfg, torch_dtype="bfloat16")))
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' in .*value 131072.0 overflows"):
+        load_hf_safetensors(tmp_path, dtype="float16")
+    with pytest.raises(CheckpointError, match=r"parameter 'layers\.1\.mlp\.down_proj\.kernel'"):
+        build_with_params(small_config(dtype="float16"), flat_params(from_hf_tensors(cfg, weights)))
+    # The same file loads as bfloat16, and as float16 once the weight fits; an inf the file
+    # holds is not an overflow of the cast.
+    assert load_hf_safetensors(tmp_path).config.dtype == "bfloat16"
+    weights[name][3, 5], weights[name][0, 0] = 65280.0, np.inf  # 65280: both hold it
+    model = from_hf_tensors(small_config(dtype="float16"), weights)
+    kernel = np.asarray(model.layers[1].mlp.down_proj.kernel[...])
+    assert kernel.dtype == np.float16 and kernel[5, 3] == 65280
+    assert np.isinf(kernel[0, 0]) and np.isfinite(np.delete(kernel.ravel(), 0)).all()
