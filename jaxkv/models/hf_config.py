@@ -10,6 +10,7 @@ import dataclasses
 import re
 from typing import Any
 
+from jaxkv.field_checks import is_integer
 from jaxkv.models.config import _DTYPES, LlamaConfig, RopeScaling
 
 
@@ -39,6 +40,11 @@ def llama_config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> Lla
     # transformers >= 4.56 writes "dtype", older versions "torch_dtype"; as in
     # transformers, a null "dtype" is not given and "torch_dtype" then applies.
     torch_dtype = _hf_default(hf, "dtype", hf.get("torch_dtype")) or "float32"
+    # Null: hidden_size // num_attention_heads, as in transformers. 0 is LlamaConfig's
+    # "derive it", but in transformers a model of empty heads: refused, not derived.
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and not (is_integer(head_dim) and head_dim > 0):
+        raise ValueError(f"Hugging Face config: {head_dim=} must be a positive int or null")
     try:
         config = LlamaConfig(
             vocab_size=hf["vocab_size"],
@@ -52,7 +58,7 @@ def llama_config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> Lla
                 if hf.get("num_key_value_heads") is None
                 else hf["num_key_value_heads"]
             ),
-            head_dim=hf.get("head_dim") or 0,
+            head_dim=0 if head_dim is None else head_dim,
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             rms_norm_eps=_hf_value(hf, "rms_norm_eps", float, 1e-6),

@@ -87,6 +87,14 @@ def test_null_and_default_values_read_as_hugging_face_reads_them():
     assert cfg == LlamaConfig.from_hf_dict(REQUIRED)
 
 
+@pytest.mark.parametrize("head_dim", [0, False, 8.0, -8])
+def test_a_head_dim_that_is_not_a_positive_int_is_refused_not_derived(head_dim):
+    # 0 and false used to be read as absent (hidden_size // num_attention_heads): in
+    # transformers they are heads of no dimensions, a config nobody can mean.
+    with pytest.raises(ValueError, match=f"head_dim={head_dim!r} must be a positive int or null"):
+        LlamaConfig.from_hf_dict({**REQUIRED, "head_dim": head_dim})
+
+
 def test_the_legacy_rope_type_key_and_a_dtype_this_llama_lacks_are_read():
     """Older configs name the scaling under "type"; a torch_dtype this Llama does not run
     (float64) loads as float32, as a config without one does."""
