@@ -9,13 +9,17 @@ difference between the two, which stays at float32 rounding.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.reference import cascade_attention, ragged_paged_attention
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from kernels_pallas.reference import cascade_attention, ragged_paged_attention  # noqa: E402
 
 
 def shared_prefix_batch(rng, *, batch, prefix_pages, suffix_len, page_size, kv_heads, q_heads, dim):

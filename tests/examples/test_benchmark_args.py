@@ -208,6 +208,30 @@ def test_every_benchmark_runs_as_a_script_without_pythonpath(script):
     assert "--out" in run.stdout
 
 
+@pytest.mark.parametrize(
+    "script", ["demo_cascade.py", "serve_shared_prefix.py", "train_tiny_lm.py"]
+)
+def test_every_example_runs_from_this_checkout_without_pythonpath(script):
+    # `python examples/demo_cascade.py`, as the README runs it, imported kernels_pallas
+    # from wherever jaxkv was installed (another checkout's code), or failed without one.
+    import os
+
+    root = Path(__file__).parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    as_python_runs_it = (  # examples/ first on sys.path, as for `python examples/x.py`
+        "import runpy, sys; sys.path[0] = 'examples'; sys.argv = [sys.argv[1], '--help']\n"
+        "try: runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except SystemExit: pass\n"
+        "print(sys.modules['kernels_pallas'].__file__)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", as_python_runs_it, f"examples/{script}"], env=env, cwd=root,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert Path(run.stdout.splitlines()[-1]).is_relative_to(root.resolve()), run.stdout
+
+
 def test_gpu_kernel_smoke_lowers_the_full_size_calls_with_the_flags_page_size(
     tmp_path, monkeypatch
 ):
