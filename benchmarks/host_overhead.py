@@ -17,8 +17,10 @@ R in {16, 256, 1024}, C in {128, 2048}, T in {0, 64}. Four cases per point:
 Part 2, per-operation cost on a trace of 10,000 requests drawn from a shared-prefix
 workload (Zipf-popular system prompts, random user suffixes, random output lengths,
 a bounded running batch, a pool small enough to evict): cache-hit lookup
-(get_computed_blocks, which also hashes the prompt), prefill allocate_slots (with the
-cache hit), decode allocate_slots (one token), and free.
+(get_computed_blocks, which also hashes the prompt, and count_prefix_lookup once the
+request is admitted), prefill allocate_slots (with the cache hit), decode allocate_slots
+(one token), and free. Its prefix-cache hit rate counts each admitted request's lookup
+once, as the scheduler does: a lookup whose allocation failed (the pool full) is not.
 
 Prints a table and writes JSON (timings are measured, never asserted):
 
@@ -160,15 +162,16 @@ def bench_trace(rng, num_requests: int = 10_000) -> dict:
             suffix = rng.integers(0, 32000, int(rng.integers(16, 257))).tolist()
             req = Request(f"r{next_id}", system[p] + suffix)
             t0 = clock()
-            hit, n = m.get_computed_blocks(req)
+            hit, n = m.get_computed_blocks(req, count=False)  # counted once admitted
             t1 = clock()
             got = m.allocate_slots(
                 req, req.num_tokens - n, num_new_computed_tokens=n, new_computed_blocks=hit
             )
             t2 = clock()
             if got is None:
-                break  # pool full: wait for requests to finish
-            lat["lookup"].append(t1 - t0)
+                break  # pool full: wait for requests to finish (the scheduler's way)
+            m.count_prefix_lookup(req, n)  # a lookup whose allocation failed is not a hit
+            lat["lookup"].append(t1 - t0 + clock() - t2)  # the count is part of the lookup
             lat["alloc_prefill"].append(t2 - t1)
             req.num_computed_tokens = req.num_tokens
             running.append((req, int(rng.integers(8, 65))))

@@ -53,10 +53,37 @@ def test_the_trace_admits_decodes_and_frees_every_request():
     assert 0 < trace["prefix_cache_hit_rate"] < 1
 
 
+def test_the_trace_hit_rate_counts_each_admitted_lookup_once(monkeypatch):
+    # A lookup whose allocation then failed (the pool full) was counted, and counted
+    # again when the request was looked up anew: the rate was not that of the requests
+    # served. Here each request's first prefill allocation fails, as on a full pool.
+    made, refused = [], set()
+
+    class FullOnce(bench.KVCacheManager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+        def allocate_slots(self, request, num_new_tokens, **kwargs):
+            if "new_computed_blocks" in kwargs and request.request_id not in refused:
+                refused.add(request.request_id)
+                return None
+            return super().allocate_slots(request, num_new_tokens, **kwargs)
+
+    monkeypatch.setattr(bench, "KVCacheManager", FullOnce)
+    trace = bench.bench_trace(np.random.default_rng(0), num_requests=30)
+    (m,) = made
+    assert len(refused) == 30 and trace["lookup"]["count"] == 30
+    assert m.prefix_cache_stats.requests == 30
+    assert trace["prefix_cache_hit_rate"] == m.prefix_cache_stats.hit_rate > 0
+
+
 def test_the_trace_reports_each_operations_own_interval_in_microseconds(monkeypatch):
-    """On a clock that ticks 1000 ns a read, every timed operation spans one tick: its
-    mean, p50 and p99 are 1.0 us (not the lookup plus the allocation, nor a raw reading).
-    Making a Request moves the clock 1 ms: no interval includes it."""
+    """On a clock that ticks 1000 ns a read, every timed interval spans one tick: an
+    operation's mean, p50 and p99 are 1.0 us, the lookup's 2.0 (get_computed_blocks, and
+    count_prefix_lookup once the allocation succeeded), not the lookup plus the
+    allocation, nor a raw reading. Making a Request moves the clock 1 ms: no interval
+    includes it."""
     clock = [0]
 
     def read_clock():
@@ -71,8 +98,13 @@ def test_the_trace_reports_each_operations_own_interval_in_microseconds(monkeypa
     monkeypatch.setattr(bench.time, "thread_time_ns", read_clock)
     monkeypatch.setattr(bench, "Request", SlowRequest)
     trace = bench.bench_trace(np.random.default_rng(0), num_requests=20)
-    for op in ("lookup", "alloc_prefill", "alloc_decode", "free"):
-        assert trace[op]["mean_us"] == trace[op]["p50_us"] == trace[op]["p99_us"] == 1.0, op
+    for op, ticks in (
+        ("lookup", 2.0),
+        ("alloc_prefill", 1.0),
+        ("alloc_decode", 1.0),
+        ("free", 1.0),
+    ):
+        assert trace[op]["mean_us"] == trace[op]["p50_us"] == trace[op]["p99_us"] == ticks, op
 
 
 def test_the_latency_summary_reads_the_median_and_the_99th_percentile():
