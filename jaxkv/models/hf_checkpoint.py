@@ -243,15 +243,20 @@ def load_hf_safetensors(
     is past its range: it would load as inf). With tied embeddings a stored `lm_head.weight` is
     ignored (it is the embedding). Raises CheckpointError on any name or shape mismatch,
     and naming the file when config.json or generation_config.json is not a JSON object
-    (truncated, say).
+    (truncated, say) or holds a value from_hf_dict refuses (a key missing, say).
     """
     path = Path(path)
     if not path.exists():  # else the parent's config.json was read, or reported missing
         raise FileNotFoundError(f"{path}: no such file or directory")
     if config is None:
         config_dir = path if path.is_dir() else path.parent
-        hf_config = _read_json_object(config_dir / "config.json")
-        config = LlamaConfig.from_hf_dict(hf_config, dtype=dtype)
+        file = config_dir / "config.json"
+        try:
+            config = LlamaConfig.from_hf_dict(_read_json_object(file))
+        except CheckpointError:
+            raise
+        except ValueError as e:  # a bad or missing key: which file says it
+            raise CheckpointError(f"{file}: {e}") from None
         generation = config_dir / "generation_config.json"
         if generation.exists():
             given = _read_json_object(generation).get("eos_token_id")  # int, list or None
@@ -264,7 +269,7 @@ def load_hf_safetensors(
                 ) from None
             joined = tuple(dict.fromkeys(config.eos_token_ids + eos))  # in order, once each
             config = dataclasses.replace(config, eos_token_ids=joined)
-    elif dtype is not None:
+    if dtype is not None:  # the caller's: refused as dtype=, not blamed on config.json
         config = LlamaConfig.from_dict({**config.to_dict(), "dtype": dtype})
     return from_hf_tensors(
         config,

@@ -234,9 +234,16 @@ def test_eos_comes_from_config_and_generation_config(tmp_path):
         ("config.json", "null", "config.json: holds a NoneType, not a JSON object"),
         ("generation_config.json", '{"eos_token_id": ', "generation_config.json: not valid"),
         ("generation_config.json", "[9]", "generation_config.json: holds a list, not a JSON"),
+        # A ValueError from from_hf_dict named no file (which of several checkpoints?).
+        ("config.json", '{"vocab_size": 64}', "config.json: Hugging Face config lacks"),
+        (
+            "config.json",
+            json.dumps({**REQUIRED, "num_attention_heads": 3}),
+            "config.json: Hugging Face config: hidden_size=32 must be a multiple of num_attention",
+        ),
     ],
 )
-def test_a_config_file_that_is_not_a_json_object_is_refused_naming_the_file(
+def test_a_config_file_that_is_no_valid_config_is_refused_naming_the_file(
     tmp_path, file, text, match
 ):
     # Used to raise a JSONDecodeError naming no file, or a TypeError / AttributeError.
@@ -248,6 +255,15 @@ def test_a_config_file_that_is_not_a_json_object_is_refused_naming_the_file(
         load_hf_safetensors(tmp_path)
     with pytest.raises(ValueError, match="Hugging Face config must be a dict, got list"):
         LlamaConfig.from_hf_dict([("vocab_size", 64)])
+
+
+def test_a_bad_dtype_argument_is_refused_as_the_argument_not_as_config_json(tmp_path):
+    cfg = small_config()
+    safetensors.numpy.save_file(random_hf_weights(cfg, seed=7), str(tmp_path / "m.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
+    with pytest.raises(ValueError, match="^dtype='float64' must be one of"):
+        load_hf_safetensors(tmp_path, dtype="float64")
+    assert load_hf_safetensors(tmp_path, dtype="bfloat16").config.dtype == "bfloat16"
 
 
 def _raw(path, header: dict, data: bytes) -> None:
