@@ -169,8 +169,11 @@ _HF_LAYER = re.compile(
 def hf_to_jaxkv_name(hf_name: str) -> tuple[str, bool] | None:
     """(jaxkv name, needs transpose) for a Hugging Face Llama tensor; None if it is a buffer.
 
-    Raises CheckpointError for a name that is neither a Llama parameter nor a known buffer.
+    Raises CheckpointError for a name that is neither a Llama parameter nor a known buffer
+    (one that is not a str included).
     """
+    if not isinstance(hf_name, str):  # .endswith raised AttributeError
+        raise CheckpointError(f"tensor name {hf_name!r} is not a str")
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None  # a recomputable buffer some older checkpoints store
     if hf_name == "model.embed_tokens.weight":

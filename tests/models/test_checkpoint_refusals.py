@@ -326,6 +326,13 @@ def test_weights_that_are_not_floating_point_are_refused_by_name(tmp_path, dtype
         load_checkpoint(tmp_path)
 
 
+def test_a_tensor_name_that_is_not_a_str_is_refused_as_a_checkpoint_error():
+    # A dict keyed by ints (mixed-up state) raised AttributeError: 'int' has no endswith.
+    weights = {**random_hf_weights(small_config()), 7: np.zeros(3, np.float32)}
+    with pytest.raises(CheckpointError, match="tensor name 7 is not a str"):
+        from_hf_tensors(small_config(), weights)
+
+
 def test_weights_of_every_float_dtype_still_load():
     cfg = small_config()
     for dtype in (np.float16, np.float64, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn):
