@@ -14,7 +14,8 @@ class ByteTokenizer:
     byte ids (it drops the specials and any id outside 0..255, silently) and replaces invalid
     UTF-8 (a sample cut mid-character) with U+FFFD, one per maximal invalid subsequence; it
     refuses (ValueError) an id that is not an integer, which it would otherwise truncate.
-    `encode` refuses (UnicodeEncodeError, a ValueError) a str holding lone surrogates.
+    `encode` refuses (ValueError) anything but a str, and (UnicodeEncodeError, a
+    ValueError) a str holding lone surrogates.
     """
 
     pad_id = 256
@@ -24,6 +25,8 @@ class ByteTokenizer:
     vocab_size = 259
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        if not isinstance(text, str):  # None raised AttributeError; bytes are encode_array's
+            raise ValueError(f"text must be a str, got {type(text).__name__}")
         ids = list(text.encode("utf-8"))
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 

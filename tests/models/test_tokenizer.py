@@ -44,6 +44,10 @@ def test_invalid_utf8_cases_by_hand():
     # A str holding a lone surrogate is not Unicode text: refused, not mangled.
     with pytest.raises(ValueError):
         TOK.encode("\ud800")
+    # Not a str at all: refused by name (None raised AttributeError, bytes too).
+    for bad in (None, b"abc", 97):
+        with pytest.raises(ValueError, match=f"text must be a str, got {type(bad).__name__}"):
+            TOK.encode(bad)
 
 
 def test_bos_and_eos_are_added_independently():
