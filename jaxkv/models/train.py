@@ -63,6 +63,9 @@ class Trainer:
 
     The trainer owns copies: the model given to `create` and the models `model()` returns
     stay valid after later steps (the update program donates the trainer's own buffers).
+    `step` and `eval_loss` refuse (ValueError, nothing changed) tokens that are not an
+    integer array [batch, length + 1] of the model's token ids: an id past the embedding
+    embeds as NaN, and one NaN update leaves every weight NaN for good.
     """
 
     graphdef: Any
@@ -71,6 +74,7 @@ class Trainer:
     opt_state: Any
     _step: Callable
     _eval: Callable
+    _vocab_size: int
 
     @classmethod
     def create(cls, model: Llama, tx: optax.GradientTransformation) -> Trainer:
@@ -86,21 +90,38 @@ class Trainer:
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 
-        return cls(graphdef, params, rest, tx.init(params), step, jax.jit(loss_of))
+        vocab_size = model.config.vocab_size
+        return cls(graphdef, params, rest, tx.init(params), step, jax.jit(loss_of), vocab_size)
 
     def step(self, tokens: np.ndarray) -> jax.Array:  # tokens: i32[B, L + 1]
         """One optimizer update on `tokens`; returns the loss before the update (async)."""
+        _check_tokens(tokens, self._vocab_size)
         self.params, self.opt_state, loss = self._step(
             self.params, self.rest, self.opt_state, tokens
         )
         return loss
 
     def eval_loss(self, tokens: np.ndarray) -> float:  # tokens: i32[B, L + 1]
+        _check_tokens(tokens, self._vocab_size)
         return float(self._eval(self.params, self.rest, tokens))
 
     def model(self) -> Llama:
         """A model holding a copy of the current parameters (unchanged by later steps)."""
         return nnx.merge(self.graphdef, jax.tree.map(jnp.copy, self.params), self.rest)
+
+
+def _check_tokens(tokens, vocab_size: int) -> None:
+    """ValueError unless `tokens` is an integer array [batch >= 1, length + 1 >= 2] of ids
+    in [0, vocab_size): a negative id would wrap to another token, a larger one embed as
+    NaN, and a single position leave no token to predict (a mean of nothing: NaN)."""
+    shape, dtype = getattr(tokens, "shape", None), getattr(tokens, "dtype", None)
+    if shape is None or dtype is None or len(shape) != 2 or shape[0] < 1 or shape[1] < 2:
+        raise ValueError(f"tokens of shape {shape} must be an array [batch, length + 1 >= 2]")
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"tokens of dtype {dtype} must hold integer token ids")
+    low, high = int(tokens.min()), int(tokens.max())
+    if not 0 <= low <= high < vocab_size:
+        raise ValueError(f"tokens must be ids in [0, {vocab_size=}), got {low}..{high}")
 
 
 @functools.lru_cache(maxsize=8)

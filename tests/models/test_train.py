@@ -61,3 +61,31 @@ def test_greedy_generate_compiles_once_per_model_graph():
     other = greedy_generate(model, list(b"The school"), 3, window=64)
     assert first == again and len(other) == 3
     assert _greedy_next_token(nnx.split(model)[0])._cache_size() == 1
+
+
+def test_trainer_refuses_tokens_that_are_not_ids_of_the_model_and_keeps_its_weights():
+    # An id past the vocabulary embedded as NaN: the update left every weight NaN for good
+    # (the loss of a good batch after it was nan); a negative id trained on another token.
+    import optax
+    import pytest
+
+    from jaxkv.models.train import Trainer
+    from tests.models.conftest import random_model, small_config
+
+    cfg = small_config(num_layers=1, vocab_size=16, hidden_size=8, intermediate_size=8)
+    trainer = Trainer.create(random_model(cfg), optax.sgd(0.1))
+    good = np.random.default_rng(0).integers(0, 16, (2, 5)).astype(np.int32)
+    before = trainer.eval_loss(good)
+    for bad, match in [
+        (np.full((2, 5), 16, np.int32), r"ids in \[0, vocab_size=16\), got 16\.\.16"),
+        (np.full((2, 5), -3, np.int32), r"got -3\.\.-3"),
+        (good[:, :1], r"shape \(2, 1\) must be an array \[batch, length \+ 1 >= 2\]"),
+        (good[0], r"shape \(5,\)"),
+        (good.astype(np.float32), "dtype float32 must hold integer token ids"),
+        (good.tolist(), "shape None"),
+    ]:
+        for call in (trainer.step, trainer.eval_loss):
+            with pytest.raises(ValueError, match=match):
+                call(bad)
+    assert trainer.eval_loss(good) == before
+    assert np.isfinite(float(trainer.step(good))) and trainer.eval_loss(good) < before
