@@ -243,10 +243,11 @@ def load_hf_safetensors(
     its eos_token_ids joined by those of `generation_config.json` where there is one (as
     vLLM stops at both: Llama 3 Instruct names its end of turn only there); `dtype`
     overrides the parameter dtype (float16 is refused, naming the tensor, where a weight
-    is past its range: it would load as inf). With tied embeddings a stored `lm_head.weight` is
-    ignored (it is the embedding). Raises CheckpointError on any name or shape mismatch,
-    and naming the file when config.json or generation_config.json is not a JSON object
-    (truncated, say) or holds a value from_hf_dict refuses (a key missing, say).
+    is past its range: it would load as inf). With tied embeddings a stored
+    `lm_head.weight` is ignored (it is the embedding). Raises CheckpointError on any name
+    or shape mismatch, and naming the file when config.json or generation_config.json is
+    not a JSON object (truncated, say) or holds a value from_hf_dict refuses (a key
+    missing, say).
     """
     path = Path(path)
     if not path.exists():  # else the parent's config.json was read, or reported missing
