@@ -42,8 +42,11 @@ class Request:
     """One generation request: its tokens, progress and prefix-cache block hashes.
 
     `num_computed_tokens` is advanced by the caller (the scheduler) after each step.
-    `block_hashes` holds the hashes of the request's full blocks computed so far; the
-    KVCacheManager extends it (update_block_hashes) as tokens are appended.
+    `block_hashes` holds the hashes of the full blocks of `all_token_ids` hashed so far,
+    whether or not their KV is computed yet (a prompt's are hashed at its first
+    prefix-cache lookup); update_block_hashes extends it to every full block, which the
+    KVCacheManager calls when it looks the request up or allocates its slots, so it may
+    lag behind tokens appended since.
     """
 
     # Slots: a misspelt field assignment fails instead of adding a silent attribute.
