@@ -11,9 +11,10 @@ from typing import NamedTuple
 class RequestOutput(NamedTuple):
     """A request's progress in one step.
 
-    finish_reason is "stop" (a stop token was sampled; it is included in
-    new_token_ids) or "length" (max_tokens or max_model_len reached), and None while the
-    request runs. An aborted request gets no further RequestOutput (its caller knows).
+    finish_reason is "stop" (a stop token was sampled, or a stop string completed; the
+    token that did it is included in new_token_ids) or "length" (max_tokens or
+    max_model_len reached), and None while the request runs. An aborted request gets
+    no further RequestOutput (its caller knows).
     logprobs is None unless the request asked (SamplingParams.logprobs), else one dict
     per token of new_token_ids: {token_id: jaxkv.logprobs.Logprob(logprob, rank,
     decoded_token)}, the sampled token first, then the top ones by descending logprob.
