@@ -268,3 +268,33 @@ def test_gpu_kernel_json_names_the_heads_its_rows_were_timed_with(tmp_path, monk
     assert gpu_kernel.main(["--out", str(tmp_path), "--smoke", "--no-sweep"]) == 0
     report = json.loads((tmp_path / "gpu_kernel.json").read_text())
     assert timed == [(4, 2, 64)] and report["heads"] == [4, 2, 64]
+
+
+@pytest.mark.parametrize(
+    "script", ["demo_cascade.py", "serve_shared_prefix.py", "train_tiny_lm.py"]
+)
+def test_every_example_runs_from_a_checkout_without_installing(script):
+    # `python examples/demo_cascade.py`, as the README runs it, imported kernels_pallas
+    # from wherever jaxkv was installed (another checkout's editable install), or died on
+    # ModuleNotFoundError without an install, while the other examples put their checkout
+    # first on sys.path. Here the installed packages are importable but jaxkv's install is
+    # not: -S skips site (and so the editable install's .pth finder), PYTHONPATH names the
+    # site-packages folders as plain paths.
+    import os
+    import site
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join(site.getsitepackages())
+    repo = Path(__file__).parents[2]
+    probe = subprocess.run(
+        [sys.executable, "-S", "-c", "import kernels_pallas"], env=env, cwd="/",
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if probe.returncode == 0:
+        pytest.skip("kernels_pallas is installed as a plain package: nothing to check")
+    run = subprocess.run(
+        [sys.executable, "-S", str(repo / "examples" / script), "--help"], env=env, cwd="/",
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "usage:" in run.stdout
