@@ -28,7 +28,7 @@ class RequestStatus(enum.IntEnum):
     WAITING_FOR_REMOTE_KV = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
-    FINISHED_STOPPED = enum.auto()  # a stop token was sampled
+    FINISHED_STOPPED = enum.auto()  # a stop token was sampled or a stop string completed
     FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len reached
     FINISHED_ABORTED = enum.auto()  # cancelled by the caller
     FINISHED_TRANSFERRING = enum.auto()  # finished; blocks held until an async KV copy lands
