@@ -1,6 +1,7 @@
-# Two commands set everything up on a fresh machine:
-#   make demo   creates .venv on first use, installs jaxkv, runs the main job
-#   make test   creates .venv on first use, installs jaxkv with its test extras, runs the tests
+# Two commands set everything up on a fresh machine; the first use of either creates .venv
+# and installs jaxkv there (editable, with its test, dev and bench extras):
+#   make demo   runs the main job
+#   make test   runs the tests
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
