@@ -250,12 +250,12 @@ class KVCacheManager:
         request.num_computed_tokens. Then enough fresh blocks are taken for
         num_computed + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
         tokens. Returns the fresh block ids (possibly []), or None with no state changed
-        if the pool cannot fit them. Every block that the computed plus new tokens fill
-        is entered into the prefix cache. Computed tokens past the cache hit's blocks are
-        taken as computed elsewhere, their KV already in the blocks they fill (which are
-        cached at once, for other requests to hit): the manager cannot check that claim,
-        so only a caller that wrote that KV may make it (the scheduler makes it only for
-        KV it computed or loaded).
+        (the request's block_hashes included) if the pool cannot fit them. Every block
+        that the computed plus new tokens fill is entered into the prefix cache. Computed
+        tokens past the cache hit's blocks are taken as computed elsewhere, their KV
+        already in the blocks they fill (which are cached at once, for other requests to
+        hit): the manager cannot check that claim, so only a caller that wrote that KV may
+        make it (the scheduler makes it only for KV it computed or loaded).
 
         Raises ValueError, with nothing changed, on a `request` that is not a Request, a
         count that is not an int >= 0 (request.num_computed_tokens included), a
@@ -279,26 +279,35 @@ class KVCacheManager:
         elif self._held_of.get(request) is not held:
             raise ValueError(not_the_owner_message(req_id))
         check_computed_within_held(req_id, num_done, len(held), self.block_size)
-        computed = validated_computed_blocks(
-            self.pool, request, len(held), num_done, num_new_computed_tokens,
-            new_computed_blocks, block_size=self.block_size, hash_seed=self.hash_seed,
-        )  # fmt: skip
-        if self.enable_prefix_caching:  # caching the filled blocks below must not fail
-            request.check_hash_config(self.block_size, self.hash_seed)
-        num_computed = num_done + num_new_computed_tokens
-        check_computed_within_tokens(request, num_computed)
-        num_total = num_computed + num_new_tokens + num_lookahead_tokens
-        check_total_fits(
-            req_id, num_total, self.max_model_len, num_computed_tokens=num_computed,
-            num_new_tokens=num_new_tokens, num_lookahead_tokens=num_lookahead_tokens,
-        )  # fmt: skip
+        # Checking a cache hit hashes the request's full blocks: a refusal rewinds them.
+        hash_state = request._hash_state()
+        try:
+            computed = validated_computed_blocks(
+                self.pool, request, len(held), num_done, num_new_computed_tokens,
+                new_computed_blocks, block_size=self.block_size, hash_seed=self.hash_seed,
+            )  # fmt: skip
+            if self.enable_prefix_caching:  # caching the filled blocks below must not fail
+                request.check_hash_config(self.block_size, self.hash_seed)
+            num_computed = num_done + num_new_computed_tokens
+            check_computed_within_tokens(request, num_computed)
+            num_total = num_computed + num_new_tokens + num_lookahead_tokens
+            check_total_fits(
+                req_id, num_total, self.max_model_len, num_computed_tokens=num_computed,
+                num_new_tokens=num_new_tokens, num_lookahead_tokens=num_lookahead_tokens,
+            )  # fmt: skip
+        except BaseException:
+            request._restore_hash_state(hash_state)
+            raise
         num_required = -(-num_total // self.block_size)
         num_new_blocks = max(0, num_required - len(held) - len(computed))
         computed_ids = [b.block_id for b in computed]  # ints, whatever the caller passed
-        return slot_allocation.commit(
+        new_ids = slot_allocation.commit(
             self, request, held, computed, computed_ids, num_new_blocks,
             num_computed + num_new_tokens,
         )  # fmt: skip
+        if new_ids is None:  # no room: nothing changed, the request's hashes included
+            request._restore_hash_state(hash_state)
+        return new_ids
 
     def allocate_slots_batch(
         self, requests: Sequence[Request], num_new_tokens: Sequence[int]

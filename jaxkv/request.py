@@ -212,6 +212,16 @@ class Request:
             )
         return self.block_hashes
 
+    def _hash_state(self) -> tuple[int, tuple[int, int] | None]:
+        """What update_block_hashes may change, for _restore_hash_state."""
+        return len(self.block_hashes), self._hash_config
+
+    def _restore_hash_state(self, state: tuple[int, tuple[int, int] | None]) -> None:
+        """Undoes the update_block_hashes calls since `state` (from _hash_state) was read:
+        for a caller that refuses a call after hashing (KVCacheManager.allocate_slots)."""
+        del self.block_hashes[state[0] :]
+        self._hash_config = state[1]
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, "

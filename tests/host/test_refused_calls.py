@@ -407,3 +407,34 @@ def test_constructor_flags_must_be_bools(key, flag):
     # "false" used to switch prefix caching on (the pool read it by truthiness).
     with pytest.raises(ValueError, match=f"{key}=.* must be a bool"):
         KVCacheManager(12, 4, max_model_len=32, **{key: flag})
+
+
+@pytest.mark.parametrize(
+    "num_new, hit_order, match",
+    [
+        (20, (0, 1), None),  # no room: 5 fresh blocks wanted, 2 free
+        (100, (0, 1), "max_model_len"),
+        (1, (1, 0), "stale cache hit"),
+    ],
+)
+def test_a_refused_allocation_leaves_the_requests_hashes_as_they_were(num_new, hit_order, match):
+    # Checking a cache hit hashes the request's full blocks. A refusal after that (no
+    # room, a later check, a stale hit) used to leave them hashed and pinned to this
+    # manager's block size, so another manager's block size was then refused.
+    m = KVCacheManager(6, 4, max_model_len=64)
+    prefill(m, make_request("a", range(9)))
+    hit = [m.block_ids("a")[i] for i in hit_order]
+    req = make_request("c", range(9))
+    before = snapshot(m)
+
+    def call():
+        return m.allocate_slots(req, num_new, num_new_computed_tokens=8, new_computed_blocks=hit)
+
+    if match is None:
+        assert call() is None
+    else:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert req.block_hashes == [] and snapshot(m) == before
+    assert len(req.update_block_hashes(8)) == 1  # not pinned to block size 4
+    m.check_integrity()
