@@ -67,9 +67,13 @@ def hash_block_tokens(
         raise ValueError(f"{len(parent_hash)=} must be {HASH_NUM_BYTES}")
     n = len(token_ids)
     try:
+        if bool in set(map(type, token_ids)):  # struct packs True as 1
+            raise struct.error
         packed = struct.pack(f"<{n}q", *token_ids)
     except struct.error:
-        raise ValueError(f"token_ids={list(token_ids)} must be ints that fit in int64") from None
+        raise ValueError(
+            f"token_ids={list(token_ids)} must be ints (not bools) that fit in int64"
+        ) from None
     return _digest(parent_hash, n, packed, extra_keys)
 
 
@@ -81,13 +85,16 @@ def extend_block_hashes(
     seed: int = 0,
     adapter_id: str | None = None,
     cache_salt: str | None = None,
+    tokens_checked: bool = False,
 ) -> list[BlockHash]:
     """Appends to `block_hashes` the hashes of the full blocks of `token_ids` it lacks.
 
     `block_hashes` must hold the hashes of the first len(block_hashes) blocks of
     `token_ids` (computed with the same block size, seed and keys). Returns the list.
     Equal to chaining hash_block_tokens block by block (one digest call per block).
-    Raises ValueError, changing nothing, unless `block_size` is an int >= 1.
+    Raises ValueError, changing nothing, unless `block_size` is an int >= 1 and the
+    tokens hashed are ints (a bool is not) that fit in int64. `tokens_checked`: the
+    caller has refused bools already (a Request's tokens), so they are not looked for.
     """
     if type(block_size) is not int or block_size < 1:
         size = as_int(block_size)
@@ -103,10 +110,13 @@ def extend_block_hashes(
     # empty 16-byte BLAKE2b state (cheaper than parsing digest_size on every block).
     lo, width = start * block_size, block_size * 8
     n = num_full * block_size - lo
+    tokens = token_ids[lo : lo + n]
     try:
-        packed = _int64s(n).pack(*token_ids[lo : lo + n])
+        if not tokens_checked and bool in set(map(type, tokens)):  # struct packs True as 1
+            raise struct.error
+        packed = _int64s(n).pack(*tokens)
     except struct.error:
-        raise ValueError("token_ids must be ints that fit in int64") from None
+        raise ValueError("token_ids must be ints (not bools) that fit in int64") from None
     new_state = _EMPTY_STATE.copy
     for i in range(start, num_full):
         h = new_state()

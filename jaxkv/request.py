@@ -209,6 +209,7 @@ class Request:
                 seed=config[1],
                 adapter_id=self.adapter_id,
                 cache_salt=self.cache_salt,
+                tokens_checked=True,  # no bools: _token_ids refused them
             )
         return self.block_hashes
 

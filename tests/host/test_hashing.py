@@ -105,6 +105,17 @@ def test_hash_block_tokens_rejects_tokens_outside_int64(tokens):
         extend_block_hashes([], [7, *tokens], len(tokens) + 1)
 
 
+@pytest.mark.parametrize("token", [True, False, np.True_])
+def test_bool_tokens_are_refused_as_a_request_refuses_them(token):
+    # struct packs True as 1: the hash of [1, True] was that of [1, 1].
+    with pytest.raises(ValueError, match=r"token_ids.*not bools"):
+        hash_block_tokens(root_hash(0), [1, token])
+    hashes = extend_block_hashes([], [1, 2], 2)
+    with pytest.raises(ValueError, match=r"token_ids.*not bools"):
+        extend_block_hashes(hashes, [1, 2, 3, token, 5], 2)
+    assert hashes == extend_block_hashes([], [1, 2], 2)  # nothing appended
+
+
 @pytest.mark.parametrize("block_size", [0, -2, 2.0, "2", True, None])
 def test_extend_refuses_a_block_size_that_is_no_positive_int(block_size):
     # 0 raised ZeroDivisionError and -2 answered "no full block" without a word.
