@@ -49,6 +49,9 @@ class KVCacheManager:
       == prefix_ids[s, j] iff rows r and s hold identical block ids in columns 0..j; -1
       where the row holds no block at column j. Feed it to longest_common_prefix.
 
+    `max_blocks_per_seq`, the most blocks one request can hold, is ceil(max_model_len /
+    block_size), or num_blocks - 1 (every block but the null block) if that is fewer.
+
     State-changing calls validate their arguments first and change nothing on error.
     """
 
@@ -69,12 +72,14 @@ class KVCacheManager:
         )  # fmt: skip
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_seed = hash_seed
         self.pool = BlockPool(
             num_blocks, enable_caching=enable_prefix_caching, enable_events=enable_kv_cache_events
         )
+        # No more than the pool holds: max_model_len=2**31 - 1 at block size 1 made each
+        # block-table row 2**31 columns wide (a 384 GiB table for an 8-block pool).
+        self.max_blocks_per_seq = min(-(-max_model_len // block_size), num_blocks - 1)
         self._blocks: dict[str, list[KVCacheBlock]] = {}  # req_id -> held blocks, in order
         # The Request object each id's blocks were allocated for (another object reusing a
         # live id would cache the owner's KV under its own tokens' hashes) and, keyed by

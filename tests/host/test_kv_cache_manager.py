@@ -26,8 +26,22 @@ def test_fresh_pool():
     m = _manager()
     assert _queue(m) == list(range(1, 10))
     assert m.num_free_blocks == 9 and m.usage == 0.0
-    assert m.block_table.shape[1] == m.max_blocks_per_seq == 16
+    # 9 blocks but the null block: fewer than max_model_len's 16, the most a row can hold.
+    assert m.block_table.shape[1] == m.max_blocks_per_seq == 9
     assert m.block_table.dtype == np.int32 and m.prefix_ids.dtype == np.int64
+    m.check_integrity()
+
+
+def test_rows_are_as_wide_as_the_pool_when_max_model_len_needs_more_blocks():
+    # Rows used to be ceil(max_model_len / block_size) wide whatever the pool: here 2**31
+    # columns, a 384 GiB table for 8 blocks (MemoryError, or the host's memory used up).
+    m = KVCacheManager(8, 1, max_model_len=2**31 - 1)
+    assert m.block_table.shape == (16, 7) and m.prefix_ids.shape == (16, 7)
+    assert m.max_blocks_per_seq == 7
+    r = make_request("a", range(5))
+    assert m.allocate_slots(r, 7) == list(range(1, 8))  # every block a row can hold
+    assert m.block_table[m.rows_of(["a"])[0]].tolist() == list(range(1, 8))
+    assert m.allocate_slots(r, 8) is None  # an eighth block: the pool has none
     m.check_integrity()
 
 
