@@ -51,13 +51,22 @@ def manager_args(
     num_blocks, block_size, max_model_len, hash_seed, **flags
 ) -> tuple[int, int, int, int]:
     """KVCacheManager's sizes and seed as Python ints (numpy integers included); ValueError
-    unless block_size and max_model_len are ints >= 1, hash_seed an int of 64 bits and
-    each flag a bool (a flag read from text, "false", would switch on by truthiness)."""
+    unless block_size and max_model_len are ints in [1, 2**31 - 1], num_blocks * block_size
+    at most 2**31, hash_seed an int of 64 bits and each flag a bool (a flag read from
+    text, "false", would switch on by truthiness)."""
     num_blocks = plain_int(num_blocks)  # BlockPool checks it
     block_size, max_model_len = plain_int(block_size), plain_int(max_model_len)
     for name, value in (("block_size", block_size), ("max_model_len", max_model_len)):
         if type(value) is not int or not 1 <= value <= MAX_INT32:
             raise ValueError(f"{name}={value!r} must be an int in [1, {MAX_INT32}] (int32)")
+    # As CacheConfig: a token's KV slot, block_id * block_size + offset, is int32 on the
+    # device (build_attention_metadata's slot_mapping), so past 2**31 slots it wrapped.
+    in_range = type(num_blocks) is int and 2 <= num_blocks <= MAX_INT32  # else BlockPool's
+    if in_range and num_blocks * block_size > MAX_INT32 + 1:
+        raise ValueError(
+            f"num_blocks={num_blocks} times block_size={block_size} must be at most 2**31 "
+            "token slots (KV slot ids are int32 on the device)"
+        )
     hash_seed = plain_int(hash_seed)
     if type(hash_seed) is not int:
         raise ValueError(f"{hash_seed=} must be an int")

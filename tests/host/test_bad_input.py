@@ -271,6 +271,10 @@ def test_invalid_computed_block_ids(busy, block_ids, match):
         ((2**31, 4), {"max_model_len": 8}, "num_blocks"),
         ((8, 2**31), {"max_model_len": 8}, "block_size"),
         ((8, 4), {"max_model_len": 2**31}, r"max_model_len=2147483648 must be an int in \[1,"),
+        # As CacheConfig: past 2**31 token slots, build_attention_metadata's int32 slot ids
+        # (block_id * block_size + offset) wrapped negative.
+        ((3, 2**30), {"max_model_len": 8}, r"num_blocks=3 times block_size=1073741824 .* 2\*\*31"),
+        ((8, 2**31 - 1), {"max_model_len": 8}, "num_blocks=8 times block_size=2147483647"),
     ],
 )
 def test_bad_constructor_arguments(args, kwargs, match):
@@ -280,8 +284,10 @@ def test_bad_constructor_arguments(args, kwargs, match):
 
 def test_sizes_at_either_end_of_their_range_are_taken():
     assert KVCacheManager(8, 1, max_model_len=1).block_size == 1
-    top = KVCacheManager(8, 2**31 - 1, max_model_len=2**31 - 1)  # one block per request
-    assert (top.block_size, top.max_model_len, top.max_blocks_per_seq) == (2**31 - 1,) * 2 + (1,)
+    # The largest block size that leaves 2 blocks (the null block and one more) within
+    # 2**31 token slots, and the largest max_model_len: one block per request.
+    top = KVCacheManager(2, 2**30, max_model_len=2**31 - 1)
+    assert (top.block_size, top.max_model_len, top.max_blocks_per_seq) == (2**30, 2**31 - 1, 1)
 
 
 @pytest.mark.parametrize("seed", [-(2**63), 2**63 - 1])
