@@ -169,10 +169,14 @@ class BlockPool:
         is reported as one BlockStored (its parent hash, its tokens). Raises ValueError
         (nothing changed) unless there is one hash and `block_size` tokens per block and
         every block is this pool's, not the null block and held (a free block's contents
-        are nobody's; validate=False skips these checks, for an owner that passes only
-        blocks it holds, with their hashes and tokens).
+        are nobody's), and `block_size` an int >= 1 (validate=False skips these checks,
+        for an owner that passes only blocks it holds, with their hashes and tokens).
         """
         if validate:
+            size = as_int(block_size)  # 2.0 used to raise TypeError after caching blocks
+            if size is None or size < 1:
+                raise ValueError(f"cache_full_blocks: {block_size=} must be an int >= 1")
+            block_size = size
             if len(block_hashes) != len(blocks) or len(token_ids) != len(blocks) * block_size:
                 raise ValueError(
                     f"cache_full_blocks: {len(blocks)} blocks need as many block_hashes "

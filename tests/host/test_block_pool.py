@@ -242,6 +242,26 @@ def test_bad_input_raises_and_changes_nothing(call, match):
     pool.check_integrity({1: 1, 2: 1})
 
 
+@pytest.mark.parametrize("block_size", [2.0, 0, None])
+def test_cache_full_blocks_refuses_a_block_size_that_is_no_int_before_caching(block_size):
+    # 2.0 passed the length check (2.0 == 2) and cached the block, then slicing the event's
+    # tokens raised TypeError: the block stayed cached with no BlockStored to report it.
+    pool = BlockPool(4, enable_events=True)
+    blocks = pool.get_new_blocks(1)
+    with pytest.raises(ValueError, match="cache_full_blocks: block_size=.* must be an int >= 1"):
+        pool.cache_full_blocks(
+            blocks, [root_hash(7)], parent_block_hash=None, token_ids=[1, 2],
+            block_size=block_size, adapter_id=None,
+        )  # fmt: skip
+    assert blocks[0].block_hash is None and not pool.cached_block_hash_to_block
+    assert pool.take_events() == []
+    pool.cache_full_blocks(
+        blocks, [root_hash(7)], parent_block_hash=None, token_ids=[1, 2],
+        block_size=np.int64(2), adapter_id=None,
+    )  # fmt: skip
+    assert [e.block_size for e in pool.take_events()] == [2]
+
+
 def test_touch_takes_blocks_from_a_generator():
     pool = _pool_with_cached_block()  # the check used to consume it: nothing was touched
     pool.touch(b for b in pool.blocks[3:4])
