@@ -62,9 +62,13 @@ def hash_block_tokens(
 
     The encoding is canonical: parent digest, token count, tokens as little-endian int64,
     then each extra key as length-prefixed UTF-8, so no two distinct inputs share bytes.
+    Raises ValueError unless the tokens are ints (not bools) that fit in int64 and
+    `extra_keys` a tuple of str encodable as UTF-8 (one str would be read as its letters).
     """
     if len(parent_hash) != HASH_NUM_BYTES:
         raise ValueError(f"{len(parent_hash)=} must be {HASH_NUM_BYTES}")
+    if type(extra_keys) is not tuple or not all(map(is_hash_key, extra_keys)):
+        raise ValueError(f"extra_keys={extra_keys!r} must be a tuple of str encodable as UTF-8")
     n = len(token_ids)
     try:
         if bool in set(map(type, token_ids)):  # struct packs True as 1
@@ -92,8 +96,9 @@ def extend_block_hashes(
     `block_hashes` must hold the hashes of the first len(block_hashes) blocks of
     `token_ids` (computed with the same block size, seed and keys). Returns the list.
     Equal to chaining hash_block_tokens block by block (one digest call per block).
-    Raises ValueError, changing nothing, unless `block_size` is an int >= 1 and the
-    tokens hashed are ints (a bool is not) that fit in int64. `tokens_checked`: the
+    Raises ValueError, changing nothing, unless `block_size` is an int >= 1, the
+    tokens hashed are ints (a bool is not) that fit in int64 and `adapter_id` and
+    `cache_salt` are None or str encodable as UTF-8. `tokens_checked`: the
     caller has refused bools already (a Request's tokens), so they are not looked for.
     """
     if type(block_size) is not int or block_size < 1:
@@ -105,7 +110,12 @@ def extend_block_hashes(
     if num_full <= start:
         return block_hashes
     parent = block_hashes[-1] if block_hashes else root_hash(seed)
-    count, first, later = _block_encoding(block_size, adapter_id, cache_salt)
+    try:
+        count, first, later = _block_encoding(block_size, adapter_id, cache_salt)
+    except (TypeError, UnicodeEncodeError):  # named here, not on the common path
+        check_hash_key("adapter_id", adapter_id)
+        check_hash_key("cache_salt", cache_salt)
+        raise
     # All new blocks' tokens packed in one call; each digest starts from a copy of an
     # empty 16-byte BLAKE2b state (cheaper than parsing digest_size on every block).
     lo, width = start * block_size, block_size * 8

@@ -116,6 +116,24 @@ def test_bool_tokens_are_refused_as_a_request_refuses_them(token):
     assert hashes == extend_block_hashes([], [1, 2], 2)  # nothing appended
 
 
+@pytest.mark.parametrize("name", ["adapter_id", "cache_salt"])
+@pytest.mark.parametrize("key", [5, b"x", ["x"], "\ud800"])
+def test_extend_names_a_key_that_cannot_be_hashed(name, key):
+    # TypeError ("can only concatenate str"), "unhashable type" or UnicodeEncodeError
+    # used to name neither argument.
+    hashes = extend_block_hashes([], [1, 2], 2)
+    with pytest.raises(ValueError, match=f"{name}="):
+        extend_block_hashes(hashes, [1, 2, 3, 4], 2, **{name: key})
+    assert hashes == extend_block_hashes([], [1, 2], 2)
+
+
+@pytest.mark.parametrize("extra_keys", ["ab", ["a"], (5,), ("\ud800",)])
+def test_hash_block_tokens_takes_a_tuple_of_keys_only(extra_keys):
+    # "ab" was hashed as the keys ("a", "b"); 5 raised AttributeError.
+    with pytest.raises(ValueError, match="extra_keys=.* must be a tuple of str"):
+        hash_block_tokens(root_hash(0), [1], extra_keys)
+
+
 @pytest.mark.parametrize("block_size", [0, -2, 2.0, "2", True, None])
 def test_extend_refuses_a_block_size_that_is_no_positive_int(block_size):
     # 0 raised ZeroDivisionError and -2 answered "no full block" without a word.
