@@ -13,7 +13,12 @@ def checked_request_ids(request_ids: str | Iterable[str]) -> list[str]:
         return [request_ids]
     if isinstance(request_ids, (bytes, bytearray)) or not isinstance(request_ids, Iterable):
         raise ValueError(f"{request_ids=} must be a request id (a str) or an iterable of them")
-    ids = list(request_ids)
+    try:
+        ids = list(request_ids)
+    except TypeError:  # iterable by its type only: a 0-d numpy array, np.array("a")
+        raise ValueError(
+            f"{request_ids=} must be a request id (a str) or an iterable of them"
+        ) from None
     wrong = [rid for rid in ids if not isinstance(rid, str)]
     if wrong:
         raise ValueError(

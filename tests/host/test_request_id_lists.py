@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jaxkv.request_id_lists import checked_request_ids
@@ -22,6 +23,8 @@ def test_one_id_or_an_iterable_of_ids_in_order():
         ([b"a"], "holds b'a' \\(bytes\\)"),
         (b"ab", "must be a request id"),
         (5, "must be a request id"),
+        # Iterable by its type, not by its value: numpy's TypeError named nothing.
+        (np.array("a"), "request_ids=array\\('a'.* must be a request id"),
     ],
 )
 def test_an_item_that_is_no_id_refuses_the_whole_list(ids, match):
