@@ -9,7 +9,8 @@ decode case, are written to the block table in one call.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from operator import add, attrgetter, gt
 from typing import TYPE_CHECKING
 
@@ -103,9 +104,12 @@ def allocate_slots_batch(
 def _as_list(name: str, values) -> list:
     """`values` as a list (a generator is read once); ValueError naming `name` unless it
     is iterable (None or one Request raised TypeError, a generator of requests was used
-    up by the type check and then read as empty)."""
+    up by the type check and then read as empty) and ordered (a set's order is not the
+    one it was written in: {4, 1} paired 1 with the first request)."""
     if type(values) is list:
         return values
+    if isinstance(values, (AbstractSet, Mapping)):
+        raise ValueError(f"{name}={values!r} must be a sequence (a set or mapping has no order)")
     try:
         return list(values)
     except TypeError:

@@ -326,8 +326,8 @@ class KVCacheManager:
         One difference from the calls one by one: all fresh blocks are taken (evicting
         their cached hashes) before any block is cached, so a filled block whose hash
         only an evicted block carried is cached here, where one by one it would have
-        stayed uncached as a duplicate. Raises ValueError (nothing changed) on a count that
-        is not an int >= 0 (request.num_computed_tokens included), a
+        stayed uncached as a duplicate. Raises ValueError (nothing changed) on a set or
+        mapping (no order), a count that is not an int >= 0 (num_computed_tokens too), a
         request.num_computed_tokens beyond the request's tokens or the blocks it holds, a
         repeated request id, an unknown request or a non-Request, one that would pass
         max_model_len, or a Request whose id holds blocks allocated for another Request

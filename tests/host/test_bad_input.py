@@ -197,6 +197,13 @@ def test_batch_allocation_reads_any_iterable_once_and_refuses_the_rest_by_name(b
         with pytest.raises(ValueError, match=f"{name}.* must be a sequence"):
             busy.allocate_slots_batch(requests, counts)
     _assert_unchanged(busy, before)
+    # Unordered: {4, 1} iterates as [1, 4], pairing 1 with a and 4 with b, without a word.
+    for requests, counts, name in (([a, b], {4, 1}, "num_new_tokens="), ({a}, [1], "requests=")):
+        with pytest.raises(ValueError, match=f"{name}.* must be a sequence \\(a set or mapping"):
+            busy.allocate_slots_batch(requests, counts)
+    with pytest.raises(ValueError, match="num_new_tokens=.* must be a sequence"):
+        busy.allocate_slots_batch([a, b], {3: "a", 2: "b"})
+    _assert_unchanged(busy, before)
     assert busy.allocate_slots_batch((r for r in (a, b)), (n for n in (3, 2)))
     ref = KVCacheManager(12, 4, max_model_len=16)
     for rid, tokens in (("a", range(9)), ("b", [*range(4), 50, 51]), ("gone", range(100, 105))):
