@@ -8,7 +8,8 @@ blocks, and shared prefixes are read from `prefix_ids` (jaxkv.prefix_index).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from operator import itemgetter
 
 import numpy as np
@@ -104,6 +105,8 @@ class HostBlockTable:
             ids = request_ids
         elif isinstance(request_ids, str):  # list("ab") would be the ids "a" and "b"
             raise ValueError(f"{request_ids=} must be a sequence of request ids, not one str")
+        elif isinstance(request_ids, (AbstractSet, Mapping)):  # rows in no order one knows
+            raise ValueError(f"{request_ids=} must be a sequence of ids, not a set or mapping")
         else:
             try:
                 ids = list(request_ids)

@@ -250,6 +250,9 @@ def test_one_str_is_not_a_list_of_ids():
     assert m.num_common_prefix_blocks(["a", "b"]) == 2
     for call in (m.num_common_prefix_blocks, m.rows_of, m.num_blocks_of):
         _refused(m, lambda call=call: call("ab"), "must be a sequence of request ids")
+        # Nor a set or a dict: its rows came back in an order the caller cannot know.
+        for unordered in ({"b", "a"}, frozenset("ab"), dict.fromkeys("ba")):
+            _refused(m, lambda call=call, u=unordered: call(u), "not a set or mapping")
 
     assert m.holds_row("a") and not m.holds_row("c")
     with pytest.raises(ValueError, match=r"request_id=\[\] must be a request id"):
