@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from jaxkv.field_checks import as_int, bool_fields
 from jaxkv.free_block_queue import FreeKVCacheBlockQueue
-from jaxkv.hashing import BlockHash
+from jaxkv.hashing import HASH_NUM_BYTES, BlockHash
 from jaxkv.kv_cache_block import KVCacheBlock
 
 __all__ = [
@@ -169,7 +169,8 @@ class BlockPool:
         is reported as one BlockStored (its parent hash, its tokens). Raises ValueError
         (nothing changed) unless there is one hash and `block_size` tokens per block and
         every block is this pool's, not the null block and held (a free block's contents
-        are nobody's), and `block_size` an int >= 1 (validate=False skips these checks,
+        are nobody's), each hash (the parent too) is a 16-byte BlockHash, `adapter_id` is
+        None or a str and `block_size` an int >= 1 (validate=False skips these checks,
         for an owner that passes only blocks it holds, with their hashes and tokens).
         """
         if validate:
@@ -184,9 +185,15 @@ class BlockPool:
                     f"(got {len(token_ids)})"
                 )
             self._check_own("blocks", blocks)
-            bad = [h for h in block_hashes if type(h) is not bytes][:1]
-            if bad:  # None was cached as a key; a list raised TypeError midway
+            # None was cached as a key, a list raised TypeError midway; a parent or adapter
+            # id of the wrong kind went into the BlockStored events unchecked.
+            bad = [h for h in block_hashes if not _is_block_hash(h)][:1]
+            if bad:
                 raise ValueError(f"cache_full_blocks: block hash {bad[0]!r} is no BlockHash")
+            if parent_block_hash is not None and not _is_block_hash(parent_block_hash):
+                raise ValueError(f"cache_full_blocks: {parent_block_hash=} is no BlockHash")
+            if adapter_id is not None and not isinstance(adapter_id, str):
+                raise ValueError(f"cache_full_blocks: {adapter_id=} must be None or a str")
             free = [b.block_id for b in blocks if b.ref_cnt == 0]
             if free:
                 raise ValueError(f"cache_full_blocks: blocks {free} are free (held by nobody)")
@@ -329,6 +336,10 @@ class BlockPool:
         if holder_counts is not None:
             unknown = set(holder_counts) - set(range(1, self.num_blocks))
             _check(not unknown, f"holders reference invalid block ids {sorted(unknown)[:8]}")
+
+
+def _is_block_hash(value) -> bool:
+    return type(value) is bytes and len(value) == HASH_NUM_BYTES
 
 
 def _check(condition: bool, message: str) -> None:

@@ -213,8 +213,30 @@ def _pool_state(pool: BlockPool) -> tuple:
                 ),
                 re.escape(f"block hash {bad!r} is no BlockHash"),
             )
-            for bad in (None, [])
+            for bad in (None, [], b"x", bytes(17))  # a hash is 16 bytes
         ],
+        (
+            lambda p: p.cache_full_blocks(
+                p.blocks[2:3],
+                [root_hash(7)],
+                parent_block_hash="root",  # reached the BlockStored event as it was
+                token_ids=[1, 2],
+                block_size=2,
+                adapter_id=None,
+            ),
+            "parent_block_hash='root' is no BlockHash",
+        ),
+        (
+            lambda p: p.cache_full_blocks(
+                p.blocks[2:3],
+                [root_hash(7)],
+                parent_block_hash=None,
+                token_ids=[1, 2],
+                block_size=2,
+                adapter_id=5,
+            ),
+            "adapter_id=5 must be None or a str",
+        ),
         (
             lambda p: p.cache_full_blocks(
                 [BlockPool(5).get_new_blocks(1)[0]],  # held, but by another pool
