@@ -281,7 +281,10 @@ class BlockPool:
     def _check_own(self, name: str, blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
         """`blocks` as a list; ValueError naming `name` unless every block is this pool's
         and not the null block."""
-        blocks, pool = list(blocks), self.blocks
+        try:
+            blocks, pool = list(blocks), self.blocks
+        except TypeError:  # None, one block, a number: "not iterable" named nothing
+            raise ValueError(f"{name}={blocks!r} must be an iterable of blocks") from None
         for block in blocks:
             block_id = getattr(block, "block_id", None)
             if (

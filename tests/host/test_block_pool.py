@@ -250,6 +250,9 @@ def _pool_state(pool: BlockPool) -> tuple:
         ),
         # It used to uncache block 1, then fail on "junk" with no epoch bump or event.
         (lambda p: p.uncache_blocks([p.blocks[1], "junk"]), "blocks: 'junk' is the null block"),
+        (lambda p: p.touch(p.blocks[3]), "blocks=KVCacheBlock.* must be an iterable"),
+        (lambda p: p.uncache_blocks(None), "blocks=None must be an iterable of blocks"),
+        (lambda p: p.free_blocks(2), "ordered_blocks=2 must be an iterable of blocks"),
         (lambda p: p.get_new_blocks(-1), "get_new_blocks: n=-1 must be an int >= 0"),
         (lambda p: p.get_new_blocks(True), "get_new_blocks: n=True must be an int >= 0"),
         (lambda p: p.get_new_blocks(3), "n=3 exceeds num_free_blocks=2"),
