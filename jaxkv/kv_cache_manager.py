@@ -77,8 +77,7 @@ class KVCacheManager:
         self.pool = BlockPool(
             num_blocks, enable_caching=enable_prefix_caching, enable_events=enable_kv_cache_events
         )
-        # No more than the pool holds: max_model_len=2**31 - 1 at block size 1 made each
-        # block-table row 2**31 columns wide (a 384 GiB table for an 8-block pool).
+        # Capped by the pool: uncapped, max_model_len=2**31-1 gave an 8-block pool 384 GiB rows.
         self.max_blocks_per_seq = min(-(-max_model_len // block_size), num_blocks - 1)
         self._blocks: dict[str, list[KVCacheBlock]] = {}  # req_id -> held blocks, in order
         # The Request object each id's blocks were allocated for (another object reusing a
