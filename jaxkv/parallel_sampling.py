@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from jaxkv.request import Request
 from jaxkv.sampling_params import SamplingParams
+from jaxkv.scheduler_admission import check_fits
 
 if TYPE_CHECKING:
     from jaxkv.sampler import SamplingRows
@@ -90,7 +91,8 @@ class ParallelSamples:
     ) -> None:
         """Queues `request` (checked, new) on `scheduler` and its sampling row, or under
         n > 1 its n samples (the request itself never runs): all of them or, raising
-        ValueError when an id is in use, none. Samples keep the request's prompt, cache
+        ValueError when an id is in use or the scheduler cannot serve them, none (the
+        error names the request's id, never a sample's). Samples keep the request's prompt, cache
         salt, adapter id and arrival time (so they share its cached blocks and its place
         in the queue)."""
         params = request.sampling_params
@@ -104,8 +106,9 @@ class ParallelSamples:
             return
         ids = child_request_ids(request.request_id, n)
         taken = [rid for rid in (request.request_id, *ids) if rid in in_use]
-        if taken:
-            raise ValueError(f"request id {taken[0]!r} is already in use")
+        if taken:  # named by the caller's id: a sample's is the engine's own
+            held = "" if taken[0] == request.request_id else f" (its sample id {taken[0]!r} is)"
+            raise ValueError(f"request id {request.request_id!r} is already in use{held}")
         samples = [
             Request(
                 rid,
@@ -117,6 +120,7 @@ class ParallelSamples:
             )
             for i, rid in enumerate(ids)
         ]
+        check_fits(scheduler, samples[0], request.request_id)  # as sample 0's add would
         queued = []
         try:  # the first raises where any would (all alike but their ids, checked above)
             for sample in samples:

@@ -25,7 +25,7 @@ from jaxkv.slot_allocation import allocate_admitted, count_lookup, find_cache_hi
 if TYPE_CHECKING:
     from jaxkv.scheduler import Scheduler
 
-__all__ = ["admit_waiting", "check_new_request"]
+__all__ = ["admit_waiting", "check_fits", "check_new_request"]
 
 # _allocate_for_admission: a load in flight for another request brings this one's next
 # block; it waits (keeping its queue place) and then hits the block in the prefix cache.
@@ -35,7 +35,7 @@ _AWAITING_LOAD = -1
 def check_new_request(scheduler: Scheduler, request: Request) -> None:
     """Raises ValueError unless Scheduler.add_request may queue `request` (see there)."""
     rid = checked_request_id(request)
-    manager, max_model_len = scheduler.manager, scheduler.config.max_model_len
+    manager = scheduler.manager
     if rid in scheduler.requests:
         raise ValueError(f"request id {rid!r} is already in use")
     if manager.holds_row(rid):  # allocated on the manager directly: admission would fail
@@ -55,6 +55,15 @@ def check_new_request(scheduler: Scheduler, request: Request) -> None:
             f"request {rid!r}: sampling_params.n={request.sampling_params.n} must be 1; "
             "each sample is a request of its own (Engine.add_request fans them out)"
         )
+    check_fits(scheduler, request, rid)
+
+
+def check_fits(scheduler: Scheduler, request: Request, rid: str) -> None:
+    """Raises ValueError naming `rid` (a sample's parent request, for Engine.add_request
+    under n > 1) unless the scheduler can serve `request`: a tokenizer for its stop
+    strings or streamed text, its block hashes' config, room for output, a pool that
+    holds its KV. Its id and newness are check_new_request's."""
+    manager, max_model_len = scheduler.manager, scheduler.config.max_model_len
     params = request.sampling_params
     if scheduler.detokenizer is None and (params.stop or params.stream_text):
         field = f"stop={params.stop!r}" if params.stop else "stream_text=True"

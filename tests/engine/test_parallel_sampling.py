@@ -166,6 +166,31 @@ def test_a_prompt_too_long_for_any_sample_queues_none():
     assert engine.scheduler.requests == {} and len(engine._samples) == 0
 
 
+@pytest.mark.parametrize(
+    ("prompt", "params", "match"),
+    [
+        (list(range(64)), SamplingParams(n=2), r"request 'x': 64 prompt tokens leave no room"),
+        (PROMPT, SamplingParams(n=2, stop=["a"]), r"request 'x': sampling_params.stop="),
+        (PROMPT, SamplingParams(n=2, stream_text=True), r"request 'x': sampling_params.stream"),
+    ],
+)
+def test_a_refused_request_of_n_samples_is_named_by_its_own_id_not_a_samples(prompt, params, match):
+    """The refusal used to name sample 0's id "0_x", an id the caller never gave."""
+    engine = make_engine()
+    with pytest.raises(ValueError, match=match) as refused:
+        engine.add_request(prompt, params, request_id="x")
+    assert "0_x" not in str(refused.value)
+    assert engine.scheduler.requests == {} and len(engine._samples) == 0
+
+
+def test_an_id_whose_sample_id_is_in_use_is_refused_by_its_own_id():
+    engine = make_engine()
+    engine.add_request(PROMPT, SamplingParams(max_tokens=2), request_id="1_y")
+    match = r"^request id 'y' is already in use \(its sample id '1_y' is\)"
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(PROMPT, SamplingParams(max_tokens=2, n=2), request_id="y")
+
+
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "2", None])
 def test_a_bad_n_is_refused_naming_the_field(value):
     with pytest.raises(ValueError, match=rf"n={value!r} must be an int >= 1"):

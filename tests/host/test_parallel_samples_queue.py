@@ -3,6 +3,8 @@ n > 1 request may not take, what a failed queue leaves, and seeds that stay apar
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from jaxkv.parallel_sampling import ParallelSamples, child_default_seed
@@ -10,6 +12,11 @@ from jaxkv.request import Request, SamplingParams
 
 
 class FakeScheduler:
+    # What check_fits reads: room for any request of the tests.
+    manager = SimpleNamespace(block_size=4, hash_seed=0, pool=SimpleNamespace(num_blocks=64))
+    config = SimpleNamespace(max_model_len=64)
+    detokenizer = None
+
     def __init__(self, fail_on: str | None = None) -> None:
         self.requests: dict[str, Request] = {}
         self.fail_on = fail_on
