@@ -30,8 +30,9 @@ class Replica(Protocol):
     add_request must return the id it was asked to queue; when it raises, or returns
     another, the router aborts that id on the replica before the error propagates (it
     may have been queued).
-    has_unfinished_requests and has_pending_transfers must return bools, ids_in_use be
-    a container. abort is called after the replica acted: an answer other than a bool
+    has_unfinished_requests, has_pending_transfers and reset_prefix_cache must return
+    bools (reset_prefix_cache's is checked once every replica has been asked), ids_in_use
+    be a container. abort is called after the replica acted: an answer other than a bool
     is read by its truth, with a logged warning naming it.
     """
 

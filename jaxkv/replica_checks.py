@@ -80,6 +80,29 @@ class CheckedReplicas:
                 held.append(ids)
         return held
 
+    def reset_prefix_caches(self, emptied: Callable[[int], None]) -> bool:
+        """Calls reset_prefix_cache() of every replica that has it, and `emptied(index)`
+        for each that answers True; returns whether every replica did. Each acts before
+        it answers, so every one is asked before a ValueError names the first whose
+        answer is no bool (that replica's emptied() is not called)."""
+        everyone, first = True, None
+        for index, replica in enumerate(self._replicas):
+            reset = getattr(replica, "reset_prefix_cache", None)
+            answer = False if reset is None else reset()
+            if not isinstance(answer, (bool, np.bool_)):
+                first = first or f"{replica_name(index, replica)} returned {_shown(answer)}"
+                everyone = False
+            elif answer:
+                emptied(index)
+            else:
+                everyone = False
+        if first is not None:
+            raise ValueError(
+                f"reset_prefix_cache() of {first}; expected a bool (that replica's routes "
+                "are kept; every replica was asked to reset)"
+            )
+        return everyone
+
     def add_request(
         self,
         index: int,

@@ -145,16 +145,10 @@ class PrefixAwareRouter(Closable):
         prefixes routed to each replica that emptied its own; True if every replica did.
         A replica that refuses (one of its requests holds blocks), or that has no
         reset_prefix_cache method, keeps its cache and its routes. Raises RuntimeError
-        after close()."""
+        after close(), and ValueError naming a replica whose answer is no bool (it keeps
+        its routes; every replica is reset first, as each acts before it answers)."""
         self._check_open()
-        emptied = True
-        for index, replica in enumerate(self.replicas):
-            reset = getattr(replica, "reset_prefix_cache", None)
-            if reset is not None and reset():
-                self._routes.forget_replica(index)
-            else:
-                emptied = False
-        return emptied
+        return self._checked.reset_prefix_caches(self._routes.forget_replica)
 
     # --------------------------------------------------------------- requests
 

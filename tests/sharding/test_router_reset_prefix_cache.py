@@ -4,6 +4,9 @@ both. Over fake replicas (tests/sharding/test_router.py's), without engines or j
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 
 from jaxkv.prefix_routes import PrefixRoutes
@@ -111,3 +114,42 @@ def test_the_sizes_routes_are_keyed_by_are_read_only_and_checked_by_the_table():
         kwargs = dict(block_size=BLOCK, max_prefix_blocks=1, max_tracked_prefixes=1, hash_seed=0)
         with pytest.raises(ValueError, match=f"{list(bad)[0]}="):
             PrefixRoutes(**(kwargs | bad))
+
+
+class AnsweringReplica(ResettingReplica):
+    """Resets, then answers `answer` (a third-party replica's non-bool)."""
+
+    def __init__(self, index: int, answer: object) -> None:
+        super().__init__(index)
+        self.answer = answer
+
+    def reset_prefix_cache(self):
+        super().reset_prefix_cache()
+        return self.answer
+
+
+@pytest.mark.parametrize("answer", [None, "yes", 1, [True]])
+def test_a_reset_answer_that_is_no_bool_is_refused_after_every_replica_was_asked(answer):
+    """It was read by its truth: None and 0 counted as a refusal, "yes" or a list as an
+    emptied cache, with no word of the broken replica."""
+    replicas = [AnsweringReplica(0, answer), ResettingReplica(1)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    prompts = [_prompt(0), _prompt(100)]
+    assert [router.replica_of(router.add_request(p)) for p in prompts] == [0, 1]
+    while router.has_unfinished_requests():
+        router.step()
+    with pytest.raises(
+        ValueError,
+        match=rf"reset_prefix_cache\(\) of replicas\[0\] \(AnsweringReplica\) returned "
+        rf"{re.escape(repr(answer))}; expected a bool",
+    ):
+        router.reset_prefix_cache()
+    assert [r.resets for r in replicas] == [1, 1]  # replica 1 was asked all the same
+    assert router.route(prompts[0]) == Route(0, 2)  # unknown: kept
+    assert router.route(prompts[1]).matched_blocks == 0
+
+
+def test_a_numpy_bool_reset_answer_is_a_bool():
+    replicas = [AnsweringReplica(0, np.bool_(True))]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    assert router.reset_prefix_cache() is True
