@@ -13,8 +13,8 @@ from jaxkv.field_checks import is_real
 
 class Closable:
     """`closed`, `_check_open()` (RuntimeError once closed, or inside a call of a method
-    wrapped by one_at_a_time; `_check_not_running()` only the latter) and `with`
-    support: leaving the block calls close(). A subclass defines close() and sets
+    wrapped by one_at_a_time or no_reentry; `_check_not_running()` only the latter) and
+    `with` support: leaving the block calls close(). A subclass defines close() and sets
     `_closed` in it."""
 
     _closed = False
@@ -54,10 +54,20 @@ def one_at_a_time(method):
     every _check_open() call on the object refuse while it runs: a callback it makes (a
     tokenizer's decode during a step) cannot step, abort or add requests halfway through
     its bookkeeping."""
+    return _one_at_a_time(method, "_check_open")
 
+
+def no_reentry(method):
+    """As one_at_a_time, but open after close too (PrefixAwareRouter.abort: a caller's
+    cleanup may abort its ids after close): only a call from inside it, or from inside
+    another method wrapped by either, is refused."""
+    return _one_at_a_time(method, "_check_not_running")
+
+
+def _one_at_a_time(method, check: str):
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        self._check_open()
+        getattr(self, check)()
         self._running = method.__name__
         try:
             return method(self, *args, **kwargs)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxkv.closable import Closable, checked_timeout, step_until_landed
+from jaxkv.closable import Closable, checked_timeout, no_reentry, one_at_a_time, step_until_landed
 from jaxkv.completion import checked_drivers, generate_progress_bar, run_to_completion
 from jaxkv.engine_replicas import engine_replicas as engine_replicas  # its former home
 from jaxkv.field_checks import as_int
@@ -59,9 +59,11 @@ class PrefixAwareRouter(Closable):
     and the samples still running when it is aborted; so add, step and abort through the
     router only (a request added to a replica directly is not counted, and its outputs
     make step() raise; one aborted there counts until the router's abort). Not
-    thread-safe. Replicas should sample with different default seeds (engine_replicas
-    sees to it): otherwise unseeded sampled requests on two replicas can draw the same
-    tokens.
+    thread-safe; a call back into the router from inside its add_request, step, abort,
+    drain_transfers or reset_prefix_cache (a replica's tokenizer, a proxy's callback)
+    raises RuntimeError, changing nothing. Replicas should sample with different default
+    seeds (engine_replicas sees to it): otherwise unseeded sampled requests on two
+    replicas can draw the same tokens.
     """
 
     def __init__(
@@ -140,6 +142,7 @@ class PrefixAwareRouter(Closable):
             return Route(least, 0)
         return Route(replica, matched)
 
+    @one_at_a_time
     def reset_prefix_cache(self) -> bool:
         """Empties every replica's prefix cache (Engine.reset_prefix_cache) and forgets the
         prefixes routed to each replica that emptied its own; True if every replica did.
@@ -147,11 +150,11 @@ class PrefixAwareRouter(Closable):
         reset_prefix_cache method, keeps its cache and its routes. Raises RuntimeError
         after close(), and ValueError naming a replica whose answer is no bool (it keeps
         its routes; every replica is reset first, as each acts before it answers)."""
-        self._check_open()
         return self._checked.reset_prefix_caches(self._routes.forget_replica)
 
     # --------------------------------------------------------------- requests
 
+    @one_at_a_time
     def add_request(
         self,
         prompt_token_ids: Sequence[int] | np.ndarray,
@@ -169,7 +172,6 @@ class PrefixAwareRouter(Closable):
         params) leaves the router unchanged, the next generated id included. When the
         replica raises, or returns another id (ValueError naming it), the id is aborted
         on it first, in case it was queued there."""
-        self._check_open()
         if request_id is not None and not (isinstance(request_id, str) and request_id):
             # abort() and close() take only str ids: a replica that queued an int id would
             # leave a request the router can never abort, and a close() that always raises.
@@ -219,6 +221,7 @@ class PrefixAwareRouter(Closable):
         rewinds = [r.queue_checkpoint() for r in self.replicas if hasattr(r, "queue_checkpoint")]
         return rewind_together([rewind_ids, *rewinds], then=lambda: self._routes.restore(routes))
 
+    @no_reentry
     def abort(self, request_ids: str | Iterable[str]) -> bool:
         """Aborts an unfinished request, or each of an iterable of them, on its replica
         (under n > 1 each of its running samples; a sample's own id, "i_<id>", aborts that
@@ -277,6 +280,7 @@ class PrefixAwareRouter(Closable):
         Raises ValueError naming a replica whose has_unfinished_requests is no bool."""
         return bool(self._undelivered) or any(map(self._checked.unfinished, self._indices))
 
+    @one_at_a_time
     def step(self) -> list[RequestOutput]:
         """One step of every replica with unfinished requests or KV copies in flight (an
         idle one's step collects its copies, freeing their blocks and ids), in replica order.
@@ -290,7 +294,6 @@ class PrefixAwareRouter(Closable):
         jaxkv.replica.Replica) counts as one that raised: ValueError naming it, its
         outputs that pass kept with those before it, the others dropped.
         """
-        self._check_open()
         outputs, self._undelivered = self._undelivered, []
         checked = self._checked
         try:
@@ -317,6 +320,7 @@ class PrefixAwareRouter(Closable):
         (replicas without a `has_pending_transfers` method have none)."""
         return any(map(self._checked.pending, self._indices))
 
+    @one_at_a_time
     def drain_transfers(self, timeout_s: float = 60.0) -> None:
         """Steps replicas until every KV copy in flight has landed; see Engine.drain_transfers.
 
@@ -326,7 +330,6 @@ class PrefixAwareRouter(Closable):
         ValueError as jaxkv.closable.step_until_landed does: copies that landed within
         `timeout_s` are collected, under timeout_s=0 too.
         """
-        self._check_open()
 
         def step() -> bool:
             stepped = False
@@ -371,6 +374,7 @@ class PrefixAwareRouter(Closable):
         """
         if self._closed:
             return
+        self._check_not_running()
         timeout_s = checked_timeout(timeout_s)  # before any request is aborted
         self._finished_from(self._undelivered)  # dropped: their finished requests released
         self._undelivered = []
