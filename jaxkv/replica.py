@@ -26,7 +26,9 @@ class Replica(Protocol):
     none after the output that finished its request, a finished one with its
     finish_reason, a finish_reason without finished only on a sample's output
     (SamplingParams.n > 1). The outputs that pass are kept for the router's next step(),
-    with those of the replicas stepped before it, and the rest dropped.
+    with those of the replicas stepped before it, and the rest dropped. Outputs of
+    requests the router does not hold (added to the replica directly, or released after
+    their finish) are dropped without an error.
     add_request must return the id it was asked to queue; when it raises, or returns
     another, the router aborts that id on the replica before the error propagates (it
     may have been queued).

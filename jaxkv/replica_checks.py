@@ -47,11 +47,18 @@ class CheckedReplicas:
     sequences each runs for the router: those its step() may report. A request's
     sequence of sample index i is keyed `request_id` for i = 0 (a request of one sample
     has only that one) and `(request_id, i)` for the others (SamplingParams.n).
-    `is_parent` tells a request of n > 1 with a sample still running."""
+    `is_parent` tells a request of n > 1 with a sample still running; `held` holds the
+    ids of the router's unfinished requests, on any replica (a live view)."""
 
-    def __init__(self, replicas: Sequence[Replica], is_parent: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        is_parent: Callable[[str], bool],
+        held: Container[str],
+    ) -> None:
         self._replicas = replicas
         self._is_parent = is_parent
+        self._held = held
         self._running: list[set[str | tuple[str, int]]] = [set() for _ in replicas]
 
     def unfinished(self, index: int) -> bool:
@@ -169,8 +176,10 @@ class CheckedReplicas:
         tuple) of RequestOutput, each of a sequence the replica runs, none twice or after
         the output that finished its request, each finished one with a finish_reason,
         and a finish_reason without finished only on a sample's (`is_parent` of its
-        request). Otherwise appends the outputs that are, and raises ValueError naming
-        the first that is not."""
+        request). Outputs of requests not `held` (added to the replica directly, or
+        released) are dropped: they reach no caller and change nothing. Otherwise
+        appends the outputs that pass, and raises ValueError naming the first that
+        does not."""
         replica = self._replicas[index]
         result = replica.step()
         if type(result) is list and self._fits(index, result):
@@ -179,12 +188,16 @@ class CheckedReplicas:
         name = f"{replica_name(index, replica)}.step()"
         if not isinstance(result, (list, tuple)):
             raise ValueError(f"{name} returned {_shown(result)}; expected a list")
+        ours = [o for o in result if not self._unheld(o)]
+        if len(ours) < len(result) and self._fits(index, ours):
+            outputs.extend(ours)
+            return
         running = self._running[index]
         kept: list[RequestOutput] = []
         seen: set[str | tuple[str, int]] = set()
         finished: set[str] = set()
         first = None
-        for o in result:
+        for o in ours:
             problem = _problem(o, running, seen, finished, self._is_parent)
             if problem is None:
                 kept.append(o)
@@ -199,6 +212,14 @@ class CheckedReplicas:
                 f"{name} returned {first} ({len(result) - len(kept)} of its {len(result)} "
                 "outputs dropped, the rest kept for the router's next step())"
             )
+
+    def _unheld(self, o: object) -> bool:
+        """Whether `o` is an output of a request the router does not hold."""
+        return (
+            isinstance(o, RequestOutput)
+            and isinstance(o.request_id, str)
+            and o.request_id not in self._held
+        )
 
     def _fits(self, index: int, result: list) -> bool:
         """Whether `result` passes step's checks: passes of C over it, and a loop over its
@@ -299,8 +320,8 @@ def _problem(
         return f"{what} twice"
     if key not in running:
         return (
-            f"{what}, a sequence it does not run for the router (never sent to it, "
-            "sent to another replica, finished or aborted)"
+            f"{what}, a sequence it does not run for the router (sent to another "
+            "replica, or one that ended)"
         )
     if o.finished and o.finish_reason is None:
         return f"{what}: finished without a finish_reason"

@@ -58,10 +58,10 @@ class PrefixAwareRouter(Closable):
     1 without params), -1 when step() returns the output that says one sample finished,
     and the samples still running when it is aborted; so add, step and abort through the
     router only (a request added to a replica directly is not counted, and its outputs
-    make step() raise; one aborted there counts until the router's abort). Not
-    thread-safe; a call back into the router from inside its add_request, step, abort,
-    drain_transfers or reset_prefix_cache (a replica's tokenizer, a proxy's callback)
-    raises RuntimeError, changing nothing. Replicas should sample with different default
+    are dropped; one aborted there counts until the router's abort). Not thread-safe; a
+    call back into the router from inside its add_request, step, abort, drain_transfers
+    or reset_prefix_cache (a replica's tokenizer, a proxy's callback) raises
+    RuntimeError, changing nothing. Replicas should sample with different default
     seeds (engine_replicas sees to it): otherwise unseeded sampled requests on two
     replicas can draw the same tokens.
     """
@@ -84,7 +84,7 @@ class PrefixAwareRouter(Closable):
         self._replica_of: dict[str, int] = {}  # request_id -> replica, while unfinished
         self._queued: dict[str, object] = {}  # request_id -> a token new to each queueing
         self._samples = RunningSamples()  # of requests of n > 1
-        self._checked = CheckedReplicas(self.replicas, self._samples.is_parent)
+        self._checked = CheckedReplicas(self.replicas, self._samples.is_parent, self._replica_of)
         self._undelivered: list[RequestOutput] = []  # gathered by a step() that raised
         self._serials = RequestSerials("dp-")  # of generated ids
 
@@ -290,9 +290,10 @@ class PrefixAwareRouter(Closable):
         finished request is released (its id free, its replica's count down) once its
         finishing output is returned, so a kept output never reaches a later request
         of its id. A replica's step() that returns what the router cannot deliver (an
-        output of a request it did not send there, or of one that finished; see
+        output of a request it sent another replica, or of one that finished; see
         jaxkv.replica.Replica) counts as one that raised: ValueError naming it, its
-        outputs that pass kept with those before it, the others dropped.
+        outputs that pass kept with those before it, the others dropped. Outputs of
+        requests the router does not hold (added to a replica directly) are dropped.
         """
         outputs, self._undelivered = self._undelivered, []
         checked = self._checked

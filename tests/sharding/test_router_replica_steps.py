@@ -1,8 +1,10 @@
 """PrefixAwareRouter over a replica whose step() answers what the router cannot deliver: an
-output of a request it did not send there, one reported twice or after its request
-finished, a finish without its reason, no list of RequestOutput. Each raises ValueError
-naming the replica, step() and the output; the outputs that pass, and those of the
-replicas stepped before it, reach the caller once, on the next step()."""
+output of a request the router sent another replica, one reported twice or after its
+request finished, a finish without its reason, no list of RequestOutput. Each raises
+ValueError naming the replica, step() and the output; the outputs that pass, and those
+of the replicas stepped before it, reach the caller once, on the next step(). Outputs
+of requests the router does not hold (added to the replica directly, or released) are
+dropped."""
 
 from __future__ import annotations
 
@@ -52,8 +54,8 @@ def _output(request_id: str, *, finished: bool = False) -> RequestOutput:
 
 @pytest.mark.parametrize(
     "stray",
-    [_output("zz"), _output("a", finished=True), _output("b")._replace(index=1)],
-    ids=["never-sent", "another-replicas", "no-such-sample"],
+    [_output("a", finished=True), _output("b")._replace(index=1)],
+    ids=["another-replicas", "no-such-sample"],
 )
 def test_an_output_of_a_sequence_the_replica_does_not_run_is_refused(stray):
     # "a" runs on replica 0: replica 1's finish of it used to release "a" there (its id
@@ -67,6 +69,25 @@ def test_an_output_of_a_sequence_the_replica_does_not_run_is_refused(stray):
     with pytest.raises(ValueError, match="already running"):
         router.add_request([3] * BLOCK, request_id="a")
     assert _delivered(router) == [("a", True), ("b", False), ("b", False), ("b", True)]
+
+
+def test_outputs_of_a_request_added_to_a_replica_directly_are_dropped():
+    """The router never routed "direct": its outputs used to make every router step()
+    raise until it finished, holding back the outputs of the router's own requests
+    (generate aborted its prompts). They are dropped; the router's requests go on."""
+    router = _router(None)
+    router.replicas[1].add_request([5] * BLOCK, SamplingParams(max_tokens=2), request_id="zz")
+    assert _delivered(router) == [("a", True), ("b", False), ("b", False), ("b", True)]
+    assert router.replicas[1].running == {}  # stepped to its end all the same
+    with pytest.raises(KeyError):
+        router.replica_of("zz")
+
+
+@pytest.mark.parametrize("finished", [False, True])
+def test_a_stray_output_of_a_request_the_router_never_held_is_dropped(finished):
+    router = _router(lambda outputs: [*outputs, _output("zz", finished=finished)])
+    assert [(o.request_id, o.finished) for o in router.step()] == [("a", True), ("b", False)]
+    assert _delivered(router) == [("b", False), ("b", True)]
 
 
 def test_an_output_under_a_request_id_that_is_no_str_is_refused():
@@ -112,14 +133,15 @@ class _ReportsAgain(FakeReplica):
         return outputs + again
 
 
-def test_an_output_after_its_request_finished_is_refused():
+def test_an_output_after_its_request_was_released_is_dropped():
+    # "a" is released once its finish is delivered: reported again, it reaches no caller
+    # (generate counted such a finish twice), as an output of a request never routed.
     router = PrefixAwareRouter([_ReportsAgain(0)], block_size=BLOCK)
     router.add_request([1] * BLOCK, SamplingParams(max_tokens=1), request_id="a")
     router.add_request([2] * BLOCK, SamplingParams(max_tokens=3), request_id="b")
     assert [(o.request_id, o.finished) for o in router.step()] == [("a", True), ("b", False)]
-    with pytest.raises(ValueError, match=r"request 'a' .* does not run for the router"):
-        router.step()
-    assert [(o.request_id, o.finished) for o in router.step()] == [("b", False), ("b", True)]
+    assert [(o.request_id, o.finished) for o in router.step()] == [("b", False)]
+    assert [(o.request_id, o.finished) for o in router.step()] == [("b", True)]
 
 
 def test_an_output_kept_by_a_failed_step_is_not_taken_again_from_its_replica():
@@ -209,20 +231,20 @@ def test_a_samples_output_after_the_one_that_finished_its_request_is_refused():
 
 
 def test_drain_transfers_counts_the_finish_in_a_refused_step_answer():
-    # "b" finishes in a step drain_transfers takes for "a"'s copy, beside a stray output:
+    # "b" finishes in a step drain_transfers takes for "a"'s copy, and is reported twice:
     # refused, but b's finish still counts, so b is released.
     class Strays(OffloadingReplica):
         def step(self):
             outputs = super().step()
             if [(o.request_id, o.finished) for o in outputs] == [("b", True)]:
-                outputs.append(outputs[0]._replace(request_id="zz"))
+                outputs.append(outputs[0])
             return outputs
 
     router = PrefixAwareRouter([Strays(0, copy_steps=2)], block_size=BLOCK)
     router.add_request([1] * BLOCK, SamplingParams(max_tokens=1), request_id="a")
     router.add_request([2] * BLOCK, SamplingParams(max_tokens=2), request_id="b")
     assert [o.request_id for o in router.step()] == ["a", "b"]
-    with pytest.raises(ValueError, match=r"replicas\[0\] \(Strays\)\.step\(\) .*'zz'"):
+    with pytest.raises(ValueError, match=r"replicas\[0\] \(Strays\)\.step\(\) .*'b'.* after"):
         router.drain_transfers()
     assert router.num_outstanding == (0,)
     with pytest.raises(KeyError):
