@@ -74,17 +74,30 @@ def rewind_together(rewinds: Sequence[Callable[[], None]], then: Callable[[], No
     """A function that calls each of `rewinds`, then `then`, raising (changing nothing)
     where one refuses: it first calls check() on those that have it (SerialsCheckpoint),
     then calls those without it (their call is their check), and only then rewinds the
-    checked ones. Two or more without check() can be left half done by a later refusal."""
+    checked ones. Of two or more without check(), a refusal by the first still changes
+    nothing; one by a later one comes after an earlier one rewound, so the rewind is
+    completed as far as it can be (the others without check(), then the checked ones
+    and `then`) before the first refusal is raised, a note naming any further one."""
     checked = [r for r in rewinds if hasattr(r, "check")]
     unchecked = [r for r in rewinds if not hasattr(r, "check")]
 
     def rewind() -> None:
         for checkpoint in checked:
             checkpoint.check()  # raises while a request queued since is held
-        for rewind_unchecked in unchecked:  # before any change
-            rewind_unchecked()
+        refusals: list[BaseException] = []
+        for i, rewind_unchecked in enumerate(unchecked):  # before any checked change
+            try:
+                rewind_unchecked()
+            except BaseException as refusal:
+                if i == 0:
+                    raise  # nothing changed yet
+                refusals.append(refusal)
         for checkpoint in checked:
             checkpoint()
         then()
+        if refusals:
+            for later in refusals[1:]:
+                refusals[0].add_note(f"a later replica rewind also refused: {later!r}")
+            raise refusals[0]
 
     return rewind

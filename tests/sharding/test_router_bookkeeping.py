@@ -1,6 +1,7 @@
 """PrefixAwareRouter bookkeeping over fake replicas: queue checkpoints (a rewind that one
-replica refuses changes nothing), aborting several ids, and the count of a request whose
-samples (SamplingParams.n > 1) end one by one."""
+replica refuses changes nothing, unless another replica's rewind has run: then the rest
+is rewound), aborting several ids, and the count of a request whose samples
+(SamplingParams.n > 1) end one by one."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import dataclasses
 import pytest
 
 from jaxkv import SamplingParams
-from jaxkv.request_serials import RequestSerials
+from jaxkv.request_serials import RequestSerials, rewind_together
 from jaxkv.router import PrefixAwareRouter, Route
 from tests.sharding._router_util import BLOCK, FakeReplica, OffloadingReplica, make_router
 
@@ -153,6 +154,45 @@ def test_a_replica_rewind_without_a_check_is_called_before_anything_is_rewound()
     assert replicas[0].serials.next == 1
     assert router.route([1] * 2 * BLOCK) == Route(0, 2)
     assert router.add_request([3]) == "dp-1"
+
+
+def test_a_later_replica_rewind_without_a_check_that_refuses_leaves_the_rest_rewound():
+    """Replica 0's rewind (no check()) has run when replica 1's refuses: it can no longer
+    change nothing, so replica 2, the router's ids and its routes are rewound too before
+    the refusal is raised. It used to stop there, half done: replica 0 rewound, replica 2,
+    the next generated id and the routes not."""
+    replicas = [CheckpointedReplica(0), RefusingRewindReplica(1), CheckpointedReplica(2)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    rewind = router.queue_checkpoint()
+    _queue_and_abort_on_replica_0(router)
+    with pytest.raises(RuntimeError, match="replica 1 still holds one"):
+        rewind()
+    assert [replicas[0].rewinds, replicas[2].rewinds] == [1, 1]
+    assert router.route([1] * 2 * BLOCK).matched_blocks == 0
+    assert router.add_request([3]) == "dp-0"
+
+
+def test_rewind_together_raises_the_first_later_refusal_noting_the_others():
+    done = []
+
+    def ok():
+        done.append("ok")
+
+    def refuses(name):
+        def rewind():
+            raise RuntimeError(name)
+
+        return rewind
+
+    rewind = rewind_together([ok, refuses("a"), refuses("b"), ok], then=lambda: done.append(0))
+    with pytest.raises(RuntimeError) as refused:
+        rewind()
+    assert str(refused.value) == "a" and done == ["ok", "ok", 0]
+    assert refused.value.__notes__ == ["a later replica rewind also refused: RuntimeError('b')"]
+    done.clear()
+    with pytest.raises(RuntimeError, match="^b$"):  # the first refusing: nothing rewound
+        rewind_together([refuses("b"), ok], then=lambda: done.append(0))()
+    assert done == []
 
 
 def test_aborting_several_ids_aborts_every_one_after_the_first_that_was_aborted():
