@@ -362,12 +362,13 @@ class Engine(Closable):
         connector keeps what they saved, for another engine it is bound to), stops the
         copy thread and frees the KV cache's device memory.
 
-        Afterwards add_request, step, generate and drain_transfers raise RuntimeError;
-        metrics stay readable; closing again does nothing. Raises ValueError, changing
-        nothing, unless `timeout_s` is a number >= 0, and TimeoutError when the
-        copies have not landed within `timeout_s`: the engine then stays open, without
-        requests, and close can be called again. `with Engine(...) as engine:` closes it
-        on leaving the block.
+        Afterwards add_request, step, generate, drain_transfers and reset_prefix_cache
+        raise RuntimeError, and abort returns False (close aborted every request; a
+        caller's cleanup may abort its ids); metrics stay readable; closing again does
+        nothing. Raises ValueError, changing nothing, unless `timeout_s` is a number
+        >= 0, and TimeoutError when the copies have not landed within `timeout_s`: the
+        engine then stays open, without requests, and close can be called again. `with
+        Engine(...) as engine:` closes it on leaving the block.
         """
         if self._closed:
             return

@@ -369,11 +369,12 @@ class PrefixAwareRouter(Closable):
         (Engine.close: the copy thread stops, device memory is freed), all within
         `timeout_s`. Outputs that a failed step() kept for the next one are dropped.
 
-        Afterwards add_request, step, generate and drain_transfers raise RuntimeError;
-        closing again does nothing. Raises ValueError, changing nothing, unless
-        `timeout_s` is a number >= 0, and TimeoutError when the copies have not landed
-        in time (no replica is closed then) or a replica's close raises it; either way
-        the router stays open, without requests, and close can be called again.
+        Afterwards add_request, step, generate, drain_transfers and reset_prefix_cache
+        raise RuntimeError, and abort returns False (for a caller's cleanup); closing
+        again does nothing. Raises ValueError, changing nothing, unless `timeout_s` is
+        a number >= 0, and TimeoutError when the copies have not landed in time (no
+        replica is closed then) or a replica's close raises it; either way the router
+        stays open, without requests, and close can be called again.
         """
         if self._closed:
             return

@@ -57,11 +57,17 @@ def test_close_aborts_requests_lands_copies_and_frees_the_kv_cache():
         "generate": lambda: engine.generate([done], progress=False),
         "generate of no prompts": lambda: engine.generate([], progress=False),
         "drain_transfers": engine.drain_transfers,
+        "reset_prefix_cache": engine.reset_prefix_cache,
     }
     for name, call in calls.items():
         with pytest.raises(RuntimeError, match="the Engine is closed"):
             call()
             pytest.fail(f"{name} ran on a closed engine")
+    # Not refused, as the router's: close aborted every request, and a caller's cleanup
+    # (or a router closing its replicas' requests) may abort ids after it.
+    assert engine.abort(["running", "waiting"]) is False
+    with pytest.raises(ValueError, match="must be a request id"):
+        engine.abort(7)  # its argument is still checked
     engine.close()  # again: nothing to do
 
 
