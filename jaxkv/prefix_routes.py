@@ -83,5 +83,6 @@ class PrefixRoutes:
         return self._replica_of.copy()
 
     def restore(self, snapshot: collections.OrderedDict[BlockHash, int]) -> None:
-        """Puts back the table snapshot() copied (the snapshot is not copied again)."""
-        self._replica_of = snapshot
+        """Puts back the table snapshot() copied. A copy of it: the snapshot stays as it
+        was, for a later restore (a queue checkpoint rewound twice)."""
+        self._replica_of = snapshot.copy()

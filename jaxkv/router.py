@@ -215,8 +215,8 @@ class PrefixAwareRouter(Closable):
         is checked only by calling it, before anything else is rewound: with two or more
         such replicas, a later one refusing comes after the first rewound, so every other
         one, the router and the Engines are rewound before its RuntimeError is raised
-        (jaxkv.request_serials.rewind_together). Taking it copies the prefix routes
-        (about 5 ms at the default max_tracked_prefixes, 2-core CPU)."""
+        (jaxkv.request_serials.rewind_together). Taking it, and each rewind, copies the
+        prefix routes (5-10 ms for a full default max_tracked_prefixes, 2-core CPU)."""
         routes = self._routes.snapshot()
         # By token, not replica: an id aborted and queued again on its replica is new.
         rewind_ids = self._serials.checkpoint(self._queued)

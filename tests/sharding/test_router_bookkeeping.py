@@ -87,6 +87,20 @@ def test_rewinding_a_queue_checkpoint_forgets_the_routes_added_since_and_rewinds
     assert router.replica_of(before) in (0, 1)
 
 
+def test_a_queue_checkpoint_rewound_twice_forgets_the_routes_added_since_each_time():
+    """The first rewind made the snapshot the live table, so routes added after it stayed
+    in the snapshot: a second rewind gave back the next id but kept those routes."""
+    router, _ = make_router(2)
+    rewind = router.queue_checkpoint()
+    for tokens in ([1] * 2 * BLOCK, [2] * 2 * BLOCK):
+        assert router.abort(router.add_request(tokens))
+        assert router.route(tokens).matched_blocks == 2
+        rewind()
+        assert router.route(tokens).matched_blocks == 0
+        assert router.add_request([3]) == "dp-0" and router.abort("dp-0")
+        rewind()
+
+
 class SerialReplica(FakeReplica):
     """Numbers the requests it queues, and checkpoints the numbers, as Engine does."""
 
