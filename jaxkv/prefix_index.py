@@ -97,7 +97,8 @@ def longest_common_prefix(
     only); the answer never exceeds its minimum. Zero rows give 0; one row gives its
     num_blocks. Pass `rows` to avoid copying R full rows out of a large table.
     Cost: no Python loop over rows or blocks; see `shared_prefix_of_rows`.
-    Raises ValueError on arrays of other shapes, num_blocks outside [0, C], rows
+    Raises ValueError on arrays of other shapes or of other than integers (prefix_ids
+    of floats: NaN never equals itself), num_blocks outside [0, C], rows
     outside [0, num_rows) (they would index or wrap around silently), or a num_blocks
     past the blocks its row holds (rows whose -1 fills agree would count as sharing).
     """
@@ -123,6 +124,8 @@ def _check_lcp_args(prefix_ids, num_blocks, rows) -> None:
     """ValueError unless longest_common_prefix's arguments have its shapes and ranges."""
     if not isinstance(prefix_ids, np.ndarray) or prefix_ids.ndim != 2:
         raise ValueError(f"prefix_ids must be a 2-D numpy array, got {type(prefix_ids)}")
+    if prefix_ids.size and prefix_ids.dtype.kind not in "iu":  # floats' NaN never match
+        raise ValueError(f"prefix_ids must be integers, got dtype {prefix_ids.dtype}")
     for name, a in (("num_blocks", num_blocks), ("rows", rows)):
         if (a is not None or name == "num_blocks") and not (
             isinstance(a, np.ndarray) and a.ndim == 1

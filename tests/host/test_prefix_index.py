@@ -134,6 +134,14 @@ def test_longest_common_prefix_refuses_arguments_it_would_misread(num_blocks, ro
             longest_common_prefix(bad_table, np.array([3, 3, 4]))
 
 
+@pytest.mark.parametrize("dtype", [str, float, bool])
+def test_longest_common_prefix_refuses_prefix_ids_that_are_no_integers(dtype):
+    # Strings raised numpy's UFuncNoLoopError; floats' NaN ids never compare equal.
+    table = np.array([[0, 1, 2, -1], [0, 1, 3, -1]], np.int64).astype(dtype)
+    with pytest.raises(ValueError, match="prefix_ids must be integers, got dtype"):
+        longest_common_prefix(table, np.array([3, 3]))
+
+
 def test_longest_common_prefix_refuses_num_blocks_past_the_blocks_held():
     # Both rows hold 2 blocks; their -1 fills agree in columns 2 and 3, which a larger
     # num_blocks used to count as shared.
