@@ -44,13 +44,15 @@ class PrefixRoutes:
         return len(self._replica_of)
 
     def hashes(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
-        """The keys of the prompt's first full blocks (at most max_prefix_blocks). Raises
-        ValueError unless `cache_salt` is None or a str a hash can encode."""
+        """The keys of the prompt's first full blocks (at most max_prefix_blocks), for a
+        prompt the router has checked (ints, no bools). Raises ValueError unless
+        `cache_salt` is None or a str a hash can encode."""
         check_hash_key("cache_salt", cache_salt)
         head = list(prompt_token_ids[: self.max_prefix_blocks * self.block_size])
         return extend_block_hashes(
-            [], head, self.block_size, seed=self.hash_seed, cache_salt=cache_salt
-        )
+            [], head, self.block_size, seed=self.hash_seed, cache_salt=cache_salt,
+            tokens_checked=True,  # checked_prompt_ids refused bools
+        )  # fmt: skip
 
     def longest(self, hashes: list[BlockHash]) -> tuple[int, int] | None:
         """(replica, matched blocks) of the longest remembered prefix of `hashes`, or None.
