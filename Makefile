@@ -27,6 +27,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info
