@@ -35,7 +35,8 @@ def llama_config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> Lla
             raise ValueError(f"{key}={hf[key]!r}: this Llama's projections have no bias")
     rope_theta, rope_scaling = _hf_rope(hf)
     act = hf.get("hidden_act", "silu")
-    if act != "silu":
+    # transformers' ACT2FN maps "swish" to the same SiLU as "silu".
+    if act not in ("silu", "swish"):
         raise ValueError(f"hidden_act={act!r} is not supported (Llama's MLP is SwiGLU: 'silu')")
     # transformers >= 4.56 writes "dtype", older versions "torch_dtype"; as in
     # transformers, a null "dtype" is not given and "torch_dtype" then applies.

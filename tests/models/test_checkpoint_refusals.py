@@ -145,6 +145,9 @@ def test_hf_config_dtype_key_and_activation():
     assert LlamaConfig.from_hf_dict(_hf_config(dtype="bfloat16")).dtype == "bfloat16"
     assert LlamaConfig.from_hf_dict(_hf_config(torch_dtype="float16")).dtype == "float16"
     assert LlamaConfig.from_hf_dict(_hf_config(hidden_act="silu")).dtype == "float32"
+    # transformers' ACT2FN maps "swish" to the same SiLU: it was refused.
+    swish = LlamaConfig.from_hf_dict(_hf_config(hidden_act="swish"))
+    assert swish == LlamaConfig.from_hf_dict(_hf_config(hidden_act="silu"))
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
         LlamaConfig.from_hf_dict(_hf_config(hidden_act="gelu"))
 
