@@ -108,14 +108,19 @@ def _hf_scaling(d: Any, where: str, default_kind: str | None = None) -> RopeScal
     missing = [k for k in keys if k not in d]
     if missing:
         raise ValueError(f"{where} (llama3) lacks {missing}")
-    return RopeScaling(
-        factor=_hf_value(d, "factor", float, None, where),
-        low_freq_factor=_hf_value(d, "low_freq_factor", float, None, where),
-        high_freq_factor=_hf_value(d, "high_freq_factor", float, None, where),
-        original_max_position_embeddings=_hf_value(
+    fields = {
+        "factor": _hf_value(d, "factor", float, None, where),
+        "low_freq_factor": _hf_value(d, "low_freq_factor", float, None, where),
+        "high_freq_factor": _hf_value(d, "high_freq_factor", float, None, where),
+        "original_max_position_embeddings": _hf_value(
             d, "original_max_position_embeddings", _integral, None, where
         ),
-    )
+    }
+    try:
+        return RopeScaling(**fields)
+    except ValueError as e:  # RopeScaling's fields are config.json's keys: say where
+        message = re.sub(r"\bself\.", "", str(e))
+        raise ValueError(f"Hugging Face {where}: {message}") from None
 
 
 def _integral(value) -> int:

@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxkv.models import Llama, LlamaConfig, RopeScaling
 from jaxkv.models.llama import rope_inv_freq
-from tests.models.conftest import small_config
+from tests.models.conftest import hf_config_dict, small_config
 
 
 def test_head_dim_is_derived_and_presets_have_published_sizes():
@@ -100,6 +100,30 @@ def test_config_round_trips_through_dict_and_hf_dict():
     assert LlamaConfig.from_hf_dict(hf) == cfg
     with pytest.raises(ValueError, match="unknown"):
         LlamaConfig.from_dict({**cfg.to_dict(), "n_layer": 3})
+
+
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        (dict(factor=0.5), "factor=0.5 must be >= 1"),
+        (dict(low_freq_factor=4.0, high_freq_factor=1.0), "low_freq_factor=4.0 <"),
+        (dict(original_max_position_embeddings=0), "original_max_position_embeddings=0"),
+        (dict(factor=math.inf), "factor=inf must be a finite"),
+    ],
+)
+def test_hf_rope_scaling_refusals_name_the_hf_key(key, values, match):
+    # RopeScaling's own errors ("self.factor=0.5 must be >= 1") said nothing of config.json.
+    scaling = dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    )
+    hf = hf_config_dict(small_config(), **{key: {**scaling, **values}})
+    with pytest.raises(ValueError, match=rf"^Hugging Face {key}: (?!.*self\.).*{match}"):
+        LlamaConfig.from_hf_dict(hf)
 
 
 def test_llama3_rope_scaling_keeps_high_and_divides_low_frequencies():
