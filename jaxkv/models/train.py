@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxkv.field_checks import as_int
+from jaxkv.field_checks import as_float, as_int
 from jaxkv.models.llama import Llama
 
 
@@ -41,8 +42,26 @@ def make_optimizer(
 ) -> optax.GradientTransformation:
     """AdamW with linear warmup then cosine decay, after global-norm gradient clipping.
 
-    Weight decay applies to matrices only (not to norm weights).
+    Weight decay applies to matrices only (not to norm weights). The learning rate rises
+    from 0 to `peak_lr` over `warmup_steps`, then falls along a cosine to `peak_lr *
+    end_lr_ratio` at `total_steps` (a run no longer than its warmup warms up, then takes
+    one step down to the end value). ValueError naming the argument unless `peak_lr` and
+    `clip_norm` are positive (`clip_norm` may be inf: no clipping), `weight_decay` is
+    finite and >= 0, `end_lr_ratio` lies in [0, 1], `warmup_steps` is an int >= 0 and
+    `total_steps` an int >= 1: anything else trains uphill, not at all, or on NaN.
     """
+    reals = (
+        ("peak_lr", peak_lr, "finite and > 0", lambda x: 0 < x < math.inf),
+        ("weight_decay", weight_decay, "finite and >= 0", lambda x: 0 <= x < math.inf),
+        ("clip_norm", clip_norm, "> 0 (inf: no clipping)", lambda x: x > 0),
+        ("end_lr_ratio", end_lr_ratio, "in [0, 1]", lambda x: 0 <= x <= 1),
+    )
+    for name, value, expected, holds in reals:
+        if not holds(as_float(value)):  # NaN (a non-number, a bool, NaN) holds nothing
+            raise ValueError(f"{name}={value!r} must be a real number {expected}")
+    for name, value, low in (("warmup_steps", warmup_steps, 0), ("total_steps", total_steps, 1)):
+        if as_int(value) is None or value < low:
+            raise ValueError(f"{name}={value!r} must be an int >= {low}")
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=peak_lr,

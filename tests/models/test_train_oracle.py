@@ -74,6 +74,33 @@ def test_a_run_no_longer_than_its_warmup_warms_up_then_ends_at_the_default_end_l
     np.testing.assert_allclose(got["kernel"], np.prod([1 - lr * 0.1 for lr in lrs]), rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"peak_lr": -0.1}, "peak_lr=-0.1 must be a real number finite and > 0"),  # uphill
+        ({"peak_lr": 0.0}, "peak_lr=0.0 must"),  # trains nothing
+        ({"peak_lr": math.nan}, "peak_lr=nan must"),  # every weight NaN after a step
+        ({"peak_lr": None}, "peak_lr=None must"),  # a TypeError from the schedule
+        ({"peak_lr": "0.1"}, "peak_lr='0.1' must"),
+        ({"peak_lr": True}, "peak_lr=True must"),
+        ({"weight_decay": -0.1}, "weight_decay=-0.1 must be a real number finite and >= 0"),
+        ({"clip_norm": 0.0}, r"clip_norm=0.0 must be a real number > 0 \(inf: no clipping\)"),
+        ({"end_lr_ratio": -0.5}, r"end_lr_ratio=-0.5 must be a real number in \[0, 1\]"),
+        ({"end_lr_ratio": 2.0}, "end_lr_ratio=2.0 must"),
+        ({"warmup_steps": -1}, "warmup_steps=-1 must be an int >= 0"),  # optax took it
+        ({"warmup_steps": 2.5}, "warmup_steps=2.5 must be an int"),
+        ({"total_steps": 0}, "total_steps=0 must be an int >= 1"),
+        ({"total_steps": -3}, "total_steps=-3 must be an int >= 1"),
+    ],
+)
+def test_make_optimizer_refuses_what_cannot_train_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_optimizer(**{"peak_lr": 0.1, "warmup_steps": 1, "total_steps": 10, **kwargs})
+    # The bounds themselves are settings that train: no warmup, no clipping, no decay.
+    make_optimizer(peak_lr=0.1, warmup_steps=0, total_steps=1, weight_decay=0.0,
+                   clip_norm=math.inf, end_lr_ratio=1.0)  # fmt: skip
+
+
 @pytest.mark.parametrize(("kwargs", "clip"), [({}, 1.0), ({"clip_norm": 2.0}, 2.0)])
 def test_adam_runs_on_gradients_clipped_to_the_global_norm(kwargs, clip):
     # clip_norm is the bound the gradients are clipped to; 1.0 by default.
