@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -168,9 +168,17 @@ def greedy_generate(
     Runs on a fixed [1, window] buffer, so it compiles once per model graph and window
     (calls with other prompts reuse the program); the context is the last `window` tokens.
     Causal attention means the padding after the context never matters, as long as it is
-    a token id of the model: ValueError for a `pad_id` or prompt id outside the vocabulary,
-    a prompt of anything but ints, a `window` below 1 or a negative `num_new_tokens`.
+    a token id of the model: ValueError for a `model` that is not a Llama, a `prompt` that
+    is not a sequence (or 1-D array) of ints, a `pad_id` or prompt id outside the
+    vocabulary, a `window` below 1 or a negative `num_new_tokens`.
     """
+    if not isinstance(model, Llama):  # .config raised AttributeError
+        raise ValueError(f"model={type(model).__name__} must be a jaxkv.models.Llama")
+    # None or an int raised TypeError from len(); a set or a dict was read in no set order.
+    if not (isinstance(prompt, Sequence) or getattr(prompt, "ndim", None) == 1):
+        raise ValueError(
+            f"prompt={type(prompt).__name__} must be a sequence or 1-D array of token ids"
+        )
     if len(prompt) == 0:
         raise ValueError("prompt must hold at least one token")
     if any(as_int(t) is None for t in prompt):  # 3.7 would be cut to 3 in the buffer

@@ -124,6 +124,13 @@ def test_greedy_generate_refuses_a_pad_or_prompt_id_outside_the_vocabulary():
         ([3, 4], 2.0, 8, "num_new_tokens=2.0 must be an int"),
         ([3, 4], 2, 0, "window=0 must be an int >= 1"),  # a numpy shape error, later
         ([3, 4], 2, True, "window=True must be an int >= 1"),
+        # None and an int raised a bare TypeError from len(); a set or a dict was taken,
+        # in no set order.
+        (None, 2, 8, "prompt=NoneType must be a sequence or 1-D array of token ids"),
+        (5, 2, 8, "prompt=int must be a sequence"),
+        ({3, 4}, 2, 8, "prompt=set must be a sequence"),
+        ({3: 4}, 2, 8, "prompt=dict must be a sequence"),
+        (np.array([[3, 4]]), 2, 8, "prompt=ndarray must be a sequence or 1-D array"),
     ],
 )
 def test_greedy_generate_refuses_arguments_it_cannot_honour_by_name(
@@ -132,3 +139,9 @@ def test_greedy_generate_refuses_arguments_it_cannot_honour_by_name(
     model = random_model(small_config())
     with pytest.raises(ValueError, match=match):
         greedy_generate(model, prompt, num_new_tokens, window=window)
+
+
+@pytest.mark.parametrize("model", [None, "tiny", small_config()])
+def test_greedy_generate_refuses_a_model_that_is_not_a_llama(model):
+    with pytest.raises(ValueError, match=r"model=\w+ must be a jaxkv.models.Llama"):
+        greedy_generate(model, [3, 4], 2)  # AttributeError from .config before
