@@ -113,7 +113,7 @@ def _hf_scaling(d: Any, where: str, default_kind: str | None = None) -> RopeScal
         "low_freq_factor": _hf_value(d, "low_freq_factor", float, None, where),
         "high_freq_factor": _hf_value(d, "high_freq_factor", float, None, where),
         "original_max_position_embeddings": _hf_value(
-            d, "original_max_position_embeddings", _integral, None, where
+            d, "original_max_position_embeddings", _integral, None, where, "an integer"
         ),
     }
     try:
@@ -124,7 +124,10 @@ def _hf_scaling(d: Any, where: str, default_kind: str | None = None) -> RopeScal
 
 
 def _integral(value) -> int:
-    """`value` as an int if it is integral (8192 or 8192.0); ValueError otherwise."""
+    """`value` as an int if it is integral (8192 or 8192.0); ValueError otherwise. An int
+    is taken as it is: float(10**400) raised OverflowError."""
+    if is_integer(value):
+        return int(value)
     as_float = float(value)
     if not as_float.is_integer():
         raise ValueError(value)
@@ -155,15 +158,20 @@ def _hf_default(d: dict[str, Any], key: str, default):
     return default if value is None else value
 
 
-def _hf_value(d: dict[str, Any], key: str, convert, default, where: str = "config"):
+def _hf_value(
+    d: dict[str, Any], key: str, convert, default, where: str = "config", kind: str = "a number"
+):
     """d[key] converted (e.g. float("1e-5") -> 1e-05), or `default` when absent or null;
-    a ValueError naming the key when it does not convert."""
+    a ValueError naming the key and `kind` when it does not convert, or is an int too
+    large for a float (OverflowError before)."""
     value = d.get(key)
     if value is None:
         return default
     if isinstance(value, bool):
-        raise ValueError(f"Hugging Face {where}: {key}={value!r} must be a number")
+        raise ValueError(f"Hugging Face {where}: {key}={value!r} must be {kind}")
     try:
         return convert(value)
     except (TypeError, ValueError):
-        raise ValueError(f"Hugging Face {where}: {key}={value!r} must be a number") from None
+        raise ValueError(f"Hugging Face {where}: {key}={value!r} must be {kind}") from None
+    except OverflowError:
+        raise ValueError(f"Hugging Face {where}: {key}={value!r} must be a finite number") from None

@@ -122,6 +122,36 @@ def test_a_value_that_is_not_a_number_is_refused_naming_its_key(key, value, matc
         LlamaConfig.from_hf_dict({**REQUIRED, "rope_scaling": scaling})
 
 
+BIG = 10**400  # json.loads reads an integer of 401 digits as this int
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        # float() of these raised a bare OverflowError, which load_hf_safetensors
+        # did not even pin on config.json.
+        ("rope_theta", BIG, "^Hugging Face config: rope_theta=10+ must be a finite number$"),
+        ("factor", BIG, "^Hugging Face rope_scaling: factor=10+ must be a finite number$"),
+        ("original_max_position_embeddings", BIG,
+         "^Hugging Face rope_scaling: original_max_position_embeddings=10+ must be an int in"),
+        # Said "must be a number" of a number.
+        ("original_max_position_embeddings", 1.5,
+         "^Hugging Face rope_scaling: original_max_position_embeddings=1.5 must be an integer$"),
+    ],
+    ids=["huge-theta", "huge-factor", "huge-original-max", "fractional-original-max"],
+)  # fmt: skip
+def test_a_value_too_large_or_not_integral_is_refused_naming_its_key(key, value, match):
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)  # fmt: skip
+    hf = {**REQUIRED, "rope_scaling": scaling}
+    if key in scaling:
+        hf["rope_scaling"] = {**scaling, key: value}
+    else:
+        hf[key] = value
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig.from_hf_dict(hf)
+
+
 @pytest.mark.parametrize(
     "given, match",
     [
