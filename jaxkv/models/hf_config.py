@@ -46,6 +46,8 @@ def llama_config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> Lla
     head_dim = hf.get("head_dim")
     if head_dim is not None and not (is_integer(head_dim) and head_dim > 0):
         raise ValueError(f"Hugging Face config: {head_dim=} must be a positive int or null")
+    # Read before the try below, whose handler would prefix its error a second time.
+    rms_norm_eps = _hf_value(hf, "rms_norm_eps", float, 1e-6)
     try:
         config = LlamaConfig(
             vocab_size=hf["vocab_size"],
@@ -62,7 +64,7 @@ def llama_config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> Lla
             head_dim=0 if head_dim is None else head_dim,
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            rms_norm_eps=_hf_value(hf, "rms_norm_eps", float, 1e-6),
+            rms_norm_eps=rms_norm_eps,
             # Absent or null: untied (transformers' default); anything but a bool is refused
             # by LlamaConfig: bool("false") would tie the head and drop lm_head.weight.
             tie_word_embeddings=_hf_default(hf, "tie_word_embeddings", False),

@@ -108,7 +108,8 @@ def test_the_legacy_rope_type_key_and_a_dtype_this_llama_lacks_are_read():
 @pytest.mark.parametrize(
     "key, value, match",
     [
-        ("rms_norm_eps", "1e-5x", "rms_norm_eps='1e-5x' must be a number"),
+        # Said "Hugging Face config: Hugging Face config: rms_norm_eps=...".
+        ("rms_norm_eps", "1e-5x", "^Hugging Face config: rms_norm_eps='1e-5x' must be a number$"),
         ("rope_theta", [5e5], "rope_theta=\\[500000.0\\] must be a number"),
         ("rope_theta", True, "rope_theta=True must be a number"),
     ],
