@@ -163,8 +163,13 @@ class LlamaConfig:
         return self.vocab_size * h + self.num_layers * per_layer + h + head
 
     def kv_cache_bytes_per_token(self, itemsize: int = 2) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        return 2 * self.num_layers * self.kv_size * itemsize
+        """Bytes of K and V one token occupies across all layers, at `itemsize` bytes per
+        element (2 by default: a bfloat16 or float16 cache, whatever `dtype` is).
+        ValueError unless `itemsize` is an int >= 1."""
+        # "2" repeated a str, -1 gave a negative size, 2.5 a fractional one.
+        if field_checks.as_int(itemsize) is None or itemsize < 1:
+            raise ValueError(f"{itemsize=} must be an int >= 1")
+        return 2 * self.num_layers * self.kv_size * int(itemsize)
 
     # Serialisation.
     def to_dict(self) -> dict[str, Any]:

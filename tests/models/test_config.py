@@ -157,6 +157,11 @@ def test_kv_cache_bytes_per_token_of_llama3_8b():
     cfg = LlamaConfig.preset("llama3_8b")
     assert cfg.kv_cache_bytes_per_token() == 128 * 1024
     assert cfg.kv_cache_bytes_per_token(itemsize=4) == 256 * 1024
+    assert cfg.kv_cache_bytes_per_token(itemsize=np.int64(1)) == 64 * 1024
+    # "2" returned a str of 131072 "2"s, -1 a negative size, 2.5 a fractional one.
+    for bad in ("2", -1, 0, 2.5, True, None):
+        with pytest.raises(ValueError, match=f"itemsize={bad!r} must be an int >= 1"):
+            cfg.kv_cache_bytes_per_token(itemsize=bad)
 
 
 @pytest.mark.parametrize("tied", [False, True])
