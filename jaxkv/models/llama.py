@@ -27,7 +27,9 @@ from flax import nnx
 
 from jaxkv import attention
 from jaxkv.batch import AttentionMetadata
+from jaxkv.field_checks import as_int
 from jaxkv.models.config import LlamaConfig
+from kernels_pallas.validation import FLOAT_DTYPES, QUANTIZED_KV_DTYPES
 
 _INIT_STD = 0.02  # Hugging Face `initializer_range`
 
@@ -291,7 +293,23 @@ class Llama(nnx.Module):
         """Zeroed per-layer paged KV caches in the layout of jaxkv.attention (K even, V odd heads).
 
         On a model from jaxkv.sharding.shard_model they are sharded along combined heads.
+        `dtype` (None: the model's) is one the kernels read: float32, bfloat16, float16, or
+        int8 or float8_e4m3fn for a quantized cache. ValueError naming the argument unless
+        `num_blocks` and `block_size` are ints >= 1 and `dtype` is one of those.
         """
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if as_int(value) is None or value < 1:  # -1 or 2.0 raised jax's TypeError
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if dtype is not None:
+            try:
+                kv_dtype = jnp.dtype(dtype)
+            except (TypeError, ValueError):  # "floot", 3
+                kv_dtype = None
+            if kv_dtype not in FLOAT_DTYPES + QUANTIZED_KV_DTYPES:
+                raise ValueError(
+                    f"dtype={dtype!r} must be None, float32, bfloat16, float16, int8 or "
+                    "float8_e4m3fn"
+                )
         c = self.config
         tp = self.layers[0].self_attn.tensor_parallel
         if tp is not None:

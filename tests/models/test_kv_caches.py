@@ -19,6 +19,24 @@ def test_init_kv_caches_layout_and_dtype():
     assert {c.dtype for c in MODEL.init_kv_caches(5, 4, "bfloat16")} == {jnp.dtype("bfloat16")}
 
 
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((-1, 4), "num_blocks=-1 must be an int >= 1"),  # a TypeError from jax
+        ((2.0, 4), "num_blocks=2.0 must be an int >= 1"),  # a TypeError from jax
+        ((0, 4), "num_blocks=0 must be an int >= 1"),  # an empty cache: every write dropped
+        ((4, 0), "block_size=0 must be an int >= 1"),
+        ((4, True), "block_size=True must be an int >= 1"),
+        ((4, 4, "floot"), "dtype='floot' must be None, float32, bfloat16"),  # a TypeError
+        ((4, 4, "int32"), "dtype='int32' must be None"),  # refused only at the first write
+    ],
+)
+def test_init_kv_caches_refuses_sizes_and_dtypes_it_cannot_build_by_name(args, match):
+    with pytest.raises(ValueError, match=match):
+        MODEL.init_kv_caches(*args)
+    assert MODEL.init_kv_caches(1, 1, "int8")[0].dtype == jnp.int8  # a quantized cache
+
+
 def test_a_paged_step_donates_the_caches_it_is_given():
     run = PagedRun(_shuffled_table(1))
     given = run.caches
