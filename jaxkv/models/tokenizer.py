@@ -13,8 +13,9 @@ class ByteTokenizer:
     Token id b < 256 is the byte b; ids 256, 257, 258 are PAD, BOS, EOS. `decode` keeps only
     byte ids (it drops the specials and any id outside 0..255, silently) and replaces invalid
     UTF-8 (a sample cut mid-character) with U+FFFD, one per maximal invalid subsequence; it
-    refuses (ValueError) an id that is not an integer, which it would otherwise truncate.
-    `encode` refuses (ValueError) anything but a str, and (UnicodeEncodeError, a
+    refuses (ValueError) ids that are not an iterable and an id that is not an integer,
+    which it would otherwise truncate. `encode` refuses (ValueError) anything but a str,
+    `encode_array` anything but a str or bytes, and both (UnicodeEncodeError, a
     ValueError) a str holding lone surrogates.
     """
 
@@ -31,11 +32,25 @@ class ByteTokenizer:
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
     def encode_array(self, text: str | bytes) -> np.ndarray:  # i32[num_bytes]
-        """The bytes of `text` as an int32 array (no specials); fast for whole corpora."""
-        data = text.encode("utf-8") if isinstance(text, str) else text
-        return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+        """The bytes of `text` as an int32 array (no specials); fast for whole corpora.
+
+        `text` is a str (its UTF-8) or bytes (bytearray, memoryview, mmap: any buffer of
+        single bytes); ValueError for anything else."""
+        if isinstance(text, str):
+            return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+        try:
+            itemsize = memoryview(text).itemsize
+        except TypeError:  # None, an int, a list: a TypeError from numpy
+            itemsize = None
+        if itemsize != 1:  # an int32 array of ids was read as its bytes, 4 ids per id
+            raise ValueError(f"text must be a str or bytes, got {type(text).__name__}")
+        return np.frombuffer(text, dtype=np.uint8).astype(np.int32)
 
     def decode(self, ids: list[int] | np.ndarray) -> str:
+        try:
+            ids = iter(ids)
+        except TypeError:  # None or one int: a TypeError naming no argument
+            raise ValueError(f"ids must be an iterable of token ids, got {ids!r}") from None
         values = []
         for i in ids:
             try:

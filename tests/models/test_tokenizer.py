@@ -50,6 +50,21 @@ def test_invalid_utf8_cases_by_hand():
             TOK.encode(bad)
 
 
+def test_encode_array_and_decode_refuse_what_is_not_text_or_ids_by_name():
+    # None, an int or a list raised numpy's TypeError, and an int32 array of ids was
+    # read as its bytes: [72, 105] became [72, 0, 0, 0, 105, 0, 0, 0].
+    for bad in (None, 97, [72, 105], np.array([72, 105], np.int32)):
+        with pytest.raises(
+            ValueError, match=f"text must be a str or bytes, got {type(bad).__name__}"
+        ):
+            TOK.encode_array(bad)
+    for data in (b"Hi", bytearray(b"Hi"), memoryview(b"Hi"), np.frombuffer(b"Hi", np.uint8)):
+        assert TOK.encode_array(data).tolist() == [72, 105]
+    for bad in (None, 72):  # a TypeError from iterating them
+        with pytest.raises(ValueError, match=f"ids must be an iterable of token ids, got {bad}"):
+            TOK.decode(bad)
+
+
 def test_bos_and_eos_are_added_independently():
     assert TOK.encode("a", bos=True) == [TOK.bos_id, 97]
     assert TOK.encode("a", eos=True) == [97, TOK.eos_id]
