@@ -34,7 +34,7 @@ from jaxkv.models.checkpoint import (
     flat_params,
 )
 from jaxkv.models.config import LlamaConfig
-from jaxkv.models.llama import Llama
+from jaxkv.models.llama import Llama, check_model
 
 # --- safetensors -------------------------------------------------------------------------
 
@@ -345,7 +345,9 @@ def jaxkv_to_hf_name(name: str) -> str:
 
 
 def to_hf_tensors(model: Llama) -> dict[str, np.ndarray]:
-    """The model's weights under Hugging Face names and orientation (inverse of loading)."""
+    """The model's weights under Hugging Face names and orientation (inverse of loading);
+    ValueError unless `model` is a Llama (None gave {}, an empty checkpoint)."""
+    check_model(model)
     out = {}
     for name, value in flat_params(model).items():
         a = np.asarray(value)

@@ -331,6 +331,13 @@ def _dense_step(graphdef, state, tokens):
     return nnx.merge(graphdef, state).dense_forward(tokens)
 
 
+def check_model(model: Any) -> None:
+    """ValueError naming `model` unless it is a Llama: None or another object was taken by
+    nnx.split as a model of no weights, and failed only where it was first used."""
+    if not isinstance(model, Llama):
+        raise ValueError(f"model={type(model).__name__} must be a jaxkv.models.Llama")
+
+
 def make_paged_forward(
     model: Llama,
 ) -> Callable[..., tuple[jax.Array, list[jax.Array]]]:
@@ -339,8 +346,9 @@ def make_paged_forward(
     The returned function uses the weights `model` holds now (a snapshot); call again after
     changing them. Models of one config share compiled programs; there is one program per
     distinct static metadata (bucket sizes, levels, backend). The caller must use the
-    returned caches: the ones passed in are donated.
+    returned caches: the ones passed in are donated. ValueError unless `model` is a Llama.
     """
+    check_model(model)
     graphdef, state = _snapshot(model)
     return lambda input_ids, positions, kv_caches, metadata: _paged_step(
         graphdef, state, input_ids, positions, kv_caches, metadata
@@ -348,7 +356,9 @@ def make_paged_forward(
 
 
 def make_dense_forward(model: Llama) -> Callable[[jax.Array], jax.Array]:
-    """Jit `model.dense_forward(tokens)` over a snapshot of the model's weights."""
+    """Jit `model.dense_forward(tokens)` over a snapshot of the model's weights; ValueError
+    unless `model` is a Llama."""
+    check_model(model)
     graphdef, state = _snapshot(model)
     return lambda tokens: _dense_step(graphdef, state, tokens)
 

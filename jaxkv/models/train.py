@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 
 from jaxkv.field_checks import as_float, as_int
-from jaxkv.models.llama import Llama
+from jaxkv.models.llama import Llama, check_model
 
 
 def next_token_loss(
@@ -97,6 +97,11 @@ class Trainer:
 
     @classmethod
     def create(cls, model: Llama, tx: optax.GradientTransformation) -> Trainer:
+        """A trainer of a copy of `model`'s weights, updated by `tx`; ValueError unless
+        `model` is a Llama and `tx` an optax transformation (with init and update)."""
+        check_model(model)  # None raised AttributeError
+        if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+            raise ValueError(f"tx={type(tx).__name__} must be an optax.GradientTransformation")
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         params = jax.tree.map(jnp.copy, params)  # `step` donates them
 

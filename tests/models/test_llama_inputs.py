@@ -1,15 +1,19 @@
 """Llama refuses inputs of the wrong rank or mismatched shapes with ValueError naming
-them, before any work, and returns float32 logits whatever its parameter dtype."""
+them, before any work, and returns float32 logits whatever its parameter dtype; the
+entry points that take a model refuse anything else."""
 
 from __future__ import annotations
 
 import re
 
 import jax.numpy as jnp
+import optax
 import pytest
 from flax import nnx
 
-from jaxkv.models import Llama, LlamaConfig
+from jaxkv.models import Llama, LlamaConfig, make_dense_forward, make_paged_forward
+from jaxkv.models.hf_checkpoint import to_hf_tensors
+from jaxkv.models.train import Trainer
 
 
 def _model(dtype: str = "float32", tie: bool = False) -> Llama:
@@ -40,3 +44,21 @@ def test_a_paged_step_refuses_positions_of_another_shape_than_the_input_ids():
 def test_a_bfloat16_model_returns_float32_logits(tie):
     logits = _model("bfloat16", tie).dense_forward(jnp.array([[1, 2, 3]], jnp.int32))
     assert logits.dtype == jnp.float32 and logits.shape == (1, 3, 32)
+
+
+@pytest.mark.parametrize("model", [None, "tiny", nnx.Linear(2, 2, rngs=nnx.Rngs(0))])
+def test_entry_points_taking_a_model_refuse_one_that_is_not_a_llama(model):
+    # nnx.split took None (or any module) as a model: the forwards were built and failed
+    # at their first call, to_hf_tensors(None) returned {}, an empty checkpoint, and
+    # Trainer.create raised AttributeError from .config.
+    for build in (make_paged_forward, make_dense_forward, to_hf_tensors):
+        with pytest.raises(ValueError, match=r"model=\w+ must be a jaxkv.models.Llama"):
+            build(model)
+    with pytest.raises(ValueError, match=r"model=\w+ must be a jaxkv.models.Llama"):
+        Trainer.create(model, optax.sgd(0.1))
+
+
+@pytest.mark.parametrize("tx", [None, "adamw", lambda grads: grads])
+def test_a_trainer_refuses_a_tx_that_is_not_an_optax_transformation(tx):
+    with pytest.raises(ValueError, match=r"tx=\w+ must be an optax.GradientTransformation"):
+        Trainer.create(_model(), tx)  # AttributeError from tx.init before
