@@ -224,6 +224,16 @@ class LlamaConfig:
         return dataclasses.replace(PRESETS[name], **overrides)
 
 
+def check_config(config: Any) -> None:
+    """ValueError naming `config` unless it is a LlamaConfig (a dict of its fields, say,
+    raised AttributeError or "unhashable type" from deep inside the model)."""
+    if not isinstance(config, LlamaConfig):
+        raise ValueError(
+            f"config={type(config).__name__} must be a jaxkv.models.LlamaConfig "
+            "(LlamaConfig.from_dict reads a dict of its fields)"
+        )
+
+
 _INT_FIELDS = (
     "vocab_size",
     "hidden_size",

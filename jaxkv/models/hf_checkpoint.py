@@ -33,7 +33,7 @@ from jaxkv.models.checkpoint import (
     check_names_and_shapes,
     flat_params,
 )
-from jaxkv.models.config import LlamaConfig
+from jaxkv.models.config import LlamaConfig, check_config
 from jaxkv.models.llama import Llama, check_model
 
 # --- safetensors -------------------------------------------------------------------------
@@ -249,6 +249,8 @@ def load_hf_safetensors(
     not a JSON object (truncated, say) or holds a value from_hf_dict refuses (a key
     missing, say).
     """
+    if config is not None:  # a dict raised AttributeError, after the files were found
+        check_config(config)
     path = Path(path)
     if not path.exists():  # else the parent's config.json was read, or reported missing
         raise FileNotFoundError(f"{path}: no such file or directory")
@@ -304,8 +306,9 @@ def from_hf_tensors(
 
     The inverse of `to_hf_tensors`. Raises CheckpointError naming the Hugging Face tensor
     (and its shape as given, `[out, in]`) if one is missing, unexpected, given twice,
-    mis-shaped or not floating-point.
+    mis-shaped or not floating-point, and ValueError unless `config` is a LlamaConfig.
     """
+    check_config(config)  # a dict raised AttributeError
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     tied = config.tie_word_embeddings
     expected = {

@@ -28,7 +28,7 @@ from flax import nnx
 from jaxkv import attention
 from jaxkv.batch import AttentionMetadata
 from jaxkv.field_checks import as_int
-from jaxkv.models.config import LlamaConfig
+from jaxkv.models.config import LlamaConfig, check_config
 from kernels_pallas.validation import FLOAT_DTYPES, QUANTIZED_KV_DTYPES
 
 _INIT_STD = 0.02  # Hugging Face `initializer_range`
@@ -207,10 +207,12 @@ class Llama(nnx.Module):
     """Decoder-only Llama-style language model.
 
     Submodule names mirror Hugging Face (`embed_tokens`, `layers[i].self_attn.q_proj`, ...,
-    `norm`, `lm_head`); `lm_head` is absent when `config.tie_word_embeddings`.
+    `norm`, `lm_head`); `lm_head` is absent when `config.tie_word_embeddings`. ValueError
+    unless `config` is a LlamaConfig.
     """
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs) -> None:
+        check_config(config)  # a dict raised AttributeError from .dtype
         dt = jnp.dtype(config.dtype)
         self.config = config
         self.embed_tokens = nnx.Embed(

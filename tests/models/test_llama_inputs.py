@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from jaxkv.models import Llama, LlamaConfig, make_dense_forward, make_paged_forward
-from jaxkv.models.hf_checkpoint import to_hf_tensors
+from jaxkv.models.hf_checkpoint import from_hf_tensors, load_hf_safetensors, to_hf_tensors
 from jaxkv.models.train import Trainer
 
 
@@ -62,3 +62,16 @@ def test_entry_points_taking_a_model_refuse_one_that_is_not_a_llama(model):
 def test_a_trainer_refuses_a_tx_that_is_not_an_optax_transformation(tx):
     with pytest.raises(ValueError, match=r"tx=\w+ must be an optax.GradientTransformation"):
         Trainer.create(_model(), tx)  # AttributeError from tx.init before
+
+
+def test_builders_taking_a_config_refuse_a_dict_of_its_fields(tmp_path):
+    # Llama raised AttributeError from .dtype, from_hf_tensors "unhashable type: 'dict'",
+    # and load_hf_safetensors an AttributeError once it had found the files.
+    fields = _model().config.to_dict()
+    match = r"config=dict must be a jaxkv.models.LlamaConfig \(LlamaConfig.from_dict reads"
+    with pytest.raises(ValueError, match=match):
+        Llama(fields, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=match):
+        from_hf_tensors(fields, {})
+    with pytest.raises(ValueError, match=match):
+        load_hf_safetensors(tmp_path, fields, dtype="float32")
