@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -187,6 +188,10 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
+        """The config of a `to_dict()` dict; ValueError for anything but a dict, and naming
+        fields LlamaConfig lacks."""
+        if not isinstance(d, Mapping):  # None raised TypeError, a list of pairs "unknown fields"
+            raise ValueError(f"d={type(d).__name__} must be a dict of LlamaConfig fields")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:

@@ -126,6 +126,14 @@ def test_hf_rope_scaling_refusals_name_the_hf_key(key, values, match):
         LlamaConfig.from_hf_dict(hf)
 
 
+@pytest.mark.parametrize("bad", [None, [("vocab_size", 64)], "{}"])
+def test_from_dict_refuses_what_is_not_a_dict_by_name(bad):
+    # None raised TypeError ("not iterable"), a list of pairs "unknown LlamaConfig fields
+    # [('vocab_size', 64)]", a str one field per character.
+    with pytest.raises(ValueError, match=f"d={type(bad).__name__} must be a dict of LlamaConfig"):
+        LlamaConfig.from_dict(bad)
+
+
 def test_llama3_rope_scaling_keeps_high_and_divides_low_frequencies():
     base = small_config(head_dim=64, hidden_size=256, rope_theta=500000.0)
     scaled = dataclasses.replace(base, rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192))
