@@ -306,10 +306,15 @@ def from_hf_tensors(
 
     The inverse of `to_hf_tensors`. Raises CheckpointError naming the Hugging Face tensor
     (and its shape as given, `[out, in]`) if one is missing, unexpected, given twice,
-    mis-shaped or not floating-point, and ValueError unless `config` is a LlamaConfig.
+    mis-shaped or not floating-point, and ValueError unless `config` is a LlamaConfig and
+    `tensors` a mapping or an iterable of (name, array) pairs.
     """
     check_config(config)  # a dict raised AttributeError
-    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    pairs = "a mapping or an iterable of (name, array) pairs"
+    try:
+        items = iter(tensors.items() if isinstance(tensors, Mapping) else tensors)
+    except TypeError:  # None: "object is not iterable", naming nothing
+        raise ValueError(f"tensors={type(tensors).__name__} must be {pairs}") from None
     tied = config.tie_word_embeddings
     expected = {
         jaxkv_to_hf_name(name): shape[::-1] if name.endswith(".kernel") else shape
@@ -317,11 +322,16 @@ def from_hf_tensors(
     }
     given: dict[str, np.ndarray] = {}
     seen: set[str] = set()  # ignored tensors too: a second copy means mixed-up files
-    for hf_name, tensor in items:
+    for entry in items:
+        try:
+            hf_name, tensor = entry
+        except (TypeError, ValueError):  # a name alone: "too many values to unpack"
+            raise ValueError(f"tensors must be {pairs}, got {repr(entry)[:80]}") from None
+        ours = hf_to_jaxkv_name(hf_name)  # first: it refuses a name that is not a str
         if hf_name in seen:
             raise CheckpointError(f"tensor {hf_name!r} appears twice in {source}")
         seen.add(hf_name)
-        if hf_to_jaxkv_name(hf_name) is not None and not (tied and hf_name == "lm_head.weight"):
+        if ours is not None and not (tied and hf_name == "lm_head.weight"):
             given[hf_name] = tensor
     check_names_and_shapes(expected, given, source, kind="tensor")
     check_float_dtypes(given, source, kind="tensor")

@@ -336,6 +336,18 @@ def test_a_tensor_name_that_is_not_a_str_is_refused_as_a_checkpoint_error():
         from_hf_tensors(small_config(), weights)
 
 
+def test_tensors_that_are_not_name_array_pairs_are_refused_by_name():
+    # None raised "not iterable", a list of names "too many values to unpack", and an
+    # unhashable name "unhashable type" before the name check could refuse it.
+    weights = random_hf_weights(small_config())
+    pairs = r"tensors.* must be a mapping or an iterable of \(name, array\) pairs"
+    for bad in (None, list(weights), [(*pair, 1) for pair in weights.items()]):
+        with pytest.raises(ValueError, match=pairs):
+            from_hf_tensors(small_config(), bad)
+    with pytest.raises(CheckpointError, match=r"tensor name \['w'\] is not a str"):
+        from_hf_tensors(small_config(), [(["w"], np.zeros(3, np.float32))])
+
+
 def test_weights_of_every_float_dtype_still_load():
     cfg = small_config()
     for dtype in (np.float16, np.float64, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn):
