@@ -338,6 +338,8 @@ def from_hf_tensors(
     params = {}
     for hf_name, tensor in given.items():
         name, transpose = hf_to_jaxkv_name(hf_name)
+        if not hasattr(tensor, "T"):  # nested lists pass the checks above: no .T
+            tensor = np.asarray(tensor)
         params[name] = tensor.T if transpose else tensor
     return build_with_params(config, params, source=source, kind="tensor", name_of=jaxkv_to_hf_name)
 

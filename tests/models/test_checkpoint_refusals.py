@@ -348,6 +348,15 @@ def test_tensors_that_are_not_name_array_pairs_are_refused_by_name():
         from_hf_tensors(small_config(), [(["w"], np.zeros(3, np.float32))])
 
 
+def test_hf_tensors_given_as_nested_lists_load_as_arrays_would():
+    # They passed the name, shape and dtype checks and then raised AttributeError from .T.
+    cfg = small_config()
+    weights = random_hf_weights(cfg)
+    model = from_hf_tensors(cfg, {k: v.tolist() for k, v in weights.items()})
+    for name, value in flat_params(from_hf_tensors(cfg, weights)).items():
+        np.testing.assert_array_equal(flat_params(model)[name], value)
+
+
 def test_weights_of_every_float_dtype_still_load():
     cfg = small_config()
     for dtype in (np.float16, np.float64, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn):
