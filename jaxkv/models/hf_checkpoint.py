@@ -247,10 +247,13 @@ def load_hf_safetensors(
     `lm_head.weight` is ignored (it is the embedding). Raises CheckpointError on any name
     or shape mismatch, and naming the file when config.json or generation_config.json is
     not a JSON object (truncated, say) or holds a value from_hf_dict refuses (a key
-    missing, say).
+    missing, say); ValueError for a `path` that is not a str or os.PathLike, or a
+    `config` that is not a LlamaConfig.
     """
     if config is not None:  # a dict raised AttributeError, after the files were found
         check_config(config)
+    if not isinstance(path, (str, os.PathLike)):  # None raised TypeError from Path
+        raise ValueError(f"path={path!r} must be a str or os.PathLike")
     path = Path(path)
     if not path.exists():  # else the parent's config.json was read, or reported missing
         raise FileNotFoundError(f"{path}: no such file or directory")

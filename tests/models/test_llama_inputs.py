@@ -75,3 +75,10 @@ def test_builders_taking_a_config_refuse_a_dict_of_its_fields(tmp_path):
         from_hf_tensors(fields, {})
     with pytest.raises(ValueError, match=match):
         load_hf_safetensors(tmp_path, fields, dtype="float32")
+
+
+@pytest.mark.parametrize("path", [None, 5, b"ckpt"])
+def test_load_hf_safetensors_refuses_a_path_that_is_not_one_by_name(path):
+    # Path(None) raised TypeError; load_checkpoint refuses the same with ValueError.
+    with pytest.raises(ValueError, match="path=.* must be a str or os.PathLike"):
+        load_hf_safetensors(path)
