@@ -244,7 +244,11 @@ class Llama(nnx.Module):
         self,
         tokens: jax.Array,  # i32[B, L]
     ) -> jax.Array:  # f32[B, L, vocab_size]
-        """Logits at every position of whole sequences that start at position 0 (no cache)."""
+        """Logits at every position of whole sequences that start at position 0 (no cache).
+
+        ValueError unless `tokens` is an integer array [batch, length] (checked while
+        tracing: its shape and dtype only, not its values)."""
+        _check_int_array("tokens", tokens)
         if tokens.ndim != 2:
             raise ValueError(f"{tokens.shape=} must be [batch, length]")
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -277,7 +281,11 @@ class Llama(nnx.Module):
         metadata: AttentionMetadata,
     ) -> tuple[jax.Array, list[jax.Array]]:  # [max_num_tokens, hidden_size], new kv_caches
         """The serving step of __call__ up to the last layer's output for every token (before
-        the final norm: `logits` applies it), e.g. for logits at more than the last tokens."""
+        the final norm: `logits` applies it), e.g. for logits at more than the last tokens.
+        ValueError (while tracing) unless `input_ids` and `positions` are 1-D integer arrays
+        of one shape: float positions were rotated by fractional angles without a word."""
+        _check_int_array("input_ids", input_ids)
+        _check_int_array("positions", positions)
         if input_ids.ndim != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"{input_ids.shape=} and {positions.shape=} must be equal and 1-D")
         if len(kv_caches) != len(self.layers):
@@ -321,6 +329,16 @@ class Llama(nnx.Module):
         shape = (num_blocks, block_size, 2 * c.num_kv_heads, c.head_dim)
         dt = jnp.dtype(dtype or c.dtype)
         return [jnp.zeros(shape, dt) for _ in range(c.num_layers)]
+
+
+def _check_int_array(name: str, value: Any) -> None:
+    """ValueError naming `name` unless `value` is an integer array (numpy, JAX, traced): a
+    list failed on .ndim, a float one deep in the embedding or, as positions, not at all."""
+    dtype = getattr(value, "dtype", None)
+    if getattr(value, "ndim", None) is None or dtype is None:
+        raise ValueError(f"{name} must be an integer array, got {type(value).__name__}")
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"{name} of dtype {dtype} must be an integer array")
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=4)

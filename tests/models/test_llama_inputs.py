@@ -31,6 +31,34 @@ def test_dense_forward_refuses_tokens_that_are_not_batch_by_length(shape):
         _model().dense_forward(jnp.zeros(shape, jnp.int32))
 
 
+@pytest.mark.parametrize(
+    "tokens, match",
+    [
+        ([[1, 2]], "tokens must be an integer array, got list"),  # AttributeError: .ndim
+        (jnp.array([[1.0, 2.0]]), "tokens of dtype float32 must be an integer array"),
+        (jnp.array([[True, False]]), "tokens of dtype bool must be an integer array"),
+    ],
+)
+def test_dense_forward_refuses_tokens_that_are_not_an_integer_array_by_name(tokens, match):
+    with pytest.raises(ValueError, match=match):
+        _model().dense_forward(tokens)
+
+
+def test_a_paged_step_refuses_ids_or_positions_that_are_not_integer_arrays():
+    # Float positions went into RoPE as given (a fractional rotation, without a word);
+    # float ids failed inside flax's Embed naming nothing, a list on .ndim.
+    model = _model()
+    caches = model.init_kv_caches(4, 4)
+    ids, positions = jnp.zeros(8, jnp.int32), jnp.arange(8, dtype=jnp.int32)
+    for given, match in [
+        ((ids, positions.astype(jnp.float32)), "positions of dtype float32 must be an integer"),
+        ((ids.astype(jnp.float32), positions), "input_ids of dtype float32 must be an integer"),
+        ((list(range(8)), positions), "input_ids must be an integer array, got list"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            model(*given, caches, None)
+
+
 def test_a_paged_step_refuses_positions_of_another_shape_than_the_input_ids():
     model = _model()
     caches = model.init_kv_caches(4, 4)
