@@ -132,11 +132,20 @@ def _check_tiling(ranges: list[tuple[int, int, str]], data_len: int, path) -> No
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:
     """Write tensors in the safetensors format (any dtype `read_safetensors` reads, in
     either byte order: the file holds them little-endian, as the format asks). Raises
-    ValueError naming the tensor, before writing anything, for any other dtype."""
+    ValueError naming the tensor, before writing anything, for any other dtype and for a
+    name that is not a str or is "__metadata__" (the header's own key), and ValueError
+    unless `tensors` is a mapping."""
+    if not isinstance(tensors, Mapping):  # None or a list raised AttributeError: .items
+        raise ValueError(f"tensors={type(tensors).__name__} must be a mapping of names to arrays")
     header: dict[str, dict] = {}
     offset = 0
     arrays = {}
     for name, value in tensors.items():
+        # json.dumps wrote 7 as "7" (two tensors under one name, if "7" was there too),
+        # and a "__metadata__" tensor was written where the reader skips it: either file
+        # was refused by read_safetensors.
+        if not isinstance(name, str) or name == "__metadata__":
+            raise ValueError(f"tensor name {name!r} must be a str other than '__metadata__'")
         a = np.asarray(value)
         little = a.dtype.newbyteorder("<")
         if little not in _ST_NAMES:

@@ -352,6 +352,23 @@ def test_write_safetensors_refuses_a_dtype_the_format_lacks_naming_the_tensor(tm
 
 
 @pytest.mark.parametrize(
+    "tensors, match",
+    [
+        ({7: np.zeros(2, np.float32)}, "tensor name 7 must be a str"),  # written as "7"
+        ({"__metadata__": np.zeros(2, np.float32)}, "tensor name '__metadata__' must be"),
+        ([("a", np.zeros(2, np.float32))], "tensors=list must be a mapping"),  # .items
+    ],
+)
+def test_write_safetensors_refuses_names_its_reader_would_not_give_back(tmp_path, tensors, match):
+    # Each was written: 7 read back as "7" (beside a "7" already there, a file the reader
+    # refused), and "__metadata__" where the reader skips it, also a refused file.
+    path = tmp_path / "w.safetensors"
+    with pytest.raises(ValueError, match=match):
+        write_safetensors(path, tensors)
+    assert not path.exists()
+
+
+@pytest.mark.parametrize(
     "name", ["model.layers.0.input_layernorm.weight.bak", "model.layers.1.mlp.up_proj.weight_old"]
 )
 def test_a_layer_name_with_a_suffix_is_not_a_llama_parameter(name):
