@@ -15,8 +15,8 @@ class ByteTokenizer:
     UTF-8 (a sample cut mid-character) with U+FFFD, one per maximal invalid subsequence; it
     refuses (ValueError) ids that are not an iterable and an id that is not an integer,
     which it would otherwise truncate. `encode` refuses (ValueError) anything but a str,
-    `encode_array` anything but a str or bytes, and both (UnicodeEncodeError, a
-    ValueError) a str holding lone surrogates.
+    and `bos` or `eos` flags that are not bools; `encode_array` anything but a str or
+    bytes; both (UnicodeEncodeError, a ValueError) a str holding lone surrogates.
     """
 
     pad_id = 256
@@ -28,6 +28,9 @@ class ByteTokenizer:
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         if not isinstance(text, str):  # None raised AttributeError; bytes are encode_array's
             raise ValueError(f"text must be a str, got {type(text).__name__}")
+        for name, flag in (("bos", bos), ("eos", eos)):
+            if not isinstance(flag, bool):  # "false" added the token, by truthiness
+                raise ValueError(f"{name}={flag!r} must be a bool")
         ids = list(text.encode("utf-8"))
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 

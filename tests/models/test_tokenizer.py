@@ -69,6 +69,11 @@ def test_bos_and_eos_are_added_independently():
     assert TOK.encode("a", bos=True) == [TOK.bos_id, 97]
     assert TOK.encode("a", eos=True) == [97, TOK.eos_id]
     assert TOK.encode("") == [] and TOK.encode("", bos=True, eos=True) == [TOK.bos_id, TOK.eos_id]
+    # By truthiness, "false" added the token and None left it out, without a word.
+    for flag in ("bos", "eos"):
+        for bad in ("false", None, 1, np.True_):
+            with pytest.raises(ValueError, match=f"{flag}={bad!r} must be a bool"):
+                TOK.encode("a", **{flag: bad})
 
 
 def test_special_ids_and_vocab_are_the_documented_ones():
