@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,15 +47,14 @@ def _token_ids(ids, vocab_size: int) -> tuple[int, ...]:
     """eos_token_ids as a tuple of ints in [0, vocab_size): from one int or None too, as
     Hugging Face configs write eos_token_id; ValueError naming the field otherwise."""
     given = ids
-    ids = () if ids is None else (ids,) if isinstance(ids, numbers.Integral) else ids
+    # A 0-d array (numpy's or JAX's) and the elements of a JAX array are ids as field_checks
+    # takes integers: they were refused as "must be token ids" although they were.
+    ids = () if ids is None else (ids,) if field_checks.is_integer(ids) else ids
     try:
         ids = tuple(ids)
     except TypeError:
         ids = (None,)
-    if any(
-        isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size
-        for t in ids
-    ):
+    if any(not field_checks.is_integer(t) or not 0 <= t < vocab_size for t in ids):
         raise ValueError(f"eos_token_ids={given!r} must be token ids in [0, {vocab_size=})")
     return tuple(int(t) for t in ids)
 

@@ -201,9 +201,18 @@ def test_eos_token_ids_take_the_hugging_face_spellings_and_round_trip():
           "num_hidden_layers": 4, "num_attention_heads": 4}  # fmt: skip
     assert LlamaConfig.from_hf_dict(hf).eos_token_ids == ()
     assert LlamaConfig.from_hf_dict({**hf, "eos_token_id": [257, 258]}).eos_token_ids == (257, 258)
-    for bad in (259, -1, [True], "258", 2.0):
+    for bad in (259, -1, [True], "258", 2.0, np.array([1.0])):
         with pytest.raises(ValueError, match="eos_token_ids=.* must be token ids in"):
             dataclasses.replace(base, eos_token_ids=bad)
+
+
+@pytest.mark.parametrize("given", [np.array(7), jnp.array(7), jnp.array([7, 8]), [jnp.int32(7)]])
+def test_eos_token_ids_take_integer_arrays_as_every_integer_field_does(given):
+    # Refused as "must be token ids in [0, vocab_size)", although they were: field_checks
+    # takes a 0-d integer array of numpy or JAX for an int everywhere else.
+    want = tuple(np.atleast_1d(np.asarray(given)).tolist())
+    cfg = dataclasses.replace(LlamaConfig.preset("tiny"), eos_token_ids=given)
+    assert cfg.eos_token_ids == want and all(type(t) is int for t in cfg.eos_token_ids)
 
 
 @pytest.mark.parametrize(
