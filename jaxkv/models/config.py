@@ -102,7 +102,7 @@ class LlamaConfig:
         if isinstance(self.rope_scaling, dict):  # from to_dict() / JSON
             try:
                 object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-            except TypeError as e:
+            except (TypeError, ValueError) as e:  # a bad value said "self.factor=0.5 ..."
                 raise ValueError(f"rope_scaling={self.rope_scaling!r}: {e}") from e
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"rope_scaling={self.rope_scaling!r} must be a RopeScaling or None")

@@ -102,6 +102,13 @@ def test_config_round_trips_through_dict_and_hf_dict():
         LlamaConfig.from_dict({**cfg.to_dict(), "n_layer": 3})
 
 
+def test_a_rope_scaling_dict_refused_for_a_value_names_rope_scaling():
+    # As a dict (from to_dict, a jaxkv config.json) a bad value was refused as RopeScaling
+    # said it, "self.factor=0.5 must be >= 1", naming no field of LlamaConfig.
+    with pytest.raises(ValueError, match=r"^rope_scaling=\{'factor': 0.5\}: .*factor=0.5 must"):
+        small_config(rope_scaling={"factor": 0.5})
+
+
 @pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
 @pytest.mark.parametrize(
     "values, match",
