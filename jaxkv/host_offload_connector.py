@@ -8,7 +8,6 @@ import dataclasses
 import logging
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future
 
 import numpy as np
 
@@ -25,19 +24,10 @@ from jaxkv.field_checks import int_fields
 from jaxkv.hashing import BlockHash
 from jaxkv.host_block_store import HostBlockStore
 from jaxkv.kv_transfer import KVConnector, KVCopier, TransferEvents, TransferStats
+from jaxkv.offload_transfers import Transfer, copy_result
 from jaxkv.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Transfer:
-    request_id: str
-    future: Future
-    hashes: list[BlockHash]
-    start_step: int
-    num_tokens: int = 0  # loads: prompt tokens the loaded blocks cover
-    chain: list[BlockHash] = dataclasses.field(default_factory=list)  # saves: all full blocks
 
 
 class HostOffloadConnector(KVConnector):
@@ -89,8 +79,8 @@ class HostOffloadConnector(KVConnector):
         self._layout: StoreLayout = UNBOUND  # of the blocks in the store
         self._num_blocks: int | None = None  # the bound copier's, where it declares them
         self._store = HostBlockStore()
-        self._saves: dict[str, _Transfer] = {}
-        self._loads: dict[str, _Transfer] = {}
+        self._saves: dict[str, Transfer] = {}
+        self._loads: dict[str, Transfer] = {}
         self._saving: set[BlockHash] = set()  # hashes with a save in flight
         self._step = 0
         self._stats = TransferStats()
@@ -179,7 +169,7 @@ class HostOffloadConnector(KVConnector):
         if future is None:
             return False
         new_hashes = [h for _, h in picked]
-        self._saves[request.request_id] = _Transfer(
+        self._saves[request.request_id] = Transfer(
             request.request_id, future, new_hashes, self._step, chain=hashes[:num_full]
         )
         self._saving.update(new_hashes)
@@ -251,7 +241,7 @@ class HostOffloadConnector(KVConnector):
         for h in reversed(all_hashes[: first + len(hashes)]):
             if h in self._store:
                 self._store.touch(h)
-        self._loads[req_id] = _Transfer(
+        self._loads[req_id] = Transfer(
             req_id, future, hashes, self._step, len(hashes) * self._layout.block_size
         )
 
@@ -278,7 +268,7 @@ class HostOffloadConnector(KVConnector):
 
     # ---------------------------------------------------------------- helpers
 
-    def _collect(self, transfers: dict[str, _Transfer], finish) -> tuple[list[str], list[str]]:
+    def _collect(self, transfers: dict[str, Transfer], finish) -> tuple[list[str], list[str]]:
         ok, failed = [], []
         for req_id, t in list(transfers.items()):
             if self._step - t.start_step < self.copy_delay_steps or not t.future.done():
@@ -287,11 +277,11 @@ class HostOffloadConnector(KVConnector):
             (ok if finish(t) else failed).append(req_id)
         return ok, failed
 
-    def _finish_save(self, t: _Transfer) -> bool:
+    def _finish_save(self, t: Transfer) -> bool:
         try:
             # Made one array inside the try: blocks no array holds (ragged ones) fail the
             # save here, not in the store's put below, after _collect dropped the transfer.
-            data = np.asarray(_copy_result(t.future))
+            data = np.asarray(copy_result(t.future))
             if len(data) != len(t.hashes):
                 raise ValueError(f"{len(data)} blocks copied for {len(t.hashes)} asked")
             held = next(iter(self._store.values()), None)  # all alike: each was checked
@@ -311,7 +301,7 @@ class HostOffloadConnector(KVConnector):
         self._count(num_saves=1, bytes_offloaded=len(t.hashes) * self._layout.bytes_per_block)
         return True
 
-    def _save_failed(self, t: _Transfer, error: Exception) -> bool:
+    def _save_failed(self, t: Transfer, error: Exception) -> bool:
         """Ends save `t` unstored, logged and counted as failed; returns False."""
         logger.warning("KV save of %r failed, its blocks freed unsaved: %r", t.request_id, error)
         self._saves_ended_unstored(t.hashes)
@@ -339,9 +329,9 @@ class HostOffloadConnector(KVConnector):
             if chain[i] in landed:
                 self._store.put(chain[i], chain[i - 1], landed[chain[i]], demoted=True)
 
-    def _finish_load(self, t: _Transfer) -> bool:
+    def _finish_load(self, t: Transfer) -> bool:
         try:
-            _copy_result(t.future)
+            copy_result(t.future)
         except Exception as e:  # noqa: BLE001 - any copy failure recomputes the same way
             logger.warning("KV load of %r failed, its tokens recomputed: %r", t.request_id, e)
             self._load_failed(t.hashes)
@@ -387,14 +377,3 @@ class HostOffloadConnector(KVConnector):
         if copier is None:
             raise RuntimeError("HostOffloadConnector used unbound (bind(copier, ...) first)")
         return copier
-
-
-def _copy_result(future: Future):
-    """The landed copy's result. A copy that ended with a BaseException of its own (a
-    KeyboardInterrupt or SystemExit raised in its thread, which the Future stores) failed
-    like any other: raised as it is, it would escape poll() with its transfer already
-    dropped, and the request would hold its blocks for good."""
-    error = future.exception()  # the copy is done: this never waits
-    if error is not None and not isinstance(error, Exception):
-        raise RuntimeError(f"the copy ended with {error!r}") from error
-    return future.result()

@@ -1,0 +1,30 @@
+"""HostOffloadConnector's copies in flight: what each one is, and how its landed Future is
+read (jaxkv.host_offload_connector)."""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+
+from jaxkv.hashing import BlockHash
+
+
+@dataclasses.dataclass
+class Transfer:
+    request_id: str
+    future: Future
+    hashes: list[BlockHash]
+    start_step: int
+    num_tokens: int = 0  # loads: prompt tokens the loaded blocks cover
+    chain: list[BlockHash] = dataclasses.field(default_factory=list)  # saves: all full blocks
+
+
+def copy_result(future: Future):
+    """The landed copy's result. A copy that ended with a BaseException of its own (a
+    KeyboardInterrupt or SystemExit raised in its thread, which the Future stores) failed
+    like any other: raised as it is, it would escape poll() with its transfer already
+    dropped, and the request would hold its blocks for good."""
+    error = future.exception()  # the copy is done: this never waits
+    if error is not None and not isinstance(error, Exception):
+        raise RuntimeError(f"the copy ended with {error!r}") from error
+    return future.result()
