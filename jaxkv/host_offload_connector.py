@@ -24,7 +24,7 @@ from jaxkv.field_checks import int_fields
 from jaxkv.hashing import BlockHash
 from jaxkv.host_block_store import HostBlockStore
 from jaxkv.kv_transfer import KVConnector, KVCopier, TransferEvents, TransferStats
-from jaxkv.offload_transfers import Transfer, copy_result
+from jaxkv.offload_transfers import Transfer, checked_future, copy_result
 from jaxkv.request import Request
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,8 @@ class HostOffloadConnector(KVConnector):
         them held until poll() reports the save) and refreshes those it holds. Raises
         ValueError, starting nothing, unless `block_ids` are distinct block ids (one saved
         under two hashes would be the wrong KV for one of them), each >= 1 and, where the
-        copier declares num_blocks, below it. An exception from the copier's start_save
+        copier declares num_blocks, below it. An exception from the copier's start_save,
+        or ValueError naming what it returned if that is no concurrent.futures.Future,
         propagates with this connector unchanged (its store's LRU order included); the
         scheduler then frees the blocks unsaved and the request ends: unlike a load, a
         save is not tried again."""
@@ -163,7 +164,9 @@ class HostOffloadConnector(KVConnector):
             elif h not in self._saving:
                 picked.append((block_ids[i], h))
         picked.reverse()
-        future = copier.start_save([b for b, _ in picked]) if picked else None
+        future = None
+        if picked:
+            future = checked_future(copier, "start_save", copier.start_save([b for b, _ in picked]))
         for h in stored:  # used again, once start_save did not raise: refresh them
             self._store.touch(h)
         if future is None:
@@ -208,7 +211,8 @@ class HostOffloadConnector(KVConnector):
         block_shape and dtype, where it declares them: a save of blocks of another shape
         or dtype than those stored fails.
 
-        An Exception from the copier's start_load, or from gathering the stored blocks
+        An Exception from the copier's start_load (ValueError naming what it returned,
+        if that is no concurrent.futures.Future), or from gathering the stored blocks
         into one array (a MemoryError), is a load that failed to start: it propagates
         after the blocks the load was to read leave the store, as a failed load's do
         (counted in num_failed_loads, not logged: the caller has the exception), so no
@@ -233,7 +237,7 @@ class HostOffloadConnector(KVConnector):
             # Inside the try: out of host memory here, the store kept the blocks, and
             # each later admission claimed them and could raise the same way again.
             data = np.stack([self._store[h] for h in hashes])
-            future = copier.start_load(block_ids, data)
+            future = checked_future(copier, "start_load", copier.start_load(block_ids, data))
         except Exception:
             self._load_failed(hashes)  # or every later admission fails the same way
             raise

@@ -51,8 +51,10 @@ class KVCopier(Protocol):
     """Asynchronous block copies between the device KV caches and host memory.
 
     Both calls return at once; the Future completes when the copy has landed (its
-    result() raises if it failed). A save reads the blocks' current contents in device
-    order, so the blocks must stay held (unwritten by others) until it lands.
+    result() raises if it failed). It must be a concurrent.futures.Future:
+    HostOffloadConnector refuses any other answer with ValueError, failing that copy.
+    A save reads the blocks' current contents in device order, so the blocks must stay
+    held (unwritten by others) until it lands.
     """
 
     bytes_per_block: int

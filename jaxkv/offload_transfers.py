@@ -4,6 +4,7 @@ read (jaxkv.host_offload_connector)."""
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from concurrent.futures import Future
 
 from jaxkv.hashing import BlockHash
@@ -28,3 +29,20 @@ def copy_result(future: Future):
     if error is not None and not isinstance(error, Exception):
         raise RuntimeError(f"the copy ended with {error!r}") from error
     return future.result()
+
+
+def checked_future(copier: object, method: str, answer: object) -> Future:
+    """`answer`, what `copier`'s `method` returned, if a concurrent.futures.Future; else
+    ValueError naming them: poll() reads every transfer's Future at each call, so one
+    that is none would fail each later poll() and hold the request's blocks for good."""
+    if not isinstance(answer, Future):
+        shown = _repr.repr(answer)
+        raise ValueError(
+            f"{type(copier).__name__}.{method}() returned {shown}; expected a "
+            "concurrent.futures.Future (the transfer is failed, nothing is in flight)"
+        )
+    return answer
+
+
+_repr = reprlib.Repr()
+_repr.maxother = 80  # an object's default repr, its address included

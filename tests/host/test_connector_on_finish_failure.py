@@ -11,7 +11,7 @@ import re
 import pytest
 
 from jaxkv.host_offload_connector import HostOffloadConnector
-from jaxkv.kv_transfer import KVConnector
+from jaxkv.kv_transfer import KVConnector, TransferEvents
 from tests.host._sched_util import (
     FakeCopier,
     add,
@@ -111,3 +111,40 @@ def test_a_start_save_that_raises_every_time_ends_each_request_and_serving_goes_
     add(sched, "c", range(1, 10), max_tokens=3)
     run_until_idle(sched, copier)
     assert len(connector.stored_hashes()) == 2 and sched.manager.num_free_blocks == 15
+
+
+class _StartSaveAnswers(FakeCopier):
+    """A copier whose start_save returns `answer` instead of its Future while it is set."""
+
+    answer: object = None
+    unset = object()
+
+    def start_save(self, block_ids):
+        future = super().start_save(block_ids)
+        return future if self.answer is self.unset else self.answer
+
+
+@pytest.mark.parametrize("answer", [None, "a future", 0])
+@pytest.mark.filterwarnings("error")
+def test_a_start_save_answer_that_is_no_future_fails_that_save_and_later_polls_work(answer, caplog):
+    # It was kept as the save's Future: every later poll() raised AttributeError on
+    # answer.done() for good, the request's blocks held, the other copies unreported.
+    # (None was read as "nothing started": the request's blocks were freed, unlogged.)
+    copier = _StartSaveAnswers(16, 4)
+    copier.answer = answer
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=4, hash_seed=0)
+    with pytest.raises(ValueError, match="_StartSaveAnswers.start_save\\(\\) returned .*Future"):
+        connector.on_finish(computed_request("a", list(range(1, 9))), [1, 2])
+    assert not connector.has_pending() and connector.stored_hashes() == []
+    assert connector.poll() == TransferEvents()
+    sched = make_scheduler(block_size=4, num_blocks=16, connector=connector)
+    with caplog.at_level(logging.WARNING, logger="jaxkv.scheduler_transfers"):
+        add(sched, "b", range(1, 10), max_tokens=1)
+        assert run_until_idle(sched, copier) == {"b": "length"}
+    assert re.search("on_finish\\('b'\\) raised ValueError.*start_save", caplog.text)
+    assert sched.requests == {} and sched.manager.num_free_blocks == 15
+    copier.answer = copier.unset  # the same prompt is saved once the copier answers a Future
+    add(sched, "c", range(1, 10), max_tokens=1)
+    assert run_until_idle(sched, copier) == {"c": "length"}
+    assert len(connector.stored_hashes()) == 2 and not connector.has_pending()

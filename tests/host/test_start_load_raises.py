@@ -134,3 +134,33 @@ def test_a_start_load_out_of_host_memory_for_its_blocks_fails_to_start_the_same_
     sched.manager.check_integrity()
     assert run_until_idle(sched, copier) == {"b": "length"}
     assert len(copier.loaded_block_ids) == 0 and sched.manager.num_free_blocks == 15
+
+
+class _StartLoadAnswers(FakeCopier):
+    """A copier whose start_load returns `answer` instead of its Future while `wrong`."""
+
+    wrong = False
+    answer: object = None
+
+    def start_load(self, block_ids, blocks):
+        future = super().start_load(block_ids, blocks)
+        return self.answer if self.wrong else future
+
+
+@pytest.mark.parametrize("answer", [None, object()])
+def test_a_start_load_answer_that_is_no_future_is_a_load_that_failed_to_start(answer):
+    # It was kept as the load's Future: every later poll() raised AttributeError for
+    # good, "b" waited holding its blocks and the engine never stepped again.
+    copier = _StartLoadAnswers(16, BS)
+    sched, connector = _stored_then_evicted_from_device(copier)
+    copier.wrong, copier.answer = True, answer
+    b = add(sched, "b", PROMPT, max_tokens=2)
+    with pytest.raises(ValueError, match="_StartLoadAnswers.start_load\\(\\) returned .*Future"):
+        sched.schedule()
+    assert b.status == RequestStatus.WAITING and "b" not in sched.manager.request_ids
+    assert connector.stored_hashes() == [] and not connector.has_pending()
+    assert connector.stats.num_failed_loads == 1 and sched.manager.num_free_blocks == 15
+    sched.manager.check_integrity()
+    assert run_until_idle(sched, copier) == {"b": "length"}  # recomputed, polls work
+    assert sched.manager.num_free_blocks == 15 and not connector.has_pending()
+    assert b.output_token_ids[0] == token_of(Request("x", PROMPT, SamplingParams()))
