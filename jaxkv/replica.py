@@ -22,13 +22,13 @@ class Replica(Protocol):
     The router checks each answer where it reads it (jaxkv.replica_checks), raising
     ValueError that names the replica (its index and type), the method and the answer.
     step() must return a list (or tuple) of RequestOutput, each of a sequence (request
-    id, sample index) the router sent the replica and that has not ended: none twice,
-    none after the output that finished its request, a finished one with its
-    finish_reason, a finish_reason without finished only on a sample's output
-    (SamplingParams.n > 1). The outputs that pass are kept for the router's next step(),
-    with those of the replicas stepped before it, and the rest dropped. Outputs of
-    requests the router does not hold (added to the replica directly, or released after
-    their finish) are dropped without an error.
+    id, sample index: a str and an int, no bool) the router sent the replica and that
+    has not ended: none twice, none after the output that finished its request, a
+    finished one with its finish_reason, a finish_reason without finished only on a
+    sample's output (SamplingParams.n > 1). The outputs that pass are kept for the
+    router's next step(), with those of the replicas stepped before it, and the rest
+    dropped. Outputs of requests the router does not hold (added to the replica
+    directly, or released after their finish) are dropped without an error.
     add_request must return the id it was asked to queue; when it raises, or returns
     another, the router aborts that id on the replica before the error propagates (it
     may have been queued).

@@ -173,13 +173,13 @@ class CheckedReplicas:
 
     def step(self, outputs: list[RequestOutput], index: int) -> None:
         """Steps replicas[index] and appends what it returned to `outputs`: a list (or
-        tuple) of RequestOutput, each of a sequence the replica runs, none twice or after
-        the output that finished its request, each finished one with a finish_reason,
-        and a finish_reason without finished only on a sample's (`is_parent` of its
-        request). Outputs of requests not `held` (added to the replica directly, or
-        released) are dropped: they reach no caller and change nothing. Otherwise
-        appends the outputs that pass, and raises ValueError naming the first that
-        does not."""
+        tuple) of RequestOutput, each of a sequence the replica runs (its index an int,
+        no bool), none twice or after the output that finished its request, each
+        finished one with a finish_reason, and a finish_reason without finished only on
+        a sample's (`is_parent` of its request). Outputs of requests not `held` (added
+        to the replica directly, or released) are dropped: they reach no caller and
+        change nothing. Otherwise appends the outputs that pass, and raises ValueError
+        naming the first that does not."""
         replica = self._replicas[index]
         result = replica.step()
         if type(result) is list and self._fits(index, result):
@@ -227,6 +227,8 @@ class CheckedReplicas:
         if not set(map(type, result)) <= {RequestOutput}:
             return False
         if not set(map(type, map(_request_id, result))) <= {str}:  # ("x", 1): sample 1's key
+            return False
+        if not set(map(type, map(_index, result))) <= {int}:  # False, 0.0 == 0: sample 0's
             return False
         try:
             if set(map(_index, result)) <= {0}:  # no sample beyond a request's first
@@ -305,11 +307,9 @@ def _problem(
         return f"{_shown(o)}, not a RequestOutput"
     if not isinstance(o.request_id, str):  # ("x", 1) would pass for sample 1 of "x"
         return f"an output of request_id {_shown(o.request_id)}, not a str"
-    try:
-        key = _key(o.request_id, o.index)
-        hash(key)
-    except TypeError:
-        return f"an output of request {o.request_id!r} with index {_shown(o.index)}, unhashable"
+    if not isinstance(o.index, int) or isinstance(o.index, bool):  # False == 0, hashed alike
+        return f"an output of request {o.request_id!r} with index {_shown(o.index)}, not an int"
+    key = _key(o.request_id, o.index)
     what = (
         f"an output of request {o.request_id!r} (index {o.index!r}, finished="
         f"{o.finished!r}, finish_reason={o.finish_reason!r})"

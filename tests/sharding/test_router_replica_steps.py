@@ -260,3 +260,29 @@ def test_a_tuple_of_outputs_and_subclasses_of_request_output_are_delivered():
     router = _router(lambda outputs: tuple(Output(*o) for o in outputs), tokens=1)
     assert [(o.request_id, o.finished) for o in router.step()] == [("a", True), ("b", True)]
     assert router.num_outstanding == (0, 0)
+
+
+@pytest.mark.parametrize("index", [False, 0.0, 1.0, True, "0"])
+def test_an_output_whose_sample_index_is_no_int_is_refused(index):
+    # False and 0.0 equal 0 and hash alike: the output passed as sample 0's and reached
+    # the caller with that index (True and 1.0 likewise as sample 1's of an n > 1 request).
+    router = _router(lambda outputs: [o._replace(index=index) for o in outputs], tokens=1)
+    with pytest.raises(ValueError, match=rf"replicas\[1\].*'b' with index {index!r}, not an int"):
+        router.step()
+    assert router.num_outstanding == (1, 1) and router.replicas[1].running == {}
+    assert router.abort("b") is False  # its replica runs it no more: released
+    assert _delivered(router) == [("a", True)]
+
+
+def test_a_samples_output_whose_index_is_a_bool_is_refused():
+    class BoolIndex(SamplingReplica):
+        def step(self):
+            return [o._replace(index=True) if o.index == 1 else o for o in super().step()]
+
+    router = PrefixAwareRouter([BoolIndex(0)], block_size=BLOCK)
+    router.add_request([1] * BLOCK, SamplingParams(n=2, max_tokens=2), request_id="x")
+    with pytest.raises(ValueError, match=r"request 'x' with index True, not an int"):
+        router.step()
+    # Sample 0's output passed and is delivered first; its finish ends the request.
+    assert [(o.index, o.finished) for o in router.step()] == [(0, False), (0, True)]
+    assert router.num_outstanding == (0,) and not router.has_unfinished_requests()
