@@ -91,10 +91,11 @@ class CheckedReplicas:
         """Calls reset_prefix_cache() of every replica that has it, and `emptied(index)`
         for each that answers True; returns whether every replica did. Each acts before
         it answers, so every one is asked before a ValueError names the first whose
-        answer is no bool (that replica's emptied() is not called)."""
+        answer is no bool (that replica's emptied() is not called). ValueError naming
+        the first whose reset_prefix_cache is not callable comes before any is asked."""
+        resets = [self._method(i, "reset_prefix_cache") for i in range(len(self._replicas))]
         everyone, first = True, None
-        for index, replica in enumerate(self._replicas):
-            reset = getattr(replica, "reset_prefix_cache", None)
+        for index, (replica, reset) in enumerate(zip(self._replicas, resets, strict=True)):
             answer = False if reset is None else reset()
             if not isinstance(answer, (bool, np.bool_)):
                 first = first or f"{replica_name(index, replica)} returned {_shown(answer)}"
@@ -109,6 +110,18 @@ class CheckedReplicas:
                 "are kept; every replica was asked to reset)"
             )
         return everyone
+
+    def _method(self, index: int, name: str) -> Callable | None:
+        """replicas[index]'s optional method `name`, None if it has none; ValueError
+        naming an attribute of that name that is not callable."""
+        replica = self._replicas[index]
+        method = getattr(replica, name, None)
+        if method is not None and not callable(method):
+            raise ValueError(
+                f"{replica_name(index, replica)}.{name} is {_shown(method)}; expected a "
+                "method (or no such attribute)"
+            )
+        return method
 
     def add_request(
         self,

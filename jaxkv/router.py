@@ -146,10 +146,10 @@ class PrefixAwareRouter(Closable):
     def reset_prefix_cache(self) -> bool:
         """Empties every replica's prefix cache (Engine.reset_prefix_cache) and forgets the
         prefixes routed to each replica that emptied its own; True if every replica did.
-        A replica that refuses (one of its requests holds blocks), or that has no
-        reset_prefix_cache method, keeps its cache and its routes. Raises RuntimeError
-        after close(), and ValueError naming a replica whose answer is no bool (it keeps
-        its routes; every replica is reset first, as each acts before it answers)."""
+        A replica that refuses (one of its requests holds blocks), or has no such method,
+        keeps its cache and routes. Raises RuntimeError after close(); ValueError naming
+        a replica whose reset_prefix_cache is no method (none reset) or answers no bool
+        (all reset first, as each acts before it answers; that one keeps its routes)."""
         return self._checked.reset_prefix_caches(self._routes.forget_replica)
 
     # --------------------------------------------------------------- requests

@@ -153,3 +153,23 @@ def test_a_numpy_bool_reset_answer_is_a_bool():
     replicas = [AnsweringReplica(0, np.bool_(True))]
     router = PrefixAwareRouter(replicas, block_size=BLOCK)
     assert router.reset_prefix_cache() is True
+
+
+@pytest.mark.parametrize("attribute", [True, "reset", None])
+def test_a_reset_prefix_cache_that_is_no_method_is_named_before_any_replica_is_reset(attribute):
+    # A bool or a str there raised a bare TypeError ("'bool' object is not callable")
+    # naming no replica, after the replicas before it had been reset. None is no method.
+    router, replicas, prompts = _routed_router()
+    replicas[1].reset_prefix_cache = attribute
+    if attribute is None:
+        assert router.reset_prefix_cache() is False
+        assert router.route(prompts[1]) == Route(1, 2)
+        return
+    with pytest.raises(
+        ValueError,
+        match=rf"replicas\[1\] \(ResettingReplica\)\.reset_prefix_cache is "
+        rf"{re.escape(repr(attribute))}; expected a method",
+    ):
+        router.reset_prefix_cache()
+    assert [r.resets for r in replicas] == [0, 0]
+    assert [router.route(p) for p in prompts] == [Route(0, 2), Route(1, 2)]
