@@ -12,10 +12,14 @@ import collections
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from jaxkv.field_checks import int_fields
 from jaxkv.hashing import BlockHash, check_hash_key, extend_block_hashes
+from jaxkv.prompt_checks import checked_prompt_ids
+from jaxkv.request import MAX_TOKEN_ID
 
-__all__ = ["PrefixRoutes", "Route"]
+__all__ = ["PrefixRoutes", "Route", "routable_prompt_ids"]
 
 
 class Route(NamedTuple):
@@ -23,6 +27,13 @@ class Route(NamedTuple):
 
     replica: int  # index into the router's replicas
     matched_blocks: int  # leading full blocks whose prefix was routed to `replica` before
+
+
+def routable_prompt_ids(prompt_token_ids: Sequence[int] | np.ndarray) -> list[int]:
+    """The prompt as Python ints; ValueError (before anything is hashed) unless ids a
+    block hash can encode. The replica refuses what else it must (an empty prompt, ids
+    outside its vocabulary)."""
+    return checked_prompt_ids(prompt_token_ids, limit=MAX_TOKEN_ID + 1, allow_empty=True)
 
 
 class PrefixRoutes:
@@ -51,7 +62,7 @@ class PrefixRoutes:
         head = list(prompt_token_ids[: self.max_prefix_blocks * self.block_size])
         return extend_block_hashes(
             [], head, self.block_size, seed=self.hash_seed, cache_salt=cache_salt,
-            tokens_checked=True,  # checked_prompt_ids refused bools
+            tokens_checked=True,  # routable_prompt_ids refused bools
         )  # fmt: skip
 
     def longest(self, hashes: list[BlockHash]) -> tuple[int, int] | None:

@@ -27,11 +27,9 @@ from jaxkv.field_checks import as_int
 from jaxkv.hashing import BlockHash
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.parallel_sampling import IdsInUse
-from jaxkv.prefix_routes import PrefixRoutes, Route
-from jaxkv.prompt_checks import checked_prompt_ids
+from jaxkv.prefix_routes import PrefixRoutes, Route, routable_prompt_ids
 from jaxkv.replica import Replica as Replica  # its former home
 from jaxkv.replica_checks import CheckedReplicas
-from jaxkv.request import MAX_TOKEN_ID
 from jaxkv.request_id_lists import checked_request_ids
 from jaxkv.request_serials import RequestSerials, rewind_together
 from jaxkv.router_samples import RunningSamples
@@ -129,7 +127,7 @@ class PrefixAwareRouter(Closable):
         """The replica a prompt would go to now. Changes nothing. Raises ValueError
         unless the prompt is a 1-D sequence of token ids (ints in [0, 2**63)) and the
         salt None or a str."""
-        return self._route(self._routes.hashes(_prompt_ids(prompt_token_ids), cache_salt))
+        return self._route(self._routes.hashes(routable_prompt_ids(prompt_token_ids), cache_salt))
 
     def _route(self, hashes: list[BlockHash]) -> Route:
         least = self._least_loaded()
@@ -176,7 +174,7 @@ class PrefixAwareRouter(Closable):
             # abort() and close() take only str ids: a replica that queued an int id would
             # leave a request the router can never abort, and a close() that always raises.
             raise ValueError(f"{request_id=} must be None or a non-empty str")
-        prompt = _prompt_ids(prompt_token_ids)
+        prompt = routable_prompt_ids(prompt_token_ids)
         generated = request_id is None
         # Anything else the replica refuses by name. A default id is one whose samples'
         # ids are free too; no id may be a running sample's, whichever replica runs it.
@@ -391,10 +389,3 @@ class PrefixAwareRouter(Closable):
             if close is not None:
                 close(timeout_s=max(0.0, deadline - time.monotonic()))
         self._closed = True
-
-
-def _prompt_ids(prompt_token_ids: Sequence[int] | np.ndarray) -> list[int]:
-    """The prompt as Python ints; ValueError (before anything is hashed) unless ids a
-    block hash can encode. The replica refuses what else it must (an empty prompt, ids
-    outside its vocabulary)."""
-    return checked_prompt_ids(prompt_token_ids, limit=MAX_TOKEN_ID + 1, allow_empty=True)
