@@ -5,10 +5,12 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable
-from typing import Self
+from collections.abc import Callable, Iterable
+from typing import Self, TypeVar
 
 from jaxkv.field_checks import is_real
+
+T = TypeVar("T")
 
 
 class Closable:
@@ -104,3 +106,25 @@ def step_until_landed(pending: Callable[[], bool], step: Callable[[], bool], tim
             time.sleep(0.0005)
         elif late and pending():
             raise TimeoutError(f"KV transfers still pending after {timeout_s=}")
+
+
+def try_each(call: Callable[[T], object], args: Iterable[T], name: str) -> None:
+    """Calls `call(arg)` for each of `args`, those after one that raised an Exception
+    included, then raises the first such Exception, with a note naming its call
+    (`name(arg)`) and each later one that raised (an interrupt that is no Exception
+    propagates at once). A close that must try every request or replica uses it."""
+    failed: list[tuple[str, Exception]] = []
+    for arg in args:
+        try:
+            call(arg)
+        except Exception as error:  # noqa: BLE001 - raised below, once every call was made
+            failed.append((f"{name}({arg!r})", error))
+    if not failed:
+        return
+    (what, first), later = failed[0], failed[1:]
+    shown = "; ".join(f"{w} raised {e!r}" for w, e in later[:4])
+    more = f"; and {len(later) - 4} more" if len(later) > 4 else ""
+    first.add_note(
+        f"raised by {what}; every other call was made" + (f": {shown}{more}" if later else "")
+    )
+    raise first

@@ -20,7 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from jaxkv.closable import Closable, checked_timeout, no_reentry, one_at_a_time, step_until_landed
+from jaxkv.closable import (
+    Closable,
+    checked_timeout,
+    no_reentry,
+    one_at_a_time,
+    step_until_landed,
+    try_each,
+)
 from jaxkv.completion import checked_drivers, generate_progress_bar, run_to_completion
 from jaxkv.engine_replicas import engine_replicas as engine_replicas  # its former home
 from jaxkv.field_checks import as_int
@@ -372,7 +379,9 @@ class PrefixAwareRouter(Closable):
         again does nothing. Raises ValueError, changing nothing, unless `timeout_s` is
         a number >= 0, and TimeoutError when the copies have not landed in time (no
         replica is closed then) or a replica's close raises it; either way the router
-        stays open, without requests, and close can be called again.
+        stays open, without requests, and close can be called again. A replica's abort
+        that raises leaves that request held, every other one aborted, and the router
+        open: the first error is raised, with a note naming the others (try_each).
         """
         if self._closed:
             return
@@ -380,8 +389,7 @@ class PrefixAwareRouter(Closable):
         timeout_s = checked_timeout(timeout_s)  # before any request is aborted
         self._finished_from(self._undelivered)  # dropped: their finished requests released
         self._undelivered = []
-        for request_id in list(self._replica_of):
-            self.abort(request_id)
+        try_each(self.abort, list(self._replica_of), "abort")  # each tried, then it raises
         deadline = time.monotonic() + timeout_s
         self.drain_transfers(timeout_s)  # first: a timeout leaves every replica open
         for replica in self.replicas:

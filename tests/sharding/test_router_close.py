@@ -8,7 +8,7 @@ import time
 import pytest
 
 from jaxkv import SamplingParams
-from jaxkv.closable import checked_timeout
+from jaxkv.closable import checked_timeout, try_each
 from jaxkv.router import PrefixAwareRouter
 from tests.sharding._router_util import BLOCK, FakeReplica, OffloadingReplica
 
@@ -180,3 +180,75 @@ def test_a_zero_timeout_collects_copies_that_land_at_the_next_step():
         assert router.has_pending_transfers()
         getattr(router, call)(timeout_s=0)
         assert not router.has_pending_transfers() and router.closed == (call == "close")
+
+
+class AbortRaisingReplica(ClosableReplica):
+    """Its abort raises while `broken`, after acting on it if `acts` (a remote replica
+    whose reply was lost) or before."""
+
+    def __init__(self, index: int, *, acts: bool = False) -> None:
+        super().__init__(index)
+        self.broken, self.acts = True, acts
+
+    def abort(self, request_id: str) -> bool:
+        if self.broken:
+            if self.acts:
+                super().abort(request_id)
+            raise RuntimeError(f"replica {self.index} lost")
+        return super().abort(request_id)
+
+
+@pytest.mark.parametrize("acts", [False, True])
+def test_an_abort_that_raises_in_close_leaves_every_other_request_aborted_and_close_again_works(
+    acts,
+):
+    # close stopped at the first abort that raised: the requests after it stayed counted
+    # and running on their replicas, and no note said which others would have failed.
+    replicas = [
+        AbortRaisingReplica(0, acts=acts),
+        ClosableReplica(1),
+        AbortRaisingReplica(2, acts=acts),
+    ]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    ids = [router.add_request([i + 1] * BLOCK, SamplingParams(max_tokens=5)) for i in range(3)]
+    assert [router.replica_of(rid) for rid in ids] == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="replica 0 lost") as raised:
+        router.close()
+    (note,) = raised.value.__notes__
+    assert "abort('dp-0')" in note and "abort('dp-2') raised RuntimeError('replica 2 lost')" in note
+    assert not router.closed and router.num_outstanding == (1, 0, 1)
+    assert replicas[1].running == {} and [router.replica_of(r) for r in ids[::2]] == [0, 2]
+    assert not any(r.close_calls for r in replicas)
+    with pytest.raises(RuntimeError, match="replica 0 lost"):
+        router.close()  # still broken: the same, nothing counted twice
+    assert router.num_outstanding == (1, 0, 1)
+    for replica in replicas[::2]:
+        replica.broken = False
+    router.close()
+    assert router.closed and router.num_outstanding == (0, 0, 0)
+    assert not any(r.running for r in replicas)
+    assert [len(r.close_calls) for r in replicas] == [1, 1, 1]
+
+
+def test_try_each_makes_every_call_and_names_the_later_failures_in_a_bounded_note():
+    made = []
+
+    def call(i):
+        made.append(i)
+        if i % 2:
+            raise ValueError(f"odd {i}")
+
+    with pytest.raises(ValueError, match="odd 1") as raised:
+        try_each(call, range(14), "call")
+    assert made == list(range(14))
+    (note,) = raised.value.__notes__
+    assert note.startswith("raised by call(1); every other call was made: call(3) raised")
+    assert "call(9) raised ValueError('odd 9'); and 2 more" in note and "call(11)" not in note
+    try_each(call, [0, 2], "call")  # none raised: nothing
+    with pytest.raises(KeyboardInterrupt):  # an interrupt stops at once
+        try_each(lambda i: made.append(i) or (i == 8 and _interrupt()), [7, 8, 9], "x")
+    assert made[-2:] == [7, 8]
+
+
+def _interrupt():
+    raise KeyboardInterrupt
