@@ -58,12 +58,21 @@ class HostBlockStore:
         demoted: bool = False,
     ) -> None:
         """Stores a copy of `data` (each entry owns its memory) as the most recently used
-        entry or, `demoted`, as the next to be evicted after what is stored behind it."""
-        self._entries[block_hash] = np.array(data)
+        entry or, `demoted`, as the next to be evicted after what is stored behind it.
+        An exception (a MemoryError copying `data` or growing a table) stores nothing:
+        the entry and its links are in place together, or none of them is."""
+        copy = np.array(data)  # first: out of memory here, nothing has changed
+        new = block_hash not in self._entries
+        try:
+            self._parent_of[block_hash] = parent  # a chained digest has one parent
+            if parent is not None:
+                self._children.setdefault(parent, {})[block_hash] = None
+            self._entries[block_hash] = copy  # last: no entry is stored without its links
+        except BaseException:
+            if new:  # an entry stored before had these links already
+                self._remove(block_hash)
+            raise
         self._entries.move_to_end(block_hash, last=not demoted)
-        self._parent_of[block_hash] = parent  # a chained digest has one parent
-        if parent is not None:
-            self._children.setdefault(parent, {})[block_hash] = None
         if demoted:
             self.demote_behind(block_hash)  # what is stored behind it goes first
 
@@ -98,7 +107,10 @@ class HostBlockStore:
         self._children.clear()
 
     def _remove(self, block_hash: BlockHash) -> None:
-        del self._entries[block_hash]
+        """Removes the entry and its links to its parent, whichever of them exist."""
+        self._entries.pop(block_hash, None)
+        if block_hash not in self._parent_of:
+            return
         parent = self._parent_of.pop(block_hash)
         siblings = self._children.get(parent)
         if siblings is not None:

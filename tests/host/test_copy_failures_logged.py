@@ -252,6 +252,43 @@ def test_a_save_the_store_has_no_memory_for_fails_and_the_other_landed_copies_ar
     assert len(connector.stored_hashes()) == 4 and connector.stats.num_saves == 2
 
 
+class _ParentLinksShortOfMemory(dict):
+    """The store's parent links, failing to grow at their `fail_at`-th new key."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at, self.new_keys = fail_at, 0
+
+    def __setitem__(self, key, value):
+        if key not in self:
+            self.new_keys += 1
+            if self.new_keys == self.fail_at:
+                raise MemoryError
+        super().__setitem__(key, value)
+
+
+@pytest.mark.filterwarnings("error")
+def test_a_save_out_of_memory_growing_the_stores_parent_links_fails_cleanly(caplog):
+    # put stored the entry before its parent link: out of memory there, the entry stayed
+    # with no parent, and the save's rollback (drop) raised KeyError out of poll(), the
+    # request's blocks held for good and b's landed save unreported.
+    copier = FakeCopier(32, BS, auto_complete=False)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    connector._store._parent_of = _ParentLinksShortOfMemory(fail_at=2)  # a's second put
+    sched = make_scheduler(num_blocks=32, block_size=BS, connector=connector)
+    add(sched, "a", range(1, 10), max_tokens=1)
+    add(sched, "b", range(20, 29), max_tokens=1)
+    with caplog.at_level(logging.WARNING, logger="jaxkv.host_offload_connector"):
+        run_until_idle(sched, copier)
+    assert sched.requests == {} and sched.manager.num_free_blocks == 31
+    assert not connector.has_pending() and len(connector.stored_hashes()) == 2  # b's
+    assert store_link_faults(connector) == []
+    stats = connector.stats
+    assert (stats.num_failed_saves, stats.num_saves) == (1, 1)
+    assert "save of 'a' failed" in caplog.text and "MemoryError" in caplog.text
+
+
 @pytest.mark.filterwarnings("error")
 def test_a_save_that_lands_blocks_larger_than_bytes_per_block_fails_and_its_blocks_are_freed(
     caplog,

@@ -3,6 +3,8 @@ one that leaves becoming the next to be evicted, the deepest first."""
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -110,3 +112,67 @@ def test_dropping_a_parent_no_longer_stored_demotes_its_children_again():
     assert _order(store) == "zb"
     store.drop(b"a")  # a is not stored, but b is still stored behind it
     assert _order(store) == "bz"
+
+
+class _OutOfMemoryOn(dict):
+    """A table whose next insert of a new key raises MemoryError while `armed`, as a dict
+    that fails to grow does (it is left unchanged)."""
+
+    armed = False
+
+    def __setitem__(self, key, value):
+        if self.armed and key not in self:
+            raise MemoryError("the table could not grow")
+        super().__setitem__(key, value)
+
+    def setdefault(self, key, default=None):
+        if self.armed and key not in self:
+            raise MemoryError("the table could not grow")
+        return super().setdefault(key, default)
+
+
+class _OrderedOutOfMemory(collections.OrderedDict):
+    armed = False
+
+    def __setitem__(self, key, value):
+        if self.armed and key not in self:
+            raise MemoryError("the table could not grow")
+        super().__setitem__(key, value)
+
+
+def _links(store: HostBlockStore) -> tuple:
+    return (
+        list(store._entries),
+        dict(store._parent_of),
+        {p: list(c) for p, c in store._children.items()},
+    )
+
+
+@pytest.mark.parametrize("table", ["parents", "children", "siblings", "entries"])
+def test_a_put_that_runs_out_of_memory_growing_a_table_stores_nothing(table):
+    # The entry was stored first: out of memory growing the parent links, it stayed with
+    # no parent, and the connector's rollback (drop) raised KeyError out of poll().
+    store = HostBlockStore()
+    _chain(store, "ab")
+    if table == "parents":
+        store._parent_of = failing = _OutOfMemoryOn(store._parent_of)
+    elif table == "children":  # c would be the first child listed under b
+        store._children = failing = _OutOfMemoryOn(store._children)
+    elif table == "siblings":  # b's list of children, which d joins
+        _chain(store, "d", b"b")
+        store._children[b"b"] = failing = _OutOfMemoryOn(store._children[b"b"])
+    else:
+        store._entries = failing = _OrderedOutOfMemory(store._entries)
+    before = _links(store)
+    failing.armed = True
+    with pytest.raises(MemoryError):
+        store.put(b"c", b"b", np.full(2, 9))
+    assert _links(store) == before and b"c" not in store
+    failing.armed = False
+    store.drop(b"c")  # the connector's rollback: nothing to drop
+    assert _links(store) == before
+    store.put(b"c", b"b", np.full(2, 9))
+    assert store.parent_of(b"c") == b"b" and _order(store)[-1] == "c"
+    store.drop(b"b")  # c is linked under b: demoted, the next to be evicted
+    assert _order(store).index("c") < _order(store).index("a")
+    assert b"b" not in store._children.get(b"a", {})
