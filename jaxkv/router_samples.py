@@ -33,10 +33,13 @@ class RunningSamples:
         if not isinstance(request_id, str):
             return None
         index, sep, parent = request_id.partition("_")
-        if not (sep and index.isascii() and index.isdigit()) or index != str(int(index)):
-            return None  # "01_x" names no sample: sample 1 of "x" is "1_x"
         live = self._live.get(parent)
-        return (parent, int(index)) if live is not None and int(index) in live else None
+        if live is None or not (sep and index.isascii() and index.isdigit()):
+            return None
+        # No sample's index has 19 digits, and int() raises ValueError past 4300 of them.
+        if len(index) > 18 or index != str(int(index)):
+            return None  # "01_x" names no sample: sample 1 of "x" is "1_x"
+        return (parent, int(index)) if int(index) in live else None
 
     def end(self, parent: str, index: int) -> bool:
         """Forgets a sample that ended; True if it was running."""

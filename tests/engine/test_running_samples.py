@@ -4,7 +4,9 @@ only looks numeric names no sample, and a sample ends once."""
 
 from __future__ import annotations
 
+from jaxkv import SamplingParams
 from jaxkv.router_samples import RunningSamples
+from tests.sharding._router_util import make_router
 
 
 def test_a_parent_id_with_underscores_names_its_samples():
@@ -51,3 +53,22 @@ def test_an_object_that_is_no_str_names_no_sample():
     samples.add("x", 2)
     for request_id in (0, None, b"0_x", ["0_x"]):  # `in` is asked of any object
         assert samples.sample_of(request_id) is None and request_id not in samples
+
+
+def test_an_index_of_more_digits_than_int_reads_names_no_sample():
+    # int() refuses a str of over 4300 digits (sys.get_int_max_str_digits): such an id
+    # raised ValueError from router.abort (and add_request) instead of naming no sample.
+    samples = RunningSamples()
+    samples.add("x", 3)
+    for request_id in ("1" * 5000 + "_x", "1" * 19 + "_x", "0" * 5000 + "1_x"):
+        assert samples.sample_of(request_id) is None and request_id not in samples
+    assert samples.sample_of("2_x") == ("x", 2)
+
+
+def test_a_router_takes_and_aborts_an_id_whose_sample_index_has_too_many_digits():
+    router, _ = make_router(2)
+    router.add_request([1] * 4, SamplingParams(n=2, max_tokens=3), request_id="x")
+    long_id = "1" * 5000 + "_x"
+    assert router.abort(long_id) is False
+    assert router.add_request([2] * 4, request_id=long_id) == long_id
+    assert router.abort(long_id) is True and router.num_outstanding in ((2, 0), (0, 2))
