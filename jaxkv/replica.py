@@ -17,7 +17,10 @@ class Replica(Protocol):
     ids_in_use, has_pending_transfers, queue_checkpoint, reset_prefix_cache and
     close(timeout_s=...) where a replica has them (PrefixAwareRouter.close closes each
     replica that has close; PrefixAwareRouter.queue_checkpoint calls the check() of each
-    replica's rewind that has one before it rewinds any).
+    replica's rewind that has one before it rewinds any). A has_pending_transfers,
+    queue_checkpoint, reset_prefix_cache or close attribute that is not callable is
+    refused where it is read, with ValueError naming it (None counts as no method);
+    close and reset_prefix_cache read every replica's before they change anything.
 
     The router checks each answer where it reads it (jaxkv.replica_checks), raising
     ValueError that names the replica (its index and type), the method and the answer.

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from jaxkv.outputs import RequestOutput
-from jaxkv.replica import Replica, pending_transfers
+from jaxkv.replica import Replica
 
 __all__ = ["CheckedReplicas"]
 
@@ -68,9 +68,12 @@ class CheckedReplicas:
         return _checked_bool(index, replica, "has_unfinished_requests", answer)
 
     def pending(self, index: int) -> bool:
-        """Whether replicas[index] holds blocks for KV copies in flight (pending_transfers)."""
-        replica = self._replicas[index]
-        return _checked_bool(index, replica, "has_pending_transfers", pending_transfers(replica))
+        """Whether replicas[index] holds blocks for KV copies in flight (False without a
+        has_pending_transfers method); ValueError naming one that is no method or that
+        answers no bool."""
+        pending = self._method(index, "has_pending_transfers")
+        answer = pending is not None and pending()
+        return _checked_bool(index, self._replicas[index], "has_pending_transfers", answer)
 
     def held_ids(self) -> list[Container[str]]:
         """The ids_in_use of each replica that has it (Engine's); ValueError naming one
@@ -93,7 +96,7 @@ class CheckedReplicas:
         it answers, so every one is asked before a ValueError names the first whose
         answer is no bool (that replica's emptied() is not called). ValueError naming
         the first whose reset_prefix_cache is not callable comes before any is asked."""
-        resets = [self._method(i, "reset_prefix_cache") for i in range(len(self._replicas))]
+        resets = self.methods("reset_prefix_cache")
         everyone, first = True, None
         for index, (replica, reset) in enumerate(zip(self._replicas, resets, strict=True)):
             answer = False if reset is None else reset()
@@ -110,6 +113,10 @@ class CheckedReplicas:
                 "are kept; every replica was asked to reset)"
             )
         return everyone
+
+    def methods(self, name: str) -> list[Callable | None]:
+        """Each replica's optional method `name` (_method), read before any is called."""
+        return [self._method(index, name) for index in range(len(self._replicas))]
 
     def _method(self, index: int, name: str) -> Callable | None:
         """replicas[index]'s optional method `name`, None if it has none; ValueError

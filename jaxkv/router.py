@@ -225,7 +225,7 @@ class PrefixAwareRouter(Closable):
         routes = self._routes.snapshot()
         # By token, not replica: an id aborted and queued again on its replica is new.
         rewind_ids = self._serials.checkpoint(self._queued)
-        rewinds = [r.queue_checkpoint() for r in self.replicas if hasattr(r, "queue_checkpoint")]
+        rewinds = [take() for take in self._checked.methods("queue_checkpoint") if take]
         return rewind_together([rewind_ids, *rewinds], then=lambda: self._routes.restore(routes))
 
     @no_reentry
@@ -377,23 +377,23 @@ class PrefixAwareRouter(Closable):
         Afterwards add_request, step, generate, drain_transfers and reset_prefix_cache
         raise RuntimeError, and abort returns False (for a caller's cleanup); closing
         again does nothing. Raises ValueError, changing nothing, unless `timeout_s` is
-        a number >= 0, and TimeoutError when the copies have not landed in time (no
-        replica is closed then) or a replica's close raises it; either way the router
-        stays open, without requests, and close can be called again. A replica's abort
-        that raises leaves that request held, every other one aborted, and the router
-        open: the first error is raised, with a note naming the others (try_each).
+        a number >= 0 and each replica's close, if any, a method; TimeoutError when the
+        copies have not landed in time (no replica is closed then) or a replica's close
+        raises it; either way the router stays open, without requests, and close can be
+        called again. A replica's abort that raises leaves that request held, every
+        other one aborted, and the router open: the first error is raised, with a note
+        naming the others (try_each).
         """
         if self._closed:
             return
         self._check_not_running()
         timeout_s = checked_timeout(timeout_s)  # before any request is aborted
+        closes = self._checked.methods("close")  # and a close that is no method is named
         self._finished_from(self._undelivered)  # dropped: their finished requests released
         self._undelivered = []
         try_each(self.abort, list(self._replica_of), "abort")  # each tried, then it raises
         deadline = time.monotonic() + timeout_s
         self.drain_transfers(timeout_s)  # first: a timeout leaves every replica open
-        for replica in self.replicas:
-            close = getattr(replica, "close", None)
-            if close is not None:
-                close(timeout_s=max(0.0, deadline - time.monotonic()))
+        for close in filter(None, closes):
+            close(timeout_s=max(0.0, deadline - time.monotonic()))
         self._closed = True

@@ -1,8 +1,9 @@
 """PrefixAwareRouter over a replica whose other answers are wrong: add_request returning
 another id or raising after it queued, abort answering no bool, has_unfinished_requests
-or has_pending_transfers answering no bool, an ids_in_use that is no container. Each
-raises ValueError naming the replica, the method and the answer (abort's, given after the
-replica acted, is read by its truth with a logged warning), the router unchanged."""
+or has_pending_transfers answering no bool, an ids_in_use that is no container, a
+has_pending_transfers, close or queue_checkpoint that is no method. Each raises ValueError
+naming the replica, the method and the answer (abort's, given after the replica acted, is
+read by its truth with a logged warning), the router unchanged."""
 
 from __future__ import annotations
 
@@ -127,3 +128,50 @@ def test_an_ids_in_use_that_is_no_container_is_refused(held):
     assert router.num_outstanding == (0, 0)
     router.replicas[1].ids_in_use = {"dp-0"}
     assert router.add_request([1] * BLOCK) == "dp-1"
+
+
+class _PendingProperty(FakeReplica):
+    """A proxy that exposes has_pending_transfers as a property, not a method."""
+
+    has_pending_transfers = False
+
+
+def test_a_has_pending_transfers_that_is_no_method_is_named():
+    # It raised a bare TypeError ("'bool' object is not callable") naming no replica,
+    # from has_pending_transfers, step and drain_transfers alike.
+    router = PrefixAwareRouter([FakeReplica(0), _PendingProperty(1)], block_size=BLOCK)
+    named = r"replicas\[1\] \(_PendingProperty\)\.has_pending_transfers is False; expected a meth"
+    for call in (router.has_pending_transfers, router.step, router.drain_transfers):
+        with pytest.raises(ValueError, match=named):
+            call()
+
+
+class _Closes(FakeReplica):
+    def __init__(self, index: int, close) -> None:
+        super().__init__(index)
+        self.close = close
+
+
+def test_a_close_that_is_no_method_is_named_before_close_changes_anything():
+    # It raised a bare TypeError after every request was aborted and the replicas before
+    # it closed, the router open; every later close raised it again, as bare.
+    closed = []
+    replicas = [_Closes(0, lambda timeout_s: closed.append(0)), _Closes(1, "closed")]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    rid = router.add_request([1] * BLOCK)
+    with pytest.raises(ValueError, match=r"replicas\[1\] \(_Closes\)\.close is 'closed'; expec"):
+        router.close()
+    assert not router.closed and router.replica_of(rid) == 0 and closed == []
+    assert router.num_outstanding == (1, 0) and rid in replicas[0].running
+    replicas[1].close = None  # no method: nothing to close there
+    router.close()
+    assert router.closed and closed == [0] and router.num_outstanding == (0, 0)
+
+
+def test_a_queue_checkpoint_that_is_no_method_is_named():
+    router = PrefixAwareRouter([FakeReplica(0)], block_size=BLOCK)
+    router.replicas[0].queue_checkpoint = 3
+    with pytest.raises(ValueError, match=r"replicas\[0\] \(FakeReplica\)\.queue_checkpoint is 3"):
+        router.queue_checkpoint()
+    router.replicas[0].queue_checkpoint = None
+    router.queue_checkpoint()()  # none to take: the router's own rewinds
