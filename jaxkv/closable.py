@@ -11,6 +11,7 @@ from typing import Self, TypeVar
 from jaxkv.field_checks import is_real
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class Closable:
@@ -108,19 +109,21 @@ def step_until_landed(pending: Callable[[], bool], step: Callable[[], bool], tim
             raise TimeoutError(f"KV transfers still pending after {timeout_s=}")
 
 
-def try_each(call: Callable[[T], object], args: Iterable[T], name: str) -> None:
+def try_each(call: Callable[[T], R], args: Iterable[T], name: str) -> list[R]:
     """Calls `call(arg)` for each of `args`, those after one that raised an Exception
-    included, then raises the first such Exception, with a note naming its call
-    (`name(arg)`) and each later one that raised (an interrupt that is no Exception
-    propagates at once). A close that must try every request or replica uses it."""
+    included, and returns what they returned; or raises the first such Exception, with
+    a note naming its call (`name(arg)`) and each later one that raised (an interrupt
+    that is no Exception propagates at once). For calls that must each be tried (a
+    close aborting every request)."""
     failed: list[tuple[str, Exception]] = []
+    results: list[R] = []
     for arg in args:
         try:
-            call(arg)
+            results.append(call(arg))
         except Exception as error:  # noqa: BLE001 - raised below, once every call was made
             failed.append((f"{name}({arg!r})", error))
     if not failed:
-        return
+        return results
     (what, first), later = failed[0], failed[1:]
     shown = "; ".join(f"{w} raised {e!r}" for w, e in later[:4])
     more = f"; and {len(later) - 4} more" if len(later) > 4 else ""

@@ -233,14 +233,16 @@ class PrefixAwareRouter(Closable):
         """Aborts an unfinished request, or each of an iterable of them, on its replica
         (under n > 1 each of its running samples; a sample's own id, "i_<id>", aborts that
         one); True if one was, False if each is unknown or finished. Raises ValueError,
-        aborting none, unless each id is a str (the ids add_request returns).
+        aborting none, unless each id is a str (the ids add_request returns). A replica's
+        abort that raises leaves its request held; every other id is still aborted, then
+        the first error raised, with a note naming the others (jaxkv.closable.try_each).
 
         A request (or sample) its replica no longer runs, with no finishing output left
         to deliver (it finished inside a replica step() that raised, its output lost with
         it), is released here too, and False returned. Outputs a failed step() kept for a
         sequence released here are dropped: they must not reach a later request of its id.
         A replica's abort answering no bool is read by its truth, with a logged warning."""
-        return any([self._abort_one(rid) for rid in checked_request_ids(request_ids)])
+        return any(try_each(self._abort_one, checked_request_ids(request_ids), "abort"))
 
     def _abort_one(self, request_id: str) -> bool:
         sample = None if request_id in self._replica_of else self._samples.sample_of(request_id)
@@ -381,8 +383,7 @@ class PrefixAwareRouter(Closable):
         copies have not landed in time (no replica is closed then) or a replica's close
         raises it; either way the router stays open, without requests, and close can be
         called again. A replica's abort that raises leaves that request held, every
-        other one aborted, and the router open: the first error is raised, with a note
-        naming the others (try_each).
+        other one aborted, and the router open: abort's error is raised.
         """
         if self._closed:
             return
@@ -391,7 +392,7 @@ class PrefixAwareRouter(Closable):
         closes = self._checked.methods("close")  # and a close that is no method is named
         self._finished_from(self._undelivered)  # dropped: their finished requests released
         self._undelivered = []
-        try_each(self.abort, list(self._replica_of), "abort")  # each tried, then it raises
+        self.abort(list(self._replica_of))  # each is tried, then the first error raised
         deadline = time.monotonic() + timeout_s
         self.drain_transfers(timeout_s)  # first: a timeout leaves every replica open
         for close in filter(None, closes):

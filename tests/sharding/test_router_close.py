@@ -230,6 +230,22 @@ def test_an_abort_that_raises_in_close_leaves_every_other_request_aborted_and_cl
     assert [len(r.close_calls) for r in replicas] == [1, 1, 1]
 
 
+def test_an_abort_of_a_list_tries_every_id_when_one_replicas_abort_raises():
+    # The first replica abort that raised stopped the list: the ids after it ran on (a
+    # generate's cleanup left them queued, their outputs dropped).
+    replicas = [AbortRaisingReplica(0), ClosableReplica(1), ClosableReplica(2)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    ids = [router.add_request([i + 1] * BLOCK, SamplingParams(max_tokens=5)) for i in range(3)]
+    with pytest.raises(RuntimeError, match="replica 0 lost") as raised:
+        router.abort(ids)
+    assert raised.value.__notes__ == ["raised by abort('dp-0'); every other call was made"]
+    assert router.num_outstanding == (1, 0, 0) and router.replica_of("dp-0") == 0
+    assert replicas[1].running == replicas[2].running == {}
+    replicas[0].broken = False
+    assert router.abort(ids) is True and router.num_outstanding == (0, 0, 0)
+    assert router.abort(ids) is False
+
+
 def test_try_each_makes_every_call_and_names_the_later_failures_in_a_bounded_note():
     made = []
 
