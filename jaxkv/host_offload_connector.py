@@ -143,7 +143,8 @@ class HostOffloadConnector(KVConnector):
         them held until poll() reports the save) and refreshes those it holds. Raises
         ValueError, starting nothing, unless `block_ids` are distinct block ids (one saved
         under two hashes would be the wrong KV for one of them), each >= 1 and, where the
-        copier declares num_blocks, below it. An exception from the copier's start_save,
+        copier declares num_blocks, below it, or while a save of the request's id is in
+        flight (its report would be lost). An exception from the copier's start_save,
         or ValueError naming what it returned if that is no concurrent.futures.Future,
         propagates with this connector unchanged (its store's LRU order included); the
         scheduler then frees the blocks unsaved and the request ends: unlike a load, a
@@ -152,6 +153,7 @@ class HostOffloadConnector(KVConnector):
         block_ids = checked_block_ids(
             block_ids, f"on_finish({request.request_id!r})", self._num_blocks
         )
+        self._check_not_in_flight("on_finish", request.request_id, self._saves)
         if self.host_bytes < self._layout.bytes_per_block:
             return False
         hashes = request.update_block_hashes(self._layout.block_size, self._layout.hash_seed)
@@ -207,9 +209,9 @@ class HostOffloadConnector(KVConnector):
         `block_ids`. Raises ValueError (nothing started or changed) unless the store holds
         them all, as on_admission promised just before, and `block_ids` are distinct ints
         >= 1 and, where the copier declares num_blocks, below it (the bound engine's cache
-        less the null block 0). The stored blocks always make one array of the copier's
-        block_shape and dtype, where it declares them: a save of blocks of another shape
-        or dtype than those stored fails.
+        less the null block 0), and no load of the request's id is in flight. The stored
+        blocks always make one array of the copier's block_shape and dtype, where it
+        declares them: a save of blocks of another shape or dtype than those stored fails.
 
         An Exception from the copier's start_load (ValueError naming what it returned,
         if that is no concurrent.futures.Future), or from gathering the stored blocks
@@ -223,6 +225,7 @@ class HostOffloadConnector(KVConnector):
         req_id = request.request_id
         copier = self._require_copier()
         block_ids = checked_block_ids(block_ids, f"start_load({req_id!r})", self._num_blocks)
+        self._check_not_in_flight("start_load", req_id, self._loads)
         first, rem = divmod(request.num_computed_tokens, self._layout.block_size)
         all_hashes = request.update_block_hashes(self._layout.block_size, self._layout.hash_seed)
         hashes = all_hashes[first : first + len(block_ids)]
@@ -353,6 +356,13 @@ class HostOffloadConnector(KVConnector):
         for h in hashes:
             self._store.drop(h)
         self._count(num_failed_loads=1)
+
+    @staticmethod
+    def _check_not_in_flight(hook: str, req_id: str, transfers: dict[str, Transfer]) -> None:
+        """ValueError while a copy of `req_id` is in `transfers`: a second one would
+        replace its record, its hashes marked as being saved for good, its end unreported."""
+        if req_id in transfers:
+            raise ValueError(f"{hook}({req_id!r}): a copy of that request is in flight")
 
     def _evict(self) -> None:
         limit = self.host_bytes // max(self._layout.bytes_per_block, 1)

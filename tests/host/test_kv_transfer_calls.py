@@ -134,3 +134,37 @@ def test_stats_count_stored_blocks_only_once_their_save_lands():
     connector.poll()
     stats = connector.stats
     assert (stats.num_stored_blocks, stats.stored_bytes) == (2, 2 * copier.bytes_per_block)
+
+
+def test_a_second_save_of_a_request_id_in_flight_is_refused_changing_nothing():
+    # It replaced the first save's record: that save's hashes stayed marked as being
+    # saved for good (no later request saved those blocks) and its end went unreported.
+    copier, connector = bound_host_connector()
+    first = computed_request("r", list(range(1, 9)))
+    assert connector.on_finish(first, [1, 2])
+    with pytest.raises(ValueError, match=r"on_finish\('r'\): a copy of that request is in"):
+        connector.on_finish(computed_request("r", list(range(20, 28))), [3, 4])
+    assert copier.saved_block_ids == [[1, 2]]
+    assert connector.poll().saved == ("r",) and not connector.has_pending()
+    assert set(connector.stored_hashes()) == set(first.block_hashes[:2])
+    again = computed_request("r", list(range(20, 28)))  # its save has landed: taken now
+    assert connector.on_finish(again, [3, 4]) and connector.poll().saved == ("r",)
+    assert len(connector.stored_hashes()) == 4
+
+
+def test_a_second_load_of_a_request_id_in_flight_is_refused_changing_nothing():
+    copier, connector = bound_host_connector()
+    copier.auto_complete = False
+    tokens = list(range(1, 14))  # 3 full blocks, then one token: 3 blocks claimable
+    _stored(connector, tokens)
+    copier.complete()
+    assert connector.poll().saved == ("saved",)
+    r = Request("r", tokens, SamplingParams())
+    assert connector.on_admission(r, 0) == 3 * BS
+    connector.start_load(r, [5, 6, 7])
+    with pytest.raises(ValueError, match=r"start_load\('r'\): a copy of that request is in"):
+        connector.start_load(r, [8, 9, 10])
+    assert copier.loaded_block_ids == [[5, 6, 7]] and len(connector.stored_hashes()) == 3
+    copier.complete()
+    assert connector.poll().loaded == ("r",) and not connector.has_pending()
+    assert connector.stats.num_loads == 1 and connector.stats.num_failed_loads == 0
