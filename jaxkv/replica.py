@@ -37,8 +37,9 @@ class Replica(Protocol):
     may have been queued).
     has_unfinished_requests, has_pending_transfers and reset_prefix_cache must return
     bools (reset_prefix_cache's is checked once every replica has been asked), ids_in_use
-    be a container. abort is called after the replica acted: an answer other than a bool
-    is read by its truth, with a logged warning naming it.
+    be a container, queue_checkpoint a function (the rewind). abort is called after the
+    replica acted: an answer other than a bool is read by its truth, with a logged
+    warning naming it.
     """
 
     def add_request(

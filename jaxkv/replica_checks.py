@@ -114,6 +114,23 @@ class CheckedReplicas:
             )
         return everyone
 
+    def queue_checkpoints(self) -> list[Callable[[], None]]:
+        """The rewind queue_checkpoint() returns, of each replica that has that method
+        (Engine's); ValueError naming one whose answer is not callable (it would raise
+        a bare TypeError only when rewound, after the rewinds before it ran)."""
+        rewinds = []
+        for index, take in enumerate(self.methods("queue_checkpoint")):
+            if take is None:
+                continue
+            rewind = take()
+            if not callable(rewind):
+                raise ValueError(
+                    f"{replica_name(index, self._replicas[index])}.queue_checkpoint() "
+                    f"returned {_shown(rewind)}; expected a function (its rewind)"
+                )
+            rewinds.append(rewind)
+        return rewinds
+
     def methods(self, name: str) -> list[Callable | None]:
         """Each replica's optional method `name` (_method), read before any is called."""
         return [self._method(index, name) for index in range(len(self._replicas))]

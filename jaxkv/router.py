@@ -225,7 +225,7 @@ class PrefixAwareRouter(Closable):
         routes = self._routes.snapshot()
         # By token, not replica: an id aborted and queued again on its replica is new.
         rewind_ids = self._serials.checkpoint(self._queued)
-        rewinds = [take() for take in self._checked.methods("queue_checkpoint") if take]
+        rewinds = self._checked.queue_checkpoints()  # ValueError naming one not callable
         return rewind_together([rewind_ids, *rewinds], then=lambda: self._routes.restore(routes))
 
     @no_reentry

@@ -175,3 +175,26 @@ def test_a_queue_checkpoint_that_is_no_method_is_named():
         router.queue_checkpoint()
     router.replicas[0].queue_checkpoint = None
     router.queue_checkpoint()()  # none to take: the router's own rewinds
+
+
+class _Checkpoints(FakeReplica):
+    def __init__(self, index: int, rewind) -> None:
+        super().__init__(index)
+        self.rewind = rewind
+
+    def queue_checkpoint(self):
+        return self.rewind
+
+
+def test_a_queue_checkpoint_answer_that_is_no_function_is_named_when_taken():
+    # None was taken as replica 1's rewind: rewinding raised a bare TypeError then,
+    # after replica 0's rewind had run, and out of generate's cleanup in place of the
+    # error that made generate rewind (it lets only a rewind's RuntimeError pass).
+    rewound = []
+    replicas = [_Checkpoints(0, lambda: rewound.append(0)), _Checkpoints(1, None)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    with pytest.raises(ValueError, match=r"replicas\[1\] \(_Checkpoints\)\.queue_checkpoint\(\) "):
+        router.queue_checkpoint()
+    replicas[1].rewind = lambda: rewound.append(1)
+    router.queue_checkpoint()()
+    assert rewound == [0, 1]
