@@ -73,25 +73,6 @@ class _CountedCache(FakeCopier):
         return super().start_load(block_ids, blocks)
 
 
-@pytest.mark.parametrize("bad", [[0, 5], [5, 16], [-1, 5]], ids=["null", "past", "negative"])
-def test_block_ids_outside_a_declared_cache_are_refused_keeping_the_store(bad):
-    # The copier's own refusal counts as a load that failed to start, dropping the store's
-    # blocks: the connector refuses such ids before it calls the copier.
-    copier = _CountedCache(16, BS)
-    connector = HostOffloadConnector(64 * copier.bytes_per_block)
-    connector.bind(copier, block_size=BS, hash_seed=0)
-    order, b = _stored_then_b(connector)
-    with pytest.raises(ValueError, match=r"start_load\('b'\): block_ids=.* in \[1, 16\)"):
-        connector.start_load(b, bad)
-    with pytest.raises(ValueError, match=r"on_finish\('c'\): block_ids=.* in \[1, 16\)"):
-        connector.on_finish(computed_request("c", list(range(20, 28))), bad)
-    assert copier.loaded_block_ids == [] and len(copier.saved_block_ids) == 1
-    assert connector.stored_hashes() == order and not connector.has_pending()
-    assert connector.stats.num_failed_loads == 0
-    connector.start_load(b, [14, 15])  # the last blocks of the cache
-    assert connector.poll().loaded == ("b",)
-
-
 class _RefusingCache(FakeCopier):
     """A FakeCopier that declares no num_blocks but refuses ids outside its cache."""
 
@@ -101,23 +82,34 @@ class _RefusingCache(FakeCopier):
         return super().start_load(block_ids, blocks)
 
 
-@pytest.mark.parametrize("bad", [[0, 5], [-1, 5]], ids=["null", "negative"])
-def test_the_null_block_and_negative_ids_are_refused_without_a_declared_cache(bad):
-    # Block 0 and negative ids are in no engine's cache. Passed on to a copier that
-    # declares no num_blocks, its refusal counted as a failed load: the store lost b's
-    # blocks, and b, admitted later, recomputed them.
-    copier = _RefusingCache(16, BS)
+@pytest.mark.parametrize(
+    ("copier_type", "bad", "bounds"),
+    [
+        (_CountedCache, [0, 5], r"\[1, 16\)"),
+        (_CountedCache, [5, 16], r"\[1, 16\)"),
+        (_CountedCache, [-1, 5], r"\[1, 16\)"),
+        (_RefusingCache, [0, 5], r"\[1, \.\.\.\)"),
+        (_RefusingCache, [-1, 5], r"\[1, \.\.\.\)"),
+    ],
+    ids=["null", "past", "negative", "null-undeclared-cache", "negative-undeclared-cache"],
+)
+def test_block_ids_outside_the_cache_are_refused_keeping_the_store(copier_type, bad, bounds):
+    # The copier's own refusal counts as a load that failed to start, dropping the store's
+    # blocks (b, admitted later, would recompute them): the connector refuses such ids
+    # before it calls the copier. Block 0 and negative ids are in no engine's cache, so
+    # they are refused whether or not the copier declares num_blocks.
+    copier = copier_type(16, BS)
     connector = HostOffloadConnector(64 * copier.bytes_per_block)
     connector.bind(copier, block_size=BS, hash_seed=0)
     order, b = _stored_then_b(connector)
-    with pytest.raises(ValueError, match=r"start_load\('b'\): block_ids=.* in \[1, \.\.\.\)"):
+    with pytest.raises(ValueError, match=rf"start_load\('b'\): block_ids=.* in {bounds}"):
         connector.start_load(b, bad)
-    with pytest.raises(ValueError, match=r"on_finish\('c'\): block_ids=.* in \[1, \.\.\.\)"):
+    with pytest.raises(ValueError, match=rf"on_finish\('c'\): block_ids=.* in {bounds}"):
         connector.on_finish(computed_request("c", list(range(20, 28))), bad)
     assert copier.loaded_block_ids == [] and len(copier.saved_block_ids) == 1
     assert connector.stored_hashes() == order and not connector.has_pending()
     assert connector.stats.num_failed_loads == 0
-    connector.start_load(b, [14, 15])
+    connector.start_load(b, [14, 15])  # the last blocks of the cache
     assert connector.poll().loaded == ("b",)
 
 

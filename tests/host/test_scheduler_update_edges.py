@@ -17,6 +17,16 @@ from jaxkv.request import MAX_TOKEN_ID
 from tests.host._sched_util import add, make_scheduler, token_of
 
 
+def _run_to_the_end(sched) -> int:
+    """Steps `sched` until no request is unfinished; the tokens those steps scheduled."""
+    num_tokens = 0
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        num_tokens += out.total_num_scheduled_tokens
+        sched.update_from_output(out, [token_of(r) for r in out.requests])
+    return num_tokens
+
+
 def test_outputs_follow_the_batch_order_and_carry_the_sampled_token():
     sched = make_scheduler()
     add(sched, "a", [1, 2, 3], max_tokens=1)
@@ -229,11 +239,7 @@ def test_tokens_an_interrupted_update_leaves_unadvanced_count_each_time_they_run
     assert (a.num_computed_tokens, b.num_computed_tokens, c.num_computed_tokens) == (3, 2, 0)
     stats = sched.stats
     assert (stats.num_prompt_tokens_computed, stats.num_decode_tokens_computed) == (8, 2)
-    num_tokens = 4 + 6
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        num_tokens += out.total_num_scheduled_tokens
-        sched.update_from_output(out, [token_of(r) for r in out.requests])
+    num_tokens = 4 + 6 + _run_to_the_end(sched)
     stats = sched.stats
     assert stats.num_prompt_tokens_computed == 4 + 2 * 4 + 6
     assert stats.num_prompt_tokens_computed + stats.num_decode_tokens_computed == num_tokens
@@ -261,10 +267,6 @@ def test_tokens_of_requests_aborted_before_their_step_is_applied_count_once_run(
     assert sched.abort("d")
     sched.discard(out)
     assert sched.stats == stats
-    num_tokens = 4 + 8
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        num_tokens += out.total_num_scheduled_tokens
-        sched.update_from_output(out, [token_of(r) for r in out.requests])
+    num_tokens = 4 + 8 + _run_to_the_end(sched)
     stats = sched.stats
     assert stats.num_prompt_tokens_computed + stats.num_decode_tokens_computed == num_tokens
