@@ -1,17 +1,8 @@
-"""The benchmark scripts refuse bad flag values by name (benchmarks/cli_args.py).
-
-The checks that need a script run as `python SCRIPT ...` take their runs from one process
-per environment (tests/examples/script_runs.py runs each script as a fresh interpreter
-would, importing JAX once for all of them): `script_runs` without PYTHONPATH from the
-checkout, `uninstalled_runs` with site skipped (-S) from the filesystem's root.
-"""
+"""The benchmark scripts refuse bad flag values by name (benchmarks/cli_args.py)."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import site
 import subprocess
 import sys
 from pathlib import Path
@@ -66,62 +57,15 @@ def test_decode_grid_reads_cells_of_three_positive_ints():
             decode_grid(text)
 
 
-ROOT = Path(__file__).resolve().parents[2]
-DRIVER = Path(__file__).with_name("script_runs.py")
-BENCHMARKS = ["attention.py", "gpu_compile_report.py", "gpu_kernel.py", "host_overhead.py",
-              "prompt_logprobs.py", "serve.py", "stop_strings.py", "tpu_kernel.py"]  # fmt: skip
-QUERY_HEADS = ["attention.py", "tpu_kernel.py"]
-EXAMPLES = ["demo_cascade.py", "serve_shared_prefix.py", "train_tiny_lm.py"]
-NEGATIVE_SEEDS = [
-    ("benchmarks/host_overhead.py", "--seed: -1 must be >= 0"),
-    ("examples/demo_cascade.py", "--seed must be >= 0, not -1"),
-]
-HOST_OVERHEAD_OUT = "<a folder>"  # script_runs puts an existing folder's path here
-
-
-def _runs(tmp_path_factory, name, runs, *, env, cwd, flags=()) -> tuple[dict, str]:
-    """({" ".join(run): result}, the log) of `runs` (lists: script, args...) as
-    tests/examples/script_runs.py runs them in one `python *flags` process."""
-    out = tmp_path_factory.mktemp(name) / "runs.json"
-    argv = [sys.executable, *flags, str(DRIVER), str(out)]
-    for run in runs:
-        argv += [*run, "--"]
-    proc = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
-    log = f"--- stdout\n{proc.stdout}\n--- stderr (tail)\n{proc.stderr[-4000:]}"
-    if proc.returncode or not out.exists():
-        pytest.fail(f"script_runs exited {proc.returncode}\n{log}")
-    return json.loads(out.read_text()), log
-
-
-@pytest.fixture(scope="module")
-def script_runs(tmp_path_factory):
-    """Every run of a script from the checkout, as `python SCRIPT ARGS` runs it there with
-    no PYTHONPATH; {"folder": an existing folder, run: result}."""
-    folder = tmp_path_factory.mktemp("out_folder")
-    runs = [[f"benchmarks/{script}", "--help"] for script in BENCHMARKS]
-    runs += [[f"examples/{script}", "--help"] for script in EXAMPLES]
-    runs += [[f"benchmarks/{s}", "--q-heads", "8", "--kv-heads", "3"] for s in QUERY_HEADS]
-    runs += [["benchmarks/host_overhead.py", "--out", str(folder)]]
-    runs += [["benchmarks/tpu_kernel.py", "--smoke", "--tpu-generation", "v9"]]
-    runs += [[script, "--seed", "-1"] for script, _ in NEGATIVE_SEEDS]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    results, log = _runs(tmp_path_factory, "script_runs", runs, env=env, cwd=ROOT)
-    return {"folder": folder, **results}, log
-
-
-def _result(runs, *run) -> dict:
-    results, log = runs
-    result = results[" ".join(run)]
-    result["log"] = f"--- its stderr\n{result['stderr'][-2000:]}\n{log}"
-    return result
-
-
-@pytest.mark.parametrize("script", QUERY_HEADS)
-def test_query_heads_that_no_kv_head_count_divides_are_refused_by_flag(script, script_runs):
+@pytest.mark.parametrize("script", ["attention.py", "tpu_kernel.py"])
+def test_query_heads_that_no_kv_head_count_divides_are_refused_by_flag(script):
     # Both died in AttentionShape with a traceback once the grid had started.
-    run = _result(script_runs, f"benchmarks/{script}", "--q-heads", "8", "--kv-heads", "3")
-    assert run["code"] == 2, run["log"]
-    assert "--q-heads 8 must be a multiple of --kv-heads 3" in run["stderr"]
+    run = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", "--q-heads", "8", "--kv-heads", "3"],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "--q-heads 8 must be a multiple of --kv-heads 3" in run.stderr
     check_head_groups(argparse.ArgumentParser(), 8, 2)
 
 
@@ -184,12 +128,14 @@ def test_a_json_file_flag_given_a_folder_is_refused_before_the_run(module, tmp_p
     assert "--out" in (err := capsys.readouterr().err) and "is a folder" in err
 
 
-def test_host_overhead_refuses_a_folder_for_its_json_file(script_runs):
+def test_host_overhead_refuses_a_folder_for_its_json_file(tmp_path):
     # Its default run takes minutes before the IsADirectoryError.
-    folder = script_runs[0]["folder"]
-    run = _result(script_runs, "benchmarks/host_overhead.py", "--out", str(folder))
-    assert run["code"] == 2 and "is a folder" in run["stderr"], run["log"]
-    assert not any(folder.iterdir())
+    run = subprocess.run(
+        [sys.executable, "benchmarks/host_overhead.py", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert run.returncode == 2 and "is a folder" in run.stderr
+    assert not any(tmp_path.iterdir())
 
 
 def test_folder_flags_given_a_file_are_refused_before_the_run(tmp_path, capsys):
@@ -205,11 +151,14 @@ def test_folder_flags_given_a_file_are_refused_before_the_run(tmp_path, capsys):
     assert file.read_text() == "{}"
 
 
-def test_tpu_kernel_refuses_an_unknown_generation_by_flag(script_runs):
+def test_tpu_kernel_refuses_an_unknown_generation_by_flag():
     # It ran into the kernel's ValueError with a traceback instead.
-    run = _result(script_runs, "benchmarks/tpu_kernel.py", "--smoke", "--tpu-generation", "v9")
-    assert run["code"] == 2, run["log"]
-    assert "--tpu-generation: invalid choice: 'v9'" in run["stderr"]
+    run = subprocess.run(
+        [sys.executable, "benchmarks/tpu_kernel.py", "--smoke", "--tpu-generation", "v9"],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "--tpu-generation: invalid choice: 'v9'" in run.stderr
 
 
 @pytest.mark.parametrize("module", ["serve_args", "prompt_logprobs"])
@@ -224,30 +173,63 @@ def test_a_negative_seed_is_refused_by_its_flag(module, capsys):
     assert "--seed: -1 must be >= 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("script,message", NEGATIVE_SEEDS)
-def test_scripts_refuse_a_negative_seed_before_the_run(script, message, script_runs):
-    run = _result(script_runs, script, "--seed", "-1")
-    assert run["code"] == 2 and message in run["stderr"], run["log"]
+@pytest.mark.parametrize(
+    "script,message",
+    [
+        ("benchmarks/host_overhead.py", "--seed: -1 must be >= 0"),
+        ("examples/demo_cascade.py", "--seed must be >= 0, not -1"),
+    ],
+)
+def test_scripts_refuse_a_negative_seed_before_the_run(script, message, tmp_path):
+    run = subprocess.run(
+        [sys.executable, script, "--seed", "-1"],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]
 
 
-@pytest.mark.parametrize("script", BENCHMARKS)
-def test_every_benchmark_runs_as_a_script_without_pythonpath(script, script_runs):
+@pytest.mark.parametrize(
+    "script",
+    ["attention.py", "gpu_compile_report.py", "gpu_kernel.py", "host_overhead.py",
+     "prompt_logprobs.py", "serve.py", "stop_strings.py", "tpu_kernel.py"],
+)  # fmt: skip
+def test_every_benchmark_runs_as_a_script_without_pythonpath(script):
     # `python benchmarks/gpu_compile_report.py`, as the README runs it, had only
     # benchmarks/ on sys.path and died on `from benchmarks.cli_args import out_dir`
     # (ModuleNotFoundError) unless the caller set PYTHONPATH.
-    run = _result(script_runs, f"benchmarks/{script}", "--help")
-    assert run["code"] == 0, run["log"]
-    assert "--out" in run["stdout"]
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", "--help"], env=env,
+        cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "--out" in run.stdout
 
 
-@pytest.mark.parametrize("script", EXAMPLES)
-def test_every_example_runs_from_this_checkout_without_pythonpath(script, script_runs):
+@pytest.mark.parametrize(
+    "script", ["demo_cascade.py", "serve_shared_prefix.py", "train_tiny_lm.py"]
+)
+def test_every_example_runs_from_this_checkout_without_pythonpath(script):
     # `python examples/demo_cascade.py`, as the README runs it, imported kernels_pallas
     # from wherever jaxkv was installed (another checkout's code), or failed without one.
-    run = _result(script_runs, f"examples/{script}", "--help")
-    assert run["code"] == 0, run["log"]
-    assert run["kernels_pallas"] is not None, run["log"]
-    assert Path(run["kernels_pallas"]).is_relative_to(ROOT), run["kernels_pallas"]
+    import os
+
+    root = Path(__file__).parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    as_python_runs_it = (  # examples/ first on sys.path, as for `python examples/x.py`
+        "import runpy, sys; sys.path[0] = 'examples'; sys.argv = [sys.argv[1], '--help']\n"
+        "try: runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except SystemExit: pass\n"
+        "print(sys.modules['kernels_pallas'].__file__)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", as_python_runs_it, f"examples/{script}"], env=env, cwd=root,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert Path(run.stdout.splitlines()[-1]).is_relative_to(root.resolve()), run.stdout
 
 
 def test_gpu_kernel_smoke_lowers_the_full_size_calls_with_the_flags_page_size(
@@ -288,28 +270,31 @@ def test_gpu_kernel_json_names_the_heads_its_rows_were_timed_with(tmp_path, monk
     assert timed == [(4, 2, 64)] and report["heads"] == [4, 2, 64]
 
 
-@pytest.fixture(scope="module")
-def uninstalled_runs(tmp_path_factory):
-    """Each example's --help run as `python -S examples/SCRIPT --help` runs it from "/": the
-    installed packages are importable but jaxkv's install is not (-S skips site, and so
-    the editable install's .pth finder; PYTHONPATH names the site-packages folders as
-    plain paths)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = os.pathsep.join(site.getsitepackages())
-    runs = [[str(ROOT / "examples" / script), "--help"] for script in EXAMPLES]
-    return _runs(tmp_path_factory, "uninstalled", runs, env=env, cwd="/", flags=["-S"])
-
-
-@pytest.mark.parametrize("script", EXAMPLES)
-def test_every_example_runs_from_a_checkout_without_installing(script, uninstalled_runs):
+@pytest.mark.parametrize(
+    "script", ["demo_cascade.py", "serve_shared_prefix.py", "train_tiny_lm.py"]
+)
+def test_every_example_runs_from_a_checkout_without_installing(script):
     # `python examples/demo_cascade.py`, as the README runs it, imported kernels_pallas
     # from wherever jaxkv was installed (another checkout's editable install), or died on
     # ModuleNotFoundError without an install, while the other examples put their checkout
-    # first on sys.path.
-    from tests.examples.script_runs import KERNELS_IMPORTABLE
+    # first on sys.path. Here the installed packages are importable but jaxkv's install is
+    # not: -S skips site (and so the editable install's .pth finder), PYTHONPATH names the
+    # site-packages folders as plain paths.
+    import os
+    import site
 
-    if uninstalled_runs[0][KERNELS_IMPORTABLE]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join(site.getsitepackages())
+    repo = Path(__file__).parents[2]
+    probe = subprocess.run(
+        [sys.executable, "-S", "-c", "import kernels_pallas"], env=env, cwd="/",
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if probe.returncode == 0:
         pytest.skip("kernels_pallas is installed as a plain package: nothing to check")
-    run = _result(uninstalled_runs, str(ROOT / "examples" / script), "--help")
-    assert run["code"] == 0, run["log"]
-    assert "usage:" in run["stdout"]
+    run = subprocess.run(
+        [sys.executable, "-S", str(repo / "examples" / script), "--help"], env=env, cwd="/",
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "usage:" in run.stdout
