@@ -198,11 +198,17 @@ def test_a_step_answer_that_is_no_list_of_outputs_loses_no_other_replicas_output
     [
         ({"finish_reason": None}, "finished without a finish_reason"),
         ({"finished": False}, "a finish_reason on a request of one sample that is not"),
+        *(
+            ({"index": index}, rf"replicas\[1\].*'b' with index {index!r}, not an int")
+            for index in [False, 0.0, 1.0, True, "0"]
+        ),
     ],
 )
-def test_a_finish_without_its_reason_or_a_reason_without_its_finish_is_refused(change, named):
+def test_a_finish_without_its_reason_a_reason_without_finish_or_odd_index_is_refused(change, named):
     # A reason without finished left "b" counted and its id held after its replica
     # dropped it; finished without a reason reached generate as an unexplained end.
+    # False and 0.0 equal 0 and hash alike: such an index passed as sample 0's and reached
+    # the caller with that index (True and 1.0 likewise as sample 1's of an n > 1 request).
     router = _router(lambda outputs: [o._replace(**change) for o in outputs], tokens=1)
     with pytest.raises(ValueError, match=named):
         router.step()
@@ -260,18 +266,6 @@ def test_a_tuple_of_outputs_and_subclasses_of_request_output_are_delivered():
     router = _router(lambda outputs: tuple(Output(*o) for o in outputs), tokens=1)
     assert [(o.request_id, o.finished) for o in router.step()] == [("a", True), ("b", True)]
     assert router.num_outstanding == (0, 0)
-
-
-@pytest.mark.parametrize("index", [False, 0.0, 1.0, True, "0"])
-def test_an_output_whose_sample_index_is_no_int_is_refused(index):
-    # False and 0.0 equal 0 and hash alike: the output passed as sample 0's and reached
-    # the caller with that index (True and 1.0 likewise as sample 1's of an n > 1 request).
-    router = _router(lambda outputs: [o._replace(index=index) for o in outputs], tokens=1)
-    with pytest.raises(ValueError, match=rf"replicas\[1\].*'b' with index {index!r}, not an int"):
-        router.step()
-    assert router.num_outstanding == (1, 1) and router.replicas[1].running == {}
-    assert router.abort("b") is False  # its replica runs it no more: released
-    assert _delivered(router) == [("a", True)]
 
 
 def test_a_samples_output_whose_index_is_a_bool_is_refused():
