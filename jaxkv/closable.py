@@ -131,3 +131,16 @@ def try_each(call: Callable[[T], R], args: Iterable[T], name: str) -> list[R]:
         f"raised by {what}; every other call was made" + (f": {shown}{more}" if later else "")
     )
     raise first
+
+
+def try_each_noted(call: Callable[[T], object], args: Iterable[T], name: str, error) -> None:
+    """Calls `call(arg)` for each of `args`, those after one that raised an Exception
+    included, noting each that raised (`name(arg)` and its error) on `error`, the one the
+    caller is raising: for the cleanup after a failure, where a failing cleanup step must
+    neither stop the others nor replace the error that needed them (an interrupt that is
+    no Exception propagates at once)."""
+    for arg in args:
+        try:
+            call(arg)
+        except Exception as failure:  # noqa: BLE001 - noted on the error being raised
+            error.add_note(f"cleaning up, {name}({arg!r}) raised {failure!r}")

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from numbers import Integral
 from typing import Any, Protocol
 
+from jaxkv.closable import try_each_noted
 from jaxkv.outputs import CompletionOutput, RequestOutput
 
 
@@ -87,13 +88,14 @@ def run_to_completion(
     and a driver with a `queue_checkpoint()` method is rewound to the checkpoint taken
     before the first (the next request gets the default id and seed it would have had
     without this call). An exception while stepping (KeyboardInterrupt too) aborts the
-    prompts' unfinished requests before it propagates. Other requests the driver holds
-    progress too; their outputs are dropped. A prompt's request that ends without a final
-    output (aborted by another caller meanwhile) gets finish_reason "abort" and the tokens
-    it had, as does each sample of it that ended so. A prompt whose params ask for
-    logprobs gets them, one dict per output token, and their cumulative_logprob (the sum
-    of its sampled tokens' logprobs); one that asks for prompt logprobs gets them on each
-    of its samples.
+    prompts' unfinished requests before it propagates. In both cleanups every abort is
+    tried, one that raises noted on that exception (`__notes__`), not raised instead.
+    Other requests the driver holds progress too; their outputs are dropped. A prompt's
+    request that ends without a final output (aborted by another caller meanwhile) gets
+    finish_reason "abort" and the tokens it had, as does each sample of it that ended so.
+    A prompt whose params ask for logprobs gets them, one dict per output token, and
+    their cumulative_logprob (the sum of its sampled tokens' logprobs); one that asks for
+    prompt logprobs gets them on each of its samples.
     `progress_bar` (tqdm-like, optional) is advanced once per finished prompt and closed.
     """
     num_prompts = count_prompts(prompts)
@@ -115,9 +117,8 @@ def run_to_completion(
     try:
         for p, sp in zip(prompts, params_list, strict=True):
             ids.append(driver.add_request(p, sp))
-    except BaseException:
-        for rid in ids:
-            driver.abort(rid)
+    except BaseException as error:
+        try_each_noted(driver.abort, ids, "abort", error)
         if rewind is not None:
             try:
                 rewind()
@@ -170,12 +171,12 @@ def run_to_completion(
                     remaining -= 1
                     if progress_bar is not None:
                         progress_bar.update(1)
-    except BaseException:
+    except BaseException as error:
         # Nobody else knows these ids: left queued, they would run on in later calls
-        # (KeyboardInterrupt included) with their outputs dropped.
-        for rid, finished in zip(ids, done, strict=True):
-            if not finished:
-                driver.abort(rid)
+        # (KeyboardInterrupt included) with their outputs dropped. Each is tried, one
+        # whose abort fails noted on the error raised.
+        unfinished = [rid for rid, finished in zip(ids, done, strict=True) if not finished]
+        try_each_noted(driver.abort, unfinished, "abort", error)
         raise
     finally:
         if progress_bar is not None:

@@ -349,6 +349,40 @@ def test_an_error_while_stepping_aborts_only_the_unfinished_prompts():
     assert driver.aborted == ["1"] and bar.n == 1 and bar.closed
 
 
+class _FirstAbortFails(_FailsSecondStep):
+    """Its abort of "1" raises (after recording the call)."""
+
+    def abort(self, request_id: str) -> bool:
+        super().abort(request_id)
+        if request_id == "1":
+            raise ConnectionError("replica gone")
+        return True
+
+
+def test_an_abort_that_raises_in_the_cleanup_leaves_the_others_tried_and_the_error():
+    # The first abort's error replaced the step's, and the prompts after it ran on.
+    driver = _FirstAbortFails()
+    with pytest.raises(RuntimeError, match="device lost") as raised:
+        run_to_completion(driver, [[0], [1], [2], [3]])
+    assert driver.aborted == ["1", "2", "3"]
+    assert "abort('1') raised ConnectionError('replica gone')" in "".join(raised.value.__notes__)
+
+
+class _QueuedAbortFails(_RefusesThird):
+    def abort(self, request_id: str) -> bool:
+        if request_id == "0":
+            raise ConnectionError("replica gone")
+        return super().abort(request_id)
+
+
+def test_an_abort_that_raises_after_a_refused_prompt_leaves_the_others_tried():
+    driver = _QueuedAbortFails()
+    with pytest.raises(TypeError, match="not a prompt") as raised:
+        run_to_completion(driver, [[1], [2], [3]])
+    assert driver.queued == ["0"]  # "1" aborted too
+    assert "abort('0') raised ConnectionError" in "".join(raised.value.__notes__)
+
+
 class _AbortedBeforeAnyToken(_TwoSamples):
     """Its one request is aborted by another caller before any output."""
 
