@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from jaxkv.closable import try_each_noted
 from jaxkv.field_checks import as_int
 
 
@@ -28,7 +29,8 @@ def engine_replicas(
     naming both numbers when the TP size does not divide the device count, or too few
     groups exist, and naming num_replicas unless it is None or an int >= 1; all before
     any engine is built. When building a later engine fails, the engines already built
-    are closed (their device memory freed) before the error propagates."""
+    are closed (their device memory freed) before the error propagates: every one, a
+    close that raises noted on that error (`__notes__`), not raised instead."""
     from jaxkv.config import EngineConfig
     from jaxkv.engine import Engine
     from jaxkv.sharding import replica_meshes
@@ -54,8 +56,7 @@ def engine_replicas(
         for seed, mesh in zip(seeds, meshes, strict=True):
             replica_config = dataclasses.replace(config, seed=seed)
             engines.append(Engine(model, params, replica_config, mesh=mesh, tokenizer=tokenizer))
-    except BaseException:
-        for engine in reversed(engines):  # their weights and KV pools would stay placed
-            engine.close()
+    except BaseException as error:  # their weights and KV pools would stay placed
+        try_each_noted(lambda engine: engine.close(), reversed(engines), "close", error)
         raise
     return engines

@@ -77,3 +77,26 @@ def test_a_failed_engine_closes_the_engines_built_before_it(monkeypatch):
     with pytest.raises(MemoryError, match="m2"):
         engine_replicas(None)
     assert closed == ["m1", "m0"]
+
+
+def test_a_close_that_raises_after_a_failed_engine_leaves_the_others_closed(monkeypatch):
+    """The close of m1 raised: it replaced the build error and left m0 open."""
+    closed = []
+
+    class Engine(_Engine):
+        def __init__(self, model, params, config, mesh, tokenizer):
+            if mesh == "m2":
+                raise MemoryError("KV pool does not fit on m2")
+            super().__init__(model, params, config, mesh, tokenizer)
+
+        def close(self):
+            closed.append(self.mesh)
+            if self.mesh == "m1":
+                raise RuntimeError("m1 would not close")
+
+    monkeypatch.setattr(jaxkv.sharding, "replica_meshes", lambda tp, devices: ["m0", "m1", "m2"])
+    monkeypatch.setattr(jaxkv.engine, "Engine", Engine)
+    with pytest.raises(MemoryError, match="m2") as raised:
+        engine_replicas(None)
+    assert closed == ["m1", "m0"]
+    assert "RuntimeError('m1 would not close')" in "".join(raised.value.__notes__)
