@@ -6,7 +6,8 @@ a finish reported twice, would release a request the router still runs elsewhere
 a generate early, and a None where a bool belongs would stall a request for good. A bad
 answer raises ValueError naming the replica (its index and type), the method, what it
 returned and what was expected; `abort`'s answer, given after the replica acted, is read
-by its truth with a logged warning instead (as the scheduler reads a connector's on_finish).
+by its truth (False if it has none) with a logged warning instead (as the scheduler
+reads a connector's on_finish).
 
 Checking a step's outputs costs a few passes of C over them (set operations), not a
 Python loop; the output-by-output pass runs only once they have found something wrong.
@@ -179,18 +180,27 @@ class CheckedReplicas:
 
     def abort(self, index: int, request_id: str) -> bool:
         """replicas[index].abort(request_id), an answer other than a bool read by its truth
-        with a logged warning naming it: the replica has acted on it already."""
+        with a logged warning naming it: the replica has acted on it already. One with no
+        truth value (bool() raises: an array of two or more) is read as False, its error
+        in the warning: it used to propagate, unnamed, with the router's bookkeeping of an
+        abort the replica had made left undone."""
         replica = self._replicas[index]
         answer = replica.abort(request_id)
-        if not isinstance(answer, (bool, np.bool_)):
-            logger.warning(
-                "%s.abort(%r) returned %s, not a bool; read as %s",
-                replica_name(index, replica),
-                request_id,
-                _shown(answer),
-                bool(answer),
-            )
-        return bool(answer)
+        if isinstance(answer, (bool, np.bool_)):
+            return bool(answer)
+        try:
+            read, why = bool(answer), ""
+        except Exception as error:  # noqa: BLE001 - the replica acted: its answer is only read
+            read, why = False, f" (it has no truth value: {error!r})"
+        logger.warning(
+            "%s.abort(%r) returned %s, not a bool; read as %s%s",
+            replica_name(index, replica),
+            request_id,
+            _shown(answer),
+            read,
+            why,
+        )
+        return read
 
     def end(self, index: int, request_id: str, indices: Iterable[int]) -> None:
         """The request's sequences of those sample indices no longer run on replicas[index]."""

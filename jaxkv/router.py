@@ -241,7 +241,7 @@ class PrefixAwareRouter(Closable):
         to deliver (it finished inside a replica step() that raised, its output lost with
         it), is released here too, and False returned. Outputs a failed step() kept for a
         sequence released here are dropped: they must not reach a later request of its id.
-        A replica's abort answering no bool is read by its truth, with a logged warning."""
+        A replica's abort answering no bool is read by its truth (none: False), logged."""
         return any(try_each(self._abort_one, checked_request_ids(request_ids), "abort"))
 
     def _abort_one(self, request_id: str) -> bool:

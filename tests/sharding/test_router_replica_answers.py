@@ -3,12 +3,13 @@ another id or raising after it queued, abort answering no bool, has_unfinished_r
 or has_pending_transfers answering no bool, an ids_in_use that is no container, a
 has_pending_transfers, close or queue_checkpoint that is no method. Each raises ValueError
 naming the replica, the method and the answer (abort's, given after the replica acted, is
-read by its truth with a logged warning), the router unchanged."""
+read by its truth, False if it has none, with a logged warning), the router unchanged."""
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 
 from jaxkv import SamplingParams
@@ -82,6 +83,26 @@ def test_an_abort_answering_no_bool_is_read_by_its_truth_with_a_warning(answer, 
         assert router.abort("x") is read
     assert f"replicas[0] (Aborts).abort('x') returned {answer!r}, not a bool" in caplog.text
     assert router.num_outstanding == (0,) and router.add_request([2], request_id="x") == "x"
+
+
+def test_an_abort_answering_what_has_no_truth_value_is_read_as_false_and_named(caplog):
+    # bool() of the array raised a ValueError naming no replica after the replica had
+    # aborted: the router still held the request, its id and count taken for good.
+    class Aborts(FakeReplica):
+        def abort(self, request_id):
+            super().abort(request_id)
+            return np.array([True, True])
+
+    router = PrefixAwareRouter([Aborts(0)], block_size=BLOCK)
+    router.add_request([1] * BLOCK, request_id="x")
+    with caplog.at_level(logging.WARNING, logger="jaxkv.replica_checks"):
+        assert router.abort("x") is False
+    assert (
+        "replicas[0] (Aborts).abort('x') returned array([ True,  True]), not a bool; read "
+        "as False (it has no truth value: ValueError(" in caplog.text
+    )
+    assert router.num_outstanding == (0,) and not router.has_unfinished_requests()
+    assert router.add_request([2], request_id="x") == "x"
 
 
 @pytest.mark.parametrize("answer", [None, 0, "yes"])
