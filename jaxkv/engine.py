@@ -39,7 +39,7 @@ from jaxkv.hashing import check_hash_key
 from jaxkv.held_interrupts import holding_interrupts
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_copy import DeviceKVCopier
-from jaxkv.kv_transfer import KVConnector
+from jaxkv.kv_transfer import KVConnector, bound_stats
 from jaxkv.logprobs import StepLogprobs
 from jaxkv.metrics import EngineMetrics, StepStats, StepTotals, engine_metrics
 from jaxkv.model_fingerprint import model_fingerprint
@@ -139,15 +139,15 @@ class Engine(Closable):
             kv_replicas=1 if placed is None else placed.kv_replicas,
             fingerprint=functools.partial(model_fingerprint, mc.to_kv_dict(), self._state_leaves),
         )
-        self.connector.bind(self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed)
-        # A connector may have served engines before this one: count only this one's copies.
-        self._transfers_at_bind = self._transfers_at_close = self.connector.stats
         self._sampling = SamplingRows(min(config.max_logprobs, self.vocab_size), mc.eos_token_ids)
         self._samples = ParallelSamples()  # requests of SamplingParams.n > 1
         self._serials = RequestSerials()  # default ids and seeds of queued requests
         self._programs: set[tuple] = set()
         self._totals = StepTotals()
         self.last_step: StepStats | None = None  # the last step that ran the model
+        self._transfers_at_bind = self._transfers_at_close = bound_stats(
+            self.connector, self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed
+        )
 
     # --------------------------------------------------------------- requests
 

@@ -44,6 +44,7 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxkv.closable import try_each_noted
 from jaxkv.request import Request
 
 
@@ -155,3 +156,19 @@ class KVConnector:
         it hashes none now (unbound, or a connector that keeps no blocks by hash). The
         Scheduler refuses a connector whose layout is not its manager's."""
         return None
+
+
+def bound_stats(
+    connector: KVConnector, copier: KVCopier, *, block_size: int, hash_seed: int
+) -> TransferStats:
+    """connector.bind(copier, ...), then connector.stats, for an engine to count only its
+    own copies from. If reading them raises, `copier` is unbound again (an unbind that
+    raises noted on that error) before it propagates: a connector left bound to an
+    engine whose constructor failed refused every other engine while the traceback kept
+    that engine alive."""
+    connector.bind(copier, block_size=block_size, hash_seed=hash_seed)
+    try:
+        return connector.stats
+    except BaseException as error:
+        try_each_noted(connector.unbind, [copier], "unbind", error)
+        raise

@@ -223,3 +223,29 @@ def test_copies_that_landed_are_collected_under_a_zero_timeout(call):
     assert engine.closed == (call == "close")
     assert_all_blocks_free(engine)
     engine.close()
+
+
+class _StatsFailOnce(HostOffloadConnector):
+    """Its stats raise the first time they are read (by the first engine's constructor)."""
+
+    failed = False
+
+    @property
+    def stats(self):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("stats unreadable")
+        return super().stats
+
+
+def test_an_engine_whose_constructor_fails_after_binding_leaves_the_connector_unbound():
+    # It stayed bound to the failed engine's copier, which the traceback kept alive: the
+    # next engine was refused the connector ("serves another engine").
+    connector = _StatsFailOnce(HOST_BYTES)
+    with pytest.raises(RuntimeError, match="stats unreadable") as raised:
+        make_engine(connector=connector)
+    assert connector.hash_layout is None  # unbound, the failed engine still referenced
+    engine = make_engine(connector=connector)
+    assert connector.hash_layout is not None
+    engine.close()
+    del raised
