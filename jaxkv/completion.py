@@ -87,9 +87,11 @@ def run_to_completion(
     validation, or anything else), the ones before it are aborted again (none has run),
     and a driver with a `queue_checkpoint()` method is rewound to the checkpoint taken
     before the first (the next request gets the default id and seed it would have had
-    without this call). An exception while stepping (KeyboardInterrupt too) aborts the
-    prompts' unfinished requests before it propagates. In both cleanups every abort is
-    tried, one that raises noted on that exception (`__notes__`), not raised instead.
+    without this call; another error of the rewind than its RuntimeError refusal is
+    noted on the exception, as a failed abort is). An exception while stepping
+    (KeyboardInterrupt too) aborts the prompts' unfinished requests before it
+    propagates. In both cleanups every abort is tried, one that raises noted on that
+    exception (`__notes__`), not raised instead.
     Other requests the driver holds progress too; their outputs are dropped. A prompt's
     request that ends without a final output (aborted by another caller meanwhile) gets
     finish_reason "abort" and the tokens it had, as does each sample of it that ended so.
@@ -124,6 +126,8 @@ def run_to_completion(
                 rewind()
             except RuntimeError:  # one is still held: its id and seed stay taken
                 pass
+            except Exception as failure:  # noqa: BLE001 - a replica's: noted, not raised
+                error.add_note(f"cleaning up, the queue checkpoint's rewind raised {failure!r}")
         if progress_bar is not None:
             progress_bar.close()
         raise

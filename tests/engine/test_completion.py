@@ -128,6 +128,25 @@ def test_a_checkpoint_that_cannot_be_rewound_leaves_the_refusal_to_propagate():
     assert driver.rewinds == 1 and driver.queued == []
 
 
+class _RewindLost(_RefusesThird):
+    """Its rewind fails otherwise than by refusing (a remote replica's reply lost)."""
+
+    def queue_checkpoint(self):
+        def rewind() -> None:
+            raise ConnectionError("replica gone")
+
+        return rewind
+
+
+def test_a_rewind_that_fails_otherwise_is_noted_and_the_refusal_propagates():
+    # The rewind's ConnectionError replaced the refusal, and the bar stayed drawn.
+    driver, bar = _RewindLost(), Bar()
+    with pytest.raises(TypeError, match="not a prompt") as raised:
+        run_to_completion(driver, [[1], [2], [3]], progress_bar=bar)
+    assert driver.queued == [] and bar.closed
+    assert "rewind raised ConnectionError('replica gone')" in "".join(raised.value.__notes__)
+
+
 @pytest.mark.parametrize("progress", [False, True])
 def test_prompts_that_are_no_sequence_are_refused_by_name_and_queue_nothing(progress):
     engine = make_engine()
