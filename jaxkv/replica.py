@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from jaxkv.outputs import RequestOutput
 
-__all__ = ["Replica", "pending_transfers"]
+__all__ = ["Replica"]
 
 
 class Replica(Protocol):
@@ -56,10 +56,3 @@ class Replica(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def abort(self, request_id: str) -> bool: ...
-
-
-def pending_transfers(replica: Replica) -> bool:
-    """Whether the replica holds blocks for KV copies in flight (False without a
-    has_pending_transfers method: it has none)."""
-    pending = getattr(replica, "has_pending_transfers", None)
-    return pending is not None and pending()
