@@ -92,9 +92,6 @@ class Scheduler:
         self._decode_carry: DecodeCarry | None = None
         self._unapplied: SchedulerOutput | None = None  # the latest schedule()'s, until applied
         self._num_running_scheduled = 0  # its leading requests that were running before it
-        # Prompt and decode tokens of its requests aborted before it was applied: the
-        # model computes them if the step runs, so update_from_output counts them.
-        self._aborted_unapplied = [0, 0]
         self._admission_order: list[Request] = []  # taken off `waiting` by its admission
 
     # ---------------------------------------------------------------- requests
@@ -147,13 +144,7 @@ class Scheduler:
             return
         for i, scheduled in enumerate(out.requests):
             if scheduled is request:
-                computed = int(out.num_computed_tokens[i])
-                self.manager.uncache_unwritten(request, computed)
-                n = int(out.num_scheduled_tokens[i])  # a decode as apply_sampled_tokens tells
-                if n == 1 and request.output_token_ids and computed + 1 == request.num_tokens:
-                    self._aborted_unapplied[1] += 1
-                else:
-                    self._aborted_unapplied[0] += n
+                self.manager.uncache_unwritten(request, int(out.num_computed_tokens[i]))
                 return
 
     def has_unfinished_requests(self) -> bool:
@@ -346,12 +337,6 @@ class Scheduler:
         self._check_unapplied(output)
         tokens = checked_sampled_tokens(output, sampled_token_ids)
         self._unapplied = None
-        aborted = self._aborted_unapplied
-        if aborted[0] or aborted[1]:  # the step ran their tokens too
-            self._aborted_unapplied = [0, 0]
-            self._count(
-                num_prompt_tokens_computed=aborted[0], num_decode_tokens_computed=aborted[1]
-            )
         return apply_sampled_tokens(self, output, tokens)
 
     def _check_unapplied(self, output: SchedulerOutput) -> None:

@@ -22,7 +22,6 @@ __all__ = ["discard_batch"]
 def discard_batch(scheduler: Scheduler, output: SchedulerOutput) -> None:
     """scheduler.discard(output) once `output` is checked to be the unapplied one."""
     scheduler._unapplied = None
-    scheduler._aborted_unapplied = [0, 0]  # the step did not run their tokens
     scheduler._decode_carry = None
     scheduler._finished_ids[:0] = output.finished_request_ids  # the next output reports them
     scheduler._transfers.cancel_new_loads()

@@ -57,6 +57,7 @@ def apply_sampled_tokens(
     max_len = scheduler.config.max_model_len
     running, stopped = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
     num_prompt = num_decode = num_generated = 0
+    any_aborted = False
     # The next step's decode carry: computed tokens, next token, and the requests whose
     # next token needs the manager (a new block, or a block to cache), as in
     # slot_allocation.needs_manager for one token. Valid only if this output covers all of
@@ -70,13 +71,14 @@ def apply_sampled_tokens(
     # outputs, but each request keeps its tokens so far, and those marked finished leave
     # `running` with their blocks (the carry stays None: the next step takes a full pass).
     # The requests after it stay unadvanced and compute their tokens again in a later step:
-    # the counters count both runs (_unadvanced_counts).
+    # the counters count both runs (_uncounted_tokens).
     try:
         for request, n, token in zip(
             output.requests, output.num_scheduled_tokens.tolist(), tokens, strict=True
         ):
             if request.status is not running:
-                continue  # aborted between schedule and update (abort counted its tokens)
+                any_aborted = True  # between schedule and update: counted below
+                continue
             computed = request.num_computed_tokens + n
             request.num_computed_tokens = computed
             output_ids = request.output_token_ids
@@ -150,10 +152,15 @@ def apply_sampled_tokens(
                 )
             )
     except BaseException:
-        prompt, decode = _unadvanced_counts(output)
+        prompt, decode = _uncounted_tokens(output, unadvanced=True)
         num_prompt += prompt
         num_decode += decode
         raise
+    else:
+        if any_aborted:  # the step ran their tokens too
+            prompt, decode = _uncounted_tokens(output, unadvanced=False)
+            num_prompt += prompt
+            num_decode += decode
     finally:
         scheduler._count(
             num_prompt_tokens_computed=num_prompt,
@@ -167,18 +174,24 @@ def apply_sampled_tokens(
     return outputs
 
 
-def _unadvanced_counts(output: SchedulerOutput) -> tuple[int, int]:
-    """Prompt and decode tokens of the running requests of `output` that its update left
-    unadvanced: the model computed them in this step and computes them again in a later
-    one, and each run counts, as a preempted request's recompute does."""
+def _uncounted_tokens(output: SchedulerOutput, *, unadvanced: bool) -> tuple[int, int]:
+    """Prompt and decode tokens of the requests of `output` that its update's pass did not
+    count, though the model computed them in this step: those aborted since schedule()
+    and, `unadvanced` (an interrupted update), the running ones it left unadvanced, which
+    compute them again in a later step (each run counts, as a preempted request's
+    recompute does)."""
     prompt = decode = 0
+    aborted, running = RequestStatus.FINISHED_ABORTED, RequestStatus.RUNNING
     for request, n, computed in zip(
         output.requests,
         output.num_scheduled_tokens.tolist(),
         output.num_computed_tokens.tolist(),
         strict=True,
     ):
-        if request.status is RequestStatus.RUNNING and request.num_computed_tokens == computed:
+        status = request.status
+        if status is aborted or (
+            unadvanced and status is running and request.num_computed_tokens == computed
+        ):
             # apply_sampled_tokens' test, before the advance
             if n == 1 and request.output_token_ids and computed + 1 == request.num_tokens:
                 decode += 1
