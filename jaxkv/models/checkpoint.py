@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx, serialization
 
 from jaxkv.models.config import LlamaConfig
-from jaxkv.models.llama import Llama
+from jaxkv.models.llama import Llama, check_model
 
 CONFIG_FILE = "config.json"
 PARAMS_FILE = "params.msgpack"
@@ -174,8 +174,7 @@ def save_checkpoint(model: Llama, path: str | os.PathLike) -> Path:
     SHA-256, so a crash between the two renames, which pairs it with the old weights, is
     refused by load_checkpoint rather than loaded, whatever the old config held.
     """
-    if not isinstance(model, Llama):  # before the directory is made: nothing left behind
-        raise ValueError(f"model={type(model).__name__} must be a jaxkv.models.Llama")
+    check_model(model)  # before the directory is made: nothing left behind
     directory = _directory(path)
     directory.mkdir(parents=True, exist_ok=True)
     params = {k: np.asarray(v) for k, v in flat_params(model).items()}

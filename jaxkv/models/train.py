@@ -177,8 +177,7 @@ def greedy_generate(
     is not a sequence (or 1-D array) of ints, a `pad_id` or prompt id outside the
     vocabulary, a `window` below 1 or a negative `num_new_tokens`.
     """
-    if not isinstance(model, Llama):  # .config raised AttributeError
-        raise ValueError(f"model={type(model).__name__} must be a jaxkv.models.Llama")
+    check_model(model)  # .config raised AttributeError
     # None or an int raised TypeError from len(); a set or a dict was read in no set order.
     if not (isinstance(prompt, Sequence) or getattr(prompt, "ndim", None) == 1):
         raise ValueError(
