@@ -288,7 +288,7 @@ def load_hf_safetensors(
             joined = tuple(dict.fromkeys(config.eos_token_ids + eos))  # in order, once each
             config = dataclasses.replace(config, eos_token_ids=joined)
     if dtype is not None:  # the caller's: refused as dtype=, not blamed on config.json
-        config = LlamaConfig.from_dict({**config.to_dict(), "dtype": dtype})
+        config = dataclasses.replace(config, dtype=dtype)
     return from_hf_tensors(
         config,
         _iter_hf_tensors(_safetensors_files(path)),
