@@ -274,14 +274,14 @@ def serve(
 def main(argv: list[str] | None = None) -> dict:
     """Runs the example; returns the summary figures (also printed) for scripts and tests."""
     args = parse_args(argv)
-    if args.interpret and (args.backend or default_backend()) == "xla":  # it was ignored
+    backend = args.backend or default_backend()
+    if args.interpret and backend == "xla":  # it was ignored
         raise SystemExit(
             "--interpret runs a Pallas backend in interpret mode; the backend here is xla "
             "(add --backend pallas_tpu or pallas_gpu)"
         )
     console = Console(highlight=False)
     model, source = load_model(args, console)
-    backend = args.backend or default_backend()
     if backend == "pallas_tpu" and model.config.head_dim not in TPU_HEAD_DIMS:
         message = (
             f"the Pallas TPU kernel needs head_dim in {TPU_HEAD_DIMS}; this model has "
