@@ -1,14 +1,14 @@
 """Sample logprobs (SamplingParams.logprobs), as vLLM V1 returns them by default.
 
-Taken from log_softmax of the model's raw logits in float32: before temperature, top-k
-and top-p. Each output token gets a dict {token_id: Logprob(logprob, rank,
-decoded_token)}: the sampled token first, then the request's k most likely tokens by
-descending logprob (ties: lowest id first, as jax.lax.top_k orders them), the sampled one
-not twice. rank is 1 + the number of tokens whose logprob is strictly greater, so tied
-tokens share a rank (vLLM ranks a top-k entry by its position, and the sampled token by
-the count of tokens at least as likely: ties differ from vLLM's, nothing else does).
-decoded_token is the token's own text (jaxkv.token_texts) when the Engine has a
-tokenizer, else None.
+Taken from log_softmax of the model's raw logits in float32: before penalties,
+min_tokens' ban, temperature, min_p, top-k and top-p. Each output token gets a dict
+{token_id: Logprob(logprob, rank, decoded_token)}: the sampled token first, then the
+request's k most likely tokens by descending logprob (ties: lowest id first, as
+jax.lax.top_k orders them), the sampled one not twice. rank is 1 + the number of tokens
+whose logprob is strictly greater, so tied tokens share a rank (vLLM ranks a top-k entry
+by its position, and the sampled token by the count of tokens at least as likely: ties
+differ from vLLM's, nothing else does). decoded_token is the token's own text
+(jaxkv.token_texts) when the Engine has a tokenizer, else None.
 
 Device side: top_logprobs, which the step program runs only for a batch where some
 request asked (a static width: the engine's max_logprobs). Host side: StepLogprobs

@@ -36,8 +36,8 @@ class SamplingParams:
     most max_tokens.
     logprobs: None returns none; k >= 0 returns, for every output token, the sampled
     token's log-probability and the k most likely tokens' (jaxkv.logprobs), from the
-    model's raw logits (before temperature, top-k and top-p), as vLLM's default. An
-    Engine refuses more than EngineConfig.max_logprobs.
+    model's raw logits (before penalties, min_tokens' ban, temperature, min_p, top-k and
+    top-p), as vLLM's default. An Engine refuses more than EngineConfig.max_logprobs.
     prompt_logprobs: None returns none; k >= 0 returns, for every prompt token after the
     first, its log-probability given the tokens before it and the k most likely tokens
     at its position (jaxkv.prompt_logprobs), as vLLM's. The request then reads no cached
