@@ -231,7 +231,9 @@ class CascadePlanner:
         form two groups, not one that does not pay). At most 4 x max_groups candidates
         are examined; the chosen groups are disjoint.
 
-        A candidate is judged as if it were a call of its own, but one call runs every
+        A candidate is judged as if it were a call of its own over the members' KV past
+        `base` (its savings against what their suffix pass would read without it: the
+        global level already reads columns before `base` once), but one call runs every
         group of the level: when no candidate pays a call alone, the disjoint candidates
         that pay their own merge (largest savings first) are planned if together they
         pay the level's one call (four system prompts under four requests each).
@@ -260,7 +262,9 @@ class CascadePlanner:
                 end = self._memo.common_prefix(manager, rows, num_blocks, members)
                 end = min(end, int(computed.min()) // bs)
             queries = int(query_lens[members].sum())
-            context = int(computed.sum()) + queries
+            # What the members' suffix pass reads without this group: their contexts past
+            # the global level (read once already), the flat reads the group shortens.
+            context = int(computed.sum()) + queries - len(members) * base * bs
             saved = (len(members) - 1) * (end - base)
             if self.pays(len(members), (end - base) * bs, queries, context):
                 chosen.append((saved, members, end))

@@ -24,7 +24,9 @@ class CascadeCostModel:
     and writes one per query token and head (times `merge_cost_factor`). Cascade is
     planned where saved bytes exceed that cost and are at least `min_saved_fraction`
     of what flat attention would read for those requests (their whole contexts, so
-    long own suffixes make a shared prefix matter less). Defaults per backend come from
+    long own suffixes make a shared prefix matter less; for a group under a global
+    level, their contexts past it, which the suffix pass the group shortens reads).
+    Defaults per backend come from
     benchmarks/attention.py (see DEFAULT_COST_MODELS); pass your own to override.
     """
 
@@ -73,7 +75,8 @@ class CascadeCostModel:
     ) -> bool:
         """Whether reading `prefix_tokens` once for `num_requests` requests pays.
 
-        context_tokens: the requests' whole contexts summed (what flat attention reads);
+        context_tokens: the requests' whole contexts summed (what flat attention reads;
+        the planner passes a group under a global level its contexts past that level);
         None skips the min_saved_fraction test.
         """
         if num_requests < self.min_requests or prefix_tokens <= 0:

@@ -79,6 +79,32 @@ def test_a_group_is_judged_by_the_blocks_it_adds_past_the_global_level():
     assert plan.suffix_start_blocks.tolist() == [8] * 6
 
 
+def test_a_group_under_the_global_level_is_weighed_against_the_suffix_it_shortens():
+    # Six requests share 8 blocks (32 tokens); two groups of three share 4 more blocks
+    # each; contexts of 52 tokens. The global level saves 5 x 32 of 6 x 52 tokens (0.51).
+    # A group saves 2 x 16 tokens of the 3 x 20 its members' suffix pass reads past the
+    # global level (0.53), which a min_saved_fraction of 0.4 plans; weighed against the
+    # whole contexts (3 x 52 tokens, 0.21), as if the global level read nothing once,
+    # it was refused and the groups' 4 blocks were read three times each.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    system = list(range(100, 132))
+    reqs = [
+        _decoding(m, f"r{i}", system + [900 + i % 2] * 16 + [i, 50 + i, 60 + i]) for i in range(6)
+    ]
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids) == 8 and {r.num_tokens for r in reqs} == {52}
+    assert _shared(m, ids[0::2]) == _shared(m, ids[1::2]) == 12
+    model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0, min_saved_fraction=0.4)
+    planner = CascadePlanner(SHAPE, cost_model=model)
+    assert planner.pays(6, 32, 6, 6 * 52) and planner.pays(3, 16, 3, 3 * 20)
+    assert not planner.pays(3, 16, 3, 3 * 52)
+    plan = _plan(planner, m, reqs)
+    assert [lv.name for lv in plan.levels] == ["global", "groups"]
+    groups = _groups(plan, reqs)
+    assert sorted(sorted(members) for members, _, _ in groups) == [ids[0::2], ids[1::2]]
+    assert {(start, end) for _, start, end in groups} == {(8, 12)}
+
+
 def test_a_candidate_that_does_not_pay_is_split_at_the_first_column_it_differs():
     # Nine requests share a one-block header that does not pay. Past it, three share a
     # long prompt (9 blocks in all) and six share one block only (2 in all): that group
