@@ -273,6 +273,48 @@ def check_plan(manager: KVCacheManager, out: SchedulerOutput, plan: CascadePlan)
                 assert b1 * bs <= computed, (level.name, g, r, b1, computed)
 
 
+def check_complete(
+    manager: KVCacheManager, out: SchedulerOutput, plan: CascadePlan, max_groups: int
+) -> None:
+    """For a planner whose every level pays (no cost, no page buckets): cascade is never
+    left off where it is valid. The global level reads the exact common prefix capped at
+    the least computed whole blocks; every run of two or more requests holding the same
+    blocks one column past it (and having computed that column) is a group when there
+    are at most `max_groups` such runs, ending where its members' shared and computed
+    blocks end. From block ids and counts alone, as brute_common_prefix."""
+    bs = manager.block_size
+    ids = out.request_ids
+    if len(ids) < 2:
+        assert not plan.levels
+        return
+    blocks = [manager.block_ids(r) for r in ids]
+    computed = [int(n) // bs for n in out.num_computed_tokens]
+    k0 = min(brute_common_prefix(manager, ids), min(computed))
+    names = [lv.name for lv in plan.levels]
+    if k0:
+        assert names[:1] == ["global"] and int(plan.levels[0].block_ends[0]) == k0
+    else:
+        assert "global" not in names
+    runs: dict[tuple, list[int]] = {}
+    for i, (row, n) in enumerate(zip(blocks, computed, strict=True)):
+        if n > k0:
+            runs.setdefault(tuple(row[: k0 + 1]), []).append(i)
+    runs = {key: members for key, members in runs.items() if len(members) > 1}
+    if not runs or len(runs) > max_groups:
+        return
+    assert names[-1:] == ["groups"]
+    level = plan.levels[-1]
+    got = set()
+    for g in range(level.num_groups):
+        members = plan.order[level.group_starts[g] : level.group_ends[g]].tolist()
+        got.add((tuple(sorted(members)), int(level.block_ends[g])))
+    want = set()
+    for members in runs.values():
+        end = brute_common_prefix(manager, [ids[i] for i in members])
+        want.add((tuple(members), min(end, *(computed[i] for i in members))))
+    assert got == want, (got, want)
+
+
 def fresh_plan(planner: CascadePlanner, out: SchedulerOutput, manager: KVCacheManager):
     copy = CascadePlanner(
         planner.shape,

@@ -7,7 +7,8 @@ blocks for a KV save, KV loads that land or fail, running requests the budget le
 out) is planned by five planners (two-group cap, eight-group cap, the xla backend's own
 cost model and page-bucket rule, no groups, a call that groups may pay only together).
 Each plan must give the exact common prefix of the scheduled set, identical blocks
-across every group and no prefix over a member's query token; a planner reused across
+across every group and no prefix over a member's query token; where every level pays,
+none may be left out (serving_sim.check_complete); a planner reused across
 steps must plan what a fresh one plans; and through the metadata every valid query must
 attend to exactly the KV of its own context (serving_sim.reads_of against fingerprints
 of its tokens). Runs in which some steps fail before writing KV (Scheduler.discard,
@@ -131,6 +132,8 @@ def serve(seed: int, visit=None) -> dict[str, int]:
                 out.request_ids, out.num_computed_tokens, out.num_scheduled_tokens, manager
             )
             sim.check_plan(manager, out, plan)
+            if k == 1:  # every level pays: none may be left out
+                sim.check_complete(manager, out, plan, planner.max_groups)
             if k == 4 and plan.levels and plan.levels[-1].name == "groups":
                 count("together", not all(_pays_alone(planner, out, plan, bs=block_size)))
             fresh = sim.fresh_plan(planner, out, manager)
