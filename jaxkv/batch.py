@@ -168,7 +168,8 @@ def _check_hand_made_levels(block_table: np.ndarray, plan: CascadePlan) -> None:
     """ValueError unless, in every level of a hand-made plan, each group member's row
     holds its leader row's blocks (none of them the null block 0) in the group's columns:
     the level reads the leader's blocks, so a member without them would attend to other
-    requests' KV. A CascadePlanner's plan is so by construction (exact shared prefixes).
+    requests' KV. A CascadePlanner's plan is so by construction (exact shared prefixes;
+    CascadePlan.by_planner), not once dataclasses.replace has changed it.
     Raises IndexError for a row outside block_table (the builder names it)."""
     for level in plan.levels:
         group, pos = positions_of_groups(level)
@@ -216,7 +217,8 @@ def build_attention_metadata(
     CascadePlanner made `plan` before its manager last freed a request (the plan's rows
     may hold other requests' blocks now), or for a table shape, block size or plan rows
     other than its manager's (a hand-made plan is not checked against a manager, but
-    each of its levels' group members must hold the leader row's blocks it reads). The
+    each of its levels' group members must hold the leader row's blocks it reads; so
+    must those of a planner's plan changed by dataclasses.replace). The
     metadata names that manager's pool size: paged_attention refuses a smaller cache.
 
     `levels`: None, or level metadata kept from an earlier step; ValueError unless it
@@ -253,7 +255,7 @@ def build_attention_metadata(
             f"batch position {i}: the cascade levels read {int(suffix_start[i])} blocks, "
             f"past its {int(num_computed[i])} cached tokens (block size {block_size})"
         )
-    if plan.levels and plan.made_for is None:
+    if plan.levels and not plan.by_planner:
         try:
             _check_hand_made_levels(block_table, plan)
         except IndexError:

@@ -97,11 +97,16 @@ class CascadePlan:
     # False only for plans correct by construction (CascadePlanner's, whose tests run
     # check() on them): check() costs O(R) numpy work, every step.
     validate: dataclasses.InitVar[bool] = True
+    # not validate: the metadata builder skips its check that each group member holds
+    # the blocks its level reads. A plan made otherwise (dataclasses.replace of a
+    # planner's plan too, which keeps made_for) is checked.
+    by_planner: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self, validate: bool) -> None:
         """A hand-made plan (validate) is checked (see check), after its levels, common
         prefix and keeps_order are: ValueError naming the field unless a tuple (or list,
         kept as a tuple) of CascadeLevel, an int >= 0 and a bool."""
+        object.__setattr__(self, "by_planner", not validate)
         if validate:  # a hand-made plan: unsigned arrays kept as int64, as levels keep them
             _sign_fields(self, ("order", "rows", "suffix_start_blocks"))
             _check_plain_fields(self)

@@ -197,6 +197,20 @@ def test_a_hand_made_level_over_blocks_a_member_does_not_hold_is_refused(leader)
         build_attention_metadata(plan=plan, **build)
 
 
+def test_a_planner_plan_given_a_level_by_dataclasses_replace_is_checked_as_hand_made():
+    # The replaced plan keeps the planner's made_for (its stale-row check still applies)
+    # but not the planner's construction: its level must be checked like any hand-made
+    # one. Skipping that for every plan with made_for let b attend to a's KV.
+    m, rows, build = _unshared_pair()
+    flat = CascadePlanner(SHAPE, cost_model=ALWAYS).plan(["a", "b"], (8, 8), (1, 1), m)
+    assert not flat.uses_cascade and flat.made_for is not None
+    level = make_level("global", [0], [2], [0], [2], [rows[0]])
+    plan = dataclasses.replace(flat, levels=(level,), suffix_start_blocks=np.full(2, 2, np.int32))
+    assert plan.made_for == flat.made_for
+    with pytest.raises(ValueError, match="level 'global' reads block .* for batch position 1"):
+        build_attention_metadata(plan=plan, **build)
+
+
 def test_a_hand_made_level_over_null_blocks_is_refused():
     # Both rows hold the null block 0 in column 0: equal ids there are no shared prefix.
     m, rows, build = _unshared_pair()
