@@ -26,8 +26,8 @@ class CascadeCostModel:
     of what flat attention would read for those requests (their whole contexts, so
     long own suffixes make a shared prefix matter less; for a group under a global
     level, their contexts past it, which the suffix pass the group shortens reads).
-    Defaults per backend come from
-    benchmarks/attention.py (see DEFAULT_COST_MODELS); pass your own to override.
+    Defaults per backend come from benchmarks/attention.py (see DEFAULT_COST_MODELS);
+    pass your own to override.
     """
 
     launch_overhead_bytes: float = 1 << 20
