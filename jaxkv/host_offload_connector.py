@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxkv.allocation_args import count
+from jaxkv.allocation_args import checked_request_id, count
 from jaxkv.copier_layout import (
     UNBOUND,
     StoreLayout,
@@ -141,19 +141,18 @@ class HostOffloadConnector(KVConnector):
     def on_finish(self, request: Request, block_ids: Sequence[int]) -> bool:
         """Starts saving the finished request's full blocks the store lacks (True: keep
         them held until poll() reports the save) and refreshes those it holds. Raises
-        ValueError, starting nothing, unless `block_ids` are distinct block ids (one saved
-        under two hashes would be the wrong KV for one of them), each >= 1 and, where the
-        copier declares num_blocks, below it, or while a save of the request's id is in
-        flight (its report would be lost). An exception from the copier's start_save,
-        or ValueError naming what it returned if that is no concurrent.futures.Future,
-        propagates with this connector unchanged (its store's LRU order included); the
-        scheduler then frees the blocks unsaved and the request ends: unlike a load, a
-        save is not tried again."""
+        ValueError, starting nothing, unless `request` is a Request and `block_ids` are
+        distinct block ids (one saved under two hashes would be the wrong KV for one of
+        them), each >= 1 and, where the copier declares num_blocks, below it, or while a
+        save of the request's id is in flight (its report would be lost). An exception
+        from the copier's start_save, or ValueError naming what it returned if that is
+        no concurrent.futures.Future, propagates with this connector unchanged (its
+        store's LRU order included); the scheduler then frees the blocks unsaved and the
+        request ends: unlike a load, a save is not tried again."""
+        req_id = checked_request_id(request)
         copier = self._require_copier()
-        block_ids = checked_block_ids(
-            block_ids, f"on_finish({request.request_id!r})", self._num_blocks
-        )
-        self._check_not_in_flight("on_finish", request.request_id, self._saves)
+        block_ids = checked_block_ids(block_ids, f"on_finish({req_id!r})", self._num_blocks)
+        self._check_not_in_flight("on_finish", req_id, self._saves)
         if self.host_bytes < self._layout.bytes_per_block:
             return False
         hashes = request.update_block_hashes(self._layout.block_size, self._layout.hash_seed)
@@ -185,10 +184,11 @@ class HostOffloadConnector(KVConnector):
 
         Never covers the request's last token (its logits must be computed); 0 while no
         live copier is bound (the store outlives its engine, but start_load needs one).
-        Changes no state. Raises ValueError unless `num_computed_tokens` is an int >= 0.
+        Changes no state. Raises ValueError unless `request` is a Request and
+        `num_computed_tokens` an int >= 0.
         """
         num_computed_tokens = count(
-            "num_computed_tokens", num_computed_tokens, getattr(request, "request_id", None)
+            "num_computed_tokens", num_computed_tokens, checked_request_id(request)
         )
         bs = self._layout.block_size
         # Unbound (its engine closed), start_load would refuse every claim, every time.
@@ -206,12 +206,13 @@ class HostOffloadConnector(KVConnector):
 
     def start_load(self, request: Request, block_ids: Sequence[int]) -> None:
         """Loads the stored blocks that follow request.num_computed_tokens into
-        `block_ids`. Raises ValueError (nothing started or changed) unless the store holds
-        them all, as on_admission promised just before, and `block_ids` are distinct ints
-        >= 1 and, where the copier declares num_blocks, below it (the bound engine's cache
-        less the null block 0), and no load of the request's id is in flight. The stored
-        blocks always make one array of the copier's block_shape and dtype, where it
-        declares them: a save of blocks of another shape or dtype than those stored fails.
+        `block_ids`. Raises ValueError (nothing started or changed) unless `request` is a
+        Request, the store holds them all, as on_admission promised just before, and
+        `block_ids` are distinct ints >= 1 and, where the copier declares num_blocks,
+        below it (the bound engine's cache less the null block 0), and no load of the
+        request's id is in flight. The stored blocks always make one array of the
+        copier's block_shape and dtype, where it declares them: a save of blocks of
+        another shape or dtype than those stored fails.
 
         An Exception from the copier's start_load (ValueError naming what it returned,
         if that is no concurrent.futures.Future), or from gathering the stored blocks
@@ -222,7 +223,7 @@ class HostOffloadConnector(KVConnector):
         failing the same way at every admission. An interrupt that is no
         Exception (Ctrl-C while the copy program compiles) says nothing of the load: it
         propagates with the store unchanged, and the next admission tries again."""
-        req_id = request.request_id
+        req_id = checked_request_id(request)
         copier = self._require_copier()
         block_ids = checked_block_ids(block_ids, f"start_load({req_id!r})", self._num_blocks)
         self._check_not_in_flight("start_load", req_id, self._loads)

@@ -168,3 +168,21 @@ def test_a_second_load_of_a_request_id_in_flight_is_refused_changing_nothing():
     copier.complete()
     assert connector.poll().loaded == ("r",) and not connector.has_pending()
     assert connector.stats.num_loads == 1 and connector.stats.num_failed_loads == 0
+
+
+@pytest.mark.parametrize("bad", [None, "r", 3])
+def test_each_hook_refuses_a_request_that_is_no_request_by_name_changing_nothing(bad):
+    # Each raised AttributeError on the first attribute it read ('NoneType' object has
+    # no attribute 'update_block_hashes'), and on_admission answered 0 for any object
+    # while the store was empty.
+    copier, connector = bound_host_connector()
+    for hook, args in (("on_admission", (0,)), ("on_finish", ([1, 2],)), ("start_load", ([5],))):
+        with pytest.raises(ValueError, match=rf"request={bad!r} must be a Request"):
+            getattr(connector, hook)(bad, *args)
+    _stored(connector, list(range(1, 13)))
+    order = connector.stored_hashes()
+    for hook, args in (("on_admission", (0,)), ("on_finish", ([1, 2],)), ("start_load", ([5],))):
+        with pytest.raises(ValueError, match=rf"request={bad!r} must be a Request"):
+            getattr(connector, hook)(bad, *args)
+    assert connector.stored_hashes() == order and not connector.has_pending()
+    assert copier.saved_block_ids == [[1, 2, 3]] and copier.loaded_block_ids == []
