@@ -207,12 +207,12 @@ class HostOffloadConnector(KVConnector):
     def start_load(self, request: Request, block_ids: Sequence[int]) -> None:
         """Loads the stored blocks that follow request.num_computed_tokens into
         `block_ids`. Raises ValueError (nothing started or changed) unless `request` is a
-        Request, the store holds them all, as on_admission promised just before, and
-        `block_ids` are distinct ints >= 1 and, where the copier declares num_blocks,
-        below it (the bound engine's cache less the null block 0), and no load of the
-        request's id is in flight. The stored blocks always make one array of the
-        copier's block_shape and dtype, where it declares them: a save of blocks of
-        another shape or dtype than those stored fails.
+        Request, the blocks end before its last token and the store holds them all, as
+        on_admission promised just before, `block_ids` are distinct ints >= 1 and, where
+        the copier declares num_blocks, below it (the bound engine's cache less the null
+        block 0), and no load of the request's id is in flight. The stored blocks always
+        make one array of the copier's block_shape and dtype, where it declares them: a
+        save of blocks of another shape or dtype than those stored fails.
 
         An Exception from the copier's start_load (ValueError naming what it returned,
         if that is no concurrent.futures.Future), or from gathering the stored blocks
@@ -227,13 +227,16 @@ class HostOffloadConnector(KVConnector):
         copier = self._require_copier()
         block_ids = checked_block_ids(block_ids, f"start_load({req_id!r})", self._num_blocks)
         self._check_not_in_flight("start_load", req_id, self._loads)
-        first, rem = divmod(request.num_computed_tokens, self._layout.block_size)
-        all_hashes = request.update_block_hashes(self._layout.block_size, self._layout.hash_seed)
-        hashes = all_hashes[first : first + len(block_ids)]
+        bs = self._layout.block_size
+        first, rem = divmod(request.num_computed_tokens, bs)
+        all_hashes = request.update_block_hashes(bs, self._layout.hash_seed)
+        last = (request.num_tokens - 1) // bs  # the last token's block: never loaded
+        hashes = all_hashes[first : min(first + len(block_ids), last)]
         if rem or not block_ids or len(hashes) != len(block_ids):
             raise ValueError(
                 f"start_load({req_id!r}): {len(block_ids)} block_ids do not cover whole "
-                f"prompt blocks after {request.num_computed_tokens} computed tokens"
+                f"prompt blocks after {request.num_computed_tokens} computed tokens and "
+                "before its last token (whose logits must be computed)"
             )
         if not all(h in self._store for h in hashes):
             raise ValueError(f"start_load({req_id!r}): the store no longer holds those blocks")

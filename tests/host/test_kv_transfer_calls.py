@@ -186,3 +186,21 @@ def test_each_hook_refuses_a_request_that_is_no_request_by_name_changing_nothing
             getattr(connector, hook)(bad, *args)
     assert connector.stored_hashes() == order and not connector.has_pending()
     assert copier.saved_block_ids == [[1, 2, 3]] and copier.loaded_block_ids == []
+
+
+def test_start_load_refuses_blocks_that_reach_the_requests_last_token():
+    # A prompt of whole blocks has its last token in its last stored block, which
+    # on_admission never claims; start_load loaded it all the same, leaving the request
+    # nothing to compute its logits from.
+    copier, connector = bound_host_connector()
+    tokens = list(range(1, 13))  # 3 full blocks, the last token in the third
+    _stored(connector, tokens)
+    order = connector.stored_hashes()
+    r = Request("r", tokens, SamplingParams())
+    assert connector.on_admission(r, 0) == 2 * BS
+    with pytest.raises(ValueError, match=r"start_load\('r'\): 3 block_ids .* before its last"):
+        connector.start_load(r, [5, 6, 7])
+    assert copier.loaded_block_ids == [] and not connector.has_pending()
+    assert connector.stored_hashes() == order and connector.stats.num_failed_loads == 0
+    connector.start_load(r, [5, 6])
+    assert connector.poll().loaded == ("r",) and copier.loaded_block_ids == [[5, 6]]
