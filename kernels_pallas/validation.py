@@ -3,7 +3,8 @@
 Two kinds of checks, each error naming the argument and what was expected:
 
 - `validate_ragged_paged_attention_inputs`: shapes, dtypes and static options only, so
-  it runs while tracing and never forces a device value;
+  it runs while tracing and never forces a device value (its dtype part, `check_dtypes`,
+  also runs on the arguments as given, before a jitted entry point converts them);
 - `validate_index_values` (applied by the `checks_index_values` decorator of every
   public entry point): the values of the index arrays, on concrete arrays only, before
   anything is traced or run. Under jit the values are unknown and it does nothing.
@@ -79,16 +80,11 @@ def validate_ragged_paged_attention_inputs(
     num_kv_heads = num_combined_kv_heads // 2
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{q.shape[1]=} (query heads) must be a multiple of {num_kv_heads=}")
-    if jnp.dtype(q.dtype) not in FLOAT_DTYPES:
-        raise ValueError(f"{q.dtype=} must be one of float32, bfloat16, float16")
+    check_dtypes(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     if out_dtype is not None and _dtype_or_none(out_dtype) not in FLOAT_DTYPES:
         raise ValueError(f"{out_dtype=} must be None (q's dtype) or float32, bfloat16, float16")
-    kv_dtype = jnp.dtype(kv_pages.dtype)
-    if kv_dtype in QUANTIZED_KV_DTYPES:
-        if k_scale is None or v_scale is None:
-            raise ValueError(f"{kv_pages.dtype=} is quantized: k_scale and v_scale are required")
-    elif kv_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{kv_pages.dtype=} must be a float type, int8 or float8_e4m3fn")
+    if jnp.dtype(kv_pages.dtype) in QUANTIZED_KV_DTYPES and (k_scale is None or v_scale is None):
+        raise ValueError(f"{kv_pages.dtype=} is quantized: k_scale and v_scale are required")
     if kv_lens.ndim != 1:
         raise ValueError(f"{kv_lens.shape=} must be [max_num_seqs]")
     max_num_seqs = kv_lens.shape[0]
@@ -100,14 +96,6 @@ def validate_ragged_paged_attention_inputs(
         raise ValueError(f"{cu_q_lens.shape=} must be ({max_num_seqs + 1},) = (max_num_seqs + 1,)")
     if num_seqs.shape != (1,):
         raise ValueError(f"{num_seqs.shape=} must be (1,)")
-    for name, arr in (
-        ("kv_lens", kv_lens),
-        ("page_indices", page_indices),
-        ("cu_q_lens", cu_q_lens),
-        ("num_seqs", num_seqs),
-    ):
-        if jnp.dtype(arr.dtype) != jnp.dtype(jnp.int32):
-            raise ValueError(f"{name}.dtype={arr.dtype} must be int32")
     if not isinstance(causal, (bool, np.bool_)):  # "no" ran causal, None not, by truthiness
         raise ValueError(f"{causal=} must be a bool")
     if not is_positive_finite(sm_scale):
@@ -125,6 +113,25 @@ def validate_ragged_paged_attention_inputs(
             raise ValueError(
                 f"{sliding_window=} must be <= 2**31 - 1 (int32 positions); None for no window"
             )
+
+
+def check_dtypes(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> None:
+    """ValueError naming the first array argument of a kernel entry point whose dtype no
+    kernel takes: q not float32, bfloat16 or float16, kv_pages none of those, int8 or
+    float8_e4m3fn, an index array not int32. The checks_index_values decorator runs it on
+    the arguments as given, before jit converts them: without jax_enable_x64, jit turns a
+    numpy float64 q into float32 and an int64 page table into int32 (wrapping values past
+    int32) without a word, where the eager reference and x64 mode refused them."""
+    if jnp.dtype(q.dtype) not in FLOAT_DTYPES:
+        raise ValueError(f"{q.dtype=} must be one of float32, bfloat16, float16")
+    if jnp.dtype(kv_pages.dtype) not in FLOAT_DTYPES + QUANTIZED_KV_DTYPES:
+        raise ValueError(f"{kv_pages.dtype=} must be a float type, int8 or float8_e4m3fn")
+    indices = dict(
+        kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu_q_lens, num_seqs=num_seqs
+    )
+    for name, arr in indices.items():
+        if jnp.dtype(arr.dtype) != jnp.dtype(jnp.int32):
+            raise ValueError(f"{name}.dtype={arr.dtype} must be int32")
 
 
 def check_int_knobs(**knobs) -> None:
@@ -362,14 +369,18 @@ class with_static_numbers:  # lower case: used as a decorator, like functools.wr
 
 def checks_index_values(fn: Callable) -> Callable:
     """Wraps a kernel entry point `fn(q, kv_pages, kv_lens, page_indices, cu_q_lens,
-    num_seqs, **options)` so that `validate_index_values` runs before it, with
-    static_number_options applied to `options` and any other option given as an array
-    refused by name (refuse_array_options: every option of an entry point is static)."""
+    num_seqs, **options)` so that check_arrays, `check_dtypes` (on the arrays as given,
+    before a jit inside `fn` converts a 64-bit numpy array) and `validate_index_values`
+    run before it, with static_number_options applied to `options` and any other option
+    given as an array refused by name (refuse_array_options: every option of an entry
+    point is static)."""
 
     @functools.wraps(fn)
     def checked(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
         options = static_number_options(options)
         refuse_array_options(options)
+        _check_kernel_arrays(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+        check_dtypes(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
         causal = options.get("causal", True)
         validate_index_values(
             q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, causal=bool(causal)

@@ -179,7 +179,9 @@ def ragged_paged_attention(
     keys merged through their LSEs, and Triton's `num_warps` / `num_stages`. None picks
     a default from the static shapes. `interpret=True` runs the kernel on the CPU.
     Called on concrete arrays, raises ValueError for index values out of range (a page id
-    past kv_pages, a kv_len past its pages; kernels_pallas.validation) before anything runs.
+    past kv_pages, a kv_len past its pages; kernels_pallas.validation) before anything runs,
+    and for any array of a dtype the kernel does not take as given (a numpy float64 q, an
+    int64 page table), which jit would convert silently.
     The kernel is traced with 32-bit types whatever `jax_enable_x64` says, so it is the
     same program either way (under x64, its index arithmetic would run in 64 bits).
     """

@@ -170,7 +170,9 @@ def ragged_paged_attention(
 
     Raises ValueError at trace time for arguments the kernel cannot take (head_dim not in
     64/128/256, page size outside 16..256 or not a multiple of the sublane tiling,
-    mismatched heads, unsupported dtypes, bad knobs), naming the argument; called on
+    mismatched heads, unsupported dtypes, bad knobs), naming the argument (dtypes are
+    checked as given, before jit would turn a numpy float64 q or int64 page table into
+    float32 or int32 silently); called on
     concrete arrays, also for index values out of range (a page id past kv_pages, a
     kv_len past its pages; kernels_pallas.validation), before anything runs.
 

@@ -302,3 +302,24 @@ def test_cascade_without_query_tokens_reads_no_prefix_page(num_seqs):
     )  # fmt: skip
     out, lse = reference.cascade_attention(*case.args(), SHAPES["pages_per_seq"], sm_scale=0.125)
     harness.assert_padding_is_empty(case, out, lse)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize(
+    "name, dtype",
+    [("q", np.float64), ("kv_pages", np.float64), ("kv_lens", np.int64),
+     ("page_indices", np.int64), ("cu_q_lens", np.int64), ("num_seqs", np.int64)],
+)  # fmt: skip
+def test_a_64_bit_numpy_array_is_refused_by_name_as_given(backend, name, dtype):
+    # jit turned a numpy float64 q into float32 and an int64 page table into int32 (values
+    # past int32 wrapped) without a word, where the eager reference refused them: the
+    # compiled kernels took what the reference did not. Every entry point now checks the
+    # dtypes of its arguments as given, before its jit.
+    names = ("q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
+    args = dict(zip(names, _case().args(), strict=True))
+    args[name] = np.asarray(args[name]).astype(dtype)
+    with pytest.raises(ValueError, match=f"{name}.dtype=.*{np.dtype(dtype).name}.* must be"):
+        BACKENDS[backend](**args, sm_scale=0.125)
+    with jax.enable_x64(True):  # the same refusal where jit keeps 64-bit types
+        with pytest.raises(ValueError, match=f"{name}.dtype=.*{np.dtype(dtype).name}.* must be"):
+            BACKENDS[backend](**args, sm_scale=0.125)
