@@ -131,16 +131,46 @@ def _probe_kernel(
         jax.eval_shape(functools.partial(kernel, sm_scale=1.0, causal=causal, **scales), *args)
 
 
+_INDEX_FIELDS = ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")
+_INT32 = np.dtype(np.int32)
+
+
+def _check_dtypes_as_given(q, kv_pages, metadata) -> None:
+    """ValueError naming q, kv_pages or an index array of the metadata (or of one of its
+    levels) of a dtype the kernels do not take, as given: paged_attention's jit turned a
+    numpy float64 q into float32 and an int64 page table into int32 (a value past int32
+    wrapping to another block's id) without a word, where x64 mode refused them. Values
+    without a dtype (a list) are left to the body's check_arrays."""
+    given = dict(q=(q, FLOAT_DTYPES), kv_pages=(kv_pages, FLOAT_DTYPES + QUANTIZED_KV_DTYPES))
+    for name, (value, allowed) in given.items():
+        dtype = getattr(value, "dtype", None)
+        if dtype is not None and jnp.dtype(dtype) not in allowed:
+            names = ", ".join(jnp.dtype(d).name for d in allowed)
+            raise ValueError(f"{name}.dtype={dtype} must be one of {names}")
+    passes = [("metadata", metadata)]
+    passes += [(f"metadata.levels[{i}]", level) for i, level in enumerate(metadata.levels)]
+    for where, arrays in passes:
+        for field in _INDEX_FIELDS:
+            dtype = getattr(getattr(arrays, field, None), "dtype", None)
+            if dtype is not None and dtype != _INT32:
+                raise ValueError(f"{where}.{field}.dtype={dtype} must be int32")
+
+
 class _runs_where_q_lies(with_static_numbers):  # lower case: a decorator
-    """with_static_numbers, its other static options refused by name as arrays, and
-    outside jit (q a concrete array) a Pallas backend must run interpreted or on q's
-    platform: JAX's own error names neither. Under jit the platform is not checked: a
-    trace may be lowered for another platform on purpose."""
+    """with_static_numbers, its other static options refused by name as arrays, the
+    dtypes of q, kv_pages and the metadata's index arrays checked as given (before jit
+    converts a 64-bit numpy array; _check_dtypes_as_given), and outside jit (q a
+    concrete array) a Pallas backend must run interpreted or on q's platform: JAX's own
+    error names neither. Under jit the platform is not checked: a trace may be lowered
+    for another platform on purpose."""
 
     def __call__(self, *args, **options):
         refuse_array_options(options, ("sliding_window", "backend", "interpret", "return_lse"))
         q = args[0] if args else options.get("q")
         metadata = args[2] if len(args) > 2 else options.get("metadata")
+        if isinstance(metadata, AttentionMetadata):
+            kv_pages = args[1] if len(args) > 1 else options.get("kv_pages")
+            _check_dtypes_as_given(q, kv_pages, metadata)
         if isinstance(metadata, AttentionMetadata) and not isinstance(q, jax.core.Tracer):
             backend = options.get("backend") or metadata.backend
             interpret = options.get("interpret")
@@ -177,7 +207,9 @@ def paged_attention(
 
     Returns out [max_num_tokens, num_q_heads, head_dim] in q.dtype (and lse f32
     [max_num_tokens, num_q_heads] with return_lse). Padded token rows give 0.
-    Raises ValueError when cascade levels are combined with a sliding window (the
+    Raises ValueError for q, kv_pages or an index array of the metadata of a dtype the
+    kernels do not take, checked as given (a numpy float64 q or int64 page table, which
+    jit would convert silently), when cascade levels are combined with a sliding window (the
     planner never plans that: a non-causal prefix pass cannot honour a window), when
     kv_pages holds fewer blocks than the pool of the manager the metadata was built for,
     and, called outside jit, when a Pallas backend would compile for a platform other

@@ -10,6 +10,7 @@ and refused every quantized cache (its probe passed no scales).
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +81,27 @@ def test_a_cache_query_or_kv_that_is_no_array_is_refused_by_name():
         args[name] = np.asarray(args[name]).tolist()
         with pytest.raises(ValueError, match=f"{name} must be a numpy or jax array, not list"):
             write_kv(args["kv_pages"], args["k"], args["v"], md.slot_mapping)
+
+
+def test_64_bit_numpy_arrays_are_refused_by_name_before_jit_converts_them():
+    # paged_attention's jit turned a float64 q into float32 and an int64 page table into
+    # int32 without a word: page id 2**32 + 7 became block 7, another request's keys.
+    md = _metadata()
+    q = np.zeros((md.max_num_tokens, H_Q, D), np.float32)
+    pages = np.zeros((64, 4, 2 * H_KV, D), np.float32)
+    with pytest.raises(ValueError, match="q.dtype=float64 must be one of float32"):
+        paged_attention(q.astype(np.float64), pages, md, sm_scale=0.125)
+    with pytest.raises(ValueError, match="kv_pages.dtype=float64 must be one of float32"):
+        paged_attention(q, pages.astype(np.float64), md, sm_scale=0.125)
+    table = md.page_indices.astype(np.int64)
+    table[0, 0] = 2**32 + 7
+    wide = dataclasses.replace(md, page_indices=table)
+    with pytest.raises(ValueError, match="metadata.page_indices.dtype=int64 must be int32"):
+        paged_attention(q, pages, wide, sm_scale=0.125)
+    level = dataclasses.replace(md.levels[0], kv_lens=md.levels[0].kv_lens.astype(np.int64))
+    wide = dataclasses.replace(md, levels=(level,))
+    with pytest.raises(ValueError, match=r"metadata.levels\[0\].kv_lens.dtype=int64 must be"):
+        paged_attention(q, pages, wide, sm_scale=0.125)
 
 
 def test_a_bool_scale_is_refused():
