@@ -11,10 +11,11 @@ read once per group, not once per query head). Blocks never straddle two sequenc
 sequence i owns blocks cu_q_lens[i] // tokens_per_block + i onward, and each program
 finds its sequence by binary search over cu_q_lens. Keys are walked `block_k` at a time
 (each key's page looked up in the page table, so any page size works) with an online
-softmax in float32 (base 2). With more than one KV split each split covers a contiguous
-slice of the key blocks, writes its normalized output and LSE in float32, and the
-wrapper merges the splits through their LSEs, so a small decode batch still fills the
-GPU.
+softmax in float32 (base 2: each score's row max is subtracted before it is scaled by
+log2(e), so any logit finite in float32 stays finite). With more than one KV split each
+split covers a contiguous slice of the key blocks, writes its normalized output and LSE
+in float32, and the wrapper merges the splits through their LSEs, so a small decode
+batch still fills the GPU.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 _LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
 
 
 def _find_seq(cu_q_lens_ref, num_seqs, pid, tokens_per_block: int, max_num_seqs: int):
@@ -124,6 +124,12 @@ def paged_attention_kernel(
     q = plgpu.load(q_ref.at[q_row[:, None], col[None, :]], mask=row_valid[:, None], other=0)
     q = q.astype(compute_dtype)
     logit_scale = sm_scale * (1.0 if k_scale is None else k_scale)
+    # Scores stay in units whose max is subtracted before they are scaled to base 2 (the
+    # q.k dot, or its tanh with a soft cap): scaling first took a logit past
+    # float32 max / log2(e) (about 2.36e38) to inf, and the row to NaN or no key, where
+    # the reference is finite. (s - max) * scale is as many ops as s * scale - max.
+    to_natural = logit_scale if soft_cap is None else soft_cap  # natural logit per unit
+    to_base2 = to_natural * _LOG2E
 
     def body(kb, carry):
         acc, m_prev, l_prev = carry
@@ -145,10 +151,8 @@ def paged_attention_kernel(
         s = jax.lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )
-        if soft_cap is None:
-            s = s * (logit_scale * _LOG2E)
-        else:
-            s = (soft_cap * _LOG2E) * jnp.tanh(s * (logit_scale / soft_cap))
+        if soft_cap is not None:
+            s = jnp.tanh(s * (logit_scale / soft_cap))
         visible = key_valid[None, :]
         if causal:
             visible = visible & (key[None, :] <= pos[:, None])
@@ -160,8 +164,8 @@ def paged_attention_kernel(
         # The max stays -inf until a row sees a key; shifting by 0 then keeps exp2 off
         # -inf + inf. (A finite start would hide every key whose logits all lie below it.)
         shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-        alpha = jnp.exp2(m_prev - shift)
-        p = jnp.exp2(s - shift[:, None])
+        alpha = jnp.exp2((m_prev - shift) * to_base2)
+        p = jnp.exp2((s - shift[:, None]) * to_base2)
         l_next = l_prev * alpha + p.sum(axis=-1)
         pv = jax.lax.dot_general(
             p.astype(compute_dtype),
@@ -180,7 +184,7 @@ def paged_attention_kernel(
     seen = denom != 0  # NaN (from NaN or inf data) must not read as "no keys"
     l_safe = jnp.where(seen, denom, 1.0)
     out = acc * ((1.0 if v_scale is None else v_scale) / l_safe)[:, None]
-    lse = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+    lse = jnp.where(seen, m * to_natural + jnp.log(l_safe), -jnp.inf)
     o_idx = (row[:, None], col[None, :])
     plgpu.store(o_ref.at[o_idx], out.astype(o_ref.dtype), mask=row_valid[:, None])
     plgpu.store(lse_ref.at[row], lse, mask=row_valid)

@@ -133,6 +133,27 @@ def test_keys_whose_logits_are_all_hugely_negative_are_still_seen(logit):
     np.testing.assert_allclose(np.asarray(lse), logit, rtol=1e-5)
 
 
+@pytest.mark.parametrize("logit", [3e38, -3e38, 2.5e38])
+def test_logits_past_float32_max_over_log2e_stay_finite(logit):
+    # The kernel scaled each logit by log2(e) before subtracting the row max: past
+    # float32 max / log2(e) (2.36e38) that gave inf, and a row of NaN (or, negative, a row
+    # that saw no key), where the reference is finite. sm_scale 1 keeps q.k itself finite.
+    page_size, head_dim = 16, 16
+    kv = np.zeros((3, page_size, 2, head_dim), np.float32)  # 1 KV head: keys, values
+    kv[1, :, 0] = 1.0
+    kv[1, :, 1] = np.arange(page_size, dtype=np.float32)[:, None]  # value j = j
+    q = np.full((1, 2, head_dim), logit / head_dim, np.float32)
+    args = [jnp.asarray(a) for a in (q, kv, [8], [[1]], [0, 1], [1])]  # 8 keys on page 1
+    for soft_cap in (None, 1e38):
+        kw = dict(sm_scale=1.0, soft_cap=soft_cap)
+        out, lse = ragged_paged_attention(*args, **kw, interpret=harness.INTERPRET_GPU)
+        ref_out, ref_lse = reference.ragged_paged_attention(*args, **kw)
+        np.testing.assert_allclose(np.asarray(out), 3.5, rtol=1e-6)  # mean of values 0..7
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5)
+        assert np.isfinite(np.asarray(lse)).all()
+
+
 def test_prefix_pass_non_causal():
     # The cascade prefix pass: one sequence holds every query token, all keys visible.
     # The second sequence is a level's gap: query tokens and no key, so both of its KV
