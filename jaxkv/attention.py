@@ -312,11 +312,23 @@ def int32_slots(slot_mapping):
     return narrow
 
 
+def _check_cache_dtype(kv_pages) -> None:
+    """ValueError unless kv_pages has a dtype the kernels read (one without a dtype, a
+    list, is left to check_arrays)."""
+    dtype = getattr(kv_pages, "dtype", None)
+    if dtype is not None and jnp.dtype(dtype) not in FLOAT_DTYPES + QUANTIZED_KV_DTYPES:
+        raise ValueError(
+            f"kv_pages.dtype={dtype} must be float32, bfloat16, float16, int8 or float8_e4m3fn"
+        )
+
+
 class narrows_wide_slots(with_static_numbers):  # lower case: a decorator
-    """with_static_numbers, and slot_mapping (the fourth argument) passed through
-    int32_slots first, outside jit."""
+    """with_static_numbers, slot_mapping (the fourth argument) passed through
+    int32_slots first, outside jit, and kv_pages's dtype checked as given (jit turned a
+    numpy float64 cache into a float32 one without a word)."""
 
     def __call__(self, *args, **options):
+        _check_cache_dtype(args[0] if args else options.get("kv_pages"))
         if len(args) > 3:
             args = (*args[:3], int32_slots(args[3]), *args[4:])
         elif "slot_mapping" in options:
@@ -341,15 +353,13 @@ def write_kv(
     block 0, which no valid row ever reads; a negative slot (vLLM's padding) or one past
     the cache writes nothing, also in a numpy int64 slot_mapping (int32_slots).
     Quantized caches store round(x / scale).
-    Raises ValueError (at trace time) unless the cache dtype is one the kernels read
+    Raises ValueError (at trace time, and for the cache's dtype also as given, before
+    jit converts a numpy float64 cache) unless the cache dtype is one the kernels read
     (float32, bfloat16, float16, int8, float8_e4m3fn), each scale is None or a finite
     number > 0, and the shapes agree.
     """
     check_arrays(kv_pages=kv_pages, k=k, v=v)  # a list failed on .dtype, naming nothing
-    if jnp.dtype(kv_pages.dtype) not in FLOAT_DTYPES + QUANTIZED_KV_DTYPES:
-        raise ValueError(
-            f"{kv_pages.dtype=} must be float32, bfloat16, float16, int8 or float8_e4m3fn"
-        )
+    _check_cache_dtype(kv_pages)
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is not None and not is_positive_finite(scale):
             raise ValueError(f"{name}={scale!r} must be a finite number > 0 in float32, or None")

@@ -143,6 +143,20 @@ def test_write_kv_refuses_a_slot_mapping_of_another_token_count():
         write_kv(jnp.zeros((64, 4, 2 * H_KV, D), jnp.float32), k, k, np.zeros(7, np.int32))
 
 
+def test_write_kv_refuses_a_float64_numpy_cache_before_jit_converts_it():
+    # jit turned it into a float32 cache without a word (refused with x64 on); an
+    # int64 slot_mapping, narrowed by int32_slots, and float64 K and V, cast to the
+    # cache's dtype anyway, are still taken.
+    k = np.ones((8, H_KV, D), np.float64)
+    pages = np.zeros((64, 4, 2 * H_KV, D), np.float64)
+    with pytest.raises(ValueError, match="kv_pages.dtype=float64 must be float32, bfloat16"):
+        write_kv(pages, k, k, np.arange(8, dtype=np.int64))
+    with pytest.raises(ValueError, match="kv_pages.dtype=float64 must be float32, bfloat16"):
+        write_kv(kv_pages=pages, k=k, v=k, slot_mapping=np.arange(8, dtype=np.int64))
+    out = write_kv(jnp.asarray(pages, jnp.float32), k, k, np.arange(8, dtype=np.int64))
+    assert out.dtype == jnp.float32 and float(out[0, 0, 0, 0]) == 1.0
+
+
 SHAPES = dict(num_q_heads=H_Q, num_kv_heads=H_KV, head_dim=D, block_size=16)
 
 
