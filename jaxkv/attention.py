@@ -107,6 +107,12 @@ def check_backend(
             dtypes[name] = jnp.dtype(value)
         except TypeError:
             raise ValueError(f"{name}={value!r} must be a dtype") from None
+    # Here, not left to the probe: its eval_shape turns float64 into float32 (x64 off).
+    allowed = dict(q_dtype=FLOAT_DTYPES, kv_dtype=FLOAT_DTYPES + QUANTIZED_KV_DTYPES)
+    for name, dtype in dtypes.items():
+        if dtype not in allowed[name]:
+            names = ", ".join(d.name for d in allowed[name])
+            raise ValueError(f"{name}={dtype.name} must be one of {names}")
     _check_platform(backend, interpret, jax.default_backend())
     _probe_kernel(
         backend, interpret, *(int(v) for v in sizes.values()), *dtypes.values()

@@ -169,6 +169,10 @@ SHAPES = dict(num_q_heads=H_Q, num_kv_heads=H_KV, head_dim=D, block_size=16)
         (dict(num_kv_heads=True), "num_kv_heads=True must be an int >= 1"),
         (dict(interpret="yes"), "interpret='yes' must be a bool"),
         (dict(q_dtype="float33"), "q_dtype='float33' must be a dtype"),
+        # The probe's eval_shape made float64 float32 (x64 off), which paged_attention refuses.
+        (dict(q_dtype=np.float64), "q_dtype=float64 must be one of float32, bfloat16"),
+        (dict(kv_dtype="float64"), "kv_dtype=float64 must be one of float32, .*int8"),
+        (dict(q_dtype=np.int32), "q_dtype=int32 must be one of float32, bfloat16"),
     ],
 )
 def test_check_backend_refuses_bad_sizes_and_dtypes_by_name(change, match):
