@@ -267,8 +267,11 @@ def validate_shared_prefix(
     0's) and has its first query at or past them (kv_len - q_len >= num_prefix_pages *
     page_size). Either would otherwise give another sequence's keys, or keys after a
     query, without an error. Does nothing while tracing, like validate_index_values,
-    which it runs first. Raises ValueError naming an argument that is no array."""
+    which it runs first. Raises ValueError naming an argument that is no array, or one of
+    a dtype the kernels do not take (check_dtypes: the passes get arrays derived from
+    these, so an int64 kv_lens reached them as int32 with x64 off, and was refused on)."""
     _check_kernel_arrays(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    check_dtypes(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     validate_index_values(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     index_arrays = (kv_lens, page_indices, cu_q_lens, num_seqs, num_prefix_pages)
     if any(isinstance(a, jax.core.Tracer) for a in index_arrays) or np.ndim(page_indices) != 2:

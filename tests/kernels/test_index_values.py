@@ -323,3 +323,15 @@ def test_a_64_bit_numpy_array_is_refused_by_name_as_given(backend, name, dtype):
     with jax.enable_x64(True):  # the same refusal where jit keeps 64-bit types
         with pytest.raises(ValueError, match=f"{name}.dtype=.*{np.dtype(dtype).name}.* must be"):
             BACKENDS[backend](**args, sm_scale=0.125)
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_cascade_refuses_an_int64_kv_lens_by_name_with_x64_on_or_off(x64):
+    # Its passes get kv_lens - prefix_len: int32 with x64 off, so an int64 kv_lens was
+    # taken, where with x64 on the pass refused it (and an int64 page table always).
+    case = _case()
+    args = [np.asarray(a) for a in case.args()]
+    args[2] = args[2].astype(np.int64)
+    with jax.enable_x64(x64):
+        with pytest.raises(ValueError, match="kv_lens.dtype=int64 must be int32"):
+            reference.cascade_attention(*args, num_prefix_pages=0, sm_scale=0.125)
