@@ -17,9 +17,7 @@ EngineConfig.max_step_programs bounds them for workloads without the last three.
 
 from __future__ import annotations
 
-import functools
 import time
-import weakref
 from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
@@ -34,15 +32,14 @@ from jaxkv.completion import generate_progress_bar, run_to_completion
 from jaxkv.config import EngineConfig
 from jaxkv.deliberate_transfers import allowing_transfers
 from jaxkv.detokenizer import Detokenizer
-from jaxkv.engine_args import checked_engine_args, served_heads
+from jaxkv.engine_args import checked_engine_args
+from jaxkv.engine_device import device_state, engine_copier
 from jaxkv.hashing import check_hash_key
 from jaxkv.held_interrupts import holding_interrupts
 from jaxkv.kv_cache_manager import KVCacheManager
-from jaxkv.kv_copy import DeviceKVCopier
 from jaxkv.kv_transfer import KVConnector, bound_stats
 from jaxkv.logprobs import StepLogprobs
 from jaxkv.metrics import EngineMetrics, StepStats, StepTotals, engine_metrics
-from jaxkv.model_fingerprint import model_fingerprint
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.parallel_sampling import IdsInUse, ParallelSamples
 from jaxkv.prompt_checks import checked_prompt_ids
@@ -53,9 +50,8 @@ from jaxkv.sampler import SamplingRows
 from jaxkv.sampling_checks import checked_sampling_params
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.scheduler import Scheduler, SchedulerOutput
-from jaxkv.sharding import mesh_for, place_model, tensor_parallel_of
+from jaxkv.sharding import mesh_for
 from jaxkv.step_inputs import batch_inputs, in_schedule_order, program_key
-from jaxkv.step_program import step_program
 from jaxkv.token_texts import TokenTexts
 
 
@@ -95,17 +91,14 @@ class Engine(Closable):
         sc, cc = config.scheduler, config.cache
         self.config = config
         self.model_config, self.vocab_size = mc, mc.vocab_size
-        # Weights Megatron-sharded over the mesh, KV cache and attention split by KV heads;
-        # host block management is unchanged (block ids mean the same on every shard).
-        model, params = place_model(model, params, mesh_for(mesh, tensor_parallel_size))
-        placed = tensor_parallel_of(model)
-        self.mesh = None if placed is None else placed.mesh
-        graphdef, state = nnx.split(model)
-        state = state if params is None else params
-        self._state_leaves, state_treedef = jax.tree.flatten(state)
-        self._program = step_program(graphdef, state_treedef)
         self.backend = config.backend or default_backend()
-        heads = served_heads(self.backend, config, mc, 1 if placed is None else placed.size)
+        device = device_state(
+            model, params, config, self.backend, mesh_for(mesh, tensor_parallel_size)
+        )
+        placed = device.placed
+        self.mesh = None if placed is None else placed.mesh
+        self._state_leaves, self._program = device.state_leaves, device.program
+        self.kv_caches = device.kv_caches
         self.manager = KVCacheManager(
             cc.num_blocks,
             cc.block_size,
@@ -119,26 +112,16 @@ class Engine(Closable):
         self.scheduler.detokenizer = detokenizer
         self.tokenizer = tokenizer
         self._token_texts = None if tokenizer is None else TokenTexts(tokenizer.decode)
-        self.kv_caches = model.init_kv_caches(cc.num_blocks, cc.block_size, cc.kv_dtype)
         self.buckets = config.buckets
         self.planner = CascadePlanner(
-            heads,
+            device.heads,
             backend=self.backend,
             cost_model=config.cascade_cost_model,
             enable_cascade=config.enable_cascade,
             max_groups=config.max_cascade_groups,
             page_buckets=self.buckets.page_buckets,
         )
-        # The copier reaches the engine weakly: a connector holding it must not keep a
-        # dropped engine (and its KV cache) alive.
-        engine = weakref.ref(self)
-        self.copier = DeviceKVCopier(
-            lambda: engine().kv_caches,
-            lambda caches: setattr(engine(), "kv_caches", caches),
-            max_blocks=self.manager.max_blocks_per_seq,
-            kv_replicas=1 if placed is None else placed.kv_replicas,
-            fingerprint=functools.partial(model_fingerprint, mc.to_kv_dict(), self._state_leaves),
-        )
+        self.copier = engine_copier(self, device, mc, max_blocks=self.manager.max_blocks_per_seq)
         self._sampling = SamplingRows(min(config.max_logprobs, self.vocab_size), mc.eos_token_ids)
         self._samples = ParallelSamples()  # requests of SamplingParams.n > 1
         self._serials = RequestSerials()  # default ids and seeds of queued requests

@@ -1,0 +1,74 @@
+"""The device state an Engine owns: its weights as placed for serving, the jitted step
+program over them, its paged KV caches, and the copier that moves the caches' blocks to
+and from the host (jaxkv.kv_copy)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxkv.cascade import AttentionShape
+from jaxkv.config import EngineConfig
+from jaxkv.engine_args import served_heads
+from jaxkv.kv_copy import DeviceKVCopier
+from jaxkv.model_fingerprint import model_fingerprint
+from jaxkv.sharding import TensorParallel, place_model, tensor_parallel_of
+from jaxkv.step_program import step_program
+
+
+@dataclasses.dataclass(eq=False)
+class DeviceState:
+    """What device_state built. `placed`: the TensorParallel the model runs with (None: one
+    device); `state_leaves`: its weights, flat, as `program` (jaxkv.step_program of its
+    graph) takes them; `heads`: one device's attention heads (served_heads); `kv_caches`:
+    num_layers x [num_blocks, block_size, 2*num_kv_heads, head_dim], zeroed."""
+
+    placed: TensorParallel | None
+    state_leaves: list[jax.Array]
+    program: Callable
+    heads: AttentionShape
+    kv_caches: list[jax.Array]
+
+
+def device_state(
+    model: nnx.Module, params: nnx.State | None, config: EngineConfig, backend: str, mesh
+) -> DeviceState:
+    """`model`, with `params` as its weights (None: its own), placed over `mesh` as
+    jaxkv.sharding.place_model places it, and KV caches of `config.cache` for it;
+    served_heads' ValueError (`backend` cannot serve the config) before they are made."""
+    # Weights Megatron-sharded over the mesh, KV cache and attention split by KV heads;
+    # host block management is unchanged (block ids mean the same on every shard).
+    model, params = place_model(model, params, mesh)
+    placed = tensor_parallel_of(model)
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state if params is None else params)
+    program = step_program(graphdef, treedef)
+    heads = served_heads(backend, config, model.config, 1 if placed is None else placed.size)
+    cc = config.cache
+    caches = model.init_kv_caches(cc.num_blocks, cc.block_size, cc.kv_dtype)
+    return DeviceState(placed, leaves, program, heads, caches)
+
+
+def engine_copier(
+    engine: Any, device: DeviceState, model_config: Any, *, max_blocks: int
+) -> DeviceKVCopier:
+    """A DeviceKVCopier that reads and replaces `engine.kv_caches` (jaxkv.kv_copy), naming
+    the model by the fingerprint of `model_config` (a LlamaConfig) and `device`'s weights.
+    It reaches the engine weakly: a connector holding it must not keep a dropped engine
+    (and its KV cache) alive."""
+    ref = weakref.ref(engine)
+    return DeviceKVCopier(
+        lambda: ref().kv_caches,
+        lambda caches: setattr(ref(), "kv_caches", caches),
+        max_blocks=max_blocks,
+        kv_replicas=1 if device.placed is None else device.placed.kv_replicas,
+        fingerprint=functools.partial(
+            model_fingerprint, model_config.to_kv_dict(), device.state_leaves
+        ),
+    )
