@@ -71,7 +71,8 @@ class Engine(Closable):
     jaxkv.detokenizer, and each logprob's decoded_token (jaxkv.token_texts); without
     one, stop strings and stream_text are refused.
     Not thread-safe: one thread drives the engine. close() (or leaving a `with` block)
-    frees its device memory at once.
+    frees its device memory at once; so does a constructor that raises, before the
+    exception propagates (its traceback holds no KV cache and no placed weights).
     """
 
     def __init__(
@@ -92,13 +93,6 @@ class Engine(Closable):
         self.config = config
         self.model_config, self.vocab_size = mc, mc.vocab_size
         self.backend = config.backend or default_backend()
-        device = device_state(
-            model, params, config, self.backend, mesh_for(mesh, tensor_parallel_size)
-        )
-        placed = device.placed
-        self.mesh = None if placed is None else placed.mesh
-        self._state_leaves, self._program = device.state_leaves, device.program
-        self.kv_caches = device.kv_caches
         self.manager = KVCacheManager(
             cc.num_blocks,
             cc.block_size,
@@ -113,24 +107,40 @@ class Engine(Closable):
         self.tokenizer = tokenizer
         self._token_texts = None if tokenizer is None else TokenTexts(tokenizer.decode)
         self.buckets = config.buckets
-        self.planner = CascadePlanner(
-            device.heads,
-            backend=self.backend,
-            cost_model=config.cascade_cost_model,
-            enable_cascade=config.enable_cascade,
-            max_groups=config.max_cascade_groups,
-            page_buckets=self.buckets.page_buckets,
-        )
-        self.copier = engine_copier(self, device, mc, max_blocks=self.manager.max_blocks_per_seq)
         self._sampling = SamplingRows(min(config.max_logprobs, self.vocab_size), mc.eos_token_ids)
         self._samples = ParallelSamples()  # requests of SamplingParams.n > 1
         self._serials = RequestSerials()  # default ids and seeds of queued requests
         self._programs: set[tuple] = set()
         self._totals = StepTotals()
         self.last_step: StepStats | None = None  # the last step that ran the model
-        self._transfers_at_bind = self._transfers_at_close = bound_stats(
-            self.connector, self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed
+        # The device state last, and freed if what follows raises: the traceback keeps this
+        # frame and `self`, which must not keep its memory (a retry could run out of it).
+        device = device_state(
+            model, params, config, self.backend, mesh_for(mesh, tensor_parallel_size)
         )
+        try:
+            placed = device.placed
+            self.mesh = None if placed is None else placed.mesh
+            self._state_leaves, self._program = device.state_leaves, device.program
+            self.kv_caches = device.kv_caches
+            self.planner = CascadePlanner(
+                device.heads,
+                backend=self.backend,
+                cost_model=config.cascade_cost_model,
+                enable_cascade=config.enable_cascade,
+                max_groups=config.max_cascade_groups,
+                page_buckets=self.buckets.page_buckets,
+            )
+            self.copier = engine_copier(
+                self, device, mc, max_blocks=self.manager.max_blocks_per_seq
+            )
+            self._transfers_at_bind = self._transfers_at_close = bound_stats(
+                self.connector, self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed
+            )
+        except BaseException:
+            device.free()
+            self._closed = True
+            raise
 
     # --------------------------------------------------------------- requests
 

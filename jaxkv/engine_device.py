@@ -35,23 +35,38 @@ class DeviceState:
     heads: AttentionShape
     kv_caches: list[jax.Array]
 
+    def free(self) -> None:
+        """Deletes the KV caches (the engine made them and is their only user) and empties
+        both lists in place: whatever holds them (the engine, a copier's fingerprint, the
+        frames of a kept traceback) then holds neither the caches nor the weights."""
+        for cache in self.kv_caches:
+            cache.delete()
+        self.kv_caches.clear()
+        self.state_leaves.clear()
+
 
 def device_state(
     model: nnx.Module, params: nnx.State | None, config: EngineConfig, backend: str, mesh
 ) -> DeviceState:
     """`model`, with `params` as its weights (None: its own), placed over `mesh` as
     jaxkv.sharding.place_model places it, and KV caches of `config.cache` for it;
-    served_heads' ValueError (`backend` cannot serve the config) before they are made."""
+    served_heads' ValueError (`backend` cannot serve the config) before they are made.
+    An exception after the placement propagates with this call's frame holding none of
+    the placed weights (a traceback kept in a notebook would hold their memory)."""
     # Weights Megatron-sharded over the mesh, KV cache and attention split by KV heads;
     # host block management is unchanged (block ids mean the same on every shard).
     model, params = place_model(model, params, mesh)
-    placed = tensor_parallel_of(model)
-    graphdef, state = nnx.split(model)
-    leaves, treedef = jax.tree.flatten(state if params is None else params)
-    program = step_program(graphdef, treedef)
-    heads = served_heads(backend, config, model.config, 1 if placed is None else placed.size)
-    cc = config.cache
-    caches = model.init_kv_caches(cc.num_blocks, cc.block_size, cc.kv_dtype)
+    try:
+        placed = tensor_parallel_of(model)
+        graphdef, state = nnx.split(model)
+        leaves, treedef = jax.tree.flatten(state if params is None else params)
+        program = step_program(graphdef, treedef)
+        heads = served_heads(backend, config, model.config, 1 if placed is None else placed.size)
+        cc = config.cache
+        caches = model.init_kv_caches(cc.num_blocks, cc.block_size, cc.kv_dtype)
+    except BaseException:
+        model = params = state = leaves = None
+        raise
     return DeviceState(placed, leaves, program, heads, caches)
 
 

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxkv import SamplingParams
+from jaxkv import SamplingParams, engine_device
 from jaxkv.engine import Engine
 from jaxkv.host_offload_connector import HostOffloadConnector
+from jaxkv.kv_transfer import KVConnector
+from jaxkv.sharding import place_model
 from tests.engine._util import (
     VOCAB,
     assert_all_blocks_free,
@@ -249,3 +251,46 @@ def test_an_engine_whose_constructor_fails_after_binding_leaves_the_connector_un
     assert connector.hash_layout is not None
     engine.close()
     del raised
+
+
+class _RefusesToBind(KVConnector):
+    """Notes the engine's KV caches (weakly), then refuses to bind: a failure after they
+    were made."""
+
+    caches: list = []
+
+    def bind(self, copier, *, block_size: int, hash_seed: int) -> None:
+        self.caches = [weakref.ref(cache) for cache in copier._get_caches()]
+        raise RuntimeError("refused to bind")
+
+
+def test_a_failed_constructor_lets_its_kv_caches_go_while_the_error_lives():
+    # The traceback's frames held the half-built engine, and it its KV caches: a notebook
+    # keeping the error (sys.last_value) and retrying with a smaller config ran out of memory.
+    connector = _RefusesToBind()
+    with pytest.raises(RuntimeError, match="refused to bind") as raised:
+        make_engine(connector=connector)
+    gc.collect()
+    assert raised.value.__traceback__ is not None and not hasattr(raised.value, "__notes__")
+    assert connector.caches and all(cache() is None for cache in connector.caches)
+    with make_engine() as engine:  # the model serves on
+        engine.generate(_prompts(8, 1, 8), SamplingParams(max_tokens=2), progress=False)
+
+
+def test_a_backend_refused_after_placing_the_weights_lets_the_placed_copies_go(monkeypatch):
+    # The check of the backend runs once the model is placed over its mesh: the placed
+    # weights (the engine's own copies) lived on in the traceback's frames.
+    placed = []
+
+    def recording_place_model(model, params, mesh):
+        model, params = place_model(model, params, mesh)
+        placed.extend(weakref.ref(leaf) for leaf in jax.tree.leaves(nnx.state(model)))
+        return model, params
+
+    monkeypatch.setattr(engine_device, "place_model", recording_place_model)
+    config = dataclasses.replace(engine_config(), backend="pallas_tpu", interpret=False)
+    with pytest.raises(ValueError, match="backend='pallas_tpu' cannot serve") as raised:
+        Engine(tiny_model(), None, config, tensor_parallel_size=1)
+    gc.collect()
+    assert raised.value.__traceback__ is not None
+    assert placed and all(leaf() is None for leaf in placed)
