@@ -241,10 +241,12 @@ class Engine(Closable):
         RuntimeError. A KV connector's exception while the batch is chosen (a load that
         fails to start) propagates before the model runs, the batch handed back the same
         way; a HostOffloadConnector first drops the blocks that load was to read, so the
-        next step computes them.
+        next step computes them. A batch that an interrupt kept from being applied or handed
+        back (a Ctrl-C as schedule() returned) is handed back by the next step.
         """
         t0, c0 = time.perf_counter(), time.thread_time()
         prompt_logprobs = self._sampling.prompt_logprobs
+        self.scheduler.discard_unapplied()  # a batch an interrupt kept from the last step
         out = self.scheduler.schedule()
         n = out.num_requests
         if n == 0:

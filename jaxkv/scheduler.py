@@ -294,6 +294,19 @@ class Scheduler:
         self.waiting.appendleft(request)
         self._count(num_preemptions=1)
 
+    def discard_unapplied(self) -> bool:
+        """discard() of the latest schedule()'s batch if it holds requests and neither
+        update_from_output nor discard has taken it; True if it did. For a driver whose
+        step an interrupt stopped before it took the batch (a Ctrl-C as schedule()
+        returned, or as the update began), which schedule() would refuse to follow: its
+        KV may have been written, so at worst prefix-cache entries are lost, and its
+        requests compute the same tokens again."""
+        pending = self._unapplied
+        if pending is None or not pending.num_requests:
+            return False
+        self.discard(pending)
+        return True
+
     def discard(self, output: SchedulerOutput) -> None:
         """Hands back the latest schedule()'s batch when its step failed before any of
         its KV was written (the model raised, an interrupt during a compile).

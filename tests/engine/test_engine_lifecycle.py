@@ -277,3 +277,29 @@ def test_a_step_whose_planner_raises_is_handed_back_and_the_next_runs_it_again(m
     while engine.has_unfinished_requests():
         got += [t for o in engine.step() for t in o.new_token_ids]
     assert got == list(want)
+
+
+@pytest.mark.parametrize("where", ["schedule", "update_from_output"])
+def test_an_interrupt_between_the_scheduler_and_the_step_leaves_the_engine_serving(where):
+    """A Ctrl-C as schedule() returned (the batch never reached the step) or as the update
+    began left the batch neither applied nor handed back: every later step raised
+    RuntimeError ("neither applied ... nor handed back"), the engine wedged for good."""
+    prompts = [np.random.default_rng(9).integers(0, VOCAB, 10).tolist()]
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine = make_engine()
+    real = getattr(engine.scheduler, where)
+
+    def interrupted(*args):
+        delattr(engine.scheduler, where)  # once: the class's method from now on
+        if where == "schedule":
+            real(*args)  # its output lost with the interrupt
+        raise KeyboardInterrupt
+
+    setattr(engine.scheduler, where, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, sampling, progress=False)
+    assert not engine.has_unfinished_requests()  # generate aborted its request
+    got = engine.generate(prompts, sampling, progress=False)[0].output_token_ids
+    assert list(got) == dense_greedy(prompts, 4)[0]
+    assert_all_blocks_free(engine)
+    engine.close()

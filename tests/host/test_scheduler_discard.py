@@ -318,3 +318,17 @@ def test_uncache_unwritten_leaves_a_later_block_another_request_cached_again():
     assert m.pool.blocks[m.block_ids("b")[1]].block_hash is None
     assert m.pool.blocks[shared].block_hash == c.block_hashes[2]
     m.check_integrity()
+
+
+def test_discard_unapplied_hands_back_only_a_pending_batch_that_holds_requests():
+    sched, copier = make_scheduler(block_size=4), FakeCopier(64, 4)
+    assert not sched.discard_unapplied()  # nothing scheduled yet
+    assert sched.schedule().num_requests == 0 and not sched.discard_unapplied()
+    a = add(sched, "a", range(1, 8), max_tokens=5)
+    out = sched.schedule()
+    assert out.request_ids == ["a"] and sched.discard_unapplied()
+    assert list(sched.waiting) == [a] and not sched.discard_unapplied()
+    with pytest.raises(ValueError, match="output"):
+        sched.update_from_output(out, [1])  # handed back: not to be applied
+    run_until_idle(sched, copier)
+    sched.manager.check_integrity()
