@@ -91,18 +91,17 @@ class ParallelSamples:
     ) -> None:
         """Queues `request` (checked, new) on `scheduler` and its sampling row, or under
         n > 1 its n samples (the request itself never runs): all of them or, raising
-        ValueError when an id is in use or the scheduler cannot serve them, none (the
-        error names the request's id, never a sample's). Samples keep the request's prompt, cache
-        salt, adapter id and arrival time (so they share its cached blocks and its place
-        in the queue)."""
+        ValueError when an id is in use or the scheduler cannot serve them (the error
+        names the request's id, never a sample's) or propagating an interrupt, none.
+        Samples keep the request's prompt, cache salt, adapter id and arrival time (so
+        they share its cached blocks and its place in the queue)."""
         params = request.sampling_params
         n = params.n
         in_use = IdsInUse(scheduler.requests, self)
         if n == 1:
             if request.request_id in in_use:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
-            scheduler.add_request(request)
-            sampling.add_request(request, default_seed)
+            _queue_all(scheduler, sampling, [request], [default_seed])
             return
         ids = child_request_ids(request.request_id, n)
         taken = [rid for rid in (request.request_id, *ids) if rid in in_use]
@@ -121,17 +120,9 @@ class ParallelSamples:
             for i, rid in enumerate(ids)
         ]
         check_fits(scheduler, samples[0], request.request_id)  # as sample 0's add would
-        queued = []
-        try:  # the first raises where any would (all alike but their ids, checked above)
-            for sample in samples:
-                scheduler.add_request(sample)
-                queued.append(sample.request_id)
-        except BaseException:
-            for rid in queued:
-                scheduler.abort(rid)
-            raise
-        for i, sample in enumerate(samples):
-            sampling.add_request(sample, child_default_seed(default_seed, i))
+        # The first raises where any would (all alike but their ids, checked above).
+        seeds = [child_default_seed(default_seed, i) for i in range(n)]
+        _queue_all(scheduler, sampling, samples, seeds)
         self._live[request.request_id] = set(ids)
         for i, rid in enumerate(ids):
             self._parent_of[rid] = (request.request_id, i)
@@ -176,3 +167,22 @@ class ParallelSamples:
             finished = output.finished and self.discard(output.request_id)
             outputs[j] = output._replace(request_id=request_id, finished=finished, index=index)
         return outputs
+
+
+def _queue_all(
+    scheduler: Scheduler, sampling: SamplingRows, requests: list[Request], seeds: list[int]
+) -> None:
+    """Queues each of `requests` on `scheduler` with its sampling row (default seed from
+    `seeds`): all or, whatever raises (a refusal, an interrupt), none. A request queued
+    without its row failed every later step (KeyError), unknown to the caller: the
+    add_request that queued it never returned its id."""
+    try:
+        for request, seed in zip(requests, seeds, strict=True):
+            scheduler.add_request(request)
+            sampling.add_request(request, seed)
+    except BaseException:
+        for request in requests:  # only those this call queued (another may hold an id)
+            if scheduler.requests.get(request.request_id) is request:
+                scheduler.abort(request.request_id)
+                sampling.discard(request.request_id)
+        raise

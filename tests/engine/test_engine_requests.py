@@ -321,3 +321,29 @@ def test_engines_over_one_model_share_its_step_program():
     # Compiles are per model graph, not per engine: a second engine reuses them.
     first, second = make_engine(), make_engine(cascade=False)
     assert first._program is second._program
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_an_add_request_interrupted_as_it_queues_queues_nothing(n):
+    # A Ctrl-C after the scheduler queued a request but before its sampling row existed
+    # left it queued without one: every later step raised KeyError, and the caller never
+    # got the id to abort it.
+    engine = make_engine()
+    add, calls = engine._sampling.add_request, []
+
+    def interrupted(request, seed):
+        calls.append(request.request_id)
+        if len(calls) == n:  # the last one: under n > 1 after the others were queued
+            raise KeyboardInterrupt
+        add(request, seed)
+
+    engine._sampling.add_request = interrupted
+    prompt = prompts_for("none", seed=4)[0]
+    with pytest.raises(KeyboardInterrupt):
+        engine.add_request(prompt, SamplingParams(max_tokens=3, n=n))
+    del engine._sampling.add_request
+    assert engine.scheduler.requests == {} and len(engine._sampling) == 0
+    assert len(engine._samples) == 0 and not engine.has_unfinished_requests()
+    got = engine.generate([prompt], SamplingParams(max_tokens=3, n=n), progress=False)
+    assert [o.request_id for o in got] == ["0"] * n  # the interrupted call took no id
+    engine.close()

@@ -37,6 +37,9 @@ class FakeSampling:
     def add_request(self, request: Request, default_seed: int) -> None:
         self.seeds[request.request_id] = default_seed
 
+    def discard(self, request_id: str) -> None:
+        self.seeds.pop(request_id, None)
+
 
 def request(request_id: str, n: int) -> Request:
     return Request(request_id, [1, 2, 3], SamplingParams(n=n, max_tokens=2))
