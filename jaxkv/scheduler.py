@@ -30,6 +30,7 @@ from types import MappingProxyType
 import numpy as np
 
 from jaxkv.config import SchedulerConfig
+from jaxkv.held_interrupts import holding_interrupts
 from jaxkv.kv_cache_manager import KVCacheManager, UnknownRequestError
 from jaxkv.kv_transfer import KVConnector
 from jaxkv.outputs import RequestOutput
@@ -320,10 +321,12 @@ class Scheduler:
         blocks and its queue place until its copy lands or fails, then frees them and
         recomputes. The output's finished_request_ids are reported again by the next
         schedule(). Raises ValueError (nothing changed) unless `output` is the latest
-        schedule()'s and not yet applied.
+        schedule()'s and not yet applied. A Ctrl-C while it runs is raised once it is done
+        (cut halfway, it left blocks whose KV was never written in the prefix cache).
         """
         self._check_unapplied(output)
-        discard_batch(self, output)
+        with holding_interrupts():
+            discard_batch(self, output)
 
     # ------------------------------------------------------------------ update
 

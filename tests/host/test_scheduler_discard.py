@@ -8,6 +8,8 @@ failed schedule() admitted (such a request may hold one of them as a cache hit).
 
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 import pytest
 
@@ -332,3 +334,31 @@ def test_discard_unapplied_hands_back_only_a_pending_batch_that_holds_requests()
         sched.update_from_output(out, [1])  # handed back: not to be applied
     run_until_idle(sched, copier)
     sched.manager.check_integrity()
+
+
+def test_a_ctrl_c_during_a_discard_is_raised_once_every_unwritten_block_left_the_cache():
+    # A second Ctrl-C (the first stopped the step) that cut the discard halfway left the
+    # blocks after it cached with KV never written: once their requests were aborted
+    # (generate's cleanup), a later request with their prompt hit them and read garbage.
+    sched, copier = make_scheduler(block_size=4), FakeCopier(64, 4)
+    a, b = _a_decoding_and_b_sharing_its_blocks(sched, copier)
+    c = add(sched, "c", range(30, 39), max_tokens=5)
+    out = sched.schedule()
+    assert out.request_ids == ["a", "b", "c"] and _num_hit_tokens(sched, c.all_token_ids) == 8
+    manager, calls = sched.manager, []
+
+    def interrupted(request, num_written):
+        calls.append(request.request_id)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)  # raised at this call's return, unheld
+        return manager.__class__.uncache_unwritten(manager, request, num_written)
+
+    manager.uncache_unwritten = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        sched.discard(out)
+    del manager.uncache_unwritten
+    assert calls == ["a", "b", "c"]
+    assert sched.abort("a") and sched.abort("b") and sched.abort("c")
+    assert _num_hit_tokens(sched, list(b.all_token_ids)) == 4  # a's first block, written
+    assert _num_hit_tokens(sched, list(c.all_token_ids)) == 0
+    manager.check_integrity()
