@@ -119,20 +119,22 @@ class Scheduler:
         are freed; every other one frees its blocks now. Between schedule() and
         update_from_output() or discard(), the blocks the step is to write leave the
         prefix cache first (the step may yet be discarded), and its tokens count in
-        `stats` if the step is applied (the model ran them).
+        `stats` if the step is applied (the model ran them). A Ctrl-C while it runs is
+        raised once the request is released (cut halfway, it orphaned it, blocks held).
         """
         if not isinstance(request_id, str):
             raise ValueError(f"{request_id=} must be a request id (a str)")
         request = self.requests.get(request_id)
         if request is None or request.is_finished():
             return False
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-            self._decode_carry = None
-            self._uncache_if_unapplied(request)
-        else:
-            self.waiting.remove(request)
-        self._transfers.abort(request)
+        with holding_interrupts():  # cut halfway, it orphaned the request and its blocks
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+                self._decode_carry = None
+                self._uncache_if_unapplied(request)
+            else:
+                self.waiting.remove(request)
+            self._transfers.abort(request)
         return True
 
     def _uncache_if_unapplied(self, request: Request) -> None:
