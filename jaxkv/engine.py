@@ -196,10 +196,7 @@ class Engine(Closable):
         aborted = False
         for request_id in checked_request_ids(request_ids):
             for rid in self._samples.ids_to_abort(request_id):
-                if self.scheduler.abort(rid):
-                    self._sampling.discard(rid)
-                    aborted = True
-                self._samples.discard(rid)  # aborted, or no longer running
+                aborted = self._samples.abort(self.scheduler, self._sampling, rid) or aborted
         return aborted
 
     def has_unfinished_requests(self) -> bool:

@@ -134,6 +134,19 @@ class ParallelSamples:
             return [request_id]
         return sorted(self._live[request_id], key=lambda s: self._parent_of[s][1])
 
+    def abort(self, scheduler: Scheduler, sampling: SamplingRows, request_id: str) -> bool:
+        """scheduler.abort(request_id) (True if it aborted the request); then, once the
+        request has ended, its sampling row and its place among the samples are forgotten,
+        after an interrupt too (Scheduler.abort raises one once the request is released:
+        the row used to stay behind for good)."""
+        try:
+            return scheduler.abort(request_id)
+        finally:
+            request = scheduler.requests.get(request_id)
+            if request is None or request.is_finished():  # else cut before: abort again
+                sampling.discard(request_id)
+                self.discard(request_id)
+
     def discard(self, sample_id: str) -> bool:
         """Forgets a sample that ended, and its parent once it has no sample left; returns
         True when that happened (False too for an id that is no sample). A parent whose

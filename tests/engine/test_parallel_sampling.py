@@ -361,3 +361,28 @@ def test_a_parents_samples_are_aborted_in_index_order():
     parent = Request("p", [1, 2, 3], SamplingParams(n=12, max_tokens=2))
     samples.queue(sched, rows, parent, default_seed=5)
     assert samples.ids_to_abort("p") == [f"{i}_p" for i in range(12)]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_an_abort_interrupted_once_the_request_ended_forgets_its_sampling_row(n):
+    # Scheduler.abort raises a Ctrl-C once the request is released: the engine skipped
+    # discarding its sampling row (and, under n > 1, its sample), and a repeated abort
+    # found the request finished and left the row behind for good.
+    engine = make_engine()
+    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=20, n=n))
+    engine.step()
+    abort = engine.scheduler.abort
+
+    def abort_then_interrupt(request_id):
+        del engine.scheduler.abort  # once
+        abort(request_id)
+        raise KeyboardInterrupt
+
+    engine.scheduler.abort = abort_then_interrupt
+    with pytest.raises(KeyboardInterrupt):
+        engine.abort(rid)
+    assert len(engine._sampling) == n - 1
+    assert engine.abort(rid) == (n > 1)  # the samples left, if any
+    assert len(engine._sampling) == 0 and len(engine._samples) == 0
+    assert not engine.has_unfinished_requests() and rid not in engine.ids_in_use
+    assert_all_blocks_free(engine)
