@@ -32,7 +32,9 @@ SAMPLE_PROMPTS = ("I was ", "The teacher said ", '"What ')
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("checkpoint", type=Path, help="directory to write the trained checkpoint to")
+    p.add_argument(
+        "checkpoint", type=checkpoint_dir, help="directory to write the trained checkpoint to"
+    )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=512)
@@ -80,6 +82,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"{args.config.max_position_embeddings} (raise it with --override)"
         )
     return args
+
+
+def checkpoint_dir(text: str) -> Path:
+    """argparse type: a folder to write the checkpoint into, checked before training rather
+    than when it is saved minutes later (an existing file there raised FileExistsError and
+    lost the run; an empty path, an unset shell variable, wrote into the working folder)."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; give a folder")
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder")
+    return path
 
 
 def train_size(num_bytes: int) -> int:

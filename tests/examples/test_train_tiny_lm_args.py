@@ -45,6 +45,22 @@ def test_bad_flags_are_refused_by_name_before_training(tmp_path, capsys, flag, v
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.parametrize("kind", ["file", "empty"])
+def test_a_checkpoint_path_it_cannot_write_a_folder_at_is_refused_before_training(
+    tmp_path, capsys, kind
+):
+    # A file there trained for minutes, then died in save_checkpoint's mkdir with
+    # FileExistsError, the run lost; "" (an unset shell variable) wrote into the cwd.
+    file = tmp_path / "ckpt"
+    file.write_text("keep")
+    with pytest.raises(SystemExit):
+        _example().parse_args([str(file) if kind == "file" else ""])
+    err = capsys.readouterr().err
+    assert "argument checkpoint:" in err
+    assert ("is a file; give a folder" if kind == "file" else "is empty") in err
+    assert file.read_text() == "keep"
+
+
 def test_defaults_and_the_largest_seq_len_are_accepted(tmp_path):
     example = _example()
     example.parse_args([str(tmp_path), "--seq-len", "1024", "--warmup-steps", "0"])
