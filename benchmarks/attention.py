@@ -12,14 +12,14 @@ Reports the KV bytes read per step (flat: B*(P+S) tokens; cascade: P + B*S token
 2 * num_kv_heads * head_dim * itemsize) and all the bytes each call moves
 (benchmarks/attention_bytes.py: also queries, outputs and cascade's partial results),
 the speedup next to both bytes ratios, achieved bandwidth (all bytes over time), its
-fraction of the machine's measured read bandwidth (a jitted sum over 256 MiB: reads
-only, so no output buffer is allocated and page-faulted in on every call), and whether
-the planner's default cost model picks cascade there. Before a point's figures count,
-its outputs are compared on the timed inputs (benchmarks/output_agreement.py): cascade
-against flat, and flat against JAX's reference where that ran; the `agree` column says
-whether they agree, and a run with a point that does not exits with status 1 (after
-writing its JSON). Prints a table, writes JSON, and draws the speedup as a heatmap
-(prefix length x batch size).
+fraction of the machine's measured read bandwidth (the `%read` columns, flat's and
+cascade's; a jitted sum over 256 MiB: reads only, so no output buffer is allocated and
+page-faulted in on every call), and whether the planner's default cost model picks
+cascade there. Before a point's figures count, its outputs are compared on the timed
+inputs (benchmarks/output_agreement.py): cascade against flat, and flat against JAX's
+reference where that ran; the `agree` column says whether they agree, and a run with a
+point that does not exits with status 1 (after writing its JSON). Prints a table, writes
+JSON, and draws the speedup as a heatmap (prefix length x batch size).
 
     python benchmarks/attention.py --out benchmarks/results
 """
@@ -130,7 +130,7 @@ def jax_reference(q, kv_pages, md, table, prefix, suffix, sm_scale):
 def figures(batch, prefix, suffix, t_flat, t_casc, bandwidth, sizes) -> dict:
     """One point's bytes (KV only, and all a call moves: benchmarks/attention_bytes.py),
     their flat / cascade ratios, the speedup and the achieved bandwidths (all bytes over
-    time; flat's also as a fraction of the measured read `bandwidth`)."""
+    time), each also as a fraction of the measured read `bandwidth`: the bound."""
     kv = dict(kv_per_token=2 * sizes["num_kv_heads"] * sizes["head_dim"] * sizes["kv_itemsize"])
     flat_kv = kv_bytes(batch, prefix, suffix, **kv, cascade=False)
     casc_kv = kv_bytes(batch, prefix, suffix, **kv, cascade=True)
@@ -143,6 +143,7 @@ def figures(batch, prefix, suffix, t_flat, t_casc, bandwidth, sizes) -> dict:
         total_bytes_ratio=flat_bytes / casc_bytes,
         flat_bandwidth=flat_bytes / t_flat, cascade_bandwidth=casc_bytes / t_casc,
         flat_fraction_of_read=flat_bytes / t_flat / bandwidth,
+        cascade_fraction_of_read=casc_bytes / t_casc / bandwidth,
     )  # fmt: skip
 
 
@@ -163,8 +164,8 @@ def run(args) -> list[dict]:
     results = []
     header = (
         f"{'B':>4} {'P':>5} {'S':>5} | {'flat ms':>8} {'casc ms':>8} {'jaxref ms':>9} | "
-        f"{'speedup':>7} {'KV x':>7} {'all x':>7} | {'flat GB/s':>9} {'casc GB/s':>9} | model "
-        f"  | agree"
+        f"{'speedup':>7} {'KV x':>7} {'all x':>7} | {'flat GB/s':>9} {'%read':>5} "
+        f"{'casc GB/s':>9} {'%read':>5} | model   | agree"
     )
     print(header)
     print("-" * len(header))
@@ -215,7 +216,9 @@ def run(args) -> list[dict]:
                     f"{t_casc * 1e3:8.2f} {ref} | {row['speedup']:7.2f} "
                     f"{row['bytes_ratio']:7.1f} {row['total_bytes_ratio']:7.1f} | "
                     f"{row['flat_bandwidth'] / 1e9:9.2f} "
-                    f"{row['cascade_bandwidth'] / 1e9:9.2f} | "
+                    f"{100 * row['flat_fraction_of_read']:5.1f} "
+                    f"{row['cascade_bandwidth'] / 1e9:9.2f} "
+                    f"{100 * row['cascade_fraction_of_read']:5.1f} | "
                     f"{'cascade' if chooses else 'flat':<7} | {'yes' if agrees else 'NO'}"
                 )
     return [dict(r, read_bandwidth=bandwidth) for r in results]

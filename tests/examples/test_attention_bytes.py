@@ -58,6 +58,33 @@ def test_the_attention_benchmarks_figures_for_one_point():
     assert row["flat_bandwidth"] == pytest.approx(3360 / 2e-6)  # bytes per second
     assert row["cascade_bandwidth"] == pytest.approx(3616 / 1e-6)
     assert row["flat_fraction_of_read"] == pytest.approx(1.68)  # 1.68 GB/s of 1 GB/s
+    assert row["cascade_fraction_of_read"] == pytest.approx(3.616)  # of 1 GB/s
+
+
+def test_the_attention_benchmarks_table_holds_both_methods_against_the_read_bound(
+    tmp_path, monkeypatch, capsys
+):
+    # The table printed GB/s alone, no figure against the measured read bandwidth, and
+    # cascade's fraction of it was in neither the table nor the JSON.
+    import json
+
+    from benchmarks import attention
+
+    monkeypatch.setattr(attention, "read_bandwidth", lambda: 1e9)
+    monkeypatch.setattr(attention, "_time", lambda fn, *args, reps: 1e-3)
+    argv = ["--batch", "2", "--prefix", "16", "--suffix", "3", "--reps", "1", "--no-jax-ref"]
+    assert attention.main([*argv, "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "attention.json").read_text())["results"]
+    # 8 query heads over 2 KV heads of 64 dims, float32: 1024 bytes of KV a token.
+    flat = 2 * 19 * 1024 + 4096 + 4160  # KV, queries, output and lse: 47168 bytes
+    cascade = 22 * 1024 + 2 * (4096 + 4160) + 3 * 4160  # KV, two passes, merge: 51520
+    assert row["flat_fraction_of_read"] == pytest.approx(flat / 1e-3 / 1e9)
+    assert row["cascade_fraction_of_read"] == pytest.approx(cascade / 1e-3 / 1e9)
+    lines = capsys.readouterr().out.splitlines()
+    (header,) = [line for line in lines if line.lstrip().startswith("B ")]
+    (printed,) = [line for line in lines if line.split()[:3] == ["2", "16", "3"]]
+    assert header.split("|")[3].split() == ["flat", "GB/s", "%read", "casc", "GB/s", "%read"]
+    assert printed.split("|")[3].split() == ["0.05", "4.7", "0.05", "5.2"]
 
 
 def test_the_attention_benchmarks_tables_share_the_prefix_pages_only():
