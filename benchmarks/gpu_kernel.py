@@ -82,7 +82,7 @@ from benchmarks.gpu_kernel_methods import (  # noqa: E402
     lower_full_size,
     split_kv,
 )
-from benchmarks.gpu_kernel_report import goals, print_table  # noqa: E402
+from benchmarks.gpu_kernel_report import goals, print_table, ratios  # noqa: E402
 from benchmarks.json_report import write_json  # noqa: E402
 
 L2_BYTES = 64 * 2**20  # a little above the 50 MiB L2 of an H100/H200
@@ -352,13 +352,12 @@ def main(argv=None) -> int:
             print(f"skipping B={b} P={p} S={s}: past --max-seconds", flush=True)
             continue
         print(f"B={b} P={p} S={s}", flush=True)
-        rows.append(
-            bench_config(
-                b, p, s, page_size=args.page_size, reps=reps, repeats=repeats,
-                interpret=args.smoke, heads=heads, dtype=jnp.bfloat16,
-                jax_k_splits=2 if args.smoke else args.jax_k_splits,
-            )
+        row = bench_config(
+            b, p, s, page_size=args.page_size, reps=reps, repeats=repeats,
+            interpret=args.smoke, heads=heads, dtype=jnp.bfloat16,
+            jax_k_splits=2 if args.smoke else args.jax_k_splits,
         )  # fmt: skip
+        rows.append(row | ratios(row, copy_bps))  # the table's ratios, in the JSON too
         result["rows"] = rows
         write_json(args.out / "gpu_kernel.json", result)
     print_table(rows, copy_bps)

@@ -242,7 +242,7 @@ def test_gpu_kernel_smoke_lowers_the_full_size_calls_with_the_flags_page_size(
         device_checks=lambda **kw: [], copy_bandwidth=lambda *a, **kw: {"float32": 1.0},
         bench_config=lambda *a, **kw: dict(B=2, P=32, S=16, cascade_agrees=True,
                                            jax_agrees=True),
-        print_table=lambda *a: None, goals=lambda *a: {},
+        print_table=lambda *a: None, goals=lambda *a: {}, ratios=lambda *a: {},
         lower_full_size=lambda **kw: lowered.append(kw) or {},
     )  # fmt: skip
     for name, stub in stubs.items():
@@ -261,7 +261,8 @@ def test_gpu_kernel_json_names_the_heads_its_rows_were_timed_with(tmp_path, monk
         device_checks=lambda **kw: [], copy_bandwidth=lambda *a, **kw: {"float32": 1.0},
         bench_config=lambda *a, heads, **kw: timed.append(heads) or dict(
             B=2, P=32, S=16, cascade_agrees=True, jax_agrees=True),
-        print_table=lambda *a: None, goals=lambda *a: {}, lower_full_size=lambda **kw: {},
+        print_table=lambda *a: None, goals=lambda *a: {}, ratios=lambda *a: {},
+        lower_full_size=lambda **kw: {},
     )  # fmt: skip
     for name, stub in stubs.items():
         monkeypatch.setattr(gpu_kernel, name, stub)
