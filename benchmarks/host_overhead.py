@@ -238,6 +238,7 @@ def main() -> None:
         f"(best of 21 loops x {args.rounds} rounds)"
     )
     print(f"{'C':>5} {'T':>3} {'case':>8} | " + " ".join(f"R={r:<6}" for r in (16, 256, 1024)))
+    ratios = []  # the table's last column, for the JSON
     for c in (128, 2048):
         for t in (0, 64):
             for case in CASES:
@@ -247,6 +248,7 @@ def main() -> None:
                     if (r["C"], r["T"], r["case"]) == (c, t, case)
                 }
                 ratio = us[1024] / us[16]
+                ratios.append(dict(C=c, T=t, case=case, cpu_1024_over_16=ratio))
                 cells = " ".join(f"{us[r]:<8.1f}" for r in (16, 256, 1024))
                 print(f"{c:>5} {t:>3} {case:>8} | {cells} 1024/16={ratio:.2f}")
 
@@ -270,6 +272,7 @@ def main() -> None:
         },
         "block_size": BLOCK_SIZE,
         "num_common_prefix_blocks": prefix_rows,
+        "num_common_prefix_blocks_1024_over_16": ratios,  # CPU us at R=1024 over R=16
         "trace": trace,
         "wall_seconds": time.perf_counter() - t_start,
     }

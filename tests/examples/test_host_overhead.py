@@ -138,9 +138,14 @@ def test_main_keeps_each_points_best_round_and_prints_1024_over_16(monkeypatch, 
     out = tmp_path / "host.json"
     monkeypatch.setattr("sys.argv", ["host_overhead.py", "--out", str(out), "--rounds", "3"])
     bench.main()
-    rows = json.loads(out.read_text())["num_common_prefix_blocks"]
+    report = json.loads(out.read_text())
+    rows = report["num_common_prefix_blocks"]
     assert len(rows) == len(grid) * 3
     assert all(r["cpu_us"] == r["R"] for r in rows)  # round 2's, the lowest
+    # The table's ratio is in the JSON too (it held the times alone).
+    assert report["num_common_prefix_blocks_1024_over_16"] == [
+        dict(C=c, T=t, case=case, cpu_1024_over_16=64.0) for c, t, case in grid
+    ]
     printed = capsys.readouterr().out.splitlines()
     header = next(line for line in printed if line.lstrip().startswith("C "))
     assert header.split("|")[1].split() == ["R=16", "R=256", "R=1024"]
