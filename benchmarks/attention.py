@@ -47,6 +47,7 @@ from benchmarks.cli_args import (  # noqa: E402
     out_dir,
     positive_int,
 )
+from benchmarks.decode_units import units_of  # noqa: E402
 from benchmarks.json_report import write_json  # noqa: E402
 from benchmarks.output_agreement import agreement  # noqa: E402
 from jaxkv.attention import default_backend, paged_attention  # noqa: E402
@@ -281,7 +282,8 @@ def main(argv=None) -> int:
         q_heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         block_size=args.block_size, dtype=str(args.dtype),
     )  # fmt: skip
-    write_json(args.out / "attention.json", dict(meta=meta, results=results))
+    units = units_of(meta, *results)
+    write_json(args.out / "attention.json", dict(meta=meta, units=units, results=results))
     heatmap(results, args.out / "attention_speedup.png")
     print(f"wrote {args.out / 'attention.json'} and {args.out / 'attention_speedup.png'}")
     wrong = [(r["batch"], r["prefix"], r["suffix"]) for r in results if not r["outputs_agree"]]

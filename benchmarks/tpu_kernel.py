@@ -61,6 +61,7 @@ from benchmarks.cli_args import (  # noqa: E402
     out_dir,
     positive_int,
 )
+from benchmarks.decode_units import units_of  # noqa: E402
 from benchmarks.json_report import write_json  # noqa: E402
 from benchmarks.output_agreement import agreement  # noqa: E402
 from benchmarks.reference_errors import errors_against_reference  # noqa: E402
@@ -361,7 +362,7 @@ def main(argv=None) -> int:
         args.q_heads, args.kv_heads = full_heads
         lower_full_size(args)
     path = args.out / "tpu_kernel.json"
-    write_json(path, dict(meta=meta, results=results))
+    write_json(path, dict(meta=meta, units=units_of(meta, *results), results=results))
     print(f"wrote {path}")
     failed = [name for name, e in meta["reference_errors"].items() if not e["ok"]]
     if failed:

@@ -102,3 +102,21 @@ def test_the_attention_benchmarks_tables_share_the_prefix_pages_only():
     own = table[:, 2:]
     assert len(np.unique(own)) == own.size and not np.intersect1d(own, table[0, :2]).size
     assert table.min() >= 1 and kv.shape == (1 + 2 + 3 * 2, 16, 4, 8)
+
+
+def test_every_figure_in_the_attention_json_has_its_unit(tmp_path, monkeypatch):
+    # Its bandwidths (bytes per second) and ratios (which way round) named no unit.
+    import json
+
+    from benchmarks import attention
+
+    monkeypatch.setattr(attention, "read_bandwidth", lambda: 1e9)
+    monkeypatch.setattr(attention, "_time", lambda fn, *args, reps: 1e-3)
+    argv = ["--batch", "2", "--prefix", "16", "--suffix", "3", "--reps", "1"]
+    assert attention.main([*argv, "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "attention.json").read_text())
+    (row,) = report["results"]
+    figures = {k for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    assert figures - set(report["units"]) == set()
+    assert report["units"]["flat_bandwidth"].startswith("bytes per second")
+    assert report["units"]["speedup"] == "flat seconds / cascade seconds"

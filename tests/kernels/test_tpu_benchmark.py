@@ -98,3 +98,27 @@ def test_without_a_tpu_a_full_run_says_so_and_measures_nothing(monkeypatch, tmp_
     assert bench.main() == 2
     assert "no TPU found: run with --smoke" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_every_figure_in_the_tpu_json_has_its_unit(monkeypatch, tmp_path):
+    # Its bandwidths (bytes per second) and ratios (which way round) named no unit.
+    import json
+    import sys
+
+    from kernels_pallas import reference
+
+    def kernel(*args, interpret, tpu_generation, **kw):  # the reference, jitted: quick
+        return reference.ragged_paged_attention(*args, **kw)
+
+    monkeypatch.setattr(bench, "ragged_paged_attention", kernel)
+    monkeypatch.setattr(bench, "lower_full_size", lambda args: None)
+    monkeypatch.setattr(bench, "PEAK_HBM_BANDWIDTH", {None: 1e12})  # a peak off TPU too
+    monkeypatch.setattr(sys, "argv", ["tpu_kernel.py", "--smoke", "--out", str(tmp_path)])
+    assert bench.main() == 0
+    report = json.loads((tmp_path / "tpu_kernel.json").read_text())
+    (row,) = report["results"]
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    figures = {k for k, v in row.items() if number(v)}
+    figures |= {"peak_hbm_bandwidth", "copy_bandwidth"}
+    assert figures - set(report["units"]) == set()
+    assert report["units"]["cascade_vs_bytes_bound"].startswith("cascade seconds /")
