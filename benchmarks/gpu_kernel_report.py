@@ -10,11 +10,13 @@ from __future__ import annotations
 
 def ratios(row: dict, copy_bps: float) -> dict:
     """The figures the table derives from a row's timings, for its JSON as for its line:
-    flat_unique's bandwidth as a fraction of the copy bandwidth `copy_bps`, cascade's
-    speedup over flat on the same shared pages (flat_shared us / cascade us), and JAX's
-    kernel's time over flat_unique's (above 1: the kernel is faster)."""
+    flat_unique's and cascade's bandwidths (the bytes each must move over its time) as
+    fractions of the copy bandwidth `copy_bps`, the bound, cascade's speedup over flat on
+    the same shared pages (flat_shared us / cascade us), and JAX's kernel's time over
+    flat_unique's (above 1: the kernel is faster)."""
     return {
         "flat_unique_fraction_of_copy": row["flat_unique_bytes_per_s"] / copy_bps,
+        "cascade_fraction_of_copy": row["cascade_bytes_per_s"] / copy_bps,
         "flat_shared_over_cascade": row["flat_shared_us"] / row["cascade_us"],
         "jax_paged_over_flat_unique": row["jax_paged_us"] / row["flat_unique_us"],
     }
@@ -22,12 +24,13 @@ def ratios(row: dict, copy_bps: float) -> dict:
 
 def print_table(rows: list[dict], copy_bps: float) -> None:
     """One line per row: flat over unique pages (us, GB/s, % of the copy bandwidth), flat
-    over shared pages, cascade (us, GB/s, flat_shared / cascade), JAX's kernel (us, and
-    its time over flat_unique's), and the worst differences from flat of cascade / JAX.
+    over shared pages, cascade (us, GB/s, % of the copy bandwidth, flat_shared / cascade),
+    JAX's kernel (us, and its time over flat_unique's), and the worst differences from
+    flat of cascade / JAX.
     The ratios are `ratios`' (which the JSON's rows hold too)."""
     head = (
         f"{'B':>4} {'P':>5} {'S':>5} | {'flat_uniq us':>12} {'GB/s':>6} {'%copy':>5} | "
-        f"{'flat_shr us':>11} | {'cascade us':>10} {'GB/s':>6} {'x flat':>6} | "
+        f"{'flat_shr us':>11} | {'cascade us':>10} {'GB/s':>6} {'%copy':>5} {'x flat':>6} | "
         f"{'jax us':>9} {'flat x':>6} | {'err c/j':>15}"
     )
     print(head)
@@ -39,7 +42,8 @@ def print_table(rows: list[dict], copy_bps: float) -> None:
             f"{r['flat_unique_bytes_per_s'] / 1e9:>6.0f} "
             f"{100 * x['flat_unique_fraction_of_copy']:>5.0f} | {r['flat_shared_us']:>11.1f} | "
             f"{r['cascade_us']:>10.1f} {r['cascade_bytes_per_s'] / 1e9:>6.0f} "
-            f"{x['flat_shared_over_cascade']:>6.1f} | {r['jax_paged_us']:>9.1f} "
+            f"{100 * x['cascade_fraction_of_copy']:>5.0f} {x['flat_shared_over_cascade']:>6.1f} | "
+            f"{r['jax_paged_us']:>9.1f} "
             f"{x['jax_paged_over_flat_unique']:>6.2f} | "
             f"{r['cascade_vs_flat_max_abs']:.1e}/{r['jax_vs_flat_max_abs']:.1e}"
         )

@@ -33,11 +33,12 @@ def test_the_json_rows_hold_every_ratio_the_table_prints(tmp_path, monkeypatch, 
     (row,) = json.loads((tmp_path / "gpu_kernel.json").read_text())["rows"]
     assert row["flat_unique_fraction_of_copy"] == pytest.approx(0.75)
     assert row["flat_shared_over_cascade"] == pytest.approx(3.0)
+    assert row["cascade_fraction_of_copy"] == pytest.approx(0.25)
     assert row["jax_paged_over_flat_unique"] == pytest.approx(1.5)
     (line,) = [
         x for x in capsys.readouterr().out.splitlines() if x.split()[:3] == ["64", "8192", "128"]
     ]
     cells = [c.split() for c in line.split("|")]
     assert cells[1] == ["200.0", "3000", "75"]  # us, GB/s, % of the copy bandwidth
-    assert cells[3] == ["50.0", "1000", "3.0"]  # us, GB/s, flat_shared / cascade
+    assert cells[3] == ["50.0", "1000", "25", "3.0"]  # us, GB/s, % of copy, shared / cascade
     assert cells[4] == ["300.0", "1.50"]  # us, JAX / flat_unique
