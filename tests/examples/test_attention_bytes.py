@@ -120,3 +120,19 @@ def test_every_figure_in_the_attention_json_has_its_unit(tmp_path, monkeypatch):
     assert figures - set(report["units"]) == set()
     assert report["units"]["flat_bandwidth"].startswith("bytes per second")
     assert report["units"]["speedup"] == "flat seconds / cascade seconds"
+
+
+def test_the_heatmap_says_which_way_round_its_speedup_is(tmp_path):
+    # Its panels were titled "cascade / flat speedup": read as the README reads its other
+    # ratios ("JAX / flat" is JAX's time over flat's), that is the inverse of what is drawn.
+    import matplotlib.pyplot as plt
+
+    from benchmarks import attention
+
+    rows = [dict(batch=b, prefix=64, suffix=16, speedup=2.0 * b) for b in (2, 4)]
+    attention.heatmap(rows, tmp_path / "speedup.png")
+    (ax, _colorbar) = plt.gcf().axes
+    plt.close("all")
+    assert ax.get_title() == "flat ms / cascade ms, suffix 16"
+    assert [t.get_text() for t in ax.texts] == ["4.0x", "8.0x"]  # flat took 4x cascade's time
+    assert (tmp_path / "speedup.png").exists()
