@@ -71,6 +71,12 @@ from kernels_pallas.tpu import (  # noqa: E402
     detect_tpu_generation,
     ragged_paged_attention,
 )
+from kernels_pallas.tpu.ragged_paged_attention import (  # noqa: E402
+    MAX_PAGE_SIZE,
+    MIN_PAGE_SIZE,
+    SUPPORTED_HEAD_DIMS,
+    sublane_tiling,
+)
 
 # Peak HBM bandwidth per chip, bytes/s (Google Cloud TPU documentation), keyed like
 # kernels_pallas.tpu.tuning: device_kind lower-cased without "tpu", " lite" -> "e".
@@ -328,6 +334,19 @@ def lower_full_size(args) -> None:
         print(f"lowered {name} B={batch} P={prefix} S={suffix} for TPU: {calls} Mosaic call(s)")
 
 
+def check_kernel_shapes(parser: argparse.ArgumentParser, args) -> None:
+    """parser.error unless the kernel takes --head-dim and --page-size with --dtype
+    queries (it raised ValueError mid-run, in a traceback from its first check)."""
+    if args.head_dim not in SUPPORTED_HEAD_DIMS:
+        parser.error(f"--head-dim {args.head_dim} must be one of {SUPPORTED_HEAD_DIMS}")
+    tiling = max(sublane_tiling(args.dtype), 8)
+    if not MIN_PAGE_SIZE <= args.page_size <= MAX_PAGE_SIZE or args.page_size % tiling:
+        parser.error(
+            f"--page-size {args.page_size} must be in [{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}] "
+            f"and a multiple of {tiling} for --dtype {args.dtype}"
+        )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_decode_grid_args(parser, heads=(32, 8, 128), page_flag="--page-size")
@@ -350,6 +369,7 @@ def main(argv=None) -> int:
     args.full_batch, args.full_prefix, args.full_suffix = args.batch, args.prefix, args.suffix
     full_heads = args.q_heads, args.kv_heads
     check_head_groups(parser, *full_heads)
+    check_kernel_shapes(parser, args)
     if args.smoke:
         args.batch, args.prefix, args.suffix, args.reps = [4], [32], [16], 2
         args.q_heads, args.kv_heads = 8, 2

@@ -122,3 +122,24 @@ def test_every_figure_in_the_tpu_json_has_its_unit(monkeypatch, tmp_path):
     figures |= {"peak_hbm_bandwidth", "copy_bandwidth"}
     assert figures - set(report["units"]) == set()
     assert report["units"]["cascade_vs_bytes_bound"].startswith("cascade seconds /")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--head-dim", "96"], "--head-dim 96 must be one of (64, 128, 256)"),
+        (["--page-size", "8"], "--page-size 8 must be in [16, 256] and a multiple of 16"),
+        (["--page-size", "24", "--prefix", "48"], "--page-size 24 must be in [16, 256]"),
+        (["--page-size", "512", "--prefix", "1024"], "--page-size 512 must be in [16, 256]"),
+        (["--page-size", "8", "--dtype", "float32"], "a multiple of 8 for --dtype float32"),
+    ],
+)
+def test_shapes_the_kernel_refuses_are_refused_by_flag_before_the_run(
+    argv, message, monkeypatch, tmp_path, capsys
+):
+    # They reached the kernel's own ValueError in a traceback from the first check.
+    monkeypatch.setattr(bench, "run", lambda args: pytest.fail("the run started"))
+    with pytest.raises(SystemExit):
+        bench.main(["--smoke", "--out", str(tmp_path), *argv])
+    assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
