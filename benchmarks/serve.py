@@ -36,7 +36,8 @@ caching on/off, and reports per engine:
   while a step ran, over the handable blocks).
 
 Model: the `tiny` Llama preset with random weights (timings do not depend on the
-weights). Timings are measured, never asserted. Prints a table, and with --out writes JSON:
+weights). Timings are measured, never asserted. Prints a table and writes JSON (--out;
+by default benchmarks/results/serve.json in this checkout):
 
     python benchmarks/serve.py --out benchmarks/results/serve.json
 """
@@ -284,20 +285,19 @@ def main(argv=None) -> int:
             "that compiled in neither run; generated tokens identical: "
             + ("yes" if pair["outputs_identical"] else "NO")
         )
-    if args.out is not None:
-        report = {
-            "args": vars(args),
-            "backend": jax.default_backend(),
-            "attention_backend": default_backend(),
-            "device": str(jax.devices()[0]),
-            "platform": platform.platform(),
-            "python": sys.version.split()[0],
-            "jax": jax.__version__,
-            "results": [{k: v for k, v in r.items() if k != "outputs"} for r in results],
-            "cascade_vs_flat": pairs,
-        }
-        write_json(args.out, report, indent=2)
-        print(f"wrote {args.out}")
+    report = {
+        "args": vars(args),
+        "backend": jax.default_backend(),
+        "attention_backend": default_backend(),
+        "device": str(jax.devices()[0]),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "jax": jax.__version__,
+        "results": [{k: v for k, v in r.items() if k != "outputs"} for r in results],
+        "cascade_vs_flat": pairs,
+    }
+    write_json(args.out, report, indent=2)
+    print(f"wrote {args.out}")
     return 0
 
 

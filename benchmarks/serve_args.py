@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.cli_args import non_negative_int, out_file, positive_int
+from benchmarks.cli_args import RESULTS_DIR, non_negative_int, out_file, positive_int
 from jaxkv import EngineConfig, SamplingParams
 from jaxkv.models.config import PRESETS
 
@@ -61,7 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=non_negative_int, default=0)
     names = ",".join(c[0] for c in CONFIGS)
     p.add_argument("--configs", default=names, help=f"comma-separated, of {names}")
-    p.add_argument("--out", type=out_file, default=None, help="JSON file to write")
+    p.add_argument(
+        "--out", type=out_file, default=RESULTS_DIR / "serve.json", help="JSON file (%(default)s)"
+    )
     args = p.parse_args(argv)
     if args.num_requests % args.samples:
         p.error(f"--num-requests {args.num_requests} must be a multiple of --samples")

@@ -167,3 +167,20 @@ def test_the_kv_usage_peak_counts_the_blocks_of_the_step_in_which_requests_finis
     # 4 handable blocks (2 a request); the second request finds the first's system
     # prompt block in the prefix cache: 3 held.
     assert result["peak_kv_usage"] == 0.75
+
+
+def test_without_out_it_writes_its_json_under_benchmarks_results(tmp_path, monkeypatch):
+    # It wrote none without --out, unlike every other benchmark: a run's figures were
+    # left in the terminal only.
+    import json
+
+    from benchmarks import serve, serve_args
+    from benchmarks.cli_args import RESULTS_DIR
+
+    assert parse_args([]).out == RESULTS_DIR / "serve.json"
+    monkeypatch.setattr(serve_args, "RESULTS_DIR", tmp_path)  # the run's default
+    argv = ["--num-requests", "2", "--system-len", "16", "--question-len", "2"]
+    argv += ["--max-tokens", "2", "--max-num-batched-tokens", "32", "--decode-batch", "2"]
+    assert serve.main([*argv, "--configs", "cascade+prefix_cache,flat+prefix_cache"]) == 0
+    report = json.loads((tmp_path / "serve.json").read_text())
+    assert [r["config"] for r in report["results"]] == ["cascade+prefix_cache", "flat+prefix_cache"]
