@@ -29,7 +29,7 @@ caching on/off, and reports per engine:
 - time per step split into host (schedule + cascade plan + metadata + input arrays),
   device (jitted forward + sampler until tokens reach the host) and update;
 - host ms per step in decode steps with at least --decode-batch requests scheduled
-  (the 1 ms goal at 256 running requests);
+  (default: all --num-requests; the 1 ms goal at 256 running requests);
 - compile count (step programs the engine needed) and the time of steps that needed
   one (excluded from the per-step figures);
 - cascade steps by level, prefix-cache hit rate, KV usage peak (the most blocks held

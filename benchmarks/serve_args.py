@@ -55,7 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "step runs the model on that many token slots; smaller lets decode steps run on fewer)",
     )
     p.add_argument(
-        "--decode-batch", type=positive_int, default=256, help="batch of the host-time goal"
+        "--decode-batch",
+        type=positive_int,
+        default=None,
+        help="batch of the host-time goal (default: --num-requests, all of them decoding)",
     )
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--seed", type=non_negative_int, default=0)
@@ -76,6 +79,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(
             f"--min-tokens-bucket {args.min_tokens_bucket} must be <= --max-num-batched-tokens "
             f"{args.max_num_batched_tokens}"
+        )
+    if args.decode_batch is None:
+        args.decode_batch = args.num_requests
+    elif args.decode_batch > args.num_requests:  # no step would have it: NaN host figures
+        p.error(
+            f"--decode-batch {args.decode_batch} must be <= --num-requests {args.num_requests} "
+            "(no decode step schedules more requests than there are)"
         )
     if args.num_requests > args.max_num_batched_tokens:  # all requests run in one batch
         p.error(

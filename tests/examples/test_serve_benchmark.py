@@ -184,3 +184,15 @@ def test_without_out_it_writes_its_json_under_benchmarks_results(tmp_path, monke
     assert serve.main([*argv, "--configs", "cascade+prefix_cache,flat+prefix_cache"]) == 0
     report = json.loads((tmp_path / "serve.json").read_text())
     assert [r["config"] for r in report["results"]] == ["cascade+prefix_cache", "flat+prefix_cache"]
+
+
+def test_a_decode_batch_no_step_can_reach_is_refused_by_name(capsys):
+    # The default, 256, with fewer requests (gpu_checks.sh runs 128), or --decode-batch
+    # 512 with 256, ran every engine to print NaN in each column of the host-time goal:
+    # no decode step ever schedules more requests than there are.
+    assert parse_args([]).decode_batch == 256
+    assert parse_args(["--num-requests", "128"]).decode_batch == 128  # all of them
+    assert parse_args(["--num-requests", "64", "--decode-batch", "32"]).decode_batch == 32
+    with pytest.raises(SystemExit):
+        parse_args(["--decode-batch", "512"])
+    assert "--decode-batch 512 must be <= --num-requests 256" in capsys.readouterr().err
