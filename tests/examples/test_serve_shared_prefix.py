@@ -126,6 +126,15 @@ def test_a_checkpoint_with_a_preset_that_runs_random_weights_is_refused(serve, c
     assert serve.parse_args(["--preset", "llama3_2_1b", "--checkpoint", "random"])
 
 
+def test_always_cascade_with_no_cascade_is_refused(serve, capsys):
+    # It was parsed and ignored: --no-cascade serves one run with cascade off, in which
+    # --always-cascade's cost model plans nothing.
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--always-cascade", "--no-cascade"])
+    assert "--always-cascade plans cascade; with --no-cascade" in capsys.readouterr().err
+    assert serve.parse_args(["--always-cascade"]).always_cascade
+
+
 def test_interpret_without_a_pallas_backend_is_refused(serve):
     # --interpret with the xla backend (the CPU's default) was parsed and ignored: the
     # run served with XLA attention, no Pallas kernel interpreted.
