@@ -1,0 +1,55 @@
+"""examples/cloud_tpu.sh installs what the scripts it runs import."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+OURS = {"jaxkv", "kernels_pallas", "benchmarks"}
+DISTRIBUTION = {"jax": "jax", "flax": "flax", "numpy": "numpy", "rich": "rich"}  # module: pip
+
+
+def _imports(path: Path, seen: set[Path]) -> set[str]:
+    """Top-level modules `path` imports at module level, and its sibling modules' (the
+    examples import each other from examples/, the benchmarks from benchmarks/)."""
+    if path in seen or not path.exists():
+        return set()
+    seen.add(path)
+    names = set()
+    for node in ast.parse(path.read_text()).body:  # module level: what a run needs
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    found = set()
+    for name in names:
+        top = name.split(".")[0]
+        if top == "benchmarks":
+            found |= _imports(ROOT / (name.replace(".", "/") + ".py"), seen)
+        elif (path.parent / f"{top}.py").exists():
+            found |= _imports(path.parent / f"{top}.py", seen)
+        elif top not in sys.stdlib_module_names and top not in OURS:
+            found.add(top)
+    return found
+
+
+def test_the_tpu_vm_setup_installs_every_module_its_scripts_import():
+    # It installed jaxkv with the bench extra alone, and examples/serve_shared_prefix.py
+    # imports rich (in the test extra only): its first run on a TPU VM would have died on
+    # ModuleNotFoundError before serving anything.
+    script = (ROOT / "examples" / "cloud_tpu.sh").read_text()
+    (extras,) = re.findall(r'pip install -e "\.\[([a-z,]+)\]"', script)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = list(project["dependencies"]) + ["jax[tpu]"]
+    for extra in extras.split(","):
+        declared += project["optional-dependencies"][extra]
+    installed = {re.match(r"[A-Za-z0-9_.-]+", d)[0].lower() for d in declared}
+    ran = re.findall(r"^python ((?:examples|benchmarks)/\w+\.py)", script, flags=re.M)
+    assert ran == ["examples/serve_shared_prefix.py", "benchmarks/tpu_kernel.py"]
+    needed = set().union(*(_imports(ROOT / r, set()) for r in ran))
+    assert needed == {"jax", "flax", "numpy", "rich"}
+    assert {DISTRIBUTION[m] for m in needed} <= installed
