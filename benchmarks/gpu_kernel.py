@@ -21,7 +21,8 @@ One run (under 5 minutes on an H100/H200):
 4. times the flat kernel per tiling of a sweep at B=64, P=8192, S=128 (--no-sweep skips);
 5. writes `gpu_kernel.json` to --out and prints a table with achieved bandwidth. It
    starts no configuration after --max-seconds (230 s; the sweep gets 40 s more), and
-   exits 1 when a check fails or a method disagrees with flat on the inputs it timed.
+   exits 1 when a check fails, a method disagrees with flat on the inputs it timed, or
+   no configuration started.
 
 Bandwidth is the bytes the method must move divided by time (benchmarks/attention_bytes.py:
 KV, B*(P+S) tokens for the flat kernels and JAX's, P + B*S tokens for cascade, plus
@@ -346,7 +347,7 @@ def main(argv=None) -> int:
     by_dtype = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in copies.items())
     print(f"copy bandwidth: {copy_bps / 1e9:.0f} GB/s, read + write ({by_dtype})")
 
-    rows = []
+    rows = result["rows"] = []  # the JSON holds the list, empty if no cell starts
     for b, p, s in grid:
         if time.perf_counter() - t_start > args.max_seconds:
             print(f"skipping B={b} P={p} S={s}: past --max-seconds", flush=True)
@@ -358,7 +359,6 @@ def main(argv=None) -> int:
             jax_k_splits=2 if args.smoke else args.jax_k_splits,
         )  # fmt: skip
         rows.append(row | ratios(row, copy_bps))  # the table's ratios, in the JSON too
-        result["rows"] = rows
         write_json(args.out / "gpu_kernel.json", result)
     print_table(rows, copy_bps)
     result["goals"] = goals(rows, copy_bps)
@@ -383,7 +383,9 @@ def main(argv=None) -> int:
     wrong = disagreeing_cells(rows)
     if wrong:
         print(f"FAIL: cascade or JAX's kernel disagrees with flat at (B, P, S) {wrong}")
-    return 0 if checks_passed(result["checks"]) and not wrong else 1
+    if not rows:
+        print(f"FAIL: no cell measured: the checks took past --max-seconds {args.max_seconds}")
+    return 0 if checks_passed(result["checks"]) and rows and not wrong else 1
 
 
 if __name__ == "__main__":

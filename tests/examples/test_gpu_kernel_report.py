@@ -42,3 +42,19 @@ def test_the_json_rows_hold_every_ratio_the_table_prints(tmp_path, monkeypatch, 
     assert cells[1] == ["200.0", "3000", "75"]  # us, GB/s, % of the copy bandwidth
     assert cells[3] == ["50.0", "1000", "25", "3.0"]  # us, GB/s, % of copy, shared / cascade
     assert cells[4] == ["300.0", "1.50"]  # us, JAX / flat_unique
+
+
+def test_a_run_that_measured_no_cell_fails(tmp_path, monkeypatch, capsys):
+    # Checks that outlasted --max-seconds skipped every cell, and the run exited 0 with
+    # an empty table: benchmarks/gpu_checks.sh's stage passed with no figure.
+    stubs = dict(
+        device_checks=lambda **kw: [], copy_bandwidth=lambda *a, **kw: {"float32": 4e12},
+        bench_config=lambda *a, **kw: pytest.fail("no cell starts past --max-seconds"),
+        lower_full_size=lambda **kw: {},
+    )  # fmt: skip
+    for name, stub in stubs.items():
+        monkeypatch.setattr(gpu_kernel, name, stub)
+    argv = ["--out", str(tmp_path), "--smoke", "--no-sweep", "--max-seconds", "1e-9"]
+    assert gpu_kernel.main(argv) == 1
+    assert "FAIL: no cell measured" in capsys.readouterr().out
+    assert json.loads((tmp_path / "gpu_kernel.json").read_text())["rows"] == []
