@@ -30,8 +30,8 @@ def print_table(rows: list[dict], copy_bps: float) -> None:
     The ratios are `ratios`' (which the JSON's rows hold too)."""
     head = (
         f"{'B':>4} {'P':>5} {'S':>5} | {'flat_uniq us':>12} {'GB/s':>6} {'%copy':>5} | "
-        f"{'flat_shr us':>11} | {'cascade us':>10} {'GB/s':>6} {'%copy':>5} {'x flat':>6} | "
-        f"{'jax us':>9} {'flat x':>6} | {'err c/j':>15}"
+        f"{'flat_shr us':>11} | {'cascade us':>10} {'GB/s':>6} {'%copy':>5} {'shr/casc':>8} | "
+        f"{'jax us':>9} {'jax/flat':>8} | {'err c/j':>15}"
     )
     print(head)
     print("-" * len(head))
@@ -42,9 +42,9 @@ def print_table(rows: list[dict], copy_bps: float) -> None:
             f"{r['flat_unique_bytes_per_s'] / 1e9:>6.0f} "
             f"{100 * x['flat_unique_fraction_of_copy']:>5.0f} | {r['flat_shared_us']:>11.1f} | "
             f"{r['cascade_us']:>10.1f} {r['cascade_bytes_per_s'] / 1e9:>6.0f} "
-            f"{100 * x['cascade_fraction_of_copy']:>5.0f} {x['flat_shared_over_cascade']:>6.1f} | "
+            f"{100 * x['cascade_fraction_of_copy']:>5.0f} {x['flat_shared_over_cascade']:>8.2f} | "
             f"{r['jax_paged_us']:>9.1f} "
-            f"{x['jax_paged_over_flat_unique']:>6.2f} | "
+            f"{x['jax_paged_over_flat_unique']:>8.2f} | "
             f"{r['cascade_vs_flat_max_abs']:.1e}/{r['jax_vs_flat_max_abs']:.1e}"
         )
 

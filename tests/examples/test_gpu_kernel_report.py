@@ -35,13 +35,16 @@ def test_the_json_rows_hold_every_ratio_the_table_prints(tmp_path, monkeypatch, 
     assert row["flat_shared_over_cascade"] == pytest.approx(3.0)
     assert row["cascade_fraction_of_copy"] == pytest.approx(0.25)
     assert row["jax_paged_over_flat_unique"] == pytest.approx(1.5)
-    (line,) = [
-        x for x in capsys.readouterr().out.splitlines() if x.split()[:3] == ["64", "8192", "128"]
-    ]
+    printed = capsys.readouterr().out.splitlines()
+    (line,) = [x for x in printed if x.split()[:3] == ["64", "8192", "128"]]
+    (head,) = [x for x in printed if x.split()[:3] == ["B", "P", "S"]]
     cells = [c.split() for c in line.split("|")]
     assert cells[1] == ["200.0", "3000", "75"]  # us, GB/s, % of the copy bandwidth
-    assert cells[3] == ["50.0", "1000", "25", "3.0"]  # us, GB/s, % of copy, shared / cascade
+    assert cells[3] == ["50.0", "1000", "25", "3.00"]  # us, GB/s, % of copy, shared / cascade
     assert cells[4] == ["300.0", "1.50"]  # us, JAX / flat_unique
+    # The ratios' headers say which way round they are ("x flat" and "flat x" did not).
+    assert head.split("|")[3].split() == ["cascade", "us", "GB/s", "%copy", "shr/casc"]
+    assert head.split("|")[4].split() == ["jax", "us", "jax/flat"]
 
 
 def test_a_run_that_measured_no_cell_fails(tmp_path, monkeypatch, capsys):
