@@ -380,10 +380,11 @@ class PrefixAwareRouter(Closable):
         raise RuntimeError, and abort returns False (for a caller's cleanup); closing
         again does nothing. Raises ValueError, changing nothing, unless `timeout_s` is
         a number >= 0 and each replica's close, if any, a method; TimeoutError when the
-        copies have not landed in time (no replica is closed then) or a replica's close
-        raises it; either way the router stays open, without requests, and close can be
-        called again. A replica's abort that raises leaves that request held, every
-        other one aborted, and the router open: abort's error is raised.
+        copies have not landed in time (no replica is closed then). A replica's close that
+        raises leaves every other one closed (jaxkv.closable.try_each); either way the
+        router stays open, without requests, and close can be called again (a closed
+        Engine's close does nothing). A replica's abort that raises leaves that request
+        held, every other one aborted, and the router open: abort's error is raised.
         """
         if self._closed:
             return
@@ -395,6 +396,5 @@ class PrefixAwareRouter(Closable):
         self.abort(list(self._replica_of))  # each is tried, then the first error raised
         deadline = time.monotonic() + timeout_s
         self.drain_transfers(timeout_s)  # first: a timeout leaves every replica open
-        for close in filter(None, closes):
-            close(timeout_s=max(0.0, deadline - time.monotonic()))
+        self._checked.close_each(closes, deadline)  # each tried, then the first error raised
         self._closed = True

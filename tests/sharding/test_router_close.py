@@ -69,7 +69,25 @@ def test_a_replica_close_that_times_out_leaves_the_router_open_to_close_again():
     assert not router.closed and router.num_outstanding == (0, 0)
     router.close()
     assert router.closed
-    assert [len(r.close_calls) for r in replicas] == [2, 1]
+    assert [len(r.close_calls) for r in replicas] == [2, 2]  # each tried, each time
+
+
+def test_a_replica_close_that_raises_leaves_every_other_replica_closed():
+    # close stopped at the first replica whose close raised: the replicas after it kept
+    # their device memory (and copy threads) until a retry that might never come.
+    replicas = [ClosableReplica(0, timeouts=1), ClosableReplica(1), ClosableReplica(2, timeouts=1)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    router.add_request([1] * BLOCK)
+    with pytest.raises(TimeoutError, match="still pending") as raised:
+        router.close(timeout_s=30.0)
+    (note,) = raised.value.__notes__
+    assert "raised by close('replicas[0] (ClosableReplica)')" in note
+    assert "close('replicas[2] (ClosableReplica)') raised TimeoutError" in note
+    assert [len(r.close_calls) for r in replicas] == [1, 1, 1]
+    assert all(0 < r.close_calls[0] <= 30.0 for r in replicas)
+    assert not router.closed and router.num_outstanding == (0, 0, 0)
+    router.close()
+    assert router.closed and [len(r.close_calls) for r in replicas] == [2, 2, 2]
 
 
 def test_leaving_a_with_block_closes_the_router():
