@@ -58,17 +58,24 @@ def test_the_kept_group_is_the_one_whose_other_members_read_fewest_blocks():
     assert (start, end) == (0, _shared(m, members)) == (0, 3)
 
 
+def _two_groups_under_one_prompt(group_tokens: int):
+    """Six decoding requests (blocks of 4) under one 32-token prompt; requests of even and
+    of odd index then share `group_tokens` more tokens, and each ends in 3 of its own."""
+    m = KVCacheManager(256, 4, max_model_len=128)
+    system = list(range(100, 132))
+    reqs = [
+        _decoding(m, f"r{i}", system + [900 + i % 2] * group_tokens + [i, 50 + i, 60 + i])
+        for i in range(6)
+    ]
+    return m, reqs, [r.request_id for r in reqs]
+
+
 def test_a_group_is_judged_by_the_blocks_it_adds_past_the_global_level():
     # Six requests share 8 blocks (the global level pays); two groups of three share one
     # more block each. Saving 2 x 4 tokens x 512 bytes per group does not pay for the
     # level's call (20000 bytes) even together; counting the global 8 blocks again would
     # make each group look as if it saved 2 x 36 tokens and plan a groups level.
-    m = KVCacheManager(256, 4, max_model_len=128)
-    system = list(range(100, 132))
-    reqs = [
-        _decoding(m, f"r{i}", system + [900 + i % 2] * 4 + [i, 50 + i, 60 + i]) for i in range(6)
-    ]
-    ids = [r.request_id for r in reqs]
+    m, reqs, ids = _two_groups_under_one_prompt(group_tokens=4)
     assert _shared(m, ids) == 8
     assert _shared(m, ids[0::2]) == _shared(m, ids[1::2]) == 9
     model = CascadeCostModel(launch_overhead_bytes=20000, merge_cost_factor=0)
@@ -86,12 +93,7 @@ def test_a_group_under_the_global_level_is_weighed_against_the_suffix_it_shorten
     # global level (0.53), which a min_saved_fraction of 0.4 plans; weighed against the
     # whole contexts (3 x 52 tokens, 0.21), as if the global level read nothing once,
     # it was refused and the groups' 4 blocks were read three times each.
-    m = KVCacheManager(256, 4, max_model_len=128)
-    system = list(range(100, 132))
-    reqs = [
-        _decoding(m, f"r{i}", system + [900 + i % 2] * 16 + [i, 50 + i, 60 + i]) for i in range(6)
-    ]
-    ids = [r.request_id for r in reqs]
+    m, reqs, ids = _two_groups_under_one_prompt(group_tokens=16)
     assert _shared(m, ids) == 8 and {r.num_tokens for r in reqs} == {52}
     assert _shared(m, ids[0::2]) == _shared(m, ids[1::2]) == 12
     model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0, min_saved_fraction=0.4)
