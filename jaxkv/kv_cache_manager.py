@@ -385,9 +385,9 @@ class KVCacheManager:
 
         Ref counts equal the number of requests holding each block; each request's row
         holds exactly its block ids then zeros; prefix ids are the interned chain of those
-        block ids; rows are owned by exactly one request or free; each request's blocks
-        are held for the one Request object they were allocated for; each holder, and
-        only a holder, has a count of cached leading blocks within its blocks.
+        block ids; rows are owned by one request or free; each request's blocks are held for
+        the Request object they were allocated for, have a count of cached leading blocks
+        within them, and carry no hash but their Request's hash of their position.
         """
         check_manager_integrity(self)
 

@@ -43,5 +43,23 @@ def check_manager_integrity(manager: KVCacheManager) -> None:
         for req_id, blocks in held.items()
         if not 0 <= num_cached.get(req_id, -1) <= len(blocks)
     ]
+    problems += _hash_problems(manager)
     if problems:
         raise IntegrityError("; ".join(problems))
+
+
+def _hash_problems(manager: KVCacheManager) -> list[str]:
+    """A held block that carries a hash must carry its Request's hash of that position:
+    else a later cache hit on it returns KV of another prefix."""
+    problems = []
+    for req_id, blocks in manager._blocks.items():
+        request = manager._owner.get(req_id)
+        if manager._held_of.get(request) is not blocks:
+            continue  # reported above
+        hashes = request.block_hashes
+        problems += [
+            f"{req_id!r}: block {block.block_id} at {i} carries another hash than the request's"
+            for i, block in enumerate(blocks)
+            if block.block_hash is not None and (i >= len(hashes) or hashes[i] != block.block_hash)
+        ]
+    return problems
