@@ -62,21 +62,22 @@ def hash_block_tokens(
 
     The encoding is canonical: parent digest, token count, tokens as little-endian int64,
     then each extra key as length-prefixed UTF-8, so no two distinct inputs share bytes.
-    Raises ValueError unless the tokens are ints (not bools) that fit in int64 and
-    `extra_keys` a tuple of str encodable as UTF-8 (one str would be read as its letters).
+    Raises ValueError unless `parent_hash` is a BlockHash (16 bytes), the tokens a
+    sequence of ints (not bools) that fit in int64 and `extra_keys` a tuple of str
+    encodable as UTF-8 (one str would be read as its letters).
     """
-    if len(parent_hash) != HASH_NUM_BYTES:
-        raise ValueError(f"{len(parent_hash)=} must be {HASH_NUM_BYTES}")
+    if not _is_block_hash(parent_hash):
+        raise ValueError(f"{parent_hash=} must be a BlockHash ({HASH_NUM_BYTES} bytes)")
     if type(extra_keys) is not tuple or not all(map(is_hash_key, extra_keys)):
         raise ValueError(f"extra_keys={extra_keys!r} must be a tuple of str encodable as UTF-8")
-    n = len(token_ids)
     try:
+        n = len(token_ids)
         if bool in set(map(type, token_ids)):  # struct packs True as 1
             raise struct.error
         packed = struct.pack(f"<{n}q", *token_ids)
-    except struct.error:
+    except (struct.error, TypeError):  # TypeError: no sequence (len() of an int)
         raise ValueError(
-            f"token_ids={list(token_ids)} must be ints (not bools) that fit in int64"
+            f"token_ids={token_ids!r} must be ints (not bools) that fit in int64"
         ) from None
     return _digest(parent_hash, n, packed, extra_keys)
 
@@ -100,7 +101,11 @@ def extend_block_hashes(
     tokens hashed are ints (a bool is not) that fit in int64 and `adapter_id` and
     `cache_salt` are None or str encodable as UTF-8. `tokens_checked`: the
     caller has refused bools already (a Request's tokens), so they are not looked for.
+    Raises ValueError too unless `block_hashes` is a list whose last hash (the parent of
+    the first block it lacks) is a BlockHash.
     """
+    if type(block_hashes) is not list:
+        raise ValueError(f"block_hashes={block_hashes!r} must be a list (extended in place)")
     if type(block_size) is not int or block_size < 1:
         size = as_int(block_size)
         if size is None or size < 1:
@@ -110,6 +115,8 @@ def extend_block_hashes(
     if num_full <= start:
         return block_hashes
     parent = block_hashes[-1] if block_hashes else root_hash(seed)
+    if not _is_block_hash(parent):  # a chain from it would name no prefix
+        raise ValueError(f"block_hashes[-1]={parent!r} must be a BlockHash")
     try:
         count, first, later = _block_encoding(block_size, adapter_id, cache_salt)
     except (TypeError, UnicodeEncodeError):  # named here, not on the common path
@@ -138,6 +145,10 @@ def extend_block_hashes(
         parent = h.digest()
         block_hashes.append(parent)
     return block_hashes
+
+
+def _is_block_hash(value: object) -> bool:
+    return type(value) is bytes and len(value) == HASH_NUM_BYTES
 
 
 def _digest(parent: BlockHash, n: int, token_bytes: bytes, extra_keys: tuple[str, ...]) -> bytes:

@@ -263,3 +263,29 @@ def test_blocks_filled_by_decode_tokens_hit_like_the_same_prompt_at_once():
         r.num_computed_tokens += 1
     fresh = Request("b", [*range(9), *range(100, 108), 5])
     assert m.get_computed_blocks(fresh) == (m.block_ids("a")[:4], 16)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: hash_block_tokens(None, [1, 2]), "parent_hash=None must be a BlockHash"),
+        (lambda: hash_block_tokens("p" * HASH_NUM_BYTES, [1]), "parent_hash='pppp"),
+        (lambda: hash_block_tokens(root_hash(0), 5), "token_ids=5 must be ints"),
+        (lambda: extend_block_hashes(None, [1, 2], 2), "block_hashes=None must be a list"),
+        (lambda: extend_block_hashes((), [1, 2], 2), r"block_hashes=\(\) must be a list"),
+        (lambda: extend_block_hashes([b"x"], [1] * 4, 2), r"block_hashes\[-1\]=b'x' must be"),
+    ],
+)
+def test_a_parent_or_a_chain_that_is_no_block_hash_is_refused_by_name(call, match):
+    # These raised TypeError ("object of type 'NoneType' has no len()", "can only
+    # concatenate str"), naming no argument; a chain extended from a parent that is no
+    # digest (b"x") was hashed as if it named a prefix.
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_a_refused_chain_is_left_as_it_was():
+    hashes = [b"x"]
+    with pytest.raises(ValueError):
+        extend_block_hashes(hashes, [1] * 4, 2)
+    assert hashes == [b"x"]
