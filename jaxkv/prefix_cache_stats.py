@@ -18,7 +18,8 @@ class PrefixCacheStats:
     connector loads is counted when its load starts (its hits: the device cache's only),
     not again when the landed load admits it; a load that fails, like a discard, makes
     the request's next admission count again, and a request aborted while loading stays
-    counted.
+    counted. Only KVCacheManager.reset_prefix_cache_stats() resets them: reading them does
+    not, nor does reset_prefix_cache() (vLLM's marks its stats reset).
     """
 
     requests: int = 0  # lookups counted

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxkv import KVCacheManager, Request, RequestStatus
+from jaxkv import KVCacheManager, PrefixCacheStats, Request, RequestStatus
 from tests.host._sched_util import (
     FakeCopier,
     OracleLoadConnector,
@@ -116,3 +116,18 @@ def test_a_load_that_waits_for_blocks_counts_one_lookup_when_it_starts():
     assert waits >= 3 and connector.started == ["b"]
     stats = sched.manager.prefix_cache_stats
     assert (stats.requests, stats.queries, stats.hits) == (2, 8 + 9, 0)
+
+
+def test_only_reset_prefix_cache_stats_resets_the_counters():
+    # As the README's list of differences from vLLM says: reading them does not reset
+    # them (vLLM's make_prefix_cache_stats does), nor does reset_prefix_cache (vLLM's
+    # marks its stats reset).
+    m = KVCacheManager(8, 4, max_model_len=32)
+    a = Request("a", list(range(9)))
+    m.get_computed_blocks(a)
+    counted = PrefixCacheStats(requests=1, queries=9, hits=0)
+    assert m.prefix_cache_stats == counted and m.prefix_cache_stats == counted
+    assert m.reset_prefix_cache() is True
+    assert m.prefix_cache_stats == counted
+    assert m.reset_prefix_cache_stats() == counted
+    assert m.prefix_cache_stats == PrefixCacheStats()
