@@ -46,6 +46,15 @@ def snapshot(manager: KVCacheManager) -> dict:
         "prefix_ids": manager.prefix_ids.tolist(),
         "holders": {rid: manager.block_ids(rid) for rid in manager.request_ids},
         "num_free_blocks": manager.num_free_blocks,
+        "rows": {rid: int(manager.rows_of([rid])[0]) for rid in manager.request_ids},
+        "num_cached": dict(manager._num_cached),
+        "owner_hashes": {
+            rid: (list(r.block_hashes), r.num_computed_tokens) for rid, r in manager._owner.items()
+        },
+        "stats": manager.prefix_cache_stats,
+        "pending_events": list(pool._events),  # read without taking them
+        "cache_epoch": pool.cache_epoch,
+        "versions": (manager.sharing_version, manager.row_version),
     }
 
 
