@@ -98,9 +98,17 @@ def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 
 def _hf_scaling(d: Any, where: str, default_kind: str | None = None) -> RopeScaling | None:
     """The RopeScaling a `rope_scaling` (or `rope_parameters`) dict describes: None for
-    plain RoPE ("default"), the llama3 scaling, ValueError for anything else."""
+    plain RoPE ("default"), the llama3 scaling, ValueError for anything else and for a
+    dict whose "type" and "rope_type" disagree."""
     if not isinstance(d, dict):
         raise ValueError(f"{where}={d!r} must be a dict or null")
+    # transformers 4.x lets the legacy "type" override "rope_type", 5.x the other way round:
+    # a dict giving both, unequal, is read as another RoPE depending on the version.
+    if "type" in d and "rope_type" in d and d["type"] != d["rope_type"]:
+        raise ValueError(
+            f"{where} gives rope_type={d['rope_type']!r} and type={d['type']!r}, which "
+            "transformers versions read differently; give one"
+        )
     kind = d.get("rope_type", d.get("type", default_kind))
     if kind == "default":
         return None

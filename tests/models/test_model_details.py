@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
+import pytest
 
 from jaxkv.models import LlamaConfig, RopeScaling
 from jaxkv.models.llama import Llama, RMSNorm, apply_rope, causal_attention, rope_inv_freq
@@ -43,9 +44,12 @@ def test_hf_llama3_scaling_under_the_older_type_key_is_read():
                    original_max_position_embeddings=8192)  # fmt: skip
     hf = hf_config_dict(small_config(), rope_theta=5e5, rope_scaling=scaling)
     assert LlamaConfig.from_hf_dict(hf).rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
-    # "rope_type" wins where both are given, as in transformers.
-    both = {**scaling, "rope_type": "default"}
-    assert LlamaConfig.from_hf_dict({**hf, "rope_scaling": both}).rope_scaling is None
+    # Where both are given they must agree: transformers 4.x reads "type" over "rope_type",
+    # 5.x "rope_type" over "type" (tests/models/test_hf_rope_keys.py).
+    both = {**scaling, "rope_type": "llama3"}
+    assert LlamaConfig.from_hf_dict({**hf, "rope_scaling": both}).rope_scaling is not None
+    with pytest.raises(ValueError, match="rope_type='default' and type='llama3'"):
+        LlamaConfig.from_hf_dict({**hf, "rope_scaling": {**scaling, "rope_type": "default"}})
 
 
 def test_hf_dtype_keys_are_read_as_transformers_reads_them():
