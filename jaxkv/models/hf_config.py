@@ -80,11 +80,21 @@ def llama_config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> Lla
 
 def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     """(rope_theta, rope_scaling) of a Hugging Face config, from the top-level keys or
-    `rope_parameters`; ValueError when the two are given and disagree."""
+    `rope_parameters`; ValueError when the two are given and disagree, or when a
+    `partial_rotary_factor` other than 1 is given (top level or in either dict)."""
+    params = hf.get("rope_parameters")
     scaling = hf.get("rope_scaling")
     rope_scaling = None if scaling is None else _hf_scaling(scaling, "rope_scaling")
+    # transformers reads it at the top level or in the RoPE dict (5.x); RoPE over part of
+    # head_dim is not what this Llama (nor transformers' Llama) runs: it rotated all.
+    for where, d in (("config", hf), ("rope_scaling", scaling), ("rope_parameters", params)):
+        factor = d.get("partial_rotary_factor") if isinstance(d, dict) else None
+        if factor is not None and (isinstance(factor, bool) or factor != 1):
+            raise ValueError(
+                f"Hugging Face {where}: partial_rotary_factor={factor!r} is not supported "
+                "(this Llama rotates all of head_dim)"
+            )
     rope_theta = _hf_value(hf, "rope_theta", float, None)
-    params = hf.get("rope_parameters")
     if params is not None:
         from_params = _hf_scaling(params, "rope_parameters", default_kind="default")
         theta = _hf_value(params, "rope_theta", float, None, "rope_parameters")

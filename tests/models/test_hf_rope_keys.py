@@ -25,3 +25,22 @@ def test_a_rope_dict_whose_type_and_rope_type_disagree_is_refused(where):
     assert LlamaConfig.from_hf_dict({**REQUIRED, where: same}).rope_scaling == RopeScaling(
         **scaling
     )
+
+
+@pytest.mark.parametrize("where", ["config", "rope_scaling", "rope_parameters"])
+def test_a_partial_rotary_factor_is_refused_not_ignored(where):
+    """transformers reads partial_rotary_factor at the top level or in the RoPE dict; this
+    Llama rotated all of head_dim whatever it said. 1 (or null) is whole-head RoPE."""
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)  # fmt: skip
+
+    def hf(factor):
+        if where == "config":
+            return {**REQUIRED, "partial_rotary_factor": factor}
+        return {**REQUIRED, where: {**scaling, "partial_rotary_factor": factor}}
+
+    for factor in (0.5, True, "1"):
+        with pytest.raises(ValueError, match=f"{where}: partial_rotary_factor={factor!r} is not"):
+            LlamaConfig.from_hf_dict(hf(factor))
+    for factor in (1.0, 1, None):
+        assert LlamaConfig.from_hf_dict(hf(factor)).head_dim == 8
