@@ -77,6 +77,8 @@ def _check_heads(
 
 
 def _tp_size(mesh: Mesh, axis_name: str) -> int:
+    if not isinstance(mesh, Mesh):  # a str or a device list raised AttributeError: .shape
+        raise ValueError(f"mesh={type(mesh).__name__} must be a jax.sharding.Mesh")
     if axis_name not in mesh.shape:
         raise ValueError(f"{axis_name=} is not an axis of {mesh.shape=}")
     return mesh.shape[axis_name]
@@ -232,9 +234,10 @@ def plan_tensor_parallel(
 
     Raises ValueError naming both numbers when TP does not divide num_heads, does not
     divide num_kv_heads (TP <= num_kv_heads), or is not a multiple of num_kv_heads
-    (TP > num_kv_heads), and naming mesh.devices when the mesh lists a device twice.
-    The plan runs on meshes.auto_axes(mesh): a mesh of Explicit or Manual axes (as
-    jax.make_mesh builds by default) serves as its Auto twin over the same devices.
+    (TP > num_kv_heads), naming mesh.devices when the mesh lists a device twice, and
+    naming `mesh` unless it is a jax.sharding.Mesh. The plan runs on
+    meshes.auto_axes(mesh): a mesh of Explicit or Manual axes (as jax.make_mesh builds
+    by default) serves as its Auto twin over the same devices.
     """
     tp = _tp_size(mesh, axis_name)
     check_distinct(list(mesh.devices.flat), "mesh.devices")
@@ -303,10 +306,14 @@ def shard_params(state: Any, tp: TensorParallel) -> Any:
 def shard_model(model: Any, mesh: Mesh, *, params: Any = None, axis_name: str = DEFAULT_AXIS):
     """A copy of a jaxkv.models.Llama whose weights live on `mesh` and whose paged attention
     runs per shard. `model` itself is left as it was; `params` (an nnx.State) replaces its
-    weights. Raises ValueError (see plan_tensor_parallel, shard_params) on bad TP sizes.
+    weights. Raises ValueError (see plan_tensor_parallel, shard_params) on bad TP sizes,
+    and naming the argument unless `model` is a Llama and `mesh` a Mesh.
     """
     from flax import nnx
 
+    from jaxkv.models.llama import check_model
+
+    check_model(model)  # None raised AttributeError: .config
     c = model.config
     tp = plan_tensor_parallel(c.num_heads, c.num_kv_heads, mesh, axis_name)
     check_divides(tp.size, "intermediate_size", c.intermediate_size)

@@ -124,6 +124,19 @@ def test_a_mesh_that_is_no_mesh_is_refused_by_name(bad):
         sharding.mesh_for(bad)
 
 
+def test_shard_model_refuses_a_model_or_mesh_of_another_type_by_name():
+    # Each raised AttributeError (.config, .shape), naming neither argument.
+    model = random_model(small_config())
+    with pytest.raises(ValueError, match="model=NoneType must be a jaxkv.models.Llama"):
+        sharding.shard_model(None, sharding.make_mesh(1))
+    for bad in ("model", jax.devices()[:1]):
+        with pytest.raises(ValueError, match=f"mesh={type(bad).__name__} must be a jax.sharding"):
+            sharding.shard_model(model, bad)
+        with pytest.raises(ValueError, match="must be a jax.sharding.Mesh"):
+            sharding.plan_tensor_parallel(4, 2, bad)
+    assert model.layers[0].self_attn.tensor_parallel is None
+
+
 def test_an_axis_name_that_is_not_an_axis_of_the_mesh_is_refused_by_name():
     # Traced only: each raises before anything is compiled (a KeyError from mesh.shape before).
     mesh = sharding.make_mesh(1)
