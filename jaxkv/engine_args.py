@@ -36,7 +36,7 @@ def checked_engine_args(model, params, config, connector) -> EngineConfig:
             "params: an EngineConfig, where the model's weights (or None) go; pass it as config=..."
         )
     if params is not None:
-        _check_params(model, params)
+        check_params(model, params)
     config = EngineConfig() if config is None else config
     max_len, max_positions = config.scheduler.max_model_len, model.config.max_position_embeddings
     if max_len > max_positions:
@@ -49,7 +49,9 @@ def checked_engine_args(model, params, config, connector) -> EngineConfig:
     return config
 
 
-def _check_params(model, params) -> None:
+def check_params(model, params) -> None:
+    """ValueError naming `params` (and the leaf) unless it is a state of `model`'s
+    structure whose leaves are concrete arrays of the model's shapes and dtypes."""
     state = nnx.state(model)
     want, got = jax.tree.structure(state), jax.tree.structure(params)
     if got != want:

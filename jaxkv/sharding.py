@@ -307,13 +307,17 @@ def shard_model(model: Any, mesh: Mesh, *, params: Any = None, axis_name: str = 
     """A copy of a jaxkv.models.Llama whose weights live on `mesh` and whose paged attention
     runs per shard. `model` itself is left as it was; `params` (an nnx.State) replaces its
     weights. Raises ValueError (see plan_tensor_parallel, shard_params) on bad TP sizes,
-    and naming the argument unless `model` is a Llama and `mesh` a Mesh.
+    and naming the argument unless `model` is a Llama, `mesh` a Mesh and `params` None
+    or a state of the model's structure, leaf shapes and dtypes.
     """
     from flax import nnx
 
+    from jaxkv.engine_args import check_params
     from jaxkv.models.llama import check_model
 
     check_model(model)  # None raised AttributeError: .config
+    if params is not None:  # other shapes were placed, and failed or ran at the first call
+        check_params(model, params)
     c = model.config
     tp = plan_tensor_parallel(c.num_heads, c.num_kv_heads, mesh, axis_name)
     check_divides(tp.size, "intermediate_size", c.intermediate_size)

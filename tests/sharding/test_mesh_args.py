@@ -294,6 +294,18 @@ def test_shard_model_places_the_params_given_not_the_model_weights():
     assert not np.array_equal(np.asarray(model.layers[0].self_attn.q_proj.kernel[...]), want)
 
 
+def test_shard_model_refuses_params_of_other_shapes_by_name():
+    """Weights of a wider MLP were placed as they came: the model failed at its first call
+    (or, with a larger vocabulary, served logits of more tokens than its config has)."""
+    model, mesh = random_model(small_config()), sharding.make_mesh(1)
+    for other in (small_config(intermediate_size=64), small_config(vocab_size=80)):
+        with pytest.raises(ValueError, match=r"params\[.*: shape \(\d+, \d+\) must be"):
+            sharding.shard_model(model, mesh, params=nnx.state(random_model(other)))
+    with pytest.raises(ValueError, match="params: a dict with 1 leaves must be the model's state"):
+        sharding.shard_model(model, mesh, params={"a": jnp.zeros(2)})
+    assert model.layers[0].self_attn.tensor_parallel is None
+
+
 def test_a_sharded_model_makes_caches_of_the_dtype_asked_for():
     """init_kv_caches on a sharded model takes its dtype argument over the config's."""
     sharded = sharding.shard_model(random_model(small_config()), sharding.make_mesh(1))
