@@ -60,8 +60,9 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     tensor's byte range does not hold its shape and dtype within the file, or the ranges,
     in order, do not cover the data exactly (an overlap, a gap or trailing bytes: the
     format's reference reader refuses them, and an overlap would give two tensors one
-    set of bytes).
+    set of bytes). ValueError unless `path` is a str or os.PathLike.
     """
+    _check_path(path)
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         try:
@@ -111,6 +112,13 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return out
 
 
+def _check_path(path) -> None:
+    """ValueError unless `path` is a str or os.PathLike: open() and os.stat take an int as
+    a file descriptor, so 3 (or True, fd 1) was read or overwritten, and then closed."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path={path!r} must be a str or os.PathLike")
+
+
 def _check_tiling(ranges: list[tuple[int, int, str]], data_len: int, path) -> None:
     """CheckpointError unless the byte ranges, sorted, follow each other from 0 to
     data_len: each tensor's bytes are its own, and every byte belongs to a tensor."""
@@ -134,7 +142,8 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
     either byte order: the file holds them little-endian, as the format asks). Raises
     ValueError naming the tensor, before writing anything, for any other dtype and for a
     name that is not a str or is "__metadata__" (the header's own key), and ValueError
-    unless `tensors` is a mapping."""
+    unless `tensors` is a mapping and `path` a str or os.PathLike."""
+    _check_path(path)
     if not isinstance(tensors, Mapping):  # None or a list raised AttributeError: .items
         raise ValueError(f"tensors={type(tensors).__name__} must be a mapping of names to arrays")
     header: dict[str, dict] = {}

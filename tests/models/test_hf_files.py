@@ -368,6 +368,18 @@ def test_write_safetensors_refuses_names_its_reader_would_not_give_back(tmp_path
     assert not path.exists()
 
 
+def test_safetensors_refuse_a_file_descriptor_or_none_as_path(tmp_path):
+    # An int was taken by open() as a file descriptor: written over or read, then closed.
+    with open(tmp_path / "other", "wb") as f:
+        for path in (f.fileno(), None):
+            with pytest.raises(ValueError, match=f"path={path} must be a str or os.PathLike"):
+                write_safetensors(path, {"x": np.zeros(2, np.float32)})
+            with pytest.raises(ValueError, match=f"path={path} must be a str or os.PathLike"):
+                read_safetensors(path)
+        f.write(b"still open")
+    assert (tmp_path / "other").read_bytes() == b"still open"
+
+
 @pytest.mark.parametrize(
     "name", ["model.layers.0.input_layernorm.weight.bak", "model.layers.1.mlp.up_proj.weight_old"]
 )
