@@ -108,11 +108,8 @@ def check_backend(
         except TypeError:
             raise ValueError(f"{name}={value!r} must be a dtype") from None
     # Here, not left to the probe: its eval_shape turns float64 into float32 (x64 off).
-    allowed = dict(q_dtype=FLOAT_DTYPES, kv_dtype=FLOAT_DTYPES + QUANTIZED_KV_DTYPES)
-    for name, dtype in dtypes.items():
-        if dtype not in allowed[name]:
-            names = ", ".join(d.name for d in allowed[name])
-            raise ValueError(f"{name}={dtype.name} must be one of {names}")
+    _check_dtype_in("q_dtype", dtypes["q_dtype"], FLOAT_DTYPES)
+    _check_dtype_in("kv_dtype", dtypes["kv_dtype"], FLOAT_DTYPES + QUANTIZED_KV_DTYPES)
     _check_platform(backend, interpret, jax.default_backend())
     _probe_kernel(
         backend, interpret, *(int(v) for v in sizes.values()), *dtypes.values()
@@ -137,6 +134,14 @@ def _probe_kernel(
         jax.eval_shape(functools.partial(kernel, sm_scale=1.0, causal=causal, **scales), *args)
 
 
+def _check_dtype_in(label: str, dtype, allowed: tuple[np.dtype, ...]) -> None:
+    """ValueError "{label}={dtype} must be one of {allowed}" unless `dtype` is allowed."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in allowed:
+        names = ", ".join(d.name for d in allowed)
+        raise ValueError(f"{label}={dtype.name} must be one of {names}")
+
+
 _INDEX_FIELDS = ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")
 _INT32 = np.dtype(np.int32)
 
@@ -150,9 +155,8 @@ def _check_dtypes_as_given(q, kv_pages, metadata) -> None:
     given = dict(q=(q, FLOAT_DTYPES), kv_pages=(kv_pages, FLOAT_DTYPES + QUANTIZED_KV_DTYPES))
     for name, (value, allowed) in given.items():
         dtype = getattr(value, "dtype", None)
-        if dtype is not None and jnp.dtype(dtype) not in allowed:
-            names = ", ".join(jnp.dtype(d).name for d in allowed)
-            raise ValueError(f"{name}.dtype={dtype} must be one of {names}")
+        if dtype is not None:
+            _check_dtype_in(f"{name}.dtype", dtype, allowed)
     passes = [("metadata", metadata)]
     passes += [(f"metadata.levels[{i}]", level) for i, level in enumerate(metadata.levels)]
     for where, arrays in passes:
