@@ -175,7 +175,7 @@ def save_checkpoint(model: Llama, path: str | os.PathLike) -> Path:
     refused by load_checkpoint rather than loaded, whatever the old config held.
     """
     check_model(model)  # before the directory is made: nothing left behind
-    directory = _directory(path)
+    directory = checked_path(path)
     directory.mkdir(parents=True, exist_ok=True)
     params = {k: np.asarray(v) for k, v in flat_params(model).items()}
     staged = []
@@ -211,8 +211,9 @@ def _read_config(directory: Path) -> tuple[LlamaConfig, str | None]:
         raise CheckpointError(f"{file}: not a valid LlamaConfig: {e}") from e
 
 
-def _directory(path) -> Path:
-    """`path` as a Path; ValueError unless a str or os.PathLike (None raised TypeError)."""
+def checked_path(path) -> Path:
+    """`path` as a Path; ValueError unless a str or os.PathLike (None raised TypeError;
+    open() and os.stat take an int as a file descriptor: 3, or True, was read or written)."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path={path!r} must be a str or os.PathLike")
     return Path(path)
@@ -223,7 +224,7 @@ def load_checkpoint(path: str | os.PathLike) -> Llama:
     file and CheckpointError (naming the file) for a corrupt or mismatched one, weights
     whose SHA-256 is not the one config.json records (damaged, or from another save)
     included. A config.json without a digest (written by hand) is taken as it is."""
-    directory = _directory(path)
+    directory = checked_path(path)
     config, digest = _read_config(directory)
     file = directory / PARAMS_FILE
     data = file.read_bytes()

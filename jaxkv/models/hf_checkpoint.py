@@ -31,6 +31,7 @@ from jaxkv.models.checkpoint import (
     build_with_params,
     check_float_dtypes,
     check_names_and_shapes,
+    checked_path,
     flat_params,
 )
 from jaxkv.models.config import LlamaConfig, check_config
@@ -62,7 +63,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     format's reference reader refuses them, and an overlap would give two tensors one
     set of bytes). ValueError unless `path` is a str or os.PathLike.
     """
-    _check_path(path)
+    checked_path(path)  # the Path aside: messages name `path` as given
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         try:
@@ -112,13 +113,6 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return out
 
 
-def _check_path(path) -> None:
-    """ValueError unless `path` is a str or os.PathLike: open() and os.stat take an int as
-    a file descriptor, so 3 (or True, fd 1) was read or overwritten, and then closed."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"path={path!r} must be a str or os.PathLike")
-
-
 def _check_tiling(ranges: list[tuple[int, int, str]], data_len: int, path) -> None:
     """CheckpointError unless the byte ranges, sorted, follow each other from 0 to
     data_len: each tensor's bytes are its own, and every byte belongs to a tensor."""
@@ -143,7 +137,7 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
     ValueError naming the tensor, before writing anything, for any other dtype and for a
     name that is not a str or is "__metadata__" (the header's own key), and ValueError
     unless `tensors` is a mapping and `path` a str or os.PathLike."""
-    _check_path(path)
+    checked_path(path)
     if not isinstance(tensors, Mapping):  # None or a list raised AttributeError: .items
         raise ValueError(f"tensors={type(tensors).__name__} must be a mapping of names to arrays")
     header: dict[str, dict] = {}
@@ -270,9 +264,7 @@ def load_hf_safetensors(
     """
     if config is not None:  # a dict raised AttributeError, after the files were found
         check_config(config)
-    if not isinstance(path, (str, os.PathLike)):  # None raised TypeError from Path
-        raise ValueError(f"path={path!r} must be a str or os.PathLike")
-    path = Path(path)
+    path = checked_path(path)
     if not path.exists():  # else the parent's config.json was read, or reported missing
         raise FileNotFoundError(f"{path}: no such file or directory")
     if config is None:
