@@ -173,8 +173,8 @@ class HostOffloadConnector(KVConnector):
         if future is None:
             return False
         new_hashes = [h for _, h in picked]
-        self._saves[request.request_id] = Transfer(
-            request.request_id, future, new_hashes, self._step, chain=hashes[:num_full]
+        self._saves[req_id] = Transfer(
+            req_id, future, new_hashes, self._step, chain=hashes[:num_full]
         )
         self._saving.update(new_hashes)
         return True
