@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from jaxkv.field_checks import as_int, bool_fields
 from jaxkv.free_block_queue import FreeKVCacheBlockQueue
-from jaxkv.hashing import HASH_NUM_BYTES, BlockHash
+from jaxkv.hashing import BlockHash, is_block_hash
 from jaxkv.kv_cache_block import KVCacheBlock
 
 __all__ = [
@@ -187,10 +187,10 @@ class BlockPool:
             self._check_own("blocks", blocks)
             # None was cached as a key, a list raised TypeError midway; a parent or adapter
             # id of the wrong kind went into the BlockStored events unchecked.
-            bad = [h for h in block_hashes if not _is_block_hash(h)][:1]
+            bad = [h for h in block_hashes if not is_block_hash(h)][:1]
             if bad:
                 raise ValueError(f"cache_full_blocks: block hash {bad[0]!r} is no BlockHash")
-            if parent_block_hash is not None and not _is_block_hash(parent_block_hash):
+            if parent_block_hash is not None and not is_block_hash(parent_block_hash):
                 raise ValueError(f"cache_full_blocks: {parent_block_hash=} is no BlockHash")
             if adapter_id is not None and not isinstance(adapter_id, str):
                 raise ValueError(f"cache_full_blocks: {adapter_id=} must be None or a str")
@@ -339,10 +339,6 @@ class BlockPool:
         if holder_counts is not None:
             unknown = set(holder_counts) - set(range(1, self.num_blocks))
             _check(not unknown, f"holders reference invalid block ids {sorted(unknown)[:8]}")
-
-
-def _is_block_hash(value) -> bool:
-    return type(value) is bytes and len(value) == HASH_NUM_BYTES
 
 
 def _check(condition: bool, message: str) -> None:

@@ -66,7 +66,7 @@ def hash_block_tokens(
     sequence of ints (not bools) that fit in int64 and `extra_keys` a tuple of str
     encodable as UTF-8 (one str would be read as its letters).
     """
-    if not _is_block_hash(parent_hash):
+    if not is_block_hash(parent_hash):
         raise ValueError(f"{parent_hash=} must be a BlockHash ({HASH_NUM_BYTES} bytes)")
     if type(extra_keys) is not tuple or not all(map(is_hash_key, extra_keys)):
         raise ValueError(f"extra_keys={extra_keys!r} must be a tuple of str encodable as UTF-8")
@@ -115,7 +115,7 @@ def extend_block_hashes(
     if num_full <= start:
         return block_hashes
     parent = block_hashes[-1] if block_hashes else root_hash(seed)
-    if not _is_block_hash(parent):  # a chain from it would name no prefix
+    if not is_block_hash(parent):  # a chain from it would name no prefix
         raise ValueError(f"block_hashes[-1]={parent!r} must be a BlockHash")
     try:
         count, first, later = _block_encoding(block_size, adapter_id, cache_salt)
@@ -147,7 +147,9 @@ def extend_block_hashes(
     return block_hashes
 
 
-def _is_block_hash(value: object) -> bool:
+def is_block_hash(value: object) -> bool:
+    """Whether `value` can be a BlockHash: bytes of HASH_NUM_BYTES (a str or a digest of
+    another length names no block)."""
     return type(value) is bytes and len(value) == HASH_NUM_BYTES
 
 
