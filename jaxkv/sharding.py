@@ -48,8 +48,12 @@ ROW_PARALLEL = ("o_proj", "down_proj")  # kernel [in/TP, out]; partial sums are 
 
 
 def kv_cache_sharding(mesh: Mesh, axis_name: str = DEFAULT_AXIS) -> NamedSharding:
-    """[num_blocks, block_size, 2 * num_kv_heads, head_dim] split along combined heads."""
-    return NamedSharding(mesh, P(None, None, axis_name, None))
+    """[num_blocks, block_size, 2 * num_kv_heads, head_dim] split along combined heads.
+
+    The spec has no trailing None: the step program returns its caches so (jit drops
+    trailing Nones), and jit keys its cache on the spec's form, so caches made with
+    P(None, None, axis, None) retraced the first step's program on the second step."""
+    return NamedSharding(mesh, P(None, None, axis_name))
 
 
 # ---------------------------------------------------------------- attention per shard

@@ -205,7 +205,7 @@ def model_on_a_mesh_axis_of_another_name():
     d = (max_diff(logits, want_logits), max(map(max_diff, caches, want_caches)))
     print(f"  TP=4 along 'tp': diff logits/caches {d}")
     assert d[0] < 1e-4 and d[1] < 1e-5, d
-    split = jax.sharding.PartitionSpec(None, None, "tp", None)
+    split = jax.sharding.PartitionSpec(None, None, "tp")  # as the step program returns them
     fresh = sharded.init_kv_caches(NUM_BLOCKS, BLOCK_SIZE, jnp.bfloat16)
     assert [(c.sharding.spec, c.dtype) for c in fresh] == [(split, jnp.bfloat16)], fresh
     attn = sharded.layers[0].self_attn

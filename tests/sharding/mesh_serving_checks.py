@@ -92,8 +92,14 @@ def engine_greedy_tp():
         assert probed[-1] == (8 // tp, 8 // tp), (tp, probed)
         devices = set(engine.mesh.devices.flat)
         assert all(leaf.sharding.device_set == devices for leaf in engine._state_leaves)
+        initial = engine.kv_caches[0].sharding
+        cached = engine._program._cache_size()
         got = greedy(engine, prompts())
         m = engine.metrics
+        # The caches the program returns keep the sharding they were made with: a spec
+        # that differed only in form (a trailing None) retraced the first step's program.
+        assert engine.kv_caches[0].sharding == initial, (initial, engine.kv_caches[0].sharding)
+        assert engine._program._cache_size() - cached <= m.num_compiles, tp
         print(
             f"  TP={tp}: {m.num_steps} steps, {m.cascade_steps} cascade, {m.num_compiles} programs"
         )
