@@ -4,10 +4,14 @@ Chunked prefill, preemption under a small cache, cascade under 1-3 system prompt
 and requests that end exactly at max_model_len, some asking for logprobs (each shape
 then has a second program); jax's own compile count of the step
 program must equal Engine.num_compiles (no retrace hidden by a Python scalar, dtype or
-weak type in the metadata pytree) and stay within EngineConfig.max_step_programs.
+weak type in the metadata pytree) and stay within EngineConfig.max_step_programs. A second
+run adds n > 1, min_tokens, penalties, min_p and prompt logprobs, and two cascade levels:
+the variants that bound leaves out take only the widths their docs state.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -87,3 +91,81 @@ def test_a_long_random_run_stays_within_max_step_programs():
         for level_pages, level_q in levels:
             assert level_pages == (b.level_seq_buckets[-1], b.page_buckets[-1])
             assert level_q in CONFIG.q_len_buckets
+
+
+# CONFIG's buckets over another cache size of its own.
+VARIED = dataclasses.replace(
+    CONFIG, cache=CacheConfig(num_blocks=NUM_BLOCKS + 8, block_size=BLOCK_SIZE)
+)
+
+
+def _variant_free(key: tuple) -> tuple:
+    """A program key without the variants max_step_programs leaves out: the min_tokens ban
+    width, the penalty table and the prompt-logprob rows."""
+    sampling = key[0][:6] + key[0][8:]
+    return (sampling, *key[1:8], *key[9:])
+
+
+def test_a_long_random_run_with_every_sampling_variant_compiles_what_it_counts():
+    # Levels 0, 1 and 2 (a root every grouped prompt shares, then one of two group
+    # prefixes), n > 1, logprobs, min_tokens, penalties, min_p and prompt logprobs.
+    engine = Engine(tiny_model(), None, VARIED)
+    keys: set[tuple] = set()
+    build = engine._step_inputs
+
+    def recording(out, plan):
+        inputs = build(out, plan)
+        width = engine._sampling.logprob_width(out.requests)
+        keys.add(program_key(inputs[1], inputs[3], width, inputs[4] and inputs[4].rows))
+        return inputs
+
+    engine._step_inputs = recording
+    rng = np.random.default_rng(2)
+    root = rng.integers(0, VOCAB, 8).tolist()  # two blocks
+    systems = [root + rng.integers(0, VOCAB, n).tolist() for n in (6, 11)]
+    live: set[str] = set()
+    before = engine._program._cache_size()
+    for _ in range(70):
+        if len(live) < 10 and rng.random() < 0.4:
+            system = systems[int(rng.integers(2))] if rng.random() < 0.85 else []
+            prompt = (system + rng.integers(0, VOCAB, 63).tolist())[: int(rng.integers(1, 64))]
+            room = MAX_MODEL_LEN - len(prompt)
+            max_tokens = int(rng.integers(1, min(room, 12) + 1))
+            u = rng.random(6)
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                n=2 if u[0] < 0.1 else 1,
+                logprobs=2 if u[1] < 0.15 else None,
+                min_tokens=max_tokens if u[2] < 0.15 else 0,
+                stop_token_ids=[int(rng.integers(VOCAB))],
+                presence_penalty=0.5 if u[3] < 0.15 else 0.0,
+                prompt_logprobs=1 if u[4] < 0.1 else None,
+                min_p=0.1 if u[5] < 0.1 else 0.0,
+                temperature=0.8,
+            )
+            live.add(engine.add_request(prompt, params))
+        for o in engine.step():
+            if o.finished:  # under n > 1: one of the samples (abort takes the rest)
+                live.discard(o.request_id)
+    engine.abort(list(live))
+
+    m = engine.metrics
+    levels = {len(key[7]) for key in keys}
+    samplers = {(key[0][6][1] > 0, key[0][7] is not None, key[8] is not None) for key in keys}
+    assert levels == {0, 1, 2} and m.num_preemptions > 0
+    assert {True} == {any(flags[i] for flags in samplers) for i in range(3)}
+    # jax compiled exactly the programs the engine counts: no retrace hidden in a value
+    assert engine._program._cache_size() - before == engine.num_compiles == len(keys)
+    assert len({_variant_free(key) for key in keys}) <= VARIED.max_step_programs
+    b = VARIED.buckets
+    for key in keys:
+        sampling, tokens, pages, _, max_q_len, _, _, levels, prompt_rows, _ = key
+        assert tokens[0] in b.token_buckets and max_q_len in b.q_len_buckets
+        assert pages[0] in b.seq_buckets and pages[1] in b.page_buckets
+        assert all(shape[0] == pages[0] for shape in sampling[:6])
+        assert sampling[6][1] in (0, 1)  # one stop token: a ban of width 1
+        assert sampling[7] is None or sampling[7][0] == (pages[0], 64)
+        assert prompt_rows is None or prompt_rows == (min(64, tokens[0]),)
+        for level_pages, level_q in levels:
+            assert level_pages == (b.level_seq_buckets[-1], b.page_buckets[-1])
+            assert level_q in b.q_len_buckets and level_q <= tokens[0]
