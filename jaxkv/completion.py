@@ -24,7 +24,8 @@ class StepDriver(Protocol):
 
     def abort(self, request_id: str) -> bool: ...
 
-    # Optional: queue_checkpoint() -> Callable[[], None] (see Engine.queue_checkpoint).
+    # Optional: queue_checkpoint() -> Callable[[], None] (see Engine.queue_checkpoint),
+    # and last_step, replaced by each step that runs the model (see Engine.last_step).
 
 
 def checked_drivers(drivers, name: str) -> list:
@@ -99,6 +100,9 @@ def run_to_completion(
     their cumulative_logprob (the sum of its sampled tokens' logprobs); one that asks for
     prompt logprobs gets them on each of its samples.
     `progress_bar` (tqdm-like, optional) is advanced once per finished prompt and closed.
+    A step that returns no output while requests are unfinished is followed by a 0.5 ms
+    sleep (a KV load in flight), unless the driver's `last_step` (an Engine's) changed
+    in it: the model ran, on prefill chunks only, and the next step runs at once.
     """
     num_prompts = count_prompts(prompts)
     # A str is a Sequence, of characters: refused by each add_request as what it is.
@@ -150,11 +154,15 @@ def run_to_completion(
     remaining = len(ids)
     try:
         while remaining:
+            ran = getattr(driver, "last_step", None)
             outputs = driver.step()
             if not outputs:
                 if not driver.has_unfinished_requests():
                     break
-                time.sleep(0.0005)  # waiting on a KV load
+                # Nothing ran (waiting on a KV load), unless a new last_step says the
+                # model ran prefill chunks only: then step again at once.
+                if getattr(driver, "last_step", None) is ran:
+                    time.sleep(0.0005)
             for o in outputs:
                 i = index.get(o.request_id)
                 if i is None:

@@ -415,3 +415,14 @@ def test_a_prompt_aborted_elsewhere_before_any_token_has_empty_logprobs():
     assert (out.output_token_ids, out.finish_reason) == ((), "abort")
     assert (out.logprobs, out.cumulative_logprob) == ((), 0.0)
     assert type(out.cumulative_logprob) is float  # as vLLM's, not the int 0 of an empty sum
+
+
+def test_generate_sleeps_only_after_a_step_that_ran_no_model(monkeypatch):
+    """A step of prefill chunks only (no token yet) ran the model: the loop steps again at
+    once. It used to sleep after each, as when waiting on a KV load."""
+    engine = make_engine(max_num_batched_tokens=16)  # a 48-token prompt: 3 steps of chunks
+    naps = []
+    monkeypatch.setattr("jaxkv.completion.time.sleep", naps.append)
+    [out] = engine.generate([list(range(1, 49))], SamplingParams(max_tokens=2), progress=False)
+    assert len(out.output_token_ids) == 2 and engine.metrics.num_steps == 4
+    assert naps == []
