@@ -32,7 +32,9 @@ class RequestOutput(NamedTuple):
     whole output's text, as vLLM's CompletionOutput.text (jaxkv.detokenizer). Under
     SamplingParams.stream_text every output carries text: what its token adds ("" while
     held back; the finishing output, the rest), as vLLM's RequestOutputKind.DELTA.
-    A NamedTuple: one is made per request per step.
+    A NamedTuple: one is made per request per step. A delta, unlike vLLM's
+    RequestOutput: no prompt, prompt_token_ids, num_cached_tokens or cumulative_logprob
+    (CompletionOutput has prompt_token_ids and cumulative_logprob).
     """
 
     request_id: str
