@@ -40,8 +40,8 @@ CONFIG = EngineConfig(
 )
 
 
-def test_a_long_random_run_stays_within_max_step_programs():
-    engine = Engine(tiny_model(), None, CONFIG)
+def _recorded_program_keys(engine: Engine) -> set[tuple]:
+    """The set the program key of each of `engine`'s later steps is added to."""
     keys: set[tuple] = set()
     build = engine._step_inputs
 
@@ -52,6 +52,12 @@ def test_a_long_random_run_stays_within_max_step_programs():
         return inputs
 
     engine._step_inputs = recording
+    return keys
+
+
+def test_a_long_random_run_stays_within_max_step_programs():
+    engine = Engine(tiny_model(), None, CONFIG)
+    keys = _recorded_program_keys(engine)
     rng = np.random.default_rng(0)
     logprobs_rng = np.random.default_rng(1)  # apart: the run's schedule stays as it was
     systems = [rng.integers(0, VOCAB, n).tolist() for n in (8, 13, 20)]
@@ -110,16 +116,7 @@ def test_a_long_random_run_with_every_sampling_variant_compiles_what_it_counts()
     # Levels 0, 1 and 2 (a root every grouped prompt shares, then one of two group
     # prefixes), n > 1, logprobs, min_tokens, penalties, min_p and prompt logprobs.
     engine = Engine(tiny_model(), None, VARIED)
-    keys: set[tuple] = set()
-    build = engine._step_inputs
-
-    def recording(out, plan):
-        inputs = build(out, plan)
-        width = engine._sampling.logprob_width(out.requests)
-        keys.add(program_key(inputs[1], inputs[3], width, inputs[4] and inputs[4].rows))
-        return inputs
-
-    engine._step_inputs = recording
+    keys = _recorded_program_keys(engine)
     rng = np.random.default_rng(2)
     root = rng.integers(0, VOCAB, 8).tolist()  # two blocks
     systems = [root + rng.integers(0, VOCAB, n).tolist() for n in (6, 11)]
