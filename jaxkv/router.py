@@ -30,24 +30,20 @@ from jaxkv.closable import (
 )
 from jaxkv.completion import checked_drivers, generate_progress_bar, run_to_completion
 from jaxkv.engine_replicas import engine_replicas as engine_replicas  # its former home
-from jaxkv.field_checks import as_int
-from jaxkv.hashing import BlockHash
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.parallel_sampling import IdsInUse
-from jaxkv.prefix_routes import PrefixRoutes, Route, routable_prompt_ids
+from jaxkv.prefix_routes import Route as Route  # re-exported: route() returns one
+from jaxkv.prefix_routes import routable_prompt_ids
 from jaxkv.replica import Replica as Replica  # its former home
 from jaxkv.replica_checks import CheckedReplicas
 from jaxkv.request_id_lists import checked_request_ids
 from jaxkv.request_serials import RequestSerials, rewind_together
+from jaxkv.router_rule import RoutingRule
 from jaxkv.router_samples import RunningSamples
 from jaxkv.sampling_params import SamplingParams
 
 
-def _routes_size(name: str) -> property:
-    return property(lambda router: getattr(router._routes, name), doc=f"The router's {name}.")
-
-
-class PrefixAwareRouter(Closable):
+class PrefixAwareRouter(RoutingRule, Closable):
     """Routes requests over `replicas`: shared prefixes together, the rest to the least loaded.
 
     block_size: tokens per hashed block (use the replicas' KV block size).
@@ -82,10 +78,11 @@ class PrefixAwareRouter(Closable):
         hash_seed: int = 0,
     ) -> None:
         self.replicas = checked_drivers(replicas, "replicas")
-        self._routes = PrefixRoutes(block_size, max_prefix_blocks, max_tracked_prefixes, hash_seed)
-        self.max_imbalance = max_imbalance
+        RoutingRule.__init__(
+            self, len(self.replicas), block_size, max_prefix_blocks, max_imbalance,
+            max_tracked_prefixes, hash_seed,
+        )  # fmt: skip
         self._indices = range(len(self.replicas))
-        self._outstanding = [0] * len(self.replicas)  # replica -> unfinished sequences
         self._replica_of: dict[str, int] = {}  # request_id -> replica, while unfinished
         self._queued: dict[str, object] = {}  # request_id -> a token new to each queueing
         self._samples = RunningSamples()  # of requests of n > 1
@@ -93,32 +90,7 @@ class PrefixAwareRouter(Closable):
         self._undelivered: list[RequestOutput] = []  # gathered by a step() that raised
         self._serials = RequestSerials("dp-")  # of generated ids
 
-    # Read-only: the remembered routes are keyed by them.
-    block_size = _routes_size("block_size")
-    max_prefix_blocks = _routes_size("max_prefix_blocks")
-    max_tracked_prefixes = _routes_size("max_tracked_prefixes")
-    hash_seed = _routes_size("hash_seed")
-
-    @property
-    def max_imbalance(self) -> int | None:
-        """See the class; settable, checked as the constructor checks it (ValueError naming
-        it unless None or an int >= 0, the old value kept)."""
-        return self._max_imbalance
-
-    @max_imbalance.setter
-    def max_imbalance(self, value: int | None) -> None:
-        checked = None if value is None else as_int(value)
-        if value is not None and (checked is None or checked < 0):
-            raise ValueError(f"max_imbalance={value!r} must be None or an int >= 0")
-        self._max_imbalance = checked
-
     # ---------------------------------------------------------------- routing
-
-    @property
-    def num_outstanding(self) -> tuple[int, ...]:
-        """Unfinished sequences per replica: each unfinished request counts its samples
-        still running (SamplingParams.n of them at first; each takes a batch row)."""
-        return tuple(self._outstanding)
 
     def replica_of(self, request_id: str) -> int:
         """The replica an unfinished request runs on; KeyError if unknown or finished."""
@@ -126,26 +98,6 @@ class PrefixAwareRouter(Closable):
             return self._replica_of[request_id]
         except TypeError:  # unhashable: no request's id
             raise KeyError(request_id) from None
-
-    def _least_loaded(self) -> int:
-        return min(range(len(self.replicas)), key=self._outstanding.__getitem__)
-
-    def route(self, prompt_token_ids: Sequence[int], *, cache_salt: str | None = None) -> Route:
-        """The replica a prompt would go to now. Changes nothing. Raises ValueError
-        unless the prompt is a 1-D sequence of token ids (ints in [0, 2**63)) and the
-        salt None or a str."""
-        return self._route(self._routes.hashes(routable_prompt_ids(prompt_token_ids), cache_salt))
-
-    def _route(self, hashes: list[BlockHash]) -> Route:
-        least = self._least_loaded()
-        found = self._routes.longest(hashes)
-        if found is None:
-            return Route(least, 0)
-        replica, matched = found
-        over = self._outstanding[replica] - self._outstanding[least]
-        if self.max_imbalance is not None and over > self.max_imbalance:
-            return Route(least, 0)
-        return Route(replica, matched)
 
     @one_at_a_time
     def reset_prefix_cache(self) -> bool:

@@ -1,0 +1,82 @@
+"""The router's rule: which replica a prompt goes to (jaxkv.router).
+
+A prompt goes to the replica of its longest remembered prefix (jaxkv.prefix_routes), unless
+that replica has more than `max_imbalance` outstanding sequences beyond the least-loaded
+one; a prompt with no remembered prefix goes to the least-loaded replica (the first of
+them on a tie). The counts are the router's: it keeps them as it adds, steps and aborts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jaxkv.field_checks import as_int
+from jaxkv.hashing import BlockHash
+from jaxkv.prefix_routes import PrefixRoutes, Route, routable_prompt_ids
+
+
+def _routes_size(name: str) -> property:
+    return property(lambda router: getattr(router._routes, name), doc=f"The router's {name}.")
+
+
+class RoutingRule:
+    """The remembered routes, the outstanding sequences per replica and the rule over them;
+    PrefixAwareRouter's base (its docstring gives the arguments)."""
+
+    def __init__(
+        self,
+        num_replicas: int,
+        block_size: int,
+        max_prefix_blocks: int,
+        max_imbalance: int | None,
+        max_tracked_prefixes: int,
+        hash_seed: int,
+    ) -> None:
+        self._routes = PrefixRoutes(block_size, max_prefix_blocks, max_tracked_prefixes, hash_seed)
+        self.max_imbalance = max_imbalance
+        self._outstanding = [0] * num_replicas  # replica -> unfinished sequences
+
+    # Read-only: the remembered routes are keyed by them.
+    block_size = _routes_size("block_size")
+    max_prefix_blocks = _routes_size("max_prefix_blocks")
+    max_tracked_prefixes = _routes_size("max_tracked_prefixes")
+    hash_seed = _routes_size("hash_seed")
+
+    @property
+    def max_imbalance(self) -> int | None:
+        """See PrefixAwareRouter; settable, checked as its constructor checks it (ValueError naming
+        it unless None or an int >= 0, the old value kept)."""
+        return self._max_imbalance
+
+    @max_imbalance.setter
+    def max_imbalance(self, value: int | None) -> None:
+        checked = None if value is None else as_int(value)
+        if value is not None and (checked is None or checked < 0):
+            raise ValueError(f"max_imbalance={value!r} must be None or an int >= 0")
+        self._max_imbalance = checked
+
+    @property
+    def num_outstanding(self) -> tuple[int, ...]:
+        """Unfinished sequences per replica: each unfinished request counts its samples
+        still running (SamplingParams.n of them at first; each takes a batch row)."""
+        return tuple(self._outstanding)
+
+    def _least_loaded(self) -> int:
+        return min(range(len(self._outstanding)), key=self._outstanding.__getitem__)
+
+    def route(self, prompt_token_ids: Sequence[int], *, cache_salt: str | None = None) -> Route:
+        """The replica a prompt would go to now. Changes nothing. Raises ValueError
+        unless the prompt is a 1-D sequence of token ids (ints in [0, 2**63)) and the
+        salt None or a str."""
+        return self._route(self._routes.hashes(routable_prompt_ids(prompt_token_ids), cache_salt))
+
+    def _route(self, hashes: list[BlockHash]) -> Route:
+        least = self._least_loaded()
+        found = self._routes.longest(hashes)
+        if found is None:
+            return Route(least, 0)
+        replica, matched = found
+        over = self._outstanding[replica] - self._outstanding[least]
+        if self.max_imbalance is not None and over > self.max_imbalance:
+            return Route(least, 0)
+        return Route(replica, matched)
