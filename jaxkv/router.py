@@ -77,7 +77,7 @@ class PrefixAwareRouter(RoutingRule, Closable):
         max_tracked_prefixes: int = 1 << 16,
         hash_seed: int = 0,
     ) -> None:
-        self.replicas = checked_drivers(replicas, "replicas")
+        self._replicas = tuple(checked_drivers(replicas, "replicas"))
         RoutingRule.__init__(
             self, len(self.replicas), block_size, max_prefix_blocks, max_imbalance,
             max_tracked_prefixes, hash_seed,
@@ -89,6 +89,12 @@ class PrefixAwareRouter(RoutingRule, Closable):
         self._checked = CheckedReplicas(self.replicas, self._samples.is_parent, self._replica_of)
         self._undelivered: list[RequestOutput] = []  # gathered by a step() that raised
         self._serials = RequestSerials("dp-")  # of generated ids
+
+    @property
+    def replicas(self) -> tuple[Replica, ...]:
+        """The replicas, in the order given: a tuple, fixed for the router's life (its
+        counts, routes and requests are kept by replica index)."""
+        return self._replicas
 
     # ---------------------------------------------------------------- routing
 

@@ -210,7 +210,23 @@ def test_bad_input_leaves_the_router_unchanged():
         PrefixAwareRouter([replicas[0], None], block_size=4)  # AttributeError in add_request
     with pytest.raises(ValueError, match="replicas: .* is given twice"):
         PrefixAwareRouter([replicas[0], replicas[1], replicas[0]], block_size=4)  # stepped twice
-    assert PrefixAwareRouter(iter(replicas), block_size=4).replicas == replicas
+    assert PrefixAwareRouter(iter(replicas), block_size=4).replicas == tuple(replicas)
+
+
+def test_the_replicas_cannot_be_changed_under_the_router():
+    # A public list: appending a replica left it without a count (IndexError in _route
+    # once it was the least loaded), removing one shifted every request's replica index.
+    router, replicas = make_router(2)
+    rid = router.add_request([1] * BLOCK)
+    assert router.replicas == tuple(replicas)
+    with pytest.raises(AttributeError):
+        router.replicas.append(FakeReplica(2))
+    with pytest.raises(AttributeError):
+        router.replicas = [*replicas, FakeReplica(2)]
+    replicas.pop()  # the caller's own list: the router kept its own sequence
+    assert len(router.replicas) == 2 and router.replica_of(rid) == 0
+    assert router.num_outstanding == (1, 0) and router.add_request([2] * BLOCK) == "dp-1"
+    assert router.replica_of("dp-1") == 1
 
 
 def test_a_shared_short_prefix_outlives_the_longer_ones_it_starts():
