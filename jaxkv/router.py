@@ -30,6 +30,7 @@ from jaxkv.closable import (
 )
 from jaxkv.completion import checked_drivers, generate_progress_bar, run_to_completion
 from jaxkv.engine_replicas import engine_replicas as engine_replicas  # its former home
+from jaxkv.hashing import BlockHash
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.parallel_sampling import IdsInUse
 from jaxkv.prefix_routes import Route as Route  # re-exported: route() returns one
@@ -84,7 +85,8 @@ class PrefixAwareRouter(RoutingRule, Closable):
         )  # fmt: skip
         self._indices = range(len(self.replicas))
         self._replica_of: dict[str, int] = {}  # request_id -> replica, while unfinished
-        self._queued: dict[str, object] = {}  # request_id -> a token new to each queueing
+        # request_id -> its prompt's prefix keys: a list new to each queueing, its token
+        self._queued: dict[str, list[BlockHash]] = {}
         self._samples = RunningSamples()  # of requests of n > 1
         self._checked = CheckedReplicas(self.replicas, self._samples.is_parent, self._replica_of)
         self._undelivered: list[RequestOutput] = []  # gathered by a step() that raised
@@ -108,12 +110,19 @@ class PrefixAwareRouter(RoutingRule, Closable):
     @one_at_a_time
     def reset_prefix_cache(self) -> bool:
         """Empties every replica's prefix cache (Engine.reset_prefix_cache) and forgets the
-        prefixes routed to each replica that emptied its own; True if every replica did.
+        prefixes routed to each replica that emptied its own, but those of the requests it
+        still holds (queued there, they fill its cache again); True if every replica did.
         A replica that refuses (one of its requests holds blocks), or has no such method,
         keeps its cache and routes. Raises RuntimeError after close(); ValueError naming
         a replica whose reset_prefix_cache is no method (none reset) or answers no bool
         (all reset first, as each acts before it answers; that one keeps its routes)."""
-        return self._checked.reset_prefix_caches(self._routes.forget_replica)
+        return self._checked.reset_prefix_caches(self._cache_emptied)
+
+    def _cache_emptied(self, index: int) -> None:
+        self._routes.forget_replica(index)
+        for request_id, hashes in self._queued.items():  # oldest first: least recently used
+            if self._replica_of[request_id] == index:
+                self._routes.remember(hashes, index)
 
     # --------------------------------------------------------------- requests
 
@@ -162,7 +171,7 @@ class PrefixAwareRouter(RoutingRule, Closable):
         self._routes.remember(hashes, replica)
         self._outstanding[replica] += n
         self._replica_of[request_id] = replica
-        self._queued[request_id] = object()
+        self._queued[request_id] = hashes
         if n > 1:
             self._samples.add(request_id, n)
         return request_id

@@ -54,6 +54,34 @@ def test_a_reset_empties_every_replica_and_forgets_every_route():
     assert router.route(prompts[1] + [7]).matched_blocks == 2
 
 
+class _QueueingReplica(ResettingReplica):
+    """Resets while its requests are only queued (hold no blocks), as an Engine does."""
+
+    def reset_prefix_cache(self) -> bool:
+        self.resets += 1
+        return True
+
+
+def test_a_reset_keeps_the_routes_of_requests_still_queued_on_the_replica():
+    # Their prefixes fill the emptied cache again once they run; the reset used to forget
+    # their routes, so requests sharing them went to the least loaded replica instead.
+    replicas = [_QueueingReplica(0), _QueueingReplica(1)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK, max_imbalance=None)
+    done = router.add_request(_prompt(0))
+    while router.has_unfinished_requests():
+        router.step()
+    queued = router.add_request(_prompt(100))  # to replica 0: both are idle
+    router.add_request(_prompt(200))
+    assert (router.replica_of(queued), router.replica_of("dp-2")) == (0, 1)
+    assert router.reset_prefix_cache() is True and [r.resets for r in replicas] == [1, 1]
+    assert router.route(_prompt(0)).matched_blocks == 0  # finished: its route is gone
+    assert router.route(_prompt(100)) == Route(0, 2)
+    assert router.route(_prompt(200)) == Route(1, 2)
+    router.abort([queued, "dp-2"])
+    assert done == "dp-0" and router.reset_prefix_cache() is True
+    assert router.route(_prompt(100)).matched_blocks == 0
+
+
 def test_a_refusing_replica_keeps_its_routes_and_the_others_are_reset():
     router, replicas, prompts = _routed_router()
     router.add_request(prompts[1] + [5])  # replica 1 holds a request: it refuses
