@@ -218,6 +218,12 @@ class PrefixAwareRouter(RoutingRule, Closable):
         if replica is None:
             return False
         aborted = self._checked.abort(replica, request_id)
+        self._release(owner, sample, aborted)
+        return aborted
+
+    def _release(self, owner: str, sample: tuple[str, int] | None, aborted: bool) -> None:
+        """Releases request `owner`'s sequences (`sample`'s alone if given), those that
+        are not `aborted` and have a finishing output to deliver excepted."""
         running = [sample] if sample else [(owner, i) for i in self._samples.running(owner)]
         for key in running or [(owner, 0)]:  # its sequences: (request id, sample index)
             if not aborted and any(
@@ -230,7 +236,6 @@ class PrefixAwareRouter(RoutingRule, Closable):
                 self._sample_ended(*key)
             else:
                 self._finish(owner)
-        return aborted
 
     def _finish(self, request_id: str) -> None:
         replica = self._replica_of.pop(request_id, None)
@@ -262,7 +267,10 @@ class PrefixAwareRouter(RoutingRule, Closable):
         idle one's step collects its copies, freeing their blocks and ids), in replica order.
 
         When one replica's step raises, the outputs of the replicas before it are kept
-        and the next step() returns them first: no token, and no finish, is lost. A
+        and the next step() returns them first: no token, and no finish, is lost. If that
+        replica then has no unfinished request, the router's requests on it ended in the
+        failed step, their outputs lost, and are released at once as abort() releases
+        them (one that still runs some keeps all counted until abort() releases them). A
         finished request is released (its id free, its replica's count down) once its
         finishing output is returned, so a kept output never reaches a later request
         of its id. A replica's step() that returns what the router cannot deliver (an
@@ -277,11 +285,25 @@ class PrefixAwareRouter(RoutingRule, Closable):
             for index in self._indices:
                 if checked.unfinished(index) or checked.pending(index):
                     checked.step(outputs, index)
-        except BaseException:
+        except BaseException as error:
             self._undelivered = outputs
             checked.ended_in(outputs, self._replica_of)
+            self._release_if_idle(index, error)
             raise
         return self._finished_from(outputs)
+
+    def _release_if_idle(self, index: int, error: BaseException) -> None:
+        """After replicas[index] raised in step(): if it has no unfinished request, the
+        router's requests there ended in that step, their outputs lost, and are released
+        as abort() would (those with a finishing output kept excepted). Its answer that
+        raises or is no bool is noted on `error`, nothing released."""
+        try:
+            idle = not self._checked.unfinished(index)
+        except Exception as failure:  # noqa: BLE001 - the step's error is the one raised
+            error.add_note(f"releasing its ended requests, {failure!r} was raised")
+            return
+        for request_id in [r for r, i in self._replica_of.items() if i == index] if idle else []:
+            self._release(request_id, None, aborted=False)
 
     def _finished_from(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         samples = self._samples

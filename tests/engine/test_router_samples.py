@@ -134,11 +134,12 @@ def test_aborting_a_request_whose_outputs_were_lost_releases_each_sample_once(en
     router.add_request(A, params, request_id="x")
     router.add_request(B, SamplingParams(max_tokens=8), request_id="other")
     _lose_the_last_outputs(router, engines)
+    # Replica 0 runs nothing after its failed step: sample 1 is released then (its kept
+    # token dropped with it), sample 0 on the delivery of its kept finish.
     assert [(o.index, o.finish_reason) for o in router._undelivered if o.request_id == "x"] == [
-        (0, "stop"),
-        (1, None),
+        (0, "stop")
     ]
-    assert not router.abort("x")  # nothing runs; sample 1 is released now, 0 on delivery
+    assert not router.abort("x")  # nothing runs, nothing more to release
     ended = _run(router)
     assert ended[("x", 0)] == "stop" and ("x", 1) not in ended
     assert router.num_outstanding == (0, 0)
@@ -151,6 +152,7 @@ def test_a_request_released_by_abort_leaves_no_kept_output_to_a_later_one(engine
     router.add_request(A, SamplingParams(max_tokens=2), request_id="x")
     router.add_request(B, SamplingParams(max_tokens=8), request_id="other")
     _lose_the_last_outputs(router, engines)  # x's first token kept, its finish lost
+    assert router.num_outstanding[0] == 0  # released: replica 0 runs nothing
     assert not router.abort("x") and router.num_outstanding[0] == 0
     router.add_request(A, SamplingParams(max_tokens=1, n=2), request_id="x")
     outputs = []

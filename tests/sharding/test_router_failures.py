@@ -135,22 +135,59 @@ class _FinishesThenRaises(FakeReplica):
         return super().step()
 
 
-def test_a_request_finished_in_a_step_that_raised_is_released_by_abort_and_close():
-    router = PrefixAwareRouter([_FinishesThenRaises(0)], block_size=BLOCK)
+def test_a_request_finished_in_a_step_that_raised_is_released_when_its_replica_is_idle():
+    # It stayed counted (skewing the routing) and its id held until aborted.
+    router = PrefixAwareRouter([_FinishesThenRaises(0), FakeReplica(1)], block_size=BLOCK)
     rid = router.add_request([1] * BLOCK, SamplingParams(max_tokens=1))
     with pytest.raises(KeyboardInterrupt):
         router.step()
-    assert not router.replicas[0].has_unfinished_requests() and router.num_outstanding == (1,)
-    assert not router.abort(rid)  # finished, not aborted: but no longer counted
-    assert router.num_outstanding == (0,)
+    assert not router.replicas[0].has_unfinished_requests() and router.num_outstanding == (0, 0)
     with pytest.raises(KeyError):
         router.replica_of(rid)
-    other = PrefixAwareRouter([_FinishesThenRaises(0)], block_size=BLOCK)
-    other.add_request([1] * BLOCK, SamplingParams(max_tokens=1))
-    with pytest.raises(KeyboardInterrupt):
-        other.step()
-    other.close()
-    assert other.num_outstanding == (0,)
+    assert not router.abort(rid) and not router.has_unfinished_requests()
+    assert router.add_request([2] * BLOCK, request_id=rid) == rid  # its id is free
+    assert router.replica_of(rid) == 0  # the least loaded again
+
+
+class _FinishesOneThenRaises(FakeReplica):
+    """Its first step finishes its first request and raises, the others still running."""
+
+    def step(self):
+        if not hasattr(self, "raised"):
+            self.raised = True
+            del self.running[next(iter(self.running))]
+            raise RuntimeError("device lost")
+        return super().step()
+
+
+def test_a_replica_still_running_requests_after_its_step_raised_keeps_them_counted():
+    # Which of them ended is not known without asking each: abort releases those.
+    router = PrefixAwareRouter([_FinishesOneThenRaises(0)], block_size=BLOCK)
+    first = router.add_request([1] * BLOCK, SamplingParams(max_tokens=1))
+    router.add_request([1] * BLOCK, SamplingParams(max_tokens=1))
+    with pytest.raises(RuntimeError, match="device lost"):
+        router.step()
+    assert router.num_outstanding == (2,)
+    assert not router.abort(first) and router.num_outstanding == (1,)
+    assert [o.finished for o in router.step()] == [True] and router.num_outstanding == (0,)
+
+
+def test_a_replica_whose_idle_answer_raises_after_its_step_did_releases_nothing():
+    class Broken(_FinishesThenRaises):
+        def has_unfinished_requests(self):
+            if getattr(self, "raised", False):
+                raise OSError("connection lost")
+            return super().has_unfinished_requests()
+
+    router = PrefixAwareRouter([Broken(0)], block_size=BLOCK)
+    rid = router.add_request([1] * BLOCK, SamplingParams(max_tokens=1))
+    with pytest.raises(KeyboardInterrupt) as raised:
+        router.step()
+    assert "OSError('connection lost')" in "".join(raised.value.__notes__)
+    assert router.num_outstanding == (1,) and router.replica_of(rid) == 0
+    router.replicas[0].has_unfinished_requests = lambda: False
+    router.close()
+    assert router.num_outstanding == (0,)
 
 
 class _Interrupted(FakeReplica):

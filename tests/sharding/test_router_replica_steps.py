@@ -212,8 +212,9 @@ def test_a_finish_without_its_reason_a_reason_without_finish_or_odd_index_is_ref
     router = _router(lambda outputs: [o._replace(**change) for o in outputs], tokens=1)
     with pytest.raises(ValueError, match=named):
         router.step()
-    assert router.num_outstanding == (1, 1) and router.replicas[1].running == {}
-    assert router.abort("b") is False  # its replica runs it no more: released
+    # Its replica runs nothing after the step that raised: "b" is released at once.
+    assert router.num_outstanding == (1, 0) and router.replicas[1].running == {}
+    assert router.abort("b") is False
     assert _delivered(router) == [("a", True)]
 
 
