@@ -27,13 +27,14 @@ from flax import nnx
 
 from jaxkv.attention import default_backend
 from jaxkv.cascade import CascadePlan, CascadePlanner
-from jaxkv.closable import Closable, checked_timeout, one_at_a_time, step_until_landed
+from jaxkv.closable import Closable, one_at_a_time, step_until_landed
 from jaxkv.completion import generate_progress_bar, run_to_completion
 from jaxkv.config import EngineConfig
 from jaxkv.deliberate_transfers import allowing_transfers
 from jaxkv.detokenizer import Detokenizer
 from jaxkv.engine_args import checked_engine_args
 from jaxkv.engine_device import device_state, engine_copier
+from jaxkv.engine_lifetime import close_engine
 from jaxkv.hashing import check_hash_key
 from jaxkv.held_interrupts import holding_interrupts
 from jaxkv.kv_cache_manager import KVCacheManager
@@ -362,21 +363,7 @@ class Engine(Closable):
         engine then stays open, without requests, and close can be called again. `with
         Engine(...) as engine:` closes it on leaving the block.
         """
-        if self._closed:
-            return
-        self._check_not_running()
-        timeout_s = checked_timeout(timeout_s)  # before any request is aborted
-        for request in [*self.scheduler.running, *self.scheduler.waiting]:
-            self.abort(request.request_id)
-        self.drain_transfers(timeout_s)
-        self._transfers_at_close = self.connector.stats
-        self.connector.unbind(self.copier)
-        self.copier.close()
-        self._closed = True
-        self._state_leaves = []  # the sharded copies of the weights are the engine's own
-        caches, self.kv_caches = self.kv_caches, []
-        for cache in caches:  # the engine made them and is their only user
-            cache.delete()
+        close_engine(self, timeout_s)
 
     # ----------------------------------------------------------------- metrics
 
