@@ -34,7 +34,7 @@ from jaxkv.deliberate_transfers import allowing_transfers
 from jaxkv.detokenizer import Detokenizer
 from jaxkv.engine_args import checked_engine_args
 from jaxkv.engine_device import device_state, engine_copier
-from jaxkv.engine_lifetime import close_engine
+from jaxkv.engine_lifetime import LOST, caches_lost, close_engine
 from jaxkv.hashing import check_hash_key
 from jaxkv.held_interrupts import holding_interrupts
 from jaxkv.kv_cache_manager import KVCacheManager
@@ -164,7 +164,7 @@ class Engine(Closable):
         and params.stream_text need the engine's tokenizer. Under params.n > 1 its n
         samples are queued (ids "0_<id>" to "<n-1>_<id>", in use too) and report under
         its id."""
-        self._check_open()
+        self._check_open(idle=False)
         prompt = checked_prompt_ids(prompt_token_ids, limit=self.vocab_size)
         sampling_params = checked_sampling_params(sampling_params, self.model_config, self.config)
         check_hash_key("cache_salt", cache_salt)  # before a default id exists to name
@@ -211,7 +211,7 @@ class Engine(Closable):
     def reset_prefix_cache(self) -> bool:
         """Empties the device prefix cache (vLLM's LLM.reset_prefix_cache): True if it did,
         False (nothing changed) while a request holds blocks; a connector's store stays."""
-        self._check_open()
+        self._check_open(idle=False)
         return self.manager.reset_prefix_cache()
 
     def has_pending_transfers(self) -> bool:
@@ -240,7 +240,9 @@ class Engine(Closable):
         fails to start) propagates before the model runs, the batch handed back the same
         way; a HostOffloadConnector first drops the blocks that load was to read, so the
         next step computes them. A batch that an interrupt kept from being applied or handed
-        back (a Ctrl-C as schedule() returned) is handed back by the next step.
+        back (a Ctrl-C as schedule() returned) is handed back by the next step. A
+        program that fails after the caches were donated to it loses them: see
+        jaxkv.engine_lifetime (the engine must be rebuilt; its error notes it).
         """
         t0, c0 = time.perf_counter(), time.thread_time()
         prompt_logprobs = self._sampling.prompt_logprobs
@@ -279,10 +281,12 @@ class Engine(Closable):
                     prompt_logprobs.record(prompt, prompt_out)
                 sampled = in_schedule_order(tokens, n, order)
             t2 = time.perf_counter()
-        except BaseException:
+        except BaseException as error:
             # The batch's allocation entered the blocks its tokens were to fill into the
             # prefix cache, but their KV was never written: a later hit would read garbage.
             self.scheduler.discard(out)
+            if caches_lost(self.kv_caches):  # the program failed after they were donated
+                error.add_note(LOST)
             raise
         if new_program:
             self._programs.add(key)
@@ -344,7 +348,7 @@ class Engine(Closable):
         (KeyboardInterrupt too) aborts the prompts' unfinished requests, then propagates.
         Requests already in the engine progress too; their outputs are not returned.
         """
-        self._check_open()
+        self._check_open(idle=False)
         bar = generate_progress_bar(prompts, progress)
         return run_to_completion(self, prompts, sampling_params, progress_bar=bar)
 
@@ -364,6 +368,13 @@ class Engine(Closable):
         Engine(...) as engine:` closes it on leaving the block.
         """
         close_engine(self, timeout_s)
+
+    def _check_open(self, *, idle: bool = True) -> None:
+        """Closable's check, then RuntimeError once the KV caches are lost (0.2 us); with
+        `idle` not while it holds no request (a step then only lands the KV copies)."""
+        super()._check_open()
+        if caches_lost(self.kv_caches) and not (idle and not self.has_unfinished_requests()):
+            raise RuntimeError(LOST)
 
     # ----------------------------------------------------------------- metrics
 

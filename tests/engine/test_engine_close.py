@@ -16,6 +16,7 @@ from jaxkv import SamplingParams, engine_device
 from jaxkv.engine import Engine
 from jaxkv.host_offload_connector import HostOffloadConnector
 from jaxkv.kv_transfer import KVConnector
+from jaxkv.router import PrefixAwareRouter
 from jaxkv.sharding import place_model
 from tests.engine._util import (
     VOCAB,
@@ -71,6 +72,77 @@ def test_close_aborts_requests_lands_copies_and_frees_the_kv_cache():
     with pytest.raises(ValueError, match="must be a request id"):
         engine.abort(7)  # its argument is still checked
     engine.close()  # again: nothing to do
+
+
+def test_an_engine_whose_step_program_failed_after_donating_its_caches_says_to_rebuild_it():
+    # Later calls used to fail in jax ("Buffer has been deleted or donated", "Array has
+    # been deleted"), or queue requests that could never run; close must still free all.
+    connector = HostOffloadConnector(HOST_BYTES, copy_delay_steps=5)
+    engine = make_engine(connector=connector)
+    done, running = _prompts(3, 2, 20)
+    engine.generate([done], SamplingParams(max_tokens=2), progress=False)
+    assert engine.has_pending_transfers()  # a save begun before the failure
+    program = engine._program
+
+    def fails_after_donation(*args, **kwargs):
+        program(*args, **kwargs)  # the caches given are donated: deleted now
+        raise RuntimeError("device lost")
+
+    engine._program = fails_after_donation
+    engine.add_request(running, SamplingParams(max_tokens=8), request_id="running")
+    caches = engine.kv_caches
+    with pytest.raises(RuntimeError, match="device lost") as raised:
+        engine.step()
+    assert "Build a new Engine" in "".join(raised.value.__notes__)
+    engine._program = program
+    lost = "KV caches were lost.*Build a new Engine"
+    calls = {
+        "add_request": lambda: engine.add_request(done),
+        "step": engine.step,
+        "generate": lambda: engine.generate([done], progress=False),
+        "drain_transfers": engine.drain_transfers,
+        "reset_prefix_cache": engine.reset_prefix_cache,
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=lost):
+            call()
+            pytest.fail(f"{name} ran on lost caches")
+    assert engine.has_unfinished_requests() and engine.metrics.num_steps > 0  # reads work
+    assert engine.abort("running") and engine.step() == []  # idle: it only polls copies
+    with pytest.raises(RuntimeError, match=lost):
+        engine.add_request(done)
+    engine.close()  # lands the save, frees the rest
+    assert engine.closed and not engine.has_unfinished_requests()
+    assert not engine.has_pending_transfers() and connector.stats.num_stored_blocks > 0
+    assert_all_blocks_free(engine)
+    assert all(cache.is_deleted() for cache in caches) and engine.kv_caches == []
+    with pytest.raises(RuntimeError, match="the Engine is closed"):
+        engine.step()
+    engine.close()  # again: nothing to do
+
+
+def test_a_router_closes_a_replica_whose_caches_were_lost():
+    connector = HostOffloadConnector(HOST_BYTES, copy_delay_steps=5)
+    engine = make_engine(connector=connector)
+    router = PrefixAwareRouter([engine], block_size=4)
+    done, running = _prompts(4, 2, 20)
+    router.generate([done], SamplingParams(max_tokens=2), progress=False)
+    program = engine._program
+
+    def fails_after_donation(*args, **kwargs):
+        program(*args, **kwargs)
+        raise RuntimeError("device lost")
+
+    engine._program = fails_after_donation
+    router.add_request(running, SamplingParams(max_tokens=8))
+    with pytest.raises(RuntimeError, match="device lost"):
+        router.step()
+    with pytest.raises(RuntimeError, match="KV caches were lost"):
+        router.step()
+    assert engine.has_pending_transfers()
+    router.close()  # its steps used to raise, leaving the replica open
+    assert router.closed and engine.closed and engine.kv_caches == []
+    assert connector.stats.num_stored_blocks > 0 and router.num_outstanding == (0,)
 
 
 def test_a_connector_keeps_the_closed_engines_kv_for_the_next_engine():
