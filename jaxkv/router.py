@@ -5,8 +5,10 @@ prefix cache, so a shared prompt prefix is computed once per replica that sees i
 router therefore sends requests that share a prefix to the same replica: it remembers which
 replica each prefix went to, keyed by the chained hashes of the prompt's first full blocks
 (jaxkv.hashing, the same keys the prefix cache uses), and routes a new request to the
-replica of its longest remembered prefix. A request with no remembered prefix goes to the
-replica with the fewest outstanding (queued or running) requests.
+replica of its longest remembered prefix, unless that replica has more than max_imbalance
+outstanding sequences beyond the least-loaded one. A request with no remembered prefix goes
+to the replica with the fewest outstanding (queued or running) sequences, the first of
+them on a tie: a request of SamplingParams.n counts n (jaxkv.router_rule).
 
 The router is plain Python: it needs only the `Replica` interface (jaxkv.replica), so it
 works with engines in one process (on CPU devices too) and is testable without engines.
@@ -58,7 +60,8 @@ class PrefixAwareRouter(RoutingRule, Closable):
 
     Outstanding sequences are counted by the router: +n on add_request (SamplingParams.n,
     1 without params), -1 when step() returns the output that says one sample finished,
-    and the samples still running when it is aborted; so add, step and abort through the
+    and the samples still running when it is aborted or when a failed step() leaves its
+    replica with no unfinished request (see step); so add, step and abort through the
     router only (a request added to a replica directly is not counted, and its outputs
     are dropped; one aborted there counts until the router's abort). Not thread-safe; a
     call back into the router from inside its add_request, step, abort, drain_transfers
