@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkv import attention
 from jaxkv.batch import AttentionMetadata
+from jaxkv.field_checks import as_int
 from jaxkv.meshes import DEFAULT_AXIS as DEFAULT_AXIS
 from jaxkv.meshes import auto_axes, check_distinct, check_divides
 from jaxkv.meshes import make_mesh as make_mesh
@@ -52,7 +53,10 @@ def kv_cache_sharding(mesh: Mesh, axis_name: str = DEFAULT_AXIS) -> NamedShardin
 
     The spec has no trailing None: the step program returns its caches so (jit drops
     trailing Nones), and jit keys its cache on the spec's form, so caches made with
-    P(None, None, axis, None) retraced the first step's program on the second step."""
+    P(None, None, axis, None) retraced the first step's program on the second step.
+    ValueError naming `mesh` unless it is a jax.sharding.Mesh, and `axis_name` unless an
+    axis of it."""
+    _tp_size(mesh, axis_name)  # a str mesh raised AttributeError, a bad axis only at use
     return NamedSharding(mesh, P(None, None, axis_name))
 
 
@@ -365,7 +369,25 @@ def init_kv_caches(
     dtype: Any = None,
 ) -> list[jax.Array]:  # num_layers x [num_blocks, block_size, 2*num_kv_heads*kv_replicas, D]
     """Zeroed per-layer caches created directly in kv_cache_sharding (never whole on one
-    device); with replicated KV heads the combined-head axis has 2 * TP entries."""
+    device); with replicated KV heads the combined-head axis has 2 * TP entries.
+    ValueError naming the argument unless `config` is a LlamaConfig, `tp` a
+    TensorParallel on a Mesh whose size divides num_kv_heads * kv_replicas (whole K/V
+    pairs per device), and num_blocks, block_size and dtype as Llama.init_kv_caches
+    takes them."""
+    from jaxkv.models.config import check_config
+    from jaxkv.models.llama import check_kv_cache_args
+
+    check_config(config)
+    if not isinstance(tp, TensorParallel):
+        raise ValueError(
+            f"tp={type(tp).__name__} must be a jaxkv.sharding.TensorParallel "
+            "(plan_tensor_parallel makes one)"
+        )
+    size = _tp_size(tp.mesh, tp.axis_name)
+    if as_int(tp.kv_replicas) is None or tp.kv_replicas < 1:
+        raise ValueError(f"tp.kv_replicas={tp.kv_replicas!r} must be an int >= 1")
+    check_divides(size, "num_kv_heads * kv_replicas", config.num_kv_heads * tp.kv_replicas)
+    check_kv_cache_args(num_blocks, block_size, dtype)
     heads = 2 * config.num_kv_heads * tp.kv_replicas
     shape = (num_blocks, block_size, heads, config.head_dim)
     dt = jnp.dtype(dtype or config.dtype)

@@ -307,28 +307,34 @@ class Llama(nnx.Module):
         int8 or float8_e4m3fn for a quantized cache. ValueError naming the argument unless
         `num_blocks` and `block_size` are ints >= 1 and `dtype` is one of those.
         """
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if as_int(value) is None or value < 1:  # -1 or 2.0 raised jax's TypeError
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
-        if dtype is not None:
-            try:
-                kv_dtype = jnp.dtype(dtype)
-            except (TypeError, ValueError):  # "floot", 3
-                kv_dtype = None
-            if kv_dtype not in FLOAT_DTYPES + QUANTIZED_KV_DTYPES:
-                raise ValueError(
-                    f"dtype={dtype!r} must be None, float32, bfloat16, float16, int8 or "
-                    "float8_e4m3fn"
-                )
         c = self.config
         tp = self.layers[0].self_attn.tensor_parallel
-        if tp is not None:
+        if tp is not None:  # it checks the arguments
             from jaxkv.sharding import init_kv_caches
 
             return init_kv_caches(c, tp, num_blocks, block_size, dtype)
+        check_kv_cache_args(num_blocks, block_size, dtype)
         shape = (num_blocks, block_size, 2 * c.num_kv_heads, c.head_dim)
         dt = jnp.dtype(dtype or c.dtype)
         return [jnp.zeros(shape, dt) for _ in range(c.num_layers)]
+
+
+def check_kv_cache_args(num_blocks: Any, block_size: Any, dtype: Any) -> None:
+    """ValueError naming the argument unless `num_blocks` and `block_size` are ints >= 1
+    and `dtype` None or a dtype the kernels read (float32, bfloat16, float16, int8,
+    float8_e4m3fn); shared by Llama.init_kv_caches and jaxkv.sharding.init_kv_caches."""
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+        if as_int(value) is None or value < 1:  # -1 or 2.0 raised jax's TypeError
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+    if dtype is not None:
+        try:
+            kv_dtype = jnp.dtype(dtype)
+        except (TypeError, ValueError):  # "floot", 3
+            kv_dtype = None
+        if kv_dtype not in FLOAT_DTYPES + QUANTIZED_KV_DTYPES:
+            raise ValueError(
+                f"dtype={dtype!r} must be None, float32, bfloat16, float16, int8 or float8_e4m3fn"
+            )
 
 
 def _check_int_array(name: str, value: Any) -> None:
