@@ -33,6 +33,12 @@ def llama_config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> Lla
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise ValueError(f"{key}={hf[key]!r}: this Llama's projections have no bias")
+    for key, why in _NOT_NULL.items():
+        if key in hf and hf[key] is None:
+            raise ValueError(
+                f"Hugging Face config: {key}=null must be a number: transformers' LlamaConfig "
+                f"refuses null ({why}); leave the key out for its default {_DEFAULTS[key]}"
+            )
     rope_theta, rope_scaling = _hf_rope(hf)
     act = hf.get("hidden_act", "silu")
     # transformers' ACT2FN maps "swish" to the same SiLU as "silu".
@@ -47,7 +53,7 @@ def llama_config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> Lla
     if head_dim is not None and not (is_integer(head_dim) and head_dim > 0):
         raise ValueError(f"Hugging Face config: {head_dim=} must be a positive int or null")
     # Read before the try below, whose handler would prefix its error a second time.
-    rms_norm_eps = _hf_value(hf, "rms_norm_eps", float, 1e-6)
+    rms_norm_eps = _hf_value(hf, "rms_norm_eps", float, _DEFAULTS["rms_norm_eps"])
     try:
         config = LlamaConfig(
             vocab_size=hf["vocab_size"],
@@ -68,7 +74,9 @@ def llama_config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> Lla
             # Absent or null: untied (transformers' default); anything but a bool is refused
             # by LlamaConfig: bool("false") would tie the head and drop lm_head.weight.
             tie_word_embeddings=_hf_default(hf, "tie_word_embeddings", False),
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=hf.get(
+                "max_position_embeddings", _DEFAULTS["max_position_embeddings"]
+            ),
             dtype=torch_dtype if torch_dtype in _DTYPES else "float32",
             eos_token_ids=hf.get("eos_token_id"),
         )
@@ -76,6 +84,18 @@ def llama_config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> Lla
         raise ValueError(_in_hf_keys(str(e))) from None
     # The caller's dtype, not config.json's: a bad one is refused as `dtype=`.
     return config if dtype is None else dataclasses.replace(config, dtype=dtype)
+
+
+# transformers' LlamaConfig defaults for keys left out.
+_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048}
+# Keys whose null transformers' LlamaConfig refuses (5.x: a strict dataclass whose field
+# is a float or an int), and what older versions or vLLM did with it; read as the
+# default, a config.json transformers refuses loaded as a model it never ran.
+_NOT_NULL = {
+    "rms_norm_eps": "4.x took it and failed at the first forward",
+    "max_position_embeddings": "4.x took it as no limit, vLLM assumes 2048: give the "
+    "model's context length",
+}
 
 
 def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
