@@ -204,11 +204,12 @@ class LlamaConfig:
         transformers), which must then agree with them. `dtype`, when given, overrides the
         dict's. Raises ValueError naming a required key the dict lacks, a bad value (by its
         config.json key: num_attention_heads, not LlamaConfig's num_heads), a null
-        rms_norm_eps or max_position_embeddings (transformers' LlamaConfig refuses them;
-        left out, they take its defaults 1e-6 and 2048), or a feature this
-        Llama lacks (another model_type, a sliding window, attention or MLP biases, a
-        partial_rotary_factor other than 1, a RoPE type other than "default" and "llama3",
-        such as "linear" or "dynamic", named): such a model would load and run wrong.
+        rms_norm_eps, max_position_embeddings or rope_theta (transformers refuses them or
+        builds no model; left out, they take its defaults 1e-6, 2048 and 10000), or a
+        feature this Llama lacks (another model_type, a sliding window, attention or MLP
+        biases, a partial_rotary_factor other than 1, a RoPE type other than "default" and
+        "llama3", such as "linear" or "dynamic", named): such a model would load and run
+        wrong.
         """
         # The reading lives in hf_config, which imports this module.
         from jaxkv.models.hf_config import llama_config_from_hf

@@ -123,6 +123,14 @@ def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         ):
             raise ValueError(f"rope_parameters={params!r} disagree with rope_theta/rope_scaling")
         rope_scaling, rope_theta = from_params, rope_theta if theta is None else theta
+    for where, d in (("config", hf), ("rope_parameters", params)):
+        # Null and no number beside it: transformers (4.x and 5.x) computes RoPE of base
+        # None and fails building the model, which was read here as 10000.
+        if rope_theta is None and isinstance(d, dict) and d.get("rope_theta", 0) is None:
+            raise ValueError(
+                f"Hugging Face {where}: rope_theta=null must be a number: transformers "
+                "builds no model of it; leave the key out for its default 10000.0"
+            )
     return (10000.0 if rope_theta is None else rope_theta), rope_scaling
 
 

@@ -80,12 +80,11 @@ def test_unsupported_rope_scaling_and_inconsistent_values_are_refused():
 
 def test_null_and_default_values_read_as_hugging_face_reads_them():
     # transformers reads a null num_key_value_heads as num_attention_heads, a null
-    # rope_theta as the default, a null head_dim as hidden_size // num_attention_heads,
-    # and rope_type "default" as plain RoPE.
-    nulls = dict(num_key_value_heads=None, rope_theta=None, head_dim=None)
+    # head_dim as hidden_size // num_attention_heads, and rope_type "default" as plain RoPE.
+    nulls = dict(num_key_value_heads=None, head_dim=None)
     cfg = LlamaConfig.from_hf_dict({**REQUIRED, **nulls, "rope_scaling": {"rope_type": "default"}})
     assert cfg == LlamaConfig.from_hf_dict(REQUIRED)
-    assert (cfg.rms_norm_eps, cfg.max_position_embeddings) == (1e-6, 2048)  # left out
+    assert (cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.rope_theta) == (1e-6, 2048, 1e4)
 
 
 @pytest.mark.parametrize("head_dim", [0, False, 8.0, -8])
