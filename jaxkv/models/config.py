@@ -59,6 +59,26 @@ def _token_ids(ids, vocab_size: int) -> tuple[int, ...]:
     return tuple(int(t) for t in ids)
 
 
+_F32_MAX_LOG = math.log(float(np.finfo(np.float32).max))
+
+
+def _check_rope_angles(config: LlamaConfig) -> None:
+    """ValueError naming rope_theta when it is so small that a RoPE angle (position times
+    the largest inverse frequency, rope_theta ** -((head_dim - 2) / head_dim), computed in
+    float32) overflows at a position below max_position_embeddings: cos(inf) is NaN,
+    every logit after it too. Llama 3 scaling only lowers frequencies. Log space: the
+    float64 power itself overflowed for rope_theta near 1e-300."""
+    d, last = config.head_dim, config.max_position_embeddings - 1
+    exponent = (d - 2) / d  # the largest inverse frequency is rope_theta ** -exponent
+    log_angle = -exponent * math.log(config.rope_theta) + math.log(max(last, 1))
+    if log_angle > _F32_MAX_LOG:
+        least = math.exp(-(_F32_MAX_LOG - math.log(max(last, 1))) / exponent)
+        raise ValueError(
+            f"rope_theta={config.rope_theta!r} is so small that RoPE angles overflow float32 "
+            f"below max_position_embeddings={last + 1} (head_dim={d}): it must be >= {least:.3g}"
+        )
+
+
 def _real_field(owner: object, name: str) -> float:
     """The named attribute of `owner` stored back as a Python float (numpy and 0-d JAX
     reals too: a numpy float32 would not go to JSON, and 10000 would write apart from an
@@ -133,6 +153,7 @@ class LlamaConfig:
             raise ValueError(f"{self.head_dim=} must be positive and even (RoPE rotates pairs)")
         if self.max_position_embeddings <= 0:
             raise ValueError(f"{self.max_position_embeddings=} must be positive")
+        _check_rope_angles(self)
         if isinstance(self.dtype, (np.dtype, type)):  # np.float32, jnp.bfloat16: by name
             try:
                 object.__setattr__(self, "dtype", np.dtype(self.dtype).name)

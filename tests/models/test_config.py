@@ -241,3 +241,16 @@ def test_real_fields_are_stored_as_floats_so_equal_configs_write_and_fingerprint
 def test_a_real_field_too_large_for_a_float_is_refused_by_name():
     with pytest.raises(ValueError, match="rope_theta=1000.* must be a finite real number"):
         small_config(rope_theta=10**400)  # used to raise OverflowError from math.isfinite
+
+
+@pytest.mark.parametrize("theta", [1e-50, 5e-324, 0.0, -1.0, math.inf, math.nan])
+def test_a_rope_theta_whose_angles_overflow_or_that_is_not_positive_is_refused(theta):
+    # 1e-50 was accepted and gave NaN logits: its largest inverse frequency times a
+    # position below max_position_embeddings overflows float32, and cos(inf) is NaN.
+    with pytest.raises(ValueError, match=f"rope_theta={theta!r} (is so small|must be)"):
+        small_config(rope_theta=theta)
+    least = small_config(rope_theta=1.1e-47)  # just above the bound for head_dim 8, 2048
+    positions = np.arange(least.max_position_embeddings, dtype=np.float32)
+    assert np.isfinite(positions[:, None] * rope_inv_freq(least)).all()
+    # head_dim 2 rotates by the position itself whatever rope_theta is.
+    assert small_config(hidden_size=8, head_dim=2, rope_theta=1e-300).head_dim == 2
