@@ -1,6 +1,9 @@
 """A Hugging Face Llama `config.json` dict read as a LlamaConfig (`LlamaConfig.from_hf_dict`).
 
-Keys left out take transformers' `LlamaConfig` defaults; values this Llama cannot run, or
+Keys left out take transformers' `LlamaConfig` defaults, but for `eos_token_id`: left out
+(or null) it gives no end token, not transformers' 2, which is Llama 2's EOS and any
+token of another vocabulary (vLLM adds its tokenizer's EOS, which jaxkv has none of;
+load_hf_safetensors adds generation_config.json's). Values this Llama cannot run, or
 cannot run the way transformers would, are refused by name.
 """
 
