@@ -247,7 +247,8 @@ class Llama(nnx.Module):
         """Logits at every position of whole sequences that start at position 0 (no cache).
 
         ValueError unless `tokens` is an integer array [batch, length] (checked while
-        tracing: its shape and dtype only, not its values)."""
+        tracing: its shape and dtype only, not its values, as in __call__; a NaN of an id
+        >= vocab_size reaches the earlier positions too, through the masked attention)."""
         _check_int_array("tokens", tokens)
         if tokens.ndim != 2:
             raise ValueError(f"{tokens.shape=} must be [batch, length]")
@@ -268,7 +269,9 @@ class Llama(nnx.Module):
 
         Writes every token's K/V into `kv_caches` at `metadata.slot_mapping` and returns the
         logits of each sequence's last scheduled token (`metadata.logits_indices`); rows past
-        the batch's number of sequences are padding.
+        the batch's number of sequences are padding. Token ids are not checked (a jitted
+        step cannot): one >= vocab_size embeds as NaN, a negative one as another token;
+        Engine.add_request, greedy_generate and Trainer check theirs.
         """
         hidden, new_caches = self.hidden_states(input_ids, positions, kv_caches, metadata)
         return self.logits(hidden[metadata.logits_indices]), new_caches

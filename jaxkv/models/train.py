@@ -26,7 +26,10 @@ def next_token_loss(
     model: Llama,
     tokens: jax.Array,  # i32[B, L + 1]
 ) -> jax.Array:  # f32[]
-    """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1], in nats."""
+    """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1], in nats.
+
+    Ids are not checked (it runs under jit): one outside [0, vocab_size) gives a NaN or
+    silently wrong loss; Trainer.step and eval_loss check theirs."""
     logits = model.dense_forward(tokens[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
