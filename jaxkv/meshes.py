@@ -20,6 +20,7 @@ __all__ = [
     "auto_axes",
     "check_distinct",
     "check_divides",
+    "check_head_counts",
     "make_mesh",
     "mesh_for",
     "replica_meshes",
@@ -33,6 +34,17 @@ def check_divides(tp: int, name: str, n: int) -> None:
     if tp < 1 or n % tp:
         need = "be >= 1" if tp < 1 else f"divide {name}={n}"
         raise ValueError(f"tensor_parallel_size={tp} must {need}")
+
+
+def check_head_counts(num_heads, num_kv_heads) -> None:
+    """ValueError naming both unless they are ints >= 1 and num_heads is a multiple of
+    num_kv_heads (grouped-query attention), as LlamaConfig holds them."""
+    counts = (as_int(num_heads), as_int(num_kv_heads))
+    if None in counts or min(counts) < 1 or counts[0] % counts[1]:
+        raise ValueError(
+            f"{num_heads=} and {num_kv_heads=} must be ints >= 1, num_heads a multiple of "
+            "num_kv_heads"
+        )
 
 
 def check_distinct(devices: Sequence[jax.Device], name: str = "devices") -> None:

@@ -38,7 +38,7 @@ from jaxkv import attention
 from jaxkv.batch import AttentionMetadata
 from jaxkv.field_checks import as_int
 from jaxkv.meshes import DEFAULT_AXIS as DEFAULT_AXIS
-from jaxkv.meshes import auto_axes, check_distinct, check_divides
+from jaxkv.meshes import auto_axes, check_distinct, check_divides, check_head_counts
 from jaxkv.meshes import make_mesh as make_mesh
 from jaxkv.meshes import mesh_for as mesh_for
 from jaxkv.meshes import replica_meshes as replica_meshes
@@ -242,12 +242,14 @@ def plan_tensor_parallel(
 
     Raises ValueError naming both numbers when TP does not divide num_heads, does not
     divide num_kv_heads (TP <= num_kv_heads), or is not a multiple of num_kv_heads
-    (TP > num_kv_heads), naming mesh.devices when the mesh lists a device twice, and
-    naming `mesh` unless it is a jax.sharding.Mesh. The plan runs on
+    (TP > num_kv_heads), naming both counts unless ints >= 1 (num_heads a multiple of
+    num_kv_heads), mesh.devices when the mesh lists a device twice, and `mesh` unless it
+    is a jax.sharding.Mesh. The plan runs on
     meshes.auto_axes(mesh): a mesh of Explicit or Manual axes (as jax.make_mesh builds
     by default) serves as its Auto twin over the same devices.
     """
     tp = _tp_size(mesh, axis_name)
+    check_head_counts(num_heads, num_kv_heads)  # 0 raised ZeroDivisionError, "4" TypeError
     check_distinct(list(mesh.devices.flat), "mesh.devices")
     mesh = auto_axes(mesh)
     check_divides(tp, "num_heads", num_heads)

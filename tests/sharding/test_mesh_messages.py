@@ -1,6 +1,7 @@
 """A tensor-parallel size below one is refused as such (must be >= 1), not as failing to
-divide the device count; a positive one that does not divide is named with the count.
-These run on whatever devices this process has (one CPU is enough)."""
+divide the device count; a positive one that does not divide is named with the count;
+head counts that are no model's are refused as such. These run on whatever devices this
+process has (one CPU is enough)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,12 @@ def test_a_size_that_does_not_divide_names_the_number():
     check_divides(4, "num_heads", 8)  # divides: no error
     [mesh] = sharding.replica_meshes(1, jax.devices()[:1])
     assert mesh.shape == {"model": 1}
+
+
+@pytest.mark.parametrize("counts", [(4, 0), (4, -2), ("4", 2), (4.0, 2), (0, 2), (3, 2), (True, 1)])
+def test_plan_tensor_parallel_refuses_head_counts_that_are_not_a_model_by_name(counts):
+    # (4, 0) raised ZeroDivisionError, ("4", 2) TypeError from str formatting, (4, -2) said
+    # TP "exceeds num_kv_heads=-2"; (0, 2), (3, 2), (4.0, 2) and (True, 1) were planned.
+    with pytest.raises(ValueError, match=r"^num_heads=.* and num_kv_heads=.* must be ints >= 1"):
+        sharding.plan_tensor_parallel(*counts, sharding.make_mesh(1))
+    assert sharding.plan_tensor_parallel(4, 2, sharding.make_mesh(1)).kv_replicas == 1
