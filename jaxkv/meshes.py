@@ -18,6 +18,7 @@ from jaxkv.field_checks import as_int
 __all__ = [
     "DEFAULT_AXIS",
     "auto_axes",
+    "axis_size",
     "check_distinct",
     "check_divides",
     "check_head_counts",
@@ -27,6 +28,16 @@ __all__ = [
 ]
 
 DEFAULT_AXIS = "model"
+
+
+def axis_size(mesh: Mesh, axis_name: str) -> int:
+    """The size of `mesh`'s axis `axis_name`; ValueError naming `mesh` unless it is a
+    jax.sharding.Mesh, and `axis_name` unless an axis of it."""
+    if not isinstance(mesh, Mesh):  # a str or a device list raised AttributeError: .shape
+        raise ValueError(f"mesh={type(mesh).__name__} must be a jax.sharding.Mesh")
+    if axis_name not in mesh.shape:
+        raise ValueError(f"{axis_name=} is not an axis of {mesh.shape=}")
+    return mesh.shape[axis_name]
 
 
 def check_divides(tp: int, name: str, n: int) -> None:

@@ -38,7 +38,7 @@ from jaxkv import attention
 from jaxkv.batch import AttentionMetadata
 from jaxkv.field_checks import as_int
 from jaxkv.meshes import DEFAULT_AXIS as DEFAULT_AXIS
-from jaxkv.meshes import auto_axes, check_distinct, check_divides, check_head_counts
+from jaxkv.meshes import auto_axes, axis_size, check_distinct, check_divides, check_head_counts
 from jaxkv.meshes import make_mesh as make_mesh
 from jaxkv.meshes import mesh_for as mesh_for
 from jaxkv.meshes import replica_meshes as replica_meshes
@@ -56,7 +56,7 @@ def kv_cache_sharding(mesh: Mesh, axis_name: str = DEFAULT_AXIS) -> NamedShardin
     P(None, None, axis, None) retraced the first step's program on the second step.
     ValueError naming `mesh` unless it is a jax.sharding.Mesh, and `axis_name` unless an
     axis of it."""
-    _tp_size(mesh, axis_name)  # a str mesh raised AttributeError, a bad axis only at use
+    axis_size(mesh, axis_name)  # a str mesh raised AttributeError, a bad axis only at use
     return NamedSharding(mesh, P(None, None, axis_name))
 
 
@@ -82,14 +82,6 @@ def _check_heads(
             raise ValueError(
                 f"{name}.shape={x.shape} must be [max_num_tokens, {num_kv_heads}, head_dim]"
             )
-
-
-def _tp_size(mesh: Mesh, axis_name: str) -> int:
-    if not isinstance(mesh, Mesh):  # a str or a device list raised AttributeError: .shape
-        raise ValueError(f"mesh={type(mesh).__name__} must be a jax.sharding.Mesh")
-    if axis_name not in mesh.shape:
-        raise ValueError(f"{axis_name=} is not an axis of {mesh.shape=}")
-    return mesh.shape[axis_name]
 
 
 @with_static_numbers
@@ -123,7 +115,7 @@ def sharded_paged_attention(
     sharded along heads, on meshes.auto_axes(mesh) (any axis types serve). Raises
     ValueError naming both numbers when TP does not divide the query heads or the KV
     heads, or the query heads are not a multiple of the KV heads."""
-    tp = _tp_size(mesh, axis_name)
+    tp = axis_size(mesh, axis_name)
     mesh = auto_axes(mesh)  # shard_map refused the specs on jax.make_mesh's Explicit axes
     _check_heads(kv_pages, q.shape[1])
     check_divides(tp, "num_q_heads", q.shape[1])
@@ -174,7 +166,7 @@ def sharded_write_kv(
     any axis types serve). A slot past the cache writes nothing, also in a numpy int64
     slot_mapping (attention.int32_slots). Raises ValueError naming both
     numbers when TP does not divide the KV heads, or k / v do not have the cache's KV heads."""
-    tp = _tp_size(mesh, axis_name)
+    tp = axis_size(mesh, axis_name)
     mesh = auto_axes(mesh)  # as in sharded_paged_attention
     _check_heads(kv_pages, kv={"k": k, "v": v})
     check_divides(tp, "num_kv_heads", kv_pages.shape[2] // 2)
@@ -248,7 +240,7 @@ def plan_tensor_parallel(
     meshes.auto_axes(mesh): a mesh of Explicit or Manual axes (as jax.make_mesh builds
     by default) serves as its Auto twin over the same devices.
     """
-    tp = _tp_size(mesh, axis_name)
+    tp = axis_size(mesh, axis_name)
     check_head_counts(num_heads, num_kv_heads)  # 0 raised ZeroDivisionError, "4" TypeError
     check_distinct(list(mesh.devices.flat), "mesh.devices")
     mesh = auto_axes(mesh)
@@ -263,6 +255,19 @@ def plan_tensor_parallel(
             "num_kv_heads devices)"
         )
     return TensorParallel(mesh, axis_name, tp // num_kv_heads)
+
+
+def _checked_tp_size(tp: Any) -> int:
+    """tp.size; ValueError naming `tp` unless a TensorParallel on a Mesh that has its axis
+    and with kv_replicas an int >= 1 (another object raised AttributeError)."""
+    if not isinstance(tp, TensorParallel):
+        raise ValueError(
+            f"tp={type(tp).__name__} must be a jaxkv.sharding.TensorParallel "
+            "(plan_tensor_parallel makes one)"
+        )
+    if as_int(tp.kv_replicas) is None or tp.kv_replicas < 1:
+        raise ValueError(f"tp.kv_replicas={tp.kv_replicas!r} must be an int >= 1")
+    return axis_size(tp.mesh, tp.axis_name)
 
 
 def _param_spec(path: tuple[str, ...], tp: TensorParallel) -> P:
@@ -296,8 +301,10 @@ def shard_params(state: Any, tp: TensorParallel) -> Any:
     Column-parallel kernels (COLUMN_PARALLEL, [in, out]) split their output dimension,
     row-parallel ones (ROW_PARALLEL) their input dimension; embeddings, norms and the LM head
     are replicated. K/V projections stay replicated when KV heads are replicated. Raises
-    ValueError naming the parameter and both numbers when TP does not divide a split dim.
+    ValueError naming the parameter and both numbers when TP does not divide a split dim,
+    and naming `tp` unless it is a TensorParallel (as init_kv_caches).
     """
+    _checked_tp_size(tp)
 
     def place(path, x):
         names = _path_names(path)
@@ -380,14 +387,7 @@ def init_kv_caches(
     from jaxkv.models.llama import check_kv_cache_args
 
     check_config(config)
-    if not isinstance(tp, TensorParallel):
-        raise ValueError(
-            f"tp={type(tp).__name__} must be a jaxkv.sharding.TensorParallel "
-            "(plan_tensor_parallel makes one)"
-        )
-    size = _tp_size(tp.mesh, tp.axis_name)
-    if as_int(tp.kv_replicas) is None or tp.kv_replicas < 1:
-        raise ValueError(f"tp.kv_replicas={tp.kv_replicas!r} must be an int >= 1")
+    size = _checked_tp_size(tp)
     check_divides(size, "num_kv_heads * kv_replicas", config.num_kv_heads * tp.kv_replicas)
     check_kv_cache_args(num_blocks, block_size, dtype)
     heads = 2 * config.num_kv_heads * tp.kv_replicas

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -273,9 +271,13 @@ def test_kv_pages_of_rank_three_are_refused_by_name():
         )
 
 
+class _TwoWide(sharding.TensorParallel):
+    size = 2  # on one device: the split check runs before anything is placed
+
+
 def test_shard_params_checks_only_the_split_dimension_against_tp():
     """A kernel whose unsplit dimension TP does not divide is placed; the split one is checked."""
-    tp = SimpleNamespace(mesh=sharding.make_mesh(1), axis_name="model", kv_replicas=1, size=2)
+    tp = _TwoWide(sharding.make_mesh(1))  # a TensorParallel: shard_params refuses others
     placed = sharding.shard_params({"q_proj": {"kernel": jnp.zeros((3, 4))}}, tp)
     assert placed["q_proj"]["kernel"].shape == (3, 4)
     with pytest.raises(ValueError, match="must divide dimension 1 .size 3. of parameter q_proj"):

@@ -1,11 +1,12 @@
 """A tensor-parallel size below one is refused as such (must be >= 1), not as failing to
 divide the device count; a positive one that does not divide is named with the count;
-head counts that are no model's are refused as such. These run on whatever devices this
-process has (one CPU is enough)."""
+head counts that are no model's, and a tp that is no TensorParallel, are refused as such.
+These run on whatever devices this process has (one CPU is enough)."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from jaxkv import sharding
@@ -49,3 +50,16 @@ def test_plan_tensor_parallel_refuses_head_counts_that_are_not_a_model_by_name(c
     with pytest.raises(ValueError, match=r"^num_heads=.* and num_kv_heads=.* must be ints >= 1"):
         sharding.plan_tensor_parallel(*counts, sharding.make_mesh(1))
     assert sharding.plan_tensor_parallel(4, 2, sharding.make_mesh(1)).kv_replicas == 1
+
+
+def test_shard_params_refuses_a_tp_that_is_no_tensor_parallel_by_name():
+    # Each raised AttributeError (.axis_name, .shape) from inside the tree map.
+    state = {"q_proj": {"kernel": jnp.zeros((4, 4))}}
+    mesh = sharding.make_mesh(1)
+    for bad in (mesh, None):
+        with pytest.raises(ValueError, match=f"^tp={type(bad).__name__} must be a jaxkv.sharding"):
+            sharding.shard_params(state, bad)
+    with pytest.raises(ValueError, match="^mesh=str must be a jax.sharding.Mesh"):
+        sharding.shard_params(state, sharding.TensorParallel("model"))
+    placed = sharding.shard_params(state, sharding.TensorParallel(mesh))
+    assert placed["q_proj"]["kernel"].shape == (4, 4)
