@@ -60,6 +60,7 @@ def _token_ids(ids, vocab_size: int) -> tuple[int, ...]:
 
 
 _F32_MAX_LOG = math.log(float(np.finfo(np.float32).max))
+_F32_TINY = float(np.finfo(np.float32).tiny)  # least normal float32, 1.1754944e-38
 
 
 def _check_rope_angles(config: LlamaConfig) -> None:
@@ -131,6 +132,12 @@ class LlamaConfig:
             value = _real_field(self, name)
             if not value > 0:
                 raise ValueError(f"{name}={value!r} must be positive")
+        if self.rms_norm_eps < _F32_TINY:  # XLA flushes a subnormal float32 to 0
+            raise ValueError(
+                f"rms_norm_eps={self.rms_norm_eps!r} is below float32's least normal number "
+                f"{_F32_TINY:.8g}: the norms add it in float32, where it is 0 (a zero row "
+                "then normalises to NaN)"
+            )
         if type(self.tie_word_embeddings) is not bool:
             raise ValueError(f"tie_word_embeddings={self.tie_word_embeddings!r} must be a bool")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):

@@ -254,3 +254,14 @@ def test_a_rope_theta_whose_angles_overflow_or_that_is_not_positive_is_refused(t
     assert np.isfinite(positions[:, None] * rope_inv_freq(least)).all()
     # head_dim 2 rotates by the position itself whatever rope_theta is.
     assert small_config(hidden_size=8, head_dim=2, rope_theta=1e-300).head_dim == 2
+
+
+@pytest.mark.parametrize("eps", [1e-39, 1e-50, 5e-324])
+def test_an_rms_norm_eps_that_float32_flushes_to_zero_is_refused(eps):
+    # Positive, so accepted; but the norms add it in float32, where XLA flushes a
+    # subnormal to 0: a zero row (a zeroed padding embedding, say) then normalised to NaN.
+    with pytest.raises(ValueError, match=f"^rms_norm_eps={eps!r} is below float32's least"):
+        small_config(rms_norm_eps=eps)
+    least = small_config(rms_norm_eps=float(np.finfo(np.float32).tiny))
+    norm = Llama(least, rngs=nnx.Rngs(0)).norm
+    assert np.asarray(norm(jnp.zeros((1, least.hidden_size)))).tolist() == [[0.0] * 32]
