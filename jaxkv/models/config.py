@@ -229,7 +229,8 @@ class LlamaConfig:
         """Build from a Hugging Face Llama `config.json` dict (architectures LlamaForCausalLM).
 
         RoPE comes from `rope_theta` / `rope_scaling`, or from `rope_parameters` (newer
-        transformers), which must then agree with them. `dtype`, when given, overrides the
+        transformers), which must then agree with them, as must a `rope_theta` inside
+        `rope_scaling` (transformers 5 reads it, 4.x not). `dtype`, when given, overrides the
         dict's. Raises ValueError naming a required key the dict lacks, a bad value (by its
         config.json key: num_attention_heads, not LlamaConfig's num_heads), a null
         rms_norm_eps, max_position_embeddings or rope_theta (transformers refuses them or

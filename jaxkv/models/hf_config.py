@@ -103,8 +103,9 @@ _NOT_NULL = {
 
 def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     """(rope_theta, rope_scaling) of a Hugging Face config, from the top-level keys or
-    `rope_parameters`; ValueError when the two are given and disagree, or when a
-    `partial_rotary_factor` other than 1 is given (top level or in either dict)."""
+    `rope_parameters`; ValueError when the two are given and disagree (a rope_theta inside
+    rope_scaling too), or when a `partial_rotary_factor` other than 1 is given (top level
+    or in either dict)."""
     params = hf.get("rope_parameters")
     scaling = hf.get("rope_scaling")
     rope_scaling = None if scaling is None else _hf_scaling(scaling, "rope_scaling")
@@ -134,7 +135,17 @@ def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
                 f"Hugging Face {where}: rope_theta=null must be a number: transformers "
                 "builds no model of it; leave the key out for its default 10000.0"
             )
-    return (10000.0 if rope_theta is None else rope_theta), rope_scaling
+    rope_theta = 10000.0 if rope_theta is None else rope_theta
+    # transformers 5 takes rope_scaling for rope_parameters, its theta over the top-level
+    # one; 4.x ignores a theta there: unequal, the two build other models.
+    inner = _hf_value(scaling, "rope_theta", float, None, "rope_scaling") if scaling else None
+    if inner is not None and inner != rope_theta:
+        raise ValueError(
+            f"Hugging Face rope_scaling: rope_theta={inner!r} disagrees with the rope_theta "
+            f"{rope_theta!r} of the top level, rope_parameters or the default, which "
+            "transformers 4.x reads where 5.x reads this one; set both to the theta meant"
+        )
+    return rope_theta, rope_scaling
 
 
 def _hf_scaling(d: Any, where: str, default_kind: str | None = None) -> RopeScaling | None:

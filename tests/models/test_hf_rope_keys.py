@@ -44,3 +44,18 @@ def test_a_partial_rotary_factor_is_refused_not_ignored(where):
             LlamaConfig.from_hf_dict(hf(factor))
     for factor in (1.0, 1, None):
         assert LlamaConfig.from_hf_dict(hf(factor)).head_dim == 8
+
+
+@pytest.mark.parametrize("where", [None, "config", "rope_parameters"])
+def test_a_rope_theta_inside_rope_scaling_that_disagrees_is_refused(where):
+    """transformers 5 takes rope_scaling as its rope_parameters, theta included, over the
+    top-level key; 4.x ignores a theta there. It was ignored here: a Llama 3 config whose
+    theta sits only in rope_scaling loaded with theta 10000, not 500000. Equal ones read."""
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)  # fmt: skip
+    top = {"config": {"rope_theta": 1e6}, "rope_parameters": {"rope_parameters": scaling}}
+    hf = {**REQUIRED, **top.get(where, {}), "rope_scaling": {**scaling, "rope_theta": 5e5}}
+    with pytest.raises(ValueError, match=r"^Hugging Face rope_scaling: rope_theta=500000.0 dis"):
+        LlamaConfig.from_hf_dict(hf)
+    agreeing = {**REQUIRED, "rope_theta": 5e5, "rope_scaling": {**scaling, "rope_theta": 5e5}}
+    assert LlamaConfig.from_hf_dict(agreeing).rope_theta == 5e5
