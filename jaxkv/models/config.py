@@ -158,8 +158,9 @@ class LlamaConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.head_dim <= 0 or self.head_dim % 2:
             raise ValueError(f"{self.head_dim=} must be positive and even (RoPE rotates pairs)")
-        if self.max_position_embeddings <= 0:
-            raise ValueError(f"{self.max_position_embeddings=} must be positive")
+        # A position count (positions are int32); past it the RoPE bound below overflowed.
+        if not 0 < self.max_position_embeddings <= 2**31 - 1:
+            raise ValueError(f"{self.max_position_embeddings=} must be in [1, 2**31 - 1]")
         _check_rope_angles(self)
         if isinstance(self.dtype, (np.dtype, type)):  # np.float32, jnp.bfloat16: by name
             try:
