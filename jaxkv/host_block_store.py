@@ -8,7 +8,9 @@ hold that parent), but it is worth less than a block whose whole prefix is here.
 entry records its parent (the hash of the block before it; None for a prompt's first
 block), and when a block leaves, or its save ends without storing it, the blocks stored
 behind it are demoted: they become the next to be evicted, the deepest first, and stay
-loadable until then. Using a demoted block again refreshes it like any other.
+loadable until then. Using a demoted block again refreshes it like any other. Each put
+gives its entry a new serial, so a caller that read an entry can later drop that copy
+only, not one stored again under the same hash since (drop's `serial`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class HostBlockStore:
         self._parent_of: dict[BlockHash, BlockHash | None] = {}
         # parent -> its stored children, in the order they were stored (a dict as a set)
         self._children: dict[BlockHash, dict[BlockHash, None]] = {}
+        self._serial_of: dict[BlockHash, int] = {}  # a new one at each put
+        self._next_serial = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -49,6 +53,10 @@ class HostBlockStore:
     def parent_of(self, block_hash: BlockHash) -> BlockHash | None:
         return self._parent_of[block_hash]
 
+    def serial(self, block_hash: BlockHash) -> int:
+        """The serial of the stored entry: another once the hash is stored again."""
+        return self._serial_of[block_hash]
+
     def put(
         self,
         block_hash: BlockHash,
@@ -67,11 +75,13 @@ class HostBlockStore:
             self._parent_of[block_hash] = parent  # a chained digest has one parent
             if parent is not None:
                 self._children.setdefault(parent, {})[block_hash] = None
+            self._serial_of[block_hash] = self._next_serial
             self._entries[block_hash] = copy  # last: no entry is stored without its links
         except BaseException:
             if new:  # an entry stored before had these links already
                 self._remove(block_hash)
             raise
+        self._next_serial += 1
         self._entries.move_to_end(block_hash, last=not demoted)
         if demoted:
             self.demote_behind(block_hash)  # what is stored behind it goes first
@@ -80,8 +90,12 @@ class HostBlockStore:
         """Marks a stored entry most recently used."""
         self._entries.move_to_end(block_hash)
 
-    def drop(self, block_hash: BlockHash) -> None:
-        """Removes the entry, if stored, and demotes the entries stored behind it."""
+    def drop(self, block_hash: BlockHash, serial: int | None = None) -> None:
+        """Removes the entry, if stored, and demotes the entries stored behind it. With a
+        `serial` (from serial()), does nothing unless the entry stored is that one: a copy
+        stored again since is another's, kept with what is stored behind it."""
+        if serial is not None and self._serial_of.get(block_hash) != serial:
+            return
         if block_hash in self._entries:
             self._remove(block_hash)
         self.demote_behind(block_hash)
@@ -105,10 +119,12 @@ class HostBlockStore:
         self._entries.clear()
         self._parent_of.clear()
         self._children.clear()
+        self._serial_of.clear()
 
     def _remove(self, block_hash: BlockHash) -> None:
         """Removes the entry and its links to its parent, whichever of them exist."""
         self._entries.pop(block_hash, None)
+        self._serial_of.pop(block_hash, None)
         if block_hash not in self._parent_of:
             return
         parent = self._parent_of.pop(block_hash)

@@ -48,8 +48,9 @@ class HostOffloadConnector(KVConnector):
     store holds, or the store's copy of a block raised, out of host memory) frees the
     blocks and stores nothing, so the store keeps within host_bytes, every stored block
     has one shape and dtype and a load's blocks always make one array; a failed load,
-    whether its copy failed or the copier's start_load raised, drops its store entries
-    (so a retry recomputes) and the scheduler frees the blocks and recomputes the
+    whether its copy failed or the copier's start_load raised, drops the store entries it
+    read (so a retry recomputes; a copy of one saved again since is kept) and the
+    scheduler frees the blocks and recomputes the
     tokens: nothing leaks, nothing is half-loaded, and no request waits on a load that
     fails every time. Each failed copy is logged as a warning naming its request and the
     copy's exception (raised on the copy thread) or what is wrong with its result; a
@@ -240,21 +241,21 @@ class HostOffloadConnector(KVConnector):
             )
         if not all(h in self._store for h in hashes):
             raise ValueError(f"start_load({req_id!r}): the store no longer holds those blocks")
+        serials = [self._store.serial(h) for h in hashes]  # the copies this load reads
         try:
             # Inside the try: out of host memory here, the store kept the blocks, and
             # each later admission claimed them and could raise the same way again.
             data = np.stack([self._store[h] for h in hashes])
             future = checked_future(copier, "start_load", copier.start_load(block_ids, data))
         except Exception:
-            self._load_failed(hashes)  # or every later admission fails the same way
+            self._load_failed(hashes, serials)  # or every later admission fails the same way
             raise
         # The whole prefix is used again (device hits too): refreshed tail first, as saved.
         for h in reversed(all_hashes[: first + len(hashes)]):
             if h in self._store:
                 self._store.touch(h)
-        self._loads[req_id] = Transfer(
-            req_id, future, hashes, self._step, len(hashes) * self._layout.block_size
-        )
+        num_tokens = len(hashes) * self._layout.block_size
+        self._loads[req_id] = Transfer(req_id, future, hashes, self._step, num_tokens, serials)
 
     def poll(self) -> TransferEvents:
         self._step += 1
@@ -345,7 +346,7 @@ class HostOffloadConnector(KVConnector):
             copy_result(t.future)
         except Exception as e:  # noqa: BLE001 - any copy failure recomputes the same way
             logger.warning("KV load of %r failed, its tokens recomputed: %r", t.request_id, e)
-            self._load_failed(t.hashes)
+            self._load_failed(t.hashes, t.serials)
             return False
         self._count(
             num_loads=1,
@@ -354,11 +355,12 @@ class HostOffloadConnector(KVConnector):
         )
         return True
 
-    def _load_failed(self, hashes: Sequence[BlockHash]) -> None:
-        """A load of `hashes` failed: they leave the store, so no admission claims them
-        again (the blocks stored behind them are demoted)."""
-        for h in hashes:
-            self._store.drop(h)
+    def _load_failed(self, hashes: Sequence[BlockHash], serials: Sequence[int]) -> None:
+        """A load of `hashes`, read as the entries of `serials`, failed: those entries
+        leave the store, so no admission claims them again (the blocks stored behind them
+        are demoted); a hash stored again since, by another save, keeps its new copy."""
+        for h, serial in zip(hashes, serials, strict=True):
+            self._store.drop(h, serial)
         self._count(num_failed_loads=1)
 
     @staticmethod

@@ -17,6 +17,7 @@ class Transfer:
     hashes: list[BlockHash]
     start_step: int
     num_tokens: int = 0  # loads: prompt tokens the loaded blocks cover
+    serials: list[int] = dataclasses.field(default_factory=list)  # loads: store entries read
     chain: list[BlockHash] = dataclasses.field(default_factory=list)  # saves: all full blocks
 
 

@@ -112,3 +112,32 @@ def test_a_failed_save_demotes_nothing_behind_the_stored_blocks_it_only_refreshe
     assert connector.on_finish(a, [4, 5]) and connector.poll().failed_saves == ("a",)
     assert copier.saved_block_ids[-1] == [5]
     assert connector.stored_hashes() == [hy, hb1, h0]  # hb1 is not behind ha1
+
+
+def test_a_failed_load_keeps_a_copy_of_its_hash_saved_again_while_it_was_in_flight():
+    """A load's hash evicted and saved again by another request while the load is in
+    flight: the load's failure drops the copy it read (gone already), not the new one."""
+    copier = FakeCopier(16, BS)
+    connector = HostOffloadConnector(copier.bytes_per_block)  # room for one block
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    prompt = PROMPT[: BS + 1]  # one full block h0
+    first = Request("first", prompt, SamplingParams())
+    first.num_computed_tokens = BS + 1
+    assert connector.on_finish(first, [1]) and connector.poll().saved == ("first",)
+    loader = Request("loader", prompt, SamplingParams())
+    assert connector.on_admission(loader, 0) == BS
+    copier.auto_complete, copier.fail_loads = False, True
+    connector.start_load(loader, [5])  # in flight, to fail
+    copier.auto_complete, copier.fail_loads = True, False
+    other = Request("other", list(range(50, 55)), SamplingParams())
+    other.num_computed_tokens = 5
+    assert connector.on_finish(other, [2]) and connector.poll().saved == ("other",)
+    assert connector.stored_hashes() == other.block_hashes  # h0 evicted
+    again = Request("again", prompt, SamplingParams())
+    again.num_computed_tokens = BS + 1
+    assert connector.on_finish(again, [3]) and connector.poll().saved == ("again",)
+    assert connector.stored_hashes() == first.block_hashes  # h0 stored again
+    copier.complete()
+    assert connector.poll().failed_loads == ("loader",)
+    assert connector.stored_hashes() == first.block_hashes  # the new copy stays
+    assert connector.on_admission(Request("next", prompt, SamplingParams()), 0) == BS

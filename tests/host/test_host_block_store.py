@@ -48,6 +48,24 @@ def test_a_dropped_entry_demotes_what_is_stored_behind_it_deepest_first():
     assert _order(store) == "bdxy"
 
 
+def test_a_drop_by_serial_leaves_a_copy_stored_again_since():
+    """A reader that names the serial it read drops that copy only: the hash evicted and
+    stored again (another save) keeps its new copy and what is stored behind it."""
+    store = HostBlockStore()
+    _chain(store, "ab")
+    read = store.serial(b"a")
+    store.touch(b"a")
+    store.drop(b"a", read)  # the copy read: dropped, b demoted
+    assert _order(store) == "b"
+    _chain(store, "a")
+    store.put(b"b", b"a", np.full(2, 1))  # a stored again, b under it
+    assert store.serial(b"a") != read
+    store.drop(b"a", read)  # a stale serial: nothing changes
+    assert _order(store) == "ab" and store.parent_of(b"b") == b"a"
+    store.drop(b"a", store.serial(b"a"))
+    assert _order(store) == "b" and b"a" not in store._serial_of
+
+
 def test_eviction_demotes_the_tail_of_an_evicted_head():
     store = HostBlockStore()
     _chain(store, "ab")
@@ -145,10 +163,11 @@ def _links(store: HostBlockStore) -> tuple:
         list(store._entries),
         dict(store._parent_of),
         {p: list(c) for p, c in store._children.items()},
+        dict(store._serial_of),
     )
 
 
-@pytest.mark.parametrize("table", ["parents", "children", "siblings", "entries"])
+@pytest.mark.parametrize("table", ["parents", "children", "siblings", "serials", "entries"])
 def test_a_put_that_runs_out_of_memory_growing_a_table_stores_nothing(table):
     # The entry was stored first: out of memory growing the parent links, it stayed with
     # no parent, and the connector's rollback (drop) raised KeyError out of poll().
@@ -161,6 +180,8 @@ def test_a_put_that_runs_out_of_memory_growing_a_table_stores_nothing(table):
     elif table == "siblings":  # b's list of children, which d joins
         _chain(store, "d", b"b")
         store._children[b"b"] = failing = _OutOfMemoryOn(store._children[b"b"])
+    elif table == "serials":
+        store._serial_of = failing = _OutOfMemoryOn(store._serial_of)
     else:
         store._entries = failing = _OrderedOutOfMemory(store._entries)
     before = _links(store)
