@@ -16,7 +16,8 @@ only, not one stored again under the same hash since (drop's `serial`).
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 
 import numpy as np
 
@@ -85,6 +86,33 @@ class HostBlockStore:
         self._entries.move_to_end(block_hash, last=not demoted)
         if demoted:
             self.demote_behind(block_hash)  # what is stored behind it goes first
+
+    def put_chain(
+        self,
+        chain: list[BlockHash],
+        landed: Mapping[BlockHash, np.ndarray],
+        saving: AbstractSet[BlockHash],
+    ) -> None:
+        """Stores the `landed` blocks of a save of the full blocks `chain` (`saving`: the
+        hashes other saves in flight will store). The chain up to its first block neither
+        stored nor being saved (evicted or failed meanwhile) is refreshed tail first: its
+        head, without which no prompt can use the rest from the store, is evicted last.
+        Blocks past that gap load only behind device-cache hits: they are stored demoted,
+        the next to be evicted."""
+        usable = 0
+        for h in chain:
+            if h not in landed and h not in self._entries and h not in saving:
+                break
+            usable += 1
+        for i in reversed(range(usable)):
+            h = chain[i]
+            if h in landed:
+                self.put(h, chain[i - 1] if i else None, landed[h])
+            elif h in self._entries:
+                self.touch(h)
+        for i in range(usable + 1, len(chain)):  # chain[usable] is the gap itself
+            if chain[i] in landed:
+                self.put(chain[i], chain[i - 1], landed[chain[i]], demoted=True)
 
     def touch(self, block_hash: BlockHash) -> None:
         """Marks a stored entry most recently used."""

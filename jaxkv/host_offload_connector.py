@@ -302,7 +302,7 @@ class HostOffloadConnector(KVConnector):
             return self._save_failed(t, e)
         self._saving.difference_update(t.hashes)
         try:
-            self._store_landed(t.chain, dict(zip(t.hashes, data, strict=True)))
+            self._store.put_chain(t.chain, dict(zip(t.hashes, data, strict=True)), self._saving)
         except Exception as e:  # noqa: BLE001 - a MemoryError copying a block into the store
             # It escaped poll() with the transfer dropped: the request held its blocks for
             # good, and the other transfers that poll() had collected went unreported.
@@ -319,27 +319,6 @@ class HostOffloadConnector(KVConnector):
         self._saves_ended_unstored(t.hashes)
         self._count(num_failed_saves=1)
         return False
-
-    def _store_landed(self, chain: list[BlockHash], landed: dict[BlockHash, np.ndarray]) -> None:
-        """Stores the `landed` blocks of a save of the full blocks `chain`. The chain up to
-        its first block neither stored nor being saved (evicted or failed meanwhile) is
-        refreshed tail first: its head, without which no prompt can use the rest from the
-        store, is evicted last. Blocks past that gap load only behind device-cache hits:
-        they are stored demoted, the next to be evicted."""
-        usable = 0
-        for h in chain:
-            if h not in landed and h not in self._store and h not in self._saving:
-                break
-            usable += 1
-        for i in reversed(range(usable)):
-            h = chain[i]
-            if h in landed:
-                self._store.put(h, chain[i - 1] if i else None, landed[h])
-            elif h in self._store:
-                self._store.touch(h)
-        for i in range(usable + 1, len(chain)):  # chain[usable] is the gap itself
-            if chain[i] in landed:
-                self._store.put(chain[i], chain[i - 1], landed[chain[i]], demoted=True)
 
     def _finish_load(self, t: Transfer) -> bool:
         try:
