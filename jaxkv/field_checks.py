@@ -48,19 +48,27 @@ def int_fields(
     [`minimum`, `maximum`] (None: unbounded); each is stored back as a Python int (frozen
     dataclasses too)."""
     for name in names:
-        raw = getattr(owner, name)
-        value = as_int(raw)
-        if (
-            value is None
-            or (minimum is not None and value < minimum)
-            or (maximum is not None and value > maximum)
-        ):
-            if maximum is not None:
-                bound = f" in [{minimum}, {maximum}]"
-            else:
-                bound = "" if minimum is None else f" >= {minimum}"
-            raise ValueError(f"{name}={raw!r} must be an int{bound}")
+        value = checked_int(name, getattr(owner, name), minimum=minimum, maximum=maximum)
         object.__setattr__(owner, name, value)
+
+
+def checked_int(
+    name: str, raw: object, *, minimum: int | None = None, maximum: int | None = None
+) -> int:
+    """`raw` as a Python int if it is an integer (see `as_int`) in [`minimum`, `maximum`]
+    (None: unbounded); else ValueError naming `name` (int_fields for one value)."""
+    value = as_int(raw)
+    if (
+        value is None
+        or (minimum is not None and value < minimum)
+        or (maximum is not None and value > maximum)
+    ):
+        if maximum is not None:
+            bound = f" in [{minimum}, {maximum}]"
+        else:
+            bound = "" if minimum is None else f" >= {minimum}"
+        raise ValueError(f"{name}={raw!r} must be an int{bound}")
+    return value
 
 
 def positive_int_fields(owner: object, *names: str) -> None:

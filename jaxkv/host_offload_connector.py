@@ -20,7 +20,7 @@ from jaxkv.copier_layout import (
     declared_num_blocks,
     store_layout,
 )
-from jaxkv.field_checks import int_fields
+from jaxkv.field_checks import checked_int
 from jaxkv.hashing import BlockHash
 from jaxkv.host_block_store import HostBlockStore
 from jaxkv.kv_transfer import KVConnector, KVCopier, TransferEvents, TransferStats
@@ -72,19 +72,39 @@ class HostOffloadConnector(KVConnector):
     """
 
     def __init__(self, host_bytes: int, *, copy_delay_steps: int = 0) -> None:
+        self._store = HostBlockStore()
+        self._layout: StoreLayout = UNBOUND  # of the blocks in the store
         # A bool is no size: HostOffloadConnector(True) was a 1-byte store that never saved.
         self.host_bytes = host_bytes
         self.copy_delay_steps = copy_delay_steps
-        int_fields(self, "host_bytes", "copy_delay_steps", minimum=0)
         self._copier_ref: weakref.ref[KVCopier] | None = None
-        self._layout: StoreLayout = UNBOUND  # of the blocks in the store
         self._num_blocks: int | None = None  # the bound copier's, where it declares them
-        self._store = HostBlockStore()
         self._saves: dict[str, Transfer] = {}
         self._loads: dict[str, Transfer] = {}
         self._saving: set[BlockHash] = set()  # hashes with a save in flight
         self._step = 0
         self._stats = TransferStats()
+
+    @property
+    def host_bytes(self) -> int:
+        """The store's limit in bytes. Set to an int >= 0 (ValueError naming it otherwise,
+        nothing changed), the store evicts down to it at once."""
+        return self._host_bytes
+
+    @host_bytes.setter
+    def host_bytes(self, value: int) -> None:
+        self._host_bytes = checked_int("host_bytes", value, minimum=0)
+        self._evict()
+
+    @property
+    def copy_delay_steps(self) -> int:
+        """See the class doc. Set to an int >= 0 (ValueError naming it otherwise, nothing
+        changed), it applies to the copies in flight too."""
+        return self._copy_delay_steps
+
+    @copy_delay_steps.setter
+    def copy_delay_steps(self, value: int) -> None:
+        self._copy_delay_steps = checked_int("copy_delay_steps", value, minimum=0)
 
     def bind(self, copier: KVCopier, *, block_size: int, hash_seed: int) -> None:
         """Serves the engine of `copier` from now on, holding it weakly (its engine keeps

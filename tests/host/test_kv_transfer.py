@@ -281,6 +281,24 @@ def test_constructor_validates_its_sizes():
             HostOffloadConnector(**{"host_bytes": 10, **bad})
 
 
+def test_sizes_set_later_are_checked_and_a_smaller_store_evicts_at_once():
+    # Set later, they were taken unchecked: host_bytes=None raised TypeError out of each
+    # on_finish, -1 out of poll() (evicting from an empty store), a smaller one kept the
+    # store above it until the next save landed.
+    sched, conn, copier = setup(host_blocks=4)
+    r = add(sched, "r", range(1, 10), max_tokens=1)
+    run_until_idle(sched, copier)
+    assert conn.stored_hashes() == r.block_hashes[1::-1]
+    for name, bad in (("host_bytes", -1), ("host_bytes", None), ("copy_delay_steps", True)):
+        with pytest.raises(ValueError, match=f"{name}={bad!r} must be an int >= 0"):
+            setattr(conn, name, bad)
+    assert (conn.host_bytes, conn.copy_delay_steps) == (4 * copier.bytes_per_block, 0)
+    assert len(conn.stored_hashes()) == 2
+    conn.host_bytes = np.int64(copier.bytes_per_block)  # a numpy int, stored as an int
+    assert type(conn.host_bytes) is int and conn.stored_hashes() == r.block_hashes[:1]
+    assert conn.stats.stored_bytes <= conn.host_bytes
+
+
 def test_finishing_again_refreshes_stored_blocks_in_the_lru():
     sched, conn, copier = setup(host_blocks=4)
     r0 = add(sched, "r0", range(1, 10), max_tokens=1)
