@@ -36,7 +36,7 @@ from jaxkv.kv_transfer import KVConnector
 from jaxkv.outputs import RequestOutput
 from jaxkv.request import Request, RequestStatus
 from jaxkv.scheduler_admission import admit_waiting, check_new_request
-from jaxkv.scheduler_discard import discard_batch
+from jaxkv.scheduler_discard import discard_batch, keep_unwritten_of
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput, SchedulerStats, StepBatch
 from jaxkv.scheduler_transfers import TransferTracker
 from jaxkv.scheduler_update import apply_sampled_tokens, checked_sampled_tokens
@@ -94,6 +94,8 @@ class Scheduler:
         self._unapplied: SchedulerOutput | None = None  # the latest schedule()'s, until applied
         self._num_running_scheduled = 0  # its leading requests that were running before it
         self._admission_order: list[Request] = []  # taken off `waiting` by its admission
+        # (block, hash) cached by requests aborted since that schedule(), for its discard
+        self._unwritten_of_aborted: list = []
 
     # ---------------------------------------------------------------- requests
 
@@ -117,10 +119,12 @@ class Scheduler:
         raises ValueError unless `request_id` is a str (a Request or int is no id). A
         request whose KV is loading keeps its blocks until the load lands, then they
         are freed; every other one frees its blocks now. Between schedule() and
-        update_from_output() or discard(), the blocks the step is to write leave the
-        prefix cache first (the step may yet be discarded), and its tokens count in
-        `stats` if the step is applied (the model ran them). A Ctrl-C while it runs is
-        raised once the request is released (cut halfway, it orphaned it, blocks held).
+        update_from_output() or discard(), the step still runs the request's tokens:
+        the blocks they fill stay in the prefix cache if the step is applied (its KV
+        written, for the requests that hit them in that step too) and leave it if it is
+        discarded, and its tokens count in `stats` if the step is applied. A Ctrl-C while
+        it runs is raised once the request is released (cut halfway, it orphaned it,
+        blocks held).
         """
         if not isinstance(request_id, str):
             raise ValueError(f"{request_id=} must be a request id (a str)")
@@ -139,15 +143,14 @@ class Scheduler:
 
     def _uncache_if_unapplied(self, request: Request) -> None:
         """A request aborted between schedule() and update_from_output() or discard():
-        the blocks that step was to write leave the prefix cache now, since a discard
-        can no longer reach them once they are freed (if the step runs, only those
-        cache entries are lost)."""
+        the cache entries of the blocks that step was to write are kept for a discard,
+        which can no longer reach them through the request once they are freed."""
         out = self._unapplied
         if out is None:
             return
         for i, scheduled in enumerate(out.requests):
             if scheduled is request:
-                self.manager.uncache_unwritten(request, int(out.num_computed_tokens[i]))
+                keep_unwritten_of(self, request, int(out.num_computed_tokens[i]))
                 return
 
     def has_unfinished_requests(self) -> bool:
@@ -355,6 +358,7 @@ class Scheduler:
         self._check_unapplied(output)
         tokens = checked_sampled_tokens(output, sampled_token_ids)
         self._unapplied = None
+        self._unwritten_of_aborted = []  # the step wrote them
         return apply_sampled_tokens(self, output, tokens)
 
     def _check_unapplied(self, output: SchedulerOutput) -> None:

@@ -2,7 +2,8 @@
 
 Plain Python, no JAX. The body of Scheduler.discard (whose docstring states the
 guarantees): it reads and changes the scheduler's queues, transfers and decode carry, so
-the scheduler is its only caller.
+the scheduler is its only caller. Also what a request aborted before its step leaves for
+a discard (keep_unwritten_of): its blocks are freed, so the discard could not reach them.
 """
 
 from __future__ import annotations
@@ -14,9 +15,23 @@ from jaxkv.scheduler_admission import requeue_admitted
 from jaxkv.scheduler_output import SchedulerOutput
 
 if TYPE_CHECKING:
+    from jaxkv.request import Request
     from jaxkv.scheduler import Scheduler
 
-__all__ = ["discard_batch"]
+__all__ = ["discard_batch", "keep_unwritten_of"]
+
+
+def keep_unwritten_of(scheduler: Scheduler, request: Request, num_written: int) -> None:
+    """Records the prefix-cache entries of `request`'s blocks past its first `num_written`
+    tokens (those its unapplied step is to write), before an abort frees them: a discard
+    of that step takes them out of the cache (discard_batch), its update keeps them (the
+    step wrote their KV, also for the requests that hit them in that step)."""
+    manager = scheduler.manager
+    block_ids = manager.block_ids(request)[num_written // manager.block_size :]
+    blocks = [manager.pool.blocks[i] for i in block_ids]
+    scheduler._unwritten_of_aborted += [
+        (b, b.block_hash) for b in blocks if b.block_hash is not None
+    ]
 
 
 def discard_batch(scheduler: Scheduler, output: SchedulerOutput) -> None:
@@ -25,6 +40,9 @@ def discard_batch(scheduler: Scheduler, output: SchedulerOutput) -> None:
     scheduler._decode_carry = None
     scheduler._finished_ids[:0] = output.finished_request_ids  # the next output reports them
     scheduler._transfers.cancel_new_loads()
+    # Blocks of requests aborted since schedule(), if still cached under the same hash.
+    kept, scheduler._unwritten_of_aborted = scheduler._unwritten_of_aborted, []
+    scheduler.manager.pool.uncache_blocks([b for b, h in kept if b.block_hash == h])
     computed = output.num_computed_tokens.tolist()
     for request, num_written in zip(output.requests, computed, strict=True):
         if request.status is RequestStatus.RUNNING:

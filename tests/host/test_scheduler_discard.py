@@ -95,12 +95,30 @@ def test_a_request_aborted_before_its_step_runs_keeps_the_step_applicable():
         copier.device[np.asarray(ids)[pos // 4], pos % 4] = 1000 * pos + req.all_token_ids[start:]
     outputs = sched.update_from_output(out, [5, 6])  # b gets its token
     assert [o.request_id for o in outputs] == ["b"] and b.output_token_ids == [6]
-    # Only a's unwritten block is gone (a probe one token longer could hit all 8).
-    assert _num_hit_tokens(sched, [*a.all_token_ids, 99]) == 4
+    # The step wrote a's second block, which b holds as a hit: it stays cached (the
+    # abort took it out of the cache, and b never put it back).
+    assert _num_hit_tokens(sched, [*a.all_token_ids, 99]) == 8
     while sched.has_unfinished_requests():
-        step(sched, copier)
+        step(sched, copier)  # checks every hit holds its own KV
     assert b.num_output_tokens == 5
+    assert _num_hit_tokens(sched, [*a.all_token_ids, 99]) == 8
     sched.manager.check_integrity()
+
+
+def test_a_request_aborted_before_its_step_and_its_sharer_leave_nothing_unwritten_cached():
+    """Aborted before its step, a's unwritten block stays cached (b hit it) until the
+    step is discarded: then it leaves the cache, though a freed it and b is unadmitted."""
+    sched, copier = make_scheduler(block_size=4), FakeCopier(64, 4)
+    a, b = _a_decoding_and_b_sharing_its_blocks(sched, copier)
+    out = sched.schedule()
+    assert sched.abort("a") and _num_hit_tokens(sched, b.all_token_ids) == 8
+    sched.discard(out)
+    assert _num_hit_tokens(sched, b.all_token_ids) == 4  # a's first block was written
+    assert list(sched.waiting) == [b] and sched.manager.request_ids == []
+    sched.manager.check_integrity()
+    while sched.has_unfinished_requests():
+        step(sched, copier)  # b recomputes its second block: checks its KV
+    assert b.num_output_tokens == 5 and _num_hit_tokens(sched, b.prompt_token_ids) == 8
 
 
 def test_finished_ids_of_a_discarded_output_are_reported_by_the_next_one():
