@@ -35,15 +35,21 @@ def plain_int(value):
     return value if as_python is None else as_python
 
 
-def request_id_of(name: str, request, owner: Mapping[str, Request]) -> str:
+def request_id_of(
+    name: str, request, owner: Mapping[str, Request], held_of: Mapping[Request, object]
+) -> str:
     """The id of `request` (a Request or its id); ValueError naming `name` otherwise, or
-    for a Request other than `owner`'s for its id (it would act on another's blocks)."""
+    for a Request other than `owner`'s for its id (it would act on another's blocks) or
+    that holds blocks under another id (`held_of` keys the Requests that hold blocks):
+    its request_id was reassigned since, and acting under the new one loses the old."""
     if isinstance(request, str):
         return request
     if isinstance(request, Request):
-        if owner.get(request.request_id, request) is not request:
-            raise ValueError(not_the_owner_message(request.request_id))
-        return request.request_id
+        req_id = request.request_id
+        found = owner.get(req_id)
+        if found is not request and (found is not None or request in held_of):
+            raise ValueError(not_the_owner_message(req_id, request, owner))
+        return req_id
     raise ValueError(f"{name}={request!r} must be a Request or a request id (str)")
 
 
@@ -85,7 +91,18 @@ def checked_request_id(request) -> str:
     return request.request_id
 
 
-def not_the_owner_message(req_id: str) -> str:
+def not_the_owner_message(
+    req_id: str, request: Request | None = None, owner: Mapping[str, Request] | None = None
+) -> str:
+    """Why `request` may not act as `req_id`: the blocks of `req_id` were allocated for
+    another Request object or, found in `owner` under another id, `request` holds blocks
+    under that id (its request_id reassigned since)."""
+    old = next((i for i, r in (owner or {}).items() if r is request), req_id)
+    if request is not None and old != req_id:
+        return (
+            f"request {req_id!r} holds blocks allocated under the id {old!r}: a Request's "
+            f"request_id must not change while it holds blocks (set it back, or free {old!r})"
+        )
     return (
         f"request {req_id!r} holds blocks allocated for another Request object with that "
         "id: free it before reusing the id"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from operator import add, attrgetter, gt
+from operator import add, attrgetter, gt, is_not
 from typing import TYPE_CHECKING
 
 from jaxkv.allocation_args import (
@@ -56,6 +56,9 @@ def allocate_slots_batch(
         req_id = ids[held.index(None)]
         manager._blocks_of(req_id)  # raises UnknownRequestError
         raise ValueError(not_the_owner_message(req_id))
+    if any(map(is_not, map(manager._blocks.get, ids), held)):  # a request_id reassigned
+        i = next(i for i, r in enumerate(ids) if manager._blocks.get(r) is not held[i])
+        raise ValueError(not_the_owner_message(ids[i], requests[i], manager._owner))
     if len(set(ids)) != len(ids):
         raise ValueError("requests: request ids must be distinct")
     computed = [r.num_computed_tokens for r in requests]

@@ -131,7 +131,7 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         """The block ids `request_id` (or a Request's id) holds, in order. Raises
         UnknownRequestError; ValueError unless given a str or the Request that holds them."""
-        req_id = request_id_of("request_id", request_id, self._owner)
+        req_id = request_id_of("request_id", request_id, self._owner, self._held_of)
         return [b.block_id for b in self._blocks_of(req_id)]
 
     @property
@@ -269,7 +269,8 @@ class KVCacheManager:
         covered by num_new_computed_tokens or no longer caches the request's tokens,
         block hashes the request computed with another block size, a prompt, or computed
         plus new plus lookahead tokens, beyond max_model_len, or a `request` whose id
-        holds blocks allocated for another Request object (free that one first).
+        holds blocks allocated for another Request object (free that one first) or that
+        holds blocks under another id (its request_id was reassigned since).
         """
         req_id = checked_request_id(request)
         num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_done = allocation_counts(
@@ -278,10 +279,9 @@ class KVCacheManager:
         )  # fmt: skip
         check_prompt_fits(request, self.max_model_len)
         held = self._blocks.get(req_id)
-        if held is None:
-            held = []
-        elif self._held_of.get(request) is not held:
-            raise ValueError(not_the_owner_message(req_id))
+        if self._held_of.get(request) is not held:  # another's id, or this one's renamed
+            raise ValueError(not_the_owner_message(req_id, request, self._owner))
+        held = [] if held is None else held
         check_computed_within_held(req_id, num_done, len(held), self.block_size)
         # Checking a cache hit hashes the request's full blocks: a refusal rewinds them.
         hash_state = request._hash_state()
@@ -330,9 +330,9 @@ class KVCacheManager:
         request.num_computed_tokens beyond the request's tokens or the blocks it holds, a
         repeated request id, an unknown request or a non-Request, one that would pass
         max_model_len, or a Request whose id holds blocks allocated for another Request
-        object. A Request hashed for another block size or seed is refused once it fills
-        a block (allocate_slots refuses it at once; the per-step path reads no hashes
-        before).
+        object or that holds blocks under another id (as allocate_slots). A Request hashed
+        for another block size or seed is refused once it fills a block (allocate_slots
+        refuses it at once; the per-step path reads no hashes before).
         """
         return batch_allocation.allocate_slots_batch(self, requests, num_new_tokens)
 
@@ -341,9 +341,9 @@ class KVCacheManager:
 
         Raises UnknownRequestError if the request holds no blocks (unknown or freed twice),
         ValueError if `request` is neither a str nor the Request the blocks were allocated
-        for (another Request object with its id).
+        for (another Request object with its id, or one whose request_id was reassigned).
         """
-        req_id = request_id_of("request", request, self._owner)
+        req_id = request_id_of("request", request, self._owner, self._held_of)
         blocks = self._blocks_of(req_id)
         self.pool.free_blocks(reversed(blocks), validate=False)  # the request's own
         del self._blocks[req_id]
@@ -362,7 +362,7 @@ class KVCacheManager:
         changed) unless num_written_tokens is an int >= 0 and `request` a str or the
         Request the blocks were allocated for.
         """
-        req_id = request_id_of("request", request, self._owner)
+        req_id = request_id_of("request", request, self._owner, self._held_of)
         num_written = count("num_written_tokens", num_written_tokens, req_id)
         blocks = self._blocks_of(req_id)
         first = num_written // self.block_size

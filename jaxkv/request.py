@@ -47,6 +47,11 @@ class Request:
     prefix-cache lookup); update_block_hashes extends it to every full block, which the
     KVCacheManager calls when it looks the request up or allocates its slots, so it may
     lag behind tokens appended since.
+
+    `request_id` must not change once the request is queued: the KVCacheManager refuses
+    (ValueError) a Request that holds blocks under another id, and a scheduler keys its
+    requests by the id they were queued with. (It stays a plain attribute: a read-only
+    property cost about 10% of a scheduler step, which reads it per request.)
     """
 
     # Slots: a misspelt field assignment fails instead of adding a silent attribute.
