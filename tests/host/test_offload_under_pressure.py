@@ -8,7 +8,8 @@ before its load lands reads NaN. The pool is small enough that running requests 
 each other and cached blocks are evicted; prompts share prefixes (whole prompts repeat),
 so requests hit the device prefix cache, blocks a save still holds, and the host store.
 Requests arrive, some asking for prompt logprobs, and are aborted at any point (between
-a schedule() and its step too), and steps fail and are discarded.
+a schedule() and its step too), and steps fail and are discarded; the device prefix
+cache is reset (refused while a block is held) and the store resized between steps.
 
 After every schedule(): the num_common_prefix_blocks of the scheduled requests, and of
 each leading run of them, equals a brute-force comparison of their block ids. After
@@ -181,6 +182,16 @@ def _run(seed: int, num_blocks: int, host_blocks: int, seen: dict[str, int]) -> 
             assert sched.abort(victim)
             aborted.add(victim)
             _check(sched, copier, connector, host_blocks)
+        if rng.random() < 0.04:  # refused while a block is held (a copy's too)
+            held_any = m.pool.num_free_blocks != num_blocks - 1
+            assert m.reset_prefix_cache() is not held_any
+            count("reset refused" if held_any else "reset")
+            _check(sched, copier, connector, host_blocks)
+        if rng.random() < 0.04:  # the store shrinks (or grows back) at once
+            connector.host_bytes = int(rng.integers(0, host_blocks + 1)) * copier.bytes_per_block
+            assert connector.stats.stored_bytes <= connector.host_bytes
+            connector.copy_delay_steps = int(rng.choice([0, 0, 1, 3]))
+            _check(sched, copier, connector, host_blocks)
         if not (pending or sched.has_unfinished_requests() or sched.has_pending_transfers()):
             break
         try:
@@ -229,5 +240,7 @@ def test_offload_under_memory_pressure_keeps_every_block_accounted(num_blocks, h
         "aborted WAITING_FOR_REMOTE_KV",
         "aborted RUNNING",
         "start_load raised",
+        "reset",
+        "reset refused",
     ):
         assert seen.get(what, 0) > 0, (what, seen)
