@@ -38,6 +38,7 @@ def close_engine(engine: Any, timeout_s: float) -> None:
     engine._check_not_running()
     timeout_s = checked_timeout(timeout_s)  # before any request is aborted
     scheduler = engine.scheduler
+    scheduler.discard_unapplied()  # a batch an interrupt kept from its step
     for request in [*scheduler.running, *scheduler.waiting]:
         engine.abort(request.request_id)
     engine.drain_transfers(timeout_s)  # with no request left, lost caches or not

@@ -35,6 +35,28 @@ def _prompts(seed: int, n: int, length: int) -> list[list[int]]:
     return [rng.integers(0, VOCAB, length).tolist() for _ in range(n)]
 
 
+def test_close_hands_back_a_batch_an_interrupt_kept_from_its_step():
+    # A Ctrl-C as schedule() returned left its batch neither applied nor handed back:
+    # close() aborted its request, and the blocks that batch was to write stayed in the
+    # prefix cache with their KV never written (a discard of the batch takes them out).
+    engine = make_engine()
+    engine.add_request(_prompts(1, 1, 20)[0], SamplingParams(max_tokens=4), request_id="r")
+    real = engine.scheduler.schedule
+
+    def interrupted():
+        del engine.scheduler.schedule  # once: the class's method from now on
+        real()  # its output lost with the interrupt
+        raise KeyboardInterrupt
+
+    engine.scheduler.schedule = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert engine.manager.pool.cached_block_hash_to_block  # entered by the lost batch
+    engine.close()
+    assert not engine.manager.pool.cached_block_hash_to_block
+    assert_all_blocks_free(engine)
+
+
 def test_close_aborts_requests_lands_copies_and_frees_the_kv_cache():
     connector = HostOffloadConnector(HOST_BYTES, copy_delay_steps=5)
     engine = make_engine(connector=connector)
