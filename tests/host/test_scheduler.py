@@ -250,6 +250,21 @@ def test_abort_refuses_an_id_that_is_not_a_str(bad):
     assert not sched.has_unfinished_requests()
 
 
+def test_abort_refuses_a_request_whose_id_was_reassigned_and_changes_nothing():
+    # It took the request out of `running`, marked it aborted and then failed to free its
+    # blocks (freed under the new id): the request stayed known, unfinishable, blocks held.
+    sched = make_scheduler()
+    a = add(sched, "a", range(1, 10), max_tokens=4)
+    step(sched)
+    a.request_id = "z"
+    with pytest.raises(ValueError, match=r"abort\('a'\): .* reassigned to 'z'"):
+        sched.abort("a")
+    assert sched.running == [a] and a.status == RequestStatus.RUNNING
+    sched.manager.check_integrity()
+    a.request_id = "a"
+    assert sched.abort("a") and sched.manager.num_free_blocks == sched.manager.pool.num_blocks - 1
+
+
 def test_a_request_the_pool_cannot_hold_is_refused_and_one_it_can_finishes():
     # 4 usable blocks of 4 tokens: 16 tokens of KV. Without the check, a request needing
     # 17 would preempt itself when it outgrew the pool and then wait forever. Its KV is one
