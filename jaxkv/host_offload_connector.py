@@ -50,11 +50,11 @@ class HostOffloadConnector(KVConnector):
     has one shape and dtype and a load's blocks always make one array; a failed load,
     whether its copy failed or the copier's start_load raised, drops the store entries it
     read (so a retry recomputes; a copy of one saved again since is kept) and the
-    scheduler frees the blocks and recomputes the
-    tokens: nothing leaks, nothing is half-loaded, and no request waits on a load that
-    fails every time. Each failed copy is logged as a warning naming its request and the
-    copy's exception (raised on the copy thread) or what is wrong with its result; a
-    start_load's exception propagates instead.
+    scheduler frees the blocks and recomputes the tokens: nothing leaks, nothing is
+    half-loaded, and no request waits on a load that fails every time. Each failed copy
+    is logged as a warning naming its request and the copy's exception (raised on the
+    copy thread) or what is wrong with its result; a start_load's exception propagates
+    instead.
 
     copy_delay_steps > 0 reports a transfer no earlier than that many poll() calls after
     it started (to hold blocks on purpose in tests and benchmarks).
