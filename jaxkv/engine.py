@@ -201,6 +201,8 @@ class Engine(Closable):
         return aborted
 
     def has_unfinished_requests(self) -> bool:
+        """True while a request (a sample under n) waits or runs; finished ones whose KV
+        copies are in flight are not counted (has_pending_transfers). False once closed."""
         return self.scheduler.has_unfinished_requests()
 
     @property
@@ -380,10 +382,14 @@ class Engine(Closable):
 
     @property
     def num_compiles(self) -> int:
+        """Distinct step programs this engine has run (EngineMetrics.num_compiles), one per
+        program key: also those another engine over the same model graph compiled first."""
         return len(self._programs)
 
     @property
     def metrics(self) -> EngineMetrics:
+        """A frozen snapshot (EngineMetrics) of the counters since the engine was built;
+        readable after close(), with the connector's bytes as they were at close."""
         transfers = self._transfers_at_close if self._closed else self.connector.stats
         return engine_metrics(
             self._totals, self.scheduler, self.num_compiles, transfers, self._transfers_at_bind

@@ -118,7 +118,9 @@ def make_mesh(
     axis_name: str = DEFAULT_AXIS,
 ) -> Mesh:
     """A 1-D mesh over the first TP of `devices` (default: jax.devices()), as vLLM's
-    tensor_parallel_size takes them; ValueError naming both numbers if TP exceeds them."""
+    tensor_parallel_size takes them; ValueError naming both numbers if TP exceeds them,
+    naming tensor_parallel_size unless it is an int >= 1, and naming `devices` when they
+    are empty or no sequence of jax Devices, or list one of the first TP twice."""
     devices = _device_list(devices)
     tp = as_int(tensor_parallel_size)
     if tp is not None and tp > len(devices) > 0:
