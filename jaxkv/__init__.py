@@ -50,3 +50,40 @@ from jaxkv.router import PrefixAwareRouter as PrefixAwareRouter
 from jaxkv.sharding import make_mesh as make_mesh
 from jaxkv.sharding import replica_meshes as replica_meshes
 from jaxkv.sharding import shard_model as shard_model
+
+# What `from jaxkv import *` binds: the names above, not the submodules that importing
+# them loads (jaxkv.config, jaxkv.engine, ...), which would rebind a caller's own names.
+__all__ = [
+    "AllBlocksCleared",
+    "AttentionShape",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheConfig",
+    "CascadeCostModel",
+    "CompletionOutput",
+    "Engine",
+    "EngineConfig",
+    "EngineMetrics",
+    "HostOffloadConnector",
+    "IntegrityError",
+    "KVCacheManager",
+    "KVConnector",
+    "Logprob",
+    "PrefixAwareRouter",
+    "PrefixCacheStats",
+    "Request",
+    "RequestOutput",
+    "RequestStatus",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "StepStats",
+    "TransferStats",
+    "UnknownRequestError",
+    "engine_replicas",
+    "longest_common_prefix",
+    "make_mesh",
+    "replica_meshes",
+    "shard_model",
+]
