@@ -87,7 +87,8 @@ def run_to_completion(
 
     `sampling_params` is one for all prompts or a sequence of one per prompt. Prompts are
     queued in order; when queueing one raises (a ValueError for a prompt that fails
-    validation, or anything else), the ones before it are aborted again (none has run),
+    validation, or anything else), noted with its index (`prompts[i]`; an interrupt is
+    not noted), the ones before it are aborted again (none has run),
     and a driver with a `queue_checkpoint()` method is rewound to the checkpoint taken
     before the first (the next request gets the default id and seed it would have had
     without this call; another error of the rewind than its RuntimeError refusal is
@@ -126,6 +127,8 @@ def run_to_completion(
         for p, sp in zip(prompts, params_list, strict=True):
             ids.append(driver.add_request(p, sp))
     except BaseException as error:
+        if isinstance(error, Exception):  # which prompt: its message names the prompt's fields
+            error.add_note(f"raised queueing prompts[{len(ids)}] of {num_prompts}; none runs")
         try_each_noted(driver.abort, ids, "abort", error)
         if rewind is not None:
             try:

@@ -345,10 +345,11 @@ class Engine(Closable):
         """Runs `prompts` to completion; one CompletionOutput per prompt and sample
         (SamplingParams.n), in prompt order, then by sample index.
 
-        Prompts are queued in order; one that fails validation raises ValueError after
-        the ones before it are aborted again (none has run). An exception while stepping
-        (KeyboardInterrupt too) aborts the prompts' unfinished requests, then propagates.
-        Requests already in the engine progress too; their outputs are not returned.
+        Prompts are queued in order; one that fails validation raises ValueError, noted
+        with its index (prompts[i]), after the ones before it are aborted (none has run).
+        An exception while stepping (KeyboardInterrupt too) aborts the prompts' unfinished
+        requests, then propagates. Requests already in the engine progress too; their
+        outputs are not returned.
         """
         self._check_open(idle=False)
         bar = generate_progress_bar(prompts, progress)

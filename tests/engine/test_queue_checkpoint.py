@@ -142,3 +142,15 @@ def test_an_engine_rewind_refuses_while_an_id_held_at_the_checkpoint_is_queued_a
     with pytest.raises(RuntimeError, match=r"\['a'\] queued since the checkpoint"):
         rewind()
     assert engine.add_request(PROMPT, SAMPLED) == "2"  # serial 1 stays the new a's
+
+
+def test_a_refused_prompt_is_named_by_its_index_in_prompts():
+    # add_request's message names the prompt's own fields ("prompt_token_ids must lie in
+    # [0, 259)"), not which of generate's prompts it was: in a list of many, unfindable.
+    engine = make_engine()
+    router, _ = make_router(2)
+    for driver in (engine, router):
+        with pytest.raises(ValueError, match="prompt_token_ids must lie in") as raised:
+            driver.generate([[1, 2], [3], [4, -5], [6]], progress=False)
+        assert raised.value.__notes__ == ["raised queueing prompts[2] of 4; none runs"]
+    assert engine.add_request([1, 2]) == "0" and router.num_outstanding == (0, 0)
