@@ -80,10 +80,11 @@ def auto_axes(mesh: Mesh) -> Mesh:
 
 def _device_list(devices: Sequence[jax.Device] | None) -> list:
     """`devices` (default: jax.devices()) as a list; ValueError naming them when they are
-    one device or no iterable (list() raised TypeError on them)."""
+    one device or no iterable (list() raised TypeError on them), or a str (a platform
+    name such as "cpu", whose characters make_mesh named as ['c'])."""
     if devices is None:
         return list(jax.devices())
-    if isinstance(devices, jax.Device) or not isinstance(devices, Iterable):
+    if isinstance(devices, (jax.Device, str, bytes)) or not isinstance(devices, Iterable):
         raise ValueError(f"devices={devices!r} must be a sequence of jax Devices")
     return list(devices)
 

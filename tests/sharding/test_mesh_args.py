@@ -255,6 +255,13 @@ def test_make_mesh_over_no_devices_is_refused_as_empty():
         sharding.make_mesh(2, devices=[])
 
 
+def test_a_platform_name_for_devices_is_refused_as_given():
+    """A str was listed into its characters: make_mesh(1, "cpu") named devices=['c']."""
+    for build in (sharding.make_mesh, sharding.replica_meshes):
+        with pytest.raises(ValueError, match=r"^devices='cpu' must be a sequence of jax Dev"):
+            build(1, "cpu")
+
+
 def test_make_mesh_takes_only_the_first_tp_devices():
     """Devices past the first TP are not looked at, as vLLM's tensor_parallel_size."""
     d = jax.devices()[0]
