@@ -54,7 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--repeats", type=positive_int, default=5, help="measured runs per case")
     p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--out", type=out_file, default=RESULTS_DIR / "prompt_logprobs.json")
+    p.add_argument(
+        "--out", type=out_file, default=RESULTS_DIR / "prompt_logprobs.json",
+        help="JSON file (%(default)s)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     limit = LlamaConfig.preset("tiny").max_position_embeddings
     if args.num_requests > args.max_num_batched_tokens:  # all requests run in one batch

@@ -206,6 +206,8 @@ def test_every_benchmark_runs_as_a_script_without_pythonpath(script):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert "--out" in run.stdout
+    # Where it writes without --out (prompt_logprobs.py's help said nothing of it).
+    assert script == "gpu_kernel.py" or "benchmarks/results" in run.stdout
 
 
 @pytest.mark.parametrize(
