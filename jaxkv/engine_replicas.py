@@ -27,10 +27,12 @@ def engine_replicas(
     streams on different replicas (with one seed, the n-th request of every replica would
     sample the same tokens). Each engine gets `tokenizer` (Engine's). Raises ValueError
     naming both numbers when the TP size does not divide the device count, or too few
-    groups exist, and naming num_replicas unless it is None or an int >= 1; all before
-    any engine is built. When building a later engine fails, the engines already built
-    are closed (their device memory freed) before the error propagates: every one, a
-    close that raises noted on that error (`__notes__`), not raised instead."""
+    groups exist, naming num_replicas unless it is None or an int >= 1, config unless it
+    is None or an EngineConfig, and as replica_meshes does on `tensor_parallel_size`
+    (no int, below 1) or `devices`; all before any engine is built. When building a
+    later engine fails, the engines already built are closed (their device memory freed)
+    before the error propagates: every one, a close that raises noted on that error
+    (`__notes__`), not raised instead."""
     from jaxkv.config import EngineConfig
     from jaxkv.engine import Engine
     from jaxkv.sharding import replica_meshes
