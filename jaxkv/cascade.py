@@ -131,8 +131,8 @@ class CascadePlanner:
         guarantees); ValueError naming the batch position otherwise, or for a count
         below 0, an id given twice or unknown, or arguments of the wrong type.
         Cost: a fixed number of numpy calls plus a loop over at most 4 x max_groups
-        candidate groups; repeated id lists reuse the manager's common prefix
-        (KVCacheManager.num_common_prefix_blocks).
+        candidate groups (and as many more past a member's cap); repeated id lists reuse
+        the manager's common prefix (KVCacheManager.num_common_prefix_blocks).
         """
         num_computed_tokens, query_lens = checked_plan_args(
             request_ids, num_computed_tokens, query_lens, manager
@@ -228,8 +228,11 @@ class CascadePlanner:
         Candidates are requests with the same prefix id at column `base`. A candidate
         whose shared blocks do not pay is split again at the first column its members
         do not all share (requests under two system prompts after a one-block header
-        form two groups, not one that does not pay). At most 4 x max_groups candidates
-        are examined; the chosen groups are disjoint.
+        form two groups, not one that does not pay). A candidate that pays but that a
+        member cuts short (it has computed fewer of the blocks all of them hold alike) is
+        weighed against its members past that cut, at their longer end (_past_cap). At
+        most 4 x max_groups candidates are examined, and as many groups past a cap; the
+        chosen groups are disjoint.
 
         A candidate is judged as if it were a call of its own over the members' KV past
         `base` (its savings against what their suffix pass would read without it: the
@@ -251,23 +254,29 @@ class CascadePlanner:
         bs = manager.block_size
         num_blocks = manager.num_blocks_of_rows(rows)
         chosen, together = [], []  # (blocks saved, members, end); together: merge pays
-        budget = 4 * self.max_groups
+        budget = past_cap_budget = 4 * self.max_groups
         while candidates and budget:
             budget -= 1
             members = candidates.pop(0)
             computed = num_computed_tokens[members]
             if members is everyone and whole_batch_end:
-                end = whole_batch_end
+                end = shared = whole_batch_end
             else:
-                end = self._memo.common_prefix(manager, rows, num_blocks, members)
-                end = min(end, int(computed.min()) // bs)
+                shared = self._memo.common_prefix(manager, rows, num_blocks, members)
+                end = min(shared, int(computed.min()) // bs)
             queries = int(query_lens[members].sum())
             # What the members' suffix pass reads without this group: their contexts past
             # the global level (read once already), the flat reads the group shortens.
             context = int(computed.sum()) + queries - len(members) * base * bs
             saved = (len(members) - 1) * (end - base)
             if self.pays(len(members), (end - base) * bs, queries, context):
-                chosen.append((saved, members, end))
+                group = (saved, members, end)
+                if end < shared:  # a member that has computed fewer blocks cuts it short
+                    group, past_cap_budget = self._past_cap(
+                        manager, rows, num_blocks, num_computed_tokens, query_lens, base,
+                        group, shared, past_cap_budget,
+                    )  # fmt: skip
+                chosen.append(group)
                 continue
             if not chosen and self._pays_own_merge(
                 len(members), (end - base) * bs, queries, context
@@ -281,6 +290,41 @@ class CascadePlanner:
         chosen.sort(key=lambda t: (-t[0], int(t[1][0])))
         chosen = sorted(chosen[: self.max_groups], key=lambda t: int(t[1][0]))
         return [(members, end) for _, members, end in chosen]
+
+    def _past_cap(
+        self,
+        manager: KVCacheManager,
+        rows: np.ndarray,  # i32[R]
+        num_blocks: np.ndarray,  # i32[R] blocks each row holds
+        num_computed_tokens: np.ndarray,  # i[R]
+        query_lens: np.ndarray,  # i[R]
+        base: int,
+        group: tuple[int, np.ndarray, int],  # (blocks saved, members, end), which pays
+        shared: int,  # leading columns every member holds alike, past the group's end
+        budget: int,
+    ) -> tuple[tuple[int, np.ndarray, int], int]:
+        """The group that saves most (the first on ties) among `group`, cut at the least
+        computed blocks of a member (one loading or computing blocks the others share),
+        and the groups of its members past each cap in turn: those that have computed the
+        first column the cap leaves out, at their own (longer) shared and computed end.
+        Each such group must pay a call of its own; at most `budget` of them are examined
+        (the budget is returned less those, for the search's other candidates)."""
+        bs = manager.block_size
+        best, (_, members, end) = group, group
+        while end < shared and budget:
+            members = members[num_computed_tokens[members] >= (end + 1) * bs]
+            if len(members) < 2:
+                break
+            budget -= 1
+            computed = num_computed_tokens[members]
+            shared = self._memo.common_prefix(manager, rows, num_blocks, members)
+            end = min(shared, int(computed.min()) // bs)
+            queries = int(query_lens[members].sum())
+            context = int(computed.sum()) + queries - len(members) * base * bs
+            saved = (len(members) - 1) * (end - base)
+            if saved > best[0] and self.pays(len(members), (end - base) * bs, queries, context):
+                best = (saved, members, end)
+        return best, budget
 
     def _pays_own_merge(
         self, num_requests: int, prefix_tokens: int, num_query_tokens: int, context_tokens: int

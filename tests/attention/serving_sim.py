@@ -281,7 +281,9 @@ def check_complete(
     the least computed whole blocks; every run of two or more requests holding the same
     blocks one column past it (and having computed that column) is a group when there
     are at most `max_groups` such runs, ending where its members' shared and computed
-    blocks end. From block ids and counts alone, as brute_common_prefix."""
+    blocks end, or, where a member's computed blocks cut it short, made of the members
+    past that cut if that saves more (_past_caps). From block ids and counts alone, as
+    brute_common_prefix."""
     bs = manager.block_size
     ids = out.request_ids
     if len(ids) < 2:
@@ -308,11 +310,28 @@ def check_complete(
     for g in range(level.num_groups):
         members = plan.order[level.group_starts[g] : level.group_ends[g]].tolist()
         got.add((tuple(sorted(members)), int(level.block_ends[g])))
-    want = set()
-    for members in runs.values():
-        end = brute_common_prefix(manager, [ids[i] for i in members])
-        want.add((tuple(members), min(end, *(computed[i] for i in members))))
+    want = {_past_caps(manager, ids, members, computed, k0) for members in runs.values()}
     assert got == want, (got, want)
+
+
+def _past_caps(
+    manager: KVCacheManager, ids: list[str], members: list[int], computed: list[int], k0: int
+) -> tuple[tuple[int, ...], int]:
+    """(members, end) of the group kept of a run when every level pays: the run, ending
+    where its members' shared and computed blocks end, or, while the least computed
+    members cut it short of the blocks all of them hold alike, the members that computed
+    past that cut, at their own end; of these, the one that saves most ((members - 1) x
+    blocks past k0), the first on ties."""
+    best = None
+    while len(members) > 1:
+        shared = brute_common_prefix(manager, [ids[i] for i in members])
+        end = min(shared, *(computed[i] for i in members))
+        if best is None or (len(members) - 1) * (end - k0) > best[0]:
+            best = ((len(members) - 1) * (end - k0), tuple(members), end)
+        if end == shared:
+            break
+        members = [i for i in members if computed[i] > end]
+    return best[1:]
 
 
 def fresh_plan(planner: CascadePlanner, out: SchedulerOutput, manager: KVCacheManager):
