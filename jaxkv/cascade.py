@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel
 from jaxkv.cascade_plan import CascadeLevel, CascadePlan
+from jaxkv.cascade_together import paying_together
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.plan_memo import PlanMemo
 from jaxkv.planner_args import check_computed_held, checked_plan_args, checked_planner_settings
@@ -237,9 +238,9 @@ class CascadePlanner:
         A candidate is judged as if it were a call of its own over the members' KV past
         `base` (its savings against what their suffix pass would read without it: the
         global level already reads columns before `base` once), but one call runs every
-        group of the level: when no candidate pays a call alone, the disjoint candidates
-        that pay their own merge (largest savings first) are planned if together they
-        pay the level's one call (four system prompts under four requests each).
+        group of the level: when no candidate pays a call alone, disjoint candidates
+        that pay their own merge are planned if together they pay the level's one call
+        (four system prompts under four requests each; see paying_together).
         """
         if not self.enable_groups or base >= manager.max_blocks_per_seq:
             return []
@@ -253,7 +254,7 @@ class CascadePlanner:
             return []
         bs = manager.block_size
         num_blocks = manager.num_blocks_of_rows(rows)
-        chosen, together = [], []  # (blocks saved, members, end); together: merge pays
+        chosen, together = [], []  # (blocks saved, members, end); together: merge pays, +queries
         budget = past_cap_budget = 4 * self.max_groups
         while candidates and budget:
             budget -= 1
@@ -281,12 +282,14 @@ class CascadePlanner:
             if not chosen and self._pays_own_merge(
                 len(members), (end - base) * bs, queries, context
             ):
-                together.append((saved, members, end))
+                together.append((saved, members, end, queries))
             if end < manager.max_blocks_per_seq:
                 candidates += self._split(manager, rows, num_computed_tokens, members, end) or []
                 candidates.sort(key=len, reverse=True)
         if not chosen:
-            chosen = self._paying_together(together, query_lens, base, bs)
+            chosen = paying_together(
+                together, base, bs, self.shape, self.cost_model, self.max_groups
+            )
         chosen.sort(key=lambda t: (-t[0], int(t[1][0])))
         chosen = sorted(chosen[: self.max_groups], key=lambda t: int(t[1][0]))
         return [(members, end) for _, members, end in chosen]
@@ -334,32 +337,6 @@ class CascadePlanner:
         return model is not None and self.pays(
             num_requests, prefix_tokens, num_query_tokens, context_tokens, model=model
         )
-
-    def _paying_together(
-        self,
-        candidates: list[tuple[int, np.ndarray, int]],  # (blocks saved, members, end)
-        query_lens: np.ndarray,  # i[R]
-        base: int,
-        block_size: int,
-    ) -> list[tuple[int, np.ndarray, int]]:
-        """Disjoint `candidates` (largest savings first, at most max_groups) if their
-        savings together pay one call of the level, else []."""
-        taken, picked = np.zeros(len(query_lens), bool), []
-        for candidate in sorted(candidates, key=lambda t: (-t[0], int(t[1][0]))):
-            members = candidate[1]
-            if len(picked) < self.max_groups and not taken[members].any():
-                taken[members] = True
-                picked.append(candidate)
-        if not picked:  # a cost model with only a pays method has no cost_bytes
-            return []
-        s, model = self.shape, self.cost_model
-        kv_bytes_per_token = 2 * s.num_kv_heads * s.head_dim * s.kv_itemsize
-        saved = sum(
-            model.saved_bytes(len(members), (end - base) * block_size, kv_bytes_per_token)
-            for _, members, end in picked
-        )
-        cost = model.cost_bytes(int(query_lens[taken].sum()), s.num_q_heads, s.head_dim)
-        return picked if saved > cost else []
 
     def _split(
         self,

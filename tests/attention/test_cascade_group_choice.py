@@ -256,6 +256,38 @@ def test_groups_paying_together_must_save_more_than_the_call_of_the_groups_kept(
     assert sum(lv.num_groups for lv in plan.levels) == num_groups
 
 
+@pytest.mark.parametrize("max_groups", [8, 2])
+def test_groups_paying_together_are_not_hidden_by_the_candidate_they_split_from(max_groups):
+    # Eight requests share a 10-block header, then pairs of them 20 blocks more; two
+    # others share 60 blocks. At 512 bytes a token nothing pays the 200000-byte call
+    # alone: the eight over the header save 143360 bytes, each pair over 30 blocks
+    # 61440, the other two 122880. The four pairs with the two save 368640 together,
+    # more than the eight with the two (266240), which were kept because the eight
+    # outweigh any one pair. Cut to max_groups=2, two pairs and the two (184320) do not
+    # pay; the eight and the two do.
+    m = KVCacheManager(1024, 4, max_model_len=256)
+    header = list(range(100, 140))
+    reqs = [
+        _decoding(m, f"p{p}r{i}", header + [1000 * (p + 1) + t for t in range(80)] + [i, 50 + i])
+        for p in range(4)
+        for i in range(2)
+    ]
+    reqs += [_decoding(m, f"b{i}", list(range(6000, 6240)) + [i, 60 + i]) for i in range(2)]
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids[:8]) == 10 and _shared(m, ids[8:]) == 60 and _shared(m, ids) == 0
+    assert all(_shared(m, ids[2 * p : 2 * p + 2]) == 30 for p in range(4))
+    model = CascadeCostModel(launch_overhead_bytes=200000, merge_cost_factor=0)
+    planner = CascadePlanner(SHAPE, cost_model=model, max_groups=max_groups)
+    assert not any(planner.pays(n, tokens, n) for n, tokens in ((8, 40), (2, 120), (2, 240)))
+    plan = _plan(planner, m, reqs)
+    got = sorted((sorted(members), start, end) for members, start, end in _groups(plan, reqs))
+    if max_groups == 8:
+        pairs = [(ids[2 * p : 2 * p + 2], 0, 30) for p in range(4)]
+        assert got == [(["b0", "b1"], 0, 60), *pairs]
+    else:
+        assert got == [(["b0", "b1"], 0, 60), (ids[:8], 0, 10)]
+
+
 def test_a_whole_batch_prefix_that_pays_in_tokens_is_one_global_level():
     # The global level's cost verdict counts the shared prefix in tokens. Four decoding
     # requests share 1024 tokens (64 blocks of 16): reading them once saves
