@@ -6,6 +6,7 @@ until each has finished, and gather every request's tokens in prompt order.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Sequence
 from numbers import Integral
@@ -27,7 +28,8 @@ class StepDriver(Protocol):
     def abort(self, request_id: str) -> bool: ...
 
     # Optional: queue_checkpoint() -> Callable[[], None] (see Engine.queue_checkpoint),
-    # and last_step, replaced by each step that runs the model (see Engine.last_step).
+    # and last_step, replaced by each step that runs the model (see Engine.last_step), on
+    # the driver or on each of its `replicas` (a tuple: PrefixAwareRouter's).
 
 
 def checked_drivers(drivers, name: str) -> list:
@@ -104,8 +106,9 @@ def run_to_completion(
     prompt logprobs gets them on each of its samples.
     `progress_bar` (tqdm-like, optional) is advanced once per finished prompt and closed.
     A step that returns no output while requests are unfinished is followed by a 0.5 ms
-    sleep (a KV load in flight), unless the driver's `last_step` (an Engine's) changed
-    in it: the model ran, on prefill chunks only, and the next step runs at once.
+    sleep (a KV load in flight), unless the driver's `last_step` (an Engine's), or that
+    of one of its `replicas` (a PrefixAwareRouter's Engines), changed in it: a model
+    ran, on prefill chunks only, and the next step runs at once.
     """
     num_prompts = count_prompts(prompts)
     # A str is a Sequence, of characters: refused by each add_request as what it is.
@@ -157,16 +160,19 @@ def run_to_completion(
     prompt_logprobs: list[tuple | None] = [None] * len(ids)  # from a sample's first output
     done = [False] * len(ids)
     remaining = len(ids)
+    steppers = getattr(driver, "replicas", None)  # whose last_step tells: a router's
+    if not isinstance(steppers, tuple) or not steppers:
+        steppers = (driver,)
     try:
         while remaining:
-            ran = getattr(driver, "last_step", None)
+            ran = _last_steps(steppers)
             outputs = driver.step()
             if not outputs:
                 if not driver.has_unfinished_requests():
                     break
-                # Nothing ran (waiting on a KV load), unless a new last_step says the
+                # Nothing ran (waiting on a KV load), unless a new last_step says a
                 # model ran prefill chunks only: then step again at once.
-                if getattr(driver, "last_step", None) is ran:
+                if all(map(operator.is_, _last_steps(steppers), ran)):
                     time.sleep(0.0005)
             for o in outputs:
                 i = index.get(o.request_id)
@@ -214,6 +220,11 @@ def run_to_completion(
         for i, rid in enumerate(ids)
         for k in range(counts[i])
     ]
+
+
+def _last_steps(steppers: Sequence[Any]) -> list:
+    """Each one's last_step (None without one): a new one tells that its model ran."""
+    return [getattr(s, "last_step", None) for s in steppers]
 
 
 def _prompt_ids(prompt) -> tuple[int, ...]:

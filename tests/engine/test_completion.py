@@ -9,8 +9,9 @@ import pytest
 from jaxkv import SamplingParams
 from jaxkv.completion import checked_drivers, run_to_completion
 from jaxkv.outputs import CompletionOutput, RequestOutput
-from tests.engine._util import make_engine
-from tests.sharding._router_util import make_router
+from jaxkv.router import PrefixAwareRouter
+from tests.engine._util import BLOCK_SIZE, make_engine
+from tests.sharding._router_util import FakeReplica, make_router
 
 
 class Bar:
@@ -426,6 +427,41 @@ def test_generate_sleeps_only_after_a_step_that_ran_no_model(monkeypatch):
     [out] = engine.generate([list(range(1, 49))], SamplingParams(max_tokens=2), progress=False)
     assert len(out.output_token_ids) == 2 and engine.metrics.num_steps == 4
     assert naps == []
+
+
+def test_router_generate_sleeps_only_after_a_step_in_which_no_replica_ran_a_model(monkeypatch):
+    """The router's steps of prefill chunks only ran its replicas' models: no sleep. It
+    had no last_step of its own, so it slept after each of them."""
+    engines = [make_engine(max_num_batched_tokens=16) for _ in range(2)]
+    router = PrefixAwareRouter(engines, block_size=BLOCK_SIZE)
+    naps = []
+    monkeypatch.setattr("jaxkv.completion.time.sleep", naps.append)
+    prompts = [list(range(1, 49)), list(range(60, 108))]  # one per replica, 3 chunks each
+    outs = router.generate(prompts, SamplingParams(max_tokens=2), progress=False)
+    assert [len(o.output_token_ids) for o in outs] == [2, 2]
+    assert [e.metrics.num_steps for e in engines] == [4, 4]
+    assert naps == []
+    for engine in engines:
+        engine.close()
+
+
+def test_router_generate_still_sleeps_after_a_step_that_ran_nothing(monkeypatch):
+    """Replicas without a last_step (or whose last_step stayed) ran no model: one nap."""
+
+    class Idle(FakeReplica):  # its first step waits (on a KV load, say)
+        waited = False
+
+        def step(self):
+            if not self.waited:
+                self.waited = True
+                return []
+            return super().step()
+
+    router = PrefixAwareRouter([Idle(0), Idle(1)], block_size=4)
+    naps = []
+    monkeypatch.setattr("jaxkv.completion.time.sleep", naps.append)
+    outs = router.generate([[1], [2]], SamplingParams(max_tokens=1), progress=False)
+    assert [len(o.output_token_ids) for o in outs] == [1, 1] and naps == [0.0005]
 
 
 def test_a_jax_array_prompt_is_read_as_one_array_not_token_by_token(monkeypatch):
