@@ -83,6 +83,7 @@ def run_to_completion(
     sampling_params: Any = None,
     *,
     progress_bar: Any = None,
+    progress: bool = False,
 ) -> list[CompletionOutput]:
     """One CompletionOutput per prompt and sample (SamplingParams.n, 1 by default), in
     prompt order, then by sample index.
@@ -105,11 +106,15 @@ def run_to_completion(
     their cumulative_logprob (the sum of its sampled tokens' logprobs); one that asks for
     prompt logprobs gets them on each of its samples.
     `progress_bar` (tqdm-like, optional) is advanced once per finished prompt and closed.
+    `progress` (a bool, else ValueError before anything is queued) draws generate's bar
+    (generate_progress_bar) when no `progress_bar` is given, made once every prompt is
+    queued: a refused prompt leaves no bar drawn.
     A step that returns no output while requests are unfinished is followed by a 0.5 ms
     sleep (a KV load in flight), unless the driver's `last_step` (an Engine's), or that
     of one of its `replicas` (a PrefixAwareRouter's Engines), changed in it: a model
     ran, on prefill chunks only, and the next step runs at once.
     """
+    check_progress(progress)
     num_prompts = count_prompts(prompts)
     # A str is a Sequence, of characters: refused by each add_request as what it is.
     if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, (str, bytes)):
@@ -117,7 +122,7 @@ def run_to_completion(
     else:
         params_list = list(sampling_params)
         if len(params_list) != num_prompts:
-            if progress_bar is not None:  # generate made it first: it must not stay drawn
+            if progress_bar is not None:  # a caller's bar: it must not stay drawn
                 progress_bar.close()
             raise ValueError(
                 f"sampling_params: {len(params_list)} for {num_prompts} prompts; pass one "
@@ -164,6 +169,8 @@ def run_to_completion(
     if not isinstance(steppers, tuple) or not steppers:
         steppers = (driver,)
     try:
+        if progress and progress_bar is None:  # once none is refused: none drawn before
+            progress_bar = generate_progress_bar(prompts, progress)
         while remaining:
             ran = _last_steps(steppers)
             outputs = driver.step()
@@ -255,10 +262,16 @@ def _with_cumulative(tokens: list[int], logprobs: list[dict] | None) -> tuple:
 
 def generate_progress_bar(prompts: Sequence[Sequence[int]], progress: bool):
     """generate's bar: one over len(prompts) if `progress`, else None. ValueError unless
-    `progress` is a bool (a flag read from text, "no", would show it by truthiness)."""
+    `progress` is a bool (check_progress)."""
+    check_progress(progress)
+    return progress_bar(count_prompts(prompts), desc="generate") if progress else None
+
+
+def check_progress(progress: bool) -> None:
+    """ValueError unless `progress` is a bool (a flag read from text, "no", would show
+    the bar by truthiness)."""
     if not isinstance(progress, bool):
         raise ValueError(f"{progress=} must be a bool")
-    return progress_bar(count_prompts(prompts), desc="generate") if progress else None
 
 
 def progress_bar(total: int, *, desc: str):

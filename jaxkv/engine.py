@@ -28,7 +28,7 @@ from flax import nnx
 from jaxkv.attention import default_backend
 from jaxkv.cascade import CascadePlan, CascadePlanner
 from jaxkv.closable import Closable, one_at_a_time, step_until_landed
-from jaxkv.completion import generate_progress_bar, run_to_completion
+from jaxkv.completion import run_to_completion
 from jaxkv.config import EngineConfig
 from jaxkv.deliberate_transfers import allowing_transfers
 from jaxkv.detokenizer import Detokenizer
@@ -349,11 +349,10 @@ class Engine(Closable):
         with its index (prompts[i]), after the ones before it are aborted (none has run).
         An exception while stepping (KeyboardInterrupt too) aborts the prompts' unfinished
         requests, then propagates. Requests already in the engine progress too; their
-        outputs are not returned.
+        outputs are not returned. `progress` draws a tqdm bar once all are queued.
         """
         self._check_open(idle=False)
-        bar = generate_progress_bar(prompts, progress)
-        return run_to_completion(self, prompts, sampling_params, progress_bar=bar)
+        return run_to_completion(self, prompts, sampling_params, progress=progress)
 
     # --------------------------------------------------------------- lifetime
 

@@ -30,7 +30,7 @@ from jaxkv.closable import (
     step_until_landed,
     try_each,
 )
-from jaxkv.completion import checked_drivers, generate_progress_bar, run_to_completion
+from jaxkv.completion import checked_drivers, run_to_completion
 from jaxkv.engine_replicas import engine_replicas as engine_replicas  # its former home
 from jaxkv.hashing import BlockHash
 from jaxkv.outputs import CompletionOutput, RequestOutput
@@ -355,10 +355,10 @@ class PrefixAwareRouter(RoutingRule, Closable):
         """Runs `prompts` to completion over all replicas; one CompletionOutput per prompt
         and sample (SamplingParams.n), in prompt order, then by sample index.
         `sampling_params` is one for all or a sequence of one per prompt. `progress`
-        shows a progress bar (tqdm, when installed), as Engine.generate does."""
+        shows a progress bar (tqdm, when installed) once all are queued, as Engine.generate
+        does."""
         self._check_open()
-        bar = generate_progress_bar(prompts, progress)
-        return run_to_completion(self, prompts, sampling_params, progress_bar=bar)
+        return run_to_completion(self, prompts, sampling_params, progress=progress)
 
     # --------------------------------------------------------------- lifetime
 

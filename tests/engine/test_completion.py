@@ -47,6 +47,23 @@ def test_the_bar_is_closed_when_a_prompt_is_refused():
     assert bar.closed
 
 
+def test_generate_draws_no_bar_before_refusing_a_prompt(capsys):
+    """The bar is made once every prompt is queued: it used to be drawn (a 0% line on
+    stderr) before the refusal."""
+    engine = make_engine()
+    router = PrefixAwareRouter([FakeReplica(0), FakeReplica(1)], block_size=4)
+    for driver, bad in ((engine, [-5]), (router, [])):
+        with pytest.raises(ValueError, match=r"prompts\[1\] of 2"):
+            driver.generate([[1, 2], bad], SamplingParams(max_tokens=1), progress=True)
+        with pytest.raises(ValueError, match="sampling_params: 1 for 2 prompts"):
+            driver.generate([[1, 2], [3]], [SamplingParams()], progress=True)
+        with pytest.raises(ValueError, match="progress='yes' must be a bool"):
+            driver.generate([[1, 2]], progress="yes")
+    assert capsys.readouterr().err == ""
+    outs = engine.generate([[1, 2]], SamplingParams(max_tokens=1), progress=True)
+    assert len(outs) == 1 and "generate" in capsys.readouterr().err  # drawn when it runs
+
+
 def test_generate_with_a_wrong_number_of_params_queues_nothing():
     # Refused before any prompt is queued: no default id or seed is used up.
     engine = make_engine()
