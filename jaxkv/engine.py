@@ -182,7 +182,8 @@ class Engine(Closable):
         generate does when it refuses a prompt), gives the next request the default id and
         seed it would have had; it raises RuntimeError, changing nothing, while the engine
         still holds one. Its check() raises that error without rewinding (a router checks
-        every replica before it rewinds any)."""
+        every replica before it rewinds any). Raises RuntimeError after close()."""
+        super()._check_open()  # closed, or inside a step (lost caches: add_request refuses)
         return self._serials.checkpoint(self.scheduler.requests)
 
     def abort(self, request_ids: str | Iterable[str]) -> bool:
@@ -361,13 +362,13 @@ class Engine(Closable):
         connector keeps what they saved, for another engine it is bound to), stops the
         copy thread and frees the KV cache's device memory.
 
-        Afterwards add_request, step, generate, drain_transfers and reset_prefix_cache
-        raise RuntimeError, and abort returns False (close aborted every request; a
-        caller's cleanup may abort its ids); metrics stay readable; closing again does
-        nothing. Raises ValueError, changing nothing, unless `timeout_s` is a number
-        >= 0, and TimeoutError when the copies have not landed within `timeout_s`: the
-        engine then stays open, without requests, and close can be called again. `with
-        Engine(...) as engine:` closes it on leaving the block.
+        Afterwards add_request, step, generate, queue_checkpoint, drain_transfers and
+        reset_prefix_cache raise RuntimeError, and abort returns False (close aborted
+        every request; a caller's cleanup may abort its ids); metrics stay readable;
+        closing again does nothing. Raises ValueError, changing nothing, unless
+        `timeout_s` is a number >= 0, and TimeoutError when the copies have not landed
+        within `timeout_s`: the engine then stays open, without requests, and close can
+        be called again. `with Engine(...) as engine:` closes it on leaving the block.
         """
         close_engine(self, timeout_s)
 

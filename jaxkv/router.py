@@ -191,7 +191,9 @@ class PrefixAwareRouter(RoutingRule, Closable):
         such replicas, a later one refusing comes after the first rewound, so every other
         one, the router and the Engines are rewound before its RuntimeError is raised
         (jaxkv.request_serials.rewind_together). Taking it, and each rewind, copies the
-        prefix routes (5-10 ms for a full default max_tracked_prefixes, 2-core CPU)."""
+        prefix routes (5-10 ms for a full default max_tracked_prefixes, 2-core CPU).
+        Raises RuntimeError after close()."""
+        self._check_open()
         routes = self._routes.snapshot()
         # By token, not replica: an id aborted and queued again on its replica is new.
         rewind_ids = self._serials.checkpoint(self._queued)
@@ -368,15 +370,16 @@ class PrefixAwareRouter(RoutingRule, Closable):
         (Engine.close: the copy thread stops, device memory is freed), all within
         `timeout_s`. Outputs that a failed step() kept for the next one are dropped.
 
-        Afterwards add_request, step, generate, drain_transfers and reset_prefix_cache
-        raise RuntimeError, and abort returns False (for a caller's cleanup); closing
-        again does nothing. Raises ValueError, changing nothing, unless `timeout_s` is
-        a number >= 0 and each replica's close, if any, a method; TimeoutError when the
-        copies have not landed in time (no replica is closed then). A replica's close that
-        raises leaves every other one closed (jaxkv.closable.try_each); either way the
-        router stays open, without requests, and close can be called again (a closed
-        Engine's close does nothing). A replica's abort that raises leaves that request
-        held, every other one aborted, and the router open: abort's error is raised.
+        Afterwards add_request, step, generate, queue_checkpoint, drain_transfers and
+        reset_prefix_cache raise RuntimeError, and abort returns False (for a caller's
+        cleanup); closing again does nothing. Raises ValueError, changing nothing,
+        unless `timeout_s` is a number >= 0 and each replica's close, if any, a method;
+        TimeoutError when the copies have not landed in time (no replica is closed then).
+        A replica's close that raises leaves every other one closed
+        (jaxkv.closable.try_each); either way the router stays open, without requests,
+        and close can be called again (a closed Engine's close does nothing). A
+        replica's abort that raises leaves that request held, every other one aborted,
+        and the router open: abort's error is raised.
         """
         if self._closed:
             return

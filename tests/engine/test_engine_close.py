@@ -83,6 +83,7 @@ def test_close_aborts_requests_lands_copies_and_frees_the_kv_cache():
         "generate of no prompts": lambda: engine.generate([], progress=False),
         "drain_transfers": engine.drain_transfers,
         "reset_prefix_cache": engine.reset_prefix_cache,
+        "queue_checkpoint": engine.queue_checkpoint,  # it returned a rewind
     }
     for name, call in calls.items():
         with pytest.raises(RuntimeError, match="the Engine is closed"):

@@ -48,6 +48,7 @@ def test_close_aborts_every_request_closes_replicas_that_can_and_refuses_use():
         "generate": lambda: router.generate([[4] * BLOCK], progress=False),
         "generate of no prompts": lambda: router.generate([], progress=False),
         "drain_transfers": router.drain_transfers,
+        "queue_checkpoint": router.queue_checkpoint,  # it returned a rewind
     }
     for call in calls.values():
         with pytest.raises(RuntimeError, match="the PrefixAwareRouter is closed"):
