@@ -174,6 +174,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished()
 
+    @property
+    def waiting_status(self) -> RequestStatus:
+        """The status it waits in the queue under, computing from scratch: PREEMPTED once
+        it has been preempted (num_preemptions), else WAITING."""
+        return RequestStatus.PREEMPTED if self.num_preemptions else RequestStatus.WAITING
+
     def check_hash_config(self, block_size: int, seed: int = 0) -> None:
         """Raises ValueError if `block_hashes` were computed with another block size or seed,
         or unless `block_size` is an int >= 1 and `seed` an int that fits in 64 bits.

@@ -59,7 +59,5 @@ def discard_batch(scheduler: Scheduler, output: SchedulerOutput) -> None:
     for request in reversed(admitted):  # the last admitted is evicted first
         scheduler.manager.free(request)
         request.num_computed_tokens = 0
-        request.status = (
-            RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
-        )
+        request.status = request.waiting_status
     requeue_admitted(scheduler, admitted)

@@ -4,14 +4,16 @@ Plain Python, no JAX. Two kinds of copy hold blocks outside the running queue:
 
 - loads: a waiting request whose KV the connector can supply gets blocks for all its
   tokens and waits (WAITING_FOR_REMOTE_KV) until poll() reports the load. A landed
-  load makes it WAITING again with those tokens computed and their blocks in the prefix
+  load makes it WAITING again (PREEMPTED if it was preempted before: its
+  Request.waiting_status) with those tokens computed and their blocks in the prefix
   cache, still holding blocks for all its tokens, so it needs no further block to be
   admitted; a failed load frees its blocks and the request recomputes from scratch.
 - a load started by a schedule() whose batch is discarded (Scheduler.discard) is
   cancelled: its device prefix-cache hit may be a block that the failed step was to
   write, so the request may not count it as computed. The copy may still write its
   blocks, so they stay held until it lands or fails; then they are freed and the
-  request recomputes from scratch (WAITING, keeping its queue place), like a failed load.
+  request recomputes from scratch (WAITING or PREEMPTED, keeping its queue place), like
+  a failed load.
 - saves: a finished request whose blocks the connector is copying out stays
   FINISHED_TRANSFERRING until poll() reports the save, landed or failed; then its
   blocks are freed and it gets back the status it finished with (FINISHED_STOPPED or
@@ -332,9 +334,9 @@ class TransferTracker:
         if aborted:
             self._release(request)
         elif computed:
-            request.status = RequestStatus.WAITING
+            request.status = request.waiting_status  # PREEMPTED if it was, as a discard
             self._landed[req_id] = request
         else:  # failed or cancelled: recompute from scratch
             self._manager.free(request)
             request.num_computed_tokens = 0
-            request.status = RequestStatus.WAITING
+            request.status = request.waiting_status

@@ -375,3 +375,50 @@ def test_a_connector_bound_with_another_block_size_or_seed_is_refused(block_size
     add(sched, "a", list(range(1, 14)), max_tokens=1)
     run_until_idle(sched, copier)
     assert connector.stats.num_stored_blocks == 3
+
+
+class _LoadsOnceAfterPreemption(KVConnector):
+    """Claims one block for a preempted request's first readmission; poll() reports
+    `events` once."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.events = TransferEvents()
+
+    def on_admission(self, request, num_computed_tokens):
+        first = request.num_preemptions and request.request_id not in self.started
+        return BS if first else 0
+
+    def start_load(self, request, block_ids):
+        self.started.append(request.request_id)
+
+    def poll(self):
+        events, self.events = self.events, TransferEvents()
+        return events
+
+
+@pytest.mark.parametrize("end", ["landed", "failed", "cancelled"])
+def test_a_preempted_request_whose_load_ends_waits_as_preempted(end):
+    """As a discard leaves a preempted request it had admitted: PREEMPTED, not WAITING
+    (which a landed, failed or cancelled load used to set)."""
+    connector = _LoadsOnceAfterPreemption()
+    sched = make_scheduler(
+        num_blocks=5, max_num_seqs=2, max_model_len=32, enable_prefix_caching=False,
+        connector=connector,
+    )  # fmt: skip
+    a = add(sched, "a", [1, 2, 3, 4], max_tokens=8)
+    b = add(sched, "b", [5, 6, 7, 8], max_tokens=8)
+    while not a.is_finished():  # b is preempted by a, as in the discard tests
+        step(sched)
+    assert b.num_preemptions == 1 and b.status == RequestStatus.PREEMPTED
+    out = sched.schedule()  # b's readmission starts its load
+    assert connector.started == ["b"] and b.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    if end == "cancelled":
+        sched.discard(out)
+    field = "failed_loads" if end == "failed" else "loaded"  # a cancelled load: either
+    connector.events = TransferEvents(**{field: ("b",)})
+    sched._transfers.apply_events()
+    assert b.status == RequestStatus.PREEMPTED
+    assert b.num_computed_tokens == (BS if end == "landed" else 0)
+    assert run_until_idle(sched) == {"b": "length"}
+    sched.manager.check_integrity()
