@@ -13,12 +13,13 @@ Two kinds of checks, each error naming the argument and what was expected:
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from kernels_pallas.scales import check_folded_scales, is_positive_finite
 
 QUANTIZED_KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -103,6 +104,7 @@ def validate_ragged_paged_attention_inputs(
     for name, value in (("soft_cap", soft_cap), ("k_scale", k_scale), ("v_scale", v_scale)):
         if value is not None and not is_positive_finite(value):
             raise ValueError(f"{name}={value!r} must be a finite number > 0 in float32, or None")
+    check_folded_scales(sm_scale, soft_cap, k_scale)
     if sliding_window is not None:
         if not causal:
             raise ValueError(f"{sliding_window=} needs causal=True (a prefix pass sees all keys)")
@@ -142,23 +144,6 @@ def check_int_knobs(**knobs) -> None:
         is_int = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
         if value is not None and not is_int:
             raise ValueError(f"{name}={value!r} must be an int or None")
-
-
-def is_positive_finite(x) -> bool:
-    """Whether x is a finite number > 0, also once rounded to the float32 the kernels
-    scale in (1e39 is inf there: NaN rows; 1e-50 is 0: every key weighted alike). x is a
-    scalar, static: options never come traced; a bool is no number here (sm_scale=True
-    would silently scale by 1)."""
-    if isinstance(x, (bool, np.bool_)):
-        return False
-    try:
-        if not (math.isfinite(x) and x > 0):
-            return False
-    except (TypeError, OverflowError):  # OverflowError: an int past float64's range
-        return False
-    with np.errstate(over="ignore"):
-        as_f32 = np.float32(x)
-    return bool(np.isfinite(as_f32) and as_f32 > 0)
 
 
 def _dtype_or_none(x) -> jnp.dtype | None:

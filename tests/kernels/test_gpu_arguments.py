@@ -106,3 +106,14 @@ def test_a_scale_that_is_inf_in_float32_is_refused(option):
     # 1e39 passed as finite, then was inf in the kernel's float32: every row NaN.
     with pytest.raises(ValueError, match=f"{option}=1e\\+39 must be a finite number > 0"):
         _trace(_case(), **{"sm_scale": SM_SCALE, option: 1e39})
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"sm_scale": 3e38}, {"soft_cap": 3e38}, {"sm_scale": 1e20, "k_scale": 1e20, "v_scale": 1.0}],
+)
+def test_a_scale_whose_folded_factor_is_inf_in_float32_is_refused(options):
+    # Finite alone, but the kernel scales by it times log2(e) (or sm_scale by k_scale)
+    # in one float32 factor, which was inf: every row NaN, where the reference is finite.
+    with pytest.raises(ValueError, match=r"= .* must be finite in float32"):
+        _trace(_case(), **{"sm_scale": SM_SCALE, **options})

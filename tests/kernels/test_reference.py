@@ -263,6 +263,12 @@ def test_bad_input_raises_at_trace_time(mutate, match):
         ({"sm_scale": 10**400}, "sm_scale=10+ must be a finite number > 0 in float32"),
         ({"soft_cap": 10**400}, "soft_cap=10+ must be a finite number > 0 in float32"),
         ({"k_scale": 1.0, "v_scale": 1e39}, r"v_scale=1e\+39 must be a finite number > 0"),
+        # Each finite alone, but a product the kernels fold into one float32 factor is
+        # not: the GPU kernel's base-2 factor sm_scale * log2(e) was inf, its rows NaN.
+        ({"sm_scale": 3e38}, r"sm_scale \* log2\(e\) = 4.328e\+38 must be finite in float32"),
+        ({"k_scale": 1e20, "v_scale": 1.0, "sm_scale": 1e20}, r"sm_scale \* k_scale = 1e\+40"),
+        ({"soft_cap": 3e38}, r"soft_cap \* log2\(e\) = 4.328e\+38 must be finite"),
+        ({"sm_scale": 1e30, "soft_cap": 1e-10}, r"sm_scale / soft_cap = 1e\+40 must be finite"),
         ({"sliding_window": 2.5}, "sliding_window=2.5 must be an int"),
         ({"sliding_window": True}, "sliding_window=True must be an int"),
         ({"sliding_window": 0}, "sliding_window=0 must be >= 1"),  # would hide every key

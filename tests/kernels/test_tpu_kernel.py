@@ -303,3 +303,15 @@ def test_double_buffering_has_no_data_races():
     harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=sm_scale))
     assert interpret_pallas_call.races is not None
     assert not interpret_pallas_call.races.races_found
+
+
+def test_a_scale_whose_folded_factor_is_inf_in_float32_is_refused():
+    # The kernel scales the scores by sm_scale * k_scale in one float32 factor: 1e40, inf.
+    case = _case([(1, 5)], kv_dtype=jnp.int8)
+    with pytest.raises(ValueError, match=r"sm_scale \* k_scale = 1e\+40 must be finite"):
+        jax.eval_shape(
+            functools.partial(
+                ragged_paged_attention, sm_scale=1e20, k_scale=1e20, v_scale=1.0, interpret=True
+            ),
+            *case.args(),
+        )
