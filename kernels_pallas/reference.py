@@ -16,7 +16,9 @@ Python loop over sequences) and returns `(out, lse)`:
   do: bfloat16 queries round K and V (if float32) and the softmax weights to bfloat16
   before their products, so with bfloat16 queries they match this reference only to
   bfloat16 tolerance (a few 1e-3 on outputs of order 1, float32 out_dtype too); with
-  float32 queries and pages they match it to float32 rounding;
+  float32 queries and pages they match it to float32 rounding (the GPU kernel feeds
+  float16 queries over a bfloat16 or float32 cache in float32: float16's range is
+  narrower than the cache's);
 - lse is float32, natural log, [max_num_tokens, num_q_heads]; a row that sees no key and
   every row past cu_q_lens[num_seqs] gives out 0 and lse -inf, never NaN, whatever the
   padding of q, kv_pages or the page table holds.

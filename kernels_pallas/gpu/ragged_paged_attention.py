@@ -33,7 +33,9 @@ and non-causal, sliding window, soft cap, int8 / float8_e4m3fn KV with scales, G
 rows of valid sequences that see no key, and every row past cu_q_lens[num_seqs], give
 out 0 and lse -inf; nothing past a sequence's kv_len, no page-table slot past its last
 page and no sequence past num_seqs is used in a valid row. float8 pages need a GPU that
-converts float8_e4m3fn (compute capability 8.9 or newer).
+converts float8_e4m3fn (compute capability 8.9 or newer). Both dot products take q's
+dtype, except float16 queries over a bfloat16 or float32 cache, which compute in float32
+(a cache value past float16's range would be inf in float16).
 
 Limits (ValueError at trace time): head_dim must be a power of two >= 16; the knobs
 are ints or None: block_m and block_k powers of two >= 16 (Triton block shapes are
@@ -85,6 +87,18 @@ def _gpu_compute_capability() -> float | None:
         return float(jax.local_devices(backend="gpu")[0].compute_capability)
     except (RuntimeError, AttributeError, ValueError, IndexError):
         return None
+
+
+def _compute_dtype(q_dtype, kv_dtype) -> jnp.dtype:
+    """The dtype of both dot products: q's, except float32 for float16 queries over a
+    bfloat16 or float32 cache. Cast to float16, a key or value past its range (65504)
+    was inf and its rows NaN, where the reference (float32) is finite; a float16 model's
+    own keys reach 65536 in a bfloat16 cache by rounding. Every other pair fits q's
+    dtype's range (int8 and float8_e4m3fn pages, a float16 cache, float32 queries)."""
+    wider = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+    if jnp.dtype(q_dtype) == jnp.dtype(jnp.float16) and jnp.dtype(kv_dtype) in wider:
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(q_dtype)
 
 
 _MAX_WARPS = 32  # 1024 threads, the most one CUDA block may have
@@ -224,7 +238,7 @@ def ragged_paged_attention(
     tokens_per_block = block_m // group
     grid = (max_num_tokens // tokens_per_block + max_num_seqs, num_kv_heads, num_kv_splits)
 
-    compute_dtype = q.dtype
+    compute_dtype = _compute_dtype(q.dtype, kv_pages.dtype)
     # Explicit either way, so a global jax.default_matmul_precision does not change the
     # program (bfloat16 and float16 products are exact in the float32 accumulator).
     precision = (

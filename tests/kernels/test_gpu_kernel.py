@@ -318,8 +318,9 @@ def test_cuda_lowering_target_refuses_a_device_kind_that_is_not_nvidia():
         (jnp.bfloat16, jnp.float8_e4m3fn, {"k_scale": 0.1, "v_scale": 0.1, "sliding_window": 9}),
         (jnp.float32, None, {"causal": False, "block_m": 64}),
         (jnp.bfloat16, None, {"causal": False, "out_dtype": jnp.float32}),
+        (jnp.float16, jnp.bfloat16, {}),  # computes in float32 (float16's range)
     ],
-    ids=["bf16-splits", "int8-softcap", "fp8-window", "f32-noncausal", "bf16-f32-out"],
+    ids=["bf16-splits", "int8-softcap", "fp8-window", "f32-noncausal", "bf16-f32-out", "f16-bf16"],
 )
 def test_lowers_for_cuda_to_a_verified_triton_call(dtype, kv_dtype, kw):
     case = _case([(1, 37), (5, 20)], dtype=dtype, kv_dtype=kv_dtype, head_dim=128)
@@ -327,8 +328,31 @@ def test_lowers_for_cuda_to_a_verified_triton_call(dtype, kv_dtype, kw):
     text, calls = lower_triton_calls(f, case.args())
     assert "ragged_paged_attention_gpu" in text
     assert [call.verified for call in calls] == [True]
-    if dtype == jnp.float32:
+    if dtype == jnp.float32 or (dtype, kv_dtype) == (jnp.float16, jnp.bfloat16):
         # The interpreter multiplies in full float32 whatever the kernel asks; on the GPU a
         # tf32 dot (10-bit mantissa) would break the float32 tolerance of 1e-5.
         dots = [line for line in calls[0].ir.splitlines() if "tt.dot" in line]
         assert dots and not any("tf32" in d for d in dots), dots
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float32])
+def test_float16_queries_over_a_wider_cache_match_the_reference(kv_dtype):
+    # The kernel cast K and V to the queries' float16: a key of 70000 (or a float16
+    # model's 65504, which a bfloat16 cache rounds to 65536) was inf, the row NaN, where
+    # the reference, in float32, is finite. The engine builds this pair (a float16
+    # model with cache.kv_dtype bfloat16 or float32).
+    page_size, head_dim = 16, 16
+    kv = np.zeros((3, page_size, 2, head_dim), np.float32)  # 1 KV head: keys, values
+    kv[1, :, 0] = 1.0
+    kv[1, 0, 0] = 70000.0
+    kv[1, :, 1] = np.arange(page_size, dtype=np.float32)[:, None]
+    kv[1, 3, 1] = 65536.0
+    q = np.full((1, 2, head_dim), 1e-3, np.float16)
+    args = [jnp.asarray(q), jnp.asarray(kv).astype(kv_dtype)]
+    args += [jnp.asarray(a, jnp.int32) for a in ([8], [[1]], [0, 1], [1])]  # 8 keys
+    kw = dict(sm_scale=SM_SCALE, out_dtype=jnp.float32)
+    out, lse = ragged_paged_attention(*args, **kw, interpret=harness.INTERPRET_GPU)
+    ref_out, ref_lse = reference.ragged_paged_attention(*args, **kw)
+    assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=2e-3)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5)
