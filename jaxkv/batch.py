@@ -37,6 +37,10 @@ class AttentionMetadata:
     of them when no cascade level is planned); each level in `levels` is a non-causal
     pass over shared pages, merged with the main pass through the LSEs. Rows of the
     main pass past num_seqs and tokens past cu_q_lens[num_seqs] are padding.
+    `max_q_len` (and each level's) must be at least the pass's longest query: the xla
+    backend gives the rows past it no attention. paged_attention refuses a smaller one
+    when the index arrays are concrete (check_query_bounds); with traced ones (metadata
+    passed into jit) it cannot, so a hand-made metadata must hold it.
     """
 
     slot_mapping: np.ndarray  # i32[max_num_tokens] block_id * block_size + offset; pad -> 0
@@ -82,6 +86,35 @@ jax.tree_util.register_dataclass(
     ],
     meta_fields=["block_size", "max_q_len", "backend", "interpret", "num_blocks"],
 )
+
+
+def check_query_bounds(metadata: AttentionMetadata) -> None:
+    """ValueError naming metadata.max_q_len (or metadata.levels[i].max_q_len) unless it
+    is at least the query length of every valid sequence of its pass. The xla backend
+    lays each sequence out in max_q_len rows, so under paged_attention's jit a hand-made
+    metadata with a smaller bound gave the rows past it no attention, without an error
+    (the builder always sets it right). Checks concrete index arrays only (numpy, or jax
+    arrays outside jit): traced ones, and shapes or values the kernels refuse, are
+    passed over."""
+    passes = [("metadata", metadata)]
+    passes += [(f"metadata.levels[{i}]", level) for i, level in enumerate(metadata.levels)]
+    for where, arrays in passes:
+        cu_q_lens, num_seqs = arrays.cu_q_lens, arrays.num_seqs
+        if isinstance(cu_q_lens, jax.core.Tracer) or isinstance(num_seqs, jax.core.Tracer):
+            continue
+        cu_q_lens, num_seqs = np.asarray(cu_q_lens), np.asarray(num_seqs)
+        if cu_q_lens.ndim != 1 or num_seqs.shape != (1,) or not is_integer(arrays.max_q_len):
+            continue
+        n = int(num_seqs[0])
+        if not 0 <= n < cu_q_lens.shape[0]:
+            continue
+        q_lens = np.diff(cu_q_lens[: n + 1].astype(np.int64))
+        if q_lens.size and q_lens.max() > arrays.max_q_len:
+            i = int(q_lens.argmax())
+            raise ValueError(
+                f"{where}.max_q_len={arrays.max_q_len} must be at least the query length of "
+                f"every valid sequence: sequence {i} has {q_lens[i]} query tokens"
+            )
 
 
 def _iota(n: int) -> np.ndarray:

@@ -269,3 +269,29 @@ def test_kernel_for_asks_the_tpu_for_its_tuning_only_when_compiling_on_one(monke
 def test_kernel_for_refuses_an_unknown_backend_by_name():
     with pytest.raises(ValueError, match="backend='cuda' must be one of"):
         kernel_for("cuda")
+
+
+def test_a_max_q_len_below_a_pass_s_longest_query_is_refused_by_name():
+    """The xla backend lays each sequence out in max_q_len rows: a hand-made metadata
+    with a smaller bound gave the rows past it no attention, under paged_attention's jit
+    (eager calls included), without an error."""
+    i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
+    md = build_attention_metadata(**_three_decoding()[1])  # decodes; a level of 3 tokens
+    md = dataclasses.replace(  # sequence 0 has 4 query tokens, sequence 1 two
+        md, cu_q_lens=i32([0, 4, 6, 6, 6]), kv_lens=i32([8, 8, 0, 0]), num_seqs=i32([2]),
+        levels=(), max_q_len=4,
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((md.max_num_tokens, H_Q, D)), jnp.float32)
+    pages = jnp.asarray(rng.standard_normal((64, 4, 2 * H_KV, D)), jnp.float32)
+    assert np.isfinite(np.asarray(paged_attention(q, pages, md, sm_scale=0.125))).all()
+    short = dataclasses.replace(md, max_q_len=2)
+    match = r"metadata\.max_q_len=2 must be at least .*sequence 0 has 4 query tokens"
+    with pytest.raises(ValueError, match=match):
+        paged_attention(q, pages, short, sm_scale=0.125)
+    with pytest.raises(ValueError, match=match):  # closed over by jit: still concrete
+        jax.jit(lambda q: paged_attention(q, pages, short, sm_scale=0.125))(q)
+    level_md = _metadata()
+    level = dataclasses.replace(level_md.levels[0], max_q_len=2)  # its group holds 3 tokens
+    with pytest.raises(ValueError, match=r"metadata\.levels\[0\]\.max_q_len=2 must be"):
+        paged_attention(q, pages, dataclasses.replace(level_md, levels=(level,)), sm_scale=0.125)
