@@ -68,14 +68,9 @@ from benchmarks.reference_errors import errors_against_reference  # noqa: E402
 from kernels_pallas import reference  # noqa: E402
 from kernels_pallas.tpu import (  # noqa: E402
     TUNED_BLOCK_SIZES,
+    check_shapes,
     detect_tpu_generation,
     ragged_paged_attention,
-)
-from kernels_pallas.tpu.ragged_paged_attention import (  # noqa: E402
-    MAX_PAGE_SIZE,
-    MIN_PAGE_SIZE,
-    SUPPORTED_HEAD_DIMS,
-    sublane_tiling,
 )
 
 # Peak HBM bandwidth per chip, bytes/s (Google Cloud TPU documentation), keyed like
@@ -336,15 +331,12 @@ def lower_full_size(args) -> None:
 
 def check_kernel_shapes(parser: argparse.ArgumentParser, args) -> None:
     """parser.error unless the kernel takes --head-dim and --page-size with --dtype
-    queries (it raised ValueError mid-run, in a traceback from its first check)."""
-    if args.head_dim not in SUPPORTED_HEAD_DIMS:
-        parser.error(f"--head-dim {args.head_dim} must be one of {SUPPORTED_HEAD_DIMS}")
-    tiling = max(sublane_tiling(args.dtype), 8)
-    if not MIN_PAGE_SIZE <= args.page_size <= MAX_PAGE_SIZE or args.page_size % tiling:
-        parser.error(
-            f"--page-size {args.page_size} must be in [{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}] "
-            f"and a multiple of {tiling} for --dtype {args.dtype}"
-        )
+    queries (it raised ValueError mid-run, in a traceback from its first check): the
+    kernel's own rule, kernels_pallas.tpu.check_shapes."""
+    try:
+        check_shapes(args.head_dim, args.page_size, args.dtype, names=("--head-dim", "--page-size"))
+    except ValueError as e:
+        parser.error(f"{e} (--dtype {args.dtype})")
 
 
 def main(argv=None) -> int:

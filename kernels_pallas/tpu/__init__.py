@@ -1,6 +1,6 @@
 """Pallas TPU (Mosaic) kernels: ragged paged attention with LSE, for flat and cascade attention."""
 
-from kernels_pallas.tpu.ragged_paged_attention import ragged_paged_attention
+from kernels_pallas.tpu.ragged_paged_attention import check_shapes, ragged_paged_attention
 from kernels_pallas.tpu.tuning import (
     TUNED_BLOCK_SIZES,
     BlockSizes,
@@ -10,6 +10,7 @@ from kernels_pallas.tpu.tuning import (
 
 __all__ = [
     "ragged_paged_attention",
+    "check_shapes",
     "TUNED_BLOCK_SIZES",
     "BlockSizes",
     "detect_tpu_generation",

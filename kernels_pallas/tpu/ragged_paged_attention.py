@@ -37,6 +37,30 @@ def sublane_tiling(dtype) -> int:
     return 8 * (4 // jnp.dtype(dtype).itemsize)
 
 
+def check_shapes(head_dim: int, page_size: int, q_dtype, *, names=(None, None)) -> None:
+    """ValueError unless this kernel takes heads of `head_dim` and pages of `page_size`
+    tokens with queries of `q_dtype`: head_dim one of SUPPORTED_HEAD_DIMS, page_size in
+    [MIN_PAGE_SIZE, MAX_PAGE_SIZE] and a multiple of the queries' sublane tiling (at
+    least 8). `names` say where each came from, for the message (the kernel's own
+    check: its arrays' axes; a script: its flags). The kernel applies this rule and no
+    other to them, so a caller checking its inputs early need not repeat it."""
+
+    def subject(name, what, value):
+        return f"{what}={value}" if name is None else f"{name}={value} ({what})"
+
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"{subject(names[0], 'head_dim', head_dim)} must be one of {SUPPORTED_HEAD_DIMS}"
+        )
+    tiling = max(sublane_tiling(q_dtype), 8)
+    if not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE or page_size % tiling:
+        raise ValueError(
+            f"{subject(names[1], 'page_size', page_size)} must be in [{MIN_PAGE_SIZE}, "
+            f"{MAX_PAGE_SIZE}] and a multiple of {tiling} (sublane tiling of "
+            f"{jnp.dtype(q_dtype).name})"
+        )
+
+
 def _validate_tpu(
     q: jax.Array,  # [max_num_tokens, num_q_heads, head_dim]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
@@ -66,14 +90,7 @@ def _validate_tpu(
         raise ValueError(
             f"{kv_pages.dtype=} must be float32, bfloat16, int8 or float8_e4m3fn for the TPU kernel"
         )
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"{q.shape[2]=} (head_dim) must be one of {SUPPORTED_HEAD_DIMS}")
-    tiling = max(sublane_tiling(q.dtype), 8)
-    if not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE or page_size % tiling:
-        raise ValueError(
-            f"{kv_pages.shape[1]=} (page_size) must be in [{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}] "
-            f"and a multiple of {tiling} (sublane tiling of {jnp.dtype(q.dtype).name})"
-        )
+    check_shapes(head_dim, page_size, q.dtype, names=("q.shape[2]", "kv_pages.shape[1]"))
     q_tiling = sublane_tiling(q.dtype)
     if num_queries_per_block is not None and (
         num_queries_per_block <= 0 or (num_queries_per_block * group) % q_tiling

@@ -127,11 +127,11 @@ def test_every_figure_in_the_tpu_json_has_its_unit(monkeypatch, tmp_path):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--head-dim", "96"], "--head-dim 96 must be one of (64, 128, 256)"),
-        (["--page-size", "8"], "--page-size 8 must be in [16, 256] and a multiple of 16"),
-        (["--page-size", "24", "--prefix", "48"], "--page-size 24 must be in [16, 256]"),
-        (["--page-size", "512", "--prefix", "1024"], "--page-size 512 must be in [16, 256]"),
-        (["--page-size", "8", "--dtype", "float32"], "a multiple of 8 for --dtype float32"),
+        (["--head-dim", "96"], "--head-dim=96 (head_dim) must be one of (64, 128, 256)"),
+        (["--page-size", "8"], "--page-size=8 (page_size) must be in [16, 256] and a multiple"),
+        (["--page-size", "24", "--prefix", "48"], "--page-size=24 (page_size) must be in"),
+        (["--page-size", "512", "--prefix", "1024"], "--page-size=512 (page_size) must be in"),
+        (["--page-size", "8", "--dtype", "float32"], "a multiple of 8 (sublane tiling of float32)"),
     ],
 )
 def test_shapes_the_kernel_refuses_are_refused_by_flag_before_the_run(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.reference import cascade_attention, prefix_pass_inputs
-from kernels_pallas.tpu import ragged_paged_attention
+from kernels_pallas.tpu import check_shapes, ragged_paged_attention
 from tests.kernels import harness
 
 # Shared padded shapes: 40 query tokens, 9 sequences, 6 pages of 16 keys per sequence.
@@ -315,3 +316,21 @@ def test_a_scale_whose_folded_factor_is_inf_in_float32_is_refused():
             ),
             *case.args(),
         )
+
+
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "head_dim, page_size", [(128, 16), (96, 16), (64, 8), (64, 24), (256, 512)]
+)
+def test_check_shapes_is_the_kernels_own_rule(q_dtype, head_dim, page_size):
+    # benchmarks/tpu_kernel.py repeated the rule (and could drift from it): it now calls
+    # check_shapes, which the kernel's validation calls too.
+    case = _case([(1, 5)], head_dim=head_dim, page_size=page_size, dtype=q_dtype)
+    trace = functools.partial(ragged_paged_attention, sm_scale=1.0, interpret=True)
+    try:
+        check_shapes(head_dim, page_size, q_dtype)
+    except ValueError as e:
+        with pytest.raises(ValueError, match=re.escape(str(e).split(" must ")[1])):
+            jax.eval_shape(trace, *case.args())
+    else:
+        jax.eval_shape(trace, *case.args())
