@@ -100,10 +100,12 @@ def validate_ragged_paged_attention_inputs(
     if not isinstance(causal, (bool, np.bool_)):  # "no" ran causal, None not, by truthiness
         raise ValueError(f"{causal=} must be a bool")
     if not is_positive_finite(sm_scale):
-        raise ValueError(f"{sm_scale=} must be a finite number > 0 in float32")
+        raise ValueError(f"{sm_scale=} must be a finite number > 0 in float32, not subnormal")
     for name, value in (("soft_cap", soft_cap), ("k_scale", k_scale), ("v_scale", v_scale)):
         if value is not None and not is_positive_finite(value):
-            raise ValueError(f"{name}={value!r} must be a finite number > 0 in float32, or None")
+            raise ValueError(
+                f"{name}={value!r} must be a finite number > 0 in float32, not subnormal, or None"
+            )
     check_folded_scales(sm_scale, soft_cap, k_scale)
     if sliding_window is not None:
         if not causal:

@@ -259,13 +259,21 @@ def test_bad_input_raises_at_trace_time(mutate, match):
         ({"sm_scale": 1e39}, r"sm_scale=1e\+39 must be a finite number > 0 in float32"),
         ({"sm_scale": 1e-50}, "sm_scale=1e-50 must be a finite number > 0 in float32"),
         ({"soft_cap": 1e39}, r"soft_cap=1e\+39 must be a finite number > 0 in float32"),
+        # A float32 subnormal is flushed to 0 on the device: soft_cap=1e-40 gave NaN rows
+        # (0 / 0), sm_scale=1e-40 NaN rows on the GPU kernel.
+        ({"soft_cap": 1e-40, "sm_scale": 1e-30}, "soft_cap=1e-40 must be .* not subnormal"),
+        ({"sm_scale": 1e-40}, "sm_scale=1e-40 must be a finite number > 0 in float32, not subn"),
+        ({"sm_scale": 1e-20, "k_scale": 1e-20, "v_scale": 1.0}, r"sm_scale \* k_scale = 1e-40"),
         # An int past float64's range: OverflowError from math.isfinite, naming nothing.
         ({"sm_scale": 10**400}, "sm_scale=10+ must be a finite number > 0 in float32"),
         ({"soft_cap": 10**400}, "soft_cap=10+ must be a finite number > 0 in float32"),
         ({"k_scale": 1.0, "v_scale": 1e39}, r"v_scale=1e\+39 must be a finite number > 0"),
         # Each finite alone, but a product the kernels fold into one float32 factor is
         # not: the GPU kernel's base-2 factor sm_scale * log2(e) was inf, its rows NaN.
-        ({"sm_scale": 3e38}, r"sm_scale \* log2\(e\) = 4.328e\+38 must be finite in float32"),
+        (
+            {"sm_scale": 3e38},
+            r"sm_scale \* log2\(e\) = 4.328e\+38 must be finite and normal in float32",
+        ),
         ({"k_scale": 1e20, "v_scale": 1.0, "sm_scale": 1e20}, r"sm_scale \* k_scale = 1e\+40"),
         ({"soft_cap": 3e38}, r"soft_cap \* log2\(e\) = 4.328e\+38 must be finite"),
         ({"sm_scale": 1e30, "soft_cap": 1e-10}, r"sm_scale / soft_cap = 1e\+40 must be finite"),
