@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.batch import BACKENDS, AttentionMetadata, check_query_bounds
+from jaxkv.batch import BACKENDS, AttentionMetadata, check_values
 from jaxkv.field_checks import is_integer
 from kernels_pallas import reference
 from kernels_pallas.merge import merge_attn_states
@@ -181,7 +181,7 @@ class _runs_where_q_lies(with_static_numbers):  # lower case: a decorator
         if isinstance(metadata, AttentionMetadata):
             kv_pages = args[1] if len(args) > 1 else options.get("kv_pages")
             _check_dtypes_as_given(q, kv_pages, metadata)
-            check_query_bounds(metadata)  # under jit, below, its values are unknown
+            check_values(metadata, q, kv_pages)  # under jit, below, values are unknown
         if isinstance(metadata, AttentionMetadata) and not isinstance(q, jax.core.Tracer):
             backend = options.get("backend") or metadata.backend
             interpret = options.get("interpret")
@@ -225,7 +225,8 @@ def paged_attention(
     kv_pages holds fewer blocks than the pool of the manager the metadata was built for,
     and, called outside jit, when a Pallas backend would compile for a platform other
     than q's without interpret=True (under jit, lowering for another platform is left
-    to the caller) or a pass's max_q_len is below its longest query (check_query_bounds).
+    to the caller) or, on concrete index arrays, a pass's max_q_len is below its longest
+    query or an index value is out of range (jaxkv.batch.check_values).
     """
     if not isinstance(metadata, AttentionMetadata):
         raise ValueError(f"metadata={type(metadata).__name__} must be an AttentionMetadata")

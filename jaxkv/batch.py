@@ -23,6 +23,7 @@ from jaxkv.cascade_plan import positions_of_groups
 from jaxkv.count_arrays import checked_step_counts
 from jaxkv.field_checks import is_integer
 from jaxkv.level_metadata import LevelMetadata, plan_levels, table_slice
+from kernels_pallas.validation import validate_index_values
 
 __all__ = ["AttentionMetadata", "LevelMetadata", "build_attention_metadata"]
 
@@ -115,6 +116,29 @@ def check_query_bounds(metadata: AttentionMetadata) -> None:
                 f"{where}.max_q_len={arrays.max_q_len} must be at least the query length of "
                 f"every valid sequence: sequence {i} has {q_lens[i]} query tokens"
             )
+
+
+def check_values(metadata: AttentionMetadata, q, kv_pages) -> None:
+    """check_query_bounds, then kernels_pallas.validation.validate_index_values on each
+    pass (the main causal one, each level non-causal) for q and kv_pages: ValueError
+    naming the pass and the entry unless cu_q_lens, kv_lens and the pages each valid
+    sequence reads are in range. paged_attention runs its kernels under jit, where the
+    kernels cannot see the values: a hand-made metadata's page id past the cache read a
+    clamped page, and a kv_len past its pages other keys, without an error. Concrete
+    arrays only (numpy, or metadata closed over by jit); traced ones pass."""
+    check_query_bounds(metadata)
+    if not all(isinstance(a, (np.ndarray, jax.Array)) for a in (q, kv_pages)):
+        return  # paged_attention names an argument that is no array
+    if kv_pages.ndim != 4 or kv_pages.shape[1] != metadata.block_size:
+        return  # paged_attention names the cache's shape
+    passes = [("metadata", metadata, True)]
+    passes += [(f"metadata.levels[{i}]", lv, False) for i, lv in enumerate(metadata.levels)]
+    for where, p, causal in passes:
+        index_arrays = (p.kv_lens, p.page_indices, p.cu_q_lens, p.num_seqs)
+        try:
+            validate_index_values(q, kv_pages, *index_arrays, causal=causal)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
 
 
 def _iota(n: int) -> np.ndarray:

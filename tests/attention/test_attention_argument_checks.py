@@ -295,3 +295,32 @@ def test_a_max_q_len_below_a_pass_s_longest_query_is_refused_by_name():
     level = dataclasses.replace(level_md.levels[0], max_q_len=2)  # its group holds 3 tokens
     with pytest.raises(ValueError, match=r"metadata\.levels\[0\]\.max_q_len=2 must be"):
         paged_attention(q, pages, dataclasses.replace(level_md, levels=(level,)), sm_scale=0.125)
+
+
+def test_index_values_of_a_hand_made_metadata_are_checked_outside_jit():
+    """paged_attention runs its kernels under jit, where they cannot see the values: a
+    page id past the cache read a clamped page, a kv_len past its pages other keys, out
+    of range cu_q_lens other tokens, all without an error."""
+    i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
+    md = dataclasses.replace(  # no pool size (num_blocks None): a hand-made metadata
+        _metadata(), cu_q_lens=i32([0, 4, 6, 6, 6]), kv_lens=i32([8, 8, 0, 0]),
+        page_indices=i32(np.tile([[1, 2]], (4, 1))), num_seqs=i32([2]), levels=(),
+        max_q_len=4, num_blocks=None,
+    )  # fmt: skip
+    q = jnp.zeros((md.max_num_tokens, H_Q, D), jnp.float32)
+    pages = jnp.zeros((3, 4, 2 * H_KV, D), jnp.float32)
+    assert paged_attention(q, pages, md, sm_scale=0.125).shape == q.shape
+    bad = {
+        "page_indices": (i32([[1, 2], [1, 7], [0, 0], [0, 0]]), r"page_indices\[1, 1\]=7 must"),
+        "kv_lens": (i32([8, 9, 0, 0]), r"kv_lens\[1\]=9 must be in \[0, 8\]"),
+        "cu_q_lens": (i32([0, 4, 3, 6, 6]), r"cu_q_lens\[2\]=3 must be in \[4,"),
+    }
+    for field, (value, match) in bad.items():
+        with pytest.raises(ValueError, match=rf"^metadata: {match}"):
+            paged_attention(q, pages, dataclasses.replace(md, **{field: value}), sm_scale=0.125)
+    level_md = _metadata()
+    level = level_md.levels[0]
+    level = dataclasses.replace(level, page_indices=np.full_like(level.page_indices, 64))
+    with pytest.raises(ValueError, match=r"^metadata\.levels\[0\]: page_indices\[0, 0\]=64"):
+        pages64 = jnp.zeros((64, 4, 2 * H_KV, D), jnp.float32)
+        paged_attention(q, pages64, dataclasses.replace(level_md, levels=(level,)), sm_scale=0.125)
