@@ -213,6 +213,7 @@ def ragged_paged_attention(
     num_kv_heads = num_combined_kv_heads // 2
     group = num_q_heads // num_kv_heads
     max_num_seqs, pages_per_seq = page_indices.shape
+    compute_dtype = _compute_dtype(q.dtype, kv_pages.dtype)
     default = default_config(
         max_num_tokens=max_num_tokens,
         max_num_seqs=max_num_seqs,
@@ -220,7 +221,7 @@ def ragged_paged_attention(
         num_kv_heads=num_kv_heads,
         group=group,
         head_dim=head_dim,
-        q_itemsize=jnp.dtype(q.dtype).itemsize,
+        q_itemsize=compute_dtype.itemsize,  # the dots' dtype: float32 for float16 q over bf16
         kv_itemsize=jnp.dtype(kv_pages.dtype).itemsize,
         page_size=page_size,
         pages_per_seq=pages_per_seq,
@@ -238,7 +239,6 @@ def ragged_paged_attention(
     tokens_per_block = block_m // group
     grid = (max_num_tokens // tokens_per_block + max_num_seqs, num_kv_heads, num_kv_splits)
 
-    compute_dtype = _compute_dtype(q.dtype, kv_pages.dtype)
     # Explicit either way, so a global jax.default_matmul_precision does not change the
     # program (bfloat16 and float16 products are exact in the float32 accumulator).
     precision = (

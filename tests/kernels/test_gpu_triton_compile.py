@@ -30,7 +30,7 @@ from kernels_pallas.gpu.aot import (
 
 pytest.importorskip("triton", reason="needs the triton package (Linux x86_64)")
 
-BF16, F32, I8, FP8 = jnp.bfloat16, jnp.float32, jnp.int8, jnp.float8_e4m3fn
+BF16, F16, F32, I8, FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.int8, jnp.float8_e4m3fn
 
 # (tokens, sequences, keyword arguments) of the three kinds of call the engine makes.
 DECODE = (256, 256, {"max_q_len": 1})
@@ -61,6 +61,9 @@ CASES = {
     "f32-prefill-256": (PREFILL, F32, F32, 16, 16, 256),
     "int8-prefill-256": (PREFILL, BF16, I8, 16, 16, 256),
     "fp8-prefill-256": (PREFILL, BF16, FP8, 16, 16, 256),
+    # float16 queries over a bfloat16 cache compute in float32: tiled as float32 queries.
+    "f16-bf16-prefill-256": (PREFILL, F16, BF16, 16, 16, 256),
+    "f16-bf16-decode-256": (DECODE, F16, BF16, 16, 16, 256),
 }
 
 
