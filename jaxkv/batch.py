@@ -89,16 +89,28 @@ jax.tree_util.register_dataclass(
 )
 
 
+def check_levels(metadata: AttentionMetadata) -> tuple[LevelMetadata, ...]:
+    """metadata.levels, or ValueError naming it unless it is a tuple (or list) of
+    LevelMetadata: None failed with "'NoneType' object is not iterable", a dict with an
+    AttributeError, neither naming the field."""
+    levels = metadata.levels
+    if not isinstance(levels, (tuple, list)) or not all(
+        isinstance(level, LevelMetadata) for level in levels
+    ):
+        raise ValueError(f"metadata.levels={levels!r} must be a tuple of LevelMetadata")
+    return levels
+
+
 def check_query_bounds(metadata: AttentionMetadata) -> None:
-    """ValueError naming metadata.max_q_len (or metadata.levels[i].max_q_len) unless it
+    """check_levels, then ValueError naming metadata.max_q_len (or a level's) unless it
     is at least the query length of every valid sequence of its pass. The xla backend
     lays each sequence out in max_q_len rows, so under paged_attention's jit a hand-made
     metadata with a smaller bound gave the rows past it no attention, without an error
     (the builder always sets it right). Checks concrete index arrays only (numpy, or jax
-    arrays outside jit): traced ones, and shapes or values the kernels refuse, are
-    passed over."""
+    arrays outside jit): traced ones, and shapes or values the kernels refuse, pass."""
+    levels = check_levels(metadata)
     passes = [("metadata", metadata)]
-    passes += [(f"metadata.levels[{i}]", level) for i, level in enumerate(metadata.levels)]
+    passes += [(f"metadata.levels[{i}]", level) for i, level in enumerate(levels)]
     for where, arrays in passes:
         cu_q_lens, num_seqs = arrays.cu_q_lens, arrays.num_seqs
         if isinstance(cu_q_lens, jax.core.Tracer) or isinstance(num_seqs, jax.core.Tracer):

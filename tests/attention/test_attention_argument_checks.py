@@ -324,3 +324,13 @@ def test_index_values_of_a_hand_made_metadata_are_checked_outside_jit():
     with pytest.raises(ValueError, match=r"^metadata\.levels\[0\]: page_indices\[0, 0\]=64"):
         pages64 = jnp.zeros((64, 4, 2 * H_KV, D), jnp.float32)
         paged_attention(q, pages64, dataclasses.replace(level_md, levels=(level,)), sm_scale=0.125)
+
+
+@pytest.mark.parametrize("levels", [None, ({"max_q_len": 8},)], ids=["none", "dict"])
+def test_levels_that_are_no_level_metadata_are_refused_by_name(levels):
+    # None failed with "'NoneType' object is not iterable", a dict with AttributeError.
+    md = dataclasses.replace(_metadata(), levels=levels)
+    q = jnp.zeros((md.max_num_tokens, H_Q, D), jnp.float32)
+    pages = jnp.zeros((64, 4, 2 * H_KV, D), jnp.float32)
+    with pytest.raises(ValueError, match=r"metadata\.levels=.* must be a tuple of LevelMetadata"):
+        paged_attention(q, pages, md, sm_scale=0.125)
