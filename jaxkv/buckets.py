@@ -13,6 +13,8 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
+import numpy as np
+
 from jaxkv.field_checks import positive_int_fields
 
 
@@ -36,6 +38,33 @@ def padded_size(buckets: Sequence[int], n: int, *, name: str = "n") -> int:
     if i == len(buckets):
         raise ValueError(f"{name}={n} exceeds the largest bucket {buckets[-1]}")
     return buckets[i]
+
+
+def pads_fewer_pages(
+    page_buckets: Sequence[int] | None,  # ascending page widths metadata is padded to
+    num_computed_tokens: np.ndarray,  # i[R]
+    query_lens: np.ndarray,  # i[R]
+    suffix_start: int | np.ndarray,  # first block of each request's suffix pass
+    block_size: int,
+) -> bool:
+    """Whether a cascade's suffix pass pads to fewer pages than flat attention would
+    (always True for page_buckets None: the cost model does not read padded pages, or
+    the planner does not know the buckets)."""
+    if page_buckets is None:
+        return True
+    context = num_computed_tokens + query_lens
+    flat_pages = -(-int(context.max()) // block_size)
+    if isinstance(suffix_start, int):  # every suffix pass starts at the same block
+        suffix_pages = flat_pages - suffix_start
+    else:
+        suffix = context - suffix_start * block_size
+        suffix_pages = -(-int(suffix.max()) // block_size)
+
+    def padded(n: int) -> int:
+        i = bisect.bisect_left(page_buckets, n)
+        return page_buckets[min(i, len(page_buckets) - 1)]
+
+    return padded(suffix_pages) < padded(flat_pages)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,18 +20,19 @@ Every prefix is capped at the smallest num_computed_tokens of the requests that 
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
+from jaxkv.buckets import pads_fewer_pages
 from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel
 from jaxkv.cascade_plan import CascadeLevel, CascadePlan
-from jaxkv.cascade_together import paying_together
+from jaxkv.cascade_together import kept_groups, net_bytes
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.plan_memo import PlanMemo
 from jaxkv.planner_args import check_computed_held, checked_plan_args, checked_planner_settings
+from jaxkv.prefix_index import runs_at_column
 
 __all__ = [
     "DEFAULT_COST_MODELS",
@@ -174,42 +175,20 @@ class CascadePlanner:
             whole = k0 if base == 0 else 0
             groups = self._groups(manager, rows, num_computed_tokens, query_lens, base, whole)
         if not groups:
-            if not use_global or not self._narrows(num_computed_tokens, query_lens, k0, bs):
+            if not use_global or not pads_fewer_pages(
+                self.page_buckets, num_computed_tokens, query_lens, k0, bs
+            ):
                 return flat
             return self._memo.global_plan(rows, k0, common, made_for)
         suffix_start = np.full(num_requests, base, np.int32)
         for members, end in groups:
             suffix_start[members] = end
-        if not self._narrows(num_computed_tokens, query_lens, suffix_start, bs):
+        if not pads_fewer_pages(
+            self.page_buckets, num_computed_tokens, query_lens, suffix_start, bs
+        ):
             return flat
         global_blocks = k0 if use_global else None
         return self._memo.grouped_plan(groups, rows, suffix_start, global_blocks, common, made_for)
-
-    def _narrows(
-        self,
-        num_computed_tokens: np.ndarray,  # i[R]
-        query_lens: np.ndarray,  # i[R]
-        suffix_start: int | np.ndarray,  # first block of each request's suffix pass
-        block_size: int,
-    ) -> bool:
-        """Whether the suffix pass pads to fewer pages than flat attention would (always
-        True unless the cost model reads padded pages and the page buckets are known)."""
-        buckets = self.page_buckets
-        if buckets is None:
-            return True
-        context = num_computed_tokens + query_lens
-        flat_pages = -(-int(context.max()) // block_size)
-        if isinstance(suffix_start, int):  # every suffix pass starts at the same block
-            suffix_pages = flat_pages - suffix_start
-        else:
-            suffix = context - suffix_start * block_size
-            suffix_pages = -(-int(suffix.max()) // block_size)
-
-        def padded(n: int) -> int:
-            i = bisect.bisect_left(buckets, n)
-            return buckets[min(i, len(buckets) - 1)]
-
-        return padded(suffix_pages) < padded(flat_pages)
 
     def _groups(
         self,
@@ -231,16 +210,19 @@ class CascadePlanner:
         do not all share (requests under two system prompts after a one-block header
         form two groups, not one that does not pay). A candidate that pays but that a
         member cuts short (it has computed fewer of the blocks all of them hold alike) is
-        weighed against its members past that cut, at their longer end (_past_cap). At
-        most 4 x max_groups candidates are examined, and as many groups past a cap; the
-        chosen groups are disjoint.
+        weighed against its members past that cut, at their longer end (_past_cap); one
+        that pays and ends where its members diverge, while some of them share more
+        blocks, is split there too. The chosen groups are the heaviest disjoint set of
+        these (kept_groups), in bytes saved less their merge: a request with a short
+        prompt does not hide the four under a long one that it shares 5 blocks with. At
+        most 4 x max_groups candidates are examined, and as many groups past a cap.
 
         A candidate is judged as if it were a call of its own over the members' KV past
         `base` (its savings against what their suffix pass would read without it: the
         global level already reads columns before `base` once), but one call runs every
         group of the level: when no candidate pays a call alone, disjoint candidates
         that pay their own merge are planned if together they pay the level's one call
-        (four system prompts under four requests each; see paying_together).
+        (four system prompts under four requests each; see kept_groups).
         """
         if not self.enable_groups or base >= manager.max_blocks_per_seq:
             return []
@@ -254,7 +236,10 @@ class CascadePlanner:
             return []
         bs = manager.block_size
         num_blocks = manager.num_blocks_of_rows(rows)
-        chosen, together = [], []  # (blocks saved, members, end); together: merge pays, +queries
+        # (blocks saved, members, end, queries): groups that pay a call of their own;
+        # together: groups that pay their own merge, while no group pays a call
+        chosen, together = [], []
+        overlap = False  # whether a group in `chosen` may hold another
         budget = past_cap_budget = 4 * self.max_groups
         while candidates and budget:
             budget -= 1
@@ -262,8 +247,11 @@ class CascadePlanner:
             computed = num_computed_tokens[members]
             if members is everyone and whole_batch_end:
                 end = shared = whole_batch_end
-            else:
-                shared = self._memo.common_prefix(manager, rows, num_blocks, members)
+                nested = None
+            else:  # nested: members that share past `shared` (see PlanMemo.nested_members)
+                shared, nested = self._memo.common_prefix_nesting(
+                    manager, rows, num_blocks, members
+                )
                 end = min(shared, int(computed.min()) // bs)
             queries = int(query_lens[members].sum())
             # What the members' suffix pass reads without this group: their contexts past
@@ -271,13 +259,24 @@ class CascadePlanner:
             context = int(computed.sum()) + queries - len(members) * base * bs
             saved = (len(members) - 1) * (end - base)
             if self.pays(len(members), (end - base) * bs, queries, context):
-                group = (saved, members, end)
+                group = (saved, members, end, queries)
                 if end < shared:  # a member that has computed fewer blocks cuts it short
-                    group, past_cap_budget = self._past_cap(
+                    group, (members, end, shared), past_cap_budget = self._past_cap(
                         manager, rows, num_blocks, num_computed_tokens, query_lens, base,
                         group, shared, past_cap_budget,
                     )  # fmt: skip
+                    nested = None
                 chosen.append(group)
+                if end == shared < manager.max_blocks_per_seq:
+                    if nested is None:
+                        nested = self._memo.nested_members(manager, rows, members, end)
+                    if nested and self._may_nest(
+                        nested, num_computed_tokens, base, bs, members, group
+                    ):
+                        split = self._split(manager, rows, num_computed_tokens, members, end)
+                        if split:
+                            candidates = sorted(candidates + split, key=len, reverse=True)
+                            overlap = True
                 continue
             if not chosen and self._pays_own_merge(
                 len(members), (end - base) * bs, queries, context
@@ -286,13 +285,13 @@ class CascadePlanner:
             if end < manager.max_blocks_per_seq:
                 candidates += self._split(manager, rows, num_computed_tokens, members, end) or []
                 candidates.sort(key=len, reverse=True)
-        if not chosen:
-            chosen = paying_together(
-                together, base, bs, self.shape, self.cost_model, self.max_groups
+        if chosen and not overlap and len(chosen) <= self.max_groups:
+            kept = [group[:3] for group in chosen]  # disjoint, each paying: all of them
+        else:
+            kept = kept_groups(
+                chosen or together, base, bs, self.shape, self.cost_model, self.max_groups
             )
-        chosen.sort(key=lambda t: (-t[0], int(t[1][0])))
-        chosen = sorted(chosen[: self.max_groups], key=lambda t: int(t[1][0]))
-        return [(members, end) for _, members, end in chosen]
+        return [(members, end) for _, members, end in sorted(kept, key=lambda t: int(t[1][0]))]
 
     def _past_cap(
         self,
@@ -302,32 +301,55 @@ class CascadePlanner:
         num_computed_tokens: np.ndarray,  # i[R]
         query_lens: np.ndarray,  # i[R]
         base: int,
-        group: tuple[int, np.ndarray, int],  # (blocks saved, members, end), which pays
+        group: tuple[int, np.ndarray, int, int],  # (blocks saved, members, end, queries)
         shared: int,  # leading columns every member holds alike, past the group's end
         budget: int,
-    ) -> tuple[tuple[int, np.ndarray, int], int]:
-        """The group that saves most (the first on ties) among `group`, cut at the least
-        computed blocks of a member (one loading or computing blocks the others share),
-        and the groups of its members past each cap in turn: those that have computed the
-        first column the cap leaves out, at their own (longer) shared and computed end.
-        Each such group must pay a call of its own; at most `budget` of them are examined
-        (the budget is returned less those, for the search's other candidates)."""
+    ) -> tuple[tuple[int, np.ndarray, int, int], tuple[np.ndarray, int, int], int]:
+        """The group that weighs most (kept_groups' weight; the first on ties) among
+        `group`, which pays and is cut at the least computed blocks of a member (one
+        loading or computing blocks the others share), and the groups of its members
+        past each cap in turn: those that have computed the first column the cap leaves
+        out, at their own (longer) shared and computed end. Each such group must pay a
+        call of its own; at most `budget` of them are examined. Also returns (members,
+        end, shared) of the last examined, and the budget less those examined (for the
+        search's other candidates)."""
         bs = manager.block_size
-        best, (_, members, end) = group, group
+        best, (_, members, end, queries) = group, group
+        weight = net_bytes(self.cost_model, self.shape, len(members), (end - base) * bs, queries)
         while end < shared and budget:
-            members = members[num_computed_tokens[members] >= (end + 1) * bs]
-            if len(members) < 2:
+            past = members[num_computed_tokens[members] >= (end + 1) * bs]
+            if len(past) < 2:
                 break
             budget -= 1
-            computed = num_computed_tokens[members]
+            members, computed = past, num_computed_tokens[past]
             shared = self._memo.common_prefix(manager, rows, num_blocks, members)
             end = min(shared, int(computed.min()) // bs)
             queries = int(query_lens[members].sum())
             context = int(computed.sum()) + queries - len(members) * base * bs
-            saved = (len(members) - 1) * (end - base)
-            if saved > best[0] and self.pays(len(members), (end - base) * bs, queries, context):
-                best = (saved, members, end)
-        return best, budget
+            prefix = (end - base) * bs
+            heavier = net_bytes(self.cost_model, self.shape, len(members), prefix, queries)
+            if heavier > weight and self.pays(len(members), prefix, queries, context):
+                weight, best = heavier, ((len(members) - 1) * (end - base), members, end, queries)
+        return best, (members, end, shared), budget
+
+    def _may_nest(
+        self,
+        nested: int,  # PlanMemo.nested_members of `members` at the column they diverge
+        num_computed_tokens: np.ndarray,  # i[R]
+        base: int,
+        block_size: int,
+        members: np.ndarray,  # requests that hold the same blocks up to where they diverge
+        group: tuple[int, np.ndarray, int, int],  # (blocks saved, members, end, queries)
+    ) -> bool:
+        """Whether groups of `members` sharing past where they diverge may weigh more
+        together than `group` (of them or of more requests; kept_groups' weight): at most
+        `nested` of them save a read each, of at most their most computed blocks past
+        `base`."""
+        s, bs = self.shape, block_size
+        _, kept, end, queries = group
+        most = (int(num_computed_tokens[members].max()) // bs - base) * bs  # tokens
+        bound = nested * most * 2 * s.num_kv_heads * s.head_dim * s.kv_itemsize
+        return bound > net_bytes(self.cost_model, s, len(kept), (end - base) * bs, queries)
 
     def _pays_own_merge(
         self, num_requests: int, prefix_tokens: int, num_query_tokens: int, context_tokens: int
@@ -361,16 +383,7 @@ class CascadePlanner:
         self, manager: KVCacheManager, rows: np.ndarray, eligible: np.ndarray, column: int
     ) -> list[np.ndarray] | None:
         """_split's answer for `eligible` members (two or more, each holding `column`)."""
-        # Requests that hold the same prefix id at `column` share blocks 0..column.
-        keys = manager.prefix_ids[rows[eligible], column]
-        by_key = np.argsort(keys, kind="stable")
-        sorted_keys = keys[by_key]
-        new_run = sorted_keys[1:] != sorted_keys[:-1]
-        if new_run.all():
-            return None if len(eligible) == len(rows) else []
-        starts = np.concatenate([[0], np.flatnonzero(new_run) + 1])
-        sizes = np.diff(np.append(starts, len(keys)))
-        runs = np.flatnonzero((sizes >= 2) & (sorted_keys[starts] >= 0))
-        runs = runs[np.argsort(-sizes[runs], kind="stable")][: 2 * self.max_groups]
-        order = eligible[by_key]
-        return [np.sort(order[starts[c] : starts[c] + sizes[c]]) for c in runs]
+        runs = runs_at_column(
+            manager.prefix_ids, rows[eligible], eligible, column, 2 * self.max_groups
+        )
+        return [] if runs is None and len(eligible) < len(rows) else runs

@@ -1,9 +1,10 @@
-"""Groups that pay only together: which candidates a groups level keeps when no candidate
-group pays a call of its own.
+"""Which candidate groups a groups level keeps: the heaviest set of them that share no
+request, and whether they pay the level's one call.
 
 Plain Python and numpy. CascadePlanner's group search (jaxkv.cascade) hands over the
-candidates that pay their own merge (a group of a level that runs anyway); the level
-is planned if the disjoint ones kept save more than its one call costs.
+candidates that pay a call of their own or, when none does, those that pay their own
+merge (a group of a level that runs anyway); the level is planned if the disjoint ones
+kept save more than its one call costs.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import numpy as np
 
 from jaxkv.cascade_cost import AttentionShape, CascadeCostModel
 
-__all__ = ["paying_together"]
+__all__ = ["kept_groups", "net_bytes"]
 
 # (blocks saved, members (sorted batch positions), end block, their query tokens)
 Candidate = tuple[int, np.ndarray, int, int]
 
 
-def paying_together(
+def kept_groups(
     candidates: list[Candidate],
     base: int,  # the level's first block column
     block_size: int,
@@ -29,44 +30,69 @@ def paying_together(
     """Disjoint `candidates` (at most max_groups, as (blocks saved, members, end)) whose
     savings together pay one call of the level, else [].
 
-    Each candidate is weighed by the bytes it saves less its queries' merge. The search
-    splits a candidate only into subsets of it, so any two candidates nest or are
-    disjoint. Kept are the candidates taken heaviest first while disjoint, up to
-    max_groups, or, if that passed one over, the heaviest disjoint set over that nesting
-    cut to its max_groups heaviest where it weighs more (summed): a candidate that
-    outweighs each group of its split, but not all of them together, does not hide
-    them.
+    Each candidate is weighed by net_bytes (a cost model that is no CascadeCostModel
+    has a call that costs nothing). The search splits a candidate only into subsets of
+    it, so any two candidates nest or are disjoint. Kept is the disjoint set of largest
+    total weight (a candidate rather than those nested in it where it weighs as much as
+    they do together): a candidate that outweighs each group of its split, but not all
+    of them together, does not hide them, nor does a group hide a subset of it that
+    shares more blocks and saves more. Where that set holds more than max_groups, its
+    max_groups heaviest are kept, or the candidates taken heaviest first while
+    disjoint, up to max_groups, where those weigh more.
     """
-    if not candidates:  # a cost model with only a pays method has no cost_bytes
+    if not candidates:
         return []
-    s = shape
-    kv_bytes_per_token = 2 * s.num_kv_heads * s.head_dim * s.kv_itemsize
-    call = model.cost_bytes(0, s.num_q_heads, s.head_dim)
+    call = model.cost_bytes(0, shape.num_q_heads, shape.head_dim) if _costed(model) else 0
     weighed = []  # (weight, first member, index in candidates), heaviest first
     for i, (_, members, end, queries) in enumerate(candidates):
-        saved = model.saved_bytes(len(members), (end - base) * block_size, kv_bytes_per_token)
-        merge = model.cost_bytes(queries, s.num_q_heads, s.head_dim) - call
-        weighed.append((saved - merge, int(members[0]), i))
+        weight = net_bytes(model, shape, len(members), (end - base) * block_size, queries)
+        weighed.append((weight, int(members[0]), i))
     weighed.sort(key=lambda t: (-t[0], t[1]))
-    best, overlapped = _heaviest_first(weighed, candidates, max_groups)
-    if overlapped:  # else the candidates are disjoint: the nested set is the same
-        nested = _heaviest_nested(weighed, candidates)[:max_groups]
-        best = max(best, nested, key=lambda kept: sum(weighed[k][0] for k in kept))
+    best = _heaviest_nested(weighed, candidates)
+    if len(best) > max_groups:
+        best = best[:max_groups]
+        first = _heaviest_first(weighed, candidates, max_groups)
+        if sum(weighed[k][0] for k in first) > sum(weighed[k][0] for k in best):
+            best = first
     if sum(weighed[k][0] for k in best) <= call:
         return []
     return [candidates[weighed[k][2]][:3] for k in best]
 
 
+def net_bytes(
+    model: CascadeCostModel,
+    shape: AttentionShape,
+    num_requests: int,
+    prefix_tokens: int,
+    num_query_tokens: int,
+) -> float:
+    """What a group adds to a groups level that runs anyway: the bytes it saves less its
+    queries' merge (for a cost model that is no CascadeCostModel, which has only pays,
+    the bytes it saves)."""
+    s = shape
+    kv_bytes_per_token = 2 * s.num_kv_heads * s.head_dim * s.kv_itemsize
+    if not _costed(model):
+        return max(num_requests - 1, 0) * prefix_tokens * kv_bytes_per_token
+    saved = model.saved_bytes(num_requests, prefix_tokens, kv_bytes_per_token)
+    call = model.cost_bytes(0, s.num_q_heads, s.head_dim)
+    return saved - (model.cost_bytes(num_query_tokens, s.num_q_heads, s.head_dim) - call)
+
+
+def _costed(model) -> bool:
+    return isinstance(model, CascadeCostModel)
+
+
 def _heaviest_nested(weighed: list[tuple], candidates: list[Candidate]) -> list[int]:
     """Indices into `weighed` of the disjoint set of largest total weight, heaviest first,
     for candidates that nest or are disjoint: from the smallest up, a candidate replaces
-    the ones kept among its members when it weighs more than they do together."""
+    the ones kept among its members when it weighs at least as much as they do together
+    (on a tie, one group over more requests rather than several)."""
     num_requests = max(int(candidates[i][1][-1]) for _, _, i in weighed) + 1
     weight_at = np.zeros(num_requests)  # weight of each kept candidate, at its first member
     kept_at = np.full(num_requests, -1)  # its index into `weighed`, at its first member
     for k in sorted(range(len(weighed)), key=lambda k: len(candidates[weighed[k][2]][1])):
         members = candidates[weighed[k][2]][1]
-        if weighed[k][0] > weight_at[members].sum():
+        if weighed[k][0] > 0 and weighed[k][0] >= weight_at[members].sum():
             weight_at[members] = 0
             kept_at[members] = -1
             weight_at[members[0]], kept_at[members[0]] = weighed[k][0], k
@@ -75,16 +101,14 @@ def _heaviest_nested(weighed: list[tuple], candidates: list[Candidate]) -> list[
 
 def _heaviest_first(
     weighed: list[tuple], candidates: list[Candidate], max_groups: int
-) -> tuple[list[int], bool]:
-    """(indices into `weighed` of the candidates taken heaviest first while disjoint, up
-    to max_groups; whether a candidate was passed over for holding a request taken)."""
+) -> list[int]:
+    """Indices into `weighed` of the candidates taken heaviest first while disjoint, up to
+    max_groups."""
     taken = np.zeros(max(int(candidates[i][1][-1]) for _, _, i in weighed) + 1, bool)
-    kept, overlapped = [], False
+    kept = []
     for k, (_, _, i) in enumerate(weighed):
         members = candidates[i][1]
-        if taken[members].any():
-            overlapped = True
-        elif len(kept) < max_groups:
+        if len(kept) < max_groups and not taken[members].any():
             taken[members] = True
             kept.append(k)
-    return kept, overlapped
+    return kept

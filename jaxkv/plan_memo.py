@@ -2,8 +2,9 @@
 
 A serving loop schedules the same requests step after step (decode), and the search for
 groups sharing a prefix of their own asks the same questions each time: the longest
-common prefix of a member set, how the members that hold a column split by their prefix
-id there, and whether any two requests share past the base column at all. While the
+common prefix of a member set, how many members share past a column with another,
+how the members that hold a column split by their prefix id there, and whether any two
+requests share past the base column at all. While the
 manager, the batch's rows array (rows_of returns the same object for an equal id list)
 and the manager's sharing_version are unchanged, every column a row holds keeps its
 prefix id, and the columns it gains hold fresh blocks that no other row holds. None of
@@ -71,6 +72,43 @@ class PlanMemo:
             )
         return end
 
+    def common_prefix_nesting(
+        self,
+        manager: KVCacheManager,
+        rows: np.ndarray,  # i32[R] the batch's rows
+        num_blocks: np.ndarray,  # i32[R] blocks each row holds
+        members: np.ndarray,  # indices into rows, two or more
+    ) -> tuple[int, int]:
+        """(common_prefix, nested_members at that column: 0 past the last column), in one
+        look-up."""
+        answers = self._answers_for(manager, rows)
+        key = ("lcp+nested", members.dtype.str, members.tobytes())
+        found = answers.get(key)
+        if found is None:
+            end = longest_common_prefix_unchecked(
+                manager.prefix_ids, num_blocks[members], rows[members]
+            )
+            nested = _nested(manager, rows, members, end) if end < manager.max_blocks_per_seq else 0
+            found = answers[key] = (end, nested)
+        return found
+
+    def nested_members(
+        self,
+        manager: KVCacheManager,
+        rows: np.ndarray,  # i32[R] the batch's rows
+        members: np.ndarray,  # indices into rows, two or more
+        column: int,  # < manager.max_blocks_per_seq
+    ) -> int:
+        """Members that hold the prefix id some other member holds at `column`, less one
+        per such id: the most requests any groups of `members` sharing past `column` can
+        save a read of (0: no two of them share past it)."""
+        answers = self._answers_for(manager, rows)
+        key = ("nested", column, members.dtype.str, members.tobytes())
+        found = answers.get(key)
+        if found is None:
+            found = answers[key] = _nested(manager, rows, members, column)
+        return found
+
     def split(
         self,
         manager: KVCacheManager,
@@ -128,3 +166,10 @@ class PlanMemo:
         plan = build()
         self._last_plans[kind] = (rows, key, plan)
         return plan
+
+
+def _nested(manager: KVCacheManager, rows: np.ndarray, members: np.ndarray, column: int) -> int:
+    """PlanMemo.nested_members, computed."""
+    ids = manager.prefix_ids[:, column][rows[members]]  # a column is contiguous
+    ids = ids[ids >= 0]
+    return len(ids) - len(set(ids.tolist()))

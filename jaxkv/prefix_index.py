@@ -1,4 +1,5 @@
-"""Exact prefix identities of block-table rows and the longest common prefix of a row set.
+"""Exact prefix identities of block-table rows, the longest common prefix of a row set, and
+the runs of rows that share a column.
 
 Every (prefix id of column j-1, block id at column j) pair is interned into one prefix id,
 so two rows carry the same prefix id at column j iff they hold identical block ids in
@@ -250,3 +251,27 @@ def _shares(prefix_ids: np.ndarray, rows: np.ndarray, k: int) -> bool:
     """Whether all `rows` hold identical block ids in columns 0..k-1 (k >= 1)."""
     col = prefix_ids[:, k - 1].take(rows)
     return bool((col == col[0]).all())
+
+
+def runs_at_column(
+    prefix_ids: np.ndarray,  # i64[num_rows, C] as KVCacheManager.prefix_ids keeps them
+    rows: np.ndarray,  # i32[n] rows, each holding a block at `column`
+    labels: np.ndarray,  # i[n] what stands for each row in the runs returned
+    column: int,
+    max_runs: int,
+) -> list[np.ndarray] | None:
+    """The runs of two or more `rows` holding the same prefix id at `column` (identical
+    block ids in columns 0..column), as sorted `labels`, at most `max_runs` of them,
+    largest first (the first found on ties); None when every id differs."""
+    keys = prefix_ids[rows, column]
+    by_key = np.argsort(keys, kind="stable")
+    sorted_keys = keys[by_key]
+    new_run = sorted_keys[1:] != sorted_keys[:-1]
+    if new_run.all():
+        return None
+    starts = np.concatenate([[0], np.flatnonzero(new_run) + 1])
+    sizes = np.diff(np.append(starts, len(keys)))
+    runs = np.flatnonzero((sizes >= 2) & (sorted_keys[starts] >= 0))
+    runs = runs[np.argsort(-sizes[runs], kind="stable")][:max_runs]
+    order = labels[by_key]
+    return [np.sort(order[starts[c] : starts[c] + sizes[c]]) for c in runs]

@@ -278,12 +278,10 @@ def check_complete(
 ) -> None:
     """For a planner whose every level pays (no cost, no page buckets): cascade is never
     left off where it is valid. The global level reads the exact common prefix capped at
-    the least computed whole blocks; every run of two or more requests holding the same
-    blocks one column past it (and having computed that column) is a group when there
-    are at most `max_groups` such runs, ending where its members' shared and computed
-    blocks end, or, where a member's computed blocks cut it short, made of the members
-    past that cut if that saves more (_past_caps). From block ids and counts alone, as
-    brute_common_prefix."""
+    the least computed whole blocks; under each run of two or more requests holding the
+    same blocks one column past it (and having computed that column), the groups are
+    those that save most block reads (_best_groups) when they are at most `max_groups`
+    in all. From block ids and counts alone, as brute_common_prefix."""
     bs = manager.block_size
     ids = out.request_ids
     if len(ids) < 2:
@@ -297,12 +295,10 @@ def check_complete(
         assert names[:1] == ["global"] and int(plan.levels[0].block_ends[0]) == k0
     else:
         assert "global" not in names
-    runs: dict[tuple, list[int]] = {}
-    for i, (row, n) in enumerate(zip(blocks, computed, strict=True)):
-        if n > k0:
-            runs.setdefault(tuple(row[: k0 + 1]), []).append(i)
-    runs = {key: members for key, members in runs.items() if len(members) > 1}
-    if not runs or len(runs) > max_groups:
+    want = []
+    for members in _runs(blocks, range(len(ids)), computed, k0):
+        want += _best_groups(manager, ids, members, computed, k0)[1]
+    if not want or len(want) > max_groups:
         return
     assert names[-1:] == ["groups"]
     level = plan.levels[-1]
@@ -310,28 +306,37 @@ def check_complete(
     for g in range(level.num_groups):
         members = plan.order[level.group_starts[g] : level.group_ends[g]].tolist()
         got.add((tuple(sorted(members)), int(level.block_ends[g])))
-    want = {_past_caps(manager, ids, members, computed, k0) for members in runs.values()}
-    assert got == want, (got, want)
+    assert got == set(want), (got, want)
 
 
-def _past_caps(
+def _runs(blocks: list[list[int]], members, computed: list[int], column: int) -> list[list[int]]:
+    """The runs of two or more `members` that have computed block `column` and hold the
+    same block ids in columns 0..column."""
+    runs: dict[tuple, list[int]] = {}
+    for i in members:
+        if computed[i] > column:
+            runs.setdefault(tuple(blocks[i][: column + 1]), []).append(i)
+    return [run for run in runs.values() if len(run) > 1]
+
+
+def _best_groups(
     manager: KVCacheManager, ids: list[str], members: list[int], computed: list[int], k0: int
-) -> tuple[tuple[int, ...], int]:
-    """(members, end) of the group kept of a run when every level pays: the run, ending
-    where its members' shared and computed blocks end, or, while the least computed
-    members cut it short of the blocks all of them hold alike, the members that computed
-    past that cut, at their own end; of these, the one that saves most ((members - 1) x
-    blocks past k0), the first on ties."""
-    best = None
-    while len(members) > 1:
-        shared = brute_common_prefix(manager, [ids[i] for i in members])
-        end = min(shared, *(computed[i] for i in members))
-        if best is None or (len(members) - 1) * (end - k0) > best[0]:
-            best = ((len(members) - 1) * (end - k0), tuple(members), end)
-        if end == shared:
-            break
-        members = [i for i in members if computed[i] > end]
-    return best[1:]
+) -> tuple[int, list[tuple[tuple[int, ...], int]]]:
+    """(blocks saved, [(members, end)]) of the groups kept of a run when every level pays:
+    one group of all `members`, ending where their shared and computed blocks end and
+    saving (members - 1) x its blocks past k0, or, if they save more together, the
+    groups kept of each run of those that computed past that end and hold the same
+    blocks one column further (past a member's cut, or where some diverge from the
+    rest); one group on ties."""
+    blocks = [manager.block_ids(ids[i]) for i in range(len(ids))]
+    shared = brute_common_prefix(manager, [ids[i] for i in members])
+    end = min(shared, *(computed[i] for i in members))
+    saved, groups = 0, []
+    for run in _runs(blocks, members, computed, end):
+        run_saved, run_groups = _best_groups(manager, ids, run, computed, k0)
+        saved, groups = saved + run_saved, groups + run_groups
+    own = (len(members) - 1) * (end - k0)
+    return (own, [(tuple(members), end)]) if own >= saved else (saved, groups)
 
 
 def fresh_plan(planner: CascadePlanner, out: SchedulerOutput, manager: KVCacheManager):

@@ -40,6 +40,23 @@ def test_a_cache_hit_appended_to_a_batch_row_renews_the_common_prefix():
     assert memo.common_prefix(m, rows, m.num_blocks_of_rows(rows), BOTH) == 3
 
 
+def test_nested_members_count_who_shares_past_the_common_prefix_with_another():
+    # a and c share their first block; b shares a's first two; a, b, c end there.
+    m, c, hit = _a_and_c_sharing_one_of_three_blocks()
+    b = Request("b", [1, 2, 3, 4, 8])
+    got, _ = m.get_computed_blocks(b)
+    m.allocate_slots(b, 1, num_new_computed_tokens=4, new_computed_blocks=got[:2])
+    memo, rows = PlanMemo(), m.rows_of(["a", "b", "c"])
+    num_blocks = m.num_blocks_of_rows(rows)
+    three = np.arange(3)
+    assert memo.common_prefix_nesting(m, rows, num_blocks, three) == (1, 1)  # a and b
+    assert memo.nested_members(m, rows, three, 1) == 1
+    assert memo.common_prefix_nesting(m, rows, num_blocks, np.array([0, 1])) == (2, 0)
+    # c gains a's next two blocks as a cache hit: the three share two, a and c three.
+    m.allocate_slots(c, 0, num_new_computed_tokens=4, new_computed_blocks=hit[1:])
+    assert memo.common_prefix_nesting(m, rows, m.num_blocks_of_rows(rows), three) == (2, 1)
+
+
 def test_fresh_blocks_keep_the_answers_and_splits_are_read_only():
     m, c, _ = _a_and_c_sharing_one_of_three_blocks()
     memo, rows = PlanMemo(), m.rows_of(["a", "c"])

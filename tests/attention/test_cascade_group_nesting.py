@@ -1,0 +1,99 @@
+"""Groups nested in a group that pays: some members of a group share more blocks than
+all of them (a longer prompt under a short header), and the level keeps whichever
+disjoint groups save most, not the first group that pays. The expected groups come from
+the block ids each request holds and the counts given.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxkv import KVCacheManager
+from jaxkv.cascade import CascadeCostModel, CascadePlanner
+from tests.attention.test_cascade_group_choice import _groups, _shared
+from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding, _plan
+
+
+def _planned(planner, m, reqs, computed_blocks=None):
+    """(sorted members, start, end) of each group of the plan's groups level."""
+    if computed_blocks is None:
+        plan = _plan(planner, m, reqs)
+    else:
+        query_lens = np.ones(len(reqs), int)
+        computed = np.array([r.num_tokens for r in reqs]) - query_lens
+        computed[: len(computed_blocks)] = np.array(computed_blocks) * 4
+        plan = planner.plan([r.request_id for r in reqs], computed, query_lens, m)
+        plan.check()
+    assert [lv.name for lv in plan.levels] == ["groups"]
+    return sorted((sorted(members), start, end) for members, start, end in _groups(plan, reqs))
+
+
+def _header_then_prompts(m, prompts: dict[str, int]) -> list:
+    """Under a 5-block header (blocks of 4), requests named by `prompts` share
+    prompts[name] more blocks with the others of its first letter, then hold 2 of their
+    own; a pair c0, c1 shares 10 other blocks (so the batch shares nothing)."""
+    header = list(range(100, 120))
+    reqs = []
+    for i, (name, more) in enumerate(prompts.items()):
+        prompt = [1000 * (ord(name[0]) - 96) + t for t in range(4 * more)]
+        reqs.append(_decoding(m, name, header + prompt + [i, 50 + i]))
+    reqs += [_decoding(m, f"c{i}", list(range(5000, 5040)) + [i, 60 + i]) for i in range(2)]
+    return reqs
+
+
+def test_a_group_that_pays_does_not_hide_members_sharing_a_longer_prompt():
+    # a0 and b0..b3 share the 5-block header, b0..b3 50 blocks more. The five over 5
+    # blocks save 4 x 5 block reads and pay; the four over 55 save 3 x 55, and were
+    # never looked at once the five paid.
+    m = KVCacheManager(1024, 4, max_model_len=512)
+    reqs = _header_then_prompts(m, {"a0": 2, **{f"b{i}": 50 for i in range(4)}})
+    ids = [r.request_id for r in reqs]
+    assert (_shared(m, ids[:5]), _shared(m, ids[1:5]), _shared(m, ids)) == (5, 55, 0)
+    got = _planned(CascadePlanner(SHAPE, cost_model=ALWAYS), m, reqs)
+    assert got == [(ids[1:5], 0, 55), (["c0", "c1"], 0, 10)]
+
+
+def test_subsets_that_save_more_only_together_replace_the_group_they_nest_in():
+    # a0, b0, b1, d0, d1 share the header (4 x 5 = 20 block reads saved); b0, b1 and
+    # d0, d1 share 5 blocks more (1 x 10 each, 20 together: a tie keeps the one group)
+    # or 6 more (22 together).
+    for more, want in ((5, [(["a0", "b0", "b1", "d0", "d1"], 0, 5)]),
+                       (6, [(["b0", "b1"], 0, 11), (["d0", "d1"], 0, 11)])):  # fmt: skip
+        m = KVCacheManager(1024, 4, max_model_len=512)
+        reqs = _header_then_prompts(m, {"a0": 2, "b0": more, "b1": more, "d0": more, "d1": more})
+        got = _planned(CascadePlanner(SHAPE, cost_model=ALWAYS), m, reqs)
+        assert got == sorted([*want, (["c0", "c1"], 0, 10)])
+
+
+def test_nested_groups_are_weighed_by_bytes_saved_less_their_merge():
+    # a0, b0, b1 over the 5-block header save 2 x 5 x 4 tokens x 512 bytes (20480) and
+    # merge 3 query tokens (3 x 6240); b0, b1 over 8 blocks save 16384 and merge 2. Both
+    # pay a call (it costs nothing), the three save more blocks (10 against 8), but the
+    # pair saves more net of its merge (3904 bytes against 1760).
+    m = KVCacheManager(1024, 4, max_model_len=512)
+    reqs = _header_then_prompts(m, {"a0": 2, "b0": 3, "b1": 3})
+    model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=1)
+    got = _planned(CascadePlanner(SHAPE, cost_model=model), m, reqs)
+    assert got == [(["b0", "b1"], 0, 8), (["c0", "c1"], 0, 10)]
+
+
+@pytest.mark.parametrize("max_groups", [1, 8])
+def test_a_group_past_a_members_cut_is_split_where_its_members_diverge(max_groups):
+    # b0..b4 share 15 blocks (the header and 10 more), b0 having computed 1 of them:
+    # b0..b4 over 1 block save 4, b1..b4 over 15 save 45; b1, b2 share 20 blocks more
+    # (35 in all: 35 saved), b3, b4 15 more (30 in all: 30 saved), 65 together.
+    m = KVCacheManager(1024, 4, max_model_len=512)
+    header = list(range(100, 160))
+    tails = {"b0": [], "b1": [7] * 80, "b2": [7] * 80, "b3": [8] * 60, "b4": [8] * 60}
+    reqs = [
+        _decoding(m, n, header + tail + [i, 50 + i]) for i, (n, tail) in enumerate(tails.items())
+    ]
+    reqs += [_decoding(m, f"c{i}", list(range(5000, 5040)) + [i, 60 + i]) for i in range(2)]
+    ids = [r.request_id for r in reqs]
+    assert (_shared(m, ids[:5]), _shared(m, ids[1:3]), _shared(m, ids[3:5])) == (15, 35, 30)
+    got = _planned(CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=max_groups), m, reqs, [1])
+    if max_groups == 1:  # the one group saving most
+        assert got == [(["b1", "b2", "b3", "b4"], 0, 15)]
+    else:
+        assert got == [(["b1", "b2"], 0, 35), (["b3", "b4"], 0, 30), (["c0", "c1"], 0, 10)]
