@@ -220,9 +220,9 @@ class CascadePlanner:
         A candidate is judged as if it were a call of its own over the members' KV past
         `base` (its savings against what their suffix pass would read without it: the
         global level already reads columns before `base` once), but one call runs every
-        group of the level: when no candidate pays a call alone, disjoint candidates
-        that pay their own merge are planned if together they pay the level's one call
-        (four system prompts under four requests each; see kept_groups).
+        group of the level: candidates that pay their own merge are planned beside one
+        that pays the call, or where together they pay it (four system prompts under
+        four requests each; see kept_groups).
         """
         if not self.enable_groups or base >= manager.max_blocks_per_seq:
             return []
@@ -236,8 +236,8 @@ class CascadePlanner:
             return []
         bs = manager.block_size
         num_blocks = manager.num_blocks_of_rows(rows)
-        # (blocks saved, members, end, queries): groups that pay a call of their own;
-        # together: groups that pay their own merge, while no group pays a call
+        # (blocks saved, members, end, queries) of the groups that pay a call of their
+        # own (chosen) or their own merge in a level that runs anyway (together)
         chosen, together = [], []
         overlap = False  # whether a group in `chosen` may hold another
         budget = past_cap_budget = 4 * self.max_groups
@@ -278,18 +278,16 @@ class CascadePlanner:
                             candidates = sorted(candidates + split, key=len, reverse=True)
                             overlap = True
                 continue
-            if not chosen and self._pays_own_merge(
-                len(members), (end - base) * bs, queries, context
-            ):
+            if self._pays_own_merge(len(members), (end - base) * bs, queries, context):
                 together.append((saved, members, end, queries))
             if end < manager.max_blocks_per_seq:
                 candidates += self._split(manager, rows, num_computed_tokens, members, end) or []
                 candidates.sort(key=len, reverse=True)
-        if chosen and not overlap and len(chosen) <= self.max_groups:
+        if chosen and not together and not overlap and len(chosen) <= self.max_groups:
             kept = [group[:3] for group in chosen]  # disjoint, each paying: all of them
         else:
             kept = kept_groups(
-                chosen or together, base, bs, self.shape, self.cost_model, self.max_groups
+                chosen + together, base, bs, self.shape, self.cost_model, self.max_groups
             )
         return [(members, end) for _, members, end in sorted(kept, key=lambda t: int(t[1][0]))]
 

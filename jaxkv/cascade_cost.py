@@ -2,8 +2,8 @@
 
 Plain Python arithmetic on bytes of KV, no JAX; CascadePlanner (jaxkv.cascade) asks it
 about the global level and about each candidate group of the groups level: as a call
-of its own, or, when no group pays so, by its own merge, the groups together paying the
-level's one call. Tables of defaults are keyed by attention backend name.
+of its own, and by its own merge, the groups kept paying the level's one call together.
+Tables of defaults are keyed by attention backend name.
 """
 
 from __future__ import annotations

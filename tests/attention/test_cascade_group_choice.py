@@ -288,6 +288,21 @@ def test_groups_paying_together_are_not_hidden_by_the_candidate_they_split_from(
         assert got == [(["b0", "b1"], 0, 60), (ids[:8], 0, 10)]
 
 
+def test_a_group_that_pays_only_its_merge_joins_one_that_pays_the_call():
+    # A pair over 100 blocks saves 204800 bytes and pays the 20000-byte call; another
+    # pair over 8 blocks saves 16384, less than a call but more than its merge (free
+    # here): the level runs anyway, so it reads those 8 blocks once too.
+    m = KVCacheManager(512, 4, max_model_len=512)
+    reqs = [_decoding(m, f"a{i}", list(range(1000, 1400)) + [i, 50 + i]) for i in range(2)]
+    reqs += [_decoding(m, f"b{i}", list(range(2000, 2032)) + [i, 60 + i]) for i in range(2)]
+    model = CascadeCostModel(launch_overhead_bytes=20000, merge_cost_factor=0)
+    planner = CascadePlanner(SHAPE, cost_model=model)
+    assert planner.pays(2, 400, 2) and not planner.pays(2, 32, 2)
+    plan = _plan(planner, m, reqs)
+    got = sorted((sorted(members), start, end) for members, start, end in _groups(plan, reqs))
+    assert got == [(["a0", "a1"], 0, 100), (["b0", "b1"], 0, 8)]
+
+
 def test_a_whole_batch_prefix_that_pays_in_tokens_is_one_global_level():
     # The global level's cost verdict counts the shared prefix in tokens. Four decoding
     # requests share 1024 tokens (64 blocks of 16): reading them once saves
