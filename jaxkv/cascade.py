@@ -12,7 +12,8 @@ A plan has up to two levels:
 - level "global": the common prefix of the whole batch, one non-causal call;
 - level "groups": when requests split into groups that share a prefix of their own (two
   system prompts; n samples of several prompts), one non-causal call whose sequences are
-  the groups, each over the blocks after the global prefix.
+  the groups, each over the blocks after the global prefix (or from block 0, with no
+  global level, where reading that prefix once per group saves more than its call).
 
 Every prefix is capped at the smallest num_computed_tokens of the requests that read it
 (so the non-causal pass never covers a query token), and rounded down to whole blocks.
@@ -28,7 +29,7 @@ import numpy as np
 from jaxkv.buckets import pads_fewer_pages
 from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel
 from jaxkv.cascade_plan import CascadeLevel, CascadePlan
-from jaxkv.cascade_together import kept_groups, net_bytes
+from jaxkv.cascade_together import kept_groups, net_bytes, outweigh_global
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.plan_memo import PlanMemo
 from jaxkv.planner_args import check_computed_held, checked_plan_args, checked_planner_settings
@@ -183,6 +184,12 @@ class CascadePlanner:
         suffix_start = np.full(num_requests, base, np.int32)
         for members, end in groups:
             suffix_start[members] = end
+        sizes = [len(members) for members, _ in groups]
+        model, shape = self.cost_model, self.shape
+        if use_global and outweigh_global(model, shape, num_requests, k0 * bs, total_q, sizes):
+            alone = np.where(suffix_start == base, 0, suffix_start).astype(np.int32)
+            if pads_fewer_pages(self.page_buckets, num_computed_tokens, query_lens, alone, bs):
+                use_global, suffix_start = False, alone  # the groups start at column 0
         if not pads_fewer_pages(
             self.page_buckets, num_computed_tokens, query_lens, suffix_start, bs
         ):

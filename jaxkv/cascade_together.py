@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxkv.cascade_cost import AttentionShape, CascadeCostModel
 
-__all__ = ["kept_groups", "net_bytes"]
+__all__ = ["kept_groups", "net_bytes", "outweigh_global"]
 
 # (blocks saved, members (sorted batch positions), end block, their query tokens)
 Candidate = tuple[int, np.ndarray, int, int]
@@ -76,6 +76,27 @@ def net_bytes(
     saved = model.saved_bytes(num_requests, prefix_tokens, kv_bytes_per_token)
     call = model.cost_bytes(0, s.num_q_heads, s.head_dim)
     return saved - (model.cost_bytes(num_query_tokens, s.num_q_heads, s.head_dim) - call)
+
+
+def outweigh_global(
+    model: CascadeCostModel,
+    shape: AttentionShape,
+    num_requests: int,  # the batch's
+    global_tokens: int,  # the global level's prefix
+    num_query_tokens: int,  # the batch's
+    group_sizes: list[int],  # members of each group of the groups level under it
+) -> bool:
+    """Whether the groups under a global level weigh more starting at column 0, without
+    it: they then read its prefix once per group, and the requests in no group read it
+    themselves, but its call and its merge of every query go. False for a cost model
+    that is no CascadeCostModel (it has no costs to weigh)."""
+    if not _costed(model):
+        return False
+    s = shape
+    kv_bytes_per_token = 2 * s.num_kv_heads * s.head_dim * s.kv_itemsize
+    grouped = sum(model.saved_bytes(n, global_tokens, kv_bytes_per_token) for n in group_sizes)
+    alone = model.saved_bytes(num_requests, global_tokens, kv_bytes_per_token)
+    return grouped > alone - model.cost_bytes(num_query_tokens, s.num_q_heads, s.head_dim)
 
 
 def _costed(model) -> bool:

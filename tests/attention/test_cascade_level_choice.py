@@ -1,0 +1,44 @@
+"""Whether a groups level runs under a global level or from column 0 without it. The
+expected levels come from block counts read from KVCacheManager.block_ids and the
+cost model's arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxkv import KVCacheManager
+from jaxkv.cascade import CascadeCostModel, CascadePlanner
+from tests.attention.test_cascade_group_choice import _groups, _shared
+from tests.attention.test_cascade_planner import SHAPE, _decoding, _plan
+
+
+@pytest.mark.parametrize(
+    ("launch_overhead_bytes", "levels"),
+    [(10000, ["groups"]), (4097, ["groups"]), (4096, ["global", "groups"])],
+)
+def test_groups_under_a_short_global_prefix_start_at_column_0_where_that_saves_more(
+    launch_overhead_bytes, levels
+):
+    # Six requests share a 2-block header (8 tokens at 512 bytes); under it two system
+    # prompts of three requests each share 10 blocks more. The global level saves
+    # 5 x 8 x 512 = 20480 bytes for one call; the two groups starting at column 0 read
+    # the header once each instead, saving 2 x 2 x 8 x 512 = 16384 bytes of it without
+    # that call: better where the call costs more than 20480 - 16384 bytes.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    header = list(range(100, 108))
+    reqs = [
+        _decoding(m, f"{p}{i}", header + [1000 * (p == "b") + t for t in range(40)] + [i, 50])
+        for p in "ab"
+        for i in range(3)
+    ]
+    ids = [r.request_id for r in reqs]
+    assert (_shared(m, ids), _shared(m, ids[:3]), _shared(m, ids[3:])) == (2, 12, 12)
+    model = CascadeCostModel(launch_overhead_bytes=launch_overhead_bytes, merge_cost_factor=0)
+    planner = CascadePlanner(SHAPE, cost_model=model)
+    assert planner.pays(6, 8, 6) and planner.pays(3, 40, 3)
+    plan = _plan(planner, m, reqs)
+    assert [lv.name for lv in plan.levels] == levels
+    start = 0 if levels == ["groups"] else 2
+    got = sorted((sorted(members), b0, b1) for members, b0, b1 in _groups(plan, reqs))
+    assert got == [(ids[:3], start, 12), (ids[3:], start, 12)]
+    assert sorted(plan.suffix_start_blocks.tolist()) == [12] * 6
