@@ -222,7 +222,8 @@ class CascadePlanner:
         blocks, is split there too. The chosen groups are the heaviest disjoint set of
         these (kept_groups), in bytes saved less their merge: a request with a short
         prompt does not hide the four under a long one that it shares 5 blocks with. At
-        most 4 x max_groups candidates are examined, and as many groups past a cap.
+        most 4 x max_groups candidates are examined (those nested in a paying one last),
+        and as many groups past a cap.
 
         A candidate is judged as if it were a call of its own over the members' KV past
         `base` (its savings against what their suffix pass would read without it: the
@@ -248,7 +249,10 @@ class CascadePlanner:
         chosen, together = [], []
         overlap = False  # whether a group in `chosen` may hold another
         budget = past_cap_budget = 4 * self.max_groups
-        while candidates and budget:
+        nested_later = []  # groups nested in one that pays: after the other candidates
+        while (candidates or nested_later) and budget:
+            if not candidates:
+                candidates, nested_later = sorted(nested_later, key=len, reverse=True), []
             budget -= 1
             members = candidates.pop(0)
             computed = num_computed_tokens[members]
@@ -282,7 +286,7 @@ class CascadePlanner:
                     ):
                         split = self._split(manager, rows, num_computed_tokens, members, end)
                         if split:
-                            candidates = sorted(candidates + split, key=len, reverse=True)
+                            nested_later += split
                             overlap = True
                 continue
             if self._pays_own_merge(len(members), (end - base) * bs, queries, context):

@@ -97,3 +97,29 @@ def test_a_group_past_a_members_cut_is_split_where_its_members_diverge(max_group
         assert got == [(["b1", "b2", "b3", "b4"], 0, 15)]
     else:
         assert got == [(["b1", "b2"], 0, 35), (["b3", "b4"], 0, 30), (["c0", "c1"], 0, 10)]
+
+
+def test_groups_nested_in_one_that_pays_are_examined_after_the_other_candidates():
+    # max_groups=2 examines 8 candidates. 24 requests share 2 blocks (paying), in sixes
+    # sharing 12, in trios sharing 30; a pair shares 100 (the most block reads saved by
+    # one group). Examined by size, the 24, the four sixes and three trios spent the
+    # search before the pair.
+    m = KVCacheManager(2048, 4, max_model_len=512)
+    header = list(range(100, 108))
+    reqs = [
+        _decoding(
+            m,
+            f"a{i}",
+            header
+            + [1000 * (i // 6) + t for t in range(40)]
+            + [100_000 + 1000 * (i // 3) + t for t in range(72)]
+            + [i, 50],
+        )  # fmt: skip
+        for i in range(24)
+    ]
+    reqs += [_decoding(m, f"c{i}", list(range(5000, 5400)) + [i, 60 + i]) for i in range(2)]
+    ids = [r.request_id for r in reqs]
+    assert (_shared(m, ids[:24]), _shared(m, ids[:6]), _shared(m, ids[:3])) == (2, 12, 30)
+    assert _shared(m, ids[24:]) == 100
+    got = _planned(CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=2), m, reqs)
+    assert (["c0", "c1"], 0, 100) in got
