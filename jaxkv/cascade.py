@@ -32,7 +32,12 @@ from jaxkv.cascade_plan import CascadeLevel, CascadePlan
 from jaxkv.cascade_together import kept_groups, net_bytes, outweigh_global
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.plan_memo import PlanMemo
-from jaxkv.planner_args import check_computed_held, checked_plan_args, checked_planner_settings
+from jaxkv.planner_args import (
+    check_computed_held,
+    check_distinct,
+    checked_plan_args,
+    checked_planner_settings,
+)
 from jaxkv.prefix_index import runs_at_column
 
 __all__ = [
@@ -43,16 +48,6 @@ __all__ = [
     "CascadePlan",
     "CascadePlanner",
 ]
-
-
-def _check_distinct(rows: np.ndarray, request_ids: Sequence[str]) -> None:
-    """ValueError naming an id given twice: its two batch positions would both write its
-    KV slots and each attend as the whole request."""
-    if len(rows) > 1:
-        repeats = np.bincount(rows)[rows] > 1
-        if repeats.any():
-            req_id = list(request_ids)[int(np.argmax(repeats))]
-            raise ValueError(f"request_ids: {req_id!r} is given more than once")
 
 
 class CascadePlanner:
@@ -144,7 +139,7 @@ class CascadePlanner:
         rows = manager.rows_of(request_ids)
         made_for = (manager, manager.row_version)
         if rows is not self._distinct_rows:
-            _check_distinct(rows, request_ids)
+            check_distinct(rows, request_ids)
             self._distinct_rows = rows
         check_computed_held(num_computed_tokens, rows, manager)
         identity = np.arange(num_requests, dtype=np.int32)
@@ -250,11 +245,13 @@ class CascadePlanner:
         overlap = False  # whether a group in `chosen` may hold another
         budget = past_cap_budget = 4 * self.max_groups
         nested_later = []  # groups nested in one that pays: after the other candidates
+        within, outweighed = {}, set()  # id(candidate) -> indices into `together` above it
         while (candidates or nested_later) and budget:
             if not candidates:
                 candidates, nested_later = sorted(nested_later, key=len, reverse=True), []
             budget -= 1
             members = candidates.pop(0)
+            above = within.get(id(members), ()) if within else ()
             computed = num_computed_tokens[members]
             if members is everyone and whole_batch_end:
                 end = shared = whole_batch_end
@@ -271,6 +268,7 @@ class CascadePlanner:
             saved = (len(members) - 1) * (end - base)
             if self.pays(len(members), (end - base) * bs, queries, context):
                 group = (saved, members, end, queries)
+                outweighed.update(above)  # each weighs no more than one call: less than it
                 if end < shared:  # a member that has computed fewer blocks cuts it short
                     group, (members, end, shared), past_cap_budget = self._past_cap(
                         manager, rows, num_blocks, num_computed_tokens, query_lens, base,
@@ -290,10 +288,14 @@ class CascadePlanner:
                             overlap = True
                 continue
             if self._pays_own_merge(len(members), (end - base) * bs, queries, context):
+                above = (*above, len(together))
                 together.append((saved, members, end, queries))
             if end < manager.max_blocks_per_seq:
-                candidates += self._split(manager, rows, num_computed_tokens, members, end) or []
+                split = self._split(manager, rows, num_computed_tokens, members, end) or []
+                within.update((id(run), above) for run in split if above)
+                candidates += split
                 candidates.sort(key=len, reverse=True)
+        together = [group for k, group in enumerate(together) if k not in outweighed]
         if chosen and not together and not overlap and len(chosen) <= self.max_groups:
             kept = [group[:3] for group in chosen]  # disjoint, each paying: all of them
         else:

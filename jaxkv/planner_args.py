@@ -16,7 +16,12 @@ from jaxkv.count_arrays import widened_counts
 from jaxkv.field_checks import increasing_sizes, is_integer
 from jaxkv.kv_cache_manager import KVCacheManager
 
-__all__ = ["check_computed_held", "checked_plan_args", "checked_planner_settings"]
+__all__ = [
+    "check_computed_held",
+    "check_distinct",
+    "checked_plan_args",
+    "checked_planner_settings",
+]
 
 
 def checked_planner_settings(
@@ -94,3 +99,13 @@ def check_computed_held(num_computed_tokens: np.ndarray, rows: np.ndarray, manag
             f"num_computed_tokens[{i}]={int(num_computed_tokens[i])} lies past the "
             f"{int(held[i])} token slots its request holds (allocate them first)"
         )
+
+
+def check_distinct(rows: np.ndarray, request_ids: Sequence[str]) -> None:
+    """ValueError naming an id given twice: its two batch positions would both write its
+    KV slots and each attend as the whole request."""
+    if len(rows) > 1:
+        repeats = np.bincount(rows)[rows] > 1
+        if repeats.any():
+            req_id = list(request_ids)[int(np.argmax(repeats))]
+            raise ValueError(f"request_ids: {req_id!r} is given more than once")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxkv import KVCacheManager
+from jaxkv import KVCacheManager, cascade
 from jaxkv.cascade import CascadeCostModel, CascadePlanner
 from tests.attention.test_cascade_group_choice import _groups, _shared
 from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding, _plan
@@ -123,3 +123,23 @@ def test_groups_nested_in_one_that_pays_are_examined_after_the_other_candidates(
     assert _shared(m, ids[24:]) == 100
     got = _planned(CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=2), m, reqs)
     assert (["c0", "c1"], 0, 100) in got
+
+
+def test_a_group_paying_only_its_merge_over_groups_that_pay_a_call_is_not_weighed(monkeypatch):
+    # a0..a2 and b0..b2 share a 2-block header, then a prompt each (10 blocks more). The
+    # six over the header pay their merge but not the 25000-byte call; each trio pays
+    # it. The header group weighs no more than a call, less than either trio: the level
+    # keeps the trios without weighing candidates (kept_groups) at every step.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    header = list(range(100, 108))
+    reqs = [
+        _decoding(m, f"{p}{i}", header + [1000 * (p == "b") + t for t in range(40)] + [i, 50])
+        for p in "ab"
+        for i in range(3)
+    ]
+    model = CascadeCostModel(launch_overhead_bytes=25000, merge_cost_factor=0)
+    planner = CascadePlanner(SHAPE, cost_model=model)
+    assert not planner.pays(6, 8, 6) and planner.pays(3, 48, 3)
+    monkeypatch.setattr(cascade, "kept_groups", None)  # calling it fails
+    got = _planned(planner, m, reqs)
+    assert got == [(["a0", "a1", "a2"], 0, 12), (["b0", "b1", "b2"], 0, 12)]
