@@ -184,7 +184,7 @@ class CascadePlanner:
         if use_global and outweigh_global(model, shape, num_requests, k0 * bs, total_q, sizes):
             alone = np.where(suffix_start == base, 0, suffix_start).astype(np.int32)
             if pads_fewer_pages(self.page_buckets, num_computed_tokens, query_lens, alone, bs):
-                use_global, suffix_start = False, alone  # the groups start at column 0
+                return self._memo.grouped_plan(groups, rows, alone, None, common, made_for)
         if not pads_fewer_pages(
             self.page_buckets, num_computed_tokens, query_lens, suffix_start, bs
         ):
