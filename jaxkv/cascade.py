@@ -359,7 +359,7 @@ class CascadePlanner:
         s, bs = self.shape, block_size
         _, kept, end, queries = group
         most = (int(num_computed_tokens[members].max()) // bs - base) * bs  # tokens
-        bound = nested * most * 2 * s.num_kv_heads * s.head_dim * s.kv_itemsize
+        bound = nested * most * s.kv_bytes_per_token
         return bound > net_bytes(self.cost_model, s, len(kept), (end - base) * bs, queries)
 
     def _pays_own_merge(

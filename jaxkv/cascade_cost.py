@@ -140,6 +140,11 @@ class AttentionShape:
                 f"num_kv_heads={self.num_kv_heads!r}"
             )
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token holds across the KV heads."""
+        return 2 * self.num_kv_heads * self.head_dim * self.kv_itemsize
+
     def per_device(self, tensor_parallel_size: int) -> AttentionShape:
         """The heads one device of a `tensor_parallel_size`-way mesh attends with, as
         jaxkv.sharding splits them: query heads evenly, KV heads evenly, or one KV head

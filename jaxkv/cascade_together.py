@@ -69,8 +69,7 @@ def net_bytes(
     """What a group adds to a groups level that runs anyway: the bytes it saves less its
     queries' merge (for a cost model that is no CascadeCostModel, which has only pays,
     the bytes it saves)."""
-    s = shape
-    kv_bytes_per_token = 2 * s.num_kv_heads * s.head_dim * s.kv_itemsize
+    s, kv_bytes_per_token = shape, shape.kv_bytes_per_token
     if not _costed(model):
         return max(num_requests - 1, 0) * prefix_tokens * kv_bytes_per_token
     saved = model.saved_bytes(num_requests, prefix_tokens, kv_bytes_per_token)
@@ -92,8 +91,7 @@ def outweigh_global(
     that is no CascadeCostModel (it has no costs to weigh)."""
     if not _costed(model):
         return False
-    s = shape
-    kv_bytes_per_token = 2 * s.num_kv_heads * s.head_dim * s.kv_itemsize
+    s, kv_bytes_per_token = shape, shape.kv_bytes_per_token
     grouped = sum(model.saved_bytes(n, global_tokens, kv_bytes_per_token) for n in group_sizes)
     alone = model.saved_bytes(num_requests, global_tokens, kv_bytes_per_token)
     return grouped > alone - model.cost_bytes(num_query_tokens, s.num_q_heads, s.head_dim)
