@@ -297,7 +297,7 @@ def check_complete(
         assert "global" not in names
     want = []
     for members in _runs(blocks, range(len(ids)), computed, k0):
-        want += _best_groups(manager, ids, members, computed, k0)[1]
+        want += _best_groups(manager, ids, blocks, members, computed, k0)[1]
     if not want or len(want) > max_groups:
         return
     assert names[-1:] == ["groups"]
@@ -320,7 +320,12 @@ def _runs(blocks: list[list[int]], members, computed: list[int], column: int) ->
 
 
 def _best_groups(
-    manager: KVCacheManager, ids: list[str], members: list[int], computed: list[int], k0: int
+    manager: KVCacheManager,
+    ids: list[str],
+    blocks: list[list[int]],  # each request's block ids
+    members: list[int],
+    computed: list[int],
+    k0: int,
 ) -> tuple[int, list[tuple[tuple[int, ...], int]]]:
     """(blocks saved, [(members, end)]) of the groups kept of a run when every level pays:
     one group of all `members`, ending where their shared and computed blocks end and
@@ -328,12 +333,11 @@ def _best_groups(
     groups kept of each run of those that computed past that end and hold the same
     blocks one column further (past a member's cut, or where some diverge from the
     rest); one group on ties."""
-    blocks = [manager.block_ids(ids[i]) for i in range(len(ids))]
     shared = brute_common_prefix(manager, [ids[i] for i in members])
     end = min(shared, *(computed[i] for i in members))
     saved, groups = 0, []
     for run in _runs(blocks, members, computed, end):
-        run_saved, run_groups = _best_groups(manager, ids, run, computed, k0)
+        run_saved, run_groups = _best_groups(manager, ids, blocks, run, computed, k0)
         saved, groups = saved + run_saved, groups + run_groups
     own = (len(members) - 1) * (end - k0)
     return (own, [(tuple(members), end)]) if own >= saved else (saved, groups)
