@@ -12,8 +12,8 @@ A plan has up to two levels:
 - level "global": the common prefix of the whole batch, one non-causal call;
 - level "groups": when requests split into groups that share a prefix of their own (two
   system prompts; n samples of several prompts), one non-causal call whose sequences are
-  the groups, each over the blocks after the global prefix (or from block 0, with no
-  global level, where reading that prefix once per group saves more than its call).
+  the groups, each over the blocks after the global prefix (or from block 0, dropping the
+  global level, where it saves less than its call and merge beside groups from block 0).
 
 Every prefix is capped at the smallest num_computed_tokens of the requests that read it
 (so the non-causal pass never covers a query token), and rounded down to whole blocks.
