@@ -60,9 +60,8 @@ def pads_fewer_pages(
         suffix = context - suffix_start * block_size
         suffix_pages = -(-int(suffix.max()) // block_size)
 
-    def padded(n: int) -> int:
-        i = bisect.bisect_left(page_buckets, n)
-        return page_buckets[min(i, len(page_buckets) - 1)]
+    def padded(n: int) -> int:  # a width past the largest bucket counts as the largest
+        return padded_size(page_buckets, min(n, page_buckets[-1]))
 
     return padded(suffix_pages) < padded(flat_pages)
 
