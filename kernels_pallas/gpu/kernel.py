@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_LOG2E = math.log2(math.e)
+from kernels_pallas.scales import LOG2E  # the factor check_folded_scales bounds
 
 
 def _find_seq(cu_q_lens_ref, num_seqs, pid, tokens_per_block: int, max_num_seqs: int):
@@ -129,7 +129,7 @@ def paged_attention_kernel(
     # float32 max / log2(e) (about 2.36e38) to inf, and the row to NaN or no key, where
     # the reference is finite. (s - max) * scale is as many ops as s * scale - max.
     to_natural = logit_scale if soft_cap is None else soft_cap  # natural logit per unit
-    to_base2 = to_natural * _LOG2E
+    to_base2 = to_natural * LOG2E
 
     def body(kb, carry):
         acc, m_prev, l_prev = carry
