@@ -307,8 +307,9 @@ class PrefixAwareRouter(RoutingRule, Closable):
         except Exception as failure:  # noqa: BLE001 - the step's error is the one raised
             error.add_note(f"releasing its ended requests, {failure!r} was raised")
             return
-        for request_id in [r for r, i in self._replica_of.items() if i == index] if idle else []:
-            self._release(request_id, None, aborted=False)
+        if idle:
+            for request_id in [r for r, i in self._replica_of.items() if i == index]:
+                self._release(request_id, None, aborted=False)
 
     def _finished_from(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         samples = self._samples
