@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.batch import BACKENDS, AttentionMetadata, check_levels, check_values
+from jaxkv.batch import BACKENDS, AttentionMetadata, check_values, checked_passes
 from jaxkv.field_checks import is_integer
 from kernels_pallas import reference
 from kernels_pallas.merge import merge_attn_states
@@ -157,9 +157,7 @@ def _check_dtypes_as_given(q, kv_pages, metadata) -> None:
         dtype = getattr(value, "dtype", None)
         if dtype is not None:
             _check_dtype_in(f"{name}.dtype", dtype, allowed)
-    passes = [("metadata", metadata)]
-    passes += [(f"metadata.levels[{i}]", lv) for i, lv in enumerate(check_levels(metadata))]
-    for where, arrays in passes:
+    for where, arrays in checked_passes(metadata):
         for field in _INDEX_FIELDS:
             dtype = getattr(getattr(arrays, field, None), "dtype", None)
             if dtype is not None and dtype != _INT32:

@@ -89,29 +89,29 @@ jax.tree_util.register_dataclass(
 )
 
 
-def check_levels(metadata: AttentionMetadata) -> tuple[LevelMetadata, ...]:
-    """metadata.levels, or ValueError naming it unless it is a tuple (or list) of
-    LevelMetadata: None failed with "'NoneType' object is not iterable", a dict with an
-    AttributeError, neither naming the field."""
+def checked_passes(
+    metadata: AttentionMetadata,
+) -> list[tuple[str, AttentionMetadata | LevelMetadata]]:
+    """(name, arrays) of each pass, the main (causal) one first, then each level; or
+    ValueError naming metadata.levels unless it is a tuple (or list) of LevelMetadata:
+    None failed with "'NoneType' object is not iterable", a dict with an AttributeError,
+    neither naming the field."""
     levels = metadata.levels
     if not isinstance(levels, (tuple, list)) or not all(
         isinstance(level, LevelMetadata) for level in levels
     ):
         raise ValueError(f"metadata.levels={levels!r} must be a tuple of LevelMetadata")
-    return levels
+    return [("metadata", metadata)] + [(f"metadata.levels[{i}]", lv) for i, lv in enumerate(levels)]
 
 
 def check_query_bounds(metadata: AttentionMetadata) -> None:
-    """check_levels, then ValueError naming metadata.max_q_len (or a level's) unless it
+    """checked_passes, then ValueError naming metadata.max_q_len (or a level's) unless it
     is at least the query length of every valid sequence of its pass. The xla backend
     lays each sequence out in max_q_len rows, so under paged_attention's jit a hand-made
     metadata with a smaller bound gave the rows past it no attention, without an error
     (the builder always sets it right). Checks concrete index arrays only (numpy, or jax
     arrays outside jit): traced ones, and shapes or values the kernels refuse, pass."""
-    levels = check_levels(metadata)
-    passes = [("metadata", metadata)]
-    passes += [(f"metadata.levels[{i}]", level) for i, level in enumerate(levels)]
-    for where, arrays in passes:
+    for where, arrays in checked_passes(metadata):
         cu_q_lens, num_seqs = arrays.cu_q_lens, arrays.num_seqs
         if isinstance(cu_q_lens, jax.core.Tracer) or isinstance(num_seqs, jax.core.Tracer):
             continue
@@ -143,12 +143,10 @@ def check_values(metadata: AttentionMetadata, q, kv_pages) -> None:
         return  # paged_attention names an argument that is no array
     if kv_pages.ndim != 4 or kv_pages.shape[1] != metadata.block_size:
         return  # paged_attention names the cache's shape
-    passes = [("metadata", metadata, True)]
-    passes += [(f"metadata.levels[{i}]", lv, False) for i, lv in enumerate(metadata.levels)]
-    for where, p, causal in passes:
+    for where, p in checked_passes(metadata):  # the main pass is causal, levels not
         index_arrays = (p.kv_lens, p.page_indices, p.cu_q_lens, p.num_seqs)
         try:
-            validate_index_values(q, kv_pages, *index_arrays, causal=causal)
+            validate_index_values(q, kv_pages, *index_arrays, causal=p is metadata)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
 
