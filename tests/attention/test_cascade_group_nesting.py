@@ -12,6 +12,7 @@ import pytest
 from jaxkv import KVCacheManager, cascade
 from jaxkv.cascade import CascadeCostModel, CascadePlanner
 from tests.attention.test_cascade_group_choice import _groups, _shared
+from tests.attention.test_cascade_level_choice import header_and_two_prompts
 from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding, _plan
 
 
@@ -131,12 +132,7 @@ def test_a_group_paying_only_its_merge_over_groups_that_pay_a_call_is_not_weighe
     # it. The header group weighs no more than a call, less than either trio: the level
     # keeps the trios without weighing candidates (kept_groups) at every step.
     m = KVCacheManager(256, 4, max_model_len=128)
-    header = list(range(100, 108))
-    reqs = [
-        _decoding(m, f"{p}{i}", header + [1000 * (p == "b") + t for t in range(40)] + [i, 50])
-        for p in "ab"
-        for i in range(3)
-    ]
+    reqs = header_and_two_prompts(m)
     model = CascadeCostModel(launch_overhead_bytes=25000, merge_cost_factor=0)
     planner = CascadePlanner(SHAPE, cost_model=model)
     assert not planner.pays(6, 8, 6) and planner.pays(3, 48, 3)

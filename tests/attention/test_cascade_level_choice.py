@@ -12,6 +12,17 @@ from tests.attention.test_cascade_group_choice import _groups, _shared
 from tests.attention.test_cascade_planner import SHAPE, _decoding, _plan
 
 
+def header_and_two_prompts(m: KVCacheManager) -> list:
+    """a0..a2 and b0..b2 decoding in `m` (block size 4): a 2-block header shared by all
+    six, then a 10-block system prompt per letter, then two tokens of their own."""
+    header = list(range(100, 108))
+    return [
+        _decoding(m, f"{p}{i}", header + [1000 * (p == "b") + t for t in range(40)] + [i, 50])
+        for p in "ab"
+        for i in range(3)
+    ]
+
+
 @pytest.mark.parametrize(
     ("launch_overhead_bytes", "levels"),
     [(10000, ["groups"]), (4097, ["groups"]), (4096, ["global", "groups"])],
@@ -25,12 +36,7 @@ def test_groups_under_a_short_global_prefix_start_at_column_0_where_that_saves_m
     # the header once each instead, saving 2 x 2 x 8 x 512 = 16384 bytes of it without
     # that call: better where the call costs more than 20480 - 16384 bytes.
     m = KVCacheManager(256, 4, max_model_len=128)
-    header = list(range(100, 108))
-    reqs = [
-        _decoding(m, f"{p}{i}", header + [1000 * (p == "b") + t for t in range(40)] + [i, 50])
-        for p in "ab"
-        for i in range(3)
-    ]
+    reqs = header_and_two_prompts(m)
     ids = [r.request_id for r in reqs]
     assert (_shared(m, ids), _shared(m, ids[:3]), _shared(m, ids[3:])) == (2, 12, 12)
     model = CascadeCostModel(launch_overhead_bytes=launch_overhead_bytes, merge_cost_factor=0)
