@@ -164,13 +164,13 @@ def _check_dtypes_as_given(q, kv_pages, metadata) -> None:
                 raise ValueError(f"{where}.{field}.dtype={dtype} must be int32")
 
 
-class _runs_where_q_lies(with_static_numbers):  # lower case: a decorator
+class checks_as_given(with_static_numbers):  # lower case: a decorator
     """with_static_numbers, its other static options refused by name as arrays, the
     dtypes of q, kv_pages and the metadata's index arrays checked as given (before jit
-    converts a 64-bit numpy array; _check_dtypes_as_given), and outside jit (q a
-    concrete array) a Pallas backend must run interpreted or on q's platform: JAX's own
-    error names neither. Under jit the platform is not checked: a trace may be lowered
-    for another platform on purpose."""
+    converts a 64-bit numpy array), concrete metadata's values checked (check_values),
+    and outside jit a Pallas backend must run interpreted or on q's platform: JAX's own
+    error names neither (a trace may be lowered for another platform on purpose). Wraps
+    paged_attention and sharding.sharded_paged_attention, whose jit hides the values."""
 
     def __call__(self, *args, **options):
         refuse_array_options(options, ("sliding_window", "backend", "interpret", "return_lse"))
@@ -190,7 +190,7 @@ class _runs_where_q_lies(with_static_numbers):  # lower case: a decorator
         return super().__call__(*args, **options)
 
 
-@_runs_where_q_lies
+@checks_as_given
 @functools.partial(
     jax.jit,
     static_argnames=(

@@ -42,7 +42,6 @@ from jaxkv.meshes import auto_axes, axis_size, check_distinct, check_divides, ch
 from jaxkv.meshes import make_mesh as make_mesh
 from jaxkv.meshes import mesh_for as mesh_for
 from jaxkv.meshes import replica_meshes as replica_meshes
-from kernels_pallas.validation import with_static_numbers
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # kernel [in, out/TP]
 ROW_PARALLEL = ("o_proj", "down_proj")  # kernel [in/TP, out]; partial sums are all-reduced
@@ -84,7 +83,7 @@ def _check_heads(
             )
 
 
-@with_static_numbers
+@attention.checks_as_given  # values and dtypes as given: jit and shard_map hide them
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -114,7 +113,8 @@ def sharded_paged_attention(
     query heads and KV heads; metadata is replicated. Returns what paged_attention returns,
     sharded along heads, on meshes.auto_axes(mesh) (any axis types serve). Raises
     ValueError naming both numbers when TP does not divide the query heads or the KV
-    heads, or the query heads are not a multiple of the KV heads."""
+    heads, or the query heads are not a multiple of the KV heads, and as paged_attention
+    does for dtypes as given and, outside jit, concrete metadata's values."""
     tp = axis_size(mesh, axis_name)
     mesh = auto_axes(mesh)  # shard_map refused the specs on jax.make_mesh's Explicit axes
     _check_heads(kv_pages, q.shape[1])

@@ -385,3 +385,23 @@ def test_sharded_write_kv_writes_nothing_for_a_64_bit_slot_past_int32():
     slots = np.array([9, 2**32 + 6, 2**33 + 13, 2**31], np.int64)
     out = np.asarray(sharding.sharded_write_kv(kv, k, k, slots, mesh=mesh))
     assert np.argwhere(np.any(out != 0, axis=(2, 3))).tolist() == [[2, 1]]
+
+
+def test_sharded_paged_attention_checks_hand_made_metadata_as_paged_attention_does():
+    """Its jit and shard_map hid the values from the kernels' checks: a page id past the
+    cache read a clamped page, and a float64 numpy q was converted silently."""
+    import dataclasses
+
+    mesh, md = sharding.make_mesh(1), _metadata()
+    q = jnp.zeros((md.max_num_tokens, H_Q, D), jnp.float32)
+    pages = jnp.zeros((64, 4, 2 * H_KV, D), jnp.float32)
+    assert sharding.sharded_paged_attention(q, pages, md, mesh=mesh, sm_scale=0.125).shape
+    level = dataclasses.replace(
+        md.levels[0], page_indices=np.full_like(md.levels[0].page_indices, 64)
+    )
+    with pytest.raises(ValueError, match=r"^metadata\.levels\[0\]: page_indices\[0, 0\]=64"):
+        sharding.sharded_paged_attention(
+            q, pages, dataclasses.replace(md, levels=(level,)), mesh=mesh, sm_scale=0.125
+        )
+    with pytest.raises(ValueError, match=r"q\.dtype=float64"):
+        sharding.sharded_paged_attention(np.zeros(q.shape), pages, md, mesh=mesh, sm_scale=0.125)
