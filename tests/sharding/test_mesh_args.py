@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -390,8 +392,6 @@ def test_sharded_write_kv_writes_nothing_for_a_64_bit_slot_past_int32():
 def test_sharded_paged_attention_checks_hand_made_metadata_as_paged_attention_does():
     """Its jit and shard_map hid the values from the kernels' checks: a page id past the
     cache read a clamped page, and a float64 numpy q was converted silently."""
-    import dataclasses
-
     mesh, md = sharding.make_mesh(1), _metadata()
     q = jnp.zeros((md.max_num_tokens, H_Q, D), jnp.float32)
     pages = jnp.zeros((64, 4, 2 * H_KV, D), jnp.float32)
