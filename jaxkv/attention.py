@@ -180,13 +180,13 @@ class checks_as_given(with_static_numbers):  # lower case: a decorator
             kv_pages = args[1] if len(args) > 1 else options.get("kv_pages")
             _check_dtypes_as_given(q, kv_pages, metadata)
             check_values(metadata, q, kv_pages)  # under jit, below, values are unknown
-        if isinstance(metadata, AttentionMetadata) and not isinstance(q, jax.core.Tracer):
-            backend = options.get("backend") or metadata.backend
-            interpret = options.get("interpret")
-            interpret = metadata.interpret if interpret is None else interpret
-            devices = q.devices() if isinstance(q, jax.Array) else jax.devices()[:1]
-            if isinstance(interpret, bool):  # else the jitted body names it
-                _check_platform(backend, interpret, next(iter(devices)).platform)
+            if not isinstance(q, jax.core.Tracer):
+                backend = options.get("backend") or metadata.backend
+                interpret = options.get("interpret")
+                interpret = metadata.interpret if interpret is None else interpret
+                devices = q.devices() if isinstance(q, jax.Array) else jax.devices()[:1]
+                if isinstance(interpret, bool):  # else the jitted body names it
+                    _check_platform(backend, interpret, next(iter(devices)).platform)
         return super().__call__(*args, **options)
 
 
