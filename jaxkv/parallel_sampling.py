@@ -101,7 +101,7 @@ class ParallelSamples:
         if n == 1:
             if request.request_id in in_use:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
-            _queue_all(scheduler, sampling, [request], [default_seed])
+            self._queue_all(scheduler, sampling, [request], [default_seed])
             return
         ids = child_request_ids(request.request_id, n)
         taken = [rid for rid in (request.request_id, *ids) if rid in in_use]
@@ -122,7 +122,7 @@ class ParallelSamples:
         check_fits(scheduler, samples[0], request.request_id)  # as sample 0's add would
         # The first raises where any would (all alike but their ids, checked above).
         seeds = [child_default_seed(default_seed, i) for i in range(n)]
-        _queue_all(scheduler, sampling, samples, seeds)
+        self._queue_all(scheduler, sampling, samples, seeds)
         self._live[request.request_id] = set(ids)
         for i, rid in enumerate(ids):
             self._parent_of[rid] = (request.request_id, i)
@@ -146,6 +146,28 @@ class ParallelSamples:
             if request is None or request.is_finished():  # else cut before: abort again
                 sampling.discard(request_id)
                 self.discard(request_id)
+
+    def _queue_all(
+        self,
+        scheduler: Scheduler,
+        sampling: SamplingRows,
+        requests: list[Request],
+        seeds: list[int],
+    ) -> None:
+        """Queues each of `requests` on `scheduler` with its sampling row (default seed from
+        `seeds`): all or, whatever raises (a refusal, an interrupt), none (each queued one
+        aborted as abort() does, its row forgotten). A request queued without its row
+        failed every later step (KeyError), unknown to the caller: the add_request that
+        queued it never returned its id."""
+        try:
+            for request, seed in zip(requests, seeds, strict=True):
+                scheduler.add_request(request)
+                sampling.add_request(request, seed)
+        except BaseException:
+            for request in requests:  # only those this call queued (another may hold an id)
+                if scheduler.requests.get(request.request_id) is request:
+                    self.abort(scheduler, sampling, request.request_id)
+            raise
 
     def discard(self, sample_id: str) -> bool:
         """Forgets a sample that ended, and its parent once it has no sample left; returns
@@ -180,22 +202,3 @@ class ParallelSamples:
             finished = output.finished and self.discard(output.request_id)
             outputs[j] = output._replace(request_id=request_id, finished=finished, index=index)
         return outputs
-
-
-def _queue_all(
-    scheduler: Scheduler, sampling: SamplingRows, requests: list[Request], seeds: list[int]
-) -> None:
-    """Queues each of `requests` on `scheduler` with its sampling row (default seed from
-    `seeds`): all or, whatever raises (a refusal, an interrupt), none. A request queued
-    without its row failed every later step (KeyError), unknown to the caller: the
-    add_request that queued it never returned its id."""
-    try:
-        for request, seed in zip(requests, seeds, strict=True):
-            scheduler.add_request(request)
-            sampling.add_request(request, seed)
-    except BaseException:
-        for request in requests:  # only those this call queued (another may hold an id)
-            if scheduler.requests.get(request.request_id) is request:
-                scheduler.abort(request.request_id)
-                sampling.discard(request.request_id)
-        raise
