@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkv import attention
 from jaxkv.batch import AttentionMetadata
-from jaxkv.field_checks import as_int
+from jaxkv.field_checks import checked_int
 from jaxkv.meshes import DEFAULT_AXIS as DEFAULT_AXIS
 from jaxkv.meshes import auto_axes, axis_size, check_distinct, check_divides, check_head_counts
 from jaxkv.meshes import make_mesh as make_mesh
@@ -265,8 +265,7 @@ def _checked_tp_size(tp: Any) -> int:
             f"tp={type(tp).__name__} must be a jaxkv.sharding.TensorParallel "
             "(plan_tensor_parallel makes one)"
         )
-    if as_int(tp.kv_replicas) is None or tp.kv_replicas < 1:
-        raise ValueError(f"tp.kv_replicas={tp.kv_replicas!r} must be an int >= 1")
+    checked_int("tp.kv_replicas", tp.kv_replicas, minimum=1)
     return axis_size(tp.mesh, tp.axis_name)
 
 

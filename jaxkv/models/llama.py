@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxkv import attention
 from jaxkv.batch import AttentionMetadata
-from jaxkv.field_checks import as_int
+from jaxkv.field_checks import checked_int
 from jaxkv.models.config import LlamaConfig, check_config
 from kernels_pallas.validation import FLOAT_DTYPES, QUANTIZED_KV_DTYPES
 
@@ -327,8 +327,7 @@ def check_kv_cache_args(num_blocks: Any, block_size: Any, dtype: Any) -> None:
     and `dtype` None or a dtype the kernels read (float32, bfloat16, float16, int8,
     float8_e4m3fn); shared by Llama.init_kv_caches and jaxkv.sharding.init_kv_caches."""
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-        if as_int(value) is None or value < 1:  # -1 or 2.0 raised jax's TypeError
-            raise ValueError(f"{name}={value!r} must be an int >= 1")
+        checked_int(name, value, minimum=1)  # -1 or 2.0 raised jax's TypeError
     if dtype is not None:
         try:
             kv_dtype = jnp.dtype(dtype)
