@@ -91,14 +91,12 @@ def checked_request_id(request) -> str:
     return request.request_id
 
 
-def not_the_owner_message(
-    req_id: str, request: Request | None = None, owner: Mapping[str, Request] | None = None
-) -> str:
+def not_the_owner_message(req_id: str, request: Request, owner: Mapping[str, Request]) -> str:
     """Why `request` may not act as `req_id`: the blocks of `req_id` were allocated for
     another Request object or, found in `owner` under another id, `request` holds blocks
     under that id (its request_id reassigned since)."""
-    old = next((i for i, r in (owner or {}).items() if r is request), req_id)
-    if request is not None and old != req_id:
+    old = next((i for i, r in owner.items() if r is request), req_id)
+    if old != req_id:
         return (
             f"request {req_id!r} holds blocks allocated under the id {old!r}: a Request's "
             f"request_id must not change while it holds blocks (set it back, or free {old!r})"

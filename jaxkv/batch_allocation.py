@@ -53,9 +53,9 @@ def allocate_slots_batch(
         counts = [count("num_new_tokens", n, r) for r, n in zip(ids, counts, strict=True)]
     held = list(map(manager._held_of.get, requests))
     if None in held:
-        req_id = ids[held.index(None)]
-        manager._blocks_of(req_id)  # raises UnknownRequestError
-        raise ValueError(not_the_owner_message(req_id))
+        i = held.index(None)
+        manager._blocks_of(ids[i])  # raises UnknownRequestError
+        raise ValueError(not_the_owner_message(ids[i], requests[i], manager._owner))
     if any(map(is_not, map(manager._blocks.get, ids), held)):  # a request_id reassigned
         i = next(i for i, r in enumerate(ids) if manager._blocks.get(r) is not held[i])
         raise ValueError(not_the_owner_message(ids[i], requests[i], manager._owner))
