@@ -176,8 +176,8 @@ class Request:
 
     @property
     def waiting_status(self) -> RequestStatus:
-        """The status it waits in the queue under, computing from scratch: PREEMPTED once
-        it has been preempted (num_preemptions), else WAITING."""
+        """The status it waits in the queue under, back from a discard or an ended load
+        (landed too): PREEMPTED once it has been preempted (num_preemptions), else WAITING."""
         return RequestStatus.PREEMPTED if self.num_preemptions else RequestStatus.WAITING
 
     def check_hash_config(self, block_size: int, seed: int = 0) -> None:
