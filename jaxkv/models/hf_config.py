@@ -90,7 +90,7 @@ def llama_config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> Lla
 
 
 # transformers' LlamaConfig defaults for keys left out.
-_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048}
+_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "rope_theta": 10000.0}
 # Keys whose null transformers' LlamaConfig refuses (5.x: a strict dataclass whose field
 # is a float or an int), and what older versions or vLLM did with it; read as the
 # default, a config.json transformers refuses loaded as a model it never ran.
@@ -132,10 +132,10 @@ def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         # None and fails building the model, which was read here as 10000.
         if rope_theta is None and isinstance(d, dict) and d.get("rope_theta", 0) is None:
             raise ValueError(
-                f"Hugging Face {where}: rope_theta=null must be a number: transformers "
-                "builds no model of it; leave the key out for its default 10000.0"
+                f"Hugging Face {where}: rope_theta=null must be a number: transformers builds "
+                f"no model of it; leave the key out for its default {_DEFAULTS['rope_theta']}"
             )
-    rope_theta = 10000.0 if rope_theta is None else rope_theta
+    rope_theta = _DEFAULTS["rope_theta"] if rope_theta is None else rope_theta
     # transformers 5 takes rope_scaling for rope_parameters, its theta over the top-level
     # one; 4.x ignores a theta there: unequal, the two build other models.
     inner = _hf_value(scaling, "rope_theta", float, None, "rope_scaling") if scaling else None
