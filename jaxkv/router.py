@@ -285,7 +285,7 @@ class PrefixAwareRouter(RoutingRule, Closable):
         requests the router does not hold (added to a replica directly) are dropped.
         """
         outputs, self._undelivered = self._undelivered, []
-        checked = self._checked
+        checked, index = self._checked, None
         try:
             for index in self._indices:
                 if checked.unfinished(index) or checked.pending(index):
@@ -293,7 +293,8 @@ class PrefixAwareRouter(RoutingRule, Closable):
         except BaseException as error:
             self._undelivered = outputs
             checked.ended_in(outputs, self._replica_of)
-            self._release_if_idle(index, error)
+            if index is not None:  # None: interrupted before the first replica's turn
+                self._release_if_idle(index, error)
             raise
         return self._finished_from(outputs)
 

@@ -212,3 +212,18 @@ def test_an_interrupt_in_a_later_replicas_step_loses_no_earlier_replicas_output(
     outputs = router.step()
     assert [(o.request_id, o.finished) for o in outputs][0] == (done, True)
     assert router.num_outstanding == (0, 0) and not router.has_unfinished_requests()
+
+
+def test_an_interrupt_before_the_first_replica_s_turn_is_raised_as_it_came():
+    # It was an UnboundLocalError: the failure path read the index of a replica never reached.
+    class InterruptedFirst:
+        def __iter__(self):
+            raise KeyboardInterrupt
+
+    router = PrefixAwareRouter([FakeReplica(0)], block_size=BLOCK)
+    rid = router.add_request([1] * BLOCK, SamplingParams(max_tokens=1))
+    router._indices = InterruptedFirst()
+    with pytest.raises(KeyboardInterrupt):
+        router.step()
+    router._indices = range(1)
+    assert router.num_outstanding == (1,) and [o.request_id for o in router.step()] == [rid]
