@@ -28,8 +28,9 @@ import numpy as np
 
 from jaxkv.buckets import pads_fewer_pages
 from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel
+from jaxkv.cascade_groups import GroupSearch
 from jaxkv.cascade_plan import CascadeLevel, CascadePlan
-from jaxkv.cascade_together import kept_groups, net_bytes, outweigh_global
+from jaxkv.cascade_together import outweigh_global
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.plan_memo import PlanMemo
 from jaxkv.planner_args import (
@@ -38,7 +39,6 @@ from jaxkv.planner_args import (
     checked_plan_args,
     checked_planner_settings,
 )
-from jaxkv.prefix_index import runs_at_column
 
 __all__ = [
     "DEFAULT_COST_MODELS",
@@ -50,8 +50,9 @@ __all__ = [
 ]
 
 
-class CascadePlanner:
-    """Plans flat or cascade attention for each scheduled batch."""
+class CascadePlanner(GroupSearch):
+    """Plans flat or cascade attention for each scheduled batch (the group search:
+    jaxkv.cascade_groups)."""
 
     def __init__(
         self,
@@ -191,210 +192,3 @@ class CascadePlanner:
             return flat
         global_blocks = k0 if use_global else None
         return self._memo.grouped_plan(groups, rows, suffix_start, global_blocks, common, made_for)
-
-    def _groups(
-        self,
-        manager: KVCacheManager,
-        rows: np.ndarray,  # i32[R]
-        num_computed_tokens: np.ndarray,  # i[R]
-        query_lens: np.ndarray,  # i[R]
-        base: int,
-        whole_batch_end: int = 0,
-    ) -> list[tuple[np.ndarray, int]]:
-        """Groups (member indices, shared block end) sharing blocks past column `base`.
-
-        `whole_batch_end` > 0: every request has computed column `base` and holds the
-        same block there, and the batch shares columns up to it (capped by the computed
-        blocks): the first candidate is then the whole batch, without a search.
-
-        Candidates are requests with the same prefix id at column `base`. A candidate
-        whose shared blocks do not pay is split again at the first column its members
-        do not all share (requests under two system prompts after a one-block header
-        form two groups, not one that does not pay). A candidate that pays but that a
-        member cuts short (it has computed fewer of the blocks all of them hold alike) is
-        weighed against its members past that cut, at their longer end (_past_cap); one
-        that pays and ends where its members diverge, while some of them share more
-        blocks, is split there too. The chosen groups are the heaviest disjoint set of
-        these (kept_groups), in bytes saved less their merge: a request with a short
-        prompt does not hide the four under a long one that it shares 5 blocks with. At
-        most 4 x max_groups candidates are examined (those nested in a paying one last),
-        and as many groups past a cap.
-
-        A candidate is judged as if it were a call of its own over the members' KV past
-        `base` (its savings against what their suffix pass would read without it: the
-        global level already reads columns before `base` once), but one call runs every
-        group of the level: candidates that pay their own merge are planned beside one
-        that pays the call, or where together they pay it (four system prompts under
-        four requests each; see kept_groups).
-        """
-        if not self.enable_groups or base >= manager.max_blocks_per_seq:
-            return []
-        everyone = np.arange(len(rows))
-        if whole_batch_end:
-            candidates = [everyone]
-        else:
-            candidates = self._split(manager, rows, num_computed_tokens, everyone, base)
-        if candidates is None:  # every key distinct: no two requests share past the base
-            self._memo.note_no_groups(manager, rows, base)
-            return []
-        bs = manager.block_size
-        num_blocks = manager.num_blocks_of_rows(rows)
-        # (blocks saved, members, end, queries) of the groups that pay a call of their
-        # own (chosen) or their own merge in a level that runs anyway (together)
-        chosen, together = [], []
-        overlap = False  # whether a group in `chosen` may hold another
-        budget = past_cap_budget = 4 * self.max_groups
-        nested_later = []  # groups nested in one that pays: after the other candidates
-        within, outweighed = {}, set()  # id(candidate) -> indices into `together` above it
-        while (candidates or nested_later) and budget:
-            if not candidates:
-                candidates, nested_later = sorted(nested_later, key=len, reverse=True), []
-            budget -= 1
-            members = candidates.pop(0)
-            above = within.get(id(members), ()) if within else ()
-            computed = num_computed_tokens[members]
-            if members is everyone and whole_batch_end:
-                end = shared = whole_batch_end
-                nested = None
-            else:  # nested: members that share past `shared` (see PlanMemo.nested_members)
-                shared, nested = self._memo.common_prefix_nesting(
-                    manager, rows, num_blocks, members
-                )
-                end = min(shared, int(computed.min()) // bs)
-            queries = int(query_lens[members].sum())
-            # What the members' suffix pass reads without this group: their contexts past
-            # the global level (read once already), the flat reads the group shortens.
-            context = int(computed.sum()) + queries - len(members) * base * bs
-            saved = (len(members) - 1) * (end - base)
-            if self.pays(len(members), (end - base) * bs, queries, context):
-                group = (saved, members, end, queries)
-                outweighed.update(above)  # each weighs no more than one call: less than it
-                if end < shared:  # a member that has computed fewer blocks cuts it short
-                    group, (members, end, shared), past_cap_budget = self._past_cap(
-                        manager, rows, num_blocks, num_computed_tokens, query_lens, base,
-                        group, shared, past_cap_budget,
-                    )  # fmt: skip
-                    nested = None
-                chosen.append(group)
-                if end == shared < manager.max_blocks_per_seq:
-                    if nested is None:
-                        nested = self._memo.nested_members(manager, rows, members, end)
-                    if nested and self._may_nest(
-                        nested, num_computed_tokens, base, bs, members, group
-                    ):
-                        split = self._split(manager, rows, num_computed_tokens, members, end)
-                        if split:
-                            nested_later += split
-                            overlap = True
-                continue
-            if self._pays_own_merge(len(members), (end - base) * bs, queries, context):
-                above = (*above, len(together))
-                together.append((saved, members, end, queries))
-            if end < manager.max_blocks_per_seq:
-                split = self._split(manager, rows, num_computed_tokens, members, end) or []
-                within.update((id(run), above) for run in split if above)
-                candidates += split
-                candidates.sort(key=len, reverse=True)
-        together = [group for k, group in enumerate(together) if k not in outweighed]
-        if chosen and not together and not overlap and len(chosen) <= self.max_groups:
-            kept = [group[:3] for group in chosen]  # disjoint, each paying: all of them
-        else:
-            kept = kept_groups(
-                chosen + together, base, bs, self.shape, self.cost_model, self.max_groups
-            )
-        return [(members, end) for _, members, end in sorted(kept, key=lambda t: int(t[1][0]))]
-
-    def _past_cap(
-        self,
-        manager: KVCacheManager,
-        rows: np.ndarray,  # i32[R]
-        num_blocks: np.ndarray,  # i32[R] blocks each row holds
-        num_computed_tokens: np.ndarray,  # i[R]
-        query_lens: np.ndarray,  # i[R]
-        base: int,
-        group: tuple[int, np.ndarray, int, int],  # (blocks saved, members, end, queries)
-        shared: int,  # leading columns every member holds alike, past the group's end
-        budget: int,
-    ) -> tuple[tuple[int, np.ndarray, int, int], tuple[np.ndarray, int, int], int]:
-        """The group that weighs most (kept_groups' weight; the first on ties) among
-        `group`, which pays and is cut at the least computed blocks of a member (one
-        loading or computing blocks the others share), and the groups of its members
-        past each cap in turn: those that have computed the first column the cap leaves
-        out, at their own (longer) shared and computed end. Each such group must pay a
-        call of its own; at most `budget` of them are examined. Also returns (members,
-        end, shared) of the last examined, and the budget less those examined (for the
-        search's other candidates)."""
-        bs = manager.block_size
-        best, (_, members, end, queries) = group, group
-        weight = net_bytes(self.cost_model, self.shape, len(members), (end - base) * bs, queries)
-        while end < shared and budget:
-            past = members[num_computed_tokens[members] >= (end + 1) * bs]
-            if len(past) < 2:
-                break
-            budget -= 1
-            members, computed = past, num_computed_tokens[past]
-            shared = self._memo.common_prefix(manager, rows, num_blocks, members)
-            end = min(shared, int(computed.min()) // bs)
-            queries = int(query_lens[members].sum())
-            context = int(computed.sum()) + queries - len(members) * base * bs
-            prefix = (end - base) * bs
-            heavier = net_bytes(self.cost_model, self.shape, len(members), prefix, queries)
-            if heavier > weight and self.pays(len(members), prefix, queries, context):
-                weight, best = heavier, ((len(members) - 1) * (end - base), members, end, queries)
-        return best, (members, end, shared), budget
-
-    def _may_nest(
-        self,
-        nested: int,  # PlanMemo.nested_members of `members` at the column they diverge
-        num_computed_tokens: np.ndarray,  # i[R]
-        base: int,
-        block_size: int,
-        members: np.ndarray,  # requests that hold the same blocks up to where they diverge
-        group: tuple[int, np.ndarray, int, int],  # (blocks saved, members, end, queries)
-    ) -> bool:
-        """Whether groups of `members` sharing past where they diverge may weigh more
-        together than `group` (of them or of more requests; kept_groups' weight): at most
-        `nested` of them save a read each, of at most their most computed blocks past
-        `base`."""
-        s, bs = self.shape, block_size
-        _, kept, end, queries = group
-        most = (int(num_computed_tokens[members].max()) // bs - base) * bs  # tokens
-        bound = nested * most * s.kv_bytes_per_token
-        return bound > net_bytes(self.cost_model, s, len(kept), (end - base) * bs, queries)
-
-    def _pays_own_merge(
-        self, num_requests: int, prefix_tokens: int, num_query_tokens: int, context_tokens: int
-    ) -> bool:
-        """pays() for a group of a level that runs anyway: its merge, not a call of its own."""
-        model = self._merge_only_model
-        return model is not None and self.pays(
-            num_requests, prefix_tokens, num_query_tokens, context_tokens, model=model
-        )
-
-    def _split(
-        self,
-        manager: KVCacheManager,
-        rows: np.ndarray,  # i32[R]
-        num_computed_tokens: np.ndarray,  # i[R]
-        members: np.ndarray,  # indices into rows, sorted
-        column: int,
-    ) -> list[np.ndarray] | None:
-        """Runs of >= 2 `members` holding the same block prefix through `column`, largest
-        first, each sorted; None if every request of the batch (not only every member)
-        was eligible and all keys differ: then no group exists past `column` at all."""
-        bs = manager.block_size
-        # A request can share column `column` in a cascade level only once it has
-        # computed that whole block (then it also holds it).
-        eligible = members[num_computed_tokens[members] >= (column + 1) * bs]
-        if len(eligible) < 2:
-            return []
-        return self._memo.split(manager, rows, eligible, column, self._split_eligible)
-
-    def _split_eligible(
-        self, manager: KVCacheManager, rows: np.ndarray, eligible: np.ndarray, column: int
-    ) -> list[np.ndarray] | None:
-        """_split's answer for `eligible` members (two or more, each holding `column`)."""
-        runs = runs_at_column(
-            manager.prefix_ids, rows[eligible], eligible, column, 2 * self.max_groups
-        )
-        return [] if runs is None and len(eligible) < len(rows) else runs

@@ -1,10 +1,10 @@
 """Which candidate groups a groups level keeps: the heaviest set of them that share no
 request, and whether they pay the level's one call.
 
-Plain Python and numpy. CascadePlanner's group search (jaxkv.cascade) hands over the
-candidates that pay a call of their own and those that pay their own merge (a group of
-a level that runs anyway); the level is planned if the disjoint ones kept save more
-than its one call costs.
+Plain Python and numpy. CascadePlanner's group search (jaxkv.cascade_groups) hands
+over the candidates that pay a call of their own and those that pay their own merge (a
+group of a level that runs anyway); the level is planned if the disjoint ones kept save
+more than its one call costs.
 """
 
 from __future__ import annotations

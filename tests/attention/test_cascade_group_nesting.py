@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxkv import KVCacheManager, cascade
+from jaxkv import KVCacheManager, cascade_groups
 from jaxkv.cascade import CascadeCostModel, CascadePlanner
 from tests.attention.test_cascade_group_choice import _groups, _shared
 from tests.attention.test_cascade_level_choice import header_and_two_prompts
@@ -136,6 +136,6 @@ def test_a_group_paying_only_its_merge_over_groups_that_pay_a_call_is_not_weighe
     model = CascadeCostModel(launch_overhead_bytes=25000, merge_cost_factor=0)
     planner = CascadePlanner(SHAPE, cost_model=model)
     assert not planner.pays(6, 8, 6) and planner.pays(3, 48, 3)
-    monkeypatch.setattr(cascade, "kept_groups", None)  # calling it fails
+    monkeypatch.setattr(cascade_groups, "kept_groups", None)  # calling it fails
     got = _planned(planner, m, reqs)
     assert got == [(["a0", "a1", "a2"], 0, 12), (["b0", "b1", "b2"], 0, 12)]
