@@ -17,6 +17,9 @@ A plan has up to two levels:
 
 Every prefix is capped at the smallest num_computed_tokens of the requests that read it
 (so the non-causal pass never covers a query token), and rounded down to whole blocks.
+A request whose queries cost more to merge than reading the blocks it could share
+(a long prefill chunk) joins no group; where the global level holds it, the level is
+dropped for groups from block 0 without it where those weigh more (cascade_left_out).
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ import numpy as np
 from jaxkv.buckets import pads_fewer_pages
 from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel
 from jaxkv.cascade_groups import GroupSearch
+from jaxkv.cascade_left_out import left_out, merge_bytes_per_query
 from jaxkv.cascade_plan import CascadeLevel, CascadePlan
-from jaxkv.cascade_together import outweigh_global
+from jaxkv.cascade_together import global_weight, level_weight, outweigh_global
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.plan_memo import PlanMemo
 from jaxkv.planner_args import (
@@ -92,6 +96,9 @@ class CascadePlanner(GroupSearch):
         # object only for an equal id list, so a repeated batch is not checked again.
         self._distinct_rows: np.ndarray | None = None
         self._memo = PlanMemo()  # what the planner reuses while a batch repeats
+        # Merge bytes of one query token (0: no costs, nobody is left out; see _left_out).
+        self._merge_per_query = merge_bytes_per_query(cost_model, shape)
+        self._kv_bytes_per_token = shape.kv_bytes_per_token
 
     def pays(
         self,
@@ -130,7 +137,8 @@ class CascadePlanner(GroupSearch):
         guarantees); ValueError naming the batch position otherwise, or for a count
         below 0, an id given twice or unknown, or arguments of the wrong type.
         Cost: a fixed number of numpy calls plus a loop over at most 4 x max_groups
-        candidate groups (and as many more past a member's cap); repeated id lists reuse
+        candidate groups (and as many more past a member's cap; twice that on a step
+        whose global level holds a request left out of cascade); repeated id lists reuse
         the manager's common prefix (KVCacheManager.num_common_prefix_blocks).
         """
         num_computed_tokens, query_lens = checked_plan_args(
@@ -159,18 +167,37 @@ class CascadePlanner(GroupSearch):
 
         bs = manager.block_size
         total_q = int(query_lens.sum())
-        k0 = min(common, int(num_computed_tokens.min()) // bs)
+        least_blocks = int(num_computed_tokens.min()) // bs
+        k0 = min(common, least_blocks)
         context = int(num_computed_tokens.sum()) + total_q
         use_global = k0 > 0 and self.pays(num_requests, k0 * bs, total_q, context)
         base = k0 if use_global else 0
 
+        # Requests left out of every level (cascade_left_out) join no group: the search
+        # sees them as having computed nothing.
+        out, merge = None, self._merge_per_query
+        if merge:  # blocks whose read the longest query's merge outweighs
+            most = int(int(query_lens.max()) * merge // (bs * self._kv_bytes_per_token))
+            # None left out where each request computed more and shares that far (memo).
+            if most and not (
+                least_blocks > most and self._memo.shares_through(manager, rows, most)
+            ):
+                out = self._left_out(manager, rows, num_computed_tokens, query_lens)
+        searched = num_computed_tokens if out is None else np.where(out, 0, num_computed_tokens)
         if self._memo.no_groups_past(manager, rows, base):
             groups = []
         else:
             # Without a global level, k0 > 0 means every request has computed and shares
             # column 0: the search's first candidate is the whole batch, ending at k0.
-            whole = k0 if base == 0 else 0
-            groups = self._groups(manager, rows, num_computed_tokens, query_lens, base, whole)
+            whole = k0 if base == 0 and out is None else 0
+            groups = self._groups(manager, rows, searched, query_lens, base, whole)
+        if out is not None and use_global:  # the global level holds them: weigh dropping it
+            plan = self._plan_without_global(
+                manager, rows, num_computed_tokens, searched, query_lens, k0, groups, common,
+                made_for,
+            )  # fmt: skip
+            if plan is not None:
+                return plan
         if not groups:
             if not use_global or not pads_fewer_pages(
                 self.page_buckets, num_computed_tokens, query_lens, k0, bs
@@ -192,3 +219,55 @@ class CascadePlanner(GroupSearch):
             return flat
         global_blocks = k0 if use_global else None
         return self._memo.grouped_plan(groups, rows, suffix_start, global_blocks, common, made_for)
+
+    def _left_out(
+        self,
+        manager: KVCacheManager,
+        rows: np.ndarray,  # i32[R]
+        num_computed_tokens: np.ndarray,  # i[R]
+        query_lens: np.ndarray,  # i[R]
+    ) -> np.ndarray | None:
+        """cascade_left_out.left_out for this batch: bool[R], None where no request is
+        left out."""
+        block_bytes = manager.block_size * self._kv_bytes_per_token
+        return left_out(
+            lambda column: self._memo.shares_column(manager, rows, column),
+            num_computed_tokens, query_lens, self._merge_per_query, block_bytes,
+            manager.block_size,
+        )  # fmt: skip
+
+    def _plan_without_global(
+        self,
+        manager: KVCacheManager,
+        rows: np.ndarray,  # i32[R]
+        num_computed_tokens: np.ndarray,  # i[R]
+        searched: np.ndarray,  # i[R] num_computed_tokens, 0 for the requests left out
+        query_lens: np.ndarray,  # i[R]
+        k0: int,  # the global level's blocks
+        groups: list[tuple[np.ndarray, int]],  # the groups found under it
+        common: int,
+        made_for,
+    ) -> CascadePlan | None:
+        """The plan of groups from block 0 over the requests not left out (the others
+        read from block 0 in their own pass), where it weighs more than the global level
+        (which spans the batch, left-out requests included) with `groups` over it or
+        those groups from block 0 (cascade_together.level_weight); else None."""
+        alone = self._groups(manager, rows, searched, query_lens, 0)
+        if not alone:
+            return None
+        model, shape, bs = self.cost_model, self.shape, manager.block_size
+        total_q, num_requests = int(query_lens.sum()), len(rows)
+        under = global_weight(model, shape, num_requests, k0 * bs, total_q)
+        under += level_weight(model, shape, groups, k0, bs, query_lens)
+        if groups:
+            under = max(under, level_weight(model, shape, groups, 0, bs, query_lens))
+        if level_weight(model, shape, alone, 0, bs, query_lens) <= under:
+            return None
+        suffix_start = np.zeros(num_requests, np.int32)
+        for members, end in alone:
+            suffix_start[members] = end
+        if not pads_fewer_pages(
+            self.page_buckets, num_computed_tokens, query_lens, suffix_start, bs
+        ):
+            return None
+        return self._memo.grouped_plan(alone, rows, suffix_start, None, common, made_for)

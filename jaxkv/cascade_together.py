@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxkv.cascade_cost import AttentionShape, CascadeCostModel
 
-__all__ = ["kept_groups", "net_bytes", "outweigh_global"]
+__all__ = ["global_weight", "kept_groups", "level_weight", "net_bytes", "outweigh_global"]
 
 # (blocks saved, members (sorted batch positions), end block, their query tokens)
 Candidate = tuple[int, np.ndarray, int, int]
@@ -95,6 +95,39 @@ def outweigh_global(
     grouped = sum(model.saved_bytes(n, global_tokens, kv_bytes_per_token) for n in group_sizes)
     alone = model.saved_bytes(num_requests, global_tokens, kv_bytes_per_token)
     return grouped > alone - model.cost_bytes(num_query_tokens, s.num_q_heads, s.head_dim)
+
+
+def global_weight(
+    model: CascadeCostModel,
+    shape: AttentionShape,
+    num_requests: int,  # the batch's
+    global_tokens: int,  # the global level's prefix
+    num_query_tokens: int,  # the batch's
+) -> float:
+    """What a global level saves less its call and its merge of every query."""
+    s = shape
+    saved = model.saved_bytes(num_requests, global_tokens, s.kv_bytes_per_token)
+    return saved - model.cost_bytes(num_query_tokens, s.num_q_heads, s.head_dim)
+
+
+def level_weight(
+    model: CascadeCostModel,
+    shape: AttentionShape,
+    groups: list[tuple[np.ndarray, int]],  # (members, end block) of each group
+    base: int,  # the level's first block column
+    block_size: int,
+    query_lens: np.ndarray,  # i[R] the batch's
+) -> float:
+    """What a groups level of `groups` saves less its call and merges (net_bytes of each
+    group, less the call); 0 for no groups."""
+    if not groups:
+        return 0.0
+    s = shape
+    weight = -model.cost_bytes(0, s.num_q_heads, s.head_dim)
+    for members, end in groups:
+        queries = int(query_lens[members].sum())
+        weight += net_bytes(model, s, len(members), (end - base) * block_size, queries)
+    return weight
 
 
 def _costed(model) -> bool:

@@ -3,8 +3,9 @@
 A serving loop schedules the same requests step after step (decode), and the search for
 groups sharing a prefix of their own asks the same questions each time: the longest
 common prefix of a member set, how many members share past a column with another,
-how the members that hold a column split by their prefix id there, and whether any two
-requests share past the base column at all. While the
+how the members that hold a column split by their prefix id there, whether any two
+requests share past the base column at all, and which requests share a column with
+another (whether a long query's request is left out, jaxkv.cascade_left_out). While the
 manager, the batch's rows array (rows_of returns the same object for an equal id list)
 and the manager's sharing_version are unchanged, every column a row holds keeps its
 prefix id, and the columns it gains hold fresh blocks that no other row holds. None of
@@ -128,6 +129,29 @@ class PlanMemo:
         runs = answers[key]
         return runs if runs is None else list(runs)
 
+    def shares_column(self, manager: KVCacheManager, rows: np.ndarray, column: int) -> np.ndarray:
+        """bool[R] (read-only): whether each batch row holds at `column` (<
+        manager.max_blocks_per_seq) a prefix id another batch row holds there. A row
+        gaining the column later holds a fresh block there: it shares none, as before."""
+        answers = self._answers_for(manager, rows)
+        key = ("shares", column)
+        found = answers.get(key)
+        if found is None:
+            found = answers[key] = _shared_ids(manager.prefix_ids[:, column][rows])
+            found.flags.writeable = False
+        return found
+
+    def shares_through(self, manager: KVCacheManager, rows: np.ndarray, column: int) -> bool:
+        """Whether every batch row that shares column 0 with another batch row also
+        shares `column` (< manager.max_blocks_per_seq) with one (see shares_column)."""
+        answers = self._answers_for(manager, rows)
+        key = ("through", column)
+        found = answers.get(key)
+        if found is None:
+            shares = self.shares_column(manager, rows, column)
+            found = answers[key] = bool((shares | ~self.shares_column(manager, rows, 0)).all())
+        return found
+
     def no_groups_past(self, manager: KVCacheManager, rows: np.ndarray, base: int) -> bool:
         """Whether note_no_groups(manager, rows, base) still holds."""
         return ("none", base) in self._answers_for(manager, rows)
@@ -173,3 +197,15 @@ def _nested(manager: KVCacheManager, rows: np.ndarray, members: np.ndarray, colu
     ids = manager.prefix_ids[:, column][rows[members]]  # a column is contiguous
     ids = ids[ids >= 0]
     return len(ids) - len(set(ids.tolist()))
+
+
+def _shared_ids(ids: np.ndarray) -> np.ndarray:
+    """bool[n]: whether each of `ids` is >= 0 and occurs more than once among them."""
+    order = np.argsort(ids, kind="stable")
+    equal = ids[order][1:] == ids[order][:-1]
+    repeated = np.zeros(len(ids), bool)
+    repeated[1:] = equal
+    repeated[:-1] |= equal
+    found = np.empty(len(ids), bool)
+    found[order] = repeated
+    return found & (ids >= 0)

@@ -352,3 +352,43 @@ def fresh_plan(planner: CascadePlanner, out: SchedulerOutput, manager: KVCacheMa
         page_buckets=planner.page_buckets,
     )
     return copy.plan(out.request_ids, out.num_computed_tokens, out.num_scheduled_tokens, manager)
+
+
+def left_out_requests(
+    manager: KVCacheManager, out: SchedulerOutput, merge_per_query: float, kv_bytes_per_token: int
+) -> list[int]:
+    """Scheduled indices of the requests whose queries' merge (merge_per_query bytes per
+    query token) costs at least the read of the blocks they could share in a level: their
+    computed whole blocks, up to the longest prefix of block ids they hold alike with
+    another scheduled request. From block ids and counts alone, as brute_common_prefix."""
+    bs = manager.block_size
+    ids = out.request_ids
+    left = []
+    for i, rid in enumerate(ids):
+        shared = max(
+            (brute_common_prefix(manager, [rid, other]) for other in ids if other != rid),
+            default=0,
+        )
+        blocks = min(shared, int(out.num_computed_tokens[i]) // bs)
+        queries = int(out.num_scheduled_tokens[i])
+        if blocks and queries * merge_per_query >= blocks * bs * kv_bytes_per_token:
+            left.append(i)
+    return left
+
+
+def check_left_out(
+    manager: KVCacheManager,
+    out: SchedulerOutput,
+    plan: CascadePlan,
+    merge_per_query: float,
+    kv_bytes_per_token: int,
+) -> list[int]:
+    """The requests left_out_requests names join no group of a "groups" level (a global
+    level spans the batch: one holds them all where the planner weighed it heavier than
+    groups from block 0 without them). Returns them."""
+    left = left_out_requests(manager, out, merge_per_query, kv_bytes_per_token)
+    for level in plan.levels:
+        if level.name == "groups":
+            grouped = plan.order[level.group_starts[0] : level.group_ends[-1]].tolist()
+            assert not set(left) & set(grouped), (left, grouped)
+    return left

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxkv.attention import paged_attention
 from jaxkv.batch import AttentionMetadata
-from jaxkv.cascade import AttentionShape, CascadePlan, CascadePlanner
+from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlan, CascadePlanner
 from tests.attention import workload
 from tests.attention.test_level_metadata_reference import with_gaps
 from tests.attention.test_paged_attention import (
@@ -141,4 +141,24 @@ def test_cascade_lse_on_interpreted_tpu_kernel_equals_the_float64_oracle():
     assert bad_rows(step, plan, q, kv, out, lse, tpu.SM_SCALE).tolist() == []
     out, lse = run(drop_last_prefix_key(md))
     broken = bad_rows(step, plan, q, kv, out, lse, tpu.SM_SCALE)
+    assert broken.tolist() == first_group_rows(step, plan).tolist()
+
+
+def test_a_plan_leaving_a_request_out_of_cascade_equals_the_float64_oracle_on_xla():
+    # Seed 7: every request shares 2 root blocks, but one request's chunk merges more
+    # (merge_cost_factor 0.5) than reading its shared blocks saves: the planner drops
+    # the global level and plans groups from block 0 without it (cascade_left_out); it
+    # reads its whole context in its own pass.
+    step = workload.random_step(7, block_size=4, common_root_blocks=2)
+    planner = CascadePlanner(SHAPE, cost_model=CascadeCostModel(0, 0.5))
+    plan = planner.plan(step.request_ids, step.num_computed_tokens, step.query_lens, step.manager)
+    assert [lv.name for lv in plan.levels] == ["groups"]
+    computed_blocks = step.num_computed_tokens[plan.order] // step.manager.block_size
+    alone = (plan.suffix_start_blocks == 0) & (computed_blocks >= 2)
+    assert alone.any() and plan.levels[0].group_ends[-1] <= np.flatnonzero(alone)[0]
+    md, q, kv = planned_inputs(step, plan, buckets_for(step.manager.block_size), q_seed=7)
+    out, lse = _xla(q, kv, md)
+    assert bad_rows(step, plan, q, kv, out, lse, SM_SCALE).tolist() == []
+    out, lse = _xla(q, kv, drop_last_prefix_key(md))
+    broken = bad_rows(step, plan, q, kv, out, lse, SM_SCALE)
     assert broken.tolist() == first_group_rows(step, plan).tolist()

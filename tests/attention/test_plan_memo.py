@@ -269,3 +269,16 @@ def test_splits_and_grouped_plans_of_members_with_the_same_bytes_are_kept_apart(
     for members, size in ((wide, 1), (narrow, 2)):
         plan = memo.grouped_plan([(members, 1)], rows, suffix_start, None, 0, None)
         assert plan.levels[0].group_ends.tolist() == [size]
+
+
+def test_which_rows_share_a_column_is_renewed_with_the_sharing():
+    # c holds a's first block only: at column 1 nobody shares, at column 0 both do; once
+    # c gains a's next two blocks (a cache hit) both share column 1.
+    m, c, hit = _a_and_c_sharing_one_of_three_blocks()
+    memo, rows = PlanMemo(), m.rows_of(["a", "c"])
+    assert memo.shares_column(m, rows, 0).tolist() == [True, True]
+    assert memo.shares_column(m, rows, 1).tolist() == [False, False]  # c holds none there
+    assert memo.shares_through(m, rows, 0) and not memo.shares_through(m, rows, 1)
+    m.allocate_slots(c, 0, num_new_computed_tokens=4, new_computed_blocks=hit[1:])
+    assert memo.shares_column(m, rows, 1).tolist() == [True, True]
+    assert memo.shares_through(m, rows, 2)

@@ -4,8 +4,9 @@ Host part (no JAX): every step of random runs through the real scheduler (chunke
 prefill, n samples of one prompt, prompts of exactly one block, cache hits covering all
 but the last token, preemption under a small pool, finished requests still holding
 blocks for a KV save, KV loads that land or fail, running requests the budget leaves
-out) is planned by five planners (two-group cap, eight-group cap, the xla backend's own
-cost model and page-bucket rule, no groups, a call that groups may pay only together).
+out) is planned by six planners (two-group cap, eight-group cap, the xla backend's own
+cost model and page-bucket rule, no groups, a call that groups may pay only together, a
+merge cost that leaves long prefill chunks out: serving_sim.check_left_out).
 Each plan must give the exact common prefix of the scheduled set, identical blocks
 across every group and no prefix over a member's query token; where every level pays,
 none may be left out (serving_sim.check_complete); a planner reused across
@@ -44,6 +45,9 @@ SM_SCALE = HEAD_DIM**-0.5
 SHAPE = AttentionShape(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, kv_itemsize=4)
 ALWAYS = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0)
 TOGETHER = CascadeCostModel(launch_overhead_bytes=3000, merge_cost_factor=0)
+# A query's merge (204 bytes) costs less than a token's KV read (256): only prefill chunks
+# are left out of cascade (serving_sim.check_left_out).
+MERGING = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0.25)
 NUM_STEPS = 40
 
 
@@ -56,6 +60,7 @@ def _planners(serving: sim.Serving) -> list[CascadePlanner]:
         CascadePlanner(SHAPE, cost_model=ALWAYS, enable_groups=False),
         # A call costs about what a group of the runs saves: some groups pay only together.
         CascadePlanner(SHAPE, cost_model=TOGETHER),
+        CascadePlanner(SHAPE, cost_model=MERGING),
     ]
 
 
@@ -136,6 +141,10 @@ def serve(seed: int, visit=None) -> dict[str, int]:
                 sim.check_complete(manager, out, plan, planner.max_groups)
             if k == 4 and plan.levels and plan.levels[-1].name == "groups":
                 count("together", not all(_pays_alone(planner, out, plan, bs=block_size)))
+            if k == 5:
+                merge = MERGING.cost_bytes(1, NUM_Q_HEADS, HEAD_DIM)
+                left = sim.check_left_out(manager, out, plan, merge, SHAPE.kv_bytes_per_token)
+                count("left out", bool(left) and plan.levels)
             fresh = sim.fresh_plan(planner, out, manager)
             assert _plan_fields(plan) == _plan_fields(fresh), (seed, k)
             order, md, input_ids = serving.step_inputs(out, plan, k)
@@ -161,7 +170,7 @@ def test_random_serving_runs_read_exactly_their_own_context():
             totals[name] = totals.get(name, 0) + n
     # The runs exercised what they are for.
     names = ("global", "groups", "global+groups", "holders", "partial", "preemptions", "loads")
-    for name in (*names, "together"):
+    for name in (*names, "together", "left out"):
         assert totals.get(name, 0) >= 3, totals
 
 
