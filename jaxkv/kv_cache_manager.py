@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxkv import batch_allocation, slot_allocation
+from jaxkv import batch_allocation, slot_allocation, unwritten_blocks
 from jaxkv.allocation_args import (
     allocation_counts,
     check_computed_within_held,
@@ -364,11 +364,8 @@ class KVCacheManager:
         """
         req_id = request_id_of("request", request, self._owner, self._held_of)
         num_written = count("num_written_tokens", num_written_tokens, req_id)
-        blocks = self._blocks_of(req_id)
-        first = num_written // self.block_size
-        if self._num_cached[req_id] > first:
-            self.pool.uncache_blocks(blocks[first : self._num_cached[req_id]])
-            self._num_cached[req_id] = first
+        self._blocks_of(req_id)  # raises UnknownRequestError if it holds none
+        unwritten_blocks.uncache_unwritten(self, req_id, num_written)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block. Refused (False, nothing changed) while any is held."""

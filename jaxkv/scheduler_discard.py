@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from jaxkv.request import RequestStatus
 from jaxkv.scheduler_admission import requeue_admitted
 from jaxkv.scheduler_output import SchedulerOutput
+from jaxkv.unwritten_blocks import cached_unwritten
 
 if TYPE_CHECKING:
     from jaxkv.request import Request
@@ -25,10 +26,9 @@ def keep_unwritten_of(scheduler: Scheduler, request: Request, num_written: int) 
     """Records the prefix-cache entries of `request`'s blocks past its first `num_written`
     tokens (those its unapplied step is to write), before an abort frees them: a discard
     of that step takes them out of the cache (discard_batch), its update keeps them (the
-    step wrote their KV, also for the requests that hit them in that step)."""
-    manager = scheduler.manager
-    block_ids = manager.block_ids(request)[num_written // manager.block_size :]
-    blocks = [manager.pool.blocks[i] for i in block_ids]
+    step wrote their KV, also for the requests that hit them in that step). The blocks
+    are those uncache_unwritten would take out (unwritten_blocks.cached_unwritten)."""
+    blocks = cached_unwritten(scheduler.manager, request.request_id, num_written)
     scheduler._unwritten_of_aborted += [
         (b, b.block_hash) for b in blocks if b.block_hash is not None
     ]

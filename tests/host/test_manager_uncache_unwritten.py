@@ -6,7 +6,11 @@ All scenarios use block_size 4; a fresh pool of N blocks has free queue [1 .. N-
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from jaxkv import BlockRemoved, KVCacheManager
+from jaxkv.scheduler_discard import keep_unwritten_of
+from jaxkv.unwritten_blocks import cached_unwritten
 from tests.host._util import make_request, prefill
 
 
@@ -72,4 +76,29 @@ def test_uncache_unwritten_takes_out_a_block_its_written_tokens_only_partly_fill
     prefill(m, a)
     m.uncache_unwritten(a, 6)
     assert m.get_computed_blocks(make_request("p", range(9))) == (m.block_ids("a")[:1], 4)
+    m.check_integrity()
+
+
+def test_an_aborts_record_of_unwritten_blocks_leaves_out_a_block_another_request_cached():
+    # b's block 2 was taken out of the cache and c's retry cached it again (as in
+    # test_uncache_unwritten_leaves_a_later_block_another_request_cached_again): the
+    # record an abort keeps for a discard took it too, as it lay past b's written tokens,
+    # so the discard took c's entry out, which c would never enter again.
+    m = _manager(num_blocks=32)
+    b = make_request("b", range(1, 14))
+    m.allocate_slots(b, 13)
+    b.num_computed_tokens = 13
+    c = make_request("c", [*range(1, 13), 99, 98])
+    m.allocate_slots(c, 2, num_new_computed_tokens=12, new_computed_blocks=m.block_ids("b")[:3])
+    m.uncache_unwritten(b, 8)
+    m.uncache_unwritten(c, 8)
+    c.num_computed_tokens = 8
+    m.allocate_slots(c, 6)  # caches block 2 again, as c's
+    m.uncache_unwritten(b, 4)
+    shared = m.pool.blocks[m.block_ids("b")[2]]
+    assert shared.block_hash == c.block_hashes[2]
+    sched = SimpleNamespace(manager=m, _unwritten_of_aborted=[])
+    keep_unwritten_of(sched, b, 4)
+    assert sched._unwritten_of_aborted == []
+    assert cached_unwritten(m, "b", 4) == []
     m.check_integrity()
