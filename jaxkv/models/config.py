@@ -232,8 +232,9 @@ class LlamaConfig:
         RoPE comes from `rope_theta` / `rope_scaling`, or from `rope_parameters` (newer
         transformers), which must then agree with them, as must a `rope_theta` inside
         `rope_scaling` (transformers 5 reads it, 4.x not). `dtype`, when given, overrides the
-        dict's. Raises ValueError naming a required key the dict lacks, a bad value (by its
-        config.json key: num_attention_heads, not LlamaConfig's num_heads), a null
+        dict's. Raises ValueError naming a required key the dict lacks, a bad value (a number
+        given as a str or a bool among them; named by its config.json key:
+        num_attention_heads, not LlamaConfig's num_heads), a null
         rms_norm_eps, max_position_embeddings or rope_theta (transformers refuses them or
         builds no model; left out, they take its defaults 1e-6, 2048 and 10000), or a
         feature this Llama lacks (another model_type, a sliding window, attention or MLP

@@ -13,7 +13,7 @@ import dataclasses
 import re
 from typing import Any
 
-from jaxkv.field_checks import is_integer
+from jaxkv.field_checks import is_integer, is_real
 from jaxkv.models.config import _DTYPES, LlamaConfig, RopeScaling
 
 
@@ -223,13 +223,14 @@ def _hf_default(d: dict[str, Any], key: str, default):
 def _hf_value(
     d: dict[str, Any], key: str, convert, default, where: str = "config", kind: str = "a number"
 ):
-    """d[key] converted (e.g. float("1e-5") -> 1e-05), or `default` when absent or null;
-    a ValueError naming the key and `kind` when it does not convert, or is an int too
-    large for a float (OverflowError before)."""
+    """d[key], a JSON number, converted (e.g. float(10000) -> 10000.0), or `default` when
+    absent or null; a ValueError naming the key and `kind` when it is no number (a bool,
+    a str: "1e-5" was read as 1e-05 although transformers builds no working model of a
+    str), does not convert, or is an int too large for a float (OverflowError before)."""
     value = d.get(key)
     if value is None:
         return default
-    if isinstance(value, bool):
+    if not is_real(value):
         raise ValueError(f"Hugging Face {where}: {key}={value!r} must be {kind}")
     try:
         return convert(value)
