@@ -35,20 +35,16 @@ def plain_int(value):
     return value if as_python is None else as_python
 
 
-def request_id_of(
-    name: str, request, owner: Mapping[str, Request], held_of: Mapping[Request, object]
-) -> str:
+def request_id_of(name: str, request, owner: Mapping[str, Request]) -> str:
     """The id of `request` (a Request or its id); ValueError naming `name` otherwise, or
-    for a Request other than `owner`'s for its id (it would act on another's blocks) or
-    that holds blocks under another id (`held_of` keys the Requests that hold blocks):
-    its request_id was reassigned since, and acting under the new one loses the old."""
+    for a Request other than `owner`'s for its id (it would act on another's blocks)."""
     if isinstance(request, str):
         return request
     if isinstance(request, Request):
         req_id = request.request_id
         found = owner.get(req_id)
-        if found is not request and (found is not None or request in held_of):
-            raise ValueError(not_the_owner_message(req_id, request, owner))
+        if found is not request and found is not None:
+            raise ValueError(not_the_owner_message(req_id))
         return req_id
     raise ValueError(f"{name}={request!r} must be a Request or a request id (str)")
 
@@ -91,16 +87,9 @@ def checked_request_id(request) -> str:
     return request.request_id
 
 
-def not_the_owner_message(req_id: str, request: Request, owner: Mapping[str, Request]) -> str:
-    """Why `request` may not act as `req_id`: the blocks of `req_id` were allocated for
-    another Request object or, found in `owner` under another id, `request` holds blocks
-    under that id (its request_id reassigned since)."""
-    old = next((i for i, r in owner.items() if r is request), req_id)
-    if old != req_id:
-        return (
-            f"request {req_id!r} holds blocks allocated under the id {old!r}: a Request's "
-            f"request_id must not change while it holds blocks (set it back, or free {old!r})"
-        )
+def not_the_owner_message(req_id: str) -> str:
+    """Why a Request may not act as `req_id`: its blocks were allocated for another
+    Request object with that id."""
     return (
         f"request {req_id!r} holds blocks allocated for another Request object with that "
         "id: free it before reusing the id"

@@ -51,14 +51,12 @@ def allocate_slots_batch(
         return True
     if not (set(map(type, counts)) <= _PLAIN_INT and min(counts) >= 0):
         counts = [count("num_new_tokens", n, r) for r, n in zip(ids, counts, strict=True)]
-    held = list(map(manager._held_of.get, requests))
-    if None in held:
-        i = held.index(None)
+    owners = list(map(manager._owner.get, ids))
+    if any(map(is_not, owners, requests)):
+        i = next(i for i, r in enumerate(requests) if owners[i] is not r)
         manager._blocks_of(ids[i])  # raises UnknownRequestError
-        raise ValueError(not_the_owner_message(ids[i], requests[i], manager._owner))
-    if any(map(is_not, map(manager._blocks.get, ids), held)):  # a request_id reassigned
-        i = next(i for i, r in enumerate(ids) if manager._blocks.get(r) is not held[i])
-        raise ValueError(not_the_owner_message(ids[i], requests[i], manager._owner))
+        raise ValueError(not_the_owner_message(ids[i]))
+    held = list(map(manager._blocks.__getitem__, ids))
     if len(set(ids)) != len(ids):
         raise ValueError("requests: request ids must be distinct")
     computed = [r.num_computed_tokens for r in requests]

@@ -81,10 +81,8 @@ class KVCacheManager:
         self.max_blocks_per_seq = min(-(-max_model_len // block_size), num_blocks - 1)
         self._blocks: dict[str, list[KVCacheBlock]] = {}  # req_id -> held blocks, in order
         # The Request object each id's blocks were allocated for (another object reusing a
-        # live id would cache the owner's KV under its own tokens' hashes) and, keyed by
-        # that object, the same lists as _blocks, so a batch finds both in one lookup.
+        # live id would cache the owner's KV under its own tokens' hashes).
         self._owner: dict[str, Request] = {}
-        self._held_of: dict[Request, list[KVCacheBlock]] = {}
         self._num_cached: dict[str, int] = {}  # req_id -> leading blocks already cached
         self._table = HostBlockTable(self.max_blocks_per_seq)
         self._lookups = PrefixCacheCounter()
@@ -131,7 +129,7 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         """The block ids `request_id` (or a Request's id) holds, in order. Raises
         UnknownRequestError; ValueError unless given a str or the Request that holds them."""
-        req_id = request_id_of("request_id", request_id, self._owner, self._held_of)
+        req_id = request_id_of("request_id", request_id, self._owner)
         return [b.block_id for b in self._blocks_of(req_id)]
 
     @property
@@ -269,8 +267,7 @@ class KVCacheManager:
         covered by num_new_computed_tokens or no longer caches the request's tokens,
         block hashes the request computed with another block size, a prompt, or computed
         plus new plus lookahead tokens, beyond max_model_len, or a `request` whose id
-        holds blocks allocated for another Request object (free that one first) or that
-        holds blocks under another id (its request_id was reassigned since).
+        holds blocks allocated for another Request object (free that one first).
         """
         req_id = checked_request_id(request)
         num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_done = allocation_counts(
@@ -278,10 +275,10 @@ class KVCacheManager:
             request.num_computed_tokens,
         )  # fmt: skip
         check_prompt_fits(request, self.max_model_len)
-        held = self._blocks.get(req_id)
-        if self._held_of.get(request) is not held:  # another's id, or this one's renamed
-            raise ValueError(not_the_owner_message(req_id, request, self._owner))
-        held = [] if held is None else held
+        owner = self._owner.get(req_id, request)
+        if owner is not request:  # another Request object's id
+            raise ValueError(not_the_owner_message(req_id))
+        held = self._blocks.get(req_id, [])
         check_computed_within_held(req_id, num_done, len(held), self.block_size)
         # Checking a cache hit hashes the request's full blocks: a refusal rewinds them.
         hash_state = request._hash_state()
@@ -341,13 +338,13 @@ class KVCacheManager:
 
         Raises UnknownRequestError if the request holds no blocks (unknown or freed twice),
         ValueError if `request` is neither a str nor the Request the blocks were allocated
-        for (another Request object with its id, or one whose request_id was reassigned).
+        for (another Request object with its id).
         """
-        req_id = request_id_of("request", request, self._owner, self._held_of)
+        req_id = request_id_of("request", request, self._owner)
         blocks = self._blocks_of(req_id)
         self.pool.free_blocks(reversed(blocks), validate=False)  # the request's own
         del self._blocks[req_id]
-        del self._held_of[self._owner.pop(req_id)]
+        del self._owner[req_id]
         del self._num_cached[req_id]
         self._table.release(req_id)
 
@@ -362,7 +359,7 @@ class KVCacheManager:
         changed) unless num_written_tokens is an int >= 0 and `request` a str or the
         Request the blocks were allocated for.
         """
-        req_id = request_id_of("request", request, self._owner, self._held_of)
+        req_id = request_id_of("request", request, self._owner)
         num_written = count("num_written_tokens", num_written_tokens, req_id)
         self._blocks_of(req_id)  # raises UnknownRequestError if it holds none
         unwritten_blocks.uncache_unwritten(self, req_id, num_written)

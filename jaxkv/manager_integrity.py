@@ -26,17 +26,19 @@ def check_manager_integrity(manager: KVCacheManager) -> None:
     problems = manager._table.check_integrity(
         {req_id: [b.block_id for b in blocks] for req_id, blocks in held.items()}
     )
-    owner, held_of = manager._owner, manager._held_of
+    owner = manager._owner
     problems += [
-        f"{req_id!r}: its blocks are not held by the Request it was allocated for"
-        for req_id, blocks in held.items()
-        if held_of.get(owner.get(req_id)) is not blocks
+        f"{req_id!r}: its blocks have no owner"
+        if owner.get(req_id) is None
+        else f"{req_id!r}: its blocks' owner is request {owner[req_id].request_id!r}"
+        for req_id in held
+        if getattr(owner.get(req_id), "request_id", None) != req_id
     ]
     num_cached = manager._num_cached
-    if not len(owner) == len(held_of) == len(num_cached) == len(held):
+    if not len(owner) == len(num_cached) == len(held):
         problems.append(
             f"{len(held)} requests hold blocks, {len(owner)} have an owner, "
-            f"{len(held_of)} owners hold blocks, {len(num_cached)} have a cached-block count"
+            f"{len(num_cached)} have a cached-block count"
         )
     problems += [
         f"{req_id!r}: num_cached={num_cached.get(req_id)}"
@@ -54,7 +56,7 @@ def _hash_problems(manager: KVCacheManager) -> list[str]:
     problems = []
     for req_id, blocks in manager._blocks.items():
         request = manager._owner.get(req_id)
-        if manager._held_of.get(request) is not blocks:
+        if request is None:
             continue  # reported above
         hashes = request.block_hashes
         problems += [

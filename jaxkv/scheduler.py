@@ -117,8 +117,7 @@ class Scheduler:
 
         Returns False (nothing changed) for an unknown or already finished request, and
         raises ValueError, changing nothing, unless `request_id` is a str (a Request or int
-        is no id) or if the request's request_id was reassigned since it was queued. A
-        request whose KV is loading keeps its blocks until the load lands, then they
+        is no id). A request whose KV is loading keeps its blocks until the load lands, then they
         are freed; every other one frees its blocks now. Between schedule() and
         update_from_output() or discard(), the step still runs the request's tokens:
         the blocks they fill stay in the prefix cache if the step is applied (its KV
@@ -132,11 +131,6 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None or request.is_finished():
             return False
-        if request.request_id != request_id:  # halfway, it left the request and blocks held
-            raise ValueError(
-                f"abort({request_id!r}): that request's request_id was reassigned to "
-                f"{request.request_id!r}; set it back (a queued request keeps its id)"
-            )
         with holding_interrupts():  # cut halfway, it orphaned the request and its blocks
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)

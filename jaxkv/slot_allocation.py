@@ -75,14 +75,12 @@ def allocate_admitted(
     num_new_tokens >= 0, with `hit` from find_cache_hit.
 
     The hit is trusted without re-checking each block's hash only while the request
-    holds no blocks (under any id), has computed nothing and the pool's cache_epoch is
-    the lookup's (no block has lost its hash since); otherwise allocate_slots' own checks
-    decide.
+    holds no blocks, has computed nothing and the pool's cache_epoch is the lookup's (no
+    block has lost its hash since); otherwise allocate_slots' own checks decide.
     """
     req_id = request.request_id
     if (
         req_id in manager._blocks
-        or request in manager._held_of  # under another id: allocate_slots refuses it
         or request.num_computed_tokens
         or (hit.cache_epoch != manager.pool.cache_epoch)
     ):
@@ -124,7 +122,7 @@ def commit(
     req_id = request.request_id
     num_held = len(held)
     if req_id not in manager._blocks:
-        manager._blocks[req_id] = manager._held_of[request] = held
+        manager._blocks[req_id] = held
         manager._owner[req_id] = request
         manager._num_cached[req_id] = 0
         manager._table.add_row(req_id)

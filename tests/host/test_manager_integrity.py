@@ -9,20 +9,11 @@ from tests.host._util import make_request, two_request_manager
 
 
 def _other_owner(m):
-    m._owner["B"] = make_request("B", range(3))
-
-
-def _copied_blocks(m):
-    owner = m._owner["B"]
-    m._held_of[owner] = list(m._held_of[owner])
+    m._owner["B"] = make_request("C", range(3))
 
 
 def _stale_owner(m):
     m._owner["gone"] = make_request("gone", range(3))
-
-
-def _stale_holder(m):
-    m._held_of[make_request("gone", range(3))] = []
 
 
 def _stale_count(m):
@@ -32,18 +23,14 @@ def _stale_count(m):
 @pytest.mark.parametrize(
     "corrupt, message",
     [
-        (_other_owner, "'B': its blocks are not held by the Request it was allocated for"),
-        (_copied_blocks, "'B': its blocks are not held by the Request it was allocated for"),
-        (_stale_owner, "2 requests hold blocks, 3 have an owner, 2 owners hold blocks"),
-        (_stale_holder, "2 requests hold blocks, 2 have an owner, 3 owners hold blocks"),
+        (_other_owner, "'B': its blocks' owner is request 'C'"),
+        (_stale_owner, "2 requests hold blocks, 3 have an owner, 2 have a cached-block count"),
         (lambda m: m._num_cached.__setitem__("A", 4), "'A': num_cached=4"),
-        (_stale_count, "2 owners hold blocks, 3 have a cached-block count"),
+        (_stale_count, "2 have an owner, 3 have a cached-block count"),
     ],
     ids=[
         "other-owner",
-        "copied-blocks",
         "stale-owner",
-        "stale-holder",
         "num-cached",
         "stale-count",
     ],
@@ -57,10 +44,6 @@ def test_each_break_of_the_bookkeeping_is_named(corrupt, message):
 
 def _lost_owner(m):
     del m._owner["B"]
-
-
-def _lost_holder(m):
-    del m._held_of[m._owner["B"]]
 
 
 def _two_bad_counts(m):
@@ -87,14 +70,7 @@ def _hash_on_a_partial_block(m):
     [
         (
             _lost_owner,
-            "'B': its blocks are not held by the Request it was allocated for; "
-            "2 requests hold blocks, 1 have an owner, 2 owners hold blocks, 2 have a "
-            "cached-block count",
-        ),
-        (
-            _lost_holder,
-            "'B': its blocks are not held by the Request it was allocated for; "
-            "2 requests hold blocks, 2 have an owner, 1 owners hold blocks, 2 have a "
+            "'B': its blocks have no owner; 2 requests hold blocks, 1 have an owner, 2 have a "
             "cached-block count",
         ),
         (lambda m: m._num_cached.__setitem__("B", -1), "'B': num_cached=-1"),
@@ -109,7 +85,6 @@ def _hash_on_a_partial_block(m):
     ],
     ids=[
         "lost-owner",
-        "lost-holder",
         "negative-num-cached",
         "two-requests",
         "swapped-hashes",
@@ -154,4 +129,4 @@ def test_free_leaves_no_owner_behind():
     m = two_request_manager()
     m.free("A")
     m.check_integrity()
-    assert list(m._owner) == ["B"] and len(m._held_of) == 1
+    assert list(m._owner) == ["B"] == list(m._blocks)
