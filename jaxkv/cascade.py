@@ -11,9 +11,11 @@ A plan has up to two levels:
 
 - level "global": the common prefix of the whole batch, one non-causal call;
 - level "groups": when requests split into groups that share a prefix of their own (two
-  system prompts; n samples of several prompts), one non-causal call whose sequences are
-  the groups, each over the blocks after the global prefix (or from block 0, dropping the
-  global level, where it saves less than its call and merge beside groups from block 0).
+  system prompts; n samples of several prompts; under one header, those under a system
+  prompt after it and the others over the header alone), one non-causal call whose
+  sequences are the groups, each over the blocks after the global prefix (or from block
+  0, dropping the global level, where it saves less than its call and merge beside
+  groups from block 0).
 
 Every prefix is capped at the smallest num_computed_tokens of the requests that read it
 (so the non-causal pass never covers a query token), and rounded down to whole blocks.

@@ -7,6 +7,8 @@ planner's cost model, shapes, max_groups and memo (PlanMemo), and asks its pays(
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from jaxkv.cascade_together import kept_groups, net_bytes
@@ -43,10 +45,12 @@ class GroupSearch:
         weighed against its members past that cut, at their longer end (_past_cap); one
         that pays and ends where its members diverge, while some of them share more
         blocks, is split there too. The chosen groups are the heaviest disjoint set of
-        these (kept_groups), in bytes saved less their merge: a request with a short
-        prompt does not hide the four under a long one that it shares 5 blocks with. At
-        most 4 x max_groups candidates are examined (those nested in a paying one last),
-        and as many groups past a cap.
+        these and of the rest of a candidate's members beside the groups kept among them
+        (kept_groups), in bytes saved less their merge: a request with a short prompt
+        does not hide the four under a long one that it shares 5 blocks with, nor do
+        those four hide the others that share only the 5 blocks. At most 4 x max_groups
+        candidates are examined (those nested in a paying one last), and as many groups
+        past a cap.
 
         A candidate is judged as if it were a call of its own over the members' KV past
         `base` (its savings against what their suffix pass would read without it: the
@@ -73,7 +77,8 @@ class GroupSearch:
         overlap = False  # whether a group in `chosen` may hold another
         budget = past_cap_budget = 4 * self.max_groups
         nested_later = []  # groups nested in one that pays: after the other candidates
-        within, outweighed = {}, set()  # id(candidate) -> indices into `together` above it
+        within = {}  # id(candidate) -> indices into `together` above it
+        grouped = {}  # index into `together` -> members of the groups under it paying a call
         while (candidates or nested_later) and budget:
             if not candidates:
                 candidates, nested_later = sorted(nested_later, key=len, reverse=True), []
@@ -96,24 +101,34 @@ class GroupSearch:
             saved = (len(members) - 1) * (end - base)
             if self.pays(len(members), (end - base) * bs, queries, context):
                 group = (saved, members, end, queries)
-                outweighed.update(above)  # each weighs no more than one call: less than it
+                for k in above:  # each weighs no more than one call: less than this group
+                    grouped[k] = grouped.get(k, 0) + len(members)
+                found, split = [group], None
                 if end < shared:  # a member that has computed fewer blocks cuts it short
-                    group, (members, end, shared), past_cap_budget = self._past_cap(
+                    found, weights, (members, end, shared), past_cap_budget = self._past_cap(
                         manager, rows, num_blocks, num_computed_tokens, query_lens, base,
                         group, shared, past_cap_budget,
                     )  # fmt: skip
-                    nested = None
-                chosen.append(group)
+                    group, nested = found[-1], None
                 if end == shared < manager.max_blocks_per_seq:
                     if nested is None:
                         nested = self._memo.nested_members(manager, rows, members, end)
                     if nested and self._may_nest(
-                        nested, num_computed_tokens, base, bs, members, group
+                        nested, num_computed_tokens, base, end, bs, members, group
                     ):
                         split = self._split(manager, rows, num_computed_tokens, members, end)
                         if split:
                             nested_later += split
                             overlap = True
+                if split or len(found) == 1:
+                    chosen += found  # each nested in the one before: kept_groups weighs them
+                    overlap = overlap or len(found) > 1
+                elif len(found[0][1]) - len(group[1]) < 2:  # no rest: heaviest, first on ties
+                    chosen.append(found[weights.index(max(weights))])
+                else:
+                    chosen += self._kept_of_chain(
+                        found, weights, num_computed_tokens, query_lens, base, bs
+                    )
                 continue
             if self._pays_own_merge(len(members), (end - base) * bs, queries, context):
                 above = (*above, len(together))
@@ -123,13 +138,21 @@ class GroupSearch:
                 within.update((id(run), above) for run in split if above)
                 candidates += split
                 candidates.sort(key=len, reverse=True)
-        together = [group for k, group in enumerate(together) if k not in outweighed]
+        # A group paying only its merge above groups that pay a call is never kept (it
+        # weighs less than each), and where they leave fewer than two of its members its
+        # rest (kept_groups) is no group: dropped before the groups are weighed.
+        together = [g for k, g in enumerate(together) if len(g[1]) - grouped.get(k, 0) > 1]
         if chosen and not together and not overlap and len(chosen) <= self.max_groups:
             kept = [group[:3] for group in chosen]  # disjoint, each paying: all of them
         else:
+            rest = functools.partial(
+                self._rest, num_computed_tokens=num_computed_tokens, query_lens=query_lens,
+                base=base, block_size=bs,
+            )  # fmt: skip
             kept = kept_groups(
-                chosen + together, base, bs, self.shape, self.cost_model, self.max_groups
-            )
+                chosen + together, base, bs, self.shape, self.cost_model, self.max_groups,
+                rest,
+            )  # fmt: skip
         return [(members, end) for _, members, end in sorted(kept, key=lambda t: int(t[1][0]))]
 
     def _past_cap(
@@ -143,18 +166,20 @@ class GroupSearch:
         group: tuple[int, np.ndarray, int, int],  # (blocks saved, members, end, queries)
         shared: int,  # leading columns every member holds alike, past the group's end
         budget: int,
-    ) -> tuple[tuple[int, np.ndarray, int, int], tuple[np.ndarray, int, int], int]:
-        """The group that weighs most (kept_groups' weight; the first on ties) among
-        `group`, which pays and is cut at the least computed blocks of a member (one
+    ) -> tuple[
+        list[tuple[int, np.ndarray, int, int]], list[float], tuple[np.ndarray, int, int], int
+    ]:
+        """`group`, which pays and is cut at the least computed blocks of a member (one
         loading or computing blocks the others share), and the groups of its members
-        past each cap in turn: those that have computed the first column the cap leaves
-        out, at their own (longer) shared and computed end. Each such group must pay a
-        call of its own; at most `budget` of them are examined. Also returns (members,
-        end, shared) of the last examined, and the budget less those examined (for the
-        search's other candidates)."""
-        bs = manager.block_size
-        best, (_, members, end, queries) = group, group
-        weight = net_bytes(self.cost_model, self.shape, len(members), (end - base) * bs, queries)
+        past each cap in turn that pay a call of their own: those that have computed the
+        first column the cap leaves out, at their own (longer) shared and computed end.
+        Each nests in the one before (kept_groups or _kept_of_chain weighs them). At
+        most `budget` of them are examined. Also returns their weights (net_bytes),
+        (members, end, shared) of the last examined, and the budget less those examined
+        (for the search's other candidates)."""
+        bs, model, shape = manager.block_size, self.cost_model, self.shape
+        found, (_, members, end, queries) = [group], group
+        weights = [net_bytes(model, shape, len(members), (end - base) * bs, queries)]
         while end < shared and budget:
             past = members[num_computed_tokens[members] >= (end + 1) * bs]
             if len(past) < 2:
@@ -166,29 +191,94 @@ class GroupSearch:
             queries = int(query_lens[members].sum())
             context = int(computed.sum()) + queries - len(members) * base * bs
             prefix = (end - base) * bs
-            heavier = net_bytes(self.cost_model, self.shape, len(members), prefix, queries)
-            if heavier > weight and self.pays(len(members), prefix, queries, context):
-                weight, best = heavier, ((len(members) - 1) * (end - base), members, end, queries)
-        return best, (members, end, shared), budget
+            if self.pays(len(members), prefix, queries, context):
+                found.append(((len(members) - 1) * (end - base), members, end, queries))
+                weights.append(net_bytes(model, shape, len(members), prefix, queries))
+        return found, weights, (members, end, shared), budget
+
+    def _kept_of_chain(
+        self,
+        chain: list[tuple[int, np.ndarray, int, int]],  # each group nested in the one before
+        weights: list[float],  # net_bytes of each, > 0 (each pays a call)
+        num_computed_tokens: np.ndarray,  # i[R]
+        query_lens: np.ndarray,  # i[R]
+        base: int,
+        block_size: int,
+    ) -> list[tuple[int, np.ndarray, int, int]]:
+        """The disjoint groups kept_groups keeps of `chain` (_past_cap's groups, none of
+        them split further), without its arrays: from the last up, a group replaces
+        those kept of its members where it weighs at least as much as they do beside
+        the rest of its members (_rest), else that rest joins them where it pays. (Where
+        the first has fewer than two members more than the last, there is no rest: the
+        search keeps the heaviest, the first on ties, without it.)"""
+        model, shape, bs = self.cost_model, self.shape, block_size
+        kept, weight = [chain[-1]], weights[-1]
+        for group, own in zip(chain[-2::-1], weights[-2::-1], strict=True):
+            members, end = group[1], group[2]
+            together, rest = weight, None
+            if len(members) - sum(len(g[1]) for g in kept) > 1:
+                taken = np.concatenate([g[1] for g in kept])
+                rest = self._rest(
+                    members[~np.isin(members, taken)], end,
+                    num_computed_tokens=num_computed_tokens, query_lens=query_lens,
+                    base=base, block_size=bs,
+                )  # fmt: skip
+                if rest is not None:
+                    _, others, _, queries = rest
+                    together += net_bytes(model, shape, len(others), (end - base) * bs, queries)
+            if own >= together:
+                kept, weight = [group], own
+            elif rest is not None and together > weight:
+                kept, weight = [*kept, rest], together
+        return kept
 
     def _may_nest(
         self,
         nested: int,  # PlanMemo.nested_members of `members` at the column they diverge
         num_computed_tokens: np.ndarray,  # i[R]
         base: int,
+        column: int,  # where `members` diverge: the end of the last group of them
         block_size: int,
         members: np.ndarray,  # requests that hold the same blocks up to where they diverge
         group: tuple[int, np.ndarray, int, int],  # (blocks saved, members, end, queries)
     ) -> bool:
         """Whether groups of `members` sharing past where they diverge may weigh more
-        together than `group` (of them or of more requests; kept_groups' weight): at most
-        `nested` of them save a read each, of at most their most computed blocks past
-        `base`."""
+        than `group` (of them or of more requests; kept_groups' weight), alone or beside
+        the rest of `members` at `column`: at most `nested` of them save a read each,
+        of at most their most computed blocks past `base`; beside that rest, each of
+        their members no longer saves the read of the blocks up to `column` (the merges
+        are the same), so they gain at most `nested` reads of the blocks past `column`
+        less one read of those before it."""
         s, bs = self.shape, block_size
         _, kept, end, queries = group
-        most = (int(num_computed_tokens[members].max()) // bs - base) * bs  # tokens
-        bound = nested * most * s.kv_bytes_per_token
+        most = int(num_computed_tokens[members].max()) // bs  # blocks
+        if nested * (most - column) > column - base:
+            return True
+        bound = nested * (most - base) * bs * s.kv_bytes_per_token
         return bound > net_bytes(self.cost_model, s, len(kept), (end - base) * bs, queries)
+
+    def _rest(
+        self,
+        members: np.ndarray,  # two or more requests sharing blocks up to `end`
+        end: int,
+        *,
+        num_computed_tokens: np.ndarray,  # i[R]
+        query_lens: np.ndarray,  # i[R]
+        base: int,
+        block_size: int,
+    ) -> tuple[int, np.ndarray, int, int] | None:
+        """(blocks saved, members, end, queries) of `members` as a group ending at `end`
+        where it pays as the search's candidates do (a call of its own, or its own merge
+        in a level that runs anyway), else None."""
+        computed = num_computed_tokens[members]
+        queries = int(query_lens[members].sum())
+        context = int(computed.sum()) + queries - len(members) * base * block_size
+        n, prefix = len(members), (end - base) * block_size
+        if self.pays(n, prefix, queries, context) or self._pays_own_merge(
+            n, prefix, queries, context
+        ):
+            return ((n - 1) * (end - base), members, end, queries)
+        return None
 
     def _pays_own_merge(
         self, num_requests: int, prefix_tokens: int, num_query_tokens: int, context_tokens: int

@@ -9,6 +9,8 @@ more than its one call costs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from jaxkv.cascade_cost import AttentionShape, CascadeCostModel
@@ -26,37 +28,50 @@ def kept_groups(
     shape: AttentionShape,
     model: CascadeCostModel,
     max_groups: int,
+    rest: Callable[[np.ndarray, int], Candidate | None] | None = None,
 ) -> list[tuple[int, np.ndarray, int]]:
-    """Disjoint `candidates` (at most max_groups, as (blocks saved, members, end)) whose
-    savings together pay one call of the level, else [].
+    """Disjoint groups (at most max_groups, as (blocks saved, members, end)) of the
+    `candidates` and of the rest of a candidate's members (`rest`, below), whose savings
+    together pay one call of the level, else [].
 
-    Each candidate is weighed by net_bytes (a cost model that is no CascadeCostModel
-    has a call that costs nothing). The search splits a candidate only into subsets of
-    it, so any two candidates nest or are disjoint. Kept is the disjoint set of largest
-    total weight (a candidate rather than those nested in it where it weighs as much as
-    they do together): a candidate that outweighs each group of its split, but not all
-    of them together, does not hide them, nor does a group hide a subset of it that
-    shares more blocks and saves more. Where that set holds more than max_groups, its
-    max_groups heaviest are kept, or the candidates taken heaviest first while
-    disjoint, up to max_groups, where those weigh more.
+    Each group is weighed by net_bytes (a cost model that is no CascadeCostModel has a
+    call that costs nothing). The search splits a candidate only into subsets of it, so
+    any two candidates nest or are disjoint. Kept is the disjoint set of largest total
+    weight over the tree of candidates: for each candidate, from the smallest up,
+    either the candidate, or the groups kept among its members beside the group of its
+    members in none of them (`rest(members, end)`: a candidate at the candidate's end
+    where two or more such members pay as the search's candidates do, else None; they
+    still share its blocks), whichever weighs more (the candidate on a tie: one group
+    over more requests rather than several). So a candidate that outweighs each group
+    of its split, but not all of them together, does not hide them, nor does a group
+    hide a subset of it that shares more blocks and saves more, nor do such subsets
+    hide the other members of the group they split from (16 requests under a long
+    system prompt beside 48 under only the header they all share). Where that set holds
+    more than max_groups, its max_groups heaviest are kept, or the candidates taken
+    heaviest first while disjoint, up to max_groups, where those weigh more.
     """
     if not candidates:
         return []
     call = model.cost_bytes(0, shape.num_q_heads, shape.head_dim) if _costed(model) else 0
-    weighed = []  # (weight, first member, index in candidates), heaviest first
-    for i, (_, members, end, queries) in enumerate(candidates):
-        weight = net_bytes(model, shape, len(members), (end - base) * block_size, queries)
-        weighed.append((weight, int(members[0]), i))
-    weighed.sort(key=lambda t: (-t[0], t[1]))
-    best = _heaviest_nested(weighed, candidates)
+
+    def weigh(group: Candidate) -> float:
+        _, members, end, queries = group
+        return net_bytes(model, shape, len(members), (end - base) * block_size, queries)
+
+    # (weight, first member, candidate), heaviest first
+    weighed = sorted(
+        ((weigh(group), int(group[1][0]), group) for group in candidates),
+        key=lambda t: (-t[0], t[1]),
+    )
+    best = _heaviest_nested(weighed, weigh, rest)
     if len(best) > max_groups:
         best = best[:max_groups]
-        first = _heaviest_first(weighed, candidates, max_groups)
-        if sum(weighed[k][0] for k in first) > sum(weighed[k][0] for k in best):
+        first = _heaviest_first(weighed, max_groups)
+        if sum(t[0] for t in first) > sum(t[0] for t in best):
             best = first
-    if sum(weighed[k][0] for k in best) <= call:
+    if sum(t[0] for t in best) <= call:
         return []
-    return [candidates[weighed[k][2]][:3] for k in best]
+    return [group[:3] for _, _, group in best]
 
 
 def net_bytes(
@@ -134,33 +149,44 @@ def _costed(model) -> bool:
     return isinstance(model, CascadeCostModel)
 
 
-def _heaviest_nested(weighed: list[tuple], candidates: list[Candidate]) -> list[int]:
-    """Indices into `weighed` of the disjoint set of largest total weight, heaviest first,
-    for candidates that nest or are disjoint: from the smallest up, a candidate replaces
-    the ones kept among its members when it weighs at least as much as they do together
-    (on a tie, one group over more requests rather than several)."""
-    num_requests = max(int(candidates[i][1][-1]) for _, _, i in weighed) + 1
-    weight_at = np.zeros(num_requests)  # weight of each kept candidate, at its first member
-    kept_at = np.full(num_requests, -1)  # its index into `weighed`, at its first member
-    for k in sorted(range(len(weighed)), key=lambda k: len(candidates[weighed[k][2]][1])):
-        members = candidates[weighed[k][2]][1]
-        if weighed[k][0] > 0 and weighed[k][0] >= weight_at[members].sum():
-            weight_at[members] = 0
-            kept_at[members] = -1
-            weight_at[members[0]], kept_at[members[0]] = weighed[k][0], k
-    return sorted(kept_at[kept_at >= 0].tolist())
+def _heaviest_nested(weighed: list[tuple], weigh, rest) -> list[tuple]:
+    """The entries of `weighed` and rest groups (as (weight, first member, candidate))
+    of the disjoint set of largest total weight, heaviest first, for candidates that
+    nest or are disjoint: from the smallest up, a candidate replaces the groups kept
+    among its members when it weighs at least as much as they do together with the rest
+    of its members (kept_groups), else that rest joins them where it pays."""
+    num_requests = max(int(group[1][-1]) for _, _, group in weighed) + 1
+    weight_at = np.zeros(num_requests)  # weight of each kept group, at its first member
+    kept_at = np.full(num_requests, -1)  # its index into `entries`, at its first member
+    covered = np.zeros(num_requests, bool)  # members of the kept groups
+    entries = list(weighed)
+    for k in sorted(range(len(weighed)), key=lambda k: len(weighed[k][2][1])):
+        weight, _, (_, members, end, _) = weighed[k]
+        together, others = weight_at[members].sum(), None
+        if rest is not None and together:  # some groups kept among its members
+            others = members[~covered[members]]
+            others = rest(others, end) if len(others) > 1 else None
+            if others is not None:
+                others = (weigh(others), int(others[1][0]), others)
+                together += others[0]
+        if weight > 0 and weight >= together:
+            weight_at[members], kept_at[members], covered[members] = 0, -1, True
+            weight_at[members[0]], kept_at[members[0]] = weight, k
+        elif others is not None and others[0] > 0:
+            first, at = others[1], others[2][1]
+            entries.append(others)
+            weight_at[first], kept_at[first], covered[at] = others[0], len(entries) - 1, True
+    kept = [entries[k] for k in kept_at[kept_at >= 0].tolist()]
+    return sorted(kept, key=lambda t: (-t[0], t[1]))
 
 
-def _heaviest_first(
-    weighed: list[tuple], candidates: list[Candidate], max_groups: int
-) -> list[int]:
-    """Indices into `weighed` of the candidates taken heaviest first while disjoint, up to
-    max_groups."""
-    taken = np.zeros(max(int(candidates[i][1][-1]) for _, _, i in weighed) + 1, bool)
+def _heaviest_first(weighed: list[tuple], max_groups: int) -> list[tuple]:
+    """The entries of `weighed` taken heaviest first while disjoint, up to max_groups."""
+    taken = np.zeros(max(int(group[1][-1]) for _, _, group in weighed) + 1, bool)
     kept = []
-    for k, (_, _, i) in enumerate(weighed):
-        members = candidates[i][1]
+    for entry in weighed:
+        members = entry[2][1]
         if len(kept) < max_groups and not taken[members].any():
             taken[members] = True
-            kept.append(k)
+            kept.append(entry)
     return kept

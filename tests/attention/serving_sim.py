@@ -332,13 +332,18 @@ def _best_groups(
     saving (members - 1) x its blocks past k0, or, if they save more together, the
     groups kept of each run of those that computed past that end and hold the same
     blocks one column further (past a member's cut, or where some diverge from the
-    rest); one group on ties."""
+    rest) beside a group of the members in none of those (two or more: they still share
+    the blocks up to that end); one group on ties."""
     shared = brute_common_prefix(manager, [ids[i] for i in members])
     end = min(shared, *(computed[i] for i in members))
     saved, groups = 0, []
     for run in _runs(blocks, members, computed, end):
         run_saved, run_groups = _best_groups(manager, ids, blocks, run, computed, k0)
         saved, groups = saved + run_saved, groups + run_groups
+    grouped = {i for group, _ in groups for i in group}
+    rest = [i for i in members if i not in grouped]
+    if groups and len(rest) > 1:
+        saved, groups = saved + (len(rest) - 1) * (end - k0), [*groups, (tuple(rest), end)]
     own = (len(members) - 1) * (end - k0)
     return (own, [(tuple(members), end)]) if own >= saved else (saved, groups)
 

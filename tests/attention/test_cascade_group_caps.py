@@ -35,23 +35,26 @@ def _capped_group(computed_blocks: list[int], max_groups: int = 8):
 
 
 @pytest.mark.parametrize(
-    ("computed_blocks", "members", "end"),
+    ("computed_blocks", "want"),
     [
-        ([1], ["a1", "a2", "a3", "a4"], 10),  # 3 x 10 blocks saved, not 4 x 1
-        ([1, 3], ["a2", "a3", "a4"], 10),  # 2 x 10, not 4 x 1 or 3 x 3
-        ([9], ["a0", "a1", "a2", "a3", "a4"], 9),  # 4 x 9 blocks saved, not 3 x 10
+        ([1], [(["a1", "a2", "a3", "a4"], 10)]),  # 3 x 10 blocks saved, not 4 x 1
+        # 2 x 10 beside a0, a1 over 1 (21), not 4 x 1, 3 x 3 or 2 x 10 alone
+        ([1, 3], [(["a0", "a1"], 1), (["a2", "a3", "a4"], 10)]),
+        ([9], [(["a0", "a1", "a2", "a3", "a4"], 9)]),  # 4 x 9 blocks saved, not 3 x 10
     ],
 )
 def test_a_group_cut_short_by_a_member_is_weighed_against_the_others_at_their_end(
-    computed_blocks, members, end
+    computed_blocks, want
 ):
     # a0 (and a1) have computed fewer of the 10 blocks the five share: a group of all
     # five ends there. The members that computed more are tried as a group of their own
-    # at their longer end, and the group that saves most is kept; the pair b0, b1 is
-    # the level's other group (no global level: the batch shares nothing).
+    # at their longer end, beside a group of the others where two or more remain (they
+    # share the blocks up to the cut), and the groups that save most are kept; the pair
+    # b0, b1 is the level's other group (no global level: the batch shares nothing).
     plan, reqs = _capped_group(computed_blocks)
     got = sorted((sorted(m), start, e) for m, start, e in _groups(plan, reqs))
-    assert got == [(members, 0, end), (["b0", "b1"], 0, 6)]
+    assert got == sorted([(m, 0, end) for m, end in want] + [(["b0", "b1"], 0, 6)])
+    members = [rid for m, _ in want for rid in m]
     left_out = [i for i, r in enumerate(reqs) if r.request_id not in members + ["b0", "b1"]]
     position = {int(s): i for i, s in enumerate(plan.order)}
     assert [int(plan.suffix_start_blocks[position[i]]) for i in left_out] == [0] * len(left_out)

@@ -338,8 +338,9 @@ def test_enable_groups_false_plans_no_groups_level():
 
 def test_groups_paying_together_count_each_request_once():
     # r0..r3 share 2 blocks and r0, r1 six more: the pair saves 8 blocks, the four 3 x 2.
-    # Neither pays the 20000-byte call alone, nor does the pair with the four skipped as
-    # overlapping it; summing both (12 x 2048 bytes) would plan r0, r1 in two groups.
+    # Neither pays the 21000-byte call alone, nor does the pair beside r2, r3 over the 2
+    # blocks (10 x 2048 bytes); summing the pair and the four (14 x 2048) would plan r0,
+    # r1 in two groups.
     m = KVCacheManager(256, 4, max_model_len=64)
     header, tail = list(range(100, 108)), list(range(300, 324))
     reqs = [_decoding(m, f"r{i}", header + tail + [i, i + 1]) for i in range(2)]
@@ -347,7 +348,7 @@ def test_groups_paying_together_count_each_request_once():
     reqs += [_decoding(m, f"r{i}", [1000 * i + t for t in range(34)]) for i in (4, 5)]
     ids = [r.request_id for r in reqs]
     assert (_shared(m, ids[:4]), _shared(m, ids[:2]), _shared(m, ids)) == (2, 8, 0)
-    model = CascadeCostModel(launch_overhead_bytes=20000, merge_cost_factor=0)
+    model = CascadeCostModel(launch_overhead_bytes=21000, merge_cost_factor=0)
     planner = CascadePlanner(SHAPE, cost_model=model)
     assert not planner.pays(4, 2 * 4, 4) and not planner.pays(2, 8 * 4, 2)
     assert not _plan(planner, m, reqs).uses_cascade

@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from jaxkv import KVCacheManager, cascade_groups
-from jaxkv.cascade import CascadeCostModel, CascadePlanner
+from jaxkv.cascade import (
+    DEFAULT_COST_MODELS,
+    AttentionShape,
+    CascadeCostModel,
+    CascadePlanner,
+)
+from jaxkv.cascade_together import level_weight
 from tests.attention.test_cascade_group_choice import _groups, _shared
 from tests.attention.test_cascade_level_choice import header_and_two_prompts
 from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding, _plan
@@ -139,3 +145,60 @@ def test_a_group_paying_only_its_merge_over_groups_that_pay_a_call_is_not_weighe
     monkeypatch.setattr(cascade_groups, "kept_groups", None)  # calling it fails
     got = _planned(planner, m, reqs)
     assert got == [(["a0", "a1", "a2"], 0, 12), (["b0", "b1", "b2"], 0, 12)]
+
+
+def test_groups_nested_in_a_group_leave_its_other_members_a_group_of_their_own():
+    # A chat-template header (28 blocks of 16) over 64 decoding requests, 16 of them
+    # under a 128-block system prompt after it, and one request without the header (no
+    # global level). pallas_tpu model, 32 query heads of 128 over 8 KV heads, bf16: the
+    # 64 over the header save 107.2 MiB less their merge, the 16 over 156 blocks 145.5;
+    # the level kept the 16 alone (137.5 MiB less its call), though the other 48 still
+    # share the header: beside them over 28 blocks (80.0 MiB more) it saves 217.5.
+    shape = AttentionShape(num_q_heads=32, num_kv_heads=8, head_dim=128, kv_itemsize=2)
+    model = DEFAULT_COST_MODELS["pallas_tpu"]
+    m = KVCacheManager(1024, 16, max_model_len=4096)
+    header, prompt = list(range(10_000, 10_448)), list(range(20_000, 22_048))
+    reqs = [_decoding(m, f"h{i:02}", header + [i] * 5 + [50 + i]) for i in range(48)]
+    reqs += [_decoding(m, f"p{i:02}", header + prompt + [i] * 5 + [60 + i]) for i in range(16)]
+    reqs.append(_decoding(m, "x", list(range(30_000, 30_640))))
+    ids = [r.request_id for r in reqs]
+    assert (_shared(m, ids[:64]), _shared(m, ids[48:64]), _shared(m, ids)) == (28, 156, 0)
+    got = _planned(CascadePlanner(shape, cost_model=model), m, reqs)
+    assert got == [(ids[:48], 0, 28), (ids[48:64], 0, 156)]
+    mib = [
+        level_weight(model, shape, groups, 0, 16, np.ones(len(reqs), int)) / 2**20
+        for groups in ([(np.arange(48, 64), 156)], [(np.arange(48), 28), (np.arange(48, 64), 156)])
+    ]
+    assert [round(w, 1) for w in mib] == [137.5, 217.5]
+
+
+def test_a_group_sharing_a_few_blocks_more_is_tried_beside_the_rest_of_its_group():
+    # a0..a3, b0, b1 share the 5-block header (5 x 5 block reads saved); b0, b1 share 8
+    # more (1 x 13). The pair can save no more than the six (13 < 25), but beside the
+    # four over the header (3 x 5) it saves 28: the search must split the six.
+    m = KVCacheManager(1024, 4, max_model_len=512)
+    reqs = _header_then_prompts(m, {"a0": 0, "a1": 0, "a2": 0, "a3": 0, "b0": 8, "b1": 8})
+    ids = [r.request_id for r in reqs]
+    assert (_shared(m, ids[:6]), _shared(m, ids[4:6]), _shared(m, ids[:4])) == (5, 13, 5)
+    got = _planned(CascadePlanner(SHAPE, cost_model=ALWAYS), m, reqs)
+    assert got == [(ids[:4], 0, 5), (["b0", "b1"], 0, 13), (["c0", "c1"], 0, 10)]
+
+
+def test_a_group_paying_only_its_merge_leaves_its_other_members_a_group():
+    # As above, and d0..d2 under the header only, x under none (no global level), with
+    # a 40000-byte call: each trio pays it (2 x 48 x 512 bytes), the nine over the header
+    # only their merge (8 x 8 x 512). The nine weigh less than either trio, but d0..d2
+    # still share the header: beside the trios they save 2 x 8 x 512 more.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    reqs = header_and_two_prompts(m)
+    reqs += [_decoding(m, f"d{i}", list(range(100, 108)) + [i, 60 + i]) for i in range(3)]
+    reqs.append(_decoding(m, "x", list(range(500, 510))))
+    model = CascadeCostModel(launch_overhead_bytes=40000, merge_cost_factor=0)
+    planner = CascadePlanner(SHAPE, cost_model=model)
+    assert not planner.pays(9, 8, 9) and planner.pays(3, 48, 3)
+    got = _planned(planner, m, reqs)
+    assert got == [
+        (["a0", "a1", "a2"], 0, 12),
+        (["b0", "b1", "b2"], 0, 12),
+        (["d0", "d1", "d2"], 0, 2),
+    ]
