@@ -102,14 +102,13 @@ def outweigh_global(
 ) -> bool:
     """Whether the groups under a global level weigh more starting at column 0, without
     it: they then read its prefix once per group, and the requests in no group read it
-    themselves, but its call and its merge of every query go. False for a cost model
-    that is no CascadeCostModel (it has no costs to weigh)."""
+    themselves, but its call and its merge of every query go (global_weight). False
+    for a cost model that is no CascadeCostModel (it has no costs to weigh)."""
     if not _costed(model):
         return False
-    s, kv_bytes_per_token = shape, shape.kv_bytes_per_token
+    kv_bytes_per_token = shape.kv_bytes_per_token
     grouped = sum(model.saved_bytes(n, global_tokens, kv_bytes_per_token) for n in group_sizes)
-    alone = model.saved_bytes(num_requests, global_tokens, kv_bytes_per_token)
-    return grouped > alone - model.cost_bytes(num_query_tokens, s.num_q_heads, s.head_dim)
+    return grouped > global_weight(model, shape, num_requests, global_tokens, num_query_tokens)
 
 
 def global_weight(
