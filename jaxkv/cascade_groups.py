@@ -11,7 +11,7 @@ import functools
 
 import numpy as np
 
-from jaxkv.cascade_together import kept_groups, net_bytes
+from jaxkv.cascade_together import kept_groups, kept_of_nested, net_bytes
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.prefix_index import runs_at_column
 
@@ -71,6 +71,10 @@ class GroupSearch:
             return []
         bs = manager.block_size
         num_blocks = manager.num_blocks_of_rows(rows)
+        rest = functools.partial(  # the rest of a candidate beside groups kept in it
+            self._rest, num_computed_tokens=num_computed_tokens, query_lens=query_lens,
+            base=base, block_size=bs,
+        )  # fmt: skip
         # (blocks saved, members, end, queries) of the groups that pay a call of their
         # own (chosen) or their own merge in a level that runs anyway (together)
         chosen, together = [], []
@@ -123,11 +127,13 @@ class GroupSearch:
                 if split or len(found) == 1:
                     chosen += found  # each nested in the one before: kept_groups weighs them
                     overlap = overlap or len(found) > 1
-                elif len(found[0][1]) - len(group[1]) < 2:  # no rest: heaviest, first on ties
+                elif len(found[0][1]) - len(group[1]) < 2:
+                    # no rest: kept_of_nested's choice without its arrays (the heaviest,
+                    # the first on ties)
                     chosen.append(found[weights.index(max(weights))])
                 else:
-                    chosen += self._kept_of_chain(
-                        found, weights, num_computed_tokens, query_lens, base, bs
+                    chosen += kept_of_nested(
+                        found, weights, base, bs, self.shape, self.cost_model, rest
                     )
                 continue
             if self._pays_own_merge(len(members), (end - base) * bs, queries, context):
@@ -145,10 +151,6 @@ class GroupSearch:
         if chosen and not together and not overlap and len(chosen) <= self.max_groups:
             kept = [group[:3] for group in chosen]  # disjoint, each paying: all of them
         else:
-            rest = functools.partial(
-                self._rest, num_computed_tokens=num_computed_tokens, query_lens=query_lens,
-                base=base, block_size=bs,
-            )  # fmt: skip
             kept = kept_groups(
                 chosen + together, base, bs, self.shape, self.cost_model, self.max_groups,
                 rest,
@@ -173,7 +175,7 @@ class GroupSearch:
         loading or computing blocks the others share), and the groups of its members
         past each cap in turn that pay a call of their own: those that have computed the
         first column the cap leaves out, at their own (longer) shared and computed end.
-        Each nests in the one before (kept_groups or _kept_of_chain weighs them). At
+        Each nests in the one before (kept_groups or kept_of_nested weighs them). At
         most `budget` of them are examined. Also returns their weights (net_bytes),
         (members, end, shared) of the last examined, and the budget less those examined
         (for the search's other candidates)."""
@@ -195,42 +197,6 @@ class GroupSearch:
                 found.append(((len(members) - 1) * (end - base), members, end, queries))
                 weights.append(net_bytes(model, shape, len(members), prefix, queries))
         return found, weights, (members, end, shared), budget
-
-    def _kept_of_chain(
-        self,
-        chain: list[tuple[int, np.ndarray, int, int]],  # each group nested in the one before
-        weights: list[float],  # net_bytes of each, > 0 (each pays a call)
-        num_computed_tokens: np.ndarray,  # i[R]
-        query_lens: np.ndarray,  # i[R]
-        base: int,
-        block_size: int,
-    ) -> list[tuple[int, np.ndarray, int, int]]:
-        """The disjoint groups kept_groups keeps of `chain` (_past_cap's groups, none of
-        them split further), without its arrays: from the last up, a group replaces
-        those kept of its members where it weighs at least as much as they do beside
-        the rest of its members (_rest), else that rest joins them where it pays. (Where
-        the first has fewer than two members more than the last, there is no rest: the
-        search keeps the heaviest, the first on ties, without it.)"""
-        model, shape, bs = self.cost_model, self.shape, block_size
-        kept, weight = [chain[-1]], weights[-1]
-        for group, own in zip(chain[-2::-1], weights[-2::-1], strict=True):
-            members, end = group[1], group[2]
-            together, rest = weight, None
-            if len(members) - sum(len(g[1]) for g in kept) > 1:
-                taken = np.concatenate([g[1] for g in kept])
-                rest = self._rest(
-                    members[~np.isin(members, taken)], end,
-                    num_computed_tokens=num_computed_tokens, query_lens=query_lens,
-                    base=base, block_size=bs,
-                )  # fmt: skip
-                if rest is not None:
-                    _, others, _, queries = rest
-                    together += net_bytes(model, shape, len(others), (end - base) * bs, queries)
-            if own >= together:
-                kept, weight = [group], own
-            elif rest is not None and together > weight:
-                kept, weight = [*kept, rest], together
-        return kept
 
     def _may_nest(
         self,

@@ -15,7 +15,14 @@ import numpy as np
 
 from jaxkv.cascade_cost import AttentionShape, CascadeCostModel
 
-__all__ = ["global_weight", "kept_groups", "level_weight", "net_bytes", "outweigh_global"]
+__all__ = [
+    "global_weight",
+    "kept_groups",
+    "kept_of_nested",
+    "level_weight",
+    "net_bytes",
+    "outweigh_global",
+]
 
 # (blocks saved, members (sorted batch positions), end block, their query tokens)
 Candidate = tuple[int, np.ndarray, int, int]
@@ -53,11 +60,7 @@ def kept_groups(
     if not candidates:
         return []
     call = model.cost_bytes(0, shape.num_q_heads, shape.head_dim) if _costed(model) else 0
-
-    def weigh(group: Candidate) -> float:
-        _, members, end, queries = group
-        return net_bytes(model, shape, len(members), (end - base) * block_size, queries)
-
+    weigh = _weigher(model, shape, base, block_size)
     # (weight, first member, candidate), heaviest first
     weighed = sorted(
         ((weigh(group), int(group[1][0]), group) for group in candidates),
@@ -72,6 +75,24 @@ def kept_groups(
     if sum(t[0] for t in best) <= call:
         return []
     return [group[:3] for _, _, group in best]
+
+
+def kept_of_nested(
+    candidates: list[Candidate],  # any two nest or are disjoint
+    weights: list[float],  # net_bytes of each
+    base: int,  # the level's first block column
+    block_size: int,
+    shape: AttentionShape,
+    model: CascadeCostModel,
+    rest: Callable[[np.ndarray, int], Candidate | None],
+) -> list[Candidate]:
+    """The disjoint set of largest total weight that kept_groups finds among
+    `candidates` and their rest groups, before its max_groups and call limits. The
+    search weighs a cut chain (_past_cap's groups) with it where no other candidate
+    lies inside the chain, so its choice stands for the chain's in kept_groups."""
+    weighed = [(w, int(g[1][0]), g) for w, g in zip(weights, candidates, strict=True)]
+    weigh = _weigher(model, shape, base, block_size)
+    return [group for _, _, group in _heaviest_nested(weighed, weigh, rest)]
 
 
 def net_bytes(
@@ -146,6 +167,18 @@ def level_weight(
 
 def _costed(model) -> bool:
     return isinstance(model, CascadeCostModel)
+
+
+def _weigher(
+    model: CascadeCostModel, shape: AttentionShape, base: int, block_size: int
+) -> Callable[[Candidate], float]:
+    """net_bytes of a group of a level starting at column `base`."""
+
+    def weigh(group: Candidate) -> float:
+        _, members, end, queries = group
+        return net_bytes(model, shape, len(members), (end - base) * block_size, queries)
+
+    return weigh
 
 
 def _heaviest_nested(weighed: list[tuple], weigh, rest) -> list[tuple]:
