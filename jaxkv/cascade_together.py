@@ -35,7 +35,7 @@ def kept_groups(
     shape: AttentionShape,
     model: CascadeCostModel,
     max_groups: int,
-    rest: Callable[[np.ndarray, int], Candidate | None] | None = None,
+    rest: Callable[[np.ndarray, int], Candidate | None],
 ) -> list[tuple[int, np.ndarray, int]]:
     """Disjoint groups (at most max_groups, as (blocks saved, members, end)) of the
     `candidates` and of the rest of a candidate's members (`rest`, below), whose savings
@@ -195,7 +195,7 @@ def _heaviest_nested(weighed: list[tuple], weigh, rest) -> list[tuple]:
     for k in sorted(range(len(weighed)), key=lambda k: len(weighed[k][2][1])):
         weight, _, (_, members, end, _) = weighed[k]
         together, others = weight_at[members].sum(), None
-        if rest is not None and together:  # some groups kept among its members
+        if together:  # some groups kept among its members
             others = members[~covered[members]]
             others = rest(others, end) if len(others) > 1 else None
             if others is not None:
