@@ -186,13 +186,13 @@ class CascadePlanner(GroupSearch):
             ):
                 out = self._left_out(manager, rows, num_computed_tokens, query_lens)
         searched = num_computed_tokens if out is None else np.where(out, 0, num_computed_tokens)
-        if self._memo.no_groups_past(manager, rows, base):
+        if self._memo.no_groups_past(manager, rows, base, out):
             groups = []
         else:
             # Without a global level, k0 > 0 means every request has computed and shares
             # column 0: the search's first candidate is the whole batch, ending at k0.
             whole = k0 if base == 0 and out is None else 0
-            groups = self._groups(manager, rows, searched, query_lens, base, whole)
+            groups = self._groups(manager, rows, searched, query_lens, base, whole, out)
         if out is not None and use_global:  # the global level holds them: weigh dropping it
             plan = self._plan_without_global(
                 manager, rows, num_computed_tokens, searched, query_lens, k0, groups, common,

@@ -30,8 +30,13 @@ class GroupSearch:
         query_lens: np.ndarray,  # i[R]
         base: int,
         whole_batch_end: int = 0,
+        left_out: np.ndarray | None = None,
     ) -> list[tuple[np.ndarray, int]]:
         """Groups (member indices, shared block end) sharing blocks past column `base`.
+
+        `left_out`: bool[R], the requests the search leaves out (None: none), each with
+        0 in `num_computed_tokens`; where every other request is eligible and no two of
+        them share past `base`, the memo records it for that `left_out`.
 
         `whole_batch_end` > 0: every request has computed column `base` and holds the
         same block there, and the batch shares columns up to it (capped by the computed
@@ -65,9 +70,10 @@ class GroupSearch:
         if whole_batch_end:
             candidates = [everyone]
         else:
-            candidates = self._split(manager, rows, num_computed_tokens, everyone, base)
+            searchable = len(rows) - (0 if left_out is None else int(left_out.sum()))
+            candidates = self._split(manager, rows, num_computed_tokens, everyone, base, searchable)
         if candidates is None:  # every key distinct: no two requests share past the base
-            self._memo.note_no_groups(manager, rows, base)
+            self._memo.note_no_groups(manager, rows, base, left_out)
             return []
         bs = manager.block_size
         num_blocks = manager.num_blocks_of_rows(rows)
@@ -262,23 +268,28 @@ class GroupSearch:
         num_computed_tokens: np.ndarray,  # i[R]
         members: np.ndarray,  # indices into rows, sorted
         column: int,
+        searchable: int | None = None,  # requests the search may group (default: all)
     ) -> list[np.ndarray] | None:
         """Runs of >= 2 `members` holding the same block prefix through `column`, largest
-        first, each sorted; None if every request of the batch (not only every member)
-        was eligible and all keys differ: then no group exists past `column` at all."""
+        first, each sorted; None if `searchable` requests (every request of the batch
+        the search may group, not only every member) were eligible and all keys differ:
+        then no group exists past `column` at all."""
         bs = manager.block_size
         # A request can share column `column` in a cascade level only once it has
         # computed that whole block (then it also holds it).
         eligible = members[num_computed_tokens[members] >= (column + 1) * bs]
         if len(eligible) < 2:
             return []
-        return self._memo.split(manager, rows, eligible, column, self._split_eligible)
+        runs = self._memo.split(manager, rows, eligible, column, self._split_eligible)
+        if runs is None and len(eligible) < (len(rows) if searchable is None else searchable):
+            return []
+        return runs
 
     def _split_eligible(
         self, manager: KVCacheManager, rows: np.ndarray, eligible: np.ndarray, column: int
     ) -> list[np.ndarray] | None:
-        """_split's answer for `eligible` members (two or more, each holding `column`)."""
-        runs = runs_at_column(
+        """The runs of `eligible` members (two or more, each holding `column`) at
+        `column` (prefix_index.runs_at_column): None where every key differs."""
+        return runs_at_column(
             manager.prefix_ids, rows[eligible], eligible, column, 2 * self.max_groups
         )
-        return [] if runs is None and len(eligible) < len(rows) else runs

@@ -4,8 +4,9 @@ A serving loop schedules the same requests step after step (decode), and the sea
 groups sharing a prefix of their own asks the same questions each time: the longest
 common prefix of a member set, how many members share past a column with another,
 how the members that hold a column split by their prefix id there, whether any two
-requests share past the base column at all, and which requests share a column with
-another (whether a long query's request is left out, jaxkv.cascade_left_out). While the
+requests (of those not left out) share past the base column at all, and which requests
+share a column with another (whether a long query's request is left out,
+jaxkv.cascade_left_out). While the
 manager, the batch's rows array (rows_of returns the same object for an equal id list)
 and the manager's sharing_version are unchanged, every column a row holds keeps its
 prefix id, and the columns it gains hold fresh blocks that no other row holds. None of
@@ -152,14 +153,28 @@ class PlanMemo:
             found = answers[key] = bool((shares | ~self.shares_column(manager, rows, 0)).all())
         return found
 
-    def no_groups_past(self, manager: KVCacheManager, rows: np.ndarray, base: int) -> bool:
-        """Whether note_no_groups(manager, rows, base) still holds."""
-        return ("none", base) in self._answers_for(manager, rows)
+    def no_groups_past(
+        self,
+        manager: KVCacheManager,
+        rows: np.ndarray,
+        base: int,
+        left_out: np.ndarray | None = None,  # bool[R]
+    ) -> bool:
+        """Whether note_no_groups(manager, rows, base, left_out) still holds (for an
+        equal `left_out`)."""
+        return _none_key(base, left_out) in self._answers_for(manager, rows)
 
-    def note_no_groups(self, manager: KVCacheManager, rows: np.ndarray, base: int) -> None:
-        """Records that every request of the batch was eligible for a group and no two
-        held the same prefix id at column `base`: no group can form past `base`."""
-        self._answers_for(manager, rows)[("none", base)] = True
+    def note_no_groups(
+        self,
+        manager: KVCacheManager,
+        rows: np.ndarray,
+        base: int,
+        left_out: np.ndarray | None = None,  # bool[R] requests the search leaves out
+    ) -> None:
+        """Records that every request of the batch not in `left_out` (None: none) was
+        eligible for a group and no two of them held the same prefix id at column
+        `base`: no group of them can form past `base`."""
+        self._answers_for(manager, rows)[_none_key(base, left_out)] = True
 
     def global_plan(self, rows: np.ndarray, k0: int, common: int, made_for) -> CascadePlan:
         """cascade_plan.global_plan, or the last plan it gave for equal arguments."""
@@ -190,6 +205,11 @@ class PlanMemo:
         plan = build()
         self._last_plans[kind] = (rows, key, plan)
         return plan
+
+
+def _none_key(base: int, left_out: np.ndarray | None) -> tuple:
+    """The answers' key of "no groups past `base`" for the requests not in `left_out`."""
+    return ("none", base, None if left_out is None else left_out.tobytes())
 
 
 def _nested(manager: KVCacheManager, rows: np.ndarray, members: np.ndarray, column: int) -> int:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import numpy as np
 
 from jaxkv import KVCacheManager, Request
-from jaxkv.cascade import CascadePlanner
+from jaxkv.cascade import CascadeCostModel, CascadePlanner
 from jaxkv.cascade_plan import global_plan, grouped_plan
 from jaxkv.plan_memo import MAX_ANSWERS, PlanMemo
 from jaxkv.prefix_index import longest_common_prefix_unchecked
-from tests.attention.test_cascade_planner import ALWAYS, SHAPE, SYSTEM_A, _decoding
+from tests.attention.test_cascade_left_out import SYSTEM
+from tests.attention.test_cascade_planner import ALWAYS, SHAPE, SYSTEM_A, _decoding, _prefilled
 
 BOTH = np.arange(2)
 
@@ -199,6 +200,45 @@ def test_a_planner_remembers_that_no_group_forms_past_its_global_level():
     assert [lv.name for lv in plan.levels] == ["global"]
     assert plan.suffix_start_blocks.tolist() == [2, 2, 2]
     assert planner._memo.no_groups_past(m, m.rows_of(ids), 2)
+
+
+def test_no_groups_is_remembered_for_the_requests_left_out_it_was_found_with():
+    m, _, _ = _a_and_c_sharing_one_of_three_blocks()
+    memo, rows = PlanMemo(), m.rows_of(["a", "c"])
+    out = np.array([True, False])
+    memo.note_no_groups(m, rows, 1, out)
+    assert memo.no_groups_past(m, rows, 1, out.copy())  # an equal mask
+    assert not memo.no_groups_past(m, rows, 1)  # none left out: not what was found
+    assert not memo.no_groups_past(m, rows, 1, np.array([False, True]))
+
+
+def test_a_planner_remembers_that_no_group_forms_past_its_global_level_beside_a_left_out_request():
+    # d0..d3 share the 10-block SYSTEM and hold a computed block of their own after it;
+    # p's 4-token chunk under SYSTEM merges more than its read saves (test_cascade_left_out):
+    # it is left out, and the search past the global level finds no two of the others
+    # sharing there once; the next step with the same batch skips that search.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    reqs = [_decoding(m, f"d{i}", SYSTEM + [i] * 4 + [50]) for i in range(4)]
+    reqs.append(_prefilled(m, "p", SYSTEM + [7] * 4))
+    ids = [r.request_id for r in reqs]
+    query_lens = np.array([1, 1, 1, 1, 4])
+    computed = np.array([r.num_tokens for r in reqs]) - query_lens
+    model = CascadeCostModel(launch_overhead_bytes=8192, merge_cost_factor=1)
+    planner = CascadePlanner(SHAPE, cost_model=model)
+    searched_bases = []
+    search = planner._groups
+
+    def counting(manager, rows, num_computed_tokens, query_lens, base, *args):
+        searched_bases.append(base)
+        return search(manager, rows, num_computed_tokens, query_lens, base, *args)
+
+    planner._groups = counting
+    plans = [planner.plan(ids, computed, query_lens, m) for _ in range(2)]
+    assert searched_bases.count(10) == 1  # past the global level: once
+    for plan in plans:
+        plan.check()
+        assert [(lv.name, lv.block_ends.tolist()) for lv in plan.levels] == [("groups", [10])]
+        assert plan.suffix_start_blocks.tolist() == [10, 10, 10, 10, 0]
 
 
 def test_no_groups_is_not_remembered_while_a_request_has_not_computed_its_first_block():
