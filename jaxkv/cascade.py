@@ -212,9 +212,11 @@ class CascadePlanner(GroupSearch):
         sizes = [len(members) for members, _ in groups]
         model, shape = self.cost_model, self.shape
         if use_global and outweigh_global(model, shape, num_requests, k0 * bs, total_q, sizes):
-            alone = np.where(suffix_start == base, 0, suffix_start).astype(np.int32)
-            if pads_fewer_pages(self.page_buckets, num_computed_tokens, query_lens, alone, bs):
-                return self._memo.grouped_plan(groups, rows, alone, None, common, made_for)
+            plan = self._plan_from_block_0(
+                groups, rows, num_computed_tokens, query_lens, bs, common, made_for
+            )
+            if plan is not None:
+                return plan
         if not pads_fewer_pages(
             self.page_buckets, num_computed_tokens, query_lens, suffix_start, bs
         ):
@@ -265,11 +267,28 @@ class CascadePlanner(GroupSearch):
             under = max(under, level_weight(model, shape, groups, 0, bs, query_lens))
         if level_weight(model, shape, alone, 0, bs, query_lens) <= under:
             return None
-        suffix_start = np.zeros(num_requests, np.int32)
-        for members, end in alone:
+        return self._plan_from_block_0(
+            alone, rows, num_computed_tokens, query_lens, bs, common, made_for
+        )
+
+    def _plan_from_block_0(
+        self,
+        groups: list[tuple[np.ndarray, int]],  # (members, end block), each from block 0
+        rows: np.ndarray,  # i32[R]
+        num_computed_tokens: np.ndarray,  # i[R]
+        query_lens: np.ndarray,  # i[R]
+        block_size: int,
+        common: int,
+        made_for,
+    ) -> CascadePlan | None:
+        """The plan of one groups level of `groups` from block 0 and no global level (the
+        requests in no group read from block 0 in their own pass); None where its pages
+        pad to more than flat's (buckets.pads_fewer_pages)."""
+        suffix_start = np.zeros(len(rows), np.int32)
+        for members, end in groups:
             suffix_start[members] = end
         if not pads_fewer_pages(
-            self.page_buckets, num_computed_tokens, query_lens, suffix_start, bs
+            self.page_buckets, num_computed_tokens, query_lens, suffix_start, block_size
         ):
             return None
-        return self._memo.grouped_plan(alone, rows, suffix_start, None, common, made_for)
+        return self._memo.grouped_plan(groups, rows, suffix_start, None, common, made_for)
