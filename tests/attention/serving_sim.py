@@ -255,18 +255,19 @@ def brute_common_prefix(manager: KVCacheManager, request_ids: list[str]) -> int:
 
 
 def check_plan(manager: KVCacheManager, out: SchedulerOutput, plan: CascadePlan) -> None:
-    """The plan against the manager's block ids: exact common prefix, shared blocks
-    identical across each group, no prefix covering a member's query token."""
+    """The plan against the manager's rows and block ids: exact common prefix, rows, each
+    group's blocks alike in its members and leader row, no prefix over a query token."""
     bs = manager.block_size
     ids = out.request_ids
-    plan.check()  # the planner skips it; its plans must pass it
-    assert sorted(plan.order.tolist()) == list(range(len(ids)))
+    plan.check()  # the planner skips it; its plans must pass it (order a permutation)
+    assert plan.rows.tolist() == manager.rows_of([ids[i] for i in plan.order]).tolist()
     assert plan.num_common_prefix_blocks == brute_common_prefix(manager, ids)
     for level in plan.levels:
         for g in range(level.num_groups):
             members = [ids[i] for i in plan.order[level.group_starts[g] : level.group_ends[g]]]
             b0, b1 = int(level.block_starts[g]), int(level.block_ends[g])
-            blocks = {tuple(manager.block_ids(r)[b0:b1]) for r in members}
+            read = manager.block_table[level.leader_rows[g], b0:b1].tolist()  # the level's
+            blocks = {tuple(manager.block_ids(r)[b0:b1]) for r in members} | {tuple(read)}
             assert len(blocks) == 1 and len(next(iter(blocks))) == b1 - b0, (level.name, g)
             for r in members:
                 computed = int(out.num_computed_tokens[ids.index(r)])

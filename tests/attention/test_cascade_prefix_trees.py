@@ -22,6 +22,7 @@ serving_sim.check_left_out. The planners are fresh for each batch.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
@@ -198,3 +199,23 @@ def test_the_seeds_reach_deep_trees_many_groups_and_left_out_requests():
         # left out for sharing fewer blocks with the others than it has computed
         seen["probed"] += any(computed[i] > merge_blocks[i] for i in left)
     assert min(seen.values()) >= 5, seen
+
+
+def test_check_plan_catches_a_leader_row_or_rows_of_other_requests():
+    # A groups level reads its blocks from the leader row, each batch position's own pass
+    # from its row: a plan naming another request's row there reads foreign KV.
+    manager, out = tree_batch(0)
+    plan = CascadePlanner(SHAPE, cost_model=ALWAYS).plan(
+        out.request_ids, out.num_computed_tokens, out.num_scheduled_tokens, manager
+    )
+    sim.check_plan(manager, out, plan)
+    level = plan.levels[-1]
+    g = int(np.argmax(level.block_ends))  # the group over most blocks
+    table, b0, b1 = manager.block_table, int(level.block_starts[g]), int(level.block_ends[g])
+    leaders = level.leader_rows.copy()
+    leaders[g] = next(r for r in plan.rows if (table[r, b0:b1] != table[leaders[g], b0:b1]).any())
+    wrong = dataclasses.replace(level, leader_rows=leaders)
+    with pytest.raises(AssertionError):
+        sim.check_plan(manager, out, dataclasses.replace(plan, levels=(*plan.levels[:-1], wrong)))
+    with pytest.raises(AssertionError):
+        sim.check_plan(manager, out, dataclasses.replace(plan, rows=plan.rows[::-1].copy()))
