@@ -14,8 +14,9 @@ correctness trap in DESIGN.md). workload.random_step's batches (one level of pro
 under an optional root) never reach such trees.
 
 Every plan of the six planners of test_serving_differential, and of two more with room
-for 32 groups, must pass serving_sim.check_plan and be planned again alike (from the
-planner's memo); those where every level pays (caps of 8 and 32) must pass
+for 32 groups, must pass serving_sim.check_plan, hold no more groups than the planner's
+max_groups (none without groups) and be planned again alike (from the planner's memo);
+those where every level pays (caps of 8 and 32) must pass
 serving_sim.check_complete, those with a merge cost (default cap and 32)
 serving_sim.check_left_out. The planners are fresh for each batch.
 """
@@ -154,6 +155,8 @@ def test_plans_of_prefix_tree_batches_pass_the_oracles(seed):
         plan = planner.plan(out.request_ids, out.num_computed_tokens, out.num_scheduled_tokens,
                             manager)  # fmt: skip
         sim.check_plan(manager, out, plan)
+        cap = planner.max_groups if planner.enable_groups else 0  # no more groups than that
+        assert all(lv.num_groups <= cap for lv in plan.levels if lv.name == "groups"), k
         if complete:
             sim.check_complete(manager, out, plan, planner.max_groups)
         if left_out:
