@@ -15,8 +15,9 @@ under an optional root) never reach such trees.
 
 Every plan of the six planners of test_serving_differential, and of two more with room
 for 32 groups, must pass serving_sim.check_plan, hold no more groups than the planner's
-max_groups (none without groups) and be planned again alike (from the planner's memo);
-those where every level pays (caps of 8 and 32) must pass
+max_groups (none without groups), have a groups level that saves more than its call and
+merges cost (by the cost model's own formulas), and be planned again alike (from the
+planner's memo); those where every level pays (caps of 8 and 32) must pass
 serving_sim.check_complete, those with a merge cost (default cap and 32)
 serving_sim.check_left_out. The planners are fresh for each batch.
 """
@@ -30,7 +31,7 @@ import numpy as np
 import pytest
 
 from jaxkv import KVCacheManager, Request
-from jaxkv.cascade import CascadePlanner
+from jaxkv.cascade import CascadeCostModel, CascadePlanner
 from tests.attention import serving_sim as sim
 from tests.attention.test_serving_differential import (
     ALWAYS,
@@ -147,6 +148,20 @@ def tree_batch(seed: int) -> tuple[KVCacheManager, types.SimpleNamespace]:
     return manager, out
 
 
+def _groups_pay(out, plan, model: CascadeCostModel, bs: int) -> bool:
+    """Whether the plan's groups level (if any) saves more bytes than its call and its
+    merge of the groups' queries cost, by the cost model's saved_bytes and cost_bytes."""
+    if not plan.levels or plan.levels[-1].name != "groups":
+        return True
+    level, saved, queries = plan.levels[-1], 0, 0
+    for g in range(level.num_groups):
+        members = plan.order[level.group_starts[g] : level.group_ends[g]]
+        prefix = int(level.block_ends[g] - level.block_starts[g]) * bs
+        saved += model.saved_bytes(len(members), prefix, SHAPE.kv_bytes_per_token)
+        queries += int(out.num_scheduled_tokens[members].sum())
+    return saved > model.cost_bytes(queries, NUM_Q_HEADS, HEAD_DIM)
+
+
 @pytest.mark.parametrize("seed", range(NUM_SEEDS))
 def test_plans_of_prefix_tree_batches_pass_the_oracles(seed):
     manager, out = tree_batch(seed)
@@ -157,6 +172,7 @@ def test_plans_of_prefix_tree_batches_pass_the_oracles(seed):
         sim.check_plan(manager, out, plan)
         cap = planner.max_groups if planner.enable_groups else 0  # no more groups than that
         assert all(lv.num_groups <= cap for lv in plan.levels if lv.name == "groups"), k
+        assert _groups_pay(out, plan, planner.cost_model, manager.block_size), k
         if complete:
             sim.check_complete(manager, out, plan, planner.max_groups)
         if left_out:
