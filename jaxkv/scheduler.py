@@ -117,8 +117,8 @@ class Scheduler:
 
         Returns False (nothing changed) for an unknown or already finished request, and
         raises ValueError, changing nothing, unless `request_id` is a str (a Request or int
-        is no id). A request whose KV is loading keeps its blocks until the load lands, then they
-        are freed; every other one frees its blocks now. Between schedule() and
+        is no id). A request whose KV is loading keeps its blocks until the load lands,
+        then they are freed; every other one frees its blocks now. Between schedule() and
         update_from_output() or discard(), the step still runs the request's tokens:
         the blocks they fill stay in the prefix cache if the step is applied (its KV
         written, for the requests that hit them in that step too) and leave it if it is
