@@ -12,13 +12,16 @@ Python loop over sequences) and returns `(out, lse)`:
 - quantized KV (int8, float8_e4m3fn) is read as k.astype(f32) * k_scale, v likewise;
 - softmax and the value sum run in float32; out is cast to `out_dtype` (default q.dtype;
   float32 keeps a partial result unrounded for a later LSE merge);
-- the Pallas kernels feed both dot products in the query's dtype, as JAX's own kernels
-  do: bfloat16 queries round K and V (if float32) and the softmax weights to bfloat16
-  before their products, so with bfloat16 queries they match this reference only to
-  bfloat16 tolerance (a few 1e-3 on outputs of order 1, float32 out_dtype too); with
-  float32 queries and pages they match it to float32 rounding (the GPU kernel feeds
-  float16 queries over a bfloat16 or float32 cache in float32: float16's range is
-  narrower than the cache's);
+- precision: both dot products run at least in the wider of q's dtype and a float
+  cache's (jnp.promote_types), so K, V and the softmax weights are never rounded below
+  the cache's dtype; over a quantized cache, in q's dtype (which holds every int8 and
+  float8_e4m3fn value exactly). This reference runs them in float32; the Pallas kernels
+  in exactly that dtype (kernels_pallas.precision), as JAX's own ragged paged attention
+  does over an unquantized cache. Where it is float32 (float32 queries or a float32
+  cache: bfloat16 queries over float32 pages too) the kernels match this reference to
+  float32 rounding, out_dtype float32 too; where it is bfloat16 or float16 they round
+  the softmax weights to it and match to that dtype's tolerance (a few 1e-3 on outputs
+  of order 1);
 - lse is float32, natural log, [max_num_tokens, num_q_heads]; a row that sees no key and
   every row past cu_q_lens[num_seqs] gives out 0 and lse -inf, never NaN, whatever the
   padding of q, kv_pages or the page table holds.

@@ -33,8 +33,9 @@ and non-causal, sliding window, soft cap, int8 / float8_e4m3fn KV with scales, G
 rows of valid sequences that see no key, and every row past cu_q_lens[num_seqs], give
 out 0 and lse -inf; nothing past a sequence's kv_len, no page-table slot past its last
 page and no sequence past num_seqs is used in a valid row. float8 pages need a GPU that
-converts float8_e4m3fn (compute capability 8.9 or newer). Both dot products take q's
-dtype, except float16 queries over a bfloat16 or float32 cache, which compute in float32
+converts float8_e4m3fn (compute capability 8.9 or newer). Both dot products run in the
+wider of q's and a float cache's dtype (kernels_pallas.precision): float32 for bfloat16
+queries over a float32 cache, and for float16 queries over a bfloat16 or float32 cache
 (a cache value past float16's range would be inf in float16).
 
 Limits (ValueError at trace time): head_dim must be a power of two >= 16; the knobs
@@ -54,6 +55,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.gpu.kernel import paged_attention_kernel
 from kernels_pallas.gpu.tuning import default_config
+from kernels_pallas.precision import compute_dtype, matmul_precision
 from kernels_pallas.validation import (
     check_int_knobs,
     checks_index_values,
@@ -87,18 +89,6 @@ def _gpu_compute_capability() -> float | None:
         return float(jax.local_devices(backend="gpu")[0].compute_capability)
     except (RuntimeError, AttributeError, ValueError, IndexError):
         return None
-
-
-def _compute_dtype(q_dtype, kv_dtype) -> jnp.dtype:
-    """The dtype of both dot products: q's, except float32 for float16 queries over a
-    bfloat16 or float32 cache. Cast to float16, a key or value past its range (65504)
-    was inf and its rows NaN, where the reference (float32) is finite; a float16 model's
-    own keys reach 65536 in a bfloat16 cache by rounding. Every other pair fits q's
-    dtype's range (int8 and float8_e4m3fn pages, a float16 cache, float32 queries)."""
-    wider = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-    if jnp.dtype(q_dtype) == jnp.dtype(jnp.float16) and jnp.dtype(kv_dtype) in wider:
-        return jnp.dtype(jnp.float32)
-    return jnp.dtype(q_dtype)
 
 
 _MAX_WARPS = 32  # 1024 threads, the most one CUDA block may have
@@ -213,7 +203,7 @@ def ragged_paged_attention(
     num_kv_heads = num_combined_kv_heads // 2
     group = num_q_heads // num_kv_heads
     max_num_seqs, pages_per_seq = page_indices.shape
-    compute_dtype = _compute_dtype(q.dtype, kv_pages.dtype)
+    dots_dtype = compute_dtype(q.dtype, kv_pages.dtype)
     default = default_config(
         max_num_tokens=max_num_tokens,
         max_num_seqs=max_num_seqs,
@@ -221,7 +211,7 @@ def ragged_paged_attention(
         num_kv_heads=num_kv_heads,
         group=group,
         head_dim=head_dim,
-        q_itemsize=compute_dtype.itemsize,  # the dots' dtype: float32 for float16 q over bf16
+        q_itemsize=dots_dtype.itemsize,  # the dots' dtype: float32 for bf16 q over f32
         kv_itemsize=jnp.dtype(kv_pages.dtype).itemsize,
         page_size=page_size,
         pages_per_seq=pages_per_seq,
@@ -239,11 +229,6 @@ def ragged_paged_attention(
     tokens_per_block = block_m // group
     grid = (max_num_tokens // tokens_per_block + max_num_seqs, num_kv_heads, num_kv_splits)
 
-    # Explicit either way, so a global jax.default_matmul_precision does not change the
-    # program (bfloat16 and float16 products are exact in the float32 accumulator).
-    precision = (
-        jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else jax.lax.Precision.DEFAULT
-    )
     out_dtype = output_dtype(q, out_dtype)
     # Splits are merged in float32, so their partial outputs are not rounded first.
     split_dtype = out_dtype if num_kv_splits == 1 else jnp.float32
@@ -262,8 +247,8 @@ def ragged_paged_attention(
         num_q_heads=num_q_heads,
         max_num_seqs=max_num_seqs,
         num_tokens=max_num_tokens,
-        compute_dtype=compute_dtype,
-        precision=precision,
+        compute_dtype=dots_dtype,
+        precision=matmul_precision(dots_dtype),
     )
     whole = pl.BlockSpec()
     kv_block = (num_pages, page_size, None, head_dim)

@@ -50,9 +50,10 @@ def default_config(
     batch) take up to 128 rows so a shared page is read by few blocks.
 
     Tiles are capped in bytes: query tiles at 32 KiB, key tiles at 32 KiB (decode) or
-    16 KiB, both counted in the dtype the dots read (int8 and float8 pages are widened
-    to the query dtype first), and half that for float32 queries, whose exact dots run
-    on FMA units, not tensor cores, and hold their operands in registers; but no block
+    16 KiB, both counted in the dtype the dots read (kernels_pallas.precision: int8 and
+    float8 pages are widened to the query dtype, bfloat16 queries over a float32 cache to
+    float32), and half that for float32 dots, whose exact products run on FMA units, not
+    tensor cores, and hold their operands in registers; but no block
     has fewer than 16 rows or keys (Triton's smallest dot), so float32 prefill at
     head_dim 256 takes 16 KiB key tiles, twice its cap. Blocks of at
     least 64 x 128 query elements, and float32 queries, take 8 warps. So every default

@@ -6,7 +6,8 @@ The wrapper that lays out the operands, picks the tiling and calls it is
 
 Layout inside the kernel. Query heads that share a KV head are folded into the rows of
 one matmul: the wrapper reshapes q [T, Hq, D] to [Hkv, T * G, D] (G = Hq // Hkv, rows
-token-major), so one q tile of `num_queries_per_block` tokens is a [bq * G, D] operand per
+token-major) in the dtype of both dots (kernels_pallas.precision: the wider of q's and a
+float cache's), so one q tile of `num_queries_per_block` tokens is a [bq * G, D] operand per
 KV head and each KV block read from HBM serves all G query heads at once. A non-causal
 prefix pass that holds the whole batch as one sequence therefore reads each shared page
 once per q tile.
@@ -33,6 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels_pallas.precision import matmul_precision
+
 LANES = 128
 
 
@@ -51,7 +54,7 @@ def paged_attention_kernel(
     cu_q_lens_ref,  # i32[max_num_seqs + 1]
     num_seqs_ref,  # i32[1]
     # Input
-    q_ref,  # [kv_heads_per_blk, rows_per_blk, head_dim], rows = tokens x group
+    q_ref,  # [kv_heads_per_blk, rows_per_blk, head_dim] in the dots' dtype; rows: tokens x G
     kv_pages_hbm_ref,  # [num_pages, page_size, 2 * num_kv_heads, head_dim] in HBM
     # Output
     out_ref,  # [kv_heads_per_blk, rows_per_blk, head_dim]
@@ -84,11 +87,9 @@ def paged_attention_kernel(
     _, pages_per_blk, page_size, combined_heads_per_blk, _ = kv_bufs.shape
     kv_per_blk = pages_per_blk * page_size
     q_per_blk = rows // group
+    # The wrapper hands q over in the dots' dtype (kernels_pallas.precision).
     compute_dtype = q_ref.dtype
-    # Explicit either way: a global jax.default_matmul_precision must not reach Mosaic,
-    # which takes only DEFAULT and HIGHEST. bfloat16 and float16 products are exact in
-    # the float32 accumulator at DEFAULT.
-    precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else lax.Precision.DEFAULT
+    precision = matmul_precision(compute_dtype)
     score_scale = sm_scale * (1.0 if k_scale is None else k_scale)
 
     heads_blk = pl.program_id(0)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels_pallas.precision import compute_dtype
 from kernels_pallas.tpu.kernel import LANES, paged_attention_kernel
 from kernels_pallas.tpu.tuning import TUNED_BLOCK_SIZES, block_sizes, detect_tpu_generation
 from kernels_pallas.validation import (
@@ -176,7 +177,9 @@ def ragged_paged_attention(
 
     Semantics are those of `kernels_pallas.reference.ragged_paged_attention`: only the
     first num_seqs sequences (and their page-table rows, lengths) are read; a row that sees
-    no key and every row past cu_q_lens[num_seqs] gives out 0 and lse -inf.
+    no key and every row past cu_q_lens[num_seqs] gives out 0 and lse -inf. Both dot
+    products run in the wider of q's and a float cache's dtype (kernels_pallas.precision):
+    bfloat16 queries over a float32 cache compute in float32.
 
     Tuning knobs (static; None takes the `tpu_generation` row of `tuning.TUNED_BLOCK_SIZES`
     and no device is queried, except with `tpu_generation="auto"`, which asks the first
@@ -246,8 +249,11 @@ def ragged_paged_attention(
     rows = bq * group
     # Smallest aligned row window that always holds one decode token's `group` rows.
     window_rows = min(rows, _round_up(group + q_tiling - 1, q_tiling))
-    # [T, Hq, D] -> [Hkv, T * G, D]: the G query heads of a KV head become matmul rows.
+    # [T, Hq, D] -> [Hkv, T * G, D]: the G query heads of a KV head become matmul rows,
+    # in the dots' dtype: bfloat16 queries over a float32 cache run the float32 kernel
+    # body (the tiling above stays q's, whose alignment also holds for float32 rows).
     q_rows = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
+    q_rows = q_rows.astype(compute_dtype(q.dtype, kv_pages.dtype))
     q_rows = q_rows.reshape(padded_tokens, num_kv_heads, group, head_dim)
     q_rows = q_rows.transpose(1, 0, 2, 3).reshape(num_kv_heads, padded_tokens * group, head_dim)
 

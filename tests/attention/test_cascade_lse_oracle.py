@@ -2,11 +2,13 @@
 
 The oracle (workload.dense_attention) rebuilds each request's whole context key by key
 from the KV written at the positions the manager's block ids give, and runs plain
-causal softmax in float64: no LSE merge, no paging logic shared with jaxkv. Inputs are
-float32; every element of every valid token row must lie within 1e-5 (out: atol plus
+causal softmax in float64: no LSE merge, no paging logic shared with jaxkv. The cache
+is float32; every element of every valid token row must lie within 1e-5 (out: atol plus
 rtol times |want|; lse: times 1 + |want|), on the 'xla' backend and on the Pallas TPU
-kernel in interpret mode. Padded token rows must give out 0 (paged_attention's
-docstring). Dropping one key of a shared prefix must fail exactly the rows that read it.
+and GPU kernels in interpret mode, with float32 queries and with bfloat16 ones (their
+dots run in the cache's float32: the out, in bfloat16, is within its one rounding,
+2**-8 relative). Padded token rows must give out 0 (paged_attention's docstring).
+Dropping one key of a shared prefix must fail exactly the rows that read it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxkv.attention import paged_attention
 from jaxkv.batch import AttentionMetadata
@@ -29,7 +32,7 @@ from tests.attention.test_paged_attention import (
     planned_inputs,
 )
 from tests.kernels import test_tpu_dispatch as tpu
-from tests.kernels.harness import INTERPRET_TPU
+from tests.kernels.harness import INTERPRET_GPU, INTERPRET_TPU
 
 ATOL = RTOL = LSE_ATOL = 1e-5
 
@@ -42,6 +45,7 @@ def bad_rows(
     out: np.ndarray,  # [max_num_tokens, Hq, D]
     lse: np.ndarray,  # f32[max_num_tokens, Hq]
     sm_scale: float,
+    out_rtol: float = RTOL,
 ) -> np.ndarray:
     """Valid token rows where any element of out or lse is off the oracle by more than its
     bound (per element: a single wrong head or lane fails its row). Also asserts that
@@ -51,7 +55,7 @@ def bad_rows(
     assert np.all(np.asarray(out)[n:] == 0), "padded token rows must give 0"
     got_out = np.asarray(out, np.float64)[:n]
     got_lse = np.asarray(lse, np.float64)[:n]
-    out_ok = np.abs(got_out - want_out) <= ATOL + RTOL * np.abs(want_out)
+    out_ok = np.abs(got_out - want_out) <= ATOL + out_rtol * np.abs(want_out)
     lse_ok = np.abs(got_lse - want_lse) <= LSE_ATOL * (1 + np.abs(want_lse))
     return np.flatnonzero(~(out_ok.all(axis=(1, 2)) & lse_ok.all(axis=1)))
 
@@ -125,22 +129,37 @@ def _tpu_case() -> tuple[workload.Step, CascadePlan]:
     return step, plan
 
 
-def test_cascade_lse_on_interpreted_tpu_kernel_equals_the_float64_oracle():
+@pytest.mark.parametrize(
+    "backend, q_dtype",
+    [
+        ("pallas_tpu", jnp.float32),
+        # bfloat16 queries over the float32 cache: the kernels rounded K, V and the
+        # softmax weights to bfloat16 (lse 2e-3 off); now every pass and merge is float32.
+        ("pallas_tpu", jnp.bfloat16),
+        ("pallas_gpu", jnp.bfloat16),
+        ("xla", jnp.bfloat16),
+    ],
+)
+def test_cascade_lse_on_interpreted_kernels_equals_the_float64_oracle(backend, q_dtype):
     step, plan = _tpu_case()
     heads = (tpu.NUM_Q_HEADS, tpu.NUM_KV_HEADS, tpu.HEAD_DIM)
     md, q, kv = planned_inputs(step, plan, tpu.BUCKETS, heads=heads)
+    q = np.asarray(jnp.asarray(q, q_dtype).astype(jnp.float32))  # the oracle's queries
+    interpret = {"pallas_tpu": INTERPRET_TPU, "pallas_gpu": INTERPRET_GPU}.get(backend, False)
+    # A bfloat16 out is rounded once from the float32 result: at most 2**-8 relative.
+    out_rtol = RTOL if q_dtype == jnp.float32 else 2**-8
 
     def run(md):
-        args = (jnp.asarray(q), jnp.asarray(kv), md)
-        options = dict(
-            sm_scale=tpu.SM_SCALE, backend="pallas_tpu", interpret=INTERPRET_TPU, return_lse=True
-        )
-        return tpu._attention(*args, **options)
+        args = (jnp.asarray(q, q_dtype), jnp.asarray(kv), md)
+        options = dict(sm_scale=tpu.SM_SCALE, backend=backend, interpret=interpret, return_lse=True)
+        out, lse = tpu._attention(*args, **options)
+        assert out.dtype == q_dtype
+        return np.asarray(out.astype(jnp.float32)), lse
 
     out, lse = run(md)
-    assert bad_rows(step, plan, q, kv, out, lse, tpu.SM_SCALE).tolist() == []
+    assert bad_rows(step, plan, q, kv, out, lse, tpu.SM_SCALE, out_rtol).tolist() == []
     out, lse = run(drop_last_prefix_key(md))
-    broken = bad_rows(step, plan, q, kv, out, lse, tpu.SM_SCALE)
+    broken = bad_rows(step, plan, q, kv, out, lse, tpu.SM_SCALE, out_rtol)
     assert broken.tolist() == first_group_rows(step, plan).tolist()
 
 

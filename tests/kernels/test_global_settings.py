@@ -28,6 +28,7 @@ from tests.kernels.test_tpu_lowering import _lower, _specs
 SM_SCALE = 128**-0.5
 PRECISIONS = ["bfloat16", "tensorfloat32", "float32", "highest"]
 DTYPE_PAIRS = [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.int8)]
+DTYPE_PAIRS += [(jnp.bfloat16, jnp.float32)]  # float32 dots at HIGHEST: the cache's dtype
 
 
 @pytest.mark.parametrize("causal", [True, False])

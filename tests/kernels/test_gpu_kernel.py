@@ -20,6 +20,7 @@ from kernels_pallas import reference
 from kernels_pallas.gpu import cuda_lowering_target, ragged_paged_attention
 from kernels_pallas.gpu.aot import lower_triton_calls
 from kernels_pallas.gpu.tuning import default_config
+from kernels_pallas.precision import compute_dtype
 from tests.kernels import harness
 
 SM_SCALE = 0.125
@@ -101,6 +102,28 @@ def test_bf16_with_float32_out_is_the_unrounded_output(num_kv_splits):
     harness.assert_close_to_oracle(
         case, out32, lse32, harness.dense_oracle(case, sm_scale=SM_SCALE)
     )
+
+
+@pytest.mark.parametrize(
+    "dtype, kv_dtype",
+    [(jnp.bfloat16, jnp.float32), (jnp.bfloat16, jnp.float16), (jnp.float16, jnp.float32)],
+    ids=["bf16-f32", "bf16-f16", "f16-f32"],
+)
+def test_queries_narrower_than_the_cache_compute_in_the_wider_dtype(dtype, kv_dtype):
+    # bfloat16 queries rounded K, V (float32, or float16's longer mantissa) and the
+    # softmax weights to bfloat16: outputs 4.9e-3 off the float64 oracle over a float32
+    # cache, 5.2e-3 over a float16 one (lse 1.5e-3, 1.6e-3). Both dots now run in
+    # float32 (jnp.promote_types of the two; float16 queries already did): 4e-7 off, each
+    # split and their merge within float32's tolerance with out_dtype float32.
+    case = _case([(1, 37), (5, 20), (1, 60)], dtype=dtype, kv_dtype=kv_dtype)
+    expected = harness.dense_oracle(case, sm_scale=SM_SCALE)
+    for num_kv_splits in (1, 2):
+        knobs = dict(num_kv_splits=num_kv_splits, block_k=16)
+        out32, lse32 = _run(case, **knobs, out_dtype=jnp.float32)
+        harness.assert_close_to_oracle(case, out32, lse32, expected, dtype=jnp.float32)
+        harness.assert_padding_is_empty(case, out32, lse32)
+        out, _ = _run(case, **knobs)
+        np.testing.assert_array_equal(np.asarray(out32.astype(dtype)), np.asarray(out))
 
 
 def test_large_logits_stay_finite_in_each_split_and_in_their_merge():
@@ -319,8 +342,17 @@ def test_cuda_lowering_target_refuses_a_device_kind_that_is_not_nvidia():
         (jnp.float32, None, {"causal": False, "block_m": 64}),
         (jnp.bfloat16, None, {"causal": False, "out_dtype": jnp.float32}),
         (jnp.float16, jnp.bfloat16, {}),  # computes in float32 (float16's range)
+        (jnp.bfloat16, jnp.float32, {"num_kv_splits": 2}),  # float32: the cache's dtype
     ],
-    ids=["bf16-splits", "int8-softcap", "fp8-window", "f32-noncausal", "bf16-f32-out", "f16-bf16"],
+    ids=[
+        "bf16-splits",
+        "int8-softcap",
+        "fp8-window",
+        "f32-noncausal",
+        "bf16-f32-out",
+        "f16-bf16",
+        "bf16-f32cache",
+    ],
 )
 def test_lowers_for_cuda_to_a_verified_triton_call(dtype, kv_dtype, kw):
     case = _case([(1, 37), (5, 20)], dtype=dtype, kv_dtype=kv_dtype, head_dim=128)
@@ -328,11 +360,12 @@ def test_lowers_for_cuda_to_a_verified_triton_call(dtype, kv_dtype, kw):
     text, calls = lower_triton_calls(f, case.args())
     assert "ragged_paged_attention_gpu" in text
     assert [call.verified for call in calls] == [True]
-    if dtype == jnp.float32 or (dtype, kv_dtype) == (jnp.float16, jnp.bfloat16):
+    if compute_dtype(dtype, kv_dtype or dtype) == jnp.float32:
         # The interpreter multiplies in full float32 whatever the kernel asks; on the GPU a
-        # tf32 dot (10-bit mantissa) would break the float32 tolerance of 1e-5.
+        # tf32 dot (10-bit mantissa), or one of narrower operands, would break the float32
+        # tolerance of 1e-5.
         dots = [line for line in calls[0].ir.splitlines() if "tt.dot" in line]
-        assert dots and not any("tf32" in d for d in dots), dots
+        assert dots and not any("tf32" in d or "16>" in d for d in dots), dots
 
 
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float32])

@@ -64,6 +64,9 @@ CASES = {
     # float16 queries over a bfloat16 cache compute in float32: tiled as float32 queries.
     "f16-bf16-prefill-256": (PREFILL, F16, BF16, 16, 16, 256),
     "f16-bf16-decode-256": (DECODE, F16, BF16, 16, 16, 256),
+    # So do bfloat16 queries over a float32 cache (its dtype).
+    "bf16-f32-prefill-256": (PREFILL, BF16, F32, 16, 16, 256),
+    "bf16-f32-decode-256": (DECODE, BF16, F32, 16, 16, 256),
 }
 
 

@@ -73,6 +73,7 @@ GRID = [
     (BF16, FP8, 128, 32, 16, 16),
     (F32, I8, 64, 128, 12, 4),
     (F32, FP8, 256, 16, 8, 1),
+    (BF16, F32, 128, 32, 32, 8),  # float32 dots (the cache's dtype), bfloat16 out
 ]
 
 

@@ -54,6 +54,8 @@ GRID = [
     (BF16, FP8, 128, 32, 16, 16),
     (F32, I8, 64, 128, 12, 4),
     (F32, FP8, 256, 16, 8, 1),
+    (BF16, F32, 128, 16, 32, 8),  # computes in float32, the cache's dtype
+    (BF16, F32, 64, 32, 12, 4),
 ]
 
 
@@ -105,15 +107,18 @@ def _mosaic_modules(monkeypatch) -> list[str]:
     return modules
 
 
-def test_float32_matmuls_ask_mosaic_for_full_precision(monkeypatch):
+@pytest.mark.parametrize("q_dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_float32_matmuls_ask_mosaic_for_full_precision(monkeypatch, q_dtype):
     # The interpreter multiplies in full float32 whatever the kernel asks, so the oracle
     # checks on the CPU cannot see this: on a TPU, a float32 matmul at default precision
-    # runs in bfloat16 passes, far outside the float32 tolerance of 1e-5.
+    # runs in bfloat16 passes, far outside the float32 tolerance of 1e-5. bfloat16
+    # queries over a float32 cache multiply in float32 too, not in bfloat16.
     modules = _mosaic_modules(monkeypatch)
-    _lower(_specs(F32, F32, 128, 16, 8, 2))
+    _lower(_specs(q_dtype, F32, 128, 16, 8, 2))
     (module,) = modules
     matmuls = [line for line in module.splitlines() if "tpu.matmul" in line]
     assert matmuls and all("contract_precision<fp32>" in m for m in matmuls), matmuls
+    assert not any("bf16" in m for m in matmuls), matmuls
 
 
 def _trace(args, **kw):
