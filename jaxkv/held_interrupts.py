@@ -9,10 +9,14 @@ signals, which may be any call. Two places may not be cut there:
   and the engine held only deleted ones (every later step raised "Buffer has been
   deleted or donated");
 - a KV connector's poll() forgets the copies it reports: raised before the scheduler
-  applied the report, an interrupt left their blocks held for good.
+  applied the report, an interrupt left their blocks held for good;
+- the scheduler's update of a step: cut between a request's computed tokens and its
+  token, it left the request with nothing to compute.
 
 Inside `holding_interrupts()` a SIGINT is recorded instead, and raised again (to the
-handler that was installed) on leaving the block.
+handler that was installed) on leaving the block. A held block that calls code of its
+caller's (a tokenizer, a KV connector) marks it with a UserCode, which a Ctrl-C stops at
+once.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import signal
 import threading
 from collections.abc import Callable
 
-__all__ = ["holding_interrupts"]
+__all__ = ["UserCode", "holding_interrupts"]
 
 _SIGINT = int(signal.SIGINT)
 
@@ -70,3 +74,18 @@ class holding_interrupts:  # noqa: N801 - used as a context manager, like contex
             _signal.signal(_SIGINT, self._previous)
             if self._caught:
                 signal.raise_signal(_SIGINT)  # to the handler the caller had
+
+
+class UserCode:
+    """passes_on for a held block that calls code it does not own (a tokenizer, a KV
+    connector), which a Ctrl-C must stop at once, as it would unheld: True while `runs`.
+    The caller sets `runs` just around the call, and handles what that call's interrupt
+    leaves as it handles that call's exceptions."""
+
+    __slots__ = ("runs",)
+
+    def __init__(self) -> None:
+        self.runs = False
+
+    def __call__(self) -> bool:
+        return self.runs

@@ -30,7 +30,7 @@ from types import MappingProxyType
 import numpy as np
 
 from jaxkv.config import SchedulerConfig
-from jaxkv.held_interrupts import holding_interrupts
+from jaxkv.held_interrupts import UserCode, holding_interrupts
 from jaxkv.kv_cache_manager import KVCacheManager, UnknownRequestError
 from jaxkv.kv_transfer import KVConnector
 from jaxkv.outputs import RequestOutput
@@ -82,7 +82,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every request not yet released
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self._transfers = TransferTracker(self.connector, manager, self._release)
+        # Set while a tokenizer or the connector runs: a Ctrl-C is held back around the
+        # scheduler's changes, but stops those at once (jaxkv.held_interrupts).
+        self._user_code = UserCode()
+        self._transfers = TransferTracker(self.connector, manager, self._release, self._user_code)
         self._finished_ids: list[str] = []
         self._stats = SchedulerStats()
         self.detokenizer = None  # jaxkv.detokenizer.Detokenizer: set by Engine(tokenizer=)
@@ -351,15 +354,21 @@ class Scheduler:
 
         An interrupt from the tokenizer propagates once the requests it reached are
         applied (those marked finished leave `running`); the running requests after it
-        stay unadvanced and schedule the same tokens again. Either way `stats` counts
-        every scheduled request's tokens, computed twice, twice, and those of a request
-        aborted since schedule() too (the step ran them; a discard drops them).
+        stay unadvanced and schedule the same tokens again. One from the connector's
+        on_finish propagates once every finished request is finished. A Ctrl-C anywhere
+        else is raised once the update is done (jaxkv.held_interrupts). Either way
+        `stats` counts every scheduled request's tokens, computed twice, twice, and
+        those of a request aborted since schedule() too (the step ran them; a discard
+        drops them).
         """
         self._check_unapplied(output)
         tokens = checked_sampled_tokens(output, sampled_token_ids)
-        self._unapplied = None
-        self._unwritten_of_aborted = []  # the step wrote them
-        return apply_sampled_tokens(self, output, tokens)
+        # Cut anywhere else, a Ctrl-C left a request computed without its token (nothing
+        # left to schedule), finished yet running, or out of `running` with its blocks.
+        with holding_interrupts(passes_on=self._user_code):
+            self._unapplied = None
+            self._unwritten_of_aborted = []  # the step wrote them
+            return apply_sampled_tokens(self, output, tokens)
 
     def _check_unapplied(self, output: SchedulerOutput) -> None:
         if output is None or output is not self._unapplied:  # None: no schedule() pending

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxkv.held_interrupts import holding_interrupts
+from jaxkv.held_interrupts import UserCode, holding_interrupts
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_transfer import KVConnector, TransferEvents
 from jaxkv.request import Request, RequestStatus
@@ -59,8 +59,12 @@ class TransferTracker:
         connector: KVConnector,
         manager: KVCacheManager,
         release: Callable[[Request], None],
+        user_code: UserCode | None = None,
     ) -> None:
         self._connector = connector
+        # Set while the connector runs: the scheduler holds Ctrl-C around its changes but
+        # lets it stop the connector at once.
+        self._user_code = UserCode() if user_code is None else user_code
         self._manager = manager
         self._release = release  # frees a request's blocks (if any) and forgets it
         self.transferring: dict[str, Request] = {}  # finished or aborted, blocks held
@@ -210,8 +214,13 @@ class TransferTracker:
         frees them too, then propagates. An answer other than a bool (numpy's is one) is
         read by its truth, with a logged warning naming it."""
         block_ids = self._manager.block_ids(request.request_id)
+        user_code = self._user_code
         try:
-            held = self._connector.on_finish(request, block_ids)
+            user_code.runs = True
+            try:
+                held = self._connector.on_finish(request, block_ids)
+            finally:
+                user_code.runs = False
         except Exception as e:  # noqa: BLE001 - a failed save frees the blocks, as below
             logger.warning(
                 "KV connector on_finish(%r) raised %r; its blocks are freed without saving them",

@@ -67,11 +67,13 @@ def apply_sampled_tokens(
     cache_offset = bs - 1 if scheduler.manager.enable_prefix_caching else 0
     detokenizer = scheduler.detokenizer  # None: the engine has no tokenizer
     eos = None if detokenizer is None else detokenizer.eos_token_id
-    # The tokenizer (user code) runs in the pass: an interrupt there loses this step's
-    # outputs, but each request keeps its tokens so far, and those marked finished leave
-    # `running` with their blocks (the carry stays None: the next step takes a full pass).
-    # The requests after it stay unadvanced and compute their tokens again in a later step:
-    # the counters count both runs (_uncounted_tokens).
+    # The caller holds a Ctrl-C back (Scheduler.update_from_output) but for the tokenizer
+    # (user code, marked in `user_code`), which it must stop at once: an interrupt there
+    # loses this step's outputs, but each request keeps its tokens so far, and those
+    # marked finished leave `running` with their blocks (the carry stays None: the next
+    # step takes a full pass). The requests after it stay unadvanced and compute their
+    # tokens again in a later step: the counters count both runs (_uncounted_tokens).
+    user_code = scheduler._user_code
     try:
         for request, n, token in zip(
             output.requests, output.num_scheduled_tokens.tolist(), tokens, strict=True
@@ -125,7 +127,11 @@ def apply_sampled_tokens(
                 and (params.stop or params.stream_text)
                 and (status is not stopped or params.include_stop_str_in_output)
             ):
-                string, streamed = detokenizer.read(request)
+                user_code.runs = True
+                try:
+                    string, streamed = detokenizer.read(request)
+                finally:
+                    user_code.runs = False
                 if string is not None:
                     if status is None:
                         finished.append(request)
@@ -145,7 +151,13 @@ def apply_sampled_tokens(
                         carry.needing.append(request)
                 continue
             reason = _FINISH_REASONS[request.status]
-            text = None if detokenizer is None else detokenizer.text(request, stop_reason, streamed)
+            text = None
+            if detokenizer is not None:
+                user_code.runs = True
+                try:
+                    text = detokenizer.text(request, stop_reason, streamed)
+                finally:
+                    user_code.runs = False
             outputs.append(
                 request_output_of(
                     (request.request_id, (token,), True, reason, None, 0, None, stop_reason, text)
@@ -168,7 +180,7 @@ def apply_sampled_tokens(
             num_generated_tokens=num_generated,
         )
         finished = [r for r in finished if r.status is not running]
-        if finished:  # may raise an interrupt: the carry then stays None
+        if finished:  # may raise the connector's interrupt: the carry then stays None
             scheduler._finish(finished)
     scheduler._decode_carry = carry
     return outputs
