@@ -1,7 +1,7 @@
 """Ctrl-C held back while host bookkeeping that must not stop halfway runs.
 
 Python runs a SIGINT handler (KeyboardInterrupt) at the next bytecode that looks for
-signals, which may be any call. Two places may not be cut there:
+signals, which may be any call. These places may not be cut there:
 
 - a jitted call that donates the KV caches (the engine's step program, the KV copier's
   load scatter) deletes them and returns their replacement. A Ctrl-C that arrived while
@@ -11,12 +11,13 @@ signals, which may be any call. Two places may not be cut there:
 - a KV connector's poll() forgets the copies it reports: raised before the scheduler
   applied the report, an interrupt left their blocks held for good;
 - the scheduler's update of a step: cut between a request's computed tokens and its
-  token, it left the request with nothing to compute.
+  token, it left the request with nothing to compute; and its schedule(): cut in the
+  manager's allocation, it left a block half taken off the free queue.
 
 Inside `holding_interrupts()` a SIGINT is recorded instead, and raised again (to the
-handler that was installed) on leaving the block. A held block that calls code of its
-caller's (a tokenizer, a KV connector) marks it with a UserCode, which a Ctrl-C stops at
-once.
+handler that was installed) on leaving the block. A held block that calls user code (a
+tokenizer, a KV connector) marks the call with a UserCode, so that a Ctrl-C still stops
+it at once.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from jaxkv.kv_transfer import KVConnector
 from jaxkv.outputs import RequestOutput
 from jaxkv.request import Request, RequestStatus
 from jaxkv.scheduler_admission import admit_waiting, check_new_request
-from jaxkv.scheduler_discard import discard_batch, keep_unwritten_of
+from jaxkv.scheduler_discard import discard_batch, keep_unwritten_if_unapplied
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput, SchedulerStats, StepBatch
 from jaxkv.scheduler_transfers import TransferTracker
 from jaxkv.scheduler_update import apply_sampled_tokens, checked_sampled_tokens
@@ -138,23 +138,11 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
                 self._decode_carry = None
-                self._uncache_if_unapplied(request)
+                keep_unwritten_if_unapplied(self, request)
             else:
                 self.waiting.remove(request)
             self._transfers.abort(request)
         return True
-
-    def _uncache_if_unapplied(self, request: Request) -> None:
-        """A request aborted between schedule() and update_from_output() or discard():
-        the cache entries of the blocks that step was to write are kept for a discard,
-        which can no longer reach them through the request once they are freed."""
-        out = self._unapplied
-        if out is None:
-            return
-        for i, scheduled in enumerate(out.requests):
-            if scheduled is request:
-                keep_unwritten_of(self, request, int(out.num_computed_tokens[i]))
-                return
 
     def has_unfinished_requests(self) -> bool:
         """True while some request has not finished (running, waiting, loading KV)."""
@@ -179,35 +167,42 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Chooses this step's batch and allocates its blocks. See the module doc. Raises
         RuntimeError (nothing changed) while the previous output holds requests neither
-        update_from_output nor discard has taken: their tokens would be scheduled again."""
+        update_from_output nor discard has taken: their tokens would be scheduled again.
+        An exception from the connector (its interrupt too, raised at once) hands the
+        batch back (discard) and propagates; a Ctrl-C anywhere else is raised once the
+        batch is chosen, for the caller to apply or hand back (discard_unapplied)."""
         pending = self._unapplied
         if pending is not None and pending.num_requests:
             raise RuntimeError(
                 f"schedule(): the previous output's {pending.num_requests} requests are "
                 "neither applied (update_from_output) nor handed back (discard)"
             )
-        self._transfers.apply_events()
-        budget = self.config.max_num_batched_tokens
-        batch = StepBatch()
-        preempted: list[str] = []
-        num_running = None
-        try:
-            budget = self._schedule_running(budget, batch, preempted)
-            num_running = len(batch.requests)
-            if not preempted:
-                admit_waiting(self, budget, batch)
-        except BaseException:  # e.g. a connector's: what was scheduled is handed back
-            self._unapplied = batch.output(tuple(preempted), ())
-            self._num_running_scheduled = (
-                len(batch.requests) if num_running is None else num_running
-            )
-            self.discard(self._unapplied)
-            raise
+        # Cut anywhere else, a Ctrl-C broke the manager's records (a block half taken off
+        # the free queue), left a request admitted outside `running` or preempted outside
+        # `waiting`, or lost the batch whose blocks it cached: raised once it is chosen.
+        with holding_interrupts(passes_on=self._user_code):
+            self._transfers.apply_events()
+            budget = self.config.max_num_batched_tokens
+            batch = StepBatch()
+            preempted: list[str] = []
+            num_running = None
+            try:
+                budget = self._schedule_running(budget, batch, preempted)
+                num_running = len(batch.requests)
+                if not preempted:
+                    admit_waiting(self, budget, batch)
+            except BaseException:  # e.g. a connector's: what was scheduled is handed back
+                self._unapplied = batch.output(tuple(preempted), ())
+                self._num_running_scheduled = (
+                    len(batch.requests) if num_running is None else num_running
+                )
+                self.discard(self._unapplied)
+                raise
 
-        finished, self._finished_ids = tuple(self._finished_ids), []
-        self._unapplied = batch.output(tuple(preempted), finished)
-        self._num_running_scheduled = num_running
-        return self._unapplied
+            finished, self._finished_ids = tuple(self._finished_ids), []
+            self._unapplied = batch.output(tuple(preempted), finished)
+            self._num_running_scheduled = num_running
+            return self._unapplied
 
     def _schedule_running(self, budget: int, batch: StepBatch, preempted: list[str]) -> int:
         """Schedules running requests oldest first; returns the budget left.

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from jaxkv.request import Request
     from jaxkv.scheduler import Scheduler
 
-__all__ = ["discard_batch", "keep_unwritten_of"]
+__all__ = ["discard_batch", "keep_unwritten_if_unapplied", "keep_unwritten_of"]
 
 
 def keep_unwritten_of(scheduler: Scheduler, request: Request, num_written: int) -> None:
@@ -32,6 +32,19 @@ def keep_unwritten_of(scheduler: Scheduler, request: Request, num_written: int) 
     scheduler._unwritten_of_aborted += [
         (b, b.block_hash) for b in blocks if b.block_hash is not None
     ]
+
+
+def keep_unwritten_if_unapplied(scheduler: Scheduler, request: Request) -> None:
+    """keep_unwritten_of for a request aborted between schedule() and
+    update_from_output() or discard(), with the tokens its unapplied step had computed
+    before it; nothing otherwise."""
+    out = scheduler._unapplied
+    if out is None:
+        return
+    for i, scheduled in enumerate(out.requests):
+        if scheduled is request:
+            keep_unwritten_of(scheduler, request, int(out.num_computed_tokens[i]))
+            return
 
 
 def discard_batch(scheduler: Scheduler, output: SchedulerOutput) -> None:

@@ -113,8 +113,13 @@ class TransferTracker:
         if new_ids is None:
             return False
         request.num_computed_tokens = num_hit
+        user_code = self._user_code
         try:
-            self._connector.start_load(request, new_ids[: num_external // m.block_size])
+            user_code.runs = True
+            try:
+                self._connector.start_load(request, new_ids[: num_external // m.block_size])
+            finally:
+                user_code.runs = False
         except BaseException:
             m.free(request)
             request.num_computed_tokens = 0
@@ -137,7 +142,12 @@ class TransferTracker:
         claims, as an int: 0, or whole blocks ending before the request's last token.
         Raises ValueError naming any other answer (None, a bool, a float), changing
         nothing."""
-        answer = self._connector.on_admission(request, num_hit)
+        user_code = self._user_code
+        user_code.runs = True
+        try:
+            answer = self._connector.on_admission(request, num_hit)
+        finally:
+            user_code.runs = False
         return self._check_claim(request, num_hit, answer, least=0)
 
     def _check_claim(self, request: Request, num_hit: int, answer: object, *, least: int) -> int:
