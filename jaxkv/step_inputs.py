@@ -4,6 +4,7 @@ back in schedule order."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -124,27 +125,39 @@ def coarsen_metadata(
 ) -> AttentionMetadata:
     """Re-pads static bounds to coarser buckets, so fewer programs compile.
 
-    `q_len_buckets` bounds every pass's max_q_len, never past md.max_num_tokens (as the
-    metadata builder caps it: no sequence has more query tokens than the step); `level_seqs`
-    pads each cascade level to that many sequence slots. None leaves that part as built.
+    `q_len_buckets` bounds every pass's max_q_len by the smallest of its buckets that holds
+    the pass's longest query (read from its cu_q_lens where a bucket below the bound as
+    built could hold it; a bound past the largest bucket raises ValueError), never past
+    md.max_num_tokens (as the metadata builder caps it: no sequence has more query tokens
+    than the step); `level_seqs` pads each cascade level to that many sequence slots.
+    None leaves that part as built.
     """
     if q_len_buckets is None and level_seqs is None:
         return md
     max_tokens = md.max_num_tokens
 
-    def q_bucket(n: int) -> int:
+    def q_bucket(bound: int, cu_q_lens: np.ndarray) -> int:
         if q_len_buckets is None:
-            return n
-        return min(padded_size(q_len_buckets, n, name="max_q_len (q_len_buckets)"), max_tokens)
+            return bound
+        padded = padded_size(q_len_buckets, bound, name="max_q_len (q_len_buckets)")
+        i = bisect.bisect_left(q_len_buckets, padded)
+        # The built bound is a power of two: a smaller bucket between powers of two may
+        # still hold the longest query (24 of (1, 24, 64) a 20-token one, bound 32). A
+        # bound above 1 means a query of 2 or more, so a bucket of 1 below never does.
+        if bound > 1 and i and q_len_buckets[i - 1] > 1:
+            longest = int((cu_q_lens[1:] - cu_q_lens[:-1]).max())
+            if longest <= q_len_buckets[i - 1]:
+                padded = padded_size(q_len_buckets, max(longest, 1))
+        return min(padded, max_tokens)
 
     levels = tuple(
         dataclasses.replace(
             lv if level_seqs is None else pad_level(lv, level_seqs),
-            max_q_len=q_bucket(lv.max_q_len),
+            max_q_len=q_bucket(lv.max_q_len, lv.cu_q_lens),
         )
         for lv in md.levels
     )
-    return dataclasses.replace(md, max_q_len=q_bucket(md.max_q_len), levels=levels)
+    return dataclasses.replace(md, max_q_len=q_bucket(md.max_q_len, md.cu_q_lens), levels=levels)
 
 
 def gather_input_ids(

@@ -125,6 +125,20 @@ def test_coarsen_rounds_each_query_bound_up_to_its_bucket_and_pads_levels_on_its
         coarsen_metadata(md, (1, 4), None)  # the first level's 5
 
 
+def test_coarsen_pads_each_longest_query_not_the_power_of_two_bound_built_for_it():
+    # The builder pads a 3-token query's bound to 4 and a 5-token group's to 8 (powers of
+    # two); buckets between those powers must hold the queries themselves: 3 and 6, where
+    # padding the built bounds again gave 8 and 8 (more rows of attention per sequence).
+    md = _main(4, (_level([0, 5], [8], [[3, 0]], max_q_len=8),))
+    coarse = coarsen_metadata(md, (1, 3, 6, 8), None)
+    assert coarse.max_q_len == 3 and coarse.levels[0].max_q_len == 6
+    padded = coarsen_metadata(md, (1, 3, 6, 8), 4)  # padded levels: empty slots add nothing
+    assert padded.levels[0].max_q_len == 6
+    # Never below a query, nor above the bound as built.
+    assert coarsen_metadata(_main(4, ()), (1, 2, 8), None).max_q_len == 8
+    assert coarsen_metadata(_main(1, ()), (1, 3, 8), None).max_q_len == 1
+
+
 def test_program_key_tells_apart_every_padded_shape_and_static_field():
     # Engine.num_compiles and StepStats.new_program count distinct keys: metadata padded
     # to another token, sequence or page bucket needs another program.
