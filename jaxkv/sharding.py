@@ -52,11 +52,12 @@ def kv_cache_sharding(mesh: Mesh, axis_name: str = DEFAULT_AXIS) -> NamedShardin
 
     The spec has no trailing None: the step program returns its caches so (jit drops
     trailing Nones), and jit keys its cache on the spec's form, so caches made with
-    P(None, None, axis, None) retraced the first step's program on the second step.
+    P(None, None, axis, None) retraced the first step's program on the second step; over
+    an axis of one device jit returns P() (no split), so P(None, None, axis) missed too.
     ValueError naming `mesh` unless it is a jax.sharding.Mesh, and `axis_name` unless an
     axis of it."""
-    axis_size(mesh, axis_name)  # a str mesh raised AttributeError, a bad axis only at use
-    return NamedSharding(mesh, P(None, None, axis_name))
+    split = axis_size(mesh, axis_name) > 1  # a str mesh raised AttributeError, a bad axis at use
+    return NamedSharding(mesh, P(None, None, axis_name) if split else P())
 
 
 # ---------------------------------------------------------------- attention per shard
