@@ -12,12 +12,15 @@ signals, which may be any call. These places may not be cut there:
   applied the report, an interrupt left their blocks held for good;
 - the scheduler's update of a step: cut between a request's computed tokens and its
   token, it left the request with nothing to compute; and its schedule(): cut in the
-  manager's allocation, it left a block half taken off the free queue.
+  manager's allocation, it left a block half taken off the free queue;
+- a KV connector's on_finish that started a save: raised before the scheduler held the
+  finished request's blocks for it, an interrupt freed them under the save.
 
 Inside `holding_interrupts()` a SIGINT is recorded instead, and raised again (to the
-handler that was installed) on leaving the block. A held block that calls user code (a
-tokenizer, a KV connector) marks the call with a UserCode, so that a Ctrl-C still stops
-it at once.
+handler that was installed) on leaving the block. A held block that calls user code
+marks the call with a UserCode, so that a Ctrl-C still stops it at once, where an
+interrupt out of it leaves nothing to track: a tokenizer, and a KV connector's
+on_admission and start_load (whose interrupt means that no load started).
 """
 
 from __future__ import annotations

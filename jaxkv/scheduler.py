@@ -82,8 +82,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every request not yet released
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        # Set while a tokenizer or the connector runs: a Ctrl-C is held back around the
-        # scheduler's changes, but stops those at once (jaxkv.held_interrupts).
+        # Set while a tokenizer, or the connector's on_admission or start_load, runs: a
+        # Ctrl-C is held back around the scheduler's changes, but stops those at once
+        # (jaxkv.held_interrupts).
         self._user_code = UserCode()
         self._transfers = TransferTracker(self.connector, manager, self._release, self._user_code)
         self._finished_ids: list[str] = []
@@ -349,9 +350,9 @@ class Scheduler:
 
         An interrupt from the tokenizer propagates once the requests it reached are
         applied (those marked finished leave `running`); the running requests after it
-        stay unadvanced and schedule the same tokens again. One from the connector's
-        on_finish propagates once every finished request is finished. A Ctrl-C anywhere
-        else is raised once the update is done (jaxkv.held_interrupts). Either way
+        stay unadvanced and schedule the same tokens again. A Ctrl-C anywhere else, the
+        connector's on_finish included (it may have started a save that reads the
+        blocks), is raised once the update is done (jaxkv.held_interrupts). Either way
         `stats` counts every scheduled request's tokens, computed twice, twice, and
         those of a request aborted since schedule() too (the step ran them; a discard
         drops them).

@@ -62,8 +62,8 @@ class TransferTracker:
         user_code: UserCode | None = None,
     ) -> None:
         self._connector = connector
-        # Set while the connector runs: the scheduler holds Ctrl-C around its changes but
-        # lets it stop the connector at once.
+        # Set while the connector's on_admission or start_load runs: the scheduler holds
+        # Ctrl-C around its changes but lets it stop those at once.
         self._user_code = UserCode() if user_code is None else user_code
         self._manager = manager
         self._release = release  # frees a request's blocks (if any) and forgets it
@@ -203,8 +203,8 @@ class TransferTracker:
     # ---------------------------------------------------------------- finishing
 
     def finish_all(self, finished: Sequence[Request]) -> None:
-        """finish() for each request, in order. An interrupt (KeyboardInterrupt while a
-        save's copy program compiles, say) finishes the rest before it propagates: no
+        """finish() for each request, in order. An interrupt (a KeyboardInterrupt that a
+        connector's on_finish raises itself, say) finishes the rest before it propagates: no
         finished request is left outside both `transferring` and the manager's free list."""
         interrupt: BaseException | None = None
         for request in finished:
@@ -222,15 +222,14 @@ class TransferTracker:
         blocks are freed and a logged warning says why (a warnings filter could turn a
         warning into an exception before they were); an interrupt that is no Exception
         frees them too, then propagates. An answer other than a bool (numpy's is one) is
-        read by its truth, with a logged warning naming it."""
+        read by its truth, with a logged warning naming it.
+
+        Its caller holds a Ctrl-C back through on_finish (Scheduler.update_from_output):
+        raised inside it once the connector had started and recorded the save, it freed
+        the blocks the save still read, and the save's report was then refused."""
         block_ids = self._manager.block_ids(request.request_id)
-        user_code = self._user_code
         try:
-            user_code.runs = True
-            try:
-                held = self._connector.on_finish(request, block_ids)
-            finally:
-                user_code.runs = False
+            held = self._connector.on_finish(request, block_ids)
         except Exception as e:  # noqa: BLE001 - a failed save frees the blocks, as below
             logger.warning(
                 "KV connector on_finish(%r) raised %r; its blocks are freed without saving them",

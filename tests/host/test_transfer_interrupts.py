@@ -17,8 +17,8 @@ BS = 4
 
 
 class _SaveInterrupted(FakeCopier):
-    """A copier whose next start_save raises KeyboardInterrupt (Ctrl-C while the save's
-    gather program compiles, as DeviceKVCopier's first save of a size does)."""
+    """A copier whose next start_save raises KeyboardInterrupt itself (a real Ctrl-C
+    there is held until the update is done: the save may have started)."""
 
     interrupt_next = False
 
@@ -121,3 +121,38 @@ def test_an_interrupt_while_copies_are_polled_loses_no_report():
     assert sched.transferring == {} and sched.manager.num_free_blocks == 31
     assert connector.stats.num_saves == 1 and not sched.has_pending_transfers()
     sched.manager.check_integrity()
+
+
+class _InterruptedOnceSaving(HostOffloadConnector):
+    """A Ctrl-C arrives while its on_finish runs, after it started and recorded the save
+    (Python raises it at the next bytecode that looks for signals)."""
+
+    interrupt_next = False
+
+    def on_finish(self, request, block_ids):
+        held = super().on_finish(request, block_ids)
+        if self.interrupt_next and held:
+            self.interrupt_next = False
+            signal.raise_signal(signal.SIGINT)
+        return held
+
+
+def test_an_interrupt_once_a_save_has_started_holds_its_blocks_until_it_lands():
+    # Raised inside on_finish, after the connector had started the save: the request was
+    # released, its blocks freed (and reused) while the save still read them, and the
+    # save's report made the next schedule() raise ValueError.
+    copier = FakeCopier(32, BS, auto_complete=False)
+    connector = _InterruptedOnceSaving(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    sched = make_scheduler(num_blocks=32, block_size=BS, connector=connector)
+    a = add(sched, "a", range(1, 10), max_tokens=1)
+    connector.interrupt_next = True
+    with pytest.raises(KeyboardInterrupt):
+        step(sched, copier)  # finishes: the Ctrl-C comes as its save starts
+    assert list(sched.transferring) == ["a"] and a.status == RequestStatus.FINISHED_TRANSFERRING
+    assert sched.manager.num_free_blocks == 31 - 3
+    sched.manager.check_integrity()
+    copier.complete()
+    assert run_until_idle(sched, copier) == {}  # the save lands, reported once
+    assert sched.requests == {} and sched.manager.num_free_blocks == 31
+    assert connector.stats.num_saves == 1 and a.status == RequestStatus.FINISHED_LENGTH

@@ -1,6 +1,7 @@
 """A Ctrl-C at any line of Scheduler.update_from_output: each request is applied whole or
 not at all, and the run goes on to the tokens of an uninterrupted one. In the tokenizer
-or the connector's on_finish (user code) it still stops the update at once."""
+(user code) it still stops the update at once; in the connector's on_finish, which may
+have started a save, it waits for the update."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.host._sched_util import add, make_scheduler, token_of
 # The update's own code; its calls into user code are the lines that name them (and
 # the line after each, where a tracer, unlike a signal, can run before the flag is reset).
 FILES = {"scheduler.py", "scheduler_update.py", "scheduler_transfers.py"}
-USER_CALLS = ("detokenizer.read(", "detokenizer.text(", ".on_finish(", "user_code.runs = False")
+USER_CALLS = ("detokenizer.read(", "detokenizer.text(", "user_code.runs = False")
 
 
 def _requests(sched):
@@ -161,14 +162,18 @@ def test_a_ctrl_c_in_the_tokenizer_stops_it_at_once():
     assert a.output_token_ids == [7] and a.num_computed_tokens == 9 and sched.running == [a]
 
 
-def test_a_ctrl_c_in_the_connectors_on_finish_stops_it_at_once():
+def test_a_ctrl_c_in_the_connectors_on_finish_waits_for_the_update():
+    # Let through, it freed the blocks of a save on_finish had started (the save then
+    # read them after another request was given them) and the requests after it
+    # finished without calling on_finish.
     class _Signalling(KVConnector):
-        ran_on = False
+        calls = 0
 
         def on_finish(self, request, block_ids):
-            signal.raise_signal(signal.SIGINT)
-            self.ran_on = True
-            return False
+            self.calls += 1
+            if self.calls == 1:
+                signal.raise_signal(signal.SIGINT)
+            return True  # a save started: the blocks stay held until it is reported
 
     connector = _Signalling()
     sched = make_scheduler(block_size=4, connector=connector)
@@ -177,7 +182,8 @@ def test_a_ctrl_c_in_the_connectors_on_finish_stops_it_at_once():
     out = sched.schedule()
     with pytest.raises(KeyboardInterrupt):
         sched.update_from_output(out, [7, 8])
-    assert not connector.ran_on
-    assert a.status == b.status == RequestStatus.FINISHED_LENGTH  # both finished, released
-    assert not sched.requests and not sched.running
-    assert sched.manager.num_free_blocks == sched.manager.pool.num_blocks - 1
+    assert connector.calls == 2
+    assert a.status == b.status == RequestStatus.FINISHED_TRANSFERRING  # held for the saves
+    assert sorted(sched.transferring) == ["a", "b"] and not sched.running
+    assert sched.manager.num_free_blocks == sched.manager.pool.num_blocks - 1 - 6
+    sched.manager.check_integrity()
