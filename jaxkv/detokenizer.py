@@ -39,6 +39,12 @@ tokenizer's decode of a longer id list extends its decode of a shorter one (byte
 tokenizers do; a Hugging Face decode that cleans up spaces may not, and then the
 finishing output's part starts after as many characters as were streamed).
 
+The tokenizer is user code: read() and text() set a held_interrupts.UserCode just around
+its calls, which Scheduler.update_from_output lets a Ctrl-C stop at once, while it holds
+one back anywhere else. Interrupted there, read() leaves the request's text as it was
+(its next read reads this token's text too); the detokenizer's own bookkeeping is done
+whole or not at all.
+
 A tokenizer that raises (or returns no str) is logged (logger "jaxkv.detokenizer"), not
 raised or warned: the update pass must not stop halfway through a batch, and a warnings
 filter could turn a warning into an exception there. A request whose text the tokenizer
@@ -54,6 +60,7 @@ import logging
 import numbers
 from typing import TYPE_CHECKING
 
+from jaxkv.held_interrupts import UserCode
 from jaxkv.request import RequestStatus
 from jaxkv.stop_strings import MAX_HELD_TOKENS, PROMPT_CONTEXT_TOKENS, DecodedText
 
@@ -105,14 +112,17 @@ class Detokenizer:
                 )
             self.eos_token_id = int(eos)
 
-    def read(self, request: Request) -> tuple[str | None, str | None]:
+    def read(
+        self, request: Request, user_code: UserCode | None = None
+    ) -> tuple[str | None, str | None]:
         """Reads the text of the request's newest output token; call once per new output
         token, after it is appended, for a request with stop strings or stream_text.
         Returns (stop string, streamed text): the stop string the token completed, if
         any (the one that starts first in the text; on a tie, the first listed), and,
         under stream_text, the text it hands out ("" while held back), else None. A
         tokenizer that fails is logged, and the request runs on without its stop strings,
-        streaming None."""
+        streaming None. `user_code` is set just around the tokenizer's calls (module
+        doc; a flag of its own if None)."""
         params = request.sampling_params
         state = request.decoded_text
         if state is None:
@@ -122,7 +132,11 @@ class Detokenizer:
             return None, None
         output = request.output_token_ids
         try:
-            new = state.update(self._decodes[params.skip_special_tokens], request.all_token_ids)
+            new = state.update(
+                self._decodes[params.skip_special_tokens],
+                request.all_token_ids,
+                user_code,
+            )
         except Exception as e:  # noqa: BLE001 - logged; the update pass goes on
             state.failed = True
             logger.warning(
@@ -163,12 +177,16 @@ class Detokenizer:
         return string, streamed
 
     def text(
-        self, request: Request, stop_reason: int | str | None, unsent: str | None = None
+        self,
+        request: Request,
+        stop_reason: int | str | None,
+        unsent: str | None = None,
+        user_code: UserCode | None = None,
     ) -> str | None:
         """The finished `request`'s output text, or under stream_text the part of it not
         streamed yet; `stop_reason` is what its finishing RequestOutput reports, and
         `unsent` what read() streamed for its last token, which no output carried. None
-        (logged) when the tokenizer fails."""
+        (logged) when the tokenizer fails. Changes nothing; `user_code` as in read()."""
         params = request.sampling_params
         include = params.include_stop_str_in_output
         ids = request.all_token_ids
@@ -179,11 +197,12 @@ class Detokenizer:
         num_prompt = request.num_prompt_tokens
         context = max(0, num_prompt - PROMPT_CONTEXT_TOKENS)
         decode = self._decodes[params.skip_special_tokens]
+        flag = UserCode() if user_code is None else user_code
         try:
-            before = _decoded(decode, ids[context:num_prompt])
-            text = _decoded(decode, ids[context:end])
+            before = _decoded(decode, ids[context:num_prompt], flag)
+            text = _decoded(decode, ids[context:end], flag)
             if not by_string and text.endswith("\ufffd"):  # (a found string's text was whole)
-                text = text[: len(text) - _held_chars(decode, ids, num_prompt, end, text)]
+                text = text[: len(text) - _held_chars(decode, ids, num_prompt, end, text, flag)]
         except Exception as e:  # noqa: BLE001 - logged; the update pass goes on
             logger.warning(
                 "tokenizer.decode raised %r on the output of %r: its text is None",
@@ -202,7 +221,9 @@ class Detokenizer:
         return text
 
 
-def _held_chars(decode, ids: list[int], num_prompt: int, end: int, text: str) -> int:
+def _held_chars(
+    decode, ids: list[int], num_prompt: int, end: int, text: str, user_code: UserCode
+) -> int:
     """How many characters at the end of `text`, the text of ids[:end] (decoded after the
     prompt's last tokens), which ends in U+FFFD, come from the last output tokens (at most
     MAX_HELD_TOKENS) whose text a streaming detokenizer would still hold back. Decodes
@@ -210,21 +231,25 @@ def _held_chars(decode, ids: list[int], num_prompt: int, end: int, text: str) ->
     decode to nothing, such as PAD, may lie between a character's bytes), not the whole
     output, unless that start cuts a character (its text is then no end of `text`)."""
     start = max(0, end - MAX_HELD_TOKENS - PROMPT_CONTEXT_TOKENS)
-    whole = kept = _decoded(decode, ids[start:end])
+    whole = kept = _decoded(decode, ids[start:end], user_code)
     if not text.endswith(whole):
         start = max(0, num_prompt - PROMPT_CONTEXT_TOKENS)
         whole = kept = text
     held = end
     while held > num_prompt and end - held < MAX_HELD_TOKENS:
         held -= 1
-        kept = _decoded(decode, ids[start:held])
+        kept = _decoded(decode, ids[start:held], user_code)
         if not kept.endswith("\ufffd"):
             break
     return len(whole) - len(kept)
 
 
-def _decoded(decode, token_ids) -> str:
-    text = decode(token_ids)
+def _decoded(decode, token_ids, user_code: UserCode) -> str:
+    user_code.runs = True
+    try:
+        text = decode(token_ids)
+    finally:
+        user_code.runs = False
     if not isinstance(text, str):
         raise TypeError(f"decode returned {type(text).__name__}, not a str")
     return text

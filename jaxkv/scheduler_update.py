@@ -68,7 +68,8 @@ def apply_sampled_tokens(
     detokenizer = scheduler.detokenizer  # None: the engine has no tokenizer
     eos = None if detokenizer is None else detokenizer.eos_token_id
     # The caller holds a Ctrl-C back (Scheduler.update_from_output) but for the tokenizer
-    # (user code, marked in `user_code`), which it must stop at once: an interrupt there
+    # (user code, which the detokenizer marks in `user_code` just around its calls, so that
+    # its own bookkeeping is whole), which it must stop at once: an interrupt there
     # loses this step's outputs, but each request keeps its tokens so far, and those
     # marked finished leave `running` with their blocks (the carry stays None: the next
     # step takes a full pass). The requests after it stay unadvanced and compute their
@@ -127,11 +128,7 @@ def apply_sampled_tokens(
                 and (params.stop or params.stream_text)
                 and (status is not stopped or params.include_stop_str_in_output)
             ):
-                user_code.runs = True
-                try:
-                    string, streamed = detokenizer.read(request)
-                finally:
-                    user_code.runs = False
+                string, streamed = detokenizer.read(request, user_code)
                 if string is not None:
                     if status is None:
                         finished.append(request)
@@ -153,11 +150,7 @@ def apply_sampled_tokens(
             reason = _FINISH_REASONS[request.status]
             text = None
             if detokenizer is not None:
-                user_code.runs = True
-                try:
-                    text = detokenizer.text(request, stop_reason, streamed)
-                finally:
-                    user_code.runs = False
+                text = detokenizer.text(request, stop_reason, streamed, user_code)
             outputs.append(
                 request_output_of(
                     (request.request_id, (token,), True, reason, None, 0, None, stop_reason, text)

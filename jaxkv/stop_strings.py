@@ -31,6 +31,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Set
 
+from jaxkv.held_interrupts import UserCode
+
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token (vLLM's)
 MAX_HELD_TOKENS = 8  # tokens text may wait for: more than a UTF-8 character's 4 bytes
 # Tokens the decode window may span while a character read cut waits for its other bytes
@@ -82,17 +84,25 @@ class DecodedText:
         self.cut_read = False
         self.streamed = self.unstreamed = 0
 
-    def update(self, decode, token_ids) -> str:
+    def update(self, decode, token_ids, user_code: UserCode | None = None) -> str:
         """The text of `token_ids` (prompt and output) past read_offset; "" while none can
         be read yet (a character cut between tokens waits for the rest, at most
         MAX_HELD_TOKENS tokens). After a forced read that ended in a cut character, the
         character the next tokens complete is read again, whole: its U+FFFD was handed
         out already, and a stop string ending in it must still be found; tokens that add
-        no text meanwhile keep its first bytes in the window (up to MAX_WINDOW_TOKENS)."""
+        no text meanwhile keep its first bytes in the window (up to MAX_WINDOW_TOKENS).
+        `user_code` (a held_interrupts.UserCode; one of its own if None) runs just around
+        the calls of `decode`: an interrupt or exception there changes nothing."""
         if len(token_ids) <= self.read_offset:
             return ""
-        prefix = decode(token_ids[self.prefix_offset : self.read_offset])
-        full = decode(token_ids[self.prefix_offset :])
+        if user_code is None:
+            user_code = UserCode()
+        user_code.runs = True
+        try:
+            prefix = decode(token_ids[self.prefix_offset : self.read_offset])
+            full = decode(token_ids[self.prefix_offset :])
+        finally:
+            user_code.runs = False
         if not isinstance(full, str) or not isinstance(prefix, str):
             raise TypeError(f"decode returned {type(full).__name__}, not a str")
         start = len(prefix)

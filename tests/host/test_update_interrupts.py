@@ -5,7 +5,6 @@ have started a save, it waits for the update."""
 
 from __future__ import annotations
 
-import linecache
 import signal
 
 import pytest
@@ -17,10 +16,10 @@ from jaxkv.models import ByteTokenizer
 from tests.host._line_interrupts import LineInterrupts
 from tests.host._sched_util import add, make_scheduler, token_of
 
-# The update's own code; its calls into user code are the lines that name them (and
-# the line after each, where a tracer, unlike a signal, can run before the flag is reset).
+# The update's own code. None of its lines lets a Ctrl-C through: the detokenizer marks
+# the tokenizer's calls itself (tests/host/test_detokenizer_interrupts), and the
+# connector's on_finish, which may have started a save, is held too.
 FILES = {"scheduler.py", "scheduler_update.py", "scheduler_transfers.py"}
-USER_CALLS = ("detokenizer.read(", "detokenizer.text(", "user_code.runs = False")
 
 
 def _requests(sched):
@@ -129,13 +128,10 @@ def test_a_ctrl_c_at_any_line_of_the_update_leaves_every_request_whole():
         if fired is None:
             break
         assert interrupt is not None, fired
-        path, line = fired[0]
-        in_user_code = any(call in linecache.getline(path, line) for call in USER_CALLS)
-        # Raised at once before the update takes the batch (for discard_unapplied) and
-        # as it calls user code; anywhere else once the update is done.
-        assert _raised_at_once(interrupt) == (untaken or in_user_code), fired
-        if not in_user_code:  # (a tokenizer interrupted may miss a stop string)
-            assert got == expected, fired
+        # Raised at once before the update takes the batch (for discard_unapplied);
+        # anywhere else once the update is done.
+        assert _raised_at_once(interrupt) == untaken, fired
+        assert got == expected, fired
     assert at > 400  # every line of those updates was tried
 
 
