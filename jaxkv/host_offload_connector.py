@@ -22,9 +22,10 @@ from jaxkv.copier_layout import (
 )
 from jaxkv.field_checks import checked_int
 from jaxkv.hashing import BlockHash
+from jaxkv.held_interrupts import UserCode
 from jaxkv.host_block_store import HostBlockStore
 from jaxkv.kv_transfer import KVConnector, KVCopier, TransferEvents, TransferStats
-from jaxkv.offload_transfers import Transfer, checked_future, copy_result
+from jaxkv.offload_transfers import Transfer, check_not_in_flight, copy_result, started
 from jaxkv.request import Request
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class HostOffloadConnector(KVConnector):
         self._saving: set[BlockHash] = set()  # hashes with a save in flight
         self._step = 0
         self._stats = TransferStats()
+        self._user_code = UserCode()  # set around the copier's calls (marks_user_code)
 
     @property
     def host_bytes(self) -> int:
@@ -159,6 +161,12 @@ class HostOffloadConnector(KVConnector):
 
     # ------------------------------------------------------------------ hooks
 
+    def marks_user_code(self, user_code: UserCode) -> bool:
+        """Sets `user_code` just around the copier's start_save and start_load: a copy
+        started is then recorded whole, never freed under it by an interrupt."""
+        self._user_code = user_code
+        return True
+
     def on_finish(self, request: Request, block_ids: Sequence[int]) -> bool:
         """Starts saving the finished request's full blocks the store lacks (True: keep
         them held until poll() reports the save) and refreshes those it holds. Raises
@@ -173,7 +181,7 @@ class HostOffloadConnector(KVConnector):
         req_id = checked_request_id(request)
         copier = self._require_copier()
         block_ids = checked_block_ids(block_ids, f"on_finish({req_id!r})", self._num_blocks)
-        self._check_not_in_flight("on_finish", req_id, self._saves)
+        check_not_in_flight("on_finish", req_id, self._saves)
         if self.host_bytes < self._layout.bytes_per_block:
             return False
         hashes = request.update_block_hashes(self._layout.block_size, self._layout.hash_seed)
@@ -188,7 +196,8 @@ class HostOffloadConnector(KVConnector):
         picked.reverse()
         future = None
         if picked:
-            future = checked_future(copier, "start_save", copier.start_save([b for b, _ in picked]))
+            ids = [b for b, _ in picked]
+            future = started(copier, "start_save", self._user_code, ids)
         for h in stored:  # used again, once start_save did not raise: refresh them
             self._store.touch(h)
         if future is None:
@@ -247,7 +256,7 @@ class HostOffloadConnector(KVConnector):
         req_id = checked_request_id(request)
         copier = self._require_copier()
         block_ids = checked_block_ids(block_ids, f"start_load({req_id!r})", self._num_blocks)
-        self._check_not_in_flight("start_load", req_id, self._loads)
+        check_not_in_flight("start_load", req_id, self._loads)
         bs = self._layout.block_size
         first, rem = divmod(request.num_computed_tokens, bs)
         all_hashes = request.update_block_hashes(bs, self._layout.hash_seed)
@@ -266,7 +275,7 @@ class HostOffloadConnector(KVConnector):
             # Inside the try: out of host memory here, the store kept the blocks, and
             # each later admission claimed them and could raise the same way again.
             data = np.stack([self._store[h] for h in hashes])
-            future = checked_future(copier, "start_load", copier.start_load(block_ids, data))
+            future = started(copier, "start_load", self._user_code, block_ids, data)
         except Exception:
             self._load_failed(hashes, serials)  # or every later admission fails the same way
             raise
@@ -361,13 +370,6 @@ class HostOffloadConnector(KVConnector):
         for h, serial in zip(hashes, serials, strict=True):
             self._store.drop(h, serial)
         self._count(num_failed_loads=1)
-
-    @staticmethod
-    def _check_not_in_flight(hook: str, req_id: str, transfers: dict[str, Transfer]) -> None:
-        """ValueError while a copy of `req_id` is in `transfers`: a second one would
-        replace its record, its hashes marked as being saved for good, its end unreported."""
-        if req_id in transfers:
-            raise ValueError(f"{hook}({req_id!r}): a copy of that request is in flight")
 
     def _evict(self) -> None:
         limit = self.host_bytes // max(self._layout.bytes_per_block, 1)

@@ -40,12 +40,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from jaxkv.closable import try_each_noted
 from jaxkv.request import Request
+
+if TYPE_CHECKING:
+    from jaxkv.held_interrupts import UserCode
 
 
 class KVCopier(Protocol):
@@ -117,6 +120,16 @@ class KVConnector:
 
     def unbind(self, copier: KVCopier) -> None:
         """Called by Engine.close, with the copier it bound, once no copy is in flight."""
+
+    def marks_user_code(self, user_code: UserCode) -> bool:
+        """Called by the Scheduler that drives this connector with the flag it lets a
+        Ctrl-C through on (jaxkv.held_interrupts.UserCode); it holds one back anywhere
+        else. False (this base): the scheduler sets it around each call of on_admission
+        and start_load (on_finish is always held: a save it started must stay held). True:
+        the connector sets it itself, just around the code it calls that it does not own
+        (HostOffloadConnector: its copier), so that an interrupt never cuts its own
+        bookkeeping, such as a copy started but not recorded."""
+        return False
 
     def on_finish(self, request: Request, block_ids: Sequence[int]) -> bool:
         """True to keep the finished request's blocks held until poll() reports its save;

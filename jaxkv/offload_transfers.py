@@ -8,6 +8,7 @@ import reprlib
 from concurrent.futures import Future
 
 from jaxkv.hashing import BlockHash
+from jaxkv.held_interrupts import UserCode
 
 
 @dataclasses.dataclass
@@ -30,6 +31,27 @@ def copy_result(future: Future):
     if error is not None and not isinstance(error, Exception):
         raise RuntimeError(f"the copy ended with {error!r}") from error
     return future.result()
+
+
+def started(copier: object, method: str, user_code: UserCode, *args) -> Future:
+    """The copy that `copier`'s `method` starts with `args`, its Future checked
+    (checked_future). `user_code` is set just around the call: the copier is the
+    connector's user code, which a holding scheduler lets a Ctrl-C stop at once, while
+    the connector's bookkeeping before and after it is held, done whole."""
+    call = getattr(copier, method)
+    user_code.runs = True
+    try:
+        answer = call(*args)
+    finally:
+        user_code.runs = False
+    return checked_future(copier, method, answer)
+
+
+def check_not_in_flight(hook: str, req_id: str, transfers: dict[str, Transfer]) -> None:
+    """ValueError while a copy of `req_id` is in `transfers`: a second one would
+    replace its record, its hashes marked as being saved for good, its end unreported."""
+    if req_id in transfers:
+        raise ValueError(f"{hook}({req_id!r}): a copy of that request is in flight")
 
 
 def checked_future(copier: object, method: str, answer: object) -> Future:

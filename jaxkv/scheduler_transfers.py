@@ -63,8 +63,12 @@ class TransferTracker:
     ) -> None:
         self._connector = connector
         # Set while the connector's on_admission or start_load runs: the scheduler holds
-        # Ctrl-C around its changes but lets it stop those at once.
+        # Ctrl-C around its changes but lets it stop those at once. A connector that marks
+        # its user code itself (its copier's calls) takes the flag: those hooks then set
+        # one that nothing reads.
         self._user_code = UserCode() if user_code is None else user_code
+        if connector.marks_user_code(self._user_code):
+            self._user_code = UserCode()
         self._manager = manager
         self._release = release  # frees a request's blocks (if any) and forgets it
         self.transferring: dict[str, Request] = {}  # finished or aborted, blocks held
