@@ -32,6 +32,7 @@ from benchmarks.json_report import write_json  # noqa: E402
 from kernels_pallas.gpu.aot import SHARED_BYTES_PER_BLOCK as SHARED_LIMIT  # noqa: E402
 from kernels_pallas.gpu.aot import compile_triton_call, lower_kernel_call  # noqa: E402
 from kernels_pallas.gpu.tuning import default_config  # noqa: E402
+from kernels_pallas.precision import compute_dtype  # noqa: E402
 
 KINDS = {  # tokens, sequences, kernel keywords
     "decode": (256, 256, {"max_q_len": 1}),
@@ -49,18 +50,23 @@ DTYPES = {
     "f32": (jnp.float32, jnp.float32),
     "bf16/int8": (jnp.bfloat16, jnp.int8),
     "bf16/fp8": (jnp.bfloat16, jnp.float8_e4m3fn),
+    "bf16/f32": (jnp.bfloat16, jnp.float32),  # a float32 cache under a bfloat16 model
 }
 PAGE_SIZE, PAGES_PER_SEQ, NUM_PAGES = 16, 64, 256
 
 
 def tiling(kind: str, heads: str, dtypes: str):
+    """The default tiling the kernel takes for this point: default_config sized, as the
+    kernel sizes it, by the dots' dtype (kernels_pallas.precision.compute_dtype: float32
+    for bfloat16 queries over a float32 cache), not the queries'."""
     tokens, seqs, kw = KINDS[kind]
     num_q_heads, num_kv_heads, head_dim = HEADS[heads]
     q_dtype, kv_dtype = DTYPES[dtypes]
     return default_config(
         max_num_tokens=tokens, max_num_seqs=seqs, max_q_len=kw.get("max_q_len"),
         num_kv_heads=num_kv_heads, group=num_q_heads // num_kv_heads, head_dim=head_dim,
-        q_itemsize=jnp.dtype(q_dtype).itemsize, kv_itemsize=jnp.dtype(kv_dtype).itemsize,
+        q_itemsize=compute_dtype(q_dtype, kv_dtype).itemsize,
+        kv_itemsize=jnp.dtype(kv_dtype).itemsize,
         page_size=PAGE_SIZE, pages_per_seq=PAGES_PER_SEQ,
     )  # fmt: skip
 
