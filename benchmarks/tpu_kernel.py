@@ -2,13 +2,15 @@
 
 One run:
 
-1. checks the kernel against `kernels_pallas.reference` on the device (mixed prefill and
-   decode with GQA, the non-causal prefix pass, int8 KV), records the worst errors and
+1. checks the kernel against `kernels_pallas.reference` on the device
+   (benchmarks/tpu_kernel_checks.py: mixed prefill and decode with GQA, the non-causal
+   prefix pass, over --kv-dtype pages, and int8 KV), records the worst errors and
    judges them (benchmarks/reference_errors.py; a failed check makes the exit status 1);
 2. measures the device's copy bandwidth (a large elementwise copy, read + write);
 3. for B decode requests (B in {8, 32, 128}) that share a P-token prefix (P in {256, 1024,
    4096}) and own S more tokens each (S in {16, 128, 1024}), with Llama-3-8B heads (32
-   query heads, 8 KV heads, head_dim 128), bfloat16, page size 16, times
+   query heads, 8 KV heads, head_dim 128), bfloat16 queries (--dtype) over a cache of
+   --kv-dtype (default: the queries' dtype), page size 16, times
    - flat: one kernel call over each request's whole page table (B * (P + S) KV tokens),
    - cascade: prefix pass (one non-causal sequence holding all B queries over the shared
      pages) + suffix pass + LSE merge, i.e. `kernels_pallas.reference.cascade_attention`
@@ -17,11 +19,15 @@ One run:
    (benchmarks/output_agreement.py: a disagreement makes the exit status 1);
 5. prints a table and writes `tpu_kernel.json` to --out.
 
-Bandwidth is the bytes the method must move (benchmarks/attention_bytes.py: KV, queries,
-outputs, and cascade's partial results and merge) divided by its time, reported as a
+Bandwidth is the bytes the method must move (benchmarks/attention_bytes.py: KV at the
+cache's itemsize, queries and outputs at the queries', and cascade's float32 partial
+results and merge) divided by its time, reported as a
 fraction of the chip's peak HBM bandwidth (PEAK_HBM_BANDWIDTH, by TPU generation) and of
 the measured copy bandwidth. The goals: flat decode at >= 80% of peak at large batch;
 cascade within 1.3x of its bytes bound (cascade bytes / peak), the `vs_bound` column.
+Queries narrower than the cache (bfloat16 over float32) compute in the cache's dtype
+(kernels_pallas.precision): --dtype bfloat16 --kv-dtype float32 times that cost, against
+a --kv-dtype bfloat16 run's.
 Each timing runs --reps calls inside one jitted loop (queries perturbed per iteration so
 XLA cannot hoist the call out of the loop), so dispatch overhead is amortised.
 
@@ -64,7 +70,7 @@ from benchmarks.cli_args import (  # noqa: E402
 from benchmarks.decode_units import units_of  # noqa: E402
 from benchmarks.json_report import write_json  # noqa: E402
 from benchmarks.output_agreement import agreement  # noqa: E402
-from benchmarks.reference_errors import errors_against_reference  # noqa: E402
+from benchmarks.tpu_kernel_checks import check  # noqa: E402
 from kernels_pallas import reference  # noqa: E402
 from kernels_pallas.tpu import (  # noqa: E402
     TUNED_BLOCK_SIZES,
@@ -132,15 +138,16 @@ def decode_table(rng, batch, prefix, suffix, *, page_size) -> tuple[np.ndarray, 
     return table, prefix_pages, num_pages
 
 
-def decode_inputs(rng, batch, prefix, suffix, *, page_size, heads, dtype):
+def decode_inputs(rng, batch, prefix, suffix, *, page_size, heads, dtype, kv_dtype=None):
     """Decode batch over `decode_table` pages: (q, kv_pages, kv_lens, page_indices,
-    cu_q_lens, num_seqs) and the number of shared pages. KV is drawn on the device so
-    large caches never cross the host."""
+    cu_q_lens, num_seqs) and the number of shared pages; queries of `dtype`, pages of
+    `kv_dtype` (default `dtype`). KV is drawn on the device so large caches never cross
+    the host."""
     num_q_heads, num_kv_heads, head_dim = heads
     table, prefix_pages, num_pages = decode_table(rng, batch, prefix, suffix, page_size=page_size)
     key_kv, key_q = jax.random.split(jax.random.key(int(rng.integers(1 << 30))))
     kv_shape = (num_pages, page_size, 2 * num_kv_heads, head_dim)
-    kv_pages = jax.random.normal(key_kv, kv_shape, jnp.float32).astype(dtype)
+    kv_pages = jax.random.normal(key_kv, kv_shape, jnp.float32).astype(kv_dtype or dtype)
     q = jax.random.normal(key_q, (batch, num_q_heads, head_dim), jnp.float32).astype(dtype)
     args = (
         q,
@@ -179,52 +186,16 @@ def cascade_agreement(fns, inputs, prefix_pages: int, dtype) -> dict:
     return agreement(outs["cascade"], outs["flat"], dtype)
 
 
-def check(kernel, *, heads, dtype, page_size, interpret: bool) -> dict:
-    """Worst |kernel - reference| over valid rows of a few small cases, on this device,
-    and whether each is within benchmarks.reference_errors' tolerances."""
-    num_q_heads, num_kv_heads, head_dim = heads
-    rng = np.random.default_rng(1)
-    seq_lens = [(1, 300), (17, 17), (5, 100), (1, 33)] if not interpret else [(1, 40), (7, 7)]
-    max_kv = max(kv for _, kv in seq_lens)
-    pages_per_seq = -(-max_kv // page_size)
-    num_pages = 1 + len(seq_lens) * pages_per_seq
-    table = 1 + rng.permutation(num_pages - 1).reshape(len(seq_lens), pages_per_seq)
-    kv_f32 = rng.standard_normal((num_pages, page_size, 2 * num_kv_heads, head_dim))
-    num_tokens = sum(ql for ql, _ in seq_lens)
-    q = jnp.asarray(rng.standard_normal((num_tokens, num_q_heads, head_dim)), dtype)
-    cu = jnp.asarray(np.cumsum([0] + [ql for ql, _ in seq_lens]), jnp.int32)
-    kv_lens = jnp.asarray([kv for _, kv in seq_lens], jnp.int32)
-    n = jnp.array([len(seq_lens)], jnp.int32)
-    sm_scale = head_dim**-0.5
-    int8 = np.clip(np.round(kv_f32 * 40), -127, 127)
-    cases = {
-        "mixed": (jnp.asarray(kv_f32, dtype), {}, True, (kv_lens, table, cu, n)),
-        "int8": (jnp.asarray(int8, jnp.int8), dict(k_scale=0.025, v_scale=0.025), True, None),
-        "prefix_pass": (
-            jnp.asarray(kv_f32, dtype),
-            {},
-            False,
-            (kv_lens[:1], table[:1], jnp.array([0, num_tokens], jnp.int32), jnp.ones(1, jnp.int32)),
-        ),
-    }
-    errors = {}
-    for name, (kv, scales, causal, meta) in cases.items():
-        meta = (kv_lens, table, cu, n) if meta is None else meta
-        meta = tuple(jnp.asarray(m, jnp.int32) for m in meta)
-        opts = dict(sm_scale=sm_scale, causal=causal, **scales)
-        got = kernel(q, kv, *meta, **opts)
-        want = reference.ragged_paged_attention(q, kv, *meta, **opts)
-        errors[name] = errors_against_reference(got, want, valid_rows=int(meta[2][-1]))
-    return errors
-
-
 def run(args) -> tuple[list[dict], dict]:
     heads = (args.q_heads, args.kv_heads, args.head_dim)
-    dtype = jnp.dtype(args.dtype)
+    dtype, kv_dtype = jnp.dtype(args.dtype), jnp.dtype(args.kv_dtype)
     kernel = functools.partial(
         ragged_paged_attention, interpret=args.smoke, tpu_generation=args.tpu_generation
     )
-    errors = check(kernel, heads=heads, dtype=dtype, page_size=args.page_size, interpret=args.smoke)
+    errors = check(
+        kernel, heads=heads, dtype=dtype, kv_dtype=kv_dtype, page_size=args.page_size,
+        interpret=args.smoke,
+    )  # fmt: skip
     print("max |kernel - reference| on this device:", json.dumps(errors))
     peak = PEAK_HBM_BANDWIDTH.get(args.generation)
     copy_bw = copy_bandwidth(1 << 24 if args.smoke else 1 << 29)
@@ -232,10 +203,10 @@ def run(args) -> tuple[list[dict], dict]:
         f"device {jax.devices()[0].device_kind} (generation {args.generation}), peak HBM "
         f"{peak / 1e9 if peak else float('nan'):.0f} GB/s, copy {copy_bw / 1e9:.1f} GB/s"
     )
-    kv_bytes_per_token = 2 * args.kv_heads * args.head_dim * dtype.itemsize
+    kv_bytes_per_token = 2 * args.kv_heads * args.head_dim * kv_dtype.itemsize
     sizes = dict(
         num_q_heads=args.q_heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-        kv_itemsize=dtype.itemsize, q_itemsize=dtype.itemsize,
+        kv_itemsize=kv_dtype.itemsize, q_itemsize=dtype.itemsize,
     )  # fmt: skip
     sm_scale = args.head_dim**-0.5
     fns = methods(sm_scale, kernel)
@@ -245,6 +216,7 @@ def run(args) -> tuple[list[dict], dict]:
         f"{'KV x':>7} {'all x':>7} | {'flat GB/s':>9} {'%peak':>6} | {'casc GB/s':>9} "
         f"{'vs_bound':>8} | agree"
     )
+    print(f"queries {dtype.name}, KV cache {kv_dtype.name}")
     print(header)
     print("-" * len(header))
     results = []
@@ -253,7 +225,7 @@ def run(args) -> tuple[list[dict], dict]:
             for suffix in args.suffix:
                 inputs, prefix_pages = decode_inputs(
                     rng, batch, prefix, suffix, page_size=args.page_size, heads=heads,
-                    dtype=dtype,
+                    dtype=dtype, kv_dtype=kv_dtype,
                 )  # fmt: skip
                 times = {}
                 for name, fn in fns.items():
@@ -299,7 +271,8 @@ def run(args) -> tuple[list[dict], dict]:
         block_sizes=TUNED_BLOCK_SIZES[args.tpu_generation].__dict__,
         peak_hbm_bandwidth=peak, copy_bandwidth=copy_bw, reference_errors=errors,
         q_heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-        page_size=args.page_size, dtype=str(dtype), reps=args.reps, smoke=args.smoke,
+        page_size=args.page_size, dtype=str(dtype), kv_dtype=str(kv_dtype), reps=args.reps,
+        smoke=args.smoke,
     )  # fmt: skip
     return results, meta
 
@@ -310,11 +283,12 @@ def lower_full_size(args) -> None:
     prefix_pages = prefix // args.page_size
     pages_per_seq = prefix_pages + -(-suffix // args.page_size)
     num_pages = 1 + prefix_pages + batch * (pages_per_seq - prefix_pages)
-    dtype = jnp.dtype(args.dtype)
+    dtype, kv_dtype = jnp.dtype(args.dtype), jnp.dtype(args.kv_dtype)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    kv_shape = (num_pages, args.page_size, 2 * args.kv_heads, args.head_dim)
     specs = (
         jax.ShapeDtypeStruct((batch, args.q_heads, args.head_dim), dtype),
-        jax.ShapeDtypeStruct((num_pages, args.page_size, 2 * args.kv_heads, args.head_dim), dtype),
+        jax.ShapeDtypeStruct(kv_shape, kv_dtype),
         i32(batch),
         i32(batch, pages_per_seq),
         i32(batch + 1),
@@ -326,7 +300,10 @@ def lower_full_size(args) -> None:
         text = f.trace(*specs).lower(lowering_platforms=("tpu",)).as_text()
         calls = text.count("tpu_custom_call")
         assert calls, f"{name}: no Mosaic call in the lowered module"
-        print(f"lowered {name} B={batch} P={prefix} S={suffix} for TPU: {calls} Mosaic call(s)")
+        print(
+            f"lowered {name} B={batch} P={prefix} S={suffix}, {dtype.name} queries over a "
+            f"{kv_dtype.name} cache, for TPU: {calls} Mosaic call(s)"
+        )
 
 
 def check_kernel_shapes(parser: argparse.ArgumentParser, args) -> None:
@@ -342,7 +319,13 @@ def check_kernel_shapes(parser: argparse.ArgumentParser, args) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_decode_grid_args(parser, heads=(32, 8, 128), page_flag="--page-size")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="the queries'"
+    )
+    parser.add_argument(
+        "--kv-dtype", choices=["float32", "bfloat16"],
+        help="the KV cache's (default: --dtype's); the bytes bound counts its itemsize",
+    )  # fmt: skip
     parser.add_argument("--reps", type=positive_int, default=20)
     parser.add_argument(
         "--tpu-generation", default=None, choices=sorted(TUNED_BLOCK_SIZES),
@@ -354,6 +337,7 @@ def main(argv=None) -> int:
     )  # fmt: skip
     parser.add_argument("--out", type=out_dir, default=RESULTS_DIR, help="folder (%(default)s)")
     args = parser.parse_args(argv)
+    args.kv_dtype = args.kv_dtype or args.dtype
     args.generation = detect_tpu_generation()
     args.tpu_generation = args.tpu_generation or (
         args.generation if args.generation in TUNED_BLOCK_SIZES else "default"

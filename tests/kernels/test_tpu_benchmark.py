@@ -143,3 +143,83 @@ def test_shapes_the_kernel_refuses_are_refused_by_flag_before_the_run(
         bench.main(["--smoke", "--out", str(tmp_path), *argv])
     assert message in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def _smoke_with_the_reference(monkeypatch, tmp_path, argv):
+    """main(--smoke *argv) with the reference standing in for the kernel (quick); returns
+    its JSON and the (q, kv_pages) dtypes of every kernel call."""
+    import json
+
+    from kernels_pallas import reference
+
+    calls = set()
+
+    def kernel(q, kv_pages, *args, interpret, tpu_generation, **kw):
+        calls.add((q.dtype.name, kv_pages.dtype.name))
+        return reference.ragged_paged_attention(q, kv_pages, *args, **kw)
+
+    monkeypatch.setattr(bench, "ragged_paged_attention", kernel)
+    monkeypatch.setattr(bench, "lower_full_size", lambda args: None)
+    monkeypatch.setattr(bench, "PEAK_HBM_BANDWIDTH", {None: 1e12})  # a peak off TPU too
+    assert bench.main(["--smoke", "--out", str(tmp_path), *argv]) == 0
+    return json.loads((tmp_path / "tpu_kernel.json").read_text()), calls
+
+
+def test_kv_dtype_sets_the_cache_and_the_bytes_apart_from_the_queries(
+    monkeypatch, tmp_path, capsys
+):
+    # --dtype set queries and cache together: bfloat16 queries over a float32 cache (whose
+    # dots run in float32) could not be timed, and the bytes bound took q's itemsize.
+    from benchmarks.attention_bytes import decode_bytes
+
+    argv = ["--dtype", "bfloat16", "--kv-dtype", "float32"]
+    report, calls = _smoke_with_the_reference(monkeypatch, tmp_path, argv)
+    assert calls == {("bfloat16", "float32"), ("bfloat16", "int8")}  # int8: its check
+    assert report["meta"]["dtype"] == "bfloat16" and report["meta"]["kv_dtype"] == "float32"
+    (row,) = report["results"]
+    b, p, s, hq, hkv, d = row["batch"], row["prefix"], row["suffix"], 8, 2, 128  # --smoke's
+    assert row["flat_kv_bytes"] == b * (p + s) * 2 * hkv * d * 4
+    sizes = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, kv_itemsize=4, q_itemsize=2)
+    assert row["flat_total_bytes"] == decode_bytes(b, p, s, **sizes, cascade=False)
+    assert row["cascade_total_bytes"] == decode_bytes(b, p, s, **sizes, cascade=True)
+    assert row["cascade_vs_bytes_bound"] == pytest.approx(
+        row["cascade_s"] / (row["cascade_total_bytes"] / 1e12)
+    )
+    assert "queries bfloat16, KV cache float32" in capsys.readouterr().out
+
+
+def test_kv_dtype_defaults_to_the_queries(monkeypatch, tmp_path):
+    report, calls = _smoke_with_the_reference(monkeypatch, tmp_path, ["--dtype", "float32"])
+    assert calls == {("float32", "float32"), ("float32", "int8")}
+    assert report["meta"]["kv_dtype"] == "float32"
+    (row,) = report["results"]
+    assert row["flat_kv_bytes"] == row["batch"] * (row["prefix"] + row["suffix"]) * 2 * 2 * 128 * 4
+
+
+def test_the_checks_take_bfloat16_queries_over_a_float32_cache_in_the_interpreter():
+    import functools
+
+    import jax.numpy as jnp
+
+    from benchmarks.tpu_kernel_checks import check
+
+    kernel = functools.partial(bench.ragged_paged_attention, interpret=True)
+    errors = check(
+        kernel, heads=(4, 2, 128), dtype=jnp.bfloat16, kv_dtype=jnp.float32, page_size=16,
+        interpret=True,
+    )  # fmt: skip
+    assert set(errors) == {"mixed", "int8", "prefix_pass"}
+    assert all(e["ok"] for e in errors.values()), errors
+
+
+def test_smoke_lowers_bfloat16_queries_over_a_float32_cache_for_tpu(capsys):
+    import argparse
+
+    args = argparse.Namespace(
+        full_batch=[4], full_prefix=[32], full_suffix=[16], page_size=16, q_heads=8,
+        kv_heads=2, head_dim=128, dtype="bfloat16", kv_dtype="float32",
+        tpu_generation="default",
+    )  # fmt: skip
+    bench.lower_full_size(args)
+    out = capsys.readouterr().out
+    assert out.count("bfloat16 queries over a float32 cache, for TPU") == 2  # flat, cascade
