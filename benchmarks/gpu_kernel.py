@@ -27,11 +27,11 @@ One run (under 5 minutes on an H100/H200):
 Bandwidth is the bytes the method must move divided by time (benchmarks/attention_bytes.py:
 KV, B*(P+S) tokens for the flat kernels and JAX's, P + B*S tokens for cascade, plus
 queries, outputs, and cascade's partial results and merge); fractions are of the
-measured copy bandwidth. Each timed call runs `--reps` kernel calls in one jitted
-program on distinct queries, and, when the KV of one call would fit in L2, on distinct
-copies of the cache (a call never reads what an earlier call of its program left in
-L2); before each timed program a buffer twice the size of L2 is written, untimed, so no
-program starts warm.
+measured copy bandwidth (benchmarks/gpu_timing.py). Each timed call runs `--reps` kernel
+calls in one jitted program on distinct queries, and, when the KV of one call would fit
+in L2, on distinct copies of the cache (a call never reads what an earlier call of its
+program left in L2); before each timed program a buffer twice the size of L2 is
+written, untimed, so no program starts warm.
 
     python benchmarks/gpu_kernel.py --out results/            # on the GPU
     python benchmarks/gpu_kernel.py --out /tmp/smoke --smoke  # CPU: interpret mode, tiny
@@ -39,23 +39,20 @@ program starts warm.
 --smoke runs every method in interpret mode on a tiny case and checks it, then lowers
 one full-size configuration of every method for CUDA (B=64, P=8192, S=128, with the
 flags' --page-size and --jax-k-splits; no GPU needed). The methods and
-their lowering are in gpu_kernel_methods.py, the correctness checks in gpu_kernel_checks.py.
+their lowering are in gpu_kernel_methods.py, the correctness checks in gpu_kernel_checks.py,
+the inputs in gpu_kernel_inputs.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import math
 import pathlib
-import statistics
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -73,6 +70,7 @@ from benchmarks.gpu_kernel_checks import (  # noqa: E402
     disagreeing_cells,
     outputs_agreement,
 )
+from benchmarks.gpu_kernel_inputs import decode_tables, kv_pool  # noqa: E402
 from benchmarks.gpu_kernel_methods import (  # noqa: E402
     HEAD_DIM,
     NUM_KV_HEADS,
@@ -84,91 +82,12 @@ from benchmarks.gpu_kernel_methods import (  # noqa: E402
     split_kv,
 )
 from benchmarks.gpu_kernel_report import goals, print_table, ratios  # noqa: E402
+from benchmarks.gpu_timing import cache_copies, copy_bandwidth, time_call  # noqa: E402
 from benchmarks.json_report import write_json  # noqa: E402
 
-L2_BYTES = 64 * 2**20  # a little above the 50 MiB L2 of an H100/H200
 GRID = [(b, p, s) for b in (8, 64, 128) for p in (1024, 8192) for s in (128, 1024)]
 SMOKE_CELL = (2, 32, 16)  # (B, P, S) of --smoke's one cell and sweep
 SWEEP_CELL = (64, 8192, 128)
-
-
-# ----------------------------------------------------------------------------- inputs
-
-
-def _kv_pool(key, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype):
-    shape = (num_pages, page_size, 2 * num_kv_heads, head_dim)
-    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
-
-
-def decode_tables(b: int, p: int, s: int, page_size: int, *, shared: bool, copies: int):
-    """(tables i32[copies, b, pages_per_seq], pages_per_copy): page 0 stays the null page.
-
-    Request i's context is P prefix tokens then S own tokens. With `shared` the prefix
-    pages are one physical run used by every request, as with prefix caching.
-    """
-    prefix_pages, own_pages = p // page_size, math.ceil(s / page_size)
-    pages_per_seq = prefix_pages + own_pages
-    table = np.zeros((b, pages_per_seq), np.int32)
-    nxt = 1
-    if shared:
-        table[:, :prefix_pages] = np.arange(nxt, nxt + prefix_pages)
-        nxt += prefix_pages
-    for i in range(b):
-        start = 0 if not shared else prefix_pages
-        n = pages_per_seq - start
-        table[i, start:] = np.arange(nxt, nxt + n)
-        nxt += n
-    pages_per_copy = nxt
-    tables = np.stack([table + c * pages_per_copy for c in range(copies)])
-    return tables, pages_per_copy
-
-
-def _copies_for(kv_bytes: int, reps: int) -> int:
-    return max(1, min(reps, math.ceil(4 * L2_BYTES / max(kv_bytes, 1))))
-
-
-def time_call(fn, args, repeats: int, *, flush_l2: bool = False) -> tuple[float, object]:
-    """Median seconds of `repeats` runs of fn(*args) after a warm-up, and its output.
-
-    flush_l2: before each timed run, untimed, write a buffer twice the size of L2, so no
-    run reads what the previous one left in L2."""
-    out = jax.block_until_ready(fn(*args))  # compile and warm up
-    flush = _l2_flush() if flush_l2 else None
-    times = []
-    for _ in range(repeats):
-        if flush is not None:
-            flush()
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
-
-
-@functools.cache
-def _l2_flush():
-    buffer = jnp.zeros((L2_BYTES,), jnp.bfloat16)  # 2 * L2_BYTES bytes
-    touch = jax.jit(lambda x: x + 1)
-    return lambda: jax.block_until_ready(touch(buffer))
-
-
-# ----------------------------------------------------------------------------- timing
-
-
-def copy_bandwidth(nbytes: int, repeats: int = 10, reps: int = 4) -> dict[str, float]:
-    """Bytes per second (read + write) of x + 1 over nbytes, by dtype name.
-
-    Each timed program runs `reps` of them on distinct arrays, as the kernels are timed,
-    so one dispatch is spread over several. XLA's bfloat16 elementwise loop is slower
-    than its float32 one, so the best of the two stands for what the device can copy."""
-    measured = {}
-    for dtype in (jnp.bfloat16, jnp.float32):
-        n = nbytes // jnp.dtype(dtype).itemsize
-        xs = [jnp.full((n,), i, dtype) for i in range(reps)]
-        f = jax.jit(lambda xs: [x + 1 for x in xs])
-        t, _ = time_call(f, (xs,), repeats)
-        measured[jnp.dtype(dtype).name] = 2 * nbytes * reps / t
-        del xs
-    return measured
 
 
 def bench_config(b, p, s, *, page_size, reps, repeats, interpret, heads, dtype, jax_k_splits):
@@ -201,9 +120,9 @@ def bench_config(b, p, s, *, page_size, reps, repeats, interpret, heads, dtype, 
     for layout in ("unique", "shared"):
         shared = layout == "shared"
         pool_bytes_one = (b * s + (p if shared else b * p)) * token_bytes
-        copies = _copies_for(pool_bytes_one, reps)
+        copies = cache_copies(pool_bytes_one, reps)
         tables, pages_per_copy = decode_tables(b, p, s, page_size, shared=shared, copies=copies)
-        kv = _kv_pool(keys[1 if shared else 2], copies * pages_per_copy, page_size, hkv, d, dtype)
+        kv = kv_pool(keys[1 if shared else 2], copies * pages_per_copy, page_size, hkv, d, dtype)
         tbl = [jnp.asarray(tables[r % copies]) for r in range(reps)]
 
         def run_flat(qs, kv, tbl):
@@ -257,7 +176,7 @@ def sweep(b, p, s, *, page_size, reps, repeats, copy_bps, deadline, heads, inter
     flat_bytes = decode_bytes(b, p, s, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                               kv_itemsize=2, q_itemsize=2, cascade=False)  # fmt: skip
     tables, pages_per_copy = decode_tables(b, p, s, page_size, shared=False, copies=1)
-    kv = _kv_pool(jax.random.key(3), pages_per_copy, page_size, hkv, d, jnp.bfloat16)
+    kv = kv_pool(jax.random.key(3), pages_per_copy, page_size, hkv, d, jnp.bfloat16)
     qs = jax.random.normal(jax.random.key(4), (reps, b, hq, d), jnp.float32).astype(jnp.bfloat16)
     table = jnp.asarray(tables[0])
     kv_lens = jnp.full((b,), p + s, jnp.int32)
