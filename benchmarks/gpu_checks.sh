@@ -6,7 +6,9 @@
 #      each test's result is logged as it ends, so a stage cut by its limit still says
 #      which tests ran;
 #   3. benchmarks/gpu_kernel.py: the kernel checked against the reference on the device,
-#      then flat, cascade and JAX's paged attention timed against the copy bandwidth;
+#      then flat, cascade and JAX's paged attention timed against the copy bandwidth, with
+#      bfloat16 queries over a bfloat16 cache, and at B=64, P=8192, S=128 also over a
+#      float32 cache (float32 dots), right after, for the cost of that pair;
 #   4. benchmarks/serve.py, cascade against flat with prefix caching: the tiny model as in
 #      the README's CPU table, then Llama-3.2-1B shapes under a 2048-token system prompt,
 #      with decode steps run on 128 token slots rather than padded to 2048.
@@ -14,7 +16,9 @@
 # gpu_kernel.json, gpu_kernel.log, serve.log, serve_tiny.json and serve_1b.json. Each stage
 # has a time limit in seconds (GPU_TEST_S, GPU_BENCH_S, GPU_SERVE_S, GPU_SERVE_1B_S), so
 # one stuck stage cannot eat the others' time. Exits non-zero when a stage failed. On an
-# H200 the stages took about 200, 95, 30 and 60 seconds (jax 0.11.2, 16 CPU cores).
+# H200 the stages took about 200, 95, 30 and 60 seconds (jax 0.11.2, 16 CPU cores), before
+# the float32-cache cell and its three checks were added to the gpu_kernel stage (its
+# limits are 10 s longer for them).
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_checks.sh     # from the repository root
 set -u
@@ -42,8 +46,9 @@ print(jax.devices())'"
 stage tests "${GPU_TEST_S:-300}" "$OUT/pytest.log" "$PY" -m pytest -n "${GPU_TEST_WORKERS:-8}" \
     --dist loadfile tests -o addopts= -v -rfE --durations=25 --junitxml="$OUT/pytest.xml"
 
-stage gpu_kernel "${GPU_BENCH_S:-130}" "$OUT/gpu_kernel.log" "$PY" benchmarks/gpu_kernel.py \
-    --out "$OUT" --max-seconds "${GPU_BENCH_CONFIG_S:-80}"
+stage gpu_kernel "${GPU_BENCH_S:-140}" "$OUT/gpu_kernel.log" "$PY" benchmarks/gpu_kernel.py \
+    --out "$OUT" --max-seconds "${GPU_BENCH_CONFIG_S:-90}" \
+    --kv-dtype bfloat16 float32 --kv-dtype-cells 64,8192,128
 
 configs=cascade+prefix_cache,flat+prefix_cache
 stage serve_tiny "${GPU_SERVE_S:-60}" "$OUT/serve.log" "$PY" benchmarks/serve.py \

@@ -2,7 +2,8 @@
 
 Run on the device by benchmarks/gpu_kernel.py before it times anything (interpreted in
 its --smoke run): decode, mixed prefill/decode with shuffled page tables, soft cap and
-sliding window, int8 and float8 KV, and the non-causal prefix pass of cascade attention.
+sliding window, and the non-causal prefix pass of cascade attention over each float cache
+dtype the run times, and int8 and float8 KV.
 A check that raises is reported as failed, except the kernel's own refusal of float8
 pages on a GPU older than compute capability 8.9, which is reported as unsupported.
 After the timings, the methods' outputs on the inputs they were timed on are judged
@@ -46,8 +47,13 @@ def _random_ragged(key, seq_lens, *, page_size, num_q_heads, num_kv_heads, head_
     return q, kv, jnp.asarray(kv_lens), jnp.asarray(table), jnp.asarray(cu)
 
 
-def device_checks(*, interpret: bool, small: bool) -> list[dict]:
-    """Kernel vs the jnp reference on the device; bf16 queries, bounds 2e-2 on out."""
+# The float cases' names tag the query/cache pair ("bf16": bfloat16 over bfloat16).
+_CACHE_TAGS = {"bfloat16": "bf16", "float16": "bf16/f16", "float32": "bf16/f32"}
+
+
+def device_checks(*, interpret: bool, small: bool, kv_dtypes=("bfloat16",)) -> list[dict]:
+    """Kernel vs the jnp reference on the device; bf16 queries, bounds 2e-2 on out. The
+    float cases run over a cache of each of `kv_dtypes` (names of float dtypes)."""
     heads = (4, 2, 64) if small else (NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM)
     hq, hkv, d = heads
     if small:
@@ -62,13 +68,19 @@ def device_checks(*, interpret: bool, small: bool) -> list[dict]:
     num_seqs = jnp.array([len(seq_lens)], jnp.int32)
     sm_scale = d**-0.5
     int8_kv = jnp.clip(jnp.round(kv * 40), -127, 127).astype(jnp.int8)
-    bf16_kv = kv.astype(jnp.bfloat16)
     # The cascade prefix pass: one sequence holding every query token, no causal mask.
     one_seq = (kv_lens[:1], table[:1], jnp.array([0, q.shape[0]], jnp.int32), num_seqs * 0 + 1)
     all_seqs = (kv_lens, table, cu, num_seqs)
-    cases = [
-        ("mixed_bf16_causal", bf16_kv, all_seqs, {}),
-        ("mixed_bf16_softcap_window", bf16_kv, all_seqs, {"soft_cap": 30.0, "sliding_window": 128}),
+    cases = []
+    for kv_dtype in kv_dtypes:
+        tag, float_kv = _CACHE_TAGS[kv_dtype], kv.astype(kv_dtype)
+        window = {"soft_cap": 30.0, "sliding_window": 128}
+        cases += [
+            (f"mixed_{tag}_causal", float_kv, all_seqs, {}),
+            (f"mixed_{tag}_softcap_window", float_kv, all_seqs, window),
+            (f"prefix_pass_{tag}_noncausal", float_kv, one_seq, {"causal": False}),
+        ]
+    cases += [
         ("int8_kv", int8_kv, all_seqs, {"k_scale": 1 / 40, "v_scale": 1 / 40}),
         (
             "float8_e4m3_kv",
@@ -76,7 +88,6 @@ def device_checks(*, interpret: bool, small: bool) -> list[dict]:
             all_seqs,
             {"k_scale": 0.5, "v_scale": 0.5},
         ),
-        ("prefix_pass_noncausal", bf16_kv, one_seq, {"causal": False}),
     ]
     return [
         _check_one(name, (q, kv_c, *meta), dict(sm_scale=sm_scale, **kw), interpret)

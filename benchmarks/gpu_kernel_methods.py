@@ -3,7 +3,9 @@
 - flat: the Pallas GPU ragged paged attention kernel, one pass over each request's pages;
 - cascade: prefix pass + suffix pass + LSE merge
   (`kernels_pallas.reference.cascade_attention(attention_fn=kernel)`);
-- jax_paged: `jax.experimental.pallas.ops.gpu.paged_attention`, JAX's own kernel.
+- jax_paged: `jax.experimental.pallas.ops.gpu.paged_attention`, JAX's own kernel, with
+  queries in the dtype this kernel's dots take (kernels_pallas.precision), as its dots
+  take one dtype for both operands.
 
 `lower_full_size` lowers each at a full-size configuration from abstract shapes, so the
 CPU-only smoke run proves every method compiles to Triton without a GPU.
@@ -20,6 +22,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
 from kernels_pallas import reference
 from kernels_pallas.gpu import cuda_lowering_target, ragged_paged_attention
+from kernels_pallas.precision import compute_dtype
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 
@@ -42,13 +45,15 @@ def cascade_fn(q, kv, kv_lens, table, cu, num_seqs, *, num_prefix_pages, sm_scal
 def jax_paged_fn(q, k_pages, v_pages, table, lengths, *, sm_scale, interpret, k_splits):
     # JAX's kernel applies no softmax scale: fold it into q. Its pages_per_sequence must
     # be a multiple of k_splits * pages_per_compute_block; padded columns read page 0,
-    # masked by `lengths`.
+    # masked by `lengths`. Its dots refuse two dtypes (bfloat16 q, float32 pages): q
+    # takes the dtype ours compute in, the output q's.
     block = k_splits * 8
     table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % block)))
-    q = (q.astype(jnp.float32) * sm_scale).astype(q.dtype)
-    return jax_paged.paged_attention(
-        q, k_pages, v_pages, table, lengths, k_splits=k_splits, interpret=interpret
+    scaled = (q.astype(jnp.float32) * sm_scale).astype(compute_dtype(q.dtype, k_pages.dtype))
+    out = jax_paged.paged_attention(
+        scaled, k_pages, v_pages, table, lengths, k_splits=k_splits, interpret=interpret
     )
+    return out.astype(q.dtype)
 
 
 def split_kv(kv):
@@ -56,17 +61,17 @@ def split_kv(kv):
     return kv[:, :, 0::2].transpose(2, 0, 1, 3), kv[:, :, 1::2].transpose(2, 0, 1, 3)
 
 
-def lower_full_size(b=64, p=8192, s=128, page_size=16, k_splits=16) -> dict:
+def lower_full_size(b=64, p=8192, s=128, page_size=16, k_splits=16, kv_dtype="bfloat16") -> dict:
     """Lowers every method at one full-size configuration for CUDA from abstract shapes:
-    pages of `page_size` tokens, JAX's kernel with `k_splits`."""
-    dt = jnp.bfloat16
+    bfloat16 queries over pages of `page_size` tokens of `kv_dtype`, JAX's kernel with
+    `k_splits`."""
     pps = p // page_size + math.ceil(s / page_size)
     num_pages = b * pps + 1
     sds = jax.ShapeDtypeStruct
-    q = sds((b, NUM_Q_HEADS, HEAD_DIM), dt)
-    kv = sds((num_pages, page_size, 2 * NUM_KV_HEADS, HEAD_DIM), dt)
+    q = sds((b, NUM_Q_HEADS, HEAD_DIM), jnp.bfloat16)
+    kv = sds((num_pages, page_size, 2 * NUM_KV_HEADS, HEAD_DIM), kv_dtype)
     i32 = lambda *shape: sds(shape, jnp.int32)
-    kvh = sds((NUM_KV_HEADS, num_pages, page_size, HEAD_DIM), dt)
+    kvh = sds((NUM_KV_HEADS, num_pages, page_size, HEAD_DIM), kv_dtype)
     sm = HEAD_DIM**-0.5
     fns = {
         "flat": (
@@ -90,7 +95,8 @@ def lower_full_size(b=64, p=8192, s=128, page_size=16, k_splits=16) -> dict:
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         out[name] = text.count("__gpu$xla.gpu.triton")
         print(
-            f"lowered {name} for cuda at B={b} P={p} S={s}, pages of {page_size}: "
+            f"lowered {name} for cuda at B={b} P={p} S={s}, pages of {page_size} "
+            f"({jnp.dtype(kv_dtype).name}): "
             f"{out[name]} Triton call(s)"
         )
     return out

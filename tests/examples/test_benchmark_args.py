@@ -100,6 +100,24 @@ def test_gpu_kernel_refuses_a_page_size_its_own_cells_do_not_fill(tmp_path, caps
     assert named in capsys.readouterr().err and not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--kv-dtype", "float32", "float32"], "--kv-dtype float32 float32: each dtype once"),
+        (["--kv-dtype-cells", "2,32,16"], "--kv-dtype-cells needs a second --kv-dtype"),
+        (["--kv-dtype", "bfloat16", "float32", "--kv-dtype-cells", "64,8192,128"],
+         "--kv-dtype-cells [(64, 8192, 128)]: not cells of the grid [(2, 32, 16)]"),
+        (["--kv-dtype", "int8"], "--kv-dtype: invalid choice: 'int8'"),
+    ],
+)  # fmt: skip
+def test_gpu_kernel_refuses_kv_dtypes_it_cannot_time_before_the_run(
+    tmp_path, capsys, argv, message
+):
+    with pytest.raises(SystemExit):
+        gpu_kernel.main(["--out", str(tmp_path / "out"), "--smoke", "--no-sweep", *argv])
+    assert message in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
 def test_out_file_refuses_a_folder_and_out_dir_refuses_a_file(tmp_path):
     from benchmarks.cli_args import out_dir, out_file
 
@@ -242,8 +260,8 @@ def test_gpu_kernel_smoke_lowers_the_full_size_calls_with_the_flags_page_size(
     lowered = []
     stubs = dict(
         device_checks=lambda **kw: [], copy_bandwidth=lambda *a, **kw: {"float32": 1.0},
-        bench_config=lambda *a, **kw: dict(B=2, P=32, S=16, cascade_agrees=True,
-                                           jax_agrees=True),
+        bench_config=lambda *a, **kw: dict(B=2, P=32, S=16, kv_dtype="bfloat16",
+                                           cascade_agrees=True, jax_agrees=True),
         print_table=lambda *a: None, goals=lambda *a: {}, ratios=lambda *a: {},
         lower_full_size=lambda **kw: lowered.append(kw) or {},
     )  # fmt: skip
@@ -251,7 +269,7 @@ def test_gpu_kernel_smoke_lowers_the_full_size_calls_with_the_flags_page_size(
         monkeypatch.setattr(gpu_kernel, name, stub)
     argv = ["--out", str(tmp_path), "--smoke", "--no-sweep", "--page-size", "8"]
     assert gpu_kernel.main([*argv, "--jax-k-splits", "4"]) == 0
-    assert lowered == [{"page_size": 8, "k_splits": 4}]
+    assert lowered == [{"page_size": 8, "k_splits": 4, "kv_dtype": "bfloat16"}]
 
 
 def test_gpu_kernel_json_names_the_heads_its_rows_were_timed_with(tmp_path, monkeypatch):
@@ -262,7 +280,7 @@ def test_gpu_kernel_json_names_the_heads_its_rows_were_timed_with(tmp_path, monk
     stubs = dict(
         device_checks=lambda **kw: [], copy_bandwidth=lambda *a, **kw: {"float32": 1.0},
         bench_config=lambda *a, heads, **kw: timed.append(heads) or dict(
-            B=2, P=32, S=16, cascade_agrees=True, jax_agrees=True),
+            B=2, P=32, S=16, kv_dtype="bfloat16", cascade_agrees=True, jax_agrees=True),
         print_table=lambda *a: None, goals=lambda *a: {}, ratios=lambda *a: {},
         lower_full_size=lambda **kw: {},
     )  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import jax.numpy as jnp
 import pytest
 
 from benchmarks import gpu_kernel
@@ -12,7 +13,7 @@ from benchmarks import gpu_kernel
 # One cell's timings: flat over unique pages 200 us at 3e12 B/s, over shared pages 150 us,
 # cascade 50 us, JAX's kernel 300 us; a copy bandwidth of 4e12 B/s.
 TIMED = dict(
-    B=64, P=8192, S=128, flat_unique_us=200.0, flat_unique_bytes_per_s=3e12,
+    B=64, P=8192, S=128, kv_dtype="bfloat16", flat_unique_us=200.0, flat_unique_bytes_per_s=3e12,
     flat_shared_us=150.0, cascade_us=50.0, cascade_bytes_per_s=1e12, jax_paged_us=300.0,
     cascade_vs_flat_max_abs=1e-3, jax_vs_flat_max_abs=2e-3, cascade_agrees=True,
     jax_agrees=True,
@@ -61,3 +62,88 @@ def test_a_run_that_measured_no_cell_fails(tmp_path, monkeypatch, capsys):
     assert gpu_kernel.main(argv) == 1
     assert "FAIL: no cell measured" in capsys.readouterr().out
     assert json.loads((tmp_path / "gpu_kernel.json").read_text())["rows"] == []
+
+
+def _run_with_stub_cells(tmp_path, monkeypatch, argv, *, gpu: bool = False):
+    """gpu_kernel.main(argv) with every measurement stubbed: each cell times flat 100 us
+    over a bfloat16 cache and 250 us over a float32 one. Returns the (B, P, S, kv dtype)
+    of the cells in the order they were timed, the kv_dtypes the checks were given, and
+    the JSON."""
+    timed, checked = [], []
+
+    def bench_config(b, p, s, *, dtype, kv_dtype, **kw):
+        assert jnp.dtype(dtype) == jnp.bfloat16
+        timed.append((b, p, s, jnp.dtype(kv_dtype).name))
+        us = 250.0 if jnp.dtype(kv_dtype) == jnp.float32 else 100.0
+        return dict(TIMED, B=b, P=p, S=s, kv_dtype=jnp.dtype(kv_dtype).name,
+                    flat_unique_us=us, flat_kv_bytes=us * 10)  # fmt: skip
+
+    stubs = dict(
+        device_checks=lambda **kw: checked.append(kw["kv_dtypes"]) or [],
+        copy_bandwidth=lambda *a, **kw: {"float32": 4e12}, bench_config=bench_config,
+        lower_full_size=lambda **kw: {}, sweep=lambda *a, **kw: [],
+    )  # fmt: skip
+    for name, stub in stubs.items():
+        monkeypatch.setattr(gpu_kernel, name, stub)
+    if gpu:  # a full run's grid and flags, on the CPU
+        device = type("Device", (), {"platform": "gpu", "device_kind": "stub"})()
+        monkeypatch.setattr(gpu_kernel.jax, "devices", lambda: [device])
+    assert gpu_kernel.main(["--out", str(tmp_path), *argv]) == 0
+    return timed, checked, json.loads((tmp_path / "gpu_kernel.json").read_text())
+
+
+def test_kv_dtypes_after_the_first_are_timed_at_their_cells_right_after_the_first(
+    tmp_path, monkeypatch, capsys
+):
+    # The benchmark timed bfloat16 queries over a bfloat16 cache only: what the float32
+    # dots of a float32 cache cost (kernels_pallas.precision) was not measured.
+    argv = ["--smoke", "--no-sweep", "--only", "8,1024,128;64,8192,128;128,8192,128"]
+    argv += ["--kv-dtype", "bfloat16", "float32", "--kv-dtype-cells", "64,8192,128"]
+    timed, checked, report = _run_with_stub_cells(tmp_path, monkeypatch, argv)
+    assert timed == [
+        (8, 1024, 128, "bfloat16"), (64, 8192, 128, "bfloat16"), (64, 8192, 128, "float32"),
+        (128, 8192, 128, "bfloat16"),
+    ]  # fmt: skip
+    assert checked == [["bfloat16", "float32"]]
+    assert report["dtype"] == "bfloat16" and report["kv_dtypes"] == ["bfloat16", "float32"]
+    assert [r["kv_dtype"] for r in report["rows"]] == ["bfloat16"] * 2 + ["float32", "bfloat16"]
+    (cost,) = report["kv_dtype_costs"]
+    assert (cost["B"], cost["P"], cost["S"], cost["kv_dtype"]) == (64, 8192, 128, "float32")
+    assert cost["flat_unique_time_ratio"] == pytest.approx(2.5)
+    assert cost["flat_kv_bytes_ratio"] == pytest.approx(2.5)
+    # The goals are the first cache's: 100 us flat at 3e12 B/s of a 4e12 copy.
+    assert report["goals"]["flat_decode_fraction_of_copy_B64_P8192_S128"] == pytest.approx(0.75)
+    lines = capsys.readouterr().out.splitlines()
+    (f32_line,) = [x for x in lines if x.split()[:4] == ["64", "8192", "128", "float32"]]
+    assert f32_line.split("|")[1].split()[0] == "250.0"
+    (head,) = [x for x in lines if x.split()[:3] == ["B", "P", "S"]]
+    assert head.split("|")[0].split() == ["B", "P", "S", "kv"]
+
+
+def test_every_cell_is_timed_over_each_kv_dtype_without_kv_dtype_cells(tmp_path, monkeypatch):
+    argv = ["--smoke", "--no-sweep", "--kv-dtype", "float32", "bfloat16"]
+    timed, checked, report = _run_with_stub_cells(tmp_path, monkeypatch, argv)
+    assert timed == [(2, 32, 16, "float32"), (2, 32, 16, "bfloat16")]
+    (cost,) = report["kv_dtype_costs"]  # over the first, float32
+    assert cost["kv_dtype"] == "bfloat16" and cost["flat_unique_time_ratio"] == pytest.approx(0.4)
+
+
+def test_gpu_checks_sh_times_a_float32_cache_beside_the_bfloat16_one(tmp_path, monkeypatch):
+    # The script a GPU run executes: its gpu_kernel stage, flags as written (shell
+    # defaults taken), times B=64, P=8192, S=128 over a float32 cache right after the
+    # bfloat16 one, and every other cell of the grid over bfloat16 only.
+    import re
+    import shlex
+    from pathlib import Path
+
+    script = (Path(__file__).parents[2] / "benchmarks" / "gpu_checks.sh").read_text()
+    (stage,) = re.findall(r"^stage gpu_kernel .*?(?<!\\)\n", script, re.S | re.M)
+    words = shlex.split(stage.replace("\\\n", " "))
+    argv = words[words.index("benchmarks/gpu_kernel.py") + 1 :]
+    argv = [re.sub(r"^\$\{\w+:-(.*)\}$", r"\1", w) for w in argv]
+    argv = [str(tmp_path) if w == "$OUT" else w for w in argv]
+    timed, _, _ = _run_with_stub_cells(tmp_path, monkeypatch, [*argv, "--no-sweep"], gpu=True)
+    float32 = [cell for cell in timed if cell[3] == "float32"]
+    assert float32 == [(64, 8192, 128, "float32")]
+    assert timed[timed.index(float32[0]) - 1] == (64, 8192, 128, "bfloat16")
+    assert len(timed) == len(gpu_kernel.GRID) + 1
