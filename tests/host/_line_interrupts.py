@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dis
+import linecache
 import pathlib
 import signal
 import sys
@@ -57,3 +58,17 @@ class LineInterrupts:
                 f = f.f_back
             signal.raise_signal(signal.SIGINT)
         return self._line
+
+
+def fired_in(fired: list[tuple[str, int]], calls: tuple[str, ...]) -> bool:
+    """Whether the innermost line `fired` names one of `calls` (source text fragments)."""
+    path, line = fired[0]
+    return any(call in linecache.getline(path, line) for call in calls)
+
+
+def raised_at_once(error: BaseException) -> bool:
+    """Raised where the signal came (LineInterrupts), not once a held block ended."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != __file__:
+        tb = tb.tb_next
+    return tb is not None

@@ -5,11 +5,9 @@ Only the copier's calls (user code) are stopped at once."""
 
 from __future__ import annotations
 
-import linecache
-
 from jaxkv import RequestStatus
 from jaxkv.host_offload_connector import HostOffloadConnector
-from tests.host._line_interrupts import LineInterrupts
+from tests.host._line_interrupts import LineInterrupts, fired_in, raised_at_once
 from tests.host._sched_util import FakeCopier, add, make_scheduler, step
 
 BS = 4
@@ -48,19 +46,6 @@ def _assert_copies_recorded(sched, connector, copier):
     assert set(connector._loads) <= set(sched._transfers._loading)
 
 
-def _in_user_code(fired) -> bool:
-    path, line = fired[0]
-    return any(call in linecache.getline(path, line) for call in USER_CALLS)
-
-
-def _raised_at_once(error: BaseException) -> bool:
-    """Raised where the signal came (LineInterrupts), not once a held block ended."""
-    tb = error.__traceback__
-    while tb is not None and not tb.tb_frame.f_code.co_filename.endswith("_line_interrupts.py"):
-        tb = tb.tb_next
-    return tb is not None
-
-
 def _run(at):
     """a and b finish and are saved; c, a's prompt and more, loads a's blocks back (the
     device prefix cache is off); a SIGINT at the `at`-th line of the connector's code."""
@@ -85,13 +70,13 @@ def _run(at):
             assert interrupt is None and lines.fired
             interrupt = e
             sched.discard_unapplied()
-        if lines.fired is None or not _in_user_code(lines.fired):
+        if lines.fired is None or not fired_in(lines.fired, USER_CALLS):
             _assert_copies_recorded(sched, connector, copier)
         copier.complete()
     assert not sched.requests and not sched.has_pending_transfers()
     assert c.status is RequestStatus.FINISHED_LENGTH
     assert sched.manager.num_free_blocks == 31
-    if lines.fired is None or not _in_user_code(lines.fired):
+    if lines.fired is None or not fired_in(lines.fired, USER_CALLS):
         assert not connector.has_pending()
     return lines.fired, interrupt, connector.stats.num_loads
 
@@ -111,7 +96,7 @@ def test_a_ctrl_c_in_the_connector_never_loses_a_copy_it_started():
         assert interrupt is not None, fired
         # At once in the copier's calls; in the connector's own code once the scheduler's
         # update or schedule() is done (poll()'s report is applied whole either way).
-        in_copier = _in_user_code(fired)
-        assert not _raised_at_once(interrupt) or in_copier, fired
-        assert _raised_at_once(interrupt) or not in_copier, fired
+        in_copier = fired_in(fired, USER_CALLS)
+        assert not raised_at_once(interrupt) or in_copier, fired
+        assert raised_at_once(interrupt) or not in_copier, fired
     assert at > 300  # every line of the connector's code in the run was tried

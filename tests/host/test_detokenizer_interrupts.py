@@ -10,12 +10,10 @@ finishing part), as the update would have put them in the outputs."""
 
 from __future__ import annotations
 
-import linecache
-
 from jaxkv import RequestStatus
 from jaxkv.detokenizer import Detokenizer
 from jaxkv.models import ByteTokenizer
-from tests.host._line_interrupts import LineInterrupts
+from tests.host._line_interrupts import LineInterrupts, fired_in, raised_at_once
 from tests.host._sched_util import add, make_scheduler
 
 PAD, EOS = ByteTokenizer.pad_id, ByteTokenizer.eos_id
@@ -109,14 +107,6 @@ def _run(at):
     return lines.fired, interrupt, got
 
 
-def _raised_at_once(error: BaseException) -> bool:
-    """Raised where the signal came (LineInterrupts), not once a held block ended."""
-    tb = error.__traceback__
-    while tb is not None and not tb.tb_frame.f_code.co_filename.endswith("_line_interrupts.py"):
-        tb = tb.tb_next
-    return tb is not None
-
-
 def test_a_ctrl_c_in_the_detokenizer_streams_each_character_once_and_finds_each_string():
     # Let through after DecodedText.update moved its offsets, but before the tail and
     # the streamed count took the new text, a Ctrl-C dropped that text: never streamed,
@@ -137,10 +127,8 @@ def test_a_ctrl_c_in_the_detokenizer_streams_each_character_once_and_finds_each_
         if fired is None:
             break
         assert interrupt is not None, fired
-        path, line = fired[0]
-        in_user_code = any(call in linecache.getline(path, line) for call in USER_CALLS)
-        if in_user_code:  # (a tokenizer interrupted may find a string a token later)
+        if fired_in(fired, USER_CALLS):  # (a tokenizer interrupted may find a string later)
             continue
         assert got == expected, fired
-        assert not _raised_at_once(interrupt), fired  # raised once the update is done
+        assert not raised_at_once(interrupt), fired  # raised once the update is done
     assert at > 300  # every line of the detokenizer's code in every update was tried

@@ -5,14 +5,13 @@ connector (user code) it still stops schedule() at once."""
 
 from __future__ import annotations
 
-import linecache
 import signal
 
 import pytest
 
 from jaxkv import RequestStatus
 from jaxkv.kv_transfer import KVConnector
-from tests.host._line_interrupts import LineInterrupts
+from tests.host._line_interrupts import LineInterrupts, fired_in, raised_at_once
 from tests.host._sched_util import FakeCopier, OracleLoadConnector, add, make_scheduler, step
 
 # schedule()'s own code (the manager's calls from it are each tried as a whole); its
@@ -66,19 +65,6 @@ def _assert_consistent(sched, requests):
 TRIED_STEPS = (1, 2)  # d admitted as l's load starts; d preempted as l's load lands
 
 
-def _in_user_code(fired) -> bool:
-    path, line = fired[0]
-    return any(call in linecache.getline(path, line) for call in USER_CALLS)
-
-
-def _raised_at_once(error: BaseException) -> bool:
-    """Raised where the signal came (LineInterrupts), not once a held block ended."""
-    tb = error.__traceback__
-    while tb is not None and not tb.tb_frame.f_code.co_filename.endswith("_line_interrupts.py"):
-        tb = tb.tb_next
-    return tb is not None
-
-
 def _run(at, steps=TRIED_STEPS):
     """Runs the requests to the end, a SIGINT at the `at`-th line of the code of the
     schedule() calls of `steps` (to the interrupt's step only, if in the connector, whose
@@ -102,11 +88,11 @@ def _run(at, steps=TRIED_STEPS):
             chosen = sched._unapplied is not None
             sched.discard_unapplied()
             _assert_consistent(sched, requests)
-            if _in_user_code(lines.fired):  # stopped at once, the batch handed back
-                assert _raised_at_once(interrupt) and not chosen, lines.fired
+            if fired_in(lines.fired, USER_CALLS):  # stopped at once, the batch handed back
+                assert raised_at_once(interrupt) and not chosen, lines.fired
             else:  # raised at once only before anything changed, else once chosen
-                assert _raised_at_once(interrupt) != chosen, lines.fired
-            if _in_user_code(lines.fired):
+                assert raised_at_once(interrupt) != chosen, lines.fired
+            if fired_in(lines.fired, USER_CALLS):
                 return lines.fired, None
     _assert_consistent(sched, requests)
     assert sched.manager.num_free_blocks == sched.manager.pool.num_blocks - 1

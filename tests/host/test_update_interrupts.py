@@ -13,7 +13,7 @@ from jaxkv import RequestStatus
 from jaxkv.detokenizer import Detokenizer
 from jaxkv.kv_transfer import KVConnector
 from jaxkv.models import ByteTokenizer
-from tests.host._line_interrupts import LineInterrupts
+from tests.host._line_interrupts import LineInterrupts, raised_at_once
 from tests.host._sched_util import add, make_scheduler, token_of
 
 # The update's own code. None of its lines lets a Ctrl-C through: the detokenizer marks
@@ -102,14 +102,6 @@ def _run(at):
     return lines.fired, interrupt, untaken, outputs
 
 
-def _raised_at_once(error: BaseException) -> bool:
-    """Raised where the signal came (LineInterrupts), not once a held block ended."""
-    tb = error.__traceback__
-    while tb is not None and not tb.tb_frame.f_code.co_filename.endswith("_line_interrupts.py"):
-        tb = tb.tb_next
-    return tb is not None
-
-
 def test_a_ctrl_c_at_any_line_of_the_update_leaves_every_request_whole():
     # A Ctrl-C between a request's computed tokens and its token's append left it with
     # nothing to compute (the next step scheduled 0 tokens), between the two appends
@@ -130,7 +122,7 @@ def test_a_ctrl_c_at_any_line_of_the_update_leaves_every_request_whole():
         assert interrupt is not None, fired
         # Raised at once before the update takes the batch (for discard_unapplied);
         # anywhere else once the update is done.
-        assert _raised_at_once(interrupt) == untaken, fired
+        assert raised_at_once(interrupt) == untaken, fired
         assert got == expected, fired
     assert at > 400  # every line of those updates was tried
 
