@@ -16,6 +16,14 @@ from tests.host._util import make_request, prefill
 BS = 4
 
 
+def _offloading(connector_type: type[HostOffloadConnector], copier: FakeCopier):
+    """A connector of `connector_type` holding 64 of `copier`'s blocks, bound to it, and
+    a 32-block scheduler that drives it."""
+    connector = connector_type(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    return connector, make_scheduler(num_blocks=32, block_size=BS, connector=connector)
+
+
 class _SaveInterrupted(FakeCopier):
     """A copier whose next start_save raises KeyboardInterrupt itself (a real Ctrl-C
     there is held until the update is done: the save may have started)."""
@@ -31,9 +39,7 @@ class _SaveInterrupted(FakeCopier):
 
 def test_an_interrupt_in_on_finish_frees_that_request_and_still_finishes_the_others():
     copier = _SaveInterrupted(32, BS)
-    connector = HostOffloadConnector(64 * copier.bytes_per_block)
-    connector.bind(copier, block_size=BS, hash_seed=0)
-    sched = make_scheduler(num_blocks=32, block_size=BS, connector=connector)
+    connector, sched = _offloading(HostOffloadConnector, copier)
     a = add(sched, "a", range(1, 10), max_tokens=1)
     b = add(sched, "b", range(20, 29), max_tokens=1)
     copier.interrupt_next = True
@@ -108,9 +114,7 @@ def test_an_interrupt_while_copies_are_polled_loses_no_report():
     # Raised inside poll(), after the connector had dropped the copies it reported: their
     # blocks stayed held for good (drain_transfers and close timed out forever).
     copier = FakeCopier(32, BS, auto_complete=False)
-    connector = _InterruptedAfterPoll(64 * copier.bytes_per_block)
-    connector.bind(copier, block_size=BS, hash_seed=0)
-    sched = make_scheduler(num_blocks=32, block_size=BS, connector=connector)
+    connector, sched = _offloading(_InterruptedAfterPoll, copier)
     add(sched, "a", range(1, 10), max_tokens=1)
     step(sched, copier)  # finishes: its save is in flight
     assert list(sched.transferring) == ["a"]
@@ -142,9 +146,7 @@ def test_an_interrupt_once_a_save_has_started_holds_its_blocks_until_it_lands():
     # released, its blocks freed (and reused) while the save still read them, and the
     # save's report made the next schedule() raise ValueError.
     copier = FakeCopier(32, BS, auto_complete=False)
-    connector = _InterruptedOnceSaving(64 * copier.bytes_per_block)
-    connector.bind(copier, block_size=BS, hash_seed=0)
-    sched = make_scheduler(num_blocks=32, block_size=BS, connector=connector)
+    connector, sched = _offloading(_InterruptedOnceSaving, copier)
     a = add(sched, "a", range(1, 10), max_tokens=1)
     connector.interrupt_next = True
     with pytest.raises(KeyboardInterrupt):
