@@ -56,6 +56,7 @@ GRID = [
     (F32, FP8, 256, 16, 8, 1),
     (BF16, F32, 128, 16, 32, 8),  # computes in float32, the cache's dtype
     (BF16, F32, 64, 32, 12, 4),
+    (F32, BF16, 128, 32, 8, 2),  # float32 too: the wider of the two
 ]
 
 
