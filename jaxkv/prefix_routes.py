@@ -91,6 +91,10 @@ class PrefixRoutes:
         for h in [h for h, r in table.items() if r == replica]:
             del table[h]
 
+    def keys(self) -> set[BlockHash]:
+        """The remembered prefix keys, as a set of their own."""
+        return set(self._replica_of)
+
     def snapshot(self) -> collections.OrderedDict[BlockHash, int]:
         """A copy of the table, for restore()."""
         return self._replica_of.copy()

@@ -119,13 +119,13 @@ class PrefixAwareRouter(RoutingRule, Closable):
         keeps its cache and routes. Raises RuntimeError after close(); ValueError naming
         a replica whose reset_prefix_cache is no method (none reset) or answers no bool
         (all reset first, as each acts before it answers; that one keeps its routes)."""
-        return self._checked.reset_prefix_caches(self._cache_emptied)
-
-    def _cache_emptied(self, index: int) -> None:
-        self._routes.forget_replica(index)
-        for request_id, hashes in self._queued.items():  # oldest first: least recently used
-            if self._replica_of[request_id] == index:
-                self._routes.remember(hashes, index)
+        emptied: list[int] = []
+        try:
+            return self._checked.reset_prefix_caches(emptied.append)
+        finally:  # all at once: which replica reset first must not matter
+            if emptied:
+                held = [(self._replica_of[r], hashes) for r, hashes in self._queued.items()]
+                self._caches_emptied(emptied, held)
 
     # --------------------------------------------------------------- requests
 

@@ -61,6 +61,19 @@ class RoutingRule:
         still running (SamplingParams.n of them at first; each takes a batch row)."""
         return tuple(self._outstanding)
 
+    def _caches_emptied(self, emptied: list[int], held: list[tuple[int, list[BlockHash]]]) -> None:
+        """Forgets the routes to the replicas in `emptied` (their prefix caches were), but
+        those of the requests they still hold (queued there, they fill them again): `held`
+        gives each request's replica and prefix keys, oldest first. A route to any other
+        replica (one that kept its cache) stays as it was."""
+        routes = self._routes
+        for index in set(emptied):
+            routes.forget_replica(index)
+        kept = routes.keys()  # to the replicas that kept their caches
+        for replica, hashes in held:  # oldest first: the latest request's replica wins
+            if replica in emptied:
+                routes.remember([h for h in hashes if h not in kept], replica)
+
     def _least_loaded(self) -> int:
         return min(range(len(self._outstanding)), key=self._outstanding.__getitem__)
 

@@ -93,6 +93,38 @@ def test_a_refusing_replica_keeps_its_routes_and_the_others_are_reset():
     assert router.num_outstanding == (0, 1)  # no request is touched
 
 
+def test_a_refusing_replica_keeps_a_route_that_a_reset_replicas_queued_request_shares():
+    # Replica 0 queues a request over a prefix that then moved to replica 1 (max_imbalance
+    # 0). Replica 0's reset put the routes of its queued request back, that prefix's too:
+    # replica 1, which refused and still holds it in its cache, lost its route to it.
+    replicas = [_QueueingReplica(0), ResettingReplica(1)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK, max_imbalance=0)
+    shared = _prompt(0)
+    first = router.add_request(shared + _prompt(100)[:BLOCK])
+    moved = router.add_request(shared + _prompt(200)[:BLOCK])
+    assert (router.replica_of(first), router.replica_of(moved)) == (0, 1)
+    assert router.route(shared) == Route(1, 2)
+    assert router.reset_prefix_cache() is False and [r.resets for r in replicas] == [1, 0]
+    assert router.route(shared) == Route(1, 2)
+    assert router.route(shared + _prompt(100)[:BLOCK]) == Route(0, 3)  # its own block
+
+
+def test_a_reset_of_both_replicas_that_queue_a_prefix_keeps_its_route_where_it_was():
+    # Replica 0 put its queued requests' routes back first, then replica 1 did, taking
+    # the shared prefix last routed to replica 0 (which holds it queued, too) from it.
+    replicas = [_QueueingReplica(0), _QueueingReplica(1)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK, max_imbalance=0)
+    shared = _prompt(0)
+    ids = [router.add_request(p) for p in (_prompt(300), shared + [1], shared + [2])]
+    moved = router.add_request(shared + [3])  # replica 1 is busier: the prefix moves
+    assert [router.replica_of(i) for i in [*ids, moved]] == [0, 1, 1, 0]
+    router.max_imbalance = None  # routes as remembered, whatever the load
+    assert router.route(shared) == Route(0, 2)
+    assert router.reset_prefix_cache() is True and [r.resets for r in replicas] == [1, 1]
+    assert router.route(shared) == Route(0, 2)
+    assert router.route(_prompt(300)) == Route(0, 2)
+
+
 def test_a_replica_without_the_method_keeps_its_routes():
     replicas = [ResettingReplica(0), FakeReplica(1)]
     router = PrefixAwareRouter(replicas, block_size=BLOCK)
