@@ -332,9 +332,9 @@ class PrefixAwareRouter(RoutingRule, Closable):
 
         Outputs of requests stepped meanwhile are dropped (their finishes are still
         counted, and a request finishing so drops the outputs a failed step() kept of
-        it); call it when the router is otherwise idle. Raises TimeoutError and
-        ValueError as jaxkv.closable.step_until_landed does: copies that landed within
-        `timeout_s` are collected, under timeout_s=0 too.
+        it; a failed replica step releases what it ended, as in step()); call it when the router
+        is otherwise idle. Raises TimeoutError and ValueError as jaxkv.closable.step_until_landed
+        does: copies that landed within `timeout_s` are collected, under timeout_s=0 too.
         """
 
         def step() -> bool:
@@ -343,8 +343,11 @@ class PrefixAwareRouter(RoutingRule, Closable):
                 outputs: list[RequestOutput] = []
                 try:  # the outputs that passed its checks count, whatever else it returned
                     self._checked.step(outputs, index)
-                finally:
-                    stepped |= bool(self._finished_from(outputs))
+                except BaseException as error:
+                    self._finished_from(outputs)
+                    self._release_if_idle(index, error)  # its requests that ended with it
+                    raise
+                stepped |= bool(self._finished_from(outputs))
             return stepped
 
         step_until_landed(self.has_pending_transfers, step, timeout_s)

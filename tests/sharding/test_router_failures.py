@@ -7,7 +7,7 @@ import pytest
 
 from jaxkv import SamplingParams
 from jaxkv.router import PrefixAwareRouter
-from tests.sharding._router_util import BLOCK, FakeReplica
+from tests.sharding._router_util import BLOCK, FakeReplica, OffloadingReplica
 
 
 class FailingReplica(FakeReplica):
@@ -147,6 +147,37 @@ def test_a_request_finished_in_a_step_that_raised_is_released_when_its_replica_i
     assert not router.abort(rid) and not router.has_unfinished_requests()
     assert router.add_request([2] * BLOCK, request_id=rid) == rid  # its id is free
     assert router.replica_of(rid) == 0  # the least loaded again
+
+
+class _CopiesThenFinishesAndRaises(OffloadingReplica):
+    """Once `armed`, its next step finishes what it runs, then raises."""
+
+    armed = False
+
+    def step(self):
+        outputs = super().step()
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return outputs
+
+
+def test_a_request_finished_in_a_drain_step_that_raised_is_released_when_its_replica_is_idle():
+    # drain_transfers steps a replica with copies in flight, running its requests too. A
+    # step of it that raised after finishing them left them counted (skewing the routing)
+    # and their ids held, though step() releases them in that case.
+    router = PrefixAwareRouter([_CopiesThenFinishesAndRaises(0, copy_steps=3)], block_size=BLOCK)
+    router.add_request([1] * BLOCK, SamplingParams(max_tokens=1))
+    assert [o.finished for o in router.step()] == [True] and router.has_pending_transfers()
+    rid = router.add_request([2] * BLOCK, SamplingParams(max_tokens=1))
+    router.replicas[0].armed = True
+    with pytest.raises(KeyboardInterrupt):
+        router.drain_transfers()
+    assert not router.replicas[0].has_unfinished_requests() and router.num_outstanding == (0,)
+    with pytest.raises(KeyError):
+        router.replica_of(rid)
+    router.drain_transfers()
+    assert router.add_request([3] * BLOCK, request_id=rid) == rid  # its id is free
 
 
 class _FinishesOneThenRaises(FakeReplica):
