@@ -42,7 +42,8 @@ class SamplingParams:
     first, its log-probability given the tokens before it and the k most likely tokens
     at its position (jaxkv.prompt_logprobs), as vLLM's. The request then reads no cached
     KV until its prompt is computed, as in vLLM (a cached block's positions have no
-    logits). An Engine refuses more than EngineConfig.max_logprobs.
+    logits). An Engine refuses more than EngineConfig.max_logprobs. Unlike vLLM, both
+    refuse True (vLLM's 1) and -1 (vLLM's whole vocabulary): k is an int >= 0.
     n: how many samples of the prompt to generate, as vLLM's: an Engine runs them as n
     requests that share the prompt's cached KV (jaxkv.parallel_sampling); with a seed,
     sample i draws with seed + i. A Scheduler takes only n = 1. Greedy samples (temperature
