@@ -11,6 +11,11 @@ import numpy as np
 
 LOG2E = math.log2(math.e)  # the GPU kernel's softmax runs in base 2 (exp2)
 _F32 = np.finfo(np.float32)
+# soft_cap * tanh(logit / soft_cap) divides first. Up to 2**100, only logits below 2**-26
+# give a subnormal quotient, flushed to 0: their capped value is below 2**-26, so its
+# exp is 1 to float32 rounding either way. A larger cap flushed ordinary logits (1e38
+# turned every logit below 1.2 into 0, on every backend).
+SOFT_CAP_MAX = 2.0**100
 
 
 def is_positive_finite(x) -> bool:
@@ -41,8 +46,15 @@ def check_folded_scales(sm_scale, soft_cap, k_scale) -> None:
     times log2(e) and the logit scale / soft_cap. Each option alone passed
     is_positive_finite while these did not (sm_scale=3e38 times log2(e) is inf, and
     sm_scale = k_scale = 1e-20 a subnormal 1e-40: NaN rows on the GPU kernel where the
-    reference was finite), so every backend refuses them alike, here. The options are
-    static Python numbers, already checked one by one: no per-element cost."""
+    reference was finite), so every backend refuses them alike, here. First refuses a
+    soft cap above SOFT_CAP_MAX (see there). The options are static Python numbers, already
+    checked one by one: no per-element cost."""
+    if soft_cap is not None and float(soft_cap) > SOFT_CAP_MAX:
+        raise ValueError(
+            f"soft_cap={soft_cap!r} must be at most 2**100 ({SOFT_CAP_MAX:.4g}): over a larger "
+            "cap, logits / soft_cap of ordinary logits are float32 subnormals, which the "
+            "device flushes to 0 (every key weighted alike); soft_cap=None caps nothing"
+        )
     logit_scale = float(sm_scale) * (1.0 if k_scale is None else float(k_scale))
     label = "sm_scale" if k_scale is None else "sm_scale * k_scale"
     folds = {label: logit_scale}
@@ -52,12 +64,8 @@ def check_folded_scales(sm_scale, soft_cap, k_scale) -> None:
         folds["soft_cap * log2(e)"] = float(soft_cap) * LOG2E
         folds[f"{label} / soft_cap"] = logit_scale / float(soft_cap)
     for name, value in folds.items():
-        # sm_scale * k_scale / soft_cap need only be finite: a soft cap near float32's
-        # max makes it subnormal, and the GPU kernel gets such a cap right on logits that
-        # large (test_logits_past_float32_max_over_log2e_stay_finite).
-        smallest = 0.0 if name.endswith("/ soft_cap") else _F32.tiny
         with np.errstate(over="ignore"):
-            normal = math.isfinite(value) and smallest <= np.float32(value) <= _F32.max
+            normal = math.isfinite(value) and _F32.tiny <= np.float32(value) <= _F32.max
         if not normal:
             raise ValueError(
                 f"{name} = {value:.4g} must be finite and normal in float32 (from "

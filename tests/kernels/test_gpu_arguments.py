@@ -110,7 +110,11 @@ def test_a_scale_that_is_inf_in_float32_is_refused(option):
 
 @pytest.mark.parametrize(
     "options",
-    [{"sm_scale": 3e38}, {"soft_cap": 3e38}, {"sm_scale": 1e20, "k_scale": 1e20, "v_scale": 1.0}],
+    [
+        {"sm_scale": 3e38},
+        {"sm_scale": 1e30, "soft_cap": 1e-10},
+        {"sm_scale": 1e20, "k_scale": 1e20, "v_scale": 1.0},
+    ],
 )
 def test_a_scale_whose_folded_factor_is_inf_in_float32_is_refused(options):
     # Finite alone, but the kernel scales by it times log2(e) (or sm_scale by k_scale)

@@ -167,7 +167,7 @@ def test_logits_past_float32_max_over_log2e_stay_finite(logit):
     kv[1, :, 1] = np.arange(page_size, dtype=np.float32)[:, None]  # value j = j
     q = np.full((1, 2, head_dim), logit / head_dim, np.float32)
     args = [jnp.asarray(a) for a in (q, kv, [8], [[1]], [0, 1], [1])]  # 8 keys on page 1
-    for soft_cap in (None, 1e38):
+    for soft_cap in (None, 2.0**100):  # the largest cap accepted (SOFT_CAP_MAX)
         kw = dict(sm_scale=1.0, soft_cap=soft_cap)
         out, lse = ragged_paged_attention(*args, **kw, interpret=harness.INTERPRET_GPU)
         ref_out, ref_lse = reference.ragged_paged_attention(*args, **kw)
