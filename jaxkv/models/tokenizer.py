@@ -38,16 +38,18 @@ class ByteTokenizer:
         """The bytes of `text` as an int32 array (no specials); fast for whole corpora.
 
         `text` is a str (its UTF-8) or bytes (bytearray, memoryview, mmap: any buffer of
-        single bytes); ValueError for anything else."""
+        single bytes, strided too); ValueError for anything else."""
         if isinstance(text, str):
             return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
         try:
-            itemsize = memoryview(text).itemsize
-        except TypeError:  # None, an int, a list: a TypeError from numpy
-            itemsize = None
-        if itemsize != 1:  # an int32 array of ids was read as its bytes, 4 ids per id
+            view = memoryview(text)
+        except TypeError:  # None, an int, a list: no buffer at all
+            view = None
+        if view is None or view.itemsize != 1:  # an int32 array was read 4 ids per id
             raise ValueError(f"text must be a str or bytes, got {type(text).__name__}")
-        return np.frombuffer(text, dtype=np.uint8).astype(np.int32)
+        if not view.c_contiguous:  # a stepped slice: np.frombuffer raised BufferError
+            view = view.tobytes()  # its bytes in order, as bytes(text) reads them
+        return np.frombuffer(view, dtype=np.uint8).astype(np.int32)
 
     def decode(self, ids: list[int] | np.ndarray) -> str:
         try:

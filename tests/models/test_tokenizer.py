@@ -65,6 +65,19 @@ def test_encode_array_and_decode_refuse_what_is_not_text_or_ids_by_name():
             TOK.decode(bad)
 
 
+def test_encode_array_reads_buffers_whose_bytes_are_not_contiguous():
+    # A stepped slice or a transposed array raised BufferError or "ndarray is not
+    # C-contiguous"; their bytes in order are the text, as bytes(data) reads them.
+    rows = np.frombuffer(b"HxiyHxiy", np.uint8).reshape(2, 4)
+    for data, want in (
+        (memoryview(b"Hxi")[::2], [72, 105]),
+        (rows[0, ::2], [72, 105]),
+        (rows[:, ::2], [72, 105, 72, 105]),
+        (rows.T, [72, 72, 120, 120, 105, 105, 121, 121]),
+    ):
+        assert TOK.encode_array(data).tolist() == want == list(bytes(data))
+
+
 def test_bos_and_eos_are_added_independently():
     assert TOK.encode("a", bos=True) == [TOK.bos_id, 97]
     assert TOK.encode("a", eos=True) == [97, TOK.eos_id]
