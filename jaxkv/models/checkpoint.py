@@ -207,7 +207,8 @@ def _read_config(directory: Path) -> tuple[LlamaConfig, str | None]:
         if digest is not None and not isinstance(digest, str):
             raise ValueError(f"{DIGEST_KEY}={digest!r} must be a hex str")
         return LlamaConfig.from_dict(fields), digest
-    except (ValueError, TypeError, AttributeError) as e:  # bad JSON, fields or values
+    # Bad JSON (RecursionError: nested past Python's recursion limit), fields or values.
+    except (ValueError, TypeError, AttributeError, RecursionError) as e:
         raise CheckpointError(f"{file}: not a valid LlamaConfig: {e}") from e
 
 

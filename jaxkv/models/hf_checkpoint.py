@@ -73,7 +73,8 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
             header = json.loads(f.read(header_len))
             if not isinstance(header, dict):
                 raise ValueError("header is not a JSON object")
-        except (struct.error, ValueError) as e:
+        # RecursionError: arrays nested past Python's recursion limit, read by no reader.
+        except (struct.error, ValueError, RecursionError) as e:
             raise CheckpointError(f"{path}: not a safetensors file ({e})") from e
     data_len = size - 8 - header_len
     if data_len > 0:
@@ -220,7 +221,7 @@ def _safetensors_files(path: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise CheckpointError(
                 f"{index}: expected a JSON object whose 'weight_map' maps tensor names to "
                 f"file names ({type(e).__name__}: {e})"
@@ -299,11 +300,14 @@ def load_hf_safetensors(
 
 def _read_json_object(file: Path) -> dict:
     """The JSON object in `file`; CheckpointError naming the file when it is not valid
-    JSON (truncated, say) or holds something else than an object."""
+    JSON (truncated, say), is nested past Python's recursion limit (a bare RecursionError
+    named no file) or holds something else than an object."""
     try:
         value = json.loads(file.read_bytes())
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{file}: not valid JSON ({e})") from e
+    except RecursionError as e:
+        raise CheckpointError(f"{file}: JSON nested too deeply to read ({e})") from e
     if not isinstance(value, dict):
         raise CheckpointError(f"{file}: holds a {type(value).__name__}, not a JSON object")
     return value
