@@ -9,6 +9,7 @@ decode case, are written to the block table in one call.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from operator import add, attrgetter, gt, is_not
@@ -23,6 +24,7 @@ from jaxkv.allocation_args import (
 )
 from jaxkv.block_pool import KVCacheBlock
 from jaxkv.block_table import HostBlockTable
+from jaxkv.hashing import is_block_hash, later_block_hash
 from jaxkv.request import Request
 from jaxkv.slot_allocation import cache_full_blocks
 
@@ -97,8 +99,8 @@ def allocate_slots_batch(
     if total:
         fresh = manager.pool.get_new_blocks(total)
         _take_fresh_blocks(manager._table, ids, held, needs, fresh)
-    for request, num_total in filling:
-        cache_full_blocks(manager, request, num_total)
+    if filling:
+        _cache_filled_blocks(manager, filling)
     return True
 
 
@@ -115,6 +117,55 @@ def _as_list(name: str, values) -> list:
         return list(values)
     except TypeError:
         raise ValueError(f"{name}={values!r} must be a sequence") from None
+
+
+def _cache_filled_blocks(manager: KVCacheManager, filling: list[tuple[Request, int]]) -> None:
+    """cache_full_blocks(manager, request, num_tokens) for each (request, num_tokens) of
+    `filling`, in order, whose hash configuration the caller has checked.
+
+    A request that fills one block past block 0 whose hash is all it lacks (a decode
+    step's; with no cache events to report) is hashed and cached here, without the
+    per-call checks that hold by then (its block list, its hash chain, its tokens as
+    Request keeps them); any other, or one whose hash fails (cache_full_blocks raises
+    its error), goes through cache_full_blocks.
+    """
+    pool = manager.pool
+    if pool.enable_events or not pool.enable_caching:
+        for request, num_tokens in filling:
+            cache_full_blocks(manager, request, num_tokens)
+        return
+    bs, config = manager.block_size, (manager.block_size, manager.hash_seed)
+    blocks_of, num_cached_of = manager._blocks, manager._num_cached
+    cached = pool.cached_block_hash_to_block
+    for request, num_tokens in filling:
+        req_id = request.request_id
+        i = num_cached_of[req_id]  # the block this fills
+        blocks, hashes, token_ids = blocks_of[req_id], request.block_hashes, request._all_token_ids
+        if not (
+            i
+            and num_tokens // bs == i + 1 == len(token_ids) // bs
+            and len(blocks) > i
+            and type(hashes) is list
+            and len(hashes) == i
+            and request._hash_config == config
+            and is_block_hash(parent := hashes[-1])
+        ):
+            cache_full_blocks(manager, request, num_tokens)
+            continue
+        try:
+            block_hash = later_block_hash(
+                parent, token_ids[i * bs : (i + 1) * bs],
+                adapter_id=request.adapter_id, cache_salt=request.cache_salt,
+            )  # fmt: skip
+        except (struct.error, TypeError, UnicodeEncodeError):
+            cache_full_blocks(manager, request, num_tokens)  # raises it by name
+            continue
+        hashes.append(block_hash)  # as update_block_hashes extends it
+        block = blocks[i]  # as pool.cache_full_blocks caches it
+        if block.block_hash is None and block_hash not in cached:
+            block.block_hash = block_hash
+            cached[block_hash] = block
+        num_cached_of[req_id] = i + 1
 
 
 def _take_fresh_blocks(

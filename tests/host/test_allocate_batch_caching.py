@@ -1,0 +1,87 @@
+"""allocate_slots_batch's caching of the blocks a step fills equals cache_full_blocks.
+
+The same random workload runs twice: once as it is, once with every filled block cached
+through slot_allocation.cache_full_blocks request by request. Each step must leave the
+same prefix cache (hash -> block), the same block hashes and cached counts per request,
+and the same outputs: under cache salts, adapter ids, shared prompts (equal hashes: the
+second block is left uncached), cache events and preemptions.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from jaxkv import KVCacheManager, Request, SamplingParams, batch_allocation
+from jaxkv.config import SchedulerConfig
+from jaxkv.scheduler import Scheduler
+from jaxkv.slot_allocation import cache_full_blocks
+
+
+def _per_request(manager, filling):
+    for request, num_tokens in filling:
+        cache_full_blocks(manager, request, num_tokens)
+
+
+def _run(seed: int, *, events: bool, num_blocks: int) -> list:
+    """Snapshots of one random workload, step by step."""
+    rng = np.random.default_rng(seed)
+    manager = KVCacheManager(
+        num_blocks, 4, max_model_len=40, enable_prefix_caching=True, enable_kv_cache_events=events
+    )
+    config = SchedulerConfig(max_num_batched_tokens=20, max_num_seqs=6, max_model_len=40)
+    sched = Scheduler(config, manager)
+    system = rng.integers(0, 20, 9).tolist()
+    snapshots = []
+    for i in range(70):
+        if rng.random() < 0.3:
+            prompt = (
+                system[: rng.integers(0, 10)] + rng.integers(0, 20, rng.integers(1, 5)).tolist()
+            )
+            request = Request(
+                f"r{i}", prompt, SamplingParams(max_tokens=int(rng.integers(1, 20))),
+                cache_salt=[None, "a"][int(rng.integers(2))],
+                adapter_id=[None, "lora"][int(rng.integers(2))],
+            )  # fmt: skip
+            sched.add_request(request)
+        out = sched.schedule()
+        tokens = rng.integers(0, 3, out.num_requests)  # few distinct: equal blocks recur
+        outputs = sched.update_from_output(out, tokens)
+        snapshots.append(
+            (
+                outputs,
+                {h: b.block_id for h, b in manager.pool.cached_block_hash_to_block.items()},
+                sorted(
+                    (r.request_id, tuple(r.block_hashes), manager._num_cached.get(r.request_id))
+                    for r in sched.requests.values()
+                ),
+                manager.take_events() if events else None,
+            )
+        )
+    return snapshots
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), events=st.booleans(), num_blocks=st.sampled_from([12, 64]))
+def test_batch_caching_equals_cache_full_blocks(seed, events, num_blocks):
+    fast = _run(seed, events=events, num_blocks=num_blocks)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(batch_allocation, "_cache_filled_blocks", _per_request)
+        slow = _run(seed, events=events, num_blocks=num_blocks)
+    assert fast == slow
+
+
+def test_batch_caching_hashes_decode_blocks_itself(monkeypatch):
+    """The comparison above covers blocks that the batch path hashed, not only fallbacks."""
+    hashed = []
+    original = batch_allocation.later_block_hash
+
+    def counting(*args, **kwargs):
+        hashed.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(batch_allocation, "later_block_hash", counting)
+    _run(1, events=False, num_blocks=64)
+    assert len(hashed) > 20
