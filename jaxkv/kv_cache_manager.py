@@ -225,9 +225,8 @@ class KVCacheManager:
     def count_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Counts a lookup made with count=False once its caller acts on it (the scheduler:
         once the request is admitted); nothing with prefix caching off, or for a request
-        that skips_prefix_cache_reads. Raises ValueError,
-        counting nothing, where get_computed_blocks would or on a hit count outside
-        [0, request.num_tokens]."""
+        that skips_prefix_cache_reads. Raises ValueError, counting nothing, where
+        get_computed_blocks would or on a hit count outside [0, request.num_tokens]."""
         hits = checked_hit_tokens(request, num_hit_tokens)
         check_prompt_fits(request, self.max_model_len)
         if self.enable_prefix_caching:  # where get_computed_blocks's hashing would refuse it
@@ -274,33 +273,40 @@ class KVCacheManager:
             req_id, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens,
             request.num_computed_tokens,
         )  # fmt: skip
-        check_prompt_fits(request, self.max_model_len)
-        owner = self._owner.get(req_id, request)
-        if owner is not request:  # another Request object's id
-            raise ValueError(not_the_owner_message(req_id))
-        held = self._blocks.get(req_id, [])
-        check_computed_within_held(req_id, num_done, len(held), self.block_size)
-        # Checking a cache hit hashes the request's full blocks: a refusal rewinds them.
-        hash_state = request._hash_state()
+        owner = self._owner.get(req_id)
+        if owner is not request:  # the owner's prompt (fixed) fitted at its first call
+            check_prompt_fits(request, self.max_model_len)
+            if owner is not None:  # another Request object's id
+                raise ValueError(not_the_owner_message(req_id))
+        held = self._blocks[req_id] if owner is not None else []
+        bs = self.block_size
+        if num_done > len(held) * bs:  # each check: its helper raises, called on failure
+            check_computed_within_held(req_id, num_done, len(held), bs)
+        hash_state = request._hash_state()  # a cache hit's check hashes: a refusal rewinds
         try:
             computed = validated_computed_blocks(
                 self.pool, request, len(held), num_done, num_new_computed_tokens,
-                new_computed_blocks, block_size=self.block_size, hash_seed=self.hash_seed,
+                new_computed_blocks, block_size=bs, hash_seed=self.hash_seed,
             )  # fmt: skip
-            if self.enable_prefix_caching:  # caching the filled blocks below must not fail
-                request.check_hash_config(self.block_size, self.hash_seed)
+            # Caching the filled blocks below must not fail (hashes of another config):
+            if self.enable_prefix_caching and request._hash_config != (bs, self.hash_seed):
+                request.check_hash_config(bs, self.hash_seed)  # None (not hashed yet) passes
             num_computed = num_done + num_new_computed_tokens
-            check_computed_within_tokens(request, num_computed)
+            if num_computed > request.num_tokens:
+                check_computed_within_tokens(request, num_computed)
             num_total = num_computed + num_new_tokens + num_lookahead_tokens
-            check_total_fits(
-                req_id, num_total, self.max_model_len, num_computed_tokens=num_computed,
-                num_new_tokens=num_new_tokens, num_lookahead_tokens=num_lookahead_tokens,
-            )  # fmt: skip
+            if num_total > self.max_model_len:
+                check_total_fits(
+                    req_id, num_total, self.max_model_len, num_computed_tokens=num_computed,
+                    num_new_tokens=num_new_tokens, num_lookahead_tokens=num_lookahead_tokens,
+                )  # fmt: skip
         except BaseException:
             request._restore_hash_state(hash_state)
             raise
-        num_required = -(-num_total // self.block_size)
-        num_new_blocks = max(0, num_required - len(held) - len(computed))
+        num_new_blocks = max(0, -(-num_total // bs) - len(held) - len(computed))
+        if not (num_new_blocks or computed) and owner is not None:  # commit's no-op
+            slot_allocation.cache_full_blocks(self, request, num_computed + num_new_tokens)
+            return []
         computed_ids = [b.block_id for b in computed]  # ints, whatever the caller passed
         new_ids = slot_allocation.commit(
             self, request, held, computed, computed_ids, num_new_blocks,
