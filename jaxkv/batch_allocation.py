@@ -9,7 +9,6 @@ decode case, are written to the block table in one call.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from operator import add, attrgetter, gt, is_not
@@ -24,7 +23,7 @@ from jaxkv.allocation_args import (
 )
 from jaxkv.block_pool import KVCacheBlock
 from jaxkv.block_table import HostBlockTable
-from jaxkv.hashing import is_block_hash, later_block_hash
+from jaxkv.hashing import extend_block_hashes
 from jaxkv.request import Request
 from jaxkv.slot_allocation import cache_full_blocks
 
@@ -124,8 +123,9 @@ def _cache_filled_blocks(manager: KVCacheManager, filling: list[tuple[Request, i
     `filling`, in order, whose hash configuration the caller has checked.
 
     A request that fills one block past block 0 whose hash is all it lacks (a decode
-    step's; with no cache events to report) is hashed and cached here, without the
-    per-call checks that hold by then (its block list, its hash chain, its tokens as
+    step's; with no cache events to report) is hashed (hashing.extend_block_hashes, as
+    Request.update_block_hashes would) and cached here, without the per-call layers and
+    checks that hold by then (its block list, its hash configuration, its tokens as
     Request keeps them); any other, or one whose hash fails (cache_full_blocks raises
     its error), goes through cache_full_blocks.
     """
@@ -134,7 +134,8 @@ def _cache_filled_blocks(manager: KVCacheManager, filling: list[tuple[Request, i
         for request, num_tokens in filling:
             cache_full_blocks(manager, request, num_tokens)
         return
-    bs, config = manager.block_size, (manager.block_size, manager.hash_seed)
+    bs, seed = manager.block_size, manager.hash_seed
+    config = (bs, seed)
     blocks_of, num_cached_of = manager._blocks, manager._num_cached
     cached = pool.cached_block_hash_to_block
     for request, num_tokens in filling:
@@ -145,22 +146,20 @@ def _cache_filled_blocks(manager: KVCacheManager, filling: list[tuple[Request, i
             i
             and num_tokens // bs == i + 1 == len(token_ids) // bs
             and len(blocks) > i
-            and type(hashes) is list
             and len(hashes) == i
             and request._hash_config == config
-            and is_block_hash(parent := hashes[-1])
         ):
             cache_full_blocks(manager, request, num_tokens)
             continue
-        try:
-            block_hash = later_block_hash(
-                parent, token_ids[i * bs : (i + 1) * bs],
-                adapter_id=request.adapter_id, cache_salt=request.cache_salt,
+        try:  # appends block i's hash, changing nothing if it raises
+            extend_block_hashes(
+                hashes, token_ids, bs, seed=seed, adapter_id=request.adapter_id,
+                cache_salt=request.cache_salt, tokens_checked=True,
             )  # fmt: skip
-        except (struct.error, TypeError, UnicodeEncodeError):
+        except ValueError:
             cache_full_blocks(manager, request, num_tokens)  # raises it by name
             continue
-        hashes.append(block_hash)  # as update_block_hashes extends it
+        block_hash = hashes[i]
         block = blocks[i]  # as pool.cache_full_blocks caches it
         if block.block_hash is None and block_hash not in cached:
             block.block_hash = block_hash

@@ -147,27 +147,6 @@ def extend_block_hashes(
     return block_hashes
 
 
-def later_block_hash(
-    parent: BlockHash,
-    token_ids: Sequence[int],  # the block's block_size tokens
-    *,
-    adapter_id: str | None = None,
-    cache_salt: str | None = None,
-) -> BlockHash:
-    """The hash of a block after block 0 under `parent`: what extend_block_hashes
-    appends for it, without its checks. The caller has checked that `parent` is a
-    BlockHash and the keys are None or str; raises struct.error for tokens that are no
-    int64 (bools are not looked for) and TypeError or UnicodeEncodeError for bad keys."""
-    count, _, later = _block_encoding(len(token_ids), adapter_id, cache_salt)
-    packed = _int64s(len(token_ids)).pack(*token_ids)
-    h = _EMPTY_STATE.copy()
-    h.update(parent)
-    h.update(count)
-    h.update(packed)
-    h.update(later)
-    return h.digest()
-
-
 def is_block_hash(value: object) -> bool:
     """Whether `value` can be a BlockHash: bytes of HASH_NUM_BYTES (a str or a digest of
     another length names no block)."""

@@ -76,12 +76,12 @@ def test_batch_caching_equals_cache_full_blocks(seed, events, num_blocks):
 def test_batch_caching_hashes_decode_blocks_itself(monkeypatch):
     """The comparison above covers blocks that the batch path hashed, not only fallbacks."""
     hashed = []
-    original = batch_allocation.later_block_hash
+    original = batch_allocation.extend_block_hashes
 
     def counting(*args, **kwargs):
         hashed.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(batch_allocation, "later_block_hash", counting)
+    monkeypatch.setattr(batch_allocation, "extend_block_hashes", counting)
     _run(1, events=False, num_blocks=64)
     assert len(hashed) > 20
