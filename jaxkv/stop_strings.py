@@ -14,13 +14,13 @@ growing would cost more every step). A stop string is searched for only where it
 end in the text the newest tokens added (so a string spanning tokens is found, and one
 found before is not found again), and only once the request has more than min_tokens
 output tokens, as in vLLM (the text of the first min_tokens tokens can begin a string,
-not end one). Where several strings occur in that text, the one that starts first in the
-text wins (on a tie, the first listed), where vLLM takes the first listed that occurs:
-stop=["b", "ab"] on text ending "xab" stops before "ab" here, before "b" in vLLM. The
-output token ids end with the token that completed the string, as
-vLLM's do; finish_reason is "stop" and stop_reason the string. The finishing output's
-text (Detokenizer.text) ends before the string, or after it with
-SamplingParams.include_stop_str_in_output, as vLLM's.
+not end one, unless a cut character held it back until a later token). Where several
+strings occur in that text, the one that starts first in the text wins (on a tie, the
+first listed), where vLLM takes the first listed that occurs: stop=["b", "ab"] on text
+ending "xab" stops before "ab" here, before "b" in vLLM. The output token ids end with
+the token that completed the string, as vLLM's do; finish_reason is "stop" and
+stop_reason the string. The finishing output's text (Detokenizer.text) ends before the
+string, or after it with SamplingParams.include_stop_str_in_output, as vLLM's.
 
 The decoding state lives on the Request (Request.decoded_text): the offsets and the
 text's last characters (as many as the longest stop string, less one), so it is dropped
