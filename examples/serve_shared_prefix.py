@@ -16,8 +16,9 @@ must be identical (cascade is exact), and a table compares the two runs.
     python examples/serve_shared_prefix.py --preset llama3_2_1b --backend pallas_tpu
 
 With no arguments it serves the `tiny` byte-level Llama trained on the novel Botchan
-(examples/train_tiny_lm.py) from the checkpoint shipped in the repository. The model is
-a toy: it continues the text in the style of the novel rather than answering.
+(examples/train_tiny_lm.py) from the checkpoint installed with the package
+(jaxkv/data/tiny). The model is a toy: it continues the text in the style of the novel
+rather than answering.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from jaxkv import (  # noqa: E402
 from jaxkv.attention import default_backend  # noqa: E402
 from jaxkv.cascade import CascadeCostModel  # noqa: E402
 from jaxkv.models import (  # noqa: E402
+    TINY_CHECKPOINT,
     ByteTokenizer,
     CheckpointError,
     Llama,
@@ -63,7 +65,7 @@ from jaxkv.models import (  # noqa: E402
 )
 from kernels_pallas.tpu.ragged_paged_attention import SUPPORTED_HEAD_DIMS as TPU_HEAD_DIMS  # noqa: E402
 
-SHIPPED_CHECKPOINT = REPO / "examples" / "checkpoints" / "tiny"
+SHIPPED_CHECKPOINT = TINY_CHECKPOINT  # jaxkv/data/tiny, installed with the package
 CACHED_CHECKPOINT = REPO / ".cache" / "tiny_lm"  # git-ignored; written when none is shipped
 
 

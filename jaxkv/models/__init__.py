@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from jaxkv.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from jaxkv.models.checkpoint import (
+    TINY_CHECKPOINT,
+    CheckpointError,
+    load_checkpoint,
+    save_checkpoint,
+)
 from jaxkv.models.config import PRESETS, LlamaConfig, RopeScaling
 from jaxkv.models.hf_checkpoint import from_hf_tensors, load_hf_safetensors
 from jaxkv.models.llama import Llama, make_dense_forward, make_paged_forward
@@ -10,6 +15,7 @@ from jaxkv.models.tokenizer import ByteTokenizer
 
 __all__ = [
     "PRESETS",
+    "TINY_CHECKPOINT",
     "ByteTokenizer",
     "CheckpointError",
     "Llama",

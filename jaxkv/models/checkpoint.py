@@ -31,6 +31,10 @@ from jaxkv.models.llama import Llama, check_model
 CONFIG_FILE = "config.json"
 PARAMS_FILE = "params.msgpack"
 
+# The trained `tiny` byte-level Llama (jaxkv/data/tiny/README.md), installed with the
+# package: `load_checkpoint(TINY_CHECKPOINT)` works from any directory, checkout or not.
+TINY_CHECKPOINT = Path(__file__).resolve().parents[1] / "data" / "tiny"
+
 
 class CheckpointError(ValueError):
     """A checkpoint does not match the model: missing, unexpected, mis-shaped or

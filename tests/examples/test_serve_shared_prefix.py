@@ -10,7 +10,8 @@ import pytest
 from rich.console import Console
 
 from jaxkv.metrics import StepStats
-from tests.examples._example_modules import EXAMPLES, load_example
+from jaxkv.models import TINY_CHECKPOINT
+from tests.examples._example_modules import load_example
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +162,7 @@ def test_pallas_tpu_backend_with_a_head_dim_the_kernel_lacks_says_why(serve):
 def test_a_checkpoint_that_is_missing_or_damaged_is_named_without_a_traceback(serve, tmp_path):
     with pytest.raises(SystemExit, match=f"--checkpoint {tmp_path}: .*config.json"):
         serve.main(["--checkpoint", str(tmp_path), "--num-requests", "2", "--max-tokens", "1"])
-    shipped = EXAMPLES / "checkpoints" / "tiny"
+    shipped = TINY_CHECKPOINT
     (tmp_path / "config.json").write_bytes((shipped / "config.json").read_bytes())
     (tmp_path / "params.msgpack").write_bytes(b"not the weights")
     with pytest.raises(SystemExit, match="params.msgpack: its SHA-256"):

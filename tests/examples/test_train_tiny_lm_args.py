@@ -65,8 +65,8 @@ def test_defaults_and_the_largest_seq_len_are_accepted(tmp_path):
     example = _example()
     example.parse_args([str(tmp_path), "--seq-len", "1024", "--warmup-steps", "0"])
     args = example.parse_args([str(tmp_path)])
-    # What examples/checkpoints/tiny/README.md says the shipped checkpoint was made with.
-    readme = (ROOT / "examples" / "checkpoints" / "tiny" / "README.md").read_text()
+    # What jaxkv/data/tiny/README.md says the shipped checkpoint was made with.
+    readme = (ROOT / "jaxkv" / "data" / "tiny" / "README.md").read_text()
     pattern = r"(\d+) steps of (\d+) x (\d+) bytes, AdamW peak ([\d.e-]+), seed (\d+)"
     made = re.search(pattern, readme)
     assert made is not None

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.models import ByteTokenizer, load_checkpoint, make_dense_forward
+from jaxkv.models import TINY_CHECKPOINT, ByteTokenizer, load_checkpoint, make_dense_forward
 from jaxkv.models.train import _greedy_next_token, greedy_generate
 from tests.examples._example_modules import load_example
 
@@ -43,7 +43,7 @@ def test_training_example_lowers_held_out_loss_and_saves_a_loadable_checkpoint(t
 
 
 def test_shipped_tiny_checkpoint_loads_and_predicts_held_out_text():
-    model = load_checkpoint(ROOT / "examples" / "checkpoints" / "tiny")
+    model = load_checkpoint(TINY_CHECKPOINT)
     data = ByteTokenizer().encode_array((ROOT / "jaxkv" / "data" / "botchan.txt").read_bytes())
     held_out = data[int(len(data) * 0.9) :]
     windows = held_out[np.arange(0, 8 * 1000, 1000)[:, None] + np.arange(65)]
@@ -55,7 +55,7 @@ def test_shipped_tiny_checkpoint_loads_and_predicts_held_out_text():
 
 
 def test_greedy_generate_compiles_once_per_model_graph():
-    model = load_checkpoint(ROOT / "examples" / "checkpoints" / "tiny")
+    model = load_checkpoint(TINY_CHECKPOINT)
     first = greedy_generate(model, [73, 32], 3, window=64)
     again = greedy_generate(model, [73, 32], 3, window=64)
     other = greedy_generate(model, list(b"The school"), 3, window=64)
