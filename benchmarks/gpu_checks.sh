@@ -24,6 +24,17 @@
 set -u
 OUT=${OUT:-gpu_results}
 PY=${PYTHON:-python3}
+# Off a GPU every stage would run anyway: the whole suite on the CPU, then serve.py's CPU
+# figures filed as the GPU's. Stop first, saying why, before anything is written.
+if ! backend=$("$PY" -c 'import jax; print(jax.default_backend())'); then
+    echo "benchmarks/gpu_checks.sh: $PY cannot import jax" >&2
+    exit 2
+fi
+if [ "$backend" != gpu ]; then
+    echo "benchmarks/gpu_checks.sh: no GPU found (jax runs on $backend): run it on a" \
+        "machine with an NVIDIA GPU and jax's CUDA plugin" >&2
+    exit 2
+fi
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
