@@ -139,7 +139,13 @@ def main() -> None:
     results = Path(__file__).resolve().parent / "results"  # whatever the working directory
     parser.add_argument("--out", type=out_dir, default=results, help="folder (%(default)s)")
     args = parser.parse_args()
-    import triton  # fail early: the report needs the triton package
+    try:  # fail early: the report needs the triton package
+        import triton
+    except ImportError as e:  # was a ModuleNotFoundError traceback
+        parser.error(
+            f"needs the triton package ({e}): pip install 'triton==3.9.*' (Linux x86_64 "
+            "wheels; jaxkv's test extra installs it)"
+        )
 
     rows = []
     for kind, heads, dtypes, cc in itertools.product(args.kinds, args.heads, args.dtypes, args.cc):

@@ -4,6 +4,7 @@ takes for that call (no triton needed: the kernel is traced, not compiled)."""
 from __future__ import annotations
 
 import importlib
+import sys
 
 import jax
 import pytest
@@ -60,3 +61,13 @@ def test_the_report_covers_a_float32_cache_under_bfloat16_queries():
     # The engine serves it (CacheConfig.kv_dtype="float32" under a bfloat16 model), and
     # it is the pair whose dots change dtype: the report left it out.
     assert report.DTYPES["bf16/f32"] == (jax.numpy.bfloat16, jax.numpy.float32)
+
+
+def test_without_triton_the_report_says_what_to_install(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    monkeypatch.setattr(sys, "argv", ["gpu_compile_report.py", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_:
+        report.main()
+    assert exit_.value.code == 2
+    assert "needs the triton package" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
