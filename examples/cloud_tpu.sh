@@ -29,7 +29,8 @@ source .venv-tpu/bin/activate
 python -m pip install -U pip
 python -m pip install -U "jax[tpu]"
 python -m pip install -e ".[bench]"
-python -c "import jax; print(jax.devices()); assert jax.default_backend() == 'tpu'"
+python -c "import jax, sys; print(jax.devices()); jax.default_backend() == 'tpu' or sys.exit(
+    'no TPU found (jax runs on ' + jax.default_backend() + '): run this on a Cloud TPU VM')"
 
 mkdir -p benchmarks/results
 

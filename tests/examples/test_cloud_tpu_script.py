@@ -53,3 +53,16 @@ def test_the_tpu_vm_setup_installs_every_module_its_scripts_import():
     needed = set().union(*(_imports(ROOT / r, set()) for r in ran))
     assert needed == {"jax", "flax", "numpy", "rich"}
     assert {DISTRIBUTION[m] for m in needed} <= installed
+
+
+def test_the_virtual_environments_the_setups_create_are_git_ignored():
+    # cloud_tpu.sh made .venv-tpu/ in the checkout, which .gitignore did not name: git
+    # status listed it, and `make lint` (ruff check ., which skips git-ignored paths)
+    # linted every package installed there.
+    makefile = (ROOT / "Makefile").read_text()
+    (venv,) = re.findall(r"^VENV := (\S+)$", makefile, flags=re.M)
+    made = set(re.findall(r"-m venv (\S+)", makefile.replace("$(VENV)", venv)))
+    made |= set(re.findall(r"-m venv (\S+)", (ROOT / "examples" / "cloud_tpu.sh").read_text()))
+    assert made == {".venv", ".venv-tpu"}
+    ignored = set((ROOT / ".gitignore").read_text().splitlines())
+    assert {f"{name}/" for name in made} <= ignored
