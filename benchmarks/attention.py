@@ -19,7 +19,8 @@ cascade there. Before a point's figures count, its outputs are compared on the t
 inputs (benchmarks/output_agreement.py): cascade against flat, and flat against JAX's
 reference where that ran; the `agree` column says whether they agree, and a run with a
 point that does not exits with status 1 (after writing its JSON). Prints a table, writes
-JSON, and draws the speedup as a heatmap (prefix length x batch size).
+JSON, and draws the speedup as a heatmap (prefix length x batch size) when matplotlib is
+installed (the bench extra).
 
     python benchmarks/attention.py --out benchmarks/results
 """
@@ -274,6 +275,13 @@ def main(argv=None) -> int:
     check_whole_pages(parser, args.prefix, args.block_size, "--prefix")
     check_head_groups(parser, args.q_heads, args.kv_heads)
     args.dtype = jnp.dtype(args.dtype)
+    try:  # the plot's only dependency, in jaxkv's bench extra: without it, the JSON alone
+        import matplotlib  # noqa: F401
+
+        plot = args.out / "attention_speedup.png"
+    except ImportError:
+        plot = None
+        print("matplotlib is not installed (jaxkv's bench extra): no plot, the JSON only")
     results = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = dict(
@@ -284,8 +292,11 @@ def main(argv=None) -> int:
     )  # fmt: skip
     units = units_of(meta, *results)
     write_json(args.out / "attention.json", dict(meta=meta, units=units, results=results))
-    heatmap(results, args.out / "attention_speedup.png")
-    print(f"wrote {args.out / 'attention.json'} and {args.out / 'attention_speedup.png'}")
+    if plot is None:
+        print(f"wrote {args.out / 'attention.json'}")
+    else:
+        heatmap(results, plot)
+        print(f"wrote {args.out / 'attention.json'} and {plot}")
     wrong = [(r["batch"], r["prefix"], r["suffix"]) for r in results if not r["outputs_agree"]]
     if wrong:
         print(f"FAIL: outputs disagree at (B, P, S) {wrong}: their timings compare nothing")

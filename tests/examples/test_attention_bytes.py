@@ -136,3 +136,21 @@ def test_the_heatmap_says_which_way_round_its_speedup_is(tmp_path):
     assert ax.get_title() == "flat ms / cascade ms, suffix 16"
     assert [t.get_text() for t in ax.texts] == ["4.0x", "8.0x"]  # flat took 4x cascade's time
     assert (tmp_path / "speedup.png").exists()
+
+
+def test_without_matplotlib_the_attention_benchmark_writes_its_json_and_no_plot(
+    tmp_path, monkeypatch, capsys
+):
+    # It ran the whole grid, wrote the JSON, then died on ModuleNotFoundError drawing the
+    # plot (matplotlib is in the bench extra only).
+    import sys
+
+    from benchmarks import attention
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises
+    monkeypatch.setattr(attention, "read_bandwidth", lambda: 1e9)
+    monkeypatch.setattr(attention, "_time", lambda fn, *args, reps: 1e-3)
+    argv = ["--batch", "2", "--prefix", "16", "--suffix", "3", "--reps", "1"]
+    assert attention.main([*argv, "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attention.json"]
+    assert "matplotlib is not installed" in capsys.readouterr().out
