@@ -289,7 +289,6 @@ def main(argv=None) -> int:
         check_whole_pages(
             ap, [sweep_cell[1]], args.page_size, "the sweep's prefix (--no-sweep skips it)"
         )
-    args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     dev = jax.devices()[0]
     if args.smoke:
@@ -309,6 +308,7 @@ def main(argv=None) -> int:
     if not args.smoke and dev.platform != "gpu":
         print("no GPU found: run with --smoke on the CPU", file=sys.stderr)
         return 2
+    args.out.mkdir(parents=True, exist_ok=True)
 
     result["checks"] = device_checks(
         interpret=args.smoke, small=args.smoke, kv_dtypes=args.kv_dtype

@@ -147,3 +147,12 @@ def test_gpu_checks_sh_times_a_float32_cache_beside_the_bfloat16_one(tmp_path, m
     assert float32 == [(64, 8192, 128, "float32")]
     assert timed[timed.index(float32[0]) - 1] == (64, 8192, 128, "bfloat16")
     assert len(timed) == len(gpu_kernel.GRID) + 1
+
+
+def test_no_gpu_exits_before_making_the_out_folder(tmp_path, capsys):
+    # The folder was made before the device check, so a run refused on the CPU left an
+    # empty --out folder behind.
+    out = tmp_path / "results"
+    assert gpu_kernel.main(["--out", str(out), "--no-sweep"]) == 2
+    assert "no GPU found" in capsys.readouterr().err
+    assert not out.exists()
