@@ -22,6 +22,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxkv.buckets import padded_size, pow2_buckets
 from jaxkv.deliberate_transfers import allowing_transfers
@@ -42,6 +44,23 @@ def replica_heads(num_cache_heads: int, kv_replicas: int) -> tuple[np.ndarray, n
     j = np.arange(num_cache_heads // kv_replicas)
     first = 2 * (j // 2) * kv_replicas + j % 2
     return first, expand
+
+
+def staging_sharding(cache_sharding: jax.sharding.Sharding, kv_replicas: int):
+    """Where a load's blocks ([n, num_layers, block_size, 2*num_kv_heads, head_dim], each
+    KV head once) go before the scatter writes them into caches of `cache_sharding`: on
+    the caches' own devices, split along heads as the caches are when they hold each head
+    once, else whole on each. Put without a sharding they went to jax's default device,
+    which under data parallelism belongs to another replica (its memory, not this one's,
+    held each copy while it ran)."""
+    if isinstance(cache_sharding, NamedSharding):
+        spec = (*cache_sharding.spec, None, None, None)
+        heads = spec[2] if kv_replicas == 1 else None
+        return NamedSharding(cache_sharding.mesh, P(None, None, None, heads))
+    devices = sorted(cache_sharding.device_set, key=lambda d: d.id)
+    if len(devices) == 1:
+        return jax.sharding.SingleDeviceSharding(devices[0])
+    return NamedSharding(jax.sharding.Mesh(np.array(devices), ("devices",)), P())
 
 
 @functools.partial(jax.jit, static_argnames="kv_replicas")
@@ -166,10 +185,12 @@ class DeviceKVCopier:
         data = np.zeros((len(ids), *self.block_shape), self.dtype)
         data[:n] = blocks
         with allowing_transfers():  # deliberate, whatever guard the caller set
-            on_device = jax.device_put(data)
+            donated = tuple(self._get_caches())
+            on_device = jax.device_put(
+                data, staging_sharding(donated[0].sharding, self.kv_replicas)
+            )
             # It donates the caches: a Ctrl-C raised before the new ones are set would
             # leave the engine only deleted ones (jaxkv.held_interrupts).
-            donated = tuple(self._get_caches())
             with holding_interrupts(passes_on=lambda: not donated[0].is_deleted()):
                 caches = _scatter(donated, ids, on_device, self.kv_replicas)
                 self._set_caches(list(caches))

@@ -30,6 +30,7 @@ CHECKS = (
     "router_over_engine_replicas",
     "router_replicas_sample_independently",
     "offload_stores_replicated_kv_heads_once",
+    "kv_loads_stay_on_the_engine_devices",
     "prompt_logprobs_tp",
 )
 TIMEOUT_S = 600
