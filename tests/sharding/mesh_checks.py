@@ -6,9 +6,9 @@ runs `python -m tests.sharding.mesh_checks --json PATH` and asserts each check's
 Run it by hand the same way; `--only NAME` runs one check. Every check prints what it
 compared; a failure prints its traceback and the process exits 1. The attention and
 model checks are here; the attention options per shard in mesh_option_checks.py; the
-KV copier's in mesh_copy_checks.py; the engine and router checks in
-mesh_serving_checks.py; what all use (the registry, the model, the sizes, random
-batches) in mesh_common.py.
+KV copier's in mesh_copy_checks.py; TPU lowering in mesh_lowering_checks.py; the engine
+and router checks in mesh_serving_checks.py; what all use (the registry, the model, the
+sizes, random batches) in mesh_common.py.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from jaxkv.models import Llama, make_paged_forward  # noqa: E402
 from jaxkv.models.llama import _paged_step  # noqa: E402
 from tests.sharding import (  # noqa: E402, F401 - register their checks
     mesh_copy_checks,
+    mesh_lowering_checks,
     mesh_option_checks,
     mesh_serving_checks,
 )

@@ -31,6 +31,7 @@ CHECKS = (
     "router_replicas_sample_independently",
     "offload_stores_replicated_kv_heads_once",
     "kv_loads_stay_on_the_engine_devices",
+    "sharded_step_lowers_for_tpu",
     "prompt_logprobs_tp",
 )
 TIMEOUT_S = 600
