@@ -4,6 +4,7 @@ and from the host (jaxkv.kv_copy)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import weakref
@@ -49,7 +50,8 @@ def device_state(
     model: nnx.Module, params: nnx.State | None, config: EngineConfig, backend: str, mesh
 ) -> DeviceState:
     """`model`, with `params` as its weights (None: its own), placed over `mesh` as
-    jaxkv.sharding.place_model places it, and KV caches of `config.cache` for it;
+    jaxkv.sharding.place_model places it, and KV caches of `config.cache` for it
+    (without a mesh, on the one device the weights lie on, where they lie on one);
     served_heads' ValueError (`backend` cannot serve the config) before they are made.
     An exception after the placement propagates with this call's frame holding none of
     the placed weights (a traceback kept in a notebook would hold their memory)."""
@@ -63,11 +65,24 @@ def device_state(
         program = step_program(graphdef, treedef)
         heads = served_heads(backend, config, model.config, 1 if placed is None else placed.size)
         cc = config.cache
-        caches = model.init_kv_caches(cc.num_blocks, cc.block_size, cc.kv_dtype)
+        with _on_device_of(leaves if placed is None else ()):
+            caches = model.init_kv_caches(cc.num_blocks, cc.block_size, cc.kv_dtype)
     except BaseException:
         model = params = state = leaves = None
         raise
     return DeviceState(placed, leaves, program, heads, caches)
+
+
+def _on_device_of(leaves: list[Any]) -> contextlib.AbstractContextManager:
+    """jax.default_device(d) when every jax.Array of `leaves` (the weights of a model
+    without a mesh) lies on the one device d, else a context that does nothing. The step
+    program runs where those weights lie; caches made on jax's default device instead
+    held the whole KV pool there (another replica's device, say) until the first step
+    moved it."""
+    devices = {d for leaf in leaves if isinstance(leaf, jax.Array) for d in leaf.devices()}
+    if len(devices) != 1:
+        return contextlib.nullcontext()
+    return jax.default_device(devices.pop())
 
 
 def engine_copier(

@@ -246,3 +246,27 @@ def prompt_logprobs_tp():
             w_top, g_top = (sorted(lp.logprob for lp in e.values()) for e in (w_entry, g_entry))
             assert len(w_top) == len(g_top)
             assert np.allclose(w_top, g_top, atol=1e-4), (w_top, g_top)
+
+
+@check
+def kv_caches_made_where_the_weights_lie():
+    """An engine without a mesh whose weights lie on device 5 (given as params, or held by
+    the model) makes its KV caches there, and serves as the engine on the default device
+    does: they used to be made on device 0 (another replica's, say), whole, and moved at
+    the first step."""
+    import jax
+
+    from jaxkv.engine import Engine
+
+    want, _ = unsharded_greedy()
+    device = jax.devices()[5]
+    on_device = jax.device_put(nnx.state(model(8)), device)
+    graphdef = nnx.graphdef(model(8))
+    for m, params in ((other_weights(), on_device), (nnx.merge(graphdef, on_device), None)):
+        engine = Engine(m, params, engine_config())
+        where = [c.devices() for c in engine.kv_caches]
+        print(f"  params given: {params is not None}; caches on {where[0]}")
+        assert where == [{device}] * len(where), where
+        assert greedy(engine, prompts()) == want
+        assert engine.kv_caches[0].devices() == {device}
+        engine.close()

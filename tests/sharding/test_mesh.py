@@ -32,6 +32,7 @@ CHECKS = (
     "offload_stores_replicated_kv_heads_once",
     "kv_loads_stay_on_the_engine_devices",
     "sharded_step_lowers_for_tpu",
+    "kv_caches_made_where_the_weights_lie",
     "prompt_logprobs_tp",
 )
 TIMEOUT_S = 600
