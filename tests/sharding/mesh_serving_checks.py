@@ -226,8 +226,9 @@ def offload_stores_replicated_kv_heads_once():
 @check
 def prompt_logprobs_tp():
     """Prompt logprobs at TP 4 equal those of the engine without a mesh: the last layer's
-    output at the prompt rows, through the vocabulary-sharded LM head, gives the same
-    values (compared as sorted top values, which ties between ids cannot reorder)."""
+    output at the prompt rows, through the LM head (replicated on every device, as
+    shard_params places it), gives the same values (compared as sorted top values, which
+    ties between ids cannot reorder)."""
     from jaxkv.engine import Engine
 
     params = SamplingParams(max_tokens=2, prompt_logprobs=3)
