@@ -63,6 +63,15 @@ def staging_sharding(cache_sharding: jax.sharding.Sharding, kv_replicas: int):
     return NamedSharding(jax.sharding.Mesh(np.array(devices), ("devices",)), P())
 
 
+def _read_on_host(gathered: jax.Array, n: int) -> np.ndarray:
+    """The first `n` saved blocks as numpy, read on the copier's worker thread. The
+    caller's `with jax.transfer_guard(...)` does not reach this thread, but a global
+    guard (jax_transfer_guard set in the config or the environment) does, and would
+    refuse this implicit device-to-host read on an accelerator and fail every save."""
+    with allowing_transfers():  # deliberate, whatever guard is set globally
+        return np.asarray(gathered)[:n]
+
+
 @functools.partial(jax.jit, static_argnames="kv_replicas")
 def _gather(
     caches: tuple[jax.Array, ...],
@@ -166,7 +175,7 @@ class DeviceKVCopier:
         with allowing_transfers():  # deliberate, whatever guard the caller set
             gathered = _gather(tuple(self._get_caches()), ids, self.kv_replicas)
             gathered.copy_to_host_async()
-        return self._executor.submit(lambda: np.asarray(gathered)[:n])
+        return self._executor.submit(_read_on_host, gathered, n)
 
     def start_load(self, block_ids: Sequence[int], blocks: np.ndarray) -> Future:
         """Writes `blocks` ([len(block_ids), *block_shape], of the caches' dtype) into

@@ -6,10 +6,12 @@ from __future__ import annotations
 import gc
 import weakref
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import kv_copy
 from jaxkv.kv_copy import DeviceKVCopier
 
 NUM_LAYERS, NUM_BLOCKS = 2, 8
@@ -259,3 +261,37 @@ def test_max_blocks_may_be_a_numpy_integer():
             copier.start_save([3, 4])
     finally:
         copier.close()
+
+
+class _GuardSeen:
+    """Stands in for a gathered save: records the device-to-host guard in force on the
+    thread that reads it (the CPU backend never enforces one, so a real read passes)."""
+
+    def __init__(self, blocks: np.ndarray) -> None:
+        self.blocks, self.guard = blocks, None
+
+    def copy_to_host_async(self) -> None:
+        pass
+
+    def __array__(self, dtype=None, copy=None):
+        self.guard = jax.config.jax_transfer_guard_device_to_host
+        return self.blocks
+
+
+def test_a_save_is_read_on_the_host_under_allow_whatever_guard_is_set_globally(monkeypatch):
+    # The worker thread read the saved blocks with np.asarray outside allowing_transfers:
+    # a caller's `with jax.transfer_guard` stays on its own thread, but a global guard
+    # reaches the worker, and on an accelerator refuses that implicit read.
+    blocks = np.arange(2 * NUM_LAYERS * np.prod(BLOCK_SHAPE), dtype=np.float32)
+    seen = _GuardSeen(blocks.reshape(2, NUM_LAYERS, *BLOCK_SHAPE))
+    monkeypatch.setattr(kv_copy, "_gather", lambda *args: seen)
+    caches = [jnp.zeros((NUM_BLOCKS, *BLOCK_SHAPE), jnp.float32)] * NUM_LAYERS
+    copier = DeviceKVCopier(lambda: caches, lambda c: None, max_blocks=NUM_BLOCKS)
+    jax.config.update("jax_transfer_guard_device_to_host", "disallow")
+    try:
+        saved = copier.start_save([3, 4]).result()
+    finally:
+        jax.config.update("jax_transfer_guard_device_to_host", None)
+        copier.close()
+    assert seen.guard == "allow"
+    np.testing.assert_array_equal(saved, seen.blocks)
