@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxkv import longest_common_prefix, prefix_index
-from jaxkv.prefix_index import PrefixInterner, shared_prefix_of_rows
+from jaxkv.prefix_index import PrefixInterner, runs_at_column, shared_prefix_of_rows
 
 
 def test_interner_distinguishes_same_block_after_different_prefixes():
@@ -162,3 +162,42 @@ def test_shared_prefix_of_no_rows_is_zero_and_of_one_row_its_length():
     assert shared_prefix_of_rows(table, np.array([], np.int32), held) == 0
     assert shared_prefix_of_rows(table, np.array([1], np.int32), held) == 3
     assert shared_prefix_of_rows(table, np.array([0, 1], np.int32), held) == 1
+
+
+def _prefix_table(block_rows: list[list[int]], num_cols: int) -> np.ndarray:
+    """prefix_ids as the manager keeps them: interned chains, -1 past each row's blocks."""
+    interner = PrefixInterner()
+    table = np.full((len(block_rows), num_cols), prefix_index.NO_PREFIX, np.int64)
+    for r, blocks in enumerate(block_rows):
+        table[r, : len(blocks)] = interner.acquire(prefix_index.ROOT_PREFIX, blocks)
+    return table
+
+
+def test_runs_at_column_are_runs_of_two_or_more_largest_first_capped_at_max_runs():
+    # Column 1 splits the rows into runs of 3 (block 5), 2 (block 6), 4 (block 7, but
+    # under another block 0 for row 9: alone) and the singletons 3 and 8.
+    block_rows = [
+        [1, 5], [1, 7], [1, 5], [1, 9], [1, 7], [1, 6],
+        [1, 7], [1, 5], [1, 8], [2, 7], [1, 6], [1, 7],
+    ]  # fmt: skip
+    prefix_ids = _prefix_table(block_rows, 3)
+    rows = np.arange(len(block_rows), dtype=np.int32)
+    labels = rows + 100  # what the runs report instead of the rows
+    runs = runs_at_column(prefix_ids, rows, labels, 1, max_runs=8)
+    assert [r.tolist() for r in runs] == [[101, 104, 106, 111], [100, 102, 107], [105, 110]]
+    # The cap keeps the largest runs, not the first or the smallest ones.
+    capped = runs_at_column(prefix_ids, rows, labels, 1, max_runs=2)
+    assert [r.tolist() for r in capped] == [[101, 104, 106, 111], [100, 102, 107]]
+    # Ties keep the run found first (of the smaller prefix id).
+    tied = runs_at_column(prefix_ids, rows[[0, 2, 5, 10]], labels[[0, 2, 5, 10]], 1, 1)
+    assert [r.tolist() for r in tied] == [[100, 102]]
+    # Every id distinct: None, not an empty list.
+    assert runs_at_column(prefix_ids, rows[[0, 1, 3, 5]], labels[[0, 1, 3, 5]], 1, 8) is None
+
+
+def test_runs_at_column_never_groups_rows_that_hold_no_block_there():
+    # Rows 1 and 2 hold no block at column 2 (-1 there): they share nothing at it.
+    prefix_ids = _prefix_table([[1, 2, 3], [1, 2], [1, 4], [1, 2, 3]], 3)
+    rows = np.arange(4, dtype=np.int32)
+    runs = runs_at_column(prefix_ids, rows, rows, 2, max_runs=8)
+    assert [r.tolist() for r in runs] == [[0, 3]]
