@@ -85,3 +85,25 @@ def test_batch_caching_hashes_decode_blocks_itself(monkeypatch):
     monkeypatch.setattr(batch_allocation, "extend_block_hashes", counting)
     _run(1, events=False, num_blocks=64)
     assert len(hashed) > 20
+
+
+def test_a_decode_block_equal_to_one_already_cached_stays_uncached():
+    # Two requests with one prompt, allocated without cache hits: each holds its own
+    # blocks. When a decode step fills their second blocks with equal tokens, the first
+    # takes the hash; the second is a duplicate and must stay uncached, as
+    # cache_full_blocks leaves it (caching it too left the first block carrying a hash
+    # the cache map no longer gave it).
+    manager = KVCacheManager(16, 4, max_model_len=40)
+    a, b = (Request(r, [1, 2, 3, 4, 5], SamplingParams(max_tokens=8)) for r in "ab")
+    for request in (a, b):
+        assert manager.allocate_slots(request, 5) is not None
+        request.num_computed_tokens = 5
+        request.append_output_token_ids([6, 7, 8])
+    assert manager.allocate_slots_batch([a, b], [3, 3])
+    blocks_a, blocks_b = (manager._blocks[r.request_id] for r in (a, b))
+    assert a.block_hashes == b.block_hashes and len(a.block_hashes) == 2
+    assert [blk.block_hash for blk in blocks_a] == a.block_hashes
+    assert [blk.block_hash for blk in blocks_b] == [None, None]
+    cached = manager.pool.cached_block_hash_to_block
+    assert [cached[h] for h in a.block_hashes] == blocks_a
+    manager.check_integrity()
