@@ -139,3 +139,23 @@ def test_cascade_max_q_len_bounds_only_the_suffix_pass():
     out, lse = jitted(*case.args(), 2)
     harness.assert_close_to_oracle(case, out, lse, expected)
     harness.assert_padding_is_empty(case, out, lse)
+
+
+def test_a_sequence_without_queries_shorter_than_the_prefix_reads_no_suffix_keys():
+    # Only sequences with query tokens must hold the prefix. One without any, holding
+    # fewer keys than the prefix, gets kv_len 0 in the suffix pass, never a negative
+    # one (a kernel would read it as a length; the reference refused it).
+    case = _shared_prefix_case(5, 2, [(1, 4), (0, 0), (2, 9)])
+    kv_lens = np.asarray(case.kv_lens).copy()
+    kv_lens[1] = 3  # under the 16 prefix tokens
+    case = case.replace(kv_lens=jnp.asarray(kv_lens))
+    suffix_kv_lens = []
+
+    def attention_fn(*args, causal, **kwargs):
+        if causal:  # the suffix pass
+            suffix_kv_lens.append(np.asarray(args[2]).tolist())
+        return ragged_paged_attention(*args, causal=causal, **kwargs)
+
+    out, lse = cascade_attention(*case.args(), 2, sm_scale=0.125, attention_fn=attention_fn)
+    assert suffix_kv_lens[0][:3] == [4, 0, 9]
+    harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))
