@@ -198,3 +198,27 @@ def test_logprobs_are_taken_before_min_tokens_bans_the_stop_token():
     assert out.output_token_ids[0] != stop
     assert list(out.logprobs[0])[1] == stop and out.logprobs[0][stop].rank == 1
     _check(prompt, out.output_token_ids, out.logprobs, 2)
+
+
+def test_logprobs_follow_their_request_past_a_prefill_chunk_scheduled_before_it():
+    # A long prompt admitted first runs in chunks of 4 while the short ones decode: each
+    # step schedules its chunk, which gets no output, ahead of theirs, so an output's
+    # place among the step's outputs is not its request's row; each request must still
+    # get its own sampled token's logprob and rank.
+    rng = np.random.default_rng(9)
+    long_prompt = rng.integers(0, VOCAB, 40).tolist()
+    short = prompts_for("none", seed=9)[:2]
+    engine = make_engine(long_prefill_token_threshold=4)
+    engine.add_request(long_prompt, SamplingParams(max_tokens=2))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=6, logprobs=K)) for p in short]
+    got: dict[str, list] = {rid: [] for rid in ids}
+    tokens: dict[str, list] = {rid: [] for rid in ids}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id in got:
+                tokens[o.request_id].extend(o.new_token_ids)
+                got[o.request_id].extend(o.logprobs)
+    for prompt, rid in zip(short, ids, strict=True):
+        assert len(tokens[rid]) == 6
+        _check(prompt, tokens[rid], got[rid], K)
+    assert_all_blocks_free(engine)
