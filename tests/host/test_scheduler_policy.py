@@ -1,8 +1,8 @@
 """Scheduler policy details that the larger scenario tests left unpinned: the pool-size
 refusal's max_model_len cap, queue order after preemption, the finish reason when the
 last allowed token is a stop token (stopped, as in vLLM), prefill/decode counters, a
-request aborted between schedule() and update_from_output(), and text options refused
-without a tokenizer."""
+request aborted between schedule() and update_from_output(), no admission in a step
+that preempts, and text options refused without a tokenizer."""
 
 from __future__ import annotations
 
@@ -93,6 +93,29 @@ def test_without_chunked_prefill_a_prompt_exactly_filling_the_budget_left_runs()
     add(sched, "b", range(10, 17), max_tokens=1)  # 7 tokens: the budget after a's decode
     out, _ = step(sched)
     assert out.request_ids == ["a", "b"] and out.num_scheduled_tokens.tolist() == [1, 7]
+
+
+def test_a_step_that_preempts_admits_no_waiting_request():
+    # 5 usable blocks. In the third step c's prompt chunk needs a third block while a and
+    # b hold two, so c is preempted. Budget and its freed blocks would let it be admitted
+    # again in that very step (from scratch, prefix caching off), as vLLM never does: a
+    # step that preempts admits nothing, and c waits for the next one.
+    sched = make_scheduler(
+        num_blocks=6, max_num_batched_tokens=8, max_num_seqs=3, max_model_len=32,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    add(sched, "a", [1, 2], max_tokens=8)
+    add(sched, "b", [3, 4, 5, 6, 7], max_tokens=9)
+    c = add(sched, "c", range(10, 19), max_tokens=12)
+    scheduled = []
+    for _ in range(3):
+        out, _ = step(sched)
+        scheduled.append(dict(zip(out.request_ids, out.num_scheduled_tokens.tolist(), strict=True)))
+    assert scheduled == [{"a": 2, "b": 5, "c": 1}, {"a": 1, "b": 1, "c": 6}, {"a": 1, "b": 1}]
+    assert out.preempted_request_ids == ("c",) and c.status == RequestStatus.PREEMPTED
+    assert [r.request_id for r in sched.waiting] == ["c"] and c.num_computed_tokens == 0
+    assert "c" not in sched.manager.request_ids
+    assert run_until_idle(sched) == {"a": "length", "b": "length", "c": "length"}
 
 
 def test_a_recompute_in_one_token_chunks_counts_as_prefill():
