@@ -48,9 +48,13 @@ class Request:
     KVCacheManager calls when it looks the request up or allocates its slots, so it may
     lag behind tokens appended since.
 
-    `request_id` and `prompt_token_ids` are fixed at construction: assigning either raises
-    AttributeError. The KVCacheManager keys a request's blocks, and a scheduler the
-    request, by its id; a new id is a new Request.
+    `request_id`, `prompt_token_ids`, `cache_salt` and `adapter_id` are fixed at
+    construction: assigning any of them raises AttributeError. The KVCacheManager keys a
+    request's blocks, and a scheduler the request, by its id; a new id is a new Request.
+    The salt and the adapter id are hashed into `block_hashes`: hashes already computed
+    would keep the old ones (a cache hit of one adapter's KV for a request run under
+    another), and an invalid one would fail the hashing of a block the manager has
+    already handed out.
     """
 
     # Slots: a misspelt field assignment fails instead of adding a silent attribute.
@@ -58,8 +62,8 @@ class Request:
         "_request_id",
         "_prompt_token_ids",
         "sampling_params",
-        "cache_salt",
-        "adapter_id",
+        "_cache_salt",
+        "_adapter_id",
         "arrival_time",
         "status",
         "output_token_ids",
@@ -104,8 +108,8 @@ class Request:
         self._request_id = request_id
         self._prompt_token_ids: tuple[int, ...] = tuple(prompt)
         self.sampling_params = sampling_params
-        self.cache_salt = cache_salt
-        self.adapter_id = adapter_id
+        self._cache_salt = cache_salt
+        self._adapter_id = adapter_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
@@ -123,6 +127,17 @@ class Request:
         operator.attrgetter("_request_id"),
         doc="The request's id, fixed at construction: assigning one raises AttributeError "
         "(the manager holds its blocks, the scheduler the request, under it).",
+    )
+
+    cache_salt = property(
+        operator.attrgetter("_cache_salt"),
+        doc="The cache salt (None or a str), hashed into the first block; fixed at "
+        "construction: assigning one raises AttributeError.",
+    )
+    adapter_id = property(
+        operator.attrgetter("_adapter_id"),
+        doc="The adapter id (None or a str), hashed into every block; fixed at "
+        "construction: assigning one raises AttributeError.",
     )
 
     @property

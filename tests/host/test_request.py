@@ -300,6 +300,30 @@ def test_the_prompt_cannot_be_replaced_after_construction():
     m.check_integrity()
 
 
+@pytest.mark.parametrize("field", ["adapter_id", "cache_salt"])
+@pytest.mark.parametrize("value", ["b", 5])
+def test_adapter_id_and_cache_salt_are_fixed_at_construction(field, value):
+    """Both are hashed into block_hashes. Reassigned after a lookup, the hashes kept the
+    old key, so a cache hit of adapter 'a' passed for a request now under another; an
+    invalid one failed the hashing after allocate_slots had taken a block."""
+    m = KVCacheManager(8, 2, max_model_len=16)
+    cached = Request("c", [1, 2, 3, 4, 5], **{field: "a"})
+    m.allocate_slots(cached, 5)
+    req = Request("r", [1, 2, 3, 4, 5], **{field: "a"})
+    assert m.get_computed_blocks(req) == (m.block_ids("c")[:2], 4)
+    with pytest.raises(AttributeError, match=field):
+        setattr(req, field, value)
+    assert getattr(req, field) == "a"
+    free = m.num_free_blocks
+    with pytest.raises(AttributeError, match=field):
+        setattr(cached, field, value)
+    cached.num_computed_tokens = 5
+    cached.append_output_token_ids([6, 7])
+    assert m.allocate_slots(cached, 2) == [4]
+    assert m.num_free_blocks == free - 1
+    m.check_integrity()
+
+
 def test_block_hashes_carry_the_adapter_on_every_block_and_the_salt_on_the_first():
     """A request hashes its adapter id as the adapter key and its cache salt as the salt
     key: its hashes equal extend_block_hashes given each in its place. The two keys enter
