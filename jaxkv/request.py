@@ -69,7 +69,7 @@ class Request:
         "output_token_ids",
         "num_computed_tokens",
         "num_preemptions",
-        "block_hashes",
+        "_block_hashes",
         "queued",
         "decoded_text",
         "_all_token_ids",
@@ -115,7 +115,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_preemptions = 0
-        self.block_hashes: list[BlockHash] = []
+        self._block_hashes: list[BlockHash] = []
         self.queued = False  # set by the Scheduler that takes it: one serves it, once
         self.decoded_text = None  # output text read so far (jaxkv.stop_strings.DecodedText)
         self._all_token_ids: list[int] = prompt
@@ -138,6 +138,13 @@ class Request:
         operator.attrgetter("_adapter_id"),
         doc="The adapter id (None or a str), hashed into every block; fixed at "
         "construction: assigning one raises AttributeError.",
+    )
+
+    block_hashes = property(
+        operator.attrgetter("_block_hashes"),
+        doc="Hashes of the full blocks hashed so far (a live list; do not mutate it). "
+        "Assigning a list raises AttributeError: the manager caches the request's blocks "
+        "under these hashes, so another prompt's hashes put its KV under that prompt.",
     )
 
     @property
@@ -234,9 +241,9 @@ class Request:
         """
         self._hash_config = config = self._checked_hash_config(block_size, seed)
         block_size = config[0]
-        if len(self._all_token_ids) // block_size > len(self.block_hashes):
+        if len(self._all_token_ids) // block_size > len(self._block_hashes):
             extend_block_hashes(
-                self.block_hashes,
+                self._block_hashes,
                 self._all_token_ids,
                 block_size,
                 seed=config[1],
@@ -244,16 +251,16 @@ class Request:
                 cache_salt=self.cache_salt,
                 tokens_checked=True,  # no bools: _token_ids refused them
             )
-        return self.block_hashes
+        return self._block_hashes
 
     def _hash_state(self) -> tuple[int, tuple[int, int] | None]:
         """What update_block_hashes may change, for _restore_hash_state."""
-        return len(self.block_hashes), self._hash_config
+        return len(self._block_hashes), self._hash_config
 
     def _restore_hash_state(self, state: tuple[int, tuple[int, int] | None]) -> None:
         """Undoes the update_block_hashes calls since `state` (from _hash_state) was read:
         for a caller that refuses a call after hashing (KVCacheManager.allocate_slots)."""
-        del self.block_hashes[state[0] :]
+        del self._block_hashes[state[0] :]
         self._hash_config = state[1]
 
     def __repr__(self) -> str:

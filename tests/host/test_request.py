@@ -324,6 +324,21 @@ def test_adapter_id_and_cache_salt_are_fixed_at_construction(field, value):
     m.check_integrity()
 
 
+def test_block_hashes_cannot_be_replaced():
+    """The manager caches a request's blocks under its block_hashes. Another prompt's
+    hashes assigned to them used to be taken: the request's KV was cached under that
+    prompt, which then hit it, and check_integrity (which reads the same list) passed."""
+    m = KVCacheManager(16, 4, max_model_len=64)
+    req = Request("r", [1] * 12)
+    with pytest.raises(AttributeError, match="block_hashes"):
+        req.block_hashes = Request("x", [9] * 12).update_block_hashes(4)
+    assert req.block_hashes == []
+    m.allocate_slots(req, 12)
+    assert req.block_hashes == Request("y", [1] * 12).update_block_hashes(4)
+    assert m.get_computed_blocks(Request("v", [9] * 13)) == ([], 0)
+    m.check_integrity()
+
+
 def test_block_hashes_carry_the_adapter_on_every_block_and_the_salt_on_the_first():
     """A request hashes its adapter id as the adapter key and its cache salt as the salt
     key: its hashes equal extend_block_hashes given each in its place. The two keys enter
