@@ -32,6 +32,10 @@ class UnknownRequestError(ValueError, KeyError):
 _SCALAR_WRITES_MAX = 64
 
 
+def _is_bool(value) -> bool:
+    return isinstance(value, (bool, np.bool_))
+
+
 def _unhashable(ids: list):
     """The first of `ids` that cannot be a dict key."""
     for i in ids:
@@ -171,7 +175,12 @@ class HostBlockTable:
                 rows = np.asarray(rows)
             except (ValueError, TypeError):  # ragged nesting
                 rows = np.asarray(None)
-            if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
+            # A bool among ints converts to an int array: True was read as row 1.
+            if (
+                rows.ndim != 1
+                or (rows.size and rows.dtype.kind not in "iu")
+                or (type(given) is not np.ndarray and any(map(_is_bool, given)))
+            ):
                 raise ValueError(f"rows={given!r} must be a 1-D sequence of block-table rows")
             rows = rows.astype(np.int64)  # an empty list is float64
         elif rows.ndim != 1:

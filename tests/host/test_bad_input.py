@@ -163,6 +163,8 @@ def test_an_array_among_request_ids_is_refused_by_name_after_a_call_of_as_many_i
         ([-1], "must lie in"),
         ([0.0, 1.0], "1-D sequence of block-table rows"),
         (np.array([True, False]), "1-D sequence of block-table rows"),  # a mask, not rows
+        ([0, True], "1-D sequence of block-table rows"),  # True was taken as row 1
+        ((np.int32(0), np.True_), "1-D sequence of block-table rows"),
         (None, "rows=None must be a 1-D"),  # num_blocks_of_rows gave a 2-D array
         (np.array(0), "1-D"),
         (np.zeros((1, 2), np.int32), "1-D"),  # rows_of's dtype, but 2-D
