@@ -137,7 +137,7 @@ def _cache_filled_blocks(manager: KVCacheManager, filling: list[tuple[Request, i
     bs, seed = manager.block_size, manager.hash_seed
     config = (bs, seed)
     blocks_of, num_cached_of = manager._blocks, manager._num_cached
-    cached = pool.cached_block_hash_to_block
+    cache_block = pool.cache_block
     for request, num_tokens in filling:
         req_id = request.request_id
         i = num_cached_of[req_id]  # the block this fills
@@ -159,11 +159,7 @@ def _cache_filled_blocks(manager: KVCacheManager, filling: list[tuple[Request, i
         except ValueError:
             cache_full_blocks(manager, request, num_tokens)  # raises it by name
             continue
-        block_hash = hashes[i]
-        block = blocks[i]  # as pool.cache_full_blocks caches it
-        if block.block_hash is None and block_hash not in cached:
-            block.block_hash = block_hash
-            cached[block_hash] = block
+        cache_block(blocks[i], hashes[i])
         num_cached_of[req_id] = i + 1
 
 

@@ -199,19 +199,15 @@ class BlockPool:
                 raise ValueError(f"cache_full_blocks: blocks {free} are free (held by nobody)")
         if not self.enable_caching:
             return
-        cached = self.cached_block_hash_to_block
+        cache_block = self.cache_block
         if not self.enable_events:  # no runs to report
             for block, block_hash in zip(blocks, block_hashes, strict=True):
-                if block.block_hash is None and block_hash not in cached:
-                    block.block_hash = block_hash
-                    cached[block_hash] = block
+                cache_block(block, block_hash)
             return
         runs: list[list[int]] = []  # [start, end) of consecutive stored blocks
         for i, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
-            if block.block_hash is not None or block_hash in cached:
+            if not cache_block(block, block_hash):
                 continue
-            block.block_hash = block_hash
-            cached[block_hash] = block
             if runs and runs[-1][1] == i:
                 runs[-1][1] = i + 1
             else:
@@ -226,6 +222,18 @@ class BlockPool:
                     adapter_id,
                 )
             )
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Marks `block` with `block_hash` and caches it under that hash, unless the block
+        already carries a hash or another block carries this one (one block per hash);
+        True if it was stored. Unchecked and reporting no event: for cache_full_blocks and
+        owners that pass a held block of this pool with its request's hash, caching on."""
+        cached = self.cached_block_hash_to_block
+        if block.block_hash is not None or block_hash in cached:
+            return False
+        block.block_hash = block_hash
+        cached[block_hash] = block
+        return True
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Takes `blocks` out of the prefix cache (their KV was never written); a block
