@@ -15,6 +15,7 @@ from operator import itemgetter
 import numpy as np
 
 from jaxkv.block_pool import NULL_BLOCK_ID
+from jaxkv.field_checks import is_bool
 from jaxkv.prefix_index import NO_PREFIX, ROOT_PREFIX, PrefixInterner, shared_prefix_of_rows
 
 _INITIAL_ROWS = 16
@@ -30,10 +31,6 @@ class UnknownRequestError(ValueError, KeyError):
 # Up to this many single-block appends are written as scalars: in a serving step the
 # numpy fancy-indexing path runs with cold caches and costs more than a few scalar writes.
 _SCALAR_WRITES_MAX = 64
-
-
-def _is_bool(value) -> bool:
-    return isinstance(value, (bool, np.bool_))
 
 
 def _unhashable(ids: list):
@@ -179,7 +176,7 @@ class HostBlockTable:
             if (
                 rows.ndim != 1
                 or (rows.size and rows.dtype.kind not in "iu")
-                or (type(given) is not np.ndarray and any(map(_is_bool, given)))
+                or (type(given) is not np.ndarray and any(map(is_bool, given)))
             ):
                 raise ValueError(f"rows={given!r} must be a 1-D sequence of block-table rows")
             rows = rows.astype(np.int64)  # an empty list is float64

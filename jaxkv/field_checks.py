@@ -12,12 +12,25 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
+
+_BOOLS = {bool, np.bool_}
+
 
 def is_integer(value) -> bool:
     """An integer (int, numpy integer, 0-d integer array of numpy or JAX), not a bool."""
     if isinstance(value, numbers.Integral):
         return not isinstance(value, bool)
     return _scalar_kind(value) in ("i", "u")
+
+
+def is_bool(value) -> bool:
+    """A bool, numpy bool or 0-d bool array (numpy's or JAX's: np.asarray reads
+    [jnp.array(True), 2] as [1, 2])."""
+    if type(value) in _BOOLS:
+        return True
+    dtype = getattr(value, "dtype", None)
+    return getattr(dtype, "kind", None) == "b"
 
 
 def as_int(value) -> int | None:

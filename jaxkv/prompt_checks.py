@@ -6,17 +6,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-_BOOLS = {bool, np.bool_}
+from jaxkv.field_checks import is_bool
+
 _PLAIN_INTS = {int, np.int64, np.int32}  # no element of these types can be a bool
-
-
-def _is_bool(value) -> bool:
-    """A bool, numpy bool or 0-d bool array (numpy's or JAX's: np.asarray reads
-    [jnp.array(True), 2] as [1, 2])."""
-    if type(value) in _BOOLS:
-        return True
-    dtype = getattr(value, "dtype", None)
-    return getattr(dtype, "kind", None) == "b"
 
 
 def checked_prompt_ids(
@@ -37,7 +29,7 @@ def checked_prompt_ids(
     if isinstance(prompt_token_ids, (list, tuple)):
         types = set(map(type, prompt_token_ids))
         if types - _PLAIN_INTS:  # a bool, or a 0-d array (numpy's or JAX's) that may be one
-            at = next((i for i, t in enumerate(prompt_token_ids) if _is_bool(t)), None)
+            at = next((i for i, t in enumerate(prompt_token_ids) if is_bool(t)), None)
             if at is not None:
                 raise ValueError(f"prompt_token_ids must be ints, got a bool at index {at}")
     try:
