@@ -65,7 +65,6 @@ from jaxkv.models import (  # noqa: E402
 )
 from kernels_pallas.tpu.ragged_paged_attention import SUPPORTED_HEAD_DIMS as TPU_HEAD_DIMS  # noqa: E402
 
-SHIPPED_CHECKPOINT = TINY_CHECKPOINT  # jaxkv/data/tiny, installed with the package
 CACHED_CHECKPOINT = REPO / ".cache" / "tiny_lm"  # git-ignored; written when none is shipped
 
 
@@ -99,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--checkpoint",
         default=None,
         help="jaxkv checkpoint directory for --preset tiny, or 'random' for random weights "
-        f"(default: {SHIPPED_CHECKPOINT.relative_to(REPO)}, else train one into "
+        f"(default: {TINY_CHECKPOINT.relative_to(REPO)}, else train one into "
         f"{CACHED_CHECKPOINT.relative_to(REPO)})",
     )
     p.add_argument(
@@ -172,7 +171,7 @@ def load_model(args: argparse.Namespace, console: Console) -> tuple[Llama, str]:
 
 
 def _default_checkpoint(console: Console) -> Path:
-    for path in (SHIPPED_CHECKPOINT, CACHED_CHECKPOINT):
+    for path in (TINY_CHECKPOINT, CACHED_CHECKPOINT):
         if (path / "params.msgpack").exists():
             return path
     console.print(f"No tiny checkpoint found: training one into {CACHED_CHECKPOINT} first.")
