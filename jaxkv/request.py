@@ -55,20 +55,21 @@ class Request:
     KVCacheManager calls when it looks the request up or allocates its slots, so it may
     lag behind tokens appended since.
 
-    `request_id`, `prompt_token_ids`, `cache_salt` and `adapter_id` are fixed at
-    construction: assigning any of them raises AttributeError. The KVCacheManager keys a
-    request's blocks, and a scheduler the request, by its id; a new id is a new Request.
-    The salt and the adapter id are hashed into `block_hashes`: hashes already computed
-    would keep the old ones (a cache hit of one adapter's KV for a request run under
-    another), and an invalid one would fail the hashing of a block the manager has
-    already handed out.
+    `request_id`, `prompt_token_ids`, `sampling_params`, `cache_salt` and `adapter_id`
+    are fixed at construction: assigning any of them raises AttributeError. The
+    KVCacheManager keys a request's blocks, and a scheduler the request, by its id; a new
+    id is a new Request. The salt and the adapter id are hashed into `block_hashes`:
+    hashes already computed would keep the old ones (a cache hit of one adapter's KV for
+    a request run under another), and an invalid one would fail the hashing of a block
+    the manager has already handed out. The sampling params are checked, and their
+    penalties and bans registered with the sampler, when the request is taken.
     """
 
     # Slots: a misspelt field assignment fails instead of adding a silent attribute.
     __slots__ = (
         "_request_id",
         "_prompt_token_ids",
-        "sampling_params",
+        "_sampling_params",
         "_cache_salt",
         "_adapter_id",
         "arrival_time",
@@ -114,7 +115,7 @@ class Request:
             raise ValueError(f"{arrival_time=} of {request_id!r} must be None or a finite number")
         self._request_id = request_id
         self._prompt_token_ids: tuple[int, ...] = tuple(prompt)
-        self.sampling_params = sampling_params
+        self._sampling_params = sampling_params
         self._cache_salt = cache_salt
         self._adapter_id = adapter_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -132,6 +133,11 @@ class Request:
         "_request_id",
         "The request's id, fixed at construction: assigning one raises AttributeError "
         "(the manager holds its blocks, the scheduler the request, under it).",
+    )
+    sampling_params = _fixed(
+        "_sampling_params",
+        "The SamplingParams, fixed at construction: assigning others raises AttributeError "
+        "(they were checked, and the sampler's state built from them, when it was taken).",
     )
     cache_salt = _fixed(
         "_cache_salt",
@@ -179,12 +185,12 @@ class Request:
     def skips_prefix_cache_reads(self) -> bool:
         """True while the request must compute its prompt itself: it asked for prompt
         logprobs and has no output yet (a cache hit's positions would have no logits)."""
-        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
+        return self._sampling_params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def max_tokens(self) -> int | None:
         """SamplingParams.max_tokens: None for no limit but max_model_len."""
-        return self.sampling_params.max_tokens
+        return self._sampling_params.max_tokens
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Appends sampled tokens. Block hashes are extended lazily by the manager.

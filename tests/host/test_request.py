@@ -350,3 +350,17 @@ def test_block_hashes_carry_the_adapter_on_every_block_and_the_salt_on_the_first
     assert req.update_block_hashes(4, 7) == want
     swapped = extend_block_hashes([], tokens, 4, seed=7, adapter_id="tenant", cache_salt="lora")
     assert want != swapped
+
+
+@pytest.mark.parametrize("value", [SamplingParams(max_tokens=1, n=2), 5, None])
+def test_sampling_params_are_fixed_at_construction(value):
+    """The scheduler checks them (n, stop strings' tokenizer) when it takes the request,
+    and registers their penalties and min_tokens then: replaced later, they used to be
+    taken silently, an int or None included, and were read from then on beside that
+    state built from the old ones."""
+    params = SamplingParams(max_tokens=4, prompt_logprobs=1)
+    req = Request("r", [1, 2, 3], params)
+    with pytest.raises(AttributeError, match="sampling_params"):
+        req.sampling_params = value
+    assert req.sampling_params is params and req.max_tokens == 4
+    assert req.skips_prefix_cache_reads
