@@ -190,7 +190,7 @@ class Engine(Closable):
         """Cancels a request, or each of an iterable of them, in any unfinished state (under
         n > 1, each of its unfinished samples; a sample's own id cancels that one); True if
         one was, False if each is unknown or finished. Raises ValueError, cancelling none,
-        unless each id is a str (the ids add_request returns).
+        unless each id is a str encodable as UTF-8 (as the ids add_request returns are).
 
         No RequestOutput follows for it: step() reports only requests that got a token.
         """

@@ -11,6 +11,7 @@ from collections.abc import Set as AbstractSet
 
 from jaxkv.field_checks import as_int, is_finite_number
 from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key
+from jaxkv.request_id_lists import is_id_text
 from jaxkv.sampling_params import SamplingParams as SamplingParams  # its former home
 
 MAX_TOKEN_ID = 2**63 - 1  # block hashes encode each token as a signed 64-bit integer
@@ -94,8 +95,8 @@ class Request:
         adapter_id: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"{request_id=} must be a non-empty str")
+        if not is_id_text(request_id) or not request_id:
+            raise ValueError(f"{request_id=} must be a non-empty str encodable as UTF-8")
         for name, key in (("cache_salt", cache_salt), ("adapter_id", adapter_id)):
             if key is not None and not is_hash_key(key):  # hashed as UTF-8 text
                 raise ValueError(

@@ -39,7 +39,7 @@ from jaxkv.prefix_routes import Route as Route  # re-exported: route() returns o
 from jaxkv.prefix_routes import routable_prompt_ids
 from jaxkv.replica import Replica as Replica  # its former home
 from jaxkv.replica_checks import CheckedReplicas
-from jaxkv.request_id_lists import checked_request_ids
+from jaxkv.request_id_lists import checked_request_ids, is_id_text
 from jaxkv.request_serials import RequestSerials, rewind_together
 from jaxkv.router_rule import RoutingRule
 from jaxkv.router_samples import RunningSamples
@@ -143,14 +143,14 @@ class PrefixAwareRouter(RoutingRule, Closable):
         Prompts route together only under equal `cache_salt`s, as the replicas cache them.
         Raises ValueError on an id in use (a running request's, a running sample's, one a
         replica's ids_in_use holds, or under n > 1 one whose samples' ids are any of
-        these) or one that is not a str; the replica's own ValueError (bad prompt or
+        these) or one that is not a str encodable as UTF-8; the replica's ValueError (bad prompt or
         params) leaves the router unchanged, the next generated id included. When the
         replica raises, or returns another id (ValueError naming it), the id is aborted
         on it first, in case it was queued there."""
-        if request_id is not None and not (isinstance(request_id, str) and request_id):
+        if request_id is not None and not (is_id_text(request_id) and request_id):
             # abort() and close() take only str ids: a replica that queued an int id would
             # leave a request the router can never abort, and a close() that always raises.
-            raise ValueError(f"{request_id=} must be None or a non-empty str")
+            raise ValueError(f"{request_id=} must be None or a non-empty str encodable as UTF-8")
         prompt = routable_prompt_ids(prompt_token_ids)
         generated = request_id is None
         # Anything else the replica refuses by name. A default id is one whose samples'
@@ -205,7 +205,7 @@ class PrefixAwareRouter(RoutingRule, Closable):
         """Aborts an unfinished request, or each of an iterable of them, on its replica
         (under n > 1 each of its running samples; a sample's own id, "i_<id>", aborts that
         one); True if one was, False if each is unknown or finished. Raises ValueError,
-        aborting none, unless each id is a str (the ids add_request returns). A replica's
+        aborting none, unless each id is a str encodable as UTF-8 (as add_request's). A replica's
         abort that raises leaves its request held; every other id is still aborted, then
         the first error raised, with a note naming the others (jaxkv.closable.try_each).
 

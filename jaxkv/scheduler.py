@@ -35,6 +35,7 @@ from jaxkv.kv_cache_manager import KVCacheManager, UnknownRequestError
 from jaxkv.kv_transfer import KVConnector
 from jaxkv.outputs import RequestOutput
 from jaxkv.request import Request, RequestStatus
+from jaxkv.request_id_lists import is_id_text
 from jaxkv.scheduler_admission import admit_waiting, check_new_request
 from jaxkv.scheduler_discard import discard_batch, keep_unwritten_if_unapplied
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput, SchedulerStats, StepBatch
@@ -120,18 +121,18 @@ class Scheduler:
         """Finishes a request as FINISHED_ABORTED from any unfinished state.
 
         Returns False (nothing changed) for an unknown or already finished request, and
-        raises ValueError, changing nothing, unless `request_id` is a str (a Request or int
-        is no id). A request whose KV is loading keeps its blocks until the load lands,
-        then they are freed; every other one frees its blocks now. Between schedule() and
-        update_from_output() or discard(), the step still runs the request's tokens:
-        the blocks they fill stay in the prefix cache if the step is applied (its KV
-        written, for the requests that hit them in that step too) and leave it if it is
-        discarded, and its tokens count in `stats` if the step is applied. A Ctrl-C while
-        it runs is raised once the request is released (cut halfway, it orphaned it,
-        blocks held).
+        raises ValueError, changing nothing, unless `request_id` is a str encodable as UTF-8
+        (a Request or int is no id). A request whose KV is loading keeps its blocks until
+        the load lands, then they are freed; every other one frees its blocks now. Between
+        schedule() and update_from_output() or discard(), the step still runs the
+        request's tokens: the blocks they fill stay in the prefix cache if the step is
+        applied (its KV written, for the requests that hit them in that step too) and
+        leave it if it is discarded, and its tokens count in `stats` if the step is
+        applied. A Ctrl-C while it runs is raised once the request is released (cut
+        halfway, it orphaned it, blocks held).
         """
-        if not isinstance(request_id, str):
-            raise ValueError(f"{request_id=} must be a request id (a str)")
+        if not is_id_text(request_id):
+            raise ValueError(f"{request_id=} must be a request id (a str encodable as UTF-8)")
         request = self.requests.get(request_id)
         if request is None or request.is_finished():
             return False

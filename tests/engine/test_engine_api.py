@@ -174,3 +174,17 @@ def test_generate_reports_a_stop_with_the_stop_token_as_the_last_output():
     assert [o.finish_reason for o in outs] == ["stop", "length"]
     assert list(outs[0].output_token_ids) == greedy[: greedy.index(stop) + 1]
     assert list(outs[1].output_token_ids) == greedy[:2]
+
+
+def test_an_id_holding_a_lone_surrogate_is_refused_by_add_request_and_abort():
+    """As cache_salt is: ids go into logs, JSON outputs and routers' maps."""
+    engine = make_engine()
+    held = engine.add_request([1, 2], request_id="é")
+    for n in (1, 2):
+        with pytest.raises(ValueError, match=r"^request_id='a\\ud800' must be a non-empty str"):
+            engine.add_request([1, 2], SamplingParams(n=n), request_id="a\ud800")
+    with pytest.raises(ValueError, match=r"holds '\\udc00' \(str\): each must be a request id"):
+        engine.abort([held, "\udc00"])
+    assert list(engine.scheduler.requests) == [held]  # nothing queued, nothing aborted
+    assert engine.add_request([3]) == "1"  # serial 1, as if the refused ones never came
+    assert engine.abort(held) and engine.abort("1")

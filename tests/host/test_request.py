@@ -364,3 +364,12 @@ def test_sampling_params_are_fixed_at_construction(value):
         req.sampling_params = value
     assert req.sampling_params is params and req.max_tokens == 4
     assert req.skips_prefix_cache_reads
+
+
+@pytest.mark.parametrize("rid", ["a\ud800", "\udfff", "\ud83d\ude00"])  # the last: two halves
+def test_an_id_holding_a_lone_surrogate_is_refused_as_a_cache_salt_is(rid):
+    """Ids go into logs, JSON outputs and routers' maps, which cannot encode one."""
+    with pytest.raises(ValueError, match="^request_id=.* must be a non-empty str encodable"):
+        Request(rid, [1])
+    for text in ("é", "日本", "\U0001f600"):
+        assert Request(text, [1]).request_id == text

@@ -31,3 +31,11 @@ def test_an_item_that_is_no_id_refuses_the_whole_list(ids, match):
     """Checked before any id is used, so a list with one bad item aborts nothing."""
     with pytest.raises(ValueError, match=match):
         checked_request_ids(ids)
+
+
+@pytest.mark.parametrize("ids", ["a\ud800", ["a", "b\udc00"], iter(["\ud800"])])
+def test_an_id_holding_a_lone_surrogate_refuses_the_whole_list(ids):
+    """No request can hold such an id (Request refuses it, as it refuses the cache salt)."""
+    with pytest.raises(ValueError, match="must be a request id \\(a str encodable as UTF-8\\)"):
+        checked_request_ids(ids)
+    assert checked_request_ids(["é", "日本"]) == ["é", "日本"]

@@ -70,7 +70,7 @@ def test_a_foreign_hashed_request_is_refused_at_add_with_prefix_caching_off_too(
     assert run_until_idle(sched, copier) == {"b": "length"}
 
 
-@pytest.mark.parametrize("bad", [0, ["a"], None])
+@pytest.mark.parametrize("bad", [0, ["a"], None, "0\ud800"])
 def test_abort_refuses_an_id_that_is_not_a_str(bad):
     # abort(0) for the request "0" used to return False and leave it running.
     sched = make_scheduler()

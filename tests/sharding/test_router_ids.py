@@ -65,3 +65,16 @@ def test_generated_ids_skip_ids_a_replica_holds_for_a_kv_copy_in_flight():
     assert "dp-0" not in holder.ids_in_use
     assert router.add_request(prompt, params, request_id="dp-0") == "dp-0"
     router.close()
+
+
+def test_an_id_holding_a_lone_surrogate_is_refused_before_any_replica_sees_it():
+    """As cache_salt is: ids go into logs, JSON outputs and the router's own maps."""
+    router, replicas = make_router(2)
+    with pytest.raises(ValueError, match=r"^request_id='a\\ud800' must be None or a non-empty"):
+        router.add_request([1, 2], request_id="a\ud800")
+    assert not any(r.prompts for r in replicas) and sum(router.num_outstanding) == 0
+    held = router.add_request([1, 2], request_id="日本")
+    with pytest.raises(ValueError, match=r"request_ids='\\ud800' must be a request id"):
+        router.abort("\ud800")
+    assert router.add_request([3]) == "dp-0" and router.abort([held, "dp-0"])
+    assert not router.has_unfinished_requests()
