@@ -61,7 +61,8 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     tensor's byte range does not hold its shape and dtype within the file, or the ranges,
     in order, do not cover the data exactly (an overlap, a gap or trailing bytes: the
     format's reference reader refuses them, and an overlap would give two tensors one
-    set of bytes). ValueError unless `path` is a str or os.PathLike.
+    set of bytes), or a "__metadata__" entry (optional) is not a map of str to str.
+    ValueError unless `path` is a str or os.PathLike.
     """
     checked_path(path)  # the Path aside: messages name `path` as given
     size = os.path.getsize(path)
@@ -84,7 +85,11 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     out = {}
     ranges = []  # (begin, end, name) of every tensor
     for name, info in header.items():
-        if name == "__metadata__":
+        if name == "__metadata__":  # optional, and a map of str to str (as the reference reads)
+            if info is not None and not (
+                isinstance(info, dict) and all(type(v) is str for v in info.values())
+            ):
+                raise CheckpointError(f"{path}: __metadata__={info!r} must be a map of str to str")
             continue
         try:
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
@@ -134,14 +139,16 @@ def _check_tiling(ranges: list[tuple[int, int, str]], data_len: int, path) -> No
 
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:
     """Write tensors in the safetensors format (any dtype `read_safetensors` reads, in
-    either byte order: the file holds them little-endian, as the format asks). Raises
+    either byte order: the file holds them little-endian, as the format asks), with the
+    header's metadata {"format": "pt"}, which transformers before 4.48.2 requires. Raises
     ValueError naming the tensor, before writing anything, for any other dtype and for a
     name that is not a str or is "__metadata__" (the header's own key), and ValueError
     unless `tensors` is a mapping and `path` a str or os.PathLike."""
     checked_path(path)
     if not isinstance(tensors, Mapping):  # None or a list raised AttributeError: .items
         raise ValueError(f"tensors={type(tensors).__name__} must be a mapping of names to arrays")
-    header: dict[str, dict] = {}
+    # As the reference writer for torch-saved files: transformers < 4.48.2 reads "format".
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
     offset = 0
     arrays = {}
     for name, value in tensors.items():
