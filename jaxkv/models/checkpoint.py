@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -105,6 +106,21 @@ def check_float_dtypes(given: Mapping[str, object], source: str, *, kind: str) -
             raise CheckpointError(
                 f"{kind} {name!r} in {source}: dtype {dtype} is not a floating-point type"
             )
+
+
+def check_copy(name: str, value, of: str, original, source: str, *, why: str) -> None:
+    """CheckpointError naming tensor `name` and `of` unless `value` has the shape and the
+    values (NaNs included) of `original`, saying `why` it must. Compared a few million
+    elements at a time: no temporary as large as a whole embedding is made."""
+    a, b = np.asarray(value), np.asarray(original)
+    if a.shape != b.shape:
+        raise CheckpointError(
+            f"tensor {name!r} in {source}: shape {a.shape} differs from {of!r} {b.shape}: {why}"
+        )
+    rows = max(1, (1 << 22) // max(1, math.prod(a.shape[1:])))
+    for i in range(0, len(a), rows):
+        if not np.array_equal(a[i : i + rows], b[i : i + rows], equal_nan=True):
+            raise CheckpointError(f"tensor {name!r} in {source} differs from {of!r}: {why}")
 
 
 def build_with_params(

@@ -27,6 +27,7 @@ from flax import nnx
 from jaxkv.models.checkpoint import (
     CheckpointError,
     build_with_params,
+    check_copy,
     check_float_dtypes,
     check_names_and_shapes,
     checked_path,
@@ -124,8 +125,9 @@ def load_hf_safetensors(
     vLLM stops at both: Llama 3 Instruct names its end of turn only there); `dtype`
     overrides the parameter dtype (float16 is refused, naming the tensor, where a weight
     is past its range: it would load as inf). With tied embeddings a stored
-    `lm_head.weight` is ignored (it is the embedding). Raises CheckpointError on any name
-    or shape mismatch, and naming the file when config.json or generation_config.json is
+    `lm_head.weight` must be a copy of the embedding. Raises CheckpointError on any name
+    or shape mismatch or such a head, and naming the file when config.json or
+    generation_config.json is
     not a JSON object (truncated, say) or holds a value from_hf_dict refuses (a key
     missing, say); ValueError for a `path` that is not a str or os.PathLike, or a
     `config` that is not a LlamaConfig.
@@ -190,8 +192,9 @@ def from_hf_tensors(
 
     The inverse of `to_hf_tensors`. Raises CheckpointError naming the Hugging Face tensor
     (and its shape as given, `[out, in]`) if one is missing, unexpected, given twice,
-    mis-shaped or not floating-point, and ValueError unless `config` is a LlamaConfig and
-    `tensors` a mapping or an iterable of (name, array) pairs.
+    mis-shaped or not floating-point, or is a tied model's `lm_head.weight` that is no
+    copy of the embedding (shape or values), and ValueError unless `config` is a
+    LlamaConfig and `tensors` a mapping or an iterable of (name, array) pairs.
     """
     check_config(config)  # a dict raised AttributeError
     pairs = "a mapping or an iterable of (name, array) pairs"
@@ -205,6 +208,7 @@ def from_hf_tensors(
         for name, shape in _param_shapes(config)
     }
     given: dict[str, np.ndarray] = {}
+    head = {}  # a tied checkpoint's stored lm_head.weight: some exporters write a copy
     seen: set[str] = set()  # ignored tensors too: a second copy means mixed-up files
     for entry in items:
         try:
@@ -215,10 +219,18 @@ def from_hf_tensors(
         if hf_name in seen:
             raise CheckpointError(f"tensor {hf_name!r} appears twice in {source}")
         seen.add(hf_name)
-        if ours is not None and not (tied and hf_name == "lm_head.weight"):
+        if tied and hf_name == "lm_head.weight":
+            head[hf_name] = tensor
+        elif ours is not None:
             given[hf_name] = tensor
     check_names_and_shapes(expected, given, source, kind="tensor")
-    check_float_dtypes(given, source, kind="tensor")
+    check_float_dtypes({**given, **head}, source, kind="tensor")
+    # A head unequal to the embedding it is tied to: the files and the config disagree
+    # (an untied model's files, say), and dropping it would serve another model.
+    for name, tensor in head.items():
+        embed = "model.embed_tokens.weight"
+        why = "with tie_word_embeddings=True it must be a copy of it, or be left out"
+        check_copy(name, tensor, embed, given[embed], source, why=why)
     params = {}
     for hf_name, tensor in given.items():
         name, transpose = hf_to_jaxkv_name(hf_name)

@@ -193,7 +193,7 @@ def test_a_published_tied_file_loads_with_its_extra_tensors(tmp_path):
     weights = random_hf_weights(cfg, seed=6)
     extra = {
         # Some tied exports store the head too (a copy of the embedding); older ones a buffer.
-        "lm_head.weight": weights["model.embed_tokens.weight"] + 1.0,
+        "lm_head.weight": weights["model.embed_tokens.weight"].copy(),
         "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32),
     }
     safetensors.numpy.save_file({**weights, **extra}, str(tmp_path / "model.safetensors"),
