@@ -29,7 +29,7 @@ from jaxkv import attention
 from jaxkv.batch import AttentionMetadata
 from jaxkv.field_checks import checked_int
 from jaxkv.models.config import LlamaConfig, check_config
-from kernels_pallas.validation import FLOAT_DTYPES, QUANTIZED_KV_DTYPES
+from kernels_pallas.validation import FLOAT_DTYPES
 
 _INIT_STD = 0.02  # Hugging Face `initializer_range`
 
@@ -306,9 +306,9 @@ class Llama(nnx.Module):
         """Zeroed per-layer paged KV caches in the layout of jaxkv.attention (K even, V odd heads).
 
         On a model from jaxkv.sharding.shard_model they are sharded along combined heads.
-        `dtype` (None: the model's) is one the kernels read: float32, bfloat16, float16, or
-        int8 or float8_e4m3fn for a quantized cache. ValueError naming the argument unless
-        `num_blocks` and `block_size` are ints >= 1 and `dtype` is one of those.
+        `dtype` (None: the model's) is float32, bfloat16 or float16: the forward passes the
+        kernels no k_scale/v_scale, which an int8 or float8 cache needs. ValueError naming
+        the argument unless `num_blocks` and `block_size` are ints >= 1 and `dtype` is one of those.
         """
         c = self.config
         tp = self.layers[0].self_attn.tensor_parallel
@@ -324,8 +324,8 @@ class Llama(nnx.Module):
 
 def check_kv_cache_args(num_blocks: Any, block_size: Any, dtype: Any) -> None:
     """ValueError naming the argument unless `num_blocks` and `block_size` are ints >= 1
-    and `dtype` None or a dtype the kernels read (float32, bfloat16, float16, int8,
-    float8_e4m3fn); shared by Llama.init_kv_caches and jaxkv.sharding.init_kv_caches."""
+    and `dtype` None or a cache dtype Llama's forward writes (float32, bfloat16, float16);
+    shared by Llama.init_kv_caches and jaxkv.sharding.init_kv_caches."""
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
         checked_int(name, value, minimum=1)  # -1 or 2.0 raised jax's TypeError
     if dtype is not None:
@@ -333,9 +333,11 @@ def check_kv_cache_args(num_blocks: Any, block_size: Any, dtype: Any) -> None:
             kv_dtype = jnp.dtype(dtype)
         except (TypeError, ValueError):  # "floot", 3
             kv_dtype = None
-        if kv_dtype not in FLOAT_DTYPES + QUANTIZED_KV_DTYPES:
+        if kv_dtype not in FLOAT_DTYPES:  # the kernels read int8 and float8 given scales
             raise ValueError(
-                f"dtype={dtype!r} must be None, float32, bfloat16, float16, int8 or float8_e4m3fn"
+                f"dtype={dtype!r} must be None, float32, bfloat16 or float16 (the cache dtypes "
+                "Llama's forward writes: a quantized cache needs k_scale and v_scale, which it "
+                "does not pass)"
             )
 
 

@@ -34,7 +34,20 @@ def test_init_kv_caches_layout_and_dtype():
 def test_init_kv_caches_refuses_sizes_and_dtypes_it_cannot_build_by_name(args, match):
     with pytest.raises(ValueError, match=match):
         MODEL.init_kv_caches(*args)
-    assert MODEL.init_kv_caches(1, 1, "int8")[0].dtype == jnp.int8  # a quantized cache
+    assert MODEL.init_kv_caches(1, 1, "float16")[0].dtype == jnp.float16
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn", jnp.int8, jnp.float8_e4m3fn])
+def test_init_kv_caches_refuses_a_quantized_dtype_the_forward_cannot_write(dtype):
+    # The kernels read int8 and float8 caches, but only given k_scale and v_scale, which
+    # Llama's forward does not pass: such caches were made, and the first step failed
+    # while tracing, naming kv_pages rather than this argument.
+    with pytest.raises(
+        ValueError,
+        match=rf"^dtype={dtype!r} must be None, float32, bfloat16 or float16 \(the "
+        r"cache dtypes Llama's forward writes: a quantized cache needs k_scale and v_scale",
+    ):
+        MODEL.init_kv_caches(1, 1, dtype)
 
 
 def test_a_paged_step_donates_the_caches_it_is_given():

@@ -30,13 +30,15 @@ def _tp(**fields) -> sharding.TensorParallel:
         ((4, 0), "^block_size=0 must be an int >= 1$"),  # an empty cache
         ((4, 4, "floot"), "^dtype='floot' must be None, float32"),  # a TypeError from jax
         ((4, 4, "int32"), "^dtype='int32' must be None, float32"),  # built, refused at use
+        ((4, 4, "int8"), "^dtype='int8' must be None, float32, bfloat16 or float16 \\(the "),
+        ((4, 4, "float8_e4m3fn"), "^dtype='float8_e4m3fn' must be None, float32, bfloat16"),
     ],
 )
 def test_init_kv_caches_refuses_sizes_and_dtypes_as_the_model_does(args, match):
     with pytest.raises(ValueError, match=match):
         sharding.init_kv_caches(CFG, _tp(), *args)
-    [cache, _] = sharding.init_kv_caches(CFG, _tp(), 3, 2, "int8")
-    assert cache.shape == (3, 2, 2 * CFG.num_kv_heads, CFG.head_dim) and cache.dtype == "int8"
+    [cache, _] = sharding.init_kv_caches(CFG, _tp(), 3, 2, "bfloat16")
+    assert cache.shape == (3, 2, 2 * CFG.num_kv_heads, CFG.head_dim) and cache.dtype == "bfloat16"
 
 
 def test_init_kv_caches_refuses_a_config_tp_or_mesh_of_another_type_by_name():
