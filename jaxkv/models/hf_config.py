@@ -205,11 +205,25 @@ _HF_KEYS = {
 }
 
 
+# A quoted str as repr writes one (in a value, a list or a dict's key), opening after no
+# word character (an apostrophe, "float32's", opens none); else a word, maybe "self."'d.
+_QUOTED_OR_WORD = re.compile(r"""(?<!\w)('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")|\b(?:self\.)?(\w+)""")
+
+
 def _in_hf_keys(message: str) -> str:
     """A LlamaConfig error about a Hugging Face config, its fields named by config.json's
-    keys, and LlamaConfig's own names for the renamed ones said after it."""
-    renamed = dict.fromkeys(n for n in re.findall(r"\w+", message) if n in _HF_KEYS)
-    message = re.sub(r"\b(?:self\.)?(\w+)", lambda m: _HF_KEYS.get(m[1], m[1]), message)
+    keys, and LlamaConfig's own names for the renamed ones said after it. Quoted strs
+    are values from config.json, left as they are even where they spell a field name."""
+    renamed = {}  # LlamaConfig's names replaced, in order, once each
+
+    def rename(m: re.Match) -> str:
+        if m[1] is not None:  # a quoted value
+            return m[1]
+        if m[2] in _HF_KEYS:
+            renamed[m[2]] = None
+        return _HF_KEYS.get(m[2], m[2])
+
+    message = _QUOTED_OR_WORD.sub(rename, message)
     said = ", ".join(f"{name} for {_HF_KEYS[name]}" for name in renamed)
     return f"Hugging Face config: {message}" + (f" (LlamaConfig says {said})" if said else "")
 
