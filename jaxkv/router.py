@@ -16,20 +16,12 @@ works with engines in one process (on CPU devices too) and is testable without e
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-from jaxkv.closable import (
-    Closable,
-    checked_timeout,
-    no_reentry,
-    one_at_a_time,
-    step_until_landed,
-    try_each,
-)
+from jaxkv.closable import Closable, no_reentry, one_at_a_time, step_until_landed, try_each
 from jaxkv.completion import checked_drivers, run_to_completion
 from jaxkv.engine_replicas import engine_replicas as engine_replicas  # its former home
 from jaxkv.hashing import BlockHash
@@ -41,6 +33,7 @@ from jaxkv.replica import Replica as Replica  # its former home
 from jaxkv.replica_checks import CheckedReplicas
 from jaxkv.request_id_lists import checked_request_ids, is_id_text
 from jaxkv.request_serials import RequestSerials, rewind_together
+from jaxkv.router_lifetime import close_router
 from jaxkv.router_rule import RoutingRule
 from jaxkv.router_samples import RunningSamples
 from jaxkv.sampling_params import SamplingParams
@@ -386,15 +379,4 @@ class PrefixAwareRouter(RoutingRule, Closable):
         replica's abort that raises leaves that request held, every other one aborted,
         and the router open: abort's error is raised.
         """
-        if self._closed:
-            return
-        self._check_not_running()
-        timeout_s = checked_timeout(timeout_s)  # before any request is aborted
-        closes = self._checked.methods("close")  # and a close that is no method is named
-        self._finished_from(self._undelivered)  # dropped: their finished requests released
-        self._undelivered = []
-        self.abort(list(self._replica_of))  # each is tried, then the first error raised
-        deadline = time.monotonic() + timeout_s
-        self.drain_transfers(timeout_s)  # first: a timeout leaves every replica open
-        self._checked.close_each(closes, deadline)  # each tried, then the first error raised
-        self._closed = True
+        close_router(self, timeout_s)
