@@ -34,12 +34,13 @@ from jaxkv.replica_checks import CheckedReplicas
 from jaxkv.request_id_lists import checked_request_ids, is_id_text
 from jaxkv.request_serials import RequestSerials, rewind_together
 from jaxkv.router_lifetime import close_router
+from jaxkv.router_release import RequestEnds
 from jaxkv.router_rule import RoutingRule
 from jaxkv.router_samples import RunningSamples
 from jaxkv.sampling_params import SamplingParams
 
 
-class PrefixAwareRouter(RoutingRule, Closable):
+class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
     """Routes requests over `replicas`: shared prefixes together, the rest to the least loaded.
 
     block_size: tokens per hashed block (use the replicas' KV block size).
@@ -219,41 +220,6 @@ class PrefixAwareRouter(RoutingRule, Closable):
         self._release(owner, sample, aborted)
         return aborted
 
-    def _release(self, owner: str, sample: tuple[str, int] | None, aborted: bool) -> None:
-        """Releases request `owner`'s sequences (`sample`'s alone if given), those that
-        are not `aborted` and have a finishing output to deliver excepted."""
-        running = [sample] if sample else [(owner, i) for i in self._samples.running(owner)]
-        for key in running or [(owner, 0)]:  # its sequences: (request id, sample index)
-            if not aborted and any(
-                (o.request_id, o.index) == key and o.finish_reason is not None
-                for o in self._undelivered
-            ):
-                continue  # that output ends it when step() delivers it
-            self._undelivered = [o for o in self._undelivered if (o.request_id, o.index) != key]
-            if running:
-                self._sample_ended(*key)
-            else:
-                self._finish(owner)
-
-    def _finish(self, request_id: str) -> None:
-        replica = self._replica_of.pop(request_id, None)
-        self._queued.pop(request_id, None)
-        if replica is not None:
-            self._checked.end(replica, request_id, self._samples.running(request_id) or [0])
-            self._outstanding[replica] -= self._samples.pop(request_id)
-            if self._undelivered:  # released meanwhile (drain_transfers): they go with it
-                self._undelivered = [o for o in self._undelivered if o.request_id != request_id]
-
-    def _sample_ended(self, parent: str, index: int) -> None:
-        """One sample ended: one sequence fewer; the request ends with its last sample
-        (an aborted last sample gets no output saying so)."""
-        if self._samples.end(parent, index):
-            replica = self._replica_of[parent]
-            self._checked.end(replica, parent, [index])
-            self._outstanding[replica] -= 1
-            if not self._samples.num_running(parent):
-                self._finish(parent)
-
     def has_unfinished_requests(self) -> bool:
         """True while a replica has unfinished requests or a step() has outputs to give.
         Raises ValueError naming a replica whose has_unfinished_requests is no bool."""
@@ -290,29 +256,6 @@ class PrefixAwareRouter(RoutingRule, Closable):
                 self._release_if_idle(index, error)
             raise
         return self._finished_from(outputs)
-
-    def _release_if_idle(self, index: int, error: BaseException) -> None:
-        """After replicas[index] raised in step(): if it has no unfinished request, the
-        router's requests there ended in that step, their outputs lost, and are released
-        as abort() would (those with a finishing output kept excepted). Its answer that
-        raises or is no bool is noted on `error`, nothing released."""
-        try:
-            idle = not self._checked.unfinished(index)
-        except Exception as failure:  # noqa: BLE001 - the step's error is the one raised
-            error.add_note(f"releasing its ended requests, {failure!r} was raised")
-            return
-        if idle:
-            for request_id in [r for r, i in self._replica_of.items() if i == index]:
-                self._release(request_id, None, aborted=False)
-
-    def _finished_from(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        samples = self._samples
-        for o in outputs:
-            if o.finish_reason is not None and samples.is_parent(o.request_id):
-                self._sample_ended(o.request_id, o.index)
-            if o.finished:
-                self._finish(o.request_id)
-        return outputs
 
     def has_pending_transfers(self) -> bool:
         """True while a replica's finished requests hold blocks for KV copies in flight
