@@ -9,7 +9,7 @@ share those blocks' tokens, salt included. The table is bounded: past
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -65,12 +65,15 @@ class PrefixRoutes:
             tokens_checked=True,  # routable_prompt_ids refused bools
         )  # fmt: skip
 
-    def longest(self, hashes: list[BlockHash]) -> tuple[int, int] | None:
-        """(replica, matched blocks) of the longest remembered prefix of `hashes`, or None.
-        Changes nothing (the order of use included)."""
+    def longest(
+        self, hashes: list[BlockHash], replicas: Container[int] | None = None
+    ) -> tuple[int, int] | None:
+        """(replica, matched blocks) of the longest remembered prefix of `hashes`, among
+        those routed to one of `replicas` (the open ones) if given, or None. Changes
+        nothing (the order of use included)."""
         for i in range(len(hashes) - 1, -1, -1):
             replica = self._replica_of.get(hashes[i])
-            if replica is not None:
+            if replica is not None and (replicas is None or replica in replicas):
                 return replica, i + 1
         return None
 

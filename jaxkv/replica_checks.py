@@ -93,15 +93,18 @@ class CheckedReplicas:
                 held.append(ids)
         return held
 
-    def reset_prefix_caches(self, emptied: Callable[[int], None]) -> bool:
-        """Calls reset_prefix_cache() of every replica that has it, and `emptied(index)`
-        for each that answers True; returns whether every replica did. Each acts before
-        it answers, so every one is asked before a ValueError names the first whose
-        answer is no bool (that replica's emptied() is not called). ValueError naming
-        the first whose reset_prefix_cache is not callable comes before any is asked."""
+    def reset_prefix_caches(self, emptied: Callable[[int], None], closed: Container[int]) -> bool:
+        """Calls reset_prefix_cache() of every replica that has it but those in `closed`
+        (not asked: a closed Engine holds no cache), and `emptied(index)` for each that
+        answers True; returns whether every replica but those did. Each acts before it
+        answers, so every one is asked before a ValueError names the first whose answer
+        is no bool (that replica's emptied() is not called). ValueError naming the first
+        whose reset_prefix_cache is not callable comes before any is asked."""
         resets = self.methods("reset_prefix_cache")
         everyone, first = True, None
         for index, (replica, reset) in enumerate(zip(self._replicas, resets, strict=True)):
+            if index in closed:
+                continue
             answer = False if reset is None else reset()
             if not isinstance(answer, (bool, np.bool_)):
                 first = first or f"{replica_name(index, replica)} returned {_shown(answer)}"
@@ -117,13 +120,13 @@ class CheckedReplicas:
             )
         return everyone
 
-    def queue_checkpoints(self) -> list[Callable[[], None]]:
-        """The rewind queue_checkpoint() returns, of each replica that has that method
-        (Engine's); ValueError naming one whose answer is not callable (it would raise
-        a bare TypeError only when rewound, after the rewinds before it ran)."""
+    def queue_checkpoints(self, closed: Container[int]) -> list[Callable[[], None]]:
+        """The rewind queue_checkpoint() returns, of each replica not in `closed` that has
+        that method (Engine's); ValueError naming one whose answer is not callable (it
+        would raise a bare TypeError only when rewound, after the rewinds before it ran)."""
         rewinds = []
         for index, take in enumerate(self.methods("queue_checkpoint")):
-            if take is None:
+            if take is None or index in closed:
                 continue
             rewind = take()
             if not callable(rewind):

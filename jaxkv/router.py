@@ -33,7 +33,7 @@ from jaxkv.replica import Replica as Replica  # its former home
 from jaxkv.replica_checks import CheckedReplicas
 from jaxkv.request_id_lists import checked_request_ids, is_id_text
 from jaxkv.request_serials import RequestSerials, rewind_together
-from jaxkv.router_lifetime import close_router
+from jaxkv.router_lifetime import close_router, closed_replicas, open_replicas, routable_replicas
 from jaxkv.router_release import RequestEnds
 from jaxkv.router_rule import RoutingRule
 from jaxkv.router_samples import RunningSamples
@@ -63,6 +63,15 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
     RuntimeError, changing nothing. Replicas should sample with different default
     seeds (engine_replicas sees to it): otherwise unseeded sampled requests on two
     replicas can draw the same tokens.
+
+    A replica closed directly (engine.close() on one of `replicas`: its `closed` is True;
+    one without that attribute is always open) is a dead engine to the router, as to vLLM's
+    data-parallel coordinator: new requests go to the open replicas only (add_request and
+    route raise RuntimeError, changing nothing, once every replica is closed), and it is
+    no longer stepped, asked to abort, reset or checkpointed (close still closes it). The
+    router's requests on it end at its next step(), released as abort() releases them,
+    with no output (generate reports finish_reason "abort"); until then they count, and
+    has_unfinished_requests() is True.
     """
 
     def __init__(
@@ -89,6 +98,9 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         self._undelivered: list[RequestOutput] = []  # gathered by a step() that raised
         self._serials = RequestSerials("dp-")  # of generated ids
 
+    def _open_replicas(self) -> Sequence[int]:
+        return routable_replicas(self.replicas)
+
     @property
     def replicas(self) -> tuple[Replica, ...]:
         """The replicas, in the order given: a tuple, fixed for the router's life (its
@@ -106,16 +118,16 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
 
     @one_at_a_time
     def reset_prefix_cache(self) -> bool:
-        """Empties every replica's prefix cache (Engine.reset_prefix_cache) and forgets the
-        prefixes routed to each replica that emptied its own, but those of the requests it
-        still holds (queued there, they fill its cache again); True if every replica did.
+        """Empties every open replica's prefix cache (Engine.reset_prefix_cache) and forgets
+        the prefixes routed to each replica that emptied its own, but those of the requests
+        it still holds (queued there, they fill its cache again); True if every one did.
         A replica that refuses (one of its requests holds blocks), or has no such method,
         keeps its cache and routes. Raises RuntimeError after close(); ValueError naming
         a replica whose reset_prefix_cache is no method (none reset) or answers no bool
         (all reset first, as each acts before it answers; that one keeps its routes)."""
         emptied: list[int] = []
         try:
-            return self._checked.reset_prefix_caches(emptied.append)
+            return self._checked.reset_prefix_caches(emptied.append, closed_replicas(self.replicas))
         finally:  # all at once: which replica reset first must not matter
             if emptied:
                 held = [(self._replica_of[r], hashes) for r, hashes in self._queued.items()]
@@ -191,7 +203,8 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         routes = self._routes.snapshot()
         # By token, not replica: an id aborted and queued again on its replica is new.
         rewind_ids = self._serials.checkpoint(self._queued)
-        rewinds = self._checked.queue_checkpoints()  # ValueError naming one not callable
+        # ValueError naming one not callable; a closed replica queues nothing more
+        rewinds = self._checked.queue_checkpoints(closed_replicas(self.replicas))
         return rewind_together([rewind_ids, *rewinds], then=lambda: self._routes.restore(routes))
 
     @no_reentry
@@ -208,22 +221,27 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         it), is released here too, and False returned. Outputs a failed step() kept for a
         sequence released here are dropped: they must not reach a later request of its id.
         A replica's abort answering no bool is read by its truth (none: False), logged."""
-        return any(try_each(self._abort_one, checked_request_ids(request_ids), "abort"))
+        request_ids, closed = checked_request_ids(request_ids), closed_replicas(self.replicas)
+        return any(try_each(lambda r: self._abort_one(r, closed), request_ids, "abort"))
 
-    def _abort_one(self, request_id: str) -> bool:
+    def _abort_one(self, request_id: str, closed: set[int]) -> bool:
         sample = None if request_id in self._replica_of else self._samples.sample_of(request_id)
         owner = request_id if sample is None else sample[0]
         replica = self._replica_of.get(owner)
         if replica is None:
             return False
-        aborted = self._checked.abort(replica, request_id)
+        aborted = replica not in closed and self._checked.abort(replica, request_id)
         self._release(owner, sample, aborted)
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        """True while a replica has unfinished requests or a step() has outputs to give.
-        Raises ValueError naming a replica whose has_unfinished_requests is no bool."""
-        return bool(self._undelivered) or any(map(self._checked.unfinished, self._indices))
+        """True while an open replica has unfinished requests, a step() has outputs to give
+        or the router holds a request on a closed replica (step() releases it). Raises
+        ValueError naming a replica whose has_unfinished_requests or closed is no bool."""
+        closed = closed_replicas(self.replicas)
+        if self._undelivered or (closed and not closed.isdisjoint(self._replica_of.values())):
+            return True
+        return any(map(self._checked.unfinished, open_replicas(self.replicas, closed)))
 
     @one_at_a_time
     def step(self) -> list[RequestOutput]:
@@ -243,11 +261,13 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         outputs that pass kept with those before it, the others dropped. Outputs of
         requests the router does not hold (added to a replica directly) are dropped.
         """
+        closed = closed_replicas(self.replicas)  # ValueError naming one: nothing done yet
+        self._release_on(closed)  # before the kept outputs are taken: theirs end them
         outputs, self._undelivered = self._undelivered, []
         checked, index = self._checked, None
         try:
             for index in self._indices:
-                if checked.unfinished(index) or checked.pending(index):
+                if index not in closed and (checked.unfinished(index) or checked.pending(index)):
                     checked.step(outputs, index)
         except BaseException as error:
             self._undelivered = outputs
@@ -258,9 +278,9 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         return self._finished_from(outputs)
 
     def has_pending_transfers(self) -> bool:
-        """True while a replica's finished requests hold blocks for KV copies in flight
-        (replicas without a `has_pending_transfers` method have none)."""
-        return any(map(self._checked.pending, self._indices))
+        """True while an open replica's finished requests hold blocks for KV copies in
+        flight (replicas without a `has_pending_transfers` method have none)."""
+        return any(map(self._checked.pending, open_replicas(self.replicas)))
 
     @one_at_a_time
     def drain_transfers(self, timeout_s: float = 60.0) -> None:
@@ -275,7 +295,7 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
 
         def step() -> bool:
             stepped = False
-            for index in filter(self._checked.pending, self._indices):
+            for index in filter(self._checked.pending, open_replicas(self.replicas)):
                 outputs: list[RequestOutput] = []
                 try:  # the outputs that passed its checks count, whatever else it returned
                     self._checked.step(outputs, index)

@@ -67,7 +67,13 @@ class RequestEnds:
             error.add_note(f"releasing its ended requests, {failure!r} was raised")
             return
         if idle:
-            for request_id in [r for r, i in self._replica_of.items() if i == index]:
+            self._release_on({index})
+
+    def _release_on(self, replicas: set[int]) -> None:
+        """Releases the router's requests on `replicas` as abort() would, those with a
+        finishing output kept excepted: they ended there (a closed or failed replica)."""
+        if replicas:
+            for request_id in [r for r, i in self._replica_of.items() if i in replicas]:
                 self._release(request_id, None, aborted=False)
 
     def _finished_from(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -3,7 +3,8 @@
 A prompt goes to the replica of its longest remembered prefix (jaxkv.prefix_routes), unless
 that replica has more than `max_imbalance` outstanding sequences beyond the least-loaded
 one; a prompt with no remembered prefix goes to the least-loaded replica (the first of
-them on a tie). The counts are the router's: it keeps them as it adds, steps and aborts.
+them on a tie). Only open replicas count (a prefix routed to a closed one is as if not
+remembered). The counts are the router's: it keeps them as it adds, steps and aborts.
 """
 
 from __future__ import annotations
@@ -74,18 +75,22 @@ class RoutingRule:
             if replica in emptied:
                 routes.remember([h for h in hashes if h not in kept], replica)
 
-    def _least_loaded(self) -> int:
-        return min(range(len(self._outstanding)), key=self._outstanding.__getitem__)
+    def _open_replicas(self) -> Sequence[int]:
+        """The replicas a request may go to, in order; the router's leaves out the closed
+        ones (and raises RuntimeError when every one is)."""
+        return range(len(self._outstanding))
 
     def route(self, prompt_token_ids: Sequence[int], *, cache_salt: str | None = None) -> Route:
-        """The replica a prompt would go to now. Changes nothing. Raises ValueError
-        unless the prompt is a 1-D sequence of token ids (ints in [0, 2**63)) and the
-        salt None or a str."""
+        """The replica a prompt would go to now: an open one (a prefix routed to a closed
+        replica counts as not remembered). Changes nothing. Raises ValueError unless the
+        prompt is a 1-D sequence of token ids (ints in [0, 2**63)) and the salt None or a
+        str; RuntimeError when every replica is closed."""
         return self._route(self._routes.hashes(routable_prompt_ids(prompt_token_ids), cache_salt))
 
     def _route(self, hashes: list[BlockHash]) -> Route:
-        least = self._least_loaded()
-        found = self._routes.longest(hashes)
+        candidates = self._open_replicas()
+        least = min(candidates, key=self._outstanding.__getitem__)
+        found = self._routes.longest(hashes, candidates)
         if found is None:
             return Route(least, 0)
         replica, matched = found
