@@ -6,7 +6,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Iterable
-from typing import Self, TypeVar
+from typing import NoReturn, Self, TypeVar
 
 from jaxkv.field_checks import is_real
 
@@ -122,14 +122,19 @@ def try_each(call: Callable[[T], R], args: Iterable[T], name: str) -> list[R]:
             results.append(call(arg))
         except Exception as error:  # noqa: BLE001 - raised below, once every call was made
             failed.append((f"{name}({arg!r})", error))
-    if not failed:
-        return results
+    if failed:
+        raise_first(failed, "every other call was made")
+    return results
+
+
+def raise_first(failed: list[tuple[str, Exception]], went_on: str) -> NoReturn:
+    """Raises the first error of `failed` (pairs of what raised it and the error, in
+    order), with a note naming what raised it, saying `went_on` (what was done after it
+    all the same) and naming each later one (the first four, then how many more)."""
     (what, first), later = failed[0], failed[1:]
     shown = "; ".join(f"{w} raised {e!r}" for w, e in later[:4])
     more = f"; and {len(later) - 4} more" if len(later) > 4 else ""
-    first.add_note(
-        f"raised by {what}; every other call was made" + (f": {shown}{more}" if later else "")
-    )
+    first.add_note(f"raised by {what}; {went_on}" + (f": {shown}{more}" if later else ""))
     raise first
 
 

@@ -22,9 +22,9 @@ class Replica(Protocol):
     refused where it is read, with ValueError naming it (None counts as no method);
     close and reset_prefix_cache read every replica's before they change anything.
     A `closed` attribute (Engine's property) that is True marks a replica closed: the
-    router routes it no request and calls none of its methods but close again (its
-    requests there end at the router's next step); one without it, or None, is open, and
-    one that is no bool is refused with ValueError naming it.
+    router routes it no request and no longer steps it, aborts, resets or checkpoints on
+    it (its requests there end at the router's next step); one without it, or None, is
+    open, and one that is no bool is refused with ValueError naming it.
 
     The router checks each answer where it reads it (jaxkv.replica_checks), raising
     ValueError that names the replica (its index and type), the method and the answer.

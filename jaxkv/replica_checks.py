@@ -18,14 +18,12 @@ from __future__ import annotations
 import logging
 import operator
 import reprlib
-import time
 from collections.abc import Callable, Container, Iterable, Sequence
 from itertools import compress, repeat
 from typing import Any
 
 import numpy as np
 
-from jaxkv.closable import try_each
 from jaxkv.outputs import RequestOutput
 from jaxkv.replica import Replica
 
@@ -140,20 +138,6 @@ class CheckedReplicas:
     def methods(self, name: str) -> list[Callable | None]:
         """Each replica's optional method `name` (_method), read before any is called."""
         return [self._method(index, name) for index in range(len(self._replicas))]
-
-    def close_each(self, closes: list[Callable | None], deadline: float) -> None:
-        """Calls each of `closes` (methods("close"), None for a replica without one) with
-        what is left until `deadline` (time.monotonic()), those after one that raised an
-        Exception included: one failing replica leaves no other one open, its device
-        memory held. Then raises the first such error, with a note naming its replica and
-        each later one that raised (jaxkv.closable.try_each)."""
-        named = {
-            replica_name(index, replica): close
-            for index, (replica, close) in enumerate(zip(self._replicas, closes, strict=True))
-            if close is not None
-        }
-        left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
-        try_each(lambda name: named[name](timeout_s=left()), named, "close")
 
     def _method(self, index: int, name: str) -> Callable | None:
         """replicas[index]'s optional method `name`, None if it has none; ValueError

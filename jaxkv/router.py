@@ -325,21 +325,25 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
 
     # --------------------------------------------------------------- lifetime
 
+    @no_reentry  # a replica's callback from inside it is refused
     def close(self, timeout_s: float = 60.0) -> None:
-        """Aborts every unfinished request, waits for every replica's KV copies in flight
-        to land, then closes each replica that has a `close(timeout_s)` method
+        """Aborts every unfinished request, waits for every open replica's KV copies in
+        flight to land, then closes each replica that has a `close(timeout_s)` method
         (Engine.close: the copy thread stops, device memory is freed), all within
         `timeout_s`. Outputs that a failed step() kept for the next one are dropped.
 
         Afterwards add_request, step, generate, queue_checkpoint, drain_transfers and
         reset_prefix_cache raise RuntimeError, and abort returns False (for a caller's
         cleanup); closing again does nothing. Raises ValueError, changing nothing,
-        unless `timeout_s` is a number >= 0 and each replica's close, if any, a method;
-        TimeoutError when the copies have not landed in time (no replica is closed then).
-        A replica's close that raises leaves every other one closed
-        (jaxkv.closable.try_each); either way the router stays open, without requests,
-        and close can be called again (a closed Engine's close does nothing). A
-        replica's abort that raises leaves that request held, every other one aborted,
-        and the router open: abort's error is raised.
+        unless `timeout_s` is a number >= 0, each replica's close, if any, a method and
+        its closed, if any, a bool. A replica that raises an Exception on the way (its
+        abort, step or has_pending_transfers while copies land, or close) stops nothing:
+        the other requests are aborted, the other replicas' copies landed, every
+        replica's close is tried, every request released and the router closed; then the
+        first error is raised, with a note naming it and each later one. A replica whose
+        close raised is the caller's to retry (router.replicas[i].close()). Only a
+        timeout with no replica failing leaves the router open, as Engine.close does:
+        TimeoutError when the copies have not landed in time, every request aborted and
+        no replica closed, so that close can be called again with more time.
         """
         close_router(self, timeout_s)

@@ -3,21 +3,23 @@ are open.
 
 A replica closed directly (engine.close() on one of router.replicas), the router not told,
 is a dead engine to it, as to vLLM's data-parallel coordinator: no new request goes there,
-none of its methods but close is called again, and the router's requests on it end at the
-router's next step. The router reads each replica's `closed` (Engine's property) where it
-needs it, so a replica that opens again (a proxy that reconnected) is served again.
+it is no longer stepped, asked to abort, reset or checkpointed (close still closes it), and
+the router's requests on it end at the router's next step. The router reads each
+replica's `closed` (Engine's property) where it needs it, so a replica that opens again
+(a proxy that reconnected) is served again.
 """
 
 from __future__ import annotations
 
 import reprlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
 
-from jaxkv.closable import checked_timeout
+from jaxkv.closable import checked_timeout, raise_first, step_until_landed
 from jaxkv.replica_checks import replica_name
 
 ALL_CLOSED = (
@@ -60,16 +62,78 @@ def routable_replicas(replicas: Sequence[Any]) -> Sequence[int]:
 
 def close_router(router: Any, timeout_s: float) -> None:
     """PrefixAwareRouter.close (see there): every request aborted, every replica's KV
-    copies landed, then each replica closed, all within `timeout_s`."""
+    copies landed, then each replica closed, all within `timeout_s`; a replica that
+    raises on the way keeps none of that from the others, nor the router from closing."""
     if router._closed:
         return
-    router._check_not_running()
     timeout_s = checked_timeout(timeout_s)  # before any request is aborted
     closes = router._checked.methods("close")  # and a close that is no method is named
+    closed = closed_replicas(router.replicas)  # and a `closed` that is no bool
     router._finished_from(router._undelivered)  # dropped: their finished requests released
     router._undelivered = []
-    router.abort(list(router._replica_of))  # each is tried, then the first error raised
+    failed: list[tuple[str, Exception]] = []  # (what raised, its error), in order
+    for request_id in list(router._replica_of):
+        _tried(failed, f"abort({request_id!r})", partial(router._abort_one, request_id, closed))
     deadline = time.monotonic() + timeout_s
-    router.drain_transfers(timeout_s)  # first: a timeout leaves every replica open
-    router._checked.close_each(closes, deadline)  # each tried, then the first error raised
+    try:
+        _land_copies(router, closed, timeout_s, failed)
+    except TimeoutError as error:
+        if not failed:  # every replica sound: all stay open, for a close with more time
+            raise
+        failed.append(("waiting for the KV copies", error))
+    for index, (replica, close) in enumerate(zip(router.replicas, closes, strict=True)):
+        if close is not None:  # with what is left of timeout_s
+            left = max(0.0, deadline - time.monotonic())
+            _tried(
+                failed, f"{replica_name(index, replica)}.close()", partial(close, timeout_s=left)
+            )
+    for request_id in list(router._replica_of):  # its abort raised; its replica's close was tried
+        router._finish(request_id)
+    router._undelivered = []
     router._closed = True
+    if failed:
+        raise_first(failed, "close went on: every replica's close was tried, the router closed")
+
+
+def _tried(failed: list[tuple[str, Exception]], what: str, call: Callable[[], object]) -> None:
+    """call(); an Exception it raises is added to `failed` as `what`'s (an interrupt that
+    is no Exception propagates at once)."""
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - close raises the first once all is tried
+        failed.append((what, error))
+
+
+def _land_copies(router: Any, closed: set[int], timeout_s: float, failed: list) -> None:
+    """Steps the open replicas with KV copies in flight until they have landed, as
+    drain_transfers does (TimeoutError when one is still in flight past `timeout_s`), but
+    a replica whose step or has_pending_transfers raises is added to `failed` and not
+    asked again: one that keeps raising must not keep the others from closing."""
+    checked, broken = router._checked, set(closed)
+
+    def ask(index: int, what: str, call: Callable[[], object]) -> object:
+        """call(), or None once replicas[index] raised (then it is not asked again)."""
+        if index in broken:
+            return None
+        try:
+            return call()
+        except Exception as error:  # noqa: BLE001 - close raises the first once all is tried
+            broken.add(index)
+            failed.append((f"{replica_name(index, router.replicas[index])}.{what}", error))
+            return None
+
+    def waiting() -> list[int]:
+        pending = checked.pending
+        return [
+            i for i in router._indices if ask(i, "has_pending_transfers()", partial(pending, i))
+        ]
+
+    def step() -> bool:
+        stepped = False
+        for index in waiting():
+            outputs: list = []
+            ask(index, "step()", partial(checked.step, outputs, index))
+            stepped |= bool(router._finished_from(outputs))  # those that passed its checks
+        return stepped
+
+    step_until_landed(lambda: bool(waiting()), step, timeout_s)

@@ -61,16 +61,18 @@ def test_close_aborts_every_request_closes_replicas_that_can_and_refuses_use():
     assert len(replicas[0].close_calls) == 1
 
 
-def test_a_replica_close_that_times_out_leaves_the_router_open_to_close_again():
+def test_a_replica_close_that_times_out_still_closes_the_router():
+    # It left the router open: a replica whose close kept raising kept it open for good.
     replicas = [ClosableReplica(0, timeouts=1), ClosableReplica(1)]
     router = PrefixAwareRouter(replicas, block_size=BLOCK)
     router.add_request([1] * BLOCK)
     with pytest.raises(TimeoutError, match="still pending"):
         router.close()
-    assert not router.closed and router.num_outstanding == (0, 0)
-    router.close()
-    assert router.closed
-    assert [len(r.close_calls) for r in replicas] == [2, 2]  # each tried, each time
+    assert router.closed and router.num_outstanding == (0, 0)
+    router.close()  # closed: nothing to do; the replica left open is the caller's
+    assert [len(r.close_calls) for r in replicas] == [1, 1]
+    router.replicas[0].close()
+    assert len(replicas[0].close_calls) == 2
 
 
 def test_a_replica_close_that_raises_leaves_every_other_replica_closed():
@@ -82,13 +84,11 @@ def test_a_replica_close_that_raises_leaves_every_other_replica_closed():
     with pytest.raises(TimeoutError, match="still pending") as raised:
         router.close(timeout_s=30.0)
     (note,) = raised.value.__notes__
-    assert "raised by close('replicas[0] (ClosableReplica)')" in note
-    assert "close('replicas[2] (ClosableReplica)') raised TimeoutError" in note
+    assert note.startswith("raised by replicas[0] (ClosableReplica).close(); close went on")
+    assert "replicas[2] (ClosableReplica).close() raised TimeoutError" in note
     assert [len(r.close_calls) for r in replicas] == [1, 1, 1]
     assert all(0 < r.close_calls[0] <= 30.0 for r in replicas)
-    assert not router.closed and router.num_outstanding == (0, 0, 0)
-    router.close()
-    assert router.closed and [len(r.close_calls) for r in replicas] == [2, 2, 2]
+    assert router.closed and router.num_outstanding == (0, 0, 0)
 
 
 def test_leaving_a_with_block_closes_the_router():
@@ -218,11 +218,10 @@ class AbortRaisingReplica(ClosableReplica):
 
 
 @pytest.mark.parametrize("acts", [False, True])
-def test_an_abort_that_raises_in_close_leaves_every_other_request_aborted_and_close_again_works(
-    acts,
-):
+def test_an_abort_that_raises_in_close_stops_nothing_else(acts):
     # close stopped at the first abort that raised: the requests after it stayed counted
     # and running on their replicas, and no note said which others would have failed.
+    # Then it left the router open, every replica too, as long as that abort raised.
     replicas = [
         AbortRaisingReplica(0, acts=acts),
         ClosableReplica(1),
@@ -234,18 +233,11 @@ def test_an_abort_that_raises_in_close_leaves_every_other_request_aborted_and_cl
     with pytest.raises(RuntimeError, match="replica 0 lost") as raised:
         router.close()
     (note,) = raised.value.__notes__
-    assert "abort('dp-0')" in note and "abort('dp-2') raised RuntimeError('replica 2 lost')" in note
-    assert not router.closed and router.num_outstanding == (1, 0, 1)
-    assert replicas[1].running == {} and [router.replica_of(r) for r in ids[::2]] == [0, 2]
-    assert not any(r.close_calls for r in replicas)
-    with pytest.raises(RuntimeError, match="replica 0 lost"):
-        router.close()  # still broken: the same, nothing counted twice
-    assert router.num_outstanding == (1, 0, 1)
-    for replica in replicas[::2]:
-        replica.broken = False
-    router.close()
+    assert note.startswith("raised by abort('dp-0'); close went on")
+    assert "abort('dp-2') raised RuntimeError('replica 2 lost')" in note
     assert router.closed and router.num_outstanding == (0, 0, 0)
-    assert not any(r.running for r in replicas)
+    assert not router.has_unfinished_requests() and router.abort(ids) is False
+    assert not any(r.running for r in replicas)  # their close ended what abort could not
     assert [len(r.close_calls) for r in replicas] == [1, 1, 1]
 
 
@@ -287,3 +279,57 @@ def test_try_each_makes_every_call_and_names_the_later_failures_in_a_bounded_not
 
 def _interrupt():
     raise KeyboardInterrupt
+
+
+class StuckCopier(ClosableReplica):
+    """Has a KV copy in flight, and each of its steps raises (a lost device); or, if
+    `asked_fails`, its has_pending_transfers raises (a lost connection)."""
+
+    def __init__(self, index: int, asked_fails: bool = False) -> None:
+        super().__init__(index)
+        self.asked_fails = asked_fails
+
+    def has_pending_transfers(self) -> bool:
+        if self.asked_fails:
+            raise RuntimeError("device lost")
+        return True
+
+    def step(self):
+        raise RuntimeError("device lost")
+
+
+@pytest.mark.parametrize("asked_fails", [False, True])
+def test_a_replica_whose_step_keeps_raising_still_lets_the_router_close(asked_fails):
+    # close stepped it until its copy landed: every close raised its error, closing
+    # nothing, and the router could not be shut down.
+    replicas = [CopyingReplica(0), StuckCopier(1, asked_fails), ClosableReplica(2)]
+    replicas[0].lands = True
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    ids = [router.add_request([i + 1] * BLOCK, SamplingParams(max_tokens=5)) for i in range(3)]
+    assert [router.replica_of(rid) for rid in ids] == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="device lost") as raised:
+        router.close(timeout_s=30.0)
+    what = "has_pending_transfers" if asked_fails else "step"
+    assert raised.value.__notes__ == [
+        f"raised by replicas[1] (StuckCopier).{what}(); close went on: every replica's "
+        "close was tried, the router closed"
+    ]
+    assert router.closed and router.num_outstanding == (0, 0, 0)
+    assert not replicas[0].pending  # the other replicas' copies were still landed
+    assert [len(r.close_calls) for r in replicas] == [1, 1, 1]
+    assert all(0 < r.close_calls[0] <= 30.0 for r in replicas)
+    assert not router.has_unfinished_requests() and router.abort(ids) is False
+    router.close()  # closed: nothing to do
+    assert [len(r.close_calls) for r in replicas] == [1, 1, 1]
+
+
+def test_copies_that_time_out_beside_a_failed_replica_close_everything_all_the_same():
+    # A timeout alone leaves every replica open for a retry; with a replica failing too,
+    # a retry would fail again: close goes on, each close given what is left (nothing).
+    replicas = [CopyingReplica(0), StuckCopier(1)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    with pytest.raises(RuntimeError, match="device lost") as raised:
+        router.close(timeout_s=0.01)
+    (note,) = raised.value.__notes__
+    assert "waiting for the KV copies raised TimeoutError" in note
+    assert router.closed and [r.close_calls for r in replicas] == [[0.0], [0.0]]

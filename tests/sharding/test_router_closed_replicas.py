@@ -121,7 +121,14 @@ def test_a_closed_attribute_that_is_no_bool_is_named():
         router.add_request([1] * BLOCK)
     assert router.num_outstanding == (0, 0) and not any(r.prompts for r in replicas)
     replicas[1].closed = None  # None counts as no such attribute: open
-    assert router.replica_of(router.add_request([1] * BLOCK)) == 0
+    rid = router.add_request([1] * BLOCK)
+    replicas[1].closed = "yes"
+    for call in (router.step, router.has_unfinished_requests, lambda: router.abort(rid)):
+        with pytest.raises(ValueError, match=r"replicas\[1\] \(ClosingReplica\)\.closed"):
+            call()
+    with pytest.raises(ValueError, match=r"replicas\[1\] \(ClosingReplica\)\.closed"):
+        router.close()  # before it aborts anything
+    assert router.replica_of(rid) == 0 and replicas[0].running and not router.closed
 
 
 def test_replicas_without_a_closed_attribute_are_always_open():
