@@ -127,10 +127,9 @@ def load_hf_safetensors(
     is past its range: it would load as inf). With tied embeddings a stored
     `lm_head.weight` must be a copy of the embedding. Raises CheckpointError on any name
     or shape mismatch or such a head, and naming the file when config.json or
-    generation_config.json is
-    not a JSON object (truncated, say) or holds a value from_hf_dict refuses (a key
-    missing, say); ValueError for a `path` that is not a str or os.PathLike, or a
-    `config` that is not a LlamaConfig.
+    generation_config.json is not a JSON object (truncated, say) or holds a value
+    from_hf_dict refuses (a key missing, say); ValueError for a `path` that is not a str
+    or os.PathLike, or a `config` that is not a LlamaConfig.
     """
     if config is not None:  # a dict raised AttributeError, after the files were found
         check_config(config)
