@@ -159,11 +159,15 @@ class CheckedReplicas:
         request_id: str,
         cache_salt: str | None,
         n: int,
+        ours: Container[str],
     ) -> None:
         """Queues a request of `n` sequences on replicas[index] as `request_id`. When the
-        replica raises, or returns another id (ValueError naming it), the id is aborted
+        replica raises, or returns another id (ValueError naming both), the id is aborted
         there before the error propagates: a replica (a remote one whose reply was lost)
-        may have queued it, and a request the router does not hold must not run."""
+        may have queued it, and a request the router does not hold must not run. Another
+        id it returns, a str, is aborted there too (it may have queued the request under
+        that one) unless `ours` (the router's request ids and running samples' ids) holds
+        it: a wrong answer must not end a request the router still counts."""
         replica = self._replicas[index]
         try:
             queued = replica.add_request(
@@ -173,11 +177,16 @@ class CheckedReplicas:
             _abort_after(index, replica, request_id, error)
             raise
         if not (isinstance(queued, str) and queued == request_id):
+            named = isinstance(queued, str)  # an id it may have queued it under
+            theirs = named and queued not in ours
+            left = f"; {queued!r}, the router's own, left running" if named and not theirs else ""
             error = ValueError(
                 f"{replica_name(index, replica)}.add_request(request_id={request_id!r}) "
-                f"returned {_shown(queued)}; expected that id (aborted there, nothing queued)"
+                f"returned {_shown(queued)}; expected that id ("
+                f"{'both' if theirs else repr(request_id)} aborted there, nothing queued{left})"
             )
-            _abort_after(index, replica, request_id, error)
+            for aborted in (request_id, queued) if theirs else (request_id,):
+                _abort_after(index, replica, aborted, error)
             raise error
         self._running[index].update(map(_key, repeat(request_id), range(n)))
 

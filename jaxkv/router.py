@@ -151,8 +151,10 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         replica's ids_in_use holds, or under n > 1 one whose samples' ids are any of
         these) or one that is not a str encodable as UTF-8; the replica's ValueError (bad prompt or
         params) leaves the router unchanged, the next generated id included. When the
-        replica raises, or returns another id (ValueError naming it), the id is aborted
-        on it first, in case it was queued there."""
+        replica raises, or returns another id (ValueError naming the replica and both ids,
+        the router unchanged), the id is aborted on it first, in case it was queued there,
+        and so is the str id it returned, unless one of the router's requests or running
+        samples has it (left running: the answer is the replica's error)."""
         if request_id is not None and not (is_id_text(request_id) and request_id):
             # abort() and close() take only str ids: a replica that queued an int id would
             # leave a request the router can never abort, and a close() that always raises.
@@ -174,7 +176,8 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
             )
         hashes = self._routes.hashes(prompt, cache_salt)
         replica = self._route(hashes).replica
-        self._checked.add_request(replica, prompt, sampling_params, request_id, cache_salt, n)
+        ours = IdsInUse(self._replica_of, self._samples)  # a wrong answer can't abort these
+        self._checked.add_request(replica, prompt, sampling_params, request_id, cache_salt, n, ours)
         if generated:  # only once queued: a refused request leaves later ids as they were
             self._serials.take(serial)
         self._routes.remember(hashes, replica)

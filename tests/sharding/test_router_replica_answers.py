@@ -1,9 +1,10 @@
 """PrefixAwareRouter over a replica whose other answers are wrong: add_request returning
-another id or raising after it queued, abort answering no bool, has_unfinished_requests
-or has_pending_transfers answering no bool, an ids_in_use that is no container, a
-has_pending_transfers, close or queue_checkpoint that is no method. Each raises ValueError
-naming the replica, the method and the answer (abort's, given after the replica acted, is
-read by its truth, False if it has none, with a logged warning), the router unchanged."""
+another id (aborted there, as is the id asked for) or raising after it queued, abort
+answering no bool, has_unfinished_requests or has_pending_transfers answering no bool,
+an ids_in_use that is no container, a has_pending_transfers, close or queue_checkpoint
+that is no method. Each raises ValueError naming the replica, the method and the answer
+(abort's, given after the replica acted, is read by its truth, False if it has none, with
+a logged warning), the router unchanged."""
 
 from __future__ import annotations
 
@@ -44,6 +45,62 @@ def test_an_add_request_returning_another_id_is_refused_with_the_request_aborted
     assert router.num_outstanding == (0,) and router.route([1] * 2 * BLOCK) == Route(0, 0)
     router.replicas[0].queued = lambda rid: rid
     assert router.add_request([1] * 2 * BLOCK) == "dp-0"  # the id it would have had
+
+
+class _Renames(_Answers):
+    """Queues each request under an id of its own, `queued(request_id)`, and returns it
+    (a broken replica or proxy); records the ids it is asked to abort."""
+
+    def __init__(self, index: int, queued) -> None:
+        super().__init__(index, queued)
+        self.aborted: list[str] = []
+
+    def add_request(self, prompt_token_ids, sampling_params=None, *, request_id, cache_salt=None):
+        request_id = self.queued(request_id)
+        return FakeReplica.add_request(
+            self, prompt_token_ids, sampling_params, request_id=request_id
+        )
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+        return super().abort(request_id)
+
+
+def test_an_add_request_that_queued_under_the_id_it_returned_has_that_id_aborted_there():
+    # Only the id asked for was aborted: the request ran on under the replica's id, its
+    # outputs dropped, has_unfinished_requests True until it ended, unseen by the router.
+    replica = _Renames(0, lambda rid: f"proxy-{rid}")
+    router = PrefixAwareRouter([replica], block_size=BLOCK)
+    with pytest.raises(
+        ValueError,
+        match=r"replicas\[0\] \(_Renames\)\.add_request\(request_id='dp-0'\) returned "
+        r"'proxy-dp-0'; expected that id \(both aborted there, nothing queued\)",
+    ):
+        router.add_request([1] * 2 * BLOCK, SamplingParams(max_tokens=2))
+    assert replica.aborted == ["dp-0", "proxy-dp-0"] and replica.running == {}
+    assert not router.has_unfinished_requests() and router.num_outstanding == (0,)
+    assert router.route([1] * 2 * BLOCK) == Route(0, 0)
+    replica.queued = lambda rid: rid
+    assert router.add_request([1] * 2 * BLOCK) == "dp-0"  # the id it would have had
+
+
+@pytest.mark.parametrize("theirs", ["a", "1_a"])
+def test_an_add_request_returning_an_id_the_router_holds_leaves_that_request_running(theirs):
+    # The router knows that id as its own request (or a running sample of one): the
+    # replica's answer is wrong, and aborting it there would end a request the router
+    # still counts.
+    replica = _Renames(0, lambda rid: rid)
+    router = PrefixAwareRouter([replica], block_size=BLOCK)
+    router.add_request([1] * BLOCK, SamplingParams(n=2, max_tokens=3), request_id="a")
+    replica.add_request = lambda *args, request_id, **kwargs: theirs
+    with pytest.raises(
+        ValueError,
+        match=rf"returned '{theirs}'; expected that id \('b' aborted there, nothing queued; "
+        rf"'{theirs}', the router's own, left running\)",
+    ):
+        router.add_request([2] * BLOCK, request_id="b")
+    assert replica.aborted == ["b"] and list(replica.running) == ["a"]
+    assert router.replica_of("a") == 0 and router.num_outstanding == (2,)
 
 
 def test_a_request_queued_by_an_add_request_that_raised_is_aborted_there():
