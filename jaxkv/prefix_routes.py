@@ -9,6 +9,7 @@ share those blocks' tokens, salt included. The table is bounded: past
 from __future__ import annotations
 
 import collections
+import copy
 from collections.abc import Container, Sequence
 from typing import NamedTuple
 
@@ -98,11 +99,13 @@ class PrefixRoutes:
         """The remembered prefix keys, as a set of their own."""
         return set(self._replica_of)
 
-    def snapshot(self) -> collections.OrderedDict[BlockHash, int]:
-        """A copy of the table, for restore()."""
-        return self._replica_of.copy()
+    def copy(self) -> PrefixRoutes:
+        """A table of its own with the same routes, in the same order of use."""
+        other = copy.copy(self)
+        other._replica_of = self._replica_of.copy()
+        return other
 
-    def restore(self, snapshot: collections.OrderedDict[BlockHash, int]) -> None:
-        """Puts back the table snapshot() copied. A copy of it: the snapshot stays as it
-        was, for a later restore (a queue checkpoint rewound twice)."""
-        self._replica_of = snapshot.copy()
+    def restore(self, saved: PrefixRoutes) -> None:
+        """Takes the routes of `saved` (a copy()), in their order of use. A copy of them:
+        `saved` stays as it is, for a later restore (a queue checkpoint rewound twice)."""
+        self._replica_of = saved._replica_of.copy()

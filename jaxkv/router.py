@@ -192,23 +192,26 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         """A function that, called once every request queued since has been aborted (as
         generate does when it refuses a prompt), gives back what queueing them changed:
         the next generated id, the prefix routes they added, and the default ids and seeds
-        of replicas with a queue_checkpoint method (Engine). It raises RuntimeError,
-        changing nothing, while the router, or such a replica, still holds one of them (a
-        request added to the replica directly counts too): it checks every checkpoint
-        before it rewinds any. A replica's rewind with no check() method (Engine's has one)
-        is checked only by calling it, before anything else is rewound: with two or more
-        such replicas, a later one refusing comes after the first rewound, so every other
-        one, the router and the Engines are rewound before its RuntimeError is raised
+        of replicas with a queue_checkpoint method (Engine). Only that: a
+        reset_prefix_cache() since stays in force, the routes it dropped not given back
+        (those caches are gone). It raises RuntimeError, changing nothing, while the
+        router, or such a replica, still holds one of them (a request added to the replica
+        directly counts too): it checks every checkpoint before it rewinds any. A
+        replica's rewind with no check() method (Engine's has one) is checked only by
+        calling it, before anything else is rewound: with two or more such replicas, a
+        later one refusing comes after the first rewound, so every other one, the router
+        and the Engines are rewound before its RuntimeError is raised
         (jaxkv.request_serials.rewind_together). Taking it, and each rewind, copies the
-        prefix routes (5-10 ms for a full default max_tracked_prefixes, 2-core CPU).
-        Raises RuntimeError after close()."""
+        prefix routes (5-10 ms for a full default max_tracked_prefixes, 2-core CPU); while
+        the rewind lives, each reset_prefix_cache() resets that copy too. Raises
+        RuntimeError after close()."""
         self._check_open()
-        routes = self._routes.snapshot()
         # By token, not replica: an id aborted and queued again on its replica is new.
         rewind_ids = self._serials.checkpoint(self._queued)
         # ValueError naming one not callable; a closed replica queues nothing more
         rewinds = self._checked.queue_checkpoints(closed_replicas(self.replicas))
-        return rewind_together([rewind_ids, *rewinds], then=lambda: self._routes.restore(routes))
+        rewind_routes = self._checkpoint_routes(self._queued.values())
+        return rewind_together([rewind_ids, *rewinds], then=rewind_routes)
 
     @no_reentry
     def abort(self, request_ids: str | Iterable[str]) -> bool:

@@ -9,7 +9,8 @@ remembered). The counts are the router's: it keeps them as it adds, steps and ab
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 
 from jaxkv.field_checks import as_int
 from jaxkv.hashing import BlockHash
@@ -36,6 +37,8 @@ class RoutingRule:
         self._routes = PrefixRoutes(block_size, max_prefix_blocks, max_tracked_prefixes, hash_seed)
         self.max_imbalance = max_imbalance
         self._outstanding = [0] * num_replicas  # replica -> unfinished sequences
+        # The routes of the live queue checkpoints (_checkpoint_routes), reset with these.
+        self._saved_routes: weakref.WeakSet[_SavedRoutes] = weakref.WeakSet()
 
     # Read-only: the remembered routes are keyed by them.
     block_size = _routes_size("block_size")
@@ -66,14 +69,21 @@ class RoutingRule:
         """Forgets the routes to the replicas in `emptied` (their prefix caches were), but
         those of the requests they still hold (queued there, they fill them again): `held`
         gives each request's replica and prefix keys, oldest first. A route to any other
-        replica (one that kept its cache) stays as it was."""
-        routes = self._routes
-        for index in set(emptied):
-            routes.forget_replica(index)
-        kept = routes.keys()  # to the replicas that kept their caches
-        for replica, hashes in held:  # oldest first: the latest request's replica wins
-            if replica in emptied:
-                routes.remember([h for h in hashes if h not in kept], replica)
+        replica (one that kept its cache) stays as it was. The routes each live queue
+        checkpoint keeps for its rewind are reset alike (_checkpoint_routes)."""
+        _forget_emptied(self._routes, emptied, held)
+        for saved in list(self._saved_routes):
+            saved.caches_emptied(emptied, held)
+
+    def _checkpoint_routes(self, held: Iterable[list[BlockHash]]) -> Callable[[], None]:
+        """A function that puts back the routes as they are now, undoing those the
+        requests queued since added: `held` gives the prefix keys of the requests held
+        now, the others' are those of requests queued since (by identity: each queueing
+        has a list of its own). A reset since (_caches_emptied) stays in force: it applies
+        to the routes kept for the rewind too, as if no request had been queued since."""
+        saved = _SavedRoutes(self._routes, held)
+        self._saved_routes.add(saved)  # while the function lives: it holds `saved`
+        return lambda: self._routes.restore(saved.routes)
 
     def _open_replicas(self) -> Sequence[int]:
         """The replicas a request may go to, in order; the router's leaves out the closed
@@ -98,3 +108,28 @@ class RoutingRule:
         if self.max_imbalance is not None and over > self.max_imbalance:
             return Route(least, 0)
         return Route(replica, matched)
+
+
+def _forget_emptied(
+    routes: PrefixRoutes, emptied: list[int], held: list[tuple[int, list[BlockHash]]]
+) -> None:
+    """RoutingRule._caches_emptied on `routes`."""
+    for index in set(emptied):
+        routes.forget_replica(index)
+    kept = routes.keys()  # to the replicas that kept their caches
+    for replica, hashes in held:  # oldest first: the latest request's replica wins
+        if replica in emptied:
+            routes.remember([h for h in hashes if h not in kept], replica)
+
+
+class _SavedRoutes:
+    """The routes a queue checkpoint's rewind puts back: a copy of the table at the
+    checkpoint, reset as the table is, but with the requests held at the checkpoint
+    only (those queued since must leave no route behind)."""
+
+    def __init__(self, routes: PrefixRoutes, held: Iterable[list[BlockHash]]) -> None:
+        self.routes = routes.copy()
+        self._held = {id(hashes): hashes for hashes in held}  # kept: their ids stay theirs
+
+    def caches_emptied(self, emptied: list[int], held: list[tuple[int, list[BlockHash]]]) -> None:
+        _forget_emptied(self.routes, emptied, [(r, h) for r, h in held if id(h) in self._held])

@@ -233,3 +233,45 @@ def test_a_reset_prefix_cache_that_is_no_method_is_named_before_any_replica_is_r
         router.reset_prefix_cache()
     assert [r.resets for r in replicas] == [0, 0]
     assert [router.route(p) for p in prompts] == [Route(0, 2), Route(1, 2)]
+
+
+def test_a_queue_checkpoint_rewind_leaves_the_routes_a_later_reset_forgot_forgotten():
+    # The rewind put back the whole table as at the checkpoint: the routes the reset had
+    # dropped came back, to replicas whose caches no longer held those prefixes.
+    router, _, prompts = _routed_router()
+    rewind = router.queue_checkpoint()
+    assert router.reset_prefix_cache() is True
+    added = router.add_request(_prompt(300))
+    assert router.abort(added) and router.route(_prompt(300)).matched_blocks == 2
+    rewind()
+    assert [router.route(p).matched_blocks for p in [*prompts, _prompt(300)]] == [0, 0, 0]
+    assert router.add_request(prompts[1]) == "dp-2"  # the id it gave back
+    assert router.abort("dp-2") and router.route(prompts[1]).matched_blocks == 2
+    rewind()  # again: the reset is still in force, the route added since undone
+    assert [router.route(p).matched_blocks for p in prompts] == [0, 0]
+
+
+def test_a_reset_between_two_rewinds_of_one_checkpoint_stays_in_force():
+    router, _, prompts = _routed_router()
+    rewind = router.queue_checkpoint()
+    rewind()
+    assert router.reset_prefix_cache() is True
+    rewind()
+    assert [router.route(p).matched_blocks for p in prompts] == [0, 0]
+
+
+def test_a_rewind_keeps_what_a_later_reset_kept_and_undoes_only_the_requests_queued_since():
+    # A reset keeps the routes of the requests a replica still queues: those queued before
+    # the checkpoint stay after the rewind, those of requests queued since go.
+    replicas = [_QueueingReplica(0), _QueueingReplica(1)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK, max_imbalance=None)
+    held = router.add_request(_prompt(0))  # to replica 0
+    router.add_request(_prompt(100), request_id="f")  # to replica 1
+    rewind = router.queue_checkpoint()
+    since = router.add_request(_prompt(200))  # to replica 0: both hold one
+    assert router.abort("f") and router.reset_prefix_cache() is True
+    assert [router.route(_prompt(p)).matched_blocks for p in (0, 100, 200)] == [2, 0, 2]
+    assert router.abort(since)
+    rewind()
+    assert router.route(_prompt(0)) == Route(0, 2) and router.replica_of(held) == 0
+    assert [router.route(_prompt(p)).matched_blocks for p in (100, 200)] == [0, 0]
