@@ -39,7 +39,8 @@ class Replica(Protocol):
     add_request must return the id it was asked to queue; when it raises, or returns
     another, the router aborts that id on the replica before the error propagates (it
     may have been queued), and the other id returned too, if a str that is not the id
-    of one of the router's requests or running samples (it may have been queued under it).
+    of one of the router's requests, or running samples, there (it may have been queued
+    under it).
     has_unfinished_requests, has_pending_transfers and reset_prefix_cache must return
     bools (reset_prefix_cache's is checked once every replica has been asked), ids_in_use
     be a container, queue_checkpoint a function (the rewind). abort is called after the

@@ -159,15 +159,15 @@ class CheckedReplicas:
         request_id: str,
         cache_salt: str | None,
         n: int,
-        ours: Container[str],
+        ours: Callable[[str], bool],
     ) -> None:
         """Queues a request of `n` sequences on replicas[index] as `request_id`. When the
         replica raises, or returns another id (ValueError naming both), the id is aborted
         there before the error propagates: a replica (a remote one whose reply was lost)
         may have queued it, and a request the router does not hold must not run. Another
         id it returns, a str, is aborted there too (it may have queued the request under
-        that one) unless `ours` (the router's request ids and running samples' ids) holds
-        it: a wrong answer must not end a request the router still counts."""
+        that one) unless ours(it) (the id of a request, or running sample, the router runs
+        there): a wrong answer must not end a request the router still counts."""
         replica = self._replicas[index]
         try:
             queued = replica.add_request(
@@ -178,7 +178,7 @@ class CheckedReplicas:
             raise
         if not (isinstance(queued, str) and queued == request_id):
             named = isinstance(queued, str)  # an id it may have queued it under
-            theirs = named and queued not in ours
+            theirs = named and not ours(queued)
             left = f"; {queued!r}, the router's own, left running" if named and not theirs else ""
             error = ValueError(
                 f"{replica_name(index, replica)}.add_request(request_id={request_id!r}) "

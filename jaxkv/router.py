@@ -17,6 +17,7 @@ works with engines in one process (on CPU devices too) and is testable without e
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -154,7 +155,7 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         replica raises, or returns another id (ValueError naming the replica and both ids,
         the router unchanged), the id is aborted on it first, in case it was queued there,
         and so is the str id it returned, unless one of the router's requests or running
-        samples has it (left running: the answer is the replica's error)."""
+        samples on that replica has it (left running: the answer is the replica's error)."""
         if request_id is not None and not (is_id_text(request_id) and request_id):
             # abort() and close() take only str ids: a replica that queued an int id would
             # leave a request the router can never abort, and a close() that always raises.
@@ -176,7 +177,7 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
             )
         hashes = self._routes.hashes(prompt, cache_salt)
         replica = self._route(hashes).replica
-        ours = IdsInUse(self._replica_of, self._samples)  # a wrong answer can't abort these
+        ours = partial(self._runs_on, replica)  # ids a wrong answer there must not abort
         self._checked.add_request(replica, prompt, sampling_params, request_id, cache_salt, n, ours)
         if generated:  # only once queued: a refused request leaves later ids as they were
             self._serials.take(serial)
@@ -229,6 +230,12 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         A replica's abort answering no bool is read by its truth (none: False), logged."""
         request_ids, closed = checked_request_ids(request_ids), closed_replicas(self.replicas)
         return any(try_each(lambda r: self._abort_one(r, closed), request_ids, "abort"))
+
+    def _runs_on(self, replica: int, request_id: str) -> bool:
+        """Whether `request_id` is that of one of the router's requests, or of a running
+        sample of one, on replicas[replica]."""
+        sample = None if request_id in self._replica_of else self._samples.sample_of(request_id)
+        return self._replica_of.get(request_id if sample is None else sample[0]) == replica
 
     def _abort_one(self, request_id: str, closed: set[int]) -> bool:
         sample = None if request_id in self._replica_of else self._samples.sample_of(request_id)

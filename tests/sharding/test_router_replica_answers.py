@@ -103,6 +103,18 @@ def test_an_add_request_returning_an_id_the_router_holds_leaves_that_request_run
     assert router.replica_of("a") == 0 and router.num_outstanding == (2,)
 
 
+def test_an_add_request_returning_an_id_the_router_runs_elsewhere_has_it_aborted_there():
+    # The router's "a" runs on replica 0: on replica 1 that id is no request of the
+    # router's, and the one replica 1 may have queued under it must not run on.
+    replicas = [FakeReplica(0), _Renames(1, lambda rid: "a")]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    router.add_request([1] * BLOCK, SamplingParams(max_tokens=3), request_id="a")
+    with pytest.raises(ValueError, match=r"returned 'a'; expected that id \(both aborted there"):
+        router.add_request([2] * BLOCK, request_id="b")
+    assert replicas[1].aborted == ["b", "a"] and replicas[1].running == {}
+    assert list(replicas[0].running) == ["a"] and router.num_outstanding == (1, 0)
+
+
 def test_a_request_queued_by_an_add_request_that_raised_is_aborted_there():
     # A remote replica's reply lost after it queued: the request ran there, unknown to the
     # router, its outputs passed on under an id the router would hand out again.
