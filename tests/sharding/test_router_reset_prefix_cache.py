@@ -275,3 +275,16 @@ def test_a_rewind_keeps_what_a_later_reset_kept_and_undoes_only_the_requests_que
     rewind()
     assert router.route(_prompt(0)) == Route(0, 2) and router.replica_of(held) == 0
     assert [router.route(_prompt(p)).matched_blocks for p in (100, 200)] == [0, 0]
+
+
+def test_the_routes_kept_for_a_rewind_go_with_it():
+    # Each live rewind's copy is reset with the table: generate's, dropped once it
+    # returns or raises, must not pile up for every later reset to walk.
+    router, _, prompts = _routed_router()
+    router.generate([prompts[0]], progress=False)
+    with pytest.raises(ValueError):
+        router.generate([prompts[1], []], progress=False)
+    rewind = router.queue_checkpoint()
+    assert len(router._saved_routes) == 1
+    del rewind
+    assert len(router._saved_routes) == 0 and router.reset_prefix_cache() is True
