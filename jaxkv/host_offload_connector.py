@@ -129,10 +129,7 @@ class HostOffloadConnector(KVConnector):
                 "the old layout's hashes): poll() until has_pending() is False first"
             )
         if bound is None and self._copier_ref is not None:
-            # Its engine was collected without close(): no one will collect these copies.
-            self._saves.clear()
-            self._loads.clear()
-            self._saves_ended_unstored(list(self._saving))
+            self._forget_copies()  # its engine was collected without close()
         if layout != self._layout:
             self._store.clear()  # saved for other blocks: not this engine's KV
         self._layout = layout
@@ -150,13 +147,15 @@ class HostOffloadConnector(KVConnector):
     def unbind(self, copier: KVCopier) -> None:
         """Lets bind take another engine's copier, if `copier` is the one bound (otherwise
         does nothing); the store is kept. Raises RuntimeError, changing nothing, while a
-        copy is in flight (its landing is reported by poll)."""
+        copy is in flight (poll reports its end), unless `copier.closed` is True (Engine.close
+        went on past copies that did not land): they are then forgotten, none stored."""
         if self._bound() is not copier:
             return
-        if self.has_pending():
+        if self.has_pending() and not getattr(copier, "closed", False):
             raise RuntimeError(
                 f"unbind with {len(self._saves)} saves and {len(self._loads)} loads in flight"
             )
+        self._forget_copies()
         self._copier_ref = None
 
     # ------------------------------------------------------------------ hooks
@@ -203,23 +202,19 @@ class HostOffloadConnector(KVConnector):
         if future is None:
             return False
         new_hashes = [h for _, h in picked]
-        self._saves[req_id] = Transfer(
-            req_id, future, new_hashes, self._step, chain=hashes[:num_full]
-        )
+        chain = hashes[:num_full]
+        self._saves[req_id] = Transfer(req_id, future, new_hashes, self._step, chain=chain)
         self._saving.update(new_hashes)
         return True
 
     def on_admission(self, request: Request, num_computed_tokens: int) -> int:
-        """Whole blocks after `num_computed_tokens` found in the store, in tokens.
-
-        Never covers the request's last token (its logits must be computed); 0 while no
-        live copier is bound (the store outlives its engine, but start_load needs one).
-        Changes no state. Raises ValueError unless `request` is a Request and
-        `num_computed_tokens` an int >= 0.
-        """
-        num_computed_tokens = count(
-            "num_computed_tokens", num_computed_tokens, checked_request_id(request)
-        )
+        """Whole blocks after `num_computed_tokens` found in the store, in tokens. Never
+        covers the request's last token (its logits must be computed); 0 while no live
+        copier is bound (the store outlives its engine, but start_load needs one). Changes
+        no state. Raises ValueError unless `request` is a Request and `num_computed_tokens`
+        an int >= 0."""
+        req_id = checked_request_id(request)
+        num_computed_tokens = count("num_computed_tokens", num_computed_tokens, req_id)
         bs = self._layout.block_size
         # Unbound (its engine closed), start_load would refuse every claim, every time.
         if not self._store or num_computed_tokens % bs or self._bound() is None:
@@ -297,10 +292,9 @@ class HostOffloadConnector(KVConnector):
 
     @property
     def stats(self) -> TransferStats:
+        n = len(self._store)
         return dataclasses.replace(
-            self._stats,
-            num_stored_blocks=len(self._store),
-            stored_bytes=len(self._store) * self._layout.bytes_per_block,
+            self._stats, num_stored_blocks=n, stored_bytes=n * self._layout.bytes_per_block
         )
 
     def stored_hashes(self) -> list[BlockHash]:
@@ -374,6 +368,12 @@ class HostOffloadConnector(KVConnector):
     def _evict(self) -> None:
         limit = self.host_bytes // max(self._layout.bytes_per_block, 1)
         self._store.evict_to(limit)
+
+    def _forget_copies(self) -> None:
+        """No one will collect the copies in flight (their engine is gone): drop them."""
+        self._saves.clear()
+        self._loads.clear()
+        self._saves_ended_unstored(list(self._saving))
 
     def _saves_ended_unstored(self, hashes: Sequence[BlockHash]) -> None:
         """`hashes` are no longer being saved and were not stored: the blocks other saves

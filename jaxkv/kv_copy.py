@@ -146,6 +146,7 @@ class DeviceKVCopier:
         self._buckets = pow2_buckets(1, max_copy)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxkv-kv-copy")
         self._fingerprint = fingerprint
+        self.closed = False  # True once close() was called: no copy starts any more
 
     @functools.cached_property
     def model_fingerprint(self) -> bytes | None:
@@ -205,6 +206,10 @@ class DeviceKVCopier:
                 self._set_caches(list(caches))
         return self._executor.submit(on_device.block_until_ready)
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
+    def close(self, *, wait: bool = True) -> None:
+        """Stops the copy thread: copies not yet begun are cancelled; with `wait` it
+        returns once the one running has ended. Without, a copy that never ends (a hung
+        device) cannot hold the caller: the thread ends with that copy, if ever."""
+        self.closed = True
+        self._executor.shutdown(wait=wait, cancel_futures=True)
         self._fingerprint = None

@@ -69,6 +69,8 @@ class KVCopier(Protocol):
     # Also num_blocks (blocks in the cache, the null block 0 included): it then refuses
     # block ids outside [1, num_blocks) itself, changing nothing, where a start_load
     # raising on them would count as a failed load (it refuses ids < 1 either way).
+    # And closed (a bool, True once its copy thread is stopped, jaxkv.kv_copy): a closed
+    # copier may be unbound with copies in flight, which are then forgotten.
 
     def start_save(self, block_ids: Sequence[int]) -> Future:
         """Copies blocks to host; result(): array [len(block_ids), ...] (one entry per block)."""
@@ -119,7 +121,9 @@ class KVConnector:
         """Called by the engine when it is built, before its first step."""
 
     def unbind(self, copier: KVCopier) -> None:
-        """Called by Engine.close, with the copier it bound, once no copy is in flight."""
+        """Called by Engine.close, with the copier it bound, once that copier is closed:
+        no copy is in flight, unless close went on past copies that did not land (a
+        forced close, or a step that raised): those are lost with the engine."""
 
     def marks_user_code(self, user_code: UserCode) -> bool:
         """Called by the Scheduler that drives this connector with the flag it lets a

@@ -61,6 +61,23 @@ def test_unbind_is_refused_while_a_copy_is_in_flight():
     assert len(connector.stored_hashes()) == 2
 
 
+def test_a_closed_copier_is_unbound_with_its_copies_in_flight_forgotten():
+    # An Engine.close that goes on past copies that never land (forced, or a step that
+    # raised) unbinds its closed copier: refused, the connector served that closed
+    # engine for good and refused every later one ("serves another engine").
+    connector, copier, sched = _saved_connector(delay=10**9)
+    step(sched, copier)  # "a" finishes; its save never lands
+    assert connector.has_pending()
+    copier.closed = True
+    connector.unbind(copier)
+    assert not connector.has_pending() and connector.hash_layout is None
+    other = FakeCopier(32, BS)
+    connector.bind(other, block_size=BS, hash_seed=0)
+    # Its blocks are no longer "being saved": a request with the same ones saves them.
+    assert connector.on_finish(_one_request("b", 8), [3, 4])
+    assert other.saved_block_ids == [[3, 4]]
+
+
 @pytest.mark.parametrize(("block_size", "hash_seed"), [(2 * BS, 0), (BS, 1)])
 def test_rebinding_the_bound_copier_under_another_layout_is_refused_mid_copy(block_size, hash_seed):
     # The save in flight, hashed under the old layout, used to land in the store emptied
