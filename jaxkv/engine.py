@@ -218,8 +218,8 @@ class Engine(Closable):
         return self.manager.reset_prefix_cache()
 
     def has_pending_transfers(self) -> bool:
-        """True while finished requests hold blocks for KV copies that have not landed."""
-        return self.scheduler.has_pending_transfers()
+        """True while finished requests' blocks wait for KV copies to land; False once closed."""
+        return not self._closed and self.scheduler.has_pending_transfers()
 
     # ------------------------------------------------------------------- step
 
@@ -357,7 +357,7 @@ class Engine(Closable):
 
     # --------------------------------------------------------------- lifetime
 
-    def close(self, timeout_s: float = 60.0) -> None:
+    def close(self, timeout_s: float = 60.0, *, force: bool = False) -> None:
         """Aborts every unfinished request, waits for the KV copies in flight to land (the
         connector keeps what they saved, for another engine it is bound to), stops the
         copy thread and frees the KV cache's device memory.
@@ -366,11 +366,14 @@ class Engine(Closable):
         reset_prefix_cache raise RuntimeError, and abort returns False (close aborted
         every request; a caller's cleanup may abort its ids); metrics stay readable;
         closing again does nothing. Raises ValueError, changing nothing, unless
-        `timeout_s` is a number >= 0, and TimeoutError when the copies have not landed
-        within `timeout_s`: the engine then stays open, without requests, and close can
-        be called again. `with Engine(...) as engine:` closes it on leaving the block.
+        `timeout_s` is a number >= 0. When the copies have not landed within `timeout_s`
+        it raises TimeoutError, the engine left open, without requests, for a close with
+        more time; `force` closes it all the same, then raises (a copy that never lands
+        cannot hold it open). Any other exception (a step's as it waits: the connector's
+        poll) is raised once it is closed. Either way, copies not landed are lost with it;
+        an interrupt leaves it open. `with Engine(...) as engine:` closes it on leaving.
         """
-        close_engine(self, timeout_s)
+        close_engine(self, timeout_s, force)
 
     def _check_open(self, *, idle: bool = True) -> None:
         """Closable's check, then RuntimeError once the KV caches are lost (0.2 us); with

@@ -15,8 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
-from jaxkv.closable import checked_timeout
+from jaxkv.closable import checked_timeout, raise_first
+from jaxkv.held_interrupts import holding_interrupts
 
 LOST = (
     "the Engine's KV caches were lost: a step program or KV load that was given them "
@@ -30,23 +32,58 @@ def caches_lost(kv_caches: list[jax.Array]) -> bool:
     return bool(kv_caches) and kv_caches[0].is_deleted()
 
 
-def close_engine(engine: Any, timeout_s: float) -> None:
+def close_engine(engine: Any, timeout_s: float, force: bool) -> None:
     """Engine.close (see there): every request aborted, the KV copies in flight landed,
-    the connector unbound, the copy thread stopped, the device memory freed."""
+    the copy thread stopped, the connector unbound, the device memory freed. Only a
+    timeout with sound copies, unforced, or an interrupt leaves the engine open: any
+    other failure on the way would fail a second close the same way (a connector's poll
+    that raises at every step), so close goes on past it and raises it at the end."""
     if engine._closed:
         return
     engine._check_not_running()
     timeout_s = checked_timeout(timeout_s)  # before any request is aborted
+    if not isinstance(force, (bool, np.bool_)):  # "no" or None read as a choice, silently
+        raise ValueError(f"{force=} must be a bool")
     scheduler = engine.scheduler
     scheduler.discard_unapplied()  # a batch an interrupt kept from its step
     for request in [*scheduler.running, *scheduler.waiting]:
         engine.abort(request.request_id)
-    engine.drain_transfers(timeout_s)  # with no request left, lost caches or not
-    engine._transfers_at_close = engine.connector.stats
-    engine.connector.unbind(engine.copier)
-    engine.copier.close()
-    engine._closed = True
-    engine._state_leaves = []  # the sharded copies of the weights are the engine's own
-    caches, engine.kv_caches = engine.kv_caches, []
-    for cache in caches:  # the engine made them and is their only user (deleting twice is fine)
-        cache.delete()
+    failed: list[tuple[str, Exception]] = []  # (what raised, its error), in order
+    try:
+        engine.drain_transfers(timeout_s)  # with no request left, lost caches or not
+    except TimeoutError as error:
+        if not force:  # the copies may land given more time: open, for another close
+            raise
+        failed.append(("waiting for the KV copies", error))
+    except Exception as error:  # noqa: BLE001 - raised below, once the engine is closed
+        failed.append(("a step landing the KV copies", error))
+    _free(engine, failed)
+    if failed:
+        raise_first(
+            failed,
+            "close went on: the engine is closed, its copy thread stopped and its KV caches "
+            "freed; the blocks of KV copies that had not landed are lost with it",
+        )
+
+
+def _free(engine: Any, failed: list[tuple[str, Exception]]) -> None:
+    """The end of close, past copies still in flight (lost) and failing connector calls
+    (added to `failed`), done whole: a Ctrl-C is raised once the engine is closed (cut
+    halfway, it left the connector forgetting copies the scheduler still waited for)."""
+    in_flight = engine.scheduler.has_pending_transfers()
+    connector, copier = engine.connector, engine.copier
+    with holding_interrupts():
+        try:
+            engine._transfers_at_close = connector.stats
+        except Exception as error:  # noqa: BLE001 - raised by close once it is done
+            failed.append(("connector.stats", error))
+        copier.close(wait=not in_flight)  # a copy that never returns must not hold close
+        try:
+            connector.unbind(copier)  # closed: it forgets the copies in flight, if any
+        except Exception as error:  # noqa: BLE001 - raised by close once it is done
+            failed.append(("connector.unbind(copier)", error))
+        engine._closed = True
+        engine._state_leaves = []  # the sharded copies of the weights are the engine's own
+        caches, engine.kv_caches = engine.kv_caches, []
+        for cache in caches:  # the engine made them and is their only user (twice is fine)
+            cache.delete()

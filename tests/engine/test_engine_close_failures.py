@@ -1,0 +1,152 @@
+"""Engine.close against failures that repeat on every try: a KV copy that never lands, a
+step that keeps raising while close waits for the copies. Each close must be able to end
+closed, the copy thread stopped and the KV caches freed, with the error raised."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from jaxkv import SamplingParams
+from jaxkv.host_offload_connector import HostOffloadConnector
+from jaxkv.router import PrefixAwareRouter
+from tests.engine._util import VOCAB, assert_all_blocks_free, make_engine
+
+HOST_BYTES = 1 << 24
+
+
+def _prompt(seed: int, length: int = 20) -> list[int]:
+    return np.random.default_rng(seed).integers(0, VOCAB, length).tolist()
+
+
+def _assert_closed_and_freed(engine, caches) -> None:
+    assert engine.closed and engine.kv_caches == [] and engine.copier.closed
+    assert all(cache.is_deleted() for cache in caches)
+    assert not engine.has_pending_transfers()  # those that never landed are lost with it
+    engine.close()  # closed: nothing to do
+
+
+def _serves(connector) -> None:
+    """A new engine binds `connector` (unbound by the closed one) and serves."""
+    with make_engine(connector=connector) as successor:
+        out = successor.generate([_prompt(9)], SamplingParams(max_tokens=2), progress=False)
+        assert len(out[0].output_token_ids) == 2
+
+
+def test_a_forced_close_ends_closed_past_a_copy_that_never_lands():
+    # A save whose copy never returns (a hung device read) kept every close raising
+    # TimeoutError, the engine open, its KV caches held: nothing but dropping the engine
+    # freed them, and the copy thread's shutdown would have waited on the copy for good.
+    connector = HostOffloadConnector(HOST_BYTES)
+    engine = make_engine(connector=connector)
+    copier, hung = engine.copier, threading.Event()
+    copier.start_save = lambda block_ids: copier._executor.submit(hung.wait)
+    try:
+        engine.generate([_prompt(1)], SamplingParams(max_tokens=2), progress=False)
+        caches = engine.kv_caches
+        for timeout_s in (0.05, 0):  # with sound copies, a close with more time would land them
+            with pytest.raises(TimeoutError, match="still pending"):
+                engine.close(timeout_s=timeout_s)
+            assert not engine.closed and engine.has_pending_transfers()
+
+        with pytest.raises(TimeoutError, match="still pending") as raised:
+            engine.close(timeout_s=0, force=True)
+
+        assert "close went on" in "".join(raised.value.__notes__)
+        assert not hung.is_set()  # close did not wait for the hung copy
+        _assert_closed_and_freed(engine, caches)
+        assert connector.hash_layout is None and not connector.has_pending()
+        _serves(connector)
+    finally:
+        hung.set()
+    for thread in list(copier._executor._threads):  # it ends with the copy it ran
+        thread.join()
+
+
+def test_a_forced_close_whose_copies_land_raises_nothing():
+    connector = HostOffloadConnector(HOST_BYTES, copy_delay_steps=3)
+    engine = make_engine(connector=connector)
+    engine.generate([_prompt(2)], SamplingParams(max_tokens=2), progress=False)
+    assert engine.has_pending_transfers()
+    engine.close(force=True)
+    assert engine.closed and connector.stats.num_stored_blocks > 0
+    assert_all_blocks_free(engine)
+
+
+class _PollFails(HostOffloadConnector):
+    """Its poll raises `error` while set (`once`: the first time only)."""
+
+    error: BaseException | None = None
+    once = False
+
+    def poll(self):
+        error = self.error
+        if error is not None:
+            self.error = None if self.once else error
+            raise error
+        return super().poll()
+
+
+def test_a_step_that_keeps_raising_while_close_waits_still_closes_the_engine():
+    # The connector's poll failing at every step made every close raise with the engine
+    # left open and its KV caches held, whatever the timeout: it could never be closed.
+    connector = _PollFails(HOST_BYTES, copy_delay_steps=5)
+    engine = make_engine(connector=connector)
+    engine.generate([_prompt(3)], SamplingParams(max_tokens=2), progress=False)
+    engine.add_request(_prompt(4), SamplingParams(max_tokens=8), request_id="running")
+    caches = engine.kv_caches
+    connector.error = RuntimeError("poll broken")
+
+    with pytest.raises(RuntimeError, match="poll broken") as raised:
+        engine.close()
+
+    assert "close went on" in "".join(raised.value.__notes__)
+    _assert_closed_and_freed(engine, caches)
+    assert engine.abort("running") is False  # aborted by the close
+    assert connector.hash_layout is None and not connector.has_pending()
+    connector.error = None
+    _serves(connector)
+
+
+def test_a_router_closes_a_replica_whose_step_keeps_raising():
+    # The router's close went on past it, but the replica's own close raised the same way
+    # and left it open: the router closed, nothing closed the replica.
+    connector = _PollFails(HOST_BYTES, copy_delay_steps=5)
+    engine = make_engine(connector=connector)
+    router = PrefixAwareRouter([engine], block_size=4)
+    router.generate([_prompt(5)], SamplingParams(max_tokens=2), progress=False)
+    caches = engine.kv_caches
+    connector.error = RuntimeError("poll broken")
+    with pytest.raises(RuntimeError, match="poll broken"):
+        router.close()
+    assert router.closed
+    _assert_closed_and_freed(engine, caches)
+
+
+def test_an_interrupt_while_close_waits_leaves_the_engine_to_a_second_close():
+    # An interrupt is not a failure of the copies: it propagates at once, the engine open
+    # and its requests aborted, and the next close lands the copies as if uninterrupted.
+    connector = _PollFails(HOST_BYTES, copy_delay_steps=3)
+    engine = make_engine(connector=connector)
+    engine.generate([_prompt(6)], SamplingParams(max_tokens=2), progress=False)
+    engine.add_request(_prompt(7), SamplingParams(max_tokens=8))
+    connector.error, connector.once = KeyboardInterrupt(), True
+    with pytest.raises(KeyboardInterrupt):
+        engine.close()
+    assert not engine.closed and not engine.has_unfinished_requests()
+    assert engine.has_pending_transfers()
+    engine.close()
+    assert engine.closed and connector.stats.num_stored_blocks > 0
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("force", ["yes", None, 1])
+def test_close_refuses_a_force_that_is_no_bool_before_aborting_anything(force):
+    engine = make_engine()
+    rid = engine.add_request(_prompt(8, 8), SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="force"):
+        engine.close(force=force)
+    assert not engine.closed and engine.scheduler.requests[rid].status.name == "WAITING"
+    engine.close()
