@@ -75,6 +75,25 @@ def test_a_forced_close_whose_copies_land_raises_nothing():
     assert_all_blocks_free(engine)
 
 
+def _fails() -> None:
+    raise OSError("device read failed")
+
+
+def test_copies_that_fail_on_the_copy_thread_every_time_let_close_end_quietly():
+    # A failed save ends its transfer like a landed one (its blocks freed, unsaved, a
+    # warning logged): close has nothing to raise and nothing is left in flight.
+    connector = HostOffloadConnector(HOST_BYTES)
+    engine = make_engine(connector=connector)
+    copier = engine.copier
+    copier.start_save = lambda block_ids: copier._executor.submit(_fails)
+    engine.generate([_prompt(10), _prompt(11)], SamplingParams(max_tokens=2), progress=False)
+    caches = engine.kv_caches
+    engine.close()
+    assert connector.stats.num_failed_saves == 2 and connector.stats.num_stored_blocks == 0
+    assert_all_blocks_free(engine)
+    _assert_closed_and_freed(engine, caches)
+
+
 class _PollFails(HostOffloadConnector):
     """Its poll raises `error` while set (`once`: the first time only)."""
 
