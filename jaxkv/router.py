@@ -354,7 +354,9 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         the other requests are aborted, the other replicas' copies landed, every
         replica's close is tried, every request released and the router closed; then the
         first error is raised, with a note naming it and each later one. A replica whose
-        close raised is the caller's to retry (router.replicas[i].close()). Only a
+        close raised is the caller's to retry (router.replicas[i].close()): an Engine's
+        that raised a TimeoutError stays open (close(force=True) ends it), while any
+        other error of its close is raised once it is closed. Only a
         timeout with no replica failing leaves the router open, as Engine.close does:
         TimeoutError when the copies have not landed in time, every request aborted and
         no replica closed, so that close can be called again with more time.
