@@ -144,6 +144,36 @@ def test_a_router_closes_a_replica_whose_step_keeps_raising():
     _assert_closed_and_freed(engine, caches)
 
 
+def test_a_forced_router_close_ends_every_engine_closed_past_a_copy_that_never_lands():
+    # Unforced, the router's close raised TimeoutError and left every replica open, the
+    # hung one's KV caches held: each had to be closed by hand with close(force=True).
+    hung = threading.Event()
+    engines = [make_engine(connector=HostOffloadConnector(HOST_BYTES)) for _ in range(2)]
+    copier = engines[0].copier
+    copier.start_save = lambda block_ids: copier._executor.submit(hung.wait)
+    router = PrefixAwareRouter(engines, block_size=4)
+    try:
+        router.generate([_prompt(12), _prompt(13)], SamplingParams(max_tokens=2), progress=False)
+        assert engines[0].has_pending_transfers()
+        caches = [engine.kv_caches for engine in engines]
+        with pytest.raises(TimeoutError, match="still pending"):
+            router.close(timeout_s=0)
+        assert not router.closed and not any(engine.closed for engine in engines)
+
+        with pytest.raises(TimeoutError, match="still pending") as raised:
+            router.close(timeout_s=0, force=True)
+
+        assert "close went on" in "".join(raised.value.__notes__)
+        assert router.closed and not hung.is_set()
+        for engine, engine_caches in zip(engines, caches, strict=True):
+            _assert_closed_and_freed(engine, engine_caches)
+        _serves(engines[0].connector)
+    finally:
+        hung.set()
+    for thread in list(copier._executor._threads):
+        thread.join()
+
+
 def test_an_interrupt_while_close_waits_leaves_the_engine_to_a_second_close():
     # An interrupt is not a failure of the copies: it propagates at once, the engine open
     # and its requests aborted, and the next close lands the copies as if uninterrupted.
