@@ -16,8 +16,9 @@ class Replica(Protocol):
     """What the router needs of a replica; jaxkv.engine.Engine has it. It also uses Engine's
     ids_in_use, has_pending_transfers, queue_checkpoint, reset_prefix_cache and
     close(timeout_s=...) where a replica has them (PrefixAwareRouter.close closes each
-    replica that has close; PrefixAwareRouter.queue_checkpoint calls the check() of each
-    replica's rewind that has one before it rewinds any). A has_pending_transfers,
+    replica that has close, as close(timeout_s=..., force=True) when forced, refusing one
+    whose close takes no force then; PrefixAwareRouter.queue_checkpoint calls the check()
+    of each replica's rewind that has one before it rewinds any). A has_pending_transfers,
     queue_checkpoint, reset_prefix_cache or close attribute that is not callable is
     refused where it is read, with ValueError naming it (None counts as no method);
     close and reset_prefix_cache read every replica's before they change anything.

@@ -339,7 +339,7 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
     # --------------------------------------------------------------- lifetime
 
     @no_reentry  # a replica's callback from inside it is refused
-    def close(self, timeout_s: float = 60.0) -> None:
+    def close(self, timeout_s: float = 60.0, *, force: bool = False) -> None:
         """Aborts every unfinished request, waits for every open replica's KV copies in
         flight to land, then closes each replica that has a `close(timeout_s)` method
         (Engine.close: the copy thread stops, device memory is freed), all within
@@ -355,10 +355,17 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         replica's close is tried, every request released and the router closed; then the
         first error is raised, with a note naming it and each later one. A replica whose
         close raised is the caller's to retry (router.replicas[i].close()): an Engine's
-        that raised a TimeoutError stays open (close(force=True) ends it), while any
-        other error of its close is raised once it is closed. Only a
-        timeout with no replica failing leaves the router open, as Engine.close does:
+        that raised a TimeoutError, unforced, stays open (close(force=True) ends it),
+        while any other error of its close is raised once it is closed. Only a timeout
+        with no replica failing, unforced, leaves the router open, as Engine.close does:
         TimeoutError when the copies have not landed in time, every request aborted and
         no replica closed, so that close can be called again with more time.
+
+        `force` goes on past that timeout as past a failing replica, as Engine.close's
+        does: every replica's close is tried as close(timeout_s=..., force=True) (an
+        Engine ends closed, the copies not landed lost), the router closed, then the
+        first error raised with its note. Unforced, a replica's close is called without
+        `force`. ValueError, changing nothing, when `force` is no bool, or, forced, a
+        replica's close takes no `force` keyword (nor **kwargs): it could not be forced.
         """
-        close_router(self, timeout_s)
+        close_router(self, timeout_s, force)

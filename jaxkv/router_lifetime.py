@@ -11,6 +11,7 @@ replica's `closed` (Engine's property) where it needs it, so a replica that open
 
 from __future__ import annotations
 
+import inspect
 import reprlib
 import time
 from collections.abc import Callable, Sequence
@@ -60,15 +61,22 @@ def routable_replicas(replicas: Sequence[Any]) -> Sequence[int]:
     return indices
 
 
-def close_router(router: Any, timeout_s: float) -> None:
+def close_router(router: Any, timeout_s: float, force: bool = False) -> None:
     """PrefixAwareRouter.close (see there): every request aborted, every replica's KV
     copies landed, then each replica closed, all within `timeout_s`; a replica that
-    raises on the way keeps none of that from the others, nor the router from closing."""
+    raises on the way keeps none of that from the others, nor the router from closing.
+    `force` goes on past copies still in flight at `timeout_s` as well, each replica's
+    close called with force=True."""
     if router._closed:
         return
     timeout_s = checked_timeout(timeout_s)  # before any request is aborted
+    if not isinstance(force, (bool, np.bool_)):  # "no" or None read as a choice, silently
+        raise ValueError(f"{force=} must be a bool")
+    force = bool(force)
     closes = router._checked.methods("close")  # and a close that is no method is named
     closed = closed_replicas(router.replicas)  # and a `closed` that is no bool
+    if force:  # and a close that cannot be forced
+        _check_forcible(router.replicas, closes)
     router._finished_from(router._undelivered)  # dropped: their finished requests released
     router._undelivered = []
     failed: list[tuple[str, Exception]] = []  # (what raised, its error), in order
@@ -78,21 +86,46 @@ def close_router(router: Any, timeout_s: float) -> None:
     try:
         _land_copies(router, closed, timeout_s, failed)
     except TimeoutError as error:
-        if not failed:  # every replica sound: all stay open, for a close with more time
+        if not failed and not force:  # every replica sound: all open, for more time
             raise
         failed.append(("waiting for the KV copies", error))
+    forced = {"force": True} if force else {}  # unforced, a close(timeout_s) suffices
     for index, (replica, close) in enumerate(zip(router.replicas, closes, strict=True)):
         if close is not None:  # with what is left of timeout_s
             left = max(0.0, deadline - time.monotonic())
-            _tried(
-                failed, f"{replica_name(index, replica)}.close()", partial(close, timeout_s=left)
-            )
+            call = partial(close, timeout_s=left, **forced)
+            _tried(failed, f"{replica_name(index, replica)}.close()", call)
     for request_id in list(router._replica_of):  # its abort raised; its replica's close was tried
         router._finish(request_id)
     router._undelivered = []
     router._closed = True
     if failed:
         raise_first(failed, "close went on: every replica's close was tried, the router closed")
+
+
+def _check_forcible(replicas: Sequence[Any], closes: Sequence[Callable | None]) -> None:
+    """ValueError naming the first replica whose close takes no `force` keyword (nor
+    **kwargs), or whose signature cannot be read: close(force=True) could not be passed
+    on, and that replica might keep its copies, and its memory, past a forced close."""
+    for index, close in enumerate(closes):
+        if close is None:
+            continue
+        try:
+            parameters = inspect.signature(close).parameters.values()
+        except (TypeError, ValueError):
+            parameters = None
+        if parameters is None or not any(
+            p.kind is p.VAR_KEYWORD or (p.name == "force" and p.kind in _BY_KEYWORD)
+            for p in parameters
+        ):
+            raise ValueError(
+                f"{replica_name(index, replicas[index])}.close takes no force keyword "
+                "(Engine.close's): close(force=True) cannot be passed on to it (an "
+                "unforced close calls it as close(timeout_s=...))"
+            )
+
+
+_BY_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 def _tried(failed: list[tuple[str, Exception]], what: str, call: Callable[[], object]) -> None:
