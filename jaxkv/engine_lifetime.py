@@ -82,6 +82,11 @@ def _free(engine: Any, failed: list[tuple[str, Exception]]) -> None:
             connector.unbind(copier)  # closed: it forgets the copies in flight, if any
         except Exception as error:  # noqa: BLE001 - raised by close once it is done
             failed.append(("connector.unbind(copier)", error))
+        try:  # the copies lost: their requests go, blocks and ids with them
+            if in_flight:
+                engine.scheduler.forget_transfers()
+        except Exception as error:  # noqa: BLE001 - raised by close once it is done
+            failed.append(("releasing the requests of the copies lost", error))
         engine._closed = True
         engine._state_leaves = []  # the sharded copies of the weights are the engine's own
         caches, engine.kv_caches = engine.kv_caches, []

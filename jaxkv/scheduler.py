@@ -154,6 +154,10 @@ class Scheduler:
         """True while a finished request still holds blocks for a KV transfer."""
         return bool(self._transfers.transferring)
 
+    def forget_transfers(self) -> None:
+        """Ends every KV copy in flight as failed (Engine.close went on past them)."""
+        self._transfers.forget_in_flight()
+
     @property
     def transferring(self) -> Mapping[str, Request]:
         """Finished or aborted requests whose blocks a KV copy still holds, by id (a

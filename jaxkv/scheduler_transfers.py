@@ -293,6 +293,12 @@ class TransferTracker:
         with holding_interrupts(self._polls_copies):
             self._apply(self._connector.poll())
 
+    def forget_in_flight(self) -> None:
+        """Ends every copy in flight as failed, its request released (blocks freed, id
+        forgotten): its connector forgot it, as its engine closed without it landing."""
+        saves, loads = tuple(self._finished_as), tuple(self._loading)
+        self._apply(TransferEvents(failed_saves=saves, failed_loads=loads))
+
     def _apply(self, events: object) -> None:
         if type(events) is TransferEvents and not events:
             return

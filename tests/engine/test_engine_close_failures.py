@@ -25,6 +25,9 @@ def _assert_closed_and_freed(engine, caches) -> None:
     assert engine.closed and engine.kv_caches == [] and engine.copier.closed
     assert all(cache.is_deleted() for cache in caches)
     assert not engine.has_pending_transfers()  # those that never landed are lost with it
+    # ... and so are their requests: no id stays in use, no block held, none counted
+    assert not engine.scheduler.requests and engine.metrics.num_transferring == 0
+    assert_all_blocks_free(engine)
     engine.close()  # closed: nothing to do
 
 
@@ -199,3 +202,24 @@ def test_close_refuses_a_force_that_is_no_bool_before_aborting_anything(force):
         engine.close(force=force)
     assert not engine.closed and engine.scheduler.requests[rid].status.name == "WAITING"
     engine.close()
+
+
+def test_a_router_takes_again_the_id_of_a_request_whose_copy_a_forced_close_lost():
+    # The closed replica kept the request in its scheduler, its blocks held: ids_in_use
+    # held the id for good, and the router refused it, pointing at a drain_transfers
+    # that a closed replica can no longer run.
+    connector = HostOffloadConnector(HOST_BYTES)
+    engine, other = make_engine(connector=connector), make_engine()
+    copier, hung = engine.copier, threading.Event()
+    copier.start_save = lambda block_ids: copier._executor.submit(hung.wait)
+    router = PrefixAwareRouter([engine, other], block_size=4)
+    try:
+        router.generate([_prompt(12)], SamplingParams(max_tokens=2), progress=False)
+        assert engine.has_pending_transfers()
+        with pytest.raises(TimeoutError):
+            engine.close(timeout_s=0, force=True)
+        assert "dp-0" not in engine.ids_in_use
+        router.add_request(_prompt(13), SamplingParams(max_tokens=2), request_id="dp-0")
+        router.close()
+    finally:
+        hung.set()
