@@ -61,8 +61,8 @@ def close_engine(engine: Any, timeout_s: float, force: bool) -> None:
     if failed:
         raise_first(
             failed,
-            "close went on: the engine is closed, its copy thread stopped and its KV caches "
-            "freed; the blocks of KV copies that had not landed are lost with it",
+            "close went on: the engine is closed, its copy thread told to stop and its KV "
+            "caches freed; the blocks of KV copies that had not landed are lost with it",
         )
 
 

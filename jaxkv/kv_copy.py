@@ -209,7 +209,8 @@ class DeviceKVCopier:
     def close(self, *, wait: bool = True) -> None:
         """Stops the copy thread: copies not yet begun are cancelled; with `wait` it
         returns once the one running has ended. Without, a copy that never ends (a hung
-        device) cannot hold the caller: the thread ends with that copy, if ever."""
+        device) cannot hold the caller: the thread ends with that copy, if ever (and the
+        interpreter's exit waits for it, as for every executor's thread)."""
         self.closed = True
         self._executor.shutdown(wait=wait, cancel_futures=True)
         self._fingerprint = None
