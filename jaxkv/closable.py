@@ -94,19 +94,25 @@ def checked_timeout(timeout_s) -> float:
         return math.inf
 
 
+class TransfersPendingError(TimeoutError):
+    """step_until_landed's TimeoutError: KV copies still in flight at its timeout. A
+    TimeoutError that a step raised (a connector's socket timing out) is not one."""
+
+
 def step_until_landed(pending: Callable[[], bool], step: Callable[[], bool], timeout_s) -> None:
     """Calls `step` while `pending()` (True: the KV copies it waits for are in flight),
     sleeping briefly after a step that returns False (nothing happened). Raises
-    TimeoutError when a step begun after `timeout_s` seconds leaves a copy in flight: a
-    copy that landed in time is collected, under timeout_s=0 too. ValueError, with no
-    step taken, unless `timeout_s` is a number >= 0 (checked_timeout)."""
+    TransfersPendingError (a TimeoutError) when a step begun after `timeout_s` seconds
+    leaves a copy in flight: a copy that landed in time is collected, under timeout_s=0
+    too. ValueError, with no step taken, unless `timeout_s` is a number >= 0
+    (checked_timeout)."""
     deadline = time.monotonic() + checked_timeout(timeout_s)
     while pending():
         late = time.monotonic() > deadline  # read before this step polls the copies
         if not step() and not late:
             time.sleep(0.0005)
         elif late and pending():
-            raise TimeoutError(f"KV transfers still pending after {timeout_s=}")
+            raise TransfersPendingError(f"KV transfers still pending after {timeout_s=}")
 
 
 def try_each(call: Callable[[T], R], args: Iterable[T], name: str) -> list[R]:

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxkv.closable import checked_timeout, raise_first
+from jaxkv.closable import TransfersPendingError, checked_timeout, raise_first
 from jaxkv.held_interrupts import holding_interrupts
 
 LOST = (
@@ -51,7 +51,7 @@ def close_engine(engine: Any, timeout_s: float, force: bool) -> None:
     failed: list[tuple[str, Exception]] = []  # (what raised, its error), in order
     try:
         engine.drain_transfers(timeout_s)  # with no request left, lost caches or not
-    except TimeoutError as error:
+    except TransfersPendingError as error:  # not a step's own TimeoutError: one that failed
         if not force:  # the copies may land given more time: open, for another close
             raise
         failed.append(("waiting for the KV copies", error))

@@ -111,7 +111,13 @@ class _PollFails(HostOffloadConnector):
         return super().poll()
 
 
-def test_a_step_that_keeps_raising_while_close_waits_still_closes_the_engine():
+# A TimeoutError of the connector's own (a socket's: socket.timeout is TimeoutError) is
+# no timeout of close's wait: it was taken for one, and left the engine open as well.
+POLL_ERRORS = [RuntimeError, TimeoutError]
+
+
+@pytest.mark.parametrize("error_type", POLL_ERRORS)
+def test_a_step_that_keeps_raising_while_close_waits_still_closes_the_engine(error_type):
     # The connector's poll failing at every step made every close raise with the engine
     # left open and its KV caches held, whatever the timeout: it could never be closed.
     connector = _PollFails(HOST_BYTES, copy_delay_steps=5)
@@ -119,9 +125,9 @@ def test_a_step_that_keeps_raising_while_close_waits_still_closes_the_engine():
     engine.generate([_prompt(3)], SamplingParams(max_tokens=2), progress=False)
     engine.add_request(_prompt(4), SamplingParams(max_tokens=8), request_id="running")
     caches = engine.kv_caches
-    connector.error = RuntimeError("poll broken")
+    connector.error = error_type("poll broken")
 
-    with pytest.raises(RuntimeError, match="poll broken") as raised:
+    with pytest.raises(error_type, match="poll broken") as raised:
         engine.close()
 
     assert "close went on" in "".join(raised.value.__notes__)
@@ -132,7 +138,8 @@ def test_a_step_that_keeps_raising_while_close_waits_still_closes_the_engine():
     _serves(connector)
 
 
-def test_a_router_closes_a_replica_whose_step_keeps_raising():
+@pytest.mark.parametrize("error_type", POLL_ERRORS)
+def test_a_router_closes_a_replica_whose_step_keeps_raising(error_type):
     # The router's close went on past it, but the replica's own close raised the same way
     # and left it open: the router closed, nothing closed the replica.
     connector = _PollFails(HOST_BYTES, copy_delay_steps=5)
@@ -140,8 +147,8 @@ def test_a_router_closes_a_replica_whose_step_keeps_raising():
     router = PrefixAwareRouter([engine], block_size=4)
     router.generate([_prompt(5)], SamplingParams(max_tokens=2), progress=False)
     caches = engine.kv_caches
-    connector.error = RuntimeError("poll broken")
-    with pytest.raises(RuntimeError, match="poll broken"):
+    connector.error = error_type("poll broken")
+    with pytest.raises(error_type, match="poll broken"):
         router.close()
     assert router.closed
     _assert_closed_and_freed(engine, caches)

@@ -331,5 +331,5 @@ def test_copies_that_time_out_beside_a_failed_replica_close_everything_all_the_s
     with pytest.raises(RuntimeError, match="device lost") as raised:
         router.close(timeout_s=0.01)
     (note,) = raised.value.__notes__
-    assert "waiting for the KV copies raised TimeoutError" in note
+    assert "waiting for the KV copies raised TransfersPendingError" in note
     assert router.closed and [r.close_calls for r in replicas] == [[0.0], [0.0]]
