@@ -76,12 +76,14 @@ class CheckedReplicas:
         answer = pending is not None and pending()
         return _checked_bool(index, self._replicas[index], "has_pending_transfers", answer)
 
-    def held_ids(self) -> list[Container[str]]:
-        """The ids_in_use of each replica that has it (Engine's); ValueError naming one
-        that is no container (a method, None, an iterator that `in` would consume)."""
+    def held_ids(self, closed: Container[int] = ()) -> list[Container[str]]:
+        """The ids_in_use of each replica that has it (Engine's) but those in `closed` (an
+        Engine closed past copies that never landed lists their ids, which nothing will
+        free); ValueError naming one that is no container (a method, None, an iterator
+        that `in` would consume)."""
         held = []
         for index, replica in enumerate(self._replicas):
-            if hasattr(replica, "ids_in_use"):
+            if index not in closed and hasattr(replica, "ids_in_use"):
                 ids = replica.ids_in_use
                 if not isinstance(ids, Container):
                     raise ValueError(

@@ -148,8 +148,8 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         """Routes and queues a request on one replica; returns its id (unique across all
         replicas; generated ones are "dp-0", "dp-1", ... skipping ids callers hold).
         Prompts route together only under equal `cache_salt`s, as the replicas cache them.
-        Raises ValueError on an id in use (a running request's, a running sample's, one a
-        replica's ids_in_use holds, or under n > 1 one whose samples' ids are any of
+        Raises ValueError on an id in use (a running request's, a running sample's, one an
+        open replica's ids_in_use holds, or under n > 1 one whose samples' ids are any of
         these) or one that is not a str encodable as UTF-8; the replica's ValueError (bad prompt or
         params) leaves the router unchanged, the next generated id included. When the
         replica raises, or returns another id (ValueError naming the replica and both ids,
@@ -165,7 +165,8 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         # Anything else the replica refuses by name. A default id is one whose samples'
         # ids are free too; no id may be a running sample's, whichever replica runs it.
         n = sampling_params.n if isinstance(sampling_params, SamplingParams) else 1
-        in_use = IdsInUse(self._replica_of, self._samples, *self._checked.held_ids(), n=n)
+        held = self._checked.held_ids(closed_replicas(self.replicas))  # a closed one's: lost
+        in_use = IdsInUse(self._replica_of, self._samples, *held, n=n)
         serial, request_id = self._serials.peek(request_id, in_use)
         if request_id in self._replica_of:
             raise ValueError(f"{request_id=} is already running")
