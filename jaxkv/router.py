@@ -229,7 +229,10 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         it), is released here too, and False returned. Outputs a failed step() kept for a
         sequence released here are dropped: they must not reach a later request of its id.
         A replica's abort answering no bool is read by its truth (none: False), logged."""
-        request_ids, closed = checked_request_ids(request_ids), closed_replicas(self.replicas)
+        request_ids = checked_request_ids(request_ids)
+        if self._closed:  # it holds no request: a cleanup after close asks no replica
+            return False
+        closed = closed_replicas(self.replicas)
         return any(try_each(lambda r: self._abort_one(r, closed), request_ids, "abort"))
 
     def _runs_on(self, replica: int, request_id: str) -> bool:

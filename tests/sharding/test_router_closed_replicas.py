@@ -135,3 +135,15 @@ def test_replicas_without_a_closed_attribute_are_always_open():
     router = PrefixAwareRouter([FakeReplica(0), FakeReplica(1)], block_size=BLOCK)
     ids = [router.add_request([i] * BLOCK) for i in range(1, 4)]
     assert [router.replica_of(r) for r in ids] == [0, 1, 0]
+
+
+def test_abort_after_close_asks_no_replica():
+    # Cleanup code aborts its ids after close: the router holds none, so no replica is
+    # asked; a replica's `closed` gone bad after close made that cleanup raise.
+    router, replicas = _router()
+    rid = router.add_request([1] * BLOCK)
+    router.close()
+    replicas[1].closed = "yes"
+    assert router.abort(rid) is False and router.abort([rid, "other"]) is False
+    with pytest.raises(ValueError, match="request_ids"):
+        router.abort(7)  # still refused by name
