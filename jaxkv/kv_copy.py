@@ -173,6 +173,7 @@ class DeviceKVCopier:
     def start_save(self, block_ids: Sequence[int]) -> Future:
         ids = self._padded_ids(block_ids)  # first: it names block_ids that have no len
         n = len(block_ids)
+        self._check_open()
         with allowing_transfers():  # deliberate, whatever guard the caller set
             gathered = _gather(tuple(self._get_caches()), ids, self.kv_replicas)
             gathered.copy_to_host_async()
@@ -192,6 +193,7 @@ class DeviceKVCopier:
             raise ValueError(f"blocks.dtype={blocks.dtype} must be the caches' {self.dtype}")
         if len(np.unique(ids[:n])) != n:
             raise ValueError(f"block_ids={block_ids!r} must each be given once")
+        self._check_open()
         data = np.zeros((len(ids), *self.block_shape), self.dtype)
         data[:n] = blocks
         with allowing_transfers():  # deliberate, whatever guard the caller set
@@ -205,6 +207,12 @@ class DeviceKVCopier:
                 caches = _scatter(donated, ids, on_device, self.kv_replicas)
                 self._set_caches(list(caches))
         return self._executor.submit(on_device.block_until_ready)
+
+    def _check_open(self) -> None:
+        """RuntimeError once closed, before any device work: the executor would refuse the
+        copy only after the gather ran, or a load had replaced the caches."""
+        if self.closed:
+            raise RuntimeError("the KV copier is closed: it starts no copy")
 
     def close(self, *, wait: bool = True) -> None:
         """Stops the copy thread: copies not yet begun are cancelled; with `wait` it

@@ -295,3 +295,26 @@ def test_a_save_is_read_on_the_host_under_allow_whatever_guard_is_set_globally(m
         copier.close()
     assert seen.guard == "allow"
     np.testing.assert_array_equal(saved, seen.blocks)
+
+
+def test_a_closed_copier_starts_no_copy_and_touches_no_cache():
+    # It used to run the gather (a save) or replace the caches (a load) before the closed
+    # executor refused the future: device work and, for a load, donated caches for nothing.
+    host = np.arange(NUM_LAYERS * NUM_BLOCKS * np.prod(BLOCK_SHAPE), dtype=np.float32)
+    state = {"caches": list(jnp.asarray(host.reshape(NUM_LAYERS, NUM_BLOCKS, *BLOCK_SHAPE)))}
+    reads = []
+
+    def get_caches():
+        reads.append(1)
+        return state["caches"]
+
+    copier = DeviceKVCopier(get_caches, lambda c: state.update(caches=c), max_blocks=NUM_BLOCKS)
+    copier.close()
+    reads.clear()  # the constructor reads the caches' layout
+    before = list(state["caches"])
+    blocks = np.zeros((1, NUM_LAYERS, *BLOCK_SHAPE), np.float32)
+    for start in (lambda: copier.start_save([1]), lambda: copier.start_load([1], blocks)):
+        with pytest.raises(RuntimeError, match="closed"):
+            start()
+    assert not reads and all(a is b for a, b in zip(state["caches"], before, strict=True))
+    assert not any(c.is_deleted() for c in state["caches"])
