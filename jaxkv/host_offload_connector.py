@@ -370,14 +370,14 @@ class HostOffloadConnector(KVConnector):
         self._store.evict_to(limit)
 
     def _forget_copies(self) -> None:
-        """No one will collect the copies in flight (their engine is gone): drop them."""
+        """No one will collect the copies in flight (their engine is gone): failed ones."""
+        self._count(num_failed_saves=len(self._saves), num_failed_loads=len(self._loads))
         self._saves.clear()
         self._loads.clear()
         self._saves_ended_unstored(list(self._saving))
 
     def _saves_ended_unstored(self, hashes: Sequence[BlockHash]) -> None:
-        """`hashes` are no longer being saved and were not stored: the blocks other saves
-        stored behind them are demoted."""
+        """`hashes`, no longer being saved, were not stored: blocks stored behind them demote."""
         self._saving.difference_update(hashes)
         for h in hashes:
             self._store.demote_behind(h)

@@ -100,7 +100,7 @@ class TransferStats:
     bytes_reloaded: int = 0  # landed host -> device copies
     num_saves: int = 0
     num_loads: int = 0
-    num_failed_saves: int = 0
+    num_failed_saves: int = 0  # those that raised, or that a forced close lost in flight
     num_failed_loads: int = 0
     num_stored_blocks: int = 0  # blocks in the host store now
     stored_bytes: int = 0

@@ -59,6 +59,8 @@ def test_a_forced_close_ends_closed_past_a_copy_that_never_lands():
 
         assert "close went on" in "".join(raised.value.__notes__)
         assert not hung.is_set()  # close did not wait for the hung copy
+        # The lost save counts as failed: it neither landed nor vanished from the counts.
+        assert connector.stats.num_failed_saves == 1 and connector.stats.num_saves == 0
         _assert_closed_and_freed(engine, caches)
         assert connector.hash_layout is None and not connector.has_pending()
         _serves(connector)
