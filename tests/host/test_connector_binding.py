@@ -148,6 +148,8 @@ def test_a_copier_collected_with_a_load_in_flight_leaves_nothing_pending():
     connector.bind(FakeCopier(16, BS), block_size=BS, hash_seed=0)
     assert not connector.has_pending() and connector.poll() == TransferEvents()
     assert len(connector.stored_hashes()) == 2  # same layout: the store is kept
+    stats = connector.stats  # the lost load failed; the landed save did not
+    assert (stats.num_failed_loads, stats.num_loads, stats.num_failed_saves) == (1, 0, 0)
 
 
 def test_blocks_whose_save_was_forgotten_with_its_copier_can_be_saved_again():
