@@ -235,15 +235,19 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         closed = closed_replicas(self.replicas)
         return any(try_each(lambda r: self._abort_one(r, closed), request_ids, "abort"))
 
+    def _owner(self, request_id: str) -> tuple[str, tuple[str, int] | None]:
+        """(the request `request_id` names, the running sample (parent, index) it names or
+        None): a request's own id comes before a sample id of the same text."""
+        sample = None if request_id in self._replica_of else self._samples.sample_of(request_id)
+        return (request_id if sample is None else sample[0]), sample
+
     def _runs_on(self, replica: int, request_id: str) -> bool:
         """Whether `request_id` is that of one of the router's requests, or of a running
         sample of one, on replicas[replica]."""
-        sample = None if request_id in self._replica_of else self._samples.sample_of(request_id)
-        return self._replica_of.get(request_id if sample is None else sample[0]) == replica
+        return self._replica_of.get(self._owner(request_id)[0]) == replica
 
     def _abort_one(self, request_id: str, closed: set[int]) -> bool:
-        sample = None if request_id in self._replica_of else self._samples.sample_of(request_id)
-        owner = request_id if sample is None else sample[0]
+        owner, sample = self._owner(request_id)
         replica = self._replica_of.get(owner)
         if replica is None:
             return False
