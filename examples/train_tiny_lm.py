@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         size = args.corpus.stat().st_size  # bytes: the byte tokenizer's tokens
     except OSError as e:
         p.error(f"--corpus {args.corpus}: {e.strerror or e}")
+    if args.corpus.is_dir():  # its stat size is no text's: read_bytes failed after setup
+        p.error(f"--corpus {args.corpus} is a folder; give a text file")
     held_out = size - train_size(size)
     if min(held_out, train_size(size) - 1) < args.seq_len + 1:  # train: a start to draw
         p.error(

@@ -121,3 +121,15 @@ def test_a_corpus_too_short_for_one_window_is_refused_by_name_before_training(tm
         example.parse_args([str(tmp_path / "ckpt"), "--corpus", str(tmp_path / "absent.txt")])
     assert "--corpus " in capsys.readouterr().err
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_corpus_that_is_a_folder_is_refused_by_name_before_training(tmp_path, capsys):
+    # A folder's stat size (4096 bytes, say) was taken for its text's: with a short
+    # --seq-len the run built its model, then died reading it with IsADirectoryError.
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    with pytest.raises(SystemExit):
+        _example().parse_args([str(tmp_path / "ckpt"), "--corpus", str(folder), "--seq-len", "8"])
+    err = capsys.readouterr().err
+    assert "--corpus " in err and "is a folder" in err
+    assert not (tmp_path / "ckpt").exists()
