@@ -69,7 +69,17 @@ def _non_empty_path(text: str) -> Path:
     # the working directory.
     if not text:
         raise argparse.ArgumentTypeError("is empty; give a path")
-    return Path(text)
+    path = Path(text)
+    # A path under a file: the mkdir before the write at the end of the run raised
+    # FileExistsError or NotADirectoryError and lost it.
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise argparse.ArgumentTypeError(
+                    f"{text!r}: {str(parent)!r} is a file, not a folder"
+                )
+            break
+    return path
 
 
 def add_decode_grid_args(

@@ -134,6 +134,20 @@ def test_out_file_refuses_a_folder_and_out_dir_refuses_a_file(tmp_path):
             path_type("")
 
 
+def test_out_paths_under_a_file_are_refused(tmp_path):
+    # `--out results.json/x.json` (or a folder under a file) ran the whole benchmark,
+    # then died in write_json's mkdir with FileExistsError or NotADirectoryError.
+    from benchmarks.cli_args import out_dir, out_file
+
+    file = tmp_path / "results.json"
+    file.write_text("{}")
+    for path_type, name in ((out_file, "x.json"), (out_dir, "sub")):
+        for path in (file / name, file / "deeper" / name):
+            with pytest.raises(argparse.ArgumentTypeError, match="is a file, not a folder"):
+                path_type(str(path))
+    assert file.read_text() == "{}"
+
+
 @pytest.mark.parametrize("module", ["stop_strings", "prompt_logprobs", "serve_args"])
 def test_a_json_file_flag_given_a_folder_is_refused_before_the_run(module, tmp_path, capsys):
     # `--out benchmarks/results` (as attention.py takes it) ran the whole benchmark and
