@@ -95,6 +95,13 @@ def checkpoint_dir(text: str) -> Path:
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder")
+    for parent in path.parents:  # under a file, mkdir raised NotADirectoryError at the end
+        if parent.exists():
+            if not parent.is_dir():
+                raise argparse.ArgumentTypeError(
+                    f"{text!r}: {str(parent)!r} is a file, not a folder"
+                )
+            break
     return path
 
 

@@ -133,3 +133,15 @@ def test_a_corpus_that_is_a_folder_is_refused_by_name_before_training(tmp_path, 
     err = capsys.readouterr().err
     assert "--corpus " in err and "is a folder" in err
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_checkpoint_path_under_a_file_is_refused_before_training(tmp_path, capsys):
+    # The run trained to the end, then save_checkpoint's mkdir raised NotADirectoryError.
+    file = tmp_path / "notes.txt"
+    file.write_text("keep")
+    for path in (file / "ckpt", file / "a" / "ckpt"):
+        with pytest.raises(SystemExit):
+            _example().parse_args([str(path)])
+        err = capsys.readouterr().err
+        assert "argument checkpoint:" in err and "is a file, not a folder" in err
+    assert file.read_text() == "keep"
