@@ -72,13 +72,9 @@ def _non_empty_path(text: str) -> Path:
     path = Path(text)
     # A path under a file: the mkdir before the write at the end of the run raised
     # FileExistsError or NotADirectoryError and lost it.
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise argparse.ArgumentTypeError(
-                    f"{text!r}: {str(parent)!r} is a file, not a folder"
-                )
-            break
+    nearest = next(p for p in path.parents if p.exists())  # "." or "/" at the latest
+    if not nearest.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {str(nearest)!r} is a file, not a folder")
     return path
 
 

@@ -95,13 +95,10 @@ def checkpoint_dir(text: str) -> Path:
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder")
-    for parent in path.parents:  # under a file, mkdir raised NotADirectoryError at the end
-        if parent.exists():
-            if not parent.is_dir():
-                raise argparse.ArgumentTypeError(
-                    f"{text!r}: {str(parent)!r} is a file, not a folder"
-                )
-            break
+    # Under a file, mkdir raised NotADirectoryError at the end, after training.
+    nearest = next(p for p in path.parents if p.exists())  # "." or "/" at the latest
+    if not nearest.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {str(nearest)!r} is a file, not a folder")
     return path
 
 
