@@ -256,7 +256,7 @@ def assert_close_to_oracle(
     assert got_out.shape == want_out.shape, (got_out.shape, want_out.shape)
 
     out_err = np.abs(got_out - want_out) - (atol + rtol * np.abs(want_out))
-    out_err = np.where(np.isnan(out_err), np.inf, out_err).reshape(n, -1).max(axis=-1)
+    out_err = np.where(np.isnan(out_err), np.inf, out_err).max(axis=(1, 2))  # a row: [Hq, D]
     both_inf = np.isneginf(want_lse) & np.isneginf(got_lse)
     with np.errstate(invalid="ignore"):  # -inf - -inf where both are -inf: masked below
         lse_err = np.abs(got_lse - want_lse) - lse_atol * (1.0 + np.abs(np.nan_to_num(want_lse)))

@@ -316,3 +316,14 @@ def test_sliding_window_needs_causal():
     case = harness.make_case(0, MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
     with pytest.raises(ValueError, match="sliding_window"):
         ragged_paged_attention(*case.args(), sm_scale=1.0, causal=False, sliding_window=4)
+
+
+def test_a_batch_whose_sequences_have_no_queries_gives_only_padding_rows():
+    # Every sequence holds keys but no query this step: there is no valid row to compare,
+    # and the harness's row-by-row check must take that (it reshaped 0 rows and raised).
+    case = harness.make_case(
+        5, [(0, 7), (0, 16)], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8
+    )
+    out, lse = rpa(*case.args(), sm_scale=0.125)
+    harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))
+    harness.assert_padding_is_empty(case, out, lse)
