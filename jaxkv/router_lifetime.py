@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxkv.closable import checked_timeout, raise_first, step_until_landed
+from jaxkv.closable import TransfersPendingError, checked_timeout, raise_first, step_until_landed
 from jaxkv.replica_checks import replica_name
 
 ALL_CLOSED = (
@@ -85,7 +85,7 @@ def close_router(router: Any, timeout_s: float, force: bool = False) -> None:
     deadline = time.monotonic() + timeout_s
     try:
         _land_copies(router, closed, timeout_s, failed)
-    except TimeoutError as error:
+    except TransfersPendingError as error:  # a step's own error is in `failed` already
         if not failed and not force:  # every replica sound: all open, for more time
             raise
         failed.append(("waiting for the KV copies", error))
@@ -139,9 +139,10 @@ def _tried(failed: list[tuple[str, Exception]], what: str, call: Callable[[], ob
 
 def _land_copies(router: Any, closed: set[int], timeout_s: float, failed: list) -> None:
     """Steps the open replicas with KV copies in flight until they have landed, as
-    drain_transfers does (TimeoutError when one is still in flight past `timeout_s`), but
-    a replica whose step or has_pending_transfers raises is added to `failed` and not
-    asked again: one that keeps raising must not keep the others from closing."""
+    drain_transfers does (TransfersPendingError when one is still in flight past
+    `timeout_s`), but a replica whose step or has_pending_transfers raises is added to
+    `failed` and not asked again: one that keeps raising must not keep the others from
+    closing."""
     checked, broken = router._checked, set(closed)
 
     def ask(index: int, what: str, call: Callable[[], object]) -> object:
