@@ -351,7 +351,7 @@ class Scheduler:
         schedule order. Finished requests leave `running`; their blocks are freed or,
         if the connector keeps them, held in `transferring`. Raises ValueError (nothing
         changed) unless `output` is the latest schedule()'s and not yet applied, and
-        `sampled_token_ids` holds one integer >= 0 per scheduled request.
+        `sampled_token_ids` holds one integer >= 0 (not a bool) per scheduled request.
 
         An interrupt from the tokenizer propagates once the requests it reached are
         applied (those marked finished leave `running`); the running requests after it

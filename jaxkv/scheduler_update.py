@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxkv.field_checks import is_bool
 from jaxkv.outputs import RequestOutput, request_output_of
 from jaxkv.request import MAX_TOKEN_ID, Request, RequestStatus
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput
@@ -29,8 +30,8 @@ _FINISH_REASONS = {
 
 
 def checked_sampled_tokens(output: SchedulerOutput, sampled_token_ids) -> list[int]:
-    """The sampled tokens as ints; ValueError unless there is one integer in [0,
-    MAX_TOKEN_ID] per request of `output`."""
+    """The sampled tokens as ints; ValueError unless there is one integer (not a bool) in
+    [0, MAX_TOKEN_ID] per request of `output`."""
     try:
         tokens = np.asarray(sampled_token_ids)
     except (ValueError, TypeError):  # ragged nesting
@@ -40,6 +41,9 @@ def checked_sampled_tokens(output: SchedulerOutput, sampled_token_ids) -> list[i
             f"sampled_token_ids: {tokens.shape} {tokens.dtype} must be integers of shape "
             f"({output.num_requests},), one per scheduled request"
         )
+    # An array of ints holds no bool; numpy reads a list's bool among ints as an int.
+    if not hasattr(sampled_token_ids, "dtype") and any(map(is_bool, sampled_token_ids)):
+        raise ValueError(f"sampled_token_ids: {sampled_token_ids!r} holds a bool, not a token")
     tokens = tokens.tolist()
     if tokens and not 0 <= min(tokens) <= max(tokens) <= MAX_TOKEN_ID:
         raise ValueError(

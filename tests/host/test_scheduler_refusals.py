@@ -157,3 +157,17 @@ def test_the_constructor_refuses_arguments_of_the_wrong_kind_by_name(args, match
     made = make_scheduler()
     with pytest.raises(ValueError, match=match):
         Scheduler(*args(made.config, made.manager))
+
+
+def test_update_refuses_a_bool_among_the_sampled_tokens():
+    # numpy reads [True, 8] as the int array [1, 8]: True was appended as token 1.
+    sched = make_scheduler()
+    a, b = add(sched, "a", range(1, 6), max_tokens=5), add(sched, "b", range(1, 7), max_tokens=5)
+    first = sched.schedule()
+    for bad in ([True, 8], (7, np.False_), [np.array(True), 8]):
+        with pytest.raises(ValueError, match="sampled_token_ids: .* bool"):
+            sched.update_from_output(first, bad)
+        assert [r.output_token_ids for r in (a, b)] == [[], []]
+        sched.manager.check_integrity()
+    sched.update_from_output(first, [7, 8])
+    assert [r.output_token_ids for r in (a, b)] == [[7], [8]]
