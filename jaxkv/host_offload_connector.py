@@ -25,7 +25,7 @@ from jaxkv.hashing import BlockHash
 from jaxkv.held_interrupts import UserCode
 from jaxkv.host_block_store import HostBlockStore
 from jaxkv.kv_transfer import KVConnector, KVCopier, TransferEvents, TransferStats
-from jaxkv.offload_transfers import Transfer, check_not_in_flight, copy_result, started
+from jaxkv.offload_transfers import Transfer, check_not_in_flight, copy_result, is_closed, started
 from jaxkv.request import Request
 
 logger = logging.getLogger(__name__)
@@ -147,11 +147,11 @@ class HostOffloadConnector(KVConnector):
     def unbind(self, copier: KVCopier) -> None:
         """Lets bind take another engine's copier, if `copier` is the one bound (otherwise
         does nothing); the store is kept. Raises RuntimeError, changing nothing, while a
-        copy is in flight (poll reports its end), unless `copier.closed` is True (Engine.close
-        went on past copies that did not land): they are then forgotten, none stored."""
+        copy is in flight (poll reports its end), unless `copier.closed` is a bool and True
+        (Engine.close went on past copies that did not land): they are forgotten, unstored."""
         if self._bound() is not copier:
             return
-        if self.has_pending() and not getattr(copier, "closed", False):
+        if self.has_pending() and not is_closed(copier):
             raise RuntimeError(
                 f"unbind with {len(self._saves)} saves and {len(self._loads)} loads in flight"
             )

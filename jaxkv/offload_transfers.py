@@ -7,6 +7,7 @@ import dataclasses
 import reprlib
 from concurrent.futures import Future
 
+from jaxkv.field_checks import is_bool
 from jaxkv.hashing import BlockHash
 from jaxkv.held_interrupts import UserCode
 
@@ -52,6 +53,14 @@ def check_not_in_flight(hook: str, req_id: str, transfers: dict[str, Transfer]) 
     replace its record, its hashes marked as being saved for good, its end unreported."""
     if req_id in transfers:
         raise ValueError(f"{hook}({req_id!r}): a copy of that request is in flight")
+
+
+def is_closed(copier: object) -> bool:
+    """Whether `copier.closed` is True (a bool, numpy's too): its copy thread is stopped.
+    Read by its truth, a `closed` method or the text "no" passed for a closed copier, and
+    unbind forgot the copies still in flight from a copier that was open."""
+    closed = getattr(copier, "closed", False)
+    return is_bool(closed) and bool(closed)
 
 
 def checked_future(copier: object, method: str, answer: object) -> Future:

@@ -78,6 +78,22 @@ def test_a_closed_copier_is_unbound_with_its_copies_in_flight_forgotten():
     assert other.saved_block_ids == [[3, 4]]
 
 
+@pytest.mark.parametrize("closed", ["no", "False", 1, [0], lambda: False])
+def test_only_a_closed_that_is_true_lets_unbind_forget_copies_in_flight(closed):
+    # closed was read by its truth: a copier whose closed is a method, or text, was taken
+    # as closed and its save in flight forgotten (counted failed, its blocks unsaved).
+    connector, copier, sched = _saved_connector(delay=10**9)
+    step(sched, copier)  # "a" finishes; its save is in flight
+    copier.closed = closed
+    with pytest.raises(RuntimeError, match="1 saves and 0 loads in flight"):
+        connector.unbind(copier)
+    assert connector.has_pending() and connector.hash_layout == (BS, 0)
+    assert connector.stats.num_failed_saves == 0
+    copier.closed = np.True_  # numpy's bool is a bool
+    connector.unbind(copier)
+    assert not connector.has_pending() and connector.hash_layout is None
+
+
 @pytest.mark.parametrize(("block_size", "hash_seed"), [(2 * BS, 0), (BS, 1)])
 def test_rebinding_the_bound_copier_under_another_layout_is_refused_mid_copy(block_size, hash_seed):
     # The save in flight, hashed under the old layout, used to land in the store emptied
