@@ -178,13 +178,19 @@ class BlockPool:
             if size is None or size < 1:
                 raise ValueError(f"cache_full_blocks: {block_size=} must be an int >= 1")
             block_size = size
-            if len(block_hashes) != len(blocks) or len(token_ids) != len(blocks) * block_size:
+            blocks = self._check_own("blocks", blocks)  # None or a block: len() named nothing
+            try:
+                num_hashes, num_tokens = len(block_hashes), len(token_ids)
+            except TypeError:
+                raise ValueError(
+                    f"cache_full_blocks: {block_hashes=} and {token_ids=} must be sequences"
+                ) from None
+            if num_hashes != len(blocks) or num_tokens != len(blocks) * block_size:
                 raise ValueError(
                     f"cache_full_blocks: {len(blocks)} blocks need as many block_hashes "
-                    f"(got {len(block_hashes)}) and {len(blocks)} * {block_size=} token_ids "
-                    f"(got {len(token_ids)})"
+                    f"(got {num_hashes}) and {len(blocks)} * {block_size=} token_ids "
+                    f"(got {num_tokens})"
                 )
-            self._check_own("blocks", blocks)
             # None was cached as a key, a list raised TypeError midway; a parent or adapter
             # id of the wrong kind went into the BlockStored events unchecked.
             bad = [h for h in block_hashes if not is_block_hash(h)][:1]
