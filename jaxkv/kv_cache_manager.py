@@ -204,9 +204,9 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request, *, count: bool = True) -> tuple[list[int], int]:
         """The longest run of leading full blocks of `request` already cached.
 
-        Returns (block_ids, num_computed_tokens). Never covers the request's last token (a
+        Returns (block_ids, num_computed_tokens), never covering the request's last token (a
         preempted request's last output; its logits must be computed). Changes no block state;
-        the result is safe to pass to allocate_slots until the next allocate_slots or free call.
+        pass the result to allocate_slots before any call that changes the manager's state.
         With prefix caching on, counts the lookup in prefix_cache_stats unless `count` is
         False (see count_prefix_lookup); with it off there is no cache to query: ([], 0),
         nothing counted; likewise for a request that skips_prefix_cache_reads (it asked

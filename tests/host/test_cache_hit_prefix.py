@@ -3,6 +3,8 @@ when a later block's hash still is (block_size 4, exact block ids)."""
 
 from __future__ import annotations
 
+import pytest
+
 from jaxkv import KVCacheManager
 from tests.host._util import make_request, prefill
 
@@ -26,3 +28,27 @@ def test_a_hit_stops_at_an_evicted_block_though_a_later_block_is_still_cached():
     assert hashes[0] not in cached and cached[hashes[1]].block_id == 4
     assert m.get_computed_blocks(probe) == ([], 0)
     m.check_integrity()
+
+
+def test_a_hit_goes_stale_on_any_change_of_the_manager_and_is_then_refused():
+    # get_computed_blocks' result was said to hold until the next allocate_slots or
+    # free; uncache_unwritten and reset_prefix_cache take its blocks' hashes as well.
+    for change in ("uncache_unwritten", "reset_prefix_cache"):
+        m = KVCacheManager(8, 2, max_model_len=32)
+        a = make_request("a", [1, 2, 3, 4, 5])
+        assert m.allocate_slots(a, 5) == [1, 2, 3]
+        a.num_computed_tokens = 5
+        b = make_request("b", [1, 2, 3, 4, 5, 6])
+        if change == "reset_prefix_cache":
+            m.free(a)
+        ids, n = m.get_computed_blocks(b)
+        assert (ids, n) == ([1, 2], 4)
+        if change == "uncache_unwritten":
+            m.uncache_unwritten(a, 0)  # a's step failed: its blocks hold no KV
+        else:
+            assert m.reset_prefix_cache()
+        free = m.num_free_blocks
+        with pytest.raises(ValueError, match="stale cache hit"):
+            m.allocate_slots(b, 6 - n, num_new_computed_tokens=n, new_computed_blocks=ids)
+        assert m.num_free_blocks == free and not m.holds_row("b")
+        m.check_integrity()
