@@ -179,7 +179,8 @@ class Request:
 
     @property
     def all_token_ids(self) -> Sequence[int]:
-        """Prompt then output tokens (a live read-only view; do not mutate)."""
+        """Prompt then output tokens: the request's own list, not a copy (it grows with
+        append_output_token_ids); do not mutate it."""
         return self._all_token_ids
 
     @property

@@ -373,3 +373,11 @@ def test_an_id_holding_a_lone_surrogate_is_refused_as_a_cache_salt_is(rid):
         Request(rid, [1])
     for text in ("é", "日本", "\U0001f600"):
         assert Request(text, [1]).request_id == text
+
+
+def test_all_token_ids_is_the_requests_own_list_that_grows_with_its_output():
+    # It was called a read-only view; it is the live list (not copied per step).
+    req = Request("r", [5, 6])
+    tokens = req.all_token_ids
+    req.append_output_token_ids([7, 8])
+    assert tokens is req.all_token_ids and list(tokens) == [5, 6, 7, 8]
