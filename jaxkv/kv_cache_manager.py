@@ -229,7 +229,7 @@ class KVCacheManager:
         get_computed_blocks would or on a hit count outside [0, request.num_tokens]."""
         hits = checked_hit_tokens(request, num_hit_tokens)
         check_prompt_fits(request, self.max_model_len)
-        if self.enable_prefix_caching:  # where get_computed_blocks's hashing would refuse it
+        if self.enable_prefix_caching and not request.skips_prefix_cache_reads:  # as gcb hashes
             request.check_hash_config(self.block_size, self.hash_seed)
         slot_allocation.count_lookup(self, request, hits)
 

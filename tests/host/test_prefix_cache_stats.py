@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxkv import KVCacheManager, PrefixCacheStats, Request, RequestStatus
+from jaxkv import KVCacheManager, PrefixCacheStats, Request, RequestStatus, SamplingParams
 from tests.host._sched_util import (
     FakeCopier,
     OracleLoadConnector,
@@ -83,6 +83,18 @@ def test_without_prefix_caching_a_lookup_ignores_hashes_of_another_block_size():
     assert off.get_computed_blocks(other) == ([], 0)
     off.count_prefix_lookup(other, 0)
     assert off.prefix_cache_stats.requests == 0
+
+
+def test_a_request_that_skips_cache_reads_ignores_hashes_of_another_block_size():
+    # With prefix caching on, get_computed_blocks answers ([], 0) for a request asking for
+    # prompt logprobs without hashing it, but count_prefix_lookup refused its hashes.
+    m = KVCacheManager(16, BS, max_model_len=64)
+    other = Request("o", list(range(10)), SamplingParams(prompt_logprobs=0))
+    other.update_block_hashes(2)
+    assert m.get_computed_blocks(other) == ([], 0)
+    m.count_prefix_lookup(other, 0)
+    assert m.prefix_cache_stats.requests == 0
+    m.check_integrity()
 
 
 def test_reset_starts_every_counter_from_zero_and_returns_a_frozen_snapshot():
