@@ -55,13 +55,18 @@ def default_config(
     float32), and half that for float32 dots, whose exact products run on FMA units, not
     tensor cores, and hold their operands in registers; but no block
     has fewer than 16 rows or keys (Triton's smallest dot), so float32 prefill at
-    head_dim 256 takes 16 KiB key tiles, twice its cap. Blocks of at
-    least 64 x 128 query elements, and float32 queries, take 8 warps. So every default
-    tiling fits the 99 KiB of shared memory a GPU of compute capability 8.6 or 8.9 gives
-    one block (A100: 163 KiB; H100, H200: 227), and Triton's compile for sm_80, sm_89
-    and sm_90 spills few or no registers (benchmarks/gpu_compile_report.py; the shared
-    memory is tested in tests/kernels/test_gpu_triton_compile.py). Chosen from those
-    static figures; timed since on an H200 at one decode shape (64 requests of 8320
+    head_dim 256 takes 16 KiB key tiles, twice its cap; nor fewer rows than one token's
+    group of query heads (the kernel needs block_m >= group), so a group of more rows
+    than the cap holds sets a larger query tile. Blocks of at least 64 x 128 query
+    elements, and float32 queries, take 8 warps. So every default tiling whose group
+    fits its capped query tile (at head_dim 256: 16 float32 rows, 64 bfloat16) fits the
+    99 KiB of shared memory a GPU of compute capability 8.6 or 8.9 gives one block
+    (A100: 163 KiB; H100, H200: 227). A larger group may not: at head_dim 256 on sm_89,
+    32 float32 query heads per KV head need 66 KiB, 64 need 100 KiB, and 128 bfloat16
+    ones 104 KiB (num_stages=1 fits these two, at 96 and 88 KiB). Triton's compile for
+    sm_80, sm_89 and sm_90 spills few or no registers (benchmarks/gpu_compile_report.py;
+    the shared memory is tested in tests/kernels/test_gpu_triton_compile.py). Chosen
+    from those static figures; timed since on an H200 at one decode shape (64 requests of 8320
     tokens, Llama-3-8B heads, bf16), where it ran 11-12% slower than the best of 16
     tilings (keys split in two, 3 stages; benchmarks/gpu_kernel.py's sweep).
     """
