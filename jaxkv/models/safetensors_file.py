@@ -141,7 +141,8 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
         little = a.dtype.newbyteorder("<")
         if little not in _ST_NAMES:
             raise ValueError(f"tensor {name!r}: dtype {a.dtype} has no safetensors name")
-        arrays[name] = np.ascontiguousarray(a, dtype=little)
+        # (reshaped: np.ascontiguousarray makes a 0-d array 1-d, shape [1] in the header)
+        arrays[name] = np.ascontiguousarray(a, dtype=little).reshape(a.shape)
     for name, a in arrays.items():
         header[name] = {
             "dtype": _ST_NAMES[a.dtype],

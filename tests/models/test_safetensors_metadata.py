@@ -61,3 +61,11 @@ def test_metadata_that_is_not_a_map_of_str_to_str_is_refused_naming_it(tmp_path,
     with pytest.raises(CheckpointError, match=r"w\.safetensors: __metadata__=.* must be a "
                        "map of str to str"):  # fmt: skip
         read_safetensors(path)
+
+
+def test_a_zero_dimensional_tensor_keeps_its_shape_through_a_round_trip(tmp_path):
+    path = tmp_path / "scalar.safetensors"
+    write_safetensors(path, {"s": np.float32(2.5), "v": np.ones(3, np.float32)})
+    read = read_safetensors(path)
+    assert read["s"].shape == () and read["s"] == np.float32(2.5)
+    assert safetensors.numpy.load_file(path)["s"].shape == ()
