@@ -62,6 +62,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
     else:  # mmap refuses an empty range; only zero-size tensors can be read from it
         data = np.zeros(0, np.uint8)
+        data.flags.writeable = False  # read-only, as the memory-mapped tensors are
     out = {}
     ranges = []  # (begin, end, name) of every tensor
     for name, info in header.items():

@@ -69,3 +69,10 @@ def test_a_zero_dimensional_tensor_keeps_its_shape_through_a_round_trip(tmp_path
     read = read_safetensors(path)
     assert read["s"].shape == () and read["s"] == np.float32(2.5)
     assert safetensors.numpy.load_file(path)["s"].shape == ()
+
+
+@pytest.mark.parametrize("others", [{}, {"x": np.ones(2, np.float32)}])
+def test_tensors_are_read_only_also_from_a_file_without_data_bytes(tmp_path, others):
+    path = tmp_path / "empty.safetensors"
+    write_safetensors(path, {"e": np.zeros((0, 3), np.float32), **others})
+    assert not any(a.flags.writeable for a in read_safetensors(path).values())
