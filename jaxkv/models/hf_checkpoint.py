@@ -41,9 +41,9 @@ from jaxkv.models.safetensors_file import write_safetensors as write_safetensors
 # --- Hugging Face names --------------------------------------------------------------------
 
 _HF_LAYER = re.compile(
-    r"model\.layers\.(\d+)\.(?:"
+    r"model\.layers\.([0-9]+)\.(?:"  # not \d, which matches other scripts' digits too
     r"(?P<linear>(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj))\.weight|"
-    r"(?P<norm>input_layernorm|post_attention_layernorm)\.weight)$"
+    r"(?P<norm>input_layernorm|post_attention_layernorm)\.weight)"
 )
 
 
@@ -63,7 +63,7 @@ def hf_to_jaxkv_name(hf_name: str) -> tuple[str, bool] | None:
         return "norm.weight", False
     if hf_name == "lm_head.weight":
         return "lm_head.kernel", True
-    m = _HF_LAYER.match(hf_name)
+    m = _HF_LAYER.fullmatch(hf_name)  # .match's "$" also matched before a final "\n"
     if m is None:
         raise CheckpointError(f"tensor {hf_name!r} is not a Hugging Face Llama parameter")
     if m["linear"]:

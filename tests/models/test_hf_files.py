@@ -381,7 +381,12 @@ def test_safetensors_refuse_a_file_descriptor_or_none_as_path(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name", ["model.layers.0.input_layernorm.weight.bak", "model.layers.1.mlp.up_proj.weight_old"]
+    "name",
+    [
+        "model.layers.0.input_layernorm.weight.bak",
+        "model.layers.1.mlp.up_proj.weight_old",
+        "model.layers.0.self_attn.q_proj.weight\n",  # "$" matched before a final newline
+    ],
 )
 def test_a_layer_name_with_a_suffix_is_not_a_llama_parameter(name):
     """Only whole Hugging Face names map: a layer weight's name with anything after it is
