@@ -8,8 +8,9 @@ read and written by `jaxkv.models.hf_checkpoint`.
 
 Every load checks that the file holds exactly the model's parameters, each with the model's
 shape and of a floating-point dtype, and raises `CheckpointError` (a ValueError) naming the
-parameter (and both shapes, or its dtype) before building anything; loading as float16, a
-finite weight past float16's range is refused by name too (it would load as inf).
+parameter (and both shapes, or its dtype) before building anything; loading into a
+narrower dtype (float16; bfloat16 or float32 from wider weights), a finite weight past its
+range is refused by name too (it would load as inf).
 """
 
 from __future__ import annotations
@@ -134,8 +135,8 @@ def build_with_params(
     """A `Llama(config)` holding exactly `params` (flat dotted names, model orientation).
 
     Raises CheckpointError if a parameter is missing, unexpected, has the wrong shape or
-    is not floating-point. Values are cast to `config.dtype`; a finite value that float16
-    cannot hold (past 65504, from bfloat16 or float32 weights) raises CheckpointError
+    is not floating-point. Values are cast to `config.dtype`; a finite value that it
+    cannot hold (float16 past 65504; bfloat16 or float32 past 3.4e38) raises CheckpointError
     naming the parameter (as `kind` `name_of(name)` where given: a Hugging Face tensor)
     instead of loading as inf. No random initialisation is run.
     """
@@ -155,26 +156,34 @@ def build_with_params(
 
 def _cast(value, dtype: np.dtype, what: str, source: str) -> jax.Array:
     """`value` as a `dtype` array; CheckpointError naming it (`what`) if a finite value
-    overflows float16 (the one narrowing the loaders make that turns weights into inf)."""
+    overflows `dtype` (to float16 past 65504, to bfloat16 or float32 past 3.4e38): the
+    narrowings the loaders make that turn weights into inf."""
     value = value if hasattr(value, "dtype") else np.asarray(value)  # a list, say
-    if dtype != jnp.float16 or jnp.finfo(value.dtype).max <= jnp.finfo(jnp.float16).max:
+    if jnp.finfo(value.dtype).max <= jnp.finfo(dtype).max:
         return jnp.asarray(value, dtype=dtype)
     if isinstance(value, jax.Array):  # on the device: cast and look there
-        cast = value.astype(jnp.float16)
+        cast = value.astype(dtype)
         suspect = bool(jnp.isinf(cast).any())
     else:  # on the host, as jnp.asarray casts; two integer reductions find an inf or NaN
         with np.errstate(over="ignore"):  # refused below, by name, instead
-            cast = np.asarray(value, dtype=np.float16)
-        bits = cast.view(np.int16)  # +inf and NaN from 0x7c00 up; -inf and NaN >= 0xfc00
-        suspect = cast.size > 0 and (bits.max() >= 0x7C00 or bits.view(np.uint16).max() >= 0xFC00)
+            cast = np.asarray(value, dtype=dtype)
+        signed = np.dtype(f"i{cast.itemsize}")
+        unsigned = np.dtype(f"u{cast.itemsize}")
+        # +inf and NaN from +inf's bits up (as signed); -inf and NaN from -inf's (unsigned)
+        pos_inf = np.array(np.inf, dtype).view(signed)
+        neg_inf = np.array(-np.inf, dtype).view(unsigned)
+        bits = cast.view(signed)
+        suspect = cast.size > 0 and (bits.max() >= pos_inf or bits.view(unsigned).max() >= neg_inf)
     if suspect:  # an inf or NaN in the file stays one; only overflow is refused
         host = np.asarray(value)
         overflow = np.isinf(np.asarray(cast)) & np.isfinite(host)
         if overflow.any():
             largest = np.abs(host[overflow]).max()
+            wider = [d for d in ("bfloat16", "float32") if jnp.finfo(d).max >= largest]
+            hint = f"load it as {' or '.join(wider)}" if wider else "no dtype jaxkv loads holds it"
             raise CheckpointError(
-                f"{what} in {source}: value {largest} overflows float16 (largest "
-                f"finite {jnp.finfo(jnp.float16).max}); load it as bfloat16 or float32"
+                f"{what} in {source}: value {largest} overflows {jnp.dtype(dtype).name} "
+                f"(largest finite {jnp.finfo(dtype).max}); {hint}"
             )
     return jnp.asarray(cast)
 
