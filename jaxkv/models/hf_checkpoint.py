@@ -123,8 +123,8 @@ def load_hf_safetensors(
     `config` defaults to the directory's `config.json` read with `LlamaConfig.from_hf_dict`,
     its eos_token_ids joined by those of `generation_config.json` where there is one (as
     vLLM stops at both: Llama 3 Instruct names its end of turn only there); `dtype`
-    overrides the parameter dtype (float16 is refused, naming the tensor, where a weight
-    is past its range: it would load as inf). With tied embeddings a stored
+    overrides the parameter dtype (one is refused, naming the tensor, where a weight is
+    past its range, float16's say: it would load as inf). With tied embeddings a stored
     `lm_head.weight` must be a copy of the embedding. Raises CheckpointError on any name
     or shape mismatch or such a head, and naming the file when config.json or
     generation_config.json is not a JSON object (truncated, say) or holds a value
