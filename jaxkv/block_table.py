@@ -316,13 +316,18 @@ class HostBlockTable:
             check(self.num_blocks_of_row[row] == n, f"{req_id!r}: num_blocks disagrees")
             check(self.block_table[row, :n].tolist() == ids, f"{req_id!r}: row != blocks")
             check(not self.block_table[row, n:].any(), f"{req_id!r}: row tail not null")
-            pids = self._prefix[req_id]
-            if len(pids) != n:
-                check(False, f"{req_id!r}: {len(pids)} prefix ids for {n} blocks")
+            pids = self._prefix.get(req_id)
+            if pids is None or len(pids) != n:
+                held = "no" if pids is None else len(pids)
+                check(False, f"{req_id!r}: {held} prefix ids for {n} blocks")
                 continue
             check(self.prefix_ids[row, :n].tolist() == pids, f"{req_id!r}: prefix ids stale")
             check((self.prefix_ids[row, n:] == NO_PREFIX).all(), f"{req_id!r}: prefix tail")
-            check(int.from_bytes(self._row_bytes[req_id], "little") == row, f"{req_id!r}: row")
+            row_bytes = self._row_bytes.get(req_id, b"")
+            check(
+                len(row_bytes) == 4 and int.from_bytes(row_bytes, "little") == row,
+                f"{req_id!r}: row",
+            )
             parent = ROOT_PREFIX
             for pid, block_id in zip(pids, ids, strict=True):
                 check(self._interner.key_of(pid) == (parent, block_id), f"{req_id!r}: chain")

@@ -82,8 +82,9 @@ class PrefixInterner:
     def ref_counts(self) -> dict[int, int]:
         return dict(self._ref_cnt)
 
-    def key_of(self, prefix_id: int) -> tuple[int, int]:
-        return self._key_of[prefix_id]
+    def key_of(self, prefix_id: int) -> tuple[int, int] | None:
+        """The (parent id, block id) interned as `prefix_id`; None if no row holds it."""
+        return self._key_of.get(prefix_id)
 
 
 def longest_common_prefix(

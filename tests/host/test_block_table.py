@@ -88,6 +88,11 @@ def _wrong_chain(t):
     t._prefix["a"][1] = t.prefix_ids[t._row_of["a"], 1] = pid
 
 
+def _unknown_prefix_id(t):
+    # The row and its prefix-id list agree, but the id was never interned (or was released).
+    t._prefix["a"][1] = t.prefix_ids[t._row_of["a"], 1] = 12345
+
+
 @pytest.mark.parametrize(
     "corrupt, message",
     [
@@ -99,6 +104,9 @@ def _wrong_chain(t):
         (lambda t: t._row_of.pop("b"), "requests with blocks != rows"),
         (_wrong_chain, "'a': chain"),
         (lambda t: t._prefix["a"].pop(), "'a': 1 prefix ids for 2 blocks"),
+        (lambda t: t._prefix.pop("a"), "'a': no prefix ids for 2 blocks"),
+        (lambda t: t._row_bytes.pop("a"), "'a': row"),
+        (_unknown_prefix_id, "'a': chain"),
     ],
 )
 def test_check_integrity_sees_each_break_of_the_row_bookkeeping(corrupt, message):
