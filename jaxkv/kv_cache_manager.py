@@ -383,11 +383,11 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """Raises IntegrityError unless pool, block table and prefix ids agree.
 
-        Ref counts equal the number of requests holding each block; each request's row
-        holds exactly its block ids then zeros; prefix ids are the interned chain of those
-        block ids; rows are owned by one request or free; each request's blocks are held for
-        the Request object they were allocated for, have a count of cached leading blocks
-        within them, and carry no hash but their Request's hash of their position.
+        Requests hold the pool's own blocks, each ref count their number of holders; a row
+        holds exactly its request's block ids then zeros; prefix ids are the interned chain
+        of those ids; rows are owned by one request or free; each request's blocks are held
+        for the Request object they were allocated for, have a count of cached leading
+        blocks within them, and carry no hash but their Request's hash of their position.
         """
         check_manager_integrity(self)
 

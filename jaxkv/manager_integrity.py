@@ -26,6 +26,13 @@ def check_manager_integrity(manager: KVCacheManager) -> None:
     problems = manager._table.check_integrity(
         {req_id: [b.block_id for b in blocks] for req_id, blocks in held.items()}
     )
+    own = manager.pool.blocks  # counted by id above: a copy of a block would pass
+    problems += [
+        f"{req_id!r}: block {block.block_id} at {i} is not the pool's block {block.block_id}"
+        for req_id, blocks in held.items()
+        for i, block in enumerate(blocks)
+        if own[block.block_id] is not block
+    ]
     owner = manager._owner
     problems += [
         f"{req_id!r}: its blocks have no owner"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jaxkv import IntegrityError
+from jaxkv.kv_cache_block import KVCacheBlock
 from tests.host._util import make_request, two_request_manager
 
 
@@ -123,6 +124,22 @@ def test_pool_breaks_are_checked_against_the_blocks_requests_hold(corrupt, messa
     with pytest.raises(IntegrityError) as e:
         m.check_integrity()
     assert str(e.value).startswith("KVCacheBlock(") and str(e.value).endswith(message)
+
+
+def _foreign_copy(m):
+    # B's last block replaced by another object of the same id and count: counted by id,
+    # the pool's laws hold, but freeing B would release the copy, not the pool's block.
+    own = m._blocks["B"][-1]
+    copy = KVCacheBlock(own.block_id)
+    copy.ref_cnt = own.ref_cnt
+    m._blocks["B"][-1] = copy
+
+
+def test_a_held_block_must_be_the_pools_own_object():
+    m = two_request_manager()
+    _foreign_copy(m)
+    with pytest.raises(IntegrityError, match="'B': block 4 at 2 is not the pool's block 4"):
+        m.check_integrity()
 
 
 def test_free_leaves_no_owner_behind():
