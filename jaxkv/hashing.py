@@ -112,11 +112,13 @@ def extend_block_hashes(
             raise ValueError(f"{block_size=} must be an int >= 1")
         block_size = size
     start, num_full = len(block_hashes), len(token_ids) // block_size
-    if num_full <= start:
+    if start and not is_block_hash(block_hashes[-1]):  # a chain from it names no prefix
+        raise ValueError(f"block_hashes[-1]={block_hashes[-1]!r} must be a BlockHash")
+    if num_full <= start:  # nothing to hash: the keys are refused all the same
+        check_hash_key("adapter_id", adapter_id)
+        check_hash_key("cache_salt", cache_salt)
         return block_hashes
-    parent = block_hashes[-1] if block_hashes else root_hash(seed)
-    if not is_block_hash(parent):  # a chain from it would name no prefix
-        raise ValueError(f"block_hashes[-1]={parent!r} must be a BlockHash")
+    parent = block_hashes[-1] if start else root_hash(seed)
     try:
         count, first, later = _block_encoding(block_size, adapter_id, cache_salt)
     except (TypeError, UnicodeEncodeError):  # named here, not on the common path

@@ -289,3 +289,23 @@ def test_a_refused_chain_is_left_as_it_was():
     with pytest.raises(ValueError):
         extend_block_hashes(hashes, [1] * 4, 2)
     assert hashes == [b"x"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"cache_salt": 5}, "cache_salt=5"),
+        ({"adapter_id": "\ud800"}, "adapter_id="),
+        ({"block_hashes": [b"x"]}, r"block_hashes\[-1\]=b'x' must be"),
+    ],
+)
+@pytest.mark.parametrize("tokens", [[1], [1, 2, 3]], ids=["no-full-block", "chain-complete"])
+def test_arguments_are_refused_when_no_block_is_left_to_hash(kwargs, match, tokens):
+    # A prompt shorter than a block, or a chain that already covers every full block,
+    # returned the chain unchecked: a key or parent that a longer prompt has refused.
+    kwargs = dict(kwargs)
+    hashes = kwargs.pop("block_hashes", extend_block_hashes([], tokens, 2))
+    before = list(hashes)
+    with pytest.raises(ValueError, match=match):
+        extend_block_hashes(hashes, tokens, 2, **kwargs)
+    assert hashes == before
