@@ -113,13 +113,22 @@ class RoutingRule:
 def _forget_emptied(
     routes: PrefixRoutes, emptied: list[int], held: list[tuple[int, list[BlockHash]]]
 ) -> None:
-    """RoutingRule._caches_emptied on `routes`."""
+    """RoutingRule._caches_emptied on `routes`. The routes put back take only the room
+    the bound leaves beside the kept ones (the latest put back first): putting them back
+    one by one past it dropped routes to replicas that kept their caches."""
     for index in set(emptied):
         routes.forget_replica(index)
     kept = routes.keys()  # to the replicas that kept their caches
+    again: dict[BlockHash, int] = {}  # in order of use, as remember() would leave them
     for replica, hashes in held:  # oldest first: the latest request's replica wins
         if replica in emptied:
-            routes.remember([h for h in hashes if h not in kept], replica)
+            for h in reversed(hashes):
+                if h not in kept:
+                    again.pop(h, None)
+                    again[h] = replica
+    room = routes.max_tracked_prefixes - len(kept)
+    for h, replica in list(again.items())[max(len(again) - room, 0) :]:
+        routes.remember([h], replica)
 
 
 class _SavedRoutes:

@@ -125,6 +125,23 @@ def test_a_reset_of_both_replicas_that_queue_a_prefix_keeps_its_route_where_it_w
     assert router.route(_prompt(300)) == Route(0, 2)
 
 
+def test_putting_back_queued_routes_never_drops_a_refusing_replicas_route():
+    # One key per prompt, two tracked. Replica 0 queues A and C (A's route already dropped
+    # as least recently used); replica 1 holds B and refuses to reset. Putting back A and
+    # C past the bound used to drop B, the route of a replica that kept its cache.
+    replicas = [_QueueingReplica(0), ResettingReplica(1)]
+    router = PrefixAwareRouter(
+        replicas, block_size=BLOCK, max_prefix_blocks=1, max_tracked_prefixes=2,
+        max_imbalance=None,
+    )  # fmt: skip
+    a, b, c = _prompt(0), _prompt(100), _prompt(200)
+    assert [router.replica_of(router.add_request(p)) for p in (a, b, c)] == [0, 1, 0]
+    assert router.route(a).matched_blocks == 0  # dropped: the table holds two keys
+    assert router.reset_prefix_cache() is False and [r.resets for r in replicas] == [1, 0]
+    assert router.route(b) == Route(1, 1)
+    assert router.route(c) == Route(0, 1)  # the room left goes to the latest queued
+
+
 def test_a_replica_without_the_method_keeps_its_routes():
     replicas = [ResettingReplica(0), FakeReplica(1)]
     router = PrefixAwareRouter(replicas, block_size=BLOCK)
