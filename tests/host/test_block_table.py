@@ -88,6 +88,16 @@ def _wrong_chain(t):
     t._prefix["a"][1] = t.prefix_ids[t._row_of["a"], 1] = pid
 
 
+def _free_row_twice(t):
+    # As many rows as before, but row 3 is lost and row 2 free twice: two add_row calls
+    # would both get row 2.
+    t._free_rows[t._free_rows.index(3)] = 2
+
+
+def _free_row_past_the_table(t):
+    t._free_rows[t._free_rows.index(3)] = 99
+
+
 def _unknown_prefix_id(t):
     # The row and its prefix-id list agree, but the id was never interned (or was released).
     t._prefix["a"][1] = t.prefix_ids[t._row_of["a"], 1] = 12345
@@ -107,6 +117,9 @@ def _unknown_prefix_id(t):
         (lambda t: t._prefix.pop("a"), "'a': no prefix ids for 2 blocks"),
         (lambda t: t._row_bytes.pop("a"), "'a': row"),
         (_unknown_prefix_id, "'a': chain"),
+        (_free_row_twice, "a free row is listed twice"),
+        (_free_row_twice, "rows leak"),
+        (_free_row_past_the_table, "rows leak"),
     ],
 )
 def test_check_integrity_sees_each_break_of_the_row_bookkeeping(corrupt, message):
