@@ -337,4 +337,5 @@ class HostBlockTable:
                 expected_refs[pid] = expected_refs.get(pid, 0) + 1
                 parent = pid
         check(self._interner.ref_counts() == expected_refs, "prefix id ref counts disagree")
+        check(self._interner.consistent(), "prefix interner maps disagree")
         return problems

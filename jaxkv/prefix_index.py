@@ -79,6 +79,15 @@ class PrefixInterner:
                 del ref_cnt[pid]
                 del self._id_of[self._key_of.pop(pid)]
 
+    def consistent(self) -> bool:
+        """Whether the pair -> id and id -> pair maps are inverses over the held ids."""
+        id_of, key_of = self._id_of, self._key_of
+        return (
+            len(id_of) == len(key_of) == len(self._ref_cnt)
+            and key_of.keys() == self._ref_cnt.keys()
+            and all(id_of.get(key) == pid for pid, key in key_of.items())
+        )
+
     def ref_counts(self) -> dict[int, int]:
         return dict(self._ref_cnt)
 

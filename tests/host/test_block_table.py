@@ -88,6 +88,12 @@ def _wrong_chain(t):
     t._prefix["a"][1] = t.prefix_ids[t._row_of["a"], 1] = pid
 
 
+def _stale_interned_pair(t):
+    # Every row is consistent, but the pair (root, 7) looks up block 5's prefix id: a row
+    # that appends block 7 would seem to share b's prefix.
+    t._interner._id_of[(ROOT_PREFIX, 7)] = t._prefix["b"][0]
+
+
 def _free_row_twice(t):
     # As many rows as before, but row 3 is lost and row 2 free twice: two add_row calls
     # would both get row 2.
@@ -120,6 +126,7 @@ def _unknown_prefix_id(t):
         (_free_row_twice, "a free row is listed twice"),
         (_free_row_twice, "rows leak"),
         (_free_row_past_the_table, "rows leak"),
+        (_stale_interned_pair, "prefix interner maps disagree"),
     ],
 )
 def test_check_integrity_sees_each_break_of_the_row_bookkeeping(corrupt, message):
