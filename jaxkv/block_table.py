@@ -315,6 +315,9 @@ class HostBlockTable:
             row = self._row_of.get(req_id)
             if row is None:
                 continue
+            if not 0 <= row < len(self.block_table):  # read there, it raised or wrapped
+                check(False, f"{req_id!r}: row {row} is not a row of the table")
+                continue
             n = len(ids)
             check(self.num_blocks_of_row[row] == n, f"{req_id!r}: num_blocks disagrees")
             check(self.block_table[row, :n].tolist() == ids, f"{req_id!r}: row != blocks")

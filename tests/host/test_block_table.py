@@ -127,6 +127,8 @@ def _unknown_prefix_id(t):
         (_free_row_twice, "rows leak"),
         (_free_row_past_the_table, "rows leak"),
         (_stale_interned_pair, "prefix interner maps disagree"),
+        (lambda t: t._row_of.__setitem__("a", 99), "'a': row 99 is not a row of the table"),
+        (lambda t: t._row_of.__setitem__("a", -1), "'a': row -1 is not a row of the table"),
     ],
 )
 def test_check_integrity_sees_each_break_of_the_row_bookkeeping(corrupt, message):
