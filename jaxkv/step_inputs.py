@@ -106,6 +106,7 @@ def program_key(
         md.interpret,
         tuple((lv.page_indices.shape, lv.max_q_len) for lv in md.levels),
         None if prompt_rows is None else prompt_rows.indices.shape,
+        md.num_blocks,
         num_logprobs,
     )
 

@@ -90,7 +90,7 @@ def test_a_long_random_run_stays_within_max_step_programs():
     assert engine.num_compiles <= CONFIG.max_step_programs == 2 * 2 * (1 + 2) ** 2
     assert {key[-1] for key in keys} == {None, CONFIG.max_logprobs}
     b = CONFIG.buckets
-    for _, tokens, pages, _, max_q_len, _, _, levels, prompt_rows, _ in keys:
+    for _, tokens, pages, _, max_q_len, _, _, levels, prompt_rows, _, _ in keys:
         assert prompt_rows is None  # no request asks for prompt logprobs
         assert tokens[0] in b.token_buckets and max_q_len in CONFIG.q_len_buckets
         assert pages[0] in b.seq_buckets and pages[1] in b.page_buckets
@@ -156,7 +156,7 @@ def test_a_long_random_run_with_every_sampling_variant_compiles_what_it_counts()
     assert len({_variant_free(key) for key in keys}) <= VARIED.max_step_programs
     b = VARIED.buckets
     for key in keys:
-        sampling, tokens, pages, _, max_q_len, _, _, levels, prompt_rows, _ = key
+        sampling, tokens, pages, _, max_q_len, _, _, levels, prompt_rows, _, _ = key
         assert tokens[0] in b.token_buckets and max_q_len in b.q_len_buckets
         assert pages[0] in b.seq_buckets and pages[1] in b.page_buckets
         assert all(shape[0] == pages[0] for shape in sampling[:6])

@@ -152,6 +152,7 @@ def test_program_key_tells_apart_every_padded_shape_and_static_field():
         dataclasses.replace(md, block_size=8),
         dataclasses.replace(md, backend="pallas"),
         dataclasses.replace(md, interpret=True),
+        dataclasses.replace(md, num_blocks=64),  # a meta field: part of the jit cache key
         dataclasses.replace(md, max_q_len=4),
         dataclasses.replace(md, levels=(pad_level(md.levels[0], 2),)),
         dataclasses.replace(md, levels=(dataclasses.replace(md.levels[0], max_q_len=8),)),
