@@ -34,7 +34,7 @@ def _nulled(obj: Any) -> Any:
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {k: _nulled(v) for k, v in obj.items()}
+        return {str(k) if isinstance(k, Path) else k: _nulled(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_nulled(v) for v in obj]
     return obj

@@ -64,3 +64,15 @@ def test_write_json_indents_by_one_space_unless_told(tmp_path):
     out = tmp_path / "r.json"
     write_json(out, {"a": [1, 2]})
     assert out.read_text() == json.dumps({"a": [1, 2]}, indent=1)
+
+
+def test_a_path_used_as_a_key_is_written_as_its_text(tmp_path):
+    """Every Path in the report is its str, a dict's key too (json.dumps refuses a Path
+    key with TypeError, which at the end of a run lost its figures)."""
+    from pathlib import Path
+
+    from benchmarks.json_report import write_json
+
+    out = tmp_path / "r.json"
+    write_json(out, {"by_file": {Path("a/b.txt"): 1.5, Path("c"): float("nan")}})
+    assert _strict(out.read_text()) == {"by_file": {"a/b.txt": 1.5, "c": None}}
