@@ -74,3 +74,14 @@ def test_an_empty_prompt_is_refused_unless_allowed():
         checked_prompt_ids([], limit=VOCAB)
     assert checked_prompt_ids([], limit=VOCAB, allow_empty=True) == []
     assert checked_prompt_ids(np.array([], np.int32), limit=VOCAB, allow_empty=True) == []
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[1, np.uint64(2)], (np.int64(1), np.uint64(2)), [np.uint64(1), jnp.array(2, jnp.int32)]],
+)
+def test_unsigned_64_bit_ids_among_signed_ones_are_taken(prompt):
+    # numpy reads int64 and uint64 together as float64: each id is still an integer
+    ids = checked_prompt_ids(prompt, limit=VOCAB)
+    assert ids == [1, 2]
+    assert [type(t) for t in ids] == [int, int]
