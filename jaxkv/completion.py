@@ -114,20 +114,23 @@ def run_to_completion(
     of one of its `replicas` (a PrefixAwareRouter's Engines), changed in it: a model
     ran, on prefill chunks only, and the next step runs at once.
     """
-    check_progress(progress)
-    num_prompts = count_prompts(prompts)
-    # A str is a Sequence, of characters: refused by each add_request as what it is.
-    if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, (str, bytes)):
-        params_list = [sampling_params] * num_prompts
-    else:
-        params_list = list(sampling_params)
-        if len(params_list) != num_prompts:
-            if progress_bar is not None:  # a caller's bar: it must not stay drawn
-                progress_bar.close()
-            raise ValueError(
-                f"sampling_params: {len(params_list)} for {num_prompts} prompts; pass one "
-                "for all, or one per prompt"
-            )
+    try:
+        check_progress(progress)
+        num_prompts = count_prompts(prompts)
+        # A str is a Sequence, of characters: refused by each add_request as what it is.
+        if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, (str, bytes)):
+            params_list = [sampling_params] * num_prompts
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != num_prompts:
+                raise ValueError(
+                    f"sampling_params: {len(params_list)} for {num_prompts} prompts; pass one "
+                    "for all, or one per prompt"
+                )
+    except BaseException:
+        if progress_bar is not None:  # a caller's bar: it must not stay drawn
+            progress_bar.close()
+        raise
     ids: list[str] = []
     checkpoint = getattr(driver, "queue_checkpoint", None)
     rewind = checkpoint() if checkpoint is not None else None

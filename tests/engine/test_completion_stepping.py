@@ -126,3 +126,16 @@ def test_a_jax_array_prompt_is_read_as_one_array_not_token_by_token(monkeypatch)
     [out] = engine.generate([prompt], SamplingParams(max_tokens=2), progress=False)
     assert out.prompt_token_ids == tuple(range(1, 9))
     assert {type(t) for t in out.prompt_token_ids} == {int}
+
+
+@pytest.mark.parametrize(
+    "prompts, progress, match",
+    [(5, False, "prompts must be a sequence of prompts"), ([[1]], "no", "must be a bool")],
+)
+def test_a_caller_s_bar_is_closed_when_prompts_or_progress_are_refused(prompts, progress, match):
+    """Refused before any prompt is queued, as a count of sampling_params is: the bar
+    used to stay open."""
+    driver, bar = _FailsSecondStep(), Bar()
+    with pytest.raises(ValueError, match=match):
+        run_to_completion(driver, prompts, progress_bar=bar, progress=progress)
+    assert bar.closed and driver.steps == 0
