@@ -171,3 +171,13 @@ def test_update_refuses_a_bool_among_the_sampled_tokens():
         sched.manager.check_integrity()
     sched.update_from_output(first, [7, 8])
     assert [r.output_token_ids for r in (a, b)] == [[7], [8]]
+
+
+@pytest.mark.parametrize("tokens", [[7, np.uint64(8)], (np.int64(7), np.uint64(8))])
+def test_update_takes_uint64_tokens_among_signed_ones(tokens):
+    # numpy reads int64 and uint64 together as float64: each is still one integer token
+    sched = make_scheduler()
+    a, b = add(sched, "a", range(1, 6), max_tokens=5), add(sched, "b", range(1, 7), max_tokens=5)
+    sched.update_from_output(sched.schedule(), tokens)
+    assert (list(a.output_token_ids), list(b.output_token_ids)) == ([7], [8])
+    assert [type(t) for t in (*a.output_token_ids, *b.output_token_ids)] == [int, int]
