@@ -122,7 +122,7 @@ class CascadePlan:
 
         Not checked (a plan holds no block table): that each group's requests hold its
         leader row's blocks in the level's columns; build_attention_metadata checks that
-        for a hand-made plan. Cost: O(R) numpy work per level.
+        for a hand-made plan. Cost: O(R) numpy work per level, and a sort of the rows.
         """
         if not all(_is_int_vector(a) for a in (self.order, self.rows, self.suffix_start_blocks)):
             raise ValueError("order, rows and suffix_start_blocks must be 1-D integer numpy arrays")
@@ -140,7 +140,7 @@ class CascadePlan:
             )
         if num_requests and self.rows.min() < 0:
             raise ValueError(f"rows {self.rows.tolist()} must be block-table rows (>= 0)")
-        if num_requests > 1 and np.bincount(self.rows).max() > 1:
+        if num_requests > 1 and _has_repeat(self.rows):
             raise ValueError(f"rows {self.rows.tolist()} must be distinct (one per request)")
         covered_to = np.zeros(num_requests, np.int64)  # block columns the levels read so far
         for level in self.levels:
@@ -203,6 +203,13 @@ def _sign_fields(owner, names: tuple[str, ...]) -> None:
         value = getattr(owner, name)
         if isinstance(value, np.ndarray) and value.dtype.kind == "u":
             object.__setattr__(owner, name, value.astype(np.int64))
+
+
+def _has_repeat(values: np.ndarray) -> bool:
+    """Whether an entry of `values` occurs twice (sorted: np.bincount would allocate an
+    array as long as the largest entry, 2**40 for a hand-made row id of that size)."""
+    ordered = np.sort(values)
+    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 def _is_permutation(order: np.ndarray) -> bool:

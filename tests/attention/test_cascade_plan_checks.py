@@ -270,3 +270,13 @@ def test_a_plan_whose_levels_count_or_flag_is_of_the_wrong_kind_is_refused_by_na
     _refused(plan, "keeps_order=", keeps_order="no")
     listed = dataclasses.replace(plan, levels=[level], num_common_prefix_blocks=np.int64(2))
     assert listed.levels == (level,) and type(listed.num_common_prefix_blocks) is int
+
+
+def test_distinct_rows_are_checked_without_an_array_as_long_as_the_largest_row():
+    # np.bincount(rows) allocated max(rows) + 1 counts: a row id of 2**40 failed the
+    # check with a MemoryError (7 TiB) instead of passing it or naming a repeat.
+    order, zeros = np.arange(2, dtype=np.int32), np.zeros(2, np.int32)
+    far = np.array([0, 2**40], np.int64)
+    assert CascadePlan(order, far, zeros, (), 0).rows.tolist() == [0, 2**40]
+    with pytest.raises(ValueError, match="must be distinct"):
+        CascadePlan(order, np.array([2**40, 2**40], np.int64), zeros, (), 0)
