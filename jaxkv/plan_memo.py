@@ -198,11 +198,18 @@ class PlanMemo:
 
     def _reused(self, kind: str, rows: np.ndarray, key: tuple, build) -> CascadePlan:
         """The last plan of `kind` if it was made for this rows object under an equal key,
-        else build()'s, which becomes the last of its kind."""
+        else build()'s, which becomes the last of its kind. Its arrays are made read-only:
+        later steps get the same plan, which the metadata builder does not check."""
         last = self._last_plans.get(kind)
         if last is not None and last[0] is rows and last[1] == key:
             return last[2]
         plan = build()
+        arrays = [plan.order, plan.rows, plan.suffix_start_blocks]
+        for level in plan.levels:
+            arrays += [level.group_starts, level.group_ends, level.block_starts]
+            arrays += [level.block_ends, level.leader_rows]
+        for array in arrays:
+            array.flags.writeable = False
         self._last_plans[kind] = (rows, key, plan)
         return plan
 

@@ -322,3 +322,22 @@ def test_which_rows_share_a_column_is_renewed_with_the_sharing():
     m.allocate_slots(c, 0, num_new_computed_tokens=4, new_computed_blocks=hit[1:])
     assert memo.shares_column(m, rows, 1).tolist() == [True, True]
     assert memo.shares_through(m, rows, 2)
+
+
+def test_a_reused_plan_cannot_be_changed_in_place_by_the_step_that_got_it():
+    # The memo hands the same plan to every step that asks for an equal one, and the
+    # metadata builder trusts a planner's plan without checking its block columns: a
+    # step writing into its plan's arrays would change the next step's plan.
+    m, _, _ = _a_and_c_sharing_one_of_three_blocks()
+    memo, rows = PlanMemo(), m.rows_of(["a", "c"])
+    made_for = (m, m.row_version)
+    plans = [
+        memo.global_plan(rows, 1, 1, made_for),
+        memo.grouped_plan([(BOTH, 1)], rows, np.ones(2, np.int32), None, 1, made_for),
+    ]
+    for plan in plans:
+        arrays = [plan.order, plan.rows, plan.suffix_start_blocks]
+        for level in plan.levels:
+            arrays += [level.group_starts, level.group_ends, level.block_starts]
+            arrays += [level.block_ends, level.leader_rows]
+        assert not any(a.flags.writeable for a in arrays)
