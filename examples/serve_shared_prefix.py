@@ -145,6 +145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.prefix_len < (least := min_prefix_len()):  # 25 and less: one system prompt
         p.error(f"--prefix-len must be >= {least} (below, the two system prompts are cut "
                 "to the same words: no group has a prefix of its own)")  # fmt: skip
+    if args.checkpoint == "":  # falsy: an unset shell variable served the default one
+        p.error("--checkpoint is empty; give a checkpoint directory or 'random'")
     if args.always_cascade and args.no_cascade:  # was ignored: the one run plans none
         p.error("--always-cascade plans cascade; with --no-cascade the one run has it off")
     if args.preset != "tiny" and args.checkpoint not in (None, "random"):  # was ignored

@@ -127,6 +127,14 @@ def test_a_checkpoint_with_a_preset_that_runs_random_weights_is_refused(serve, c
     assert serve.parse_args(["--preset", "llama3_2_1b", "--checkpoint", "random"])
 
 
+def test_an_empty_checkpoint_is_refused_rather_than_read_as_the_default(serve, capsys):
+    # "" (an unset shell variable) is falsy: the run served the shipped checkpoint, not
+    # the one asked for, and said nothing.
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--checkpoint", ""])
+    assert "--checkpoint is empty" in capsys.readouterr().err
+
+
 def test_always_cascade_with_no_cascade_is_refused(serve, capsys):
     # It was parsed and ignored: --no-cascade serves one run with cascade off, in which
     # --always-cascade's cost model plans nothing.
