@@ -9,7 +9,9 @@ question, a second level of shared prefix wherever a question fills a KV block o
 --repetition-penalty / --frequency-penalty / --presence-penalty give every request those
 SamplingParams penalties (jaxkv.penalties); their host cost shows in the prep column.
 --prompt-logprobs K asks every request for its prompt logprobs (jaxkv.prompt_logprobs):
-each then computes its whole prompt (no prefix-cache reads) and its prompt rows' logits.
+each then computes its whole prompt (no prefix-cache reads) and its prompt rows' logits;
+under --samples, sample 0 computes its whole prompt (it alone returns them) and the
+other samples read its KV from the prefix cache.
 Every step runs the model on at least --min-tokens-bucket token slots (by default
 --max-num-batched-tokens: one token bucket, few programs); a smaller floor runs decode
 steps on fewer, where attention is a larger share of the step.

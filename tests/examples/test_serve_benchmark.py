@@ -196,3 +196,24 @@ def test_a_decode_batch_no_step_can_reach_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--decode-batch", "512"])
     assert "--decode-batch 512 must be <= --num-requests 256" in capsys.readouterr().err
+
+
+def test_prompt_logprobs_read_no_cache_but_other_samples_read_sample_0s():
+    # The module said every request then computed its whole prompt with no prefix-cache
+    # reads; under --samples only sample 0 does (it alone returns the prompt logprobs),
+    # and the others read its KV: the printed hit rate was 0.8, not 0.
+    from flax import nnx
+
+    from benchmarks import serve
+    from benchmarks.serve import run_one
+    from jaxkv.models import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig.preset("tiny"), rngs=nnx.Rngs(0))
+    argv = "--system-len 16 --question-len 8 --max-tokens 1 --prompt-logprobs 0"
+    rates = {}
+    for samples in (1, 2):
+        args = parse_args([*argv.split(), "--num-requests", "2", "--samples", str(samples)])
+        result = run_one(model, workload(args), args, "flat", False, True)
+        rates[samples] = result["prefix_cache_hit_rate"]
+    assert rates[1] == 0 and rates[2] > 0
+    assert "under --samples, sample 0 computes its whole prompt" in " ".join(serve.__doc__.split())
