@@ -132,7 +132,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run the Pallas kernels in interpret mode (a Pallas backend on the CPU)",
     )
     p.add_argument("--samples", type=int, default=3, help="generated samples to print")
-    p.add_argument("--seed", type=int, default=0, help="seed of the question order")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the question order and of random weights"
+    )
     args = p.parse_args(argv)
     for name in ("num_requests", "prefix_len", "max_tokens", "block_size"):
         if getattr(args, name) < 1:

@@ -256,3 +256,21 @@ def test_the_step_log_has_every_step_that_ran_the_model(serve, monkeypatch):
     # Blocks held while a step ran, those of requests that finished in it included.
     assert result.peak_blocks == 11
     assert result.outputs == [(7, 9), (8, 10)]
+
+
+def test_seed_help_says_it_also_seeds_random_weights(serve, capsys):
+    # Its help said only "seed of the question order", but with random weights it seeds
+    # them too: two seeds served two different models.
+    import numpy as np
+    from flax import nnx
+    from jax import tree
+
+    def weights(seed):
+        args = serve.parse_args(["--checkpoint", "random", "--seed", str(seed)])
+        model, _ = serve.load_model(args, Console(file=io.StringIO()))
+        return tree.leaves(nnx.state(model.embed_tokens))
+
+    assert not np.array_equal(weights(0)[0], weights(1)[0])
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--help"])
+    assert "random weights" in " ".join(capsys.readouterr().out.split()).split("--seed SEED")[-1]
