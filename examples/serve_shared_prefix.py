@@ -278,6 +278,17 @@ def serve(
     return result
 
 
+def check_positions(args: argparse.Namespace, prompts: list[Prompt], limit: int) -> None:
+    """SystemExit unless the longest prompt and --max-tokens fit the model's positions."""
+    need = max(len(p.token_ids) for p in prompts) + args.max_tokens  # engine's max_model_len
+    if need > limit:
+        raise SystemExit(
+            f"--prefix-len {args.prefix_len} + questions (up to "
+            f"{need - args.max_tokens - args.prefix_len} tokens) + --max-tokens "
+            f"{args.max_tokens} need {need} positions; the model has {limit}"
+        )
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Runs the example; returns the summary figures (also printed) for scripts and tests."""
     args = parse_args(argv)
@@ -287,6 +298,10 @@ def main(argv: list[str] | None = None) -> dict:
             "--interpret runs a Pallas backend in interpret mode; the backend here is xla "
             "(add --backend pallas_tpu or pallas_gpu)"
         )
+    prompts = workload(args.num_requests, args.prefix_len, args.seed)
+    lengths = [len(p.token_ids) for p in prompts]
+    if args.preset != "tiny" or args.checkpoint == "random":  # known before it is built
+        check_positions(args, prompts, LlamaConfig.preset(args.preset).max_position_embeddings)
     console = Console(highlight=False)
     model, source = load_model(args, console)
     if backend == "pallas_tpu" and model.config.head_dim not in TPU_HEAD_DIMS:
@@ -304,16 +319,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"--backend {args.backend} compiles only on a {platform.upper()}, and JAX runs on "
             f"{jax.default_backend()} here: add --interpret to run it in interpret mode"
         )
-    prompts = workload(args.num_requests, args.prefix_len, args.seed)
-    lengths = [len(p.token_ids) for p in prompts]
+    check_positions(args, prompts, model.config.max_position_embeddings)
     cfg = engine_config(args, prompts, True)
-    if cfg.scheduler.max_model_len > model.config.max_position_embeddings:
-        raise SystemExit(
-            f"--prefix-len {args.prefix_len} + questions (up to {max(lengths) - args.prefix_len} "
-            f"tokens) + --max-tokens {args.max_tokens} need "
-            f"{cfg.scheduler.max_model_len} positions; the model has "
-            f"{model.config.max_position_embeddings}"
-        )
     console.print(
         f"model: {source}\n"
         f"workload: {len(prompts)} requests, 2 system prompts; prompts {min(lengths)}-"

@@ -274,3 +274,15 @@ def test_seed_help_says_it_also_seeds_random_weights(serve, capsys):
     with pytest.raises(SystemExit):
         serve.parse_args(["--help"])
     assert "random weights" in " ".join(capsys.readouterr().out.split()).split("--seed SEED")[-1]
+
+
+def test_too_many_positions_for_a_random_preset_are_refused_before_it_is_built(serve, monkeypatch):
+    # The check ran after load_model: --preset llama3_2_1b built 1B random weights (20 s,
+    # 5 GB on the CPU) before refusing, and llama3_8b ran out of memory first.
+    def load_model(args, console):
+        raise AssertionError("the model was built before the flags were checked")
+
+    monkeypatch.setattr(serve, "load_model", load_model)
+    argv = ["--preset", "llama3_2_1b", "--max-tokens", "1000000", "--num-requests", "2"]
+    with pytest.raises(SystemExit, match="--max-tokens 1000000 need .* the model has 131072"):
+        serve.main(argv)
