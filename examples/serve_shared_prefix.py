@@ -278,6 +278,28 @@ def serve(
     return result
 
 
+def check_model_fits(args, backend: str, prompts: list[Prompt], config, console) -> None:
+    """SystemExit for a --backend the model or the platform cannot run, or too few
+    positions; falls back to xla for a head_dim the default pallas_tpu lacks."""
+    fallen_back = args.backend == "xla"  # an earlier call chose it
+    if backend == "pallas_tpu" and not fallen_back and config.head_dim not in TPU_HEAD_DIMS:
+        message = (
+            f"the Pallas TPU kernel needs head_dim in {TPU_HEAD_DIMS}; this model has "
+            f"{config.head_dim} (try --preset llama3_2_1b)"
+        )
+        if args.backend:
+            raise SystemExit(f"--backend pallas_tpu: {message}")
+        console.print(f"Using the xla attention backend: {message}.")
+        args.backend = "xla"
+    platform = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}.get(args.backend)
+    if platform and not args.interpret and jax.default_backend() != platform:
+        raise SystemExit(  # the engine raised ValueError saying 'pass interpret=True'
+            f"--backend {args.backend} compiles only on a {platform.upper()}, and JAX runs on "
+            f"{jax.default_backend()} here: add --interpret to run it in interpret mode"
+        )
+    check_positions(args, prompts, config.max_position_embeddings)
+
+
 def check_positions(args: argparse.Namespace, prompts: list[Prompt], limit: int) -> None:
     """SystemExit unless the longest prompt and --max-tokens fit the model's positions."""
     need = max(len(p.token_ids) for p in prompts) + args.max_tokens  # engine's max_model_len
@@ -300,26 +322,11 @@ def main(argv: list[str] | None = None) -> dict:
         )
     prompts = workload(args.num_requests, args.prefix_len, args.seed)
     lengths = [len(p.token_ids) for p in prompts]
-    if args.preset != "tiny" or args.checkpoint == "random":  # known before it is built
-        check_positions(args, prompts, LlamaConfig.preset(args.preset).max_position_embeddings)
     console = Console(highlight=False)
+    if args.preset != "tiny" or args.checkpoint == "random":  # known before it is built
+        check_model_fits(args, backend, prompts, LlamaConfig.preset(args.preset), console)
     model, source = load_model(args, console)
-    if backend == "pallas_tpu" and model.config.head_dim not in TPU_HEAD_DIMS:
-        message = (
-            f"the Pallas TPU kernel needs head_dim in {TPU_HEAD_DIMS}; this model has "
-            f"{model.config.head_dim} (try --preset llama3_2_1b)"
-        )
-        if args.backend:
-            raise SystemExit(f"--backend pallas_tpu: {message}")
-        console.print(f"Using the xla attention backend: {message}.")
-        args.backend = "xla"
-    platform = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}.get(args.backend)
-    if platform and not args.interpret and jax.default_backend() != platform:
-        raise SystemExit(  # the engine raised ValueError saying 'pass interpret=True'
-            f"--backend {args.backend} compiles only on a {platform.upper()}, and JAX runs on "
-            f"{jax.default_backend()} here: add --interpret to run it in interpret mode"
-        )
-    check_positions(args, prompts, model.config.max_position_embeddings)
+    check_model_fits(args, backend, prompts, model.config, console)
     cfg = engine_config(args, prompts, True)
     console.print(
         f"model: {source}\n"

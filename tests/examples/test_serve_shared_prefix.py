@@ -286,3 +286,19 @@ def test_too_many_positions_for_a_random_preset_are_refused_before_it_is_built(s
     argv = ["--preset", "llama3_2_1b", "--max-tokens", "1000000", "--num-requests", "2"]
     with pytest.raises(SystemExit, match="--max-tokens 1000000 need .* the model has 131072"):
         serve.main(argv)
+
+
+def test_a_pallas_backend_off_its_platform_is_refused_before_the_model_is_built(serve, monkeypatch):
+    # The check ran after load_model: --preset llama3_2_1b --backend pallas_gpu on the
+    # CPU built 1B random weights (25 s) before saying to add --interpret.
+    import jax
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU compiles neither Pallas backend")
+
+    def load_model(args, console):
+        raise AssertionError("the model was built before the flags were checked")
+
+    monkeypatch.setattr(serve, "load_model", load_model)
+    with pytest.raises(SystemExit, match="--backend pallas_gpu compiles only"):
+        serve.main(["--preset", "llama3_2_1b", "--backend", "pallas_gpu", "--num-requests", "2"])
