@@ -38,6 +38,12 @@ def as_int(value) -> int | None:
     return int(value) if is_integer(value) else None
 
 
+def ints_as_python(values) -> list:
+    """`values` with each integer (is_integer) as a Python int, the rest as they are:
+    numpy reads int64 and uint64 together as float64, Python ints of both as int64."""
+    return [v if (i := as_int(v)) is None else i for v in values]
+
+
 def is_real(value) -> bool:
     """A real number (int, float, numpy scalar, 0-d integer or float array of numpy or
     JAX), not a bool."""

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxkv.field_checks import as_int, is_bool
+from jaxkv.field_checks import ints_as_python, is_bool
 
 _PLAIN_INTS = {int, np.int64, np.int32}  # no element of these types can be a bool
 
@@ -32,8 +32,7 @@ def checked_prompt_ids(
             at = next((i for i, t in enumerate(prompt_token_ids) if is_bool(t)), None)
             if at is not None:
                 raise ValueError(f"prompt_token_ids must be ints, got a bool at index {at}")
-            # Each integer as a Python int: numpy reads int64 and uint64 together as float64.
-            prompt_token_ids = [t if (i := as_int(t)) is None else i for t in prompt_token_ids]
+            prompt_token_ids = ints_as_python(prompt_token_ids)  # uint64 among int64
     try:
         ids = np.asarray(prompt_token_ids)
     except (ValueError, TypeError) as e:  # ragged nesting, ints past 64 bits in an array

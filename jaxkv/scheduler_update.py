@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxkv.field_checks import as_int, is_bool
+from jaxkv.field_checks import ints_as_python, is_bool
 from jaxkv.outputs import RequestOutput, request_output_of
 from jaxkv.request import MAX_TOKEN_ID, Request, RequestStatus
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput
@@ -36,9 +36,8 @@ def checked_sampled_tokens(output: SchedulerOutput, sampled_token_ids) -> list[i
         tokens = np.asarray(sampled_token_ids)
     except (ValueError, TypeError):  # ragged nesting
         tokens = np.asarray(None)
-    if tokens.dtype.kind == "f" and not hasattr(sampled_token_ids, "dtype"):
-        # numpy reads int64 and uint64 together as float64: each integer as a Python int
-        tokens = np.asarray([t if (i := as_int(t)) is None else i for t in sampled_token_ids])
+    if tokens.dtype.kind == "f" and not hasattr(sampled_token_ids, "dtype"):  # uint64 among int64
+        tokens = np.asarray(ints_as_python(sampled_token_ids))
     if tokens.shape != (output.num_requests,) or (tokens.size and tokens.dtype.kind not in "iu"):
         raise ValueError(
             f"sampled_token_ids: {tokens.shape} {tokens.dtype} must be integers of shape "
