@@ -20,6 +20,7 @@ an equal one, whatever changed since.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -204,12 +205,11 @@ class PlanMemo:
         if last is not None and last[0] is rows and last[1] == key:
             return last[2]
         plan = build()
-        arrays = [plan.order, plan.rows, plan.suffix_start_blocks]
-        for level in plan.levels:
-            arrays += [level.group_starts, level.group_ends, level.block_starts]
-            arrays += [level.block_ends, level.leader_rows]
-        for array in arrays:
-            array.flags.writeable = False
+        for part in (plan, *plan.levels):
+            for field in dataclasses.fields(part):
+                value = getattr(part, field.name)
+                if isinstance(value, np.ndarray):
+                    value.flags.writeable = False
         self._last_plans[kind] = (rows, key, plan)
         return plan
 
