@@ -160,9 +160,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- model
 
 
+def random_weights(args: argparse.Namespace) -> bool:
+    """Whether the model is built from its preset's config (known before it is built)
+    rather than loaded from a checkpoint."""
+    return args.preset != "tiny" or args.checkpoint == "random"
+
+
 def load_model(args: argparse.Namespace, console: Console) -> tuple[Llama, str]:
     """The model to serve and a line saying where its weights came from."""
-    if args.preset != "tiny" or args.checkpoint == "random":
+    if random_weights(args):
         config = LlamaConfig.preset(args.preset)
         return Llama(config, rngs=nnx.Rngs(args.seed)), f"{args.preset}, random weights"
     path = Path(args.checkpoint) if args.checkpoint else _default_checkpoint(console)
@@ -281,8 +287,7 @@ def serve(
 def check_model_fits(args, backend: str, prompts: list[Prompt], config, console) -> None:
     """SystemExit for a --backend the model or the platform cannot run, or too few
     positions; falls back to xla for a head_dim the default pallas_tpu lacks."""
-    fallen_back = args.backend == "xla"  # an earlier call chose it
-    if backend == "pallas_tpu" and not fallen_back and config.head_dim not in TPU_HEAD_DIMS:
+    if backend == "pallas_tpu" and config.head_dim not in TPU_HEAD_DIMS:
         message = (
             f"the Pallas TPU kernel needs head_dim in {TPU_HEAD_DIMS}; this model has "
             f"{config.head_dim} (try --preset llama3_2_1b)"
@@ -323,10 +328,11 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = workload(args.num_requests, args.prefix_len, args.seed)
     lengths = [len(p.token_ids) for p in prompts]
     console = Console(highlight=False)
-    if args.preset != "tiny" or args.checkpoint == "random":  # known before it is built
+    if random_weights(args):  # checked before the weights are built
         check_model_fits(args, backend, prompts, LlamaConfig.preset(args.preset), console)
     model, source = load_model(args, console)
-    check_model_fits(args, backend, prompts, model.config, console)
+    if not random_weights(args):  # a checkpoint's config, known once loaded
+        check_model_fits(args, backend, prompts, model.config, console)
     cfg = engine_config(args, prompts, True)
     console.print(
         f"model: {source}\n"
