@@ -49,6 +49,8 @@ def test_big_presets_build_abstractly_with_the_config_shapes(name):
         (dict(hidden_size=True), "hidden_size=True must be an int"),
         (dict(dtype=None), "dtype=None must be one of"),
         (dict(dtype=np.dtype("float64")), "dtype='float64' must be one of"),
+        # A numpy type that no dtype is made from (np.dtype raises TypeError on it).
+        (dict(dtype=np.floating), "dtype=<class 'numpy.floating'> must be one of"),
     ],
 )
 def test_invalid_configs_raise(overrides, match):
@@ -71,6 +73,11 @@ def test_preset_overrides_derive_head_dim_again():
     assert LlamaConfig.preset("tiny", hidden_size=256, head_dim=32).head_dim == 32
     with pytest.raises(ValueError, match="hidden_size=130 must be a multiple"):
         LlamaConfig.preset("tiny", hidden_size=130)
+
+
+def test_an_unknown_preset_is_refused_listing_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown preset 'llama9'; choose from \['llama3_2_1b'"):
+        LlamaConfig.preset("llama9")
 
 
 def test_config_round_trips_through_dict_and_hf_dict():
