@@ -219,6 +219,12 @@ def test_safetensors_with_no_data_or_a_bad_shape_is_refused_by_tensor(tmp_path):
     )
     with pytest.raises(CheckpointError, match="'w'.*bad header entry"):
         read_safetensors(path)
+    # An entry that is no object, or lacks a key, is refused by name (from the KeyError
+    # or TypeError of reading its fields).
+    for entry in ([2], "F32", {"dtype": "F32", "shape": [2]}, {"data_offsets": [0, 8]}, None):
+        _raw_safetensors(path, {"w": entry}, bytes(8))
+        with pytest.raises(CheckpointError, match="'w'.*bad header entry"):
+            read_safetensors(path)
     path.write_bytes((2).to_bytes(8, "little") + b"[]")  # a header that is no JSON object
     with pytest.raises(CheckpointError, match="header is not a JSON object"):
         read_safetensors(path)
@@ -283,6 +289,13 @@ def test_save_checkpoint_refuses_what_is_no_model_before_making_its_directory(tm
         save_checkpoint(random_model(small_config(), seed=0), None)  # was TypeError
     with pytest.raises(ValueError, match="path=None must be a str or os.PathLike"):
         load_checkpoint(None)
+
+
+def test_a_directory_without_weights_is_refused_naming_it(tmp_path):
+    """Neither model.safetensors, nor a shard index, nor any *.safetensors file."""
+    (tmp_path / "notes.txt").write_text("not weights")
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors files in .*"):
+        load_hf_safetensors(tmp_path, small_config())
 
 
 def test_load_hf_safetensors_names_the_missing_path_not_its_parents_config(tmp_path):
