@@ -1,10 +1,11 @@
 """run_to_completion's stepping loop: what an error while stepping aborts, when the loop
-sleeps (only after a step that ran no model, for an Engine or a router's replicas), and
-how a jax-array prompt is read."""
+sleeps (only after a step that ran no model, for an Engine or a router's replicas), how
+a prompt's ids are read for its CompletionOutput."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxkv import SamplingParams
@@ -139,3 +140,57 @@ def test_a_caller_s_bar_is_closed_when_prompts_or_progress_are_refused(prompts, 
     with pytest.raises(ValueError, match=match):
         run_to_completion(driver, prompts, progress_bar=bar, progress=progress)
     assert bar.closed and driver.steps == 0
+
+
+def test_a_prompt_of_mixed_numpy_integer_types_comes_back_as_python_ints():
+    """numpy reads uint64 among int64 as float64: the prompt's ids are still ints."""
+    engine = make_engine()
+    prompt = [np.uint64(3), np.int64(4), 5]
+    [out] = engine.generate([prompt], SamplingParams(max_tokens=1), progress=False)
+    assert out.prompt_token_ids == (3, 4, 5)
+    assert {type(t) for t in out.prompt_token_ids} == {int}
+
+
+class _Unreadable:
+    """A prompt numpy cannot read as an array (a tensor on another device, say), whose
+    tokens iterate as ints."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("cannot convert to numpy")
+
+    def __iter__(self):
+        return iter(self.ids)
+
+
+class _TakesAnyPrompt:
+    """A driver that takes any prompt and finishes it in one step with token 9."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+
+    def add_request(self, prompt, params) -> str:
+        self.ids.append(str(len(self.ids)))
+        return self.ids[-1]
+
+    def step(self):
+        ids, self.ids = self.ids, []
+        return [RequestOutput(rid, (9,), True, "length") for rid in ids]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.ids)
+
+    def abort(self, request_id: str) -> bool:
+        return False
+
+
+def test_a_driver_s_prompt_that_numpy_cannot_read_comes_back_token_by_token():
+    """Its outputs are not lost at the end for want of an array of its ids."""
+    outs = run_to_completion(_TakesAnyPrompt(), [_Unreadable([4, 5]), [], [6]])
+    assert [(o.prompt_token_ids, o.output_token_ids) for o in outs] == [
+        ((4, 5), (9,)),
+        ((), (9,)),
+        ((6,), (9,)),
+    ]
