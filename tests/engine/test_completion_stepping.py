@@ -1,6 +1,7 @@
 """run_to_completion's stepping loop: what an error while stepping aborts, when the loop
 sleeps (only after a step that ran no model, for an Engine or a router's replicas), how
-a prompt's ids are read for its CompletionOutput."""
+a prompt's ids are read for its CompletionOutput and what an interrupt
+while queueing leaves."""
 
 from __future__ import annotations
 
@@ -194,3 +195,31 @@ def test_a_driver_s_prompt_that_numpy_cannot_read_comes_back_token_by_token():
         ((), (9,)),
         ((6,), (9,)),
     ]
+
+
+class _InterruptedThird(_FailsSecondStep):
+    """Its add_request is interrupted (Ctrl-C) on the third prompt."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queued: list[str] = []
+
+    def add_request(self, prompt, params) -> str:
+        if len(self.queued) == 2:
+            raise KeyboardInterrupt
+        self.queued.append(str(prompt[0]))
+        return self.queued[-1]
+
+    def abort(self, request_id: str) -> bool:
+        self.queued.remove(request_id)
+        return True
+
+
+def test_an_interrupt_while_queueing_aborts_the_queued_prompts_and_is_not_annotated():
+    """A Ctrl-C is no refusal of the prompt it came at: raised as it is, without the note
+    naming that prompt that an exception gets, the prompts queued before it aborted."""
+    driver, bar = _InterruptedThird(), Bar()
+    with pytest.raises(KeyboardInterrupt) as raised:
+        run_to_completion(driver, [[1], [2], [3]], progress_bar=bar)
+    assert driver.queued == [] and driver.steps == 0 and bar.closed
+    assert not hasattr(raised.value, "__notes__")
