@@ -1,16 +1,18 @@
 """run_to_completion's stepping loop: what an error while stepping aborts, when the loop
 sleeps (only after a step that ran no model, for an Engine or a router's replicas), how
-a prompt's ids are read for its CompletionOutput and what an interrupt
-while queueing leaves."""
+a prompt's ids are read for its CompletionOutput, what an interrupt while queueing
+leaves, and generate without tqdm."""
 
 from __future__ import annotations
+
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxkv import SamplingParams
-from jaxkv.completion import run_to_completion
+from jaxkv.completion import progress_bar, run_to_completion
 from jaxkv.outputs import RequestOutput
 from jaxkv.router import PrefixAwareRouter
 from tests.engine._util import BLOCK_SIZE, make_engine
@@ -223,3 +225,13 @@ def test_an_interrupt_while_queueing_aborts_the_queued_prompts_and_is_not_annota
         run_to_completion(driver, [[1], [2], [3]], progress_bar=bar)
     assert driver.queued == [] and driver.steps == 0 and bar.closed
     assert not hasattr(raised.value, "__notes__")
+
+
+def test_without_tqdm_generate_runs_with_no_bar(monkeypatch, capsys):
+    """tqdm is an optional dependency: progress=True then draws nothing."""
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # its import raises ImportError
+    assert progress_bar(3, desc="generate") is None
+    engine = make_engine()
+    outs = engine.generate([[1, 2], [3]], SamplingParams(max_tokens=1), progress=True)
+    assert [len(o.output_token_ids) for o in outs] == [1, 1]
+    assert capsys.readouterr().err == ""
