@@ -33,6 +33,8 @@ def test_entries_read_as_vllms_with_the_prompt_token_first():
     assert [list(e) for e in entries[1:]] == [[8, 4, 5], [9, 2]]
     assert entries[-1] == EXPECTED[2] and entries[0:2] == EXPECTED[:2]
     assert entries == EXPECTED and entries == tuple(EXPECTED) and entries != EXPECTED[:2]
+    # Neither a number nor text is a sequence of its entries: unequal, and no TypeError.
+    assert entries != 3 and entries != "abc" and entries.__eq__(None) is NotImplemented
     assert all(type(t) is int and type(lp.logprob) is float for t, lp in entries[1].items())
     with pytest.raises(IndexError, match="index 3 out of range for 3 tokens"):
         entries[3]
