@@ -115,6 +115,7 @@ def test_no_rows_when_nobody_in_the_batch_is_owed_any():
     tracker.add(b)
     assert _segments(tracker, [a, b], [0, 0], [3, 1], None) is None  # b is not running yet
     b.status = RequestStatus.RUNNING
+    assert _segments(tracker, [a], [0], [3], None) is None  # b runs, but not in this batch
     step = _segments(tracker, [a, b], [0, 0], [3, 1], None)
     assert step.rows is None and step.segments == [] and step.completing == {"b"}
     tracker.add(Request("b", [4]))  # queued again without asking
