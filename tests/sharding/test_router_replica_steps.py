@@ -109,6 +109,14 @@ def test_an_output_under_a_request_id_that_is_no_str_is_refused():
     assert router.num_outstanding == (2,)
 
 
+def test_a_step_with_several_bad_outputs_is_refused_naming_the_first():
+    strays = [_output("a", finished=True), _output("b")._replace(index=1)]
+    router = _router(lambda outputs: [*outputs, *strays])
+    with pytest.raises(ValueError, match=r"request 'a' \(index 0.*\(2 of its 3 outputs dropped"):
+        router.step()
+    assert _delivered(router) == [("a", True), ("b", False), ("b", False), ("b", True)]
+
+
 def test_a_finish_reported_twice_in_one_step_reaches_the_caller_once():
     # The second finish used to reach generate, which counted the request done twice and
     # returned with another prompt still running ("abort", its id held for good).
