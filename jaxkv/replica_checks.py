@@ -37,6 +37,7 @@ _finished = operator.itemgetter(2)
 _finish_reason = operator.itemgetter(3)
 _index = operator.itemgetter(5)
 _sequence = operator.itemgetter(0, 5)  # (request_id, index)
+_REASON_TYPES = {str, type(None)}
 
 
 def replica_name(index: int, replica: object) -> str:
@@ -291,16 +292,17 @@ class CheckedReplicas:
             return False
         if not set(map(type, map(_index, result))) <= {int}:  # False, 0.0 == 0: sample 0's
             return False
-        try:
-            if set(map(_index, result)) <= {0}:  # no sample beyond a request's first
-                keys = set(map(_request_id, result))
-            else:
-                firsts = compress(result, map(operator.eq, map(_index, result), repeat(0)))
-                others = compress(result, map(operator.ne, map(_index, result), repeat(0)))
-                keys = set(map(_request_id, firsts)) | set(map(_sequence, others))
-            num_ending = len(result) - list(map(_finish_reason, result)).count(None)
-        except TypeError:  # an unhashable field
+        if not set(map(type, map(_finished, result))) <= {bool}:  # read by truth below
             return False
+        if not set(map(type, map(_finish_reason, result))) <= _REASON_TYPES:  # compared too
+            return False
+        if set(map(_index, result)) <= {0}:  # no sample beyond a request's first
+            keys = set(map(_request_id, result))
+        else:
+            firsts = compress(result, map(operator.eq, map(_index, result), repeat(0)))
+            others = compress(result, map(operator.ne, map(_index, result), repeat(0)))
+            keys = set(map(_request_id, firsts)) | set(map(_sequence, others))
+        num_ending = len(result) - list(map(_finish_reason, result)).count(None)
         if len(keys) != len(result) or not keys <= self._running[index]:
             return False
         is_parent = self._is_parent
@@ -370,6 +372,12 @@ def _problem(
         return f"an output of request_id {_shown(o.request_id)}, not a str"
     if not isinstance(o.index, int) or isinstance(o.index, bool):  # False == 0, hashed alike
         return f"an output of request {o.request_id!r} with index {_shown(o.index)}, not an int"
+    # An array here raised a ValueError naming nothing when read by its truth.
+    if not isinstance(o.finished, (bool, np.bool_)):
+        return f"an output of request {o.request_id!r} with finished={_shown(o.finished)}, no bool"
+    if not isinstance(o.finish_reason, (str, type(None))):
+        reason = _shown(o.finish_reason)
+        return f"an output of request {o.request_id!r} with finish_reason={reason}, no str"
     key = _key(o.request_id, o.index)
     what = (
         f"an output of request {o.request_id!r} (index {o.index!r}, finished="

@@ -1,6 +1,7 @@
 """PrefixAwareRouter over a replica whose step() answers what the router cannot deliver: an
 output of a request the router sent another replica, one reported twice or after its
-request finished, a finish without its reason, no list of RequestOutput. Each raises
+request finished, a finish without its reason, a `finished` that is no bool or a
+finish_reason that is no str (an array), no list of RequestOutput. Each raises
 ValueError naming the replica, step() and the output; the outputs that pass, and those
 of the replicas stepped before it, reach the caller once, on the next step(). Outputs
 of requests the router does not hold (added to the replica directly, or released) are
@@ -8,6 +9,7 @@ dropped."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jaxkv import SamplingParams
@@ -117,6 +119,12 @@ def test_a_step_with_several_bad_outputs_is_refused_naming_the_first():
     assert _delivered(router) == [("a", True), ("b", False), ("b", False), ("b", True)]
 
 
+def test_an_output_finished_by_a_numpy_bool_is_delivered():
+    router = _router(lambda outputs: [o._replace(finished=np.bool_(o.finished)) for o in outputs])
+    assert [(o.request_id, bool(o.finished)) for o in router.step()] == [("a", True), ("b", False)]
+    assert _delivered(router) == [("b", False), ("b", True)]
+
+
 def test_a_finish_reported_twice_in_one_step_reaches_the_caller_once():
     # The second finish used to reach generate, which counted the request done twice and
     # returned with another prompt still running ("abort", its id held for good).
@@ -210,9 +218,22 @@ def test_a_step_answer_that_is_no_list_of_outputs_loses_no_other_replicas_output
             ({"index": index}, rf"replicas\[1\].*'b' with index {index!r}, not an int")
             for index in [False, 0.0, 1.0, True, "0"]
         ),
+        # An array was read by its truth: a ValueError naming neither replica nor output.
+        (
+            {"finished": np.array([True, False])},
+            r"'b' with finished=array\(\[ True, False\]\), no bool",
+        ),
+        ({"finished": 1}, "'b' with finished=1, no bool"),
+        (
+            {"finish_reason": np.array(["length", "stop"])},
+            r"'b' with finish_reason=array\(.*, no str",
+        ),
+        ({"finish_reason": 5}, "'b' with finish_reason=5, no str"),
     ],
 )
-def test_a_finish_without_its_reason_a_reason_without_finish_or_odd_index_is_refused(change, named):
+def test_a_finish_without_its_reason_a_reason_without_finish_or_odd_fields_are_refused(
+    change, named
+):
     # A reason without finished left "b" counted and its id held after its replica
     # dropped it; finished without a reason reached generate as an unexplained end.
     # False and 0.0 equal 0 and hash alike: such an index passed as sample 0's and reached
