@@ -145,3 +145,30 @@ def test_a_numpy_bool_force_is_accepted_and_passed_on_as_a_bool():
         router.close(timeout_s=0, force=np.bool_(True))
     assert router.closed
     assert all(type(r.close_calls[0]["force"]) is bool for r in replicas)
+
+
+class _UnreadableSignature:
+    """A callable whose signature inspect cannot read (as some extension functions')."""
+
+    __signature__ = "unreadable"  # inspect.signature raises TypeError
+
+    def __init__(self, replica: PlainClosingReplica) -> None:
+        self.replica = replica
+
+    def __call__(self, *args, **kwargs) -> None:
+        self.replica.close_calls.append(kwargs)
+        self.replica.running.clear()
+
+
+def test_a_forced_close_refuses_a_replica_close_whose_signature_cannot_be_read():
+    """Whether it takes force cannot be told: refused by name, as one without it is,
+    before anything changes (it raised inspect's TypeError)."""
+    replicas = [ForcibleReplica(0), PlainClosingReplica(1)]
+    replicas[1].close = _UnreadableSignature(replicas[1])
+    router, _ = _router(replicas)
+    with pytest.raises(ValueError, match=r"replicas\[1\] \(PlainClosingReplica\)\.close takes"):
+        router.close(force=True)
+    assert not router.closed and router.num_outstanding == (1, 1)
+    assert not any(r.close_calls for r in replicas)
+    router.close()  # unforced, it is called without force
+    assert router.closed and [list(c) for c in replicas[1].close_calls] == [["timeout_s"]]
