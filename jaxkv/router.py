@@ -100,6 +100,8 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         self._serials = RequestSerials("dp-")  # of generated ids
 
     def _open_replicas(self) -> Sequence[int]:
+        """The replicas a request may go to, in order: the open ones (RuntimeError when
+        every one is closed)."""
         return routable_replicas(self.replicas)
 
     @property

@@ -25,6 +25,10 @@ class RoutingRule:
     """The remembered routes, the outstanding sequences per replica and the rule over them;
     PrefixAwareRouter's base (its docstring gives the arguments)."""
 
+    # The replicas a request may go to, in order: the router's open ones (it raises
+    # RuntimeError when every one is closed).
+    _open_replicas: Callable[[], Sequence[int]]
+
     def __init__(
         self,
         num_replicas: int,
@@ -84,11 +88,6 @@ class RoutingRule:
         saved = _SavedRoutes(self._routes, held)
         self._saved_routes.add(saved)  # while the function lives: it holds `saved`
         return lambda: self._routes.restore(saved.routes)
-
-    def _open_replicas(self) -> Sequence[int]:
-        """The replicas a request may go to, in order; the router's leaves out the closed
-        ones (and raises RuntimeError when every one is)."""
-        return range(len(self._outstanding))
 
     def route(self, prompt_token_ids: Sequence[int], *, cache_salt: str | None = None) -> Route:
         """The replica a prompt would go to now: an open one (a prefix routed to a closed
