@@ -11,6 +11,7 @@ from jaxkv.kv_transfer import KVConnector, TransferEvents
 from jaxkv.scheduler_transfers import TransferTracker
 from tests.host._sched_util import (
     FakeCopier,
+    OracleLoadConnector,
     add,
     make_scheduler,
     run_until_idle,
@@ -316,3 +317,23 @@ def test_a_preempted_request_whose_load_ends_waits_as_preempted(end):
     assert b.num_computed_tokens == (BS if end == "landed" else 0)
     assert run_until_idle(sched) == {"b": "length"}
     sched.manager.check_integrity()
+
+
+def test_a_discard_after_the_copies_were_forgotten_leaves_no_load_behind():
+    """A load the batch started, ended as failed by forget_transfers (a close past it)
+    before the batch is handed back: the discard cancels nothing. Re-listed as loading,
+    the request was held for good, and a later forget_transfers freed it again."""
+    copier = FakeCopier(64, BS)
+    connector = OracleLoadConnector(copier, {"x": 8})
+    connector.hold = True  # it lands never: the connector forgot it
+    sched = make_scheduler(block_size=BS, connector=connector)
+    x = add(sched, "x", list(range(1, 14)), max_tokens=2)
+    out = sched.schedule()
+    assert connector.started == ["x"] and x.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    sched.forget_transfers()
+    sched.discard(out)
+    assert x.status == RequestStatus.WAITING and x.num_computed_tokens == 0
+    connector.claims = {}  # it recomputes its prompt
+    assert run_until_idle(sched, copier) == {"x": "length"}
+    sched.forget_transfers()  # as a close does: nothing is in flight
+    assert x.status == RequestStatus.FINISHED_LENGTH and sched.manager.num_free_blocks == 63
