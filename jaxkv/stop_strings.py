@@ -96,8 +96,6 @@ class DecodedText:
         no text meanwhile keep its first bytes in the window (up to MAX_WINDOW_TOKENS).
         `user_code` (a held_interrupts.UserCode; one of its own if None) runs just around
         the calls of `decode`: an interrupt or exception there changes nothing."""
-        if len(token_ids) <= self.read_offset:
-            return ""
         if user_code is None:
             user_code = UserCode()
         user_code.runs = True
