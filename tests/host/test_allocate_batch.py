@@ -122,6 +122,33 @@ def test_computed_tokens_past_a_requests_tokens_are_refused_as_one_by_one():
     assert m.allocate_slots_batch([a, b], [1, 1])
 
 
+def test_each_check_names_the_first_request_of_the_batch_it_refuses():
+    # The checks run over the whole batch at once; the request named is the first one in
+    # batch order that fails, with its own counts, as a one-by-one loop would meet it.
+    m = KVCacheManager(64, 4, max_model_len=16)
+    a, b, c = (make_request(name, range(k, k + 8)) for name, k in (("a", 0), ("b", 20), ("c", 40)))
+    for request in (a, b, c):
+        prefill(m, request)
+    for request in (b, c):
+        request.append_output_token_ids([1, 2])  # 10 tokens, 8 of them in its 2 blocks
+    for computed, counts, match in (
+        (11, [1, 1, 1], r"request 'b': request.num_computed_tokens=11 exceeds its 10 tokens"),
+        (9, [1, 1, 1], r"request 'b': num_computed_tokens=9 exceeds the 8 tokens"),
+        (
+            8,
+            [1, 9, 10],
+            r"request 'b' would hold 17 tokens > max_model_len=16 "
+            r"\(num_computed_tokens=8 \+ num_new_tokens=9\)",
+        ),
+    ):
+        b.num_computed_tokens = c.num_computed_tokens = computed
+        before = snapshot(m)
+        with pytest.raises(ValueError, match=match):
+            m.allocate_slots_batch([a, b, c], counts)
+        assert snapshot(m) == before
+    assert m.allocate_slots_batch([a, b, c], [1, 1, 1])
+
+
 @pytest.mark.parametrize("counts", [[1], [1, 1, 1]], ids=["fewer", "more"])
 def test_counts_of_another_length_than_the_requests_are_refused(counts):
     # Unchecked, extra counts were ignored and too few failed inside zip() instead.
