@@ -33,14 +33,18 @@ class UnknownRequestError(ValueError, KeyError):
 _SCALAR_WRITES_MAX = 64
 
 
-def _unhashable(ids: list):
-    """The first of `ids` that cannot be a dict key."""
-    for i in ids:
-        try:
-            hash(i)
-        except TypeError:
-            return i
-    return None
+def _no_key(ids: list, table: dict):
+    """The first of `ids` whose lookup in `table` raises TypeError: one that cannot be a
+    dict key, or whose == raises it against a key of its hash."""
+    return next((i for i in ids if _lookup_fails(table, i)), None)
+
+
+def _lookup_fails(table: dict, key) -> bool:
+    try:
+        table.get(key)
+    except TypeError:
+        return True
+    return False
 
 
 class HostBlockTable:
@@ -117,8 +121,8 @@ class HostBlockTable:
         try:
             if memo is not None and memo[1] == self._row_epoch and memo[0] == ids:
                 return memo[2]
-        except ValueError:  # an item whose == answers an array, refused by name below
-            pass
+        except (ValueError, TypeError):  # an item whose == answers an array or raises:
+            pass  # refused by name below
         key = list(ids)  # a copy: the caller may mutate its list later
         try:
             if len(key) > 1:  # bytes join + frombuffer: no per-id int conversion
@@ -134,7 +138,9 @@ class HostBlockTable:
                 f"request_ids: {e.args[0]!r} holds no blocks (never allocated or already freed)"
             ) from None
         except TypeError:
-            raise ValueError(f"request_ids: {_unhashable(key)!r} is not a request id") from None
+            raise ValueError(
+                f"request_ids: {_no_key(key, self._row_bytes)!r} is not a request id"
+            ) from None
         rows = np.frombuffer(raw, np.int32)  # read-only
         self._rows_memo = (key, self._row_epoch, rows)
         return rows
