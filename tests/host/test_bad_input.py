@@ -199,6 +199,7 @@ def test_an_id_whose_comparison_raises_is_refused_by_name(busy):
         (np.array(0), "1-D"),
         (np.zeros((1, 2), np.int32), "1-D"),  # rows_of's dtype, but 2-D
         (["a", "b"], "1-D"),
+        ([[0], [0, 1]], r"rows=\[\[0\], \[0, 1\]\] must be a 1-D"),  # numpy: inhomogeneous
     ],
 )
 def test_rows_outside_the_block_table_are_refused(busy, rows, match):
