@@ -124,7 +124,9 @@ def extend_block_hashes(
     except (TypeError, UnicodeEncodeError):  # named here, not on the common path
         check_hash_key("adapter_id", adapter_id)
         check_hash_key("cache_salt", cache_salt)
-        raise
+        # Valid keys: a str subclass without a hash, which the memo cannot take, is
+        # encoded as the str it holds.
+        count, first, later = _block_encoding(block_size, _plain(adapter_id), _plain(cache_salt))
     # All new blocks' tokens packed in one call; each digest starts from a copy of an
     # empty 16-byte BLAKE2b state (cheaper than parsing digest_size on every block).
     lo, width = start * block_size, block_size * 8
@@ -176,6 +178,11 @@ def check_hash_key(name: str, key: object) -> None:
     """ValueError naming `name` unless `key` is None or a valid extra key (is_hash_key)."""
     if key is not None and not is_hash_key(key):
         raise ValueError(f"{name}={key!r} must be None or a str encodable as UTF-8")
+
+
+def _plain(key: str | None) -> str | None:
+    """`key` as a str of str's own type (None stays None)."""
+    return None if key is None else str.__str__(key)
 
 
 def _encode_keys(extra_keys: tuple[str, ...]) -> bytes:

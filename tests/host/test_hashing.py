@@ -127,6 +127,23 @@ def test_extend_names_a_key_that_cannot_be_hashed(name, key):
     assert hashes == extend_block_hashes([], [1, 2], 2)
 
 
+class _UnhashableStr(str):
+    __hash__ = None  # a str all the same: a Request takes it as a salt or adapter id
+
+
+@pytest.mark.parametrize("name", ["adapter_id", "cache_salt"])
+def test_a_str_subclass_without_a_hash_is_hashed_as_the_str_it_holds(name):
+    # A Request took it, then every allocation raised TypeError "unhashable type" from
+    # the memo of the key encodings.
+    tokens = list(range(8))
+    want = extend_block_hashes([], tokens, 4, **{name: "k"})
+    assert extend_block_hashes([], tokens, 4, **{name: _UnhashableStr("k")}) == want
+    manager = KVCacheManager(16, 4, max_model_len=32)
+    request = Request("r", tokens, **{name: _UnhashableStr("k")})
+    assert manager.allocate_slots(request, 8) is not None
+    assert request.block_hashes == want
+
+
 @pytest.mark.parametrize("extra_keys", ["ab", ["a"], (5,), ("\ud800",)])
 def test_hash_block_tokens_takes_a_tuple_of_keys_only(extra_keys):
     # "ab" was hashed as the keys ("a", "b"); 5 raised AttributeError.
