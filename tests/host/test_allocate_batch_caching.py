@@ -107,3 +107,23 @@ def test_a_decode_block_equal_to_one_already_cached_stays_uncached():
     cached = manager.pool.cached_block_hash_to_block
     assert [cached[h] for h in a.block_hashes] == blocks_a
     manager.check_integrity()
+
+
+def test_a_decode_block_whose_tokens_cannot_be_hashed_is_refused_as_allocate_slots_refuses_it():
+    # A token list mutated past int64 (all_token_ids says not to mutate it): the block it
+    # fills cannot be hashed, and both paths raise the hash's own error, caching nothing.
+    for allocate in (
+        lambda m, r: m.allocate_slots(r, 1),
+        lambda m, r: m.allocate_slots_batch([r], [1]),
+    ):
+        manager = KVCacheManager(16, 4, max_model_len=40)
+        request = Request("r", range(7))
+        assert manager.allocate_slots(request, 7) is not None
+        request.num_computed_tokens = 7
+        request.all_token_ids.append(2**64)  # fills block 1
+        hashes, cached = list(request.block_hashes), dict(manager.pool.cached_block_hash_to_block)
+        with pytest.raises(ValueError, match="token_ids must be ints .* that fit in int64"):
+            allocate(manager, request)
+        assert request.block_hashes == hashes and len(hashes) == 1
+        assert manager.pool.cached_block_hash_to_block == cached and manager._num_cached["r"] == 1
+        manager.check_integrity()
