@@ -133,8 +133,9 @@ def _cache_filled_blocks(manager: KVCacheManager, filling: list[tuple[Request, i
     step's; with no cache events to report) is hashed (hashing.extend_block_hashes, as
     Request.update_block_hashes would) and cached here, without the per-call layers and
     checks that hold by then (its block list, its hash configuration, its tokens as
-    Request keeps them); any other, or one whose hash fails (cache_full_blocks raises
-    its error), goes through cache_full_blocks.
+    Request keeps them); any other goes through cache_full_blocks. A hash that fails
+    raises its ValueError, as cache_full_blocks would (Request.update_block_hashes makes
+    the same call).
     """
     pool = manager.pool
     if pool.enable_events or not pool.enable_caching:
@@ -158,14 +159,12 @@ def _cache_filled_blocks(manager: KVCacheManager, filling: list[tuple[Request, i
         ):
             cache_full_blocks(manager, request, num_tokens)
             continue
-        try:  # appends block i's hash, changing nothing if it raises
-            extend_block_hashes(
-                hashes, token_ids, bs, seed=seed, adapter_id=request.adapter_id,
-                cache_salt=request.cache_salt, tokens_checked=True,
-            )  # fmt: skip
-        except ValueError:
-            cache_full_blocks(manager, request, num_tokens)  # raises it by name
-            continue
+        # Appends block i's hash, changing nothing if it raises: the ValueError that
+        # cache_full_blocks would raise, from this same call.
+        extend_block_hashes(
+            hashes, token_ids, bs, seed=seed, adapter_id=request.adapter_id,
+            cache_salt=request.cache_salt, tokens_checked=True,
+        )  # fmt: skip
         cache_block(blocks[i], hashes[i])
         num_cached_of[req_id] = i + 1
 
