@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxkv import KVCacheManager, block_table
+from jaxkv import KVCacheManager, Request, block_table
 from tests.host._util import make_request, prefill, snapshot
 
 
@@ -147,6 +147,24 @@ def test_each_check_names_the_first_request_of_the_batch_it_refuses():
             m.allocate_slots_batch([a, b, c], counts)
         assert snapshot(m) == before
     assert m.allocate_slots_batch([a, b, c], [1, 1, 1])
+
+
+class _TaggedRequest(Request):
+    """A Request subclass, as a serving layer may keep its own fields on."""
+
+
+def test_requests_of_a_request_subclass_are_allocated_and_other_objects_refused():
+    # The exact-type fast path falls back to a check per item, which takes a subclass.
+    m = KVCacheManager(64, 4, max_model_len=64)
+    a, b = make_request("a", range(8)), _TaggedRequest("b", list(range(20, 28)))
+    prefill(m, a)
+    prefill(m, b)
+    before = snapshot(m)
+    with pytest.raises(ValueError, match=r"request='c' must be a Request"):
+        m.allocate_slots_batch([a, b, "c"], [1, 1, 1])
+    assert snapshot(m) == before
+    assert m.allocate_slots_batch([b, a], [1, 1])
+    assert m.block_ids("b")[-1] != 0 and len(m.block_ids("b")) == len(m.block_ids("a")) == 3
 
 
 @pytest.mark.parametrize("counts", [[1], [1, 1, 1]], ids=["fewer", "more"])
