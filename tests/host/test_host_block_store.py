@@ -197,3 +197,31 @@ def test_a_put_that_runs_out_of_memory_growing_a_table_stores_nothing(table):
     store.drop(b"b")  # c is linked under b: demoted, the next to be evicted
     assert _order(store).index("c") < _order(store).index("a")
     assert b"b" not in store._children.get(b"a", {})
+
+
+class _InterruptedSet(dict):
+    """A table whose every store raises KeyboardInterrupt while `armed`, as a Ctrl-C
+    landing on that line does (the table is left unchanged)."""
+
+    armed = False
+
+    def __setitem__(self, key, value):
+        if self.armed:
+            raise KeyboardInterrupt
+        super().__setitem__(key, value)
+
+
+def test_a_put_of_a_stored_entry_cut_short_keeps_it_stored_with_its_links():
+    # Only a new entry is removed when its put fails: one stored before had its links
+    # already, and removing it lost a block the store held.
+    store = HostBlockStore()
+    _chain(store, "abc")
+    store._serial_of = failing = _InterruptedSet(store._serial_of)
+    before = _links(store)
+    failing.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        store.put(b"b", b"a", np.full(2, 0))
+    assert _links(store) == before and store[b"b"].tolist() == [ord("b")] * 2
+    failing.armed = False
+    store.drop(b"a")  # b and c are still linked under a: the next to go, deepest first
+    assert _order(store) == "cb"
