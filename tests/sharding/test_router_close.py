@@ -8,7 +8,7 @@ import time
 import pytest
 
 from jaxkv import SamplingParams
-from jaxkv.closable import checked_timeout, try_each
+from jaxkv.closable import Closable, checked_timeout, try_each
 from jaxkv.router import PrefixAwareRouter
 from tests.sharding._router_util import BLOCK, FakeReplica, OffloadingReplica
 
@@ -333,3 +333,14 @@ def test_copies_that_time_out_beside_a_failed_replica_close_everything_all_the_s
     (note,) = raised.value.__notes__
     assert "waiting for the KV copies raised TransfersPendingError" in note
     assert router.closed and [r.close_calls for r in replicas] == [[0.0], [0.0]]
+
+
+def test_a_closable_that_defines_no_close_fails_loudly_at_the_end_of_its_with_block():
+    # Closable leaves close() to each subclass: one that forgot it must not leave a
+    # `with` block as if it had closed.
+    class NoClose(Closable):
+        pass
+
+    with pytest.raises(NotImplementedError):
+        with NoClose() as closable:
+            assert not closable.closed
