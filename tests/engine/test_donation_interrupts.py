@@ -5,7 +5,10 @@ raised just after the call returned, its result (the only live caches) dropped."
 from __future__ import annotations
 
 import _thread
+import pathlib
 import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxkv import SamplingParams, kv_copy, step_program
+from jaxkv import SamplingParams, held_interrupts, kv_copy, step_program
 from jaxkv.held_interrupts import holding_interrupts
 from jaxkv.kv_copy import DeviceKVCopier
 from tests.engine._util import VOCAB, assert_all_blocks_free, dense_greedy, make_engine, tiny_model
@@ -82,6 +85,48 @@ def test_a_held_interrupt_reaches_the_installed_handler_once_the_block_ends():
             signal.raise_signal(signal.SIGINT)
             assert len(calls) == 2
         assert signal.getsignal(signal.SIGINT) is not previous  # the test's handler is back
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# Loads held_interrupts.py by path (it imports only the standard library): the child
+# process ends by the default SIGINT action, which no test may take in this process.
+_DEFAULT_ACTION = """
+import importlib.util, signal, sys
+spec = importlib.util.spec_from_file_location("held", sys.argv[1])
+held = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(held)
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+with held.holding_interrupts(passes_on=lambda: True):
+    signal.raise_signal(signal.SIGINT)
+    print("held", flush=True)
+print("lost", flush=True)
+"""
+
+
+def test_an_interrupt_passed_on_to_the_default_action_ends_the_process_on_leaving_the_block():
+    # The default action cannot be called as a handler: it is taken once the block ends,
+    # as under a held interrupt, not dropped.
+    path = str(pathlib.Path(held_interrupts.__file__))
+    proc = subprocess.run(
+        [sys.executable, "-c", _DEFAULT_ACTION, path], capture_output=True, text=True, timeout=60
+    )
+    assert proc.stdout == "held\n" and proc.returncode == -signal.SIGINT, proc
+
+
+def test_a_handler_installed_outside_python_is_left_in_place(monkeypatch):
+    # getsignal answers None for a handler that C code installed: it could not be put
+    # back after the block, so the block holds nothing and the signal goes to it at once.
+    calls = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+    try:
+        monkeypatch.setattr(held_interrupts._signal, "getsignal", lambda signum: None)
+        with holding_interrupts(True):
+            signal.raise_signal(signal.SIGINT)
+            assert calls == [signal.SIGINT]
+        monkeypatch.undo()
+        assert calls == [signal.SIGINT]  # not raised again on leaving the block
+        assert signal.getsignal(signal.SIGINT) is not previous  # the test's handler stayed
     finally:
         signal.signal(signal.SIGINT, previous)
 
