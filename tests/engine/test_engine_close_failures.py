@@ -232,3 +232,48 @@ def test_a_router_takes_again_the_id_of_a_request_whose_copy_a_forced_close_lost
         router.close()
     finally:
         hung.set()
+
+
+class _EndFails(HostOffloadConnector):
+    """Its stats and unbind raise while `broken`."""
+
+    broken = False
+
+    @property
+    def stats(self):
+        if self.broken:
+            raise RuntimeError("stats broken")
+        return super().stats
+
+    def unbind(self, copier) -> None:
+        if self.broken:
+            raise RuntimeError("unbind broken")
+        super().unbind(copier)
+
+
+def test_a_forced_close_goes_on_past_every_failing_step_of_its_end_and_names_them():
+    # The end of close (the connector's last counts, its unbind, the lost copies'
+    # requests released) is done whole: each failing step is named on the error raised,
+    # and the engine ends closed with its KV caches freed.
+    connector = _EndFails(HOST_BYTES, copy_delay_steps=5)
+    engine = make_engine(connector=connector)
+    engine.generate([_prompt(12)], SamplingParams(max_tokens=2), progress=False)
+    assert engine.has_pending_transfers()
+    caches = engine.kv_caches
+
+    def forget_fails():
+        raise RuntimeError("forget broken")
+
+    engine.scheduler.forget_transfers = forget_fails
+    connector.broken = True
+    with pytest.raises(TimeoutError, match="still pending") as raised:
+        engine.close(timeout_s=0, force=True)
+
+    (note,) = raised.value.__notes__
+    assert note.startswith("raised by waiting for the KV copies; close went on")
+    assert "connector.stats raised RuntimeError('stats broken')" in note
+    assert "connector.unbind(copier) raised RuntimeError('unbind broken')" in note
+    assert "releasing the requests of the copies lost raised RuntimeError('forget broken')" in note
+    assert engine.closed and engine.kv_caches == [] and engine.copier.closed
+    assert all(cache.is_deleted() for cache in caches)
+    engine.close()  # closed: nothing to do
