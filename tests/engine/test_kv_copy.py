@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxkv import kv_copy
 from jaxkv.kv_copy import DeviceKVCopier
@@ -84,6 +86,17 @@ def test_replicated_kv_heads_are_stored_once_and_loaded_into_every_replica(kv_re
             np.testing.assert_array_equal(np.asarray(got)[1:], _replicated(exp, kv_replicas)[1:])
     finally:
         copier.close()
+
+
+@pytest.mark.parametrize("kv_replicas, heads", [(1, "tp"), (2, None)])
+def test_a_load_into_caches_on_a_mesh_is_staged_on_that_mesh(kv_replicas, heads):
+    # Split along heads as the caches are when they hold each KV head once; whole on
+    # each device when they hold replicas (a host block holds each head once).
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+    cache = NamedSharding(mesh, P(None, None, "tp"))  # shorter than the caches' rank
+    staged = kv_copy.staging_sharding(cache, kv_replicas)
+    assert isinstance(staged, NamedSharding) and staged.mesh == mesh
+    assert tuple(staged.spec) == (None, None, None, heads)
 
 
 # 4: divides the 4 combined (K, V) positions but not the 2 KV heads.
