@@ -52,3 +52,25 @@ def kv_loads_stay_on_the_engine_devices():
         assert {s[3] for s in shard_shapes(staged)} == {heads}, shard_shapes(staged)
         np.testing.assert_array_equal(copier.start_save([2, 5, 7]).result(), blocks)
         copier.close()
+
+
+@check
+def kv_loads_into_caches_of_another_sharding_kind_stay_on_their_devices():
+    """Caches of several devices under a sharding that is no NamedSharding (jax's
+    GSPMDSharding, which jax's public API no longer makes but an array may carry): a
+    load's blocks are staged whole on each of those devices, not on device 0."""
+    from jax._src.sharding_impls import GSPMDSharding
+
+    devices = jax.devices()[4:8]
+    where = GSPMDSharding.get_replicated(devices)
+    state = {"caches": [jax.device_put(np.zeros((16, BLOCK_SIZE, 4, 8), np.float32), where)]}
+    copier = _copier(state, 1)
+    blocks = np.random.default_rng(1).standard_normal((3, *copier.block_shape))
+    blocks = blocks.astype(copier.dtype)
+    staged = copier.start_load([2, 5, 7], blocks).result()
+    on = sorted(d.id for d in staged.sharding.device_set)
+    print(f"  caches under {type(where).__name__} on 4-7: staged on {on}")
+    assert staged.sharding.device_set == set(devices), on
+    assert set(shard_shapes(staged)) == {staged.shape}, shard_shapes(staged)  # whole on each
+    np.testing.assert_array_equal(copier.start_save([2, 5, 7]).result(), blocks)
+    copier.close()
