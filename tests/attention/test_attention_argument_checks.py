@@ -326,6 +326,36 @@ def test_index_values_of_a_hand_made_metadata_are_checked_outside_jit():
         paged_attention(q, pages64, dataclasses.replace(level_md, levels=(level,)), sm_scale=0.125)
 
 
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"num_seqs": [7]}, r"^metadata: num_seqs\[0\]=7 must be in \[0, max_num_seqs=4\]"),
+        ({"num_seqs": [-1]}, r"^metadata: num_seqs\[0\]=-1 must be in"),
+        ({"num_seqs": 2}, r"num_seqs.shape=\(\) must be \(1,\)"),
+        ({"num_seqs": [2, 2]}, r"num_seqs.shape=\(2,\) must be \(1,\)"),
+        ({"cu_q_lens": [[0, 4, 6, 6, 6]]}, r"cu_q_lens.shape=\(1, 5\) must be \(5,\)"),
+        ({"max_q_len": "2"}, r"max_q_len='2' must be an int >= 1"),
+    ],
+)
+def test_malformed_index_arrays_are_named_not_read_for_the_query_bound(change, match):
+    # The bound check reads only a well-formed pass (and its longest query is short of
+    # max_q_len=2 here); a malformed one is left to the kernels' checks, which name it:
+    # read, num_seqs=() raised numpy's IndexError, max_q_len='2' a TypeError, and an out
+    # of range count was refused as a max_q_len below queries past the valid sequences.
+    i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
+    md = dataclasses.replace(  # two valid sequences of 2 query tokens, two of 2 more past them
+        _metadata(), cu_q_lens=i32([0, 2, 4, 8, 12]), kv_lens=i32([8, 8, 0, 0]),
+        page_indices=i32(np.tile([[1, 2]], (4, 1))), num_seqs=i32([2]), levels=(),
+        max_q_len=2, num_blocks=None,
+    )  # fmt: skip
+    q = jnp.zeros((md.max_num_tokens, H_Q, D), jnp.float32)
+    pages = jnp.zeros((3, 4, 2 * H_KV, D), jnp.float32)
+    assert paged_attention(q, pages, md, sm_scale=0.125).shape == q.shape
+    change = {k: v if k == "max_q_len" else i32(v) for k, v in change.items()}
+    with pytest.raises(ValueError, match=match):
+        paged_attention(q, pages, dataclasses.replace(md, **change), sm_scale=0.125)
+
+
 @pytest.mark.parametrize("levels", [None, ({"max_q_len": 8},)], ids=["none", "dict"])
 def test_levels_that_are_no_level_metadata_are_refused_by_name(levels):
     # None failed with "'NoneType' object is not iterable", a dict with AttributeError.
