@@ -202,10 +202,11 @@ def _check_arguments(block_table, plan, block_size, buckets, backend, interpret,
     ):
         raise ValueError(f"levels={levels!r} must be None or a tuple of LevelMetadata")
     dtype = getattr(block_table, "dtype", None)
-    if getattr(block_table, "ndim", None) != 2 or dtype is None or dtype.kind not in "iu":
+    # numpy only: a jax array clamps a row or column past it, where numpy raises
+    if not isinstance(block_table, np.ndarray) or block_table.ndim != 2 or dtype.kind not in "iu":
         raise ValueError(
             f"block_table ({type(block_table).__name__}, dtype {dtype}) must be a 2-D integer "
-            "array [num_rows, max_blocks_per_seq] (KVCacheManager.block_table)"
+            "array [num_rows, max_blocks_per_seq] in numpy, as KVCacheManager.block_table"
         )
     if plan.made_for is not None:
         manager, row_version = plan.made_for

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -93,6 +94,18 @@ def test_a_block_table_too_narrow_or_of_another_manager_is_refused_by_name(plann
         build_attention_metadata(**{**build, "block_table": m.block_table[:, :3]})
     with pytest.raises(ValueError, match=match):  # a smaller manager's table: fewer rows
         build_attention_metadata(**{**build, "block_table": m.block_table[:2]})
+
+
+def test_a_block_table_on_the_device_is_refused_by_name():
+    # jax clamps an index past an array where numpy raises: a hand-made plan's row past a
+    # device copy of the table read its last row, another request's blocks, and the
+    # request's KV slots landed in them, without an error.
+    m, build = _three_decoding()
+    build["plan"] = dataclasses.replace(build["plan"], made_for=None)
+    match = r"block_table \(ArrayImpl, dtype int32\) must be a 2-D integer array .* in numpy"
+    for table in (jnp.asarray(m.block_table), jnp.asarray(m.block_table[:2])):
+        with pytest.raises(ValueError, match=match):
+            build_attention_metadata(**{**build, "block_table": table})
 
 
 def test_the_table_of_another_manager_of_the_same_shape_is_refused():
