@@ -372,12 +372,9 @@ def build_attention_metadata(
         )
     slot_mapping[:total] = token_blocks * block_size + offset
 
-    try:
-        levels = plan_levels(
-            plan, levels, block_table, token_starts, decode_only, block_size, buckets
-        )
-    except IndexError:
-        raise _outside(block_table) from None
+    # Every row a level reads was read above: a planner's leader rows are among the
+    # plan's rows, a hand-made plan's were read by _check_hand_made_levels.
+    levels = plan_levels(plan, levels, block_table, token_starts, decode_only, block_size, buckets)
     longest_query = 1 if decode_only else int(query_lens.max(initial=1))
     return AttentionMetadata(
         slot_mapping=slot_mapping,

@@ -73,7 +73,9 @@ def plan_levels(
     only if it equals what this step needs; ValueError otherwise (metadata of another
     plan or layout would attend to other requests' blocks). It costs nothing when it is
     the memo's own tuple; otherwise the levels are built and compared.
-    Raises IndexError if a level reads outside block_table (the builder names it).
+    `block_table` must hold every row the levels name: the builder has read each from it
+    before (a planner's leader rows are among its plan's rows; a hand-made plan's are
+    checked), so numpy raises no IndexError here.
     """
     if not plan.levels:
         if given:
