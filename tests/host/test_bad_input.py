@@ -154,36 +154,6 @@ def test_an_array_among_request_ids_is_refused_by_name_after_a_call_of_as_many_i
     _assert_unchanged(busy, before)
 
 
-class _ComparesOnlyToItsOwn:
-    """An id hashed as 'b' whose == raises TypeError against anything else: a dict lookup
-    that meets the key 'b' raises it, as an unhashable id's lookup does."""
-
-    def __hash__(self) -> int:
-        return hash("b")
-
-    def __eq__(self, other):
-        raise TypeError("compared with another type")
-
-    def __repr__(self) -> str:
-        return "<own kind>"
-
-
-def test_an_id_whose_comparison_raises_is_refused_by_name(busy):
-    # Its lookup raised TypeError, taken for an unhashable id; no id was unhashable, so
-    # the error named None. After a call of as many ids, the list comparison with that
-    # call's raised the TypeError itself.
-    before = snapshot(busy)
-    named = r"request_ids: <own kind> is not a request id"
-    for call in (busy.num_common_prefix_blocks, busy.rows_of):
-        with pytest.raises(ValueError, match=named):
-            call(["a", _ComparesOnlyToItsOwn()])
-        call(["a", "a"])  # the answer kept: the next list is compared with this one
-        with pytest.raises(ValueError, match=named):
-            call(["a", _ComparesOnlyToItsOwn()])
-    assert busy.num_common_prefix_blocks(["a", "b"]) == 1
-    _assert_unchanged(busy, before)
-
-
 @pytest.mark.parametrize(
     "rows,match",
     [

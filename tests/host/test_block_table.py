@@ -259,3 +259,36 @@ def test_append_refuses_the_null_block_with_nothing_changed():
     assert all((x == y).all() for x, y in zip(before, after, strict=True))
     assert t.num_common_prefix_blocks(ids) == 1
     assert t.check_integrity({rid: [5] if i == 1 else [5, 6, 7] for i, rid in enumerate(ids)}) == []
+
+
+class _ComparesOnlyToItsOwn:
+    """An id hashed as 'b' whose == raises TypeError against anything else: a dict lookup
+    that meets the key 'b' raises it, as an unhashable id's lookup does."""
+
+    def __hash__(self) -> int:
+        return hash("b")
+
+    def __eq__(self, other):
+        raise TypeError("compared with another type")
+
+    def __repr__(self) -> str:
+        return "<own kind>"
+
+
+def test_an_id_whose_comparison_raises_is_refused_by_name():
+    # Its lookup raised TypeError, taken for an unhashable id; no id was unhashable, so
+    # the error named None. After a call of as many ids, the list comparison with that
+    # call's raised the TypeError itself.
+    t = HostBlockTable(max_blocks_per_seq=4)
+    for rid, blocks in (("a", [5, 6]), ("b", [5, 7])):
+        t.add_row(rid)
+        t.append(rid, blocks, shared=True)
+    named = r"request_ids: <own kind> is not a request id"
+    for call in (t.num_common_prefix_blocks, t.rows_of):
+        with pytest.raises(ValueError, match=named):
+            call(["a", _ComparesOnlyToItsOwn()])
+        call(["a", "a"])  # the answer kept: the next list is compared with this one
+        with pytest.raises(ValueError, match=named):
+            call(["a", _ComparesOnlyToItsOwn()])
+    assert t.num_common_prefix_blocks(["a", "b"]) == 1
+    assert t.check_integrity({"a": [5, 6], "b": [5, 7]}) == []
