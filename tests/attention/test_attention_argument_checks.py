@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -141,6 +142,22 @@ def test_write_kv_refuses_a_slot_mapping_of_another_token_count():
     k = jnp.zeros((8, H_KV, D), jnp.float32)
     with pytest.raises(ValueError, match=r"slot_mapping.shape=\(7,\) must be \(8,\)"):
         write_kv(jnp.zeros((64, 4, 2 * H_KV, D), jnp.float32), k, k, np.zeros(7, np.int32))
+
+
+@pytest.mark.parametrize(
+    "k_shape,v_shape",
+    [((8, H_KV + 1, D), (8, H_KV + 1, D)), ((8, H_KV, D // 2), (8, H_KV, D // 2)),
+     ((8, H_KV, D), (7, H_KV, D))],
+    ids=["heads", "head_dim", "v_tokens"],
+)  # fmt: skip
+def test_write_kv_refuses_k_and_v_that_are_not_the_caches_heads_by_shape(k_shape, v_shape):
+    # Another head count would write into the wrong combined heads, another head_dim
+    # fail in the reshape naming nothing, and v of other tokens be stacked with k's.
+    pages = jnp.zeros((64, 4, 2 * H_KV, D), jnp.float32)
+    k, v = jnp.zeros(k_shape, jnp.float32), jnp.zeros(v_shape, jnp.float32)
+    want = f"k.shape={k_shape} and v.shape={v_shape} must be [max_num_tokens, {H_KV}, {D}]"
+    with pytest.raises(ValueError, match="^" + re.escape(want)):
+        write_kv(pages, k, v, np.zeros(8, np.int32))
 
 
 def test_write_kv_refuses_a_float64_numpy_cache_before_jit_converts_it():
