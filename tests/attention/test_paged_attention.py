@@ -178,6 +178,9 @@ def test_write_kv_writes_nothing_for_a_64_bit_slot_past_int32(dtype):
     out = np.asarray(write_kv(kv, k, k, slots))
     touched = np.argwhere(np.any(out != 0, axis=(2, 3)))
     assert touched.tolist() == [[2, 1]]
+    # Given by keyword, slot_mapping is narrowed the same way.
+    out = np.asarray(write_kv(jnp.zeros_like(kv), k=k, v=k, slot_mapping=slots))
+    assert np.argwhere(np.any(out != 0, axis=(2, 3))).tolist() == [[2, 1]]
 
 
 def test_write_kv_quantized_round_trip():
