@@ -198,6 +198,17 @@ def test_a_platform_name_for_devices_is_refused_as_given():
             build(1, "cpu")
 
 
+def test_make_mesh_refuses_more_devices_than_it_is_given_naming_both_counts():
+    """TP past the devices is named with the count, not as failing to divide it."""
+    d = jax.devices()[0]
+    for tp, devices in ((len(jax.devices()) + 1, None), (3, [d])):
+        count = len(jax.devices()) if devices is None else len(devices)
+        with pytest.raises(
+            ValueError, match=rf"^tensor_parallel_size={tp} exceeds the device count={count}$"
+        ):
+            sharding.make_mesh(tp, devices=devices)
+
+
 def test_make_mesh_takes_only_the_first_tp_devices():
     """Devices past the first TP are not looked at, as vLLM's tensor_parallel_size."""
     d = jax.devices()[0]
