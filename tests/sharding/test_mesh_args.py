@@ -241,6 +241,25 @@ def test_shard_model_places_the_params_given_not_the_model_weights():
     assert not np.array_equal(np.asarray(model.layers[0].self_attn.q_proj.kernel[...]), want)
 
 
+def test_place_model_places_params_given_with_a_sharded_model_on_its_mesh():
+    """Without a mesh, params given with a model shard_model placed become its weights on
+    that model's mesh and axis (not left whole on one device beside it), and no params
+    are handed back; without params the model is returned as it is."""
+    cfg = small_config()
+    mesh = sharding.make_mesh(1, axis_name="tp")
+    sharded = sharding.shard_model(random_model(cfg, seed=0), mesh, axis_name="tp")
+    other = random_model(cfg, seed=1)
+    assert sharding.place_model(sharded, None, None) == (sharded, None)
+    placed, params = sharding.place_model(sharded, nnx.state(other), None)
+    assert params is None and placed is not sharded
+    tp = sharding.tensor_parallel_of(placed)
+    assert (tp.mesh, tp.axis_name) == (mesh, "tp")
+    got = placed.layers[0].self_attn.q_proj.kernel[...]
+    assert got.sharding.mesh == mesh and got.sharding.spec == P(None, "tp")
+    want = other.layers[0].self_attn.q_proj.kernel[...]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_shard_model_refuses_params_of_other_shapes_by_name():
     """Weights of a wider MLP were placed as they came: the model failed at its first call
     (or, with a larger vocabulary, served logits of more tokens than its config has)."""
