@@ -78,6 +78,16 @@ def test_replicated_kv_heads_are_written_once_per_device_that_holds_them():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_query_heads_that_are_no_multiple_of_the_kv_heads_are_refused_by_name():
+    """3 query heads over 2 KV heads are no grouped-query model: named with both counts
+    on the whole arrays, before any shard is cut."""
+    mesh = sharding.make_mesh(1)
+    with pytest.raises(ValueError, match=r"^num_q_heads=3 must be a multiple of num_kv_heads=2"):
+        sharding.sharded_paged_attention(
+            jnp.zeros((4, 3, 8)), jnp.zeros((5, 4, 4, 8)), None, mesh=mesh, sm_scale=1.0
+        )
+
+
 def test_kv_pages_of_rank_three_are_refused_by_name():
     """A cache without its head_dim axis is named as kv_pages, not failed in shard_map."""
     mesh = sharding.make_mesh(1)
