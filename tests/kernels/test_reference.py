@@ -251,6 +251,8 @@ def test_bad_input_raises_at_trace_time(mutate, match):
         ({"causal": "no"}, "causal='no' must be a bool"),  # ran causal, by truthiness
         ({"causal": None}, "causal=None must be a bool"),  # ran non-causal
         ({"out_dtype": jnp.int32}, "out_dtype=.* must be None"),
+        # No dtype at all: jnp.dtype's TypeError, naming nothing.
+        ({"out_dtype": "no dtype"}, "out_dtype='no dtype' must be None"),
         ({"soft_cap": float("inf")}, "soft_cap=inf must be a finite number > 0"),
         ({"k_scale": float("nan"), "v_scale": 1.0}, "k_scale=nan must be a finite number"),
         ({"k_scale": 1.0, "v_scale": 0.0}, "v_scale=0.0 must be a finite number > 0"),
