@@ -248,6 +248,8 @@ def test_bad_input_raises_at_trace_time(mutate, match):
         ({"sm_scale": float("inf")}, "sm_scale=inf must be a finite number > 0"),
         ({"sm_scale": float("nan")}, "sm_scale=nan must be a finite number > 0"),
         ({"sm_scale": None}, "sm_scale=None must be a finite number > 0"),
+        # Neither a number nor an array: left as given for the scale's own check.
+        ({"sm_scale": "0.125"}, "sm_scale='0.125' must be a finite number > 0"),
         ({"causal": "no"}, "causal='no' must be a bool"),  # ran causal, by truthiness
         ({"causal": None}, "causal=None must be a bool"),  # ran non-causal
         ({"out_dtype": jnp.int32}, "out_dtype=.* must be None"),
