@@ -177,6 +177,16 @@ def test_a_scale_given_as_a_jax_scalar_is_that_number(backend):
     harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))
 
 
+def test_several_scales_given_as_scalar_arrays_are_each_that_number():
+    # Each array option is converted, not only the first: a jax array left among the
+    # static options failed with jax's "Non-hashable static arguments".
+    case = _case()
+    options = dict(sm_scale=jnp.float32(0.125), soft_cap=jnp.float32(5.0), out_dtype=jnp.float32)
+    out, lse = reference.ragged_paged_attention(*case.args(), **options)
+    want = harness.dense_oracle(case, sm_scale=0.125, soft_cap=5.0)
+    harness.assert_close_to_oracle(case, out, lse, want)
+
+
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize(
     "option, value",
