@@ -30,7 +30,7 @@ def is_positive_finite(x) -> bool:
     try:
         if not (math.isfinite(x) and x > 0):
             return False
-    except (TypeError, OverflowError):  # OverflowError: an int past float64's range
+    except (TypeError, OverflowError, ValueError):  # an int past float64's range, Decimal sNaN
         return False
     with np.errstate(over="ignore"):
         as_f32 = np.float32(x)

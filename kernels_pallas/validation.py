@@ -12,7 +12,9 @@ Two kinds of checks, each error naming the argument and what was expected:
 
 from __future__ import annotations
 
+import decimal
 import functools
+import numbers
 from collections.abc import Callable
 
 import jax
@@ -302,8 +304,10 @@ def static_number_options(options: dict) -> dict:
     or jax, as `1 / jnp.sqrt(head_dim)` gives) as a Python float: jit's static
     arguments must be hashable, and a jax array is not. Raises ValueError naming the
     option for a traced value (a static option must be known when tracing), an array of
-    more than one value or one of no real number (str, complex, date); anything else is
-    left for the option's own check."""
+    more than one value or one of no real number (str, complex, date). A Fraction or
+    Decimal becomes its float too (the kernels multiply arrays by it: a TypeError naming
+    nothing); anything else, and one past float's range, is left for the option's own
+    check."""
     converted = None
     for name in STATIC_NUMBER_OPTIONS:
         value = options.get(name)
@@ -322,9 +326,16 @@ def static_number_options(options: dict) -> dict:
                 number = float(value)
             else:  # a str, complex or date would be read as some other number, or fail
                 raise ValueError(f"{name}={value!r} must be a finite number > 0")
-            if converted is None:
-                converted = dict(options)
-            converted[name] = number
+        elif isinstance(value, (numbers.Real, decimal.Decimal)):
+            try:
+                number = float(value)
+            except (OverflowError, ValueError):  # Fraction(10**400), Decimal("sNaN")
+                continue
+        else:
+            continue
+        if converted is None:
+            converted = dict(options)
+        converted[name] = number
     return options if converted is None else converted
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -248,6 +249,11 @@ def test_a_scale_given_as_a_scalar_array_is_the_same_number_and_a_traced_one_is_
     got = write_kv(int8_pages(), k, k, md.slot_mapping, k_scale=jnp.float32(0.5), v_scale=1.0)
     want = write_kv(int8_pages(), k, k, md.slot_mapping, k_scale=0.5, v_scale=1.0)
     np.testing.assert_array_equal(got, want)
+    # A Fraction passed the scale check and then failed dividing k by it (TypeError).
+    got = write_kv(int8_pages(), k, k, md.slot_mapping, k_scale=Fraction(1, 2), v_scale=1.0)
+    np.testing.assert_array_equal(got, want)
+    got = paged_attention(q, pages, md, sm_scale=Fraction(1, 8))
+    np.testing.assert_array_equal(got, paged_attention(q, pages, md, sm_scale=0.125))
 
 
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])

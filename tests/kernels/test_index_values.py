@@ -12,6 +12,8 @@ valid sequence reads (padding) may hold anything.
 from __future__ import annotations
 
 import functools
+from decimal import Decimal
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -175,6 +177,24 @@ def test_a_scale_given_as_a_jax_scalar_is_that_number(backend):
     case = _case()
     out, lse = BACKENDS[backend](*case.args(), sm_scale=jnp.float32(0.125), out_dtype=jnp.float32)
     harness.assert_close_to_oracle(case, out, lse, harness.dense_oracle(case, sm_scale=0.125))
+
+
+@pytest.mark.parametrize(
+    "sm_scale, soft_cap",
+    [(Fraction(1, 8), Fraction(5)), (Decimal("0.125"), Decimal(5))],
+    ids=["fraction", "decimal"],
+)
+def test_scales_given_as_fractions_or_decimals_are_each_that_number(sm_scale, soft_cap):
+    # Each passed the finite > 0 check and then failed with a TypeError naming nothing
+    # where the kernel multiplied an array by it.
+    case = _case()
+    options = dict(sm_scale=sm_scale, soft_cap=soft_cap, out_dtype=jnp.float32)
+    out, lse = reference.ragged_paged_attention(*case.args(), **options)
+    want = harness.dense_oracle(case, sm_scale=0.125, soft_cap=5.0)
+    harness.assert_close_to_oracle(case, out, lse, want)
+    for bad in (Fraction(10**400), Decimal("sNaN"), Decimal("Infinity"), Fraction(1, 10**50)):
+        with pytest.raises(ValueError, match="^sm_scale=.* must be a finite number > 0"):
+            reference.ragged_paged_attention(*case.args(), sm_scale=bad)
 
 
 def test_several_scales_given_as_scalar_arrays_are_each_that_number():
