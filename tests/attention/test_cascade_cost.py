@@ -251,3 +251,18 @@ def test_no_cost_model_verdict_makes_a_level_for_one_request_or_over_no_block():
     assert not _plan(planner, m, alone).uses_cascade
     apart = [_decoding(m, f"r{i}", [1000 * (i + 1) + t for t in range(9)]) for i in range(3)]
     assert not _plan(planner, m, apart).uses_cascade
+
+
+def test_a_cost_model_with_only_a_pays_method_keeps_the_global_level_over_groups():
+    # It has no costs to weigh dropping the global level for groups from block 0 with:
+    # the level it pays stays, with the groups under it.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    head = list(range(100, 108))  # 2 blocks under two 4-block prompts
+    a, b = head + list(range(300, 316)), head + list(range(400, 416))
+    reqs = [_decoding(m, f"a{i}", a + [i, i + 1]) for i in range(3)]
+    reqs += [_decoding(m, f"b{i}", b + [i, i + 1]) for i in range(2)]
+    plan = _plan(CascadePlanner(SHAPE, cost_model=_PaysOnly(True)), m, reqs)
+    glob, groups = plan.levels
+    assert (glob.name, glob.block_ends.tolist()) == ("global", [2])
+    assert (groups.block_starts.tolist(), groups.block_ends.tolist()) == ([2, 2], [6, 6])
+
