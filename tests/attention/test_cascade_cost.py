@@ -266,3 +266,15 @@ def test_a_cost_model_with_only_a_pays_method_keeps_the_global_level_over_groups
     assert (glob.name, glob.block_ends.tolist()) == ("global", [2])
     assert (groups.block_starts.tolist(), groups.block_ends.tolist()) == ([2, 2], [6, 6])
 
+
+def test_a_cost_model_with_only_a_pays_method_keeps_the_group_saving_most_blocks_read():
+    # Past max_groups, groups are weighed by the bytes they save: (members - 1) reads of
+    # their prefix. Three requests over 6 blocks save 12 block reads, two over 10 save 10.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    a, b = list(range(300, 324)), list(range(400, 440))
+    reqs = [_decoding(m, f"a{i}", a + [i, i + 1]) for i in range(3)]
+    reqs += [_decoding(m, f"b{i}", b + [i, i + 1]) for i in range(2)]
+    plan = _plan(CascadePlanner(SHAPE, cost_model=_PaysOnly(True), max_groups=1), m, reqs)
+    (level,) = plan.levels
+    assert (level.name, level.block_ends.tolist()) == ("groups", [6])
+    assert plan.rows[level.group_starts[0] : level.group_ends[0]].tolist() == [0, 1, 2]
