@@ -280,3 +280,16 @@ def test_distinct_rows_are_checked_without_an_array_as_long_as_the_largest_row()
     assert CascadePlan(order, far, zeros, (), 0).rows.tolist() == [0, 2**40]
     with pytest.raises(ValueError, match="must be distinct"):
         CascadePlan(order, np.array([2**40, 2**40], np.int64), zeros, (), 0)
+
+
+def test_a_plan_of_an_empty_batch_passes_its_checks_and_builds_metadata_of_no_sequence():
+    # An empty order is a permutation of the empty batch: its check must not reduce over
+    # no entries (numpy's min of an empty array raises ValueError).
+    m, none = KVCacheManager(64, 4, max_model_len=64), np.zeros(0, np.int32)
+    CascadePlanner(SHAPE, cost_model=ALWAYS).plan([], none, none, m).check()
+    plan = CascadePlan(none, none, none, (), 0)  # hand-made: checked on construction
+    md = build_attention_metadata(
+        plan=plan, block_table=m.block_table, query_lens=none, num_computed_tokens=none,
+        block_size=4, buckets=BucketConfig(max_num_tokens=8, max_num_seqs=4, max_pages_per_seq=16),
+    )  # fmt: skip
+    assert md.num_seqs.tolist() == [0] and not md.kv_lens.any() and not md.levels
