@@ -8,6 +8,7 @@ not run Mosaic's own compiler passes: those need libtpu and a TPU.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -194,3 +195,16 @@ def test_numpy_int_knobs_lower_as_python_ints_do():
     )  # fmt: skip
     as_numpy = {k: np.int64(v) for k, v in knobs.items()}
     assert _lower(args, **as_numpy) == _lower(args, **knobs)
+
+
+def test_auto_generation_tunes_for_the_detected_tpu_and_by_default_for_another(monkeypatch):
+    # "auto" asks the device; a generation the table does not know (a newer TPU) or no
+    # TPU at all takes the default row, not block_sizes' ValueError for an unknown key.
+    module = importlib.import_module("kernels_pallas.tpu.ragged_paged_attention")
+    asked = []
+    monkeypatch.setattr(module, "block_sizes", lambda g: asked.append(g) or TUNED_BLOCK_SIZES[g])
+    args = _specs(BF16, BF16, 128, 16, 32, 8, tokens=20)
+    for k, detected in enumerate((None, "v6e", "v99")):
+        monkeypatch.setattr(module, "detect_tpu_generation", lambda d=detected: d)
+        _trace(args, sm_scale=0.5**k, tpu_generation="auto")  # a new scale: traced anew
+    assert asked == ["default", "v6e", "default"]
