@@ -327,6 +327,14 @@ def test_lower_triton_calls_restores_jaxs_lowering_when_tracing_raises():
     assert registration.lowering.lower_jaxpr_to_triton_module is before
 
 
+def test_lower_triton_calls_refuses_a_triton_call_it_read_no_module_of():
+    # A Triton custom call lowered by another path than the one it wraps (here one made
+    # by hand) has no module to pair with: named, not paired with another call's module.
+    x = jax.ShapeDtypeStruct((2,), jnp.float32)
+    with pytest.raises(RuntimeError, match="^1 Triton custom calls but 0 modules$"):
+        lower_triton_calls(jax.ffi.ffi_call("__gpu$xla.gpu.triton", x), (x,))
+
+
 def test_cuda_lowering_target_refuses_a_device_kind_that_is_not_nvidia():
     with pytest.raises(ValueError, match="device_kind='TPU v5e' must be an NVIDIA device kind"):
         with cuda_lowering_target("TPU v5e"):
