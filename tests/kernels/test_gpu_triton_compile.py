@@ -16,6 +16,7 @@ Runs where `triton` is installed (the test extras install it on Linux x86_64).
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import jax.numpy as jnp
 import pytest
@@ -24,6 +25,7 @@ from kernels_pallas.gpu.aot import (
     DEVICE_KIND,
     SHARED_BYTES_PER_BLOCK,
     TritonCall,
+    _resource_usage,
     compile_triton_call,
     lower_kernel_call,
     lower_triton_calls,
@@ -78,6 +80,23 @@ def test_default_tiling_compiles_and_fits_shared_memory(case, cc):
     binary = compile_triton_call(call, cc)
     assert 0 < binary.shared_bytes <= SHARED_BYTES_PER_BLOCK[cc], binary
     assert binary.registers is not None and 0 < binary.registers <= 255, binary
+
+
+def test_resource_usage_is_unknown_where_cuobjdump_cannot_tell(tmp_path):
+    # A Triton without its cuobjdump, or one that fails on the cubin, leaves registers
+    # and stack None (TritonBinary) rather than failing the compile it reports on.
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(b"not a cubin")
+    package = tmp_path / "triton"
+    fake_triton = SimpleNamespace(__file__=str(package / "__init__.py"))
+    assert _resource_usage(fake_triton, cubin) == (None, None)
+    tool = package / "backends" / "nvidia" / "bin" / "cuobjdump"
+    tool.parent.mkdir(parents=True)
+    tool.write_text("#!/bin/sh\nexit 1\n")
+    tool.chmod(0o755)
+    assert _resource_usage(fake_triton, cubin) == (None, None)
+    tool.write_text("#!/bin/sh\necho 'Function kernel:'\necho ' REG:40 STACK:8 SHARED:0'\n")
+    assert _resource_usage(fake_triton, cubin) == (40, 8)
 
 
 def test_a_tiling_too_big_for_an_a100_is_caught(monkeypatch, tmp_path):
