@@ -48,3 +48,34 @@ def test_groups_under_a_short_global_prefix_start_at_column_0_where_that_saves_m
     got = sorted((sorted(members), b0, b1) for members, b0, b1 in _groups(plan, reqs))
     assert got == [(ids[:3], start, 12), (ids[3:], start, 12)]
     assert sorted(plan.suffix_start_blocks.tolist()) == [12] * 6
+
+
+@pytest.mark.parametrize(
+    ("page_buckets", "levels"), [(None, ["groups"]), ((8, 16, 32), ["global", "groups"])]
+)
+def test_groups_stay_under_the_global_level_where_from_column_0_they_pad_no_fewer_pages(
+    page_buckets, levels
+):
+    # Five requests share a 4-block header (16 tokens at 512 bytes); a0, a1 and b0, b1
+    # share 7 blocks more under it, o only the header, with the longest context (20
+    # pages). The global level saves 4 x 8192 bytes for the merge of 5 x 6240; the two
+    # groups from column 0 read the header once each, saving 2 x 8192 of it without
+    # that merge: more. But o then reads its 20 pages in its own pass, padded to 32
+    # like flat attention, where under the global level it reads 16 pages, padded to 16.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    head = list(range(100, 116))
+    reqs = [
+        _decoding(m, f"{p}{i}", head + [1000 * (p == "b") + t for t in range(28)] + [i, 50])
+        for p in "ab"
+        for i in range(2)
+    ]
+    reqs.append(_decoding(m, "o", head + list(range(500, 560))))
+    ids = [r.request_id for r in reqs]
+    assert (_shared(m, ids), _shared(m, ids[:2]), _shared(m, ids[2:4])) == (4, 11, 11)
+    model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=1, reads_padded_pages=True)
+    plan = _plan(CascadePlanner(SHAPE, cost_model=model, page_buckets=page_buckets), m, reqs)
+    assert [lv.name for lv in plan.levels] == levels
+    start = 0 if levels == ["groups"] else 4
+    got = sorted((sorted(members), b0, b1) for members, b0, b1 in _groups(plan, reqs))
+    assert got == [(ids[:2], start, 11), (ids[2:4], start, 11)]
+    assert plan.suffix_start_blocks[list(plan.order).index(4)] == start
