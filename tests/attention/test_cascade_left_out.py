@@ -78,6 +78,19 @@ def test_a_prefill_chunk_merging_more_than_it_saves_drops_the_global_level_it_is
     assert _suffix_of(plan, reqs, "p") == (10 if levels == ["global"] else 0)
 
 
+def test_a_left_out_request_stays_in_the_global_level_where_groups_are_off():
+    # As above with 4 queries, p merges more than it saves; with groups off there is no
+    # plan of groups from block 0 to drop the global level for: it stays, p in it.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    decodes = [_decoding(m, f"d{i}", SYSTEM + [i, 50]) for i in range(4)]
+    reqs, query_lens = _with_prefill(m, decodes, SYSTEM, 4)
+    model = CascadeCostModel(launch_overhead_bytes=8192, merge_cost_factor=1)
+    planner = CascadePlanner(SHAPE, cost_model=model, enable_groups=False)
+    plan = _plan(planner, m, reqs, query_lens)
+    assert [(lv.name, lv.block_ends.tolist()) for lv in plan.levels] == [("global", [10])]
+    assert _suffix_of(plan, reqs, "p") == 10
+
+
 def test_a_left_out_request_stays_in_a_global_level_that_weighs_more_than_groups_without_it():
     # Eight decodes share a 10-block header, in pairs sharing 10 blocks more; p shares the
     # header only and merges 4 x 6240 bytes, more than its 20480-byte read: left out of
