@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxkv import KVCacheManager, cascade_groups
+from jaxkv import KVCacheManager, Request, cascade_groups
 from jaxkv.cascade import (
     DEFAULT_COST_MODELS,
     AttentionShape,
@@ -19,7 +19,7 @@ from jaxkv.cascade import (
 from jaxkv.cascade_together import level_weight
 from tests.attention.test_cascade_group_choice import _groups, _shared
 from tests.attention.test_cascade_level_choice import header_and_two_prompts
-from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding, _plan
+from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding, _plan, _prefilled
 
 
 def _planned(planner, m, reqs, computed_blocks=None):
@@ -202,3 +202,37 @@ def test_a_group_paying_only_its_merge_leaves_its_other_members_a_group():
         (["b0", "b1", "b2"], 0, 12),
         (["d0", "d1", "d2"], 0, 2),
     ]
+
+
+def _whole_table_pair(m: KVCacheManager, rid: str, tokens: list[int]) -> list[str]:
+    """rid, prefilled over a whole table row, and rid + "'" holding its very blocks: a
+    cache hit over every token, handed to allocate_slots as such (get_computed_blocks
+    leaves a request's last token to compute)."""
+    first = _prefilled(m, rid, tokens)
+    twin = Request(rid + "'", list(tokens))
+    hit = m.block_ids(rid)
+    got = m.allocate_slots(twin, 0, num_new_computed_tokens=len(tokens), new_computed_blocks=hit)
+    assert got == []  # no fresh block
+    return [first.request_id, twin.request_id]
+
+
+@pytest.mark.parametrize(("launch_overhead_bytes", "planned"), [(16000, True), (16385, False)])
+def test_groups_over_a_whole_table_row_are_searched_no_further(launch_overhead_bytes, planned):
+    # Two pairs each hold alike all 4 columns of their rows (4 blocks of 4 tokens, 8192
+    # bytes saved a pair): neither pays a call, both their merges (none, no queries); the
+    # level runs where the two together save more than its call, and no search splits a
+    # pair past the table's last column.
+    m = KVCacheManager(64, 4, max_model_len=16)
+    ids = _whole_table_pair(m, "a", list(range(100, 116)))
+    ids += _whole_table_pair(m, "b", list(range(200, 216)))
+    assert m.max_blocks_per_seq == 4 and _shared(m, ids[:2]) == _shared(m, ids[2:]) == 4
+    model = CascadeCostModel(launch_overhead_bytes=launch_overhead_bytes, merge_cost_factor=0)
+    planner = CascadePlanner(SHAPE, cost_model=model)
+    plan = planner.plan(ids, np.full(4, 16), np.zeros(4, np.int32), m)
+    plan.check()
+    if planned:
+        assert [lv.name for lv in plan.levels] == ["groups"]
+        got = [(level.block_starts.tolist(), level.block_ends.tolist()) for level in plan.levels]
+        assert got == [([0, 0], [4, 4])] and plan.suffix_start_blocks.tolist() == [4] * 4
+    else:
+        assert not plan.levels
