@@ -145,11 +145,12 @@ class GroupSearch:
             if self._pays_own_merge(len(members), (end - base) * bs, queries, context):
                 above = (*above, len(together))
                 together.append((saved, members, end, queries))
-            if end < manager.max_blocks_per_seq:
-                split = self._split(manager, rows, num_computed_tokens, members, end) or []
-                within.update((id(run), above) for run in split if above)
-                candidates += split
-                candidates.sort(key=len, reverse=True)
+            # At end == max_blocks_per_seq (a group over whole table rows) none is split:
+            # no member has computed a block past the table (check_computed_held).
+            split = self._split(manager, rows, num_computed_tokens, members, end) or []
+            within.update((id(run), above) for run in split if above)
+            candidates += split
+            candidates.sort(key=len, reverse=True)
         # A group paying only its merge above groups that pay a call is never kept (it
         # weighs less than each), and where they leave fewer than two of its members its
         # rest (kept_groups) is no group: dropped before the groups are weighed.
