@@ -138,6 +138,24 @@ def test_the_heatmap_says_which_way_round_its_speedup_is(tmp_path):
     assert (tmp_path / "speedup.png").exists()
 
 
+def test_each_heatmap_panel_draws_only_its_own_suffix(tmp_path):
+    # One panel per suffix length: a point of another suffix at the same (batch, prefix)
+    # cell must not overwrite this panel's figure.
+    import matplotlib.pyplot as plt
+
+    from benchmarks import attention
+
+    rows = [
+        dict(batch=b, prefix=64, suffix=s, speedup=float(b * s)) for s in (16, 32) for b in (2, 4)
+    ]
+    attention.heatmap(rows, tmp_path / "speedup.png")
+    short, long = (ax for ax in plt.gcf().axes if ax.get_label() != "<colorbar>")
+    plt.close("all")
+    assert short.get_title().endswith("suffix 16") and long.get_title().endswith("suffix 32")
+    assert [t.get_text() for t in short.texts] == ["32.0x", "64.0x"]
+    assert [t.get_text() for t in long.texts] == ["64.0x", "128.0x"]
+
+
 def test_without_matplotlib_the_attention_benchmark_writes_its_json_and_no_plot(
     tmp_path, monkeypatch, capsys
 ):
