@@ -71,3 +71,16 @@ def test_without_triton_the_report_says_what_to_install(monkeypatch, capsys, tmp
     assert exit_.value.code == 2
     assert "needs the triton package" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_table_marks_a_capability_a_point_was_not_compiled_for(capsys):
+    # float8 pages are skipped below compute capability 8.9: their sm_80 column is a dash,
+    # and the sm_89 figures stay in the sm_89 column.
+    tile = dict(block_m=16, block_k=64, num_warps=4)
+    row = dict(tile, kind="decode", heads="gqa8", dtypes="bf16/fp8", cc=89, fits=True)
+    row.update(shared_bytes=48 * 1024, registers=96, stack_bytes=0)
+    report.print_table([row], [80, 89])
+    _, line = capsys.readouterr().out.splitlines()
+    sm_80, sm_89 = line.split(" | ")[1:]
+    assert sm_80.split() == ["-"] and sm_89.split() == ["48", "96", "0"]
+    assert len(sm_80) == len(sm_89)  # the columns stay aligned
