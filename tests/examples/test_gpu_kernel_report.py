@@ -156,3 +156,20 @@ def test_no_gpu_exits_before_making_the_out_folder(tmp_path, capsys):
     assert gpu_kernel.main(["--out", str(out), "--no-sweep"]) == 2
     assert "no GPU found" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_run_whose_cascade_disagrees_with_flat_fails_and_names_the_cell(
+    tmp_path, monkeypatch, capsys
+):
+    stubs = dict(
+        device_checks=lambda **kw: [], copy_bandwidth=lambda *a, **kw: {"float32": 4e12},
+        bench_config=lambda *a, **kw: dict(TIMED, cascade_agrees=False),
+        lower_full_size=lambda **kw: {},
+    )  # fmt: skip
+    for name, stub in stubs.items():
+        monkeypatch.setattr(gpu_kernel, name, stub)
+    assert gpu_kernel.main(["--out", str(tmp_path), "--smoke", "--no-sweep"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: cascade or JAX's kernel disagrees with flat at (B, P, S) [(64, 8192, 128)]" in out
+    (row,) = json.loads((tmp_path / "gpu_kernel.json").read_text())["rows"]
+    assert row["cascade_agrees"] is False  # the figures are still written, marked
