@@ -173,3 +173,66 @@ def test_a_run_whose_cascade_disagrees_with_flat_fails_and_names_the_cell(
     assert "FAIL: cascade or JAX's kernel disagrees with flat at (B, P, S) [(64, 8192, 128)]" in out
     (row,) = json.loads((tmp_path / "gpu_kernel.json").read_text())["rows"]
     assert row["cascade_agrees"] is False  # the figures are still written, marked
+
+
+def test_the_sweep_runs_at_its_cell_over_the_first_kv_dtype_into_the_json(tmp_path, monkeypatch):
+    swept = []
+
+    def sweep(b, p, s, **kw):
+        swept.append(((b, p, s), kw["tilings"], kw["kv_dtype"], kw["page_size"]))
+        return [dict(block_k=16, num_kv_splits=2, kv_dtype="float32", us=12.5)]
+
+    stubs = dict(
+        device_checks=lambda **kw: [], copy_bandwidth=lambda *a, **kw: {"float32": 4e12},
+        bench_config=lambda *a, **kw: dict(TIMED), lower_full_size=lambda **kw: {},
+        sweep=sweep,
+    )  # fmt: skip
+    for name, stub in stubs.items():
+        monkeypatch.setattr(gpu_kernel, name, stub)
+    argv = ["--out", str(tmp_path), "--smoke", "--kv-dtype", "float32", "bfloat16"]
+    assert gpu_kernel.main(argv) == 0
+    assert swept == [(gpu_kernel.SMOKE_CELL, [dict(block_k=16, num_kv_splits=2)], "float32", 16)]
+    report = json.loads((tmp_path / "gpu_kernel.json").read_text())
+    assert report["sweep"] == [dict(block_k=16, num_kv_splits=2, kv_dtype="float32", us=12.5)]
+
+
+def test_the_sweep_times_each_tiling_records_a_failing_one_and_stops_at_its_deadline(
+    monkeypatch,
+):
+    # A tiling the kernel cannot take (e.g. out of shared memory) is a row with its error,
+    # not the end of the run; no tiling starts past the deadline.
+    import types
+
+    from benchmarks.attention_bytes import decode_bytes
+
+    clock, operands, failed = [0.0], set(), "out of shared memory"
+
+    def flat_fn(q, kv, *args, sm_scale, interpret, **knobs):
+        operands.add((q.dtype.name, kv.dtype.name, interpret))
+        if knobs["num_warps"] == 8:
+            raise RuntimeError(failed)
+        return q
+
+    def time_call(fn, args, repeats, *, flush_l2):
+        assert flush_l2 and repeats == 3
+        clock[0] += 1.0  # each tiling takes a second
+        return 2e-4, fn(*args)  # 2 calls: 100 us each
+
+    monkeypatch.setattr(gpu_kernel, "flat_fn", flat_fn)
+    monkeypatch.setattr(gpu_kernel, "time_call", time_call)
+    monkeypatch.setattr(gpu_kernel, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    tilings = [dict(block_k=16, num_warps=w) for w in (4, 8, 2, 1)]
+    rows = gpu_kernel.sweep(
+        2, 32, 16, page_size=16, reps=2, repeats=3, copy_bps=1e9, deadline=2.5,
+        heads=(4, 2, 64), interpret=True, tilings=tilings, kv_dtype="float32",
+    )  # fmt: skip
+    assert operands == {("bfloat16", "float32", True)}
+    sizes = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, kv_itemsize=4, q_itemsize=2)
+    fraction = decode_bytes(2, 32, 16, **sizes, cascade=False) / 1e-4 / 1e9
+    fractions = [r.pop("fraction_of_copy", None) for r in rows]
+    assert fractions == [pytest.approx(fraction), None, pytest.approx(fraction)]
+    assert rows == [
+        dict(block_k=16, num_warps=4, kv_dtype="float32", us=pytest.approx(100.0)),
+        dict(block_k=16, num_warps=8, kv_dtype="float32", error=f"RuntimeError: {failed}"),
+        dict(block_k=16, num_warps=2, kv_dtype="float32", us=pytest.approx(100.0)),
+    ]  # the fourth tiling would start at 3 s, past the deadline of 2.5 s
