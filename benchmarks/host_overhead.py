@@ -97,21 +97,24 @@ class _Setup:
         del self.requests[rid]
 
 
-def bench_prefix(rng) -> list[dict]:
-    """Largest R first; smaller R by freeing scheduled requests (building is the slow part)."""
+def bench_prefix(
+    rng, prefixes=(128, 2048), scheduled=(1024, 256, 16), others=(0, 64)
+) -> list[dict]:
+    """The grid's rows for each C of `prefixes`, R of `scheduled` (largest first: smaller
+    R by freeing scheduled requests, as building is the slow part), T of `others`."""
     rows = []
-    for num_prefix in (128, 2048):
-        setup = _Setup(num_prefix, 1024, 64, rng)
+    for num_prefix in prefixes:
+        setup = _Setup(num_prefix, scheduled[0], max(others), rng)
         m = setup.m
-        sched = [setup.add(num_prefix) for _ in range(1024)]
-        for num_sched in (1024, 256, 16):
+        sched = [setup.add(num_prefix) for _ in range(scheduled[0])]
+        for num_sched in scheduled:
             for rid in sched[num_sched:]:
                 setup.free(rid)
             sched = sched[:num_sched]
-            for num_others in (0, 64):
-                others = [setup.add(num_prefix) for _ in range(num_others)]
+            for num_others in others:
+                holders = [setup.add(num_prefix) for _ in range(num_others)]
                 rows += _time_point(setup, sched, num_others)
-                for rid in others:
+                for rid in holders:
                     setup.free(rid)
         m.check_integrity()
     return rows

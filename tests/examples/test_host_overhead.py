@@ -154,3 +154,28 @@ def test_main_keeps_each_points_best_round_and_prints_1024_over_16(monkeypatch, 
     assert all(
         line.split("|")[1].split() == ["16.0", "256.0", "1024.0", "1024/16=64.00"] for line in table
     )
+
+
+def test_the_prefix_grid_times_each_point_on_its_requests_and_other_holders(monkeypatch):
+    # Smaller R are the first of the larger R's requests (the rest freed); each point's
+    # T other holders of the prefix are alive while it is timed and freed after.
+    points = []
+    time_point = bench._time_point
+
+    def recording(setup, sched, num_others):
+        alive = [rid for rid in setup.requests if rid not in sched]
+        holders = {setup.m.block_ids(rid)[0] for rid in [*sched, *alive]}
+        points.append((setup.num_prefix, list(sched), len(alive), len(holders)))
+        return time_point(setup, sched, num_others)
+
+    monkeypatch.setattr(bench, "_time_point", recording)
+    monkeypatch.setattr(bench, "best_us_per_call", lambda fn, args_cycle: (1.0, 2.0))
+    rows = bench.bench_prefix(np.random.default_rng(0), (2, 4), (5, 3, 2), (0, 2))
+    grid = [(c, r, t) for c in (2, 4) for r in (5, 3, 2) for t in (0, 2)]
+    assert [(c, len(sched), t) for c, sched, t, _ in points] == grid
+    assert all(shared == 1 for *_, shared in points)  # every one holds the same first block
+    for first, later in zip(points, points[1:], strict=False):
+        if first[0] == later[0]:
+            assert later[1] == first[1][: len(later[1])]
+    assert [(r["C"], r["R"], r["T"]) for r in rows] == [p for p in grid for _ in bench.CASES]
+    assert [r["case"] for r in rows] == list(bench.CASES) * len(grid)
