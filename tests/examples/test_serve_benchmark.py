@@ -217,3 +217,34 @@ def test_prompt_logprobs_read_no_cache_but_other_samples_read_sample_0s():
         rates[samples] = result["prefix_cache_hit_rate"]
     assert rates[1] == 0 and rates[2] > 0
     assert "under --samples, sample 0 computes its whole prompt" in " ".join(serve.__doc__.split())
+
+
+def _main_with_stub_runs(monkeypatch, argv, step_logs):
+    """serve.main(argv) over stub engine runs, whose step_log per config is given."""
+    from benchmarks import serve
+
+    def run_one(model, prompts, args, name, cascade, prefix_caching):
+        steps = [_stats(False, tokens, tokens, 0.1) for tokens in step_logs[name]]
+        figures = step_figures(steps, [s.num_tokens for s in steps], args.decode_batch)
+        return dict(
+            figures, config=name, num_steps=len(steps), num_compiles=0, cascade_steps=2,
+            prefix_cache_hit_rate=0.5, outputs=[[1, 2]],
+        )  # fmt: skip
+
+    monkeypatch.setattr(serve, "Llama", lambda *a, **kw: None)
+    monkeypatch.setattr(serve, "run_one", run_one)
+    assert serve.main(argv) == 0
+
+
+def test_a_pair_scheduled_differently_is_reported_with_no_ratio(tmp_path, monkeypatch, capsys):
+    # The cascade run planned cascade steps, but the two runs scheduled other tokens: no
+    # step compares, and the run says so rather than print a ratio of unlike steps.
+    import json
+
+    argv = ["--configs", "cascade+prefix_cache,flat+prefix_cache", "--out", str(tmp_path / "s")]
+    logs = {"cascade+prefix_cache": [8, 8], "flat+prefix_cache": [8, 7]}
+    _main_with_stub_runs(monkeypatch, argv, logs)
+    out = capsys.readouterr().out
+    assert "prefix_cache: no step that both runs scheduled alike and neither compiled" in out
+    assert "x flat in generated tokens/s" not in out
+    assert json.loads((tmp_path / "s").read_text())["cascade_vs_flat"] == {"prefix_cache": None}
