@@ -248,3 +248,16 @@ def test_a_pair_scheduled_differently_is_reported_with_no_ratio(tmp_path, monkey
     assert "prefix_cache: no step that both runs scheduled alike and neither compiled" in out
     assert "x flat in generated tokens/s" not in out
     assert json.loads((tmp_path / "s").read_text())["cascade_vs_flat"] == {"prefix_cache": None}
+
+
+def test_the_headline_names_the_penalties_and_prompt_logprobs_asked_for(
+    tmp_path, monkeypatch, capsys
+):
+    argv = ["--configs", "flat+prefix_cache", "--out", str(tmp_path / "s.json")]
+    argv += ["--frequency-penalty", "0.5", "--prompt-logprobs", "2"]
+    _main_with_stub_runs(monkeypatch, argv, {"flat+prefix_cache": [8]})
+    headline = capsys.readouterr().out.splitlines()[0]
+    assert headline.startswith(
+        "256 requests (penalties: repetition 1.0, frequency 0.5, presence 0.0)"
+        " (prompt logprobs: 2), system prompt 128"
+    )
