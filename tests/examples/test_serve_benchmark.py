@@ -261,3 +261,12 @@ def test_the_headline_names_the_penalties_and_prompt_logprobs_asked_for(
         "256 requests (penalties: repetition 1.0, frequency 0.5, presence 0.0)"
         " (prompt logprobs: 2), system prompt 128"
     )
+
+
+def test_an_unknown_config_name_is_refused_not_left_out(capsys):
+    # main runs the CONFIGS whose names --configs lists: a misspelt one would run nothing
+    # in its place and write a report without it.
+    with pytest.raises(SystemExit):
+        parse_args(["--configs", "flat+prefix_cache,flat"])
+    err = capsys.readouterr().err
+    assert "--configs: unknown ['flat']; choose from ['cascade+prefix_cache'," in err
