@@ -270,3 +270,47 @@ def test_an_unknown_config_name_is_refused_not_left_out(capsys):
         parse_args(["--configs", "flat+prefix_cache,flat"])
     err = capsys.readouterr().err
     assert "--configs: unknown ['flat']; choose from ['cascade+prefix_cache'," in err
+
+
+def test_a_step_that_ran_no_model_adds_no_step_to_the_figures(monkeypatch):
+    # Engine.step returns [] without running the model when it schedules nothing:
+    # last_step stays the previous step's, which must not count twice.
+    import dataclasses
+    import types
+
+    from benchmarks import serve
+
+    held = [dataclasses.replace(_stats(False, 4, 4, 0.1), num_blocks_held=n) for n in (3, 2)]
+    output = lambda token: types.SimpleNamespace(request_id="0", index=0, new_token_ids=[token])
+    script = [(held[0], [output(5)]), (None, []), (held[1], [output(6)])]
+
+    class Engine:
+        def __init__(self, model, tokenizer, config):
+            self.last_step, self.manager = None, types.SimpleNamespace(pool=None)
+            self.manager.pool = types.SimpleNamespace(num_blocks=config.cache.num_blocks)
+            self.metrics = types.SimpleNamespace(
+                num_steps=2, num_compiles=1, generation_tokens_per_s=1.0, tokens_per_s=2.0,
+                cascade_steps=0, cascade_steps_by_levels={}, prefix_cache_hit_rate=0.0,
+                as_dict=dict,
+            )  # fmt: skip
+
+        def add_request(self, prompt, params):
+            pass
+
+        def has_unfinished_requests(self):
+            return bool(script)
+
+        def step(self):
+            ran, outputs = script.pop(0)
+            self.last_step = ran or self.last_step
+            return outputs
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(serve, "Engine", Engine)
+    args = parse_args(["--num-requests", "1", "--system-len", "16", "--question-len", "8"])
+    result = serve.run_one(None, workload(args), args, "flat", False, True)
+    assert [s[:3] for s in result["step_log"]] == [(False, 4, 1), (False, 4, 1)]
+    assert result["num_warm_steps"] == 2 and result["outputs"] == [[5, 6]]
+    assert result["peak_kv_usage"] == 3 / (engine_config(args, False, True).cache.num_blocks - 1)
