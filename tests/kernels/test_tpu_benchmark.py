@@ -223,3 +223,26 @@ def test_smoke_lowers_bfloat16_queries_over_a_float32_cache_for_tpu(capsys):
     bench.lower_full_size(args)
     out = capsys.readouterr().out
     assert out.count("bfloat16 queries over a float32 cache, for TPU") == 2  # flat, cascade
+
+
+ROW = dict(batch=4, prefix=32, suffix=16, outputs_agree=True)
+
+
+@pytest.mark.parametrize(
+    "errors,rows,message",
+    [
+        ({"mixed": {"ok": True}, "int8": {"ok": False}}, [ROW],
+         "FAIL: the kernel is outside tolerance of the reference in ['int8']"),
+        ({"mixed": {"ok": True}}, [ROW, dict(ROW, batch=8, outputs_agree=False)],
+         "FAIL: cascade's output disagrees with flat's at (B, P, S) [(8, 32, 16)]"),
+    ],
+)  # fmt: skip
+def test_a_run_outside_tolerance_or_whose_cascade_disagrees_fails_by_name(
+    errors, rows, message, monkeypatch, tmp_path, capsys
+):
+    monkeypatch.setattr(bench, "run", lambda args: (rows, {"reference_errors": errors}))
+    monkeypatch.setattr(bench, "lower_full_size", lambda args: None)
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 1
+    fails = [line for line in capsys.readouterr().out.splitlines() if "FAIL" in line]
+    assert fails == [message]
+    assert (tmp_path / "tpu_kernel.json").exists()  # the figures are still written
