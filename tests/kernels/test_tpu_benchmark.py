@@ -246,3 +246,20 @@ def test_a_run_outside_tolerance_or_whose_cascade_disagrees_fails_by_name(
     fails = [line for line in capsys.readouterr().out.splitlines() if "FAIL" in line]
     assert fails == [message]
     assert (tmp_path / "tpu_kernel.json").exists()  # the figures are still written
+
+
+def test_a_full_run_times_the_flags_grid_and_lowers_nothing(monkeypatch, tmp_path):
+    # Only --smoke, which runs a tiny case in the interpreter, lowers the full-size calls:
+    # a run on a TPU has run them.
+    timed = []
+
+    def run(args):
+        timed.append((args.batch, args.prefix, args.suffix, args.q_heads, args.kv_heads))
+        return [ROW], {"reference_errors": {}}
+
+    monkeypatch.setattr(bench, "run", run)
+    monkeypatch.setattr(bench, "lower_full_size", lambda args: pytest.fail("lowered"))
+    monkeypatch.setattr(bench.jax, "default_backend", lambda: "tpu")
+    argv = ["--batch", "8", "--prefix", "64", "--suffix", "16", "--q-heads", "16"]
+    assert bench.main([*argv, "--out", str(tmp_path)]) == 0
+    assert timed == [([8], [64], [16], 16, 8)]
