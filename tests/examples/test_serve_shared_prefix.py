@@ -302,3 +302,17 @@ def test_a_pallas_backend_off_its_platform_is_refused_before_the_model_is_built(
     monkeypatch.setattr(serve, "load_model", load_model)
     with pytest.raises(SystemExit, match="--backend pallas_gpu compiles only"):
         serve.main(["--preset", "llama3_2_1b", "--backend", "pallas_gpu", "--num-requests", "2"])
+
+
+@pytest.mark.parametrize("flag", ["--num-requests", "--prefix-len", "--max-tokens", "--block-size"])
+def test_a_size_below_one_is_refused_by_its_flag(serve, capsys, flag):
+    with pytest.raises(SystemExit):
+        serve.parse_args([flag, "0"])
+    assert f"{flag} must be >= 1" in capsys.readouterr().err
+
+
+def test_a_step_budget_below_one_token_per_request_is_refused(serve, capsys):
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--num-requests", "8", "--max-batched-tokens", "7"])
+    assert "--max-batched-tokens must be >= --num-requests" in capsys.readouterr().err
+    assert serve.parse_args(["--num-requests", "8", "--max-batched-tokens", "8"])
