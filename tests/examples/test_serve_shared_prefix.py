@@ -316,3 +316,27 @@ def test_a_step_budget_below_one_token_per_request_is_refused(serve, capsys):
         serve.parse_args(["--num-requests", "8", "--max-batched-tokens", "7"])
     assert "--max-batched-tokens must be >= --num-requests" in capsys.readouterr().err
     assert serve.parse_args(["--num-requests", "8", "--max-batched-tokens", "8"])
+
+
+def test_the_default_checkpoint_is_the_shipped_one_else_the_cached_else_trained(
+    serve, monkeypatch, tmp_path
+):
+    shipped, cached = tmp_path / "shipped", tmp_path / "cached"
+    monkeypatch.setattr(serve, "TINY_CHECKPOINT", shipped)
+    monkeypatch.setattr(serve, "CACHED_CHECKPOINT", cached)
+    trained = []
+
+    def train(argv):
+        trained.append(argv)
+        (cached / "params.msgpack").write_bytes(b"weights")
+
+    cached.mkdir()
+    monkeypatch.setitem(sys.modules, "train_tiny_lm", SimpleNamespace(main=train))
+    out = io.StringIO()
+    assert serve._default_checkpoint(Console(file=out)) == cached
+    assert trained == [[str(cached)]] and "No tiny checkpoint found: training one" in out.getvalue()
+    assert serve._default_checkpoint(Console(file=out)) == cached  # now cached: no training
+    shipped.mkdir()
+    (shipped / "params.msgpack").write_bytes(b"weights")
+    assert serve._default_checkpoint(Console(file=out)) == shipped
+    assert len(trained) == 1
