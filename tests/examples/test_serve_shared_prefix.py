@@ -340,3 +340,18 @@ def test_the_default_checkpoint_is_the_shipped_one_else_the_cached_else_trained(
     (shipped / "params.msgpack").write_bytes(b"weights")
     assert serve._default_checkpoint(Console(file=out)) == shipped
     assert len(trained) == 1
+
+
+def test_the_engine_on_an_accelerator_takes_power_of_two_token_buckets(serve, monkeypatch):
+    # On the CPU every step runs one token bucket (compiling dominates); elsewhere steps
+    # as small as 64 tokens get their own programs.
+    import jax
+
+    args = serve.parse_args(["--num-requests", "4", "--max-batched-tokens", "512"])
+    prompts = serve.workload(args.num_requests, args.prefix_len, args.seed)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert serve.engine_config(args, prompts, True).min_num_tokens_bucket == 512
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert serve.engine_config(args, prompts, True).min_num_tokens_bucket == 64
+    args.max_batched_tokens = 32
+    assert serve.engine_config(args, prompts, True).min_num_tokens_bucket == 32
