@@ -355,3 +355,39 @@ def test_the_engine_on_an_accelerator_takes_power_of_two_token_buckets(serve, mo
     assert serve.engine_config(args, prompts, True).min_num_tokens_bucket == 64
     args.max_batched_tokens = 32
     assert serve.engine_config(args, prompts, True).min_num_tokens_bucket == 32
+
+
+def _fake_runs(serve, monkeypatch, identical=True):
+    """Stands in for the serving runs and their report: returns the (backend, cascade) of
+    each run served."""
+    served = []
+    metrics = SimpleNamespace(
+        as_dict=dict, prefix_cache_hit_rate=0.5, cascade_steps=1, cascade_steps_by_levels={},
+        num_steps=2,
+    )  # fmt: skip
+
+    def fake_serve(model, prompts, args, cascade, console):
+        served.append((args.backend, cascade))
+        run = serve.RunResult("cascade on" if cascade else "cascade off", metrics=metrics)
+        run.outputs = [(7,) for _ in prompts]
+        return run
+
+    monkeypatch.setattr(serve, "serve", fake_serve)
+    monkeypatch.setattr(serve, "print_samples", lambda *a: None)
+    monkeypatch.setattr(serve, "print_report", lambda *a: identical)
+    return served
+
+
+def test_random_weights_fall_back_from_the_default_pallas_tpu_once(serve, monkeypatch, capsys):
+    # The model is checked once, before random weights are built; checked again after,
+    # the fallback it had made (args.backend set to xla) read as a --backend pallas_tpu
+    # the user asked for, and the run was refused.
+    served = _fake_runs(serve, monkeypatch)
+    monkeypatch.setattr(serve, "default_backend", lambda: "pallas_tpu")  # as on a TPU
+    argv = ["--checkpoint", "random", "--num-requests", "2", "--max-tokens", "1"]
+    summary = serve.main(argv)
+    out = " ".join(capsys.readouterr().out.split())
+    assert served == [("xla", True), ("xla", False)]
+    assert out.count("Using the xla attention backend: the Pallas TPU kernel needs") == 1
+    assert "model: tiny, random weights" in out and "engine: backend xla" in out
+    assert summary["outputs_identical"] is True
