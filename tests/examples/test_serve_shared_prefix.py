@@ -391,3 +391,53 @@ def test_random_weights_fall_back_from_the_default_pallas_tpu_once(serve, monkey
     assert out.count("Using the xla attention backend: the Pallas TPU kernel needs") == 1
     assert "model: tiny, random weights" in out and "engine: backend xla" in out
     assert summary["outputs_identical"] is True
+
+
+class _OneStepEngine:
+    """Stands in for jaxkv.Engine: one step in which every request generates one token
+    and finishes."""
+
+    def __init__(self, model, tokenizer, config):
+        self.requests, self.last_step = [], None
+        self.metrics = SimpleNamespace(
+            as_dict=dict, prefix_cache_hit_rate=0.5, cascade_steps=1,
+            cascade_steps_by_levels={}, num_steps=1,
+        )  # fmt: skip
+
+    def add_request(self, token_ids, params):
+        self.requests.append(f"r{len(self.requests)}")
+        return self.requests[-1]
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        self.last_step = StepStats(1.0, 1.0, 1.0, 1.0, len(self.requests), 1, "", False)
+        done, self.requests = self.requests, []
+        return [SimpleNamespace(request_id=r, new_token_ids=[7], finished=True) for r in done]
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("identical", [True, False])
+def test_the_script_exits_non_zero_when_cascade_changed_the_tokens(serve, monkeypatch, identical):
+    # Run as a script (python examples/serve_shared_prefix.py), its exit status says
+    # whether cascade on and off generated the same tokens.
+    import runpy
+
+    import jaxkv
+
+    report = sys.modules["serving_report"]
+    monkeypatch.setattr(jaxkv, "Engine", _OneStepEngine)
+    monkeypatch.setattr(report, "print_samples", lambda *a: None)
+    monkeypatch.setattr(report, "print_report", lambda *a: identical)
+    argv = ["--checkpoint", "random", "--num-requests", "2", "--max-tokens", "1"]
+    monkeypatch.setattr(sys, "argv", ["serve_shared_prefix.py", *argv])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the checkout on it
+    path = str(serve.REPO / "examples" / "serve_shared_prefix.py")
+    if identical:
+        assert runpy.run_path(path, run_name="__main__")["summary"]["outputs_identical"]
+    else:
+        with pytest.raises(SystemExit, match="cascade on and off generated different tokens"):
+            runpy.run_path(path, run_name="__main__")
