@@ -60,6 +60,18 @@ def test_workload_has_two_system_prompts_under_one_preamble(serve):
     assert all(p.token_ids[96:99] == list(b"Q: ") for p in prompts)
 
 
+def test_more_requests_than_questions_still_ask_distinct_questions(serve):
+    # Past the distinct questions they come round again, numbered: every request keeps a
+    # question of its own, so no two requests share a whole prompt.
+    wl = sys.modules["shared_prefix_workload"]
+    n = len(wl.QUESTIONS) * len(wl.NAMES) * len(wl.TOPICS)
+    prompts = serve.workload(num_requests=2 * n + 1, prefix_len=96, seed=0)
+    assert len({p.question for p in prompts}) == 2 * n + 1
+    assert prompts[n].question == f"{prompts[0].question} (2)"
+    assert prompts[2 * n].question == f"{prompts[0].question} (3)"
+    assert prompts[n].token_ids[-len(" (2)\nA:") :] == list(b" (2)\nA:")
+
+
 def test_every_request_shares_the_preamble_and_the_system_prompts_opening_words(serve):
     wl = sys.modules["shared_prefix_workload"]
     a, b = wl.shared_prefixes(96)
