@@ -145,3 +145,19 @@ def test_a_checkpoint_path_under_a_file_is_refused_before_training(tmp_path, cap
         err = capsys.readouterr().err
         assert "argument checkpoint:" in err and "is a file, not a folder" in err
     assert file.read_text() == "keep"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("num_layers", "'num_layers' must be FIELD=INT with FIELD one of ["),
+        ("depth=2", "'depth=2' must be FIELD=INT with FIELD one of ["),
+        ("num_layers=two", "'num_layers=two': 'two' is not an int"),
+        ("vocab_size=100", "vocab_size=100 must hold the byte tokenizer's 259 ids"),
+    ],
+)
+def test_a_bad_override_is_refused_by_name_before_training(tmp_path, capsys, override, message):
+    with pytest.raises(SystemExit):
+        _example().parse_args([str(tmp_path / "ckpt"), "--override", override])
+    assert f"--override: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "ckpt").exists()
