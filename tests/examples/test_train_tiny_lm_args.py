@@ -161,3 +161,22 @@ def test_a_bad_override_is_refused_by_name_before_training(tmp_path, capsys, ove
         _example().parse_args([str(tmp_path / "ckpt"), "--override", override])
     assert f"--override: {message}" in capsys.readouterr().err
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_run_as_a_script_it_evaluates_every_eval_every_steps_and_saves(
+    tmp_path, monkeypatch, capsys
+):
+    # The held-out loss is printed after every --eval-every steps but the last, whose
+    # evaluation is the final one.
+    import runpy
+    import sys
+
+    argv = [str(tmp_path / "ckpt"), *QUICK, "--steps", "3", "--eval-every", "1"]
+    monkeypatch.setattr(sys, "argv", ["train_tiny_lm.py", *argv])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the checkout on it
+    runpy.run_path(str(ROOT / "examples" / "train_tiny_lm.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    evals = re.findall(r"^step (\d+): train loss [\d.]+, eval loss [\d.]+$", out, re.M)
+    assert evals == ["1", "2"]
+    assert "done: 3 steps in" in out
+    assert load_checkpoint(tmp_path / "ckpt").config.num_layers == 1
