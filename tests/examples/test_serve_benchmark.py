@@ -219,16 +219,18 @@ def test_prompt_logprobs_read_no_cache_but_other_samples_read_sample_0s():
     assert "under --samples, sample 0 computes its whole prompt" in " ".join(serve.__doc__.split())
 
 
-def _main_with_stub_runs(monkeypatch, argv, step_logs):
-    """serve.main(argv) over stub engine runs, whose step_log per config is given."""
+def _main_with_stub_runs(monkeypatch, argv, step_logs, host_s=None, outputs=None):
+    """serve.main(argv) over stub engine runs, whose tokens per step are given per
+    config, and optionally each step's host seconds (default 0.1) and the outputs."""
     from benchmarks import serve
 
     def run_one(model, prompts, args, name, cascade, prefix_caching):
-        steps = [_stats(False, tokens, tokens, 0.1) for tokens in step_logs[name]]
+        host = (host_s or {}).get(name, 0.1)
+        steps = [_stats(False, tokens, tokens, host) for tokens in step_logs[name]]
         figures = step_figures(steps, [s.num_tokens for s in steps], args.decode_batch)
         return dict(
             figures, config=name, num_steps=len(steps), num_compiles=0, cascade_steps=2,
-            prefix_cache_hit_rate=0.5, outputs=[[1, 2]],
+            prefix_cache_hit_rate=0.5, outputs=(outputs or {}).get(name, [[1, 2]]),
         )  # fmt: skip
 
     monkeypatch.setattr(serve, "Llama", lambda *a, **kw: None)
@@ -248,6 +250,25 @@ def test_a_pair_scheduled_differently_is_reported_with_no_ratio(tmp_path, monkey
     assert "prefix_cache: no step that both runs scheduled alike and neither compiled" in out
     assert "x flat in generated tokens/s" not in out
     assert json.loads((tmp_path / "s").read_text())["cascade_vs_flat"] == {"prefix_cache": None}
+
+
+def test_a_pair_scheduled_alike_prints_its_ratio_and_whether_the_tokens_agree(
+    tmp_path, monkeypatch, capsys
+):
+    import json
+
+    argv = ["--configs", "cascade+prefix_cache,flat+prefix_cache", "--out", str(tmp_path / "s")]
+    logs = {"cascade+prefix_cache": [8, 8], "flat+prefix_cache": [8, 8]}
+    host = {"cascade+prefix_cache": 0.1, "flat+prefix_cache": 0.3}  # flat's steps: 3x longer
+    outputs = {"flat+prefix_cache": [[1, 3]]}
+    _main_with_stub_runs(monkeypatch, argv, logs, host, outputs)
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        "prefix_cache: cascade 3.00x flat in generated tokens/s (80 against 27) over the 2 "
+        "steps that compiled in neither run; generated tokens identical: NO"
+    ) in out
+    pair = json.loads((tmp_path / "s").read_text())["cascade_vs_flat"]["prefix_cache"]
+    assert pair["speedup"] == pytest.approx(3.0) and pair["outputs_identical"] is False
 
 
 def test_the_headline_names_the_penalties_and_prompt_logprobs_asked_for(
