@@ -236,3 +236,9 @@ def test_the_sweep_times_each_tiling_records_a_failing_one_and_stops_at_its_dead
         dict(block_k=16, num_warps=8, kv_dtype="float32", error=f"RuntimeError: {failed}"),
         dict(block_k=16, num_warps=2, kv_dtype="float32", us=pytest.approx(100.0)),
     ]  # the fourth tiling would start at 3 s, past the deadline of 2.5 s
+    clock[0] = 0.0
+    rows = gpu_kernel.sweep(
+        2, 32, 16, page_size=16, reps=2, repeats=3, copy_bps=1e9, deadline=10.0,
+        heads=(4, 2, 64), interpret=True, tilings=tilings, kv_dtype="float32",
+    )  # fmt: skip
+    assert [r["num_warps"] for r in rows] == [4, 8, 2, 1]  # all started before the deadline
