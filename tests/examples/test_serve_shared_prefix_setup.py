@@ -1,0 +1,145 @@
+"""examples/serve_shared_prefix.py around its serving runs (stubbed here): where its model
+comes from, the engine it configures, the backend it falls back to, and its exit status
+run as a script."""
+
+from __future__ import annotations
+
+import io
+import sys
+from types import SimpleNamespace
+
+import pytest
+from rich.console import Console
+
+from jaxkv.metrics import StepStats
+from tests.examples._example_modules import load_example
+
+
+@pytest.fixture(scope="module")
+def serve():
+    return load_example("serve_shared_prefix")
+
+
+def test_the_default_checkpoint_is_the_shipped_one_else_the_cached_else_trained(
+    serve, monkeypatch, tmp_path
+):
+    shipped, cached = tmp_path / "shipped", tmp_path / "cached"
+    monkeypatch.setattr(serve, "TINY_CHECKPOINT", shipped)
+    monkeypatch.setattr(serve, "CACHED_CHECKPOINT", cached)
+    trained = []
+
+    def train(argv):
+        trained.append(argv)
+        (cached / "params.msgpack").write_bytes(b"weights")
+
+    cached.mkdir()
+    monkeypatch.setitem(sys.modules, "train_tiny_lm", SimpleNamespace(main=train))
+    out = io.StringIO()
+    assert serve._default_checkpoint(Console(file=out)) == cached
+    assert trained == [[str(cached)]] and "No tiny checkpoint found: training one" in out.getvalue()
+    assert serve._default_checkpoint(Console(file=out)) == cached  # now cached: no training
+    shipped.mkdir()
+    (shipped / "params.msgpack").write_bytes(b"weights")
+    assert serve._default_checkpoint(Console(file=out)) == shipped
+    assert len(trained) == 1
+
+
+def test_the_engine_on_an_accelerator_takes_power_of_two_token_buckets(serve, monkeypatch):
+    # On the CPU every step runs one token bucket (compiling dominates); elsewhere steps
+    # as small as 64 tokens get their own programs.
+    import jax
+
+    args = serve.parse_args(["--num-requests", "4", "--max-batched-tokens", "512"])
+    prompts = serve.workload(args.num_requests, args.prefix_len, args.seed)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert serve.engine_config(args, prompts, True).min_num_tokens_bucket == 512
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert serve.engine_config(args, prompts, True).min_num_tokens_bucket == 64
+    args.max_batched_tokens = 32
+    assert serve.engine_config(args, prompts, True).min_num_tokens_bucket == 32
+
+
+def _fake_runs(serve, monkeypatch, identical=True):
+    """Stands in for the serving runs and their report: returns the (backend, cascade) of
+    each run served."""
+    served = []
+    metrics = SimpleNamespace(
+        as_dict=dict, prefix_cache_hit_rate=0.5, cascade_steps=1, cascade_steps_by_levels={},
+        num_steps=2,
+    )  # fmt: skip
+
+    def fake_serve(model, prompts, args, cascade, console):
+        served.append((args.backend, cascade))
+        run = serve.RunResult("cascade on" if cascade else "cascade off", metrics=metrics)
+        run.outputs = [(7,) for _ in prompts]
+        return run
+
+    monkeypatch.setattr(serve, "serve", fake_serve)
+    monkeypatch.setattr(serve, "print_samples", lambda *a: None)
+    monkeypatch.setattr(serve, "print_report", lambda *a: identical)
+    return served
+
+
+def test_random_weights_fall_back_from_the_default_pallas_tpu_once(serve, monkeypatch, capsys):
+    # The model is checked once, before random weights are built; checked again after,
+    # the fallback it had made (args.backend set to xla) read as a --backend pallas_tpu
+    # the user asked for, and the run was refused.
+    served = _fake_runs(serve, monkeypatch)
+    monkeypatch.setattr(serve, "default_backend", lambda: "pallas_tpu")  # as on a TPU
+    argv = ["--checkpoint", "random", "--num-requests", "2", "--max-tokens", "1"]
+    summary = serve.main(argv)
+    out = " ".join(capsys.readouterr().out.split())
+    assert served == [("xla", True), ("xla", False)]
+    assert out.count("Using the xla attention backend: the Pallas TPU kernel needs") == 1
+    assert "model: tiny, random weights" in out and "engine: backend xla" in out
+    assert summary["outputs_identical"] is True
+
+
+class _OneStepEngine:
+    """Stands in for jaxkv.Engine: one step in which every request generates one token
+    and finishes."""
+
+    def __init__(self, model, tokenizer, config):
+        self.requests, self.last_step = [], None
+        self.metrics = SimpleNamespace(
+            as_dict=dict, prefix_cache_hit_rate=0.5, cascade_steps=1,
+            cascade_steps_by_levels={}, num_steps=1,
+        )  # fmt: skip
+
+    def add_request(self, token_ids, params):
+        self.requests.append(f"r{len(self.requests)}")
+        return self.requests[-1]
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        self.last_step = StepStats(1.0, 1.0, 1.0, 1.0, len(self.requests), 1, "", False)
+        done, self.requests = self.requests, []
+        return [SimpleNamespace(request_id=r, new_token_ids=[7], finished=True) for r in done]
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("identical", [True, False])
+def test_the_script_exits_non_zero_when_cascade_changed_the_tokens(serve, monkeypatch, identical):
+    # Run as a script (python examples/serve_shared_prefix.py), its exit status says
+    # whether cascade on and off generated the same tokens.
+    import runpy
+
+    import jaxkv
+
+    report = sys.modules["serving_report"]
+    monkeypatch.setattr(jaxkv, "Engine", _OneStepEngine)
+    monkeypatch.setattr(report, "print_samples", lambda *a: None)
+    monkeypatch.setattr(report, "print_report", lambda *a: identical)
+    argv = ["--checkpoint", "random", "--num-requests", "2", "--max-tokens", "1"]
+    monkeypatch.setattr(sys, "argv", ["serve_shared_prefix.py", *argv])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the checkout on it
+    path = str(serve.REPO / "examples" / "serve_shared_prefix.py")
+    if identical:
+        assert runpy.run_path(path, run_name="__main__")["summary"]["outputs_identical"]
+    else:
+        with pytest.raises(SystemExit, match="cascade on and off generated different tokens"):
+            runpy.run_path(path, run_name="__main__")
