@@ -320,16 +320,23 @@ def test_a_max_q_len_below_a_pass_s_longest_query_is_refused_by_name():
         paged_attention(q, pages, dataclasses.replace(level_md, levels=(level,)), sm_scale=0.125)
 
 
+def _hand_made_two_sequences(cu_q_lens: list[int], max_q_len: int):
+    """A hand-made metadata (no pool size: num_blocks None) of two valid sequences of 8
+    keys over pages 1 and 2, no levels, with these query bounds."""
+    i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
+    return dataclasses.replace(
+        _metadata(), cu_q_lens=i32(cu_q_lens), kv_lens=i32([8, 8, 0, 0]),
+        page_indices=i32(np.tile([[1, 2]], (4, 1))), num_seqs=i32([2]), levels=(),
+        max_q_len=max_q_len, num_blocks=None,
+    )  # fmt: skip
+
+
 def test_index_values_of_a_hand_made_metadata_are_checked_outside_jit():
     """paged_attention runs its kernels under jit, where they cannot see the values: a
     page id past the cache read a clamped page, a kv_len past its pages other keys, out
     of range cu_q_lens other tokens, all without an error."""
     i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
-    md = dataclasses.replace(  # no pool size (num_blocks None): a hand-made metadata
-        _metadata(), cu_q_lens=i32([0, 4, 6, 6, 6]), kv_lens=i32([8, 8, 0, 0]),
-        page_indices=i32(np.tile([[1, 2]], (4, 1))), num_seqs=i32([2]), levels=(),
-        max_q_len=4, num_blocks=None,
-    )  # fmt: skip
+    md = _hand_made_two_sequences(cu_q_lens=[0, 4, 6, 6, 6], max_q_len=4)
     q = jnp.zeros((md.max_num_tokens, H_Q, D), jnp.float32)
     pages = jnp.zeros((3, 4, 2 * H_KV, D), jnp.float32)
     assert paged_attention(q, pages, md, sm_scale=0.125).shape == q.shape
@@ -366,11 +373,8 @@ def test_malformed_index_arrays_are_named_not_read_for_the_query_bound(change, m
     # read, num_seqs=() raised numpy's IndexError, max_q_len='2' a TypeError, and an out
     # of range count was refused as a max_q_len below queries past the valid sequences.
     i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
-    md = dataclasses.replace(  # two valid sequences of 2 query tokens, two of 2 more past them
-        _metadata(), cu_q_lens=i32([0, 2, 4, 8, 12]), kv_lens=i32([8, 8, 0, 0]),
-        page_indices=i32(np.tile([[1, 2]], (4, 1))), num_seqs=i32([2]), levels=(),
-        max_q_len=2, num_blocks=None,
-    )  # fmt: skip
+    # two valid sequences of 2 query tokens, two of 2 more past them
+    md = _hand_made_two_sequences(cu_q_lens=[0, 2, 4, 8, 12], max_q_len=2)
     q = jnp.zeros((md.max_num_tokens, H_Q, D), jnp.float32)
     pages = jnp.zeros((3, 4, 2 * H_KV, D), jnp.float32)
     assert paged_attention(q, pages, md, sm_scale=0.125).shape == q.shape
