@@ -127,10 +127,15 @@ class EngineMetrics:
 
     @property
     def host_time_per_step_ms(self) -> float:
+        """Mean wall ms per step before the program: StepStats.host_s (schedule, plan,
+        metadata, input arrays). The work after it is update_time_s; the program's
+        dispatch counts as device time."""
         return 1e3 * self.host_time_s / self.num_steps if self.num_steps else 0.0
 
     @property
     def device_time_per_step_ms(self) -> float:
+        """Mean wall ms per step from the program's dispatch until the sampled tokens are
+        on the host (StepStats.device_s)."""
         return 1e3 * self.device_time_s / self.num_steps if self.num_steps else 0.0
 
     def as_dict(self) -> dict:
