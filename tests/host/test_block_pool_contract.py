@@ -1,0 +1,69 @@
+"""Block pool: the smallest and largest pools it accepts, its defaults, the cached-block
+lookup, and the plain ints it reports whatever int kind it was given."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jaxkv.block_pool as block_pool_module
+from jaxkv.block_pool import BlockPool, BlockRemoved, BlockStored
+from jaxkv.hashing import root_hash
+
+
+def test_two_blocks_are_the_smallest_pool_one_block_to_hand_out():
+    pool = BlockPool(2)
+    assert pool.num_blocks == 2 and pool.num_free_blocks == 1
+    assert [b.block_id for b in pool.get_new_blocks(1)] == [1]
+    assert pool.usage == 1.0
+    pool.check_integrity({1: 1})
+
+
+def test_the_largest_pool_has_max_int32_blocks(monkeypatch):
+    # Block ids are int32 in block tables: MAX_INT32 blocks is the limit, itself allowed.
+    monkeypatch.setattr(block_pool_module, "MAX_INT32", 5)
+    assert BlockPool(5).num_blocks == 5
+    with pytest.raises(ValueError, match=r"num_blocks=6 must be an int in \[2, 5\]"):
+        BlockPool(6)
+
+
+def test_a_pool_reports_no_events_unless_asked():
+    pool = BlockPool(3)
+    assert pool.enable_caching is True and pool.enable_events is False
+    (block,) = pool.get_new_blocks(1)
+    h = root_hash(3)
+    pool.cache_full_blocks(
+        [block], [h], parent_block_hash=None, token_ids=[1], block_size=1, adapter_id=None
+    )
+    pool.free_blocks([block])
+    pool.get_new_blocks(2)  # evicts the cached block
+    assert pool.reset_prefix_cache() is False
+    assert pool.take_events() == []
+
+
+def test_get_cached_block_gives_the_block_that_carries_a_hash():
+    pool = BlockPool(4)
+    a, b = pool.get_new_blocks(2)
+    h0, h1 = root_hash(1), root_hash(2)
+    pool.cache_full_blocks(
+        [a, b], [h0, h1], parent_block_hash=None, token_ids=[1, 2], block_size=1,
+        adapter_id=None,
+    )  # fmt: skip
+    assert pool.get_cached_block(h0) is a and pool.get_cached_block(h1) is b
+    pool.free_blocks([b, a])
+    assert pool.get_cached_block(h1) is b  # a free block keeps its hash until handed out
+    assert pool.get_new_blocks(2) == [pool.blocks[3], b]
+    assert pool.get_cached_block(h1) is None and pool.get_cached_block(h0) is a
+
+
+def test_a_stored_event_reports_a_numpy_block_size_as_an_int():
+    pool = BlockPool(4, enable_events=True)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(
+        blocks, [root_hash(1), root_hash(2)], parent_block_hash=None, token_ids=[1, 2, 3, 4],
+        block_size=np.int64(2), adapter_id=None,
+    )  # fmt: skip
+    (event,) = pool.take_events()
+    assert isinstance(event, BlockStored) and type(event.block_size) is int
+    assert event.block_size == 2 and event.token_ids == (1, 2, 3, 4)
+    assert not isinstance(event, BlockRemoved)
