@@ -67,3 +67,30 @@ def test_a_stored_event_reports_a_numpy_block_size_as_an_int():
     assert isinstance(event, BlockStored) and type(event.block_size) is int
     assert event.block_size == 2 and event.token_ids == (1, 2, 3, 4)
     assert not isinstance(event, BlockRemoved)
+
+
+def test_a_stored_run_after_a_skipped_block_grows_as_the_first_run_does():
+    # b's hash is cached on another block: a is one run, c and d a second of two blocks.
+    pool = BlockPool(8, enable_events=True)
+    a, b, c, d, other = pool.get_new_blocks(5)
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    kw = dict(block_size=1, adapter_id=None)
+    pool.cache_full_blocks([other], hashes[1:2], parent_block_hash=hashes[0], token_ids=[2], **kw)
+    pool.take_events()
+    pool.cache_full_blocks(
+        [a, b, c, d], hashes, parent_block_hash=None, token_ids=[1, 2, 3, 4], **kw
+    )
+    events = pool.take_events()
+    assert [e.block_hashes for e in events] == [(hashes[0],), (hashes[2], hashes[3])]
+    assert [e.parent_block_hash for e in events] == [None, hashes[1]]
+    assert [e.token_ids for e in events] == [(1,), (3, 4)]
+
+
+def test_cache_block_answers_true_or_false():
+    pool = BlockPool(4)
+    a, b = pool.get_new_blocks(2)
+    h = root_hash(5)
+    assert pool.cache_block(a, h) is True
+    assert pool.cache_block(b, h) is False and b.block_hash is None  # one block per hash
+    assert pool.cache_block(a, root_hash(6)) is False and a.block_hash == h
+    pool.check_integrity({a.block_id: 1, b.block_id: 1})
