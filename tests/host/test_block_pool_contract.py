@@ -3,11 +3,13 @@ lookup, and the plain ints it reports whatever int kind it was given."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 import jaxkv.block_pool as block_pool_module
-from jaxkv.block_pool import BlockPool, BlockRemoved, BlockStored
+from jaxkv.block_pool import BlockPool, BlockRemoved, BlockStored, IntegrityError
 from jaxkv.hashing import root_hash
 
 
@@ -94,3 +96,11 @@ def test_cache_block_answers_true_or_false():
     assert pool.cache_block(b, h) is False and b.block_hash is None  # one block per hash
     assert pool.cache_block(a, root_hash(6)) is False and a.block_hash == h
     pool.check_integrity({a.block_id: 1, b.block_id: 1})
+
+
+def test_holders_of_many_invalid_ids_are_reported_by_the_eight_smallest():
+    pool = BlockPool(3)
+    holders = {i: 1 for i in range(20, 9, -1)} | {0: 1}
+    message = "holders reference invalid block ids [0, 10, 11, 12, 13, 14, 15, 16]"
+    with pytest.raises(IntegrityError, match=re.escape(message) + "$"):
+        pool.check_integrity(holders)
