@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 import jaxkv.block_pool as block_pool_module
-from jaxkv.block_pool import BlockPool, BlockRemoved, BlockStored, IntegrityError
+from jaxkv.block_pool import (
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    FreeKVCacheBlockQueue,
+    IntegrityError,
+    KVCacheBlock,
+)
 from jaxkv.hashing import root_hash
 
 
@@ -104,3 +111,14 @@ def test_holders_of_many_invalid_ids_are_reported_by_the_eight_smallest():
     message = "holders reference invalid block ids [0, 10, 11, 12, 13, 14, 15, 16]"
     with pytest.raises(IntegrityError, match=re.escape(message) + "$"):
         pool.check_integrity(holders)
+
+
+def test_a_free_queue_built_empty_is_empty_and_takes_blocks():
+    queue = FreeKVCacheBlockQueue([])
+    assert queue.block_ids() == [] and list(queue) == [] and queue.num_free_blocks == 0
+    with pytest.raises(ValueError, match="no free block to pop"):
+        queue.popleft()
+    assert queue.popleft_n(0) == []
+    block = KVCacheBlock(1)
+    queue.append(block)
+    assert queue.block_ids() == [1] and queue.popleft() is block
