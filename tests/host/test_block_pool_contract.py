@@ -1,5 +1,7 @@
-"""Block pool: the smallest and largest pools it accepts, its defaults, the cached-block
-lookup, and the plain ints it reports whatever int kind it was given."""
+"""Block pool and free queue at their edges: the smallest and largest pools, the
+defaults, the cached-block lookup, cache_block's answer, how stored runs are reported
+(with a plain int block size), the invalid ids check_integrity names, and a queue built
+empty."""
 
 from __future__ import annotations
 
