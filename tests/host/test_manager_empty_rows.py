@@ -1,11 +1,13 @@
-"""A request allocated no tokens holds an empty row; a call on a request that holds no
-row names it with UnknownRequestError."""
+"""A request allocated no tokens holds an empty row (or only its cache hit, when the
+scheduler admits it); a call on a request that holds no row names it with
+UnknownRequestError."""
 
 from __future__ import annotations
 
 import pytest
 
 from jaxkv import KVCacheManager, UnknownRequestError
+from jaxkv.slot_allocation import allocate_admitted, find_cache_hit
 from tests.host._util import make_request, prefill
 
 
@@ -28,4 +30,16 @@ def test_uncache_unwritten_names_a_request_that_holds_no_row():
     for request in ("a", "b"):
         with pytest.raises(UnknownRequestError, match=f"request '{request}' holds no blocks"):
             m.uncache_unwritten(request, 0)
+    m.check_integrity()
+
+
+def test_admitting_a_cache_hit_with_no_new_tokens_takes_no_fresh_block():
+    m = KVCacheManager(8, 4, max_model_len=32)
+    prefill(m, make_request("a", range(9)))
+    b = make_request("b", range(9))
+    hit = find_cache_hit(m, b)
+    assert hit.num_tokens == 8
+    free = m.num_free_blocks
+    assert allocate_admitted(m, b, 0, hit)
+    assert m.block_ids(b) == hit.block_ids and m.num_free_blocks == free
     m.check_integrity()
