@@ -1,13 +1,13 @@
 """A request allocated no tokens holds an empty row (or only its cache hit, when the
 scheduler admits it); a call on a request that holds no row names it with
-UnknownRequestError."""
+UnknownRequestError; which next tokens of a running request need the manager."""
 
 from __future__ import annotations
 
 import pytest
 
 from jaxkv import KVCacheManager, UnknownRequestError
-from jaxkv.slot_allocation import allocate_admitted, find_cache_hit
+from jaxkv.slot_allocation import allocate_admitted, find_cache_hit, needs_manager
 from tests.host._util import make_request, prefill
 
 
@@ -43,3 +43,11 @@ def test_admitting_a_cache_hit_with_no_new_tokens_takes_no_fresh_block():
     assert allocate_admitted(m, b, 0, hit)
     assert m.block_ids(b) == hit.block_ids and m.num_free_blocks == free
     m.check_integrity()
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_needs_manager_for_a_fresh_block_or_a_block_to_cache(caching):
+    m = KVCacheManager(8, 4, max_model_len=32, enable_prefix_caching=caching)
+    assert needs_manager(m, 4, 1) and needs_manager(m, 5, 4)  # a fresh block
+    assert not needs_manager(m, 5, 2)  # inside the last block
+    assert needs_manager(m, 5, 3) is caching  # fills the last block: only to cache it
