@@ -102,3 +102,20 @@ def test_an_aborts_record_of_unwritten_blocks_leaves_out_a_block_another_request
     assert sched._unwritten_of_aborted == []
     assert cached_unwritten(m, "b", 4) == []
     m.check_integrity()
+
+
+def test_a_shorter_allocation_after_a_rewind_keeps_the_cached_count_for_uncache_unwritten():
+    # A caller that rewinds num_computed_tokens to recompute a request's prompt, then
+    # allocates fewer tokens than its blocks hold, leaves those blocks cached; a failed
+    # step then takes every one past the written tokens out, not only those the shorter
+    # allocation reached.
+    m = _manager()
+    a = make_request("a", list(range(12)))
+    m.allocate_slots(a, 12)
+    blocks = m.block_ids("a")
+    assert all(m.pool.blocks[i].block_hash is not None for i in blocks)
+    a.num_computed_tokens = 0
+    assert m.allocate_slots(a, 4) == []
+    m.uncache_unwritten(a, 0)
+    assert [m.pool.blocks[i].block_hash for i in blocks] == [None, None, None]
+    m.check_integrity()
