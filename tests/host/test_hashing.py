@@ -326,3 +326,23 @@ def test_arguments_are_refused_when_no_block_is_left_to_hash(kwargs, match, toke
     with pytest.raises(ValueError, match=match):
         extend_block_hashes(hashes, tokens, 2, **kwargs)
     assert hashes == before
+
+
+def test_a_numpy_block_size_of_one_hashes_as_the_int_one():
+    tokens = [5, 6, 7]
+    want = hashing.extend_block_hashes([], tokens, 1)
+    assert len(want) == 3
+    assert hashing.extend_block_hashes([], tokens, np.int64(1)) == want
+
+
+def test_the_parent_checked_is_the_last_hash_of_the_list_not_the_first():
+    good = hashing.extend_block_hashes([], [1, 2, 3, 4], 2)
+    with pytest.raises(ValueError, match=r"^block_hashes\[-1\]='bad' must be a BlockHash"):
+        hashing.extend_block_hashes([good[0], "bad"], [1, 2, 3, 4, 5, 6], 2)
+    extended = hashing.extend_block_hashes(list(good), [1, 2, 3, 4, 5, 6], 2)
+    assert extended[:2] == good and len(extended) == 3
+
+
+@pytest.mark.parametrize("key", [5, None, "\ud800"])
+def test_is_hash_key_answers_false_as_a_bool(key):
+    assert hashing.is_hash_key(key) is False
