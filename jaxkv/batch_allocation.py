@@ -66,12 +66,11 @@ def allocate_slots_batch(
         computed = [
             count("request.num_computed_tokens", n, r) for r, n in zip(ids, computed, strict=True)
         ]
-    num_tokens = list(map(len, map(_TOKEN_IDS, requests)))
-    i = _first(map(gt, computed, num_tokens))
+    i = _first(map(gt, computed, map(len, map(_TOKEN_IDS, requests))))
     if i is not None:  # allocate_slots refuses it the same way
         raise ValueError(
             f"request {ids[i]!r}: request.num_computed_tokens={computed[i]} exceeds "
-            f"its {num_tokens[i]} tokens"
+            f"its {len(_TOKEN_IDS(requests[i]))} tokens"
         )
     bs = manager.block_size
     num_held = list(map(len, held))
