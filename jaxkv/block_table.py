@@ -69,6 +69,7 @@ class HostBlockTable:
             (_INITIAL_ROWS, max_blocks_per_seq), NO_PREFIX, np.int64, order="F"
         )
         self.num_blocks_of_row = np.zeros(_INITIAL_ROWS, np.int32)
+        self._publish_views()
         self._row_of: dict[str, int] = {}  # req_id -> row
         self._row_bytes: dict[str, bytes] = {}  # req_id -> row as 4 little-endian bytes
         self._prefix: dict[str, list[int]] = {}  # req_id -> prefix id per held block
@@ -285,10 +286,19 @@ class HostBlockTable:
         prefix_ids = np.full((2 * old, self.max_blocks_per_seq), NO_PREFIX, np.int64, order="F")
         prefix_ids[:old] = self.prefix_ids
         self.prefix_ids = prefix_ids
+        self._publish_views()
         self.num_blocks_of_row = np.concatenate(
             [self.num_blocks_of_row, np.zeros_like(self.num_blocks_of_row)]
         )
         self._free_rows.extend(range(old, 2 * old))  # sorted extension keeps the heap valid
+
+    def _publish_views(self) -> None:
+        """Read-only views of block_table and prefix_ids, for the manager to hand out: a
+        caller's write into them would change which KV a plan reads without any check."""
+        self.block_table_view = self.block_table.view()
+        self.block_table_view.flags.writeable = False
+        self.prefix_ids_view = self.prefix_ids.view()
+        self.prefix_ids_view.flags.writeable = False
 
     # -------------------------------------------------------------- integrity
 

@@ -40,7 +40,7 @@ __all__ = ["KVCacheManager", "PrefixCacheStats", "UnknownRequestError"]
 class KVCacheManager:
     """Owns the block pool and every request's blocks; keeps the host block table.
 
-    Public arrays (read-only for callers; valid until the next state-changing call):
+    Public arrays (read-only views; valid until the next state-changing call):
 
     - `block_table`: i32[max_num_rows, max_blocks_per_seq]; row `rows_of([id])[0]` holds a
       request's block ids in order, 0 (the null block) after them. Rows are reused after
@@ -134,13 +134,13 @@ class KVCacheManager:
 
     @property
     def block_table(self) -> np.ndarray:
-        """i32[num_rows, max_blocks_per_seq] host block table (see the class doc)."""
-        return self._table.block_table
+        """i32[num_rows, max_blocks_per_seq] host block table, read-only (the class doc)."""
+        return self._table.block_table_view
 
     @property
     def prefix_ids(self) -> np.ndarray:
-        """i64[num_rows, max_blocks_per_seq] exact prefix ids (see the class doc)."""
-        return self._table.prefix_ids
+        """i64[num_rows, max_blocks_per_seq] exact prefix ids, read-only (the class doc)."""
+        return self._table.prefix_ids_view
 
     @property
     def sharing_version(self) -> tuple[int, int]:

@@ -8,7 +8,7 @@ import pytest
 from jaxkv import IntegrityError, UnknownRequestError
 from jaxkv.block_table import HostBlockTable
 from jaxkv.prefix_index import ROOT_PREFIX
-from tests.host._util import two_request_manager
+from tests.host._util import make_request, prefill, two_request_manager
 
 
 def test_rows_mirror_blocks_and_rows_are_reused_lowest_first():
@@ -38,17 +38,36 @@ def test_rows_grow_past_the_initial_table():
     assert t.check_integrity({rid: [i + 1] for i, rid in enumerate(ids)}) == []
 
 
+def test_manager_hands_out_read_only_views_that_follow_the_table():
+    m = two_request_manager()
+    row = int(m.rows_of(["B"])[0])
+    before = m.block_table[row].copy()
+    for name in ("block_table", "prefix_ids"):
+        with pytest.raises(ValueError, match="read-only"):
+            getattr(m, name)[row, 0] = 7
+        assert getattr(m, name) is getattr(m, name)  # one view while the table keeps its size
+    np.testing.assert_array_equal(m.block_table[row], before)
+    m.check_integrity()
+    rows_before = len(m.block_table)
+    for i in range(rows_before):  # one row each: the table doubles its rows
+        prefill(m, make_request(f"r{i}", [100 + i]))
+    assert len(m.block_table) > rows_before and not m.block_table.flags.writeable
+    assert not m.prefix_ids.flags.writeable and m.prefix_ids.flags.f_contiguous
+    m.check_integrity()
+
+
 @pytest.mark.parametrize(
     "corrupt, message",
     [
-        (lambda m, r: m.block_table.__setitem__((r, 0), 31), "row != blocks"),
-        (lambda m, r: m.block_table.__setitem__((r, 5), 9), "row tail not null"),
-        (lambda m, r: m.prefix_ids.__setitem__((r, 1), 999), "prefix ids stale"),
-        (lambda m, r: m.prefix_ids.__setitem__((r, 6), 3), "prefix tail"),
-        (lambda m, r: m.block_table.__setitem__((15, 0), 4), "a free row holds block ids"),
+        (lambda m, r: m._table.block_table.__setitem__((r, 0), 31), "row != blocks"),
+        (lambda m, r: m._table.block_table.__setitem__((r, 5), 9), "row tail not null"),
+        (lambda m, r: m._table.prefix_ids.__setitem__((r, 1), 999), "prefix ids stale"),
+        (lambda m, r: m._table.prefix_ids.__setitem__((r, 6), 3), "prefix tail"),
+        (lambda m, r: m._table.block_table.__setitem__((15, 0), 4), "a free row holds block ids"),
     ],
 )
 def test_check_integrity_names_each_corruption(corrupt, message):
+    """State corrupted behind the manager's back (its public arrays refuse writes)."""
     m = two_request_manager()
     row = int(m.rows_of(["B"])[0])
     corrupt(m, row)
