@@ -135,3 +135,24 @@ def test_left_out_compares_the_merge_with_the_read_of_shared_computed_blocks_onl
     assert got([16, 20, 0], [1, 1, 9]) is None  # row 2 has computed no block
     assert got([16, 20, 20], [1, 2, 0]).tolist() == [False, True, False]  # 4 > 3 shared
     assert merge_bytes_per_query(CascadeCostModel(1 << 20, 2.0), SHAPE) == 2 * MERGE
+
+
+def test_groups_from_block_0_without_the_left_out_request_are_searched_not_assumed():
+    # Eight decodes and p share one 16-token block and nothing more; p, prefilling 2
+    # tokens, merges 2 x 6240 bytes, more than that block's 8192-byte read: left out.
+    # The global level over all nine saves 8 x 8192 for 10 x 6240 of merge (3136); the
+    # group of the eight from block 0 saves 7 x 8192 for 8 x 6240 (7424): p reads the
+    # block itself. The groups without p come from a search of the eight that computed
+    # the block: a whole-batch candidate over p too would weigh what the global level
+    # does and keep it.
+    m = KVCacheManager(256, 16, max_model_len=128)
+    header = list(range(100, 116))
+    decodes = [_decoding(m, f"d{i}", header + [200 + i] * 3) for i in range(8)]
+    reqs, query_lens = _with_prefill(m, decodes, header, 2)
+    assert _shared(m, [r.request_id for r in reqs]) == 1
+    assert _shared(m, ["d0", "d1"]) == 1
+    model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=1)
+    plan = _plan(CascadePlanner(SHAPE, cost_model=model), m, reqs, query_lens)
+    assert [lv.name for lv in plan.levels] == ["groups"]
+    assert _groups(plan, reqs) == [([f"d{i}" for i in range(8)], 0, 1)]
+    assert _suffix_of(plan, reqs, "p") == 0
