@@ -41,6 +41,8 @@ def _capped_group(computed_blocks: list[int], max_groups: int = 8):
         # 2 x 10 beside a0, a1 over 1 (21), not 4 x 1, 3 x 3 or 2 x 10 alone
         ([1, 3], [(["a0", "a1"], 1), (["a2", "a3", "a4"], 10)]),
         ([9], [(["a0", "a1", "a2", "a3", "a4"], 9)]),  # 4 x 9 blocks saved, not 3 x 10
+        # two past the last cut: 1 x 10 beside a1, a2 over 2 (12), not 3 x 2 or 2 x 3
+        ([1, 2, 3], [(["a1", "a2"], 2), (["a3", "a4"], 10)]),
     ],
 )
 def test_a_group_cut_short_by_a_member_is_weighed_against_the_others_at_their_end(
