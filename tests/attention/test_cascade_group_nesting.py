@@ -236,3 +236,18 @@ def test_groups_over_a_whole_table_row_are_searched_no_further(launch_overhead_b
         assert got == [([0, 0], [4, 4])] and plan.suffix_start_blocks.tolist() == [4] * 4
     else:
         assert not plan.levels
+
+
+def test_members_beside_the_nested_groups_whose_rest_does_not_pay_read_on_their_own():
+    # a0, d0, b0 and b1 share the 5-block header, b0 and b1 10 blocks more. With merges
+    # of 6240 bytes a query and no call cost, the four over the header save 3 x 10240
+    # for 4 x 6240 (5760), the pair b over 15 blocks 30720 for 2 x 6240 (18240); a0 and
+    # d0 beside it would save 10240 for 2 x 6240: no group of theirs pays, and they read
+    # the header in their own pass.
+    m = KVCacheManager(1024, 4, max_model_len=512)
+    reqs = _header_then_prompts(m, {"a0": 2, "d0": 2, "b0": 10, "b1": 10})
+    ids = [r.request_id for r in reqs]
+    assert (_shared(m, ids[:4]), _shared(m, ids[2:4]), _shared(m, ids[:2])) == (5, 15, 5)
+    model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=1)
+    got = _planned(CascadePlanner(SHAPE, cost_model=model), m, reqs)
+    assert got == [(["b0", "b1"], 0, 15), (["c0", "c1"], 0, 10)]
