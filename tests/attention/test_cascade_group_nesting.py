@@ -251,3 +251,18 @@ def test_members_beside_the_nested_groups_whose_rest_does_not_pay_read_on_their_
     model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=1)
     got = _planned(CascadePlanner(SHAPE, cost_model=model), m, reqs)
     assert got == [(["b0", "b1"], 0, 15), (["c0", "c1"], 0, 10)]
+
+
+def test_two_members_beside_groups_paying_a_call_keep_the_group_of_the_one_over_them():
+    # a0, d0 and b0..b2 share the 5-block header, b0..b2 10 blocks more. With a call of
+    # 50000 bytes and no merge cost, the five over the header save 4 x 10240 (no call of
+    # their own, but a group of a level that runs anyway), the three b over 15 blocks
+    # 2 x 30720 (a call of their own). Beside the three, a0 and d0 still share the
+    # header and save 10240 in that level: both groups are kept, and the pair c too.
+    m = KVCacheManager(1024, 4, max_model_len=512)
+    reqs = _header_then_prompts(m, {"a0": 2, "d0": 2, "b0": 10, "b1": 10, "b2": 10})
+    ids = [r.request_id for r in reqs]
+    assert (_shared(m, ids[:5]), _shared(m, ids[2:5]), _shared(m, ids[:2])) == (5, 15, 5)
+    model = CascadeCostModel(launch_overhead_bytes=50000, merge_cost_factor=0)
+    got = _planned(CascadePlanner(SHAPE, cost_model=model), m, reqs)
+    assert got == [(["a0", "d0"], 0, 5), (["b0", "b1", "b2"], 0, 15), (["c0", "c1"], 0, 10)]
