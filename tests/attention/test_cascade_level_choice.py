@@ -79,3 +79,17 @@ def test_groups_stay_under_the_global_level_where_from_column_0_they_pad_no_fewe
     got = sorted((sorted(members), b0, b1) for members, b0, b1 in _groups(plan, reqs))
     assert got == [(ids[:2], start, 11), (ids[2:4], start, 11)]
     assert plan.suffix_start_blocks[list(plan.order).index(4)] == start
+
+
+def test_groups_are_laid_out_in_the_order_of_their_first_request():
+    # r0 and r3 share one system prompt, r1 and r2 another: the group holding the
+    # earliest request comes first, then the other, each in batch order.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    prompts = [100, 200, 200, 100]
+    reqs = [_decoding(m, f"r{i}", list(range(p, p + 24)) + [i, 50]) for i, p in enumerate(prompts)]
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ["r0", "r3"]) == _shared(m, ["r1", "r2"]) == 6 and _shared(m, ids) == 0
+    model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0)
+    plan = _plan(CascadePlanner(SHAPE, cost_model=model), m, reqs)
+    assert plan.order.tolist() == [0, 3, 1, 2]
+    assert _groups(plan, reqs) == [(["r0", "r3"], 0, 6), (["r1", "r2"], 0, 6)]
