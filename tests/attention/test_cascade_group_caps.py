@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxkv import KVCacheManager
-from jaxkv.cascade import CascadePlanner
+from jaxkv.cascade import CascadeCostModel, CascadePlanner
 from tests.attention.test_cascade_group_choice import _groups, _shared
 from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding
 
@@ -71,3 +71,22 @@ def test_groups_past_a_members_cap_are_bounded_by_max_groups(max_groups, first, 
     plan, reqs = _capped_group([1, 2, 3, 4, 5, 10, 10, 10], max_groups=max_groups)
     groups = _groups(plan, reqs)
     assert groups[0] == ([f"a{i}" for i in range(first, 8)], 0, end)
+
+
+def test_members_past_a_cut_are_weighed_by_their_own_queries():
+    # a0..a2 share 7 blocks of 4; a0 has computed 4 of them. With merges of 3120 bytes a
+    # query and no call cost, the three over 4 blocks save 2 x 8192 for 3 x 3120 (7024),
+    # a1 and a2 over 7 save 14336 for their own 2 x 3120 (8096): the pair is kept. Their
+    # group does not merge a0's query (with it, the pair would weigh 4976).
+    m = KVCacheManager(256, 4, max_model_len=64)
+    reqs = [_decoding(m, f"a{i}", list(range(100, 128)) + [i, 50 + i]) for i in range(3)]
+    reqs.append(_decoding(m, "d", list(range(200, 228)) + [9, 59]))
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids[:3]) == 7 and _shared(m, ids) == 0
+    query_lens = np.ones(len(reqs), int)
+    computed = np.array([r.num_tokens for r in reqs]) - query_lens
+    computed[0] = 4 * 4
+    model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0.5)
+    plan = CascadePlanner(SHAPE, cost_model=model).plan(ids, computed, query_lens, m)
+    plan.check()
+    assert _groups(plan, reqs) == [(["a1", "a2"], 0, 7)]
