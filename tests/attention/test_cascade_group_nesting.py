@@ -266,3 +266,22 @@ def test_two_members_beside_groups_paying_a_call_keep_the_group_of_the_one_over_
     model = CascadeCostModel(launch_overhead_bytes=50000, merge_cost_factor=0)
     got = _planned(CascadePlanner(SHAPE, cost_model=model), m, reqs)
     assert got == [(["a0", "d0"], 0, 5), (["b0", "b1", "b2"], 0, 15), (["c0", "c1"], 0, 10)]
+
+
+def test_the_largest_groups_nested_in_ones_that_pay_are_examined_first():
+    # Under two 2-block headers, five requests each: three share 10 blocks more, two 10
+    # other blocks. With max_groups=1, 4 candidates are examined: the two headers' groups
+    # (both pay), then two of the four nested in them, the largest first: the three over
+    # 12 blocks (saving 2 x 12) under the first header is kept, not a pair (1 x 12).
+    m = KVCacheManager(1024, 4, max_model_len=128)
+    reqs = []
+    for h in range(2):
+        header = list(range(100 + 10 * h, 108 + 10 * h))
+        for i, sub in enumerate([0, 0, 0, 1, 1]):
+            prompt = [1000 + 100 * (2 * h + sub) + t for t in range(40)]
+            reqs.append(_decoding(m, f"{'xy'[h]}{i}", header + prompt + [i, 50 + h]))
+    ids = [r.request_id for r in reqs]
+    assert (_shared(m, ids[:5]), _shared(m, ids[:3]), _shared(m, ids[3:5])) == (2, 12, 12)
+    assert _shared(m, ids) == 0
+    got = _planned(CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=1), m, reqs)
+    assert got == [(["x0", "x1", "x2"], 0, 12)]
