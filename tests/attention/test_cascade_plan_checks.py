@@ -293,3 +293,10 @@ def test_a_plan_of_an_empty_batch_passes_its_checks_and_builds_metadata_of_no_se
         block_size=4, buckets=BucketConfig(max_num_tokens=8, max_num_seqs=4, max_pages_per_seq=16),
     )  # fmt: skip
     assert md.num_seqs.tolist() == [0] and not md.kv_lens.any() and not md.levels
+
+
+def test_a_level_whose_first_group_starts_before_the_batch_is_refused():
+    # A group from position -1 would take the batch's last request into the first group.
+    with pytest.raises(ValueError, match="from position 0 on"):
+        make_level("global", [-1], [2], [0], [1], [0])
+
