@@ -300,3 +300,13 @@ def test_a_level_whose_first_group_starts_before_the_batch_is_refused():
     with pytest.raises(ValueError, match="from position 0 on"):
         make_level("global", [-1], [2], [0], [1], [0])
 
+
+def test_keeps_order_is_refused_unless_a_bool_and_stored_as_a_python_bool():
+    # 0 and 1 are not flags (0 on an identity order was taken as False); numpy's bool is,
+    # and is stored as bool like the planner's own plans.
+    zeros, identity = np.zeros(2, np.int32), np.arange(2, dtype=np.int32)
+    for flag in (0, 1):
+        with pytest.raises(ValueError, match="keeps_order="):
+            CascadePlan(identity, identity, zeros, (), 0, keeps_order=flag)
+    plan = CascadePlan(identity, identity, zeros, (), 0, keeps_order=np.True_)
+    assert plan.keeps_order is True
