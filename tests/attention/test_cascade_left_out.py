@@ -156,3 +156,23 @@ def test_groups_from_block_0_without_the_left_out_request_are_searched_not_assum
     assert [lv.name for lv in plan.levels] == ["groups"]
     assert _groups(plan, reqs) == [([f"d{i}" for i in range(8)], 0, 1)]
     assert _suffix_of(plan, reqs, "p") == 0
+
+
+def test_a_request_whose_merge_equals_the_read_of_its_computed_blocks_is_left_out():
+    # d0..d3 and p hold the 10-block prompt; each has computed 6 of its blocks (loading
+    # the rest). p's 2 queries merge 12480 bytes: the read of its 6 blocks (12288) and
+    # no more, so p is left out. The four from block 0 then weigh 3 x 12288 - 4 x 6240
+    # (11904), more than the global level over all five (4 x 12288 - 6 x 6240 = 11712).
+    m = KVCacheManager(256, 4, max_model_len=128)
+    decodes = [_decoding(m, f"d{i}", SYSTEM + [i, 50]) for i in range(4)]
+    reqs, query_lens = _with_prefill(m, decodes, SYSTEM, 2)
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids) == 10
+    model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=1)
+    computed = np.full(len(reqs), 6 * 4)
+    plan = CascadePlanner(SHAPE, cost_model=model).plan(ids, computed, query_lens, m)
+    plan.check()
+    assert [lv.name for lv in plan.levels] == ["groups"]
+    assert _groups(plan, reqs) == [(["d0", "d1", "d2", "d3"], 0, 6)]
+    assert _suffix_of(plan, reqs, "p") == 0
+
