@@ -8,6 +8,7 @@ import numpy as np
 
 from jaxkv import KVCacheManager
 from jaxkv.cascade import CascadePlanner
+from tests.attention.test_cascade_group_choice import _groups, _shared
 from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding, _plan
 
 
@@ -33,3 +34,18 @@ def test_a_batch_sharing_nothing_plans_flat_in_schedule_order():
     plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS), m, reqs)
     assert plan.num_common_prefix_blocks == 0 and plan.levels == ()
     assert plan.keeps_order is True and plan.order.tolist() == [0, 1, 2]
+
+
+def test_a_groups_level_keeps_at_most_8_groups_by_default():
+    # Nine pairs under nine prompts; pair i shares i + 2 blocks: the default planner
+    # keeps the 8 that save most and drops the pair over 2 blocks.
+    m = KVCacheManager(512, 4, max_model_len=64)
+    reqs = [
+        _decoding(m, f"p{i}r{j}", list(range(1000 * (i + 1), 1000 * (i + 1) + 4 * (i + 2))) + [j])
+        for i in range(9)
+        for j in range(2)
+    ]
+    assert _shared(m, ["p0r0", "p0r1"]) == 2 and _shared(m, ["p8r0", "p8r1"]) == 10
+    plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS), m, reqs)
+    got = [(members, end) for members, _, end in _groups(plan, reqs)]
+    assert got == [([f"p{i}r0", f"p{i}r1"], i + 2) for i in range(1, 9)]
