@@ -176,3 +176,30 @@ def test_a_request_whose_merge_equals_the_read_of_its_computed_blocks_is_left_ou
     assert _groups(plan, reqs) == [(["d0", "d1", "d2", "d3"], 0, 6)]
     assert _suffix_of(plan, reqs, "p") == 0
 
+
+def test_groups_under_the_global_level_count_in_its_weight_against_groups_without_it():
+    # Eight decodes share a 10-block header, d0..d5 in pairs 10 blocks more; p
+    # shares the header and is left out (4 queries). From block 0 without p the eight
+    # over the header weigh 7 x 20480 - 8 x 6240 = 93440; the global level over all
+    # nine weighs 8 x 20480 - 12 x 6240 = 88960, and with the three pairs past it
+    # (3 x (20480 - 2 x 6240)) 112960: the global level stays, with the pairs.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    decodes = [
+        _decoding(
+            m,
+            f"d{i}",
+            SYSTEM
+            + [500 + t + 100 * (i // 2) if i < 6 else 9000 + 50 * i + t for t in range(40)]
+            + [i, 50],
+        )  # fmt: skip
+        for i in range(8)
+    ]
+    reqs, query_lens = _with_prefill(m, decodes, SYSTEM + [900] * 8, 4)
+    assert _shared(m, [r.request_id for r in reqs]) == 10 and _shared(m, ["d0", "d1"]) == 20
+    assert _shared(m, ["d6", "d7"]) == 10
+    model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=1)
+    plan = _plan(CascadePlanner(SHAPE, cost_model=model), m, reqs, query_lens)
+    assert [lv.name for lv in plan.levels] == ["global", "groups"]
+    got = sorted((sorted(members), b0, b1) for members, b0, b1 in _groups(plan, reqs))
+    assert got == [([f"d{i}", f"d{i + 1}"], 10, 20) for i in range(0, 6, 2)]
+    assert _suffix_of(plan, reqs, "p") == 10
