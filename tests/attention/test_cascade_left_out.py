@@ -203,3 +203,18 @@ def test_groups_under_the_global_level_count_in_its_weight_against_groups_withou
     got = sorted((sorted(members), b0, b1) for members, b0, b1 in _groups(plan, reqs))
     assert got == [([f"d{i}", f"d{i + 1}"], 10, 20) for i in range(0, 6, 2)]
     assert _suffix_of(plan, reqs, "p") == 10
+
+
+def test_a_left_out_request_joins_no_group_where_only_its_context_would_let_one_pay():
+    # d0..d3 and p share the 10-block prompt; p's 4 queries merge more than its read:
+    # left out. min_saved_fraction 0.8: the global level saves 4 x 20480 of a 216-token
+    # context (0.74), the four d from block 0 3 x 20480 of 172 tokens (0.70): neither
+    # pays, and the plan is flat. A group of all five counted without p's 40 computed
+    # tokens (0.91) would pay, over p's queries too.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    decodes = [_decoding(m, f"d{i}", SYSTEM + [i, 50]) for i in range(4)]
+    reqs, query_lens = _with_prefill(m, decodes, SYSTEM, 4)
+    assert _shared(m, [r.request_id for r in reqs]) == 10
+    model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=1, min_saved_fraction=0.8)
+    plan = _plan(CascadePlanner(SHAPE, cost_model=model), m, reqs, query_lens)
+    assert plan.levels == () and plan.num_common_prefix_blocks == 10
