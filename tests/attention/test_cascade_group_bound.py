@@ -52,3 +52,18 @@ def test_past_max_groups_the_heavier_of_the_cut_set_and_the_heaviest_first_is_ke
     assert _shared(m, ids[4:]) == 2 and _shared(m, ids) == 0
     plan = _plan(CascadePlanner(SHAPE, cost_model=model, max_groups=max_groups), m, reqs)
     assert [(members, end) for members, _, end in _groups(plan, reqs)] == want
+
+
+def test_of_groups_that_weigh_the_same_those_of_the_earliest_requests_are_kept():
+    # Nine pairs over 3 blocks each; pair k holds batch positions k and 17 - k. Eight are
+    # kept: the pair whose first request comes last (positions 8 and 9) is dropped.
+    m = KVCacheManager(512, 4, max_model_len=64)
+    pair_of = [i if i < 9 else 17 - i for i in range(18)]
+    reqs = [
+        _decoding(m, f"r{i}", list(range(1000 * (k + 1), 1000 * (k + 1) + 12)) + [i])
+        for i, k in enumerate(pair_of)
+    ]
+    assert _shared(m, ["r0", "r17"]) == 3 and _shared(m, [r.request_id for r in reqs]) == 0
+    plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=8), m, reqs)
+    got = [(members, end) for members, _, end in _groups(plan, reqs)]
+    assert got == [([f"r{k}", f"r{17 - k}"], 3) for k in range(8)]
