@@ -285,3 +285,19 @@ def test_the_largest_groups_nested_in_ones_that_pay_are_examined_first():
     assert _shared(m, ids) == 0
     got = _planned(CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=1), m, reqs)
     assert got == [(["x0", "x1", "x2"], 0, 12)]
+
+
+def test_a_rest_kept_inside_a_nested_group_counts_at_its_weight_one_level_up():
+    # Six share a 10-block header; v0, v1, p0, p1 2 blocks more; p0, p1 17 more; z shares
+    # nothing. Under v's four (3 x 12 saved) the pair p (29) and the rest v0, v1 (12)
+    # weigh more; over the header the six (5 x 10 = 50) weigh less than those two with
+    # the rest w0, w1 (29 + 12 + 10 = 51): three groups.
+    m = KVCacheManager(1024, 4, max_model_len=128)
+    h1, h2, h3 = list(range(100, 140)), list(range(200, 208)), list(range(300, 368))
+    tokens = {"w": h1, "v": h1 + h2, "p": h1 + h2 + h3}
+    reqs = [_decoding(m, f"{k}{i}", tokens[k] + [i, 50]) for k in "wvp" for i in range(2)]
+    reqs.append(_decoding(m, "z", list(range(900, 940)) + [7]))
+    ids = [r.request_id for r in reqs]
+    assert (_shared(m, ids[:6]), _shared(m, ids[2:6]), _shared(m, ids[4:6])) == (10, 12, 29)
+    got = _planned(CascadePlanner(SHAPE, cost_model=ALWAYS), m, reqs)
+    assert got == [(["p0", "p1"], 0, 29), (["v0", "v1"], 0, 12), (["w0", "w1"], 0, 10)]
