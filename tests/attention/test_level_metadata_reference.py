@@ -23,6 +23,7 @@ import pytest
 from jaxkv.batch import AttentionMetadata, LevelMetadata
 from jaxkv.buckets import BucketConfig, padded_size
 from jaxkv.cascade import CascadeLevel, CascadePlan, CascadePlanner
+from jaxkv.level_metadata import table_slice
 from tests.attention import workload
 from tests.attention.test_metadata_reference import ALWAYS, SHAPE, _build, _decode_only, _mismatches
 from tests.attention.test_paged_attention import buckets_for
@@ -309,3 +310,14 @@ def test_levels_take_the_smallest_buckets_that_fit():
             widths.add(tuple(pages))
     # Some level holds groups of more than one page bucket: the width must follow the longest.
     assert any(len(w) > 1 for w in widths), widths
+
+
+def test_table_slice_reads_up_to_the_tables_last_column_and_pads_past_it_with_0():
+    # A table of 4 rows and 6 columns: a slice from column 3 of row 2, 4 wide, reads
+    # columns 3..5 and pads the column past the table; col_ends cut each row's slice.
+    table = np.arange(1, 25, dtype=np.int32).reshape(4, 6)
+    rows, starts = np.array([2, 0]), np.array([3, 0])
+    got = table_slice(table, rows, starts, 4)
+    assert got.tolist() == [[16, 17, 18, 0], [1, 2, 3, 4]] and got.dtype == np.int32
+    got = table_slice(table, rows, starts, 4, np.array([5, 2]))
+    assert got.tolist() == [[16, 17, 0, 0], [1, 2, 0, 0]]
