@@ -341,3 +341,12 @@ def test_a_reused_plan_cannot_be_changed_in_place_by_the_step_that_got_it():
             arrays += [level.group_starts, level.group_ends, level.block_starts]
             arrays += [level.block_ends, level.leader_rows]
         assert not any(a.flags.writeable for a in arrays)
+
+
+def test_which_rows_share_a_column_cannot_be_changed_in_place_by_a_caller():
+    # The memo hands the same array to every later question about that column.
+    m, _, _ = _a_and_c_sharing_one_of_three_blocks()
+    memo, rows = PlanMemo(), m.rows_of(["a", "c"])
+    shares = memo.shares_column(m, rows, 0)
+    assert not shares.flags.writeable
+    assert memo.shares_column(m, rows, 0) is shares
