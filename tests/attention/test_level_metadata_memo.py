@@ -125,3 +125,15 @@ def test_a_flat_plan_takes_back_the_empty_levels_it_was_given():
     md = _build(m, flat)
     assert md.levels == ()
     assert _build(m, flat, levels=md.levels).levels == ()
+
+
+def test_after_a_layout_change_the_new_levels_are_read_only_and_kept():
+    # The prefill layout replaces the decode one in the memo: its arrays are handed out
+    # again by the next step of that layout, so they are read-only too.
+    m, plan, _ = _two_plans()
+    _build(m, plan)
+    prefill = _build(m, plan, query_lens=(1, 2, 1))
+    assert not prefill.levels[0].page_indices.flags.writeable
+    assert not prefill.levels[0].cu_q_lens.flags.writeable
+    assert _build(m, plan, query_lens=(1, 2, 1)).levels is prefill.levels
+
