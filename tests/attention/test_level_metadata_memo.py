@@ -137,3 +137,22 @@ def test_after_a_layout_change_the_new_levels_are_read_only_and_kept():
     assert not prefill.levels[0].cu_q_lens.flags.writeable
     assert _build(m, plan, query_lens=(1, 2, 1)).levels is prefill.levels
 
+
+def test_a_levels_padded_sequences_hold_no_keys_and_no_queries():
+    # Three pairs under three 12-token prompts: a groups level of 3 sequences, padded to
+    # the 4-sequence bucket with a sequence of no keys and no query tokens.
+    m = KVCacheManager(64, 4, max_model_len=64)
+    reqs = [
+        _decoding(m, f"r{i}", list(range(100 * (i // 2 + 1), 100 * (i // 2 + 1) + 12)) + [i])
+        for i in range(6)
+    ]
+    plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS), m, reqs)
+    ones = np.ones(6, int)
+    md = build_attention_metadata(
+        block_table=m.block_table, plan=plan, query_lens=ones, num_computed_tokens=13 * ones,
+        block_size=4, buckets=BUCKETS,
+    )  # fmt: skip
+    (level,) = md.levels
+    assert level.num_seqs.tolist() == [3]
+    assert level.kv_lens.tolist() == [12, 12, 12, 0]
+    assert level.cu_q_lens.tolist() == [0, 2, 4, 6, 6]
