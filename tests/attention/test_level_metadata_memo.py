@@ -12,6 +12,7 @@ from jaxkv import KVCacheManager
 from jaxkv.batch import build_attention_metadata
 from jaxkv.buckets import BucketConfig
 from jaxkv.cascade import CascadePlan, CascadePlanner
+from jaxkv.cascade_plan import make_level
 from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding, _plan
 
 BUCKETS = BucketConfig(max_num_tokens=32, max_num_seqs=8, max_pages_per_seq=16)
@@ -156,3 +157,20 @@ def test_a_levels_padded_sequences_hold_no_keys_and_no_queries():
     assert level.num_seqs.tolist() == [3]
     assert level.kv_lens.tolist() == [12, 12, 12, 0]
     assert level.cu_q_lens.tolist() == [0, 2, 4, 6, 6]
+
+
+def test_a_level_whose_groups_hold_one_query_token_takes_the_one_token_query_bound():
+    # A hand-made level over one decoding request's first 2 blocks: its one sequence
+    # holds one query token, and the level's query bound is the 1-token bucket.
+    m = KVCacheManager(64, 4, max_model_len=64)
+    for i in range(2):
+        _decoding(m, f"r{i}", list(range(100 * (i + 1), 100 * (i + 1) + 12)))
+    rows = m.rows_of(["r0", "r1"])
+    level = make_level("groups", [0], [1], [0], [2], [rows[0]])
+    plan = CascadePlan(np.arange(2, dtype=np.int32), rows, np.array([2, 0], np.int32), (level,), 0)
+    ones = np.ones(2, int)
+    md = build_attention_metadata(
+        block_table=m.block_table, plan=plan, query_lens=ones, num_computed_tokens=12 * ones,
+        block_size=4, buckets=BUCKETS,
+    )  # fmt: skip
+    assert BUCKETS.q_len_buckets[0] == 1 and md.levels[0].max_q_len == 1
