@@ -255,3 +255,16 @@ def test_a_request_without_max_tokens_is_sized_up_to_max_model_len():
     r = add(roomy, "open", range(1, 5), max_tokens=None)
     assert run_until_idle(roomy) == {"open": "length"}
     assert r.num_tokens == 32 and roomy.stats.num_preemptions == 0
+
+
+def test_abort_answers_false_as_a_bool_for_unknown_and_finished_requests():
+    # A caller may test `abort(...) is False` to tell "nothing to abort" from a failure.
+    sched = make_scheduler()
+    add(sched, "a", [1, 2, 3], max_tokens=1)
+    run_until_idle(sched)
+    assert sched.abort("nope") is False
+    assert sched.abort("a") is False  # finished and released
+    b = add(sched, "b", [1, 2, 3], max_tokens=1)
+    step(sched)
+    assert sched.abort("b") is False and b.status == RequestStatus.FINISHED_LENGTH
+    assert sched.abort(add(sched, "c", [4, 5]).request_id) is True
