@@ -380,3 +380,13 @@ def test_a_ctrl_c_during_a_discard_is_raised_once_every_unwritten_block_left_the
     assert _num_hit_tokens(sched, list(b.all_token_ids)) == 4  # a's first block, written
     assert _num_hit_tokens(sched, list(c.all_token_ids)) == 0
     manager.check_integrity()
+
+
+def test_a_later_discard_leaves_the_blocks_an_applied_step_wrote_for_an_aborted_request():
+    sched, copier = make_scheduler(block_size=4), FakeCopier(64, 4)
+    a, b = _a_decoding_and_b_sharing_its_blocks(sched, copier)
+    out = sched.schedule()
+    assert sched.abort("a")
+    sched.update_from_output(out, [5, 6])  # the step wrote a's second block (b hit it)
+    sched.discard(sched.schedule())  # the next step fails: only its own blocks leave
+    assert _num_hit_tokens(sched, [*a.all_token_ids, 99]) == 8
