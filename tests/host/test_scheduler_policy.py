@@ -226,3 +226,19 @@ def test_a_request_reading_its_output_text_is_refused_without_a_tokenizer(params
     with pytest.raises(ValueError, match="needs a tokenizer"):
         add(sched, "a", [1, 2, 3], **params)
     assert not sched.waiting and not sched.requests
+
+
+def test_a_request_reached_with_one_token_of_budget_left_is_scheduled_or_preempted():
+    # Three decodes share a budget of three tokens. Once each next token needs a fresh
+    # block and two are free, the pass one by one gives a and b theirs and reaches c
+    # with one token of budget left: c, which cannot get a block, is preempted.
+    sched = make_scheduler(num_blocks=6, max_num_batched_tokens=3, max_num_seqs=3)
+    for rid, token in zip("abc", (1, 2, 3), strict=True):
+        add(sched, rid, [token], max_tokens=8)
+    for _ in range(5):
+        out, _ = step(sched)
+        if out.preempted_request_ids:
+            break
+    assert out.request_ids == ["a", "b"] and out.preempted_request_ids == ("c",)
+    assert [r.request_id for r in sched.waiting] == ["c"]
+    assert run_until_idle(sched) == {"a": "length", "b": "length", "c": "length"}
