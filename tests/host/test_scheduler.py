@@ -268,3 +268,11 @@ def test_abort_answers_false_as_a_bool_for_unknown_and_finished_requests():
     step(sched)
     assert sched.abort("b") is False and b.status == RequestStatus.FINISHED_LENGTH
     assert sched.abort(add(sched, "c", [4, 5]).request_id) is True
+
+
+def test_discard_unapplied_answers_false_as_a_bool_when_nothing_is_pending():
+    sched = make_scheduler()
+    assert sched.discard_unapplied() is False
+    add(sched, "a", [1, 2, 3])
+    sched.schedule()
+    assert sched.discard_unapplied() is True and sched.discard_unapplied() is False
