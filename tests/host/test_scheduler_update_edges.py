@@ -270,3 +270,15 @@ def test_tokens_of_requests_aborted_before_their_step_is_applied_count_once_run(
     num_tokens = 4 + 8 + _run_to_the_end(sched)
     stats = sched.stats
     assert stats.num_prompt_tokens_computed + stats.num_decode_tokens_computed == num_tokens
+
+
+def test_a_one_token_prompt_aborted_before_its_update_counts_as_prefill():
+    # Its one token with nothing sampled yet is a prompt token, as if it had been applied
+    # (a decode needs output; a one-token chunk alone does not make one).
+    sched = make_scheduler()
+    add(sched, "a", [7], max_tokens=3)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens.tolist() == [1] and sched.abort("a")
+    sched.update_from_output(out, [5])
+    stats = sched.stats
+    assert (stats.num_prompt_tokens_computed, stats.num_decode_tokens_computed) == (1, 0)
