@@ -181,3 +181,18 @@ def test_update_takes_uint64_tokens_among_signed_ones(tokens):
     sched.update_from_output(sched.schedule(), tokens)
     assert (list(a.output_token_ids), list(b.output_token_ids)) == ([7], [8])
     assert [type(t) for t in (*a.output_token_ids, *b.output_token_ids)] == [int, int]
+
+
+def test_a_request_the_pool_cannot_hold_is_refused_naming_the_usable_blocks():
+    # 6 blocks, of which the null block is never handed out: 5 usable, where the
+    # request's 21 tokens of KV need 6 (one token fewer needs 5: accepted).
+    sched = make_scheduler(num_blocks=6, max_model_len=32)
+    message = (
+        "request 'big': up to 21 tokens of KV (prompt plus max_tokens less the last "
+        "token, at most max_model_len - 1) need 6 blocks of 4; the pool has 5"
+    )
+    with pytest.raises(ValueError) as refused:
+        add(sched, "big", range(1, 11), max_tokens=12)
+    assert str(refused.value) == message and not sched.requests and not sched.waiting
+    add(sched, "fits", range(1, 11), max_tokens=11)
+    assert list(sched.requests) == ["fits"]
