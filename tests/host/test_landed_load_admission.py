@@ -123,3 +123,23 @@ def test_a_landed_load_spends_the_budget_before_the_queue_is_admitted():
     add(sched, "b", range(20, 28), max_tokens=1)
     out, _ = step(sched, copier)  # it lands: b gets the 5 tokens l leaves
     assert out.request_ids == ["l", "b"] and out.num_scheduled_tokens.tolist() == [3, 5]
+
+
+def test_a_landed_load_runs_on_the_last_token_of_budget_ahead_of_the_queue():
+    # 7 decodes leave 1 token of the 8: l2's last token takes it, though l1 (3 tokens
+    # left, chunked prefill off) heads the queue and would stop the queue's admission.
+    copier = FakeCopier(64, BS)
+    connector = OracleLoadConnector(copier, {"l1": 4, "l2": 4})
+    sched = make_scheduler(
+        max_num_batched_tokens=8, max_model_len=8, enable_chunked_prefill=False,
+        connector=connector,
+    )  # fmt: skip
+    decoders = [f"d{i}" for i in range(7)]
+    for i, rid in enumerate(decoders):
+        add(sched, rid, [100 + i], max_tokens=5)
+    add(sched, "l1", range(1, 8), max_tokens=1)
+    add(sched, "l2", range(20, 25), max_tokens=1)
+    step(sched, copier)  # 7 decoders admitted, both loads start
+    out, _ = step(sched, copier)
+    assert out.request_ids == [*decoders, "l2"] and _queued(sched) == ["l1"]
+    assert set(run_until_idle(sched, copier)) == {*decoders, "l1"}
