@@ -8,7 +8,7 @@ import pytest
 
 from jaxkv import KVCacheManager, RequestStatus
 from jaxkv.host_offload_connector import HostOffloadConnector
-from jaxkv.kv_transfer import KVConnector
+from jaxkv.kv_transfer import KVConnector, TransferEvents
 from jaxkv.scheduler_transfers import TransferTracker
 from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
 from tests.host._util import make_request, prefill
@@ -158,3 +158,32 @@ def test_an_interrupt_once_a_save_has_started_holds_its_blocks_until_it_lands():
     assert run_until_idle(sched, copier) == {}  # the save lands, reported once
     assert sched.requests == {} and sched.manager.num_free_blocks == 31
     assert connector.stats.num_saves == 1 and a.status == RequestStatus.FINISHED_LENGTH
+
+
+class _SavedAtAnInterruptedPoll(KVConnector):
+    """Holds each finished request for a save; its poll() reports a's save landed as a
+    Ctrl-C arrives."""
+
+    def on_finish(self, request, block_ids):
+        return True
+
+    def poll(self):
+        signal.raise_signal(signal.SIGINT)
+        return TransferEvents(saved=("a",))
+
+
+def test_the_tracker_itself_holds_an_interrupt_in_poll_until_the_report_is_applied():
+    # Its own guarantee, whoever calls apply_events(): raised inside poll(), the report
+    # was lost and a's blocks stayed held for good.
+    m = KVCacheManager(16, 4, max_model_len=64)
+    a = make_request("a", range(6))
+    prefill(m, a)
+    a.status = RequestStatus.FINISHED_LENGTH
+    released = []
+    tracker = TransferTracker(_SavedAtAnInterruptedPoll(), m, released.append)
+    tracker.finish(a)
+    assert tracker.transferring == {"a": a} and a.status == RequestStatus.FINISHED_TRANSFERRING
+    with pytest.raises(KeyboardInterrupt):
+        tracker.apply_events()
+    assert tracker.transferring == {} and released == [a]
+    assert a.status == RequestStatus.FINISHED_LENGTH
