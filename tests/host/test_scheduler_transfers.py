@@ -106,6 +106,15 @@ def test_a_numpy_claim_of_whole_blocks_is_taken():
     assert connector.loads == [("a", sched.manager.block_ids("a")[:2])]
 
 
+def test_a_claim_of_one_one_token_block_starts_a_load():
+    connector = _ClaimingConnector(1)  # the least claim there is: one block of one token
+    sched = make_scheduler(num_blocks=16, block_size=1, connector=connector)
+    a = add(sched, "a", [1, 2], max_tokens=2)
+    sched.schedule()
+    assert a.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert connector.loads == [("a", sched.manager.block_ids("a")[:1])]
+
+
 def test_a_started_load_holds_blocks_for_every_token_of_its_request():
     # 13 tokens need 4 blocks, the last for token 13 alone: a landed load must hold them
     # all, so that the request needs no further block to be admitted.
