@@ -4,7 +4,14 @@ first), and reports its finished ids again ahead of those that finished since.""
 from __future__ import annotations
 
 from jaxkv import RequestStatus
-from tests.host._sched_util import add, make_scheduler
+from tests.host._sched_util import (
+    FakeCopier,
+    OracleLoadConnector,
+    add,
+    make_scheduler,
+    run_until_idle,
+    step,
+)
 
 
 def test_discard_frees_the_last_admitted_request_first():
@@ -34,3 +41,22 @@ def test_every_request_aborted_before_a_discard_is_reported_after_the_discarded_
     assert sched.abort("c") and sched.abort("d")
     sched.discard(out)
     assert sched.schedule().finished_request_ids == ("a", "c", "d")
+
+
+def test_a_discarded_step_that_preempted_leaves_the_waiting_queue_as_it_was():
+    # It admitted nothing: the queue, the preempted c ahead of L (still loading), stays.
+    # The previous step's admission order (L passed over, then b and c) is not this one's.
+    connector = OracleLoadConnector(FakeCopier(6, 4), {"L": 4})
+    connector.hold = True  # L's load stays in flight
+    sched = make_scheduler(num_blocks=6, block_size=4, connector=connector)
+    add(sched, "L", range(1, 6), max_tokens=1)
+    add(sched, "b", range(10, 14), max_tokens=8)
+    add(sched, "c", range(20, 24), max_tokens=8)
+    out, _ = step(sched)  # L's load takes 2 blocks, b and c one each: 1 left
+    assert out.request_ids == ["b", "c"]
+    out = sched.schedule()  # b and c each need a fresh block: c is preempted
+    assert out.request_ids == ["b"] and out.preempted_request_ids == ("c",)
+    sched.discard(out)
+    assert [r.request_id for r in sched.waiting] == ["c", "L"]
+    connector.hold = False
+    assert run_until_idle(sched) == {"L": "length", "b": "length", "c": "length"}
