@@ -86,6 +86,15 @@ def test_a_bad_claim_is_refused_with_the_queue_and_blocks_unchanged(claim):
     sched.manager.check_integrity()
 
 
+def test_a_claim_on_a_prompt_of_one_block_names_no_loadable_token():
+    # 3 tokens of 4 per block: no whole block ends before the last token.
+    sched = make_scheduler(num_blocks=16, block_size=BS, connector=_ClaimingConnector(4))
+    add(sched, "a", [1, 2, 3], max_tokens=2)
+    with pytest.raises(ValueError, match=r"returned 4: .*\(at most 0 tokens here\)$"):
+        sched.schedule()
+    assert _queued(sched) == ["a"] and sched.manager.num_free_blocks == 15
+
+
 def test_a_claim_of_no_tokens_starts_no_load():
     # Admission asks for a load only after a nonzero claim: the tracker is driven directly.
     manager = KVCacheManager(16, BS, max_model_len=64)
