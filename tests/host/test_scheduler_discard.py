@@ -136,17 +136,17 @@ def test_a_request_aborted_before_the_discard_is_reported_after_the_discarded_on
     # The next output reports every id that finished since the last one, in finishing
     # order: the discarded output's, then those aborted between its schedule and discard.
     sched = make_scheduler(block_size=4)
-    for rid in "abc":
+    for rid in "abcd":
         add(sched, rid, range(1, 6), max_tokens=3)
     assert sched.abort("b")
     out = sched.schedule()
-    assert out.finished_request_ids == ("b",) and out.request_ids == ["a", "c"]
-    assert sched.abort("c")
+    assert out.finished_request_ids == ("b",) and out.request_ids == ["a", "c", "d"]
+    assert sched.abort("c") and sched.abort("d")  # two: none of them lost
     sched.discard(out)
     out = sched.schedule()
-    assert out.finished_request_ids == ("b", "c") and out.request_ids == ["a"]
+    assert out.finished_request_ids == ("b", "c", "d") and out.request_ids == ["a"]
     sched.discard(out)  # again: reported once more, in the same order
-    assert sched.schedule().finished_request_ids == ("b", "c")
+    assert sched.schedule().finished_request_ids == ("b", "c", "d")
 
 
 class _RaisingConnector(KVConnector):
