@@ -143,3 +143,22 @@ def test_a_landed_load_runs_on_the_last_token_of_budget_ahead_of_the_queue():
     out, _ = step(sched, copier)
     assert out.request_ids == [*decoders, "l2"] and _queued(sched) == ["l1"]
     assert set(run_until_idle(sched, copier)) == {*decoders, "l1"}
+
+
+def test_a_landed_load_waiting_for_a_slot_caches_only_its_loaded_blocks():
+    # Blocks of one token: the block right after the loaded ones is full with its one
+    # token, whose KV is not computed until r is admitted; no other request may hit it.
+    copier = FakeCopier(64, 1)
+    connector = OracleLoadConnector(copier, {"r": 8})
+    sched = make_scheduler(block_size=1, max_num_seqs=1, connector=connector)
+    r = add(sched, "r", range(1, 14), max_tokens=2)
+    connector.hold = True
+    step(sched, copier)  # r's load starts
+    add(sched, "d", [100], max_tokens=6)
+    step(sched, copier)  # d takes the one running slot
+    connector.hold = False
+    step(sched, copier)  # r's load lands; r waits for d's slot
+    assert r.status == RequestStatus.WAITING and r.num_computed_tokens == 8
+    probe = Request("probe", list(range(1, 14)) + [99], SamplingParams())
+    assert sched.manager.get_computed_blocks(probe)[1] == 8
+    assert run_until_idle(sched, copier) == {"d": "length", "r": "length"}
