@@ -91,21 +91,37 @@ def test_a_left_out_request_stays_in_the_global_level_where_groups_are_off():
     assert _suffix_of(plan, reqs, "p") == 10
 
 
+def _paired_decodes_plan(num_pairs: int):
+    """(manager, requests, plan) of eight decodes over a 10-block header, the first
+    2 x num_pairs of them in pairs sharing 10 blocks more, and p, a 4-token prefill over
+    the header only; planned with no call cost and a merge cost factor of 1."""
+    m = KVCacheManager(256, 4, max_model_len=128)
+    decodes = [
+        _decoding(
+            m,
+            f"d{i}",
+            SYSTEM
+            + [
+                500 + t + 100 * (i // 2) if i < 2 * num_pairs else 9000 + 50 * i + t
+                for t in range(40)
+            ]
+            + [i, 50],
+        )  # fmt: skip
+        for i in range(8)
+    ]
+    reqs, query_lens = _with_prefill(m, decodes, SYSTEM + [900] * 8, 4)
+    assert _shared(m, [r.request_id for r in reqs]) == 10 and _shared(m, ["d0", "d1"]) == 20
+    model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=1)
+    return m, reqs, _plan(CascadePlanner(SHAPE, cost_model=model), m, reqs, query_lens)
+
+
 def test_a_left_out_request_stays_in_a_global_level_that_weighs_more_than_groups_without_it():
     # Eight decodes share a 10-block header, in pairs sharing 10 blocks more; p shares the
     # header only and merges 4 x 6240 bytes, more than its 20480-byte read: left out of
     # any group. With no call cost the global level over all nine plus the pairs past it
     # (8 x 20480 - 12 x 6240 + 4 x (20480 - 2 x 6240) = 120960) outweighs the pairs from
     # block 0 without it (4 x (2 x 20480 - 2 x 6240) = 113920): p stays in the global level.
-    m = KVCacheManager(256, 4, max_model_len=128)
-    decodes = [
-        _decoding(m, f"d{i}", SYSTEM + [500 + t + 100 * (i // 2) for t in range(40)] + [i, 50])
-        for i in range(8)
-    ]
-    reqs, query_lens = _with_prefill(m, decodes, SYSTEM + [900] * 8, 4)
-    assert _shared(m, [r.request_id for r in reqs]) == 10 and _shared(m, ["d0", "d1"]) == 20
-    model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=1)
-    plan = _plan(CascadePlanner(SHAPE, cost_model=model), m, reqs, query_lens)
+    _, reqs, plan = _paired_decodes_plan(num_pairs=4)
     assert [lv.name for lv in plan.levels] == ["global", "groups"]
     got = sorted((sorted(members), b0, b1) for members, b0, b1 in _groups(plan, reqs))
     assert got == [([f"d{i}", f"d{i + 1}"], 10, 20) for i in range(0, 8, 2)]
@@ -183,22 +199,8 @@ def test_groups_under_the_global_level_count_in_its_weight_against_groups_withou
     # over the header weigh 7 x 20480 - 8 x 6240 = 93440; the global level over all
     # nine weighs 8 x 20480 - 12 x 6240 = 88960, and with the three pairs past it
     # (3 x (20480 - 2 x 6240)) 112960: the global level stays, with the pairs.
-    m = KVCacheManager(256, 4, max_model_len=128)
-    decodes = [
-        _decoding(
-            m,
-            f"d{i}",
-            SYSTEM
-            + [500 + t + 100 * (i // 2) if i < 6 else 9000 + 50 * i + t for t in range(40)]
-            + [i, 50],
-        )  # fmt: skip
-        for i in range(8)
-    ]
-    reqs, query_lens = _with_prefill(m, decodes, SYSTEM + [900] * 8, 4)
-    assert _shared(m, [r.request_id for r in reqs]) == 10 and _shared(m, ["d0", "d1"]) == 20
+    m, reqs, plan = _paired_decodes_plan(num_pairs=3)
     assert _shared(m, ["d6", "d7"]) == 10
-    model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=1)
-    plan = _plan(CascadePlanner(SHAPE, cost_model=model), m, reqs, query_lens)
     assert [lv.name for lv in plan.levels] == ["global", "groups"]
     got = sorted((sorted(members), b0, b1) for members, b0, b1 in _groups(plan, reqs))
     assert got == [([f"d{i}", f"d{i + 1}"], 10, 20) for i in range(0, 6, 2)]
