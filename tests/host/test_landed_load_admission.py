@@ -83,17 +83,25 @@ def test_a_load_after_a_device_cache_hit_lands_with_both_computed():
     assert out.num_scheduled_tokens.tolist() == [2]
 
 
-def test_an_aborted_landed_load_is_never_admitted():
-    copier = FakeCopier(64, BS)
+def _landed_behind_a_running_slot(block_size: int):
+    """(scheduler, copier, r): r (13 tokens, 8 of them loaded) whose load landed while d
+    (one token, 6 to generate) took the one running slot; r waits for it, holding its
+    blocks."""
+    copier = FakeCopier(64, block_size)
     connector = OracleLoadConnector(copier, {"r": 8})
-    sched = make_scheduler(max_num_seqs=1, connector=connector)
+    sched = make_scheduler(block_size=block_size, max_num_seqs=1, connector=connector)
     r = add(sched, "r", range(1, 14), max_tokens=2)
     connector.hold = True
     step(sched, copier)  # r's load starts
     add(sched, "d", [100], max_tokens=6)
     step(sched, copier)  # d runs and fills the one running slot
     connector.hold = False
-    step(sched, copier)  # r's load lands; r waits for d's slot, holding its blocks
+    step(sched, copier)  # r's load lands
+    return sched, copier, r
+
+
+def test_an_aborted_landed_load_is_never_admitted():
+    sched, copier, r = _landed_behind_a_running_slot(BS)
     assert r.status == RequestStatus.WAITING and r.num_computed_tokens == 8
     assert sched.abort("r") and "r" not in sched.manager.request_ids
     add(sched, "e", [7, 8], max_tokens=2)  # queued behind d's slot, as r was
@@ -148,16 +156,7 @@ def test_a_landed_load_runs_on_the_last_token_of_budget_ahead_of_the_queue():
 def test_a_landed_load_waiting_for_a_slot_caches_only_its_loaded_blocks():
     # Blocks of one token: the block right after the loaded ones is full with its one
     # token, whose KV is not computed until r is admitted; no other request may hit it.
-    copier = FakeCopier(64, 1)
-    connector = OracleLoadConnector(copier, {"r": 8})
-    sched = make_scheduler(block_size=1, max_num_seqs=1, connector=connector)
-    r = add(sched, "r", range(1, 14), max_tokens=2)
-    connector.hold = True
-    step(sched, copier)  # r's load starts
-    add(sched, "d", [100], max_tokens=6)
-    step(sched, copier)  # d takes the one running slot
-    connector.hold = False
-    step(sched, copier)  # r's load lands; r waits for d's slot
+    sched, copier, r = _landed_behind_a_running_slot(1)
     assert r.status == RequestStatus.WAITING and r.num_computed_tokens == 8
     probe = Request("probe", list(range(1, 14)) + [99], SamplingParams())
     assert sched.manager.get_computed_blocks(probe)[1] == 8
