@@ -39,18 +39,26 @@ def test_a_started_load_keeps_its_queue_place_ahead_of_a_request_that_did_not_fi
     assert out.request_ids == ["d0", "d1"] and _queued(sched) == ["a", "b"]
 
 
-def test_a_landed_load_that_does_not_fit_whole_lets_a_later_landed_one_run():
+def _two_loads_behind_decoders(num_decoders: int):
+    """(scheduler, copier) after one step of `num_decoders` 1-token prompts, then l1 (7
+    tokens: 3 left after its load) and l2 (5 tokens: 1 left), under a budget of 8 tokens
+    with chunked prefill off: the decoders were admitted and both loads started."""
     copier = FakeCopier(64, BS)
     connector = OracleLoadConnector(copier, {"l1": 4, "l2": 4})
     sched = make_scheduler(
         max_num_batched_tokens=8, max_model_len=8, enable_chunked_prefill=False,
         connector=connector,
     )  # fmt: skip
-    for i in range(6):
+    for i in range(num_decoders):
         add(sched, f"d{i}", [100 + i], max_tokens=5)
-    add(sched, "l1", range(1, 8), max_tokens=1)  # 7 tokens: 3 left after its load
-    add(sched, "l2", range(20, 25), max_tokens=1)  # 5 tokens: 1 left after its load
-    step(sched, copier)  # 6 decoders admitted, both loads start
+    add(sched, "l1", range(1, 8), max_tokens=1)
+    add(sched, "l2", range(20, 25), max_tokens=1)
+    step(sched, copier)
+    return sched, copier
+
+
+def test_a_landed_load_that_does_not_fit_whole_lets_a_later_landed_one_run():
+    sched, copier = _two_loads_behind_decoders(6)
     out, _ = step(sched, copier)  # both land; 2 tokens left after the decodes
     assert out.request_ids == [*(f"d{i}" for i in range(6)), "l2"]
     assert out.num_computed_tokens.tolist()[-1] == 4
@@ -136,18 +144,8 @@ def test_a_landed_load_spends_the_budget_before_the_queue_is_admitted():
 def test_a_landed_load_runs_on_the_last_token_of_budget_ahead_of_the_queue():
     # 7 decodes leave 1 token of the 8: l2's last token takes it, though l1 (3 tokens
     # left, chunked prefill off) heads the queue and would stop the queue's admission.
-    copier = FakeCopier(64, BS)
-    connector = OracleLoadConnector(copier, {"l1": 4, "l2": 4})
-    sched = make_scheduler(
-        max_num_batched_tokens=8, max_model_len=8, enable_chunked_prefill=False,
-        connector=connector,
-    )  # fmt: skip
+    sched, copier = _two_loads_behind_decoders(7)
     decoders = [f"d{i}" for i in range(7)]
-    for i, rid in enumerate(decoders):
-        add(sched, rid, [100 + i], max_tokens=5)
-    add(sched, "l1", range(1, 8), max_tokens=1)
-    add(sched, "l2", range(20, 25), max_tokens=1)
-    step(sched, copier)  # 7 decoders admitted, both loads start
     out, _ = step(sched, copier)
     assert out.request_ids == [*decoders, "l2"] and _queued(sched) == ["l1"]
     assert set(run_until_idle(sched, copier)) == {*decoders, "l1"}
