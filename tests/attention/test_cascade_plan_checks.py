@@ -133,6 +133,26 @@ def test_metadata_refuses_a_level_past_a_requests_cached_tokens():
         build_attention_metadata(query_lens=np.array([1, 2]), num_computed_tokens=[33, 31], **build)
 
 
+def test_a_level_over_exactly_the_cached_tokens_is_built_and_a_later_one_past_them_named():
+    # Batch position 0 has exactly the level's 32 tokens cached: its query tokens follow
+    # every key the level shows them. Position 1, two tokens short, is the one refused.
+    m = KVCacheManager(64, 4, max_model_len=64)
+    reqs = [_decoding(m, f"r{i}", SYSTEM_A + [i]) for i in range(2)]
+    rows = m.rows_of([r.request_id for r in reqs])
+    level = make_level("global", [0], [2], [0], [8], [int(rows[0])])
+    plan = CascadePlan(np.arange(2, dtype=np.int32), rows, np.full(2, 8, np.int32), (level,), 8)
+    build = dict(
+        block_table=m.block_table, plan=plan, block_size=4,
+        buckets=BucketConfig(max_num_tokens=8, max_num_seqs=4, max_pages_per_seq=16),
+    )  # fmt: skip
+    md = build_attention_metadata(
+        query_lens=np.array([2, 2]), num_computed_tokens=[32, 32], **build
+    )
+    assert md.kv_lens[:2].tolist() == [2, 2] and md.levels[0].kv_lens[0] == 32
+    with pytest.raises(ValueError, match="batch position 1: the cascade levels read 8 blocks"):
+        build_attention_metadata(query_lens=np.array([2, 4]), num_computed_tokens=[32, 30], **build)
+
+
 @pytest.mark.parametrize(
     "args,match",
     [
