@@ -291,3 +291,48 @@ def test_a_hand_made_group_is_checked_past_the_width_of_a_narrower_group():
             block_table=m.block_table, plan=plan, query_lens=np.ones(4, int),
             num_computed_tokens=np.full(4, 8), block_size=4, buckets=BUCKETS,
         )  # fmt: skip
+
+
+def test_a_block_size_of_1_and_buckets_of_1_give_arrays_of_one_entry():
+    """The first token of the only request, with one-token blocks and every bucket's
+    minimum 1: one token slot, one sequence slot, one page, the token in its block."""
+    m = KVCacheManager(4, 1, max_model_len=4)
+    assert m.allocate_slots(Request("r", [5]), 1) is not None
+    plan = CascadePlanner(SHAPE).plan(["r"], [0], [1], m)
+    ones = BucketConfig(
+        max_num_tokens=8, max_num_seqs=4, max_pages_per_seq=4,
+        min_num_tokens=1, min_num_seqs=1, min_pages_per_seq=1,
+    )  # fmt: skip
+    md = build_attention_metadata(
+        block_table=m.block_table, plan=plan, query_lens=np.array([1]),
+        num_computed_tokens=np.array([0]), block_size=1, buckets=ones,
+    )  # fmt: skip
+    (block,) = m.block_ids("r")
+    assert md.slot_mapping.tolist() == [block] and md.positions.tolist() == [0]
+    assert md.page_indices.tolist() == [[block]] and md.kv_lens.tolist() == [1]
+    assert md.cu_q_lens.tolist() == [0, 1] and md.max_q_len == 1 and md.block_size == 1
+
+
+def test_an_empty_batch_pads_to_the_smallest_buckets_with_a_decode_query_bound():
+    m = KVCacheManager(16, 4, max_model_len=16)
+    plan = CascadePlanner(SHAPE).plan([], [], [], m)
+    md = build_attention_metadata(
+        block_table=m.block_table, plan=plan, query_lens=np.zeros(0, int),
+        num_computed_tokens=np.zeros(0, int), block_size=4, buckets=BUCKETS,
+    )  # fmt: skip
+    assert md.max_q_len == 1 and md.num_seqs.tolist() == [0] and md.levels == ()
+    assert (md.max_num_tokens, md.max_num_seqs, md.page_indices.shape[1]) == (8, 4, 4)
+    assert not md.cu_q_lens.any() and not md.slot_mapping.any() and not md.page_indices.any()
+
+
+def test_the_metadata_is_for_compiled_kernels_unless_interpret_is_asked_for():
+    _, build = _three_decoding()
+    assert build_attention_metadata(**build).interpret is False
+    assert build_attention_metadata(**build, interpret=True).interpret is True
+
+
+def test_a_batch_of_no_query_tokens_at_all_is_refused():
+    """Zeros everywhere are no decode batch either: each request would be given a token."""
+    _, build = _three_decoding()
+    with pytest.raises(ValueError, match="every query_lens entry must be >= 1, got 0"):
+        build_attention_metadata(**{**build, "query_lens": np.zeros(3, int)})
