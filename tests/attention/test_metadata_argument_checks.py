@@ -336,3 +336,13 @@ def test_a_batch_of_no_query_tokens_at_all_is_refused():
     _, build = _three_decoding()
     with pytest.raises(ValueError, match="every query_lens entry must be >= 1, got 0"):
         build_attention_metadata(**{**build, "query_lens": np.zeros(3, int)})
+
+
+def test_a_hand_made_level_led_by_a_row_outside_the_table_is_refused_by_name():
+    """numpy's IndexError names neither the plan nor the table."""
+    m, rows, build = _unshared_pair()
+    outside = m.block_table.shape[0]
+    level = make_level("global", [0], [2], [0], [2], [outside])
+    plan = CascadePlan(np.arange(2, dtype=np.int32), rows, np.full(2, 2, np.int32), (level,), 0)
+    with pytest.raises(ValueError, match="a scheduled token or plan row lies outside"):
+        build_attention_metadata(plan=plan, **build)
