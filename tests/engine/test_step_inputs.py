@@ -8,15 +8,19 @@ import types
 import numpy as np
 import pytest
 
+from jaxkv import Request, SamplingParams
 from jaxkv.batch import AttentionMetadata, LevelMetadata
-from jaxkv.prompt_logprobs import PromptRows
+from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlanner
+from jaxkv.prompt_logprobs import PromptLogprobs, PromptRows
 from jaxkv.step_inputs import (
+    batch_inputs,
     coarsen_metadata,
     gather_input_ids,
     in_schedule_order,
     pad_level,
     program_key,
 )
+from tests.attention import serving_sim as sim
 
 
 def _metadata(query_lens_in_batch_order: np.ndarray, max_num_tokens: int):
@@ -139,6 +143,14 @@ def test_coarsen_pads_each_longest_query_not_the_power_of_two_bound_built_for_it
     assert coarsen_metadata(_main(1, ()), (1, 3, 8), None).max_q_len == 1
 
 
+def test_coarsen_pads_a_two_token_query_to_a_bucket_of_2():
+    # The builder bounds a 2-token query by 8 (its token buckets start there); a bucket of
+    # 2 just below holds it, as a bucket of 3 or more would.
+    md = _main(4, (_level([0, 2], [8], [[3, 0]], max_q_len=8),))
+    assert coarsen_metadata(md, (1, 2, 8), None).levels[0].max_q_len == 2
+    assert coarsen_metadata(md, (1, 3, 8), None).levels[0].max_q_len == 3
+
+
 def test_program_key_tells_apart_every_padded_shape_and_static_field():
     # Engine.num_compiles and StepStats.new_program count distinct keys: metadata padded
     # to another token, sequence or page bucket needs another program.
@@ -189,3 +201,50 @@ def test_in_schedule_order_undoes_the_batch_permutation():
     order = np.array([2, 0, 1])
     assert in_schedule_order(rows, 3, order).tolist() == [[20], [30], [10]]
     assert in_schedule_order(rows, 3, None).tolist() == [[10], [20], [30]]
+
+
+def test_batch_inputs_reorder_the_sampled_positions_and_pad_levels_to_the_largest_bucket():
+    """Four decodes under two system prompts, scheduled interleaved: the plan groups them,
+    each sampled token's position (what seeded sampling draws from) follows its request
+    to its batch row, and pad_cascade_levels pads the level to level_seq_buckets[-1]."""
+    serving = sim.make_serving(0, block_size=4, num_blocks=64)
+    systems = [list(range(100, 108)), list(range(200, 208))]
+    for i, system in enumerate((0, 1, 1, 0)):
+        prompt = systems[system] + [50] * (i + 1)
+        serving.scheduler.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=8)))
+    out = serving.scheduler.schedule()
+    while out.num_requests < 4 or (out.num_scheduled_tokens != 1).any():
+        serving.scheduler.update_from_output(out, np.arange(out.num_requests) + 7)
+        out = serving.scheduler.schedule()
+    ids = ["r0", "r1", "r2", "r3"]  # systems 0, 1, 1, 0: interleaved
+    at = [out.request_ids.index(rid) for rid in ids]
+    out = dataclasses.replace(
+        out, requests=[out.requests[i] for i in at], request_ids=ids,
+        num_scheduled_tokens=out.num_scheduled_tokens[at],
+        num_computed_tokens=out.num_computed_tokens[at],
+        token_ids=[out.token_ids[i] for i in at],
+    )  # fmt: skip
+    always = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0)
+    planner = CascadePlanner(AttentionShape(8, 2, 64, kv_itemsize=2), cost_model=always)
+    plan = planner.plan(ids, out.num_computed_tokens, out.num_scheduled_tokens, serving.manager)
+    assert not plan.keeps_order and [lv.name for lv in plan.levels] == ["groups"]
+    seen = {}
+
+    def step_arrays(requests, order, num_rows, positions):
+        seen["positions"] = positions.copy()
+        return ()
+
+    config = serving.config
+    assert config.pad_cascade_levels
+    order, md, input_ids, _, _ = batch_inputs(
+        out, plan, manager=serving.manager, buckets=config.buckets, config=config,
+        backend="xla", sampling_rows=types.SimpleNamespace(
+            step_arrays=step_arrays, prompt_logprobs=PromptLogprobs(0)
+        ),
+    )  # fmt: skip
+    assert order.tolist() == plan.order.tolist()
+    want = [r.num_tokens for r in out.requests]  # each is one past its last token
+    assert seen["positions"].tolist() == [want[i] for i in order] + [0] * 4
+    assert input_ids[:4].tolist() == [out.token_ids[i] for i in order]
+    (level,) = md.levels
+    assert level.kv_lens.shape == (config.buckets.level_seq_buckets[-1],)
