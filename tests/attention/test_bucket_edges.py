@@ -169,3 +169,8 @@ def test_pow2_buckets_refuses_a_minimum_below_one_or_above_the_maximum():
     for minimum, maximum in ((0, 4), (-1, 4), (8, 4)):
         with pytest.raises(ValueError, match="need 1 <="):
             pow2_buckets(minimum, maximum)
+
+
+def test_a_size_past_the_buckets_is_refused_naming_it_and_the_largest_bucket():
+    with pytest.raises(ValueError, match=r"^pages=33 exceeds the largest bucket 32$"):
+        padded_size((8, 16, 32), 33, name="pages")
