@@ -131,7 +131,9 @@ def coarsen_metadata(
     built could hold it; a bound past the largest bucket raises ValueError), never past
     md.max_num_tokens (as the metadata builder caps it: no sequence has more query tokens
     than the step); `level_seqs` pads each cascade level to that many sequence slots.
-    None leaves that part as built.
+    None leaves that part as built. The bucket is the smallest for the bounds the builder
+    makes (1 for one-token queries only); a looser hand-made bound, 4 for queries of one
+    token, may keep a larger one (4 of (1, 4, 8)), still at least the longest query.
     """
     if q_len_buckets is None and level_seqs is None:
         return md
