@@ -302,7 +302,7 @@ def _quantize(x: jax.Array, dtype, scale: float | None) -> jax.Array:
     if jnp.issubdtype(dtype, jnp.integer):
         info = jnp.iinfo(dtype)
         x = jnp.clip(jnp.round(x), info.min, info.max)
-    elif jnp.finfo(dtype).bits < 32:
+    else:  # float32 too: a finite x whose x / scale overflows saturates, as in a narrower cache
         limit = float(jnp.finfo(dtype).max)
         x = jnp.where(finite, jnp.clip(x, -limit, limit), x)
     return x.astype(dtype)

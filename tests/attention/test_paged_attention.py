@@ -234,6 +234,19 @@ def test_write_kv_saturates_a_finite_value_whose_scaled_value_overflows(dtype):
     assert np.isposinf(out[2]) if dtype == jnp.float16 else np.isnan(out[2])  # no inf in fp8
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_write_kv_saturates_a_scaled_overflow_in_a_cache_of_float32_range(dtype):
+    # 3e38 / 0.5 overflows float32: a float32 cache stored inf (NaN rows in attention)
+    # where a bfloat16 one saturated, though the value itself was finite.
+    kv = jnp.zeros((3, 4, 2, 8), dtype)
+    k = jnp.array([3e38, -3e38, jnp.inf, jnp.nan, 1.0, 2.0, 3.0, 4.0]).reshape(1, 1, 8)
+    out = write_kv(kv, k, k, jnp.array([5], jnp.int32), k_scale=0.5, v_scale=0.5)
+    out = np.asarray(np.asarray(out)[1, 1, 0], np.float32)
+    limit = float(jnp.finfo(dtype).max)
+    assert out[:2].tolist() == [limit, -limit] and np.isposinf(out[2]) and np.isnan(out[3])
+    assert out[4:].tolist() == [2.0, 4.0, 6.0, 8.0]
+
+
 @pytest.mark.parametrize(
     "dtype, scales, match",
     [
