@@ -247,6 +247,14 @@ def test_write_kv_saturates_a_scaled_overflow_in_a_cache_of_float32_range(dtype)
     assert out[4:].tolist() == [2.0, 4.0, 6.0, 8.0]
 
 
+def test_write_kv_saturates_bfloat16_values_past_float16s_range_in_a_float16_cache():
+    # Clipped in bfloat16, 65504 rounds up to 65536, which float16 stores as inf.
+    kv = jnp.zeros((3, 4, 2, 8), jnp.float16)
+    k = jnp.array([1e5, -1e5, 65504.0, 1.0, 2.0, 3.0, 4.0, 5.0], jnp.bfloat16).reshape(1, 1, 8)
+    out = np.asarray(write_kv(kv, k, k, jnp.array([5], jnp.int32)))[1, 1, 0].astype(np.float32)
+    assert out[:2].tolist() == [65504.0, -65504.0] and np.isfinite(out).all()
+
+
 @pytest.mark.parametrize(
     "dtype, scales, match",
     [
