@@ -49,6 +49,12 @@ def test_default_backend_of_each_platform():
     assert default_backend() == default_backend(jax.default_backend())
 
 
+def test_default_backend_without_a_platform_follows_jaxs(monkeypatch):
+    for platform, backend in (("tpu", "pallas_tpu"), ("gpu", "pallas_gpu"), ("cpu", "xla")):
+        monkeypatch.setattr(jax, "default_backend", lambda platform=platform: platform)
+        assert default_backend() == default_backend(None) == backend
+
+
 def test_an_explicit_backend_overrides_the_metadatas():
     step, plan = _cascade_step()
     md, q, kv = planned_inputs(step, plan, BUCKETS)
