@@ -1,0 +1,129 @@
+"""kernels_pallas.validation called directly: each refusal names the argument and the
+sizes as given.
+
+validate_ragged_paged_attention_inputs is the shared trace-time check of every backend;
+called on its own (not through an entry point's decorator) it refuses what the
+decorator would, with the same messages.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.validation import (
+    output_dtype,
+    validate_index_values,
+    validate_ragged_paged_attention_inputs,
+    validate_shared_prefix,
+)
+
+OPTIONS = dict(sm_scale=1.0, causal=True, sliding_window=None, soft_cap=None)
+OPTIONS.update(k_scale=None, v_scale=None)
+
+
+def _args(**change):
+    """A valid batch: 8 token rows of 4 query heads over 2 KV heads of 16, 3 sequences
+    of 2 pages of 4 tokens, 6 pages; `change` replaces arrays by name."""
+    i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
+    args = dict(
+        q=np.zeros((8, 4, 16), np.float32), kv_pages=np.zeros((6, 4, 4, 16), np.float32),
+        kv_lens=i32([5, 3, 0]), page_indices=i32([[1, 2], [3, 0], [0, 0]]),
+        cu_q_lens=i32([0, 2, 3, 3]), num_seqs=i32([2]),
+    )  # fmt: skip
+    return {**args, **change}
+
+
+def _refused(match: str, **change) -> None:
+    with pytest.raises(ValueError, match=match):
+        validate_ragged_paged_attention_inputs(**_args(**change), **OPTIONS)
+
+
+def test_a_valid_batch_passes():
+    validate_ragged_paged_attention_inputs(**_args(), **OPTIONS)
+
+
+def test_an_argument_that_is_no_array_or_of_a_dtype_no_kernel_takes_is_refused_by_name():
+    _refused("q must be a numpy or jax array, not list", q=np.zeros((8, 4, 16)).tolist())
+    _refused("q.dtype=dtype.'float64'. must be one of", q=np.zeros((8, 4, 16)))
+    _refused(r"kv_lens.dtype=int64 must be int32", kv_lens=np.asarray([5, 3, 0]))
+
+
+def test_shape_refusals_name_the_sizes_as_given():
+    want = "kv_pages.shape=(6, 4, 4, 32) head_dim must equal q.shape[2]=16"
+    _refused("^" + re.escape(want), kv_pages=np.zeros((6, 4, 4, 32), np.float32))
+    want = "q.shape[1]=3 (query heads) must be a multiple of num_kv_heads=2"
+    _refused("^" + re.escape(want), q=np.zeros((8, 3, 16), np.float32))
+    want = "cu_q_lens.shape=(3,) must be (4,) = (max_num_seqs + 1,)"
+    _refused("^" + re.escape(want), cu_q_lens=np.asarray([0, 2, 3], np.int32))
+
+
+def test_output_dtype_is_q_dtype_unless_one_is_given():
+    q = np.zeros((1, 1, 1), jnp.bfloat16)
+    assert output_dtype(q, None) == jnp.bfloat16
+    assert output_dtype(q, jnp.float32) == jnp.float32
+    assert output_dtype(q, "float16") == jnp.float16
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("page_indices", np.zeros((3, 2, 1), np.int32)),
+        ("kv_lens", np.zeros((3, 1), np.int32)),
+        ("cu_q_lens", np.zeros((3,), np.int32)),
+        ("num_seqs", np.asarray(2, np.int32)),
+        ("q", np.zeros((8, 64), np.float32)),
+    ],
+)
+def test_index_values_leave_malformed_shapes_to_the_shape_check(name, value):
+    # Read anyway, they raised numpy's unpacking or broadcasting errors, naming nothing.
+    assert validate_index_values(**_args(**{name: value})) is None
+
+
+def test_the_shared_prefix_check_refuses_fewer_keys_than_queries_by_name():
+    # Its index check is the causal one: a prefix pass's sequences are the main pass's.
+    args = _args(kv_lens=np.asarray([1, 3, 0], np.int32))  # sequence 0: 2 queries, 1 key
+    with pytest.raises(
+        ValueError, match=r"kv_lens\[0\]=1 must be >= the sequence's query length 2"
+    ):
+        validate_shared_prefix(**args, num_prefix_pages=0)
+
+
+def _index_refused(match: str, **change) -> None:
+    with pytest.raises(ValueError, match="^" + re.escape(match)):
+        validate_index_values(**_args(**change))
+
+
+def test_index_values_name_the_first_bad_entry_and_its_bounds():
+    i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
+    three = dict(num_seqs=i32([3]), kv_lens=i32([5, 3, 4]))
+    # cu_q_lens[2] falls below cu_q_lens[1] and cu_q_lens[3] past the 8 token rows.
+    _index_refused(
+        "cu_q_lens[2]=1 must be in [3, max_num_tokens=8]", **three, cu_q_lens=i32([0, 3, 1, 9])
+    )
+    _index_refused("kv_lens[1]=9 must be in [0, 8]", **{**three, "kv_lens": i32([5, 9, 9])})
+    _index_refused(
+        "kv_lens[0]=1 must be >= the sequence's query length 2",
+        **{**three, "kv_lens": i32([1, 0, 4]), "cu_q_lens": i32([0, 2, 3, 5])},
+    )
+
+
+def test_a_valid_sequence_may_read_page_zero():
+    # Page ids lie in [0, num_pages): 0 is a page like any other to the kernels.
+    page_indices = np.asarray([[0, 2], [0, 0], [0, 0]], np.int32)
+    assert validate_index_values(**_args(page_indices=page_indices)) is None
+    # Two pages past the 6 of the cache: the first is named.
+    page_indices = np.asarray([[1, 7], [9, 0], [0, 0]], np.int32)
+    _index_refused("page_indices[0, 1]=7 must be in [0, num_pages=6)", page_indices=page_indices)
+
+
+def test_the_shared_prefix_check_does_nothing_on_traced_index_arrays():
+    def traced(kv_lens):
+        validate_shared_prefix(**_args(kv_lens=kv_lens), num_prefix_pages=1)
+        return kv_lens
+
+    jax.jit(traced)(jnp.asarray([5, 3, 0], jnp.int32))
