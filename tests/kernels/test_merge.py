@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -173,3 +174,24 @@ def test_bfloat16_outputs_blend_in_float32_and_round_once():
 def test_lse_shape_and_rank_mismatch_raise(shapes):
     with pytest.raises(ValueError, match="must be|must both be"):
         merge_attn_states(*(jnp.zeros(s) for s in shapes))
+
+
+def test_lses_of_a_narrower_float_dtype_are_merged_in_float32():
+    # The merge's math runs in float32 and its lse is float32, whatever the inputs' dtype.
+    rng = np.random.default_rng(3)
+    out_a, lse_a = _states(rng, [1.0, -2.5, 7.25])
+    out_b, lse_b = _states(rng, [1.5, 3.0, -0.75])
+    want_out, want_lse = merge_attn_states(out_a, lse_a, out_b, lse_b)  # exact in bfloat16
+    out, lse = merge_attn_states(
+        out_a, lse_a.astype(jnp.bfloat16), out_b, lse_b.astype(jnp.bfloat16)
+    )
+    assert lse.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+
+
+def test_lses_of_another_shape_are_refused_naming_both_and_the_expected_shape():
+    out = jnp.zeros((2, 3, 4), jnp.float32)
+    want = "lse_a.shape=(2, 3) and lse_b.shape=(3, 2) must both be (2, 3)"
+    with pytest.raises(ValueError, match="^" + re.escape(want) + "$"):
+        merge_attn_states(out, jnp.zeros((2, 3)), out, jnp.zeros((3, 2)))
