@@ -114,18 +114,25 @@ def test_a_negative_leader_row_or_non_integer_arrays_are_refused():
     _refused(plan, "integer numpy arrays", suffix_start_blocks=plan.suffix_start_blocks * 1.0)
 
 
-def test_metadata_refuses_a_level_past_a_requests_cached_tokens():
-    # Both hold SYSTEM_A's 8 blocks; r1 is given 30 cached tokens, so a level over all 8
-    # blocks would show its query tokens at positions 30 and 31 keys after their own.
+def _global_level_over_system_a() -> dict:
+    """build_attention_metadata's arguments but the query and cached lengths: two
+    requests holding SYSTEM_A's 8 blocks (and one of their own), under one global
+    level over those 8 blocks."""
     m = KVCacheManager(64, 4, max_model_len=64)
     reqs = [_decoding(m, f"r{i}", SYSTEM_A + [i]) for i in range(2)]
     rows = m.rows_of([r.request_id for r in reqs])
     level = make_level("global", [0], [2], [0], [8], [int(rows[0])])
     plan = CascadePlan(np.arange(2, dtype=np.int32), rows, np.full(2, 8, np.int32), (level,), 8)
-    build = dict(
+    return dict(
         block_table=m.block_table, plan=plan, block_size=4,
         buckets=BucketConfig(max_num_tokens=8, max_num_seqs=4, max_pages_per_seq=16),
     )  # fmt: skip
+
+
+def test_metadata_refuses_a_level_past_a_requests_cached_tokens():
+    # Both hold SYSTEM_A's 8 blocks; r1 is given 30 cached tokens, so a level over all 8
+    # blocks would show its query tokens at positions 30 and 31 keys after their own.
+    build = _global_level_over_system_a()
     build_attention_metadata(query_lens=np.array([1, 1]), num_computed_tokens=[33, 33], **build)
     with pytest.raises(ValueError, match="batch position 1: the cascade levels read 8 blocks"):
         build_attention_metadata(query_lens=np.array([1, 4]), num_computed_tokens=[33, 30], **build)
@@ -136,15 +143,7 @@ def test_metadata_refuses_a_level_past_a_requests_cached_tokens():
 def test_a_level_over_exactly_the_cached_tokens_is_built_and_a_later_one_past_them_named():
     # Batch position 0 has exactly the level's 32 tokens cached: its query tokens follow
     # every key the level shows them. Position 1, two tokens short, is the one refused.
-    m = KVCacheManager(64, 4, max_model_len=64)
-    reqs = [_decoding(m, f"r{i}", SYSTEM_A + [i]) for i in range(2)]
-    rows = m.rows_of([r.request_id for r in reqs])
-    level = make_level("global", [0], [2], [0], [8], [int(rows[0])])
-    plan = CascadePlan(np.arange(2, dtype=np.int32), rows, np.full(2, 8, np.int32), (level,), 8)
-    build = dict(
-        block_table=m.block_table, plan=plan, block_size=4,
-        buckets=BucketConfig(max_num_tokens=8, max_num_seqs=4, max_pages_per_seq=16),
-    )  # fmt: skip
+    build = _global_level_over_system_a()
     md = build_attention_metadata(
         query_lens=np.array([2, 2]), num_computed_tokens=[32, 32], **build
     )
