@@ -162,6 +162,19 @@ def output_dtype(q: jax.Array, out_dtype) -> jnp.dtype:
     return jnp.dtype(q.dtype if out_dtype is None else out_dtype)
 
 
+def _well_shaped(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> bool:
+    """Whether the arrays have the ranks and matching sizes the value checks read."""
+    return not (
+        np.ndim(q) != 3
+        or np.ndim(kv_pages) != 4
+        or np.ndim(kv_lens) != 1
+        or np.shape(page_indices)[:1] != np.shape(kv_lens)
+        or np.ndim(page_indices) != 2
+        or np.shape(cu_q_lens) != (np.shape(kv_lens)[0] + 1,)
+        or np.shape(num_seqs) != (1,)
+    )
+
+
 def validate_index_values(
     q: jax.Array,  # [max_num_tokens, num_q_heads, head_dim]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
@@ -186,15 +199,7 @@ def validate_index_values(
     index_arrays = (kv_lens, page_indices, cu_q_lens, num_seqs)
     if any(isinstance(a, jax.core.Tracer) for a in index_arrays):
         return
-    if (
-        np.ndim(q) != 3
-        or np.ndim(kv_pages) != 4
-        or np.ndim(kv_lens) != 1
-        or np.shape(page_indices)[:1] != np.shape(kv_lens)
-        or np.ndim(page_indices) != 2
-        or np.shape(cu_q_lens) != (np.shape(kv_lens)[0] + 1,)
-        or np.shape(num_seqs) != (1,)
-    ):
+    if not _well_shaped(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
         return
     kv_lens, page_indices, cu_q_lens, num_seqs = (np.asarray(a) for a in index_arrays)
     max_num_tokens = np.shape(q)[0]
@@ -255,15 +260,18 @@ def validate_shared_prefix(
     tokens holds sequence 0's first num_prefix_pages page ids (the prefix pass reads row
     0's) and has its first query at or past them (kv_len - q_len >= num_prefix_pages *
     page_size). Either would otherwise give another sequence's keys, or keys after a
-    query, without an error. Does nothing while tracing, like validate_index_values,
-    which it runs first. Raises ValueError naming an argument that is no array, or one of
-    a dtype the kernels do not take (check_dtypes: the passes get arrays derived from
-    these, so an int64 kv_lens reached them as int32 with x64 off, and was refused on)."""
+    query, without an error. Does nothing while tracing or on malformed shapes, like
+    validate_index_values, which it runs first. Raises ValueError naming an argument
+    that is no array, or one of a dtype the kernels do not take (check_dtypes: the
+    passes get arrays derived from these, so an int64 kv_lens reached them as int32
+    with x64 off, and was refused on)."""
     _check_kernel_arrays(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     check_dtypes(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     validate_index_values(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     index_arrays = (kv_lens, page_indices, cu_q_lens, num_seqs, num_prefix_pages)
-    if any(isinstance(a, jax.core.Tracer) for a in index_arrays) or np.ndim(page_indices) != 2:
+    if any(isinstance(a, jax.core.Tracer) for a in index_arrays) or not _well_shaped(
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs
+    ):  # malformed shapes are left to validate_ragged_paged_attention_inputs
         return
     as_array = np.asarray(num_prefix_pages)  # shape (1, 1) broadcast the page table a rank up
     if as_array.size != 1 or as_array.ndim > 1 or not np.issubdtype(as_array.dtype, np.integer):

@@ -127,3 +127,29 @@ def test_the_shared_prefix_check_does_nothing_on_traced_index_arrays():
         return kv_lens
 
     jax.jit(traced)(jnp.asarray([5, 3, 0], jnp.int32))
+
+
+def _cascade_args(**change):
+    """_args as a valid cascade batch for one shared page: sequences 0 and 1 (2 and 1
+    queries) start with page 1 and have their first queries at 6 and 5, past its 4 keys."""
+    i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
+    cascade = dict(kv_lens=i32([8, 6, 0]), page_indices=i32([[1, 2], [1, 3], [0, 0]]))
+    return _args(**{**cascade, **change})
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("num_seqs", np.asarray(2, np.int32)),
+        ("kv_lens", np.zeros((3, 1), np.int32)),
+        ("cu_q_lens", np.zeros((3,), np.int32)),
+        ("q", np.zeros((8, 64), np.float32)),
+    ],
+)
+def test_the_shared_prefix_check_leaves_malformed_shapes_to_the_shape_check(name, value):
+    # A 0-d num_seqs raised numpy's IndexError, a 2-D kv_lens a refusal naming "first
+    # query position [-2 -1]", before cascade_attention's passes named the shape.
+    args = _cascade_args(**{name: value})
+    assert validate_shared_prefix(**args, num_prefix_pages=1) is None
+    with pytest.raises(ValueError, match=f"^{name}.shape="):
+        validate_ragged_paged_attention_inputs(**args, **OPTIONS)
