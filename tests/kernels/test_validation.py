@@ -137,6 +137,49 @@ def _cascade_args(**change):
     return _args(**{**cascade, **change})
 
 
+def _prefix_refused(want: str, num_prefix_pages, **change) -> None:
+    with pytest.raises(ValueError, match="^" + re.escape(want) + "$"):
+        validate_shared_prefix(**_cascade_args(**change), num_prefix_pages=num_prefix_pages)
+
+
+def test_the_shared_prefix_check_takes_no_prefix_and_every_page_as_bounds():
+    assert validate_shared_prefix(**_cascade_args(), num_prefix_pages=1) is None
+    # No prefix pages holds for any batch, shared or not.
+    unshared = np.asarray([[1, 2], [4, 3], [0, 0]], np.int32)
+    assert (
+        validate_shared_prefix(**_cascade_args(page_indices=unshared), num_prefix_pages=0) is None
+    )
+    # Every page of a row (pages_per_seq=2, not max_num_seqs=3), with no query token.
+    no_queries = dict(cu_q_lens=np.zeros(4, np.int32))
+    assert validate_shared_prefix(**_cascade_args(**no_queries), num_prefix_pages=2) is None
+    for k in (-1, 3):
+        _prefix_refused(f"num_prefix_pages={k} must be in [0, pages_per_seq=2]", k, **no_queries)
+
+
+def test_the_shared_prefix_check_names_the_first_query_inside_the_prefix():
+    # Sequence 1 has a single query, at position 3 of the 4 prefix tokens, and sequence 0
+    # its first at 4, the first key past them; with sequence 0's at 3 too, it is named.
+    i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
+    tail = " lies inside the 4 tokens of num_prefix_pages=1: the non-causal prefix pass"
+    tail += " would show it keys after itself"
+    _prefix_refused("sequence 1's first query position 3" + tail, 1, kv_lens=i32([6, 4, 0]))
+    _prefix_refused("sequence 0's first query position 3" + tail, 1, kv_lens=i32([5, 4, 0]))
+
+
+def test_the_shared_prefix_check_names_the_first_row_that_does_not_share_it():
+    # Rows 1 and 2 (one query each, row 2 the last valid one) start with other pages.
+    i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
+    three = dict(num_seqs=i32([3]), kv_lens=i32([8, 6, 6]), cu_q_lens=i32([0, 2, 3, 4]))
+    tail = ": num_prefix_pages=1 pages must be shared by every sequence with query tokens"
+    tail += " (the prefix pass reads sequence 0's)"
+    pages = i32([[1, 2], [4, 3], [5, 0]])
+    _prefix_refused("page_indices[1, 0]=4 must equal page_indices[0, 0]=1" + tail, 1, **three,
+                    page_indices=pages)  # fmt: skip
+    pages = i32([[1, 2], [1, 3], [5, 0]])
+    _prefix_refused("page_indices[2, 0]=5 must equal page_indices[0, 0]=1" + tail, 1, **three,
+                    page_indices=pages)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "name, value",
     [
