@@ -17,9 +17,11 @@ import pytest
 
 from kernels_pallas.validation import (
     output_dtype,
+    static_number_options,
     validate_index_values,
     validate_ragged_paged_attention_inputs,
     validate_shared_prefix,
+    with_static_numbers,
 )
 
 OPTIONS = dict(sm_scale=1.0, causal=True, sliding_window=None, soft_cap=None)
@@ -178,6 +180,37 @@ def test_the_shared_prefix_check_names_the_first_row_that_does_not_share_it():
     pages = i32([[1, 2], [1, 3], [5, 0]])
     _prefix_refused("page_indices[2, 0]=5 must equal page_indices[0, 0]=1" + tail, 1, **three,
                     page_indices=pages)  # fmt: skip
+
+
+def test_static_number_options_leave_what_is_no_number_for_the_options_own_check():
+    # A str after a converted array stays itself: it is refused by name later, where it
+    # had taken the array's number before it.
+    options = dict(sm_scale=jnp.float32(0.125), soft_cap="5", causal=True)
+    converted = static_number_options(options)
+    assert converted == dict(sm_scale=0.125, soft_cap="5", causal=True)
+    assert type(converted["sm_scale"]) is float and options["sm_scale"] == jnp.float32(0.125)
+    unchanged = dict(sm_scale="0.125", k_scale=[2.0], v_scale=None)
+    assert static_number_options(unchanged) is unchanged
+
+
+def _scaled(x, *, sm_scale):
+    return x * sm_scale
+
+
+def test_with_static_numbers_is_the_jitted_function_with_its_options_converted():
+    jitted = jax.jit(_scaled, static_argnames="sm_scale")
+    wrapped = with_static_numbers(jitted)
+    assert wrapped.__wrapped__ is jitted and wrapped.__name__ == "_scaled"
+    x = np.ones(2, np.float32)
+    np.testing.assert_array_equal(wrapped(x, sm_scale=jnp.float32(2.0)), [2.0, 2.0])
+    # Its other attributes are the jitted function's.
+    assert wrapped._cache_size() == 1
+    assert "multiply" in wrapped.lower(x, sm_scale=2.0).as_text()
+    with pytest.raises(AttributeError):
+        _ = wrapped.no_such_attribute
+    # A copy before __init__ ran has no function to forward to: no recursion.
+    with pytest.raises(AttributeError, match="_jitted"):
+        _ = with_static_numbers.__new__(with_static_numbers)._jitted
 
 
 @pytest.mark.parametrize(
