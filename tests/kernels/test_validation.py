@@ -28,14 +28,26 @@ OPTIONS = dict(sm_scale=1.0, causal=True, sliding_window=None, soft_cap=None)
 OPTIONS.update(k_scale=None, v_scale=None)
 
 
+def _i32(a) -> np.ndarray:
+    return np.asarray(a, np.int32)
+
+
+# (argument, a value of the wrong shape) for the checks that leave shapes to the shape check
+MALFORMED = [
+    ("kv_lens", np.zeros((3, 1), np.int32)),
+    ("cu_q_lens", np.zeros((3,), np.int32)),
+    ("num_seqs", np.asarray(2, np.int32)),
+    ("q", np.zeros((8, 64), np.float32)),
+]
+
+
 def _args(**change):
     """A valid batch: 8 token rows of 4 query heads over 2 KV heads of 16, 3 sequences
     of 2 pages of 4 tokens, 6 pages; `change` replaces arrays by name."""
-    i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
     args = dict(
         q=np.zeros((8, 4, 16), np.float32), kv_pages=np.zeros((6, 4, 4, 16), np.float32),
-        kv_lens=i32([5, 3, 0]), page_indices=i32([[1, 2], [3, 0], [0, 0]]),
-        cu_q_lens=i32([0, 2, 3, 3]), num_seqs=i32([2]),
+        kv_lens=_i32([5, 3, 0]), page_indices=_i32([[1, 2], [3, 0], [0, 0]]),
+        cu_q_lens=_i32([0, 2, 3, 3]), num_seqs=_i32([2]),
     )  # fmt: skip
     return {**args, **change}
 
@@ -72,14 +84,7 @@ def test_output_dtype_is_q_dtype_unless_one_is_given():
 
 
 @pytest.mark.parametrize(
-    "name, value",
-    [
-        ("page_indices", np.zeros((3, 2, 1), np.int32)),
-        ("kv_lens", np.zeros((3, 1), np.int32)),
-        ("cu_q_lens", np.zeros((3,), np.int32)),
-        ("num_seqs", np.asarray(2, np.int32)),
-        ("q", np.zeros((8, 64), np.float32)),
-    ],
+    "name, value", [("page_indices", np.zeros((3, 2, 1), np.int32)), *MALFORMED]
 )
 def test_index_values_leave_malformed_shapes_to_the_shape_check(name, value):
     # Read anyway, they raised numpy's unpacking or broadcasting errors, naming nothing.
@@ -101,16 +106,15 @@ def _index_refused(match: str, **change) -> None:
 
 
 def test_index_values_name_the_first_bad_entry_and_its_bounds():
-    i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
-    three = dict(num_seqs=i32([3]), kv_lens=i32([5, 3, 4]))
+    three = dict(num_seqs=_i32([3]), kv_lens=_i32([5, 3, 4]))
     # cu_q_lens[2] falls below cu_q_lens[1] and cu_q_lens[3] past the 8 token rows.
     _index_refused(
-        "cu_q_lens[2]=1 must be in [3, max_num_tokens=8]", **three, cu_q_lens=i32([0, 3, 1, 9])
+        "cu_q_lens[2]=1 must be in [3, max_num_tokens=8]", **three, cu_q_lens=_i32([0, 3, 1, 9])
     )
-    _index_refused("kv_lens[1]=9 must be in [0, 8]", **{**three, "kv_lens": i32([5, 9, 9])})
+    _index_refused("kv_lens[1]=9 must be in [0, 8]", **{**three, "kv_lens": _i32([5, 9, 9])})
     _index_refused(
         "kv_lens[0]=1 must be >= the sequence's query length 2",
-        **{**three, "kv_lens": i32([1, 0, 4]), "cu_q_lens": i32([0, 2, 3, 5])},
+        **{**three, "kv_lens": _i32([1, 0, 4]), "cu_q_lens": _i32([0, 2, 3, 5])},
     )
 
 
@@ -134,8 +138,7 @@ def test_the_shared_prefix_check_does_nothing_on_traced_index_arrays():
 def _cascade_args(**change):
     """_args as a valid cascade batch for one shared page: sequences 0 and 1 (2 and 1
     queries) start with page 1 and have their first queries at 6 and 5, past its 4 keys."""
-    i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
-    cascade = dict(kv_lens=i32([8, 6, 0]), page_indices=i32([[1, 2], [1, 3], [0, 0]]))
+    cascade = dict(kv_lens=_i32([8, 6, 0]), page_indices=_i32([[1, 2], [1, 3], [0, 0]]))
     return _args(**{**cascade, **change})
 
 
@@ -161,23 +164,21 @@ def test_the_shared_prefix_check_takes_no_prefix_and_every_page_as_bounds():
 def test_the_shared_prefix_check_names_the_first_query_inside_the_prefix():
     # Sequence 1 has a single query, at position 3 of the 4 prefix tokens, and sequence 0
     # its first at 4, the first key past them; with sequence 0's at 3 too, it is named.
-    i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
     tail = " lies inside the 4 tokens of num_prefix_pages=1: the non-causal prefix pass"
     tail += " would show it keys after itself"
-    _prefix_refused("sequence 1's first query position 3" + tail, 1, kv_lens=i32([6, 4, 0]))
-    _prefix_refused("sequence 0's first query position 3" + tail, 1, kv_lens=i32([5, 4, 0]))
+    _prefix_refused("sequence 1's first query position 3" + tail, 1, kv_lens=_i32([6, 4, 0]))
+    _prefix_refused("sequence 0's first query position 3" + tail, 1, kv_lens=_i32([5, 4, 0]))
 
 
 def test_the_shared_prefix_check_names_the_first_row_that_does_not_share_it():
     # Rows 1 and 2 (one query each, row 2 the last valid one) start with other pages.
-    i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
-    three = dict(num_seqs=i32([3]), kv_lens=i32([8, 6, 6]), cu_q_lens=i32([0, 2, 3, 4]))
+    three = dict(num_seqs=_i32([3]), kv_lens=_i32([8, 6, 6]), cu_q_lens=_i32([0, 2, 3, 4]))
     tail = ": num_prefix_pages=1 pages must be shared by every sequence with query tokens"
     tail += " (the prefix pass reads sequence 0's)"
-    pages = i32([[1, 2], [4, 3], [5, 0]])
+    pages = _i32([[1, 2], [4, 3], [5, 0]])
     _prefix_refused("page_indices[1, 0]=4 must equal page_indices[0, 0]=1" + tail, 1, **three,
                     page_indices=pages)  # fmt: skip
-    pages = i32([[1, 2], [1, 3], [5, 0]])
+    pages = _i32([[1, 2], [1, 3], [5, 0]])
     _prefix_refused("page_indices[2, 0]=5 must equal page_indices[0, 0]=1" + tail, 1, **three,
                     page_indices=pages)  # fmt: skip
 
@@ -213,15 +214,7 @@ def test_with_static_numbers_is_the_jitted_function_with_its_options_converted()
         _ = with_static_numbers.__new__(with_static_numbers)._jitted
 
 
-@pytest.mark.parametrize(
-    "name, value",
-    [
-        ("num_seqs", np.asarray(2, np.int32)),
-        ("kv_lens", np.zeros((3, 1), np.int32)),
-        ("cu_q_lens", np.zeros((3,), np.int32)),
-        ("q", np.zeros((8, 64), np.float32)),
-    ],
-)
+@pytest.mark.parametrize("name, value", MALFORMED)
 def test_the_shared_prefix_check_leaves_malformed_shapes_to_the_shape_check(name, value):
     # A 0-d num_seqs raised numpy's IndexError, a 2-D kv_lens a refusal naming "first
     # query position [-2 -1]", before cascade_attention's passes named the shape.
