@@ -12,39 +12,30 @@ KV head and each KV block read from HBM serves all G query heads at once. A non-
 prefix pass that holds the whole batch as one sequence therefore reads each shared page
 once per q tile.
 
-Grid: (KV-head blocks, q tiles), both independent. One grid step walks the sequences that
-own tokens of its q tile and, for each, the KV blocks it needs (causal: only keys up to
-the tile's last position; sliding window: only keys from the window start of its first
-position). KV pages are gathered page by page from HBM with async copies into a
-two-slot VMEM buffer: the next block (of the same or the next sequence) is in flight
-while the current one computes. Pages past what a block needs are not copied at all.
-Page tables, lengths and offsets reach the kernel through scalar prefetch (SMEM).
-Online softmax keeps m, l and the f32 accumulator per row in VMEM; out and lse are
-written once per q tile.
+Grid: (KV-head blocks, q tiles), both independent. One grid step walks the sequences
+that own tokens of its q tile and, for each, the KV blocks it needs (causal: only keys
+up to the tile's last position; sliding window: only keys from the window start of its
+first position), as kernels_pallas.tpu.tile_schedule bounds them. KV pages are gathered
+page by page from HBM with async copies into a two-slot VMEM buffer: the next block (of
+the same or the next sequence) is in flight while the current one computes. Pages past
+what a block needs are not copied at all. Page tables, lengths and offsets reach the
+kernel through scalar prefetch (SMEM). Online softmax keeps m, l and the f32 accumulator
+per row in VMEM; out and lse are written once per q tile.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.precision import matmul_precision
+from kernels_pallas.tpu.tile_schedule import div_nonneg, first_seq_of_tile, kv_page_range
 
 LANES = 128
-
-
-def _div(x: jax.Array, d: int) -> jax.Array:
-    """x // d for x >= 0 and static d > 0, without jnp.floor_divide's sign fix-up (whose
-    Mosaic lowering asks the device for its generation, which fails where there is none)."""
-    if d & (d - 1) == 0:
-        return lax.shift_right_logical(x, jnp.asarray(d.bit_length() - 1, x.dtype))
-    return lax.div(x, jnp.asarray(d, x.dtype))
 
 
 def paged_attention_kernel(
@@ -101,45 +92,20 @@ def paged_attention_kernel(
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    def first_seq_of_tile():
-        # Smallest s < num_seqs with cu_q_lens[s + 1] > tile_start (num_seqs if none):
-        # binary search, static trip count.
-        def step(_, lo_hi):
-            lo, hi = lo_hi
-            mid = _div(lo + hi, 2)
-            go_left = cu_q_lens_ref[jnp.minimum(mid, max_num_seqs - 1) + 1] > tile_start
-            active = lo < hi
-            new_lo = jnp.where(active & ~go_left, mid + 1, lo)
-            new_hi = jnp.where(active & go_left, mid, hi)
-            return new_lo, new_hi
-
-        trips = max(1, math.ceil(math.log2(max_num_seqs + 1)) + 1)
-        lo, _ = lax.fori_loop(0, trips, step, (jnp.int32(0), num_seqs))
-        return lo
-
-    def kv_page_range(seq):
-        """(first_page, end_page, num_blocks) that seq's rows in this tile need."""
-        seq = jnp.minimum(seq, max_num_seqs - 1)
-        q_start = cu_q_lens_ref[seq]
-        q_end = cu_q_lens_ref[seq + 1]
-        kv_len = kv_lens_ref[seq]
-        t0 = jnp.maximum(q_start, tile_start)
-        t1 = jnp.minimum(q_end, tile_end)
-        if causal:
-            shift = kv_len - q_end  # position of token t is t + shift
-            kv_end = jnp.clip(t1 + shift, 0, kv_len)
-            kv_start = jnp.int32(0)
-            if sliding_window is not None:
-                kv_start = jnp.clip(t0 + shift - sliding_window + 1, 0, kv_end)
-        else:
-            kv_start, kv_end = jnp.int32(0), kv_len
-        kv_end = jnp.where(t1 > t0, kv_end, 0)
-        kv_start = jnp.minimum(kv_start, kv_end)
-        first_page = _div(kv_start, page_size)
-        end_page = jnp.minimum(_div(kv_end + page_size - 1, page_size), pages_per_seq)
-        end_page = jnp.maximum(end_page, first_page)
-        num_blocks = jnp.maximum(_div(end_page - first_page + pages_per_blk - 1, pages_per_blk), 1)
-        return first_page, end_page, num_blocks
+    def page_range(seq):
+        return kv_page_range(
+            cu_q_lens_ref,
+            kv_lens_ref,
+            seq,
+            tile_start,
+            tile_end,
+            max_num_seqs=max_num_seqs,
+            page_size=page_size,
+            pages_per_seq=pages_per_seq,
+            pages_per_blk=pages_per_blk,
+            causal=causal,
+            sliding_window=sliding_window,
+        )
 
     def copy_block(seq, first_page, end_page, blk, slot, *, wait: bool):
         """Starts (or waits for) the copies of one KV block's pages into kv_bufs[slot]."""
@@ -192,7 +158,7 @@ def paged_attention_kernel(
             rows_here = pl.ds(row_start, num_rows)
             shape = (num_rows, kv_per_blk)
             row = row_start + lax.broadcasted_iota(jnp.int32, shape, 0)
-            token = tile_start + _div(row, group)
+            token = tile_start + div_nonneg(row, group)
             key = kv_base + lax.broadcasted_iota(jnp.int32, shape, 1)
             visible = (token >= q_start) & (token < q_end) & (key < kv_limit)
             if causal:
@@ -245,7 +211,7 @@ def paged_attention_kernel(
         row_lo = (jnp.maximum(q_start, tile_start) - tile_start) * group
         row_hi = (jnp.minimum(q_end, tile_end) - tile_start) * group
         if window_rows < rows:
-            win_start = jnp.minimum(_div(row_lo, row_align) * row_align, rows - window_rows)
+            win_start = jnp.minimum(div_nonneg(row_lo, row_align) * row_align, rows - window_rows)
             win_start = pl.multiple_of(win_start, row_align)
             fits = row_hi - win_start <= window_rows
         for h in range(kv_heads_per_blk):
@@ -259,8 +225,8 @@ def paged_attention_kernel(
             else:
                 update_rows(h, k, v, 0, rows)
 
-    seq0 = first_seq_of_tile()
-    first0, end0, nblk0 = kv_page_range(seq0)
+    seq0 = first_seq_of_tile(cu_q_lens_ref, num_seqs, tile_start, max_num_seqs=max_num_seqs)
+    first0, end0, nblk0 = page_range(seq0)
     has_work = seq0 < num_seqs
 
     @pl.when(has_work)
@@ -276,7 +242,7 @@ def paged_attention_kernel(
         next_in_tile = (next_seq < num_seqs) & (
             cu_q_lens_ref[jnp.minimum(next_seq, max_num_seqs)] < tile_end
         )
-        n_first, n_end, n_num = kv_page_range(next_seq)
+        n_first, n_end, n_num = page_range(next_seq)
         n_first = jnp.where(last_blk, n_first, first_page)
         n_end = jnp.where(last_blk, n_end, end_page)
         n_num = jnp.where(last_blk, n_num, num_blocks)
