@@ -33,7 +33,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.precision import matmul_precision
-from kernels_pallas.tpu.tile_schedule import div_nonneg, first_seq_of_tile, kv_page_range
+from kernels_pallas.tpu.tile_schedule import (
+    block_pages,
+    div_nonneg,
+    first_seq_of_tile,
+    kv_page_range,
+)
 
 LANES = 128
 
@@ -109,7 +114,7 @@ def paged_attention_kernel(
 
     def copy_block(seq, first_page, end_page, blk, slot, *, wait: bool):
         """Starts (or waits for) the copies of one KV block's pages into kv_bufs[slot]."""
-        page0 = first_page + blk * pages_per_blk
+        page0, block_end = block_pages(first_page, end_page, blk, pages_per_blk=pages_per_blk)
         if kv_pages_hbm_ref.shape[2] == combined_heads_per_blk:
             heads = slice(None)  # every head: a static slice, nothing for Mosaic to prove
         else:
@@ -123,11 +128,11 @@ def paged_attention_kernel(
                 kv_pages_hbm_ref.at[page, :, heads, :], kv_bufs.at[slot, i], sems.at[slot]
             )
 
-        # Pages past end_page are neither copied nor waited for; the start and the wait of
-        # one block see the same (seq, first_page, end_page, blk), so they always agree.
+        # Pages past block_end are neither copied nor waited for; the start and the wait
+        # of one block see the same (seq, first_page, end_page, blk), so they always agree.
         for i in range(pages_per_blk):
 
-            @pl.when(page0 + i < end_page)
+            @pl.when(page0 + i < block_end)
             def _(i=i):
                 copy = page_copy(i)
                 if wait:
@@ -148,9 +153,10 @@ def paged_attention_kernel(
         q_start = cu_q_lens_ref[seq]
         q_end = cu_q_lens_ref[seq + 1]
         kv_len = kv_lens_ref[seq]
-        kv_base = (first_page + blk * pages_per_blk) * page_size
+        page0, block_end = block_pages(first_page, end_page, blk, pages_per_blk=pages_per_blk)
+        kv_base = page0 * page_size
         # Keys at or past this limit sit in pages that were not copied (or past kv_len).
-        kv_limit = jnp.minimum(kv_len, end_page * page_size)
+        kv_limit = jnp.minimum(kv_len, block_end * page_size)
         key_ok = (kv_base + lax.broadcasted_iota(jnp.int32, (kv_per_blk, head_dim), 0)) < kv_limit
 
         def update_rows(h, k, v, row_start, num_rows):

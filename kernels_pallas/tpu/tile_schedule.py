@@ -98,3 +98,16 @@ def kv_page_range(
     num_pages = end_page - first_page
     num_blocks = jnp.maximum(div_nonneg(num_pages + pages_per_blk - 1, pages_per_blk), 1)
     return first_page, end_page, num_blocks
+
+
+def block_pages(first_page, end_page, blk, *, pages_per_blk: int) -> tuple[jax.Array, jax.Array]:
+    """(page0, block_end): the pages [page0, block_end) of a sequence's range
+    [first_page, end_page) that KV block `blk` holds.
+
+    Block b holds the pages from first_page + b * pages_per_blk, up to pages_per_blk of
+    them and none at or past end_page, so blocks 0..num_blocks - 1 (kv_page_range's
+    count) cover the range in order, each page once; a block past the range holds none
+    (block_end <= page0).
+    """
+    page0 = first_page + blk * pages_per_blk
+    return page0, jnp.minimum(page0 + pages_per_blk, end_page)

@@ -16,7 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.tpu.tile_schedule import div_nonneg, first_seq_of_tile, kv_page_range
+from kernels_pallas.tpu.tile_schedule import (
+    block_pages,
+    div_nonneg,
+    first_seq_of_tile,
+    kv_page_range,
+)
 
 POISON = -(2**30)
 
@@ -178,6 +183,18 @@ def test_a_tile_that_misses_a_sequence_reads_none_of_its_pages():
     np.testing.assert_array_equal(end - first, [0, 4, 5])  # keys 0..7, then 0..8
     # The empty sequence 2 at the end of the batch reads nothing in any tile.
     np.testing.assert_array_equal(np.asarray(got[1])[:, 2] - np.asarray(got[0])[:, 2], 0)
+
+
+@pytest.mark.parametrize("pages_per_blk", [1, 2, 3])
+def test_the_blocks_of_a_page_range_cover_it_in_order_each_page_once(pages_per_blk):
+    for first, end in [(0, 0), (0, 1), (2, 3), (1, 7), (4, 10), (0, 9)]:
+        num_blocks = max(1, -(-(end - first) // pages_per_blk))
+        covered = []
+        for blk in range(num_blocks + 1):  # and one block past the range
+            page0, block_end = block_pages(first, end, blk, pages_per_blk=pages_per_blk)
+            assert page0 == first + blk * pages_per_blk
+            covered += range(int(page0), int(block_end))
+        assert covered == list(range(first, end))
 
 
 class _RecordedReads:
