@@ -315,3 +315,16 @@ def assert_nan_where_the_key_is_seen(out, lse, rows: slice, heads: slice) -> Non
     got_lse = np.asarray(lse)[rows, heads]
     assert np.isnan(got_out).all(), "a row that sees a NaN key has a non-NaN output"
     assert np.isnan(got_lse).all(), f"lse of rows that see a NaN key: {got_lse}"
+
+
+def unread_pages_out_of_range(case: Case) -> Case:
+    """The same case with every page-table entry no valid sequence reads (past a valid
+    sequence's ceil(kv_len / page_size) pages, and every entry of a padded sequence) set
+    to a page past the cache: a kernel that copies or loads one reads out of bounds, which
+    the TPU interpreter refuses, where the null page it would otherwise read is masked."""
+    table = np.asarray(case.page_indices).copy()
+    bogus = case.kv_pages.shape[0] + 7
+    for seq in range(table.shape[0]):
+        kv_len = case.seq_lens[seq][1] if seq < len(case.seq_lens) else 0
+        table[seq, math.ceil(kv_len / case.page_size) :] = bogus
+    return case.replace(page_indices=jnp.asarray(table))
