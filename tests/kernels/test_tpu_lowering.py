@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +122,24 @@ def test_float32_matmuls_ask_mosaic_for_full_precision(monkeypatch, q_dtype):
     matmuls = [line for line in module.splitlines() if "tpu.matmul" in line]
     assert matmuls and all("contract_precision<fp32>" in m for m in matmuls), matmuls
     assert not any("bf16" in m for m in matmuls), matmuls
+
+
+@pytest.mark.parametrize(
+    "q_dtype, kv_dtype, mlir_type",
+    [(BF16, I8, "bf16"), (BF16, FP8, "bf16"), (F32, BF16, "f32"), (BF16, F32, "f32")],
+    ids=["bf16-int8", "bf16-fp8", "f32-bf16", "bf16-f32"],
+)
+def test_both_operands_of_every_matmul_are_in_the_dots_dtype(
+    monkeypatch, q_dtype, kv_dtype, mlir_type
+):
+    # K and V are converted from the cache dtype in the kernel (through float32, the one
+    # conversion Mosaic makes between any two types); the interpreter would multiply
+    # mixed operands just as well, so only the lowered module shows that they are.
+    modules = _mosaic_modules(monkeypatch)
+    _lower(_specs(q_dtype, kv_dtype, 128, 32, 8, 2))
+    (module,) = modules
+    operands = re.findall(r"tpu\.matmul.*: vector<\w+x(\w+)>, vector<\w+x(\w+)>", module)
+    assert operands and all(op == (mlir_type, mlir_type) for op in operands), operands
 
 
 def _trace(args, **kw):
