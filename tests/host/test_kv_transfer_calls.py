@@ -204,3 +204,16 @@ def test_start_load_refuses_blocks_that_reach_the_requests_last_token():
     assert connector.stored_hashes() == order and connector.stats.num_failed_loads == 0
     connector.start_load(r, [5, 6])
     assert connector.poll().loaded == ("r",) and copier.loaded_block_ids == [[5, 6]]
+
+
+def test_on_finish_answers_false_itself_when_it_starts_no_save():
+    # The scheduler logs a warning for any answer that is no bool: a store too small
+    # for one block, and a request whose blocks are all stored already, answer False.
+    copier, connector = bound_host_connector()
+    tokens = list(range(1, 9))
+    _stored(connector, tokens)
+    assert connector.on_finish(computed_request("again", tokens), [3, 4]) is False
+    connector.host_bytes = copier.bytes_per_block - 1
+    assert connector.on_finish(computed_request("small", [5, 6, 7, 8]), [5]) is False
+    assert not connector.has_pending() and copier.saved_block_ids == [[1, 2]]
+
