@@ -217,3 +217,20 @@ def test_on_finish_answers_false_itself_when_it_starts_no_save():
     assert connector.on_finish(computed_request("small", [5, 6, 7, 8]), [5]) is False
     assert not connector.has_pending() and copier.saved_block_ids == [[1, 2]]
 
+
+def test_a_load_refreshes_only_the_blocks_it_reads_and_those_before_them():
+    # The stored block that holds the request's last token is not loaded (its logits
+    # must be computed), so it is not refreshed either: it stays next to be evicted.
+    _, connector = bound_host_connector()
+    tokens = list(range(1, 13))
+    _stored(connector, tokens)
+    c, b, a = connector.stored_hashes()  # the head most recently used
+    other = computed_request("other", [90, 91, 92, 93])
+    assert connector.on_finish(other, [5]) and connector.poll().saved == ("other",)
+    x = connector.stored_hashes()[-1]
+    assert connector.stored_hashes() == [c, b, a, x]
+    p = Request("p", tokens, SamplingParams())
+    assert connector.on_admission(p, 0) == 2 * BS
+    connector.start_load(p, [6, 7])
+    assert connector.stored_hashes() == [c, x, b, a]
+
