@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jaxkv import Request, SamplingParams
@@ -234,3 +235,14 @@ def test_a_load_refreshes_only_the_blocks_it_reads_and_those_before_them():
     connector.start_load(p, [6, 7])
     assert connector.stored_hashes() == [c, x, b, a]
 
+
+def test_a_store_of_one_byte_blocks_holds_as_many_blocks_as_bytes():
+    copier = FakeCopier(16, 1)
+    copier.device = np.zeros((16, 1), np.uint8)  # one token of one byte a block
+    copier.bytes_per_block = 1
+    connector = HostOffloadConnector(2)
+    connector.bind(copier, block_size=1, hash_seed=0)
+    r = computed_request("r", [1, 2, 3])
+    assert connector.on_finish(r, [1, 2, 3]) and connector.poll().saved == ("r",)
+    assert connector.stored_hashes() == r.block_hashes[1::-1]  # the tail went first
+    assert connector.stats.stored_bytes == 2
