@@ -301,3 +301,19 @@ def test_a_save_that_lands_blocks_larger_than_bytes_per_block_fails_and_its_bloc
     _one_failed_save_then_one_saved(
         copier, "32 bytes each, not the copier's bytes_per_block 16", caplog
     )
+
+
+def test_a_save_returning_the_wrong_number_of_blocks_is_logged_naming_both_counts(caplog):
+    copier = FakeCopier(16, BS, auto_complete=False)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    a = Request("a", list(range(1, 10)), SamplingParams())
+    a.num_computed_tokens = 8
+    assert connector.on_finish(a, [1, 2])
+    ((future, _),) = copier.pending
+    copier.pending.clear()
+    future.set_result(copier.device[[1]])  # one block for the two asked
+    with caplog.at_level(logging.WARNING, logger="jaxkv.host_offload_connector"):
+        assert connector.poll().failed_saves == ("a",)
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "save of 'a'" in message and "1 blocks copied for 2 asked" in message
