@@ -118,6 +118,18 @@ def test_clear_forgets_the_parents_of_cleared_entries():
     assert store.parent_of(b"b") is None
 
 
+def test_clear_forgets_the_serials_of_cleared_entries():
+    store = HostBlockStore()
+    store.put(b"a", None, np.zeros(2))
+    before = store.serial(b"a")
+    store.clear()
+    with pytest.raises(KeyError):
+        store.serial(b"a")  # as for a block never stored
+    assert store._serial_of == {}
+    store.put(b"a", None, np.zeros(2))
+    assert store.serial(b"a") != before  # a new copy: another serial
+
+
 def test_dropping_a_parent_no_longer_stored_demotes_its_children_again():
     """drop(h) demotes what is stored behind h even when h itself already left: a failed
     load drops hashes that eviction may have taken meanwhile, and their children, refreshed
