@@ -336,3 +336,13 @@ def test_an_unbound_connector_claims_nothing_from_the_store_it_keeps():
     del again
     gc.collect()
     assert connector.on_admission(probe, 0) == 0
+
+
+def test_bind_refuses_a_block_shape_with_numpys_wildcard_dimension():
+    # reshape reads -1 as "whatever fits"; no array has a dimension of -1.
+    connector = HostOffloadConnector(1 << 20)
+    copier = FakeCopier(16, BS)
+    copier.block_shape = (1, -1)
+    with pytest.raises(ValueError, match=r"copier.block_shape=\(1, -1\) must be a sequence"):
+        connector.bind(copier, block_size=BS, hash_seed=0)
+    assert connector.hash_layout is None
