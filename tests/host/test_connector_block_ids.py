@@ -121,3 +121,15 @@ def test_bind_refuses_a_num_blocks_that_is_no_count(value):
     with pytest.raises(ValueError, match=r"copier.num_blocks=.* must be an int >= 1"):
         connector.bind(copier, block_size=BS, hash_seed=0)
     assert connector.hash_layout is None
+
+
+def test_a_copier_declaring_only_the_null_block_binds_and_every_block_id_is_refused():
+    # num_blocks counts the null block 0: 1 is a cache with no block to copy, not a
+    # count bind refuses.
+    copier = _CountedCache(1, BS)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    assert connector.hash_layout == (BS, 0)
+    with pytest.raises(ValueError, match=r"on_finish\('c'\): block_ids=\[1\] .* in \[1, 1\)"):
+        connector.on_finish(computed_request("c", list(range(20, 28))), [1])
+    assert copier.saved_block_ids == [] and not connector.has_pending()
