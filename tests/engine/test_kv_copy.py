@@ -331,3 +331,28 @@ def test_a_closed_copier_starts_no_copy_and_touches_no_cache():
             start()
     assert not reads and all(a is b for a, b in zip(state["caches"], before, strict=True))
     assert not any(c.is_deleted() for c in state["caches"])
+
+
+def test_each_of_three_kv_heads_replicated_twice_in_a_one_layer_cache_loads_into_its_own():
+    # With two heads, reading another replica of a head's neighbour read the same KV; and
+    # a model of one layer has one cache, where the others' caches[1] does not exist.
+    assert [list(a) for a in kv_copy.replica_heads(12, 2)] == [
+        [0, 1, 4, 5, 8, 9],
+        [0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5],
+    ]
+    logical = np.arange(NUM_BLOCKS * 2 * 6 * 4, dtype=np.float32).reshape(NUM_BLOCKS, 2, 6, 4)
+    state = {"caches": [jnp.asarray(_replicated(logical, 2))]}
+    copier = DeviceKVCopier(
+        lambda: state["caches"], lambda c: state.update(caches=c), max_blocks=2, kv_replicas=2
+    )
+    try:
+        saved = copier.start_save([4]).result()
+        np.testing.assert_array_equal(saved, logical[[4], None])
+        copier.start_load([3], -saved).result()
+        expected = logical.copy()
+        expected[3] = -logical[4]
+        np.testing.assert_array_equal(
+            np.asarray(state["caches"][0])[1:], _replicated(expected, 2)[1:]
+        )
+    finally:
+        copier.close()
