@@ -356,3 +356,11 @@ def test_each_of_three_kv_heads_replicated_twice_in_a_one_layer_cache_loads_into
         )
     finally:
         copier.close()
+
+
+def test_a_refused_replica_count_names_the_cache_s_kv_heads():
+    caches = [jnp.zeros((NUM_BLOCKS, 2, 12, 4))]  # 6 KV heads
+    with pytest.raises(
+        ValueError, match=r"kv_replicas=4 must be .* divides the cache's 6 KV heads"
+    ):
+        DeviceKVCopier(lambda: caches, lambda c: None, max_blocks=4, kv_replicas=4)
