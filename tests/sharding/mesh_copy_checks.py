@@ -74,3 +74,29 @@ def kv_loads_into_caches_of_another_sharding_kind_stay_on_their_devices():
     assert set(shard_shapes(staged)) == {staged.shape}, shard_shapes(staged)  # whole on each
     np.testing.assert_array_equal(copier.start_save([2, 5, 7]).result(), blocks)
     copier.close()
+
+
+@check
+def kv_loads_into_caches_of_one_or_two_other_devices_stay_on_them():
+    """Caches on one device that is not jax's default one (an engine replica of one
+    device), or replicated on two: a load's blocks are staged on those devices, not on
+    device 0 nor on one of the two only."""
+    from jax._src.sharding_impls import GSPMDSharding
+
+    devices = jax.devices()
+    for where in (
+        jax.sharding.SingleDeviceSharding(devices[5]),
+        GSPMDSharding.get_replicated(devices[6:8]),
+    ):
+        state = {"caches": [jax.device_put(np.zeros((16, BLOCK_SIZE, 4, 8), np.float32), where)]}
+        copier = _copier(state, 1)
+        blocks = np.random.default_rng(2).standard_normal((2, *copier.block_shape))
+        blocks = blocks.astype(copier.dtype)
+        staged = copier.start_load([3, 9], blocks).result()
+        on = sorted(d.id for d in staged.sharding.device_set)
+        ids = sorted(d.id for d in where.device_set)
+        print(f"  caches under {type(where).__name__} on {ids}: staged on {on}")
+        assert staged.sharding.device_set == where.device_set, on
+        assert set(shard_shapes(staged)) == {staged.shape}, shard_shapes(staged)
+        np.testing.assert_array_equal(copier.start_save([3, 9]).result(), blocks)
+        copier.close()

@@ -32,6 +32,7 @@ CHECKS = (
     "offload_stores_replicated_kv_heads_once",
     "kv_loads_stay_on_the_engine_devices",
     "kv_loads_into_caches_of_another_sharding_kind_stay_on_their_devices",
+    "kv_loads_into_caches_of_one_or_two_other_devices_stay_on_them",
     "sharded_step_lowers_for_tpu",
     "kv_caches_made_where_the_weights_lie",
     "prompt_logprobs_tp",
