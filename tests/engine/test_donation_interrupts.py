@@ -53,6 +53,24 @@ def test_an_interrupt_during_a_load_scatter_keeps_the_loaded_caches(monkeypatch)
         copier.close()
 
 
+def test_an_interrupt_during_a_load_scatter_into_one_layer_keeps_the_loaded_cache(monkeypatch):
+    # One layer, one cache: the check of whether the caches were donated read a second.
+    rng = np.random.default_rng(1)
+    state = {"caches": [jnp.asarray(rng.standard_normal((8, 2, 2, 4)).astype(np.float32))]}
+    copier = DeviceKVCopier(lambda: state["caches"], lambda c: state.update(caches=c), max_blocks=8)
+    try:
+        blocks = rng.standard_normal((2, 1, 2, 2, 4)).astype(np.float32)
+        copier.start_load([1, 2], blocks).result()  # its scatter is compiled
+        monkeypatch.setattr(kv_copy, "_scatter", _interrupted_at_return(kv_copy._scatter))
+        with pytest.raises(KeyboardInterrupt):
+            copier.start_load([3, 4], blocks)
+        (cache,) = state["caches"]
+        assert not cache.is_deleted()
+        np.testing.assert_array_equal(np.asarray(cache)[[3, 4]], blocks[:, 0])
+    finally:
+        copier.close()
+
+
 def test_an_interrupt_during_a_compiled_step_program_leaves_the_engine_serving():
     prompts = [np.random.default_rng(1).integers(0, VOCAB, 10).tolist()]
     with make_engine() as engine:
