@@ -31,9 +31,12 @@ UNBOUND = StoreLayout(0, 0, 0, None, None, None)  # equal to no bound copier's l
 def store_layout(copier: KVCopier, block_size: object, hash_seed: object) -> StoreLayout:
     """The layout of `copier`'s blocks under `block_size` and `hash_seed`; ValueError
     naming the first of block_size, hash_seed (see checked_layout), copier.block_shape or
-    copier.dtype (see declared_block) that is wrong."""
+    copier.dtype (see declared_block) that is wrong, or naming the declared block_shape
+    and dtype where no block of them holds bytes_per_block bytes (every save of such a
+    copier would be refused when it lands)."""
     size, seed, bytes_per_block = checked_layout(copier, block_size, hash_seed)
     shape, dtype = declared_block(copier)
+    _check_block_bytes(shape, dtype, bytes_per_block)
     fingerprint = getattr(copier, "model_fingerprint", None)
     return StoreLayout(size, seed, bytes_per_block, shape, dtype, fingerprint)
 
@@ -60,8 +63,8 @@ def declared_block(copier: KVCopier) -> tuple[tuple[int, ...] | None, np.dtype |
     shape = None
     if raw_shape is not None:
         dims = _as_ints(raw_shape)
-        if dims is None or any(d is None or d < 0 for d in dims):
-            raise ValueError(f"copier.block_shape={raw_shape!r} must be a sequence of ints >= 0")
+        if dims is None or any(d is None or d < 1 for d in dims):
+            raise ValueError(f"copier.block_shape={raw_shape!r} must be a sequence of ints >= 1")
         shape = tuple(dims)
     raw_dtype = getattr(copier, "dtype", None)
     dtype = None
@@ -71,6 +74,29 @@ def declared_block(copier: KVCopier) -> tuple[tuple[int, ...] | None, np.dtype |
         except (TypeError, ValueError) as e:
             raise ValueError(f"copier.dtype={raw_dtype!r} must be a numpy dtype") from e
     return shape, dtype
+
+
+def _check_block_bytes(shape, dtype, bytes_per_block: int) -> None:
+    """ValueError unless a block of the declared shape and dtype can hold bytes_per_block
+    bytes: exactly, where both are declared; a whole number of elements or of items where
+    one is."""
+    elements = None if shape is None else int(np.prod(shape))
+    if shape is not None and dtype is not None:
+        if elements * dtype.itemsize != bytes_per_block:
+            raise ValueError(
+                f"copier.block_shape={shape} of copier.dtype={dtype} holds "
+                f"{elements * dtype.itemsize} bytes, not copier.bytes_per_block={bytes_per_block}"
+            )
+    elif shape is not None and bytes_per_block % elements:
+        raise ValueError(
+            f"copier.bytes_per_block={bytes_per_block} must be a whole number of "
+            f"copier.block_shape={shape}'s {elements} elements"
+        )
+    elif dtype is not None and bytes_per_block % dtype.itemsize:
+        raise ValueError(
+            f"copier.bytes_per_block={bytes_per_block} must be a whole number of "
+            f"copier.dtype={dtype}'s {dtype.itemsize}-byte items"
+        )
 
 
 def declared_num_blocks(copier: KVCopier) -> int | None:

@@ -115,8 +115,8 @@ class HostOffloadConnector(KVConnector):
         layout or model) while a copy is in flight: a save would land under the old
         layout's hashes. Raises ValueError, changing nothing, unless `block_size` and
         `copier.bytes_per_block` are ints >= 1, `hash_seed` an int that fits in 64 bits,
-        and the copier's block_shape, dtype and num_blocks, where it declares them, a
-        sequence of ints >= 0, what numpy takes as a dtype and an int >= 1."""
+        and, where the copier declares them, its block_shape ints >= 1, dtype what numpy
+        takes (a block of both holding bytes_per_block bytes) and num_blocks an int >= 1."""
         layout = store_layout(copier, block_size, hash_seed)
         num_blocks = declared_num_blocks(copier)
         bound = self._bound()

@@ -280,6 +280,7 @@ def test_unbind_is_refused_while_a_load_is_in_flight():
         ("block_shape", str(BS)),
         ("block_shape", (float(BS),)),
         ("block_shape", (-BS,)),
+        ("block_shape", (BS, 0)),  # no byte to hold: no save would ever land
         ("dtype", "not a dtype"),
         ("dtype", object()),
     ],
@@ -346,3 +347,36 @@ def test_bind_refuses_a_block_shape_with_numpys_wildcard_dimension():
     with pytest.raises(ValueError, match=r"copier.block_shape=\(1, -1\) must be a sequence"):
         connector.bind(copier, block_size=BS, hash_seed=0)
     assert connector.hash_layout is None
+
+
+@pytest.mark.parametrize(
+    ("block_shape", "dtype", "bytes_per_block", "match"),
+    [
+        (
+            (BS, 2),
+            np.float32,
+            BS * 4,
+            r"block_shape=\(4, 2\) of copier.dtype=float32 holds 32 bytes",
+        ),
+        ((BS,), np.float64, BS * 4, r"holds 32 bytes, not copier.bytes_per_block=16"),
+        ((3,), None, BS * 4, r"bytes_per_block=16 must be a whole number of .*\(3,\)'s 3 elements"),
+        (None, np.float64, 12, r"bytes_per_block=12 must be a whole number of .*float64's 8-byte"),
+    ],
+)
+def test_bind_refuses_a_declared_block_that_cannot_hold_bytes_per_block(
+    block_shape, dtype, bytes_per_block, match
+):
+    # Every block such a copier saved would be refused when it landed, each save lost
+    # with a warning; bind can tell at once.
+    connector, copier, sched = _saved_connector()
+    run_until_idle(sched, copier)
+    connector.unbind(copier)
+    stored = connector.stored_hashes()
+    other = FakeCopier(32, BS)
+    other.block_shape, other.dtype, other.bytes_per_block = block_shape, dtype, bytes_per_block
+    with pytest.raises(ValueError, match=match):
+        connector.bind(other, block_size=BS, hash_seed=0)
+    assert connector.stored_hashes() == stored and connector.hash_layout is None
+    other.block_shape, other.dtype = (BS, 2), np.float16  # 16 bytes: bound
+    other.bytes_per_block = BS * 4
+    connector.bind(other, block_size=BS, hash_seed=0)
