@@ -11,6 +11,7 @@ from jaxkv.allocation_args import (
     check_computed_within_held,
     check_computed_within_tokens,
     check_total_fits,
+    manager_args,
 )
 from tests.host._util import make_request
 
@@ -32,3 +33,10 @@ def test_a_total_up_to_max_model_len_passes_and_one_more_is_refused():
     assert check_total_fits("r", 16, 16, num_new_tokens=16) is None
     with pytest.raises(ValueError, match=r"'r' would hold 17 tokens > max_model_len=16 \(n=17\)"):
         check_total_fits("r", 17, 16, n=17)
+
+
+def test_the_most_blocks_a_pool_takes_are_refused_past_2_to_the_31_token_slots():
+    # Checked before any pool is built: a pool of 2**31 - 1 blocks would not fit in memory.
+    assert manager_args(2**31 - 1, 1, 8, 0) == (2**31 - 1, 1, 8, 0)
+    with pytest.raises(ValueError, match="num_blocks=2147483647 times block_size=2 must be"):
+        manager_args(2**31 - 1, 2, 8, 0)

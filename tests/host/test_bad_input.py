@@ -285,6 +285,10 @@ def test_invalid_computed_block_ids(busy, block_ids, match):
         # (block_id * block_size + offset) wrapped negative.
         ((3, 2**30), {"max_model_len": 8}, r"num_blocks=3 times block_size=1073741824 .* 2\*\*31"),
         ((8, 2**31 - 1), {"max_model_len": 8}, "num_blocks=8 times block_size=2147483647"),
+        # One slot past 2**31; the fewest blocks a pool takes; a numpy count.
+        ((3, 715827883), {"max_model_len": 8}, "num_blocks=3 times block_size=715827883"),
+        ((2, 2**30 + 1), {"max_model_len": 8}, "num_blocks=2 times block_size=1073741825"),
+        ((np.int64(3), 2**30), {"max_model_len": 8}, "num_blocks=3 times block_size=1073741824"),
     ],
 )
 def test_bad_constructor_arguments(args, kwargs, match):
