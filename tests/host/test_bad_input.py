@@ -55,6 +55,9 @@ def test_growing_past_max_model_len(busy):
         ({"num_new_tokens": -1}, "num_new_tokens"),
         ({"num_new_tokens": 1, "num_lookahead_tokens": -2}, "num_lookahead_tokens"),
         ({"num_new_tokens": 1, "num_new_computed_tokens": -4}, "num_new_computed_tokens"),
+        # -1 with every other count a plain int: the common case's own check refuses it.
+        ({"num_new_tokens": 1, "num_lookahead_tokens": -1}, "num_lookahead_tokens=-1 must be"),
+        ({"num_new_tokens": 1, "num_new_computed_tokens": -1}, "num_new_computed_tokens=-1 must"),
         ({"num_new_tokens": 1.5}, "num_new_tokens"),
     ],
 )
