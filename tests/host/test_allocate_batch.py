@@ -70,9 +70,9 @@ def test_a_batch_that_needs_every_free_block_fits_and_one_more_does_not():
     prefill(m, b)
     assert m.num_free_blocks == 7
     before = snapshot(m)
-    assert not m.allocate_slots_batch([a, b], [16, 13])  # 4 + 4 blocks: one too many
+    assert m.allocate_slots_batch([a, b], [16, 13]) is False  # 4 + 4 blocks: one too many
     assert snapshot(m) == before
-    assert m.allocate_slots_batch([a, b], [16, 12])  # 4 + 3 blocks
+    assert m.allocate_slots_batch([a, b], [16, 12]) is True  # 4 + 3 blocks
     assert m.block_ids("a") == [1, 2, 5, 6, 7, 8] and m.block_ids("b") == [3, 4, 9, 10, 11]
     assert m.num_free_blocks == 0
     m.check_integrity()
