@@ -46,6 +46,13 @@ def test_status_is_finished():
     assert not req.is_finished()
 
 
+def test_a_request_is_finished_exactly_when_its_status_is():
+    req = Request("r", [1])
+    for status in RequestStatus:
+        req.status = status
+        assert req.is_finished() is status.is_finished()
+
+
 def test_sampling_params_defaults_and_frozen():
     p = SamplingParams()
     assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.stop_token_ids) == (
