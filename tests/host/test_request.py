@@ -115,6 +115,15 @@ def test_sampling_params_take_numpy_numbers_as_python_ones():
     assert type(SamplingParams(temperature=1, top_p=1).temperature) is float
 
 
+def test_a_block_size_of_1_is_taken_as_a_numpy_integer_and_the_seed_defaults_to_0():
+    req, expected = Request("r", range(3)), Request("s", range(3)).update_block_hashes(1)
+    req.check_hash_config(np.int64(1))
+    assert req.update_block_hashes(np.int64(1), np.uint8(0)) == expected
+    assert req.check_hash_config(1) is None  # the config hashed: (1, 0)
+    with pytest.raises(ValueError, match=r"=\(1, 0\), not \(1, 1\)"):
+        req.check_hash_config(1, 1)
+
+
 def test_sampling_params_bounds_are_exact():
     f32_max = float(np.finfo(np.float32).max)
     assert SamplingParams(temperature=f32_max).temperature == f32_max  # finite in float32
