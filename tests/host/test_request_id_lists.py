@@ -10,6 +10,7 @@ from jaxkv.request_id_lists import checked_request_ids
 
 def test_one_id_or_an_iterable_of_ids_in_order():
     assert checked_request_ids("a") == ["a"]
+    assert checked_request_ids("req-1") == ["req-1"]  # one id, not its characters
     assert checked_request_ids(["b", "a"]) == ["b", "a"]
     assert checked_request_ids(iter(("x", "y"))) == ["x", "y"]
     assert checked_request_ids(()) == []
@@ -19,9 +20,13 @@ def test_one_id_or_an_iterable_of_ids_in_order():
     ("ids", "match"),
     [
         (["a", 5], "holds 5 \\(int\\)"),
+        (["a", 5, None, b"c"], "holds 5 \\(int\\): each"),  # the first of those that are no id
         (("a", None), "holds None"),
         ([b"a"], "holds b'a' \\(bytes\\)"),
         (b"ab", "must be a request id"),
+        # Text as bytes is no id, nor a list of ids: b"" is not an empty list.
+        (b"", "request_ids=b'' must be a request id"),
+        (bytearray(b"ab"), "request_ids=bytearray\\(b'ab'\\) must be a request id"),
         (5, "must be a request id"),
         # Iterable by its type, not by its value: numpy's TypeError named nothing.
         (np.array("a"), "request_ids=array\\('a'.* must be a request id"),
