@@ -60,6 +60,11 @@ def _swap_cached_hashes(m):
     cached[first.block_hash], cached[second.block_hash] = first, second
 
 
+def _count_moved_to_another_id(m):
+    # As many counts as requests, but A's is kept under an id that holds no blocks.
+    m._num_cached["gone"] = m._num_cached.pop("A")
+
+
 def _hash_on_a_partial_block(m):
     last = m._blocks["A"][-1]  # A's third block holds 2 of its 4 tokens
     last.block_hash = bytes(16)
@@ -83,6 +88,7 @@ def _hash_on_a_partial_block(m):
             "than the request's; 'B': block 2 at 1 carries another hash than the request's",
         ),
         (_hash_on_a_partial_block, "'A': block 3 at 2 carries another hash than the request's"),
+        (_count_moved_to_another_id, "'A': num_cached=None"),
     ],
     ids=[
         "lost-owner",
@@ -90,6 +96,7 @@ def _hash_on_a_partial_block(m):
         "two-requests",
         "swapped-hashes",
         "hashed-partial-block",
+        "count-under-another-id",
     ],
 )
 def test_the_message_names_every_break_and_only_those(corrupt, message):
