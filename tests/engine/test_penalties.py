@@ -250,3 +250,46 @@ def test_listed_ids_outside_the_vocabulary_change_nothing():
     np.testing.assert_array_equal(got[0], logits[0])
     want_1 = np.float32(4.0) / 2 - 0.5 * 3 - 1  # token 1 alone: 4 / 2 - 0.5 * 3 - 1
     np.testing.assert_array_equal(got[1], [0.25, want_1, -1.0, 2.0])
+
+
+def test_rows_past_the_tables_first_ones_keep_their_own_lists_and_freed_rows_are_reused():
+    """260 penalised requests grow the table's rows from 64 to 512 (once past a widening
+    to 256 columns, made while it held 128 rows); each lists its own tokens. Requests
+    that come and go afterwards reuse a freed row: the table keeps its size."""
+    table = TokenPenalties()
+    reqs = [Request(f"r{i}", [1]) for i in range(260)]
+
+    def add(some):
+        for req in some:
+            table.add(req.request_id, SamplingParams(frequency_penalty=1.0))
+            req.append_output_token_ids([int(req.request_id[1:]) + 2] * 2)
+
+    add(reqs[:65])
+    reqs[0].append_output_token_ids(range(300, 400))  # 101 tokens listed: 256 columns
+    assert table.arrays(reqs[:65], None, 65)[0].shape == (65, 256)
+    add(reqs[65:])
+    tokens, counts, _, frequency, _ = table.arrays(reqs, None, 260)
+    assert tokens.shape == counts.shape == (260, 256) and frequency.tolist() == [1.0] * 260
+    assert tokens[0, :101].tolist() == [2, *range(300, 400)] and counts[0, :2].tolist() == [2, 1]
+    assert tokens[1:, 0].tolist() == list(range(3, 262)) and (tokens[1:, 1:] == NO_TOKEN).all()
+    assert counts[1:, 0].tolist() == [2] * 259 and not counts[1:, 1:].any()
+    table.add("x", SamplingParams(presence_penalty=1.0))
+    table.discard("x")
+    rows = len(table._ids)
+    for i in range(600):
+        table.add(f"x{i}", SamplingParams(presence_penalty=1.0))
+        table.discard(f"x{i}")
+    assert len(table._ids) == rows and len(table) == 260
+
+
+def test_a_batch_of_short_lists_gets_their_width_after_a_long_list_widened_the_table():
+    table = TokenPenalties()
+    long, short = Request("l", [1]), Request("s", [1])
+    for req in (long, short):
+        table.add(req.request_id, SamplingParams(presence_penalty=1.0))
+    long.append_output_token_ids(range(100))
+    short.append_output_token_ids([7])
+    assert table.arrays([long, short], None, 2)[0].shape == (2, 256)
+    tokens, counts, *_ = table.arrays([short], None, 1)  # the table stays 256 wide
+    assert tokens.shape == counts.shape == (1, 64)
+    assert tokens[0, :2].tolist() == [7, NO_TOKEN] and counts[0, :2].tolist() == [1, 0]
