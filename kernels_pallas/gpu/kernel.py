@@ -9,7 +9,8 @@ Layout of the work: grid (query block, KV head, KV split). A query block holds u
 head's group of query heads (GQA packs the group into the rows, so every K/V page is
 read once per group, not once per query head). Blocks never straddle two sequences:
 sequence i owns blocks cu_q_lens[i] // tokens_per_block + i onward, and each program
-finds its sequence by binary search over cu_q_lens. Keys are walked `block_k` at a time
+finds its sequence by binary search over cu_q_lens (kernels_pallas.gpu.block_schedule,
+which also bounds the key blocks each program reads). Keys are walked `block_k` at a time
 (each key's page looked up in the page table, so any page size works) with an online
 softmax in float32 (base 2: each score's row max is subtracted before it is scaled by
 log2(e), so any logit finite in float32 stays finite). With more than one KV split each
@@ -20,32 +21,13 @@ batch still fills the GPU.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.gpu.block_schedule import block_rows, block_tokens, key_block_range, split_range
 from kernels_pallas.scales import LOG2E  # the factor check_folded_scales bounds
-
-
-def _find_seq(cu_q_lens_ref, num_seqs, pid, tokens_per_block: int, max_num_seqs: int):
-    """Largest valid i with cu_q_lens[i] // tokens_per_block + i <= pid (0 if none)."""
-
-    def first_block(i):
-        return cu_q_lens_ref[i] // tokens_per_block + i
-
-    def body(_, carry):
-        lo, hi = carry  # invariant: first_block(lo) <= pid, answer < hi
-        mid = (lo + hi) // 2
-        ok = first_block(mid) <= pid
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-
-    num_steps = max(1, math.ceil(math.log2(max_num_seqs + 1)) + 1)
-    hi = jnp.maximum(num_seqs, 1)
-    lo, _ = jax.lax.fori_loop(0, num_steps, body, (jnp.int32(0), hi))
-    return lo
 
 
 def paged_attention_kernel(
@@ -87,38 +69,26 @@ def paged_attention_kernel(
     tokens_per_block = block_m // group
 
     num_seqs = num_seqs_ref[0]
-    seq = _find_seq(cu_q_lens_ref, num_seqs, pid_q, tokens_per_block, max_num_seqs)
-    q_start = cu_q_lens_ref[seq]
+    seq, tok0, tok_end = block_tokens(
+        cu_q_lens_ref, num_seqs, pid_q, tokens_per_block=tokens_per_block, max_num_seqs=max_num_seqs
+    )
     q_end = cu_q_lens_ref[seq + 1]
     kv_len = kv_lens_ref[seq]
-    tok0 = q_start + (pid_q - (q_start // tokens_per_block + seq)) * tokens_per_block
-    has_rows = (seq < num_seqs) & (tok0 < q_end)
 
     r = jnp.arange(block_m, dtype=jnp.int32)
-    tok = tok0 + r // group
-    row_valid = (r < tokens_per_block * group) & (tok < q_end) & has_rows
+    tok, row_valid = block_rows(tok0, tok_end, block_m=block_m, group=group)
     row = tok * num_q_heads + kv_head * group + r % group
     q_row = jnp.where(row_valid, row, 0)
     # Masked-off rows still need distinct in-bounds indices (a masked store in interpret
     # mode rewrites their old values): the block_m spare rows past the real ones.
     row = jnp.where(row_valid, row, num_q_heads * num_tokens + r)
-    pos = kv_len - (q_end - q_start) + (tok - q_start)  # i32[block_m]
+    pos = tok + (kv_len - q_end)  # i32[block_m]
 
     # Keys any row of this block may see, as a range of key blocks, then this split's part.
-    first_pos = kv_len - (q_end - q_start) + (tok0 - q_start)
-    last_tok = jnp.minimum(tok0 + tokens_per_block, q_end) - 1
-    hi = kv_len
-    if causal:
-        hi = jnp.minimum(hi, kv_len - (q_end - q_start) + (last_tok - q_start) + 1)
-    lo = jnp.int32(0)
-    if sliding_window is not None:
-        lo = jnp.maximum(lo, first_pos - sliding_window + 1)
-    hi = jnp.where(has_rows, hi, 0)
-    kb_lo = jnp.minimum(lo, hi) // block_k
-    kb_hi = jnp.maximum((hi + block_k - 1) // block_k, kb_lo)
-    chunk = (kb_hi - kb_lo + num_kv_splits - 1) // num_kv_splits
-    split_lo = jnp.minimum(kb_lo + split * chunk, kb_hi)
-    split_hi = jnp.minimum(split_lo + chunk, kb_hi)
+    kb_lo, kb_hi = key_block_range(
+        q_end, kv_len, tok0, tok_end, block_k=block_k, causal=causal, sliding_window=sliding_window
+    )
+    split_lo, split_hi = split_range(kb_lo, kb_hi, split, num_kv_splits=num_kv_splits)
 
     col = jnp.arange(head_dim, dtype=jnp.int32)
     q = plgpu.load(q_ref.at[q_row[:, None], col[None, :]], mask=row_valid[:, None], other=0)
