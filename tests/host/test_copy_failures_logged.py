@@ -57,17 +57,24 @@ def _poll(connector):
         pytest.fail(f"poll() raised {e!r}")
 
 
+def _pending_save(request_id: str):
+    """(copier, connector, request, future): a connector bound to a copier that completes
+    nothing by itself, with the save of a request's two full blocks started."""
+    copier = FakeCopier(16, BS, auto_complete=False)
+    connector = HostOffloadConnector(64 * copier.bytes_per_block)
+    connector.bind(copier, block_size=BS, hash_seed=0)
+    request = Request(request_id, list(range(1, 10)), SamplingParams())
+    request.num_computed_tokens = 8
+    assert connector.on_finish(request, [1, 2])
+    ((future, _),) = copier.pending
+    return copier, connector, request, future
+
+
 @pytest.mark.parametrize("error", [KeyboardInterrupt(), SystemExit(3)], ids=type)
 def test_a_copy_that_ended_with_a_base_exception_fails_like_any_other(error, caplog):
     # A Future stores a BaseException its copy thread raised. poll() used to raise it
     # after dropping the transfer, so the request never learnt its save or load ended.
-    copier = FakeCopier(16, BS, auto_complete=False)
-    connector = HostOffloadConnector(64 * copier.bytes_per_block)
-    connector.bind(copier, block_size=BS, hash_seed=0)
-    first = Request("first", list(range(1, 10)), SamplingParams())
-    first.num_computed_tokens = 8
-    assert connector.on_finish(first, [1, 2])
-    ((future, _),) = copier.pending
+    copier, connector, first, future = _pending_save("first")
     future.set_exception(error)
     with caplog.at_level(logging.WARNING, logger="jaxkv.host_offload_connector"):
         assert _poll(connector).failed_saves == ("first",)
@@ -304,13 +311,7 @@ def test_a_save_that_lands_blocks_larger_than_bytes_per_block_fails_and_its_bloc
 
 
 def test_a_save_returning_the_wrong_number_of_blocks_is_logged_naming_both_counts(caplog):
-    copier = FakeCopier(16, BS, auto_complete=False)
-    connector = HostOffloadConnector(64 * copier.bytes_per_block)
-    connector.bind(copier, block_size=BS, hash_seed=0)
-    a = Request("a", list(range(1, 10)), SamplingParams())
-    a.num_computed_tokens = 8
-    assert connector.on_finish(a, [1, 2])
-    ((future, _),) = copier.pending
+    copier, connector, _, future = _pending_save("a")
     copier.pending.clear()
     future.set_result(copier.device[[1]])  # one block for the two asked
     with caplog.at_level(logging.WARNING, logger="jaxkv.host_offload_connector"):
