@@ -38,6 +38,7 @@ from kernels_pallas.tpu.tile_schedule import (
     div_nonneg,
     first_seq_of_tile,
     kv_page_range,
+    row_window,
 )
 
 LANES = 128
@@ -214,12 +215,18 @@ def paged_attention_kernel(
         # window_rows (a decode token is `group` rows), only that window is computed:
         # the full tile would spend rows / window_rows times the VPU work on rows that
         # belong to other sequences.
-        row_lo = (jnp.maximum(q_start, tile_start) - tile_start) * group
-        row_hi = (jnp.minimum(q_end, tile_end) - tile_start) * group
         if window_rows < rows:
-            win_start = jnp.minimum(div_nonneg(row_lo, row_align) * row_align, rows - window_rows)
+            win_start, fits = row_window(
+                q_start,
+                q_end,
+                tile_start,
+                tile_end,
+                group=group,
+                row_align=row_align,
+                rows=rows,
+                window_rows=window_rows,
+            )
             win_start = pl.multiple_of(win_start, row_align)
-            fits = row_hi - win_start <= window_rows
         for h in range(kv_heads_per_blk):
             k = load_kv(slot, 2 * h)
             v = load_kv(slot, 2 * h + 1)

@@ -111,3 +111,17 @@ def block_pages(first_page, end_page, blk, *, pages_per_blk: int) -> tuple[jax.A
     """
     page0 = first_page + blk * pages_per_blk
     return page0, jnp.minimum(page0 + pages_per_blk, end_page)
+
+
+def row_window(
+    q_start, q_end, tile_start, tile_end, *, group: int, row_align: int, rows: int, window_rows: int
+) -> tuple[jax.Array, jax.Array]:
+    """(win_start, fits) for the rows of the sequence with query tokens [q_start, q_end)
+    in a q tile of tokens [tile_start, tile_end), `group` rows per token, `rows` rows in
+    all: win_start is a multiple of row_align (which divides rows and window_rows) with
+    [win_start, win_start + window_rows) inside the tile, and fits is True exactly when
+    some such aligned window holds all of the sequence's rows, this one among them."""
+    row_lo = (jnp.maximum(q_start, tile_start) - tile_start) * group
+    row_hi = (jnp.minimum(q_end, tile_end) - tile_start) * group
+    win_start = jnp.minimum(div_nonneg(row_lo, row_align) * row_align, rows - window_rows)
+    return win_start, row_hi - win_start <= window_rows

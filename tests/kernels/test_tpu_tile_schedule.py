@@ -21,6 +21,7 @@ from kernels_pallas.tpu.tile_schedule import (
     div_nonneg,
     first_seq_of_tile,
     kv_page_range,
+    row_window,
 )
 
 POISON = -(2**30)
@@ -195,6 +196,34 @@ def test_the_blocks_of_a_page_range_cover_it_in_order_each_page_once(pages_per_b
             assert page0 == first + blk * pages_per_blk
             covered += range(int(page0), int(block_end))
         assert covered == list(range(first, end))
+
+
+@pytest.mark.parametrize(
+    "group, row_align, q_per_blk, window_rows",
+    [(1, 8, 16, 8), (4, 8, 8, 16), (3, 8, 8, 16), (8, 16, 4, 16), (2, 8, 16, 24)],
+)
+def test_row_window_fits_exactly_when_an_aligned_window_holds_the_rows(
+    group, row_align, q_per_blk, window_rows
+):
+    rows = q_per_blk * group
+    window = jax.jit(
+        functools.partial(
+            row_window, group=group, row_align=row_align, rows=rows, window_rows=window_rows
+        )
+    )
+    for tile_start in (0, q_per_blk):
+        tile_end = tile_start + q_per_blk
+        for q_start in range(tile_start - 2, tile_end + 1):
+            for q_end in range(max(q_start, 0), tile_end + 3):
+                win_start, fits = map(int, window(q_start, q_end, tile_start, tile_end))
+                assert win_start % row_align == 0 and 0 <= win_start <= rows - window_rows
+                lo = (max(q_start, tile_start) - tile_start) * group
+                hi = (min(q_end, tile_end) - tile_start) * group
+                aligned = range(0, rows - window_rows + 1, row_align)
+                holds = [s for s in aligned if s <= lo and hi <= s + window_rows]
+                assert fits == bool(holds), (q_start, q_end, tile_start)
+                if fits:
+                    assert win_start <= lo and hi <= win_start + window_rows
 
 
 class _RecordedReads:
