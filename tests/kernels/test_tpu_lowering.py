@@ -142,6 +142,23 @@ def test_both_operands_of_every_matmul_are_in_the_dots_dtype(
     assert operands and all(op == (mlir_type, mlir_type) for op in operands), operands
 
 
+@pytest.mark.parametrize(
+    "heads, knobs, hints",
+    [((8, 2), {}, 1), ((32, 16), {"num_kv_heads_per_block": 8}, 4)],
+    ids=["row window", "row window and kv-head blocks"],
+)
+def test_dynamic_offsets_reach_mosaic_as_multiples_of_their_tiling(
+    monkeypatch, heads, knobs, hints
+):
+    # A decode row window's start, and a block of KV heads' first head in each copy,
+    # slice VMEM and HBM at offsets Mosaic's compiler (which needs libtpu, not run here)
+    # must know to be tile-aligned; without the hint the lowering still succeeds.
+    modules = _mosaic_modules(monkeypatch)
+    _lower(_specs(BF16, BF16, 128, 16, *heads), **knobs)
+    (module,) = modules
+    assert len(re.findall(r"tpu\.assume_multiple %\w+, 16 : i32", module)) == hints
+
+
 def _trace(args, **kw):
     f = functools.partial(ragged_paged_attention, **{"sm_scale": 0.125, **kw})
     return jax.eval_shape(f, *args)
