@@ -38,7 +38,9 @@ from kernels_pallas.tpu.tile_schedule import (
     div_nonneg,
     first_seq_of_tile,
     kv_page_range,
+    next_block,
     row_window,
+    seq_in_tile,
 )
 
 LANES = 128
@@ -240,7 +242,7 @@ def paged_attention_kernel(
 
     seq0 = first_seq_of_tile(cu_q_lens_ref, num_seqs, tile_start, max_num_seqs=max_num_seqs)
     first0, end0, nblk0 = page_range(seq0)
-    has_work = seq0 < num_seqs
+    has_work = seq_in_tile(cu_q_lens_ref, num_seqs, seq0, tile_end, max_num_seqs=max_num_seqs)
 
     @pl.when(has_work)
     def _():
@@ -248,12 +250,10 @@ def paged_attention_kernel(
 
     def body(carry):
         seq, blk, slot, first_page, end_page, num_blocks, _ = carry
-        last_blk = blk + 1 >= num_blocks
-        next_seq = jnp.where(last_blk, seq + 1, seq)
-        next_blk = jnp.where(last_blk, 0, blk + 1)
+        next_seq, next_blk, last_blk = next_block(seq, blk, num_blocks)
         next_slot = 1 - slot
-        next_in_tile = (next_seq < num_seqs) & (
-            cu_q_lens_ref[jnp.minimum(next_seq, max_num_seqs)] < tile_end
+        next_in_tile = seq_in_tile(
+            cu_q_lens_ref, num_seqs, next_seq, tile_end, max_num_seqs=max_num_seqs
         )
         n_first, n_end, n_num = page_range(next_seq)
         n_first = jnp.where(last_blk, n_first, first_page)

@@ -50,6 +50,23 @@ def first_seq_of_tile(cu_q_lens, num_seqs, tile_start, *, max_num_seqs: int) -> 
     return lo
 
 
+def seq_in_tile(cu_q_lens, num_seqs, seq, tile_end, *, max_num_seqs: int) -> jax.Array:
+    """Whether the walk of a tile ending at `tile_end` goes on to sequence `seq` (one past
+    a sequence it visited, or its first_seq_of_tile): a valid sequence starting before
+    the tile's end. The walk so visits exactly the sequences s < num_seqs with
+    cu_q_lens[s] < tile_end and cu_q_lens[s + 1] > tile_start."""
+    return (seq < num_seqs) & (cu_q_lens[jnp.minimum(seq, max_num_seqs)] < tile_end)
+
+
+def next_block(seq, blk, num_blocks) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(next_seq, next_blk, last): the walk's step after KV block `blk` of `seq`'s
+    num_blocks: block blk + 1 of the same sequence, or, after its last block (last
+    True), block 0 of sequence seq + 1. Each sequence's blocks are so visited once each,
+    in order."""
+    last = blk + 1 >= num_blocks
+    return jnp.where(last, seq + 1, seq), jnp.where(last, 0, blk + 1), last
+
+
 def kv_page_range(
     cu_q_lens,
     kv_lens,

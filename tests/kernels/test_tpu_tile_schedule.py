@@ -21,7 +21,9 @@ from kernels_pallas.tpu.tile_schedule import (
     div_nonneg,
     first_seq_of_tile,
     kv_page_range,
+    next_block,
     row_window,
+    seq_in_tile,
 )
 
 POISON = -(2**30)
@@ -224,6 +226,42 @@ def test_row_window_fits_exactly_when_an_aligned_window_holds_the_rows(
                 assert fits == bool(holds), (q_start, q_end, tile_start)
                 if fits:
                     assert win_start <= lo and hi <= win_start + window_rows
+
+
+def test_the_walk_visits_each_sequence_of_the_tile_and_each_of_its_blocks_once_in_order():
+    # The kernel's loop, step for step: start at first_seq_of_tile if it is in the tile,
+    # go on with next_block while the next sequence is.
+    rng = np.random.default_rng(7)
+    max_num_seqs, tile = 6, 4
+    static = dict(max_num_seqs=max_num_seqs, page_size=2, pages_per_seq=6, pages_per_blk=2)
+    for num_seqs in (0, 1, 4, 6, 6, 6):
+        cu, kv = _batch(
+            rng, max_num_seqs=max_num_seqs, num_seqs=num_seqs, page_size=2, pages_per_seq=6
+        )
+        cu_j = jnp.asarray(cu)  # indexed by traced scalars in the search
+        for tile_start in range(0, int(cu[num_seqs]) + tile, tile):
+            start, end = jnp.int32(tile_start), jnp.int32(tile_start + tile)
+            in_tile = functools.partial(
+                seq_in_tile, cu_j, num_seqs, tile_end=end, max_num_seqs=max_num_seqs
+            )
+            seq = first_seq_of_tile(cu_j, num_seqs, start, max_num_seqs=max_num_seqs)
+            blk, visited = jnp.int32(0), []
+            go_on = in_tile(seq=seq)
+            while go_on:
+                num_blocks = kv_page_range(
+                    cu, kv, seq, start, end, causal=True, sliding_window=None, **static
+                )[2]
+                visited.append((int(seq), int(blk)))
+                seq, blk, _ = next_block(seq, blk, num_blocks)
+                go_on = in_tile(seq=seq)
+            want = []
+            for s in range(num_seqs):
+                if cu[s] < tile_start + tile and cu[s + 1] > tile_start:
+                    num_blocks = kv_page_range(
+                        cu, kv, jnp.int32(s), start, end, causal=True, sliding_window=None, **static
+                    )[2]
+                    want += [(s, b) for b in range(int(num_blocks))]
+            assert visited == want, (cu, num_seqs, tile_start)
 
 
 class _RecordedReads:
