@@ -328,3 +328,18 @@ def unread_pages_out_of_range(case: Case) -> Case:
         kv_len = case.seq_lens[seq][1] if seq < len(case.seq_lens) else 0
         table[seq, math.ceil(kv_len / case.page_size) :] = bogus
     return case.replace(page_indices=jnp.asarray(table))
+
+
+def keys_seen(cu_q_lens, kv_lens, seq: int, tokens, *, causal: bool, window: int | None) -> set:
+    """The key positions of sequence `seq` that some query token in `tokens` sees, one
+    (token, key) pair at a time: every key below kv_len, or with causal masking those up
+    to the token's position (token t at t + kv_len - q_end) and, with a sliding window,
+    the `window` keys ending there."""
+    q_end, kv_len = int(cu_q_lens[seq + 1]), int(kv_lens[seq])
+    seen = set()
+    for t in tokens:
+        pos = t + kv_len - q_end
+        for key in range(kv_len):
+            if not causal or (key <= pos and (window is None or key > pos - window)):
+                seen.add(key)
+    return seen

@@ -23,6 +23,7 @@ from kernels_pallas.gpu.block_schedule import (
     key_block_range,
     split_range,
 )
+from tests.kernels import harness
 
 POISON = -(2**30)
 MAX_NUM_SEQS, MAX_Q = 6, 7
@@ -68,14 +69,8 @@ def _schedule(cu, kv, num_seqs, *, tokens_per_block, block_k, causal, window):
 
 
 def _key_blocks_seen(cu, kv, seq, tokens, *, block_k, causal, window):
-    q_end, kv_len = int(cu[seq + 1]), int(kv[seq])
-    blocks = set()
-    for t in tokens:
-        pos = t + kv_len - q_end
-        for key in range(kv_len):
-            if not causal or (key <= pos and (window is None or key > pos - window)):
-                blocks.add(key // block_k)
-    return blocks
+    keys = harness.keys_seen(cu, kv, seq, tokens, causal=causal, window=window)
+    return {key // block_k for key in keys}
 
 
 CONFIGS = [

@@ -25,6 +25,7 @@ from kernels_pallas.tpu.tile_schedule import (
     row_window,
     seq_in_tile,
 )
+from tests.kernels import harness
 
 POISON = -(2**30)
 
@@ -47,14 +48,9 @@ def _first_seq_walk(cu, num_seqs, tile_start):
 
 def _pages_seen(cu, kv, seq, tile_start, tile_end, *, page_size, causal, window):
     """Every page index holding a key that some token of seq in the tile sees."""
-    q_end, kv_len = int(cu[seq + 1]), int(kv[seq])
-    pages = set()
-    for t in range(max(int(cu[seq]), tile_start), min(q_end, tile_end)):
-        pos = t + kv_len - q_end
-        for key in range(kv_len):
-            if not causal or (key <= pos and (window is None or key > pos - window)):
-                pages.add(key // page_size)
-    return pages
+    tokens = range(max(int(cu[seq]), tile_start), min(int(cu[seq + 1]), tile_end))
+    keys = harness.keys_seen(cu, kv, seq, tokens, causal=causal, window=window)
+    return {key // page_size for key in keys}
 
 
 def assert_page_range(got, pages, *, pages_per_seq, pages_per_blk):
