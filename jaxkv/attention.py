@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.batch import BACKENDS, AttentionMetadata, check_values, checked_passes
+from jaxkv.batch import BACKENDS, AttentionMetadata, check_values
 from jaxkv.field_checks import is_integer
+from jaxkv.metadata_as_given import check_index_dtypes, check_static_fields
 from kernels_pallas import reference
 from kernels_pallas.merge import merge_attn_states
 from kernels_pallas.validation import (
@@ -142,10 +143,6 @@ def _check_dtype_in(label: str, dtype, allowed: tuple[np.dtype, ...]) -> None:
         raise ValueError(f"{label}={dtype.name} must be one of {names}")
 
 
-_INDEX_FIELDS = ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")
-_INT32 = np.dtype(np.int32)
-
-
 def _check_dtypes_as_given(q, kv_pages, metadata) -> None:
     """ValueError naming q, kv_pages or an index array of the metadata (or of one of its
     levels) of a dtype the kernels do not take, as given: paged_attention's jit turned a
@@ -157,20 +154,17 @@ def _check_dtypes_as_given(q, kv_pages, metadata) -> None:
         dtype = getattr(value, "dtype", None)
         if dtype is not None:
             _check_dtype_in(f"{name}.dtype", dtype, allowed)
-    for where, arrays in checked_passes(metadata):
-        for field in _INDEX_FIELDS:
-            dtype = getattr(getattr(arrays, field, None), "dtype", None)
-            if dtype is not None and dtype != _INT32:
-                raise ValueError(f"{where}.{field}.dtype={dtype} must be int32")
+    check_index_dtypes(metadata)
 
 
 class checks_as_given(with_static_numbers):  # lower case: a decorator
     """with_static_numbers, its other static options refused by name as arrays, the
-    dtypes of q, kv_pages and the metadata's index arrays checked as given (before jit
-    converts a 64-bit numpy array), concrete metadata's values checked (check_values),
-    and outside jit a Pallas backend must run interpreted or on q's platform: JAX's own
-    error names neither (a trace may be lowered for another platform on purpose). Wraps
-    paged_attention and sharding.sharded_paged_attention, whose jit hides the values."""
+    metadata's static fields checked before jit's cache takes 2.0 for 2
+    (check_static_fields), the dtypes of q, kv_pages and the index arrays checked as
+    given (before jit converts a 64-bit numpy array), concrete metadata's values checked
+    (check_values), and outside jit a Pallas backend must run interpreted or on q's
+    platform: JAX's own error names neither (a trace may be lowered for another platform
+    on purpose). Wraps paged_attention and sharding.sharded_paged_attention."""
 
     def __call__(self, *args, **options):
         refuse_array_options(options, ("sliding_window", "backend", "interpret", "return_lse"))
@@ -178,6 +172,7 @@ class checks_as_given(with_static_numbers):  # lower case: a decorator
         metadata = args[2] if len(args) > 2 else options.get("metadata")
         if isinstance(metadata, AttentionMetadata):
             kv_pages = args[1] if len(args) > 1 else options.get("kv_pages")
+            check_static_fields(metadata)  # before jit's cache, whose keys take 2.0 for 2
             _check_dtypes_as_given(q, kv_pages, metadata)
             check_values(metadata, q, kv_pages)  # under jit, below, values are unknown
             if not isinstance(q, jax.core.Tracer):
