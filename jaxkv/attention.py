@@ -26,14 +26,13 @@ from jaxkv.field_checks import is_integer
 from jaxkv.metadata_as_given import check_index_dtypes, check_static_fields
 from kernels_pallas import reference
 from kernels_pallas.merge import merge_attn_states
+from kernels_pallas.static_options import refuse_array_options, with_static_numbers
 from kernels_pallas.validation import (
     FLOAT_DTYPES,
     INT32_MAX,
     QUANTIZED_KV_DTYPES,
     check_arrays,
     is_positive_finite,
-    refuse_array_options,
-    with_static_numbers,
 )
 
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array]]

@@ -12,9 +12,7 @@ Two kinds of checks, each error naming the argument and what was expected:
 
 from __future__ import annotations
 
-import decimal
 import functools
-import numbers
 from collections.abc import Callable
 
 import jax
@@ -22,6 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.scales import check_folded_scales, is_positive_finite
+from kernels_pallas.static_options import (
+    check_int_knobs,
+    check_option_types,
+    refuse_array_options,
+    static_number_options,
+)
 
 QUANTIZED_KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -138,16 +142,6 @@ def check_dtypes(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> Non
     for name, arr in indices.items():
         if jnp.dtype(arr.dtype) != jnp.dtype(jnp.int32):
             raise ValueError(f"{name}.dtype={arr.dtype} must be int32")
-
-
-def check_int_knobs(**knobs) -> None:
-    """ValueError naming the first knob that is neither None nor an int (numpy ints too;
-    bools are not: True would run as 1). A float block size or count fails deep in a
-    pad, a scratch shape or the launch grid, naming nothing."""
-    for name, value in knobs.items():
-        is_int = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-        if value is not None and not is_int:
-            raise ValueError(f"{name}={value!r} must be an int or None")
 
 
 def _dtype_or_none(x) -> jnp.dtype | None:
@@ -304,90 +298,20 @@ def validate_shared_prefix(
         )
 
 
-STATIC_NUMBER_OPTIONS = ("sm_scale", "soft_cap", "k_scale", "v_scale")
-
-
-def static_number_options(options: dict) -> dict:
-    """`options` with each of STATIC_NUMBER_OPTIONS that is a concrete 0-d array (numpy
-    or jax, as `1 / jnp.sqrt(head_dim)` gives) as a Python float: jit's static
-    arguments must be hashable, and a jax array is not. Raises ValueError naming the
-    option for a traced value (a static option must be known when tracing), an array of
-    more than one value or one of no real number (str, complex, date). A Fraction or
-    Decimal becomes its float too (the kernels multiply arrays by it: a TypeError naming
-    nothing); anything else, and one past float's range, is left for the option's own
-    check."""
-    converted = None
-    for name in STATIC_NUMBER_OPTIONS:
-        value = options.get(name)
-        if value is None or isinstance(value, (int, float)):
-            continue
-        if isinstance(value, jax.core.Tracer):
-            raise ValueError(f"{name} must be a static number, not a traced value")
-        if isinstance(value, (np.ndarray, np.generic, jax.Array)):
-            if np.ndim(value) != 0:
-                raise ValueError(f"{name}={value!r} must be a single number")
-            if value.dtype == bool:  # kept a bool: the option's own check refuses it
-                number = value.item()
-            elif jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(
-                value.dtype, jnp.floating
-            ):
-                number = float(value)
-            else:  # a str, complex or date would be read as some other number, or fail
-                raise ValueError(f"{name}={value!r} must be a finite number > 0")
-        elif isinstance(value, (numbers.Real, decimal.Decimal)):
-            try:
-                number = float(value)
-            except (OverflowError, ValueError):  # Fraction(10**400), Decimal("sNaN")
-                continue
-        else:
-            continue
-        if converted is None:
-            converted = dict(options)
-        converted[name] = number
-    return options if converted is None else converted
-
-
-def refuse_array_options(options: dict, names: tuple[str, ...] | None = None) -> None:
-    """ValueError naming the first of `names` (default: every option) given as a numpy
-    or jax array, traced ones too: jit hashes static options, and its own error for an
-    array ("Non-hashable static arguments") names no argument. Numpy scalars hash."""
-    for name in options if names is None else names:
-        value = options.get(name)
-        if isinstance(value, (np.ndarray, jax.Array)):
-            raise ValueError(
-                f"{name}={value!r} must be a static value (a Python or numpy scalar), not an array"
-            )
-
-
-class with_static_numbers:  # lower case: used as a decorator, like functools.wraps
-    """`jitted`, called with static_number_options applied to its keyword options; its
-    other attributes (lower, trace, _cache_size) are the jitted function's."""
-
-    def __init__(self, jitted: Callable) -> None:
-        self._jitted = jitted
-        functools.update_wrapper(self, jitted)
-
-    def __call__(self, *args, **options):
-        return self._jitted(*args, **static_number_options(options))
-
-    def __getattr__(self, name: str):
-        if name == "_jitted":  # a copy before __init__ ran: no recursion through here
-            raise AttributeError(name)
-        return getattr(self._jitted, name)
-
-
 def checks_index_values(fn: Callable) -> Callable:
     """Wraps a kernel entry point `fn(q, kv_pages, kv_lens, page_indices, cu_q_lens,
     num_seqs, **options)` so that check_arrays, `check_dtypes` (on the arrays as given,
     before a jit inside `fn` converts a 64-bit numpy array) and `validate_index_values`
-    run before it, with static_number_options applied to `options` and any other option
+    run before it, with static_number_options applied to `options`, any other option
     given as an array refused by name (refuse_array_options: every option of an entry
-    point is static)."""
+    point is static) and the types of counts and flags checked (check_option_types),
+    all before jit's cache, which takes 2.0 for 2 and 1 for True."""
 
     @functools.wraps(fn)
     def checked(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
         options = static_number_options(options)
         refuse_array_options(options)
+        check_option_types(options)
         _check_kernel_arrays(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
         check_dtypes(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
         causal = options.get("causal", True)

@@ -56,8 +56,8 @@ from jax.experimental.pallas import triton as plgpu
 from kernels_pallas.gpu.kernel import paged_attention_kernel
 from kernels_pallas.gpu.tuning import default_config
 from kernels_pallas.precision import compute_dtype, matmul_precision
+from kernels_pallas.static_options import check_int_knobs
 from kernels_pallas.validation import (
-    check_int_knobs,
     checks_index_values,
     output_dtype,
     validate_ragged_paged_attention_inputs,

@@ -18,10 +18,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.precision import compute_dtype
+from kernels_pallas.static_options import check_int_knobs
 from kernels_pallas.tpu.kernel import LANES, paged_attention_kernel
 from kernels_pallas.tpu.tuning import TUNED_BLOCK_SIZES, block_sizes, detect_tpu_generation
 from kernels_pallas.validation import (
-    check_int_knobs,
     checks_index_values,
     output_dtype,
     validate_ragged_paged_attention_inputs,

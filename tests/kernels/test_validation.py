@@ -15,13 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels_pallas.static_options import static_number_options, with_static_numbers
 from kernels_pallas.validation import (
     output_dtype,
-    static_number_options,
     validate_index_values,
     validate_ragged_paged_attention_inputs,
     validate_shared_prefix,
-    with_static_numbers,
 )
 
 OPTIONS = dict(sm_scale=1.0, causal=True, sliding_window=None, soft_cap=None)

@@ -1,0 +1,70 @@
+"""Each entry point refuses a count or flag of the wrong type whatever jit has compiled.
+
+jit keys its cache on static options by == and hash, where 16.0 is 16 and 1 is True. The
+kernels refused block_k=16.0 or causal=1 when tracing, yet ran the program of 16 or True
+once it was cached; the types are now checked on every call, before jit
+(kernels_pallas.static_options.check_option_types).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import reference
+from kernels_pallas.gpu import ragged_paged_attention as gpu_kernel
+from kernels_pallas.static_options import check_option_types
+from kernels_pallas.tpu import ragged_paged_attention as tpu_kernel
+from tests.kernels import harness
+
+SM_SCALE = 0.125
+ENTRY_POINTS = {"reference": reference.ragged_paged_attention, "gpu": gpu_kernel, "tpu": tpu_kernel}
+
+
+def _case():
+    return harness.make_case(
+        0, [(3, 9), (1, 5)], num_q_heads=4, num_kv_heads=2, head_dim=128, page_size=16,
+        max_num_seqs=8, max_num_tokens=8,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "entry, name, good, bad",
+    [
+        ("reference", "max_q_len", 4, 4.0),
+        ("reference", "causal", True, 1),
+        ("gpu", "block_k", 16, 16.0),
+        ("gpu", "num_kv_splits", 1, np.float32(1)),
+        ("gpu", "causal", True, 1),
+        ("gpu", "interpret", True, 1),
+        ("tpu", "num_kv_pages_per_block", 1, 1.0),
+        ("tpu", "sliding_window", 4, 4.0),
+        ("tpu", "causal", False, np.int64(0)),
+    ],
+)
+def test_an_option_equal_to_a_compiled_one_but_of_the_wrong_type_is_refused(entry, name, good, bad):
+    case, fn = _case(), ENTRY_POINTS[entry]
+    interpret = {} if entry == "reference" else {"interpret": True}
+    expected = fn(*case.args(), sm_scale=SM_SCALE, **{**interpret, name: good})
+    kind = "a bool" if type(good) is bool else "an int or None"
+    with pytest.raises(ValueError, match=rf"^{name}={re.escape(repr(bad))} must be {kind}$"):
+        fn(*case.args(), sm_scale=SM_SCALE, **{**interpret, name: bad})
+    again = fn(*case.args(), sm_scale=SM_SCALE, **{**interpret, name: good})
+    for want, got in zip(expected, again, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_numpy_integers_and_bools_and_other_flags_pass_the_type_check():
+    """A numpy integer is a count and np.bool_ a flag, as in the kernels' own checks;
+    None, a str or an InterpretParams for a flag hashes apart from True and False and is
+    left to the entry point's own check."""
+    check_option_types(
+        {"block_k": np.int64(16), "max_q_len": None, "causal": np.bool_(True), "interpret": None}
+    )
+    check_option_types({"causal": "no", "interpret": object(), "unknown_option": 2.5})
+    case = _case()
+    out, _ = gpu_kernel(*case.args(), sm_scale=SM_SCALE, interpret=True, block_k=np.int32(16))
+    assert out.dtype == jnp.float32
