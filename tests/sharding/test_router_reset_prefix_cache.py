@@ -305,3 +305,17 @@ def test_the_routes_kept_for_a_rewind_go_with_it():
     assert len(router._saved_routes) == 1
     del rewind
     assert len(router._saved_routes) == 0 and router.reset_prefix_cache() is True
+
+
+def test_the_routes_put_back_keep_a_shared_first_block_as_the_most_recently_used():
+    """Two queued requests share their first block. Put back as remember() would leave
+    them, that shared key is the most recently used, so it is the one a bound of one key
+    keeps: a longer prefix, which fewer prompts share, goes first."""
+    router = PrefixAwareRouter([_QueueingReplica(0)], block_size=BLOCK, max_tracked_prefixes=1)
+    shared = _prompt(0)[:BLOCK]
+    for tail in (100, 200):
+        router.add_request(shared + _prompt(tail)[:BLOCK])
+    assert router.route(shared + _prompt(200)[:BLOCK]) == Route(0, 1)
+    assert router.reset_prefix_cache() is True
+    assert router.route(shared + _prompt(200)[:BLOCK]) == Route(0, 1)
+    assert router.route(shared + _prompt(300)[:BLOCK]) == Route(0, 1)
