@@ -310,3 +310,24 @@ def test_a_samples_output_whose_index_is_a_bool_is_refused():
     # Sample 0's output passed and is delivered first; its finish ends the request.
     assert [(o.index, o.finished) for o in router.step()] == [(0, False), (0, True)]
     assert router.num_outstanding == (0,) and not router.has_unfinished_requests()
+
+
+def test_drain_transfers_counts_a_refused_answers_finish_while_the_replica_runs_on():
+    """Request "b" finishes in a step drain_transfers takes for "a"'s copy, reported twice,
+    while "c" still runs there: the step is refused, but b's finish, which passed, counts,
+    so b is released though its replica is not idle."""
+
+    class Strays(OffloadingReplica):
+        def step(self):
+            outputs = super().step()
+            return outputs + [o for o in outputs if o.request_id == "b" and o.finished]
+
+    router = PrefixAwareRouter([Strays(0, copy_steps=2)], block_size=BLOCK)
+    for rid, tokens in (("a", 1), ("b", 2), ("c", 5)):
+        router.add_request([1] * BLOCK, SamplingParams(max_tokens=tokens), request_id=rid)
+    assert [o.request_id for o in router.step()] == ["a", "b", "c"]
+    with pytest.raises(ValueError, match=r"\(Strays\)\.step\(\) .*'b'.* after the output that fin"):
+        router.drain_transfers()
+    assert router.num_outstanding == (1,) and router.replica_of("c") == 0
+    with pytest.raises(KeyError):
+        router.replica_of("b")
