@@ -47,6 +47,8 @@ def test_close_aborts_every_request_closes_replicas_that_can_and_refuses_use():
         "step": router.step,
         "generate": lambda: router.generate([[4] * BLOCK], progress=False),
         "generate of no prompts": lambda: router.generate([], progress=False),
+        # Closed comes first: not "sampling_params: 0 for 1 prompts", as for an Engine.
+        "generate of refused params": lambda: router.generate([[4] * BLOCK], [], progress=False),
         "drain_transfers": router.drain_transfers,
         "queue_checkpoint": router.queue_checkpoint,  # it returned a rewind
     }
@@ -344,3 +346,37 @@ def test_a_closable_that_defines_no_close_fails_loudly_at_the_end_of_its_with_bl
     with pytest.raises(NotImplementedError):
         with NoClose() as closable:
             assert not closable.closed
+
+
+class _FailsWhenTold(FakeReplica):
+    """Records the ids it is asked to abort; its step raises while `fail`."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.fail = False
+        self.aborted: list[str] = []
+
+    def step(self):
+        if self.fail:
+            raise RuntimeError("device lost")
+        return super().step()
+
+    def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return super().abort(request_id)
+
+
+def test_close_asks_no_replica_to_abort_a_request_whose_kept_output_finished_it():
+    """Replica 0 finished "a" in a step() that replica 1 then failed: a's finishing output
+    was kept for the next step(). close() drops it and releases "a" as finished, so
+    replica 0, which runs it no more, is not asked to abort it; "b" still runs: aborted."""
+    replicas = [_FailsWhenTold(0), _FailsWhenTold(1)]
+    router = PrefixAwareRouter(replicas, block_size=BLOCK)
+    router.add_request([1] * BLOCK, SamplingParams(max_tokens=1), request_id="a")
+    router.add_request([2] * BLOCK, SamplingParams(max_tokens=5), request_id="b")
+    replicas[1].fail = True
+    with pytest.raises(RuntimeError, match="device lost"):
+        router.step()
+    router.close()
+    assert [r.aborted for r in replicas] == [[], ["b"]]
+    assert router.num_outstanding == (0, 0) and not router.has_unfinished_requests()
