@@ -4,9 +4,11 @@ names the prefix a replica has cached."""
 
 from __future__ import annotations
 
+from jaxkv import CacheConfig
 from jaxkv.hashing import extend_block_hashes
 from jaxkv.prefix_routes import PrefixRoutes
-from tests.sharding._router_util import BLOCK
+from jaxkv.router import PrefixAwareRouter
+from tests.sharding._router_util import BLOCK, FakeReplica
 
 
 def test_the_keys_are_the_prefix_caches_under_the_hash_seed_and_salt():
@@ -18,3 +20,14 @@ def test_the_keys_are_the_prefix_caches_under_the_hash_seed_and_salt():
             assert routes.hashes(prompt, salt) == want
     seeded = PrefixRoutes(BLOCK, 2, 8, hash_seed=7).hashes(prompt, None)
     assert seeded != PrefixRoutes(BLOCK, 2, 8, hash_seed=0).hashes(prompt, None)
+
+
+def test_a_routers_default_hash_seed_is_the_default_cache_configs():
+    """Over Engines built with the default CacheConfig, a router built with its defaults
+    keys each prompt as their prefix caches do: a route names a prefix a replica cached."""
+    router = PrefixAwareRouter([FakeReplica(0)], block_size=BLOCK)
+    assert router.hash_seed == CacheConfig().hash_seed
+    prompt = list(range(2 * BLOCK))
+    router.add_request(prompt)
+    want = extend_block_hashes([], prompt, BLOCK, seed=CacheConfig().hash_seed)
+    assert router._routes.longest(want) == (0, 2)

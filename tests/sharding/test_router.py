@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxkv import SamplingParams
+from jaxkv import SamplingParams, completion
 from jaxkv.request import MAX_TOKEN_ID
 from jaxkv.router import PrefixAwareRouter, Route
 from tests.sharding._router_util import (
@@ -370,3 +370,14 @@ def test_drain_transfers_steps_only_the_replicas_with_copies_in_flight():
     while router.has_unfinished_requests():
         tokens += [t for o in router.step() if o.request_id == busy for t in o.new_token_ids]
     assert len(tokens) == 4
+
+
+def test_generate_draws_its_progress_bar_unless_told_not_to(monkeypatch):
+    """As Engine.generate does: progress is True by default."""
+    drawn: list[bool] = []
+    monkeypatch.setattr(completion, "generate_progress_bar", lambda _, p: drawn.append(p))
+    router, _ = make_router(2)
+    router.generate([[1] * BLOCK])
+    assert drawn == [True]
+    router.generate([[2] * BLOCK], progress=False)
+    assert drawn == [True]
