@@ -10,9 +10,11 @@ finishing part), as the update would have put them in the outputs."""
 
 from __future__ import annotations
 
-from jaxkv import RequestStatus
+from jaxkv import RequestStatus, SamplingParams
 from jaxkv.detokenizer import Detokenizer
+from jaxkv.held_interrupts import UserCode
 from jaxkv.models import ByteTokenizer
+from jaxkv.request import Request
 from tests.host._line_interrupts import LineInterrupts, fired_in, raised_at_once
 from tests.host._sched_util import add, make_scheduler
 
@@ -132,3 +134,26 @@ def test_a_ctrl_c_in_the_detokenizer_streams_each_character_once_and_finds_each_
         assert got == expected, fired
         assert not raised_at_once(interrupt), fired  # raised once the update is done
     assert at > 300  # every line of the detokenizer's code in every update was tried
+
+
+def test_the_user_code_flag_is_set_during_each_decode_and_only_then():
+    """read() and text() set the UserCode passed in just around each call of the
+    tokenizer's decode (a Ctrl-C then stops the tokenizer at once), and leave it unset."""
+    flag, seen = UserCode(), []
+
+    class Watched(ByteTokenizer):
+        def decode(self, ids):
+            seen.append(flag.runs)
+            return super().decode(ids)
+
+    detokenizer = Detokenizer(Watched())
+    seen.clear()  # the check of decode([]) on construction is no request's read
+    request = Request("r", list(b"Q: "), SamplingParams(stop="!", max_tokens=4))
+    for token in b"ab!":
+        request.append_output_token_ids(token)
+        detokenizer.read(request, flag)
+        assert not flag.runs
+    request.status = RequestStatus.FINISHED_STOPPED
+    assert detokenizer.text(request, "!", user_code=flag) == "ab"
+    assert not flag.runs
+    assert seen and all(seen)
