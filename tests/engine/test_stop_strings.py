@@ -228,6 +228,13 @@ def test_a_tokenizer_without_a_text_decode_is_refused_by_name(tokenizer):
         Engine(tiny_model(), None, engine_config(), tokenizer=tokenizer)
 
 
+@pytest.mark.parametrize("tokenizer", [object(), type("T", (), {"decode": "abc"})()])
+def test_a_tokenizer_with_no_decode_to_call_is_refused_as_such(tokenizer):
+    """Not as a decode([]) that raised: the tokenizer has no decode method at all."""
+    with pytest.raises(ValueError, match=r"^tokenizer=.* must have a decode\(token_ids\) method$"):
+        Detokenizer(tokenizer)
+
+
 class _FailingTokenizer:
     """Decodes as ByteTokenizer until the output holds a 0x58 ('X'), then raises."""
 
