@@ -83,3 +83,27 @@ def test_samples_keep_the_adapter_salt_and_arrival_time_of_their_request():
     samples.queue(scheduler, FakeSampling(), parent, 0)
     kept = [(r.cache_salt, r.adapter_id, r.arrival_time) for r in scheduler.requests.values()]
     assert kept == [("tenant", "lora-7", 12.5)] * 2
+
+
+def test_discard_says_true_only_when_a_parents_last_sample_goes():
+    """discard's answer: False for an id that is no sample (a plain request's, one
+    discarded already) and for a sample whose parent has others left; True for the last."""
+    scheduler, samples = FakeScheduler(), ParallelSamples()
+    samples.queue(scheduler, FakeSampling(), request("x", 2), 0)
+    samples.queue(scheduler, FakeSampling(), request("y", 1), 0)
+    answers = [samples.discard(rid) for rid in ("y", "1_x", "1_x", "0_x")]
+    assert answers == [False, False, False, True]
+    assert "x" not in samples and len(samples) == 0
+
+
+def test_a_taken_id_is_named_as_the_callers_before_any_sample_id():
+    """When the request's own id and a sample's are both in use, the refusal names the
+    caller's id alone: the sample ids are the engine's, not the caller's."""
+    scheduler, samples = FakeScheduler(), ParallelSamples()
+    for rid in ("x", "0_x"):
+        samples.queue(scheduler, FakeSampling(), request(rid, 1), 0)
+    with pytest.raises(ValueError, match=r"^request id 'x' is already in use$"):
+        samples.queue(scheduler, FakeSampling(), request("x", 2), 0)
+    samples.queue(scheduler, FakeSampling(), request("1_y", 1), 0)
+    with pytest.raises(ValueError, match=r"'y' is already in use \(its sample id '1_y' is\)$"):
+        samples.queue(scheduler, FakeSampling(), request("y", 2), 0)
