@@ -62,6 +62,8 @@ def test_rope_parameters_of_newer_transformers_configs_are_read():
         ({"attention_bias": True}, "attention_bias=True"),
         ({"mlp_bias": True}, "mlp_bias=True"),
         ({"num_key_value_heads": 0}, "num_key_value_heads=0"),  # used to become full MHA
+        # A positive int, but odd: refused as RoPE's pairs need, not as a non-positive one.
+        ({"head_dim": 1}, "head_dim=1 must be positive and even"),
         (
             {"rope_scaling": llama3(8192.9)},
             "original_max_position_embeddings=8192.9",  # used to be truncated to 8192
