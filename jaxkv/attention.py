@@ -167,6 +167,9 @@ class checks_as_given(with_static_numbers):  # lower case: a decorator
 
     def __call__(self, *args, **options):
         refuse_array_options(options, ("sliding_window", "backend", "interpret", "return_lse"))
+        interpret = options.get("interpret")  # None: the metadata's; 1 would run True's program
+        if interpret is not None and not isinstance(interpret, bool):
+            raise ValueError(f"{interpret=} must be a bool or None (the metadata's)")
         q = args[0] if args else options.get("q")
         metadata = args[2] if len(args) > 2 else options.get("metadata")
         if isinstance(metadata, AttentionMetadata):
@@ -176,11 +179,9 @@ class checks_as_given(with_static_numbers):  # lower case: a decorator
             check_values(metadata, q, kv_pages)  # under jit, below, values are unknown
             if not isinstance(q, jax.core.Tracer):
                 backend = options.get("backend") or metadata.backend
-                interpret = options.get("interpret")
                 interpret = metadata.interpret if interpret is None else interpret
                 devices = q.devices() if isinstance(q, jax.Array) else jax.devices()[:1]
-                if isinstance(interpret, bool):  # else the jitted body names it
-                    _check_platform(backend, interpret, next(iter(devices)).platform)
+                _check_platform(backend, interpret, next(iter(devices)).platform)
         return super().__call__(*args, **options)
 
 
@@ -225,8 +226,6 @@ def paged_attention(
     check_arrays(q=q, kv_pages=kv_pages)  # a list failed on .ndim, naming nothing
     if not isinstance(return_lse, bool):  # "no" returned the tuple, by truthiness
         raise ValueError(f"{return_lse=} must be a bool")
-    if interpret is not None and not isinstance(interpret, bool):  # "no" interpreted
-        raise ValueError(f"{interpret=} must be a bool or None (the metadata's)")
     if kv_pages.ndim != 4:  # else a stacked [num_layers, ...] cache reads as a small pool
         raise ValueError(
             f"{kv_pages.shape=} must be [num_blocks, block_size, 2 * num_kv_heads, head_dim]"
