@@ -96,7 +96,7 @@ def _safetensors_files(path: Path) -> list[Path]:
             ) from None
         files = []
         for name in names:
-            if type(name) is not str or Path(name).name != name:
+            if type(name) is not str or name in ("", ".", "..") or Path(name).name != name:
                 raise CheckpointError(f"{index}: {name!r} is not a file name in {path}")
             if not (path / name).is_file():
                 raise FileNotFoundError(f"{index} names {name}, which is not in {path}")
