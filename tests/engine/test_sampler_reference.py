@@ -130,6 +130,16 @@ def test_a_prefix_whose_mass_equals_top_p_exactly_ends_the_cut():
         assert set(draws.tolist()) == support, top_p
 
 
+def test_top_p_one_keeps_tokens_after_the_float32_running_mass_reaches_one():
+    # e**-17.4 + e**-17.45 is under half an ulp of 1: float32 softmax gives token 0 a
+    # probability of exactly 1, so the running mass before either tail token is 1 too.
+    # top_p = 1 is no cut all the same; at this position seed 0's draw (about one in
+    # twenty million) falls on the tail, which any top_p below 1 removes.
+    logits = np.float32([[0.0, -17.4, -17.45]])
+    assert _run(logits, 1.0, top_p=1.0, positions=7_222_309).tolist() == [1]
+    assert _run(logits, 1.0, top_p=0.999, positions=7_222_309).tolist() == [0]
+
+
 def test_vanishing_temperature_is_greedy_even_where_logits_over_temperature_overflow():
     # 40 / 1e-37 and 50 / 1e-37 both overflow float32 to inf: without care they tie.
     logits = np.tile(np.array([40.0, 50.0, -1.0, 0.5, 0, 0, 0, 0], np.float32), (64, 1))
