@@ -163,3 +163,20 @@ def test_seed_words_take_each_seed_modulo_2_64():
     got = seed_words([-2, 2**64 + 5])
     assert got.dtype == np.uint32
     assert got.tolist() == [[2**32 - 1, 2**32 - 2], [0, 5]]
+
+
+def test_an_unseeded_request_draws_from_stream_one_of_the_engine_seed():
+    """A request without a seed draws with the engine's default seed in stream 1, one
+    with its own seed in stream 0: the key of the seed folded with the stream, then with
+    the position of the token."""
+    rows = [
+        sampling_row(SamplingParams(temperature=1.0), 9),
+        sampling_row(SamplingParams(temperature=1.0, seed=9), 0),
+    ]
+    temperature, top_k, top_p, seeds, streams = sampling_arrays(rows, 2)
+    assert streams.tolist() == [1, 0] and seeds.tolist() == [[0, 9], [0, 9]]
+    logits = np.zeros((2, 16), np.float32)
+    got = _sample(logits, temperature, top_k, top_p, seeds, streams, np.full(2, 5, np.int32))
+    key = lambda stream: jax.random.fold_in(jax.random.fold_in(jax.random.key(9), stream), 5)
+    draw = lambda stream: int(jax.random.categorical(key(stream), logits[0], mode="high"))
+    assert got.tolist() == [draw(1), draw(0)]
