@@ -114,12 +114,17 @@ def test_sampling_rows_of_a_reused_id_or_a_list_changed_in_place_are_rebuilt():
 
 
 def test_sampling_rows_keep_every_row_through_growth_reuse_and_a_second_add():
-    # 100 requests outgrow the first 64 rows; discarded rows are reused by later adds
-    # (no further growth); adding a queued id again replaces its row.
+    # The first 64 requests fill the first 64 rows exactly; 100 outgrow them (the table
+    # doubles); discarded rows are reused by later adds (no further growth); adding a
+    # queued id again replaces its row.
     params = {i: SamplingParams(temperature=0.5 + i, top_k=i, seed=i) for i in range(150)}
     rows = SamplingRows()
-    for i in range(100):
+    for i in range(64):
         rows.add(str(i), params[i], default_seed=0)
+    assert len(rows._table) == 64
+    for i in range(64, 100):
+        rows.add(str(i), params[i], default_seed=0)
+    assert len(rows._table) == 128
     for i in range(0, 100, 3):
         rows.discard(str(i))
     for i in range(100, 150):
