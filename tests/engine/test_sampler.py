@@ -185,3 +185,22 @@ def test_an_unseeded_request_draws_from_stream_one_of_the_engine_seed():
     key = lambda stream: jax.random.fold_in(jax.random.fold_in(jax.random.key(9), stream), 5)
     draw = lambda stream: int(jax.random.categorical(key(stream), logits[0], mode="high"))
     assert got.tolist() == [draw(1), draw(0)]
+
+
+def test_logprob_width_is_none_for_a_batch_where_no_request_asked():
+    """Another queued request's logprobs do not give a batch without it a logprob width;
+    SamplingRows' default width is 0 (the sampled token's logprob alone)."""
+    rows = SamplingRows()
+    rows.add("a", SamplingParams(logprobs=2), default_seed=0)
+    rows.add("b", SamplingParams(), default_seed=0)
+    a, b = Request("a", [1]), Request("b", [1])
+    assert rows.logprob_width([b]) is None
+    assert rows.logprob_width([b, a]) == 0
+
+
+def test_adding_an_id_again_replaces_its_prompt_logprobs_request():
+    rows = SamplingRows(logprob_width=4)
+    rows.add_request(Request("a", [1, 2, 3], SamplingParams(prompt_logprobs=2)), 0)
+    assert len(rows.prompt_logprobs) == 1
+    rows.add("a", SamplingParams(), default_seed=0)  # the same id, now without them
+    assert len(rows.prompt_logprobs) == 0
