@@ -145,3 +145,30 @@ def test_attach_skips_a_completed_request_discarded_meanwhile():
     tracker.discard("a")
     output = RequestOutput("a", (7,), False, None)
     assert tracker.attach([output], prompt_step) == [output] and len(tracker) == 0
+
+
+def _step_arrays(logprob: float) -> tuple:
+    """top_logprobs' five arrays for 64 rows: each row's top tokens 0 and 1."""
+    top_ids = np.tile(np.int32([0, 1]), (64, 1))
+    top = np.full((64, 2), logprob, np.float32)
+    ranks = np.tile(np.int32([1, 2]), (64, 1))
+    return top_ids, top, ranks, np.full(64, logprob, np.float32), np.full(64, 3, np.int32)
+
+
+def test_registering_an_id_again_starts_its_prompt_logprobs_afresh():
+    """A new request under an id whose earlier request had rows recorded gets the entries
+    of its own prompt, none of the earlier one's."""
+    tracker = PromptLogprobs(5)
+    old = Request("a", [10, 11, 12], SamplingParams(prompt_logprobs=1))
+    old.status = RequestStatus.RUNNING
+    tracker.add(old)
+    tracker.record(_segments(tracker, [old], [0], [1], None), _step_arrays(-1.0))
+    new = Request("a", [20, 21, 22], SamplingParams(prompt_logprobs=1))
+    new.status = RequestStatus.RUNNING
+    tracker.add(new)
+    prompt_step = _segments(tracker, [new], [0], [3], None)
+    tracker.record(prompt_step, _step_arrays(-2.0))
+    (output,) = tracker.attach([RequestOutput("a", (7,), False, None)], prompt_step)
+    entries = output.prompt_logprobs
+    assert [list(e) for e in entries[1:]] == [[21, 0], [22, 0]]
+    assert entries.token_logprobs().tolist() == [-2.0, -2.0]
