@@ -272,3 +272,40 @@ def test_an_rms_norm_eps_that_float32_flushes_to_zero_is_refused(eps):
     least = small_config(rms_norm_eps=float(np.finfo(np.float32).tiny))
     norm = Llama(least, rngs=nnx.Rngs(0)).norm
     assert np.asarray(norm(jnp.zeros((1, least.hidden_size)))).tolist() == [[0.0] * 32]
+
+
+def test_defaults_are_the_documented_ones():
+    assert RopeScaling() == RopeScaling(8.0, 1.0, 4.0, 8192)  # Llama 3.1's scaling
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+        num_kv_heads=2,
+    )  # fmt: skip
+    assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.max_position_embeddings) == (1e4, 1e-5, 2048)
+    assert (cfg.rope_scaling, cfg.tie_word_embeddings, cfg.dtype) == (None, False, "float32")
+    assert LlamaConfig.preset("llama3_8b").max_position_embeddings == 8192
+
+
+def test_the_tiny_preset_is_the_shipped_checkpoints_config_and_writes_its_layout():
+    # to_json is config.json as save_checkpoint writes it, less the weights' digest line.
+    from jaxkv.models import TINY_CHECKPOINT
+
+    text = (TINY_CHECKPOINT / "config.json").read_text()
+    tiny = LlamaConfig.preset("tiny", eos_token_ids=258)
+    digest = [line for line in text.splitlines() if '"params_sha256"' in line]
+    assert tiny.to_json() + "\n" == text.replace(digest[0] + "\n", "")
+
+
+def test_the_kv_dict_is_the_dict_less_eos_token_ids():
+    cfg = LlamaConfig.preset("tiny", eos_token_ids=(1, 2))
+    fields = cfg.to_dict()
+    assert fields.pop("eos_token_ids") == (1, 2)
+    assert cfg.to_kv_dict() == fields and "eos_token_ids" in cfg.to_dict()
+
+
+@pytest.mark.parametrize("bad", [None, small_config().to_dict()])
+def test_check_config_refuses_what_is_not_a_llama_config_by_name(bad):
+    from jaxkv.models.config import check_config
+
+    check_config(small_config())
+    with pytest.raises(ValueError, match=f"^config={type(bad).__name__} must be a jaxkv.models"):
+        check_config(bad)
