@@ -32,3 +32,27 @@ def test_a_weight_past_the_loaded_dtypes_range_is_refused_by_name(stored, loaded
     kernel = from_hf_tensors(small_config(dtype=loaded), weights).layers[0].mlp.up_proj.kernel
     assert np.isinf(np.asarray(kernel[...])[1, 2])
     assert np.asarray(kernel[...]).dtype == np.dtype(getattr(ml_dtypes, loaded, loaded))
+
+
+@pytest.mark.parametrize(
+    "value, loaded, hint",
+    [
+        (1e5, "float16", "load it as bfloat16 or float32"),
+        (float(np.finfo(np.float32).max), "float16", "load it as float32"),  # past bfloat16's
+        (1e39, "float32", "no dtype jaxkv loads holds it"),
+    ],
+)
+def test_the_refusal_names_the_dtypes_that_hold_the_value(value, loaded, hint):
+    weights = {k: v.astype(np.float64) for k, v in random_hf_weights(small_config()).items()}
+    weights[NAME][0, 0] = -value
+    with pytest.raises(CheckpointError, match=f"overflows {loaded} .*; {hint}$"):
+        from_hf_tensors(small_config(dtype=loaded), weights)
+
+
+def test_a_one_element_weight_past_the_range_is_refused_too():
+    # hidden_size 1 with head_dim 2: every norm weight holds a single element.
+    cfg = small_config(hidden_size=1, num_heads=1, num_kv_heads=1, head_dim=2, dtype="float16")
+    weights = random_hf_weights(cfg)
+    weights["model.norm.weight"][0] = 1e5
+    with pytest.raises(CheckpointError, match="tensor 'model.norm.weight' .* overflows float16"):
+        from_hf_tensors(cfg, weights)
