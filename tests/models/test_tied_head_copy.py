@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxkv.models import CheckpointError, from_hf_tensors, load_hf_safetensors
-from jaxkv.models.checkpoint import flat_params
+from jaxkv.models.checkpoint import check_copy, flat_params
 from jaxkv.models.hf_checkpoint import write_safetensors
 from tests.models.conftest import hf_config_dict, small_config
 from tests.models.reference import random_hf_weights
@@ -82,3 +82,22 @@ def test_a_stored_head_that_is_not_floating_point_is_refused_naming_it():
     head = weights[EMBED].astype(np.int32)  # equal values only where they are integers
     with pytest.raises(CheckpointError, match=r"'lm_head\.weight' .*dtype int32 is not a float"):
         from_hf_tensors(CFG, {**weights, "lm_head.weight": head})
+
+
+def test_a_stored_copy_holding_nan_where_the_embedding_does_loads():
+    # A NaN in the embedding is copied to the head as NaN: the copy is still a copy.
+    weights = _weights()
+    weights[EMBED][5, 2] = np.nan
+    model = from_hf_tensors(CFG, {**weights, "lm_head.weight": weights[EMBED].copy()})
+    assert model.lm_head is None
+    assert np.isnan(flat_params(model)["embed_tokens.embedding"][5, 2])
+
+
+def test_a_copy_is_compared_whole_when_one_row_is_longer_than_a_chunk():
+    # Compared a few million elements at a time; a row longer than that is one chunk.
+    wide = np.zeros((2, 2**22 + 1), np.int8)
+    check_copy("head", wide, "embed", wide.copy(), "file", why="tied")
+    other = wide.copy()
+    other[1, -1] = 1
+    with pytest.raises(CheckpointError, match="^tensor 'head' in file differs from 'embed': tied"):
+        check_copy("head", other, "embed", wide, "file", why="tied")
