@@ -83,6 +83,8 @@ def test_a_run_no_longer_than_its_warmup_warms_up_then_ends_at_the_default_end_l
         ({"peak_lr": None}, "peak_lr=None must"),  # a TypeError from the schedule
         ({"peak_lr": "0.1"}, "peak_lr='0.1' must"),
         ({"peak_lr": True}, "peak_lr=True must"),
+        ({"peak_lr": math.inf}, "peak_lr=inf must"),  # every weight NaN after a step
+        ({"weight_decay": math.inf}, "weight_decay=inf must be a real number finite and >= 0"),
         ({"weight_decay": -0.1}, "weight_decay=-0.1 must be a real number finite and >= 0"),
         ({"clip_norm": 0.0}, r"clip_norm=0.0 must be a real number > 0 \(inf: no clipping\)"),
         ({"end_lr_ratio": -0.5}, r"end_lr_ratio=-0.5 must be a real number in \[0, 1\]"),
@@ -99,6 +101,7 @@ def test_make_optimizer_refuses_what_cannot_train_by_name(kwargs, match):
     # The bounds themselves are settings that train: no warmup, no clipping, no decay.
     make_optimizer(peak_lr=0.1, warmup_steps=0, total_steps=1, weight_decay=0.0,
                    clip_norm=math.inf, end_lr_ratio=1.0)  # fmt: skip
+    make_optimizer(peak_lr=0.1, warmup_steps=0, total_steps=1, end_lr_ratio=0.0)
 
 
 @pytest.mark.parametrize(("kwargs", "clip"), [({}, 1.0), ({"clip_norm": 2.0}, 2.0)])
