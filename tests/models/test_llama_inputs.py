@@ -86,7 +86,10 @@ def test_entry_points_taking_a_model_refuse_one_that_is_not_a_llama(model):
         Trainer.create(model, optax.sgd(0.1))
 
 
-@pytest.mark.parametrize("tx", [None, "adamw", lambda grads: grads])
+@pytest.mark.parametrize(
+    "tx",
+    [None, "adamw", lambda grads: grads, optax.GradientTransformation(optax.sgd(0.1).init, None)],
+)
 def test_a_trainer_refuses_a_tx_that_is_not_an_optax_transformation(tx):
     with pytest.raises(ValueError, match=r"tx=\w+ must be an optax.GradientTransformation"):
         Trainer.create(_model(), tx)  # AttributeError from tx.init before
