@@ -3,6 +3,7 @@ checked against values computed here by hand or with numpy."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -125,3 +126,13 @@ def test_weights_are_initialised_with_hugging_faces_std_of_0_02():
     kernel = np.asarray(model.layers[0].mlp.gate_proj.kernel[...], np.float64)
     assert abs(kernel.std() - 0.02) < 0.002
     assert abs(np.asarray(model.embed_tokens.embedding[...], np.float64).std() - 0.02) < 0.002
+
+
+def test_a_trainer_step_donates_the_trainers_previous_weights_and_optimizer_state():
+    tokens = np.zeros((1, 3), np.int32)
+    trainer = Trainer.create(random_model(ONE_LAYER, seed=8), optax.adam(0.1))
+    params = jax.tree.leaves(trainer.params)
+    state = [x for x in jax.tree.leaves(trainer.opt_state) if x.ndim > 0]  # Adam's mu, nu
+    trainer.step(tokens)
+    assert all(x.is_deleted() for x in params) and all(x.is_deleted() for x in state)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(trainer.params))

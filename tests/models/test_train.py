@@ -89,3 +89,19 @@ def test_trainer_refuses_tokens_that_are_not_ids_of_the_model_and_keeps_its_weig
                 call(bad)
     assert trainer.eval_loss(good) == before
     assert np.isfinite(float(trainer.step(good))) and trainer.eval_loss(good) < before
+
+
+def test_trainer_takes_the_least_batches_and_refuses_an_empty_one_by_shape():
+    # One row of two tokens is one prediction; a batch of one id repeated is ids too.
+    import optax
+    import pytest
+
+    from jaxkv.models.train import Trainer
+    from tests.models.conftest import random_model, small_config
+
+    cfg = small_config(num_layers=1, vocab_size=16, hidden_size=8, intermediate_size=8)
+    trainer = Trainer.create(random_model(cfg), optax.sgd(0.1))
+    for tokens in (np.array([[3, 9]], np.int32), np.zeros((2, 3), np.int32), np.full((1, 2), 15)):
+        assert np.isfinite(trainer.eval_loss(tokens)) and np.isfinite(float(trainer.step(tokens)))
+    with pytest.raises(ValueError, match=r"shape \(0, 5\) must be an array \[batch, length"):
+        trainer.step(np.zeros((0, 5), np.int32))
