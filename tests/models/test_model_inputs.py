@@ -11,6 +11,7 @@ from flax import nnx
 from jaxkv.models import ByteTokenizer, LlamaConfig, RopeScaling, make_dense_forward
 from jaxkv.models.train import greedy_generate
 from tests.models.conftest import random_model, small_config
+from tests.models.reference import hf_llama_forward, random_hf_weights
 from tests.models.test_train import _example
 
 REQUIRED = dict(
@@ -147,3 +148,29 @@ def test_greedy_generate_refuses_arguments_it_cannot_honour_by_name(
 def test_greedy_generate_refuses_a_model_that_is_not_a_llama(model):
     with pytest.raises(ValueError, match=r"model=\w+ must be a jaxkv.models.Llama"):
         greedy_generate(model, [3, 4], 2)  # AttributeError from .config before
+
+
+def test_greedy_generate_takes_the_least_prompts_windows_and_vocabularies():
+    # Id 0, a prompt of one id, a window of one token (each step sees only the last one),
+    # and a vocabulary of one id, whose only id is the default pad.
+    cfg = small_config(num_layers=1)
+    weights = random_hf_weights(cfg, seed=4, std=0.5)
+    model = random_model(cfg, seed=4, std=0.5)
+    for prompt in ([0], [7], [0, 0, 5]):
+        seq = list(prompt)
+        for _ in range(3):
+            seq.append(int(np.argmax(hf_llama_forward(weights, cfg, np.array(seq[-1:]))[-1])))
+        assert greedy_generate(model, prompt, 3, window=1) == seq[len(prompt) :]
+    one = small_config(num_layers=1, vocab_size=1)
+    assert greedy_generate(random_model(one), [0, 0], 2, window=4) == [0, 0]
+
+
+def test_greedy_generates_window_defaults_to_256_tokens():
+    # A call naming window=256 runs the program the default compiled (one per window).
+    from jaxkv.models.train import _greedy_next_token
+
+    model = random_model(small_config(num_layers=1, vocab_size=40))
+    greedy_generate(model, [1, 2], 1)
+    compiled = _greedy_next_token(nnx.split(model)[0])._cache_size()
+    greedy_generate(model, [3], 1, window=256)
+    assert _greedy_next_token(nnx.split(model)[0])._cache_size() == compiled
