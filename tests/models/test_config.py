@@ -309,3 +309,24 @@ def test_check_config_refuses_what_is_not_a_llama_config_by_name(bad):
     check_config(small_config())
     with pytest.raises(ValueError, match=f"^config={type(bad).__name__} must be a jaxkv.models"):
         check_config(bad)
+
+
+def test_llama3_scaling_matches_hugging_faces_formula_frequency_by_frequency():
+    # transformers' _compute_llama3_parameters, one frequency at a time in float64: kept
+    # below original / high_freq_factor, divided by factor past original / low_freq_factor,
+    # and in between (1 - s) * f / factor + s * f, s = (original / wavelength - low) / (high - low).
+    s = RopeScaling(8.0, 1.0, 4.0, 8192)
+    cfg = small_config(head_dim=128, hidden_size=512, rope_theta=500000.0, rope_scaling=s)
+    want = []
+    for i in range(0, 128, 2):
+        f = 1.0 / 500000.0 ** (i / 128)
+        wavelength = 2 * math.pi / f
+        if wavelength < 8192 / 4.0:
+            want.append(f)
+        elif wavelength > 8192 / 1.0:
+            want.append(f / 8.0)
+        else:
+            smooth = (8192 / wavelength - 1.0) / (4.0 - 1.0)
+            want.append((1 - smooth) * f / 8.0 + smooth * f)
+    assert 0 < smooth < 1  # the band between holds frequencies
+    np.testing.assert_allclose(rope_inv_freq(cfg), np.float32(want), rtol=1e-6)
