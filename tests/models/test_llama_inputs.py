@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -37,6 +38,8 @@ def test_dense_forward_refuses_tokens_that_are_not_batch_by_length(shape):
         ([[1, 2]], "tokens must be an integer array, got list"),  # AttributeError: .ndim
         (jnp.array([[1.0, 2.0]]), "tokens of dtype float32 must be an integer array"),
         (jnp.array([[True, False]]), "tokens of dtype bool must be an integer array"),
+        # An array's shape without a dtype: a memoryview of int32 ids.
+        (memoryview(np.array([[1, 2]], np.int32)), "tokens must be an integer array, got memo"),
     ],
 )
 def test_dense_forward_refuses_tokens_that_are_not_an_integer_array_by_name(tokens, match):
