@@ -72,3 +72,10 @@ def test_a_slot_mapping_of_another_length_is_refused():
     k = jnp.ones((3, 1, 4))
     with pytest.raises(ValueError, match=r"slot_mapping.shape=\(1,\) must be \(3,\)"):
         write_kv(kv, k, k, jnp.array([3], jnp.int32))
+
+
+def test_a_one_layer_model_gets_one_cache():
+    from tests.models.conftest import random_model, small_config
+
+    caches = random_model(small_config(num_layers=1)).init_kv_caches(3, 2)
+    assert [c.shape for c in caches] == [(3, 2, 2 * CONFIG.num_kv_heads, CONFIG.head_dim)]

@@ -1,6 +1,7 @@
 """jaxkv.sharding.init_kv_caches and kv_cache_sharding refuse bad arguments by name, as
-Llama.init_kv_caches does (one check shared), before anything is placed. These run on
-whatever devices this process has (one CPU is enough)."""
+Llama.init_kv_caches does (one check shared), before anything is placed; a sharded
+model's own init_kv_caches places its caches on its mesh. These run on whatever devices
+this process has (one CPU is enough)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,14 @@ def test_kv_cache_sharding_refuses_a_mesh_or_axis_it_cannot_use_by_name():
         sharding.kv_cache_sharding(sharding.make_mesh(1), "tp")  # refused only when used
     # Over one device the caches are made as jit returns them (test_one_device_mesh).
     assert sharding.kv_cache_sharding(sharding.make_mesh(1)).spec == P()
+
+
+def test_a_sharded_models_caches_are_placed_on_its_mesh():
+    # Llama.init_kv_caches of a model from shard_model hands over to sharding.init_kv_caches.
+    from tests.models.conftest import random_model
+
+    mesh = sharding.make_mesh(1)
+    caches = sharding.shard_model(random_model(CFG), mesh).init_kv_caches(4, 2)
+    assert len(caches) == CFG.num_layers
+    assert all(c.sharding == sharding.kv_cache_sharding(mesh) for c in caches)
+    assert random_model(CFG).init_kv_caches(4, 2)[0].sharding != sharding.kv_cache_sharding(mesh)
