@@ -4,11 +4,14 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import optax
+import pytest
 from flax import nnx
 
 from jaxkv.models import TINY_CHECKPOINT, ByteTokenizer, load_checkpoint, make_dense_forward
-from jaxkv.models.train import _greedy_next_token, greedy_generate
+from jaxkv.models.train import Trainer, _greedy_next_token, greedy_generate
 from tests.examples._example_modules import load_example
+from tests.models.conftest import random_model, small_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,12 +69,6 @@ def test_greedy_generate_compiles_once_per_model_graph():
 def test_trainer_refuses_tokens_that_are_not_ids_of_the_model_and_keeps_its_weights():
     # An id past the vocabulary embedded as NaN: the update left every weight NaN for good
     # (the loss of a good batch after it was nan); a negative id trained on another token.
-    import optax
-    import pytest
-
-    from jaxkv.models.train import Trainer
-    from tests.models.conftest import random_model, small_config
-
     cfg = small_config(num_layers=1, vocab_size=16, hidden_size=8, intermediate_size=8)
     trainer = Trainer.create(random_model(cfg), optax.sgd(0.1))
     good = np.random.default_rng(0).integers(0, 16, (2, 5)).astype(np.int32)
@@ -93,12 +90,6 @@ def test_trainer_refuses_tokens_that_are_not_ids_of_the_model_and_keeps_its_weig
 
 def test_trainer_takes_the_least_batches_and_refuses_an_empty_one_by_shape():
     # One row of two tokens is one prediction; a batch of one id repeated is ids too.
-    import optax
-    import pytest
-
-    from jaxkv.models.train import Trainer
-    from tests.models.conftest import random_model, small_config
-
     cfg = small_config(num_layers=1, vocab_size=16, hidden_size=8, intermediate_size=8)
     trainer = Trainer.create(random_model(cfg), optax.sgd(0.1))
     for tokens in (np.array([[3, 9]], np.int32), np.zeros((2, 3), np.int32), np.full((1, 2), 15)):

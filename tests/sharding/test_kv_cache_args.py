@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxkv import sharding
-from tests.models.conftest import small_config
+from tests.models.conftest import random_model, small_config
 
 CFG = small_config()
 
@@ -79,8 +79,6 @@ def test_kv_cache_sharding_refuses_a_mesh_or_axis_it_cannot_use_by_name():
 
 def test_a_sharded_models_caches_are_placed_on_its_mesh():
     # Llama.init_kv_caches of a model from shard_model hands over to sharding.init_kv_caches.
-    from tests.models.conftest import random_model
-
     mesh = sharding.make_mesh(1)
     caches = sharding.shard_model(random_model(CFG), mesh).init_kv_caches(4, 2)
     assert len(caches) == CFG.num_layers
