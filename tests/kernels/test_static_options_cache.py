@@ -14,10 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv.attention import paged_attention
 from kernels_pallas import reference
 from kernels_pallas.gpu import ragged_paged_attention as gpu_kernel
 from kernels_pallas.static_options import check_option_types
 from kernels_pallas.tpu import ragged_paged_attention as tpu_kernel
+from tests.attention.test_static_fields_as_given import _inputs
 from tests.kernels import harness
 
 SM_SCALE = 0.125
@@ -68,3 +70,16 @@ def test_numpy_integers_and_bools_and_other_flags_pass_the_type_check():
     case = _case()
     out, _ = gpu_kernel(*case.args(), sm_scale=SM_SCALE, interpret=True, block_k=np.int32(16))
     assert out.dtype == jnp.float32
+
+
+def test_paged_attention_refuses_a_flag_equal_to_a_compiled_one_but_of_the_wrong_type():
+    """return_lse=1 is True to jit's cache: once return_lse=True was compiled, 1 would
+    return its (out, lse) pair unchecked; paged_attention refuses it on every call."""
+    md, q, pages = _inputs()
+    out, lse = paged_attention(q, pages, md, sm_scale=SM_SCALE, return_lse=True)
+    assert out.shape == q.shape and lse.shape == q.shape[:2]
+    for bad in (1, np.int64(1)):
+        with pytest.raises(
+            ValueError, match=rf"^return_lse={re.escape(repr(bad))} must be a bool$"
+        ):
+            paged_attention(q, pages, md, sm_scale=SM_SCALE, return_lse=bad)
