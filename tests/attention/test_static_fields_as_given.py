@@ -15,8 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import KVCacheManager, Request
 from jaxkv.attention import paged_attention
+from jaxkv.batch import build_attention_metadata
+from jaxkv.buckets import BucketConfig
+from jaxkv.cascade import CascadePlanner
 from tests.attention.test_attention_argument_checks import H_KV, H_Q, D, _metadata
+from tests.attention.test_cascade_planner import SHAPE
 
 
 def _inputs():
@@ -82,3 +87,27 @@ def test_numpy_integers_and_no_bound_are_taken():
     np.testing.assert_allclose(
         paged_attention(q, pages, unbounded, sm_scale=0.125), expected, rtol=1e-5, atol=1e-5
     )
+
+
+def test_one_token_blocks_a_pool_of_one_block_and_a_query_bound_of_1_are_taken():
+    """1 is the least block_size, num_blocks and max_q_len: a one-token request whose
+    only key sits in block 0 of a one-block cache attends to that key alone, so each
+    query head's output is its KV head's value row."""
+    m = KVCacheManager(4, 1, max_model_len=4)
+    assert m.allocate_slots(Request("r", [5]), 1) is not None
+    ones = BucketConfig(
+        max_num_tokens=8, max_num_seqs=4, max_pages_per_seq=4,
+        min_num_tokens=1, min_num_seqs=1, min_pages_per_seq=1,
+    )  # fmt: skip
+    md = build_attention_metadata(
+        block_table=m.block_table, plan=CascadePlanner(SHAPE).plan(["r"], [0], [1], m),
+        query_lens=np.array([1]), num_computed_tokens=np.array([0]), block_size=1, buckets=ones,
+    )  # fmt: skip
+    md = dataclasses.replace(md, num_blocks=1, page_indices=np.zeros_like(md.page_indices))
+    assert (md.block_size, md.max_q_len, md.num_blocks, md.levels) == (1, 1, 1, ())
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((md.max_num_tokens, H_Q, D)), jnp.float32)
+    pages = jnp.asarray(rng.standard_normal((1, 1, 2 * H_KV, D)), jnp.float32)
+    out = np.asarray(paged_attention(q, pages, md, sm_scale=0.125))
+    values = np.asarray(pages)[0, 0, 1::2]  # [H_KV, D]: V rows follow their K rows
+    np.testing.assert_allclose(out[0], np.repeat(values, H_Q // H_KV, axis=0), rtol=1e-6)
