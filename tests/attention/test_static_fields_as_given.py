@@ -52,16 +52,18 @@ def _to(value):
     [
         ("max_q_len", float, r"^metadata\.max_q_len=\d\.0 must be an int >= 1 or None$"),
         ("max_q_len", _to(True), r"^metadata\.max_q_len=True must"),
-        ("max_q_len", _to(0), r"^metadata\.max_q_len=0 must"),
+        ("max_q_len", _to(0), r"^metadata\.max_q_len=0 must be an int >= 1 or None$"),
         ("levels[0].max_q_len", float, r"^metadata\.levels\[0\]\.max_q_len=\d\.0 must"),
         ("block_size", float, r"^metadata\.block_size=4\.0 must be an int >= 1$"),
+        ("block_size", _to(0), r"^metadata\.block_size=0 must be an int >= 1$"),
         ("interpret", int, r"^metadata\.interpret=0 must be a bool$"),
         ("num_blocks", float, r"^metadata\.num_blocks=64\.0 must be None or an int >= 1$"),
         ("num_blocks", _to(0), r"^metadata\.num_blocks=0 must"),
         ("backend", str.upper, r"^metadata\.backend='XLA' must be one of"),
     ],
     ids=["max_q_len float", "max_q_len bool", "max_q_len 0", "level max_q_len float",
-         "block_size float", "interpret int", "num_blocks float", "num_blocks 0", "backend"],
+         "block_size float", "block_size 0", "interpret int", "num_blocks float", "num_blocks 0",
+         "backend"],
 )  # fmt: skip
 def test_a_static_field_of_the_wrong_type_is_refused_after_its_equal_compiled(field, make, match):
     md, q, pages = _inputs()
