@@ -128,8 +128,11 @@ def load_hf_safetensors(
     `lm_head.weight` must be a copy of the embedding. Raises CheckpointError on any name
     or shape mismatch or such a head, and naming the file when config.json or
     generation_config.json is not a JSON object (truncated, say) or holds a value
-    from_hf_dict refuses (a key missing, say); ValueError for a `path` that is not a str
-    or os.PathLike, or a `config` that is not a LlamaConfig.
+    from_hf_dict refuses (a key missing, say), or when the shard index is not a JSON
+    object whose weight_map maps tensor names to plain file names (no directory part, not
+    '', '.' or '..'); FileNotFoundError for a shard the index names that is not in the
+    directory; ValueError for a `path` that is not a str or os.PathLike, or a `config`
+    that is not a LlamaConfig.
     """
     if config is not None:  # a dict raised AttributeError, after the files were found
         check_config(config)
