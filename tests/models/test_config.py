@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxkv.models import Llama, LlamaConfig, RopeScaling
+from jaxkv.model_fingerprint import model_fingerprint
+from jaxkv.models import TINY_CHECKPOINT, Llama, LlamaConfig, RopeScaling
+from jaxkv.models.config import check_config
 from jaxkv.models.llama import rope_inv_freq
-from tests.models.conftest import hf_config_dict, small_config
+from tests.models.conftest import hf_config_dict, random_model, small_config
 
 
 def test_head_dim_is_derived_and_presets_have_published_sizes():
@@ -188,8 +190,6 @@ def test_kv_cache_bytes_per_token_of_llama3_8b():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_bfloat16_model_returns_float32_logits(tied):
-    from tests.models.conftest import random_model
-
     model = random_model(small_config(dtype="bfloat16", tie_word_embeddings=tied))
     assert model.dense_forward(jnp.zeros((1, 4), jnp.int32)).dtype == jnp.float32
 
@@ -236,8 +236,6 @@ def test_real_fields_are_stored_as_floats_so_equal_configs_write_and_fingerprint
     # 10000 used to write as "10000" beside an equal config's "10000.0" (another model
     # fingerprint for the same model), numpy scalars failed json.dumps (to_json,
     # save_checkpoint, an Engine's fingerprint), and a JAX scalar was refused.
-    from jaxkv.model_fingerprint import model_fingerprint
-
     plain = small_config(rope_theta=10000.0, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64))
     given = small_config(rope_theta=theta, rope_scaling=RopeScaling(8, 1, 4, 64))
     assert type(given.rope_theta) is float and type(given.rope_scaling.factor) is float
@@ -287,8 +285,6 @@ def test_defaults_are_the_documented_ones():
 
 def test_the_tiny_preset_is_the_shipped_checkpoints_config_and_writes_its_layout():
     # to_json is config.json as save_checkpoint writes it, less the weights' digest line.
-    from jaxkv.models import TINY_CHECKPOINT
-
     text = (TINY_CHECKPOINT / "config.json").read_text()
     tiny = LlamaConfig.preset("tiny", eos_token_ids=258)
     digest = [line for line in text.splitlines() if '"params_sha256"' in line]
@@ -304,8 +300,6 @@ def test_the_kv_dict_is_the_dict_less_eos_token_ids():
 
 @pytest.mark.parametrize("bad", [None, small_config().to_dict()])
 def test_check_config_refuses_what_is_not_a_llama_config_by_name(bad):
-    from jaxkv.models.config import check_config
-
     check_config(small_config())
     with pytest.raises(ValueError, match=f"^config={type(bad).__name__} must be a jaxkv.models"):
         check_config(bad)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxkv.attention import write_kv
+from tests.models.conftest import random_model, small_config
 from tests.models.test_paged import CONFIG, MODEL, PagedRun, _sequences, _shuffled_table
 
 
@@ -75,7 +76,5 @@ def test_a_slot_mapping_of_another_length_is_refused():
 
 
 def test_a_one_layer_model_gets_one_cache():
-    from tests.models.conftest import random_model, small_config
-
     caches = random_model(small_config(num_layers=1)).init_kv_caches(3, 2)
     assert [c.shape for c in caches] == [(3, 2, 2 * CONFIG.num_kv_heads, CONFIG.head_dim)]

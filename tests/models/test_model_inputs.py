@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxkv.models import ByteTokenizer, LlamaConfig, RopeScaling, make_dense_forward
-from jaxkv.models.train import greedy_generate
+from jaxkv.models.train import _greedy_next_token, greedy_generate
 from tests.models.conftest import random_model, small_config
 from tests.models.reference import hf_llama_forward, random_hf_weights
 from tests.models.test_train import _example
@@ -167,8 +167,6 @@ def test_greedy_generate_takes_the_least_prompts_windows_and_vocabularies():
 
 def test_greedy_generates_window_defaults_to_256_tokens():
     # A call naming window=256 runs the program the default compiled (one per window).
-    from jaxkv.models.train import _greedy_next_token
-
     model = random_model(small_config(num_layers=1, vocab_size=40))
     greedy_generate(model, [1, 2], 1)
     compiled = _greedy_next_token(nnx.split(model)[0])._cache_size()
