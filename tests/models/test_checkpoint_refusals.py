@@ -304,26 +304,6 @@ def test_load_hf_safetensors_names_the_missing_path_not_its_parents_config(tmp_p
         load_hf_safetensors(tmp_path / "typo")
 
 
-@pytest.mark.parametrize(
-    "index, error, match",
-    [
-        ({"weight_map": {"model.norm.weight": "gone.safetensors"}}, FileNotFoundError,
-         r"names gone\.safetensors, which is not in"),
-        ({"weight_map": {"model.norm.weight": "../m.safetensors"}}, CheckpointError,
-         r"'\.\./m\.safetensors' is not a file name in"),
-        ({"weights": {}}, CheckpointError, r"'weight_map' maps tensor names to file names"),
-        ([1, 2], CheckpointError, r"'weight_map' maps tensor names to file names"),
-    ],
-)  # fmt: skip
-def test_a_shard_index_naming_no_shard_of_its_directory_is_refused(tmp_path, index, error, match):
-    cfg = small_config()
-    (tmp_path / "ckpt").mkdir()
-    write_safetensors(tmp_path / "m.safetensors", random_hf_weights(cfg))
-    (tmp_path / "ckpt" / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(error, match=match):
-        load_hf_safetensors(tmp_path / "ckpt", cfg)
-
-
 @pytest.mark.parametrize("dtype", [np.int64, np.bool_, np.uint8, np.complex64])
 def test_weights_that_are_not_floating_point_are_refused_by_name(tmp_path, dtype):
     # Cast to the model's dtype they loaded as 0/1, truncated or real-part-only weights.
