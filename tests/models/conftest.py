@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from jaxkv.models import LlamaConfig
+from jaxkv.models import LlamaConfig, from_hf_tensors
+from tests.models.reference import random_hf_weights
 
 
 def small_config(**overrides) -> LlamaConfig:
@@ -41,18 +45,12 @@ def config() -> LlamaConfig:
 
 def random_model(cfg: LlamaConfig, seed: int = 0, std: float = 0.2):
     """A Llama with numpy-random weights: no initialiser programs to compile (fast on CPU)."""
-    from jaxkv.models import from_hf_tensors
-    from tests.models.reference import random_hf_weights
-
     return from_hf_tensors(cfg, random_hf_weights(cfg, seed, std))
 
 
 def drop_weights_digest(directory) -> None:
     """Removes the weights' SHA-256 from a saved checkpoint's config.json (as in one written
     by hand), so that a load goes on to check what the weights file holds."""
-    import json
-    from pathlib import Path
-
     file = Path(directory) / "config.json"
     fields = json.loads(file.read_text())
     del fields["params_sha256"]

@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
+from flax import serialization
 
 from jaxkv.models import (
     CheckpointError,
@@ -192,7 +193,6 @@ def test_a_save_that_fails_while_writing_leaves_the_old_checkpoint_whole(tmp_pat
     old = random_model(small_config(), seed=1)
     save_checkpoint(old, tmp_path)
     new = random_model(small_config(rope_theta=500.0), seed=2)
-    from flax import serialization
 
     def fail(_):
         raise OSError("disk full")

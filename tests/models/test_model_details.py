@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from jaxkv.models import LlamaConfig, RopeScaling
 from jaxkv.models.llama import Llama, RMSNorm, apply_rope, causal_attention, rope_inv_freq
@@ -120,8 +121,6 @@ def test_bf16_rope_and_attention_return_bf16_as_hugging_face():
 
 
 def test_weights_are_initialised_with_hugging_faces_std_of_0_02():
-    from flax import nnx
-
     model = Llama(small_config(num_layers=1), rngs=nnx.Rngs(0))
     kernel = np.asarray(model.layers[0].mlp.gate_proj.kernel[...], np.float64)
     assert abs(kernel.std() - 0.02) < 0.002

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxkv.models import ByteTokenizer
+from jaxkv.models import ByteTokenizer, LlamaConfig
 
 TOK = ByteTokenizer()
 SPECIALS = (TOK.pad_id, TOK.bos_id, TOK.eos_id)
@@ -92,8 +92,6 @@ def test_bos_and_eos_are_added_independently():
 def test_special_ids_and_vocab_are_the_documented_ones():
     # Checkpoints trained on these ids depend on them, and every id the tokenizer emits
     # must be a row of the embedding of a model of its vocab size (the tiny preset).
-    from jaxkv.models import LlamaConfig
-
     tok = ByteTokenizer()
     assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.vocab_size) == (256, 257, 258, 259)
     assert tok.vocab_size == LlamaConfig.preset("tiny").vocab_size
