@@ -69,12 +69,13 @@ def static_number_options(options: dict) -> dict:
     option for a traced value (a static option must be known when tracing), an array of
     more than one value or one of no real number (str, complex, date). A Fraction or
     Decimal becomes its float too (the kernels multiply arrays by it: a TypeError naming
-    nothing); anything else, and one past float's range, is left for the option's own
-    check."""
+    nothing), and so does a Python int (not a bool): JAX reads one as int32, so from
+    2**31 on it failed inside the kernel with an OverflowError naming no option. Anything
+    else, and one past float's range, is left for the option's own check."""
     converted = None
     for name in STATIC_NUMBER_OPTIONS:
         value = options.get(name)
-        if value is None or isinstance(value, (int, float)):
+        if value is None or type(value) in (float, bool):
             continue
         if isinstance(value, jax.core.Tracer):
             raise ValueError(f"{name} must be a static number, not a traced value")

@@ -3,7 +3,8 @@
 jit keys its cache on static options by == and hash, where 16.0 is 16 and 1 is True. The
 kernels refused block_k=16.0 or causal=1 when tracing, yet ran the program of 16 or True
 once it was cached; the types are now checked on every call, before jit
-(kernels_pallas.static_options.check_option_types).
+(kernels_pallas.static_options.check_option_types). Scales given as Python ints are
+taken as their floats (static_number_options).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.attention import paged_attention
+from jaxkv.attention import paged_attention, write_kv
 from kernels_pallas import reference
 from kernels_pallas.gpu import ragged_paged_attention as gpu_kernel
 from kernels_pallas.static_options import check_option_types
@@ -83,3 +84,24 @@ def test_paged_attention_refuses_a_flag_equal_to_a_compiled_one_but_of_the_wrong
             ValueError, match=rf"^return_lse={re.escape(repr(bad))} must be a bool$"
         ):
             paged_attention(q, pages, md, sm_scale=SM_SCALE, return_lse=bad)
+
+
+@pytest.mark.parametrize("name", ["sm_scale", "soft_cap", "k_scale", "v_scale"])
+def test_a_python_int_scale_past_int32_gives_its_floats_result(name):
+    # JAX reads a Python int as int32: sm_scale=2**31, finite in float32, failed inside
+    # the kernels with an OverflowError naming no option.
+    case = _case()
+    base = dict(sm_scale=2.0**-40)  # 2**-40 * 2**31: normal logit scales
+    for entry in ("reference", "gpu"):
+        interpret = {} if entry == "reference" else {"interpret": True}
+        fn = ENTRY_POINTS[entry]
+        want = fn(*case.args(), **{**base, **interpret, name: 2.0**31})
+        got = fn(*case.args(), **{**base, **interpret, name: 2**31})
+        for w, g in zip(want, got, strict=True):
+            np.testing.assert_array_equal(g, w, err_msg=entry)
+    if name in ("k_scale", "v_scale"):
+        k = jnp.asarray(np.random.default_rng(0).standard_normal((8, 2, 16), np.float32))
+        slots = jnp.arange(8, dtype=jnp.int32)
+        want = write_kv(jnp.zeros((6, 4, 4, 16)), k, k, slots, **{name: 2.0**31})
+        got = write_kv(jnp.zeros((6, 4, 4, 16)), k, k, slots, **{name: 2**31})
+        np.testing.assert_array_equal(got, want)
