@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from jaxkv.block_pool import MAX_INT32, BlockPool, KVCacheBlock
 from jaxkv.field_checks import as_int
 from jaxkv.request import Request
+from jaxkv.request_id_lists import plain_id
 
 __all__ = [
     "allocation_counts",
@@ -39,7 +40,7 @@ def request_id_of(name: str, request, owner: Mapping[str, Request]) -> str:
     """The id of `request` (a Request or its id); ValueError naming `name` otherwise, or
     for a Request other than `owner`'s for its id (it would act on another's blocks)."""
     if isinstance(request, str):
-        return request
+        return plain_id(request)
     if isinstance(request, Request):
         req_id = request.request_id
         found = owner.get(req_id)

@@ -175,7 +175,7 @@ class Engine(Closable):
         # Raises on an id in use or too long a prompt, nothing queued.
         self._samples.queue(self.scheduler, self._sampling, request, seed)
         self._serials.take(serial)  # only once queued (jaxkv.request_serials)
-        return request_id
+        return request.request_id
 
     def queue_checkpoint(self) -> SerialsCheckpoint:
         """A function that, called once every request queued since has been aborted (as

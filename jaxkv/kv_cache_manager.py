@@ -33,6 +33,7 @@ from jaxkv.block_table import HostBlockTable, UnknownRequestError
 from jaxkv.manager_integrity import check_manager_integrity
 from jaxkv.prefix_cache_stats import PrefixCacheCounter, PrefixCacheStats
 from jaxkv.request import Request
+from jaxkv.request_id_lists import plain_id
 
 __all__ = ["KVCacheManager", "PrefixCacheStats", "UnknownRequestError"]
 
@@ -116,15 +117,9 @@ class KVCacheManager:
         """Whether `request_id` holds a row (blocks or not): allocated and not yet freed.
         Raises ValueError naming request_id unless it is a str (a Request that holds a
         row was answered False)."""
-        try:
-            if request_id in self._blocks:
-                return True
-        except TypeError:
-            pass
-        else:
-            if isinstance(request_id, str):  # checked only here: found ids are str keys
-                return False
-        raise ValueError(f"{request_id=} must be a request id (a str)")
+        if not isinstance(request_id, str):
+            raise ValueError(f"{request_id=} must be a request id (a str)")
+        return plain_id(request_id) in self._blocks
 
     def block_ids(self, request_id: str) -> list[int]:
         """The block ids `request_id` (or a Request's id) holds, in order. Raises

@@ -18,6 +18,7 @@ from collections.abc import Container
 from typing import TYPE_CHECKING
 
 from jaxkv.request import Request
+from jaxkv.request_id_lists import plain_id
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.scheduler_admission import check_fits
 
@@ -60,6 +61,8 @@ class IdsInUse:
         self._holders, self._n = holders, n
 
     def __contains__(self, request_id: object) -> bool:
+        if isinstance(request_id, str):
+            request_id = plain_id(request_id)
         if any(request_id in holder for holder in self._holders):
             return True
         if self._n == 1 or not isinstance(request_id, str):

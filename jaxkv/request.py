@@ -11,7 +11,7 @@ from collections.abc import Set as AbstractSet
 
 from jaxkv.field_checks import as_int, is_finite_number
 from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key
-from jaxkv.request_id_lists import is_id_text
+from jaxkv.request_id_lists import is_id_text, plain_id
 from jaxkv.sampling_params import SamplingParams as SamplingParams  # its former home
 
 MAX_TOKEN_ID = 2**63 - 1  # block hashes encode each token as a signed 64-bit integer
@@ -59,11 +59,13 @@ class Request:
     `request_id`, `prompt_token_ids`, `sampling_params`, `cache_salt` and `adapter_id`
     are fixed at construction: assigning any of them raises AttributeError. The
     KVCacheManager keys a request's blocks, and a scheduler the request, by its id; a new
-    id is a new Request. The salt and the adapter id are hashed into `block_hashes`:
-    hashes already computed would keep the old ones (a cache hit of one adapter's KV for
-    a request run under another), and an invalid one would fail the hashing of a block
-    the manager has already handed out. The sampling params are checked, and their
-    penalties and bans registered with the sampler, when the request is taken.
+    id is a new Request; a str subclass is stored as the exact str it holds
+    (jaxkv.request_id_lists.plain_id). The salt and the adapter id are hashed into
+    `block_hashes`: hashes already computed would keep the old ones (a cache hit of one
+    adapter's KV for a request run under another), and an invalid one would fail the
+    hashing of a block the manager has already handed out. The sampling params are
+    checked, and their penalties and bans registered with the sampler, when the request
+    is taken.
     """
 
     # Slots: a misspelt field assignment fails instead of adding a silent attribute.
@@ -114,7 +116,7 @@ class Request:
             )
         if arrival_time is not None and not is_finite_number(arrival_time):
             raise ValueError(f"{arrival_time=} of {request_id!r} must be None or a finite number")
-        self._request_id = request_id
+        self._request_id = plain_id(request_id)
         self._prompt_token_ids: tuple[int, ...] = tuple(prompt)
         self._sampling_params = sampling_params
         self._cache_salt = cache_salt

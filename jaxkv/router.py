@@ -32,7 +32,7 @@ from jaxkv.prefix_routes import Route as Route  # re-exported: route() returns o
 from jaxkv.prefix_routes import routable_prompt_ids
 from jaxkv.replica import Replica as Replica  # its former home
 from jaxkv.replica_checks import CheckedReplicas
-from jaxkv.request_id_lists import checked_request_ids, is_id_text
+from jaxkv.request_id_lists import checked_request_ids, is_id_text, plain_id
 from jaxkv.request_serials import RequestSerials, rewind_together
 from jaxkv.router_lifetime import close_router, closed_replicas, open_replicas, routable_replicas
 from jaxkv.router_release import RequestEnds
@@ -162,6 +162,8 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
             # abort() and close() take only str ids: a replica that queued an int id would
             # leave a request the router can never abort, and a close() that always raises.
             raise ValueError(f"{request_id=} must be None or a non-empty str encodable as UTF-8")
+        if request_id is not None:
+            request_id = plain_id(request_id)
         prompt = routable_prompt_ids(prompt_token_ids)
         generated = request_id is None
         # Anything else the replica refuses by name. A default id is one whose samples'

@@ -35,7 +35,7 @@ from jaxkv.kv_cache_manager import KVCacheManager, UnknownRequestError
 from jaxkv.kv_transfer import KVConnector
 from jaxkv.outputs import RequestOutput
 from jaxkv.request import Request, RequestStatus
-from jaxkv.request_id_lists import is_id_text
+from jaxkv.request_id_lists import is_id_text, plain_id
 from jaxkv.scheduler_admission import admit_waiting, check_new_request
 from jaxkv.scheduler_discard import discard_batch, keep_unwritten_if_unapplied
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput, SchedulerStats, StepBatch
@@ -133,7 +133,7 @@ class Scheduler:
         """
         if not is_id_text(request_id):
             raise ValueError(f"{request_id=} must be a request id (a str encodable as UTF-8)")
-        request = self.requests.get(request_id)
+        request = self.requests.get(plain_id(request_id))
         if request is None or request.is_finished():
             return False
         with holding_interrupts():  # cut halfway, it orphaned the request and its blocks

@@ -188,3 +188,27 @@ def test_an_id_holding_a_lone_surrogate_is_refused_by_add_request_and_abort():
     assert list(engine.scheduler.requests) == [held]  # nothing queued, nothing aborted
     assert engine.add_request([3]) == "1"  # serial 1, as if the refused ones never came
     assert engine.abort(held) and engine.abort("1")
+
+
+class _OwnHash(str):
+    def __hash__(self) -> int:
+        return 12345  # equal to its text, hashed apart from it
+
+
+class _NoHash(str):
+    __hash__ = None
+
+
+def test_an_id_given_as_a_str_subclass_is_the_str_it_holds():
+    # _OwnHash("a") let add_request(request_id="a") queue a second request "a" (both ran,
+    # each reported as "a"); _NoHash raised TypeError "unhashable type" naming nothing.
+    engine = make_engine()
+    params = SamplingParams(max_tokens=2)
+    rid = engine.add_request([1, 2], params, request_id=_OwnHash("a"))
+    assert type(rid) is str and rid == "a" and _OwnHash("a") in engine.ids_in_use
+    with pytest.raises(ValueError, match="'a'"):
+        engine.add_request([3, 4], params, request_id="a")
+    assert engine.add_request([5, 6], params, request_id=_NoHash("b")) == "b"
+    assert engine.abort(_OwnHash("a")) and engine.abort([_NoHash("b")])
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)

@@ -78,3 +78,19 @@ def test_an_id_holding_a_lone_surrogate_is_refused_before_any_replica_sees_it():
         router.abort("\ud800")
     assert router.add_request([3]) == "dp-0" and router.abort([held, "dp-0"])
     assert not router.has_unfinished_requests()
+
+
+class _OwnHash(str):
+    def __hash__(self) -> int:
+        return 12345  # equal to its text, hashed apart from it
+
+
+def test_an_id_given_as_a_str_subclass_is_the_str_it_holds():
+    # A second request "a" was routed while _OwnHash("a") ran, and abort("a") missed it.
+    router, replicas = make_router(2)
+    rid = router.add_request([1, 2], request_id=_OwnHash("a"))
+    assert type(rid) is str and rid == "a"
+    assert {type(r) for replica in replicas for r in replica.prompts} == {str}
+    with pytest.raises(ValueError, match="'a' is already running"):
+        router.add_request([3, 4], request_id="a")
+    assert router.abort("a") and not router.has_unfinished_requests()
