@@ -105,20 +105,32 @@ def static_number_options(options: dict) -> dict:
 
 def refuse_array_options(options: dict, names: tuple[str, ...] | None = None) -> None:
     """ValueError naming the first of `names` (default: every option) given as a numpy
-    or jax array, traced ones too: jit hashes static options, and its own error for an
-    array ("Non-hashable static arguments") names no argument. Numpy scalars hash."""
+    or jax array, traced ones too, or as any other value but a number that does not hash
+    (a list): jit hashes static options, and its own error ("Non-hashable static
+    arguments", or a bare "unhashable type") names no argument. Numpy scalars hash; a
+    number that does not (Decimal("sNaN")) is left to the option's own check."""
     for name in options if names is None else names:
         value = options.get(name)
         if isinstance(value, (np.ndarray, jax.Array)):
             raise ValueError(
                 f"{name}={value!r} must be a static value (a Python or numpy scalar), not an array"
             )
+        try:
+            hash(value)
+        except TypeError:
+            if isinstance(value, numbers.Number):
+                continue
+            raise ValueError(
+                f"{name}={value!r} must be a static value (a Python or numpy scalar), not "
+                f"{type(value).__name__}"
+            ) from None
 
 
 class with_static_numbers:  # lower case: used as a decorator, like functools.wraps
-    """`jitted`, called with static_number_options applied to its keyword options and
-    check_option_types run on them; its other attributes (lower, trace, _cache_size)
-    are the jitted function's."""
+    """`jitted`, called with static_number_options applied to its keyword options, then
+    refuse_array_options run on the static options it knows (STATIC_NUMBER_OPTIONS,
+    INT_OPTIONS, BOOL_OPTIONS) and check_option_types; its other attributes (lower,
+    trace, _cache_size) are the jitted function's."""
 
     def __init__(self, jitted: Callable) -> None:
         self._jitted = jitted
@@ -126,6 +138,7 @@ class with_static_numbers:  # lower case: used as a decorator, like functools.wr
 
     def __call__(self, *args, **options):
         options = static_number_options(options)
+        refuse_array_options(options, STATIC_NUMBER_OPTIONS + INT_OPTIONS + BOOL_OPTIONS)
         check_option_types(options)
         return self._jitted(*args, **options)
 

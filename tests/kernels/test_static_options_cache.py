@@ -4,7 +4,8 @@ jit keys its cache on static options by == and hash, where 16.0 is 16 and 1 is T
 kernels refused block_k=16.0 or causal=1 when tracing, yet ran the program of 16 or True
 once it was cached; the types are now checked on every call, before jit
 (kernels_pallas.static_options.check_option_types). Scales given as Python ints are
-taken as their floats (static_number_options).
+taken as their floats (static_number_options), and an option that does not hash is
+refused by name (refuse_array_options).
 """
 
 from __future__ import annotations
@@ -105,3 +106,24 @@ def test_a_python_int_scale_past_int32_gives_its_floats_result(name):
         want = write_kv(jnp.zeros((6, 4, 4, 16)), k, k, slots, **{name: 2.0**31})
         got = write_kv(jnp.zeros((6, 4, 4, 16)), k, k, slots, **{name: 2**31})
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["sm_scale", "soft_cap", "causal", "interpret", "backend"])
+def test_an_option_that_does_not_hash_is_refused_by_name(name):
+    # jit's own error ("Non-hashable static arguments", or a bare "unhashable type" for
+    # paged_attention's backend) named no option.
+    match = rf"^{name}=\[1\] must be a static value \(a Python or numpy scalar\), not list$"
+    if name != "backend":
+        case = _case()
+        options = {"sm_scale": SM_SCALE, "interpret": True, name: [1]}
+        with pytest.raises(ValueError, match=match):
+            gpu_kernel(*case.args(), **options)
+    if name != "causal":
+        md, q, pages = _inputs()
+        with pytest.raises(ValueError, match=match):
+            paged_attention(q, pages, md, **{"sm_scale": SM_SCALE, name: [1]})
+    if name == "sm_scale":
+        k = jnp.zeros((8, 2, 16))
+        slots = jnp.arange(8, dtype=jnp.int32)
+        with pytest.raises(ValueError, match=match.replace(name, "k_scale")):
+            write_kv(jnp.zeros((6, 4, 4, 16)), k, k, slots, k_scale=[1])
