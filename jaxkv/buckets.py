@@ -115,8 +115,11 @@ class BucketConfig:
 
     @functools.cached_property
     def level_seq_buckets(self) -> tuple[int, ...]:
-        """Sequences of one cascade level: its groups and at most one gap before each."""
-        return pow2_buckets(1, 2 * self.max_cascade_groups)
+        """Sequences of one cascade level: its groups and at most one gap before each.
+        Each holds one scheduled request or more, so there are at most max_num_seqs: a
+        larger max_cascade_groups padded every level (EngineConfig.pad_cascade_levels)
+        to 2 * max_cascade_groups sequences, and past int64 failed inside numpy."""
+        return pow2_buckets(1, min(2 * self.max_cascade_groups, self.max_num_seqs))
 
     def max_programs(
         self,

@@ -104,10 +104,11 @@ def test_q_len_buckets_must_be_ints(q_len_buckets):
 
 def test_max_programs_is_the_product_of_the_bucket_counts():
     # tokens 3 x seqs 2 x pages 3 x query bounds 4 = 72 main-pass shapes; a level has
-    # 5 sequence counts (1, 2, 4, 8, 16: 8 groups and a gap before each) x 3 pages x 4
-    # query bounds = 60 shapes.
+    # 4 sequence counts (1, 2, 4, 8: each of its groups and gaps holds a request, so it
+    # has at most max_num_seqs=8 sequences, not 16 for 8 groups and a gap before each) x
+    # 3 pages x 4 query bounds = 48 shapes.
     assert BUCKETS.max_programs(cascade=False) == 72
-    assert BUCKETS.max_programs() == 72 * (1 + 60) ** 2
+    assert BUCKETS.max_programs() == 72 * (1 + 48) ** 2
     assert BUCKETS.max_programs((1, 32), pad_levels=True) == 36 * (1 + 6) ** 2
     # The defaults bound a run by 1120 * 161**2 (about 3e7) shapes, each with and without
     # logprobs; the bucket options bring it down to one shape per level structure.

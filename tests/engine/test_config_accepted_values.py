@@ -2,16 +2,22 @@
 
 CacheConfig takes each listed kv_dtype (a numpy or JAX dtype of one, kept as its name) and
 a hash_seed anywhere in signed 64 bits (and nothing past it); EngineConfig takes each
-named attention backend and a seed anywhere from -2**63 to 2**64 - 1.
+named attention backend and a seed anywhere from -2**63 to 2**64 - 1, and an engine
+serves under any max_cascade_groups.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import SamplingParams
 from jaxkv.config import CacheConfig, EngineConfig
+from jaxkv.engine import Engine
+from tests.engine._util import MAX_SEQS, dense_greedy, engine_config, tiny_model
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "float32", "bfloat16", "float16"])
@@ -66,3 +72,16 @@ def test_a_kv_dtype_given_as_a_dtype_is_stored_as_its_name(kv_dtype, name):
 def test_a_kv_dtype_of_another_dtype_or_spelling_is_refused(bad):
     with pytest.raises(ValueError, match="kv_dtype=.* must be None or one of"):
         CacheConfig(kv_dtype=bad)
+
+
+def test_an_engine_serves_under_any_max_cascade_groups():
+    # A level holds at most max_num_seqs sequences; pad_cascade_levels padded each to
+    # 2 * max_cascade_groups (numpy's TypeError "pad_width must be of integral type"
+    # past int64, and a step as slow as that many sequences below it).
+    config = dataclasses.replace(engine_config(), max_cascade_groups=2**63)
+    engine = Engine(tiny_model(), None, config)
+    prompts = [[7, 1, 8, 2, 8, 1, 8, 2, 8, i] for i in range(3)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=3), progress=False)
+    assert engine.last_step.cascade_levels  # the shared prefix ran as a cascade level
+    assert [list(o.output_token_ids) for o in outs] == dense_greedy(prompts, 3)
+    assert config.pad_cascade_levels and config.buckets.level_seq_buckets[-1] == MAX_SEQS
