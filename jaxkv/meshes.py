@@ -20,6 +20,7 @@ __all__ = [
     "auto_axes",
     "axis_size",
     "check_distinct",
+    "check_axis_name",
     "check_divides",
     "check_head_counts",
     "make_mesh",
@@ -30,11 +31,19 @@ __all__ = [
 DEFAULT_AXIS = "model"
 
 
+def check_axis_name(axis_name: str) -> None:
+    """ValueError naming `axis_name` unless it is a str: a list or array raised TypeError
+    "unhashable type" from jax.sharding.Mesh or a mesh lookup, naming nothing."""
+    if not isinstance(axis_name, str):
+        raise ValueError(f"{axis_name=} must be a mesh axis name (a str)")
+
+
 def axis_size(mesh: Mesh, axis_name: str) -> int:
     """The size of `mesh`'s axis `axis_name`; ValueError naming `mesh` unless it is a
-    jax.sharding.Mesh, and `axis_name` unless an axis of it."""
+    jax.sharding.Mesh, and `axis_name` unless a str naming an axis of it."""
     if not isinstance(mesh, Mesh):  # a str or a device list raised AttributeError: .shape
         raise ValueError(f"mesh={type(mesh).__name__} must be a jax.sharding.Mesh")
+    check_axis_name(axis_name)
     if axis_name not in mesh.shape:
         raise ValueError(f"{axis_name=} is not an axis of {mesh.shape=}")
     return mesh.shape[axis_name]
@@ -97,9 +106,10 @@ def replica_meshes(
     """Splits `devices` (default: jax.devices()) into consecutive groups of TP devices.
 
     One 1-D mesh per group, in device order; each group can serve one engine replica.
-    Raises ValueError naming both numbers when TP does not divide the device count, or
+    Raises ValueError naming both numbers when TP does not divide the device count,
     naming `devices` when they are empty, no sequence of jax Devices (one Device is not)
-    or list a device twice."""
+    or list a device twice, and `axis_name` unless it is a str."""
+    check_axis_name(axis_name)
     devices = _device_list(devices)
     if not devices:
         raise ValueError("devices must not be empty")
@@ -120,8 +130,9 @@ def make_mesh(
 ) -> Mesh:
     """A 1-D mesh over the first TP of `devices` (default: jax.devices()), as vLLM's
     tensor_parallel_size takes them; ValueError naming both numbers if TP exceeds them,
-    naming tensor_parallel_size unless it is an int >= 1, and naming `devices` when they
-    are empty or no sequence of jax Devices, or list one of the first TP twice."""
+    naming tensor_parallel_size unless it is an int >= 1, naming `devices` when they
+    are empty or no sequence of jax Devices, or list one of the first TP twice, and
+    `axis_name` unless it is a str."""
     devices = _device_list(devices)
     tp = as_int(tensor_parallel_size)
     if tp is not None and tp > len(devices) > 0:

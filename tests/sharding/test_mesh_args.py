@@ -178,6 +178,19 @@ def test_make_mesh_refuses_a_tensor_parallel_size_that_is_not_an_int(tp):
         sharding.make_mesh(tp)
 
 
+@pytest.mark.parametrize("axis_name", [None, 0, ["tp"], np.array("tp")])
+def test_an_axis_name_that_is_no_str_is_refused_by_name(axis_name):
+    # A list or array raised TypeError "unhashable type" from Mesh or the mesh lookup.
+    match = "^axis_name=.* must be a mesh axis name \\(a str\\)$"
+    with pytest.raises(ValueError, match=match):
+        sharding.make_mesh(1, axis_name=axis_name)
+    with pytest.raises(ValueError, match=match):
+        sharding.replica_meshes(1, axis_name=axis_name)
+    with pytest.raises(ValueError, match=match):
+        sharding.shard_model(random_model(small_config(), seed=0), sharding.make_mesh(1),
+                             axis_name=axis_name)  # fmt: skip
+
+
 def test_meshes_are_built_on_the_axis_name_given():
     """replica_meshes and make_mesh name their one axis axis_name, not DEFAULT_AXIS."""
     [mesh] = sharding.replica_meshes(1, jax.devices()[:1], axis_name="tp")
