@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import operator
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from numbers import Integral
 from typing import Any, Protocol
 
@@ -54,15 +55,19 @@ def checked_drivers(drivers, name: str) -> list:
 
 
 def count_prompts(prompts: Sequence[Sequence[int]]) -> int:
-    """len(prompts); ValueError naming `prompts` if it has none (an int, a generator), or
-    if it is one prompt rather than a sequence of them (a str, or token ids)."""
+    """len(prompts); ValueError naming `prompts` if it has none (an int, a generator), is
+    a set or mapping (no order to return the outputs in: a set of tuples ran in hash
+    order, a mapping's keys ran as the prompts), or if it is one prompt rather than a
+    sequence of them (a str, or token ids)."""
     try:
         num_prompts = len(prompts)
     except TypeError:
+        num_prompts = None
+    if num_prompts is None or isinstance(prompts, (AbstractSet, Mapping)):
         raise ValueError(
             f"prompts must be a sequence of prompts (each a sequence of token ids), not "
             f"{type(prompts).__name__}"
-        ) from None
+        )
     try:  # indexed, not iterated: iterating would consume a sequence that is an iterator
         first = prompts[0] if num_prompts else None
     except (TypeError, LookupError):

@@ -320,11 +320,16 @@ def test_more_params_than_prompts_are_refused_by_count_and_queue_nothing():
     assert driver.queued == [] and bar.closed
 
 
-def test_prompts_whose_first_item_cannot_be_indexed_are_refused_by_their_prompt():
-    """A mapping (prompts[0] a KeyError) is counted; its keys are refused as prompts."""
+@pytest.mark.parametrize("prompts", [{"a": [1, 2]}, {(1, 2): "a"}, {(1, 2), (3, 4)}])
+def test_prompts_in_a_set_or_mapping_are_refused_by_name_and_queue_nothing(prompts):
+    """Outputs come in prompt order, which neither has: a set of tuples ran in hash
+    order, and a mapping's keys ran as the prompts (or were refused as prompt_token_ids;
+    prompts[0] was no KeyError)."""
     engine = make_engine()
-    with pytest.raises(ValueError, match="prompt_token_ids must be token ids, not str"):
-        engine.generate({"a": [1, 2]}, progress=False)  # not a KeyError from prompts[0]
+    kind = type(prompts).__name__
+    with pytest.raises(ValueError, match=f"^prompts must be a sequence of prompts .*not {kind}$"):
+        engine.generate(prompts, progress=False)
+    assert not engine.has_unfinished_requests() and engine.add_request([1, 2]) == "0"
 
 
 def test_prompt_token_ids_of_an_array_prompt_are_python_ints():
