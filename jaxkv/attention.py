@@ -39,7 +39,11 @@ AttentionFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def default_backend(platform: str | None = None) -> str:
-    """The backend for a JAX platform name ("cpu", "tpu", "gpu"/"cuda"); default: jax's."""
+    """The backend for a JAX platform name ("cpu", "tpu", "gpu"/"cuda"); default: jax's.
+    Raises ValueError unless `platform` is None or a str (b"tpu" or 5 answered "xla",
+    a list raised TypeError "unhashable type")."""
+    if platform is not None and not isinstance(platform, str):
+        raise ValueError(f"{platform=} must be None or a JAX platform name (a str)")
     platform = platform or jax.default_backend()
     return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
 

@@ -49,6 +49,13 @@ def test_default_backend_of_each_platform():
     assert default_backend() == default_backend(jax.default_backend())
 
 
+@pytest.mark.parametrize("platform", [b"tpu", 5, ["tpu"]])
+def test_default_backend_refuses_a_platform_that_is_no_str(platform):
+    # b"tpu" and 5 answered "xla"; ["tpu"] raised TypeError "unhashable type".
+    with pytest.raises(ValueError, match="^platform=.* must be None or a JAX platform name"):
+        default_backend(platform)
+
+
 def test_default_backend_without_a_platform_follows_jaxs(monkeypatch):
     for platform, backend in (("tpu", "pallas_tpu"), ("gpu", "pallas_gpu"), ("cpu", "xla")):
         monkeypatch.setattr(jax, "default_backend", lambda platform=platform: platform)
