@@ -108,6 +108,8 @@ def check_backend(
     dtypes = dict(q_dtype=q_dtype, kv_dtype=kv_dtype)
     for name, value in dtypes.items():
         try:
+            if value is None:  # jnp.dtype(None) is float64: refused under that name
+                raise TypeError
             dtypes[name] = jnp.dtype(value)
         except TypeError:
             raise ValueError(f"{name}={value!r} must be a dtype") from None
