@@ -114,6 +114,8 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
 
     def replica_of(self, request_id: str) -> int:
         """The replica an unfinished request runs on; KeyError if unknown or finished."""
+        if isinstance(request_id, str):  # a subclass hashing apart from its text
+            request_id = plain_id(request_id)
         try:
             return self._replica_of[request_id]
         except TypeError:  # unhashable: no request's id

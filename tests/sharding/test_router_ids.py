@@ -93,4 +93,5 @@ def test_an_id_given_as_a_str_subclass_is_the_str_it_holds():
     assert {type(r) for replica in replicas for r in replica.prompts} == {str}
     with pytest.raises(ValueError, match="'a' is already running"):
         router.add_request([3, 4], request_id="a")
-    assert router.abort("a") and not router.has_unfinished_requests()
+    assert router.replica_of(_OwnHash("a")) == router.replica_of("a")
+    assert router.abort(_OwnHash("a")) and not router.has_unfinished_requests()
