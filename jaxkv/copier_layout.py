@@ -4,6 +4,8 @@ block ids a copy may be asked for."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
 import numpy as np
@@ -152,8 +154,11 @@ def checked_block_ids(block_ids: object, call: str, num_blocks: int | None) -> l
     `call` otherwise: a block loaded twice would hold whichever copy landed last, and a
     copier's start_load refusing an id would count as a failed load, dropping the stored
     blocks. The null block 0 and negative ids are in no engine's cache: refused whether
-    or not the copier declares num_blocks (ids past a cache it does not declare reach it)."""
-    ids = _as_ints(block_ids)
+    or not the copier declares num_blocks (ids past a cache it does not declare reach it).
+    A set or mapping is refused too: block_ids[i] holds the request's i-th block, and a
+    set iterates in hash order ({2, 9} as 9, 2: each block saved under the other's hash)."""
+    ordered = not isinstance(block_ids, (AbstractSet, Mapping))
+    ids = _as_ints(block_ids) if ordered else None
     if ids is None or None in ids or len(set(ids)) != len(ids):
         raise ValueError(
             f"{call}: block_ids={block_ids!r} must be block ids in the "

@@ -1,7 +1,8 @@
 """HostOffloadConnector's on_finish and start_load refuse block_ids that are not distinct
 integer block ids with a ValueError naming block_ids, copying and changing nothing: one
 block saved under two hashes, or loaded twice, would hold the wrong KV for one of them.
-bytes iterate as small integers, so b"\\x01\\x02" must be refused, not read as [1, 2].
+bytes iterate as small integers, so b"\\x01\\x02" must be refused, not read as [1, 2],
+and a set or mapping holds no order (block_ids[i] is the request's i-th block).
 Where the copier declares num_blocks, ids outside [1, num_blocks) are refused the same
 way, and the null block 0 and negative ids whether it declares it or not: a start_load
 of the copier's that raised on them would drop the stored blocks."""
@@ -23,6 +24,8 @@ BAD = {
     "not iterable": 3,
     "a float": [1, 2.5],
     "a None": [1, None],
+    "a set": {2, 9},  # iterates as 9, 2: each block saved under the other's hash
+    "a mapping": {1: 0, 2: 0},
 }
 
 
