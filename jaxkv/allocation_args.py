@@ -8,6 +8,7 @@ they were. Each check raises ValueError naming the argument and what was expecte
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 from jaxkv.block_pool import MAX_INT32, BlockPool, KVCacheBlock
 from jaxkv.field_checks import as_int
@@ -205,6 +206,11 @@ def validated_computed_blocks(
         raise ValueError(
             f"new_computed_blocks={block_ids!r} must be a sequence of block ids"
         ) from None
+    if isinstance(block_ids, (AbstractSet, Mapping)):  # as allocate_slots_batch refuses
+        raise ValueError(
+            f"new_computed_blocks={block_ids!r} must be a sequence of block ids "
+            "(a set or mapping has no order)"
+        )
     if not pool.enable_caching:
         raise ValueError("new_computed_blocks given while prefix caching is disabled")
     if num_computed_tokens != num_held_blocks * block_size:

@@ -257,8 +257,9 @@ class KVCacheManager:
         count that is not an int >= 0 (request.num_computed_tokens included), a
         request.num_computed_tokens beyond the blocks the request holds, computed tokens
         (request.num_computed_tokens + num_new_computed_tokens) beyond the request's
-        tokens, a cache hit that does not start where its computed tokens end, is not
-        covered by num_new_computed_tokens or no longer caches the request's tokens,
+        tokens, a cache hit that is not a sequence (a set or mapping has no order), does
+        not start where its computed tokens end, is not covered by
+        num_new_computed_tokens or no longer caches the request's tokens,
         block hashes the request computed with another block size, a prompt, or computed
         plus new plus lookahead tokens, beyond max_model_len, or a `request` whose id
         holds blocks allocated for another Request object (free that one first).
