@@ -8,10 +8,9 @@ they were. Each check raises ValueError naming the argument and what was expecte
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from collections.abc import Set as AbstractSet
 
 from jaxkv.block_pool import MAX_INT32, BlockPool, KVCacheBlock
-from jaxkv.field_checks import as_int
+from jaxkv.field_checks import as_int, is_unordered
 from jaxkv.request import Request
 from jaxkv.request_id_lists import plain_id
 
@@ -206,7 +205,7 @@ def validated_computed_blocks(
         raise ValueError(
             f"new_computed_blocks={block_ids!r} must be a sequence of block ids"
         ) from None
-    if isinstance(block_ids, (AbstractSet, Mapping)):  # as allocate_slots_batch refuses
+    if is_unordered(block_ids):  # as allocate_slots_batch refuses
         raise ValueError(
             f"new_computed_blocks={block_ids!r} must be a sequence of block ids "
             "(a set or mapping has no order)"

@@ -10,8 +10,7 @@ decode case, are written to the block table in one call.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Iterable, Sequence
 from operator import add, attrgetter, gt, is_not
 from typing import TYPE_CHECKING
 
@@ -24,6 +23,7 @@ from jaxkv.allocation_args import (
 )
 from jaxkv.block_pool import KVCacheBlock
 from jaxkv.block_table import HostBlockTable
+from jaxkv.field_checks import is_unordered
 from jaxkv.hashing import extend_block_hashes
 from jaxkv.request import Request
 from jaxkv.slot_allocation import cache_full_blocks
@@ -116,7 +116,7 @@ def _as_list(name: str, values) -> list:
     one it was written in: {4, 1} paired 1 with the first request)."""
     if type(values) is list:
         return values
-    if isinstance(values, (AbstractSet, Mapping)):
+    if is_unordered(values):
         raise ValueError(f"{name}={values!r} must be a sequence (a set or mapping has no order)")
     try:
         return list(values)

@@ -8,14 +8,13 @@ blocks, and shared prefixes are read from `prefix_ids` (jaxkv.prefix_index).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Sequence
 from operator import itemgetter
 
 import numpy as np
 
 from jaxkv.block_pool import NULL_BLOCK_ID
-from jaxkv.field_checks import is_bool
+from jaxkv.field_checks import is_bool, is_unordered
 from jaxkv.prefix_index import NO_PREFIX, ROOT_PREFIX, PrefixInterner, shared_prefix_of_rows
 
 _INITIAL_ROWS = 16
@@ -111,7 +110,7 @@ class HostBlockTable:
             ids = request_ids
         elif isinstance(request_ids, str):  # list("ab") would be the ids "a" and "b"
             raise ValueError(f"{request_ids=} must be a sequence of request ids, not one str")
-        elif isinstance(request_ids, (AbstractSet, Mapping)):  # rows in no order one knows
+        elif is_unordered(request_ids):  # rows in no order one knows
             raise ValueError(f"{request_ids=} must be a sequence of ids, not a set or mapping")
         else:
             try:

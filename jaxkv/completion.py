@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import operator
 import time
-from collections.abc import Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Sequence
 from numbers import Integral
 from typing import Any, Protocol
 
 import numpy as np
 
 from jaxkv.closable import try_each_noted
+from jaxkv.field_checks import is_unordered
 from jaxkv.outputs import CompletionOutput, RequestOutput
 
 
@@ -63,7 +63,7 @@ def count_prompts(prompts: Sequence[Sequence[int]]) -> int:
         num_prompts = len(prompts)
     except TypeError:
         num_prompts = None
-    if num_prompts is None or isinstance(prompts, (AbstractSet, Mapping)):
+    if num_prompts is None or is_unordered(prompts):
         raise ValueError(
             f"prompts must be a sequence of prompts (each a sequence of token ids), not "
             f"{type(prompts).__name__}"

@@ -4,13 +4,11 @@ block ids a copy may be asked for."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
 import numpy as np
 
-from jaxkv.field_checks import as_int
+from jaxkv.field_checks import as_int, is_unordered
 from jaxkv.kv_transfer import KVCopier
 
 
@@ -157,7 +155,7 @@ def checked_block_ids(block_ids: object, call: str, num_blocks: int | None) -> l
     or not the copier declares num_blocks (ids past a cache it does not declare reach it).
     A set or mapping is refused too: block_ids[i] holds the request's i-th block, and a
     set iterates in hash order ({2, 9} as 9, 2: each block saved under the other's hash)."""
-    ordered = not isinstance(block_ids, (AbstractSet, Mapping))
+    ordered = not is_unordered(block_ids)
     ids = _as_ints(block_ids) if ordered else None
     if ids is None or None in ids or len(set(ids)) != len(ids):
         raise ValueError(

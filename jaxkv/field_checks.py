@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 
 import numpy as np
 
 _BOOLS = {bool, np.bool_}
+
+
+def is_unordered(value) -> bool:
+    """Whether `value` is a set or a mapping: its iteration order is not one its caller
+    wrote (a set's is its hashes', a dict's are its keys), so its items cannot stand for
+    positions (a request's blocks, a batch's rows, prompts paired with outputs)."""
+    return isinstance(value, (AbstractSet, Mapping))
 
 
 def is_integer(value) -> bool:

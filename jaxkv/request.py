@@ -6,10 +6,9 @@ from __future__ import annotations
 import enum
 import operator
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Iterable, Sequence
 
-from jaxkv.field_checks import as_int, is_finite_number
+from jaxkv.field_checks import as_int, is_finite_number, is_unordered
 from jaxkv.hashing import BlockHash, extend_block_hashes, is_hash_key
 from jaxkv.request_id_lists import is_id_text, plain_id
 from jaxkv.sampling_params import SamplingParams as SamplingParams  # its former home
@@ -288,7 +287,7 @@ def _token_ids(name: str, token_ids: Iterable[int], request_id: str) -> list[int
     [0, MAX_TOKEN_ID]. Text (str, bytes), bools, and mappings and sets (no order; a
     dict's keys) are not token ids."""
     try:
-        if isinstance(token_ids, (str, bytes, bytearray, Mapping, AbstractSet)):
+        if isinstance(token_ids, (str, bytes, bytearray)) or is_unordered(token_ids):
             raise TypeError
         items = list(token_ids)
         if bool in set(map(type, items)):  # operator.index(True) is 1
