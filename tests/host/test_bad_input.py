@@ -273,15 +273,12 @@ def test_invalid_computed_block_ids(busy, block_ids, match):
 
 @pytest.mark.parametrize("unordered", [set, frozenset, dict.fromkeys])
 def test_cache_hit_given_as_a_set_or_mapping_is_refused(busy, unordered):
-    # As allocate_slots_batch refuses them: a cache hit's order is its blocks' positions.
-    req = make_request("c", range(9))
+    req = make_request("c", range(9))  # as allocate_slots_batch: order is block positions
     hit_ids, num_hit = busy.get_computed_blocks(req)
-    assert len(hit_ids) == 2 and list(unordered(hit_ids)) == hit_ids  # the order is right
+    assert len(hit_ids) == 2 and list(hit := unordered(hit_ids)) == hit_ids  # order right
     before = snapshot(busy)
     with pytest.raises(ValueError, match=r"new_computed_blocks=.* has no order"):
-        busy.allocate_slots(
-            req, 1, num_new_computed_tokens=num_hit, new_computed_blocks=unordered(hit_ids)
-        )
+        busy.allocate_slots(req, 1, num_new_computed_tokens=num_hit, new_computed_blocks=hit)
     _assert_unchanged(busy, before)
 
 
