@@ -21,6 +21,7 @@ __all__ = [
     "axis_size",
     "check_distinct",
     "check_axis_name",
+    "check_axis_names",
     "check_divides",
     "check_head_counts",
     "make_mesh",
@@ -38,11 +39,23 @@ def check_axis_name(axis_name: str) -> None:
         raise ValueError(f"{axis_name=} must be a mesh axis name (a str)")
 
 
+def check_axis_names(mesh: Mesh) -> None:
+    """ValueError naming mesh.axis_names unless they are distinct. jax.sharding.Mesh takes
+    ("model", "model"), whose shape then lists one "model" axis of the first size: over
+    2 x 2 devices it planned TP 2 and the engine's first placement failed with an
+    XLA error about reshape dimensions."""
+    names = mesh.axis_names
+    if len(set(names)) != len(names):
+        raise ValueError(f"mesh.axis_names={names} must be distinct")
+
+
 def axis_size(mesh: Mesh, axis_name: str) -> int:
     """The size of `mesh`'s axis `axis_name`; ValueError naming `mesh` unless it is a
-    jax.sharding.Mesh, and `axis_name` unless a str naming an axis of it."""
+    jax.sharding.Mesh, its axis names unless distinct, and `axis_name` unless a str
+    naming an axis of it."""
     if not isinstance(mesh, Mesh):  # a str or a device list raised AttributeError: .shape
         raise ValueError(f"mesh={type(mesh).__name__} must be a jax.sharding.Mesh")
+    check_axis_names(mesh)
     check_axis_name(axis_name)
     if axis_name not in mesh.shape:
         raise ValueError(f"{axis_name=} is not an axis of {mesh.shape=}")
@@ -147,11 +160,13 @@ def mesh_for(mesh: Mesh | None = None, tensor_parallel_size: int | None = None) 
     None (both None) means the default device without sharding. Raises ValueError when
     both are given and disagree (`tensor_parallel_size` is not the size of the mesh's
     DEFAULT_AXIS axis), `tensor_parallel_size` is no int (bools are not) or below 1, or
-    `mesh` is no Mesh, has no DEFAULT_AXIS axis or lists a device twice."""
+    `mesh` is no Mesh, has no DEFAULT_AXIS axis, names an axis twice or lists a device
+    twice."""
     if mesh is None:
         return None if tensor_parallel_size is None else make_mesh(tensor_parallel_size)
     if not isinstance(mesh, Mesh):  # a str or a device list used to raise AttributeError
         raise ValueError(f"mesh={mesh!r} must be None or a jax.sharding.Mesh")
+    check_axis_names(mesh)
     if DEFAULT_AXIS not in mesh.shape:
         raise ValueError(f"{mesh.axis_names=} must contain {DEFAULT_AXIS!r}")
     check_distinct(list(mesh.devices.flat), "mesh.devices")

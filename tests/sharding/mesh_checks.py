@@ -320,6 +320,9 @@ def bad_tp_sizes():
 
     raises(lambda: Engine(model(8), None, engine_config, tensor_parallel_size=3), 3, 8)
     raises(lambda: Engine(model(8), None, engine_config, mesh=mesh4, tensor_parallel_size=2), 2, 4)
+    # jax's Mesh takes an axis named twice; the engine's placement failed in XLA on it.
+    twice = jax.sharding.Mesh(np.array(d[:4]).reshape(2, 2), ("model", "model"))
+    raises(lambda: Engine(model(8), None, engine_config, mesh=twice), "axis_names")
     from jaxkv.router import engine_replicas
 
     raises(lambda: engine_replicas(model(8), engine_config, num_replicas=1.5), "num_replicas")

@@ -191,6 +191,23 @@ def test_an_axis_name_that_is_no_str_is_refused_by_name(axis_name):
                              axis_name=axis_name)  # fmt: skip
 
 
+def test_a_mesh_that_names_an_axis_twice_is_refused_by_name():
+    # jax's Mesh takes ("model", "model"); its shape then lists one "model" axis, and an
+    # engine over 2 x 2 such devices failed at placement with an XLA reshape error.
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("model", "model"))
+    model = random_model(small_config(), seed=0)
+    match = r"^mesh.axis_names=\('model', 'model'\) must be distinct$"
+    for use in (
+        lambda: sharding.mesh_for(mesh),
+        lambda: sharding.plan_tensor_parallel(4, 2, mesh),
+        lambda: sharding.shard_model(model, mesh),
+        lambda: sharding.kv_cache_sharding(mesh),
+    ):
+        with pytest.raises(ValueError, match=match):
+            use()
+    assert model.layers[0].self_attn.tensor_parallel is None
+
+
 def test_meshes_are_built_on_the_axis_name_given():
     """replica_meshes and make_mesh name their one axis axis_name, not DEFAULT_AXIS."""
     [mesh] = sharding.replica_meshes(1, jax.devices()[:1], axis_name="tp")
