@@ -52,7 +52,9 @@ def device_state(
     """`model`, with `params` as its weights (None: its own), placed over `mesh` as
     jaxkv.sharding.place_model places it, and KV caches of `config.cache` for it
     (without a mesh, on the one device the weights lie on, where they lie on one);
-    served_heads' ValueError (`backend` cannot serve the config) before they are made.
+    served_heads' ValueError (`backend` cannot serve the config) before they are made,
+    and ValueError naming `params` (or `model` when params is None) when, without a mesh,
+    its weights lie on different devices.
     An exception after the placement propagates with this call's frame holding none of
     the placed weights (a traceback kept in a notebook would hold their memory)."""
     # Weights Megatron-sharded over the mesh, KV cache and attention split by KV heads;
@@ -62,6 +64,8 @@ def device_state(
         placed = tensor_parallel_of(model)
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(state if params is None else params)
+        if placed is None:
+            _check_one_placement(leaves, "model" if params is None else "params")
         program = step_program(graphdef, treedef)
         heads = served_heads(backend, config, model.config, 1 if placed is None else placed.size)
         cc = config.cache
@@ -71,6 +75,25 @@ def device_state(
         model = params = state = leaves = None
         raise
     return DeviceState(placed, leaves, program, heads, caches)
+
+
+def _check_one_placement(leaves: list[Any], name: str) -> None:
+    """ValueError naming `name` unless the committed jax.Arrays of `leaves` (the weights
+    of a model without a mesh) lie on one set of devices: the step program takes them
+    together, and weights left on two devices were taken here, then every step() raised
+    jit's error about incompatible devices, naming its own arguments."""
+    placements = {
+        frozenset(d.id for d in leaf.sharding.device_set)
+        for leaf in leaves
+        if isinstance(leaf, jax.Array) and leaf.committed
+    }
+    if len(placements) > 1:
+        ids = sorted(sorted(p) for p in placements)
+        raise ValueError(
+            f"{name}: the weights lie on different devices (ids {ids}); place them all on "
+            "one device (or one set of devices), or give mesh or tensor_parallel_size to "
+            "shard them"
+        )
 
 
 def _on_device_of(leaves: list[Any]) -> contextlib.AbstractContextManager:

@@ -35,6 +35,7 @@ CHECKS = (
     "kv_loads_into_caches_of_one_or_two_other_devices_stay_on_them",
     "sharded_step_lowers_for_tpu",
     "kv_caches_made_where_the_weights_lie",
+    "weights_on_different_devices_are_refused_by_name",
     "prompt_logprobs_tp",
 )
 TIMEOUT_S = 600
