@@ -3,11 +3,13 @@
 A pure function of arrays with static shapes (jittable, no Python branching on values),
 one row per scheduled sequence. Each row's randomness comes from its own seed folded
 with its stream (0: the request's own seed, 1: the engine's default for a request that
-gives none) and the position of the token being sampled, so a request samples the same
-tokens whatever batch it runs in, and again after a preemption recomputes it, and no
-explicit seed replays the draws of an unseeded request. Seeds are 64-bit: a row's key is
-the threefry key whose data are the seed's high and low 32-bit words (jax.random.key of
-that seed under 64-bit ints; for a seed below 2**32, jax.random.key(seed)).
+gives none) and the position of the token being sampled, so a request draws the same
+random numbers whatever batch it runs in, and again after a preemption recomputes it
+(its tokens are the same up to float rounding of the logits, which a near-tie can turn),
+and no explicit seed replays the draws of an unseeded request. Seeds are 64-bit: a
+row's key is the threefry key whose data are the seed's high and low 32-bit words
+(jax.random.key of that seed under 64-bit ints; for a seed below 2**32,
+jax.random.key(seed)).
 """
 
 from __future__ import annotations

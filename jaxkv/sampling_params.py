@@ -29,8 +29,10 @@ class SamplingParams:
     min_p times as likely as the most likely one, after temperature and before top-k and
     top-p. stop_token_ids None (vLLM's default) means none.
     seed: 64 bits, as torch's generators take (a negative seed counts modulo 2**64, but
-    -1 means None, as in vLLM); a request with a seed samples the same tokens whatever
-    batch it runs in.
+    -1 means None, as in vLLM); a request with a seed draws the same random numbers
+    whatever batch it runs in, so it samples the same tokens up to float rounding of its
+    logits, which differ by about 1e-6 between batch layouts (cascade on or off, prefill
+    chunks): a near-tie can still pick another token, as it can under greedy decoding.
     min_tokens: as vLLM's, the stop tokens (the model's EOS included, also under
     ignore_eos) cannot be sampled before the request has generated that many tokens; at
     most max_tokens.
