@@ -4,12 +4,13 @@ router so that replicas other than jaxkv.engine.Engine can be written against it
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from jaxkv.outputs import RequestOutput
 
-__all__ = ["Replica"]
+__all__ = ["Replica", "check_one_model"]
 
 
 class Replica(Protocol):
@@ -25,7 +26,8 @@ class Replica(Protocol):
     A `closed` attribute (Engine's property) that is True marks a replica closed: the
     router routes it no request and no longer steps it, aborts, resets or checkpoints on
     it (its requests there end at the router's next step); one without it, or None, is
-    open, and one that is no bool is refused with ValueError naming it.
+    open, and one that is no bool is refused with ValueError naming it. Replicas with a
+    `model_config` attribute (Engine's) must have equal ones (check_one_model).
 
     The router checks each answer where it reads it (jaxkv.replica_checks), raising
     ValueError that names the replica (its index and type), the method and the answer.
@@ -63,3 +65,40 @@ class Replica(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def abort(self, request_id: str) -> bool: ...
+
+
+def check_one_model(replicas: Sequence[Any]) -> None:
+    """ValueError naming `replicas` when two of them serve different model configs, as
+    their `model_config` attributes (Engine's LlamaConfig) say; a replica without one, or
+    None, is not compared. A request's tokens would otherwise depend on the replica it is
+    routed to, and a prefix route would send a prompt to KV another model computed.
+    Weights are not compared (that reads every weight): engine_replicas places one
+    model's weights on every replica."""
+    first: tuple[int, Any] | None = None
+    for i, replica in enumerate(replicas):
+        config = getattr(replica, "model_config", None)
+        if config is None:
+            continue
+        if first is None:
+            first = (i, config)
+            continue
+        j, other = first
+        try:
+            same = bool(config == other)
+        except Exception:  # an answer with no truth (an array), or an __eq__ that raises
+            same = False
+        if not same:
+            raise ValueError(
+                f"replicas: replica {i} serves another model than replica {j} "
+                f"(model_config {_difference(other, config)}); a router's replicas must "
+                "serve one model"
+            )
+
+
+def _difference(a: Any, b: Any) -> str:
+    """The fields in which dataclasses `a` and `b` of one type differ, else both types."""
+    if type(a) is type(b) and dataclasses.is_dataclass(a):
+        names = [f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
+        if names:
+            return "differs in " + ", ".join(names)
+    return f"{type(a).__name__} != {type(b).__name__}"

@@ -31,6 +31,7 @@ from jaxkv.parallel_sampling import IdsInUse
 from jaxkv.prefix_routes import Route as Route  # re-exported: route() returns one
 from jaxkv.prefix_routes import routable_prompt_ids
 from jaxkv.replica import Replica as Replica  # its former home
+from jaxkv.replica import check_one_model
 from jaxkv.replica_checks import CheckedReplicas
 from jaxkv.request_id_lists import checked_request_ids, is_id_text, plain_id
 from jaxkv.request_serials import RequestSerials, rewind_together
@@ -44,6 +45,8 @@ from jaxkv.sampling_params import SamplingParams
 class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
     """Routes requests over `replicas`: shared prefixes together, the rest to the least loaded.
 
+    replicas: the engines routed over (any Replica); those with a model_config must
+    serve one model (jaxkv.replica.check_one_model: ValueError naming replicas).
     block_size: tokens per hashed block (use the replicas' KV block size).
     max_prefix_blocks: how many leading full blocks are hashed (longer prefixes share the
     route of their first max_prefix_blocks blocks).
@@ -86,6 +89,7 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         hash_seed: int = 0,
     ) -> None:
         self._replicas = tuple(checked_drivers(replicas, "replicas"))
+        check_one_model(self._replicas)
         RoutingRule.__init__(
             self, len(self.replicas), block_size, max_prefix_blocks, max_imbalance,
             max_tracked_prefixes, hash_seed,
