@@ -83,11 +83,7 @@ def check_one_model(replicas: Sequence[Any]) -> None:
             first = (i, config)
             continue
         j, other = first
-        try:
-            same = bool(config == other)
-        except Exception:  # an answer with no truth (an array), or an __eq__ that raises
-            same = False
-        if not same:
+        if not _equal(config, other):
             raise ValueError(
                 f"replicas: replica {i} serves another model than replica {j} "
                 f"(model_config {_difference(other, config)}); a router's replicas must "
@@ -95,10 +91,18 @@ def check_one_model(replicas: Sequence[Any]) -> None:
             )
 
 
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # an answer with no truth (an array), or an __eq__ that raises
+        return False
+
+
 def _difference(a: Any, b: Any) -> str:
     """The fields in which dataclasses `a` and `b` of one type differ, else both types."""
     if type(a) is type(b) and dataclasses.is_dataclass(a):
-        names = [f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
+        fields = dataclasses.fields(a)
+        names = [f.name for f in fields if not _equal(getattr(a, f.name), getattr(b, f.name))]
         if names:
             return "differs in " + ", ".join(names)
     return f"{type(a).__name__} != {type(b).__name__}"

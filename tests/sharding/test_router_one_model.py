@@ -58,3 +58,14 @@ def test_model_configs_of_other_types_or_without_a_truth_are_refused():
     arrays = [replica(0, np.zeros(2)), replica(1, np.zeros(2))]  # == answers an array
     with pytest.raises(ValueError, match=r"model_config ndarray != ndarray\)"):
         PrefixAwareRouter(arrays, block_size=BLOCK)
+
+
+def test_model_configs_holding_arrays_name_the_field_that_differs():
+    @dataclasses.dataclass
+    class WithArray:
+        weights: np.ndarray
+        name: str = "a"
+
+    replicas = [replica(0, WithArray(np.zeros(2))), replica(1, WithArray(np.ones(2)))]
+    with pytest.raises(ValueError, match=r"model_config differs in weights\)"):
+        PrefixAwareRouter(replicas, block_size=BLOCK)
