@@ -64,12 +64,13 @@ def device_state(
         placed = tensor_parallel_of(model)
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(state if params is None else params)
+        device = None
         if placed is None:
-            _check_one_placement(leaves, "model" if params is None else "params")
+            device = _device_of_weights(leaves, "model" if params is None else "params")
         program = step_program(graphdef, treedef)
         heads = served_heads(backend, config, model.config, 1 if placed is None else placed.size)
         cc = config.cache
-        with _on_device_of(leaves if placed is None else ()):
+        with contextlib.nullcontext() if device is None else jax.default_device(device):
             caches = model.init_kv_caches(cc.num_blocks, cc.block_size, cc.kv_dtype)
     except BaseException:
         model = params = state = leaves = None
@@ -77,16 +78,22 @@ def device_state(
     return DeviceState(placed, leaves, program, heads, caches)
 
 
-def _check_one_placement(leaves: list[Any], name: str) -> None:
-    """ValueError naming `name` unless the committed jax.Arrays of `leaves` (the weights
-    of a model without a mesh) lie on one set of devices: the step program takes them
-    together, and weights left on two devices were taken here, then every step() raised
-    jit's error about incompatible devices, naming its own arguments."""
-    placements = {
-        frozenset(d.id for d in leaf.sharding.device_set)
-        for leaf in leaves
-        if isinstance(leaf, jax.Array) and leaf.committed
-    }
+def _device_of_weights(leaves: list[Any], name: str) -> jax.Device | None:
+    """The one device every jax.Array of `leaves` (the weights of a model without a mesh)
+    lies on, else None. The step program runs where those weights lie; caches made on
+    jax's default device instead held the whole KV pool there (another replica's device,
+    say) until the first step moved it. ValueError naming `name` unless the committed
+    arrays lie on one set of devices: the step program takes them together, and weights
+    left on two devices were taken, then every step() raised jit's error about
+    incompatible devices, naming its own arguments."""
+    devices: set = set()
+    placements: set[frozenset[int]] = set()
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array):
+            device_set = leaf.sharding.device_set
+            devices |= device_set
+            if leaf.committed:
+                placements.add(frozenset(d.id for d in device_set))
     if len(placements) > 1:
         ids = sorted(sorted(p) for p in placements)
         raise ValueError(
@@ -94,18 +101,7 @@ def _check_one_placement(leaves: list[Any], name: str) -> None:
             "one device (or one set of devices), or give mesh or tensor_parallel_size to "
             "shard them"
         )
-
-
-def _on_device_of(leaves: list[Any]) -> contextlib.AbstractContextManager:
-    """jax.default_device(d) when every jax.Array of `leaves` (the weights of a model
-    without a mesh) lies on the one device d, else a context that does nothing. The step
-    program runs where those weights lie; caches made on jax's default device instead
-    held the whole KV pool there (another replica's device, say) until the first step
-    moved it."""
-    devices = {d for leaf in leaves if isinstance(leaf, jax.Array) for d in leaf.devices()}
-    if len(devices) != 1:
-        return contextlib.nullcontext()
-    return jax.default_device(devices.pop())
+    return devices.pop() if len(devices) == 1 else None
 
 
 def engine_copier(
