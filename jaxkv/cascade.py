@@ -140,8 +140,9 @@ class CascadePlanner(GroupSearch):
         below 0, an id given twice or unknown, or arguments of the wrong type.
         Cost: a fixed number of numpy calls plus a loop over at most 4 x max_groups
         candidate groups (and as many more past a member's cap; twice that on a step
-        whose global level holds a request left out of cascade); repeated id lists reuse
-        the manager's common prefix (KVCacheManager.num_common_prefix_blocks).
+        whose global level holds a request left out of cascade, or has no group kept
+        over it while two requests may share past it); repeated id lists reuse the
+        manager's common prefix (KVCacheManager.num_common_prefix_blocks).
         """
         num_computed_tokens, query_lens = checked_plan_args(
             request_ids, num_computed_tokens, query_lens, manager
@@ -193,7 +194,12 @@ class CascadePlanner(GroupSearch):
             # column 0: the search's first candidate is the whole batch, ending at k0.
             whole = k0 if base == 0 and out is None else 0
             groups = self._groups(manager, rows, searched, query_lens, base, whole, out)
-        if out is not None and use_global:  # the global level holds them: weigh dropping it
+        # Weigh dropping the global level for groups from block 0 where it holds requests
+        # left out, or where requests share past it in no group kept: a group there that
+        # pays its merge but not a second call may pay the global level's one call.
+        if use_global and (
+            out is not None or not (groups or self._memo.no_groups_past(manager, rows, k0))
+        ):
             plan = self._plan_without_global(
                 manager, rows, num_computed_tokens, searched, query_lens, k0, groups, common,
                 made_for,

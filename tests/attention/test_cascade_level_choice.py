@@ -9,7 +9,7 @@ import pytest
 from jaxkv import KVCacheManager
 from jaxkv.cascade import CascadeCostModel, CascadePlanner
 from tests.attention.test_cascade_group_choice import _groups, _shared
-from tests.attention.test_cascade_planner import SHAPE, _decoding, _plan
+from tests.attention.test_cascade_planner import SHAPE, _decoding, _plan, _prefilled
 
 
 def header_and_two_prompts(m: KVCacheManager) -> list:
@@ -93,3 +93,44 @@ def test_groups_are_laid_out_in_the_order_of_their_first_request():
     plan = _plan(CascadePlanner(SHAPE, cost_model=model), m, reqs)
     assert plan.order.tolist() == [0, 3, 1, 2]
     assert _groups(plan, reqs) == [(["r0", "r3"], 0, 6), (["r1", "r2"], 0, 6)]
+
+
+def test_the_global_level_gives_way_to_groups_from_column_0_that_pay_only_its_call():
+    # Six requests share a 2-block header (8 tokens at 512 bytes); a0..a3 share 2 blocks
+    # more, o0 and o1 only the header. The global level saves 5 x 2 blocks, 20480 bytes,
+    # for a 16384-byte call. The four past it save 3 x 2 blocks, 12288 bytes: too little
+    # for a second call. From column 0 they save 3 x 4 blocks and the two o's 1 x 2,
+    # 28672 bytes for the one call, 8192 more than the global level alone.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    header = list(range(100, 108))
+    reqs = [_decoding(m, f"a{i}", header + list(range(200, 208)) + [i, 50]) for i in range(4)]
+    reqs += [_decoding(m, f"o{i}", header + [300 + 10 * i + t for t in range(6)]) for i in range(2)]
+    ids = [r.request_id for r in reqs]
+    assert (_shared(m, ids), _shared(m, ids[:4]), _shared(m, ids[4:])) == (2, 4, 2)
+    model = CascadeCostModel(launch_overhead_bytes=16384, merge_cost_factor=0)
+    planner = CascadePlanner(SHAPE, cost_model=model)
+    assert planner.pays(6, 8, 6) and not planner.pays(4, 8, 4)
+    plan = _plan(planner, m, reqs)
+    assert [lv.name for lv in plan.levels] == ["groups"]
+    assert _groups(plan, reqs) == [(ids[:4], 0, 4), (ids[4:], 0, 2)]
+
+
+def test_a_global_level_cut_short_by_a_prefill_gives_way_to_a_group_past_the_cut():
+    # Five decoding requests share a 6-block prompt (24 tokens at 512 bytes); p holds
+    # it too but has computed 3 blocks of it, so the global level ends at block 3 and
+    # saves 5 x 3 blocks, 30720 bytes, for a 28000-byte call. The five past it save
+    # 4 x 3 blocks, 24576 bytes: no second call. Without the global level they save
+    # 4 x 6 blocks, 49152 bytes, for that one call, and p reads its 3 blocks itself.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    prompt = list(range(100, 124))
+    reqs = [_decoding(m, f"d{i}", prompt + [i, 50]) for i in range(5)]
+    reqs.append(_prefilled(m, "p", prompt + list(range(500, 508))))
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids) == _shared(m, ids[:5]) == 6
+    model = CascadeCostModel(launch_overhead_bytes=28000, merge_cost_factor=0)
+    planner = CascadePlanner(SHAPE, cost_model=model)
+    assert planner.pays(6, 12, 25) and not planner.pays(5, 12, 5)
+    plan = _plan(planner, m, reqs, query_lens=[1] * 5 + [20])
+    assert [lv.name for lv in plan.levels] == ["groups"]
+    assert _groups(plan, reqs) == [(ids[:5], 0, 6)]
+    assert plan.suffix_start_blocks.tolist() == [6] * 5 + [0]
