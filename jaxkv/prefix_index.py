@@ -272,7 +272,9 @@ def runs_at_column(
 ) -> list[np.ndarray] | None:
     """The runs of two or more `rows` holding the same prefix id at `column` (identical
     block ids in columns 0..column), as sorted `labels`, at most `max_runs` of them,
-    largest first (the first found on ties); None when every id differs."""
+    largest first, then by their smallest label; None when every id differs. The
+    prefix ids' values order nothing: they follow the order in which rows first held
+    each prefix, other rows (holders outside a batch) included."""
     keys = prefix_ids[rows, column]
     by_key = np.argsort(keys, kind="stable")
     sorted_keys = keys[by_key]
@@ -282,6 +284,7 @@ def runs_at_column(
     starts = np.concatenate([[0], np.flatnonzero(new_run) + 1])
     sizes = np.diff(np.append(starts, len(keys)))
     runs = np.flatnonzero((sizes >= 2) & (sorted_keys[starts] >= 0))
-    runs = runs[np.argsort(-sizes[runs], kind="stable")][:max_runs]
     order = labels[by_key]
+    first = np.minimum.reduceat(order, starts)[runs]  # each run's smallest label
+    runs = runs[np.lexsort((first, -sizes[runs]))][:max_runs]
     return [np.sort(order[starts[c] : starts[c] + sizes[c]]) for c in runs]

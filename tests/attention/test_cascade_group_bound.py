@@ -10,7 +10,7 @@ import pytest
 from jaxkv import KVCacheManager
 from jaxkv.cascade import CascadePlanner
 from tests.attention.test_cascade_group_choice import _groups, _shared
-from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding, _plan
+from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding, _plan, _prefilled
 
 
 class _AlwaysPays:
@@ -67,3 +67,32 @@ def test_of_groups_that_weigh_the_same_those_of_the_earliest_requests_are_kept()
     plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=8), m, reqs)
     got = [(members, end) for members, _, end in _groups(plan, reqs)]
     assert got == [([f"r{k}", f"r{17 - k}"], 3) for k in range(8)]
+
+
+def _three_pairs(holder_first: bool) -> tuple[KVCacheManager, list]:
+    """Pairs under 2-, 2- and 6-block prompts (a, b, c), allocated in that order, the c
+    pair scheduled first; with `holder_first`, a finished request holding c's prompt was
+    allocated before them all."""
+    m = KVCacheManager(256, 4, max_model_len=64)
+    prompts = {"a": list(range(100, 108)), "b": list(range(200, 208)), "c": list(range(300, 324))}
+    if holder_first:
+        _prefilled(m, "held", prompts["c"] + [99])
+    reqs = {
+        f"{p}{i}": _decoding(m, f"{p}{i}", prompts[p] + [i, 50]) for p in "abc" for i in range(2)
+    }
+    return m, [reqs[rid] for rid in ("c0", "c1", "a0", "a1", "b0", "b1")]
+
+
+def test_which_runs_the_search_examines_does_not_depend_on_holders_outside_the_batch():
+    # With max_groups=1 the search splits the batch into at most two runs. Of three
+    # equal runs it keeps those of the earliest requests, the c pair first, whatever
+    # order the blocks were first held in: a finished request that held c's prompt
+    # before the others were allocated gave c's blocks the smallest prefix ids, and
+    # ordering runs by those ids planned c with the holder and a without it.
+    plans = []
+    for holder_first in (False, True):
+        m, reqs = _three_pairs(holder_first)
+        assert _shared(m, ["c0", "c1"]) == 6 and _shared(m, ["a0", "a1"]) == 2
+        plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=1), m, reqs)
+        plans.append(_groups(plan, reqs))
+    assert plans[0] == plans[1] == [(["c0", "c1"], 0, 6)]

@@ -188,9 +188,12 @@ def test_runs_at_column_are_runs_of_two_or_more_largest_first_capped_at_max_runs
     # The cap keeps the largest runs, not the first or the smallest ones.
     capped = runs_at_column(prefix_ids, rows, labels, 1, max_runs=2)
     assert [r.tolist() for r in capped] == [[101, 104, 106, 111], [100, 102, 107]]
-    # Ties keep the run found first (of the smaller prefix id).
+    # Ties keep the run of the smallest label, not the one of the smaller prefix id.
     tied = runs_at_column(prefix_ids, rows[[0, 2, 5, 10]], labels[[0, 2, 5, 10]], 1, 1)
     assert [r.tolist() for r in tied] == [[100, 102]]
+    reversed_labels = 200 - rows[[0, 2, 5, 10]]
+    tied = runs_at_column(prefix_ids, rows[[0, 2, 5, 10]], reversed_labels, 1, 1)
+    assert [r.tolist() for r in tied] == [[190, 195]]
     # Every id distinct: None, not an empty list.
     assert runs_at_column(prefix_ids, rows[[0, 1, 3, 5]], labels[[0, 1, 3, 5]], 1, 8) is None
 
