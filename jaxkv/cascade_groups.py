@@ -53,7 +53,9 @@ class GroupSearch:
         these and of the rest of a candidate's members beside the groups kept among them
         (kept_groups), in bytes saved less their merge: a request with a short prompt
         does not hide the four under a long one that it shares 5 blocks with, nor do
-        those four hide the others that share only the 5 blocks. At most 4 x max_groups
+        those four hide the others that share only the 5 blocks, even where all of them
+        together do not pay (the four's long contexts outweigh the 5 blocks in
+        min_saved_fraction, the others' do not). At most 4 x max_groups
         candidates are examined (those nested in a paying one last), and as many groups
         past a cap.
 
@@ -84,6 +86,7 @@ class GroupSearch:
         # (blocks saved, members, end, queries) of the groups that pay a call of their
         # own (chosen) or their own merge in a level that runs anyway (together)
         chosen, together = [], []
+        unpaid = []  # candidates that pay neither: never kept, but their rest may be
         overlap = False  # whether a group in `chosen` may hold another
         budget = past_cap_budget = 4 * self.max_groups
         nested_later = []  # groups nested in one that pays: after the other candidates
@@ -145,6 +148,8 @@ class GroupSearch:
             if self._pays_own_merge(len(members), (end - base) * bs, queries, context):
                 above = (*above, len(together))
                 together.append((saved, members, end, queries))
+            else:
+                unpaid.append((saved, members, end, queries))
             # At end == max_blocks_per_seq (a group over whole table rows) none is split:
             # no member has computed a block past the table (check_computed_held).
             split = self._split(manager, rows, num_computed_tokens, members, end) or []
@@ -155,12 +160,17 @@ class GroupSearch:
         # weighs less than each), and where they leave fewer than two of its members its
         # rest (kept_groups) is no group: dropped before the groups are weighed.
         together = [g for k, g in enumerate(together) if len(g[1]) - grouped.get(k, 0) > 1]
-        if chosen and not together and not overlap and len(chosen) <= self.max_groups:
+        if unpaid and (chosen or together):  # a rest needs two members in no group found
+            in_group = np.zeros(len(rows), bool)
+            for group in chosen + together:
+                in_group[group[1]] = True
+            unpaid = [g for g in unpaid if int((~in_group[g[1]]).sum()) > 1]
+        if chosen and not (together or unpaid or overlap) and len(chosen) <= self.max_groups:
             kept = [group[:3] for group in chosen]  # disjoint, each paying: all of them
         else:
             kept = kept_groups(
                 chosen + together, base, bs, self.shape, self.cost_model, self.max_groups,
-                rest,
+                rest, unpaid,
             )  # fmt: skip
         return [(members, end) for _, members, end in sorted(kept, key=lambda t: int(t[1][0]))]
 

@@ -9,7 +9,8 @@ more than its one call costs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -36,10 +37,15 @@ def kept_groups(
     model: CascadeCostModel,
     max_groups: int,
     rest: Callable[[np.ndarray, int], Candidate | None],
+    unpaid: Sequence[Candidate] = (),
 ) -> list[tuple[int, np.ndarray, int]]:
     """Disjoint groups (at most max_groups, as (blocks saved, members, end)) of the
     `candidates` and of the rest of a candidate's members (`rest`, below), whose savings
     together pay one call of the level, else [].
+
+    `unpaid`: candidates that pay neither a call nor their own merge, nested or disjoint
+    with the others. None is kept, but the rest of its members beside the groups kept
+    among them is weighed as a candidate's rest is.
 
     Each group is weighed by net_bytes (a cost model that is no CascadeCostModel has a
     call that costs nothing). The search splits a candidate only into subsets of it, so
@@ -66,7 +72,8 @@ def kept_groups(
         ((weigh(group), int(group[1][0]), group) for group in candidates),
         key=lambda t: (-t[0], t[1]),
     )
-    best = _heaviest_nested(weighed, weigh, rest)
+    never = [(-math.inf, int(group[1][0]), group) for group in unpaid]
+    best = _heaviest_nested(weighed + never, weigh, rest)
     if len(best) > max_groups:
         best = best[:max_groups]
         first = _heaviest_first(weighed, max_groups)

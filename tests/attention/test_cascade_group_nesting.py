@@ -301,3 +301,29 @@ def test_a_rest_kept_inside_a_nested_group_counts_at_its_weight_one_level_up():
     assert (_shared(m, ids[:6]), _shared(m, ids[2:6]), _shared(m, ids[4:6])) == (10, 12, 29)
     got = _planned(CascadePlanner(SHAPE, cost_model=ALWAYS), m, reqs)
     assert got == [(["p0", "p1"], 0, 29), (["v0", "v1"], 0, 12), (["w0", "w1"], 0, 10)]
+
+
+def test_the_others_under_a_header_form_a_group_where_the_whole_batch_pays_nothing():
+    # x0, x1 share 12 blocks (a 2-block header, then a prompt); y0..y2 share the header
+    # only, with short contexts. All five over the header save 4 x 8 tokens of their
+    # 141: under the min_saved_fraction of 0.3, neither a call nor its merge. The
+    # y's alone save 2 x 8 of their 39 tokens (0.41): their own merge, beside the x
+    # pair that pays the call. The whole batch used to hide them, as it paid nothing.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    header = list(range(100, 108))
+    reqs = [_decoding(m, f"x{i}", header + list(range(200, 240)) + [i, 50]) for i in range(2)]
+    reqs += [_decoding(m, f"y{i}", header + [500 + 10 * i + t for t in range(4)]) for i in range(3)]
+    ids = [r.request_id for r in reqs]
+    assert (_shared(m, ids), _shared(m, ids[:2]), _shared(m, ids[2:])) == (2, 12, 2)
+    assert [r.num_tokens for r in reqs] == [51, 51, 13, 13, 13]
+    model = CascadeCostModel(
+        launch_overhead_bytes=20000, merge_cost_factor=0, min_saved_fraction=0.3
+    )
+    planner = CascadePlanner(SHAPE, cost_model=model)
+    merge_only = CascadeCostModel(
+        launch_overhead_bytes=0, merge_cost_factor=0, min_saved_fraction=0.3
+    )
+    assert not planner.pays(5, 8, 5, 141, model=merge_only)
+    assert planner.pays(2, 48, 2, 102) and not planner.pays(3, 8, 3, 39)
+    assert planner.pays(3, 8, 3, 39, model=merge_only)
+    assert _planned(planner, m, reqs) == [(ids[:2], 0, 12), (ids[2:], 0, 2)]
