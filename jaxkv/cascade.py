@@ -36,7 +36,7 @@ from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostM
 from jaxkv.cascade_groups import GroupSearch
 from jaxkv.cascade_left_out import left_out, merge_bytes_per_query
 from jaxkv.cascade_plan import CascadeLevel, CascadePlan
-from jaxkv.cascade_together import global_weight, level_weight, outweigh_global
+from jaxkv.cascade_together import global_weight, level_weight, net_bytes, outweigh_global
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.plan_memo import PlanMemo
 from jaxkv.planner_args import (
@@ -217,9 +217,20 @@ class CascadePlanner(GroupSearch):
             suffix_start[members] = end
         sizes = [len(members) for members, _ in groups]
         model, shape = self.cost_model, self.shape
-        if use_global and outweigh_global(model, shape, num_requests, k0 * bs, total_q, sizes):
+        rest = (
+            self._rest_of_batch(groups, out, searched, query_lens, k0, bs) if use_global else None
+        )
+        rest_weight = (
+            0.0 if rest is None else net_bytes(model, shape, len(rest[0]), k0 * bs, rest[1])
+        )
+        if use_global and outweigh_global(
+            model, shape, num_requests, k0 * bs, total_q, sizes, rest_weight
+        ):
+            from_block_0 = groups  # laid out by their first request
+            if rest is not None:
+                from_block_0 = sorted([*groups, (rest[0], k0)], key=lambda g: int(g[0][0]))
             plan = self._plan_from_block_0(
-                groups, rows, num_computed_tokens, query_lens, bs, common, made_for
+                from_block_0, rows, num_computed_tokens, query_lens, bs, common, made_for
             )
             if plan is not None:
                 return plan
@@ -245,6 +256,34 @@ class CascadePlanner(GroupSearch):
             num_computed_tokens, query_lens, self._merge_per_query, block_bytes,
             manager.block_size,
         )  # fmt: skip
+
+    def _rest_of_batch(
+        self,
+        groups: list[tuple[np.ndarray, int]],  # the groups found under the global level
+        out: np.ndarray | None,  # bool[R] the requests left out
+        searched: np.ndarray,  # i[R] num_computed_tokens, 0 for the requests left out
+        query_lens: np.ndarray,  # i[R]
+        k0: int,  # the global level's blocks
+        block_size: int,
+    ) -> tuple[np.ndarray, int] | None:
+        """(members, their queries) of the requests in no group and not left out
+        as one more group over the global level's blocks from block 0, where they are two
+        or more, pay as a group of the search does (GroupSearch._rest) and the level has
+        room for it; else None (also for a cost model that is no CascadeCostModel, under
+        which groups never outweigh the global level)."""
+        if not isinstance(self.cost_model, CascadeCostModel) or len(groups) >= self.max_groups:
+            return None
+        grouped = np.zeros(len(searched), bool) if out is None else out.copy()
+        for members, _ in groups:
+            grouped[members] = True
+        others = np.flatnonzero(~grouped)
+        if len(others) < 2:
+            return None
+        found = self._rest(
+            others, k0, num_computed_tokens=searched, query_lens=query_lens, base=0,
+            block_size=block_size,
+        )  # fmt: skip
+        return None if found is None else (others, found[3])
 
     def _plan_without_global(
         self,

@@ -127,15 +127,18 @@ def outweigh_global(
     global_tokens: int,  # the global level's prefix
     num_query_tokens: int,  # the batch's
     group_sizes: list[int],  # members of each group of the groups level under it
+    rest_weight: float = 0.0,  # net_bytes of the others as a group over its prefix
 ) -> bool:
     """Whether the groups under a global level weigh more starting at column 0, without
     it: they then read its prefix once per group, and the requests in no group read it
-    themselves, but its call and its merge of every query go (global_weight). False
-    for a cost model that is no CascadeCostModel (it has no costs to weigh)."""
+    themselves or, where they pay their merge as one more group over its prefix, once
+    (`rest_weight`), but its call and its merge of every query go (global_weight).
+    False for a cost model that is no CascadeCostModel (it has no costs to weigh)."""
     if not _costed(model):
         return False
     kv_bytes_per_token = shape.kv_bytes_per_token
     grouped = sum(model.saved_bytes(n, global_tokens, kv_bytes_per_token) for n in group_sizes)
+    grouped += rest_weight
     return grouped > global_weight(model, shape, num_requests, global_tokens, num_query_tokens)
 
 

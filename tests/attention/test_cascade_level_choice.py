@@ -134,3 +134,23 @@ def test_a_global_level_cut_short_by_a_prefill_gives_way_to_a_group_past_the_cut
     assert [lv.name for lv in plan.levels] == ["groups"]
     assert _groups(plan, reqs) == [(ids[:5], 0, 6)]
     assert plan.suffix_start_blocks.tolist() == [6] * 5 + [0]
+
+
+def test_groups_moved_to_column_0_take_the_others_under_the_global_prefix_as_a_group():
+    # Five requests share a 4-block header (16 tokens at 512 bytes); a0..a2 share 8
+    # blocks more. The global level saves 4 x 16 tokens (32768 bytes) for a 24000-byte
+    # call, the a's 2 x 32 tokens past it for a second call: from column 0 the a's save
+    # 2 x 48 tokens for one call, more. There the o's still share the header: as a
+    # group they save 16 tokens more (8192 bytes), where they used to read it each.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    header = list(range(100, 116))
+    reqs = [_decoding(m, f"a{i}", header + list(range(200, 232)) + [i, 50]) for i in range(3)]
+    reqs += [_decoding(m, f"o{i}", header + [300 + 10 * i + t for t in range(6)]) for i in range(2)]
+    ids = [r.request_id for r in reqs]
+    assert (_shared(m, ids), _shared(m, ids[:3]), _shared(m, ids[3:])) == (4, 12, 4)
+    model = CascadeCostModel(launch_overhead_bytes=24000, merge_cost_factor=0)
+    planner = CascadePlanner(SHAPE, cost_model=model)
+    assert planner.pays(5, 16, 5) and planner.pays(3, 32, 3) and not planner.pays(2, 16, 2)
+    plan = _plan(planner, m, reqs)
+    assert [lv.name for lv in plan.levels] == ["groups"]
+    assert _groups(plan, reqs) == [(ids[:3], 0, 12), (ids[3:], 0, 4)]
