@@ -72,6 +72,10 @@ def device_state(
         cc = config.cache
         with contextlib.nullcontext() if device is None else jax.default_device(device):
             caches = model.init_kv_caches(cc.num_blocks, cc.block_size, cc.kv_dtype)
+        # Committed where they lie (no copy): a KV load's scatter (jaxkv.kv_copy) and a
+        # step over committed weights return committed caches, and jit compiles a program
+        # again for committed arguments: each step shape compiled twice.
+        caches = [jax.device_put(cache, cache.sharding) for cache in caches]
     except BaseException:
         model = params = state = leaves = None
         raise
