@@ -139,9 +139,10 @@ class ParallelSamples:
 
     def abort(self, scheduler: Scheduler, sampling: SamplingRows, request_id: str) -> bool:
         """scheduler.abort(request_id) (True if it aborted the request); then, once the
-        request has ended, its sampling row and its place among the samples are forgotten,
-        after an interrupt too (Scheduler.abort raises one once the request is released:
-        the row used to stay behind for good)."""
+        request has ended, its sampling row, its place among the samples and the finished
+        ids the scheduler keeps for its next output are forgotten, after an interrupt too
+        (Scheduler.abort raises one once the request is released: the row used to stay
+        behind for good)."""
         try:
             return scheduler.abort(request_id)
         finally:
@@ -149,6 +150,9 @@ class ParallelSamples:
             if request is None or request.is_finished():  # else cut before: abort again
                 sampling.discard(request_id)
                 self.discard(request_id)
+                # The engine reads no finished ids, and an idle one is not scheduled until
+                # a request comes: it kept the id of each request aborted meanwhile.
+                scheduler.forget_finished()
 
     def _queue_all(
         self,

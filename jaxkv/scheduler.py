@@ -83,9 +83,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every request not yet released
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        # Set while a tokenizer, or the connector's on_admission or start_load, runs: a
-        # Ctrl-C is held back around the scheduler's changes, but stops those at once
-        # (jaxkv.held_interrupts).
+        # Set while a tokenizer, or the connector's on_admission or start_load, runs: a Ctrl-C is
+        # held back around the scheduler's changes but stops those at once (jaxkv.held_interrupts).
         self._user_code = UserCode()
         self._transfers = TransferTracker(self.connector, manager, self._release, self._user_code)
         self._finished_ids: list[str] = []
@@ -154,14 +153,17 @@ class Scheduler:
         """True while a finished request still holds blocks for a KV transfer."""
         return bool(self._transfers.transferring)
 
+    def forget_finished(self) -> None:
+        """Drops the ids the next schedule() would report as finished (Engine reads none)."""
+        self._finished_ids.clear()
+
     def forget_transfers(self) -> None:
         """Ends every KV copy in flight as failed (Engine.close went on past them)."""
         self._transfers.forget_in_flight()
 
     @property
     def transferring(self) -> Mapping[str, Request]:
-        """Finished or aborted requests whose blocks a KV copy still holds, by id (a
-        read-only view that follows later steps)."""
+        """Finished or aborted requests a KV copy holds blocks of, by id (a live read-only view)."""
         return MappingProxyType(self._transfers.transferring)
 
     @property
@@ -204,7 +206,6 @@ class Scheduler:
                 )
                 self.discard(self._unapplied)
                 raise
-
             finished, self._finished_ids = tuple(self._finished_ids), []
             self._unapplied = batch.output(tuple(preempted), finished)
             self._num_running_scheduled = num_running

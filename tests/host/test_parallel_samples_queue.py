@@ -29,6 +29,9 @@ class FakeScheduler:
     def abort(self, request_id: str) -> bool:
         return self.requests.pop(request_id, None) is not None
 
+    def forget_finished(self) -> None:
+        pass  # keeps no finished ids
+
 
 class FakeSampling:
     def __init__(self) -> None:
