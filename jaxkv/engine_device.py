@@ -12,7 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkv.cascade import AttentionShape
 from jaxkv.config import EngineConfig
@@ -50,8 +52,8 @@ def device_state(
     model: nnx.Module, params: nnx.State | None, config: EngineConfig, backend: str, mesh
 ) -> DeviceState:
     """`model`, with `params` as its weights (None: its own), placed over `mesh` as
-    jaxkv.sharding.place_model places it, and KV caches of `config.cache` for it
-    (without a mesh, on the one device the weights lie on, where they lie on one);
+    jaxkv.sharding.place_model places it, and committed KV caches of `config.cache` for
+    it (without a mesh, where the weights lie: _where_weights_lie);
     served_heads' ValueError (`backend` cannot serve the config) before they are made,
     and ValueError naming `params` (or `model` when params is None) when, without a mesh,
     its weights lie on different devices.
@@ -64,40 +66,55 @@ def device_state(
         placed = tensor_parallel_of(model)
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(state if params is None else params)
-        device = None
+        where = None
         if placed is None:
-            device = _device_of_weights(leaves, "model" if params is None else "params")
+            where = _where_weights_lie(leaves, "model" if params is None else "params")
         program = step_program(graphdef, treedef)
         heads = served_heads(backend, config, model.config, 1 if placed is None else placed.size)
-        cc = config.cache
-        with contextlib.nullcontext() if device is None else jax.default_device(device):
-            caches = model.init_kv_caches(cc.num_blocks, cc.block_size, cc.kv_dtype)
-        # Committed where they lie (no copy): a KV load's scatter (jaxkv.kv_copy) and a
-        # step over committed weights return committed caches, and jit compiles a program
-        # again for committed arguments: each step shape compiled twice.
-        caches = [jax.device_put(cache, cache.sharding) for cache in caches]
+        caches = _kv_caches(model, config.cache, where)
     except BaseException:
         model = params = state = leaves = None
         raise
     return DeviceState(placed, leaves, program, heads, caches)
 
 
-def _device_of_weights(leaves: list[Any], name: str) -> jax.Device | None:
-    """The one device every jax.Array of `leaves` (the weights of a model without a mesh)
-    lies on, else None. The step program runs where those weights lie; caches made on
-    jax's default device instead held the whole KV pool there (another replica's device,
-    say) until the first step moved it. ValueError naming `name` unless the committed
-    arrays lie on one set of devices: the step program takes them together, and weights
-    left on two devices were taken, then every step() raised jit's error about
-    incompatible devices, naming its own arguments."""
+def _kv_caches(
+    model: nnx.Module, cache: Any, where: jax.Device | jax.sharding.Sharding | None
+) -> list[jax.Array]:
+    """The model's zeroed KV caches for CacheConfig `cache`, committed: on the device
+    `where` names (None: jax's default one, or the model's mesh), or made directly with
+    the sharding it is. Committed because a KV load's scatter (jaxkv.kv_copy) and a step
+    over committed weights return committed caches, and jit compiles a program again for
+    committed arguments: each step shape compiled twice."""
+    make = functools.partial(model.init_kv_caches, cache.num_blocks, cache.block_size)
+    if isinstance(where, jax.sharding.Sharding):  # never whole on one device first
+        return jax.jit(make, static_argnums=0, out_shardings=where)(cache.kv_dtype)
+    with contextlib.nullcontext() if where is None else jax.default_device(where):
+        caches = make(cache.kv_dtype)
+    return [jax.device_put(c, c.sharding) for c in caches]  # committed where they lie
+
+
+def _where_weights_lie(leaves: list[Any], name: str) -> jax.Device | NamedSharding | None:
+    """Where the KV caches of a model without a mesh go: the one device every jax.Array
+    of `leaves` (its weights) lies on; where committed weights lie on several devices,
+    replicated over them in a committed weight's device order (jit takes no arguments
+    over the same devices in another order); else None (jax's default device). The step
+    program runs where the weights lie; caches made on jax's default device instead held
+    the whole KV pool there (another replica's device, say) until the first step moved
+    it. ValueError naming `name` unless the committed arrays lie on one set of devices:
+    the step program takes them together, and weights left on two devices were taken,
+    then every step() raised jit's error about incompatible devices, naming its own
+    arguments."""
     devices: set = set()
     placements: set[frozenset[int]] = set()
+    anchor = None  # a committed weight
     for leaf in leaves:
         if isinstance(leaf, jax.Array):
             device_set = leaf.sharding.device_set
             devices |= device_set
             if leaf.committed:
                 placements.add(frozenset(d.id for d in device_set))
+                anchor = leaf if anchor is None else anchor
     if len(placements) > 1:
         ids = sorted(sorted(p) for p in placements)
         raise ValueError(
@@ -105,7 +122,14 @@ def _device_of_weights(leaves: list[Any], name: str) -> jax.Device | None:
             "one device (or one set of devices), or give mesh or tensor_parallel_size to "
             "shard them"
         )
-    return devices.pop() if len(devices) == 1 else None
+    if len(devices) == 1:
+        return devices.pop()
+    if anchor is None:
+        return None
+    if isinstance(anchor.sharding, NamedSharding):
+        return NamedSharding(anchor.sharding.mesh, PartitionSpec())
+    in_order = [shard.device for shard in anchor.addressable_shards]
+    return NamedSharding(Mesh(np.array(in_order), ("devices",)), PartitionSpec())
 
 
 def engine_copier(

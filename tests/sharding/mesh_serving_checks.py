@@ -305,3 +305,34 @@ def weights_on_different_devices_are_refused_by_name():
     both = jax.device_put(nnx.state(model(8)), NamedSharding(Mesh(devices, ("d",)), P()))
     with Engine(other_weights(), both, engine_config()) as engine:
         assert engine.mesh is None
+
+
+@check
+def weights_replicated_over_devices_serve_there():
+    """An engine without a mesh whose weights are replicated over devices 6 and 5 (in that
+    order) makes its KV caches replicated over them, in their order, and serves as the
+    engine on the default device does, through a KV load too, compiling each step shape
+    once. Its caches, committed on device 0, made every step() raise jit's error about
+    incompatible devices; uncommitted, they lay whole on device 0 until the first step."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxkv.engine import Engine
+    from jaxkv.host_offload_connector import HostOffloadConnector
+
+    want, _ = unsharded_greedy()
+    devices = np.array(jax.devices())[[6, 5]]
+    both = jax.device_put(nnx.state(model(8)), NamedSharding(Mesh(devices, ("d",)), P()))
+    connector = HostOffloadConnector(1 << 22)
+    with Engine(other_weights(), both, engine_config(), connector=connector) as engine:
+        weight = jax.tree.leaves(both)[0]
+        assert all(c.sharding.is_equivalent_to(weight.sharding, 4) for c in engine.kv_caches)
+        compiled = engine._program._cache_size()
+        assert greedy(engine, prompts()) == want
+        engine.drain_transfers()
+        assert engine.reset_prefix_cache()
+        assert greedy(engine, prompts()) == want
+        assert connector.stats.num_loads > 0
+        assert engine._program._cache_size() - compiled == engine.num_compiles
+        assert engine.kv_caches[0].devices() == set(devices)

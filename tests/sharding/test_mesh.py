@@ -36,6 +36,7 @@ CHECKS = (
     "sharded_step_lowers_for_tpu",
     "kv_caches_made_where_the_weights_lie",
     "weights_on_different_devices_are_refused_by_name",
+    "weights_replicated_over_devices_serve_there",
     "prompt_logprobs_tp",
 )
 TIMEOUT_S = 600
