@@ -101,26 +101,25 @@ def _where_weights_lie(leaves: list[Any], name: str) -> jax.Device | NamedShardi
     over the same devices in another order); else None (jax's default device). The step
     program runs where the weights lie; caches made on jax's default device instead held
     the whole KV pool there (another replica's device, say) until the first step moved
-    it. ValueError naming `name` unless the committed arrays lie on one set of devices:
-    the step program takes them together, and weights left on two devices were taken,
-    then every step() raised jit's error about incompatible devices, naming its own
-    arguments."""
+    it. ValueError naming `name` unless the committed arrays lie on one set of devices in
+    one order: the step program takes them together, and weights left on two devices (or
+    on two in both orders) were taken, then every step() raised jit's error about
+    incompatible devices, naming its own arguments."""
     devices: set = set()
-    placements: set[frozenset[int]] = set()
+    placements: set[tuple[int, ...]] = set()  # device ids in each one's device order
     anchor = None  # a committed weight
     for leaf in leaves:
         if isinstance(leaf, jax.Array):
-            device_set = leaf.sharding.device_set
-            devices |= device_set
+            devices |= leaf.sharding.device_set
             if leaf.committed:
-                placements.add(frozenset(d.id for d in device_set))
+                placements.add(tuple(shard.device.id for shard in leaf.addressable_shards))
                 anchor = leaf if anchor is None else anchor
     if len(placements) > 1:
-        ids = sorted(sorted(p) for p in placements)
+        ids = sorted(list(p) for p in placements)
         raise ValueError(
-            f"{name}: the weights lie on different devices (ids {ids}); place them all on "
-            "one device (or one set of devices), or give mesh or tensor_parallel_size to "
-            "shard them"
+            f"{name}: the weights lie on different devices, or on the same ones in another "
+            f"order (ids {ids}); place them all on one device (or one set of devices in "
+            "one order), or give mesh or tensor_parallel_size to shard them"
         )
     if len(devices) == 1:
         return devices.pop()

@@ -276,9 +276,10 @@ def kv_caches_made_where_the_weights_lie():
 @check
 def weights_on_different_devices_are_refused_by_name():
     """Without a mesh, weights left on devices 5 and 6 (given as params, or held by the
-    model) are refused at construction by name: they used to be taken, and every step()
-    then raised jit's error about incompatible devices. Weights on one set of devices
-    (each leaf replicated over 5 and 6) are still taken."""
+    model), or replicated over 5 and 6 in both orders, are refused at construction by
+    name: they used to be taken, and every step() then raised jit's error about
+    incompatible devices. Weights on one set of devices (each leaf replicated over 5 and
+    6) are still taken."""
     import jax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -289,17 +290,21 @@ def weights_on_different_devices_are_refused_by_name():
     leaves, treedef = jax.tree.flatten(nnx.state(model(8)))
     split = [jax.device_put(leaf, devices[i % 2]) for i, leaf in enumerate(leaves)]
     split_state = jax.tree.unflatten(treedef, split)
+    orders = [NamedSharding(Mesh(order, ("d",)), P()) for order in (devices, devices[::-1])]
+    reordered = [jax.device_put(leaf, orders[i % 2]) for i, leaf in enumerate(leaves)]
+    reordered_state = jax.tree.unflatten(treedef, reordered)
     graphdef = nnx.graphdef(model(8))
-    for m, params, name in (
-        (other_weights(), split_state, "params"),
-        (nnx.merge(graphdef, split_state), None, "model"),
+    for m, params, name, ids in (
+        (other_weights(), split_state, "params", ("[5]", "[6]")),
+        (nnx.merge(graphdef, split_state), None, "model", ("[5]", "[6]")),
+        (other_weights(), reordered_state, "params", ("[5, 6]", "[6, 5]")),
     ):
         try:
             Engine(m, params, engine_config())
         except ValueError as e:
             print(f"  ValueError: {e}")
             assert str(e).startswith(f"{name}: the weights lie on different devices"), e
-            assert "[5]" in str(e) and "[6]" in str(e), e
+            assert all(where in str(e) for where in ids), e
         else:
             raise AssertionError(f"weights on two devices taken as {name}")
     both = jax.device_put(nnx.state(model(8)), NamedSharding(Mesh(devices, ("d",)), P()))
