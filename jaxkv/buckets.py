@@ -66,6 +66,24 @@ def pads_fewer_pages(
     return padded(suffix_pages) < padded(flat_pages)
 
 
+def least_suffix_starts(
+    page_buckets: Sequence[int],  # ascending page widths metadata is padded to
+    num_computed_tokens: np.ndarray,  # i[R]
+    query_lens: np.ndarray,  # i[R]
+    block_size: int,
+) -> np.ndarray | None:
+    """i64[R]: the least first block of each request's suffix pass for which
+    pads_fewer_pages holds (it holds exactly where every request's suffix pass starts at
+    or past its entry); None where no suffix pass can pad to fewer pages than flat
+    attention (flat pads to the smallest width)."""
+    pages = -(-(num_computed_tokens + query_lens) // block_size)
+    flat = min(int(pages.max()), page_buckets[-1])
+    widest = bisect.bisect_left(page_buckets, flat)  # flat pads to page_buckets[widest]
+    if widest == 0:
+        return None
+    return np.maximum(pages.astype(np.int64) - page_buckets[widest - 1], 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketConfig:
     """Sizes every padded attention array is drawn from.

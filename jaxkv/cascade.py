@@ -22,6 +22,9 @@ Every prefix is capped at the smallest num_computed_tokens of the requests that 
 A request whose queries cost more to merge than reading the blocks it could share
 (a long prefill chunk) joins no group; where the global level holds it, the level is
 dropped for groups from block 0 without it where those weigh more (cascade_left_out).
+With page buckets on a backend that reads padded pages, cascade is planned only where
+its suffix pass pads to fewer pages than flat attention; where the heaviest groups leave
+a request whose pages need a group in none, the groups are chosen again holding it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxkv.buckets import pads_fewer_pages
+from jaxkv.buckets import least_suffix_starts, pads_fewer_pages
 from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel
 from jaxkv.cascade_groups import GroupSearch
 from jaxkv.cascade_left_out import left_out, merge_bytes_per_query
@@ -141,7 +144,8 @@ class CascadePlanner(GroupSearch):
         Cost: a fixed number of numpy calls plus a loop over at most 4 x max_groups
         candidate groups (and as many more past a member's cap; twice that on a step
         whose global level holds a request left out of cascade, or has no group kept
-        over it while two requests may share past it); repeated id lists reuse the
+        over it while two requests may share past it, and once more where the groups
+        kept leave a suffix pass as wide as flat's); repeated id lists reuse the
         manager's common prefix (KVCacheManager.num_common_prefix_blocks).
         """
         num_computed_tokens, query_lens = checked_plan_args(
@@ -187,12 +191,12 @@ class CascadePlanner(GroupSearch):
             ):
                 out = self._left_out(manager, rows, num_computed_tokens, query_lens)
         searched = num_computed_tokens if out is None else np.where(out, 0, num_computed_tokens)
+        # Without a global level, k0 > 0 means every request has computed and shares
+        # column 0: the search's first candidate is the whole batch, ending at k0.
+        whole = k0 if base == 0 and out is None else 0
         if self._memo.no_groups_past(manager, rows, base, out):
             groups = []
         else:
-            # Without a global level, k0 > 0 means every request has computed and shares
-            # column 0: the search's first candidate is the whole batch, ending at k0.
-            whole = k0 if base == 0 and out is None else 0
             groups = self._groups(manager, rows, searched, query_lens, base, whole, out)
         # Weigh dropping the global level for groups from block 0 where it holds requests
         # left out, or where requests share past it in no group kept: a group there that
@@ -237,7 +241,14 @@ class CascadePlanner(GroupSearch):
         if not pads_fewer_pages(
             self.page_buckets, num_computed_tokens, query_lens, suffix_start, bs
         ):
-            return flat
+            groups = self._groups_padding_fewer(
+                manager, rows, num_computed_tokens, query_lens, base, whole, out
+            )
+            if not groups:
+                return flat
+            suffix_start = np.full(num_requests, base, np.int32)
+            for members, end in groups:
+                suffix_start[members] = end
         global_blocks = k0 if use_global else None
         return self._memo.grouped_plan(groups, rows, suffix_start, global_blocks, common, made_for)
 
@@ -256,6 +267,37 @@ class CascadePlanner(GroupSearch):
             num_computed_tokens, query_lens, self._merge_per_query, block_bytes,
             manager.block_size,
         )  # fmt: skip
+
+    def _groups_padding_fewer(
+        self,
+        manager: KVCacheManager,
+        rows: np.ndarray,  # i32[R]
+        num_computed_tokens: np.ndarray,  # i[R]
+        query_lens: np.ndarray,  # i[R]
+        base: int,
+        whole_batch_end: int,
+        out: np.ndarray | None,  # bool[R] the requests left out
+    ) -> list[tuple[np.ndarray, int]]:
+        """Groups past `base` whose suffix pass pads to fewer pages than flat attention
+        (buckets.pads_fewer_pages), where the heaviest groups' does not: each request
+        whose pages need it is held in a group ending far enough (the search's `need`),
+        left out or not; [] where the search finds none."""
+        bs = manager.block_size
+        need = least_suffix_starts(self.page_buckets, num_computed_tokens, query_lens, bs)
+        if need is None:
+            return []
+        must = need > base
+        if out is not None:
+            out = out & ~must
+            out = out if out.any() else None
+        searched = num_computed_tokens if out is None else np.where(out, 0, num_computed_tokens)
+        groups = self._groups(
+            manager, rows, searched, query_lens, base, whole_batch_end, out, need
+        )  # fmt: skip
+        suffix_start = np.full(len(rows), base, np.int32)
+        for members, end in groups:
+            suffix_start[members] = end
+        return groups if bool((suffix_start >= need).all()) else []
 
     def _rest_of_batch(
         self,

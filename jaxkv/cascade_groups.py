@@ -31,12 +31,18 @@ class GroupSearch:
         base: int,
         whole_batch_end: int = 0,
         left_out: np.ndarray | None = None,
+        need: np.ndarray | None = None,
     ) -> list[tuple[np.ndarray, int]]:
         """Groups (member indices, shared block end) sharing blocks past column `base`.
 
         `left_out`: bool[R], the requests the search leaves out (None: none), each with
         0 in `num_computed_tokens`; where every other request is eligible and no two of
         them share past `base`, the memo records it for that `left_out`.
+
+        `need`: i[R] or None, the least end of a group holding each request
+        (buckets.least_suffix_starts): the groups kept then hold each request needing
+        more than `base` wherever the candidates allow, and none ends short of a
+        member's need (kept_groups).
 
         `whole_batch_end` > 0: every request has computed column `base` and holds the
         same block there, and the batch shares columns up to it (capped by the computed
@@ -136,13 +142,13 @@ class GroupSearch:
                 if split or len(found) == 1:
                     chosen += found  # each nested in the one before: kept_groups weighs them
                     overlap = overlap or len(found) > 1
-                elif len(found[0][1]) - len(group[1]) < 2:
+                elif len(found[0][1]) - len(group[1]) < 2 and need is None:
                     # no rest: kept_of_nested's choice without its arrays (the heaviest,
                     # the first on ties)
                     chosen.append(found[weights.index(max(weights))])
                 else:
                     chosen += kept_of_nested(
-                        found, weights, base, bs, self.shape, self.cost_model, rest
+                        found, weights, base, bs, self.shape, self.cost_model, rest, need
                     )
                 continue
             if self._pays_own_merge(len(members), (end - base) * bs, queries, context):
@@ -170,7 +176,7 @@ class GroupSearch:
         else:
             kept = kept_groups(
                 chosen + together, base, bs, self.shape, self.cost_model, self.max_groups,
-                rest, unpaid,
+                rest, unpaid, need,
             )  # fmt: skip
         return [(members, end) for _, members, end in sorted(kept, key=lambda t: int(t[1][0]))]
 

@@ -38,6 +38,7 @@ def kept_groups(
     max_groups: int,
     rest: Callable[[np.ndarray, int], Candidate | None],
     unpaid: Sequence[Candidate] = (),
+    need: np.ndarray | None = None,
 ) -> list[tuple[int, np.ndarray, int]]:
     """Disjoint groups (at most max_groups, as (blocks saved, members, end)) of the
     `candidates` and of the rest of a candidate's members (`rest`, below), whose savings
@@ -46,6 +47,13 @@ def kept_groups(
     `unpaid`: candidates that pay neither a call nor their own merge, nested or disjoint
     with the others. None is kept, but the rest of its members beside the groups kept
     among them is weighed as a candidate's rest is.
+
+    `need`: i[R] or None, the least end of a group holding each request
+    (buckets.least_suffix_starts: where the suffix pass must start to pad to fewer
+    pages). A group ending short of a member's need is then never kept, and each
+    request needing more than `base` is held in a kept group wherever the tree of
+    candidates allows, before any heavier choice (the max_groups limit aside: the
+    planner checks the pages of the groups kept).
 
     Each group is weighed by net_bytes (a cost model that is no CascadeCostModel has a
     call that costs nothing). The search splits a candidate only into subsets of it, so
@@ -73,7 +81,7 @@ def kept_groups(
         key=lambda t: (-t[0], t[1]),
     )
     never = [(-math.inf, int(group[1][0]), group) for group in unpaid]
-    best = _heaviest_nested(weighed + never, weigh, rest)
+    best = _heaviest_nested(weighed + never, weigh, rest, _needed(need, base))
     if len(best) > max_groups:
         best = best[:max_groups]
         first = _heaviest_first(weighed, max_groups)
@@ -92,6 +100,7 @@ def kept_of_nested(
     shape: AttentionShape,
     model: CascadeCostModel,
     rest: Callable[[np.ndarray, int], Candidate | None],
+    need: np.ndarray | None = None,  # as for kept_groups
 ) -> list[Candidate]:
     """The disjoint set of largest total weight that kept_groups finds among
     `candidates` and their rest groups, before its max_groups and call limits. The
@@ -99,7 +108,8 @@ def kept_of_nested(
     lies inside the chain, so its choice stands for the chain's in kept_groups."""
     weighed = [(w, int(g[1][0]), g) for w, g in zip(weights, candidates, strict=True)]
     weigh = _weigher(model, shape, base, block_size)
-    return [group for _, _, group in _heaviest_nested(weighed, weigh, rest)]
+    chosen = _heaviest_nested(weighed, weigh, rest, _needed(need, base))
+    return [group for _, _, group in chosen]
 
 
 def net_bytes(
@@ -191,12 +201,19 @@ def _weigher(
     return weigh
 
 
-def _heaviest_nested(weighed: list[tuple], weigh, rest) -> list[tuple]:
+def _needed(need: np.ndarray | None, base: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(need, bool[R] the requests a group must hold) for _heaviest_nested."""
+    return None if need is None else (need, need > base)
+
+
+def _heaviest_nested(weighed: list[tuple], weigh, rest, needed=None) -> list[tuple]:
     """The entries of `weighed` and rest groups (as (weight, first member, candidate))
     of the disjoint set of largest total weight, heaviest first, for candidates that
     nest or are disjoint: from the smallest up, a candidate replaces the groups kept
     among its members when it weighs at least as much as they do together with the rest
-    of its members (kept_groups), else that rest joins them where it pays."""
+    of its members (kept_groups), else that rest joins them where it pays. `needed`:
+    (need, must) (_needed): a group whose end falls short of a member's need is never
+    kept, and of the two choices one that holds every `must` member is taken first."""
     num_requests = max(int(group[1][-1]) for _, _, group in weighed) + 1
     weight_at = np.zeros(num_requests)  # weight of each kept group, at its first member
     kept_at = np.full(num_requests, -1)  # its index into `entries`, at its first member
@@ -204,14 +221,25 @@ def _heaviest_nested(weighed: list[tuple], weigh, rest) -> list[tuple]:
     entries = list(weighed)
     for k in sorted(range(len(weighed)), key=lambda k: len(weighed[k][2][1])):
         weight, _, (_, members, end, _) = weighed[k]
+        if needed is not None and int(needed[0][members].max()) > end:
+            weight = -math.inf  # a member's suffix pass would pad to as many pages as flat
         together, others = weight_at[members].sum(), None
         if together:  # some groups kept among its members
             others = members[~covered[members]]
-            others = rest(others, end) if len(others) > 1 else None
+            fits = needed is None or int(needed[0][others].max(initial=0)) <= end
+            others = rest(others, end) if len(others) > 1 and fits else None
             if others is not None:
                 others = (weigh(others), int(others[1][0]), others)
                 together += others[0]
-        if weight > 0 and weight >= together:
+        take = weight > 0 and weight >= together
+        if needed is not None and weight > 0 and not take:
+            # members that the heavier groups among them and their rest leave in no group
+            alone = ~covered[members]
+            if others is not None and others[0] > 0:
+                alone[np.searchsorted(members, others[2][1])] = False
+            if needed[1][members[alone]].any():
+                take = True  # only the candidate holds every member that must be held
+        if take:
             weight_at[members], kept_at[members], covered[members] = 0, -1, True
             weight_at[members[0]], kept_at[members[0]] = weight, k
         elif others is not None and others[0] > 0:

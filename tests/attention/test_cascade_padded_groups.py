@@ -1,0 +1,100 @@
+"""Groups on a backend whose work follows each pass's padded page width (xla): the
+groups kept must let every suffix pass pad to fewer pages than flat attention, so a
+request whose own pages need it is held in a group even where a group without it saves
+more bytes. The expected groups come from the block ids each request holds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxkv import KVCacheManager
+from jaxkv.buckets import least_suffix_starts, pads_fewer_pages
+from jaxkv.cascade import CascadeCostModel, CascadePlanner
+from tests.attention.test_cascade_group_choice import _groups, _shared
+from tests.attention.test_cascade_planner import SHAPE, _decoding, _plan
+
+PADDED = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0, reads_padded_pages=True)
+PAGE_BUCKETS = (4, 8, 16, 32)
+PROMPT = list(range(100, 132))  # 8 blocks of 4
+
+
+@pytest.mark.parametrize("max_groups", [1, 8])
+def test_a_group_holds_the_longest_request_where_its_suffix_pass_needs_it(max_groups):
+    # Five requests share 8 blocks; four of them share 4 more. By bytes the four over 12
+    # blocks (3 x 12 saved) outweigh all five over 8 (4 x 8). But "long" (73 tokens, 19
+    # pages) sets flat's width: 32 pages. Without a group its suffix pass is as wide, so
+    # cascade could read no fewer pages; in the five's group it starts at block 8 and
+    # pads to 16. "solo" shares nothing, so there is no global level.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    reqs = [_decoding(m, f"a{i}", PROMPT + list(range(200, 216)) + [i]) for i in range(4)]
+    reqs.append(_decoding(m, "long", PROMPT + [5] * 40))
+    reqs.append(_decoding(m, "solo", list(range(300, 312))))
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids[:4]) == 12 and _shared(m, ids[:5]) == 8 and _shared(m, ids) == 0
+    assert [r.num_tokens for r in reqs][4] == 73
+    planner = CascadePlanner(SHAPE, cost_model=PADDED, max_groups=max_groups)
+    assert _groups(_plan(planner, m, reqs), reqs) == [(ids[:4], 0, 12)]  # bytes alone
+    planner = CascadePlanner(
+        SHAPE, cost_model=PADDED, max_groups=max_groups, page_buckets=PAGE_BUCKETS
+    )
+    plan = _plan(planner, m, reqs)
+    assert _groups(plan, reqs) == [(ids[:5], 0, 8)]
+    assert plan.suffix_start_blocks.tolist() == [8, 8, 8, 8, 8, 0]
+
+
+def test_a_member_cut_short_stays_in_the_group_where_its_suffix_pass_needs_it():
+    # Five requests share 10 blocks; "chunk" has computed 6 of them and prefills 44
+    # tokens (68 in all, 17 pages: flat pads to 32). The four that computed all 10 save
+    # 3 x 10 blocks, all five over 6 save 4 x 6; only the five let chunk's suffix pass
+    # (11 pages) pad to 16.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    shared = list(range(100, 140))
+    reqs = [_decoding(m, f"a{i}", shared + [i, 50 + i]) for i in range(4)]
+    reqs.append(_decoding(m, "chunk", shared + [9] * 28))
+    reqs.append(_decoding(m, "solo", list(range(300, 312))))
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids[:5]) == 10 and _shared(m, ids) == 0
+    query_lens = np.ones(len(reqs), int)
+    query_lens[4] = 44
+    computed = np.array([r.num_tokens for r in reqs]) - 1
+    computed[4] = 24
+    for page_buckets, want in ((None, [(ids[:4], 0, 10)]), (PAGE_BUCKETS, [(ids[:5], 0, 6)])):
+        planner = CascadePlanner(SHAPE, cost_model=PADDED, page_buckets=page_buckets)
+        plan = planner.plan(ids, computed, query_lens, m)
+        plan.check()
+        assert _groups(plan, reqs) == want
+
+
+def test_no_group_is_planned_where_none_holding_the_longest_request_exists():
+    # The longest request shares nothing: no groups let its suffix pass pad narrower.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    reqs = [_decoding(m, f"a{i}", PROMPT + [i]) for i in range(3)]
+    reqs.append(_decoding(m, "long", list(range(300, 372))))
+    plan = _plan(CascadePlanner(SHAPE, cost_model=PADDED, page_buckets=PAGE_BUCKETS), m, reqs)
+    assert not plan.uses_cascade
+
+
+@pytest.mark.parametrize(
+    ("contexts", "want"),
+    [
+        ([73, 50, 10], [3, 0, 0]),  # flat pads 19 pages to 32: suffixes of 16 pages pad less
+        ([64, 50, 10], [8, 5, 0]),  # 16 pages pad to 16: suffixes of 8 pages pad less
+        ([400, 50, 10], [84, 0, 0]),  # 100 pages, past the widest: pads to 32
+        ([12, 5, 1], None),  # flat pads to the narrowest width
+    ],
+)
+def test_least_suffix_starts_is_where_the_suffix_pass_begins_to_pad_narrower(contexts, want):
+    computed = np.array(contexts) - 1
+    query_lens = np.ones(len(contexts), int)
+    got = least_suffix_starts(PAGE_BUCKETS, computed, query_lens, 4)
+    assert (got if got is None else got.tolist()) == want
+    if want is None:
+        assert not pads_fewer_pages(PAGE_BUCKETS, computed, query_lens, 3, 4)
+        return
+    assert pads_fewer_pages(PAGE_BUCKETS, computed, query_lens, np.array(want), 4)
+    for i in np.flatnonzero(want):  # one block less for any request: as wide as flat
+        starts = np.array(want)
+        starts[i] -= 1
+        assert not pads_fewer_pages(PAGE_BUCKETS, computed, query_lens, starts, 4)
