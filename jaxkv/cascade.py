@@ -141,12 +141,12 @@ class CascadePlanner(GroupSearch):
         Every request must hold blocks for its num_computed_tokens (as the scheduler
         guarantees); ValueError naming the batch position otherwise, or for a count
         below 0, an id given twice or unknown, or arguments of the wrong type.
-        Cost: a fixed number of numpy calls plus a loop over at most 4 x max_groups
-        candidate groups (and as many more past a member's cap; twice that on a step
-        whose global level holds a request left out of cascade, or has no group kept
-        over it while two requests may share past it, and once more where the groups
-        kept leave a suffix pass as wide as flat's); repeated id lists reuse the
-        manager's common prefix (KVCacheManager.num_common_prefix_blocks).
+        Cost: a fixed number of numpy calls plus a loop over at most
+        4 x max(max_groups, 4) candidate groups (and 4 x max_groups past a member's cap;
+        twice that on a step whose global level holds a request left out of cascade, or
+        has no group kept over it while two requests may share past it, and once more
+        where the groups kept leave a suffix pass as wide as flat's); repeated id lists
+        reuse the manager's common prefix (KVCacheManager.num_common_prefix_blocks).
         """
         num_computed_tokens, query_lens = checked_plan_args(
             request_ids, num_computed_tokens, query_lens, manager

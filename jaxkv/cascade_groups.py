@@ -61,9 +61,9 @@ class GroupSearch:
         does not hide the four under a long one that it shares 5 blocks with, nor do
         those four hide the others that share only the 5 blocks, even where all of them
         together do not pay (the four's long contexts outweigh the 5 blocks in
-        min_saved_fraction, the others' do not). At most 4 x max_groups
-        candidates are examined (those nested in a paying one last), and as many groups
-        past a cap.
+        min_saved_fraction, the others' do not). At most 4 x max(max_groups, 4)
+        candidates are examined (those nested in a paying one last), and 4 x max_groups
+        groups past a cap.
 
         A candidate is judged as if it were a call of its own over the members' KV past
         `base` (its savings against what their suffix pass would read without it: the
@@ -94,7 +94,9 @@ class GroupSearch:
         chosen, together = [], []
         unpaid = []  # candidates that pay neither: never kept, but their rest may be
         overlap = False  # whether a group in `chosen` may hold another
-        budget = past_cap_budget = 4 * self.max_groups
+        # A small max_groups keeps few groups, not few candidates: the one that pays may
+        # lie under a chain of runs that do not (requests leaving one block apart).
+        budget, past_cap_budget = 4 * max(self.max_groups, 4), 4 * self.max_groups
         nested_later = []  # groups nested in one that pays: after the other candidates
         within = {}  # id(candidate) -> indices into `together` above it
         grouped = {}  # index into `together` -> members of the groups under it paying a call

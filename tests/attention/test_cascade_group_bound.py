@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from jaxkv import KVCacheManager
-from jaxkv.cascade import CascadePlanner
+from jaxkv.cascade import CascadeCostModel, CascadePlanner
 from tests.attention.test_cascade_group_choice import _groups, _shared
 from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding, _plan, _prefilled
 
@@ -96,3 +96,26 @@ def test_which_runs_the_search_examines_does_not_depend_on_holders_outside_the_b
         plan = _plan(CascadePlanner(SHAPE, cost_model=ALWAYS, max_groups=1), m, reqs)
         plans.append(_groups(plan, reqs))
     assert plans[0] == plans[1] == [(["c0", "c1"], 0, 6)]
+
+
+@pytest.mark.parametrize("max_groups", [1, 2])
+def test_a_small_max_groups_still_searches_past_a_staircase_of_candidates_that_do_not_pay(
+    max_groups,
+):
+    # s0..s7 each leave the others one block later (s_i shares i + 1 blocks with them)
+    # and read 240 tokens of their own; g0..g3 share 40 blocks. Each run from a stair
+    # down saves too small a fraction of its members' contexts; only g0..g3 pay, the
+    # ninth candidate of the search, past 4 x max_groups.
+    model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0, min_saved_fraction=0.45)
+    m = KVCacheManager(1024, 4, max_model_len=512)
+    stairs = list(range(100, 132))  # 8 blocks of 4
+    shared = stairs + list(range(200, 328))  # 40 blocks
+    reqs = [
+        _decoding(m, f"s{i}", stairs[: 4 * (i + 1)] + [1000 * (i + 1) + t for t in range(240)])
+        for i in range(8)
+    ]
+    reqs += [_decoding(m, f"g{i}", shared + [i]) for i in range(4)]
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids) == 1 and _shared(m, ids[7:]) == 8 and _shared(m, ids[8:]) == 40
+    plan = _plan(CascadePlanner(SHAPE, cost_model=model, max_groups=max_groups), m, reqs)
+    assert _groups(plan, reqs) == [(ids[8:], 0, 40)]

@@ -378,8 +378,9 @@ def _tree(m: KVCacheManager, base: int, num_groups: int, pairs_per_group: int) -
 
 
 def test_the_group_search_is_bounded_by_max_groups():
-    # A split keeps its 2 x max_groups largest runs; the search examines at most
-    # 4 x max_groups candidates in all (here max_groups=1).
+    # A split keeps its 2 x max_groups largest runs (here max_groups=1: two of the four
+    # pairs); the search examines at most 4 x max(max_groups, 4) candidates in all,
+    # here every run kept: both groups and the two pairs of each.
     m = KVCacheManager(512, 4, max_model_len=64)
     four_pairs, two_by_two = _tree(m, 10_000, 4, 1), _tree(m, 20_000, 2, 2)
     model = _NeverPays()
@@ -388,4 +389,4 @@ def test_the_group_search_is_bounded_by_max_groups():
     assert model.asked == [2, 2]
     model.asked.clear()
     assert not _plan(planner, m, two_by_two).uses_cascade
-    assert model.asked == [4, 4, 2, 2]
+    assert model.asked == [4, 4, 2, 2, 2, 2]
