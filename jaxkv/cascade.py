@@ -216,9 +216,7 @@ class CascadePlanner(GroupSearch):
             ):
                 return flat
             return self._memo.global_plan(rows, k0, common, made_for)
-        suffix_start = np.full(num_requests, base, np.int32)
-        for members, end in groups:
-            suffix_start[members] = end
+        suffix_start = _suffix_starts(groups, num_requests, base)
         sizes = [len(members) for members, _ in groups]
         model, shape = self.cost_model, self.shape
         rest = (
@@ -241,14 +239,11 @@ class CascadePlanner(GroupSearch):
         if not pads_fewer_pages(
             self.page_buckets, num_computed_tokens, query_lens, suffix_start, bs
         ):
-            groups = self._groups_padding_fewer(
+            groups, suffix_start = self._groups_padding_fewer(
                 manager, rows, num_computed_tokens, query_lens, base, whole, out
             )
             if not groups:
                 return flat
-            suffix_start = np.full(num_requests, base, np.int32)
-            for members, end in groups:
-                suffix_start[members] = end
         global_blocks = k0 if use_global else None
         return self._memo.grouped_plan(groups, rows, suffix_start, global_blocks, common, made_for)
 
@@ -277,15 +272,16 @@ class CascadePlanner(GroupSearch):
         base: int,
         whole_batch_end: int,
         out: np.ndarray | None,  # bool[R] the requests left out
-    ) -> list[tuple[np.ndarray, int]]:
-        """Groups past `base` whose suffix pass pads to fewer pages than flat attention
-        (buckets.pads_fewer_pages), where the heaviest groups' does not: each request
-        whose pages need it is held in a group ending far enough (the search's `need`),
-        left out or not; [] where the search finds none."""
+    ) -> tuple[list[tuple[np.ndarray, int]], np.ndarray | None]:
+        """(groups, their suffix starts: _suffix_starts) past `base` whose suffix pass
+        pads to fewer pages than flat attention (buckets.pads_fewer_pages), where the
+        heaviest groups' does not: each request whose pages need it is held in a group
+        ending far enough (the search's `need`), left out or not; ([], None) where the
+        search finds none."""
         bs = manager.block_size
         need = least_suffix_starts(self.page_buckets, num_computed_tokens, query_lens, bs)
         if need is None:
-            return []
+            return [], None
         must = need > base
         if out is not None:
             out = out & ~must
@@ -294,10 +290,8 @@ class CascadePlanner(GroupSearch):
         groups = self._groups(
             manager, rows, searched, query_lens, base, whole_batch_end, out, need
         )  # fmt: skip
-        suffix_start = np.full(len(rows), base, np.int32)
-        for members, end in groups:
-            suffix_start[members] = end
-        return groups if bool((suffix_start >= need).all()) else []
+        suffix_start = _suffix_starts(groups, len(rows), base)
+        return (groups, suffix_start) if bool((suffix_start >= need).all()) else ([], None)
 
     def _rest_of_batch(
         self,
@@ -371,11 +365,20 @@ class CascadePlanner(GroupSearch):
         """The plan of one groups level of `groups` from block 0 and no global level (the
         requests in no group read from block 0 in their own pass); None where its pages
         pad to more than flat's (buckets.pads_fewer_pages)."""
-        suffix_start = np.zeros(len(rows), np.int32)
-        for members, end in groups:
-            suffix_start[members] = end
+        suffix_start = _suffix_starts(groups, len(rows), 0)
         if not pads_fewer_pages(
             self.page_buckets, num_computed_tokens, query_lens, suffix_start, block_size
         ):
             return None
         return self._memo.grouped_plan(groups, rows, suffix_start, None, common, made_for)
+
+
+def _suffix_starts(
+    groups: list[tuple[np.ndarray, int]], num_requests: int, base: int
+) -> np.ndarray:
+    """i32[num_requests]: the first block of each request's own pass: its group's end, or
+    `base` for a request in no group."""
+    suffix_start = np.full(num_requests, base, np.int32)
+    for members, end in groups:
+        suffix_start[members] = end
+    return suffix_start
