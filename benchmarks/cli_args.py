@@ -7,6 +7,8 @@ ZeroDivisionError, a library traceback or a table of NaN figures.
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 from pathlib import Path
 
 # Where the scripts write their JSON without --out: this checkout's benchmarks/results/,
@@ -47,20 +49,28 @@ def positive_float(text: str) -> float:
 
 
 def out_file(text: str) -> Path:
-    """argparse type: a JSON file to write, not an existing folder (the write at the end
-    of a run of minutes would raise IsADirectoryError and lose it)."""
+    """argparse type: a JSON file this process can write, not an existing folder (the
+    write at the end of a run of minutes would raise IsADirectoryError or
+    PermissionError and lose it)."""
     path = _non_empty_path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name (.json)")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+    else:
+        _check_can_create(text, _nearest_existing(path))
     return path
 
 
 def out_dir(text: str) -> Path:
-    """argparse type: a folder to write into, not an existing file (its mkdir at the end
-    of a run would raise FileExistsError and lose it)."""
+    """argparse type: a folder this process can write into, not an existing file (its
+    mkdir or write at the end of a run would raise FileExistsError or PermissionError
+    and lose it)."""
     path = _non_empty_path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder")
+    _check_can_create(text, path if path.exists() else _nearest_existing(path))
     return path
 
 
@@ -72,10 +82,28 @@ def _non_empty_path(text: str) -> Path:
     path = Path(text)
     # A path under a file: the mkdir before the write at the end of the run raised
     # FileExistsError or NotADirectoryError and lost it.
-    nearest = next(p for p in path.parents if p.exists())  # "." or "/" at the latest
+    nearest = _nearest_existing(path)
     if not nearest.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: {str(nearest)!r} is a file, not a folder")
     return path
+
+
+def _nearest_existing(path: Path) -> Path:
+    return next(p for p in path.parents if p.exists())  # "." or "/" at the latest
+
+
+def _check_can_create(text: str, folder: Path) -> None:
+    # Creating a file is the test that holds for root and for filesystems that refuse
+    # writes whatever their mode bits say (os.access answers True for both). The probe
+    # file goes at once, and no folder is made before the run.
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".jaxkv-write-check-")
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: cannot write in {str(folder)!r} ({e.strerror or e})"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def add_decode_grid_args(

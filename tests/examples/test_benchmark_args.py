@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -146,6 +147,44 @@ def test_out_paths_under_a_file_are_refused(tmp_path):
             with pytest.raises(argparse.ArgumentTypeError, match="is a file, not a folder"):
                 path_type(str(path))
     assert file.read_text() == "{}"
+
+
+def _unwritable_folder(kind: str, tmp_path: Path) -> Path:
+    if kind == "proc":  # refuses new files to root too
+        if not Path("/proc/self").is_dir():
+            pytest.skip("no /proc")
+        return Path("/proc")
+    if os.geteuid() == 0:
+        pytest.skip("root writes into a read-only folder")
+    folder = tmp_path / "read_only"
+    folder.mkdir(mode=0o555)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["read_only", "proc"])
+def test_out_paths_this_process_cannot_write_are_refused(kind, tmp_path):
+    # `--out` in a folder the process cannot write in ran the whole benchmark, then died
+    # in write_json with PermissionError (or FileNotFoundError under /proc) and lost it.
+    from benchmarks.cli_args import out_dir, out_file
+
+    folder = _unwritable_folder(kind, tmp_path)
+    for path_type, path in (
+        (out_file, folder / "x.json"),
+        (out_file, folder / "sub" / "x.json"),
+        (out_dir, folder),
+        (out_dir, folder / "sub"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError, match="cannot write in"):
+            path_type(str(path))
+    assert not (folder / "sub").exists() and not (folder / "x.json").exists()
+
+
+def test_out_paths_leave_no_file_behind_where_they_can_write(tmp_path):
+    from benchmarks.cli_args import out_dir, out_file
+
+    assert out_file(str(tmp_path / "sub" / "x.json")) and out_dir(str(tmp_path / "new"))
+    assert out_dir(str(tmp_path)) == tmp_path
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("module", ["stop_strings", "prompt_logprobs", "serve_args"])
