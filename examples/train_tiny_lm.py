@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -87,9 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def checkpoint_dir(text: str) -> Path:
-    """argparse type: a folder to write the checkpoint into, checked before training rather
-    than when it is saved minutes later (an existing file there raised FileExistsError and
-    lost the run; an empty path, an unset shell variable, wrote into the working folder)."""
+    """argparse type: a folder this process can write the checkpoint into, checked before
+    training rather than when it is saved minutes later (an existing file there raised
+    FileExistsError and lost the run, a folder it cannot write in PermissionError; an
+    empty path, an unset shell variable, wrote into the working folder)."""
     if not text:
         raise argparse.ArgumentTypeError("is empty; give a folder")
     path = Path(text)
@@ -99,6 +102,17 @@ def checkpoint_dir(text: str) -> Path:
     nearest = next(p for p in path.parents if p.exists())  # "." or "/" at the latest
     if not nearest.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: {str(nearest)!r} is a file, not a folder")
+    # Creating a file is the test that holds for root and for filesystems that refuse
+    # writes whatever their mode bits say; the probe goes at once, no folder is made.
+    folder = path if path.exists() else nearest
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".jaxkv-write-check-")
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: cannot write in {str(folder)!r} ({e.strerror or e})"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
     return path
 
 

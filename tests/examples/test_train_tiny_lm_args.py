@@ -4,6 +4,7 @@ shipped checkpoint's README matching the script's defaults."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -145,6 +146,27 @@ def test_a_checkpoint_path_under_a_file_is_refused_before_training(tmp_path, cap
         err = capsys.readouterr().err
         assert "argument checkpoint:" in err and "is a file, not a folder" in err
     assert file.read_text() == "keep"
+
+
+@pytest.mark.parametrize("kind", ["read_only", "proc"])
+def test_a_checkpoint_path_it_cannot_write_in_is_refused_before_training(kind, tmp_path, capsys):
+    # The run trained to the end, then save_checkpoint's mkdir or write raised
+    # PermissionError (FileNotFoundError under /proc) and lost it.
+    if kind == "proc":  # refuses new files to root too
+        if not Path("/proc/self").is_dir():
+            pytest.skip("no /proc")
+        folder = Path("/proc")
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a read-only folder")
+        folder = tmp_path / "read_only"
+        folder.mkdir(mode=0o555)
+    for path in (folder, folder / "ckpt", folder / "a" / "ckpt"):
+        with pytest.raises(SystemExit):
+            _example().parse_args([str(path)])
+        err = capsys.readouterr().err
+        assert "argument checkpoint:" in err and "cannot write in" in err
+    assert not (folder / "ckpt").exists() and not (folder / "a").exists()
 
 
 @pytest.mark.parametrize(
