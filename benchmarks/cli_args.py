@@ -27,6 +27,15 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+def seed(text: str) -> int:
+    """argparse type: an int in [0, 2**63), as numpy's generators and jax.random.key (an
+    int64) both take it; a larger one raised OverflowError in jax once the run began."""
+    value = _int_at_least(text, 0)
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"{value} must be < 2**63 (jax.random.key takes int64)")
+    return value
+
+
 def _int_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text)

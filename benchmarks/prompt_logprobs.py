@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cli_args import (  # noqa: E402
     RESULTS_DIR,
-    non_negative_int,
     out_file,
     positive_int,
+    seed,
 )
 from benchmarks.json_report import write_json  # noqa: E402
 from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--repeats", type=positive_int, default=5, help="measured runs per case")
-    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument(
         "--out", type=out_file, default=RESULTS_DIR / "prompt_logprobs.json",
         help="JSON file (%(default)s)",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.cli_args import RESULTS_DIR, non_negative_int, out_file, positive_int
+from benchmarks.cli_args import RESULTS_DIR, non_negative_int, out_file, positive_int, seed
 from jaxkv import EngineConfig, SamplingParams
 from jaxkv.models.config import PRESETS
 
@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="batch of the host-time goal (default: --num-requests, all of them decoding)",
     )
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     names = ",".join(c[0] for c in CONFIGS)
     p.add_argument("--configs", default=names, help=f"comma-separated, of {names}")
     p.add_argument(

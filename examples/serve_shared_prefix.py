@@ -144,6 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("samples", "seed"):  # a negative seed failed in numpy, naming no flag
         if getattr(args, name) < 0:
             p.error(f"--{name} must be >= 0")
+    if args.seed >= 2**63:  # random weights' jax.random.key takes int64: OverflowError
+        p.error(f"--seed {args.seed} must be < 2**63")
     if args.prefix_len < (least := min_prefix_len()):  # 25 and less: one system prompt
         p.error(f"--prefix-len must be >= {least} (below, the two system prompts are cut "
                 "to the same words: no group has a prefix of its own)")  # fmt: skip

@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ):  # fmt: skip
         if getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= {least}")
+    if args.seed >= 2**63:  # jax.random.key takes int64: OverflowError after setup
+        p.error(f"--seed {args.seed} must be < 2**63")
     if not 0 < args.peak_lr < math.inf:  # nan fails too: it would train to NaN weights
         p.error(f"--peak-lr {args.peak_lr} must be a finite number > 0")
     try:

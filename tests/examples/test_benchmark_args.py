@@ -244,6 +244,26 @@ def test_a_negative_seed_is_refused_by_its_flag(module, capsys):
     assert "--seed: -1 must be >= 0" in capsys.readouterr().err
 
 
+def test_seed_takes_what_jax_random_key_takes():
+    from benchmarks.cli_args import seed
+
+    assert seed("0") == 0 and seed(str(2**63 - 1)) == 2**63 - 1
+    for text, match in (("-1", "-1 must be >= 0"), (str(2**63), "must be < 2\\*\\*63")):
+        with pytest.raises(argparse.ArgumentTypeError, match=match):
+            seed(text)
+
+
+@pytest.mark.parametrize("module", ["serve_args", "prompt_logprobs"])
+def test_a_seed_past_int64_is_refused_by_its_flag(module, capsys):
+    # It built the random weights' jax.random.key: OverflowError, a traceback mid-run.
+    import importlib
+
+    parse_args = importlib.import_module(f"benchmarks.{module}").parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--seed", str(2**63)])
+    assert f"--seed: {2**63} must be < 2**63" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "script,message",
     [

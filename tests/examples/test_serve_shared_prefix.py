@@ -131,6 +131,14 @@ def test_a_negative_seed_is_refused_by_its_flag(serve, capsys):
     assert "--seed must be >= 0" in capsys.readouterr().err
 
 
+def test_a_seed_past_int64_is_refused_by_its_flag(serve, capsys):
+    # Random weights' jax.random.key raised OverflowError, a traceback naming no flag.
+    assert serve.parse_args(["--seed", str(2**63 - 1)]).seed == 2**63 - 1
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--checkpoint", "random", "--seed", str(2**63)])
+    assert f"--seed {2**63} must be < 2**63" in capsys.readouterr().err
+
+
 def test_a_checkpoint_with_a_preset_that_runs_random_weights_is_refused(serve, capsys):
     # It was parsed and ignored: the Llama-3 presets built random weights regardless.
     with pytest.raises(SystemExit):
