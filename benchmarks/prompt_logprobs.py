@@ -67,6 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if args.prompt_len + 2 > limit:
         p.error(f"--prompt-len {args.prompt_len} + 2 exceeds the tiny preset's {limit} positions")
+    try:  # the engine's own checks (int32 sizes, KV slots), before the model is built
+        engine_config(args)
+    except ValueError as e:
+        p.error(f"the engine's config: {e}")
     return args
 
 

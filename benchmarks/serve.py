@@ -58,8 +58,13 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.json_report import write_json  # noqa: E402
-from benchmarks.serve_args import CONFIGS, max_model_len, parse_args, penalties  # noqa: E402
-from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
+from benchmarks.serve_args import (  # noqa: E402
+    CONFIGS,
+    engine_config,
+    parse_args,
+    penalties,
+)
+from jaxkv import Engine, SamplingParams  # noqa: E402
 from jaxkv.attention import default_backend  # noqa: E402
 from jaxkv.models import Llama, LlamaConfig  # noqa: E402
 
@@ -72,28 +77,6 @@ def workload(args) -> list[list[int]]:
         system + rng.integers(0, vocab, args.question_len).tolist()
         for _ in range(args.num_requests // args.samples)
     ]
-
-
-def engine_config(args, cascade: bool, prefix_caching: bool) -> EngineConfig:
-    max_len = max_model_len(args)
-    blocks_per_req = -(-max_len // args.block_size)
-    return EngineConfig(
-        cache=CacheConfig(
-            num_blocks=args.num_requests * blocks_per_req + 1,
-            block_size=args.block_size,
-            enable_prefix_caching=prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.num_requests,
-            max_model_len=max_len,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-        ),
-        enable_cascade=cascade,
-        # Few, coarse buckets: a long run compiles a handful of programs.
-        min_num_seqs_bucket=max(args.num_requests // 4, 1),
-        min_num_tokens_bucket=args.min_tokens_bucket,
-    )
 
 
 def run_one(model, prompts, args, name, cascade, prefix_caching) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.cli_args import RESULTS_DIR, non_negative_int, out_file, positive_int, seed
-from jaxkv import EngineConfig, SamplingParams
+from jaxkv import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
 from jaxkv.models.config import PRESETS
 
 CONFIGS = [  # (name, enable_cascade, enable_prefix_caching)
@@ -104,7 +104,35 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"--system-len + --question-len + --max-tokens + 1 = {max_len} tokens exceed "
             f"the {limit} positions of --preset {args.preset}"
         )
+    try:  # the engines' own checks (int32 sizes, KV slots), before the model is built
+        for _, cascade, prefix_caching in CONFIGS:
+            engine_config(args, cascade, prefix_caching)
+    except ValueError as e:
+        p.error(f"the engines' config: {e}")
     return args
+
+
+def engine_config(args, cascade: bool, prefix_caching: bool) -> EngineConfig:
+    """The EngineConfig of one of CONFIGS under these flags."""
+    max_len = max_model_len(args)
+    blocks_per_req = -(-max_len // args.block_size)
+    return EngineConfig(
+        cache=CacheConfig(
+            num_blocks=args.num_requests * blocks_per_req + 1,
+            block_size=args.block_size,
+            enable_prefix_caching=prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.num_requests,
+            max_model_len=max_len,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+        ),
+        enable_cascade=cascade,
+        # Few, coarse buckets: a long run compiles a handful of programs.
+        min_num_seqs_bucket=max(args.num_requests // 4, 1),
+        min_num_tokens_bucket=args.min_tokens_bucket,
+    )
 
 
 def max_model_len(args) -> int:

@@ -35,3 +35,17 @@ def test_more_requests_than_tokens_per_step_are_refused_by_name(capsys):
         parse_args(["--num-requests", "32", "--max-num-batched-tokens", "8"])
     assert "--num-requests 32 must be <= --max-num-batched-tokens 8" in capsys.readouterr().err
     assert parse_args(["--num-requests", "8", "--max-num-batched-tokens", "8"])
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--max-num-batched-tokens", str(2**31)], "max_num_batched_tokens=2147483648 must"),
+        (["--block-size", str(2**30), "--num-requests", "2"], "must be at most 2**31 token"),
+    ],
+)
+def test_sizes_past_the_engines_int32_bounds_are_refused_before_the_run(argv, message, capsys):
+    # EngineConfig's ValueError came as a traceback once the model was built.
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert "the engine's config: " in (err := capsys.readouterr().err) and message in err

@@ -115,6 +115,11 @@ def test_samples_split_the_requests_into_questions_of_n_samples_each():
         (["--prompt-logprobs", "21"], "--prompt-logprobs 21 exceeds 20"),
         (["--min-tokens-bucket", "4096"], "--min-tokens-bucket 4096 must be <= --max-num-"),
         (["--long-prefill-token-threshold", "-1"], "-1 must be >= 0"),
+        # Past the configs' int32 bounds: EngineConfig's ValueError came mid-run.
+        (["--max-num-batched-tokens", str(2**31)], "max_num_batched_tokens=2147483648 must"),
+        (["--long-prefill-token-threshold", str(2**31)], "long_prefill_token_threshold=2147"),
+        (["--block-size", str(2**31)], "the engines' config: block_size=2147483648 must"),
+        (["--block-size", str(2**30), "--num-requests", "2"], "must be at most 2**31 token"),
     ],
 )
 def test_flags_the_engine_would_refuse_are_refused_by_name(argv, message, capsys):
