@@ -328,6 +328,10 @@ def main(argv: list[str] | None = None) -> dict:
             "(add --backend pallas_tpu or pallas_gpu)"
         )
     prompts = workload(args.num_requests, args.prefix_len, args.seed)
+    try:  # the engine's own checks (int32 sizes, KV slots), before the model is loaded
+        engine_config(args, prompts, True)
+    except ValueError as e:
+        raise SystemExit(f"the engine's config: {e}") from None
     lengths = [len(p.token_ids) for p in prompts]
     console = Console(highlight=False)
     if random_weights(args):  # checked before the weights are built

@@ -143,3 +143,24 @@ def test_the_script_exits_non_zero_when_cascade_changed_the_tokens(serve, monkey
     else:
         with pytest.raises(SystemExit, match="cascade on and off generated different tokens"):
             runpy.run_path(path, run_name="__main__")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--block-size", str(2**31)], "block_size=2147483648 must be an int in"),
+        (["--block-size", str(2**30)], "must be at most 2**31 token slots"),
+        (["--max-batched-tokens", str(2**31)], "max_num_batched_tokens=2147483648 must"),
+    ],
+)
+def test_sizes_past_the_engines_int32_bounds_are_refused_before_the_model_loads(
+    serve, monkeypatch, argv, message
+):
+    # EngineConfig's ValueError came as a traceback after the model was loaded.
+    def no_model(*_):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(serve, "load_model", no_model)
+    with pytest.raises(SystemExit, match="the engine's config: ") as exit_info:
+        serve.main(argv)
+    assert message in str(exit_info.value)
