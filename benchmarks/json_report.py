@@ -23,9 +23,19 @@ def finite_json(obj: Any, **kwargs: Any) -> str:
 
 def write_json(path: Path, obj: Any, *, indent: int = 1) -> None:
     """Writes finite_json(obj) to `path`, making its folder first; a Path anywhere in
-    `obj` (an argparse --out, say) is written as its str."""
+    `obj` (an argparse --out, say) is written as its str. The text goes to a temporary
+    file beside `path`, renamed over it once whole: a run stopped mid-write (a time
+    limit's SIGTERM while gpu_kernel.py rewrites its JSON after a row) leaves the
+    previous file, never a cut one."""
+    text = finite_json(obj, indent=indent)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(finite_json(obj, indent=indent))
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _nulled(obj: Any) -> Any:

@@ -76,3 +76,25 @@ def test_a_path_used_as_a_key_is_written_as_its_text(tmp_path):
     out = tmp_path / "r.json"
     write_json(out, {"by_file": {Path("a/b.txt"): 1.5, Path("c"): float("nan")}})
     assert _strict(out.read_text()) == {"by_file": {"a/b.txt": 1.5, "c": None}}
+
+
+def test_a_write_cut_midway_leaves_the_previous_file_whole(tmp_path, monkeypatch):
+    # gpu_kernel.py rewrites its JSON after every row under gpu_checks.sh's time limit:
+    # written in place, a SIGTERM mid-write left a cut file and lost the rows before it.
+    from pathlib import Path
+
+    from benchmarks.json_report import write_json
+
+    out = tmp_path / "r.json"
+    write_json(out, {"rows": [1, 2]})
+    real_write_text = Path.write_text
+
+    def cut_midway(self, text, *args, **kwargs):
+        real_write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", cut_midway)
+    with pytest.raises(KeyboardInterrupt):
+        write_json(out, {"rows": [1, 2, 3]})
+    assert json.loads(out.read_text()) == {"rows": [1, 2]}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
