@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from benchmarks.cli_args import out_dir  # noqa: E402
 from jaxkv.models import ByteTokenizer, Llama, LlamaConfig, save_checkpoint  # noqa: E402
 from jaxkv.models.train import Trainer, greedy_generate, make_optimizer  # noqa: E402
 
@@ -34,9 +33,7 @@ SAMPLE_PROMPTS = ("I was ", "The teacher said ", '"What ')
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument(
-        "checkpoint", type=checkpoint_dir, help="directory to write the trained checkpoint to"
-    )
+    p.add_argument("checkpoint", type=out_dir, help="directory to write the trained checkpoint to")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=512)
@@ -88,34 +85,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"{args.config.max_position_embeddings} (raise it with --override)"
         )
     return args
-
-
-def checkpoint_dir(text: str) -> Path:
-    """argparse type: a folder this process can write the checkpoint into, checked before
-    training rather than when it is saved minutes later (an existing file there raised
-    FileExistsError and lost the run, a folder it cannot write in PermissionError; an
-    empty path, an unset shell variable, wrote into the working folder)."""
-    if not text:
-        raise argparse.ArgumentTypeError("is empty; give a folder")
-    path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder")
-    # Under a file, mkdir raised NotADirectoryError at the end, after training.
-    nearest = next(p for p in path.parents if p.exists())  # "." or "/" at the latest
-    if not nearest.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r}: {str(nearest)!r} is a file, not a folder")
-    # Creating a file is the test that holds for root and for filesystems that refuse
-    # writes whatever their mode bits say; the probe goes at once, no folder is made.
-    folder = path if path.exists() else nearest
-    try:
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".jaxkv-write-check-")
-    except OSError as e:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: cannot write in {str(folder)!r} ({e.strerror or e})"
-        ) from None
-    os.close(fd)
-    os.unlink(probe)
-    return path
 
 
 def train_size(num_bytes: int) -> int:
