@@ -166,8 +166,14 @@ class GroupSearch:
             candidates.sort(key=len, reverse=True)
         # A group paying only its merge above groups that pay a call is never kept (it
         # weighs less than each), and where they leave fewer than two of its members its
-        # rest (kept_groups) is no group: dropped before the groups are weighed.
-        together = [g for k, g in enumerate(together) if len(g[1]) - grouped.get(k, 0) > 1]
+        # rest (kept_groups) is no group: dropped before the groups are weighed, unless
+        # it holds a request whose pages need a group (kept_groups may keep it for that).
+        must = None if need is None else need > base
+        together = [
+            g
+            for k, g in enumerate(together)
+            if len(g[1]) - grouped.get(k, 0) > 1 or (must is not None and must[g[1]].any())
+        ]
         if unpaid and (chosen or together):  # a rest needs two members in no group found
             in_group = np.zeros(len(rows), bool)
             for group in chosen + together:

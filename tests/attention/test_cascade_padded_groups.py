@@ -13,7 +13,7 @@ from jaxkv import KVCacheManager
 from jaxkv.buckets import least_suffix_starts, pads_fewer_pages
 from jaxkv.cascade import CascadeCostModel, CascadePlanner
 from tests.attention.test_cascade_group_choice import _groups, _shared
-from tests.attention.test_cascade_planner import SHAPE, _decoding, _plan
+from tests.attention.test_cascade_planner import SHAPE, _decoding, _plan, _prefilled
 
 PADDED = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0, reads_padded_pages=True)
 PAGE_BUCKETS = (4, 8, 16, 32)
@@ -98,3 +98,47 @@ def test_least_suffix_starts_is_where_the_suffix_pass_begins_to_pad_narrower(con
         starts = np.array(want)
         starts[i] -= 1
         assert not pads_fewer_pages(PAGE_BUCKETS, computed, query_lens, starts, 4)
+
+
+# Block: 4 tokens of 512 bytes (SHAPE); a query's merge: 8 heads x 65 x 12 / 16 = 390
+# bytes. A group pays a call of its own past 32 KiB saved, less its merge.
+COSTED = CascadeCostModel(
+    launch_overhead_bytes=32 << 10, merge_cost_factor=1 / 16, reads_padded_pages=True
+)
+
+
+def _system_prompts(header: list[int]) -> tuple[KVCacheManager, list, np.ndarray, np.ndarray]:
+    """(manager, requests, computed, query lens): a0, a1 decode under a 96-token system
+    prompt (after `header`); "chunk" holds its first 92 tokens (23 pages), has computed
+    48 and prefills 44 (flat pads its pages to 32; its suffix pass needs a group ending
+    at block 7 or later); b0, b1 decode under a system prompt of their own."""
+    m = KVCacheManager(256, 4, max_model_len=128)
+    system_a = header + list(range(400, 496 - len(header)))
+    system_b = header + list(range(500, 556 - len(header)))
+    reqs = [_decoding(m, f"a{i}", system_a + [i, 50 + i]) for i in range(2)]
+    reqs.append(_prefilled(m, "chunk", system_a[:92]))
+    reqs += [_decoding(m, f"b{i}", system_b + [i, 50 + i]) for i in range(2)]
+    query_lens = np.ones(len(reqs), int)
+    query_lens[2] = 44
+    computed = np.array([r.num_tokens for r in reqs]) - query_lens
+    computed[2] = 48
+    return m, reqs, computed, query_lens
+
+
+def test_a_group_under_one_paying_a_call_holds_the_request_whose_pages_need_it():
+    # By bytes a0, a1 over 24 blocks (48 KiB saved) and b0, b1 over 14: the three
+    # under system A end where chunk has computed, block 12, and their merge of 46
+    # queries leaves them short of a call of their own. They are the one group that
+    # holds chunk, whose suffix pass (23 pages from block 0) pads as wide as flat's.
+    m, reqs, computed, query_lens = _system_prompts([])
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids[:3]) == 22 and _shared(m, ids[3:]) == 14 and _shared(m, ids) == 0
+    for page_buckets, want in (
+        (None, [(ids[:2], 0, 24), (ids[3:], 0, 14)]),
+        (PAGE_BUCKETS, [(ids[:3], 0, 12), (ids[3:], 0, 14)]),
+    ):
+        planner = CascadePlanner(SHAPE, cost_model=COSTED, page_buckets=page_buckets)
+        plan = planner.plan(ids, computed, query_lens, m)
+        plan.check()
+        assert [lv.name for lv in plan.levels] == ["groups"]
+        assert _groups(plan, reqs) == want
