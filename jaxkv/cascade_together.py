@@ -52,8 +52,9 @@ def kept_groups(
     (buckets.least_suffix_starts: where the suffix pass must start to pad to fewer
     pages). A group ending short of a member's need is then never kept, and each
     request needing more than `base` is held in a kept group wherever the tree of
-    candidates allows, before any heavier choice (the max_groups limit aside: the
-    planner checks the pages of the groups kept).
+    candidates allows, before any heavier choice (within max_groups where the largest
+    candidates holding them allow it; the planner checks the pages of the groups
+    kept).
 
     Each group is weighed by net_bytes (a cost model that is no CascadeCostModel has a
     call that costs nothing). The search splits a candidate only into subsets of it, so
@@ -69,7 +70,10 @@ def kept_groups(
     hide the other members of the group they split from (16 requests under a long
     system prompt beside 48 under only the header they all share). Where that set holds
     more than max_groups, its max_groups heaviest are kept, or the candidates taken
-    heaviest first while disjoint, up to max_groups, where those weigh more.
+    heaviest first while disjoint, up to max_groups, where those weigh more; with
+    `need`, of those two and the largest candidates holding each request needing more
+    than `base` (where they are at most max_groups), the heaviest that hold every such
+    request, where one does.
     """
     if not candidates:
         return []
@@ -83,10 +87,11 @@ def kept_groups(
     never = [(-math.inf, int(group[1][0]), group) for group in unpaid]
     best = _heaviest_nested(weighed + never, weigh, rest, _needed(need, base))
     if len(best) > max_groups:
-        best = best[:max_groups]
-        first = _heaviest_first(weighed, max_groups)
-        if sum(t[0] for t in first) > sum(t[0] for t in best):
-            best = first
+        options = [best[:max_groups], _heaviest_first(weighed, max_groups)]
+        if need is not None:  # those holding every request that must be held, if any
+            options.append(_outermost_holding(weighed, need, base, max_groups))
+            options = [o for o in options if o and _holds(o, need > base)] or options[:2]
+        best = max(options, key=lambda o: sum(t[0] for t in o))  # the first on ties
     if sum(t[0] for t in best) <= call:
         return []
     return [group[:3] for _, _, group in best]
@@ -248,6 +253,37 @@ def _heaviest_nested(weighed: list[tuple], weigh, rest, needed=None) -> list[tup
             weight_at[first], kept_at[first], covered[at] = others[0], len(entries) - 1, True
     kept = [entries[k] for k in kept_at[kept_at >= 0].tolist()]
     return sorted(kept, key=lambda t: (-t[0], t[1]))
+
+
+def _holds(entries: list[tuple], must: np.ndarray) -> bool:
+    """Whether the groups of `entries` hold every request of bool[R] `must`."""
+    held = np.zeros(len(must), bool)
+    for entry in entries:
+        held[entry[2][1]] = True
+    return bool(held[must].all())
+
+
+def _outermost_holding(
+    weighed: list[tuple], need: np.ndarray, base: int, max_groups: int
+) -> list[tuple]:
+    """For each request needing more than `base` (kept_groups' `need`), the largest
+    entry of `weighed` that holds it and ends at or past each member's need: disjoint,
+    as candidates nest or are disjoint. [] where they are more than max_groups."""
+    outermost = {}  # first member -> entry
+    for entry in weighed:
+        members, end = entry[2][1], entry[2][2]
+        if entry[0] > 0 and int(need[members].max()) <= end and (need[members] > base).any():
+            first = int(members[0])
+            if not any(  # inside one kept already: it holds this entry's members too
+                len(e[2][1]) >= len(members) and np.isin(members[0], e[2][1])
+                for e in outermost.values()
+            ):
+                inside = [f for f, e in outermost.items() if np.isin(e[2][1][0], members)]
+                for f in inside:
+                    del outermost[f]
+                outermost[first] = entry
+    found = sorted(outermost.values(), key=lambda t: (-t[0], t[1]))
+    return found if len(found) <= max_groups else []
 
 
 def _heaviest_first(weighed: list[tuple], max_groups: int) -> list[tuple]:

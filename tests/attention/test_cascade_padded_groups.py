@@ -142,3 +142,26 @@ def test_a_group_under_one_paying_a_call_holds_the_request_whose_pages_need_it()
         plan.check()
         assert [lv.name for lv in plan.levels] == ["groups"]
         assert _groups(plan, reqs) == want
+
+
+def test_one_group_holds_every_request_whose_pages_need_one_where_one_is_allowed():
+    # x0..x2 share 18 blocks, y0, y1 16, all five the 8 of PROMPT; "solo" shares
+    # nothing. By bytes x0..x2 (2 x 18 saved) and y0, y1 (16) outweigh all five over 8
+    # (4 x 8), and with one group allowed x0..x2 alone do. But each of the five needs a
+    # group (up to 20 pages: flat pads to 32): with one group, only all five hold them.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    reqs = [_decoding(m, f"x{i}", PROMPT + list(range(200, 240)) + [i] * 6) for i in range(3)]
+    reqs += [_decoding(m, f"y{i}", PROMPT + list(range(300, 332)) + [i] * 6) for i in range(2)]
+    reqs.append(_decoding(m, "solo", list(range(600, 612))))
+    ids = [r.request_id for r in reqs]
+    assert (_shared(m, ids[:5]), _shared(m, ids[:3]), _shared(m, ids[3:5])) == (8, 18, 16)
+    both = [(ids[:3], 0, 18), (ids[3:5], 0, 16)]
+    for max_groups, page_buckets, want in (
+        (1, None, both[:1]),
+        (1, PAGE_BUCKETS, [(ids[:5], 0, 8)]),
+        (2, PAGE_BUCKETS, both),
+    ):
+        planner = CascadePlanner(
+            SHAPE, cost_model=PADDED, max_groups=max_groups, page_buckets=page_buckets
+        )
+        assert _groups(_plan(planner, m, reqs), reqs) == want
