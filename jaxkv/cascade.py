@@ -34,10 +34,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxkv.buckets import least_suffix_starts, pads_fewer_pages
+from jaxkv.buckets import pads_fewer_pages
 from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel
-from jaxkv.cascade_groups import GroupSearch
 from jaxkv.cascade_left_out import left_out, merge_bytes_per_query
+from jaxkv.cascade_padded import PaddedPlans, suffix_starts
 from jaxkv.cascade_plan import CascadeLevel, CascadePlan
 from jaxkv.cascade_together import global_weight, level_weight, net_bytes, outweigh_global
 from jaxkv.kv_cache_manager import KVCacheManager
@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 
-class CascadePlanner(GroupSearch):
+class CascadePlanner(PaddedPlans):
     """Plans flat or cascade attention for each scheduled batch (the group search:
     jaxkv.cascade_groups)."""
 
@@ -205,7 +205,7 @@ class CascadePlanner(GroupSearch):
             out is not None or not (groups or self._memo.no_groups_past(manager, rows, k0))
         ):
             plan = self._plan_without_global(
-                manager, rows, num_computed_tokens, searched, query_lens, k0, groups, common,
+                manager, rows, num_computed_tokens, out, query_lens, k0, groups, common,
                 made_for,
             )  # fmt: skip
             if plan is not None:
@@ -216,7 +216,7 @@ class CascadePlanner(GroupSearch):
             ):
                 return flat
             return self._memo.global_plan(rows, k0, common, made_for)
-        suffix_start = _suffix_starts(groups, num_requests, base)
+        suffix_start = suffix_starts(groups, num_requests, base)
         sizes = [len(members) for members, _ in groups]
         model, shape = self.cost_model, self.shape
         rest = (
@@ -234,6 +234,13 @@ class CascadePlanner(GroupSearch):
             plan = self._plan_from_block_0(
                 from_block_0, rows, num_computed_tokens, query_lens, bs, common, made_for
             )
+            if plan is None:  # weighed against the global level with its groups
+                under = global_weight(model, shape, num_requests, k0 * bs, total_q)
+                under += level_weight(model, shape, groups, k0, bs, query_lens)
+                plan = self._plan_holding(
+                    manager, rows, num_computed_tokens, query_lens, out, under, common,
+                    made_for,
+                )  # fmt: skip
             if plan is not None:
                 return plan
         if not pads_fewer_pages(
@@ -262,36 +269,6 @@ class CascadePlanner(GroupSearch):
             num_computed_tokens, query_lens, self._merge_per_query, block_bytes,
             manager.block_size,
         )  # fmt: skip
-
-    def _groups_padding_fewer(
-        self,
-        manager: KVCacheManager,
-        rows: np.ndarray,  # i32[R]
-        num_computed_tokens: np.ndarray,  # i[R]
-        query_lens: np.ndarray,  # i[R]
-        base: int,
-        whole_batch_end: int,
-        out: np.ndarray | None,  # bool[R] the requests left out
-    ) -> tuple[list[tuple[np.ndarray, int]], np.ndarray | None]:
-        """(groups, their suffix starts: _suffix_starts) past `base` whose suffix pass
-        pads to fewer pages than flat attention (buckets.pads_fewer_pages), where the
-        heaviest groups' does not: each request whose pages need it is held in a group
-        ending far enough (the search's `need`), left out or not; ([], None) where the
-        search finds none."""
-        bs = manager.block_size
-        need = least_suffix_starts(self.page_buckets, num_computed_tokens, query_lens, bs)
-        if need is None:
-            return [], None
-        must = need > base
-        if out is not None:
-            out = out & ~must
-            out = out if out.any() else None
-        searched = num_computed_tokens if out is None else np.where(out, 0, num_computed_tokens)
-        groups = self._groups(
-            manager, rows, searched, query_lens, base, whole_batch_end, out, need
-        )  # fmt: skip
-        suffix_start = _suffix_starts(groups, len(rows), base)
-        return (groups, suffix_start) if bool((suffix_start >= need).all()) else ([], None)
 
     def _rest_of_batch(
         self,
@@ -326,7 +303,7 @@ class CascadePlanner(GroupSearch):
         manager: KVCacheManager,
         rows: np.ndarray,  # i32[R]
         num_computed_tokens: np.ndarray,  # i[R]
-        searched: np.ndarray,  # i[R] num_computed_tokens, 0 for the requests left out
+        out: np.ndarray | None,  # bool[R] the requests left out
         query_lens: np.ndarray,  # i[R]
         k0: int,  # the global level's blocks
         groups: list[tuple[np.ndarray, int]],  # the groups found under it
@@ -336,7 +313,10 @@ class CascadePlanner(GroupSearch):
         """The plan of groups from block 0 over the requests not left out (the others
         read from block 0 in their own pass), where it weighs more than the global level
         (which spans the batch, left-out requests included) with `groups` over it or
-        those groups from block 0 (cascade_together.level_weight); else None."""
+        those groups from block 0 (cascade_together.level_weight); else None. Where
+        those groups' pages pad to as many as flat's, the groups from block 0 holding
+        the requests whose pages need one (_plan_holding) are weighed instead."""
+        searched = num_computed_tokens if out is None else np.where(out, 0, num_computed_tokens)
         alone = self._groups(manager, rows, searched, query_lens, 0)
         if not alone:
             return None
@@ -348,37 +328,11 @@ class CascadePlanner(GroupSearch):
             under = max(under, level_weight(model, shape, groups, 0, bs, query_lens))
         if level_weight(model, shape, alone, 0, bs, query_lens) <= under:
             return None
-        return self._plan_from_block_0(
+        plan = self._plan_from_block_0(
             alone, rows, num_computed_tokens, query_lens, bs, common, made_for
         )
-
-    def _plan_from_block_0(
-        self,
-        groups: list[tuple[np.ndarray, int]],  # (members, end block), each from block 0
-        rows: np.ndarray,  # i32[R]
-        num_computed_tokens: np.ndarray,  # i[R]
-        query_lens: np.ndarray,  # i[R]
-        block_size: int,
-        common: int,
-        made_for,
-    ) -> CascadePlan | None:
-        """The plan of one groups level of `groups` from block 0 and no global level (the
-        requests in no group read from block 0 in their own pass); None where its pages
-        pad to more than flat's (buckets.pads_fewer_pages)."""
-        suffix_start = _suffix_starts(groups, len(rows), 0)
-        if not pads_fewer_pages(
-            self.page_buckets, num_computed_tokens, query_lens, suffix_start, block_size
-        ):
-            return None
-        return self._memo.grouped_plan(groups, rows, suffix_start, None, common, made_for)
-
-
-def _suffix_starts(
-    groups: list[tuple[np.ndarray, int]], num_requests: int, base: int
-) -> np.ndarray:
-    """i32[num_requests]: the first block of each request's own pass: its group's end, or
-    `base` for a request in no group."""
-    suffix_start = np.full(num_requests, base, np.int32)
-    for members, end in groups:
-        suffix_start[members] = end
-    return suffix_start
+        if plan is None:
+            plan = self._plan_holding(
+                manager, rows, num_computed_tokens, query_lens, out, under, common, made_for
+            )
+        return plan
