@@ -8,7 +8,8 @@ attention over each set plus each set's log-sum-exp:
 
 Guarantees: the math runs in float32; a side with lse == -inf (no keys) passes the other
 side's output through bit for bit; both sides empty gives out 0 and lse -inf; no NaN
-comes out for any finite or infinite lse (and finite outputs).
+comes out for any finite or infinite lse (and finite outputs), and the blend lies
+between the two outputs, so finite ones give a finite one up to float32's max.
 """
 
 from __future__ import annotations
@@ -60,7 +61,14 @@ def merge_attn_states(
 
     fa = out_a.astype(jnp.float32)
     fb = out_b.astype(jnp.float32)
-    blended = ((wa[..., None] * fa + wb[..., None] * fb) / denom[..., None]).astype(out_a.dtype)
+    # Shares in [0, 1] (the larger side weighs 1, so denom >= 1), and the blend clipped to
+    # the range of the two outputs, where the exact blend lies: dividing the weighted sum
+    # last overflowed to inf for outputs past half of float32's max, and a share rounded up
+    # could still step past the max.
+    share_a = (wa / denom)[..., None]
+    share_b = (wb / denom)[..., None]
+    blended = jnp.clip(share_a * fa + share_b * fb, jnp.minimum(fa, fb), jnp.maximum(fa, fb))
+    blended = blended.astype(out_a.dtype)
     # The pass-throughs take the inputs themselves: exact also for a dtype wider than f32.
     out = jnp.where(b_empty[..., None], out_a, jnp.where(a_empty[..., None], out_b, blended))
     out = jnp.where(both_empty[..., None], jnp.zeros((), out_a.dtype), out)

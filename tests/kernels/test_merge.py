@@ -85,6 +85,26 @@ def test_very_different_magnitudes_and_infinities_give_no_nan():
     np.testing.assert_array_equal(np.asarray(out)[big], np.asarray(out_a)[big])
 
 
+def test_outputs_near_float32_max_blend_to_a_finite_value_between_them():
+    # Partial outputs past half of float32's max (value rows that large): weighting both
+    # and dividing last overflowed to inf, where the blend itself is finite.
+    rng = np.random.default_rng(3)
+    top = float(np.finfo(np.float32).max)
+    values = np.array([[top, top], [top, 0.9 * top], [3e38, 2e38], [-top, -top]], np.float32)
+    sides = np.repeat(values, 256, axis=0)[:, :, None, None]  # [n, side, 1 head, 1 dim]
+    lse_a, lse_b = (rng.normal(size=(len(sides), 1)).astype(np.float32) * 3 for _ in "ab")
+    out, _ = merge_attn_states(
+        jnp.asarray(sides[:, 0]), jnp.asarray(lse_a), jnp.asarray(sides[:, 1]), jnp.asarray(lse_b)
+    )
+    got = np.asarray(out, np.float64)[:, 0, 0]
+    a, b = sides[:, 0, 0, 0].astype(np.float64), sides[:, 1, 0, 0].astype(np.float64)
+    m = np.maximum(lse_a, lse_b)[:, 0].astype(np.float64)
+    wa, wb = np.exp(lse_a[:, 0] - m), np.exp(lse_b[:, 0] - m)
+    assert np.isfinite(got).all()
+    assert ((got >= np.minimum(a, b)) & (got <= np.maximum(a, b))).all()
+    np.testing.assert_allclose(got, (wa * a + wb * b) / (wa + wb), rtol=1e-6)
+
+
 def test_merge_is_symmetric_and_float32():
     rng = np.random.default_rng(2)
     out_a, lse_a = _states(rng, rng.normal(size=16) * 10)
