@@ -19,6 +19,7 @@ from jaxkv.field_checks import as_int, bool_fields
 from jaxkv.free_block_queue import FreeKVCacheBlockQueue
 from jaxkv.hashing import BlockHash, is_block_hash
 from jaxkv.kv_cache_block import KVCacheBlock
+from jaxkv.request import MAX_TOKEN_ID
 
 __all__ = [
     "MAX_INT32",
@@ -169,9 +170,11 @@ class BlockPool:
         is reported as one BlockStored (its parent hash, its tokens). Raises ValueError
         (nothing changed) unless there is one hash and `block_size` tokens per block and
         every block is this pool's, not the null block and held (a free block's contents
-        are nobody's), each hash (the parent too) is a 16-byte BlockHash, `adapter_id` is
-        None or a str and `block_size` an int >= 1 (validate=False skips these checks,
-        for an owner that passes only blocks it holds, with their hashes and tokens).
+        are nobody's), each hash (the parent too) is a 16-byte BlockHash, each token id
+        an int (numpy's too, stored as a Python int; not a bool) in [0, 2**63), as a
+        Request holds them, `adapter_id` is None or a str and `block_size` an int >= 1
+        (validate=False skips these checks, for an owner that passes only blocks it
+        holds, with their hashes and its Request's tokens).
         """
         if validate:
             size = as_int(block_size)  # 2.0 used to raise TypeError after caching blocks
@@ -196,6 +199,7 @@ class BlockPool:
             bad = [h for h in block_hashes if not is_block_hash(h)][:1]
             if bad:
                 raise ValueError(f"cache_full_blocks: block hash {bad[0]!r} is no BlockHash")
+            token_ids = _checked_token_ids(token_ids)  # else BlockStored carried them as given
             if parent_block_hash is not None and not is_block_hash(parent_block_hash):
                 raise ValueError(f"cache_full_blocks: {parent_block_hash=} is no BlockHash")
             if adapter_id is not None and not isinstance(adapter_id, str):
@@ -353,6 +357,21 @@ class BlockPool:
         if holder_counts is not None:
             unknown = set(holder_counts) - set(range(1, self.num_blocks))
             _check(not unknown, f"holders reference invalid block ids {sorted(unknown)[:8]}")
+
+
+def _checked_token_ids(token_ids: Sequence[int]) -> list[int]:
+    """`token_ids` as Python ints; ValueError naming token_ids unless each is an int
+    (numpy's too; not a bool, and no text) in [0, MAX_TOKEN_ID]."""
+    if isinstance(token_ids, (str, bytes, bytearray)):
+        raise ValueError(f"cache_full_blocks: token_ids={token_ids!r} must be token ids, not text")
+    ids = list(map(as_int, token_ids))
+    bad = [i for i, t in enumerate(ids) if t is None or not 0 <= t <= MAX_TOKEN_ID][:1]
+    if bad:
+        raise ValueError(
+            f"cache_full_blocks: token_ids[{bad[0]}]={token_ids[bad[0]]!r} must be a token id, "
+            f"an int in [0, {MAX_TOKEN_ID}]"
+        )
+    return ids
 
 
 def _check(condition: bool, message: str) -> None:

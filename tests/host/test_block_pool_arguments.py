@@ -3,6 +3,7 @@ pool's other calls do, and changes nothing."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jaxkv.block_pool import BlockPool
@@ -47,3 +48,28 @@ def test_cache_full_blocks_takes_its_blocks_from_a_generator():
     )  # fmt: skip
     assert held[0].block_hash == H and [e.block_hashes for e in pool.take_events()] == [(H,)]
     pool.check_integrity({held[0].block_id: 1})
+
+
+@pytest.mark.parametrize("tokens", [["a", "b"], "ab", [1.5, 2], [True, 2], [-1, 2], [2**63, 2]])
+def test_cache_full_blocks_refuses_token_ids_no_request_holds(tokens):
+    # They went into the BlockStored event as given, for a router to hash.
+    pool = BlockPool(4, enable_events=True)
+    held = pool.get_new_blocks(1)
+    with pytest.raises(ValueError, match="token_ids"):
+        pool.cache_full_blocks(
+            held, [H], parent_block_hash=None, token_ids=tokens, block_size=2, adapter_id=None
+        )
+    assert held[0].block_hash is None and not pool.cached_block_hash_to_block
+    assert pool.take_events() == []
+    pool.check_integrity({held[0].block_id: 1})
+
+
+def test_cache_full_blocks_stores_numpy_token_ids_as_python_ints():
+    pool = BlockPool(4, enable_events=True)
+    held = pool.get_new_blocks(1)
+    pool.cache_full_blocks(
+        held, [H], parent_block_hash=None, token_ids=np.array([3, 4]), block_size=2,
+        adapter_id=None,
+    )  # fmt: skip
+    (event,) = pool.take_events()
+    assert event.token_ids == (3, 4) and set(map(type, event.token_ids)) == {int}
