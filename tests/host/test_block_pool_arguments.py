@@ -8,6 +8,7 @@ import pytest
 
 from jaxkv.block_pool import BlockPool
 from jaxkv.hashing import root_hash
+from jaxkv.request import MAX_TOKEN_ID
 
 H = root_hash(7)
 
@@ -50,7 +51,10 @@ def test_cache_full_blocks_takes_its_blocks_from_a_generator():
     pool.check_integrity({held[0].block_id: 1})
 
 
-@pytest.mark.parametrize("tokens", [["a", "b"], "ab", [1.5, 2], [True, 2], [-1, 2], [2**63, 2]])
+@pytest.mark.parametrize(
+    "tokens",
+    [["a", "b"], "ab", b"ab", bytearray(b"ab"), [1.5, 2], [True, 2], [-1, 2], [2**63, 2]],
+)
 def test_cache_full_blocks_refuses_token_ids_no_request_holds(tokens):
     # They went into the BlockStored event as given, for a router to hash.
     pool = BlockPool(4, enable_events=True)
@@ -73,3 +77,14 @@ def test_cache_full_blocks_stores_numpy_token_ids_as_python_ints():
     )  # fmt: skip
     (event,) = pool.take_events()
     assert event.token_ids == (3, 4) and set(map(type, event.token_ids)) == {int}
+
+
+def test_cache_full_blocks_takes_the_least_and_the_greatest_token_id():
+    pool = BlockPool(4, enable_events=True)
+    held = pool.get_new_blocks(1)
+    pool.cache_full_blocks(
+        held, [H], parent_block_hash=None, token_ids=[0, MAX_TOKEN_ID], block_size=2,
+        adapter_id=None,
+    )  # fmt: skip
+    (event,) = pool.take_events()
+    assert event.token_ids == (0, 2**63 - 1) and held[0].block_hash == H
