@@ -105,6 +105,18 @@ def test_outputs_near_float32_max_blend_to_a_finite_value_between_them():
     np.testing.assert_allclose(got, (wa * a + wb * b) / (wa + wb), rtol=1e-6)
 
 
+def test_a_side_of_tiny_weight_still_adds_its_share_of_a_large_output():
+    # lse 0 and -30: denom = 1 + e^-30 rounds to 1 in float32, so the light side's share
+    # must come from its own weight (9.4e-14), not from 1 minus the heavy side's (0).
+    lse_b = -30.0
+    out, _ = merge_attn_states(
+        jnp.zeros((1, 1, 1)), jnp.zeros((1, 1)),
+        jnp.full((1, 1, 1), 1e30), jnp.full((1, 1), lse_b),
+    )  # fmt: skip
+    wb = math.exp(lse_b)
+    np.testing.assert_allclose(float(out[0, 0, 0]), wb * 1e30 / (1 + wb), rtol=1e-6)
+
+
 def test_merge_is_symmetric_and_float32():
     rng = np.random.default_rng(2)
     out_a, lse_a = _states(rng, rng.normal(size=16) * 10)
