@@ -12,6 +12,7 @@ import pytest
 from jaxkv import KVCacheManager
 from jaxkv.buckets import least_suffix_starts, pads_fewer_pages
 from jaxkv.cascade import CascadeCostModel, CascadePlanner
+from jaxkv.cascade_together import _outermost_holding
 from tests.attention.test_cascade_group_choice import _groups, _shared
 from tests.attention.test_cascade_planner import SHAPE, _decoding, _plan, _prefilled
 
@@ -165,3 +166,39 @@ def test_one_group_holds_every_request_whose_pages_need_one_where_one_is_allowed
             SHAPE, cost_model=PADDED, max_groups=max_groups, page_buckets=page_buckets
         )
         assert _groups(_plan(planner, m, reqs), reqs) == want
+
+
+def _entry(weight, members, end):
+    """A kept_groups entry: (weight, first member, (blocks saved, members, end, queries))."""
+    members = np.array(members)
+    return weight, int(members[0]), (0, members, end, len(members))
+
+
+def _held(entries):
+    return [(w, g[1].tolist(), g[2]) for w, _, g in entries]
+
+
+def test_outermost_holding_keeps_the_largest_paying_group_ending_at_each_need():
+    # Request 2 needs a group ending at block 5 or later. [2, 3] (to 8) lies inside
+    # [0..3] (to exactly 5): the larger is kept alone. [4, 5] holds no such request.
+    need = np.array([0, 0, 5, 0, 0, 0])
+    inner, outer = _entry(20.0, [2, 3], 8), _entry(10.0, [0, 1, 2, 3], 5)
+    weighed = [inner, outer, _entry(5.0, [4, 5], 3)]
+    assert _held(_outermost_holding(weighed, need, 0, 2)) == [(10.0, [0, 1, 2, 3], 5)]
+
+
+def test_outermost_holding_skips_groups_that_pay_nothing_or_end_short_of_a_need():
+    # [0..5] pays nothing; [0..3] ends at 4, short of request 2's need of 5.
+    need = np.array([0, 0, 5, 0, 0, 0])
+    weighed = [
+        _entry(20.0, [2, 3], 8), _entry(10.0, [0, 1, 2, 3], 4), _entry(0.0, list(range(6)), 6)
+    ]  # fmt: skip
+    assert _held(_outermost_holding(weighed, need, 0, 2)) == [(20.0, [2, 3], 8)]
+
+
+def test_outermost_holding_is_empty_where_the_groups_needed_outnumber_max_groups():
+    need = np.array([5, 0, 0, 5, 0])
+    weighed = [_entry(10.0, [0, 1], 6), _entry(8.0, [3, 4], 6)]
+    want = [(10.0, [0, 1], 6), (8.0, [3, 4], 6)]
+    assert _held(_outermost_holding(weighed, need, 0, 2)) == want
+    assert _outermost_holding(weighed, need, 0, 1) == []
