@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxkv import KVCacheManager
 from jaxkv.cascade import CascadePlanner
+from jaxkv.cascade_together import global_weight, level_weight
 from tests.attention.test_cascade_group_choice import _groups, _shared
 from tests.attention.test_cascade_padded_groups import COSTED, PAGE_BUCKETS, _system_prompts
 from tests.attention.test_cascade_planner import SHAPE, _decoding, _prefilled
@@ -65,3 +66,25 @@ def test_groups_under_the_global_level_moved_to_block_0_hold_the_request_that_ne
     names, groups, plan = _planned(m, reqs, computed, query_lens, PAGE_BUCKETS)
     assert (names, groups) == (["groups"], [(ids[:3], 0, 12), (ids[3:], 0, 14)])
     assert plan.suffix_start_blocks.tolist() == [12, 12, 12, 14, 14]
+
+
+def test_the_global_level_with_its_groups_stays_where_it_outweighs_the_groups_holding_chunk():
+    # As above under a 9-block header: the groups from block 0 holding chunk (the three
+    # under system A over 12 blocks, b0, b1 over 14) outweigh the global level alone,
+    # but not the global level with a0, a1 and b0, b1 as groups past it, which also lets
+    # chunk's suffix pass (from block 9, at or past the 7 it needs) pad narrower.
+    m, reqs, computed, query_lens = _system_prompts(list(range(100, 136)))
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids) == 9 and _shared(m, ids[:3]) == 22
+    total_q = int(query_lens.sum())
+    kept = global_weight(COSTED, SHAPE, 5, 9 * 4, total_q) + level_weight(
+        COSTED, SHAPE, [(np.array([0, 1]), 24), (np.array([3, 4]), 14)], 9, 4, query_lens
+    )
+    holding = level_weight(
+        COSTED, SHAPE, [(np.array([0, 1, 2]), 12), (np.array([3, 4]), 14)], 0, 4, query_lens
+    )
+    assert kept > holding > global_weight(COSTED, SHAPE, 5, 9 * 4, total_q)
+    names, groups, plan = _planned(m, reqs, computed, query_lens, PAGE_BUCKETS)
+    assert (names, groups) == (["global", "groups"], [(ids[:2], 9, 24), (ids[3:], 9, 14)])
+    starts = dict(zip(plan.order.tolist(), plan.suffix_start_blocks.tolist(), strict=True))
+    assert starts == {0: 24, 1: 24, 2: 9, 3: 14, 4: 14}  # by request
