@@ -100,3 +100,38 @@ def test_groups_from_block_0_hold_the_chunk_that_needs_one_and_leave_out_the_one
     assert (names, groups) == (["groups"], [(ids[:5], 0, 9)])
     starts = dict(zip(plan.order.tolist(), plan.suffix_start_blocks.tolist(), strict=True))
     assert starts == {0: 9, 1: 9, 2: 9, 3: 9, 4: 9, 5: 0}  # by request
+
+
+def test_groups_from_block_0_holding_the_request_that_needs_one_leave_out_a_chunk():
+    # All five share a 4-block header; b0..b2 share 2 blocks more. "a" (17 pages: flat
+    # pads to 32) needs a group ending at block 1 or later; "chunk" holds 13 of a's
+    # blocks, has computed 9 and prefills 24 tokens, whose merge (24 x 780 bytes)
+    # outweighs the read of its 9 blocks: it is left out. b0..b2 from block 0 outweigh
+    # the global level over the header with them as a group past it, but hold no a;
+    # a, b0..b2 over the header, without chunk, outweigh it too.
+    model = CascadeCostModel(
+        launch_overhead_bytes=4 << 10, merge_cost_factor=1 / 8, reads_padded_pages=True
+    )
+    m = KVCacheManager(256, 4, max_model_len=128)
+    header = list(range(100, 116))
+    system = header + list(range(400, 448))
+    reqs = [_decoding(m, "a", system + [0, 50])]
+    reqs += [_decoding(m, f"b{i}", header + list(range(700, 708)) + [i, 50 + i]) for i in range(3)]
+    reqs.append(_prefilled(m, "chunk", system[:52] + list(range(900, 908))))
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids) == 4 and _shared(m, ids[1:4]) == 6
+    assert _shared(m, [ids[0], ids[4]]) == 13
+    query_lens = np.array([1, 1, 1, 1, 24])
+    computed = np.array([r.num_tokens for r in reqs]) - query_lens
+    assert computed[4] == 36
+    assert _left_out(model, reqs, computed, query_lens, m) == ["chunk"]
+    need = least_suffix_starts(PAGE_BUCKETS, computed, query_lens, 4)
+    assert need.tolist() == [1, 0, 0, 0, 0]
+    bs = np.array([1, 2, 3])
+    kept = global_weight(model, SHAPE, 5, 4 * 4, int(query_lens.sum()))
+    kept += level_weight(model, SHAPE, [(bs, 6)], 4, 4, query_lens)
+    assert level_weight(model, SHAPE, [(bs, 6)], 0, 4, query_lens) > kept
+    assert level_weight(model, SHAPE, [(np.arange(4), 4)], 0, 4, query_lens) > kept
+    names, groups, plan = _planned(m, reqs, computed, query_lens, model, PAGE_BUCKETS)
+    assert (names, groups) == (["groups"], [(ids[:4], 0, 4)])
+    assert plan.suffix_start_blocks.tolist() == [4, 4, 4, 4, 0]
