@@ -10,21 +10,18 @@ from __future__ import annotations
 import numpy as np
 
 from jaxkv import KVCacheManager
-from jaxkv.cascade import CascadePlanner
 from jaxkv.cascade_together import global_weight, level_weight
-from tests.attention.test_cascade_group_choice import _groups, _shared
-from tests.attention.test_cascade_padded_groups import COSTED, PAGE_BUCKETS, _system_prompts
+from tests.attention.test_cascade_group_choice import _shared
+from tests.attention.test_cascade_padded_groups import (
+    COSTED,
+    PAGE_BUCKETS,
+    _planned,
+    _starts_by_request,
+    _system_prompts,
+)
 from tests.attention.test_cascade_planner import SHAPE, _decoding, _prefilled
 
 HEADER = list(range(100, 132))  # 8 blocks of 4
-
-
-def _planned(m, reqs, computed, query_lens, page_buckets):
-    ids = [r.request_id for r in reqs]
-    planner = CascadePlanner(SHAPE, cost_model=COSTED, page_buckets=page_buckets)
-    plan = planner.plan(ids, computed, query_lens, m)
-    plan.check()
-    return [lv.name for lv in plan.levels], _groups(plan, reqs), plan
 
 
 def test_groups_from_block_0_hold_a_member_cut_short_rather_than_keep_the_global_level():
@@ -86,5 +83,4 @@ def test_the_global_level_with_its_groups_stays_where_it_outweighs_the_groups_ho
     assert kept > holding > global_weight(COSTED, SHAPE, 5, 9 * 4, total_q)
     names, groups, plan = _planned(m, reqs, computed, query_lens, PAGE_BUCKETS)
     assert (names, groups) == (["global", "groups"], [(ids[:2], 9, 24), (ids[3:], 9, 14)])
-    starts = dict(zip(plan.order.tolist(), plan.suffix_start_blocks.tolist(), strict=True))
-    assert starts == {0: 24, 1: 24, 2: 9, 3: 14, 4: 14}  # by request
+    assert _starts_by_request(plan) == {0: 24, 1: 24, 2: 9, 3: 14, 4: 14}  # by request

@@ -108,6 +108,21 @@ COSTED = CascadeCostModel(
 )
 
 
+def _planned(m, reqs, computed, query_lens, page_buckets, model=COSTED):
+    """(level names, groups as _groups gives them, the plan) of CascadePlanner(SHAPE,
+    model, page_buckets) on the batch, the plan checked."""
+    ids = [r.request_id for r in reqs]
+    planner = CascadePlanner(SHAPE, cost_model=model, page_buckets=page_buckets)
+    plan = planner.plan(ids, computed, query_lens, m)
+    plan.check()
+    return [lv.name for lv in plan.levels], _groups(plan, reqs), plan
+
+
+def _starts_by_request(plan) -> dict[int, int]:
+    """Each request's (by batch index) first block of its own pass."""
+    return dict(zip(plan.order.tolist(), plan.suffix_start_blocks.tolist(), strict=True))
+
+
 def _system_prompts(header: list[int]) -> tuple[KVCacheManager, list, np.ndarray, np.ndarray]:
     """(manager, requests, computed, query lens): a0, a1 decode under a 96-token system
     prompt (after `header`); "chunk" holds its first 92 tokens (23 pages), has computed

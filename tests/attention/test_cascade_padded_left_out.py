@@ -13,17 +13,9 @@ from jaxkv import KVCacheManager
 from jaxkv.buckets import least_suffix_starts
 from jaxkv.cascade import CascadeCostModel, CascadePlanner
 from jaxkv.cascade_together import global_weight, level_weight
-from tests.attention.test_cascade_group_choice import _groups, _shared
-from tests.attention.test_cascade_padded_groups import PAGE_BUCKETS
+from tests.attention.test_cascade_group_choice import _shared
+from tests.attention.test_cascade_padded_groups import PAGE_BUCKETS, _planned, _starts_by_request
 from tests.attention.test_cascade_planner import SHAPE, _decoding, _prefilled
-
-
-def _planned(m, reqs, computed, query_lens, model, page_buckets):
-    ids = [r.request_id for r in reqs]
-    planner = CascadePlanner(SHAPE, cost_model=model, page_buckets=page_buckets)
-    plan = planner.plan(ids, computed, query_lens, m)
-    plan.check()
-    return [lv.name for lv in plan.levels], _groups(plan, reqs), plan
 
 
 def _left_out(model, reqs, computed, query_lens, m):
@@ -58,14 +50,13 @@ def test_a_chunk_left_out_for_its_merge_is_held_in_a_group_where_its_pages_need_
     assert computed[4] == 32
     assert _left_out(model, reqs, computed, query_lens, m) == ["chunk"]
     assert least_suffix_starts(PAGE_BUCKETS, computed, query_lens, 4).tolist() == [0] * 4 + [4]
-    names, groups, _ = _planned(m, reqs, computed, query_lens, model, None)
+    names, groups, _ = _planned(m, reqs, computed, query_lens, None, model)
     assert (names, groups) == (["groups"], [(ids[:2], 0, 14), (ids[2:4], 0, 2)])
     holding = [(np.array([0, 1, 4]), 8), (np.array([2, 3]), 2)]
     assert level_weight(model, SHAPE, holding, 0, 4, query_lens) > 0
-    names, groups, plan = _planned(m, reqs, computed, query_lens, model, PAGE_BUCKETS)
+    names, groups, plan = _planned(m, reqs, computed, query_lens, PAGE_BUCKETS, model)
     assert (names, groups) == (["groups"], [([ids[0], ids[1], ids[4]], 0, 8), (ids[2:4], 0, 2)])
-    starts = dict(zip(plan.order.tolist(), plan.suffix_start_blocks.tolist(), strict=True))
-    assert starts == {0: 8, 1: 8, 2: 2, 3: 2, 4: 8}  # by request
+    assert _starts_by_request(plan) == {0: 8, 1: 8, 2: 2, 3: 2, 4: 8}  # by request
 
 
 def test_groups_from_block_0_hold_the_chunk_that_needs_one_and_leave_out_the_one_that_does_not():
@@ -96,10 +87,9 @@ def test_groups_from_block_0_hold_the_chunk_that_needs_one_and_leave_out_the_one
     total_q = int(query_lens.sum())
     holding = level_weight(model, SHAPE, [(np.arange(5), 9)], 0, 4, query_lens)
     assert holding > global_weight(model, SHAPE, 6, 9 * 4, total_q)
-    names, groups, plan = _planned(m, reqs, computed, query_lens, model, PAGE_BUCKETS)
+    names, groups, plan = _planned(m, reqs, computed, query_lens, PAGE_BUCKETS, model)
     assert (names, groups) == (["groups"], [(ids[:5], 0, 9)])
-    starts = dict(zip(plan.order.tolist(), plan.suffix_start_blocks.tolist(), strict=True))
-    assert starts == {0: 9, 1: 9, 2: 9, 3: 9, 4: 9, 5: 0}  # by request
+    assert _starts_by_request(plan) == {0: 9, 1: 9, 2: 9, 3: 9, 4: 9, 5: 0}  # by request
 
 
 def test_groups_from_block_0_holding_the_request_that_needs_one_leave_out_a_chunk():
@@ -132,6 +122,6 @@ def test_groups_from_block_0_holding_the_request_that_needs_one_leave_out_a_chun
     kept += level_weight(model, SHAPE, [(bs, 6)], 4, 4, query_lens)
     assert level_weight(model, SHAPE, [(bs, 6)], 0, 4, query_lens) > kept
     assert level_weight(model, SHAPE, [(np.arange(4), 4)], 0, 4, query_lens) > kept
-    names, groups, plan = _planned(m, reqs, computed, query_lens, model, PAGE_BUCKETS)
+    names, groups, plan = _planned(m, reqs, computed, query_lens, PAGE_BUCKETS, model)
     assert (names, groups) == (["groups"], [(ids[:4], 0, 4)])
     assert plan.suffix_start_blocks.tolist() == [4, 4, 4, 4, 0]
