@@ -144,8 +144,10 @@ class CascadePlanner(PaddedPlans):
         Cost: a fixed number of numpy calls plus a loop over at most
         4 x max(max_groups, 4) candidate groups (and 4 x max_groups past a member's cap;
         twice that on a step whose global level holds a request left out of cascade, or
-        has no group kept over it while two requests may share past it, and once more
-        where the groups kept leave a suffix pass as wide as flat's); repeated id lists
+        has no group kept over it while two requests may share past it, and up to twice
+        more where the groups kept leave a suffix pass as wide as flat's, whose search
+        also looks at every run at a column that holds a request needing a group, past
+        its cap of 2 x max_groups runs); repeated id lists
         reuse the manager's common prefix (KVCacheManager.num_common_prefix_blocks).
         """
         num_computed_tokens, query_lens = checked_plan_args(
@@ -211,10 +213,13 @@ class CascadePlanner(PaddedPlans):
             if plan is not None:
                 return plan
         if not groups:
-            if not use_global or not pads_fewer_pages(
-                self.page_buckets, num_computed_tokens, query_lens, k0, bs
-            ):
+            if not use_global:
                 return flat
+            if not pads_fewer_pages(self.page_buckets, num_computed_tokens, query_lens, k0, bs):
+                plan = self._plan_holding(
+                    manager, rows, num_computed_tokens, query_lens, out, 0.0, common, made_for
+                )  # fmt: skip
+                return flat if plan is None else plan
             return self._memo.global_plan(rows, k0, common, made_for)
         suffix_start = suffix_starts(groups, num_requests, base)
         sizes = [len(members) for members, _ in groups]
@@ -249,6 +254,11 @@ class CascadePlanner(PaddedPlans):
             groups, suffix_start = self._groups_padding_fewer(
                 manager, rows, num_computed_tokens, query_lens, base, whole, out
             )
+            if not groups and use_global:  # groups from block 0 that pay without it
+                plan = self._plan_holding(
+                    manager, rows, num_computed_tokens, query_lens, out, 0.0, common, made_for
+                )  # fmt: skip
+                return flat if plan is None else plan
             if not groups:
                 return flat
         global_blocks = k0 if use_global else None

@@ -75,11 +75,14 @@ class GroupSearch:
         if not self.enable_groups or base >= manager.max_blocks_per_seq:
             return []
         everyone = np.arange(len(rows))
+        must = None if need is None else need > base
         if whole_batch_end:
             candidates = [everyone]
         else:
             searchable = len(rows) - (0 if left_out is None else int(left_out.sum()))
-            candidates = self._split(manager, rows, num_computed_tokens, everyone, base, searchable)
+            candidates = self._split(
+                manager, rows, num_computed_tokens, everyone, base, searchable, must
+            )
         if candidates is None:  # every key distinct: no two requests share past the base
             self._memo.note_no_groups(manager, rows, base, left_out)
             return []
@@ -137,7 +140,9 @@ class GroupSearch:
                     if nested and self._may_nest(
                         nested, num_computed_tokens, base, end, bs, members, group
                     ):
-                        split = self._split(manager, rows, num_computed_tokens, members, end)
+                        split = self._split(
+                            manager, rows, num_computed_tokens, members, end, must=must
+                        )
                         if split:
                             nested_later += split
                             overlap = True
@@ -160,7 +165,7 @@ class GroupSearch:
                 unpaid.append((saved, members, end, queries))
             # At end == max_blocks_per_seq (a group over whole table rows) none is split:
             # no member has computed a block past the table (check_computed_held).
-            split = self._split(manager, rows, num_computed_tokens, members, end) or []
+            split = self._split(manager, rows, num_computed_tokens, members, end, must=must) or []
             within.update((id(run), above) for run in split if above)
             candidates += split
             candidates.sort(key=len, reverse=True)
@@ -168,7 +173,6 @@ class GroupSearch:
         # weighs less than each), and where they leave fewer than two of its members its
         # rest (kept_groups) is no group: dropped before the groups are weighed, unless
         # it holds a request whose pages need a group (kept_groups may keep it for that).
-        must = None if need is None else need > base
         together = [
             g
             for k, g in enumerate(together)
@@ -294,11 +298,13 @@ class GroupSearch:
         members: np.ndarray,  # indices into rows, sorted
         column: int,
         searchable: int | None = None,  # requests the search may group (default: all)
+        must: np.ndarray | None = None,  # bool[R] requests a group must hold, if any
     ) -> list[np.ndarray] | None:
-        """Runs of >= 2 `members` holding the same block prefix through `column`, largest
-        first, each sorted; None if `searchable` requests (every request of the batch
-        the search may group, not only every member) were eligible and all keys differ:
-        then no group exists past `column` at all."""
+        """Runs of >= 2 `members` holding the same block prefix through `column`, the
+        2 x max_groups largest first, each sorted, then the others holding a `must`
+        request; None if `searchable` requests (every request of the batch the search
+        may group, not only every member) were eligible and all keys differ: then no
+        group exists past `column` at all."""
         bs = manager.block_size
         # A request can share column `column` in a cascade level only once it has
         # computed that whole block (then it also holds it).
@@ -308,6 +314,13 @@ class GroupSearch:
         runs = self._memo.split(manager, rows, eligible, column, self._split_eligible)
         if runs is None and len(eligible) < (len(rows) if searchable is None else searchable):
             return []
+        if runs and must is not None and must[eligible].any():
+            held = np.zeros(len(must), bool)
+            for run in runs:
+                held[run] = True
+            if (must[eligible] & ~held[eligible]).any():  # in runs past the cap
+                every = self._memo.split(manager, rows, eligible, column, _all_runs, "runs")
+                runs += [run for run in every if must[run].any() and not held[run[0]]]
         return runs
 
     def _split_eligible(
@@ -318,3 +331,10 @@ class GroupSearch:
         return runs_at_column(
             manager.prefix_ids, rows[eligible], eligible, column, 2 * self.max_groups
         )
+
+
+def _all_runs(
+    manager: KVCacheManager, rows: np.ndarray, eligible: np.ndarray, column: int
+) -> list[np.ndarray] | None:
+    """GroupSearch._split_eligible without its cap on the runs."""
+    return runs_at_column(manager.prefix_ids, rows[eligible], eligible, column, len(eligible))

@@ -5,7 +5,8 @@ Plain Python and numpy. CascadePlanner (jaxkv.cascade) inherits it. Where the gr
 weighs first leave a request whose own pages need a group (buckets.least_suffix_starts)
 in none, the search is run again holding such requests, left out or not: past the
 planner's base, or from block 0 in place of a global level where those groups weigh
-more than the global level with its groups.
+more than the global level with its groups, or where the global level's own suffix
+passes pad as wide as flat's and those groups pay alone.
 """
 
 from __future__ import annotations

@@ -71,9 +71,11 @@ def kept_groups(
     system prompt beside 48 under only the header they all share). Where that set holds
     more than max_groups, its max_groups heaviest are kept, or the candidates taken
     heaviest first while disjoint, up to max_groups, where those weigh more; with
-    `need`, of those two and the largest candidates holding each request needing more
-    than `base` (where they are at most max_groups), the heaviest that hold every such
-    request, where one does.
+    `need`, of those two, its groups holding such a request with its heaviest others
+    (where those holding one are at most max_groups) and the largest candidates holding
+    each request needing more than `base` (where they are at most max_groups), the
+    heaviest whose groups hold every such request and end at or past their members'
+    need, where one does.
     """
     if not candidates:
         return []
@@ -89,8 +91,10 @@ def kept_groups(
     if len(best) > max_groups:
         options = [best[:max_groups], _heaviest_first(weighed, max_groups)]
         if need is not None:  # those holding every request that must be held, if any
+            must = need > base
+            options.append(_holding_first(best, must, max_groups))
             options.append(_outermost_holding(weighed, need, base, max_groups))
-            options = [o for o in options if o and _holds(o, need > base)] or options[:2]
+            options = [o for o in options if o and _holds(o, need, must)] or options[:2]
         best = max(options, key=lambda o: sum(t[0] for t in o))  # the first on ties
     if sum(t[0] for t in best) <= call:
         return []
@@ -255,12 +259,27 @@ def _heaviest_nested(weighed: list[tuple], weigh, rest, needed=None) -> list[tup
     return sorted(kept, key=lambda t: (-t[0], t[1]))
 
 
-def _holds(entries: list[tuple], must: np.ndarray) -> bool:
-    """Whether the groups of `entries` hold every request of bool[R] `must`."""
+def _holds(entries: list[tuple], need: np.ndarray, must: np.ndarray) -> bool:
+    """Whether the groups of `entries` hold every request of bool[R] `must`, each group
+    ending at or past its members' `need` (kept_groups')."""
     held = np.zeros(len(must), bool)
     for entry in entries:
-        held[entry[2][1]] = True
+        members, end = entry[2][1], entry[2][2]
+        if int(need[members].max()) > end:
+            return False
+        held[members] = True
     return bool(held[must].all())
+
+
+def _holding_first(entries: list[tuple], must: np.ndarray, max_groups: int) -> list[tuple]:
+    """The entries of disjoint, heaviest-first `entries` that hold a request of bool[R]
+    `must`, then the heaviest of the others, up to max_groups in all; [] where those
+    holding one are more than max_groups."""
+    holding = [e for e in entries if must[e[2][1]].any()]
+    if len(holding) > max_groups:
+        return []
+    others = [e for e in entries if not must[e[2][1]].any()][: max_groups - len(holding)]
+    return sorted(holding + others, key=lambda t: (-t[0], t[1]))
 
 
 def _outermost_holding(

@@ -119,11 +119,12 @@ class PlanMemo:
         eligible: np.ndarray,  # indices into rows, each row holding `column`
         column: int,
         compute: Callable[[KVCacheManager, np.ndarray, np.ndarray, int], SplitRuns],
+        kind: str = "split",
     ) -> SplitRuns:
-        """compute(manager, rows, eligible, column), memoised. The runs it returns are
-        made read-only: later steps share them."""
+        """compute(manager, rows, eligible, column), memoised under `kind` (one for each
+        compute). The runs it returns are made read-only: later steps share them."""
         answers = self._answers_for(manager, rows)
-        key = ("split", column, eligible.dtype.str, eligible.tobytes())
+        key = (kind, column, eligible.dtype.str, eligible.tobytes())
         if key not in answers:
             runs = answers[key] = compute(manager, rows, eligible, column)
             for run in runs or ():

@@ -108,11 +108,11 @@ COSTED = CascadeCostModel(
 )
 
 
-def _planned(m, reqs, computed, query_lens, page_buckets, model=COSTED):
+def _planned(m, reqs, computed, query_lens, page_buckets, model=COSTED, **options):
     """(level names, groups as _groups gives them, the plan) of CascadePlanner(SHAPE,
-    model, page_buckets) on the batch, the plan checked."""
+    model, page_buckets, **options) on the batch, the plan checked."""
     ids = [r.request_id for r in reqs]
-    planner = CascadePlanner(SHAPE, cost_model=model, page_buckets=page_buckets)
+    planner = CascadePlanner(SHAPE, cost_model=model, page_buckets=page_buckets, **options)
     plan = planner.plan(ids, computed, query_lens, m)
     plan.check()
     return [lv.name for lv in plan.levels], _groups(plan, reqs), plan

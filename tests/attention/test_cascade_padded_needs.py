@@ -1,0 +1,120 @@
+"""Groups that hold the requests whose own pages need one, on a backend whose work follows
+each pass's padded page width (xla), where the groups a plan weighs first leave such a
+request in none: a lighter group kept beside them is kept in their place within
+max_groups, a group ending short of a member's need is no such holder, a run past the
+search's cap on runs is searched where it holds such a request, and a global level whose
+suffix passes pad as wide as flat's gives way to groups from block 0 that pay alone.
+The expected plans come from the block ids each request holds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxkv import KVCacheManager
+from jaxkv.buckets import least_suffix_starts
+from tests.attention.test_cascade_group_choice import _shared
+from tests.attention.test_cascade_padded_groups import PAGE_BUCKETS, _planned
+from tests.attention.test_cascade_planner import _decoding, _prefilled
+
+HEADER = list(range(100, 112))  # 3 blocks of 4
+
+
+def _batch(m, spec):
+    """(requests, computed, query lens) of (id, tokens, prefilled query or 0 to decode)."""
+    reqs, computed, query_lens = [], [], []
+    for rid, tokens, chunk in spec:
+        if chunk:
+            reqs.append(_prefilled(m, rid, tokens))
+            computed.append(len(tokens) - chunk)
+            query_lens.append(chunk)
+        else:
+            reqs.append(_decoding(m, rid, tokens))
+            computed.append(len(tokens))
+            query_lens.append(1)
+    return reqs, np.array(computed), np.array(query_lens)
+
+
+def test_the_lighter_group_is_kept_where_only_it_holds_the_requests_that_need_one():
+    # a0..a2 share a 14-block prompt, b0..b2 a 13-block one, all under the header. With
+    # one group allowed, b's (no prefill) weighs more than a's (17 queries to merge);
+    # but a0 and a1 reach 17 pages (flat pads to 32), so their suffix passes need a
+    # group: only a's lets the others pad to 16.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    system_a = HEADER + list(range(200, 244))
+    system_b = HEADER + list(range(300, 340))
+    reqs, computed, query_lens = _batch(m, [
+        ("a0", system_a + list(range(500, 508)), 0),
+        ("a1", system_a + list(range(510, 520)), 10),
+        ("a2", system_a + list(range(520, 527)), 7),
+        ("b0", system_b + [1, 2, 3], 0),
+        ("b1", system_b + [4, 5, 6, 7, 8, 9, 10], 0),
+        ("b2", system_b + [11, 12, 13, 14], 0),
+    ])  # fmt: skip
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids[:3]) == 14 and _shared(m, ids[3:]) == 13
+    need = least_suffix_starts(PAGE_BUCKETS, computed, query_lens, 4)
+    assert need.tolist() == [1, 1, 0, 0, 0, 0]
+    names, groups, _ = _planned(m, reqs, computed, query_lens, None, max_groups=1)
+    assert (names, groups) == (["groups"], [(ids[3:], 0, 13)])
+    names, groups, _ = _planned(m, reqs, computed, query_lens, PAGE_BUCKETS, max_groups=1)
+    assert (names, groups) == (["groups"], [(ids[:3], 0, 14)])
+
+
+def test_groups_from_block_0_replace_a_global_level_whose_suffix_passes_pad_as_wide_as_flat():
+    # All seven share a 6-block header, which pays a global level; l0 and l1 share 22
+    # blocks and reach 24 pages (flat pads to 32), so their suffix passes need a group
+    # ending at block 8 or later. Past the header no group pays the call. The groups
+    # from block 0 held the whole batch to block 6, which ends short of that need; l0
+    # and l1 over 22 blocks pay alone.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    header = list(range(100, 124))
+    system_l = header + list(range(200, 264))
+    system_c = header + list(range(300, 324))
+    reqs, computed, query_lens = _batch(m, [
+        ("l0", system_l + [1, 2, 3, 4, 5], 0),
+        ("l1", system_l + [6, 7, 8, 9, 10, 11, 12], 0),
+        ("c0", system_c + [13, 14], 0),
+        ("c1", system_c + [15, 16, 17, 18, 19], 0),
+        ("c2", system_c + [20, 21, 22], 0),
+        ("p0", header + list(range(400, 425)), 25),
+        ("p1", header + list(range(430, 439)), 9),
+    ])  # fmt: skip
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids) == 6 and _shared(m, ids[:2]) == 22 and _shared(m, ids[2:5]) == 12
+    need = least_suffix_starts(PAGE_BUCKETS, computed, query_lens, 4)
+    assert need.tolist() == [8, 8, 0, 0, 0, 0, 0]
+    names, groups, _ = _planned(m, reqs, computed, query_lens, None, max_groups=1)
+    assert names == ["global"]
+    names, groups, plan = _planned(m, reqs, computed, query_lens, PAGE_BUCKETS, max_groups=1)
+    assert (names, groups) == (["groups"], [(ids[:2], 0, 22)])
+    assert plan.suffix_start_blocks.tolist() == [22, 22, 0, 0, 0, 0, 0]
+
+
+def test_a_run_past_the_cap_on_runs_is_searched_where_it_holds_a_request_that_needs_a_group():
+    # Past a 4-block header three runs: b0..b2 and c0..c2 (three each) and l0, l1 (two),
+    # who share 19 blocks and reach 20 and 21 pages (flat pads to 32), so their suffix
+    # passes need a group. With one group allowed the search looks at the two largest
+    # runs only; l0 and l1's must be searched too.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    header = list(range(100, 116))
+    system_l = header + list(range(200, 260))
+    system_b = header + list(range(300, 328))
+    system_c = header + list(range(400, 424))
+    reqs, computed, query_lens = _batch(m, [
+        ("l0", system_l + [1, 2, 3, 4, 5], 0),
+        ("l1", system_l + [6, 7, 8], 0),
+        ("b0", system_b + list(range(10, 18)), 0),
+        ("b1", system_b + [20, 21, 22], 0),
+        ("b2", system_b + list(range(30, 39)), 0),
+        ("c0", system_c + [40, 41, 42, 43, 44], 0),
+        ("c1", system_c + list(range(50, 72)), 26),
+        ("c2", system_c + [80, 81, 82, 83, 84], 0),
+    ])  # fmt: skip
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids) == 4 and _shared(m, ids[:2]) == 19
+    assert _shared(m, ids[2:5]) == 11 and _shared(m, ids[5:]) == 10
+    need = least_suffix_starts(PAGE_BUCKETS, computed, query_lens, 4)
+    assert need.tolist() == [5, 4, 0, 0, 0, 0, 0, 0]
+    names, groups, _ = _planned(m, reqs, computed, query_lens, PAGE_BUCKETS, max_groups=1)
+    assert (names, groups) == (["groups"], [(ids[:2], 0, 19)])
