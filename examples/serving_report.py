@@ -46,11 +46,15 @@ def warm_steps(runs: list[RunResult]) -> list[list[tuple[bool, int, float, bool]
     attention), so each is timed over the same steps; each run leaving out only its own
     compiles would compare different mixes of prefill and decode. Runs whose step counts
     differ are timed over their own warm steps."""
-    if len({len(r.step_log) for r in runs}) == 1:
+    if _same_steps(runs):
         warm = [not any(r.step_log[i][0] for r in runs) for i in range(len(runs[0].step_log))]
     else:
         warm = None
     return [[s for i, s in enumerate(r.step_log) if (warm[i] if warm else not s[0])] for r in runs]
+
+
+def _same_steps(runs: list[RunResult]) -> bool:
+    return len({len(r.step_log) for r in runs}) == 1
 
 
 def warm_tokens_per_s(runs: list[RunResult], *, decode_only: bool = False) -> list[float | None]:
@@ -79,9 +83,17 @@ def summary_rows(
     warm_rates = dict(zip(names, warm_tokens_per_s(runs), strict=True))
     decode_rates = dict(zip(names, warm_tokens_per_s(runs, decode_only=True), strict=True))
     prefill_ms = dict(zip(names, warm_prefill_ms(runs), strict=True))
-    warm = warm_steps(runs)[0]
-    num_decode = sum(s[3] for s in warm)
-    scope = "both runs" if len(runs) == 2 else "every run" if len(runs) > 2 else "the run"
+    warm = warm_steps(runs)
+    num_warm = [len(steps) for steps in warm]
+    num_decode = [sum(s[3] for s in steps) for steps in warm]
+    num_prefill = [w - d for w, d in zip(num_warm, num_decode, strict=True)]
+    if _same_steps(runs):  # every run timed over the same steps: one count for all
+        scope = "both runs" if len(runs) == 2 else "every run" if len(runs) > 2 else "the run"
+        warm_label = f"{num_warm[0]} steps warm in {scope}"
+        decode_label, prefill_label = f"{num_decode[0]}", f"{num_prefill[0]}"
+    else:  # each run over its own warm steps: each run's count, in column order
+        warm_label = f"{_counts(num_warm)} steps warm, each run's own"
+        decode_label, prefill_label = _counts(num_decode), _counts(num_prefill)
     rows = []
 
     def row(label: str, fn) -> None:
@@ -92,9 +104,9 @@ def summary_rows(
     row("prompt tokens computed", lambda r, m: f"{m.num_prompt_tokens}")
     row("wall time", lambda r, m: f"{r.wall_s:.1f} s")
     row("tokens/s (wall, with compiles)", lambda r, m: f"{m.num_generated_tokens / r.wall_s:.1f}")
-    row(f"tokens/s ({len(warm)} steps warm in {scope})", lambda r, m: _fmt(warm_rates[r.name]))
-    row(f"  tokens/s ({num_decode} decode-only)", lambda r, m: _fmt(decode_rates[r.name]))
-    row(f"  ms/step ({len(warm) - num_decode} with prefill)", lambda r, m: _fmt(prefill_ms[r.name]))
+    row(f"tokens/s ({warm_label})", lambda r, m: _fmt(warm_rates[r.name]))
+    row(f"  tokens/s ({decode_label} decode-only)", lambda r, m: _fmt(decode_rates[r.name]))
+    row(f"  ms/step ({prefill_label} with prefill)", lambda r, m: _fmt(prefill_ms[r.name]))
     row("prefix-cache hit rate", lambda r, m: f"{m.prefix_cache_hit_rate:.1%}")
     row("steps", lambda r, m: f"{m.num_steps}")
     row("steps using cascade", lambda r, m: f"{m.cascade_steps / max(m.num_steps, 1):.0%}")
@@ -107,6 +119,10 @@ def summary_rows(
     )
     row("step programs compiled", lambda r, m: f"{m.num_compiles}")
     return rows
+
+
+def _counts(counts: list[int]) -> str:
+    return " / ".join(str(n) for n in counts)
 
 
 def _fmt(value: float | None) -> str:

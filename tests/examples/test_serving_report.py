@@ -107,3 +107,21 @@ def test_one_run_compares_nothing_and_says_neither_yes_nor_no(report):
     console = Console(file=io.StringIO(), width=200)
     assert module.print_report(console, _prompts(Prompt), _runs(module)[:1], 16) is None
     assert "identical" not in console.file.getvalue()
+
+
+def test_runs_of_other_step_counts_are_labelled_with_each_runs_own_steps(report):
+    # Runs whose outputs differ can stop after other numbers of steps; each is then timed
+    # over its own warm steps, but the labels gave the first run's counts as "warm in both
+    # runs" (2 steps, 1 decode-only), under the second run's figure over 4 steps (2 of them
+    # decode-only) too.
+    module, Prompt = report
+    on, off = _runs(module, outputs_off=((1,) * 5, (2,) * 4))
+    off.step_log.append((False, 1, 0.125, True))
+    rows = dict((r[0], r[1:]) for r in module.summary_rows(_prompts(Prompt), [on, off], 16))
+    # On: steps 1 and 2 (4 tokens in 0.75 s); off: steps 0 to 3 (9 tokens in 3.625 s).
+    assert rows["tokens/s (2 / 4 steps warm, each run's own)"] == ("5.3", "2.5")
+    # Decode-only: on's step 1 (4 in 0.5 s), off's steps 1 and 3 (5 in 1.125 s).
+    assert rows["  tokens/s (1 / 2 decode-only)"] == ("8.0", "4.4")
+    # With prefill: on's step 2 (0.25 s), off's steps 0 and 2 (2.5 s over 2).
+    assert rows["  ms/step (1 / 2 with prefill)"] == ("250.0", "1250.0")
+    assert not [label for label in rows if "in both runs" in label]
