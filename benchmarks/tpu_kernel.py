@@ -79,14 +79,15 @@ from kernels_pallas.tpu import (  # noqa: E402
     ragged_paged_attention,
 )
 
-# Peak HBM bandwidth per chip, bytes/s (Google Cloud TPU documentation), keyed like
-# kernels_pallas.tpu.tuning: device_kind lower-cased without "tpu", " lite" -> "e".
+# Peak HBM bandwidth per chip, bytes/s: the GBps (10**9 bytes per second) of the Google
+# Cloud TPU documentation's tables, keyed like kernels_pallas.tpu.tuning: device_kind
+# lower-cased without "tpu", " lite" -> "e".
 PEAK_HBM_BANDWIDTH = {
-    "v4": 1228e9,
+    "v4": 1200e9,
     "v5e": 819e9,
     "v5p": 2765e9,
-    "v6e": 1640e9,
-    "7x": 7370e9,
+    "v6e": 1638e9,
+    "7x": 7380e9,
 }
 
 
