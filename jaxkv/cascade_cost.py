@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxkv.field_checks import as_float, as_int, bool_fields, positive_int_fields
+from jaxkv.field_checks import as_float, as_int, bool_fields, int_fields, positive_int_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +27,8 @@ class CascadeCostModel:
     long own suffixes make a shared prefix matter less; for a group under a global
     level, their contexts past it, which the suffix pass the group shortens reads).
     Defaults per backend come from benchmarks/attention.py (see DEFAULT_COST_MODELS);
-    pass your own to override.
+    pass your own to override. The costs are finite numbers >= 0, `min_saved_fraction`
+    is in [0, 1] and `min_requests` an int >= 2 (one request has no copy to save).
     """
 
     launch_overhead_bytes: float = 1 << 20
@@ -51,7 +52,15 @@ class CascadeCostModel:
             if not 0 <= value < math.inf:
                 raise ValueError(f"{name}={raw!r} must be a finite number >= 0")
             object.__setattr__(self, name, value)
-        positive_int_fields(self, "min_requests")
+        # Cascade saves (R - 1) of R copies of the prefix, less than flat attention reads:
+        # a fraction above 1 never pays, and would turn cascade off silently.
+        if self.min_saved_fraction > 1:
+            raise ValueError(
+                f"min_saved_fraction={self.min_saved_fraction!r} must be in [0, 1] (cascade "
+                "never saves more than flat attention reads)"
+            )
+        # One request saves nothing: cascade needs two requests to read a prefix once.
+        int_fields(self, "min_requests", minimum=2)
         bool_fields(self, "reads_padded_pages")
 
     def saved_bytes(self, num_requests: int, prefix_tokens: int, kv_bytes_per_token: int) -> int:
