@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 # Where the scripts write their JSON without --out: this checkout's benchmarks/results/,
@@ -113,6 +114,18 @@ def _check_can_create(text: str, folder: Path) -> None:
         ) from None
     os.close(fd)
     os.unlink(probe)
+
+
+def flag_message(error: ValueError, flags: Mapping[str, str]) -> str:
+    """The message of `error`, a jaxkv check's ValueError that opens with "field=value",
+    naming instead the command-line flag that set the field (`flags`: field -> flag):
+    "repetition_penalty=0.0 must be ..." reads "--repetition-penalty 0.0 must be ...".
+    A message that opens with none of the fields comes back as it is."""
+    message = str(error)
+    for field, flag in flags.items():
+        if message.startswith(f"{field}="):
+            return f"{flag} {message.removeprefix(f'{field}=')}"
+    return message
 
 
 def add_decode_grid_args(

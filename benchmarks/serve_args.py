@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.cli_args import RESULTS_DIR, non_negative_int, out_file, positive_int, seed
+from benchmarks.cli_args import (
+    RESULTS_DIR,
+    flag_message,
+    non_negative_int,
+    out_file,
+    positive_int,
+    seed,
+)
 from jaxkv import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
 from jaxkv.models.config import PRESETS
 
@@ -15,6 +22,21 @@ CONFIGS = [  # (name, enable_cascade, enable_prefix_caching)
     ("cascade+no_prefix_cache", True, False),
     ("flat+no_prefix_cache", False, False),
 ]
+
+# The SamplingParams and config fields that a flag sets as it is, by the flag's name
+# (the flags' argparse dests are the SamplingParams fields' names).
+PARAMS_FLAGS = {
+    "repetition_penalty": "--repetition-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "presence_penalty": "--presence-penalty",
+    "prompt_logprobs": "--prompt-logprobs",
+}
+CONFIG_FLAGS = {
+    "block_size": "--block-size",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "long_prefill_token_threshold": "--long-prefill-token-threshold",
+    "min_num_tokens_bucket": "--min-tokens-bucket",
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -94,8 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     try:
         penalties(args)
-    except ValueError as e:  # named as SamplingParams names it, not a traceback mid-run
-        p.error(str(e))
+    except ValueError as e:  # SamplingParams' rule, named by the flag: not a traceback mid-run
+        p.error(flag_message(e, PARAMS_FLAGS))
     if (args.prompt_logprobs or 0) > EngineConfig.max_logprobs:  # the engines' default
         p.error(f"--prompt-logprobs {args.prompt_logprobs} exceeds {EngineConfig.max_logprobs}")
     max_len, limit = max_model_len(args), PRESETS[args.preset].max_position_embeddings
@@ -108,7 +130,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         for _, cascade, prefix_caching in CONFIGS:
             engine_config(args, cascade, prefix_caching)
     except ValueError as e:
-        p.error(f"the engines' config: {e}")
+        named = flag_message(e, CONFIG_FLAGS)
+        p.error(named if named != str(e) else f"the engines' config: {e}")
     return args
 
 
@@ -143,12 +166,8 @@ def max_model_len(args) -> int:
 def penalties(args: argparse.Namespace) -> dict[str, float]:
     """The SamplingParams penalties (and prompt logprobs) the flags ask for; ValueError
     as SamplingParams's."""
-    kwargs = {
-        "repetition_penalty": args.repetition_penalty,
-        "frequency_penalty": args.frequency_penalty,
-        "presence_penalty": args.presence_penalty,
-    }
-    if args.prompt_logprobs is not None:
-        kwargs["prompt_logprobs"] = args.prompt_logprobs
+    kwargs = {field: getattr(args, field) for field in PARAMS_FLAGS}
+    if args.prompt_logprobs is None:
+        del kwargs["prompt_logprobs"]
     SamplingParams(**kwargs)
     return kwargs
