@@ -49,7 +49,7 @@ from benchmarks.cli_args import (  # noqa: E402
     positive_int,
 )
 from benchmarks.decode_units import units_of  # noqa: E402
-from benchmarks.json_report import write_json  # noqa: E402
+from benchmarks.json_report import write_json, write_whole  # noqa: E402
 from benchmarks.output_agreement import agreement  # noqa: E402
 from jaxkv.attention import default_backend, paged_attention  # noqa: E402
 from jaxkv.batch import build_attention_metadata  # noqa: E402
@@ -227,6 +227,8 @@ def run(args) -> list[dict]:
 
 
 def heatmap(results: list[dict], path: Path) -> None:
+    """Draws the speedup of `results`, a panel per suffix length, into the PNG `path`,
+    written whole or not at all (a run stopped mid-write keeps the previous plot)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -251,7 +253,7 @@ def heatmap(results: list[dict], path: Path) -> None:
         ax.set_title(f"flat ms / cascade ms, suffix {suffix}")  # above 1: cascade is faster
         fig.colorbar(im, ax=ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_whole(path, lambda tmp: fig.savefig(tmp, dpi=110))
 
 
 def main(argv=None) -> int:

@@ -4,12 +4,15 @@ A figure with nothing to measure (no decode step at the goal's batch) is NaN, an
 error can be infinite; Python's json module writes those as NaN and Infinity, which
 strict parsers (jq, a browser's JSON.parse) refuse. They are written as null here, as
 JavaScript's JSON.stringify writes them.
+
+Every result file, the plots too, is written whole or not at all (write_whole).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +31,19 @@ def write_json(path: Path, obj: Any, *, indent: int = 1) -> None:
     limit's SIGTERM while gpu_kernel.py rewrites its JSON after a row) leaves the
     previous file, never a cut one."""
     text = finite_json(obj, indent=indent)
+    write_whole(path, lambda tmp: tmp.write_text(text))
+
+
+def write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    """Calls `write` with a temporary file beside `path`, then renames that file over
+    `path`, making its folder first. A run stopped mid-write (SIGTERM, Ctrl-C, an error
+    in `write`) leaves the previous file, never a cut one, and no temporary file. The
+    temporary file keeps `path`'s suffix, for writers that read the format from it
+    (matplotlib's savefig)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
     try:
-        tmp.write_text(text)
+        write(tmp)
         tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)

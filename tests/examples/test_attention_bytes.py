@@ -3,6 +3,8 @@ small shape, and the figures benchmarks/attention.py derives from them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from benchmarks.attention_bytes import decode_bytes, kv_bytes
@@ -154,6 +156,30 @@ def test_each_heatmap_panel_draws_only_its_own_suffix(tmp_path):
     assert short.get_title().endswith("suffix 16") and long.get_title().endswith("suffix 32")
     assert [t.get_text() for t in short.texts] == ["32.0x", "64.0x"]
     assert [t.get_text() for t in long.texts] == ["64.0x", "128.0x"]
+
+
+def test_a_plot_cut_midway_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    # savefig wrote the PNG in place: a run stopped mid-write left a cut file.
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    from benchmarks import attention
+
+    rows = [dict(batch=b, prefix=64, suffix=16, speedup=2.0 * b) for b in (2, 4)]
+    out = tmp_path / "speedup.png"
+    attention.heatmap(rows, out)
+    before = out.read_bytes()
+
+    def cut_midway(self, fname, **kwargs):
+        Path(fname).write_bytes(before[: len(before) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Figure, "savefig", cut_midway)
+    with pytest.raises(KeyboardInterrupt):
+        attention.heatmap([dict(r, speedup=3.0) for r in rows], out)
+    plt.close("all")
+    assert out.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["speedup.png"]
 
 
 def test_without_matplotlib_the_attention_benchmark_writes_its_json_and_no_plot(
