@@ -116,6 +116,20 @@ def _check_can_create(text: str, folder: Path) -> None:
     os.unlink(probe)
 
 
+def check_block_size(
+    parser: argparse.ArgumentParser, block_size: int, max_model_len: int, made_of: str
+) -> None:
+    """parser.error unless --block-size is at most `max_model_len`, the engine's longest
+    request (`made_of`: the flags that make it): a request writes the KV of fewer tokens
+    than that, so a larger block is never full, never shared as a prefix, and its rest is
+    memory allocated for nothing (--block-size 100000 asked for gigabytes)."""
+    if block_size > max_model_len:
+        parser.error(
+            f"--block-size {block_size} must be at most {max_model_len}, the tokens of the "
+            f"longest request ({made_of}): a larger block is never full"
+        )
+
+
 def flag_message(error: ValueError, flags: Mapping[str, str]) -> str:
     """The message of `error`, a jaxkv check's ValueError that opens with "field=value",
     naming instead the command-line flag that set the field (`flags`: field -> flag):

@@ -35,15 +35,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cli_args import (  # noqa: E402
     RESULTS_DIR,
+    check_block_size,
+    flag_message,
     out_file,
     positive_int,
     seed,
 )
 from benchmarks.json_report import write_json  # noqa: E402
+from benchmarks.kv_memory import kv_cache_overflow  # noqa: E402
 from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from jaxkv.models import Llama, LlamaConfig  # noqa: E402
 
 CASES = (None, 0, 5, 20)  # SamplingParams.prompt_logprobs of every request
+CONFIG_FLAGS = {  # the config fields a flag sets as it is, by the flag's name
+    "block_size": "--block-size",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,10 +74,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if args.prompt_len + 2 > limit:
         p.error(f"--prompt-len {args.prompt_len} + 2 exceeds the tiny preset's {limit} positions")
+    check_block_size(p, args.block_size, args.prompt_len + 2, "--prompt-len + 2")
     try:  # the engine's own checks (int32 sizes, KV slots), before the model is built
         engine_config(args)
     except ValueError as e:
-        p.error(f"the engine's config: {e}")
+        named = flag_message(e, CONFIG_FLAGS)
+        p.error(named if named != str(e) else f"the engine's config: {e}")
+    model = LlamaConfig.preset("tiny")
+    if overflow := kv_cache_overflow(engine_config(args), model, "--num-requests or --prompt-len"):
+        p.error(overflow)
     return args
 
 

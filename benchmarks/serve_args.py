@@ -7,12 +7,14 @@ import argparse
 
 from benchmarks.cli_args import (
     RESULTS_DIR,
+    check_block_size,
     flag_message,
     non_negative_int,
     out_file,
     positive_int,
     seed,
 )
+from benchmarks.kv_memory import kv_cache_overflow
 from jaxkv import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
 from jaxkv.models.config import PRESETS
 
@@ -126,12 +128,19 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"--system-len + --question-len + --max-tokens + 1 = {max_len} tokens exceed "
             f"the {limit} positions of --preset {args.preset}"
         )
+    check_block_size(
+        p, args.block_size, max_len, "--system-len + --question-len + --max-tokens + 1"
+    )
     try:  # the engines' own checks (int32 sizes, KV slots), before the model is built
         for _, cascade, prefix_caching in CONFIGS:
             engine_config(args, cascade, prefix_caching)
     except ValueError as e:
         named = flag_message(e, CONFIG_FLAGS)
         p.error(named if named != str(e) else f"the engines' config: {e}")
+    # One engine at a time holds its cache; every configuration's is the same size.
+    config, model = engine_config(args, True, True), PRESETS[args.preset]
+    if overflow := kv_cache_overflow(config, model, "--num-requests or the requests' length"):
+        p.error(overflow)
     return args
 
 

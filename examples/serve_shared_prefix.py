@@ -46,6 +46,8 @@ from shared_prefix_workload import (  # noqa: E402
     workload,
 )
 
+from benchmarks.cli_args import check_block_size  # noqa: E402
+from benchmarks.kv_memory import kv_cache_overflow  # noqa: E402
 from jaxkv import (  # noqa: E402
     CacheConfig,
     Engine,
@@ -156,6 +158,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.preset != "tiny" and args.checkpoint not in (None, "random"):  # was ignored
         p.error(f"--checkpoint {args.checkpoint}: only --preset tiny loads a checkpoint "
                 f"(--preset {args.preset} runs random weights)")  # fmt: skip
+    prompts = workload(args.num_requests, args.prefix_len, args.seed)
+    made_of = "--prefix-len, a question and --max-tokens"
+    check_block_size(p, args.block_size, max_model_len(args, prompts), made_of)
     return args
 
 
@@ -196,11 +201,15 @@ def _default_checkpoint(console: Console) -> Path:
 # ----------------------------------------------------------------------------- serving
 
 
+def max_model_len(args: argparse.Namespace, prompts: list[Prompt]) -> int:
+    """The engine's max_model_len: the longest prompt and its output (not rounded up to a
+    whole block: a large block would ask for positions past the model's that no request
+    reaches)."""
+    return max(len(p.token_ids) for p in prompts) + args.max_tokens
+
+
 def engine_config(args: argparse.Namespace, prompts: list[Prompt], cascade: bool) -> EngineConfig:
     bs = args.block_size
-    # A prompt and its output (not rounded up to a whole block: a large block would ask
-    # for positions past the model's that no request reaches).
-    max_model_len = max(len(p.token_ids) for p in prompts) + args.max_tokens
     # Room for the whole workload without any sharing: never a preemption.
     num_blocks = sum(math.ceil((len(p.token_ids) + args.max_tokens) / bs) for p in prompts) + 1
     max_num_seqs = len(prompts)
@@ -223,7 +232,7 @@ def engine_config(args: argparse.Namespace, prompts: list[Prompt], cascade: bool
         scheduler=SchedulerConfig(
             max_num_batched_tokens=max_tokens_per_step,
             max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
+            max_model_len=max_model_len(args, prompts),
         ),
         backend=args.backend,
         interpret=args.interpret,
@@ -287,8 +296,9 @@ def serve(
 
 
 def check_model_fits(args, backend: str, prompts: list[Prompt], config, console) -> None:
-    """SystemExit for a --backend the model or the platform cannot run, or too few
-    positions; falls back to xla for a head_dim the default pallas_tpu lacks."""
+    """SystemExit for a --backend the model or the platform cannot run, too few
+    positions, or a KV cache larger than the device's memory; falls back to xla for a
+    head_dim the default pallas_tpu lacks."""
     if backend == "pallas_tpu" and config.head_dim not in TPU_HEAD_DIMS:
         message = (
             f"the Pallas TPU kernel needs head_dim in {TPU_HEAD_DIMS}; this model has "
@@ -305,6 +315,9 @@ def check_model_fits(args, backend: str, prompts: list[Prompt], config, console)
             f"{jax.default_backend()} here: add --interpret to run it in interpret mode"
         )
     check_positions(args, prompts, config.max_position_embeddings)
+    flags = "--num-requests, --prefix-len or --max-tokens"
+    if overflow := kv_cache_overflow(engine_config(args, prompts, True), config, flags):
+        raise SystemExit(overflow)
 
 
 def check_positions(args: argparse.Namespace, prompts: list[Prompt], limit: int) -> None:

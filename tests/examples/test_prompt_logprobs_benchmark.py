@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from benchmarks import kv_memory
 from benchmarks.prompt_logprobs import CASES, main, parse_args
 
 
@@ -40,12 +41,27 @@ def test_more_requests_than_tokens_per_step_are_refused_by_name(capsys):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--max-num-batched-tokens", str(2**31)], "max_num_batched_tokens=2147483648 must"),
-        (["--block-size", str(2**30), "--num-requests", "2"], "must be at most 2**31 token"),
+        (["--max-num-batched-tokens", str(2**31)], "--max-num-batched-tokens 2147483648 must"),
+        # 2,200,000 requests of one 1002-token block: 2.2e9 KV slots, past int32.
+        (
+            ["--num-requests", "2200000", "--max-num-batched-tokens", "2200000"]
+            + ["--prompt-len", "1000", "--block-size", "1002"],
+            "the engine's config: num_blocks=2200001 times",
+        ),
+        (["--block-size", str(2**30)], "--block-size 1073741824 must be at most 258, the"),
     ],
 )
-def test_sizes_past_the_engines_int32_bounds_are_refused_before_the_run(argv, message, capsys):
-    # EngineConfig's ValueError came as a traceback once the model was built.
+def test_sizes_past_the_engines_bounds_are_refused_by_flag_before_the_run(argv, message, capsys):
+    # EngineConfig's ValueError came as a traceback once the model was built; then it
+    # named the config's field, not the flag; a block past any request was accepted.
     with pytest.raises(SystemExit):
         parse_args(argv)
-    assert "the engine's config: " in (err := capsys.readouterr().err) and message in err
+    assert message in capsys.readouterr().err
+
+
+def test_a_kv_cache_past_the_devices_memory_is_refused_before_the_run(capsys, monkeypatch):
+    # 32 requests of 17 blocks of 16 tokens, at 2 KiB a token: 17 MiB.
+    monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda: 16 << 20)
+    with pytest.raises(SystemExit):
+        parse_args([])
+    assert "the KV cache, 545 blocks of 16 tokens" in capsys.readouterr().err

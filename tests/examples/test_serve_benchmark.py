@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks import kv_memory
 from benchmarks.serve import engine_config, paired, parse_args, step_figures, workload
 from jaxkv.metrics import StepStats
 
@@ -118,8 +119,13 @@ def test_samples_split_the_requests_into_questions_of_n_samples_each():
         # Past the configs' int32 bounds: EngineConfig's ValueError came mid-run.
         (["--max-num-batched-tokens", str(2**31)], "--max-num-batched-tokens 2147483648 must"),
         (["--long-prefill-token-threshold", str(2**31)], "--long-prefill-token-threshold 2147"),
-        (["--block-size", str(2**31)], "--block-size 2147483648 must be an int in"),
-        (["--block-size", str(2**30), "--num-requests", "2"], "config: num_blocks=3 times"),
+        (["--block-size", str(2**31)], "--block-size 2147483648 must be at most 169,"),
+        # 2,100,000 requests of two 512-token blocks: 2.2e9 KV slots, past int32.
+        (
+            ["--num-requests", "2100000", "--max-num-batched-tokens", "2100000"]
+            + ["--system-len", "900", "--block-size", "512"],
+            "the engines' config: num_blocks=4200001 times",
+        ),
     ],
 )
 def test_flags_the_engine_would_refuse_are_refused_by_name(argv, message, capsys):
@@ -131,10 +137,33 @@ def test_flags_the_engine_would_refuse_are_refused_by_name(argv, message, capsys
 
 def test_a_block_larger_than_the_requests_needs_no_longer_model_length():
     # max_model_len was rounded up to a whole block, past the model's 1024 positions.
-    args = parse_args(["--block-size", "2048", "--num-requests", "4"])
+    args = parse_args(["--block-size", "600", "--num-requests", "4", "--system-len", "900"])
     config = engine_config(args, cascade=True, prefix_caching=True)
-    assert config.scheduler.max_model_len == 128 + 8 + 32 + 1
-    assert config.cache.num_blocks == 4 + 1
+    assert config.scheduler.max_model_len == 900 + 8 + 32 + 1
+    assert config.cache.num_blocks == 4 * 2 + 1
+
+
+def test_a_block_longer_than_any_request_is_refused_by_its_flag(capsys):
+    # --block-size 100000 was accepted: 257 blocks of 100,000 tokens, 49 GiB of KV
+    # allocated for requests of 169 tokens.
+    with pytest.raises(SystemExit):
+        parse_args(["--block-size", "100000"])
+    err = capsys.readouterr().err
+    assert "--block-size 100000 must be at most 169, the tokens of the longest request" in err
+    assert parse_args(["--block-size", "169"]).block_size == 169
+
+
+def test_a_kv_cache_past_the_devices_memory_is_refused_before_the_run(capsys, monkeypatch):
+    # The engine allocated it after the model was built, or on the CPU took the machine's
+    # memory. 256 requests of 11 blocks of 16 tokens, at 2 KiB a token: 88 MiB.
+    monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda: 64 << 20)
+    with pytest.raises(SystemExit):
+        parse_args([])
+    err = capsys.readouterr().err
+    assert "the KV cache, 2817 blocks of 16 tokens, needs 88 MiB, more than the 64 MiB" in err
+    assert "lower --num-requests" in err
+    monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda: 2817 * 16 * 2048)
+    assert parse_args([]).num_requests == 256
 
 
 def test_the_token_bucket_floor_is_the_batch_budget_unless_given():

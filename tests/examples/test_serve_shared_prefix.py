@@ -98,12 +98,13 @@ def test_a_prefix_too_short_for_two_system_prompts_is_refused(serve, capsys):
 def test_a_large_block_asks_for_no_positions_past_the_longest_request(serve):
     # max_model_len was the longest request rounded up to a whole block: with blocks of
     # 2048 the run was refused for needing 2048 positions of the model's 1024.
-    args = serve.parse_args(["--num-requests", "2", "--max-tokens", "4", "--block-size", "2048"])
+    argv = ["--num-requests", "2", "--max-tokens", "4", "--prefix-len", "700"]
+    args = serve.parse_args([*argv, "--block-size", "600"])
     prompts = serve.workload(args.num_requests, args.prefix_len, args.seed)
     config = serve.engine_config(args, prompts, True)
     longest = max(len(p.token_ids) for p in prompts) + 4
-    assert config.scheduler.max_model_len == longest < 1024
-    assert config.cache.num_blocks == 2 + 1  # one block a request, and the null block
+    assert config.scheduler.max_model_len == longest < 1024 < 2 * 600
+    assert config.cache.num_blocks == 2 * 2 + 1  # two blocks a request, and the null block
 
 
 def test_help_lists_every_flag(serve, capsys):

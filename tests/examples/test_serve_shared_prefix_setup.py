@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
+from benchmarks import kv_memory
 from jaxkv.metrics import StepStats
 from tests.examples._example_modules import load_example
 
@@ -145,22 +146,37 @@ def test_the_script_exits_non_zero_when_cascade_changed_the_tokens(serve, monkey
             runpy.run_path(path, run_name="__main__")
 
 
-@pytest.mark.parametrize(
-    "argv,message",
-    [
-        (["--block-size", str(2**31)], "block_size=2147483648 must be an int in"),
-        (["--block-size", str(2**30)], "must be at most 2**31 token slots"),
-        (["--max-batched-tokens", str(2**31)], "max_num_batched_tokens=2147483648 must"),
-    ],
-)
-def test_sizes_past_the_engines_int32_bounds_are_refused_before_the_model_loads(
-    serve, monkeypatch, argv, message
-):
-    # EngineConfig's ValueError came as a traceback after the model was loaded.
-    def no_model(*_):
-        raise AssertionError("the model was loaded")
+def _no_model(*_):
+    raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(serve, "load_model", no_model)
+
+def test_sizes_past_the_engines_int32_bounds_are_refused_before_the_model_loads(serve, monkeypatch):
+    # EngineConfig's ValueError came as a traceback after the model was loaded.
+    monkeypatch.setattr(serve, "load_model", _no_model)
     with pytest.raises(SystemExit, match="the engine's config: ") as exit_info:
-        serve.main(argv)
-    assert message in str(exit_info.value)
+        serve.main(["--max-batched-tokens", str(2**31)])
+    assert "max_num_batched_tokens=2147483648 must" in str(exit_info.value)
+
+
+@pytest.mark.parametrize("block_size", [100000, 2**31])
+def test_a_block_longer_than_any_request_is_refused_by_its_flag(serve, capsys, block_size):
+    # --block-size 100000 was accepted: 65 blocks of 100,000 tokens, 13 GB of KV for
+    # requests of at most 472 tokens.
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--block-size", str(block_size)])
+    err = capsys.readouterr().err
+    assert f"--block-size {block_size} must be at most 472, the tokens of the longest" in err
+    assert serve.parse_args(["--block-size", "472"]).block_size == 472
+
+
+def test_a_kv_cache_past_the_devices_memory_is_refused_before_the_model_is_built(
+    serve, monkeypatch
+):
+    # 64 requests' 1895 blocks of 16 tokens and the null block, at 2 KiB a token: 59 MiB.
+    monkeypatch.setattr(serve, "load_model", _no_model)
+    monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda: 32 << 20)
+    with pytest.raises(
+        SystemExit,
+        match="the KV cache, 1896 blocks of 16 tokens, needs 59 MiB, more than the 32 MiB",
+    ):
+        serve.main(["--checkpoint", "random"])

@@ -1,0 +1,51 @@
+"""Whether a script's KV cache fits its device, asked before the cache is allocated.
+
+An Engine allocates all of its KV blocks up front. Sized by flags past the device's
+memory, that allocation failed only after the model was built, or on the CPU took the
+machine's memory from everything else first.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import EngineConfig
+from jaxkv.models import LlamaConfig
+
+
+def device_memory_bytes() -> int | None:
+    """The memory of JAX's default device: its allocator's limit where JAX reports one
+    (GPU, TPU), else the machine's physical memory (the CPU's arrays lie there); None
+    when neither is known."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf, or no such name here
+        return None
+
+
+def kv_cache_bytes(config: EngineConfig, model: LlamaConfig) -> int:
+    """Bytes of the KV caches an Engine with `config` allocates for a model of config
+    `model`: every block of every layer, the null block too."""
+    itemsize = jnp.dtype(config.cache.kv_dtype or model.dtype).itemsize
+    per_token = model.kv_cache_bytes_per_token(itemsize)
+    return config.cache.num_blocks * config.cache.block_size * per_token
+
+
+def kv_cache_overflow(config: EngineConfig, model: LlamaConfig, flags: str) -> str | None:
+    """None if the KV caches of `config` for `model` fit the default device's memory
+    (device_memory_bytes; an unknown memory is taken to fit), else a message saying
+    how much they need and naming `flags`, the flags that size them."""
+    need, have = kv_cache_bytes(config, model), device_memory_bytes()
+    if have is None or need <= have:
+        return None
+    return (
+        f"the KV cache, {config.cache.num_blocks} blocks of {config.cache.block_size} tokens, "
+        f"needs {need / 2**20:,.0f} MiB, more than the {have / 2**20:,.0f} MiB of "
+        f"{jax.devices()[0].platform}: lower {flags}"
+    )
