@@ -130,16 +130,17 @@ def check_block_size(
         )
 
 
-def flag_message(error: ValueError, flags: Mapping[str, str]) -> str:
+def flag_message(error: ValueError, flags: Mapping[str, str], unnamed: str = "") -> str:
     """The message of `error`, a jaxkv check's ValueError that opens with "field=value",
     naming instead the command-line flag that set the field (`flags`: field -> flag):
     "repetition_penalty=0.0 must be ..." reads "--repetition-penalty 0.0 must be ...".
-    A message that opens with none of the fields comes back as it is."""
+    A message that opens with none of the fields (one no flag sets as it is) comes back
+    after `unnamed`, which says whose check it is."""
     message = str(error)
     for field, flag in flags.items():
         if message.startswith(f"{field}="):
             return f"{flag} {message.removeprefix(f'{field}=')}"
-    return message
+    return unnamed + message
 
 
 def add_decode_grid_args(

@@ -78,8 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     try:  # the engine's own checks (int32 sizes, KV slots), before the model is built
         engine_config(args)
     except ValueError as e:
-        named = flag_message(e, CONFIG_FLAGS)
-        p.error(named if named != str(e) else f"the engine's config: {e}")
+        p.error(flag_message(e, CONFIG_FLAGS, "the engine's config: "))
     model = LlamaConfig.preset("tiny")
     if overflow := kv_cache_overflow(engine_config(args), model, "--num-requests or --prompt-len"):
         p.error(overflow)

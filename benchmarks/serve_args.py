@@ -135,8 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         for _, cascade, prefix_caching in CONFIGS:
             engine_config(args, cascade, prefix_caching)
     except ValueError as e:
-        named = flag_message(e, CONFIG_FLAGS)
-        p.error(named if named != str(e) else f"the engines' config: {e}")
+        p.error(flag_message(e, CONFIG_FLAGS, "the engines' config: "))
     # One engine at a time holds its cache; every configuration's is the same size.
     config, model = engine_config(args, True, True), PRESETS[args.preset]
     if overflow := kv_cache_overflow(config, model, "--num-requests or the requests' length"):

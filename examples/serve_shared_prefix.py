@@ -46,7 +46,7 @@ from shared_prefix_workload import (  # noqa: E402
     workload,
 )
 
-from benchmarks.cli_args import check_block_size  # noqa: E402
+from benchmarks.cli_args import check_block_size, flag_message  # noqa: E402
 from benchmarks.kv_memory import kv_cache_overflow  # noqa: E402
 from jaxkv import (  # noqa: E402
     CacheConfig,
@@ -343,8 +343,9 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = workload(args.num_requests, args.prefix_len, args.seed)
     try:  # the engine's own checks (int32 sizes, KV slots), before the model is loaded
         engine_config(args, prompts, True)
-    except ValueError as e:
-        raise SystemExit(f"the engine's config: {e}") from None
+    except ValueError as e:  # named by the flag that set the field, where one did
+        flags = {"max_num_batched_tokens": "--max-batched-tokens", "block_size": "--block-size"}
+        raise SystemExit(flag_message(e, flags, "the engine's config: ")) from None
     lengths = [len(p.token_ids) for p in prompts]
     console = Console(highlight=False)
     if random_weights(args):  # checked before the weights are built

@@ -151,11 +151,11 @@ def _no_model(*_):
 
 
 def test_sizes_past_the_engines_int32_bounds_are_refused_before_the_model_loads(serve, monkeypatch):
-    # EngineConfig's ValueError came as a traceback after the model was loaded.
+    # EngineConfig's ValueError came as a traceback after the model was loaded; then it
+    # named the config's field, max_num_batched_tokens, not the flag.
     monkeypatch.setattr(serve, "load_model", _no_model)
-    with pytest.raises(SystemExit, match="the engine's config: ") as exit_info:
+    with pytest.raises(SystemExit, match="--max-batched-tokens 2147483648 must be an int in"):
         serve.main(["--max-batched-tokens", str(2**31)])
-    assert "max_num_batched_tokens=2147483648 must" in str(exit_info.value)
 
 
 @pytest.mark.parametrize("block_size", [100000, 2**31])
