@@ -1,9 +1,12 @@
 """benchmarks/kv_memory.py: the bytes an engine's KV cache takes, and the memory it is
-weighed against."""
+weighed against; examples/demo_cascade.py weighs its flat attention's KV likewise."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import pytest
@@ -41,3 +44,15 @@ def test_on_the_cpu_the_memory_is_the_machines():
     assert kv_memory.device_memory_bytes() == os.sysconf("SC_PAGE_SIZE") * os.sysconf(
         "SC_PHYS_PAGES"
     )
+
+
+def test_the_demo_refuses_a_batch_whose_flat_attention_cannot_fit_in_memory():
+    # A million requests of 16M tokens each: numpy failed, in a traceback, to allocate
+    # their 7 TiB page table.
+    argv = ["--batch", "1000000", "--prefix-pages", "1000000"]
+    run = subprocess.run(
+        [sys.executable, "examples/demo_cascade.py", *argv],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    message = "--batch 1000000 requests of 16000024 tokens: flat attention gathers"
+    assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]
