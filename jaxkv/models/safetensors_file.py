@@ -124,8 +124,10 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
     header's metadata {"format": "pt"}, which transformers before 4.48.2 requires. Raises
     ValueError naming the tensor, before writing anything, for any other dtype and for a
     name that is not a str or is "__metadata__" (the header's own key), and ValueError
-    unless `tensors` is a mapping and `path` a str or os.PathLike."""
-    checked_path(path)
+    unless `tensors` is a mapping and `path` a str or os.PathLike. The file is written
+    whole under a temporary name beside `path`, then renamed over it: a write stopped
+    midway leaves the file that was there before, never a cut one."""
+    path = checked_path(path)
     if not isinstance(tensors, Mapping):  # None or a list raised AttributeError: .items
         raise ValueError(f"tensors={type(tensors).__name__} must be a mapping of names to arrays")
     # As the reference writer for torch-saved files: transformers < 4.48.2 reads "format".
@@ -153,7 +155,13 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
         offset += a.nbytes
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)  # the format asks for 8-byte-aligned data
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for a in arrays.values():
-            f.write(a.tobytes())
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)) + blob)
+            for a in arrays.values():
+                f.write(a.tobytes())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

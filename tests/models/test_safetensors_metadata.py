@@ -12,7 +12,7 @@ import pytest
 import safetensors.numpy
 from safetensors import safe_open
 
-from jaxkv.models import CheckpointError
+from jaxkv.models import CheckpointError, safetensors_file
 from jaxkv.models.hf_checkpoint import read_safetensors, write_safetensors
 
 TENSORS = {"b": np.arange(3, dtype=np.float32), "a": np.ones((2, 2), np.float16)}
@@ -76,3 +76,33 @@ def test_tensors_are_read_only_also_from_a_file_without_data_bytes(tmp_path, oth
     path = tmp_path / "empty.safetensors"
     write_safetensors(path, {"e": np.zeros((0, 3), np.float32), **others})
     assert not any(a.flags.writeable for a in read_safetensors(path).values())
+
+
+def test_a_write_stopped_midway_leaves_the_previous_file_whole(tmp_path, monkeypatch):
+    # The file was written in place: a write stopped after its header left a cut file,
+    # and the weights that were there were lost.
+    path = tmp_path / "w.safetensors"
+    write_safetensors(path, TENSORS)
+    before = path.read_bytes()
+
+    class CutFile:
+        def __init__(self, file):
+            self.file = file
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, data):
+            self.file.write(data)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(
+        safetensors_file, "open", lambda p, mode: CutFile(open(p, mode)), raising=False
+    )
+    with pytest.raises(KeyboardInterrupt):
+        write_safetensors(path, {"c": np.zeros(4, np.float32)})
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
