@@ -31,6 +31,7 @@ from benchmarks.cli_args import RESULTS_DIR, out_file, positive_int  # noqa: E40
 from benchmarks.cpu_timing import best_us_per_call  # noqa: E402
 from benchmarks.json_report import write_json  # noqa: E402
 from jaxkv import KVCacheManager, Request, RequestStatus, SamplingParams  # noqa: E402
+from jaxkv.allocation_args import manager_args  # noqa: E402
 from jaxkv.config import SchedulerConfig  # noqa: E402
 from jaxkv.detokenizer import Detokenizer  # noqa: E402
 from jaxkv.models import ByteTokenizer  # noqa: E402
@@ -69,19 +70,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.warmup_tokens < 1:
         p.error(f"--warmup-tokens {args.warmup_tokens} must be >= 1")
+    try:  # the scheduler's int32 bounds: their ValueError came mid-run, naming no flag
+        scheduler_config(args)
+        manager_args(*manager_sizes(args), hash_seed=0)
+    except ValueError as e:
+        p.error(f"--num-requests, --warmup-tokens and --steps size a run past int32: {e}")
     return args
+
+
+def scheduler_config(args) -> SchedulerConfig:
+    """The scheduler of time_case: every request's prompt in one step, and its run."""
+    max_len = PROMPT_LEN + args.warmup_tokens + args.steps + 1
+    r = args.num_requests
+    return SchedulerConfig(
+        max_num_batched_tokens=r * PROMPT_LEN, max_num_seqs=r, max_model_len=max_len
+    )
+
+
+def manager_sizes(args) -> tuple[int, int, int]:
+    """(num_blocks, block_size, max_model_len) of time_case's KVCacheManager: room for
+    every request's whole run."""
+    max_len, block_size = scheduler_config(args).max_model_len, 16
+    return args.num_requests * -(-max_len // block_size) + 1, block_size, max_len
 
 
 def time_case(args, stop: tuple[str, ...], stream_text: bool) -> float:
     """Median CPU seconds of one decode step's schedule() + update_from_output()."""
-    r, block_size = args.num_requests, 16
-    max_len = PROMPT_LEN + args.warmup_tokens + args.steps + 1
-    blocks = r * -(-max_len // block_size) + 1
+    r = args.num_requests
+    blocks, block_size, max_len = manager_sizes(args)
     manager = KVCacheManager(blocks, block_size, max_model_len=max_len)
-    config = SchedulerConfig(
-        max_num_batched_tokens=r * PROMPT_LEN, max_num_seqs=r, max_model_len=max_len
-    )
-    scheduler = Scheduler(config, manager)
+    scheduler = Scheduler(scheduler_config(args), manager)
     scheduler.detokenizer = Detokenizer(ByteTokenizer())
     params = SamplingParams(max_tokens=None, ignore_eos=True, stop=stop, stream_text=stream_text)
     for i in range(r):

@@ -27,3 +27,22 @@ def test_no_warmup_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--warmup-tokens", "0"])
     assert "--warmup-tokens 0 must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--steps", str(2**31)], "max_model_len=2147483789 must be an int in"),
+        (["--num-requests", str(2**26)], "max_num_batched_tokens=2684354560 must be"),
+        # 2**22 requests of 256 blocks of 16 tokens: 2**34 KV slots.
+        (["--num-requests", str(2**22), "--steps", "4000"], "must be at most 2**31 token"),
+    ],
+)
+def test_sizes_past_the_schedulers_int32_bounds_are_refused_by_flag(argv, message, capsys):
+    # Each was accepted; the scheduler's ValueError, naming a field and no flag, came in
+    # a traceback once the run began.
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert "--num-requests, --warmup-tokens and --steps size a run past int32" in err
+    assert message in err
