@@ -50,6 +50,7 @@ from benchmarks.cli_args import (  # noqa: E402
 )
 from benchmarks.decode_units import units_of  # noqa: E402
 from benchmarks.json_report import write_json, write_whole  # noqa: E402
+from benchmarks.kv_memory import gathered_kv_overflow  # noqa: E402
 from benchmarks.output_agreement import agreement  # noqa: E402
 from jaxkv.attention import default_backend, paged_attention  # noqa: E402
 from jaxkv.batch import build_attention_metadata  # noqa: E402
@@ -277,6 +278,12 @@ def main(argv=None) -> int:
     check_whole_pages(parser, args.prefix, args.block_size, "--prefix")
     check_head_groups(parser, args.q_heads, args.kv_heads)
     args.dtype = jnp.dtype(args.dtype)
+    # The grid's largest point, checked before the first: past the device's memory it
+    # failed mid-grid, and the points measured before it were lost with it.
+    kv_per_token = 2 * args.kv_heads * args.head_dim * args.dtype.itemsize
+    context = max(args.prefix) + max(args.suffix)
+    if overflow := gathered_kv_overflow(max(args.batch), context, kv_per_token):
+        parser.error(f"--batch, --prefix and --suffix: {overflow}")
     try:  # the plot's only dependency, in jaxkv's bench extra: without it, the JSON alone
         import matplotlib  # noqa: F401
 

@@ -37,6 +37,20 @@ def kv_cache_bytes(config: EngineConfig, model: LlamaConfig) -> int:
     return config.cache.num_blocks * config.cache.block_size * per_token
 
 
+def gathered_kv_overflow(batch: int, context: int, kv_bytes_per_token: int) -> str | None:
+    """None if the KV of `batch` requests of `context` tokens each (`kv_bytes_per_token`
+    bytes a token) fits the default device's memory (an unknown memory is taken to fit),
+    else a message saying how much it needs. Flat attention on the xla backend, and the
+    reference, gather every request's pages at once: this much, at the least."""
+    need, have = batch * context * kv_bytes_per_token, device_memory_bytes()
+    if have is None or need <= have:
+        return None
+    return (
+        f"{batch} requests of {context} tokens: flat attention gathers {_size(need)} of KV, "
+        f"more than the {_size(have)} of {jax.devices()[0].platform}"
+    )
+
+
 def kv_cache_overflow(config: EngineConfig, model: LlamaConfig, flags: str) -> str | None:
     """None if the KV caches of `config` for `model` fit the default device's memory
     (device_memory_bytes; an unknown memory is taken to fit), else a message saying
@@ -46,6 +60,13 @@ def kv_cache_overflow(config: EngineConfig, model: LlamaConfig, flags: str) -> s
         return None
     return (
         f"the KV cache, {config.cache.num_blocks} blocks of {config.cache.block_size} tokens, "
-        f"needs {need / 2**20:,.0f} MiB, more than the {have / 2**20:,.0f} MiB of "
+        f"needs {_size(need)}, more than the {_size(have)} of "
         f"{jax.devices()[0].platform}: lower {flags}"
     )
+
+
+def _size(num_bytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if num_bytes >= 1 << shift:
+            return f"{num_bytes / (1 << shift):,.1f} {unit}"
+    return f"{num_bytes} bytes"

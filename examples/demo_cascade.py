@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from benchmarks.kv_memory import device_memory_bytes  # noqa: E402
+from benchmarks.kv_memory import gathered_kv_overflow  # noqa: E402
 from kernels_pallas.reference import cascade_attention, ragged_paged_attention  # noqa: E402
 
 
@@ -52,17 +52,11 @@ def main() -> None:
             parser.error(
                 f"--{flag.replace('_', '-')} must be >= {least}, not {getattr(args, flag)}"
             )
-    # Flat attention (the reference) gathers every request's pages at once: batch x
-    # context tokens of K and V, 2 KV heads of 64 float32s each. Past the device's memory
-    # it failed only once the inputs were built.
+    # Past the device's memory it failed only once the inputs were built. K and V of a
+    # token: 2 KV heads of 64 float32s each.
     context = args.prefix_pages * args.page_size + args.suffix_len
-    need, have = args.batch * context * 2 * 2 * 64 * 4, device_memory_bytes()
-    if have is not None and need > have:
-        parser.error(
-            f"--batch {args.batch} requests of {context} tokens: flat attention gathers "
-            f"{need / 2**20:,.0f} MiB of KV, more than the {have / 2**20:,.0f} MiB of "
-            f"{jax.devices()[0].platform}"
-        )
+    if overflow := gathered_kv_overflow(args.batch, context, 2 * 2 * 64 * 4):
+        parser.error(f"--batch, --prefix-pages, --page-size and --suffix-len: {overflow}")
 
     rng = np.random.default_rng(args.seed)
     inputs = shared_prefix_batch(

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from benchmarks import kv_memory
+from benchmarks import attention, kv_memory
 from jaxkv import CacheConfig, EngineConfig, SchedulerConfig
 from jaxkv.models import LlamaConfig
 
@@ -54,5 +54,23 @@ def test_the_demo_refuses_a_batch_whose_flat_attention_cannot_fit_in_memory():
         [sys.executable, "examples/demo_cascade.py", *argv],
         capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2],
     )  # fmt: skip
-    message = "--batch 1000000 requests of 16000024 tokens: flat attention gathers"
+    message = "--suffix-len: 1000000 requests of 16000024 tokens: flat attention gathers"
     assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]
+
+
+def test_the_attention_grid_is_refused_before_its_first_point_if_its_largest_cannot_fit(
+    tmp_path, monkeypatch, capsys
+):
+    # The point past the device's memory failed mid-grid, losing the points before it.
+    # Its largest: 8 requests of 64 + 16 tokens, at 2 KV heads of 64 float32s: 640 KiB.
+    def no_run(*_):
+        raise AssertionError("the grid began")
+
+    monkeypatch.setattr(attention, "read_bandwidth", no_run)
+    monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda: 512 << 10)
+    argv = ["--batch", "2", "8", "--prefix", "16", "64", "--suffix", "3", "16"]
+    with pytest.raises(SystemExit):
+        attention.main([*argv, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "--batch, --prefix and --suffix: 8 requests of 80 tokens: flat attention" in err
+    assert "gathers 640.0 KiB of KV, more than the 512.0 KiB of" in err

@@ -160,7 +160,7 @@ def test_a_kv_cache_past_the_devices_memory_is_refused_before_the_run(capsys, mo
     with pytest.raises(SystemExit):
         parse_args([])
     err = capsys.readouterr().err
-    assert "the KV cache, 2817 blocks of 16 tokens, needs 88 MiB, more than the 64 MiB" in err
+    assert "the KV cache, 2817 blocks of 16 tokens, needs 88.0 MiB, more than the 64.0 MiB" in err
     assert "lower --num-requests" in err
     monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda: 2817 * 16 * 2048)
     assert parse_args([]).num_requests == 256

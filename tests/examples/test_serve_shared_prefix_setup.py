@@ -172,11 +172,11 @@ def test_a_block_longer_than_any_request_is_refused_by_its_flag(serve, capsys, b
 def test_a_kv_cache_past_the_devices_memory_is_refused_before_the_model_is_built(
     serve, monkeypatch
 ):
-    # 64 requests' 1895 blocks of 16 tokens and the null block, at 2 KiB a token: 59 MiB.
+    # 64 requests' 1895 blocks of 16 tokens and the null block, at 2 KiB a token: 59.2 MiB.
     monkeypatch.setattr(serve, "load_model", _no_model)
     monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda: 32 << 20)
     with pytest.raises(
         SystemExit,
-        match="the KV cache, 1896 blocks of 16 tokens, needs 59 MiB, more than the 32 MiB",
+        match="the KV cache, 1896 blocks of 16 tokens, needs 59.2 MiB, more than the 32.0 MiB",
     ):
         serve.main(["--checkpoint", "random"])
