@@ -51,17 +51,23 @@ def gathered_kv_overflow(batch: int, context: int, kv_bytes_per_token: int) -> s
     )
 
 
+def weights_bytes(model: LlamaConfig) -> int:
+    """Bytes of the weights of a Llama of config `model`, in its dtype."""
+    return model.num_params * jnp.dtype(model.dtype).itemsize
+
+
 def kv_cache_overflow(config: EngineConfig, model: LlamaConfig, flags: str) -> str | None:
-    """None if the KV caches of `config` for `model` fit the default device's memory
-    (device_memory_bytes; an unknown memory is taken to fit), else a message saying
-    how much they need and naming `flags`, the flags that size them."""
-    need, have = kv_cache_bytes(config, model), device_memory_bytes()
-    if have is None or need <= have:
+    """None if the KV caches of `config` for `model`, beside the model's weights, fit the
+    default device's memory (device_memory_bytes; an unknown memory is taken to fit),
+    else a message saying how much they need and naming `flags`, the flags that size
+    the caches."""
+    kv, weights, have = kv_cache_bytes(config, model), weights_bytes(model), device_memory_bytes()
+    if have is None or kv + weights <= have:
         return None
     return (
         f"the KV cache, {config.cache.num_blocks} blocks of {config.cache.block_size} tokens, "
-        f"needs {_size(need)}, more than the {_size(have)} of "
-        f"{jax.devices()[0].platform}: lower {flags}"
+        f"needs {_size(kv)}, and the weights {_size(weights)}: more than the {_size(have)} "
+        f"of {jax.devices()[0].platform}; lower {flags}"
     )
 
 

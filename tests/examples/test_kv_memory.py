@@ -29,12 +29,14 @@ def test_the_cache_counts_every_block_at_the_kv_dtypes_size():
     assert kv_memory.kv_cache_bytes(_config(9, 16, "bfloat16"), TINY) == 9 * 16 * 1024
 
 
-def test_a_cache_fits_up_to_the_devices_memory_and_not_past_it(monkeypatch):
+def test_a_cache_fits_beside_the_weights_up_to_the_devices_memory_and_not_past_it(monkeypatch):
     config = _config(9, 16)
-    monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda: 9 * 16 * 2048)
+    assert kv_memory.weights_bytes(TINY) == TINY.num_params * 4  # float32
+    total = 9 * 16 * 2048 + kv_memory.weights_bytes(TINY)
+    monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda: total)
     assert kv_memory.kv_cache_overflow(config, TINY, "--flag") is None
-    monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda: 9 * 16 * 2048 - 1)
-    assert kv_memory.kv_cache_overflow(config, TINY, "--flag").endswith(": lower --flag")
+    monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda: total - 1)
+    assert kv_memory.kv_cache_overflow(config, TINY, "--flag").endswith("; lower --flag")
     monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda: None)  # unknown: no refusal
     assert kv_memory.kv_cache_overflow(config, TINY, "--flag") is None
 

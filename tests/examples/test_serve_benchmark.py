@@ -155,14 +155,16 @@ def test_a_block_longer_than_any_request_is_refused_by_its_flag(capsys):
 
 def test_a_kv_cache_past_the_devices_memory_is_refused_before_the_run(capsys, monkeypatch):
     # The engine allocated it after the model was built, or on the CPU took the machine's
-    # memory. 256 requests of 11 blocks of 16 tokens, at 2 KiB a token: 88 MiB.
+    # memory. 256 requests of 11 blocks of 16 tokens, at 2 KiB a token: 88 MiB, and the
+    # tiny model's 3.1 MiB of weights beside them.
     monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda: 64 << 20)
     with pytest.raises(SystemExit):
         parse_args([])
     err = capsys.readouterr().err
-    assert "the KV cache, 2817 blocks of 16 tokens, needs 88.0 MiB, more than the 64.0 MiB" in err
+    assert "the KV cache, 2817 blocks of 16 tokens, needs 88.0 MiB, and the weights 3.1" in err
+    assert "3.1 MiB: more than the 64.0 MiB" in err
     assert "lower --num-requests" in err
-    monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda: 2817 * 16 * 2048)
+    monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda: 2817 * 16 * 2048 + 3282944)
     assert parse_args([]).num_requests == 256
 
 
