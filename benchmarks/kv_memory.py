@@ -1,4 +1,5 @@
-"""Whether a script's KV cache fits its device, asked before the cache is allocated.
+"""Whether what a script allocates (a KV cache, a model to train) fits its device, asked
+before anything is allocated.
 
 An Engine allocates all of its KV blocks up front. Sized by flags past the device's
 memory, that allocation failed only after the model was built, or on the CPU took the
@@ -56,6 +57,20 @@ def weights_bytes(model: LlamaConfig) -> int:
     return model.num_params * jnp.dtype(model.dtype).itemsize
 
 
+def training_overflow(model: LlamaConfig) -> str | None:
+    """None if a Llama of config `model` can train on the default device (an unknown
+    memory is taken to fit), else a message saying how much it needs: its weights, their
+    gradients and Adam's two moments, each as large as the weights, at the least."""
+    need, have = 4 * weights_bytes(model), device_memory_bytes()
+    if have is None or need <= have:
+        return None
+    return (
+        f"the model's {model.num_params:,} parameters need {_size(need)} with their "
+        f"gradients and Adam's two moments, more than the {_size(have)} of "
+        f"{jax.devices()[0].platform}"
+    )
+
+
 def kv_cache_overflow(config: EngineConfig, model: LlamaConfig, flags: str) -> str | None:
     """None if the KV caches of `config` for `model`, beside the model's weights, fit the
     default device's memory (device_memory_bytes; an unknown memory is taken to fit),
@@ -72,7 +87,7 @@ def kv_cache_overflow(config: EngineConfig, model: LlamaConfig, flags: str) -> s
 
 
 def _size(num_bytes: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if num_bytes >= 1 << shift:
             return f"{num_bytes / (1 << shift):,.1f} {unit}"
     return f"{num_bytes} bytes"

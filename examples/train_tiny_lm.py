@@ -24,6 +24,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from benchmarks.cli_args import out_dir  # noqa: E402
+from benchmarks.kv_memory import training_overflow  # noqa: E402
 from jaxkv.models import ByteTokenizer, Llama, LlamaConfig, save_checkpoint  # noqa: E402
 from jaxkv.models.train import Trainer, greedy_generate, make_optimizer  # noqa: E402
 
@@ -66,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.config = tiny_config(args.override)
     except ValueError as e:
         p.error(f"--override: {e}")
+    if overflow := training_overflow(args.config):  # it failed once the model was built
+        p.error(f"--override: {overflow}")
     try:
         size = args.corpus.stat().st_size  # bytes: the byte tokenizer's tokens
     except OSError as e:

@@ -177,6 +177,8 @@ def test_a_checkpoint_path_it_cannot_write_in_is_refused_before_training(kind, t
         ("depth=2", "'depth=2' must be FIELD=INT with FIELD one of ["),
         ("num_layers=two", "'num_layers=two': 'two' is not an int"),
         ("vocab_size=100", "vocab_size=100 must hold the byte tokenizer's 259 ids"),
+        # Accepted, then building the model failed: 2e13 parameters.
+        ("num_layers=100000000", "the model's 19,686,400,033,280 parameters need 286.5 TiB"),
     ],
 )
 def test_a_bad_override_is_refused_by_name_before_training(tmp_path, capsys, override, message):
