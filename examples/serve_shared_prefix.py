@@ -297,8 +297,8 @@ def serve(
 
 def check_model_fits(args, backend: str, prompts: list[Prompt], config, console) -> None:
     """SystemExit for a --backend the model or the platform cannot run, too few
-    positions, or a KV cache larger than the device's memory; falls back to xla for a
-    head_dim the default pallas_tpu lacks."""
+    positions, or a KV cache that does not fit the device's memory beside the weights;
+    falls back to xla for a head_dim the default pallas_tpu lacks."""
     if backend == "pallas_tpu" and config.head_dim not in TPU_HEAD_DIMS:
         message = (
             f"the Pallas TPU kernel needs head_dim in {TPU_HEAD_DIMS}; this model has "
