@@ -57,17 +57,21 @@ def weights_bytes(model: LlamaConfig) -> int:
     return model.num_params * jnp.dtype(model.dtype).itemsize
 
 
-def training_overflow(model: LlamaConfig) -> str | None:
-    """None if a Llama of config `model` can train on the default device (an unknown
-    memory is taken to fit), else a message saying how much it needs: its weights, their
-    gradients and Adam's two moments, each as large as the weights, at the least."""
-    need, have = 4 * weights_bytes(model), device_memory_bytes()
-    if have is None or need <= have:
+def training_overflow(model: LlamaConfig, batch_size: int, seq_len: int) -> str | None:
+    """None if a Llama of config `model` can train on batches of `batch_size` windows of
+    `seq_len` tokens on the default device (an unknown memory is taken to fit), else a
+    message saying how much it needs, at the least: its weights, their gradients and
+    Adam's two moments, each as large as the weights, and one batch's logits."""
+    itemsize = jnp.dtype(model.dtype).itemsize
+    state = 4 * weights_bytes(model)
+    logits = batch_size * seq_len * model.vocab_size * itemsize
+    have = device_memory_bytes()
+    if have is None or state + logits <= have:
         return None
     return (
-        f"the model's {model.num_params:,} parameters need {_size(need)} with their "
-        f"gradients and Adam's two moments, more than the {_size(have)} of "
-        f"{jax.devices()[0].platform}"
+        f"the model's {model.num_params:,} parameters need {_size(state)} with their "
+        f"gradients and Adam's two moments, and a batch's logits {_size(logits)}: more "
+        f"than the {_size(have)} of {jax.devices()[0].platform}"
     )
 
 

@@ -67,8 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.config = tiny_config(args.override)
     except ValueError as e:
         p.error(f"--override: {e}")
-    if overflow := training_overflow(args.config):  # it failed once the model was built
-        p.error(f"--override: {overflow}")
+    # Past the device's memory it failed once the model was built.
+    if overflow := training_overflow(args.config, args.batch_size, args.seq_len):
+        p.error(f"--override, --batch-size and --seq-len: {overflow}")
     try:
         size = args.corpus.stat().st_size  # bytes: the byte tokenizer's tokens
     except OSError as e:

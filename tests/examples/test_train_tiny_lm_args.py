@@ -177,8 +177,6 @@ def test_a_checkpoint_path_it_cannot_write_in_is_refused_before_training(kind, t
         ("depth=2", "'depth=2' must be FIELD=INT with FIELD one of ["),
         ("num_layers=two", "'num_layers=two': 'two' is not an int"),
         ("vocab_size=100", "vocab_size=100 must hold the byte tokenizer's 259 ids"),
-        # Accepted, then building the model failed: 2e13 parameters.
-        ("num_layers=100000000", "the model's 19,686,400,033,280 parameters need 286.5 TiB"),
     ],
 )
 def test_a_bad_override_is_refused_by_name_before_training(tmp_path, capsys, override, message):
@@ -205,3 +203,19 @@ def test_run_as_a_script_it_evaluates_every_eval_every_steps_and_saves(
     assert evals == ["1", "2"]
     assert "done: 3 steps in" in out
     assert load_checkpoint(tmp_path / "ckpt").config.num_layers == 1
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        # 2e13 parameters: accepted, then building the model failed.
+        (["--override", "num_layers=100000000"], "parameters need 286.5 TiB with their"),
+        # A billion windows of 512 tokens: 482 TiB of float32 logits a step.
+        (["--batch-size", "1000000000"], "and a batch's logits 482.4 TiB: more than the"),
+    ],
+)
+def test_a_run_past_the_devices_memory_is_refused_by_its_flags(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        _example().parse_args([str(tmp_path / "ckpt"), *argv])
+    err = capsys.readouterr().err
+    assert "--override, --batch-size and --seq-len: the model's" in err and message in err
