@@ -19,11 +19,17 @@ from jaxkv.models import LlamaConfig
 
 def device_memory_bytes() -> int | None:
     """The memory of JAX's default device: its allocator's limit where JAX reports one
-    (GPU, TPU), else the machine's physical memory (the CPU's arrays lie there); None
+    (GPU, TPU), the machine's physical memory on the CPU (its arrays lie there); None
     when neither is known."""
-    stats = jax.devices()[0].memory_stats() or {}
+    device = jax.devices()[0]
+    try:
+        stats = device.memory_stats() or {}
+    except (RuntimeError, NotImplementedError):  # a backend that keeps no statistics
+        stats = {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
+    if device.platform != "cpu":  # the host's memory says nothing of an accelerator's
+        return None
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):  # no sysconf, or no such name here
