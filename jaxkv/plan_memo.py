@@ -52,8 +52,10 @@ class PlanMemo:
     def _answers_for(self, manager: KVCacheManager, rows: np.ndarray) -> dict:
         key, version = self._key, manager.sharing_version
         if key is None or key[0] is not manager or key[1] is not rows or key[2] != version:
-            self._key = (manager, rows, version)
+            # Emptied first: a Ctrl-C between the two must not leave the old batch's
+            # answers under the new key, for the next step that plans this batch.
             self._answers = {}
+            self._key = (manager, rows, version)
         elif len(self._answers) >= MAX_ANSWERS:
             self._answers = {}
         return self._answers
