@@ -12,7 +12,9 @@ signals, which may be any call. These places may not be cut there:
   applied the report, an interrupt left their blocks held for good;
 - the scheduler's update of a step: cut between a request's computed tokens and its
   token, it left the request with nothing to compute; and its schedule(): cut in the
-  manager's allocation, it left a block half taken off the free queue;
+  manager's allocation, it left a block half taken off the free queue; and its
+  add_request: cut between its request map and its waiting queue, it left a request
+  that nothing would run and no abort could remove, its id in use for good;
 - a KV connector's on_finish that started a save: raised before the scheduler held the
   finished request's blocks for it, an interrupt freed them under the save.
 

@@ -77,9 +77,7 @@ class Scheduler:
                 f"connector is bound with (block_size, hash_seed)={connector.hash_layout}, the "
                 f"manager has {layout}: bind it with the manager's (it serves one engine)"
             )
-        self.config = config
-        self.manager = manager
-        self.connector = connector
+        self.config, self.manager, self.connector = config, manager, connector
         self.requests: dict[str, Request] = {}  # every request not yet released
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -109,12 +107,14 @@ class Scheduler:
         Raises ValueError (nothing queued) on an id in use (here, or holding a row in
         the manager), a request not new (computed or output tokens, queued by a
         scheduler before, or block hashes of another block size or seed), a prompt that
-        leaves no room for output, or one that the whole pool could not hold.
+        leaves no room for output, or one that the whole pool could not hold. A Ctrl-C
+        leaves it queued whole or not at all.
         """
         check_new_request(self, request)
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
-        request.queued = True
+        with holding_interrupts():  # cut halfway, the request was in `requests` only
+            self.requests[request.request_id] = request
+            self.waiting.append(request)
+            request.queued = True
 
     def abort(self, request_id: str) -> bool:
         """Finishes a request as FINISHED_ABORTED from any unfinished state.
