@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from jaxkv.field_checks import as_int, bool_fields
 from jaxkv.free_block_queue import FreeKVCacheBlockQueue
 from jaxkv.hashing import BlockHash, is_block_hash
+from jaxkv.held_interrupts import holding_interrupts
 from jaxkv.kv_cache_block import KVCacheBlock
 from jaxkv.request import MAX_TOKEN_ID
 
@@ -285,15 +286,19 @@ class BlockPool:
                 self.free_block_queue.append(block)
 
     def reset_prefix_cache(self) -> bool:
-        """Forgets every cached hash. Refused (returns False) while any block is held."""
+        """Forgets every cached hash. Refused (returns False) while any block is held. A
+        Ctrl-C while it runs is raised once every hash is forgotten: cut midway, blocks
+        without their hash stayed in the map, and a later hit found one that held
+        another request's KV by then."""
         if self.num_free_blocks != self.num_blocks - 1:
             return False
-        for block in self.cached_block_hash_to_block.values():
-            block.block_hash = None
-        self.cached_block_hash_to_block.clear()
-        self.cache_epoch += 1
-        if self.enable_events:
-            self._events.append(AllBlocksCleared())
+        with holding_interrupts():
+            for block in self.cached_block_hash_to_block.values():
+                block.block_hash = None
+            self.cached_block_hash_to_block.clear()
+            self.cache_epoch += 1
+            if self.enable_events:
+                self._events.append(AllBlocksCleared())
         return True
 
     def _check_own(self, name: str, blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:

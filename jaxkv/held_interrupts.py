@@ -15,6 +15,8 @@ signals, which may be any call. These places may not be cut there:
   manager's allocation, it left a block half taken off the free queue; and its
   add_request: cut between its request map and its waiting queue, it left a request
   that nothing would run and no abort could remove, its id in use for good;
+- the block pool's reset_prefix_cache: cut midway, it left blocks without their hash in
+  the hash map, where a later hit found one holding another request's KV;
 - a KV connector's on_finish that started a save: raised before the scheduler held the
   finished request's blocks for it, an interrupt freed them under the save.
 
