@@ -89,10 +89,8 @@ class Engine(Closable):
     ) -> None:
         config = checked_engine_args(model, params, config, connector)
         detokenizer = None if tokenizer is None else Detokenizer(tokenizer)  # checks it
-        mc = model.config
-        sc, cc = config.scheduler, config.cache
-        self.config = config
-        self.model_config, self.vocab_size = mc, mc.vocab_size
+        mc, sc, cc = model.config, config.scheduler, config.cache
+        self.config, self.model_config, self.vocab_size = config, mc, mc.vocab_size
         self.backend = config.backend or default_backend()
         self.manager = KVCacheManager(
             cc.num_blocks,
@@ -242,9 +240,10 @@ class Engine(Closable):
         RuntimeError. A KV connector's exception while the batch is chosen (a load that
         fails to start) propagates before the model runs, the batch handed back the same
         way; a HostOffloadConnector first drops the blocks that load was to read, so the
-        next step computes them. A batch that an interrupt kept from being applied or handed
-        back (a Ctrl-C as schedule() returned) is handed back by the next step. A
-        program that fails after the caches were donated to it loses them: see
+        next step computes them. A batch an interrupt kept from being applied or handed back
+        (a Ctrl-C as schedule() returned) is handed back by the next step; a Ctrl-C after
+        the model ran (but in the tokenizer) is raised once the step's bookkeeping is done.
+        A program that fails after the caches were donated to it loses them: see
         jaxkv.engine_lifetime (the engine must be rebuilt; its error notes it).
         """
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -294,25 +293,26 @@ class Engine(Closable):
         if new_program:
             self._programs.add(key)
 
-        try:
-            outputs = self.scheduler.update_from_output(out, sampled)
-            if width is not None:
-                outputs = logprobs.attach(outputs, out.requests, self._sampling.logprobs)
-            outputs = prompt_logprobs.attach(outputs, prompt, self._token_texts)
-            if self._samples:
-                outputs = self._samples.relabel(outputs)
-        finally:  # also when an interrupt stops the update (the tokenizer, the connector)
-            self._sampling.discard_finished(out.requests)
-            if self._samples:
-                self._samples.discard_finished(out.requests)
-            t3 = time.perf_counter()  # the model ran: the step counts, interrupted or not
-            levels = "+".join(level.name for level in plan.levels)
-            self.last_step = StepStats(
-                t1 - t0, c1 - c0, t2 - t1, t3 - t2, n, len(out.token_ids), levels, new_program,
-                schedule_cpu_s=c_schedule - c0, plan_cpu_s=c_plan - c_schedule,
-                prepare_cpu_s=c1 - c_plan, num_blocks_held=held,
-            )  # fmt: skip
-            self._totals.record(self.last_step)
+        with holding_interrupts(passes_on=self.scheduler.user_code):
+            try:
+                outputs = self.scheduler.update_from_output(out, sampled)
+                if width is not None:
+                    outputs = logprobs.attach(outputs, out.requests, self._sampling.logprobs)
+                outputs = prompt_logprobs.attach(outputs, prompt, self._token_texts)
+                if self._samples:
+                    outputs = self._samples.relabel(outputs)
+            finally:  # also when an interrupt stops the update (the tokenizer, the connector)
+                self._sampling.discard_finished(out.requests)
+                if self._samples:
+                    self._samples.discard_finished(out.requests)
+                t3 = time.perf_counter()  # the model ran: the step counts, interrupted or not
+                levels = "+".join(level.name for level in plan.levels)
+                self.last_step = StepStats(
+                    t1 - t0, c1 - c0, t2 - t1, t3 - t2, n, len(out.token_ids), levels,
+                    new_program, schedule_cpu_s=c_schedule - c0, plan_cpu_s=c_plan - c_schedule,
+                    prepare_cpu_s=c1 - c_plan, num_blocks_held=held,
+                )  # fmt: skip
+                self._totals.record(self.last_step)
         return outputs
 
     def _step_inputs(self, out: SchedulerOutput, plan: CascadePlan):

@@ -81,10 +81,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every request not yet released
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        # Set while a tokenizer, or the connector's on_admission or start_load, runs: a Ctrl-C is
-        # held back around the scheduler's changes but stops those at once (jaxkv.held_interrupts).
-        self._user_code = UserCode()
-        self._transfers = TransferTracker(self.connector, manager, self._release, self._user_code)
+        # Set while a tokenizer, or the connector's on_admission or start_load, runs: a Ctrl-C held
+        # around the scheduler's (and Engine.step's) changes stops those at once (held_interrupts).
+        self.user_code = UserCode()
+        self._transfers = TransferTracker(self.connector, manager, self._release, self.user_code)
         self._finished_ids: list[str] = []
         self._stats = SchedulerStats()
         self.detokenizer = None  # jaxkv.detokenizer.Detokenizer: set by Engine(tokenizer=)
@@ -188,7 +188,7 @@ class Scheduler:
         # Cut anywhere else, a Ctrl-C broke the manager's records (a block half taken off
         # the free queue), left a request admitted outside `running` or preempted outside
         # `waiting`, or lost the batch whose blocks it cached: raised once it is chosen.
-        with holding_interrupts(passes_on=self._user_code):
+        with holding_interrupts(passes_on=self.user_code):
             self._transfers.apply_events()
             budget = self.config.max_num_batched_tokens
             batch = StepBatch()
@@ -367,7 +367,7 @@ class Scheduler:
         tokens = checked_sampled_tokens(output, sampled_token_ids)
         # Cut anywhere else, a Ctrl-C left a request computed without its token (nothing
         # left to schedule), finished yet running, or out of `running` with its blocks.
-        with holding_interrupts(passes_on=self._user_code):
+        with holding_interrupts(passes_on=self.user_code):
             self._unapplied = None
             self._unwritten_of_aborted = []  # the step wrote them
             return apply_sampled_tokens(self, output, tokens)

@@ -80,7 +80,7 @@ def apply_sampled_tokens(
     # marked finished leave `running` with their blocks (the carry stays None: the next
     # step takes a full pass). The requests after it stay unadvanced and compute their
     # tokens again in a later step: the counters count both runs (_uncounted_tokens).
-    user_code = scheduler._user_code
+    user_code = scheduler.user_code
     try:
         for request, n, token in zip(
             output.requests, output.num_scheduled_tokens.tolist(), tokens, strict=True
