@@ -161,7 +161,7 @@ class Engine(Closable):
         stops at the model's eos_token_ids unless params.ignore_eos; params.stop strings
         and params.stream_text need the engine's tokenizer. Under params.n > 1 its n
         samples are queued (ids "0_<id>" to "<n-1>_<id>", in use too) and report under
-        its id."""
+        its id. A Ctrl-C queues it whole, its id and seed taken, or not at all."""
         self._check_open(idle=False)
         prompt = checked_prompt_ids(prompt_token_ids, limit=self.vocab_size)
         sampling_params = checked_sampling_params(sampling_params, self.model_config, self.config)
@@ -170,9 +170,9 @@ class Engine(Closable):
         serial, request_id = self._serials.peek(request_id, in_use)  # a default id: all free
         request = Request(request_id, prompt, sampling_params, cache_salt=cache_salt)
         seed = (self.config.seed * 0x9E3779B97F4A7C15 + serial) & 0xFFFFFFFFFFFFFFFF
-        # Raises on an id in use or too long a prompt, nothing queued.
-        self._samples.queue(self.scheduler, self._sampling, request, seed)
-        self._serials.take(serial)  # only once queued (jaxkv.request_serials)
+        with holding_interrupts():  # ValueError (id in use, prompt too long): none queued
+            self._samples.queue(self.scheduler, self._sampling, request, seed)
+            self._serials.take(serial)  # only once queued (jaxkv.request_serials)
         return request.request_id
 
     def queue_checkpoint(self) -> SerialsCheckpoint:

@@ -17,6 +17,9 @@ signals, which may be any call. These places may not be cut there:
   that nothing would run and no abort could remove, its id in use for good;
 - the block pool's reset_prefix_cache: cut midway, it left blocks without their hash in
   the hash map, where a later hit found one holding another request's KV;
+- Engine.add_request: cut between queueing a request's samples and recording them as
+  its own, it left the request's id in use for good; before its serial was taken, the
+  next request got the same default seed;
 - Engine.step from its update to its end: cut in the closing bookkeeping, finished
   requests kept their sampling rows (under n > 1 their parent's id, in use for good);
 - a KV connector's on_finish that started a save: raised before the scheduler held the
