@@ -20,6 +20,9 @@ signals, which may be any call. These places may not be cut there:
 - Engine.add_request: cut between queueing a request's samples and recording them as
   its own, it left the request's id in use for good; before its serial was taken, the
   next request got the same default seed;
+- PrefixAwareRouter.add_request once its replica queued the request: cut there, the
+  request ran untracked (its outputs dropped, its id unabortable) or was counted as
+  outstanding for good;
 - Engine.step from its update to its end: cut in the closing bookkeeping, finished
   requests kept their sampling rows (under n > 1 their parent's id, in use for good);
 - a KV connector's on_finish that started a save: raised before the scheduler held the
@@ -28,8 +31,9 @@ signals, which may be any call. These places may not be cut there:
 Inside `holding_interrupts()` a SIGINT is recorded instead, and raised again (to the
 handler that was installed) on leaving the block. A held block that calls user code
 marks the call with a UserCode, so that a Ctrl-C still stops it at once, where an
-interrupt out of it leaves nothing to track: a tokenizer, and a KV connector's
-on_admission and start_load (whose interrupt means that no load started).
+interrupt out of it leaves nothing to track: a tokenizer, a KV connector's
+on_admission and start_load (whose interrupt means that no load started), and a
+router's replica's add_request (whose interrupt aborts the request there).
 """
 
 from __future__ import annotations
@@ -102,3 +106,11 @@ class UserCode:
 
     def __call__(self) -> bool:
         return self.runs
+
+    def call(self, function: Callable, *args, **kwargs):
+        """function(*args, **kwargs), `runs` set just around it."""
+        self.runs = True
+        try:
+            return function(*args, **kwargs)
+        finally:
+            self.runs = False

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxkv.held_interrupts import UserCode
 from jaxkv.outputs import RequestOutput
 from jaxkv.replica import Replica
 
@@ -58,9 +59,8 @@ class CheckedReplicas:
         is_parent: Callable[[str], bool],
         held: Container[str],
     ) -> None:
-        self._replicas = replicas
-        self._is_parent = is_parent
-        self._held = held
+        self._replicas, self._is_parent, self._held = replicas, is_parent, held
+        self.user_code = UserCode()  # set around a replica's add_request (held_interrupts)
         self._running: list[set[str | tuple[str, int]]] = [set() for _ in replicas]
 
     def unfinished(self, index: int) -> bool:
@@ -173,9 +173,10 @@ class CheckedReplicas:
         there): a wrong answer must not end a request the router still counts."""
         replica = self._replicas[index]
         try:
-            queued = replica.add_request(
-                prompt, sampling_params, request_id=request_id, cache_salt=cache_salt
-            )
+            queued = self.user_code.call(
+                replica.add_request, prompt, sampling_params, request_id=request_id,
+                cache_salt=cache_salt,
+            )  # fmt: skip
         except BaseException as error:
             _abort_after(index, replica, request_id, error)
             raise

@@ -26,6 +26,7 @@ from jaxkv.closable import Closable, no_reentry, one_at_a_time, step_until_lande
 from jaxkv.completion import checked_drivers, run_to_completion
 from jaxkv.engine_replicas import engine_replicas as engine_replicas  # its former home
 from jaxkv.hashing import BlockHash
+from jaxkv.held_interrupts import holding_interrupts
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.parallel_sampling import IdsInUse
 from jaxkv.prefix_routes import Route as Route  # re-exported: route() returns one
@@ -189,15 +190,20 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         hashes = self._routes.hashes(prompt, cache_salt)
         replica = self._route(hashes).replica
         ours = partial(self._runs_on, replica)  # ids a wrong answer there must not abort
-        self._checked.add_request(replica, prompt, sampling_params, request_id, cache_salt, n, ours)
-        if generated:  # only once queued: a refused request leaves later ids as they were
-            self._serials.take(serial)
-        self._routes.remember(hashes, replica)
-        self._outstanding[replica] += n
-        self._replica_of[request_id] = replica
-        self._queued[request_id] = hashes
-        if n > 1:
-            self._samples.add(request_id, n)
+        # A Ctrl-C in the replica's add_request stops it (the id aborted there); anywhere
+        # else it waits until the request is counted (cut before, it ran there untracked).
+        with holding_interrupts(passes_on=self._checked.user_code):
+            self._checked.add_request(
+                replica, prompt, sampling_params, request_id, cache_salt, n, ours
+            )
+            if generated:  # only once queued: a refused request leaves later ids as they were
+                self._serials.take(serial)
+            self._routes.remember(hashes, replica)
+            self._outstanding[replica] += n
+            self._replica_of[request_id] = replica
+            self._queued[request_id] = hashes
+            if n > 1:
+                self._samples.add(request_id, n)
         return request_id
 
     def queue_checkpoint(self) -> Callable[[], None]:

@@ -1,0 +1,66 @@
+"""A Ctrl-C at any line of PrefixAwareRouter.add_request: the request is queued on its
+replica and counted by the router, or neither; the run goes on to no outstanding
+sequence. In the replica's own add_request it still stops the call at once."""
+
+from __future__ import annotations
+
+import pathlib
+import signal
+
+import pytest
+
+from jaxkv import SamplingParams
+from tests.host._line_interrupts import PACKAGE, LineInterrupts
+from tests.sharding._router_util import BLOCK, FakeReplica, make_router
+
+PROMPT = [1] * BLOCK + [2, 3]
+# jaxkv's modules but closable.py, whose finally resets the running method's name with no
+# call before it (Python handles a signal at a call, never there; a tracer's line can).
+FILES = {p.name for p in pathlib.Path(PACKAGE).glob("*.py")} - {"closable.py"}
+
+
+def test_a_ctrl_c_at_any_line_of_add_request_routes_the_request_whole_or_not_at_all():
+    # Cut after the replica had queued it, the router did not hold the request (its
+    # outputs dropped, its id unabortable), or counted it without holding it: the replica
+    # kept an outstanding sequence for good, and routed later requests away from it.
+    at = 0
+    while True:
+        at += 1
+        router, replicas = make_router(2)
+        router.add_request([5] * BLOCK, request_id="first")
+        lines = LineInterrupts(at, FILES)
+        try:
+            with lines:
+                router.add_request(PROMPT, SamplingParams(max_tokens=2), request_id="x")
+        except KeyboardInterrupt:
+            pass
+        routed = "x" in router._replica_of
+        on_replicas = [r.index for r in replicas if "x" in r.running]
+        assert on_replicas == ([router.replica_of("x")] if routed else []), lines.fired
+        assert sum(router.num_outstanding) == 1 + routed, lines.fired
+        while router.has_unfinished_requests():
+            router.step()
+        assert router.num_outstanding == (0, 0), lines.fired
+        if lines.fired is None:
+            break
+    assert at > 30  # add_request's code was tried throughout
+
+
+class _Interrupted(FakeReplica):
+    """Its add_request receives a Ctrl-C once it has queued the request."""
+
+    def add_request(self, *args, **kwargs):
+        queued = super().add_request(*args, **kwargs)
+        signal.raise_signal(signal.SIGINT)
+        self.ran_on = True  # a held Ctrl-C let it finish
+        return queued
+
+
+def test_a_ctrl_c_in_a_replicas_add_request_stops_it_and_aborts_the_request_there():
+    replica = _Interrupted(0)
+    router, _ = make_router(1)
+    router = type(router)([replica], block_size=BLOCK)
+    with pytest.raises(KeyboardInterrupt):
+        router.add_request(PROMPT, request_id="x")
+    assert not hasattr(replica, "ran_on") and "x" not in replica.running
+    assert router.num_outstanding == (0,) and not router.has_unfinished_requests()
