@@ -241,8 +241,8 @@ class Engine(Closable):
         fails to start) propagates before the model runs, the batch handed back the same
         way; a HostOffloadConnector first drops the blocks that load was to read, so the
         next step computes them. A batch an interrupt kept from being applied or handed back
-        (a Ctrl-C as schedule() returned) is handed back by the next step; a Ctrl-C after
-        the model ran (but in the tokenizer) is raised once the step's bookkeeping is done.
+        (a Ctrl-C as schedule() returned) is handed back by the next step; a Ctrl-C once
+        the update began (but in the tokenizer) is raised when the step's bookkeeping ends.
         A program that fails after the caches were donated to it loses them: see
         jaxkv.engine_lifetime (the engine must be rebuilt; its error notes it).
         """

@@ -164,7 +164,9 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         replica raises, or returns another id (ValueError naming the replica and both ids,
         the router unchanged), the id is aborted on it first, in case it was queued there,
         and so is the str id it returned, unless one of the router's requests or running
-        samples on that replica has it (left running: the answer is the replica's error)."""
+        samples on that replica has it (left running: the answer is the replica's error).
+        A Ctrl-C in the replica's add_request is such an error; anywhere else once the
+        replica queued the request, it is raised when the router counts the request."""
         if request_id is not None and not (is_id_text(request_id) and request_id):
             # abort() and close() take only str ids: a replica that queued an int id would
             # leave a request the router can never abort, and a close() that always raises.
