@@ -102,8 +102,7 @@ class Engine(Closable):
         )
         self.connector = connector if connector is not None else KVConnector()
         self.scheduler = Scheduler(sc, self.manager, self.connector)
-        self.scheduler.detokenizer = detokenizer
-        self.tokenizer = tokenizer
+        self.tokenizer, self.scheduler.detokenizer = tokenizer, detokenizer
         self._token_texts = None if tokenizer is None else TokenTexts(tokenizer.decode)
         self.buckets = config.buckets
         self._sampling = SamplingRows(min(config.max_logprobs, self.vocab_size), mc.eos_token_ids)
@@ -190,13 +189,14 @@ class Engine(Closable):
         one was, False if each is unknown or finished. Raises ValueError, cancelling none,
         unless each id is a str encodable as UTF-8 (as the ids add_request returns are).
 
-        No RequestOutput follows for it: step() reports only requests that got a token.
-        """
+        No RequestOutput follows for it: step() reports only requests that got a token. A
+        Ctrl-C is raised once each is cancelled, its sampling row and samples forgotten."""
         self._check_not_running()
         aborted = False
-        for request_id in checked_request_ids(request_ids):
-            for rid in self._samples.ids_to_abort(request_id):
-                aborted = self._samples.abort(self.scheduler, self._sampling, rid) or aborted
+        with holding_interrupts():  # cut, it kept rows and samples of requests it ended
+            for request_id in checked_request_ids(request_ids):
+                for rid in self._samples.ids_to_abort(request_id):
+                    aborted = self._samples.abort(self.scheduler, self._sampling, rid) or aborted
         return aborted
 
     def has_unfinished_requests(self) -> bool:

@@ -20,6 +20,8 @@ signals, which may be any call. These places may not be cut there:
 - Engine.add_request: cut between queueing a request's samples and recording them as
   its own, it left the request's id in use for good; before its serial was taken, the
   next request got the same default seed;
+- Engine.abort: cut after the scheduler released a request, it kept the request's
+  sampling row and samples (its id in use for good); between two samples, one ran on;
 - PrefixAwareRouter.add_request once its replica queued the request: cut there, the
   request ran untracked (its outputs dropped, its id unabortable) or was counted as
   outstanding for good;
