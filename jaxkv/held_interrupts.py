@@ -24,7 +24,8 @@ signals, which may be any call. These places may not be cut there:
   sampling row and samples (its id in use for good); between two samples, one ran on;
 - PrefixAwareRouter.add_request once its replica queued the request: cut there, the
   request ran untracked (its outputs dropped, its id unabortable) or was counted as
-  outstanding for good;
+  outstanding for good; and its abort, cut after a replica's abort: the request counted
+  for good, its replica idle;
 - Engine.step from its update to its end: cut in the closing bookkeeping, finished
   requests kept their sampling rows (under n > 1 their parent's id, in use for good);
 - a KV connector's on_finish that started a save: raised before the scheduler held the

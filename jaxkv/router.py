@@ -246,12 +246,14 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         to deliver (it finished inside a replica step() that raised, its output lost with
         it), is released here too, and False returned. Outputs a failed step() kept for a
         sequence released here are dropped: they must not reach a later request of its id.
-        A replica's abort answering no bool is read by its truth (none: False), logged."""
+        A replica's abort answering no bool is read by its truth (none: False), logged.
+        A Ctrl-C (in a replica's abort too) is raised once every id is aborted."""
         request_ids = checked_request_ids(request_ids)
         if self._closed:  # it holds no request: a cleanup after close asks no replica
             return False
         closed = closed_replicas(self.replicas)
-        return any(try_each(lambda r: self._abort_one(r, closed), request_ids, "abort"))
+        with holding_interrupts():  # cut after a replica's abort, it kept the request counted
+            return any(try_each(lambda r: self._abort_one(r, closed), request_ids, "abort"))
 
     def _owner(self, request_id: str) -> tuple[str, tuple[str, int] | None]:
         """(the request `request_id` names, the running sample (parent, index) it names or

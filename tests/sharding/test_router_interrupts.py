@@ -1,6 +1,7 @@
-"""A Ctrl-C at any line of PrefixAwareRouter.add_request: the request is queued on its
-replica and counted by the router, or neither; the run goes on to no outstanding
-sequence. In the replica's own add_request it still stops the call at once."""
+"""A Ctrl-C at any line of PrefixAwareRouter.add_request or abort: the request is queued
+on its replica and counted by the router, or neither; aborted there and released by the
+router, or neither; the run goes on to no outstanding sequence. In the replica's own
+add_request it still stops the call at once."""
 
 from __future__ import annotations
 
@@ -64,3 +65,30 @@ def test_a_ctrl_c_in_a_replicas_add_request_stops_it_and_aborts_the_request_ther
         router.add_request(PROMPT, request_id="x")
     assert not hasattr(replica, "ran_on") and "x" not in replica.running
     assert router.num_outstanding == (0,) and not router.has_unfinished_requests()
+
+
+def test_a_ctrl_c_at_any_line_of_abort_releases_each_request_it_aborted():
+    # Cut after the replica had aborted a request, the router still counted it: with its
+    # replica idle the run ended, the request held and its sequence outstanding for good.
+    at = 0
+    while True:
+        at += 1
+        router, replicas = make_router(2)
+        for rid, token in (("x", 1), ("y", 5)):
+            router.add_request([token] * BLOCK + [2], SamplingParams(max_tokens=3), request_id=rid)
+        router.step()
+        lines = LineInterrupts(at, FILES)
+        try:
+            with lines:
+                router.abort(["x", "y"])
+        except KeyboardInterrupt:
+            pass
+        for rid in ("x", "y"):
+            held = rid in router._replica_of
+            assert held == any(rid in r.running for r in replicas), (rid, lines.fired)
+        while router.has_unfinished_requests():
+            router.step()
+        assert router.num_outstanding == (0, 0) and not router._replica_of, lines.fired
+        if lines.fired is None:
+            break
+    assert at > 30  # abort's code was tried throughout
