@@ -24,8 +24,8 @@ signals, which may be any call. These places may not be cut there:
   sampling row and samples (its id in use for good); between two samples, one ran on;
 - PrefixAwareRouter.add_request once its replica queued the request: cut there, the
   request ran untracked (its outputs dropped, its id unabortable) or was counted as
-  outstanding for good; and its abort, cut after a replica's abort: the request counted
-  for good, its replica idle;
+  outstanding for good; its abort, cut after a replica's abort, and its step, cut as
+  it released the finished requests: those counted for good, their replica idle;
 - Engine.step from its update to its end: cut in the closing bookkeeping, finished
   requests kept their sampling rows (under n > 1 their parent's id, in use for good);
 - a KV connector's on_finish that started a save: raised before the scheduler held the
@@ -36,7 +36,8 @@ handler that was installed) on leaving the block. A held block that calls user c
 marks the call with a UserCode, so that a Ctrl-C still stops it at once, where an
 interrupt out of it leaves nothing to track: a tokenizer, a KV connector's
 on_admission and start_load (whose interrupt means that no load started), and a
-router's replica's add_request (whose interrupt aborts the request there).
+router's replica's add_request (whose interrupt aborts the request there) and step
+(whose interrupt is that replica's step failing).
 """
 
 from __future__ import annotations

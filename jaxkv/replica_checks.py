@@ -60,7 +60,7 @@ class CheckedReplicas:
         held: Container[str],
     ) -> None:
         self._replicas, self._is_parent, self._held = replicas, is_parent, held
-        self.user_code = UserCode()  # set around a replica's add_request (held_interrupts)
+        self.user_code = UserCode()  # set around a replica's add_request and step
         self._running: list[set[str | tuple[str, int]]] = [set() for _ in replicas]
 
     def unfinished(self, index: int) -> bool:
@@ -244,7 +244,7 @@ class CheckedReplicas:
         change nothing. Otherwise appends the outputs that pass, and raises ValueError
         naming the first that does not."""
         replica = self._replicas[index]
-        result = replica.step()
+        result = self.user_code.call(replica.step)
         if type(result) is list and self._fits(index, result):
             outputs.extend(result)
             return

@@ -192,12 +192,9 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         hashes = self._routes.hashes(prompt, cache_salt)
         replica = self._route(hashes).replica
         ours = partial(self._runs_on, replica)  # ids a wrong answer there must not abort
-        # A Ctrl-C in the replica's add_request stops it (the id aborted there); anywhere
-        # else it waits until the request is counted (cut before, it ran there untracked).
-        with holding_interrupts(passes_on=self._checked.user_code):
-            self._checked.add_request(
-                replica, prompt, sampling_params, request_id, cache_salt, n, ours
-            )
+        with holding_interrupts(passes_on=self._checked.user_code):  # see the docstring
+            args = (prompt, sampling_params, request_id, cache_salt, n, ours)
+            self._checked.add_request(replica, *args)
             if generated:  # only once queued: a refused request leaves later ids as they were
                 self._serials.take(serial)
             self._routes.remember(hashes, replica)
@@ -300,23 +297,26 @@ class PrefixAwareRouter(RoutingRule, RequestEnds, Closable):
         output of a request it sent another replica, or of one that finished; see
         jaxkv.replica.Replica) counts as one that raised: ValueError naming it, its
         outputs that pass kept with those before it, the others dropped. Outputs of
-        requests the router does not hold (added to a replica directly) are dropped.
+        requests the router does not hold (added to a replica directly) are dropped. A
+        Ctrl-C in a replica's step is an error it raised; anywhere else it is raised once
+        the finished requests are released (cut before, they stayed counted for good).
         """
-        closed = closed_replicas(self.replicas)  # ValueError naming one: nothing done yet
-        self._release_on(closed)  # before the kept outputs are taken: theirs end them
-        outputs, self._undelivered = self._undelivered, []
         checked, index = self._checked, None
-        try:
-            for index in self._indices:
-                if index not in closed and (checked.unfinished(index) or checked.pending(index)):
-                    checked.step(outputs, index)
-        except BaseException as error:
-            self._undelivered = outputs
-            checked.ended_in(outputs, self._replica_of)
-            if index is not None:  # None: interrupted before the first replica's turn
-                self._release_if_idle(index, error)
-            raise
-        return self._finished_from(outputs)
+        with holding_interrupts(passes_on=checked.user_code):
+            closed = closed_replicas(self.replicas)  # ValueError naming one: nothing done yet
+            self._release_on(closed)  # before the kept outputs are taken: theirs end them
+            outputs, self._undelivered = self._undelivered, []
+            try:
+                for index in (i for i in self._indices if i not in closed):
+                    if checked.unfinished(index) or checked.pending(index):
+                        checked.step(outputs, index)
+            except BaseException as error:
+                self._undelivered = outputs
+                checked.ended_in(outputs, self._replica_of)
+                if index is not None:  # None: interrupted before the first replica's turn
+                    self._release_if_idle(index, error)
+                raise
+            return self._finished_from(outputs)
 
     def has_pending_transfers(self) -> bool:
         """True while an open replica's finished requests hold blocks for KV copies in

@@ -92,3 +92,32 @@ def test_a_ctrl_c_at_any_line_of_abort_releases_each_request_it_aborted():
         if lines.fired is None:
             break
     assert at > 30  # abort's code was tried throughout
+
+
+@pytest.mark.parametrize("steps_before", [0, 1, 2])
+def test_a_ctrl_c_at_any_line_of_step_leaves_no_finished_request_counted(steps_before):
+    # Cut in the release of the step's finished requests, the router kept counting them:
+    # their replica idle, the run ended with them held and outstanding for good.
+    at = 0
+    while True:
+        at += 1
+        router, _ = make_router(2)
+        for rid, token, max_tokens in (("x", 1, 2), ("y", 5, 1), ("z", 1, 3)):
+            params = SamplingParams(max_tokens=max_tokens)
+            router.add_request([token] * BLOCK + [2], params, request_id=rid)
+        for _ in range(steps_before):
+            router.step()
+        # UserCode.call's flag is set until its finally: a Ctrl-C there is the replica's
+        # step raising, whose requests stay counted until abort() (PrefixAwareRouter.step).
+        lines = LineInterrupts(at, FILES - {"held_interrupts.py"})
+        try:
+            with lines:
+                router.step()
+        except KeyboardInterrupt:
+            pass
+        while router.has_unfinished_requests():
+            router.step()
+        assert router.num_outstanding == (0, 0) and not router._replica_of, lines.fired
+        if lines.fired is None:
+            break
+    assert at > 30  # step's code was tried throughout
