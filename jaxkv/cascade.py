@@ -147,7 +147,8 @@ class CascadePlanner(PaddedPlans):
         has no group kept over it while two requests may share past it, and up to twice
         more where the groups kept leave a suffix pass as wide as flat's, whose search
         also looks at every run at a column that holds a request needing a group, past
-        its cap of 2 x max_groups runs); repeated id lists
+        its cap of 2 x max_groups runs, and weighs its candidates twice where the groups
+        it keeps first hold not every such request); repeated id lists
         reuse the manager's common prefix (KVCacheManager.num_common_prefix_blocks).
         """
         num_computed_tokens, query_lens = checked_plan_args(

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxkv.cascade_cost import AttentionShape, CascadeCostModel
+from jaxkv.cascade_fold import folded
 
 __all__ = [
     "global_weight",
@@ -75,7 +76,15 @@ def kept_groups(
     (where those holding one are at most max_groups) and the largest candidates holding
     each request needing more than `base` (where they are at most max_groups), the
     heaviest whose groups hold every such request and end at or past their members'
-    need, where one does.
+    need, where one does. Where the set kept then holds not every such request, or does
+    not pay the call, the candidates are weighed again, each free to keep the groups
+    kept among its members but some whose members join its rest at its end instead,
+    within max_groups (cascade_fold.folded), and that set is kept where it holds every
+    such request: under a header, the rest of the four requests in two of three runs
+    beside the third, whose members need a longer group, where two groups are allowed;
+    or a pair under a header in the rest beside the one other request there needing a
+    group, where a deeper group keeps the others. This second look makes one `rest` call
+    more per candidate and group kept inside it, at most.
     """
     if not candidates:
         return []
@@ -87,18 +96,33 @@ def kept_groups(
         key=lambda t: (-t[0], t[1]),
     )
     never = [(-math.inf, int(group[1][0]), group) for group in unpaid]
-    best = _heaviest_nested(weighed + never, weigh, rest, _needed(need, base))
-    if len(best) > max_groups:
-        options = [best[:max_groups], _heaviest_first(weighed, max_groups)]
-        if need is not None:  # those holding every request that must be held, if any
-            must = need > base
-            options.append(_holding_first(best, must, max_groups))
-            options.append(_outermost_holding(weighed, need, base, max_groups))
-            options = [o for o in options if o and _holds(o, need, must)] or options[:2]
-        best = max(options, key=lambda o: sum(t[0] for t in o))  # the first on ties
+    needed = _needed(need, base)
+    best = _heaviest_nested(weighed + never, weigh, rest, needed)
+    best = _within(best, weighed, need, base, max_groups)
+    if needed is not None and not (sum(t[0] for t in best) > call and _holds(best, *needed)):
+        again = _heaviest_nested(weighed + never, weigh, rest, needed, max_groups)
+        again = _within(again, weighed, need, base, max_groups)
+        if _holds(again, *needed):
+            best = again
     if sum(t[0] for t in best) <= call:
         return []
     return [group[:3] for _, _, group in best]
+
+
+def _within(
+    best: list[tuple], weighed: list[tuple], need: np.ndarray | None, base: int, max_groups: int
+) -> list[tuple]:
+    """`best` (_heaviest_nested's) where it holds at most max_groups groups, else the
+    heaviest of kept_groups' options of at most max_groups."""
+    if len(best) <= max_groups:
+        return best
+    options = [best[:max_groups], _heaviest_first(weighed, max_groups)]
+    if need is not None:  # those holding every request that must be held, if any
+        must = need > base
+        options.append(_holding_first(best, must, max_groups))
+        options.append(_outermost_holding(weighed, need, base, max_groups))
+        options = [o for o in options if o and _holds(o, need, must)] or options[:2]
+    return max(options, key=lambda o: sum(t[0] for t in o))  # the first on ties
 
 
 def kept_of_nested(
@@ -215,14 +239,17 @@ def _needed(need: np.ndarray | None, base: int) -> tuple[np.ndarray, np.ndarray]
     return None if need is None else (need, need > base)
 
 
-def _heaviest_nested(weighed: list[tuple], weigh, rest, needed=None) -> list[tuple]:
+def _heaviest_nested(weighed: list[tuple], weigh, rest, needed=None, fold=0) -> list[tuple]:
     """The entries of `weighed` and rest groups (as (weight, first member, candidate))
     of the disjoint set of largest total weight, heaviest first, for candidates that
     nest or are disjoint: from the smallest up, a candidate replaces the groups kept
     among its members when it weighs at least as much as they do together with the rest
     of its members (kept_groups), else that rest joins them where it pays. `needed`:
     (need, must) (_needed): a group whose end falls short of a member's need is never
-    kept, and of the two choices one that holds every `must` member is taken first."""
+    kept, and of the two choices one that holds every `must` member is taken first.
+    `fold` > 0 (with `needed`): a third choice, the groups kept among a candidate's
+    members less those folded into its rest (cascade_fold.folded, at most `fold` groups
+    among them), replaces the other two where it weighs more than the candidate."""
     num_requests = max(int(group[1][-1]) for _, _, group in weighed) + 1
     weight_at = np.zeros(num_requests)  # weight of each kept group, at its first member
     kept_at = np.full(num_requests, -1)  # its index into `entries`, at its first member
@@ -248,6 +275,18 @@ def _heaviest_nested(weighed: list[tuple], weigh, rest, needed=None) -> list[tup
                 alone[np.searchsorted(members, others[2][1])] = False
             if needed[1][members[alone]].any():
                 take = True  # only the candidate holds every member that must be held
+        if fold and together:  # groups kept among the members may join their rest
+            found = folded(entries, kept_at, covered, members, end, weigh, rest, needed, fold)
+            if found is not None and not (weight > 0 and weight >= found[0]):
+                _, firsts, group = found
+                weight_at[firsts], kept_at[firsts] = 0, -1
+                if group is not None:
+                    entries.append((weigh(group), int(group[1][0]), group))
+                    first = entries[-1][1]
+                    weight_at[first], kept_at[first] = entries[-1][0], len(entries) - 1
+                    covered[group[1]] = True
+                continue
+            take = take or found is not None  # the candidate weighs as much as the fold
         if take:
             weight_at[members], kept_at[members], covered[members] = 0, -1, True
             weight_at[members[0]], kept_at[members[0]] = weight, k

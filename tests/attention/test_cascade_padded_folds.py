@@ -1,0 +1,119 @@
+"""Groups from block 0 on a backend whose work follows each pass's padded page width
+(xla), where the groups kept first leave a request whose own pages need a group in none:
+groups kept under a candidate give way to its rest, so that the requests around them
+are held too (more runs under a header than max_groups allows, or one request alone
+beside a pair sharing a little more). The expected plans come from the block ids each
+request holds.
+"""
+
+from __future__ import annotations
+
+from jaxkv import KVCacheManager
+from jaxkv.buckets import least_suffix_starts
+from jaxkv.cascade import CascadePlanner
+from tests.attention.test_cascade_group_choice import _groups, _shared
+from tests.attention.test_cascade_padded_groups import COSTED, PAGE_BUCKETS
+from tests.attention.test_cascade_padded_needs import _batch
+from tests.attention.test_cascade_planner import SHAPE
+
+HEADER = list(range(100, 116))  # 4 blocks of 4
+
+
+def _planned(m, reqs, computed, query_lens, **options):
+    """(level names, groups as _groups gives them or [] for a flat plan, the plan) of
+    CascadePlanner(SHAPE, COSTED, PAGE_BUCKETS, **options) on the batch, checked."""
+    planner = CascadePlanner(SHAPE, cost_model=COSTED, page_buckets=PAGE_BUCKETS, **options)
+    plan = planner.plan([r.request_id for r in reqs], computed, query_lens, m)
+    plan.check()
+    return [lv.name for lv in plan.levels], _groups(plan, reqs) if plan.levels else [], plan
+
+
+def test_runs_past_max_groups_fold_into_the_rest_of_their_header():
+    # Under the header three runs of two: a (9 blocks), b (10; b1 computed 9 of them and
+    # prefills 12 tokens) and c (13). c's contexts reach 15 and 16 pages (flat pads to
+    # 16), and every request's suffix pass needs a group ending at block 3 or later to
+    # pad to 8. With two groups allowed, c's and the four of a and b over the header
+    # hold them all; any two runs leave two requests in none.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    system_a = HEADER + list(range(200, 220))
+    system_b = HEADER + list(range(300, 324))
+    system_c = HEADER + list(range(400, 436))
+    reqs, computed, query_lens = _batch(m, [
+        ("a0", system_a + list(range(10, 18)), 0),
+        ("a1", system_a + [20, 21, 22, 23, 24], 0),
+        ("b0", system_b + [30, 31, 32], 0),
+        ("b1", system_b + list(range(40, 48)), 12),
+        ("c0", system_c + list(range(50, 57)), 0),
+        ("c1", system_c + list(range(60, 69)), 0),
+    ])  # fmt: skip
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids) == 4 and _shared(m, ids[:2]) == 9
+    assert _shared(m, ids[2:4]) == 10 and _shared(m, ids[4:]) == 13
+    need = least_suffix_starts(PAGE_BUCKETS, computed, query_lens, 4)
+    assert need.tolist() == [4, 3, 3, 4, 7, 8]
+    names, groups, _ = _planned(m, reqs, computed, query_lens, max_groups=8)
+    assert (names, groups) == (
+        ["groups"], [(ids[:2], 0, 9), (ids[2:4], 0, 9), (ids[4:], 0, 13)]
+    )  # fmt: skip
+    names, groups, plan = _planned(m, reqs, computed, query_lens, max_groups=2)
+    assert (names, groups) == (["groups"], [(ids[:4], 0, 4), (ids[4:], 0, 13)])
+    assert plan.suffix_start_blocks.tolist() == [4, 4, 4, 4, 13, 13]
+
+
+def test_a_pair_folds_into_the_rest_beside_a_request_that_needs_a_group():
+    # Under the header: "long" alone (20 pages, flat pads to 32), the pair x0, x1 sharing
+    # 3 blocks more (x1 has computed 5 blocks and prefills 13 tokens), and y0, y1 sharing
+    # 16 (19 and 20 pages). long, y0 and y1 need a group ending at block 4 or later to
+    # pad to 16; "fresh" has computed nothing (so no global level). The five over the
+    # header alone do not pay the level's call; y's group beside x's leaves long in
+    # none. y's beside long with x0, x1 over the header holds all three and pays.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    system_x = HEADER + list(range(200, 212))
+    system_y = HEADER + list(range(300, 348))
+    reqs, computed, query_lens = _batch(m, [
+        ("fresh", HEADER + list(range(400, 420)), 36),
+        ("long", HEADER + list(range(500, 560)), 0),
+        ("x0", system_x + list(range(10, 20)), 0),
+        ("x1", system_x + [20, 21, 22, 23, 24], 13),
+        ("y0", system_y + list(range(30, 40)), 0),
+        ("y1", system_y + list(range(40, 53)), 0),
+    ])  # fmt: skip
+    ids = [r.request_id for r in reqs]
+    assert computed.tolist() == [0, 76, 38, 20, 74, 77]
+    assert _shared(m, ids) == 4 and _shared(m, ids[2:4]) == 7 and _shared(m, ids[4:]) == 16
+    need = least_suffix_starts(PAGE_BUCKETS, computed, query_lens, 4)
+    assert need.tolist() == [0, 4, 0, 0, 3, 4]
+    names, groups, plan = _planned(m, reqs, computed, query_lens)
+    assert (names, groups) == (["groups"], [(ids[1:4], 0, 4), (ids[4:], 0, 16)])
+    assert plan.suffix_start_blocks.tolist() == [4, 4, 4, 16, 16, 0]
+
+
+def test_a_pair_folds_into_the_rest_of_a_header_whose_group_ends_short_of_a_need():
+    # Under a 3-block header: "solo" alone (43 tokens computed, 11 pages), s0, s1 sharing
+    # 7 blocks, and l0..l3 sharing 10 (l2 computed 6 and prefills 18). Flat pads to 16;
+    # to pad to 8 every request needs a group, l1 one ending at block 5 or later, so the
+    # seven over the header is no group. l0..l3 over 6 blocks, and the header's rest:
+    # solo beside s0, s1 rather than s0, s1 over 7 blocks (which leaves solo in none).
+    m = KVCacheManager(256, 4, max_model_len=128)
+    header = list(range(100, 112))
+    system_l = header + list(range(200, 228))
+    system_s = header + list(range(300, 316))
+    reqs, computed, query_lens = _batch(m, [
+        ("l0", system_l + list(range(10, 15)), 0),
+        ("l1", system_l + list(range(20, 30)), 0),
+        ("s0", system_s + list(range(30, 35)), 0),
+        ("solo", header + list(range(400, 431)), 0),
+        ("l2", system_l + [40, 41], 18),
+        ("l3", system_l + [50, 51], 2),
+        ("s1", system_s + list(range(60, 66)), 0),
+    ])  # fmt: skip
+    ids = [r.request_id for r in reqs]
+    assert computed.tolist() == [45, 50, 33, 43, 24, 40, 34]
+    assert _shared(m, ids) == 3 and _shared(m, [ids[2], ids[6]]) == 7
+    assert _shared(m, [ids[0], ids[1], ids[4], ids[5]]) == 10
+    need = least_suffix_starts(PAGE_BUCKETS, computed, query_lens, 4)
+    assert need.tolist() == [4, 5, 1, 3, 3, 3, 1]
+    names, groups, plan = _planned(m, reqs, computed, query_lens)
+    want = [([ids[0], ids[1], ids[4], ids[5]], 0, 6), ([ids[2], ids[3], ids[6]], 0, 3)]
+    assert (names, groups) == (["groups"], want)
+    assert plan.suffix_start_blocks.tolist() == [6, 6, 6, 6, 3, 3, 3]
