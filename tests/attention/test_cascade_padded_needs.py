@@ -3,7 +3,8 @@ each pass's padded page width (xla), where the groups a plan weighs first leave 
 request in none: a lighter group kept beside them is kept in their place within
 max_groups, a group ending short of a member's need is no such holder, a run past the
 search's cap on runs is searched where it holds such a request, and a global level whose
-suffix passes pad as wide as flat's gives way to groups from block 0 that pay alone.
+suffix passes pad as wide as flat's, alone or with the groups past it, gives way to
+groups from block 0 that pay alone.
 The expected plans come from the block ids each request holds.
 """
 
@@ -12,10 +13,16 @@ from __future__ import annotations
 import numpy as np
 
 from jaxkv import KVCacheManager
-from jaxkv.buckets import least_suffix_starts
+from jaxkv.buckets import least_suffix_starts, pads_fewer_pages
+from jaxkv.cascade_together import level_weight
 from tests.attention.test_cascade_group_choice import _shared
-from tests.attention.test_cascade_padded_groups import PAGE_BUCKETS, _planned
-from tests.attention.test_cascade_planner import _decoding, _prefilled
+from tests.attention.test_cascade_padded_groups import (
+    COSTED,
+    PAGE_BUCKETS,
+    _planned,
+    _starts_by_request,
+)
+from tests.attention.test_cascade_planner import SHAPE, _decoding, _prefilled
 
 HEADER = list(range(100, 112))  # 3 blocks of 4
 
@@ -118,3 +125,42 @@ def test_a_run_past_the_cap_on_runs_is_searched_where_it_holds_a_request_that_ne
     assert need.tolist() == [5, 4, 0, 0, 0, 0, 0, 0]
     names, groups, _ = _planned(m, reqs, computed, query_lens, PAGE_BUCKETS, max_groups=1)
     assert (names, groups) == (["groups"], [(ids[:2], 0, 19)])
+
+
+def test_groups_from_block_0_replace_a_global_level_whose_groups_pad_as_wide_as_flat():
+    # All eight share a 7-block header, which pays a global level; system A (4 blocks
+    # more) holds a0..a3, system B (14 more) b0..b3, of which b3 has computed 8 blocks
+    # and prefills 63 tokens. b0 reaches 24 pages (flat pads to 32): b0 and b3 need a
+    # group ending at block 8 or later, b1 at 7 and b2 at 6. Past the header the groups
+    # that pay leave b3 in none (it has computed 1 block past it), and none holding b3
+    # pays there. From block 0 a0..a3 over 11 blocks and b0..b3 over the 8 that b3 has
+    # computed hold them all and pay.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    header = list(range(100, 128))
+    system_a = header + list(range(200, 216))
+    system_b = header + list(range(300, 356))
+    reqs, computed, query_lens = _batch(m, [
+        ("a0", system_a + list(range(10, 21)), 0),
+        ("b0", system_b + list(range(30, 40)), 0),
+        ("a1", system_a + [50, 51, 52, 53], 0),
+        ("b1", system_b + list(range(60, 68)), 8),
+        ("b2", system_b + [70], 0),
+        ("a2", system_a + [80, 81], 0),
+        ("b3", system_b + list(range(90, 101)), 63),
+        ("a3", system_a + [110, 111, 112], 0),
+    ])  # fmt: skip
+    ids = [r.request_id for r in reqs]
+    a, b = [0, 2, 5, 7], [1, 3, 4, 6]
+    assert computed.tolist() == [55, 94, 48, 84, 85, 46, 32, 47]
+    assert _shared(m, ids) == 7
+    assert _shared(m, [ids[i] for i in a]) == 11 and _shared(m, [ids[i] for i in b]) == 21
+    need = least_suffix_starts(PAGE_BUCKETS, computed, query_lens, 4)
+    assert need.tolist() == [0, 8, 0, 7, 6, 0, 8, 0]
+    assert not pads_fewer_pages(PAGE_BUCKETS, computed, query_lens, 7, 4)
+    groups = [(np.array(a), 11), (np.array(b), 8)]
+    assert level_weight(COSTED, SHAPE, groups, 0, 4, query_lens) > 0
+    names, groups, plan = _planned(m, reqs, computed, query_lens, PAGE_BUCKETS, max_groups=2)
+    assert (names, groups) == (
+        ["groups"], [([ids[i] for i in a], 0, 11), ([ids[i] for i in b], 0, 8)]
+    )  # fmt: skip
+    assert _starts_by_request(plan) == {0: 11, 1: 8, 2: 11, 3: 8, 4: 8, 5: 11, 6: 8, 7: 11}
