@@ -3,11 +3,12 @@ drawn so that suffix passes often pad as wide as flat attention's: prompts of 2-
 blocks past a header, decodes and prefill chunks (some after fewer computed tokens
 than they hold), holders outside the batch.
 
-Every plan, with 1, 2 and 8 groups allowed, must pass serving_sim.check_plan and pad
-its suffix passes to fewer pages than flat's; and none may be flat where a plan of a
-global level alone, or of one group from block 0 of any requests holding the same
-blocks, pads fewer and pays (by the cost model's own weights). The seeds reach the
-planner's retries that hold the requests whose pages need a group.
+Every plan, with 1, 2 and 8 groups allowed, must pass serving_sim.check_plan, keep at
+most that many groups in a level and pad its suffix passes to fewer pages than flat's;
+and none may be flat where a plan of a global level alone, or of one group from block 0
+of any requests holding the same blocks, pads fewer and pays (by the cost model's own
+weights). The seeds reach the planner's retries that hold the requests whose pages need
+a group.
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ def test_padded_plans_are_exact_pad_fewer_pages_and_are_flat_only_where_nothing_
             )
             plan = planner.plan(ids, computed, query_lens, m)
             sim.check_plan(m, out, plan)
+            assert all(level.num_groups <= max_groups for level in plan.levels), seed
             if plan.levels:
                 cascades += 1
                 starts = np.empty(len(ids), np.int64)
