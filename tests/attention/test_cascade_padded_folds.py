@@ -2,8 +2,8 @@
 (xla), where the groups kept first leave a request whose own pages need a group in none:
 groups kept under a candidate give way to its rest, so that the requests around them
 are held too (more runs under a header than max_groups allows, or one request alone
-beside a pair sharing a little more). The expected plans come from the block ids each
-request holds.
+beside a pair sharing a little more), but never a group whose members need more blocks
+than that rest's. The expected plans come from the block ids each request holds.
 """
 
 from __future__ import annotations
@@ -117,3 +117,35 @@ def test_a_pair_folds_into_the_rest_of_a_header_whose_group_ends_short_of_a_need
     want = [([ids[0], ids[1], ids[4], ids[5]], 0, 6), ([ids[2], ids[3], ids[6]], 0, 3)]
     assert (names, groups) == (["groups"], want)
     assert plan.suffix_start_blocks.tolist() == [6, 6, 6, 6, 3, 3, 3]
+
+
+def test_a_group_short_of_its_own_need_is_not_folded_into_a_shorter_rest():
+    # Under the header: x0..x4 share 10 blocks more (x2 has computed 2 blocks and
+    # prefills 54 tokens), y0, y1 share 17 more (y0 reaches 24 pages, flat pads to 32),
+    # and "own" (4 blocks computed, prefilling 58) shares only the header. y0 and y1 need
+    # a group ending at block 8 or later, "own" one at block 3. x's group beside y's
+    # leaves "own" in none; folding x's into the header's rest beside "own" holds it, but
+    # y's group needs 8 blocks: it is no group to fold into a rest over 4.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    system_x = HEADER + list(range(200, 240))
+    system_y = HEADER + list(range(300, 368))
+    reqs, computed, query_lens = _batch(m, [
+        ("x0", system_x + list(range(10, 22)), 0),
+        ("x1", system_x + [22, 23, 24], 0),
+        ("x2", system_x + list(range(30, 36)), 54),
+        ("x3", system_x + list(range(40, 48)), 0),
+        ("y0", system_y + list(range(50, 58)), 0),
+        ("y1", system_y + list(range(60, 68)), 8),
+        ("own", HEADER + list(range(400, 458)), 58),
+        ("x4", system_x + list(range(70, 81)), 0),
+    ])  # fmt: skip
+    ids = [r.request_id for r in reqs]
+    assert computed.tolist() == [68, 59, 8, 64, 92, 84, 16, 67]
+    assert _shared(m, ids) == 4 and _shared(m, ids[4:6]) == 21
+    assert _shared(m, [ids[i] for i in (0, 1, 2, 3, 7)]) == 14
+    need = least_suffix_starts(PAGE_BUCKETS, computed, query_lens, 4)
+    assert need.tolist() == [2, 0, 0, 1, 8, 7, 3, 1]
+    names, groups, plan = _planned(m, reqs, computed, query_lens, max_groups=2)
+    header_group = [ids[i] for i in (0, 1, 3, 6, 7)]
+    assert (names, groups) == (["groups"], [(header_group, 0, 4), (ids[4:6], 0, 21)])
+    assert plan.suffix_start_blocks.tolist() == [4, 4, 4, 4, 4, 21, 21, 0]
