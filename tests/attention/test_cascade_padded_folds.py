@@ -149,3 +149,36 @@ def test_a_group_short_of_its_own_need_is_not_folded_into_a_shorter_rest():
     header_group = [ids[i] for i in (0, 1, 3, 6, 7)]
     assert (names, groups) == (["groups"], [(header_group, 0, 4), (ids[4:6], 0, 21)])
     assert plan.suffix_start_blocks.tolist() == [4, 4, 4, 4, 4, 21, 21, 0]
+
+
+def test_the_rest_a_fold_makes_holds_its_members_for_the_candidates_around_it():
+    # Under a 7-block header: x0..x2 share 6 blocks more, y0..y3 share 13 more, of which
+    # y0 and y1 have computed 6 and 7 blocks (prefilling 59 and 57 tokens); y2 and y3
+    # reach 23 pages (flat pads to 32). y0, y1, y2 and y3 need a group ending at block
+    # 5, 6, 7 and 7 or later. x's group over 13 beside y2, y3's over 20 leaves y0 and y1
+    # in none; folding x's group into the rest over 6 blocks, beside y0 and y1, holds
+    # them all. The rest a fold keeps counts its members as held for the candidates
+    # weighed after it.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    header = list(range(100, 128))
+    system_x = header + list(range(200, 224))
+    system_y = header + list(range(300, 352))
+    reqs, computed, query_lens = _batch(m, [
+        ("x0", system_x + [10, 11, 12, 13, 14], 0),
+        ("y0", system_y + [20, 21, 22], 59),
+        ("y1", system_y + list(range(30, 35)), 57),
+        ("x1", system_x + list(range(40, 46)), 6),
+        ("y2", system_y + list(range(50, 59)), 9),
+        ("x2", system_x + list(range(60, 70)), 0),
+        ("y3", system_y + list(range(70, 80)), 0),
+    ])  # fmt: skip
+    ids = [r.request_id for r in reqs]
+    assert computed.tolist() == [57, 24, 28, 52, 80, 62, 90]
+    assert _shared(m, ids) == 7 and _shared(m, [ids[0], ids[3], ids[5]]) == 13
+    assert _shared(m, [ids[1], ids[2], ids[4], ids[6]]) == 20
+    need = least_suffix_starts(PAGE_BUCKETS, computed, query_lens, 4)
+    assert need.tolist() == [0, 5, 6, 0, 7, 0, 7]
+    names, groups, plan = _planned(m, reqs, computed, query_lens, max_groups=2)
+    want = [([ids[i] for i in (0, 1, 2, 3, 5)], 0, 6), ([ids[4], ids[6]], 0, 20)]
+    assert (names, groups) == (["groups"], want)
+    assert plan.suffix_start_blocks.tolist() == [6, 6, 6, 6, 6, 20, 20]
