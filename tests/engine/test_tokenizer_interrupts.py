@@ -2,9 +2,12 @@
 calls for stop strings, streamed text and finished text: the step's outputs are lost, but
 the engine keeps serving: a request marked finished leaves the running queue with its
 blocks, a running one keeps its tokens (one after it in the batch computes its tokens
-again, and the metrics count both runs), and nothing stays in use or allocated."""
+again, and the metrics count both runs), and nothing stays in use or allocated. A Ctrl-C
+(SIGINT) there stops the tokenizer at once, although the step holds one around it."""
 
 from __future__ import annotations
+
+import signal
 
 import pytest
 
@@ -27,6 +30,22 @@ class _InterruptOnce(ByteTokenizer):
         if self.after is not None and self.calls >= self.after:
             self.after = None
             raise KeyboardInterrupt
+        return super().decode(ids)
+
+
+class _CtrlCOnce(ByteTokenizer):
+    """Raises SIGINT (as a Ctrl-C would) in its `after`-th decode call, once; `ran_on`
+    says whether that call went on past it."""
+
+    def __init__(self) -> None:
+        self.calls, self.after, self.ran_on = 0, None, False
+
+    def decode(self, ids):
+        self.calls += 1
+        if self.after is not None and self.calls >= self.after:
+            self.after = None
+            signal.raise_signal(signal.SIGINT)
+            self.ran_on = True
         return super().decode(ids)
 
 
@@ -173,4 +192,18 @@ def test_tokens_an_interrupt_leaves_to_compute_again_count_each_time_they_run():
     assert m.num_prompt_tokens == 3 * len(PROMPT) and m.num_generated_tokens == 4
     decoded = stats.num_decode_tokens_computed
     assert sum(s.num_tokens for s in steps) == m.num_prompt_tokens + decoded
+    assert_all_blocks_free(engine)
+
+
+def test_a_ctrl_c_in_the_tokenizer_stops_it_at_once_inside_the_step():
+    # Engine.step holds a Ctrl-C from the update on, but not in the tokenizer the update
+    # calls: that one is raised there, as it would be outside any hold.
+    tokenizer = _CtrlCOnce()
+    engine = Engine(tiny_model(), None, engine_config(), tokenizer=tokenizer)
+    tokenizer.after = tokenizer.calls + 1
+    params = SamplingParams(max_tokens=4, stream_text=True)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([PROMPT], params, progress=False)
+    assert tokenizer.calls > 0 and not tokenizer.ran_on
+    assert not engine.has_unfinished_requests()
     assert_all_blocks_free(engine)
