@@ -1,7 +1,7 @@
 """A Ctrl-C at any line of PrefixAwareRouter.add_request or abort: the request is queued
 on its replica and counted by the router, or neither; aborted there and released by the
 router, or neither; the run goes on to no outstanding sequence. In the replica's own
-add_request it still stops the call at once."""
+add_request or step it still stops the call at once."""
 
 from __future__ import annotations
 
@@ -65,6 +65,25 @@ def test_a_ctrl_c_in_a_replicas_add_request_stops_it_and_aborts_the_request_ther
         router.add_request(PROMPT, request_id="x")
     assert not hasattr(replica, "ran_on") and "x" not in replica.running
     assert router.num_outstanding == (0,) and not router.has_unfinished_requests()
+
+
+class _InterruptedStep(FakeReplica):
+    """Its step receives a Ctrl-C before it returns its outputs."""
+
+    def step(self):
+        outputs = super().step()
+        signal.raise_signal(signal.SIGINT)
+        self.ran_on = True  # a held Ctrl-C let it finish
+        return outputs
+
+
+def test_a_ctrl_c_in_a_replicas_step_stops_it_at_once():
+    replica = _InterruptedStep(0)
+    router = type(make_router(1)[0])([replica], block_size=BLOCK)
+    router.add_request(PROMPT, request_id="x")
+    with pytest.raises(KeyboardInterrupt):
+        router.step()
+    assert not hasattr(replica, "ran_on")
 
 
 def test_a_ctrl_c_at_any_line_of_abort_releases_each_request_it_aborted():
