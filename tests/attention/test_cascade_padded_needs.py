@@ -164,3 +164,41 @@ def test_groups_from_block_0_replace_a_global_level_whose_groups_pad_as_wide_as_
         ["groups"], [([ids[i] for i in a], 0, 11), ([ids[i] for i in b], 0, 8)]
     )  # fmt: skip
     assert _starts_by_request(plan) == {0: 11, 1: 8, 2: 11, 3: 8, 4: 8, 5: 11, 6: 8, 7: 11}
+
+
+def test_a_run_past_the_cap_under_a_group_paying_only_its_merge_is_searched_too():
+    # Under a 2-block header (which p, prefilling 37 tokens, has computed only) four
+    # runs: a0..a3 (a3 leaves a0..a2's 10 blocks at 7), b0..b2 (b1, b2 share 8 blocks),
+    # and l0, l1 sharing 18, of which l1 reaches 22 pages (flat pads to 32) and needs a
+    # group ending at block 6 or later, l0 at 3. The whole batch over the header pays no
+    # call of its own; with one group allowed only its two largest runs are searched
+    # under it, and l0, l1's must be searched too: their group is the one that holds
+    # every request whose pages need one.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    header = list(range(100, 108))
+    system_a = header + list(range(200, 220))
+    sub_a = system_a + list(range(220, 232))
+    system_b = header + list(range(300, 304))
+    sub_b = system_b + list(range(304, 324))
+    system_l = header + list(range(400, 464))
+    reqs, computed, query_lens = _batch(m, [
+        ("a0", sub_a + list(range(10, 15)), 0),
+        ("l0", system_l + [20], 0),
+        ("l1", system_l + list(range(30, 42)), 0),
+        ("b0", system_b + list(range(50, 69)), 0),
+        ("a1", sub_a + list(range(70, 75)), 0),
+        ("a3", system_a + list(range(80, 87)), 7),
+        ("b1", sub_b + list(range(90, 96)), 0),
+        ("a2", sub_a + list(range(110, 119)), 0),
+        ("b2", sub_b + list(range(120, 135)), 15),
+        ("p", header + list(range(140, 177)), 37),
+    ])  # fmt: skip
+    ids = [r.request_id for r in reqs]
+    assert computed.tolist() == [45, 73, 84, 31, 45, 28, 38, 49, 32, 8]
+    assert _shared(m, ids) == 2 and _shared(m, ids[1:3]) == 18
+    assert _shared(m, [ids[i] for i in (0, 4, 7)]) == 10 and _shared(m, [ids[6], ids[8]]) == 8
+    need = least_suffix_starts(PAGE_BUCKETS, computed, query_lens, 4)
+    assert need.tolist() == [0, 3, 6, 0, 0, 0, 0, 0, 0, 0]
+    names, groups, plan = _planned(m, reqs, computed, query_lens, PAGE_BUCKETS, max_groups=1)
+    assert (names, groups) == (["groups"], [(ids[1:3], 0, 18)])
+    assert _starts_by_request(plan) == {1: 18, 2: 18} | {i: 0 for i in (0, 3, 4, 5, 6, 7, 8, 9)}
