@@ -182,3 +182,37 @@ def test_the_rest_a_fold_makes_holds_its_members_for_the_candidates_around_it():
     want = [([ids[i] for i in (0, 1, 2, 3, 5)], 0, 6), ([ids[4], ids[6]], 0, 20)]
     assert (names, groups) == (["groups"], want)
     assert plan.suffix_start_blocks.tolist() == [6, 6, 6, 6, 6, 20, 20]
+
+
+def test_a_candidate_weighing_as_much_as_its_fold_is_kept_whole():
+    # Under a 3-block header: s0..s4 share 10 blocks and s0..s3 16, of which s2 has
+    # computed 9 (prefilling 38 tokens); s4 has computed its 10 (prefilling 4). s0 and
+    # s2 need a group ending at block 3 or later, s1 at 2 and s3 at 1. With two groups
+    # allowed s0, s1, s3 over 16 blocks and s2, s4 over 9 hold them; with one, the five
+    # over 9 blocks: the candidate whole, which weighs at least as much as any fold of
+    # the groups inside it into its rest.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    header = list(range(100, 112))
+    system_s = header + list(range(200, 228))
+    sub_s = system_s + list(range(228, 252))
+    reqs, computed, query_lens = _batch(m, [
+        ("s0", sub_s + list(range(10, 18)), 0),
+        ("s1", sub_s + list(range(20, 26)), 6),
+        ("p0", header + list(range(300, 340)), 40),
+        ("s2", sub_s + list(range(30, 40)), 38),
+        ("p1", header + list(range(400, 435)), 0),
+        ("s3", sub_s + [40, 41], 0),
+        ("s4", system_s + [50, 51, 52, 53], 4),
+    ])  # fmt: skip
+    ids = [r.request_id for r in reqs]
+    assert computed.tolist() == [72, 64, 12, 36, 47, 66, 40]
+    assert _shared(m, ids) == 3 and _shared(m, [ids[i] for i in (0, 1, 3, 5)]) == 16
+    assert _shared(m, [ids[i] for i in (0, 1, 3, 5, 6)]) == 10
+    need = least_suffix_starts(PAGE_BUCKETS, computed, query_lens, 4)
+    assert need.tolist() == [3, 2, 0, 3, 0, 1, 0]
+    names, groups, _ = _planned(m, reqs, computed, query_lens, max_groups=2)
+    want = [([ids[0], ids[1], ids[5]], 0, 16), ([ids[3], ids[6]], 0, 9)]
+    assert (names, groups) == (["groups"], want)
+    names, groups, plan = _planned(m, reqs, computed, query_lens, max_groups=1)
+    assert (names, groups) == (["groups"], [([ids[i] for i in (0, 1, 3, 5, 6)], 0, 9)])
+    assert plan.suffix_start_blocks.tolist() == [9, 9, 9, 9, 9, 0, 0]
