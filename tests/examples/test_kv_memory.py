@@ -41,6 +41,34 @@ def test_a_cache_fits_beside_the_weights_up_to_the_devices_memory_and_not_past_i
     assert kv_memory.kv_cache_overflow(config, TINY, "--flag") is None
 
 
+class _Device:
+    """A jax device of `platform` whose memory_stats returns `stats`, or raises it."""
+
+    def __init__(self, platform: str, stats) -> None:
+        self.platform, self._stats = platform, stats
+
+    def memory_stats(self):
+        if isinstance(self._stats, Exception):
+            raise self._stats
+        return self._stats
+
+
+@pytest.mark.parametrize(
+    "stats", [None, {}, NotImplementedError("no statistics"), RuntimeError("no statistics")]
+)
+def test_an_accelerator_without_memory_statistics_is_weighed_against_nothing(monkeypatch, stats):
+    # Its host's memory says nothing of the accelerator's: no refusal rather than one
+    # against the wrong memory.
+    monkeypatch.setattr(kv_memory.jax, "devices", lambda: [_Device("gpu", stats)])
+    assert kv_memory.device_memory_bytes() is None
+
+
+def test_an_accelerators_memory_is_its_allocators_limit(monkeypatch):
+    device = _Device("tpu", {"bytes_limit": 16 << 30, "bytes_in_use": 1 << 30})
+    monkeypatch.setattr(kv_memory.jax, "devices", lambda: [device])
+    assert kv_memory.device_memory_bytes() == 16 << 30
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's arrays lie in host memory")
 def test_on_the_cpu_the_memory_is_the_machines():
     assert kv_memory.device_memory_bytes() == os.sysconf("SC_PAGE_SIZE") * os.sysconf(
