@@ -202,3 +202,32 @@ def test_a_run_past_the_cap_under_a_group_paying_only_its_merge_is_searched_too(
     names, groups, plan = _planned(m, reqs, computed, query_lens, PAGE_BUCKETS, max_groups=1)
     assert (names, groups) == (["groups"], [(ids[1:3], 0, 18)])
     assert _starts_by_request(plan) == {1: 18, 2: 18} | {i: 0 for i in (0, 3, 4, 5, 6, 7, 8, 9)}
+
+
+def test_a_run_past_the_cap_at_block_0_is_searched_where_it_holds_a_request_that_needs_one():
+    # The three runs above with no header: no block is common to the batch, and the
+    # search's first split, at block 0, looks at the two largest runs only, with one
+    # group allowed. l0 and l1 (19 blocks; 21 and 20 pages, flat pads to 32) need a
+    # group ending at block 5 and 4 or later: their run must be searched too.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    system_l = list(range(200, 276))
+    system_b = list(range(300, 344))
+    system_c = list(range(400, 440))
+    reqs, computed, query_lens = _batch(m, [
+        ("l0", system_l + [1, 2, 3, 4, 5], 0),
+        ("l1", system_l + [6, 7, 8], 0),
+        ("b0", system_b + list(range(10, 18)), 0),
+        ("b1", system_b + [20, 21, 22], 0),
+        ("b2", system_b + list(range(30, 39)), 0),
+        ("c0", system_c + [40, 41, 42, 43, 44], 0),
+        ("c1", system_c + list(range(50, 72)), 26),
+        ("c2", system_c + [80, 81, 82, 83, 84], 0),
+    ])  # fmt: skip
+    ids = [r.request_id for r in reqs]
+    assert _shared(m, ids) == 0 and _shared(m, ids[:2]) == 19
+    assert _shared(m, ids[2:5]) == 11 and _shared(m, ids[5:]) == 10
+    need = least_suffix_starts(PAGE_BUCKETS, computed, query_lens, 4)
+    assert need.tolist() == [5, 4, 0, 0, 0, 0, 0, 0]
+    names, groups, plan = _planned(m, reqs, computed, query_lens, PAGE_BUCKETS, max_groups=1)
+    assert (names, groups) == (["groups"], [(ids[:2], 0, 19)])
+    assert plan.suffix_start_blocks.tolist() == [19, 19, 0, 0, 0, 0, 0, 0]
