@@ -76,6 +76,17 @@ def test_on_the_cpu_the_memory_is_the_machines():
     )
 
 
+def test_flat_attentions_gathered_kv_fits_up_to_the_devices_memory_and_not_past_it(monkeypatch):
+    need = 8 * 80 * 1024  # 8 requests of 80 tokens, 1 KiB of K and V a token: 640 KiB
+    monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda: need)
+    assert kv_memory.gathered_kv_overflow(8, 80, 1024) is None
+    monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda: need - 1)
+    message = kv_memory.gathered_kv_overflow(8, 80, 1024)
+    assert message.startswith("8 requests of 80 tokens: flat attention gathers 640.0 KiB")
+    monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda: None)  # unknown: no refusal
+    assert kv_memory.gathered_kv_overflow(8, 80, 1024) is None
+
+
 def test_the_demo_refuses_a_batch_whose_flat_attention_cannot_fit_in_memory():
     # A million requests of 16M tokens each: numpy failed, in a traceback, to allocate
     # their 7 TiB page table.
