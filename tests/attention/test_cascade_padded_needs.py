@@ -42,6 +42,26 @@ def _batch(m, spec):
     return reqs, np.array(computed), np.array(query_lens)
 
 
+def _three_runs(m, header, *, with_header=True):
+    """(requests, computed, query lens): l0, l1 under a 19-block prompt, b0..b2 under an
+    11-block one, c0..c2 under a 10-block one (c1 prefills 26 tokens), each prompt
+    opening with the 4-block `header`, or with blocks of its own in its place."""
+    heads = [header] * 3 if with_header else [list(range(k, k + 16)) for k in (260, 328, 424)]
+    system_l = heads[0] + list(range(200, 260))
+    system_b = heads[1] + list(range(300, 328))
+    system_c = heads[2] + list(range(400, 424))
+    return _batch(m, [
+        ("l0", system_l + [1, 2, 3, 4, 5], 0),
+        ("l1", system_l + [6, 7, 8], 0),
+        ("b0", system_b + list(range(10, 18)), 0),
+        ("b1", system_b + [20, 21, 22], 0),
+        ("b2", system_b + list(range(30, 39)), 0),
+        ("c0", system_c + [40, 41, 42, 43, 44], 0),
+        ("c1", system_c + list(range(50, 72)), 26),
+        ("c2", system_c + [80, 81, 82, 83, 84], 0),
+    ])  # fmt: skip
+
+
 def test_the_lighter_group_is_kept_where_only_it_holds_the_requests_that_need_one():
     # a0..a2 share a 14-block prompt, b0..b2 a 13-block one, all under the header. With
     # one group allowed, b's (no prefill) weighs more than a's (17 queries to merge);
@@ -104,20 +124,7 @@ def test_a_run_past_the_cap_on_runs_is_searched_where_it_holds_a_request_that_ne
     # passes need a group. With one group allowed the search looks at the two largest
     # runs only; l0 and l1's must be searched too.
     m = KVCacheManager(256, 4, max_model_len=128)
-    header = list(range(100, 116))
-    system_l = header + list(range(200, 260))
-    system_b = header + list(range(300, 328))
-    system_c = header + list(range(400, 424))
-    reqs, computed, query_lens = _batch(m, [
-        ("l0", system_l + [1, 2, 3, 4, 5], 0),
-        ("l1", system_l + [6, 7, 8], 0),
-        ("b0", system_b + list(range(10, 18)), 0),
-        ("b1", system_b + [20, 21, 22], 0),
-        ("b2", system_b + list(range(30, 39)), 0),
-        ("c0", system_c + [40, 41, 42, 43, 44], 0),
-        ("c1", system_c + list(range(50, 72)), 26),
-        ("c2", system_c + [80, 81, 82, 83, 84], 0),
-    ])  # fmt: skip
+    reqs, computed, query_lens = _three_runs(m, list(range(100, 116)))
     ids = [r.request_id for r in reqs]
     assert _shared(m, ids) == 4 and _shared(m, ids[:2]) == 19
     assert _shared(m, ids[2:5]) == 11 and _shared(m, ids[5:]) == 10
@@ -210,19 +217,7 @@ def test_a_run_past_the_cap_at_block_0_is_searched_where_it_holds_a_request_that
     # group allowed. l0 and l1 (19 blocks; 21 and 20 pages, flat pads to 32) need a
     # group ending at block 5 and 4 or later: their run must be searched too.
     m = KVCacheManager(256, 4, max_model_len=128)
-    system_l = list(range(200, 276))
-    system_b = list(range(300, 344))
-    system_c = list(range(400, 440))
-    reqs, computed, query_lens = _batch(m, [
-        ("l0", system_l + [1, 2, 3, 4, 5], 0),
-        ("l1", system_l + [6, 7, 8], 0),
-        ("b0", system_b + list(range(10, 18)), 0),
-        ("b1", system_b + [20, 21, 22], 0),
-        ("b2", system_b + list(range(30, 39)), 0),
-        ("c0", system_c + [40, 41, 42, 43, 44], 0),
-        ("c1", system_c + list(range(50, 72)), 26),
-        ("c2", system_c + [80, 81, 82, 83, 84], 0),
-    ])  # fmt: skip
+    reqs, computed, query_lens = _three_runs(m, list(range(100, 116)), with_header=False)
     ids = [r.request_id for r in reqs]
     assert _shared(m, ids) == 0 and _shared(m, ids[:2]) == 19
     assert _shared(m, ids[2:5]) == 11 and _shared(m, ids[5:]) == 10
