@@ -217,10 +217,9 @@ class CascadePlanner(PaddedPlans):
             if not use_global:
                 return flat
             if not pads_fewer_pages(self.page_buckets, num_computed_tokens, query_lens, k0, bs):
-                plan = self._plan_holding(
-                    manager, rows, num_computed_tokens, query_lens, out, 0.0, common, made_for
+                return self._holding_or(
+                    flat, manager, rows, num_computed_tokens, query_lens, out, common, made_for
                 )  # fmt: skip
-                return flat if plan is None else plan
             return self._memo.global_plan(rows, k0, common, made_for)
         suffix_start = suffix_starts(groups, num_requests, base)
         sizes = [len(members) for members, _ in groups]
@@ -256,10 +255,9 @@ class CascadePlanner(PaddedPlans):
                 manager, rows, num_computed_tokens, query_lens, base, whole, out
             )
             if not groups and use_global:  # groups from block 0 that pay without it
-                plan = self._plan_holding(
-                    manager, rows, num_computed_tokens, query_lens, out, 0.0, common, made_for
+                return self._holding_or(
+                    flat, manager, rows, num_computed_tokens, query_lens, out, common, made_for
                 )  # fmt: skip
-                return flat if plan is None else plan
             if not groups:
                 return flat
         global_blocks = k0 if use_global else None

@@ -83,6 +83,25 @@ class PaddedPlans(GroupSearch):
             return None
         return self._memo.grouped_plan(groups, rows, suffix_start, None, common, made_for)
 
+    def _holding_or(
+        self,
+        flat: CascadePlan,
+        manager: KVCacheManager,
+        rows: np.ndarray,  # i32[R]
+        num_computed_tokens: np.ndarray,  # i[R]
+        query_lens: np.ndarray,  # i[R]
+        out: np.ndarray | None,  # bool[R] the requests left out
+        common: int,
+        made_for,
+    ) -> CascadePlan:
+        """Where a global level's plan pads a suffix pass as wide as flat's: the groups
+        from block 0 holding each request whose pages need a group, where they pay alone
+        (_plan_holding against no cascade), else `flat`."""
+        plan = self._plan_holding(
+            manager, rows, num_computed_tokens, query_lens, out, 0.0, common, made_for
+        )
+        return flat if plan is None else plan
+
     def _plan_from_block_0(
         self,
         groups: list[tuple[np.ndarray, int]],  # (members, end block), each from block 0
