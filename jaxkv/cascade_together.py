@@ -249,7 +249,9 @@ def _heaviest_nested(weighed: list[tuple], weigh, rest, needed=None, fold=0) -> 
     kept, and of the two choices one that holds every `must` member is taken first.
     `fold` > 0 (with `needed`): a third choice, the groups kept among a candidate's
     members less those folded into its rest (cascade_fold.folded, at most `fold` groups
-    among them), replaces the other two where it weighs more than the candidate."""
+    among them), replaces the other two where it weighs at least as much as the
+    candidate: on a tie the fold keeps the deeper groups, which the candidates around
+    it may still keep beside their own rest, where the candidate whole would hide them."""
     num_requests = max(int(group[1][-1]) for _, _, group in weighed) + 1
     weight_at = np.zeros(num_requests)  # weight of each kept group, at its first member
     kept_at = np.full(num_requests, -1)  # its index into `entries`, at its first member
@@ -277,7 +279,7 @@ def _heaviest_nested(weighed: list[tuple], weigh, rest, needed=None, fold=0) -> 
                 take = True  # only the candidate holds every member that must be held
         if fold and together:  # groups kept among the members may join their rest
             found = folded(entries, kept_at, covered, members, end, weigh, rest, needed, fold)
-            if found is not None and not (weight > 0 and weight >= found[0]):
+            if found is not None and not (weight > 0 and weight > found[0]):
                 _, firsts, group = found
                 weight_at[firsts], kept_at[firsts] = 0, -1
                 if group is not None:
@@ -286,7 +288,7 @@ def _heaviest_nested(weighed: list[tuple], weigh, rest, needed=None, fold=0) -> 
                     weight_at[first], kept_at[first] = entries[-1][0], len(entries) - 1
                     covered[group[1]] = True
                 continue
-            take = take or found is not None  # the candidate weighs as much as the fold
+            take = take or found is not None  # the candidate outweighs the fold
         if take:
             weight_at[members], kept_at[members], covered[members] = 0, -1, True
             weight_at[members[0]], kept_at[members[0]] = weight, k

@@ -216,3 +216,40 @@ def test_a_candidate_weighing_as_much_as_its_fold_is_kept_whole():
     names, groups, plan = _planned(m, reqs, computed, query_lens, max_groups=1)
     assert (names, groups) == (["groups"], [([ids[i] for i in (0, 1, 3, 5, 6)], 0, 9)])
     assert plan.suffix_start_blocks.tolist() == [9, 9, 9, 9, 9, 0, 0]
+
+
+def test_a_fold_weighing_as_much_as_its_candidate_keeps_the_deeper_groups():
+    # Under an 8-block header: a0..a2 share 2 blocks more (a0 has computed nothing, a1
+    # 9 blocks), b0..b2 share 8 more (b2 has computed 5 blocks and prefills 52 tokens),
+    # c0, c1 share 3 more. b0, b1 and b2 need a group ending at block 2, 3 and 2 or
+    # later. Over the 8 blocks, b0, b1 and the pairs of a and c weigh as much as
+    # b0, b1 apart with a1, a2, c0, c1 folded into the rest; the candidate whole hid b's
+    # pair from the candidate over 5 blocks around it (which adds b2), and the plan went
+    # flat with two groups allowed. Kept now: b0, b1 over 16 beside the other four and b2
+    # over 5.
+    m = KVCacheManager(256, 4, max_model_len=128)
+    header = list(range(100, 132))
+    system_a = header + list(range(200, 208))
+    system_b = header + list(range(300, 332))
+    system_c = header + list(range(400, 412))
+    reqs, computed, query_lens = _batch(m, [
+        ("a0", system_a + list(range(10, 15)), 45),
+        ("a1", system_a + list(range(20, 33)), 17),
+        ("a2", system_a + list(range(40, 46)), 0),
+        ("b0", system_b + [50, 51, 52, 53], 0),
+        ("b1", system_b + list(range(60, 69)), 9),
+        ("b2", system_b + list(range(70, 78)), 52),
+        ("c0", system_c + list(range(80, 86)), 0),
+        ("c1", system_c + list(range(90, 96)), 0),
+    ])  # fmt: skip
+    ids = [r.request_id for r in reqs]
+    assert computed.tolist() == [0, 36, 46, 68, 64, 20, 50, 50]
+    assert _shared(m, ids) == 8 and _shared(m, ids[:3]) == 10 and _shared(m, ids[3:6]) == 16
+    assert _shared(m, ids[6:]) == 11
+    need = least_suffix_starts(PAGE_BUCKETS, computed, query_lens, 4)
+    assert need.tolist() == [0, 0, 0, 2, 3, 2, 0, 0]
+    want = [([ids[i] for i in (1, 2, 5, 6, 7)], 0, 5), (ids[3:5], 0, 16)]
+    for max_groups in (2, 8):
+        names, groups, plan = _planned(m, reqs, computed, query_lens, max_groups=max_groups)
+        assert (names, groups) == (["groups"], want)
+        assert plan.suffix_start_blocks.tolist() == [5, 5, 5, 5, 5, 16, 16, 0]
