@@ -71,6 +71,15 @@ CACHED_CHECKPOINT = REPO / ".cache" / "tiny_lm"  # git-ignored; written when non
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The checked command-line flags."""
+    return parse_args_and_workload(argv)[0]
+
+
+def parse_args_and_workload(
+    argv: list[str] | None = None,
+) -> tuple[argparse.Namespace, list[Prompt]]:
+    """The checked command-line flags and the workload they describe, built once: some
+    flags are checked against its prompts."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="Prints a progress bar per run, a few generated samples and a summary table.",
@@ -161,7 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     prompts = workload(args.num_requests, args.prefix_len, args.seed)
     made_of = "--prefix-len, a question and --max-tokens"
     check_block_size(p, args.block_size, max_model_len(args, prompts), made_of)
-    return args
+    return args, prompts
 
 
 # ----------------------------------------------------------------------------- model
@@ -333,14 +342,13 @@ def check_positions(args: argparse.Namespace, prompts: list[Prompt], limit: int)
 
 def main(argv: list[str] | None = None) -> dict:
     """Runs the example; returns the summary figures (also printed) for scripts and tests."""
-    args = parse_args(argv)
+    args, prompts = parse_args_and_workload(argv)
     backend = args.backend or default_backend()
     if args.interpret and backend == "xla":  # it was ignored
         raise SystemExit(
             "--interpret runs a Pallas backend in interpret mode; the backend here is xla "
             "(add --backend pallas_tpu or pallas_gpu)"
         )
-    prompts = workload(args.num_requests, args.prefix_len, args.seed)
     try:  # the engine's own checks (int32 sizes, KV slots), before the model is loaded
         engine_config(args, prompts, True)
     except ValueError as e:  # named by the flag that set the field, where one did

@@ -96,6 +96,21 @@ def test_random_weights_fall_back_from_the_default_pallas_tpu_once(serve, monkey
     assert summary["outputs_identical"] is True
 
 
+def test_the_workload_is_built_once(serve, monkeypatch):
+    # parse_args built it to check --block-size against the longest prompt, and main
+    # built it again (3 s for 200,000 requests).
+    _fake_runs(serve, monkeypatch)
+    built, build = [], serve.workload
+
+    def workload(*args):
+        built.append(args)
+        return build(*args)
+
+    monkeypatch.setattr(serve, "workload", workload)
+    summary = serve.main(["--checkpoint", "random", "--num-requests", "3", "--max-tokens", "1"])
+    assert built == [(3, 384, 0)] and summary["num_requests"] == 3
+
+
 class _OneStepEngine:
     """Stands in for jaxkv.Engine: one step in which every request generates one token
     and finishes."""
