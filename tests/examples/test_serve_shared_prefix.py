@@ -50,7 +50,7 @@ def test_small_run_shares_prefixes_uses_cascade_and_matches_flat_attention(serve
 
 
 def test_workload_has_two_system_prompts_under_one_preamble(serve):
-    prompts = serve.workload(num_requests=10, prefix_len=96, seed=0)
+    prompts = sys.modules["shared_prefix_workload"].workload(num_requests=10, prefix_len=96, seed=0)
     a = [p.token_ids for p in prompts if p.group == 0]
     b = [p.token_ids for p in prompts if p.group == 1]
     assert len(a) == len(b) == 5
@@ -65,7 +65,7 @@ def test_more_requests_than_questions_still_ask_distinct_questions(serve):
     # question of its own, so no two requests share a whole prompt.
     wl = sys.modules["shared_prefix_workload"]
     n = len(wl.QUESTIONS) * len(wl.NAMES) * len(wl.TOPICS)
-    prompts = serve.workload(num_requests=2 * n + 1, prefix_len=96, seed=0)
+    prompts = wl.workload(num_requests=2 * n + 1, prefix_len=96, seed=0)
     assert len({p.question for p in prompts}) == 2 * n + 1
     assert prompts[n].question == f"{prompts[0].question} (2)"
     assert prompts[2 * n].question == f"{prompts[0].question} (3)"
@@ -100,7 +100,9 @@ def test_a_large_block_asks_for_no_positions_past_the_longest_request(serve):
     # 2048 the run was refused for needing 2048 positions of the model's 1024.
     argv = ["--num-requests", "2", "--max-tokens", "4", "--prefix-len", "700"]
     args = serve.parse_args([*argv, "--block-size", "600"])
-    prompts = serve.workload(args.num_requests, args.prefix_len, args.seed)
+    prompts = sys.modules["shared_prefix_workload"].workload(
+        args.num_requests, args.prefix_len, args.seed
+    )
     config = serve.engine_config(args, prompts, True)
     longest = max(len(p.token_ids) for p in prompts) + 4
     assert config.scheduler.max_model_len == longest < 1024 < 2 * 600

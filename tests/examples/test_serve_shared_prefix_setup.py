@@ -21,6 +21,11 @@ def serve():
     return load_example("serve_shared_prefix")
 
 
+@pytest.fixture(scope="module")
+def serve_args(serve):
+    return sys.modules["serve_shared_prefix_args"]  # its command line, loaded with it
+
+
 def test_the_default_checkpoint_is_the_shipped_one_else_the_cached_else_trained(
     serve, monkeypatch, tmp_path
 ):
@@ -45,13 +50,15 @@ def test_the_default_checkpoint_is_the_shipped_one_else_the_cached_else_trained(
     assert len(trained) == 1
 
 
-def test_the_engine_on_an_accelerator_takes_power_of_two_token_buckets(serve, monkeypatch):
+def test_the_engine_on_an_accelerator_takes_power_of_two_token_buckets(
+    serve, serve_args, monkeypatch
+):
     # On the CPU every step runs one token bucket (compiling dominates); elsewhere steps
     # as small as 64 tokens get their own programs.
     import jax
 
     args = serve.parse_args(["--num-requests", "4", "--max-batched-tokens", "512"])
-    prompts = serve.workload(args.num_requests, args.prefix_len, args.seed)
+    prompts = serve_args.workload(args.num_requests, args.prefix_len, args.seed)
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert serve.engine_config(args, prompts, True).min_num_tokens_bucket == 512
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
@@ -96,17 +103,17 @@ def test_random_weights_fall_back_from_the_default_pallas_tpu_once(serve, monkey
     assert summary["outputs_identical"] is True
 
 
-def test_the_workload_is_built_once(serve, monkeypatch):
+def test_the_workload_is_built_once(serve, serve_args, monkeypatch):
     # parse_args built it to check --block-size against the longest prompt, and main
     # built it again (3 s for 200,000 requests).
     _fake_runs(serve, monkeypatch)
-    built, build = [], serve.workload
+    built, build = [], serve_args.workload
 
     def workload(*args):
         built.append(args)
         return build(*args)
 
-    monkeypatch.setattr(serve, "workload", workload)
+    monkeypatch.setattr(serve_args, "workload", workload)
     summary = serve.main(["--checkpoint", "random", "--num-requests", "3", "--max-tokens", "1"])
     assert built == [(3, 384, 0)] and summary["num_requests"] == 3
 
