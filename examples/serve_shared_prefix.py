@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 # examples/ itself is on sys.path when this file runs as a script.
 from serve_shared_prefix_args import (  # noqa: E402
     CACHED_CHECKPOINT,
+    kv_blocks,
     max_model_len,
     parse_args_and_workload,
 )
@@ -112,8 +113,7 @@ def _default_checkpoint(console: Console) -> Path:
 
 def engine_config(args: argparse.Namespace, prompts: list[Prompt], cascade: bool) -> EngineConfig:
     bs = args.block_size
-    # Room for the whole workload without any sharing: never a preemption.
-    num_blocks = sum(math.ceil((len(p.token_ids) + args.max_tokens) / bs) for p in prompts) + 1
+    num_blocks = kv_blocks(args, prompts)
     max_num_seqs = len(prompts)
     max_tokens_per_step = args.max_batched_tokens or max(
         64, 2 ** math.ceil(math.log2(4 * max_num_seqs))

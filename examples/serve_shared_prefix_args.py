@@ -8,11 +8,13 @@ sys.path).
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
-from shared_prefix_workload import Prompt, min_prefix_len, workload
+from shared_prefix_workload import Prompt, min_prefix_len, shortest_prompt_len, workload
 
 from benchmarks.cli_args import check_block_size
+from jaxkv.block_pool import MAX_INT32
 from jaxkv.models import TINY_CHECKPOINT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,9 +117,25 @@ def parse_args_and_workload(
         p.error(f"--checkpoint {args.checkpoint}: only --preset tiny loads a checkpoint "
                 f"(--preset {args.preset} runs random weights)")  # fmt: skip
     made_of = "--prefix-len, a question and --max-tokens"
+    # KV slot ids are int32 on the device: checked before the workload is built (terabytes
+    # of token lists for --num-requests 2**31), then on its prompts in whole blocks.
+    least = args.num_requests * (shortest_prompt_len(args.prefix_len) + args.max_tokens)
+    if least > MAX_INT32 + 1:
+        p.error(_past_int32_slots(args, f"at least {least} KV slots"))
     prompts = workload(args.num_requests, args.prefix_len, args.seed)
     check_block_size(p, args.block_size, max_model_len(args, prompts), made_of)
+    if (slots := kv_blocks(args, prompts) * args.block_size) > MAX_INT32 + 1:
+        blocks = f"{slots} KV slots (whole blocks of {args.block_size}, and the null block)"
+        p.error(_past_int32_slots(args, blocks))
     return args, prompts
+
+
+def _past_int32_slots(args: argparse.Namespace, need: str) -> str:
+    return (
+        f"--num-requests {args.num_requests}: its requests (--prefix-len, a question and "
+        f"--max-tokens each) need {need}, more than the 2**31 that the device's int32 slot "
+        "ids address"
+    )
 
 
 def max_model_len(args: argparse.Namespace, prompts: list[Prompt]) -> int:
@@ -125,3 +143,10 @@ def max_model_len(args: argparse.Namespace, prompts: list[Prompt]) -> int:
     whole block: a large block would ask for positions past the model's that no request
     reaches)."""
     return max(len(p.token_ids) for p in prompts) + args.max_tokens
+
+
+def kv_blocks(args: argparse.Namespace, prompts: list[Prompt]) -> int:
+    """The engine's KV blocks, the null block included: room for the whole workload
+    without any sharing, so never a preemption."""
+    bs = args.block_size
+    return sum(math.ceil((len(p.token_ids) + args.max_tokens) / bs) for p in prompts) + 1

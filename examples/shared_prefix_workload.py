@@ -94,13 +94,25 @@ def common_prefix_len(prefix_len: int) -> int:
     return len(os.path.commonprefix(shared_prefixes(prefix_len)))
 
 
+def _questions() -> list[str]:
+    return [t.format(name=n, topic=c) for t, n, c in itertools.product(QUESTIONS, NAMES, TOPICS)]
+
+
+def _prompt_text(prefix: str, question: str) -> str:
+    return prefix + f"Q: {question}\nA:"
+
+
+def shortest_prompt_len(prefix_len: int) -> int:
+    """The fewest tokens of any prompt of workload(..., prefix_len, ...), known without
+    building it: the prefix and the shortest question."""
+    return prefix_len + len(_prompt_text("", min(_questions(), key=len)))
+
+
 def workload(num_requests: int, prefix_len: int, seed: int) -> list[Prompt]:
     """Requests alternating between the two system prompts, each with its own question."""
     tok = ByteTokenizer()
     prefixes = shared_prefixes(prefix_len)
-    questions = [
-        t.format(name=n, topic=c) for t, n, c in itertools.product(QUESTIONS, NAMES, TOPICS)
-    ]
+    questions = _questions()
     rng = np.random.default_rng(seed)
     picked = rng.permutation(len(questions))
     prompts = []
@@ -109,6 +121,6 @@ def workload(num_requests: int, prefix_len: int, seed: int) -> list[Prompt]:
         if i >= len(questions):  # more requests than distinct questions: keep them distinct
             question = f"{question} ({i // len(questions) + 1})"
         group = i % 2
-        text = prefixes[group] + f"Q: {question}\nA:"
+        text = _prompt_text(prefixes[group], question)
         prompts.append(Prompt(group, question, tok.encode(text)))
     return prompts

@@ -72,6 +72,15 @@ def test_more_requests_than_questions_still_ask_distinct_questions(serve):
     assert prompts[n].token_ids[-len(" (2)\nA:") :] == list(b" (2)\nA:")
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_shortest_prompt_len_is_the_shortest_prompts_without_building_them(serve, seed):
+    # The script's int32 check before building the workload counts on it as a lower bound.
+    wl = sys.modules["shared_prefix_workload"]
+    n = len(wl.QUESTIONS) * len(wl.NAMES) * len(wl.TOPICS)  # every question, once or more
+    lengths = [len(p.token_ids) for p in wl.workload(2 * n + 1, 96, seed)]
+    assert wl.shortest_prompt_len(96) == min(lengths)
+
+
 def test_every_request_shares_the_preamble_and_the_system_prompts_opening_words(serve):
     wl = sys.modules["shared_prefix_workload"]
     a, b = wl.shared_prefixes(96)

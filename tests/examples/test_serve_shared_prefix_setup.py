@@ -180,6 +180,40 @@ def test_sizes_past_the_engines_int32_bounds_are_refused_before_the_model_loads(
         serve.main(["--max-batched-tokens", str(2**31)])
 
 
+def test_requests_past_the_int32_kv_slots_are_refused_before_the_workload_is_built(
+    serve, serve_args, monkeypatch, capsys
+):
+    # --num-requests 2**31 built the workload first: terabytes of token lists.
+    def workload(*args):
+        raise AssertionError("the workload was built")
+
+    monkeypatch.setattr(serve_args, "workload", workload)
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--num-requests", str(2**31)])
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--num-requests 2147483648: its requests (--prefix-len, a question and" in err
+    assert "more than the 2**31 that the device's int32 slot ids address" in err
+
+
+def test_requests_are_refused_past_the_int32_kv_slots_of_their_whole_blocks(
+    serve, serve_args, capsys
+):
+    # One request and its null block fill 2**31 slots exactly; one more token needs a
+    # block more. It was refused in main, naming the engine's num_blocks, not a flag.
+    prompt_len = len(serve_args.workload(1, 384, 0)[0].token_ids)
+    fits = 2**31 - 16 - prompt_len
+    args = serve.parse_args(["--num-requests", "1", "--max-tokens", str(fits)])
+    assert args.max_tokens == fits
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--num-requests", "1", "--max-tokens", str(fits + 1)])
+    err = " ".join(capsys.readouterr().err.split())
+    assert (
+        "--num-requests 1: its requests (--prefix-len, a question and --max-tokens each) need"
+        in err
+    )
+    assert "2147483664 KV slots (whole blocks of 16, and the null block), more than" in err
+
+
 @pytest.mark.parametrize("block_size", [100000, 2**31])
 def test_a_block_longer_than_any_request_is_refused_by_its_flag(serve, capsys, block_size):
     # --block-size 100000 was accepted: 65 blocks of 100,000 tokens, 13 GB of KV for
