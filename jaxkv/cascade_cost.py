@@ -28,7 +28,7 @@ class CascadeCostModel:
     level, their contexts past it, which the suffix pass the group shortens reads).
     Defaults per backend come from benchmarks/attention.py (see DEFAULT_COST_MODELS);
     pass your own to override. The costs are finite numbers >= 0, `min_saved_fraction`
-    is in [0, 1] and `min_requests` an int >= 2 (one request has no copy to save).
+    is in [0, 1) and `min_requests` an int >= 2 (one request has no copy to save).
     """
 
     launch_overhead_bytes: float = 1 << 20
@@ -52,12 +52,13 @@ class CascadeCostModel:
             if not 0 <= value < math.inf:
                 raise ValueError(f"{name}={raw!r} must be a finite number >= 0")
             object.__setattr__(self, name, value)
-        # Cascade saves (R - 1) of R copies of the prefix, less than flat attention reads:
-        # a fraction above 1 never pays, and would turn cascade off silently.
-        if self.min_saved_fraction > 1:
+        # Cascade saves (R - 1) of R copies of the prefix, less than flat attention reads
+        # (each request's context holds the whole prefix): a fraction of 1 or more never
+        # pays, and would turn cascade off silently.
+        if self.min_saved_fraction >= 1:
             raise ValueError(
-                f"min_saved_fraction={self.min_saved_fraction!r} must be in [0, 1] (cascade "
-                "never saves more than flat attention reads)"
+                f"min_saved_fraction={self.min_saved_fraction!r} must be in [0, 1) (cascade "
+                "always saves less than flat attention reads)"
             )
         # One request saves nothing: cascade needs two requests to read a prefix once.
         int_fields(self, "min_requests", minimum=2)

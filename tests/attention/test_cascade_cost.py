@@ -139,7 +139,9 @@ def test_the_groups_level_keeps_the_max_groups_that_save_most():
         ({"merge_cost_factor": -1.0}, "merge_cost_factor=-1.0"),
         ({"merge_cost_factor": float("inf")}, "merge_cost_factor=inf"),
         ({"min_saved_fraction": None}, "min_saved_fraction=None"),
-        ({"min_saved_fraction": 1.5}, r"min_saved_fraction=1.5 must be in \[0, 1\]"),
+        ({"min_saved_fraction": 1.5}, r"min_saved_fraction=1.5 must be in \[0, 1\)"),
+        # Cascade saves (R - 1) of R copies of a prefix each context holds: never them all.
+        ({"min_saved_fraction": 1}, r"min_saved_fraction=1.0 must be in \[0, 1\)"),
         ({"min_saved_fraction": -0.1}, "min_saved_fraction=-0.1"),
         ({"min_saved_fraction": True}, "min_saved_fraction=True"),
         ({"min_requests": 0}, "min_requests=0"),
