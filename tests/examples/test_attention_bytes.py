@@ -47,6 +47,53 @@ def test_at_a_large_batch_and_short_suffix_cascade_moves_more_bytes_than_flat():
     )
 
 
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"batch": 0}, "batch=0 must be an int >= 1"),
+        ({"batch": True}, "batch=True must be an int"),
+        ({"prefix": -32}, "prefix=-32 must be an int >= 0"),
+        ({"suffix": 16.5}, "suffix=16.5 must be an int"),
+        ({"num_q_heads": -4}, "num_q_heads=-4 must be an int >= 1"),
+        ({"num_kv_heads": 0}, "num_kv_heads=0 must be an int >= 1"),
+        ({"head_dim": 8.0}, "head_dim=8.0 must be an int"),
+        ({"kv_itemsize": 0.5}, "kv_itemsize=0.5 must be an int"),
+        ({"q_itemsize": -2}, "q_itemsize=-2 must be an int >= 1"),
+        ({"cascade": None}, "cascade=None must be a bool"),
+    ],
+)
+def test_decode_bytes_refuses_a_size_that_is_no_count_by_its_name(change, match):
+    # A negative prefix or a fractional suffix gave a bound of bytes no call moves.
+    args = dict(batch=B, prefix=P, suffix=S, **SIZES, cascade=True) | change
+    with pytest.raises(ValueError, match=match):
+        decode_bytes(**args)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"batch": -2}, "batch=-2 must be an int >= 1"),
+        ({"prefix": 0.5}, "prefix=0.5 must be an int"),
+        ({"suffix": -1}, "suffix=-1 must be an int >= 0"),
+        ({"kv_per_token": 0}, "kv_per_token=0 must be an int >= 1"),
+        ({"cascade": "no"}, "cascade='no' must be a bool"),
+    ],
+)
+def test_kv_bytes_refuses_a_size_that_is_no_count_by_its_name(change, match):
+    args = dict(batch=B, prefix=P, suffix=S, kv_per_token=KV_PER_TOKEN, cascade=False) | change
+    with pytest.raises(ValueError, match=match):
+        kv_bytes(**args)
+
+
+def test_a_prefix_or_suffix_of_no_tokens_and_numpy_sizes_are_counted():
+    import numpy as np
+
+    assert kv_bytes(B, 0, S, kv_per_token=KV_PER_TOKEN, cascade=True) == B * S * KV_PER_TOKEN
+    assert kv_bytes(B, P, 0, kv_per_token=KV_PER_TOKEN, cascade=True) == P * KV_PER_TOKEN
+    sizes = {k: np.int64(v) for k, v in SIZES.items()}
+    assert decode_bytes(np.int32(B), np.int64(P), S, **sizes, cascade=True) == 3616
+
+
 def test_the_attention_benchmarks_figures_for_one_point():
     from benchmarks.attention import figures
 
