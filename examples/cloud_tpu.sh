@@ -37,8 +37,12 @@ mkdir -p benchmarks/results
 # 2. The main job with Llama-3.2-1B shapes (random weights, bfloat16) on the Pallas TPU
 #    kernel: 64 requests under two system prompts sharing a 2048-token prefix. Prints
 #    the same table as on the CPU, cascade on vs off, and checks that their tokens agree.
+#    Its transcript goes to a temporary file beside serve_tpu.txt, renamed over it once
+#    the run has ended well (as the benchmarks write their JSON): a run killed or failed
+#    leaves the previous serve_tpu.txt, and its own transcript as .serve_tpu.tmp.txt.
 python examples/serve_shared_prefix.py --preset llama3_2_1b --backend pallas_tpu \
-    --num-requests 64 --prefix-len 2048 --max-tokens 64 | tee benchmarks/results/serve_tpu.txt
+    --num-requests 64 --prefix-len 2048 --max-tokens 64 | tee benchmarks/results/.serve_tpu.tmp.txt
+mv benchmarks/results/.serve_tpu.tmp.txt benchmarks/results/serve_tpu.txt
 
 # 3. The TPU kernel benchmark: checks the kernel against the reference on the device,
 #    then times flat vs cascade decode (Llama-3-8B heads) against the chip's peak HBM

@@ -1,12 +1,17 @@
-"""examples/cloud_tpu.sh installs what the scripts it runs import."""
+"""examples/cloud_tpu.sh installs what the scripts it runs import, and writes the serving
+run's transcript whole or not at all."""
 
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 OURS = {"jaxkv", "kernels_pallas", "benchmarks"}
@@ -66,3 +71,35 @@ def test_the_virtual_environments_the_setups_create_are_git_ignored():
     assert made == {".venv", ".venv-tpu"}
     ignored = set((ROOT / ".gitignore").read_text().splitlines())
     assert {f"{name}/" for name in made} <= ignored
+
+
+@pytest.mark.parametrize("ending", ["exit 0", "exit 1", "kill -TERM $PPID"])
+def test_a_serving_run_killed_or_failed_leaves_the_previous_transcript_whole(tmp_path, ending):
+    # The run was tee'd into benchmarks/results/serve_tpu.txt: killed midway, it left a
+    # cut transcript there, beside complete results, that read as a whole run's. Here a
+    # stub `python` prints a line of the run, then ends well, fails, or kills the script.
+    script = (ROOT / "examples" / "cloud_tpu.sh").read_text()
+    start = script.index("mkdir -p benchmarks/results")
+    serving = script[start : script.index("\n# 3.", start)]  # step 2 alone
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "serve_tpu.txt").write_text("the previous run\n")
+    stub = tmp_path / "bin" / "python"
+    stub.parent.mkdir()
+    stub.write_text(f"#!/usr/bin/env bash\necho 'cascade on: 64/64 requests'\n{ending}\n")
+    stub.chmod(0o755)
+    env = dict(os.environ, PATH=f"{stub.parent}{os.pathsep}{os.environ['PATH']}")
+    run = subprocess.run(
+        ["bash", "-c", f"set -euo pipefail\n{serving}"], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    whole = ending == "exit 0"
+    assert (run.returncode == 0) == whole, run.stderr
+    written = {p.name: p.read_text() for p in results.iterdir()}
+    if whole:
+        assert written == {"serve_tpu.txt": "cascade on: 64/64 requests\n"}
+    else:
+        assert written == {
+            "serve_tpu.txt": "the previous run\n",
+            ".serve_tpu.tmp.txt": "cascade on: 64/64 requests\n",
+        }
