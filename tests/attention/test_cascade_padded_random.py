@@ -26,20 +26,10 @@ from jaxkv.cascade_together import global_weight, level_weight
 from tests.attention import serving_sim as sim
 from tests.attention.test_cascade_padded_groups import COSTED, PAGE_BUCKETS
 from tests.attention.test_cascade_planner import SHAPE
+from tests.attention.workload import allocate_after_hit
 
 BS = 4
 NUM_SEEDS = 200
-
-
-def _allocate(m: KVCacheManager, request: Request) -> int:
-    """Allocates the whole request after its cache hit; the hit's tokens."""
-    blocks, hit = m.get_computed_blocks(request)
-    got = m.allocate_slots(
-        request, request.num_tokens - hit, num_new_computed_tokens=hit,
-        new_computed_blocks=blocks,
-    )  # fmt: skip
-    assert got is not None
-    return hit
 
 
 def _batch(seed: int) -> tuple[KVCacheManager, list[str], np.ndarray, np.ndarray]:
@@ -60,7 +50,7 @@ def _batch(seed: int) -> tuple[KVCacheManager, list[str], np.ndarray, np.ndarray
     for i in range(int(rng.integers(3, 9))):
         prompt = prompts[int(rng.integers(len(prompts)))]
         request = Request(f"r{i}", (prompt + fresh(int(rng.integers(1, 12))))[:120])
-        hit = _allocate(m, request)
+        hit = allocate_after_hit(m, request)
         if rng.random() < 0.65:  # decode
             c = request.num_tokens - 1
         else:  # a prefill chunk after its hit, or after fewer tokens than it holds
@@ -69,7 +59,7 @@ def _batch(seed: int) -> tuple[KVCacheManager, list[str], np.ndarray, np.ndarray
         computed.append(c)
         query_lens.append(request.num_tokens - c)
         if rng.random() < 0.2:  # a holder outside the batch
-            _allocate(m, Request(f"h{i}", prompt + fresh(1)))
+            allocate_after_hit(m, Request(f"h{i}", prompt + fresh(1)))
     return m, ids, np.array(computed), np.array(query_lens)
 
 

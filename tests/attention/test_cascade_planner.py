@@ -9,6 +9,7 @@ from jaxkv import KVCacheManager, Request
 from jaxkv.batch import build_attention_metadata
 from jaxkv.buckets import BucketConfig
 from jaxkv.cascade import AttentionShape, CascadeCostModel, CascadePlanner
+from tests.attention.workload import allocate_after_hit
 
 SHAPE = AttentionShape(num_q_heads=8, num_kv_heads=2, head_dim=64, kv_itemsize=2)
 ALWAYS = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0)
@@ -16,12 +17,7 @@ ALWAYS = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0)
 
 def _prefilled(manager: KVCacheManager, rid: str, tokens) -> Request:
     request = Request(rid, list(tokens))
-    blocks, num_hit = manager.get_computed_blocks(request)
-    got = manager.allocate_slots(
-        request, request.num_tokens - num_hit, num_new_computed_tokens=num_hit,
-        new_computed_blocks=blocks,
-    )  # fmt: skip
-    assert got is not None
+    allocate_after_hit(manager, request)
     request.num_computed_tokens = request.num_tokens
     return request
 

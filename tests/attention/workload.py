@@ -41,15 +41,21 @@ class Step:
         )
 
 
-def _admit(manager: KVCacheManager, request: Request, chunk: int | None = None) -> int:
-    """Cache hit plus an allocation of `chunk` more tokens; returns tokens cached before."""
+def allocate_after_hit(manager: KVCacheManager, request: Request, chunk: int | None = None) -> int:
+    """Cache hit plus an allocation of `chunk` more tokens (default: the rest of the
+    request); returns tokens cached before. request.num_computed_tokens is left as it was."""
     blocks, num_hit = manager.get_computed_blocks(request)
     chunk = request.num_tokens - num_hit if chunk is None else chunk
     got = manager.allocate_slots(
         request, chunk, num_new_computed_tokens=num_hit, new_computed_blocks=blocks
     )
     assert got is not None, "test pool too small"
-    request.num_computed_tokens = num_hit
+    return num_hit
+
+
+def _admit(manager: KVCacheManager, request: Request, chunk: int | None = None) -> int:
+    """allocate_after_hit, then the request has computed the hit's tokens."""
+    request.num_computed_tokens = num_hit = allocate_after_hit(manager, request, chunk)
     return num_hit
 
 
