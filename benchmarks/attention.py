@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -49,6 +48,7 @@ from benchmarks.cli_args import (  # noqa: E402
     positive_int,
 )
 from benchmarks.decode_units import units_of  # noqa: E402
+from benchmarks.device_timing import median_s  # noqa: E402
 from benchmarks.json_report import write_json, write_whole  # noqa: E402
 from benchmarks.kv_memory import gathered_kv_overflow  # noqa: E402
 from benchmarks.output_agreement import agreement  # noqa: E402
@@ -63,17 +63,7 @@ def read_bandwidth(nbytes: int = 1 << 28) -> float:
     """Bytes per second read by a jitted sum over `nbytes` (a copy would measure the
     CPU's page faults on its fresh output buffer more than memory bandwidth)."""
     x = jnp.ones(nbytes // 4, jnp.float32)
-    return nbytes / _time(jax.jit(jnp.sum), x, reps=5)
-
-
-def _time(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return nbytes / median_s(jax.jit(jnp.sum), x, reps=5)
 
 
 def make_inputs(rng, batch, prefix, suffix, *, block_size, shape: AttentionShape, dtype):
@@ -192,14 +182,14 @@ def run(args) -> list[dict]:
                     args.dtype,
                 )
                 attn = jax.jit(lambda q, kv, md: paged_attention(q, kv, md, sm_scale=sm_scale))
-                t_flat = _time(attn, q, kv_pages, md_flat, reps=args.reps)
-                t_casc = _time(attn, q, kv_pages, md_casc, reps=args.reps)
+                t_flat = median_s(attn, q, kv_pages, md_flat, reps=args.reps)
+                t_casc = median_s(attn, q, kv_pages, md_casc, reps=args.reps)
                 out_f = attn(q, kv_pages, md_flat)[:batch]
                 checks = dict(cascade=agreement(attn(q, kv_pages, md_casc)[:batch], out_f, q.dtype))
                 t_ref = None
                 if args.jax_ref and batch * (prefix + suffix) <= args.jax_ref_max_tokens:
                     ref_args = (q, kv_pages, md_flat, table, prefix, suffix, sm_scale)
-                    t_ref = _time(jax_reference, *ref_args, reps=max(1, args.reps // 2))
+                    t_ref = median_s(jax_reference, *ref_args, reps=max(1, args.reps // 2))
                     checks["jax_ref"] = agreement(out_f, jax_reference(*ref_args), q.dtype)
                 agrees = all(c["agrees"] for c in checks.values())
                 chooses = planner.pays(batch, prefix, batch, batch * (prefix + suffix))

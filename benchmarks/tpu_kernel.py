@@ -48,7 +48,6 @@ import functools
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -68,6 +67,7 @@ from benchmarks.cli_args import (  # noqa: E402
     positive_int,
 )
 from benchmarks.decode_units import units_of  # noqa: E402
+from benchmarks.device_timing import median_s  # noqa: E402
 from benchmarks.json_report import write_json  # noqa: E402
 from benchmarks.output_agreement import agreement  # noqa: E402
 from benchmarks.tpu_kernel_checks import check  # noqa: E402
@@ -94,17 +94,7 @@ PEAK_HBM_BANDWIDTH = {
 def copy_bandwidth(nbytes: int = 1 << 29) -> float:
     """Bytes per second of a device-side copy (read + write counted)."""
     x = jnp.ones(nbytes // 4, jnp.float32)
-    return 2 * nbytes / _time(jax.jit(lambda a: a + 1.0), x, reps=5)
-
-
-def _time(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return 2 * nbytes / median_s(jax.jit(lambda a: a + 1.0), x, reps=5)
 
 
 def looped(fn, reps: int):
@@ -232,7 +222,7 @@ def run(args) -> tuple[list[dict], dict]:
                 for name, fn in fns.items():
                     bound = functools.partial(fn, prefix_pages=prefix_pages)
                     loop = looped(lambda q, *rest, f=bound: f(q, *rest), args.reps)
-                    times[name] = _time(loop, *inputs, reps=3) / args.reps
+                    times[name] = median_s(loop, *inputs, reps=3) / args.reps
                 agree = cascade_agreement(fns, inputs, prefix_pages, dtype)
                 flat_bytes = decode_bytes(batch, prefix, suffix, **sizes, cascade=False)
                 casc_bytes = decode_bytes(batch, prefix, suffix, **sizes, cascade=True)

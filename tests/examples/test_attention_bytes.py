@@ -120,7 +120,7 @@ def test_the_attention_benchmarks_table_holds_both_methods_against_the_read_boun
     from benchmarks import attention
 
     monkeypatch.setattr(attention, "read_bandwidth", lambda: 1e9)
-    monkeypatch.setattr(attention, "_time", lambda fn, *args, reps: 1e-3)
+    monkeypatch.setattr(attention, "median_s", lambda fn, *args, reps: 1e-3)
     argv = ["--batch", "2", "--prefix", "16", "--suffix", "3", "--reps", "1", "--no-jax-ref"]
     assert attention.main([*argv, "--out", str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / "attention.json").read_text())["results"]
@@ -160,7 +160,7 @@ def test_every_figure_in_the_attention_json_has_its_unit(tmp_path, monkeypatch):
     from benchmarks import attention
 
     monkeypatch.setattr(attention, "read_bandwidth", lambda: 1e9)
-    monkeypatch.setattr(attention, "_time", lambda fn, *args, reps: 1e-3)
+    monkeypatch.setattr(attention, "median_s", lambda fn, *args, reps: 1e-3)
     argv = ["--batch", "2", "--prefix", "16", "--suffix", "3", "--reps", "1"]
     assert attention.main([*argv, "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "attention.json").read_text())
@@ -240,7 +240,7 @@ def test_without_matplotlib_the_attention_benchmark_writes_its_json_and_no_plot(
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises
     monkeypatch.setattr(attention, "read_bandwidth", lambda: 1e9)
-    monkeypatch.setattr(attention, "_time", lambda fn, *args, reps: 1e-3)
+    monkeypatch.setattr(attention, "median_s", lambda fn, *args, reps: 1e-3)
     argv = ["--batch", "2", "--prefix", "16", "--suffix", "3", "--reps", "1"]
     assert attention.main([*argv, "--out", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["attention.json"]
