@@ -95,3 +95,19 @@ def test_special_ids_and_vocab_are_the_documented_ones():
     tok = ByteTokenizer()
     assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.vocab_size) == (256, 257, 258, 259)
     assert tok.vocab_size == LlamaConfig.preset("tiny").vocab_size
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 258), st.integers(-(2**70), 2**70))))
+def test_a_list_of_ints_decodes_as_any_other_iterable_of_them(ids):
+    # A list of plain ints takes a path of its own: the same text, out-of-range ids
+    # (negative, specials, past 64 bits) dropped as on the checked path of a tuple.
+    want = bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+    assert TOK.decode(ids) == TOK.decode(tuple(ids)) == want
+
+
+def test_a_list_holding_a_bool_a_float_or_numpy_ints_is_checked_per_id():
+    for bad in ([104, True], [False], [104, 1.0]):
+        with pytest.raises(ValueError, match="ids must be integer token ids, got"):
+            TOK.decode(bad)
+    assert TOK.decode([np.int64(104), np.int32(105)]) == "hi"
