@@ -281,8 +281,8 @@ def test_scripts_refuse_a_negative_seed_before_the_run(script, message, tmp_path
 
 @pytest.mark.parametrize(
     "script",
-    ["attention.py", "gpu_compile_report.py", "gpu_kernel.py", "host_overhead.py",
-     "prompt_logprobs.py", "serve.py", "stop_strings.py", "tpu_kernel.py"],
+    ["attention.py", "engine_host.py", "gpu_compile_report.py", "gpu_kernel.py",
+     "host_overhead.py", "prompt_logprobs.py", "serve.py", "stop_strings.py", "tpu_kernel.py"],
 )  # fmt: skip
 def test_every_benchmark_runs_as_a_script_without_pythonpath(script):
     # `python benchmarks/gpu_compile_report.py`, as the README runs it, had only
