@@ -24,8 +24,9 @@ Steps that compiled a program are left out. Workloads:
 Per row: host microseconds per step (best and median of the timed steps), and the
 median split from Engine.last_step: schedule, plan and prepare (thread CPU time),
 update (wall), and the rest (wall: reading the tokens back, the step's bookkeeping).
-On a shared machine the best step is the steadier figure. Timings are measured, never
-asserted. Prints a table and writes JSON:
+On a shared machine the best step is the steadier figure. On the CPU backend the step
+program's threads hold cores the host then waits for: the figures include those waits.
+Timings are measured, never asserted. Prints a table and writes JSON:
 
     python benchmarks/engine_host.py --out benchmarks/results/engine_host.json
 """
