@@ -23,9 +23,12 @@ Steps that compiled a program are left out. Workloads:
 
 Per row: host microseconds per step (best and median of the timed steps), and the
 median split from Engine.last_step: schedule, plan and prepare (thread CPU time),
-update (wall), and the rest (wall: reading the tokens back, the step's bookkeeping).
-On a shared machine the best step is the steadier figure. On the CPU backend the step
-program's threads hold cores the host then waits for: the figures include those waits.
+update (wall), and the rest (wall: reading the tokens back, the step's bookkeeping);
+the step program's own median time and the host's share of the step, host / (host +
+program); and the best step against greedy decoding's at the same R (what the
+workload's own work adds). On a shared machine the best step is the steadier figure.
+On the CPU backend the step program's threads hold cores the host then waits for: the
+figures include those waits.
 Timings are measured, never asserted. Prints a table and writes JSON:
 
     python benchmarks/engine_host.py --out benchmarks/results/engine_host.json
@@ -139,7 +142,7 @@ def time_workload(model, args, name: str, num_requests: int) -> dict:
         if engine.last_step.num_tokens == engine.last_step.num_requests == num_requests:
             break
     engine.step()
-    host, split, levels, tokens = [], [], set(), []
+    host, programs, split, levels, tokens = [], [], [], set(), []
     for _ in range(args.steps):
         if name == "mixed":
             engine.abort(next(iter(engine.scheduler.running)).request_id)
@@ -153,6 +156,7 @@ def time_workload(model, args, name: str, num_requests: int) -> dict:
         if s.new_program:
             continue
         host.append(wall - program_s[0])
+        programs.append(program_s[0])
         rest = wall - program_s[0] - s.host_s - s.update_s
         split.append((s.schedule_cpu_s, s.plan_cpu_s, s.prepare_cpu_s, s.update_s, rest))
         levels.add(s.cascade_levels)
@@ -165,6 +169,9 @@ def time_workload(model, args, name: str, num_requests: int) -> dict:
         "timed_steps": len(host),
         "host_us_best": 1e6 * min(host) if host else float("nan"),
         "host_us_median": us(host),
+        "program_us_median": us(programs),
+        # what the host adds to a step of this backend: host / (host + program), medians
+        "host_share": us(host) / (us(host) + us(programs)) if host else float("nan"),
         **{key: us([row[i] for row in split]) for i, key in enumerate(SPLIT)},
         "cascade_levels": sorted(levels),
         "requests_and_tokens": sorted(set(tokens)),
@@ -178,22 +185,36 @@ def main(argv=None) -> int:
     rows = [
         time_workload(model, args, name, r) for name in args.workloads for r in args.batch_sizes
     ]
+    greedy = {row["num_requests"]: row for row in rows if row["workload"] == "greedy"}
+    for row in rows:  # what a workload's own work adds, against greedy decoding of its size
+        base = greedy.get(row["num_requests"])
+        row["x_greedy"] = row["host_us_best"] / base["host_us_best"] if base else None
     print(
         f"Engine.step host time without the step program, us per step ({args.steps} steps; "
         f"system prompt {args.system_len} + {args.question_len} tokens; "
         f"{jax.default_backend()})"
     )
     head = ("workload", "R", "best", "median", "sched", "plan", "prep", "update", "rest")
-    print(f"{head[0]:>11} {head[1]:>4} " + " ".join(f"{h:>7}" for h in head[2:]))
+    tail = ("program", "share", "x greedy")
+    print(
+        f"{head[0]:>11} {head[1]:>4} "
+        + " ".join(f"{h:>7}" for h in head[2:] + tail[:2])
+        + f" {tail[2]:>8}"
+    )
     for row in rows:
         cells = [row["host_us_best"], row["host_us_median"], *(row[k] for k in SPLIT)]
+        x = row["x_greedy"]
         print(
             f"{row['workload']:>11} {row['num_requests']:>4} "
-            + " ".join(f"{c:>7.0f}" for c in cells)
+            + " ".join(f"{c:>7.0f}" for c in [*cells, row["program_us_median"]])
+            + f" {row['host_share']:>7.0%} "
+            + (f"{x:>7.2f}x" if x is not None else f"{'-':>8}")
         )
     print(
         "sched / plan / prep: thread CPU us (medians); update, rest: wall us (medians); "
-        "rest: reading the tokens back and the step's own bookkeeping"
+        "rest: reading the tokens back and the step's own bookkeeping; program: the step "
+        "program's own call (median); share: host / (host + program), medians; x greedy: "
+        "best host time against greedy decoding's at the same R"
     )
     report = {
         "args": vars(args),

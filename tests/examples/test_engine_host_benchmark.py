@@ -22,6 +22,11 @@ def test_a_tiny_run_times_every_workload_with_the_shared_prefix_planned(tmp_path
         assert row["timed_steps"] >= 1, row["workload"]
         assert 0 < row["host_us_best"] <= row["host_us_median"]
         assert all(math.isfinite(row[k]) and row[k] >= 0 for k in SPLIT), row
+        assert row["program_us_median"] > 0 and 0 < row["host_share"] < 1
+        want_share = row["host_us_median"] / (row["host_us_median"] + row["program_us_median"])
+        assert row["host_share"] == pytest.approx(want_share)
+        greedy = rows[list(WORKLOADS).index("greedy")]
+        assert row["x_greedy"] == pytest.approx(row["host_us_best"] / greedy["host_us_best"])
         assert "global" in row["cascade_levels"], row["workload"]  # the prefix read once
         # Steady decode: every request one token a step; mixed has a new request's prompt
         # (its system prompt's 16 blocks read from the prefix cache, its 5 question
