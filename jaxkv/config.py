@@ -57,14 +57,19 @@ class CacheConfig:
 def _kv_dtype_name(kv_dtype) -> str:
     """One of _KV_DTYPES, given by that name or as a numpy or JAX dtype (np.dtype("float16"),
     jnp.bfloat16), stored by name: a dtype object kept as given compared equal to its name
-    but hashed apart. ValueError naming kv_dtype otherwise ("f2", float, an array)."""
+    but hashed apart. ValueError naming kv_dtype otherwise ("f2", float, an array or a
+    scalar value of a listed dtype)."""
     if isinstance(kv_dtype, str):
         name = str(kv_dtype)  # np.str_ too
-    else:
+    elif isinstance(kv_dtype, (np.dtype, type)):
+        # Not np.dtype() of anything: it reads a value's dtype (np.float16(1.0), and a JAX
+        # array's through a deprecated path), so a value given for the dtype was taken.
         try:
             name = np.dtype(kv_dtype).name
         except (TypeError, ValueError):
             name = None
+    else:
+        name = None
     if name not in _KV_DTYPES:
         raise ValueError(f"kv_dtype={kv_dtype!r} must be None or one of {_KV_DTYPES}")
     return name

@@ -74,6 +74,17 @@ def test_a_kv_dtype_of_another_dtype_or_spelling_is_refused(bad):
         CacheConfig(kv_dtype=bad)
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [np.float16(1.0), np.zeros(2, np.float16), jnp.zeros(2, jnp.bfloat16), jnp.float32(2.0)],
+)
+def test_a_value_of_a_listed_dtype_is_no_kv_dtype(bad):
+    """A numpy scalar and a JAX array were taken for their dtype (np.dtype reads a value's),
+    where a numpy array of the same dtype was refused."""
+    with pytest.raises(ValueError, match="kv_dtype=.* must be None or one of"):
+        CacheConfig(kv_dtype=bad)
+
+
 def test_an_engine_serves_under_any_max_cascade_groups():
     # A level holds at most max_num_seqs sequences; pad_cascade_levels padded each to
     # 2 * max_cascade_groups (numpy's TypeError "pad_width must be of integral type"
