@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.batch import BACKENDS, AttentionMetadata, check_values
-from jaxkv.field_checks import is_integer
+from jaxkv.field_checks import is_integer, names_a_dtype
 from jaxkv.metadata_as_given import check_index_dtypes, check_static_fields
 from kernels_pallas import reference
 from kernels_pallas.merge import merge_attn_states
@@ -108,7 +108,9 @@ def check_backend(
     dtypes = dict(q_dtype=q_dtype, kv_dtype=kv_dtype)
     for name, value in dtypes.items():
         try:
-            if value is None:  # jnp.dtype(None) is float64: refused under that name
+            # jnp.dtype(None) is float64 (refused under that name), and jnp.dtype of a
+            # value (np.float16(1.0), an array) is that value's dtype.
+            if not names_a_dtype(value):
                 raise TypeError
             dtypes[name] = jnp.dtype(value)
         except TypeError:

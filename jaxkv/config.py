@@ -14,7 +14,13 @@ import numpy as np
 from jaxkv.block_pool import MAX_INT32
 from jaxkv.buckets import BucketConfig
 from jaxkv.cascade_cost import CascadeCostModel
-from jaxkv.field_checks import bool_fields, increasing_sizes, int_fields, positive_int_fields
+from jaxkv.field_checks import (
+    bool_fields,
+    increasing_sizes,
+    int_fields,
+    names_a_dtype,
+    positive_int_fields,
+)
 
 _KV_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -61,9 +67,7 @@ def _kv_dtype_name(kv_dtype) -> str:
     scalar value of a listed dtype)."""
     if isinstance(kv_dtype, str):
         name = str(kv_dtype)  # np.str_ too
-    elif isinstance(kv_dtype, (np.dtype, type)):
-        # Not np.dtype() of anything: it reads a value's dtype (np.float16(1.0), and a JAX
-        # array's through a deprecated path), so a value given for the dtype was taken.
+    elif names_a_dtype(kv_dtype):  # not a value of that dtype (np.float16(1.0), an array)
         try:
             name = np.dtype(kv_dtype).name
         except (TypeError, ValueError):

@@ -26,6 +26,14 @@ def is_unordered(value) -> bool:
     return isinstance(value, (AbstractSet, Mapping))
 
 
+def names_a_dtype(value) -> bool:
+    """Whether `value` stands for a dtype rather than holding one: a str (np.str_ too), a
+    numpy dtype or a scalar type (np.float32, jnp.bfloat16). np.dtype and jnp.dtype also
+    read the dtype of a value given in its place (np.float16(1.0), an array), which a
+    dtype argument must refuse."""
+    return isinstance(value, (str, np.dtype, type))
+
+
 def is_integer(value) -> bool:
     """An integer (int, numpy integer, 0-d integer array of numpy or JAX), not a bool."""
     if isinstance(value, numbers.Integral):

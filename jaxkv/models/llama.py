@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxkv import attention
 from jaxkv.batch import AttentionMetadata
-from jaxkv.field_checks import checked_int
+from jaxkv.field_checks import checked_int, names_a_dtype
 from jaxkv.models.config import LlamaConfig, check_config
 from kernels_pallas.validation import FLOAT_DTYPES
 
@@ -329,9 +329,9 @@ def check_kv_cache_args(num_blocks: Any, block_size: Any, dtype: Any) -> None:
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
         checked_int(name, value, minimum=1)  # -1 or 2.0 raised jax's TypeError
     if dtype is not None:
-        try:
-            kv_dtype = jnp.dtype(dtype)
-        except (TypeError, ValueError):  # "floot", 3
+        try:  # a value of a dtype (np.float16(1.0), an array) is no dtype
+            kv_dtype = jnp.dtype(dtype) if names_a_dtype(dtype) else None
+        except (TypeError, ValueError):  # "floot"
             kv_dtype = None
         if kv_dtype not in FLOAT_DTYPES:  # the kernels read int8 and float8 given scales
             raise ValueError(

@@ -188,6 +188,9 @@ SHAPES = dict(num_q_heads=H_Q, num_kv_heads=H_KV, head_dim=D, block_size=16)
         (dict(interpret="yes"), "interpret='yes' must be a bool"),
         (dict(q_dtype="float33"), "q_dtype='float33' must be a dtype"),
         (dict(kv_dtype=None), "kv_dtype=None must be a dtype"),  # was named float64
+        # A value of a dtype was taken for its dtype (jnp.dtype reads a value's).
+        (dict(q_dtype=np.float32(1.0)), r"q_dtype=np.float32\(1.0\) must be a dtype"),
+        (dict(kv_dtype=jnp.zeros(2, jnp.bfloat16)), "kv_dtype=Array.* must be a dtype"),
         # The probe's eval_shape made float64 float32 (x64 off), which paged_attention refuses.
         (dict(q_dtype=np.float64), "q_dtype=float64 must be one of float32, bfloat16"),
         (dict(kv_dtype="float64"), "kv_dtype=float64 must be one of float32, .*int8"),

@@ -30,6 +30,9 @@ def test_init_kv_caches_layout_and_dtype():
         ((4, True), "block_size=True must be an int >= 1"),
         ((4, 4, "floot"), "dtype='floot' must be None, float32, bfloat16"),  # a TypeError
         ((4, 4, "int32"), "dtype='int32' must be None"),  # refused only at the first write
+        # values of a cache dtype, taken for their dtype (jnp.dtype reads a value's)
+        ((4, 4, np.float16(1.0)), r"dtype=np.float16\(1.0\) must be None, float32"),
+        ((4, 4, jnp.zeros(2, jnp.bfloat16)), "dtype=Array.* must be None, float32"),
     ],
 )
 def test_init_kv_caches_refuses_sizes_and_dtypes_it_cannot_build_by_name(args, match):
