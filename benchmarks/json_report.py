@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from jaxkv import whole_file
+
 
 def finite_json(obj: Any, **kwargs: Any) -> str:
     """json.dumps(obj, **kwargs) with every non-finite float (numpy's float64 too) as
@@ -35,19 +37,11 @@ def write_json(path: Path, obj: Any, *, indent: int = 1) -> None:
 
 
 def write_whole(path: Path, write: Callable[[Path], object]) -> None:
-    """Calls `write` with a temporary file beside `path`, then renames that file over
-    `path`, making its folder first. A run stopped mid-write (SIGTERM, Ctrl-C, an error
-    in `write`) leaves the previous file, never a cut one, and no temporary file. The
-    temporary file keeps `path`'s suffix, for writers that read the format from it
-    (matplotlib's savefig)."""
+    """jaxkv.whole_file.write_whole, making `path`'s folder first: a run stopped
+    mid-write (SIGTERM, Ctrl-C, an error in `write`) leaves the previous file, never a
+    cut one, and no temporary file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    try:
-        write(tmp)
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    whole_file.write_whole(path, write)
 
 
 def _nulled(obj: Any) -> Any:

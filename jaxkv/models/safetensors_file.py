@@ -13,11 +13,13 @@ import math
 import os
 import struct
 from collections.abc import Mapping
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
 from jaxkv.models.checkpoint import CheckpointError, checked_path
+from jaxkv.whole_file import write_whole
 
 _ST_DTYPES = {
     "F64": np.float64,
@@ -155,13 +157,11 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
         offset += a.nbytes
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)  # the format asks for 8-byte-aligned data
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
+
+    def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(blob)) + blob)
             for a in arrays.values():
                 f.write(a.tobytes())
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+
+    write_whole(path, write)
