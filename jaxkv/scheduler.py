@@ -1,18 +1,18 @@
 """Continuous batching: which requests run this step, with how many tokens each.
 
 Plain Python, no JAX. Each schedule() call first applies finished KV transfers, then
-schedules running requests (oldest first) and then waiting ones, under a token budget
-and a cap on running requests. Prompts are split into chunks when the budget is short
-(chunked prefill). When blocks run out, the most recently admitted running request is
-preempted by recompute: it gives all its blocks back and resumes later from scratch
-(its prefix-cache hits make that cheap). A waiting request whose KV the connector can
-supply starts a load instead; once it lands the request needs no further block, so it
-is admitted ahead of the queue (jaxkv.scheduler_admission holds the admission order and
-why). update_from_output() applies the sampled tokens (jaxkv.scheduler_update), stops
-requests, and either frees a finished request's blocks or lets the KV connector keep
-them held until an asynchronous save lands. Loads and saves are tracked by
-scheduler_transfers.TransferTracker. discard() hands back the batch of a step that failed
-before writing any KV (jaxkv.scheduler_discard).
+schedules running requests (oldest first, jaxkv.scheduler_running) and then waiting
+ones, under a token budget and a cap on running requests. Prompts are split into chunks
+when the budget is short (chunked prefill). When blocks run out, the most recently
+admitted running request is preempted by recompute: it gives all its blocks back and
+resumes later from scratch (its prefix-cache hits make that cheap). A waiting request
+whose KV the connector can supply starts a load instead; once it lands the request needs
+no further block, so it is admitted ahead of the queue (jaxkv.scheduler_admission holds
+the admission order and why). update_from_output() applies the sampled tokens
+(jaxkv.scheduler_update), stops requests, and either frees a finished request's blocks
+or lets the KV connector keep them held until an asynchronous save lands. Loads and
+saves are tracked by scheduler_transfers.TransferTracker. discard() hands back the batch
+of a step that failed before writing any KV (jaxkv.scheduler_discard).
 
 Liveness: add_request refuses a request the whole pool could not hold, and blocks are
 held only by running requests (which finish or are preempted), by copies in flight
@@ -37,11 +37,12 @@ from jaxkv.outputs import RequestOutput
 from jaxkv.request import Request, RequestStatus
 from jaxkv.request_id_lists import is_id_text, plain_id
 from jaxkv.scheduler_admission import admit_waiting, check_new_request
+from jaxkv.scheduler_args import checked_scheduler_args
 from jaxkv.scheduler_discard import discard_batch, keep_unwritten_if_unapplied
 from jaxkv.scheduler_output import DecodeCarry, SchedulerOutput, SchedulerStats, StepBatch
+from jaxkv.scheduler_running import schedule_decode, schedule_running
 from jaxkv.scheduler_transfers import TransferTracker
 from jaxkv.scheduler_update import apply_sampled_tokens, checked_sampled_tokens
-from jaxkv.slot_allocation import needs_manager
 
 __all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats"]
 
@@ -61,28 +62,16 @@ class Scheduler:
         manager: KVCacheManager,
         connector: KVConnector | None = None,
     ) -> None:
-        connector = KVConnector() if connector is None else connector
-        for name, value, kind in (
-            ("config", config, SchedulerConfig),
-            ("manager", manager, KVCacheManager),
-            ("connector", connector, KVConnector),
-        ):  # each used to raise AttributeError here or, a connector, in the first step
-            if not isinstance(value, kind):
-                raise ValueError(f"{name}={value!r} must be a {kind.__name__}")
-        if manager.max_model_len < config.max_model_len:
-            raise ValueError(f"{manager.max_model_len=} must be >= {config.max_model_len=}")
-        layout = (manager.block_size, manager.hash_seed)
-        if connector.hash_layout not in (None, layout):  # its saves would all be refused
-            raise ValueError(
-                f"connector is bound with (block_size, hash_seed)={connector.hash_layout}, the "
-                f"manager has {layout}: bind it with the manager's (it serves one engine)"
-            )
-        self.config, self.manager, self.connector = config, manager, connector
+        connector = checked_scheduler_args(config, manager, connector)
+        self.config = config
+        self.manager = manager
+        self.connector = connector
         self.requests: dict[str, Request] = {}  # every request not yet released
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        # Set while a tokenizer, or the connector's on_admission or start_load, runs: a Ctrl-C held
-        # around the scheduler's (and Engine.step's) changes stops those at once (held_interrupts).
+        # Set while a tokenizer, or the connector's on_admission or start_load, runs: a
+        # Ctrl-C held around the scheduler's (and Engine.step's) changes stops those at
+        # once (held_interrupts).
         self.user_code = UserCode()
         self._transfers = TransferTracker(self.connector, manager, self._release, self.user_code)
         self._finished_ids: list[str] = []
@@ -195,7 +184,7 @@ class Scheduler:
             preempted: list[str] = []
             num_running = None
             try:
-                budget = self._schedule_running(budget, batch, preempted)
+                budget = schedule_running(self, budget, batch, preempted)
                 num_running = len(batch.requests)
                 if not preempted:
                     admit_waiting(self, budget, batch)
@@ -211,91 +200,13 @@ class Scheduler:
             self._num_running_scheduled = num_running
             return self._unapplied
 
-    def _schedule_running(self, budget: int, batch: StepBatch, preempted: list[str]) -> int:
-        """Schedules running requests oldest first; returns the budget left.
-
-        After an all-decode step the update's carry stands in for the pass over the
-        requests. Their blocks come from one allocate_slots_batch call; only when the
-        pool cannot fit them all are they allocated one by one, preempting the latest.
-        """
-        carry, self._decode_carry = self._decode_carry, None
-        if carry is not None and len(self.running) <= budget:
-            return self._schedule_decode(carry, budget, batch, preempted)
-        # The loop is the per-request cost of every step: needs_manager and
-        # StepBatch.add are inlined.
-        limit = self.config.max_tokens_per_request
-        bs = self.manager.block_size
-        fill_limit = bs if self.manager.enable_prefix_caching else bs + 1
-        add_request, add_tokens = batch.requests.append, batch.num_tokens.append
-        add_computed = batch.num_computed.append
-        add_token_id, add_token_ids = batch.token_ids.append, batch.token_ids.extend
-        needing, needing_tokens = [], []
-        budget_left = budget
-        for request in self.running:
-            if budget_left <= 0:
-                break
-            computed = request.num_computed_tokens
-            n = request.num_tokens - computed
-            if n > budget_left:
-                n = budget_left
-            if n > limit:
-                n = limit
-            offset = computed % bs
-            if offset == 0 or offset + n >= fill_limit:
-                needing.append(request)
-                needing_tokens.append(n)
-            add_request(request)
-            add_tokens(n)
-            add_computed(computed)
-            if n == 1:
-                add_token_id(request.all_token_ids[computed])
-            else:
-                add_token_ids(request.all_token_ids[computed : computed + n])
-            budget_left -= n
-        if not needing or self.manager.allocate_slots_batch(needing, needing_tokens):
-            return budget_left
-        # Blocks run out: start over one by one (the batch call changed nothing).
-        batch.clear()
-        return self._schedule_one_by_one(budget, batch, preempted)
-
     def _schedule_decode(
         self, carry: DecodeCarry, budget: int, batch: StepBatch, preempted: list[str]
     ) -> int:
-        """_schedule_running when every running request has one token left (the carry)."""
-        needing = carry.needing
-        if needing and not self.manager.allocate_slots_batch(needing, [1] * len(needing)):
-            return self._schedule_one_by_one(budget, batch, preempted)
-        n = len(self.running)
-        computed = np.array(carry.num_computed, np.int32)
-        batch.set_running(list(self.running), np.ones(n, np.int32), computed, carry.token_ids)
-        return budget - n
-
-    def _schedule_one_by_one(self, budget: int, batch: StepBatch, preempted: list[str]) -> int:
-        """Schedules running requests one by one, preempting the latest when blocks run out."""
-        limit = self.config.max_tokens_per_request
-        # Iterating the live list is safe: preemption only pops from its end.
-        for request in self.running:
-            if budget <= 0:
-                break
-            n = min(request.num_tokens - request.num_computed_tokens, budget, limit)
-            if needs_manager(self.manager, request.num_computed_tokens, n) and not (
-                self._allocate_or_preempt(request, n, preempted)
-            ):
-                break  # the request itself was preempted: nothing after it can run
-            batch.add(request, n)
-            budget -= n
-        return budget
-
-    def _allocate_or_preempt(self, request: Request, n: int, preempted: list[str]) -> bool:
-        """Allocates for `request`, preempting the latest running requests until it fits;
-        False if `request` itself had to be preempted."""
-        while self.manager.allocate_slots(request, n) is None:
-            victim = self.running.pop()
-            self._preempt(victim)
-            preempted.append(victim.request_id)
-            if victim is request:
-                return False
-        return True
+        """schedule_running's pass when the update's carry stands in for the requests
+        (jaxkv.scheduler_running.schedule_decode): a method, so that a scheduler's use of
+        the carry can be observed."""
+        return schedule_decode(self, carry, budget, batch, preempted)
 
     def _preempt(self, request: Request) -> None:
         self.manager.free(request)

@@ -17,7 +17,12 @@ from tests.host._sched_util import FakeCopier, OracleLoadConnector, add, make_sc
 # schedule()'s own code (the manager's calls from it are each tried as a whole); its
 # calls into the connector are the lines that name them (and the line after each, where a
 # tracer, unlike a signal, runs before the flag is reset).
-FILES = {"scheduler.py", "scheduler_admission.py", "scheduler_transfers.py"}
+FILES = {
+    "scheduler.py",
+    "scheduler_running.py",
+    "scheduler_admission.py",
+    "scheduler_transfers.py",
+}
 USER_CALLS = ("on_admission(", "connector.start_load(", "user_code.runs = False")
 
 
