@@ -9,17 +9,16 @@ returned and what was expected; `abort`'s answer, given after the replica acted,
 by its truth (False if it has none) with a logged warning instead (as the scheduler
 reads a connector's on_finish).
 
-Checking a step's outputs costs a few passes of C over them (set operations), not a
-Python loop; the output-by-output pass runs only once they have found something wrong.
+What a step's outputs must be, and how they are checked, is in jaxkv.replica_outputs: a
+few passes of C over them (set operations), not a Python loop; the output-by-output pass
+runs only once those have found something wrong.
 """
 
 from __future__ import annotations
 
 import logging
-import operator
-import reprlib
 from collections.abc import Callable, Container, Iterable, Sequence
-from itertools import compress, repeat
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -27,18 +26,11 @@ import numpy as np
 from jaxkv.held_interrupts import UserCode
 from jaxkv.outputs import RequestOutput
 from jaxkv.replica import Replica
+from jaxkv.replica_outputs import outputs_fit, passing_outputs, request_of, sequence_key, shown
 
 __all__ = ["CheckedReplicas"]
 
 logger = logging.getLogger(__name__)
-
-# RequestOutput's fields by position: itemgetter runs in C.
-_request_id = operator.itemgetter(0)
-_finished = operator.itemgetter(2)
-_finish_reason = operator.itemgetter(3)
-_index = operator.itemgetter(5)
-_sequence = operator.itemgetter(0, 5)  # (request_id, index)
-_REASON_TYPES = {str, type(None)}
 
 
 def replica_name(index: int, replica: object) -> str:
@@ -59,7 +51,9 @@ class CheckedReplicas:
         is_parent: Callable[[str], bool],
         held: Container[str],
     ) -> None:
-        self._replicas, self._is_parent, self._held = replicas, is_parent, held
+        self._replicas = replicas
+        self._is_parent = is_parent
+        self._held = held
         self.user_code = UserCode()  # set around a replica's add_request and step
         self._running: list[set[str | tuple[str, int]]] = [set() for _ in replicas]
 
@@ -88,7 +82,7 @@ class CheckedReplicas:
                 ids = replica.ids_in_use
                 if not isinstance(ids, Container):
                     raise ValueError(
-                        f"{replica_name(index, replica)}.ids_in_use is {_shown(ids)}; "
+                        f"{replica_name(index, replica)}.ids_in_use is {shown(ids)}; "
                         "expected a container of request ids (a set, or Engine's live view)"
                     )
                 held.append(ids)
@@ -108,7 +102,7 @@ class CheckedReplicas:
                 continue
             answer = False if reset is None else reset()
             if not isinstance(answer, (bool, np.bool_)):
-                first = first or f"{replica_name(index, replica)} returned {_shown(answer)}"
+                first = first or f"{replica_name(index, replica)} returned {shown(answer)}"
                 everyone = False
             elif answer:
                 emptied(index)
@@ -133,7 +127,7 @@ class CheckedReplicas:
             if not callable(rewind):
                 raise ValueError(
                     f"{replica_name(index, self._replicas[index])}.queue_checkpoint() "
-                    f"returned {_shown(rewind)}; expected a function (its rewind)"
+                    f"returned {shown(rewind)}; expected a function (its rewind)"
                 )
             rewinds.append(rewind)
         return rewinds
@@ -149,7 +143,7 @@ class CheckedReplicas:
         method = getattr(replica, name, None)
         if method is not None and not callable(method):
             raise ValueError(
-                f"{replica_name(index, replica)}.{name} is {_shown(method)}; expected a "
+                f"{replica_name(index, replica)}.{name} is {shown(method)}; expected a "
                 "method (or no such attribute)"
             )
         return method
@@ -174,9 +168,12 @@ class CheckedReplicas:
         replica = self._replicas[index]
         try:
             queued = self.user_code.call(
-                replica.add_request, prompt, sampling_params, request_id=request_id,
+                replica.add_request,
+                prompt,
+                sampling_params,
+                request_id=request_id,
                 cache_salt=cache_salt,
-            )  # fmt: skip
+            )
         except BaseException as error:
             _abort_after(index, replica, request_id, error)
             raise
@@ -186,13 +183,13 @@ class CheckedReplicas:
             left = f"; {queued!r}, the router's own, left running" if named and not theirs else ""
             error = ValueError(
                 f"{replica_name(index, replica)}.add_request(request_id={request_id!r}) "
-                f"returned {_shown(queued)}; expected that id ("
+                f"returned {shown(queued)}; expected that id ("
                 f"{'both' if theirs else repr(request_id)} aborted there, nothing queued{left})"
             )
             for aborted in (request_id, queued) if theirs else (request_id,):
                 _abort_after(index, replica, aborted, error)
             raise error
-        self._running[index].update(map(_key, repeat(request_id), range(n)))
+        self._running[index].update(map(sequence_key, repeat(request_id), range(n)))
 
     def abort(self, index: int, request_id: str) -> bool:
         """replicas[index].abort(request_id), an answer other than a bool read by its truth
@@ -212,7 +209,7 @@ class CheckedReplicas:
             "%s.abort(%r) returned %s, not a bool; read as %s%s",
             replica_name(index, replica),
             request_id,
-            _shown(answer),
+            shown(answer),
             read,
             why,
         )
@@ -220,7 +217,7 @@ class CheckedReplicas:
 
     def end(self, index: int, request_id: str, indices: Iterable[int]) -> None:
         """The request's sequences of those sample indices no longer run on replicas[index]."""
-        self._running[index].difference_update(map(_key, repeat(request_id), indices))
+        self._running[index].difference_update(map(sequence_key, repeat(request_id), indices))
 
     def ended_in(self, outputs: list[RequestOutput], replica_of: dict[str, int]) -> None:
         """The sequences `outputs` (kept for a later step()) end are over now: their
@@ -230,9 +227,9 @@ class CheckedReplicas:
             if index is None or (o.finish_reason is None and not o.finished):
                 continue
             running = self._running[index]
-            running.discard(_key(o.request_id, o.index))
+            running.discard(sequence_key(o.request_id, o.index))
             if o.finished:  # every sample of its request
-                running.difference_update([k for k in running if _request_of(k) == o.request_id])
+                running.difference_update([k for k in running if request_of(k) == o.request_id])
 
     def step(self, outputs: list[RequestOutput], index: int) -> None:
         """Steps replicas[index] and appends what it returned to `outputs`: a list (or
@@ -245,30 +242,17 @@ class CheckedReplicas:
         naming the first that does not."""
         replica = self._replicas[index]
         result = self.user_code.call(replica.step)
-        if type(result) is list and self._fits(index, result):
+        if type(result) is list and outputs_fit(result, self._running[index], self._is_parent):
             outputs.extend(result)
             return
         name = f"{replica_name(index, replica)}.step()"
         if not isinstance(result, (list, tuple)):
-            raise ValueError(f"{name} returned {_shown(result)}; expected a list")
+            raise ValueError(f"{name} returned {shown(result)}; expected a list")
         ours = [o for o in result if not self._unheld(o)]
-        if len(ours) < len(result) and self._fits(index, ours):
+        if len(ours) < len(result) and outputs_fit(ours, self._running[index], self._is_parent):
             outputs.extend(ours)
             return
-        running = self._running[index]
-        kept: list[RequestOutput] = []
-        seen: set[str | tuple[str, int]] = set()
-        finished: set[str] = set()
-        first = None
-        for o in ours:
-            problem = _problem(o, running, seen, finished, self._is_parent)
-            if problem is None:
-                kept.append(o)
-                seen.add(_key(o.request_id, o.index))
-                if o.finished:
-                    finished.add(o.request_id)
-            elif first is None:
-                first = problem
+        kept, first = passing_outputs(ours, self._running[index], self._is_parent)
         outputs.extend(kept)
         if first is not None:
             raise ValueError(
@@ -284,43 +268,6 @@ class CheckedReplicas:
             and o.request_id not in self._held
         )
 
-    def _fits(self, index: int, result: list) -> bool:
-        """Whether `result` passes step's checks: passes of C over it, and a loop over its
-        finished outputs only (one per request)."""
-        if not set(map(type, result)) <= {RequestOutput}:
-            return False
-        if not set(map(type, map(_request_id, result))) <= {str}:  # ("x", 1): sample 1's key
-            return False
-        if not set(map(type, map(_index, result))) <= {int}:  # False, 0.0 == 0: sample 0's
-            return False
-        if not set(map(type, map(_finished, result))) <= {bool}:  # read by truth below
-            return False
-        if not set(map(type, map(_finish_reason, result))) <= _REASON_TYPES:  # compared too
-            return False
-        if set(map(_index, result)) <= {0}:  # no sample beyond a request's first
-            keys = set(map(_request_id, result))
-        else:
-            firsts = compress(result, map(operator.eq, map(_index, result), repeat(0)))
-            others = compress(result, map(operator.ne, map(_index, result), repeat(0)))
-            keys = set(map(_request_id, firsts)) | set(map(_sequence, others))
-        num_ending = len(result) - list(map(_finish_reason, result)).count(None)
-        if len(keys) != len(result) or not keys <= self._running[index]:
-            return False
-        is_parent = self._is_parent
-        last = None  # request id -> its last output in `result`
-        done = list(compress(result, map(_finished, result)))
-        for o in done:
-            if o.finish_reason is None:
-                return False
-            if is_parent(o.request_id):  # its samples' outputs come before it
-                last = last or dict(zip(map(_request_id, result), result, strict=True))
-                if last[o.request_id] is not o:
-                    return False
-        if num_ending == len(done):
-            return True
-        reasons = map(operator.is_not, map(_finish_reason, result), repeat(None))
-        return all(o.finished or is_parent(o.request_id) for o in compress(result, reasons))
-
 
 def _checked_bool(index: int, replica: Replica, method: str, answer: object) -> bool:
     """`answer`, what replica.method() returned, if a bool (numpy's is one); else
@@ -328,7 +275,7 @@ def _checked_bool(index: int, replica: Replica, method: str, answer: object) -> 
     if isinstance(answer, (bool, np.bool_)):
         return bool(answer)
     raise ValueError(
-        f"{replica_name(index, replica)}.{method}() returned {_shown(answer)}; expected a bool"
+        f"{replica_name(index, replica)}.{method}() returned {shown(answer)}; expected a bool"
     )
 
 
@@ -340,61 +287,3 @@ def _abort_after(index: int, replica: Replica, request_id: str, error: BaseExcep
             f"aborting {request_id!r} on {replica_name(index, replica)} then raised "
             f"{abort_error!r}: it may still run there"
         )
-
-
-def _key(request_id: str, index: int) -> str | tuple[str, int]:
-    return request_id if index == 0 else (request_id, index)
-
-
-def _request_of(key: str | tuple[str, int]) -> str:
-    return key[0] if type(key) is tuple else key
-
-
-def _shown(value: object) -> str:
-    return _repr.repr(value)
-
-
-_repr = reprlib.Repr()
-_repr.maxother = 80  # an object's default repr, its address included
-
-
-def _problem(
-    o: object,
-    running: set[str | tuple[str, int]],
-    seen: set[str | tuple[str, int]],
-    finished: set[str],
-    is_parent: Callable[[str], bool],
-) -> str | None:
-    """What is wrong with output `o` of a replica's step (None if nothing), given the
-    outputs before it: `seen` their sequences, `finished` the requests they finished."""
-    if not isinstance(o, RequestOutput):
-        return f"{_shown(o)}, not a RequestOutput"
-    if not isinstance(o.request_id, str):  # ("x", 1) would pass for sample 1 of "x"
-        return f"an output of request_id {_shown(o.request_id)}, not a str"
-    if not isinstance(o.index, int) or isinstance(o.index, bool):  # False == 0, hashed alike
-        return f"an output of request {o.request_id!r} with index {_shown(o.index)}, not an int"
-    # An array here raised a ValueError naming nothing when read by its truth.
-    if not isinstance(o.finished, (bool, np.bool_)):
-        return f"an output of request {o.request_id!r} with finished={_shown(o.finished)}, no bool"
-    if not isinstance(o.finish_reason, (str, type(None))):
-        reason = _shown(o.finish_reason)
-        return f"an output of request {o.request_id!r} with finish_reason={reason}, no str"
-    key = _key(o.request_id, o.index)
-    what = (
-        f"an output of request {o.request_id!r} (index {o.index!r}, finished="
-        f"{o.finished!r}, finish_reason={o.finish_reason!r})"
-    )
-    if o.request_id in finished:
-        return f"{what} after the output that finished that request"
-    if key in seen:
-        return f"{what} twice"
-    if key not in running:
-        return (
-            f"{what}, a sequence it does not run for the router (sent to another "
-            "replica, or one that ended)"
-        )
-    if o.finished and o.finish_reason is None:
-        return f"{what}: finished without a finish_reason"
-    if o.finish_reason is not None and not o.finished and not is_parent(o.request_id):
-        return f"{what}: a finish_reason on a request of one sample that is not finished"
-    return None
