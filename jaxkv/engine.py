@@ -1,14 +1,7 @@
 """Engine: the serving loop. add_request / step / abort / generate over a paged Llama.
 
-One step (README, "Architecture"):
-
-1. Scheduler.schedule(): applies landed KV transfers, picks the batch, allocates blocks;
-2. CascadePlanner.plan(): exact shared prefixes of the scheduled set, cost model;
-3. build_attention_metadata(): padded static-shape arrays, batch in plan order;
-4. one jitted program: the model forward (KV write + attention in every layer) and the
-   sampler; the KV caches are donated and replaced;
-5. Scheduler.update_from_output(): append tokens, stop, free blocks or hand them to the
-   KV connector (which may keep them held while it copies them out).
+Its parts: a step's host path (jaxkv.engine_step), what it builds from its config
+(jaxkv.engine_args, jaxkv.engine_device) and its end (jaxkv.engine_lifetime).
 
 One program per combination of buckets met and variant (logprobs, min_tokens ban width,
 penalty table width, prompt-logprob rows), shared by engines over one model graph;
@@ -17,7 +10,6 @@ EngineConfig.max_step_programs bounds them for workloads without the last three.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
@@ -30,16 +22,15 @@ from jaxkv.cascade import CascadePlan, CascadePlanner
 from jaxkv.closable import Closable, one_at_a_time, step_until_landed
 from jaxkv.completion import run_to_completion
 from jaxkv.config import EngineConfig
-from jaxkv.deliberate_transfers import allowing_transfers
 from jaxkv.detokenizer import Detokenizer
 from jaxkv.engine_args import checked_engine_args
 from jaxkv.engine_device import device_state, engine_copier
 from jaxkv.engine_lifetime import LOST, caches_lost, close_engine
+from jaxkv.engine_step import run_step
 from jaxkv.hashing import check_hash_key
 from jaxkv.held_interrupts import holding_interrupts
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_transfer import KVConnector, bound_stats
-from jaxkv.logprobs import StepLogprobs
 from jaxkv.metrics import EngineMetrics, StepStats, StepTotals, engine_metrics
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.parallel_sampling import IdsInUse, ParallelSamples
@@ -52,7 +43,7 @@ from jaxkv.sampling_checks import checked_sampling_params
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.scheduler import Scheduler, SchedulerOutput
 from jaxkv.sharding import mesh_for
-from jaxkv.step_inputs import batch_inputs, in_schedule_order, program_key
+from jaxkv.step_inputs import batch_inputs
 from jaxkv.token_texts import TokenTexts
 
 
@@ -246,81 +237,19 @@ class Engine(Closable):
         A program that fails after the caches were donated to it loses them: see
         jaxkv.engine_lifetime (the engine must be rebuilt; its error notes it).
         """
-        t0, c0 = time.perf_counter(), time.thread_time()
-        prompt_logprobs = self._sampling.prompt_logprobs
-        self.scheduler.discard_unapplied()  # a batch an interrupt kept from the last step
-        out = self.scheduler.schedule()
-        n = out.num_requests
-        if n == 0:
-            return []
-        held = self.manager.pool.num_held_blocks  # before the update frees finished ones
-        try:
-            c_schedule = time.thread_time()
-            plan = self.planner.plan(
-                out.request_ids, out.num_computed_tokens, out.num_scheduled_tokens, self.manager
-            )
-            c_plan = time.thread_time()
-            order, md, input_ids, sampling, prompt = self._step_inputs(out, plan)
-            width = self._sampling.logprob_width(out.requests)  # None: no logprobs
-            rows = None if prompt is None else prompt.rows
-            prompt_width = 0 if rows is None else prompt_logprobs.width
-            key = program_key(md, sampling, width, rows)
-            new_program = key not in self._programs
-            t1, c1 = time.perf_counter(), time.thread_time()
-
-            with allowing_transfers():  # deliberate, whatever guard the caller set
-                # It donates the caches: Ctrl-C waits till it stored the new (held_interrupts)
-                donated = self.kv_caches
-                with holding_interrupts(passes_on=lambda: not donated[0].is_deleted()):
-                    tokens, self.kv_caches, prompt_out = self._program(
-                        self._state_leaves, input_ids, md.positions, self.kv_caches, md,
-                        sampling, rows, num_logprobs=width, num_prompt_logprobs=prompt_width,
-                    )  # fmt: skip
-                if width is not None:
-                    logprobs = StepLogprobs(tokens[1], n, order, self._token_texts)
-                    tokens = tokens[0]
-                if rows is not None:
-                    prompt_logprobs.record(prompt, prompt_out)
-                sampled = in_schedule_order(tokens, n, order)
-            t2 = time.perf_counter()
-        except BaseException as error:
-            # The batch's allocation entered the blocks its tokens were to fill into the
-            # prefix cache, but their KV was never written: a later hit would read garbage.
-            self.scheduler.discard(out)
-            if caches_lost(self.kv_caches):  # the program failed after they were donated
-                error.add_note(LOST)
-            raise
-        if new_program:
-            self._programs.add(key)
-
-        with holding_interrupts(passes_on=self.scheduler.user_code):
-            try:
-                outputs = self.scheduler.update_from_output(out, sampled)
-                if width is not None:
-                    outputs = logprobs.attach(outputs, out.requests, self._sampling.logprobs)
-                outputs = prompt_logprobs.attach(outputs, prompt, self._token_texts)
-                if self._samples:
-                    outputs = self._samples.relabel(outputs)
-            finally:  # also when an interrupt stops the update (the tokenizer, the connector)
-                self._sampling.discard_finished(out.requests)
-                if self._samples:
-                    self._samples.discard_finished(out.requests)
-                t3 = time.perf_counter()  # the model ran: the step counts, interrupted or not
-                levels = "+".join(level.name for level in plan.levels)
-                self.last_step = StepStats(
-                    t1 - t0, c1 - c0, t2 - t1, t3 - t2, n, len(out.token_ids), levels,
-                    new_program, schedule_cpu_s=c_schedule - c0, plan_cpu_s=c_plan - c_schedule,
-                    prepare_cpu_s=c1 - c_plan, num_blocks_held=held,
-                )  # fmt: skip
-                self._totals.record(self.last_step)
-        return outputs
+        return run_step(self)
 
     def _step_inputs(self, out: SchedulerOutput, plan: CascadePlan):
         """jaxkv.step_inputs.batch_inputs of a scheduled batch on this engine."""
         return batch_inputs(
-            out, plan, manager=self.manager, buckets=self.buckets, config=self.config,
-            backend=self.backend, sampling_rows=self._sampling,
-        )  # fmt: skip
+            out,
+            plan,
+            manager=self.manager,
+            buckets=self.buckets,
+            config=self.config,
+            backend=self.backend,
+            sampling_rows=self._sampling,
+        )
 
     # ----------------------------------------------------------------- driving
 

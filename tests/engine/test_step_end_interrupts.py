@@ -12,10 +12,11 @@ from tests.host._line_interrupts import LineInterrupts
 
 PROMPTS = [np.random.default_rng(3).integers(0, VOCAB, n).tolist() for n in (9, 6)]
 PARAMS = [SamplingParams(max_tokens=2, logprobs=1), SamplingParams(max_tokens=2, n=2)]
+STEP_FILES = {"engine.py", "engine_step.py"}  # Engine.step and its host path
 
 
 def _serve(engine, at):
-    """Serves PROMPTS, a SIGINT at the `at`-th line of engine.py that runs in the step
+    """Serves PROMPTS, a SIGINT at the `at`-th line of STEP_FILES that runs in the step
     that finishes them (the second); returns each request's generated tokens by id."""
     requests = {}
     for prompt, params in zip(PROMPTS, PARAMS, strict=True):
@@ -23,7 +24,7 @@ def _serve(engine, at):
         ids = [rid] if params.n == 1 else [f"{k}_{rid}" for k in range(params.n)]
         requests.update({i: engine.scheduler.requests[i] for i in ids})
     engine.step()  # the prompts
-    lines = LineInterrupts(at, {"engine.py"})
+    lines = LineInterrupts(at, STEP_FILES)
     try:
         with lines:
             engine.step()  # the last tokens: every request finishes

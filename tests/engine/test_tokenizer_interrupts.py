@@ -113,7 +113,7 @@ def test_a_step_interrupted_in_the_tokenizer_counts_in_the_metrics():
 
 def test_samples_finished_in_an_interrupted_step_leave_the_parallel_samples_bookkeeping():
     # n=2, one token each: sample 0's finished text is decoded first and interrupted, so
-    # sample 0 has finished and sample 1 was not yet updated. engine.py's step forgets the
+    # sample 0 has finished and sample 1 was not yet updated. The step (engine_step) forgets the
     # finished sample in its `finally:`; kept, the request would never report finished
     # and its id would stay in use.
     tokenizer = _InterruptOnce()
