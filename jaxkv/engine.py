@@ -1,7 +1,8 @@
 """Engine: the serving loop. add_request / step / abort / generate over a paged Llama.
 
-Its parts: a step's host path (jaxkv.engine_step), what it builds from its config
-(jaxkv.engine_args, jaxkv.engine_device) and its end (jaxkv.engine_lifetime).
+Its parts: a step's host path (jaxkv.engine_step), request intake
+(jaxkv.engine_requests), what it builds from its config (jaxkv.engine_args,
+jaxkv.engine_device) and its end (jaxkv.engine_lifetime).
 
 One program per combination of buckets met and variant (logprobs, min_tokens ban width,
 penalty table width, prompt-logprob rows), shared by engines over one model graph;
@@ -26,20 +27,15 @@ from jaxkv.detokenizer import Detokenizer
 from jaxkv.engine_args import checked_engine_args
 from jaxkv.engine_device import device_state, engine_copier
 from jaxkv.engine_lifetime import LOST, caches_lost, close_engine
+from jaxkv.engine_requests import abort_requests, queue_request
 from jaxkv.engine_step import run_step
-from jaxkv.hashing import check_hash_key
-from jaxkv.held_interrupts import holding_interrupts
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_transfer import KVConnector, bound_stats
 from jaxkv.metrics import EngineMetrics, StepStats, StepTotals, engine_metrics
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.parallel_sampling import IdsInUse, ParallelSamples
-from jaxkv.prompt_checks import checked_prompt_ids
-from jaxkv.request import Request
-from jaxkv.request_id_lists import checked_request_ids
 from jaxkv.request_serials import RequestSerials, SerialsCheckpoint
 from jaxkv.sampler import SamplingRows
-from jaxkv.sampling_checks import checked_sampling_params
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.scheduler import Scheduler, SchedulerOutput
 from jaxkv.sharding import mesh_for
@@ -153,17 +149,7 @@ class Engine(Closable):
         samples are queued (ids "0_<id>" to "<n-1>_<id>", in use too) and report under
         its id. A Ctrl-C queues it whole, its id and seed taken, or not at all."""
         self._check_open(idle=False)
-        prompt = checked_prompt_ids(prompt_token_ids, limit=self.vocab_size)
-        sampling_params = checked_sampling_params(sampling_params, self.model_config, self.config)
-        check_hash_key("cache_salt", cache_salt)  # before a default id exists to name
-        in_use = IdsInUse(self.scheduler.requests, self._samples, n=sampling_params.n)
-        serial, request_id = self._serials.peek(request_id, in_use)  # a default id: all free
-        request = Request(request_id, prompt, sampling_params, cache_salt=cache_salt)
-        seed = (self.config.seed * 0x9E3779B97F4A7C15 + serial) & 0xFFFFFFFFFFFFFFFF
-        with holding_interrupts():  # ValueError (id in use, prompt too long): none queued
-            self._samples.queue(self.scheduler, self._sampling, request, seed)
-            self._serials.take(serial)  # only once queued (jaxkv.request_serials)
-        return request.request_id
+        return queue_request(self, prompt_token_ids, sampling_params, request_id, cache_salt)
 
     def queue_checkpoint(self) -> SerialsCheckpoint:
         """A function that, called once every request queued since has been aborted (as
@@ -183,12 +169,7 @@ class Engine(Closable):
         No RequestOutput follows for it: step() reports only requests that got a token. A
         Ctrl-C is raised once each is cancelled, its sampling row and samples forgotten."""
         self._check_not_running()
-        aborted = False
-        with holding_interrupts():  # cut, it kept rows and samples of requests it ended
-            for request_id in checked_request_ids(request_ids):
-                for rid in self._samples.ids_to_abort(request_id):
-                    aborted = self._samples.abort(self.scheduler, self._sampling, rid) or aborted
-        return aborted
+        return abort_requests(self, request_ids)
 
     def has_unfinished_requests(self) -> bool:
         """True while a request (a sample under n) waits or runs; finished ones whose KV

@@ -304,7 +304,7 @@ def test_the_engine_seed_sets_the_draws_of_unseeded_requests():
 
 def test_engines_of_adjacent_seeds_do_not_replay_each_others_requests_one_later():
     # engine_replicas gives replica i the seed config.seed + i. Were the engine seed only
-    # added to the request serial (engine.py's seed mixing), replica 1's n-th unseeded
+    # added to the request serial (engine_requests' seed mixing), replica 1's n-th unseeded
     # request would draw as replica 0's (n+1)-th: every draw here must be its own.
     prompt = [3, 1, 4, 1, 5]
     base = make_engine().config
