@@ -2,7 +2,7 @@
 
 Its parts: a step's host path (jaxkv.engine_step), request intake
 (jaxkv.engine_requests), what it builds from its config (jaxkv.engine_args,
-jaxkv.engine_device) and its end (jaxkv.engine_lifetime).
+jaxkv.engine_parts, jaxkv.engine_device) and its end (jaxkv.engine_lifetime).
 
 One program per combination of buckets met and variant (logprobs, min_tokens ban width,
 penalty table width, prompt-logprob rows), shared by engines over one model graph;
@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.attention import default_backend
-from jaxkv.cascade import CascadePlan, CascadePlanner
+from jaxkv.cascade import CascadePlan
 from jaxkv.closable import Closable, one_at_a_time, step_until_landed
 from jaxkv.completion import run_to_completion
 from jaxkv.config import EngineConfig
@@ -27,9 +27,9 @@ from jaxkv.detokenizer import Detokenizer
 from jaxkv.engine_args import checked_engine_args
 from jaxkv.engine_device import device_state, engine_copier
 from jaxkv.engine_lifetime import LOST, caches_lost, close_engine
+from jaxkv.engine_parts import cascade_planner, kv_cache_manager
 from jaxkv.engine_requests import abort_requests, queue_request
 from jaxkv.engine_step import run_step
-from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_transfer import KVConnector, bound_stats
 from jaxkv.metrics import EngineMetrics, StepStats, StepTotals, engine_metrics
 from jaxkv.outputs import CompletionOutput, RequestOutput
@@ -76,20 +76,16 @@ class Engine(Closable):
     ) -> None:
         config = checked_engine_args(model, params, config, connector)
         detokenizer = None if tokenizer is None else Detokenizer(tokenizer)  # checks it
-        mc, sc, cc = model.config, config.scheduler, config.cache
-        self.config, self.model_config, self.vocab_size = config, mc, mc.vocab_size
+        mc = model.config
+        self.config = config
+        self.model_config = mc
+        self.vocab_size = mc.vocab_size
         self.backend = config.backend or default_backend()
-        self.manager = KVCacheManager(
-            cc.num_blocks,
-            cc.block_size,
-            max_model_len=sc.max_model_len,
-            enable_prefix_caching=cc.enable_prefix_caching,
-            hash_seed=cc.hash_seed,
-            enable_kv_cache_events=cc.enable_kv_cache_events,
-        )
+        self.manager = kv_cache_manager(config)
         self.connector = connector if connector is not None else KVConnector()
-        self.scheduler = Scheduler(sc, self.manager, self.connector)
-        self.tokenizer, self.scheduler.detokenizer = tokenizer, detokenizer
+        self.scheduler = Scheduler(config.scheduler, self.manager, self.connector)
+        self.tokenizer = tokenizer
+        self.scheduler.detokenizer = detokenizer
         self._token_texts = None if tokenizer is None else TokenTexts(tokenizer.decode)
         self.buckets = config.buckets
         self._sampling = SamplingRows(min(config.max_logprobs, self.vocab_size), mc.eos_token_ids)
@@ -106,21 +102,18 @@ class Engine(Closable):
         try:
             placed = device.placed
             self.mesh = None if placed is None else placed.mesh
-            self._state_leaves, self._program = device.state_leaves, device.program
+            self._state_leaves = device.state_leaves
+            self._program = device.program
             self.kv_caches = device.kv_caches
-            self.planner = CascadePlanner(
-                device.heads,
-                backend=self.backend,
-                cost_model=config.cascade_cost_model,
-                enable_cascade=config.enable_cascade,
-                max_groups=config.max_cascade_groups,
-                page_buckets=self.buckets.page_buckets,
-            )
+            self.planner = cascade_planner(config, device.heads, self.backend)
             self.copier = engine_copier(
                 self, device, mc, max_blocks=self.manager.max_blocks_per_seq
             )
             self._transfers_at_bind = self._transfers_at_close = bound_stats(
-                self.connector, self.copier, block_size=cc.block_size, hash_seed=cc.hash_seed
+                self.connector,
+                self.copier,
+                block_size=config.cache.block_size,
+                hash_seed=config.cache.hash_seed,
             )
         except BaseException:
             device.free()
