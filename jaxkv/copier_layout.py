@@ -9,7 +9,9 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxkv.field_checks import as_int, is_unordered
+from jaxkv.hashing import BlockHash
 from jaxkv.kv_transfer import KVCopier
+from jaxkv.request import Request
 
 
 class StoreLayout(NamedTuple):
@@ -122,12 +124,19 @@ def _mismatch(name: str, got: object, declared: object, held: object) -> str | N
     return None
 
 
-def check_copied_blocks(data: np.ndarray, layout: StoreLayout, held: np.ndarray | None) -> None:
-    """ValueError unless the blocks of `data` ([n >= 1, ...]) have the copier's declared
-    block_shape and dtype (`layout`'s), or, where it declares none, those of `held`, a
-    block the store holds (None: it holds none), since a load makes the stored blocks it
-    gathers one array; and unless each has the copier's bytes_per_block, by which the
-    store counts its host_bytes (larger blocks overran the budget, unseen in the stats)."""
+def checked_copied_blocks(
+    result: object, num_asked: int, layout: StoreLayout, held: np.ndarray | None
+) -> np.ndarray:
+    """A landed save's `result` as one array of `num_asked` blocks. An exception (from
+    numpy, for blocks no array holds, such as ragged ones) or ValueError unless it is
+    one, and unless its blocks have the copier's declared block_shape and dtype
+    (`layout`'s), or, where it declares none, those of `held`, a block the store holds
+    (None: it holds none), since a load makes the stored blocks it gathers one array;
+    and unless each has the copier's bytes_per_block, by which the store counts its
+    host_bytes (larger blocks overran the budget, unseen in the stats)."""
+    data = np.asarray(result)
+    if len(data) != num_asked:
+        raise ValueError(f"{len(data)} blocks copied for {num_asked} asked")
     held_shape = None if held is None else held.shape
     held_dtype = None if held is None else held.dtype
     size = data.nbytes // len(data)
@@ -144,6 +153,27 @@ def check_copied_blocks(data: np.ndarray, layout: StoreLayout, held: np.ndarray 
     ]
     if wrong:
         raise ValueError("copied blocks of " + " and ".join(wrong))
+    return data
+
+
+def load_span(
+    request: Request, num_blocks: int, layout: StoreLayout, call: str
+) -> tuple[list[BlockHash], int]:
+    """(the request's block hashes under `layout`, the index of the first of them a load
+    of `num_blocks` blocks after its computed tokens reads); ValueError naming `call`
+    unless those blocks are whole prompt blocks, at least one, before its last token's
+    (whose logits must be computed)."""
+    bs = layout.block_size
+    first, rem = divmod(request.num_computed_tokens, bs)
+    hashes = request.update_block_hashes(bs, layout.hash_seed)
+    last = (request.num_tokens - 1) // bs  # the last token's block: never loaded
+    if rem or not num_blocks or first + num_blocks > min(len(hashes), last):
+        raise ValueError(
+            f"{call}: {num_blocks} block_ids do not cover whole prompt blocks after "
+            f"{request.num_computed_tokens} computed tokens and before its last token "
+            "(whose logits must be computed)"
+        )
+    return hashes, first
 
 
 def checked_block_ids(block_ids: object, call: str, num_blocks: int | None) -> list[int]:

@@ -15,9 +15,10 @@ from jaxkv.allocation_args import checked_request_id, count
 from jaxkv.copier_layout import (
     UNBOUND,
     StoreLayout,
-    check_copied_blocks,
     checked_block_ids,
+    checked_copied_blocks,
     declared_num_blocks,
+    load_span,
     store_layout,
 )
 from jaxkv.field_checks import checked_int
@@ -25,7 +26,14 @@ from jaxkv.hashing import BlockHash
 from jaxkv.held_interrupts import UserCode
 from jaxkv.host_block_store import HostBlockStore
 from jaxkv.kv_transfer import KVConnector, KVCopier, TransferEvents, TransferStats
-from jaxkv.offload_transfers import Transfer, check_not_in_flight, copy_result, is_closed, started
+from jaxkv.offload_transfers import (
+    Transfer,
+    check_not_in_flight,
+    collect,
+    copy_result,
+    is_closed,
+    started,
+)
 from jaxkv.request import Request
 
 logger = logging.getLogger(__name__)
@@ -64,12 +72,14 @@ class HostOffloadConnector(KVConnector):
     engine lives and is not closed (Engine.close unbinds it), since one engine's saves
     through another's copier would store that engine's KV under the first one's hashes.
     It holds the copier weakly, so an engine dropped without close() is still collected;
-    the copies it had in flight are then forgotten. The store outlives the engine: a later
-    engine bound with the same block size, hash seed, block layout (bytes, shape and
-    dtype of a block, which holds each KV head once whatever the tensor-parallel width)
-    and model (the copier's model_fingerprint: config and weights' bits, wherever the
-    weights are placed) reads what the earlier one saved; any other binding empties it,
-    so KV one model computed is never loaded into another's cache.
+    the copies it had in flight are then forgotten: from the connector's first call after
+    the collection (has_pending, poll and stats included), they are no longer pending but
+    failed, and the blocks stored behind their unsaved ones are demoted. The store
+    outlives the engine: a later engine bound with the same block size, hash seed, block
+    layout (bytes, shape and dtype of a block, which holds each KV head once whatever the
+    tensor-parallel width) and model (the copier's model_fingerprint: config and weights'
+    bits, wherever the weights are placed) reads what the earlier one saved; any other
+    binding empties it, so KV one model computed is never loaded into another's cache.
     """
 
     def __init__(self, host_bytes: int, *, copy_delay_steps: int = 0) -> None:
@@ -128,8 +138,6 @@ class HostOffloadConnector(KVConnector):
                 f"saves and {len(self._loads)} loads are in flight (a save would land under "
                 "the old layout's hashes): poll() until has_pending() is False first"
             )
-        if bound is None and self._copier_ref is not None:
-            self._forget_copies()  # its engine was collected without close()
         if layout != self._layout:
             self._store.clear()  # saved for other blocks: not this engine's KV
         self._layout = layout
@@ -155,8 +163,7 @@ class HostOffloadConnector(KVConnector):
             raise RuntimeError(
                 f"unbind with {len(self._saves)} saves and {len(self._loads)} loads in flight"
             )
-        self._forget_copies()
-        self._copier_ref = None
+        self._unbind()
 
     # ------------------------------------------------------------------ hooks
 
@@ -252,17 +259,9 @@ class HostOffloadConnector(KVConnector):
         copier = self._require_copier()
         block_ids = checked_block_ids(block_ids, f"start_load({req_id!r})", self._num_blocks)
         check_not_in_flight("start_load", req_id, self._loads)
-        bs = self._layout.block_size
-        first, rem = divmod(request.num_computed_tokens, bs)
-        all_hashes = request.update_block_hashes(bs, self._layout.hash_seed)
-        last = (request.num_tokens - 1) // bs  # the last token's block: never loaded
-        hashes = all_hashes[first : min(first + len(block_ids), last)]
-        if rem or not block_ids or len(hashes) != len(block_ids):
-            raise ValueError(
-                f"start_load({req_id!r}): {len(block_ids)} block_ids do not cover whole "
-                f"prompt blocks after {request.num_computed_tokens} computed tokens and "
-                "before its last token (whose logits must be computed)"
-            )
+        call = f"start_load({req_id!r})"
+        all_hashes, first = load_span(request, len(block_ids), self._layout, call)
+        hashes = all_hashes[first : first + len(block_ids)]
         if not all(h in self._store for h in hashes):
             raise ValueError(f"start_load({req_id!r}): the store no longer holds those blocks")
         serials = [self._store.serial(h) for h in hashes]  # the copies this load reads
@@ -282,16 +281,20 @@ class HostOffloadConnector(KVConnector):
         self._loads[req_id] = Transfer(req_id, future, hashes, self._step, num_tokens, serials)
 
     def poll(self) -> TransferEvents:
+        self._bound()  # a collected copier's copies are forgotten, never reported
         self._step += 1
-        saved, failed_saves = self._collect(self._saves, self._finish_save)
-        loaded, failed_loads = self._collect(self._loads, self._finish_load)
+        step, delay = self._step, self.copy_delay_steps
+        saved, failed_saves = collect(self._saves, self._finish_save, step, delay)
+        loaded, failed_loads = collect(self._loads, self._finish_load, step, delay)
         return TransferEvents(tuple(saved), tuple(failed_saves), tuple(loaded), tuple(failed_loads))
 
     def has_pending(self) -> bool:
+        self._bound()
         return bool(self._saves or self._loads)
 
     @property
     def stats(self) -> TransferStats:
+        self._bound()
         n = len(self._store)
         return dataclasses.replace(
             self._stats, num_stored_blocks=n, stored_bytes=n * self._layout.bytes_per_block
@@ -299,28 +302,17 @@ class HostOffloadConnector(KVConnector):
 
     def stored_hashes(self) -> list[BlockHash]:
         """Hashes in the host store, least recently used first."""
+        self._bound()
         return list(self._store)
 
     # ---------------------------------------------------------------- helpers
 
-    def _collect(self, transfers: dict[str, Transfer], finish) -> tuple[list[str], list[str]]:
-        ok, failed = [], []
-        for req_id, t in list(transfers.items()):
-            if self._step - t.start_step < self.copy_delay_steps or not t.future.done():
-                continue
-            del transfers[req_id]
-            (ok if finish(t) else failed).append(req_id)
-        return ok, failed
-
     def _finish_save(self, t: Transfer) -> bool:
         try:
             # Made one array inside the try: blocks no array holds (ragged ones) fail the
-            # save here, not in the store's put below, after _collect dropped the transfer.
-            data = np.asarray(copy_result(t.future))
-            if len(data) != len(t.hashes):
-                raise ValueError(f"{len(data)} blocks copied for {len(t.hashes)} asked")
+            # save here, not in the store's put below, after collect dropped the transfer.
             held = next(iter(self._store.values()), None)  # all alike: each was checked
-            check_copied_blocks(data, self._layout, held)
+            data = checked_copied_blocks(copy_result(t.future), len(t.hashes), self._layout, held)
         except Exception as e:  # noqa: BLE001 - any copy failure frees the blocks the same way
             return self._save_failed(t, e)
         self._saving.difference_update(t.hashes)
@@ -369,12 +361,14 @@ class HostOffloadConnector(KVConnector):
         limit = self.host_bytes // max(self._layout.bytes_per_block, 1)
         self._store.evict_to(limit)
 
-    def _forget_copies(self) -> None:
-        """No one will collect the copies in flight (their engine is gone): failed ones."""
+    def _unbind(self) -> None:
+        """Ends the binding. No one will collect the copies in flight (their engine is
+        gone or closed): they are forgotten, as failed ones."""
         self._count(num_failed_saves=len(self._saves), num_failed_loads=len(self._loads))
         self._saves.clear()
         self._loads.clear()
         self._saves_ended_unstored(list(self._saving))
+        self._copier_ref = None
 
     def _saves_ended_unstored(self, hashes: Sequence[BlockHash]) -> None:
         """`hashes`, no longer being saved, were not stored: blocks stored behind them demote."""
@@ -391,7 +385,12 @@ class HostOffloadConnector(KVConnector):
         return None if self._bound() is None else (self._layout.block_size, self._layout.hash_seed)
 
     def _bound(self) -> KVCopier | None:
-        return None if self._copier_ref is None else self._copier_ref()
+        """The bound copier, or None, unbound once collected: here, on the caller's thread,
+        not in a weakref callback, run by whichever thread collects it, amid a poll()."""
+        copier = None if self._copier_ref is None else self._copier_ref()
+        if copier is None and self._copier_ref is not None:
+            self._unbind()
+        return copier
 
     def _require_copier(self) -> KVCopier:
         copier = self._bound()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import reprlib
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from jaxkv.field_checks import is_bool
@@ -21,6 +22,20 @@ class Transfer:
     num_tokens: int = 0  # loads: prompt tokens the loaded blocks cover
     serials: list[int] = dataclasses.field(default_factory=list)  # loads: store entries read
     chain: list[BlockHash] = dataclasses.field(default_factory=list)  # saves: all full blocks
+
+
+def collect(
+    transfers: dict[str, Transfer], finish: Callable[[Transfer], bool], step: int, delay: int
+) -> tuple[list[str], list[str]]:
+    """Takes out of `transfers` each one landed and started at least `delay` polls before
+    poll `step`, and ends it with `finish`: (the ids it returned True for, the others)."""
+    ok, failed = [], []
+    for req_id, t in list(transfers.items()):
+        if step - t.start_step < delay or not t.future.done():
+            continue
+        del transfers[req_id]
+        (ok if finish(t) else failed).append(req_id)
+    return ok, failed
 
 
 def copy_result(future: Future):

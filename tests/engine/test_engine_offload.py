@@ -8,6 +8,7 @@ request shares the prefix, and every block must come back once the copies land.
 
 from __future__ import annotations
 
+import gc
 from concurrent.futures import Future
 from contextlib import contextmanager
 
@@ -318,3 +319,16 @@ def test_a_save_names_block_ids_given_twice_or_not_as_ids():
         while connector.has_pending():
             connector.poll()
         assert connector.stats.num_saves == 1 and len(connector._store) == 2
+
+
+def test_an_engine_dropped_with_a_save_in_flight_leaves_its_connector_nothing_pending():
+    # The connector went on reporting the dropped engine's save as pending, and not
+    # failed, until another engine was bound to it.
+    connector = HostOffloadConnector(HOST_BYTES, copy_delay_steps=10**9)
+    engine = make_engine(connector=connector)
+    prompt = np.random.default_rng(3).integers(0, VOCAB, 20).tolist()
+    engine.generate([prompt], SamplingParams(max_tokens=2), progress=False)
+    assert connector.has_pending() and connector.stats.num_failed_saves == 0
+    del engine
+    gc.collect()
+    assert not connector.has_pending() and connector.stats.num_failed_saves == 1

@@ -9,7 +9,6 @@ import pytest
 
 from jaxkv import Request, SamplingParams
 from jaxkv.host_offload_connector import HostOffloadConnector
-from jaxkv.kv_transfer import TransferEvents
 from tests.host._sched_util import FakeCopier, add, make_scheduler, run_until_idle, step
 
 BS = 4
@@ -132,53 +131,10 @@ def test_binding_another_block_layout_empties_the_store(block_size, hash_seed, b
     assert connector.stored_hashes() == [] and connector.stats.num_stored_blocks == 0
 
 
-def test_a_copier_collected_without_unbind_frees_the_connector_and_its_copies():
-    connector, copier, sched = _saved_connector(delay=3)
-    step(sched, copier)  # a save is in flight when its engine goes away
-    assert connector.has_pending()
-    del copier, sched
-    gc.collect()
-    connector.bind(FakeCopier(32, BS), block_size=BS, hash_seed=0)
-    assert not connector.has_pending()  # no one is left to be told they landed
-
-
 def _one_request(request_id: str, num_tokens: int) -> Request:
     request = Request(request_id, list(range(1, num_tokens + 1)), SamplingParams())
     request.num_computed_tokens = num_tokens
     return request
-
-
-def test_a_copier_collected_with_a_load_in_flight_leaves_nothing_pending():
-    copier = FakeCopier(16, BS)
-    connector = HostOffloadConnector(1 << 20)
-    connector.bind(copier, block_size=BS, hash_seed=0)
-    assert connector.on_finish(_one_request("a", 8), [1, 2])
-    connector.poll()
-    copier.auto_complete = False  # the load below never lands
-    b = Request("b", list(range(1, 10)), SamplingParams())
-    assert connector.on_admission(b, 0) == 2 * BS
-    connector.start_load(b, [5, 6])
-    assert connector.has_pending()
-    del copier
-    gc.collect()
-    connector.bind(FakeCopier(16, BS), block_size=BS, hash_seed=0)
-    assert not connector.has_pending() and connector.poll() == TransferEvents()
-    assert len(connector.stored_hashes()) == 2  # same layout: the store is kept
-    stats = connector.stats  # the lost load failed; the landed save did not
-    assert (stats.num_failed_loads, stats.num_loads, stats.num_failed_saves) == (1, 0, 0)
-
-
-def test_blocks_whose_save_was_forgotten_with_its_copier_can_be_saved_again():
-    copier = FakeCopier(16, BS, auto_complete=False)
-    connector = HostOffloadConnector(1 << 20)
-    connector.bind(copier, block_size=BS, hash_seed=0)
-    assert connector.on_finish(_one_request("a", 8), [1, 2])  # never lands
-    del copier
-    gc.collect()
-    other = FakeCopier(16, BS)
-    connector.bind(other, block_size=BS, hash_seed=0)
-    assert connector.on_finish(_one_request("b", 8), [3, 4])  # no longer "being saved"
-    assert other.saved_block_ids == [[3, 4]]
 
 
 @pytest.mark.parametrize(

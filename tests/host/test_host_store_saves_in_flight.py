@@ -59,3 +59,13 @@ def test_a_rebind_after_the_copier_was_collected_demotes_what_its_lost_saves_wer
     connector.bind(FakeCopier(16, BS), block_size=BS, hash_seed=0)  # same layout: kept
     assert connector.stored_hashes() == [h2, x0]  # h2 is useless without h0 h1: next out
     assert not connector.has_pending() and not store_link_faults(connector)
+
+
+def test_lost_saves_demote_the_blocks_behind_them_once_their_copier_is_collected():
+    # Not only at the next bind: until then, h2 was evicted after x0, which is usable.
+    connector, copier, a_save, x, b = _b_saved_while_a_is_in_flight()
+    x0, h2 = x.block_hashes[0], b.block_hashes[2]
+    del copier, a_save
+    gc.collect()
+    assert connector.stored_hashes() == [h2, x0] and not store_link_faults(connector)
+    assert not connector.has_pending() and connector.stats.num_failed_saves == 1
