@@ -5,7 +5,8 @@ gathers and scatters (block counts padded to a power of two below max_blocks, or
 max_blocks itself; padding pointing at the null block 0), so they run in device order
 with the engine's steps: a save reads the blocks as the last step left them, a load's
 scatter precedes every later step. A worker thread waits for each transfer so the step
-loop never does.
+loop never does: a save's Future is done once its blocks are in host memory, a load's
+once its scatter has run, its blocks in the caches.
 
 Host blocks hold each KV head once. Under tensor parallelism wider than the KV heads
 (jaxkv.sharding), the cache holds every KV head `kv_replicas` times; a save keeps the
@@ -72,6 +73,12 @@ def _read_on_host(gathered: jax.Array, n: int) -> np.ndarray:
         return np.asarray(gathered)[:n]
 
 
+def _scattered(written: jax.Array, staged: jax.Array) -> jax.Array:
+    """`staged`, once `written` (the scatter's scalar) is ready: the scatter has run."""
+    written.block_until_ready()
+    return staged
+
+
 @functools.partial(jax.jit, static_argnames="kv_replicas")
 def _gather(
     caches: tuple[jax.Array, ...],
@@ -91,11 +98,15 @@ def _scatter(
     block_ids: jax.Array,  # i32[n]
     blocks: jax.Array,  # [n, num_layers, block_size, 2*num_kv_heads, head_dim]
     kv_replicas: int,
-) -> tuple[jax.Array, ...]:
+) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """(the caches with `blocks` written, a scalar the program writes too): the caches are
+    donated to the next step, so the copy thread waits on the scalar instead, ready once
+    the program has run, or failed with it."""
     if kv_replicas > 1:
         _, expand = replica_heads(caches[0].shape[2], kv_replicas)
         blocks = blocks[:, :, :, expand]
-    return tuple(c.at[block_ids].set(blocks[:, i]) for i, c in enumerate(caches))
+    new = tuple(c.at[block_ids].set(blocks[:, i]) for i, c in enumerate(caches))
+    return new, jnp.zeros((), jnp.int32)
 
 
 class DeviceKVCopier:
@@ -183,7 +194,13 @@ class DeviceKVCopier:
         """Writes `blocks` ([len(block_ids), *block_shape], of the caches' dtype) into
         `block_ids`; ValueError, nothing written, on another shape or dtype (a cast would
         change the KV silently: float64 past float32's range became inf) or a block id
-        given twice (which of its blocks a scatter keeps is up to the device)."""
+        given twice (which of its blocks a scatter keeps is up to the device).
+
+        The caches are replaced at once (later steps read the new ones, after the
+        scatter in device order); the Future is done once the scatter has run, so a
+        scatter that fails on the device fails the load, its exception the Future's
+        (the caches it returned fail the next step as well). Its result is the staged
+        blocks on the device, before the scatter."""
         ids = self._padded_ids(block_ids)  # first: it names block_ids that have no len
         n = len(block_ids)
         shape = getattr(blocks, "shape", None)  # None: no array (a list)
@@ -204,9 +221,9 @@ class DeviceKVCopier:
             # It donates the caches: a Ctrl-C raised before the new ones are set would
             # leave the engine only deleted ones (jaxkv.held_interrupts).
             with holding_interrupts(passes_on=lambda: not donated[0].is_deleted()):
-                caches = _scatter(donated, ids, on_device, self.kv_replicas)
+                caches, written = _scatter(donated, ids, on_device, self.kv_replicas)
                 self._set_caches(list(caches))
-        return self._executor.submit(on_device.block_until_ready)
+        return self._executor.submit(_scattered, written, on_device)
 
     def _check_open(self) -> None:
         """RuntimeError once closed, before any device work: the executor would refuse the

@@ -76,7 +76,10 @@ class KVCopier(Protocol):
         """Copies blocks to host; result(): array [len(block_ids), ...] (one entry per block)."""
 
     def start_load(self, block_ids: Sequence[int], blocks: np.ndarray) -> Future:
-        """Writes host `blocks` ([len(block_ids), ...]) into the device blocks `block_ids`."""
+        """Writes host `blocks` ([len(block_ids), ...]) into the device blocks `block_ids`;
+        the Future is done once they are written there, not merely copied to the device
+        (a copier whose write runs in device order before any later step, as
+        jaxkv.kv_copy's does, may return before it has run)."""
 
 
 @dataclasses.dataclass(frozen=True)
