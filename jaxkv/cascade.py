@@ -115,9 +115,12 @@ class CascadePlanner(PaddedPlans):
         model: CascadeCostModel | None = None,
     ) -> bool:
         """The verdict of `model` (default: the planner's cost model) for one level with
-        this planner's head shapes."""
+        this planner's head shapes. The counts go unchecked to a CascadeCostModel whose
+        pays is not overridden (this runs once per candidate group)."""
         s = self.shape
-        return (model or self.cost_model).pays(
+        model = model or self.cost_model
+        unchecked = getattr(type(model), "pays", None) is CascadeCostModel.pays
+        return (model.pays_unchecked if unchecked else model.pays)(
             num_requests=num_requests,
             prefix_tokens=prefix_tokens,
             num_query_tokens=num_query_tokens,

@@ -11,7 +11,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxkv.field_checks import as_float, as_int, bool_fields, int_fields, positive_int_fields
+from jaxkv.field_checks import (
+    as_float,
+    as_int,
+    bool_fields,
+    checked_int,
+    int_fields,
+    positive_int_fields,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +95,49 @@ class CascadeCostModel:
         context_tokens: the requests' whole contexts summed (what flat attention reads;
         the planner passes a group under a global level its contexts past that level);
         None skips the min_saved_fraction test.
+
+        Raises ValueError naming the argument unless the counts are ints >= 0 (numpy's
+        too, not bools), the head shapes and kv_itemsize ints >= 1, and context_tokens
+        None or at least num_requests * prefix_tokens (each context holds the prefix; a
+        smaller one made the saving seem a larger share of flat attention's reads).
         """
+        counts = {
+            name: checked_int(name, value, minimum=minimum)
+            for name, value, minimum in (
+                ("num_requests", num_requests, 0),
+                ("prefix_tokens", prefix_tokens, 0),
+                ("num_query_tokens", num_query_tokens, 0),
+                ("num_q_heads", num_q_heads, 1),
+                ("num_kv_heads", num_kv_heads, 1),
+                ("head_dim", head_dim, 1),
+                ("kv_itemsize", kv_itemsize, 1),
+            )
+        }
+        if context_tokens is not None:
+            least = counts["num_requests"] * counts["prefix_tokens"]
+            context_tokens = checked_int("context_tokens", context_tokens, minimum=0)
+            if context_tokens < least:
+                raise ValueError(
+                    f"context_tokens={context_tokens!r} must be None or at least "
+                    f"num_requests * prefix_tokens = {least} (each context holds the prefix)"
+                )
+        return self.pays_unchecked(**counts, context_tokens=context_tokens)
+
+    def pays_unchecked(
+        self,
+        *,
+        num_requests: int,
+        prefix_tokens: int,
+        num_query_tokens: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        kv_itemsize: int,
+        context_tokens: int | None = None,
+    ) -> bool:
+        """pays without its argument checks, for callers whose arguments are right by
+        construction (the cascade planner, once per candidate group: its counts come from
+        the scheduled batch, its head shapes from an AttentionShape)."""
         if num_requests < self.min_requests or prefix_tokens <= 0:
             return False
         kv_bytes_per_token = 2 * num_kv_heads * head_dim * kv_itemsize

@@ -107,11 +107,11 @@ def test_cost_model_arithmetic():
     assert CascadeCostModel(0, merge_cost_factor=1.0).cost_bytes(2, 4, 8) == 864
     assert CascadeCostModel(100, merge_cost_factor=0.5).cost_bytes(2, 4, 8) == 100 + 432
     # min_saved_fraction compares bytes with bytes: 1 x 10 tokens saved out of the
-    # requests' whole contexts (100 tokens: a tenth; 15 tokens: two thirds).
+    # requests' whole contexts (100 tokens: a tenth; 20, the two prefixes alone: a half).
     half = CascadeCostModel(0, merge_cost_factor=0, min_saved_fraction=0.5)
     kw = dict(num_query_tokens=1, num_q_heads=1, num_kv_heads=1, head_dim=8, kv_itemsize=2)
     assert not half.pays(num_requests=2, prefix_tokens=10, context_tokens=100, **kw)
-    assert half.pays(num_requests=2, prefix_tokens=10, context_tokens=15, **kw)
+    assert half.pays(num_requests=2, prefix_tokens=10, context_tokens=20, **kw)
     assert half.pays(num_requests=2, prefix_tokens=10, **kw)  # no context: no such test
 
 
@@ -287,3 +287,66 @@ def test_a_cost_model_with_only_a_pays_method_keeps_the_group_saving_most_blocks
     (level,) = plan.levels
     assert (level.name, level.block_ends.tolist()) == ("groups", [6])
     assert plan.rows[level.group_starts[0] : level.group_ends[0]].tolist() == [0, 1, 2]
+
+
+PAYS_ARGS = dict(
+    num_requests=4, prefix_tokens=10, num_query_tokens=4, num_q_heads=1, num_kv_heads=1,
+    head_dim=8, kv_itemsize=2, context_tokens=60,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, value, match",
+    [
+        # Each context holds the prefix: 4 x 10 tokens at least. 20 made the 3 x 10 tokens
+        # saved a larger share of flat attention's reads than any batch can give.
+        ("context_tokens", 39, r"context_tokens=39 must be None or at least .* = 40"),
+        ("context_tokens", -1, "context_tokens=-1"),
+        ("context_tokens", 60.0, "context_tokens=60.0"),
+        ("num_requests", -4, "num_requests=-4 must be an int >= 0"),
+        ("num_requests", 4.5, "num_requests=4.5"),
+        ("num_requests", True, "num_requests=True"),
+        ("prefix_tokens", "10", "prefix_tokens='10'"),
+        ("num_query_tokens", -1, "num_query_tokens=-1"),  # a cheaper merge than none
+        ("num_q_heads", 0, "num_q_heads=0 must be an int >= 1"),
+        ("num_kv_heads", None, "num_kv_heads=None"),
+        ("head_dim", 8.0, "head_dim=8.0"),
+        ("kv_itemsize", 0, "kv_itemsize=0"),
+    ],
+)
+def test_pays_refuses_bad_arguments_naming_them(name, value, match):
+    model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0, min_saved_fraction=0.5)
+    with pytest.raises(ValueError, match=match):
+        model.pays(**{**PAYS_ARGS, name: value})
+
+
+def test_pays_takes_numpy_integers_and_a_context_of_exactly_the_prefixes():
+    model = CascadeCostModel(launch_overhead_bytes=0, merge_cost_factor=0, min_saved_fraction=0.5)
+    args = {name: np.int64(value) for name, value in PAYS_ARGS.items()}
+    assert model.pays(**{**args, "context_tokens": np.int32(40)})  # 30 of 40 tokens saved
+    assert not model.pays(**{**args, "context_tokens": 61})  # 30 of 61: under half
+    assert model.pays(**{**args, "context_tokens": None})
+
+
+class _Counting(CascadeCostModel):
+    """A cost model whose pays counts its calls."""
+
+    def pays(self, **kwargs) -> bool:
+        self.__dict__["calls"] = self.__dict__.get("calls", 0) + 1
+        return super().pays(**kwargs)
+
+
+def test_the_planner_asks_an_overridden_pays_and_the_same_verdicts_unchecked():
+    # The planner skips pays' checks for the cost model's own pays only.
+    counting = _Counting(launch_overhead_bytes=1 << 20)
+    assert CascadePlanner(LLAMA_8B, cost_model=counting).pays(4, 512, 4, 4 * 516)
+    assert counting.__dict__["calls"] == 1
+    planner = CascadePlanner(LLAMA_8B, backend="pallas_tpu")
+    for requests, prefix, queries, context in (
+        (4, 512, 4, 4 * 516), (4, 1024, 4, 4100), (2, 64, 2, None), (1, 512, 1, 513),
+    ):  # fmt: skip
+        checked = planner.cost_model.pays(
+            num_requests=requests, prefix_tokens=prefix, num_query_tokens=queries,
+            context_tokens=context, num_q_heads=32, num_kv_heads=8, head_dim=128, kv_itemsize=2,
+        )  # fmt: skip
+        assert planner.pays(requests, prefix, queries, context) == checked
