@@ -319,6 +319,8 @@ class BlockPool:
         return blocks
 
     def take_events(self) -> list[KVCacheEvent]:
+        """The events since the last call, in order (none unless enable_events). They are
+        kept until taken, unbounded (see KVCacheManager.take_events)."""
         events, self._events = self._events, []
         return events
 

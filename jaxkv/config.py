@@ -37,7 +37,8 @@ class CacheConfig:
     hash_seed: int = 0  # seed of the chained block hashes
     kv_dtype: str | None = None  # None: the model's dtype; a dtype is kept by name
     # Record BlockStored / BlockRemoved / AllBlocksCleared for Engine.manager.take_events()
-    # (vLLM's enable_kv_cache_events). Off, no event is kept.
+    # (vLLM's enable_kv_cache_events). Off, no event is kept. On, they are kept until
+    # taken, unbounded, as in vLLM: take them every step or so (see take_events).
     enable_kv_cache_events: bool = False
 
     def __post_init__(self) -> None:

@@ -371,7 +371,10 @@ class KVCacheManager:
         return self.pool.reset_prefix_cache()
 
     def take_events(self) -> list[KVCacheEvent]:
-        """Cache events since the last call (empty unless enable_kv_cache_events)."""
+        """Cache events since the last call (empty unless enable_kv_cache_events). They
+        are kept until taken, as vLLM keeps them, unbounded: untaken, they grow by about
+        650 bytes for each block that enters the prefix cache (its hash and block_size
+        token ids, at block_size 16) and 70 for each that leaves it. Take them often."""
         return self.pool.take_events()
 
     # -------------------------------------------------------------- integrity
