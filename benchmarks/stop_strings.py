@@ -46,6 +46,12 @@ CASES = {  # name -> (SamplingParams.stop, stream_text) of every request
     "streamed + 4 strings": (_FOUR, True),
 }
 PROMPT_LEN = 40
+# The most KV blocks time_case's manager may hold: each is a host object of about 130
+# bytes, so about 130 MiB, built in about a second (the default flags need 5,633). The
+# int32 bounds alone let --num-requests and the run's length ask for 2**27: over 16 GiB,
+# built in minutes, once per case.
+MAX_BLOCKS = 1 << 20
+MAX_TEXT_TOKENS = 1 << 20  # of one finished text: its token list and text, copied a few times
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,6 +81,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         manager_args(*manager_sizes(args), hash_seed=0)
     except ValueError as e:
         p.error(f"--num-requests, --warmup-tokens and --steps size a run past int32: {e}")
+    if longest := [n for n in args.text_lengths if n > MAX_TEXT_TOKENS]:
+        p.error(f"--text-lengths {longest}: each must be at most {MAX_TEXT_TOKENS} tokens")
+    num_blocks, block_size, max_len = manager_sizes(args)
+    if num_blocks > MAX_BLOCKS:
+        p.error(
+            f"--num-requests {args.num_requests} requests of {max_len} tokens "
+            f"({PROMPT_LEN} + --warmup-tokens {args.warmup_tokens} + --steps {args.steps} "
+            f"+ 1) need {num_blocks} KV blocks of {block_size} tokens, past the "
+            f"{MAX_BLOCKS} this benchmark builds (host objects of about 130 bytes each): "
+            "make them fewer or shorter"
+        )
     return args
 
 

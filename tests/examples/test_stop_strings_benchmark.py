@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.stop_strings import CASES, main, parse_args
+from benchmarks.stop_strings import CASES, MAX_BLOCKS, main, manager_sizes, parse_args
 
 
 def test_a_tiny_run_times_every_case_against_the_baseline(tmp_path, capsys):
@@ -46,3 +46,36 @@ def test_sizes_past_the_schedulers_int32_bounds_are_refused_by_flag(argv, messag
     err = capsys.readouterr().err
     assert "--num-requests, --warmup-tokens and --steps size a run past int32" in err
     assert message in err
+
+
+@pytest.mark.parametrize(
+    "argv, blocks",
+    [
+        (["--num-requests", "100000"], 2_200_001),  # 22 blocks each
+        (["--num-requests", "1", "--steps", str(2**24)], 1_048_586),
+        # Within int32: almost 2**27 blocks of about 130 bytes each, built once per case.
+        (["--num-requests", "2047", "--steps", str(2**20 - 142)], 2047 * 2**16 + 1),
+    ],
+)
+def test_a_run_needing_more_host_blocks_than_the_bound_is_refused_by_flag(argv, blocks, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert f"need {blocks} KV blocks of 16 tokens, past the {MAX_BLOCKS}" in err
+    assert "--num-requests" in err and "--warmup-tokens 100 + --steps" in err
+
+
+def test_the_largest_run_within_the_bound_is_taken():
+    # Requests of 16 blocks, 256 tokens (40 + 100 warmup tokens + 115 steps + 1), and
+    # the null block.
+    args = parse_args(["--num-requests", str(2**16 - 1), "--steps", "115"])
+    assert manager_sizes(args)[0] == MAX_BLOCKS - 15
+    with pytest.raises(SystemExit):
+        parse_args(["--num-requests", str(2**16), "--steps", "115"])
+
+
+def test_a_text_past_the_bound_is_refused_by_flag(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--text-lengths", "16", str(2**20 + 1)])
+    assert f"--text-lengths [{2**20 + 1}]: each must be at most {2**20}" in capsys.readouterr().err
+    assert parse_args(["--text-lengths", str(2**20)]).text_lengths == [2**20]
