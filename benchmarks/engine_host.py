@@ -37,7 +37,6 @@ Timings are measured, never asserted. Prints a table and writes JSON:
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from pathlib import Path
@@ -49,7 +48,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cli_args import RESULTS_DIR, non_negative_int, out_file, positive_int  # noqa: E402
-from benchmarks.json_report import write_json  # noqa: E402
+from benchmarks.json_report import machine_fields, write_json  # noqa: E402
 from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from jaxkv.models import ByteTokenizer, Llama, LlamaConfig  # noqa: E402
 
@@ -218,11 +217,7 @@ def main(argv=None) -> int:
     )
     report = {
         "args": vars(args),
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0]),
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
-        "jax": jax.__version__,
+        **machine_fields(),
         "wall_seconds": time.perf_counter() - t0,
         "results": rows,
     }

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import json
 import math
+import platform
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import jax
 
 from jaxkv import whole_file
 
@@ -42,6 +46,19 @@ def write_whole(path: Path, write: Callable[[Path], object]) -> None:
     cut one, and no temporary file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     whole_file.write_whole(path, write)
+
+
+def machine_fields() -> dict[str, str]:
+    """What a run ran on, as the engine benchmarks report it: JAX's backend ("cpu",
+    "gpu", "tpu") and first device, the OS (platform.platform()), and the versions of
+    Python and JAX."""
+    return {
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0]),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "jax": jax.__version__,
+    }
 
 
 def _nulled(obj: Any) -> Any:

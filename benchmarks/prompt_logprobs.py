@@ -41,7 +41,7 @@ from benchmarks.cli_args import (  # noqa: E402
     positive_int,
     seed,
 )
-from benchmarks.json_report import write_json  # noqa: E402
+from benchmarks.json_report import machine_fields, write_json  # noqa: E402
 from benchmarks.kv_memory import kv_cache_overflow  # noqa: E402
 from jaxkv import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from jaxkv.models import Llama, LlamaConfig  # noqa: E402
@@ -173,9 +173,7 @@ def main(argv=None) -> int:
         args.out,
         {
             "args": vars(args),
-            "machine": platform.platform(),
-            "jax": jax.__version__,
-            "backend": jax.default_backend(),
+            **machine_fields(),
             "results": results,
         },
         indent=2,

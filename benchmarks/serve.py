@@ -46,7 +46,6 @@ by default benchmarks/results/serve.json in this checkout):
 
 from __future__ import annotations
 
-import platform
 import sys
 import time
 from pathlib import Path
@@ -57,7 +56,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.json_report import write_json  # noqa: E402
+from benchmarks.json_report import machine_fields, write_json  # noqa: E402
 from benchmarks.serve_args import (  # noqa: E402
     CONFIGS,
     engine_config,
@@ -272,12 +271,8 @@ def main(argv=None) -> int:
         )
     report = {
         "args": vars(args),
-        "backend": jax.default_backend(),
+        **machine_fields(),
         "attention_backend": default_backend(),
-        "device": str(jax.devices()[0]),
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
-        "jax": jax.__version__,
         "results": [{k: v for k, v in r.items() if k != "outputs"} for r in results],
         "cascade_vs_flat": pairs,
     }

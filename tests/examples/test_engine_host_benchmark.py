@@ -9,6 +9,7 @@ import math
 import pytest
 
 from benchmarks.engine_host import SPLIT, WORKLOADS, main, parse_args
+from benchmarks.json_report import machine_fields
 
 
 def test_a_tiny_run_times_every_workload_with_the_shared_prefix_planned(tmp_path, capsys):
@@ -16,7 +17,9 @@ def test_a_tiny_run_times_every_workload_with_the_shared_prefix_planned(tmp_path
     argv = ["--batch-sizes", "4", "--steps", "2", "--system-len", "256", "--question-len", "5",
             "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
-    rows = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    assert report.items() >= machine_fields().items()
+    rows = report["results"]
     assert [(r["workload"], r["num_requests"]) for r in rows] == [(w, 4) for w in WORKLOADS]
     for row in rows:
         assert row["timed_steps"] >= 1, row["workload"]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import platform
 
+import jax
 import numpy as np
 import pytest
 
-from benchmarks.json_report import finite_json
+from benchmarks.json_report import finite_json, machine_fields
 
 
 def _strict(text: str):
@@ -98,3 +100,14 @@ def test_a_write_cut_midway_leaves_the_previous_file_whole(tmp_path, monkeypatch
         write_json(out, {"rows": [1, 2, 3]})
     assert json.loads(out.read_text()) == {"rows": [1, 2]}
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_machine_fields_name_the_backend_device_os_and_versions():
+    # The fields benchmarks/serve.py and engine_host.py each wrote out by hand.
+    assert machine_fields() == {
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0]),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+    }

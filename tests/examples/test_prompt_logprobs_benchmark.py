@@ -7,6 +7,7 @@ import json
 import pytest
 
 from benchmarks import kv_memory
+from benchmarks.json_report import machine_fields
 from benchmarks.prompt_logprobs import CASES, main, parse_args
 
 
@@ -15,7 +16,9 @@ def test_a_tiny_run_measures_every_case_against_the_baseline(tmp_path, capsys):
     argv = ["--num-requests", "2", "--prompt-len", "16", "--max-num-batched-tokens", "64"]
     argv += ["--repeats", "2"]
     assert main([*argv, "--out", str(out)]) == 0
-    results = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    assert report.items() >= machine_fields().items()
+    results = report["results"]
     assert [r["prompt_logprobs"] for r in results] == list(CASES)
     assert results[0]["ratio_to_none"] == 1.0 and results[0]["head_gflop"] == 0.0
     assert all(r["tokens"] == 2 * 16 and r["num_steps"] == 1 for r in results)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import kv_memory
+from benchmarks.json_report import machine_fields
 from benchmarks.serve import engine_config, paired, parse_args, step_figures, workload
 from jaxkv.metrics import StepStats
 
@@ -220,6 +221,7 @@ def test_without_out_it_writes_its_json_under_benchmarks_results(tmp_path, monke
     assert serve.main([*argv, "--configs", "cascade+prefix_cache,flat+prefix_cache"]) == 0
     report = json.loads((tmp_path / "serve.json").read_text())
     assert [r["config"] for r in report["results"]] == ["cascade+prefix_cache", "flat+prefix_cache"]
+    assert report.items() >= machine_fields().items()
 
 
 def test_a_decode_batch_no_step_can_reach_is_refused_by_name(capsys):
