@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import KVCacheManager, Request
+from jaxkv import KVCacheManager
 from jaxkv.cascade import DEFAULT_COST_MODELS, AttentionShape, CascadeCostModel, CascadePlanner
 from jaxkv.config import EngineConfig
 from tests.attention.test_cascade_planner import ALWAYS, SHAPE, _decoding, _plan, _prefilled
@@ -59,19 +59,14 @@ def test_a_prefix_that_pays_on_one_device_need_not_pay_per_device_of_eight():
 def _system_prompt_batch(num_groups: int, per_group: int, prompt_tokens: int):
     """Decoding requests, `per_group` under each of `num_groups` system prompts."""
     manager = KVCacheManager(4096, 16, max_model_len=2048)
-    ids, computed = [], []
+    requests = []
     for g in range(num_groups):
         system = list(range(10_000 * (g + 1), 10_000 * (g + 1) + prompt_tokens))
         for i in range(per_group):
-            request = Request(f"r{g}_{i}", system + [5000 + 100 * g + i] * 3)
-            blocks, num_hit = manager.get_computed_blocks(request)
-            assert manager.allocate_slots(
-                request, request.num_tokens - num_hit + 1, num_new_computed_tokens=num_hit,
-                new_computed_blocks=blocks,
-            ) is not None  # fmt: skip
-            ids.append(request.request_id)
-            computed.append(request.num_tokens)
-    return manager, ids, np.array(computed), np.ones(len(ids), int)
+            own = [5000 + 100 * g + i] * 3
+            requests.append(_decoding(manager, f"r{g}_{i}", system + own))
+    computed = np.array([r.num_tokens - 1 for r in requests])  # all but the decode token
+    return manager, [r.request_id for r in requests], computed, np.ones(len(requests), int)
 
 
 def test_groups_that_pay_only_together_share_the_levels_one_call():
