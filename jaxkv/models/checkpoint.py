@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, serialization
 
+from jaxkv.field_checks import names_a_dtype
 from jaxkv.models.config import LlamaConfig
 from jaxkv.models.llama import Llama, check_model
 
@@ -81,7 +82,8 @@ def check_names_and_shapes(
     kind: str,
 ) -> None:
     """CheckpointError unless `given` holds exactly the names of `expected`, each with its
-    shape; names the missing, unexpected or mis-shaped ones ("parameter" or "tensor")."""
+    shape; names the missing, unexpected or mis-shaped ones ("parameter" or "tensor"),
+    and one that makes no array (nested lists of ragged lengths)."""
     missing = sorted(set(expected) - set(given))
     unexpected = sorted(set(given) - set(expected), key=repr)  # a file's keys may be any type
     if missing or unexpected:
@@ -89,7 +91,10 @@ def check_names_and_shapes(
             f"{source} does not match the model: missing {missing}, unexpected {unexpected}"
         )
     for name, want in expected.items():
-        got = tuple(np.shape(given[name]))
+        try:
+            got = tuple(np.shape(given[name]))
+        except ValueError as e:  # numpy's message names no tensor
+            raise CheckpointError(f"{kind} {name!r} in {source}: makes no array ({e})") from None
         if got != tuple(want):
             raise CheckpointError(
                 f"{kind} {name!r} in {source}: shape {got} does not match the model's {tuple(want)}"
@@ -99,14 +104,30 @@ def check_names_and_shapes(
 def check_float_dtypes(given: Mapping[str, object], source: str, *, kind: str) -> None:
     """CheckpointError naming the first of `given` ("parameter" or "tensor") whose values
     are not floating-point: integer, bool or complex weights mean mixed-up files, and the
-    cast to the model's dtype would turn them into other numbers without a word."""
+    cast to the model's dtype would turn them into other numbers without a word. So is
+    one whose `dtype` numpy does not read (a name it does not know, another library's
+    dtype object, an abstract type such as np.floating, or a value such as np.float32(1)
+    in place of a dtype), or, without a dtype, one that makes no array."""
     for name, value in given.items():
-        dtype = getattr(value, "dtype", None)
-        dtype = np.asarray(value).dtype if dtype is None else np.dtype(dtype)
-        if not jnp.issubdtype(dtype, jnp.floating):
+        what = f"{kind} {name!r} in {source}"
+        given_dtype = getattr(value, "dtype", None)
+        dtype = None
+        if given_dtype is None:
+            try:
+                dtype = np.asarray(value).dtype  # a list, say
+            except (TypeError, ValueError) as e:  # numpy's message names no tensor
+                raise CheckpointError(f"{what}: makes no array ({e})") from None
+        elif names_a_dtype(given_dtype):  # np.dtype reads a value's too: np.float32(1)
+            try:
+                dtype = np.dtype(given_dtype)
+            except TypeError:
+                pass
+        if dtype is None:
             raise CheckpointError(
-                f"{kind} {name!r} in {source}: dtype {dtype} is not a floating-point type"
+                f"{what}: dtype {given_dtype!r} is no dtype numpy reads (give numpy or JAX arrays)"
             )
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise CheckpointError(f"{what}: dtype {dtype} is not a floating-point type")
 
 
 def check_copy(name: str, value, of: str, original, source: str, *, why: str) -> None:
@@ -135,10 +156,11 @@ def build_with_params(
     """A `Llama(config)` holding exactly `params` (flat dotted names, model orientation).
 
     Raises CheckpointError if a parameter is missing, unexpected, has the wrong shape or
-    is not floating-point. Values are cast to `config.dtype`; a finite value that it
-    cannot hold (float16 past 65504; bfloat16 or float32 past 3.4e38) raises CheckpointError
-    naming the parameter (as `kind` `name_of(name)` where given: a Hugging Face tensor)
-    instead of loading as inf. No random initialisation is run.
+    is not floating-point (its dtype none numpy reads, or nested lists making no array).
+    Values are cast to `config.dtype`; a finite value that it cannot hold (float16 past
+    65504; bfloat16 or float32 past 3.4e38) raises CheckpointError naming the parameter
+    (as `kind` `name_of(name)` where given: a Hugging Face tensor) instead of loading as
+    inf. No random initialisation is run.
     """
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     expected = {k: v.shape for k, v in flat_params(abstract).items()}

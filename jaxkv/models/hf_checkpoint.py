@@ -194,9 +194,10 @@ def from_hf_tensors(
 
     The inverse of `to_hf_tensors`. Raises CheckpointError naming the Hugging Face tensor
     (and its shape as given, `[out, in]`) if one is missing, unexpected, given twice,
-    mis-shaped or not floating-point, or is a tied model's `lm_head.weight` that is no
-    copy of the embedding (shape or values), and ValueError unless `config` is a
-    LlamaConfig and `tensors` a mapping or an iterable of (name, array) pairs.
+    mis-shaped or not floating-point (its dtype none numpy reads, or nested lists making
+    no array), or is a tied model's `lm_head.weight` that is no copy of the embedding
+    (shape or values), and ValueError unless `config` is a LlamaConfig and `tensors` a
+    mapping or an iterable of (name, array) pairs.
     """
     check_config(config)  # a dict raised AttributeError
     pairs = "a mapping or an iterable of (name, array) pairs"
