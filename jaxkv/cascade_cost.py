@@ -142,11 +142,64 @@ class CascadeCostModel:
             return False
         kv_bytes_per_token = 2 * num_kv_heads * head_dim * kv_itemsize
         saved = self.saved_bytes(num_requests, prefix_tokens, kv_bytes_per_token)
-        if context_tokens is not None and saved < self.min_saved_fraction * (
-            context_tokens * kv_bytes_per_token
+        if context_tokens is not None and self._short_of_fraction(
+            saved, context_tokens, kv_bytes_per_token
         ):
             return False
         return saved > self.cost_bytes(num_query_tokens, num_q_heads, head_dim)
+
+    def max_context_tokens(
+        self,
+        *,
+        num_requests: int,
+        prefix_tokens: int,
+        num_query_tokens: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        kv_itemsize: int,
+    ) -> int:
+        """The largest context_tokens in [0, 2**63 - 1] for which pays_unchecked()
+        holds with these arguments, or -1 where it holds for none, whatever the context.
+        Where this is >= 0, it holds for every context_tokens at most this (negative ones
+        too) and for none above it: its min_saved_fraction test only fails more often for
+        more context tokens. Unchecked, as pays_unchecked (the planner's counts are right
+        by construction). Cost: a few pays()' worth of arithmetic (63 more where its float
+        estimate misses)."""
+        shape = dict(
+            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            kv_itemsize=kv_itemsize,
+        )  # fmt: skip
+        if not self.pays_unchecked(
+            num_requests=num_requests, prefix_tokens=prefix_tokens,
+            num_query_tokens=num_query_tokens, **shape,
+        ):  # fmt: skip
+            return -1  # not even without the min_saved_fraction test
+        kv_bytes_per_token = 2 * num_kv_heads * head_dim * kv_itemsize
+        saved = self.saved_bytes(num_requests, prefix_tokens, kv_bytes_per_token)
+
+        def fits(context: int) -> bool:
+            return not self._short_of_fraction(saved, context, kv_bytes_per_token)
+
+        most = 2**63 - 1
+        if fits(most):  # min_saved_fraction 0, or too small to matter
+            return most
+        # Here min_saved_fraction > 0 and fits(0): saved >= 0 = the fraction of nothing.
+        estimate = saved / (self.min_saved_fraction * kv_bytes_per_token)
+        guess = int(estimate) if estimate < most - 1 else most - 1
+        if fits(guess) and not fits(guess + 1):
+            return guess
+        low, high = 0, most  # fits(low), not fits(high)
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return low
+
+    def _short_of_fraction(self, saved: int, context_tokens: int, kv_bytes_per_token: int) -> bool:
+        """Whether `saved` bytes fall short of min_saved_fraction of the contexts' KV
+        (pays()' test; never for fewer context tokens where it is not for more: the
+        product only grows with them, float rounding included)."""
+        return saved < self.min_saved_fraction * (context_tokens * kv_bytes_per_token)
 
 
 # Key: backend name as in jaxkv.attention ("xla", "pallas_tpu", "pallas_gpu").

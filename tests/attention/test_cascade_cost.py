@@ -1,8 +1,10 @@
 """The cascade cost model: its arithmetic, its units (one device's heads under tensor
-parallelism), one call for a whole groups level however many groups it holds, and the
-max_groups cap on that level."""
+parallelism), one call for a whole groups level however many groups it holds, the
+max_groups cap on that level, and the last context for which a level pays."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -345,3 +347,35 @@ def test_the_planner_asks_an_overridden_pays_and_the_same_verdicts_unchecked():
             context_tokens=context, num_q_heads=32, num_kv_heads=8, head_dim=128, kv_itemsize=2,
         )  # fmt: skip
         assert planner.pays(requests, prefix, queries, context) == checked
+
+
+def _pays(model: CascadeCostModel, context, **args) -> bool:
+    return model.pays_unchecked(context_tokens=context, **args)
+
+
+def test_max_context_tokens_is_the_last_context_that_pays():
+    rng = np.random.default_rng(0)
+    shapes = [SHAPE, AttentionShape(4, 2, 16, kv_itemsize=4), AttentionShape(32, 8, 128)]
+    models = list(DEFAULT_COST_MODELS.values())
+    for fraction in (0.0, 1e-300, 1e-9, 0.1, 0.3, 1 / 3, 0.45, 0.99):
+        for launch in (0.0, 1000.0, float(1 << 20)):
+            models.append(CascadeCostModel(launch, 0.5, min_saved_fraction=fraction))
+    for _ in range(3000):
+        model = models[int(rng.integers(len(models)))]
+        s = shapes[int(rng.integers(len(shapes)))]
+        args = dict(
+            num_requests=int(rng.integers(0, 40)), prefix_tokens=int(rng.integers(-2, 5000)),
+            num_query_tokens=int(rng.integers(0, 300)), num_q_heads=s.num_q_heads,
+            num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, kv_itemsize=s.kv_itemsize,
+        )  # fmt: skip
+        limit = model.max_context_tokens(**args)
+        drawn = rng.integers(0, 2 * min(max(limit, 9), 1 << 40), 4).tolist()
+        probes = [-7, 0, 1, limit - 1, limit, limit + 1, *drawn]
+        for context in probes:
+            if context <= 2**63 - 1:
+                want = limit >= 0 and context <= limit
+                assert _pays(model, int(context), **args) == want, (model, args, limit, context)
+        assert limit >= -1 and (limit >= 0) == _pays(model, None, **args)
+    # A fraction of 0 never refuses: every context pays.
+    args = dict(num_requests=4, prefix_tokens=64, num_query_tokens=4, **dataclasses.asdict(SHAPE))
+    assert CascadeCostModel(0, 0).max_context_tokens(**args) == 2**63 - 1
