@@ -39,6 +39,7 @@ from jaxkv.cascade_cost import DEFAULT_COST_MODELS, AttentionShape, CascadeCostM
 from jaxkv.cascade_left_out import left_out, merge_bytes_per_query
 from jaxkv.cascade_padded import PaddedPlans, suffix_starts
 from jaxkv.cascade_plan import CascadeLevel, CascadePlan
+from jaxkv.cascade_reads import SearchReads
 from jaxkv.cascade_together import global_weight, level_weight, net_bytes, outweigh_global
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.plan_memo import PlanMemo
@@ -130,6 +131,31 @@ class CascadePlanner(PaddedPlans):
             head_dim=s.head_dim,
             kv_itemsize=s.kv_itemsize,
         )
+
+    def _context_limit(
+        self,
+        num_requests: int,
+        prefix_tokens: int,
+        num_query_tokens: int,
+        model: CascadeCostModel | None = None,
+    ) -> int | None:
+        """CascadeCostModel.max_context_tokens for a level as pays() weighs it: pays()
+        holds exactly for the contexts at most this, where it is >= 0. None where pays(),
+        or the model's pays or its min_saved_fraction test, is not CascadeCostModel's
+        own (no such limit is known)."""
+        model = model or self.cost_model
+        own = CascadeCostModel
+        if type(self).pays is not CascadePlanner.pays or (
+            type(model).pays is not own.pays
+            or type(model)._short_of_fraction is not own._short_of_fraction
+        ):
+            return None
+        s = self.shape
+        return model.max_context_tokens(
+            num_requests=num_requests, prefix_tokens=prefix_tokens,
+            num_query_tokens=num_query_tokens, num_q_heads=s.num_q_heads,
+            num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, kv_itemsize=s.kv_itemsize,
+        )  # fmt: skip
 
     def plan(
         self,
@@ -304,10 +330,10 @@ class CascadePlanner(PaddedPlans):
         others = np.flatnonzero(~grouped)
         if len(others) < 2:
             return None
+        reads = SearchReads(searched, block_size, self.pays, self._context_limit)
         found = self._rest(
-            others, k0, num_computed_tokens=searched, query_lens=query_lens, base=0,
-            block_size=block_size,
-        )  # fmt: skip
+            others, k0, reads=reads, query_lens=query_lens, base=0, block_size=block_size
+        )
         return None if found is None else (others, found[3])
 
     def _plan_without_global(

@@ -3,6 +3,9 @@ level's first column, and which of those groups the groups level keeps.
 
 Plain Python and numpy. CascadePlanner (jaxkv.cascade) inherits it: the search reads the
 planner's cost model, shapes, max_groups and memo (PlanMemo), and asks its pays().
+The search reads the requests' computed tokens through a SearchReads
+(jaxkv.cascade_reads): a later step of the same batch and arguments whose computed
+tokens every read answers alike gets the groups found before without a search.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import functools
 
 import numpy as np
 
+from jaxkv.cascade_reads import SearchReads
 from jaxkv.cascade_together import kept_groups, kept_of_nested, net_bytes
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.prefix_index import runs_at_column
@@ -71,27 +75,61 @@ class GroupSearch:
         group of the level: candidates that pay their own merge are planned beside one
         that pays the call, or where together they pay it (four system prompts under
         four requests each; see kept_groups).
+
+        Reused: the groups of the last search of this batch with equal arguments but
+        the computed tokens, where each of its reads (SearchReads.holds) answers alike
+        for these, under the same planner settings (cost model, max_groups, shapes).
         """
         if not self.enable_groups or base >= manager.max_blocks_per_seq:
             return []
+        # One slot per kind of call a plan makes (its searches past a base), so that a
+        # batch keeps a few searches, not one per step where `need` changes each step.
+        key = (
+            (base, whole_batch_end, left_out is None, need is None),
+            query_lens.dtype.str, query_lens.tobytes(),
+            None if left_out is None else left_out.tobytes(),
+            None if need is None else (need.dtype.str, need.tobytes()),
+        )  # fmt: skip
+        settings = (self.cost_model, self._merge_only_model, self.max_groups, self.shape)
+        found = self._memo.search(manager, rows, key)
+        if found is not None and _same(found[0], settings) and found[1].holds(num_computed_tokens):
+            return list(found[2])
+        reads = SearchReads(num_computed_tokens, manager.block_size, self.pays, self._context_limit)
+        groups = self._search(
+            manager, rows, reads, query_lens, base, whole_batch_end, left_out, need
+        )
+        for members, _ in groups:
+            members.flags.writeable = False  # shared with the later steps that reuse them
+        self._memo.note_search(manager, rows, key, (settings, reads, tuple(groups)))
+        return groups
+
+    def _search(
+        self,
+        manager: KVCacheManager,
+        rows: np.ndarray,  # i32[R]
+        reads: SearchReads,  # of num_computed_tokens (i[R])
+        query_lens: np.ndarray,  # i[R]
+        base: int,
+        whole_batch_end: int,
+        left_out: np.ndarray | None,
+        need: np.ndarray | None,
+    ) -> list[tuple[np.ndarray, int]]:
+        """_groups, searched."""
         everyone = np.arange(len(rows))
         must = None if need is None else need > base
         if whole_batch_end:
             candidates = [everyone]
         else:
             searchable = len(rows) - (0 if left_out is None else int(left_out.sum()))
-            candidates = self._split(
-                manager, rows, num_computed_tokens, everyone, base, searchable, must
-            )
+            candidates = self._split(manager, rows, reads, everyone, base, searchable, must)
         if candidates is None:  # every key distinct: no two requests share past the base
             self._memo.note_no_groups(manager, rows, base, left_out)
             return []
         bs = manager.block_size
         num_blocks = manager.num_blocks_of_rows(rows)
         rest = functools.partial(  # the rest of a candidate beside groups kept in it
-            self._rest, num_computed_tokens=num_computed_tokens, query_lens=query_lens,
-            base=base, block_size=bs,
-        )  # fmt: skip
+            self._rest, reads=reads, query_lens=query_lens, base=base, block_size=bs
+        )
         # (blocks saved, members, end, queries) of the groups that pay a call of their
         # own (chosen) or their own merge in a level that runs anyway (together)
         chosen, together = [], []
@@ -109,7 +147,6 @@ class GroupSearch:
             budget -= 1
             members = candidates.pop(0)
             above = within.get(id(members), ()) if within else ()
-            computed = num_computed_tokens[members]
             if members is everyone and whole_batch_end:
                 end = shared = whole_batch_end
                 nested = None
@@ -117,32 +154,28 @@ class GroupSearch:
                 shared, nested = self._memo.common_prefix_nesting(
                     manager, rows, num_blocks, members
                 )
-                end = min(shared, int(computed.min()) // bs)
+                end = reads.end(members, shared)
             queries = int(query_lens[members].sum())
-            # What the members' suffix pass reads without this group: their contexts past
-            # the global level (read once already), the flat reads the group shortens.
-            context = int(computed.sum()) + queries - len(members) * base * bs
+            # Weighed against what the members' suffix pass reads without this group:
+            # their contexts past the global level (read once already), the flat reads the
+            # group shortens (SearchReads.pays).
             saved = (len(members) - 1) * (end - base)
-            if self.pays(len(members), (end - base) * bs, queries, context):
+            if reads.pays(members, (end - base) * bs, queries, base):
                 group = (saved, members, end, queries)
                 for k in above:  # each weighs no more than one call: less than this group
                     grouped[k] = grouped.get(k, 0) + len(members)
                 found, split = [group], None
                 if end < shared:  # a member that has computed fewer blocks cuts it short
                     found, weights, (members, end, shared), past_cap_budget = self._past_cap(
-                        manager, rows, num_blocks, num_computed_tokens, query_lens, base,
-                        group, shared, past_cap_budget,
+                        manager, rows, num_blocks, reads, query_lens, base, group, shared,
+                        past_cap_budget,
                     )  # fmt: skip
                     group, nested = found[-1], None
                 if end == shared < manager.max_blocks_per_seq:
                     if nested is None:
                         nested = self._memo.nested_members(manager, rows, members, end)
-                    if nested and self._may_nest(
-                        nested, num_computed_tokens, base, end, bs, members, group
-                    ):
-                        split = self._split(
-                            manager, rows, num_computed_tokens, members, end, must=must
-                        )
+                    if nested and self._may_nest(nested, reads, base, end, bs, members, group):
+                        split = self._split(manager, rows, reads, members, end, must=must)
                         if split:
                             nested_later += split
                             overlap = True
@@ -158,14 +191,14 @@ class GroupSearch:
                         found, weights, base, bs, self.shape, self.cost_model, rest, need
                     )
                 continue
-            if self._pays_own_merge(len(members), (end - base) * bs, queries, context):
+            if self._pays_own_merge(reads, members, (end - base) * bs, queries, base):
                 above = (*above, len(together))
                 together.append((saved, members, end, queries))
             else:
                 unpaid.append((saved, members, end, queries))
             # At end == max_blocks_per_seq (a group over whole table rows) none is split:
             # no member has computed a block past the table (check_computed_held).
-            split = self._split(manager, rows, num_computed_tokens, members, end, must=must) or []
+            split = self._split(manager, rows, reads, members, end, must=must) or []
             within.update((id(run), above) for run in split if above)
             candidates += split
             candidates.sort(key=len, reverse=True)
@@ -197,7 +230,7 @@ class GroupSearch:
         manager: KVCacheManager,
         rows: np.ndarray,  # i32[R]
         num_blocks: np.ndarray,  # i32[R] blocks each row holds
-        num_computed_tokens: np.ndarray,  # i[R]
+        reads: SearchReads,  # of num_computed_tokens (i[R])
         query_lens: np.ndarray,  # i[R]
         base: int,
         group: tuple[int, np.ndarray, int, int],  # (blocks saved, members, end, queries)
@@ -218,17 +251,16 @@ class GroupSearch:
         found, (_, members, end, queries) = [group], group
         weights = [net_bytes(model, shape, len(members), (end - base) * bs, queries)]
         while end < shared and budget:
-            past = members[num_computed_tokens[members] >= (end + 1) * bs]
+            past = reads.eligible(members, end)
             if len(past) < 2:
                 break
             budget -= 1
-            members, computed = past, num_computed_tokens[past]
+            members = past
             shared = self._memo.common_prefix(manager, rows, num_blocks, members)
-            end = min(shared, int(computed.min()) // bs)
+            end = reads.end(members, shared)
             queries = int(query_lens[members].sum())
-            context = int(computed.sum()) + queries - len(members) * base * bs
             prefix = (end - base) * bs
-            if self.pays(len(members), prefix, queries, context):
+            if reads.pays(members, prefix, queries, base):
                 found.append(((len(members) - 1) * (end - base), members, end, queries))
                 weights.append(net_bytes(model, shape, len(members), prefix, queries))
         return found, weights, (members, end, shared), budget
@@ -236,7 +268,7 @@ class GroupSearch:
     def _may_nest(
         self,
         nested: int,  # PlanMemo.nested_members of `members` at the column they diverge
-        num_computed_tokens: np.ndarray,  # i[R]
+        reads: SearchReads,  # of num_computed_tokens (i[R])
         base: int,
         column: int,  # where `members` diverge: the end of the last group of them
         block_size: int,
@@ -249,21 +281,25 @@ class GroupSearch:
         of at most their most computed blocks past `base`; beside that rest, each of
         their members no longer saves the read of the blocks up to `column` (the merges
         are the same), so they gain at most `nested` reads of the blocks past `column`
-        less one read of those before it."""
+        less one read of those before it. (Never False for more computed blocks where it
+        is True for fewer: `nested` > 0.)"""
         s, bs = self.shape, block_size
         _, kept, end, queries = group
-        most = int(num_computed_tokens[members].max()) // bs  # blocks
-        if nested * (most - column) > column - base:
-            return True
-        bound = nested * (most - base) * bs * s.kv_bytes_per_token
-        return bound > net_bytes(self.cost_model, s, len(kept), (end - base) * bs, queries)
+        weight = net_bytes(self.cost_model, s, len(kept), (end - base) * bs, queries)
+
+        def may_nest(most: int) -> bool:  # `members`' most computed blocks
+            if nested * (most - column) > column - base:
+                return True
+            return nested * (most - base) * bs * s.kv_bytes_per_token > weight
+
+        return reads.rising(members, may_nest)
 
     def _rest(
         self,
         members: np.ndarray,  # two or more requests sharing blocks up to `end`
         end: int,
         *,
-        num_computed_tokens: np.ndarray,  # i[R]
+        reads: SearchReads,  # of num_computed_tokens (i[R])
         query_lens: np.ndarray,  # i[R]
         base: int,
         block_size: int,
@@ -271,30 +307,27 @@ class GroupSearch:
         """(blocks saved, members, end, queries) of `members` as a group ending at `end`
         where it pays as the search's candidates do (a call of its own, or its own merge
         in a level that runs anyway), else None."""
-        computed = num_computed_tokens[members]
         queries = int(query_lens[members].sum())
-        context = int(computed.sum()) + queries - len(members) * base * block_size
         n, prefix = len(members), (end - base) * block_size
-        if self.pays(n, prefix, queries, context) or self._pays_own_merge(
-            n, prefix, queries, context
+        if reads.pays(members, prefix, queries, base) or self._pays_own_merge(
+            reads, members, prefix, queries, base
         ):
             return ((n - 1) * (end - base), members, end, queries)
         return None
 
     def _pays_own_merge(
-        self, num_requests: int, prefix_tokens: int, num_query_tokens: int, context_tokens: int
+        self, reads: SearchReads, members: np.ndarray, prefix_tokens: int, queries: int, base: int
     ) -> bool:
-        """pays() for a group of a level that runs anyway: its merge, not a call of its own."""
+        """reads.pays() for a group of a level that runs anyway: its merge, not a call of
+        its own."""
         model = self._merge_only_model
-        return model is not None and self.pays(
-            num_requests, prefix_tokens, num_query_tokens, context_tokens, model=model
-        )
+        return model is not None and reads.pays(members, prefix_tokens, queries, base, model)
 
     def _split(
         self,
         manager: KVCacheManager,
         rows: np.ndarray,  # i32[R]
-        num_computed_tokens: np.ndarray,  # i[R]
+        reads: SearchReads,  # of num_computed_tokens (i[R])
         members: np.ndarray,  # indices into rows, sorted
         column: int,
         searchable: int | None = None,  # requests the search may group (default: all)
@@ -305,10 +338,9 @@ class GroupSearch:
         request; None if `searchable` requests (every request of the batch the search
         may group, not only every member) were eligible and all keys differ: then no
         group exists past `column` at all."""
-        bs = manager.block_size
         # A request can share column `column` in a cascade level only once it has
         # computed that whole block (then it also holds it).
-        eligible = members[num_computed_tokens[members] >= (column + 1) * bs]
+        eligible = reads.eligible(members, column)
         if len(eligible) < 2:
             return []
         runs = self._memo.split(manager, rows, eligible, column, self._split_eligible)
@@ -338,3 +370,9 @@ def _all_runs(
 ) -> list[np.ndarray] | None:
     """GroupSearch._split_eligible without its cap on the runs."""
     return runs_at_column(manager.prefix_ids, rows[eligible], eligible, column, len(eligible))
+
+
+def _same(settings: tuple, now: tuple) -> bool:
+    """Whether the planner settings a search was made under are the planner's now (the
+    same objects: one replaced, even by an equal one, is searched again)."""
+    return all(a is b for a, b in zip(settings, now, strict=True))

@@ -15,7 +15,9 @@ column, so a longer count of held blocks adds no shared column.
 
 The plans themselves are pure functions of their arguments (the rows object among them),
 so the last plan of each kind (global only, grouped) is reused whenever a step asks for
-an equal one, whatever changed since.
+an equal one, whatever changed since. The group searches are kept as well (note_search),
+with their reads of the computed tokens (jaxkv.cascade_reads): the search reuses one
+where those reads answer alike for a step's tokens.
 """
 
 from __future__ import annotations
@@ -180,6 +182,20 @@ class PlanMemo:
         `base`: no group of them can form past `base`."""
         self._answers_for(manager, rows)[_none_key(base, left_out)] = True
 
+    def search(self, manager: KVCacheManager, rows: np.ndarray, key: tuple) -> tuple | None:
+        """What note_search last recorded for this batch under `key`, or None (also where
+        the search of its slot last recorded another key)."""
+        found = self._answers_for(manager, rows).get(_search_slot(key))
+        return found[1] if found is not None and found[0] == key else None
+
+    def note_search(
+        self, manager: KVCacheManager, rows: np.ndarray, key: tuple, found: tuple
+    ) -> None:
+        """Records `found` (a group search's reads and groups) under `key` for this
+        batch, until its key changes as every answer here. One key is kept per slot
+        (key[0]): a step whose arguments differ replaces its search's last one."""
+        self._answers_for(manager, rows)[_search_slot(key)] = (key, found)
+
     def global_plan(self, rows: np.ndarray, k0: int, common: int, made_for) -> CascadePlan:
         """cascade_plan.global_plan, or the last plan it gave for equal arguments."""
         return self._reused(
@@ -215,6 +231,11 @@ class PlanMemo:
                     value.flags.writeable = False
         self._last_plans[kind] = (rows, key, plan)
         return plan
+
+
+def _search_slot(key: tuple) -> tuple:
+    """The answers' key under which note_search keeps the last search of `key`'s slot."""
+    return ("search", key[0])
 
 
 def _none_key(base: int, left_out: np.ndarray | None) -> tuple:
