@@ -141,13 +141,12 @@ class CascadePlanner(PaddedPlans):
     ) -> int | None:
         """CascadeCostModel.max_context_tokens for a level as pays() weighs it: pays()
         holds exactly for the contexts at most this, where it is >= 0. None where pays(),
-        or the model's pays or its min_saved_fraction test, is not CascadeCostModel's
-        own (no such limit is known)."""
+        or the model's pays, pays_unchecked or min_saved_fraction test, is not
+        CascadeCostModel's own (no such limit is known)."""
         model = model or self.cost_model
-        own = CascadeCostModel
-        if type(self).pays is not CascadePlanner.pays or (
-            type(model).pays is not own.pays
-            or type(model)._short_of_fraction is not own._short_of_fraction
+        if type(self).pays is not CascadePlanner.pays or any(
+            getattr(type(model), name) is not getattr(CascadeCostModel, name)
+            for name in ("pays", "pays_unchecked", "_short_of_fraction")
         ):
             return None
         s = self.shape

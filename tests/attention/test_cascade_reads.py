@@ -84,6 +84,20 @@ class _OwnPays(CascadeCostModel):
         return super().pays(**kwargs)
 
 
+class _OwnPaysUnchecked(CascadeCostModel):
+    """A cost model with a pays_unchecked() of its own, which the planner asks."""
+
+    def pays_unchecked(self, **kwargs) -> bool:
+        return super().pays_unchecked(**kwargs)
+
+
+class _OwnFraction(CascadeCostModel):
+    """A cost model with a min_saved_fraction test of its own."""
+
+    def _short_of_fraction(self, saved, context_tokens, kv_bytes_per_token) -> bool:
+        return super()._short_of_fraction(saved, context_tokens, kv_bytes_per_token)
+
+
 def _batch():
     """Eight decoding requests, pairs of samples of four prompts under SYSTEM_A."""
     m = KVCacheManager(256, 4, max_model_len=128)
@@ -124,9 +138,10 @@ def test_a_planner_reuses_a_search_only_for_the_same_arguments(searches):
     assert len(searches) > asked  # another cost model: searched again
 
 
-def test_a_cost_model_with_its_own_pays_is_searched_every_step(searches):
+@pytest.mark.parametrize("kind", [_OwnPays, _OwnPaysUnchecked, _OwnFraction])
+def test_a_cost_model_with_its_own_pays_is_searched_every_step(searches, kind):
     m, ids, computed, ones = _batch()
-    model = _OwnPays(launch_overhead_bytes=3000.0, merge_cost_factor=0.05)
+    model = kind(launch_overhead_bytes=3000.0, merge_cost_factor=0.05)
     planner = CascadePlanner(SHAPE, cost_model=model)
     for step in range(3):
         asked = len(searches)
