@@ -83,8 +83,8 @@ class CascadePlanner(PaddedPlans):
             enable_groups=enable_groups, max_groups=max_groups, sliding_window=sliding_window,
             page_buckets=page_buckets,
         )  # fmt: skip
-        self.shape = shape
-        self.cost_model = cost_model
+        self._shape = shape
+        self._cost_model = cost_model
         self.enable_cascade = enable_cascade and sliding_window is None
         self.enable_groups = enable_groups
         self.max_groups = int(max_groups)
@@ -105,6 +105,19 @@ class CascadePlanner(PaddedPlans):
         # Merge bytes of one query token (0: no costs, nobody is left out; see _left_out).
         self._merge_per_query = merge_bytes_per_query(cost_model, shape)
         self._kv_bytes_per_token = shape.kv_bytes_per_token
+
+    @property
+    def shape(self) -> AttentionShape:
+        """The head shapes of one device's attention; fixed at construction (the merge
+        bytes per query are derived from it)."""
+        return self._shape
+
+    @property
+    def cost_model(self) -> CascadeCostModel:
+        """The cost model; fixed at construction (page_buckets, the merge-only model and
+        the merge bytes per query are derived from it): a planner for another model is a
+        new CascadePlanner."""
+        return self._cost_model
 
     def pays(
         self,
