@@ -78,29 +78,31 @@ class GroupSearch:
 
         Reused: the groups of the last search of this batch with equal arguments but
         the computed tokens, where each of its reads (SearchReads.holds) answers alike
-        for these, under the same planner settings (cost model, max_groups, shapes).
+        for these, under the same max_groups (the cost model and shapes never change).
         """
         if not self.enable_groups or base >= manager.max_blocks_per_seq:
             return []
         # One slot per kind of call a plan makes (its searches past a base), so that a
         # batch keeps a few searches, not one per step where `need` changes each step.
+        # The planner's cost model and shapes are fixed at its construction (so are those
+        # derived from them); its max_groups is not.
         key = (
             (base, whole_batch_end, left_out is None, need is None),
             query_lens.dtype.str, query_lens.tobytes(),
             None if left_out is None else left_out.tobytes(),
             None if need is None else (need.dtype.str, need.tobytes()),
+            self.max_groups,
         )  # fmt: skip
-        settings = (self.cost_model, self._merge_only_model, self.max_groups, self.shape)
         found = self._memo.search(manager, rows, key)
-        if found is not None and _same(found[0], settings) and found[1].holds(num_computed_tokens):
-            return list(found[2])
+        if found is not None and found[0].holds(num_computed_tokens):
+            return list(found[1])
         reads = SearchReads(num_computed_tokens, manager.block_size, self.pays, self._context_limit)
         groups = self._search(
             manager, rows, reads, query_lens, base, whole_batch_end, left_out, need
         )
         for members, _ in groups:
             members.flags.writeable = False  # shared with the later steps that reuse them
-        self._memo.note_search(manager, rows, key, (settings, reads, tuple(groups)))
+        self._memo.note_search(manager, rows, key, (reads, tuple(groups)))
         return groups
 
     def _search(
@@ -370,9 +372,3 @@ def _all_runs(
 ) -> list[np.ndarray] | None:
     """GroupSearch._split_eligible without its cap on the runs."""
     return runs_at_column(manager.prefix_ids, rows[eligible], eligible, column, len(eligible))
-
-
-def _same(settings: tuple, now: tuple) -> bool:
-    """Whether the planner settings a search was made under are the planner's now (the
-    same objects: one replaced, even by an equal one, is searched again)."""
-    return all(a is b for a, b in zip(settings, now, strict=True))

@@ -138,6 +138,10 @@ def test_a_planner_reuses_a_search_only_for_the_same_arguments(searches):
         planner.cost_model = dataclasses.replace(model, merge_cost_factor=0.06)
     with pytest.raises(AttributeError):
         planner.shape = SHAPE
+    asked = len(searches)
+    planner.max_groups = 2
+    planner.plan(ids, computed, ones * 2, m)
+    assert len(searches) > asked  # another max_groups: searched again
 
 
 @pytest.mark.parametrize("kind", [_OwnPays, _OwnPaysUnchecked, _OwnFraction])
